@@ -1,0 +1,15 @@
+"""megatron_sp_ext: sequence-parallel attention for long-context video DiTs.
+
+Public functional API (layout "bshd" = [batch, seq_local, heads, head_dim] unless layout="sbhd"):
+    ulysses_attention, ring_attention, shard_sequence, unshard_sequence,
+    build_sp_mesh, hybrid_attention, torus_attention, hamiltonian_cycles
+Framework adapters live in ``megatron_sp_ext.megatron`` and ``megatron_sp_ext.deepspeed`` and are
+imported only on demand (``import megatron_sp_ext`` needs torch alone).
+"""
+from .config import SPConfig
+from .errors import SPConfigError
+from .sp.ulysses import ulysses_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["SPConfig", "SPConfigError", "ulysses_attention"]

@@ -1,0 +1,5 @@
+"""Exchanges (flat all-to-all, ring p2p, multi-ring) and stream helpers."""
+from .exchange import all_to_all_flat
+from .streams import StreamPool, default_pool
+
+__all__ = ["all_to_all_flat", "StreamPool", "default_pool"]

@@ -1,0 +1,29 @@
+"""Flat all-to-all exchange: one collective moves every peer's segment of one buffer.
+
+Buffers are 1-D and contiguous (gloo silently corrupts non-contiguous a2a outputs); segment p of
+``send`` goes to rank p, segment p of ``recv`` comes from rank p. Equal segments use the plain
+all_to_all_single; unequal ones pass split sizes (in elements).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def all_to_all_flat(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup,
+                    send_splits: Optional[Sequence[int]] = None,
+                    recv_splits: Optional[Sequence[int]] = None, async_op: bool = False):
+    """Exchange ``send`` -> ``recv`` (both 1-D contiguous). Returns the Work if ``async_op``."""
+    assert send.dim() == 1 and recv.dim() == 1 and send.is_contiguous() and recv.is_contiguous()
+    even = (send_splits is None or len(set(send_splits)) == 1) and (recv_splits is None or len(set(recv_splits)) == 1)
+    if even:
+        return dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    world = dist.get_world_size(group)
+    if send_splits is None:
+        send_splits = [send.numel() // world] * world
+    if recv_splits is None:
+        recv_splits = [recv.numel() // world] * world
+    return dist.all_to_all_single(recv, send, output_split_sizes=list(recv_splits),
+                                  input_split_sizes=list(send_splits), group=group, async_op=async_op)

@@ -1,0 +1,163 @@
+"""SPConfig: the one place that owns and validates every user-facing setting.
+
+Every error names the setting exactly as the user wrote it: the Python keyword,
+the Megatron-LM flag (``--hcms-head-chunks``) or the DeepSpeed JSON key
+(``sequence_parallel_ext.head_chunks``), depending on where the config came from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+from .errors import SPConfigError
+
+MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
+RING_VARIANTS = ("ring", "tasp")
+PLACEMENTS = ("auto", "usp", "tas")
+BACKENDS = ("sdpa", "math", "flash_attn", "te")
+TRANSPORTS = ("nccl", "symm_mem")
+LAYOUTS = ("bshd", "sbhd")
+SEQ_PLACEMENTS = ("contiguous", "zigzag", "tasp_zigzag")
+# modes whose attention is a 2D mesh (Ulysses x Ring) and so need a mesh
+MESH_MODES = ("usp", "tas", "torus")
+
+HeadChunks = Union[int, str]
+
+# setting -> (megatron flag, deepspeed json key)
+_NAMES = {
+    "mode": ("--cp-comm-type", "sequence_parallel_ext.mode"),
+    "head_chunks": ("--hcms-head-chunks", "sequence_parallel_ext.head_chunks"),
+    "ring_variant": ("--sp-ring-variant", "sequence_parallel_ext.ring_variant"),
+    "placement": ("--sp-placement", "sequence_parallel_ext.placement"),
+    "ulysses_size": ("--sp-ulysses-size", "sequence_parallel_ext.ulysses_size"),
+    "nodes": ("--sp-nodes", "sequence_parallel_ext.nodes"),
+    "backend": ("--sp-attention-backend", "sequence_parallel_ext.backend"),
+    "transport": ("--sp-transport", "sequence_parallel_ext.transport"),
+    "sp_size": ("--context-parallel-size", "sequence_parallel_size"),
+}
+
+
+def setting_name(setting: str, source: str) -> str:
+    """The name of ``setting`` as the user wrote it, for ``source`` in python/megatron/deepspeed."""
+    if source == "python" or setting not in _NAMES:
+        return setting
+    return _NAMES[setting][0 if source == "megatron" else 1]
+
+
+def parse_head_chunks(value: Any, name: str = "head_chunks") -> HeadChunks:
+    """``value`` as a positive int or the string "auto"; anything else raises naming ``name``."""
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return "auto"
+        try:
+            value = int(value)
+        except ValueError:
+            raise SPConfigError(f"{name}={value!r} is invalid: use a positive integer or 'auto'") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SPConfigError(f"{name}={value!r} is invalid: use a positive integer or 'auto'")
+    return value
+
+
+def _choice(value: Any, choices: tuple, name: str) -> str:
+    if value not in choices:
+        raise SPConfigError(f"{name}={value!r} is invalid: choose one of {', '.join(choices)}")
+    return value
+
+
+@dataclass
+class SPConfig:
+    """Sequence-parallel attention settings (validated on construction).
+
+    mode: algorithm ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto").
+    head_chunks: HCMS chunk count C per rank, or "auto" (calibrated per shape).
+    ring_variant: ring algorithm inside ring/hybrid modes ("ring" or "tasp").
+    placement: 2D mesh placement ("auto", "usp", "tas").
+    ulysses_size: Ulysses degree P_u of the mesh (None = gcd(world, heads)).
+    nodes: number of machines to assume (None = detect); lets one machine simulate several.
+    backend: local attention kernel ("sdpa", "math", "flash_attn", "te").
+    transport: exchange transport ("nccl" or "symm_mem").
+    source: where the settings came from ("python", "megatron", "deepspeed"); errors use its names.
+    """
+
+    mode: str = "ulysses"
+    head_chunks: HeadChunks = 1
+    ring_variant: str = "ring"
+    placement: str = "auto"
+    ulysses_size: int | None = None
+    nodes: int | None = None
+    backend: str = "sdpa"
+    transport: str = "nccl"
+    source: str = field(default="python", repr=False)
+
+    def __post_init__(self) -> None:
+        n = lambda s: setting_name(s, self.source)  # noqa: E731
+        self.mode = _choice(self.mode, MODES, n("mode"))
+        self.head_chunks = parse_head_chunks(self.head_chunks, n("head_chunks"))
+        self.ring_variant = _choice(self.ring_variant, RING_VARIANTS, n("ring_variant"))
+        self.placement = _choice(self.placement, PLACEMENTS, n("placement"))
+        self.backend = _choice(self.backend, BACKENDS, n("backend"))
+        self.transport = _choice(self.transport, TRANSPORTS, n("transport"))
+        for key in ("ulysses_size", "nodes"):
+            val = getattr(self, key)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+                raise SPConfigError(f"{n(key)}={val!r} is invalid: use a positive integer (or leave it unset)")
+        if self.mode == "ulysses" and self.head_chunks not in (1,):
+            # plain Ulysses with chunks is HCMS: accept and say nothing, the math is identical
+            self.mode = "hcms"
+
+    def name(self, setting: str) -> str:
+        """How the user spelled ``setting``."""
+        return setting_name(setting, self.source)
+
+    def validate_world(self, sp_size: int, world_size: int | None = None, num_heads: int | None = None) -> None:
+        """Checks that need the SP degree (and optionally world size and heads)."""
+        if sp_size < 1:
+            raise SPConfigError(f"{self.name('sp_size')}={sp_size} is invalid: use a positive integer")
+        if world_size is not None and world_size % sp_size != 0:
+            raise SPConfigError(
+                f"{self.name('sp_size')}={sp_size} does not divide the world size {world_size}: "
+                f"use a divisor of {world_size}")
+        if self.ulysses_size is not None and sp_size % self.ulysses_size != 0:
+            raise SPConfigError(
+                f"{self.name('ulysses_size')}={self.ulysses_size} does not divide the sequence-parallel "
+                f"size {sp_size}: use a divisor of {sp_size}")
+        if self.nodes is not None and sp_size % self.nodes != 0:
+            raise SPConfigError(
+                f"{self.name('nodes')}={self.nodes} does not divide the sequence-parallel size {sp_size}")
+        if isinstance(self.head_chunks, int) and num_heads is not None and self.mode in ("hcms", "ulysses"):
+            per_rank = -(-num_heads // sp_size)
+            if num_heads >= sp_size and self.head_chunks > num_heads // sp_size:
+                raise SPConfigError(
+                    f"{self.name('head_chunks')}={self.head_chunks} exceeds the heads per rank "
+                    f"({num_heads} heads / {sp_size} ranks = {num_heads // sp_size} on the smallest rank): "
+                    f"use 1..{num_heads // sp_size} or 'auto'")
+            del per_rank
+
+    @classmethod
+    def from_dict(cls, block: Mapping[str, Any], source: str = "python") -> "SPConfig":
+        """Build from a dict; unknown keys raise naming the key."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"source"}
+        for key in block:
+            if key not in known:
+                prefix = "sequence_parallel_ext." if source == "deepspeed" else ""
+                raise SPConfigError(
+                    f"{prefix}{key} is not a known setting: valid keys are {', '.join(sorted(known))}")
+        return cls(**dict(block), source=source)
+
+    @classmethod
+    def from_deepspeed_config(cls, config: Union[str, Mapping[str, Any]]) -> "SPConfig":
+        """From a DeepSpeed config (path or dict) with a ``sequence_parallel_ext`` block."""
+        if isinstance(config, str):
+            with open(config) as f:
+                config = json.load(f)
+        block = config.get("sequence_parallel_ext", {})
+        if not isinstance(block, Mapping):
+            raise SPConfigError("sequence_parallel_ext must be a JSON object")
+        return cls.from_dict(block, source="deepspeed")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d

@@ -1,0 +1,1 @@
+"""The sequence-parallel algorithms as autograd Functions."""

@@ -1,0 +1,228 @@
+"""Ulysses sequence-parallel attention and its head-chunked multi-stream form (HCMS).
+
+One autograd Function covers both: ``chunks == 1`` is plain Ulysses, ``chunks > 1`` pipelines the
+heads of each rank in C chunks (HCMS, Algorithm 1). Forward: all input exchanges are issued on the
+communication stream first (one collective per chunk carrying q|k|v side by side), then chunk c's
+attention runs on the compute stream as soon as its event fires, and its output exchange starts on
+the communication stream as soon as the attention's event fires. Backward mirrors it: grad-output
+exchange per chunk, attention backward per chunk, grad q|k|v exchange per chunk. On CPU the same
+code runs in program order (no streams), so tests cover its logic.
+
+Because every head is computed by the same kernel on the same data whatever the chunking,
+HCMS is bit-identical to plain Ulysses on the same backend.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..attention.backends import LocalAttention, get_backend
+from ..comm.exchange import all_to_all_flat
+from ..comm import streams as st
+from ..config import LAYOUTS
+from ..errors import SPConfigError
+from . import layout as lay
+from .heads import HeadLayout, head_layout
+
+_QKV = ("q", "kv", "kv")
+
+
+@dataclass
+class UlyssesPlan:
+    """Everything one call needs that depends only on shapes and settings."""
+
+    group: dist.ProcessGroup
+    rank: int
+    heads: HeadLayout
+    seq_layout: str
+    causal: bool
+    scale: float
+    backend: LocalAttention
+    comm_stream: Optional["torch.cuda.Stream"]
+    need_grad: bool = True
+
+
+def _alloc(numel: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(numel, dtype=like.dtype, device=like.device)
+
+
+class _UlyssesFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: UlyssesPlan):
+        hl, world, C = plan.heads, plan.heads.world, plan.heads.chunks
+        me, lay_ = plan.rank, plan.seq_layout
+        s_loc, bsz = (q.shape[1], q.shape[0]) if lay_ == "bshd" else (q.shape[0], q.shape[1])
+        d = q.shape[-1]
+        tokens = s_loc * bsz
+        compute, comm = st.current(q.device), plan.comm_stream
+        out = torch.empty_like(q)
+        # receive buffers are allocated on the compute stream (their readers)
+        recv_in = [_alloc(world * tokens * sum(lay.widths(hl, _QKV, me, c)) * d, q) for c in range(C)]
+        ready = st.record(compute)
+        ev_in = []
+        with st.on_stream(comm):
+            st.wait(comm, ready)
+            sends = []
+            for c in range(C):
+                buf = _alloc(sum(lay.seg_splits(hl, _QKV, c, tokens, d)), q)
+                sends.append((buf, lay.pack((q, k, v), _QKV, hl, c, lay_, buf)))
+            works = [all_to_all_flat(buf, recv_in[c], plan.group, splits, None, async_op=True)
+                     for c, (buf, splits) in enumerate(sends)]
+            for w in works:
+                w.wait()
+                ev_in.append(st.record(comm))
+        keep = [sends]
+        chunks = []
+        for c in range(C):
+            st.wait(compute, ev_in[c])
+            ws = lay.widths(hl, _QKV, me, c)
+            buf = recv_in[c].view(world * s_loc, bsz, sum(ws), d)
+            qc, kc, vc = lay.columns(buf, ws)
+            if plan.need_grad:
+                qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
+            with torch.set_grad_enabled(plan.need_grad):
+                oc = plan.backend(qc, kc, vc, causal=plan.causal, softmax_scale=plan.scale)
+            chunks.append((qc, kc, vc, oc))
+            done = st.record(compute)
+            with st.on_stream(comm):
+                st.wait(comm, done)
+                send_o = oc.detach().permute(2, 0, 1, 3).contiguous().view(-1)
+                splits = lay.seg_splits(hl, ("q",), c, tokens, d)
+                recv_o = _alloc(sum(splits), q)
+                all_to_all_flat(send_o, recv_o, plan.group, None, splits)
+                lay.unpack(recv_o, (out,), ("q",), hl, c, lay_)
+                keep.append((send_o, recv_o))
+        if comm is not None:
+            compute.wait_stream(comm)
+        ctx.plan, ctx.chunks = plan, chunks
+        ctx.shapes = (q.shape, k.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        plan: UlyssesPlan = ctx.plan
+        hl, world, C = plan.heads, plan.heads.world, plan.heads.chunks
+        me, lay_ = plan.rank, plan.seq_layout
+        grad_out = grad_out.contiguous()
+        q_shape, kv_shape = ctx.shapes
+        s_loc, bsz = (q_shape[1], q_shape[0]) if lay_ == "bshd" else (q_shape[0], q_shape[1])
+        d = q_shape[-1]
+        tokens = s_loc * bsz
+        compute, comm = st.current(grad_out.device), plan.comm_stream
+        dq = torch.empty(q_shape, dtype=grad_out.dtype, device=grad_out.device)
+        dk = torch.empty(kv_shape, dtype=grad_out.dtype, device=grad_out.device)
+        dv = torch.empty(kv_shape, dtype=grad_out.dtype, device=grad_out.device)
+        recv_g = [_alloc(world * tokens * lay.widths(hl, ("q",), me, c)[0] * d, grad_out) for c in range(C)]
+        ready = st.record(compute)
+        ev_in, keep = [], []
+        with st.on_stream(comm):
+            st.wait(comm, ready)
+            sends = []
+            for c in range(C):
+                buf = _alloc(sum(lay.seg_splits(hl, ("q",), c, tokens, d)), grad_out)
+                sends.append((buf, lay.pack((grad_out,), ("q",), hl, c, lay_, buf)))
+            works = [all_to_all_flat(buf, recv_g[c], plan.group, splits, None, async_op=True)
+                     for c, (buf, splits) in enumerate(sends)]
+            for w in works:
+                w.wait()
+                ev_in.append(st.record(comm))
+        keep.append(sends)
+        for c in range(C):
+            st.wait(compute, ev_in[c])
+            qc, kc, vc, oc = ctx.chunks[c]
+            ctx.chunks[c] = None  # free this chunk's graph as soon as it is used
+            hq = qc.shape[1]
+            do_c = recv_g[c].view(world * s_loc, bsz, hq, d).permute(1, 2, 0, 3)
+            gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), do_c)
+            done = st.record(compute)
+            with st.on_stream(comm):
+                st.wait(comm, done)
+                ws = lay.widths(hl, _QKV, me, c)
+                send = torch.empty(world * s_loc, bsz, sum(ws), d, dtype=grad_out.dtype, device=grad_out.device)
+                for view, g in zip(lay.columns(send, ws), (gq, gk, gv)):
+                    view.copy_(g)
+                splits = lay.seg_splits(hl, _QKV, c, tokens, d)
+                recv = _alloc(sum(splits), grad_out)
+                all_to_all_flat(send.view(-1), recv, plan.group, None, splits)
+                lay.unpack(recv, (dq, dk, dv), _QKV, hl, c, lay_)
+                keep.append((gq, gk, gv, send, recv))
+        if comm is not None:
+            compute.wait_stream(comm)
+        return dq, dk, dv, None
+
+
+_VALIDATED: set = set()
+
+
+def _check_inputs(q, k, v, layout: str, group) -> None:
+    if layout not in LAYOUTS:
+        raise SPConfigError(f"layout={layout!r} is invalid: choose one of {', '.join(LAYOUTS)}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise SPConfigError(f"q, k, v must be 4-D ({layout}); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise SPConfigError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[:2] != k.shape[:2]:
+        raise SPConfigError(f"q and k/v disagree on batch/sequence ({layout}): {tuple(q.shape)} vs {tuple(k.shape)}")
+    if q.shape[3] != k.shape[3]:
+        raise SPConfigError(f"head_dim mismatch: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise SPConfigError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    key = (id(group), tuple(q.shape), tuple(k.shape), layout)
+    if key in _VALIDATED:
+        return
+    check_same_shape_across_ranks(q, group, what="sequence shard (q)")
+    _VALIDATED.add(key)
+
+
+def check_same_shape_across_ranks(x: torch.Tensor, group, what: str) -> None:
+    """One all_gather of the shape; raises on every rank if any rank's shape differs."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = torch.tensor(list(x.shape), dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        mine = mine.cuda()
+    allv = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(allv, mine, group=group)
+    shapes = [tuple(t.tolist()) for t in allv]
+    if len(set(shapes)) != 1:
+        raise SPConfigError(f"{what} shapes differ across ranks: {shapes}; every rank must hold an equal shard")
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
+                      head_chunks: "int | str" = 1, causal: bool = False, softmax_scale: Optional[float] = None,
+                      layout: str = "bshd", backend: "str | LocalAttention" = "sdpa",
+                      comm_stream: Optional["torch.cuda.Stream"] = None,
+                      policy=None) -> torch.Tensor:
+    """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
+
+    q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's contiguous sequence shard.
+    k, v: same with Hkv heads (H % Hkv == 0). Returns the attention output in q's layout and shape.
+    causal assumes contiguous placement (rank r holds tokens [r*S_loc, (r+1)*S_loc)).
+    """
+    _check_inputs(q, k, v, layout, group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    be = get_backend(backend)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if head_chunks == "auto":
+        from .policy import default_policy  # noqa: PLC0415
+        head_chunks = (policy or default_policy()).choose(q, k, group, causal=causal, layout=layout,
+                                                        scale=scale, backend=be, comm_stream=comm_stream)
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int):
+        raise SPConfigError(f"head_chunks={head_chunks!r} is invalid: use a positive integer or 'auto'")
+    hl = head_layout(q.shape[2], k.shape[2], world, head_chunks)
+    if hl.kv_repeat > 1:
+        k = k.repeat_interleave(hl.kv_repeat, dim=2)
+        v = v.repeat_interleave(hl.kv_repeat, dim=2)
+    stream = comm_stream if comm_stream is not None else st.default_pool().comm_stream(q.device)
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad)
+    if world == 1:
+        qb, kb, vb = ((t.transpose(1, 2) if layout == "bshd" else t.permute(1, 2, 0, 3)) for t in (q, k, v))
+        o = be(qb, kb, vb, causal=causal, softmax_scale=scale)
+        return o.transpose(1, 2) if layout == "bshd" else o.permute(2, 0, 1, 3)
+    return _UlyssesFn.apply(q, k, v, plan)
