@@ -19,7 +19,7 @@ def reference_attention(q_bshd, k_bshd, v_bshd, *, causal=False, softmax_scale=N
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is None and causal:
-        mask = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool).tril()
+        mask = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1), v).transpose(1, 2)

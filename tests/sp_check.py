@@ -26,11 +26,11 @@ def from_layout(x, layout):
 
 
 def run_case(attn, rank, world, *, b, s, h, hkv, d, dtype, causal, layout="bshd", seed=0,
-             shard=contiguous_shard, mask=None):
+             shard=contiguous_shard, mask=None, device="cpu"):
     """Returns (out, dq, dk, dv) of this rank (bshd) and asserts them against the reference."""
-    q, k, v, do = make_qkv(seed, b, s, h, hkv, d, dtype)
+    q, k, v, do = (t.to(device) for t in make_qkv(seed, b, s, h, hkv, d, dtype))
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref = reference_attention(qr, kr, vr, causal=causal, mask=mask)
+    ref = reference_attention(qr, kr, vr, causal=causal, mask=mask.to(device) if mask is not None else None)
     ref.backward(do.double())
     shards = [to_layout(shard(t, rank, world), layout).clone().requires_grad_() for t in (q, k, v)]
     out = attn(*shards)

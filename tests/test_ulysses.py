@@ -95,3 +95,16 @@ def test_bad_inputs_raise_clear_errors():
     assert "head_chunks=0" in errs["chunks0"]
     assert "differ across ranks" in errs["uneven_seq"]
     assert "disagree" in errs["shape"]
+
+
+def _auto(rank, world):
+    from megatron_sp_ext.sp.policy import HCMSPolicy
+    pol = HCMSPolicy()
+    res = run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, dist.group.WORLD, head_chunks="auto", policy=pol),
+                   rank, world, b=1, s=8 * world, h=8, hkv=8, d=32, dtype=torch.float32, causal=False)
+    assert len(pol.cache) == 1 and next(iter(pol.cache.values())).chunks == 1  # CPU: nothing overlaps
+    return len(res)
+
+
+def test_auto_on_cpu_picks_plain_and_matches_reference():
+    run_ranks(_auto, 2)

@@ -1,0 +1,302 @@
+"""Side-by-side benchmark of sequence-parallel attention modes on N GPUs (one process per GPU).
+
+For every (P, H, L) of the grid and every mode it times forward and forward+backward (CUDA events,
+warm-up, median of ``--iters``, max over ranks), measures the bare exchange time (comm ratio rho =
+T_comm / T_ulysses) and the local attention time (bound = T_ulysses / max(T_comm, T_attn)), checks
+that every HCMS output and gradient equals plain Ulysses bit for bit, and records peak memory.
+Writes ``bench.json`` (raw), ``bench.md`` (table) and ``bench.png`` (speedup vs L) to ``--out``.
+
+Modes: deepspeed (DeepSpeed's DistributedAttention with the same SDPA local attention, when
+deepspeed imports), ulysses, hcms<C>, auto, and (see --modes) ring, tasp.
+Example (4 x H200):
+  python tools/bench_attention.py --world-sizes 2,4 --heads 24,40 --seqlens 8192,16384,32768,57344,131072 --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import megatron_sp_ext as spx  # noqa: E402
+from megatron_sp_ext.comm.exchange import all_to_all_flat  # noqa: E402
+from megatron_sp_ext.sp.policy import HCMSPolicy  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sdpa_bshd(q, k, v, *args, **kwargs):
+    """DeepSpeed's local attention callable: [B, S, h, D] in/out."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def build_modes(names, group, causal):
+    modes = {}
+    policy = HCMSPolicy()
+    for name in names:
+        if name == "deepspeed":
+            try:
+                import deepspeed  # noqa: PLC0415
+                from deepspeed.sequence.layer import DistributedAttention  # noqa: PLC0415
+                deepspeed.init_distributed(dist_backend=dist.get_backend(group))
+            except Exception as e:  # noqa: BLE001
+                print(f"[bench] deepspeed mode skipped: {e}", flush=True)
+                continue
+            ds = DistributedAttention(_sdpa_bshd, group, scatter_idx=2, gather_idx=1)
+            modes[name] = lambda q, k, v, ds=ds: ds(q, k, v, 0)
+        elif name == "ulysses":
+            modes[name] = lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal)
+        elif name.startswith("hcms"):
+            c = int(name[4:])
+            modes[name] = lambda q, k, v, c=c: spx.ulysses_attention(q, k, v, group, head_chunks=c, causal=causal)
+        elif name == "auto":
+            modes[name] = lambda q, k, v: spx.ulysses_attention(q, k, v, group, head_chunks="auto", causal=causal,
+                                                                policy=policy)
+        elif name in ("ring", "tasp"):
+            modes[name] = lambda q, k, v, n=name: spx.ring_attention(q, k, v, group, variant=n, causal=causal)
+        else:
+            raise SystemExit(f"unknown mode {name}")
+    return modes
+
+
+def _time(fn, iters, warmup, group):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    t = torch.tensor(sorted(ts)[len(ts) // 2], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def bench_shape(rank, world, group, h, seqlen, args, modes):
+    d, b = args.head_dim, 1
+    sl = seqlen // world
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    q, k, v, go = (torch.randn(b, sl, h, d, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+    res = {"P": world, "H": h, "L": seqlen, "D": d, "modes": {}}
+    # bare exchange (forward: q|k|v in + out) and local attention
+    n_in, n_out = 3 * q.numel(), q.numel()
+    s_in, r_in, s_out, r_out = (q.new_empty(n) for n in (n_in, n_in, n_out, n_out))
+    res["t_comm_fwd"] = _time(lambda: (all_to_all_flat(s_in, r_in, group), all_to_all_flat(s_out, r_out, group)),
+                              args.iters, args.warmup, group)
+    ql = torch.randn(b, h // world, seqlen, d, device="cuda", dtype=dtype)
+    res["t_attn_fwd"] = _time(lambda: F.scaled_dot_product_attention(ql, ql, ql, is_causal=args.causal),
+                              args.iters, args.warmup, group)
+    del ql
+    ref_out = ref_grads = None
+    for name, fn in modes.items():
+        if name.startswith("hcms") and int(name[4:]) > h // world:
+            continue
+        torch.cuda.empty_cache()
+        with torch.no_grad():
+            t_f = _time(lambda: fn(q, k, v), args.iters, args.warmup, group)
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+        def fb():
+            o = fn(qg, kg, vg)
+            o.backward(go)
+            return o
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+        t_fb = _time(fb, args.iters, args.warmup, group)
+        peak = torch.cuda.max_memory_allocated() - base_mem
+        # correctness: one clean fwd+bwd
+        for t in (qg, kg, vg):
+            t.grad = None
+        o = fb()
+        grads = (qg.grad, kg.grad, vg.grad)
+        entry = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "peak_mem_gib": peak / 2**30}
+        if name == "ulysses":
+            ref_out, ref_grads = o.detach(), tuple(g.detach() for g in grads)
+        elif ref_out is not None and (name.startswith("hcms") or name == "auto"):
+            eq = torch.equal(o, ref_out) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+            flag = torch.tensor(int(eq), device="cuda")
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            entry["bitwise_equal_ulysses"] = bool(flag.item())
+        elif ref_out is not None:
+            err = ((o.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
+            entry["rel_err_vs_ulysses"] = err
+        res["modes"][name] = entry
+        del o, qg, kg, vg, grads
+    if "auto" in modes:
+        pol = [m for m in modes.values()]
+        del pol
+    u = res["modes"].get("ulysses")
+    if u:
+        res["rho"] = res["t_comm_fwd"] / u["fwd_ms"]
+        res["bound_fwd"] = u["fwd_ms"] / max(res["t_comm_fwd"], res["t_attn_fwd"])
+        for name, e in res["modes"].items():
+            e["speedup_fwd_vs_ulysses"] = u["fwd_ms"] / e["fwd_ms"]
+            e["speedup_fwd_bwd_vs_ulysses"] = u["fwd_bwd_ms"] / e["fwd_bwd_ms"]
+            if "deepspeed" in res["modes"]:
+                dsm = res["modes"]["deepspeed"]
+                e["speedup_fwd_vs_deepspeed"] = dsm["fwd_ms"] / e["fwd_ms"]
+                e["speedup_fwd_bwd_vs_deepspeed"] = dsm["fwd_bwd_ms"] / e["fwd_bwd_ms"]
+    return res
+
+
+def overlap_trace(group, h, seqlen, chunks, args):
+    """Profile one HCMS forward+backward; fraction of NCCL kernel time that runs concurrently with compute."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    world = dist.get_world_size(group)
+    q, k, v = (torch.randn(1, seqlen // world, h, args.head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    fn = lambda: spx.ulysses_attention(q, k, v, group, head_chunks=chunks, causal=args.causal).sum().backward()  # noqa
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kern = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    iv = lambda e: (e.time_range.start, e.time_range.end)  # noqa: E731
+    nccl = [iv(e) for e in kern if "nccl" in e.name.lower()]
+    comp = [iv(e) for e in kern if "nccl" not in e.name.lower() and ("attn" in e.name.lower() or "fmha" in e.name.lower()
+                                                                   or "flash" in e.name.lower())]
+    total = sum(b - a for a, b in nccl) or 1
+    over = 0
+    for a, b in nccl:
+        for c, d in comp:
+            over += max(0, min(b, d) - max(a, c))
+    return {"chunks": chunks, "nccl_kernel_us": total, "nccl_overlapped_with_attention_us": over,
+            "overlap_fraction": over / total, "n_nccl_kernels": len(nccl), "n_attention_kernels": len(comp)}
+
+
+def _worker(rank, world, port, args, part_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300),
+                            device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    modes = build_modes(args.modes.split(","), group, args.causal)
+    out = []
+    for h in args.heads:
+        for L in args.seqlens:
+            t0 = time.time()
+            r = bench_shape(rank, world, group, h, L, args, modes)
+            out.append(r)
+            if rank == 0:
+                brief = " ".join(f"{n}={e['fwd_ms']:.2f}/{e['fwd_bwd_ms']:.2f}" for n, e in r["modes"].items())
+                print(f"[bench P={world} H={h} L={L} {time.time()-t0:.0f}s] rho={r.get('rho', 0):.2f} {brief}",
+                      flush=True)
+    trace = None
+    if args.trace and world > 1:
+        h = args.heads[-1]
+        trace = overlap_trace(group, h, args.seqlens[min(1, len(args.seqlens) - 1)], min(4, h // world), args)
+    if rank == 0:
+        with open(part_path, "w") as f:
+            json.dump({"results": out, "trace": trace}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_reports(results, traces, args):
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
+            "torch": torch.__version__, "command": " ".join(sys.argv), "causal": args.causal,
+            "dtype": "bf16", "B": 1, "D": args.head_dim}
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"meta": meta, "results": results, "overlap_traces": traces}, f, indent=1)
+    modes = []
+    for r in results:
+        for m in r["modes"]:
+            if m not in modes:
+                modes.append(m)
+    lines = [f"Device: {meta['device']} x P, {meta['date']}, bf16, B=1, D={args.head_dim}, causal={args.causal}.",
+             "Cells: fwd ms / fwd+bwd ms (speedup fwd / fwd+bwd vs our plain Ulysses).", "",
+             "| P | H | L | rho | bound | " + " | ".join(modes) + " |",
+             "|---|---|---|---|---|" + "---|" * len(modes)]
+    for r in results:
+        cells = []
+        for m in modes:
+            e = r["modes"].get(m)
+            cells.append("-" if e is None else
+                         f"{e['fwd_ms']:.2f} / {e['fwd_bwd_ms']:.2f} ({e.get('speedup_fwd_vs_ulysses', 0):.2f}x / "
+                         f"{e.get('speedup_fwd_bwd_vs_ulysses', 0):.2f}x)")
+        lines.append(f"| {r['P']} | {r['H']} | {r['L'] // 1024}K | {r.get('rho', 0):.2f} | {r.get('bound_fwd', 0):.2f}x | "
+                     + " | ".join(cells) + " |")
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+        keys = sorted({(r["P"], r["H"]) for r in results})
+        fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+        for ax, (p, h) in zip(axes[0], keys):
+            rows = [r for r in results if r["P"] == p and r["H"] == h]
+            for m in modes:
+                xs = [r["L"] // 1024 for r in rows if m in r["modes"]]
+                ys = [r["modes"][m]["speedup_fwd_bwd_vs_ulysses"] for r in rows if m in r["modes"]]
+                ax.plot(xs, ys, marker="o", label=m)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"P={p} H={h} fwd+bwd")
+            ax.set_xlabel("sequence length (K tokens)")
+            ax.set_ylabel("speedup vs plain Ulysses")
+            ax.axhline(1.0, color="gray", lw=0.5)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bench.png"), dpi=90)
+    except Exception as e:  # noqa: BLE001
+        print(f"[bench] plot skipped: {e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", default="4")
+    ap.add_argument("--heads", default="40")
+    ap.add_argument("--seqlens", default="16384")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--modes", default="deepspeed,ulysses,hcms2,hcms3,hcms4,hcms5,hcms6,hcms8,auto")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--trace", action="store_true", help="profile one HCMS run and report comm/compute overlap")
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args()
+    args.heads = [int(x) for x in args.heads.split(",")]
+    args.seqlens = [int(x) for x in args.seqlens.split(",")]
+    results, traces = [], []
+    for world in [int(x) for x in args.world_sizes.split(",")]:
+        if world > torch.cuda.device_count():
+            print(f"[bench] P={world} skipped: only {torch.cuda.device_count()} GPUs")
+            continue
+        os.makedirs(args.out, exist_ok=True)
+        part = os.path.join(args.out, f"_part_P{world}.json")
+        mp.start_processes(_worker, args=(world, _free_port(), args, part), nprocs=world, start_method="spawn")
+        with open(part) as f:
+            got = json.load(f)
+        os.remove(part)
+        out, trace = got["results"], got["trace"]
+        results += out
+        if trace:
+            traces.append({"P": world, **trace})
+    write_reports(results, traces, args)
+
+
+if __name__ == "__main__":
+    main()

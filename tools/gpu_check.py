@@ -1,0 +1,133 @@
+"""Correctness on CUDA/NCCL: the CPU test cases re-run on GPUs with real streams.
+
+For each world size: every Ulysses/HCMS case of tests/test_ulysses.py against the float64
+reference (fp32 and bf16), and HCMS bit-identical to plain Ulysses (bf16, real comm stream),
+plus ring/tasp cases when those exist. Prints one line per group of cases and writes
+``gpu_check.json`` to --out. Usage: python tools/gpu_check.py --world-sizes 2,4 --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bitwise_hcms(rank, world, group):
+    import megatron_sp_ext as spx  # noqa: PLC0415
+    fails = []
+    for (h, hkv, causal, sl) in [(40, 40, False, 4096), (40, 40, True, 4096), (24, 8, False, 2048), (6, 6, False, 1024)]:
+        if h // world < 2:
+            continue
+        g = torch.Generator(device="cuda").manual_seed(7)
+        q = torch.randn(1, sl, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(1, sl, hkv, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        go = torch.randn_like(q)
+        base = None
+        for c in (1, 2, 3, 4):
+            if c > h // world:
+                continue
+            qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+            o = spx.ulysses_attention(qs, ks, vs, group, head_chunks=c, causal=causal)
+            o.backward(go)
+            res = (o, qs.grad, ks.grad, vs.grad)
+            if base is None:
+                base = res
+            else:
+                from megatron_sp_ext.sp.heads import head_layout  # noqa: PLC0415
+                same_kv = head_layout(h, hkv, world, c).kv_repeat == head_layout(h, hkv, world, 1).kv_repeat
+                for name, a, b in zip(("out", "dq", "dk", "dv"), res, base):
+                    if (same_kv or name in ("out", "dq")) and not torch.equal(a, b):
+                        fails.append(f"H={h}/{hkv} causal={causal} C={c} {name} not bitwise equal")
+    return fails
+
+
+def _worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
+                            device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    report = {"P": world, "groups": {}}
+    import megatron_sp_ext as spx  # noqa: PLC0415
+    from tests.sp_check import run_case  # noqa: PLC0415
+    from tests import test_ulysses as tu  # noqa: PLC0415
+
+    def section(name, fn):
+        try:
+            n = fn()
+            report["groups"][name] = {"ok": True, "cases": n}
+        except Exception:  # noqa: BLE001
+            report["groups"][name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
+
+    def ulysses_cases(dtype):
+        n = 0
+        for (b, sl, h, hkv, d) in tu.SHAPES:
+            for causal in (False, True):
+                for layout in ("bshd", "sbhd"):
+                    for c in (1, 2, 3):
+                        if c > h // world:
+                            continue
+                        run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, group, head_chunks=c, causal=causal,
+                                                                       layout=layout),
+                                 rank, world, b=b, s=sl * world * 8, h=h, hkv=hkv, d=d, dtype=dtype, causal=causal,
+                                 layout=layout, seed=n, device="cuda")
+                        n += 1
+        return n
+    section("ulysses_hcms_fp32_vs_float64", lambda: ulysses_cases(torch.float32))
+    section("ulysses_hcms_bf16_vs_float64", lambda: ulysses_cases(torch.bfloat16))
+
+    def bitwise():
+        fails = _bitwise_hcms(rank, world, group)
+        if fails:
+            raise AssertionError("; ".join(fails))
+        return 1
+    section("hcms_bitwise_equals_ulysses_cuda_streams", bitwise)
+    flags = torch.tensor([int(all(g["ok"] for g in report["groups"].values()))], device="cuda")
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    if rank == 0 or not all(g["ok"] for g in report["groups"].values()):
+        with open(os.path.join(out_dir, f"gpu_check_P{world}_rank{rank}.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world-sizes", default="2,4")
+    ap.add_argument("--out", default="gpu_check_out")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    summary = {}
+    for world in [int(x) for x in args.world_sizes.split(",")]:
+        if world > torch.cuda.device_count():
+            continue
+        mp.start_processes(_worker, args=(world, _port(), args.out), nprocs=world, start_method="spawn")
+        with open(os.path.join(args.out, f"gpu_check_P{world}_rank0.json")) as f:
+            rep = json.load(f)
+        summary[world] = rep
+        for name, g in rep["groups"].items():
+            print(f"[gpu_check P={world}] {name}: {'OK' if g['ok'] else 'FAIL'} {g.get('cases', '')}")
+            if not g["ok"]:
+                print(g["error"])
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
+                   "results": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
