@@ -117,8 +117,10 @@ def main():
         if world > torch.cuda.device_count():
             continue
         mp.start_processes(_worker, args=(world, _port(), args.out), nprocs=world, start_method="spawn")
-        with open(os.path.join(args.out, f"gpu_check_P{world}_rank0.json")) as f:
+        part = os.path.join(args.out, f"gpu_check_P{world}_rank0.json")
+        with open(part) as f:
             rep = json.load(f)
+        os.remove(part)
         summary[world] = rep
         for name, g in rep["groups"].items():
             print(f"[gpu_check P={world}] {name}: {'OK' if g['ok'] else 'FAIL'} {g.get('cases', '')}")
