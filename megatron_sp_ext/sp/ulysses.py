@@ -75,7 +75,9 @@ class _UlyssesFn(torch.autograd.Function):
             for w in works:
                 w.wait()
                 ev_in.append(st.record(comm))
-        keep = [sends]
+            # send buffers live on the comm stream, whose later work is ordered after these waits,
+            # so dropping them now cannot race (and keeps the peak at the baseline's)
+            del sends, works
         chunks = []
         for c in range(C):
             st.wait(compute, ev_in[c])
@@ -95,7 +97,7 @@ class _UlyssesFn(torch.autograd.Function):
                 recv_o = _alloc(sum(splits), q)
                 all_to_all_flat(send_o, recv_o, plan.group, None, splits)
                 lay.unpack(recv_o, (out,), ("q",), hl, c, lay_)
-                keep.append((send_o, recv_o))
+                del send_o, recv_o
         if comm is not None:
             compute.wait_stream(comm)
         ctx.plan, ctx.chunks = plan, chunks
@@ -118,7 +120,7 @@ class _UlyssesFn(torch.autograd.Function):
         dv = torch.empty(kv_shape, dtype=grad_out.dtype, device=grad_out.device)
         recv_g = [_alloc(world * tokens * lay.widths(hl, ("q",), me, c)[0] * d, grad_out) for c in range(C)]
         ready = st.record(compute)
-        ev_in, keep = [], []
+        ev_in = []
         with st.on_stream(comm):
             st.wait(comm, ready)
             sends = []
@@ -130,7 +132,7 @@ class _UlyssesFn(torch.autograd.Function):
             for w in works:
                 w.wait()
                 ev_in.append(st.record(comm))
-        keep.append(sends)
+            del sends, works
         for c in range(C):
             st.wait(compute, ev_in[c])
             qc, kc, vc, oc = ctx.chunks[c]
@@ -149,7 +151,10 @@ class _UlyssesFn(torch.autograd.Function):
                 recv = _alloc(sum(splits), grad_out)
                 all_to_all_flat(send.view(-1), recv, plan.group, None, splits)
                 lay.unpack(recv, (dq, dk, dv), _QKV, hl, c, lay_)
-                keep.append((gq, gk, gv, send, recv))
+            if comm is not None:  # compute-stream tensors read by the comm stream: guard their reuse
+                for g in (gq, gk, gv):
+                    g.record_stream(comm)
+            del gq, gk, gv, oc, qc, kc, vc
         if comm is not None:
             compute.wait_stream(comm)
         return dq, dk, dv, None
