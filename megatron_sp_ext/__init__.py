@@ -8,8 +8,12 @@ imported only on demand (``import megatron_sp_ext`` needs torch alone).
 """
 from .config import SPConfig
 from .errors import SPConfigError
+from .sp.placement import shard_sequence, unshard_sequence
+from .sp.ring import ring_attention
 from .sp.ulysses import ulysses_attention
+from .topology.hamiltonian import hamiltonian_cycles, routing_tables
 
 __version__ = "0.1.0"
 
-__all__ = ["SPConfig", "SPConfigError", "ulysses_attention"]
+__all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
+           "unshard_sequence", "hamiltonian_cycles", "routing_tables"]

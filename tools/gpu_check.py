@@ -102,6 +102,26 @@ def _worker(rank, world, port, out_dir):
             raise AssertionError("; ".join(fails))
         return 1
     section("hcms_bitwise_equals_ulysses_cuda_streams", bitwise)
+
+    def ring_cases(dtype):
+        from megatron_sp_ext.sp.placement import pieces  # noqa: PLC0415
+        from megatron_sp_ext.topology.hamiltonian import routing_tables  # noqa: PLC0415
+        n = 0
+        for variant in ("ring", "tasp"):
+            rings = len(routing_tables(world).cycles) if variant == "tasp" else 1
+            for (b, h, hkv, d) in ((1, 8, 8, 128), (1, 8, 2, 64)):
+                for causal in (False, True):
+                    placement = ("zigzag" if variant == "ring" else "tasp_zigzag") if causal else "contiguous"
+
+                    def shard(x, r, w, placement=placement):
+                        return torch.cat([x[:, a:a + m] for a, m in pieces(placement, r, w, x.shape[1])], dim=1)
+                    run_case(lambda q, k, v: spx.ring_attention(q, k, v, group, variant=variant, causal=causal),
+                             rank, world, b=b, s=2 * rings * world * 64, h=h, hkv=hkv, d=d, dtype=dtype,
+                             causal=causal, seed=100 + n, shard=shard, device="cuda")
+                    n += 1
+        return n
+    section("ring_tasp_fp32_vs_float64", lambda: ring_cases(torch.float32))
+    section("ring_tasp_bf16_vs_float64", lambda: ring_cases(torch.bfloat16))
     flags = torch.tensor([int(all(g["ok"] for g in report["groups"].values()))], device="cuda")
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     if rank == 0 or not all(g["ok"] for g in report["groups"].values()):

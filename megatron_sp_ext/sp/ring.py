@@ -1,0 +1,298 @@
+"""Ring attention and TASP multi-ring attention (forward and backward) as one autograd Function.
+
+Q stays on its rank; K|V blocks travel. ``variant="ring"`` moves the whole local K|V block around
+one ring (send/recv, next block in flight while the current one is attended). ``variant="tasp"``
+splits it into one slot per Hamiltonian cycle of K_P* and advances all rings with ONE all_to_all
+per step driven by precomputed routing tables (TASP Algorithm 3). Partial results merge by
+log-sum-exp in fp32. Backward recomputes each block against the final out/lse; dK|dV accumulators
+(fp32) travel with their blocks and take one extra hop home at the end.
+
+Causal masks come from global token positions of the placement: a (q run, kv run) pair is full,
+skipped, diagonal-causal or (misaligned) explicitly masked. With "zigzag" (ring) or "tasp_zigzag"
+(tasp) every rank does the same work at every step. Buffers: K|V slots are [S_kv, 2, B, Hkv, D]
+so a block is one contiguous slice and K, V are zero-copy bhsd views.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..attention.backends import LocalAttention, get_backend
+from ..attention.lse import merge_into
+from ..comm.multiring import MultiRingExchange
+from ..config import LAYOUTS
+from ..errors import SPConfigError
+from ..topology.hamiltonian import RoutingTables, routing_tables
+from .heads import split_more_first
+from .placement import pieces
+from .ulysses import check_same_shape_across_ranks
+
+VARIANTS = ("ring", "tasp")
+
+
+@lru_cache(maxsize=None)
+def _single_ring(n: int) -> RoutingTables:
+    cyc = (tuple(range(n)),)
+    nxt = (tuple((r + 1) % n for r in range(n)),)
+    prv = (tuple((r - 1) % n for r in range(n)),)
+    out_ring = tuple(tuple(0 if p == (r + 1) % n and n > 1 else -1 for p in range(n)) for r in range(n))
+    in_ring = tuple(tuple(0 if p == (r - 1) % n and n > 1 else -1 for p in range(n)) for r in range(n))
+    return RoutingTables(n, cyc, nxt, prv, out_ring, in_ring)
+
+
+@dataclass
+class _Item:
+    """One attention call: q rows x kv buffer rows, with a mask kind."""
+
+    q_rows: Optional[torch.Tensor]   # None = all rows, else int64 index
+    kv_rows: Optional[tuple]         # None = whole buffer, (start, len) contiguous, or int64 index tensor
+    causal: bool = False
+    mask: Optional[torch.Tensor] = None
+
+
+@dataclass
+class RingPlan:
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+    variant: str
+    routing: RoutingTables
+    slot_off: tuple
+    slot_len: tuple
+    placement: str
+    seqlen: int
+    causal: bool
+    scale: float
+    backend: LocalAttention
+    items_cache: dict = field(default_factory=dict)
+
+    def slot_runs(self, origin: int, slot: int) -> list[tuple[int, int, int]]:
+        """Global (start, len, buffer_row) runs of ``slot`` when it carries rank ``origin``'s block."""
+        lo, n = self.slot_off[slot], self.slot_len[slot]
+        runs, row = [], 0
+        for a, ln in pieces(self.placement, origin, self.world, self.seqlen):
+            s, e = max(lo, row), min(lo + n, row + ln)
+            if s < e:
+                runs.append((a + (s - row), e - s, s))
+            row += ln
+        return runs
+
+    def origins(self, step: int) -> tuple[int, ...]:
+        return tuple(self.routing.origin(i, self.rank, step) for i in range(len(self.slot_len)))
+
+    def items(self, step: int, device) -> list[_Item]:
+        """Work of one step (cached by the slot origins)."""
+        key = self.origins(step)
+        if key in self.items_cache:
+            return self.items_cache[key]
+        if not self.causal:
+            its = [_Item(None, None)]
+        else:
+            its = self._causal_items(key, device)
+        self.items_cache[key] = its
+        return its
+
+    def _causal_items(self, origins, device) -> list[_Item]:
+        qruns, row = [], 0
+        for a, ln in pieces(self.placement, self.rank, self.world, self.seqlen):
+            qruns.append((a, ln, row))
+            row += ln
+        n_q = row
+        kvruns = [run for i, o in enumerate(origins) for run in self.slot_runs(o, i)]
+        groups: dict = {}
+        its = []
+        for ka, kl, krow in kvruns:
+            full = []
+            for qa, ql, qrow in qruns:
+                if ka + kl <= qa:
+                    full.append((qrow, ql))
+                elif ka >= qa + ql:
+                    continue
+                elif ka == qa and kl == ql:
+                    its.append(_Item(_idx([(qrow, ql)], n_q, device), (krow, kl), causal=True))
+                else:  # misaligned runs: explicit mask
+                    qpos = torch.arange(qa, qa + ql, device=device)
+                    kpos = torch.arange(ka, ka + kl, device=device)
+                    its.append(_Item(_idx([(qrow, ql)], n_q, device), (krow, kl),
+                                     mask=qpos[:, None] >= kpos[None, :]))
+            if full:
+                groups.setdefault(tuple(full), []).append((krow, kl))
+        for qset, kvs in groups.items():
+            its.append(_Item(_idx(list(qset), n_q, device), _kv_rows(kvs, device)))
+        return its
+
+
+def _idx(runs, total, device) -> Optional[torch.Tensor]:
+    runs = sorted(runs)
+    if len(runs) == 1 and runs[0] == (0, total):
+        return None
+    return torch.cat([torch.arange(r, r + n, device=device) for r, n in runs])
+
+
+def _kv_rows(runs, device):
+    runs = sorted(runs)
+    merged = []
+    for r, n in runs:
+        if merged and merged[-1][0] + merged[-1][1] == r:
+            merged[-1] = (merged[-1][0], merged[-1][1] + n)
+        else:
+            merged.append((r, n))
+    if len(merged) == 1:
+        return merged[0]
+    return torch.cat([torch.arange(r, r + n, device=device) for r, n in merged])
+
+
+def _kv_view(buf: torch.Tensor, rows):
+    """K, V (bhsd) of ``rows`` of a [S, 2, B, H, D] buffer."""
+    if rows is None:
+        sel = buf
+    elif isinstance(rows, tuple):
+        sel = buf.narrow(0, rows[0], rows[1])
+    else:
+        sel = buf.index_select(0, rows)
+    return sel[:, 0].permute(1, 2, 0, 3), sel[:, 1].permute(1, 2, 0, 3)
+
+
+def _kv_add(acc: torch.Tensor, rows, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    g = torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1).float()
+    if rows is None:
+        acc.add_(g)
+    elif isinstance(rows, tuple):
+        acc.narrow(0, rows[0], rows[1]).add_(g)
+    else:
+        acc.index_add_(0, rows, g)
+
+
+def _rows(x: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
+    return x if idx is None else x.index_select(2, idx)
+
+
+class _RingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_bhsd, k_bhsd, v_bhsd, plan: RingPlan):
+        b, h, s_loc, d = q_bhsd.shape
+        ex = MultiRingExchange(plan.routing, plan.group, plan.rank, plan.slot_off, plan.slot_len)
+        cur = torch.stack([k_bhsd.permute(2, 0, 1, 3), v_bhsd.permute(2, 0, 1, 3)], dim=1).contiguous()
+        nxt = torch.empty_like(cur)
+        acc = torch.zeros(b, h, s_loc, d, dtype=torch.float32, device=q_bhsd.device)
+        lse = torch.full((b, h, s_loc), float("-inf"), dtype=torch.float32, device=q_bhsd.device)
+        for step in range(plan.world):
+            handle = ex.start(cur, nxt) if step < plan.world - 1 else None
+            for it in plan.items(step, q_bhsd.device):
+                k_, v_ = _kv_view(cur, it.kv_rows)
+                o, l_ = plan.backend.forward_lse(_rows(q_bhsd, it.q_rows), k_, v_, causal=it.causal,
+                                                 softmax_scale=plan.scale, mask=it.mask)
+                if it.q_rows is None:
+                    merge_into(acc, lse, o, l_)
+                else:
+                    a, l0 = acc.index_select(2, it.q_rows), lse.index_select(2, it.q_rows)
+                    merge_into(a, l0, o, l_)
+                    acc.index_copy_(2, it.q_rows, a)
+                    lse.index_copy_(2, it.q_rows, l0)
+            if handle is not None:
+                ex.wait(handle)
+                cur, nxt = nxt, cur
+        out = acc.to(q_bhsd.dtype)
+        ctx.save_for_backward(q_bhsd, k_bhsd, v_bhsd, out, lse)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: RingPlan = ctx.plan
+        dout = dout.contiguous()
+        ex = MultiRingExchange(plan.routing, plan.group, plan.rank, plan.slot_off, plan.slot_len)
+        cur = torch.stack([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=1).contiguous()
+        nxt = torch.empty_like(cur)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv_in = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)
+        dkv_next = torch.empty_like(dkv_in)
+        dkv_handle = None
+        for step in range(plan.world):
+            handle = ex.start(cur, nxt) if step < plan.world - 1 else None
+            local = torch.zeros_like(dkv_in)
+            for it in plan.items(step, q.device):
+                k_, v_ = _kv_view(cur, it.kv_rows)
+                gq, gk, gv = plan.backend.backward_lse(
+                    _rows(dout, it.q_rows), _rows(q, it.q_rows), k_, v_, _rows(out, it.q_rows),
+                    lse if it.q_rows is None else lse.index_select(2, it.q_rows),
+                    causal=it.causal, softmax_scale=plan.scale, mask=it.mask)
+                if it.q_rows is None:
+                    dq.add_(gq.float())
+                else:
+                    dq.index_add_(2, it.q_rows, gq.float())
+                _kv_add(local, it.kv_rows, gk, gv)
+            if dkv_handle is not None:  # accumulator of this block from the ranks before us
+                ex.wait(dkv_handle)
+                dkv_in, dkv_next = dkv_next, dkv_in
+            local.add_(dkv_in)
+            dkv_in = local
+            dkv_handle = ex.start(dkv_in, dkv_next)  # last one is the hop home
+            if handle is not None:
+                ex.wait(handle)
+                cur, nxt = nxt, cur
+        ex.wait(dkv_handle)
+        dkv = dkv_next
+        dk = dkv[:, 0].permute(1, 2, 0, 3).to(k.dtype)
+        dv = dkv[:, 1].permute(1, 2, 0, 3).to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
+                   variant: str = "ring", causal: bool = False, softmax_scale: Optional[float] = None,
+                   layout: str = "bshd", placement: Optional[str] = None,
+                   backend: "str | LocalAttention" = "sdpa") -> torch.Tensor:
+    """Ring or TASP attention over ``group``. q: [B, S_loc, H, D] (or sbhd); k, v: Hkv heads.
+
+    ``placement`` says which tokens each rank holds: by default "zigzag" for causal ring,
+    "tasp_zigzag" for causal tasp, and "contiguous" otherwise (for non-causal any placement gives
+    the same result). Use ``shard_sequence(x, group, placement=...)`` to produce matching shards.
+    Local attention uses the backend's log-sum-exp kernels (``forward_lse`` / ``backward_lse``).
+    """
+    if variant not in VARIANTS:
+        raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
+    if layout not in LAYOUTS:
+        raise SPConfigError(f"layout={layout!r} is invalid: choose one of {', '.join(LAYOUTS)}")
+    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise SPConfigError(f"q/k/v shapes do not agree ({layout}): {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise SPConfigError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})")
+    if placement is None:
+        placement = ("zigzag" if variant == "ring" else "tasp_zigzag") if causal else "contiguous"
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    be = get_backend(backend)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
+    if world == 1:
+        out = be(to_bhsd(q), to_bhsd(k), to_bhsd(v), causal=causal, softmax_scale=scale)
+        return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
+    key = (id(group), tuple(q.shape), layout, "ring")
+    if key not in _VALIDATED:
+        check_same_shape_across_ranks(q, group, what="sequence shard (q)")
+        _VALIDATED.add(key)
+    s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
+    seqlen = s_loc * world
+    pieces(placement, rank, world, seqlen)  # validates divisibility
+    if variant == "tasp" and world > 1:
+        rt = routing_tables(world)
+        if placement == "tasp_zigzag":
+            lens = (2 * (s_loc // (2 * len(rt.cycles))),) * len(rt.cycles)
+        else:
+            lens = split_more_first(s_loc, len(rt.cycles))
+            if min(lens) == 0:
+                raise SPConfigError(f"tasp needs at least {len(rt.cycles)} tokens per rank, got {s_loc}")
+    else:
+        rt, lens = _single_ring(world), (s_loc,)
+    offs = tuple(sum(lens[:i]) for i in range(len(lens)))
+    plan = RingPlan(group, rank, world, variant, rt, offs, tuple(lens), placement, seqlen, causal, scale, be)
+    out = _RingFn.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), plan)
+    return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
+
+
+_VALIDATED: set = set()
