@@ -8,12 +8,15 @@ imported only on demand (``import megatron_sp_ext`` needs torch alone).
 """
 from .config import SPConfig
 from .errors import SPConfigError
+from .sp.hybrid import hybrid_attention
 from .sp.placement import shard_sequence, unshard_sequence
 from .sp.ring import ring_attention
 from .sp.ulysses import ulysses_attention
 from .topology.hamiltonian import hamiltonian_cycles, routing_tables
+from .topology.mesh import SPMesh, build_sp_mesh
 
 __version__ = "0.1.0"
 
 __all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
-           "unshard_sequence", "hamiltonian_cycles", "routing_tables"]
+           "unshard_sequence", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
+           "hybrid_attention"]

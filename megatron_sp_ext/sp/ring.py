@@ -64,8 +64,8 @@ class RingPlan:
     routing: RoutingTables
     slot_off: tuple
     slot_len: tuple
-    placement: str
-    seqlen: int
+    q_runs: tuple      # global (start, len) runs of this rank's queries, local order
+    kv_runs: tuple     # kv_runs[o]: runs of ring rank o's keys/values, local order
     causal: bool
     scale: float
     backend: LocalAttention
@@ -75,7 +75,7 @@ class RingPlan:
         """Global (start, len, buffer_row) runs of ``slot`` when it carries rank ``origin``'s block."""
         lo, n = self.slot_off[slot], self.slot_len[slot]
         runs, row = [], 0
-        for a, ln in pieces(self.placement, origin, self.world, self.seqlen):
+        for a, ln in self.kv_runs[origin]:
             s, e = max(lo, row), min(lo + n, row + ln)
             if s < e:
                 runs.append((a + (s - row), e - s, s))
@@ -99,7 +99,7 @@ class RingPlan:
 
     def _causal_items(self, origins, device) -> list[_Item]:
         qruns, row = [], 0
-        for a, ln in pieces(self.placement, self.rank, self.world, self.seqlen):
+        for a, ln in self.q_runs:
             qruns.append((a, ln, row))
             row += ln
         n_q = row
@@ -172,31 +172,86 @@ def _rows(x: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
     return x if idx is None else x.index_select(2, idx)
 
 
+def ring_forward(q_bhsd, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's queries over the keys of every ring rank.
+
+    q: [B, H, S_q, D]; k, v: [B, Hkv, S_kv, D] (this rank's block). Returns (out fp32, lse fp32).
+    Rows that see no key keep out = 0 and lse = -inf.
+    """
+    b, h, s_q, d = q_bhsd.shape
+    ex = MultiRingExchange(plan.routing, plan.group, plan.rank, plan.slot_off, plan.slot_len)
+    cur = torch.stack([k_bhsd.permute(2, 0, 1, 3), v_bhsd.permute(2, 0, 1, 3)], dim=1).contiguous()
+    nxt = torch.empty_like(cur) if plan.world > 1 else None
+    acc = torch.zeros(b, h, s_q, d, dtype=torch.float32, device=q_bhsd.device)
+    lse = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q_bhsd.device)
+    for step in range(plan.world):
+        handle = ex.start(cur, nxt) if step < plan.world - 1 else None
+        for it in plan.items(step, q_bhsd.device):
+            k_, v_ = _kv_view(cur, it.kv_rows)
+            o, l_ = plan.backend.forward_lse(_rows(q_bhsd, it.q_rows), k_, v_, causal=it.causal,
+                                             softmax_scale=plan.scale, mask=it.mask)
+            if it.q_rows is None:
+                merge_into(acc, lse, o, l_)
+            else:
+                a, l0 = acc.index_select(2, it.q_rows), lse.index_select(2, it.q_rows)
+                merge_into(a, l0, o, l_)
+                acc.index_copy_(2, it.q_rows, a)
+                lse.index_copy_(2, it.q_rows, l0)
+        if handle is not None:
+            ex.wait(handle)
+            cur, nxt = nxt, cur
+    return acc, lse
+
+
+def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
+    """Gradients of ``ring_forward`` given the FINAL out (q dtype) and lse of the query rows.
+
+    Returns (dq fp32 [B,H,S_q,D], dk, dv fp32 [B,Hkv,S_kv,D] of this rank's own block).
+    """
+    dout = dout.contiguous()
+    ex = MultiRingExchange(plan.routing, plan.group, plan.rank, plan.slot_off, plan.slot_len)
+    cur = torch.stack([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=1).contiguous()
+    nxt = torch.empty_like(cur) if plan.world > 1 else None
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv_in = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)
+    dkv_next = torch.empty_like(dkv_in)
+    dkv_handle = None
+    for step in range(plan.world):
+        handle = ex.start(cur, nxt) if step < plan.world - 1 else None
+        local = torch.zeros_like(dkv_in)
+        for it in plan.items(step, q.device):
+            k_, v_ = _kv_view(cur, it.kv_rows)
+            gq, gk, gv = plan.backend.backward_lse(
+                _rows(dout, it.q_rows), _rows(q, it.q_rows), k_, v_, _rows(out, it.q_rows),
+                lse if it.q_rows is None else lse.index_select(2, it.q_rows),
+                causal=it.causal, softmax_scale=plan.scale, mask=it.mask)
+            if it.q_rows is None:
+                dq.add_(gq.float())
+            else:
+                dq.index_add_(2, it.q_rows, gq.float())
+            _kv_add(local, it.kv_rows, gk, gv)
+        if dkv_handle is not None:  # accumulator of this block from the ranks before us
+            ex.wait(dkv_handle)
+            dkv_in, dkv_next = dkv_next, dkv_in
+        local.add_(dkv_in)
+        dkv_in = local
+        if plan.world > 1:
+            dkv_handle = ex.start(dkv_in, dkv_next)  # the last one is the hop home
+        if handle is not None:
+            ex.wait(handle)
+            cur, nxt = nxt, cur
+    if plan.world > 1:
+        ex.wait(dkv_handle)
+        dkv = dkv_next
+    else:
+        dkv = dkv_in
+    return dq, dkv[:, 0].permute(1, 2, 0, 3), dkv[:, 1].permute(1, 2, 0, 3)
+
+
 class _RingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_bhsd, k_bhsd, v_bhsd, plan: RingPlan):
-        b, h, s_loc, d = q_bhsd.shape
-        ex = MultiRingExchange(plan.routing, plan.group, plan.rank, plan.slot_off, plan.slot_len)
-        cur = torch.stack([k_bhsd.permute(2, 0, 1, 3), v_bhsd.permute(2, 0, 1, 3)], dim=1).contiguous()
-        nxt = torch.empty_like(cur)
-        acc = torch.zeros(b, h, s_loc, d, dtype=torch.float32, device=q_bhsd.device)
-        lse = torch.full((b, h, s_loc), float("-inf"), dtype=torch.float32, device=q_bhsd.device)
-        for step in range(plan.world):
-            handle = ex.start(cur, nxt) if step < plan.world - 1 else None
-            for it in plan.items(step, q_bhsd.device):
-                k_, v_ = _kv_view(cur, it.kv_rows)
-                o, l_ = plan.backend.forward_lse(_rows(q_bhsd, it.q_rows), k_, v_, causal=it.causal,
-                                                 softmax_scale=plan.scale, mask=it.mask)
-                if it.q_rows is None:
-                    merge_into(acc, lse, o, l_)
-                else:
-                    a, l0 = acc.index_select(2, it.q_rows), lse.index_select(2, it.q_rows)
-                    merge_into(a, l0, o, l_)
-                    acc.index_copy_(2, it.q_rows, a)
-                    lse.index_copy_(2, it.q_rows, l0)
-            if handle is not None:
-                ex.wait(handle)
-                cur, nxt = nxt, cur
+        acc, lse = ring_forward(q_bhsd, k_bhsd, v_bhsd, plan)
         out = acc.to(q_bhsd.dtype)
         ctx.save_for_backward(q_bhsd, k_bhsd, v_bhsd, out, lse)
         ctx.plan = plan
@@ -205,43 +260,59 @@ class _RingFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        plan: RingPlan = ctx.plan
-        dout = dout.contiguous()
-        ex = MultiRingExchange(plan.routing, plan.group, plan.rank, plan.slot_off, plan.slot_len)
-        cur = torch.stack([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=1).contiguous()
-        nxt = torch.empty_like(cur)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv_in = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)
-        dkv_next = torch.empty_like(dkv_in)
-        dkv_handle = None
-        for step in range(plan.world):
-            handle = ex.start(cur, nxt) if step < plan.world - 1 else None
-            local = torch.zeros_like(dkv_in)
-            for it in plan.items(step, q.device):
-                k_, v_ = _kv_view(cur, it.kv_rows)
-                gq, gk, gv = plan.backend.backward_lse(
-                    _rows(dout, it.q_rows), _rows(q, it.q_rows), k_, v_, _rows(out, it.q_rows),
-                    lse if it.q_rows is None else lse.index_select(2, it.q_rows),
-                    causal=it.causal, softmax_scale=plan.scale, mask=it.mask)
-                if it.q_rows is None:
-                    dq.add_(gq.float())
-                else:
-                    dq.index_add_(2, it.q_rows, gq.float())
-                _kv_add(local, it.kv_rows, gk, gv)
-            if dkv_handle is not None:  # accumulator of this block from the ranks before us
-                ex.wait(dkv_handle)
-                dkv_in, dkv_next = dkv_next, dkv_in
-            local.add_(dkv_in)
-            dkv_in = local
-            dkv_handle = ex.start(dkv_in, dkv_next)  # last one is the hop home
-            if handle is not None:
-                ex.wait(handle)
-                cur, nxt = nxt, cur
-        ex.wait(dkv_handle)
-        dkv = dkv_next
-        dk = dkv[:, 0].permute(1, 2, 0, 3).to(k.dtype)
-        dv = dkv[:, 1].permute(1, 2, 0, 3).to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: bool, scale: float,
+                   backend: LocalAttention, balanced_slots: bool = False) -> RingPlan:
+    """Plan for one ring group (None or size 1 = no exchange). kv_runs[o] = runs of ring rank o."""
+    world = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    if variant == "tasp" and world > 1:
+        rt = routing_tables(world)
+        m = len(rt.cycles)
+        if balanced_slots:  # tasp_zigzag: ring i carries [piece, mirror] = 2 * (s_loc / 2m) tokens
+            lens = (s_loc // m,) * m
+        else:
+            lens = split_more_first(s_loc, m)
+            if min(lens) == 0:
+                raise SPConfigError(f"tasp needs at least {m} tokens per rank, got {s_loc}")
+    else:
+        rt, lens = _single_ring(world), (s_loc,)
+    offs = tuple(sum(lens[:i]) for i in range(len(lens)))
+    return RingPlan(group, rank, world, variant, rt, offs, tuple(lens), tuple(q_runs), tuple(kv_runs),
+                    causal, scale, backend)
+
+
+class RingBackend(LocalAttention):
+    """Ring/TASP over ``group`` as a local-attention backend (for hybrid meshes).
+
+    Queries and keys of this rank cover global runs ``q_runs``; ``kv_runs[o]`` are ring rank o's.
+    """
+
+    def __init__(self, group, variant: str, q_runs, kv_runs, inner: LocalAttention) -> None:
+        self.group, self.variant, self.q_runs, self.kv_runs, self.inner = group, variant, q_runs, kv_runs, inner
+        self.name = f"{variant}[{inner.name}]"
+        self._plans: dict = {}
+
+    def plan(self, s_loc: int, causal: bool, scale: float) -> RingPlan:
+        key = (s_loc, causal, scale)
+        if key not in self._plans:
+            self._plans[key] = make_ring_plan(self.group, variant=self.variant, s_loc=s_loc, q_runs=self.q_runs,
+                                              kv_runs=self.kv_runs, causal=causal, scale=scale, backend=self.inner)
+        return self._plans[key]
+
+    def __call__(self, q, k, v, *, causal, softmax_scale):
+        return _RingFn.apply(q, k, v, self.plan(k.shape[2], causal, softmax_scale))
+
+    def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None):
+        assert mask is None
+        return ring_forward(q, k, v, self.plan(k.shape[2], causal, softmax_scale))
+
+    def backward_lse(self, do, q, k, v, out, lse, *, causal, softmax_scale, mask=None):
+        assert mask is None
+        return ring_backward(do, q, k, v, out, lse, self.plan(k.shape[2], causal, softmax_scale))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
@@ -269,28 +340,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     be = get_backend(backend)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
-    if world == 1:
-        out = be(to_bhsd(q), to_bhsd(k), to_bhsd(v), causal=causal, softmax_scale=scale)
-        return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
     key = (id(group), tuple(q.shape), layout, "ring")
     if key not in _VALIDATED:
         check_same_shape_across_ranks(q, group, what="sequence shard (q)")
         _VALIDATED.add(key)
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * world
-    pieces(placement, rank, world, seqlen)  # validates divisibility
-    if variant == "tasp" and world > 1:
-        rt = routing_tables(world)
-        if placement == "tasp_zigzag":
-            lens = (2 * (s_loc // (2 * len(rt.cycles))),) * len(rt.cycles)
-        else:
-            lens = split_more_first(s_loc, len(rt.cycles))
-            if min(lens) == 0:
-                raise SPConfigError(f"tasp needs at least {len(rt.cycles)} tokens per rank, got {s_loc}")
-    else:
-        rt, lens = _single_ring(world), (s_loc,)
-    offs = tuple(sum(lens[:i]) for i in range(len(lens)))
-    plan = RingPlan(group, rank, world, variant, rt, offs, tuple(lens), placement, seqlen, causal, scale, be)
+    q_runs = pieces(placement, rank, world, seqlen)  # validates divisibility
+    kv_runs = tuple(pieces(placement, o, world, seqlen) for o in range(world))
+    plan = make_ring_plan(group, variant=variant, s_loc=s_loc, q_runs=q_runs, kv_runs=kv_runs, causal=causal,
+                          scale=scale, backend=be, balanced_slots=placement == "tasp_zigzag")
     out = _RingFn.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), plan)
     return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
 

@@ -1,0 +1,49 @@
+"""Hybrid (Ulysses x Ring) attention over an SPMesh.
+
+Inputs are this rank's shard in the rank order of the whole SP group (``shard_sequence(x, group,
+placement=...)``: "contiguous", or "zigzag" for balanced causal), whatever the mesh placement:
+the mesh's internal order is hidden. Ulysses (HCMS-chunked if asked) exchanges heads inside the
+Ulysses group; each chunk's local attention is ring/TASP attention over the Ring group, whose
+causal masks come from the global positions of every rank's tokens.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..attention.backends import get_backend
+from ..topology.mesh import SPMesh
+from .placement import pieces
+from .ring import RingBackend
+from .ulysses import ulysses_attention
+
+
+def mesh_runs(mesh: SPMesh, placement: str, seqlen: int) -> tuple:
+    """kv_runs[j]: global runs covered by ring index j after the Ulysses gather (Ulysses order)."""
+    out = []
+    for row in mesh.grid:
+        runs = []
+        for g in row:
+            runs.extend(pieces(placement, g, mesh.world, seqlen))
+        out.append(tuple(runs))
+    return tuple(out)
+
+
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *,
+                     head_chunks: "int | str" = 1, ring_variant: str = "ring", causal: bool = False,
+                     softmax_scale: Optional[float] = None, layout: str = "bshd",
+                     placement: Optional[str] = None, backend: str = "sdpa") -> torch.Tensor:
+    """Ulysses over ``mesh.ulysses_group`` then ring/TASP over ``mesh.ring_group``. Shapes as ulysses_attention."""
+    placement = placement or ("zigzag" if causal else "contiguous")
+    s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
+    runs = mesh_runs(mesh, placement, s_loc * mesh.world)
+    ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, get_backend(backend))
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if mesh.ulysses_group is None:  # P_u == 1: pure ring over the mesh order
+        to = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
+        out = ring(to(q), to(k), to(v), causal=causal, softmax_scale=scale)
+        return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
+    return ulysses_attention(q, k, v, mesh.ulysses_group, head_chunks=head_chunks, causal=causal,
+                             softmax_scale=scale, layout=layout, backend=ring)

@@ -1,0 +1,101 @@
+"""SPMesh: the Ulysses x Ring (x Torus) process groups of one sequence-parallel group.
+
+Mesh index i (machine-major order of the group's ranks) maps to a 2D grid:
+  usp: Ulysses inside machines (consecutive mesh indices), Ring across: grid[j][u] = order[j*P_u + u]
+  tas: Ring inside machines, Ulysses across (StreamFusion):             grid[j][u] = order[u*P_r + j]
+Row j of the grid is one Ulysses group (u = 0..P_u-1); column u is one Ring group (j = 0..P_r-1).
+Groups are created once, with local synchronisation (only their members call new_group, in the
+same order), so the SP group may be a subgroup of a larger world.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..config import PLACEMENTS
+from ..errors import SPConfigError
+from .detect import Topology, detect_topology
+from .volume import choose_placement
+
+
+@dataclass
+class SPMesh:
+    """group: the whole SP group; grid[j][u]: group rank at ring index j, Ulysses index u."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+    placement: str
+    ulysses_size: int
+    ring_size: int
+    topology: Topology
+    grid: tuple
+    ring_index: int
+    ulysses_index: int
+    ulysses_group: Optional[dist.ProcessGroup]
+    ring_group: Optional[dist.ProcessGroup]
+
+    @property
+    def torus_group(self) -> Optional[dist.ProcessGroup]:
+        """The group Torus attention stages its exchange over (the Ulysses group)."""
+        return self.ulysses_group
+
+    def ulysses_members(self, j: Optional[int] = None) -> tuple:
+        return self.grid[self.ring_index if j is None else j]
+
+    def ring_members(self, u: Optional[int] = None) -> tuple:
+        u = self.ulysses_index if u is None else u
+        return tuple(row[u] for row in self.grid)
+
+    def describe(self) -> str:
+        t = self.topology
+        return (f"SPMesh(placement={self.placement}, P={self.world} = Ulysses {self.ulysses_size} x Ring "
+                f"{self.ring_size}, machines {t.nodes} x {t.per_node}{' (simulated)' if t.simulated else ''})")
+
+
+def _new_group(group_ranks, sp_group):
+    if len(group_ranks) == 1:
+        return None
+    ranks = [dist.get_global_rank(sp_group, r) for r in group_ranks]
+    return dist.new_group(ranks, use_local_synchronization=True)
+
+
+def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, placement: str = "auto",
+                  ulysses_size: Optional[int] = None, nodes: Optional[int] = None,
+                  names: Optional[dict] = None, seq_hint: Optional[tuple] = None) -> SPMesh:
+    """Build (collectively) the mesh of ``group``. See module docstring.
+
+    placement: "usp", "tas" or "auto" (P_u = ulysses_size or gcd(P, H); the placement with the
+    smaller inter-machine volume). ``names`` maps setting -> how the user spelled it (errors).
+    """
+    nm = {"placement": "placement", "ulysses_size": "ulysses_size", "nodes": "nodes", "num_heads": "num_heads"}
+    nm.update(names or {})
+    if placement not in PLACEMENTS:
+        raise SPConfigError(f"{nm['placement']}={placement!r} is invalid: choose one of {', '.join(PLACEMENTS)}")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    topo = detect_topology(group, nodes, nm["nodes"])
+    p_u = ulysses_size if ulysses_size is not None else math.gcd(world, num_heads)
+    if p_u < 1 or world % p_u != 0:
+        raise SPConfigError(f"{nm['ulysses_size']}={p_u} does not divide the sequence-parallel size {world}: "
+                            f"use a divisor of {world}")
+    if num_heads % p_u != 0:
+        raise SPConfigError(f"{nm['ulysses_size']}={p_u} does not divide the number of heads {num_heads}: "
+                            f"use a common divisor of {world} and {num_heads} (largest: {math.gcd(world, num_heads)})")
+    p_r = world // p_u
+    if placement == "auto":
+        placement = choose_placement(topo.nodes, topo.per_node, p_u)
+    if placement == "tas" and topo.nodes == 1:
+        raise SPConfigError(f"{nm['placement']}='tas' needs a multi-machine mesh but the group runs on one machine: "
+                            f"set {nm['nodes']} to simulate machines, or use 'usp'/'auto'")
+    order = topo.mesh_order()
+    if placement == "usp":
+        grid = tuple(tuple(order[j * p_u + u] for u in range(p_u)) for j in range(p_r))
+    else:
+        grid = tuple(tuple(order[u * p_r + j] for u in range(p_u)) for j in range(p_r))
+    ring_index, ulysses_index = next((j, u) for j in range(p_r) for u in range(p_u) if grid[j][u] == rank)
+    u_group = _new_group(grid[ring_index], group)
+    r_group = _new_group(tuple(row[ulysses_index] for row in grid), group)
+    return SPMesh(group, rank, world, placement, p_u, p_r, topo, grid, ring_index, ulysses_index, u_group, r_group)
