@@ -11,6 +11,7 @@ from .errors import SPConfigError
 from .sp.hybrid import hybrid_attention
 from .sp.placement import shard_sequence, unshard_sequence
 from .sp.ring import ring_attention
+from .sp.torus import torus_attention
 from .sp.ulysses import ulysses_attention
 from .topology.hamiltonian import hamiltonian_cycles, routing_tables
 from .topology.mesh import SPMesh, build_sp_mesh
@@ -19,4 +20,4 @@ __version__ = "0.1.0"
 
 __all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
            "unshard_sequence", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
-           "hybrid_attention"]
+           "hybrid_attention", "torus_attention"]

@@ -109,3 +109,35 @@ def _hybrid(rank, world, nodes, placement, p_u, variant, chunks):
 ])
 def test_hybrid_matches_reference(world, nodes, placement, p_u, variant, chunks):
     run_ranks(_hybrid, world, nodes, placement, p_u, variant, chunks)
+
+
+def _torus(rank, world, nodes, placement, p_u, variant):
+    g = dist.group.WORLD
+    n = 0
+    for (h, hkv) in ((4, 4), (6, 6), (4, 2), (8, 8)):
+        if h % p_u:
+            continue  # the mesh needs P_u | H (tested in test_mesh_errors)
+        mesh = spx.build_sp_mesh(g, num_heads=h, placement=placement, ulysses_size=p_u, nodes=nodes)
+        for causal in (False, True):
+            for layout in ("bshd", "sbhd"):
+                seq_pl = "zigzag" if causal else "contiguous"
+
+                def shard(x, r, w, seq_pl=seq_pl):
+                    return torch.cat([x[:, a:a + m] for a, m in pieces(seq_pl, r, w, x.shape[1])], dim=1)
+                run_case(lambda q, k, v: spx.torus_attention(q, k, v, mesh, causal=causal, ring_variant=variant,
+                                                             layout=layout),
+                         rank, world, b=1, s=2 * world * 3, h=h, hkv=hkv, d=16, dtype=torch.float32, causal=causal,
+                         seed=10 + n, shard=shard, layout=layout)
+                n += 1
+    return n
+
+
+@pytest.mark.parametrize("world,nodes,placement,p_u,variant", [
+    (4, 2, "tas", 2, "ring"),    # 2 machines x 2: torus across machines, ring inside
+    (4, 2, "usp", 2, "ring"),
+    (4, 4, "tas", 4, "ring"),    # pure torus (ring size 1), 4 stages
+    (8, 4, "tas", 4, "tasp"),
+    (4, 2, "tas", 2, "tasp"),
+])
+def test_torus_matches_reference(world, nodes, placement, p_u, variant):
+    run_ranks(_torus, world, nodes, placement, p_u, variant)

@@ -1,0 +1,247 @@
+"""Torus attention: the Ulysses exchange broken into stages overlapped with attention.
+
+Over the mesh's Ulysses group (size T, this rank t), with ring/TASP attention over the Ring group
+inside every block (positions from the SP-group placement, so masks stay exact):
+  Pull Q  (k = 0..T-1): attend Q_{t-k,t} x KV_{t,t} (stationary) while Q_{t-k-1,t} arrives; the last
+                        stage ships KV for the first Pull KV stage instead.
+  Pull KV (k = 1..T-1): attend Q_{others,t} x KV_{t-k,t} while KV_{t-k-1,t} arrives.
+  Push O:               send the finished O_{l,t} (l != t) to their owners while attending
+                        Q_{t,t} x KV_{others,t}; then receive O_{t,j} from every j.
+Partial results merge by log-sum-exp. Backward (ours; the paper is inference-only) mirrors it:
+dO exchange overlapped with the own block's gradients, dK|dV of chunk j shipped home as soon as
+it is complete (overlapping the next chunk), dQ shipped last. X_{l,j}: tokens of Ulysses rank l,
+head group j. Two-sided (send/recv) exchanges.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..attention.backends import get_backend
+from ..attention.lse import merge_into
+from ..topology.mesh import SPMesh
+from .heads import HeadLayout, head_layout
+from .placement import pieces
+from .ring import RingBackend
+
+
+class _Ctx:
+    """Static plan of one call: head groups, peers, and ring backends per (q tokens, kv tokens)."""
+
+    def __init__(self, mesh: SPMesh, hl: HeadLayout, placement: str, seqlen: int, variant: str, inner, scale):
+        self.mesh, self.hl, self.scale = mesh, hl, scale
+        self.T, self.t = mesh.ulysses_size, mesh.ulysses_index
+        self.group = mesh.ulysses_group
+        self.peers = [dist.get_global_rank(mesh.group, g) for g in mesh.ulysses_members()]
+        runs = lambda j, l: pieces(placement, mesh.grid[j][l], mesh.world, seqlen)  # noqa: E731
+        self.runs = runs
+        self.others = [(self.t - k) % self.T for k in range(1, self.T)]
+        self._be: dict = {}
+        self._mk = lambda q_ls, kv_ls: RingBackend(  # noqa: E731
+            mesh.ring_group, variant,
+            tuple(r for l in q_ls for r in runs(mesh.ring_index, l)),
+            tuple(tuple(r for l in kv_ls for r in runs(j, l)) for j in range(mesh.ring_size)), inner)
+
+    def be(self, q_ls, kv_ls) -> RingBackend:
+        key = (tuple(q_ls), tuple(kv_ls))
+        if key not in self._be:
+            self._be[key] = self._mk(q_ls, kv_ls)
+        return self._be[key]
+
+    def heads(self, j: int, kind: str):
+        a, b = self.hl.q_range(j, 0) if kind == "q" else self.hl.kv_range(j, 0)
+        return a, b
+
+
+def _p2p(sends, recvs, peers):
+    ops = [dist.P2POp(dist.isend, t, peers[p]) for p, t in sends] + \
+          [dist.P2POp(dist.irecv, t, peers[p]) for p, t in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works):
+    for w in works:
+        w.wait()
+
+
+def _bh(x_bshd):
+    return x_bshd.transpose(1, 2)
+
+
+def _cat_seq(xs):
+    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=2)
+
+
+class _TorusFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, c: _Ctx):
+        T, t = c.T, c.t
+        qa, qb = c.heads(t, "q")
+        ka, kb = c.heads(t, "kv")
+        own_q, own_k, own_v = _bh(q[:, :, qa:qb]), _bh(k[:, :, ka:kb]), _bh(v[:, :, ka:kb])
+        qs = {t: own_q}
+        ks, vs = {t: own_k}, {t: own_v}
+        sl = q.shape[1]
+        # -- Pull Q: attend Q_{l,t} x KV_{t,t}, next Q chunk in flight
+        acc, lse = {}, {}
+        for k_ in range(T):
+            l = (t - k_) % T
+            if k_ < T - 1:
+                dst, src = (t + k_ + 1) % T, (t - k_ - 1) % T
+                a, b = c.heads(dst, "q")
+                buf = torch.empty(q.shape[0], sl, qb - qa, q.shape[3], dtype=q.dtype, device=q.device)
+                work = _p2p([(dst, q[:, :, a:b].contiguous())], [(src, buf)], c.peers)
+                incoming = (src, buf)
+            elif T > 1:  # last Pull Q stage ships KV for the first Pull KV stage
+                dst, src = (t + 1) % T, (t - 1) % T
+                a, b = c.heads(dst, "kv")
+                kbuf = torch.empty(k.shape[0], sl, kb - ka, k.shape[3], dtype=k.dtype, device=k.device)
+                vbuf = torch.empty_like(kbuf)
+                work = _p2p([(dst, k[:, :, a:b].contiguous()), (dst, v[:, :, a:b].contiguous())],
+                            [(src, kbuf), (src, vbuf)], c.peers)
+                incoming = None
+            else:
+                work, incoming = [], None
+            o, l_ = c.be([l], [t]).forward_lse(qs[l], own_k, own_v, causal=c.causal, softmax_scale=c.scale)
+            acc[l], lse[l] = o.float(), l_
+            _wait(work)
+            if incoming is not None:
+                qs[incoming[0]] = _bh(incoming[1])
+        # -- Pull KV: attend Q_{others,t} x KV_{j,t}
+        if T > 1:
+            ks[(t - 1) % T], vs[(t - 1) % T] = _bh(kbuf), _bh(vbuf)
+            q_oth = _cat_seq([qs[l] for l in c.others])
+            acc_o = _cat_seq([acc[l] for l in c.others]).contiguous()
+            lse_o = _cat_seq([lse[l].unsqueeze(-1) for l in c.others]).squeeze(-1).contiguous()
+            for k_ in range(1, T):
+                j = (t - k_) % T
+                if k_ < T - 1:
+                    dst, src = (t + k_ + 1) % T, (t - k_ - 1) % T
+                    a, b = c.heads(dst, "kv")
+                    kbuf = torch.empty_like(ks[j].transpose(1, 2))
+                    vbuf = torch.empty_like(kbuf)
+                    work = _p2p([(dst, k[:, :, a:b].contiguous()), (dst, v[:, :, a:b].contiguous())],
+                                [(src, kbuf), (src, vbuf)], c.peers)
+                else:
+                    work = []
+                o, l_ = c.be(c.others, [j]).forward_lse(q_oth, ks[j], vs[j], causal=c.causal, softmax_scale=c.scale)
+                merge_into(acc_o, lse_o, o, l_)
+                _wait(work)
+                if k_ < T - 1:
+                    ks[src], vs[src] = _bh(kbuf), _bh(vbuf)
+            out_o = acc_o.to(q.dtype)
+            # -- Push O: ship finished O_{l,t}, attend Q_{t,t} x KV_{others,t}, receive O_{t,j}
+            recv_o = {j: torch.empty(q.shape[0], sl, c.heads(j, "q")[1] - c.heads(j, "q")[0], q.shape[3],
+                                     dtype=q.dtype, device=q.device) for j in c.others}
+            sends = [(l, out_o[:, :, i * sl:(i + 1) * sl].transpose(1, 2).contiguous()) for i, l in enumerate(c.others)]
+            work = _p2p(sends, list(recv_o.items()), c.peers)
+            k_oth, v_oth = _cat_seq([ks[j] for j in c.others]), _cat_seq([vs[j] for j in c.others])
+            o, l_ = c.be([t], c.others).forward_lse(own_q, k_oth, v_oth, causal=c.causal, softmax_scale=c.scale)
+            merge_into(acc[t], lse[t], o, l_)
+            _wait(work)
+        out = torch.empty_like(q)
+        out[:, :, qa:qb] = acc[t].to(q.dtype).transpose(1, 2)
+        for j in c.others:
+            a, b = c.heads(j, "q")
+            out[:, :, a:b] = recv_o[j]
+        ctx.c = c
+        saved = [own_q, own_k, own_v, acc[t].to(q.dtype), lse[t]]
+        if T > 1:
+            saved += [q_oth, k_oth, v_oth, out_o, lse_o]
+        ctx.save_for_backward(*saved)
+        ctx.shapes = (q.shape, k.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        c: _Ctx = ctx.c
+        T, t = c.T, c.t
+        saved = ctx.saved_tensors
+        own_q, own_k, own_v, own_o, own_lse = saved[:5]
+        q_shape, k_shape = ctx.shapes
+        sl = q_shape[1]
+        dout = dout.contiguous()
+        qa, qb = c.heads(t, "q")
+        ka, kb = c.heads(t, "kv")
+        dq = torch.empty(q_shape, dtype=dout.dtype, device=dout.device)
+        dk = torch.empty(k_shape, dtype=dout.dtype, device=dout.device)
+        dv = torch.empty_like(dk)
+        if T == 1:
+            g = c.be([t], [t]).backward_lse(_bh(dout[:, :, qa:qb]), own_q, own_k, own_v, own_o, own_lse,
+                                            causal=c.causal, softmax_scale=c.scale)
+            for dst, x in zip((dq, dk, dv), g):
+                dst.copy_(x.transpose(1, 2))
+            return dq, dk, dv, None
+        q_oth, k_oth, v_oth, out_o, lse_o = saved[5:]
+        # 1. dO_{l,t} for every l (reverse Push O), overlapped with the own block's gradients
+        d_oth = {l: torch.empty(dout.shape[0], sl, qb - qa, dout.shape[3], dtype=dout.dtype, device=dout.device)
+                 for l in c.others}
+        sends = [(j, dout[:, :, c.heads(j, "q")[0]:c.heads(j, "q")[1]].contiguous()) for j in c.others]
+        work = _p2p(sends, list(d_oth.items()), c.peers)
+        do_own = _bh(dout[:, :, qa:qb])
+        k_all, v_all = torch.cat([own_k, k_oth], dim=2), torch.cat([own_v, v_oth], dim=2)
+        gq_own, gk_all, gv_all = c.be([t], [t] + c.others).backward_lse(
+            do_own, own_q, k_all, v_all, own_o, own_lse, causal=c.causal, softmax_scale=c.scale)
+        gk_all, gv_all = gk_all.float(), gv_all.float()
+        _wait(work)
+        do_oth = _cat_seq([_bh(d_oth[l]) for l in c.others])
+        # 2. Q_{others} x KV_t (stays here), then each KV_j shipped home once complete (reverse Pull KV)
+        gq_oth, gk, gv = c.be(c.others, [t]).backward_lse(do_oth, q_oth, own_k, own_v, out_o, lse_o,
+                                                          causal=c.causal, softmax_scale=c.scale)
+        gq_oth = gq_oth.float()
+        gk_all[:, :, :sl] += gk.float()
+        gv_all[:, :, :sl] += gv.float()
+        dk[:, :, ka:kb] = gk_all[:, :, :sl].transpose(1, 2)
+        dv[:, :, ka:kb] = gv_all[:, :, :sl].transpose(1, 2)
+        pending, inbox = [], {}
+        for i, j in enumerate(c.others):
+            kj = k_oth[:, :, i * sl:(i + 1) * sl]
+            vj = v_oth[:, :, i * sl:(i + 1) * sl]
+            g_q, g_k, g_v = c.be(c.others, [j]).backward_lse(do_oth, q_oth, kj, vj, out_o, lse_o,
+                                                             causal=c.causal, softmax_scale=c.scale)
+            gq_oth += g_q.float()
+            sk = (gk_all[:, :, (i + 1) * sl:(i + 2) * sl] + g_k.float()).to(dout.dtype).transpose(1, 2).contiguous()
+            sv = (gv_all[:, :, (i + 1) * sl:(i + 2) * sl] + g_v.float()).to(dout.dtype).transpose(1, 2).contiguous()
+            src = (t + i + 1) % T  # rank whose round i ships our tokens' kv grads of its head group
+            a, b = c.heads(src, "kv")
+            rk = torch.empty(dout.shape[0], sl, b - a, dout.shape[3], dtype=dout.dtype, device=dout.device)
+            rv = torch.empty_like(rk)
+            pending.append((_p2p([(j, sk), (j, sv)], [(src, rk), (src, rv)], c.peers), sk, sv))
+            inbox[src] = (rk, rv)
+        # 3. dQ_{l,t} home (reverse Pull Q); receive dQ_{t,j}
+        rq = {j: torch.empty(dout.shape[0], sl, c.heads(j, "q")[1] - c.heads(j, "q")[0], dout.shape[3],
+                             dtype=dout.dtype, device=dout.device) for j in c.others}
+        gq_oth = gq_oth.to(dout.dtype)
+        sends = [(l, gq_oth[:, :, i * sl:(i + 1) * sl].transpose(1, 2).contiguous()) for i, l in enumerate(c.others)]
+        work = _p2p(sends, list(rq.items()), c.peers)
+        dq[:, :, qa:qb] = gq_own.transpose(1, 2)
+        for w, _, _ in pending:
+            _wait(w)
+        _wait(work)
+        for j in c.others:
+            a, b = c.heads(j, "q")
+            dq[:, :, a:b] = rq[j]
+            a, b = c.heads(j, "kv")
+            dk[:, :, a:b], dv[:, :, a:b] = inbox[j]
+        return dq, dk, dv, None
+
+
+def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool = False,
+                    softmax_scale: Optional[float] = None, layout: str = "bshd", ring_variant: str = "ring",
+                    placement: Optional[str] = None, backend: str = "sdpa") -> torch.Tensor:
+    """Torus attention over ``mesh`` (see module docstring). Shapes and placement as hybrid_attention."""
+    placement = placement or ("zigzag" if causal else "contiguous")
+    if layout == "sbhd":
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    T = mesh.ulysses_size
+    hl = head_layout(q.shape[2], k.shape[2], T, 1)
+    if hl.kv_repeat > 1:
+        k, v = k.repeat_interleave(hl.kv_repeat, dim=2), v.repeat_interleave(hl.kv_repeat, dim=2)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    c = _Ctx(mesh, hl, placement, q.shape[1] * mesh.world, ring_variant, get_backend(backend), scale)
+    c.causal = causal
+    out = _TorusFn.apply(q, k, v, c)
+    return out.transpose(0, 1) if layout == "sbhd" else out
