@@ -1,0 +1,105 @@
+"""Launch-script flags for Megatron-LM (``extra_args_provider``) and their validation.
+
+    from megatron_sp_ext.megatron import add_arguments
+    pretrain(..., extra_args_provider=add_arguments)              # older Megatron-LM
+    parse_and_validate_args(extra_args_provider=add_arguments)    # newer Megatron-LM
+
+Flags: --hcms-head-chunks, --sp-placement, --sp-nodes, --sp-ulysses-size, --sp-ring-variant,
+--sp-attention-backend; ``--cp-comm-type`` itself is Megatron-LM's (added here only when the
+parser lacks it, e.g. in megatron-core-only scripts). Bad combinations fail when the arguments are
+parsed, with one line naming the flag.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..config import BACKENDS, PLACEMENTS, RING_VARIANTS, SPConfig, parse_head_chunks
+from ..errors import SPConfigError
+
+OURS = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
+TE = ("p2p", "a2a", "all_gather", "a2a+p2p")
+
+
+def _chunks(value: str):
+    try:
+        return parse_head_chunks(value, "--hcms-head-chunks")
+    except SPConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add our flags (idempotent; skips flags the parser already has) and validate after parsing."""
+    have = set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public query
+    g = parser.add_argument_group("megatron_sp_ext", "sequence-parallel attention (megatron_sp_ext)")
+
+    def add(flag, **kw):
+        if flag not in have:
+            g.add_argument(flag, **kw)
+    add("--cp-comm-type", nargs="+", type=str, default=["p2p"],
+        help="context-parallel algorithm, one value or one per layer: " + ", ".join(OURS + TE))
+    add("--hcms-head-chunks", type=_chunks, default=1,
+        help="HCMS: head chunks per rank pipelined against the all-to-alls (int or 'auto', default 1 = plain Ulysses)")
+    add("--sp-placement", choices=PLACEMENTS, default="auto",
+        help="mesh placement for usp/tas/torus: usp = Ulysses inside machines, tas = Ulysses across (StreamFusion), "
+             "auto = by the inter-machine volume model")
+    add("--sp-nodes", type=int, default=None,
+        help="machines to assume for the mesh (default: detect); set it to simulate machines on one")
+    add("--sp-ulysses-size", type=int, default=None, help="Ulysses degree of the mesh (default gcd(CP, heads))")
+    add("--sp-ring-variant", choices=RING_VARIANTS, default="ring", help="ring algorithm inside ring/mesh modes")
+    add("--sp-attention-backend", choices=BACKENDS, default="sdpa", help="local attention kernel")
+    if not getattr(parser, "_spx_validating", False):
+        parser._spx_validating = True
+        inner = parser.parse_known_args
+
+        def parse_known_args(args=None, namespace=None):
+            ns, rest = inner(args, namespace)
+            try:
+                validate_args(ns)
+            except SPConfigError as e:
+                parser.error(str(e))
+            return ns, rest
+        parser.parse_known_args = parse_known_args
+    return parser
+
+
+def _nodes_hint(args) -> int:
+    if getattr(args, "sp_nodes", None):
+        return args.sp_nodes
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if world and local and int(local) > 0:
+        return max(1, int(world) // int(local))
+    nnodes = os.environ.get("NNODES") or os.environ.get("SLURM_NNODES")
+    return int(nnodes) if nnodes else 1
+
+
+def validate_args(args) -> SPConfig:
+    """Check our flags against each other and Megatron's sizes; raise SPConfigError naming the flag."""
+    types = args.cp_comm_type if isinstance(args.cp_comm_type, (list, tuple)) else [args.cp_comm_type]
+    for t in types:
+        if t not in OURS + TE:
+            raise SPConfigError(f"--cp-comm-type={t!r} is invalid: choose one of {', '.join(OURS + TE)}")
+    cfg = SPConfig(head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
+                   placement=args.sp_placement, ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes,
+                   backend=args.sp_attention_backend, source="megatron")
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    heads = getattr(args, "num_attention_heads", None)
+    if heads is not None:
+        local = heads // tp
+        if "hcms" in types or "ulysses" in types:
+            if cp > 1 and local < cp:
+                raise SPConfigError(f"--cp-comm-type=hcms needs at least one head per CP rank: "
+                                    f"{heads} heads / TP {tp} = {local} < --context-parallel-size {cp}")
+            if isinstance(cfg.head_chunks, int) and cp > 1 and cfg.head_chunks > local // cp:
+                raise SPConfigError(f"--hcms-head-chunks={cfg.head_chunks} exceeds the heads per rank "
+                                    f"({local} heads per TP rank / CP {cp} = {local // cp}): use 1..{local // cp} or auto")
+        if cfg.ulysses_size is not None and (cp % cfg.ulysses_size or local % cfg.ulysses_size):
+            raise SPConfigError(f"--sp-ulysses-size={cfg.ulysses_size} must divide --context-parallel-size {cp} "
+                                f"and the heads per TP rank {local}")
+    if cfg.nodes is not None and cp % cfg.nodes:
+        raise SPConfigError(f"--sp-nodes={cfg.nodes} does not divide --context-parallel-size {cp}")
+    if ("tas" in types or cfg.placement == "tas") and _nodes_hint(args) < 2:
+        raise SPConfigError("--cp-comm-type/--sp-placement tas needs a multi-machine mesh: this job runs on one "
+                            "machine; set --sp-nodes N to simulate N machines, or use usp/auto")
+    return cfg

@@ -1,0 +1,49 @@
+"""TransformerConfig with our fields, named like the launch-script flags so that Megatron-LM's
+``core_transformer_config_from_args`` copies them by name (``--hcms-head-chunks`` ->
+``hcms_head_chunks``). Validation stays in ``megatron_sp_ext.config.SPConfig``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..config import SPConfig
+
+
+@dataclass
+class SPTransformerConfig(TransformerConfig):
+    """Megatron TransformerConfig plus megatron_sp_ext settings (flag names in parentheses).
+
+    hcms_head_chunks (--hcms-head-chunks): HCMS chunks per rank or "auto".
+    sp_placement (--sp-placement): mesh placement for usp/tas/torus/auto: auto, usp, tas.
+    sp_nodes (--sp-nodes): machines to assume (simulate several on one machine).
+    sp_ulysses_size (--sp-ulysses-size): Ulysses degree of the mesh.
+    sp_ring_variant (--sp-ring-variant): ring or tasp inside ring/hybrid modes.
+    sp_attention_backend (--sp-attention-backend): sdpa, math, flash_attn, te.
+    """
+
+    hcms_head_chunks: Union[int, str] = 1
+    sp_placement: str = "auto"
+    sp_nodes: Optional[int] = None
+    sp_ulysses_size: Optional[int] = None
+    sp_ring_variant: str = "ring"
+    sp_attention_backend: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        sp_config_from(self)  # validates; errors name the flags
+
+
+def sp_config_from(config) -> SPConfig:
+    """SPConfig from any TransformerConfig (our fields when present, defaults otherwise)."""
+    return SPConfig(
+        head_chunks=getattr(config, "hcms_head_chunks", 1),
+        ring_variant=getattr(config, "sp_ring_variant", "ring"),
+        placement=getattr(config, "sp_placement", "auto"),
+        ulysses_size=getattr(config, "sp_ulysses_size", None),
+        nodes=getattr(config, "sp_nodes", None),
+        backend=getattr(config, "sp_attention_backend", "sdpa"),
+        source="megatron",
+    )
