@@ -144,3 +144,21 @@ def test_te_types_need_te():
         return "no error"
     msg = run_ranks(fn, 2)[0]
     assert "--cp-comm-type=a2a" in msg and "needs transformer-engine" in msg
+
+
+def test_runtime_patch_is_explicit_idempotent_reversible():
+    from megatron.core.models.gpt import gpt_layer_specs as mod
+
+    from megatron_sp_ext.megatron import SPDotProductAttention
+    from megatron_sp_ext.megatron import patch
+    orig = mod.get_gpt_layer_local_spec
+    assert not patch.is_applied()
+    assert mod.get_gpt_layer_local_spec().submodules.self_attention.submodules.core_attention is not \
+        SPDotProductAttention
+    try:
+        assert patch.apply() is True and patch.apply() is False
+        spec = mod.get_gpt_layer_local_spec()
+        assert spec.submodules.self_attention.submodules.core_attention.module is SPDotProductAttention
+    finally:
+        assert patch.remove() is True and patch.remove() is False
+    assert mod.get_gpt_layer_local_spec is orig

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Two machines x 8 GPUs: StreamFusion placement (Ulysses across machines, ring inside), CP=16.
+# Run on each node with NODE_RANK=0/1 and MASTER_ADDR set. See pretrain_gpt_hcms.sh for prerequisites.
+set -euo pipefail
+MEGATRON_LM=${MEGATRON_LM:-$HOME/Megatron-LM}
+torchrun --nnodes 2 --node-rank "${NODE_RANK:?}" --master-addr "${MASTER_ADDR:?}" --master-port 29500 \
+  --nproc-per-node 8 "$MEGATRON_LM/pretrain_gpt.py" \
+  --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 131072 --max-position-embeddings 131072 \
+  --micro-batch-size 1 --global-batch-size 16 --lr 1e-4 --train-iters 100 --bf16 \
+  --context-parallel-size 16 \
+  --cp-comm-type tas --sp-ring-variant tasp \
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
+  --transformer-impl local --attention-backend local
