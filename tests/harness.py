@@ -29,6 +29,8 @@ class RankFailure(AssertionError):
 
 def _child(fn, rank, world, store_path, queue, args, kwargs):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # what torchrun sets (DeepSpeed checks LOCAL_RANK); one simulated machine
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world)

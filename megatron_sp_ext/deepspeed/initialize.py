@@ -1,0 +1,130 @@
+"""``initialize``: wire sequence parallelism from the DeepSpeed JSON, then call deepspeed.initialize.
+
+JSON (next to DeepSpeed's own ``"sequence_parallel_size": P``):
+    "sequence_parallel_ext": {"mode": "hcms", "head_chunks": "auto", "placement": "auto",
+                              "ring_variant": "tasp", "nodes": null, "ulysses_size": null,
+                              "backend": "sdpa", "causal": false}
+Steps: validate the block (errors name the JSON key) -> build SP / data / sequence-data groups
+-> install the mpu in deepspeed.utils.groups -> swap the attention of opting-in modules ->
+deepspeed.initialize(model=..., config=..., mpu=..., **kwargs) and return what it returns.
+
+Opt-in protocol (either):
+  * a module that is a DeepSpeed ``DistributedAttention`` is replaced by ``SPDistributedAttention``
+    with the same arguments (local attention, scatter/gather indices, num_kv_heads);
+  * a module with ``configure_sequence_parallel(make_attention)`` is called with a factory
+    ``make_attention(local_attention, scatter_idx=2, gather_idx=0, num_kv_heads=None)`` that
+    returns a configured ``SPDistributedAttention``.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..config import MESH_MODES, SPConfig
+from ..errors import SPConfigError
+from .mpu import SequenceParallelMPU, build_sequence_parallel_groups
+
+_EXTRA_KEYS = ("causal",)
+
+
+def _load(config: Union[str, Mapping[str, Any]]) -> dict:
+    if isinstance(config, str):
+        with open(config) as f:
+            return json.load(f)
+    return dict(config)
+
+
+def sp_config_from_deepspeed(config: Union[str, Mapping[str, Any]]) -> tuple[SPConfig, dict]:
+    """(SPConfig, extras) from the ``sequence_parallel_ext`` block; extras hold adapter-only keys (causal)."""
+    block = dict(_load(config).get("sequence_parallel_ext", {}))
+    extras = {k: block.pop(k) for k in _EXTRA_KEYS if k in block}
+    if "causal" in extras and not isinstance(extras["causal"], bool):
+        raise SPConfigError(f"sequence_parallel_ext.causal={extras['causal']!r} is invalid: use true or false")
+    return SPConfig.from_dict(block, source="deepspeed"), extras
+
+
+def validate_deepspeed_config(config: Union[str, Mapping[str, Any]], world_size: int,
+                              num_heads: Optional[int] = None) -> tuple[SPConfig, dict, int]:
+    """All checks that need no process group; raise SPConfigError naming the JSON key."""
+    cfg_dict = _load(config)
+    sp = cfg_dict.get("sequence_parallel_size", 1)
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+        raise SPConfigError(f"sequence_parallel_size={sp!r} is invalid: use a positive integer")
+    if world_size % sp != 0:
+        raise SPConfigError(f"sequence_parallel_size={sp} does not divide the world size {world_size}: "
+                            f"use a divisor of {world_size}")
+    cfg, extras = sp_config_from_deepspeed(cfg_dict)
+    cfg.validate_world(sp, world_size, num_heads)
+    if cfg.mode in MESH_MODES or cfg.placement == "tas":
+        tas = cfg.mode == "tas" or cfg.placement == "tas"
+        if sp < 2:
+            raise SPConfigError(f"sequence_parallel_ext.mode={cfg.mode!r} needs a mesh of at least 2 ranks: "
+                                f"sequence_parallel_size={sp}")
+        if tas and (cfg.nodes is None or cfg.nodes < 2) and not _multi_machine():
+            raise SPConfigError("sequence_parallel_ext.placement/mode 'tas' needs a multi-machine mesh but this job "
+                                "runs on one machine: set sequence_parallel_ext.nodes to simulate machines, or use "
+                                "'usp'/'auto'")
+    return cfg, extras, sp
+
+
+def _multi_machine() -> bool:
+    import os  # noqa: PLC0415
+    w, lw = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    return bool(w and lw and int(w) > int(lw))
+
+
+def _resolve_mode(cfg: SPConfig, num_heads: Optional[int], sp: int) -> SPConfig:
+    if cfg.mode != "auto":
+        return cfg
+    import dataclasses  # noqa: PLC0415
+    heads = num_heads or 0
+    mode = "hcms" if heads >= sp else ("usp" if heads > 1 else "ring")
+    return dataclasses.replace(cfg, mode=mode)
+
+
+def swap_attention(model: torch.nn.Module, mpu: SequenceParallelMPU, cfg: SPConfig, extras: dict) -> int:
+    """Apply the opt-in protocol (module docstring); returns how many attentions were configured."""
+    from deepspeed.sequence.layer import DistributedAttention  # noqa: PLC0415
+
+    from .attention import SPDistributedAttention  # noqa: PLC0415
+    n = 0
+
+    def make(local_attention, scatter_idx=2, gather_idx=0, num_kv_heads=None):
+        return SPDistributedAttention(local_attention, mpu.get_sequence_parallel_group(), scatter_idx, gather_idx,
+                                      None, num_kv_heads, sp_config=cfg, causal=extras.get("causal", False))
+    for parent in list(model.modules()):
+        if hasattr(parent, "configure_sequence_parallel"):
+            parent.configure_sequence_parallel(make)
+            n += 1
+        for name, child in list(parent.named_children()):
+            if isinstance(child, DistributedAttention) and not isinstance(child, SPDistributedAttention):
+                setattr(parent, name, make(child.local_attn, child.scatter_idx, child.gather_idx, child.num_kv_heads))
+                n += 1
+    return n
+
+
+def initialize(model: torch.nn.Module, config: Union[str, Mapping[str, Any]], num_heads: Optional[int] = None,
+               **kwargs):
+    """Validate, build groups and mpu, swap attention, then ``deepspeed.initialize``; returns its result.
+
+    num_heads: attention heads (lets validation and mode "auto" check head-based limits early).
+    """
+    import deepspeed  # noqa: PLC0415
+    cfg_dict = _load(config)
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    else:
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+    cfg, extras, sp = validate_deepspeed_config(cfg_dict, dist.get_world_size(), num_heads)
+    cfg = _resolve_mode(cfg, num_heads, sp)
+    mpu = build_sequence_parallel_groups(sp).install()
+    n = swap_attention(model, mpu, cfg, extras)
+    if n == 0 and sp > 1:
+        import logging  # noqa: PLC0415
+        logging.getLogger("megatron_sp_ext").warning(
+            "megatron_sp_ext.deepspeed.initialize: no module opted in to sequence parallelism "
+            "(no DistributedAttention and no configure_sequence_parallel found)")
+    return deepspeed.initialize(model=model, config=cfg_dict, mpu=mpu, **kwargs)
