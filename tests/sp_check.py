@@ -26,9 +26,11 @@ def from_layout(x, layout):
 
 
 def run_case(attn, rank, world, *, b, s, h, hkv, d, dtype, causal, layout="bshd", seed=0,
-             shard=contiguous_shard, mask=None, device="cpu"):
+             shard=contiguous_shard, mask=None, device="cpu", compare_rows=None):
     """Returns (out, dq, dk, dv) of this rank (bshd) and asserts them against the reference."""
     q, k, v, do = (t.to(device) for t in make_qkv(seed, b, s, h, hkv, d, dtype))
+    if compare_rows is not None:  # rows >= compare_rows are padding: no loss flows from them
+        do[:, compare_rows:] = 0
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref = reference_attention(qr, kr, vr, causal=causal, mask=mask.to(device) if mask is not None else None)
     ref.backward(do.double())
@@ -36,7 +38,14 @@ def run_case(attn, rank, world, *, b, s, h, hkv, d, dtype, causal, layout="bshd"
     out = attn(*shards)
     out.backward(to_layout(shard(do, rank, world), layout))
     got = [from_layout(t, layout) for t in (out, shards[0].grad, shards[1].grad, shards[2].grad)]
-    want = [shard(t, rank, world) for t in (ref.detach(), qr.grad, kr.grad, vr.grad)]
+    ref_out = ref.detach()
+    if compare_rows is not None:  # padded query rows' outputs are don't-care
+        pos = shard(torch.arange(s, device=device).view(1, s, 1, 1).expand(b, s, 1, 1), rank, world)
+        keep = pos < compare_rows
+        got[0] = torch.where(keep, got[0], torch.zeros_like(got[0]))
+        ref_out = ref_out * torch.ones_like(ref_out).masked_fill(torch.arange(s, device=device).view(1, s, 1, 1)
+                                                                  >= compare_rows, 0)
+    want = [shard(t, rank, world) for t in (ref_out, qr.grad, kr.grad, vr.grad)]
     tag = f"rank{rank} P={world} b={b} s={s} h={h} hkv={hkv} d={d} {dtype} causal={causal} {layout}"
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.dtype == dtype, f"{tag}: {name} dtype {g.dtype}"

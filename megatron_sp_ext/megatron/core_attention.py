@@ -29,9 +29,8 @@ from ..comm.streams import StreamPool
 from ..config import SPConfig
 from ..errors import SPConfigError
 from ..sp.hybrid import hybrid_attention
-from ..sp.placement import pieces
 from ..sp.policy import HCMSPolicy
-from ..sp.ring import RingBackend, ring_attention
+from ..sp.ring import ring_attention
 from ..sp.torus import torus_attention
 from ..sp.ulysses import ulysses_attention
 from ..topology.mesh import SPMesh, build_sp_mesh
@@ -153,13 +152,9 @@ class SPDotProductAttention(DotProductAttention):
             return self.backend(qb, kb, vb, causal=causal, softmax_scale=scale).permute(2, 0, 1, 3)
         if self.mode in ("ulysses", "hcms"):
             chunks = 1 if self.mode == "ulysses" else self.sp.head_chunks
-            be = self.backend
-            if causal:  # the gathered sequence is in zigzag order: mask by global positions
-                seqlen = q.shape[0] * cp
-                runs = tuple(r for p in range(cp) for r in pieces("zigzag", p, cp, seqlen))
-                be = RingBackend(None, "ring", runs, (runs,), self.backend)
             return ulysses_attention(q, k, v, group, head_chunks=chunks, causal=causal, softmax_scale=scale,
-                                     layout="sbhd", backend=be, comm_stream=stream, policy=self.ctx.policy)
+                                     layout="sbhd", backend=self.backend, comm_stream=stream, policy=self.ctx.policy,
+                                     placement="zigzag")
         if self.mode in ("ring", "tasp"):
             return ring_attention(q, k, v, group, variant=self.mode, causal=causal, softmax_scale=scale,
                                   layout="sbhd", placement="zigzag", backend=self.backend)

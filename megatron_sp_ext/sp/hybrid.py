@@ -34,12 +34,14 @@ def mesh_runs(mesh: SPMesh, placement: str, seqlen: int) -> tuple:
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *,
                      head_chunks: "int | str" = 1, ring_variant: str = "ring", causal: bool = False,
                      softmax_scale: Optional[float] = None, layout: str = "bshd",
-                     placement: Optional[str] = None, backend: str = "sdpa") -> torch.Tensor:
-    """Ulysses over ``mesh.ulysses_group`` then ring/TASP over ``mesh.ring_group``. Shapes as ulysses_attention."""
+                     placement: Optional[str] = None, backend: str = "sdpa",
+                     kv_valid_len: Optional[int] = None) -> torch.Tensor:
+    """Ulysses over ``mesh.ulysses_group`` then ring/TASP over ``mesh.ring_group``. Shapes as ulysses_attention.
+    ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention."""
     placement = placement or ("zigzag" if causal else "contiguous")
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     runs = mesh_runs(mesh, placement, s_loc * mesh.world)
-    ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, get_backend(backend))
+    ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, get_backend(backend), kv_valid_len)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if mesh.ulysses_group is None:  # P_u == 1: pure ring over the mesh order
         to = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))

@@ -69,6 +69,7 @@ class RingPlan:
     causal: bool
     scale: float
     backend: LocalAttention
+    kv_valid_len: Optional[int] = None  # keys at global position >= this are padding (never attended)
     items_cache: dict = field(default_factory=dict)
 
     def slot_runs(self, origin: int, slot: int) -> list[tuple[int, int, int]]:
@@ -78,7 +79,11 @@ class RingPlan:
         for a, ln in self.kv_runs[origin]:
             s, e = max(lo, row), min(lo + n, row + ln)
             if s < e:
-                runs.append((a + (s - row), e - s, s))
+                g, length = a + (s - row), e - s
+                if self.kv_valid_len is not None:
+                    length = min(length, self.kv_valid_len - g)
+                if length > 0:
+                    runs.append((g, length, s))
             row += ln
         return runs
 
@@ -90,14 +95,14 @@ class RingPlan:
         key = self.origins(step)
         if key in self.items_cache:
             return self.items_cache[key]
-        if not self.causal:
+        if not self.causal and self.kv_valid_len is None:
             its = [_Item(None, None)]
         else:
-            its = self._causal_items(key, device)
+            its = self._masked_items(key, device)
         self.items_cache[key] = its
         return its
 
-    def _causal_items(self, origins, device) -> list[_Item]:
+    def _masked_items(self, origins, device) -> list[_Item]:
         qruns, row = [], 0
         for a, ln in self.q_runs:
             qruns.append((a, ln, row))
@@ -109,7 +114,7 @@ class RingPlan:
         for ka, kl, krow in kvruns:
             full = []
             for qa, ql, qrow in qruns:
-                if ka + kl <= qa:
+                if not self.causal or ka + kl <= qa:
                     full.append((qrow, ql))
                 elif ka >= qa + ql:
                     continue
@@ -265,7 +270,8 @@ class _RingFn(torch.autograd.Function):
 
 
 def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: bool, scale: float,
-                   backend: LocalAttention, balanced_slots: bool = False) -> RingPlan:
+                   backend: LocalAttention, balanced_slots: bool = False,
+                   kv_valid_len: Optional[int] = None) -> RingPlan:
     """Plan for one ring group (None or size 1 = no exchange). kv_runs[o] = runs of ring rank o."""
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
@@ -282,7 +288,7 @@ def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: 
         rt, lens = _single_ring(world), (s_loc,)
     offs = tuple(sum(lens[:i]) for i in range(len(lens)))
     return RingPlan(group, rank, world, variant, rt, offs, tuple(lens), tuple(q_runs), tuple(kv_runs),
-                    causal, scale, backend)
+                    causal, scale, backend, kv_valid_len)
 
 
 class RingBackend(LocalAttention):
@@ -291,8 +297,10 @@ class RingBackend(LocalAttention):
     Queries and keys of this rank cover global runs ``q_runs``; ``kv_runs[o]`` are ring rank o's.
     """
 
-    def __init__(self, group, variant: str, q_runs, kv_runs, inner: LocalAttention) -> None:
+    def __init__(self, group, variant: str, q_runs, kv_runs, inner: LocalAttention,
+                 kv_valid_len: Optional[int] = None) -> None:
         self.group, self.variant, self.q_runs, self.kv_runs, self.inner = group, variant, q_runs, kv_runs, inner
+        self.kv_valid_len = kv_valid_len
         self.name = f"{variant}[{inner.name}]"
         self._plans: dict = {}
 
@@ -300,7 +308,8 @@ class RingBackend(LocalAttention):
         key = (s_loc, causal, scale)
         if key not in self._plans:
             self._plans[key] = make_ring_plan(self.group, variant=self.variant, s_loc=s_loc, q_runs=self.q_runs,
-                                              kv_runs=self.kv_runs, causal=causal, scale=scale, backend=self.inner)
+                                              kv_runs=self.kv_runs, causal=causal, scale=scale, backend=self.inner,
+                                              kv_valid_len=self.kv_valid_len)
         return self._plans[key]
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
@@ -318,12 +327,13 @@ class RingBackend(LocalAttention):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                    variant: str = "ring", causal: bool = False, softmax_scale: Optional[float] = None,
                    layout: str = "bshd", placement: Optional[str] = None,
-                   backend: "str | LocalAttention" = "sdpa") -> torch.Tensor:
+                   backend: "str | LocalAttention" = "sdpa", kv_valid_len: Optional[int] = None) -> torch.Tensor:
     """Ring or TASP attention over ``group``. q: [B, S_loc, H, D] (or sbhd); k, v: Hkv heads.
 
     ``placement`` says which tokens each rank holds: by default "zigzag" for causal ring,
     "tasp_zigzag" for causal tasp, and "contiguous" otherwise (for non-causal any placement gives
     the same result). Use ``shard_sequence(x, group, placement=...)`` to produce matching shards.
+    ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
     Local attention uses the backend's log-sum-exp kernels (``forward_lse`` / ``backward_lse``).
     """
     if variant not in VARIANTS:
@@ -349,7 +359,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     q_runs = pieces(placement, rank, world, seqlen)  # validates divisibility
     kv_runs = tuple(pieces(placement, o, world, seqlen) for o in range(world))
     plan = make_ring_plan(group, variant=variant, s_loc=s_loc, q_runs=q_runs, kv_runs=kv_runs, causal=causal,
-                          scale=scale, backend=be, balanced_slots=placement == "tasp_zigzag")
+                          scale=scale, backend=be, balanced_slots=placement == "tasp_zigzag", kv_valid_len=kv_valid_len)
     out = _RingFn.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), plan)
     return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
 

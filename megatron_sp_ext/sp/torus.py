@@ -31,7 +31,8 @@ from .ring import RingBackend
 class _Ctx:
     """Static plan of one call: head groups, peers, and ring backends per (q tokens, kv tokens)."""
 
-    def __init__(self, mesh: SPMesh, hl: HeadLayout, placement: str, seqlen: int, variant: str, inner, scale):
+    def __init__(self, mesh: SPMesh, hl: HeadLayout, placement: str, seqlen: int, variant: str, inner, scale,
+                 kv_valid_len=None):
         self.mesh, self.hl, self.scale = mesh, hl, scale
         self.T, self.t = mesh.ulysses_size, mesh.ulysses_index
         self.group = mesh.ulysses_group
@@ -43,7 +44,7 @@ class _Ctx:
         self._mk = lambda q_ls, kv_ls: RingBackend(  # noqa: E731
             mesh.ring_group, variant,
             tuple(r for l in q_ls for r in runs(mesh.ring_index, l)),
-            tuple(tuple(r for l in kv_ls for r in runs(j, l)) for j in range(mesh.ring_size)), inner)
+            tuple(tuple(r for l in kv_ls for r in runs(j, l)) for j in range(mesh.ring_size)), inner, kv_valid_len)
 
     def be(self, q_ls, kv_ls) -> RingBackend:
         key = (tuple(q_ls), tuple(kv_ls))
@@ -231,8 +232,9 @@ class _TorusFn(torch.autograd.Function):
 
 def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool = False,
                     softmax_scale: Optional[float] = None, layout: str = "bshd", ring_variant: str = "ring",
-                    placement: Optional[str] = None, backend: str = "sdpa") -> torch.Tensor:
-    """Torus attention over ``mesh`` (see module docstring). Shapes and placement as hybrid_attention."""
+                    placement: Optional[str] = None, backend: str = "sdpa",
+                    kv_valid_len: Optional[int] = None) -> torch.Tensor:
+    """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len as hybrid_attention."""
     placement = placement or ("zigzag" if causal else "contiguous")
     if layout == "sbhd":
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
@@ -241,7 +243,7 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
     if hl.kv_repeat > 1:
         k, v = k.repeat_interleave(hl.kv_repeat, dim=2), v.repeat_interleave(hl.kv_repeat, dim=2)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    c = _Ctx(mesh, hl, placement, q.shape[1] * mesh.world, ring_variant, get_backend(backend), scale)
+    c = _Ctx(mesh, hl, placement, q.shape[1] * mesh.world, ring_variant, get_backend(backend), scale, kv_valid_len)
     c.causal = causal
     out = _TorusFn.apply(q, k, v, c)
     return out.transpose(0, 1) if layout == "sbhd" else out

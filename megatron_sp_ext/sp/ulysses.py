@@ -202,12 +202,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       head_chunks: "int | str" = 1, causal: bool = False, softmax_scale: Optional[float] = None,
                       layout: str = "bshd", backend: "str | LocalAttention" = "sdpa",
                       comm_stream: Optional["torch.cuda.Stream"] = None,
-                      policy=None) -> torch.Tensor:
+                      policy=None, placement: str = "contiguous",
+                      kv_valid_len: Optional[int] = None) -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
-    q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's contiguous sequence shard.
+    q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's sequence shard.
     k, v: same with Hkv heads (H % Hkv == 0). Returns the attention output in q's layout and shape.
-    causal assumes contiguous placement (rank r holds tokens [r*S_loc, (r+1)*S_loc)).
+    placement: which tokens each rank holds ("contiguous", "zigzag", "tasp_zigzag"); it matters
+    only for causal masks and for ``kv_valid_len`` (keys at global positions >= kv_valid_len are
+    padding and get no attention). Masked cases run the backend's LSE kernels on position runs.
     """
     _check_inputs(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -223,6 +226,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if hl.kv_repeat > 1:
         k = k.repeat_interleave(hl.kv_repeat, dim=2)
         v = v.repeat_interleave(hl.kv_repeat, dim=2)
+    if kv_valid_len is not None or (causal and placement != "contiguous"):
+        from .placement import pieces  # noqa: PLC0415
+        from .ring import RingBackend  # noqa: PLC0415
+        s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
+        runs = tuple(r for p in range(world) for r in pieces(placement, p, world, s_loc * world))
+        be = RingBackend(None, "ring", runs, (runs,), be, kv_valid_len)
     stream = comm_stream if comm_stream is not None else st.default_pool().comm_stream(q.device)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad)
