@@ -20,7 +20,7 @@ $(STAMP): setup.py
 venv: $(STAMP)
 
 demo: $(STAMP)
-	DS_ACCELERATOR=cpu $(VPY) tools/demo_sp.py --nproc 4
+	PYTHON=$(VPY) ITERS=40 bash configs/launch/dit_megatron_cpu.sh
 
 test: $(STAMP)
 	DS_ACCELERATOR=cpu $(VPY) -m pytest -q tests

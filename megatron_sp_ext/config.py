@@ -25,6 +25,15 @@ MESH_MODES = ("usp", "tas", "torus")
 
 HeadChunks = Union[int, str]
 
+
+def resolve_auto_mode(num_heads: int, sp_size: int) -> str:
+    """What mode "auto" runs: hcms when every rank gets a head, else a usp mesh (if heads and ranks
+    share a factor), else ring."""
+    import math  # noqa: PLC0415
+    if num_heads >= sp_size:
+        return "hcms"
+    return "usp" if math.gcd(num_heads, sp_size) > 1 else "ring"
+
 # setting -> (megatron flag, deepspeed json key)
 _NAMES = {
     "mode": ("--cp-comm-type", "sequence_parallel_ext.mode"),

@@ -83,31 +83,42 @@ class SPDistributedAttention(DistributedAttention):
                        "nodes": "sequence_parallel_ext.nodes"})
         return self._meshes[num_heads]
 
-    def forward(self, query, key, value, batch_dim_idx: int, rotary_pos_emb=None, *args, **kwargs):
+    def forward(self, query, key, value, batch_dim_idx: int, rotary_pos_emb=None, *args,
+                kv_valid_len: Optional[int] = None, **kwargs):
+        """DeepSpeed's forward; ``kv_valid_len`` (ours): keys at global positions >= it are padding.
+        With padding, ulysses/hcms use our LSE backend (a user callable cannot take the mask)."""
         if batch_dim_idx not in (0, 1):
             raise SPConfigError(f"batch_dim_idx={batch_dim_idx} is invalid: use 0 ([b, s, h, d]) or 1 ([s, b, h, d])")
         layout = "bshd" if batch_dim_idx == 0 else "sbhd"
         mode = self.cfg.mode
         scale = self.softmax_scale
         if mode in ("ulysses", "hcms"):
-            be = _UserLocalAttention(self.local_attn, batch_dim_idx, rotary_pos_emb, args, kwargs)
+            if kv_valid_len is None:
+                be = _UserLocalAttention(self.local_attn, batch_dim_idx, rotary_pos_emb, args, kwargs)
+            else:
+                if rotary_pos_emb is not None:
+                    query, key = self._local_rope(query, key, rotary_pos_emb, batch_dim_idx)
+                be = get_backend(self.cfg.backend, "sequence_parallel_ext.backend")
             chunks = 1 if mode == "ulysses" else self.cfg.head_chunks
             return ulysses_attention(query, key, value, self.spg, head_chunks=chunks, layout=layout, backend=be,
                                      softmax_scale=scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]),
-                                     comm_stream=self.sp_stream_pool.comm_stream(query.device), policy=self.policy)
+                                     comm_stream=self.sp_stream_pool.comm_stream(query.device), policy=self.policy,
+                                     causal=self.causal and kv_valid_len is not None, kv_valid_len=kv_valid_len)
         if rotary_pos_emb is not None:
             query, key = self._local_rope(query, key, rotary_pos_emb, batch_dim_idx)
         be = get_backend(self.cfg.backend, "sequence_parallel_ext.backend")
         if mode in ("ring", "tasp"):
             return ring_attention(query, key, value, self.spg, variant=mode, causal=self.causal, softmax_scale=scale,
-                                  layout=layout, backend=be)
+                                  layout=layout, backend=be, placement="contiguous", kv_valid_len=kv_valid_len)
         mesh = self._mesh(query.shape[2])
         if mode == "torus":
             return torus_attention(query, key, value, mesh, causal=self.causal, softmax_scale=scale, layout=layout,
-                                   ring_variant=self.cfg.ring_variant, backend=self.cfg.backend)
+                                   ring_variant=self.cfg.ring_variant, backend=self.cfg.backend,
+                                   placement="contiguous", kv_valid_len=kv_valid_len)
         return hybrid_attention(query, key, value, mesh, head_chunks=self.cfg.head_chunks,
                                 ring_variant=self.cfg.ring_variant, causal=self.causal, softmax_scale=scale,
-                                layout=layout, backend=self.cfg.backend)
+                                layout=layout, backend=self.cfg.backend, placement="contiguous",
+                                kv_valid_len=kv_valid_len)
 
     def _local_rope(self, query, key, rope, batch_dim_idx):
         """Rotate this rank's contiguous tokens by their global positions (full-length cos/sin given)."""

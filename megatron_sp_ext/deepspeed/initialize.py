@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..config import MESH_MODES, SPConfig
+from ..config import MESH_MODES, SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
 from .mpu import SequenceParallelMPU, build_sequence_parallel_groups
 
@@ -80,9 +80,7 @@ def _resolve_mode(cfg: SPConfig, num_heads: Optional[int], sp: int) -> SPConfig:
     if cfg.mode != "auto":
         return cfg
     import dataclasses  # noqa: PLC0415
-    heads = num_heads or 0
-    mode = "hcms" if heads >= sp else ("usp" if heads > 1 else "ring")
-    return dataclasses.replace(cfg, mode=mode)
+    return dataclasses.replace(cfg, mode=resolve_auto_mode(num_heads or 1, sp))
 
 
 def swap_attention(model: torch.nn.Module, mpu: SequenceParallelMPU, cfg: SPConfig, extras: dict) -> int:

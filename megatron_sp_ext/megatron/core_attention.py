@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import math
 from typing import Optional
 
 import torch
@@ -26,7 +25,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from ..attention.backends import get_backend
 from ..comm.streams import StreamPool
-from ..config import SPConfig
+from ..config import SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
 from ..sp.hybrid import hybrid_attention
 from ..sp.policy import HCMSPolicy
@@ -59,15 +58,6 @@ class SPContext:
         return self._meshes[key]
 
 
-def resolve_auto(num_heads_local: int, cp: int) -> str:
-    """What ``--cp-comm-type auto`` runs for these sizes (documented in the README)."""
-    if num_heads_local >= cp:
-        return "hcms"
-    if math.gcd(num_heads_local, cp) > 1:
-        return "usp"
-    return "ring"
-
-
 class SPDotProductAttention(DotProductAttention):
     """Core attention with megatron_sp_ext context parallelism (see module docstring)."""
 
@@ -97,7 +87,7 @@ class SPDotProductAttention(DotProductAttention):
             raise SPConfigError(f"--cp-comm-type={mode!r} is invalid: choose one of "
                                 f"{', '.join(OUR_CP_TYPES + TE_CP_TYPES)}")
         heads = self.num_attention_heads_per_partition
-        self.mode = resolve_auto(heads, cp) if mode == "auto" else mode
+        self.mode = resolve_auto_mode(heads, cp) if mode == "auto" else mode
         self.ctx = sp_context or SPContext()
         self.sp = self.ctx.sp_config or sp_config_from(config)
         if self.mode in ("ulysses", "hcms") and cp > 1 and heads < cp:

@@ -1,0 +1,150 @@
+"""Video-DiT training under sequence parallelism (CPU, fp32): every SP mode equals SP=1 on the full
+sequence (loss and gradients at step 0, losses over 3 optimizer steps), both entry points, exact
+resume, and padding that changes nothing."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core")
+
+from tests.harness import run_ranks  # noqa: E402
+from tests.reference import rel_err  # noqa: E402
+from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
+from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
+
+CFG = preset("tiny")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _loss_and_grads(group, mode, frames=(4,), size=(6, 10), **kw):
+    torch.manual_seed(5)
+    model = VideoDiT(CFG)
+    sp = dist.get_world_size(group) if group is not None else 1
+    model.set_attention_core(make_core(mode, group, num_heads=CFG.heads, **kw))
+    data = SyntheticVideoLatents(CFG.in_channels, frames, size[0], size[1], CFG.text_len, CFG.text_dim, seed=1)
+    batch = flow_matching_batch(data, 0, 7, 0, 1, 1, CFG.patch)
+    inp = prepare(batch, dist.get_rank(group) if group is not None else 0, sp, "cpu")
+    loss_r = local_loss(model, inp)
+    (loss_r * sp).backward()
+    loss = loss_r.detach().clone()
+    grads = [p.grad.clone() for p in model.parameters()]
+    if group is not None:
+        dist.all_reduce(loss, group=group)
+        for g in grads:
+            dist.all_reduce(g, group=group)
+            g /= sp
+    return loss.item(), grads, inp.n_pad - inp.n_valid
+
+
+MODES = [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("tasp", {}),
+         ("usp", {"nodes": 2, "ulysses_size": 2}), ("tas", {"nodes": 2, "ulysses_size": 2}),
+         ("torus", {"nodes": 2, "ulysses_size": 2, "placement": "tas"}), ("auto", {})]
+
+
+def _step0(rank, world, frames):
+    out = {}
+    ref_loss, ref_grads, _ = _loss_and_grads(None, "ulysses", frames)
+    for mode, kw in MODES:
+        loss, grads, pad = _loss_and_grads(dist.group.WORLD, mode, frames, **kw)
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), f"{mode}: loss {loss} vs {ref_loss}"
+        for i, (g, r) in enumerate(zip(grads, ref_grads)):
+            assert rel_err(g, r) < 1e-5, f"{mode}: grad {i} {rel_err(g, r)}"
+        out[mode] = pad
+    return out
+
+
+def test_every_mode_equals_sp1_at_step0():
+    run_ranks(_step0, 4, (4,))
+
+
+def test_padding_changes_nothing():
+    # 3 frames x (3 x 5) patches = 45 tokens: not divisible by 4 (nor 2 x SP); padded to 48
+    pads = run_ranks(_step0, 4, (3,))[0]
+    assert all(p == 3 for p in pads.values()), pads
+
+
+def _megatron_run(rank, world, cp, mode, steps, extra=()):
+    from training import pretrain_video_dit
+    argv = ["--model", "tiny", "--context-parallel-size", str(cp), "--cp-comm-type", mode, "--train-iters", str(steps),
+            "--frames", "4,3", "--latent-size", "6x10", "--quiet", *extra]
+    return pretrain_video_dit.main(argv)["losses"]
+
+
+def _ds_run(rank, world, sp, mode, steps, extra=(), zero=1):
+    from training import train_deepspeed
+    argv = ["--deepspeed-config", os.path.join(ROOT, "configs", "deepspeed", "cpu_tiny_hcms.json"), "--model", "tiny",
+            "--train-iters", str(steps), "--frames", "4,3", "--latent-size", "6x10", "--quiet", *extra]
+    cfg = {"sequence_parallel_size": sp, "zero_optimization": {"stage": zero},
+           "sequence_parallel_ext": {"mode": mode, **({"head_chunks": 2} if mode == "hcms" else {})}}
+    return train_deepspeed.main(argv, config=cfg)["losses"]
+
+
+@pytest.mark.parametrize("mode", ["hcms", "tasp", "usp"])
+def test_megatron_entry_3_steps_match_sp1(mode):
+    ref = run_ranks(_megatron_run, 1, 1, "ulysses", 3)[0]
+    extra = ("--sp-nodes", "2", "--sp-ulysses-size", "2") if mode == "usp" else ()
+    if mode == "hcms":
+        extra = ("--hcms-head-chunks", "2")
+    got = run_ranks(_megatron_run, 4, 4, mode, 3, extra)
+    for r in range(4):
+        for a, b in zip(got[r], ref):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{mode}: {got[r]} vs {ref}"
+
+
+@pytest.mark.parametrize("mode", ["hcms", "ring"])
+def test_deepspeed_entry_3_steps_match_sp1(mode):
+    ref = run_ranks(_ds_run, 1, 1, "ulysses", 3)[0]
+    got = run_ranks(_ds_run, 4, 4, mode, 3)
+    for r in range(4):
+        for a, b in zip(got[r], ref):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{mode}: {got[r]} vs {ref}"
+
+
+def test_megatron_resume_is_exact(tmp_path):
+    straight = run_ranks(_megatron_run, 4, 4, "hcms", 6, ("--hcms-head-chunks", "2"))[0]
+    ck = str(tmp_path / "ck")
+    first = run_ranks(_megatron_run, 4, 4, "hcms", 4, ("--hcms-head-chunks", "2", "--save", ck))[0]
+    rest = run_ranks(_megatron_run, 4, 4, "hcms", 6, ("--hcms-head-chunks", "2", "--load", ck))[0]
+    assert first + rest == straight, (first, rest, straight)
+
+
+def test_deepspeed_resume_is_exact(tmp_path):
+    straight = run_ranks(_ds_run, 2, 2, "hcms", 6)[0]
+    ck = str(tmp_path / "ck")
+    first = run_ranks(_ds_run, 2, 2, "hcms", 4, ("--save", ck))[0]
+    rest = run_ranks(_ds_run, 2, 2, "hcms", 6, ("--load", ck))[0]
+    assert first + rest == straight, (first, rest, straight)
+
+
+def test_metrics_and_plot_written(tmp_path):
+    log = str(tmp_path / "log")
+
+    def fn(rank, world):
+        from training import pretrain_video_dit
+        return pretrain_video_dit.main(["--context-parallel-size", "2", "--cp-comm-type", "hcms", "--train-iters", "3",
+                                        "--latent-size", "6x10", "--log-dir", log, "--quiet"])
+    res = run_ranks(fn, 2)[0]
+    import json
+    rows = [json.loads(x) for x in open(os.path.join(log, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["loss"] == pytest.approx(res["losses"][0])
+    assert os.path.getsize(os.path.join(log, "loss.png")) > 1000
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_on_disk_latents_roundtrip(tmp_path, fmt):
+    from tools.make_latents import main as make
+    from training.video_dit.data import LatentShardDataset
+    out = str(tmp_path / "lat")
+    make(["--out", out, "--num", "3", "--frames", "4,5", "--size", "6x10", "--format", fmt])
+    ds = LatentShardDataset(out)
+    src = SyntheticVideoLatents(4, [4, 5], 6, 10, 8, 32, seed=1234)
+    assert len(ds) == 3
+    for i in range(3):
+        assert torch.equal(ds[i]["latent"], src[i]["latent"]) and torch.equal(ds[i]["text"], src[i]["text"])
+    assert ds[1]["latent"].shape == (4, 5, 6, 10)
+    with pytest.raises(FileNotFoundError, match="--data-path"):
+        LatentShardDataset(str(tmp_path / "empty"))

@@ -1,0 +1,168 @@
+"""Train the video DiT with megatron-core: parallel_state groups, Megatron-LM-style flags
+(--context-parallel-size, --cp-comm-type, --hcms-head-chunks, --sp-placement, ...), Megatron's DDP
+and optimizer on GPU.
+
+    torchrun --nproc-per-node 4 training/pretrain_video_dit.py --model tiny \
+        --context-parallel-size 4 --cp-comm-type hcms --hcms-head-chunks 2 --train-iters 40 --log-dir runs/demo
+
+Megatron-core's DDP keeps its gradient buffers on CUDA; on CPU (gloo) the same reduction is done
+explicitly (all-reduce over data x context ranks, averaged) with torch AdamW: --ddp-impl picks,
+"auto" = megatron on CUDA, torch on CPU. The choice is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_sp_ext.errors import SPConfigError  # noqa: E402
+from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit.cli import add_common_args, build_dataset, frames_and_size, pick_device  # noqa: E402
+from training.video_dit.engine import (MetricsLog, check_divisible, flow_matching_batch, local_loss, make_core,  # noqa: E402
+                                       prepare, sample_loss)
+
+
+def parse(argv: Optional[list] = None) -> argparse.Namespace:
+    from megatron_sp_ext.megatron import add_arguments, validate_args  # noqa: PLC0415
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--ddp-impl", choices=["auto", "megatron", "torch"], default="auto")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    cfg = preset(args.model, args.num_layers)
+    args.num_attention_heads, args.tensor_model_parallel_size = cfg.heads, 1
+    if len(args.cp_comm_type) != 1:
+        p.error("--cp-comm-type: the video DiT takes one value for all layers")
+    if args.cp_comm_type[0] in ("p2p", "a2a", "all_gather", "a2a+p2p"):
+        p.error(f"--cp-comm-type={args.cp_comm_type[0]}: Transformer Engine's CP needs TE's attention module; "
+                f"this DiT uses megatron_sp_ext modes (ulysses, hcms, ring, tasp, usp, tas, torus, auto)")
+    try:
+        validate_args(args)
+    except SPConfigError as e:
+        p.error(str(e))
+    return args
+
+
+def _save(path, step, model, opt, rank):
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()},
+                   os.path.join(path, "checkpoint.pt"))
+    dist.barrier()
+
+
+def main(argv: Optional[list] = None) -> dict:
+    args = parse(argv)
+    device = pick_device()
+    own_pg = not dist.is_initialized()
+    if own_pg:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
+    try:
+        return _train(args, device, ps)
+    finally:
+        ps.destroy_model_parallel()
+        if own_pg:
+            dist.destroy_process_group()
+
+
+def _train(args, device, ps) -> dict:
+    cfg = preset(args.model, args.num_layers)
+    frames, h, w = frames_and_size(args)
+    check_divisible(cfg, frames, h, w)
+    cp_group, dp_group = ps.get_context_parallel_group(), ps.get_data_parallel_group()
+    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    sp_rank, sp_world = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
+    dp_rank, dp_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed)
+    model = VideoDiT(cfg).to(device)
+    model.set_attention_core(make_core(args.cp_comm_type[0], cp_group if sp_world > 1 else None, num_heads=cfg.heads,
+                                       head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
+                                       placement=args.sp_placement, ulysses_size=args.sp_ulysses_size,
+                                       nodes=args.sp_nodes, backend=args.sp_attention_backend))
+    impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
+    if impl == "megatron":
+        model, opt = _megatron_ddp(model, cfg, args)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    start = 0
+    if args.load:
+        ck = torch.load(os.path.join(args.load, "checkpoint.pt"), map_location=device, weights_only=False)
+        (model.module if impl == "megatron" else model).load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        start = ck["step"]
+    dataset = build_dataset(args, cfg)
+    log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
+    if rank == 0 and not args.quiet:
+        print(f"[pretrain_video_dit] model={args.model} layers={cfg.layers} CP={sp_world} DP={dp_world} "
+              f"cp_comm_type={args.cp_comm_type[0]} head_chunks={args.hcms_head_chunks} ddp={impl} device={device}",
+              flush=True)
+    autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
+    losses = []
+    for step in range(start, args.train_iters):
+        batch = flow_matching_batch(dataset, step, args.seed, dp_rank, dp_world, args.micro_batch_size, cfg.patch)
+        inp = prepare(batch, sp_rank, sp_world, device)
+        if impl == "megatron":
+            model.zero_grad_buffer()
+        opt.zero_grad(set_to_none=True)
+        loss_r = local_loss(model, inp, autocast)
+        (loss_r * sp_world).backward()
+        if impl == "megatron":
+            model.finish_grad_sync()
+            opt.step()
+        else:
+            _reduce_grads(model, dp_cp_group)
+            if args.clip_grad > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            opt.step()
+        loss = sample_loss(loss_r, cp_group, dp_group)
+        losses.append(loss)
+        log.step(step, loss, inp.n_valid * args.micro_batch_size * dp_world, inp.n_valid,
+                 {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid})
+        if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
+            _save(args.save, step + 1, model.module if impl == "megatron" else model, opt, rank)
+    if args.save:
+        _save(args.save, args.train_iters, model.module if impl == "megatron" else model, opt, rank)
+    plot = log.close(f"video DiT ({args.model}), CP={sp_world} {args.cp_comm_type[0]}")
+    if rank == 0 and not args.quiet and losses:
+        print(f"[pretrain_video_dit] loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+              f"metrics: {args.log_dir}/metrics.jsonl; plot: {plot}", flush=True)
+    return {"losses": losses, "plot": plot, "rows": log.rows}
+
+
+def _reduce_grads(model, group) -> None:
+    """What Megatron's DDP does on GPU: average gradients over data x context-parallel ranks."""
+    world = dist.get_world_size(group)
+    for p in model.parameters():
+        if p.grad is not None and world > 1:
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= world
+
+
+def _megatron_ddp(model, cfg, args):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
+    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
+    tcfg = TransformerConfig(num_layers=cfg.layers, hidden_size=cfg.dim, num_attention_heads=cfg.heads,
+                             context_parallel_size=args.context_parallel_size, bf16=args.bf16)
+    ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                      overlap_grad_reduce=False), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
+                                                 adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad,
+                                                 bf16=False, params_dtype=torch.float32), [ddp])
+    return ddp, opt
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Train the video DiT with DeepSpeed; sequence parallelism comes from the JSON config:
+
+    "sequence_parallel_size": 4,
+    "sequence_parallel_ext": {"mode": "hcms", "head_chunks": 2}
+
+    torchrun --nproc-per-node 4 training/train_deepspeed.py --deepspeed-config configs/deepspeed/cpu_tiny_hcms.json
+
+megatron_sp_ext.deepspeed.initialize validates the block, builds the SP groups and mpu, lets the
+DiT opt in (configure_sequence_parallel -> SPDistributedAttention) and calls deepspeed.initialize.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit.cli import add_common_args, build_dataset, frames_and_size, pick_device  # noqa: E402
+from training.video_dit.engine import (MetricsLog, check_divisible, flow_matching_batch, local_loss, prepare,  # noqa: E402
+                                       sample_loss)
+
+
+def parse(argv: Optional[list] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--deepspeed-config", required=True, help="DeepSpeed JSON (with sequence_parallel_ext)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
+    """``config`` (a dict) overrides --deepspeed-config (tests)."""
+    args = parse(argv)
+    device = pick_device()
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with open(args.deepspeed_config) as f:
+        ds_cfg = json.load(f)
+    if config:
+        ds_cfg.update(config)
+    import deepspeed  # noqa: PLC0415
+
+    from megatron_sp_ext.deepspeed import initialize  # noqa: PLC0415
+    own_pg = not dist.is_initialized()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    cfg = preset(args.model, args.num_layers)
+    frames, h, w = frames_and_size(args)
+    check_divisible(cfg, frames, h, w)
+    ds_cfg.setdefault("train_micro_batch_size_per_gpu", args.micro_batch_size)
+    torch.manual_seed(args.seed)
+    engine, _, _, _ = initialize(model=VideoDiT(cfg), config=ds_cfg, num_heads=cfg.heads)
+    try:
+        return _train(args, engine, cfg, device)
+    finally:
+        if own_pg:
+            dist.destroy_process_group()
+
+
+def _train(args, engine, cfg, device) -> dict:
+    from deepspeed.utils import groups  # noqa: PLC0415
+    mpu = groups.mpu
+    sp_group = mpu.get_sequence_parallel_group()
+    sp_world, sp_rank = mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_world, dp_rank = world // sp_world, rank // sp_world
+    start = 0
+    if args.load:
+        _, client = engine.load_checkpoint(args.load)
+        start = int((client or {}).get("step", 0))
+    dataset = build_dataset(args, cfg)
+    log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
+    block = engine.config.get("sequence_parallel_ext", {}) if isinstance(engine.config, dict) else {}
+    if rank == 0 and not args.quiet:
+        print(f"[train_deepspeed] model={args.model} layers={cfg.layers} SP={sp_world} DP={dp_world} "
+              f"zero={engine.zero_optimization_stage()} sequence_parallel_ext={block} device={device}", flush=True)
+    bf16 = engine.bfloat16_enabled()
+    losses = []
+    for step in range(start, args.train_iters):
+        batch = flow_matching_batch(dataset, step, args.seed, dp_rank, dp_world, args.micro_batch_size, cfg.patch)
+        inp = prepare(batch, sp_rank, sp_world, device)
+        if bf16:
+            inp.x, inp.text, inp.t = inp.x.bfloat16(), inp.text.bfloat16(), inp.t.bfloat16()
+        loss_r = local_loss(engine, inp)
+        engine.backward(loss_r * sp_world)
+        engine.step()
+        loss = sample_loss(loss_r, sp_group, mpu.data_group)
+        losses.append(loss)
+        log.step(step, loss, inp.n_valid * args.micro_batch_size * dp_world, inp.n_valid,
+                 {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid})
+        if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
+            engine.save_checkpoint(args.save, tag=f"step{step + 1}", client_state={"step": step + 1})
+    if args.save:
+        engine.save_checkpoint(args.save, tag=f"step{args.train_iters}", client_state={"step": args.train_iters})
+    plot = log.close(f"video DiT ({args.model}), DeepSpeed SP={sp_world}")
+    if rank == 0 and not args.quiet and losses:
+        print(f"[train_deepspeed] loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+              f"plot: {plot}", flush=True)
+    return {"losses": losses, "plot": plot, "rows": log.rows}
+
+
+if __name__ == "__main__":
+    main()

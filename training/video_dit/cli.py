@@ -1,0 +1,52 @@
+"""Flags shared by both entry points, and dataset construction from them."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .config import PRESETS
+from .data import LatentShardDataset, SyntheticVideoLatents
+
+
+def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = p.add_argument_group("video DiT")
+    g.add_argument("--model", default="tiny", choices=list(PRESETS), help="model preset")
+    g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    g.add_argument("--frames", default="4", help="comma list of latent frame counts, cycled per sample")
+    g.add_argument("--latent-size", default="8x8", help="latent HxW (before the 2x2 patch)")
+    g.add_argument("--data-path", default=None, help="directory of latent shards (tools/make_latents.py); "
+                   "default: synthetic latents")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--train-iters", type=int, default=30)
+    g.add_argument("--lr", type=float, default=2e-3)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--load", default=None, help="resume from this checkpoint directory")
+    g.add_argument("--save-interval", type=int, default=0, help="save every N steps (0: only at the end)")
+    g.add_argument("--log-dir", default=None, help="metrics.jsonl and loss.png go here")
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar / summary")
+    return p
+
+
+def frames_and_size(args) -> tuple[list, int, int]:
+    frames = [int(x) for x in str(args.frames).split(",")]
+    h, w = (int(x) for x in args.latent_size.lower().split("x"))
+    return frames, h, w
+
+
+def build_dataset(args, cfg):
+    if args.data_path:
+        return LatentShardDataset(args.data_path)
+    frames, h, w = frames_and_size(args)
+    return SyntheticVideoLatents(cfg.in_channels, frames, h, w, cfg.text_len, cfg.text_dim, seed=args.seed)
+
+
+def pick_device() -> torch.device:
+    import os  # noqa: PLC0415
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")

@@ -1,0 +1,228 @@
+"""Framework-neutral training pieces: attention core, flow-matching batch, sharding, loss, logging.
+
+Loss bookkeeping (both frameworks): the per-sample loss is the mean squared velocity error over
+the sample's valid tokens and patch values. Rank r of an SP group holds some of those tokens and
+computes ``loss_r`` = (its share of the sum) / (valid tokens * patch values), so the sample loss is
+the SUM of loss_r over the SP group. Each rank back-propagates ``loss_r * sp_size``; the gradient
+all-reduce then averages over data x sequence ranks (Megatron DDP over dp-with-cp, DeepSpeed over
+sequence-data ranks), which gives the gradient of the mean sample loss over data-parallel ranks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import megatron_sp_ext as spx
+from megatron_sp_ext.config import resolve_auto_mode
+from megatron_sp_ext.sp.placement import pieces
+from megatron_sp_ext.sp.policy import HCMSPolicy
+
+from .model import patchify
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: str = "ring",
+              placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "sdpa"):
+    """The sequence-parallel attention core(q, k, v, kv_valid_len) on [B, S_local, H, D] shards
+    (contiguous token placement) for ``mode`` over ``group`` (None or size 1 = local)."""
+    from .model import local_core  # noqa: PLC0415
+    world = dist.get_world_size(group) if group is not None else 1
+    if world == 1:
+        return local_core
+    mode = resolve_auto_mode(num_heads, world) if mode == "auto" else mode
+    policy = HCMSPolicy()
+    if mode in ("ulysses", "hcms"):
+        chunks = 1 if mode == "ulysses" else head_chunks
+        return lambda q, k, v, n=None: spx.ulysses_attention(q, k, v, group, head_chunks=chunks, policy=policy,
+                                                             backend=backend, kv_valid_len=n)
+    if mode in ("ring", "tasp"):
+        return lambda q, k, v, n=None: spx.ring_attention(q, k, v, group, variant=mode, placement="contiguous",
+                                                          backend=backend, kv_valid_len=n)
+    mesh = spx.build_sp_mesh(group, num_heads=num_heads, placement=mode if mode in ("usp", "tas") else placement,
+                             ulysses_size=ulysses_size, nodes=nodes)
+    if mode == "torus":
+        return lambda q, k, v, n=None: spx.torus_attention(q, k, v, mesh, ring_variant=ring_variant, backend=backend,
+                                                           kv_valid_len=n)
+    return lambda q, k, v, n=None: spx.hybrid_attention(q, k, v, mesh, head_chunks=head_chunks,
+                                                        ring_variant=ring_variant, backend=backend, kv_valid_len=n)
+
+
+def _rng(seed: int, step: int, dp_rank: int, micro: int) -> torch.Generator:
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4099 + dp_rank) * 131 + micro)
+
+
+def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: int, micro_batch: int,
+                        patch: tuple) -> dict:
+    """Rectified flow: x_t = (1 - t) x0 + t eps, target v = eps - x0, t ~ logit-normal(0, 1).
+
+    A pure function of (step, dp_rank): every SP rank of a DP rank builds the same full batch, and
+    a resumed run draws exactly what an uninterrupted one would. Returns full-sequence patches.
+    """
+    xs, tgts, ts, texts = [], [], [], []
+    for m in range(micro_batch):
+        sample = dataset[(step * dp_world + dp_rank) * micro_batch + m]
+        g = _rng(seed, step, dp_rank, m)
+        x0 = sample["latent"][None]
+        eps = torch.randn(x0.shape, generator=g)
+        t = torch.sigmoid(torch.randn(1, generator=g))
+        xs.append((1 - t) * x0 + t * eps)
+        tgts.append(eps - x0)
+        ts.append(t)
+        texts.append(sample["text"][None])
+    if len({x.shape for x in xs}) != 1:
+        raise ValueError("samples of one micro-batch must have equal latent shapes (use --micro-batch-size 1 "
+                         "with variable frame counts)")
+    x, tgt = torch.cat(xs), torch.cat(tgts)
+    _, c, tn, h, w = x.shape
+    pt, ph, pw = patch
+    return {"x": patchify(x, patch), "target": patchify(tgt, patch), "t": torch.cat(ts), "text": torch.cat(texts),
+            "grid": (tn // pt, h // ph, w // pw)}
+
+
+def shard_tokens(full: torch.Tensor, n_valid: int, sp_rank: int, sp_world: int, placement: str = "contiguous"):
+    """Pad [B, N, P] to what the placement needs and keep this rank's tokens.
+    Returns (local [B, S_loc, P], token_ids [S_loc], padded length)."""
+    from megatron_sp_ext.sp.placement import divisor  # noqa: PLC0415
+    div = divisor(placement, sp_world)
+    n_pad = -(-n_valid // div) * div
+    if n_pad > n_valid:
+        full = torch.cat([full, full.new_zeros(full.shape[0], n_pad - n_valid, full.shape[2])], dim=1)
+    ids = torch.cat([torch.arange(a, a + n) for a, n in pieces(placement, sp_rank, sp_world, n_pad)])
+    return full[:, ids], ids, n_pad
+
+
+@dataclass
+class StepInputs:
+    x: torch.Tensor          # [B, S_loc, P] noisy patches of this rank
+    target: torch.Tensor     # [B, S_loc, P]
+    valid: torch.Tensor      # [S_loc] bool, False on padding
+    t: torch.Tensor
+    text: torch.Tensor
+    token_ids: torch.Tensor
+    grid: tuple
+    n_valid: int
+    n_pad: int
+
+
+def prepare(batch: dict, sp_rank: int, sp_world: int, device) -> StepInputs:
+    n_valid = batch["x"].shape[1]
+    x, ids, n_pad = shard_tokens(batch["x"], n_valid, sp_rank, sp_world)
+    tgt, _, _ = shard_tokens(batch["target"], n_valid, sp_rank, sp_world)
+    return StepInputs(x.to(device), tgt.to(device), (ids < n_valid).to(device), batch["t"].to(device),
+                      batch["text"].to(device), ids, batch["grid"], n_valid, n_pad)
+
+
+def local_loss(model, inp: StepInputs, autocast_dtype=None) -> torch.Tensor:
+    """This rank's share loss_r (see module docstring); padded tokens are excluded."""
+    with torch.autocast(device_type=inp.x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        pred = model(inp.x, inp.t, inp.text, inp.token_ids, inp.grid,
+                     kv_valid_len=inp.n_valid if inp.n_pad > inp.n_valid else None)
+    err = (pred.float() - inp.target.float()).pow(2) * inp.valid[None, :, None]
+    return err.sum() / (inp.n_valid * inp.x.shape[2] * inp.x.shape[0])
+
+
+def sample_loss(loss_r: torch.Tensor, sp_group, dp_group) -> float:
+    """Mean over DP ranks of the per-sample loss (sum of loss_r over the SP group)."""
+    t = loss_r.detach().float().clone()
+    if sp_group is not None and dist.get_world_size(sp_group) > 1:
+        dist.all_reduce(t, group=sp_group)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(t, group=dp_group)
+        t /= dist.get_world_size(dp_group)
+    return float(t.item())
+
+
+class MetricsLog:
+    """JSONL metrics, a tqdm progress bar and a loss-curve PNG (rank 0 writes)."""
+
+    def __init__(self, log_dir: Optional[str], total_steps: int, enabled: bool, cfg=None, device="cpu",
+                 start_step: int = 0, show: bool = True) -> None:
+        """enabled: this rank writes (rank 0); show: also a progress bar."""
+        self.enabled, self.log_dir, self.cfg, self.device = enabled, log_dir, cfg, device
+        self.rows: list = []
+        self.bar = None
+        if enabled and log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            mode = "a" if start_step > 0 else "w"
+            self.f = open(os.path.join(log_dir, "metrics.jsonl"), mode)
+        else:
+            self.f = None
+        if enabled and show:
+            try:
+                from tqdm import tqdm  # noqa: PLC0415
+                self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+            except ImportError:
+                self.bar = None
+        self.t0 = time.perf_counter()
+
+    def step(self, step: int, loss: float, tokens: int, seqlen: int, extra: Optional[dict] = None) -> dict:
+        now = time.perf_counter()
+        dt, self.t0 = now - self.t0, now
+        row = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / max(dt, 1e-9)}
+        if self.device.type == "cuda" and self.cfg is not None:
+            name = torch.cuda.get_device_name()
+            peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+            if peak:
+                world = dist.get_world_size() if dist.is_initialized() else 1
+                row["mfu"] = self.cfg.flops_per_token(seqlen, self.cfg.text_len) * row["tokens_per_s"] / (peak * world)
+            row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row.update(extra or {})
+        self.rows.append(row)
+        if self.enabled:
+            if self.f:
+                self.f.write(json.dumps(row) + "\n")
+                self.f.flush()
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.set_postfix(loss=f"{loss:.4f}")
+        return row
+
+    def close(self, title: str = "") -> Optional[str]:
+        """Close the bar and file; write loss.png (rank 0). Returns its path or None."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.f:
+            self.f.close()
+        if not (self.enabled and self.log_dir and self.rows):
+            return None
+        path = os.path.join(self.log_dir, "loss.png")
+        try:
+            import matplotlib  # noqa: PLC0415
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt  # noqa: PLC0415
+            rows = []
+            with open(os.path.join(self.log_dir, "metrics.jsonl")) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
+            ax.set_xlabel("step")
+            ax.set_ylabel("flow-matching loss")
+            ax.set_title(title)
+            fig.tight_layout()
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+        except ImportError:
+            return None
+        return path
+
+
+def seqlen_of(cfg, frames: int, height: int, width: int) -> int:
+    pt, ph, pw = cfg.patch
+    return (frames // pt) * (height // ph) * (width // pw)
+
+
+def check_divisible(cfg, frames, height, width) -> None:
+    pt, ph, pw = cfg.patch
+    for n, p, name in ((height, ph, "height"), (width, pw, "width")):
+        if n % p:
+            raise ValueError(f"latent {name} {n} is not a multiple of the patch size {p}")
+    for f in frames:
+        if f % pt:
+            raise ValueError(f"frame count {f} is not a multiple of the temporal patch {pt}")

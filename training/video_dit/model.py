@@ -1,0 +1,167 @@
+"""Wan-style video DiT whose self-attention runs sequence-parallel.
+
+Tokens: latents [B, C, T, H, W] are cut into patches (pt, ph, pw) -> N = T'H'W' tokens of
+C*pt*ph*pw values; each rank embeds only its own tokens (a Linear on patch vectors, equal to the
+usual Conv3d). Blocks: AdaLN-zero modulated self-attention (QK RMSNorm, 3D RoPE at global
+positions, the injected sequence-parallel core), cross-attention to replicated text embeddings
+(queries sharded: no exchange), GELU-tanh FFN. The head predicts the flow-matching velocity per
+patch; ``unpatchify`` rebuilds [B, C, T, H, W] from all tokens.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import DiTConfig
+from .rope import apply_rope, rope_angles
+
+# core(q, k, v, kv_valid_len) -> out, all [B, S_local, H, D]; set by the entry point
+AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]
+
+
+def local_core(q, k, v, kv_valid_len=None):
+    """Single-device attention (no sequence parallelism) with key padding."""
+    mask = None
+    if kv_valid_len is not None and kv_valid_len < k.shape[1]:
+        mask = torch.zeros(k.shape[1], dtype=torch.bool, device=q.device)
+        mask[:kv_valid_len] = True
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return o.transpose(1, 2)
+
+
+def patchify(latent: torch.Tensor, patch: tuple) -> torch.Tensor:
+    """[B, C, T, H, W] -> [B, N, C*pt*ph*pw] in (frame, row, column) token order."""
+    b, c, t, h, w = latent.shape
+    pt, ph, pw = patch
+    x = latent.view(b, c, t // pt, pt, h // ph, ph, w // pw, pw)
+    x = x.permute(0, 2, 4, 6, 1, 3, 5, 7)
+    return x.reshape(b, (t // pt) * (h // ph) * (w // pw), c * pt * ph * pw)
+
+
+def unpatchify(tokens: torch.Tensor, patch: tuple, channels: int, grid: tuple) -> torch.Tensor:
+    """Inverse of ``patchify``: [B, N, C*pt*ph*pw] -> [B, C, T, H, W]."""
+    b = tokens.shape[0]
+    pt, ph, pw = patch
+    tn, hn, wn = grid
+    x = tokens.view(b, tn, hn, wn, channels, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
+    return x.reshape(b, channels, tn * pt, hn * ph, wn * pw)
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding of t in [0, 1] (scaled by 1000), [B] -> [B, dim] float32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = (t.float() * 1000.0)[:, None] * freqs[None]
+    return torch.cat([args.cos(), args.sin()], dim=1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.heads, self.hd = cfg.heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.norm_q, self.norm_k = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
+        self.out = nn.Linear(cfg.dim, cfg.dim)
+        self.core: AttentionCore = local_core
+
+    def forward(self, x, angles, kv_valid_len):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k = self.norm_q(q), self.norm_k(k)
+        q, k, v = (t.reshape(b, s, self.heads, self.hd) for t in (q, k, v))
+        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        return self.out(self.core(q, k, v, kv_valid_len).reshape(b, s, -1))
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.heads, self.hd = cfg.heads, cfg.head_dim
+        self.q, self.kv = nn.Linear(cfg.dim, cfg.dim), nn.Linear(cfg.dim, 2 * cfg.dim)
+        self.norm_q, self.norm_k = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
+        self.out = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x, ctx):
+        b, s, _ = x.shape
+        q = self.norm_q(self.q(x)).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k, v = self.kv(ctx).chunk(2, dim=-1)
+        k = self.norm_k(k).view(b, -1, self.heads, self.hd).transpose(1, 2)
+        v = v.reshape(b, -1, self.heads, self.hd).transpose(1, 2)
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
+        self.attn = SelfAttention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=True)
+        self.cross = CrossAttention(cfg)
+        self.norm3 = nn.LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
+        self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn, cfg.dim))
+        self.modulation = nn.Linear(cfg.dim, 6 * cfg.dim)
+        nn.init.zeros_(self.modulation.weight)  # AdaLN-zero: every block starts as the identity
+        nn.init.zeros_(self.modulation.bias)
+
+    def forward(self, x, t_emb, ctx, angles, kv_valid_len):
+        sh1, sc1, g1, sh2, sc2, g2 = self.modulation(F.silu(t_emb))[:, None].chunk(6, dim=-1)
+        x = x + g1 * self.attn(self.norm1(x) * (1 + sc1) + sh1, angles, kv_valid_len)
+        x = x + self.cross(self.norm2(x), ctx)
+        return x + g2 * self.ffn(self.norm3(x) * (1 + sc2) + sh2)
+
+
+class VideoDiT(nn.Module):
+    """forward(patches [B, S_local, C*pt*ph*pw], t [B], text [B, L, text_dim], token_ids [S_local],
+    grid (T', H', W'), kv_valid_len) -> velocity per patch [B, S_local, C*pt*ph*pw]."""
+
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = nn.Linear(cfg.patch_volume, cfg.dim)
+        self.text_embed = nn.Sequential(nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"),
+                                        nn.Linear(cfg.dim, cfg.dim))
+        self.time_embed = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm_out = nn.LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
+        self.mod_out = nn.Linear(cfg.dim, 2 * cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.patch_volume)
+        nn.init.zeros_(self.mod_out.weight)
+        nn.init.zeros_(self.mod_out.bias)
+
+    def set_attention_core(self, core: AttentionCore) -> None:
+        """Install the sequence-parallel attention used by every block."""
+        for blk in self.blocks:
+            blk.attn.core = core
+
+    def configure_sequence_parallel(self, make_attention) -> None:
+        """DeepSpeed opt-in protocol (megatron_sp_ext.deepspeed.initialize): one SPDistributedAttention."""
+        attn = make_attention(_sdpa_bshd, scatter_idx=2, gather_idx=1)
+        self.set_attention_core(lambda q, k, v, n=None, a=attn: a(q, k, v, 0, kv_valid_len=n))
+        self.sp_attention = attn  # registered as a (parameter-free) submodule for visibility
+
+    def forward(self, patches, t, text, token_ids, grid, kv_valid_len=None):
+        x = self.patch_embed(patches)
+        t_emb = self.time_embed(timestep_embedding(t, self.cfg.freq_dim).to(x.dtype))
+        ctx = self.text_embed(text)
+        angles = rope_angles(token_ids, grid, self.cfg.head_dim).to(x.device)
+        for blk in self.blocks:
+            x = blk(x, t_emb, ctx, angles, kv_valid_len)
+        shift, scale = self.mod_out(F.silu(t_emb))[:, None].chunk(2, dim=-1)
+        return self.head(self.norm_out(x) * (1 + scale) + shift)
+
+
+def _sdpa_bshd(q, k, v, *args, **kwargs):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)

@@ -1,0 +1,39 @@
+"""3D rotary position embedding over (frame, row, column), split across the head dimension.
+
+head_dim D is split Wan-style into D - 4*(D//6) dims for time and 2*(D//6) each for height and
+width; each axis rotates its pairs by its own coordinate. Each rank rotates its own tokens by
+their GLOBAL positions, so the result is independent of the sequence placement.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def axis_dims(head_dim: int) -> tuple[int, int, int]:
+    hw = 2 * (head_dim // 6)
+    return head_dim - 2 * hw, hw, hw
+
+
+def _freqs(n: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, n, 2, dtype=torch.float64) / n))
+
+
+def rope_angles(token_ids: torch.Tensor, grid: tuple[int, int, int], head_dim: int) -> torch.Tensor:
+    """Rotation angles [S, head_dim/2] (float64) for global token indices into a (T, H, W) token grid."""
+    t_n, h_n, w_n = grid
+    tid = token_ids.to(torch.int64)
+    f = tid // (h_n * w_n)
+    y = (tid // w_n) % h_n
+    x = tid % w_n
+    dt, dh, dw = axis_dims(head_dim)
+    parts = [pos.double()[:, None] * _freqs(n)[None, :] for pos, n in ((f, dt), (y, dh), (x, dw))]
+    return torch.cat(parts, dim=1)
+
+
+def apply_rope(x_bshd: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of [B, S, H, D] by angles [S, D/2]."""
+    cos = angles.cos().to(x_bshd.dtype)[None, :, None, :]
+    sin = angles.sin().to(x_bshd.dtype)[None, :, None, :]
+    x1, x2 = x_bshd[..., 0::2], x_bshd[..., 1::2]
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.flatten(-2)
