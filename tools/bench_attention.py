@@ -43,9 +43,16 @@ def _sdpa_bshd(q, k, v, *args, **kwargs):
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
-def build_modes(names, group, causal):
+def build_modes(names, group, causal, nodes=None, heads=None):
     modes = {}
     policy = HCMSPolicy()
+    meshes = {}
+
+    def mesh(h, placement):
+        key = (h, placement)
+        if key not in meshes:
+            meshes[key] = spx.build_sp_mesh(group, num_heads=h, placement=placement, nodes=nodes)
+        return meshes[key]
     for name in names:
         if name == "deepspeed":
             try:
@@ -67,6 +74,12 @@ def build_modes(names, group, causal):
                                                                 policy=policy)
         elif name in ("ring", "tasp"):
             modes[name] = lambda q, k, v, n=name: spx.ring_attention(q, k, v, group, variant=n, causal=causal)
+        elif name in ("usp", "tas", "usp-tasp", "tas-tasp"):
+            pl, variant = name.split("-")[0], ("tasp" if name.endswith("tasp") else "ring")
+            modes[name] = lambda q, k, v, pl=pl, variant=variant: spx.hybrid_attention(
+                q, k, v, mesh(q.shape[2], pl), ring_variant=variant, causal=causal)
+        elif name == "torus":
+            modes[name] = lambda q, k, v: spx.torus_attention(q, k, v, mesh(q.shape[2], "tas"), causal=causal)
         else:
             raise SystemExit(f"unknown mode {name}")
     return modes
@@ -107,12 +120,15 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
                               args.iters, args.warmup, group)
     del ql
     ref_out = ref_grads = None
+    # long shapes: fewer repetitions (each call is tens to hundreds of ms)
+    iters, warmup = (args.iters, args.warmup) if res["t_attn_fwd"] < 20 else (3, 1)
+    res["iters"] = iters
     for name, fn in modes.items():
         if name.startswith("hcms") and int(name[4:]) > h // world:
             continue
         torch.cuda.empty_cache()
         with torch.no_grad():
-            t_f = _time(lambda: fn(q, k, v), args.iters, args.warmup, group)
+            t_f = _time(lambda: fn(q, k, v), iters, warmup, group)
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
         def fb():
@@ -123,7 +139,7 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
-        t_fb = _time(fb, args.iters, args.warmup, group)
+        t_fb = _time(fb, iters, warmup, group)
         peak = torch.cuda.max_memory_allocated() - base_mem
         # correctness: one clean fwd+bwd
         for t in (qg, kg, vg):
@@ -193,7 +209,7 @@ def _worker(rank, world, port, args, part_path):
     dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300),
                             device_id=torch.device("cuda", rank))
     group = dist.group.WORLD
-    modes = build_modes(args.modes.split(","), group, args.causal)
+    modes = build_modes(args.modes.split(","), group, args.causal, nodes=args.nodes)
     out = []
     for h in args.heads:
         for L in args.seqlens:
@@ -220,7 +236,7 @@ def write_reports(results, traces, args):
     meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
             "torch": torch.__version__, "command": " ".join(sys.argv), "causal": args.causal,
             "dtype": "bf16", "B": 1, "D": args.head_dim}
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
         json.dump({"meta": meta, "results": results, "overlap_traces": traces}, f, indent=1)
     modes = []
     for r in results:
@@ -240,7 +256,7 @@ def write_reports(results, traces, args):
                          f"{e.get('speedup_fwd_bwd_vs_ulysses', 0):.2f}x)")
         lines.append(f"| {r['P']} | {r['H']} | {r['L'] // 1024}K | {r.get('rho', 0):.2f} | {r.get('bound_fwd', 0):.2f}x | "
                      + " | ".join(cells) + " |")
-    with open(os.path.join(args.out, "bench.md"), "w") as f:
+    with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -262,7 +278,7 @@ def write_reports(results, traces, args):
             ax.axhline(1.0, color="gray", lw=0.5)
         axes[0][0].legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench.png"), dpi=90)
+        fig.savefig(os.path.join(args.out, f"{args.tag}.png"), dpi=90)
     except Exception as e:  # noqa: BLE001
         print(f"[bench] plot skipped: {e}")
 
@@ -275,6 +291,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--modes", default="deepspeed,ulysses,hcms2,hcms3,hcms4,hcms5,hcms6,hcms8,auto")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--nodes", type=int, default=None, help="simulate this many machines (mesh modes)")
+    ap.add_argument("--tag", default="bench", help="output file prefix")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--trace", action="store_true", help="profile one HCMS run and report comm/compute overlap")
@@ -288,7 +306,7 @@ def main() -> None:
             print(f"[bench] P={world} skipped: only {torch.cuda.device_count()} GPUs")
             continue
         os.makedirs(args.out, exist_ok=True)
-        part = os.path.join(args.out, f"_part_P{world}.json")
+        part = os.path.join(args.out, f"_part_{args.tag}_P{world}.json")
         mp.start_processes(_worker, args=(world, _free_port(), args, part), nprocs=world, start_method="spawn")
         with open(part) as f:
             got = json.load(f)
