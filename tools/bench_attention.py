@@ -150,10 +150,13 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
         if name == "ulysses":
             ref_out, ref_grads = o.detach(), tuple(g.detach() for g in grads)
         elif ref_out is not None and (name.startswith("hcms") or name == "auto"):
-            eq = torch.equal(o, ref_out) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+            # out, dk, dv bit for bit; dq only up to the flash backward's atomic-add noise
+            eq = torch.equal(o, ref_out) and all(torch.equal(a, b) for a, b in zip(grads[1:], ref_grads[1:]))
             flag = torch.tensor(int(eq), device="cuda")
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-            entry["bitwise_equal_ulysses"] = bool(flag.item())
+            entry["bitwise_equal_ulysses_out_dk_dv"] = bool(flag.item())
+            entry["dq_rel_err_vs_ulysses"] = ((grads[0].float() - ref_grads[0].float()).norm()
+                                              / ref_grads[0].float().norm()).item()
         elif ref_out is not None:
             err = ((o.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
             entry["rel_err_vs_ulysses"] = err

@@ -29,11 +29,12 @@ def _port():
 
 
 def _bitwise_hcms(rank, world, group):
-    """HCMS == Ulysses bit for bit. The flash backward accumulates dq with atomics (not repeatable
-    even for one algorithm), so this runs with torch.use_deterministic_algorithms(True)."""
+    """HCMS == Ulysses bit for bit on CUDA with real streams, for out, dk and dv. torch's flash
+    backward accumulates dq with atomics, so dq is not repeatable even for plain Ulysses run twice;
+    for dq we check that (recorded) and that HCMS's dq is within that run-to-run noise."""
     import megatron_sp_ext as spx  # noqa: PLC0415
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    fails = []
+    from megatron_sp_ext.sp.heads import head_layout  # noqa: PLC0415
+    fails, notes = [], []
     for (h, hkv, causal, sl) in [(40, 40, False, 4096), (40, 40, True, 4096), (24, 8, False, 2048), (6, 6, False, 1024)]:
         if h // world < 2:
             continue
@@ -41,24 +42,29 @@ def _bitwise_hcms(rank, world, group):
         q = torch.randn(1, sl, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
         k, v = (torch.randn(1, sl, hkv, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         go = torch.randn_like(q)
-        base = None
-        for c in (1, 2, 3, 4):
-            if c > h // world:
-                continue
+
+        def run(c):
             qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
             o = spx.ulysses_attention(qs, ks, vs, group, head_chunks=c, causal=causal)
             o.backward(go)
-            res = (o, qs.grad, ks.grad, vs.grad)
-            if base is None:
-                base = res
-            else:
-                from megatron_sp_ext.sp.heads import head_layout  # noqa: PLC0415
-                same_kv = head_layout(h, hkv, world, c).kv_repeat == head_layout(h, hkv, world, 1).kv_repeat
-                for name, a, b in zip(("out", "dq", "dk", "dv"), res, base):
-                    if (same_kv or name in ("out", "dq")) and not torch.equal(a, b):
-                        fails.append(f"H={h}/{hkv} causal={causal} C={c} {name} not bitwise equal")
-    torch.use_deterministic_algorithms(False)
-    return fails
+            return (o, qs.grad, ks.grad, vs.grad)
+        base, again = run(1), run(1)
+        dq_noise = ((again[1].float() - base[1].float()).norm() / base[1].float().norm()).item()
+        notes.append(f"H={h}/{hkv} causal={causal}: plain Ulysses dq run-to-run rel diff {dq_noise:.2e}"
+                     f" (bitwise repeatable: {torch.equal(again[1], base[1])})")
+        for c in (2, 3, 4):
+            if c > h // world:
+                continue
+            res = run(c)
+            same_kv = head_layout(h, hkv, world, c).kv_repeat == head_layout(h, hkv, world, 1).kv_repeat
+            for name, a, b in zip(("out", "dq", "dk", "dv"), res, base):
+                if name == "dq":
+                    err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+                    if not torch.equal(a, b) and (torch.equal(again[1], base[1]) or err > max(5 * dq_noise, 1e-6)):
+                        fails.append(f"H={h}/{hkv} causal={causal} C={c} dq differs beyond kernel noise ({err:.2e})")
+                elif (same_kv or name == "out") and not torch.equal(a, b):
+                    fails.append(f"H={h}/{hkv} causal={causal} C={c} {name} not bitwise equal")
+    return fails, notes
 
 
 def _worker(rank, world, port, out_dir):
@@ -97,10 +103,11 @@ def _worker(rank, world, port, out_dir):
     section("ulysses_hcms_bf16_vs_float64", lambda: ulysses_cases(torch.bfloat16))
 
     def bitwise():
-        fails = _bitwise_hcms(rank, world, group)
+        fails, notes = _bitwise_hcms(rank, world, group)
+        report["hcms_bitwise_notes"] = notes
         if fails:
             raise AssertionError("; ".join(fails))
-        return 1
+        return len(notes)
     section("hcms_bitwise_equals_ulysses_cuda_streams", bitwise)
 
     def ring_cases(dtype):
