@@ -34,9 +34,11 @@ else
       --seqlens 16384,32768,57344 --modes ulysses,ring,tasp --out "$OUT"
   for mode in ulysses hcms usp; do
     extra=""; [ "$mode" = hcms ] && extra="--hcms-head-chunks auto"; [ "$mode" = usp ] && extra="--sp-ulysses-size 2 --sp-nodes 2"
-    run torchrun --nproc-per-node 4 training/pretrain_video_dit.py --model wan-1.3b --num-layers 4 \
+    run python3 -m torch.distributed.run --nproc-per-node 4 training/pretrain_video_dit.py --model wan-1.3b --num-layers 4 \
       --context-parallel-size 4 --cp-comm-type $mode $extra --frames 21 --latent-size 60x104 --bf16 --lr 1e-4 \
       --train-iters 10 --seed 1 --quiet --log-dir "$OUT/dit_$mode"
   done
 fi
-tar czf "results_$PART.tar.gz" -C "$OUT" . && mv "results_$PART.tar.gz" "$OUT/"
+# the device tool returns at most 8 files: pack everything, keep the archive and the log
+tar czf "/tmp/results_$PART.tar.gz" -C "$OUT" . && find "$OUT" -mindepth 1 ! -name "log_$PART.txt" -delete \
+  && mv "/tmp/results_$PART.tar.gz" "$OUT/"
