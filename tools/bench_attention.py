@@ -70,8 +70,10 @@ def build_modes(names, group, causal, nodes=None, heads=None):
             c = int(name[4:])
             modes[name] = lambda q, k, v, c=c: spx.ulysses_attention(q, k, v, group, head_chunks=c, causal=causal)
         elif name == "auto":
-            modes[name] = lambda q, k, v: spx.ulysses_attention(q, k, v, group, head_chunks="auto", causal=causal,
-                                                                policy=policy)
+            def auto(q, k, v):
+                return spx.ulysses_attention(q, k, v, group, head_chunks="auto", causal=causal, policy=policy)
+            auto.policy = policy
+            modes[name] = auto
         elif name in ("ring", "tasp"):
             modes[name] = lambda q, k, v, n=name: spx.ring_attention(q, k, v, group, variant=n, causal=causal)
         elif name in ("usp", "tas", "usp-tasp", "tas-tasp"):
@@ -160,6 +162,10 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
         elif ref_out is not None:
             err = ((o.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
             entry["rel_err_vs_ulysses"] = err
+        if hasattr(fn, "policy"):  # what auto chose for this shape (inference and training keys)
+            entry["auto_choice"] = {("train" if key[-1] else "infer"): {"chunks": cal.chunks, "measured_ms": cal.measured,
+                                                                        "confirm": cal.confirm, "reason": cal.reason}
+                                    for key, cal in fn.policy.cache.items() if key[0] == tuple(q.shape)}
         res["modes"][name] = entry
         del o, qg, kg, vg, grads
     if "auto" in modes:

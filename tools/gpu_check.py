@@ -67,7 +67,7 @@ def _bitwise_hcms(rank, world, group):
     return fails, notes
 
 
-def _worker(rank, world, port, out_dir):
+def _worker(rank, world, port, out_dir, only):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
@@ -79,6 +79,8 @@ def _worker(rank, world, port, out_dir):
     from tests import test_ulysses as tu  # noqa: PLC0415
 
     def section(name, fn):
+        if only and not any(name.startswith(o) for o in only):
+            return
         try:
             n = fn()
             report["groups"][name] = {"ok": True, "cases": n}
@@ -141,13 +143,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--world-sizes", default="2,4")
     ap.add_argument("--out", default="gpu_check_out")
+    ap.add_argument("--only", default="", help="comma list of section-name prefixes to run")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     summary = {}
     for world in [int(x) for x in args.world_sizes.split(",")]:
         if world > torch.cuda.device_count():
             continue
-        mp.start_processes(_worker, args=(world, _port(), args.out), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, _port(), args.out, args.only.split(",") if args.only else []),
+                           nprocs=world, start_method="spawn")
         part = os.path.join(args.out, f"gpu_check_P{world}_rank0.json")
         with open(part) as f:
             rep = json.load(f)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machines, in parts that each fit one device call:
-#   bash tools/gpu_suite.sh A   # CUDA correctness (P=2,4) + P=4 benchmarks (HCMS grid, ring/tasp, meshes)
-#   bash tools/gpu_suite.sh B   # P=2 benchmarks + video-DiT training step comparison (4 GPUs)
+#   bash tools/gpu_suite.sh A   # CUDA correctness (P=2,4) + P=4 HCMS grid
+#   bash tools/gpu_suite.sh B   # ring/tasp CUDA check, P=4 ring/tasp and 2x2 mesh benchmarks, video-DiT steps
+#   bash tools/gpu_suite.sh C   # P=2 benchmarks (HCMS grid, ring/tasp)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
 set -uo pipefail
 PART=${1:?part A or B}
@@ -20,24 +21,26 @@ run() { echo "+ $*"; "$@" 2>&1 | grep -v -i "warn" | tee -a "$OUT/log_$PART.txt"
 if [ "$PART" = A ]; then
   run python3 tools/gpu_check.py --world-sizes 2,4 --out "$OUT"
   run python3 tools/bench_attention.py --tag hcms_p4 --world-sizes 4 $GRID --modes $HCMS_MODES --trace --out "$OUT"
+elif [ "$PART" = B ]; then
+  run python3 tools/gpu_check.py --world-sizes 2,4 --only ring_tasp --out "$OUT"
   run python3 tools/bench_attention.py --tag ring_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes ulysses,ring,tasp --out "$OUT"
   run python3 tools/bench_attention.py --tag ring_causal_p4 --causal --world-sizes 4 --heads 40 \
       --seqlens 16384,32768,57344 --modes ulysses,ring,tasp --out "$OUT"
   run python3 tools/bench_attention.py --tag mesh_2x2 --world-sizes 4 --nodes 2 --heads 40 --seqlens 16384,32768 \
       --modes ulysses,usp,tas,torus,usp-tasp --out "$OUT"
+  for mode in ulysses hcms usp; do
+    extra=""; [ "$mode" = hcms ] && extra="--hcms-head-chunks auto"; [ "$mode" = usp ] && extra="--sp-ulysses-size 2 --sp-nodes 2"
+    run python3 -m torch.distributed.run --nproc-per-node 4 training/pretrain_video_dit.py --model wan-1.3b \
+      --num-layers 4 --context-parallel-size 4 --cp-comm-type $mode $extra --frames 21 --latent-size 60x104 --bf16 \
+      --lr 1e-4 --train-iters 10 --seed 1 --quiet --log-dir "$OUT/dit_$mode"
+  done
 else
   run python3 tools/bench_attention.py --tag hcms_p2 --world-sizes 2 $GRID --modes $HCMS_MODES --out "$OUT"
   run python3 tools/bench_attention.py --tag ring_p2 --world-sizes 2 --heads 40 --seqlens 16384,32768,57344 \
       --modes ulysses,ring,tasp --out "$OUT"
   run python3 tools/bench_attention.py --tag ring_causal_p2 --causal --world-sizes 2 --heads 40 \
       --seqlens 16384,32768,57344 --modes ulysses,ring,tasp --out "$OUT"
-  for mode in ulysses hcms usp; do
-    extra=""; [ "$mode" = hcms ] && extra="--hcms-head-chunks auto"; [ "$mode" = usp ] && extra="--sp-ulysses-size 2 --sp-nodes 2"
-    run python3 -m torch.distributed.run --nproc-per-node 4 training/pretrain_video_dit.py --model wan-1.3b --num-layers 4 \
-      --context-parallel-size 4 --cp-comm-type $mode $extra --frames 21 --latent-size 60x104 --bf16 --lr 1e-4 \
-      --train-iters 10 --seed 1 --quiet --log-dir "$OUT/dit_$mode"
-  done
 fi
 # the device tool returns at most 8 files: pack everything, keep the archive and the log
 tar czf "/tmp/results_$PART.tar.gz" -C "$OUT" . && find "$OUT" -mindepth 1 ! -name "log_$PART.txt" -delete \

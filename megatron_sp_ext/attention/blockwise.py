@@ -85,14 +85,29 @@ def fused_forward(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, to
     return out, lse.float()
 
 
+_FLASH_AUX: dict = {}
+
+
+def _flash_aux(device, dtype):
+    """The flash forward's non-data outputs for a dense (non-varlen, dropout-free) call: its
+    sequence-offset placeholders and RNG state. The backward needs them back; they do not depend on
+    the data, so one tiny forward per (device, dtype) provides them."""
+    key = (str(device), dtype)
+    if key not in _FLASH_AUX:
+        x = torch.zeros(1, 1, 16, 64, device=device, dtype=dtype)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
+        _FLASH_AUX[key] = (res[2], res[3], res[6], res[7])
+    return _FLASH_AUX[key]
+
+
 def fused_backward(do, q, k, v, out, lse, scale: float, causal: bool):
     """Fused-kernel block backward given final out/lse. Returns (dq, dk, dv)."""
     ke, ve, rep = _expand_kv(k, v, q.shape[1])
     if q.is_cuda:
         sq, sk = q.shape[2], ke.shape[2]
-        empty = torch.empty(0, device=q.device, dtype=torch.int64)
+        cum_q, cum_k, rng, unused = _flash_aux(q.device, q.dtype)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, q, ke, ve, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale)
+            do, q, ke, ve, out, lse.contiguous(), cum_q, cum_k, sq, sk, 0.0, causal, rng, unused, scale=scale)
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, ke, ve, out, lse, 0.0, causal, scale=scale)

@@ -33,6 +33,7 @@ class Calibration:
     c_model: int = 1
     measured: dict = field(default_factory=dict)
     reason: str = ""
+    confirm: tuple = ()
 
 
 def _time_ms(fn, iters: int, warmup: int, group, long_ms: float = 50.0) -> float:
@@ -126,7 +127,17 @@ class HCMSPolicy:
                 cal.measured[c] = run(c)
         best = min(cal.measured, key=lambda c: (cal.measured[c], c))
         if best != 1 and cal.measured[best] <= cal.t_plain * (1 - self.margin):
-            cal.chunks = best
+            # confirm against plain Ulysses, interleaved, before switching (guards against noise and
+            # warm-up order: a wrong switch costs every later step)
+            plain, chunked = [], []
+            for _ in range(3):
+                plain.append(run(1))
+                chunked.append(run(best))
+            cal.confirm = (sorted(plain)[1], sorted(chunked)[1])
+            if cal.confirm[1] <= cal.confirm[0] * (1 - self.margin):
+                cal.chunks = best
+            else:
+                cal.reason = f"C={best} looked faster but lost the interleaved confirmation {cal.confirm}"
         return cal
 
 
