@@ -148,3 +148,20 @@ def test_on_disk_latents_roundtrip(tmp_path, fmt):
     assert ds[1]["latent"].shape == (4, 5, 6, 10)
     with pytest.raises(FileNotFoundError, match="--data-path"):
         LatentShardDataset(str(tmp_path / "empty"))
+
+
+def _autocast_bf16(rank, world):
+    """Mixed precision as on GPU (bf16 autocast), here on CPU: one step runs and is finite."""
+    torch.manual_seed(5)
+    model = VideoDiT(CFG)
+    model.set_attention_core(make_core("hcms", dist.group.WORLD, num_heads=CFG.heads, head_chunks=2))
+    data = SyntheticVideoLatents(CFG.in_channels, (3,), 6, 10, CFG.text_len, CFG.text_dim, seed=1)
+    inp = prepare(flow_matching_batch(data, 0, 7, 0, 1, 1, CFG.patch), rank, world, "cpu")
+    loss = local_loss(model, inp, torch.bfloat16)
+    (loss * world).backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+    return float(loss)
+
+
+def test_bf16_autocast_step():
+    run_ranks(_autocast_bf16, 2)

@@ -65,7 +65,9 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        """Normalise in fp32; return x's dtype (under autocast q, k and v must share one dtype)."""
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
