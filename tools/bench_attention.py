@@ -125,32 +125,33 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
     # long shapes: fewer repetitions (each call is tens to hundreds of ms)
     iters, warmup = (args.iters, args.warmup) if res["t_attn_fwd"] < 20 else (3, 1)
     res["iters"] = iters
-    for name, fn in modes.items():
-        if name.startswith("hcms") and int(name[4:]) > h // world:
-            continue
+    fns = {n: f for n, f in modes.items() if not (n.startswith("hcms") and int(n[4:]) > h // world)}
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+    def fb(fn):
+        for t in (qg, kg, vg):
+            t.grad = None
+        o = fn(qg, kg, vg)
+        o.backward(go)
+        return o
+
+    # 1. per mode: warm-up (auto calibrates here), peak memory of one fwd+bwd, correctness
+    for name, fn in fns.items():
         torch.cuda.empty_cache()
         with torch.no_grad():
-            t_f = _time(lambda: fn(q, k, v), iters, warmup, group)
-        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-
-        def fb():
-            o = fn(qg, kg, vg)
-            o.backward(go)
-            return o
-        fb()  # first use (auto calibrates here) stays out of the peak
+            for _ in range(warmup):
+                fn(q, k, v)
+        for _ in range(1 + warmup):
+            fb(fn)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
-        t_fb = _time(fb, iters, warmup, group)
-        peak = torch.cuda.max_memory_allocated() - base_mem
-        # correctness: one clean fwd+bwd
-        for t in (qg, kg, vg):
-            t.grad = None
-        o = fb()
-        grads = (qg.grad, kg.grad, vg.grad)
-        entry = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "peak_mem_gib": peak / 2**30}
+        o = fb(fn)
+        torch.cuda.synchronize()
+        entry = {"peak_mem_gib": (torch.cuda.max_memory_allocated() - base_mem) / 2**30}
+        grads = (qg.grad.detach().clone(), kg.grad.detach().clone(), vg.grad.detach().clone())
         if name == "ulysses":
-            ref_out, ref_grads = o.detach(), tuple(g.detach() for g in grads)
+            ref_out, ref_grads = o.detach(), grads
         elif ref_out is not None and (name.startswith("hcms") or name == "auto"):
             # out, dk, dv bit for bit; dq only up to the flash backward's atomic-add noise
             eq = torch.equal(o, ref_out) and all(torch.equal(a, b) for a, b in zip(grads[1:], ref_grads[1:]))
@@ -160,17 +161,43 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
             entry["dq_rel_err_vs_ulysses"] = ((grads[0].float() - ref_grads[0].float()).norm()
                                               / ref_grads[0].float().norm()).item()
         elif ref_out is not None:
-            err = ((o.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
-            entry["rel_err_vs_ulysses"] = err
-        if hasattr(fn, "policy"):  # what auto chose for this shape (inference and training keys)
-            entry["auto_choice"] = {("train" if key[-1] else "infer"): {"chunks": cal.chunks, "measured_ms": cal.measured,
-                                                                        "confirm": cal.confirm, "reason": cal.reason}
-                                    for key, cal in fn.policy.cache.items() if key[0] == tuple(q.shape)}
+            entry["rel_err_vs_ulysses"] = ((o.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
         res["modes"][name] = entry
-        del o, qg, kg, vg, grads
-    if "auto" in modes:
-        pol = [m for m in modes.values()]
-        del pol
+        del o, grads
+    # 2. timing, interleaved: every repetition times each mode once, so clock and allocator drift
+    #    hit all modes alike (sequential per-mode timing showed a +-5% spread between identical code)
+    t_f = {n: [] for n in fns}
+    t_fb = {n: [] for n in fns}
+    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    for _ in range(iters):
+        for name, fn in fns.items():
+            a, b = ev(), ev()
+            with torch.no_grad():
+                a.record()
+                fn(q, k, v)
+                b.record()
+            b.synchronize()
+            t_f[name].append(a.elapsed_time(b))
+        for name, fn in fns.items():
+            a, b = ev(), ev()
+            a.record()
+            fb(fn)
+            b.record()
+            b.synchronize()
+            t_fb[name].append(a.elapsed_time(b))
+    for name in fns:
+        t = torch.tensor([sorted(t_f[name])[len(t_f[name]) // 2], sorted(t_fb[name])[len(t_fb[name]) // 2]],
+                         device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        res["modes"][name]["fwd_ms"], res["modes"][name]["fwd_bwd_ms"] = float(t[0]), float(t[1])
+        fn = fns[name]
+        if hasattr(fn, "policy"):  # what auto chose for this shape (inference and training keys)
+            res["modes"][name]["auto_choice"] = {
+                ("train" if key[-1] else "infer"): {"chunks": cal.chunks, "measured_ms": cal.measured,
+                                                    "confirm": cal.confirm, "reason": cal.reason}
+                for key, cal in fn.policy.cache.items() if key[0] == tuple(q.shape)}
     u = res["modes"].get("ulysses")
     if u:
         res["rho"] = res["t_comm_fwd"] / u["fwd_ms"]

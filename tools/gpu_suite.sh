@@ -4,6 +4,7 @@
 #   bash tools/gpu_suite.sh B   # ring/tasp CUDA check, P=4 ring/tasp and 2x2 mesh benchmarks, video-DiT steps
 #   bash tools/gpu_suite.sh C   # P=2 benchmarks (HCMS grid, ring/tasp)
 #   bash tools/gpu_suite.sh D   # video-DiT steps, then P=2 ring/tasp and HCMS grid
+#   bash tools/gpu_suite.sh E   # P=4 HCMS grid again with interleaved timing
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
 set -uo pipefail
 PART=${1:?part A or B}
@@ -36,6 +37,8 @@ elif [ "$PART" = B ]; then
       --num-layers 4 --context-parallel-size 4 --cp-comm-type $mode $extra --frames 21 --latent-size 60x104 --bf16 \
       --lr 1e-4 --train-iters 10 --seed 1 --quiet --log-dir "$OUT/dit_$mode"
   done
+elif [ "$PART" = E ]; then
+  run python3 tools/bench_attention.py --tag hcms_p4_interleaved --world-sizes 4 $GRID --modes $HCMS_MODES --out "$OUT"
 elif [ "$PART" = D ]; then
   for mode in ulysses hcms usp; do
     extra=""; [ "$mode" = hcms ] && extra="--hcms-head-chunks auto"; [ "$mode" = usp ] && extra="--sp-ulysses-size 2 --sp-nodes 2"
