@@ -33,6 +33,11 @@ def test_bad_values():
         SPConfig(mode="hcms", head_chunks=4, source="megatron").validate_world(4, num_heads=12)
 
 
+def test_unbuilt_transport_is_rejected_not_ignored():
+    with pytest.raises(SPConfigError, match="symm_mem.*not implemented"):
+        SPConfig(transport="symm_mem")
+
+
 def test_head_layouts():
     assert split_more_first(10, 4) == (3, 3, 2, 2)
     hl = head_layout(6, 6, 4, 1)
