@@ -19,7 +19,7 @@ SHAPES = [
 ]
 
 
-def _ulysses_ref(rank, world, dtypes, chunk_list):
+def _ulysses_ref(rank, world, dtypes, chunk_list, contiguous=False):
     group = dist.group.WORLD
     for (b, sl, h, hkv, d) in SHAPES:
         for dtype in dtypes:
@@ -31,7 +31,7 @@ def _ulysses_ref(rank, world, dtypes, chunk_list):
                             continue  # more chunks than heads per rank: rejected (tested below)
                         res = run_case(
                             lambda q, k, v: spx.ulysses_attention(q, k, v, group, head_chunks=c, causal=causal,
-                                                                  layout=layout),
+                                                                  layout=layout, qkv_contiguous=contiguous),
                             rank, world, b=b, s=sl * world, h=h, hkv=hkv, d=d, dtype=dtype, causal=causal,
                             layout=layout, seed=hash((b, sl, h, hkv, d, causal)) % 1000)
                         if base is None:
@@ -59,6 +59,34 @@ def test_ulysses_matches_reference_bf16(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_hcms_equals_ulysses_and_reference(world):
     run_ranks(_ulysses_ref, world, [torch.float32], [1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_contiguous_qkv_variant_equals_reference(world):
+    run_ranks(_ulysses_ref, world, [torch.float32], [1, 2], True)
+
+
+def _contig_bitwise(rank, world):
+    from tests.reference import make_qkv
+    g = dist.group.WORLD
+    q, k, v, do = make_qkv(3, 1, 8 * world, 8, 4, 32)
+    sl = 8
+    mine = [t[:, rank * sl:(rank + 1) * sl] for t in (q, k, v, do)]
+    outs = []
+    for contig in (False, True):
+        for c in (1, 2):
+            x = [t.clone().requires_grad_() for t in mine[:3]]
+            o = spx.ulysses_attention(*x, g, head_chunks=c, qkv_contiguous=contig)
+            o.backward(mine[3])
+            outs.append([o] + [t.grad for t in x])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+    return True
+
+
+def test_contiguous_qkv_variant_is_bitwise_identical():
+    run_ranks(_contig_bitwise, 2)
 
 
 def test_ulysses_three_ranks_uneven():

@@ -5,6 +5,7 @@
 #   bash tools/gpu_suite.sh C   # P=2 benchmarks (HCMS grid, ring/tasp)
 #   bash tools/gpu_suite.sh D   # video-DiT steps, then P=2 ring/tasp and HCMS grid
 #   bash tools/gpu_suite.sh E   # P=4 HCMS grid again with interleaved timing
+#   bash tools/gpu_suite.sh F   # A/B: packed vs contiguous q/k/v (qkv_contiguous) against DeepSpeed
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
 set -uo pipefail
 PART=${1:?part A or B}
@@ -37,6 +38,9 @@ elif [ "$PART" = B ]; then
       --num-layers 4 --context-parallel-size 4 --cp-comm-type $mode $extra --frames 21 --latent-size 60x104 --bf16 \
       --lr 1e-4 --train-iters 10 --seed 1 --quiet --log-dir "$OUT/dit_$mode"
   done
+elif [ "$PART" = F ]; then
+  run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
+      --modes deepspeed,ulysses,ulysses_contig,hcms2,hcms2_contig --iters 10 --out "$OUT"
 elif [ "$PART" = E ]; then
   run python3 tools/bench_attention.py --tag hcms_p4_interleaved --world-sizes 4 $GRID --modes $HCMS_MODES --out "$OUT"
 elif [ "$PART" = D ]; then

@@ -44,6 +44,7 @@ class UlyssesPlan:
     backend: LocalAttention
     comm_stream: Optional["torch.cuda.Stream"]
     need_grad: bool = True
+    qkv_contiguous: bool = False  # hand the kernel contiguous q/k/v and exchange grads one tensor at a time
 
 
 def _alloc(numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -84,6 +85,10 @@ class _UlyssesFn(torch.autograd.Function):
             ws = lay.widths(hl, _QKV, me, c)
             buf = recv_in[c].view(world * s_loc, bsz, sum(ws), d)
             qc, kc, vc = lay.columns(buf, ws)
+            if plan.qkv_contiguous:  # [B, S, h, D]-backed copies (the kernel's native layout); free the buffer
+                qc, kc, vc = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (qc, kc, vc))
+                recv_in[c] = None
+                del buf
             if plan.need_grad:
                 qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
             with torch.set_grad_enabled(plan.need_grad):
@@ -141,6 +146,21 @@ class _UlyssesFn(torch.autograd.Function):
             do_c = recv_g[c].view(world * s_loc, bsz, hq, d).permute(1, 2, 0, 3)
             gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), do_c)
             done = st.record(compute)
+            if plan.qkv_contiguous:  # one exchange per gradient, each freed once sent
+                with st.on_stream(comm):
+                    st.wait(comm, done)
+                    for g, dst, kind in ((gq, dq, "q"), (gk, dk, "kv"), (gv, dv, "kv")):
+                        send = g.permute(2, 0, 1, 3).contiguous().view(-1)
+                        splits = lay.seg_splits(hl, (kind,), c, tokens, d)
+                        recv = _alloc(sum(splits), grad_out)
+                        all_to_all_flat(send, recv, plan.group, None, splits)
+                        lay.unpack(recv, (dst,), (kind,), hl, c, lay_)
+                        del send, recv
+                if comm is not None:
+                    for g in (gq, gk, gv):
+                        g.record_stream(comm)
+                del gq, gk, gv, oc, qc, kc, vc
+                continue
             with st.on_stream(comm):
                 st.wait(comm, done)
                 ws = lay.widths(hl, _QKV, me, c)
@@ -203,7 +223,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       layout: str = "bshd", backend: "str | LocalAttention" = "sdpa",
                       comm_stream: Optional["torch.cuda.Stream"] = None,
                       policy=None, placement: str = "contiguous",
-                      kv_valid_len: Optional[int] = None) -> torch.Tensor:
+                      kv_valid_len: Optional[int] = None, qkv_contiguous: bool = False) -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
     q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's sequence shard.
@@ -211,6 +231,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     placement: which tokens each rank holds ("contiguous", "zigzag", "tasp_zigzag"); it matters
     only for causal masks and for ``kv_valid_len`` (keys at global positions >= kv_valid_len are
     padding and get no attention). Masked cases run the backend's LSE kernels on position runs.
+    qkv_contiguous: copy each chunk's q/k/v into the kernel's native [B, S, h, D] layout and exchange
+    gradients one tensor at a time (less peak memory in backward; same math, bit for bit).
     """
     _check_inputs(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -234,7 +256,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         be = RingBackend(None, "ring", runs, (runs,), be, kv_valid_len)
     stream = comm_stream if comm_stream is not None else st.default_pool().comm_stream(q.device)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad)
+    plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad, qkv_contiguous)
     if world == 1:
         qb, kb, vb = ((t.transpose(1, 2) if layout == "bshd" else t.permute(1, 2, 0, 3)) for t in (q, k, v))
         o = be(qb, kb, vb, causal=causal, softmax_scale=scale)
