@@ -19,7 +19,7 @@ SHAPES = [
 ]
 
 
-def _ulysses_ref(rank, world, dtypes, chunk_list, contiguous=False):
+def _ulysses_ref(rank, world, dtypes, chunk_list, contiguous=True):
     group = dist.group.WORLD
     for (b, sl, h, hkv, d) in SHAPES:
         for dtype in dtypes:
@@ -62,8 +62,8 @@ def test_hcms_equals_ulysses_and_reference(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_contiguous_qkv_variant_equals_reference(world):
-    run_ranks(_ulysses_ref, world, [torch.float32], [1, 2], True)
+def test_packed_qkv_variant_equals_reference(world):
+    run_ranks(_ulysses_ref, world, [torch.float32], [1, 2], False)
 
 
 def _contig_bitwise(rank, world):

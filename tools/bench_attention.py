@@ -66,12 +66,12 @@ def build_modes(names, group, causal, nodes=None, heads=None):
             modes[name] = lambda q, k, v, ds=ds: ds(q, k, v, 0)
         elif name == "ulysses":
             modes[name] = lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal)
-        elif name == "ulysses_contig":
-            modes[name] = lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal, qkv_contiguous=True)
-        elif name.startswith("hcms") and name.endswith("_contig"):
+        elif name == "ulysses_packed":
+            modes[name] = lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal, qkv_contiguous=False)
+        elif name.startswith("hcms") and name.endswith("_packed"):
             c = int(name[4:-7])
             modes[name] = lambda q, k, v, c=c: spx.ulysses_attention(q, k, v, group, head_chunks=c, causal=causal,
-                                                                     qkv_contiguous=True)
+                                                                     qkv_contiguous=False)
         elif name.startswith("hcms"):
             c = int(name[4:])
             modes[name] = lambda q, k, v, c=c: spx.ulysses_attention(q, k, v, group, head_chunks=c, causal=causal)
@@ -159,7 +159,7 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
         grads = (qg.grad.detach().clone(), kg.grad.detach().clone(), vg.grad.detach().clone())
         if name == "ulysses":
             ref_out, ref_grads = o.detach(), grads
-        elif ref_out is not None and (name.startswith("hcms") or name in ("auto", "ulysses_contig")):
+        elif ref_out is not None and (name.startswith("hcms") or name in ("auto", "ulysses_packed")):
             # out, dk, dv bit for bit; dq only up to the flash backward's atomic-add noise
             eq = torch.equal(o, ref_out) and all(torch.equal(a, b) for a, b in zip(grads[1:], ref_grads[1:]))
             flag = torch.tensor(int(eq), device="cuda")

@@ -6,6 +6,8 @@
 #   bash tools/gpu_suite.sh D   # video-DiT steps, then P=2 ring/tasp and HCMS grid
 #   bash tools/gpu_suite.sh E   # P=4 HCMS grid again with interleaved timing
 #   bash tools/gpu_suite.sh F   # A/B: packed vs contiguous q/k/v (qkv_contiguous) against DeepSpeed
+#   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
+#    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
 set -uo pipefail
 PART=${1:?part A or B}
@@ -40,7 +42,7 @@ elif [ "$PART" = B ]; then
   done
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
-      --modes deepspeed,ulysses,ulysses_contig,hcms2,hcms2_contig --iters 10 --out "$OUT"
+      --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"
 elif [ "$PART" = E ]; then
   run python3 tools/bench_attention.py --tag hcms_p4_interleaved --world-sizes 4 $GRID --modes $HCMS_MODES --out "$OUT"
 elif [ "$PART" = D ]; then

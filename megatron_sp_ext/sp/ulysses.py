@@ -44,7 +44,7 @@ class UlyssesPlan:
     backend: LocalAttention
     comm_stream: Optional["torch.cuda.Stream"]
     need_grad: bool = True
-    qkv_contiguous: bool = False  # hand the kernel contiguous q/k/v and exchange grads one tensor at a time
+    qkv_contiguous: bool = True  # hand the kernel contiguous q/k/v and exchange grads one tensor at a time
 
 
 def _alloc(numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -223,7 +223,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       layout: str = "bshd", backend: "str | LocalAttention" = "sdpa",
                       comm_stream: Optional["torch.cuda.Stream"] = None,
                       policy=None, placement: str = "contiguous",
-                      kv_valid_len: Optional[int] = None, qkv_contiguous: bool = False) -> torch.Tensor:
+                      kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True) -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
     q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's sequence shard.
@@ -231,8 +231,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     placement: which tokens each rank holds ("contiguous", "zigzag", "tasp_zigzag"); it matters
     only for causal masks and for ``kv_valid_len`` (keys at global positions >= kv_valid_len are
     padding and get no attention). Masked cases run the backend's LSE kernels on position runs.
-    qkv_contiguous: copy each chunk's q/k/v into the kernel's native [B, S, h, D] layout and exchange
-    gradients one tensor at a time (less peak memory in backward; same math, bit for bit).
+    qkv_contiguous (default True): copy each chunk's q/k/v into the kernel's native [B, S, h, D]
+    layout and exchange gradients one tensor at a time; False keeps the zero-copy packed q|k|v views
+    and one gradient exchange per chunk. Same math, bit for bit; measured on 4 x H200 the default
+    needs ~25% less fwd+bwd peak memory at equal speed (tools/results/.../contig_ab_p4.md).
     """
     _check_inputs(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
