@@ -139,13 +139,11 @@ class SPConfig:
             raise SPConfigError(
                 f"{self.name('nodes')}={self.nodes} does not divide the sequence-parallel size {sp_size}")
         if isinstance(self.head_chunks, int) and num_heads is not None and self.mode in ("hcms", "ulysses"):
-            per_rank = -(-num_heads // sp_size)
             if num_heads >= sp_size and self.head_chunks > num_heads // sp_size:
                 raise SPConfigError(
                     f"{self.name('head_chunks')}={self.head_chunks} exceeds the heads per rank "
                     f"({num_heads} heads / {sp_size} ranks = {num_heads // sp_size} on the smallest rank): "
                     f"use 1..{num_heads // sp_size} or 'auto'")
-            del per_rank
 
     @classmethod
     def from_dict(cls, block: Mapping[str, Any], source: str = "python") -> "SPConfig":

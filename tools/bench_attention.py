@@ -126,7 +126,6 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
     ql = torch.randn(b, h // world, seqlen, d, device="cuda", dtype=dtype)
     res["t_attn_fwd"] = _time(lambda: F.scaled_dot_product_attention(ql, ql, ql, is_causal=args.causal),
                               args.iters, args.warmup, group)
-    del ql
     ref_out = ref_grads = None
     # long shapes: fewer repetitions (each call is tens to hundreds of ms)
     iters, warmup = (args.iters, args.warmup) if res["t_attn_fwd"] < 20 else (3, 1)

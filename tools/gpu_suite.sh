@@ -23,6 +23,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "
 GRID="--heads 24,40 --seqlens 8192,16384,32768,57344,131072"
 HCMS_MODES=deepspeed,ulysses,hcms2,hcms3,hcms4,hcms5,hcms6,hcms8,auto
 run() { echo "+ $*"; "$@" 2>&1 | grep -v -i "warn" | tee -a "$OUT/log_$PART.txt"; }
+dit_steps() {  # wan-1.3b dims, 4 layers, 32,760 tokens/sample, bf16, CP=4: ulysses vs hcms auto vs usp 2x2
+  for mode in ulysses hcms usp; do
+    extra=""; [ "$mode" = hcms ] && extra="--hcms-head-chunks auto"; [ "$mode" = usp ] && extra="--sp-ulysses-size 2 --sp-nodes 2"
+    run python3 -m torch.distributed.run --nproc-per-node 4 training/pretrain_video_dit.py --model wan-1.3b \
+      --num-layers 4 --context-parallel-size 4 --cp-comm-type $mode $extra --frames 21 --latent-size 60x104 --bf16 \
+      --lr 1e-4 --train-iters 10 --seed 1 --quiet --log-dir "$OUT/dit_$mode"
+  done
+}
 if [ "$PART" = A ]; then
   run python3 tools/gpu_check.py --world-sizes 2,4 --out "$OUT"
   run python3 tools/bench_attention.py --tag hcms_p4 --world-sizes 4 $GRID --modes $HCMS_MODES --trace --out "$OUT"
@@ -34,24 +42,14 @@ elif [ "$PART" = B ]; then
       --seqlens 16384,32768,57344 --modes ulysses,ring,tasp --out "$OUT"
   run python3 tools/bench_attention.py --tag mesh_2x2 --world-sizes 4 --nodes 2 --heads 40 --seqlens 16384,32768 \
       --modes ulysses,usp,tas,torus,usp-tasp --out "$OUT"
-  for mode in ulysses hcms usp; do
-    extra=""; [ "$mode" = hcms ] && extra="--hcms-head-chunks auto"; [ "$mode" = usp ] && extra="--sp-ulysses-size 2 --sp-nodes 2"
-    run python3 -m torch.distributed.run --nproc-per-node 4 training/pretrain_video_dit.py --model wan-1.3b \
-      --num-layers 4 --context-parallel-size 4 --cp-comm-type $mode $extra --frames 21 --latent-size 60x104 --bf16 \
-      --lr 1e-4 --train-iters 10 --seed 1 --quiet --log-dir "$OUT/dit_$mode"
-  done
+  dit_steps
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"
 elif [ "$PART" = E ]; then
   run python3 tools/bench_attention.py --tag hcms_p4_interleaved --world-sizes 4 $GRID --modes $HCMS_MODES --out "$OUT"
 elif [ "$PART" = D ]; then
-  for mode in ulysses hcms usp; do
-    extra=""; [ "$mode" = hcms ] && extra="--hcms-head-chunks auto"; [ "$mode" = usp ] && extra="--sp-ulysses-size 2 --sp-nodes 2"
-    run python3 -m torch.distributed.run --nproc-per-node 4 training/pretrain_video_dit.py --model wan-1.3b \
-      --num-layers 4 --context-parallel-size 4 --cp-comm-type $mode $extra --frames 21 --latent-size 60x104 --bf16 \
-      --lr 1e-4 --train-iters 10 --seed 1 --quiet --log-dir "$OUT/dit_$mode"
-  done
+  dit_steps
   run python3 tools/bench_attention.py --tag ring_p2 --world-sizes 2 --heads 40 --seqlens 16384,32768,57344 \
       --modes ulysses,ring,tasp --out "$OUT"
   run python3 tools/bench_attention.py --tag hcms_p2 --world-sizes 2 $GRID --modes $HCMS_MODES --out "$OUT"

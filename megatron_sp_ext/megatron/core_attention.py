@@ -18,7 +18,6 @@ import copy
 import importlib.util
 from typing import Optional
 
-import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType

@@ -51,12 +51,16 @@ def seg_splits(layout: HeadLayout, kinds: Sequence[str], c: int, tokens: int, d:
     return [tokens * sum(widths(layout, kinds, p, c)) * d for p in range(layout.world)]
 
 
+def _dims(x0: torch.Tensor, seq_layout: str) -> tuple[int, int, int]:
+    """(S_loc, B, D) of a local-layout tensor."""
+    s_loc, bsz = (x0.shape[1], x0.shape[0]) if seq_layout == "bshd" else (x0.shape[0], x0.shape[1])
+    return s_loc, bsz, x0.shape[-1]
+
+
 def pack(parts: Sequence[torch.Tensor], kinds: Sequence[str], layout: HeadLayout, c: int,
          seq_layout: str, out: torch.Tensor) -> list[int]:
     """Copy chunk c of ``parts`` (local layout) into the flat send buffer ``out``; returns splits."""
-    x0 = parts[0]
-    s_loc, bsz = (x0.shape[1], x0.shape[0]) if seq_layout == "bshd" else (x0.shape[0], x0.shape[1])
-    d = x0.shape[-1]
+    s_loc, bsz, d = _dims(parts[0], seq_layout)
     splits = seg_splits(layout, kinds, c, s_loc * bsz, d)
     if layout.even:
         ws = widths(layout, kinds, 0, c)
@@ -82,9 +86,7 @@ def pack(parts: Sequence[torch.Tensor], kinds: Sequence[str], layout: HeadLayout
 def unpack(flat: torch.Tensor, parts: Sequence[torch.Tensor], kinds: Sequence[str], layout: HeadLayout,
            c: int, seq_layout: str) -> None:
     """Inverse of ``pack``: copy each peer's segment of ``flat`` into chunk c of ``parts``."""
-    x0 = parts[0]
-    s_loc, bsz = (x0.shape[1], x0.shape[0]) if seq_layout == "bshd" else (x0.shape[0], x0.shape[1])
-    d = x0.shape[-1]
+    s_loc, bsz, d = _dims(parts[0], seq_layout)
     splits = seg_splits(layout, kinds, c, s_loc * bsz, d)
     if layout.even:
         ws = widths(layout, kinds, 0, c)

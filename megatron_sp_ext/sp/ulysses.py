@@ -51,6 +51,33 @@ def _alloc(numel: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(numel, dtype=like.dtype, device=like.device)
 
 
+def _exchange_all_chunks(parts, kinds, plan: "UlyssesPlan", tokens: int, d: int, compute, comm):
+    """Seq-sharded ``parts`` -> one head-sharded flat buffer per chunk, all exchanges in flight at once.
+
+    Receive buffers are allocated on the compute stream (their readers); packing and the collectives
+    run on ``comm``. Returns (buffers, events): ``events[c]`` fires when chunk c has arrived.
+    """
+    hl, me, like = plan.heads, plan.rank, parts[0]
+    recv = [_alloc(hl.world * tokens * sum(lay.widths(hl, kinds, me, c)) * d, like) for c in range(hl.chunks)]
+    ready = st.record(compute)
+    events = []
+    with st.on_stream(comm):
+        st.wait(comm, ready)
+        sends = []
+        for c in range(hl.chunks):
+            buf = _alloc(sum(lay.seg_splits(hl, kinds, c, tokens, d)), like)
+            sends.append((buf, lay.pack(parts, kinds, hl, c, plan.seq_layout, buf)))
+        works = [all_to_all_flat(buf, recv[c], plan.group, splits, None, async_op=True)
+                 for c, (buf, splits) in enumerate(sends)]
+        for w in works:
+            w.wait()
+            events.append(st.record(comm))
+        # send buffers live on the comm stream, whose later work is ordered after these waits,
+        # so dropping them now cannot race (and keeps the peak low)
+        del sends, works
+    return recv, events
+
+
 class _UlyssesFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: UlyssesPlan):
@@ -61,24 +88,7 @@ class _UlyssesFn(torch.autograd.Function):
         tokens = s_loc * bsz
         compute, comm = st.current(q.device), plan.comm_stream
         out = torch.empty_like(q)
-        # receive buffers are allocated on the compute stream (their readers)
-        recv_in = [_alloc(world * tokens * sum(lay.widths(hl, _QKV, me, c)) * d, q) for c in range(C)]
-        ready = st.record(compute)
-        ev_in = []
-        with st.on_stream(comm):
-            st.wait(comm, ready)
-            sends = []
-            for c in range(C):
-                buf = _alloc(sum(lay.seg_splits(hl, _QKV, c, tokens, d)), q)
-                sends.append((buf, lay.pack((q, k, v), _QKV, hl, c, lay_, buf)))
-            works = [all_to_all_flat(buf, recv_in[c], plan.group, splits, None, async_op=True)
-                     for c, (buf, splits) in enumerate(sends)]
-            for w in works:
-                w.wait()
-                ev_in.append(st.record(comm))
-            # send buffers live on the comm stream, whose later work is ordered after these waits,
-            # so dropping them now cannot race (and keeps the peak at the baseline's)
-            del sends, works
+        recv_in, ev_in = _exchange_all_chunks((q, k, v), _QKV, plan, tokens, d, compute, comm)
         chunks = []
         for c in range(C):
             st.wait(compute, ev_in[c])
@@ -123,21 +133,7 @@ class _UlyssesFn(torch.autograd.Function):
         dq = torch.empty(q_shape, dtype=grad_out.dtype, device=grad_out.device)
         dk = torch.empty(kv_shape, dtype=grad_out.dtype, device=grad_out.device)
         dv = torch.empty(kv_shape, dtype=grad_out.dtype, device=grad_out.device)
-        recv_g = [_alloc(world * tokens * lay.widths(hl, ("q",), me, c)[0] * d, grad_out) for c in range(C)]
-        ready = st.record(compute)
-        ev_in = []
-        with st.on_stream(comm):
-            st.wait(comm, ready)
-            sends = []
-            for c in range(C):
-                buf = _alloc(sum(lay.seg_splits(hl, ("q",), c, tokens, d)), grad_out)
-                sends.append((buf, lay.pack((grad_out,), ("q",), hl, c, lay_, buf)))
-            works = [all_to_all_flat(buf, recv_g[c], plan.group, splits, None, async_op=True)
-                     for c, (buf, splits) in enumerate(sends)]
-            for w in works:
-                w.wait()
-                ev_in.append(st.record(comm))
-            del sends, works
+        recv_g, ev_in = _exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm)
         for c in range(C):
             st.wait(compute, ev_in[c])
             qc, kc, vc, oc = ctx.chunks[c]
