@@ -166,7 +166,7 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
             entry["bitwise_equal_ulysses_out_dk_dv"] = bool(flag.item())
             entry["dq_rel_err_vs_ulysses"] = ((grads[0].float() - ref_grads[0].float()).norm()
                                               / ref_grads[0].float().norm()).item()
-        elif ref_out is not None:
+        elif ref_out is not None and not args.causal:  # causal modes read the data in different placements
             entry["rel_err_vs_ulysses"] = ((o.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
         res["modes"][name] = entry
         del o, grads
