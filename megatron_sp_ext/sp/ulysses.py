@@ -5,8 +5,9 @@ heads of each rank in C chunks (HCMS, Algorithm 1). Forward: all input exchanges
 communication stream first (one collective per chunk carrying q|k|v side by side), then chunk c's
 attention runs on the compute stream as soon as its event fires, and its output exchange starts on
 the communication stream as soon as the attention's event fires. Backward mirrors it: grad-output
-exchange per chunk, attention backward per chunk, grad q|k|v exchange per chunk. On CPU the same
-code runs in program order (no streams), so tests cover its logic.
+exchange per chunk, attention backward per chunk, then the chunk's dq, dk, dv exchanges (one per
+tensor by default, freed as they go; one packed exchange with ``qkv_contiguous=False``). On CPU
+the same code runs in program order (no streams), so tests cover its logic.
 
 Because every head is computed by the same kernel on the same data whatever the chunking,
 HCMS is bit-identical to plain Ulysses on the same backend.
