@@ -30,14 +30,19 @@ def _block(cp_comm_type, cp, tp, chunks, nodes, causal, layers=2):
     return TransformerBlock(cfg, spec)
 
 
-def _megatron_equiv(rank, world, tp, cp, modes):
+def _megatron_equiv(rank, world, tp, cp, modes, hierarchical=None):
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                 hierarchical_context_parallel_sizes=hierarchical)
     cp_group = ps.get_context_parallel_group()
     try:
         for mode, chunks, nodes, causal in modes:
             block = _block(mode, cp, tp, chunks, nodes, causal)
+            if hierarchical:  # usp runs on Megatron's own two-level groups, no new communicators
+                hcp = ps.get_hierarchical_context_parallel_groups()
+                mesh = block.layers[0].self_attention.core_attention.mesh
+                assert mesh.ulysses_group is hcp[0] and mesh.ring_group is hcp[1]
             s, b = 8 * cp, 2
             g = torch.Generator().manual_seed(7)
             x_full = torch.randn(s, b, 64, generator=g)
@@ -79,6 +84,10 @@ def test_block_cp2_all_modes():
 
 def test_block_cp4():
     run_ranks(_megatron_equiv, 4, 1, 4, MODES_CP4, timeout=400)
+
+
+def test_block_usp_on_hierarchical_cp_groups():
+    run_ranks(_megatron_equiv, 4, 1, 4, [("usp", 1, None, False), ("usp", 1, None, True)], [2, 2], timeout=400)
 
 
 def test_block_tp2_cp2():

@@ -7,7 +7,8 @@ CP rank (Megatron's zigzag split when it comes from ``get_batch_on_this_cp_rank`
 [s, b, heads * head_dim]. ``cp_comm_type`` picks the algorithm:
   ulysses, hcms      Ulysses / HCMS over the CP group (``--hcms-head-chunks``)
   ring, tasp         ring / TASP multi-ring over the CP group
-  usp, tas, torus    2D mesh over the CP group (``--sp-placement``, ``--sp-nodes``, ``--sp-ulysses-size``)
+  usp, tas, torus    2D mesh over the CP group (``--sp-placement``, ``--sp-nodes``, ``--sp-ulysses-size``);
+                     usp reuses Megatron's groups when ``--hierarchical-context-parallel-sizes`` built two levels
   auto               hcms when every rank gets a head, else a usp mesh, else ring
   p2p, a2a, all_gather, a2a+p2p   Transformer Engine's own CP (needs TE; delegated unchanged)
 Causal masks follow Megatron's zigzag placement; DiTs use AttnMaskType.no_mask.
@@ -31,7 +32,7 @@ from ..sp.policy import HCMSPolicy
 from ..sp.ring import ring_attention
 from ..sp.torus import torus_attention
 from ..sp.ulysses import ulysses_attention
-from ..topology.mesh import SPMesh, build_sp_mesh
+from ..topology.mesh import SPMesh, build_sp_mesh, mesh_from_hierarchical_groups
 from .config import sp_config_from
 
 OUR_CP_TYPES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
@@ -69,7 +70,7 @@ class SPDotProductAttention(DotProductAttention):
         local_cfg = copy.copy(config)
         local_cfg.context_parallel_size = 1
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp", "hcp"])
         super().__init__(local_cfg, layer_number, attn_mask_type, attention_type, attention_dropout,
                          softmax_scale, cp_comm_type, pg_collection)
         self.config = config
@@ -95,7 +96,11 @@ class SPDotProductAttention(DotProductAttention):
                                 f"use ring, tasp, usp or auto")
         self.backend = get_backend(self.sp.backend, "--sp-attention-backend")
         self.mesh = None
-        if self.mode in ("usp", "tas", "torus") and cp > 1:
+        hcp = getattr(pg_collection, "hcp", None)
+        if self.mode == "usp" and cp > 1 and hcp and len(hcp) == 2 and self.sp.ulysses_size in (None, hcp[0].size()):
+            # Megatron already built the two levels (--hierarchical-context-parallel-sizes): reuse them
+            self.mesh = mesh_from_hierarchical_groups(self.cp_group, hcp[0], hcp[1])
+        elif self.mode in ("usp", "tas", "torus") and cp > 1:
             placement = None if self.mode == "torus" else self.mode
             self.mesh = self.ctx.mesh(self.cp_group, heads, self.sp, placement)
 

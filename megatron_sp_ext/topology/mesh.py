@@ -99,3 +99,27 @@ def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, placement: str = 
     u_group = _new_group(grid[ring_index], group)
     r_group = _new_group(tuple(row[ulysses_index] for row in grid), group)
     return SPMesh(group, rank, world, placement, p_u, p_r, topo, grid, ring_index, ulysses_index, u_group, r_group)
+
+
+def mesh_from_hierarchical_groups(group: dist.ProcessGroup, inner: dist.ProcessGroup,
+                                  outer: dist.ProcessGroup) -> SPMesh:
+    """A "usp" SPMesh over groups that already exist (no new communicators).
+
+    ``inner``: this rank's group of consecutive SP ranks (Ulysses), ``outer``: the strided one (Ring),
+    as Megatron-core builds them for ``hierarchical_context_parallel_sizes=[P_u, P_r]``.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    p_u, p_r = dist.get_world_size(inner), dist.get_world_size(outer)
+    if p_u * p_r != world:
+        raise SPConfigError(f"hierarchical context-parallel sizes {p_u} x {p_r} do not multiply to the CP size {world}")
+    grid = tuple(tuple(j * p_u + u for u in range(p_u)) for j in range(p_r))
+    ring_index, ulysses_index = rank // p_u, rank % p_u
+    to_group = {dist.get_global_rank(group, r): r for r in range(world)}
+    mine_u = sorted(to_group[dist.get_global_rank(inner, i)] for i in range(p_u))
+    mine_r = sorted(to_group[dist.get_global_rank(outer, i)] for i in range(p_r))
+    if mine_u != list(grid[ring_index]) or mine_r != [row[ulysses_index] for row in grid]:
+        raise SPConfigError("the hierarchical context-parallel groups are not laid out as Megatron-core builds them "
+                            f"(Ulysses group {mine_u}, ring group {mine_r}); use --sp-placement/--sp-nodes instead")
+    topo = Topology(1, world, tuple(0 for _ in range(world)))
+    return SPMesh(group, rank, world, "usp", p_u, p_r, topo, grid, ring_index, ulysses_index,
+                  inner if p_u > 1 else None, outer if p_r > 1 else None)
