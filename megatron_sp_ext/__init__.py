@@ -8,6 +8,7 @@ imported only on demand (``import megatron_sp_ext`` needs torch alone).
 """
 from .config import SPConfig
 from .errors import SPConfigError
+from .sp.async_block import async_ulysses_self_attention
 from .sp.hybrid import hybrid_attention
 from .sp.placement import shard_sequence, unshard_sequence
 from .sp.ring import ring_attention
@@ -20,4 +21,4 @@ __version__ = "0.1.0"
 
 __all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
            "unshard_sequence", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
-           "hybrid_attention", "torus_attention"]
+           "hybrid_attention", "torus_attention", "async_ulysses_self_attention"]

@@ -44,6 +44,32 @@ MODES = [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("tasp", {
          ("torus", {"nodes": 2, "ulysses_size": 2, "placement": "tas"}), ("auto", {})]
 
 
+def _async_vs_plain(rank, world, frames, chunks):
+    """The DiT with the async Ulysses block equals the plain DiT (loss and every gradient), padding included."""
+    out = []
+    for use_async in (False, True):
+        torch.manual_seed(5)
+        model = VideoDiT(CFG)
+        model.set_attention_core(make_core("hcms", dist.group.WORLD, num_heads=CFG.heads, head_chunks=chunks))
+        if use_async:
+            model.set_async_attention(dist.group.WORLD, chunks)
+        data = SyntheticVideoLatents(CFG.in_channels, frames, 6, 10, CFG.text_len, CFG.text_dim, seed=1)
+        inp = prepare(flow_matching_batch(data, 0, 7, 0, 1, 1, CFG.patch), rank, world, "cpu")
+        loss = local_loss(model, inp)
+        (loss * world).backward()
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (l0, g0), (l1, g1) = out
+    assert rel_err(l1, l0) < 1e-6, (l1, l0)
+    for i, (a, b) in enumerate(zip(g1, g0)):
+        assert rel_err(a, b) < 1e-5, f"grad {i}: {rel_err(a, b)}"
+    return True
+
+
+@pytest.mark.parametrize("frames,chunks", [((4,), 1), ((3,), 2)])  # 3 frames: 45 tokens, padded
+def test_async_block_dit_equals_plain(frames, chunks):
+    run_ranks(_async_vs_plain, 4, frames, chunks)
+
+
 def _step0(rank, world, frames):
     out = {}
     ref_loss, ref_grads, _ = _loss_and_grads(None, "ulysses", frames)
@@ -92,6 +118,14 @@ def test_megatron_entry_3_steps_match_sp1(mode):
     for r in range(4):
         for a, b in zip(got[r], ref):
             assert abs(a - b) <= 1e-4 * abs(b), f"{mode}: {got[r]} vs {ref}"
+
+
+def test_megatron_entry_async_qkv_matches_sp1():
+    ref = run_ranks(_megatron_run, 1, 1, "ulysses", 3)[0]
+    got = run_ranks(_megatron_run, 4, 4, "hcms", 3, ("--hcms-head-chunks", "2", "--sp-async-qkv"))
+    for r in range(4):
+        for a, b in zip(got[r], ref):
+            assert abs(a - b) <= 1e-4 * abs(b), f"async: {got[r]} vs {ref}"
 
 
 @pytest.mark.parametrize("mode", ["hcms", "ring"])

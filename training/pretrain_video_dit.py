@@ -34,6 +34,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     add_common_args(p)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--ddp-impl", choices=["auto", "megatron", "torch"], default="auto")
+    p.add_argument("--sp-async-qkv", action="store_true",
+                   help="async Ulysses block: Q/K/V projections overlapped with their exchanges "
+                        "(--cp-comm-type ulysses or hcms, integer --hcms-head-chunks)")
     add_arguments(p)
     args = p.parse_args(argv)
     cfg = preset(args.model, args.num_layers)
@@ -47,6 +50,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
         validate_args(args)
     except SPConfigError as e:
         p.error(str(e))
+    if args.sp_async_qkv and (args.cp_comm_type[0] not in ("ulysses", "hcms") or args.hcms_head_chunks == "auto"):
+        p.error("--sp-async-qkv needs --cp-comm-type ulysses or hcms with an integer --hcms-head-chunks "
+                f"(got {args.cp_comm_type[0]}, {args.hcms_head_chunks})")
     return args
 
 
@@ -91,6 +97,8 @@ def _train(args, device, ps) -> dict:
                                        head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
                                        placement=args.sp_placement, ulysses_size=args.sp_ulysses_size,
                                        nodes=args.sp_nodes, backend=args.sp_attention_backend))
+    if args.sp_async_qkv and sp_world > 1:
+        model.set_async_attention(cp_group, 1 if args.cp_comm_type[0] == "ulysses" else args.hcms_head_chunks)
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
     if impl == "megatron":
         model, opt = _megatron_ddp(model, cfg, args)
@@ -106,7 +114,8 @@ def _train(args, device, ps) -> dict:
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     if rank == 0 and not args.quiet:
         print(f"[pretrain_video_dit] model={args.model} layers={cfg.layers} CP={sp_world} DP={dp_world} "
-              f"cp_comm_type={args.cp_comm_type[0]} head_chunks={args.hcms_head_chunks} ddp={impl} device={device}",
+              f"cp_comm_type={args.cp_comm_type[0]} head_chunks={args.hcms_head_chunks} async_qkv={args.sp_async_qkv} "
+              f"ddp={impl} device={device}",
               flush=True)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
     losses = []

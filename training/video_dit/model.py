@@ -78,9 +78,23 @@ class SelfAttention(nn.Module):
         self.norm_q, self.norm_k = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
         self.out = nn.Linear(cfg.dim, cfg.dim)
         self.core: AttentionCore = local_core
+        self.async_sp = None  # (group, head_chunks): the async Ulysses block instead of core
 
     def forward(self, x, angles, kv_valid_len):
         b, s, _ = x.shape
+        if self.async_sp is not None:
+            from megatron_sp_ext.sp.async_block import async_ulysses_self_attention  # noqa: PLC0415
+            group, chunks = self.async_sp
+
+            def prep(branch, y, w):  # QK-norm (weight w) + RoPE at global positions, per branch
+                norm = self.norm_q if branch == "q" else self.norm_k
+                y = (y.float() * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + norm.eps)
+                     * w.float()).to(y.dtype)
+                return apply_rope(y.view(b, s, self.heads, self.hd), angles)
+            return async_ulysses_self_attention(
+                x, self.qkv.weight, self.qkv.bias, self.out.weight, self.out.bias, group, num_heads=self.heads,
+                num_kv_heads=self.heads, prep=prep, norm_q_weight=self.norm_q.weight,
+                norm_k_weight=self.norm_k.weight, head_chunks=chunks, kv_valid_len=kv_valid_len)
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         q, k = self.norm_q(q), self.norm_k(k)
         q, k, v = (t.reshape(b, s, self.heads, self.hd) for t in (q, k, v))
@@ -147,6 +161,11 @@ class VideoDiT(nn.Module):
         """Install the sequence-parallel attention used by every block."""
         for blk in self.blocks:
             blk.attn.core = core
+
+    def set_async_attention(self, group, head_chunks: int = 1) -> None:
+        """Use the async Ulysses block (projections overlapped with their exchanges) in every block."""
+        for blk in self.blocks:
+            blk.attn.async_sp = (group, head_chunks)
 
     def configure_sequence_parallel(self, make_attention) -> None:
         """DeepSpeed opt-in protocol (megatron_sp_ext.deepspeed.initialize): one SPDistributedAttention."""

@@ -1,0 +1,213 @@
+"""Async Ulysses self-attention block: projections overlapped with their exchanges.
+
+    y = out_proj( UlyssesAttention( prep_q(x Wq^T), prep_k(x Wk^T), x Wv^T ) )
+
+One autograd Function with an explicit schedule (CUDA: compute stream + communication stream
+joined by events; CPU: the same code in program order):
+  forward   q GEMM -> prep (QK-norm, RoPE) -> start q's seq->head exchange (all HCMS chunks) ->
+            k GEMM (overlaps q's exchange) -> ... -> v; chunk c's attention waits only for chunk c
+            of q, k and v; its output exchange starts as soon as it is done; out projection last.
+  backward  dO = dy W_o -> start dO's exchange -> dW_o = dy^T O (overlaps it); per chunk attention
+            backward, then dv, dk, dq exchanged home (events per tensor); each branch waits only
+            for its own gradient: dW_v, dx_v while dk/dq still travel, then k (prep backward), q.
+Same math as the plain block (fused QKV GEMM -> prep -> ulysses_attention -> out GEMM); per-branch
+GEMMs round differently from the fused one, so equality holds to fp rounding, not bit for bit.
+Shapes: x [B, S_local, dim]; q heads H, kv heads Hkv (GQA), head_dim D; weights as nn.Linear.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..attention.backends import LocalAttention, get_backend
+from ..comm import streams as st
+from ..comm.exchange import all_to_all_flat
+from . import layout as lay
+from .heads import HeadLayout, head_layout
+from .ulysses import _alloc, _exchange_all_chunks
+
+# prep(branch, y [B, S, n*D], weight) -> [B, S, n, D]; weight is the branch's QK-norm weight or None
+Prep = Callable[[str, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+
+@dataclass
+class AsyncPlan:
+    group: dist.ProcessGroup
+    rank: int
+    heads: HeadLayout
+    seq_layout: str           # always "bshd" here
+    scale: float
+    backend: LocalAttention
+    comm_stream: Optional["torch.cuda.Stream"]
+    dims: tuple               # (H, Hkv, D)
+    prep: Prep
+
+
+def _mm(a, b):
+    """Every GEMM of the block goes through here (one place to trace the schedule)."""
+    return torch.matmul(a, b)
+
+
+def _linear(x, w, b):
+    y = _mm(x, w.t())
+    return y + b if b is not None else y
+
+
+class _AsyncBlockFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: AsyncPlan):
+        h, hkv, d = plan.dims
+        hl, world, C = plan.heads, plan.heads.world, plan.heads.chunks
+        bsz, s_loc, _ = x.shape
+        tokens = s_loc * bsz
+        compute, comm = st.current(x.device), plan.comm_stream
+        sizes = (h * d, hkv * d, hkv * d)
+        ws = torch.split(w_qkv, sizes, dim=0)
+        bs = torch.split(b_qkv, sizes, dim=0) if b_qkv is not None else (None, None, None)
+        saved_prep, recv, events = {}, {}, {}
+        for name, w, b, nw, kind in (("q", ws[0], bs[0], nq_w, "q"), ("k", ws[1], bs[1], nk_w, "kv"),
+                                     ("v", ws[2], bs[2], None, "kv")):
+            y = _linear(x, w, b)                                         # this branch's GEMM
+            if name == "v":
+                y4 = y.view(bsz, s_loc, hkv, d)
+            else:                                                        # QK-norm + RoPE, kept for backward
+                y_leaf = y.detach().requires_grad_()
+                w_leaf = nw.detach().requires_grad_() if nw is not None else None
+                with torch.enable_grad():
+                    y4g = plan.prep(name, y_leaf, w_leaf)
+                saved_prep[name] = (y_leaf, w_leaf, y4g)
+                y4 = y4g.detach()
+            if kind == "kv" and hl.kv_repeat > 1:
+                y4 = y4.repeat_interleave(hl.kv_repeat, dim=2)
+            recv[name], events[name] = _exchange_all_chunks((y4,), (kind,), plan, tokens, d, compute, comm)
+        out = torch.empty(bsz, s_loc, h, d, dtype=x.dtype, device=x.device)
+        chunks = []
+        for c in range(C):
+            views = []
+            for name, kind in (("q", "q"), ("k", "kv"), ("v", "kv")):
+                st.wait(compute, events[name][c])
+                n = lay.widths(hl, (kind,), plan.rank, c)[0]
+                t = recv[name][c].view(world * s_loc, bsz, n, d).permute(1, 2, 0, 3)
+                views.append(t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_())
+                recv[name][c] = None
+            with torch.enable_grad():
+                oc = plan.backend(*views, causal=False, softmax_scale=plan.scale)
+            chunks.append((*views, oc))
+            done = st.record(compute)
+            with st.on_stream(comm):
+                st.wait(comm, done)
+                send_o = oc.detach().permute(2, 0, 1, 3).contiguous().view(-1)
+                splits = lay.seg_splits(hl, ("q",), c, tokens, d)
+                recv_o = _alloc(sum(splits), x)
+                all_to_all_flat(send_o, recv_o, plan.group, None, splits)
+                lay.unpack(recv_o, (out,), ("q",), hl, c, "bshd")
+        if comm is not None:
+            compute.wait_stream(comm)
+        o_flat = out.view(bsz, s_loc, h * d)
+        y = _linear(o_flat, w_o, b_o)
+        ctx.save_for_backward(x, w_qkv, w_o, o_flat)
+        ctx.plan, ctx.chunks, ctx.saved_prep = plan, chunks, saved_prep
+        ctx.has = (b_qkv is not None, b_o is not None, nq_w is not None, nk_w is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_qkv, w_o, o_flat = ctx.saved_tensors
+        plan: AsyncPlan = ctx.plan
+        h, hkv, d = plan.dims
+        hl, world, C = plan.heads, plan.heads.world, plan.heads.chunks
+        bsz, s_loc, dim = x.shape
+        tokens = s_loc * bsz
+        compute, comm = st.current(x.device), plan.comm_stream
+        dy = dy.contiguous()
+        # output projection: dO first, start its exchange, then the weight grads overlap it
+        d_o = _mm(dy, w_o).view(bsz, s_loc, h, d)
+        recv_g, ev_g = _exchange_all_chunks((d_o,), ("q",), plan, tokens, d, compute, comm)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        d_w_o = _mm(dy2.t(), o_flat.reshape(-1, o_flat.shape[-1]))
+        d_b_o = dy2.sum(0) if ctx.has[1] else None
+        hkv_rep = hkv * hl.kv_repeat
+        grads = {"q": torch.empty(bsz, s_loc, h, d, dtype=dy.dtype, device=dy.device),
+                 "k": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device),
+                 "v": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device)}
+        last = {}
+        for c in range(C):
+            st.wait(compute, ev_g[c])
+            qc, kc, vc, oc = ctx.chunks[c]
+            ctx.chunks[c] = None
+            do_c = recv_g[c].view(world * s_loc, bsz, qc.shape[1], d).permute(1, 2, 0, 3)
+            gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), do_c)
+            done = st.record(compute)
+            with st.on_stream(comm):
+                st.wait(comm, done)
+                for name, g, kind in (("v", gv, "kv"), ("k", gk, "kv"), ("q", gq, "q")):
+                    send = g.permute(2, 0, 1, 3).contiguous().view(-1)
+                    splits = lay.seg_splits(hl, (kind,), c, tokens, d)
+                    r = _alloc(sum(splits), dy)
+                    all_to_all_flat(send, r, plan.group, None, splits)
+                    lay.unpack(r, (grads[name],), (kind,), hl, c, "bshd")
+                    last[name] = st.record(comm)
+            if comm is not None:
+                for g in (gq, gk, gv):
+                    g.record_stream(comm)
+        # branch backward: each waits only for its own gradient (v first: it has no prep)
+        x2 = x.reshape(-1, dim)
+        sizes = (h * d, hkv * d, hkv * d)
+        ws = torch.split(w_qkv, sizes, dim=0)
+        d_w, d_b, dx, d_norm = {}, {}, torch.zeros_like(x2), {"q": None, "k": None}
+        for name, w in (("v", ws[2]), ("k", ws[1]), ("q", ws[0])):
+            st.wait(compute, last.get(name))
+            g = grads[name]
+            if name != "q" and hl.kv_repeat > 1:  # replicated kv heads: sum their gradients back
+                g = g.view(bsz, s_loc, hkv, hl.kv_repeat, d).sum(3)
+            if name in ctx.saved_prep:  # QK-norm + RoPE backward
+                y_leaf, w_leaf, y4g = ctx.saved_prep[name]
+                inputs = (y_leaf,) if w_leaf is None else (y_leaf, w_leaf)
+                res = torch.autograd.grad(y4g, inputs, g)
+                g2 = res[0]
+                d_norm[name] = res[1] if w_leaf is not None else None
+            else:
+                g2 = g.reshape(bsz, s_loc, -1)
+            g2 = g2.reshape(-1, g2.shape[-1])
+            d_w[name] = _mm(g2.t(), x2)
+            d_b[name] = g2.sum(0)
+            dx.add_(_mm(g2, w))
+        if comm is not None:
+            compute.wait_stream(comm)
+        d_w_qkv = torch.cat([d_w["q"], d_w["k"], d_w["v"]], dim=0)
+        d_b_qkv = torch.cat([d_b["q"], d_b["k"], d_b["v"]], dim=0) if ctx.has[0] else None
+        return (dx.view_as(x), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"], None)
+
+
+def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[torch.Tensor],
+                                 w_o: torch.Tensor, b_o: Optional[torch.Tensor], group: dist.ProcessGroup, *,
+                                 num_heads: int, num_kv_heads: int, prep: Prep,
+                                 norm_q_weight: Optional[torch.Tensor] = None,
+                                 norm_k_weight: Optional[torch.Tensor] = None, head_chunks: int = 1,
+                                 softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
+                                 comm_stream: Optional["torch.cuda.Stream"] = None,
+                                 kv_valid_len: Optional[int] = None) -> torch.Tensor:
+    """The async block on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
+
+    w_qkv: [(H + 2 Hkv) * D, dim] (q rows, then k, then v), w_o: [dim, H * D] (nn.Linear layout).
+    prep(branch, y, norm_weight) maps a branch's [B, S, n*D] projection to [B, S, n, D] (QK-norm and
+    RoPE at this rank's global positions); it is applied to q and k, never to v. Non-causal;
+    contiguous token placement; ``kv_valid_len`` masks padded keys as in ulysses_attention.
+    """
+    world = dist.get_world_size(group)
+    d = w_o.shape[1] // num_heads
+    hl = head_layout(num_heads, num_kv_heads, world, head_chunks)
+    be = get_backend(backend)
+    if kv_valid_len is not None:
+        from .placement import pieces  # noqa: PLC0415
+        from .ring import RingBackend  # noqa: PLC0415
+        runs = tuple(r for p in range(world) for r in pieces("contiguous", p, world, x.shape[1] * world))
+        be = RingBackend(None, "ring", runs, (runs,), be, kv_valid_len)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    stream = comm_stream if comm_stream is not None else st.default_pool().comm_stream(x.device)
+    plan = AsyncPlan(group, dist.get_rank(group), hl, "bshd", scale, be, stream, (num_heads, num_kv_heads, d), prep)
+    return _AsyncBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)

@@ -1,0 +1,129 @@
+"""Async Ulysses block == the plain block (fused QKV GEMM -> QK-norm/RoPE -> ulysses_attention -> out GEMM):
+output and every parameter and input gradient; fp32/bf16, GQA, QK-norm on/off, HCMS on/off (gloo, CPU)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_sp_ext as spx
+from megatron_sp_ext.sp.async_block import async_ulysses_self_attention
+from tests.harness import run_ranks
+from tests.reference import rel_err
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _rms(y, w, eps=1e-6):
+    out = y.float() * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (out * w.float()).to(y.dtype)
+
+
+def _rope(x, ang):
+    cos, sin = ang.cos().to(x.dtype)[None, :, None, :], ang.sin().to(x.dtype)[None, :, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
+
+
+def _case(rank, world, h, hkv, d, chunks, qk_norm, dtype):
+    g = dist.group.WORLD
+    gen = torch.Generator().manual_seed(11)
+    dim, b, sl = 32, 2, 6
+    s = sl * world
+    p = {"w_qkv": torch.randn((h + 2 * hkv) * d, dim, generator=gen) * 0.2,
+         "b_qkv": torch.randn((h + 2 * hkv) * d, generator=gen) * 0.1,
+         "w_o": torch.randn(dim, h * d, generator=gen) * 0.2, "b_o": torch.randn(dim, generator=gen) * 0.1,
+         "nq": 1 + 0.1 * torch.randn(h * d, generator=gen), "nk": 1 + 0.1 * torch.randn(hkv * d, generator=gen)}
+    x_full = torch.randn(b, s, dim, generator=gen)
+    dy_full = torch.randn(b, s, dim, generator=gen)
+    ang_full = torch.randn(s, d // 2, generator=gen, dtype=torch.float64)
+    mine = slice(rank * sl, (rank + 1) * sl)
+    ang = ang_full[mine]
+
+    def prep(branch, y, w):
+        n = h if branch == "q" else hkv
+        if w is not None:
+            y = _rms(y, w)
+        return _rope(y.view(y.shape[0], y.shape[1], n, d), ang)
+
+    results = []
+    for use_async in (False, True):
+        params = {k: v.to(dtype).clone().requires_grad_() for k, v in p.items()}
+        x = x_full[:, mine].to(dtype).clone().requires_grad_()
+        nq, nk = (params["nq"], params["nk"]) if qk_norm else (None, None)
+        if use_async:
+            y = async_ulysses_self_attention(x, params["w_qkv"], params["b_qkv"], params["w_o"], params["b_o"], g,
+                                             num_heads=h, num_kv_heads=hkv, prep=prep, norm_q_weight=nq,
+                                             norm_k_weight=nk, head_chunks=chunks)
+        else:  # the plain block: fused GEMM, then Ulysses
+            qkv = x @ params["w_qkv"].t() + params["b_qkv"]
+            q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+            q, k = prep("q", q, nq), prep("k", k, nk)
+            o = spx.ulysses_attention(q, k, v.reshape(b, sl, hkv, d), g, head_chunks=chunks)
+            y = o.reshape(b, sl, h * d) @ params["w_o"].t() + params["b_o"]
+        y.backward(dy_full[:, mine].to(dtype))
+        results.append([y.detach(), x.grad] + [params[k].grad for k in ("w_qkv", "b_qkv", "w_o", "b_o")]
+                       + ([params["nq"].grad, params["nk"].grad] if qk_norm else []))
+    names = ["out", "dx", "dW_qkv", "db_qkv", "dW_o", "db_o", "dnorm_q", "dnorm_k"]
+    for name, a, ref in zip(names, results[1], results[0]):
+        grad = ref.clone()
+        if name.startswith("dW") or name.startswith("db") or name.startswith("dnorm"):
+            dist.all_reduce(grad)  # parameter grads: compare the CP-reduced values too
+            a = a.clone()
+            dist.all_reduce(a)
+        err = rel_err(a, grad)
+        assert err <= TOL[dtype], f"H={h}/{hkv} C={chunks} norm={qk_norm} {dtype} {name}: {err:.2e}"
+    return True
+
+
+@pytest.mark.parametrize("world,h,hkv,chunks", [(2, 8, 8, 1), (2, 8, 8, 2), (2, 8, 4, 2), (2, 8, 2, 1),
+                                                (4, 6, 6, 1), (4, 8, 2, 1), (4, 8, 2, 2)])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_async_block_equals_plain_fp32(world, h, hkv, chunks, qk_norm):
+    run_ranks(_case, world, h, hkv, 8, chunks, qk_norm, torch.float32)
+
+
+def _schedule(rank, world):
+    """Each branch's exchange is issued right after its own GEMM (before the next branch's GEMM),
+    and in backward the dO exchange is issued before the output-projection weight gradient."""
+    import megatron_sp_ext.sp.async_block as ab
+    events = []
+    real_exchange, real_mm = ab._exchange_all_chunks, ab._mm
+
+    def exchange(parts, kinds, *a, **k):
+        events.append(("exchange", tuple(parts[0].shape)))
+        return real_exchange(parts, kinds, *a, **k)
+
+    def mm(a, b):
+        events.append(("gemm", tuple(a.shape), tuple(b.shape)))
+        return real_mm(a, b)
+    ab._exchange_all_chunks, ab._mm = exchange, mm
+    try:
+        h, hkv, d, dim = 4, 2, 8, 16
+        x = torch.randn(1, 3, dim, requires_grad=True)
+        w_qkv = torch.randn((h + 2 * hkv) * d, dim, requires_grad=True)
+        w_o = torch.randn(dim, h * d, requires_grad=True)
+        prep = lambda br, y, w: y.view(1, 3, h if br == "q" else hkv, d)  # noqa: E731
+        y = ab.async_ulysses_self_attention(x, w_qkv, None, w_o, None, dist.group.WORLD, num_heads=h,
+                                            num_kv_heads=hkv, prep=prep)
+        fwd = list(events)
+        events.clear()
+        y.sum().backward()
+        bwd = list(events)
+    finally:
+        ab._exchange_all_chunks, ab._mm = real_exchange, real_mm
+    kinds = [e[0] for e in fwd]
+    assert kinds == ["gemm", "exchange", "gemm", "exchange", "gemm", "exchange", "gemm"], fwd
+    # backward: dO = dy W_o (gemm), its exchange, then dW_o = dy^T O overlapping it, then the branches
+    kinds = [e[0] for e in bwd]
+    assert kinds[:3] == ["gemm", "exchange", "gemm"], bwd
+    assert bwd[2][1] == (16, 3) and bwd[2][2] == (3, h * d), bwd  # dy^T [dim, tokens] @ O [tokens, H*D]
+    assert kinds.count("gemm") == 2 + 2 * 3, bwd  # + (dW, dx) for each of v, k, q
+    return True
+
+
+def test_schedule_overlaps_exchanges_with_gemms():
+    run_ranks(_schedule, 2)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_async_block_equals_plain_bf16(chunks):
+    run_ranks(_case, 2, 8, 4, 8, chunks, True, torch.bfloat16)
