@@ -1,0 +1,165 @@
+"""Attention-block benchmark: plain (fused QKV GEMM -> Ulysses/HCMS -> out GEMM) vs the async block
+(per-branch GEMMs overlapped with their exchanges), forward and forward+backward, interleaved timing.
+
+    python tools/bench_block.py --world-sizes 2,4 --models wan-1.3b,wan-14b --tokens-per-gpu 16384 --out $OUT
+    python tools/bench_block.py --world-sizes 4 --models wan-1.3b --seqlen 32768 --out $OUT   # strong scaling
+
+Writes block.json and block.md (ratios vs the plain block in the same run).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import megatron_sp_ext as spx  # noqa: E402
+from training.video_dit.config import preset  # noqa: E402
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rms(y, w):
+    return (y.float() * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(y.dtype)
+
+
+def bench(rank, world, group, cfg, seqlen, args):
+    h, d, dim = cfg.heads, cfg.head_dim, cfg.dim
+    sl = seqlen // world
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(1, sl, dim, device=dev, dtype=dt, generator=g).requires_grad_()
+    w_qkv = (torch.randn(3 * h * d, dim, device=dev, dtype=dt, generator=g) * 0.02).requires_grad_()
+    b_qkv = torch.zeros(3 * h * d, device=dev, dtype=dt, requires_grad=True)
+    w_o = (torch.randn(dim, h * d, device=dev, dtype=dt, generator=g) * 0.02).requires_grad_()
+    b_o = torch.zeros(dim, device=dev, dtype=dt, requires_grad=True)
+    nq = torch.ones(h * d, device=dev, dtype=dt, requires_grad=True)
+    nk = torch.ones(h * d, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn(1, sl, dim, device=dev, dtype=dt, generator=g)
+
+    def prep(branch, y, w):
+        return _rms(y, w).view(1, sl, h, d)
+
+    def plain(c):
+        def run():
+            qkv = x @ w_qkv.t() + b_qkv
+            q, k, v = qkv.split(h * d, dim=-1)
+            o = spx.ulysses_attention(prep("q", q, nq), prep("k", k, nk), v.reshape(1, sl, h, d), group,
+                                      head_chunks=c)
+            return o.reshape(1, sl, h * d) @ w_o.t() + b_o
+        return run
+
+    def asynch(c):
+        return lambda: spx.async_ulysses_self_attention(x, w_qkv, b_qkv, w_o, b_o, group, num_heads=h,
+                                                        num_kv_heads=h, prep=prep, norm_q_weight=nq,
+                                                        norm_k_weight=nk, head_chunks=c)
+    modes = {"plain": plain(1), "async": asynch(1)}
+    for c in args.chunks:
+        if c <= h // world:
+            modes[f"plain_hcms{c}"], modes[f"async_hcms{c}"] = plain(c), asynch(c)
+    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    t_f = {n: [] for n in modes}
+    t_fb = {n: [] for n in modes}
+    for fn in modes.values():  # warm-up
+        for _ in range(2):
+            fn().backward(dy)
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    for _ in range(args.iters):
+        for n, fn in modes.items():
+            a, b = ev(), ev()
+            with torch.no_grad():
+                a.record()
+                fn()
+                b.record()
+            b.synchronize()
+            t_f[n].append(a.elapsed_time(b))
+        for n, fn in modes.items():
+            a, b = ev(), ev()
+            a.record()
+            fn().backward(dy)
+            b.record()
+            b.synchronize()
+            t_fb[n].append(a.elapsed_time(b))
+    res = {"P": world, "model": cfg.dim, "heads": h, "L": seqlen, "modes": {}}
+    for n in modes:
+        t = torch.tensor([sorted(t_f[n])[len(t_f[n]) // 2], sorted(t_fb[n])[len(t_fb[n]) // 2]], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        res["modes"][n] = {"fwd_ms": float(t[0]), "fwd_bwd_ms": float(t[1])}
+    p = res["modes"]["plain"]
+    for e in res["modes"].values():
+        e["speedup_fwd"], e["speedup_fwd_bwd"] = p["fwd_ms"] / e["fwd_ms"], p["fwd_bwd_ms"] / e["fwd_bwd_ms"]
+    return res
+
+
+def _worker(rank, world, port, args, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
+                            timeout=datetime.timedelta(seconds=300))
+    out = []
+    for name in args.models:
+        cfg = preset(name)
+        L = args.seqlen or args.tokens_per_gpu * world
+        out.append(bench(rank, world, dist.group.WORLD, cfg, L, args))
+        if rank == 0:
+            r = out[-1]
+            print(f"[block P={world} {name} L={L}] " + " ".join(
+                f"{n}={e['fwd_ms']:.2f}/{e['fwd_bwd_ms']:.2f}" for n, e in r["modes"].items()), flush=True)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", default="4")
+    ap.add_argument("--models", default="wan-1.3b")
+    ap.add_argument("--tokens-per-gpu", type=int, default=16384)
+    ap.add_argument("--seqlen", type=int, default=None, help="fixed global length (strong scaling)")
+    ap.add_argument("--chunks", default="2")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default="block_out")
+    args = ap.parse_args()
+    args.models = args.models.split(",")
+    args.chunks = [int(c) for c in args.chunks.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for world in [int(w) for w in args.world_sizes.split(",")]:
+        if world > torch.cuda.device_count():
+            continue
+        part = os.path.join(args.out, f"_block_P{world}.json")
+        mp.start_processes(_worker, args=(world, _port(), args, part), nprocs=world, start_method="spawn")
+        with open(part) as f:
+            results += json.load(f)
+        os.remove(part)
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
+            "command": " ".join(sys.argv)}
+    with open(os.path.join(args.out, "block.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    lines = [f"{meta['device']} x P, {meta['date']}, bf16; fwd ms / fwd+bwd ms (speedup vs plain)", "",
+             "| P | dim | heads | L | mode | fwd | fwd+bwd |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for n, e in r["modes"].items():
+            lines.append(f"| {r['P']} | {r['model']} | {r['heads']} | {r['L'] // 1024}K | {n} | {e['fwd_ms']:.2f} "
+                         f"({e['speedup_fwd']:.2f}x) | {e['fwd_bwd_ms']:.2f} ({e['speedup_fwd_bwd']:.2f}x) |")
+    with open(os.path.join(args.out, "block.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
