@@ -103,17 +103,22 @@ def _ds_run(rank, world, sp, mode, steps, extra=(), zero=1):
     from training import train_deepspeed
     argv = ["--deepspeed-config", os.path.join(ROOT, "configs", "deepspeed", "cpu_tiny_hcms.json"), "--model", "tiny",
             "--train-iters", str(steps), "--frames", "4,3", "--latent-size", "6x10", "--quiet", *extra]
-    cfg = {"sequence_parallel_size": sp, "zero_optimization": {"stage": zero},
-           "sequence_parallel_ext": {"mode": mode, **({"head_chunks": 2} if mode == "hcms" else {})}}
+    block = {"mode": mode, **({"head_chunks": 2} if mode == "hcms" else {})}
+    if mode in ("usp", "tas", "torus"):
+        block.update(nodes=2, ulysses_size=2, **({"placement": "tas"} if mode == "torus" else {}))
+    cfg = {"sequence_parallel_size": sp, "zero_optimization": {"stage": zero}, "sequence_parallel_ext": block}
     return train_deepspeed.main(argv, config=cfg)["losses"]
 
 
-@pytest.mark.parametrize("mode", ["hcms", "tasp", "usp"])
+MESH_FLAGS = ("--sp-nodes", "2", "--sp-ulysses-size", "2")
+ENTRY_MODES = ["ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto"]
+
+
+@pytest.mark.parametrize("mode", ENTRY_MODES)
 def test_megatron_entry_3_steps_match_sp1(mode):
     ref = run_ranks(_megatron_run, 1, 1, "ulysses", 3)[0]
-    extra = ("--sp-nodes", "2", "--sp-ulysses-size", "2") if mode == "usp" else ()
-    if mode == "hcms":
-        extra = ("--hcms-head-chunks", "2")
+    extra = {"hcms": ("--hcms-head-chunks", "2"), "usp": MESH_FLAGS, "tas": MESH_FLAGS,
+             "torus": MESH_FLAGS + ("--sp-placement", "tas")}.get(mode, ())
     got = run_ranks(_megatron_run, 4, 4, mode, 3, extra)
     for r in range(4):
         for a, b in zip(got[r], ref):
@@ -128,7 +133,7 @@ def test_megatron_entry_async_qkv_matches_sp1():
             assert abs(a - b) <= 1e-4 * abs(b), f"async: {got[r]} vs {ref}"
 
 
-@pytest.mark.parametrize("mode", ["hcms", "ring"])
+@pytest.mark.parametrize("mode", ENTRY_MODES)
 def test_deepspeed_entry_3_steps_match_sp1(mode):
     ref = run_ranks(_ds_run, 1, 1, "ulysses", 3)[0]
     got = run_ranks(_ds_run, 4, 4, mode, 3)
