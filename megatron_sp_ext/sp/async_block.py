@@ -28,7 +28,7 @@ from ..comm import streams as st
 from ..comm.exchange import all_to_all_flat
 from . import layout as lay
 from .heads import HeadLayout, head_layout
-from .ulysses import _alloc, _exchange_all_chunks
+from .ulysses import _alloc, _exchange_all_chunks, _exchange_out_chunk
 
 # prep(branch, y [B, S, n*D], weight) -> [B, S, n, D]; weight is the branch's QK-norm weight or None
 Prep = Callable[[str, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -97,14 +97,7 @@ class _AsyncBlockFn(torch.autograd.Function):
             with torch.enable_grad():
                 oc = plan.backend(*views, causal=False, softmax_scale=plan.scale)
             chunks.append((*views, oc))
-            done = st.record(compute)
-            with st.on_stream(comm):
-                st.wait(comm, done)
-                send_o = oc.detach().permute(2, 0, 1, 3).contiguous().view(-1)
-                splits = lay.seg_splits(hl, ("q",), c, tokens, d)
-                recv_o = _alloc(sum(splits), x)
-                all_to_all_flat(send_o, recv_o, plan.group, None, splits)
-                lay.unpack(recv_o, (out,), ("q",), hl, c, "bshd")
+            _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
         if comm is not None:
             compute.wait_stream(comm)
         o_flat = out.view(bsz, s_loc, h * d)

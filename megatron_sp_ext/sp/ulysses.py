@@ -79,6 +79,19 @@ def _exchange_all_chunks(parts, kinds, plan: "UlyssesPlan", tokens: int, d: int,
     return recv, events
 
 
+def _exchange_out_chunk(oc, out, plan: "UlyssesPlan", c: int, tokens: int, d: int, compute, comm) -> None:
+    """Chunk c's attention output oc [B, h_c, S, D] (head-sharded) -> its heads of ``out`` (local
+    layout), on ``comm`` once the compute stream's work so far is done."""
+    done = st.record(compute)
+    with st.on_stream(comm):
+        st.wait(comm, done)
+        send_o = oc.detach().permute(2, 0, 1, 3).contiguous().view(-1)
+        splits = lay.seg_splits(plan.heads, ("q",), c, tokens, d)
+        recv_o = _alloc(sum(splits), out)
+        all_to_all_flat(send_o, recv_o, plan.group, None, splits)
+        lay.unpack(recv_o, (out,), ("q",), plan.heads, c, plan.seq_layout)
+
+
 class _UlyssesFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: UlyssesPlan):
@@ -105,15 +118,7 @@ class _UlyssesFn(torch.autograd.Function):
             with torch.set_grad_enabled(plan.need_grad):
                 oc = plan.backend(qc, kc, vc, causal=plan.causal, softmax_scale=plan.scale)
             chunks.append((qc, kc, vc, oc))
-            done = st.record(compute)
-            with st.on_stream(comm):
-                st.wait(comm, done)
-                send_o = oc.detach().permute(2, 0, 1, 3).contiguous().view(-1)
-                splits = lay.seg_splits(hl, ("q",), c, tokens, d)
-                recv_o = _alloc(sum(splits), q)
-                all_to_all_flat(send_o, recv_o, plan.group, None, splits)
-                lay.unpack(recv_o, (out,), ("q",), hl, c, lay_)
-                del send_o, recv_o
+            _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
         if comm is not None:
             compute.wait_stream(comm)
         ctx.plan, ctx.chunks = plan, chunks
