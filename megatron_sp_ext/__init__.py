@@ -6,6 +6,7 @@ Public functional API (layout "bshd" = [batch, seq_local, heads, head_dim] unles
 Framework adapters live in ``megatron_sp_ext.megatron`` and ``megatron_sp_ext.deepspeed`` and are
 imported only on demand (``import megatron_sp_ext`` needs torch alone).
 """
+from .comm.transport import NcclTransport, SymmMemTransport, TransportPool, default_transports
 from .config import SPConfig
 from .errors import SPConfigError
 from .sp.async_block import async_ulysses_self_attention
@@ -21,4 +22,5 @@ __version__ = "0.1.0"
 
 __all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
            "unshard_sequence", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
-           "hybrid_attention", "torus_attention", "async_ulysses_self_attention"]
+           "hybrid_attention", "torus_attention", "async_ulysses_self_attention", "NcclTransport",
+           "SymmMemTransport", "TransportPool", "default_transports"]

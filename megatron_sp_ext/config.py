@@ -17,7 +17,7 @@ MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
 RING_VARIANTS = ("ring", "tasp")
 PLACEMENTS = ("auto", "usp", "tas")
 BACKENDS = ("sdpa", "math", "flash_attn", "te")
-TRANSPORTS = ("nccl",)  # "symm_mem" (copy-engine) is planned, not built: rejected with a clear error
+TRANSPORTS = ("nccl", "symm_mem")  # symm_mem: copy-engine exchange (CUDA + NCCL only; checked at first use)
 LAYOUTS = ("bshd", "sbhd")
 SEQ_PLACEMENTS = ("contiguous", "zigzag", "tasp_zigzag")
 # modes whose attention is a 2D mesh (Ulysses x Ring) and so need a mesh
@@ -86,7 +86,7 @@ class SPConfig:
     ulysses_size: Ulysses degree P_u of the mesh (None = gcd(world, heads)).
     nodes: number of machines to assume (None = detect); lets one machine simulate several.
     backend: local attention kernel ("sdpa", "math", "flash_attn", "te").
-    transport: exchange transport ("nccl"; "symm_mem" is planned and rejected for now).
+    transport: exchange transport: "nccl" (default) or "symm_mem" (copy-engine, CUDA + NCCL groups).
     source: where the settings came from ("python", "megatron", "deepspeed"); errors use its names.
     """
 
@@ -107,10 +107,10 @@ class SPConfig:
         self.ring_variant = _choice(self.ring_variant, RING_VARIANTS, n("ring_variant"))
         self.placement = _choice(self.placement, PLACEMENTS, n("placement"))
         self.backend = _choice(self.backend, BACKENDS, n("backend"))
-        if self.transport == "symm_mem":
-            raise SPConfigError(f"{n('transport')}='symm_mem' (copy-engine exchange) is not implemented yet: "
-                                f"use 'nccl'")
         self.transport = _choice(self.transport, TRANSPORTS, n("transport"))
+        if self.transport != "nccl" and self.mode not in ("ulysses", "hcms", "auto"):
+            raise SPConfigError(f"{n('transport')}={self.transport!r} applies to the ulysses/hcms exchanges only, "
+                                f"not to {n('mode')}={self.mode!r}: use 'nccl' or a ulysses/hcms mode")
         for key in ("ulysses_size", "nodes"):
             val = getattr(self, key)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):

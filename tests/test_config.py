@@ -33,9 +33,12 @@ def test_bad_values():
         SPConfig(mode="hcms", head_chunks=4, source="megatron").validate_world(4, num_heads=12)
 
 
-def test_unbuilt_transport_is_rejected_not_ignored():
-    with pytest.raises(SPConfigError, match="symm_mem.*not implemented"):
-        SPConfig(transport="symm_mem")
+def test_symm_mem_transport_is_checked():
+    assert SPConfig(mode="hcms", head_chunks=2, transport="symm_mem").transport == "symm_mem"
+    with pytest.raises(SPConfigError, match="sequence_parallel_ext.transport='symm_mem' applies to the ulysses/hcms"):
+        SPConfig(mode="ring", transport="symm_mem", source="deepspeed")
+    with pytest.raises(SPConfigError, match="--sp-transport='ib' is invalid: choose one of nccl, symm_mem"):
+        SPConfig(transport="ib", source="megatron")
 
 
 def test_head_layouts():

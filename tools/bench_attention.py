@@ -53,7 +53,10 @@ def build_modes(names, group, causal, nodes=None, heads=None):
         if key not in meshes:
             meshes[key] = spx.build_sp_mesh(group, num_heads=h, placement=placement, nodes=nodes)
         return meshes[key]
-    for name in names:
+    for full in names:
+        # a "_symm" suffix runs the same mode through the copy-engine (symmetric-memory) transport
+        name, tr = (full[:-5], "symm_mem") if full.endswith("_symm") else (full, "nccl")
+        before = set(modes)
         if name == "deepspeed":
             try:
                 import deepspeed  # noqa: PLC0415
@@ -65,7 +68,7 @@ def build_modes(names, group, causal, nodes=None, heads=None):
             ds = DistributedAttention(_sdpa_bshd, group, scatter_idx=2, gather_idx=1)
             modes[name] = lambda q, k, v, ds=ds: ds(q, k, v, 0)
         elif name == "ulysses":
-            modes[name] = lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal)
+            modes[name] = lambda q, k, v, tr=tr: spx.ulysses_attention(q, k, v, group, causal=causal, transport=tr)
         elif name == "ulysses_packed":
             modes[name] = lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal, qkv_contiguous=False)
         elif name.startswith("hcms") and name.endswith("_packed"):
@@ -74,10 +77,12 @@ def build_modes(names, group, causal, nodes=None, heads=None):
                                                                      qkv_contiguous=False)
         elif name.startswith("hcms"):
             c = int(name[4:])
-            modes[name] = lambda q, k, v, c=c: spx.ulysses_attention(q, k, v, group, head_chunks=c, causal=causal)
+            modes[name] = lambda q, k, v, c=c, tr=tr: spx.ulysses_attention(q, k, v, group, head_chunks=c,
+                                                                            causal=causal, transport=tr)
         elif name == "auto":
-            def auto(q, k, v):
-                return spx.ulysses_attention(q, k, v, group, head_chunks="auto", causal=causal, policy=policy)
+            def auto(q, k, v, tr=tr):
+                return spx.ulysses_attention(q, k, v, group, head_chunks="auto", causal=causal, policy=policy,
+                                             transport=tr)
             auto.policy = policy
             modes[name] = auto
         elif name in ("ring", "tasp"):
@@ -90,6 +95,11 @@ def build_modes(names, group, causal, nodes=None, heads=None):
             modes[name] = lambda q, k, v: spx.torus_attention(q, k, v, mesh(q.shape[2], "tas"), causal=causal)
         else:
             raise SystemExit(f"unknown mode {name}")
+        if tr != "nccl":
+            if name not in ("ulysses", "auto") and not name.startswith("hcms") or name.endswith("_packed"):
+                raise SystemExit(f"mode {full}: the _symm suffix applies to ulysses, hcms<C> and auto")
+            (new,) = set(modes) - before
+            modes[full] = modes.pop(new)
     return modes
 
 
@@ -123,6 +133,11 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
     s_in, r_in, s_out, r_out = (q.new_empty(n) for n in (n_in, n_in, n_out, n_out))
     res["t_comm_fwd"] = _time(lambda: (all_to_all_flat(s_in, r_in, group), all_to_all_flat(s_out, r_out, group)),
                               args.iters, args.warmup, group)
+    if any(n.endswith("_symm") for n in modes):  # the same bare exchange through the copy engines
+        tr = spx.default_transports().get("symm_mem", group, q.device)
+        tr.all_to_all(s_in, r_in)  # grow the workspace outside the timed region
+        res["t_comm_fwd_symm"] = _time(lambda: (tr.all_to_all(s_in, r_in), tr.all_to_all(s_out, r_out)),
+                                       args.iters, args.warmup, group)
     ql = torch.randn(b, h // world, seqlen, d, device="cuda", dtype=dtype)
     res["t_attn_fwd"] = _time(lambda: F.scaled_dot_product_attention(ql, ql, ql, is_causal=args.causal),
                               args.iters, args.warmup, group)
@@ -158,7 +173,7 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
         grads = (qg.grad.detach().clone(), kg.grad.detach().clone(), vg.grad.detach().clone())
         if name == "ulysses":
             ref_out, ref_grads = o.detach(), grads
-        elif ref_out is not None and (name.startswith("hcms") or name in ("auto", "ulysses_packed")):
+        elif ref_out is not None and (name.startswith(("hcms", "auto", "ulysses_"))):
             # out, dk, dv bit for bit; dq only up to the flash backward's atomic-add noise
             eq = torch.equal(o, ref_out) and all(torch.equal(a, b) for a, b in zip(grads[1:], ref_grads[1:]))
             flag = torch.tensor(int(eq), device="cuda")
@@ -203,7 +218,8 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
             res["modes"][name]["auto_choice"] = {
                 ("train" if key[-1] else "infer"): {"chunks": cal.chunks, "measured_ms": cal.measured,
                                                     "confirm": cal.confirm, "reason": cal.reason}
-                for key, cal in fn.policy.cache.items() if key[0] == tuple(q.shape)}
+                for key, cal in fn.policy.cache.items()
+                if key[0] == tuple(q.shape) and key[-2] == ("symm_mem" if name.endswith("_symm") else "nccl")}
     u = res["modes"].get("ulysses")
     if u:
         res["rho"] = res["t_comm_fwd"] / u["fwd_ms"]

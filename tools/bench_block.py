@@ -51,23 +51,26 @@ def bench(rank, world, group, cfg, seqlen, args):
     def prep(branch, y, w):
         return _rms(y, w).view(1, sl, h, d)
 
-    def plain(c):
+    def plain(c, tr="nccl"):
         def run():
             qkv = x @ w_qkv.t() + b_qkv
             q, k, v = qkv.split(h * d, dim=-1)
             o = spx.ulysses_attention(prep("q", q, nq), prep("k", k, nk), v.reshape(1, sl, h, d), group,
-                                      head_chunks=c)
+                                      head_chunks=c, transport=tr)
             return o.reshape(1, sl, h * d) @ w_o.t() + b_o
         return run
 
-    def asynch(c):
+    def asynch(c, tr="nccl"):
         return lambda: spx.async_ulysses_self_attention(x, w_qkv, b_qkv, w_o, b_o, group, num_heads=h,
                                                         num_kv_heads=h, prep=prep, norm_q_weight=nq,
-                                                        norm_k_weight=nk, head_chunks=c)
-    modes = {"plain": plain(1), "async": asynch(1)}
-    for c in args.chunks:
-        if c <= h // world:
-            modes[f"plain_hcms{c}"], modes[f"async_hcms{c}"] = plain(c), asynch(c)
+                                                        norm_k_weight=nk, head_chunks=c, transport=tr)
+    modes = {}
+    for tr in args.transports:
+        sfx = "" if tr == "nccl" else "_symm"
+        modes[f"plain{sfx}"], modes[f"async{sfx}"] = plain(1, tr), asynch(1, tr)
+        for c in args.chunks:
+            if c <= h // world:
+                modes[f"plain_hcms{c}{sfx}"], modes[f"async_hcms{c}{sfx}"] = plain(c, tr), asynch(c, tr)
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     t_f = {n: [] for n in modes}
     t_fb = {n: [] for n in modes}
@@ -132,10 +135,12 @@ def main():
     ap.add_argument("--seqlen", type=int, default=None, help="fixed global length (strong scaling)")
     ap.add_argument("--chunks", default="2")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--transports", default="nccl,symm_mem")
     ap.add_argument("--out", default="block_out")
     args = ap.parse_args()
     args.models = args.models.split(",")
     args.chunks = [int(c) for c in args.chunks.split(",")]
+    args.transports = args.transports.split(",")
     os.makedirs(args.out, exist_ok=True)
     results = []
     for world in [int(w) for w in args.world_sizes.split(",")]:

@@ -67,6 +67,51 @@ def _bitwise_hcms(rank, world, group):
     return fails, notes
 
 
+def _bitwise_transport(rank, world, group):
+    """The copy-engine transport (symm_mem) gives the NCCL result bit for bit: out, dk, dv for plain
+    Ulysses and HCMS (even heads, uneven heads, GQA, causal); dq within the flash kernel's run-to-run
+    noise (atomics). Also the async block's output."""
+    import megatron_sp_ext as spx  # noqa: PLC0415
+    from megatron_sp_ext.sp.async_block import async_ulysses_self_attention  # noqa: PLC0415
+    fails, notes = [], []
+    for (h, hkv, causal, sl) in [(40, 40, False, 4096), (40, 40, True, 2048), (24, 8, False, 2048), (6, 6, False, 1024)]:
+        g = torch.Generator(device="cuda").manual_seed(9)
+        q = torch.randn(1, sl, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(1, sl, hkv, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        go = torch.randn_like(q)
+
+        def run(c, tr):
+            qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+            o = spx.ulysses_attention(qs, ks, vs, group, head_chunks=c, causal=causal, transport=tr)
+            o.backward(go)
+            return (o, qs.grad, ks.grad, vs.grad)
+        for c in (1, 2):
+            if c > max(1, h // world):
+                continue
+            base, again, res = run(c, "nccl"), run(c, "nccl"), run(c, "symm_mem")
+            noise = ((again[1].float() - base[1].float()).norm() / base[1].float().norm()).item()
+            for name, a, b in zip(("out", "dq", "dk", "dv"), res, base):
+                if name == "dq":
+                    err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+                    if not torch.equal(a, b) and err > max(5 * noise, 1e-6):
+                        fails.append(f"H={h}/{hkv} C={c} symm_mem dq beyond kernel noise ({err:.2e} vs {noise:.2e})")
+                elif not torch.equal(a, b):
+                    fails.append(f"H={h}/{hkv} causal={causal} C={c} symm_mem {name} not bitwise equal")
+            notes.append(f"H={h}/{hkv} causal={causal} C={c}: checked (dq noise {noise:.1e})")
+    dim, h, d, sl = 1536, 12, 128, 2048
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1, sl, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    w_qkv = torch.randn(3 * h * d, dim, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    w_o = torch.randn(dim, h * d, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    outs = [async_ulysses_self_attention(x, w_qkv, None, w_o, None, group, num_heads=h, num_kv_heads=h,
+                                         prep=lambda br, y, w: y.view(1, sl, h, d), head_chunks=2, transport=tr)
+            for tr in ("nccl", "symm_mem")]
+    if not torch.equal(outs[0], outs[1]):
+        fails.append("async block output differs between nccl and symm_mem")
+    notes.append("async block (C=2) output: checked")
+    return fails, notes
+
+
 def _worker(rank, world, port, out_dir, only):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
@@ -111,6 +156,14 @@ def _worker(rank, world, port, out_dir, only):
             raise AssertionError("; ".join(fails))
         return len(notes)
     section("hcms_bitwise_equals_ulysses_cuda_streams", bitwise)
+
+    def bitwise_tr():
+        fails, notes = _bitwise_transport(rank, world, group)
+        report["symm_mem_notes"] = notes
+        if fails:
+            raise AssertionError("; ".join(fails))
+        return len(notes)
+    section("symm_mem_bitwise_equals_nccl", bitwise_tr)
 
     def ring_cases(dtype):
         from megatron_sp_ext.sp.placement import pieces  # noqa: PLC0415

@@ -7,6 +7,7 @@
 #   bash tools/gpu_suite.sh E   # P=4 HCMS grid again with interleaved timing
 #   bash tools/gpu_suite.sh F   # A/B: packed vs contiguous q/k/v (qkv_contiguous) against DeepSpeed
 #   bash tools/gpu_suite.sh G   # async block vs plain block (weak + strong scaling), not run yet
+#   bash tools/gpu_suite.sh H   # copy-engine (symm_mem) transport: CUDA equality, micro-benchmark, attention, block
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -47,6 +48,12 @@ elif [ "$PART" = B ]; then
 elif [ "$PART" = G ]; then
   run python3 tools/bench_block.py --world-sizes 2,4 --models wan-1.3b,wan-14b --tokens-per-gpu 16384 --out "$OUT"
   run python3 tools/bench_block.py --world-sizes 2,4 --models wan-1.3b --seqlen 32768 --out "$OUT/strong"
+elif [ "$PART" = H ]; then  # copy-engine transport: correctness, micro-benchmark, attention and block
+  run python3 tools/gpu_check.py --world-sizes 2,4 --only symm_mem --out "$OUT"
+  run python3 tools/bench_transport.py --world-sizes 2,4 --heads 40 --seqlens 16384,32768 --out "$OUT"
+  run python3 tools/bench_attention.py --tag symm_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768 \
+      --modes ulysses,ulysses_symm,hcms2,hcms2_symm,hcms3_symm,hcms4_symm --iters 10 --out "$OUT"
+  run python3 tools/bench_block.py --world-sizes 2,4 --models wan-1.3b --tokens-per-gpu 16384 --iters 8 --out "$OUT"
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"

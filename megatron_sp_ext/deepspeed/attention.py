@@ -23,6 +23,7 @@ from deepspeed.sequence.layer import DistributedAttention, apply_rotary_pos_emb
 
 from ..attention.backends import LocalAttention, get_backend
 from ..comm.streams import StreamPool
+from ..comm.transport import TransportPool
 from ..config import SPConfig
 from ..errors import SPConfigError
 from ..sp.hybrid import hybrid_attention
@@ -60,17 +61,18 @@ class SPDistributedAttention(DistributedAttention):
                  head_chunks=1, ring_variant: str = "ring", placement: str = "auto",
                  ulysses_size: Optional[int] = None, nodes: Optional[int] = None, backend: str = "sdpa",
                  causal: bool = False, softmax_scale: Optional[float] = None,
-                 sp_config: Optional[SPConfig] = None) -> None:
+                 sp_config: Optional[SPConfig] = None, transport: str = "nccl") -> None:
         super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, None, num_kv_heads)
         self.cfg = sp_config or SPConfig(mode=mode, head_chunks=head_chunks, ring_variant=ring_variant,
                                          placement=placement, ulysses_size=ulysses_size, nodes=nodes,
-                                         backend=backend, source="deepspeed")
+                                         backend=backend, transport=transport, source="deepspeed")
         if self.cfg.mode == "auto":
             raise SPConfigError("sequence_parallel_ext.mode='auto' is resolved by megatron_sp_ext.deepspeed.initialize; "
                                 "pass a concrete mode to SPDistributedAttention")
         self.causal, self.softmax_scale = causal, softmax_scale
         self.sp_stream_pool = StreamPool()  # our comm streams (DeepSpeed's sp_stream path is not used)
         self.policy = HCMSPolicy()
+        self.transports = TransportPool()
         self._meshes: dict = {}
 
     def _mesh(self, num_heads: int):
@@ -103,7 +105,9 @@ class SPDistributedAttention(DistributedAttention):
             return ulysses_attention(query, key, value, self.spg, head_chunks=chunks, layout=layout, backend=be,
                                      softmax_scale=scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]),
                                      comm_stream=self.sp_stream_pool.comm_stream(query.device), policy=self.policy,
-                                     causal=self.causal and kv_valid_len is not None, kv_valid_len=kv_valid_len)
+                                     causal=self.causal and kv_valid_len is not None, kv_valid_len=kv_valid_len,
+                                     transport=self.transports.get(self.cfg.transport, self.spg, query.device,
+                                                                   "sequence_parallel_ext.transport"))
         if rotary_pos_emb is not None:
             query, key = self._local_rope(query, key, rotary_pos_emb, batch_dim_idx)
         be = get_backend(self.cfg.backend, "sequence_parallel_ext.backend")

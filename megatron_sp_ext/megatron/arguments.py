@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--sp-ulysses-size", type=int, default=None, help="Ulysses degree of the mesh (default gcd(CP, heads))")
     add("--sp-ring-variant", choices=RING_VARIANTS, default="ring", help="ring algorithm inside ring/mesh modes")
     add("--sp-attention-backend", choices=BACKENDS, default="sdpa", help="local attention kernel")
+    add("--sp-transport", default="nccl",
+        help="exchange transport of ulysses/hcms: nccl (default) or symm_mem (copy-engine, torch symmetric memory)")
     if not getattr(parser, "_spx_validating", False):
         parser._spx_validating = True
         inner = parser.parse_known_args
@@ -81,7 +83,8 @@ def validate_args(args) -> SPConfig:
             raise SPConfigError(f"--cp-comm-type={t!r} is invalid: choose one of {', '.join(OURS + TE)}")
     cfg = SPConfig(head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
                    placement=args.sp_placement, ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes,
-                   backend=args.sp_attention_backend, source="megatron")
+                   backend=args.sp_attention_backend, transport=getattr(args, "sp_transport", "nccl"),
+                   source="megatron")
     cp = getattr(args, "context_parallel_size", 1) or 1
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     heads = getattr(args, "num_attention_heads", None)

@@ -22,6 +22,7 @@ class SPTransformerConfig(TransformerConfig):
     sp_ulysses_size (--sp-ulysses-size): Ulysses degree of the mesh.
     sp_ring_variant (--sp-ring-variant): ring or tasp inside ring/hybrid modes.
     sp_attention_backend (--sp-attention-backend): sdpa, math, flash_attn, te.
+    sp_transport (--sp-transport): nccl (default) or symm_mem (copy-engine exchanges).
     """
 
     hcms_head_chunks: Union[int, str] = 1
@@ -30,6 +31,7 @@ class SPTransformerConfig(TransformerConfig):
     sp_ulysses_size: Optional[int] = None
     sp_ring_variant: str = "ring"
     sp_attention_backend: str = "sdpa"
+    sp_transport: str = "nccl"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,5 +47,6 @@ def sp_config_from(config) -> SPConfig:
         ulysses_size=getattr(config, "sp_ulysses_size", None),
         nodes=getattr(config, "sp_nodes", None),
         backend=getattr(config, "sp_attention_backend", "sdpa"),
+        transport=getattr(config, "sp_transport", "nccl"),
         source="megatron",
     )

@@ -25,6 +25,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from ..attention.backends import get_backend
 from ..comm.streams import StreamPool
+from ..comm.transport import TransportPool
 from ..config import SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
 from ..sp.hybrid import hybrid_attention
@@ -46,6 +47,7 @@ class SPContext:
         self.sp_config = sp_config
         self.streams = StreamPool()
         self.policy = HCMSPolicy()
+        self.transports = TransportPool()
         self._meshes: dict = {}
 
     def mesh(self, group, num_heads: int, cfg: SPConfig, placement: Optional[str] = None) -> SPMesh:
@@ -148,7 +150,9 @@ class SPDotProductAttention(DotProductAttention):
             chunks = 1 if self.mode == "ulysses" else self.sp.head_chunks
             return ulysses_attention(q, k, v, group, head_chunks=chunks, causal=causal, softmax_scale=scale,
                                      layout="sbhd", backend=self.backend, comm_stream=stream, policy=self.ctx.policy,
-                                     placement="zigzag")
+                                     placement="zigzag",
+                                     transport=self.ctx.transports.get(self.sp.transport, group, q.device,
+                                                                       "--sp-transport"))
         if self.mode in ("ring", "tasp"):
             return ring_attention(q, k, v, group, variant=self.mode, causal=causal, softmax_scale=scale,
                                   layout="sbhd", placement="zigzag", backend=self.backend)

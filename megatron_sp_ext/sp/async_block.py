@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
 from ..comm import streams as st
-from ..comm.exchange import all_to_all_flat
+from ..comm.transport import default_transports
 from . import layout as lay
 from .heads import HeadLayout, head_layout
-from .ulysses import _alloc, _exchange_all_chunks, _exchange_out_chunk
+from .ulysses import _alloc, _exchange_all_chunks, _exchange_out_chunk, _send_head_major, _transport
 
 # prep(branch, y [B, S, n*D], weight) -> [B, S, n, D]; weight is the branch's QK-norm weight or None
 Prep = Callable[[str, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -45,6 +45,7 @@ class AsyncPlan:
     comm_stream: Optional["torch.cuda.Stream"]
     dims: tuple               # (H, Hkv, D)
     prep: Prep
+    transport: Optional[object] = None
 
 
 def _mm(a, b):
@@ -137,11 +138,12 @@ class _AsyncBlockFn(torch.autograd.Function):
             done = st.record(compute)
             with st.on_stream(comm):
                 st.wait(comm, done)
+                tr = _transport(plan)
                 for name, g, kind in (("v", gv, "kv"), ("k", gk, "kv"), ("q", gq, "q")):
-                    send = g.permute(2, 0, 1, 3).contiguous().view(-1)
+                    send = _send_head_major(g, tr)
                     splits = lay.seg_splits(hl, (kind,), c, tokens, d)
                     r = _alloc(sum(splits), dy)
-                    all_to_all_flat(send, r, plan.group, None, splits)
+                    tr.all_to_all(send, r, None, splits)
                     lay.unpack(r, (grads[name],), (kind,), hl, c, "bshd")
                     last[name] = st.record(comm)
             if comm is not None:
@@ -183,13 +185,15 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
                                  norm_k_weight: Optional[torch.Tensor] = None, head_chunks: int = 1,
                                  softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
                                  comm_stream: Optional["torch.cuda.Stream"] = None,
-                                 kv_valid_len: Optional[int] = None) -> torch.Tensor:
+                                 kv_valid_len: Optional[int] = None,
+                                 transport: "str | object" = "nccl") -> torch.Tensor:
     """The async block on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
 
     w_qkv: [(H + 2 Hkv) * D, dim] (q rows, then k, then v), w_o: [dim, H * D] (nn.Linear layout).
     prep(branch, y, norm_weight) maps a branch's [B, S, n*D] projection to [B, S, n, D] (QK-norm and
     RoPE at this rank's global positions); it is applied to q and k, never to v. Non-causal;
     contiguous token placement; ``kv_valid_len`` masks padded keys as in ulysses_attention.
+    transport: "nccl" (default) or "symm_mem" (copy-engine exchanges), as in ulysses_attention.
     """
     world = dist.get_world_size(group)
     d = w_o.shape[1] // num_heads
@@ -202,5 +206,7 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
         be = RingBackend(None, "ring", runs, (runs,), be, kv_valid_len)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     stream = comm_stream if comm_stream is not None else st.default_pool().comm_stream(x.device)
-    plan = AsyncPlan(group, dist.get_rank(group), hl, "bshd", scale, be, stream, (num_heads, num_kv_heads, d), prep)
+    tr = default_transports().get(transport, group, x.device)
+    plan = AsyncPlan(group, dist.get_rank(group), hl, "bshd", scale, be, stream, (num_heads, num_kv_heads, d), prep,
+                     tr)
     return _AsyncBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)

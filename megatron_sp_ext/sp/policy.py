@@ -65,23 +65,25 @@ class HCMSPolicy:
         self.margin, self.max_chunks = margin, max_chunks
         self.cache: dict = {}
 
-    def choose(self, q, k, group, *, causal, layout, scale, backend, comm_stream) -> int:
+    def choose(self, q, k, group, *, causal, layout, scale, backend, comm_stream, transport=None) -> int:
         world = dist.get_world_size(group)
         training = torch.is_grad_enabled()
         key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device.type), world, causal, layout,
-               getattr(backend, "name", "?"), training and self.objective == "fwd_bwd")
+               getattr(backend, "name", "?"), getattr(transport, "name", "nccl"),
+               training and self.objective == "fwd_bwd")
         if key in self.cache:
             return self.cache[key].chunks
         if q.device.type != "cuda" or world == 1:
             cal = Calibration(1, reason="no CUDA streams here: chunking cannot overlap" if world > 1 else "world 1")
         else:
-            cal = self._calibrate(q, k, group, causal, layout, scale, backend, comm_stream, key[-1])
+            cal = self._calibrate(q, k, group, causal, layout, scale, backend, comm_stream, key[-1], transport)
         self.cache[key] = cal
         log.info("megatron_sp_ext: head_chunks=auto -> %d for q%s k%s %s P=%d (%s)", cal.chunks, tuple(q.shape),
                  tuple(k.shape), q.dtype, world, cal.reason or cal.measured)
         return cal.chunks
 
-    def _calibrate(self, q, k, group, causal, layout, scale, backend, comm_stream, fwd_bwd) -> Calibration:
+    def _calibrate(self, q, k, group, causal, layout, scale, backend, comm_stream, fwd_bwd,
+                   transport=None) -> Calibration:
         from ..comm.exchange import all_to_all_flat  # noqa: PLC0415
         from .ulysses import ulysses_attention  # noqa: PLC0415
 
@@ -96,7 +98,8 @@ class HCMSPolicy:
             def step():
                 with torch.set_grad_enabled(fwd_bwd):
                     o = ulysses_attention(qs, ks, vs, group, head_chunks=c, causal=causal, softmax_scale=scale,
-                                          layout=layout, backend=backend, comm_stream=comm_stream)
+                                          layout=layout, backend=backend, comm_stream=comm_stream,
+                                          transport=transport or "nccl")
                     if fwd_bwd:
                         o.backward(go)
             return _time_ms(step, self.iters, self.warmup, group)
@@ -111,12 +114,14 @@ class HCMSPolicy:
         send, recv = q.new_empty(n_in), q.new_empty(n_in)
         send_o, recv_o = q.new_empty(q.numel()), q.new_empty(q.numel())
 
+        a2a = transport.all_to_all if transport is not None else (lambda s, r: all_to_all_flat(s, r, group))
+
         def comm():
-            all_to_all_flat(send, recv, group)
-            all_to_all_flat(send_o, recv_o, group)
+            a2a(send, recv)
+            a2a(send_o, recv_o)
             if fwd_bwd:
-                all_to_all_flat(send_o, recv_o, group)
-                all_to_all_flat(send, recv, group)
+                a2a(send_o, recv_o)
+                a2a(send, recv)
         cal.t_comm = _time_ms(comm, self.iters, self.warmup, group)
         cal.measured[2] = run(2)
         t_attn = max(cal.t_plain - cal.t_comm, 1e-3)

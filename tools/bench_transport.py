@@ -1,0 +1,138 @@
+"""Transport micro-benchmark: NCCL vs copy-engine (symmetric-memory) all-to-all, alone and beside
+attention. Answers "does moving the exchange off the SMs let it hide behind attention?".
+
+For each P and (H, L): the q|k|v exchange of one Ulysses call ([L/P tokens, 3H heads, D] bf16) timed
+alone per transport, flash attention of H/P heads over L tokens alone, and both at once (attention on
+the compute stream, the exchange repeated ``--repeat`` times on a side stream). Reports
+overlap_efficiency = (t_attn + t_comm - t_both) / min(t_attn, t_comm) (1 = fully hidden) and the
+attention slowdown. Writes transport.json / transport.md under --out.
+
+    python tools/bench_transport.py --world-sizes 2,4 --heads 40 --seqlens 16384,32768 --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median_ms(fn, iters, group):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    t = torch.tensor(sorted(ts)[len(ts) // 2], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def _worker(rank, world, port, args, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
+                            timeout=datetime.timedelta(seconds=120))
+    from megatron_sp_ext.comm.transport import NcclTransport, SymmMemTransport  # noqa: PLC0415
+    group = dist.group.WORLD
+    side = torch.cuda.Stream()
+    transports = {"nccl": NcclTransport(group), "symm_mem": SymmMemTransport(group, torch.device("cuda", rank)),
+                  "symm_mem_serial": SymmMemTransport(group, torch.device("cuda", rank), parallel_pulls=False)}
+    out = []
+    for h in args.heads:
+        for L in args.seqlens:
+            n = (L // world) * 3 * h * 128
+            send = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            recv = torch.empty_like(send)
+            q = torch.randn(1, h // world, L, 128, device="cuda", dtype=torch.bfloat16)
+            row = {"P": world, "H": h, "L": L, "bytes": n * 2}
+            row["t_attn"] = _median_ms(lambda: F.scaled_dot_product_attention(q, q, q), args.iters, group)
+            for name, tr in transports.items():
+
+                def comm(tr=tr):
+                    for _ in range(args.repeat):
+                        tr.all_to_all(send, recv)
+                row[f"t_comm_{name}"] = _median_ms(comm, args.iters, group)
+
+                def both(comm=comm):
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        comm()
+                    F.scaled_dot_product_attention(q, q, q)
+                    torch.cuda.current_stream().wait_stream(side)
+                t_both = _median_ms(both, args.iters, group)
+                t_c, t_a = row[f"t_comm_{name}"], row["t_attn"]
+                row[f"t_both_{name}"] = t_both
+                row[f"overlap_eff_{name}"] = (t_a + t_c - t_both) / min(t_a, t_c)
+            out.append(row)
+            if rank == 0:
+                print("[transport] " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                                for k, v in row.items()), flush=True)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", default="2,4")
+    ap.add_argument("--heads", default="40")
+    ap.add_argument("--seqlens", default="16384,32768")
+    ap.add_argument("--repeat", type=int, default=2, help="exchanges per timed region (q|k|v in, grads out...)")
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--out", default="transport_out")
+    args = ap.parse_args()
+    args.heads = [int(x) for x in args.heads.split(",")]
+    args.seqlens = [int(x) for x in args.seqlens.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for world in [int(w) for w in args.world_sizes.split(",")]:
+        if world > torch.cuda.device_count():
+            continue
+        part = os.path.join(args.out, f"_tr_P{world}.json")
+        mp.start_processes(_worker, args=(world, _port(), args, part), nprocs=world, start_method="spawn")
+        with open(part) as f:
+            rows += json.load(f)
+        os.remove(part)
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
+            "command": " ".join(sys.argv)}
+    with open(os.path.join(args.out, "transport.json"), "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=1)
+    names = ("nccl", "symm_mem", "symm_mem_serial")
+    lines = [f"{meta['device']}, {meta['date']}: q|k|v exchange x{args.repeat} (ms) alone and beside flash attention",
+             "", "| P | H | L | attn | " + " | ".join(f"{n} alone / with attn / overlap eff" for n in names) + " |",
+             "|---|---|---|---|" + "---|" * len(names)]
+    for r in rows:
+        lines.append(f"| {r['P']} | {r['H']} | {r['L'] // 1024}K | {r['t_attn']:.2f} | " + " | ".join(
+            f"{r[f't_comm_{n}']:.2f} / {r[f't_both_{n}']:.2f} / {r[f'overlap_eff_{n}']:.2f}" for n in names) + " |")
+    with open(os.path.join(args.out, "transport.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
