@@ -63,12 +63,16 @@ class PulledGlooTransport:
         self._ensure(numel, like.dtype)
         return self.buf[:numel]
 
-    def all_to_all(self, send, recv, send_splits=None, recv_splits=None, async_op=False):
+    def all_to_all(self, send, recv, send_splits=None, recv_splits=None, async_op=False, table=None):
         if send_splits is None:
             send_splits = [send.numel() // self.world] * self.world
         rows = [torch.empty(self.world, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(rows, torch.tensor(list(send_splits)), group=self.group)
-        table = [r.tolist() for r in rows]
+        true_table = [r.tolist() for r in rows]
+        if table is None:  # the CUDA transport accepts no table only for even exchanges
+            assert len({n for row in true_table for n in row}) == 1, "uneven exchange without a table"
+            table = true_table
+        assert [list(r) for r in table] == true_table, "the caller's split table is wrong"
         staged = send.data_ptr() == self.buf.data_ptr()
         if not staged:
             self._ensure(max(sum(r) for r in table), send.dtype)

@@ -56,7 +56,7 @@ def build_modes(names, group, causal, nodes=None, heads=None):
     for full in names:
         # a "_symm" suffix runs the same mode through the copy-engine (symmetric-memory) transport
         name, tr = (full[:-5], "symm_mem") if full.endswith("_symm") else (full, "nccl")
-        before = set(modes)
+        outer, modes = modes, {}
         if name == "deepspeed":
             try:
                 import deepspeed  # noqa: PLC0415
@@ -95,11 +95,10 @@ def build_modes(names, group, causal, nodes=None, heads=None):
             modes[name] = lambda q, k, v: spx.torus_attention(q, k, v, mesh(q.shape[2], "tas"), causal=causal)
         else:
             raise SystemExit(f"unknown mode {name}")
-        if tr != "nccl":
-            if name not in ("ulysses", "auto") and not name.startswith("hcms") or name.endswith("_packed"):
-                raise SystemExit(f"mode {full}: the _symm suffix applies to ulysses, hcms<C> and auto")
-            (new,) = set(modes) - before
-            modes[full] = modes.pop(new)
+        if tr != "nccl" and (name not in ("ulysses", "auto") and not name.startswith("hcms") or name.endswith("_packed")):
+            raise SystemExit(f"mode {full}: the _symm suffix applies to ulysses, hcms<C> and auto")
+        outer.update({full: fn for fn in modes.values()})
+        modes = outer
     return modes
 
 

@@ -1,8 +1,12 @@
 """Exchange transports: who moves the bytes of a flat all-to-all.
 
 Every exchange of the package goes through ``Transport.all_to_all(send, recv, send_splits,
-recv_splits)``: 1-D contiguous buffers, segment p of ``send`` goes to rank p, segment p of ``recv``
-comes from rank p (element counts; None = equal segments). It is issued on the current stream.
+recv_splits, table=...)``: 1-D contiguous buffers, segment p of ``send`` goes to rank p, segment p of
+``recv`` comes from rank p (element counts; None = equal segments). It is issued on the current
+stream. ``table[r][p]`` (elements rank r sends to rank p) is the whole exchange; callers that know
+it pass it (Ulysses does: ``table_seq_to_head`` / ``table_head_to_seq``). The copy-engine transport
+needs it for uneven exchanges; it never learns it with a hidden collective, whose cache hits could
+differ between ranks and deadlock.
 
 ``NcclTransport`` ("nccl", default): one ``all_to_all_single`` of the group's backend (NCCL on
 GPUs, gloo on CPU). NCCL runs it as a kernel, which competes with attention for SMs.
@@ -12,11 +16,10 @@ owns one symmetric workspace; an exchange stages ``send`` into it (skipped when 
 straight into ``send_buffer()``), then a barrier, then every rank pulls its segment from each
 peer's workspace with ``copy_`` (cudaMemcpyAsync over NVLink: copy engines, no SMs), then a second
 barrier so no rank restages before its peers finished reading. Pulls from different peers run on
-separate streams so several copy engines work at once. Segment offsets inside a peer's buffer
-come from that peer's ``send_splits``, exchanged once per split signature and cached, so uneven
-(head-count) splits work. Workspaces grow collectively (rendezvous) to the largest staging size of
-any rank. The pull schedule itself is ``pull_all_to_all`` (pure indexing; CPU-tested with
-simulated peer buffers).
+separate streams so several copy engines work at once. Segment offsets inside a peer's buffer come
+from the table. Workspaces grow collectively (rendezvous) to the largest row sum of the table,
+which every rank computes alike. The pull schedule itself is ``pull_all_to_all`` (pure indexing;
+CPU-tested with simulated peer buffers).
 """
 from __future__ import annotations
 
@@ -45,8 +48,18 @@ class NcclTransport:
         return torch.empty(numel, dtype=like.dtype, device=like.device)
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, send_splits: Optional[Sequence[int]] = None,
-                   recv_splits: Optional[Sequence[int]] = None, async_op: bool = False):
+                   recv_splits: Optional[Sequence[int]] = None, async_op: bool = False, table=None):
         return all_to_all_flat(send, recv, self.group, send_splits, recv_splits, async_op=async_op)
+
+
+def table_seq_to_head(send_splits: Sequence[int]) -> list[list[int]]:
+    """Every rank sends segment p (sized by p's heads) to p: all rows equal ``send_splits``."""
+    return [list(send_splits) for _ in send_splits]
+
+
+def table_head_to_seq(recv_splits: Sequence[int]) -> list[list[int]]:
+    """Rank r sends the same amount (its heads) to everyone: row r is ``recv_splits[r]`` repeated."""
+    return [[int(n)] * len(recv_splits) for n in recv_splits]
 
 
 def _offsets(splits: Sequence[int]) -> list[int]:
@@ -97,23 +110,12 @@ class SymmMemTransport:
         self._buf: Optional[torch.Tensor] = None   # local workspace (uint8)
         self._hdl = None
         self._peers: dict[int, torch.Tensor] = {}
-        self._tables: dict[tuple, list] = {}
         self._streams = [torch.cuda.Stream(device=device) for _ in range(self.world)] if parallel_pulls else []
         self._last: Optional[torch.cuda.Event] = None
         if hasattr(symm, "enable_symm_mem_for_group"):
             symm.enable_symm_mem_for_group(group.group_name)
 
     # -- workspace -------------------------------------------------------------------------------
-    def _table(self, send_splits: tuple, nbytes: int) -> list:
-        """Every rank's send splits (elements) for this signature: one all_gather, then cached."""
-        key = (send_splits, nbytes)
-        if key not in self._tables:
-            mine = torch.tensor(list(send_splits), dtype=torch.int64, device=self.device)
-            allv = torch.empty(self.world, len(send_splits), dtype=torch.int64, device=self.device)
-            dist.all_gather_into_tensor(allv, mine, group=self.group)
-            self._tables[key] = [list(map(int, row)) for row in allv.cpu()]
-        return self._tables[key]
-
     def _ensure(self, need_bytes: int) -> None:
         """Grow the workspace to ``need_bytes`` (same value on every rank: collective rendezvous)."""
         if self._buf is not None and self._buf.numel() >= need_bytes:
@@ -141,13 +143,16 @@ class SymmMemTransport:
 
     # -- exchange --------------------------------------------------------------------------------
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, send_splits: Optional[Sequence[int]] = None,
-                   recv_splits: Optional[Sequence[int]] = None, async_op: bool = False):
+                   recv_splits: Optional[Sequence[int]] = None, async_op: bool = False, table=None):
         assert send.dim() == 1 and recv.dim() == 1 and send.is_contiguous() and recv.is_contiguous()
         assert send.dtype == recv.dtype
         world, es = self.world, send.element_size()
-        if send_splits is None:
-            send_splits = [send.numel() // world] * world
-        table = self._table(tuple(int(s) for s in send_splits), es)
+        if table is None:
+            even = all(s is None or len(set(s)) == 1 for s in (send_splits, recv_splits))
+            if not even:
+                raise ValueError("SymmMemTransport.all_to_all: an uneven exchange needs table= (rank r -> p sizes)")
+            table = [[send.numel() // world] * world for _ in range(world)]
+        assert sum(table[self.rank]) == send.numel() and sum(r[self.rank] for r in table) == recv.numel()
         need = max(sum(row) for row in table) * es
         staged = self._buf is not None and send.data_ptr() == self._buf.data_ptr()
         if staged and self._buf.numel() < need:  # a peer needs a larger workspace: keep our packed data

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
 from ..comm import streams as st
-from ..comm.transport import default_transports
+from ..comm.transport import default_transports, table_head_to_seq
 from . import layout as lay
 from .heads import HeadLayout, head_layout
 from .ulysses import _alloc, _exchange_all_chunks, _exchange_out_chunk, _send_head_major, _transport
@@ -143,7 +143,7 @@ class _AsyncBlockFn(torch.autograd.Function):
                     send = _send_head_major(g, tr)
                     splits = lay.seg_splits(hl, (kind,), c, tokens, d)
                     r = _alloc(sum(splits), dy)
-                    tr.all_to_all(send, r, None, splits)
+                    tr.all_to_all(send, r, None, splits, table=table_head_to_seq(splits))
                     lay.unpack(r, (grads[name],), (kind,), hl, c, "bshd")
                     last[name] = st.record(comm)
             if comm is not None:

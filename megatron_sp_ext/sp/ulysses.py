@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
 from ..comm import streams as st
-from ..comm.transport import NcclTransport, default_transports
+from ..comm.transport import NcclTransport, default_transports, table_head_to_seq, table_seq_to_head
 from ..config import LAYOUTS
 from ..errors import SPConfigError
 from . import layout as lay
@@ -70,14 +70,15 @@ def _exchange_all_chunks(parts, kinds, plan: "UlyssesPlan", tokens: int, d: int,
             for c in range(hl.chunks):
                 splits = lay.seg_splits(hl, kinds, c, tokens, d)
                 buf = tr.send_buffer(sum(splits), like)
-                tr.all_to_all(buf, recv[c], lay.pack(parts, kinds, hl, c, plan.seq_layout, buf))
+                splits = lay.pack(parts, kinds, hl, c, plan.seq_layout, buf)
+                tr.all_to_all(buf, recv[c], splits, table=table_seq_to_head(splits))
                 events.append(st.record(comm))
             return recv, events
         sends = []
         for c in range(hl.chunks):
             buf = tr.send_buffer(sum(lay.seg_splits(hl, kinds, c, tokens, d)), like)
             sends.append((buf, lay.pack(parts, kinds, hl, c, plan.seq_layout, buf)))
-        works = [tr.all_to_all(buf, recv[c], splits, None, async_op=True)
+        works = [tr.all_to_all(buf, recv[c], splits, None, async_op=True, table=table_seq_to_head(splits))
                  for c, (buf, splits) in enumerate(sends)]
         for w in works:
             w.wait()
@@ -111,7 +112,7 @@ def _exchange_out_chunk(oc, out, plan: "UlyssesPlan", c: int, tokens: int, d: in
         send_o = _send_head_major(oc, tr)
         splits = lay.seg_splits(plan.heads, ("q",), c, tokens, d)
         recv_o = _alloc(sum(splits), out)
-        tr.all_to_all(send_o, recv_o, None, splits)
+        tr.all_to_all(send_o, recv_o, None, splits, table=table_head_to_seq(splits))
         lay.unpack(recv_o, (out,), ("q",), plan.heads, c, plan.seq_layout)
 
 
@@ -179,7 +180,7 @@ class _UlyssesFn(torch.autograd.Function):
                         send = _send_head_major(g, tr)
                         splits = lay.seg_splits(hl, (kind,), c, tokens, d)
                         recv = _alloc(sum(splits), grad_out)
-                        tr.all_to_all(send, recv, None, splits)
+                        tr.all_to_all(send, recv, None, splits, table=table_head_to_seq(splits))
                         lay.unpack(recv, (dst,), (kind,), hl, c, lay_)
                         del send, recv
                 if comm is not None:
@@ -197,7 +198,7 @@ class _UlyssesFn(torch.autograd.Function):
                     view.copy_(g)
                 splits = lay.seg_splits(hl, _QKV, c, tokens, d)
                 recv = _alloc(sum(splits), grad_out)
-                tr.all_to_all(flat, recv, None, splits)
+                tr.all_to_all(flat, recv, None, splits, table=table_head_to_seq(splits))
                 lay.unpack(recv, (dq, dk, dv), _QKV, hl, c, lay_)
             if comm is not None:  # compute-stream tensors read by the comm stream: guard their reuse
                 for g in (gq, gk, gv):
