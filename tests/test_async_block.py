@@ -127,3 +127,35 @@ def test_schedule_overlaps_exchanges_with_gemms():
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_async_block_equals_plain_bf16(chunks):
     run_ranks(_case, 2, 8, 4, 8, chunks, True, torch.bfloat16)
+
+
+def _pre_attention(rank, world, h, hkv, chunks):
+    """The benchmark's pre-attention parts: async (per-branch GEMM + exchange) and fused (plain order,
+    one q|k|v exchange) deliver the same head-sharded q, k, v."""
+    from megatron_sp_ext.sp import layout as lay
+    from megatron_sp_ext.sp.async_block import make_async_plan, project_and_exchange
+    gen = torch.Generator().manual_seed(2)
+    d, dim, b, sl = 8, 16, 2, 3
+    x = torch.randn(b, sl, dim, generator=gen)
+    w = torch.randn((h + 2 * hkv) * d, dim, generator=gen)
+    nq, nk = 1 + torch.randn(h * d, generator=gen) * 0.1, 1 + torch.randn(hkv * d, generator=gen) * 0.1
+
+    def prep(branch, y, wn):
+        return _rms(y, wn).view(b, sl, -1, d)
+    plan = make_async_plan(dist.group.WORLD, num_heads=h, num_kv_heads=hkv, head_dim=d, prep=prep, seq_local=sl,
+                           device=x.device, head_chunks=chunks)
+    ra, _, _ = project_and_exchange(x, w, None, nq, nk, plan)
+    rf, _, _ = project_and_exchange(x, w, None, nq, nk, plan, fused=True)
+    hl = plan.heads
+    for c in range(hl.chunks):
+        ws = lay.widths(hl, ("q", "kv", "kv"), rank, c)
+        cols = lay.columns(rf["qkv"][c].view(world * sl, b, sum(ws), d), ws)
+        for name, ref, n in zip("qkv", cols, ws):
+            got = ra[name][c].view(world * sl, b, n, d).permute(1, 2, 0, 3)
+            assert rel_err(got, ref) < 1e-5, (name, c)
+    return True
+
+
+@pytest.mark.parametrize("world,h,hkv,chunks", [(2, 4, 2, 2), (4, 6, 6, 1)])
+def test_pre_attention_parts_agree(world, h, hkv, chunks):
+    run_ranks(_pre_attention, world, h, hkv, chunks)

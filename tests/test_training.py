@@ -44,15 +44,33 @@ MODES = [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("tasp", {
          ("torus", {"nodes": 2, "ulysses_size": 2, "placement": "tas"}), ("auto", {})]
 
 
-def _async_vs_plain(rank, world, frames, chunks):
-    """The DiT with the async Ulysses block equals the plain DiT (loss and every gradient), padding included."""
+class _Forced:
+    """A BlockPolicy stand-in that always answers ``choice`` (counts its calls)."""
+
+    def __init__(self, choice):
+        self.choice, self.calls = choice, 0
+
+    def choose(self, key, run, group, device, heads_per_rank):
+        self.calls += 1
+        return self.choice
+
+
+def _async_vs_plain(rank, world, frames, chunks, how="async"):
+    """The DiT with the async Ulysses block (or a block form picked through the policy hook) equals the
+    plain DiT (loss and every gradient), padding included."""
+    from megatron_sp_ext.sp.block_policy import BlockChoice, BlockPolicy
     out = []
     for use_async in (False, True):
         torch.manual_seed(5)
         model = VideoDiT(CFG)
         model.set_attention_core(make_core("hcms", dist.group.WORLD, num_heads=CFG.heads, head_chunks=chunks))
-        if use_async:
+        if use_async and how == "async":
             model.set_async_attention(dist.group.WORLD, chunks)
+        elif use_async and how == "policy":  # the real policy on CPU: plain, decided once per shape
+            model.set_block_policy(dist.group.WORLD, BlockPolicy())
+        elif use_async:  # every form the policy can pick runs the same math
+            forced = _Forced(BlockChoice(how == "forced_async", chunks))
+            model.set_block_policy(dist.group.WORLD, forced)
         data = SyntheticVideoLatents(CFG.in_channels, frames, 6, 10, CFG.text_len, CFG.text_dim, seed=1)
         inp = prepare(flow_matching_batch(data, 0, 7, 0, 1, 1, CFG.patch), rank, world, "cpu")
         loss = local_loss(model, inp)
@@ -62,12 +80,22 @@ def _async_vs_plain(rank, world, frames, chunks):
     assert rel_err(l1, l0) < 1e-6, (l1, l0)
     for i, (a, b) in enumerate(zip(g1, g0)):
         assert rel_err(a, b) < 1e-5, f"grad {i}: {rel_err(a, b)}"
+    if how == "policy":
+        (dec,) = model.block_policy.cache.values()  # one shape, one decision, shared by every block
+        assert dec.choice.label == "plain" and "no CUDA streams" in dec.reason
+    elif how.startswith("forced"):
+        assert forced.calls == CFG.layers
     return True
 
 
 @pytest.mark.parametrize("frames,chunks", [((4,), 1), ((3,), 2)])  # 3 frames: 45 tokens, padded
 def test_async_block_dit_equals_plain(frames, chunks):
     run_ranks(_async_vs_plain, 4, frames, chunks)
+
+
+@pytest.mark.parametrize("how,chunks", [("policy", 1), ("forced_async", 2), ("forced_plain", 2)])
+def test_block_policy_forms_equal_plain(how, chunks):
+    run_ranks(_async_vs_plain, 4, (3,), chunks, how)
 
 
 def _step0(rank, world, frames):
@@ -125,12 +153,13 @@ def test_megatron_entry_3_steps_match_sp1(mode):
             assert abs(a - b) <= 1e-4 * abs(b), f"{mode}: {got[r]} vs {ref}"
 
 
-def test_megatron_entry_async_qkv_matches_sp1():
+@pytest.mark.parametrize("flags", [("--hcms-head-chunks", "2", "--sp-async-qkv"), ("--sp-async-qkv", "auto")])
+def test_megatron_entry_async_qkv_matches_sp1(flags):
     ref = run_ranks(_megatron_run, 1, 1, "ulysses", 3)[0]
-    got = run_ranks(_megatron_run, 4, 4, "hcms", 3, ("--hcms-head-chunks", "2", "--sp-async-qkv"))
+    got = run_ranks(_megatron_run, 4, 4, "hcms", 3, flags)
     for r in range(4):
         for a, b in zip(got[r], ref):
-            assert abs(a - b) <= 1e-4 * abs(b), f"async: {got[r]} vs {ref}"
+            assert abs(a - b) <= 1e-4 * abs(b), f"async {flags}: {got[r]} vs {ref}"
 
 
 @pytest.mark.parametrize("mode", ENTRY_MODES)

@@ -34,9 +34,10 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     add_common_args(p)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--ddp-impl", choices=["auto", "megatron", "torch"], default="auto")
-    p.add_argument("--sp-async-qkv", action="store_true",
-                   help="async Ulysses block: Q/K/V projections overlapped with their exchanges "
-                        "(--cp-comm-type ulysses or hcms, integer --hcms-head-chunks)")
+    p.add_argument("--sp-async-qkv", nargs="?", const="on", default="off", choices=["off", "on", "auto"],
+                   help="on: async Ulysses block (Q/K/V projections overlapped with their exchanges; "
+                        "--cp-comm-type ulysses or hcms, integer --hcms-head-chunks). auto: a runtime policy "
+                        "times plain/async x HCMS chunks x transports per shape on first use and keeps the fastest")
     add_arguments(p)
     args = p.parse_args(argv)
     cfg = preset(args.model, args.num_layers)
@@ -50,9 +51,13 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
         validate_args(args)
     except SPConfigError as e:
         p.error(str(e))
-    if args.sp_async_qkv and (args.cp_comm_type[0] not in ("ulysses", "hcms") or args.hcms_head_chunks == "auto"):
+    if args.sp_async_qkv == "on" and (args.cp_comm_type[0] not in ("ulysses", "hcms")
+                                      or args.hcms_head_chunks == "auto"):
         p.error("--sp-async-qkv needs --cp-comm-type ulysses or hcms with an integer --hcms-head-chunks "
-                f"(got {args.cp_comm_type[0]}, {args.hcms_head_chunks})")
+                f"(got {args.cp_comm_type[0]}, {args.hcms_head_chunks}); --sp-async-qkv auto picks them itself")
+    if args.sp_async_qkv == "auto" and args.cp_comm_type[0] not in ("ulysses", "hcms", "auto"):
+        p.error(f"--sp-async-qkv auto chooses among Ulysses block forms: use --cp-comm-type ulysses, hcms or auto "
+                f"(got {args.cp_comm_type[0]})")
     return args
 
 
@@ -96,9 +101,13 @@ def _train(args, device, ps) -> dict:
     model.set_attention_core(make_core(args.cp_comm_type[0], cp_group if sp_world > 1 else None, num_heads=cfg.heads,
                                        head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
                                        placement=args.sp_placement, ulysses_size=args.sp_ulysses_size,
-                                       nodes=args.sp_nodes, backend=args.sp_attention_backend))
-    if args.sp_async_qkv and sp_world > 1:
-        model.set_async_attention(cp_group, 1 if args.cp_comm_type[0] == "ulysses" else args.hcms_head_chunks)
+                                       nodes=args.sp_nodes, backend=args.sp_attention_backend,
+                                       transport=args.sp_transport))
+    if args.sp_async_qkv == "on" and sp_world > 1:
+        model.set_async_attention(cp_group, 1 if args.cp_comm_type[0] == "ulysses" else args.hcms_head_chunks,
+                                  args.sp_transport)
+    elif args.sp_async_qkv == "auto" and sp_world > 1:
+        model.set_block_policy(cp_group)
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
     if impl == "megatron":
         model, opt = _megatron_ddp(model, cfg, args)

@@ -58,6 +58,50 @@ def _linear(x, w, b):
     return y + b if b is not None else y
 
 
+def project_and_exchange(x, w_qkv, b_qkv, nq_w, nk_w, plan: AsyncPlan, *, fused: bool = False):
+    """The pre-attention part: x [B, S_local, dim] -> head-sharded q, k, v chunks in flight.
+
+    fused=False (the async block): per-branch GEMM, prep, then that branch's exchange starts while
+    the next branch's GEMM runs. fused=True (the plain block's order): one fused QKV GEMM, prep of
+    q and k, then one exchange of q|k|v per chunk (keys "qkv"). Returns (recv, events, saved_prep):
+    recv[name][c] is chunk c's flat
+    buffer, events[name][c] fires when it has arrived (None on CPU); saved_prep holds what the QK-norm
+    / RoPE backward needs. Used by the block's forward and by tools/bench_block.py.
+    """
+    h, hkv, d = plan.dims
+    hl = plan.heads
+    bsz, s_loc, _ = x.shape
+    tokens = s_loc * bsz
+    compute, comm = st.current(x.device), plan.comm_stream
+    sizes = (h * d, hkv * d, hkv * d)
+    if fused:
+        ys = torch.split(_linear(x, w_qkv, b_qkv), sizes, dim=-1)
+    else:
+        ws = torch.split(w_qkv, sizes, dim=0)
+        bs = torch.split(b_qkv, sizes, dim=0) if b_qkv is not None else (None, None, None)
+    saved_prep, recv, events, prepared = {}, {}, {}, {}
+    for i, (name, nw, kind) in enumerate((("q", nq_w, "q"), ("k", nk_w, "kv"), ("v", None, "kv"))):
+        y = ys[i] if fused else _linear(x, ws[i], bs[i])                # this branch's GEMM
+        if name == "v":
+            y4 = y.reshape(bsz, s_loc, hkv, d)
+        else:                                                        # QK-norm + RoPE, kept for backward
+            y_leaf = y.detach().requires_grad_()
+            w_leaf = nw.detach().requires_grad_() if nw is not None else None
+            with torch.enable_grad():
+                y4g = plan.prep(name, y_leaf, w_leaf)
+            saved_prep[name] = (y_leaf, w_leaf, y4g)
+            y4 = y4g.detach()
+        if kind == "kv" and hl.kv_repeat > 1:
+            y4 = y4.repeat_interleave(hl.kv_repeat, dim=2)
+        prepared[name] = y4
+        if not fused:
+            recv[name], events[name] = _exchange_all_chunks((y4,), (kind,), plan, tokens, d, compute, comm)
+    if fused:  # plain Ulysses' exchange: q|k|v of a chunk side by side in one collective
+        recv["qkv"], events["qkv"] = _exchange_all_chunks((prepared["q"], prepared["k"], prepared["v"]),
+                                                          ("q", "kv", "kv"), plan, tokens, d, compute, comm)
+    return recv, events, saved_prep
+
+
 class _AsyncBlockFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: AsyncPlan):
@@ -66,25 +110,7 @@ class _AsyncBlockFn(torch.autograd.Function):
         bsz, s_loc, _ = x.shape
         tokens = s_loc * bsz
         compute, comm = st.current(x.device), plan.comm_stream
-        sizes = (h * d, hkv * d, hkv * d)
-        ws = torch.split(w_qkv, sizes, dim=0)
-        bs = torch.split(b_qkv, sizes, dim=0) if b_qkv is not None else (None, None, None)
-        saved_prep, recv, events = {}, {}, {}
-        for name, w, b, nw, kind in (("q", ws[0], bs[0], nq_w, "q"), ("k", ws[1], bs[1], nk_w, "kv"),
-                                     ("v", ws[2], bs[2], None, "kv")):
-            y = _linear(x, w, b)                                         # this branch's GEMM
-            if name == "v":
-                y4 = y.view(bsz, s_loc, hkv, d)
-            else:                                                        # QK-norm + RoPE, kept for backward
-                y_leaf = y.detach().requires_grad_()
-                w_leaf = nw.detach().requires_grad_() if nw is not None else None
-                with torch.enable_grad():
-                    y4g = plan.prep(name, y_leaf, w_leaf)
-                saved_prep[name] = (y_leaf, w_leaf, y4g)
-                y4 = y4g.detach()
-            if kind == "kv" and hl.kv_repeat > 1:
-                y4 = y4.repeat_interleave(hl.kv_repeat, dim=2)
-            recv[name], events[name] = _exchange_all_chunks((y4,), (kind,), plan, tokens, d, compute, comm)
+        recv, events, saved_prep = project_and_exchange(x, w_qkv, b_qkv, nq_w, nk_w, plan)
         out = torch.empty(bsz, s_loc, h, d, dtype=x.dtype, device=x.device)
         chunks = []
         for c in range(C):
@@ -195,18 +221,28 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
     contiguous token placement; ``kv_valid_len`` masks padded keys as in ulysses_attention.
     transport: "nccl" (default) or "symm_mem" (copy-engine exchanges), as in ulysses_attention.
     """
-    world = dist.get_world_size(group)
-    d = w_o.shape[1] // num_heads
+    plan = make_async_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=w_o.shape[1] // num_heads,
+                           prep=prep, head_chunks=head_chunks, softmax_scale=softmax_scale, backend=backend,
+                           comm_stream=comm_stream, kv_valid_len=kv_valid_len, transport=transport,
+                           seq_local=x.shape[1], device=x.device)
+    return _AsyncBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+
+
+def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: Prep,
+                    seq_local: int, device: torch.device, head_chunks: int = 1,
+                    softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
+                    comm_stream: Optional["torch.cuda.Stream"] = None, kv_valid_len: Optional[int] = None,
+                    transport: "str | object" = "nccl") -> AsyncPlan:
+    """The AsyncPlan of one block call (arguments as in async_ulysses_self_attention)."""
+    world, d = dist.get_world_size(group), head_dim
     hl = head_layout(num_heads, num_kv_heads, world, head_chunks)
     be = get_backend(backend)
     if kv_valid_len is not None:
         from .placement import pieces  # noqa: PLC0415
         from .ring import RingBackend  # noqa: PLC0415
-        runs = tuple(r for p in range(world) for r in pieces("contiguous", p, world, x.shape[1] * world))
+        runs = tuple(r for p in range(world) for r in pieces("contiguous", p, world, seq_local * world))
         be = RingBackend(None, "ring", runs, (runs,), be, kv_valid_len)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    stream = comm_stream if comm_stream is not None else st.default_pool().comm_stream(x.device)
-    tr = default_transports().get(transport, group, x.device)
-    plan = AsyncPlan(group, dist.get_rank(group), hl, "bshd", scale, be, stream, (num_heads, num_kv_heads, d), prep,
-                     tr)
-    return _AsyncBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    stream = comm_stream if comm_stream is not None else st.default_pool().comm_stream(device)
+    tr = default_transports().get(transport, group, device)
+    return AsyncPlan(group, dist.get_rank(group), hl, "bshd", scale, be, stream, (num_heads, num_kv_heads, d), prep, tr)

@@ -29,7 +29,8 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e
 
 
 def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: str = "ring",
-              placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "sdpa"):
+              placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "sdpa",
+              transport: str = "nccl"):
     """The sequence-parallel attention core(q, k, v, kv_valid_len) on [B, S_local, H, D] shards
     (contiguous token placement) for ``mode`` over ``group`` (None or size 1 = local)."""
     from .model import local_core  # noqa: PLC0415
@@ -41,7 +42,8 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
     if mode in ("ulysses", "hcms"):
         chunks = 1 if mode == "ulysses" else head_chunks
         return lambda q, k, v, n=None: spx.ulysses_attention(q, k, v, group, head_chunks=chunks, policy=policy,
-                                                             backend=backend, kv_valid_len=n)
+                                                             backend=backend, kv_valid_len=n,
+                                                             transport=transport)
     if mode in ("ring", "tasp"):
         return lambda q, k, v, n=None: spx.ring_attention(q, k, v, group, variant=mode, placement="contiguous",
                                                           backend=backend, kv_valid_len=n)

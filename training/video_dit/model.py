@@ -65,9 +65,13 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        """Normalise in fp32; return x's dtype (under autocast q, k and v must share one dtype)."""
-        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x, weight, eps: float):
+    """Normalise in fp32; return x's dtype (under autocast q, k and v must share one dtype)."""
+    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -78,23 +82,54 @@ class SelfAttention(nn.Module):
         self.norm_q, self.norm_k = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
         self.out = nn.Linear(cfg.dim, cfg.dim)
         self.core: AttentionCore = local_core
-        self.async_sp = None  # (group, head_chunks): the async Ulysses block instead of core
+        # (group, BlockChoice) runs that block form; (group, BlockPolicy) lets the policy pick per shape
+        self.sp_block = None
+
+    def _params(self):
+        return (self.qkv.weight, self.qkv.bias, self.out.weight, self.out.bias, self.norm_q.weight,
+                self.norm_k.weight)
+
+    def _run(self, choice, group, x, angles, kv_valid_len, params):
+        """The block in form ``choice`` (megatron_sp_ext BlockChoice) with explicit parameters."""
+        b, s, _ = x.shape
+        w_qkv, b_qkv, w_o, b_o, nq, nk = params
+        if choice.async_qkv:
+            from megatron_sp_ext.sp.async_block import async_ulysses_self_attention  # noqa: PLC0415
+
+            def prep(branch, y, w):  # QK-norm (weight w) + RoPE at global positions, per branch
+                eps = (self.norm_q if branch == "q" else self.norm_k).eps
+                return apply_rope(rms_norm(y, w, eps).view(b, s, self.heads, self.hd), angles)
+            return async_ulysses_self_attention(
+                x, w_qkv, b_qkv, w_o, b_o, group, num_heads=self.heads, num_kv_heads=self.heads, prep=prep,
+                norm_q_weight=nq, norm_k_weight=nk, head_chunks=choice.head_chunks, kv_valid_len=kv_valid_len,
+                transport=choice.transport)
+        from megatron_sp_ext.sp.ulysses import ulysses_attention  # noqa: PLC0415
+        q, k, v = F.linear(x, w_qkv, b_qkv).chunk(3, dim=-1)
+        q, k = rms_norm(q, nq, self.norm_q.eps), rms_norm(k, nk, self.norm_k.eps)
+        q, k, v = (t.reshape(b, s, self.heads, self.hd) for t in (q, k, v))
+        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        o = ulysses_attention(q, k, v, group, head_chunks=choice.head_chunks, kv_valid_len=kv_valid_len,
+                              transport=choice.transport)
+        return F.linear(o.reshape(b, s, -1), w_o, b_o)
+
+    def _calibration_step(self, choice, group, x, angles, kv_valid_len):
+        """One fwd(+bwd) of ``choice`` on detached copies: the model's .grad stays untouched."""
+        params = [p.detach().requires_grad_(p.requires_grad) for p in self._params()]
+        xs = x.detach().requires_grad_(x.requires_grad)
+        y = self._run(choice, group, xs, angles, kv_valid_len, params)
+        if torch.is_grad_enabled() and y.requires_grad:
+            y.backward(torch.ones_like(y))
 
     def forward(self, x, angles, kv_valid_len):
         b, s, _ = x.shape
-        if self.async_sp is not None:
-            from megatron_sp_ext.sp.async_block import async_ulysses_self_attention  # noqa: PLC0415
-            group, chunks = self.async_sp
-
-            def prep(branch, y, w):  # QK-norm (weight w) + RoPE at global positions, per branch
-                norm = self.norm_q if branch == "q" else self.norm_k
-                y = (y.float() * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + norm.eps)
-                     * w.float()).to(y.dtype)
-                return apply_rope(y.view(b, s, self.heads, self.hd), angles)
-            return async_ulysses_self_attention(
-                x, self.qkv.weight, self.qkv.bias, self.out.weight, self.out.bias, group, num_heads=self.heads,
-                num_kv_heads=self.heads, prep=prep, norm_q_weight=self.norm_q.weight,
-                norm_k_weight=self.norm_k.weight, head_chunks=chunks, kv_valid_len=kv_valid_len)
+        if self.sp_block is not None:
+            group, how = self.sp_block
+            choice = how
+            if hasattr(how, "choose"):  # a BlockPolicy
+                key = (tuple(x.shape), x.dtype, kv_valid_len, torch.is_grad_enabled())
+                choice = how.choose(key, lambda ch: self._calibration_step(ch, group, x, angles, kv_valid_len),
+                                    group, x.device, self.heads // group.size())
+            return self._run(choice, group, x, angles, kv_valid_len, self._params())
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         q, k = self.norm_q(q), self.norm_k(k)
         q, k, v = (t.reshape(b, s, self.heads, self.hd) for t in (q, k, v))
@@ -162,10 +197,20 @@ class VideoDiT(nn.Module):
         for blk in self.blocks:
             blk.attn.core = core
 
-    def set_async_attention(self, group, head_chunks: int = 1) -> None:
+    def set_async_attention(self, group, head_chunks: int = 1, transport: str = "nccl") -> None:
         """Use the async Ulysses block (projections overlapped with their exchanges) in every block."""
+        from megatron_sp_ext.sp.block_policy import BlockChoice  # noqa: PLC0415
         for blk in self.blocks:
-            blk.attn.async_sp = (group, head_chunks)
+            blk.attn.sp_block = (group, BlockChoice(True, head_chunks, transport))
+
+    def set_block_policy(self, group, policy=None) -> None:
+        """Let one runtime policy pick plain/async, HCMS chunks and transport per shape (all blocks
+        share the policy, so a shape is calibrated once)."""
+        from megatron_sp_ext.sp.block_policy import BlockPolicy  # noqa: PLC0415
+        policy = policy or BlockPolicy()
+        for blk in self.blocks:
+            blk.attn.sp_block = (group, policy)
+        self.block_policy = policy
 
     def configure_sequence_parallel(self, make_attention) -> None:
         """DeepSpeed opt-in protocol (megatron_sp_ext.deepspeed.initialize): one SPDistributedAttention."""

@@ -1,0 +1,123 @@
+"""Runtime policy for a whole attention block: plain vs async projections, HCMS chunks, transport.
+
+No single strategy wins every regime (the async-Ulysses note; our own 4 x H200 runs): the policy
+times the candidates on the caller's real shapes the first time a key is seen and keeps the fastest.
+
+Candidates: ``BlockChoice(async_qkv, head_chunks, transport)`` for async_qkv in {False, True},
+head_chunks in ``chunk_candidates`` (those that fit the heads per rank) and each transport that can
+run here (symm_mem needs CUDA + NCCL). Timing: ``rounds`` interleaved rounds (every round times each
+candidate once, so clock and allocator drift hit all alike) after ``warmup``; per-candidate medians
+are all-reduced (max) so every rank takes the same decision. The plain block (no async, C=1, NCCL)
+is the baseline: another candidate wins only if it is faster by more than ``margin`` and then again
+in an interleaved confirmation against the baseline. Cached per key, logged once. On CPU or a
+single rank nothing can overlap: the baseline is chosen without timing.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("megatron_sp_ext")
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    """How one attention block runs."""
+
+    async_qkv: bool = False
+    head_chunks: int = 1
+    transport: str = "nccl"
+
+    @property
+    def label(self) -> str:
+        s = ("async" if self.async_qkv else "plain") + (f"_hcms{self.head_chunks}" if self.head_chunks > 1 else "")
+        return s + ("" if self.transport == "nccl" else f"_{self.transport}")
+
+
+PLAIN = BlockChoice()
+
+
+@dataclass
+class BlockDecision:
+    choice: BlockChoice
+    measured_ms: dict = field(default_factory=dict)
+    confirm: tuple = ()
+    reason: str = ""
+
+
+class BlockPolicy:
+    """Per-key block strategy chooser (see module docstring)."""
+
+    def __init__(self, chunk_candidates: Sequence[int] = (1, 2), transports: Sequence[str] = ("nccl", "symm_mem"),
+                 async_candidates: Sequence[bool] = (False, True), rounds: int = 5, warmup: int = 2,
+                 margin: float = 0.02) -> None:
+        self.chunk_candidates, self.transports = tuple(chunk_candidates), tuple(transports)
+        self.async_candidates = tuple(async_candidates)
+        self.rounds, self.warmup, self.margin = rounds, warmup, margin
+        self.cache: dict = {}
+
+    def candidates(self, heads_per_rank: int, group, device: torch.device) -> list[BlockChoice]:
+        from ..comm.transport import symm_mem_unavailable_reason  # noqa: PLC0415
+        trs = [t for t in self.transports if t == "nccl" or symm_mem_unavailable_reason(group, device) is None]
+        out = [PLAIN]
+        for tr in trs:
+            for a in self.async_candidates:
+                for c in self.chunk_candidates:
+                    ch = BlockChoice(a, c, tr)
+                    if c <= max(1, heads_per_rank) and ch not in out:
+                        out.append(ch)
+        return out
+
+    def choose(self, key: Hashable, run: Callable[[BlockChoice], None], group, device: torch.device,
+               heads_per_rank: int) -> BlockChoice:
+        """The choice for ``key``; the first time, time ``run(choice)`` (one fwd+bwd) per candidate."""
+        if key in self.cache:
+            return self.cache[key].choice
+        world = dist.get_world_size(group)
+        if device.type != "cuda" or world == 1:
+            dec = BlockDecision(PLAIN, reason="no CUDA streams here: nothing overlaps" if world > 1 else "world 1")
+        else:
+            dec = self._calibrate(run, self.candidates(heads_per_rank, group, device), group)
+        self.cache[key] = dec
+        log.info("megatron_sp_ext: block policy -> %s for %s (%s)", dec.choice.label, key,
+                 dec.reason or {c.label: round(t, 3) for c, t in dec.measured_ms.items()})
+        return dec.choice
+
+    def _timed_rounds(self, run, cands, rounds, group) -> dict:
+        for c in cands:
+            for _ in range(self.warmup):
+                run(c)
+        torch.cuda.synchronize()
+        times = {c: [] for c in cands}
+        for _ in range(rounds):
+            for c in cands:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                run(c)
+                b.record()
+                b.synchronize()
+                times[c].append(a.elapsed_time(b))
+        med = torch.tensor([sorted(t)[len(t) // 2] for t in times.values()], device="cuda")
+        dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
+        return dict(zip(cands, med.tolist()))
+
+    def _calibrate(self, run, cands, group) -> BlockDecision:
+        dec = BlockDecision(PLAIN)
+        dec.measured_ms = self._timed_rounds(run, cands, self.rounds, group)
+        best = min(dec.measured_ms, key=lambda c: (dec.measured_ms[c], c != PLAIN))
+        if best == PLAIN:
+            return dec
+        if dec.measured_ms[best] > dec.measured_ms[PLAIN] * (1 - self.margin):
+            dec.reason = f"{best.label} within {self.margin:.0%} of plain: keep plain"
+            return dec
+        conf = self._timed_rounds(run, [PLAIN, best], 3, group)
+        dec.confirm = (conf[PLAIN], conf[best])
+        if conf[best] <= conf[PLAIN] * (1 - self.margin):
+            dec.choice = best
+        else:
+            dec.reason = f"{best.label} lost the interleaved confirmation {dec.confirm}"
+        return dec
