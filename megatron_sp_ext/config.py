@@ -44,6 +44,7 @@ _NAMES = {
     "nodes": ("--sp-nodes", "sequence_parallel_ext.nodes"),
     "backend": ("--sp-attention-backend", "sequence_parallel_ext.backend"),
     "transport": ("--sp-transport", "sequence_parallel_ext.transport"),
+    "async_qkv": ("--sp-async-qkv", "sequence_parallel_ext.async_qkv"),
     "sp_size": ("--context-parallel-size", "sequence_parallel_size"),
 }
 
@@ -87,6 +88,8 @@ class SPConfig:
     nodes: number of machines to assume (None = detect); lets one machine simulate several.
     backend: local attention kernel ("sdpa", "math", "flash_attn", "te").
     transport: exchange transport: "nccl" (default) or "symm_mem" (copy-engine, CUDA + NCCL groups).
+    async_qkv: the attention block's projections overlapped with their exchanges: "off", "on", or
+        "auto" (a runtime policy picks plain/async, HCMS chunks and transport per shape; video DiT).
     source: where the settings came from ("python", "megatron", "deepspeed"); errors use its names.
     """
 
@@ -98,6 +101,7 @@ class SPConfig:
     nodes: int | None = None
     backend: str = "sdpa"
     transport: str = "nccl"
+    async_qkv: str = "off"
     source: str = field(default="python", repr=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +115,13 @@ class SPConfig:
         if self.transport != "nccl" and self.mode not in ("ulysses", "hcms", "auto"):
             raise SPConfigError(f"{n('transport')}={self.transport!r} applies to the ulysses/hcms exchanges only, "
                                 f"not to {n('mode')}={self.mode!r}: use 'nccl' or a ulysses/hcms mode")
+        if self.async_qkv in (True, False):
+            self.async_qkv = "on" if self.async_qkv else "off"
+        self.async_qkv = _choice(self.async_qkv, ("off", "on", "auto"), n("async_qkv"))
+        if self.async_qkv != "off" and self.source == "deepspeed":
+            raise SPConfigError(f"{n('async_qkv')}={self.async_qkv!r} is not available through DeepSpeed's "
+                                f"DistributedAttention (it receives q, k, v already projected): leave it 'off' and "
+                                f"call the model's set_async_attention / set_block_policy instead")
         for key in ("ulysses_size", "nodes"):
             val = getattr(self, key)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):

@@ -171,3 +171,88 @@ def test_runtime_patch_is_explicit_idempotent_reversible():
     finally:
         assert patch.remove() is True and patch.remove() is False
     assert mod.get_gpt_layer_local_spec is orig
+
+
+def _async_equiv(rank, world, cp, causal, qk_norm, rope, groups, chunks):
+    """SPSelfAttention with --sp-async-qkv on CP ranks == the same weights on the full sequence (CP=1,
+    standard path): output, input grad and every parameter grad; GQA, per-head q/k RMSNorm, RoPE."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_sp_ext.megatron import SPSelfAttention, SPTransformerConfig, with_sp_core_attention
+    ps.initialize_model_parallel(context_parallel_size=cp)
+    cp_group = ps.get_context_parallel_group()
+    try:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        cfg = SPTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=groups,
+                                  use_cpu_initialization=True, context_parallel_size=cp,
+                                  cp_comm_type="hcms" if chunks > 1 else "ulysses", hcms_head_chunks=chunks,
+                                  hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+                                  apply_rope_fusion=False, masked_softmax_fusion=False, sp_async_qkv="on",
+                                  normalization="RMSNorm", qk_layernorm=qk_norm, add_qkv_bias=True)
+        torch.manual_seed(1234)
+        spec = with_sp_core_attention(get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"),
+                                      no_mask=not causal)
+        block = TransformerBlock(cfg, spec)
+        assert all(isinstance(layer.self_attention, SPSelfAttention) for layer in block.layers)
+        s, b, hn = 8 * cp, 2, 8
+        g = torch.Generator().manual_seed(3)
+        x_full, dy_full = torch.randn(s, b, 64, generator=g), torch.randn(s, b, 64, generator=g)
+        split = lambda t: get_batch_on_this_cp_rank({"x": t.transpose(0, 1)})["x"].transpose(0, 1)  # noqa: E731
+        freqs_full = None
+        if rope:
+            inv = 1.0 / (10000 ** (torch.arange(0, hn, 2).float() / hn))
+            f = torch.outer(torch.arange(s).float(), inv)
+            freqs_full = torch.cat([f, f], dim=-1)[:, None, None, :]
+        x = split(x_full).clone().requires_grad_()
+        y = block(x, attention_mask=None, rotary_pos_emb=split(freqs_full) if rope else None)
+        y.backward(split(dy_full))
+        grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+        for gr in grads.values():
+            dist.all_reduce(gr, group=cp_group)
+        dx = x.grad.clone()
+        block.zero_grad(set_to_none=True)
+        for layer in block.layers:  # reference: one rank, the parent's forward
+            layer.self_attention.core_attention.cp_group = None
+        xf = x_full.clone().requires_grad_()
+        yf = block(xf, attention_mask=None, rotary_pos_emb=freqs_full)
+        yf.backward(dy_full)
+        tag = f"async CP={cp} causal={causal} qk_norm={qk_norm} rope={rope} groups={groups} C={chunks}"
+        assert rel_err(y, split(yf)) < 1e-5, f"{tag}: output {rel_err(y, split(yf))}"
+        assert rel_err(dx, split(xf.grad)) < 1e-5, f"{tag}: input grad"
+        for n, p in block.named_parameters():
+            assert rel_err(grads[n], p.grad) < 1e-5, f"{tag}: grad of {n}: {rel_err(grads[n], p.grad)}"
+    finally:
+        ps.destroy_model_parallel()
+    return True
+
+
+@pytest.mark.parametrize("cp,causal,qk_norm,rope,groups,chunks", [
+    (2, True, True, True, 8, 2), (2, False, False, False, 2, 1), (4, True, True, True, 2, 1),
+    (4, False, True, False, 8, 2)])
+def test_async_self_attention_equals_standard(cp, causal, qk_norm, rope, groups, chunks):
+    run_ranks(_async_equiv, cp, cp, causal, qk_norm, rope, groups, chunks)
+
+
+def test_async_self_attention_rejects_what_it_cannot_do():
+    def fn(rank, world):
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.transformer_block import TransformerBlock
+
+        from megatron_sp_ext.megatron import SPTransformerConfig, with_sp_core_attention
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+        try:
+            tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+            cfg = SPTransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, use_cpu_initialization=True,
+                                      tensor_model_parallel_size=2, sp_async_qkv="on", attention_dropout=0.0)
+            with pytest.raises(SPConfigError, match="--sp-async-qkv supports --tensor-model-parallel-size 1 only"):
+                TransformerBlock(cfg, with_sp_core_attention(get_gpt_layer_local_spec()))
+        finally:
+            ps.destroy_model_parallel()
+        return True
+    run_ranks(fn, 2)

@@ -64,6 +64,37 @@ def bench(rank, world, group, cfg, seqlen, args):
         return lambda: spx.async_ulysses_self_attention(x, w_qkv, b_qkv, w_o, b_o, group, num_heads=h,
                                                         num_kv_heads=h, prep=prep, norm_q_weight=nq,
                                                         norm_k_weight=nk, head_chunks=c, transport=tr)
+    from megatron_sp_ext.sp.async_block import make_async_plan, project_and_exchange  # noqa: PLC0415
+    from megatron_sp_ext.sp.block_policy import BlockPolicy  # noqa: PLC0415
+
+    def pre(fused, c, tr="nccl"):
+        """Pre-attention part only: projections + prep + exchanges until q, k, v have all arrived."""
+        plan = make_async_plan(group, num_heads=h, num_kv_heads=h, head_dim=d, prep=prep, seq_local=sl,
+                               device=x.device, head_chunks=c, transport=tr)
+
+        def run():
+            _, events, _ = project_and_exchange(x, w_qkv, b_qkv, nq, nk, plan, fused=fused)
+            for evs in events.values():
+                for ev in evs:
+                    torch.cuda.current_stream().wait_event(ev)
+        return run
+    policy = BlockPolicy(chunk_candidates=[1] + [c for c in args.chunks if c <= h // world],
+                         transports=args.transports)
+    forms = {}
+
+    def auto():
+        def one(ch):
+            key = ch
+            if key not in forms:
+                forms[key] = (asynch if ch.async_qkv else plain)(ch.head_chunks, ch.transport)
+            return forms[key]()
+
+        def step(ch):
+            y = one(ch)
+            if torch.is_grad_enabled():
+                y.backward(dy)
+        ch = policy.choose(("block", sl, torch.is_grad_enabled()), step, group, x.device, h // world)
+        return one(ch)
     modes = {}
     for tr in args.transports:
         sfx = "" if tr == "nccl" else "_symm"
@@ -71,15 +102,33 @@ def bench(rank, world, group, cfg, seqlen, args):
         for c in args.chunks:
             if c <= h // world:
                 modes[f"plain_hcms{c}{sfx}"], modes[f"async_hcms{c}{sfx}"] = plain(c, tr), asynch(c, tr)
+    modes["auto"] = auto
+    pre_modes = {"pre_plain": pre(True, 1), "pre_async": pre(False, 1)}
+    for tr in args.transports[1:]:
+        pre_modes[f"pre_plain_{tr}"], pre_modes[f"pre_async_{tr}"] = pre(True, 1, tr), pre(False, 1, tr)
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     t_f = {n: [] for n in modes}
     t_fb = {n: [] for n in modes}
-    for fn in modes.values():  # warm-up
+    for fn in modes.values():  # warm-up (auto calibrates here, for training and for inference)
         for _ in range(2):
             fn().backward(dy)
+            with torch.no_grad():
+                fn()
+    t_pre = {n: [] for n in pre_modes}
+    for fn in pre_modes.values():
+        with torch.no_grad():
+            fn()
     torch.cuda.synchronize()
     dist.barrier(group=group)
     for _ in range(args.iters):
+        for n, fn in pre_modes.items():
+            a, b = ev(), ev()
+            with torch.no_grad():
+                a.record()
+                fn()
+                b.record()
+            b.synchronize()
+            t_pre[n].append(a.elapsed_time(b))
         for n, fn in modes.items():
             a, b = ev(), ev()
             with torch.no_grad():
@@ -103,6 +152,17 @@ def bench(rank, world, group, cfg, seqlen, args):
     p = res["modes"]["plain"]
     for e in res["modes"].values():
         e["speedup_fwd"], e["speedup_fwd_bwd"] = p["fwd_ms"] / e["fwd_ms"], p["fwd_bwd_ms"] / e["fwd_bwd_ms"]
+    res["pre_attention"] = {}
+    for n in pre_modes:
+        t = torch.tensor(sorted(t_pre[n])[len(t_pre[n]) // 2], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        res["pre_attention"][n] = {"ms": float(t)}
+    for n, e in res["pre_attention"].items():
+        base = res["pre_attention"]["pre_plain"]["ms"]
+        e["speedup_vs_pre_plain"] = base / e["ms"]
+    res["auto_choice"] = {str(k): {"choice": d.choice.label, "reason": d.reason, "confirm": d.confirm,
+                                   "measured_ms": {c.label: t for c, t in d.measured_ms.items()}}
+                          for k, d in policy.cache.items()}
     return res
 
 
@@ -119,7 +179,9 @@ def _worker(rank, world, port, args, path):
         if rank == 0:
             r = out[-1]
             print(f"[block P={world} {name} L={L}] " + " ".join(
-                f"{n}={e['fwd_ms']:.2f}/{e['fwd_bwd_ms']:.2f}" for n, e in r["modes"].items()), flush=True)
+                f"{n}={e['fwd_ms']:.2f}/{e['fwd_bwd_ms']:.2f}" for n, e in r["modes"].items())
+                + " | pre-attention " + " ".join(f"{n}={e['ms']:.3f}" for n, e in r["pre_attention"].items())
+                + f" | auto: {r['auto_choice']}", flush=True)
     if rank == 0:
         with open(path, "w") as f:
             json.dump(out, f)
@@ -136,6 +198,7 @@ def main():
     ap.add_argument("--chunks", default="2")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--transports", default="nccl,symm_mem")
+    ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="block_out")
     args = ap.parse_args()
     args.models = args.models.split(",")
@@ -153,15 +216,18 @@ def main():
         os.remove(part)
     meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
             "command": " ".join(sys.argv)}
-    with open(os.path.join(args.out, "block.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
     lines = [f"{meta['device']} x P, {meta['date']}, bf16; fwd ms / fwd+bwd ms (speedup vs plain)", "",
              "| P | dim | heads | L | mode | fwd | fwd+bwd |", "|---|---|---|---|---|---|---|"]
     for r in results:
         for n, e in r["modes"].items():
             lines.append(f"| {r['P']} | {r['model']} | {r['heads']} | {r['L'] // 1024}K | {n} | {e['fwd_ms']:.2f} "
                          f"({e['speedup_fwd']:.2f}x) | {e['fwd_bwd_ms']:.2f} ({e['speedup_fwd_bwd']:.2f}x) |")
-    with open(os.path.join(args.out, "block.md"), "w") as f:
+        lines.append(f"| {r['P']} | {r['model']} | {r['heads']} | {r['L'] // 1024}K | pre-attention | " + ", ".join(
+            f"{n} {e['ms']:.3f} ms ({e['speedup_vs_pre_plain']:.2f}x)" for n, e in r["pre_attention"].items()) + " | |")
+    tag = f"_{args.tag}" if args.tag else ""
+    with open(os.path.join(args.out, f"block{tag}.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(os.path.join(args.out, f"block{tag}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -34,10 +34,6 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     add_common_args(p)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--ddp-impl", choices=["auto", "megatron", "torch"], default="auto")
-    p.add_argument("--sp-async-qkv", nargs="?", const="on", default="off", choices=["off", "on", "auto"],
-                   help="on: async Ulysses block (Q/K/V projections overlapped with their exchanges; "
-                        "--cp-comm-type ulysses or hcms, integer --hcms-head-chunks). auto: a runtime policy "
-                        "times plain/async x HCMS chunks x transports per shape on first use and keeps the fastest")
     add_arguments(p)
     args = p.parse_args(argv)
     cfg = preset(args.model, args.num_layers)

@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--sp-ulysses-size", type=int, default=None, help="Ulysses degree of the mesh (default gcd(CP, heads))")
     add("--sp-ring-variant", choices=RING_VARIANTS, default="ring", help="ring algorithm inside ring/mesh modes")
     add("--sp-attention-backend", choices=BACKENDS, default="sdpa", help="local attention kernel")
+    add("--sp-async-qkv", nargs="?", const="on", default="off",
+        help="off (default); on: self-attention overlaps its Q/K/V and output projections with the Ulysses "
+             "exchanges (--cp-comm-type ulysses/hcms, integer --hcms-head-chunks, TP 1); auto (video DiT): a "
+             "runtime policy times plain/async x HCMS chunks x transports per shape and keeps the fastest")
     add("--sp-transport", default="nccl",
         help="exchange transport of ulysses/hcms: nccl (default) or symm_mem (copy-engine, torch symmetric memory)")
     if not getattr(parser, "_spx_validating", False):
@@ -84,6 +88,7 @@ def validate_args(args) -> SPConfig:
     cfg = SPConfig(head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
                    placement=args.sp_placement, ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes,
                    backend=args.sp_attention_backend, transport=getattr(args, "sp_transport", "nccl"),
+                   async_qkv=getattr(args, "sp_async_qkv", "off"),
                    source="megatron")
     cp = getattr(args, "context_parallel_size", 1) or 1
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1

@@ -23,6 +23,8 @@ class SPTransformerConfig(TransformerConfig):
     sp_ring_variant (--sp-ring-variant): ring or tasp inside ring/hybrid modes.
     sp_attention_backend (--sp-attention-backend): sdpa, math, flash_attn, te.
     sp_transport (--sp-transport): nccl (default) or symm_mem (copy-engine exchanges).
+    sp_async_qkv (--sp-async-qkv): off, on (SPSelfAttention overlaps its projections with the
+        exchanges), auto (video DiT only: the runtime block policy).
     """
 
     hcms_head_chunks: Union[int, str] = 1
@@ -32,6 +34,7 @@ class SPTransformerConfig(TransformerConfig):
     sp_ring_variant: str = "ring"
     sp_attention_backend: str = "sdpa"
     sp_transport: str = "nccl"
+    sp_async_qkv: str = "off"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,5 +51,6 @@ def sp_config_from(config) -> SPConfig:
         nodes=getattr(config, "sp_nodes", None),
         backend=getattr(config, "sp_attention_backend", "sdpa"),
         transport=getattr(config, "sp_transport", "nccl"),
+        async_qkv=getattr(config, "sp_async_qkv", "off"),
         source="megatron",
     )

@@ -46,6 +46,7 @@ class AsyncPlan:
     dims: tuple               # (H, Hkv, D)
     prep: Prep
     transport: Optional[object] = None
+    causal: bool = False      # causal mask at global positions (placement decides which tokens are here)
 
 
 def _mm(a, b):
@@ -122,7 +123,7 @@ class _AsyncBlockFn(torch.autograd.Function):
                 views.append(t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_())
                 recv[name][c] = None
             with torch.enable_grad():
-                oc = plan.backend(*views, causal=False, softmax_scale=plan.scale)
+                oc = plan.backend(*views, causal=plan.causal, softmax_scale=plan.scale)
             chunks.append((*views, oc))
             _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
         if comm is not None:
@@ -212,19 +213,21 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
                                  softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
                                  comm_stream: Optional["torch.cuda.Stream"] = None,
                                  kv_valid_len: Optional[int] = None,
-                                 transport: "str | object" = "nccl") -> torch.Tensor:
+                                 transport: "str | object" = "nccl", causal: bool = False,
+                                 placement: str = "contiguous") -> torch.Tensor:
     """The async block on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
 
     w_qkv: [(H + 2 Hkv) * D, dim] (q rows, then k, then v), w_o: [dim, H * D] (nn.Linear layout).
     prep(branch, y, norm_weight) maps a branch's [B, S, n*D] projection to [B, S, n, D] (QK-norm and
-    RoPE at this rank's global positions); it is applied to q and k, never to v. Non-causal;
-    contiguous token placement; ``kv_valid_len`` masks padded keys as in ulysses_attention.
+    RoPE at this rank's global positions); it is applied to q and k, never to v. ``causal`` and
+    ``placement`` (which tokens this rank holds: "contiguous", "zigzag", ...) and ``kv_valid_len``
+    (padded keys) mask exactly as in ulysses_attention.
     transport: "nccl" (default) or "symm_mem" (copy-engine exchanges), as in ulysses_attention.
     """
     plan = make_async_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=w_o.shape[1] // num_heads,
                            prep=prep, head_chunks=head_chunks, softmax_scale=softmax_scale, backend=backend,
                            comm_stream=comm_stream, kv_valid_len=kv_valid_len, transport=transport,
-                           seq_local=x.shape[1], device=x.device)
+                           seq_local=x.shape[1], device=x.device, causal=causal, placement=placement)
     return _AsyncBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
 
 
@@ -232,17 +235,19 @@ def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: i
                     seq_local: int, device: torch.device, head_chunks: int = 1,
                     softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
                     comm_stream: Optional["torch.cuda.Stream"] = None, kv_valid_len: Optional[int] = None,
-                    transport: "str | object" = "nccl") -> AsyncPlan:
+                    transport: "str | object" = "nccl", causal: bool = False,
+                    placement: str = "contiguous") -> AsyncPlan:
     """The AsyncPlan of one block call (arguments as in async_ulysses_self_attention)."""
     world, d = dist.get_world_size(group), head_dim
     hl = head_layout(num_heads, num_kv_heads, world, head_chunks)
     be = get_backend(backend)
-    if kv_valid_len is not None:
+    if kv_valid_len is not None or (causal and placement != "contiguous"):
         from .placement import pieces  # noqa: PLC0415
         from .ring import RingBackend  # noqa: PLC0415
-        runs = tuple(r for p in range(world) for r in pieces("contiguous", p, world, seq_local * world))
+        runs = tuple(r for p in range(world) for r in pieces(placement, p, world, seq_local * world))
         be = RingBackend(None, "ring", runs, (runs,), be, kv_valid_len)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     stream = comm_stream if comm_stream is not None else st.default_pool().comm_stream(device)
     tr = default_transports().get(transport, group, device)
-    return AsyncPlan(group, dist.get_rank(group), hl, "bshd", scale, be, stream, (num_heads, num_kv_heads, d), prep, tr)
+    return AsyncPlan(group, dist.get_rank(group), hl, "bshd", scale, be, stream, (num_heads, num_kv_heads, d), prep, tr,
+                     causal)

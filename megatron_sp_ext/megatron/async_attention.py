@@ -1,0 +1,150 @@
+"""SPSelfAttention: Megatron SelfAttention whose projections can overlap their Ulysses exchanges.
+
+``with_sp_core_attention`` puts it in the layer spec; ``--sp-async-qkv`` (``sp_async_qkv="on"`` in
+SPTransformerConfig, or SPConfig.async_qkv) switches it on, otherwise it is the parent unchanged.
+When on, the training forward runs megatron_sp_ext's async Ulysses block
+(sp/async_block.py): per-branch Q, K, V GEMMs from ``linear_qkv``'s weight (Megatron's interleaved
+per-query-group rows q1..qn k v | ... are regrouped q | k | v on the fly, so checkpoints stay
+Megatron's), per-head q/k layernorm and RoPE applied to each branch before its exchange, the
+output exchange overlapped with the dO exchange / dW_proj GEMM in backward. Same math as the
+parent's forward; the returned (output, bias) follows ``linear_proj``'s skip_bias_add contract.
+
+Runs where the async block does not apply (inference with a KV cache, cross attention, packed
+sequences, attention bias, one CP rank) use the parent's forward unchanged, which is the same math.
+Settings the async block cannot honour raise SPConfigError at construction, naming the flag.
+Shapes: hidden_states [s_local, b, hidden] (Megatron's sbhd), zigzag CP placement.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+
+from ..errors import SPConfigError
+from ..sp.async_block import async_ulysses_self_attention
+
+log = logging.getLogger("megatron_sp_ext")
+_FLAG = "--sp-async-qkv"
+
+
+def _real(norm):
+    """The q/k norm module, or None where the spec put none (None or IdentityOp)."""
+    return None if norm is None or isinstance(norm, IdentityOp) else norm
+
+
+class SPSelfAttention(SelfAttention):
+    """SelfAttention with the async Ulysses block behind --sp-async-qkv (see module docstring)."""
+
+    def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.padding,
+                 cp_comm_type=None, pg_collection=None) -> None:
+        super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type=cp_comm_type,
+                         pg_collection=pg_collection)
+        self._fallback_logged = False
+        core = self.core_attention
+        sp = getattr(core, "sp", None)
+        self.async_qkv = sp.async_qkv if sp is not None else getattr(config, "sp_async_qkv", "off")
+        if self.async_qkv == "off":
+            return
+        if self.async_qkv != "on":
+            raise SPConfigError(f"{_FLAG}={self.async_qkv} is a video-DiT setting (runtime block policy); Megatron "
+                                f"layers take {_FLAG} (on) or nothing (off)")
+        if not hasattr(core, "ctx") or getattr(core, "mode", None) not in ("ulysses", "hcms"):
+            raise SPConfigError(f"{_FLAG} needs megatron_sp_ext core attention with --cp-comm-type ulysses or hcms "
+                                f"(got {getattr(core, 'mode', type(core).__name__)})")
+        if core.mode == "hcms" and not isinstance(core.sp.head_chunks, int):
+            raise SPConfigError(f"{_FLAG} needs an integer --hcms-head-chunks (got {core.sp.head_chunks!r})")
+        if self.world_size != 1:
+            raise SPConfigError(f"{_FLAG} supports --tensor-model-parallel-size 1 only (got {self.world_size})")
+        if hasattr(self.linear_qkv, "layer_norm_weight"):
+            raise SPConfigError(f"{_FLAG} needs a linear_qkv without a fused input layernorm (use the local layer "
+                                f"spec, get_gpt_layer_local_spec, or a TE spec with a separate input_layernorm)")
+        for name in ("q_layernorm", "k_layernorm"):
+            norm = _real(getattr(self, name))
+            if norm is not None and getattr(norm, "bias", None) is not None:
+                raise SPConfigError(f"{_FLAG}: {name} has a bias; the async block supports bias-free q/k norms "
+                                    f"(--normalization RMSNorm)")
+        if (config.attention_dropout or 0.0) > 0.0:
+            raise SPConfigError(f"{_FLAG} needs --attention-dropout 0 (got {config.attention_dropout})")
+
+    # -- weights in q | k | v order --------------------------------------------------------------
+    def _qkv_weight(self, t):
+        """Megatron's [ng * (hpg + 2) * hn, ...] rows (q1..q_hpg k v per group) -> q rows | k rows | v rows."""
+        if t is None:
+            return None
+        ng = self.num_query_groups_per_partition
+        hpg = self.num_attention_heads_per_partition // ng
+        hn = self.hidden_size_per_attention_head
+        g = t.view(ng, hpg + 2, hn, *t.shape[1:])
+        return torch.cat([g[:, :hpg].reshape(-1, *t.shape[1:]), g[:, hpg].reshape(-1, *t.shape[1:]),
+                          g[:, hpg + 1].reshape(-1, *t.shape[1:])], dim=0)
+
+    def _unsupported(self, key_value_states, inference_context, packed_seq_params, attention_bias, extra) -> str:
+        if self.async_qkv == "off":
+            return "off"
+        if key_value_states is not None:
+            return "cross attention"
+        if inference_context is not None:
+            return "inference with a KV cache"
+        if packed_seq_params is not None:
+            return "packed sequences"
+        if attention_bias is not None:
+            return "attention bias"
+        if any(e is not None for e in extra):
+            return "precomputed rotary cos/sin"
+        group = self.core_attention.cp_group
+        if group is None or group.size() == 1:
+            return "one context-parallel rank"
+        return ""
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        why = self._unsupported(key_value_states, inference_context or inference_params, packed_seq_params,
+                                attention_bias, (rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset))
+        if why:
+            if why != "off" and not self._fallback_logged:
+                log.info("megatron_sp_ext: %s: layer %d runs the standard attention path for %s (same math)",
+                         _FLAG, self.layer_number, why)
+                self._fallback_logged = True
+            return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
+                                   rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
+                                   attention_bias, packed_seq_params, sequence_len_offset,
+                                   inference_params=inference_params)
+        if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
+            rotary_pos_emb = None
+        if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+        core = self.core_attention
+        group = core.cp_group
+        hn = self.hidden_size_per_attention_head
+        norms = {"q": _real(self.q_layernorm), "k": _real(self.k_layernorm)}
+        weights = {k: getattr(m, "weight", None) if m is not None else None for k, m in norms.items()}
+        x_bsd = hidden_states.transpose(0, 1)
+        b, s = x_bsd.shape[:2]
+
+        def prep(branch, y, w):  # [B, S, n*hn] -> per-head q/k norm, then RoPE on this rank's positions
+            y4 = y.view(b, s, -1, hn)
+            if norms[branch] is not None:  # the norm's weight is the block's leaf w (its grad flows back)
+                y4 = torch.func.functional_call(norms[branch], {"weight": w}, (y4,)) if w is not None \
+                    else norms[branch](y4)
+            if rotary_pos_emb is not None:
+                freqs = rotary_pos_emb[0 if branch == "q" else 1]
+                y4 = apply_rotary_pos_emb(y4.transpose(0, 1), freqs, config=self.config,
+                                          cp_group=group).transpose(0, 1)
+            return y4
+        causal = core._causal(None, attention_mask)
+        chunks = core.sp.head_chunks if core.mode == "hcms" else 1
+        out_bsd = async_ulysses_self_attention(
+            x_bsd, self._qkv_weight(self.linear_qkv.weight), self._qkv_weight(self.linear_qkv.bias),
+            self.linear_proj.weight, None, group, num_heads=self.num_attention_heads_per_partition,
+            num_kv_heads=self.num_query_groups_per_partition, prep=prep,
+            norm_q_weight=weights["q"], norm_k_weight=weights["k"],
+            head_chunks=chunks, softmax_scale=core.softmax_scale, backend=core.backend,
+            comm_stream=core.ctx.streams.comm_stream(hidden_states.device),
+            transport=core.ctx.transports.get(core.sp.transport, group, hidden_states.device, "--sp-transport"),
+            causal=causal, placement="zigzag")
+        return out_bsd.transpose(0, 1).contiguous(), self.linear_proj.bias
