@@ -159,3 +159,38 @@ def _pre_attention(rank, world, h, hkv, chunks):
 @pytest.mark.parametrize("world,h,hkv,chunks", [(2, 4, 2, 2), (4, 6, 6, 1)])
 def test_pre_attention_parts_agree(world, h, hkv, chunks):
     run_ranks(_pre_attention, world, h, hkv, chunks)
+
+
+def _autocast(rank, world):
+    """Under bf16 autocast with fp32 weights and input (a DiT's mixed-precision step), the async block
+    runs (one dtype inside) and matches the plain block under the same autocast."""
+    g = dist.group.WORLD
+    gen = torch.Generator().manual_seed(4)
+    h, d, dim, b, sl = 4, 8, 32, 1, 4
+    p0 = {"w_qkv": torch.randn(3 * h * d, dim, generator=gen) * 0.2, "w_o": torch.randn(dim, h * d, generator=gen) * 0.2,
+          "nq": torch.ones(h * d), "nk": torch.ones(h * d)}
+    x0, dy = torch.randn(b, sl, dim, generator=gen), torch.randn(b, sl, dim, generator=gen)
+
+    def prep(branch, y, w):
+        return _rms(y, w).view(b, sl, h, d)
+    res = []
+    for use_async in (False, True):
+        p = {k: v.clone().requires_grad_() for k, v in p0.items()}
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if use_async:
+                y = async_ulysses_self_attention(x, p["w_qkv"], None, p["w_o"], None, g, num_heads=h, num_kv_heads=h,
+                                                 prep=prep, norm_q_weight=p["nq"], norm_k_weight=p["nk"])
+            else:
+                q, k, v = (x @ p["w_qkv"].t()).split(h * d, dim=-1)
+                o = spx.ulysses_attention(prep("q", q, p["nq"]), prep("k", k, p["nk"]), v.reshape(b, sl, h, d), g)
+                y = o.reshape(b, sl, h * d) @ p["w_o"].t()
+        y.float().backward(dy)
+        res.append((y.float(), x.grad, p["w_qkv"].grad, p["w_o"].grad))
+    for name, a, ref in zip(("out", "dx", "dW_qkv", "dW_o"), res[1], res[0]):
+        assert a.dtype == ref.dtype and rel_err(a, ref) < 3e-2, (name, a.dtype, ref.dtype, rel_err(a, ref))
+    return True
+
+
+def test_async_block_under_autocast():
+    run_ranks(_autocast, 2)

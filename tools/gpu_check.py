@@ -93,7 +93,8 @@ def _bitwise_transport(rank, world, group):
             for name, a, b in zip(("out", "dq", "dk", "dv"), res, base):
                 if name == "dq":
                     err = ((a.float() - b.float()).norm() / b.float().norm()).item()
-                    if not torch.equal(a, b) and err > max(5 * noise, 1e-6):
+                    # flash's dq atomics: run-to-run noise seen up to 2.6e-5 (sometimes ~0 in one sample)
+                    if not torch.equal(a, b) and err > max(5 * noise, 1e-4):
                         fails.append(f"H={h}/{hkv} C={c} symm_mem dq beyond kernel noise ({err:.2e} vs {noise:.2e})")
                 elif not torch.equal(a, b):
                     fails.append(f"H={h}/{hkv} causal={causal} C={c} symm_mem {name} not bitwise equal")

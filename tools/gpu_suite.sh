@@ -8,6 +8,8 @@
 #   bash tools/gpu_suite.sh F   # A/B: packed vs contiguous q/k/v (qkv_contiguous) against DeepSpeed
 #   bash tools/gpu_suite.sh G   # async block vs plain block (weak + strong scaling), not run yet
 #   bash tools/gpu_suite.sh H   # copy-engine (symm_mem) transport: CUDA equality, micro-benchmark, attention, block
+#   bash tools/gpu_suite.sh I   # symm_mem check, auto/auto_symm vs ulysses vs DeepSpeed, block (weak/strong, pre-attention, auto)
+#   bash tools/gpu_suite.sh J   # video-DiT steps: --sp-async-qkv off / on / auto
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -54,6 +56,19 @@ elif [ "$PART" = H ]; then  # copy-engine transport: correctness, micro-benchmar
   run python3 tools/bench_attention.py --tag symm_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768 \
       --modes ulysses,ulysses_symm,hcms2,hcms2_symm,hcms3_symm,hcms4_symm --iters 10 --out "$OUT"
   run python3 tools/bench_block.py --world-sizes 2,4 --models wan-1.3b --tokens-per-gpu 16384 --iters 8 --out "$OUT"
+elif [ "$PART" = I ]; then  # after H: transport check again, auto vs symm modes, block benchmark with pre-attention + auto
+  run python3 tools/gpu_check.py --world-sizes 2,4 --only symm_mem --out "$OUT"
+  run python3 tools/bench_attention.py --tag symm_auto_p4 --world-sizes 4 --heads 40 --seqlens 8192,16384,32768 \
+      --modes deepspeed,ulysses,ulysses_symm,hcms2,hcms2_symm,auto,auto_symm --iters 10 --out "$OUT"
+  run python3 tools/bench_block.py --tag weak --world-sizes 2,4 --models wan-1.3b,wan-14b --tokens-per-gpu 16384 \
+      --iters 6 --out "$OUT"
+  run python3 tools/bench_block.py --tag strong --world-sizes 2,4 --models wan-1.3b --seqlen 32768 --iters 6 --out "$OUT"
+elif [ "$PART" = J ]; then  # video-DiT training steps (wan-1.3b dims, 4 layers, 32,760 tokens, CP=4): plain vs async vs auto
+  for form in off on auto; do
+    run python3 -m torch.distributed.run --nproc-per-node 4 training/pretrain_video_dit.py --model wan-1.3b \
+      --num-layers 4 --context-parallel-size 4 --cp-comm-type ulysses --sp-async-qkv $form --frames 21 \
+      --latent-size 60x104 --bf16 --lr 1e-4 --train-iters 12 --seed 1 --quiet --log-dir "$OUT/dit_async_$form"
+  done
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"
