@@ -120,23 +120,19 @@ def bench(rank, world, group, cfg, seqlen, args):
             fn()
     torch.cuda.synchronize()
     dist.barrier(group=group)
+    def forward_ms(fn):
+        a, b = ev(), ev()
+        with torch.no_grad():
+            a.record()
+            fn()
+            b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
     for _ in range(args.iters):
         for n, fn in pre_modes.items():
-            a, b = ev(), ev()
-            with torch.no_grad():
-                a.record()
-                fn()
-                b.record()
-            b.synchronize()
-            t_pre[n].append(a.elapsed_time(b))
+            t_pre[n].append(forward_ms(fn))
         for n, fn in modes.items():
-            a, b = ev(), ev()
-            with torch.no_grad():
-                a.record()
-                fn()
-                b.record()
-            b.synchronize()
-            t_f[n].append(a.elapsed_time(b))
+            t_f[n].append(forward_ms(fn))
         for n, fn in modes.items():
             a, b = ev(), ev()
             a.record()

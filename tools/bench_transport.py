@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def _port():
@@ -33,21 +34,9 @@ def _port():
 
 
 def _median_ms(fn, iters, group):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    t = torch.tensor(sorted(ts)[len(ts) // 2], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
+    """Median ms of ``iters`` calls after 3 warm-ups, max over ranks (bench_attention's timer)."""
+    from bench_attention import _time  # noqa: PLC0415
+    return _time(fn, iters, 3, group)
 
 
 def _worker(rank, world, port, args, path):
