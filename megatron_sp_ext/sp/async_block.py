@@ -103,6 +103,50 @@ def project_and_exchange(x, w_qkv, b_qkv, nq_w, nk_w, plan: AsyncPlan, *, fused:
     return recv, events, saved_prep
 
 
+def attend_and_send(views, plan, out, tokens: int, d: int, compute, comm) -> list:
+    """Attention of each HCMS chunk, its output exchange started as soon as it is done.
+
+    views(c) -> chunk c's (q, k, v) head-sharded [B, n, S, D] (waits for them first); ``out``
+    [B, S_local, H, D] receives the exchanged outputs. Returns per chunk (q, k, v, o) with the
+    attention graph kept for ``attention_backward``.
+    """
+    chunks = []
+    for c in range(plan.heads.chunks):
+        vs = [t.requires_grad_() for t in views(c)]
+        with torch.enable_grad():
+            oc = plan.backend(*vs, causal=plan.causal, softmax_scale=plan.scale)
+        chunks.append((*vs, oc))
+        _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
+    if comm is not None:
+        compute.wait_stream(comm)
+    return chunks
+
+
+def out_proj_backward(dy, w_o, o_flat, plan, has_bias: bool, tokens: int, d: int, compute, comm):
+    """dO = dy W_o, its exchange started, then dW_o = dy^T O (overlaps it).
+
+    dy [B, S_local, dim], o_flat [B, S_local, H*D]. Returns (recv, events, dW_o, db_o): recv[c] /
+    events[c] are chunk c's head-sharded dO buffer and its arrival event.
+    """
+    h, _, _ = plan.dims
+    bsz, s_loc = dy.shape[:2]
+    dy = dy.contiguous()
+    d_o = _mm(dy, w_o).view(bsz, s_loc, h, d)
+    recv_g, ev_g = _exchange_all_chunks((d_o,), ("q",), plan, tokens, d, compute, comm)
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    d_w_o = _mm(dy2.t(), o_flat.reshape(-1, o_flat.shape[-1]))
+    return recv_g, ev_g, d_w_o, (dy2.sum(0) if has_bias else None)
+
+
+def attention_backward(chunks: list, c: int, recv_g, ev_g, plan, s_loc: int, bsz: int, d: int, compute):
+    """Chunk c's attention backward once its dO has arrived: (dq, dk, dv) head-sharded [B, n, S, D]."""
+    st.wait(compute, ev_g[c])
+    qc, kc, vc, oc = chunks[c]
+    chunks[c] = None
+    do_c = recv_g[c].view(plan.heads.world * s_loc, bsz, qc.shape[1], d).permute(1, 2, 0, 3)
+    return torch.autograd.grad(oc, (qc, kc, vc), do_c)
+
+
 class _AsyncBlockFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: AsyncPlan):
@@ -113,21 +157,17 @@ class _AsyncBlockFn(torch.autograd.Function):
         compute, comm = st.current(x.device), plan.comm_stream
         recv, events, saved_prep = project_and_exchange(x, w_qkv, b_qkv, nq_w, nk_w, plan)
         out = torch.empty(bsz, s_loc, h, d, dtype=x.dtype, device=x.device)
-        chunks = []
-        for c in range(C):
-            views = []
+
+        def views(c):
+            vs = []
             for name, kind in (("q", "q"), ("k", "kv"), ("v", "kv")):
                 st.wait(compute, events[name][c])
                 n = lay.widths(hl, (kind,), plan.rank, c)[0]
                 t = recv[name][c].view(world * s_loc, bsz, n, d).permute(1, 2, 0, 3)
-                views.append(t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_())
+                vs.append(t.transpose(1, 2).contiguous().transpose(1, 2))
                 recv[name][c] = None
-            with torch.enable_grad():
-                oc = plan.backend(*views, causal=plan.causal, softmax_scale=plan.scale)
-            chunks.append((*views, oc))
-            _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
-        if comm is not None:
-            compute.wait_stream(comm)
+            return vs
+        chunks = attend_and_send(views, plan, out, tokens, d, compute, comm)
         o_flat = out.view(bsz, s_loc, h * d)
         y = _linear(o_flat, w_o, b_o)
         ctx.save_for_backward(x, w_qkv, w_o, o_flat)
@@ -144,24 +184,14 @@ class _AsyncBlockFn(torch.autograd.Function):
         bsz, s_loc, dim = x.shape
         tokens = s_loc * bsz
         compute, comm = st.current(x.device), plan.comm_stream
-        dy = dy.contiguous()
-        # output projection: dO first, start its exchange, then the weight grads overlap it
-        d_o = _mm(dy, w_o).view(bsz, s_loc, h, d)
-        recv_g, ev_g = _exchange_all_chunks((d_o,), ("q",), plan, tokens, d, compute, comm)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        d_w_o = _mm(dy2.t(), o_flat.reshape(-1, o_flat.shape[-1]))
-        d_b_o = dy2.sum(0) if ctx.has[1] else None
+        recv_g, ev_g, d_w_o, d_b_o = out_proj_backward(dy, w_o, o_flat, plan, ctx.has[1], tokens, d, compute, comm)
         hkv_rep = hkv * hl.kv_repeat
         grads = {"q": torch.empty(bsz, s_loc, h, d, dtype=dy.dtype, device=dy.device),
                  "k": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device),
                  "v": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device)}
         last = {}
         for c in range(C):
-            st.wait(compute, ev_g[c])
-            qc, kc, vc, oc = ctx.chunks[c]
-            ctx.chunks[c] = None
-            do_c = recv_g[c].view(world * s_loc, bsz, qc.shape[1], d).permute(1, 2, 0, 3)
-            gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), do_c)
+            gq, gk, gv = attention_backward(ctx.chunks, c, recv_g, ev_g, plan, s_loc, bsz, d, compute)
             done = st.record(compute)
             with st.on_stream(comm):
                 st.wait(comm, done)

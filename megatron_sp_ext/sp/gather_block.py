@@ -1,0 +1,316 @@
+"""Self-attention block whose QKV exchange is a sequence all-gather fused with the QKV GEMM.
+
+    x_full = all_gather_seq(x)                         [B, S, dim]   (S = P * S_local, rank order)
+    q|k|v  = x_full W_r^T                               this rank's Ulysses heads only
+    o      = attention(prep(q), prep(k), v)             per HCMS chunk, output exchanged head->seq
+    y      = out_proj(o)
+
+Plain Ulysses computes every head for its own tokens and exchanges q, k and v (3 x S_local x dim
+per rank, of which (P-1)/P leaves); here each rank gathers x (S_local x dim from each peer) and
+computes its heads for all tokens: the same FLOPs, P/3 of the bytes, and on CUDA the gather runs
+inside ``torch.ops.symm_mem.fused_all_gather_matmul`` (pipelined with the GEMM over peers' shards).
+Backward: dx = reduce_scatter_seq(dY_r W_r) through ``fused_matmul_reduce_scatter``, dW_r from a
+re-gathered x (gathered on the communication stream while the q/k prep backward runs; x_full is not
+kept between forward and backward). Where the fused ops are missing (CPU/gloo, other torch builds)
+the same math runs as all-gather -> GEMM and GEMM -> reduce-scatter.
+
+QK-norm over all heads (Wan) needs the sum of squares over every rank's heads: ``prep`` receives a
+``HeadShard`` whose ``sum_sq`` all-reduces it (autograd-aware); RoPE must use the GLOBAL positions of
+the gathered sequence (``HeadShard.gather_tokens`` gathers per-token tables). Parameter gradients
+are each rank's share (its heads' rows, zeros elsewhere; x's full contribution): summed over the
+context-parallel group, as data-parallel gradient reduction does, they equal the plain block's.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm import streams as st
+from .async_block import AsyncPlan, attend_and_send, attention_backward, make_async_plan, out_proj_backward, _mm
+
+# prep(branch, y [B, S, n*D], norm_weight (full, or None), shard) -> [B, S, n, D]
+PrepFull = Callable[[str, torch.Tensor, Optional[torch.Tensor], "HeadShard"], torch.Tensor]
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """y = sum over ranks of t; backward sums the ranks' output gradients (each rank's y feeds its loss)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        t = t.clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """This rank's heads in the all-gather block (global indices) and the cross-rank helpers prep needs.
+
+    q_heads: global q heads held here. kv_heads: the ORIGINAL kv head of each local kv head (GQA with
+    fewer kv heads than ranks replicates them). kv_owner: per local kv head, whether this copy counts
+    in cross-rank sums (exactly one copy of every kv head does).
+    """
+
+    group: dist.ProcessGroup
+    q_heads: tuple
+    kv_heads: tuple
+    kv_owner: tuple
+
+    def sum_sq(self, y4: torch.Tensor, branch: str) -> torch.Tensor:
+        """Sum of squares over ALL ranks' heads of ``branch`` ("q" or "k"), per token: y4 [B, S, n, D]
+        (this rank's heads) -> [B, S, 1, 1] float32, differentiable."""
+        sq = y4.float().pow(2).sum(-1)
+        if branch != "q" and not all(self.kv_owner):
+            sq = sq * torch.tensor(self.kv_owner, dtype=sq.dtype, device=sq.device)
+        return _AllReduceSum.apply(sq.sum(-1, keepdim=True), self.group)[..., None]
+
+    def gather_tokens(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """A per-token table of this rank's tokens (no grad) -> the gathered sequence's, rank order."""
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def norm_weight(self, w: torch.Tensor, branch: str, head_dim: int) -> torch.Tensor:
+        """The rows of a full QK-norm weight ([n_heads * D]) for this rank's heads: [n_local, D]."""
+        heads = self.q_heads if branch == "q" else self.kv_heads
+        idx = torch.tensor(heads, device=w.device)
+        return w.view(-1, head_dim).index_select(0, idx)
+
+
+@dataclass
+class GatherPlan(AsyncPlan):
+    rows: Optional[torch.Tensor] = None      # rows of w_qkv this rank computes (q | k | v)
+    shard: Optional[HeadShard] = None
+    widths: tuple = ()                        # (h_r * D, kv_r * D, kv_r * D)
+    fused: bool = False                       # torch.ops.symm_mem fused ops on this group
+
+
+@lru_cache(maxsize=64)
+def _shard_heads(hl, rank: int) -> tuple:
+    qa = hl.q_offsets[rank]
+    q_heads = tuple(range(qa, qa + hl.q_counts[rank]))
+    ka = hl.kv_offsets[rank]
+    rep = tuple(range(ka, ka + hl.kv_counts[rank]))          # replicated kv indices
+    return q_heads, tuple(j // hl.kv_repeat for j in rep), tuple(j % hl.kv_repeat == 0 for j in rep)
+
+
+def _rows(num_heads: int, num_kv: int, d: int, q_heads, kv_heads) -> list:
+    ar = list(range(d))
+    rows = [g * d + i for g in q_heads for i in ar]
+    rows += [(num_heads + j) * d + i for j in kv_heads for i in ar]
+    rows += [(num_heads + num_kv + j) * d + i for j in kv_heads for i in ar]
+    return rows
+
+
+def fused_ops_unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
+    """Why torch's fused all-gather/reduce-scatter matmuls cannot run here (None when they can)."""
+    if device.type != "cuda":
+        return f"they need CUDA tensors (got device {device.type})"
+    if "nccl" not in str(dist.get_backend(group)):
+        return f"they need an NCCL process group (got {dist.get_backend(group)})"
+    try:
+        import torch.distributed._symmetric_memory as symm  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - builds without symmetric memory
+        return f"this torch build has no symmetric memory ({e})"
+    ops = getattr(torch.ops, "symm_mem", None)
+    for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
+        if ops is None or not hasattr(ops, name):
+            return f"this torch build has no torch.ops.symm_mem.{name}"
+    if not symm.is_symm_mem_enabled_for_group(group.group_name) and hasattr(symm, "enable_symm_mem_for_group"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm.enable_symm_mem_for_group(group.group_name)
+    return None
+
+
+def _seq_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, S_local, ...] -> [B, P * S_local, ...] in rank order (a view when B == 1)."""
+    world = dist.get_world_size(group)
+    xs = x.transpose(0, 1).contiguous()
+    out = xs.new_empty(world * xs.shape[0], *xs.shape[1:])
+    dist.all_gather_into_tensor(out, xs, group=group)
+    return out.transpose(0, 1)
+
+
+def _seq_gather_async(x: torch.Tensor, group):
+    """Start the gather of ``_seq_gather``; returns (work, out [B, S, ...] view)."""
+    world = dist.get_world_size(group)
+    xs = x.transpose(0, 1).contiguous()
+    out = xs.new_empty(world * xs.shape[0], *xs.shape[1:])
+    work = dist.all_gather_into_tensor(out, xs, group=group, async_op=True)
+    return work, out.transpose(0, 1)
+
+
+def _seq_reduce_scatter(part: torch.Tensor, group) -> torch.Tensor:
+    """[B, S, n] partial sums -> [B, S_local, n]: summed over ranks, this rank's tokens."""
+    world = dist.get_world_size(group)
+    ps = part.transpose(0, 1).contiguous()
+    out = ps.new_empty(ps.shape[0] // world, *ps.shape[1:])
+    dist.reduce_scatter_tensor(out, ps, group=group)
+    return out.transpose(0, 1)
+
+
+def _gather_matmul(x: torch.Tensor, w_r: torch.Tensor, plan: GatherPlan) -> torch.Tensor:
+    """x [B, S_local, dim] -> all_gather_seq(x) @ w_r^T  [B, S, n]."""
+    if plan.fused:
+        op = torch.ops.symm_mem.fused_all_gather_matmul
+        kw = {"return_A": False} if "return_A" in str(op.default._schema) else {}
+        _, outs = op(x.contiguous(), [w_r.t()], 1, plan.group.group_name, **kw)
+        return outs[0]
+    return _mm(_seq_gather(x, plan.group), w_r.t())
+
+
+def _matmul_reduce_scatter(g: torch.Tensor, w_r: torch.Tensor, plan: GatherPlan) -> torch.Tensor:
+    """g [B, S, n] @ w_r [n, dim], summed over ranks, this rank's tokens: [B, S_local, dim]."""
+    if plan.fused:
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(g.contiguous(), w_r, "sum", 1, plan.group.group_name)
+    return _seq_reduce_scatter(_mm(g, w_r), plan.group)
+
+
+class _GatherBlockFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: GatherPlan):
+        h, _, d = plan.dims
+        hl, me = plan.heads, plan.rank
+        bsz, s_loc, _ = x.shape
+        tokens = s_loc * bsz
+        s_full = s_loc * hl.world
+        compute, comm = st.current(x.device), plan.comm_stream
+        w_r = w_qkv.index_select(0, plan.rows)                   # [n_q + 2 n_kv (x D), dim]
+        y = _gather_matmul(x, w_r, plan)                          # [B, S, (h_r + 2 kv_r) D]
+        if b_qkv is not None:
+            y = y + b_qkv.index_select(0, plan.rows)
+        yq, yk, yv = torch.split(y, plan.widths, dim=-1)
+        saved_prep, four = {}, {"v": yv.reshape(bsz, s_full, -1, d)}
+        for name, yb, nw in (("q", yq, nq_w), ("k", yk, nk_w)):   # QK-norm + RoPE, graph kept for backward
+            y_leaf = yb.detach().requires_grad_()
+            w_leaf = nw.detach().requires_grad_() if nw is not None else None
+            with torch.enable_grad():
+                y4g = plan.prep(name, y_leaf, w_leaf, plan.shard)
+            saved_prep[name] = (y_leaf, w_leaf, y4g)
+            four[name] = y4g.detach()
+        del y, yq, yk
+        out = torch.empty(bsz, s_loc, h, d, dtype=x.dtype, device=x.device)
+
+        def views(c):
+            (qa, qn), (ka, kn) = hl.q_chunks[me][c], hl.kv_chunks[me][c]
+            return [t.contiguous().transpose(1, 2) for t in
+                    (four["q"][:, :, qa:qa + qn], four["k"][:, :, ka:ka + kn], four["v"][:, :, ka:ka + kn])]
+        chunks = attend_and_send(views, plan, out, tokens, d, compute, comm)
+        o_flat = out.view(bsz, s_loc, h * d)
+        y_out = o_flat @ w_o.t()
+        if b_o is not None:
+            y_out = y_out + b_o
+        ctx.save_for_backward(x, w_r, w_o, o_flat)
+        ctx.plan, ctx.chunks, ctx.saved_prep = plan, chunks, saved_prep
+        ctx.meta = (b_qkv is not None, b_o is not None, w_qkv.shape, w_qkv.dtype)
+        return y_out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_r, w_o, o_flat = ctx.saved_tensors
+        plan: GatherPlan = ctx.plan
+        has_b_qkv, has_b_o, w_shape, w_dtype = ctx.meta
+        _, _, d = plan.dims
+        hl, me = plan.heads, plan.rank
+        bsz, s_loc, dim = x.shape
+        tokens, s_full = s_loc * bsz, s_loc * hl.world
+        compute, comm = st.current(x.device), plan.comm_stream
+        recv_g, ev_g, d_w_o, d_b_o = out_proj_backward(dy, w_o, o_flat, plan, has_b_o, tokens, d, compute, comm)
+        wq, wk, wv = plan.widths
+        g_all = torch.empty(bsz, s_full, wq + wk + wv, dtype=dy.dtype, device=dy.device)
+        g4 = {"q": torch.empty(bsz, s_full, wq // d, d, dtype=dy.dtype, device=dy.device),
+              "k": torch.empty(bsz, s_full, wk // d, d, dtype=dy.dtype, device=dy.device),
+              "v": g_all[..., wq + wk:].view(bsz, s_full, wv // d, d)}
+        for c in range(hl.chunks):
+            (qa, qn), (ka, kn) = hl.q_chunks[me][c], hl.kv_chunks[me][c]
+            gq, gk, gv = attention_backward(ctx.chunks, c, recv_g, ev_g, plan, s_loc, bsz, d, compute)
+            g4["q"][:, :, qa:qa + qn].copy_(gq.transpose(1, 2))
+            g4["k"][:, :, ka:ka + kn].copy_(gk.transpose(1, 2))
+            g4["v"][:, :, ka:ka + kn].copy_(gv.transpose(1, 2))
+        # x is needed again only for dW: gather it on the comm stream while the prep backward runs
+        ready = st.record(compute)
+        with st.on_stream(comm):
+            st.wait(comm, ready)
+            work, x_full = _seq_gather_async(x, plan.group)
+        d_norm = {}
+        for name, off in (("q", 0), ("k", wq)):
+            y_leaf, w_leaf, y4g = ctx.saved_prep[name]
+            inputs = (y_leaf,) if w_leaf is None else (y_leaf, w_leaf)
+            res = torch.autograd.grad(y4g, inputs, g4.pop(name))
+            g_all[..., off:off + res[0].shape[-1]].copy_(res[0])
+            d_norm[name] = res[1] if w_leaf is not None else None
+        dx = _matmul_reduce_scatter(g_all, w_r, plan)
+        with st.on_stream(comm):
+            work.wait()
+            gathered = st.record(comm)
+        st.wait(compute, gathered)
+        if comm is not None:
+            x_full.record_stream(compute)
+        g2 = g_all.reshape(-1, g_all.shape[-1])
+        d_w_r = _mm(g2.t(), x_full.reshape(-1, dim))
+        d_w_qkv = torch.zeros(w_shape, dtype=w_dtype, device=dy.device).index_add_(0, plan.rows, d_w_r.to(w_dtype))
+        d_b_qkv = None
+        if has_b_qkv:
+            d_b_qkv = torch.zeros(w_shape[0], dtype=w_dtype, device=dy.device).index_add_(
+                0, plan.rows, g2.sum(0).to(w_dtype))
+        return (dx.reshape(x.shape), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"], None)
+
+
+def make_gather_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: PrepFull,
+                     seq_local: int, device: torch.device, fused: "bool | str" = "auto", **kw) -> GatherPlan:
+    """The GatherPlan of one block call (other keywords as in make_async_plan). fused: True (error when
+    torch's fused ops cannot run here), False, or "auto" (use them where they can run)."""
+    base = make_async_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, prep=prep,
+                           seq_local=seq_local, device=device, **kw)
+    hl = base.heads
+    q_heads, kv_heads, kv_owner = _shard_heads(hl, base.rank)
+    rows = torch.tensor(_rows(num_heads, num_kv_heads, head_dim, q_heads, kv_heads), device=device)
+    why = fused_ops_unavailable_reason(group, device)
+    if fused is True and why is not None:
+        from ..errors import SPConfigError  # noqa: PLC0415
+        raise SPConfigError(f"fused all-gather matmul requested, but {why}")
+    d = head_dim
+    return GatherPlan(**{f.name: getattr(base, f.name) for f in fields(AsyncPlan)}, rows=rows,
+                      shard=HeadShard(group, q_heads, kv_heads, kv_owner),
+                      widths=(len(q_heads) * d, len(kv_heads) * d, len(kv_heads) * d),
+                      fused=bool(fused) and why is None)
+
+
+def allgather_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[torch.Tensor], w_o: torch.Tensor,
+                             b_o: Optional[torch.Tensor], group: dist.ProcessGroup, *, num_heads: int,
+                             num_kv_heads: int, prep: PrepFull, norm_q_weight: Optional[torch.Tensor] = None,
+                             norm_k_weight: Optional[torch.Tensor] = None, head_chunks: int = 1,
+                             fused: "bool | str" = "auto", **kw) -> torch.Tensor:
+    """The all-gather QKV block on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
+
+    Weights as in ``async_ulysses_self_attention`` (w_qkv [(H + 2 Hkv) D, dim] rows q | k | v, w_o
+    [dim, H D]); ``prep(branch, y [B, S, n D], norm_weight, shard)`` maps this rank's heads of a
+    branch over the WHOLE gathered sequence to [B, S, n, D] (use ``shard.sum_sq`` for norms over all
+    heads, ``shard.norm_weight`` for the local rows of a norm weight, global positions for RoPE).
+    Other keywords (softmax_scale, backend, comm_stream, kv_valid_len, transport of the output
+    exchange, causal, placement) as in ``ulysses_attention``. Parameter gradients are this rank's
+    share: sum them over ``group`` (as DP/CP gradient reduction does).
+    """
+    plan = make_gather_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            head_dim=w_o.shape[1] // num_heads, prep=prep, seq_local=x.shape[1], device=x.device,
+                            fused=fused, head_chunks=head_chunks, **kw)
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):  # as in the async block: cast once, run in one dtype
+        dt = torch.get_autocast_dtype(dev)
+        x, w_qkv, b_qkv, w_o, b_o = (t.to(dt) if t is not None else None for t in (x, w_qkv, b_qkv, w_o, b_o))
+        with torch.autocast(dev, enabled=False):
+            return _GatherBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    return _GatherBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)

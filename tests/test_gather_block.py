@@ -1,0 +1,168 @@
+"""All-gather QKV block == the plain block (fused QKV GEMM -> QK-norm/RoPE -> ulysses_attention -> out GEMM):
+output, input gradient and every parameter gradient (summed over the CP group, where the two forms split
+the contributions differently); fp32/bf16, GQA (also kv < P), uneven heads, QK-norm over ALL heads on/off,
+HCMS chunks, causal with zigzag placement, padded keys, autocast (gloo, CPU: the unfused all-gather path)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_sp_ext as spx
+from megatron_sp_ext.errors import SPConfigError
+from megatron_sp_ext.sp.gather_block import allgather_self_attention, make_gather_plan
+from megatron_sp_ext.sp.placement import pieces
+from tests.harness import run_ranks
+from tests.reference import rel_err
+from tests.test_async_block import _rms, _rope
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+EPS = 1e-6
+
+
+def _case(rank, world, h, hkv, d, chunks, qk_norm, dtype, causal=False, placement="contiguous", kv_valid=None):
+    g = dist.group.WORLD
+    gen = torch.Generator().manual_seed(21)
+    dim, b, sl = 24, 2, 6
+    s = sl * world
+    p = {"w_qkv": torch.randn((h + 2 * hkv) * d, dim, generator=gen) * 0.2,
+         "b_qkv": torch.randn((h + 2 * hkv) * d, generator=gen) * 0.1,
+         "w_o": torch.randn(dim, h * d, generator=gen) * 0.2, "b_o": torch.randn(dim, generator=gen) * 0.1,
+         "nq": 1 + 0.1 * torch.randn(h * d, generator=gen), "nk": 1 + 0.1 * torch.randn(hkv * d, generator=gen)}
+    x_full = torch.randn(b, s, dim, generator=gen)
+    dy_full = torch.randn(b, s, dim, generator=gen)
+    ang_full = torch.randn(s, d // 2, generator=gen, dtype=torch.float64)
+    mine = torch.tensor([i for a, n in pieces(placement, rank, world, s) for i in range(a, a + n)])
+    ang = ang_full[mine]
+
+    def prep(branch, y, w):  # the plain block's: norm over all heads of this rank's tokens
+        n = h if branch == "q" else hkv
+        if w is not None:
+            y = _rms(y, w, EPS)
+        return _rope(y.view(y.shape[0], y.shape[1], n, d), ang)
+
+    def prep_full(branch, y, w, shard):  # the gather block's: this rank's heads, every token
+        y4 = y.view(y.shape[0], y.shape[1], -1, d)
+        if w is not None:
+            width = (h if branch == "q" else hkv) * d
+            r = torch.rsqrt(shard.sum_sq(y4, branch) / width + EPS)
+            y4 = (y4.float() * r * shard.norm_weight(w, branch, d).float()).to(y.dtype)
+        return _rope(y4, shard.gather_tokens(ang))
+
+    results = []
+    for use_gather in (False, True):
+        params = {k: v.to(dtype).clone().requires_grad_() for k, v in p.items()}
+        x = x_full[:, mine].to(dtype).clone().requires_grad_()
+        nq, nk = (params["nq"], params["nk"]) if qk_norm else (None, None)
+        kw = dict(head_chunks=chunks, causal=causal, placement=placement, kv_valid_len=kv_valid)
+        if use_gather:
+            y = allgather_self_attention(x, params["w_qkv"], params["b_qkv"], params["w_o"], params["b_o"], g,
+                                         num_heads=h, num_kv_heads=hkv, prep=prep_full, norm_q_weight=nq,
+                                         norm_k_weight=nk, **kw)
+        else:
+            qkv = x @ params["w_qkv"].t() + params["b_qkv"]
+            q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+            q, k = prep("q", q, nq), prep("k", k, nk)
+            o = spx.ulysses_attention(q, k, v.reshape(b, sl, hkv, d), g, **kw)
+            y = o.reshape(b, sl, h * d) @ params["w_o"].t() + params["b_o"]
+        y.backward(dy_full[:, mine].to(dtype))
+        results.append([y.detach(), x.grad] + [params[k].grad for k in ("w_qkv", "b_qkv", "w_o", "b_o")]
+                       + ([params["nq"].grad, params["nk"].grad] if qk_norm else []))
+    names = ["out", "dx", "dW_qkv", "db_qkv", "dW_o", "db_o", "dnorm_q", "dnorm_k"]
+    assert len(results[1]) == len(results[0])
+    for name, a, ref in zip(names, results[1], results[0]):
+        assert a is not None, name
+        if name not in ("out", "dx"):  # parameter grads: each form's per-rank share differs; the CP sums agree
+            a, ref = a.clone(), ref.clone()
+            dist.all_reduce(a)
+            dist.all_reduce(ref)
+        err = rel_err(a, ref)
+        assert err <= TOL[dtype], f"H={h}/{hkv} C={chunks} norm={qk_norm} {dtype} causal={causal} {name}: {err:.2e}"
+    return True
+
+
+@pytest.mark.parametrize("world,h,hkv,chunks", [(2, 8, 8, 1), (2, 8, 8, 2), (2, 8, 4, 2), (2, 8, 2, 1),
+                                                (2, 5, 5, 1), (4, 6, 6, 1), (4, 8, 2, 1), (4, 8, 2, 2),
+                                                (4, 4, 1, 1)])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_gather_block_equals_plain_fp32(world, h, hkv, chunks, qk_norm):
+    run_ranks(_case, world, h, hkv, 8, chunks, qk_norm, torch.float32)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_gather_block_equals_plain_bf16(chunks):
+    run_ranks(_case, 2, 8, 4, 8, chunks, True, torch.bfloat16)
+
+
+@pytest.mark.parametrize("world,placement", [(2, "zigzag"), (4, "zigzag"), (2, "contiguous")])
+def test_gather_block_causal(world, placement):
+    run_ranks(_case, world, 8, 4, 8, 1, True, torch.float32, causal=True, placement=placement)
+
+
+def test_gather_block_padded_keys():
+    run_ranks(_case, 2, 4, 4, 8, 2, True, torch.float32, kv_valid=9)
+
+
+def _shard_info(rank, world):
+    """Which heads and which w_qkv rows each rank computes; kv copies counted once in cross-rank sums."""
+    plan = make_gather_plan(dist.group.WORLD, num_heads=8, num_kv_heads=2, head_dim=2, prep=None, seq_local=3,
+                            device=torch.device("cpu"))
+    sh = plan.shard
+    assert sh.q_heads == (2 * rank, 2 * rank + 1)
+    assert sh.kv_heads == (rank // 2,) and sh.kv_owner == (rank % 2 == 0,)
+    rows = plan.rows.tolist()
+    assert rows[:4] == [4 * rank + i for i in range(4)]                 # q rows of heads 2r, 2r+1
+    assert rows[4:6] == [16 + 2 * (rank // 2) + i for i in range(2)]    # k rows of the kv head
+    assert rows[6:] == [20 + 2 * (rank // 2) + i for i in range(2)]     # v rows
+    assert plan.fused is False  # gloo/CPU: the unfused all-gather path
+    with pytest.raises(SPConfigError, match="fused all-gather matmul requested.*CUDA"):
+        make_gather_plan(dist.group.WORLD, num_heads=8, num_kv_heads=2, head_dim=2, prep=None, seq_local=3,
+                         device=torch.device("cpu"), fused=True)
+    y4 = torch.full((1, 3, 1, 2), float(rank + 1))
+    got = sh.sum_sq(y4, "k")  # owners: ranks 0 and 2 -> (1 + 9) * 2 elements
+    assert torch.allclose(got, torch.full((1, 3, 1, 1), 2.0 * (1 + 9)))
+    return True
+
+
+def test_head_shard_bookkeeping():
+    run_ranks(_shard_info, 4)
+
+
+def _autocast(rank, world):
+    g = dist.group.WORLD
+    gen = torch.Generator().manual_seed(5)
+    h, d, dim, b, sl = 4, 8, 32, 1, 4
+    p0 = {"w_qkv": torch.randn(3 * h * d, dim, generator=gen) * 0.2, "w_o": torch.randn(dim, h * d, generator=gen) * 0.2,
+          "nq": torch.ones(h * d), "nk": torch.ones(h * d)}
+    x0, dy = torch.randn(b, sl, dim, generator=gen), torch.randn(b, sl, dim, generator=gen)
+
+    def prep(branch, y, w):
+        return _rms(y, w).view(b, sl, h, d)
+
+    def prep_full(branch, y, w, shard):
+        y4 = y.view(b, -1, y.shape[-1] // d, d)
+        r = torch.rsqrt(shard.sum_sq(y4, branch) / (h * d) + 1e-6)
+        return (y4.float() * r * shard.norm_weight(w, branch, d).float()).to(y.dtype)
+    res = []
+    for use_gather in (False, True):
+        p = {k: v.clone().requires_grad_() for k, v in p0.items()}
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if use_gather:
+                y = allgather_self_attention(x, p["w_qkv"], None, p["w_o"], None, g, num_heads=h, num_kv_heads=h,
+                                             prep=prep_full, norm_q_weight=p["nq"], norm_k_weight=p["nk"])
+            else:
+                q, k, v = (x @ p["w_qkv"].t()).split(h * d, dim=-1)
+                o = spx.ulysses_attention(prep("q", q, p["nq"]), prep("k", k, p["nk"]), v.reshape(b, sl, h, d), g)
+                y = o.reshape(b, sl, h * d) @ p["w_o"].t()
+        y.float().backward(dy)
+        res.append((y.float(), x.grad, p["w_qkv"].grad, p["w_o"].grad))
+    for name, a, ref in zip(("out", "dx", "dW_qkv", "dW_o"), res[1], res[0]):
+        if name.startswith("dW"):
+            a, ref = a.clone(), ref.clone()
+            dist.all_reduce(a)
+            dist.all_reduce(ref)
+        assert a.dtype == ref.dtype and rel_err(a, ref) < 3e-2, (name, a.dtype, ref.dtype, rel_err(a, ref))
+    return True
+
+
+def test_gather_block_under_autocast():
+    run_ranks(_autocast, 2)
