@@ -18,6 +18,7 @@ RING_VARIANTS = ("ring", "tasp")
 PLACEMENTS = ("auto", "usp", "tas")
 BACKENDS = ("sdpa", "math", "flash_attn", "te")
 TRANSPORTS = ("nccl", "symm_mem")  # symm_mem: copy-engine exchange (CUDA + NCCL only; checked at first use)
+ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-block forms (see SPConfig.async_qkv)
 LAYOUTS = ("bshd", "sbhd")
 SEQ_PLACEMENTS = ("contiguous", "zigzag", "tasp_zigzag")
 # modes whose attention is a 2D mesh (Ulysses x Ring) and so need a mesh
@@ -88,8 +89,9 @@ class SPConfig:
     nodes: number of machines to assume (None = detect); lets one machine simulate several.
     backend: local attention kernel ("sdpa", "math", "flash_attn", "te").
     transport: exchange transport: "nccl" (default) or "symm_mem" (copy-engine, CUDA + NCCL groups).
-    async_qkv: the attention block's projections overlapped with their exchanges: "off", "on", or
-        "auto" (a runtime policy picks plain/async, HCMS chunks and transport per shape; video DiT).
+    async_qkv: the attention block's projections overlapped with their exchanges: "off", "on",
+        "allgather" (QKV from a sequence all-gather fused with the QKV GEMM, no q/k/v exchange), or
+        "auto" (a runtime policy picks plain/async/allgather, HCMS chunks and transport per shape; video DiT).
     source: where the settings came from ("python", "megatron", "deepspeed"); errors use its names.
     """
 
@@ -117,7 +119,7 @@ class SPConfig:
                                 f"not to {n('mode')}={self.mode!r}: use 'nccl' or a ulysses/hcms mode")
         if self.async_qkv in (True, False):
             self.async_qkv = "on" if self.async_qkv else "off"
-        self.async_qkv = _choice(self.async_qkv, ("off", "on", "auto"), n("async_qkv"))
+        self.async_qkv = _choice(self.async_qkv, ASYNC_QKV, n("async_qkv"))
         if self.async_qkv != "off" and self.source == "deepspeed":
             raise SPConfigError(f"{n('async_qkv')}={self.async_qkv!r} is not available through DeepSpeed's "
                                 f"DistributedAttention (it receives q, k, v already projected): leave it 'off' and "

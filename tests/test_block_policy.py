@@ -26,9 +26,13 @@ def test_candidates_skip_what_cannot_run_here():
 
     def body(rank, world):
         cands = pol.candidates(heads_per_rank=1, group=dist.group.WORLD, device=torch.device("cpu"))
-        assert [c.label for c in cands] == ["plain", "async"]  # C=2 needs 2 heads; symm_mem needs CUDA
+        assert [c.label for c in cands] == ["plain", "async", "allgather"]  # C=2 needs 2 heads; symm_mem: CUDA
         cands = pol.candidates(heads_per_rank=4, group=dist.group.WORLD, device=torch.device("cpu"))
-        assert [c.label for c in cands] == ["plain", "plain_hcms2", "async", "async_hcms2"]
+        assert [c.label for c in cands] == ["plain", "plain_hcms2", "async", "async_hcms2", "allgather",
+                                            "allgather_hcms2"]
+        no_ag = BlockPolicy(allgather=False).candidates(heads_per_rank=4, group=dist.group.WORLD,
+                                                        device=torch.device("cpu"))
+        assert [c.label for c in no_ag] == ["plain", "plain_hcms2", "async", "async_hcms2"]
         return True
     run_ranks(body, 2)
 

@@ -173,7 +173,7 @@ def test_runtime_patch_is_explicit_idempotent_reversible():
     assert mod.get_gpt_layer_local_spec is orig
 
 
-def _async_equiv(rank, world, cp, causal, qk_norm, rope, groups, chunks):
+def _async_equiv(rank, world, cp, causal, qk_norm, rope, groups, chunks, form="on"):
     """SPSelfAttention with --sp-async-qkv on CP ranks == the same weights on the full sequence (CP=1,
     standard path): output, input grad and every parameter grad; GQA, per-head q/k RMSNorm, RoPE."""
     from megatron.core import parallel_state as ps
@@ -191,7 +191,7 @@ def _async_equiv(rank, world, cp, causal, qk_norm, rope, groups, chunks):
                                   use_cpu_initialization=True, context_parallel_size=cp,
                                   cp_comm_type="hcms" if chunks > 1 else "ulysses", hcms_head_chunks=chunks,
                                   hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
-                                  apply_rope_fusion=False, masked_softmax_fusion=False, sp_async_qkv="on",
+                                  apply_rope_fusion=False, masked_softmax_fusion=False, sp_async_qkv=form,
                                   normalization="RMSNorm", qk_layernorm=qk_norm, add_qkv_bias=True)
         torch.manual_seed(1234)
         spec = with_sp_core_attention(get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"),
@@ -220,7 +220,7 @@ def _async_equiv(rank, world, cp, causal, qk_norm, rope, groups, chunks):
         xf = x_full.clone().requires_grad_()
         yf = block(xf, attention_mask=None, rotary_pos_emb=freqs_full)
         yf.backward(dy_full)
-        tag = f"async CP={cp} causal={causal} qk_norm={qk_norm} rope={rope} groups={groups} C={chunks}"
+        tag = f"{form} CP={cp} causal={causal} qk_norm={qk_norm} rope={rope} groups={groups} C={chunks}"
         assert rel_err(y, split(yf)) < 1e-5, f"{tag}: output {rel_err(y, split(yf))}"
         assert rel_err(dx, split(xf.grad)) < 1e-5, f"{tag}: input grad"
         for n, p in block.named_parameters():
@@ -235,6 +235,14 @@ def _async_equiv(rank, world, cp, causal, qk_norm, rope, groups, chunks):
     (4, False, True, False, 8, 2)])
 def test_async_self_attention_equals_standard(cp, causal, qk_norm, rope, groups, chunks):
     run_ranks(_async_equiv, cp, cp, causal, qk_norm, rope, groups, chunks)
+
+
+@pytest.mark.parametrize("cp,causal,qk_norm,rope,groups,chunks", [
+    (2, True, True, True, 8, 2), (4, True, True, True, 2, 1), (4, False, False, False, 8, 2)])
+def test_allgather_self_attention_equals_standard(cp, causal, qk_norm, rope, groups, chunks):
+    """--sp-async-qkv allgather: the all-gather QKV block in Megatron layers (zigzag placement, RoPE with the
+    gathered ranks' freqs, per-head q/k norm, GQA with kv < CP) == the standard path on the full sequence."""
+    run_ranks(_async_equiv, cp, cp, causal, qk_norm, rope, groups, chunks, "allgather")
 
 
 def test_async_self_attention_rejects_what_it_cannot_do():

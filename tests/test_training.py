@@ -66,10 +66,12 @@ def _async_vs_plain(rank, world, frames, chunks, how="async"):
         model.set_attention_core(make_core("hcms", dist.group.WORLD, num_heads=CFG.heads, head_chunks=chunks))
         if use_async and how == "async":
             model.set_async_attention(dist.group.WORLD, chunks)
+        elif use_async and how == "allgather":
+            model.set_async_attention(dist.group.WORLD, chunks, allgather=True)
         elif use_async and how == "policy":  # the real policy on CPU: plain, decided once per shape
             model.set_block_policy(dist.group.WORLD, BlockPolicy())
         elif use_async:  # every form the policy can pick runs the same math
-            forced = _Forced(BlockChoice(how == "forced_async", chunks))
+            forced = _Forced(BlockChoice(how == "forced_async", chunks, "nccl", how == "forced_allgather"))
             model.set_block_policy(dist.group.WORLD, forced)
         data = SyntheticVideoLatents(CFG.in_channels, frames, 6, 10, CFG.text_len, CFG.text_dim, seed=1)
         inp = prepare(flow_matching_batch(data, 0, 7, 0, 1, 1, CFG.patch), rank, world, "cpu")
@@ -78,6 +80,9 @@ def _async_vs_plain(rank, world, frames, chunks, how="async"):
         out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     (l0, g0), (l1, g1) = out
     assert rel_err(l1, l0) < 1e-6, (l1, l0)
+    if "allgather" in how:  # its per-rank parameter grads split differently; the CP-reduced ones agree
+        for t in g0 + g1:
+            dist.all_reduce(t)
     for i, (a, b) in enumerate(zip(g1, g0)):
         assert rel_err(a, b) < 1e-5, f"grad {i}: {rel_err(a, b)}"
     if how == "policy":
@@ -93,7 +98,13 @@ def test_async_block_dit_equals_plain(frames, chunks):
     run_ranks(_async_vs_plain, 4, frames, chunks)
 
 
-@pytest.mark.parametrize("how,chunks", [("policy", 1), ("forced_async", 2), ("forced_plain", 2)])
+@pytest.mark.parametrize("frames,chunks", [((4,), 1), ((3,), 2)])  # 3 frames: 45 tokens, padded
+def test_allgather_block_dit_equals_plain(frames, chunks):
+    run_ranks(_async_vs_plain, 4, frames, chunks, "allgather")
+
+
+@pytest.mark.parametrize("how,chunks", [("policy", 1), ("forced_async", 2), ("forced_plain", 2),
+                                        ("forced_allgather", 2)])
 def test_block_policy_forms_equal_plain(how, chunks):
     run_ranks(_async_vs_plain, 4, (3,), chunks, how)
 

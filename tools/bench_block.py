@@ -1,5 +1,6 @@
 """Attention-block benchmark: plain (fused QKV GEMM -> Ulysses/HCMS -> out GEMM) vs the async block
-(per-branch GEMMs overlapped with their exchanges), forward and forward+backward, interleaved timing.
+(per-branch GEMMs overlapped with their exchanges) vs the all-gather QKV block (sequence all-gather
+fused with the local-head QKV GEMM), forward and forward+backward, interleaved timing.
 
     python tools/bench_block.py --world-sizes 2,4 --models wan-1.3b,wan-14b --tokens-per-gpu 16384 --out $OUT
     python tools/bench_block.py --world-sizes 4 --models wan-1.3b --seqlen 32768 --out $OUT   # strong scaling
@@ -51,6 +52,11 @@ def bench(rank, world, group, cfg, seqlen, args):
     def prep(branch, y, w):
         return _rms(y, w).view(1, sl, h, d)
 
+    def prep_full(branch, y, w, shard):  # the same norm over all heads, for this rank's heads of every token
+        y4 = y.view(1, -1, y.shape[-1] // d, d)
+        r = torch.rsqrt(shard.sum_sq(y4, branch) / (h * d) + 1e-6)
+        return (y4.float() * r * shard.norm_weight(w, branch, d).float()).to(y.dtype)
+
     def plain(c, tr="nccl"):
         def run():
             qkv = x @ w_qkv.t() + b_qkv
@@ -64,7 +70,12 @@ def bench(rank, world, group, cfg, seqlen, args):
         return lambda: spx.async_ulysses_self_attention(x, w_qkv, b_qkv, w_o, b_o, group, num_heads=h,
                                                         num_kv_heads=h, prep=prep, norm_q_weight=nq,
                                                         norm_k_weight=nk, head_chunks=c, transport=tr)
+    def allgather(c, tr="nccl", fused=args.fused):
+        return lambda: allgather_self_attention(x, w_qkv, b_qkv, w_o, b_o, group, num_heads=h, num_kv_heads=h,
+                                                prep=prep_full, norm_q_weight=nq, norm_k_weight=nk, head_chunks=c,
+                                                transport=tr, fused=fused)
     from megatron_sp_ext.sp.async_block import make_async_plan, project_and_exchange  # noqa: PLC0415
+    from megatron_sp_ext.sp.gather_block import allgather_self_attention, make_gather_plan, project_gathered  # noqa
     from megatron_sp_ext.sp.block_policy import BlockPolicy  # noqa: PLC0415
 
     def pre(fused, c, tr="nccl"):
@@ -78,6 +89,12 @@ def bench(rank, world, group, cfg, seqlen, args):
                 for ev in evs:
                     torch.cuda.current_stream().wait_event(ev)
         return run
+
+    def pre_gather(fused=args.fused):
+        """Pre-attention part of the all-gather block: gather+GEMM and prep until q, k, v are ready."""
+        plan = make_gather_plan(group, num_heads=h, num_kv_heads=h, head_dim=d, prep=prep_full, seq_local=sl,
+                                device=x.device, fused=fused)
+        return lambda: project_gathered(x, w_qkv, b_qkv, nq, nk, plan)
     policy = BlockPolicy(chunk_candidates=[1] + [c for c in args.chunks if c <= h // world],
                          transports=args.transports)
     forms = {}
@@ -86,7 +103,8 @@ def bench(rank, world, group, cfg, seqlen, args):
         def one(ch):
             key = ch
             if key not in forms:
-                forms[key] = (asynch if ch.async_qkv else plain)(ch.head_chunks, ch.transport)
+                make = allgather if ch.allgather else (asynch if ch.async_qkv else plain)
+                forms[key] = make(ch.head_chunks, ch.transport)
             return forms[key]()
 
         def step(ch):
@@ -99,11 +117,17 @@ def bench(rank, world, group, cfg, seqlen, args):
     for tr in args.transports:
         sfx = "" if tr == "nccl" else "_symm"
         modes[f"plain{sfx}"], modes[f"async{sfx}"] = plain(1, tr), asynch(1, tr)
+        modes[f"allgather{sfx}"] = allgather(1, tr)
         for c in args.chunks:
             if c <= h // world:
                 modes[f"plain_hcms{c}{sfx}"], modes[f"async_hcms{c}{sfx}"] = plain(c, tr), asynch(c, tr)
+                modes[f"allgather_hcms{c}{sfx}"] = allgather(c, tr)
+    if args.fused is not False:  # the same block without torch's fused ops, for comparison
+        modes["allgather_unfused"] = allgather(1, "nccl", False)
     modes["auto"] = auto
-    pre_modes = {"pre_plain": pre(True, 1), "pre_async": pre(False, 1)}
+    pre_modes = {"pre_plain": pre(True, 1), "pre_async": pre(False, 1), "pre_allgather": pre_gather()}
+    if args.fused is not False:
+        pre_modes["pre_allgather_unfused"] = pre_gather(False)
     for tr in args.transports[1:]:
         pre_modes[f"pre_plain_{tr}"], pre_modes[f"pre_async_{tr}"] = pre(True, 1, tr), pre(False, 1, tr)
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
@@ -195,11 +219,15 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--transports", default="nccl,symm_mem")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--fused", default="auto", choices=["auto", "on", "off"],
+                    help="all-gather block: torch.ops.symm_mem fused all-gather/reduce-scatter matmuls (auto: where "
+                         "available) or plain NCCL all-gather -> GEMM (off)")
     ap.add_argument("--out", default="block_out")
     args = ap.parse_args()
     args.models = args.models.split(",")
     args.chunks = [int(c) for c in args.chunks.split(",")]
     args.transports = args.transports.split(",")
+    args.fused = {"auto": "auto", "on": True, "off": False}[args.fused]
     os.makedirs(args.out, exist_ok=True)
     results = []
     for world in [int(w) for w in args.world_sizes.split(",")]:

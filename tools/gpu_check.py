@@ -166,6 +166,26 @@ def _worker(rank, world, port, out_dir, only):
         return len(notes)
     section("symm_mem_bitwise_equals_nccl", bitwise_tr)
 
+    def allgather_cases():
+        """The all-gather QKV block == the plain block on CUDA (torch's fused symm_mem ops where available,
+        and the unfused NCCL path), output + every grad; GQA with kv < P, HCMS chunks, causal zigzag."""
+        from megatron_sp_ext.sp.gather_block import fused_ops_unavailable_reason  # noqa: PLC0415
+        from tests.test_gather_block import _case  # noqa: PLC0415
+        why = fused_ops_unavailable_reason(group, torch.device("cuda", rank))
+        report["allgather_fused"] = why or "torch.ops.symm_mem fused ops"
+        n = 0
+        for fused in ((True, False) if why is None else (False,)):
+            for (h, hkv, c, causal) in ((8, 8, 1, False), (8, 8, 2, True), (8, 2, 1, False), (12, 4, 2, True)):
+                if c > h // world:
+                    continue
+                pl = "zigzag" if causal else "contiguous"
+                for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+                    _case(rank, world, h, hkv, 64, c, True, dtype, causal=causal, placement=pl, device="cuda",
+                          fused=fused, tol=tol)
+                    n += 1
+        return n
+    section("allgather_block_equals_plain", allgather_cases)
+
     def ring_cases(dtype):
         from megatron_sp_ext.sp.placement import pieces  # noqa: PLC0415
         from megatron_sp_ext.topology.hamiltonian import routing_tables  # noqa: PLC0415

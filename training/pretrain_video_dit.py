@@ -47,9 +47,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
         validate_args(args)
     except SPConfigError as e:
         p.error(str(e))
-    if args.sp_async_qkv == "on" and (args.cp_comm_type[0] not in ("ulysses", "hcms")
+    if args.sp_async_qkv in ("on", "allgather") and (args.cp_comm_type[0] not in ("ulysses", "hcms")
                                       or args.hcms_head_chunks == "auto"):
-        p.error("--sp-async-qkv needs --cp-comm-type ulysses or hcms with an integer --hcms-head-chunks "
+        p.error(f"--sp-async-qkv {args.sp_async_qkv} needs --cp-comm-type ulysses or hcms with an integer --hcms-head-chunks "
                 f"(got {args.cp_comm_type[0]}, {args.hcms_head_chunks}); --sp-async-qkv auto picks them itself")
     if args.sp_async_qkv == "auto" and args.cp_comm_type[0] not in ("ulysses", "hcms", "auto"):
         p.error(f"--sp-async-qkv auto chooses among Ulysses block forms: use --cp-comm-type ulysses, hcms or auto "
@@ -99,9 +99,9 @@ def _train(args, device, ps) -> dict:
                                        placement=args.sp_placement, ulysses_size=args.sp_ulysses_size,
                                        nodes=args.sp_nodes, backend=args.sp_attention_backend,
                                        transport=args.sp_transport))
-    if args.sp_async_qkv == "on" and sp_world > 1:
+    if args.sp_async_qkv in ("on", "allgather") and sp_world > 1:
         model.set_async_attention(cp_group, 1 if args.cp_comm_type[0] == "ulysses" else args.hcms_head_chunks,
-                                  args.sp_transport)
+                                  args.sp_transport, allgather=args.sp_async_qkv == "allgather")
     elif args.sp_async_qkv == "auto" and sp_world > 1:
         model.set_block_policy(cp_group)
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")

@@ -50,8 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--sp-attention-backend", choices=BACKENDS, default="sdpa", help="local attention kernel")
     add("--sp-async-qkv", nargs="?", const="on", default="off",
         help="off (default); on: self-attention overlaps its Q/K/V and output projections with the Ulysses "
-             "exchanges (--cp-comm-type ulysses/hcms, integer --hcms-head-chunks, TP 1); auto (video DiT): a "
-             "runtime policy times plain/async x HCMS chunks x transports per shape and keeps the fastest")
+             "exchanges (--cp-comm-type ulysses/hcms, integer --hcms-head-chunks, TP 1); allgather: QKV from a "
+             "sequence all-gather fused with the QKV GEMM (torch symm_mem fused ops on CUDA) instead of the q/k/v "
+             "exchanges (same requirements); auto (video DiT): a runtime policy times plain/async/allgather x "
+             "HCMS chunks x transports per shape and keeps the fastest")
     add("--sp-transport", default="nccl",
         help="exchange transport of ulysses/hcms: nccl (default) or symm_mem (copy-engine, torch symmetric memory)")
     if not getattr(parser, "_spx_validating", False):

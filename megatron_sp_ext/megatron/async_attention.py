@@ -2,6 +2,9 @@
 
 ``with_sp_core_attention`` puts it in the layer spec; ``--sp-async-qkv`` (``sp_async_qkv="on"`` in
 SPTransformerConfig, or SPConfig.async_qkv) switches it on, otherwise it is the parent unchanged.
+With ``--sp-async-qkv allgather`` it runs the all-gather QKV block instead (sp/gather_block.py:
+sequence all-gather fused with the QKV GEMM for this rank's heads; per-head q/k norms, RoPE with the
+gathered ranks' freqs; parameter grads are each CP rank's share, summed by the DP x CP grad reduction).
 When on, the training forward runs megatron_sp_ext's async Ulysses block
 (sp/async_block.py): per-branch Q, K, V GEMMs from ``linear_qkv``'s weight (Megatron's interleaved
 per-query-group rows q1..qn k v | ... are regrouped q | k | v on the fly, so checkpoints stay
@@ -26,6 +29,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 
 from ..errors import SPConfigError
 from ..sp.async_block import async_ulysses_self_attention
+from ..sp.gather_block import allgather_self_attention
 
 log = logging.getLogger("megatron_sp_ext")
 _FLAG = "--sp-async-qkv"
@@ -49,9 +53,9 @@ class SPSelfAttention(SelfAttention):
         self.async_qkv = sp.async_qkv if sp is not None else getattr(config, "sp_async_qkv", "off")
         if self.async_qkv == "off":
             return
-        if self.async_qkv != "on":
+        if self.async_qkv not in ("on", "allgather"):
             raise SPConfigError(f"{_FLAG}={self.async_qkv} is a video-DiT setting (runtime block policy); Megatron "
-                                f"layers take {_FLAG} (on) or nothing (off)")
+                                f"layers take {_FLAG} on, {_FLAG} allgather or nothing (off)")
         if not hasattr(core, "ctx") or getattr(core, "mode", None) not in ("ulysses", "hcms"):
             raise SPConfigError(f"{_FLAG} needs megatron_sp_ext core attention with --cp-comm-type ulysses or hcms "
                                 f"(got {getattr(core, 'mode', type(core).__name__)})")
@@ -136,12 +140,27 @@ class SPSelfAttention(SelfAttention):
                 y4 = apply_rotary_pos_emb(y4.transpose(0, 1), freqs, config=self.config,
                                           cp_group=group).transpose(0, 1)
             return y4
+        gathered = {}
+
+        def prep_full(branch, y, w, shard):  # all-gather block: this rank's heads, the gathered sequence
+            y4 = y.view(b, -1, y.shape[-1] // hn, hn)
+            if norms[branch] is not None:  # per-head norms: nothing crosses ranks
+                y4 = torch.func.functional_call(norms[branch], {"weight": w}, (y4,)) if w is not None \
+                    else norms[branch](y4)
+            if rotary_pos_emb is not None:  # this rank's (zigzag) freqs -> the gathered sequence's, rank order
+                i = 0 if branch == "q" else 1
+                if i not in gathered:
+                    gathered[i] = shard.gather_tokens(rotary_pos_emb[i])
+                y4 = apply_rotary_pos_emb(y4.transpose(0, 1), gathered[i], config=self.config,
+                                          cp_group=group).transpose(0, 1)
+            return y4
         causal = core._causal(None, attention_mask)
         chunks = core.sp.head_chunks if core.mode == "hcms" else 1
-        out_bsd = async_ulysses_self_attention(
+        block = allgather_self_attention if self.async_qkv == "allgather" else async_ulysses_self_attention
+        out_bsd = block(
             x_bsd, self._qkv_weight(self.linear_qkv.weight), self._qkv_weight(self.linear_qkv.bias),
             self.linear_proj.weight, None, group, num_heads=self.num_attention_heads_per_partition,
-            num_kv_heads=self.num_query_groups_per_partition, prep=prep,
+            num_kv_heads=self.num_query_groups_per_partition, prep=prep_full if self.async_qkv == "allgather" else prep,
             norm_q_weight=weights["q"], norm_k_weight=weights["k"],
             head_chunks=chunks, softmax_scale=core.softmax_scale, backend=core.backend,
             comm_stream=core.ctx.streams.comm_stream(hidden_states.device),

@@ -24,7 +24,8 @@ class SPTransformerConfig(TransformerConfig):
     sp_attention_backend (--sp-attention-backend): sdpa, math, flash_attn, te.
     sp_transport (--sp-transport): nccl (default) or symm_mem (copy-engine exchanges).
     sp_async_qkv (--sp-async-qkv): off, on (SPSelfAttention overlaps its projections with the
-        exchanges), auto (video DiT only: the runtime block policy).
+        exchanges), allgather (QKV by a sequence all-gather fused with the QKV GEMM), auto (video
+        DiT only: the runtime block policy).
     """
 
     hcms_head_chunks: Union[int, str] = 1

@@ -3,9 +3,10 @@
 No single strategy wins every regime (the async-Ulysses note; our own 4 x H200 runs): the policy
 times the candidates on the caller's real shapes the first time a key is seen and keeps the fastest.
 
-Candidates: ``BlockChoice(async_qkv, head_chunks, transport)`` for async_qkv in {False, True},
-head_chunks in ``chunk_candidates`` (those that fit the heads per rank) and each transport that can
-run here (symm_mem needs CUDA + NCCL). Timing: ``rounds`` interleaved rounds (every round times each
+Candidates: ``BlockChoice(async_qkv, head_chunks, transport, allgather)`` for async_qkv in
+{False, True}, the all-gather QKV block (allgather=True, sp/gather_block.py), head_chunks in
+``chunk_candidates`` (those that fit the heads per rank) and each transport that can run here
+(symm_mem needs CUDA + NCCL; for the all-gather block it carries the output exchange). Timing: ``rounds`` interleaved rounds (every round times each
 candidate once, so clock and allocator drift hit all alike) after ``warmup``; per-candidate medians
 are all-reduced (max) so every rank takes the same decision. The plain block (no async, C=1, NCCL)
 is the baseline: another candidate wins only if it is faster by more than ``margin`` and then again
@@ -31,10 +32,12 @@ class BlockChoice:
     async_qkv: bool = False
     head_chunks: int = 1
     transport: str = "nccl"
+    allgather: bool = False   # QKV by sequence all-gather + local-head GEMM instead of q/k/v exchanges
 
     @property
     def label(self) -> str:
-        s = ("async" if self.async_qkv else "plain") + (f"_hcms{self.head_chunks}" if self.head_chunks > 1 else "")
+        form = "allgather" if self.allgather else ("async" if self.async_qkv else "plain")
+        s = form + (f"_hcms{self.head_chunks}" if self.head_chunks > 1 else "")
         return s + ("" if self.transport == "nccl" else f"_{self.transport}")
 
 
@@ -53,21 +56,22 @@ class BlockPolicy:
     """Per-key block strategy chooser (see module docstring)."""
 
     def __init__(self, chunk_candidates: Sequence[int] = (1, 2), transports: Sequence[str] = ("nccl", "symm_mem"),
-                 async_candidates: Sequence[bool] = (False, True), rounds: int = 5, warmup: int = 2,
-                 margin: float = 0.02) -> None:
+                 async_candidates: Sequence[bool] = (False, True), allgather: bool = True, rounds: int = 5,
+                 warmup: int = 2, margin: float = 0.02) -> None:
         self.chunk_candidates, self.transports = tuple(chunk_candidates), tuple(transports)
-        self.async_candidates = tuple(async_candidates)
+        self.async_candidates, self.allgather = tuple(async_candidates), allgather
         self.rounds, self.warmup, self.margin = rounds, warmup, margin
         self.cache: dict = {}
 
     def candidates(self, heads_per_rank: int, group, device: torch.device) -> list[BlockChoice]:
         from ..comm.transport import symm_mem_unavailable_reason  # noqa: PLC0415
         trs = [t for t in self.transports if t == "nccl" or symm_mem_unavailable_reason(group, device) is None]
+        forms = [(a, False) for a in self.async_candidates] + ([(False, True)] if self.allgather else [])
         out = [PLAIN]
         for tr in trs:
-            for a in self.async_candidates:
+            for a, ag in forms:
                 for c in self.chunk_candidates:
-                    ch = BlockChoice(a, c, tr)
+                    ch = BlockChoice(a, c, tr, ag)
                     if c <= max(1, heads_per_rank) and ch not in out:
                         out.append(ch)
         return out

@@ -179,6 +179,31 @@ def _matmul_reduce_scatter(g: torch.Tensor, w_r: torch.Tensor, plan: GatherPlan)
     return _seq_reduce_scatter(_mm(g, w_r), plan.group)
 
 
+def project_gathered(x, w_qkv, b_qkv, nq_w, nk_w, plan: GatherPlan):
+    """The pre-attention part: x [B, S_local, dim] -> this rank's heads over the whole sequence.
+
+    Returns (w_r, four, saved_prep): w_r the rows of w_qkv used, four[name] the prepared [B, S, n, D]
+    q, k, v, saved_prep what the QK-norm / RoPE backward needs. Used by the block's forward and by
+    tools/bench_block.py.
+    """
+    d = plan.dims[2]
+    bsz, s_full = x.shape[0], x.shape[1] * plan.heads.world
+    w_r = w_qkv.index_select(0, plan.rows)                   # [(h_r + 2 kv_r) D, dim]
+    y = _gather_matmul(x, w_r, plan)                          # [B, S, (h_r + 2 kv_r) D]
+    if b_qkv is not None:
+        y = y + b_qkv.index_select(0, plan.rows)
+    yq, yk, yv = torch.split(y, plan.widths, dim=-1)
+    saved_prep, four = {}, {"v": yv.reshape(bsz, s_full, -1, d)}
+    for name, yb, nw in (("q", yq, nq_w), ("k", yk, nk_w)):   # QK-norm + RoPE, graph kept for backward
+        y_leaf = yb.detach().requires_grad_()
+        w_leaf = nw.detach().requires_grad_() if nw is not None else None
+        with torch.enable_grad():
+            y4g = plan.prep(name, y_leaf, w_leaf, plan.shard)
+        saved_prep[name] = (y_leaf, w_leaf, y4g)
+        four[name] = y4g.detach()
+    return w_r, four, saved_prep
+
+
 class _GatherBlockFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: GatherPlan):
@@ -186,22 +211,8 @@ class _GatherBlockFn(torch.autograd.Function):
         hl, me = plan.heads, plan.rank
         bsz, s_loc, _ = x.shape
         tokens = s_loc * bsz
-        s_full = s_loc * hl.world
         compute, comm = st.current(x.device), plan.comm_stream
-        w_r = w_qkv.index_select(0, plan.rows)                   # [n_q + 2 n_kv (x D), dim]
-        y = _gather_matmul(x, w_r, plan)                          # [B, S, (h_r + 2 kv_r) D]
-        if b_qkv is not None:
-            y = y + b_qkv.index_select(0, plan.rows)
-        yq, yk, yv = torch.split(y, plan.widths, dim=-1)
-        saved_prep, four = {}, {"v": yv.reshape(bsz, s_full, -1, d)}
-        for name, yb, nw in (("q", yq, nq_w), ("k", yk, nk_w)):   # QK-norm + RoPE, graph kept for backward
-            y_leaf = yb.detach().requires_grad_()
-            w_leaf = nw.detach().requires_grad_() if nw is not None else None
-            with torch.enable_grad():
-                y4g = plan.prep(name, y_leaf, w_leaf, plan.shard)
-            saved_prep[name] = (y_leaf, w_leaf, y4g)
-            four[name] = y4g.detach()
-        del y, yq, yk
+        w_r, four, saved_prep = project_gathered(x, w_qkv, b_qkv, nq_w, nk_w, plan)
         out = torch.empty(bsz, s_loc, h, d, dtype=x.dtype, device=x.device)
 
         def views(c):

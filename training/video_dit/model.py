@@ -84,6 +84,7 @@ class SelfAttention(nn.Module):
         self.core: AttentionCore = local_core
         # (group, BlockChoice) runs that block form; (group, BlockPolicy) lets the policy pick per shape
         self.sp_block = None
+        self.rope_memo: dict = {}  # the all-gather block's global RoPE table (shared by the model's blocks)
 
     def _params(self):
         return (self.qkv.weight, self.qkv.bias, self.out.weight, self.out.bias, self.norm_q.weight,
@@ -93,6 +94,8 @@ class SelfAttention(nn.Module):
         """The block in form ``choice`` (megatron_sp_ext BlockChoice) with explicit parameters."""
         b, s, _ = x.shape
         w_qkv, b_qkv, w_o, b_o, nq, nk = params
+        if getattr(choice, "allgather", False):
+            return self._run_allgather(choice, group, x, angles, kv_valid_len, params)
         if choice.async_qkv:
             from megatron_sp_ext.sp.async_block import async_ulysses_self_attention  # noqa: PLC0415
 
@@ -111,6 +114,31 @@ class SelfAttention(nn.Module):
         o = ulysses_attention(q, k, v, group, head_chunks=choice.head_chunks, kv_valid_len=kv_valid_len,
                               transport=choice.transport)
         return F.linear(o.reshape(b, s, -1), w_o, b_o)
+
+    def _run_allgather(self, choice, group, x, angles, kv_valid_len, params):
+        """The all-gather QKV block: this rank's heads over the whole sequence (QK-norm over all heads via
+        a cross-rank sum of squares, RoPE at every gathered token's global position)."""
+        from megatron_sp_ext.sp.gather_block import allgather_self_attention  # noqa: PLC0415
+        w_qkv, b_qkv, w_o, b_o, nq, nk = params
+        width, hd = self.heads * self.hd, self.hd
+
+        def prep(branch, y, w, shard):
+            y4 = y.view(y.shape[0], y.shape[1], -1, hd)
+            eps = (self.norm_q if branch == "q" else self.norm_k).eps
+            r = torch.rsqrt(shard.sum_sq(y4, branch) / width + eps)
+            y4 = (y4.float() * r * shard.norm_weight(w, branch, hd).float()).to(y.dtype)
+            return apply_rope(y4, self._global_angles(angles, shard))
+        return allgather_self_attention(
+            x, w_qkv, b_qkv, w_o, b_o, group, num_heads=self.heads, num_kv_heads=self.heads, prep=prep,
+            norm_q_weight=nq, norm_k_weight=nk, head_chunks=choice.head_chunks, kv_valid_len=kv_valid_len,
+            transport=choice.transport)
+
+    def _global_angles(self, angles, shard):
+        """RoPE angles of the gathered sequence; gathered once per forward (the model's blocks share the memo)."""
+        memo = self.rope_memo
+        if memo.get("local") is not angles:
+            memo["local"], memo["full"] = angles, shard.gather_tokens(angles)
+        return memo["full"]
 
     def _calibration_step(self, choice, group, x, angles, kv_valid_len):
         """One fwd(+bwd) of ``choice`` on detached copies: the model's .grad stays untouched."""
@@ -197,19 +225,25 @@ class VideoDiT(nn.Module):
         for blk in self.blocks:
             blk.attn.core = core
 
-    def set_async_attention(self, group, head_chunks: int = 1, transport: str = "nccl") -> None:
-        """Use the async Ulysses block (projections overlapped with their exchanges) in every block."""
+    def set_async_attention(self, group, head_chunks: int = 1, transport: str = "nccl",
+                            allgather: bool = False) -> None:
+        """Use the async Ulysses block (projections overlapped with their exchanges) in every block, or
+        with ``allgather`` the all-gather QKV block (sequence all-gather fused with the QKV GEMM)."""
         from megatron_sp_ext.sp.block_policy import BlockChoice  # noqa: PLC0415
+        memo: dict = {}
         for blk in self.blocks:
-            blk.attn.sp_block = (group, BlockChoice(True, head_chunks, transport))
+            blk.attn.sp_block = (group, BlockChoice(not allgather, head_chunks, transport, allgather))
+            blk.attn.rope_memo = memo
 
     def set_block_policy(self, group, policy=None) -> None:
         """Let one runtime policy pick plain/async, HCMS chunks and transport per shape (all blocks
         share the policy, so a shape is calibrated once)."""
         from megatron_sp_ext.sp.block_policy import BlockPolicy  # noqa: PLC0415
         policy = policy or BlockPolicy()
+        memo: dict = {}
         for blk in self.blocks:
             blk.attn.sp_block = (group, policy)
+            blk.attn.rope_memo = memo
         self.block_policy = policy
 
     def configure_sequence_parallel(self, make_attention) -> None:

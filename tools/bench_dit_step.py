@@ -1,0 +1,159 @@
+"""Video-DiT training-step benchmark with the attention-block forms side by side in ONE process.
+
+Every repetition times one forward+backward step (bf16 autocast, fp32 master weights, the real
+flow-matching batch) of each form in turn (interleaved, so clock and allocator drift hit all
+alike): plain Ulysses, HCMS, the async block, the all-gather QKV block, and "auto" (BlockPolicy,
+calibrated in the warm-up). The optimizer step is left out (identical for every form). Reports the
+median per form (max over ranks), the speedup vs plain, and each form's loss (they must agree).
+
+    python tools/bench_dit_step.py --world-sizes 4 --model wan-1.3b --num-layers 4 --frames 21 \
+        --latent-size 60x104 --forms plain,plain_hcms2,async,allgather,auto --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_sp_ext.sp.block_policy import BlockChoice, BlockPolicy  # noqa: E402
+from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
+from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_form(label: str) -> BlockChoice:
+    """'plain', 'async_hcms2', 'allgather_symm', ... -> BlockChoice ('auto' is handled by the caller)."""
+    parts = label.split("_")
+    form = parts[0]
+    if form not in ("plain", "async", "allgather"):
+        raise SystemExit(f"--forms: unknown form {label!r} (plain|async|allgather[_hcmsC][_symm], or auto)")
+    chunks = next((int(p[4:]) for p in parts if p.startswith("hcms")), 1)
+    tr = "symm_mem" if "symm" in parts else "nccl"
+    return BlockChoice(form == "async", chunks, tr, form == "allgather")
+
+
+def _worker(rank, world, port, args, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
+                            timeout=datetime.timedelta(seconds=300))
+    group = dist.group.WORLD
+    cfg = preset(args.model, args.num_layers)
+    torch.manual_seed(1)
+    model = VideoDiT(cfg).cuda()
+    model.set_attention_core(make_core("ulysses", group, num_heads=cfg.heads))
+    model.set_block_policy(group, BlockPolicy(chunk_candidates=(1, 2)))  # installs the shared RoPE memo too
+    policy = model.block_policy
+    frames = [int(f) for f in args.frames.split(",")]
+    h, w = (int(v) for v in args.latent_size.split("x"))
+    data = SyntheticVideoLatents(cfg.in_channels, frames, h, w, cfg.text_len, cfg.text_dim, seed=1)
+    inp = prepare(flow_matching_batch(data, 0, 1, 0, 1, 1, cfg.patch), rank, world, torch.device("cuda"))
+    forms = {lab: (policy if lab == "auto" else parse_form(lab)) for lab in args.forms}
+
+    def step(how):
+        for blk in model.blocks:
+            blk.attn.sp_block = (group, how)
+        model.zero_grad(set_to_none=True)
+        loss = local_loss(model, inp, torch.bfloat16)
+        (loss * world).backward()
+        return loss.detach()
+
+    losses = {}
+    for lab, how in forms.items():  # warm-up; auto calibrates here
+        for _ in range(2):
+            losses[lab] = step(how)
+    torch.cuda.synchronize()
+    times = {lab: [] for lab in forms}
+    for _ in range(args.iters):
+        for lab, how in forms.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            dist.barrier(group=group)
+            a.record()
+            step(how)
+            b.record()
+            b.synchronize()
+            times[lab].append(a.elapsed_time(b))
+    res = {"P": world, "model": args.model, "layers": cfg.layers, "tokens": inp.n_valid, "forms": {}}
+    for lab in forms:
+        t = torch.tensor([sorted(times[lab])[len(times[lab]) // 2]], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ls = losses[lab].clone()
+        dist.all_reduce(ls)
+        res["forms"][lab] = {"step_ms": float(t), "loss": float(ls)}
+    base = res["forms"][args.forms[0]]
+    for e in res["forms"].values():
+        e["speedup"] = base["step_ms"] / e["step_ms"]
+        e["loss_rel_diff"] = abs(e["loss"] - base["loss"]) / abs(base["loss"])
+    res["auto_choice"] = {str(k): {"choice": d.choice.label, "reason": d.reason, "confirm": d.confirm,
+                                   "measured_ms": {c.label: t for c, t in d.measured_ms.items()}}
+                          for k, d in policy.cache.items()}
+    if rank == 0:
+        print(f"[dit P={world}] " + " ".join(f"{lab}={e['step_ms']:.1f}ms ({e['speedup']:.3f}x)"
+                                             for lab, e in res["forms"].items()) + f" | auto: {res['auto_choice']}",
+              flush=True)
+        with open(path, "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-sizes", default="4")
+    ap.add_argument("--model", default="wan-1.3b")
+    ap.add_argument("--num-layers", type=int, default=4)
+    ap.add_argument("--frames", default="21")
+    ap.add_argument("--latent-size", default="60x104")
+    ap.add_argument("--forms", default="plain,plain_hcms2,async,allgather,auto",
+                    help="first one is the baseline of the speedups")
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default="dit_step_out")
+    args = ap.parse_args()
+    args.forms = args.forms.split(",")
+    for lab in args.forms:
+        if lab != "auto":
+            parse_form(lab)
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for world in [int(w) for w in args.world_sizes.split(",")]:
+        if world > torch.cuda.device_count():
+            continue
+        part = os.path.join(args.out, f"_dit_P{world}.json")
+        mp.start_processes(_worker, args=(world, _port(), args, part), nprocs=world, start_method="spawn")
+        with open(part) as f:
+            results.append(json.load(f))
+        os.remove(part)
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
+            "command": " ".join(sys.argv)}
+    lines = [f"{meta['device']} x P, {meta['date']}; DiT fwd+bwd step ms, interleaved (speedup vs "
+             f"{args.forms[0]}; loss rel. diff)", "", "| P | model | layers | tokens | form | step ms | speedup | "
+             "loss diff |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for lab, e in r["forms"].items():
+            lines.append(f"| {r['P']} | {r['model']} | {r['layers']} | {r['tokens']} | {lab} | {e['step_ms']:.1f} | "
+                         f"{e['speedup']:.3f}x | {e['loss_rel_diff']:.1e} |")
+    tag = f"_{args.tag}" if args.tag else ""
+    with open(os.path.join(args.out, f"dit_step{tag}.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(os.path.join(args.out, f"dit_step{tag}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
