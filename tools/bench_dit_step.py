@@ -55,6 +55,9 @@ def _worker(rank, world, port, args, path):
     cfg = preset(args.model, args.num_layers)
     torch.manual_seed(1)
     model = VideoDiT(cfg).cuda()
+    with torch.no_grad():  # AdaLN-zero starts every block as the identity, which would hide attention from the
+        for blk in model.blocks:  # loss: small random modulation weights make the loss check see every block
+            blk.modulation.weight.normal_(0.0, 0.02)
     model.set_attention_core(make_core("ulysses", group, num_heads=cfg.heads))
     model.set_block_policy(group, BlockPolicy(chunk_candidates=(1, 2)))  # installs the shared RoPE memo too
     policy = model.block_policy

@@ -10,6 +10,8 @@
 #   bash tools/gpu_suite.sh H   # copy-engine (symm_mem) transport: CUDA equality, micro-benchmark, attention, block
 #   bash tools/gpu_suite.sh I   # symm_mem check, auto/auto_symm vs ulysses vs DeepSpeed, block (weak/strong, pre-attention, auto)
 #   bash tools/gpu_suite.sh J   # video-DiT steps: --sp-async-qkv off / on / auto
+#   bash tools/gpu_suite.sh K   # all-gather QKV block: CUDA equality, block weak/strong, DiT step forms interleaved
+#   bash tools/gpu_suite.sh L   # K again after removing per-call host syncs; DiT forms P=2/4; 8K/16K auto vs DeepSpeed
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -69,6 +71,24 @@ elif [ "$PART" = J ]; then  # video-DiT training steps (wan-1.3b dims, 4 layers,
       --num-layers 4 --context-parallel-size 4 --cp-comm-type ulysses --sp-async-qkv $form --frames 21 \
       --latent-size 60x104 --bf16 --lr 1e-4 --train-iters 12 --seed 1 --quiet --log-dir "$OUT/dit_async_$form"
   done
+elif [ "$PART" = K ]; then  # all-gather QKV block: CUDA equality, block weak/strong + pre-attention, DiT step forms interleaved
+  run timeout 150 python3 tools/gpu_check.py --world-sizes 2,4 --only allgather --out "$OUT"
+  run timeout 200 python3 tools/bench_block.py --tag weak_ag --world-sizes 2,4 --models wan-1.3b,wan-14b \
+      --tokens-per-gpu 16384 --iters 6 --out "$OUT"
+  run timeout 90 python3 tools/bench_block.py --tag strong_ag --world-sizes 4 --models wan-1.3b --seqlen 32768 \
+      --transports nccl --iters 6 --out "$OUT"
+  run timeout 120 python3 tools/bench_dit_step.py --world-sizes 4 --forms plain,plain_hcms2,async,allgather,auto \
+      --iters 6 --out "$OUT"
+elif [ "$PART" = L ]; then  # after K: all-gather block without per-call host syncs, DiT forms at P=2/4, 8K/16K auto vs DS
+  run timeout 120 python3 tools/gpu_check.py --world-sizes 2,4 --only allgather --out "$OUT"
+  run timeout 150 python3 tools/bench_block.py --tag weak_ag2 --world-sizes 2,4 --models wan-1.3b,wan-14b \
+      --tokens-per-gpu 16384 --transports nccl --iters 10 --out "$OUT"
+  run timeout 60 python3 tools/bench_block.py --tag strong_ag2 --world-sizes 4 --models wan-1.3b --seqlen 32768 \
+      --transports nccl --iters 10 --out "$OUT"
+  run timeout 150 python3 tools/bench_dit_step.py --world-sizes 2,4 --forms plain,async,allgather,auto --iters 10 \
+      --out "$OUT"
+  run timeout 100 python3 tools/bench_attention.py --tag short_p4 --world-sizes 4 --heads 24,40 --seqlens 8192,16384 \
+      --modes deepspeed,ulysses,hcms2,auto --iters 40 --out "$OUT"
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"

@@ -10,7 +10,7 @@ per rank, of which (P-1)/P leaves); here each rank gathers x (S_local x dim from
 computes its heads for all tokens: the same FLOPs, P/3 of the bytes, and on CUDA the gather runs
 inside ``torch.ops.symm_mem.fused_all_gather_matmul`` (pipelined with the GEMM over peers' shards).
 Backward: dx = reduce_scatter_seq(dY_r W_r) through ``fused_matmul_reduce_scatter``, dW_r from a
-re-gathered x (gathered on the communication stream while the q/k prep backward runs; x_full is not
+re-gathered x (gathered on the communication stream during the attention backward; x_full is not
 kept between forward and backward). Where the fused ops are missing (CPU/gloo, other torch builds)
 the same math runs as all-gather -> GEMM and GEMM -> reduce-scatter.
 
@@ -67,13 +67,14 @@ class HeadShard:
     q_heads: tuple
     kv_heads: tuple
     kv_owner: tuple
+    device: torch.device = torch.device("cpu")   # where the index tensors below live (built once, cached)
 
     def sum_sq(self, y4: torch.Tensor, branch: str) -> torch.Tensor:
         """Sum of squares over ALL ranks' heads of ``branch`` ("q" or "k"), per token: y4 [B, S, n, D]
         (this rank's heads) -> [B, S, 1, 1] float32, differentiable."""
         sq = y4.float().pow(2).sum(-1)
         if branch != "q" and not all(self.kv_owner):
-            sq = sq * torch.tensor(self.kv_owner, dtype=sq.dtype, device=sq.device)
+            sq = sq * _device_const(self.kv_owner, sq.dtype, self.device)
         return _AllReduceSum.apply(sq.sum(-1, keepdim=True), self.group)[..., None]
 
     def gather_tokens(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -85,8 +86,7 @@ class HeadShard:
     def norm_weight(self, w: torch.Tensor, branch: str, head_dim: int) -> torch.Tensor:
         """The rows of a full QK-norm weight ([n_heads * D]) for this rank's heads: [n_local, D]."""
         heads = self.q_heads if branch == "q" else self.kv_heads
-        idx = torch.tensor(heads, device=w.device)
-        return w.view(-1, head_dim).index_select(0, idx)
+        return w.view(-1, head_dim).index_select(0, _device_const(heads, torch.long, w.device))
 
 
 @dataclass
@@ -106,12 +106,22 @@ def _shard_heads(hl, rank: int) -> tuple:
     return q_heads, tuple(j // hl.kv_repeat for j in rep), tuple(j % hl.kv_repeat == 0 for j in rep)
 
 
-def _rows(num_heads: int, num_kv: int, d: int, q_heads, kv_heads) -> list:
+@lru_cache(maxsize=64)
+def _rows(num_heads: int, num_kv: int, d: int, q_heads: tuple, kv_heads: tuple, device: torch.device) -> torch.Tensor:
+    """Rows of w_qkv (q | k | v) for this rank's heads, as an index tensor on ``device`` (built once)."""
     ar = list(range(d))
     rows = [g * d + i for g in q_heads for i in ar]
     rows += [(num_heads + j) * d + i for j in kv_heads for i in ar]
     rows += [(num_heads + num_kv + j) * d + i for j in kv_heads for i in ar]
-    return rows
+    return torch.tensor(rows, device=device)
+
+
+@lru_cache(maxsize=256)
+def _device_const(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant tensor built once per device: per-call host->device copies would stall the
+    CPU until the GPU caught up (they synchronise) and expose every later kernel launch. (dtype is
+    part of the key: (0, 1) and (False, True) hash alike.)"""
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def fused_ops_unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
@@ -240,6 +250,12 @@ class _GatherBlockFn(torch.autograd.Function):
         tokens, s_full = s_loc * bsz, s_loc * hl.world
         compute, comm = st.current(x.device), plan.comm_stream
         recv_g, ev_g, d_w_o, d_b_o = out_proj_backward(dy, w_o, o_flat, plan, has_b_o, tokens, d, compute, comm)
+        # x is needed again only for dW: its gather queues behind the dO exchange and flies during the
+        # attention backward (x_full is not kept from the forward: P x the block input per layer)
+        ready = st.record(compute)
+        with st.on_stream(comm):
+            st.wait(comm, ready)
+            work, x_full = _seq_gather_async(x, plan.group)
         wq, wk, wv = plan.widths
         g_all = torch.empty(bsz, s_full, wq + wk + wv, dtype=dy.dtype, device=dy.device)
         g4 = {"q": torch.empty(bsz, s_full, wq // d, d, dtype=dy.dtype, device=dy.device),
@@ -251,11 +267,6 @@ class _GatherBlockFn(torch.autograd.Function):
             g4["q"][:, :, qa:qa + qn].copy_(gq.transpose(1, 2))
             g4["k"][:, :, ka:ka + kn].copy_(gk.transpose(1, 2))
             g4["v"][:, :, ka:ka + kn].copy_(gv.transpose(1, 2))
-        # x is needed again only for dW: gather it on the comm stream while the prep backward runs
-        ready = st.record(compute)
-        with st.on_stream(comm):
-            st.wait(comm, ready)
-            work, x_full = _seq_gather_async(x, plan.group)
         d_norm = {}
         for name, off in (("q", 0), ("k", wq)):
             y_leaf, w_leaf, y4g = ctx.saved_prep[name]
@@ -288,14 +299,14 @@ def make_gather_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: 
                            seq_local=seq_local, device=device, **kw)
     hl = base.heads
     q_heads, kv_heads, kv_owner = _shard_heads(hl, base.rank)
-    rows = torch.tensor(_rows(num_heads, num_kv_heads, head_dim, q_heads, kv_heads), device=device)
+    rows = _rows(num_heads, num_kv_heads, head_dim, q_heads, kv_heads, torch.device(device))
     why = fused_ops_unavailable_reason(group, device)
     if fused is True and why is not None:
         from ..errors import SPConfigError  # noqa: PLC0415
         raise SPConfigError(f"fused all-gather matmul requested, but {why}")
     d = head_dim
     return GatherPlan(**{f.name: getattr(base, f.name) for f in fields(AsyncPlan)}, rows=rows,
-                      shard=HeadShard(group, q_heads, kv_heads, kv_owner),
+                      shard=HeadShard(group, q_heads, kv_heads, kv_owner, torch.device(device)),
                       widths=(len(q_heads) * d, len(kv_heads) * d, len(kv_heads) * d),
                       fused=bool(fused) and why is None)
 
