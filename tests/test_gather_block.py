@@ -19,8 +19,8 @@ EPS = 1e-6
 
 
 def _case(rank, world, h, hkv, d, chunks, qk_norm, dtype, causal=False, placement="contiguous", kv_valid=None,
-          device="cpu", fused="auto", tol=None):
-    """One comparison (also run on CUDA by tools/gpu_check.py, where fused="auto" uses torch's fused ops)."""
+          device="cpu", fused=None, tol=None):
+    """One comparison (also run on CUDA by tools/gpu_check.py with fused=True/False)."""
     g = dist.group.WORLD
     gen = torch.Generator().manual_seed(21)
     dim, b, sl = 24, 2, 6
@@ -115,7 +115,7 @@ def _shard_info(rank, world):
     assert rows[4:6] == [16 + 2 * (rank // 2) + i for i in range(2)]    # k rows of the kv head
     assert rows[6:] == [20 + 2 * (rank // 2) + i for i in range(2)]     # v rows
     assert plan.fused is False  # gloo/CPU: the unfused all-gather path
-    with pytest.raises(SPConfigError, match="fused all-gather matmul requested.*CUDA"):
+    with pytest.raises(SPConfigError, match="fused symm_mem matmuls.*cannot run here.*CUDA"):
         make_gather_plan(dist.group.WORLD, num_heads=8, num_kv_heads=2, head_dim=2, prep=None, seq_local=3,
                          device=torch.device("cpu"), fused=True)
     y4 = torch.full((1, 3, 1, 2), float(rank + 1))

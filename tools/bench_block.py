@@ -70,7 +70,7 @@ def bench(rank, world, group, cfg, seqlen, args):
         return lambda: spx.async_ulysses_self_attention(x, w_qkv, b_qkv, w_o, b_o, group, num_heads=h,
                                                         num_kv_heads=h, prep=prep, norm_q_weight=nq,
                                                         norm_k_weight=nk, head_chunks=c, transport=tr)
-    def allgather(c, tr="nccl", fused=args.fused):
+    def allgather(c, tr="nccl", fused=None):
         return lambda: allgather_self_attention(x, w_qkv, b_qkv, w_o, b_o, group, num_heads=h, num_kv_heads=h,
                                                 prep=prep_full, norm_q_weight=nq, norm_k_weight=nk, head_chunks=c,
                                                 transport=tr, fused=fused)
@@ -90,10 +90,10 @@ def bench(rank, world, group, cfg, seqlen, args):
                     torch.cuda.current_stream().wait_event(ev)
         return run
 
-    def pre_gather(fused=args.fused):
+    def pre_gather(tr="nccl"):
         """Pre-attention part of the all-gather block: gather+GEMM and prep until q, k, v are ready."""
         plan = make_gather_plan(group, num_heads=h, num_kv_heads=h, head_dim=d, prep=prep_full, seq_local=sl,
-                                device=x.device, fused=fused)
+                                device=x.device, transport=tr)
         return lambda: project_gathered(x, w_qkv, b_qkv, nq, nk, plan)
     policy = BlockPolicy(chunk_candidates=[1] + [c for c in args.chunks if c <= h // world],
                          transports=args.transports)
@@ -122,14 +122,11 @@ def bench(rank, world, group, cfg, seqlen, args):
             if c <= h // world:
                 modes[f"plain_hcms{c}{sfx}"], modes[f"async_hcms{c}{sfx}"] = plain(c, tr), asynch(c, tr)
                 modes[f"allgather_hcms{c}{sfx}"] = allgather(c, tr)
-    if args.fused is not False:  # the same block without torch's fused ops, for comparison
-        modes["allgather_unfused"] = allgather(1, "nccl", False)
     modes["auto"] = auto
     pre_modes = {"pre_plain": pre(True, 1), "pre_async": pre(False, 1), "pre_allgather": pre_gather()}
-    if args.fused is not False:
-        pre_modes["pre_allgather_unfused"] = pre_gather(False)
     for tr in args.transports[1:]:
         pre_modes[f"pre_plain_{tr}"], pre_modes[f"pre_async_{tr}"] = pre(True, 1, tr), pre(False, 1, tr)
+        pre_modes[f"pre_allgather_{tr}"] = pre_gather(tr)
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     t_f = {n: [] for n in modes}
     t_fb = {n: [] for n in modes}
@@ -219,15 +216,11 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--transports", default="nccl,symm_mem")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--fused", default="auto", choices=["auto", "on", "off"],
-                    help="all-gather block: torch.ops.symm_mem fused all-gather/reduce-scatter matmuls (auto: where "
-                         "available) or plain NCCL all-gather -> GEMM (off)")
     ap.add_argument("--out", default="block_out")
     args = ap.parse_args()
     args.models = args.models.split(",")
     args.chunks = [int(c) for c in args.chunks.split(",")]
     args.transports = args.transports.split(",")
-    args.fused = {"auto": "auto", "on": True, "off": False}[args.fused]
     os.makedirs(args.out, exist_ok=True)
     results = []
     for world in [int(w) for w in args.world_sizes.split(",")]:

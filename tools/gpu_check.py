@@ -168,7 +168,7 @@ def _worker(rank, world, port, out_dir, only):
 
     def allgather_cases():
         """The all-gather QKV block == the plain block on CUDA (torch's fused symm_mem ops where available,
-        and the unfused NCCL path), output + every grad; GQA with kv < P, HCMS chunks, causal zigzag."""
+        and the NCCL path), output + every grad; GQA with kv < P, HCMS chunks, causal zigzag."""
         from megatron_sp_ext.sp.gather_block import fused_ops_unavailable_reason  # noqa: PLC0415
         from tests.test_gather_block import _case  # noqa: PLC0415
         why = fused_ops_unavailable_reason(group, torch.device("cuda", rank))

@@ -12,6 +12,7 @@
 #   bash tools/gpu_suite.sh J   # video-DiT steps: --sp-async-qkv off / on / auto
 #   bash tools/gpu_suite.sh K   # all-gather QKV block: CUDA equality, block weak/strong, DiT step forms interleaved
 #   bash tools/gpu_suite.sh L   # K again after removing per-call host syncs; DiT forms P=2/4; 8K/16K auto vs DeepSpeed
+#   bash tools/gpu_suite.sh M   # 8K host-vs-GPU profile (ours vs DeepSpeed); all-gather block NCCL vs fused symm_mem
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -89,6 +90,12 @@ elif [ "$PART" = L ]; then  # after K: all-gather block without per-call host sy
       --out "$OUT"
   run timeout 100 python3 tools/bench_attention.py --tag short_p4 --world-sizes 4 --heads 24,40 --seqlens 8192,16384 \
       --modes deepspeed,ulysses,hcms2,auto --iters 40 --out "$OUT"
+elif [ "$PART" = M ]; then  # launch-bound check at 8K (host vs GPU time, top kernels); all-gather nccl vs fused
+  run timeout 60 python3 tools/gpu_check.py --world-sizes 4 --only allgather --out "$OUT"
+  run timeout 60 python3 tools/profile_step.py --world-size 4 --heads 24 --seqlen 8192 --modes deepspeed,ulysses,ulysses_packed --out "$OUT"
+  run timeout 60 python3 tools/profile_step.py --world-size 4 --heads 40 --seqlen 8192 --modes deepspeed,ulysses --out "$OUT"
+  run timeout 150 python3 tools/bench_block.py --tag weak_ag3 --world-sizes 2,4 --models wan-1.3b,wan-14b \
+      --tokens-per-gpu 16384 --chunks 2 --iters 10 --out "$OUT"
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"

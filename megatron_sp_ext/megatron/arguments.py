@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--sp-async-qkv", nargs="?", const="on", default="off",
         help="off (default); on: self-attention overlaps its Q/K/V and output projections with the Ulysses "
              "exchanges (--cp-comm-type ulysses/hcms, integer --hcms-head-chunks, TP 1); allgather: QKV from a "
-             "sequence all-gather fused with the QKV GEMM (torch symm_mem fused ops on CUDA) instead of the q/k/v "
-             "exchanges (same requirements); auto (video DiT): a runtime policy times plain/async/allgather x "
+             "sequence all-gather and the QKV GEMM for this rank's heads instead of the q/k/v exchanges (same "
+             "requirements; with --sp-transport symm_mem through torch's fused symm_mem matmuls); auto (video DiT): a runtime policy times plain/async/allgather x "
              "HCMS chunks x transports per shape and keeps the fastest")
     add("--sp-transport", default="nccl",
         help="exchange transport of ulysses/hcms: nccl (default) or symm_mem (copy-engine, torch symmetric memory)")

@@ -12,7 +12,8 @@ inside ``torch.ops.symm_mem.fused_all_gather_matmul`` (pipelined with the GEMM o
 Backward: dx = reduce_scatter_seq(dY_r W_r) through ``fused_matmul_reduce_scatter``, dW_r from a
 re-gathered x (gathered on the communication stream during the attention backward; x_full is not
 kept between forward and backward). Where the fused ops are missing (CPU/gloo, other torch builds)
-the same math runs as all-gather -> GEMM and GEMM -> reduce-scatter.
+the same math runs as all-gather -> GEMM and GEMM -> reduce-scatter. Which one runs follows the
+transport ("symm_mem": the fused ops; "nccl": NCCL collectives), or ``fused=`` explicitly.
 
 QK-norm over all heads (Wan) needs the sum of squares over every rank's heads: ``prep`` receives a
 ``HeadShard`` whose ``sum_sq`` all-reduces it (autograd-aware); RoPE must use the GLOBAL positions of
@@ -292,39 +293,45 @@ class _GatherBlockFn(torch.autograd.Function):
 
 
 def make_gather_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: PrepFull,
-                     seq_local: int, device: torch.device, fused: "bool | str" = "auto", **kw) -> GatherPlan:
-    """The GatherPlan of one block call (other keywords as in make_async_plan). fused: True (error when
-    torch's fused ops cannot run here), False, or "auto" (use them where they can run)."""
+                     seq_local: int, device: torch.device, fused: Optional[bool] = None, **kw) -> GatherPlan:
+    """The GatherPlan of one block call (other keywords as in make_async_plan). fused: True (torch's
+    fused symm_mem all-gather/reduce-scatter matmuls; an error where they cannot run), False (NCCL
+    all-gather -> GEMM, GEMM -> reduce-scatter) or None (follow the transport: fused with "symm_mem")."""
     base = make_async_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, prep=prep,
                            seq_local=seq_local, device=device, **kw)
     hl = base.heads
     q_heads, kv_heads, kv_owner = _shard_heads(hl, base.rank)
     rows = _rows(num_heads, num_kv_heads, head_dim, q_heads, kv_heads, torch.device(device))
-    why = fused_ops_unavailable_reason(group, device)
-    if fused is True and why is not None:
+    if fused is None:
+        fused = getattr(base.transport, "name", "nccl") == "symm_mem"
+    why = fused_ops_unavailable_reason(group, device) if fused else None
+    if why is not None:
         from ..errors import SPConfigError  # noqa: PLC0415
-        raise SPConfigError(f"fused all-gather matmul requested, but {why}")
+        raise SPConfigError(f"the all-gather block's fused symm_mem matmuls (transport 'symm_mem' or fused=True) "
+                            f"cannot run here: {why}; use transport 'nccl' / fused=False")
     d = head_dim
     return GatherPlan(**{f.name: getattr(base, f.name) for f in fields(AsyncPlan)}, rows=rows,
                       shard=HeadShard(group, q_heads, kv_heads, kv_owner, torch.device(device)),
                       widths=(len(q_heads) * d, len(kv_heads) * d, len(kv_heads) * d),
-                      fused=bool(fused) and why is None)
+                      fused=bool(fused))
 
 
 def allgather_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[torch.Tensor], w_o: torch.Tensor,
                              b_o: Optional[torch.Tensor], group: dist.ProcessGroup, *, num_heads: int,
                              num_kv_heads: int, prep: PrepFull, norm_q_weight: Optional[torch.Tensor] = None,
                              norm_k_weight: Optional[torch.Tensor] = None, head_chunks: int = 1,
-                             fused: "bool | str" = "auto", **kw) -> torch.Tensor:
+                             fused: Optional[bool] = None, **kw) -> torch.Tensor:
     """The all-gather QKV block on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
 
     Weights as in ``async_ulysses_self_attention`` (w_qkv [(H + 2 Hkv) D, dim] rows q | k | v, w_o
     [dim, H D]); ``prep(branch, y [B, S, n D], norm_weight, shard)`` maps this rank's heads of a
     branch over the WHOLE gathered sequence to [B, S, n, D] (use ``shard.sum_sq`` for norms over all
     heads, ``shard.norm_weight`` for the local rows of a norm weight, global positions for RoPE).
-    Other keywords (softmax_scale, backend, comm_stream, kv_valid_len, transport of the output
-    exchange, causal, placement) as in ``ulysses_attention``. Parameter gradients are this rank's
-    share: sum them over ``group`` (as DP/CP gradient reduction does).
+    Other keywords (softmax_scale, backend, comm_stream, kv_valid_len, transport, causal, placement)
+    as in ``ulysses_attention``. transport "nccl": NCCL all-gather -> GEMM (and GEMM -> reduce-scatter
+    in backward) and NCCL output exchange; "symm_mem": torch's fused symm_mem matmuls and the
+    copy-engine output exchange (``fused`` overrides the QKV side). Parameter gradients are this
+    rank's share: sum them over ``group`` (as DP/CP gradient reduction does).
     """
     plan = make_gather_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=w_o.shape[1] // num_heads, prep=prep, seq_local=x.shape[1], device=x.device,

@@ -1,0 +1,100 @@
+"""Where does one attention fwd+bwd spend its time? CPU launch time vs GPU time, and the top kernels.
+
+For each mode (names as in tools/bench_attention.py): host time of the Python call alone (no
+synchronisation: what the CPU needs to issue one fwd+bwd), event-timed GPU wall, and a profiler
+table of the CUDA kernels of a few steps (rank 0). When the host time approaches the GPU wall the
+call is launch-bound and the GPU idles between kernels.
+
+    python tools/profile_step.py --world-size 4 --heads 24 --seqlen 8192 --modes deepspeed,ulysses --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.bench_attention import _free_port, build_modes  # noqa: E402
+
+
+def _worker(rank, world, port, args, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
+                            timeout=datetime.timedelta(seconds=120))
+    group = dist.group.WORLD
+    modes = build_modes(args.modes, group, False)
+    sl = args.seqlen // world
+    q, k, v, go = (torch.randn(1, sl, args.heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out = {}
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    for name, fn in modes.items():
+        def step():
+            for t in (qg, kg, vg):
+                t.grad = None
+            fn(qg, kg, vg).backward(go)
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        host = []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        gpu = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            gpu.append(a.elapsed_time(b))
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            dt = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if dt > 0 and e.key and not e.key.startswith(("ProfilerStep", "aten::", "autograd::")):
+                rows.append((dt / 3 / 1e3, e.count // 3, e.key[:90]))
+        rows.sort(reverse=True)
+        out[name] = {"host_ms": sorted(host)[5], "gpu_ms": sorted(gpu)[5], "kernels": rows[:14]}
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        for name, r in out.items():
+            print(f"[{name}] host {r['host_ms']:.2f} ms per fwd+bwd call, GPU wall {r['gpu_ms']:.2f} ms", flush=True)
+            for ms, n, key in r["kernels"]:
+                print(f"    {ms:7.3f} ms  x{n:<3d} {key}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=24)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--modes", default="deepspeed,ulysses,ulysses_packed")
+    ap.add_argument("--out", default="profile_out")
+    args = ap.parse_args()
+    args.modes = args.modes.split(",")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"profile_P{args.world_size}_H{args.heads}_L{args.seqlen}.json")
+    mp.start_processes(_worker, args=(args.world_size, _free_port(), args, path), nprocs=args.world_size,
+                       start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
