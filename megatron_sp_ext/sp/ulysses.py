@@ -290,7 +290,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
         runs = tuple(r for p in range(world) for r in pieces(placement, p, world, s_loc * world))
         be = RingBackend(None, "ring", runs, (runs,), be, kv_valid_len)
-    stream = comm_stream if comm_stream is not None else st.default_pool().comm_stream(q.device)
+    # one chunk has nothing to overlap: run on the caller's stream, no side stream and no events (less
+    # host work per call, which is what short calls are bound by); same kernels, same order
+    stream = None if hl.chunks == 1 else (comm_stream if comm_stream is not None
+                                          else st.default_pool().comm_stream(q.device))
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad, qkv_contiguous, tr)
     if world == 1:
