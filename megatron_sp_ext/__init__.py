@@ -10,6 +10,7 @@ from .comm.transport import NcclTransport, SymmMemTransport, TransportPool, defa
 from .config import SPConfig
 from .errors import SPConfigError
 from .sp.async_block import async_ulysses_self_attention
+from .sp.gather_block import allgather_self_attention
 from .sp.hybrid import hybrid_attention
 from .sp.placement import shard_sequence, unshard_sequence
 from .sp.ring import ring_attention
@@ -22,5 +23,6 @@ __version__ = "0.1.0"
 
 __all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
            "unshard_sequence", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
-           "hybrid_attention", "torus_attention", "async_ulysses_self_attention", "NcclTransport",
+           "hybrid_attention", "torus_attention", "async_ulysses_self_attention", "allgather_self_attention",
+           "NcclTransport",
            "SymmMemTransport", "TransportPool", "default_transports"]

@@ -102,6 +102,13 @@ def build_modes(names, group, causal, nodes=None, heads=None):
     return modes
 
 
+def rotated(items: list, i: int) -> list:
+    """``items`` rotated by ``i``: interleaved timing starts each repetition with a different mode, so
+    no mode always runs first (or right after the same neighbour)."""
+    k = i % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def _time(fn, iters, warmup, group):
     for _ in range(warmup):
         fn()
@@ -191,8 +198,9 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     torch.cuda.synchronize()
     dist.barrier(group=group)
-    for _ in range(iters):
-        for name, fn in fns.items():
+    for it in range(iters):
+        order = rotated(list(fns.items()), it)  # each mode leads equally often: no slot bias
+        for name, fn in order:
             a, b = ev(), ev()
             with torch.no_grad():
                 a.record()
@@ -200,7 +208,7 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
                 b.record()
             b.synchronize()
             t_f[name].append(a.elapsed_time(b))
-        for name, fn in fns.items():
+        for name, fn in order:
             a, b = ev(), ev()
             a.record()
             fb(fn)

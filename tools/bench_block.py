@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron_sp_ext as spx  # noqa: E402
+from tools.bench_attention import rotated  # noqa: E402
 from training.video_dit.config import preset  # noqa: E402
 
 
@@ -149,12 +150,13 @@ def bench(rank, world, group, cfg, seqlen, args):
             b.record()
         b.synchronize()
         return a.elapsed_time(b)
-    for _ in range(args.iters):
-        for n, fn in pre_modes.items():
+    for it in range(args.iters):
+        for n, fn in rotated(list(pre_modes.items()), it):
             t_pre[n].append(forward_ms(fn))
-        for n, fn in modes.items():
+        order = rotated(list(modes.items()), it)  # each mode leads equally often
+        for n, fn in order:
             t_f[n].append(forward_ms(fn))
-        for n, fn in modes.items():
+        for n, fn in order:
             a, b = ev(), ev()
             a.record()
             fn().backward(dy)

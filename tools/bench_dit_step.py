@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.sp.block_policy import BlockChoice, BlockPolicy  # noqa: E402
+from tools.bench_attention import rotated  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
@@ -81,8 +82,8 @@ def _worker(rank, world, port, args, path):
             losses[lab] = step(how)
     torch.cuda.synchronize()
     times = {lab: [] for lab in forms}
-    for _ in range(args.iters):
-        for lab, how in forms.items():
+    for it in range(args.iters):
+        for lab, how in rotated(list(forms.items()), it):  # each form leads equally often
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             dist.barrier(group=group)
             a.record()

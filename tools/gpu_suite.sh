@@ -14,6 +14,7 @@
 #   bash tools/gpu_suite.sh L   # K again after removing per-call host syncs; DiT forms P=2/4; 8K/16K auto vs DeepSpeed
 #   bash tools/gpu_suite.sh M   # 8K host-vs-GPU profile (ours vs DeepSpeed); all-gather block NCCL vs fused symm_mem
 #   bash tools/gpu_suite.sh N   # after plain Ulysses dropped its side stream: bitwise check, 8K profile, 8K-32K vs DS
+#   bash tools/gpu_suite.sh O   # final set, rotated interleaving: block weak/strong, DiT step forms, attention 8K-32K
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -101,6 +102,15 @@ elif [ "$PART" = N ]; then  # after M: plain Ulysses (C=1) on the caller's strea
   run timeout 90 python3 tools/gpu_check.py --world-sizes 4 --only hcms_bitwise,ulysses_hcms_bf16 --out "$OUT"
   run timeout 60 python3 tools/profile_step.py --world-size 4 --heads 24 --seqlen 8192 --modes deepspeed,ulysses --out "$OUT"
   run timeout 150 python3 tools/bench_attention.py --tag short_p4_nostream --world-sizes 4 --heads 24,40 \
+      --seqlens 8192,16384,32768 --modes deepspeed,ulysses,hcms2,auto --iters 30 --out "$OUT"
+elif [ "$PART" = O ]; then  # final set with rotated interleaving: block weak/strong, DiT step forms, attention 8K-32K
+  run timeout 170 python3 tools/bench_block.py --tag weak_final --world-sizes 2,4 --models wan-1.3b,wan-14b \
+      --tokens-per-gpu 16384 --chunks 2 --iters 12 --out "$OUT"
+  run timeout 60 python3 tools/bench_block.py --tag strong_final --world-sizes 4 --models wan-1.3b --seqlen 32768 \
+      --transports nccl --iters 12 --out "$OUT"
+  run timeout 150 python3 tools/bench_dit_step.py --world-sizes 2,4 --forms plain,async,allgather,auto --iters 12 \
+      --out "$OUT"
+  run timeout 120 python3 tools/bench_attention.py --tag attn_final_p4 --world-sizes 4 --heads 24,40 \
       --seqlens 8192,16384,32768 --modes deepspeed,ulysses,hcms2,auto --iters 30 --out "$OUT"
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \

@@ -6,12 +6,13 @@ times the candidates on the caller's real shapes the first time a key is seen an
 Candidates: ``BlockChoice(async_qkv, head_chunks, transport, allgather)`` for async_qkv in
 {False, True}, the all-gather QKV block (allgather=True, sp/gather_block.py), head_chunks in
 ``chunk_candidates`` (those that fit the heads per rank) and each transport that can run here
-(symm_mem needs CUDA + NCCL; for the all-gather block it carries the output exchange). Timing: ``rounds`` interleaved rounds (every round times each
-candidate once, so clock and allocator drift hit all alike) after ``warmup``; per-candidate medians
-are all-reduced (max) so every rank takes the same decision. The plain block (no async, C=1, NCCL)
-is the baseline: another candidate wins only if it is faster by more than ``margin`` and then again
-in an interleaved confirmation against the baseline. Cached per key, logged once. On CPU or a
-single rank nothing can overlap: the baseline is chosen without timing.
+(symm_mem needs CUDA + NCCL; for the all-gather block it selects torch's fused symm_mem matmuls
+and the copy-engine output exchange). Timing: ``rounds`` interleaved rounds after ``warmup`` (every
+round times each candidate once, in an order rotated per round, so clock and allocator drift hit
+all alike); per-candidate medians are all-reduced (max) so every rank takes the same decision. The
+plain block (no async, C=1, NCCL) is the baseline: another candidate wins only if it is faster by
+more than ``margin`` and then again in an interleaved confirmation against the baseline. Cached per
+key, logged once. On CPU or a single rank nothing can overlap: the baseline is chosen without timing.
 """
 from __future__ import annotations
 
@@ -97,8 +98,9 @@ class BlockPolicy:
                 run(c)
         torch.cuda.synchronize()
         times = {c: [] for c in cands}
-        for _ in range(rounds):
-            for c in cands:
+        for r in range(rounds):
+            k = r % len(cands)  # rotate the order: every candidate leads equally often (no slot bias)
+            for c in cands[k:] + cands[:k]:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 run(c)
