@@ -55,3 +55,13 @@ def test_head_layouts():
         head_layout(16, 4, 4, 5, "head_chunks")
     h = head_layout(40, 40, 4, 3)
     assert [s for _, s in h.q_chunks[0]] == [4, 3, 3]
+
+
+def test_async_qkv_forms():
+    assert SPConfig(async_qkv="allgather").async_qkv == "allgather"
+    assert SPConfig(async_qkv=True).async_qkv == "on"
+    with pytest.raises(SPConfigError, match="--sp-async-qkv='fused' is invalid: choose one of off, on, allgather, auto"):
+        SPConfig(async_qkv="fused", source="megatron")
+    with pytest.raises(SPConfigError, match="sequence_parallel_ext.async_qkv='allgather' is not available through "
+                                            "DeepSpeed"):
+        SPConfig(async_qkv="allgather", source="deepspeed")

@@ -164,7 +164,8 @@ def test_megatron_entry_3_steps_match_sp1(mode):
             assert abs(a - b) <= 1e-4 * abs(b), f"{mode}: {got[r]} vs {ref}"
 
 
-@pytest.mark.parametrize("flags", [("--hcms-head-chunks", "2", "--sp-async-qkv"), ("--sp-async-qkv", "auto")])
+@pytest.mark.parametrize("flags", [("--hcms-head-chunks", "2", "--sp-async-qkv"), ("--sp-async-qkv", "auto"),
+                                   ("--hcms-head-chunks", "2", "--sp-async-qkv", "allgather")])
 def test_megatron_entry_async_qkv_matches_sp1(flags):
     ref = run_ranks(_megatron_run, 1, 1, "ulysses", 3)[0]
     got = run_ranks(_megatron_run, 4, 4, "hcms", 3, flags)
