@@ -1,8 +1,8 @@
 """Where does one attention fwd+bwd spend its time? CPU launch time vs GPU time, and the top kernels.
 
 For each mode (names as in tools/bench_attention.py): host time of the Python call alone (no
-synchronisation: what the CPU needs to issue one fwd+bwd), event-timed GPU wall, and a profiler
-table of the CUDA kernels of a few steps (rank 0). When the host time approaches the GPU wall the
+synchronisation: what the CPU needs to issue one fwd+bwd), event-timed GPU wall, and profiler
+tables of the CUDA kernels and of the ops' self CPU time over a few steps (rank 0). When the host time approaches the GPU wall the
 call is launch-bound and the GPU idles between kernels.
 
     python tools/profile_step.py --world-size 4 --heads 24 --seqlen 8192 --modes deepspeed,ulysses --out $OUT
@@ -69,13 +69,18 @@ def _worker(rank, world, port, args, path):
             if dt > 0 and e.key and not e.key.startswith(("ProfilerStep", "aten::", "autograd::")):
                 rows.append((dt / 3 / 1e3, e.count // 3, e.key[:90]))
         rows.sort(reverse=True)
-        out[name] = {"host_ms": sorted(host)[5], "gpu_ms": sorted(gpu)[5], "kernels": rows[:14]}
+        cpu = sorted(((e.self_cpu_time_total / 3 / 1e3, e.count // 3, e.key[:90]) for e in prof.key_averages()
+                      if e.self_cpu_time_total > 0), reverse=True)
+        out[name] = {"host_ms": sorted(host)[5], "gpu_ms": sorted(gpu)[5], "kernels": rows[:14], "cpu_ops": cpu[:25]}
     if rank == 0:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
         for name, r in out.items():
             print(f"[{name}] host {r['host_ms']:.2f} ms per fwd+bwd call, GPU wall {r['gpu_ms']:.2f} ms", flush=True)
             for ms, n, key in r["kernels"]:
+                print(f"    {ms:7.3f} ms  x{n:<3d} {key}", flush=True)
+            print("  host (self CPU time per step):", flush=True)
+            for ms, n, key in r["cpu_ops"]:
                 print(f"    {ms:7.3f} ms  x{n:<3d} {key}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
