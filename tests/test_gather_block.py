@@ -12,7 +12,7 @@ from megatron_sp_ext.sp.gather_block import allgather_self_attention, make_gathe
 from megatron_sp_ext.sp.placement import pieces
 from tests.harness import run_ranks
 from tests.reference import rel_err
-from tests.test_async_block import _rms, _rope
+from tests.test_async_block import _autocast, _rms, _rope
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 EPS = 1e-6
@@ -128,43 +128,5 @@ def test_head_shard_bookkeeping():
     run_ranks(_shard_info, 4)
 
 
-def _autocast(rank, world):
-    g = dist.group.WORLD
-    gen = torch.Generator().manual_seed(5)
-    h, d, dim, b, sl = 4, 8, 32, 1, 4
-    p0 = {"w_qkv": torch.randn(3 * h * d, dim, generator=gen) * 0.2, "w_o": torch.randn(dim, h * d, generator=gen) * 0.2,
-          "nq": torch.ones(h * d), "nk": torch.ones(h * d)}
-    x0, dy = torch.randn(b, sl, dim, generator=gen), torch.randn(b, sl, dim, generator=gen)
-
-    def prep(branch, y, w):
-        return _rms(y, w).view(b, sl, h, d)
-
-    def prep_full(branch, y, w, shard):
-        y4 = y.view(b, -1, y.shape[-1] // d, d)
-        r = torch.rsqrt(shard.sum_sq(y4, branch) / (h * d) + 1e-6)
-        return (y4.float() * r * shard.norm_weight(w, branch, d).float()).to(y.dtype)
-    res = []
-    for use_gather in (False, True):
-        p = {k: v.clone().requires_grad_() for k, v in p0.items()}
-        x = x0.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            if use_gather:
-                y = allgather_self_attention(x, p["w_qkv"], None, p["w_o"], None, g, num_heads=h, num_kv_heads=h,
-                                             prep=prep_full, norm_q_weight=p["nq"], norm_k_weight=p["nk"])
-            else:
-                q, k, v = (x @ p["w_qkv"].t()).split(h * d, dim=-1)
-                o = spx.ulysses_attention(prep("q", q, p["nq"]), prep("k", k, p["nk"]), v.reshape(b, sl, h, d), g)
-                y = o.reshape(b, sl, h * d) @ p["w_o"].t()
-        y.float().backward(dy)
-        res.append((y.float(), x.grad, p["w_qkv"].grad, p["w_o"].grad))
-    for name, a, ref in zip(("out", "dx", "dW_qkv", "dW_o"), res[1], res[0]):
-        if name.startswith("dW"):
-            a, ref = a.clone(), ref.clone()
-            dist.all_reduce(a)
-            dist.all_reduce(ref)
-        assert a.dtype == ref.dtype and rel_err(a, ref) < 3e-2, (name, a.dtype, ref.dtype, rel_err(a, ref))
-    return True
-
-
 def test_gather_block_under_autocast():
-    run_ranks(_autocast, 2)
+    run_ranks(_autocast, 2, "allgather")

@@ -17,25 +17,19 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.gpu_ranks import init_nccl_rank, spawn  # noqa: E402
 import megatron_sp_ext as spx  # noqa: E402
 from megatron_sp_ext.comm.exchange import all_to_all_flat  # noqa: E402
 from megatron_sp_ext.sp.policy import HCMSPolicy  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sdpa_bshd(q, k, v, *args, **kwargs):
@@ -269,10 +263,7 @@ def overlap_trace(group, h, seqlen, chunks, args):
 
 
 def _worker(rank, world, port, args, part_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300),
-                            device_id=torch.device("cuda", rank))
+    init_nccl_rank(rank, world, port, timeout_s=300)
     group = dist.group.WORLD
     modes = build_modes(args.modes.split(","), group, args.causal, nodes=args.nodes)
     out = []
@@ -372,7 +363,7 @@ def main() -> None:
             continue
         os.makedirs(args.out, exist_ok=True)
         part = os.path.join(args.out, f"_part_{args.tag}_P{world}.json")
-        mp.start_processes(_worker, args=(world, _free_port(), args, part), nprocs=world, start_method="spawn")
+        spawn(_worker, world, args, part)
         with open(part) as f:
             got = json.load(f)
         os.remove(part)

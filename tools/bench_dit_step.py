@@ -15,25 +15,19 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.gpu_ranks import init_nccl_rank, spawn  # noqa: E402
 from megatron_sp_ext.sp.block_policy import BlockChoice, BlockPolicy  # noqa: E402
 from tools.bench_attention import rotated  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
 
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_form(label: str) -> BlockChoice:
@@ -48,10 +42,7 @@ def parse_form(label: str) -> BlockChoice:
 
 
 def _worker(rank, world, port, args, path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
-                            timeout=datetime.timedelta(seconds=300))
+    init_nccl_rank(rank, world, port, timeout_s=300)
     group = dist.group.WORLD
     cfg = preset(args.model, args.num_layers)
     torch.manual_seed(1)
@@ -138,7 +129,7 @@ def main():
         if world > torch.cuda.device_count():
             continue
         part = os.path.join(args.out, f"_dit_P{world}.json")
-        mp.start_processes(_worker, args=(world, _port(), args, part), nprocs=world, start_method="spawn")
+        spawn(_worker, world, args, part)
         with open(part) as f:
             results.append(json.load(f))
         os.remove(part)

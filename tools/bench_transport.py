@@ -15,22 +15,16 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tools.gpu_ranks import init_nccl_rank, spawn  # noqa: E402
 
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _median_ms(fn, iters, group):
@@ -40,10 +34,7 @@ def _median_ms(fn, iters, group):
 
 
 def _worker(rank, world, port, args, path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
-                            timeout=datetime.timedelta(seconds=120))
+    init_nccl_rank(rank, world, port, timeout_s=120)
     from megatron_sp_ext.comm.transport import NcclTransport, SymmMemTransport  # noqa: PLC0415
     group = dist.group.WORLD
     side = torch.cuda.Stream()
@@ -103,7 +94,7 @@ def main():
         if world > torch.cuda.device_count():
             continue
         part = os.path.join(args.out, f"_tr_P{world}.json")
-        mp.start_processes(_worker, args=(world, _port(), args, part), nprocs=world, start_method="spawn")
+        spawn(_worker, world, args, part)
         with open(part) as f:
             rows += json.load(f)
         os.remove(part)

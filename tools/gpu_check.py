@@ -11,21 +11,15 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.gpu_ranks import init_nccl_rank, spawn  # noqa: E402
 
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _bitwise_hcms(rank, world, group):
@@ -114,10 +108,7 @@ def _bitwise_transport(rank, world, group):
 
 
 def _worker(rank, world, port, out_dir, only):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
-                            device_id=torch.device("cuda", rank))
+    init_nccl_rank(rank, world, port, timeout_s=120)
     group = dist.group.WORLD
     report = {"P": world, "groups": {}}
     import megatron_sp_ext as spx  # noqa: PLC0415
@@ -224,8 +215,7 @@ def main():
     for world in [int(x) for x in args.world_sizes.split(",")]:
         if world > torch.cuda.device_count():
             continue
-        mp.start_processes(_worker, args=(world, _port(), args.out, args.only.split(",") if args.only else []),
-                           nprocs=world, start_method="spawn")
+        spawn(_worker, world, args.out, args.only.split(",") if args.only else [])
         part = os.path.join(args.out, f"gpu_check_P{world}_rank0.json")
         with open(part) as f:
             rep = json.load(f)

@@ -8,29 +8,22 @@ flash backward with and without torch.use_deterministic_algorithms. Prints one J
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.gpu_ranks import init_nccl_rank, spawn  # noqa: E402
 import megatron_sp_ext as spx  # noqa: E402
 from megatron_sp_ext.comm.exchange import all_to_all_flat  # noqa: E402
 from megatron_sp_ext.sp import layout as lay  # noqa: E402
 from megatron_sp_ext.sp.heads import head_layout  # noqa: E402
 from tools.bench_attention import _time  # noqa: E402
 
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _groups(world):
@@ -52,10 +45,7 @@ def _groups(world):
 
 
 def _worker(rank, world, port, args, path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
-                            timeout=datetime.timedelta(seconds=120))
+    init_nccl_rank(rank, world, port, timeout_s=120)
     groups = _groups(world)
     errs = groups.pop("errors", [])
     res = {"errors": errs}
@@ -121,7 +111,7 @@ def main():
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     path = os.path.join(args.out, f"probe_P{args.world}_H{args.heads}_L{args.seqlen}.json")
-    mp.start_processes(_worker, args=(args.world, _port(), args, path), nprocs=args.world, start_method="spawn")
+    spawn(_worker, args.world, args, path)
     with open(path) as f:
         res = json.load(f)
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}, indent=0))

@@ -10,7 +10,6 @@ call is launch-bound and the GPU idles between kernels.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -18,17 +17,14 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.bench_attention import _free_port, build_modes  # noqa: E402
+from tools.gpu_ranks import init_nccl_rank, spawn  # noqa: E402
+from tools.bench_attention import build_modes  # noqa: E402
 
 
 def _worker(rank, world, port, args, path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
-                            timeout=datetime.timedelta(seconds=120))
+    init_nccl_rank(rank, world, port, timeout_s=120)
     group = dist.group.WORLD
     modes = build_modes(args.modes, group, False)
     sl = args.seqlen // world
@@ -97,8 +93,7 @@ def main():
     args.modes = args.modes.split(",")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"profile_P{args.world_size}_H{args.heads}_L{args.seqlen}.json")
-    mp.start_processes(_worker, args=(args.world_size, _free_port(), args, path), nprocs=args.world_size,
-                       start_method="spawn")
+    spawn(_worker, args.world_size, args, path)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ class _AsyncBlockFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: AsyncPlan):
         h, hkv, d = plan.dims
-        hl, world, C = plan.heads, plan.heads.world, plan.heads.chunks
+        hl, world = plan.heads, plan.heads.world
         bsz, s_loc, _ = x.shape
         tokens = s_loc * bsz
         compute, comm = st.current(x.device), plan.comm_stream
@@ -180,7 +180,7 @@ class _AsyncBlockFn(torch.autograd.Function):
         x, w_qkv, w_o, o_flat = ctx.saved_tensors
         plan: AsyncPlan = ctx.plan
         h, hkv, d = plan.dims
-        hl, world, C = plan.heads, plan.heads.world, plan.heads.chunks
+        hl, C = plan.heads, plan.heads.chunks
         bsz, s_loc, dim = x.shape
         tokens = s_loc * bsz
         compute, comm = st.current(x.device), plan.comm_stream

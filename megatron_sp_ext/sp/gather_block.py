@@ -127,14 +127,11 @@ def _device_const(values: tuple, dtype: torch.dtype, device: torch.device) -> to
 
 def fused_ops_unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
     """Why torch's fused all-gather/reduce-scatter matmuls cannot run here (None when they can)."""
-    if device.type != "cuda":
-        return f"they need CUDA tensors (got device {device.type})"
-    if "nccl" not in str(dist.get_backend(group)):
-        return f"they need an NCCL process group (got {dist.get_backend(group)})"
-    try:
-        import torch.distributed._symmetric_memory as symm  # noqa: PLC0415
-    except ImportError as e:  # pragma: no cover - builds without symmetric memory
-        return f"this torch build has no symmetric memory ({e})"
+    from ..comm.transport import symm_mem_unavailable_reason  # noqa: PLC0415
+    why = symm_mem_unavailable_reason(group, device)
+    if why is not None:
+        return why.replace("it needs", "they need")
+    import torch.distributed._symmetric_memory as symm  # noqa: PLC0415
     ops = getattr(torch.ops, "symm_mem", None)
     for name in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
         if ops is None or not hasattr(ops, name):
