@@ -15,6 +15,7 @@
 #   bash tools/gpu_suite.sh M   # 8K host-vs-GPU profile (ours vs DeepSpeed); all-gather block NCCL vs fused symm_mem
 #   bash tools/gpu_suite.sh N   # after plain Ulysses dropped its side stream: bitwise check, 8K profile, 8K-32K vs DS
 #   bash tools/gpu_suite.sh O   # final set, rotated interleaving: block weak/strong, DiT step forms, attention 8K-32K
+#   bash tools/gpu_suite.sh Q   # DiT step with every block form (strong P=2,4) and weak scaling at P=4
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -112,6 +113,11 @@ elif [ "$PART" = O ]; then  # final set with rotated interleaving: block weak/st
       --out "$OUT"
   run timeout 120 python3 tools/bench_attention.py --tag attn_final_p4 --world-sizes 4 --heads 24,40 \
       --seqlens 8192,16384,32768 --modes deepspeed,ulysses,hcms2,auto --iters 30 --out "$OUT"
+elif [ "$PART" = Q ]; then  # DiT step, every block form side by side: strong (32,760 tokens, P=2,4) and weak (P=4, 16K/GPU)
+  run timeout 170 python3 tools/bench_dit_step.py --tag strong_all --world-sizes 2,4 --iters 10 \
+      --forms plain,plain_hcms2,async,async_hcms2,allgather,plain_symm,async_symm,allgather_symm,auto --out "$OUT"
+  run timeout 90 python3 tools/bench_dit_step.py --tag weak_p4 --world-sizes 4 --frames 41 --iters 6 \
+      --forms plain,async,allgather,auto --out "$OUT"
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"
