@@ -160,33 +160,38 @@ class _UlyssesFn(torch.autograd.Function):
         d = q_shape[-1]
         tokens = s_loc * bsz
         compute, comm = st.current(grad_out.device), plan.comm_stream
-        dq = torch.empty(q_shape, dtype=grad_out.dtype, device=grad_out.device)
-        dk = torch.empty(kv_shape, dtype=grad_out.dtype, device=grad_out.device)
-        dv = torch.empty(kv_shape, dtype=grad_out.dtype, device=grad_out.device)
         recv_g, ev_in = _exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm)
+        dq = dk = dv = None
         for c in range(C):
             st.wait(compute, ev_in[c])
             qc, kc, vc, oc = ctx.chunks[c]
             ctx.chunks[c] = None  # free this chunk's graph as soon as it is used
             hq = qc.shape[1]
             do_c = recv_g[c].view(world * s_loc, bsz, hq, d).permute(1, 2, 0, 3)
-            gq, gk, gv = torch.autograd.grad(oc, (qc, kc, vc), do_c)
+            grads = list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
+            # peak memory: the chunk's saved inputs, output and dO are dead now; drop them before the exchanges
+            del qc, kc, vc, oc, do_c
+            recv_g[c] = None
+            if dq is None:  # the local-layout results, allocated once the first chunk's inputs are freed
+                dq = torch.empty(q_shape, dtype=grad_out.dtype, device=grad_out.device)
+                dk = torch.empty(kv_shape, dtype=grad_out.dtype, device=grad_out.device)
+                dv = torch.empty(kv_shape, dtype=grad_out.dtype, device=grad_out.device)
             done = st.record(compute)
-            if plan.qkv_contiguous:  # one exchange per gradient, each freed once sent
+            if plan.qkv_contiguous:  # one exchange per gradient, each freed once packed
                 with st.on_stream(comm):
                     st.wait(comm, done)
                     tr = _transport(plan)
-                    for g, dst, kind in ((gq, dq, "q"), (gk, dk, "kv"), (gv, dv, "kv")):
+                    for i, (dst, kind) in enumerate(((dq, "q"), (dk, "kv"), (dv, "kv"))):
+                        g, grads[i] = grads[i], None
                         send = _send_head_major(g, tr)
+                        if comm is not None:  # a compute-stream tensor read by the comm stream: guard its reuse
+                            g.record_stream(comm)
+                        del g
                         splits = lay.seg_splits(hl, (kind,), c, tokens, d)
                         recv = _alloc(sum(splits), grad_out)
                         tr.all_to_all(send, recv, None, splits, table=table_head_to_seq(splits))
                         lay.unpack(recv, (dst,), (kind,), hl, c, lay_)
                         del send, recv
-                if comm is not None:
-                    for g in (gq, gk, gv):
-                        g.record_stream(comm)
-                del gq, gk, gv, oc, qc, kc, vc
                 continue
             with st.on_stream(comm):
                 st.wait(comm, done)
@@ -194,16 +199,16 @@ class _UlyssesFn(torch.autograd.Function):
                 tr = _transport(plan)
                 flat = tr.send_buffer(world * s_loc * bsz * sum(ws) * d, grad_out)
                 send = flat.view(world * s_loc, bsz, sum(ws), d)
-                for view, g in zip(lay.columns(send, ws), (gq, gk, gv)):
+                for view, g in zip(lay.columns(send, ws), grads):
                     view.copy_(g)
+                if comm is not None:  # compute-stream tensors read by the comm stream: guard their reuse
+                    for g in grads:
+                        g.record_stream(comm)
+                del grads
                 splits = lay.seg_splits(hl, _QKV, c, tokens, d)
                 recv = _alloc(sum(splits), grad_out)
                 tr.all_to_all(flat, recv, None, splits, table=table_head_to_seq(splits))
                 lay.unpack(recv, (dq, dk, dv), _QKV, hl, c, lay_)
-            if comm is not None:  # compute-stream tensors read by the comm stream: guard their reuse
-                for g in (gq, gk, gv):
-                    g.record_stream(comm)
-            del gq, gk, gv, oc, qc, kc, vc
         if comm is not None:
             compute.wait_stream(comm)
         return dq, dk, dv, None
