@@ -144,7 +144,8 @@ def attention_backward(chunks: list, c: int, recv_g, ev_g, plan, s_loc: int, bsz
     qc, kc, vc, oc = chunks[c]
     chunks[c] = None
     do_c = recv_g[c].view(plan.heads.world * s_loc, bsz, qc.shape[1], d).permute(1, 2, 0, 3)
-    return torch.autograd.grad(oc, (qc, kc, vc), do_c)
+    recv_g[c] = None  # dO and the chunk's saved tensors die with this frame (peak memory)
+    return list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
 
 
 class _AsyncBlockFn(torch.autograd.Function):
@@ -186,52 +187,60 @@ class _AsyncBlockFn(torch.autograd.Function):
         compute, comm = st.current(x.device), plan.comm_stream
         recv_g, ev_g, d_w_o, d_b_o = out_proj_backward(dy, w_o, o_flat, plan, ctx.has[1], tokens, d, compute, comm)
         hkv_rep = hkv * hl.kv_repeat
-        grads = {"q": torch.empty(bsz, s_loc, h, d, dtype=dy.dtype, device=dy.device),
-                 "k": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device),
-                 "v": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device)}
-        last = {}
+        grads, last = None, {}
         for c in range(C):
-            gq, gk, gv = attention_backward(ctx.chunks, c, recv_g, ev_g, plan, s_loc, bsz, d, compute)
+            g3 = attention_backward(ctx.chunks, c, recv_g, ev_g, plan, s_loc, bsz, d, compute)
+            if grads is None:  # allocated once the first chunk's attention inputs are freed (peak memory)
+                grads = {"q": torch.empty(bsz, s_loc, h, d, dtype=dy.dtype, device=dy.device),
+                         "k": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device),
+                         "v": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device)}
             done = st.record(compute)
             with st.on_stream(comm):
                 st.wait(comm, done)
                 tr = _transport(plan)
-                for name, g, kind in (("v", gv, "kv"), ("k", gk, "kv"), ("q", gq, "q")):
+                for i, name, kind in ((2, "v", "kv"), (1, "k", "kv"), (0, "q", "q")):
+                    g, g3[i] = g3[i], None
                     send = _send_head_major(g, tr)
+                    if comm is not None:  # a compute-stream tensor read by the comm stream: guard its reuse
+                        g.record_stream(comm)
+                    del g  # each gradient is freed once packed
                     splits = lay.seg_splits(hl, (kind,), c, tokens, d)
                     r = _alloc(sum(splits), dy)
                     tr.all_to_all(send, r, None, splits, table=table_head_to_seq(splits))
                     lay.unpack(r, (grads[name],), (kind,), hl, c, "bshd")
                     last[name] = st.record(comm)
-            if comm is not None:
-                for g in (gq, gk, gv):
-                    g.record_stream(comm)
+                    del send, r
         # branch backward: each waits only for its own gradient (v first: it has no prep)
         x2 = x.reshape(-1, dim)
         sizes = (h * d, hkv * d, hkv * d)
+        offs = {"q": 0, "k": sizes[0], "v": sizes[0] + sizes[1]}
         ws = torch.split(w_qkv, sizes, dim=0)
-        d_w, d_b, dx, d_norm = {}, {}, torch.zeros_like(x2), {"q": None, "k": None}
+        d_w_qkv = torch.empty(w_qkv.shape, dtype=dy.dtype, device=dy.device)
+        d_b_qkv = torch.empty(w_qkv.shape[0], dtype=dy.dtype, device=dy.device) if ctx.has[0] else None
+        dx, d_norm = torch.zeros_like(x2), {"q": None, "k": None}
         for name, w in (("v", ws[2]), ("k", ws[1]), ("q", ws[0])):
             st.wait(compute, last.get(name))
-            g = grads[name]
+            g, grads[name] = grads[name], None
             if name != "q" and hl.kv_repeat > 1:  # replicated kv heads: sum their gradients back
                 g = g.view(bsz, s_loc, hkv, hl.kv_repeat, d).sum(3)
-            if name in ctx.saved_prep:  # QK-norm + RoPE backward
-                y_leaf, w_leaf, y4g = ctx.saved_prep[name]
+            if name in ctx.saved_prep:  # QK-norm + RoPE backward; its graph is freed right after
+                y_leaf, w_leaf, y4g = ctx.saved_prep.pop(name)
                 inputs = (y_leaf,) if w_leaf is None else (y_leaf, w_leaf)
                 res = torch.autograd.grad(y4g, inputs, g)
+                del y_leaf, y4g
                 g2 = res[0]
                 d_norm[name] = res[1] if w_leaf is not None else None
             else:
                 g2 = g.reshape(bsz, s_loc, -1)
+            del g
             g2 = g2.reshape(-1, g2.shape[-1])
-            d_w[name] = _mm(g2.t(), x2)
-            d_b[name] = g2.sum(0)
+            d_w_qkv.narrow(0, offs[name], g2.shape[1]).copy_(_mm(g2.t(), x2))
+            if d_b_qkv is not None:
+                d_b_qkv.narrow(0, offs[name], g2.shape[1]).copy_(g2.sum(0))
             dx.add_(_mm(g2, w))
+            del g2
         if comm is not None:
             compute.wait_stream(comm)
-        d_w_qkv = torch.cat([d_w["q"], d_w["k"], d_w["v"]], dim=0)
-        d_b_qkv = torch.cat([d_b["q"], d_b["k"], d_b["v"]], dim=0) if ctx.has[0] else None
         return (dx.view_as(x), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"], None)
 
 

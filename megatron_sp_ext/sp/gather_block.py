@@ -10,8 +10,8 @@ per rank, of which (P-1)/P leaves); here each rank gathers x (S_local x dim from
 computes its heads for all tokens: the same FLOPs, P/3 of the bytes, and on CUDA the gather runs
 inside ``torch.ops.symm_mem.fused_all_gather_matmul`` (pipelined with the GEMM over peers' shards).
 Backward: dx = reduce_scatter_seq(dY_r W_r) through ``fused_matmul_reduce_scatter``, dW_r from a
-re-gathered x (gathered on the communication stream during the attention backward; x_full is not
-kept between forward and backward). Where the fused ops are missing (CPU/gloo, other torch builds)
+re-gathered x (gathered on the communication stream during the q/k prep backward and the dx GEMM;
+x_full is not kept between forward and backward). Where the fused ops are missing (CPU/gloo, other torch builds)
 the same math runs as all-gather -> GEMM and GEMM -> reduce-scatter. Which one runs follows the
 transport ("symm_mem": the fused ops; "nccl": NCCL collectives), or ``fused=`` explicitly.
 
@@ -203,7 +203,8 @@ def project_gathered(x, w_qkv, b_qkv, nq_w, nk_w, plan: GatherPlan):
     yq, yk, yv = torch.split(y, plan.widths, dim=-1)
     saved_prep, four = {}, {"v": yv.reshape(bsz, s_full, -1, d)}
     for name, yb, nw in (("q", yq, nq_w), ("k", yk, nk_w)):   # QK-norm + RoPE, graph kept for backward
-        y_leaf = yb.detach().requires_grad_()
+        # a copy, not a view: a view would keep the whole q|k|v GEMM output alive until backward
+        y_leaf = yb.detach().clone().requires_grad_()
         w_leaf = nw.detach().requires_grad_() if nw is not None else None
         with torch.enable_grad():
             y4g = plan.prep(name, y_leaf, w_leaf, plan.shard)
@@ -248,30 +249,34 @@ class _GatherBlockFn(torch.autograd.Function):
         tokens, s_full = s_loc * bsz, s_loc * hl.world
         compute, comm = st.current(x.device), plan.comm_stream
         recv_g, ev_g, d_w_o, d_b_o = out_proj_backward(dy, w_o, o_flat, plan, has_b_o, tokens, d, compute, comm)
-        # x is needed again only for dW: its gather queues behind the dO exchange and flies during the
-        # attention backward (x_full is not kept from the forward: P x the block input per layer)
+        wq, wk, wv = plan.widths
+        g_all = g4 = None
+        for c in range(hl.chunks):
+            (qa, qn), (ka, kn) = hl.q_chunks[me][c], hl.kv_chunks[me][c]
+            g3 = attention_backward(ctx.chunks, c, recv_g, ev_g, plan, s_loc, bsz, d, compute)
+            if g_all is None:  # allocated once the first chunk's attention inputs are freed (peak memory)
+                g_all = torch.empty(bsz, s_full, wq + wk + wv, dtype=dy.dtype, device=dy.device)
+                g4 = {"q": torch.empty(bsz, s_full, wq // d, d, dtype=dy.dtype, device=dy.device),
+                      "k": torch.empty(bsz, s_full, wk // d, d, dtype=dy.dtype, device=dy.device),
+                      "v": g_all[..., wq + wk:].view(bsz, s_full, wv // d, d)}
+            for i, (name, a, n) in enumerate((("q", qa, qn), ("k", ka, kn), ("v", ka, kn))):
+                g4[name][:, :, a:a + n].copy_(g3[i].transpose(1, 2))
+                g3[i] = None
+        # x is needed again only for dW: gather it on the comm stream while the q/k prep backward and the
+        # dx GEMM run (x_full is not kept from the forward: P x the block input per layer)
         ready = st.record(compute)
         with st.on_stream(comm):
             st.wait(comm, ready)
             work, x_full = _seq_gather_async(x, plan.group)
-        wq, wk, wv = plan.widths
-        g_all = torch.empty(bsz, s_full, wq + wk + wv, dtype=dy.dtype, device=dy.device)
-        g4 = {"q": torch.empty(bsz, s_full, wq // d, d, dtype=dy.dtype, device=dy.device),
-              "k": torch.empty(bsz, s_full, wk // d, d, dtype=dy.dtype, device=dy.device),
-              "v": g_all[..., wq + wk:].view(bsz, s_full, wv // d, d)}
-        for c in range(hl.chunks):
-            (qa, qn), (ka, kn) = hl.q_chunks[me][c], hl.kv_chunks[me][c]
-            gq, gk, gv = attention_backward(ctx.chunks, c, recv_g, ev_g, plan, s_loc, bsz, d, compute)
-            g4["q"][:, :, qa:qa + qn].copy_(gq.transpose(1, 2))
-            g4["k"][:, :, ka:ka + kn].copy_(gk.transpose(1, 2))
-            g4["v"][:, :, ka:ka + kn].copy_(gv.transpose(1, 2))
         d_norm = {}
-        for name, off in (("q", 0), ("k", wq)):
-            y_leaf, w_leaf, y4g = ctx.saved_prep[name]
+        for name, off in (("q", 0), ("k", wq)):  # prep backward; each graph is freed right after
+            y_leaf, w_leaf, y4g = ctx.saved_prep.pop(name)
             inputs = (y_leaf,) if w_leaf is None else (y_leaf, w_leaf)
             res = torch.autograd.grad(y4g, inputs, g4.pop(name))
+            del y_leaf, y4g
             g_all[..., off:off + res[0].shape[-1]].copy_(res[0])
             d_norm[name] = res[1] if w_leaf is not None else None
+            del res
         dx = _matmul_reduce_scatter(g_all, w_r, plan)
         with st.on_stream(comm):
             work.wait()
