@@ -12,6 +12,8 @@ from typing import Optional, Union
 
 import torch
 
+from .lse import acc_dtype
+
 Mask = Union[None, str, torch.Tensor]
 
 
@@ -40,33 +42,36 @@ def _bool_mask(mask: Mask, sq: int, sk: int, device) -> Optional[torch.Tensor]:
 
 
 def math_forward(q, k, v, scale: float, mask: Mask = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference-quality block forward in fp32. Returns (out in q.dtype, lse fp32)."""
+    """Reference-quality block forward in fp32 (fp64 for fp64). Returns (out in q.dtype, lse)."""
     k, v, _ = _expand_kv(k, v, q.shape[1])
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    acc = acc_dtype(q)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     m = _bool_mask(mask, q.shape[2], k.shape[2], q.device)
     if m is not None:
         s = s.masked_fill(~m, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(s - safe.unsqueeze(-1))
-    out = torch.matmul(p, v.float())
+    out = torch.matmul(p, v.to(acc))
     return out.to(q.dtype), lse
 
 
 def math_backward(do, q, k, v, out, lse, scale: float, mask: Mask = None):
-    """Block backward in fp32 given final out/lse of the rows. Returns (dq, dk, dv) in input dtypes."""
+    """Block backward in fp32 (fp64 for fp64) given final out/lse of the rows. Returns (dq, dk, dv) in
+    input dtypes."""
     hk = k.shape[1]
     ke, ve, rep = _expand_kv(k, v, q.shape[1])
-    qf, kf, vf, dof = q.float(), ke.float(), ve.float(), do.float()
+    acc = acc_dtype(q)
+    qf, kf, vf, dof = q.to(acc), ke.to(acc), ve.to(acc), do.to(acc)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     m = _bool_mask(mask, q.shape[2], ke.shape[2], q.device)
     if m is not None:
         s = s.masked_fill(~m, float("-inf"))
-    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).float()
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(acc)
     p = torch.exp(s - safe.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), dof)
     dp = torch.matmul(dof, vf.transpose(-1, -2))
-    delta = (dof * out.float()).sum(-1, keepdim=True)
+    delta = (dof * out.to(acc)).sum(-1, keepdim=True)
     ds = p * (dp - delta)
     dq = torch.matmul(ds, kf) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qf) * scale

@@ -72,8 +72,8 @@ class HeadShard:
 
     def sum_sq(self, y4: torch.Tensor, branch: str) -> torch.Tensor:
         """Sum of squares over ALL ranks' heads of ``branch`` ("q" or "k"), per token: y4 [B, S, n, D]
-        (this rank's heads) -> [B, S, 1, 1] float32, differentiable."""
-        sq = y4.float().pow(2).sum(-1)
+        (this rank's heads) -> [B, S, 1, 1] in float32 (float64 for float64 input), differentiable."""
+        sq = y4.to(torch.promote_types(y4.dtype, torch.float32)).pow(2).sum(-1)
         if branch != "q" and not all(self.kv_owner):
             sq = sq * _device_const(self.kv_owner, sq.dtype, self.device)
         return _AllReduceSum.apply(sq.sum(-1, keepdim=True), self.group)[..., None]

@@ -4,8 +4,8 @@ Q stays on its rank; K|V blocks travel. ``variant="ring"`` moves the whole local
 one ring (send/recv, next block in flight while the current one is attended). ``variant="tasp"``
 splits it into one slot per Hamiltonian cycle of K_P* and advances all rings with ONE all_to_all
 per step driven by precomputed routing tables (TASP Algorithm 3). Partial results merge by
-log-sum-exp in fp32. Backward recomputes each block against the final out/lse; dK|dV accumulators
-(fp32) travel with their blocks and take one extra hop home at the end.
+log-sum-exp in fp32 (fp64 for fp64 inputs). Backward recomputes each block against the final
+out/lse; dK|dV accumulators (same dtype) travel with their blocks and take one extra hop home.
 
 Causal masks come from global token positions of the placement: a (q run, kv run) pair is full,
 skipped, diagonal-causal or (misaligned) explicitly masked. With "zigzag" (ring) or "tasp_zigzag"
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
-from ..attention.lse import merge_into
+from ..attention.lse import acc_dtype, merge_into
 from ..comm.multiring import MultiRingExchange
 from ..config import LAYOUTS
 from ..errors import SPConfigError
@@ -164,7 +164,7 @@ def _kv_view(buf: torch.Tensor, rows):
 
 
 def _kv_add(acc: torch.Tensor, rows, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    g = torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1).float()
+    g = torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1).to(acc.dtype)
     if rows is None:
         acc.add_(g)
     elif isinstance(rows, tuple):
@@ -180,15 +180,15 @@ def _rows(x: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
 def ring_forward(q_bhsd, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries over the keys of every ring rank.
 
-    q: [B, H, S_q, D]; k, v: [B, Hkv, S_kv, D] (this rank's block). Returns (out fp32, lse fp32).
+    q: [B, H, S_q, D]; k, v: [B, Hkv, S_kv, D] (this rank's block). Returns (out, lse) in the accumulator dtype (fp32, or fp64 for fp64).
     Rows that see no key keep out = 0 and lse = -inf.
     """
     b, h, s_q, d = q_bhsd.shape
     ex = MultiRingExchange(plan.routing, plan.group, plan.rank, plan.slot_off, plan.slot_len)
     cur = torch.stack([k_bhsd.permute(2, 0, 1, 3), v_bhsd.permute(2, 0, 1, 3)], dim=1).contiguous()
     nxt = torch.empty_like(cur) if plan.world > 1 else None
-    acc = torch.zeros(b, h, s_q, d, dtype=torch.float32, device=q_bhsd.device)
-    lse = torch.full((b, h, s_q), float("-inf"), dtype=torch.float32, device=q_bhsd.device)
+    acc = torch.zeros(b, h, s_q, d, dtype=acc_dtype(q_bhsd), device=q_bhsd.device)
+    lse = torch.full((b, h, s_q), float("-inf"), dtype=acc.dtype, device=q_bhsd.device)
     for step in range(plan.world):
         handle = ex.start(cur, nxt) if step < plan.world - 1 else None
         for it in plan.items(step, q_bhsd.device):
@@ -211,14 +211,14 @@ def ring_forward(q_bhsd, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Tensor, 
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
     """Gradients of ``ring_forward`` given the FINAL out (q dtype) and lse of the query rows.
 
-    Returns (dq fp32 [B,H,S_q,D], dk, dv fp32 [B,Hkv,S_kv,D] of this rank's own block).
+    Returns (dq [B,H,S_q,D], dk, dv [B,Hkv,S_kv,D] of this rank's own block) in the accumulator dtype.
     """
     dout = dout.contiguous()
     ex = MultiRingExchange(plan.routing, plan.group, plan.rank, plan.slot_off, plan.slot_len)
     cur = torch.stack([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=1).contiguous()
     nxt = torch.empty_like(cur) if plan.world > 1 else None
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv_in = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    dkv_in = torch.zeros(cur.shape, dtype=dq.dtype, device=q.device)
     dkv_next = torch.empty_like(dkv_in)
     dkv_handle = None
     for step in range(plan.world):
@@ -231,9 +231,9 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
                 lse if it.q_rows is None else lse.index_select(2, it.q_rows),
                 causal=it.causal, softmax_scale=plan.scale, mask=it.mask)
             if it.q_rows is None:
-                dq.add_(gq.float())
+                dq.add_(gq.to(dq.dtype))
             else:
-                dq.index_add_(2, it.q_rows, gq.float())
+                dq.index_add_(2, it.q_rows, gq.to(dq.dtype))
             _kv_add(local, it.kv_rows, gk, gv)
         if dkv_handle is not None:  # accumulator of this block from the ranks before us
             ex.wait(dkv_handle)

@@ -21,11 +21,16 @@ import torch
 import torch.distributed as dist
 
 from ..attention.backends import get_backend
-from ..attention.lse import merge_into
+from ..attention.lse import acc_dtype, merge_into
 from ..topology.mesh import SPMesh
 from .heads import HeadLayout, head_layout
 from .placement import pieces
 from .ring import RingBackend
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """t in its accumulator dtype (fp32, or fp64 for fp64)."""
+    return t.to(acc_dtype(t))
 
 
 class _Ctx:
@@ -107,7 +112,7 @@ class _TorusFn(torch.autograd.Function):
             else:
                 work, incoming = [], None
             o, l_ = c.be([l], [t]).forward_lse(qs[l], own_k, own_v, causal=c.causal, softmax_scale=c.scale)
-            acc[l], lse[l] = o.float(), l_
+            acc[l], lse[l] = _acc(o), l_
             _wait(work)
             if incoming is not None:
                 qs[incoming[0]] = _bh(incoming[1])
@@ -186,15 +191,15 @@ class _TorusFn(torch.autograd.Function):
         k_all, v_all = torch.cat([own_k, k_oth], dim=2), torch.cat([own_v, v_oth], dim=2)
         gq_own, gk_all, gv_all = c.be([t], [t] + c.others).backward_lse(
             do_own, own_q, k_all, v_all, own_o, own_lse, causal=c.causal, softmax_scale=c.scale)
-        gk_all, gv_all = gk_all.float(), gv_all.float()
+        gk_all, gv_all = _acc(gk_all), _acc(gv_all)
         _wait(work)
         do_oth = _cat_seq([_bh(d_oth[l]) for l in c.others])
         # 2. Q_{others} x KV_t (stays here), then each KV_j shipped home once complete (reverse Pull KV)
         gq_oth, gk, gv = c.be(c.others, [t]).backward_lse(do_oth, q_oth, own_k, own_v, out_o, lse_o,
                                                           causal=c.causal, softmax_scale=c.scale)
-        gq_oth = gq_oth.float()
-        gk_all[:, :, :sl] += gk.float()
-        gv_all[:, :, :sl] += gv.float()
+        gq_oth = _acc(gq_oth)
+        gk_all[:, :, :sl] += _acc(gk)
+        gv_all[:, :, :sl] += _acc(gv)
         dk[:, :, ka:kb] = gk_all[:, :, :sl].transpose(1, 2)
         dv[:, :, ka:kb] = gv_all[:, :, :sl].transpose(1, 2)
         pending, inbox = [], {}
@@ -203,9 +208,9 @@ class _TorusFn(torch.autograd.Function):
             vj = v_oth[:, :, i * sl:(i + 1) * sl]
             g_q, g_k, g_v = c.be(c.others, [j]).backward_lse(do_oth, q_oth, kj, vj, out_o, lse_o,
                                                              causal=c.causal, softmax_scale=c.scale)
-            gq_oth += g_q.float()
-            sk = (gk_all[:, :, (i + 1) * sl:(i + 2) * sl] + g_k.float()).to(dout.dtype).transpose(1, 2).contiguous()
-            sv = (gv_all[:, :, (i + 1) * sl:(i + 2) * sl] + g_v.float()).to(dout.dtype).transpose(1, 2).contiguous()
+            gq_oth += _acc(g_q)
+            sk = (gk_all[:, :, (i + 1) * sl:(i + 2) * sl] + _acc(g_k)).to(dout.dtype).transpose(1, 2).contiguous()
+            sv = (gv_all[:, :, (i + 1) * sl:(i + 2) * sl] + _acc(g_v)).to(dout.dtype).transpose(1, 2).contiguous()
             src = (t + i + 1) % T  # rank whose round i ships our tokens' kv grads of its head group
             a, b = c.heads(src, "kv")
             rk = torch.empty(dout.shape[0], sl, b - a, dout.shape[3], dtype=dout.dtype, device=dout.device)
