@@ -6,21 +6,11 @@ import torch.distributed as dist
 
 import megatron_sp_ext as spx
 from megatron_sp_ext.sp.async_block import async_ulysses_self_attention
+from tests.blocks import block_params, gathered_prep, local_prep, reference_case, rms
 from tests.harness import run_ranks
 from tests.reference import rel_err
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-def _rms(y, w, eps=1e-6):
-    out = y.float() * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + eps)
-    return (out * w.float()).to(y.dtype)
-
-
-def _rope(x, ang):
-    cos, sin = ang.cos().to(x.dtype)[None, :, None, :], ang.sin().to(x.dtype)[None, :, None, :]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
 
 
 def _case(rank, world, h, hkv, d, chunks, qk_norm, dtype):
@@ -28,21 +18,14 @@ def _case(rank, world, h, hkv, d, chunks, qk_norm, dtype):
     gen = torch.Generator().manual_seed(11)
     dim, b, sl = 32, 2, 6
     s = sl * world
-    p = {"w_qkv": torch.randn((h + 2 * hkv) * d, dim, generator=gen) * 0.2,
-         "b_qkv": torch.randn((h + 2 * hkv) * d, generator=gen) * 0.1,
-         "w_o": torch.randn(dim, h * d, generator=gen) * 0.2, "b_o": torch.randn(dim, generator=gen) * 0.1,
-         "nq": 1 + 0.1 * torch.randn(h * d, generator=gen), "nk": 1 + 0.1 * torch.randn(hkv * d, generator=gen)}
+    p = block_params(gen, h, hkv, d, dim)
     x_full = torch.randn(b, s, dim, generator=gen)
     dy_full = torch.randn(b, s, dim, generator=gen)
     ang_full = torch.randn(s, d // 2, generator=gen, dtype=torch.float64)
     mine = slice(rank * sl, (rank + 1) * sl)
     ang = ang_full[mine]
 
-    def prep(branch, y, w):
-        n = h if branch == "q" else hkv
-        if w is not None:
-            y = _rms(y, w)
-        return _rope(y.view(y.shape[0], y.shape[1], n, d), ang)
+    prep = local_prep(h, hkv, d, ang)
 
     results = []
     for use_async in (False, True):
@@ -141,7 +124,7 @@ def _pre_attention(rank, world, h, hkv, chunks):
     nq, nk = 1 + torch.randn(h * d, generator=gen) * 0.1, 1 + torch.randn(hkv * d, generator=gen) * 0.1
 
     def prep(branch, y, wn):
-        return _rms(y, wn).view(b, sl, -1, d)
+        return rms(y, wn).view(b, sl, -1, d)
     plan = make_async_plan(dist.group.WORLD, num_heads=h, num_kv_heads=hkv, head_dim=d, prep=prep, seq_local=sl,
                            device=x.device, head_chunks=chunks)
     ra, _, _ = project_and_exchange(x, w, None, nq, nk, plan)
@@ -173,13 +156,7 @@ def _autocast(rank, world, form="async"):
           "nq": torch.ones(h * d), "nk": torch.ones(h * d)}
     x0, dy = torch.randn(b, sl, dim, generator=gen), torch.randn(b, sl, dim, generator=gen)
 
-    def prep(branch, y, w):
-        return _rms(y, w).view(b, sl, h, d)
-
-    def prep_full(branch, y, w, shard):
-        y4 = y.view(b, -1, y.shape[-1] // d, d)
-        r = torch.rsqrt(shard.sum_sq(y4, branch) / (h * d) + 1e-6)
-        return (y4.float() * r * shard.norm_weight(w, branch, d).float()).to(y.dtype)
+    prep, prep_full = local_prep(h, h, d), gathered_prep(h, h, d)
     res = []
     for use_block in (False, True):
         p = {k: v.clone().requires_grad_() for k, v in p0.items()}
@@ -207,3 +184,10 @@ def _autocast(rank, world, form="async"):
 
 def test_async_block_under_autocast():
     run_ranks(_autocast, 2)
+
+
+@pytest.mark.parametrize("world,h,hkv,chunks,qk_norm,causal,placement,kv_valid", [
+    (2, 8, 8, 2, True, False, "contiguous", None), (2, 8, 4, 1, True, True, "zigzag", None),
+    (4, 8, 2, 1, True, True, "zigzag", None), (4, 6, 6, 1, False, False, "contiguous", 21)])
+def test_async_block_matches_float64_reference(world, h, hkv, chunks, qk_norm, causal, placement, kv_valid):
+    run_ranks(reference_case, world, "async", h, hkv, 8, chunks, qk_norm, causal, placement, kv_valid)

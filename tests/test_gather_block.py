@@ -12,10 +12,10 @@ from megatron_sp_ext.sp.gather_block import allgather_self_attention, make_gathe
 from megatron_sp_ext.sp.placement import pieces
 from tests.harness import run_ranks
 from tests.reference import rel_err
-from tests.test_async_block import _autocast, _rms, _rope
+from tests.blocks import block_params, gathered_prep, local_prep, reference_case
+from tests.test_async_block import _autocast
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-EPS = 1e-6
 
 
 def _case(rank, world, h, hkv, d, chunks, qk_norm, dtype, causal=False, placement="contiguous", kv_valid=None,
@@ -25,29 +25,14 @@ def _case(rank, world, h, hkv, d, chunks, qk_norm, dtype, causal=False, placemen
     gen = torch.Generator().manual_seed(21)
     dim, b, sl = 24, 2, 6
     s = sl * world
-    p = {"w_qkv": torch.randn((h + 2 * hkv) * d, dim, generator=gen) * 0.2,
-         "b_qkv": torch.randn((h + 2 * hkv) * d, generator=gen) * 0.1,
-         "w_o": torch.randn(dim, h * d, generator=gen) * 0.2, "b_o": torch.randn(dim, generator=gen) * 0.1,
-         "nq": 1 + 0.1 * torch.randn(h * d, generator=gen), "nk": 1 + 0.1 * torch.randn(hkv * d, generator=gen)}
+    p = block_params(gen, h, hkv, d, dim)
     x_full = torch.randn(b, s, dim, generator=gen)
     dy_full = torch.randn(b, s, dim, generator=gen)
     ang_full = torch.randn(s, d // 2, generator=gen, dtype=torch.float64)
     mine = torch.tensor([i for a, n in pieces(placement, rank, world, s) for i in range(a, a + n)])
     ang = ang_full[mine].to(device)
 
-    def prep(branch, y, w):  # the plain block's: norm over all heads of this rank's tokens
-        n = h if branch == "q" else hkv
-        if w is not None:
-            y = _rms(y, w, EPS)
-        return _rope(y.view(y.shape[0], y.shape[1], n, d), ang)
-
-    def prep_full(branch, y, w, shard):  # the gather block's: this rank's heads, every token
-        y4 = y.view(y.shape[0], y.shape[1], -1, d)
-        if w is not None:
-            width = (h if branch == "q" else hkv) * d
-            r = torch.rsqrt(shard.sum_sq(y4, branch) / width + EPS)
-            y4 = (y4.float() * r * shard.norm_weight(w, branch, d).float()).to(y.dtype)
-        return _rope(y4, shard.gather_tokens(ang))
+    prep, prep_full = local_prep(h, hkv, d, ang), gathered_prep(h, hkv, d, ang)
 
     results = []
     for use_gather in (False, True):
@@ -130,3 +115,12 @@ def test_head_shard_bookkeeping():
 
 def test_gather_block_under_autocast():
     run_ranks(_autocast, 2, "allgather")
+
+
+@pytest.mark.parametrize("world,h,hkv,chunks,qk_norm,causal,placement,kv_valid", [
+    (2, 8, 8, 2, True, False, "contiguous", None), (2, 8, 4, 1, True, True, "zigzag", None),
+    (4, 8, 2, 1, True, True, "zigzag", None), (4, 6, 6, 1, False, False, "contiguous", 21),
+    (4, 4, 1, 1, True, False, "contiguous", None)])
+def test_gather_block_matches_float64_reference(world, h, hkv, chunks, qk_norm, causal, placement, kv_valid):
+    """Against the whole block in float64 on one device (full sequence), not only against the plain block."""
+    run_ranks(reference_case, world, "allgather", h, hkv, 8, chunks, qk_norm, causal, placement, kv_valid)

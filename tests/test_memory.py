@@ -76,7 +76,7 @@ def test_hcms_peak_not_above_ulysses(world, h, hkv):
 
 def _block_peaks(rank, world):
     from megatron_sp_ext.sp.gather_block import allgather_self_attention
-    from tests.test_async_block import _rms
+    from tests.blocks import gathered_prep, local_prep
     g = dist.group.WORLD
     gen = torch.Generator().manual_seed(rank)
     h, d, dim, b, sl = 4, 8, 32, 1, 512  # weights small next to activations, as in long-sequence training
@@ -86,13 +86,7 @@ def _block_peaks(rank, world):
     x = torch.randn(b, sl, dim, generator=gen, requires_grad=True)
     dy = torch.randn(b, sl, dim, generator=gen)
 
-    def prep(branch, y, w):
-        return _rms(y, w).view(b, sl, h, d)
-
-    def prep_full(branch, y, w, shard):
-        y4 = y.view(b, -1, y.shape[-1] // d, d)
-        r = torch.rsqrt(shard.sum_sq(y4, branch) / (h * d) + 1e-6)
-        return (y4.float() * r * shard.norm_weight(w, branch, d).float()).to(y.dtype)
+    prep, prep_full = local_prep(h, h, d), gathered_prep(h, h, d)
 
     def plain():
         q, k, v = (x @ w_qkv.t()).split(h * d, dim=-1)
