@@ -14,7 +14,6 @@ Example (4 x H200):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.gpu_ranks import init_nccl_rank, spawn  # noqa: E402
+from tools.gpu_ranks import init_nccl_rank, run_meta, run_world_sizes  # noqa: E402
 import megatron_sp_ext as spx  # noqa: E402
 from megatron_sp_ext.comm.exchange import all_to_all_flat  # noqa: E402
 from megatron_sp_ext.sp.policy import HCMSPolicy  # noqa: E402
@@ -289,9 +288,7 @@ def _worker(rank, world, port, args, part_path):
 
 def write_reports(results, traces, args):
     os.makedirs(args.out, exist_ok=True)
-    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
-            "torch": torch.__version__, "command": " ".join(sys.argv), "causal": args.causal,
-            "dtype": "bf16", "B": 1, "D": args.head_dim}
+    meta = run_meta(torch=torch.__version__, causal=args.causal, dtype="bf16", B=1, D=args.head_dim)
     with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
         json.dump({"meta": meta, "results": results, "overlap_traces": traces}, f, indent=1)
     modes = []
@@ -357,20 +354,10 @@ def main() -> None:
     args.heads = [int(x) for x in args.heads.split(",")]
     args.seqlens = [int(x) for x in args.seqlens.split(",")]
     results, traces = [], []
-    for world in [int(x) for x in args.world_sizes.split(",")]:
-        if world > torch.cuda.device_count():
-            print(f"[bench] P={world} skipped: only {torch.cuda.device_count()} GPUs")
-            continue
-        os.makedirs(args.out, exist_ok=True)
-        part = os.path.join(args.out, f"_part_{args.tag}_P{world}.json")
-        spawn(_worker, world, args, part)
-        with open(part) as f:
-            got = json.load(f)
-        os.remove(part)
-        out, trace = got["results"], got["trace"]
-        results += out
-        if trace:
-            traces.append({"P": world, **trace})
+    for got in run_world_sizes(_worker, [int(x) for x in args.world_sizes.split(",")], args, args.out, args.tag):
+        results += got["results"]
+        if got["trace"]:
+            traces.append({"P": got["results"][0]["P"], **got["trace"]})
     write_reports(results, traces, args)
 
 

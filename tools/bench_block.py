@@ -10,7 +10,6 @@ Writes block.json and block.md (ratios vs the plain block in the same run).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.gpu_ranks import init_nccl_rank, spawn  # noqa: E402
+from tools.gpu_ranks import init_nccl_rank, run_meta, run_world_sizes  # noqa: E402
 import megatron_sp_ext as spx  # noqa: E402
 from tools.bench_attention import rotated  # noqa: E402
 from training.video_dit.config import preset  # noqa: E402
@@ -214,18 +213,9 @@ def main():
     args.models = args.models.split(",")
     args.chunks = [int(c) for c in args.chunks.split(",")]
     args.transports = args.transports.split(",")
-    os.makedirs(args.out, exist_ok=True)
-    results = []
-    for world in [int(w) for w in args.world_sizes.split(",")]:
-        if world > torch.cuda.device_count():
-            continue
-        part = os.path.join(args.out, f"_block_P{world}.json")
-        spawn(_worker, world, args, part)
-        with open(part) as f:
-            results += json.load(f)
-        os.remove(part)
-    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
-            "command": " ".join(sys.argv)}
+    per_world = run_world_sizes(_worker, [int(w) for w in args.world_sizes.split(",")], args, args.out, "block")
+    results = [r for rs in per_world for r in rs]
+    meta = run_meta()
     lines = [f"{meta['device']} x P, {meta['date']}, bf16; fwd ms / fwd+bwd ms (speedup vs plain)", "",
              "| P | dim | heads | L | mode | fwd | fwd+bwd |", "|---|---|---|---|---|---|---|"]
     for r in results:

@@ -12,7 +12,6 @@ median per form (max over ranks), the speedup vs plain, and each form's loss (th
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.gpu_ranks import init_nccl_rank, spawn  # noqa: E402
+from tools.gpu_ranks import init_nccl_rank, run_meta, run_world_sizes  # noqa: E402
 from megatron_sp_ext.sp.block_policy import BlockChoice, BlockPolicy  # noqa: E402
 from tools.bench_attention import rotated  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
@@ -123,18 +122,8 @@ def main():
     for lab in args.forms:
         if lab != "auto":
             parse_form(lab)
-    os.makedirs(args.out, exist_ok=True)
-    results = []
-    for world in [int(w) for w in args.world_sizes.split(",")]:
-        if world > torch.cuda.device_count():
-            continue
-        part = os.path.join(args.out, f"_dit_P{world}.json")
-        spawn(_worker, world, args, part)
-        with open(part) as f:
-            results.append(json.load(f))
-        os.remove(part)
-    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
-            "command": " ".join(sys.argv)}
+    results = run_world_sizes(_worker, [int(w) for w in args.world_sizes.split(",")], args, args.out, "dit")
+    meta = run_meta()
     lines = [f"{meta['device']} x P, {meta['date']}; DiT fwd+bwd step ms, interleaved (speedup vs "
              f"{args.forms[0]}; loss rel. diff)", "", "| P | model | layers | tokens | form | step ms | speedup | "
              "loss diff |", "|---|---|---|---|---|---|---|---|"]

@@ -12,7 +12,6 @@ attention slowdown. Writes transport.json / transport.md under --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tools.gpu_ranks import init_nccl_rank, spawn  # noqa: E402
+from tools.gpu_ranks import init_nccl_rank, run_meta, run_world_sizes  # noqa: E402
 
 
 
@@ -88,18 +87,9 @@ def main():
     args = ap.parse_args()
     args.heads = [int(x) for x in args.heads.split(",")]
     args.seqlens = [int(x) for x in args.seqlens.split(",")]
-    os.makedirs(args.out, exist_ok=True)
-    rows = []
-    for world in [int(w) for w in args.world_sizes.split(",")]:
-        if world > torch.cuda.device_count():
-            continue
-        part = os.path.join(args.out, f"_tr_P{world}.json")
-        spawn(_worker, world, args, part)
-        with open(part) as f:
-            rows += json.load(f)
-        os.remove(part)
-    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
-            "command": " ".join(sys.argv)}
+    per_world = run_world_sizes(_worker, [int(w) for w in args.world_sizes.split(",")], args, args.out, "transport")
+    rows = [r for rs in per_world for r in rs]
+    meta = run_meta()
     with open(os.path.join(args.out, "transport.json"), "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=1)
     names = ("nccl", "symm_mem", "symm_mem_serial")

@@ -1,7 +1,7 @@
 """Where does one attention fwd+bwd spend its time? CPU launch time vs GPU time, and the top kernels.
 
 For each mode (names as in tools/bench_attention.py): host time of the Python call alone (no
-synchronisation: what the CPU needs to issue one fwd+bwd), event-timed GPU wall, and profiler
+synchronisation: what the CPU needs to issue one fwd+bwd), event-timed GPU wall (max over ranks), and profiler
 tables of the CUDA kernels and of the ops' self CPU time over a few steps (rank 0). When the host time approaches the GPU wall the
 call is launch-bound and the GPU idles between kernels.
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.gpu_ranks import init_nccl_rank, spawn  # noqa: E402
-from tools.bench_attention import build_modes  # noqa: E402
+from tools.bench_attention import _time, build_modes  # noqa: E402
 
 
 def _worker(rank, world, port, args, path):
@@ -46,15 +46,7 @@ def _worker(rank, world, port, args, path):
             t0 = time.perf_counter()
             step()
             host.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-        gpu = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            gpu.append(a.elapsed_time(b))
+        gpu_ms = _time(step, 10, 0, group)  # event-timed median, max over ranks
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             for _ in range(3):
                 step()
@@ -67,7 +59,7 @@ def _worker(rank, world, port, args, path):
         rows.sort(reverse=True)
         cpu = sorted(((e.self_cpu_time_total / 3 / 1e3, e.count // 3, e.key[:90]) for e in prof.key_averages()
                       if e.self_cpu_time_total > 0), reverse=True)
-        out[name] = {"host_ms": sorted(host)[5], "gpu_ms": sorted(gpu)[5], "kernels": rows[:14], "cpu_ops": cpu[:25]}
+        out[name] = {"host_ms": sorted(host)[5], "gpu_ms": gpu_ms, "kernels": rows[:14], "cpu_ops": cpu[:25]}
     if rank == 0:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
