@@ -156,11 +156,12 @@ class SPSelfAttention(SelfAttention):
             return y4
         causal = core._causal(None, attention_mask)
         chunks = core.sp.head_chunks if core.mode == "hcms" else 1
-        block = allgather_self_attention if self.async_qkv == "allgather" else async_ulysses_self_attention
+        block, block_prep = ((allgather_self_attention, prep_full) if self.async_qkv == "allgather"
+                             else (async_ulysses_self_attention, prep))
         out_bsd = block(
             x_bsd, self._qkv_weight(self.linear_qkv.weight), self._qkv_weight(self.linear_qkv.bias),
             self.linear_proj.weight, None, group, num_heads=self.num_attention_heads_per_partition,
-            num_kv_heads=self.num_query_groups_per_partition, prep=prep_full if self.async_qkv == "allgather" else prep,
+            num_kv_heads=self.num_query_groups_per_partition, prep=block_prep,
             norm_q_weight=weights["q"], norm_k_weight=weights["k"],
             head_chunks=chunks, softmax_scale=core.softmax_scale, backend=core.backend,
             comm_stream=core.ctx.streams.comm_stream(hidden_states.device),

@@ -94,7 +94,7 @@ class SelfAttention(nn.Module):
         """The block in form ``choice`` (megatron_sp_ext BlockChoice) with explicit parameters."""
         b, s, _ = x.shape
         w_qkv, b_qkv, w_o, b_o, nq, nk = params
-        if getattr(choice, "allgather", False):
+        if choice.allgather:
             return self._run_allgather(choice, group, x, angles, kv_valid_len, params)
         if choice.async_qkv:
             from megatron_sp_ext.sp.async_block import async_ulysses_self_attention  # noqa: PLC0415
@@ -236,7 +236,7 @@ class VideoDiT(nn.Module):
             blk.attn.rope_memo = memo
 
     def set_block_policy(self, group, policy=None) -> None:
-        """Let one runtime policy pick plain/async, HCMS chunks and transport per shape (all blocks
+        """Let one runtime policy pick plain/async/allgather, HCMS chunks and transport per shape (all blocks
         share the policy, so a shape is calibrated once)."""
         from megatron_sp_ext.sp.block_policy import BlockPolicy  # noqa: PLC0415
         policy = policy or BlockPolicy()
