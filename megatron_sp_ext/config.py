@@ -17,7 +17,7 @@ MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
 RING_VARIANTS = ("ring", "tasp")
 PLACEMENTS = ("auto", "usp", "tas")
 BACKENDS = ("sdpa", "math", "flash_attn", "te")
-TRANSPORTS = ("nccl", "symm_mem")  # symm_mem: copy-engine exchange (CUDA + NCCL only; checked at first use)
+TRANSPORTS = ("nccl", "symm_mem", "copy_engine")  # copy-engine exchanges (CUDA + NCCL only; checked at first use)
 ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-block forms (see SPConfig.async_qkv)
 LAYOUTS = ("bshd", "sbhd")
 SEQ_PLACEMENTS = ("contiguous", "zigzag", "tasp_zigzag")
@@ -88,7 +88,8 @@ class SPConfig:
     ulysses_size: Ulysses degree P_u of the mesh (None = gcd(world, heads)).
     nodes: number of machines to assume (None = detect); lets one machine simulate several.
     backend: local attention kernel ("sdpa", "math", "flash_attn", "te").
-    transport: exchange transport: "nccl" (default) or "symm_mem" (copy-engine, CUDA + NCCL groups).
+    transport: exchange transport: "nccl" (default), "symm_mem" (copy-engine pulls between barrier
+        kernels) or "copy_engine" (copy-engine pulls ordered by stream-memory flags: no kernels); CUDA + NCCL.
     async_qkv: the attention block's projections overlapped with their exchanges: "off", "on",
         "allgather" (QKV from a sequence all-gather fused with the QKV GEMM, no q/k/v exchange), or
         "auto" (a runtime policy picks plain/async/allgather, HCMS chunks and transport per shape; video DiT).

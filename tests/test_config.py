@@ -37,7 +37,8 @@ def test_symm_mem_transport_is_checked():
     assert SPConfig(mode="hcms", head_chunks=2, transport="symm_mem").transport == "symm_mem"
     with pytest.raises(SPConfigError, match="sequence_parallel_ext.transport='symm_mem' applies to the ulysses/hcms"):
         SPConfig(mode="ring", transport="symm_mem", source="deepspeed")
-    with pytest.raises(SPConfigError, match="--sp-transport='ib' is invalid: choose one of nccl, symm_mem"):
+    assert SPConfig(mode="hcms", head_chunks=2, transport="copy_engine").transport == "copy_engine"
+    with pytest.raises(SPConfigError, match="--sp-transport='ib' is invalid: choose one of nccl, symm_mem, copy_engine"):
         SPConfig(transport="ib", source="megatron")
 
 

@@ -161,7 +161,12 @@ def _symm_mem_on_gloo(rank, world):
             TransportPool().get("symm_mem", dist.group.WORLD, q.device, setting)
     with pytest.raises(SPConfigError, match="transport='symm_mem' .*cannot run here"):
         spx.ulysses_attention(q, q, q, dist.group.WORLD, transport="symm_mem")
-    with pytest.raises(SPConfigError, match="transport='pcie' is invalid: choose one of nccl, symm_mem"):
+    for setting in ("transport", "--sp-transport", "sequence_parallel_ext.transport"):
+        with pytest.raises(SPConfigError, match=f"{setting}='copy_engine' .*needs CUDA tensors.*use 'nccl'"):
+            TransportPool().get("copy_engine", dist.group.WORLD, q.device, setting)
+    with pytest.raises(SPConfigError, match="transport='copy_engine' .*cannot run here"):
+        spx.ulysses_attention(q, q, q, dist.group.WORLD, head_chunks=2, transport="copy_engine")
+    with pytest.raises(SPConfigError, match="transport='pcie' is invalid: choose one of nccl, symm_mem, copy_engine"):
         spx.ulysses_attention(q, q, q, dist.group.WORLD, transport="pcie")
     return True
 

@@ -47,8 +47,8 @@ def build_modes(names, group, causal, nodes=None, heads=None):
             meshes[key] = spx.build_sp_mesh(group, num_heads=h, placement=placement, nodes=nodes)
         return meshes[key]
     for full in names:
-        # a "_symm" suffix runs the same mode through the copy-engine (symmetric-memory) transport
-        name, tr = (full[:-5], "symm_mem") if full.endswith("_symm") else (full, "nccl")
+        # a "_symm" / "_ce" suffix runs the same mode through a copy-engine transport
+        name, tr = split_transport(full)
         outer, modes = modes, {}
         if name == "deepspeed":
             try:
@@ -89,10 +89,21 @@ def build_modes(names, group, causal, nodes=None, heads=None):
         else:
             raise SystemExit(f"unknown mode {name}")
         if tr != "nccl" and (name not in ("ulysses", "auto") and not name.startswith("hcms") or name.endswith("_packed")):
-            raise SystemExit(f"mode {full}: the _symm suffix applies to ulysses, hcms<C> and auto")
+            raise SystemExit(f"mode {full}: the _symm/_ce suffixes apply to ulysses, hcms<C> and auto")
         outer.update({full: fn for fn in modes.values()})
         modes = outer
     return modes
+
+
+TRANSPORT_SUFFIXES = {"_symm": "symm_mem", "_ce": "copy_engine"}
+
+
+def split_transport(mode: str) -> tuple:
+    """"hcms4_ce" -> ("hcms4", "copy_engine"); no suffix -> (mode, "nccl")."""
+    for suffix, tr in TRANSPORT_SUFFIXES.items():
+        if mode.endswith(suffix):
+            return mode[:-len(suffix)], tr
+    return mode, "nccl"
 
 
 def rotated(items: list, i: int) -> list:
@@ -132,11 +143,12 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
     s_in, r_in, s_out, r_out = (q.new_empty(n) for n in (n_in, n_in, n_out, n_out))
     res["t_comm_fwd"] = _time(lambda: (all_to_all_flat(s_in, r_in, group), all_to_all_flat(s_out, r_out, group)),
                               args.iters, args.warmup, group)
-    if any(n.endswith("_symm") for n in modes):  # the same bare exchange through the copy engines
-        tr = spx.default_transports().get("symm_mem", group, q.device)
-        tr.all_to_all(s_in, r_in)  # grow the workspace outside the timed region
-        res["t_comm_fwd_symm"] = _time(lambda: (tr.all_to_all(s_in, r_in), tr.all_to_all(s_out, r_out)),
-                                       args.iters, args.warmup, group)
+    for suffix, tr_name in TRANSPORT_SUFFIXES.items():  # the same bare exchange through the copy engines
+        if any(n.endswith(suffix) for n in modes):
+            tr = spx.default_transports().get(tr_name, group, q.device)
+            tr.all_to_all(s_in, r_in)  # grow the workspace outside the timed region
+            res[f"t_comm_fwd{suffix}"] = _time(lambda tr=tr: (tr.all_to_all(s_in, r_in), tr.all_to_all(s_out, r_out)),
+                                               args.iters, args.warmup, group)
     ql = torch.randn(b, h // world, seqlen, d, device="cuda", dtype=dtype)
     res["t_attn_fwd"] = _time(lambda: F.scaled_dot_product_attention(ql, ql, ql, is_causal=args.causal),
                               args.iters, args.warmup, group)
@@ -219,7 +231,7 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
                 ("train" if key[-1] else "infer"): {"chunks": cal.chunks, "measured_ms": cal.measured,
                                                     "confirm": cal.confirm, "reason": cal.reason}
                 for key, cal in fn.policy.cache.items()
-                if key[0] == tuple(q.shape) and key[-2] == ("symm_mem" if name.endswith("_symm") else "nccl")}
+                if key[0] == tuple(q.shape) and key[-2] == split_transport(name)[1]}
     u = res["modes"].get("ulysses")
     if u:
         res["rho"] = res["t_comm_fwd"] / u["fwd_ms"]

@@ -1,4 +1,5 @@
-"""Transport micro-benchmark: NCCL vs copy-engine (symmetric-memory) all-to-all, alone and beside
+"""Transport micro-benchmark: NCCL vs the copy-engine (symmetric-memory) all-to-alls (``symm_mem``: barrier
+kernels; ``copy_engine``: stream-memory flags, no kernels), alone and beside
 attention. Answers "does moving the exchange off the SMs let it hide behind attention?".
 
 For each P and (H, L): the q|k|v exchange of one Ulysses call ([L/P tokens, 3H heads, D] bf16) timed
@@ -34,11 +35,12 @@ def _median_ms(fn, iters, group):
 
 def _worker(rank, world, port, args, path):
     init_nccl_rank(rank, world, port, timeout_s=120)
-    from megatron_sp_ext.comm.transport import NcclTransport, SymmMemTransport  # noqa: PLC0415
+    from megatron_sp_ext.comm.transport import CopyEngineTransport, NcclTransport, SymmMemTransport  # noqa: PLC0415
     group = dist.group.WORLD
     side = torch.cuda.Stream()
-    transports = {"nccl": NcclTransport(group), "symm_mem": SymmMemTransport(group, torch.device("cuda", rank)),
-                  "symm_mem_serial": SymmMemTransport(group, torch.device("cuda", rank), parallel_pulls=False)}
+    dev = torch.device("cuda", rank)
+    transports = {"nccl": NcclTransport(group), "symm_mem": SymmMemTransport(group, dev),
+                  "copy_engine": CopyEngineTransport(group, dev)}
     out = []
     for h in args.heads:
         for L in args.seqlens:
@@ -92,7 +94,7 @@ def main():
     meta = run_meta()
     with open(os.path.join(args.out, "transport.json"), "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=1)
-    names = ("nccl", "symm_mem", "symm_mem_serial")
+    names = ("nccl", "symm_mem", "copy_engine")
     lines = [f"{meta['device']}, {meta['date']}: q|k|v exchange x{args.repeat} (ms) alone and beside flash attention",
              "", "| P | H | L | attn | " + " | ".join(f"{n} alone / with attn / overlap eff" for n in names) + " |",
              "|---|---|---|---|" + "---|" * len(names)]

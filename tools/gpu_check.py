@@ -61,8 +61,8 @@ def _bitwise_hcms(rank, world, group):
     return fails, notes
 
 
-def _bitwise_transport(rank, world, group):
-    """The copy-engine transport (symm_mem) gives the NCCL result bit for bit: out, dk, dv for plain
+def _bitwise_transport(rank, world, group, transport="symm_mem"):
+    """A copy-engine transport (symm_mem, copy_engine) gives the NCCL result bit for bit: out, dk, dv for plain
     Ulysses and HCMS (even heads, uneven heads, GQA, causal); dq within the flash kernel's run-to-run
     noise (atomics). Also the async block's output."""
     import megatron_sp_ext as spx  # noqa: PLC0415
@@ -79,19 +79,19 @@ def _bitwise_transport(rank, world, group):
             o = spx.ulysses_attention(qs, ks, vs, group, head_chunks=c, causal=causal, transport=tr)
             o.backward(go)
             return (o, qs.grad, ks.grad, vs.grad)
-        for c in (1, 2):
+        for c in (1, 2, 3):
             if c > max(1, h // world):
                 continue
-            base, again, res = run(c, "nccl"), run(c, "nccl"), run(c, "symm_mem")
+            base, again, res = run(c, "nccl"), run(c, "nccl"), run(c, transport)
             noise = ((again[1].float() - base[1].float()).norm() / base[1].float().norm()).item()
             for name, a, b in zip(("out", "dq", "dk", "dv"), res, base):
                 if name == "dq":
                     err = ((a.float() - b.float()).norm() / b.float().norm()).item()
                     # flash's dq atomics: run-to-run noise seen up to 2.6e-5 (sometimes ~0 in one sample)
                     if not torch.equal(a, b) and err > max(5 * noise, 1e-4):
-                        fails.append(f"H={h}/{hkv} C={c} symm_mem dq beyond kernel noise ({err:.2e} vs {noise:.2e})")
+                        fails.append(f"H={h}/{hkv} C={c} {transport} dq beyond kernel noise ({err:.2e} vs {noise:.2e})")
                 elif not torch.equal(a, b):
-                    fails.append(f"H={h}/{hkv} causal={causal} C={c} symm_mem {name} not bitwise equal")
+                    fails.append(f"H={h}/{hkv} causal={causal} C={c} {transport} {name} not bitwise equal")
             notes.append(f"H={h}/{hkv} causal={causal} C={c}: checked (dq noise {noise:.1e})")
     dim, h, d, sl = 1536, 12, 128, 2048
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -100,9 +100,9 @@ def _bitwise_transport(rank, world, group):
     w_o = torch.randn(dim, h * d, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     outs = [async_ulysses_self_attention(x, w_qkv, None, w_o, None, group, num_heads=h, num_kv_heads=h,
                                          prep=lambda br, y, w: y.view(1, sl, h, d), head_chunks=2, transport=tr)
-            for tr in ("nccl", "symm_mem")]
+            for tr in ("nccl", transport)]
     if not torch.equal(outs[0], outs[1]):
-        fails.append("async block output differs between nccl and symm_mem")
+        fails.append(f"async block output differs between nccl and {transport}")
     notes.append("async block (C=2) output: checked")
     return fails, notes
 
@@ -149,13 +149,14 @@ def _worker(rank, world, port, out_dir, only):
         return len(notes)
     section("hcms_bitwise_equals_ulysses_cuda_streams", bitwise)
 
-    def bitwise_tr():
-        fails, notes = _bitwise_transport(rank, world, group)
-        report["symm_mem_notes"] = notes
+    def bitwise_tr(transport):
+        fails, notes = _bitwise_transport(rank, world, group, transport)
+        report[f"{transport}_notes"] = notes
         if fails:
             raise AssertionError("; ".join(fails))
         return len(notes)
-    section("symm_mem_bitwise_equals_nccl", bitwise_tr)
+    section("symm_mem_bitwise_equals_nccl", lambda: bitwise_tr("symm_mem"))
+    section("copy_engine_bitwise_equals_nccl", lambda: bitwise_tr("copy_engine"))
 
     def allgather_cases():
         """The all-gather QKV block == the plain block on CUDA (torch's fused symm_mem ops where available,

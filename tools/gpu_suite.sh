@@ -16,6 +16,7 @@
 #   bash tools/gpu_suite.sh N   # after plain Ulysses dropped its side stream: bitwise check, 8K profile, 8K-32K vs DS
 #   bash tools/gpu_suite.sh O   # final set, rotated interleaving: block weak/strong, DiT step forms, attention 8K-32K
 #   bash tools/gpu_suite.sh Q   # DiT step with every block form (strong P=2,4) and weak scaling at P=4
+#   bash tools/gpu_suite.sh S   # kernel-free copy-engine transport (copy_engine): CUDA equality, overlap, HCMS at P=4
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -118,6 +119,11 @@ elif [ "$PART" = Q ]; then  # DiT step, every block form side by side: strong (3
       --forms plain,plain_hcms2,async,async_hcms2,allgather,plain_symm,async_symm,allgather_symm,auto --out "$OUT"
   run timeout 90 python3 tools/bench_dit_step.py --tag weak_p4 --world-sizes 4 --frames 41 --iters 6 \
       --forms plain,async,allgather,auto --out "$OUT"
+elif [ "$PART" = S ]; then  # kernel-free copy-engine transport: CUDA equality, overlap beside attention, HCMS at P=4
+  run timeout 150 python3 tools/gpu_check.py --world-sizes 2,4 --only copy_engine,symm_mem --out "$OUT"
+  run timeout 90 python3 tools/bench_transport.py --world-sizes 4 --heads 40 --seqlens 16384,32768 --out "$OUT"
+  run timeout 200 python3 tools/bench_attention.py --tag ce_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768 \
+      --modes deepspeed,ulysses,hcms2,ulysses_ce,hcms2_ce,hcms3_ce,hcms4_ce,hcms5_ce --iters 20 --out "$OUT"
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"

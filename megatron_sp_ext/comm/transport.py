@@ -19,7 +19,14 @@ barrier so no rank restages before its peers finished reading. Pulls from differ
 separate streams so several copy engines work at once. Segment offsets inside a peer's buffer come
 from the table. Workspaces grow collectively (rendezvous) to the largest row sum of the table,
 which every rank computes alike. The pull schedule itself is ``pull_all_to_all`` (pure indexing;
-CPU-tested with simulated peer buffers).
+CPU-tested with simulated peer buffers). Its two barriers are kernels: next to a long attention
+kernel they wait for a free SM, which is why it barely overlaps (README).
+
+``CopyEngineTransport`` ("copy_engine"): the same pulls with no kernel at all. Instead of barriers
+it uses flags written and awaited by CUDA stream memory operations (``stream_ops``) in a small
+symmetric flag block, and ``slots`` send slots used in turn, so a rank never waits for all peers
+at once: it waits only for the peer whose data it pulls next, and before reusing a slot for the
+peers that pulled from it. The protocol is ``signal_schedule`` (pure, CPU-simulated).
 """
 from __future__ import annotations
 
@@ -30,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SPConfigError
+from . import signal_schedule as sig
 from .exchange import all_to_all_flat
 
-TRANSPORT_NAMES = ("nccl", "symm_mem")
+TRANSPORT_NAMES = ("nccl", "symm_mem", "copy_engine")
 
 
 class NcclTransport:
@@ -193,6 +201,125 @@ class SymmMemTransport:
         return _Done() if async_op else None
 
 
+class CopyEngineTransport:
+    """Kernel-free copy-engine all-to-all: symmetric-memory pulls ordered by stream-memory flags
+    (CUDA + NCCL groups; see module doc and ``signal_schedule``). ``slots`` send slots are used in
+    turn (workspace = slots x the largest exchange)."""
+
+    name = "copy_engine"
+    stream_ordered = True
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, slots: int = 2) -> None:
+        check_copy_engine(group, device)
+        import torch.distributed._symmetric_memory as symm  # noqa: PLC0415
+        from . import stream_ops  # noqa: PLC0415
+        self._symm, self._ops = symm, stream_ops
+        self.group, self.device, self.slots = group, device, slots
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if hasattr(symm, "enable_symm_mem_for_group"):
+            symm.enable_symm_mem_for_group(group.group_name)
+        self._epoch = 0          # exchanges issued (the same count on every rank)
+        self._acquired = 0       # the last epoch whose slot has been acquired
+        self._slot_bytes = 0
+        self._buf: Optional[torch.Tensor] = None
+        self._peers: dict[int, torch.Tensor] = {}
+        self._streams = [torch.cuda.Stream(device=device) for _ in range(self.world)]
+        # the flag block: fixed for the transport's life (epochs never restart), zeroed before any peer
+        # can learn its address (the rendezvous below is collective)
+        nflags = 2 * slots * self.world
+        self._flags = symm.empty(4 * nflags, dtype=torch.uint8, device=device)
+        self._flags.zero_()
+        torch.cuda.synchronize(device)
+        self._flag_hdl = symm.rendezvous(self._flags, group)
+        self._flag_base = {r: (self._flags.data_ptr() if r == self.rank else
+                               self._flag_hdl.get_buffer(r, [4 * nflags], torch.uint8, 0).data_ptr())
+                           for r in range(self.world)}
+
+    def _flag(self, owner: int, kind: int, slot: int, peer: int) -> int:
+        return self._flag_base[owner] + 4 * sig.flag_index(kind, slot, peer, self.slots, self.world)
+
+    def _ensure(self, need_bytes: int) -> None:
+        """Grow every slot to ``need_bytes`` (the same value on every rank: collective rendezvous)."""
+        if self._buf is not None and self._slot_bytes >= need_bytes:
+            return
+        sb = max(need_bytes, 2 * self._slot_bytes)
+        sb = (sb + (1 << 20) - 1) >> 20 << 20
+        torch.cuda.synchronize(self.device)  # our queued pulls from peers' old slots are done
+        buf = self._symm.empty(self.slots * sb, dtype=torch.uint8, device=self.device)
+        hdl = self._symm.rendezvous(buf, self.group)  # returns once every peer has synchronized too
+        self._peers = {r: hdl.get_buffer(r, [self.slots * sb], torch.uint8, 0) for r in range(self.world)
+                       if r != self.rank}
+        self._buf, self._hdl, self._slot_bytes = buf, hdl, sb
+
+    def _slot(self, owner: int, slot: int) -> torch.Tensor:
+        base = self._buf if owner == self.rank else self._peers[owner]
+        return base.narrow(0, slot * self._slot_bytes, self._slot_bytes)
+
+    def _acquire(self, stream: "torch.cuda.Stream", epoch: int) -> None:
+        if self._acquired < epoch:
+            for op in sig.acquire_ops(self.rank, self.world, epoch, self.slots):
+                self._ops.wait_geq(stream, self._flag(self.rank, op[2], op[3], op[4]), op[5])
+            self._acquired = epoch
+
+    def send_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The next exchange's slot (packing into it skips the staging copy), acquired on the current
+        stream; a plain tensor while the slots are too small (they grow inside ``all_to_all``)."""
+        nbytes = numel * like.element_size()
+        if self._buf is None or self._slot_bytes < nbytes:
+            return torch.empty(numel, dtype=like.dtype, device=like.device)
+        epoch = self._epoch + 1
+        self._acquire(torch.cuda.current_stream(self.device), epoch)
+        return self._slot(self.rank, (epoch - 1) % self.slots)[:nbytes].view(like.dtype)
+
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, send_splits: Optional[Sequence[int]] = None,
+                   recv_splits: Optional[Sequence[int]] = None, async_op: bool = False, table=None):
+        assert send.dim() == 1 and recv.dim() == 1 and send.is_contiguous() and recv.is_contiguous()
+        assert send.dtype == recv.dtype
+        world, es = self.world, send.element_size()
+        if table is None:
+            even = all(s is None or len(set(s)) == 1 for s in (send_splits, recv_splits))
+            if not even:
+                raise ValueError("CopyEngineTransport.all_to_all: an uneven exchange needs table= (rank r -> p sizes)")
+            table = [[send.numel() // world] * world for _ in range(world)]
+        assert sum(table[self.rank]) == send.numel() and sum(r[self.rank] for r in table) == recv.numel()
+        epoch = self._epoch + 1
+        slot = (epoch - 1) % self.slots
+        need = max(sum(row) for row in table) * es
+        staged = self._buf is not None and send.data_ptr() == self._slot(self.rank, slot).data_ptr()
+        if staged and self._slot_bytes < need:  # a peer needs larger slots: keep our packed data
+            send, staged = send.clone(), False
+        self._ensure(need)
+        cur = torch.cuda.current_stream(self.device)
+        self._acquire(cur, epoch)
+        send_b, recv_b = send.view(torch.uint8), recv.view(torch.uint8)
+        table_b = [[n * es for n in row] for row in table]
+        start = None
+        for op in sig.exchange_ops(self.rank, world, epoch, self.slots, table_b, staged):
+            kind, where = op[0], op[1]
+            stream = cur if where == "main" else self._streams[where]
+            if kind == "stage":
+                self._slot(self.rank, slot)[: send_b.numel()].copy_(send_b)
+            elif kind == "write_flag":
+                self._ops.write(stream, self._flag(op[2], op[3], op[4], self.rank), op[5])
+            elif kind == "wait_flag":
+                self._ops.wait_geq(stream, self._flag(self.rank, op[2], op[3], op[4]), op[5])
+            elif kind == "record":
+                start = torch.cuda.Event()
+                start.record(stream)
+            elif kind == "wait_event":
+                stream.wait_event(start)
+            elif kind == "copy":
+                _, _, src, src_slot, src_off, dst_off, n = op
+                with torch.cuda.stream(stream):
+                    recv_b.narrow(0, dst_off, n).copy_(self._slot(src, src_slot).narrow(0, src_off, n),
+                                                       non_blocking=True)
+            elif kind == "join":
+                cur.wait_stream(self._streams[op[2]])
+                recv_b.record_stream(self._streams[op[2]])
+        self._epoch = epoch
+        return _Done() if async_op else None
+
+
 class _Done:
     """Work handle of a stream-ordered exchange: already queued on the stream, nothing to wait for."""
 
@@ -211,6 +338,24 @@ def symm_mem_unavailable_reason(group: dist.ProcessGroup, device: torch.device) 
     except ImportError as e:  # pragma: no cover - torch builds without symmetric memory
         return f"this torch build has no symmetric memory ({e})"
     return None
+
+
+def copy_engine_unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
+    """Why the kernel-free copy-engine transport cannot run here, or None when it can."""
+    reason = symm_mem_unavailable_reason(group, device)
+    if reason is None:
+        from .stream_ops import unavailable_reason  # noqa: PLC0415
+        reason = unavailable_reason()
+        if reason is not None:
+            reason = f"CUDA stream memory operations are unavailable: {reason}"
+    return reason
+
+
+def check_copy_engine(group: dist.ProcessGroup, device: torch.device, name: str = "transport") -> None:
+    reason = copy_engine_unavailable_reason(group, device)
+    if reason is not None:
+        raise SPConfigError(f"{name}='copy_engine' (kernel-free copy-engine exchange) cannot run here: {reason}; "
+                            f"use 'nccl'")
 
 
 def check_symm_mem(group: dist.ProcessGroup, device: torch.device, name: str = "transport") -> None:
@@ -233,10 +378,11 @@ class TransportPool:
         if name == "nccl":
             key = ("nccl", id(group))
         else:
-            check_symm_mem(group, device, setting)
-            key = ("symm_mem", id(group), device.index)
+            (check_symm_mem if name == "symm_mem" else check_copy_engine)(group, device, setting)
+            key = (name, id(group), device.index)
         if key not in self._cache:
-            self._cache[key] = NcclTransport(group) if name == "nccl" else SymmMemTransport(group, device)
+            cls = {"nccl": NcclTransport, "symm_mem": SymmMemTransport, "copy_engine": CopyEngineTransport}[name]
+            self._cache[key] = cls(group) if name == "nccl" else cls(group, device)
         return self._cache[key]
 
 

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "requirements; with --sp-transport symm_mem through torch's fused symm_mem matmuls); auto (video DiT): a runtime policy times plain/async/allgather x "
              "HCMS chunks x transports per shape and keeps the fastest")
     add("--sp-transport", default="nccl",
-        help="exchange transport of ulysses/hcms: nccl (default) or symm_mem (copy-engine, torch symmetric memory)")
+        help="exchange transport of ulysses/hcms: nccl (default), symm_mem (copy-engine pulls between barrier kernels, torch symmetric memory) or copy_engine (copy-engine pulls ordered by stream-memory flags: no kernel at all)")
     if not getattr(parser, "_spx_validating", False):
         parser._spx_validating = True
         inner = parser.parse_known_args

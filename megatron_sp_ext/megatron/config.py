@@ -22,7 +22,7 @@ class SPTransformerConfig(TransformerConfig):
     sp_ulysses_size (--sp-ulysses-size): Ulysses degree of the mesh.
     sp_ring_variant (--sp-ring-variant): ring or tasp inside ring/hybrid modes.
     sp_attention_backend (--sp-attention-backend): sdpa, math, flash_attn, te.
-    sp_transport (--sp-transport): nccl (default) or symm_mem (copy-engine exchanges).
+    sp_transport (--sp-transport): nccl (default), symm_mem or copy_engine (copy-engine exchanges).
     sp_async_qkv (--sp-async-qkv): off, on (SPSelfAttention overlaps its projections with the
         exchanges), allgather (QKV by a sequence all-gather fused with the QKV GEMM), auto (video
         DiT only: the runtime block policy).

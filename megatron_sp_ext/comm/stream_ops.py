@@ -1,0 +1,74 @@
+"""CUDA stream memory operations: wait for / write a 32-bit flag on a stream, without a kernel.
+
+``cuStreamWaitValue32`` and ``cuStreamWriteValue32`` are executed by the GPU's stream front end,
+not by SMs, so a flag wait or a flag write queued next to a long attention kernel neither takes SMs
+from it nor waits for a free SM (a barrier kernel does both). The write fences the stream's earlier
+memory writes before the flag lands, so a peer that sees the flag sees the data. They are called
+through the driver library with ctypes (torch exposes only the write); the address may be this
+device's memory or a peer's memory mapped into this process (torch symmetric memory).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, i.e. wrap-around safe
+WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: memory fence before the write
+
+_LIB: Optional[tuple] = None
+_ERR: Optional[str] = None
+
+
+def _load() -> Optional[tuple]:
+    global _LIB, _ERR
+    if _LIB is not None or _ERR is not None:
+        return _LIB
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        _ERR = f"the CUDA driver library cannot be loaded ({e})"
+        return None
+    fns = []
+    for base in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
+        fn = getattr(lib, base + "_v2", None) or getattr(lib, base, None)
+        if fn is None:
+            _ERR = f"the CUDA driver has no {base}"
+            return None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        fns.append(fn)
+    _LIB = tuple(fns)
+    return _LIB
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why stream memory operations cannot be used here, or None when they can."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    _load()
+    return _ERR
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed with CUresult {rc}")
+
+
+def wait_geq(stream: "torch.cuda.Stream", addr: int, value: int) -> None:
+    """Queue on ``stream``: wait until the uint32 at device address ``addr`` is >= ``value``
+    (mod 2**32 comparison). Later work on ``stream`` starts only after that."""
+    fns = _load()
+    if fns is None:
+        raise RuntimeError(_ERR)
+    _check(fns[0](stream.cuda_stream, addr, value & 0xFFFFFFFF, WAIT_GEQ), "cuStreamWaitValue32")
+
+
+def write(stream: "torch.cuda.Stream", addr: int, value: int) -> None:
+    """Queue on ``stream``: after its earlier work (and a memory fence), store ``value`` to the uint32
+    at device address ``addr`` (local or a mapped peer address)."""
+    fns = _load()
+    if fns is None:
+        raise RuntimeError(_ERR)
+    _check(fns[1](stream.cuda_stream, addr, value & 0xFFFFFFFF, WRITE_DEFAULT), "cuStreamWriteValue32")
