@@ -204,7 +204,10 @@ class SymmMemTransport:
 class CopyEngineTransport:
     """Kernel-free copy-engine all-to-all: symmetric-memory pulls ordered by stream-memory flags
     (CUDA + NCCL groups; see module doc and ``signal_schedule``). ``slots`` send slots are used in
-    turn (workspace = slots x the largest exchange)."""
+    turn (workspace = slots x the largest exchange). Every op is one driver call (``stream_ops``):
+    copies, flags and events, no tensor views or stream guards, so the host cost stays a few tens of
+    microseconds per exchange. Contract as for every stream-ordered transport: afterwards the current
+    stream is ordered after all writes into ``recv``."""
 
     name = "copy_engine"
     stream_ordered = True
@@ -222,8 +225,10 @@ class CopyEngineTransport:
         self._acquired = 0       # the last epoch whose slot has been acquired
         self._slot_bytes = 0
         self._buf: Optional[torch.Tensor] = None
-        self._peers: dict[int, torch.Tensor] = {}
-        self._streams = [torch.cuda.Stream(device=device) for _ in range(self.world)]
+        self._base: dict[int, int] = {}  # rank -> address of its workspace (mapped here)
+        self._streams = [torch.cuda.Stream(device=device) for _ in range(self.world)]  # one per source rank
+        self._start = stream_ops.Event()
+        self._joined = [stream_ops.Event() for _ in range(self.world)]
         # the flag block: fixed for the transport's life (epochs never restart), zeroed before any peer
         # can learn its address (the rendezvous below is collective)
         nflags = 2 * slots * self.world
@@ -247,13 +252,9 @@ class CopyEngineTransport:
         torch.cuda.synchronize(self.device)  # our queued pulls from peers' old slots are done
         buf = self._symm.empty(self.slots * sb, dtype=torch.uint8, device=self.device)
         hdl = self._symm.rendezvous(buf, self.group)  # returns once every peer has synchronized too
-        self._peers = {r: hdl.get_buffer(r, [self.slots * sb], torch.uint8, 0) for r in range(self.world)
-                       if r != self.rank}
+        self._base = {r: (buf.data_ptr() if r == self.rank else
+                          hdl.get_buffer(r, [self.slots * sb], torch.uint8, 0).data_ptr()) for r in range(self.world)}
         self._buf, self._hdl, self._slot_bytes = buf, hdl, sb
-
-    def _slot(self, owner: int, slot: int) -> torch.Tensor:
-        base = self._buf if owner == self.rank else self._peers[owner]
-        return base.narrow(0, slot * self._slot_bytes, self._slot_bytes)
 
     def _acquire(self, stream: "torch.cuda.Stream", epoch: int) -> None:
         if self._acquired < epoch:
@@ -269,7 +270,8 @@ class CopyEngineTransport:
             return torch.empty(numel, dtype=like.dtype, device=like.device)
         epoch = self._epoch + 1
         self._acquire(torch.cuda.current_stream(self.device), epoch)
-        return self._slot(self.rank, (epoch - 1) % self.slots)[:nbytes].view(like.dtype)
+        slot = (epoch - 1) % self.slots
+        return self._buf.narrow(0, slot * self._slot_bytes, nbytes).view(like.dtype)
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, send_splits: Optional[Sequence[int]] = None,
                    recv_splits: Optional[Sequence[int]] = None, async_op: bool = False, table=None):
@@ -285,37 +287,34 @@ class CopyEngineTransport:
         epoch = self._epoch + 1
         slot = (epoch - 1) % self.slots
         need = max(sum(row) for row in table) * es
-        staged = self._buf is not None and send.data_ptr() == self._slot(self.rank, slot).data_ptr()
+        staged = self._buf is not None and send.data_ptr() == self._base[self.rank] + slot * self._slot_bytes
         if staged and self._slot_bytes < need:  # a peer needs larger slots: keep our packed data
             send, staged = send.clone(), False
         self._ensure(need)
         cur = torch.cuda.current_stream(self.device)
         self._acquire(cur, epoch)
-        send_b, recv_b = send.view(torch.uint8), recv.view(torch.uint8)
-        table_b = [[n * es for n in row] for row in table]
-        start = None
-        for op in sig.exchange_ops(self.rank, world, epoch, self.slots, table_b, staged):
+        ops, streams, recv_ptr = self._ops, self._streams, recv.data_ptr()
+        slot_off = slot * self._slot_bytes
+        for op in sig.exchange_ops(self.rank, world, epoch, self.slots, [[n * es for n in row] for row in table],
+                                   staged):
             kind, where = op[0], op[1]
-            stream = cur if where == "main" else self._streams[where]
-            if kind == "stage":
-                self._slot(self.rank, slot)[: send_b.numel()].copy_(send_b)
-            elif kind == "write_flag":
-                self._ops.write(stream, self._flag(op[2], op[3], op[4], self.rank), op[5])
+            stream = cur if where == "main" else streams[where]
+            if kind == "copy":
+                _, _, src, _, src_off, dst_off, n = op
+                ops.memcpy(stream, recv_ptr + dst_off, self._base[src] + slot_off + src_off, n)
             elif kind == "wait_flag":
-                self._ops.wait_geq(stream, self._flag(self.rank, op[2], op[3], op[4]), op[5])
-            elif kind == "record":
-                start = torch.cuda.Event()
-                start.record(stream)
+                ops.wait_geq(stream, self._flag(self.rank, op[2], op[3], op[4]), op[5])
+            elif kind == "write_flag":
+                ops.write(stream, self._flag(op[2], op[3], op[4], self.rank), op[5])
             elif kind == "wait_event":
-                stream.wait_event(start)
-            elif kind == "copy":
-                _, _, src, src_slot, src_off, dst_off, n = op
-                with torch.cuda.stream(stream):
-                    recv_b.narrow(0, dst_off, n).copy_(self._slot(src, src_slot).narrow(0, src_off, n),
-                                                       non_blocking=True)
+                self._start.wait(stream)
+            elif kind == "record":
+                self._start.record(stream)
             elif kind == "join":
-                cur.wait_stream(self._streams[op[2]])
-                recv_b.record_stream(self._streams[op[2]])
+                self._joined[op[2]].record(streams[op[2]])
+                self._joined[op[2]].wait(cur)
+            elif kind == "stage":
+                ops.memcpy(cur, self._base[self.rank] + slot_off, send.data_ptr(), send.numel() * es)
         self._epoch = epoch
         return _Done() if async_op else None
 
