@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.gpu_ranks import init_nccl_rank, run_meta, run_world_sizes  # noqa: E402
 import megatron_sp_ext as spx  # noqa: E402
-from tools.bench_attention import rotated  # noqa: E402
+from tools.bench_attention import TRANSPORT_SUFFIXES, rotated  # noqa: E402
 from training.video_dit.config import preset  # noqa: E402
 
 
@@ -109,26 +109,37 @@ def bench(rank, world, group, cfg, seqlen, args):
         return one(ch)
     modes = {}
     for tr in args.transports:
-        sfx = "" if tr == "nccl" else "_symm"
+        sfx = "" if tr == "nccl" else next(k for k, v in TRANSPORT_SUFFIXES.items() if v == tr)
+        gather = tr != "copy_engine"  # the all-gather block has no copy_engine form (its NCCL path is "allgather")
         modes[f"plain{sfx}"], modes[f"async{sfx}"] = plain(1, tr), asynch(1, tr)
-        modes[f"allgather{sfx}"] = allgather(1, tr)
+        if gather:
+            modes[f"allgather{sfx}"] = allgather(1, tr)
         for c in args.chunks:
             if c <= h // world:
                 modes[f"plain_hcms{c}{sfx}"], modes[f"async_hcms{c}{sfx}"] = plain(c, tr), asynch(c, tr)
-                modes[f"allgather_hcms{c}{sfx}"] = allgather(c, tr)
+                if gather:
+                    modes[f"allgather_hcms{c}{sfx}"] = allgather(c, tr)
     modes["auto"] = auto
     pre_modes = {"pre_plain": pre(True, 1), "pre_async": pre(False, 1), "pre_allgather": pre_gather()}
     for tr in args.transports[1:]:
         pre_modes[f"pre_plain_{tr}"], pre_modes[f"pre_async_{tr}"] = pre(True, 1, tr), pre(False, 1, tr)
-        pre_modes[f"pre_allgather_{tr}"] = pre_gather(tr)
+        if tr != "copy_engine":
+            pre_modes[f"pre_allgather_{tr}"] = pre_gather(tr)
     ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     t_f = {n: [] for n in modes}
     t_fb = {n: [] for n in modes}
-    for fn in modes.values():  # warm-up (auto calibrates here, for training and for inference)
-        for _ in range(2):
+    peak = {}
+    for n, fn in modes.items():  # warm-up (auto calibrates here, for training and for inference), then the
+        for _ in range(2):        # peak memory of one fwd+bwd above what was allocated before it
             fn().backward(dy)
             with torch.no_grad():
                 fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn().backward(dy)
+        torch.cuda.synchronize()
+        peak[n] = (torch.cuda.max_memory_allocated() - base) / 2**30
     t_pre = {n: [] for n in pre_modes}
     for fn in pre_modes.values():
         with torch.no_grad():
@@ -160,7 +171,7 @@ def bench(rank, world, group, cfg, seqlen, args):
     for n in modes:
         t = torch.tensor([sorted(t_f[n])[len(t_f[n]) // 2], sorted(t_fb[n])[len(t_fb[n]) // 2]], device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        res["modes"][n] = {"fwd_ms": float(t[0]), "fwd_bwd_ms": float(t[1])}
+        res["modes"][n] = {"fwd_ms": float(t[0]), "fwd_bwd_ms": float(t[1]), "peak_mem_gib": peak[n]}
     p = res["modes"]["plain"]
     for e in res["modes"].values():
         e["speedup_fwd"], e["speedup_fwd_bwd"] = p["fwd_ms"] / e["fwd_ms"], p["fwd_bwd_ms"] / e["fwd_bwd_ms"]
@@ -217,13 +228,14 @@ def main():
     results = [r for rs in per_world for r in rs]
     meta = run_meta()
     lines = [f"{meta['device']} x P, {meta['date']}, bf16; fwd ms / fwd+bwd ms (speedup vs plain)", "",
-             "| P | dim | heads | L | mode | fwd | fwd+bwd |", "|---|---|---|---|---|---|---|"]
+             "| P | dim | heads | L | mode | fwd | fwd+bwd | peak GiB (fwd+bwd) |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         for n, e in r["modes"].items():
             lines.append(f"| {r['P']} | {r['model']} | {r['heads']} | {r['L'] // 1024}K | {n} | {e['fwd_ms']:.2f} "
-                         f"({e['speedup_fwd']:.2f}x) | {e['fwd_bwd_ms']:.2f} ({e['speedup_fwd_bwd']:.2f}x) |")
+                         f"({e['speedup_fwd']:.2f}x) | {e['fwd_bwd_ms']:.2f} ({e['speedup_fwd_bwd']:.2f}x) | "
+                         f"{e['peak_mem_gib']:.2f} |")
         lines.append(f"| {r['P']} | {r['model']} | {r['heads']} | {r['L'] // 1024}K | pre-attention | " + ", ".join(
-            f"{n} {e['ms']:.3f} ms ({e['speedup_vs_pre_plain']:.2f}x)" for n, e in r["pre_attention"].items()) + " | |")
+            f"{n} {e['ms']:.3f} ms ({e['speedup_vs_pre_plain']:.2f}x)" for n, e in r["pre_attention"].items()) + " | | |")
     tag = f"_{args.tag}" if args.tag else ""
     with open(os.path.join(args.out, f"block{tag}.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)

@@ -34,9 +34,9 @@ def parse_form(label: str) -> BlockChoice:
     parts = label.split("_")
     form = parts[0]
     if form not in ("plain", "async", "allgather"):
-        raise SystemExit(f"--forms: unknown form {label!r} (plain|async|allgather[_hcmsC][_symm], or auto)")
+        raise SystemExit(f"--forms: unknown form {label!r} (plain|async|allgather[_hcmsC][_symm|_ce], or auto)")
     chunks = next((int(p[4:]) for p in parts if p.startswith("hcms")), 1)
-    tr = "symm_mem" if "symm" in parts else "nccl"
+    tr = "symm_mem" if "symm" in parts else ("copy_engine" if "ce" in parts else "nccl")
     return BlockChoice(form == "async", chunks, tr, form == "allgather")
 
 

@@ -17,6 +17,7 @@
 #   bash tools/gpu_suite.sh O   # final set, rotated interleaving: block weak/strong, DiT step forms, attention 8K-32K
 #   bash tools/gpu_suite.sh Q   # DiT step with every block form (strong P=2,4) and weak scaling at P=4
 #   bash tools/gpu_suite.sh S   # kernel-free copy-engine transport (copy_engine): CUDA equality, overlap, HCMS at P=4
+#   bash tools/gpu_suite.sh U   # block memory re-check on GPU; attention time beside each transport; copy_engine grids
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -124,6 +125,14 @@ elif [ "$PART" = S ]; then  # kernel-free copy-engine transport: CUDA equality, 
   run timeout 90 python3 tools/bench_transport.py --world-sizes 4 --heads 40 --seqlens 16384,32768 --out "$OUT"
   run timeout 200 python3 tools/bench_attention.py --tag ce_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768 \
       --modes deepspeed,ulysses,hcms2,ulysses_ce,hcms2_ce,hcms3_ce,hcms4_ce,hcms5_ce --iters 20 --out "$OUT"
+elif [ "$PART" = U ]; then  # after S: GPU re-check of session 3's block memory change; attention kernel time beside each
+  # transport; HCMS/auto with copy_engine vs NCCL vs DeepSpeed at 8K-32K; blocks with copy_engine and their peak memory
+  run timeout 120 python3 tools/gpu_check.py --world-sizes 4 --only allgather,copy_engine --out "$OUT"
+  run timeout 90 python3 tools/bench_transport.py --world-sizes 4 --heads 40 --seqlens 16384,32768 --out "$OUT"
+  run timeout 170 python3 tools/bench_attention.py --tag ce_grid_p4 --world-sizes 4 --heads 24,40 \
+      --seqlens 8192,16384,32768 --modes deepspeed,ulysses,hcms2,hcms3,auto,hcms2_ce,hcms3_ce,auto_ce --iters 30 --out "$OUT"
+  run timeout 150 python3 tools/bench_block.py --tag weak_ce --world-sizes 4 --models wan-1.3b,wan-14b \
+      --tokens-per-gpu 16384 --transports nccl,copy_engine --chunks 2 --iters 10 --out "$OUT"
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"
