@@ -65,12 +65,15 @@ class BlockPolicy:
         self.cache: dict = {}
 
     def candidates(self, heads_per_rank: int, group, device: torch.device) -> list[BlockChoice]:
-        from ..comm.transport import symm_mem_unavailable_reason  # noqa: PLC0415
-        trs = [t for t in self.transports if t == "nccl" or symm_mem_unavailable_reason(group, device) is None]
+        from ..comm.transport import copy_engine_unavailable_reason, symm_mem_unavailable_reason  # noqa: PLC0415
+        why = {"symm_mem": symm_mem_unavailable_reason, "copy_engine": copy_engine_unavailable_reason}
+        trs = [t for t in self.transports if t == "nccl" or why[t](group, device) is None]
         forms = [(a, False) for a in self.async_candidates] + ([(False, True)] if self.allgather else [])
         out = [PLAIN]
         for tr in trs:
             for a, ag in forms:
+                if ag and tr == "copy_engine":  # the all-gather block has no copy_engine form (its NCCL path is it)
+                    continue
                 for c in self.chunk_candidates:
                     ch = BlockChoice(a, c, tr, ag)
                     if c <= max(1, heads_per_rank) and ch not in out:
