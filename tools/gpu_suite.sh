@@ -18,6 +18,7 @@
 #   bash tools/gpu_suite.sh Q   # DiT step with every block form (strong P=2,4) and weak scaling at P=4
 #   bash tools/gpu_suite.sh S   # kernel-free copy-engine transport (copy_engine): CUDA equality, overlap, HCMS at P=4
 #   bash tools/gpu_suite.sh U   # block memory re-check on GPU; attention time beside each transport; copy_engine grids
+#   bash tools/gpu_suite.sh V   # HCMS kernel-free schedule (every kernel on the compute stream) with copy_engine
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -133,6 +134,11 @@ elif [ "$PART" = U ]; then  # after S: GPU re-check of session 3's block memory 
       --seqlens 8192,16384,32768 --modes deepspeed,ulysses,hcms2,hcms3,auto,hcms2_ce,hcms3_ce,auto_ce --iters 30 --out "$OUT"
   run timeout 150 python3 tools/bench_block.py --tag weak_ce --world-sizes 4 --models wan-1.3b,wan-14b \
       --tokens-per-gpu 16384 --transports nccl,copy_engine --chunks 2 --iters 10 --out "$OUT"
+elif [ "$PART" = V ]; then  # HCMS kernel-free schedule with copy_engine: CUDA equality, the P=4 grid vs NCCL and DeepSpeed
+  run timeout 150 python3 tools/gpu_check.py --world-sizes 2,4 --only copy_engine,hcms_bitwise --out "$OUT"
+  run timeout 300 python3 tools/bench_attention.py --tag kf_grid_p4 --world-sizes 4 --heads 24,40 \
+      --seqlens 8192,16384,32768 --modes deepspeed,ulysses,hcms2,auto,hcms2_ce,hcms3_ce,hcms4_ce,hcms5_ce,auto_ce \
+      --iters 30 --out "$OUT"
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"

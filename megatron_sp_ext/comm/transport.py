@@ -211,8 +211,9 @@ class CopyEngineTransport:
 
     name = "copy_engine"
     stream_ordered = True
+    kernel_free = True  # HCMS keeps every kernel on the compute stream with it (ulysses._forward_kernel_free)
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, slots: int = 2) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, slots: int = 3) -> None:
         check_copy_engine(group, device)
         import torch.distributed._symmetric_memory as symm  # noqa: PLC0415
         from . import stream_ops  # noqa: PLC0415
@@ -274,7 +275,11 @@ class CopyEngineTransport:
         return self._buf.narrow(0, slot * self._slot_bytes, nbytes).view(like.dtype)
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, send_splits: Optional[Sequence[int]] = None,
-                   recv_splits: Optional[Sequence[int]] = None, async_op: bool = False, table=None):
+                   recv_splits: Optional[Sequence[int]] = None, async_op: bool = False, table=None,
+                   local_stream: Optional["torch.cuda.Stream"] = None):
+        """``local_stream``: when ``send`` was packed into ``send_buffer()`` on that stream, copy the own
+        segment there (ordered after the pack; the caller reads ``recv`` there after this exchange's
+        end on the current stream); the current stream then holds only pulls and flags."""
         assert send.dim() == 1 and recv.dim() == 1 and send.is_contiguous() and recv.is_contiguous()
         assert send.dtype == recv.dtype
         world, es = self.world, send.element_size()
@@ -295,10 +300,11 @@ class CopyEngineTransport:
         self._acquire(cur, epoch)
         ops, streams, recv_ptr = self._ops, self._streams, recv.data_ptr()
         slot_off = slot * self._slot_bytes
+        local = local_stream if staged else None  # a staging copy runs on cur: then the own copy must follow it
         for op in sig.exchange_ops(self.rank, world, epoch, self.slots, [[n * es for n in row] for row in table],
-                                   staged):
+                                   staged, local_own=local is not None):
             kind, where = op[0], op[1]
-            stream = cur if where == "main" else streams[where]
+            stream = cur if where == "main" else (local if where == "local" else streams[where])
             if kind == "copy":
                 _, _, src, _, src_off, dst_off, n = op
                 ops.memcpy(stream, recv_ptr + dst_off, self._base[src] + slot_off + src_off, n)
@@ -315,6 +321,7 @@ class CopyEngineTransport:
                 self._joined[op[2]].wait(cur)
             elif kind == "stage":
                 ops.memcpy(cur, self._base[self.rank] + slot_off, send.data_ptr(), send.numel() * es)
+                send.record_stream(cur)  # the caller may free it on the stream it was allocated on
         self._epoch = epoch
         return _Done() if async_op else None
 
