@@ -19,6 +19,7 @@
 #   bash tools/gpu_suite.sh S   # kernel-free copy-engine transport (copy_engine): CUDA equality, overlap, HCMS at P=4
 #   bash tools/gpu_suite.sh U   # block memory re-check on GPU; attention time beside each transport; copy_engine grids
 #   bash tools/gpu_suite.sh V   # HCMS kernel-free schedule (every kernel on the compute stream) with copy_engine
+#   bash tools/gpu_suite.sh W   # GPU timelines of one step + A/B of HCMS's two schedules through copy_engine
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -139,6 +140,11 @@ elif [ "$PART" = V ]; then  # HCMS kernel-free schedule with copy_engine: CUDA e
   run timeout 300 python3 tools/bench_attention.py --tag kf_grid_p4 --world-sizes 4 --heads 24,40 \
       --seqlens 8192,16384,32768 --modes deepspeed,ulysses,hcms2,auto,hcms2_ce,hcms3_ce,hcms4_ce,hcms5_ce,auto_ce \
       --iters 30 --out "$OUT"
+elif [ "$PART" = W ]; then  # why is V's kernel-free schedule slower? GPU timelines + A/B against the comm-stream schedule
+  run timeout 120 python3 tools/profile_step.py --world-size 4 --heads 24 --seqlen 8192 --modes ulysses,hcms2_ce,hcms2_ce0 \
+      --timeline --out "$OUT"
+  run timeout 150 python3 tools/bench_attention.py --tag kf_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768 \
+      --modes ulysses,hcms2_ce,hcms2_ce0,hcms4_ce,hcms4_ce0 --iters 20 --out "$OUT"
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"

@@ -60,6 +60,8 @@ def _worker(rank, world, port, args, path):
         cpu = sorted(((e.self_cpu_time_total / 3 / 1e3, e.count // 3, e.key[:90]) for e in prof.key_averages()
                       if e.self_cpu_time_total > 0), reverse=True)
         out[name] = {"host_ms": sorted(host)[5], "gpu_ms": gpu_ms, "kernels": rows[:14], "cpu_ops": cpu[:25]}
+        if args.timeline:
+            out[name]["timeline"] = _timeline(step, os.path.join(os.path.dirname(path), f"trace_{name}_r{rank}.json"))
     if rank == 0:
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
@@ -70,8 +72,31 @@ def _worker(rank, world, port, args, path):
             print("  host (self CPU time per step):", flush=True)
             for ms, n, key in r["cpu_ops"]:
                 print(f"    {ms:7.3f} ms  x{n:<3d} {key}", flush=True)
+            if "timeline" in r:
+                print("  GPU timeline of one step (start us, duration us, stream, activity):", flush=True)
+                for t0, dur, stream, key in r["timeline"]:
+                    print(f"    {t0:9.1f} {dur:8.1f}  s{stream:<4} {key}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _timeline(step, trace_path: str) -> list:
+    """Kernels, copies and memsets of one profiled step: (start us from the first, duration us, stream, name)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    os.remove(trace_path)
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e]
+    if not gpu:
+        return []
+    t0 = min(float(e["ts"]) for e in gpu)
+    rows = [(float(e["ts"]) - t0, float(e.get("dur", 0)), e.get("args", {}).get("stream", -1), e["name"][:60])
+            for e in gpu]
+    return sorted(rows)
 
 
 def main():
@@ -81,6 +106,7 @@ def main():
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--modes", default="deepspeed,ulysses,ulysses_packed")
     ap.add_argument("--out", default="profile_out")
+    ap.add_argument("--timeline", action="store_true", help="also print every GPU activity of one step (rank 0)")
     args = ap.parse_args()
     args.modes = args.modes.split(",")
     os.makedirs(args.out, exist_ok=True)
