@@ -18,29 +18,20 @@ class Deadlock(AssertionError):
     pass
 
 
-def _host_program(me, world, slots, tables, staged, local=False):
-    """Every op rank ``me`` queues for the exchanges, in host order, tagged with the epoch. With
-    ``local`` the caller works as the kernel-free HCMS does: it acquires and packs on its "local"
-    stream, the exchange runs on "main", the own segment is copied on "local", and the caller reads
-    recv on "local" after an event recorded on "main" behind the joins."""
+def _host_program(me, world, slots, tables, staged):
+    """Every op rank ``me`` queues for the exchanges, in host order, tagged with the epoch."""
     prog = []
-    home = "local" if local else "main"
     for n, table in enumerate(tables):
         e = n + 1
-        prog += [(e, (op[0], home) + op[2:]) for op in sig.acquire_ops(me, world, e, slots)]
+        prog += [(e, op) for op in sig.acquire_ops(me, world, e, slots)]
         if staged[n]:  # the caller packs straight into the slot after acquiring it
-            prog.append((e, ("stage", home, (e - 1) % slots)))
-        if local:  # main starts after the pack
-            prog += [(e, ("record", "local", "packed")), (e, ("wait_event", "main", "packed"))]
-        prog += [(e, op) for op in sig.exchange_ops(me, world, e, slots, table, staged[n],
-                                                      local_own=local and staged[n])]
-        if local:
-            prog += [(e, ("record", "main", "joined")), (e, ("wait_event", "local", "joined"))]
-        prog.append((e, ("consume", home)))  # the caller reads recv on its stream
+            prog.append((e, ("stage", "main", (e - 1) % slots)))
+        prog += [(e, op) for op in sig.exchange_ops(me, world, e, slots, table, staged[n])]
+        prog.append((e, ("consume", "main")))  # the caller reads recv on its stream
     return prog
 
 
-def simulate(world, slots, tables, staged, shared_queue, seed, local=False):
+def simulate(world, slots, tables, staged, shared_queue, seed):
     rng = random.Random(seed)
     flags = [dict() for _ in range(world)]                  # owner -> {(kind, slot, peer): value}
     slot_epoch = [[0] * slots for _ in range(world)]        # which exchange's data each slot holds
@@ -48,7 +39,7 @@ def simulate(world, slots, tables, staged, shared_queue, seed, local=False):
     events = set()
     queues, joins = {}, {}
     for me in range(world):
-        for idx, (e, op) in enumerate(_host_program(me, world, slots, tables, staged, local)):
+        for idx, (e, op) in enumerate(_host_program(me, world, slots, tables, staged)):
             stream = "main" if shared_queue else op[1]
             q = queues.setdefault((me, stream), [])
             if op[0] == "join" and not shared_queue:  # main waits for what stream op[2] has queued so far
@@ -114,12 +105,11 @@ def _tables(world, count, seed, even):
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 @pytest.mark.parametrize("slots", [1, 2, 3])
 @pytest.mark.parametrize("shared_queue", [False, True])
-@pytest.mark.parametrize("local", [False, True])
-def test_protocol_is_safe_and_live(world, slots, shared_queue, local):
+def test_protocol_is_safe_and_live(world, slots, shared_queue):
     for seed in range(12):
         tables = _tables(world, 7, seed, even=seed % 2 == 0)
         staged = [random.Random(seed * 31 + n).random() < 0.5 for n in range(len(tables))]
-        simulate(world, slots, tables, staged, shared_queue, seed, local)
+        simulate(world, slots, tables, staged, shared_queue, seed)
 
 
 def test_simulator_catches_slot_reuse_without_acquire(monkeypatch):

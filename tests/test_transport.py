@@ -88,18 +88,6 @@ class PulledGlooTransport:
         return None
 
 
-class KernelFreeGlooTransport(PulledGlooTransport):
-    """The same, declared kernel-free like CopyEngineTransport: HCMS then runs its kernel-free schedule
-    (every pack/unpack on the caller's stream, the own segment copied there; on CPU in program order)."""
-
-    kernel_free = True
-
-    def all_to_all(self, send, recv, send_splits=None, recv_splits=None, async_op=False, table=None,
-                   local_stream=None):
-        self.local_calls = getattr(self, "local_calls", 0) + 1
-        return super().all_to_all(send, recv, send_splits, recv_splits, async_op, table)
-
-
 def _qkv(rank, world, b, s, h, hkv, d, dtype, seed=3):
     gen = torch.Generator().manual_seed(seed)
     full = [torch.randn(b, s * world, n, d, generator=gen).to(dtype) for n in (h, hkv, hkv)]
@@ -108,10 +96,10 @@ def _qkv(rank, world, b, s, h, hkv, d, dtype, seed=3):
     return [t[:, mine].clone() for t in full], go[:, mine].clone()
 
 
-def _ulysses_same(rank, world, h, hkv, chunks, causal, layout, contiguous, kernel_free=False):
+def _ulysses_same(rank, world, h, hkv, chunks, causal, layout, contiguous):
     g = dist.group.WORLD
     (q0, k0, v0), go = _qkv(rank, world, 2, 5, h, hkv, 8, torch.float32)
-    tr = (KernelFreeGlooTransport if kernel_free else PulledGlooTransport)(g)
+    tr = PulledGlooTransport(g)
     outs = []
     for transport in ("nccl", tr):
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
@@ -122,8 +110,6 @@ def _ulysses_same(rank, world, h, hkv, chunks, causal, layout, contiguous, kerne
         o.backward(go)
         outs.append((o.detach(), q.grad, k.grad, v.grad))
     assert tr.exchanges > 0
-    if kernel_free and chunks > 1:  # the kernel-free schedule ran: every exchange passed local_stream
-        assert tr.local_calls == tr.exchanges
     for name, a, ref in zip(("out", "dq", "dk", "dv"), outs[1], outs[0]):
         assert torch.equal(a, ref), f"{name} differs through the pulled transport (C={chunks}, H={h}/{hkv})"
     return True
@@ -137,17 +123,6 @@ def _ulysses_same(rank, world, h, hkv, chunks, causal, layout, contiguous, kerne
     (3, 8, 8, 2, False, "sbhd", False)])  # uneven heads (3,3,2) and chunks (2+1), packed gradients
 def test_stream_ordered_transport_is_bitwise_identical(world, h, hkv, chunks, causal, layout, contiguous):
     run_ranks(_ulysses_same, world, h, hkv, chunks, causal, layout, contiguous)
-
-
-@pytest.mark.parametrize("world,h,hkv,chunks,causal,layout", [
-    (2, 8, 8, 2, False, "bshd"), (2, 8, 8, 4, True, "sbhd"),  # C=4: inputs packed two chunks ahead
-    (4, 12, 12, 3, True, "bshd"),         # three chunks per rank
-    (3, 8, 8, 2, False, "bshd"),          # uneven heads (3,3,2) and uneven chunks (2+1)
-    (4, 8, 2, 2, False, "sbhd"),          # GQA with kv < P (replicated kv heads)
-    (4, 10, 10, 2, True, "bshd")])        # uneven heads (3,3,2,2) -> uneven splits
-def test_kernel_free_hcms_schedule_is_bitwise_identical(world, h, hkv, chunks, causal, layout):
-    """HCMS's kernel-free schedule (copy_engine transport): output and every grad equal the NCCL/gloo path."""
-    run_ranks(_ulysses_same, world, h, hkv, chunks, causal, layout, True, True)
 
 
 def _async_same(rank, world, h, hkv, chunks):

@@ -49,10 +49,6 @@ def build_modes(names, group, causal, nodes=None, heads=None):
     for full in names:
         # a "_symm" / "_ce" suffix runs the same mode through a copy-engine transport
         name, tr = split_transport(full)
-        if tr == "copy_engine_comm":
-            from megatron_sp_ext.comm.transport import CopyEngineTransport  # noqa: PLC0415
-            tr = CopyEngineTransport(group, torch.device("cuda", torch.cuda.current_device()))
-            tr.kernel_free = False
         outer, modes = modes, {}
         if name == "deepspeed":
             try:
@@ -99,8 +95,7 @@ def build_modes(names, group, causal, nodes=None, heads=None):
     return modes
 
 
-# "_ce0": copy_engine with HCMS's comm-stream schedule instead of its kernel-free one (A/B of the schedule)
-TRANSPORT_SUFFIXES = {"_symm": "symm_mem", "_ce": "copy_engine", "_ce0": "copy_engine_comm"}
+TRANSPORT_SUFFIXES = {"_symm": "symm_mem", "_ce": "copy_engine"}
 
 
 def split_transport(mode: str) -> tuple:
@@ -149,7 +144,7 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
     res["t_comm_fwd"] = _time(lambda: (all_to_all_flat(s_in, r_in, group), all_to_all_flat(s_out, r_out, group)),
                               args.iters, args.warmup, group)
     for suffix, tr_name in TRANSPORT_SUFFIXES.items():  # the same bare exchange through the copy engines
-        if tr_name != "copy_engine_comm" and any(split_transport(n)[1] == tr_name for n in modes):
+        if any(split_transport(n)[1] == tr_name for n in modes):
             tr = spx.default_transports().get(tr_name, group, q.device)
             tr.all_to_all(s_in, r_in)  # grow the workspace outside the timed region
             res[f"t_comm_fwd{suffix}"] = _time(lambda tr=tr: (tr.all_to_all(s_in, r_in), tr.all_to_all(s_out, r_out)),

@@ -135,12 +135,12 @@ elif [ "$PART" = U ]; then  # after S: GPU re-check of session 3's block memory 
       --seqlens 8192,16384,32768 --modes deepspeed,ulysses,hcms2,hcms3,auto,hcms2_ce,hcms3_ce,auto_ce --iters 30 --out "$OUT"
   run timeout 150 python3 tools/bench_block.py --tag weak_ce --world-sizes 4 --models wan-1.3b,wan-14b \
       --tokens-per-gpu 16384 --transports nccl,copy_engine --chunks 2 --iters 10 --out "$OUT"
-elif [ "$PART" = V ]; then  # HCMS kernel-free schedule with copy_engine: CUDA equality, the P=4 grid vs NCCL and DeepSpeed
+elif [ "$PART" = V ]; then  # (run at commit 7ab77f5, whose kernel-free HCMS schedule was reverted after V/W) HCMS kernel-free schedule with copy_engine: CUDA equality, the P=4 grid vs NCCL and DeepSpeed
   run timeout 150 python3 tools/gpu_check.py --world-sizes 2,4 --only copy_engine,hcms_bitwise --out "$OUT"
   run timeout 300 python3 tools/bench_attention.py --tag kf_grid_p4 --world-sizes 4 --heads 24,40 \
       --seqlens 8192,16384,32768 --modes deepspeed,ulysses,hcms2,auto,hcms2_ce,hcms3_ce,hcms4_ce,hcms5_ce,auto_ce \
       --iters 30 --out "$OUT"
-elif [ "$PART" = W ]; then  # why is V's kernel-free schedule slower? GPU timelines + A/B against the comm-stream schedule
+elif [ "$PART" = W ]; then  # (run at commit 7ab77f5 + tools; _ce0 then meant the comm-stream schedule) why is V's kernel-free schedule slower? GPU timelines + A/B against the comm-stream schedule
   run timeout 120 python3 tools/profile_step.py --world-size 4 --heads 24 --seqlen 8192 --modes ulysses,hcms2_ce,hcms2_ce0 \
       --timeline --out "$OUT"
   run timeout 150 python3 tools/bench_attention.py --tag kf_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768 \

@@ -23,11 +23,7 @@ n every wait is eventually satisfied. ``tests/test_signal_schedule.py`` simulate
 (separate queues and one shared queue, random interleavings) and checks every copy reads the data of
 its own exchange.
 
-With ``local_own`` the own segment is copied on the caller's "local" stream instead (no event, no
-join): a caller that packed on that stream and reads ``recv`` there keeps every kernel and local copy
-on one stream, and the exchange stream holds only copy-engine pulls and flags.
-
-Op tuples (stream is "main", "local" or a source rank):
+Op tuples (stream is "main" or a source rank):
   ("wait_flag", stream, kind, slot, peer, value)       own flag kind[slot][peer] >= value
   ("write_flag", stream, target, kind, slot, value)    target's flag kind[slot][me] = value
   ("stage", "main", slot)                              send -> own slot
@@ -64,7 +60,7 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
 
 
 def exchange_ops(me: int, world: int, epoch: int, slots: int, send_table: Sequence[Sequence[int]],
-                 staged: bool, local_own: bool = False) -> list:
+                 staged: bool) -> list:
     """The stream operations of exchange ``epoch`` (after ``acquire_ops``); sizes in bytes or elements.
 
     send_table[r][p]: amount rank r sends to rank p. Sources are visited from ``me`` on (own segment
@@ -78,10 +74,6 @@ def exchange_ops(me: int, world: int, epoch: int, slots: int, send_table: Sequen
     for step in range(world):
         r = (me + step) % world
         n = send_table[r][me]
-        if r == me and local_own:
-            if n:
-                ops.append(("copy", "local", r, slot, _offsets(send_table[r])[me], recv_off[r], n))
-            continue
         ops.append(("wait_event", r, "start"))
         if r != me:
             ops.append(("wait_flag", r, READY, slot, r, epoch))

@@ -211,9 +211,8 @@ class CopyEngineTransport:
 
     name = "copy_engine"
     stream_ordered = True
-    kernel_free = True  # HCMS keeps every kernel on the compute stream with it (ulysses._forward_kernel_free)
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, slots: int = 3) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, slots: int = 2) -> None:
         check_copy_engine(group, device)
         import torch.distributed._symmetric_memory as symm  # noqa: PLC0415
         from . import stream_ops  # noqa: PLC0415
@@ -275,11 +274,7 @@ class CopyEngineTransport:
         return self._buf.narrow(0, slot * self._slot_bytes, nbytes).view(like.dtype)
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, send_splits: Optional[Sequence[int]] = None,
-                   recv_splits: Optional[Sequence[int]] = None, async_op: bool = False, table=None,
-                   local_stream: Optional["torch.cuda.Stream"] = None):
-        """``local_stream``: when ``send`` was packed into ``send_buffer()`` on that stream, copy the own
-        segment there (ordered after the pack; the caller reads ``recv`` there after this exchange's
-        end on the current stream); the current stream then holds only pulls and flags."""
+                   recv_splits: Optional[Sequence[int]] = None, async_op: bool = False, table=None):
         assert send.dim() == 1 and recv.dim() == 1 and send.is_contiguous() and recv.is_contiguous()
         assert send.dtype == recv.dtype
         world, es = self.world, send.element_size()
@@ -300,11 +295,10 @@ class CopyEngineTransport:
         self._acquire(cur, epoch)
         ops, streams, recv_ptr = self._ops, self._streams, recv.data_ptr()
         slot_off = slot * self._slot_bytes
-        local = local_stream if staged else None  # a staging copy runs on cur: then the own copy must follow it
         for op in sig.exchange_ops(self.rank, world, epoch, self.slots, [[n * es for n in row] for row in table],
-                                   staged, local_own=local is not None):
+                                   staged):
             kind, where = op[0], op[1]
-            stream = cur if where == "main" else (local if where == "local" else streams[where])
+            stream = cur if where == "main" else streams[where]
             if kind == "copy":
                 _, _, src, _, src_off, dst_off, n = op
                 ops.memcpy(stream, recv_ptr + dst_off, self._base[src] + slot_off + src_off, n)

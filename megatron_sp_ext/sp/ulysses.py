@@ -126,17 +126,23 @@ class _UlyssesFn(torch.autograd.Function):
         tokens = s_loc * bsz
         compute, comm = st.current(q.device), plan.comm_stream
         out = torch.empty_like(q)
-        if _kernel_free(plan):
-            chunks = _forward_kernel_free(q, k, v, out, plan, tokens, d, compute, comm)
-            ctx.plan, ctx.chunks = plan, chunks
-            ctx.shapes = (q.shape, k.shape)
-            return out
         recv_in, ev_in = _exchange_all_chunks((q, k, v), _QKV, plan, tokens, d, compute, comm)
         chunks = []
         for c in range(C):
             st.wait(compute, ev_in[c])
-            chunks.append(_chunk_attention(recv_in, c, plan, s_loc, bsz, d))
-            _exchange_out_chunk(chunks[-1][3], out, plan, c, tokens, d, compute, comm)
+            ws = lay.widths(hl, _QKV, me, c)
+            buf = recv_in[c].view(world * s_loc, bsz, sum(ws), d)
+            qc, kc, vc = lay.columns(buf, ws)
+            if plan.qkv_contiguous:  # [B, S, h, D]-backed copies (the kernel's native layout); free the buffer
+                qc, kc, vc = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (qc, kc, vc))
+                recv_in[c] = None
+                del buf
+            if plan.need_grad:
+                qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
+            with torch.set_grad_enabled(plan.need_grad):
+                oc = plan.backend(qc, kc, vc, causal=plan.causal, softmax_scale=plan.scale)
+            chunks.append((qc, kc, vc, oc))
+            _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
         if comm is not None:
             compute.wait_stream(comm)
         ctx.plan, ctx.chunks = plan, chunks
@@ -154,9 +160,6 @@ class _UlyssesFn(torch.autograd.Function):
         d = q_shape[-1]
         tokens = s_loc * bsz
         compute, comm = st.current(grad_out.device), plan.comm_stream
-        if _kernel_free(plan):
-            dq, dk, dv = _backward_kernel_free(ctx, grad_out, plan, tokens, d, compute, comm)
-            return dq, dk, dv, None
         recv_g, ev_in = _exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm)
         dq = dk = dv = None
         for c in range(C):
@@ -209,127 +212,6 @@ class _UlyssesFn(torch.autograd.Function):
         if comm is not None:
             compute.wait_stream(comm)
         return dq, dk, dv, None
-
-
-def _chunk_attention(recv_in: list, c: int, plan: "UlyssesPlan", s_loc: int, bsz: int, d: int):
-    """Chunk c's attention from its received q|k|v buffer (head-sharded); returns (qc, kc, vc, oc)."""
-    hl = plan.heads
-    ws = lay.widths(hl, _QKV, plan.rank, c)
-    buf = recv_in[c].view(hl.world * s_loc, bsz, sum(ws), d)
-    qc, kc, vc = lay.columns(buf, ws)
-    if plan.qkv_contiguous:  # [B, S, h, D]-backed copies (the kernel's native layout); free the buffer
-        qc, kc, vc = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (qc, kc, vc))
-        recv_in[c] = None
-        del buf
-    if plan.need_grad:
-        qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
-    with torch.set_grad_enabled(plan.need_grad):
-        oc = plan.backend(qc, kc, vc, causal=plan.causal, softmax_scale=plan.scale)
-    return qc, kc, vc, oc
-
-
-def _kernel_free(plan: "UlyssesPlan") -> bool:
-    """HCMS through a kernel-free transport (on CPU the same schedule runs in program order)."""
-    return plan.heads.chunks > 1 and getattr(plan.transport, "kernel_free", False)
-
-
-def _launch(tr, send, recv, splits_kw: dict, compute, comm):
-    """Exchange ``send`` (packed into the transport's slot on ``compute``) -> ``recv`` on ``comm``, the own
-    segment copied on ``compute``. Returns the event that fires when ``recv`` is complete."""
-    packed = st.record(compute)
-    with st.on_stream(comm):
-        st.wait(comm, packed)
-        tr.all_to_all(send, recv, local_stream=compute, **splits_kw)
-        return st.record(comm)
-
-
-def _send_seq_chunk(parts, kinds, plan: "UlyssesPlan", c: int, tokens: int, d: int, compute, comm):
-    """Pack chunk c of the seq-sharded ``parts`` on ``compute`` and exchange it: (recv, ready event)."""
-    hl, tr, like = plan.heads, plan.transport, parts[0]
-    buf = tr.send_buffer(sum(lay.seg_splits(hl, kinds, c, tokens, d)), like)
-    splits = lay.pack(parts, kinds, hl, c, plan.seq_layout, buf)
-    recv = _alloc(hl.world * tokens * sum(lay.widths(hl, kinds, plan.rank, c)) * d, like)
-    return recv, _launch(tr, buf, recv, {"send_splits": splits, "table": table_seq_to_head(splits)}, compute, comm)
-
-
-def _send_head_chunk(t_bhsd: torch.Tensor, kind: str, plan: "UlyssesPlan", c: int, tokens: int, d: int,
-                     compute, comm):
-    """Pack chunk c's head-sharded result on ``compute`` and exchange it back: (recv, ready event)."""
-    tr = plan.transport
-    send = _send_head_major(t_bhsd, tr)
-    splits = lay.seg_splits(plan.heads, (kind,), c, tokens, d)
-    recv = _alloc(sum(splits), t_bhsd)
-    return recv, _launch(tr, send, recv, {"recv_splits": splits, "table": table_head_to_seq(splits)}, compute, comm)
-
-
-def _forward_kernel_free(q, k, v, out, plan: "UlyssesPlan", tokens: int, d: int, compute, comm) -> list:
-    """HCMS forward for a kernel-free transport (copy engines + stream flags). Every kernel (packs,
-    attention, unpacks) runs on the compute stream, so none waits for SMs behind a running attention
-    kernel; the comm stream holds only copies and flags. Order on the compute stream: pack chunks 0
-    and 1; then per chunk c: attention c, pack c's output, unpack chunk c-1's output, pack chunk
-    c+2's input. So chunk c+1's input exchange and chunk c-1's output exchange fly beside attention c."""
-    hl, C = plan.heads, plan.heads.chunks
-    s_loc, bsz = (q.shape[1], q.shape[0]) if plan.seq_layout == "bshd" else (q.shape[0], q.shape[1])
-    pending_in = [_send_seq_chunk((q, k, v), _QKV, plan, c, tokens, d, compute, comm) for c in range(min(2, C))]
-    recv_in = [None] * C
-    chunks, pending_out = [], None
-    for c in range(C):
-        recv_in[c], ev = pending_in[c]
-        pending_in[c] = None
-        st.wait(compute, ev)
-        chunks.append(_chunk_attention(recv_in, c, plan, s_loc, bsz, d))
-        recv_o, ev_o = _send_head_chunk(chunks[-1][3], "q", plan, c, tokens, d, compute, comm)
-        if pending_out is not None:
-            _unpack_into(out, "q", pending_out, plan)
-        pending_out = (c, recv_o, ev_o)
-        if c + 2 < C:
-            pending_in.append(_send_seq_chunk((q, k, v), _QKV, plan, c + 2, tokens, d, compute, comm))
-    _unpack_into(out, "q", pending_out, plan)
-    return chunks
-
-
-def _unpack_into(dst: torch.Tensor, kind: str, pending: tuple, plan: "UlyssesPlan") -> None:
-    c, recv, ev = pending
-    st.wait(st.current(dst.device), ev)
-    lay.unpack(recv, (dst,), (kind,), plan.heads, c, plan.seq_layout)
-
-
-def _backward_kernel_free(ctx, grad_out, plan: "UlyssesPlan", tokens: int, d: int, compute, comm):
-    """The mirrored kernel-free backward: per chunk, dO exchanged in (packed on compute), attention
-    backward, dq/dk/dv packed on compute and exchanged out; chunk c-1's grads unpacked after chunk
-    c's attention backward is queued, chunk c+2's dO packed after it."""
-    hl, C, world = plan.heads, plan.heads.chunks, plan.heads.world
-    q_shape, kv_shape = ctx.shapes
-    s_loc, bsz = (q_shape[1], q_shape[0]) if plan.seq_layout == "bshd" else (q_shape[0], q_shape[1])
-    pending_in = [_send_seq_chunk((grad_out,), ("q",), plan, c, tokens, d, compute, comm) for c in range(min(2, C))]
-    dq = dk = dv = None
-    pending_out: list = []
-    for c in range(C):
-        recv_g, ev = pending_in[c]
-        pending_in[c] = None
-        st.wait(compute, ev)
-        qc, kc, vc, oc = ctx.chunks[c]
-        ctx.chunks[c] = None
-        do_c = recv_g.view(world * s_loc, bsz, qc.shape[1], d).permute(1, 2, 0, 3)
-        grads = list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
-        del qc, kc, vc, oc, do_c, recv_g
-        if dq is None:
-            dq = torch.empty(q_shape, dtype=grad_out.dtype, device=grad_out.device)
-            dk = torch.empty(kv_shape, dtype=grad_out.dtype, device=grad_out.device)
-            dv = torch.empty(kv_shape, dtype=grad_out.dtype, device=grad_out.device)
-        sent = []
-        for i, kind in enumerate(("q", "kv", "kv")):
-            g, grads[i] = grads[i], None
-            sent.append((kind, _send_head_chunk(g, kind, plan, c, tokens, d, compute, comm)))
-            del g
-        for dst, (kind, (cc, recv, ev_o)) in pending_out:
-            _unpack_into(dst, kind, (cc, recv, ev_o), plan)
-        pending_out = [(dst, (kind, (c,) + r)) for dst, (kind, r) in zip((dq, dk, dv), sent)]
-        if c + 2 < C:
-            pending_in.append(_send_seq_chunk((grad_out,), ("q",), plan, c + 2, tokens, d, compute, comm))
-    for dst, (kind, (cc, recv, ev_o)) in pending_out:
-        _unpack_into(dst, kind, (cc, recv, ev_o), plan)
-    return dq, dk, dv
 
 
 _VALIDATED: set = set()
