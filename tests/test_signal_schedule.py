@@ -153,3 +153,41 @@ def test_exchange_ops_visit_own_segment_first_and_release_every_peer():
     assert copies[0] == ("copy", 1, 1, 1, 3, 0, 1) and copies[1] == ("copy", 2, 2, 1, 0, 1, 2)
     released = {op[2] for op in ops if op[0] == "write_flag" and op[3] == sig.DONE}
     assert released == {0, 2}  # also rank 0, whose segment was empty
+
+
+def test_compiled_exchange_addresses_every_segment_and_flag():
+    """CopyEngineTransport._compile resolves the op list to driver-call arguments: every copy reads
+    the right peer address and lands at the right receive offset, flags hit the right words."""
+    import types
+
+    from megatron_sp_ext.comm import stream_ops as so
+    from megatron_sp_ext.comm.transport import CopyEngineTransport
+
+    world, me, slots, slot, sb = 3, 1, 2, 1, 1000
+    table_b = [[8, 4, 0], [2, 6, 10], [12, 16, 4]]
+    tr = object.__new__(CopyEngineTransport)
+    tr.rank, tr.world, tr.slots, tr._slot_bytes, tr._ops = me, world, slots, sb, so
+    tr._base = {r: 10_000 * (r + 1) for r in range(world)}
+    tr._flag_base = {r: 1_000_000 * (r + 1) for r in range(world)}
+    tr._streams = [types.SimpleNamespace(cuda_stream=100 + r) for r in range(world)]
+    tr._start = types.SimpleNamespace(handle=types.SimpleNamespace(value=7))
+    tr._joined = [types.SimpleNamespace(handle=types.SimpleNamespace(value=70 + r)) for r in range(world)]
+    cur = types.SimpleNamespace(cuda_stream=99)
+    prog = tr._compile(table_b, False, slot, cur)
+    copies = sorted((op[2], op[3], op[4], op[1]) for op in prog if op[0] == so.COPY)
+    # recv layout: from rank 0 (4 bytes), rank 1 (6), rank 2 (16); source offsets inside each slot
+    assert copies == [(0, 10_000 + slot * sb + 8, 4, 100), (4, 20_000 + slot * sb + 2, 6, 101),
+                      (10, 30_000 + slot * sb + 12, 16, 102)]
+    stage = [op for op in prog if op[0] == so.STAGE]
+    assert stage == [(so.STAGE, 99, 20_000 + slot * sb, 18, 0)]
+    ready = {op[2] for op in prog if op[0] == so.WRITE and op[1] == 99}
+    assert ready == {1_000_000 * (p + 1) + 4 * sig.flag_index(sig.READY, slot, me, slots, world) for p in (0, 2)}
+    waits = {(op[1], op[2]) for op in prog if op[0] == so.WAIT}
+    assert waits == {(100 + r, 1_000_000 * (me + 1) + 4 * sig.flag_index(sig.READY, slot, r, slots, world))
+                     for r in (0, 2)}
+    done = {(op[1], op[2]) for op in prog if op[0] == so.WRITE and op[1] != 99}
+    assert done == {(100 + r, 1_000_000 * (r + 1) + 4 * sig.flag_index(sig.DONE, slot, me, slots, world))
+                    for r in (0, 2)}
+    assert all(op[3] == 0 for op in prog if op[0] in (so.WAIT, so.WRITE))  # value = this exchange's epoch
+    joins = [op for op in prog if op[0] == so.EVENT_WAIT and op[1] == 99]
+    assert sorted(op[2] for op in joins) == [70, 71, 72]

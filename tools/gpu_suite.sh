@@ -20,6 +20,7 @@
 #   bash tools/gpu_suite.sh U   # block memory re-check on GPU; attention time beside each transport; copy_engine grids
 #   bash tools/gpu_suite.sh V   # HCMS kernel-free schedule (every kernel on the compute stream) with copy_engine
 #   bash tools/gpu_suite.sh W   # GPU timelines of one step + A/B of HCMS's two schedules through copy_engine
+#   bash tools/gpu_suite.sh X   # final session-4 set: copy_engine (compiled exchanges) checks, P=4/P=2 grids, DiT step
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -145,6 +146,17 @@ elif [ "$PART" = W ]; then  # (run at commit 7ab77f5 + tools; _ce0 then meant th
       --timeline --out "$OUT"
   run timeout 150 python3 tools/bench_attention.py --tag kf_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768 \
       --modes ulysses,hcms2_ce,hcms2_ce0,hcms4_ce,hcms4_ce0 --iters 20 --out "$OUT"
+elif [ "$PART" = X ]; then  # final set of session 4: copy_engine with compiled exchanges (host cost), P=4 and P=2 grids, DiT step
+  run timeout 120 python3 tools/gpu_check.py --world-sizes 2,4 --only copy_engine --out "$OUT"
+  run timeout 60 python3 tools/profile_step.py --world-size 4 --heads 24 --seqlen 8192 --modes ulysses,hcms2,hcms2_ce --out "$OUT"
+  run timeout 80 python3 tools/bench_transport.py --world-sizes 4 --heads 40 --seqlens 16384,32768 --out "$OUT"
+  run timeout 200 python3 tools/bench_attention.py --tag final_p4 --world-sizes 4 --heads 24,40 \
+      --seqlens 8192,16384,32768 --modes deepspeed,ulysses,hcms2,auto,ulysses_ce,hcms2_ce,hcms3_ce,hcms4_ce,auto_ce \
+      --iters 30 --out "$OUT"
+  run timeout 100 python3 tools/bench_attention.py --tag final_p2 --world-sizes 2 --heads 40 --seqlens 16384,32768 \
+      --modes deepspeed,ulysses,hcms2,auto,hcms2_ce,hcms3_ce,auto_ce --iters 20 --out "$OUT"
+  run timeout 120 python3 tools/bench_dit_step.py --world-sizes 4 --forms plain,plain_hcms2,plain_ce,plain_hcms2_ce,async_ce,auto \
+      --iters 10 --out "$OUT"
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"

@@ -110,3 +110,32 @@ class Event:
                 self._fns[6](self.handle)
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
+
+
+# A compiled exchange: a tuple of (code, stream handle, a, b, c) run by ``run_program`` with one driver
+# call each and no per-op Python objects (the host cost of an exchange is what short chunks are bound by).
+WAIT, WRITE, COPY, STAGE, EVENT_RECORD, EVENT_WAIT = range(6)
+
+
+def run_program(program: tuple, epoch: int, recv_ptr: int, send_ptr: int) -> None:
+    """Queue ``program`` for exchange ``epoch``. Ops: (WAIT, stream, addr, delta) waits for flag >=
+    epoch + delta; (WRITE, stream, addr, delta) writes epoch + delta; (COPY, stream, dst_off, src, n)
+    copies n bytes from src to recv_ptr + dst_off; (STAGE, stream, dst, n) copies n bytes from
+    send_ptr to dst; (EVENT_RECORD / EVENT_WAIT, stream, event handle)."""
+    f = _fns()
+    wait_fn, write_fn, copy_fn, record_fn, ev_wait_fn = f[0], f[1], f[2], f[4], f[5]
+    for code, stream, a, b, c in program:
+        if code == COPY:
+            rc = copy_fn(recv_ptr + a, b, c, stream)
+        elif code == WAIT:
+            rc = wait_fn(stream, a, (epoch + b) & 0xFFFFFFFF, WAIT_GEQ)
+        elif code == WRITE:
+            rc = write_fn(stream, a, (epoch + b) & 0xFFFFFFFF, WRITE_DEFAULT)
+        elif code == EVENT_WAIT:
+            rc = ev_wait_fn(stream, a, 0)
+        elif code == EVENT_RECORD:
+            rc = record_fn(a, stream)
+        else:  # STAGE
+            rc = copy_fn(a, send_ptr, b, stream)
+        if rc != 0:
+            raise RuntimeError(f"stream op {code} of an exchange failed with CUresult {rc}")
