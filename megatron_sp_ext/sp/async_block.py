@@ -261,7 +261,7 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
     RoPE at this rank's global positions); it is applied to q and k, never to v. ``causal`` and
     ``placement`` (which tokens this rank holds: "contiguous", "zigzag", ...) and ``kv_valid_len``
     (padded keys) mask exactly as in ulysses_attention.
-    transport: "nccl" (default) or "symm_mem" (copy-engine exchanges), as in ulysses_attention.
+    transport: "nccl" (default), "symm_mem" or "copy_engine" (copy-engine exchanges), as in ulysses_attention.
     """
     plan = make_async_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=w_o.shape[1] // num_heads,
                            prep=prep, head_chunks=head_chunks, softmax_scale=softmax_scale, backend=backend,
