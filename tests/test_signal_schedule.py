@@ -112,29 +112,28 @@ def test_protocol_is_safe_and_live(world, slots, shared_queue):
         simulate(world, slots, tables, staged, shared_queue, seed)
 
 
+def _failing_seeds(slots, staged, world=3, exchanges=6):
+    """How many of 40 random interleavings the model rejects (with a broken protocol patched in)."""
+    failures = 0
+    for seed in range(40):
+        try:
+            simulate(world, slots, _tables(world, exchanges, seed, even=True), [staged] * exchanges, False, seed)
+        except AssertionError:
+            failures += 1
+    return failures
+
+
 def test_simulator_catches_slot_reuse_without_acquire(monkeypatch):
     """The model is not vacuous: with the acquire waits removed, some interleaving overwrites a slot
     a peer has not finished reading (or consumes early), and the model fails."""
     monkeypatch.setattr(sig, "acquire_ops", lambda *a, **k: [])
-    failures = 0
-    for seed in range(40):
-        try:
-            simulate(3, 1, _tables(3, 6, seed, even=True), [False] * 6, False, seed)
-        except AssertionError:
-            failures += 1
-    assert failures > 0
+    assert _failing_seeds(slots=1, staged=False) > 0
 
 
 def test_simulator_catches_a_missing_ready_wait(monkeypatch):
     orig = sig.exchange_ops
     monkeypatch.setattr(sig, "exchange_ops", lambda *a, **k: [op for op in orig(*a, **k) if op[0] != "wait_flag"])
-    failures = 0
-    for seed in range(40):
-        try:
-            simulate(3, 2, _tables(3, 6, seed, even=True), [True] * 6, False, seed)
-        except AssertionError:
-            failures += 1
-    assert failures > 0
+    assert _failing_seeds(slots=2, staged=True) > 0
 
 
 def test_flag_layout_is_a_bijection():

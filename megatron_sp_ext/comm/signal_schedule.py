@@ -51,7 +51,8 @@ def acquire_ops(me: int, world: int, epoch: int, slots: int) -> list:
     return [("wait_flag", "main", DONE, slot, p, epoch - slots) for p in range(world) if p != me]
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
+def offsets(sizes: Sequence[int]) -> list[int]:
+    """Start of each segment of a buffer cut into ``sizes``."""
     out, acc = [], 0
     for s in sizes:
         out.append(acc)
@@ -69,7 +70,7 @@ def exchange_ops(me: int, world: int, epoch: int, slots: int, send_table: Sequen
     ops: list = [] if staged else [("stage", "main", slot)]
     ops += [("write_flag", "main", p, READY, slot, epoch) for p in range(world) if p != me]
     ops.append(("record", "main", "start"))
-    recv_off = _offsets([send_table[r][me] for r in range(world)])
+    recv_off = offsets([send_table[r][me] for r in range(world)])
     used = []
     for step in range(world):
         r = (me + step) % world
@@ -78,7 +79,7 @@ def exchange_ops(me: int, world: int, epoch: int, slots: int, send_table: Sequen
         if r != me:
             ops.append(("wait_flag", r, READY, slot, r, epoch))
         if n:
-            ops.append(("copy", r, r, slot, _offsets(send_table[r])[me], recv_off[r], n))
+            ops.append(("copy", r, r, slot, offsets(send_table[r])[me], recv_off[r], n))
         if r != me:  # also when nothing was pulled: the peer waits for this before reusing the slot
             ops.append(("write_flag", r, r, DONE, slot, epoch))
         used.append(r)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..errors import SPConfigError
 from . import signal_schedule as sig
+from .signal_schedule import offsets as _offsets
 from .exchange import all_to_all_flat
 
 TRANSPORT_NAMES = ("nccl", "symm_mem", "copy_engine")
@@ -70,12 +71,18 @@ def table_head_to_seq(recv_splits: Sequence[int]) -> list[list[int]]:
     return [[int(n)] * len(recv_splits) for n in recv_splits]
 
 
-def _offsets(splits: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for s in splits:
-        out.append(acc)
-        acc += s
-    return out
+def exchange_table(who: str, rank: int, world: int, send: torch.Tensor, recv: torch.Tensor,
+                   send_splits: Optional[Sequence[int]], recv_splits: Optional[Sequence[int]], table) -> list:
+    """Check a copy-engine exchange's buffers and return its table (rank r -> p sizes, elements); an
+    even exchange may omit it, an uneven one must give it (it is never learned by a hidden collective)."""
+    assert send.dim() == 1 and recv.dim() == 1 and send.is_contiguous() and recv.is_contiguous()
+    assert send.dtype == recv.dtype
+    if table is None:
+        if not all(s is None or len(set(s)) == 1 for s in (send_splits, recv_splits)):
+            raise ValueError(f"{who}.all_to_all: an uneven exchange needs table= (rank r -> p sizes)")
+        table = [[send.numel() // world] * world for _ in range(world)]
+    assert sum(table[rank]) == send.numel() and sum(r[rank] for r in table) == recv.numel()
+    return table
 
 
 def pull_all_to_all(me: int, world: int, send_table: Sequence[Sequence[int]], recv: torch.Tensor,
@@ -152,15 +159,8 @@ class SymmMemTransport:
     # -- exchange --------------------------------------------------------------------------------
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, send_splits: Optional[Sequence[int]] = None,
                    recv_splits: Optional[Sequence[int]] = None, async_op: bool = False, table=None):
-        assert send.dim() == 1 and recv.dim() == 1 and send.is_contiguous() and recv.is_contiguous()
-        assert send.dtype == recv.dtype
         world, es = self.world, send.element_size()
-        if table is None:
-            even = all(s is None or len(set(s)) == 1 for s in (send_splits, recv_splits))
-            if not even:
-                raise ValueError("SymmMemTransport.all_to_all: an uneven exchange needs table= (rank r -> p sizes)")
-            table = [[send.numel() // world] * world for _ in range(world)]
-        assert sum(table[self.rank]) == send.numel() and sum(r[self.rank] for r in table) == recv.numel()
+        table = exchange_table(type(self).__name__, self.rank, world, send, recv, send_splits, recv_splits, table)
         need = max(sum(row) for row in table) * es
         staged = self._buf is not None and send.data_ptr() == self._buf.data_ptr()
         if staged and self._buf.numel() < need:  # a peer needs a larger workspace: keep our packed data
@@ -306,15 +306,8 @@ class CopyEngineTransport:
 
     def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, send_splits: Optional[Sequence[int]] = None,
                    recv_splits: Optional[Sequence[int]] = None, async_op: bool = False, table=None):
-        assert send.dim() == 1 and recv.dim() == 1 and send.is_contiguous() and recv.is_contiguous()
-        assert send.dtype == recv.dtype
         world, es = self.world, send.element_size()
-        if table is None:
-            even = all(s is None or len(set(s)) == 1 for s in (send_splits, recv_splits))
-            if not even:
-                raise ValueError("CopyEngineTransport.all_to_all: an uneven exchange needs table= (rank r -> p sizes)")
-            table = [[send.numel() // world] * world for _ in range(world)]
-        assert sum(table[self.rank]) == send.numel() and sum(r[self.rank] for r in table) == recv.numel()
+        table = exchange_table(type(self).__name__, self.rank, world, send, recv, send_splits, recv_splits, table)
         epoch = self._epoch + 1
         slot = (epoch - 1) % self.slots
         need = max(sum(row) for row in table) * es
