@@ -33,6 +33,40 @@ def _median_ms(fn, iters, group):
     return _time(fn, iters, 3, group)
 
 
+class _PullsOnly:
+    """Diagnostic, timing only: copy_engine's peer pulls of one exchange with no flags, staging or slot
+    protocol (it reads the peers' workspaces whatever they hold): does a bare copy-engine pull progress
+    beside attention?"""
+
+    def __init__(self, ce, nbytes: int) -> None:
+        from megatron_sp_ext.comm import stream_ops  # noqa: PLC0415
+        self.ce, self.seg, self.ops = ce, nbytes // ce.world, stream_ops
+        self.dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def all_to_all(self, send, recv):
+        ce, cur = self.ce, torch.cuda.current_stream()
+        ce._start.record(cur)
+        for r in range(ce.world):
+            s = ce._streams[r]
+            ce._start.wait(s)
+            self.ops.memcpy(s, self.dst.data_ptr() + r * self.seg, ce._base[r] + ce.rank * self.seg, self.seg)
+            ce._joined[r].record(s)
+            ce._joined[r].wait(cur)
+
+
+class _LocalCopyOnly:
+    """Diagnostic, timing only: one device-local copy of the exchange's size (copy engine) on the stream."""
+
+    def __init__(self, nbytes: int) -> None:
+        from megatron_sp_ext.comm import stream_ops  # noqa: PLC0415
+        self.ops, self.n = stream_ops, nbytes
+        self.a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.b = torch.empty_like(self.a)
+
+    def all_to_all(self, send, recv):
+        self.ops.memcpy(torch.cuda.current_stream(), self.b.data_ptr(), self.a.data_ptr(), self.n)
+
+
 def _worker(rank, world, port, args, path):
     init_nccl_rank(rank, world, port, timeout_s=120)
     from megatron_sp_ext.comm.transport import CopyEngineTransport, NcclTransport, SymmMemTransport  # noqa: PLC0415
@@ -47,6 +81,10 @@ def _worker(rank, world, port, args, path):
             n = (L // world) * 3 * h * 128
             send = torch.randn(n, device="cuda", dtype=torch.bfloat16)
             recv = torch.empty_like(send)
+            ce = transports["copy_engine"]
+            ce.all_to_all(send, recv)  # sizes its workspace
+            transports["ce_pulls_only"] = _PullsOnly(ce, n * 2)
+            transports["local_copy_only"] = _LocalCopyOnly(n * 2)
             q = torch.randn(1, h // world, L, 128, device="cuda", dtype=torch.bfloat16)
             row = {"P": world, "H": h, "L": L, "bytes": n * 2}
             row["t_attn"] = _median_ms(lambda: F.scaled_dot_product_attention(q, q, q), args.iters, group)
@@ -104,7 +142,7 @@ def main():
     meta = run_meta()
     with open(os.path.join(args.out, "transport.json"), "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=1)
-    names = ("nccl", "symm_mem", "copy_engine")
+    names = ("nccl", "symm_mem", "copy_engine", "ce_pulls_only", "local_copy_only")
     lines = [f"{meta['device']}, {meta['date']}: q|k|v exchange x{args.repeat} (ms) alone and beside flash attention",
              "(\"attn beside\": the attention kernel's own time while the exchange runs)",
              "", "| P | H | L | attn | " + " | ".join(f"{n} alone / with attn / overlap eff / attn beside"

@@ -21,6 +21,7 @@
 #   bash tools/gpu_suite.sh V   # HCMS kernel-free schedule (every kernel on the compute stream) with copy_engine
 #   bash tools/gpu_suite.sh W   # GPU timelines of one step + A/B of HCMS's two schedules through copy_engine
 #   bash tools/gpu_suite.sh X   # final session-4 set: copy_engine (compiled exchanges) checks, P=4/P=2 grids, DiT step
+#   bash tools/gpu_suite.sh Y   # diagnostic: bare copy-engine pulls and a local copy beside attention
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
 # Writes under $OUT (default ./gpu_out) and packs it into results_<part>.tar.gz.
@@ -157,6 +158,8 @@ elif [ "$PART" = X ]; then  # final set of session 4: copy_engine with compiled 
       --modes deepspeed,ulysses,hcms2,auto,hcms2_ce,hcms3_ce,auto_ce --iters 20 --out "$OUT"
   run timeout 120 python3 tools/bench_dit_step.py --world-sizes 4 --forms plain,plain_hcms2,plain_ce,plain_hcms2_ce,async_ce,auto \
       --iters 10 --out "$OUT"
+elif [ "$PART" = Y ]; then  # diagnostic: do bare copy-engine pulls (no flags) or a local copy progress beside attention?
+  run timeout 100 python3 tools/bench_transport.py --world-sizes 4 --heads 40 --seqlens 16384,32768 --out "$OUT"
 elif [ "$PART" = F ]; then
   run python3 tools/bench_attention.py --tag contig_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768,57344 \
       --modes deepspeed,ulysses_packed,ulysses,hcms2_packed,hcms2 --iters 10 --out "$OUT"
