@@ -256,7 +256,7 @@ class CopyEngineTransport:
         self._base = {r: (buf.data_ptr() if r == self.rank else
                           hdl.get_buffer(r, [self.slots * sb], torch.uint8, 0).data_ptr()) for r in range(self.world)}
         self._buf, self._hdl, self._slot_bytes = buf, hdl, sb
-        self._programs: dict = {}  # compiled exchanges hold workspace addresses
+        self._programs = {}  # compiled exchanges hold workspace addresses
 
     def _compile(self, table_b, staged: bool, slot: int, cur: "torch.cuda.Stream") -> tuple:
         """``signal_schedule.exchange_ops`` resolved to addresses, stream and event handles (cached per
