@@ -30,6 +30,20 @@ def _block(cp_comm_type, cp, tp, chunks, nodes, causal, layers=2):
     return TransformerBlock(cfg, spec)
 
 
+def _assert_equals_full_sequence(block, x_full, dy_full, split, y, dx, grads, tag, **fwd_kwargs):
+    """The same block run by one rank on the whole sequence (CP off, the parent's forward) must give this
+    rank's shard of the output and input grad, and every parameter grad (already CP-reduced in ``grads``)."""
+    for layer in block.layers:
+        layer.self_attention.core_attention.cp_group = None
+    xf = x_full.clone().requires_grad_()
+    yf = block(xf, attention_mask=None, **fwd_kwargs)
+    yf.backward(dy_full)
+    assert rel_err(y, split(yf)) < 1e-5, f"{tag}: output {rel_err(y, split(yf))}"
+    assert rel_err(dx, split(xf.grad)) < 1e-5, f"{tag}: input grad"
+    for n, p in block.named_parameters():
+        assert rel_err(grads[n], p.grad) < 1e-5, f"{tag}: grad of {n}: {rel_err(grads[n], p.grad)}"
+
+
 def _megatron_equiv(rank, world, tp, cp, modes, hierarchical=None):
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
@@ -57,16 +71,8 @@ def _megatron_equiv(rank, world, tp, cp, modes, hierarchical=None):
             dx = x.grad.clone()
             block.zero_grad(set_to_none=True)
             # reference: the same weights, CP=1 on the full sequence
-            for layer in block.layers:
-                layer.self_attention.core_attention.cp_group = None
-            xf = x_full.clone().requires_grad_()
-            yf = block(xf, attention_mask=None)
-            yf.backward(dy_full)
-            tag = f"{mode} C={chunks} TP={tp} CP={cp} causal={causal}"
-            assert rel_err(y, split(yf)) < 1e-5, f"{tag}: output {rel_err(y, split(yf))}"
-            assert rel_err(dx, split(xf.grad)) < 1e-5, f"{tag}: input grad"
-            for n, p in block.named_parameters():
-                assert rel_err(grads[n], p.grad) < 1e-5, f"{tag}: grad of {n}: {rel_err(grads[n], p.grad)}"
+            _assert_equals_full_sequence(block, x_full, dy_full, split, y, dx, grads,
+                                         f"{mode} C={chunks} TP={tp} CP={cp} causal={causal}")
     finally:
         ps.destroy_model_parallel()
     return True
@@ -215,16 +221,10 @@ def _async_equiv(rank, world, cp, causal, qk_norm, rope, groups, chunks, form="o
             dist.all_reduce(gr, group=cp_group)
         dx = x.grad.clone()
         block.zero_grad(set_to_none=True)
-        for layer in block.layers:  # reference: one rank, the parent's forward
-            layer.self_attention.core_attention.cp_group = None
-        xf = x_full.clone().requires_grad_()
-        yf = block(xf, attention_mask=None, rotary_pos_emb=freqs_full)
-        yf.backward(dy_full)
-        tag = f"{form} CP={cp} causal={causal} qk_norm={qk_norm} rope={rope} groups={groups} C={chunks}"
-        assert rel_err(y, split(yf)) < 1e-5, f"{tag}: output {rel_err(y, split(yf))}"
-        assert rel_err(dx, split(xf.grad)) < 1e-5, f"{tag}: input grad"
-        for n, p in block.named_parameters():
-            assert rel_err(grads[n], p.grad) < 1e-5, f"{tag}: grad of {n}: {rel_err(grads[n], p.grad)}"
+        _assert_equals_full_sequence(
+            block, x_full, dy_full, split, y, dx, grads,
+            f"{form} CP={cp} causal={causal} qk_norm={qk_norm} rope={rope} groups={groups} C={chunks}",
+            rotary_pos_emb=freqs_full)
     finally:
         ps.destroy_model_parallel()
     return True

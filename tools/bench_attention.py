@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.gpu_ranks import init_nccl_rank, run_meta, run_world_sizes  # noqa: E402
 import megatron_sp_ext as spx  # noqa: E402
 from megatron_sp_ext.comm.exchange import all_to_all_flat  # noqa: E402
-from megatron_sp_ext.sp.policy import HCMSPolicy  # noqa: E402
+from megatron_sp_ext.sp.policy import HCMSPolicy, time_ms  # noqa: E402
 
 
 
@@ -114,21 +114,8 @@ def rotated(items: list, i: int) -> list:
 
 
 def _time(fn, iters, warmup, group):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    t = torch.tensor(sorted(ts)[len(ts) // 2], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
+    """Median ms of ``iters`` calls, max over ranks (the library's timer, with every repetition kept)."""
+    return time_ms(fn, iters, warmup, group, long_ms=None)
 
 
 def bench_shape(rank, world, group, h, seqlen, args, modes):

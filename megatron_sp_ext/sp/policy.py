@@ -36,15 +36,18 @@ class Calibration:
     confirm: tuple = ()
 
 
-def _time_ms(fn, iters: int, warmup: int, group, long_ms: float = 50.0) -> float:
-    """Median of ``iters`` timed calls after ``warmup`` (max over ranks); calls longer than
-    ``long_ms`` get 2 repetitions (the spread there is far below the 2% decision margin)."""
+def time_ms(fn, iters: int, warmup: int, group, long_ms: Optional[float] = 50.0) -> float:
+    """Median ms of ``iters`` event-timed calls of ``fn`` after ``warmup`` calls and a barrier, max over
+    the ranks of ``group``. With ``long_ms``, calls longer than that stop after 2 repetitions (the spread
+    there is far below the policies' 2% decision margin); benchmarks pass None."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for i in range(iters):
-        if i == 2 and min(times) > long_ms:
+        if long_ms is not None and i == 2 and min(times) > long_ms:
             break
         start.record()
         fn()
@@ -102,7 +105,7 @@ class HCMSPolicy:
                                           transport=transport or "nccl")
                     if fwd_bwd:
                         o.backward(go)
-            return _time_ms(step, self.iters, self.warmup, group)
+            return time_ms(step, self.iters, self.warmup, group)
 
         cal = Calibration(1)
         cal.t_plain = cal.measured[1] = run(1)
@@ -122,7 +125,7 @@ class HCMSPolicy:
             if fwd_bwd:
                 a2a(send_o, recv_o)
                 a2a(send, recv)
-        cal.t_comm = _time_ms(comm, self.iters, self.warmup, group)
+        cal.t_comm = time_ms(comm, self.iters, self.warmup, group)
         cal.measured[2] = run(2)
         t_attn = max(cal.t_plain - cal.t_comm, 1e-3)
         cal.beta = max(cal.measured[2] - t_attn - cal.t_comm / 2, 1e-3)
