@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit.cli import add_common_args, build_dataset, frames_and_size, pick_device  # noqa: E402
-from training.video_dit.engine import (MetricsLog, check_divisible, flow_matching_batch, local_loss, make_core,  # noqa: E402
-                                       prepare, sample_loss)
+from training.video_dit.engine import MetricsLog, check_divisible, make_core  # noqa: E402
+from training.video_dit.loop import MegatronOps, RunContext, TorchOps, add_train_args, train_loop  # noqa: E402
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
@@ -34,6 +34,11 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     add_common_args(p)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--ddp-impl", choices=["auto", "megatron", "torch"], default="auto")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="megatron DDP: shard optimizer state over data x context ranks (ZeRO-1 style)")
+    p.add_argument("--overlap-grad-reduce", action="store_true", help="megatron DDP: overlap the gradient "
+                   "reduce-scatter/all-reduce with the backward")
+    add_train_args(p)
     add_arguments(p)
     args = p.parse_args(argv)
     cfg = preset(args.model, args.num_layers)
@@ -104,11 +109,13 @@ def _train(args, device, ps) -> dict:
                                   args.sp_transport, allgather=args.sp_async_qkv == "allgather")
     elif args.sp_async_qkv == "auto" and sp_world > 1:
         model.set_block_policy(cp_group)
+    model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
     if impl == "megatron":
         model, opt = _megatron_ddp(model, cfg, args)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
+                                fused=device.type == "cuda" or None)
     start = 0
     if args.load:
         ck = torch.load(os.path.join(args.load, "checkpoint.pt"), map_location=device, weights_only=False)
@@ -120,32 +127,14 @@ def _train(args, device, ps) -> dict:
     if rank == 0 and not args.quiet:
         print(f"[pretrain_video_dit] model={args.model} layers={cfg.layers} CP={sp_world} DP={dp_world} "
               f"cp_comm_type={args.cp_comm_type[0]} head_chunks={args.hcms_head_chunks} async_qkv={args.sp_async_qkv} "
-              f"ddp={impl} device={device}",
+              f"ddp={impl} dist_opt={args.use_distributed_optimizer} recompute={args.recompute_granularity} "
+              f"device={device}",
               flush=True)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
-    losses = []
-    for step in range(start, args.train_iters):
-        batch = flow_matching_batch(dataset, step, args.seed, dp_rank, dp_world, args.micro_batch_size, cfg.patch)
-        inp = prepare(batch, sp_rank, sp_world, device)
-        if impl == "megatron":
-            model.zero_grad_buffer()
-        opt.zero_grad(set_to_none=True)
-        loss_r = local_loss(model, inp, autocast)
-        (loss_r * sp_world).backward()
-        if impl == "megatron":
-            model.finish_grad_sync()
-            opt.step()
-        else:
-            _reduce_grads(model, dp_cp_group)
-            if args.clip_grad > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-            opt.step()
-        loss = sample_loss(loss_r, cp_group, dp_group)
-        losses.append(loss)
-        log.step(step, loss, inp.n_valid * args.micro_batch_size * dp_world, inp.n_valid,
-                 {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid})
-        if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
-            _save(args.save, step + 1, model.module if impl == "megatron" else model, opt, rank)
+    ops = MegatronOps(model, opt) if impl == "megatron" else TorchOps(model, opt, dp_cp_group, args.clip_grad)
+    ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, dist.get_world_size())
+    losses = train_loop(args, ops, dataset, cfg, ctx, device, log, start=start, autocast=autocast,
+                        save=lambda s: _save(args.save, s, model.module if impl == "megatron" else model, opt, rank))
     if args.save:
         _save(args.save, args.train_iters, model.module if impl == "megatron" else model, opt, rank)
     plot = log.close(f"video DiT ({args.model}), CP={sp_world} {args.cp_comm_type[0]}")
@@ -155,26 +144,19 @@ def _train(args, device, ps) -> dict:
     return {"losses": losses, "plot": plot, "rows": log.rows}
 
 
-def _reduce_grads(model, group) -> None:
-    """What Megatron's DDP does on GPU: average gradients over data x context-parallel ranks."""
-    world = dist.get_world_size(group)
-    for p in model.parameters():
-        if p.grad is not None and world > 1:
-            dist.all_reduce(p.grad, group=group)
-            p.grad /= world
-
-
 def _megatron_ddp(model, cfg, args):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: PLC0415
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: PLC0415
     from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
     tcfg = TransformerConfig(num_layers=cfg.layers, hidden_size=cfg.dim, num_attention_heads=cfg.heads,
                              context_parallel_size=args.context_parallel_size, bf16=args.bf16)
-    ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                                      overlap_grad_reduce=False), model)
+    ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
                                                  adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad,
-                                                 bf16=False, params_dtype=torch.float32), [ddp])
+                                                 bf16=False, params_dtype=torch.float32,
+                                                 use_distributed_optimizer=args.use_distributed_optimizer), [ddp])
     return ddp, opt
 
 

@@ -147,8 +147,13 @@ class MetricsLog:
     def __init__(self, log_dir: Optional[str], total_steps: int, enabled: bool, cfg=None, device="cpu",
                  start_step: int = 0, show: bool = True) -> None:
         """enabled: this rank writes (rank 0); show: also a progress bar."""
-        self.enabled, self.log_dir, self.cfg, self.device = enabled, log_dir, cfg, device
+        self.enabled, self.log_dir, self.cfg, self.device = enabled, log_dir, cfg, torch.device(device)
+        self.start_step = start_step
         self.rows: list = []
+        self.peak = None
+        if self.device.type == "cuda":  # read the device name once, not every step
+            name = torch.cuda.get_device_name(self.device)
+            self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         self.bar = None
         if enabled and log_dir:
             os.makedirs(log_dir, exist_ok=True)
@@ -169,21 +174,24 @@ class MetricsLog:
         dt, self.t0 = now - self.t0, now
         row = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / max(dt, 1e-9)}
         if self.device.type == "cuda" and self.cfg is not None:
-            name = torch.cuda.get_device_name()
-            peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-            if peak:
+            if self.peak:
                 world = dist.get_world_size() if dist.is_initialized() else 1
-                row["mfu"] = self.cfg.flops_per_token(seqlen, self.cfg.text_len) * row["tokens_per_s"] / (peak * world)
+                row["mfu"] = self.cfg.flops_per_token(seqlen, self.cfg.text_len) * row["tokens_per_s"] / (self.peak * world)
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row.update(extra or {})
+        return self.write(row)
+
+    def write(self, row: dict) -> dict:
+        """Append one finished row (metrics.jsonl on the writing rank, progress bar)."""
         self.rows.append(row)
+        loss = row.get("loss")
         if self.enabled:
             if self.f:
                 self.f.write(json.dumps(row) + "\n")
                 self.f.flush()
             if self.bar is not None:
                 self.bar.update(1)
-                self.bar.set_postfix(loss=f"{loss:.4f}")
+                self.bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "n/a")
         return row
 
     def close(self, title: str = "") -> Optional[str]:

@@ -1,0 +1,244 @@
+"""The training step loop shared by both entry points, and its flags.
+
+Per step: inputs from the background data path (pipeline.step_inputs), forward+backward, the
+framework's gradient reduction and clip (which yields the gradient norm), the non-finite guard (one
+small all-reduce, guard.StepGuard), the update (or a counted skip), and device-side metrics read
+back every --log-interval steps (telemetry.Telemetry). A framework adapter (TorchOps, MegatronOps,
+DeepSpeedOps) supplies the four framework-specific calls; checkpoint writing stays in the entry
+point (``save(step)`` callback) and runs only after the guard has passed and the metrics are flushed.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .engine import local_loss
+from .guard import SpikeDetector, StepGuard
+from .pipeline import StepBatches, describe_samples, step_inputs
+from .telemetry import Telemetry
+
+log = logging.getLogger("video_dit")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Speed, memory and run-health flags (names as in Megatron-LM where it has one)."""
+    g = p.add_argument_group("training loop")
+    g.add_argument("--log-interval", type=int, default=1,
+                   help="read metrics back from the device every N steps (no other per-step host sync when the "
+                        "non-finite check is off)")
+    g.add_argument("--tensorboard-dir", default=None, help="also write TensorBoard event files here (rank 0)")
+    g.add_argument("--num-workers", type=int, default=None,
+                   help="DataLoader worker processes preparing batches ahead (default: 2 on CUDA, 0 on CPU; "
+                        "0 = in the training thread)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="activation checkpointing: full blocks, or selective (--recompute-modules)")
+    g.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=["core_attn", "mlp"],
+                   help="with --recompute-granularity selective: the attention core and/or the FFN")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="with full: recompute only the first N blocks (default: all)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="turn off the per-step finite check of loss and gradient norm")
+    g.add_argument("--skip-nonfinite-steps", type=int, default=0,
+                   help="skip (do not apply) up to N steps whose loss/grad norm is NaN/Inf; stop at the N+1st")
+    g.add_argument("--loss-spike-factor", type=float, default=3.0,
+                   help="warn when a loss exceeds this x the running median (0: off)")
+    g.add_argument("--timing", action="store_true",
+                   help="time the model's fwd+bwd and the optimizer step with CUDA events in the same run "
+                        "(model_fwd_bwd_ms, optimizer_ms in metrics.jsonl)")
+    g.add_argument("--debug-inf-grad-step", type=int, default=None, help=argparse.SUPPRESS)  # test hook
+    return p
+
+
+def resolve_workers(args, device) -> int:
+    n = args.num_workers if args.num_workers is not None else (2 if torch.device(device).type == "cuda" else 0)
+    if n < 0:
+        raise ValueError(f"--num-workers={n}: must be >= 0")
+    return n
+
+
+@dataclass
+class RunContext:
+    """Where this rank sits: SP (context) and DP coordinates and the all-ranks group of the guard."""
+    sp_rank: int
+    sp_world: int
+    dp_rank: int
+    dp_world: int
+    rank: int
+    world: int
+    group: Optional[object] = None
+
+
+class TorchOps:
+    """torch AdamW (fused on CUDA) with the gradient average over data x context ranks done explicitly."""
+
+    def __init__(self, model, opt, dp_cp_group, clip: float) -> None:
+        self.model, self.opt, self.group, self.clip = model, opt, dp_cp_group, clip
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def grads_ready(self) -> torch.Tensor:
+        world = dist.get_world_size(self.group) if self.group is not None else 1
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if world > 1:
+            for p in params:
+                dist.all_reduce(p.grad, group=self.group)
+                p.grad /= world
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if self.clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm, foreach=True)
+        return norm
+
+    def update(self):
+        self.opt.step()
+        return None
+
+    def discard(self):
+        self.opt.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return float(self.opt.param_groups[0]["lr"])
+
+
+class MegatronOps:
+    """megatron-core DDP + optimizer (GPU): finish_grad_sync, then a norm over the (local shard of) main_grad
+    for the guard; the optimizer clips and reports the global norm itself."""
+
+    def __init__(self, ddp, opt) -> None:
+        self.model, self.opt = ddp, opt
+
+    def zero_grad(self):
+        self.model.zero_grad_buffer()
+        self.opt.zero_grad(set_to_none=True)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def grads_ready(self) -> torch.Tensor:
+        self.model.finish_grad_sync()
+        grads = [p.main_grad for p in self.model.module.parameters() if getattr(p, "main_grad", None) is not None]
+        return torch.nn.utils.get_total_norm(grads, foreach=True)
+
+    def update(self):
+        _, grad_norm, _ = self.opt.step()
+        return grad_norm
+
+    def discard(self):
+        self.zero_grad()
+
+    def lr(self) -> float:
+        return float(self.opt.param_groups[0]["lr"])
+
+
+class DeepSpeedOps:
+    """DeepSpeed engine: reduction, clip and the gradient overflow check happen inside engine.step(); a step
+    whose gradients are non-finite is skipped by DeepSpeed (engine.skipped_steps), which the guard reads."""
+
+    def __init__(self, engine) -> None:
+        self.model = engine
+        self.engine = engine
+
+    def zero_grad(self):
+        pass  # engine.step() clears the gradients
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def grads_ready(self):
+        return None
+
+    def update(self):
+        before = self.engine.skipped_steps
+        self.engine.step()
+        self.ds_skipped = self.engine.skipped_steps > before
+        return self.engine.get_global_grad_norm()
+
+    def discard(self):
+        self.update()  # DeepSpeed skips the non-finite update itself and clears its gradient buffers
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+
+def _plant_inf_hook(model, step, at_step, rank):
+    """Test hook (--debug-inf-grad-step): rank 0 adds +inf to one parameter's gradient at that step."""
+    if at_step is None or step != at_step or rank != 0:
+        return None
+    p = next(p for p in model.parameters() if p.requires_grad)
+    return p.register_hook(lambda g: g + float("inf"))
+
+
+def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *, start: int, autocast=None,
+               save: Optional[Callable[[int], None]] = None, cast_inputs=None) -> list:
+    """Run steps [start, args.train_iters); returns the mean sample loss per step (None if not read back)."""
+    guard = StepGuard(args.check_for_nan_in_loss_and_grad, args.skip_nonfinite_steps, ctx.rank, ctx.world,
+                      ctx.dp_world, ctx.group)
+    spikes = SpikeDetector(args.loss_spike_factor)
+    tel = Telemetry(log_metrics, cfg=cfg, device=device, world=ctx.world, interval=args.log_interval,
+                    timing=args.timing, tensorboard_dir=args.tensorboard_dir, writer_rank=ctx.rank == 0,
+                    group=ctx.group)
+    batches = StepBatches(dataset, start=start, stop=args.train_iters, seed=args.seed, dp_rank=ctx.dp_rank,
+                          dp_world=ctx.dp_world, micro_batch=args.micro_batch_size, patch=cfg.patch,
+                          sp_rank=ctx.sp_rank, sp_world=ctx.sp_world)
+    losses: list = []
+    for step, inp, ids in step_inputs(batches, device, resolve_workers(args, device)):
+        if cast_inputs is not None:
+            cast_inputs(inp)
+        ev = tel.events()
+        hook = _plant_inf_hook(ops.model, step, args.debug_inf_grad_step, ctx.rank)
+        if ev:
+            ev.mark(0)
+        ops.zero_grad()
+        loss_r = local_loss(ops.model, inp, autocast)
+        ops.backward(loss_r * ctx.sp_world)
+        if ev:
+            ev.mark(1)
+        if hook is not None:
+            hook.remove()
+        grad_norm = ops.grads_ready()
+        vec = guard.reduce(loss_r, grad_norm)
+        loss = vec[0]
+        apply = True
+        if guard.enabled:
+            verdict = guard.read(vec)
+            loss = verdict.loss
+            if isinstance(ops, DeepSpeedOps):  # gradients: DeepSpeed's own overflow check inside step()
+                if not verdict.ok:
+                    apply = guard.decide(verdict, step, describe_samples(dataset, ids))
+                out = ops.update()
+                if ops.ds_skipped and verdict.ok:
+                    verdict.ok, verdict.grad_ranks = False, list(range(ctx.world))
+                    apply = guard.decide(verdict, step, describe_samples(dataset, ids))
+                elif not verdict.ok and not ops.ds_skipped:
+                    raise RuntimeError(f"step {step}: non-finite loss but DeepSpeed applied the update (its "
+                                       f"gradient overflow check is off: set bf16.check_grad_overflow true)")
+            else:
+                apply = guard.decide(verdict, step, describe_samples(dataset, ids))
+                out = ops.update() if apply else ops.discard()
+            if loss is not None and apply:
+                spikes.update(step, loss, describe_samples(dataset, ids))
+        else:
+            out = ops.update()
+        if ev:
+            ev.mark(2)
+        gn = out if out is not None else grad_norm
+        losses.append(loss)
+        tel.record(step, loss, gn, ops.lr(), inp.n_valid * args.micro_batch_size * ctx.dp_world, inp.n_valid,
+                   len(guard.skipped), ev, {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid})
+        if save is not None and args.save and args.save_interval and (step + 1) % args.save_interval == 0:
+            tel.flush()
+            save(step + 1)
+    tel.close()
+    if guard.skipped and ctx.rank == 0:
+        log.warning("skipped %d non-finite step(s): %s", len(guard.skipped), guard.skipped)
+    rows = log_metrics.rows
+    return [r["loss"] for r in rows[-len(losses):]] if losses else []
