@@ -141,7 +141,7 @@ def _train(args, device, ps) -> dict:
     if rank == 0 and not args.quiet and losses:
         print(f"[pretrain_video_dit] loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
               f"metrics: {args.log_dir}/metrics.jsonl; plot: {plot}", flush=True)
-    return {"losses": losses, "plot": plot, "rows": log.rows}
+    return {"losses": losses, "plot": plot, "rows": log.rows, "timing": getattr(log, "timing", None)}
 
 
 def _megatron_ddp(model, cfg, args):

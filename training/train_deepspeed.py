@@ -101,7 +101,7 @@ def _train(args, engine, cfg, device) -> dict:
     if rank == 0 and not args.quiet and losses:
         print(f"[train_deepspeed] loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
               f"plot: {plot}", flush=True)
-    return {"losses": losses, "plot": plot, "rows": log.rows}
+    return {"losses": losses, "plot": plot, "rows": log.rows, "timing": getattr(log, "timing", None)}
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ point (``save(step)`` callback) and runs only after the guard has passed and the
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -50,6 +53,10 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--timing", action="store_true",
                    help="time the model's fwd+bwd and the optimizer step with CUDA events in the same run "
                         "(model_fwd_bwd_ms, optimizer_ms in metrics.jsonl)")
+    g.add_argument("--timing-bare-steps", type=int, default=10,
+                   help="with --timing: after the run, N more steps of the same model and optimizer on the last "
+                        "batch with nothing else (no data path, guard, metrics), timed with CUDA events "
+                        "(timing.json: bare_step_ms); they update the weights, so use it in benchmark runs")
     g.add_argument("--debug-inf-grad-step", type=int, default=None, help=argparse.SUPPRESS)  # test hook
     return p
 
@@ -238,7 +245,57 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
             tel.flush()
             save(step + 1)
     tel.close()
+    if args.timing and args.timing_bare_steps > 0 and losses:
+        log_metrics.timing = bare_steps(ops, inp, args.timing_bare_steps, autocast, ctx)
+        _write_timing(log_metrics, ctx.rank)
     if guard.skipped and ctx.rank == 0:
         log.warning("skipped %d non-finite step(s): %s", len(guard.skipped), guard.skipped)
     rows = log_metrics.rows
     return [r["loss"] for r in rows[-len(losses):]] if losses else []
+
+
+def bare_steps(ops, inp, n: int, autocast, ctx: RunContext) -> dict:
+    """n training steps of ``ops`` on one fixed batch with nothing around them, each timed with CUDA events
+    (perf_counter on CPU); median over ranks' max. What the step costs without the loop's own work."""
+    cuda = inp.x.device.type == "cuda"
+    times = []
+    for _ in range(n):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+        if cuda:
+            ev[0].record()
+        t0 = time.perf_counter()
+        ops.zero_grad()
+        loss_r = local_loss(ops.model, inp, autocast)
+        ops.backward(loss_r * ctx.sp_world)
+        ops.grads_ready()
+        ops.update()
+        if cuda:
+            ev[1].record()
+            ev[1].synchronize()
+            times.append(ev[0].elapsed_time(ev[1]))
+        else:
+            times.append((time.perf_counter() - t0) * 1e3)
+    t = torch.tensor(times, device=inp.x.device)
+    if ctx.world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+    ms = sorted(t.tolist())
+    return {"bare_step_ms": ms[len(ms) // 2], "bare_step_ms_all": ms, "bare_steps": n}
+
+
+def _write_timing(log_metrics, rank: int) -> None:
+    """timing.json beside metrics.jsonl: the bare step and the medians of the run's own rows."""
+    rows = log_metrics.rows[len(log_metrics.rows) // 4:] or log_metrics.rows  # past the warm-up
+
+    def med(key):
+        v = sorted(r[key] for r in rows if r.get(key) is not None)
+        return v[len(v) // 2] if v else None
+    t = log_metrics.timing
+    t.update(entry_step_ms=1e3 * med("step_time_s"), model_fwd_bwd_ms=med("model_fwd_bwd_ms"),
+             optimizer_ms=med("optimizer_ms"), mfu=med("mfu"), peak_mem_gib=med("peak_mem_gib"),
+             tokens_per_s=med("tokens_per_s"), rows_used=len(rows))
+    if t["model_fwd_bwd_ms"] is not None and t["optimizer_ms"] is not None:
+        t["entry_over_model_and_opt"] = t["entry_step_ms"] / (t["model_fwd_bwd_ms"] + t["optimizer_ms"])
+    t["entry_over_bare"] = t["entry_step_ms"] / t["bare_step_ms"]
+    if rank == 0 and log_metrics.log_dir:
+        with open(os.path.join(log_metrics.log_dir, "timing.json"), "w") as f:
+            json.dump(t, f, indent=1)
