@@ -196,3 +196,23 @@ def test_entry_exit_code_and_message(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert p.returncode != 0
     assert "NonFiniteError" in p.stderr and "step 3" in p.stderr and "sample_000003.pt" in p.stderr
+
+
+def test_loss_spike_warning(caplog):
+    from training.video_dit.guard import SpikeDetector
+    det = SpikeDetector(factor=3.0, window=20, min_history=5)
+    flags = [det.update(i, v, [f"s{i}"]) for i, v in enumerate([1.0, 1.1, 0.9, 1.0, 1.05, 1.0, 3.5, 1.0, float("nan")])]
+    assert flags == [False] * 6 + [True, False, False] and det.spikes == [6]
+    assert "loss spike at step 6" in caplog.text and "s6" in caplog.text
+
+
+def test_bad_flags_name_the_flag():
+    from training.video_dit import VideoDiT, preset
+    m = VideoDiT(preset("tiny"))
+    with pytest.raises(ValueError, match="--recompute-num-layers=5"):
+        m.set_recompute("full", num_layers=5)
+    with pytest.raises(ValueError, match="--recompute-modules"):
+        m.set_recompute("selective", ("attn",))
+    from training.video_dit.guard import StepGuard
+    with pytest.raises(ValueError, match="--skip-nonfinite-steps=-1"):
+        StepGuard(True, -1, 0, 1, 1)

@@ -211,12 +211,21 @@ class MetricsLog:
             with open(os.path.join(self.log_dir, "metrics.jsonl")) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
             fig, ax = plt.subplots(figsize=(6, 3.5))
-            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
+            ax.plot([r["step"] for r in rows], [r["loss"] if r["loss"] is not None else float("nan") for r in rows],
+                    marker=".")
             ax.set_xlabel("step")
             ax.set_ylabel("flow-matching loss")
             ax.set_title(title)
             fig.tight_layout()
             fig.savefig(path, dpi=100)
+            plt.close(fig)
+            fig, ax = plt.subplots(figsize=(6, 3.5))  # step time beside it (step_time.png)
+            ax.plot([r["step"] for r in rows], [1e3 * r["step_time_s"] for r in rows], marker=".")
+            ax.set_xlabel("step")
+            ax.set_ylabel("step time (ms)")
+            ax.set_title(title)
+            fig.tight_layout()
+            fig.savefig(os.path.join(self.log_dir, "step_time.png"), dpi=100)
             plt.close(fig)
         except ImportError:
             return None

@@ -95,11 +95,14 @@ class TorchOps:
     def grads_ready(self) -> torch.Tensor:
         world = dist.get_world_size(self.group) if self.group is not None else 1
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if world > 1:
-            for p in params:
-                dist.all_reduce(p.grad, group=self.group)
-                p.grad /= world
         grads = [p.grad for p in params]
+        if world > 1:  # one flat all-reduce per dtype instead of one per parameter
+            for dt in {g.dtype for g in grads}:
+                part = [g for g in grads if g.dtype == dt]
+                flat = torch.cat([g.reshape(-1) for g in part])
+                dist.all_reduce(flat, group=self.group)
+                flat /= world
+                torch._foreach_copy_(part, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in part]), part)])
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if self.clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm, foreach=True)
