@@ -216,3 +216,21 @@ def test_bad_flags_name_the_flag():
     from training.video_dit.guard import StepGuard
     with pytest.raises(ValueError, match="--skip-nonfinite-steps=-1"):
         StepGuard(True, -1, 0, 1, 1)
+
+
+@pytest.mark.parametrize("fn", [_mg, _ds], ids=["megatron", "deepspeed"])
+def test_timing_rows_and_bare_steps(tmp_path, fn):
+    """--timing: per-step fwd+bwd / optimizer spans in the rows, timing.json with the bare steps and ratios."""
+    log = str(tmp_path / "log")
+    res = run_ranks(lambda r, w: fn(r, w, ("--timing", "--timing-bare-steps", "2", "--log-dir", log)), 2)[0]
+    assert all(r["model_fwd_bwd_ms"] > 0 and r["optimizer_ms"] > 0 for r in res["rows"])
+    t = json.load(open(os.path.join(log, "timing.json")))
+    assert t["bare_step_ms"] == pytest.approx(res["timing"]["bare_step_ms"]) and t["bare_step_ms"] > 0
+    assert len(t["bare_step_ms_all"]) == 2
+    assert t["entry_over_bare"] == pytest.approx(t["entry_step_ms"] / t["bare_step_ms"])
+    assert t["entry_over_model_and_opt"] > 0 and t["rows_used"] == 2
+
+
+def test_megatron_only_flags_rejected_on_torch_ddp():
+    with pytest.raises(RankFailure, match="--use-distributed-optimizer.*CUDA"):
+        run_ranks(lambda r, w: _mg(r, w, ("--use-distributed-optimizer",)), 2)

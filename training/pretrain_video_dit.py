@@ -38,9 +38,20 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                    help="megatron DDP: shard optimizer state over data x context ranks (ZeRO-1 style)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="megatron DDP: overlap the gradient "
                    "reduce-scatter/all-reduce with the backward")
+    p.add_argument("--bf16-params", action="store_true",
+                   help="megatron DDP (GPU): keep the model's weights in bf16 with fp32 main weights and Adam state "
+                        "in Megatron's optimizer (Megatron-LM's --bf16 meaning; needs --bf16 for the autocast)")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="megatron DDP: gradient buffers and their reduction in bf16 (default fp32)")
     add_train_args(p)
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.bf16_params and not args.bf16:
+        p.error("--bf16-params needs --bf16 (the autocast that feeds bf16 weights)")
+    if (args.bf16_params or args.use_distributed_optimizer or args.overlap_grad_reduce or args.grad_reduce_in_bf16) \
+            and args.ddp_impl == "torch":
+        p.error("--bf16-params / --use-distributed-optimizer / --overlap-grad-reduce / --grad-reduce-in-bf16 are "
+                "megatron DDP options: use --ddp-impl megatron or auto on CUDA")
     cfg = preset(args.model, args.num_layers)
     args.num_attention_heads, args.tensor_model_parallel_size = cfg.heads, 1
     if len(args.cp_comm_type) != 1:
@@ -98,7 +109,8 @@ def _train(args, device, ps) -> dict:
     dp_rank, dp_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
-    model = VideoDiT(cfg).to(device)
+    with torch.device(device):  # initialise on the device: a 14B model built on the CPU takes minutes
+        model = VideoDiT(cfg)
     model.set_attention_core(make_core(args.cp_comm_type[0], cp_group if sp_world > 1 else None, num_heads=cfg.heads,
                                        head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
                                        placement=args.sp_placement, ulysses_size=args.sp_ulysses_size,
@@ -111,6 +123,10 @@ def _train(args, device, ps) -> dict:
         model.set_block_policy(cp_group)
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
+    if impl == "torch" and (args.bf16_params or args.use_distributed_optimizer or args.overlap_grad_reduce
+                            or args.grad_reduce_in_bf16):
+        raise ValueError("--bf16-params / --use-distributed-optimizer / --overlap-grad-reduce / --grad-reduce-in-bf16 "
+                         f"need megatron's DDP, which needs CUDA (this run uses --ddp-impl torch on {device})")
     if impl == "megatron":
         model, opt = _megatron_ddp(model, cfg, args)
     else:
@@ -150,12 +166,15 @@ def _megatron_ddp(model, cfg, args):
     from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
     tcfg = TransformerConfig(num_layers=cfg.layers, hidden_size=cfg.dim, num_attention_heads=cfg.heads,
                              context_parallel_size=args.context_parallel_size, bf16=args.bf16)
+    if args.bf16_params:  # Megatron-LM's --bf16: bf16 weights, fp32 main weights + Adam state in the optimizer
+        model = model.to(torch.bfloat16)
     ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16, overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
                                                  adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad,
-                                                 bf16=False, params_dtype=torch.float32,
+                                                 bf16=args.bf16_params,
+                                                 params_dtype=torch.bfloat16 if args.bf16_params else torch.float32,
                                                  use_distributed_optimizer=args.use_distributed_optimizer), [ddp])
     return ddp, opt
 

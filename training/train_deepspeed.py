@@ -60,7 +60,8 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     if args.check_for_nan_in_loss_and_grad and ds_cfg.get("bf16", {}).get("enabled"):
         ds_cfg["bf16"].setdefault("check_grad_overflow", True)  # the guard relies on DeepSpeed's skip of such steps
     torch.manual_seed(args.seed)
-    model = VideoDiT(cfg)
+    with torch.device(device):  # initialise on the device (minutes on the CPU at 14B)
+        model = VideoDiT(cfg)
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
     engine, _, _, _ = initialize(model=model, config=ds_cfg, num_heads=cfg.heads)
     try:

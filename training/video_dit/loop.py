@@ -250,7 +250,7 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
     tel.close()
     if args.timing and args.timing_bare_steps > 0 and losses:
         log_metrics.timing = bare_steps(ops, inp, args.timing_bare_steps, autocast, ctx)
-        _write_timing(log_metrics, ctx.rank)
+        _write_timing(log_metrics, ctx.rank, args.log_interval)
     if guard.skipped and ctx.rank == 0:
         log.warning("skipped %d non-finite step(s): %s", len(guard.skipped), guard.skipped)
     rows = log_metrics.rows
@@ -285,9 +285,11 @@ def bare_steps(ops, inp, n: int, autocast, ctx: RunContext) -> dict:
     return {"bare_step_ms": ms[len(ms) // 2], "bare_step_ms_all": ms, "bare_steps": n}
 
 
-def _write_timing(log_metrics, rank: int) -> None:
-    """timing.json beside metrics.jsonl: the bare step and the medians of the run's own rows."""
-    rows = log_metrics.rows[len(log_metrics.rows) // 4:] or log_metrics.rows  # past the warm-up
+def _write_timing(log_metrics, rank: int, interval: int) -> None:
+    """timing.json beside metrics.jsonl: the bare step and the medians of the run's own rows past the warm-up
+    (the first log interval, at least 2 steps and a quarter of the run)."""
+    skip = max(interval, 2, len(log_metrics.rows) // 4)
+    rows = log_metrics.rows[skip:] or log_metrics.rows
 
     def med(key):
         v = sorted(r[key] for r in rows if r.get(key) is not None)
