@@ -94,7 +94,8 @@ def _train(args, engine, cfg, device) -> dict:
         if bf16:
             inp.x, inp.text, inp.t = inp.x.bfloat16(), inp.text.bfloat16(), inp.t.bfloat16()
     ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, world)
-    losses = train_loop(args, DeepSpeedOps(engine), dataset, cfg, ctx, device, log, start=start, cast_inputs=cast_inputs,
+    losses = train_loop(args, DeepSpeedOps(engine), dataset, cfg, ctx, device, log, start=start,
+                        cast_inputs=cast_inputs,
                         save=lambda s: engine.save_checkpoint(args.save, tag=f"step{s}", client_state={"step": s}))
     if args.save:
         engine.save_checkpoint(args.save, tag=f"step{args.train_iters}", client_state={"step": args.train_iters})

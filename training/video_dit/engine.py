@@ -176,7 +176,8 @@ class MetricsLog:
         if self.device.type == "cuda" and self.cfg is not None:
             if self.peak:
                 world = dist.get_world_size() if dist.is_initialized() else 1
-                row["mfu"] = self.cfg.flops_per_token(seqlen, self.cfg.text_len) * row["tokens_per_s"] / (self.peak * world)
+                flops = self.cfg.flops_per_token(seqlen, self.cfg.text_len)
+                row["mfu"] = flops * row["tokens_per_s"] / (self.peak * world)
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row.update(extra or {})
         return self.write(row)

@@ -83,7 +83,8 @@ class StepGuard:
                             len(self.skipped), self.max_skips, msg)
             return False
         extra = (f"; already skipped {len(self.skipped)} step(s) {self.skipped}, the most --skip-nonfinite-steps="
-                 f"{self.max_skips} allows" if self.max_skips else "; pass --skip-nonfinite-steps N to skip up to N such steps")
+                 f"{self.max_skips} allows" if self.max_skips
+                 else "; pass --skip-nonfinite-steps N to skip up to N such steps")
         raise NonFiniteError(f"non-finite training step, stopped before the optimizer update and before any "
                              f"checkpoint write: {msg}{extra}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import local_loss
-from .guard import SpikeDetector, StepGuard
+from .guard import NonFiniteError, SpikeDetector, StepGuard
 from .pipeline import StepBatches, describe_samples, step_inputs
 from .telemetry import Telemetry
 
@@ -228,9 +229,11 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
                 if ops.ds_skipped and verdict.ok:
                     verdict.ok, verdict.grad_ranks = False, list(range(ctx.world))
                     apply = guard.decide(verdict, step, describe_samples(dataset, ids))
-                elif not verdict.ok and not ops.ds_skipped:
-                    raise RuntimeError(f"step {step}: non-finite loss but DeepSpeed applied the update (its "
-                                       f"gradient overflow check is off: set bf16.check_grad_overflow true)")
+                elif not ops.ds_skipped and (not verdict.ok or (out is not None and not math.isfinite(out))):
+                    raise NonFiniteError(f"step {step}: non-finite loss or gradient norm ({out}) and DeepSpeed "
+                                         f"applied the update (its gradient overflow check is off for this "
+                                         f"configuration: use ZeRO 1-3 with bf16.check_grad_overflow true); "
+                                         f"samples: {describe_samples(dataset, ids)}")
             else:
                 apply = guard.decide(verdict, step, describe_samples(dataset, ids))
                 out = ops.update() if apply else ops.discard()

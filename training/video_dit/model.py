@@ -243,7 +243,8 @@ class VideoDiT(nn.Module):
         nn.init.zeros_(self.mod_out.bias)
         self.rope_cache = RopeCache()
 
-    def set_recompute(self, granularity: Optional[str], modules=("core_attn",), num_layers: Optional[int] = None) -> None:
+    def set_recompute(self, granularity: Optional[str], modules=("core_attn",),
+                      num_layers: Optional[int] = None) -> None:
         """Activation checkpointing (Megatron-LM's --recompute-granularity / --recompute-modules /
         --recompute-num-layers): 'full' recomputes whole blocks (the first ``num_layers``, default all) in the
         backward; 'selective' recomputes only ``modules``: 'core_attn' (the attention core; with the fused

@@ -80,6 +80,9 @@ class Telemetry:
         """Read back the pending steps (one sync), write their rows; returns them."""
         if not self.pending:
             return []
+        for p in self.pending:  # CUDA events must have completed before elapsed_time
+            if p[7] is not None and p[7].cuda:
+                p[7].marks[2].synchronize()
         vals = [x for p in self.pending for x in (p[1], p[2])]
         dev = [v for v in vals if isinstance(v, torch.Tensor)]
         host = iter(torch.stack([v.detach().float().reshape(()) for v in dev]).tolist()) if dev else iter(())
