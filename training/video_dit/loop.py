@@ -200,6 +200,8 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
     batches = StepBatches(dataset, start=start, stop=args.train_iters, seed=args.seed, dp_rank=ctx.dp_rank,
                           dp_world=ctx.dp_world, micro_batch=args.micro_batch_size, patch=cfg.patch,
                           sp_rank=ctx.sp_rank, sp_world=ctx.sp_world)
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # this run's peak (benchmarks run the entry more than once)
     losses: list = []
     for step, inp, ids in step_inputs(batches, device, resolve_workers(args, device)):
         if cast_inputs is not None:
