@@ -176,7 +176,19 @@ def _megatron_ddp(model, cfg, args):
                                                  bf16=args.bf16_params,
                                                  params_dtype=torch.bfloat16 if args.bf16_params else torch.float32,
                                                  use_distributed_optimizer=args.use_distributed_optimizer), [ddp])
+    _fuse_torch_adam(opt)
     return ddp, opt
+
+
+def _fuse_torch_adam(opt) -> None:
+    """Without Transformer Engine / apex, megatron-core steps torch's AdamW with its default (foreach) kernels:
+    switch its groups to the fused kernel (set before the first step, when the state is created)."""
+    from megatron.core import optimizer as mopt  # noqa: PLC0415
+    if not getattr(mopt, "USING_PYTORCH_OPTIMIZER", False):
+        return
+    for g in opt.param_groups:
+        if "fused" in g and all(p.is_cuda and p.is_floating_point() for p in g["params"]):
+            g["fused"], g["foreach"] = True, False
 
 
 if __name__ == "__main__":
