@@ -234,3 +234,14 @@ def test_timing_rows_and_bare_steps(tmp_path, fn):
 def test_megatron_only_flags_rejected_on_torch_ddp():
     with pytest.raises(RankFailure, match="--use-distributed-optimizer.*CUDA"):
         run_ranks(lambda r, w: _mg(r, w, ("--use-distributed-optimizer",)), 2)
+
+
+def test_profile_writes_trace_and_tables(tmp_path):
+    log = str(tmp_path / "log")
+    run_ranks(lambda r, w: _mg(r, w, ("--profile", "--profile-step-start", "1", "--profile-step-end", "3",
+                                      "--log-dir", log)), 2)
+    assert os.path.exists(os.path.join(log, "profile_rank0.json")) and not os.path.exists(
+        os.path.join(log, "profile_rank1.json"))
+    table = open(os.path.join(log, "profile_rank0.txt")).read()
+    assert "steps [1, 3) on rank 0" in table and "aten::" in table
+    json.load(open(os.path.join(log, "profile_rank0.json")))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .engine import local_loss
 from .guard import NonFiniteError, SpikeDetector, StepGuard
 from .pipeline import StepBatches, describe_samples, step_inputs
+from .profiling import StepProfiler
 from .telemetry import Telemetry
 
 log = logging.getLogger("video_dit")
@@ -58,6 +59,11 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --timing: after the run, N more steps of the same model and optimizer on the last "
                         "batch with nothing else (no data path, guard, metrics), timed with CUDA events "
                         "(timing.json: bare_step_ms); they update the weights, so use it in benchmark runs")
+    g.add_argument("--profile", action="store_true", help="torch.profiler over steps [--profile-step-start, "
+                   "--profile-step-end) on --profile-ranks: profile_rank{r}.json/.txt in --log-dir")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
     g.add_argument("--debug-inf-grad-step", type=int, default=None, help=argparse.SUPPRESS)  # test hook
     return p
 
@@ -202,8 +208,11 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
                           sp_rank=ctx.sp_rank, sp_world=ctx.sp_world)
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak (benchmarks run the entry more than once)
+    prof = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end, args.profile_ranks, ctx.rank,
+                        args.log_dir, device)
     losses: list = []
     for step, inp, ids in step_inputs(batches, device, resolve_workers(args, device)):
+        prof.step(step)
         if cast_inputs is not None:
             cast_inputs(inp)
         ev = tel.events()
@@ -252,6 +261,7 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
         if save is not None and args.save and args.save_interval and (step + 1) % args.save_interval == 0:
             tel.flush()
             save(step + 1)
+    prof.close()
     tel.close()
     if args.timing and args.timing_bare_steps > 0 and losses:
         log_metrics.timing = bare_steps(ops, inp, args.timing_bare_steps, autocast, ctx)
