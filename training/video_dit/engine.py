@@ -81,10 +81,12 @@ def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: i
     if len({x.shape for x in xs}) != 1:
         raise ValueError("samples of one micro-batch must have equal latent shapes (use --micro-batch-size 1 "
                          "with variable frame counts)")
-    x, tgt = torch.cat(xs), torch.cat(tgts)
+    def cat(parts):  # one micro-sample: no copy (same values)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    x, tgt = cat(xs), cat(tgts)
     _, c, tn, h, w = x.shape
     pt, ph, pw = patch
-    return {"x": patchify(x, patch), "target": patchify(tgt, patch), "t": torch.cat(ts), "text": torch.cat(texts),
+    return {"x": patchify(x, patch), "target": patchify(tgt, patch), "t": cat(ts), "text": cat(texts),
             "grid": (tn // pt, h // ph, w // pw)}
 
 
