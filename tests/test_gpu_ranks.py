@@ -52,7 +52,8 @@ def _probe(rank, world, probe_dir):
     import tools.gpu_ranks as gr
     got = gr.probe_links(__import__("torch.distributed", fromlist=["x"]).group.WORLD, torch.device("cpu"),
                          sizes=(4096, 65536))
-    assert got["world"] == 4 and [r["bytes"] for r in got["nccl_world"]] == [4096, 65536]
+    assert got["world"] == 4 and [r["bytes"] for r in got["world_rows"]] == [4096, 65536]
+    assert got["world_transport"] == "two_level"
     assert got["intra_machine"]["transport"] == "nccl" and got["intra_machine"]["ranks"] == 2
     assert got["inter_machine"]["transport"] == "host_staged" and got["inter_machine"]["ranks"] == 2
     assert all(r["ms"] > 0 and r["GBps_per_gpu"] > 0 for k in ("intra_machine", "inter_machine")

@@ -12,7 +12,9 @@ import torch.distributed as dist
 
 import megatron_sp_ext as spx
 from megatron_sp_ext.comm.host_staged import HostStagedTransport, ring_table
-from megatron_sp_ext.comm.transport import TransportPool, p2p_disabled_reason, symm_mem_unavailable_reason
+from megatron_sp_ext.comm.host_staged import TwoLevelTransport
+from megatron_sp_ext.comm.transport import (NcclTransport, TransportPool, default_transports, p2p_disabled_reason,
+                                            symm_mem_unavailable_reason)
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.async_block import async_ulysses_self_attention
 from megatron_sp_ext.topology.detect import detect_topology
@@ -164,3 +166,56 @@ def test_slow_link_regime_refuses_copy_engine_transports(monkeypatch):
     for name in ("symm_mem", "copy_engine"):
         with pytest.raises(SPConfigError, match=f"--sp-transport='{name}'.*NCCL_P2P_DISABLE=1 is set"):
             TransportPool().get(name, None, torch.device("cuda", 0), "--sp-transport")
+
+
+def _two_level(rank, world, node_of):
+    g = dist.group.WORLD
+    tr = TwoLevelTransport(g, torch.device("cpu"), node_of)
+    gen, data = torch.Generator().manual_seed(11), torch.Generator().manual_seed(200 + rank)
+    for n in range(6):
+        table = torch.randint(0, 5, (world, world), generator=gen).tolist()
+        table[n % world][(n + 2) % world] = 0
+        send = torch.randn(sum(table[rank]), generator=data)
+        ss, rs = table[rank], [table[r][rank] for r in range(world)]
+        want = torch.empty(sum(rs))
+        dist.all_to_all_single(want, send, rs, ss, group=g)
+        got = torch.full((sum(rs),), float("nan"))
+        w = tr.all_to_all(send, got, ss, rs, async_op=n % 2 == 1, table=table)
+        if w is not None:
+            w.wait()
+        assert torch.equal(got, want), f"two-level exchange {n} differs (machines {node_of})"
+    return True
+
+
+@pytest.mark.parametrize("world,node_of", [(4, (0, 0, 1, 1)), (6, (0, 0, 0, 1, 1, 1)), (3, (0, 1, 2))])
+def test_two_level_exchange_is_bitwise_all_to_all(world, node_of):
+    run_ranks(_two_level, world, node_of)
+
+
+def _ulysses_emulated(rank, world, h, chunks, causal):
+    g = dist.group.WORLD
+    assert default_transports().get("nccl", g, torch.device("cpu")).name == "two_level"  # the emulation's link
+    gen = torch.Generator().manual_seed(4)
+    full = [torch.randn(1, 4 * world, h, 8, generator=gen) for _ in range(4)]
+    q0, k0, v0, go = (t[:, 4 * rank:4 * rank + 4].contiguous() for t in full)
+    outs = []
+    for transport in (NcclTransport(g), "nccl"):  # the group's own all_to_all vs the emulated two levels
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        o = spx.ulysses_attention(q, k, v, g, head_chunks=chunks, causal=causal, transport=transport)
+        o.backward(go)
+        outs.append((o.detach(), q.grad, k.grad, v.grad))
+    for name, a, ref in zip(("out", "dq", "dk", "dv"), outs[1], outs[0]):
+        assert torch.equal(a, ref), f"{name} differs under the emulated machines"
+    # the mesh modes see the machines: TAS puts Ulysses across them (two-level), USP inside (plain)
+    tas = spx.build_sp_mesh(g, num_heads=h, placement="tas", ulysses_size=2)
+    usp = spx.build_sp_mesh(g, num_heads=h, placement="usp", ulysses_size=2)
+    dev = torch.device("cpu")
+    assert default_transports().get("nccl", tas.ulysses_group, dev).name == "two_level"
+    assert default_transports().get("nccl", usp.ulysses_group, dev).name == "nccl"
+    return True
+
+
+@pytest.mark.parametrize("h,chunks,causal", [(8, 2, False), (6, 1, True)])
+def test_ulysses_under_emulated_machines_is_bitwise(monkeypatch, h, chunks, causal):
+    monkeypatch.setenv(MACHINE_SIZE_ENV, "2")
+    run_ranks(_ulysses_emulated, 4, h, chunks, causal)

@@ -200,8 +200,9 @@ def probe_links(group, device, sizes=(1 << 22, 1 << 25)) -> dict:
     from megatron_sp_ext.topology.emulate import emulated_machine_size, link_transport  # noqa: PLC0415
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     pool = default_transports()
-    out = {"links": os.environ.get(LINKS_ENV), "world": world,
-           "nccl_world": [bandwidth_row(pool.get("nccl", group, device), n, group, device) for n in sizes]}
+    whole = pool.get("nccl", group, device)  # two_level when the group spans emulated machines
+    out = {"links": os.environ.get(LINKS_ENV), "world": world, "world_transport": whole.name,
+           "world_rows": [bandwidth_row(whole, n, group, device) for n in sizes]}
     m = emulated_machine_size()
     if m is not None and world > 1:
         intra, cross = link_groups(world, m)

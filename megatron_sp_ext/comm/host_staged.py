@@ -290,3 +290,68 @@ def ring_table(world: int, numel: int, shift: int = 1) -> list[list[int]]:
     """The exchange table of one ring step (rank r sends ``numel`` elements to r + shift): lets a ring
     step run through any transport as an all-to-all with one nonzero entry per row."""
     return [[numel if p == (r + shift) % world else 0 for p in range(world)] for r in range(world)]
+
+
+class TwoLevelTransport:
+    """An all-to-all over a group that spans emulated machines, each segment over its own link: the
+    segments between ranks of one machine over the machine's NCCL group (NVLink), the others through
+    ``HostStagedTransport`` over the whole group (host memory, NIC-class). What NCCL does on a real
+    multi-machine cluster, where an all-to-all's intra-node segments never touch the NIC.
+
+    ``node_of[r]``: machine of group rank r (machine-contiguous). Ranks of a machine are consecutive,
+    so its segments are one contiguous range of ``send`` and of ``recv``: they are exchanged in place.
+    The cross-machine segments are packed into a compact buffer (a local copy), exchanged with the
+    intra-machine entries of the table set to 0, and unpacked.
+    """
+
+    name = "two_level"
+    stream_ordered = False  # the intra-machine part is an NCCL collective with a work handle
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, node_of: Sequence[int],
+                 slots: int = 2) -> None:
+        self.group, self.device, self.node_of = group, device, tuple(node_of)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if list(self.node_of) != sorted(self.node_of):
+            raise SPConfigError(f"two_level transport: the group's ranks are not machine-contiguous ({list(node_of)})")
+        mine = self.node_of[self.rank]
+        self.local = [r for r in range(self.world) if self.node_of[r] == mine]
+        self.intra = None
+        if len(self.local) > 1:
+            self.intra = dist.new_group([dist.get_global_rank(group, r) for r in self.local],
+                                        use_local_synchronization=True)
+        self.inter = HostStagedTransport(group, device, slots=slots)
+
+    def send_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
+
+    def all_to_all(self, send: torch.Tensor, recv: torch.Tensor, send_splits: Optional[Sequence[int]] = None,
+                   recv_splits: Optional[Sequence[int]] = None, async_op: bool = False, table=None):
+        me, world = self.rank, self.world
+        table = exchange_table(type(self).__name__, me, world, send, recv, send_splits, recv_splits, table)
+        lo, hi = self.local[0], self.local[-1] + 1
+        s_off, r_off = sig.offsets(table[me]), sig.offsets([table[r][me] for r in range(world)])
+        work = None
+        if self.intra is not None:
+            s_lo, r_lo = s_off[lo], r_off[lo]
+            s_n = sum(table[me][lo:hi])
+            r_n = sum(table[r][me] for r in range(lo, hi))
+            work = dist.all_to_all_single(recv.narrow(0, r_lo, r_n), send.narrow(0, s_lo, s_n),
+                                          [table[r][me] for r in range(lo, hi)], list(table[me][lo:hi]),
+                                          group=self.intra, async_op=True)
+        elif table[me][me]:  # alone on its machine: the own segment is a local copy
+            recv.narrow(0, r_off[me], table[me][me]).copy_(send.narrow(0, s_off[me], table[me][me]))
+        far = [[0 if self.node_of[r] == self.node_of[p] else table[r][p] for p in range(world)] for r in range(world)]
+        if any(any(row) for row in far):
+            peers = [p for p in range(world) if far[me][p]]
+            srcs = [r for r in range(world) if far[r][me]]
+            send_far = torch.cat([send.narrow(0, s_off[p], table[me][p]) for p in peers]) if peers else send[:0]
+            recv_far = torch.empty(sum(far[r][me] for r in range(world)), dtype=recv.dtype, device=recv.device)
+            self.inter.all_to_all(send_far.contiguous(), recv_far, table=far)
+            pos = 0
+            for r in srcs:
+                recv.narrow(0, r_off[r], far[r][me]).copy_(recv_far.narrow(0, pos, far[r][me]))
+                pos += far[r][me]
+        if work is not None and not async_op:
+            work.wait()
+            return None
+        return work if async_op and work is not None else (_Done() if async_op else None)

@@ -398,6 +398,9 @@ class TransportPool:
         if name not in TRANSPORT_NAMES:
             raise SPConfigError(f"{setting}={name!r} is invalid: choose one of {', '.join(TRANSPORT_NAMES)}")
         if name == "nccl":
+            emulated = _emulated_link(group, device)
+            if emulated is not None:
+                return emulated
             key = ("nccl", id(group))
         elif name == "host_staged":
             from .host_staged import check_host_staged  # noqa: PLC0415
@@ -416,6 +419,26 @@ class TransportPool:
         return self._cache[key]
 
 
+def _emulated_link(group: dist.ProcessGroup, device: torch.device):
+    """With emulated machines (SPX_EMULATED_MACHINE_SIZE, topology/emulate.py) a group that spans them
+    exchanges over two levels (comm/host_staged.TwoLevelTransport: NCCL inside a machine, host-staged
+    across), one per group, cached; None for every other group (and without emulation)."""
+    from ..topology.emulate import emulated_machine_size, machines_of  # noqa: PLC0415
+    m = emulated_machine_size()
+    if m is None:
+        return None
+    node_of = machines_of(group, m)
+    if len(set(node_of)) == 1:
+        return None
+    key = ("two_level", id(group), device.type, device.index)
+    if key not in _EMULATED:
+        from .host_staged import TwoLevelTransport, check_host_staged  # noqa: PLC0415
+        check_host_staged(group, device, "SPX_EMULATED_MACHINE_SIZE")
+        _EMULATED[key] = TwoLevelTransport(group, device, node_of)
+    return _EMULATED[key]
+
+
+_EMULATED: dict = {}
 _DEFAULT_POOL = TransportPool()
 
 
