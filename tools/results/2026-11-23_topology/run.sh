@@ -10,3 +10,8 @@ for spec in "2 16" "4 32"; do
     { echo "\$ $cmd"; PYTHONPATH=$PWD ${PYTHON:-python} ${cmd#python }; } > "$out/report_${1}x8_H${h}_L128K.txt" 2>&1
   done
 done
+# the emulated cluster of issue 20: 4 GPUs as 2 machines x 2 (SPX_EMULATED_MACHINE_SIZE=2)
+for L in 32768 65536 131072; do
+  cmd="python tools/topology_report.py --world 4 --nodes 2 --heads 40 --seqlen $L"
+  { echo "\$ $cmd"; PYTHONPATH=$PWD ${PYTHON:-python} ${cmd#python }; } > "$out/report_2x2_H40_L$((L / 1024))K.txt" 2>&1
+done
