@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Video DiT (DeepSpeed entry point, ZeRO-2 bf16) on NNODES machines x 8 GPUs; SP = the JSON's
 # sequence_parallel_size (configs/deepspeed/zero2_bf16_tas_multinode.json: 16 = 2 x 8, TAS + TASP,
-# placement auto). For 4 x 8 set "sequence_parallel_size": 32 in a copy of the JSON (CONFIG=...).
+# placement auto, nodes 2). For 4 x 8 set "sequence_parallel_size": 32 and "nodes": 4 in a copy (CONFIG=...).
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash configs/multinode/dit_deepspeed_nnodes.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."

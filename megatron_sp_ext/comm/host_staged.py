@@ -124,10 +124,11 @@ class HostStagedTransport:
         self._addr: dict[int, int] = {}            # rank -> device address of that mapping (CUDA)
         self._programs: dict = {}
         nflags = 2 * slots * self.world
-        own = self._map(f"{self._prefix}_flags_{self.rank}", 4 * nflags, create=True)
+        self._flag_bytes = (4 * nflags + 4095) // 4096 * 4096  # whole pages (host registration)
+        own = self._map(f"{self._prefix}_flags_{self.rank}", self._flag_bytes, create=True)
         own.zero_()
         self._barrier()  # every flag file exists and is zeroed before anyone maps it
-        self._flags = {r: own if r == self.rank else self._map(f"{self._prefix}_flags_{r}", 4 * nflags)
+        self._flags = {r: own if r == self.rank else self._map(f"{self._prefix}_flags_{r}", self._flag_bytes)
                        for r in range(self.world)}
         self._flag_addr = {r: _Pinned.register(t) for r, t in self._flags.items()} if self.cuda else {}
         if self.cuda:
