@@ -64,21 +64,26 @@ def test_async_block_equals_plain_fp32(world, h, hkv, chunks, qk_norm):
     run_ranks(_case, world, h, hkv, 8, chunks, qk_norm, torch.float32)
 
 
-def _schedule(rank, world):
-    """Each branch's exchange is issued right after its own GEMM (before the next branch's GEMM),
-    and in backward the dO exchange is issued before the output-projection weight gradient."""
+def _schedule(rank, world, chunks):
+    """Chunk 0 of each branch's exchange is issued right after its own GEMM (before the next branch's
+    GEMM), the later chunks chunk-major (q, k, v of chunk 1, then chunk 2, ...) once all are projected;
+    in backward the dO exchange is issued before the output-projection weight gradient."""
     import megatron_sp_ext.sp.async_block as ab
     events = []
-    real_exchange, real_mm = ab._exchange_all_chunks, ab._mm
+    real_exchange, real_chunk, real_mm = ab._exchange_all_chunks, ab._exchange_chunk, ab._mm
 
     def exchange(parts, kinds, *a, **k):
         events.append(("exchange", tuple(parts[0].shape)))
         return real_exchange(parts, kinds, *a, **k)
 
+    def chunk(part, kind, plan, c, *a, **k):
+        events.append(("exchange", tuple(part.shape), kind, c))
+        return real_chunk(part, kind, plan, c, *a, **k)
+
     def mm(a, b):
         events.append(("gemm", tuple(a.shape), tuple(b.shape)))
         return real_mm(a, b)
-    ab._exchange_all_chunks, ab._mm = exchange, mm
+    ab._exchange_all_chunks, ab._exchange_chunk, ab._mm = exchange, chunk, mm
     try:
         h, hkv, d, dim = 4, 2, 8, 16
         x = torch.randn(1, 3, dim, requires_grad=True)
@@ -86,15 +91,18 @@ def _schedule(rank, world):
         w_o = torch.randn(dim, h * d, requires_grad=True)
         prep = lambda br, y, w: y.view(1, 3, h if br == "q" else hkv, d)  # noqa: E731
         y = ab.async_ulysses_self_attention(x, w_qkv, None, w_o, None, dist.group.WORLD, num_heads=h,
-                                            num_kv_heads=hkv, prep=prep)
+                                            num_kv_heads=hkv, prep=prep, head_chunks=chunks)
         fwd = list(events)
         events.clear()
         y.sum().backward()
         bwd = list(events)
     finally:
-        ab._exchange_all_chunks, ab._mm = real_exchange, real_mm
+        ab._exchange_all_chunks, ab._exchange_chunk, ab._mm = real_exchange, real_chunk, real_mm
     kinds = [e[0] for e in fwd]
-    assert kinds == ["gemm", "exchange", "gemm", "exchange", "gemm", "exchange", "gemm"], fwd
+    assert kinds == ["gemm", "exchange", "gemm", "exchange", "gemm", "exchange"] + ["exchange"] * 3 * (chunks - 1) \
+        + ["gemm"], fwd
+    order = [(e[2], e[3]) for e in fwd if e[0] == "exchange"]
+    assert order == [("q", 0), ("kv", 0), ("kv", 0)] + [(k, c) for c in range(1, chunks) for k in ("q", "kv", "kv")]
     # backward: dO = dy W_o (gemm), its exchange, then dW_o = dy^T O overlapping it, then the branches
     kinds = [e[0] for e in bwd]
     assert kinds[:3] == ["gemm", "exchange", "gemm"], bwd
@@ -103,8 +111,9 @@ def _schedule(rank, world):
     return True
 
 
-def test_schedule_overlaps_exchanges_with_gemms():
-    run_ranks(_schedule, 2)
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_schedule_overlaps_exchanges_with_gemms(chunks):
+    run_ranks(_schedule, 2, chunks)
 
 
 @pytest.mark.parametrize("chunks", [1, 2])

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.gpu_ranks import init_nccl_rank, run_meta, run_world_sizes  # noqa: E402
+from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, run_world_sizes  # noqa: E402
 import megatron_sp_ext as spx  # noqa: E402
 from megatron_sp_ext.comm.exchange import all_to_all_flat  # noqa: E402
 from megatron_sp_ext.sp.policy import HCMSPolicy, time_ms  # noqa: E402
@@ -349,6 +349,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--trace", action="store_true", help="profile one HCMS run and report comm/compute overlap")
     ap.add_argument("--out", default="bench_out")
+    links_option(ap)  # --links nvlink|host|emu<M> (tools/gpu_ranks.py)
     args = ap.parse_args()
     args.heads = [int(x) for x in args.heads.split(",")]
     args.seqlens = [int(x) for x in args.seqlens.split(",")]

@@ -4,6 +4,7 @@ fused with the local-head QKV GEMM), forward and forward+backward, interleaved t
 
     python tools/bench_block.py --world-sizes 2,4 --models wan-1.3b,wan-14b --tokens-per-gpu 16384 --out $OUT
     python tools/bench_block.py --world-sizes 4 --models wan-1.3b --seqlen 32768 --out $OUT   # strong scaling
+    python tools/bench_block.py --links host --world-sizes 2,4 --models wan-14b --chunks 2,4,5 --out $OUT  # slow links
 
 Writes block.json and block.md (ratios vs the plain block in the same run).
 """
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.gpu_ranks import init_nccl_rank, run_meta, run_world_sizes  # noqa: E402
+from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, run_world_sizes, transports_for_links  # noqa: E402
 import megatron_sp_ext as spx  # noqa: E402
 from tools.bench_attention import TRANSPORT_SUFFIXES, rotated  # noqa: E402
 from training.video_dit.config import preset  # noqa: E402
@@ -109,7 +110,7 @@ def bench(rank, world, group, cfg, seqlen, args):
         return one(ch)
     modes = {}
     for tr in args.transports:
-        sfx = "" if tr == "nccl" else next(k for k, v in TRANSPORT_SUFFIXES.items() if v == tr)
+        sfx = "" if tr == "nccl" else {**{v: k for k, v in TRANSPORT_SUFFIXES.items()}, "host_staged": "_hs"}[tr]
         gather = tr != "copy_engine"  # the all-gather block has no copy_engine form (its NCCL path is "allgather")
         modes[f"plain{sfx}"], modes[f"async{sfx}"] = plain(1, tr), asynch(1, tr)
         if gather:
@@ -217,13 +218,16 @@ def main():
     ap.add_argument("--seqlen", type=int, default=None, help="fixed global length (strong scaling)")
     ap.add_argument("--chunks", default="2")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--transports", default="nccl,symm_mem")
+    ap.add_argument("--transports", default=None,
+                    help="comma list (default nccl,symm_mem, without symm_mem under --links host; host_staged: _hs)")
+    links_option(ap)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="block_out")
     args = ap.parse_args()
     args.models = args.models.split(",")
     args.chunks = [int(c) for c in args.chunks.split(",")]
-    args.transports = args.transports.split(",")
+    args.transports = (args.transports.split(",") if args.transports
+                       else transports_for_links(["nccl", "symm_mem"]))
     per_world = run_world_sizes(_worker, [int(w) for w in args.world_sizes.split(",")], args, args.out, "block")
     results = [r for rs in per_world for r in rs]
     meta = run_meta()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.gpu_ranks import init_nccl_rank, run_meta, run_world_sizes  # noqa: E402
+from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, run_world_sizes  # noqa: E402
 from megatron_sp_ext.sp.block_policy import BlockChoice, BlockPolicy  # noqa: E402
 from tools.bench_attention import rotated  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
@@ -121,6 +121,7 @@ def main():
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="dit_step_out")
+    links_option(ap)  # --links nvlink|host|emu<M> (tools/gpu_ranks.py)
     args = ap.parse_args()
     args.forms = args.forms.split(",")
     for lab in args.forms:

@@ -9,6 +9,18 @@ overlap_efficiency = (t_attn + t_comm - t_both) / min(t_attn, t_comm) (1 = fully
 attention slowdown. Writes transport.json / transport.md under --out.
 
     python tools/bench_transport.py --world-sizes 2,4 --heads 40 --seqlens 16384,32768 --out $OUT
+    python tools/bench_transport.py --links host --world-sizes 2,4 --out $OUT        # only nccl runs there
+
+``--sweep`` (with ``--links emu<M>``): exchange time vs bytes inside an emulated machine (NCCL over
+NVLink) and across machines (the host-staged transport), and NCCL over the whole box, in one job;
+writes links_sweep.json and links_sweep.png (the emulation's measured bandwidths):
+
+    python tools/bench_transport.py --links emu2 --world-sizes 4 --sweep --out $OUT
+
+``--check`` (one GPU is enough): 4 processes on cuda:0 joined by gloo run the host-staged transport's
+CUDA path and compare it bit for bit with gloo's all-to-all; writes host_staged_check.json:
+
+    python tools/bench_transport.py --check --out $OUT
 """
 from __future__ import annotations
 
@@ -23,7 +35,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tools.gpu_ranks import init_nccl_rank, run_meta, run_world_sizes  # noqa: E402
+from tools.gpu_ranks import (bandwidth_row, init_nccl_rank, link_groups, links_option, run_meta,  # noqa: E402
+                             run_world_sizes, transports_for_links)
 
 
 
@@ -69,22 +82,22 @@ class _LocalCopyOnly:
 
 def _worker(rank, world, port, args, path):
     init_nccl_rank(rank, world, port, timeout_s=120)
-    from megatron_sp_ext.comm.transport import CopyEngineTransport, NcclTransport, SymmMemTransport  # noqa: PLC0415
+    from megatron_sp_ext.comm.transport import default_transports  # noqa: PLC0415
     group = dist.group.WORLD
     side = torch.cuda.Stream()
     dev = torch.device("cuda", rank)
-    transports = {"nccl": NcclTransport(group), "symm_mem": SymmMemTransport(group, dev),
-                  "copy_engine": CopyEngineTransport(group, dev)}
+    transports = {n: default_transports().get(n, group, dev, "--transports") for n in args.transports}
     out = []
     for h in args.heads:
         for L in args.seqlens:
             n = (L // world) * 3 * h * 128
             send = torch.randn(n, device="cuda", dtype=torch.bfloat16)
             recv = torch.empty_like(send)
-            ce = transports["copy_engine"]
-            ce.all_to_all(send, recv)  # sizes its workspace
-            transports["ce_pulls_only"] = _PullsOnly(ce, n * 2)
-            transports["local_copy_only"] = _LocalCopyOnly(n * 2)
+            if "copy_engine" in args.transports:
+                ce = transports["copy_engine"]
+                ce.all_to_all(send, recv)  # sizes its workspace
+                transports["ce_pulls_only"] = _PullsOnly(ce, n * 2)
+                transports["local_copy_only"] = _LocalCopyOnly(n * 2)
             q = torch.randn(1, h // world, L, 128, device="cuda", dtype=torch.bfloat16)
             row = {"P": world, "H": h, "L": L, "bytes": n * 2}
             row["t_attn"] = _median_ms(lambda: F.scaled_dot_product_attention(q, q, q), args.iters, group)
@@ -134,7 +147,24 @@ def main():
     ap.add_argument("--repeat", type=int, default=2, help="exchanges per timed region (q|k|v in, grads out...)")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--out", default="transport_out")
+    ap.add_argument("--transports", default=None,
+                    help="comma list of nccl,symm_mem,copy_engine,host_staged (default: the three first, "
+                         "only nccl under --links host)")
+    ap.add_argument("--sweep", action="store_true", help="exchange time vs bytes intra vs inter emulated machine")
+    ap.add_argument("--sweep-sizes", default="65536,262144,1048576,4194304,16777216,67108864,268435456",
+                    help="bytes per rank of each swept exchange")
+    ap.add_argument("--check", action="store_true",
+                    help="one GPU: --check-ranks processes on cuda:0 over gloo check host_staged bit for bit")
+    ap.add_argument("--check-ranks", type=int, default=4)
+    ap.add_argument("--check-device", default="cuda", choices=["cuda", "cpu"], help="cpu: the same check on CPU")
+    links_option(ap)
     args = ap.parse_args()
+    if args.check:
+        return check_main(args)
+    if args.sweep:
+        return sweep_main(args)
+    args.transports = (args.transports.split(",") if args.transports
+                       else transports_for_links(["nccl", "symm_mem", "copy_engine"]))
     args.heads = [int(x) for x in args.heads.split(",")]
     args.seqlens = [int(x) for x in args.seqlens.split(",")]
     per_world = run_world_sizes(_worker, [int(w) for w in args.world_sizes.split(",")], args, args.out, "transport")
@@ -142,7 +172,8 @@ def main():
     meta = run_meta()
     with open(os.path.join(args.out, "transport.json"), "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=1)
-    names = ("nccl", "symm_mem", "copy_engine", "ce_pulls_only", "local_copy_only")
+    names = [n for n in ("nccl", "symm_mem", "copy_engine", "host_staged", "ce_pulls_only", "local_copy_only")
+             if rows and f"t_comm_{n}" in rows[0]]
     lines = [f"{meta['device']}, {meta['date']}: q|k|v exchange x{args.repeat} (ms) alone and beside flash attention",
              "(\"attn beside\": the attention kernel's own time while the exchange runs)",
              "", "| P | H | L | attn | " + " | ".join(f"{n} alone / with attn / overlap eff / attn beside"
@@ -155,6 +186,137 @@ def main():
     with open(os.path.join(args.out, "transport.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _sweep_worker(rank, world, port, args, path):
+    """Exchange time vs bytes: inside this rank's emulated machine, across machines, whole box."""
+    init_nccl_rank(rank, world, port, timeout_s=120)
+    from megatron_sp_ext.comm.transport import default_transports  # noqa: PLC0415
+    from megatron_sp_ext.topology.emulate import emulated_machine_size, link_transport  # noqa: PLC0415
+    dev, pool = torch.device("cuda", rank), default_transports()
+    m = emulated_machine_size()
+    intra, cross = link_groups(world, m)
+    cases = [("whole box, nccl", dist.group.WORLD, "nccl")]
+    if intra:
+        cases.append((f"intra-machine ({m} GPUs)", intra[rank // m], None))
+    if cross:
+        cases.append((f"inter-machine ({world // m} machines)", cross[rank % m], None))
+    out = {"machine_size": m, "world": world, "series": {}}
+    for label, g, name in cases:
+        tr = pool.get(name or link_transport(g), g, dev)
+        rows = [bandwidth_row(tr, n, g, dev, args.iters) for n in args.sweep_sizes]
+        out["series"][label] = {"transport": tr.name, "ranks": dist.get_world_size(g), "rows": rows}
+        if rank == 0:
+            print(f"[sweep] {label} via {tr.name}: " + ", ".join(
+                f"{r['bytes'] >> 10}KiB {r['ms']:.3f}ms {r['GBps_per_gpu']:.1f}GB/s" for r in rows), flush=True)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _check_worker(rank, world, store_dir, args, path):
+    """One process per simulated rank, all on cuda:0, joined by gloo: the host-staged transport's CUDA
+    path (pinned shared slots, stream-memory flags on host memory, copy-engine copies) against gloo's
+    all_to_all of the same data on the CPU, bit for bit, on uneven tables and back-to-back exchanges."""
+    import datetime  # noqa: PLC0415
+    from megatron_sp_ext.comm.host_staged import HostStagedTransport  # noqa: PLC0415
+    cuda = args.check_device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store_dir, "store"), world), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    g, dev = dist.group.WORLD, torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    tr = HostStagedTransport(g, dev, slots=2, timeout=datetime.timedelta(seconds=60))
+    gen, data = torch.Generator().manual_seed(3), torch.Generator().manual_seed(50 + rank)
+    side = torch.cuda.Stream() if cuda else None
+    checked = 0
+    for n in range(12):
+        scale = 1 if n < 6 else 100_000  # then past the first workspace size
+        table = (torch.randint(0, 6, (world, world), generator=gen) * scale).tolist()
+        table[n % world][(n + 1) % world] = 0
+        send = torch.randn(sum(table[rank]), generator=data).to(torch.bfloat16)
+        rs = [table[r][rank] for r in range(world)]
+        want = torch.empty(sum(rs), dtype=torch.bfloat16)
+        dist.all_to_all_single(want, send, rs, table[rank], group=g)
+        send_d = send.to(dev)
+        got = torch.full((sum(rs),), float("nan"), dtype=torch.bfloat16, device=dev)
+        from megatron_sp_ext.comm.streams import on_stream  # noqa: PLC0415
+        with on_stream(side if n % 2 else None):
+            tr.all_to_all(send_d, got, table[rank], rs, table=table)
+            tr.all_to_all(send_d, got, table[rank], rs, table=table)  # twice, back to back: slot reuse
+        sync()
+        ok = torch.equal(got.cpu(), want)
+        if not ok:
+            raise SystemExit(f"[check] rank {rank}: host_staged exchange {n} differs from gloo's all_to_all")
+        checked += 1
+    nbytes = 64 << 20
+    x = torch.randn(nbytes // 2 // world * world, device=dev).to(torch.bfloat16)
+    y = torch.empty_like(x)
+    tr.all_to_all(x, y)
+    sync()
+    import time  # noqa: PLC0415
+    t0 = time.perf_counter()
+    for _ in range(5):
+        tr.all_to_all(x, y)
+    sync()
+    ms = (time.perf_counter() - t0) * 1e3 / 5
+    tr.close()
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump({"device": str(dev), "ranks_on_one_gpu": world, "exchanges_checked_bitwise": 2 * checked,
+                       "note": "all ranks share one GPU and its PCIe link: the bandwidth is not a per-GPU figure",
+                       "ms_64MiB_per_rank": ms, "GBps_per_rank": nbytes * (world - 1) / world / ms / 1e6}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_main(args) -> None:
+    import tempfile  # noqa: PLC0415
+    import torch.multiprocessing as mp  # noqa: PLC0415
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "host_staged_check.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_check_worker, args=(args.check_ranks, tmp, args, path), nprocs=args.check_ranks,
+                           start_method="spawn")
+    with open(path) as f:
+        res = json.load(f)
+    res["meta"] = run_meta()
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+
+
+def sweep_main(args) -> None:
+    if not args.links.startswith("emu"):
+        raise SystemExit("--sweep measures an emulated cluster: give --links emu<M> (e.g. emu2 on 4 GPUs)")
+    args.sweep_sizes = [int(x) for x in args.sweep_sizes.split(",")]
+    per_world = run_world_sizes(_sweep_worker, [int(w) for w in args.world_sizes.split(",")], args, args.out,
+                                "sweep")
+    meta = run_meta()
+    with open(os.path.join(args.out, "links_sweep.json"), "w") as f:
+        json.dump({"meta": meta, "results": per_world}, f, indent=1)
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    fig, axes = plt.subplots(1, len(per_world), figsize=(6 * len(per_world), 4.5), squeeze=False)
+    for ax, res in zip(axes[0], per_world):
+        for label, s in res["series"].items():
+            xs = [r["bytes"] / 2**20 for r in s["rows"]]
+            ax.plot(xs, [r["ms"] for r in s["rows"]], marker="o",
+                    label=f"{label} [{s['transport']}] {max(r['GBps_per_gpu'] for r in s['rows']):.0f} GB/s/GPU")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("all-to-all buffer per rank (MiB)")
+        ax.set_ylabel("exchange time (ms)")
+        ax.set_title(f"P={res['world']} as {res['world'] // res['machine_size']} x {res['machine_size']} "
+                     f"(emulated), {meta['device']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "links_sweep.png"), dpi=90)
+    print(json.dumps(meta.get("links_probe", {}), indent=1))
 
 
 if __name__ == "__main__":

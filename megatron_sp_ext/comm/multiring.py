@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..topology.hamiltonian import RoutingTables
+from .host_staged import linked_hop
+from .transport import _emulated_link
 
 
 class MultiRingExchange:
@@ -33,6 +35,9 @@ class MultiRingExchange:
     def start(self, cur: torch.Tensor, nxt: torch.Tensor):
         """Begin one hop: cur (slots) -> nxt (slots). Returns a handle for ``wait``."""
         r, rt = self.rank, self.routing
+        link = _emulated_link(self.group, cur.device) if self.group is not None else None
+        if link is not None:  # emulated machines: this group's hops cross them (comm/host_staged.py)
+            return linked_hop(link, rt, r, self.offsets, self.lengths, cur, nxt)
         if self.rings == 1:
             ops = [dist.P2POp(dist.isend, cur, self.global_ranks[rt.nxt[0][r]], self.group),
                    dist.P2POp(dist.irecv, nxt, self.global_ranks[rt.prv[0][r]], self.group)]

@@ -31,6 +31,7 @@ peers that pulled from it. The protocol is ``signal_schedule`` (pure, CPU-simula
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -41,7 +42,7 @@ from . import signal_schedule as sig
 from .signal_schedule import offsets as _offsets
 from .exchange import all_to_all_flat
 
-TRANSPORT_NAMES = ("nccl", "symm_mem", "copy_engine")
+TRANSPORT_NAMES = ("nccl", "symm_mem", "copy_engine", "host_staged")
 
 
 class NcclTransport:
@@ -337,8 +338,19 @@ class _Done:
         return True
 
 
+def p2p_disabled_reason() -> Optional[str]:
+    """The slow-link regime: NCCL_P2P_DISABLE=1 sends NCCL's exchanges through host memory, and a
+    copy-engine transport (NVLink pulls) would silently bypass it."""
+    if os.environ.get("NCCL_P2P_DISABLE", "0").strip().lower() in ("1", "true", "yes"):
+        return ("NCCL_P2P_DISABLE=1 is set (the host-memory link regime, e.g. a benchmark's --links host): "
+                "copy-engine pulls over NVLink would bypass it")
+    return None
+
+
 def symm_mem_unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
     """Why the copy-engine transport cannot run here, or None when it can."""
+    if p2p_disabled_reason() is not None:
+        return p2p_disabled_reason()
     if device.type != "cuda":
         return f"it needs CUDA tensors (got device {device.type})"
     if "nccl" not in str(dist.get_backend(group)):
@@ -386,16 +398,47 @@ class TransportPool:
         if name not in TRANSPORT_NAMES:
             raise SPConfigError(f"{setting}={name!r} is invalid: choose one of {', '.join(TRANSPORT_NAMES)}")
         if name == "nccl":
+            emulated = _emulated_link(group, device)
+            if emulated is not None:
+                return emulated
             key = ("nccl", id(group))
+        elif name == "host_staged":
+            from .host_staged import check_host_staged  # noqa: PLC0415
+            check_host_staged(group, device, setting)
+            key = (name, id(group), device.type, device.index)
         else:
             (check_symm_mem if name == "symm_mem" else check_copy_engine)(group, device, setting)
             key = (name, id(group), device.index)
         if key not in self._cache:
-            cls = {"nccl": NcclTransport, "symm_mem": SymmMemTransport, "copy_engine": CopyEngineTransport}[name]
+            if name == "host_staged":
+                from .host_staged import HostStagedTransport  # noqa: PLC0415
+                cls = HostStagedTransport
+            else:
+                cls = {"nccl": NcclTransport, "symm_mem": SymmMemTransport, "copy_engine": CopyEngineTransport}[name]
             self._cache[key] = cls(group) if name == "nccl" else cls(group, device)
         return self._cache[key]
 
 
+def _emulated_link(group: dist.ProcessGroup, device: torch.device):
+    """With emulated machines (SPX_EMULATED_MACHINE_SIZE, topology/emulate.py) a group that spans them
+    exchanges over two levels (comm/host_staged.TwoLevelTransport: NCCL inside a machine, host-staged
+    across), one per group, cached; None for every other group (and without emulation)."""
+    from ..topology.emulate import emulated_machine_size, machines_of  # noqa: PLC0415
+    m = emulated_machine_size()
+    if m is None:
+        return None
+    node_of = machines_of(group, m)
+    if len(set(node_of)) == 1:
+        return None
+    key = ("two_level", id(group), device.type, device.index)
+    if key not in _EMULATED:
+        from .host_staged import TwoLevelTransport, check_host_staged  # noqa: PLC0415
+        check_host_staged(group, device, "SPX_EMULATED_MACHINE_SIZE")
+        _EMULATED[key] = TwoLevelTransport(group, device, node_of)
+    return _EMULATED[key]
+
+
+_EMULATED: dict = {}
 _DEFAULT_POOL = TransportPool()
 
 

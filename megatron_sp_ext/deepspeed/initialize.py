@@ -72,7 +72,11 @@ def validate_deepspeed_config(config: Union[str, Mapping[str, Any]], world_size:
 
 def _multi_machine() -> bool:
     import os  # noqa: PLC0415
+    from ..topology.emulate import emulated_machine_size  # noqa: PLC0415
     w, lw = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    emulated = emulated_machine_size()  # machines emulated on one box (SPX_EMULATED_MACHINE_SIZE)
+    if w and emulated:
+        return int(w) > emulated
     return bool(w and lw and int(w) > int(lw))
 
 

@@ -75,6 +75,10 @@ def _nodes_hint(args) -> int:
     if getattr(args, "sp_nodes", None):
         return args.sp_nodes
     world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    from ..topology.emulate import emulated_machine_size  # noqa: PLC0415
+    emulated = emulated_machine_size()  # machines emulated on one box (SPX_EMULATED_MACHINE_SIZE)
+    if world and emulated:
+        return max(1, int(world) // emulated)
     if world and local and int(local) > 0:
         return max(1, int(world) // int(local))
     nnodes = os.environ.get("NNODES") or os.environ.get("SLURM_NNODES")

@@ -4,9 +4,11 @@
 
 One autograd Function with an explicit schedule (CUDA: compute stream + communication stream
 joined by events; CPU: the same code in program order):
-  forward   q GEMM -> prep (QK-norm, RoPE) -> start q's seq->head exchange (all HCMS chunks) ->
-            k GEMM (overlaps q's exchange) -> ... -> v; chunk c's attention waits only for chunk c
-            of q, k and v; its output exchange starts as soon as it is done; out projection last.
+  forward   q GEMM -> prep (QK-norm, RoPE) -> start HCMS chunk 0 of q's seq->head exchange ->
+            k GEMM (overlaps it) -> chunk 0 of k -> v GEMM -> chunk 0 of v, then chunks 1.. of q, k, v
+            in chunk-major order, so chunk c's attention waits only for chunk c of q, k and v (1/C of
+            the input bytes for the first one); its output exchange starts as soon as it is done;
+            out projection last.
   backward  dO = dy W_o -> start dO's exchange -> dW_o = dy^T O (overlaps it); per chunk attention
             backward, then dv, dk, dq exchanged home (events per tensor); each branch waits only
             for its own gradient: dW_v, dx_v while dk/dq still travel, then k (prep backward), q.
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
 from ..comm import streams as st
-from ..comm.transport import default_transports, table_head_to_seq
+from ..comm.transport import default_transports, table_head_to_seq, table_seq_to_head
 from . import layout as lay
 from .heads import HeadLayout, head_layout
 from .ulysses import _alloc, _exchange_all_chunks, _exchange_out_chunk, _send_head_major, _transport
@@ -95,12 +97,39 @@ def project_and_exchange(x, w_qkv, b_qkv, nq_w, nk_w, plan: AsyncPlan, *, fused:
         if kind == "kv" and hl.kv_repeat > 1:
             y4 = y4.repeat_interleave(hl.kv_repeat, dim=2)
         prepared[name] = y4
-        if not fused:
-            recv[name], events[name] = _exchange_all_chunks((y4,), (kind,), plan, tokens, d, compute, comm)
+        if not fused:  # chunk 0 now (the next branch's GEMM hides it), later chunks once all are projected
+            recv[name], events[name] = [None] * hl.chunks, [None] * hl.chunks
+            _exchange_chunk(y4, kind, plan, 0, tokens, d, compute, comm, recv[name], events[name])
+    if not fused:  # chunk-major: chunk c's q, k, v arrive together, so attention c starts after 1/C of the bytes
+        for c in range(1, hl.chunks):
+            for name, kind in (("q", "q"), ("k", "kv"), ("v", "kv")):
+                _exchange_chunk(prepared[name], kind, plan, c, tokens, d, compute, comm, recv[name], events[name])
     if fused:  # plain Ulysses' exchange: q|k|v of a chunk side by side in one collective
         recv["qkv"], events["qkv"] = _exchange_all_chunks((prepared["q"], prepared["k"], prepared["v"]),
                                                           ("q", "kv", "kv"), plan, tokens, d, compute, comm)
     return recv, events, saved_prep
+
+
+def _exchange_chunk(part, kind: str, plan, c: int, tokens: int, d: int, compute, comm, recv: list,
+                    events: list) -> None:
+    """Start HCMS chunk c's seq->head exchange of one branch ``part`` [B, S_local, n, D] on ``comm``
+    (after the compute stream's work so far); recv[c] / events[c] get its buffer and arrival event."""
+    hl, like = plan.heads, part
+    tr = _transport(plan)
+    splits = lay.seg_splits(hl, (kind,), c, tokens, d)
+    recv[c] = _alloc(hl.world * tokens * lay.widths(hl, (kind,), plan.rank, c)[0] * d, like)  # on compute (its reader)
+    ready = st.record(compute)
+    with st.on_stream(comm):
+        st.wait(comm, ready)
+        buf = tr.send_buffer(sum(splits), like)
+        splits = lay.pack((part,), (kind,), hl, c, plan.seq_layout, buf)
+        w = tr.all_to_all(buf, recv[c], splits, None, async_op=True, table=table_seq_to_head(splits))
+        if w is not None:
+            w.wait()
+        if comm is not None:  # a compute-stream tensor read by the comm stream: guard its reuse
+            part.record_stream(comm)
+        events[c] = st.record(comm)
+        del buf
 
 
 def attend_and_send(views, plan, out, tokens: int, d: int, compute, comm) -> list:
