@@ -110,6 +110,24 @@ def check_case(kernel, h, hkv, s, causal, d=128, seed=0):
     return errs
 
 
+def slice_case(kernel, h=8, s=2048, d=128):
+    """A ring step's q/out/dO are seq-slices of bigger tensors (not contiguous): same results as on copies?"""
+    scale = 1 / math.sqrt(d)
+    qb, dob = (torch.randn(1, h, 2 * s, d, device=DEV, dtype=BF16) for _ in range(2))
+    k, v = (torch.randn(1, h, s, d, device=DEV, dtype=BF16) for _ in range(2))
+    q, do = qb[:, :, s:], dob[:, :, s:]
+    o1, l1 = lk.forward(kernel, q, k, v, scale, False)
+    o2, l2 = lk.forward(kernel, q.contiguous(), k, v, scale, False)
+    ob = torch.empty(1, h, 2 * s, d, device=DEV, dtype=BF16)
+    ob[:, :, s:] = o1
+    lb = torch.empty(1, h, 2 * s, device=DEV)
+    lb[:, :, s:] = l1
+    g1 = lk.backward(kernel, do, q, k, v, ob[:, :, s:], lb[:, :, s:], scale, False)
+    g2 = lk.backward(kernel, do.contiguous(), q.contiguous(), k, v, o2, l2, scale, False)
+    errs = [float((a.float() - b.float()).abs().max()) for a, b in zip((o1, l1) + tuple(g1), (o2, l2) + tuple(g2))]
+    return max(errs)
+
+
 def native_gqa_cudnn(h=8, hkv=2, s=512, d=128):
     """Does the cuDNN op accept k/v with fewer heads (no expansion)? Returns (ok, max err vs expanded)."""
     q = torch.randn(1, h, s, d, device=DEV, dtype=BF16)
@@ -241,6 +259,16 @@ def main():
                 corr.append({"kernel": kern, "H": h, "Hkv": hkv, "S": s, "causal": causal, "ok": ok, **errs})
                 print(f"[correct] {kern:9s} H{h}/{hkv} S{s} causal={causal}: {'OK' if ok else 'FAIL'} {errs}",
                       flush=True)
+    rep["slices"] = {}
+    for kern in ("cudnn", "flash", "efficient"):
+        if rep["available_bf16"][kern]:
+            try:
+                e = slice_case(kern)
+                rep["slices"][kern] = {"max_abs_diff_vs_contiguous": e, "ok": e < 2e-2}
+            except Exception:  # noqa: BLE001 - recorded in the report
+                rep["slices"][kern] = {"error": traceback.format_exc(limit=3), "ok": False}
+            ok_all &= rep["slices"][kern]["ok"]
+            print(f"[slices] {kern}: {rep['slices'][kern]}", flush=True)
     rep["correctness"], rep["correct_ok"] = corr, ok_all
     rep["cudnn_native_gqa"] = native_gqa_cudnn() if rep["available_bf16"]["cudnn"] else None
     # 2. kernel times

@@ -126,6 +126,22 @@ def _cudnn_aux(device, dtype):
     return _AUX[key]
 
 
+_PACK_ONLY: set = set()
+
+
+def _strided_or_packed(op, tensors, rest, scale):
+    """Run ``op`` on the (possibly strided) views; if this build's cuDNN refuses their strides, on packed
+    copies instead (the same kernel and math; remembered per stride pattern, logged once)."""
+    key = (getattr(op, "__name__", "op"), tuple(t.stride() for t in tensors), tuple(t.shape for t in tensors))
+    if key not in _PACK_ONLY:
+        try:
+            return op(*tensors, *rest, scale=scale)
+        except RuntimeError as e:
+            log.info("megatron_sp_ext: cuDNN attention refused strided views (%s); packing them", e)
+            _PACK_ONLY.add(key)
+    return op(*(t.contiguous() for t in tensors), *rest, scale=scale)
+
+
 def forward(kernel: str, q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: (out in q.dtype, lse fp32 [B, H, Sq]) with ``kernel`` (see module docstring)."""
     if kernel == "math":
@@ -136,7 +152,8 @@ def forward(kernel: str, q, k, v, scale: float, causal: bool) -> tuple[torch.Ten
     b, h, sq, _ = q.shape
     k, v, _ = _expand(k, v, h)
     if kernel == "cudnn":
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        res = _strided_or_packed(torch.ops.aten._scaled_dot_product_cudnn_attention, (q, k, v),
+                                 (None, True, 0.0, causal, False), scale)
         return res[0], res[1].reshape(b, h, sq)
     if kernel == "efficient":
         res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
@@ -155,11 +172,13 @@ def backward(kernel: str, do, q, k, v, out, lse, scale: float, causal: bool):
     lse = lse.float()
     if kernel == "cudnn":
         seed, offset, lse_dim = _cudnn_aux(q.device, q.dtype)
-        # cuDNN wants dO with O's strides: give it both contiguous
-        do, out = do.contiguous(), out.contiguous()
+        if do.stride() != out.stride():  # cuDNN wants dO with O's strides (slices of equal tensors have them)
+            do, out = do.contiguous(), out.contiguous()
         lse_in = (lse.unsqueeze(-1) if lse_dim == 4 else lse).contiguous()
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            do, q, ke, ve, out, lse_in, seed, offset, None, None, None, sq, ke.shape[2], 0.0, causal, scale=scale)
+        dq, dk, dv = _strided_or_packed(
+            lambda do_, q_, k_, v_, out_, *rest, scale: torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                do_, q_, k_, v_, out_, *rest, scale=scale),
+            (do, q, ke, ve, out), (lse_in, seed, offset, None, None, None, sq, ke.shape[2], 0.0, causal), scale)
     elif kernel == "efficient":
         pad = (-sq) % 32
         lse_in = lse.contiguous() if pad == 0 else torch.nn.functional.pad(lse, (0, pad))
