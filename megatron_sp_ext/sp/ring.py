@@ -141,7 +141,8 @@ class RingPlan:
 
     def transfer(self, step: int) -> list[tuple[str, int, int, int]]:
         """Point-to-point ops moving the slots from the layout of ``step`` to that of ``step + 1``:
-        (kind, group rank of the peer, buffer row, rows); touching segments on both ends go as one."""
+        (kind, group rank of the peer, buffer row, rows); touching segments on both ends go as one.
+        ``start`` uses the peers' global ranks (cached with the ops)."""
         key = ("transfer", step)
         if key not in self.cache:
             ops: list = []
@@ -163,10 +164,13 @@ class RingPlan:
         """Begin the step -> step+1 transfer of ``src`` into ``dst`` (returns works for ``wait``)."""
         if self.group is None or self.world == 1:
             return []
-        ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv,
-                          (src if kind == "send" else dst).narrow(0, row, n),
-                          dist.get_global_rank(self.group, peer), self.group)
-               for kind, peer, row, n in self.transfer(step)]
+        key = ("global", step)
+        if key not in self.cache:
+            self.cache[key] = [(dist.isend if kind == "send" else dist.irecv, kind == "send",
+                                dist.get_global_rank(self.group, peer), row, n)
+                               for kind, peer, row, n in self.transfer(step)]
+        ops = [dist.P2POp(fn, (src if is_send else dst).narrow(0, row, n), peer, self.group)
+               for fn, is_send, peer, row, n in self.cache[key]]
         return dist.batch_isend_irecv(ops)
 
     @staticmethod
@@ -214,6 +218,10 @@ def _kv_buffers(k_bhsd, v_bhsd, plan: RingPlan):
     return cur, (torch.empty_like(cur) if plan.world > 1 else None)
 
 
+def _all_rows(rows, n: int) -> bool:
+    return isinstance(rows, slice) and (rows.start or 0) == 0 and (rows.stop is None or rows.stop == n)
+
+
 def forward_compute_order(q_c, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(acc, lse) of the queries ``q_c`` (compute order) over every ring rank's keys; acc dtype fp32/fp64.
     Rows that see no key keep out = 0 and lse = -inf."""
@@ -223,11 +231,15 @@ def forward_compute_order(q_c, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Te
     lse = torch.full((b, h, s_q), float("-inf"), dtype=acc.dtype, device=q_c.device)
     for step in range(plan.world):
         works = plan.start(step, cur, nxt) if step < plan.world - 1 else []
-        for it in plan.items(step, q_c.device):
+        for n, it in enumerate(plan.items(step, q_c.device)):
             k_, v_ = _kv_view(cur, it.kv_rows)
             o, l_ = plan.backend.forward_lse(_sel(q_c, it.q_rows, 2), k_, v_, causal=it.causal,
                                              softmax_scale=plan.scale, mask=it.mask)
-            if isinstance(it.q_rows, slice):
+            first = step == 0 and n == 0 and it.mask is None and plan.kv_valid_len is None
+            if first and _all_rows(it.q_rows, s_q):
+                acc.copy_(o)   # the first result of every row (each sees itself): the merge would give exactly this
+                lse.copy_(l_)
+            elif isinstance(it.q_rows, slice):
                 merge_into(acc[:, :, it.q_rows], lse[:, :, it.q_rows], o, l_)
             else:
                 a, l0 = acc.index_select(2, it.q_rows), lse.index_select(2, it.q_rows)
