@@ -236,11 +236,17 @@ def main():
            "command": " ".join(sys.argv), "schema_ok": {k: lk.schema_ok(k) for k in lk.KERNELS},
            "available_bf16": {k: lk.available(k, torch.device(DEV), BF16) for k in lk.KERNELS},
            "best_bf16": lk.best(torch.device(DEV), BF16)}
+    rep["probe"] = {}
+    for kern in ("cudnn", "flash", "efficient"):   # the availability probe's own verdict or error, for the record
+        try:
+            rep["probe"][kern] = lk._probe(kern, torch.device(DEV), BF16)
+        except Exception as e:  # noqa: BLE001 - recorded
+            rep["probe"][kern] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
         *(torch.randn(1, 2, 128, 128, device=DEV, dtype=BF16) for _ in range(3)), None, True, 0.0, False, False)
     rep["cudnn_lse_shape"] = list(res[1].shape)
     rep["cudnn_lse_stride"] = list(res[1].stride())
-    print(json.dumps({k: rep[k] for k in ("device", "torch", "schema_ok", "available_bf16", "cudnn_lse_shape")}))
+    print(json.dumps({k: rep[k] for k in ("device", "torch", "schema_ok", "available_bf16", "probe", "cudnn_lse_shape")}))
     # 1. correctness
     corr, ok_all = [], True
     tol = {"out": 2e-2, "lse": 2e-2, "dq": 3e-2, "dk": 3e-2, "dv": 3e-2}
