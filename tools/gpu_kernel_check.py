@@ -246,7 +246,8 @@ def main():
         *(torch.randn(1, 2, 128, 128, device=DEV, dtype=BF16) for _ in range(3)), None, True, 0.0, False, False)
     rep["cudnn_lse_shape"] = list(res[1].shape)
     rep["cudnn_lse_stride"] = list(res[1].stride())
-    print(json.dumps({k: rep[k] for k in ("device", "torch", "schema_ok", "available_bf16", "probe", "cudnn_lse_shape")}))
+    print(json.dumps({k: rep[k] for k in ("device", "torch", "schema_ok", "available_bf16", "probe",
+                                          "cudnn_lse_shape")}))
     # 1. correctness
     corr, ok_all = [], True
     tol = {"out": 2e-2, "lse": 2e-2, "dq": 3e-2, "dk": 3e-2, "dv": 3e-2}
