@@ -247,7 +247,7 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         meta = {"date": datetime.datetime.utcnow().isoformat(timespec="seconds"),
                 "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                "nccl": ".".join(map(str, torch.cuda.nccl.version())), "command": " ".join(sys.argv),
+                "nccl": str(torch.cuda.nccl.version()), "command": " ".join(sys.argv),
                 "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE", "")}
         write_reports(rows, args, meta)
         bad = [(r["L"], r["causal"], m) for r in rows for m, e in r["modes"].items() if e.get("ok") is False]
