@@ -16,7 +16,7 @@ from .errors import SPConfigError
 MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
 RING_VARIANTS = ("ring", "tasp")
 PLACEMENTS = ("auto", "usp", "tas")
-BACKENDS = ("sdpa", "math", "flash_attn", "te")
+BACKENDS = ("auto", "cudnn", "torch_flash", "sdpa", "math", "flash_attn", "te")
 TRANSPORTS = ("nccl", "symm_mem", "copy_engine")  # copy-engine exchanges (CUDA + NCCL only; checked at first use)
 ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-block forms (see SPConfig.async_qkv)
 LAYOUTS = ("bshd", "sbhd")
@@ -87,7 +87,10 @@ class SPConfig:
     placement: 2D mesh placement ("auto", "usp", "tas").
     ulysses_size: Ulysses degree P_u of the mesh (None = gcd(world, heads)).
     nodes: number of machines to assume (None = detect); lets one machine simulate several.
-    backend: local attention kernel ("sdpa", "math", "flash_attn", "te").
+    backend: local attention kernel: "auto" (default; torch SDPA for plain calls, the fastest kernel with
+        log-sum-exp for ring/TASP/Torus/hybrid/masked blocks: cuDNN, FlashAttention-2, memory-efficient,
+        math), "cudnn" or "torch_flash" (that kernel only; an error where it does not run), "sdpa" (= auto),
+        "math", "flash_attn", "te".
     transport: exchange transport: "nccl" (default), "symm_mem" (copy-engine pulls between barrier
         kernels) or "copy_engine" (copy-engine pulls ordered by stream-memory flags: no kernels); CUDA + NCCL.
     async_qkv: the attention block's projections overlapped with their exchanges: "off", "on",
@@ -102,7 +105,7 @@ class SPConfig:
     placement: str = "auto"
     ulysses_size: int | None = None
     nodes: int | None = None
-    backend: str = "sdpa"
+    backend: str = "auto"
     transport: str = "nccl"
     async_qkv: str = "off"
     source: str = field(default="python", repr=False)

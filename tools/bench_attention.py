@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.floor import add_ratios, floor_ms  # noqa: E402
 from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, run_world_sizes  # noqa: E402
 import megatron_sp_ext as spx  # noqa: E402
 from megatron_sp_ext.comm.exchange import all_to_all_flat  # noqa: E402
@@ -136,9 +137,9 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
             tr.all_to_all(s_in, r_in)  # grow the workspace outside the timed region
             res[f"t_comm_fwd{suffix}"] = _time(lambda tr=tr: (tr.all_to_all(s_in, r_in), tr.all_to_all(s_out, r_out)),
                                                args.iters, args.warmup, group)
-    ql = torch.randn(b, h // world, seqlen, d, device="cuda", dtype=dtype)
-    res["t_attn_fwd"] = _time(lambda: F.scaled_dot_product_attention(ql, ql, ql, is_causal=args.causal),
-                              args.iters, args.warmup, group)
+    # the floor: this rank's share (ceil(H/P) heads over the full L) as one SDPA call, same job
+    res["floor"] = floor_ms(group, h, seqlen, d, args.causal, iters=args.iters, warmup=args.warmup)
+    res["t_attn_fwd"] = res["floor"]["fwd"]
     ref_out = ref_grads = None
     # long shapes: fewer repetitions (each call is tens to hundreds of ms)
     iters, warmup = (args.iters, args.warmup) if res["t_attn_fwd"] < 20 else (3, 1)
@@ -212,6 +213,7 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
                          device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         res["modes"][name]["fwd_ms"], res["modes"][name]["fwd_bwd_ms"] = float(t[0]), float(t[1])
+        add_ratios(res["modes"][name], res["floor"])
         fn = fns[name]
         if hasattr(fn, "policy"):  # what auto chose for this shape (inference and training keys)
             res["modes"][name]["auto_choice"] = {
@@ -296,17 +298,21 @@ def write_reports(results, traces, args):
             if m not in modes:
                 modes.append(m)
     lines = [f"Device: {meta['device']} x P, {meta['date']}, bf16, B=1, D={args.head_dim}, causal={args.causal}.",
-             "Cells: fwd ms / fwd+bwd ms (speedup fwd / fwd+bwd vs our plain Ulysses).", "",
-             "| P | H | L | rho | bound | " + " | ".join(modes) + " |",
-             "|---|---|---|---|---|" + "---|" * len(modes)]
+             "Cells: fwd ms / fwd+bwd ms (speedup fwd / fwd+bwd vs our plain Ulysses) [ratio fwd / fwd+bwd to the "
+             "floor]. Floor: one SDPA call of ceil(H/P) heads over L on one GPU of the same job.", "",
+             "| P | H | L | floor ms | rho | bound | " + " | ".join(modes) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(modes)]
     for r in results:
         cells = []
         for m in modes:
             e = r["modes"].get(m)
             cells.append("-" if e is None else
                          f"{e['fwd_ms']:.2f} / {e['fwd_bwd_ms']:.2f} ({e.get('speedup_fwd_vs_ulysses', 0):.2f}x / "
-                         f"{e.get('speedup_fwd_bwd_vs_ulysses', 0):.2f}x)")
-        lines.append(f"| {r['P']} | {r['H']} | {r['L'] // 1024}K | {r.get('rho', 0):.2f} | {r.get('bound_fwd', 0):.2f}x | "
+                         f"{e.get('speedup_fwd_bwd_vs_ulysses', 0):.2f}x) "
+                         f"[{e.get('ratio_fwd', 0):.2f} / {e.get('ratio_fwd_bwd', 0):.2f}]")
+        fl = r.get("floor", {})
+        lines.append(f"| {r['P']} | {r['H']} | {r['L'] // 1024}K | {fl.get('fwd', 0):.2f} / {fl.get('fwd_bwd', 0):.2f} | "
+                     f"{r.get('rho', 0):.2f} | {r.get('bound_fwd', 0):.2f}x | "
                      + " | ".join(cells) + " |")
     with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -4,9 +4,11 @@ Every backend is a ``LocalAttention`` with
   ``__call__(q, k, v, *, causal, softmax_scale) -> out``   differentiable, [B, H, S, D] in and out
   ``forward_lse(q, k, v, *, causal, softmax_scale) -> (out, lse)``   no autograd, lse fp32 [B, H, S]
   ``backward_lse(do, q, k, v, out, lse, *, causal, softmax_scale) -> (dq, dk, dv)``
-k/v may carry fewer heads than q (GQA). Backends: "sdpa" (default, torch), "math" (fp32 reference
-with explicit masks), "flash_attn" and "te" when those packages import. ``get_backend`` logs the
-choice once per name.
+k/v may carry fewer heads than q (GQA). Backends: "auto" (default; "sdpa" is the same): plain calls through
+torch's SDPA, log-sum-exp blocks on the fastest kernel that runs here (cuDNN, FlashAttention-2,
+memory-efficient, math; see lse_kernels); "cudnn" and "torch_flash": every call on that one kernel (an
+error naming the setting where it does not run); "math" (fp32 reference with explicit masks);
+"flash_attn" and "te" when those packages import. ``get_backend`` logs the choice once per name.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SPConfigError
-from . import blockwise
+from . import blockwise, lse_kernels
 
 log = logging.getLogger("megatron_sp_ext")
 
@@ -40,30 +42,72 @@ class LocalAttention:
 
 
 class SDPABackend(LocalAttention):
-    """torch.nn.functional.scaled_dot_product_attention (flash / efficient / cuDNN / math, torch picks)."""
+    """Plain calls: torch.nn.functional.scaled_dot_product_attention. Blocks with log-sum-exp (ring, TASP,
+    Torus, hybrid, masked Ulysses): the fastest available kernel of ``lse_kernels.KERNELS`` (cuDNN, then
+    torch's FlashAttention-2, memory-efficient, math), chosen per (device, dtype). Names "auto" and "sdpa"."""
 
     name = "sdpa"
+    kernel = "auto"   # or one of lse_kernels.KERNELS, fixed
+
+    def __init__(self, name: Optional[str] = None, setting: str = "backend") -> None:
+        if name is not None:
+            self.name = name
+        self.setting = setting
+        self._chosen: dict = {}
+
+    def kernel_for(self, q: torch.Tensor) -> str:
+        """The block kernel for q's (device, dtype); a fixed kernel that cannot run here raises naming the setting."""
+        key = (str(q.device), q.dtype)
+        if key not in self._chosen:
+            if self.kernel == "auto":
+                k = lse_kernels.best(q.device, q.dtype)
+            else:
+                k = self.kernel
+                if not lse_kernels.available(k, q.device, q.dtype):
+                    here = [n for n in lse_kernels.KERNELS if lse_kernels.available(n, q.device, q.dtype)]
+                    raise SPConfigError(
+                        f"{self.setting}={self.name!r} needs the {k} attention kernel, which does not run here "
+                        f"({q.device}, {q.dtype}): use 'auto' (kernels that run here: {', '.join(here)})")
+            log.info("megatron_sp_ext: %s=%r runs its log-sum-exp blocks on the %s kernel (%s, %s)",
+                     self.setting, self.name, k, q.device, q.dtype)
+            self._chosen[key] = k
+        return self._chosen[key]
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
     def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None):
-        if mask is not None or not _fused_ok(q):
+        if mask is not None:
             return super().forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale, mask=mask)
-        return blockwise.fused_forward(q, k, v, softmax_scale, causal)
+        return lse_kernels.forward(self.kernel_for(q), q, k, v, softmax_scale, causal)
 
     def backward_lse(self, do, q, k, v, out, lse, *, causal, softmax_scale, mask=None):
-        if mask is not None or not _fused_ok(q):
+        if mask is not None:
             return super().backward_lse(do, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, mask=mask)
-        return blockwise.fused_backward(do, q, k, v, out, lse, softmax_scale, causal)
+        return lse_kernels.backward(self.kernel_for(q), do, q, k, v, out, lse, softmax_scale, causal)
 
 
-def _fused_ok(q: torch.Tensor) -> bool:
-    # torch's flash kernels: fp16/bf16 on CUDA; fp32/bf16/fp16 on CPU.
-    if q.is_cuda:
-        return q.dtype in (torch.float16, torch.bfloat16)
-    return q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+class FixedKernelBackend(SDPABackend):
+    """Every call on one named kernel: "cudnn" (cuDNN attention) or "torch_flash" (torch's
+    FlashAttention-2, the kernel of the ring paths before "auto"). Unavailable here = an error naming the
+    setting, never a silent fallback."""
+
+    def __init__(self, name: str, kernel: str, setting: str = "backend") -> None:
+        super().__init__(name, setting)
+        self.kernel = kernel
+
+    def __call__(self, q, k, v, *, causal, softmax_scale):
+        kern = self.kernel_for(q)
+        if kern == "math":
+            return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+        sdp = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kern]
+        if k.shape[1] != q.shape[1]:   # not every kernel takes GQA: expand (autograd sums the copies back)
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        with sdpa_kernel([sdp]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
 
 
 class MathBackend(LocalAttention):
@@ -126,11 +170,14 @@ class TEBackend(LocalAttention):
         return out.view(b, s, h, d).transpose(1, 2)
 
 
-_FACTORIES: dict[str, Callable[[], LocalAttention]] = {
-    "sdpa": SDPABackend,
-    "math": MathBackend,
-    "flash_attn": FlashAttnBackend,
-    "te": TEBackend,
+_FACTORIES: dict[str, Callable[[str], LocalAttention]] = {
+    "auto": lambda setting: SDPABackend("auto", setting),
+    "sdpa": lambda setting: SDPABackend("sdpa", setting),
+    "cudnn": lambda setting: FixedKernelBackend("cudnn", "cudnn", setting),
+    "torch_flash": lambda setting: FixedKernelBackend("torch_flash", "flash", setting),
+    "math": lambda setting: MathBackend(),
+    "flash_attn": lambda setting: FlashAttnBackend(),
+    "te": lambda setting: TEBackend(),
 }
 _MODULES = {"flash_attn": "flash_attn", "te": "transformer_engine"}
 
@@ -144,27 +191,27 @@ class BackendRegistry:
     """Instantiates backends on first use and logs each choice once."""
 
     def __init__(self) -> None:
-        self._instances: dict[str, LocalAttention] = {}
+        self._instances: dict[tuple, LocalAttention] = {}
 
     def get(self, name: str, setting: str = "backend") -> LocalAttention:
         if isinstance(name, LocalAttention):
             return name
         if name not in _FACTORIES:
             raise SPConfigError(f"{setting}={name!r} is invalid: choose one of {', '.join(_FACTORIES)}")
-        if name not in self._instances:
+        if (name, setting) not in self._instances:
             if name in _MODULES and importlib.util.find_spec(_MODULES[name]) is None:
                 raise SPConfigError(
                     f"{setting}={name!r} needs the package {_MODULES[name]!r}, which is not installed here; "
                     f"available: {', '.join(available_backends())}")
-            self._instances[name] = _FACTORIES[name]()
+            self._instances[(name, setting)] = _FACTORIES[name](setting)
             log.info("megatron_sp_ext: local attention backend = %s", name)
-        return self._instances[name]
+        return self._instances[(name, setting)]
 
 
 _REGISTRY = BackendRegistry()
 
 
-def get_backend(name: "str | LocalAttention" = "sdpa", setting: str = "backend") -> LocalAttention:
+def get_backend(name: "str | LocalAttention" = "auto", setting: str = "backend") -> LocalAttention:
     """The backend called ``name`` (or ``name`` itself if it already is one)."""
     return _REGISTRY.get(name, setting)
 

@@ -25,7 +25,7 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
     safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
     w_acc = torch.exp(acc_lse - safe).unsqueeze(-1)
     w_new = torch.exp(lse - safe).unsqueeze(-1)
-    acc_out.mul_(w_acc).add_(out.to(acc_out.dtype) * w_new)
+    acc_out.mul_(w_acc).addcmul_(out, w_new)  # two passes over acc, no full-size temporary
     acc_lse.copy_(new_lse)
 
 

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="machines to assume for the mesh (default: detect); set it to simulate machines on one")
     add("--sp-ulysses-size", type=int, default=None, help="Ulysses degree of the mesh (default gcd(CP, heads))")
     add("--sp-ring-variant", choices=RING_VARIANTS, default="ring", help="ring algorithm inside ring/mesh modes")
-    add("--sp-attention-backend", choices=BACKENDS, default="sdpa", help="local attention kernel")
+    add("--sp-attention-backend", choices=BACKENDS, default="auto", help="local attention kernel")
     add("--sp-async-qkv", nargs="?", const="on", default="off",
         help="off (default); on: self-attention overlaps its Q/K/V and output projections with the Ulysses "
              "exchanges (--cp-comm-type ulysses/hcms, integer --hcms-head-chunks, TP 1); allgather: QKV from a "

@@ -21,7 +21,7 @@ class SPTransformerConfig(TransformerConfig):
     sp_nodes (--sp-nodes): machines to assume (simulate several on one machine).
     sp_ulysses_size (--sp-ulysses-size): Ulysses degree of the mesh.
     sp_ring_variant (--sp-ring-variant): ring or tasp inside ring/hybrid modes.
-    sp_attention_backend (--sp-attention-backend): sdpa, math, flash_attn, te.
+    sp_attention_backend (--sp-attention-backend): auto, cudnn, torch_flash, sdpa, math, flash_attn, te.
     sp_transport (--sp-transport): nccl (default), symm_mem or copy_engine (copy-engine exchanges).
     sp_async_qkv (--sp-async-qkv): off, on (SPSelfAttention overlaps its projections with the
         exchanges), allgather (QKV by a sequence all-gather fused with the QKV GEMM), auto (video
@@ -33,7 +33,7 @@ class SPTransformerConfig(TransformerConfig):
     sp_nodes: Optional[int] = None
     sp_ulysses_size: Optional[int] = None
     sp_ring_variant: str = "ring"
-    sp_attention_backend: str = "sdpa"
+    sp_attention_backend: str = "auto"
     sp_transport: str = "nccl"
     sp_async_qkv: str = "off"
 
@@ -50,7 +50,7 @@ def sp_config_from(config) -> SPConfig:
         placement=getattr(config, "sp_placement", "auto"),
         ulysses_size=getattr(config, "sp_ulysses_size", None),
         nodes=getattr(config, "sp_nodes", None),
-        backend=getattr(config, "sp_attention_backend", "sdpa"),
+        backend=getattr(config, "sp_attention_backend", "auto"),
         transport=getattr(config, "sp_transport", "nccl"),
         async_qkv=getattr(config, "sp_async_qkv", "off"),
         source="megatron",

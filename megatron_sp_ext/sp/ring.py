@@ -1,16 +1,18 @@
 """Ring attention and TASP multi-ring attention (forward and backward) as one autograd Function.
 
 Q stays on its rank; K|V blocks travel. ``variant="ring"`` moves the whole local K|V block around
-one ring (send/recv, next block in flight while the current one is attended). ``variant="tasp"``
-splits it into one slot per Hamiltonian cycle of K_P* and advances all rings with ONE all_to_all
-per step driven by precomputed routing tables (TASP Algorithm 3). Partial results merge by
-log-sum-exp in fp32 (fp64 for fp64 inputs). Backward recomputes each block against the final
-out/lse; dK|dV accumulators (same dtype) travel with their blocks and take one extra hop home.
+one ring; ``variant="tasp"`` splits it into one slot per Hamiltonian cycle of K_P* and advances all
+rings at once (TASP Algorithm 3) as one batch of point-to-point sends/receives. Each step's exchange
+is started before that step's kernels and waited after them, into the second of two preallocated
+buffers (double buffering); with NCCL it runs on NCCL's own stream, so the rotation overlaps the
+local kernels, forward and backward. Partial results merge by log-sum-exp in fp32 (fp64 for fp64).
+Backward recomputes each block against the final out/lse; dK|dV accumulators (fp32) travel with
+their blocks and take one extra hop home.
 
-Causal masks come from global token positions of the placement: a (q run, kv run) pair is full,
-skipped, diagonal-causal or (misaligned) explicitly masked. With "zigzag" (ring) or "tasp_zigzag"
-(tasp) every rank does the same work at every step. Buffers: K|V slots are [S_kv, 2, B, Hkv, D]
-so a block is one contiguous slice and K, V are zero-copy bhsd views.
+What each step computes comes from ``ring_plan``: tokens in compute order, kernel calls on contiguous
+slices (the zigzag diagonal is one causal call, other steps one unmasked call on a half), and for
+causal TASP a per-step buffer layout that keeps every step at <= 2 calls. Local kernels are the
+backend's ``forward_lse``/``backward_lse`` (backend "auto": cuDNN where it runs).
 """
 from __future__ import annotations
 
@@ -24,12 +26,12 @@ import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
 from ..attention.lse import acc_dtype, merge_into
-from ..comm.multiring import MultiRingExchange
 from ..config import LAYOUTS
 from ..errors import SPConfigError
 from ..topology.hamiltonian import RoutingTables, routing_tables
 from .heads import split_more_first
 from .placement import pieces
+from .ring_plan import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
 from .ulysses import check_same_shape_across_ranks
 
 VARIANTS = ("ring", "tasp")
@@ -45,18 +47,28 @@ def _single_ring(n: int) -> RoutingTables:
     return RoutingTables(n, cyc, nxt, prv, out_ring, in_ring)
 
 
-@dataclass
-class _Item:
-    """One attention call: q rows x kv buffer rows, with a mask kind."""
-
-    q_rows: Optional[torch.Tensor]   # None = all rows, else int64 index
-    kv_rows: Optional[tuple]         # None = whole buffer, (start, len) contiguous, or int64 index tensor
-    causal: bool = False
-    mask: Optional[torch.Tensor] = None
+def _local_runs(runs, lo: int, n: int, valid: Optional[int]) -> list[tuple[int, int, int]]:
+    """Global (start, len, offset from ``lo``) of local rows [lo, lo+n) of a block with global ``runs``,
+    keys at global positions >= ``valid`` dropped."""
+    out, row = [], 0
+    for a, ln in runs:
+        s, e = max(lo, row), min(lo + n, row + ln)
+        if s < e:
+            g, length = a + (s - row), e - s
+            if valid is not None:
+                length = min(length, valid - g)
+            if length > 0:
+                out.append((g, length, s - lo))
+        row += ln
+    return out
 
 
 @dataclass
 class RingPlan:
+    """One rank's schedule (see ``ring_plan``). ``mode``: "plain" (local order, one segment per slot),
+    "ab" (causal tasp_zigzag: zigzag compute order, two segments per slot, per-step layout) or
+    "sorted" (one rank: q and k/v sorted by position, no exchange)."""
+
     group: dist.ProcessGroup
     rank: int
     world: int
@@ -70,209 +82,278 @@ class RingPlan:
     scale: float
     backend: LocalAttention
     kv_valid_len: Optional[int] = None  # keys at global position >= this are padding (never attended)
-    items_cache: dict = field(default_factory=dict)
+    mode: str = "plain"
+    q_moves: tuple = ()   # (local_row, compute_row, len) of the queries
+    kv_moves: tuple = ()  # the same for this rank's k/v into the step-0 buffer
+    cache: dict = field(default_factory=dict)
 
-    def slot_runs(self, origin: int, slot: int) -> list[tuple[int, int, int]]:
-        """Global (start, len, buffer_row) runs of ``slot`` when it carries rank ``origin``'s block."""
-        lo, n = self.slot_off[slot], self.slot_len[slot]
-        runs, row = [], 0
-        for a, ln in self.kv_runs[origin]:
-            s, e = max(lo, row), min(lo + n, row + ln)
-            if s < e:
-                g, length = a + (s - row), e - s
-                if self.kv_valid_len is not None:
-                    length = min(length, self.kv_valid_len - g)
-                if length > 0:
-                    runs.append((g, length, s))
-            row += ln
-        return runs
+    def origins(self, step: int, rank: Optional[int] = None) -> tuple[int, ...]:
+        r = self.rank if rank is None else rank
+        return tuple(self.routing.origin(i, r, step) for i in range(len(self.slot_len)))
 
-    def origins(self, step: int) -> tuple[int, ...]:
-        return tuple(self.routing.origin(i, self.rank, step) for i in range(len(self.slot_len)))
+    def segments(self, step: int, rank: Optional[int] = None) -> tuple:
+        """Per slot: ((buffer_row, slot_local_row, len), ...) of ``rank``'s buffer at ``step`` (step = world: home)."""
+        r = self.rank if rank is None else rank
+        if self.mode != "ab":
+            return tuple(((o, o, n),) for o, n in zip(self.slot_off, self.slot_len))
+        u = self.slot_len[0] // 2
+        rows = ab_layout(self.origins(step % self.world, r), r, u)
+        return tuple(((pr, off, u), (mr, off + u, u)) for (pr, mr), off in zip(rows, self.slot_off))
 
-    def items(self, step: int, device) -> list[_Item]:
-        """Work of one step (cached by the slot origins)."""
-        key = self.origins(step)
-        if key in self.items_cache:
-            return self.items_cache[key]
-        if not self.causal and self.kv_valid_len is None:
-            its = [_Item(None, None)]
-        else:
-            its = self._masked_items(key, device)
-        self.items_cache[key] = its
-        return its
+    def q_compute_runs(self) -> list[tuple[int, int, int]]:
+        out, row = [], 0
+        local = []
+        for a, n in self.q_runs:
+            local.append((a, n, row))
+            row += n
+        dest = {lr: cr for lr, cr, _ in self.q_moves} if self.q_moves else {}
+        for a, n, lr in local:
+            out.append((a, n, dest.get(lr, lr)))
+        return out
 
-    def _masked_items(self, origins, device) -> list[_Item]:
-        qruns, row = [], 0
-        for a, ln in self.q_runs:
-            qruns.append((a, ln, row))
-            row += ln
-        n_q = row
-        kvruns = [run for i, o in enumerate(origins) for run in self.slot_runs(o, i)]
-        groups: dict = {}
-        its = []
-        for ka, kl, krow in kvruns:
-            full = []
-            for qa, ql, qrow in qruns:
-                if not self.causal or ka + kl <= qa:
-                    full.append((qrow, ql))
-                elif ka >= qa + ql:
-                    continue
-                elif ka == qa and kl == ql:
-                    its.append(_Item(_idx([(qrow, ql)], n_q, device), (krow, kl), causal=True))
-                else:  # misaligned runs: explicit mask
-                    qpos = torch.arange(qa, qa + ql, device=device)
-                    kpos = torch.arange(ka, ka + kl, device=device)
-                    its.append(_Item(_idx([(qrow, ql)], n_q, device), (krow, kl),
-                                     mask=qpos[:, None] >= kpos[None, :]))
-            if full:
-                groups.setdefault(tuple(full), []).append((krow, kl))
-        for qset, kvs in groups.items():
-            its.append(_Item(_idx(list(qset), n_q, device), _kv_rows(kvs, device)))
-        return its
+    def items(self, step: int, device) -> list[Item]:
+        """Kernel calls of ``step`` (cached)."""
+        key = ("items", step, str(device))
+        if key not in self.cache:
+            qr = self.q_compute_runs()
+            if self.mode == "sorted":
+                kvr, row = [], 0
+                local = []
+                for a, n in self.kv_runs[0]:
+                    local.append((a, n, row))
+                    row += n
+                dest = {lr: cr for lr, cr, _ in self.kv_moves}
+                for a, n, lr in local:
+                    for g, ln, off in _local_runs(((a, n),), 0, n, self.kv_valid_len):
+                        kvr.append((g, ln, dest.get(lr, lr) + off))
+            else:
+                kvr = []
+                for i, o in enumerate(self.origins(step)):
+                    for brow, lrow, n in self.segments(step)[i]:
+                        kvr += [(g, ln, brow + off) for g, ln, off in _local_runs(self.kv_runs[o], lrow, n,
+                                                                                  self.kv_valid_len)]
+            if not self.causal and self.kv_valid_len is None:
+                its = [Item(slice(None), slice(None))]
+            else:
+                its = step_items(qr, kvr, self.causal, device)
+            self.cache[key] = its
+        return self.cache[key]
+
+    def transfer(self, step: int) -> list[tuple[str, int, int, int]]:
+        """Point-to-point ops moving the slots from the layout of ``step`` to that of ``step + 1``:
+        (kind, group rank of the peer, buffer row, rows); touching segments on both ends go as one.
+        ``start`` uses the peers' global ranks (cached with the ops)."""
+        key = ("transfer", step)
+        if key not in self.cache:
+            ops: list = []
+            r, rt = self.rank, self.routing
+            for i in range(len(self.slot_len)):
+                for kind, peer, mine, theirs in (
+                        ("send", rt.nxt[i][r], self.segments(step)[i], self.segments(step + 1, rt.nxt[i][r])[i]),
+                        ("recv", rt.prv[i][r], self.segments(step + 1)[i], self.segments(step, rt.prv[i][r])[i])):
+                    joined = all(a[0] + a[2] == b[0] for a, b in zip(mine, mine[1:])) and \
+                        all(a[0] + a[2] == b[0] for a, b in zip(theirs, theirs[1:]))
+                    if joined:
+                        ops.append((kind, peer, mine[0][0], sum(sg[2] for sg in mine)))
+                    else:
+                        ops += [(kind, peer, sg[0], sg[2]) for sg in mine]
+            self.cache[key] = ops
+        return self.cache[key]
+
+    def start(self, step: int, src: torch.Tensor, dst: torch.Tensor) -> list:
+        """Begin the step -> step+1 transfer of ``src`` into ``dst`` (returns works for ``wait``)."""
+        if self.group is None or self.world == 1:
+            return []
+        key = ("global", step)
+        if key not in self.cache:
+            self.cache[key] = [(dist.isend if kind == "send" else dist.irecv, kind == "send",
+                                dist.get_global_rank(self.group, peer), row, n)
+                               for kind, peer, row, n in self.transfer(step)]
+        ops = [dist.P2POp(fn, (src if is_send else dst).narrow(0, row, n), peer, self.group)
+               for fn, is_send, peer, row, n in self.cache[key]]
+        return dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works) -> None:
+        for w in works:
+            w.wait()
 
 
-def _idx(runs, total, device) -> Optional[torch.Tensor]:
-    runs = sorted(runs)
-    if len(runs) == 1 and runs[0] == (0, total):
-        return None
-    return torch.cat([torch.arange(r, r + n, device=device) for r, n in runs])
-
-
-def _kv_rows(runs, device):
-    runs = sorted(runs)
-    merged = []
-    for r, n in runs:
-        if merged and merged[-1][0] + merged[-1][1] == r:
-            merged[-1] = (merged[-1][0], merged[-1][1] + n)
-        else:
-            merged.append((r, n))
-    if len(merged) == 1:
-        return merged[0]
-    return torch.cat([torch.arange(r, r + n, device=device) for r, n in merged])
+def _sel(x: torch.Tensor, rows, dim: int) -> torch.Tensor:
+    if isinstance(rows, slice):
+        return x[(slice(None),) * dim + (rows,)]
+    return x.index_select(dim, rows)
 
 
 def _kv_view(buf: torch.Tensor, rows):
-    """K, V (bhsd) of ``rows`` of a [S, 2, B, H, D] buffer."""
-    if rows is None:
-        sel = buf
-    elif isinstance(rows, tuple):
-        sel = buf.narrow(0, rows[0], rows[1])
-    else:
-        sel = buf.index_select(0, rows)
+    """K, V (bhsd) of ``rows`` of a [S, 2, B, H, D] buffer (zero-copy for a row range)."""
+    sel = _sel(buf, rows, 0)
     return sel[:, 0].permute(1, 2, 0, 3), sel[:, 1].permute(1, 2, 0, 3)
 
 
 def _kv_add(acc: torch.Tensor, rows, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    g = torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1).to(acc.dtype)
-    if rows is None:
-        acc.add_(g)
-    elif isinstance(rows, tuple):
-        acc.narrow(0, rows[0], rows[1]).add_(g)
+    if isinstance(rows, slice):
+        sel = acc[rows]
+        sel[:, 0].add_(dk.permute(2, 0, 1, 3))
+        sel[:, 1].add_(dv.permute(2, 0, 1, 3))
     else:
-        acc.index_add_(0, rows, g)
+        acc.index_add_(0, rows, torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1).to(acc.dtype))
 
 
-def _rows(x: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
-    return x if idx is None else x.index_select(2, idx)
+def _fill_kv(buf: torch.Tensor, k_bhsd, v_bhsd, moves) -> None:
+    """This rank's k/v (local order) into the step-0 buffer rows (compute order): one copy."""
+    if not moves or is_identity(moves):
+        buf[:, 0].copy_(k_bhsd.permute(2, 0, 1, 3))
+        buf[:, 1].copy_(v_bhsd.permute(2, 0, 1, 3))
+        return
+    for lr, cr, n in moves:
+        buf[cr:cr + n, 0].copy_(k_bhsd[:, :, lr:lr + n].permute(2, 0, 1, 3))
+        buf[cr:cr + n, 1].copy_(v_bhsd[:, :, lr:lr + n].permute(2, 0, 1, 3))
 
 
-def ring_forward(q_bhsd, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of this rank's queries over the keys of every ring rank.
+def _kv_buffers(k_bhsd, v_bhsd, plan: RingPlan):
+    b, hkv, s_kv, d = k_bhsd.shape
+    cur = torch.empty(s_kv, 2, b, hkv, d, dtype=k_bhsd.dtype, device=k_bhsd.device)
+    _fill_kv(cur, k_bhsd, v_bhsd, plan.kv_moves)
+    return cur, (torch.empty_like(cur) if plan.world > 1 else None)
 
-    q: [B, H, S_q, D]; k, v: [B, Hkv, S_kv, D] (this rank's block). Returns (out, lse) in the accumulator dtype (fp32, or fp64 for fp64).
-    Rows that see no key keep out = 0 and lse = -inf.
-    """
-    b, h, s_q, d = q_bhsd.shape
-    ex = MultiRingExchange(plan.routing, plan.group, plan.rank, plan.slot_off, plan.slot_len)
-    cur = torch.stack([k_bhsd.permute(2, 0, 1, 3), v_bhsd.permute(2, 0, 1, 3)], dim=1).contiguous()
-    nxt = torch.empty_like(cur) if plan.world > 1 else None
-    acc = torch.zeros(b, h, s_q, d, dtype=acc_dtype(q_bhsd), device=q_bhsd.device)
-    lse = torch.full((b, h, s_q), float("-inf"), dtype=acc.dtype, device=q_bhsd.device)
+
+def _all_rows(rows, n: int) -> bool:
+    return isinstance(rows, slice) and (rows.start or 0) == 0 and (rows.stop is None or rows.stop == n)
+
+
+def forward_compute_order(q_c, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(acc, lse) of the queries ``q_c`` (compute order) over every ring rank's keys; acc dtype fp32/fp64.
+    Rows that see no key keep out = 0 and lse = -inf."""
+    b, h, s_q, d = q_c.shape
+    cur, nxt = _kv_buffers(k_bhsd, v_bhsd, plan)
+    acc = torch.zeros(b, h, s_q, d, dtype=acc_dtype(q_c), device=q_c.device)
+    lse = torch.full((b, h, s_q), float("-inf"), dtype=acc.dtype, device=q_c.device)
     for step in range(plan.world):
-        handle = ex.start(cur, nxt) if step < plan.world - 1 else None
-        for it in plan.items(step, q_bhsd.device):
+        works = plan.start(step, cur, nxt) if step < plan.world - 1 else []
+        for n, it in enumerate(plan.items(step, q_c.device)):
             k_, v_ = _kv_view(cur, it.kv_rows)
-            o, l_ = plan.backend.forward_lse(_rows(q_bhsd, it.q_rows), k_, v_, causal=it.causal,
+            o, l_ = plan.backend.forward_lse(_sel(q_c, it.q_rows, 2), k_, v_, causal=it.causal,
                                              softmax_scale=plan.scale, mask=it.mask)
-            if it.q_rows is None:
-                merge_into(acc, lse, o, l_)
+            first = step == 0 and n == 0 and it.mask is None and plan.kv_valid_len is None
+            if first and _all_rows(it.q_rows, s_q):
+                acc.copy_(o)   # the first result of every row (each sees itself): the merge would give exactly this
+                lse.copy_(l_)
+            elif isinstance(it.q_rows, slice):
+                merge_into(acc[:, :, it.q_rows], lse[:, :, it.q_rows], o, l_)
             else:
                 a, l0 = acc.index_select(2, it.q_rows), lse.index_select(2, it.q_rows)
                 merge_into(a, l0, o, l_)
                 acc.index_copy_(2, it.q_rows, a)
                 lse.index_copy_(2, it.q_rows, l0)
-        if handle is not None:
-            ex.wait(handle)
+        if works:
+            plan.wait(works)
             cur, nxt = nxt, cur
     return acc, lse
 
 
+def backward_compute_order(dout_c, q_c, k_bhsd, v_bhsd, out_c, lse_c, plan: RingPlan):
+    """Gradients given the FINAL out/lse (compute order). Returns dq (compute order, acc dtype) and the
+    dK|dV buffer [S_kv, 2, B, Hkv, D] of this rank's own block in step-0 (compute) order."""
+    cur, nxt = _kv_buffers(k_bhsd, v_bhsd, plan)
+    dq = torch.zeros(q_c.shape, dtype=acc_dtype(q_c), device=q_c.device)
+    dkv = [torch.zeros(cur.shape, dtype=dq.dtype, device=q_c.device)]
+    if plan.world > 1:
+        dkv.append(torch.empty_like(dkv[0]))
+    dkv_works: list = []
+    for step in range(plan.world):
+        works = plan.start(step, cur, nxt) if step < plan.world - 1 else []
+        grads = []
+        for it in plan.items(step, q_c.device):
+            k_, v_ = _kv_view(cur, it.kv_rows)
+            r = it.q_rows
+            gq, gk, gv = plan.backend.backward_lse(
+                _sel(dout_c, r, 2), _sel(q_c, r, 2), k_, v_, _sel(out_c, r, 2), _sel(lse_c, r, 2),
+                causal=it.causal, softmax_scale=plan.scale, mask=it.mask)
+            if isinstance(r, slice):
+                dq[:, :, r].add_(gq)
+            else:
+                dq.index_add_(2, r, gq.to(dq.dtype))
+            grads.append((it.kv_rows, gk, gv))
+        if dkv_works:  # this step's blocks' accumulators, from the ranks before us
+            plan.wait(dkv_works)
+            dkv.reverse()
+        for rows, gk, gv in grads:
+            _kv_add(dkv[0], rows, gk, gv)
+        if plan.world > 1:
+            dkv_works = plan.start(step, dkv[0], dkv[1])  # after the last step: the hop home
+        if works:
+            plan.wait(works)
+            cur, nxt = nxt, cur
+    if plan.world > 1:
+        plan.wait(dkv_works)
+        dkv.reverse()
+    return dq, dkv[0]
+
+
+def _dkv_local(dkv: torch.Tensor, plan: RingPlan):
+    """dK, dV (bhsd, local order) from the home dK|dV buffer (compute order)."""
+    dk, dv = dkv[:, 0].permute(1, 2, 0, 3), dkv[:, 1].permute(1, 2, 0, 3)
+    if plan.kv_moves and not is_identity(plan.kv_moves):
+        dk, dv = permute_rows(dk, plan.kv_moves, 2, inverse=True), permute_rows(dv, plan.kv_moves, 2, inverse=True)
+    return dk, dv
+
+
+def ring_forward(q_bhsd, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's queries over the keys of every ring rank.
+
+    q: [B, H, S_q, D]; k, v: [B, Hkv, S_kv, D] (this rank's block, local order). Returns (out, lse) in
+    the accumulator dtype (fp32, or fp64 for fp64), local order. Rows that see no key: out 0, lse -inf.
+    """
+    acc, lse = forward_compute_order(permute_rows(q_bhsd, plan.q_moves, 2), k_bhsd, v_bhsd, plan)
+    return permute_rows(acc, plan.q_moves, 2, inverse=True), permute_rows(lse, plan.q_moves, 2, inverse=True)
+
+
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
-    """Gradients of ``ring_forward`` given the FINAL out (q dtype) and lse of the query rows.
+    """Gradients of ``ring_forward`` given the FINAL out (q dtype) and lse of the query rows (local order).
 
     Returns (dq [B,H,S_q,D], dk, dv [B,Hkv,S_kv,D] of this rank's own block) in the accumulator dtype.
     """
-    dout = dout.contiguous()
-    ex = MultiRingExchange(plan.routing, plan.group, plan.rank, plan.slot_off, plan.slot_len)
-    cur = torch.stack([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=1).contiguous()
-    nxt = torch.empty_like(cur) if plan.world > 1 else None
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
-    dkv_in = torch.zeros(cur.shape, dtype=dq.dtype, device=q.device)
-    dkv_next = torch.empty_like(dkv_in)
-    dkv_handle = None
-    for step in range(plan.world):
-        handle = ex.start(cur, nxt) if step < plan.world - 1 else None
-        local = torch.zeros_like(dkv_in)
-        for it in plan.items(step, q.device):
-            k_, v_ = _kv_view(cur, it.kv_rows)
-            gq, gk, gv = plan.backend.backward_lse(
-                _rows(dout, it.q_rows), _rows(q, it.q_rows), k_, v_, _rows(out, it.q_rows),
-                lse if it.q_rows is None else lse.index_select(2, it.q_rows),
-                causal=it.causal, softmax_scale=plan.scale, mask=it.mask)
-            if it.q_rows is None:
-                dq.add_(gq.to(dq.dtype))
-            else:
-                dq.index_add_(2, it.q_rows, gq.to(dq.dtype))
-            _kv_add(local, it.kv_rows, gk, gv)
-        if dkv_handle is not None:  # accumulator of this block from the ranks before us
-            ex.wait(dkv_handle)
-            dkv_in, dkv_next = dkv_next, dkv_in
-        local.add_(dkv_in)
-        dkv_in = local
-        if plan.world > 1:
-            dkv_handle = ex.start(dkv_in, dkv_next)  # the last one is the hop home
-        if handle is not None:
-            ex.wait(handle)
-            cur, nxt = nxt, cur
-    if plan.world > 1:
-        ex.wait(dkv_handle)
-        dkv = dkv_next
-    else:
-        dkv = dkv_in
-    return dq, dkv[:, 0].permute(1, 2, 0, 3), dkv[:, 1].permute(1, 2, 0, 3)
+    mv = plan.q_moves
+    dq, dkv = backward_compute_order(permute_rows(dout.contiguous(), mv, 2), permute_rows(q, mv, 2), k, v,
+                                     permute_rows(out, mv, 2), permute_rows(lse, mv, 2), plan)
+    dk, dv = _dkv_local(dkv, plan)
+    return permute_rows(dq, mv, 2, inverse=True), dk, dv
 
 
 class _RingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_bhsd, k_bhsd, v_bhsd, plan: RingPlan):
-        acc, lse = ring_forward(q_bhsd, k_bhsd, v_bhsd, plan)
-        out = acc.to(q_bhsd.dtype)
-        ctx.save_for_backward(q_bhsd, k_bhsd, v_bhsd, out, lse)
+        q_c = permute_rows(q_bhsd, plan.q_moves, 2)
+        acc, lse = forward_compute_order(q_c, k_bhsd, v_bhsd, plan)
+        out_c = acc.to(q_bhsd.dtype)
+        ctx.save_for_backward(q_c, k_bhsd, v_bhsd, out_c, lse)
         ctx.plan = plan
-        return out
+        return permute_rows(out_c, plan.q_moves, 2, inverse=True)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        q_c, k, v, out_c, lse = ctx.saved_tensors
+        plan = ctx.plan
+        dq, dkv = backward_compute_order(permute_rows(dout.contiguous(), plan.q_moves, 2), q_c, k, v, out_c, lse,
+                                         plan)
+        dk, dv = _dkv_local(dkv, plan)
+        dq = permute_rows(dq.to(q_c.dtype), plan.q_moves, 2, inverse=True)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None
+
+
+_PLANS: dict = {}
 
 
 def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: bool, scale: float,
                    backend: LocalAttention, balanced_slots: bool = False,
                    kv_valid_len: Optional[int] = None) -> RingPlan:
-    """Plan for one ring group (None or size 1 = no exchange). kv_runs[o] = runs of ring rank o."""
+    """Plan for one ring group (None or size 1 = no exchange). kv_runs[o] = runs of ring rank o.
+    Plans are cached by their arguments (the step schedules are built once)."""
+    key = (id(group), variant, s_loc, tuple(q_runs), tuple(kv_runs), causal, scale, id(backend), balanced_slots,
+           kv_valid_len)
+    if key in _PLANS:
+        return _PLANS[key]
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     if variant == "tasp" and world > 1:
@@ -287,8 +368,26 @@ def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: 
     else:
         rt, lens = _single_ring(world), (s_loc,)
     offs = tuple(sum(lens[:i]) for i in range(len(lens)))
-    return RingPlan(group, rank, world, variant, rt, offs, tuple(lens), tuple(q_runs), tuple(kv_runs),
-                    causal, scale, backend, kv_valid_len)
+    mode, q_moves, kv_moves = "plain", (), ()
+    if world == 1:
+        mode = "sorted"
+        q_moves, _ = sorted_order(tuple(q_runs))
+        kv_moves, _ = sorted_order(tuple(kv_runs[0]))
+    elif causal and variant == "tasp" and balanced_slots:
+        mode = "ab"
+        q_moves, _ = sorted_order(tuple(q_runs))
+        kv_moves, _ = sorted_order(tuple(kv_runs[rank]))
+    plan = RingPlan(group, rank, world, variant, rt, offs, tuple(lens), tuple(q_runs), tuple(kv_runs),
+                    causal, scale, backend, kv_valid_len, mode, q_moves, kv_moves)
+    if mode == "ab":  # the step-0 layout must be the sorted order the k/v were filled in
+        filled = {lr: cr for lr, cr, _ in kv_moves}
+        for slot in plan.segments(0):
+            for brow, lrow, _ in slot:
+                assert filled.get(lrow) == brow, "tasp_zigzag layout does not match its sorted order"
+    if len(_PLANS) > 256:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 class RingBackend(LocalAttention):

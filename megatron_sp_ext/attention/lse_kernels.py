@@ -1,0 +1,188 @@
+"""Fused attention kernels that also return the log-sum-exp, and their backward given FINAL out/lse.
+
+One block call: q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (bhsd, any strides with stride(-1) == 1),
+``causal`` = top-left aligned (used with Sq == Sk only). Forward returns (out [B, H, Sq, D] in q's
+dtype, lse fp32 [B, H, Sq]); backward takes the merged out/lse of the rows, which makes every block's
+gradient exact (the kernels recompute P = exp(S * scale - lse) and D = rowsum(dO * O)).
+
+Kernels, fastest first on Hopper (``KERNELS``):
+  "cudnn"      torch.ops.aten._scaled_dot_product_cudnn_attention (what F.scaled_dot_product_attention
+               picks on Hopper; returns lse [B, H, Sq, 1] or [B, H, Sq] depending on the build)
+  "flash"      torch.ops.aten._scaled_dot_product_flash_attention (FlashAttention-2; on CPU its CPU op)
+  "efficient"  torch.ops.aten._scaled_dot_product_efficient_attention (lse padded to a multiple of 32)
+  "math"       blockwise.math_forward/backward (fp32 or fp64 reference; any device, any dtype)
+Availability is a schema check plus a tiny probe call per (kernel, device, dtype), cached.
+GQA: k/v are expanded to q's heads for the fused kernels and dk/dv summed back.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from . import blockwise
+
+log = logging.getLogger("megatron_sp_ext")
+
+KERNELS = ("cudnn", "flash", "efficient", "math")
+
+# argument names of the schemas this module calls (torch 2.11 and 2.13 agree; a different build is refused)
+_CUDNN_FWD_ARGS = ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
+                   "return_debug_mask", "scale")
+_CUDNN_BWD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset",
+                   "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale")
+_EFF_BWD_ARGS = ("grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed",
+                 "philox_offset", "dropout_p", "grad_input_mask", "is_causal", "scale")
+
+
+def _schema_args(op_name: str) -> Optional[tuple]:
+    op = getattr(torch.ops.aten, op_name, None)
+    if op is None:
+        return None
+    try:
+        return tuple(a.name for a in op.default._schema.arguments)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def schema_ok(kernel: str) -> bool:
+    """Whether this torch build has ``kernel``'s ops with the argument lists this module passes."""
+    if kernel == "cudnn":
+        return (_schema_args("_scaled_dot_product_cudnn_attention") == _CUDNN_FWD_ARGS
+                and _schema_args("_scaled_dot_product_cudnn_attention_backward") == _CUDNN_BWD_ARGS)
+    if kernel == "efficient":
+        return _schema_args("_scaled_dot_product_efficient_attention_backward") == _EFF_BWD_ARGS
+    return kernel in ("flash", "math")
+
+
+def _dtype_ok(kernel: str, device_type: str, dtype: torch.dtype) -> bool:
+    if kernel == "math":
+        return True
+    if device_type == "cuda":  # fp32 stays on math (exact, as before): the fused fp32 paths are not the point
+        return dtype in (torch.float16, torch.bfloat16)
+    # CPU: torch's CPU flash op only (fp64 goes to math, the reference precision)
+    return kernel == "flash" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+_PROBED: dict = {}
+
+
+def available(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``kernel`` runs here for ``dtype`` (schema, dtype, and one tiny probe call, cached)."""
+    device = torch.device(device)
+    if kernel not in KERNELS or not schema_ok(kernel) or not _dtype_ok(kernel, device.type, dtype):
+        return False
+    if kernel == "cudnn" and not torch.backends.cudnn.is_available():
+        return False
+    key = (kernel, str(device), dtype)
+    if key not in _PROBED:
+        try:
+            ok = _probe(kernel, device, dtype)
+        except (RuntimeError, NotImplementedError, TypeError) as e:  # a kernel this build/device lacks
+            log.info("megatron_sp_ext: attention kernel %s unavailable on %s/%s: %s", kernel, device, dtype, e)
+            ok = False
+        _PROBED[key] = ok
+    return _PROBED[key]
+
+
+def _probe(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """One tiny causal block (40 rows: not a multiple of any tile) forward + backward, compared with math."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 40, 64, generator=g).to(device=device, dtype=dtype) for _ in range(4))
+    o, lse = forward(kernel, q, k, v, 0.125, True)
+    grads = backward(kernel, do, q, k, v, o, lse, 0.125, True)
+    o_m, lse_m = blockwise.math_forward(q.float(), k.float(), v.float(), 0.125, "causal")
+    grads_m = blockwise.math_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse.float(), 0.125,
+                                      "causal")
+    close = lambda a, b: bool((a.float() - b.float()).abs().max() <= 3e-2 * (1 + b.float().abs().max()))  # noqa: E731
+    return close(o, o_m) and close(lse, lse_m) and all(close(a, b) for a, b in zip(grads, grads_m))
+
+
+def best(device: torch.device, dtype: torch.dtype) -> str:
+    """The first of ``KERNELS`` available for (device, dtype)."""
+    for k in KERNELS:
+        if available(k, device, dtype):
+            return k
+    return "math"
+
+
+def _expand(k, v, heads):
+    return blockwise._expand_kv(k, v, heads)
+
+
+_AUX: dict = {}
+
+
+def _cudnn_aux(device, dtype):
+    """(philox_seed, philox_offset, lse_ndim) of a dropout-free cuDNN forward (data-independent)."""
+    key = (str(device), dtype)
+    if key not in _AUX:
+        x = torch.zeros(1, 1, 64, 64, device=device, dtype=dtype)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
+        _AUX[key] = (res[6], res[7], res[1].dim())
+    return _AUX[key]
+
+
+_PACK_ONLY: set = set()
+
+
+def _strided_or_packed(op, tensors, rest, scale):
+    """Run ``op`` on the (possibly strided) views; if this build's cuDNN refuses their strides, on packed
+    copies instead (the same kernel and math; remembered per stride pattern, logged once)."""
+    key = (getattr(op, "__name__", "op"), tuple(t.stride() for t in tensors), tuple(t.shape for t in tensors))
+    if key not in _PACK_ONLY:
+        try:
+            return op(*tensors, *rest, scale=scale)
+        except RuntimeError as e:
+            log.info("megatron_sp_ext: cuDNN attention refused strided views (%s); packing them", e)
+            _PACK_ONLY.add(key)
+    return op(*(t.contiguous() for t in tensors), *rest, scale=scale)
+
+
+def forward(kernel: str, q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: (out in q.dtype, lse fp32 [B, H, Sq]) with ``kernel`` (see module docstring)."""
+    if kernel == "math":
+        o, lse = blockwise.math_forward(q, k, v, scale, "causal" if causal else None)
+        return o, lse
+    if kernel == "flash":
+        return blockwise.fused_forward(q, k, v, scale, causal)
+    b, h, sq, _ = q.shape
+    k, v, _ = _expand(k, v, h)
+    if kernel == "cudnn":
+        res = _strided_or_packed(torch.ops.aten._scaled_dot_product_cudnn_attention, (q, k, v),
+                                 (None, True, 0.0, causal, False), scale)
+        return res[0], res[1].reshape(b, h, sq)
+    if kernel == "efficient":
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        return res[0], res[1][:, :, :sq]
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def backward(kernel: str, do, q, k, v, out, lse, scale: float, causal: bool):
+    """Block gradients (dq, dk, dv) given the FINAL out (q dtype) and lse (fp32 [B, H, Sq]) of the rows."""
+    if kernel == "math":
+        return blockwise.math_backward(do, q, k, v, out, lse, scale, "causal" if causal else None)
+    if kernel == "flash":
+        return blockwise.fused_backward(do, q, k, v, out, lse, scale, causal)
+    b, h, sq, _ = q.shape
+    ke, ve, rep = _expand(k, v, h)
+    lse = lse.float()
+    if kernel == "cudnn":
+        seed, offset, lse_dim = _cudnn_aux(q.device, q.dtype)
+        if do.stride() != out.stride():  # cuDNN wants dO with O's strides (slices of equal tensors have them)
+            do, out = do.contiguous(), out.contiguous()
+        lse_in = (lse.unsqueeze(-1) if lse_dim == 4 else lse).contiguous()
+        dq, dk, dv = _strided_or_packed(
+            lambda do_, q_, k_, v_, out_, *rest, scale: torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                do_, q_, k_, v_, out_, *rest, scale=scale),
+            (do, q, ke, ve, out), (lse_in, seed, offset, None, None, None, sq, ke.shape[2], 0.0, causal), scale)
+    elif kernel == "efficient":
+        pad = (-sq) % 32
+        lse_in = lse.contiguous() if pad == 0 else torch.nn.functional.pad(lse, (0, pad))
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            do, q, ke, ve, None, out, lse_in, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
+    else:
+        raise ValueError(f"unknown kernel {kernel!r}")
+    return dq, blockwise._fold_kv_grad(dk, rep), blockwise._fold_kv_grad(dv, rep)

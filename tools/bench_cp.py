@@ -1,0 +1,261 @@
+"""PyTorch's own context-parallel ring beside ours, in one torchrun job (one process per GPU).
+
+PyTorch: ``torch.distributed.tensor.experimental.context_parallel`` (SDPA patched to its ring; causal
+buffers load-balanced head-tail = our "zigzag"), both rotate methods (``set_rotate_method``
+"allgather" and "alltoall"). Ours: ring, tasp, ulysses (contiguous placement), ulysses_zigzag
+(causal, zigzag placement), usp (hybrid mesh, P_u = P/2). For each (H, L, causal): forward and
+forward+backward ms (median of --iters, max over ranks), the floor (one SDPA call of ceil(H/P) heads
+over L on one GPU, same job) and the ratio to it; every mode's output and q/k/v gradients are gathered
+to the full sequence and compared with our plain Ulysses (bf16 tolerance).
+
+    torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536 --links nvlink --out $OUT
+    torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536 --links host --out $OUT
+
+``--links host`` sets NCCL_P2P_DISABLE=1 before NCCL starts (GPU-to-GPU traffic through host memory).
+Writes bench_cp_<links>_P<P>.json / .md / .png to --out (rank 0).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.floor import _median_ms, add_ratios, floor_ms  # noqa: E402
+
+TOL = 2e-2   # norm-wise relative error vs our plain Ulysses, bf16
+OURS = ("ring", "tasp", "ulysses", "ulysses_zigzag", "usp")
+TORCH = ("torch_cp_allgather", "torch_cp_alltoall")
+
+
+def placement_of(mode: str, causal: bool) -> str:
+    """Which tokens a rank holds for ``mode`` (PyTorch's head-tail balancer = our zigzag)."""
+    if not causal or mode == "ulysses":
+        return "contiguous"
+    return "tasp_zigzag" if mode == "tasp" else "zigzag"
+
+
+def _gather_full(x_bshd, group, placement):
+    import megatron_sp_ext as spx  # noqa: PLC0415
+    return spx.unshard_sequence(x_bshd.contiguous(), group, placement=placement, seq_dim=1)
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def our_mode(name, group, causal, h, mesh_cache):
+    import megatron_sp_ext as spx  # noqa: PLC0415
+    if name in ("ring", "tasp"):
+        return lambda q, k, v: spx.ring_attention(q, k, v, group, variant=name, causal=causal)
+    if name == "ulysses":
+        return lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal)
+    if name == "ulysses_zigzag":
+        return lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal, placement="zigzag")
+    if name == "usp":
+        world = dist.get_world_size(group)
+        key = (h, world)
+        if key not in mesh_cache:
+            mesh_cache[key] = spx.build_sp_mesh(group, num_heads=h, placement="usp", ulysses_size=max(1, world // 2))
+        return lambda q, k, v: spx.hybrid_attention(q, k, v, mesh_cache[key], causal=causal)
+    raise SystemExit(f"unknown mode {name}")
+
+
+def run_ours(name, fn, full, group, causal, args):
+    """Time ``fn`` on this rank's shards (bshd) and return (entry, full out/grads for the check)."""
+    import megatron_sp_ext as spx  # noqa: PLC0415
+    pl = placement_of(name, causal)
+    q, k, v, do = (spx.shard_sequence(t, group, placement=pl, seq_dim=1) for t in full)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def fb():
+        qg.grad = kg.grad = vg.grad = None
+        o = fn(qg, kg, vg)
+        o.backward(do)
+        return o
+    with torch.no_grad():
+        t_f = _median_ms(lambda: fn(q, k, v), args.iters, args.warmup, group)
+    t_fb = _median_ms(fb, args.iters, args.warmup, group)
+    o = fb()
+    got = [_gather_full(t, group, pl) for t in (o.detach(), qg.grad, kg.grad, vg.grad)]
+    return {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "placement": pl}, got
+
+
+def run_torch_cp(method, full, mesh, group, causal, args):
+    """PyTorch's ring under ``context_parallel`` (buffers [B, H, L, D], seq dim 2)."""
+    from torch.distributed.tensor.experimental import context_parallel  # noqa: PLC0415
+    from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method  # noqa: PLC0415
+    set_rotate_method(method)
+    old_lb = _cp_options.enable_load_balance
+    _cp_options.enable_load_balance = causal  # its balancer is for causal only (it refuses otherwise)
+    bufs = [t.transpose(1, 2).contiguous() for t in full]   # bhsd copies it shards in place
+    try:
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
+            q, k, v, do = bufs
+            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+            def fb():
+                qg.grad = kg.grad = vg.grad = None
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                o.backward(do)
+                return o
+            with torch.no_grad():
+                t_f = _median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                 args.iters, args.warmup, group)
+            t_fb = _median_ms(fb, args.iters, args.warmup, group)
+            o = fb()
+            local = [t.transpose(1, 2) for t in (o.detach(), qg.grad, kg.grad, vg.grad)]
+    finally:
+        _cp_options.enable_load_balance = old_lb
+    pl = "zigzag" if causal else "contiguous"
+    got = [_gather_full(t, group, pl) for t in local]
+    return {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "placement": pl, "rotate_method": method}, got
+
+
+def bench_row(group, mesh, h, seqlen, causal, modes, args, mesh_cache):
+    world = dist.get_world_size(group)
+    g = torch.Generator(device="cuda").manual_seed(1234)   # the same full tensors on every rank
+    full = [torch.randn(1, seqlen, h, args.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(4)]
+    row = {"P": world, "H": h, "L": seqlen, "D": args.head_dim, "causal": causal, "links": args.links,
+           "floor": floor_ms(group, h, seqlen, args.head_dim, causal, iters=args.iters, warmup=args.warmup),
+           "modes": {}}
+    ref = None
+    order = ["ulysses"] + [m for m in modes if m != "ulysses"]
+    for name in order:
+        if name == "ulysses_zigzag" and not causal:
+            continue   # the same as contiguous without a mask
+        torch.cuda.empty_cache()
+        try:
+            if name in TORCH:
+                entry, got = run_torch_cp(name.split("_")[-1], full, mesh, group, causal, args)
+            else:
+                entry, got = run_ours(name, our_mode(name, group, causal, h, mesh_cache), full, group, causal, args)
+        except Exception as e:  # noqa: BLE001 - a mode that cannot run here is reported, not fatal
+            row["modes"][name] = {"error": f"{type(e).__name__}: {e}"}
+            if dist.get_rank() == 0:
+                print(f"[bench_cp] {name} failed: {e}", flush=True)
+            continue
+        add_ratios(entry, row["floor"])
+        if name == "ulysses":
+            ref = got
+        elif ref is not None:
+            errs = {k: _rel(a, b) for k, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+            entry["rel_err_vs_ulysses"] = errs
+            entry["ok"] = all(e < TOL for e in errs.values())
+        row["modes"][name] = entry
+        del got
+    return row
+
+
+def write_reports(rows, args, meta):
+    stem = os.path.join(args.out, f"bench_cp_{args.links}_P{rows[0]['P']}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    modes = []
+    for r in rows:
+        modes += [m for m in r["modes"] if m not in modes]
+    lines = [f"{meta['device']} x {rows[0]['P']}, {meta['date']}, torch {meta['torch']}, links={args.links}, bf16, "
+             f"B=1, D={args.head_dim}, median of {args.iters}, max over ranks.",
+             "Cells: fwd / fwd+bwd ms [ratio to the floor fwd / fwd+bwd]; X = output/grads differ from Ulysses.", "",
+             "| H | L | causal | floor ms | " + " | ".join(modes) + " |", "|---|---|---|---|" + "---|" * len(modes)]
+    for r in rows:
+        cells = []
+        for m in modes:
+            e = r["modes"].get(m)
+            if e is None:
+                cells.append("-")
+            elif "error" in e:
+                cells.append("error")
+            else:
+                cells.append(f"{e['fwd_ms']:.1f} / {e['fwd_bwd_ms']:.1f} [{e['ratio_fwd']:.2f} / "
+                             f"{e['ratio_fwd_bwd']:.2f}]" + ("" if e.get("ok", True) else " X"))
+        fl = r["floor"]
+        lines.append(f"| {r['H']} | {r['L'] // 1024}K | {'yes' if r['causal'] else 'no'} | "
+                     f"{fl['fwd']:.1f} / {fl['fwd_bwd']:.1f} | " + " | ".join(cells) + " |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    try:
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+        fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4))
+        width = 0.8 / max(1, len(modes))
+        for i, m in enumerate(modes):
+            ys = [r["modes"].get(m, {}).get("ratio_fwd_bwd", float("nan")) for r in rows]
+            ax.bar([x + i * width for x in range(len(rows))], ys, width, label=m)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
+        ax.set_xticklabels([f"H{r['H']} {r['L'] // 1024}K {'causal' if r['causal'] else 'full'}" for r in rows],
+                           fontsize=8)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_ylabel("fwd+bwd time / floor (lower is better)")
+        ax.set_title(f"context parallel, P={rows[0]['P']}, links={args.links}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(stem + ".png", dpi=90)
+    except Exception as e:  # noqa: BLE001
+        print(f"[bench_cp] plot skipped: {e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", default="40")
+    ap.add_argument("--seqlens", default="32768,65536")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", default="no,yes", help="comma list of no/yes")
+    ap.add_argument("--modes", default=",".join(TORCH + OURS))
+    ap.add_argument("--links", choices=("nvlink", "host"), default="nvlink",
+                    help="host: NCCL_P2P_DISABLE=1 (set here, before NCCL starts)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_cp_out"))
+    args = ap.parse_args()
+    if args.links == "host":
+        os.environ["NCCL_P2P_DISABLE"] = "1"
+    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(k, "1" if k != "NCCL_NVLS_ENABLE" else "0")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank),
+                            timeout=datetime.timedelta(seconds=600))
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cuda", (world,))
+    group = dist.group.WORLD
+    modes = [m for m in args.modes.split(",") if m]
+    rows, mesh_cache = [], {}
+    for h in [int(x) for x in args.heads.split(",")]:
+        for L in [int(x) for x in args.seqlens.split(",")]:
+            for causal in [c == "yes" for c in args.causal.split(",")]:
+                t0 = time.time()
+                r = bench_row(group, mesh, h, L, causal, modes, args, mesh_cache)
+                rows.append(r)
+                if dist.get_rank() == 0:
+                    brief = " ".join(f"{n}={e['fwd_bwd_ms']:.1f}[{e['ratio_fwd_bwd']:.2f}]"
+                                     for n, e in r["modes"].items() if "error" not in e)
+                    print(f"[bench_cp P={world} H={h} L={L} causal={causal} {time.time() - t0:.0f}s] "
+                          f"floor={r['floor']['fwd_bwd']:.1f} {brief}", flush=True)
+    if dist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        meta = {"date": datetime.datetime.utcnow().isoformat(timespec="seconds"),
+                "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                "nccl": str(torch.cuda.nccl.version()), "command": " ".join(sys.argv),
+                "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE", "")}
+        write_reports(rows, args, meta)
+        bad = [(r["L"], r["causal"], m) for r in rows for m, e in r["modes"].items() if e.get("ok") is False]
+        if bad:
+            print(f"[bench_cp] outputs differ from Ulysses beyond {TOL}: {bad}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
