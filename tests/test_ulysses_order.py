@@ -1,0 +1,222 @@
+"""Ulysses/HCMS under zigzag and tasp_zigzag placement: one causal kernel call per chunk in global order
+(the permutation folded into the exchange copies), against the float64 reference, against the old
+masked position-run path, and the zero-copy send path == the copying path bit for bit (gloo, CPU)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_sp_ext as spx
+from megatron_sp_ext.attention.backends import SDPABackend
+from megatron_sp_ext.comm.transport import NcclTransport
+from megatron_sp_ext.sp import layout as lay
+from megatron_sp_ext.sp.placement import pieces
+from megatron_sp_ext.sp.ring import RingBackend
+from megatron_sp_ext.sp.ulysses import local_order
+from tests.harness import run_ranks
+from tests.reference import make_qkv, rel_err
+from tests.sp_check import run_case
+
+# (b, s_per_rank, h, hkv, d): even heads, uneven heads, GQA with kv < P, odd piece length
+SHAPES = [(1, 8, 8, 8, 16), (2, 6, 6, 6, 16), (1, 4, 8, 2, 32), (2, 12, 12, 4, 8)]
+
+
+def _sharder(placement):
+    def shard(x, r, w):
+        return torch.cat([x[:, a:a + n] for a, n in pieces(placement, r, w, x.shape[1])], dim=1)
+    return shard
+
+
+class CountingSDPA(SDPABackend):
+    """SDPA that records (causal, q length, kv length) of every call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, *, causal, softmax_scale):
+        self.calls.append((causal, q.shape[2], k.shape[2]))
+        return super().__call__(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+def _zigzag_ref(rank, world, placements):
+    g, n = dist.group.WORLD, 0
+    for placement in placements:
+        if placement == "tasp_zigzag" and world == 2:
+            shapes = SHAPES[:2]
+        else:
+            shapes = SHAPES
+        for (b, sl, h, hkv, d) in shapes:
+            per = 2 * (len(pieces(placement, 0, world, 2 * world * 64)) // 2)
+            sl = max(sl, per) * (1 if sl % per == 0 else per)  # tasp_zigzag needs 2m pieces per rank
+            if h < world:
+                continue
+            for layout in ("bshd", "sbhd"):
+                for c, contig in ((1, True), (2, False), (2, True)):
+                    if c > min(h // world, 2):
+                        continue
+                    be = CountingSDPA()
+                    run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, g, head_chunks=c, causal=True, layout=layout,
+                                                                   placement=placement, backend=be,
+                                                                   qkv_contiguous=contig),
+                             rank, world, b=b, s=sl * world, h=h, hkv=hkv, d=d, dtype=torch.float32, causal=True,
+                             layout=layout, shard=_sharder(placement), seed=n)
+                    # one causal call over the whole sequence per chunk: no masked position runs
+                    assert be.calls == [(True, sl * world, sl * world)] * c, be.calls
+                    n += 1
+    return n
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zigzag_causal_one_kernel_matches_reference(world):
+    assert run_ranks(_zigzag_ref, world, ["zigzag", "tasp_zigzag"])[0] > 0
+
+
+def _bf16(rank, world):
+    g = dist.group.WORLD
+    run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, g, causal=True, placement="zigzag"),
+             rank, world, b=1, s=16 * world, h=8, hkv=4, d=32, dtype=torch.bfloat16, causal=True,
+             shard=_sharder("zigzag"))
+    return True
+
+
+def test_zigzag_causal_bf16():
+    run_ranks(_bf16, 4)
+
+
+def _padding(rank, world):
+    """kv_valid_len inside a piece and at a piece boundary, causal and not, zigzag and tasp_zigzag."""
+    g, n = dist.group.WORLD, 0
+    s = 4 * world * 2 * 3
+    for placement in ("zigzag", "tasp_zigzag"):
+        for valid in (s - 5, s - s // (2 * world)):
+            for causal in (False, True):
+                mask = torch.zeros(s, s, dtype=torch.bool)
+                mask[:, :valid] = True
+                if causal:
+                    mask &= torch.ones(s, s, dtype=torch.bool).tril()
+                be = CountingSDPA()
+                run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, g, head_chunks=2, causal=causal,
+                                                               placement=placement, kv_valid_len=valid, backend=be),
+                         rank, world, b=2, s=s, h=6, hkv=3, d=16, dtype=torch.float32, causal=causal,
+                         shard=_sharder(placement), mask=mask, seed=n, compare_rows=valid)
+                want = [(True, valid, valid), (False, s - valid, valid)] if causal else [(False, s, valid)]
+                assert be.calls == want * 2, be.calls
+                n += 1
+    return n
+
+
+def test_padding_cuts_keys_in_one_or_two_calls():
+    run_ranks(_padding, 3)
+
+
+def _vs_masked(rank, world):
+    """The new path equals the old masked position-run path (a RingBackend over the gathered runs) within
+    fp32 rounding (different kernels and summation order, so not bit for bit)."""
+    g = dist.group.WORLD
+    b, sl, h, d = 1, 8, 8, 16
+    s = sl * world
+    q, k, v, do = make_qkv(5, b, s, h, h, d)
+    for placement in ("zigzag", "tasp_zigzag"):
+        for valid in (None, s - 3):
+            shard = _sharder(placement)
+            mine = [shard(t, rank, world) for t in (q, k, v, do)]
+            runs = tuple(r for p in range(world) for r in pieces(placement, p, world, s))
+            res = []
+            for masked in (False, True):
+                x = [t.clone().requires_grad_() for t in mine[:3]]
+                if masked:
+                    be = RingBackend(None, "ring", runs, (runs,), SDPABackend(), valid)
+                    o = spx.ulysses_attention(*x, g, causal=True, backend=be)
+                else:
+                    o = spx.ulysses_attention(*x, g, causal=True, placement=placement, kv_valid_len=valid)
+                o.backward(mine[3])
+                res.append([o] + [t.grad for t in x])
+            for name, a, c in zip(("out", "dq", "dk", "dv"), *res):
+                assert rel_err(a, c) < 1e-5, f"{placement} valid={valid} {name}: {rel_err(a, c)}"
+    return True
+
+
+def test_equals_old_masked_path():
+    run_ranks(_vs_masked, 4)
+
+
+class RecordingNccl(NcclTransport):
+    """The group's all_to_all, recording whether each send buffer came from ``send_buffer`` (a copy)."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.fresh, self.sends = set(), []
+
+    def send_buffer(self, numel, like):
+        t = super().send_buffer(numel, like)
+        self.fresh.add(t.data_ptr())
+        return t
+
+    def all_to_all(self, send, recv, *a, **kw):
+        self.sends.append(send.data_ptr() in self.fresh)
+        return super().all_to_all(send, recv, *a, **kw)
+
+
+class CopyingNccl:
+    """Today's path: the same all_to_all, but not an NcclTransport, so every send is packed by a copy."""
+
+    name, stream_ordered = "nccl_copy", False
+
+    def __init__(self, group):
+        self.inner = NcclTransport(group)
+
+    def send_buffer(self, numel, like):
+        return self.inner.send_buffer(numel, like)
+
+    def all_to_all(self, *a, **kw):
+        return self.inner.all_to_all(*a, **kw)
+
+
+def _zero_copy(rank, world):
+    g = dist.group.WORLD
+    n = 0
+    for (b, h, hkv, causal, layout, placement) in ((1, 8, 8, False, "bshd", "contiguous"),
+                                                   (1, 6, 2, True, "sbhd", "contiguous"),
+                                                   (2, 8, 4, True, "bshd", "zigzag"),
+                                                   (1, 8, 8, True, "bshd", "zigzag")):
+        q, k, v, do = make_qkv(11 + n, b, 8 * world, h, hkv, 16)
+        shard = _sharder(placement)
+        mine = [shard(t, rank, world) for t in (q, k, v, do)]
+        if layout == "sbhd":
+            mine = [t.transpose(0, 1).contiguous() for t in mine]
+        res, recs = [], []
+        for tr in (RecordingNccl(g), CopyingNccl(g)):
+            for c in (1, 2):
+                x = [t.clone().requires_grad_() for t in mine[:3]]
+                o = spx.ulysses_attention(*x, g, head_chunks=c, causal=causal, layout=layout, placement=placement,
+                                          transport=tr)
+                o.backward(mine[3])
+                res.append([o] + [t.grad for t in x])
+            recs.append(tr)
+        for other in res[1:]:
+            for a, c in zip(res[0], other):
+                assert torch.equal(a, c)
+        sends = recs[0].sends
+        if b == 1 and placement == "contiguous":  # the outputs (and the grads the kernel returns in its
+            assert sends.count(False) >= 3, sends    # native layout) go straight from the kernel's results
+        else:  # the permutation (or B > 1) needs the copy: nothing is sent in place
+            assert False not in sends, sends
+        n += 1
+    return n
+
+
+def test_zero_copy_send_equals_copying_path():
+    run_ranks(_zero_copy, 2)
+
+
+def test_seq_order_tables():
+    assert lay.seq_order([pieces("contiguous", p, 4, 16) for p in range(4)]) is None
+    zz = lay.seq_order([pieces("zigzag", p, 2, 8) for p in range(2)])
+    assert zz.to_global == (0, 3, 1, 2) and zz.from_global == (0, 2, 3, 1)
+    assert local_order("zigzag", 4, 8, False, None) == (None, None)  # non-causal: order does not matter
+    assert local_order("zigzag", 4, 8, True, 40) == (local_order("zigzag", 4, 8, True, None)[0], None)
+    x = torch.arange(2 * 8 * 3 * 1.0).view(8, 2, 3, 1)  # [S, B, h, D], rank order
+    back = torch.empty_like(x)
+    lay.to_send_layout(lay.to_kernel_layout(x, zz), zz, back)
+    assert torch.equal(back, x)
+    with pytest.raises(spx.SPConfigError, match="kv_valid_len=0"):
+        local_order("zigzag", 4, 8, True, 0)
