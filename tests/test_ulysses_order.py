@@ -250,3 +250,37 @@ def _same_as_contiguous(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_zigzag_bitwise_equals_contiguous(world):
     assert run_ranks(_same_as_contiguous, world)[0] > 0
+
+
+def test_hybrid_rows_sort_and_merge_pieces():
+    """USP's Ulysses level delivers each gathered sequence in ascending position: zigzag over 4 ranks as
+    two Ulysses groups {0,1} and {2,3} (pieces of 2 tokens) merges 4 pieces into 2 runs and into 1 run."""
+    from megatron_sp_ext.sp.hybrid import _sorted_rows
+    rows = _sorted_rows(((0, 1), (2, 3)), 4, "zigzag", 16)
+    (o0, runs0), (o1, runs1) = rows
+    assert runs0 == ((0, 4), (12, 4)) and runs1 == ((4, 8),)
+    assert o0.to_global == (0, 3, 1, 2) and o1.to_global == (0, 3, 1, 2)
+    order, merged = lay.sorted_order([((0, 2),), ((2, 2),)])
+    assert order is None and merged == ((0, 4),)
+
+
+def _hybrid_sorted(rank, world):
+    """USP with sorted gathers == the float64 reference, causal zigzag and padded, HCMS chunks and GQA."""
+    g = dist.group.WORLD
+    n = 0
+    for (h, hkv, c) in ((4, 4, 2), (8, 2, 1)):
+        mesh = spx.build_sp_mesh(g, num_heads=h, placement="usp", ulysses_size=2, nodes=2)
+        for valid in (None, 2 * world * 3 - 4):
+            s = 2 * world * 3
+            mask = torch.ones(s, s, dtype=torch.bool).tril()
+            if valid is not None:
+                mask[:, valid:] = False
+            run_case(lambda q, k, v: spx.hybrid_attention(q, k, v, mesh, head_chunks=c, causal=True, kv_valid_len=valid),
+                     rank, world, b=1, s=s, h=h, hkv=hkv, d=16, dtype=torch.float32, causal=True, seed=n,
+                     shard=_sharder("zigzag"), mask=mask, compare_rows=valid)
+            n += 1
+    return n
+
+
+def test_usp_sorted_gather_matches_reference():
+    run_ranks(_hybrid_sorted, 4)

@@ -162,6 +162,26 @@ def seq_order(runs_by_rank: Sequence[Sequence[tuple[int, int]]]) -> "SeqOrder | 
     return SeqOrder(u, to_global)
 
 
+def sorted_order(runs_by_rank: Sequence[Sequence[tuple[int, int]]]) -> tuple["SeqOrder | None", tuple]:
+    """For equal-length pieces that need not tile [0, S) (a hybrid mesh's Ulysses group holds a subset of
+    the sequence): the permutation of the gathered pieces (rank order) into ascending global position,
+    and the merged global runs of the sorted sequence. (None, runs) when already ascending."""
+    flat = [r for runs in runs_by_rank for r in runs]
+    u = flat[0][1]
+    if any(n != u for _, n in flat):
+        raise ValueError(f"placement pieces are not equal-length: {flat}")
+    rank_of = {j: i for i, j in enumerate(sorted(range(len(flat)), key=lambda j: flat[j][0]))}
+    to_global = [rank_of[j] for j in range(len(flat))]
+    merged: list = []
+    for a, n in sorted(flat):
+        if merged and merged[-1][0] + merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], merged[-1][1] + n)
+        else:
+            merged.append((a, n))
+    order = None if to_global == list(range(len(flat))) else SeqOrder(u, to_global)
+    return order, tuple(merged)
+
+
 def to_kernel_layout(src_sbhd: torch.Tensor, order: "SeqOrder | None") -> torch.Tensor:
     """Gathered [S, B, h, D] (rank order, any strides) -> a new [B, S, h, D]-backed tensor in global order,
     returned as a bhsd [B, h, S, D] view (the layout the attention kernels read natively). Without an

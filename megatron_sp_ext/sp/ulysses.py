@@ -306,7 +306,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       comm_stream: Optional["torch.cuda.Stream"] = None,
                       policy=None, placement: str = "contiguous",
                       kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True,
-                      transport: "str | object" = "nccl") -> torch.Tensor:
+                      transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None) -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
     q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's sequence shard.
@@ -325,6 +325,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     transport: "nccl" (the group's all_to_all, default), "symm_mem" (copy-engine pulls between barrier
     kernels) or "copy_engine" (copy-engine pulls ordered by stream-memory flags, no kernel), both through
     torch symmetric memory with CUDA tensors and an NCCL group; or a transport object. Same math.
+    seq_order (advanced; hybrid meshes): an explicit permutation of the gathered sequence into the order
+    ``backend`` expects (a ring backend that knows the runs), applied instead of the placement's.
     """
     _check_inputs(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -344,6 +346,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         v = v.repeat_interleave(hl.kv_repeat, dim=2)
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     order, valid = local_order(placement, world, s_loc, causal, kv_valid_len)
+    if seq_order is not None:
+        order = seq_order
     # one chunk has nothing to overlap: run on the caller's stream, no side stream and no events (less
     # host work per call, which is what short calls are bound by); same kernels, same order
     stream = None if hl.chunks == 1 else (comm_stream if comm_stream is not None
