@@ -84,3 +84,33 @@ def test_choose_is_a_dict_lookup_after_calibration(monkeypatch):
     per_call_us = (time.perf_counter() - t0) / n * 1e6
     assert len(pol.cache) == 1
     print(f"choose() after calibration: {per_call_us:.2f} us per call")
+
+
+def test_mode_policy_interleaved_and_cached(monkeypatch):
+    import torch.distributed as dist
+
+    from megatron_sp_ext.sp.policy import ModePolicy
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 2)
+    true = {"hcms": 10.0, "ring": 8.0, "tasp": 10.5}
+    rng = random.Random(0)
+    order = []
+
+    def timer(fn, iters, warmup, group):
+        return fn()
+
+    def step(name):
+        def run():
+            order.append(name)
+            return true[name] * (1 + rng.uniform(-0.01, 0.01))
+        return run
+    pol = ModePolicy(timer=timer)
+    cands = {n: step(n) for n in true}
+    assert pol.choose(("k",), cands, None, torch.device("cuda")) == "ring"
+    timed = order[3 * pol.warmup:]
+    assert timed[:3] == ["hcms", "ring", "tasp"] and timed[3:6] == ["ring", "tasp", "hcms"]  # rotating rounds
+    n = len(order)
+    assert pol.choose(("k",), cands, None, torch.device("cuda")) == "ring" and len(order) == n  # cached
+    # a 1% better ring does not displace the baseline; CPU never times
+    true["ring"] = 9.9
+    assert ModePolicy(timer=timer).choose(("k",), cands, None, torch.device("cuda")) == "hcms"
+    assert ModePolicy(timer=timer).choose(("k",), cands, None, torch.device("cpu")) == "hcms"

@@ -284,3 +284,43 @@ def _hybrid_sorted(rank, world):
 
 def test_usp_sorted_gather_matches_reference():
     run_ranks(_hybrid_sorted, 4)
+
+
+def _megatron_auto_ring(rank, world):
+    """cp_comm_type=auto when its calibration picks the ring (forced here: CPU never times) == CP=1, causal,
+    Megatron's zigzag batches; and when it keeps Ulysses the zigzag batch goes through ONE causal kernel."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_sp_ext.megatron.core_attention import SPDotProductAttention
+    from tests.test_megatron import _assert_equals_full_sequence, _block
+    ps.initialize_model_parallel(context_parallel_size=world)
+    try:
+        for forced in ("ring", "hcms"):
+            SPDotProductAttention._auto_mode = lambda self, q, k, causal, m=forced: m
+            block = _block("auto", world, 1, 1, None, True)
+            be = CountingSDPA()
+            for layer in block.layers:
+                layer.self_attention.core_attention.backend = be
+            s, b = 8 * world, 2
+            g = torch.Generator().manual_seed(3)
+            x_full, dy_full = torch.randn(s, b, 64, generator=g), torch.randn(s, b, 64, generator=g)
+            split = lambda t: get_batch_on_this_cp_rank({"x": t.transpose(0, 1)})["x"].transpose(0, 1)  # noqa: E731
+            x = split(x_full).clone().requires_grad_()
+            y = block(x, attention_mask=None)
+            y.backward(split(dy_full))
+            if forced == "hcms":
+                assert be.calls == [(True, s, s)] * len(block.layers), be.calls
+            grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+            for gr in grads.values():
+                dist.all_reduce(gr, group=ps.get_context_parallel_group())
+            dx = x.grad.clone()
+            block.zero_grad(set_to_none=True)
+            _assert_equals_full_sequence(block, x_full, dy_full, split, y, dx, grads, f"auto->{forced}")
+    finally:
+        ps.destroy_model_parallel()
+    return True
+
+
+def test_megatron_auto_ring_and_zigzag_one_kernel():
+    run_ranks(_megatron_auto_ring, 2)

@@ -51,24 +51,24 @@ def _median(xs) -> float:
     return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
 
 
-def decide(rounds: dict, margin: float, max_noise: float) -> tuple[int, str]:
+def decide(rounds: dict, margin: float, max_noise: float, plain=1) -> tuple:
     """The chunk count to run from interleaved per-round timings ``rounds[C]`` (ms, equal lengths, C = 1
-    included). Plain (1) unless a chunked C is ``margin`` faster by median and by ``margin`` in a strict
+    included; ``plain`` names the baseline). Plain unless a chunked C is ``margin`` faster by median and by ``margin`` in a strict
     majority of the rounds (each compared with plain's time of the same round), and plain's spread ((max - min) / median) is within ``max_noise``. Ties go to plain.
     Returns (C, reason)."""
-    base = rounds[1]
+    base = rounds[plain]
     m1 = _median(base)
     if len(base) > 1 and (max(base) - min(base)) / m1 > max_noise:
-        return 1, f"plain's spread over the rounds {(max(base) - min(base)) / m1:.1%} > {max_noise:.0%}: kept plain"
-    others = [c for c in rounds if c != 1]
+        return plain, f"plain's spread over the rounds {(max(base) - min(base)) / m1:.1%} > {max_noise:.0%}: kept plain"
+    others = [c for c in rounds if c != plain]
     if not others:
-        return 1, "no chunked candidate"
-    best = min(others, key=lambda c: (_median(rounds[c]), c))
+        return plain, "no other candidate"
+    best = min(others, key=lambda c: (_median(rounds[c]), str(c)))
     mb = _median(rounds[best])
     wins = sum(1 for a, b in zip(rounds[best], base) if a <= b * (1 - margin))  # paired: same round
     if mb <= m1 * (1 - margin) and 2 * wins > len(base):
-        return best, f"C={best} median {mb:.3f} ms vs plain {m1:.3f} ms, won {wins}/{len(base)} rounds"
-    return 1, f"best chunked C={best} ({mb:.3f} ms, won {wins}/{len(base)}) not {margin:.0%} under plain ({m1:.3f} ms)"
+        return best, f"{best} median {mb:.3f} ms vs plain {m1:.3f} ms, won {wins}/{len(base)} rounds"
+    return plain, f"best other {best} ({mb:.3f} ms, won {wins}/{len(base)}) not {margin:.0%} under plain ({m1:.3f} ms)"
 
 
 def time_ms(fn, iters: int, warmup: int, group, long_ms: Optional[float] = 50.0) -> float:
@@ -130,10 +130,9 @@ class HCMSPolicy:
         t0 = time.perf_counter()
         world = dist.get_world_size(group)
         max_c = min(self.max_chunks, min(head_layout(q.shape[2], k.shape[2], world, 1).q_counts))
-        qs = torch.randn_like(q).requires_grad_(fwd_bwd)
-        ks = torch.randn_like(k).requires_grad_(fwd_bwd)
-        vs = torch.randn_like(k).requires_grad_(fwd_bwd)
-        go = torch.randn_like(q)
+        gen = torch.Generator(device=q.device).manual_seed(0)  # the caller's RNG streams stay untouched
+        qs, ks, vs, go = (torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in (q, k, k, q))
+        qs, ks, vs = (t.requires_grad_(fwd_bwd) for t in (qs, ks, vs))
 
         def measure(c, iters=None, warmup=None):
             def step():
@@ -187,6 +186,51 @@ class HCMSPolicy:
         cal.chunks, cal.reason = decide(cal.rounds, self.margin, self.max_noise)
         cal.confirm = (_median(cal.rounds[1]), _median(cal.rounds[cal.chunks]))
         return cal
+
+
+class ModePolicy:
+    """``auto`` across algorithms (Ulysses/HCMS, ring, ...) per shape key, from its own calibration.
+
+    ``choose(key, candidates, group, device)``: ``candidates`` maps a mode name to a zero-argument step
+    (one fwd+bwd at the caller's shapes); the first is the baseline. The first time a key is seen every
+    candidate is timed in ``rounds`` interleaved rounds (rotating order), all-reduced (max) over the group,
+    and ``decide`` keeps the baseline unless another mode is ``margin`` faster by median and in a strict
+    majority of the rounds. Without CUDA or with one rank: the baseline, untimed. Later calls: a dict lookup.
+    The cached ``Calibration``'s ``chunks`` field holds the chosen mode name.
+    """
+
+    def __init__(self, margin: float = 0.02, rounds: int = 5, max_noise: float = 0.10, iters: int = 3,
+                 warmup: int = 2, timer=None) -> None:
+        self.margin, self.rounds, self.max_noise, self.iters, self.warmup = margin, rounds, max_noise, iters, warmup
+        self.timer = timer or time_ms
+        self.cache: dict = {}
+
+    def choose(self, key, candidates: dict, group, device) -> str:
+        cal = self.cache.get(key)
+        if cal is not None:
+            return cal.chunks
+        names = list(candidates)
+        t0 = time.perf_counter()
+        if device.type != "cuda" or dist.get_world_size(group) == 1 or len(names) == 1:
+            cal = Calibration(names[0], reason="no CUDA / one rank / one candidate: the baseline, untimed")
+        else:
+            cal = Calibration(names[0])
+            cal.rounds = {n: [] for n in names}
+            for _ in range(self.warmup):
+                for n in names:
+                    candidates[n]()
+            for r in range(self.rounds):
+                for i in range(len(names)):
+                    n = names[(r + i) % len(names)]
+                    cal.rounds[n].append(self.timer(candidates[n], self.iters, 1, group))
+            cal.measured = {n: _median(v) for n, v in cal.rounds.items()}
+            cal.chunks, cal.reason = decide(cal.rounds, self.margin, self.max_noise, plain=names[0])
+            cal.confirm = (cal.measured[names[0]], cal.measured[cal.chunks])
+        cal.cost_ms = (time.perf_counter() - t0) * 1e3
+        self.cache[key] = cal
+        log.info("megatron_sp_ext: auto mode -> %s for %s (%s; calibration %.0f ms)", cal.chunks, key,
+                 cal.reason or cal.measured, cal.cost_ms)
+        return cal.chunks
 
 
 _DEFAULT: Optional[HCMSPolicy] = None
