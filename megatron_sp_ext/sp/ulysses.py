@@ -130,7 +130,7 @@ def _exchange_out_chunk(oc, out, plan: "UlyssesPlan", c: int, tokens: int, d: in
     with st.on_stream(comm):
         st.wait(comm, done)
         tr = _transport(plan)
-        send_o = _send_head_major(oc, tr, plan.order)
+        send_o = _send_head_major(oc, tr, getattr(plan, "order", None))  # async_block's plan has no order
         if comm is not None:  # a compute-stream tensor (maybe sent in place) read by the comm stream
             oc.record_stream(comm)
         splits = lay.seg_splits(plan.heads, ("q",), c, tokens, d)
