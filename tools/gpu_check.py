@@ -107,6 +107,63 @@ def _bitwise_transport(rank, world, group, transport="symm_mem"):
     return fails, notes
 
 
+def _bitwise_zigzag(rank, world, group, device="cuda", dtype=torch.bfloat16, sizes=None):
+    """Causal Ulysses/HCMS in the zigzag and tasp_zigzag layouts run the same kernel on the same global-order
+    data as the contiguous layout: out, dk, dv must be bit-identical to contiguous (after the placement's
+    permutation), dq within the kernel's run-to-run noise. Also: the zero-copy send path (B=1, NCCL, the
+    kernel's results sent in place) == the copying path bit for bit."""
+    import megatron_sp_ext as spx  # noqa: PLC0415
+    from megatron_sp_ext.sp.placement import divisor, pieces  # noqa: PLC0415
+    from tests.test_ulysses_order import CopyingNccl, RecordingNccl  # noqa: PLC0415
+    fails, notes = [], []
+    for (h, hkv, sl) in sizes or [(40, 40, 4096), (24, 8, 2048), (6, 6, 1024)]:
+        if h < world:
+            continue
+        unit = divisor("tasp_zigzag", world)
+        s = sl * world - (sl * world) % unit
+        g = torch.Generator(device=device).manual_seed(11)
+        q = torch.randn(1, s, h, 128, device=device, dtype=dtype, generator=g)
+        k, v = (torch.randn(1, s, hkv, 128, device=device, dtype=dtype, generator=g) for _ in range(2))
+        go = torch.randn_like(q)
+
+        def shard(x, pl):
+            return torch.cat([x[:, a:a + n] for a, n in pieces(pl, rank, world, s)], dim=1)
+
+        def run(pl, c, tr="nccl"):
+            qs, ks, vs = (shard(t, pl).clone().requires_grad_() for t in (q, k, v))
+            o = spx.ulysses_attention(qs, ks, vs, group, head_chunks=c, causal=True, placement=pl, transport=tr)
+            o.backward(shard(go, pl))
+            res = [o, qs.grad, ks.grad, vs.grad]
+            return [spx.unshard_sequence(t, group, placement=pl) for t in res]  # global order everywhere
+        base, again = run("contiguous", 1), run("contiguous", 1)
+        noise = ((again[1].float() - base[1].float()).norm() / base[1].float().norm()).item()
+        for pl in ("zigzag", "tasp_zigzag"):
+            for c in (1, 2):
+                if c > h // world:
+                    continue
+                for name, a, b in zip(("out", "dq", "dk", "dv"), run(pl, c), base):
+                    if name == "dq":
+                        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+                        if not torch.equal(a, b) and err > max(5 * noise, 1e-6):
+                            fails.append(f"H={h}/{hkv} {pl} C={c} dq beyond kernel noise ({err:.2e} vs {noise:.2e})")
+                    elif not torch.equal(a, b):
+                        same_kv = c == 1 or hkv == h  # HCMS may replicate kv heads differently (GQA): order
+                        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+                        if same_kv or err > 1e-2:
+                            fails.append(f"H={h}/{hkv} {pl} C={c} {name} not bitwise equal to contiguous ({err:.1e})")
+                notes.append(f"H={h}/{hkv} {pl} C={c}: checked against contiguous (dq noise {noise:.1e})")
+        for c in (1, 2):
+            if c > h // world:
+                continue
+            rec = RecordingNccl(group)
+            a, b = run("contiguous", c, rec), run("contiguous", c, CopyingNccl(group))
+            for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+                if name != "dq" and not torch.equal(x, y):
+                    fails.append(f"H={h}/{hkv} C={c} zero-copy send: {name} not bitwise equal to the copying path")
+            notes.append(f"H={h}/{hkv} C={c}: zero-copy sends {rec.sends.count(False)}/{len(rec.sends)}")
+    return fails, notes
+
+
 def _worker(rank, world, port, out_dir, only):
     init_nccl_rank(rank, world, port, timeout_s=120)
     group = dist.group.WORLD
@@ -157,6 +214,42 @@ def _worker(rank, world, port, out_dir, only):
         return len(notes)
     section("symm_mem_bitwise_equals_nccl", lambda: bitwise_tr("symm_mem"))
     section("copy_engine_bitwise_equals_nccl", lambda: bitwise_tr("copy_engine"))
+
+    def zigzag_cases(dtype):
+        """Causal Ulysses/HCMS in the zigzag/tasp_zigzag layouts (one causal kernel per chunk) and with key
+        padding, vs float64."""
+        from megatron_sp_ext.sp.placement import pieces  # noqa: PLC0415
+        n = 0
+        for placement in ("zigzag", "tasp_zigzag"):
+            def shard(x, r, w, placement=placement):
+                return torch.cat([x[:, a:a + m] for a, m in pieces(placement, r, w, x.shape[1])], dim=1)
+            for (b, h, hkv, d, c, valid) in ((1, 8, 8, 128, 1, None), (2, 12, 4, 64, 2, None), (1, 8, 2, 64, 1, -7),
+                                             (1, 6, 6, 64, 2, -64)):
+                if h < world or c > h // world:
+                    continue
+                s = 2 * world * 3 * 64
+                kvl = None if valid is None else s + valid
+                mask = None
+                if kvl is not None:
+                    mask = torch.zeros(s, s, dtype=torch.bool)
+                    mask[:, :kvl] = True
+                    mask &= torch.ones(s, s, dtype=torch.bool).tril()
+                run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, group, head_chunks=c, causal=True,
+                                                               placement=placement, kv_valid_len=kvl),
+                         rank, world, b=b, s=s, h=h, hkv=hkv, d=d, dtype=dtype, causal=True, seed=200 + n,
+                         shard=shard, mask=mask, compare_rows=kvl, device="cuda")
+                n += 1
+        return n
+    section("ulysses_zigzag_fp32_vs_float64", lambda: zigzag_cases(torch.float32))
+    section("ulysses_zigzag_bf16_vs_float64", lambda: zigzag_cases(torch.bfloat16))
+
+    def bitwise_zz():
+        fails, notes = _bitwise_zigzag(rank, world, group)
+        report["zigzag_bitwise_notes"] = notes
+        if fails:
+            raise AssertionError("; ".join(fails))
+        return len(notes)
+    section("zigzag_bitwise_equals_contiguous", bitwise_zz)
 
     def allgather_cases():
         """The all-gather QKV block == the plain block on CUDA (torch's fused symm_mem ops where available,

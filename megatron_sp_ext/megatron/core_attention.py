@@ -9,7 +9,8 @@ CP rank (Megatron's zigzag split when it comes from ``get_batch_on_this_cp_rank`
   ring, tasp         ring / TASP multi-ring over the CP group
   usp, tas, torus    2D mesh over the CP group (``--sp-placement``, ``--sp-nodes``, ``--sp-ulysses-size``);
                      usp reuses Megatron's groups when ``--hierarchical-context-parallel-sizes`` built two levels
-  auto               hcms when every rank gets a head, else a usp mesh, else ring
+  auto               hcms when every rank gets a head (then, on GPUs, Ulysses/HCMS or the ring per shape from
+                     its own calibration: sp.policy.ModePolicy), else a usp mesh, else ring
   p2p, a2a, all_gather, a2a+p2p   Transformer Engine's own CP (needs TE; delegated unchanged)
 Causal masks follow Megatron's zigzag placement; DiTs use AttnMaskType.no_mask.
 """
@@ -19,6 +20,7 @@ import copy
 import importlib.util
 from typing import Optional
 
+import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -29,7 +31,7 @@ from ..comm.transport import TransportPool
 from ..config import SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
 from ..sp.hybrid import hybrid_attention
-from ..sp.policy import HCMSPolicy
+from ..sp.policy import HCMSPolicy, ModePolicy
 from ..sp.ring import ring_attention
 from ..sp.torus import torus_attention
 from ..sp.ulysses import ulysses_attention
@@ -47,6 +49,7 @@ class SPContext:
         self.sp_config = sp_config
         self.streams = StreamPool()
         self.policy = HCMSPolicy()
+        self.mode_policy = ModePolicy()
         self.transports = TransportPool()
         self._meshes: dict = {}
 
@@ -90,6 +93,7 @@ class SPDotProductAttention(DotProductAttention):
                                 f"{', '.join(OUR_CP_TYPES + TE_CP_TYPES)}")
         heads = self.num_attention_heads_per_partition
         self.mode = resolve_auto_mode(heads, cp) if mode == "auto" else mode
+        self.auto_ring = mode == "auto" and self.mode == "hcms"  # may still pick the ring per shape
         self.ctx = sp_context or SPContext()
         self.sp = self.ctx.sp_config or sp_config_from(config)
         if self.mode in ("ulysses", "hcms") and cp > 1 and heads < cp:
@@ -138,6 +142,38 @@ class SPDotProductAttention(DotProductAttention):
         s, b = out.shape[:2]
         return out.reshape(s, b, -1)
 
+    def _auto_mode(self, q, k, causal: bool) -> str:
+        """``auto``: Ulysses/HCMS ("hcms", the baseline) or the ring for this shape (calibrated once per key)."""
+        if q.device.type != "cuda":
+            return "hcms"  # nothing to calibrate without CUDA streams (ModePolicy's baseline)
+        key = (q.shape, k.shape, q.dtype, q.device.type, id(self.cp_group), causal, torch.is_grad_enabled())
+        cal = self.ctx.mode_policy.cache.get(key)
+        if cal is not None:
+            return cal.chunks
+        fwd_bwd = key[-1]
+        gen = torch.Generator(device=q.device).manual_seed(0)  # the model's RNG streams stay untouched
+        qs, ks, vs, go = (torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in (q, k, k, q))
+        qs, ks, vs = (t.requires_grad_(fwd_bwd) for t in (qs, ks, vs))
+
+        def step(fn):
+            def run():
+                with torch.set_grad_enabled(fwd_bwd):
+                    o = fn()
+                    if fwd_bwd:
+                        o.backward(go)
+            return run
+        group, scale, stream = self.cp_group, self.softmax_scale, self.ctx.streams.comm_stream(q.device)
+        tr = self.ctx.transports.get(self.sp.transport, group, q.device, "--sp-transport")
+        cands = {
+            "hcms": step(lambda: ulysses_attention(qs, ks, vs, group, head_chunks=self.sp.head_chunks, causal=causal,
+                                                   softmax_scale=scale, layout="sbhd", backend=self.backend,
+                                                   comm_stream=stream, policy=self.ctx.policy, placement="zigzag",
+                                                   transport=tr)),
+            "ring": step(lambda: ring_attention(qs, ks, vs, group, variant="ring", causal=causal, softmax_scale=scale,
+                                                layout="sbhd", placement="zigzag", backend=self.backend)),
+        }
+        return self.ctx.mode_policy.choose(key, cands, group, q.device)
+
     def attend(self, q, k, v, causal: bool):
         """The algorithm of ``self.mode`` on sbhd tensors in Megatron's zigzag placement."""
         group, scale = self.cp_group, self.softmax_scale
@@ -146,6 +182,10 @@ class SPDotProductAttention(DotProductAttention):
         if cp == 1:
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
             return self.backend(qb, kb, vb, causal=causal, softmax_scale=scale).permute(2, 0, 1, 3)
+        mode = self._auto_mode(q, k, causal) if self.auto_ring else self.mode
+        if mode == "ring" and self.auto_ring:
+            return ring_attention(q, k, v, group, variant="ring", causal=causal, softmax_scale=scale, layout="sbhd",
+                                  placement="zigzag", backend=self.backend)
         if self.mode in ("ulysses", "hcms"):
             chunks = 1 if self.mode == "ulysses" else self.sp.head_chunks
             return ulysses_attention(q, k, v, group, head_chunks=chunks, causal=causal, softmax_scale=scale,

@@ -9,6 +9,7 @@ causal masks come from the global positions of every rank's tokens.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from ..attention.backends import get_backend
 from ..topology.mesh import SPMesh
 from .placement import pieces
+from .layout import sorted_order
 from .ring import RingBackend
 from .ulysses import ulysses_attention
 
@@ -31,6 +33,12 @@ def mesh_runs(mesh: SPMesh, placement: str, seqlen: int) -> tuple:
     return tuple(out)
 
 
+@lru_cache(maxsize=64)
+def _sorted_rows(grid: tuple, world: int, placement: str, seqlen: int) -> tuple:
+    """Per Ulysses group (grid row): (permutation of its gathered pieces into ascending position, merged runs)."""
+    return tuple(sorted_order([pieces(placement, g, world, seqlen) for g in row]) for row in grid)
+
+
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *,
                      head_chunks: "int | str" = 1, ring_variant: str = "ring", causal: bool = False,
                      softmax_scale: Optional[float] = None, layout: str = "bshd",
@@ -41,6 +49,11 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
     placement = placement or ("zigzag" if causal else "contiguous")
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     runs = mesh_runs(mesh, placement, s_loc * mesh.world)
+    order = None
+    if mesh.ulysses_group is not None and (causal or kv_valid_len is not None):
+        rows = _sorted_rows(mesh.grid, mesh.world, placement, s_loc * mesh.world)
+        order = rows[mesh.ring_index][0]
+        runs = tuple(merged for _, merged in rows)
     ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, get_backend(backend), kv_valid_len)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if mesh.ulysses_group is None:  # P_u == 1: pure ring over the mesh order
@@ -48,4 +61,4 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
         out = ring(to(q), to(k), to(v), causal=causal, softmax_scale=scale)
         return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
     return ulysses_attention(q, k, v, mesh.ulysses_group, head_chunks=head_chunks, causal=causal,
-                             softmax_scale=scale, layout=layout, backend=ring)
+                             softmax_scale=scale, layout=layout, backend=ring, seq_order=order)

@@ -115,3 +115,105 @@ def columns(buf_sbwd: torch.Tensor, ws: Sequence[int]) -> list[torch.Tensor]:
         out.append(buf_sbwd[:, :, col:col + w].permute(1, 2, 0, 3))
         col += w
     return out
+
+
+# --- sequence order of the head-sharded side ---------------------------------------------------------
+# The exchange delivers the gathered sequence in rank order (rank p's shard, in p's local order). With a
+# non-contiguous placement (zigzag, tasp_zigzag) that is not global order, and one causal kernel call
+# needs global order. Every placement cuts the sequence into equal pieces, so the permutation is a piece
+# permutation; it is folded into the copies the exchange path makes anyway (received q/k/v/dO into the
+# kernel's native layout, and the kernel's output/grads into the send buffers), never a copy of its own.
+
+
+class SeqOrder:
+    """Piece permutation between rank order and global order of the gathered sequence.
+
+    piece: tokens per piece (u).  to_global[j]: global piece index of gathered piece j (rank order).
+    """
+
+    def __init__(self, piece: int, to_global: Sequence[int]) -> None:
+        self.piece, self.to_global = piece, tuple(to_global)
+        inv = [0] * len(self.to_global)
+        for j, g in enumerate(self.to_global):
+            inv[g] = j
+        self.from_global = tuple(inv)
+        self._idx: dict = {}
+
+    def index(self, which: str, device) -> torch.Tensor:
+        """int64 index tensor ("to_global" or "from_global") on ``device`` (cached)."""
+        key = (which, str(device))
+        if key not in self._idx:
+            self._idx[key] = torch.tensor(getattr(self, which), dtype=torch.int64, device=device)
+        return self._idx[key]
+
+
+def seq_order(runs_by_rank: Sequence[Sequence[tuple[int, int]]]) -> "SeqOrder | None":
+    """The order of ``runs_by_rank`` (each rank's global (start, len) runs, local order) gathered in
+    rank order; None when that already is global order (contiguous placement)."""
+    flat = [r for runs in runs_by_rank for r in runs]
+    u = flat[0][1]
+    if any(n != u for _, n in flat) or any(a % u for a, _ in flat):
+        raise ValueError(f"placement pieces are not equal-length: {flat}")
+    to_global = [a // u for a, _ in flat]
+    if sorted(to_global) != list(range(len(flat))):
+        raise ValueError(f"placement pieces do not tile the sequence: {flat}")
+    if to_global == list(range(len(flat))):
+        return None
+    return SeqOrder(u, to_global)
+
+
+def sorted_order(runs_by_rank: Sequence[Sequence[tuple[int, int]]]) -> tuple["SeqOrder | None", tuple]:
+    """For equal-length pieces that need not tile [0, S) (a hybrid mesh's Ulysses group holds a subset of
+    the sequence): the permutation of the gathered pieces (rank order) into ascending global position,
+    and the merged global runs of the sorted sequence. (None, runs) when already ascending."""
+    flat = [r for runs in runs_by_rank for r in runs]
+    u = flat[0][1]
+    if any(n != u for _, n in flat):
+        raise ValueError(f"placement pieces are not equal-length: {flat}")
+    rank_of = {j: i for i, j in enumerate(sorted(range(len(flat)), key=lambda j: flat[j][0]))}
+    to_global = [rank_of[j] for j in range(len(flat))]
+    merged: list = []
+    for a, n in sorted(flat):
+        if merged and merged[-1][0] + merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], merged[-1][1] + n)
+        else:
+            merged.append((a, n))
+    order = None if to_global == list(range(len(flat))) else SeqOrder(u, to_global)
+    return order, tuple(merged)
+
+
+def to_kernel_layout(src_sbhd: torch.Tensor, order: "SeqOrder | None") -> torch.Tensor:
+    """Gathered [S, B, h, D] (rank order, any strides) -> a new [B, S, h, D]-backed tensor in global order,
+    returned as a bhsd [B, h, S, D] view (the layout the attention kernels read natively). Without an
+    order it is exactly ``src.permute(1, 2, 0, 3).transpose(1, 2).contiguous().transpose(1, 2)``."""
+    s, b, h, d = src_sbhd.shape
+    dst = torch.empty((b, s, h, d), dtype=src_sbhd.dtype, device=src_sbhd.device)
+    if order is None:
+        dst.copy_(src_sbhd.transpose(0, 1))
+    else:
+        n = len(order.to_global)
+        src = src_sbhd.view(n, order.piece, b, h, d).permute(2, 0, 1, 3, 4)
+        dst.view(b, n, order.piece, h, d).index_copy_(1, order.index("to_global", dst.device), src)
+    return dst.transpose(1, 2)
+
+
+def to_send_layout(t_bhsd: torch.Tensor, order: "SeqOrder | None", out_sbhd: torch.Tensor) -> None:
+    """Head-sharded result [B, h, S, D] in global order -> ``out_sbhd`` [S, B, h, D] (any strides) in rank
+    order (the inverse of ``to_kernel_layout``'s permutation), one copy."""
+    src = t_bhsd.permute(2, 0, 1, 3)
+    if order is None:
+        out_sbhd.copy_(src)
+        return
+    s, b, h, d = src.shape
+    n = len(order.to_global)
+    out_sbhd.view(n, order.piece, b, h, d).index_copy_(0, order.index("from_global", src.device),
+                                                       src.reshape(n, order.piece, b, h, d))
+
+
+def columns_sbhd(buf_sbwd: torch.Tensor, ws: Sequence[int]) -> list[torch.Tensor]:
+    """Split a head-sharded [S, B, W, D] buffer into per-part [S, B, w, D] views."""
+    out, col = [], 0
+    for w in ws:
+        out.append(buf_sbwd[:, :, col:col + w])
+        col += w
+    return out

@@ -1,16 +1,23 @@
-"""``head_chunks="auto"``: choose the HCMS chunk count C per shape from a short calibration.
+"""``head_chunks="auto"``: choose the HCMS chunk count C per shape from a short calibration that never
+picks a loser.
 
 Model (HCMS paper, sec. 3.6): T(C) ~= T_attn + T_comm / C + (C - 1) * beta, minimised at
-C* = sqrt(T_comm / beta). The first time a shape key is seen the policy measures plain Ulysses
-T(1), the bare exchange T_comm and T(2), solves for beta, predicts C*, then measures the
-neighbours of C* and keeps the fastest, C = 1 unless a chunked run is faster than plain by more
-than ``margin``. All timings are all-reduced (max) so every rank takes the same decision. The
-result is cached per key and logged once. On CPU (no streams, nothing overlaps) it is C = 1.
+C* = sqrt(T_comm / beta). The first time a shape key is seen the policy screens plain Ulysses
+T(1), the bare exchange T_comm and T(2), solves for beta and predicts C*. Then the candidates
+(C = 1, the plain path, always among them; C* and its neighbours; 2) are timed in ``rounds``
+interleaved rounds (the order rotates every round, so warm-up and drift hit every candidate alike).
+``decide`` keeps C = 1 unless a chunked C has a median at least ``margin`` below plain's AND is
+``margin`` faster than plain in a strict majority of the rounds (paired, same round); if plain's own spread over the rounds exceeds
+``max_noise`` the measurement cannot separate them and plain is kept. Every timing is all-reduced
+(max) over the group, so all ranks hold the same numbers and take the same decision. The cost of
+the calibration itself is recorded (``Calibration.cost_ms``). After calibration a call costs one
+dict lookup (``choose``; ~1 us of host time on CPU). On CPU (no streams, nothing overlaps) it is C = 1.
 """
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,7 +40,35 @@ class Calibration:
     c_model: int = 1
     measured: dict = field(default_factory=dict)
     reason: str = ""
-    confirm: tuple = ()
+    confirm: tuple = ()   # (plain median, chosen median) over the interleaved rounds
+    rounds: dict = field(default_factory=dict)  # C -> per-round ms of the interleaved rounds
+    cost_ms: float = 0.0  # host wall time the calibration took
+
+
+def _median(xs) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+def decide(rounds: dict, margin: float, max_noise: float, plain=1) -> tuple:
+    """The chunk count to run from interleaved per-round timings ``rounds[C]`` (ms, equal lengths, C = 1
+    included; ``plain`` names the baseline). Plain unless a chunked C is ``margin`` faster by median and by ``margin`` in a strict
+    majority of the rounds (each compared with plain's time of the same round), and plain's spread ((max - min) / median) is within ``max_noise``. Ties go to plain.
+    Returns (C, reason)."""
+    base = rounds[plain]
+    m1 = _median(base)
+    if len(base) > 1 and (max(base) - min(base)) / m1 > max_noise:
+        return plain, f"plain's spread over the rounds {(max(base) - min(base)) / m1:.1%} > {max_noise:.0%}: kept plain"
+    others = [c for c in rounds if c != plain]
+    if not others:
+        return plain, "no other candidate"
+    best = min(others, key=lambda c: (_median(rounds[c]), str(c)))
+    mb = _median(rounds[best])
+    wins = sum(1 for a, b in zip(rounds[best], base) if a <= b * (1 - margin))  # paired: same round
+    if mb <= m1 * (1 - margin) and 2 * wins > len(base):
+        return best, f"{best} median {mb:.3f} ms vs plain {m1:.3f} ms, won {wins}/{len(base)} rounds"
+    return plain, f"best other {best} ({mb:.3f} ms, won {wins}/{len(base)}) not {margin:.0%} under plain ({m1:.3f} ms)"
 
 
 def time_ms(fn, iters: int, warmup: int, group, long_ms: Optional[float] = 50.0) -> float:
@@ -60,29 +95,31 @@ def time_ms(fn, iters: int, warmup: int, group, long_ms: Optional[float] = 50.0)
 
 
 class HCMSPolicy:
-    """Per-shape chunk-count chooser (see module docstring)."""
+    """Per-shape chunk-count chooser (see module docstring). ``timer(fn, iters, warmup, group) -> ms``
+    (default ``time_ms``: CUDA events, max over ranks) is injectable for tests."""
 
-    def __init__(self, objective: str = "fwd_bwd", iters: int = 5, warmup: int = 2, margin: float = 0.02,
-                 max_chunks: int = 8) -> None:
+    def __init__(self, objective: str = "fwd_bwd", iters: int = 3, warmup: int = 2, margin: float = 0.02,
+                 max_chunks: int = 8, rounds: int = 5, max_noise: float = 0.10, timer=None) -> None:
         self.objective, self.iters, self.warmup = objective, iters, warmup
-        self.margin, self.max_chunks = margin, max_chunks
+        self.margin, self.max_chunks, self.rounds, self.max_noise = margin, max_chunks, rounds, max_noise
+        self.timer = timer or time_ms
         self.cache: dict = {}
 
     def choose(self, q, k, group, *, causal, layout, scale, backend, comm_stream, transport=None) -> int:
-        world = dist.get_world_size(group)
-        training = torch.is_grad_enabled()
-        key = (tuple(q.shape), tuple(k.shape), q.dtype, str(q.device.type), world, causal, layout,
+        key = (q.shape, k.shape, q.dtype, q.device.type, id(group), causal, layout,
                getattr(backend, "name", "?"), getattr(transport, "name", "nccl"),
-               training and self.objective == "fwd_bwd")
-        if key in self.cache:
-            return self.cache[key].chunks
+               self.objective == "fwd_bwd" and torch.is_grad_enabled())
+        cal = self.cache.get(key)
+        if cal is not None:
+            return cal.chunks
+        world = dist.get_world_size(group)
         if q.device.type != "cuda" or world == 1:
             cal = Calibration(1, reason="no CUDA streams here: chunking cannot overlap" if world > 1 else "world 1")
         else:
             cal = self._calibrate(q, k, group, causal, layout, scale, backend, comm_stream, key[-1], transport)
         self.cache[key] = cal
-        log.info("megatron_sp_ext: head_chunks=auto -> %d for q%s k%s %s P=%d (%s)", cal.chunks, tuple(q.shape),
-                 tuple(k.shape), q.dtype, world, cal.reason or cal.measured)
+        log.info("megatron_sp_ext: head_chunks=auto -> %d for q%s k%s %s P=%d (%s; calibration %.0f ms)",
+                 cal.chunks, tuple(q.shape), tuple(k.shape), q.dtype, world, cal.reason or cal.measured, cal.cost_ms)
         return cal.chunks
 
     def _calibrate(self, q, k, group, causal, layout, scale, backend, comm_stream, fwd_bwd,
@@ -90,14 +127,14 @@ class HCMSPolicy:
         from ..comm.exchange import all_to_all_flat  # noqa: PLC0415
         from .ulysses import ulysses_attention  # noqa: PLC0415
 
+        t0 = time.perf_counter()
         world = dist.get_world_size(group)
         max_c = min(self.max_chunks, min(head_layout(q.shape[2], k.shape[2], world, 1).q_counts))
-        qs = torch.randn_like(q).requires_grad_(fwd_bwd)
-        ks = torch.randn_like(k).requires_grad_(fwd_bwd)
-        vs = torch.randn_like(k).requires_grad_(fwd_bwd)
-        go = torch.randn_like(q)
+        gen = torch.Generator(device=q.device).manual_seed(0)  # the caller's RNG streams stay untouched
+        qs, ks, vs, go = (torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in (q, k, k, q))
+        qs, ks, vs = (t.requires_grad_(fwd_bwd) for t in (qs, ks, vs))
 
-        def run(c):
+        def measure(c, iters=None, warmup=None):
             def step():
                 with torch.set_grad_enabled(fwd_bwd):
                     o = ulysses_attention(qs, ks, vs, group, head_chunks=c, causal=causal, softmax_scale=scale,
@@ -105,18 +142,11 @@ class HCMSPolicy:
                                           transport=transport or "nccl")
                     if fwd_bwd:
                         o.backward(go)
-            return time_ms(step, self.iters, self.warmup, group)
+            return self.timer(step, iters or self.iters, self.warmup if warmup is None else warmup, group)
 
-        cal = Calibration(1)
-        cal.t_plain = cal.measured[1] = run(1)
-        if max_c < 2:
-            cal.reason = "one head per rank: nothing to chunk"
-            return cal
-        # bare exchange: q|k|v in + o out (x2 for backward), the communication chunking can hide
         n_in = q.numel() + 2 * k.numel()
         send, recv = q.new_empty(n_in), q.new_empty(n_in)
         send_o, recv_o = q.new_empty(q.numel()), q.new_empty(q.numel())
-
         a2a = transport.all_to_all if transport is not None else (lambda s, r: all_to_all_flat(s, r, group))
 
         def comm():
@@ -125,28 +155,82 @@ class HCMSPolicy:
             if fwd_bwd:
                 a2a(send_o, recv_o)
                 a2a(send, recv)
-        cal.t_comm = time_ms(comm, self.iters, self.warmup, group)
-        cal.measured[2] = run(2)
+        cal = self.search(measure, lambda: self.timer(comm, self.iters, self.warmup, group), max_c)
+        cal.cost_ms = (time.perf_counter() - t0) * 1e3
+        return cal
+
+    def search(self, measure, comm_time, max_c: int) -> Calibration:
+        """The calibration given ``measure(c) -> ms`` (same value on every rank) and ``comm_time() -> ms``."""
+        cal = Calibration(1)
+        cal.t_plain = cal.measured[1] = measure(1)
+        if max_c < 2:
+            cal.reason = "one head per rank: nothing to chunk"
+            return cal
+        # screen: the bare exchange (what chunking can hide) and C=2 give beta and the model's C*
+        cal.t_comm = comm_time()
+        cal.measured[2] = measure(2)
         t_attn = max(cal.t_plain - cal.t_comm, 1e-3)
         cal.beta = max(cal.measured[2] - t_attn - cal.t_comm / 2, 1e-3)
         cal.c_model = max(1, min(max_c, round(math.sqrt(cal.t_comm / cal.beta))))
-        for c in {cal.c_model - 1, cal.c_model, cal.c_model + 1}:
+        for c in (cal.c_model - 1, cal.c_model, cal.c_model + 1):
             if 2 <= c <= max_c and c not in cal.measured:
-                cal.measured[c] = run(c)
-        best = min(cal.measured, key=lambda c: (cal.measured[c], c))
-        if best != 1 and cal.measured[best] <= cal.t_plain * (1 - self.margin):
-            # confirm against plain Ulysses, interleaved, before switching (guards against noise and
-            # warm-up order: a wrong switch costs every later step)
-            plain, chunked = [], []
-            for _ in range(3):
-                plain.append(run(1))
-                chunked.append(run(best))
-            cal.confirm = (sorted(plain)[1], sorted(chunked)[1])
-            if cal.confirm[1] <= cal.confirm[0] * (1 - self.margin):
-                cal.chunks = best
-            else:
-                cal.reason = f"C={best} looked faster but lost the interleaved confirmation {cal.confirm}"
+                cal.measured[c] = measure(c)
+        # the interleaved rounds: plain plus the two best screened chunk counts
+        chunked = sorted((c for c in cal.measured if c != 1), key=lambda c: (cal.measured[c], c))[:2]
+        cands = [1] + chunked
+        cal.rounds = {c: [] for c in cands}
+        for r in range(self.rounds):
+            for i in range(len(cands)):
+                c = cands[(r + i) % len(cands)]
+                cal.rounds[c].append(measure(c, warmup=1))
+        cal.chunks, cal.reason = decide(cal.rounds, self.margin, self.max_noise)
+        cal.confirm = (_median(cal.rounds[1]), _median(cal.rounds[cal.chunks]))
         return cal
+
+
+class ModePolicy:
+    """``auto`` across algorithms (Ulysses/HCMS, ring, ...) per shape key, from its own calibration.
+
+    ``choose(key, candidates, group, device)``: ``candidates`` maps a mode name to a zero-argument step
+    (one fwd+bwd at the caller's shapes); the first is the baseline. The first time a key is seen every
+    candidate is timed in ``rounds`` interleaved rounds (rotating order), all-reduced (max) over the group,
+    and ``decide`` keeps the baseline unless another mode is ``margin`` faster by median and in a strict
+    majority of the rounds. Without CUDA or with one rank: the baseline, untimed. Later calls: a dict lookup.
+    The cached ``Calibration``'s ``chunks`` field holds the chosen mode name.
+    """
+
+    def __init__(self, margin: float = 0.02, rounds: int = 5, max_noise: float = 0.10, iters: int = 3,
+                 warmup: int = 2, timer=None) -> None:
+        self.margin, self.rounds, self.max_noise, self.iters, self.warmup = margin, rounds, max_noise, iters, warmup
+        self.timer = timer or time_ms
+        self.cache: dict = {}
+
+    def choose(self, key, candidates: dict, group, device) -> str:
+        cal = self.cache.get(key)
+        if cal is not None:
+            return cal.chunks
+        names = list(candidates)
+        t0 = time.perf_counter()
+        if device.type != "cuda" or dist.get_world_size(group) == 1 or len(names) == 1:
+            cal = Calibration(names[0], reason="no CUDA / one rank / one candidate: the baseline, untimed")
+        else:
+            cal = Calibration(names[0])
+            cal.rounds = {n: [] for n in names}
+            for _ in range(self.warmup):
+                for n in names:
+                    candidates[n]()
+            for r in range(self.rounds):
+                for i in range(len(names)):
+                    n = names[(r + i) % len(names)]
+                    cal.rounds[n].append(self.timer(candidates[n], self.iters, 1, group))
+            cal.measured = {n: _median(v) for n, v in cal.rounds.items()}
+            cal.chunks, cal.reason = decide(cal.rounds, self.margin, self.max_noise, plain=names[0])
+            cal.confirm = (cal.measured[names[0]], cal.measured[cal.chunks])
+        cal.cost_ms = (time.perf_counter() - t0) * 1e3
+        self.cache[key] = cal
+        log.info("megatron_sp_ext: auto mode -> %s for %s (%s; calibration %.0f ms)", cal.chunks, key,
+                 cal.reason or cal.measured, cal.cost_ms)
+        return cal.chunks
 
 
 _DEFAULT: Optional[HCMSPolicy] = None

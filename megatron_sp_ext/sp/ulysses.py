@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -47,6 +48,8 @@ class UlyssesPlan:
     need_grad: bool = True
     qkv_contiguous: bool = True  # hand the kernel contiguous q/k/v and exchange grads one tensor at a time
     transport: Optional[object] = None  # comm.transport object (None: the group's own all_to_all)
+    order: Optional[lay.SeqOrder] = None  # gathered (rank) order -> global order; None: already global
+    kv_valid_len: Optional[int] = None  # keys at global positions >= this are padding (0 < it < S)
 
 
 def _alloc(numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -93,13 +96,31 @@ def _transport(plan) -> object:
     return plan.transport if plan.transport is not None else NcclTransport(plan.group)
 
 
-def _send_head_major(t_bhsd: torch.Tensor, tr) -> torch.Tensor:
-    """[B, h, S, D] head-sharded result -> flat [S, B, h, D] send buffer (in the transport's workspace
-    when it has one)."""
+def _send_head_major(t_bhsd: torch.Tensor, tr, order: Optional[lay.SeqOrder] = None) -> torch.Tensor:
+    """[B, h, S, D] head-sharded result (global order) -> flat [S, B, h, D] send buffer in rank order (in
+    the transport's workspace when it has one). Zero-copy when the result already is that buffer: rank
+    order == global order, the group's own all_to_all (no workspace), and [S, B, h, D]-contiguous memory
+    (B == 1 with the kernels' native [B, S, h, D] output)."""
     b, h, s, d = t_bhsd.shape
+    t_sbhd = t_bhsd.detach().permute(2, 0, 1, 3)
+    if order is None and isinstance(tr, NcclTransport) and t_sbhd.is_contiguous():
+        return t_sbhd.view(-1)
     send = tr.send_buffer(t_bhsd.numel(), t_bhsd)
-    send.view(s, b, h, d).copy_(t_bhsd.detach().permute(2, 0, 1, 3))
+    lay.to_send_layout(t_bhsd.detach(), order, send.view(s, b, h, d))
     return send
+
+
+def _local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, valid: Optional[int]):
+    """The local kernel on global-order bhsd q/k/v; keys at positions >= ``valid`` are padding: they are
+    cut off (one call; causal: a causal call for the valid queries and a full one for the padded rows)."""
+    if valid is None:
+        return be(q, k, v, causal=causal, softmax_scale=scale)
+    kv = (k[:, :, :valid], v[:, :, :valid])
+    if not causal:
+        return be(q, *kv, causal=False, softmax_scale=scale)
+    head = be(q[:, :, :valid], *kv, causal=True, softmax_scale=scale)
+    tail = be(q[:, :, valid:], *kv, causal=False, softmax_scale=scale)
+    return torch.cat([head, tail], dim=2)
 
 
 def _exchange_out_chunk(oc, out, plan: "UlyssesPlan", c: int, tokens: int, d: int, compute, comm) -> None:
@@ -109,7 +130,9 @@ def _exchange_out_chunk(oc, out, plan: "UlyssesPlan", c: int, tokens: int, d: in
     with st.on_stream(comm):
         st.wait(comm, done)
         tr = _transport(plan)
-        send_o = _send_head_major(oc, tr)
+        send_o = _send_head_major(oc, tr, getattr(plan, "order", None))  # async_block's plan has no order
+        if comm is not None:  # a compute-stream tensor (maybe sent in place) read by the comm stream
+            oc.record_stream(comm)
         splits = lay.seg_splits(plan.heads, ("q",), c, tokens, d)
         recv_o = _alloc(sum(splits), out)
         tr.all_to_all(send_o, recv_o, None, splits, table=table_head_to_seq(splits))
@@ -132,15 +155,18 @@ class _UlyssesFn(torch.autograd.Function):
             st.wait(compute, ev_in[c])
             ws = lay.widths(hl, _QKV, me, c)
             buf = recv_in[c].view(world * s_loc, bsz, sum(ws), d)
-            qc, kc, vc = lay.columns(buf, ws)
-            if plan.qkv_contiguous:  # [B, S, h, D]-backed copies (the kernel's native layout); free the buffer
-                qc, kc, vc = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (qc, kc, vc))
+            if plan.qkv_contiguous or plan.order is not None:
+                # [B, S, h, D]-backed copies in global order (the kernel's native layout; the placement's
+                # permutation rides on this copy); free the buffer
+                qc, kc, vc = (lay.to_kernel_layout(t, plan.order) for t in lay.columns_sbhd(buf, ws))
                 recv_in[c] = None
                 del buf
+            else:  # zero-copy views of the received buffer
+                qc, kc, vc = lay.columns(buf, ws)
             if plan.need_grad:
                 qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
             with torch.set_grad_enabled(plan.need_grad):
-                oc = plan.backend(qc, kc, vc, causal=plan.causal, softmax_scale=plan.scale)
+                oc = _local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, plan.kv_valid_len)
             chunks.append((qc, kc, vc, oc))
             _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
         if comm is not None:
@@ -167,7 +193,8 @@ class _UlyssesFn(torch.autograd.Function):
             qc, kc, vc, oc = ctx.chunks[c]
             ctx.chunks[c] = None  # free this chunk's graph as soon as it is used
             hq = qc.shape[1]
-            do_c = recv_g[c].view(world * s_loc, bsz, hq, d).permute(1, 2, 0, 3)
+            do_c = recv_g[c].view(world * s_loc, bsz, hq, d)
+            do_c = do_c.permute(1, 2, 0, 3) if plan.order is None else lay.to_kernel_layout(do_c, plan.order)
             grads = list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
             # peak memory: the chunk's saved inputs, output and dO are dead now; drop them before the exchanges
             del qc, kc, vc, oc, do_c
@@ -183,7 +210,7 @@ class _UlyssesFn(torch.autograd.Function):
                     tr = _transport(plan)
                     for i, (dst, kind) in enumerate(((dq, "q"), (dk, "kv"), (dv, "kv"))):
                         g, grads[i] = grads[i], None
-                        send = _send_head_major(g, tr)
+                        send = _send_head_major(g, tr, plan.order)
                         if comm is not None:  # a compute-stream tensor read by the comm stream: guard its reuse
                             g.record_stream(comm)
                         del g
@@ -199,8 +226,8 @@ class _UlyssesFn(torch.autograd.Function):
                 tr = _transport(plan)
                 flat = tr.send_buffer(world * s_loc * bsz * sum(ws) * d, grad_out)
                 send = flat.view(world * s_loc, bsz, sum(ws), d)
-                for view, g in zip(lay.columns(send, ws), grads):
-                    view.copy_(g)
+                for view, g in zip(lay.columns_sbhd(send, ws), grads):
+                    lay.to_send_layout(g, plan.order, view)
                 if comm is not None:  # compute-stream tensors read by the comm stream: guard their reuse
                     for g in grads:
                         g.record_stream(comm)
@@ -215,6 +242,27 @@ class _UlyssesFn(torch.autograd.Function):
 
 
 _VALIDATED: set = set()
+
+
+def local_order(placement: str, world: int, s_loc: int, causal: bool,
+                kv_valid_len: Optional[int]) -> tuple[Optional[lay.SeqOrder], Optional[int]]:
+    """(order, valid) for one call: the piece permutation that puts the gathered sequence in global order
+    (None when it already is, or when nothing depends on positions: non-causal without padding), and the
+    padding cut (None: no key is padding). Raises SPConfigError for a bad placement or kv_valid_len."""
+    seqlen = s_loc * world
+    if kv_valid_len is not None and kv_valid_len >= seqlen:
+        kv_valid_len = None  # nothing is padding
+    if kv_valid_len is not None and kv_valid_len < 1:
+        raise SPConfigError(f"kv_valid_len={kv_valid_len} leaves no key to attend: use 1..{seqlen}")
+    if not causal and kv_valid_len is None:
+        return None, None
+    return _seq_order(placement, world, seqlen), kv_valid_len
+
+
+@lru_cache(maxsize=256)
+def _seq_order(placement: str, world: int, seqlen: int) -> Optional[lay.SeqOrder]:
+    from .placement import pieces  # noqa: PLC0415
+    return lay.seq_order([pieces(placement, p, world, seqlen) for p in range(world)])
 
 
 def _check_inputs(q, k, v, layout: str, group) -> None:
@@ -258,14 +306,18 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       comm_stream: Optional["torch.cuda.Stream"] = None,
                       policy=None, placement: str = "contiguous",
                       kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True,
-                      transport: "str | object" = "nccl") -> torch.Tensor:
+                      transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None) -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
     q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's sequence shard.
     k, v: same with Hkv heads (H % Hkv == 0). Returns the attention output in q's layout and shape.
     placement: which tokens each rank holds ("contiguous", "zigzag", "tasp_zigzag"); it matters
     only for causal masks and for ``kv_valid_len`` (keys at global positions >= kv_valid_len are
-    padding and get no attention). Masked cases run the backend's LSE kernels on position runs.
+    padding and get no attention). The placement's permutation is folded into the copies around the
+    exchanges (received q/k/v -> kernel layout in global order; output and gradients -> send buffers in
+    rank order), so every placement runs ONE kernel call per chunk (causal or not) at the speed of
+    "contiguous". Padding cuts the keys off (non-causal: one call; causal: a causal call for the valid
+    queries and a full call for the padded query rows).
     qkv_contiguous (default True): copy each chunk's q/k/v into the kernel's native [B, S, h, D]
     layout and exchange gradients one tensor at a time; False keeps the zero-copy packed q|k|v views
     and one gradient exchange per chunk. Same math, bit for bit; measured on 4 x H200 the default
@@ -273,6 +325,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     transport: "nccl" (the group's all_to_all, default), "symm_mem" (copy-engine pulls between barrier
     kernels) or "copy_engine" (copy-engine pulls ordered by stream-memory flags, no kernel), both through
     torch symmetric memory with CUDA tensors and an NCCL group; or a transport object. Same math.
+    seq_order (advanced; hybrid meshes): an explicit permutation of the gathered sequence into the order
+    ``backend`` expects (a ring backend that knows the runs), applied instead of the placement's.
     """
     _check_inputs(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -290,20 +344,19 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if hl.kv_repeat > 1:
         k = k.repeat_interleave(hl.kv_repeat, dim=2)
         v = v.repeat_interleave(hl.kv_repeat, dim=2)
-    if kv_valid_len is not None or (causal and placement != "contiguous"):
-        from .placement import pieces  # noqa: PLC0415
-        from .ring import RingBackend  # noqa: PLC0415
-        s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
-        runs = tuple(r for p in range(world) for r in pieces(placement, p, world, s_loc * world))
-        be = RingBackend(None, "ring", runs, (runs,), be, kv_valid_len)
+    s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
+    order, valid = local_order(placement, world, s_loc, causal, kv_valid_len)
+    if seq_order is not None:
+        order = seq_order
     # one chunk has nothing to overlap: run on the caller's stream, no side stream and no events (less
     # host work per call, which is what short calls are bound by); same kernels, same order
     stream = None if hl.chunks == 1 else (comm_stream if comm_stream is not None
                                           else st.default_pool().comm_stream(q.device))
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad, qkv_contiguous, tr)
-    if world == 1:
+    plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad, qkv_contiguous, tr,
+                       order, valid)
+    if world == 1:  # one rank: its placement is global order
         qb, kb, vb = ((t.transpose(1, 2) if layout == "bshd" else t.permute(1, 2, 0, 3)) for t in (q, k, v))
-        o = be(qb, kb, vb, causal=causal, softmax_scale=scale)
+        o = _local_attention(be, qb, kb, vb, causal, scale, valid)
         return o.transpose(1, 2) if layout == "bshd" else o.permute(2, 0, 1, 3)
     return _UlyssesFn.apply(q, k, v, plan)

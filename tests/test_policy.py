@@ -1,0 +1,116 @@
+"""head_chunks="auto" never picks a loser: decisions from mock timings (noise, ties, margin), the search
+over interleaved rounds, and the cached per-call path (no GPU: the timings are injected)."""
+import random
+
+import torch
+
+from megatron_sp_ext.sp.policy import HCMSPolicy, decide
+
+
+def test_decide_margin_majority_ties_noise():
+    # clear win: 10% faster in every round
+    assert decide({1: [10, 10.1, 9.9, 10, 10], 2: [9, 9.1, 8.9, 9, 9]}, 0.02, 0.1)[0] == 2
+    # tie -> plain
+    assert decide({1: [10] * 5, 2: [10] * 5}, 0.02, 0.1)[0] == 1
+    # faster, but under the margin -> plain
+    assert decide({1: [10] * 5, 2: [9.9] * 5}, 0.02, 0.1)[0] == 1
+    # median faster by the margin but loses most rounds (one lucky streak cannot switch) -> plain
+    assert decide({1: [10, 10, 10, 10, 10], 2: [9.5, 9.5, 10.5, 10.5, 10.5]}, 0.02, 0.1)[0] == 1
+    # plain itself too noisy to separate -> plain, whatever the other says
+    c, why = decide({1: [10, 14, 10, 9, 10], 2: [5, 5, 5, 5, 5]}, 0.02, 0.1)
+    assert c == 1 and "spread" in why
+    # the best of several chunked candidates is picked; equal medians -> the smaller C
+    assert decide({1: [10] * 3, 2: [8] * 3, 3: [8] * 3, 4: [9] * 3}, 0.02, 0.1)[0] == 2
+
+
+def _mock(true_ms, noise, seed=0):
+    rng = random.Random(seed)
+    calls = []
+
+    def measure(c, iters=None, warmup=None):
+        calls.append(c)
+        return true_ms[c] * (1 + rng.uniform(-noise, noise))
+    return measure, calls
+
+
+def test_search_picks_the_real_winner_under_noise():
+    true = {1: 10.0, 2: 9.0, 3: 8.6, 4: 8.8, 5: 9.5, 6: 10.0, 7: 11.0, 8: 12.0}
+    for seed in range(20):
+        measure, calls = _mock(true, 0.01, seed)
+        cal = HCMSPolicy().search(measure, lambda: 3.0, 8)
+        assert cal.chunks in (3, 4), (seed, cal)
+        assert len(cal.rounds[1]) == 5 and 1 in cal.rounds  # plain is always a candidate
+        assert set(cal.rounds) <= set(cal.measured)
+
+
+def test_search_never_switches_to_a_loser():
+    # GPU-like 1% timing noise: chunking truly 1% slower, or truly equal, never switches
+    for slower in (1.01, 1.0):
+        true = {c: 10.0 * (slower if c > 1 else 1.0) for c in range(1, 9)}
+        for seed in range(50):
+            measure, _ = _mock(true, 0.01, seed)
+            assert HCMSPolicy().search(measure, lambda: 1.0, 8).chunks == 1, (slower, seed)
+    # 3% noise (over the 2% margin): whatever it picks is never truly slower than plain by over the margin,
+    # and a real 5% loser is never picked
+    for slower in (1.01, 1.0, 1.05):
+        true = {c: 10.0 * (slower if c > 1 else 1.0) for c in range(1, 9)}
+        for seed in range(50):
+            measure, _ = _mock(true, 0.03, seed)
+            c = HCMSPolicy().search(measure, lambda: 1.0, 8).chunks
+            assert true[c] <= true[1] * 1.02 and (slower < 1.05 or c == 1), (slower, seed, c)
+
+
+def test_one_head_per_rank_is_plain_without_timing_chunks():
+    measure, calls = _mock({1: 5.0}, 0.0)
+    cal = HCMSPolicy().search(measure, lambda: 1.0, 1)
+    assert cal.chunks == 1 and calls == [1]
+
+
+def test_choose_is_a_dict_lookup_after_calibration(monkeypatch):
+    """Second and later calls never time anything; the host cost is a key build and a lookup."""
+    import time
+
+    import torch.distributed as dist
+    pol = HCMSPolicy()
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 4)
+    q, k = torch.empty(1, 16, 8, 4), torch.empty(1, 16, 8, 4)
+    kw = dict(causal=False, layout="bshd", scale=0.5, backend=None, comm_stream=None)
+    assert pol.choose(q, k, None, **kw) == 1  # CPU: plain, cached
+    pol.timer = lambda *a, **k: (_ for _ in ()).throw(AssertionError("timed after calibration"))
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        pol.choose(q, k, None, **kw)
+    per_call_us = (time.perf_counter() - t0) / n * 1e6
+    assert len(pol.cache) == 1
+    print(f"choose() after calibration: {per_call_us:.2f} us per call")
+
+
+def test_mode_policy_interleaved_and_cached(monkeypatch):
+    import torch.distributed as dist
+
+    from megatron_sp_ext.sp.policy import ModePolicy
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 2)
+    true = {"hcms": 10.0, "ring": 8.0, "tasp": 10.5}
+    rng = random.Random(0)
+    order = []
+
+    def timer(fn, iters, warmup, group):
+        return fn()
+
+    def step(name):
+        def run():
+            order.append(name)
+            return true[name] * (1 + rng.uniform(-0.01, 0.01))
+        return run
+    pol = ModePolicy(timer=timer)
+    cands = {n: step(n) for n in true}
+    assert pol.choose(("k",), cands, None, torch.device("cuda")) == "ring"
+    timed = order[3 * pol.warmup:]
+    assert timed[:3] == ["hcms", "ring", "tasp"] and timed[3:6] == ["ring", "tasp", "hcms"]  # rotating rounds
+    n = len(order)
+    assert pol.choose(("k",), cands, None, torch.device("cuda")) == "ring" and len(order) == n  # cached
+    # a 1% better ring does not displace the baseline; CPU never times
+    true["ring"] = 9.9
+    assert ModePolicy(timer=timer).choose(("k",), cands, None, torch.device("cuda")) == "hcms"
+    assert ModePolicy(timer=timer).choose(("k",), cands, None, torch.device("cpu")) == "hcms"

@@ -1,0 +1,137 @@
+"""Causal Ulysses in the zigzag / tasp_zigzag layouts vs the contiguous layout, beside the kernel floor.
+
+Launched with torchrun (one process per GPU). For every (H, L) it times, fwd and fwd+bwd (CUDA events,
+median of --iters, max over ranks):
+  floor            one rank's share as ONE local kernel call (H/P heads over the whole sequence, SDPA)
+  contiguous       ulysses_attention(causal=True) on contiguous shards
+  zigzag           the same on Megatron's zigzag shards (permutation folded into the exchange copies)
+  tasp_zigzag      the same on TASP's zigzag shards
+  zigzag_masked    the old path: masked position runs (a RingBackend over the gathered runs)
+  noncausal        plain non-causal Ulysses (for reference)
+and checks that zigzag's output (in global order) equals contiguous's (bitwise expected; max abs diff
+recorded). Writes bench_ulysses_layout.json (+ .md table) to --out with date, device and command.
+Example (2 or 4 GPUs):
+  torchrun --nproc-per-node 4 tools/bench_ulysses_layout.py --heads 40 --seqlens 16384,32768,65536 --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import megatron_sp_ext as spx  # noqa: E402
+from megatron_sp_ext.attention.backends import SDPABackend  # noqa: E402
+from megatron_sp_ext.sp.placement import divisor, pieces  # noqa: E402
+from megatron_sp_ext.sp.policy import time_ms  # noqa: E402
+from megatron_sp_ext.sp.ring import RingBackend  # noqa: E402
+from tools.gpu_ranks import run_meta  # noqa: E402
+
+
+def _shard(x, pl, rank, world):
+    return torch.cat([x[:, a:a + n] for a, n in pieces(pl, rank, world, x.shape[1])], dim=1).contiguous()
+
+
+def bench_shape(group, h, seqlen, d, iters, warmup, device="cuda", timer=time_ms, dtype=torch.bfloat16):
+    """One row (see module docstring); ``device``/``timer``/``dtype`` let a CPU smoke test run it."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    seqlen -= seqlen % divisor("tasp_zigzag", world)
+    g = torch.Generator(device=device).manual_seed(0)
+    full = [torch.randn(1, seqlen, h, d, device=device, dtype=dtype, generator=g) for _ in range(4)]
+    runs = tuple(r for p in range(world) for r in pieces("zigzag", p, world, seqlen))
+    masked = RingBackend(None, "ring", runs, (runs,), SDPABackend())
+    modes = {
+        "contiguous": ("contiguous", dict(causal=True)),
+        "zigzag": ("zigzag", dict(causal=True, placement="zigzag")),
+        "tasp_zigzag": ("tasp_zigzag", dict(causal=True, placement="tasp_zigzag")),
+        "zigzag_masked": ("zigzag", dict(causal=True, backend=masked)),
+        "noncausal": ("contiguous", dict(causal=False)),
+    }
+    res = {"H": h, "L": seqlen, "P": world, "modes": {}}
+    outs = {}
+    for name, (pl, kw) in modes.items():
+        q, k, v, do = (_shard(t, pl, rank, world) for t in full)
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+
+        def fwd():
+            with torch.no_grad():
+                return spx.ulysses_attention(q, k, v, group, **kw)
+
+        def fwd_bwd():
+            spx.ulysses_attention(qs, ks, vs, group, **kw).backward(do)
+        t_f = timer(fwd, iters, warmup, group, long_ms=None)
+        t_fb = timer(fwd_bwd, iters, warmup, group, long_ms=None)
+        res["modes"][name] = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb}
+        if name in ("contiguous", "zigzag", "tasp_zigzag"):
+            outs[name] = spx.unshard_sequence(fwd(), group, placement=pl)
+    # the floor: one rank's heads over the whole sequence, one causal kernel call
+    hl = h // world
+    qf, kf, vf, dof = (t[:, :, :hl].transpose(1, 2).contiguous().transpose(1, 2) for t in full)
+    qf.requires_grad_(), kf.requires_grad_(), vf.requires_grad_()
+
+    def floor_fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
+
+    def floor_fb():
+        F.scaled_dot_product_attention(qf, kf, vf, is_causal=True).backward(dof)
+    res["floor"] = {"fwd_ms": timer(floor_fwd, iters, warmup, group, long_ms=None),
+                    "fwd_bwd_ms": timer(floor_fb, iters, warmup, group, long_ms=None)}
+    for m in res["modes"].values():
+        m["fwd_ratio_to_floor"] = m["fwd_ms"] / res["floor"]["fwd_ms"]
+        m["fwd_bwd_ratio_to_floor"] = m["fwd_bwd_ms"] / res["floor"]["fwd_bwd_ms"]
+    c = res["modes"]["contiguous"]
+    for name in ("zigzag", "tasp_zigzag", "zigzag_masked"):
+        res["modes"][name]["fwd_bwd_vs_contiguous"] = res["modes"][name]["fwd_bwd_ms"] / c["fwd_bwd_ms"]
+    for name in ("zigzag", "tasp_zigzag"):
+        res["modes"][name]["equals_contiguous"] = bool(torch.equal(outs[name], outs["contiguous"]))
+        res["modes"][name]["max_abs_diff"] = float((outs[name].float() - outs["contiguous"].float()).abs().max())
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", default="40")
+    ap.add_argument("--seqlens", default="16384,32768")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default="bench_ulysses_layout_out")
+    args = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    group = dist.group.WORLD
+    rows = []
+    for h in (int(x) for x in args.heads.split(",")):
+        for seqlen in (int(x) for x in args.seqlens.split(",")):
+            rows.append(bench_shape(group, h, seqlen, args.head_dim, args.iters, args.warmup))
+            if rank == 0:
+                r = rows[-1]
+                print(f"[bench_ulysses_layout] P={r['P']} H={h} L={r['L']}: " + ", ".join(
+                    f"{n} {m['fwd_bwd_ms']:.2f} ms ({m['fwd_bwd_ratio_to_floor']:.2f})" for n, m in r["modes"].items())
+                    + f", floor {r['floor']['fwd_bwd_ms']:.2f} ms", flush=True)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_ulysses_layout.json"), "w") as f:
+            json.dump({**run_meta(), "rows": rows}, f, indent=1)
+        lines = ["| P | H | L | floor fwd+bwd | contiguous | zigzag | tasp_zigzag | zigzag masked (old) | zigzag/contig |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            m = r["modes"]
+            cell = lambda n: f"{m[n]['fwd_bwd_ms']:.2f} ({m[n]['fwd_bwd_ratio_to_floor']:.2f})"  # noqa: E731
+            lines.append(f"| {r['P']} | {r['H']} | {r['L']} | {r['floor']['fwd_bwd_ms']:.2f} | {cell('contiguous')} | "
+                         f"{cell('zigzag')} | {cell('tasp_zigzag')} | {cell('zigzag_masked')} | "
+                         f"{m['zigzag']['fwd_bwd_vs_contiguous']:.3f} |")
+        with open(os.path.join(args.out, "bench_ulysses_layout.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
