@@ -30,6 +30,7 @@ class CountingSDPA(SDPABackend):
     """SDPA that records (causal, q length, kv length) of every call."""
 
     def __init__(self):
+        super().__init__()
         self.calls = []
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
