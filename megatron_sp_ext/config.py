@@ -88,7 +88,7 @@ class SPConfig:
     ulysses_size: Ulysses degree P_u of the mesh (None = gcd(world, heads)).
     nodes: number of machines to assume (None = detect); lets one machine simulate several.
     backend: local attention kernel: "auto" (default; torch SDPA for plain calls, the fastest kernel with
-        log-sum-exp for ring/TASP/Torus/hybrid/masked blocks: cuDNN, FlashAttention-2, memory-efficient,
+        log-sum-exp for ring/TASP/Torus/hybrid/masked blocks: cuDNN, FlashAttention-2,
         math), "cudnn" or "torch_flash" (that kernel only; an error where it does not run), "sdpa" (= auto),
         "math", "flash_attn", "te".
     transport: exchange transport: "nccl" (default), "symm_mem" (copy-engine pulls between barrier

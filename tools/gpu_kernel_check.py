@@ -1,6 +1,6 @@
 """Single-GPU check of the local attention kernels with log-sum-exp (the ring's building block).
 
-1. correctness: each kernel of megatron_sp_ext.attention.lse_kernels (cudnn, flash, efficient) on a
+1. correctness: each kernel of megatron_sp_ext.attention.lse_kernels (cudnn, flash) on a
    ring-step-like case (q block x 2 kv blocks merged by lse, backward per block with the FINAL out/lse,
    kv as strided views of a [S, 2, B, Hkv, D] slot buffer, GQA, causal and not) vs a float64 reference
    (autograd through plain softmax attention); also whether cuDNN takes GQA k/v without expansion.
@@ -237,7 +237,7 @@ def main():
            "available_bf16": {k: lk.available(k, torch.device(DEV), BF16) for k in lk.KERNELS},
            "best_bf16": lk.best(torch.device(DEV), BF16)}
     rep["probe"] = {}
-    for kern in ("cudnn", "flash", "efficient"):   # the availability probe's own verdict or error, for the record
+    for kern in ("cudnn", "flash"):   # the availability probe's own verdict or error, for the record
         try:
             rep["probe"][kern] = lk._probe(kern, torch.device(DEV), BF16)
         except Exception as e:  # noqa: BLE001 - recorded
@@ -251,7 +251,7 @@ def main():
     # 1. correctness
     corr, ok_all = [], True
     tol = {"out": 2e-2, "lse": 2e-2, "dq": 3e-2, "dk": 3e-2, "dv": 3e-2}
-    for kern in ("cudnn", "flash", "efficient"):
+    for kern in ("cudnn", "flash"):
         if not rep["available_bf16"][kern]:
             corr.append({"kernel": kern, "skipped": "unavailable"})
             continue
@@ -267,7 +267,7 @@ def main():
                 print(f"[correct] {kern:9s} H{h}/{hkv} S{s} causal={causal}: {'OK' if ok else 'FAIL'} {errs}",
                       flush=True)
     rep["slices"] = {}
-    for kern in ("cudnn", "flash", "efficient"):
+    for kern in ("cudnn", "flash"):
         if rep["available_bf16"][kern]:
             try:
                 e = slice_case(kern)

@@ -6,7 +6,7 @@ Every backend is a ``LocalAttention`` with
   ``backward_lse(do, q, k, v, out, lse, *, causal, softmax_scale) -> (dq, dk, dv)``
 k/v may carry fewer heads than q (GQA). Backends: "auto" (default; "sdpa" is the same): plain calls through
 torch's SDPA, log-sum-exp blocks on the fastest kernel that runs here (cuDNN, FlashAttention-2,
-memory-efficient, math; see lse_kernels); "cudnn" and "torch_flash": every call on that one kernel (an
+math; see lse_kernels); "cudnn" and "torch_flash": every call on that one kernel (an
 error naming the setting where it does not run); "math" (fp32 reference with explicit masks);
 "flash_attn" and "te" when those packages import. ``get_backend`` logs the choice once per name.
 """
@@ -44,7 +44,7 @@ class LocalAttention:
 class SDPABackend(LocalAttention):
     """Plain calls: torch.nn.functional.scaled_dot_product_attention. Blocks with log-sum-exp (ring, TASP,
     Torus, hybrid, masked Ulysses): the fastest available kernel of ``lse_kernels.KERNELS`` (cuDNN, then
-    torch's FlashAttention-2, memory-efficient, math), chosen per (device, dtype). Names "auto" and "sdpa"."""
+    torch's FlashAttention-2, math), chosen per (device, dtype). Names "auto" and "sdpa"."""
 
     name = "sdpa"
     kernel = "auto"   # or one of lse_kernels.KERNELS, fixed

@@ -9,8 +9,10 @@ Kernels, fastest first on Hopper (``KERNELS``):
   "cudnn"      torch.ops.aten._scaled_dot_product_cudnn_attention (what F.scaled_dot_product_attention
                picks on Hopper; returns lse [B, H, Sq, 1] or [B, H, Sq] depending on the build)
   "flash"      torch.ops.aten._scaled_dot_product_flash_attention (FlashAttention-2; on CPU its CPU op)
-  "efficient"  torch.ops.aten._scaled_dot_product_efficient_attention (lse padded to a multiple of 32)
   "math"       blockwise.math_forward/backward (fp32 or fp64 reference; any device, any dtype)
+The memory-efficient kernel is not offered: on an H100 (torch 2.11) its backward was wrong when fed merged
+out/lse with strided k/v (dq/dk errors 0.1-3.9 and NaN; tools/results/2026-11-23_h100_early), which is
+exactly how ring steps call it.
 Availability is a schema check plus a tiny probe call per (kernel, device, dtype), cached.
 GQA: k/v are expanded to q's heads for the fused kernels and dk/dv summed back.
 """
@@ -25,15 +27,13 @@ from . import blockwise
 
 log = logging.getLogger("megatron_sp_ext")
 
-KERNELS = ("cudnn", "flash", "efficient", "math")
+KERNELS = ("cudnn", "flash", "math")
 
 # argument names of the schemas this module calls (torch 2.11 and 2.13 agree; a different build is refused)
 _CUDNN_FWD_ARGS = ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
                    "return_debug_mask", "scale")
 _CUDNN_BWD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset",
                    "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale")
-_EFF_BWD_ARGS = ("grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed",
-                 "philox_offset", "dropout_p", "grad_input_mask", "is_causal", "scale")
 
 
 def _schema_args(op_name: str) -> Optional[tuple]:
@@ -51,8 +51,6 @@ def schema_ok(kernel: str) -> bool:
     if kernel == "cudnn":
         return (_schema_args("_scaled_dot_product_cudnn_attention") == _CUDNN_FWD_ARGS
                 and _schema_args("_scaled_dot_product_cudnn_attention_backward") == _CUDNN_BWD_ARGS)
-    if kernel == "efficient":
-        return _schema_args("_scaled_dot_product_efficient_attention_backward") == _EFF_BWD_ARGS
     return kernel in ("flash", "math")
 
 
@@ -89,8 +87,7 @@ def available(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
 def _probe(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
     """The kernel used as a ring uses it, on a tiny case (40 rows: not a multiple of any tile), against math:
     a causal block and a full block of keys merged by log-sum-exp, then each block's backward fed the MERGED
-    out/lse. (On an H100, torch 2.11, the memory-efficient kernel passes a lone block but its backward is wrong
-    with merged out/lse: tools/results/2026-11-23_h100_early; this probe keeps such a kernel out.)"""
+    out/lse (a kernel that only handles a lone block must not pass)."""
     from .lse import merge  # noqa: PLC0415
     g = torch.Generator().manual_seed(0)
     q, k0, v0, k1, v1, do = (torch.randn(1, 2, 40, 64, generator=g).to(device=device, dtype=dtype) for _ in range(6))
@@ -163,9 +160,6 @@ def forward(kernel: str, q, k, v, scale: float, causal: bool) -> tuple[torch.Ten
         res = _strided_or_packed(torch.ops.aten._scaled_dot_product_cudnn_attention, (q, k, v),
                                  (None, True, 0.0, causal, False), scale)
         return res[0], res[1].reshape(b, h, sq)
-    if kernel == "efficient":
-        res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-        return res[0], res[1][:, :, :sq]
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -187,12 +181,6 @@ def backward(kernel: str, do, q, k, v, out, lse, scale: float, causal: bool):
             lambda do_, q_, k_, v_, out_, *rest, scale: torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
                 do_, q_, k_, v_, out_, *rest, scale=scale),
             (do, q, ke, ve, out), (lse_in, seed, offset, None, None, None, sq, ke.shape[2], 0.0, causal), scale)
-    elif kernel == "efficient":
-        pad = (-sq) % 32
-        lse_in = lse.contiguous() if pad == 0 else torch.nn.functional.pad(lse, (0, pad))
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            do, q, ke, ve, None, out, lse_in, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
     else:
         raise ValueError(f"unknown kernel {kernel!r}")
     return dq, blockwise._fold_kv_grad(dk, rep), blockwise._fold_kv_grad(dv, rep)
