@@ -1,31 +1,78 @@
-# Two commands do everything on a fresh machine (each creates/updates .venv first):
-#   make demo   - the main job (sequence-parallel run on 4 CPU processes)
-#   make test   - the test suite
+# Two commands do everything on a fresh machine (each creates/updates its virtual environments first):
+#   make demo   - the main job (sequence-parallel run on 4 CPU processes), ends with samples.png
+#   make test   - both ends of the supported range:
+#                 .venv          oldest pins: torch 2.13.0, megatron-core 0.16.1, deepspeed 0.19.8 (full suite)
+#                 .venv-current  current releases: torch $(TORCH_CURRENT), megatron-core $(MCORE_CURRENT),
+#                                deepspeed 0.19.8 (compatibility suite: adapters + a few algorithms)
+SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-v2
+STAMP := $(VENV)/.installed-v3
+CUR_VENV := .venv-current
+CPY := $(CUR_VENV)/bin/python
+CUR_STAMP := $(CUR_VENV)/.installed-v1
+TORCH_CURRENT ?= 2.15.0
+MCORE_CURRENT ?= 0.19.2
+# The compatibility suite: both framework adapters, the DiT entry point on megatron-core's parallel_state,
+# config validation, and the Ulysses/HCMS and ring algorithms on the current torch.
+COMPAT_TESTS := tests/test_megatron.py tests/test_deepspeed.py tests/test_config.py tests/test_ulysses.py \
+	tests/test_ring.py::test_zigzag_equals_megatron_split tests/test_ring.py::test_ring_fp32_matches_reference \
+	tests/test_sample.py "tests/test_training.py::test_megatron_entry_3_steps_match_sp1"
 
-.PHONY: venv demo test wheels clean
+.PHONY: venv venv-current demo test test-oldest test-current wheels clean
 
-$(STAMP): setup.py
-	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard
-	DS_BUILD_OPS=0 $(VPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation
-	$(VPY) -m pip install -q --no-deps -e .
-	touch $(STAMP)
+# Each environment is built once (about 2 minutes each on 2 cores); the pip output goes to <venv>/install.log
+# and is shown only if the install fails.
+$(STAMP): pyproject.toml setup.py
+	@echo "== installing $(VENV): torch 2.13.0, megatron-core 0.16.1, deepspeed 0.19.8 (log: $(VENV)/install.log)"
+	@mkdir -p $(VENV) && ( set -ex; \
+	test -x $(VPY) || $(PY) -m venv $(VENV); \
+	$(VPY) -m pip install -q --upgrade pip; \
+	$(VPY) -m pip install -q torch==2.13.0; \
+	$(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard; \
+	DS_BUILD_OPS=0 $(VPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation; \
+	$(VPY) -m pip install -q --no-deps --no-build-isolation -e . ) > $(VENV)/install.log 2>&1 \
+	|| { tail -n 40 $(VENV)/install.log; exit 1; }
+	@touch $(STAMP)
+
+# megatron-core >= 0.17 declares Python >= 3.12 but runs on 3.11: installed without its
+# Requires-Python check and without deps; its imports (numpy, packaging, triton, einops) are listed here.
+$(CUR_STAMP): pyproject.toml setup.py
+	@echo "== installing $(CUR_VENV): torch $(TORCH_CURRENT), megatron-core $(MCORE_CURRENT), deepspeed 0.19.8 (log: $(CUR_VENV)/install.log)"
+	@mkdir -p $(CUR_VENV) && ( set -ex; \
+	test -x $(CPY) || $(PY) -m venv $(CUR_VENV); \
+	$(CPY) -m pip install -q --upgrade pip; \
+	$(CPY) -m pip install -q torch==$(TORCH_CURRENT) numpy packaging triton einops pytest matplotlib tqdm; \
+	$(CPY) -m pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_CURRENT); \
+	DS_BUILD_OPS=0 $(CPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation; \
+	$(CPY) -m pip install -q --no-deps --no-build-isolation -e . ) > $(CUR_VENV)/install.log 2>&1 \
+	|| { tail -n 40 $(CUR_VENV)/install.log; exit 1; }
+	@touch $(CUR_STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
-	PYTHON=$(VPY) ITERS=40 bash configs/launch/dit_megatron_cpu.sh
+venv-current: $(CUR_STAMP)
 
-test: $(STAMP)
+demo: $(STAMP)
+	@PYTHON=$(VPY) bash configs/launch/dit_megatron_cpu.sh
+
+test-oldest: $(STAMP)
 	DS_ACCELERATOR=cpu $(VPY) -m pytest -q tests
 
-# wheels for the GPU machines (python 3.12, no registry there); see README "GPU runs"
+test-current: $(CUR_STAMP)
+	DS_ACCELERATOR=cpu $(CPY) -m pytest -q $(COMPAT_TESTS)
+
+# Both suites run even if the first fails; the exit status is non-zero if either failed.
+test: $(STAMP) $(CUR_STAMP)
+	@rc=0; \
+	echo "== full suite, oldest pins: $$($(VPY) tools/versions.py)"; \
+	DS_ACCELERATOR=cpu $(VPY) -m pytest -q tests || rc=1; \
+	echo "== compatibility suite, current releases: $$($(CPY) tools/versions.py)"; \
+	DS_ACCELERATOR=cpu $(CPY) -m pytest -q $(COMPAT_TESTS) || rc=1; \
+	exit $$rc
+
+# wheels for the GPU machines (python 3.12, no registry there); see tools/results/README.md
 wheels: $(STAMP)
 	mkdir -p wheels
 	$(VPY) -m pip download -q megatron-core==0.16.1 --no-deps --only-binary=:all: --python-version 3.12 \
@@ -34,4 +81,4 @@ wheels: $(STAMP)
 	$(VPY) -m pip wheel -q --no-deps -w wheels/ .
 
 clean:
-	rm -rf $(VENV) wheels build *.egg-info
+	rm -rf $(VENV) $(CUR_VENV) wheels build *.egg-info

@@ -19,7 +19,7 @@ from .sp.ulysses import ulysses_attention
 from .topology.hamiltonian import hamiltonian_cycles, routing_tables
 from .topology.mesh import SPMesh, build_sp_mesh
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
            "unshard_sequence", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",

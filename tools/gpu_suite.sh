@@ -20,7 +20,7 @@
 #   bash tools/gpu_suite.sh U   # block memory re-check on GPU; attention time beside each transport; copy_engine grids
 #   bash tools/gpu_suite.sh V   # HCMS kernel-free schedule (every kernel on the compute stream) with copy_engine
 #   bash tools/gpu_suite.sh W   # GPU timelines of one step + A/B of HCMS's two schedules through copy_engine
-#   bash tools/gpu_suite.sh X   # final session-4 set: copy_engine (compiled exchanges) checks, P=4/P=2 grids, DiT step
+#   bash tools/gpu_suite.sh X   # final 2026-11-22 set: copy_engine (compiled exchanges) checks, P=4/P=2 grids, DiT step
 #   bash tools/gpu_suite.sh Y   # diagnostic: bare copy-engine pulls and a local copy beside attention
 #   (results of F on 2026-11-21 were taken when "packed" was the default: there "ulysses" = packed and
 #    "ulysses_contig" = today's default; parts A-E measured the packed layout)
@@ -129,7 +129,7 @@ elif [ "$PART" = S ]; then  # kernel-free copy-engine transport: CUDA equality, 
   run timeout 90 python3 tools/bench_transport.py --world-sizes 4 --heads 40 --seqlens 16384,32768 --out "$OUT"
   run timeout 200 python3 tools/bench_attention.py --tag ce_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768 \
       --modes deepspeed,ulysses,hcms2,ulysses_ce,hcms2_ce,hcms3_ce,hcms4_ce,hcms5_ce --iters 20 --out "$OUT"
-elif [ "$PART" = U ]; then  # after S: GPU re-check of session 3's block memory change; attention kernel time beside each
+elif [ "$PART" = U ]; then  # after S: GPU re-check of the 2026-11-21 block memory change; attention kernel time beside each
   # transport; HCMS/auto with copy_engine vs NCCL vs DeepSpeed at 8K-32K; blocks with copy_engine and their peak memory
   run timeout 120 python3 tools/gpu_check.py --world-sizes 4 --only allgather,copy_engine --out "$OUT"
   run timeout 90 python3 tools/bench_transport.py --world-sizes 4 --heads 40 --seqlens 16384,32768 --out "$OUT"
@@ -147,7 +147,7 @@ elif [ "$PART" = W ]; then  # (run at commit 7ab77f5 + tools; _ce0 then meant th
       --timeline --out "$OUT"
   run timeout 150 python3 tools/bench_attention.py --tag kf_ab_p4 --world-sizes 4 --heads 40 --seqlens 16384,32768 \
       --modes ulysses,hcms2_ce,hcms2_ce0,hcms4_ce,hcms4_ce0 --iters 20 --out "$OUT"
-elif [ "$PART" = X ]; then  # final set of session 4: copy_engine with compiled exchanges (host cost), P=4 and P=2 grids, DiT step
+elif [ "$PART" = X ]; then  # final set of 2026-11-22: copy_engine with compiled exchanges (host cost), P=4 and P=2 grids, DiT step
   run timeout 120 python3 tools/gpu_check.py --world-sizes 2,4 --only copy_engine --out "$OUT"
   run timeout 60 python3 tools/profile_step.py --world-size 4 --heads 24 --seqlen 8192 --modes ulysses,hcms2,hcms2_ce --out "$OUT"
   run timeout 80 python3 tools/bench_transport.py --world-sizes 4 --heads 40 --seqlens 16384,32768 --out "$OUT"

@@ -7,13 +7,14 @@ and optimizer on GPU.
 
 Megatron-core's DDP keeps its gradient buffers on CUDA; on CPU (gloo) the same reduction is done
 explicitly (all-reduce over data x context ranks, averaged) with torch AdamW: --ddp-impl picks,
-"auto" = megatron on CUDA, torch on CPU. The choice is printed.
+"auto" = megatron on CUDA, torch on CPU. The choice is logged at start.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import logging
 from typing import Optional
 
 import torch
@@ -23,12 +24,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
-from training.video_dit.cli import add_common_args, build_dataset, frames_and_size, pick_device  # noqa: E402
+from training.video_dit.cli import (add_common_args, build_dataset, check_common_args, frames_and_size,  # noqa: E402
+                                    pick_device)
 from training.video_dit.engine import MetricsLog, check_divisible, make_core  # noqa: E402
+from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import MegatronOps, RunContext, TorchOps, add_train_args, train_loop  # noqa: E402
+from training.video_dit.sample import write_demo_samples  # noqa: E402
+
+logger = logging.getLogger("video_dit")
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
+    quiet_known_warnings()  # before megatron-core is imported
     from megatron_sp_ext.megatron import add_arguments, validate_args  # noqa: PLC0415
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
@@ -52,6 +59,7 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
             and args.ddp_impl == "torch":
         p.error("--bf16-params / --use-distributed-optimizer / --overlap-grad-reduce / --grad-reduce-in-bf16 are "
                 "megatron DDP options: use --ddp-impl megatron or auto on CUDA")
+    check_common_args(p, args)
     cfg = preset(args.model, args.num_layers)
     args.num_attention_heads, args.tensor_model_parallel_size = cfg.heads, 1
     if len(args.cp_comm_type) != 1:
@@ -91,6 +99,7 @@ def main(argv: Optional[list] = None) -> dict:
         torch.cuda.set_device(device)
     from megatron.core import parallel_state as ps  # noqa: PLC0415
     ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
+    setup_logging(args.log_level, dist.get_rank())
     try:
         return _train(args, device, ps)
     finally:
@@ -139,13 +148,12 @@ def _train(args, device, ps) -> dict:
         opt.load_state_dict(ck["optimizer"])
         start = ck["step"]
     dataset = build_dataset(args, cfg)
+    if not args.quiet:
+        logger.info(f"model={args.model} layers={cfg.layers} CP={sp_world} DP={dp_world} "
+                    f"cp_comm_type={args.cp_comm_type[0]} head_chunks={args.hcms_head_chunks} "
+                    f"async_qkv={args.sp_async_qkv} ddp={impl} dist_opt={args.use_distributed_optimizer} "
+                    f"recompute={args.recompute_granularity} device={device}")
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
-    if rank == 0 and not args.quiet:
-        print(f"[pretrain_video_dit] model={args.model} layers={cfg.layers} CP={sp_world} DP={dp_world} "
-              f"cp_comm_type={args.cp_comm_type[0]} head_chunks={args.hcms_head_chunks} async_qkv={args.sp_async_qkv} "
-              f"ddp={impl} dist_opt={args.use_distributed_optimizer} recompute={args.recompute_granularity} "
-              f"device={device}",
-              flush=True)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
     ops = MegatronOps(model, opt) if impl == "megatron" else TorchOps(model, opt, dp_cp_group, args.clip_grad)
     ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, dist.get_world_size())
@@ -154,9 +162,13 @@ def _train(args, device, ps) -> dict:
     if args.save:
         _save(args.save, args.train_iters, model.module if impl == "megatron" else model, opt, rank)
     plot = log.close(f"video DiT ({args.model}), CP={sp_world} {args.cp_comm_type[0]}")
-    if rank == 0 and not args.quiet and losses:
-        print(f"[pretrain_video_dit] loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
-              f"metrics: {args.log_dir}/metrics.jsonl; plot: {plot}", flush=True)
+    if not args.quiet and losses:
+        logger.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+                    f"metrics: {args.log_dir}/metrics.jsonl; plot: {plot}")
+    if args.sample_steps:
+        write_demo_samples(model.module if impl == "megatron" else model, dataset, steps=args.sample_steps,
+                           seed=args.seed, group=cp_group if sp_world > 1 else None, device=device,
+                           log_dir=args.log_dir)
     return {"losses": losses, "plot": plot, "rows": log.rows, "timing": getattr(log, "timing", None)}
 
 

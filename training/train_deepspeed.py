@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import Optional
@@ -22,9 +23,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training.video_dit import VideoDiT, preset  # noqa: E402
-from training.video_dit.cli import add_common_args, build_dataset, frames_and_size, pick_device  # noqa: E402
+from training.video_dit.cli import (add_common_args, build_dataset, check_common_args, frames_and_size,  # noqa: E402
+                                    pick_device)
 from training.video_dit.engine import MetricsLog, check_divisible  # noqa: E402
+from training.video_dit.logs import captured_stdout, quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import DeepSpeedOps, RunContext, add_train_args, train_loop  # noqa: E402
+from training.video_dit.sample import write_demo_samples  # noqa: E402
+
+logger = logging.getLogger("video_dit")
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
@@ -33,11 +39,14 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--deepspeed-config", required=True, help="DeepSpeed JSON (with sequence_parallel_ext)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     add_train_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_common_args(p, args)
+    return args
 
 
 def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     """``config`` (a dict) overrides --deepspeed-config (tests)."""
+    quiet_known_warnings()  # before DeepSpeed is imported
     args = parse(argv)
     device = pick_device()
     if device.type == "cpu":
@@ -52,7 +61,9 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     own_pg = not dist.is_initialized()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    with captured_stdout("deepspeed.init_distributed"):  # its CPU shm-op build prints one line per rank
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    setup_logging(args.log_level, dist.get_rank())
     cfg = preset(args.model, args.num_layers)
     frames, h, w = frames_and_size(args)
     check_divisible(cfg, frames, h, w)
@@ -83,11 +94,11 @@ def _train(args, engine, cfg, device) -> dict:
         _, client = engine.load_checkpoint(args.load)
         start = int((client or {}).get("step", 0))
     dataset = build_dataset(args, cfg)
-    log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     block = engine.config.get("sequence_parallel_ext", {}) if isinstance(engine.config, dict) else {}
-    if rank == 0 and not args.quiet:
-        print(f"[train_deepspeed] model={args.model} layers={cfg.layers} SP={sp_world} DP={dp_world} "
-              f"zero={engine.zero_optimization_stage()} sequence_parallel_ext={block} device={device}", flush=True)
+    if not args.quiet:
+        logger.info(f"model={args.model} layers={cfg.layers} SP={sp_world} DP={dp_world} "
+                    f"zero={engine.zero_optimization_stage()} sequence_parallel_ext={block} device={device}")
+    log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     bf16 = engine.bfloat16_enabled()
 
     def cast_inputs(inp):
@@ -100,9 +111,11 @@ def _train(args, engine, cfg, device) -> dict:
     if args.save:
         engine.save_checkpoint(args.save, tag=f"step{args.train_iters}", client_state={"step": args.train_iters})
     plot = log.close(f"video DiT ({args.model}), DeepSpeed SP={sp_world}")
-    if rank == 0 and not args.quiet and losses:
-        print(f"[train_deepspeed] loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
-              f"plot: {plot}", flush=True)
+    if not args.quiet and losses:
+        logger.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; plot: {plot}")
+    if args.sample_steps:
+        write_demo_samples(engine.module, dataset, steps=args.sample_steps, seed=args.seed,
+                           group=sp_group if sp_world > 1 else None, device=device, log_dir=args.log_dir)
     return {"losses": losses, "plot": plot, "rows": log.rows, "timing": getattr(log, "timing", None)}
 
 

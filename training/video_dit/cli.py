@@ -7,6 +7,7 @@ import torch
 
 from .config import PRESETS
 from .data import LatentShardDataset, SyntheticVideoLatents
+from .logs import add_log_level_arg
 
 
 def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -29,7 +30,19 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-dir", default=None, help="metrics.jsonl and loss.png go here")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
     g.add_argument("--quiet", action="store_true", help="no progress bar / summary")
+    g.add_argument("--sample-steps", type=int, default=0,
+                   help="after training, sample one clip per prompt with this many flow-matching Euler steps "
+                        "(same sequence-parallel attention) and write samples.png beside loss.png (0: off)")
+    add_log_level_arg(g)
     return p
+
+
+def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Parse-time checks of the common flags (p.error names the flag)."""
+    if args.sample_steps < 0:
+        p.error(f"--sample-steps={args.sample_steps}: must be >= 0 (0 turns sampling off)")
+    if args.sample_steps and not args.log_dir:
+        p.error("--sample-steps needs --log-dir (samples.png is written there, beside loss.png)")
 
 
 def frames_and_size(args) -> tuple[list, int, int]:
