@@ -7,6 +7,7 @@ must be untouched when the block is absent. The switch (``hook.activate``) is wh
 ``.pth`` runs when deepspeed is imported; a last test runs that ``.pth`` in a fresh interpreter.
 """
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,8 +18,15 @@ import torch
 
 pytest.importorskip("deepspeed")
 
+import torch._dynamo  # noqa: E402,F401 - torch's optimizers import it on first use: ~13 s per forked rank otherwise
+
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
+
+# import once in the parent so that forked ranks start warm
+importlib.import_module("training.ds_examples.train_ulysses")
+if importlib.util.find_spec("transformers") is not None:
+    importlib.import_module("training.ds_examples.train_alst_llama")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
@@ -138,9 +146,11 @@ def test_pth_autoload_activates_on_deepspeed_import(tmp_path):
         (site_dir / "megatron_sp_ext_autoload.pth").write_text(f.read())
     code = ("import site, sys; site.addsitedir(sys.argv[1]); "
             "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'the .pth must stay cheap'; "
-            "import deepspeed; print(getattr(deepspeed.initialize, '_megatron_sp_ext', False))")
+            "hooked = any(type(f).__name__ == '_Finder' for f in sys.meta_path); "
+            "deepspeed = __import__('deepspeed') if hooked else None; "
+            "print(hooked, getattr(deepspeed.initialize, '_megatron_sp_ext', False) if hooked else False)")
     env = dict(os.environ, PYTHONPATH=ROOT, DS_ACCELERATOR="cpu")
-    for flag, want in (("1", "True"), ("0", "False")):
+    for flag, want in (("1", "True True"), ("0", "False False")):  # "0": the switch is off, deepspeed untouched
         env["MEGATRON_SP_EXT_DEEPSPEED_HOOK"] = flag
         out = subprocess.run([sys.executable, "-c", code, str(site_dir)], env=env, capture_output=True, text=True,
                              timeout=120)

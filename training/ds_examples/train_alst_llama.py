@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import deepspeed
 import torch
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
 
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    get_accelerator().set_device(rank % max(get_accelerator().device_count(), 1))
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", args.local_rank)))
     sp = ds_config.get("sequence_parallel_size", 1)
 
     torch.manual_seed(args.seed)
@@ -67,7 +67,6 @@ def main(argv=None) -> dict:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=args.deepspeed_config, mpu=mpu)
     device = engine.device
-    sp_group = mpu.get_sequence_parallel_group() if mpu is not None else None
     sp_rank = mpu.get_sequence_parallel_rank() if mpu is not None else 0
     s_loc = args.seq_len // sp
     pos = torch.arange(sp_rank * s_loc, (sp_rank + 1) * s_loc).expand(args.batch_size, s_loc).to(device)
@@ -78,14 +77,13 @@ def main(argv=None) -> dict:
         ids, labels = (t[:, sp_rank * s_loc:(sp_rank + 1) * s_loc].to(device) for t in (ids, labels))
         logits = engine(input_ids=ids, position_ids=pos).logits
         loss_sum = F.cross_entropy(logits.float().reshape(-1, args.vocab), labels.reshape(-1), reduction="sum")
-        if sp_group is not None:  # the sequence's mean loss, differentiable across the SP ranks (as ALST)
-            loss_sum = dist_fn.all_reduce(loss_sum, group=sp_group)
-        loss = loss_sum / tokens_per_step
-        engine.backward(loss)
+        # DeepSpeed averages gradients over the sequence x data ranks: scaling this shard's share of the
+        # sequence's mean loss by sp makes that average the gradient of the mean loss
+        engine.backward(loss_sum * (sp / tokens_per_step))
         engine.step()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / world)
+        mean = loss_sum.detach() / tokens_per_step
+        torch.distributed.all_reduce(mean)  # sum over the SP shards, and over data-parallel sequences
+        losses.append(mean.item() / (world // sp))
         gn = engine.get_global_grad_norm()
         grad_norms.append(float(gn) if gn is not None and math.isfinite(float(gn)) else float("nan"))
         if rank == 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import deepspeed
 import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp_state
@@ -91,7 +92,7 @@ def main(argv=None) -> dict:
 
     deepspeed.init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    get_accelerator().set_device(rank % max(get_accelerator().device_count(), 1))
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", args.local_rank)))
     sp = ds_config.get("sequence_parallel_size", 1)
     sp_state.initialize_sequence_parallel(sp)
     sp_group, sp_rank = sp_state.get_sequence_parallel_group(), sp_state.get_sequence_parallel_rank()
