@@ -125,6 +125,7 @@ def _swap_distributed_attention(model: torch.nn.Module, cfg: SPConfig, extras: d
     from deepspeed.sequence.layer import DistributedAttention  # noqa: PLC0415
 
     from .attention import SPDistributedAttention  # noqa: PLC0415
+    ours = [m for m in model.modules() if isinstance(m, SPDistributedAttention)]  # installed by the script itself
     found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, DistributedAttention) and not isinstance(child, SPDistributedAttention)]
     if found and cfg.mode == "auto":
@@ -135,7 +136,7 @@ def _swap_distributed_attention(model: torch.nn.Module, cfg: SPConfig, extras: d
         setattr(parent, name, SPDistributedAttention(
             child.local_attn, child.spg, child.scatter_idx, child.gather_idx, None, child.num_kv_heads,
             sp_config=cfg, causal=extras.get("causal", False)))
-    return len(found)
+    return len(found) + len(ours)
 
 
 def _swap_hf_ulysses(model: torch.nn.Module, cfg: SPConfig, sp: int) -> int:
