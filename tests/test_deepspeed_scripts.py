@@ -64,12 +64,12 @@ def _installed_hf(engine):
             "modes": sorted({m.cfg.mode for m in ours})}
 
 
-def _train(rank, world, script, config_path, installed):
+def _train(rank, world, script, config_path, installed, extra=()):
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # skip the ~25 s CPU op build
     from megatron_sp_ext.deepspeed.hook import activate
     activate()  # what the installed .pth does when deepspeed is imported
     mod = importlib.import_module(f"training.ds_examples.{script}")
-    res = mod.main(["--deepspeed_config", config_path, "--steps", str(STEPS)])
+    res = mod.main(["--deepspeed_config", config_path, "--steps", str(STEPS), *extra])
     return res["loss"], res["grad_norm"], globals()[installed](res["engine"])
 
 
@@ -77,25 +77,31 @@ def _rel(a, b):
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-SCRIPTS = {"train_ulysses": ("_installed_ulysses", [{"mode": "ulysses"}, {"mode": "hcms", "head_chunks": 2},
-                                                    {"mode": "ring", "causal": True}]),
-           "train_alst_llama": ("_installed_hf", [{"mode": "ulysses"}, {"mode": "hcms", "head_chunks": 2}])}
+CASES = {  # id: (script, script args, what to inspect, blocks)
+    "gpt_distributed_attention": ("train_ulysses", [], "_installed_ulysses",
+                                  [{"mode": "ulysses"}, {"mode": "hcms", "head_chunks": 2},
+                                   {"mode": "ring", "causal": True}]),
+    "alst_llama_gqa": ("train_alst_llama", [], "_installed_hf",
+                       [{"mode": "ulysses"}, {"mode": "hcms", "head_chunks": 2}]),
+    # one kv head for 2 ranks: DeepSpeed replicates kv heads (kv_replication_factor 2)
+    "alst_llama_mqa": ("train_alst_llama", ["--kv-heads", "1"], "_installed_hf", [{"mode": "hcms", "head_chunks": 2}]),
+}
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_json_block_switches_attention_same_loss(script, tmp_path):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_json_block_switches_attention_same_loss(case, tmp_path):
+    script, extra, installed, blocks = CASES[case]
     if script == "train_alst_llama":
         pytest.importorskip("transformers")
-    installed, blocks = SCRIPTS[script]
-    ref_loss, ref_gn, ref_inst = run_ranks(_train, 2, script, _write(tmp_path, None), installed)[0]
+    ref_loss, ref_gn, ref_inst = run_ranks(_train, 2, script, _write(tmp_path, None), installed, extra)[0]
     assert ref_inst["n"] >= 1 and ref_inst["ours"] == 0, f"without the block DeepSpeed's attention stays: {ref_inst}"
     assert ref_loss[-1] < ref_loss[0], f"the script must learn: {ref_loss}"
     for block in blocks:
-        loss, gn, inst = run_ranks(_train, 2, script, _write(tmp_path, block), installed)[0]
+        loss, gn, inst = run_ranks(_train, 2, script, _write(tmp_path, block), installed, extra)[0]
         assert inst["ours"] == inst["n"] >= 1 and inst["modes"] == [block["mode"]], f"{block}: {inst}"
         assert inst["calls"] >= STEPS * inst["n"], f"{block}: our attention ran {inst['calls']} times"
-        assert _rel(loss, ref_loss) < 1e-5, f"{script} {block}: loss {loss} vs DeepSpeed {ref_loss}"
-        assert _rel(gn, ref_gn) < 1e-5, f"{script} {block}: grad norm {gn} vs DeepSpeed {ref_gn}"
+        assert _rel(loss, ref_loss) < 1e-5, f"{case} {block}: loss {loss} vs DeepSpeed {ref_loss}"
+        assert _rel(gn, ref_gn) < 1e-5, f"{case} {block}: grad norm {gn} vs DeepSpeed {ref_gn}"
 
 
 def _bad_block(rank, world, script, config_path):
