@@ -144,6 +144,20 @@ def test_block_without_sp_attention_is_an_error():
         deactivate()
 
 
+def test_config_is_found_where_deepspeed_looks(tmp_path):
+    """config=, config_params=, args.deepspeed_config; dict or JSON path; unreadable -> left to DeepSpeed."""
+    import argparse
+
+    from megatron_sp_ext.deepspeed.hook import _config_of
+    path = _write(tmp_path, {"mode": "hcms"})
+    want = json.loads(open(path).read())
+    assert _config_of(None, {"config": path}) == want
+    assert _config_of(None, {"config_params": want}) == want
+    assert _config_of(argparse.Namespace(deepspeed_config=path), {}) == want
+    assert _config_of(argparse.Namespace(deepspeed_config=None), {}) is None
+    assert _config_of(None, {"config": str(tmp_path / "missing.json")}) is None
+
+
 def test_pth_autoload_activates_on_deepspeed_import(tmp_path):
     """The .pth shipped with the package: cheap at start-up, wraps deepspeed.initialize once imported."""
     site_dir = tmp_path / "site"
