@@ -138,6 +138,8 @@ def test_block_without_sp_attention_is_an_error():
     try:
         with pytest.raises(SPConfigError, match="sequence_parallel_ext is set but the model has no DeepSpeed"):
             deepspeed.initialize(model=torch.nn.Linear(2, 2), config=dict(BASE, sequence_parallel_ext={"mode": "hcms"}))
+        from megatron_sp_ext.deepspeed.hook import install
+        assert install(torch.nn.Linear(2, 2), dict(BASE, sequence_parallel_size=1, sequence_parallel_ext={})) == 0
         with pytest.raises(SPConfigError, match="sequence_parallel_ext must be a JSON object"):
             deepspeed.initialize(model=torch.nn.Linear(2, 2), config=dict(BASE, sequence_parallel_ext="hcms"))
     finally:

@@ -105,6 +105,9 @@ def install(model: Optional[torch.nn.Module], config: dict) -> int:
     if model is None:
         raise SPConfigError(f"{BLOCK_KEY} is set but deepspeed.initialize got no model")
     n = _swap_distributed_attention(model, cfg, extras, sp) + _swap_hf_ulysses(model, cfg, sp)
+    if n == 0 and sp == 1:  # DeepSpeed itself installs no SP attention at size 1 (e.g. a debugging run)
+        log.info("megatron_sp_ext: sequence_parallel_size=1, %s has nothing to replace", BLOCK_KEY)
+        return 0
     if n == 0:
         raise SPConfigError(
             f"{BLOCK_KEY} is set but the model has no DeepSpeed sequence-parallel attention to replace: "
