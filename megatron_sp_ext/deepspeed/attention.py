@@ -74,6 +74,7 @@ class SPDistributedAttention(DistributedAttention):
         self.policy = HCMSPolicy()
         self.transports = TransportPool()
         self._meshes: dict = {}
+        self.calls = 0  # forward calls (lets a script or test see that this attention ran)
 
     def _mesh(self, num_heads: int):
         if num_heads not in self._meshes:
@@ -93,6 +94,7 @@ class SPDistributedAttention(DistributedAttention):
             raise SPConfigError(f"batch_dim_idx={batch_dim_idx} is invalid: use 0 ([b, s, h, d]) or 1 ([s, b, h, d])")
         layout = "bshd" if batch_dim_idx == 0 else "sbhd"
         mode = self.cfg.mode
+        self.calls += 1
         scale = self.softmax_scale
         if mode in ("ulysses", "hcms"):
             if kv_valid_len is None:

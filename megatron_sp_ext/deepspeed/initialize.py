@@ -129,4 +129,5 @@ def initialize(model: torch.nn.Module, config: Union[str, Mapping[str, Any]], nu
         logging.getLogger("megatron_sp_ext").warning(
             "megatron_sp_ext.deepspeed.initialize: no module opted in to sequence parallelism "
             "(no DistributedAttention and no configure_sequence_parallel found)")
-    return deepspeed.initialize(model=model, config=cfg_dict, mpu=mpu, **kwargs)
+    ds_initialize = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)  # the JSON switch's work is done
+    return ds_initialize(model=model, config=cfg_dict, mpu=mpu, **kwargs)

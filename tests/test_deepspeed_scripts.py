@@ -1,0 +1,180 @@
+"""Stock DeepSpeed scripts (training/ds_examples) switch to our attention by the JSON block alone.
+
+Each script runs a few fp32 steps on 2 gloo ranks (SP=2) with DeepSpeed's own Ulysses and with
+``"sequence_parallel_ext": {"mode": ...}`` in the same JSON; the losses and grad norms must agree
+within 1e-5 relative, our attention must be the one installed and must have run, and DeepSpeed's
+must be untouched when the block is absent. The switch (``hook.activate``) is what the installed
+``.pth`` runs when deepspeed is imported; a last test runs that ``.pth`` in a fresh interpreter.
+"""
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+import torch._dynamo  # noqa: E402,F401 - torch's optimizers import it on first use: ~13 s per forked rank otherwise
+
+from megatron_sp_ext.errors import SPConfigError  # noqa: E402
+from tests.harness import run_ranks  # noqa: E402
+
+# import once in the parent so that forked ranks start warm
+importlib.import_module("training.ds_examples.train_ulysses")
+if importlib.util.find_spec("transformers") is not None:
+    importlib.import_module("training.ds_examples.train_alst_llama")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 3
+BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "sequence_parallel_size": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.003, "torch_adam": True}},
+        "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 1000}
+
+
+def _write(tmp_path, block):
+    cfg = dict(BASE, **({"sequence_parallel_ext": block} if block is not None else {}))
+    path = tmp_path / f"ds_{abs(hash(json.dumps(block, sort_keys=True)))}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _installed_ulysses(engine):
+    from deepspeed.sequence.layer import DistributedAttention
+
+    from megatron_sp_ext.deepspeed import SPDistributedAttention
+    mods = [m for m in engine.module.modules() if isinstance(m, DistributedAttention)]
+    ours = [m for m in mods if isinstance(m, SPDistributedAttention)]
+    return {"n": len(mods), "ours": len(ours), "calls": sum(m.calls for m in ours),
+            "modes": sorted({m.cfg.mode for m in ours})}
+
+
+def _installed_hf(engine):
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from megatron_sp_ext.deepspeed.hf import SPUlyssesAttentionHF
+    fn = ALL_ATTENTION_FUNCTIONS[engine.module.config._attn_implementation]
+    mods = [c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, UlyssesSPAttentionHF)]
+    ours = [m for m in mods if isinstance(m, SPUlyssesAttentionHF)]
+    return {"n": len(mods), "ours": len(ours), "calls": sum(m.calls for m in ours),
+            "modes": sorted({m.cfg.mode for m in ours})}
+
+
+def _train(rank, world, script, config_path, installed, extra=()):
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # skip the ~25 s CPU op build
+    from megatron_sp_ext.deepspeed.hook import activate
+    activate()  # what the installed .pth does when deepspeed is imported
+    mod = importlib.import_module(f"training.ds_examples.{script}")
+    res = mod.main(["--deepspeed_config", config_path, "--steps", str(STEPS), *extra])
+    return res["loss"], res["grad_norm"], globals()[installed](res["engine"])
+
+
+def _rel(a, b):
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+CASES = {  # id: (script, script args, what to inspect, blocks)
+    "gpt_distributed_attention": ("train_ulysses", [], "_installed_ulysses",
+                                  [{"mode": "ulysses"}, {"mode": "hcms", "head_chunks": 2},
+                                   {"mode": "ring", "causal": True}]),
+    "alst_llama_gqa": ("train_alst_llama", [], "_installed_hf",
+                       [{"mode": "ulysses"}, {"mode": "hcms", "head_chunks": 2}]),
+    # one kv head for 2 ranks: DeepSpeed replicates kv heads (kv_replication_factor 2)
+    "alst_llama_mqa": ("train_alst_llama", ["--kv-heads", "1"], "_installed_hf", [{"mode": "hcms", "head_chunks": 2}]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_json_block_switches_attention_same_loss(case, tmp_path):
+    script, extra, installed, blocks = CASES[case]
+    if script == "train_alst_llama":
+        pytest.importorskip("transformers")
+    ref_loss, ref_gn, ref_inst = run_ranks(_train, 2, script, _write(tmp_path, None), installed, extra)[0]
+    assert ref_inst["n"] >= 1 and ref_inst["ours"] == 0, f"without the block DeepSpeed's attention stays: {ref_inst}"
+    assert ref_loss[-1] < ref_loss[0], f"the script must learn: {ref_loss}"
+    for block in blocks:
+        loss, gn, inst = run_ranks(_train, 2, script, _write(tmp_path, block), installed, extra)[0]
+        assert inst["ours"] == inst["n"] >= 1 and inst["modes"] == [block["mode"]], f"{block}: {inst}"
+        assert inst["calls"] >= STEPS * inst["n"], f"{block}: our attention ran {inst['calls']} times"
+        assert _rel(loss, ref_loss) < 1e-5, f"{case} {block}: loss {loss} vs DeepSpeed {ref_loss}"
+        assert _rel(gn, ref_gn) < 1e-5, f"{case} {block}: grad norm {gn} vs DeepSpeed {ref_gn}"
+
+
+def _bad_block(rank, world, script, config_path):
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    from megatron_sp_ext.deepspeed.hook import activate
+    activate()
+    mod = importlib.import_module(f"training.ds_examples.{script}")
+    try:
+        mod.main(["--deepspeed_config", config_path, "--steps", "1"])
+    except SPConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("script,block,key", [
+    ("train_ulysses", {"mode": "hcmz"}, "sequence_parallel_ext.mode"),
+    ("train_ulysses", {"mode": "hcms", "head_chunks": 0}, "sequence_parallel_ext.head_chunks"),
+    ("train_ulysses", {"mode": "hcms", "chunks": 2}, "sequence_parallel_ext.chunks"),
+    ("train_alst_llama", {"mode": "ring"}, "sequence_parallel_ext.mode"),
+])
+def test_bad_block_names_the_key(script, block, key, tmp_path):
+    if script == "train_alst_llama":
+        pytest.importorskip("transformers")
+    errors = run_ranks(_bad_block, 2, script, _write(tmp_path, block))
+    for err in errors:
+        assert err is not None and key in err, f"{block}: {err!r} does not name {key}"
+
+
+def test_block_without_sp_attention_is_an_error():
+    import deepspeed
+
+    from megatron_sp_ext.deepspeed.hook import activate, deactivate
+    activate()
+    try:
+        with pytest.raises(SPConfigError, match="sequence_parallel_ext is set but the model has no DeepSpeed"):
+            deepspeed.initialize(model=torch.nn.Linear(2, 2), config=dict(BASE, sequence_parallel_ext={"mode": "hcms"}))
+        from megatron_sp_ext.deepspeed.hook import install
+        assert install(torch.nn.Linear(2, 2), dict(BASE, sequence_parallel_size=1, sequence_parallel_ext={})) == 0
+        with pytest.raises(SPConfigError, match="sequence_parallel_ext must be a JSON object"):
+            deepspeed.initialize(model=torch.nn.Linear(2, 2), config=dict(BASE, sequence_parallel_ext="hcms"))
+    finally:
+        deactivate()
+
+
+def test_config_is_found_where_deepspeed_looks(tmp_path):
+    """config=, config_params=, args.deepspeed_config; dict or JSON path; unreadable -> left to DeepSpeed."""
+    import argparse
+
+    from megatron_sp_ext.deepspeed.hook import _config_of
+    path = _write(tmp_path, {"mode": "hcms"})
+    want = json.loads(open(path).read())
+    assert _config_of(None, {"config": path}) == want
+    assert _config_of(None, {"config_params": want}) == want
+    assert _config_of(argparse.Namespace(deepspeed_config=path), {}) == want
+    assert _config_of(argparse.Namespace(deepspeed_config=None), {}) is None
+    assert _config_of(None, {"config": str(tmp_path / "missing.json")}) is None
+
+
+def test_pth_autoload_activates_on_deepspeed_import(tmp_path):
+    """The .pth shipped with the package: cheap at start-up, wraps deepspeed.initialize once imported."""
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    with open(os.path.join(ROOT, "megatron_sp_ext_autoload.pth")) as f:
+        (site_dir / "megatron_sp_ext_autoload.pth").write_text(f.read())
+    code = ("import site, sys; site.addsitedir(sys.argv[1]); "
+            "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'the .pth must stay cheap'; "
+            "hooked = any(type(f).__name__ == '_Finder' for f in sys.meta_path); "
+            "deepspeed = __import__('deepspeed') if hooked else None; "
+            "print(hooked, getattr(deepspeed.initialize, '_megatron_sp_ext', False) if hooked else False)")
+    env = dict(os.environ, PYTHONPATH=ROOT, DS_ACCELERATOR="cpu")
+    for flag, want in (("1", "True True"), ("0", "False False")):  # "0": the switch is off, deepspeed untouched
+        env["MEGATRON_SP_EXT_DEEPSPEED_HOOK"] = flag
+        out = subprocess.run([sys.executable, "-c", code, str(site_dir)], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == want, (flag, out.stdout, out.stderr[-2000:])
