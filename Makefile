@@ -8,7 +8,7 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-v3
+STAMP := $(VENV)/.installed-v4
 CUR_VENV := .venv-current
 CPY := $(CUR_VENV)/bin/python
 CUR_STAMP := $(CUR_VENV)/.installed-v1
@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(VPY) || $(PY) -m venv $(VENV); \
 	$(VPY) -m pip install -q --upgrade pip; \
 	$(VPY) -m pip install -q torch==2.13.0; \
-	$(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard; \
+	$(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard transformers==5.23.0; \
 	DS_BUILD_OPS=0 $(VPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation; \
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e . ) > $(VENV)/install.log 2>&1 \
 	|| { tail -n 40 $(VENV)/install.log; exit 1; }

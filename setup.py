@@ -1,4 +1,27 @@
-"""Thin entry for tools that still call setup.py; all metadata lives in pyproject.toml."""
-from setuptools import setup
+"""Thin entry: metadata lives in pyproject.toml. What setup.py adds: the start-up hook that lets a stock
+DeepSpeed script switch to megatron_sp_ext by its JSON block alone (docs/deepspeed.md): the module
+``megatron_sp_ext_autoload`` and the file ``megatron_sp_ext_autoload.pth`` at the top of site-packages.
+The .pth file only imports that standard-library-only module, which does nothing until deepspeed is imported
+(``MEGATRON_SP_EXT_DEEPSPEED_HOOK=0`` turns it off). Editable installs get the module but not the .pth
+file: use ``python -m megatron_sp_ext.deepspeed.launch`` there."""
+import os
 
-setup()
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+PTH = "megatron_sp_ext_autoload.pth"
+
+
+class BuildPyWithPth(build_py):
+    """build_py that also puts the .pth file at the top of the wheel (site-packages)."""
+
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), PTH),
+                       os.path.join(self.build_lib, PTH), preserve_mode=0)
+
+    def get_outputs(self, include_bytecode=1):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, PTH)]
+
+
+setup(py_modules=["megatron_sp_ext_autoload"], cmdclass={"build_py": BuildPyWithPth})
