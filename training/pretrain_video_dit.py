@@ -23,7 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit import checkpoint as ckpt  # noqa: E402
 from training.video_dit.cli import add_common_args, build_dataset, frames_and_size, pick_device  # noqa: E402
+from training.video_dit.faults import timeout_of  # noqa: E402
 from training.video_dit.engine import (MetricsLog, check_divisible, flow_matching_batch, local_loss, make_core,  # noqa: E402
                                        prepare, sample_loss)
 
@@ -57,12 +59,15 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     return args
 
 
-def _save(path, step, model, opt, rank):
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()},
-                   os.path.join(path, "checkpoint.pt"))
-    dist.barrier()
+def _save(args, step, model, opt, rank):
+    """Sharded atomic checkpoint (training/video_dit/checkpoint.py); ``model``: DDP wrapper or module."""
+    out = ckpt.save(args.save, step, model, opt, _ckpt_identity(args), args.keep_last)
+    if rank == 0 and not args.quiet:
+        print(f"[pretrain_video_dit] saved {out['path']} in {out['seconds']:.2f}s", flush=True)
+
+
+def _ckpt_identity(args) -> dict:
+    return {"entry": "megatron-core", **ckpt.describe(preset(args.model, args.num_layers), args.model)}
 
 
 def main(argv: Optional[list] = None) -> dict:
@@ -70,7 +75,8 @@ def main(argv: Optional[list] = None) -> dict:
     device = pick_device()
     own_pg = not dist.is_initialized()
     if own_pg:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=timeout_of(args.distributed_timeout_minutes))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     from megatron.core import parallel_state as ps  # noqa: PLC0415
@@ -111,10 +117,7 @@ def _train(args, device, ps) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     start = 0
     if args.load:
-        ck = torch.load(os.path.join(args.load, "checkpoint.pt"), map_location=device, weights_only=False)
-        (model.module if impl == "megatron" else model).load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        start = ck["step"]
+        start = int(ckpt.load(args.load, model, opt, _ckpt_identity(args))["step"])
     dataset = build_dataset(args, cfg)
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     if rank == 0 and not args.quiet:
@@ -145,9 +148,9 @@ def _train(args, device, ps) -> dict:
         log.step(step, loss, inp.n_valid * args.micro_batch_size * dp_world, inp.n_valid,
                  {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid})
         if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
-            _save(args.save, step + 1, model.module if impl == "megatron" else model, opt, rank)
-    if args.save:
-        _save(args.save, args.train_iters, model.module if impl == "megatron" else model, opt, rank)
+            _save(args, step + 1, model, opt, rank)
+    if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
+        _save(args, args.train_iters, model, opt, rank)
     plot = log.close(f"video DiT ({args.model}), CP={sp_world} {args.cp_comm_type[0]}")
     if rank == 0 and not args.quiet and losses:
         print(f"[pretrain_video_dit] loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "

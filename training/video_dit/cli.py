@@ -5,6 +5,7 @@ import argparse
 
 import torch
 
+from .checkpoint import add_checkpoint_args
 from .config import PRESETS
 from .data import LatentShardDataset, SyntheticVideoLatents
 
@@ -29,6 +30,7 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-dir", default=None, help="metrics.jsonl and loss.png go here")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
     g.add_argument("--quiet", action="store_true", help="no progress bar / summary")
+    add_checkpoint_args(p)
     return p
 
 
@@ -40,7 +42,7 @@ def frames_and_size(args) -> tuple[list, int, int]:
 
 def build_dataset(args, cfg):
     if args.data_path:
-        return LatentShardDataset(args.data_path)
+        return LatentShardDataset(args.data_path, channels=cfg.in_channels, text_dim=cfg.text_dim, patch=cfg.patch)
     frames, h, w = frames_and_size(args)
     return SyntheticVideoLatents(cfg.in_channels, frames, h, w, cfg.text_len, cfg.text_dim, seed=args.seed)
 
