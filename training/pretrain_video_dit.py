@@ -25,7 +25,7 @@ from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
 from training.video_dit.cli import add_common_args, build_dataset, frames_and_size, pick_device  # noqa: E402
-from training.video_dit.faults import timeout_of  # noqa: E402
+from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
 from training.video_dit.engine import (MetricsLog, check_divisible, flow_matching_batch, local_loss, make_core,  # noqa: E402
                                        prepare, sample_loss)
 
@@ -82,7 +82,8 @@ def main(argv: Optional[list] = None) -> dict:
     from megatron.core import parallel_state as ps  # noqa: PLC0415
     ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
     try:
-        return _train(args, device, ps)
+        with report_failures("pretrain_video_dit"):
+            return _train(args, device, ps)
     finally:
         ps.destroy_model_parallel()
         if own_pg:

@@ -22,6 +22,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit import ds_checkpoint as ds_ckpt  # noqa: E402
+from training.video_dit.checkpoint import describe  # noqa: E402
+from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
 from training.video_dit.cli import add_common_args, build_dataset, frames_and_size, pick_device  # noqa: E402
 from training.video_dit.engine import (MetricsLog, check_divisible, flow_matching_batch, local_loss, prepare,  # noqa: E402
                                        sample_loss)
@@ -51,7 +54,8 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     own_pg = not dist.is_initialized()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                               timeout=timeout_of(args.distributed_timeout_minutes))
     cfg = preset(args.model, args.num_layers)
     frames, h, w = frames_and_size(args)
     check_divisible(cfg, frames, h, w)
@@ -59,7 +63,8 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     torch.manual_seed(args.seed)
     engine, _, _, _ = initialize(model=VideoDiT(cfg), config=ds_cfg, num_heads=cfg.heads)
     try:
-        return _train(args, engine, cfg, device)
+        with report_failures("train_deepspeed"):
+            return _train(args, engine, cfg, device)
     finally:
         if own_pg:
             dist.destroy_process_group()
@@ -74,8 +79,7 @@ def _train(args, engine, cfg, device) -> dict:
     dp_world, dp_rank = world // sp_world, rank // sp_world
     start = 0
     if args.load:
-        _, client = engine.load_checkpoint(args.load)
-        start = int((client or {}).get("step", 0))
+        start = int(ds_ckpt.load(engine, args.load, _ckpt_identity(args))["step"])
     dataset = build_dataset(args, cfg)
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     block = engine.config.get("sequence_parallel_ext", {}) if isinstance(engine.config, dict) else {}
@@ -97,14 +101,25 @@ def _train(args, engine, cfg, device) -> dict:
         log.step(step, loss, inp.n_valid * args.micro_batch_size * dp_world, inp.n_valid,
                  {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid})
         if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
-            engine.save_checkpoint(args.save, tag=f"step{step + 1}", client_state={"step": step + 1})
-    if args.save:
-        engine.save_checkpoint(args.save, tag=f"step{args.train_iters}", client_state={"step": args.train_iters})
+            _save(args, engine, step + 1, rank)
+    if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
+        _save(args, engine, args.train_iters, rank)
     plot = log.close(f"video DiT ({args.model}), DeepSpeed SP={sp_world}")
     if rank == 0 and not args.quiet and losses:
         print(f"[train_deepspeed] loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
               f"plot: {plot}", flush=True)
     return {"losses": losses, "plot": plot, "rows": log.rows}
+
+
+def _ckpt_identity(args) -> dict:
+    return {"entry": "deepspeed", **describe(preset(args.model, args.num_layers), args.model)}
+
+
+def _save(args, engine, step, rank):
+    """Engine checkpoint in the atomic layout (training/video_dit/ds_checkpoint.py)."""
+    out = ds_ckpt.save(engine, args.save, step, _ckpt_identity(args), args.keep_last)
+    if rank == 0 and not args.quiet:
+        print(f"[train_deepspeed] saved {out['path']} in {out['seconds']:.2f}s", flush=True)
 
 
 if __name__ == "__main__":
