@@ -118,7 +118,10 @@ def _train(args, device, ps) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     start = 0
     if args.load:
-        start = int(ckpt.load(args.load, model, opt, _ckpt_identity(args))["step"])
+        loaded = ckpt.load(args.load, model, opt, _ckpt_identity(args))
+        start = int(loaded["step"])
+        if rank == 0 and not args.quiet:
+            print(f"[pretrain_video_dit] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s", flush=True)
     dataset = build_dataset(args, cfg)
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     if rank == 0 and not args.quiet:

@@ -79,7 +79,10 @@ def _train(args, engine, cfg, device) -> dict:
     dp_world, dp_rank = world // sp_world, rank // sp_world
     start = 0
     if args.load:
-        start = int(ds_ckpt.load(engine, args.load, _ckpt_identity(args))["step"])
+        loaded = ds_ckpt.load(engine, args.load, _ckpt_identity(args))
+        start = int(loaded["step"])
+        if rank == 0 and not args.quiet:
+            print(f"[train_deepspeed] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s", flush=True)
     dataset = build_dataset(args, cfg)
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     block = engine.config.get("sequence_parallel_ext", {}) if isinstance(engine.config, dict) else {}

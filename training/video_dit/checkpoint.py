@@ -267,6 +267,7 @@ def save(root: str, step: int, model: torch.nn.Module, opt, run: dict, keep_last
 def load(load_path: str, model: torch.nn.Module, opt, expect: dict) -> dict:
     """Load what ``save`` wrote into ``model`` and ``opt`` (collective). ``expect``: run.json keys
     that must match (model, entry point). Returns run.json (its "step" is where to continue)."""
+    t0 = time.perf_counter()
     step_dir = resolve(load_path)
     run = read_run(step_dir, {**expect, "optimizer_impl": _impl(opt)})
     try:
@@ -286,7 +287,7 @@ def load(load_path: str, model: torch.nn.Module, opt, expect: dict) -> dict:
         raise CheckpointError(f"{step_dir}: could not be loaded (corrupt, truncated or of another model): "
                               f"{_short(e)}") from e
     load_rng(step_dir, _rank(), run.get("world") == _world())
-    return run
+    return {**run, "path": step_dir, "seconds": time.perf_counter() - t0}
 
 
 def _impl(opt) -> str:

@@ -49,6 +49,7 @@ def save(engine, root: str, step: int, run: dict, keep_last: int) -> dict:
 
 def load(engine, load_path: str, expect: dict) -> dict:
     """Collective. Returns run.json (its "step" is where to continue)."""
+    t0 = time.perf_counter()
     step_dir = resolve(load_path)
     run = read_run(step_dir, expect)
     zero = int(engine.zero_optimization_stage())
@@ -71,7 +72,7 @@ def load(engine, load_path: str, expect: dict) -> dict:
     if path is None:
         raise CheckpointError(f"{step_dir}: DeepSpeed found no model states in it")
     load_rng(step_dir, dist.get_rank(), run.get("world") == _world())
-    return run
+    return {**run, "path": step_dir, "seconds": time.perf_counter() - t0}
 
 
 __all__ = ["save", "load", "iter_name"]
