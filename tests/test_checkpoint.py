@@ -74,11 +74,16 @@ def test_deepspeed_resume_across_layouts(tmp_path, a, b, zero):
     assert (run["step"], run["world"], run["zero_stage"]) == (4, a[0], zero)
 
 
-def test_deepspeed_zero_other_world_is_refused(tmp_path):
+@pytest.mark.parametrize("a,b", [((2, "ulysses"), (4, "hcms")), ((4, "hcms"), (2, "ulysses"))])
+def test_deepspeed_zero1_resume_other_world_via_universal(tmp_path, a, b):
+    """ZeRO-1 optimizer state partitioned over 2 (4) ranks resumes on 4 (2) through DeepSpeed's
+    universal checkpoint."""
     ck = str(tmp_path / "ck")
-    run_ranks(_ds, 2, 2, "ulysses", 2, ("--save", ck), zero=1)
-    with pytest.raises(RankFailure, match="partitioned over 2 ranks; this run has 1"):
-        run_ranks(_ds, 1, 1, "ulysses", 3, ("--load", ck), zero=1)
+    straight = run_ranks(_ds, a[0], a[0], a[1], 6)[0]
+    first = run_ranks(_ds, a[0], a[0], a[1], 4, ("--save", ck))[0]
+    rest = run_ranks(_ds, b[0], b[0], b[1], 6, ("--load", ck))[0]
+    _close(first + rest, straight)
+    assert os.path.isfile(os.path.join(resolve(ck), "universal", "converted"))
 
 
 # ------------------------------------------------------------------ a save killed mid-write

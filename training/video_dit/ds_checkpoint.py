@@ -3,12 +3,14 @@ atomic layout of checkpoint.py (new directory per step, ``latest`` moved last, -
 every file gated through ``torch.load(weights_only=True)`` before DeepSpeed (which loads with
 weights_only=False) opens it.
 
-Resharding: model weights and, without ZeRO partitioning (stage 0), the optimizer state resume at
-any SP size / cp_comm_type / block form. ZeRO stage >= 1 partitions the optimizer state over all
-sequence x data ranks; DeepSpeed re-partitions only through its universal checkpoint
-(ds_to_universal), whose converter reads our SP mpu (DeepSpeed aliases model parallel to SP) as
-tensor parallel and refuses the checkpoint - so a ZeRO checkpoint resumes on the same world size
-(any SP split of it) and a different one is refused up front with the reason.
+Resharding: any SP size / cp_comm_type / block form. ZeRO stage 1/2 partitions the optimizer state
+over all sequence x data ranks, so a resume on another world size goes through DeepSpeed's
+universal checkpoint: rank 0 runs ``deepspeed.checkpoint.ds_to_universal`` once into
+``iter_N/universal/`` and the engine loads that with ``load_universal``. One fix-up on the way:
+DeepSpeed aliases model parallel to SP for an SP mpu, so its files record ``tp_degree`` = SP size
+although every rank holds full parameters; the converter reads a copy of the model-states file
+with ``tp_degree`` 1 (the files in the checkpoint are not changed). ZeRO stage 3 across world sizes
+is refused.
 """
 from __future__ import annotations
 
@@ -56,23 +58,69 @@ def load(engine, load_path: str, expect: dict) -> dict:
     if run.get("zero_stage", 0) != zero:
         raise CheckpointError(f"{step_dir}: saved with ZeRO stage {run.get('zero_stage')}, this run uses stage {zero}; "
                               f"set zero_optimization.stage to {run.get('zero_stage')}")
-    if zero > 0 and run.get("world") != _world():
-        raise CheckpointError(f"{step_dir}: ZeRO stage {zero} optimizer state is partitioned over {run.get('world')} "
-                              f"ranks; this run has {_world()}. Resume on {run.get('world')} ranks (any SP size that "
-                              f"divides it), or save with zero_optimization.stage 0 to change the world size")
+    universal = zero > 0 and run.get("world") != _world()
+    if universal and zero > 2:
+        raise CheckpointError(f"{step_dir}: ZeRO stage 3 state is partitioned over {run.get('world')} ranks; this run "
+                              f"has {_world()}. Resume on {run.get('world')} ranks (any SP size that divides it)")
     allowed = _allowed_globals()
-    for f in sorted(glob.glob(os.path.join(step_dir, "**", "*.pt"), recursive=True)):
+    for f in sorted(glob.glob(os.path.join(step_dir, "*.pt"))):
         check_weights_only(f, allowed)
+    load_dir, tag = os.path.dirname(step_dir), os.path.basename(step_dir)
+    if universal:
+        load_dir, tag = step_dir, os.path.basename(to_universal(step_dir))
+        for f in sorted(glob.glob(os.path.join(load_dir, tag, "**", "*.pt"), recursive=True)):
+            check_weights_only(f, allowed)
+    cfg = engine._config  # DeepSpeed reads this flag at load time; set it for this load only
+    was = cfg.load_universal_checkpoint
+    cfg.load_universal_checkpoint = universal
     try:
-        path, _ = engine.load_checkpoint(os.path.dirname(step_dir), tag=os.path.basename(step_dir))
+        path, _ = engine.load_checkpoint(load_dir, tag=tag)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{step_dir}: DeepSpeed could not load it: {str(e).strip().splitlines()[-1][:400]}") from e
+    finally:
+        cfg.load_universal_checkpoint = was
     if path is None:
         raise CheckpointError(f"{step_dir}: DeepSpeed found no model states in it")
     load_rng(step_dir, dist.get_rank(), run.get("world") == _world())
     return {**run, "path": step_dir, "seconds": time.perf_counter() - t0}
 
 
-__all__ = ["save", "load", "iter_name"]
+def to_universal(step_dir: str) -> str:
+    """``step_dir/universal``: DeepSpeed's universal form of a ZeRO-1/2 checkpoint (rank 0 converts
+    once, atomically; collective). Returns its path."""
+    import argparse  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    out = os.path.join(step_dir, "universal")
+    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(out, "converted")):
+        from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS  # noqa: PLC0415
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal  # noqa: PLC0415
+        work = out + ".partial"
+        shutil.rmtree(work, ignore_errors=True)
+        src = os.path.join(work, "src")
+        os.makedirs(src)
+        for f in sorted(os.listdir(step_dir)):
+            full = os.path.abspath(os.path.join(step_dir, f))
+            if f.endswith("model_states.pt"):
+                with torch.serialization.safe_globals(_allowed_globals()):
+                    sd = torch.load(full, map_location="cpu", weights_only=True)
+                sd[CHECKPOINT_PARALLEL_DIMS] = {"pp_degree": 1, "tp_degree": 1}  # SP ranks hold full params
+                torch.save(sd, os.path.join(src, f))
+            elif f.endswith("optim_states.pt"):
+                os.symlink(full, os.path.join(src, f))
+        ds_to_universal(argparse.Namespace(input_folder=src, output_folder=os.path.join(work, "out"),
+                                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                           strict=True, inject_missing_state=True))
+        with open(os.path.join(work, "out", "converted"), "w") as f:
+            f.write("ds_to_universal\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(os.path.join(work, "out"), out)
+        shutil.rmtree(work, ignore_errors=True)
+    dist.barrier()
+    return out
+
+
+__all__ = ["save", "load", "to_universal"]
