@@ -278,6 +278,9 @@ real = m.VideoDiT.forward
 def forward(self, *a, **k):
     calls[0] += 1
     if os.environ["RANK"] == "2" and calls[0] == 3:
+        import time
+        with open(os.environ["SPX_KILL_STAMP"], "w") as f:
+            f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
     return real(self, *a, **k)
 m.VideoDiT.forward = forward
@@ -290,18 +293,19 @@ def test_killed_rank_ends_job_within_timeout(tmp_path):
     script = tmp_path / "killer.py"
     script.write_text(KILLER)
     timeout_min = 0.5
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    stamp = str(tmp_path / "killed_at")
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SPX_KILL_STAMP": stamp}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--monitor-interval", "0.5",
            str(script), "--context-parallel-size", "4", "--cp-comm-type", "ulysses", "--train-iters", "50",
            *COMMON, "--distributed-timeout-minutes", str(timeout_min), "--save", str(tmp_path / "ck"),
            "--save-interval", "1"]
-    t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    ended = time.time()
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "rank: 2" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]  # torchrun names the dead rank
-    # every worker is gone: start-up (imports, ~20 s on 2 shared cores) + the timeout + a margin
-    assert time.monotonic() - t0 < 60 + timeout_min * 60 + 30, out[-3000:]
+    # the whole job ended within the timeout + a margin of the death (start-up not counted)
+    assert ended - float(open(stamp).read()) < timeout_min * 60 + 20, out[-3000:]
     left = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, str(script))]
     assert not left, f"worker processes left behind: {left}"
     ck = str(tmp_path / "ck")
@@ -315,3 +319,48 @@ def _cmdline_has(pid: str, needle: str) -> bool:
             return needle.encode() in f.read()
     except OSError:
         return False
+
+
+def test_killed_rank_without_launcher_bounded_by_timeout(tmp_path):
+    """No torchrun agent to stop the others: the survivors' own collectives must end them within
+    --distributed-timeout-minutes (plus start-up and a margin), each printing its rank."""
+    import socket
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    timeout_min = 0.25
+    procs = []
+    stamp = str(tmp_path / "killed_at")
+    for r in range(4):
+        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "RANK": str(r),
+               "SPX_KILL_STAMP": stamp,
+               "LOCAL_RANK": str(r), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, str(script), "--context-parallel-size", "4", "--cp-comm-type",
+                                       "ulysses", "--train-iters", "50", *COMMON, "--distributed-timeout-minutes",
+                                       str(timeout_min)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    import threading
+    outs, ended = [""] * 4, [None] * 4
+
+    def wait(r):
+        out, err = procs[r].communicate(timeout=240)
+        outs[r], ended[r] = out + err, time.time()
+    threads = [threading.Thread(target=wait, args=(r,)) for r in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[2].returncode == -signal.SIGKILL
+    for r in (0, 1, 3):
+        assert procs[r].returncode != 0, outs[r][-2000:]
+        assert f"[rank {r}] pretrain_video_dit failed" in outs[r], outs[r][-2000:]
+    killed_at = float(open(stamp).read())
+    waits = [ended[r] - killed_at for r in (0, 1, 3)]
+    assert max(waits) < timeout_min * 60 + 20, waits  # within the timeout of the death, + a margin
