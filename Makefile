@@ -4,7 +4,7 @@
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-v1
+STAMP := $(VENV)/.installed-v2
 
 .PHONY: venv demo test wheels clean
 
@@ -12,7 +12,7 @@ $(STAMP): setup.py
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm
+	$(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard
 	DS_BUILD_OPS=0 $(VPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation
 	$(VPY) -m pip install -q --no-deps -e .
 	touch $(STAMP)

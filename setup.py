@@ -12,7 +12,7 @@ setup(
     extras_require={
         "megatron": ["megatron-core>=0.16"],
         "deepspeed": ["deepspeed>=0.19"],
-        "train": ["einops", "matplotlib", "safetensors", "tqdm"],
+        "train": ["einops", "matplotlib", "safetensors", "tqdm", "tensorboard"],
         "test": ["pytest", "einops"],
         "dev": ["pytest", "einops", "megatron-core>=0.16", "deepspeed>=0.19"],
     },

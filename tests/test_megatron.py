@@ -46,7 +46,7 @@ def _assert_equals_full_sequence(block, x_full, dy_full, split, y, dx, grads, ta
 
 def _megatron_equiv(rank, world, tp, cp, modes, hierarchical=None):
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron_sp_ext.megatron.compat import cp_rank_batch as get_batch_on_this_cp_rank
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                  hierarchical_context_parallel_sizes=hierarchical)
     cp_group = ps.get_context_parallel_group()
@@ -186,7 +186,7 @@ def _async_equiv(rank, world, cp, causal, qk_norm, rope, groups, chunks, form="o
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron_sp_ext.megatron.compat import cp_rank_batch as get_batch_on_this_cp_rank
 
     from megatron_sp_ext.megatron import SPSelfAttention, SPTransformerConfig, with_sp_core_attention
     ps.initialize_model_parallel(context_parallel_size=cp)

@@ -119,7 +119,7 @@ def test_shard_unshard_roundtrip(world):
 def _megatron_zigzag(rank, world):
     pytest.importorskip("megatron.core")
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron_sp_ext.megatron.compat import cp_rank_batch as get_batch_on_this_cp_rank
     ps.initialize_model_parallel(context_parallel_size=world)
     try:
         s = 4 * world

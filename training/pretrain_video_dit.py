@@ -25,9 +25,9 @@ from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
 from training.video_dit.cli import add_common_args, build_dataset, frames_and_size, pick_device  # noqa: E402
+from training.video_dit.engine import MetricsLog, check_divisible, make_core  # noqa: E402
 from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
-from training.video_dit.engine import (MetricsLog, check_divisible, flow_matching_batch, local_loss, make_core,  # noqa: E402
-                                       prepare, sample_loss)
+from training.video_dit.loop import MegatronOps, RunContext, TorchOps, add_train_args, train_loop  # noqa: E402
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
@@ -36,8 +36,24 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     add_common_args(p)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--ddp-impl", choices=["auto", "megatron", "torch"], default="auto")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="megatron DDP: shard optimizer state over data x context ranks (ZeRO-1 style)")
+    p.add_argument("--overlap-grad-reduce", action="store_true", help="megatron DDP: overlap the gradient "
+                   "reduce-scatter/all-reduce with the backward")
+    p.add_argument("--bf16-params", action="store_true",
+                   help="megatron DDP (GPU): keep the model's weights in bf16 with fp32 main weights and Adam state "
+                        "in Megatron's optimizer (Megatron-LM's --bf16 meaning; needs --bf16 for the autocast)")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="megatron DDP: gradient buffers and their reduction in bf16 (default fp32)")
+    add_train_args(p)
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.bf16_params and not args.bf16:
+        p.error("--bf16-params needs --bf16 (the autocast that feeds bf16 weights)")
+    if (args.bf16_params or args.use_distributed_optimizer or args.overlap_grad_reduce or args.grad_reduce_in_bf16) \
+            and args.ddp_impl == "torch":
+        p.error("--bf16-params / --use-distributed-optimizer / --overlap-grad-reduce / --grad-reduce-in-bf16 are "
+                "megatron DDP options: use --ddp-impl megatron or auto on CUDA")
     cfg = preset(args.model, args.num_layers)
     args.num_attention_heads, args.tensor_model_parallel_size = cfg.heads, 1
     if len(args.cp_comm_type) != 1:
@@ -100,7 +116,8 @@ def _train(args, device, ps) -> dict:
     dp_rank, dp_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
-    model = VideoDiT(cfg).to(device)
+    with torch.device(device):  # initialise on the device: a 14B model built on the CPU takes minutes
+        model = VideoDiT(cfg)
     model.set_attention_core(make_core(args.cp_comm_type[0], cp_group if sp_world > 1 else None, num_heads=cfg.heads,
                                        head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
                                        placement=args.sp_placement, ulysses_size=args.sp_ulysses_size,
@@ -111,64 +128,44 @@ def _train(args, device, ps) -> dict:
                                   args.sp_transport, allgather=args.sp_async_qkv == "allgather")
     elif args.sp_async_qkv == "auto" and sp_world > 1:
         model.set_block_policy(cp_group)
+    model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
+    if impl == "torch" and (args.bf16_params or args.use_distributed_optimizer or args.overlap_grad_reduce
+                            or args.grad_reduce_in_bf16):
+        raise ValueError("--bf16-params / --use-distributed-optimizer / --overlap-grad-reduce / --grad-reduce-in-bf16 "
+                         f"need megatron's DDP, which needs CUDA (this run uses --ddp-impl torch on {device})")
     if impl == "megatron":
         model, opt = _megatron_ddp(model, cfg, args)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
+                                fused=device.type == "cuda" or None)
     start = 0
     if args.load:
         loaded = ckpt.load(args.load, model, opt, _ckpt_identity(args))
         start = int(loaded["step"])
         if rank == 0 and not args.quiet:
-            print(f"[pretrain_video_dit] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s", flush=True)
+            print(f"[pretrain_video_dit] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s",
+                  flush=True)
     dataset = build_dataset(args, cfg)
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     if rank == 0 and not args.quiet:
         print(f"[pretrain_video_dit] model={args.model} layers={cfg.layers} CP={sp_world} DP={dp_world} "
               f"cp_comm_type={args.cp_comm_type[0]} head_chunks={args.hcms_head_chunks} async_qkv={args.sp_async_qkv} "
-              f"ddp={impl} device={device}",
+              f"ddp={impl} dist_opt={args.use_distributed_optimizer} recompute={args.recompute_granularity} "
+              f"device={device}",
               flush=True)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
-    losses = []
-    for step in range(start, args.train_iters):
-        batch = flow_matching_batch(dataset, step, args.seed, dp_rank, dp_world, args.micro_batch_size, cfg.patch)
-        inp = prepare(batch, sp_rank, sp_world, device)
-        if impl == "megatron":
-            model.zero_grad_buffer()
-        opt.zero_grad(set_to_none=True)
-        loss_r = local_loss(model, inp, autocast)
-        (loss_r * sp_world).backward()
-        if impl == "megatron":
-            model.finish_grad_sync()
-            opt.step()
-        else:
-            _reduce_grads(model, dp_cp_group)
-            if args.clip_grad > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-            opt.step()
-        loss = sample_loss(loss_r, cp_group, dp_group)
-        losses.append(loss)
-        log.step(step, loss, inp.n_valid * args.micro_batch_size * dp_world, inp.n_valid,
-                 {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid})
-        if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
-            _save(args, step + 1, model, opt, rank)
+    ops = MegatronOps(model, opt) if impl == "megatron" else TorchOps(model, opt, dp_cp_group, args.clip_grad)
+    ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, dist.get_world_size())
+    losses = train_loop(args, ops, dataset, cfg, ctx, device, log, start=start, autocast=autocast,
+                        save=lambda s: _save(args, s, model, opt, rank))
     if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
         _save(args, args.train_iters, model, opt, rank)
     plot = log.close(f"video DiT ({args.model}), CP={sp_world} {args.cp_comm_type[0]}")
     if rank == 0 and not args.quiet and losses:
         print(f"[pretrain_video_dit] loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
               f"metrics: {args.log_dir}/metrics.jsonl; plot: {plot}", flush=True)
-    return {"losses": losses, "plot": plot, "rows": log.rows}
-
-
-def _reduce_grads(model, group) -> None:
-    """What Megatron's DDP does on GPU: average gradients over data x context-parallel ranks."""
-    world = dist.get_world_size(group)
-    for p in model.parameters():
-        if p.grad is not None and world > 1:
-            dist.all_reduce(p.grad, group=group)
-            p.grad /= world
+    return {"losses": losses, "plot": plot, "rows": log.rows, "timing": getattr(log, "timing", None)}
 
 
 def _megatron_ddp(model, cfg, args):
@@ -177,12 +174,29 @@ def _megatron_ddp(model, cfg, args):
     from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
     tcfg = TransformerConfig(num_layers=cfg.layers, hidden_size=cfg.dim, num_attention_heads=cfg.heads,
                              context_parallel_size=args.context_parallel_size, bf16=args.bf16)
-    ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                                      overlap_grad_reduce=False), model)
+    if args.bf16_params:  # Megatron-LM's --bf16: bf16 weights, fp32 main weights + Adam state in the optimizer
+        model = model.to(torch.bfloat16)
+    ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16, overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
                                                  adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad,
-                                                 bf16=False, params_dtype=torch.float32), [ddp])
+                                                 bf16=args.bf16_params,
+                                                 params_dtype=torch.bfloat16 if args.bf16_params else torch.float32,
+                                                 use_distributed_optimizer=args.use_distributed_optimizer), [ddp])
+    _fuse_torch_adam(opt)
     return ddp, opt
+
+
+def _fuse_torch_adam(opt) -> None:
+    """Without Transformer Engine / apex, megatron-core steps torch's AdamW with its default (foreach) kernels:
+    switch its groups to the fused kernel (set before the first step, when the state is created)."""
+    from megatron.core import optimizer as mopt  # noqa: PLC0415
+    if not getattr(mopt, "USING_PYTORCH_OPTIMIZER", False):
+        return
+    for g in opt.param_groups:
+        if "fused" in g and all(p.is_cuda and p.is_floating_point() for p in g["params"]):
+            g["fused"], g["foreach"] = True, False
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from training.video_dit import ds_checkpoint as ds_ckpt  # noqa: E402
 from training.video_dit.checkpoint import describe  # noqa: E402
 from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
 from training.video_dit.cli import add_common_args, build_dataset, frames_and_size, pick_device  # noqa: E402
-from training.video_dit.engine import (MetricsLog, check_divisible, flow_matching_batch, local_loss, prepare,  # noqa: E402
-                                       sample_loss)
+from training.video_dit.engine import MetricsLog, check_divisible  # noqa: E402
+from training.video_dit.loop import DeepSpeedOps, RunContext, add_train_args, train_loop  # noqa: E402
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
@@ -35,6 +35,7 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     add_common_args(p)
     p.add_argument("--deepspeed-config", required=True, help="DeepSpeed JSON (with sequence_parallel_ext)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_train_args(p)
     return p.parse_args(argv)
 
 
@@ -60,8 +61,13 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     frames, h, w = frames_and_size(args)
     check_divisible(cfg, frames, h, w)
     ds_cfg.setdefault("train_micro_batch_size_per_gpu", args.micro_batch_size)
+    if args.check_for_nan_in_loss_and_grad and ds_cfg.get("bf16", {}).get("enabled"):
+        ds_cfg["bf16"].setdefault("check_grad_overflow", True)  # the guard relies on DeepSpeed's skip of such steps
     torch.manual_seed(args.seed)
-    engine, _, _, _ = initialize(model=VideoDiT(cfg), config=ds_cfg, num_heads=cfg.heads)
+    with torch.device(device):  # initialise on the device (minutes on the CPU at 14B)
+        model = VideoDiT(cfg)
+    model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
+    engine, _, _, _ = initialize(model=model, config=ds_cfg, num_heads=cfg.heads)
     try:
         with report_failures("train_deepspeed"):
             return _train(args, engine, cfg, device)
@@ -82,7 +88,8 @@ def _train(args, engine, cfg, device) -> dict:
         loaded = ds_ckpt.load(engine, args.load, _ckpt_identity(args))
         start = int(loaded["step"])
         if rank == 0 and not args.quiet:
-            print(f"[train_deepspeed] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s", flush=True)
+            print(f"[train_deepspeed] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s",
+                  flush=True)
     dataset = build_dataset(args, cfg)
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     block = engine.config.get("sequence_parallel_ext", {}) if isinstance(engine.config, dict) else {}
@@ -90,28 +97,20 @@ def _train(args, engine, cfg, device) -> dict:
         print(f"[train_deepspeed] model={args.model} layers={cfg.layers} SP={sp_world} DP={dp_world} "
               f"zero={engine.zero_optimization_stage()} sequence_parallel_ext={block} device={device}", flush=True)
     bf16 = engine.bfloat16_enabled()
-    losses = []
-    for step in range(start, args.train_iters):
-        batch = flow_matching_batch(dataset, step, args.seed, dp_rank, dp_world, args.micro_batch_size, cfg.patch)
-        inp = prepare(batch, sp_rank, sp_world, device)
+
+    def cast_inputs(inp):
         if bf16:
             inp.x, inp.text, inp.t = inp.x.bfloat16(), inp.text.bfloat16(), inp.t.bfloat16()
-        loss_r = local_loss(engine, inp)
-        engine.backward(loss_r * sp_world)
-        engine.step()
-        loss = sample_loss(loss_r, sp_group, mpu.data_group)
-        losses.append(loss)
-        log.step(step, loss, inp.n_valid * args.micro_batch_size * dp_world, inp.n_valid,
-                 {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid})
-        if args.save and args.save_interval and (step + 1) % args.save_interval == 0:
-            _save(args, engine, step + 1, rank)
+    ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, world)
+    losses = train_loop(args, DeepSpeedOps(engine), dataset, cfg, ctx, device, log, start=start,
+                        cast_inputs=cast_inputs, save=lambda s: _save(args, engine, s, rank))
     if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
         _save(args, engine, args.train_iters, rank)
     plot = log.close(f"video DiT ({args.model}), DeepSpeed SP={sp_world}")
     if rank == 0 and not args.quiet and losses:
         print(f"[train_deepspeed] loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
               f"plot: {plot}", flush=True)
-    return {"losses": losses, "plot": plot, "rows": log.rows}
+    return {"losses": losses, "plot": plot, "rows": log.rows, "timing": getattr(log, "timing", None)}
 
 
 def _ckpt_identity(args) -> dict:

@@ -30,6 +30,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from ..errors import SPConfigError
 from ..sp.async_block import async_ulysses_self_attention
 from ..sp.gather_block import allgather_self_attention
+from .compat import parent_kwargs
 
 log = logging.getLogger("megatron_sp_ext")
 _FLAG = "--sp-async-qkv"
@@ -44,9 +45,10 @@ class SPSelfAttention(SelfAttention):
     """SelfAttention with the async Ulysses block behind --sp-async-qkv (see module docstring)."""
 
     def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.padding,
-                 cp_comm_type=None, pg_collection=None) -> None:
+                 cp_comm_type=None, pg_collection=None, **kwargs) -> None:
+        # newer megatron-core passes more (name=, pp_layer_offset=): forward what the parent accepts
         super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type=cp_comm_type,
-                         pg_collection=pg_collection)
+                         pg_collection=pg_collection, **parent_kwargs(SelfAttention.__init__, kwargs))
         self._fallback_logged = False
         core = self.core_attention
         sp = getattr(core, "sp", None)

@@ -81,10 +81,12 @@ def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: i
     if len({x.shape for x in xs}) != 1:
         raise ValueError("samples of one micro-batch must have equal latent shapes (use --micro-batch-size 1 "
                          "with variable frame counts)")
-    x, tgt = torch.cat(xs), torch.cat(tgts)
+    def cat(parts):  # one micro-sample: no copy (same values)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    x, tgt = cat(xs), cat(tgts)
     _, c, tn, h, w = x.shape
     pt, ph, pw = patch
-    return {"x": patchify(x, patch), "target": patchify(tgt, patch), "t": torch.cat(ts), "text": torch.cat(texts),
+    return {"x": patchify(x, patch), "target": patchify(tgt, patch), "t": cat(ts), "text": cat(texts),
             "grid": (tn // pt, h // ph, w // pw)}
 
 
@@ -147,8 +149,13 @@ class MetricsLog:
     def __init__(self, log_dir: Optional[str], total_steps: int, enabled: bool, cfg=None, device="cpu",
                  start_step: int = 0, show: bool = True) -> None:
         """enabled: this rank writes (rank 0); show: also a progress bar."""
-        self.enabled, self.log_dir, self.cfg, self.device = enabled, log_dir, cfg, device
+        self.enabled, self.log_dir, self.cfg, self.device = enabled, log_dir, cfg, torch.device(device)
+        self.start_step = start_step
         self.rows: list = []
+        self.peak = None
+        if self.device.type == "cuda":  # read the device name once, not every step
+            name = torch.cuda.get_device_name(self.device)
+            self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         self.bar = None
         if enabled and log_dir:
             os.makedirs(log_dir, exist_ok=True)
@@ -169,21 +176,25 @@ class MetricsLog:
         dt, self.t0 = now - self.t0, now
         row = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / max(dt, 1e-9)}
         if self.device.type == "cuda" and self.cfg is not None:
-            name = torch.cuda.get_device_name()
-            peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-            if peak:
+            if self.peak:
                 world = dist.get_world_size() if dist.is_initialized() else 1
-                row["mfu"] = self.cfg.flops_per_token(seqlen, self.cfg.text_len) * row["tokens_per_s"] / (peak * world)
+                flops = self.cfg.flops_per_token(seqlen, self.cfg.text_len)
+                row["mfu"] = flops * row["tokens_per_s"] / (self.peak * world)
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         row.update(extra or {})
+        return self.write(row)
+
+    def write(self, row: dict) -> dict:
+        """Append one finished row (metrics.jsonl on the writing rank, progress bar)."""
         self.rows.append(row)
+        loss = row.get("loss")
         if self.enabled:
             if self.f:
                 self.f.write(json.dumps(row) + "\n")
                 self.f.flush()
             if self.bar is not None:
                 self.bar.update(1)
-                self.bar.set_postfix(loss=f"{loss:.4f}")
+                self.bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "n/a")
         return row
 
     def close(self, title: str = "") -> Optional[str]:
@@ -203,12 +214,21 @@ class MetricsLog:
             with open(os.path.join(self.log_dir, "metrics.jsonl")) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
             fig, ax = plt.subplots(figsize=(6, 3.5))
-            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
+            ax.plot([r["step"] for r in rows], [r["loss"] if r["loss"] is not None else float("nan") for r in rows],
+                    marker=".")
             ax.set_xlabel("step")
             ax.set_ylabel("flow-matching loss")
             ax.set_title(title)
             fig.tight_layout()
             fig.savefig(path, dpi=100)
+            plt.close(fig)
+            fig, ax = plt.subplots(figsize=(6, 3.5))  # step time beside it (step_time.png)
+            ax.plot([r["step"] for r in rows], [1e3 * r["step_time_s"] for r in rows], marker=".")
+            ax.set_xlabel("step")
+            ax.set_ylabel("step time (ms)")
+            ax.set_title(title)
+            fig.tight_layout()
+            fig.savefig(os.path.join(self.log_dir, "step_time.png"), dpi=100)
             plt.close(fig)
         except ImportError:
             return None

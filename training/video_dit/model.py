@@ -15,9 +15,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .config import DiTConfig
-from .rope import apply_rope, rope_angles
+from .rope import RopeCache, apply_rope
+
+# --recompute-modules values (Megatron-LM's names) for --recompute-granularity selective
+RECOMPUTE_MODULES = ("core_attn", "mlp")
 
 # core(q, k, v, kv_valid_len) -> out, all [B, S_local, H, D]; set by the entry point
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]
@@ -85,6 +89,7 @@ class SelfAttention(nn.Module):
         # (group, BlockChoice) runs that block form; (group, BlockPolicy) lets the policy pick per shape
         self.sp_block = None
         self.rope_memo: dict = {}  # the all-gather block's global RoPE table (shared by the model's blocks)
+        self.recompute_core = False  # activation checkpointing of the attention core (selective core_attn)
 
     def _params(self):
         return (self.qkv.weight, self.qkv.bias, self.out.weight, self.out.bias, self.norm_q.weight,
@@ -157,12 +162,19 @@ class SelfAttention(nn.Module):
                 key = (tuple(x.shape), x.dtype, kv_valid_len, torch.is_grad_enabled())
                 choice = how.choose(key, lambda ch: self._calibration_step(ch, group, x, angles, kv_valid_len),
                                     group, x.device, self.heads // group.size())
+            if self.recompute_core and torch.is_grad_enabled():  # the fused block forms: recompute the whole block
+                return checkpoint(self._run, choice, group, x, angles, kv_valid_len, self._params(),
+                                  use_reentrant=False)
             return self._run(choice, group, x, angles, kv_valid_len, self._params())
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         q, k = self.norm_q(q), self.norm_k(k)
         q, k, v = (t.reshape(b, s, self.heads, self.hd) for t in (q, k, v))
         q, k = apply_rope(q, angles), apply_rope(k, angles)
-        return self.out(self.core(q, k, v, kv_valid_len).reshape(b, s, -1))
+        if self.recompute_core and torch.is_grad_enabled():
+            o = checkpoint(self.core, q, k, v, kv_valid_len, use_reentrant=False)
+        else:
+            o = self.core(q, k, v, kv_valid_len)
+        return self.out(o.reshape(b, s, -1))
 
 
 class CrossAttention(nn.Module):
@@ -194,12 +206,22 @@ class Block(nn.Module):
         self.modulation = nn.Linear(cfg.dim, 6 * cfg.dim)
         nn.init.zeros_(self.modulation.weight)  # AdaLN-zero: every block starts as the identity
         nn.init.zeros_(self.modulation.bias)
+        self.recompute_block = False  # --recompute-granularity full: keep only the block's input
+        self.recompute_mlp = False    # selective mlp: recompute the FFN (its [S, ffn] activations)
 
     def forward(self, x, t_emb, ctx, angles, kv_valid_len):
+        if self.recompute_block and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, t_emb, ctx, angles, kv_valid_len, use_reentrant=False)
+        return self._forward(x, t_emb, ctx, angles, kv_valid_len)
+
+    def _forward(self, x, t_emb, ctx, angles, kv_valid_len):
         sh1, sc1, g1, sh2, sc2, g2 = self.modulation(F.silu(t_emb))[:, None].chunk(6, dim=-1)
         x = x + g1 * self.attn(self.norm1(x) * (1 + sc1) + sh1, angles, kv_valid_len)
         x = x + self.cross(self.norm2(x), ctx)
-        return x + g2 * self.ffn(self.norm3(x) * (1 + sc2) + sh2)
+        h = self.norm3(x) * (1 + sc2) + sh2
+        if self.recompute_mlp and torch.is_grad_enabled():
+            return x + g2 * checkpoint(self.ffn, h, use_reentrant=False)
+        return x + g2 * self.ffn(h)
 
 
 class VideoDiT(nn.Module):
@@ -219,6 +241,26 @@ class VideoDiT(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.patch_volume)
         nn.init.zeros_(self.mod_out.weight)
         nn.init.zeros_(self.mod_out.bias)
+        self.rope_cache = RopeCache()
+
+    def set_recompute(self, granularity: Optional[str], modules=("core_attn",),
+                      num_layers: Optional[int] = None) -> None:
+        """Activation checkpointing (Megatron-LM's --recompute-granularity / --recompute-modules /
+        --recompute-num-layers): 'full' recomputes whole blocks (the first ``num_layers``, default all) in the
+        backward; 'selective' recomputes only ``modules``: 'core_attn' (the attention core; with the fused
+        async/all-gather block forms the whole self-attention block) and/or 'mlp' (the FFN). None: off."""
+        if granularity not in (None, "full", "selective"):
+            raise ValueError(f"--recompute-granularity={granularity!r}: use full or selective")
+        bad = [m for m in modules if m not in RECOMPUTE_MODULES]
+        if bad:
+            raise ValueError(f"--recompute-modules {bad}: valid are {', '.join(RECOMPUTE_MODULES)}")
+        n = len(self.blocks) if num_layers is None else num_layers
+        if not 0 <= n <= len(self.blocks):
+            raise ValueError(f"--recompute-num-layers={num_layers}: the model has {len(self.blocks)} layers")
+        for i, blk in enumerate(self.blocks):
+            blk.recompute_block = granularity == "full" and i < n
+            blk.recompute_mlp = granularity == "selective" and "mlp" in modules
+            blk.attn.recompute_core = granularity == "selective" and "core_attn" in modules
 
     def set_attention_core(self, core: AttentionCore) -> None:
         """Install the sequence-parallel attention used by every block."""
@@ -256,7 +298,7 @@ class VideoDiT(nn.Module):
         x = self.patch_embed(patches)
         t_emb = self.time_embed(timestep_embedding(t, self.cfg.freq_dim).to(x.dtype))
         ctx = self.text_embed(text)
-        angles = rope_angles(token_ids, grid, self.cfg.head_dim).to(x.device)
+        angles = self.rope_cache.get(token_ids, grid, self.cfg.head_dim, x.device)
         for blk in self.blocks:
             x = blk(x, t_emb, ctx, angles, kv_valid_len)
         shift, scale = self.mod_out(F.silu(t_emb))[:, None].chunk(2, dim=-1)

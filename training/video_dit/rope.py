@@ -37,3 +37,20 @@ def apply_rope(x_bshd: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     x1, x2 = x_bshd[..., 0::2], x_bshd[..., 1::2]
     out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
     return out.flatten(-2)
+
+
+class RopeCache:
+    """The angle table of the last (token ids, grid, device) seen, kept on the device: a training run
+    with a fixed shape computes and copies it once instead of every forward."""
+
+    def __init__(self) -> None:
+        self.key: tuple = ()
+        self.ids = None
+        self.angles = None
+
+    def get(self, token_ids: torch.Tensor, grid: tuple, head_dim: int, device) -> torch.Tensor:
+        key = (tuple(grid), head_dim, str(device), token_ids.shape[0])
+        if self.key != key or not torch.equal(self.ids, token_ids.cpu()):
+            self.key, self.ids = key, token_ids.cpu().clone()
+            self.angles = rope_angles(token_ids, grid, head_dim).to(device)
+        return self.angles

@@ -1,0 +1,85 @@
+"""The background data path: each step's inputs for THIS rank are built off the training thread.
+
+A step's batch is a pure function of (step, dp_rank) (engine.flow_matching_batch), so the steps of
+a run form a map-style dataset: ``StepBatches[i]`` is step ``start + i`` already cut to this rank's
+tokens (CPU). A torch DataLoader reads it ahead with ``num_workers`` processes (0: in the training
+thread, the plain path), pins the tensors, and ``to_device`` copies them with ``non_blocking=True``.
+The values are those of ``engine.prepare`` bit for bit: only where they are computed changes.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .engine import StepInputs, flow_matching_batch, shard_tokens
+
+
+def sample_index(step: int, dp_rank: int, dp_world: int, micro_batch: int, m: int) -> int:
+    """The dataset index of micro-sample ``m`` of ``step`` on ``dp_rank`` (as flow_matching_batch reads it)."""
+    return (step * dp_world + dp_rank) * micro_batch + m
+
+
+def describe_samples(dataset, ids: list) -> list:
+    """Sample ids -> names a user can find: the file for on-disk shards, else 'synthetic sample i'."""
+    files = getattr(dataset, "files", None)
+    if files:
+        return [files[i % len(files)] for i in ids]
+    return [f"synthetic sample {i}" for i in ids]
+
+
+def host_inputs(batch: dict, sp_rank: int, sp_world: int) -> dict:
+    """This rank's share of a full batch, on the CPU, as a dict of tensors + ints (pinnable)."""
+    n_valid = batch["x"].shape[1]
+    x, ids, n_pad = shard_tokens(batch["x"], n_valid, sp_rank, sp_world)
+    tgt, _, _ = shard_tokens(batch["target"], n_valid, sp_rank, sp_world)
+    return {"x": x.contiguous(), "target": tgt.contiguous(), "valid": ids < n_valid, "t": batch["t"],
+            "text": batch["text"].contiguous(), "token_ids": ids, "grid": tuple(batch["grid"]), "n_valid": n_valid,
+            "n_pad": n_pad}
+
+
+def to_device(h: dict, device, non_blocking: bool = True) -> StepInputs:
+    """host_inputs(...) -> StepInputs on ``device`` (token_ids stay on the CPU, as in engine.prepare)."""
+    def mv(t):
+        return t.to(device, non_blocking=non_blocking)
+    return StepInputs(mv(h["x"]), mv(h["target"]), mv(h["valid"]), mv(h["t"]), mv(h["text"]), h["token_ids"],
+                      tuple(h["grid"]), int(h["n_valid"]), int(h["n_pad"]))
+
+
+class StepBatches(Dataset):
+    """Item i = this rank's inputs of step ``start + i`` plus the step and its sample ids."""
+
+    def __init__(self, dataset, *, start: int, stop: int, seed: int, dp_rank: int, dp_world: int, micro_batch: int,
+                 patch: tuple, sp_rank: int, sp_world: int) -> None:
+        self.dataset, self.start, self.stop, self.seed = dataset, start, stop, seed
+        self.dp_rank, self.dp_world, self.micro, self.patch = dp_rank, dp_world, micro_batch, patch
+        self.sp_rank, self.sp_world = sp_rank, sp_world
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start)
+
+    def __getitem__(self, i: int) -> dict:
+        step = self.start + i
+        batch = flow_matching_batch(self.dataset, step, self.seed, self.dp_rank, self.dp_world, self.micro, self.patch)
+        h = host_inputs(batch, self.sp_rank, self.sp_world)
+        h["step"] = step
+        h["sample_ids"] = [sample_index(step, self.dp_rank, self.dp_world, self.micro, m) for m in range(self.micro)]
+        return h
+
+
+def _identity(item):
+    return item
+
+
+def step_inputs(batches: StepBatches, device, num_workers: int = 0, prefetch: int = 2,
+                pin_memory: Optional[bool] = None) -> Iterator[tuple]:
+    """Yield (step, StepInputs on device, sample_ids) for every step of ``batches``, read ahead by
+    ``num_workers`` DataLoader processes (``prefetch`` batches each), pinned when the device is CUDA."""
+    device = torch.device(device)
+    pin = device.type == "cuda" if pin_memory is None else pin_memory
+    loader = DataLoader(batches, batch_size=None, shuffle=False, num_workers=num_workers, collate_fn=_identity,
+                        pin_memory=pin, prefetch_factor=prefetch if num_workers > 0 else None,
+                        persistent_workers=False)
+    for h in loader:
+        yield h["step"], to_device(h, device, non_blocking=pin), h["sample_ids"]

@@ -1,0 +1,130 @@
+"""Per-step training metrics without per-step host syncs: values stay on the device and are read back
+every ``--log-interval`` steps (and before a checkpoint), then written to metrics.jsonl, TensorBoard
+(``--tensorboard-dir``) and the progress bar.
+
+Row fields: step, loss, grad_norm, lr, step_time_s, tokens_per_s, mfu, peak_mem_gib (max over ranks),
+peak_mem_gib_per_rank, skipped_steps, and with --timing model_fwd_bwd_ms / optimizer_ms (CUDA events in
+the same run). step_time_s is the interval's wall time over its steps (exact per step at --log-interval 1).
+
+MFU = model FLOPs per second / (world x peak dense bf16 FLOP/s of one GPU), where model FLOPs per
+token = 6 x (matmul parameters a video token passes) + 12 x layers x dim x (video tokens + text tokens)
+(attention scores and values, forward + backward; recomputation not counted): DiTConfig.flops_per_token.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .engine import PEAK_BF16_FLOPS, MetricsLog
+
+
+def peak_flops(device) -> Optional[float]:
+    """Dense bf16 peak FLOP/s of this GPU (989e12 for H100/H200 SXM), None on CPU / unknown GPUs."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+class _Events:
+    """fwd+bwd and optimizer spans of one step (CUDA events; perf_counter on CPU)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else [0.0, 0.0, 0.0]
+
+    def mark(self, i: int) -> None:
+        if self.cuda:
+            self.marks[i].record()
+        else:
+            self.marks[i] = time.perf_counter()
+
+    def spans_ms(self) -> tuple:
+        m = self.marks
+        if self.cuda:
+            return m[0].elapsed_time(m[1]), m[1].elapsed_time(m[2])
+        return (m[1] - m[0]) * 1e3, (m[2] - m[1]) * 1e3
+
+
+class Telemetry:
+    """Collects step values (device tensors or floats) and flushes them every ``interval`` steps."""
+
+    def __init__(self, log: MetricsLog, *, cfg, device, world: int, interval: int = 1, timing: bool = False,
+                 tensorboard_dir: Optional[str] = None, writer_rank: bool = False, group=None) -> None:
+        if interval < 1:
+            raise ValueError(f"--log-interval={interval}: must be >= 1")
+        self.log, self.cfg, self.device, self.world = log, cfg, torch.device(device), world
+        self.interval, self.timing, self.group = interval, timing, group
+        self.peak = peak_flops(self.device)
+        self.pending: list = []
+        self.t_last = time.perf_counter()
+        self.tb = None
+        if tensorboard_dir and writer_rank:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+            self.tb = SummaryWriter(log_dir=tensorboard_dir, purge_step=log.start_step or None)
+
+    def events(self) -> Optional[_Events]:
+        return _Events(self.device.type == "cuda") if self.timing else None
+
+    def record(self, step: int, loss, grad_norm, lr: float, tokens: int, seqlen: int, skipped: int,
+               ev: Optional[_Events] = None, extra: Optional[dict] = None) -> None:
+        """loss / grad_norm: device tensors or floats (None allowed). No host sync."""
+        self.pending.append((step, loss, grad_norm, lr, tokens, seqlen, skipped, ev, extra or {}))
+        if len(self.pending) >= self.interval:
+            self.flush()
+
+    def flush(self) -> list:
+        """Read back the pending steps (one sync), write their rows; returns them."""
+        if not self.pending:
+            return []
+        for p in self.pending:  # CUDA events must have completed before elapsed_time
+            if p[7] is not None and p[7].cuda:
+                p[7].marks[2].synchronize()
+        vals = [x for p in self.pending for x in (p[1], p[2])]
+        dev = [v for v in vals if isinstance(v, torch.Tensor)]
+        host = iter(torch.stack([v.detach().float().reshape(()) for v in dev]).tolist()) if dev else iter(())
+        vals = [None if v is None else (next(host) if isinstance(v, torch.Tensor) else float(v)) for v in vals]
+        now = time.perf_counter()
+        dt = (now - self.t_last) / len(self.pending)
+        self.t_last = now
+        mem = self._peak_mem()
+        rows = []
+        for i, (step, _, _, lr, tokens, seqlen, skipped, ev, extra) in enumerate(self.pending):
+            loss, gn = vals[2 * i], vals[2 * i + 1]
+            row = {"step": step, "loss": loss, "grad_norm": gn, "lr": lr, "step_time_s": dt,
+                   "tokens_per_s": tokens / max(dt, 1e-9), "skipped_steps": skipped}
+            if self.cfg is not None and self.peak:
+                row["mfu"] = self.cfg.flops_per_token(seqlen, self.cfg.text_len) * row["tokens_per_s"] / (
+                    self.peak * self.world)
+            if mem is not None:
+                row["peak_mem_gib"], row["peak_mem_gib_per_rank"] = max(mem), mem
+            if ev is not None:
+                row["model_fwd_bwd_ms"], row["optimizer_ms"] = ev.spans_ms()
+            row.update(extra)
+            rows.append(row)
+            self.log.write(row)
+            if self.tb is not None:
+                for k, v in row.items():
+                    if k != "step" and isinstance(v, (int, float)) and v is not None:
+                        self.tb.add_scalar(f"train/{k}", v, step)
+        self.pending = []
+        if self.tb is not None:
+            self.tb.flush()
+        return rows
+
+    def _peak_mem(self) -> Optional[list]:
+        if self.device.type != "cuda":
+            return None
+        t = torch.zeros(self.world, device=self.device)
+        t[dist.get_rank() if dist.is_initialized() else 0] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if self.world > 1:
+            dist.all_reduce(t, group=self.group)
+        return [round(x, 3) for x in t.tolist()]
+
+    def close(self) -> None:
+        self.flush()
+        if self.tb is not None:
+            self.tb.close()
