@@ -290,6 +290,25 @@ def load(load_path: str, model: torch.nn.Module, opt, expect: dict) -> dict:
     return {**run, "path": step_dir, "seconds": time.perf_counter() - t0}
 
 
+def load_model_tensors(load_path: str) -> dict:
+    """The model's full tensors {name: tensor} from a torch-path checkpoint, on one process without
+    a process group (export, inspection). Read through the safe reader."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+    step_dir = resolve(load_path)
+    read_run(step_dir, {})
+    meta = read_dcp_metadata(os.path.join(step_dir, ".metadata"))
+    model = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in meta.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    if not model:
+        raise CheckpointError(f"{step_dir}: holds no model tensors (saved through Megatron's optimizer? "
+                              f"use megatron.core.dist_checkpointing to read it)")
+    state = {"model": model}
+    dcp.load(state, storage_reader=SafeFileSystemReader(step_dir), no_dist=True)
+    return state["model"]
+
+
 def _impl(opt) -> str:
     return "megatron" if _is_megatron_opt(opt) else "torch"
 
