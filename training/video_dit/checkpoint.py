@@ -305,7 +305,10 @@ def load_model_tensors(load_path: str) -> dict:
         raise CheckpointError(f"{step_dir}: holds no model tensors (saved through Megatron's optimizer? "
                               f"use megatron.core.dist_checkpointing to read it)")
     state = {"model": model}
-    dcp.load(state, storage_reader=SafeFileSystemReader(step_dir), no_dist=True)
+    import warnings  # noqa: PLC0415
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(state, storage_reader=SafeFileSystemReader(step_dir), no_dist=True)
     return state["model"]
 
 
