@@ -77,7 +77,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
 
 def _save(args, step, model, opt, rank):
     """Sharded atomic checkpoint (training/video_dit/checkpoint.py); ``model``: DDP wrapper or module."""
-    out = ckpt.save(args.save, step, model, opt, _ckpt_identity(args), args.keep_last)
+    layout = {"context_parallel_size": args.context_parallel_size, "cp_comm_type": args.cp_comm_type[0],
+              "hcms_head_chunks": args.hcms_head_chunks, "sp_async_qkv": args.sp_async_qkv}  # informational
+    out = ckpt.save(args.save, step, model, opt, {**_ckpt_identity(args), "layout": layout}, args.keep_last)
     if rank == 0 and not args.quiet:
         print(f"[pretrain_video_dit] saved {out['path']} in {out['seconds']:.2f}s", flush=True)
 

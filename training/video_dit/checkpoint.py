@@ -344,11 +344,6 @@ def _load_megatron(step_dir: str, ddp_model, opt) -> None:
     opt.load_state_dict(state["optimizer"])
 
 
-def layout(**kw) -> dict:
-    """What run.json records about the run's layout (informational; may differ on resume)."""
-    return {"layout": kw}
-
-
 def describe(cfg, name: str) -> dict:
     """The model identity a checkpoint must match on resume."""
     import dataclasses  # noqa: PLC0415
