@@ -124,8 +124,10 @@ def test_nan_sample_stops_megatron_checkpoint_untouched(tmp_path):
         run_ranks(lambda r, w: _mg(r, w, flags), 2)
     msg = str(e.value)
     assert "NonFiniteError" in msg and "step 3" in msg and "sample_000003.pt" in msg and "rank(s) [0, 1]" in msg
-    ckpt = torch.load(os.path.join(ck, "checkpoint.pt"), weights_only=False)
-    assert ckpt["step"] == 2 and all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    from training.video_dit.checkpoint import load_model_tensors, read_run, resolve
+    assert read_run(resolve(ck), {})["step"] == 2
+    model = load_model_tensors(ck)
+    assert len(model) > 10 and all(torch.isfinite(v).all() for v in model.values())
 
 
 def test_nan_sample_skip_megatron(tmp_path):
@@ -158,8 +160,8 @@ def test_nan_sample_deepspeed(tmp_path):
     with pytest.raises(RankFailure) as e:
         run_ranks(lambda r, w: _ds(r, w, flags), 2)
     assert "step 3" in str(e.value) and "sample_000003.pt" in str(e.value)
-    assert open(os.path.join(ck, "latest")).read().strip() == "step2"
-    assert sorted(x for x in os.listdir(ck) if x.startswith("step")) == ["step2"]
+    assert open(os.path.join(ck, "latest")).read().strip() == "iter_0000002"
+    assert sorted(x for x in os.listdir(ck) if x.startswith("iter_")) == ["iter_0000002"]
     res = run_ranks(lambda r, w: _ds(r, w, ("--data-path", data, "--frames", "4", "--train-iters", "6",
                                             "--skip-nonfinite-steps", "1")), 2)[0]
     assert [r["skipped_steps"] for r in res["rows"]] == [0, 0, 0, 1, 1, 1] and res["losses"][5] == res["losses"][5]

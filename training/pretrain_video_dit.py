@@ -24,9 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit import checkpoint as ckpt  # noqa: E402
 from training.video_dit.cli import (add_common_args, build_dataset, check_common_args, frames_and_size,  # noqa: E402
                                     pick_device)
 from training.video_dit.engine import MetricsLog, check_divisible, make_core  # noqa: E402
+from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
 from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import MegatronOps, RunContext, TorchOps, add_train_args, train_loop  # noqa: E402
 from training.video_dit.sample import write_demo_samples  # noqa: E402
@@ -81,12 +83,17 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     return args
 
 
-def _save(path, step, model, opt, rank):
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict()},
-                   os.path.join(path, "checkpoint.pt"))
-    dist.barrier()
+def _save(args, step, model, opt, rank):
+    """Sharded atomic checkpoint (training/video_dit/checkpoint.py); ``model``: DDP wrapper or module."""
+    layout = {"context_parallel_size": args.context_parallel_size, "cp_comm_type": args.cp_comm_type[0],
+              "hcms_head_chunks": args.hcms_head_chunks, "sp_async_qkv": args.sp_async_qkv}  # informational
+    out = ckpt.save(args.save, step, model, opt, {**_ckpt_identity(args), "layout": layout}, args.keep_last)
+    if rank == 0 and not args.quiet:
+        print(f"[pretrain_video_dit] saved {out['path']} in {out['seconds']:.2f}s", flush=True)
+
+
+def _ckpt_identity(args) -> dict:
+    return {"entry": "megatron-core", **ckpt.describe(preset(args.model, args.num_layers), args.model)}
 
 
 def main(argv: Optional[list] = None) -> dict:
@@ -94,14 +101,16 @@ def main(argv: Optional[list] = None) -> dict:
     device = pick_device()
     own_pg = not dist.is_initialized()
     if own_pg:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=timeout_of(args.distributed_timeout_minutes))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     from megatron.core import parallel_state as ps  # noqa: PLC0415
     ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
     setup_logging(args.log_level, dist.get_rank())
     try:
-        return _train(args, device, ps)
+        with report_failures("pretrain_video_dit"):
+            return _train(args, device, ps)
     finally:
         ps.destroy_model_parallel()
         if own_pg:
@@ -143,10 +152,11 @@ def _train(args, device, ps) -> dict:
                                 fused=device.type == "cuda" or None)
     start = 0
     if args.load:
-        ck = torch.load(os.path.join(args.load, "checkpoint.pt"), map_location=device, weights_only=False)
-        (model.module if impl == "megatron" else model).load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        start = ck["step"]
+        loaded = ckpt.load(args.load, model, opt, _ckpt_identity(args))
+        start = int(loaded["step"])
+        if rank == 0 and not args.quiet:
+            print(f"[pretrain_video_dit] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s",
+                  flush=True)
     dataset = build_dataset(args, cfg)
     if not args.quiet:
         logger.info(f"model={args.model} layers={cfg.layers} CP={sp_world} DP={dp_world} "
@@ -158,9 +168,9 @@ def _train(args, device, ps) -> dict:
     ops = MegatronOps(model, opt) if impl == "megatron" else TorchOps(model, opt, dp_cp_group, args.clip_grad)
     ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, dist.get_world_size())
     losses = train_loop(args, ops, dataset, cfg, ctx, device, log, start=start, autocast=autocast,
-                        save=lambda s: _save(args.save, s, model.module if impl == "megatron" else model, opt, rank))
-    if args.save:
-        _save(args.save, args.train_iters, model.module if impl == "megatron" else model, opt, rank)
+                        save=lambda s: _save(args, s, model, opt, rank))
+    if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
+        _save(args, args.train_iters, model, opt, rank)
     plot = log.close(f"video DiT ({args.model}), CP={sp_world} {args.cp_comm_type[0]}")
     if not args.quiet and losses:
         logger.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "

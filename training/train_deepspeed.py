@@ -23,8 +23,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit import ds_checkpoint as ds_ckpt  # noqa: E402
+from training.video_dit.checkpoint import describe  # noqa: E402
 from training.video_dit.cli import (add_common_args, build_dataset, check_common_args, frames_and_size,  # noqa: E402
                                     pick_device)
+from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
 from training.video_dit.engine import MetricsLog, check_divisible  # noqa: E402
 from training.video_dit.logs import captured_stdout, quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import DeepSpeedOps, RunContext, add_train_args, train_loop  # noqa: E402
@@ -62,7 +65,8 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     with captured_stdout("deepspeed.init_distributed"):  # its CPU shm-op build prints one line per rank
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                                   timeout=timeout_of(args.distributed_timeout_minutes))
     setup_logging(args.log_level, dist.get_rank())
     cfg = preset(args.model, args.num_layers)
     frames, h, w = frames_and_size(args)
@@ -76,7 +80,8 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
     engine, _, _, _ = initialize(model=model, config=ds_cfg, num_heads=cfg.heads)
     try:
-        return _train(args, engine, cfg, device)
+        with report_failures("train_deepspeed"):
+            return _train(args, engine, cfg, device)
     finally:
         if own_pg:
             dist.destroy_process_group()
@@ -91,8 +96,11 @@ def _train(args, engine, cfg, device) -> dict:
     dp_world, dp_rank = world // sp_world, rank // sp_world
     start = 0
     if args.load:
-        _, client = engine.load_checkpoint(args.load)
-        start = int((client or {}).get("step", 0))
+        loaded = ds_ckpt.load(engine, args.load, _ckpt_identity(args))
+        start = int(loaded["step"])
+        if rank == 0 and not args.quiet:
+            print(f"[train_deepspeed] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s",
+                  flush=True)
     dataset = build_dataset(args, cfg)
     block = engine.config.get("sequence_parallel_ext", {}) if isinstance(engine.config, dict) else {}
     if not args.quiet:
@@ -106,10 +114,9 @@ def _train(args, engine, cfg, device) -> dict:
             inp.x, inp.text, inp.t = inp.x.bfloat16(), inp.text.bfloat16(), inp.t.bfloat16()
     ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, world)
     losses = train_loop(args, DeepSpeedOps(engine), dataset, cfg, ctx, device, log, start=start,
-                        cast_inputs=cast_inputs,
-                        save=lambda s: engine.save_checkpoint(args.save, tag=f"step{s}", client_state={"step": s}))
-    if args.save:
-        engine.save_checkpoint(args.save, tag=f"step{args.train_iters}", client_state={"step": args.train_iters})
+                        cast_inputs=cast_inputs, save=lambda s: _save(args, engine, s, rank))
+    if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
+        _save(args, engine, args.train_iters, rank)
     plot = log.close(f"video DiT ({args.model}), DeepSpeed SP={sp_world}")
     if not args.quiet and losses:
         logger.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; plot: {plot}")
@@ -117,6 +124,17 @@ def _train(args, engine, cfg, device) -> dict:
         write_demo_samples(engine.module, dataset, steps=args.sample_steps, seed=args.seed,
                            group=sp_group if sp_world > 1 else None, device=device, log_dir=args.log_dir)
     return {"losses": losses, "plot": plot, "rows": log.rows, "timing": getattr(log, "timing", None)}
+
+
+def _ckpt_identity(args) -> dict:
+    return {"entry": "deepspeed", **describe(preset(args.model, args.num_layers), args.model)}
+
+
+def _save(args, engine, step, rank):
+    """Engine checkpoint in the atomic layout (training/video_dit/ds_checkpoint.py)."""
+    out = ds_ckpt.save(engine, args.save, step, _ckpt_identity(args), args.keep_last)
+    if rank == 0 and not args.quiet:
+        print(f"[train_deepspeed] saved {out['path']} in {out['seconds']:.2f}s", flush=True)
 
 
 if __name__ == "__main__":

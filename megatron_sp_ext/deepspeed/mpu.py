@@ -51,6 +51,11 @@ class SequenceParallelMPU:
     # No get_data_parallel_group(): DeepSpeed's SP mpu has none, and ZeRO-3 would reduce gradients
     # over it (the ranks sharing an SP rank) instead of over all sequence x data ranks.
 
+    def get_tensor_model_parallel_world_size(self) -> int:
+        """No tensor parallelism: every rank holds full parameters. DeepSpeed records this as the
+        checkpoint's tp_degree and reads it when loading a universal checkpoint (resharding)."""
+        return 1
+
     # DeepSpeed aliases model parallel to sequence parallel for SP mpus
     get_model_parallel_group = get_sequence_parallel_group
     get_model_parallel_world_size = get_sequence_parallel_world_size

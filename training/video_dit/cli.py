@@ -5,6 +5,7 @@ import argparse
 
 import torch
 
+from .checkpoint import add_checkpoint_args
 from .config import PRESETS
 from .data import LatentShardDataset, SyntheticVideoLatents
 from .logs import add_log_level_arg
@@ -34,6 +35,7 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="after training, sample one clip per prompt with this many flow-matching Euler steps "
                         "(same sequence-parallel attention) and write samples.png beside loss.png (0: off)")
     add_log_level_arg(g)
+    add_checkpoint_args(p)
     return p
 
 
@@ -53,7 +55,7 @@ def frames_and_size(args) -> tuple[list, int, int]:
 
 def build_dataset(args, cfg):
     if args.data_path:
-        return LatentShardDataset(args.data_path)
+        return LatentShardDataset(args.data_path, channels=cfg.in_channels, text_dim=cfg.text_dim, patch=cfg.patch)
     frames, h, w = frames_and_size(args)
     return SyntheticVideoLatents(cfg.in_channels, frames, h, w, cfg.text_len, cfg.text_dim, seed=args.seed)
 

@@ -63,28 +63,101 @@ class SyntheticVideoLatents:
         return {"latent": latent.float(), "text": text.float()}
 
 
-class LatentShardDataset:
-    """Samples from a directory of .pt / .safetensors files (see module docstring)."""
+class LatentFileError(ValueError):
+    """A latent file that cannot be trained on; the message names the file and what is wrong."""
 
-    def __init__(self, path: str) -> None:
+
+class LatentShardDataset:
+    """Samples from a directory of .pt / .safetensors files (see module docstring).
+
+    With ``channels`` / ``text_dim`` / ``patch`` given (the entry points pass the model's), every
+    file's header is checked when the dataset is built - names, ranks, channel count, text width,
+    divisibility by the patch - so a bad file fails before the first step with its name. Headers
+    only: safetensors metadata, or the pickle of a .pt opened with mmap (no tensor bytes read).
+    Directories over ``check_up_to`` files check that many up front and the rest when read.
+    """
+
+    def __init__(self, path: str, channels: int | None = None, text_dim: int | None = None,
+                 patch: tuple | None = None, check_up_to: int = 4096) -> None:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"--data-path={path!r} is not a directory")
         self.files = sorted(glob.glob(os.path.join(path, "*.pt")) + glob.glob(os.path.join(path, "*.safetensors")))
         if not self.files:
             raise FileNotFoundError(f"--data-path={path!r} holds no .pt or .safetensors latent files")
+        self.channels, self.text_dim, self.patch = channels, text_dim, patch
+        for f in self.files[:check_up_to]:
+            self._check(f, _header(f))
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, i: int) -> dict:
         f = self.files[i % len(self.files)]
-        if f.endswith(".safetensors"):
-            from safetensors.torch import load_file  # noqa: PLC0415
-            d = load_file(f)
-        else:
-            d = torch.load(f, map_location="cpu", weights_only=True)
-        for key in ("latent", "text"):
-            if key not in d:
-                raise KeyError(f"{f}: missing tensor {key!r} (expected 'latent' [C,T,H,W] and 'text' [L,D])")
+        try:
+            if f.endswith(".safetensors"):
+                from safetensors.torch import load_file  # noqa: PLC0415
+                d = load_file(f)
+            else:
+                d = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch / safetensors raise many types
+            raise LatentFileError(f"{f}: unreadable latent file ({_first_line(e)})") from None
+        if not isinstance(d, dict):
+            raise LatentFileError(f"{f}: holds a {type(d).__name__}, expected a dict of tensors 'latent' and 'text'")
+        self._check(f, {k: (tuple(v.shape), v.dtype) for k, v in d.items() if isinstance(v, torch.Tensor)})
         return {"latent": d["latent"].float(), "text": d["text"].float()}
+
+    def _check(self, f: str, header: dict) -> None:
+        for key, rank, what in (("latent", 4, "[C, T, H, W]"), ("text", 2, "[L, D_text]")):
+            if key not in header:
+                raise LatentFileError(f"{f}: missing tensor {key!r} (expected 'latent' [C,T,H,W] and 'text' [L,D]; "
+                                      f"found {sorted(header)})")
+            shape, dtype = header[key]
+            if len(shape) != rank or not dtype.is_floating_point:
+                raise LatentFileError(f"{f}: {key!r} is {dtype} {list(shape)}, expected a float tensor {what}")
+        (c, t, h, w), _ = header["latent"]
+        if self.channels is not None and c != self.channels:
+            raise LatentFileError(f"{f}: latent has {c} channels, the model takes {self.channels} (latent [C,T,H,W])")
+        if self.patch is not None:
+            for n, p, name in ((t, self.patch[0], "frames T"), (h, self.patch[1], "height H"),
+                               (w, self.patch[2], "width W")):
+                if n % p:
+                    raise LatentFileError(f"{f}: latent {name}={n} is not a multiple of the patch size {p}")
+        (length, width), _ = header["text"]
+        if self.text_dim is not None and width != self.text_dim:
+            raise LatentFileError(f"{f}: text embeddings are {width} wide, the model takes {self.text_dim} "
+                                  f"(text [L, D_text]; was another text encoder used?)")
+        if length < 1:
+            raise LatentFileError(f"{f}: text embeddings are empty (L=0)")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _header(f: str) -> dict:
+    """{name: (shape, dtype)} of a latent file without reading its tensor bytes."""
+    try:
+        if f.endswith(".safetensors"):
+            from safetensors import safe_open  # noqa: PLC0415
+            out = {}
+            with safe_open(f, framework="pt") as st:
+                for k in st.keys():
+                    sl = st.get_slice(k)
+                    out[k] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), torch.uint8))
+            return out
+        d = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001
+        raise LatentFileError(f"{f}: unreadable latent file (corrupt, truncated or not a tensor file: "
+                              f"{_first_line(e)})") from None
+    if not isinstance(d, dict):
+        raise LatentFileError(f"{f}: holds a {type(d).__name__}, expected a dict of tensors 'latent' and 'text'")
+    return {k: (tuple(v.shape), v.dtype) for k, v in d.items() if isinstance(v, torch.Tensor)}
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
 
 
 def write_sample(path: str, latent: torch.Tensor, text: torch.Tensor, fmt: str = "pt") -> None:

@@ -1,0 +1,366 @@
+"""Checkpoints a long run can trust (CPU, gloo): exact resume on the same layout and across layouts
+(SP size, cp_comm_type) for both entry points; a save killed mid-write leaves the previous
+checkpoint loadable; truncated, foreign, empty and pickle-carrying checkpoints are refused with one
+clear error; bad latent files are refused before the first step; a rank killed mid-step ends the
+whole torchrun job within the collective timeout with the rank named."""
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from tests.harness import RankFailure, run_ranks  # noqa: E402
+from training.video_dit.checkpoint import list_checkpoints, read_run, resolve  # noqa: E402
+from training.video_dit.safe_load import CheckpointError, check_weights_only, read_dcp_metadata  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = ("--model", "tiny", "--frames", "4,3", "--latent-size", "6x10", "--quiet")
+
+
+def _mg(rank, world, cp, mode, steps, extra=()):
+    from training import pretrain_video_dit
+    chunks = ("--hcms-head-chunks", "2") if mode == "hcms" else ()
+    return pretrain_video_dit.main(["--context-parallel-size", str(cp), "--cp-comm-type", mode, *chunks,
+                                    "--train-iters", str(steps), *COMMON, *extra])["losses"]
+
+
+def _ds(rank, world, sp, mode, steps, extra=(), zero=1):
+    from training import train_deepspeed
+    block = {"mode": mode, **({"head_chunks": 2} if mode == "hcms" else {})}
+    cfg = {"sequence_parallel_size": sp, "zero_optimization": {"stage": zero}, "sequence_parallel_ext": block}
+    argv = ["--deepspeed-config", os.path.join(ROOT, "configs", "deepspeed", "cpu_tiny_hcms.json"),
+            "--train-iters", str(steps), *COMMON, *extra]
+    return train_deepspeed.main(argv, config=cfg)["losses"]
+
+
+def _close(got, want, tol=1e-5):
+    assert len(got) == len(want), (got, want)
+    for a, b in zip(got, want):
+        assert abs(a - b) <= tol * max(abs(b), 1e-12), f"{got} vs {want}"
+
+
+# ------------------------------------------------------------------ resume, same and other layouts
+
+@pytest.mark.parametrize("a,b", [((4, "hcms"), (2, "ulysses")), ((2, "ulysses"), (4, "hcms")),
+                                 ((4, "ulysses"), (4, "hcms"))])
+def test_megatron_resume_across_layouts(tmp_path, a, b):
+    ck = str(tmp_path / "ck")
+    straight = run_ranks(_mg, a[0], a[0], a[1], 6)[0]
+    first = run_ranks(_mg, a[0], a[0], a[1], 4, ("--save", ck, "--save-interval", "2", "--keep-last", "1"))[0]
+    assert [os.path.basename(p) for p in list_checkpoints(ck)] == ["iter_0000004"]  # --keep-last 1 pruned 2
+    rest = run_ranks(_mg, b[0], b[0], b[1], 6, ("--load", ck))[0]
+    _close(first + rest, straight)
+    run = read_run(resolve(ck), {})
+    assert run["world"] == a[0] and run["optimizer_impl"] == "torch"
+    assert sum(f.endswith(".distcp") for f in run["files"]) == a[0]  # every rank wrote its own shard
+
+
+@pytest.mark.parametrize("a,b,zero", [((2, "ulysses"), (4, "hcms"), 0), ((4, "hcms"), (2, "ulysses"), 0),
+                                      ((4, "ulysses"), (4, "hcms"), 1)])
+def test_deepspeed_resume_across_layouts(tmp_path, a, b, zero):
+    ck = str(tmp_path / "ck")
+    straight = run_ranks(_ds, a[0], a[0], a[1], 6, zero=zero)[0]
+    first = run_ranks(_ds, a[0], a[0], a[1], 4, ("--save", ck), zero=zero)[0]
+    rest = run_ranks(_ds, b[0], b[0], b[1], 6, ("--load", ck), zero=zero)[0]
+    _close(first + rest, straight)
+    run = read_run(resolve(ck), {"entry": "deepspeed"})
+    assert (run["step"], run["world"], run["zero_stage"]) == (4, a[0], zero)
+
+
+@pytest.mark.parametrize("a,b", [((2, "ulysses"), (4, "hcms")), ((4, "hcms"), (2, "ulysses"))])
+def test_deepspeed_zero1_resume_other_world_via_universal(tmp_path, a, b):
+    """ZeRO-1 optimizer state partitioned over 2 (4) ranks resumes on 4 (2) through DeepSpeed's
+    universal checkpoint."""
+    ck = str(tmp_path / "ck")
+    straight = run_ranks(_ds, a[0], a[0], a[1], 6)[0]
+    first = run_ranks(_ds, a[0], a[0], a[1], 4, ("--save", ck))[0]
+    rest = run_ranks(_ds, b[0], b[0], b[1], 6, ("--load", ck))[0]
+    _close(first + rest, straight)
+    assert os.path.isfile(os.path.join(resolve(ck), "universal", "converted"))
+
+
+# ------------------------------------------------------------------ a save killed mid-write
+
+def _killed_mid_save(rank, world, ck):
+    """Train 4 steps saving every 2; the save at step 4 is SIGKILLed after the DCP shard was written."""
+    import training.video_dit.checkpoint as ckpt
+    real = ckpt.save_rng
+
+    def dying(step_dir, r):
+        if step_dir.endswith("iter_0000004.partial"):
+            with open(os.path.join(step_dir, "half_written"), "wb") as f:
+                f.write(b"\0" * 100)
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(step_dir, r)
+    ckpt.save_rng = dying
+    return _mg(rank, world, 1, "ulysses", 4, ("--save", ck, "--save-interval", "2"))
+
+
+def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
+    ck = str(tmp_path / "ck")
+    straight = run_ranks(_mg, 1, 1, "ulysses", 5)[0]
+    with pytest.raises(RankFailure, match="code -9"):
+        run_ranks(_killed_mid_save, 1, ck)
+    assert os.path.isdir(os.path.join(ck, "iter_0000004.partial"))  # the interrupted write is there...
+    assert resolve(ck).endswith("iter_0000002")                      # ...and latest still names step 2
+    rest = run_ranks(_mg, 1, 1, "ulysses", 5, ("--load", ck, "--save", ck))[0]
+    _close(rest, straight[2:], tol=0)  # same layout: bit-identical
+    assert not os.path.exists(os.path.join(ck, "iter_0000004.partial"))  # the next save cleaned it up
+
+
+# ------------------------------------------------------------------ refused checkpoints
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    ck = str(tmp_path_factory.mktemp("saved") / "ck")
+    run_ranks(_mg, 2, 2, "ulysses", 2, ("--save", ck))
+    return ck
+
+
+def _copy(src, tmp_path):
+    import shutil
+    dst = str(tmp_path / "ck")
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_checkpoint_clear_error(saved, tmp_path):
+    ck = _copy(saved, tmp_path)
+    shard = os.path.join(resolve(ck), "__1_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp: \d+ bytes, \d+ when saved: truncated"):
+        read_run(resolve(ck), {})
+    with pytest.raises(RankFailure, match="truncated"):  # and through the entry point, on every rank
+        run_ranks(_mg, 2, 2, "ulysses", 3, ("--load", ck))
+
+
+def test_corrupt_metadata_clear_error(saved, tmp_path):
+    ck = _copy(saved, tmp_path)
+    meta = os.path.join(resolve(ck), ".metadata")
+    data = open(meta, "rb").read()
+    with open(meta, "wb") as f:  # same size (passes the size check), garbage inside
+        f.write(bytes(b ^ 0x5A for b in data))
+    with pytest.raises(RankFailure, match=r"\.metadata: not a valid torch\.distributed\.checkpoint metadata"):
+        run_ranks(_mg, 1, 1, "ulysses", 3, ("--load", ck))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (exec, ("open(__import__('os').environ['SPX_PWNED'], 'w').write('ran')",))
+
+
+def test_pickled_object_in_checkpoint_is_refused(saved, tmp_path, monkeypatch):
+    marker = str(tmp_path / "pwned")
+    monkeypatch.setenv("SPX_PWNED", marker)
+    ck = _copy(saved, tmp_path)
+    step_dir = resolve(ck)
+    meta = os.path.join(step_dir, ".metadata")
+    with open(meta, "wb") as f:
+        pickle.dump(_Evil(), f)
+    run = json.load(open(os.path.join(step_dir, "run.json")))
+    run["files"][".metadata"] = os.path.getsize(meta)  # a tamperer keeps run.json consistent
+    json.dump(run, open(os.path.join(step_dir, "run.json"), "w"))
+    with pytest.raises(CheckpointError, match="refused global builtins.exec"):
+        read_dcp_metadata(meta)
+    with pytest.raises(RankFailure, match="refused global builtins.exec"):
+        run_ranks(_mg, 1, 1, "ulysses", 3, ("--load", ck))
+    assert not os.path.exists(marker)
+    evil_pt = str(tmp_path / "optim_states.pt")  # the DeepSpeed gate: torch.save files
+    torch.save({"state": _Evil()}, evil_pt)
+    with pytest.raises(CheckpointError, match="refused - holds a pickled object"):
+        check_weights_only(evil_pt)
+    assert not os.path.exists(marker)
+
+
+def test_deepspeed_pickled_object_is_refused(tmp_path, monkeypatch):
+    marker = str(tmp_path / "pwned")
+    monkeypatch.setenv("SPX_PWNED", marker)
+    ck = str(tmp_path / "ck")
+    run_ranks(_ds, 1, 1, "ulysses", 1, ("--save", ck))
+    step_dir = resolve(ck)
+    (model_file,) = [f for f in os.listdir(step_dir) if f.endswith("model_states.pt")]
+    path = os.path.join(step_dir, model_file)
+    sd = torch.load(path, weights_only=True)
+    sd["evil"] = _Evil()
+    torch.save(sd, path)
+    run = json.load(open(os.path.join(step_dir, "run.json")))
+    run["files"][model_file] = os.path.getsize(path)
+    json.dump(run, open(os.path.join(step_dir, "run.json"), "w"))
+    with pytest.raises(RankFailure, match="model_states.pt: refused - holds a pickled object"):
+        run_ranks(_ds, 1, 1, "ulysses", 2, ("--load", ck))
+    assert not os.path.exists(marker)
+
+
+def test_empty_missing_foreign_load_dirs(tmp_path, saved):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="the directory is empty, nothing to resume from"):
+        resolve(str(empty))
+    with pytest.raises(CheckpointError, match="no such directory"):
+        resolve(str(tmp_path / "nope"))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "checkpoint.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="not a checkpoint written by this trainer"):
+        resolve(str(foreign))
+    bad_latest = tmp_path / "bad_latest"
+    bad_latest.mkdir()
+    (bad_latest / "latest").write_text("../../etc")
+    with pytest.raises(CheckpointError, match="expected a checkpoint name"):
+        resolve(str(bad_latest))
+    with pytest.raises(CheckpointError, match="saved with entry='megatron-core', this run has entry='deepspeed'"):
+        read_run(resolve(saved), {"entry": "deepspeed"})
+    with pytest.raises(RankFailure, match="the directory is empty"):  # never a silent fresh start
+        run_ranks(_mg, 1, 1, "ulysses", 2, ("--load", str(empty)))
+
+
+# ------------------------------------------------------------------ bad data
+
+def _write(path, latent, text, fmt):
+    from training.video_dit.data import write_sample
+    write_sample(path, latent, text, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_bad_latent_files_fail_up_front(tmp_path, fmt):
+    from training.video_dit.config import preset
+    from training.video_dit.data import LatentFileError, LatentShardDataset
+    cfg = preset("tiny")
+    kw = dict(channels=cfg.in_channels, text_dim=cfg.text_dim, patch=cfg.patch)
+    good_l, good_t = torch.randn(4, 3, 6, 10), torch.randn(8, 32)
+    cases = {"wrong_text_width": (good_l, torch.randn(8, 48), "text embeddings are 48 wide, the model takes 32"),
+             "wrong_channels": (torch.randn(3, 3, 6, 10), good_t, "latent has 3 channels, the model takes 4"),
+             "wrong_rank": (torch.randn(4, 6, 10), good_t, r"'latent' is torch.float32 \[4, 6, 10\], expected"),
+             "odd_height": (torch.randn(4, 3, 5, 10), good_t, "latent height H=5 is not a multiple of the patch size 2")}
+    for name, (lat, txt, msg) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        _write(str(d / f"a.{fmt}"), good_l, good_t, fmt)
+        _write(str(d / f"b.{fmt}"), lat, txt, fmt)
+        with pytest.raises(LatentFileError, match=rf"b\.{fmt}: {msg}"):
+            LatentShardDataset(str(d), **kw)
+    d = tmp_path / "truncated"
+    d.mkdir()
+    _write(str(d / f"a.{fmt}"), good_l, good_t, fmt)
+    raw = open(d / f"a.{fmt}", "rb").read()
+    (d / f"a.{fmt}").write_bytes(raw[: len(raw) // 3])
+    with pytest.raises(LatentFileError, match=rf"a\.{fmt}: unreadable latent file"):
+        LatentShardDataset(str(d), **kw)
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        LatentShardDataset(str(tmp_path / "missing"), **kw)
+    assert len(LatentShardDataset(str(tmp_path / "wrong_text_width"))) == 2  # without a model: names only
+
+
+def test_bad_latent_dir_fails_before_first_step(tmp_path):
+    d = tmp_path / "lat"
+    d.mkdir()
+    _write(str(d / "a.pt"), torch.randn(4, 3, 6, 10), torch.randn(8, 7), "pt")
+    with pytest.raises(RankFailure, match=r"a\.pt: text embeddings are 7 wide"):
+        run_ranks(_mg, 1, 1, "ulysses", 2, ("--data-path", str(d)))
+
+
+# ------------------------------------------------------------------ a rank dies mid-step
+
+KILLER = """
+import os, signal, sys
+sys.path.insert(0, os.getcwd())
+from training.video_dit import model as m
+calls = [0]
+real = m.VideoDiT.forward
+def forward(self, *a, **k):
+    calls[0] += 1
+    if os.environ["RANK"] == "2" and calls[0] == 3:
+        import time
+        with open(os.environ["SPX_KILL_STAMP"], "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, *a, **k)
+m.VideoDiT.forward = forward
+from training import pretrain_video_dit
+pretrain_video_dit.main(sys.argv[1:])
+"""
+
+
+def test_killed_rank_ends_job_within_timeout(tmp_path):
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    timeout_min = 0.5
+    stamp = str(tmp_path / "killed_at")
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "SPX_KILL_STAMP": stamp}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--monitor-interval", "0.5",
+           str(script), "--context-parallel-size", "4", "--cp-comm-type", "ulysses", "--train-iters", "50",
+           *COMMON, "--distributed-timeout-minutes", str(timeout_min), "--save", str(tmp_path / "ck"),
+           "--save-interval", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    ended = time.time()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "rank: 2" in out and "Signal 9 (SIGKILL)" in out, out[-3000:]  # torchrun names the dead rank
+    # the whole job ended within the timeout + a margin of the death (start-up not counted)
+    assert ended - float(open(stamp).read()) < timeout_min * 60 + 20, out[-3000:]
+    left = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, str(script))]
+    assert not left, f"worker processes left behind: {left}"
+    ck = str(tmp_path / "ck")
+    assert resolve(ck)  # what was saved before the death is complete and loadable
+    assert all(os.path.isfile(os.path.join(p, "run.json")) for p in list_checkpoints(ck))
+
+
+def _cmdline_has(pid: str, needle: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return needle.encode() in f.read()
+    except OSError:
+        return False
+
+
+def test_killed_rank_without_launcher_bounded_by_timeout(tmp_path):
+    """No torchrun agent to stop the others: the survivors' own collectives must end them within
+    --distributed-timeout-minutes (plus start-up and a margin), each printing its rank."""
+    import socket
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    timeout_min = 0.25
+    procs = []
+    stamp = str(tmp_path / "killed_at")
+    for r in range(4):
+        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "RANK": str(r),
+               "SPX_KILL_STAMP": stamp,
+               "LOCAL_RANK": str(r), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, str(script), "--context-parallel-size", "4", "--cp-comm-type",
+                                       "ulysses", "--train-iters", "50", *COMMON, "--distributed-timeout-minutes",
+                                       str(timeout_min)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    import threading
+    outs, ended = [""] * 4, [None] * 4
+
+    def wait(r):
+        out, err = procs[r].communicate(timeout=240)
+        outs[r], ended[r] = out + err, time.time()
+    threads = [threading.Thread(target=wait, args=(r,)) for r in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[2].returncode == -signal.SIGKILL
+    for r in (0, 1, 3):
+        assert procs[r].returncode != 0, outs[r][-2000:]
+        assert f"[rank {r}] pretrain_video_dit failed" in outs[r], outs[r][-2000:]
+    killed_at = float(open(stamp).read())
+    waits = [ended[r] - killed_at for r in (0, 1, 3)]
+    assert max(waits) < timeout_min * 60 + 20, waits  # within the timeout of the death, + a margin

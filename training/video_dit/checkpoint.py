@@ -1,0 +1,351 @@
+"""Sharded, atomic checkpoints for the megatron-core entry point, and the directory layout both
+entry points share.
+
+Layout under ``--save ROOT``::
+
+    ROOT/iter_0000040/            one directory per saved step
+        .metadata, __<r>_0.distcp torch.distributed.checkpoint: every rank writes its own file
+        rng/rank_00003.safetensors that rank's RNG states
+        run.json                  step, layout, model, format tag, every file's size (written last)
+    ROOT/latest                   "iter_0000040", replaced (temp file + os.replace) after run.json
+
+A save writes ``ROOT/iter_0000040.partial/``; after every rank finished (barrier) rank 0 writes
+``run.json``, renames the directory to its final name, points ``latest`` at it and removes all
+but the newest ``--keep-last`` directories. A crash at any moment leaves ``latest`` on a
+complete checkpoint. The data position is the step: batches are a pure function of it.
+
+Model and optimizer state are saved per parameter name (full, unsharded tensors), so a run may
+resume at another SP size, DP size, cp_comm_type or block form: torch AdamW through
+``torch.distributed.checkpoint.state_dict``; Megatron's optimizer (GPU, incl. the distributed
+optimizer) through ``megatron.core.dist_checkpointing`` with ``fully_sharded_model_space``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import time
+import torch
+import torch.distributed as dist
+
+from .safe_load import CheckpointError, SafeFileSystemReader, check_weights_only, read_dcp_metadata
+
+FORMAT = "megatron_sp_ext.video_dit/1"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = p.add_argument_group("checkpoints and faults")
+    g.add_argument("--keep-last", type=int, default=3,
+                   help="keep the newest K checkpoints under --save (0: keep all)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="collective timeout: a rank that stops answering ends the job after this long")
+    return p
+
+
+def iter_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def _barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+# ----------------------------------------------------------------------------- layout
+
+def begin_save(root: str, step: int) -> str:
+    """Create (rank 0) an empty ``ROOT/iter_N.partial`` directory; every rank returns its path."""
+    tmp = os.path.join(root, iter_name(step) + ".partial")
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    return tmp
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def commit_save(root: str, tmp: str, step: int, run: dict, keep_last: int) -> str:
+    """After every rank wrote into ``tmp``: run.json, rename, ``latest``, pruning (rank 0). Returns
+    the final directory. Collective."""
+    _barrier()
+    final = os.path.join(root, iter_name(step))
+    if _rank() == 0:
+        files = {}
+        for dirpath, _, names in os.walk(tmp):
+            for n in names:
+                full = os.path.join(dirpath, n)
+                files[os.path.relpath(full, tmp)] = os.path.getsize(full)
+        _write_atomic(os.path.join(tmp, "run.json"),
+                      json.dumps({"format": FORMAT, "step": step, **run, "files": files}, indent=1, sort_keys=True))
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap, then drop the old one
+            stale = final + ".stale"
+            shutil.rmtree(stale, ignore_errors=True)
+            os.rename(final, stale)
+            os.rename(tmp, final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(os.path.join(root, "latest"), iter_name(step) + "\n")
+        _fsync_dir(root)
+        prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def list_checkpoints(root: str) -> list:
+    """Complete checkpoint directories under root (those with run.json), oldest first."""
+    out = []
+    for n in os.listdir(root) if os.path.isdir(root) else []:
+        m = _ITER_RE.match(n)
+        if m and os.path.isfile(os.path.join(root, n, "run.json")):
+            out.append((int(m.group(1)), os.path.join(root, n)))
+    return [p for _, p in sorted(out)]
+
+
+def prune(root: str, keep_last: int) -> None:
+    """Remove all but the newest ``keep_last`` complete checkpoints (0: keep all), never the one
+    ``latest`` names, and leftovers of interrupted saves older than it."""
+    latest = _read_latest(root) if os.path.isfile(os.path.join(root, "latest")) else None
+    done = list_checkpoints(root)
+    if keep_last > 0:
+        for p in done[:-keep_last]:
+            if os.path.basename(p) != latest:
+                shutil.rmtree(p, ignore_errors=True)
+    for n in os.listdir(root):
+        if n.endswith((".partial", ".stale")) and n.split(".")[0] != latest:
+            m = _ITER_RE.match(n.split(".")[0])
+            if m and latest and int(m.group(1)) < int(latest.split("_")[1]):
+                shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
+def _read_latest(root: str) -> str:
+    path = os.path.join(root, "latest")
+    with open(path) as f:
+        name = f.read().strip()
+    if not _ITER_RE.match(name):
+        raise CheckpointError(f"{path}: holds {name[:80]!r}, expected a checkpoint name like 'iter_0000040' "
+                              f"(corrupt or not written by this trainer)")
+    return name
+
+
+def resolve(load: str) -> str:
+    """The checkpoint directory ``--load`` names: a --save root (follows ``latest``) or one
+    ``iter_N`` directory. Anything else is a ``CheckpointError`` - never a fresh start."""
+    if not os.path.isdir(load):
+        raise CheckpointError(f"--load={load!r}: no such directory")
+    if os.path.isfile(os.path.join(load, "run.json")):
+        return load
+    if os.path.isfile(os.path.join(load, "latest")):
+        step_dir = os.path.join(load, _read_latest(load))
+        if not os.path.isfile(os.path.join(step_dir, "run.json")):
+            raise CheckpointError(f"{step_dir}: named by {os.path.join(load, 'latest')} but incomplete "
+                                  f"(no run.json); the directory was changed after the save")
+        return step_dir
+    found = sorted(os.listdir(load))
+    if not found:
+        raise CheckpointError(f"--load={load!r}: the directory is empty, nothing to resume from "
+                              f"(drop --load to start a fresh run)")
+    raise CheckpointError(f"--load={load!r}: no 'latest' pointer and no run.json, so not a checkpoint written by "
+                          f"this trainer (holds: {', '.join(found[:6])}{' ...' if len(found) > 6 else ''})")
+
+
+def read_run(step_dir: str, expect: dict) -> dict:
+    """run.json of a checkpoint, checked: format, every ``expect`` key equal, every file present with
+    the size it had when saved (truncation)."""
+    path = os.path.join(step_dir, "run.json")
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    if not isinstance(run, dict) or run.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {run.get('format') if isinstance(run, dict) else None!r}, "
+                              f"expected {FORMAT!r} (a foreign checkpoint)")
+    for key, want in expect.items():
+        if run.get(key) != want:
+            raise CheckpointError(f"{step_dir}: saved with {key}={run.get(key)!r}, this run has {key}={want!r}; "
+                                  f"resume with the same {key}")
+    for rel, size in run.get("files", {}).items():
+        full = os.path.join(step_dir, rel)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"{full}: missing (the checkpoint is incomplete)")
+        got = os.path.getsize(full)
+        if got != size:
+            raise CheckpointError(f"{full}: {got} bytes, {size} when saved: truncated or overwritten")
+    return run
+
+
+# ----------------------------------------------------------------------------- RNG
+
+def save_rng(step_dir: str, rank: int) -> None:
+    """This rank's CPU (and CUDA) RNG state as a safetensors file (no pickle)."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+    os.makedirs(os.path.join(step_dir, "rng"), exist_ok=True)
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    save_file(states, os.path.join(step_dir, "rng", f"rank_{rank:05d}.safetensors"))
+
+
+def load_rng(step_dir: str, rank: int, same_world: bool) -> bool:
+    """Restore this rank's RNG states when the world size is unchanged (per-rank streams only mean
+    something then; batches do not depend on them). Returns whether it restored."""
+    path = os.path.join(step_dir, "rng", f"rank_{rank:05d}.safetensors")
+    if not same_world or not os.path.isfile(path):
+        return False
+    from safetensors.torch import load_file  # noqa: PLC0415
+    try:
+        states = load_file(path)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+        raise CheckpointError(f"{path}: unreadable RNG state ({e})") from None
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    return True
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return " ".join(text[-3:])[:600] if text else type(e).__name__
+
+
+# ----------------------------------------------------------------------------- megatron-core entry
+
+def save(root: str, step: int, model: torch.nn.Module, opt, run: dict, keep_last: int) -> dict:
+    """Save model + optimizer + RNG at ``step`` (collective). ``model`` is the DDP wrapper when
+    ``opt`` is Megatron's optimizer, else the plain module. Returns {"path", "seconds"}."""
+    t0 = time.perf_counter()
+    tmp = begin_save(root, step)
+    if _is_megatron_opt(opt):
+        from megatron.core import dist_checkpointing  # noqa: PLC0415
+        dist_checkpointing.save(_megatron_sharded_state(model, opt, is_loading=False), tmp)
+    else:
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optimizer": osd}, storage_writer=dcp.FileSystemWriter(tmp))
+    save_rng(tmp, _rank())
+    final = commit_save(root, tmp, step, {**run, "world": _world(), "optimizer_impl": _impl(opt)}, keep_last)
+    return {"path": final, "seconds": time.perf_counter() - t0}
+
+
+def load(load_path: str, model: torch.nn.Module, opt, expect: dict) -> dict:
+    """Load what ``save`` wrote into ``model`` and ``opt`` (collective). ``expect``: run.json keys
+    that must match (model, entry point). Returns run.json (its "step" is where to continue)."""
+    t0 = time.perf_counter()
+    step_dir = resolve(load_path)
+    run = read_run(step_dir, {**expect, "optimizer_impl": _impl(opt)})
+    try:
+        if _is_megatron_opt(opt):
+            _load_megatron(step_dir, model, opt)
+        else:
+            import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: PLC0415
+            read_dcp_metadata(os.path.join(step_dir, ".metadata"))
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optimizer": osd}
+            dcp.load(state, storage_reader=SafeFileSystemReader(step_dir))
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the library's many error types become one clear message
+        raise CheckpointError(f"{step_dir}: could not be loaded (corrupt, truncated or of another model): "
+                              f"{_short(e)}") from e
+    load_rng(step_dir, _rank(), run.get("world") == _world())
+    return {**run, "path": step_dir, "seconds": time.perf_counter() - t0}
+
+
+def load_model_tensors(load_path: str) -> dict:
+    """The model's full tensors {name: tensor} from a torch-path checkpoint, on one process without
+    a process group (export, inspection). Read through the safe reader."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+    step_dir = resolve(load_path)
+    read_run(step_dir, {})
+    meta = read_dcp_metadata(os.path.join(step_dir, ".metadata"))
+    model = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in meta.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    if not model:
+        raise CheckpointError(f"{step_dir}: holds no model tensors (saved through Megatron's optimizer? "
+                              f"use megatron.core.dist_checkpointing to read it)")
+    state = {"model": model}
+    import warnings  # noqa: PLC0415
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(state, storage_reader=SafeFileSystemReader(step_dir), no_dist=True)
+    return state["model"]
+
+
+def _impl(opt) -> str:
+    return "megatron" if _is_megatron_opt(opt) else "torch"
+
+
+def _is_megatron_opt(opt) -> bool:
+    return type(opt).__module__.startswith("megatron.")
+
+
+def _megatron_sharded_state(ddp_model, opt, is_loading: bool) -> dict:
+    """Model parameters as replicated ShardedTensors keyed by name, and the optimizer's sharded state
+    in the model space (reshardable across DP sizes). GPU only (Megatron's DDP needs CUDA)."""
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint  # noqa: PLC0415
+    module = getattr(ddp_model, "module", ddp_model)
+    model_sd = {name: make_sharded_tensor_for_checkpoint(t, f"model.{name}")
+                for name, t in module.state_dict(keep_vars=True).items()}
+    opt_sd = opt.sharded_state_dict(model_sd, is_loading=is_loading,
+                                    metadata={"distrib_optim_sharding_type": "fully_sharded_model_space"})
+    return {"model": model_sd, "optimizer": opt_sd}
+
+
+def _load_megatron(step_dir: str, ddp_model, opt) -> None:
+    from megatron.core import dist_checkpointing  # noqa: PLC0415
+    read_dcp_metadata(os.path.join(step_dir, ".metadata"))  # the gate: the library then unpickles it
+    common = os.path.join(step_dir, "common.pt")
+    if os.path.isfile(common):
+        check_weights_only(common)
+    state = dist_checkpointing.load(_megatron_sharded_state(ddp_model, opt, is_loading=True), step_dir)
+    module = getattr(ddp_model, "module", ddp_model)
+    module.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+
+
+def describe(cfg, name: str) -> dict:
+    """The model identity a checkpoint must match on resume."""
+    import dataclasses  # noqa: PLC0415
+    return {"model": {"preset": name, **{k: (list(v) if isinstance(v, tuple) else v)
+                                         for k, v in dataclasses.asdict(cfg).items()}}}
