@@ -11,9 +11,12 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-v4
 CUR_VENV := .venv-current
 CPY := $(CUR_VENV)/bin/python
-CUR_STAMP := $(CUR_VENV)/.installed-v1
-TORCH_CURRENT ?= 2.15.0
-MCORE_CURRENT ?= 0.19.2
+CUR_STAMP := $(CUR_VENV)/.installed-v2
+# The current end's pins, given to pip as its constraints file: they also replace a machine-wide pip
+# constraints file that caps torch below the current release (some build machines have one).
+CUR_PINS := tools/constraints-current.txt
+TORCH_CURRENT := $(shell sed -n 's/^torch==//p' $(CUR_PINS))
+MCORE_CURRENT := $(shell sed -n 's/^megatron-core==//p' $(CUR_PINS))
 # The compatibility suite: both framework adapters, the DiT entry point on megatron-core's parallel_state,
 # config validation, and the Ulysses/HCMS and ring algorithms on the current torch.
 COMPAT_TESTS := tests/test_megatron.py tests/test_deepspeed.py tests/test_config.py tests/test_ulysses.py \
@@ -26,26 +29,27 @@ COMPAT_TESTS := tests/test_megatron.py tests/test_deepspeed.py tests/test_config
 # and is shown only if the install fails.
 $(STAMP): pyproject.toml setup.py
 	@echo "== installing $(VENV): torch 2.13.0, megatron-core 0.16.1, deepspeed 0.19.8 (log: $(VENV)/install.log)"
-	@mkdir -p $(VENV) && ( set -ex; \
-	test -x $(VPY) || $(PY) -m venv $(VENV); \
-	$(VPY) -m pip install -q --upgrade pip; \
-	$(VPY) -m pip install -q torch==2.13.0; \
-	$(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard transformers==5.23.0; \
-	DS_BUILD_OPS=0 $(VPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation; \
+	@mkdir -p $(VENV) && ( set -x; \
+	{ test -x $(VPY) || $(PY) -m venv $(VENV); } && \
+	$(VPY) -m pip install -q --upgrade pip && \
+	$(VPY) -m pip install -q torch==2.13.0 && \
+	$(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard transformers==5.23.0 && \
+	DS_BUILD_OPS=0 $(VPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation && \
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e . ) > $(VENV)/install.log 2>&1 \
 	|| { tail -n 40 $(VENV)/install.log; exit 1; }
 	@touch $(STAMP)
 
 # megatron-core >= 0.17 declares Python >= 3.12 but runs on 3.11: installed without its
 # Requires-Python check and without deps; its imports (numpy, packaging, triton, einops) are listed here.
-$(CUR_STAMP): pyproject.toml setup.py
+$(CUR_STAMP): pyproject.toml setup.py $(CUR_PINS)
 	@echo "== installing $(CUR_VENV): torch $(TORCH_CURRENT), megatron-core $(MCORE_CURRENT), deepspeed 0.19.8 (log: $(CUR_VENV)/install.log)"
-	@mkdir -p $(CUR_VENV) && ( set -ex; \
-	test -x $(CPY) || $(PY) -m venv $(CUR_VENV); \
-	$(CPY) -m pip install -q --upgrade pip; \
-	$(CPY) -m pip install -q torch==$(TORCH_CURRENT) numpy packaging triton einops pytest matplotlib tqdm; \
-	$(CPY) -m pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_CURRENT); \
-	DS_BUILD_OPS=0 $(CPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation; \
+	@mkdir -p $(CUR_VENV) && ( set -x; export PIP_CONSTRAINT=$(CURDIR)/$(CUR_PINS); \
+	{ test -x $(CPY) || $(PY) -m venv $(CUR_VENV); } && \
+	$(CPY) -m pip install -q --upgrade pip && \
+	$(CPY) -m pip install -q torch==$(TORCH_CURRENT) numpy packaging triton einops pytest matplotlib tqdm && \
+	$(CPY) -m pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_CURRENT) && \
+	DS_BUILD_OPS=0 $(CPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation && \
+	$(CPY) -c "import torch, megatron.core, deepspeed; assert torch.__version__.split('+')[0] == '$(TORCH_CURRENT)', torch.__version__" && \
 	$(CPY) -m pip install -q --no-deps --no-build-isolation -e . ) > $(CUR_VENV)/install.log 2>&1 \
 	|| { tail -n 40 $(CUR_VENV)/install.log; exit 1; }
 	@touch $(CUR_STAMP)

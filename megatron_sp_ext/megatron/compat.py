@@ -5,8 +5,9 @@ handled here:
   * 0.18+: ``TransformerLayer`` passes ``name=`` (and ``pp_layer_offset=``) to its self-attention
     submodule. ``SPSelfAttention`` forwards unknown keyword arguments to its parent, and
     ``parent_kwargs`` keeps only those the installed parent accepts.
-  * 0.19+: ``megatron.core.utils.get_batch_on_this_cp_rank`` takes a required ``is_hybrid_cp``;
-    ``cp_rank_batch`` calls it the same way on every release.
+  * 0.19+: ``megatron.core.utils.get_batch_on_this_cp_rank`` takes a required ``is_hybrid_cp`` and a
+    ``cp_group`` whose default (None) means the WORLD group, not the context-parallel one (with TP x CP it
+    would split over TP ranks too); ``cp_rank_batch`` passes parallel_state's CP group explicitly.
 Other releases raise one error naming the installed version and the supported range.
 """
 from __future__ import annotations
@@ -63,12 +64,18 @@ def parent_kwargs(cls_init: Callable, kwargs: dict) -> dict:
 
 
 def cp_rank_batch(batch: dict, cp_group: Any = None) -> dict:
-    """Megatron's zigzag split of a batch for this context-parallel rank, on every supported release."""
+    """Megatron's zigzag split of a batch for this context-parallel rank, on every supported release.
+
+    ``cp_group`` defaults to ``parallel_state.get_context_parallel_group()`` (releases that take the group
+    would otherwise split over the default group, i.e. every rank)."""
     from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: PLC0415
     names, _ = _accepted(get_batch_on_this_cp_rank)
     kw: dict = {}
     if "is_hybrid_cp" in names:
         kw["is_hybrid_cp"] = False
-    if cp_group is not None and "cp_group" in names:
+    if "cp_group" in names:
+        if cp_group is None:
+            from megatron.core import parallel_state  # noqa: PLC0415
+            cp_group = parallel_state.get_context_parallel_group()
         kw["cp_group"] = cp_group
     return get_batch_on_this_cp_rank(batch, **kw)
