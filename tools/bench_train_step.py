@@ -10,7 +10,8 @@ once per variant, each with --timing, and writes ONE JSON with, per variant:
   mfu, tokens_per_s, peak_mem_gib
 Variants: "guarded" (the defaults: finite check every step) and "bare_loop" (--no-check-for-nan-in-loss-and-grad),
 both with metrics read back every --log-interval steps (default 10); guard_overhead = guarded / bare_loop - 1
-(target < 1%). The medians leave out the first log interval (warm-up).
+(target < 1%). "unfused" is the defaults with --fused-elementwise off (fused_speedup = unfused / guarded step time).
+The medians leave out the first log interval (warm-up, which includes torch.compile's compilation).
 
     torchrun --nproc-per-node 1 tools/bench_train_step.py --out $OUT -- --model wan-1.3b --num-layers 4 \
         --frames 21 --latent-size 60x104 --bf16 --train-iters 30 --ddp-impl torch
@@ -30,7 +31,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = {"guarded": [],  # the defaults: finite check every step
-            "bare_loop": ["--no-check-for-nan-in-loss-and-grad"]}
+            "bare_loop": ["--no-check-for-nan-in-loss-and-grad"],
+            "unfused": ["--fused-elementwise", "off"]}  # the eager elementwise path (the default on CPU)
 
 
 def main() -> None:
@@ -70,6 +72,8 @@ def main() -> None:
                   f"peak {t['peak_mem_gib']} GiB", flush=True)
     if "guarded" in results and "bare_loop" in results:
         results["guard_overhead"] = results["guarded"]["entry_step_ms"] / results["bare_loop"]["entry_step_ms"] - 1
+    if "guarded" in results and "unfused" in results:
+        results["fused_speedup"] = results["unfused"]["entry_step_ms"] / results["guarded"]["entry_step_ms"]
     if int(os.environ.get("RANK", "0")) == 0:
         from tools.gpu_ranks import run_meta  # noqa: PLC0415
         out = {"meta": run_meta(), "entry": args.entry, "argv": rest,

@@ -46,6 +46,9 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --recompute-granularity selective: the attention core and/or the FFN")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="with full: recompute only the first N blocks (default: all)")
+    g.add_argument("--fused-elementwise", choices=["auto", "on", "off"], default="auto",
+                   help="fuse the blocks' elementwise work (AdaLN modulation, gated residuals, QK-norm + RoPE) with "
+                        "torch.compile: auto = on CUDA only (training/video_dit/fused.py)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="turn off the per-step finite check of loss and gradient norm")
     g.add_argument("--skip-nonfinite-steps", type=int, default=0,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import DiTConfig
+from .fused import ElementwiseOps, rms_norm
 from .rope import RopeCache, apply_rope
 
 # --recompute-modules values (Megatron-LM's names) for --recompute-granularity selective
@@ -72,12 +73,6 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rms_norm(x, weight, eps: float):
-    """Normalise in fp32; return x's dtype (under autocast q, k and v must share one dtype)."""
-    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
-
-
 class SelfAttention(nn.Module):
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
@@ -90,6 +85,7 @@ class SelfAttention(nn.Module):
         self.sp_block = None
         self.rope_memo: dict = {}  # the all-gather block's global RoPE table (shared by the model's blocks)
         self.recompute_core = False  # activation checkpointing of the attention core (selective core_attn)
+        self.ops = ElementwiseOps()  # eager; VideoDiT.set_fused_elementwise shares one compiled set
 
     def _params(self):
         return (self.qkv.weight, self.qkv.bias, self.out.weight, self.out.bias, self.norm_q.weight,
@@ -167,9 +163,9 @@ class SelfAttention(nn.Module):
                                   use_reentrant=False)
             return self._run(choice, group, x, angles, kv_valid_len, self._params())
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        q, k = self.norm_q(q), self.norm_k(k)
-        q, k, v = (t.reshape(b, s, self.heads, self.hd) for t in (q, k, v))
-        q, k = apply_rope(q, angles), apply_rope(k, angles)
+        q = self.ops.qk_prep(q, self.norm_q.weight, self.norm_q.eps, angles, self.heads)
+        k = self.ops.qk_prep(k, self.norm_k.weight, self.norm_k.eps, angles, self.heads)
+        v = v.reshape(b, s, self.heads, self.hd)
         if self.recompute_core and torch.is_grad_enabled():
             o = checkpoint(self.core, q, k, v, kv_valid_len, use_reentrant=False)
         else:
@@ -184,10 +180,12 @@ class CrossAttention(nn.Module):
         self.q, self.kv = nn.Linear(cfg.dim, cfg.dim), nn.Linear(cfg.dim, 2 * cfg.dim)
         self.norm_q, self.norm_k = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
         self.out = nn.Linear(cfg.dim, cfg.dim)
+        self.ops = ElementwiseOps()
 
     def forward(self, x, ctx):
         b, s, _ = x.shape
-        q = self.norm_q(self.q(x)).view(b, s, self.heads, self.hd).transpose(1, 2)
+        q = self.ops.rms_norm(self.q(x), self.norm_q.weight, self.norm_q.eps).view(b, s, self.heads, self.hd)
+        q = q.transpose(1, 2)
         k, v = self.kv(ctx).chunk(2, dim=-1)
         k = self.norm_k(k).view(b, -1, self.heads, self.hd).transpose(1, 2)
         v = v.reshape(b, -1, self.heads, self.hd).transpose(1, 2)
@@ -208,6 +206,7 @@ class Block(nn.Module):
         nn.init.zeros_(self.modulation.bias)
         self.recompute_block = False  # --recompute-granularity full: keep only the block's input
         self.recompute_mlp = False    # selective mlp: recompute the FFN (its [S, ffn] activations)
+        self.ops = ElementwiseOps()
 
     def forward(self, x, t_emb, ctx, angles, kv_valid_len):
         if self.recompute_block and torch.is_grad_enabled():
@@ -215,13 +214,14 @@ class Block(nn.Module):
         return self._forward(x, t_emb, ctx, angles, kv_valid_len)
 
     def _forward(self, x, t_emb, ctx, angles, kv_valid_len):
+        ops = self.ops
         sh1, sc1, g1, sh2, sc2, g2 = self.modulation(F.silu(t_emb))[:, None].chunk(6, dim=-1)
-        x = x + g1 * self.attn(self.norm1(x) * (1 + sc1) + sh1, angles, kv_valid_len)
+        x = ops.gated_residual(x, g1, self.attn(ops.ln_modulate(x, sc1, sh1, self.norm1.eps), angles, kv_valid_len))
         x = x + self.cross(self.norm2(x), ctx)
-        h = self.norm3(x) * (1 + sc2) + sh2
+        h = ops.ln_modulate(x, sc2, sh2, self.norm3.eps)
         if self.recompute_mlp and torch.is_grad_enabled():
-            return x + g2 * checkpoint(self.ffn, h, use_reentrant=False)
-        return x + g2 * self.ffn(h)
+            return ops.gated_residual(x, g2, checkpoint(self.ffn, h, use_reentrant=False))
+        return ops.gated_residual(x, g2, self.ffn(h))
 
 
 class VideoDiT(nn.Module):
@@ -242,6 +242,7 @@ class VideoDiT(nn.Module):
         nn.init.zeros_(self.mod_out.weight)
         nn.init.zeros_(self.mod_out.bias)
         self.rope_cache = RopeCache()
+        self.ops = ElementwiseOps()
 
     def set_recompute(self, granularity: Optional[str], modules=("core_attn",),
                       num_layers: Optional[int] = None) -> None:
@@ -261,6 +262,14 @@ class VideoDiT(nn.Module):
             blk.recompute_block = granularity == "full" and i < n
             blk.recompute_mlp = granularity == "selective" and "mlp" in modules
             blk.attn.recompute_core = granularity == "selective" and "core_attn" in modules
+
+    def set_fused_elementwise(self, backend: Optional[str]) -> None:
+        """Fuse the blocks' elementwise regions with ``torch.compile(backend=...)`` (None: eager; see fused.py).
+        One shared set of compiled regions serves every block (compiled once per shape)."""
+        ops = ElementwiseOps(backend)
+        self.ops = ops
+        for blk in self.blocks:
+            blk.ops = blk.attn.ops = blk.cross.ops = ops
 
     def set_attention_core(self, core: AttentionCore) -> None:
         """Install the sequence-parallel attention used by every block."""
@@ -302,7 +311,7 @@ class VideoDiT(nn.Module):
         for blk in self.blocks:
             x = blk(x, t_emb, ctx, angles, kv_valid_len)
         shift, scale = self.mod_out(F.silu(t_emb))[:, None].chunk(2, dim=-1)
-        return self.head(self.norm_out(x) * (1 + scale) + shift)
+        return self.head(self.ops.ln_modulate(x, scale, shift, self.norm_out.eps))
 
 
 def _sdpa_bshd(q, k, v, *args, **kwargs):
