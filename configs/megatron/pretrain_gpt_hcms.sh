@@ -4,7 +4,7 @@
 #   pip install megatron_sp_ext; MEGATRON_LM=/path/to/Megatron-LM bash configs/megatron/pretrain_gpt_hcms.sh
 # The change against a stock launch: "-m megatron_sp_ext.megatron.launch" before the script, and
 # --cp-comm-type hcms (+ our --hcms-head-chunks). With Transformer Engine installed you may drop
-# --transformer-impl local and --no-persist-layer-norm (our core attention then sits in TE's layer spec);
+# --transformer-impl local, --no-persist-layer-norm, --no-rope-fusion and --no-masked-softmax-fusion (our core attention then sits in TE's layer spec);
 # never pass --attention-backend local with our attention (Megatron-LM 0.19+ would replace it).
 set -euo pipefail
 MEGATRON_LM=${MEGATRON_LM:-$HOME/Megatron-LM}
@@ -17,4 +17,5 @@ torchrun --nproc-per-node "$GPUS" -m megatron_sp_ext.megatron.launch "$MEGATRON_
   --tensor-model-parallel-size 1 --context-parallel-size "$CP" \
   --cp-comm-type hcms --hcms-head-chunks auto \
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
-  --transformer-impl local --no-persist-layer-norm --position-embedding-type rope --normalization RMSNorm
+  --transformer-impl local --no-persist-layer-norm --no-rope-fusion --no-masked-softmax-fusion \
+  --position-embedding-type rope --normalization RMSNorm

@@ -12,4 +12,5 @@ torchrun --nnodes 2 --node-rank "${NODE_RANK:?}" --master-addr "${MASTER_ADDR:?}
   --context-parallel-size 16 \
   --cp-comm-type tas --sp-ring-variant tasp \
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
-  --transformer-impl local --no-persist-layer-norm --position-embedding-type rope --normalization RMSNorm
+  --transformer-impl local --no-persist-layer-norm --no-rope-fusion --no-masked-softmax-fusion \
+  --position-embedding-type rope --normalization RMSNorm
