@@ -231,9 +231,17 @@ def _mesh_modes_emulated(rank, world, causal):
     q0, k0, v0, go = (spx.shard_sequence(t, g, placement=placement) for t in full)
     meshes = {}
 
+    from megatron_sp_ext.comm import transport as T
+
+    def link_exchanges():
+        return sum(t.inter._epoch for t in T._EMULATED.values())
+
+    crossings = {}
+
     def runs():
         out = {}
         for name in ("ring", "tasp", "usp", "tas"):
+            before = link_exchanges()
             q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
             if name in ("ring", "tasp"):
                 o = spx.ring_attention(q, k, v, g, variant=name, causal=causal, placement=placement if name == "ring"
@@ -246,14 +254,16 @@ def _mesh_modes_emulated(rank, world, causal):
                 o = spx.hybrid_attention(q, k, v, meshes[name], causal=causal)
             o.backward(go)
             out[name] = (o.detach(), q.grad, k.grad, v.grad)
+            crossings[name] = link_exchanges() - before
         return out
     os.environ.pop(MACHINE_SIZE_ENV, None)
     plain = runs()
     os.environ[MACHINE_SIZE_ENV] = "2"  # from here every group crossing {0,1} | {2,3} goes through the emulation
     emulated = runs()
-    from megatron_sp_ext.comm import transport as T
-    crossed = [t for t in T._EMULATED.values() if t.inter._epoch > 0]
-    assert crossed, "no exchange went through the emulated inter-machine link"
+    # every mode's traffic between the emulated machines takes the link: the ring hops of ring, tasp and usp
+    # (ring across machines), the Ulysses exchanges of tas (Ulysses across machines)
+    for name, n in crossings.items():
+        assert n > 0, f"{name}: no exchange went through the emulated inter-machine link"
     assert set(plain) == set(emulated) and len(plain) >= 3
     for name in plain:
         for what, a, ref in zip(("out", "dq", "dk", "dv"), emulated[name], plain[name]):

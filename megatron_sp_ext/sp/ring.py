@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
 from ..attention.lse import acc_dtype, merge_into
+from ..comm.multiring import MultiRingExchange
+from ..comm.transport import _emulated_link
 from ..config import LAYOUTS
 from ..errors import SPConfigError
 from ..topology.hamiltonian import RoutingTables, routing_tables
@@ -139,18 +141,19 @@ class RingPlan:
             self.cache[key] = its
         return self.cache[key]
 
-    def transfer(self, step: int) -> list[tuple[str, int, int, int]]:
-        """Point-to-point ops moving the slots from the layout of ``step`` to that of ``step + 1``:
-        (kind, group rank of the peer, buffer row, rows); touching segments on both ends go as one.
-        ``start`` uses the peers' global ranks (cached with the ops)."""
-        key = ("transfer", step)
+    def transfer(self, step: int, rank: Optional[int] = None) -> list[tuple[str, int, int, int]]:
+        """Point-to-point ops of ``rank`` (default: this rank) moving the slots from the layout of ``step`` to
+        that of ``step + 1``: (kind, group rank of the peer, buffer row, rows), slot by slot; touching segments
+        on both ends go as one. ``start`` uses the peers' global ranks (cached with the ops)."""
+        r = self.rank if rank is None else rank
+        key = ("transfer", step, r)
         if key not in self.cache:
             ops: list = []
-            r, rt = self.rank, self.routing
+            rt = self.routing
             for i in range(len(self.slot_len)):
                 for kind, peer, mine, theirs in (
-                        ("send", rt.nxt[i][r], self.segments(step)[i], self.segments(step + 1, rt.nxt[i][r])[i]),
-                        ("recv", rt.prv[i][r], self.segments(step + 1)[i], self.segments(step, rt.prv[i][r])[i])):
+                        ("send", rt.nxt[i][r], self.segments(step, r)[i], self.segments(step + 1, rt.nxt[i][r])[i]),
+                        ("recv", rt.prv[i][r], self.segments(step + 1, r)[i], self.segments(step, rt.prv[i][r])[i])):
                     joined = all(a[0] + a[2] == b[0] for a, b in zip(mine, mine[1:])) and \
                         all(a[0] + a[2] == b[0] for a, b in zip(theirs, theirs[1:]))
                     if joined:
@@ -164,6 +167,9 @@ class RingPlan:
         """Begin the step -> step+1 transfer of ``src`` into ``dst`` (returns works for ``wait``)."""
         if self.group is None or self.world == 1:
             return []
+        link = _emulated_link(self.group, src.device)
+        if link is not None:  # the group spans emulated machines: its hops take their links (comm/host_staged)
+            return self._start_linked(link, step, src, dst)
         key = ("global", step)
         if key not in self.cache:
             self.cache[key] = [(dist.isend if kind == "send" else dist.irecv, kind == "send",
@@ -173,10 +179,33 @@ class RingPlan:
                for fn, is_send, peer, row, n in self.cache[key]]
         return dist.batch_isend_irecv(ops)
 
+    def _start_linked(self, link, step: int, src: torch.Tensor, dst: torch.Tensor) -> list:
+        """The step's transfer as one all-to-all over ``link``: each peer's rows packed in slot order (the
+        order in which that peer lists its receives from us), unpacked into ``dst`` by ``wait``."""
+        key = ("table", step)
+        if key not in self.cache:
+            table = [[0] * self.world for _ in range(self.world)]
+            for r in range(self.world):
+                for kind, peer, _, n in self.transfer(step, r):
+                    if kind == "send":
+                        table[r][peer] += n
+            self.cache[key] = table
+        row = src[0].numel() if src.shape[0] else 1
+        table = [[n * row for n in t] for t in self.cache[key]]
+        ops = self.transfer(step)
+        by_peer = lambda kind: [(peer, r0, n) for p in range(self.world)  # noqa: E731
+                                for k, peer, r0, n in ops if k == kind and peer == p]
+        sends = [src.narrow(0, r0, n).reshape(-1) for _, r0, n in by_peer("send")]
+        send = torch.cat(sends) if sends else src.new_empty(0)
+        recv = torch.empty(sum(t[self.rank] for t in table), dtype=src.dtype, device=src.device)
+        work = link.all_to_all(send, recv, table[self.rank], [t[self.rank] for t in table], async_op=True,
+                               table=table)
+        views = [dst.narrow(0, r0, n) for _, r0, n in by_peer("recv")]
+        return ([work] if work is not None else []) + [(recv, views)]
+
     @staticmethod
     def wait(works) -> None:
-        for w in works:
-            w.wait()
+        MultiRingExchange.wait(works)
 
 
 def _sel(x: torch.Tensor, rows, dim: int) -> torch.Tensor:
