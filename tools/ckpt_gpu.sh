@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Checkpoint save / resume on GPU through the megatron-core entry point with Megatron's DDP and
-# optimizer (megatron.core.dist_checkpointing, fully_sharded_model_space), then a resume at another
+# optimizer (megatron.core.dist_checkpointing, fully_reshardable optimizer format), then a resume at another
 # SP size; prints the save and load times the entry point reports.
 #   bash tools/ckpt_gpu.sh 4    # 4 GPUs: wan-1.3b full depth, SP=4 saves at step 4, SP=2 (x DP=2) resumes
 #   bash tools/ckpt_gpu.sh 1    # 1 GPU: SP=1 save -> resume, exercises the Megatron-optimizer path

@@ -17,7 +17,10 @@ complete checkpoint. The data position is the step: batches are a pure function 
 Model and optimizer state are saved per parameter name (full, unsharded tensors), so a run may
 resume at another SP size, DP size, cp_comm_type or block form: torch AdamW through
 ``torch.distributed.checkpoint.state_dict``; Megatron's optimizer (GPU, incl. the distributed
-optimizer) through ``megatron.core.dist_checkpointing`` with ``fully_sharded_model_space``.
+optimizer) through ``megatron.core.dist_checkpointing`` with the ``fully_reshardable`` optimizer format
+(``fully_sharded_model_space`` is deprecated and fails in megatron-core 0.16: "ShardedTensor.flattened_range is
+not supported", seen on 1 x H100, 2026-11-23). ``fully_reshardable`` gathers the distributed optimizer's state on
+each DP group's rank 0 while saving: host memory there must hold that group's optimizer state.
 """
 from __future__ import annotations
 
@@ -322,13 +325,14 @@ def _is_megatron_opt(opt) -> bool:
 
 def _megatron_sharded_state(ddp_model, opt, is_loading: bool) -> dict:
     """Model parameters as replicated ShardedTensors keyed by name, and the optimizer's sharded state
-    in the model space (reshardable across DP sizes). GPU only (Megatron's DDP needs CUDA)."""
+    in megatron-core's canonical per-parameter form (reshardable across DP/CP sizes). GPU only (Megatron's DDP
+    needs CUDA)."""
     from megatron.core.utils import make_sharded_tensor_for_checkpoint  # noqa: PLC0415
     module = getattr(ddp_model, "module", ddp_model)
     model_sd = {name: make_sharded_tensor_for_checkpoint(t, f"model.{name}")
                 for name, t in module.state_dict(keep_vars=True).items()}
     opt_sd = opt.sharded_state_dict(model_sd, is_loading=is_loading,
-                                    metadata={"distrib_optim_sharding_type": "fully_sharded_model_space"})
+                                    metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     return {"model": model_sd, "optimizer": opt_sd}
 
 
