@@ -240,7 +240,7 @@ def _mesh_modes_emulated(rank, world, causal):
 
     def runs():
         out = {}
-        for name in ("ring", "tasp", "usp", "tas"):
+        for name in ("ring", "tasp", "usp", "tas", "torus"):
             before = link_exchanges()
             q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
             if name in ("ring", "tasp"):
@@ -249,9 +249,13 @@ def _mesh_modes_emulated(rank, world, causal):
                 if o is None:
                     continue
             else:
-                if name not in meshes:
-                    meshes[name] = spx.build_sp_mesh(g, num_heads=h, placement=name, ulysses_size=2, nodes=2)
-                o = spx.hybrid_attention(q, k, v, meshes[name], causal=causal)
+                placement_of_mesh = "tas" if name == "torus" else name  # torus: its staged Ulysses crosses machines
+                if placement_of_mesh not in meshes:
+                    meshes[placement_of_mesh] = spx.build_sp_mesh(g, num_heads=h, placement=placement_of_mesh,
+                                                                  ulysses_size=2, nodes=2)
+                mesh = meshes[placement_of_mesh]
+                o = (spx.torus_attention(q, k, v, mesh, causal=causal) if name == "torus"
+                     else spx.hybrid_attention(q, k, v, mesh, causal=causal))
             o.backward(go)
             out[name] = (o.detach(), q.grad, k.grad, v.grad)
             crossings[name] = link_exchanges() - before
@@ -261,10 +265,10 @@ def _mesh_modes_emulated(rank, world, causal):
     os.environ[MACHINE_SIZE_ENV] = "2"  # from here every group crossing {0,1} | {2,3} goes through the emulation
     emulated = runs()
     # every mode's traffic between the emulated machines takes the link: the ring hops of ring, tasp and usp
-    # (ring across machines), the Ulysses exchanges of tas (Ulysses across machines)
+    # (ring across machines), the Ulysses exchanges of tas and the staged ones of torus (Ulysses across machines)
     for name, n in crossings.items():
         assert n > 0, f"{name}: no exchange went through the emulated inter-machine link"
-    assert set(plain) == set(emulated) and len(plain) >= 3
+    assert set(plain) == set(emulated) and len(plain) >= 4
     for name in plain:
         for what, a, ref in zip(("out", "dq", "dk", "dv"), emulated[name], plain[name]):
             assert torch.equal(a, ref), f"{name} {what} differs under the emulated machines (causal={causal})"

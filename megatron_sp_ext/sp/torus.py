@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from ..attention.backends import get_backend
 from ..attention.lse import acc_dtype, merge_into
+from ..comm.multiring import MultiRingExchange
+from ..comm.transport import _emulated_link
 from ..topology.mesh import SPMesh
 from .heads import HeadLayout, head_layout
 from .placement import pieces
@@ -62,15 +64,43 @@ class _Ctx:
         return a, b
 
 
-def _p2p(sends, recvs, peers):
-    ops = [dist.P2POp(dist.isend, t, peers[p]) for p, t in sends] + \
-          [dist.P2POp(dist.irecv, t, peers[p]) for p, t in recvs]
+def _p2p(sends, recvs, c: "_Ctx"):
+    """Start sends [(ulysses index, tensor)] and receives into [(ulysses index, buffer)]; returns handles for
+    ``_wait``. Over a Ulysses group that spans emulated machines, through the emulation's link."""
+    like = sends[0][1] if sends else (recvs[0][1] if recvs else None)
+    link = _emulated_link(c.group, like.device) if like is not None and c.group is not None else None
+    if link is not None:
+        return _linked_p2p(link, sends, recvs)
+    ops = [dist.P2POp(dist.isend, t, c.peers[p]) for p, t in sends] + \
+          [dist.P2POp(dist.irecv, t, c.peers[p]) for p, t in recvs]
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+def _linked_p2p(link, sends, recvs) -> list:
+    """The stage's point-to-point transfers as one all-to-all over ``link`` (every rank of the group calls
+    it at the same stage): per peer, its tensors in list order; the table of all ranks' send sizes comes
+    from one small all-gather (the emulation measures links, not this bookkeeping)."""
+    world, me = link.world, link.rank
+    like = sends[0][1] if sends else recvs[0][1]
+    row = [0] * world
+    for p, t in sends:
+        row[p] += t.numel()
+    mine = torch.tensor(row, dtype=torch.int64, device=like.device if like.is_cuda else "cpu")
+    every = torch.empty(world * world, dtype=torch.int64, device=mine.device)
+    dist.all_gather_into_tensor(every, mine, group=link.group)
+    table = every.view(world, world).tolist()
+    if [sum(t.numel() for p, t in recvs if p == r) for r in range(world)] != [table[r][me] for r in range(world)]:
+        raise RuntimeError(f"torus stage: rank {me} expects other sizes than its peers send ({table})")
+    ordered = sorted(range(len(sends)), key=lambda i: sends[i][0])
+    send = torch.cat([sends[i][1].reshape(-1) for i in ordered]) if sends else like.new_empty(0)
+    recv = torch.empty(sum(table[r][me] for r in range(world)), dtype=like.dtype, device=like.device)
+    work = link.all_to_all(send, recv, table[me], [table[r][me] for r in range(world)], async_op=True, table=table)
+    views = [recvs[i][1] for i in sorted(range(len(recvs)), key=lambda i: recvs[i][0])]
+    return ([work] if work is not None else []) + [(recv, views)]
+
+
 def _wait(works):
-    for w in works:
-        w.wait()
+    MultiRingExchange.wait(works)
 
 
 def _bh(x_bshd):
@@ -99,7 +129,7 @@ class _TorusFn(torch.autograd.Function):
                 dst, src = (t + k_ + 1) % T, (t - k_ - 1) % T
                 a, b = c.heads(dst, "q")
                 buf = torch.empty(q.shape[0], sl, qb - qa, q.shape[3], dtype=q.dtype, device=q.device)
-                work = _p2p([(dst, q[:, :, a:b].contiguous())], [(src, buf)], c.peers)
+                work = _p2p([(dst, q[:, :, a:b].contiguous())], [(src, buf)], c)
                 incoming = (src, buf)
             elif T > 1:  # last Pull Q stage ships KV for the first Pull KV stage
                 dst, src = (t + 1) % T, (t - 1) % T
@@ -107,7 +137,7 @@ class _TorusFn(torch.autograd.Function):
                 kbuf = torch.empty(k.shape[0], sl, kb - ka, k.shape[3], dtype=k.dtype, device=k.device)
                 vbuf = torch.empty_like(kbuf)
                 work = _p2p([(dst, k[:, :, a:b].contiguous()), (dst, v[:, :, a:b].contiguous())],
-                            [(src, kbuf), (src, vbuf)], c.peers)
+                            [(src, kbuf), (src, vbuf)], c)
                 incoming = None
             else:
                 work, incoming = [], None
@@ -130,7 +160,7 @@ class _TorusFn(torch.autograd.Function):
                     kbuf = torch.empty_like(ks[j].transpose(1, 2))
                     vbuf = torch.empty_like(kbuf)
                     work = _p2p([(dst, k[:, :, a:b].contiguous()), (dst, v[:, :, a:b].contiguous())],
-                                [(src, kbuf), (src, vbuf)], c.peers)
+                                [(src, kbuf), (src, vbuf)], c)
                 else:
                     work = []
                 o, l_ = c.be(c.others, [j]).forward_lse(q_oth, ks[j], vs[j], causal=c.causal, softmax_scale=c.scale)
@@ -143,7 +173,7 @@ class _TorusFn(torch.autograd.Function):
             recv_o = {j: torch.empty(q.shape[0], sl, c.heads(j, "q")[1] - c.heads(j, "q")[0], q.shape[3],
                                      dtype=q.dtype, device=q.device) for j in c.others}
             sends = [(l, out_o[:, :, i * sl:(i + 1) * sl].transpose(1, 2).contiguous()) for i, l in enumerate(c.others)]
-            work = _p2p(sends, list(recv_o.items()), c.peers)
+            work = _p2p(sends, list(recv_o.items()), c)
             k_oth, v_oth = _cat_seq([ks[j] for j in c.others]), _cat_seq([vs[j] for j in c.others])
             o, l_ = c.be([t], c.others).forward_lse(own_q, k_oth, v_oth, causal=c.causal, softmax_scale=c.scale)
             merge_into(acc[t], lse[t], o, l_)
@@ -186,7 +216,7 @@ class _TorusFn(torch.autograd.Function):
         d_oth = {l: torch.empty(dout.shape[0], sl, qb - qa, dout.shape[3], dtype=dout.dtype, device=dout.device)
                  for l in c.others}
         sends = [(j, dout[:, :, c.heads(j, "q")[0]:c.heads(j, "q")[1]].contiguous()) for j in c.others]
-        work = _p2p(sends, list(d_oth.items()), c.peers)
+        work = _p2p(sends, list(d_oth.items()), c)
         do_own = _bh(dout[:, :, qa:qb])
         k_all, v_all = torch.cat([own_k, k_oth], dim=2), torch.cat([own_v, v_oth], dim=2)
         gq_own, gk_all, gv_all = c.be([t], [t] + c.others).backward_lse(
@@ -215,14 +245,14 @@ class _TorusFn(torch.autograd.Function):
             a, b = c.heads(src, "kv")
             rk = torch.empty(dout.shape[0], sl, b - a, dout.shape[3], dtype=dout.dtype, device=dout.device)
             rv = torch.empty_like(rk)
-            pending.append((_p2p([(j, sk), (j, sv)], [(src, rk), (src, rv)], c.peers), sk, sv))
+            pending.append((_p2p([(j, sk), (j, sv)], [(src, rk), (src, rv)], c), sk, sv))
             inbox[src] = (rk, rv)
         # 3. dQ_{l,t} home (reverse Pull Q); receive dQ_{t,j}
         rq = {j: torch.empty(dout.shape[0], sl, c.heads(j, "q")[1] - c.heads(j, "q")[0], dout.shape[3],
                              dtype=dout.dtype, device=dout.device) for j in c.others}
         gq_oth = gq_oth.to(dout.dtype)
         sends = [(l, gq_oth[:, :, i * sl:(i + 1) * sl].transpose(1, 2).contiguous()) for i, l in enumerate(c.others)]
-        work = _p2p(sends, list(rq.items()), c.peers)
+        work = _p2p(sends, list(rq.items()), c)
         dq[:, :, qa:qb] = gq_own.transpose(1, 2)
         for w, _, _ in pending:
             _wait(w)
