@@ -7,7 +7,8 @@ that every HCMS output and gradient equals plain Ulysses bit for bit, and record
 Writes ``bench.json`` (raw), ``bench.md`` (table) and ``bench.png`` (speedup vs L) to ``--out``.
 
 Modes: deepspeed (DeepSpeed's DistributedAttention with the same SDPA local attention, when
-deepspeed imports), ulysses, hcms<C>, auto, and (see --modes) ring, tasp.
+deepspeed imports), minimal (a minimal DeepSpeed-style Ulysses: permute, all_to_all_single, SDPA, back),
+ulysses, hcms<C>, auto, and (see --modes) ring, tasp.
 Example (4 x H200):
   python tools/bench_attention.py --world-sizes 2,4 --heads 24,40 --seqlens 8192,16384,32768,57344,131072 --out $OUT
 """
@@ -37,6 +38,25 @@ def _sdpa_bshd(q, k, v, *args, **kwargs):
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
+def minimal_ulysses(q, k, v, group, causal: bool = False):
+    """The minimal DeepSpeed-style Ulysses (issue 16's yardstick): permute + contiguous, one autograd
+    all_to_all_single per tensor, SDPA, all_to_all_single back, permute. q/k/v [B, S/P, H, D], H % P == 0."""
+    from torch.distributed.nn.functional import all_to_all_single  # noqa: PLC0415
+    p = dist.get_world_size(group)
+
+    def seq_to_head(x):  # [B, s, H, D] -> [B, H/P, s*P, D]
+        b, s, h, d = x.shape
+        x = x.reshape(b, s, p, h // p, d).permute(2, 1, 0, 3, 4).contiguous()  # [P, s, B, H/P, D]
+        y = all_to_all_single(torch.empty_like(x), x, group=group)  # y[j]: rank j's tokens, my heads
+        return y.reshape(p * s, b, h // p, d).permute(1, 2, 0, 3)
+
+    o = F.scaled_dot_product_attention(seq_to_head(q), seq_to_head(k), seq_to_head(v), is_causal=causal)
+    b, hp, sp, d = o.shape
+    o = o.permute(2, 0, 1, 3).reshape(p, sp // p, b, hp, d).contiguous()  # [P, s, B, H/P, D] by destination
+    y = all_to_all_single(torch.empty_like(o), o, group=group)  # y[j]: head group j of my tokens
+    return y.permute(2, 1, 0, 3, 4).reshape(b, sp // p, p * hp, d)
+
+
 def build_modes(names, group, causal, nodes=None, heads=None):
     modes = {}
     policy = HCMSPolicy()
@@ -61,6 +81,8 @@ def build_modes(names, group, causal, nodes=None, heads=None):
                 continue
             ds = DistributedAttention(_sdpa_bshd, group, scatter_idx=2, gather_idx=1)
             modes[name] = lambda q, k, v, ds=ds: ds(q, k, v, 0)
+        elif name == "minimal":
+            modes[name] = lambda q, k, v: minimal_ulysses(q, k, v, group, causal)
         elif name == "ulysses":
             modes[name] = lambda q, k, v, tr=tr: spx.ulysses_attention(q, k, v, group, causal=causal, transport=tr)
         elif name == "ulysses_packed":
@@ -232,6 +254,10 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
                 dsm = res["modes"]["deepspeed"]
                 e["speedup_fwd_vs_deepspeed"] = dsm["fwd_ms"] / e["fwd_ms"]
                 e["speedup_fwd_bwd_vs_deepspeed"] = dsm["fwd_bwd_ms"] / e["fwd_bwd_ms"]
+            if "minimal" in res["modes"]:
+                mm = res["modes"]["minimal"]
+                e["speedup_fwd_vs_minimal"] = mm["fwd_ms"] / e["fwd_ms"]
+                e["speedup_fwd_bwd_vs_minimal"] = mm["fwd_bwd_ms"] / e["fwd_bwd_ms"]
     return res
 
 
@@ -347,7 +373,7 @@ def main() -> None:
     ap.add_argument("--heads", default="40")
     ap.add_argument("--seqlens", default="16384")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--modes", default="deepspeed,ulysses,hcms2,hcms3,hcms4,hcms5,hcms6,hcms8,auto")
+    ap.add_argument("--modes", default="deepspeed,minimal,ulysses,hcms2,hcms3,hcms4,hcms5,hcms6,hcms8,auto")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--nodes", type=int, default=None, help="simulate this many machines (mesh modes)")
     ap.add_argument("--tag", default="bench", help="output file prefix")

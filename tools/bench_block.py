@@ -1,6 +1,7 @@
 """Attention-block benchmark: plain (fused QKV GEMM -> Ulysses/HCMS -> out GEMM) vs the async block
 (per-branch GEMMs overlapped with their exchanges) vs the all-gather QKV block (sequence all-gather
-fused with the local-head QKV GEMM), forward and forward+backward, interleaved timing.
+fused with the local-head QKV GEMM), beside the same block on DeepSpeed's DistributedAttention ("deepspeed",
+speedup_*_vs_deepspeed and peak_mem_vs_deepspeed per form), forward and forward+backward, interleaved timing.
 
     python tools/bench_block.py --world-sizes 2,4 --models wan-1.3b,wan-14b --tokens-per-gpu 16384 --out $OUT
     python tools/bench_block.py --world-sizes 4 --models wan-1.3b --seqlen 32768 --out $OUT   # strong scaling
@@ -59,6 +60,25 @@ def bench(rank, world, group, cfg, seqlen, args):
             q, k, v = qkv.split(h * d, dim=-1)
             o = spx.ulysses_attention(prep("q", q, nq), prep("k", k, nk), v.reshape(1, sl, h, d), group,
                                       head_chunks=c, transport=tr)
+            return o.reshape(1, sl, h * d) @ w_o.t() + b_o
+        return run
+
+    def deepspeed_block():
+        """The same plain block with DeepSpeed's DistributedAttention (SDPA inside) as the attention core."""
+        try:
+            import deepspeed  # noqa: PLC0415
+            from deepspeed.sequence.layer import DistributedAttention  # noqa: PLC0415
+            deepspeed.init_distributed(dist_backend=dist.get_backend(group))
+        except Exception as e:  # noqa: BLE001 - the GPU image may lack deepspeed: reported, not fatal
+            print(f"[bench_block] deepspeed form skipped: {e}", flush=True)
+            return None
+        from tools.bench_attention import _sdpa_bshd  # noqa: PLC0415
+        ds = DistributedAttention(_sdpa_bshd, group, scatter_idx=2, gather_idx=1)
+
+        def run():
+            qkv = x @ w_qkv.t() + b_qkv
+            q, k, v = qkv.split(h * d, dim=-1)
+            o = ds(prep("q", q, nq), prep("k", k, nk), v.reshape(1, sl, h, d), 0)
             return o.reshape(1, sl, h * d) @ w_o.t() + b_o
         return run
 
@@ -122,6 +142,10 @@ def bench(rank, world, group, cfg, seqlen, args):
                 if gather:
                     modes[f"allgather_hcms{c}{sfx}"] = allgather(c, tr)
     modes["auto"] = auto
+    if "deepspeed" in args.baselines:
+        ds_run = deepspeed_block()
+        if ds_run is not None:
+            modes["deepspeed"] = ds_run
     pre_modes = {"pre_plain": pre(True, 1), "pre_async": pre(False, 1), "pre_allgather": pre_gather()}
     for tr in args.transports[1:]:
         pre_modes[f"pre_plain_{tr}"], pre_modes[f"pre_async_{tr}"] = pre(True, 1, tr), pre(False, 1, tr)
@@ -180,6 +204,11 @@ def bench(rank, world, group, cfg, seqlen, args):
     for e in res["modes"].values():
         e["speedup_fwd"], e["speedup_fwd_bwd"] = p["fwd_ms"] / e["fwd_ms"], p["fwd_bwd_ms"] / e["fwd_bwd_ms"]
         add_ratios(e, res["floor"])
+        if "deepspeed" in res["modes"]:
+            ds_e = res["modes"]["deepspeed"]
+            e["speedup_fwd_vs_deepspeed"] = ds_e["fwd_ms"] / e["fwd_ms"]
+            e["speedup_fwd_bwd_vs_deepspeed"] = ds_e["fwd_bwd_ms"] / e["fwd_bwd_ms"]
+            e["peak_mem_vs_deepspeed"] = e["peak_mem_gib"] / ds_e["peak_mem_gib"] if ds_e["peak_mem_gib"] else None
     res["pre_attention"] = {}
     for n in pre_modes:
         t = torch.tensor(sorted(t_pre[n])[len(t_pre[n]) // 2], device=dev)
@@ -225,10 +254,14 @@ def main():
     ap.add_argument("--transports", default=None,
                     help="comma list (default nccl,symm_mem, without symm_mem under --links host; host_staged: _hs)")
     links_option(ap)
+    ap.add_argument("--baselines", default="deepspeed",
+                    help="comma list of peer blocks timed beside ours: deepspeed (the plain block with DeepSpeed's "
+                         "DistributedAttention, when deepspeed imports), or empty")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="block_out")
     args = ap.parse_args()
     args.models = args.models.split(",")
+    args.baselines = [b for b in args.baselines.split(",") if b]
     args.chunks = [int(c) for c in args.chunks.split(",")]
     args.transports = (args.transports.split(",") if args.transports
                        else transports_for_links(["nccl", "symm_mem"]))
