@@ -48,14 +48,19 @@ def _close(got, want, tol=1e-5):
 
 # ------------------------------------------------------------------ resume, same and other layouts
 
+ASYNC = ("--sp-async-qkv", "on")  # another block form: the async Ulysses block
+
+
 @pytest.mark.parametrize("a,b", [((4, "hcms"), (2, "ulysses")), ((2, "ulysses"), (4, "hcms")),
-                                 ((4, "ulysses"), (4, "hcms"))])
+                                 ((4, "ulysses"), (4, "hcms")), ((2, "ulysses"), (2, "hcms", ASYNC)),
+                                 ((4, "hcms", ASYNC), (2, "ulysses"))])
 def test_megatron_resume_across_layouts(tmp_path, a, b):
     ck = str(tmp_path / "ck")
-    straight = run_ranks(_mg, a[0], a[0], a[1], 6)[0]
-    first = run_ranks(_mg, a[0], a[0], a[1], 4, ("--save", ck, "--save-interval", "2", "--keep-last", "1"))[0]
+    fa, fb = (a[2] if len(a) > 2 else ()), (b[2] if len(b) > 2 else ())
+    straight = run_ranks(_mg, a[0], a[0], a[1], 6, fa)[0]
+    first = run_ranks(_mg, a[0], a[0], a[1], 4, (*fa, "--save", ck, "--save-interval", "2", "--keep-last", "1"))[0]
     assert [os.path.basename(p) for p in list_checkpoints(ck)] == ["iter_0000004"]  # --keep-last 1 pruned 2
-    rest = run_ranks(_mg, b[0], b[0], b[1], 6, ("--load", ck))[0]
+    rest = run_ranks(_mg, b[0], b[0], b[1], 6, (*fb, "--load", ck))[0]
     _close(first + rest, straight)
     run = read_run(resolve(ck), {})
     assert run["world"] == a[0] and run["optimizer_impl"] == "torch"
