@@ -27,3 +27,23 @@ def _minimal(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_minimal_ulysses_matches_reference(world):
     run_ranks(_minimal, world)
+
+
+def _bench_modes(rank, world):
+    from tools.bench_attention import build_modes
+    group = dist.group.WORLD
+    names = ["minimal", "ulysses", "hcms2", "ring", "tasp", "usp", "tas", "torus", "mesh_auto"]
+    modes = build_modes(names, group, causal=False, nodes=2)  # 2 simulated machines: tas and torus need them
+    assert set(modes) == set(names)
+    g = torch.Generator().manual_seed(3 + rank)
+    q, k, v = (torch.randn(1, 4, 8, 16, generator=g) for _ in range(3))
+    ref = spx.ulysses_attention(q, k, v, group)
+    for name, fn in modes.items():
+        assert rel_err(fn(q, k, v), ref) < 1e-5, name
+    assert modes["mesh_auto"].mesh_of(8).world == world
+    return True
+
+
+def test_bench_attention_modes_compute_the_same_attention():
+    """Every mode the attention benchmark times (as built by its own mode table) gives our Ulysses' output."""
+    run_ranks(_bench_modes, 4)

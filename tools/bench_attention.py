@@ -8,7 +8,8 @@ Writes ``bench.json`` (raw), ``bench.md`` (table) and ``bench.png`` (speedup vs 
 
 Modes: deepspeed (DeepSpeed's DistributedAttention with the same SDPA local attention, when
 deepspeed imports), minimal (a minimal DeepSpeed-style Ulysses: permute, all_to_all_single, SDPA, back),
-ulysses, hcms<C>, auto, and (see --modes) ring, tasp.
+ulysses, hcms<C>, auto, and (see --modes) ring, tasp, usp, tas, usp-tasp, tas-tasp, torus, mesh_auto
+(placement="auto": the mesh the topology detector picks; with --links emu<M> it sees the emulated machines).
 Example (4 x H200):
   python tools/bench_attention.py --world-sizes 2,4 --heads 24,40 --seqlens 8192,16384,32768,57344,131072 --out $OUT
 """
@@ -107,6 +108,11 @@ def build_modes(names, group, causal, nodes=None, heads=None):
             pl, variant = name.split("-")[0], ("tasp" if name.endswith("tasp") else "ring")
             modes[name] = lambda q, k, v, pl=pl, variant=variant: spx.hybrid_attention(
                 q, k, v, mesh(q.shape[2], pl), ring_variant=variant, causal=causal)
+        elif name == "mesh_auto":  # placement="auto": the mesh the topology detector and volume model pick
+            def mesh_auto(q, k, v):
+                return spx.hybrid_attention(q, k, v, mesh(q.shape[2], "auto"), causal=causal)
+            mesh_auto.mesh_of = lambda h: mesh(h, "auto")
+            modes[name] = mesh_auto
         elif name == "torus":
             modes[name] = lambda q, k, v: spx.torus_attention(q, k, v, mesh(q.shape[2], "tas"), causal=causal)
         else:
@@ -237,6 +243,9 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
         res["modes"][name]["fwd_ms"], res["modes"][name]["fwd_bwd_ms"] = float(t[0]), float(t[1])
         add_ratios(res["modes"][name], res["floor"])
         fn = fns[name]
+        if hasattr(fn, "mesh_of"):  # what placement="auto" built for this shape
+            m = fn.mesh_of(q.shape[2])
+            res["modes"][name]["mesh"] = {"ulysses_size": m.ulysses_size, "ring_size": m.ring_size}
         if hasattr(fn, "policy"):  # what auto chose for this shape (inference and training keys)
             res["modes"][name]["auto_choice"] = {
                 ("train" if key[-1] else "infer"): {"chunks": cal.chunks, "measured_ms": cal.measured,
