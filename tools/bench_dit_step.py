@@ -28,6 +28,7 @@ from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, run_world_si
 from megatron_sp_ext.sp.block_policy import BlockChoice, BlockPolicy  # noqa: E402
 from tools.bench_attention import rotated  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit.fused import resolve_fused  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
 
@@ -54,6 +55,7 @@ def _worker(rank, world, port, args, path):
         for blk in model.blocks:  # loss: small random modulation weights make the loss check see every block
             blk.modulation.weight.normal_(0.0, 0.02)
     model.set_attention_core(make_core("ulysses", group, num_heads=cfg.heads))
+    model.set_fused_elementwise(resolve_fused(args.fused_elementwise, torch.device("cuda")))  # as the entry runs
     model.set_block_policy(group, BlockPolicy(chunk_candidates=(1, 2)))  # installs the shared RoPE memo too
     policy = model.block_policy
     frames = [int(f) for f in args.frames.split(",")]
@@ -119,6 +121,8 @@ def main():
     ap.add_argument("--forms", default="plain,plain_hcms2,async,allgather,auto",
                     help="first one is the baseline of the speedups")
     ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--fused-elementwise", choices=["auto", "on", "off"], default="auto",
+                    help="as the entry points' flag (auto: torch.compile'd elementwise regions on CUDA)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="dit_step_out")
     links_option(ap)  # --links nvlink|host|emu<M> (tools/gpu_ranks.py)
