@@ -114,3 +114,37 @@ def test_mode_policy_interleaved_and_cached(monkeypatch):
     true["ring"] = 9.9
     assert ModePolicy(timer=timer).choose(("k",), cands, None, torch.device("cuda")) == "hcms"
     assert ModePolicy(timer=timer).choose(("k",), cands, None, torch.device("cpu")) == "hcms"
+
+
+def test_mode_policy_choose_for_times_attention_on_private_random_tensors(monkeypatch):
+    """choose_for: each candidate attention runs fwd+bwd on fresh tensors of the call's shapes (the model's RNG
+    untouched), the fastest by the policy's rule wins, the choice is cached per shape, CPU is never timed."""
+    import torch.distributed as dist
+
+    from megatron_sp_ext.sp.policy import ModePolicy
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 2)
+    cost = {"hcms": 10.0, "ring": 7.0}
+    calls = []
+
+    def timer(fn, iters, warmup, group):
+        fn()
+        return cost[calls[-1][0]]
+
+    def attn(name):
+        def run(q, k, v):
+            calls.append((name, q.shape, k.shape, q.requires_grad))
+            return q * (k.sum() + v.sum())
+        return run
+    q, k = torch.randn(1, 6, 4, 8), torch.randn(1, 6, 2, 8)
+    state = torch.get_rng_state()
+    pol = ModePolicy(timer=timer)
+    cands = {"hcms": attn("hcms"), "ring": attn("ring")}
+    assert pol.choose_for(q, k, None, cands, device=torch.device("cuda")) == "ring"
+    assert torch.equal(torch.get_rng_state(), state)  # private generator
+    assert {c[0] for c in calls} == {"hcms", "ring"} and all(c[1] == q.shape and c[2] == k.shape and c[3]
+                                                             for c in calls)
+    n = len(calls)
+    assert pol.choose_for(q, k, None, cands, device=torch.device("cuda")) == "ring" and len(calls) == n  # cached
+    with torch.no_grad():  # inference is its own key, timed without backward
+        assert pol.choose_for(q, k, None, cands, device=torch.device("cuda")) == "ring" and not calls[-1][3]
+    assert ModePolicy(timer=timer).choose_for(q, k, None, cands) == "hcms"  # CPU tensors: baseline, untimed

@@ -144,35 +144,17 @@ class SPDotProductAttention(DotProductAttention):
 
     def _auto_mode(self, q, k, causal: bool) -> str:
         """``auto``: Ulysses/HCMS ("hcms", the baseline) or the ring for this shape (calibrated once per key)."""
-        if q.device.type != "cuda":
-            return "hcms"  # nothing to calibrate without CUDA streams (ModePolicy's baseline)
-        key = (q.shape, k.shape, q.dtype, q.device.type, id(self.cp_group), causal, torch.is_grad_enabled())
-        cal = self.ctx.mode_policy.cache.get(key)
-        if cal is not None:
-            return cal.chunks
-        fwd_bwd = key[-1]
-        gen = torch.Generator(device=q.device).manual_seed(0)  # the model's RNG streams stay untouched
-        qs, ks, vs, go = (torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in (q, k, k, q))
-        qs, ks, vs = (t.requires_grad_(fwd_bwd) for t in (qs, ks, vs))
-
-        def step(fn):
-            def run():
-                with torch.set_grad_enabled(fwd_bwd):
-                    o = fn()
-                    if fwd_bwd:
-                        o.backward(go)
-            return run
         group, scale, stream = self.cp_group, self.softmax_scale, self.ctx.streams.comm_stream(q.device)
-        tr = self.ctx.transports.get(self.sp.transport, group, q.device, "--sp-transport")
-        cands = {
-            "hcms": step(lambda: ulysses_attention(qs, ks, vs, group, head_chunks=self.sp.head_chunks, causal=causal,
-                                                   softmax_scale=scale, layout="sbhd", backend=self.backend,
-                                                   comm_stream=stream, policy=self.ctx.policy, placement="zigzag",
-                                                   transport=tr)),
-            "ring": step(lambda: ring_attention(qs, ks, vs, group, variant="ring", causal=causal, softmax_scale=scale,
-                                                layout="sbhd", placement="zigzag", backend=self.backend)),
-        }
-        return self.ctx.mode_policy.choose(key, cands, group, q.device)
+        tr = self.ctx.transports.get(self.sp.transport, group, q.device, "--sp-transport") \
+            if q.device.type == "cuda" else None
+        return self.ctx.mode_policy.choose_for(q, k, group, {
+            "hcms": lambda qs, ks, vs: ulysses_attention(
+                qs, ks, vs, group, head_chunks=self.sp.head_chunks, causal=causal, softmax_scale=scale, layout="sbhd",
+                backend=self.backend, comm_stream=stream, policy=self.ctx.policy, placement="zigzag", transport=tr),
+            "ring": lambda qs, ks, vs: ring_attention(qs, ks, vs, group, variant="ring", causal=causal,
+                                                      softmax_scale=scale, layout="sbhd", placement="zigzag",
+                                                      backend=self.backend),
+        }, extra_key=(causal,))
 
     def attend(self, q, k, v, causal: bool):
         """The algorithm of ``self.mode`` on sbhd tensors in Megatron's zigzag placement."""

@@ -233,6 +233,33 @@ class ModePolicy:
         return cal.chunks
 
 
+    def choose_for(self, q, k, group, attention: dict, *, extra_key=(), device=None) -> str:
+        """``choose`` for attention calls shaped like ``q``/``k``: each ``attention[name](q, k, v)`` is timed on
+        fresh random tensors of those shapes (private RNG: the model's random streams stay untouched), with a
+        backward when grad is enabled. Without CUDA: the first (baseline) name, untimed. ``device`` overrides
+        the device whose type decides that (tests)."""
+        names = list(attention)
+        device = device or q.device
+        if device.type != "cuda":
+            return names[0]
+        fwd_bwd = torch.is_grad_enabled()
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, device.type, id(group), *extra_key, fwd_bwd)
+        if key in self.cache:
+            return self.cache[key].chunks
+        gen = torch.Generator(device=q.device).manual_seed(0)
+        qs, ks, vs, go = (torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype) for t in (q, k, k, q))
+        qs, ks, vs = (t.requires_grad_(fwd_bwd) for t in (qs, ks, vs))
+
+        def step(fn):
+            def run():
+                with torch.set_grad_enabled(fwd_bwd):
+                    o = fn(qs, ks, vs)
+                    if fwd_bwd:
+                        o.backward(go)
+            return run
+        return self.choose(key, {n: step(fn) for n, fn in attention.items()}, group, device)
+
+
 _DEFAULT: Optional[HCMSPolicy] = None
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import megatron_sp_ext as spx
 from megatron_sp_ext.config import resolve_auto_mode
 from megatron_sp_ext.sp.placement import pieces
-from megatron_sp_ext.sp.policy import HCMSPolicy
+from megatron_sp_ext.sp.policy import HCMSPolicy, ModePolicy
 
 from .model import patchify
 
@@ -37,16 +37,30 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
     world = dist.get_world_size(group) if group is not None else 1
     if world == 1:
         return local_core
-    mode = resolve_auto_mode(num_heads, world) if mode == "auto" else mode
+    auto = mode == "auto"
+    mode = resolve_auto_mode(num_heads, world) if auto else mode
     policy = HCMSPolicy()
+
+    def ulysses(q, k, v, n=None, chunks=1 if mode == "ulysses" else head_chunks):
+        return spx.ulysses_attention(q, k, v, group, head_chunks=chunks, policy=policy, backend=backend,
+                                     kv_valid_len=n, transport=transport)
+
+    def ring(q, k, v, n=None, variant="ring" if auto else mode):
+        return spx.ring_attention(q, k, v, group, variant=variant, placement="contiguous", backend=backend,
+                                  kv_valid_len=n)
+    if auto and mode == "hcms":  # on GPUs Ulysses/HCMS or the ring per shape, from its own calibration
+        modes = ModePolicy()
+
+        def chosen(q, k, v, n=None):
+            pick = modes.choose_for(q, k, group, {"hcms": lambda a, b, c: ulysses(a, b, c, n),
+                                                  "ring": lambda a, b, c: ring(a, b, c, n)}, extra_key=(n,))
+            return (ulysses if pick == "hcms" else ring)(q, k, v, n)
+        chosen.mode_policy = modes
+        return chosen
     if mode in ("ulysses", "hcms"):
-        chunks = 1 if mode == "ulysses" else head_chunks
-        return lambda q, k, v, n=None: spx.ulysses_attention(q, k, v, group, head_chunks=chunks, policy=policy,
-                                                             backend=backend, kv_valid_len=n,
-                                                             transport=transport)
+        return ulysses
     if mode in ("ring", "tasp"):
-        return lambda q, k, v, n=None: spx.ring_attention(q, k, v, group, variant=mode, placement="contiguous",
-                                                          backend=backend, kv_valid_len=n)
+        return ring
     mesh = spx.build_sp_mesh(group, num_heads=num_heads, placement=mode if mode in ("usp", "tas") else placement,
                              ulysses_size=ulysses_size, nodes=nodes)
     if mode == "torus":
