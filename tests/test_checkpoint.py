@@ -67,6 +67,18 @@ def test_megatron_resume_across_layouts(tmp_path, a, b):
     assert sum(f.endswith(".distcp") for f in run["files"]) == a[0]  # every rank wrote its own shard
 
 
+def test_megatron_resume_across_dp_sizes(tmp_path):
+    """DP=2 x CP=2 (one sample per DP rank) -> DP=1 x CP=2 (two samples per micro-batch): the same global batch,
+    so the resumed run continues the uninterrupted one (samples and their noise are keyed by global index)."""
+    ck = str(tmp_path / "ck")
+    same = ("--frames", "4")  # one latent shape: a micro-batch of two needs equal shapes
+    straight = run_ranks(_mg, 4, 2, "hcms", 6, same)[0]
+    first = run_ranks(_mg, 4, 2, "hcms", 4, (*same, "--save", ck, "--save-interval", "4"))[0]
+    rest = run_ranks(_mg, 2, 2, "ulysses", 6, (*same, "--micro-batch-size", "2", "--load", ck))[0]
+    _close(first + rest, straight)
+    assert read_run(resolve(ck), {})["world"] == 4
+
+
 @pytest.mark.parametrize("a,b,zero", [((2, "ulysses"), (4, "hcms"), 0), ((4, "hcms"), (2, "ulysses"), 0),
                                       ((4, "ulysses"), (4, "hcms"), 1)])
 def test_deepspeed_resume_across_layouts(tmp_path, a, b, zero):

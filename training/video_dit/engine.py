@@ -70,8 +70,10 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
                                                         ring_variant=ring_variant, backend=backend, kv_valid_len=n)
 
 
-def _rng(seed: int, step: int, dp_rank: int, micro: int) -> torch.Generator:
-    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4099 + dp_rank) * 131 + micro)
+def _rng(seed: int, sample: int) -> torch.Generator:
+    """The noise of global sample ``sample`` (its index in the run's sample stream): the same whatever the
+    data-parallel size and micro-batch split, so a run resharded across DP sizes draws what it would have."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + sample)
 
 
 def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: int, micro_batch: int,
@@ -83,8 +85,9 @@ def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: i
     """
     xs, tgts, ts, texts = [], [], [], []
     for m in range(micro_batch):
-        sample = dataset[(step * dp_world + dp_rank) * micro_batch + m]
-        g = _rng(seed, step, dp_rank, m)
+        index = (step * dp_world + dp_rank) * micro_batch + m
+        sample = dataset[index]
+        g = _rng(seed, index)
         x0 = sample["latent"][None]
         eps = torch.randn(x0.shape, generator=g)
         t = torch.sigmoid(torch.randn(1, generator=g))
