@@ -8,7 +8,7 @@ turns into a few fused kernels, forward and backward; the math is the eager one,
 rounding (fused fp32 reductions may sum in another order).
 
 ``ElementwiseOps(backend=None)`` is the eager path (the default on CPU); ``ElementwiseOps("inductor")``
-compiles each region once per shape. The model holds one instance and calls it explicitly.
+compiles each region on first use (and once more, shape-generic, when a run's token count changes). The model holds one instance and calls it explicitly.
 """
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ class ElementwiseOps:
     def __init__(self, backend: Optional[str] = None) -> None:
         self.backend = backend
         wrap: Callable = (lambda f: f) if backend is None else (
-            lambda f: torch.compile(f, backend=backend, fullgraph=True, dynamic=False))
+            lambda f: torch.compile(f, backend=backend, fullgraph=True))  # dynamic=None: a shape that changes
+        # (runs cycling frame counts or resolutions) is recompiled once as dynamic, not once per shape
         self.rms_norm = wrap(rms_norm)
         self.ln_modulate = wrap(ln_modulate)
         self.gated_residual = wrap(gated_residual)
