@@ -368,7 +368,7 @@ def linked_hop(link, routing, rank: int, offsets: Sequence[int], lengths: Sequen
                cur: torch.Tensor, nxt: torch.Tensor) -> list:
     """One multi-ring hop (comm/multiring.py) through ``link`` (the emulation's transport of the group):
     slots packed in destination order, one all-to-all, unpacked into ``nxt``'s slots. Returns the work
-    handles for ``MultiRingExchange.wait``."""
+    handles for ``comm.multiring.wait_handles``."""
     row = cur[0].numel() if cur.dim() > 0 and cur.shape[0] else 1
     table = hop_table(routing.out_ring, lengths, row)
     n = routing.n

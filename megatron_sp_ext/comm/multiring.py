@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..topology.hamiltonian import RoutingTables
 from .host_staged import linked_hop
-from .transport import _emulated_link
+from .transport import emulated_link
 
 
 class MultiRingExchange:
@@ -35,7 +35,7 @@ class MultiRingExchange:
     def start(self, cur: torch.Tensor, nxt: torch.Tensor):
         """Begin one hop: cur (slots) -> nxt (slots). Returns a handle for ``wait``."""
         r, rt = self.rank, self.routing
-        link = _emulated_link(self.group, cur.device) if self.group is not None else None
+        link = emulated_link(self.group, cur.device) if self.group is not None else None
         if link is not None:  # emulated machines: this group's hops cross them (comm/host_staged.py)
             return linked_hop(link, rt, r, self.offsets, self.lengths, cur, nxt)
         if self.rings == 1:
@@ -55,12 +55,18 @@ class MultiRingExchange:
 
     @staticmethod
     def wait(handle) -> None:
-        for w in handle:
-            if isinstance(w, tuple):  # gloo: unpack the flat receive buffer into the slots
-                flat, views = w
-                off = 0
-                for v in views:
-                    v.copy_(flat[off:off + v.numel()].view_as(v))
-                    off += v.numel()
-            else:
-                w.wait()
+        wait_handles(handle)
+
+
+def wait_handles(handles) -> None:
+    """Finish started exchanges: wait each work; a ``(flat, views)`` entry (a flat receive buffer of gloo or of
+    an emulated link) is unpacked into ``views`` in order, after the works listed before it."""
+    for w in handles:
+        if isinstance(w, tuple):
+            flat, views = w
+            off = 0
+            for v in views:
+                v.copy_(flat[off:off + v.numel()].view_as(v))
+                off += v.numel()
+        else:
+            w.wait()

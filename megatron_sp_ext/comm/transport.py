@@ -398,7 +398,7 @@ class TransportPool:
         if name not in TRANSPORT_NAMES:
             raise SPConfigError(f"{setting}={name!r} is invalid: choose one of {', '.join(TRANSPORT_NAMES)}")
         if name == "nccl":
-            emulated = _emulated_link(group, device)
+            emulated = emulated_link(group, device)
             if emulated is not None:
                 return emulated
             key = ("nccl", id(group))
@@ -419,7 +419,7 @@ class TransportPool:
         return self._cache[key]
 
 
-def _emulated_link(group: dist.ProcessGroup, device: torch.device):
+def emulated_link(group: dist.ProcessGroup, device: torch.device):
     """With emulated machines (SPX_EMULATED_MACHINE_SIZE, topology/emulate.py) a group that spans them
     exchanges over two levels (comm/host_staged.TwoLevelTransport: NCCL inside a machine, host-staged
     across), one per group, cached; None for every other group (and without emulation)."""

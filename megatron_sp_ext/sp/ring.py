@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
 from ..attention.lse import acc_dtype, merge_into
-from ..comm.multiring import MultiRingExchange
-from ..comm.transport import _emulated_link
+from ..comm.multiring import wait_handles
+from ..comm.transport import emulated_link
 from ..config import LAYOUTS
 from ..errors import SPConfigError
 from ..topology.hamiltonian import RoutingTables, routing_tables
@@ -167,7 +167,7 @@ class RingPlan:
         """Begin the step -> step+1 transfer of ``src`` into ``dst`` (returns works for ``wait``)."""
         if self.group is None or self.world == 1:
             return []
-        link = _emulated_link(self.group, src.device)
+        link = emulated_link(self.group, src.device)
         if link is not None:  # the group spans emulated machines: its hops take their links (comm/host_staged)
             return self._start_linked(link, step, src, dst)
         key = ("global", step)
@@ -205,7 +205,7 @@ class RingPlan:
 
     @staticmethod
     def wait(works) -> None:
-        MultiRingExchange.wait(works)
+        wait_handles(works)
 
 
 def _sel(x: torch.Tensor, rows, dim: int) -> torch.Tensor:

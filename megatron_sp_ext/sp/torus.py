@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from ..attention.backends import get_backend
 from ..attention.lse import acc_dtype, merge_into
-from ..comm.multiring import MultiRingExchange
-from ..comm.transport import _emulated_link
+from ..comm.multiring import wait_handles
+from ..comm.transport import emulated_link
 from ..topology.mesh import SPMesh
 from .heads import HeadLayout, head_layout
 from .placement import pieces
@@ -68,7 +68,7 @@ def _p2p(sends, recvs, c: "_Ctx"):
     """Start sends [(ulysses index, tensor)] and receives into [(ulysses index, buffer)]; returns handles for
     ``_wait``. Over a Ulysses group that spans emulated machines, through the emulation's link."""
     like = sends[0][1] if sends else (recvs[0][1] if recvs else None)
-    link = _emulated_link(c.group, like.device) if like is not None and c.group is not None else None
+    link = emulated_link(c.group, like.device) if like is not None and c.group is not None else None
     if link is not None:
         return _linked_p2p(link, sends, recvs)
     ops = [dist.P2POp(dist.isend, t, c.peers[p]) for p, t in sends] + \
@@ -100,7 +100,7 @@ def _linked_p2p(link, sends, recvs) -> list:
 
 
 def _wait(works):
-    MultiRingExchange.wait(works)
+    wait_handles(works)
 
 
 def _bh(x_bshd):
