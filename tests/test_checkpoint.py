@@ -381,3 +381,38 @@ def test_killed_rank_without_launcher_bounded_by_timeout(tmp_path):
     killed_at = float(open(stamp).read())
     waits = [ended[r] - killed_at for r in (0, 1, 3)]
     assert max(waits) < timeout_min * 60 + 20, waits  # within the timeout of the death, + a margin
+
+
+def test_fresh_adam_state_loads_and_continues_exactly():
+    """init_adam_state: a fresh torch AdamW (what megatron-core runs without TE/Apex, whose state_dict()
+    asserts before the first step) gets a state a load can fill; after loading a trained optimizer's
+    state it continues bit for bit, and an optimizer that has state is left alone."""
+    from training.video_dit.checkpoint import init_adam_state
+    torch.manual_seed(0)
+    w0 = torch.randn(5, 3)
+
+    def step(p, opt, seed):
+        g = torch.Generator().manual_seed(seed)
+        p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+    p_a = torch.nn.Parameter(w0.clone())
+    opt_a = torch.optim.AdamW([p_a], lr=0.1, weight_decay=0.1)
+    for s in range(3):
+        step(p_a, opt_a, s)
+    saved = {k: v for k, v in opt_a.state_dict().items()}
+    saved = {"state": {i: {n: t.clone() for n, t in st.items()} for i, st in saved["state"].items()},
+             "param_groups": saved["param_groups"]}
+    p_b = torch.nn.Parameter(p_a.detach().clone())
+    opt_b = torch.optim.AdamW([p_b], lr=0.1, weight_decay=0.1)
+    init_adam_state(opt_b)
+    st_b = opt_b.state[p_b]
+    assert [s["step"].item() for s in opt_b.state.values()] == [0.0]  # what megatron-core's state_dict reads
+    assert torch.count_nonzero(st_b["exp_avg"]) == 0 and torch.count_nonzero(st_b["exp_avg_sq"]) == 0
+    opt_b.load_state_dict(saved)
+    step(p_a, opt_a, 9)
+    step(p_b, opt_b, 9)
+    assert torch.equal(p_a, p_b)
+    before = {n: t.clone() for n, t in opt_a.state[p_a].items()}
+    init_adam_state(opt_a)  # has state: untouched
+    assert all(torch.equal(before[n], opt_a.state[p_a][n]) for n in before)

@@ -29,10 +29,16 @@ COMMON=("${MODEL[@]}" --ddp-impl megatron --bf16 "${DOPT[@]}" --distributed-time
   echo "== $(date -u) NGPU=$NGPU distributed optimizer: ${DOPT[*]:-no}"
   torchrun --nproc-per-node "$NGPU" training/pretrain_video_dit.py "${COMMON[@]}" \
     --context-parallel-size "$SP_A" --cp-comm-type "$MODE_A" \
-    --train-iters 4 --save "$CK" --save-interval 2 --keep-last 2 --quiet 2>&1 | grep -E "saved|Error|error" ; \
+    --train-iters 4 --save "$CK" --save-interval 2 --keep-last 2 2>&1 | grep -E "saved|Error|error" ; \
   echo "-- checkpoint on disk:"; du -sh "$CK"/iter_* ; cat "$CK/latest"
   torchrun --nproc-per-node "$NGPU" training/pretrain_video_dit.py "${COMMON[@]}" \
     --context-parallel-size "$SP_B" --cp-comm-type "$MODE_B" $([ "$MODE_B" = hcms ] && echo --hcms-head-chunks 2) \
-    --train-iters 6 --load "$CK" --log-dir "$OUT/ckpt_resumed" 2>&1 | grep -E "resumed|loss|Error|error"
+    --train-iters 6 --load "$CK" --log-dir "$OUT/ckpt_resumed" 2>&1 | tee "$OUT/resume_full.log" | grep -E "resumed|loss|Error|error"
   echo "-- resumed losses:"; cat "$OUT/ckpt_resumed/metrics.jsonl" | cut -c1-120
+  if [ "$SP_A" = "$SP_B" ]; then  # same layout: the uninterrupted run is the reference for steps 5-6
+    torchrun --nproc-per-node "$NGPU" training/pretrain_video_dit.py "${COMMON[@]}" \
+      --context-parallel-size "$SP_A" --cp-comm-type "$MODE_A" --train-iters 6 --log-dir "$OUT/ckpt_ref" --quiet \
+      2>&1 | grep -E "Error|error"
+    echo "-- uninterrupted losses:"; cat "$OUT/ckpt_ref/metrics.jsonl" | cut -c1-120
+  fi
 } 2>&1 | tee "$LOG"

@@ -342,10 +342,63 @@ def _load_megatron(step_dir: str, ddp_model, opt) -> None:
     common = os.path.join(step_dir, "common.pt")
     if os.path.isfile(common):
         check_weights_only(common)
+    init_adam_state(opt)
     state = dist_checkpointing.load(_megatron_sharded_state(ddp_model, opt, is_loading=True), step_dir)
     module = getattr(ddp_model, "module", ddp_model)
     module.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
+    load_megatron_optimizer(opt, state["optimizer"], step_dir)
+
+
+def load_megatron_optimizer(opt, opt_state: dict, step_dir: str) -> None:
+    """Load a ``fully_reshardable`` distributed-optimizer state dict into ``opt`` (one DistributedOptimizer,
+    chained or not).
+
+    Works around megatron-core 0.16-0.19 without TE/Apex (torch AdamW): its
+    ``load_parameter_state_from_fully_reshardable`` copies every entry of the optimizer's per-parameter
+    state from the loaded tensors, "step" included, which the format does not store (KeyError 'step',
+    1 x H100, 2026-11-23). So the common part (param groups, which carry the step) is loaded first, then
+    the parameter state with the step entries set aside and put back.
+    """
+    param_state = opt_state.pop("param_state", None)
+    sharding = opt_state.pop("param_state_sharding_type", None)
+    opt.load_state_dict(opt_state)
+    if param_state is None:
+        return
+    subs = getattr(opt, "chained_optimizers", None) or [opt]
+    if sharding != "fully_reshardable" or len(subs) != 1:
+        raise CheckpointError(f"{step_dir}: optimizer state of format {sharding!r} for {len(subs)} optimizer(s); "
+                              f"this entry point reads 'fully_reshardable' for one distributed optimizer")
+    inner = subs[0].optimizer
+    steps = {p: st.pop("step") for p, st in inner.state.items() if "step" in st}
+    try:
+        subs[0].load_parameter_state_from_fully_reshardable(param_state)
+    finally:
+        for p, t in steps.items():
+            inner.state[p]["step"] = t
+
+
+def init_adam_state(opt) -> None:
+    """Give a fresh optimizer's torch Adam/AdamW its zero state (step 0, zero moments), so that a load can fill it.
+
+    megatron-core without TE/Apex runs torch's AdamW, and its DistributedOptimizer.state_dict() asserts on
+    an optimizer that has not stepped yet (no "step" to read); its load path builds that state dict first,
+    so a resume into a fresh process failed with a bare AssertionError (1 x H100, 2026-11-23). The load
+    then overwrites every value set here (moments, main params, and the step from the param groups).
+    ``opt``: a megatron-core optimizer (chained or not) or a torch optimizer; others are left alone.
+    """
+    for sub in getattr(opt, "chained_optimizers", None) or [opt]:
+        inner = getattr(sub, "optimizer", sub)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or len(inner.state) > 0:
+            continue
+        for group in inner.param_groups:
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for p in group["params"]:
+                state = inner.state[p]
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def describe(cfg, name: str) -> dict:
