@@ -1,0 +1,217 @@
+"""Ulysses on pre-packed q|k|v: the producer writes the input exchange's send layout itself.
+
+Plain Ulysses copies around its exchanges: q, k, v into the send buffer (pack), the received
+buffer into the kernel's layout, and received gradients back into dq, dk, dv (unpack). Here the
+caller hands over the send buffers (``pack_qkv``, which torch.compile fuses into the QK-norm /
+RoPE kernel that produces q and k), attention reads the received buffer in place, and the
+gradients are returned in the send layout, straight from the reverse exchange; ``pack_qkv``'s
+backward (fused the same way) turns them into the producer's gradients. What remains: the output
+and dO exchanges (zero-copy sends for B == 1) and the output / gradient copies into the send
+buffers of the reverse exchanges.
+
+Send layout of chunk c (even heads: H and the replicated Hkv divisible by P): [P, S_loc, B, w_c, D],
+segment p = q | k | v of peer p's heads in HCMS chunk c, for this rank's tokens (the layout
+``layout.pack`` writes). Same kernels on the same values as ``ulysses_attention(...,
+qkv_contiguous=False)``, so equal to it bit for bit on one backend.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..attention.backends import LocalAttention, get_backend
+from ..comm import streams as st
+from ..comm.transport import NcclTransport, default_transports, table_head_to_seq, table_seq_to_head
+from ..errors import SPConfigError
+from . import layout as lay
+from .heads import HeadLayout, head_layout
+from .ulysses import _exchange_out_chunk, _local_attention, _send_head_major, local_order
+
+_QKV = ("q", "kv", "kv")
+
+
+def packed_head_layout(num_heads: int, num_kv_heads: int, world: int, head_chunks: int) -> HeadLayout:
+    """The HeadLayout of a packed call; raises SPConfigError when the heads do not split evenly (the send
+    layout is one [P, S, B, w, D] tensor per chunk only then)."""
+    hl = head_layout(num_heads, num_kv_heads, world, head_chunks)
+    if not hl.even:
+        raise SPConfigError(f"packed q|k|v needs heads divisible by the SP size: H={num_heads}, "
+                            f"Hkv={num_kv_heads} (x{hl.kv_repeat} replicated), P={world}; use ulysses_attention")
+    return hl
+
+
+def packable(num_heads: int, num_kv_heads: int, world: int, head_chunks: int) -> bool:
+    """Whether ``packed_head_layout`` accepts these sizes."""
+    try:
+        packed_head_layout(num_heads, num_kv_heads, world, head_chunks)
+    except SPConfigError:
+        return False
+    return True
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hl: HeadLayout) -> list[torch.Tensor]:
+    """q [B, S_loc, H, D], k, v [B, S_loc, Hkv, D] ("bshd") -> per HCMS chunk c the send buffer
+    [P, S_loc, B, w_c, D] (contiguous). Differentiable; compile it together with the ops that make q, k, v
+    so the layout change is the store of that kernel, not a copy of its own."""
+    if hl.kv_repeat > 1:
+        k, v = (t.repeat_interleave(hl.kv_repeat, dim=2) for t in (k, v))
+    return [torch.cat([lay._all_peers_view(t, hl, kind, c, "bshd") for t, kind in zip((q, k, v), _QKV)], dim=3)
+            for c in range(hl.chunks)]
+
+
+@dataclass
+class PackedPlan:
+    group: dist.ProcessGroup
+    heads: HeadLayout
+    q_shape: tuple            # [B, S_loc, H, D]
+    causal: bool
+    scale: float
+    backend: LocalAttention
+    comm_stream: Optional["torch.cuda.Stream"]
+    transport: object
+    order: Optional[lay.SeqOrder]
+    kv_valid_len: Optional[int]
+    seq_layout: str = "bshd"
+    rank: int = 0
+
+
+def _start_exchanges(sends: Sequence[torch.Tensor], plan: PackedPlan, compute, comm):
+    """Every chunk's seq->head exchange in flight at once, straight from the caller's buffers (a transport
+    with its own workspace gets one copy into it). Returns (recv buffers, arrival events)."""
+    tr, hl = plan.transport, plan.heads
+    tokens = plan.q_shape[0] * plan.q_shape[1]
+    d = plan.q_shape[3]
+    recv = [torch.empty(s.numel(), dtype=s.dtype, device=s.device) for s in sends]
+    ready = st.record(compute)
+    events, works = [], []
+    with st.on_stream(comm):
+        st.wait(comm, ready)
+        for c, send in enumerate(sends):
+            flat = send.view(-1)
+            if comm is not None:
+                send.record_stream(comm)
+            if not isinstance(tr, NcclTransport):  # workspace transports read their own buffer
+                buf = tr.send_buffer(flat.numel(), flat)
+                buf.copy_(flat)
+                flat = buf
+            splits = lay.seg_splits(hl, _QKV, c, tokens, d)
+            w = tr.all_to_all(flat, recv[c], splits, None, async_op=True, table=table_seq_to_head(splits))
+            if tr.stream_ordered:
+                events.append(st.record(comm))
+            else:
+                works.append(w)
+        for w in works:
+            w.wait()
+            events.append(st.record(comm))
+    return recv, events
+
+
+class _PackedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: PackedPlan, *sends):
+        hl, world = plan.heads, plan.heads.world
+        bsz, s_loc, _, d = plan.q_shape
+        tokens = s_loc * bsz
+        compute, comm = st.current(sends[0].device), plan.comm_stream
+        out = torch.empty(plan.q_shape, dtype=sends[0].dtype, device=sends[0].device)
+        recv, events = _start_exchanges(sends, plan, compute, comm)
+        need_grad = any(ctx.needs_input_grad[1:])
+        chunks = []
+        for c in range(hl.chunks):
+            st.wait(compute, events[c])
+            ws = lay.widths(hl, _QKV, plan.rank, c)
+            buf = recv[c].view(world * s_loc, bsz, sum(ws), d)
+            if plan.order is None:  # attention reads the received buffer in place
+                qc, kc, vc = lay.columns(buf, ws)
+            else:  # the placement's permutation rides on one copy into the kernel layout
+                qc, kc, vc = (lay.to_kernel_layout(t, plan.order) for t in lay.columns_sbhd(buf, ws))
+            recv[c] = None
+            qc, kc, vc = (t.detach().requires_grad_(need_grad) for t in (qc, kc, vc))
+            with torch.set_grad_enabled(need_grad):
+                oc = _local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, plan.kv_valid_len)
+            chunks.append((qc, kc, vc, oc))
+            _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
+        if comm is not None:
+            compute.wait_stream(comm)
+        ctx.plan, ctx.chunks = plan, chunks
+        ctx.send_shapes = [s.shape for s in sends]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from .ulysses import _exchange_all_chunks  # noqa: PLC0415
+        plan: PackedPlan = ctx.plan
+        hl, world = plan.heads, plan.heads.world
+        bsz, s_loc, _, d = plan.q_shape
+        tokens = s_loc * bsz
+        grad_out = grad_out.contiguous()
+        compute, comm = st.current(grad_out.device), plan.comm_stream
+        recv_g, ev_in = _exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm)
+        grads_packed = []
+        for c in range(hl.chunks):
+            st.wait(compute, ev_in[c])
+            qc, kc, vc, oc = ctx.chunks[c]
+            ctx.chunks[c] = None
+            do_c = recv_g[c].view(world * s_loc, bsz, qc.shape[1], d)
+            do_c = do_c.permute(1, 2, 0, 3) if plan.order is None else lay.to_kernel_layout(do_c, plan.order)
+            grads = torch.autograd.grad(oc, (qc, kc, vc), do_c)
+            del qc, kc, vc, oc, do_c
+            recv_g[c] = None
+            ws = lay.widths(hl, _QKV, plan.rank, c)
+            done = st.record(compute)
+            received = torch.empty(ctx.send_shapes[c], dtype=grad_out.dtype, device=grad_out.device)
+            with st.on_stream(comm):
+                st.wait(comm, done)
+                tr = plan.transport
+                flat = tr.send_buffer(world * tokens * sum(ws) * d, grad_out)
+                for view, g in zip(lay.columns_sbhd(flat.view(world * s_loc, bsz, sum(ws), d), ws), grads):
+                    lay.to_send_layout(g, plan.order, view)
+                if comm is not None:  # compute-stream tensors read by the comm stream: guard their reuse
+                    for g in grads:
+                        g.record_stream(comm)
+                    received.record_stream(comm)
+                del grads
+                splits = lay.seg_splits(hl, _QKV, c, tokens, d)
+                # head-sharded grads -> this rank's tokens, landing in the send layout: the gradient of chunk c
+                tr.all_to_all(flat, received.view(-1), None, splits, table=table_head_to_seq(splits))
+            grads_packed.append(received)
+        if comm is not None:
+            compute.wait_stream(comm)
+        return (None, *grads_packed)
+
+
+def packed_ulysses_attention(sends: Sequence[torch.Tensor], group: dist.ProcessGroup, *, num_heads: int,
+                             num_kv_heads: int, head_chunks: int = 1, causal: bool = False,
+                             softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
+                             comm_stream: Optional["torch.cuda.Stream"] = None, placement: str = "contiguous",
+                             kv_valid_len: Optional[int] = None,
+                             transport: "str | object" = "nccl") -> torch.Tensor:
+    """Ulysses / HCMS attention on ``sends`` = ``pack_qkv(q, k, v, layout)``; returns [B, S_loc, H, D] ("bshd").
+
+    sends[c]: [P, S_loc, B, w_c, D] for chunk c of ``packed_head_layout(num_heads, num_kv_heads, P,
+    head_chunks)``. Other arguments as in ``ulysses_attention``. Gradients come back in the same layout.
+    """
+    world = dist.get_world_size(group)
+    hl = packed_head_layout(num_heads, num_kv_heads, world, head_chunks)
+    if len(sends) != hl.chunks:
+        raise SPConfigError(f"packed q|k|v has {len(sends)} chunk buffers; head_chunks={head_chunks} needs {hl.chunks}")
+    p, s_loc, bsz, _, d = sends[0].shape
+    if p != world:
+        raise SPConfigError(f"packed q|k|v was packed for {p} ranks; the group has {world}")
+    for c, s in enumerate(sends):
+        w = sum(lay.widths(hl, _QKV, 0, c))
+        if tuple(s.shape) != (world, s_loc, bsz, w, d) or not s.is_contiguous():
+            raise SPConfigError(f"packed chunk {c}: expected a contiguous {(world, s_loc, bsz, w, d)} buffer, "
+                                f"got {tuple(s.shape)}; build it with pack_qkv")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    order, valid = local_order(placement, world, s_loc, causal, kv_valid_len)
+    stream = None if hl.chunks == 1 else (comm_stream if comm_stream is not None
+                                          else st.default_pool().comm_stream(sends[0].device))
+    tr = default_transports().get(transport, group, sends[0].device)
+    plan = PackedPlan(group, hl, (bsz, s_loc, num_heads, d), causal, scale, get_backend(backend), stream, tr,
+                      order, valid, "bshd", dist.get_rank(group))
+    return _PackedFn.apply(plan, *sends)
