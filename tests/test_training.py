@@ -109,6 +109,41 @@ def test_block_policy_forms_equal_plain(how, chunks):
     run_ranks(_async_vs_plain, 4, (3,), chunks, how)
 
 
+def _packed_vs_plain(rank, world, frames, chunks, recompute):
+    """--ulysses-packed-qkv: q|k|v written into the exchange's send layout give the plain core's loss and
+    every gradient (padding included, with and without activation checkpointing of the core)."""
+    out = []
+    for packed in (False, True):
+        torch.manual_seed(5)
+        model = VideoDiT(CFG)
+        core = make_core("hcms", dist.group.WORLD, num_heads=CFG.heads, head_chunks=chunks)
+        calls = []
+        if packed:
+            entry = core.packed
+            core.packed = type("Counting", (), {"layout": staticmethod(entry.layout),
+                                                "__call__": lambda self, *a: calls.append(1) or entry(*a)})()
+        model.set_attention_core(core)
+        model.set_packed_qkv(packed)
+        model.set_recompute(recompute, ["core_attn"])
+        data = SyntheticVideoLatents(CFG.in_channels, frames, 6, 10, CFG.text_len, CFG.text_dim, seed=1)
+        inp = prepare(flow_matching_batch(data, 0, 7, 0, 1, 1, CFG.patch), rank, world, "cpu")
+        loss = local_loss(model, inp)
+        (loss * world).backward()
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        if packed:  # every block took the packed path (twice per block under recompute)
+            assert len(calls) == CFG.layers * (2 if recompute else 1), len(calls)
+    (l0, g0), (l1, g1) = out
+    assert rel_err(l1, l0) < 1e-6, (l1, l0)
+    for i, (a, b) in enumerate(zip(g1, g0)):
+        assert rel_err(a, b) < 1e-5, f"grad {i}: {rel_err(a, b)}"
+    return True
+
+
+@pytest.mark.parametrize("frames,chunks,recompute", [((4,), 1, None), ((3,), 2, None), ((3,), 1, "selective")])
+def test_packed_qkv_dit_equals_plain(frames, chunks, recompute):
+    run_ranks(_packed_vs_plain, 4, frames, chunks, recompute)
+
+
 def _step0(rank, world, frames):
     out = {}
     ref_loss, ref_grads, _ = _loss_and_grads(None, "ulysses", frames)
@@ -172,6 +207,14 @@ def test_megatron_entry_async_qkv_matches_sp1(flags):
     for r in range(4):
         for a, b in zip(got[r], ref):
             assert abs(a - b) <= 1e-4 * abs(b), f"async {flags}: {got[r]} vs {ref}"
+
+
+def test_megatron_entry_packed_qkv_matches_sp1():
+    ref = run_ranks(_megatron_run, 1, 1, "ulysses", 3)[0]
+    got = run_ranks(_megatron_run, 4, 4, "hcms", 3, ("--hcms-head-chunks", "2", "--ulysses-packed-qkv", "on"))
+    for r in range(4):
+        for a, b in zip(got[r], ref):
+            assert abs(a - b) <= 1e-4 * abs(b), f"packed: {got[r]} vs {ref}"
 
 
 @pytest.mark.parametrize("mode", ENTRY_MODES)

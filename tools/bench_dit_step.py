@@ -28,10 +28,13 @@ from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, run_world_si
 from megatron_sp_ext.sp.block_policy import BlockChoice, BlockPolicy  # noqa: E402
 from tools.bench_attention import rotated  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
-from training.video_dit.fused import resolve_fused  # noqa: E402
+from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
 
+
+
+CORE_FORMS = ("core", "packed")  # the model's attention core (Ulysses) as the entry runs it; packed q|k|v or not
 
 
 def parse_form(label: str) -> BlockChoice:
@@ -62,11 +65,12 @@ def _worker(rank, world, port, args, path):
     h, w = (int(v) for v in args.latent_size.split("x"))
     data = SyntheticVideoLatents(cfg.in_channels, frames, h, w, cfg.text_len, cfg.text_dim, seed=1)
     inp = prepare(flow_matching_batch(data, 0, 1, 0, 1, 1, cfg.patch), rank, world, torch.device("cuda"))
-    forms = {lab: (policy if lab == "auto" else parse_form(lab)) for lab in args.forms}
+    forms = {lab: (policy if lab == "auto" else lab if lab in CORE_FORMS else parse_form(lab)) for lab in args.forms}
 
     def step(how):
-        for blk in model.blocks:
-            blk.attn.sp_block = (group, how)
+        model.set_packed_qkv(how == "packed")
+        for blk in model.blocks:  # the core forms: the entry point's default path (no block form installed)
+            blk.attn.sp_block = None if how in CORE_FORMS else (group, how)
         model.zero_grad(set_to_none=True)
         loss = local_loss(model, inp, torch.bfloat16)
         (loss * world).backward()
@@ -119,7 +123,8 @@ def main():
     ap.add_argument("--frames", default="21")
     ap.add_argument("--latent-size", default="60x104")
     ap.add_argument("--forms", default="plain,plain_hcms2,async,allgather,auto",
-                    help="first one is the baseline of the speedups")
+                    help="first one is the baseline of the speedups; also 'core' (the entry point's default path: "
+                         "the model's Ulysses core) and 'packed' (the same with --ulysses-packed-qkv on)")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--fused-elementwise", choices=["auto", "on", "off"], default="auto",
                     help="as the entry points' flag (auto: torch.compile'd elementwise regions on CUDA)")
@@ -129,7 +134,7 @@ def main():
     args = ap.parse_args()
     args.forms = args.forms.split(",")
     for lab in args.forms:
-        if lab != "auto":
+        if lab != "auto" and lab not in CORE_FORMS:
             parse_form(lab)
     if "LOCAL_RANK" in os.environ:  # launched by torchrun (as users launch training): one world, this process
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -29,7 +29,7 @@ from training.video_dit.cli import (add_common_args, build_dataset, check_common
                                     pick_device)
 from training.video_dit.engine import MetricsLog, check_divisible, make_core  # noqa: E402
 from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
-from training.video_dit.fused import resolve_fused  # noqa: E402
+from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import MegatronOps, RunContext, TorchOps, add_train_args, train_loop  # noqa: E402
 from training.video_dit.sample import write_demo_samples  # noqa: E402
@@ -141,7 +141,9 @@ def _train(args, device, ps) -> dict:
     elif args.sp_async_qkv == "auto" and sp_world > 1:
         model.set_block_policy(cp_group)
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
-    model.set_fused_elementwise(resolve_fused(args.fused_elementwise, device))
+    fused_backend = resolve_fused(args.fused_elementwise, device)
+    model.set_fused_elementwise(fused_backend)
+    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend))
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
     if impl == "torch" and (args.bf16_params or args.use_distributed_optimizer or args.overlap_grad_reduce
                             or args.grad_reduce_in_bf16):

@@ -12,6 +12,7 @@ compiles each region on first use (and once more, shape-generic, when a run's to
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -44,6 +45,18 @@ def qk_prep(t: torch.Tensor, weight: torch.Tensor, eps: float, angles: torch.Ten
     return apply_rope(rms_norm(t, weight, eps).reshape(b, s, heads, -1), angles)
 
 
+def qkv_pack(y: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps_q: float, eps_k: float,
+             angles: torch.Tensor, heads: int, layout) -> list:
+    """The fused QKV projection's output y [B, S, 3*H*D] -> QK-norm + RoPE of q and k, and q|k|v written
+    straight into packed Ulysses' send layout (``megatron_sp_ext.sp.packed.pack_qkv`` with HeadLayout
+    ``layout``): one kernel when compiled, so the exchange's pack costs no pass of its own."""
+    from megatron_sp_ext.sp.packed import pack_qkv  # noqa: PLC0415
+    b, s, _ = y.shape
+    q, k, v = y.chunk(3, dim=-1)
+    q, k = qk_prep(q, wq, eps_q, angles, heads), qk_prep(k, wk, eps_k, angles, heads)
+    return pack_qkv(q, k, v.reshape(b, s, heads, -1), layout)
+
+
 class ElementwiseOps:
     """The block's elementwise regions, eager (``backend=None``) or compiled with ``backend``."""
 
@@ -56,6 +69,21 @@ class ElementwiseOps:
         self.ln_modulate = wrap(ln_modulate)
         self.gated_residual = wrap(gated_residual)
         self.qk_prep = wrap(qk_prep)
+        self._wrap, self._qkv_pack = wrap, {}
+
+    def qkv_pack(self, layout) -> Callable:
+        """``qkv_pack`` for one HeadLayout (compiled once per layout: the layout is a constant of the kernel)."""
+        if layout not in self._qkv_pack:
+            self._qkv_pack[layout] = self._wrap(functools.partial(qkv_pack, layout=layout))
+        return self._qkv_pack[layout]
+
+
+def resolve_packed(choice: str, fused_backend: Optional[str], flag: str = "--ulysses-packed-qkv") -> bool:
+    """Whether blocks write q|k|v in the exchange's send layout: ``auto`` when the elementwise regions are
+    compiled (eager, the layout change would be a copy of its own, as in the plain path), ``on``, ``off``."""
+    if choice not in FUSED_CHOICES:
+        raise ValueError(f"{flag}={choice!r}: choose one of {', '.join(FUSED_CHOICES)}")
+    return choice == "on" or (choice == "auto" and fused_backend is not None)
 
 
 def resolve_fused(choice: str, device: torch.device, flag: str = "--fused-elementwise") -> Optional[str]:

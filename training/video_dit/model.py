@@ -9,6 +9,7 @@ patch; ``unpatchify`` rebuilds [B, C, T, H, W] from all tokens.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional
 
@@ -86,6 +87,7 @@ class SelfAttention(nn.Module):
         self.rope_memo: dict = {}  # the all-gather block's global RoPE table (shared by the model's blocks)
         self.recompute_core = False  # activation checkpointing of the attention core (selective core_attn)
         self.ops = ElementwiseOps()  # eager; VideoDiT.set_fused_elementwise shares one compiled set
+        self.packed_qkv = False  # write q|k|v in the core's send layout when it has a packed entry (set_packed_qkv)
 
     def _params(self):
         return (self.qkv.weight, self.qkv.bias, self.out.weight, self.out.bias, self.norm_q.weight,
@@ -162,6 +164,17 @@ class SelfAttention(nn.Module):
                 return checkpoint(self._run, choice, group, x, angles, kv_valid_len, self._params(),
                                   use_reentrant=False)
             return self._run(choice, group, x, angles, kv_valid_len, self._params())
+        packed = getattr(self.core, "packed", None) if self.packed_qkv else None
+        layout = packed.layout(self.heads, self.heads) if packed is not None else None
+        if layout is not None:  # q|k|v straight into the exchange's send layout (see megatron_sp_ext.sp.packed)
+            sends = self.ops.qkv_pack(layout)(self.qkv(x), self.norm_q.weight, self.norm_k.weight, self.norm_q.eps,
+                                              self.norm_k.eps, angles, self.heads)
+            run = functools.partial(packed, self.heads, self.heads, kv_valid_len)
+            if self.recompute_core and torch.is_grad_enabled():
+                o = checkpoint(run, *sends, use_reentrant=False)
+            else:
+                o = run(*sends)
+            return self.out(o.reshape(b, s, -1))
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         q = self.ops.qk_prep(q, self.norm_q.weight, self.norm_q.eps, angles, self.heads)
         k = self.ops.qk_prep(k, self.norm_k.weight, self.norm_k.eps, angles, self.heads)
@@ -270,6 +283,13 @@ class VideoDiT(nn.Module):
         self.ops = ops
         for blk in self.blocks:
             blk.ops = blk.attn.ops = blk.cross.ops = ops
+
+    def set_packed_qkv(self, on: bool) -> None:
+        """Let every block write q|k|v in the attention core's send layout when the core has a packed entry
+        (``make_core``'s Ulysses / HCMS with a fixed chunk count, heads divisible by the SP size); other
+        cores and sizes keep the plain path. Same math as the plain path."""
+        for blk in self.blocks:
+            blk.attn.packed_qkv = on
 
     def set_attention_core(self, core: AttentionCore) -> None:
         """Install the sequence-parallel attention used by every block."""
