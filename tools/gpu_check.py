@@ -271,6 +271,35 @@ def _worker(rank, world, port, out_dir, only):
         return n
     section("allgather_block_equals_plain", allgather_cases)
 
+    def packed_cases(dtype):
+        """Packed q|k|v (sp/packed.py, the DiT's --ulysses-packed-qkv) vs float64 on CUDA: attention reads the
+        received buffer in place (strided views into cuDNN/flash), gradients return in the send layout; and
+        bit for bit equal to ulysses_attention(qkv_contiguous=False) when P > 1 (same kernels, same values)."""
+        from megatron_sp_ext.sp.packed import pack_qkv, packable, packed_head_layout  # noqa: PLC0415
+        from megatron_sp_ext.sp.packed import packed_ulysses_attention  # noqa: PLC0415
+        n = 0
+        for (b, h, hkv, d, c, causal) in ((1, 8, 8, 128, 1, False), (1, 8, 8, 128, 2, True), (2, 8, 4, 64, 1, True),
+                                          (1, 40, 40, 128, 1, False)):
+            if not packable(h, hkv, world, c):
+                continue
+            hl = packed_head_layout(h, hkv, world, c)
+
+            def attn(q, k, v, hl=hl, h=h, hkv=hkv, c=c, causal=causal):
+                return packed_ulysses_attention(pack_qkv(q, k, v, hl), group, num_heads=h, num_kv_heads=hkv,
+                                                head_chunks=c, causal=causal)
+            got = run_case(attn, rank, world, b=b, s=world * 256, h=h, hkv=hkv, d=d, dtype=dtype, causal=causal,
+                           seed=300 + n, device="cuda")
+            if world > 1 and dtype == torch.bfloat16:
+                ref = run_case(lambda q, k, v, c=c, causal=causal: spx.ulysses_attention(
+                    q, k, v, group, head_chunks=c, causal=causal, qkv_contiguous=False), rank, world, b=b,
+                    s=world * 256, h=h, hkv=hkv, d=d, dtype=dtype, causal=causal, seed=300 + n, device="cuda")
+                for name, x, y in zip(("out", "dk", "dv"), (got[0], got[2], got[3]), (ref[0], ref[2], ref[3])):
+                    assert torch.equal(x, y), f"packed {name} differs from plain (H={h}/{hkv} C={c})"
+            n += 1
+        return n
+    section("packed_fp32_vs_float64", lambda: packed_cases(torch.float32))
+    section("packed_bf16_vs_float64", lambda: packed_cases(torch.bfloat16))
+
     def ring_cases(dtype):
         from megatron_sp_ext.sp.placement import pieces  # noqa: PLC0415
         from megatron_sp_ext.topology.hamiltonian import routing_tables  # noqa: PLC0415
