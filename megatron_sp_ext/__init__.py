@@ -2,7 +2,8 @@
 
 Public functional API (layout "bshd" = [batch, seq_local, heads, head_dim] unless layout="sbhd"):
     ulysses_attention, ring_attention, shard_sequence, unshard_sequence,
-    build_sp_mesh, hybrid_attention, torus_attention, hamiltonian_cycles
+    build_sp_mesh, hybrid_attention, torus_attention, hamiltonian_cycles,
+    pack_qkv, packed_ulysses_attention, PackedUlysses (q|k|v written in the exchange's send layout)
 Framework adapters live in ``megatron_sp_ext.megatron`` and ``megatron_sp_ext.deepspeed`` and are
 imported only on demand (``import megatron_sp_ext`` needs torch alone).
 """
@@ -12,6 +13,7 @@ from .errors import SPConfigError
 from .sp.async_block import async_ulysses_self_attention
 from .sp.gather_block import allgather_self_attention
 from .sp.hybrid import hybrid_attention
+from .sp.packed import PackedUlysses, pack_qkv, packed_head_layout, packed_ulysses_attention
 from .sp.placement import shard_sequence, unshard_sequence
 from .sp.ring import ring_attention
 from .sp.torus import torus_attention
@@ -24,5 +26,5 @@ __version__ = "0.2.0"
 __all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
            "unshard_sequence", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
            "hybrid_attention", "torus_attention", "async_ulysses_self_attention", "allgather_self_attention",
-           "NcclTransport",
+           "pack_qkv", "packed_head_layout", "packed_ulysses_attention", "PackedUlysses", "NcclTransport",
            "SymmMemTransport", "TransportPool", "default_transports"]

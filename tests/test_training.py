@@ -209,12 +209,34 @@ def test_megatron_entry_async_qkv_matches_sp1(flags):
             assert abs(a - b) <= 1e-4 * abs(b), f"async {flags}: {got[r]} vs {ref}"
 
 
-def test_megatron_entry_packed_qkv_matches_sp1():
-    ref = run_ranks(_megatron_run, 1, 1, "ulysses", 3)[0]
-    got = run_ranks(_megatron_run, 4, 4, "hcms", 3, ("--hcms-head-chunks", "2", "--ulysses-packed-qkv", "on"))
+def _counting_packed(rank, world, entry_run, *args):
+    """Run an entry with every packed attention call counted: (losses, calls)."""
+    from megatron_sp_ext.sp import packed
+    calls, real = [], packed.packed_ulysses_attention
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+    packed.packed_ulysses_attention = counted
+    try:
+        return entry_run(rank, world, *args), len(calls)
+    finally:
+        packed.packed_ulysses_attention = real
+
+
+@pytest.mark.parametrize("entry", ["megatron", "deepspeed"])
+def test_entry_packed_qkv_matches_sp1(entry):
+    """--ulysses-packed-qkv on: every block's attention runs packed (both entry points) and 3 steps give the
+    SP=1 losses."""
+    run = _megatron_run if entry == "megatron" else _ds_run
+    flags = ("--ulysses-packed-qkv", "on") + (("--hcms-head-chunks", "2") if entry == "megatron" else ())
+    ref = run_ranks(run, 1, 1, "ulysses", 3)[0]
+    got = run_ranks(_counting_packed, 4, run, 4, "hcms", 3, flags)
     for r in range(4):
-        for a, b in zip(got[r], ref):
-            assert abs(a - b) <= 1e-4 * abs(b), f"packed: {got[r]} vs {ref}"
+        losses, calls = got[r]
+        assert calls >= 3 * CFG.layers, calls  # fwd per block and step (the loop's own probes may add more)
+        for a, b in zip(losses, ref):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{entry} packed: {losses} vs {ref}"
 
 
 @pytest.mark.parametrize("mode", ENTRY_MODES)

@@ -28,7 +28,7 @@ from training.video_dit.checkpoint import describe  # noqa: E402
 from training.video_dit.cli import (add_common_args, build_dataset, check_common_args, frames_and_size,  # noqa: E402
                                     pick_device)
 from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
-from training.video_dit.fused import resolve_fused  # noqa: E402
+from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.engine import MetricsLog, check_divisible  # noqa: E402
 from training.video_dit.logs import captured_stdout, quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import DeepSpeedOps, RunContext, add_train_args, train_loop  # noqa: E402
@@ -79,7 +79,9 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     with torch.device(device):  # initialise on the device (minutes on the CPU at 14B)
         model = VideoDiT(cfg)
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
-    model.set_fused_elementwise(resolve_fused(args.fused_elementwise, device))
+    fused_backend = resolve_fused(args.fused_elementwise, device)
+    model.set_fused_elementwise(fused_backend)
+    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend))
     engine, _, _, _ = initialize(model=model, config=ds_cfg, num_heads=cfg.heads)
     try:
         with report_failures("train_deepspeed"):

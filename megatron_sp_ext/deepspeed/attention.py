@@ -27,6 +27,7 @@ from ..comm.transport import TransportPool
 from ..config import SPConfig
 from ..errors import SPConfigError
 from ..sp.hybrid import hybrid_attention
+from ..sp.packed import PackedUlysses
 from ..sp.policy import HCMSPolicy
 from ..sp.ring import ring_attention
 from ..sp.torus import torus_attention
@@ -75,6 +76,17 @@ class SPDistributedAttention(DistributedAttention):
         self.transports = TransportPool()
         self._meshes: dict = {}
         self.calls = 0  # forward calls (lets a script or test see that this attention ran)
+
+    def packed_entry(self) -> Optional[PackedUlysses]:
+        """For a model that writes q|k|v itself (the DiT's --ulysses-packed-qkv): a packed Ulysses / HCMS entry
+        with this block's group, fixed chunk count, backend and transport, or None (other modes, 'auto'
+        chunks). It runs ``sequence_parallel_ext.backend``, not the user's local attention: only for callers
+        whose local attention is that backend's math (plain softmax attention, default scale)."""
+        chunks = 1 if self.cfg.mode == "ulysses" else self.cfg.head_chunks
+        if self.cfg.mode not in ("ulysses", "hcms") or not isinstance(chunks, int) or isinstance(chunks, bool):
+            return None
+        return PackedUlysses(self.spg, chunks, backend=self.cfg.backend, causal=self.causal,
+                             transport=self.cfg.transport)
 
     def _mesh(self, num_heads: int):
         if num_heads not in self._meshes:

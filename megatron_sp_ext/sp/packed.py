@@ -184,6 +184,32 @@ class _PackedFn(torch.autograd.Function):
         return (None, *grads_packed)
 
 
+class PackedUlysses:
+    """A packed Ulysses / HCMS entry bound to a group and a fixed chunk count, for a model's block that can
+    write q|k|v itself: ``layout(H, Hkv)`` is the HeadLayout to pack for (None when these heads cannot be
+    packed, or a group of one rank: the block keeps its plain path), ``entry(H, Hkv, kv_valid_len, *sends)``
+    runs the attention."""
+
+    def __init__(self, group: dist.ProcessGroup, head_chunks: int, *, backend: "str | LocalAttention" = "sdpa",
+                 transport: "str | object" = "nccl", causal: bool = False,
+                 comm_stream: Optional["torch.cuda.Stream"] = None) -> None:
+        self.group, self.chunks, self.backend, self.transport = group, head_chunks, backend, transport
+        self.causal, self.comm_stream = causal, comm_stream
+
+    def layout(self, num_heads: int, num_kv_heads: int) -> Optional[HeadLayout]:
+        world = dist.get_world_size(self.group)
+        if world == 1 or not packable(num_heads, num_kv_heads, world, self.chunks):
+            return None  # one rank: nothing to exchange, the plain local path is cheaper
+        return packed_head_layout(num_heads, num_kv_heads, world, self.chunks)
+
+    def __call__(self, num_heads: int, num_kv_heads: int, kv_valid_len: Optional[int],
+                 *sends: torch.Tensor) -> torch.Tensor:
+        return packed_ulysses_attention(list(sends), self.group, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                        head_chunks=self.chunks, causal=self.causal, backend=self.backend,
+                                        comm_stream=self.comm_stream, kv_valid_len=kv_valid_len,
+                                        transport=self.transport)
+
+
 def packed_ulysses_attention(sends: Sequence[torch.Tensor], group: dist.ProcessGroup, *, num_heads: int,
                              num_kv_heads: int, head_chunks: int = 1, causal: bool = False,
                              softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",

@@ -28,28 +28,6 @@ from .model import patchify
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
-class PackedUlysses:
-    """``make_core``'s packed entry for Ulysses / HCMS with a fixed chunk count: attention on q|k|v already in
-    the exchange's send layout (megatron_sp_ext.sp.packed); a block writes them there when ``layout`` allows."""
-
-    def __init__(self, group, chunks: int, backend: str, transport: str) -> None:
-        self.group, self.chunks, self.backend, self.transport = group, chunks, backend, transport
-
-    def layout(self, num_heads: int, num_kv_heads: int):
-        """The HeadLayout to pack for, or None when these heads cannot be packed (the plain path runs)."""
-        from megatron_sp_ext.sp.packed import packable, packed_head_layout  # noqa: PLC0415
-        world = dist.get_world_size(self.group)
-        if not packable(num_heads, num_kv_heads, world, self.chunks):
-            return None
-        return packed_head_layout(num_heads, num_kv_heads, world, self.chunks)
-
-    def __call__(self, num_heads: int, num_kv_heads: int, kv_valid_len, *sends: torch.Tensor) -> torch.Tensor:
-        from megatron_sp_ext.sp.packed import packed_ulysses_attention  # noqa: PLC0415
-        return packed_ulysses_attention(list(sends), self.group, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                        head_chunks=self.chunks, backend=self.backend, kv_valid_len=kv_valid_len,
-                                        transport=self.transport)
-
-
 def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: str = "ring",
               placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "sdpa",
               transport: str = "nccl"):
@@ -82,7 +60,7 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
     if mode in ("ulysses", "hcms"):
         fixed = 1 if mode == "ulysses" else head_chunks
         if isinstance(fixed, int) and not isinstance(fixed, bool):
-            ulysses.packed = PackedUlysses(group, fixed, backend, transport)
+            ulysses.packed = spx.PackedUlysses(group, fixed, backend=backend, transport=transport)
         return ulysses
     if mode in ("ring", "tasp"):
         return ring

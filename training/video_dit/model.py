@@ -320,7 +320,11 @@ class VideoDiT(nn.Module):
     def configure_sequence_parallel(self, make_attention) -> None:
         """DeepSpeed opt-in protocol (megatron_sp_ext.deepspeed.initialize): one SPDistributedAttention."""
         attn = make_attention(_sdpa_bshd, scatter_idx=2, gather_idx=1)
-        self.set_attention_core(lambda q, k, v, n=None, a=attn: a(q, k, v, 0, kv_valid_len=n))
+
+        def core(q, k, v, n=None, a=attn):
+            return a(q, k, v, 0, kv_valid_len=n)
+        core.packed = attn.packed_entry()  # _sdpa_bshd is the "sdpa" backend's math: packing may bypass it
+        self.set_attention_core(core)
         self.sp_attention = attn  # registered as a (parameter-free) submodule for visibility
 
     def forward(self, patches, t, text, token_ids, grid, kv_valid_len=None):
