@@ -123,6 +123,32 @@ def _errors(rank, world):
     return msgs
 
 
+def _entry(rank, world):
+    """PackedUlysses: the layout per heads (None for sizes it cannot pack), 'auto' chunks through the policy
+    (CPU: 1), and the entry equal to packed_ulysses_attention called directly."""
+    from megatron_sp_ext.sp.packed import PackedUlysses
+    g = dist.group.WORLD
+    with pytest.raises(SPConfigError, match="head_chunks='x'"):
+        PackedUlysses(g, "x")
+    auto = PackedUlysses(g, "auto")
+    with pytest.raises(SPConfigError, match="q_like"):
+        auto.layout(8, 8)
+    like = torch.zeros(()).expand(1, 4, 8, 8)
+    assert auto.layout(8, 8, like).chunks == 1 and auto.layout(5, 5, like) is None
+    fixed = PackedUlysses(g, 2, causal=True)
+    hl = fixed.layout(8, 4)
+    assert hl.chunks == 2 and fixed.layout(5, 5) is None
+    q, k, v = (torch.randn(1, 4, n, 8, generator=torch.Generator().manual_seed(rank)) for n in (8, 4, 4))
+    a = fixed(8, 4, None, *pack_qkv(q, k, v, hl))
+    b = packed_ulysses_attention(pack_qkv(q, k, v, hl), g, num_heads=8, num_kv_heads=4, head_chunks=2, causal=True)
+    assert torch.equal(a, b)
+    return True
+
+
+def test_packed_entry_object():
+    run_ranks(_entry, 2)
+
+
 def test_packed_bad_sizes_raise_clear_errors():
     msgs = run_ranks(_errors, 4)[0]
     assert "H=6" in msgs[0] and "P=4" in msgs[0]

@@ -79,14 +79,14 @@ class SPDistributedAttention(DistributedAttention):
 
     def packed_entry(self) -> Optional[PackedUlysses]:
         """For a model that writes q|k|v itself (the DiT's --ulysses-packed-qkv): a packed Ulysses / HCMS entry
-        with this block's group, fixed chunk count, backend and transport, or None (other modes, 'auto'
-        chunks). It runs ``sequence_parallel_ext.backend``, not the user's local attention: only for callers
-        whose local attention is that backend's math (plain softmax attention, default scale)."""
-        chunks = 1 if self.cfg.mode == "ulysses" else self.cfg.head_chunks
-        if self.cfg.mode not in ("ulysses", "hcms") or not isinstance(chunks, int) or isinstance(chunks, bool):
+        with this block's group, chunk count (``auto``: this block's policy), backend and transport, or None
+        for the ring and mesh modes. It runs ``sequence_parallel_ext.backend``, not the user's local attention:
+        only for callers whose local attention is that backend's math (plain softmax attention, default scale)."""
+        if self.cfg.mode not in ("ulysses", "hcms"):
             return None
-        return PackedUlysses(self.spg, chunks, backend=self.cfg.backend, causal=self.causal,
-                             transport=self.cfg.transport)
+        return PackedUlysses(self.spg, 1 if self.cfg.mode == "ulysses" else self.cfg.head_chunks,
+                             backend=self.cfg.backend, causal=self.causal, transport=self.cfg.transport,
+                             policy=self.policy)
 
     def _mesh(self, num_heads: int):
         if num_heads not in self._meshes:

@@ -185,27 +185,48 @@ class _PackedFn(torch.autograd.Function):
 
 
 class PackedUlysses:
-    """A packed Ulysses / HCMS entry bound to a group and a fixed chunk count, for a model's block that can
-    write q|k|v itself: ``layout(H, Hkv)`` is the HeadLayout to pack for (None when these heads cannot be
-    packed, or a group of one rank: the block keeps its plain path), ``entry(H, Hkv, kv_valid_len, *sends)``
-    runs the attention."""
+    """A packed Ulysses / HCMS entry bound to a group, for a model's block that can write q|k|v itself.
 
-    def __init__(self, group: dist.ProcessGroup, head_chunks: int, *, backend: "str | LocalAttention" = "sdpa",
+    ``layout(H, Hkv, q_like)`` is the HeadLayout to pack for, or None (heads not divisible by the SP size, or a
+    group of one rank): then the block keeps its plain path. ``entry(H, Hkv, kv_valid_len, *sends)`` runs the
+    attention. head_chunks: an int, or "auto": ``policy`` (an HCMSPolicy, shared with the plain path) picks the
+    count per shape from its own calibration; ``q_like`` ([B, S_loc, H, D], dtype and device of q; a
+    zero-stride view will do) gives it the shape.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, head_chunks: "int | str", *, backend: "str | LocalAttention" = "sdpa",
                  transport: "str | object" = "nccl", causal: bool = False,
-                 comm_stream: Optional["torch.cuda.Stream"] = None) -> None:
+                 comm_stream: Optional["torch.cuda.Stream"] = None, policy=None) -> None:
+        if head_chunks != "auto" and (isinstance(head_chunks, bool) or not isinstance(head_chunks, int)):
+            raise SPConfigError(f"head_chunks={head_chunks!r} is invalid: use a positive integer or 'auto'")
         self.group, self.chunks, self.backend, self.transport = group, head_chunks, backend, transport
-        self.causal, self.comm_stream = causal, comm_stream
+        self.causal, self.comm_stream, self.policy = causal, comm_stream, policy
 
-    def layout(self, num_heads: int, num_kv_heads: int) -> Optional[HeadLayout]:
+    def layout(self, num_heads: int, num_kv_heads: int,
+               q_like: Optional[torch.Tensor] = None) -> Optional[HeadLayout]:
         world = dist.get_world_size(self.group)
-        if world == 1 or not packable(num_heads, num_kv_heads, world, self.chunks):
+        if world == 1:
             return None  # one rank: nothing to exchange, the plain local path is cheaper
-        return packed_head_layout(num_heads, num_kv_heads, world, self.chunks)
+        chunks = self.chunks
+        if chunks == "auto":
+            if q_like is None:
+                raise SPConfigError("PackedUlysses with head_chunks='auto' needs q_like (q's shape, dtype, device)")
+            from .policy import default_policy  # noqa: PLC0415
+            d = q_like.shape[-1]
+            k_like = q_like[:, :, :1].expand(*q_like.shape[:2], num_kv_heads, d)
+            be = get_backend(self.backend)
+            tr = default_transports().get(self.transport, self.group, q_like.device)
+            chunks = (self.policy or default_policy()).choose(
+                q_like, k_like, self.group, causal=self.causal, layout="bshd", scale=1.0 / math.sqrt(d), backend=be,
+                comm_stream=self.comm_stream, transport=tr)
+        if not packable(num_heads, num_kv_heads, world, chunks):
+            return None
+        return packed_head_layout(num_heads, num_kv_heads, world, chunks)
 
     def __call__(self, num_heads: int, num_kv_heads: int, kv_valid_len: Optional[int],
                  *sends: torch.Tensor) -> torch.Tensor:
         return packed_ulysses_attention(list(sends), self.group, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                        head_chunks=self.chunks, causal=self.causal, backend=self.backend,
+                                        head_chunks=len(sends), causal=self.causal, backend=self.backend,
                                         comm_stream=self.comm_stream, kv_valid_len=kv_valid_len,
                                         transport=self.transport)
 

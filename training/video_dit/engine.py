@@ -58,9 +58,8 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
         chosen.mode_policy = modes
         return chosen
     if mode in ("ulysses", "hcms"):
-        fixed = 1 if mode == "ulysses" else head_chunks
-        if isinstance(fixed, int) and not isinstance(fixed, bool):
-            ulysses.packed = spx.PackedUlysses(group, fixed, backend=backend, transport=transport)
+        ulysses.packed = spx.PackedUlysses(group, 1 if mode == "ulysses" else head_chunks, backend=backend,
+                                           transport=transport, policy=policy)
         return ulysses
     if mode in ("ring", "tasp"):
         return ring

@@ -164,10 +164,12 @@ class SelfAttention(nn.Module):
                 return checkpoint(self._run, choice, group, x, angles, kv_valid_len, self._params(),
                                   use_reentrant=False)
             return self._run(choice, group, x, angles, kv_valid_len, self._params())
+        y = self.qkv(x)
         packed = getattr(self.core, "packed", None) if self.packed_qkv else None
-        layout = packed.layout(self.heads, self.heads) if packed is not None else None
+        layout = packed.layout(self.heads, self.heads, y.new_empty(()).expand(b, s, self.heads, self.hd)) \
+            if packed is not None else None
         if layout is not None:  # q|k|v straight into the exchange's send layout (see megatron_sp_ext.sp.packed)
-            sends = self.ops.qkv_pack(layout)(self.qkv(x), self.norm_q.weight, self.norm_k.weight, self.norm_q.eps,
+            sends = self.ops.qkv_pack(layout)(y, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps,
                                               self.norm_k.eps, angles, self.heads)
             run = functools.partial(packed, self.heads, self.heads, kv_valid_len)
             if self.recompute_core and torch.is_grad_enabled():
@@ -175,7 +177,7 @@ class SelfAttention(nn.Module):
             else:
                 o = run(*sends)
             return self.out(o.reshape(b, s, -1))
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = y.chunk(3, dim=-1)
         q = self.ops.qk_prep(q, self.norm_q.weight, self.norm_q.eps, angles, self.heads)
         k = self.ops.qk_prep(k, self.norm_k.weight, self.norm_k.eps, angles, self.heads)
         v = v.reshape(b, s, self.heads, self.hd)
