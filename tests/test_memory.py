@@ -1,6 +1,7 @@
 """Peak memory of one forward+backward (live tensor bytes on CPU, tests/live_bytes.py): our Ulysses must
 not exceed DeepSpeed's DistributedAttention on the same shard, and HCMS must not exceed plain Ulysses
-(the HCMS issue: "memory must not exceed the Ulysses baseline's peak")."""
+(the HCMS issue: "memory must not exceed the Ulysses baseline's peak"); packed q|k|v (the caller writes the
+send layout) stays within 1% of the path it replaces."""
 import gc
 import importlib
 
@@ -34,9 +35,15 @@ def _peaks(rank, world, h, hkv, with_ds):
     q = torch.randn(b, sl, h, d, generator=gen, requires_grad=True)
     k, v = (torch.randn(b, sl, hkv, d, generator=gen, requires_grad=True) for _ in range(2))
     go = torch.randn(b, sl, h, d, generator=gen)
+    hl1, hl2 = (spx.packed_head_layout(h, hkv, world, c) for c in (1, 2))
     modes = {"ulysses": lambda: spx.ulysses_attention(q, k, v, g),
              "hcms2": lambda: spx.ulysses_attention(q, k, v, g, head_chunks=2),
-             "packed": lambda: spx.ulysses_attention(q, k, v, g, qkv_contiguous=False)}
+             "packed": lambda: spx.ulysses_attention(q, k, v, g, qkv_contiguous=False),
+             # q|k|v written in the send layout by the caller (pack_qkv inside the region: its buffers count)
+             "packed_qkv": lambda: spx.packed_ulysses_attention(spx.pack_qkv(q, k, v, hl1), g, num_heads=h,
+                                                                num_kv_heads=hkv),
+             "packed_qkv_hcms2": lambda: spx.packed_ulysses_attention(spx.pack_qkv(q, k, v, hl2), g, num_heads=h,
+                                                                      num_kv_heads=hkv, head_chunks=2)}
     if with_ds:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         import deepspeed
@@ -64,6 +71,7 @@ def test_ulysses_peak_not_above_deepspeed_and_hcms_not_above_ulysses():
     for r, p in enumerate(run_ranks(_peaks, 2, 8, 8, True)):
         assert p["ulysses"] <= p["deepspeed"] * 1.01, (r, p)
         assert p["hcms2"] <= p["ulysses"], (r, p)
+        assert p["packed_qkv"] <= p["ulysses"] * 1.01 and p["packed_qkv_hcms2"] <= p["hcms2"] * 1.01, (r, p)
 
 
 @pytest.mark.parametrize("world,h,hkv", [(2, 8, 4), (4, 8, 8), (4, 16, 8)])
@@ -72,6 +80,7 @@ def test_hcms_peak_not_above_ulysses(world, h, hkv):
     than chunks, HCMS replicates k/v so each chunk has one, which costs memory (README, Known limits)."""
     for r, p in enumerate(run_ranks(_peaks, world, h, hkv, False)):
         assert p["hcms2"] <= p["ulysses"], (r, p)
+        assert p["packed_qkv"] <= p["ulysses"] * 1.01 and p["packed_qkv_hcms2"] <= p["hcms2"] * 1.01, (r, p)
 
 
 def _block_peaks(rank, world):

@@ -158,23 +158,25 @@ class _PackedFn(torch.autograd.Function):
             ctx.chunks[c] = None
             do_c = recv_g[c].view(world * s_loc, bsz, qc.shape[1], d)
             do_c = do_c.permute(1, 2, 0, 3) if plan.order is None else lay.to_kernel_layout(do_c, plan.order)
-            grads = torch.autograd.grad(oc, (qc, kc, vc), do_c)
+            grads = list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
             del qc, kc, vc, oc, do_c
             recv_g[c] = None
             ws = lay.widths(hl, _QKV, plan.rank, c)
             done = st.record(compute)
-            received = torch.empty(ctx.send_shapes[c], dtype=grad_out.dtype, device=grad_out.device)
             with st.on_stream(comm):
                 st.wait(comm, done)
                 tr = plan.transport
                 flat = tr.send_buffer(world * tokens * sum(ws) * d, grad_out)
-                for view, g in zip(lay.columns_sbhd(flat.view(world * s_loc, bsz, sum(ws), d), ws), grads):
+                for i, view in enumerate(lay.columns_sbhd(flat.view(world * s_loc, bsz, sum(ws), d), ws)):
+                    g, grads[i] = grads[i], None
                     lay.to_send_layout(g, plan.order, view)
-                if comm is not None:  # compute-stream tensors read by the comm stream: guard their reuse
-                    for g in grads:
+                    if comm is not None:  # a compute-stream tensor read by the comm stream: guard its reuse
                         g.record_stream(comm)
+                    del g  # each gradient is freed once packed (peak memory)
+                with st.on_stream(compute):  # allocated once the gradients are freed, on its reader's stream
+                    received = torch.empty(ctx.send_shapes[c], dtype=grad_out.dtype, device=grad_out.device)
+                if comm is not None:  # written by the comm stream
                     received.record_stream(comm)
-                del grads
                 splits = lay.seg_splits(hl, _QKV, c, tokens, d)
                 # head-sharded grads -> this rank's tokens, landing in the send layout: the gradient of chunk c
                 tr.all_to_all(flat, received.view(-1), None, splits, table=table_head_to_seq(splits))
