@@ -32,7 +32,8 @@ def test_minimal_ulysses_matches_reference(world):
 def _bench_modes(rank, world):
     from tools.bench_attention import build_modes
     group = dist.group.WORLD
-    names = ["minimal", "ulysses", "hcms2", "ring", "tasp", "usp", "tas", "torus", "mesh_auto"]
+    names = ["minimal", "ulysses", "hcms2", "prepacked", "hcms2_prepacked", "ring", "tasp", "usp", "tas", "torus",
+             "mesh_auto"]
     modes = build_modes(names, group, causal=False, nodes=2)  # 2 simulated machines: tas and torus need them
     assert set(modes) == set(names)
     g = torch.Generator().manual_seed(3 + rank)
@@ -41,6 +42,15 @@ def _bench_modes(rank, world):
     for name, fn in modes.items():
         assert rel_err(fn(q, k, v), ref) < 1e-5, name
     assert modes["mesh_auto"].mesh_of(8).world == world
+    # prepacked: its gradients (left in the send layout) map back to plain Ulysses' q/k/v gradients
+    go = torch.randn(1, 4, 8, 16, generator=g)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    spx.ulysses_attention(qg, kg, vg, group).backward(go)
+    for name in ("prepacked", "hcms2_prepacked"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        modes[name](*leaves).backward(go)
+        for got, want in zip(modes[name].qkv_grads(*leaves), (qg.grad, kg.grad, vg.grad)):
+            assert rel_err(got, want) < 1e-5, name
     return True
 
 

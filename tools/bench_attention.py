@@ -8,7 +8,8 @@ Writes ``bench.json`` (raw), ``bench.md`` (table) and ``bench.png`` (speedup vs 
 
 Modes: deepspeed (DeepSpeed's DistributedAttention with the same SDPA local attention, when
 deepspeed imports), minimal (a minimal DeepSpeed-style Ulysses: permute, all_to_all_single, SDPA, back),
-ulysses, hcms<C>, auto, and (see --modes) ring, tasp, usp, tas, usp-tasp, tas-tasp, torus, mesh_auto
+ulysses, hcms<C>, auto, prepacked and hcms<C>_prepacked (packed Ulysses from q|k|v already in the send
+layout, the path of the DiT's --ulysses-packed-qkv), and (see --modes) ring, tasp, usp, tas, usp-tasp, tas-tasp, torus, mesh_auto
 (placement="auto": the mesh the topology detector picks; with --links emu<M> it sees the emulated machines).
 Example (4 x H200):
   python tools/bench_attention.py --world-sizes 2,4 --heads 24,40 --seqlens 8192,16384,32768,57344,131072 --out $OUT
@@ -58,6 +59,34 @@ def minimal_ulysses(q, k, v, group, causal: bool = False):
     return y.permute(2, 1, 0, 3, 4).reshape(b, sp // p, p * hp, d)
 
 
+class Prepacked:
+    """Mode "prepacked" / "hcms<C>_prepacked": packed Ulysses timed from q|k|v already in the send layout (a
+    model writes them there inside its QK-norm/RoPE kernel: tools/bench_packed_local.py measures that part),
+    gradients left in the send layout. The send buffers are packed once per q, k, v (untimed);
+    ``qkv_grads`` maps their gradients back to q, k, v for the correctness check (untimed)."""
+
+    def __init__(self, group, chunks: int, causal: bool) -> None:
+        self.group, self.chunks, self.causal, self.packed, self.sends = group, chunks, causal, {}, None
+
+    def _layout(self, q, k):
+        return spx.packed_head_layout(q.shape[2], k.shape[2], dist.get_world_size(self.group), self.chunks)
+
+    def __call__(self, q, k, v):
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), tuple(q.shape), q.requires_grad)
+        if key not in self.packed:  # the timed inputs (with and without grad) each packed once
+            with torch.no_grad():
+                self.packed[key] = [s.requires_grad_(q.requires_grad) for s in spx.pack_qkv(q, k, v, self._layout(q, k))]
+        self.sends = self.packed[key]
+        for s in self.sends:
+            s.grad = None
+        return spx.packed_ulysses_attention(self.sends, self.group, num_heads=q.shape[2], num_kv_heads=k.shape[2],
+                                            head_chunks=self.chunks, causal=self.causal)
+
+    def qkv_grads(self, q, k, v):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(spx.pack_qkv(*leaves, self._layout(q, k)), leaves, [s.grad for s in self.sends])
+
+
 def build_modes(names, group, causal, nodes=None, heads=None):
     modes = {}
     policy = HCMSPolicy()
@@ -88,6 +117,8 @@ def build_modes(names, group, causal, nodes=None, heads=None):
             modes[name] = lambda q, k, v, tr=tr: spx.ulysses_attention(q, k, v, group, causal=causal, transport=tr)
         elif name == "ulysses_packed":
             modes[name] = lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal, qkv_contiguous=False)
+        elif name == "prepacked" or (name.startswith("hcms") and name.endswith("_prepacked")):
+            modes[name] = Prepacked(group, 1 if name == "prepacked" else int(name[4:-len("_prepacked")]), causal)
         elif name.startswith("hcms") and name.endswith("_packed"):
             c = int(name[4:-7])
             modes[name] = lambda q, k, v, c=c: spx.ulysses_attention(q, k, v, group, head_chunks=c, causal=causal,
@@ -117,7 +148,8 @@ def build_modes(names, group, causal, nodes=None, heads=None):
             modes[name] = lambda q, k, v: spx.torus_attention(q, k, v, mesh(q.shape[2], "tas"), causal=causal)
         else:
             raise SystemExit(f"unknown mode {name}")
-        if tr != "nccl" and (name not in ("ulysses", "auto") and not name.startswith("hcms") or name.endswith("_packed")):
+        if tr != "nccl" and (name not in ("ulysses", "auto") and not name.startswith("hcms")
+                             or name.endswith(("_packed", "_prepacked"))):
             raise SystemExit(f"mode {full}: the _symm/_ce suffixes apply to ulysses, hcms<C> and auto")
         outer.update({full: fn for fn in modes.values()})
         modes = outer
@@ -197,10 +229,13 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
         o = fb(fn)
         torch.cuda.synchronize()
         entry = {"peak_mem_gib": (torch.cuda.max_memory_allocated() - base_mem) / 2**30}
-        grads = (qg.grad.detach().clone(), kg.grad.detach().clone(), vg.grad.detach().clone())
+        if hasattr(fn, "qkv_grads"):  # gradients left in the send layout: mapped back, untimed
+            grads = tuple(g.detach().clone() for g in fn.qkv_grads(qg, kg, vg))
+        else:
+            grads = (qg.grad.detach().clone(), kg.grad.detach().clone(), vg.grad.detach().clone())
         if name == "ulysses":
             ref_out, ref_grads = o.detach(), grads
-        elif ref_out is not None and (name.startswith(("hcms", "auto", "ulysses_"))):
+        elif ref_out is not None and (name.startswith(("hcms", "auto", "ulysses_", "prepacked"))):
             # out, dk, dv bit for bit; dq only up to the flash backward's atomic-add noise
             eq = torch.equal(o, ref_out) and all(torch.equal(a, b) for a, b in zip(grads[1:], ref_grads[1:]))
             flag = torch.tensor(int(eq), device="cuda")

@@ -1,6 +1,7 @@
 """Attention-block benchmark: plain (fused QKV GEMM -> Ulysses/HCMS -> out GEMM) vs the async block
 (per-branch GEMMs overlapped with their exchanges) vs the all-gather QKV block (sequence all-gather
-fused with the local-head QKV GEMM), beside the same block on DeepSpeed's DistributedAttention ("deepspeed",
+fused with the local-head QKV GEMM) vs packed q|k|v ("packed", "packed_hcms<C>": the compiled QK-norm
+writes the exchange's send layout; "plain_fused" is the plain block with the same compiled QK-norm), beside the same block on DeepSpeed's DistributedAttention ("deepspeed",
 speedup_*_vs_deepspeed and peak_mem_vs_deepspeed per form), forward and forward+backward, interleaved timing.
 
     python tools/bench_block.py --world-sizes 2,4 --models wan-1.3b,wan-14b --tokens-per-gpu 16384 --out $OUT
@@ -60,6 +61,32 @@ def bench(rank, world, group, cfg, seqlen, args):
             q, k, v = qkv.split(h * d, dim=-1)
             o = spx.ulysses_attention(prep("q", q, nq), prep("k", k, nk), v.reshape(1, sl, h, d), group,
                                       head_chunks=c, transport=tr)
+            return o.reshape(1, sl, h * d) @ w_o.t() + b_o
+        return run
+
+    def plain_fused():
+        """The plain block with its QK-norm compiled (as the DiT runs it with --fused-elementwise)."""
+        preps = torch.compile(lambda q, k, a, b: (prep("q", q, a), prep("k", k, b)), fullgraph=True)
+
+        def run():
+            qkv = x @ w_qkv.t() + b_qkv
+            q, k, v = qkv.split(h * d, dim=-1)
+            o = spx.ulysses_attention(*preps(q, k, nq, nk), v.reshape(1, sl, h, d), group)
+            return o.reshape(1, sl, h * d) @ w_o.t() + b_o
+        return run
+
+    def packed(c):
+        """Packed q|k|v (the DiT's --ulysses-packed-qkv): the compiled QK-norm writes the send layout."""
+        hl = spx.packed_head_layout(h, h, world, c)
+
+        def produce(qkv, a, b):
+            q, k, v = qkv.split(h * d, dim=-1)
+            return spx.pack_qkv(prep("q", q, a), prep("k", k, b), v.reshape(1, sl, h, d), hl)
+        produce = torch.compile(produce, fullgraph=True)
+
+        def run():
+            sends = produce(x @ w_qkv.t() + b_qkv, nq, nk)
+            o = spx.packed_ulysses_attention(sends, group, num_heads=h, num_kv_heads=h, head_chunks=c)
             return o.reshape(1, sl, h * d) @ w_o.t() + b_o
         return run
 
@@ -142,6 +169,10 @@ def bench(rank, world, group, cfg, seqlen, args):
                 if gather:
                     modes[f"allgather_hcms{c}{sfx}"] = allgather(c, tr)
     modes["auto"] = auto
+    modes["plain_fused"], modes["packed"] = plain_fused(), packed(1)
+    for c in args.chunks:
+        if c <= h // world:
+            modes[f"packed_hcms{c}"] = packed(c)
     if "deepspeed" in args.baselines:
         ds_run = deepspeed_block()
         if ds_run is not None:
