@@ -27,7 +27,7 @@ def _sharder(placement):
 
 
 class CountingSDPA(SDPABackend):
-    """SDPA that records (causal, q length, kv length) of every call."""
+    """SDPA that records (causal, q length, kv length) of every kernel call (plain or with log-sum-exp)."""
 
     def __init__(self):
         super().__init__()
@@ -36,6 +36,10 @@ class CountingSDPA(SDPABackend):
     def __call__(self, q, k, v, *, causal, softmax_scale):
         self.calls.append((causal, q.shape[2], k.shape[2]))
         return super().__call__(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+    def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None):
+        self.calls.append((causal, q.shape[2], k.shape[2]))
+        return super().forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale, mask=mask)
 
 
 def _zigzag_ref(rank, world, placements):

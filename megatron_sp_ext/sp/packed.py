@@ -25,13 +25,17 @@ import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
 from ..comm import streams as st
-from ..comm.transport import NcclTransport, default_transports, table_head_to_seq, table_seq_to_head
+from ..comm.transport import default_transports, table_head_to_seq, table_seq_to_head
 from ..errors import SPConfigError
 from . import layout as lay
 from .heads import HeadLayout, head_layout
-from .ulysses import _exchange_out_chunk, _local_attention, _send_head_major, local_order
+from torch.autograd.function import once_differentiable
+
+from .ulysses import _exchange_out_chunk, attend, attend_backward, check_same_shape_across_ranks, explicit_kernels
+from .ulysses import local_order
 
 _QKV = ("q", "kv", "kv")
+_VALIDATED: set = set()
 
 
 def packed_head_layout(num_heads: int, num_kv_heads: int, world: int, head_chunks: int) -> HeadLayout:
@@ -77,11 +81,12 @@ class PackedPlan:
     kv_valid_len: Optional[int]
     seq_layout: str = "bshd"
     rank: int = 0
+    need_grad: bool = True
 
 
 def _start_exchanges(sends: Sequence[torch.Tensor], plan: PackedPlan, compute, comm):
-    """Every chunk's seq->head exchange in flight at once, straight from the caller's buffers (a transport
-    with its own workspace gets one copy into it). Returns (recv buffers, arrival events)."""
+    """Every chunk's seq->head exchange in flight at once, straight from the caller's buffers (every transport
+    takes any contiguous send buffer). Returns (recv buffers, arrival events)."""
     tr, hl = plan.transport, plan.heads
     tokens = plan.q_shape[0] * plan.q_shape[1]
     d = plan.q_shape[3]
@@ -94,10 +99,6 @@ def _start_exchanges(sends: Sequence[torch.Tensor], plan: PackedPlan, compute, c
             flat = send.view(-1)
             if comm is not None:
                 send.record_stream(comm)
-            if not isinstance(tr, NcclTransport):  # workspace transports read their own buffer
-                buf = tr.send_buffer(flat.numel(), flat)
-                buf.copy_(flat)
-                flat = buf
             splits = lay.seg_splits(hl, _QKV, c, tokens, d)
             w = tr.all_to_all(flat, recv[c], splits, None, async_op=True, table=table_seq_to_head(splits))
             if tr.stream_ordered:
@@ -119,8 +120,7 @@ class _PackedFn(torch.autograd.Function):
         compute, comm = st.current(sends[0].device), plan.comm_stream
         out = torch.empty(plan.q_shape, dtype=sends[0].dtype, device=sends[0].device)
         recv, events = _start_exchanges(sends, plan, compute, comm)
-        need_grad = any(ctx.needs_input_grad[1:])
-        chunks = []
+        explicit, chunks = explicit_kernels(plan, sends[0]), []
         for c in range(hl.chunks):
             st.wait(compute, events[c])
             ws = lay.widths(hl, _QKV, plan.rank, c)
@@ -130,10 +130,8 @@ class _PackedFn(torch.autograd.Function):
             else:  # the placement's permutation rides on one copy into the kernel layout
                 qc, kc, vc = (lay.to_kernel_layout(t, plan.order) for t in lay.columns_sbhd(buf, ws))
             recv[c] = None
-            qc, kc, vc = (t.detach().requires_grad_(need_grad) for t in (qc, kc, vc))
-            with torch.set_grad_enabled(need_grad):
-                oc = _local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, plan.kv_valid_len)
-            chunks.append((qc, kc, vc, oc))
+            oc, kept = attend(plan, qc, kc, vc, explicit)
+            chunks.append(kept)
             _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
         if comm is not None:
             compute.wait_stream(comm)
@@ -142,6 +140,7 @@ class _PackedFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         from .ulysses import _exchange_all_chunks  # noqa: PLC0415
         plan: PackedPlan = ctx.plan
@@ -154,14 +153,12 @@ class _PackedFn(torch.autograd.Function):
         grads_packed = []
         for c in range(hl.chunks):
             st.wait(compute, ev_in[c])
-            qc, kc, vc, oc = ctx.chunks[c]
-            ctx.chunks[c] = None
-            do_c = recv_g[c].view(world * s_loc, bsz, qc.shape[1], d)
-            do_c = do_c.permute(1, 2, 0, 3) if plan.order is None else lay.to_kernel_layout(do_c, plan.order)
-            grads = list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
-            del qc, kc, vc, oc, do_c
-            recv_g[c] = None
             ws = lay.widths(hl, _QKV, plan.rank, c)
+            do_c = recv_g[c].view(world * s_loc, bsz, ws[0], d)
+            do_c = do_c.permute(1, 2, 0, 3) if plan.order is None else lay.to_kernel_layout(do_c, plan.order)
+            grads = attend_backward(plan, c, do_c, ctx.chunks)
+            del do_c
+            recv_g[c] = None
             done = st.record(compute)
             with st.on_stream(comm):
                 st.wait(comm, done)
@@ -256,11 +253,16 @@ def packed_ulysses_attention(sends: Sequence[torch.Tensor], group: dist.ProcessG
         if tuple(s.shape) != (world, s_loc, bsz, w, d) or not s.is_contiguous():
             raise SPConfigError(f"packed chunk {c}: expected a contiguous {(world, s_loc, bsz, w, d)} buffer, "
                                 f"got {tuple(s.shape)}; build it with pack_qkv")
+    key = (id(group), tuple(sends[0].shape), len(sends))
+    if key not in _VALIDATED:
+        check_same_shape_across_ranks(sends[0], group, what="packed q|k|v shard")
+        _VALIDATED.add(key)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     order, valid = local_order(placement, world, s_loc, causal, kv_valid_len)
     stream = None if hl.chunks == 1 else (comm_stream if comm_stream is not None
                                           else st.default_pool().comm_stream(sends[0].device))
     tr = default_transports().get(transport, group, sends[0].device)
+    need_grad = torch.is_grad_enabled() and any(s.requires_grad for s in sends)
     plan = PackedPlan(group, hl, (bsz, s_loc, num_heads, d), causal, scale, get_backend(backend), stream, tr,
-                      order, valid, "bshd", dist.get_rank(group))
+                      order, valid, "bshd", dist.get_rank(group), need_grad)
     return _PackedFn.apply(plan, *sends)

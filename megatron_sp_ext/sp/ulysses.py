@@ -22,7 +22,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..attention.backends import LocalAttention, get_backend
+from torch.autograd.function import once_differentiable
+
+from ..attention.backends import LocalAttention, SDPABackend, get_backend
 from ..comm import streams as st
 from ..comm.transport import NcclTransport, default_transports, table_head_to_seq, table_seq_to_head
 from ..config import LAYOUTS
@@ -123,6 +125,70 @@ def _local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, va
     return torch.cat([head, tail], dim=2)
 
 
+def explicit_kernels(plan, like: torch.Tensor) -> bool:
+    """Whether a call runs the kernels' own forward/backward (with log-sum-exp) and keeps each chunk's
+    (q, k, v, out, lse) in autograd's saved tensors (``hold``) instead of an inner autograd graph per chunk:
+    SDPA-family backends whose log-sum-exp kernel for ``like``'s device and dtype is a fused one (cuDNN or
+    flash; not the math fallback, e.g. fp32 on CUDA), no key padding, gradients wanted. Saved tensors go
+    through autograd's saved-tensor hooks, so activation checkpointing drops them and recomputes the call
+    once; an inner graph kept on ``ctx`` stayed alive under checkpointing (no memory saved) and was
+    recomputed once per chunk."""
+    if not (plan.need_grad and plan.kv_valid_len is None and isinstance(plan.backend, SDPABackend)):
+        return False
+    from ..attention import lse_kernels  # noqa: PLC0415
+    kernel = plan.backend.kernel if plan.backend.kernel != "auto" else lse_kernels.best(like.device, like.dtype)
+    return kernel != "math"
+
+
+class _Hold(torch.autograd.Function):
+    """A node that only keeps tensors through ``ctx.save_for_backward`` (see ``hold``); never differentiated."""
+
+    @staticmethod
+    def forward(ctx, token, *tensors):
+        ctx.save_for_backward(*tensors)
+        return token.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - its output is never used
+        raise RuntimeError("megatron_sp_ext: a saved-tensor holder was differentiated")
+
+
+def hold(*tensors: torch.Tensor):
+    """Keep ``tensors`` for a backward through autograd's saved-tensor mechanism, so saved-tensor hooks
+    (activation checkpointing's) apply; one node per call, freed on its own when dropped. Returns the node:
+    ``node.saved_tensors`` gives the tensors back (under checkpointing: recomputed once, at the first access)."""
+    token = torch.empty(0, device=tensors[0].device, requires_grad=True)
+    with torch.enable_grad():
+        return _Hold.apply(token, *tensors).grad_fn
+
+
+def attend(plan, qc, kc, vc, explicit: bool):
+    """Chunk attention on head-sharded bhsd q/k/v. explicit: kernel forward with log-sum-exp, (q, k, v, out,
+    lse) held (``hold``); else the backend under autograd (the inner graph) when gradients are wanted.
+    Returns (out, what ``attend_backward`` needs or None)."""
+    if explicit:
+        oc, lse = plan.backend.forward_lse(qc, kc, vc, causal=plan.causal, softmax_scale=plan.scale)
+        return oc, hold(qc, kc, vc, oc, lse)
+    if plan.need_grad:
+        qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
+    with torch.set_grad_enabled(plan.need_grad):
+        oc = _local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, plan.kv_valid_len)
+    return oc, ((qc, kc, vc, oc) if plan.need_grad else None)
+
+
+def attend_backward(plan, c: int, do_c, chunks: list) -> list:
+    """Chunk c's (dq, dk, dv), head-sharded bhsd, from what ``attend`` kept in chunks[c] (dropped here: the
+    chunk's saved tensors are freed as soon as its gradients exist)."""
+    kept, chunks[c] = chunks[c], None
+    if isinstance(kept, tuple):  # the inner autograd graph
+        qc, kc, vc, oc = kept
+        del kept
+        return list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
+    qc, kc, vc, oc, lse = kept.saved_tensors
+    del kept
+    return list(plan.backend.backward_lse(do_c, qc, kc, vc, oc, lse, causal=plan.causal, softmax_scale=plan.scale))
+
+
 def _exchange_out_chunk(oc, out, plan: "UlyssesPlan", c: int, tokens: int, d: int, compute, comm) -> None:
     """Chunk c's attention output oc [B, h_c, S, D] (head-sharded) -> its heads of ``out`` (local
     layout), on ``comm`` once the compute stream's work so far is done."""
@@ -150,7 +216,7 @@ class _UlyssesFn(torch.autograd.Function):
         compute, comm = st.current(q.device), plan.comm_stream
         out = torch.empty_like(q)
         recv_in, ev_in = _exchange_all_chunks((q, k, v), _QKV, plan, tokens, d, compute, comm)
-        chunks = []
+        explicit, chunks = explicit_kernels(plan, q), []
         for c in range(C):
             st.wait(compute, ev_in[c])
             ws = lay.widths(hl, _QKV, me, c)
@@ -163,11 +229,8 @@ class _UlyssesFn(torch.autograd.Function):
                 del buf
             else:  # zero-copy views of the received buffer
                 qc, kc, vc = lay.columns(buf, ws)
-            if plan.need_grad:
-                qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
-            with torch.set_grad_enabled(plan.need_grad):
-                oc = _local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, plan.kv_valid_len)
-            chunks.append((qc, kc, vc, oc))
+            oc, kept = attend(plan, qc, kc, vc, explicit)
+            chunks.append(kept)
             _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
         if comm is not None:
             compute.wait_stream(comm)
@@ -176,6 +239,7 @@ class _UlyssesFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         plan: UlyssesPlan = ctx.plan
         hl, world, C = plan.heads, plan.heads.world, plan.heads.chunks
@@ -190,14 +254,12 @@ class _UlyssesFn(torch.autograd.Function):
         dq = dk = dv = None
         for c in range(C):
             st.wait(compute, ev_in[c])
-            qc, kc, vc, oc = ctx.chunks[c]
-            ctx.chunks[c] = None  # free this chunk's graph as soon as it is used
-            hq = qc.shape[1]
+            hq = lay.widths(hl, ("q",), me, c)[0]
             do_c = recv_g[c].view(world * s_loc, bsz, hq, d)
             do_c = do_c.permute(1, 2, 0, 3) if plan.order is None else lay.to_kernel_layout(do_c, plan.order)
-            grads = list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
-            # peak memory: the chunk's saved inputs, output and dO are dead now; drop them before the exchanges
-            del qc, kc, vc, oc, do_c
+            grads = attend_backward(plan, c, do_c, ctx.chunks)
+            # peak memory: the chunk's dO is dead now; drop it before the exchanges
+            del do_c
             recv_g[c] = None
             if dq is None:  # the local-layout results, allocated once the first chunk's inputs are freed
                 dq = torch.empty(q_shape, dtype=grad_out.dtype, device=grad_out.device)
