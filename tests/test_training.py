@@ -139,7 +139,7 @@ def _packed_vs_plain(rank, world, frames, chunks, recompute):
     return True
 
 
-@pytest.mark.parametrize("frames,chunks,recompute", [((4,), 1, None), ((3,), 2, None), ((3,), 1, "selective"),
+@pytest.mark.parametrize("frames,chunks,recompute", [((4,), 1, None), ((3,), 2, None), ((3,), 2, "selective"),
                                                      ((4,), "auto", None)])
 def test_packed_qkv_dit_equals_plain(frames, chunks, recompute):
     run_ranks(_packed_vs_plain, 4, frames, chunks, recompute)

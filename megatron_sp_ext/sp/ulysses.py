@@ -155,11 +155,12 @@ class _Hold(torch.autograd.Function):
 
 def hold(*tensors: torch.Tensor):
     """Keep ``tensors`` for a backward through autograd's saved-tensor mechanism, so saved-tensor hooks
-    (activation checkpointing's) apply; one node per call, freed on its own when dropped. Returns the node:
-    ``node.saved_tensors`` gives the tensors back (under checkpointing: recomputed once, at the first access)."""
+    (activation checkpointing's) apply; one node per call, freed on its own when dropped. Returns the node's
+    (empty) output, which keeps the node alive: ``out.grad_fn.saved_tensors`` gives the tensors back (under
+    checkpointing: recomputed once, at the first access)."""
     token = torch.empty(0, device=tensors[0].device, requires_grad=True)
     with torch.enable_grad():
-        return _Hold.apply(token, *tensors).grad_fn
+        return _Hold.apply(token, *tensors)
 
 
 def attend(plan, qc, kc, vc, explicit: bool):
@@ -184,7 +185,7 @@ def attend_backward(plan, c: int, do_c, chunks: list) -> list:
         qc, kc, vc, oc = kept
         del kept
         return list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
-    qc, kc, vc, oc, lse = kept.saved_tensors
+    qc, kc, vc, oc, lse = kept.grad_fn.saved_tensors
     del kept
     return list(plan.backend.backward_lse(do_c, qc, kc, vc, oc, lse, causal=plan.causal, softmax_scale=plan.scale))
 
