@@ -1,4 +1,4 @@
-"""Activation checkpointing around Ulysses / HCMS / packed attention (gloo, CPU): torch's non-reentrant
+"""Activation checkpointing around Ulysses / HCMS / packed attention and the async block (gloo, CPU): torch's non-reentrant
 checkpoint drops the attention state after the forward (it used to stay alive on the autograd Function's
 context) and recomputes the call exactly once in the backward (it used to re-run once per HCMS chunk); the
 gradients equal the un-checkpointed ones bit for bit."""
@@ -29,8 +29,16 @@ def _case(rank, world, form, chunks):
     be = CountingSDPA()
     h, d, sl = 8, 16, 64
 
+    w_qkv = torch.randn(3 * h * d, h * d, generator=gen) * 0.05
+    w_o = torch.randn(h * d, h * d, generator=gen) * 0.05
+
     def attn(t):
         q, k, v = t * 1.0, t * 2.0, t.sin()
+        if form == "async":  # the async block (projections overlapped with their exchanges)
+            y = spx.async_ulysses_self_attention(t.reshape(1, sl, h * d), w_qkv, None, w_o, None, g, num_heads=h,
+                                                 num_kv_heads=h, prep=lambda br, y, w: y.view(1, sl, h, d),
+                                                 head_chunks=chunks, backend=be)
+            return y.view(1, sl, h, d)
         if form == "packed":
             hl = spx.packed_head_layout(h, h, world, chunks)
             o = spx.packed_ulysses_attention(spx.pack_qkv(q, k, v, hl), g, num_heads=h, num_kv_heads=h,
@@ -59,6 +67,6 @@ def _case(rank, world, form, chunks):
     return live0, live1
 
 
-@pytest.mark.parametrize("form,chunks", [("ulysses", 1), ("ulysses", 2), ("packed", 2)])
+@pytest.mark.parametrize("form,chunks", [("ulysses", 1), ("ulysses", 2), ("packed", 2), ("async", 2)])
 def test_checkpoint_frees_attention_state_and_recomputes_once(form, chunks):
     run_ranks(_case, 2, form, chunks)

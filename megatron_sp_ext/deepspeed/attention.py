@@ -79,14 +79,16 @@ class SPDistributedAttention(DistributedAttention):
 
     def packed_entry(self) -> Optional[PackedUlysses]:
         """For a model that writes q|k|v itself (the DiT's --ulysses-packed-qkv): a packed Ulysses / HCMS entry
-        with this block's group, chunk count (``auto``: this block's policy), backend and transport, or None
-        for the ring and mesh modes. It runs ``sequence_parallel_ext.backend``, not the user's local attention:
-        only for callers whose local attention is that backend's math (plain softmax attention, default scale)."""
-        if self.cfg.mode not in ("ulysses", "hcms"):
+        with this block's group, chunk count (``auto``: this block's policy) and backend, or None where it would
+        not be the plain path's math or resources: the ring and mesh modes, a ``softmax_scale`` or ``causal`` set
+        on this module (the plain path leaves the mask to the user's callable), a transport other than NCCL (its
+        workspace belongs to this module's pool). It runs ``sequence_parallel_ext.backend``, not the user's local
+        attention: only for callers whose local attention is that backend's math (softmax attention, default scale)."""
+        if (self.cfg.mode not in ("ulysses", "hcms") or self.softmax_scale is not None or self.causal
+                or self.cfg.transport != "nccl"):
             return None
         return PackedUlysses(self.spg, 1 if self.cfg.mode == "ulysses" else self.cfg.head_chunks,
-                             backend=self.cfg.backend, causal=self.causal, transport=self.cfg.transport,
-                             policy=self.policy)
+                             backend=self.cfg.backend, policy=self.policy)
 
     def _mesh(self, num_heads: int):
         if num_heads not in self._meshes:

@@ -30,7 +30,8 @@ from ..comm import streams as st
 from ..comm.transport import default_transports, table_head_to_seq, table_seq_to_head
 from . import layout as lay
 from .heads import HeadLayout, head_layout
-from .ulysses import _alloc, _exchange_all_chunks, _exchange_out_chunk, _send_head_major, _transport
+from .ulysses import _alloc, _exchange_all_chunks, _exchange_out_chunk, _send_head_major, _transport, attend
+from .ulysses import attend_backward, explicit_kernels
 
 # prep(branch, y [B, S, n*D], weight) -> [B, S, n, D]; weight is the branch's QK-norm weight or None
 Prep = Callable[[str, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -136,15 +137,14 @@ def attend_and_send(views, plan, out, tokens: int, d: int, compute, comm) -> lis
     """Attention of each HCMS chunk, its output exchange started as soon as it is done.
 
     views(c) -> chunk c's (q, k, v) head-sharded [B, n, S, D] (waits for them first); ``out``
-    [B, S_local, H, D] receives the exchanged outputs. Returns per chunk (q, k, v, o) with the
-    attention graph kept for ``attention_backward``.
+    [B, S_local, H, D] receives the exchanged outputs. Returns per chunk what ``ulysses.attend`` kept for
+    ``attention_backward`` (saved tensors that activation checkpointing can drop, or the inner graph).
     """
     chunks = []
     for c in range(plan.heads.chunks):
-        vs = [t.requires_grad_() for t in views(c)]
-        with torch.enable_grad():
-            oc = plan.backend(*vs, causal=plan.causal, softmax_scale=plan.scale)
-        chunks.append((*vs, oc))
+        qc, kc, vc = views(c)
+        oc, kept = attend(plan, qc, kc, vc, explicit_kernels(plan, qc))  # see ulysses.attend (checkpointing)
+        chunks.append(kept)
         _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
     if comm is not None:
         compute.wait_stream(comm)
@@ -170,11 +170,10 @@ def out_proj_backward(dy, w_o, o_flat, plan, has_bias: bool, tokens: int, d: int
 def attention_backward(chunks: list, c: int, recv_g, ev_g, plan, s_loc: int, bsz: int, d: int, compute):
     """Chunk c's attention backward once its dO has arrived: (dq, dk, dv) head-sharded [B, n, S, D]."""
     st.wait(compute, ev_g[c])
-    qc, kc, vc, oc = chunks[c]
-    chunks[c] = None
-    do_c = recv_g[c].view(plan.heads.world * s_loc, bsz, qc.shape[1], d).permute(1, 2, 0, 3)
+    n = lay.widths(plan.heads, ("q",), plan.rank, c)[0]
+    do_c = recv_g[c].view(plan.heads.world * s_loc, bsz, n, d).permute(1, 2, 0, 3)
     recv_g[c] = None  # dO and the chunk's saved tensors die with this frame (peak memory)
-    return list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
+    return attend_backward(plan, c, do_c, chunks)
 
 
 class _AsyncBlockFn(torch.autograd.Function):

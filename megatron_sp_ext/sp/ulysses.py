@@ -133,7 +133,8 @@ def explicit_kernels(plan, like: torch.Tensor) -> bool:
     through autograd's saved-tensor hooks, so activation checkpointing drops them and recomputes the call
     once; an inner graph kept on ``ctx`` stayed alive under checkpointing (no memory saved) and was
     recomputed once per chunk."""
-    if not (plan.need_grad and plan.kv_valid_len is None and isinstance(plan.backend, SDPABackend)):
+    if not (getattr(plan, "need_grad", True) and getattr(plan, "kv_valid_len", None) is None
+            and isinstance(plan.backend, SDPABackend)):
         return False
     from ..attention import lse_kernels  # noqa: PLC0415
     kernel = plan.backend.kernel if plan.backend.kernel != "auto" else lse_kernels.best(like.device, like.dtype)
@@ -170,11 +171,12 @@ def attend(plan, qc, kc, vc, explicit: bool):
     if explicit:
         oc, lse = plan.backend.forward_lse(qc, kc, vc, causal=plan.causal, softmax_scale=plan.scale)
         return oc, hold(qc, kc, vc, oc, lse)
-    if plan.need_grad:
+    need_grad = getattr(plan, "need_grad", True)  # the block Functions' plans: always
+    if need_grad:
         qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
-    with torch.set_grad_enabled(plan.need_grad):
-        oc = _local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, plan.kv_valid_len)
-    return oc, ((qc, kc, vc, oc) if plan.need_grad else None)
+    with torch.set_grad_enabled(need_grad):
+        oc = _local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, getattr(plan, "kv_valid_len", None))
+    return oc, ((qc, kc, vc, oc) if need_grad else None)
 
 
 def attend_backward(plan, c: int, do_c, chunks: list) -> list:
