@@ -31,8 +31,8 @@ from . import layout as lay
 from .heads import HeadLayout, head_layout
 from torch.autograd.function import once_differentiable
 
-from .ulysses import _exchange_out_chunk, attend, attend_backward, check_same_shape_across_ranks, explicit_kernels
-from .ulysses import local_order
+from .ulysses import _exchange_all_chunks, _exchange_out_chunk, attend, attend_backward, check_same_shape_across_ranks
+from .ulysses import explicit_kernels, local_order
 
 _QKV = ("q", "kv", "kv")
 _VALIDATED: set = set()
@@ -142,7 +142,6 @@ class _PackedFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        from .ulysses import _exchange_all_chunks  # noqa: PLC0415
         plan: PackedPlan = ctx.plan
         hl, world = plan.heads, plan.heads.world
         bsz, s_loc, _, d = plan.q_shape

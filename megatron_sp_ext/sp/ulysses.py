@@ -11,6 +11,11 @@ the same code runs in program order (no streams), so tests cover its logic.
 
 Because every head is computed by the same kernel on the same data whatever the chunking,
 HCMS is bit-identical to plain Ulysses on the same backend.
+
+Saved state: with SDPA-family backends each chunk's attention runs the fused kernel's own forward and
+backward (with log-sum-exp) and its (q, k, v, out, lse) sit in autograd's saved tensors (``hold``), so
+activation checkpointing drops them and recomputes the call once; other backends keep an inner autograd
+graph per chunk (``attend``).
 """
 from __future__ import annotations
 
