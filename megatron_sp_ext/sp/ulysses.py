@@ -14,8 +14,8 @@ HCMS is bit-identical to plain Ulysses on the same backend.
 
 Saved state: with SDPA-family backends each chunk's attention runs the fused kernel's own forward and
 backward (with log-sum-exp) and its (q, k, v, out, lse) sit in autograd's saved tensors (``hold``), so
-activation checkpointing drops them and recomputes the call once; other backends keep an inner autograd
-graph per chunk (``attend``).
+activation checkpointing drops them and recomputes the call once (key padding included); other backends
+keep an inner autograd graph per chunk (``attend``).
 """
 from __future__ import annotations
 
@@ -134,12 +134,10 @@ def explicit_kernels(plan, like: torch.Tensor) -> bool:
     """Whether a call runs the kernels' own forward/backward (with log-sum-exp) and keeps each chunk's
     (q, k, v, out, lse) in autograd's saved tensors (``hold``) instead of an inner autograd graph per chunk:
     SDPA-family backends whose log-sum-exp kernel for ``like``'s device and dtype is a fused one (cuDNN or
-    flash; not the math fallback, e.g. fp32 on CUDA), no key padding, gradients wanted. Saved tensors go
-    through autograd's saved-tensor hooks, so activation checkpointing drops them and recomputes the call
-    once; an inner graph kept on ``ctx`` stayed alive under checkpointing (no memory saved) and was
-    recomputed once per chunk."""
-    if not (getattr(plan, "need_grad", True) and getattr(plan, "kv_valid_len", None) is None
-            and isinstance(plan.backend, SDPABackend)):
+    flash; not the math fallback, e.g. fp32 on CUDA), gradients wanted. Saved tensors go through autograd's
+    saved-tensor hooks, so activation checkpointing drops them and recomputes the call once; an inner graph
+    kept on ``ctx`` stayed alive under checkpointing (no memory saved) and was recomputed once per chunk."""
+    if not (getattr(plan, "need_grad", True) and isinstance(plan.backend, SDPABackend)):
         return False
     from ..attention import lse_kernels  # noqa: PLC0415
     kernel = plan.backend.kernel if plan.backend.kernel != "auto" else lse_kernels.best(like.device, like.dtype)
@@ -174,7 +172,7 @@ def attend(plan, qc, kc, vc, explicit: bool):
     lse) held (``hold``); else the backend under autograd (the inner graph) when gradients are wanted.
     Returns (out, what ``attend_backward`` needs or None)."""
     if explicit:
-        oc, lse = plan.backend.forward_lse(qc, kc, vc, causal=plan.causal, softmax_scale=plan.scale)
+        oc, lse = _forward_lse(plan, qc, kc, vc)
         return oc, hold(qc, kc, vc, oc, lse)
     need_grad = getattr(plan, "need_grad", True)  # the block Functions' plans: always
     if need_grad:
@@ -194,7 +192,42 @@ def attend_backward(plan, c: int, do_c, chunks: list) -> list:
         return list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
     qc, kc, vc, oc, lse = kept.grad_fn.saved_tensors
     del kept
-    return list(plan.backend.backward_lse(do_c, qc, kc, vc, oc, lse, causal=plan.causal, softmax_scale=plan.scale))
+    return _backward_lse(plan, do_c, qc, kc, vc, oc, lse)
+
+
+def _forward_lse(plan, q, k, v):
+    """``_local_attention``'s calls through the backend's kernels with log-sum-exp: (out, lse) over global-order
+    bhsd q/k/v; keys at positions >= kv_valid_len are cut off (causal: a causal call for the valid queries
+    and a full one for the padded rows, their outputs and lse side by side)."""
+    be, valid, scale = plan.backend, getattr(plan, "kv_valid_len", None), plan.scale
+    if valid is None:
+        return be.forward_lse(q, k, v, causal=plan.causal, softmax_scale=scale)
+    kv = (k[:, :, :valid], v[:, :, :valid])
+    if not plan.causal:
+        return be.forward_lse(q, *kv, causal=False, softmax_scale=scale)
+    head = be.forward_lse(q[:, :, :valid], *kv, causal=True, softmax_scale=scale)
+    tail = be.forward_lse(q[:, :, valid:], *kv, causal=False, softmax_scale=scale)
+    return torch.cat([head[0], tail[0]], dim=2), torch.cat([head[1], tail[1]], dim=2)
+
+
+def _backward_lse(plan, do, q, k, v, out, lse) -> list:
+    """The gradients of ``_forward_lse``: [dq, dk, dv] (padded keys get zero gradients)."""
+    be, valid, scale = plan.backend, getattr(plan, "kv_valid_len", None), plan.scale
+    if valid is None:
+        return list(be.backward_lse(do, q, k, v, out, lse, causal=plan.causal, softmax_scale=scale))
+    kv = (k[:, :, :valid], v[:, :, :valid])
+    if not plan.causal:
+        dq, dk_v, dv_v = be.backward_lse(do, q, *kv, out, lse, causal=False, softmax_scale=scale)
+    else:
+        cut = (slice(None), slice(None), slice(None, valid))
+        rest = (slice(None), slice(None), slice(valid, None))
+        dq1, dk1, dv1 = be.backward_lse(do[cut], q[cut], *kv, out[cut], lse[cut], causal=True, softmax_scale=scale)
+        dq2, dk2, dv2 = be.backward_lse(do[rest], q[rest], *kv, out[rest], lse[rest], causal=False,
+                                        softmax_scale=scale)
+        dq, dk_v, dv_v = torch.cat([dq1, dq2], dim=2), dk1 + dk2, dv1 + dv2
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dk[:, :, :valid], dv[:, :, :valid] = dk_v, dv_v
+    return [dq, dk, dv]
 
 
 def _exchange_out_chunk(oc, out, plan: "UlyssesPlan", c: int, tokens: int, d: int, compute, comm) -> None:
