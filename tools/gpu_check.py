@@ -272,24 +272,34 @@ def _worker(rank, world, port, out_dir, only):
     section("allgather_block_equals_plain", allgather_cases)
 
     def packed_cases(dtype):
-        """Packed q|k|v (sp/packed.py, the DiT's --ulysses-packed-qkv) vs float64 on CUDA: attention reads the
-        received buffer in place (strided views into cuDNN/flash), gradients return in the send layout; and
+        """Packed q|k|v (sp/packed.py, the DiT's --ulysses-packed-qkv) vs float64 on CUDA, key padding included:
+        attention reads the received buffer in place (strided views into cuDNN/flash), gradients return in the
+        send layout; and
         bit for bit equal to ulysses_attention(qkv_contiguous=False) when P > 1 (same kernels, same values)."""
         from megatron_sp_ext.sp.packed import pack_qkv, packable, packed_head_layout  # noqa: PLC0415
         from megatron_sp_ext.sp.packed import packed_ulysses_attention  # noqa: PLC0415
         n = 0
-        for (b, h, hkv, d, c, causal) in ((1, 8, 8, 128, 1, False), (1, 8, 8, 128, 2, True), (2, 8, 4, 64, 1, True),
-                                          (1, 40, 40, 128, 1, False)):
+        for (b, h, hkv, d, c, causal, pad) in ((1, 8, 8, 128, 1, False, 0), (1, 8, 8, 128, 2, True, 0),
+                                               (2, 8, 4, 64, 1, True, 0), (1, 40, 40, 128, 1, False, 0),
+                                               (1, 8, 8, 128, 2, True, 37), (2, 8, 4, 64, 1, False, 50)):
             if not packable(h, hkv, world, c):
                 continue
             hl = packed_head_layout(h, hkv, world, c)
+            s = world * 256
+            valid = s - pad if pad else None  # key padding: the last ``pad`` keys get no attention
+            mask = None
+            if valid is not None:
+                mask = torch.zeros(s, s, dtype=torch.bool)
+                mask[:, :valid] = True
+                if causal:
+                    mask &= torch.ones(s, s, dtype=torch.bool).tril()
 
-            def attn(q, k, v, hl=hl, h=h, hkv=hkv, c=c, causal=causal):
+            def attn(q, k, v, hl=hl, h=h, hkv=hkv, c=c, causal=causal, valid=valid):
                 return packed_ulysses_attention(pack_qkv(q, k, v, hl), group, num_heads=h, num_kv_heads=hkv,
-                                                head_chunks=c, causal=causal)
-            got = run_case(attn, rank, world, b=b, s=world * 256, h=h, hkv=hkv, d=d, dtype=dtype, causal=causal,
-                           seed=300 + n, device="cuda")
-            if world > 1 and dtype == torch.bfloat16:
+                                                head_chunks=c, causal=causal, kv_valid_len=valid)
+            got = run_case(attn, rank, world, b=b, s=s, h=h, hkv=hkv, d=d, dtype=dtype, causal=causal,
+                           seed=300 + n, device="cuda", mask=mask, compare_rows=valid)
+            if world > 1 and dtype == torch.bfloat16 and valid is None:
                 ref = run_case(lambda q, k, v, c=c, causal=causal: spx.ulysses_attention(
                     q, k, v, group, head_chunks=c, causal=causal, qkv_contiguous=False), rank, world, b=b,
                     s=world * 256, h=h, hkv=hkv, d=d, dtype=dtype, causal=causal, seed=300 + n, device="cuda")
