@@ -288,7 +288,7 @@ class VideoDiT(nn.Module):
 
     def set_packed_qkv(self, on: bool) -> None:
         """Let every block write q|k|v in the attention core's send layout when the core has a packed entry
-        (``make_core``'s Ulysses / HCMS with a fixed chunk count, heads divisible by the SP size); other
+        (``make_core``'s Ulysses / HCMS, any chunk count or auto; heads divisible by the SP size); other
         cores and sizes keep the plain path. Same math as the plain path."""
         for blk in self.blocks:
             blk.attn.packed_qkv = on
