@@ -30,8 +30,7 @@ from ..comm import streams as st
 from ..comm.transport import default_transports, table_head_to_seq, table_seq_to_head
 from . import layout as lay
 from .heads import HeadLayout, head_layout
-from .ulysses import _alloc, _exchange_all_chunks, _exchange_out_chunk, _send_head_major, _transport, attend
-from .ulysses import attend_backward, explicit_kernels
+from .ulysses import _alloc, _exchange_all_chunks, _send_head_major, _transport, attend_and_send, attend_backward
 
 # prep(branch, y [B, S, n*D], weight) -> [B, S, n, D]; weight is the branch's QK-norm weight or None
 Prep = Callable[[str, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -131,24 +130,6 @@ def _exchange_chunk(part, kind: str, plan, c: int, tokens: int, d: int, compute,
             part.record_stream(comm)
         events[c] = st.record(comm)
         del buf
-
-
-def attend_and_send(views, plan, out, tokens: int, d: int, compute, comm) -> list:
-    """Attention of each HCMS chunk, its output exchange started as soon as it is done.
-
-    views(c) -> chunk c's (q, k, v) head-sharded [B, n, S, D] (waits for them first); ``out``
-    [B, S_local, H, D] receives the exchanged outputs. Returns per chunk what ``ulysses.attend`` kept for
-    ``attention_backward`` (saved tensors that activation checkpointing can drop, or the inner graph).
-    """
-    chunks = []
-    for c in range(plan.heads.chunks):
-        qc, kc, vc = views(c)
-        oc, kept = attend(plan, qc, kc, vc, explicit_kernels(plan, qc))  # see ulysses.attend (checkpointing)
-        chunks.append(kept)
-        _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
-    if comm is not None:
-        compute.wait_stream(comm)
-    return chunks
 
 
 def out_proj_backward(dy, w_o, o_flat, plan, has_bias: bool, tokens: int, d: int, compute, comm):

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import streams as st
-from .async_block import AsyncPlan, attend_and_send, attention_backward, make_async_plan, out_proj_backward, _mm
+from .async_block import AsyncPlan, attention_backward, make_async_plan, out_proj_backward, _mm
+from .ulysses import attend_and_send
 
 # prep(branch, y [B, S, n*D], norm_weight (full, or None), shard) -> [B, S, n, D]
 PrepFull = Callable[[str, torch.Tensor, Optional[torch.Tensor], "HeadShard"], torch.Tensor]

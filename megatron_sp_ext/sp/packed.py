@@ -31,8 +31,8 @@ from . import layout as lay
 from .heads import HeadLayout, head_layout
 from torch.autograd.function import once_differentiable
 
-from .ulysses import _exchange_all_chunks, _exchange_out_chunk, attend, attend_backward, check_same_shape_across_ranks
-from .ulysses import explicit_kernels, local_order
+from .ulysses import _exchange_all_chunks, attend_and_send, attend_backward, check_same_shape_across_ranks
+from .ulysses import local_order
 
 _QKV = ("q", "kv", "kv")
 _VALIDATED: set = set()
@@ -120,22 +120,16 @@ class _PackedFn(torch.autograd.Function):
         compute, comm = st.current(sends[0].device), plan.comm_stream
         out = torch.empty(plan.q_shape, dtype=sends[0].dtype, device=sends[0].device)
         recv, events = _start_exchanges(sends, plan, compute, comm)
-        explicit, chunks = explicit_kernels(plan, sends[0]), []
-        for c in range(hl.chunks):
+
+        def views(c):
             st.wait(compute, events[c])
             ws = lay.widths(hl, _QKV, plan.rank, c)
-            buf = recv[c].view(world * s_loc, bsz, sum(ws), d)
+            buf, recv[c] = recv[c].view(world * s_loc, bsz, sum(ws), d), None
             if plan.order is None:  # attention reads the received buffer in place
-                qc, kc, vc = lay.columns(buf, ws)
-            else:  # the placement's permutation rides on one copy into the kernel layout
-                qc, kc, vc = (lay.to_kernel_layout(t, plan.order) for t in lay.columns_sbhd(buf, ws))
-            recv[c] = None
-            oc, kept = attend(plan, qc, kc, vc, explicit)
-            chunks.append(kept)
-            _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
-        if comm is not None:
-            compute.wait_stream(comm)
-        ctx.plan, ctx.chunks = plan, chunks
+                return lay.columns(buf, ws)
+            # the placement's permutation rides on one copy into the kernel layout
+            return [lay.to_kernel_layout(t, plan.order) for t in lay.columns_sbhd(buf, ws)]
+        ctx.plan, ctx.chunks = plan, attend_and_send(views, plan, out, tokens, d, compute, comm)
         ctx.send_shapes = [s.shape for s in sends]
         return out
 

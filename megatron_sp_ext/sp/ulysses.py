@@ -195,6 +195,27 @@ def attend_backward(plan, c: int, do_c, chunks: list) -> list:
     return _backward_lse(plan, do_c, qc, kc, vc, oc, lse)
 
 
+def attend_and_send(views, plan, out, tokens: int, d: int, compute, comm) -> list:
+    """Attention of each HCMS chunk, its output exchange started as soon as it is done (every Ulysses-family
+    Function's forward loop).
+
+    views(c) -> chunk c's (q, k, v) head-sharded bhsd [B, n, S, D] (waits for them first); ``out``
+    [B, S_local, H, D] receives the exchanged outputs. Returns per chunk what ``attend`` kept for
+    ``attend_backward`` (saved tensors that activation checkpointing can drop, or the inner graph).
+    """
+    chunks, explicit = [], None
+    for c in range(plan.heads.chunks):
+        qc, kc, vc = views(c)
+        if explicit is None:
+            explicit = explicit_kernels(plan, qc)
+        oc, kept = attend(plan, qc, kc, vc, explicit)
+        chunks.append(kept)
+        _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
+    if comm is not None:
+        compute.wait_stream(comm)
+    return chunks
+
+
 def _forward_lse(plan, q, k, v):
     """``_local_attention``'s calls through the backend's kernels with log-sum-exp: (out, lse) over global-order
     bhsd q/k/v; keys at positions >= kv_valid_len are cut off (causal: a causal call for the valid queries
@@ -249,7 +270,7 @@ def _exchange_out_chunk(oc, out, plan: "UlyssesPlan", c: int, tokens: int, d: in
 class _UlyssesFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: UlyssesPlan):
-        hl, world, C = plan.heads, plan.heads.world, plan.heads.chunks
+        hl, world = plan.heads, plan.heads.world
         me, lay_ = plan.rank, plan.seq_layout
         s_loc, bsz = (q.shape[1], q.shape[0]) if lay_ == "bshd" else (q.shape[0], q.shape[1])
         d = q.shape[-1]
@@ -257,24 +278,17 @@ class _UlyssesFn(torch.autograd.Function):
         compute, comm = st.current(q.device), plan.comm_stream
         out = torch.empty_like(q)
         recv_in, ev_in = _exchange_all_chunks((q, k, v), _QKV, plan, tokens, d, compute, comm)
-        explicit, chunks = explicit_kernels(plan, q), []
-        for c in range(C):
+
+        def views(c):
             st.wait(compute, ev_in[c])
             ws = lay.widths(hl, _QKV, me, c)
-            buf = recv_in[c].view(world * s_loc, bsz, sum(ws), d)
+            buf, recv_in[c] = recv_in[c].view(world * s_loc, bsz, sum(ws), d), None
             if plan.qkv_contiguous or plan.order is not None:
                 # [B, S, h, D]-backed copies in global order (the kernel's native layout; the placement's
-                # permutation rides on this copy); free the buffer
-                qc, kc, vc = (lay.to_kernel_layout(t, plan.order) for t in lay.columns_sbhd(buf, ws))
-                recv_in[c] = None
-                del buf
-            else:  # zero-copy views of the received buffer
-                qc, kc, vc = lay.columns(buf, ws)
-            oc, kept = attend(plan, qc, kc, vc, explicit)
-            chunks.append(kept)
-            _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
-        if comm is not None:
-            compute.wait_stream(comm)
+                # permutation rides on this copy); the buffer is freed with this frame
+                return [lay.to_kernel_layout(t, plan.order) for t in lay.columns_sbhd(buf, ws)]
+            return lay.columns(buf, ws)  # zero-copy views of the received buffer
+        chunks = attend_and_send(views, plan, out, tokens, d, compute, comm)
         ctx.plan, ctx.chunks = plan, chunks
         ctx.shapes = (q.shape, k.shape)
         return out
