@@ -12,6 +12,9 @@ STAMP := $(VENV)/.installed-v4
 CUR_VENV := .venv-current
 CPY := $(CUR_VENV)/bin/python
 CUR_STAMP := $(CUR_VENV)/.installed-v2
+# Installs that download are retried (tools/retry.sh), and pip resumes a dropped download up to 20 times.
+RETRY := bash tools/retry.sh 3
+export PIP_RESUME_RETRIES := 20
 # The current end's pins, given to pip as its constraints file: they also replace a machine-wide pip
 # constraints file that caps torch below the current release (some build machines have one).
 CUR_PINS := tools/constraints-current.txt
@@ -31,10 +34,10 @@ $(STAMP): pyproject.toml setup.py
 	@echo "== installing $(VENV): torch 2.13.0, megatron-core 0.16.1, deepspeed 0.19.8 (log: $(VENV)/install.log)"
 	@mkdir -p $(VENV) && ( set -x; \
 	{ test -x $(VPY) || $(PY) -m venv $(VENV); } && \
-	$(VPY) -m pip install -q --upgrade pip && \
+	$(RETRY) $(VPY) -m pip install -q --upgrade pip && \
 	$(VPY) -m pip install -q torch==2.13.0 && \
-	$(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard transformers==5.23.0 && \
-	DS_BUILD_OPS=0 $(VPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation && \
+	$(RETRY) $(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard transformers==5.23.0 && \
+	DS_BUILD_OPS=0 $(RETRY) $(VPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation && \
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e . ) > $(VENV)/install.log 2>&1 \
 	|| { tail -n 40 $(VENV)/install.log; exit 1; }
 	@touch $(STAMP)
@@ -45,10 +48,10 @@ $(CUR_STAMP): pyproject.toml setup.py $(CUR_PINS)
 	@echo "== installing $(CUR_VENV): torch $(TORCH_CURRENT), megatron-core $(MCORE_CURRENT), deepspeed 0.19.8 (log: $(CUR_VENV)/install.log)"
 	@mkdir -p $(CUR_VENV) && ( set -x; export PIP_CONSTRAINT=$(CURDIR)/$(CUR_PINS); \
 	{ test -x $(CPY) || $(PY) -m venv $(CUR_VENV); } && \
-	$(CPY) -m pip install -q --upgrade pip && \
-	$(CPY) -m pip install -q torch==$(TORCH_CURRENT) numpy packaging triton einops pytest matplotlib tqdm && \
-	$(CPY) -m pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_CURRENT) && \
-	DS_BUILD_OPS=0 $(CPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation && \
+	$(RETRY) $(CPY) -m pip install -q --upgrade pip && \
+	$(RETRY) $(CPY) -m pip install -q torch==$(TORCH_CURRENT) numpy packaging triton einops pytest matplotlib tqdm && \
+	$(RETRY) $(CPY) -m pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_CURRENT) && \
+	DS_BUILD_OPS=0 $(RETRY) $(CPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation && \
 	$(CPY) -c "import torch, megatron.core, deepspeed; assert torch.__version__.split('+')[0] == '$(TORCH_CURRENT)', torch.__version__" && \
 	$(CPY) -m pip install -q --no-deps --no-build-isolation -e . ) > $(CUR_VENV)/install.log 2>&1 \
 	|| { tail -n 40 $(CUR_VENV)/install.log; exit 1; }
