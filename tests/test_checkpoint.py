@@ -197,6 +197,43 @@ def test_pickled_object_in_checkpoint_is_refused(saved, tmp_path, monkeypatch):
     assert not os.path.exists(marker)
 
 
+def _save_with_payload_then_load(rank, world, root, marker):
+    """A checkpoint written through our own save whose optimizer param group carries a pickled object
+    (DCP stores non-tensor items as pickles inside the shard files, not in .metadata); then loaded."""
+    from training.video_dit import checkpoint as ckpt
+    os.environ["SPX_PWNED"] = marker
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    opt.param_groups[0]["weight_decay"] = _Evil()
+    ckpt.save(root, 1, model, opt, {"entry": "t"}, 3)
+    model2 = torch.nn.Linear(3, 3)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    try:
+        ckpt.load(root, model2, opt2, {"entry": "t"})
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_pickled_object_in_shard_byte_item_is_refused(tmp_path):
+    """The payload sits in a .distcp shard (a param-group value), past the .metadata allowlist: the
+    load must refuse that item with a clear error and never run it."""
+    marker = str(tmp_path / "pwned")
+    root = str(tmp_path / "ck")
+    err = run_ranks(_save_with_payload_then_load, 1, root, marker)[0]
+    assert err is not None and "refused - item" in err and "optimizer.param_groups" in err, err
+    assert resolve(root) in err
+    assert not os.path.exists(marker), "the pickled payload ran during the load"
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from training.video_dit.safe_load import safe_byte_items
+    original = DefaultLoadPlanner.load_bytes
+    with safe_byte_items():
+        assert DefaultLoadPlanner.load_bytes is not original
+    assert DefaultLoadPlanner.load_bytes is original  # the guard is undone after the load
+
+
 def test_deepspeed_pickled_object_is_refused(tmp_path, monkeypatch):
     marker = str(tmp_path / "pwned")
     monkeypatch.setenv("SPX_PWNED", marker)

@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .safe_load import CheckpointError, SafeFileSystemReader, check_weights_only, read_dcp_metadata
+from .safe_load import CheckpointError, SafeFileSystemReader, check_weights_only, read_dcp_metadata, safe_byte_items
 
 FORMAT = "megatron_sp_ext.video_dit/1"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
@@ -274,23 +274,35 @@ def load(load_path: str, model: torch.nn.Module, opt, expect: dict) -> dict:
     step_dir = resolve(load_path)
     run = read_run(step_dir, {**expect, "optimizer_impl": _impl(opt)})
     try:
-        if _is_megatron_opt(opt):
-            _load_megatron(step_dir, model, opt)
-        else:
-            import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: PLC0415
-            read_dcp_metadata(os.path.join(step_dir, ".metadata"))
-            msd, osd = get_state_dict(model, opt)
-            state = {"model": msd, "optimizer": osd}
-            dcp.load(state, storage_reader=SafeFileSystemReader(step_dir))
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        with safe_byte_items() as guard:
+            _load_state(step_dir, model, opt)
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - the library's many error types become one clear message
-        raise CheckpointError(f"{step_dir}: could not be loaded (corrupt, truncated or of another model): "
-                              f"{_short(e)}") from e
+    except (Exception, _dcp_exception()) as e:  # noqa: BLE001 - the library's many error types: one message
+        raise (guard.error(step_dir) or CheckpointError(
+            f"{step_dir}: could not be loaded (corrupt, truncated or of another model): {_short(e)}")) from e
     load_rng(step_dir, _rank(), run.get("world") == _world())
     return {**run, "path": step_dir, "seconds": time.perf_counter() - t0}
+
+
+def _dcp_exception() -> type:
+    """DCP's collective error type: a BaseException, so ``except Exception`` misses it."""
+    from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415
+    return CheckpointException
+
+
+def _load_state(step_dir: str, model: torch.nn.Module, opt) -> None:
+    """Model and optimizer state from ``step_dir`` (collective), through the library that wrote it."""
+    if _is_megatron_opt(opt):
+        _load_megatron(step_dir, model, opt)
+    else:
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: PLC0415
+        read_dcp_metadata(os.path.join(step_dir, ".metadata"))
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optimizer": osd}
+        dcp.load(state, storage_reader=SafeFileSystemReader(step_dir))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def load_model_tensors(load_path: str) -> dict:
@@ -311,7 +323,8 @@ def load_model_tensors(load_path: str) -> dict:
     import warnings  # noqa: PLC0415
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(state, storage_reader=SafeFileSystemReader(step_dir), no_dist=True)
+        with safe_byte_items():
+            dcp.load(state, storage_reader=SafeFileSystemReader(step_dir), no_dist=True)
     return state["model"]
 
 

@@ -5,8 +5,11 @@
 whatever a crafted file asks for. Here:
 
 - ``SafeFileSystemReader``: DCP's reader with ``.metadata`` unpickled by an allowlist (DCP's own
-  metadata dataclasses and enums, ``torch.Size``, dtypes, layouts, paths). Tensor and byte items are
-  already read by DCP with ``torch.load(weights_only=True)``.
+  metadata dataclasses and enums, ``torch.Size``, dtypes, layouts, paths).
+- ``safe_byte_items()``: DCP's load planners (torch's default and megatron-core's subclass) unpickle
+  every non-tensor item (an optimizer's param-group values, megatron's ShardedObjects) with
+  ``torch.load(weights_only=False)``. Inside this context each such item must first load with
+  ``weights_only=True``; one that does not is refused. Tensor items are raw bytes, never unpickled.
 - ``check_weights_only(path, extra_globals)``: opens a ``torch.save`` file with
   ``torch.load(weights_only=True, mmap=True)`` (the pickle only, not the tensor bytes) under an
   allowlist; used as a gate before a library that loads unsafely touches the file.
@@ -14,6 +17,7 @@ Any failure is a ``CheckpointError`` naming the file and what is wrong.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import os
@@ -94,3 +98,49 @@ def check_weights_only(path: str, extra_globals: Iterable = ()) -> None:
                               f"this is not a checkpoint written by this trainer, or it was tampered with") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable (corrupt or truncated): {e}") from None
+
+
+class ByteItemGuard:
+    """What ``safe_byte_items`` refused: ``refused`` lists "item: why" for each byte item that
+    would not load with ``weights_only=True``."""
+
+    def __init__(self) -> None:
+        self.refused: list = []
+
+    def error(self, step_dir: str):
+        """A ``CheckpointError`` for the first refused item, or None."""
+        if not self.refused:
+            return None
+        return CheckpointError(f"{step_dir}: refused - item {self.refused[0]}; this is not a checkpoint "
+                               f"written by this trainer, or it was tampered with")
+
+
+@contextlib.contextmanager
+def safe_byte_items():
+    """Within the context, DCP's ``DefaultLoadPlanner.load_bytes`` (inherited by megatron-core's
+    planner) loads an item only after it loaded with ``torch.load(weights_only=True)``, so a pickled
+    object outside torch's allowlist is refused, not run. Yields a ``ByteItemGuard``: after a failed
+    load, ``guard.error(step_dir)`` tells whether a refusal was the cause."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: PLC0415
+    original = DefaultLoadPlanner.load_bytes
+    guard = ByteItemGuard()
+
+    def load_bytes(self, read_item, value):
+        start = value.tell()
+        try:
+            torch.load(value, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - every way the safe unpickler says no
+            first = str(e).split("Check the documentation")[0].strip().splitlines()
+            why = next((ln for ln in first if "Unsupported" in ln or "WeightsUnpickler" in ln),
+                       first[-1] if first else type(e).__name__)
+            fqn = getattr(getattr(read_item, "dest_index", None), "fqn", "?")
+            guard.refused.append(f"{fqn!r}: holds a pickled object outside the allowlist ({why.strip()})")
+            raise pickle.UnpicklingError(guard.refused[-1]) from None
+        value.seek(start)
+        return original(self, read_item, value)
+
+    DefaultLoadPlanner.load_bytes = load_bytes
+    try:
+        yield guard
+    finally:
+        DefaultLoadPlanner.load_bytes = original
