@@ -107,7 +107,8 @@ def main(argv: Optional[list] = None) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     from megatron.core import parallel_state as ps  # noqa: PLC0415
-    ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
+    ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size,
+                                 distributed_timeout_minutes=args.distributed_timeout_minutes)
     setup_logging(args.log_level, dist.get_rank())
     try:
         with report_failures("pretrain_video_dit"):

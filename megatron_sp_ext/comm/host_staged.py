@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..errors import SPConfigError
 from . import signal_schedule as sig
+from .groups import new_subgroup
 from .transport import _Done, exchange_table
 
 SHM_DIR_ENV = "SPX_HOST_STAGED_DIR"   # where the shared files go (default /dev/shm)
@@ -318,8 +319,8 @@ class TwoLevelTransport:
         self.local = [r for r in range(self.world) if self.node_of[r] == mine]
         self.intra = None
         if len(self.local) > 1:
-            self.intra = dist.new_group([dist.get_global_rank(group, r) for r in self.local],
-                                        use_local_synchronization=True)
+            self.intra = new_subgroup([dist.get_global_rank(group, r) for r in self.local], group,
+                                      use_local_synchronization=True)
         self.inter = HostStagedTransport(group, device, slots=slots)
 
     def send_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:

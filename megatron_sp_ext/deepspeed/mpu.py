@@ -7,10 +7,13 @@ without one every rank believes it is rank 0 and gloo deadlocks, so ``install()`
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
+from typing import Optional
 
 import torch.distributed as dist
 
+from ..comm.groups import new_subgroup
 from ..errors import SPConfigError
 
 
@@ -68,8 +71,10 @@ class SequenceParallelMPU:
         return self
 
 
-def build_sequence_parallel_groups(sp_size: int) -> SequenceParallelMPU:
-    """Create the groups collectively (every rank of the world calls this, same order)."""
+def build_sequence_parallel_groups(sp_size: int, *, timeout: Optional[datetime.timedelta] = None
+                                   ) -> SequenceParallelMPU:
+    """Create the groups collectively (every rank of the world calls this, same order). ``timeout``:
+    their collective timeout (default: the world group's, e.g. DeepSpeed's ``init_distributed(timeout=)``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if sp_size < 1 or world % sp_size != 0:
         raise SPConfigError(f"sequence_parallel_size={sp_size} does not divide the world size {world}: "
@@ -77,13 +82,13 @@ def build_sequence_parallel_groups(sp_size: int) -> SequenceParallelMPU:
     sp_group = data_group = None
     for i in range(world // sp_size):
         ranks = list(range(i * sp_size, (i + 1) * sp_size))
-        g = dist.new_group(ranks)
+        g = new_subgroup(ranks, timeout=timeout)
         if rank in ranks:
             sp_group = g
     for j in range(sp_size):
         ranks = list(range(j, world, sp_size))
-        g = dist.new_group(ranks)
+        g = new_subgroup(ranks, timeout=timeout)
         if rank in ranks:
             data_group = g
-    seq_data_group = dist.new_group(list(range(world)))
+    seq_data_group = new_subgroup(range(world), timeout=timeout)
     return SequenceParallelMPU(sp_group, seq_data_group, data_group)

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from ..comm.groups import new_subgroup
 from ..config import PLACEMENTS
 from ..errors import SPConfigError
 from .detect import Topology, detect_topology
@@ -60,7 +61,7 @@ def _new_group(group_ranks, sp_group):
     if len(group_ranks) == 1:
         return None
     ranks = [dist.get_global_rank(sp_group, r) for r in group_ranks]
-    return dist.new_group(ranks, use_local_synchronization=True)
+    return new_subgroup(ranks, sp_group, use_local_synchronization=True)
 
 
 def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, placement: str = "auto",
