@@ -277,6 +277,32 @@ def test_empty_missing_foreign_load_dirs(tmp_path, saved):
         run_ranks(_mg, 1, 1, "ulysses", 2, ("--load", str(empty)))
 
 
+def test_resave_interrupted_between_renames_resumes_from_stale(saved, tmp_path):
+    """commit_save re-saving the step ``latest`` names moves the old copy to .stale, then the new one
+    in: a crash between the two renames must still resume, from the complete .stale copy."""
+    ck = _copy(saved, tmp_path)
+    step_dir = resolve(ck)
+    os.rename(step_dir, step_dir + ".stale")
+    assert resolve(ck) == step_dir + ".stale"
+    want = run_ranks(_mg, 2, 2, "ulysses", 4, ("--load", saved))[0]
+    got = run_ranks(_mg, 2, 2, "ulysses", 4, ("--load", ck))[0]
+    assert got == want and len(got) == 2, (got, want)
+
+
+def test_keep_last_never_prunes_latest_and_rejects_negative(tmp_path):
+    from training.video_dit.checkpoint import iter_name, prune
+    root = tmp_path / "ck"
+    for step in (1, 2, 3, 4):
+        d = root / iter_name(step)
+        d.mkdir(parents=True)
+        (d / "run.json").write_text("{}")
+    (root / "latest").write_text(iter_name(1))  # e.g. a resume from an older step
+    prune(str(root), 2)
+    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000003", "iter_0000004", "latest"]
+    with pytest.raises(RankFailure, match="argument --keep-last: '-1': expected a whole number >= 0"):
+        run_ranks(_mg, 1, 1, "ulysses", 2, ("--keep-last", "-1"))
+
+
 # ------------------------------------------------------------------ bad data
 
 def _write(path, latent, text, fmt):
@@ -320,6 +346,13 @@ def test_bad_latent_dir_fails_before_first_step(tmp_path):
     _write(str(d / "a.pt"), torch.randn(4, 3, 6, 10), torch.randn(8, 7), "pt")
     with pytest.raises(RankFailure, match=r"a\.pt: text embeddings are 7 wide"):
         run_ranks(_mg, 1, 1, "ulysses", 2, ("--data-path", str(d)))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no latents here")
+    with pytest.raises(RankFailure, match=r"--data-path=.*empty' holds no \.pt or \.safetensors latent files"):
+        run_ranks(_mg, 1, 1, "ulysses", 2, ("--data-path", str(empty)))
+    with pytest.raises(RankFailure, match=r"--data-path=.*nope' is not a directory"):
+        run_ranks(_mg, 1, 1, "ulysses", 2, ("--data-path", str(tmp_path / "nope")))
 
 
 # ------------------------------------------------------------------ a rank dies mid-step

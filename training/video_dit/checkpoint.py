@@ -41,11 +41,21 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints and faults")
-    g.add_argument("--keep-last", type=int, default=3,
+    g.add_argument("--keep-last", type=_count, default=3,
                    help="keep the newest K checkpoints under --save (0: keep all)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="collective timeout: a rank that stops answering ends the job after this long")
     return p
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 0 (0 keeps every checkpoint)")
+    return n
 
 
 def iter_name(step: int) -> str:
@@ -175,6 +185,11 @@ def resolve(load: str) -> str:
         return load
     if os.path.isfile(os.path.join(load, "latest")):
         step_dir = os.path.join(load, _read_latest(load))
+        stale = step_dir + ".stale"
+        if not os.path.isdir(step_dir) and os.path.isfile(os.path.join(stale, "run.json")):
+            # a re-save of this step stopped between its two renames (commit_save): the previous,
+            # complete copy is still there under .stale
+            return stale
         if not os.path.isfile(os.path.join(step_dir, "run.json")):
             raise CheckpointError(f"{step_dir}: named by {os.path.join(load, 'latest')} but incomplete "
                                   f"(no run.json); the directory was changed after the save")
