@@ -78,6 +78,14 @@ def test_megatron_resume_across_dp_sizes(tmp_path):
     rest = run_ranks(_mg, 2, 2, "ulysses", 6, (*same, "--micro-batch-size", "2", "--load", ck))[0]
     _close(first + rest, straight)
     assert read_run(resolve(ck), {})["world"] == 4
+    # the global batch changes (2 -> 1): the data position follows the samples consumed, not the step
+    ck2 = str(tmp_path / "ck2")
+    run_ranks(_mg, 4, 2, "hcms", 2, (*same, "--save", ck2))
+    assert {k: read_run(resolve(ck2), {})[k] for k in ("step", "consumed_samples", "global_batch")} == \
+        {"step": 2, "consumed_samples": 4, "global_batch": 2}
+    run_ranks(_mg, 2, 2, "ulysses", 4, (*same, "--load", ck2, "--save", ck2))
+    assert {k: read_run(resolve(ck2), {})[k] for k in ("step", "consumed_samples", "global_batch")} == \
+        {"step": 4, "consumed_samples": 6, "global_batch": 1}
 
 
 @pytest.mark.parametrize("a,b,zero", [((2, "ulysses"), (4, "hcms"), 0), ((4, "hcms"), (2, "ulysses"), 0),

@@ -93,6 +93,29 @@ def test_step_batches_equal_prepare():
         assert (inp.grid, inp.n_valid, inp.n_pad) == (ref.grid, ref.n_valid, ref.n_pad)
 
 
+def test_sample_position_follows_a_global_batch_change():
+    """A checkpoint taken after 4 samples at global batch 2 (step 2), resumed at global batch 1: steps 2, 3
+    read samples 4, 5 (none repeated, none skipped); unchanged global batch: no offset."""
+    from training.video_dit import preset
+    from training.video_dit.data import SyntheticVideoLatents
+    from training.video_dit.engine import flow_matching_batch, prepare
+    from training.video_dit.pipeline import StepBatches, consumed_samples, resume_base, step_inputs
+    cfg = preset("tiny")
+    data = SyntheticVideoLatents(cfg.in_channels, [4, 3], 6, 10, cfg.text_len, cfg.text_dim, seed=3)
+    assert resume_base(None, 0, 2) == (0, None)
+    assert resume_base({"step": 2, "consumed_samples": 4, "global_batch": 2}, 2, 2) == (0, None)
+    assert resume_base({"step": 2}, 2, 1) == (0, None)  # a checkpoint that does not say: step x global batch
+    base, note = resume_base({"step": 2, "consumed_samples": 4, "global_batch": 2}, 2, 1)
+    assert base == 2 and "sample stream at sample 4" in note
+    sb = StepBatches(data, start=2, stop=4, seed=9, dp_rank=0, dp_world=1, micro_batch=1, patch=cfg.patch,
+                     sp_rank=0, sp_world=2, base=base)
+    got = list(step_inputs(sb, "cpu"))
+    assert [g[2] for g in got] == [[4], [5]]
+    ref = prepare(flow_matching_batch(data, 4, 9, 0, 1, 1, cfg.patch), 0, 2, "cpu")  # sample 4 read as step 4
+    assert torch.equal(got[0][1].x, ref.x) and torch.equal(got[0][1].target, ref.target)
+    assert consumed_samples(4, base, 1) == 6
+
+
 def test_log_interval_rows_equal_per_step(tmp_path):
     one = run_ranks(lambda r, w: _mg(r, w, ("--log-dir", str(tmp_path / "a")))["rows"], 2)[0]
     three = run_ranks(lambda r, w: _mg(r, w, ("--log-dir", str(tmp_path / "b"), "--log-interval", "3",

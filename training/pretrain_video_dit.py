@@ -32,6 +32,7 @@ from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import MegatronOps, RunContext, TorchOps, add_train_args, train_loop  # noqa: E402
+from training.video_dit.pipeline import consumed_samples, resume_base  # noqa: E402
 from training.video_dit.sample import write_demo_samples  # noqa: E402
 
 logger = logging.getLogger("video_dit")
@@ -84,11 +85,13 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     return args
 
 
-def _save(args, step, model, opt, rank):
-    """Sharded atomic checkpoint (training/video_dit/checkpoint.py); ``model``: DDP wrapper or module."""
+def _save(args, step, model, opt, rank, position: dict):
+    """Sharded atomic checkpoint (training/video_dit/checkpoint.py); ``model``: DDP wrapper or module;
+    ``position``: the data position (consumed_samples, global_batch)."""
     layout = {"context_parallel_size": args.context_parallel_size, "cp_comm_type": args.cp_comm_type[0],
               "hcms_head_chunks": args.hcms_head_chunks, "sp_async_qkv": args.sp_async_qkv}  # informational
-    out = ckpt.save(args.save, step, model, opt, {**_ckpt_identity(args), "layout": layout}, args.keep_last)
+    out = ckpt.save(args.save, step, model, opt, {**_ckpt_identity(args), "layout": layout, **position},
+                    args.keep_last)
     if rank == 0 and not args.quiet:
         print(f"[pretrain_video_dit] saved {out['path']} in {out['seconds']:.2f}s", flush=True)
 
@@ -155,13 +158,17 @@ def _train(args, device, ps) -> dict:
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                                 fused=device.type == "cuda" or None)
-    start = 0
+    start, loaded = 0, None
     if args.load:
         loaded = ckpt.load(args.load, model, opt, _ckpt_identity(args))
         start = int(loaded["step"])
         if rank == 0 and not args.quiet:
             print(f"[pretrain_video_dit] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s",
                   flush=True)
+    global_batch = dp_world * args.micro_batch_size
+    base, note = resume_base(loaded, start, global_batch)
+    if note and rank == 0:
+        logger.warning(note)
     dataset = build_dataset(args, cfg)
     if not args.quiet:
         logger.info(f"model={args.model} layers={cfg.layers} CP={sp_world} DP={dp_world} "
@@ -172,10 +179,12 @@ def _train(args, device, ps) -> dict:
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
     ops = MegatronOps(model, opt) if impl == "megatron" else TorchOps(model, opt, dp_cp_group, args.clip_grad)
     ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, dist.get_world_size())
-    losses = train_loop(args, ops, dataset, cfg, ctx, device, log, start=start, autocast=autocast,
-                        save=lambda s: _save(args, s, model, opt, rank))
+    position = lambda s: {"consumed_samples": consumed_samples(s, base, global_batch),  # noqa: E731
+                          "global_batch": global_batch}
+    losses = train_loop(args, ops, dataset, cfg, ctx, device, log, start=start, autocast=autocast, sample_base=base,
+                        save=lambda s: _save(args, s, model, opt, rank, position(s)))
     if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
-        _save(args, args.train_iters, model, opt, rank)
+        _save(args, args.train_iters, model, opt, rank, position(args.train_iters))
     plot = log.close(f"video DiT ({args.model}), CP={sp_world} {args.cp_comm_type[0]}")
     if not args.quiet and losses:
         logger.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "

@@ -32,6 +32,7 @@ from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.engine import MetricsLog, check_divisible  # noqa: E402
 from training.video_dit.logs import captured_stdout, quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import DeepSpeedOps, RunContext, add_train_args, train_loop  # noqa: E402
+from training.video_dit.pipeline import consumed_samples, resume_base  # noqa: E402
 from training.video_dit.sample import write_demo_samples  # noqa: E402
 
 logger = logging.getLogger("video_dit")
@@ -98,13 +99,17 @@ def _train(args, engine, cfg, device) -> dict:
     sp_world, sp_rank = mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank()
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_world, dp_rank = world // sp_world, rank // sp_world
-    start = 0
+    start, loaded = 0, None
     if args.load:
         loaded = ds_ckpt.load(engine, args.load, _ckpt_identity(args))
         start = int(loaded["step"])
         if rank == 0 and not args.quiet:
             print(f"[train_deepspeed] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s",
                   flush=True)
+    global_batch = dp_world * args.micro_batch_size
+    base, note = resume_base(loaded, start, global_batch)
+    if note and rank == 0:
+        logger.warning(note)
     dataset = build_dataset(args, cfg)
     block = engine.config.get("sequence_parallel_ext", {}) if isinstance(engine.config, dict) else {}
     if not args.quiet:
@@ -117,10 +122,12 @@ def _train(args, engine, cfg, device) -> dict:
         if bf16:
             inp.x, inp.text, inp.t = inp.x.bfloat16(), inp.text.bfloat16(), inp.t.bfloat16()
     ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, world)
-    losses = train_loop(args, DeepSpeedOps(engine), dataset, cfg, ctx, device, log, start=start,
-                        cast_inputs=cast_inputs, save=lambda s: _save(args, engine, s, rank))
+    position = lambda s: {"consumed_samples": consumed_samples(s, base, global_batch),  # noqa: E731
+                          "global_batch": global_batch}
+    losses = train_loop(args, DeepSpeedOps(engine), dataset, cfg, ctx, device, log, start=start, sample_base=base,
+                        cast_inputs=cast_inputs, save=lambda s: _save(args, engine, s, rank, position(s)))
     if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
-        _save(args, engine, args.train_iters, rank)
+        _save(args, engine, args.train_iters, rank, position(args.train_iters))
     plot = log.close(f"video DiT ({args.model}), DeepSpeed SP={sp_world}")
     if not args.quiet and losses:
         logger.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; plot: {plot}")
@@ -134,9 +141,10 @@ def _ckpt_identity(args) -> dict:
     return {"entry": "deepspeed", **describe(preset(args.model, args.num_layers), args.model)}
 
 
-def _save(args, engine, step, rank):
-    """Engine checkpoint in the atomic layout (training/video_dit/ds_checkpoint.py)."""
-    out = ds_ckpt.save(engine, args.save, step, _ckpt_identity(args), args.keep_last)
+def _save(args, engine, step, rank, position: dict):
+    """Engine checkpoint in the atomic layout (training/video_dit/ds_checkpoint.py); ``position``: the data
+    position (consumed_samples, global_batch)."""
+    out = ds_ckpt.save(engine, args.save, step, {**_ckpt_identity(args), **position}, args.keep_last)
     if rank == 0 and not args.quiet:
         print(f"[train_deepspeed] saved {out['path']} in {out['seconds']:.2f}s", flush=True)
 

@@ -79,15 +79,15 @@ def _rng(seed: int, sample: int) -> torch.Generator:
 
 
 def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: int, micro_batch: int,
-                        patch: tuple) -> dict:
+                        patch: tuple, base: int = 0) -> dict:
     """Rectified flow: x_t = (1 - t) x0 + t eps, target v = eps - x0, t ~ logit-normal(0, 1).
 
-    A pure function of (step, dp_rank): every SP rank of a DP rank builds the same full batch, and
+    A pure function of (step, dp_rank, base): every SP rank of a DP rank builds the same full batch, and
     a resumed run draws exactly what an uninterrupted one would. Returns full-sequence patches.
     """
     xs, tgts, ts, texts = [], [], [], []
     for m in range(micro_batch):
-        index = (step * dp_world + dp_rank) * micro_batch + m
+        index = base + (step * dp_world + dp_rank) * micro_batch + m
         sample = dataset[index]
         g = _rng(seed, index)
         x0 = sample["latent"][None]

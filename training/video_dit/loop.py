@@ -203,8 +203,9 @@ def _plant_inf_hook(model, step, at_step, rank):
 
 
 def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *, start: int, autocast=None,
-               save: Optional[Callable[[int], None]] = None, cast_inputs=None) -> list:
-    """Run steps [start, args.train_iters); returns the mean sample loss per step (None if not read back)."""
+               save: Optional[Callable[[int], None]] = None, cast_inputs=None, sample_base: int = 0) -> list:
+    """Run steps [start, args.train_iters); returns the mean sample loss per step (None if not read back).
+    ``sample_base``: the data position's offset after a resume (pipeline.sample_base)."""
     guard = StepGuard(args.check_for_nan_in_loss_and_grad, args.skip_nonfinite_steps, ctx.rank, ctx.world,
                       ctx.dp_world, ctx.group)
     spikes = SpikeDetector(args.loss_spike_factor)
@@ -213,7 +214,7 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
                     group=ctx.group)
     batches = StepBatches(dataset, start=start, stop=args.train_iters, seed=args.seed, dp_rank=ctx.dp_rank,
                           dp_world=ctx.dp_world, micro_batch=args.micro_batch_size, patch=cfg.patch,
-                          sp_rank=ctx.sp_rank, sp_world=ctx.sp_world)
+                          sp_rank=ctx.sp_rank, sp_world=ctx.sp_world, base=sample_base)
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak (benchmarks run the entry more than once)
     prof = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end, args.profile_ranks, ctx.rank,

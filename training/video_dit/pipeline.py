@@ -16,9 +16,36 @@ from torch.utils.data import DataLoader, Dataset
 from .engine import StepInputs, flow_matching_batch, shard_tokens
 
 
-def sample_index(step: int, dp_rank: int, dp_world: int, micro_batch: int, m: int) -> int:
-    """The dataset index of micro-sample ``m`` of ``step`` on ``dp_rank`` (as flow_matching_batch reads it)."""
-    return (step * dp_world + dp_rank) * micro_batch + m
+def sample_index(step: int, dp_rank: int, dp_world: int, micro_batch: int, m: int, base: int = 0) -> int:
+    """The dataset index of micro-sample ``m`` of ``step`` on ``dp_rank`` (as flow_matching_batch reads it).
+    ``base``: see ``sample_base``."""
+    return base + (step * dp_world + dp_rank) * micro_batch + m
+
+
+def sample_base(consumed: Optional[int], start: int, global_batch: int) -> int:
+    """The index offset that makes step ``start`` read sample ``consumed`` (the samples a loaded checkpoint
+    had consumed; None: a fresh run or a checkpoint that does not say, read as ``start * global_batch``).
+    0 unless the global batch (DP size x micro-batch) changed at the resume: then the run continues the
+    sample stream where it stopped, neither repeating nor skipping samples."""
+    return 0 if consumed is None else consumed - start * global_batch
+
+
+def resume_base(loaded: Optional[dict], start: int, global_batch: int) -> tuple:
+    """(base, note) for a run starting at ``start`` from run.json ``loaded`` (None: fresh). ``note`` is a
+    line for the log when the global batch changed at the resume, else None."""
+    if not loaded:
+        return 0, None
+    consumed = loaded.get("consumed_samples")
+    base = sample_base(consumed, start, global_batch)
+    if base == 0:
+        return 0, None
+    return base, (f"global batch {global_batch} (the checkpoint's: {loaded.get('global_batch')}): continuing the "
+                  f"sample stream at sample {consumed}")
+
+
+def consumed_samples(step: int, base: int, global_batch: int) -> int:
+    """Samples consumed before ``step`` (what a checkpoint at ``step`` records)."""
+    return base + step * global_batch
 
 
 def describe_samples(dataset, ids: list) -> list:
@@ -51,8 +78,8 @@ class StepBatches(Dataset):
     """Item i = this rank's inputs of step ``start + i`` plus the step and its sample ids."""
 
     def __init__(self, dataset, *, start: int, stop: int, seed: int, dp_rank: int, dp_world: int, micro_batch: int,
-                 patch: tuple, sp_rank: int, sp_world: int) -> None:
-        self.dataset, self.start, self.stop, self.seed = dataset, start, stop, seed
+                 patch: tuple, sp_rank: int, sp_world: int, base: int = 0) -> None:
+        self.dataset, self.start, self.stop, self.seed, self.base = dataset, start, stop, seed, base
         self.dp_rank, self.dp_world, self.micro, self.patch = dp_rank, dp_world, micro_batch, patch
         self.sp_rank, self.sp_world = sp_rank, sp_world
 
@@ -61,10 +88,12 @@ class StepBatches(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         step = self.start + i
-        batch = flow_matching_batch(self.dataset, step, self.seed, self.dp_rank, self.dp_world, self.micro, self.patch)
+        batch = flow_matching_batch(self.dataset, step, self.seed, self.dp_rank, self.dp_world, self.micro, self.patch,
+                                    base=self.base)
         h = host_inputs(batch, self.sp_rank, self.sp_world)
         h["step"] = step
-        h["sample_ids"] = [sample_index(step, self.dp_rank, self.dp_world, self.micro, m) for m in range(self.micro)]
+        h["sample_ids"] = [sample_index(step, self.dp_rank, self.dp_world, self.micro, m, self.base)
+                           for m in range(self.micro)]
         return h
 
 
