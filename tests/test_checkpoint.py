@@ -112,6 +112,19 @@ def test_deepspeed_zero1_resume_other_world_via_universal(tmp_path, a, b):
     assert os.path.isfile(os.path.join(resolve(ck), "universal", "converted"))
 
 
+def test_deepspeed_failed_universal_conversion_is_one_clear_error(tmp_path):
+    """The conversion runs on rank 0 only: when it fails (here its work directory cannot be created),
+    every rank raises the same error naming the checkpoint instead of waiting at a barrier."""
+    ck = str(tmp_path / "ck")
+    run_ranks(_ds, 2, 2, "ulysses", 2, ("--save", ck))
+    (tmp_path / "ck" / "iter_0000002" / "universal.partial").write_text("in the way")
+    t0 = time.time()
+    with pytest.raises(RankFailure, match=r"iter_0000002: converting the ZeRO checkpoint to DeepSpeed's universal "
+                                          r"form .* failed on rank 0: (FileExists|NotADirectory)Error"):
+        run_ranks(_ds, 4, 4, "ulysses", 3, ("--load", ck))
+    assert time.time() - t0 < 60  # not a collective timeout
+
+
 # ------------------------------------------------------------------ a save killed mid-write
 
 def _killed_mid_save(rank, world, ck):
@@ -157,6 +170,16 @@ def _copy(src, tmp_path):
     return dst
 
 
+def _retamper(step_dir, rel):
+    """What a tamperer who knows the format does: make run.json's size and CRC agree with the changed file."""
+    from training.video_dit.checkpoint import _crc32
+    path = os.path.join(step_dir, "run.json")
+    run = json.load(open(path))
+    run["files"][rel] = os.path.getsize(os.path.join(step_dir, rel))
+    run["crc32"][rel] = _crc32(os.path.join(step_dir, rel))
+    json.dump(run, open(path, "w"))
+
+
 def test_truncated_checkpoint_clear_error(saved, tmp_path):
     ck = _copy(saved, tmp_path)
     shard = os.path.join(resolve(ck), "__1_0.distcp")
@@ -174,8 +197,28 @@ def test_corrupt_metadata_clear_error(saved, tmp_path):
     data = open(meta, "rb").read()
     with open(meta, "wb") as f:  # same size (passes the size check), garbage inside
         f.write(bytes(b ^ 0x5A for b in data))
+    with pytest.raises(RankFailure, match=r"\.metadata: its bytes changed since the save \(CRC-32"):
+        run_ranks(_mg, 1, 1, "ulysses", 3, ("--load", ck))
+    _retamper(resolve(ck), ".metadata")  # checksums made to agree: the allowlisted reader still refuses it
     with pytest.raises(RankFailure, match=r"\.metadata: not a valid torch\.distributed\.checkpoint metadata"):
         run_ranks(_mg, 1, 1, "ulysses", 3, ("--load", ck))
+
+
+def test_flipped_tensor_byte_is_caught_by_checksum(saved, tmp_path):
+    """A shard whose tensor bytes changed but whose size did not (bit rot, a bad copy) used to load
+    silently with different weights; every rank checks its share of the files against run.json."""
+    ck = _copy(saved, tmp_path)
+    shard = os.path.join(resolve(ck), "__1_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(16)
+        b = f.read(1)
+        f.seek(16)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(RankFailure, match=r"__1_0\.distcp: its bytes changed since the save \(CRC-32"):
+        run_ranks(_mg, 2, 2, "ulysses", 3, ("--load", ck))
+    from training.video_dit.checkpoint import load_model_tensors
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp: its bytes changed since the save"):
+        load_model_tensors(ck)
 
 
 class _Evil:
@@ -191,9 +234,7 @@ def test_pickled_object_in_checkpoint_is_refused(saved, tmp_path, monkeypatch):
     meta = os.path.join(step_dir, ".metadata")
     with open(meta, "wb") as f:
         pickle.dump(_Evil(), f)
-    run = json.load(open(os.path.join(step_dir, "run.json")))
-    run["files"][".metadata"] = os.path.getsize(meta)  # a tamperer keeps run.json consistent
-    json.dump(run, open(os.path.join(step_dir, "run.json"), "w"))
+    _retamper(step_dir, ".metadata")  # a tamperer keeps run.json consistent
     with pytest.raises(CheckpointError, match="refused global builtins.exec"):
         read_dcp_metadata(meta)
     with pytest.raises(RankFailure, match="refused global builtins.exec"):
@@ -254,9 +295,7 @@ def test_deepspeed_pickled_object_is_refused(tmp_path, monkeypatch):
     sd = torch.load(path, weights_only=True)
     sd["evil"] = _Evil()
     torch.save(sd, path)
-    run = json.load(open(os.path.join(step_dir, "run.json")))
-    run["files"][model_file] = os.path.getsize(path)
-    json.dump(run, open(os.path.join(step_dir, "run.json"), "w"))
+    _retamper(step_dir, model_file)
     with pytest.raises(RankFailure, match="model_states.pt: refused - holds a pickled object"):
         run_ranks(_ds, 1, 1, "ulysses", 2, ("--load", ck))
     assert not os.path.exists(marker)

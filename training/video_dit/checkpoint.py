@@ -30,6 +30,8 @@ import os
 import re
 import shutil
 import time
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -115,14 +117,12 @@ def commit_save(root: str, tmp: str, step: int, run: dict, keep_last: int) -> st
     the final directory. Collective."""
     _barrier()
     final = os.path.join(root, iter_name(step))
+    sums = _crc_share(tmp, sorted(_files_under(tmp)))
     if _rank() == 0:
-        files = {}
-        for dirpath, _, names in os.walk(tmp):
-            for n in names:
-                full = os.path.join(dirpath, n)
-                files[os.path.relpath(full, tmp)] = os.path.getsize(full)
+        files = {rel: os.path.getsize(os.path.join(tmp, rel)) for rel in _files_under(tmp)}
         _write_atomic(os.path.join(tmp, "run.json"),
-                      json.dumps({"format": FORMAT, "step": step, **run, "files": files}, indent=1, sort_keys=True))
+                      json.dumps({"format": FORMAT, "step": step, **run, "files": files, "crc32": sums},
+                                 indent=1, sort_keys=True))
         _fsync_dir(tmp)
         if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap, then drop the old one
             stale = final + ".stale"
@@ -138,6 +138,45 @@ def commit_save(root: str, tmp: str, step: int, run: dict, keep_last: int) -> st
         prune(root, keep_last)
     _barrier()
     return final
+
+
+def _files_under(step_dir: str) -> list:
+    out = []
+    for dirpath, _, names in os.walk(step_dir):
+        out += [os.path.relpath(os.path.join(dirpath, n), step_dir) for n in names]
+    return out
+
+
+def _crc32(path: str, chunk: int = 64 << 20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _crc_share(step_dir: str, rels: list) -> dict:
+    """CRC-32 of every file in ``rels``, each rank reading its share (collective); returns them all."""
+    mine = {rel: _crc32(os.path.join(step_dir, rel)) for rel in rels[_rank()::_world()]}
+    if _world() == 1:
+        return mine
+    parts = [None] * _world()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def verify_checksums(step_dir: str, run: dict) -> None:
+    """Re-read every file ``run.json`` has a CRC-32 for, each rank its share (collective when a process
+    group is up); raise ``CheckpointError`` naming the first file whose bytes changed since the save
+    (checkpoints written before checksums were recorded are checked for size only)."""
+    want = run.get("crc32") or {}
+    got = _crc_share(step_dir, sorted(want)) if dist.is_initialized() else \
+        {rel: _crc32(os.path.join(step_dir, rel)) for rel in want}
+    bad = [rel for rel in sorted(want) if got.get(rel) != want[rel]]
+    if bad:
+        raise CheckpointError(f"{os.path.join(step_dir, bad[0])}: its bytes changed since the save (CRC-32 "
+                              f"{got.get(bad[0])} vs {want[bad[0]]} in run.json"
+                              f"{f', and {len(bad) - 1} more file(s)' if len(bad) > 1 else ''}): corrupt")
 
 
 def list_checkpoints(root: str) -> list:
@@ -288,6 +327,7 @@ def load(load_path: str, model: torch.nn.Module, opt, expect: dict) -> dict:
     t0 = time.perf_counter()
     step_dir = resolve(load_path)
     run = read_run(step_dir, {**expect, "optimizer_impl": _impl(opt)})
+    verify_checksums(step_dir, run)
     try:
         with safe_byte_items() as guard:
             _load_state(step_dir, model, opt)
@@ -326,7 +366,7 @@ def load_model_tensors(load_path: str) -> dict:
     import torch.distributed.checkpoint as dcp  # noqa: PLC0415
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
     step_dir = resolve(load_path)
-    read_run(step_dir, {})
+    verify_checksums(step_dir, read_run(step_dir, {}))
     meta = read_dcp_metadata(os.path.join(step_dir, ".metadata"))
     model = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
              for k, m in meta.state_dict_metadata.items()

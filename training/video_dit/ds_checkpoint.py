@@ -20,7 +20,8 @@ import time
 
 import torch.distributed as dist
 
-from .checkpoint import _world, begin_save, commit_save, iter_name, load_rng, read_run, resolve, save_rng
+from .checkpoint import (_world, begin_save, commit_save, iter_name, load_rng, read_run, resolve, save_rng,
+                         verify_checksums)
 from .safe_load import CheckpointError, check_weights_only
 
 
@@ -54,6 +55,7 @@ def load(engine, load_path: str, expect: dict) -> dict:
     t0 = time.perf_counter()
     step_dir = resolve(load_path)
     run = read_run(step_dir, expect)
+    verify_checksums(step_dir, run)
     zero = int(engine.zero_optimization_stage())
     if run.get("zero_stage", 0) != zero:
         raise CheckpointError(f"{step_dir}: saved with ZeRO stage {run.get('zero_stage')}, this run uses stage {zero}; "
@@ -89,38 +91,52 @@ def load(engine, load_path: str, expect: dict) -> dict:
 
 def to_universal(step_dir: str) -> str:
     """``step_dir/universal``: DeepSpeed's universal form of a ZeRO-1/2 checkpoint (rank 0 converts
-    once, atomically; collective). Returns its path."""
+    once, atomically; collective). Returns its path. A failed conversion (unwritable directory, a
+    checkpoint DeepSpeed's converter rejects) is one ``CheckpointError`` on every rank, not a hang."""
+    out = os.path.join(step_dir, "universal")
+    failure = [None]
+    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(out, "converted")):
+        try:
+            _convert(step_dir, out)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - reported on every rank below
+            failure[0] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise CheckpointError(f"{step_dir}: converting the ZeRO checkpoint to DeepSpeed's universal form (for a "
+                              f"resume on another world size) failed on rank 0: {failure[0]}; the conversion "
+                              f"writes {out}, so the checkpoint directory must be writable")
+    return out
+
+
+def _convert(step_dir: str, out: str) -> None:
+    """Rank 0: run DeepSpeed's ds_to_universal on ``step_dir`` into ``out`` (via ``out.partial``)."""
     import argparse  # noqa: PLC0415
     import shutil  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
-    out = os.path.join(step_dir, "universal")
-    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(out, "converted")):
-        from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS  # noqa: PLC0415
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal  # noqa: PLC0415
-        work = out + ".partial"
-        shutil.rmtree(work, ignore_errors=True)
-        src = os.path.join(work, "src")
-        os.makedirs(src)
-        for f in sorted(os.listdir(step_dir)):
-            full = os.path.abspath(os.path.join(step_dir, f))
-            if f.endswith("model_states.pt"):
-                with torch.serialization.safe_globals(_allowed_globals()):
-                    sd = torch.load(full, map_location="cpu", weights_only=True)
-                sd[CHECKPOINT_PARALLEL_DIMS] = {"pp_degree": 1, "tp_degree": 1}  # SP ranks hold full params
-                torch.save(sd, os.path.join(src, f))
-            elif f.endswith("optim_states.pt"):
-                os.symlink(full, os.path.join(src, f))
-        ds_to_universal(argparse.Namespace(input_folder=src, output_folder=os.path.join(work, "out"),
-                                           num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
-                                           strict=True, inject_missing_state=True))
-        with open(os.path.join(work, "out", "converted"), "w") as f:
-            f.write("ds_to_universal\n")
-        shutil.rmtree(out, ignore_errors=True)
-        os.rename(os.path.join(work, "out"), out)
-        shutil.rmtree(work, ignore_errors=True)
-    dist.barrier()
-    return out
+    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS  # noqa: PLC0415
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal  # noqa: PLC0415
+    work = out + ".partial"
+    shutil.rmtree(work, ignore_errors=True)
+    src = os.path.join(work, "src")
+    os.makedirs(src)
+    for f in sorted(os.listdir(step_dir)):
+        full = os.path.abspath(os.path.join(step_dir, f))
+        if f.endswith("model_states.pt"):
+            with torch.serialization.safe_globals(_allowed_globals()):
+                sd = torch.load(full, map_location="cpu", weights_only=True)
+            sd[CHECKPOINT_PARALLEL_DIMS] = {"pp_degree": 1, "tp_degree": 1}  # SP ranks hold full params
+            torch.save(sd, os.path.join(src, f))
+        elif f.endswith("optim_states.pt"):
+            os.symlink(full, os.path.join(src, f))
+    ds_to_universal(argparse.Namespace(input_folder=src, output_folder=os.path.join(work, "out"),
+                                       num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                       strict=True, inject_missing_state=True))
+    with open(os.path.join(work, "out", "converted"), "w") as f:
+        f.write("ds_to_universal\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(os.path.join(work, "out"), out)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 __all__ = ["save", "load", "to_universal"]
