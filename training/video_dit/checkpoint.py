@@ -19,8 +19,11 @@ resume at another SP size, DP size, cp_comm_type or block form: torch AdamW thro
 ``torch.distributed.checkpoint.state_dict``; Megatron's optimizer (GPU, incl. the distributed
 optimizer) through ``megatron.core.dist_checkpointing`` with the ``fully_reshardable`` optimizer format
 (``fully_sharded_model_space`` is deprecated and fails in megatron-core 0.16: "ShardedTensor.flattened_range is
-not supported", seen on 1 x H100, 2026-11-23). ``fully_reshardable`` gathers the distributed optimizer's state on
-each DP group's rank 0 while saving: host memory there must hold that group's optimizer state.
+not supported", seen on 1 x H100, 2026-11-23). ``fully_reshardable`` builds the whole optimizer state (12 bytes
+per parameter) in host memory on every rank, on save (all-gathered) and on load (each rank reads all of it).
+
+Every file's size and CRC-32 go into run.json and are checked before a load; DCP's non-tensor items are
+read through ``safe_load.safe_byte_items``.
 """
 from __future__ import annotations
 
