@@ -52,11 +52,13 @@ def report_failures(what: str = "training", roll_call_s: float = ROLL_CALL_SECON
         store = _store()
         if store is not None:
             _post(store, rank, first)
-        if _looks_like_peer_loss(e):
+        lost_peer = _looks_like_peer_loss(e)
+        if lost_peer:
             line += " (a peer rank died or stopped answering)"
-            if store is not None:
-                line += "; " + roll_call(store, rank, dist.get_world_size(), roll_call_s)
-        print(line, file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)  # first, in case a launcher stops this process meanwhile
+        if lost_peer and store is not None:
+            print(f"[rank {rank}] roll call: {roll_call(store, rank, dist.get_world_size(), roll_call_s)}",
+                  file=sys.stderr, flush=True)
         raise
 
 
