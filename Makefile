@@ -2,8 +2,9 @@
 #   make demo   - the main job (sequence-parallel run on 4 CPU processes), ends with samples.png
 #   make test   - both ends of the supported range:
 #                 .venv          oldest pins: torch 2.13.0, megatron-core 0.16.1, deepspeed 0.19.8 (full suite)
-#                 .venv-current  current releases: torch $(TORCH_CURRENT), megatron-core $(MCORE_CURRENT),
+#                 .venv-current  newer end: torch $(TORCH_CURRENT), megatron-core $(MCORE_CURRENT),
 #                                deepspeed 0.19.8 (compatibility suite: adapters + a few algorithms)
+#   make test-latest - the compatibility suite on the newest releases (tools/constraints-latest.txt)
 SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
@@ -11,7 +12,10 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-v4
 CUR_VENV := .venv-current
 CPY := $(CUR_VENV)/bin/python
-CUR_STAMP := $(CUR_VENV)/.installed-v2
+CUR_STAMP := $(CUR_VENV)/.installed-v3
+LATEST_VENV := .venv-latest
+LATEST_STAMP := $(LATEST_VENV)/.installed-v1
+LATEST_PINS := tools/constraints-latest.txt
 # Installs that download are retried (tools/retry.sh), and pip resumes a dropped download up to 20 times.
 RETRY := bash tools/retry.sh 3
 export PIP_RESUME_RETRIES := 20
@@ -26,7 +30,7 @@ COMPAT_TESTS := tests/test_megatron.py tests/test_deepspeed.py tests/test_config
 	tests/test_ring.py::test_zigzag_equals_megatron_split tests/test_ring.py::test_ring_fp32_matches_reference \
 	tests/test_sample.py "tests/test_training.py::test_megatron_entry_3_steps_match_sp1"
 
-.PHONY: venv venv-current demo test test-oldest test-current wheels clean
+.PHONY: venv venv-current demo test test-oldest test-current test-latest wheels clean
 
 # Each environment is built once (about 2 minutes each on 2 cores); the pip output goes to <venv>/install.log
 # and is shown only if the install fails.
@@ -42,20 +46,30 @@ $(STAMP): pyproject.toml setup.py
 	|| { tail -n 40 $(VENV)/install.log; exit 1; }
 	@touch $(STAMP)
 
-# megatron-core >= 0.17 declares Python >= 3.12 but runs on 3.11: installed without its
-# Requires-Python check and without deps; its imports (numpy, packaging, triton, einops) are listed here.
+# The newer end (.venv-current, in `make test`) and the newest releases (.venv-latest, `make test-latest`) are
+# built by one recipe from their constraints file. megatron-core >= 0.17 declares Python >= 3.12 but runs on
+# 3.11: installed without its Requires-Python check and without deps; its imports (numpy, packaging, triton,
+# einops) are listed here. $(1): venv dir, $(2): constraints file.
+define install_newer
+	@echo "== installing $(1): $$(grep -E '^(torch|megatron-core|deepspeed)==' $(2) | tr '\n' ' ')(log: $(1)/install.log)"
+	@mkdir -p $(1) && ( set -x; export PIP_CONSTRAINT=$(CURDIR)/$(2); \
+	T=$$(sed -n 's/^torch==//p' $(2)); M=$$(sed -n 's/^megatron-core==//p' $(2)); \
+	{ test -x $(1)/bin/python || $(PY) -m venv $(1); } && \
+	$(RETRY) $(1)/bin/python -m pip install -q --upgrade pip && \
+	$(RETRY) $(1)/bin/python -m pip install -q torch==$$T numpy packaging triton einops pytest matplotlib tqdm && \
+	$(RETRY) $(1)/bin/python -m pip install -q --no-deps --ignore-requires-python megatron-core==$$M && \
+	DS_BUILD_OPS=0 $(RETRY) $(1)/bin/python -m pip install -q deepspeed==0.19.8 --no-build-isolation && \
+	$(1)/bin/python -c "import torch, megatron.core, deepspeed; assert torch.__version__.split('+')[0] == '$$T', torch.__version__" && \
+	$(1)/bin/python -m pip install -q --no-deps --no-build-isolation -e . ) > $(1)/install.log 2>&1 \
+	|| { tail -n 40 $(1)/install.log; exit 1; }
+	@touch $@
+endef
+
 $(CUR_STAMP): pyproject.toml setup.py $(CUR_PINS)
-	@echo "== installing $(CUR_VENV): torch $(TORCH_CURRENT), megatron-core $(MCORE_CURRENT), deepspeed 0.19.8 (log: $(CUR_VENV)/install.log)"
-	@mkdir -p $(CUR_VENV) && ( set -x; export PIP_CONSTRAINT=$(CURDIR)/$(CUR_PINS); \
-	{ test -x $(CPY) || $(PY) -m venv $(CUR_VENV); } && \
-	$(RETRY) $(CPY) -m pip install -q --upgrade pip && \
-	$(RETRY) $(CPY) -m pip install -q torch==$(TORCH_CURRENT) numpy packaging triton einops pytest matplotlib tqdm && \
-	$(RETRY) $(CPY) -m pip install -q --no-deps --ignore-requires-python megatron-core==$(MCORE_CURRENT) && \
-	DS_BUILD_OPS=0 $(RETRY) $(CPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation && \
-	$(CPY) -c "import torch, megatron.core, deepspeed; assert torch.__version__.split('+')[0] == '$(TORCH_CURRENT)', torch.__version__" && \
-	$(CPY) -m pip install -q --no-deps --no-build-isolation -e . ) > $(CUR_VENV)/install.log 2>&1 \
-	|| { tail -n 40 $(CUR_VENV)/install.log; exit 1; }
-	@touch $(CUR_STAMP)
+	$(call install_newer,$(CUR_VENV),$(CUR_PINS))
+
+$(LATEST_STAMP): pyproject.toml setup.py $(LATEST_PINS)
+	$(call install_newer,$(LATEST_VENV),$(LATEST_PINS))
 
 venv: $(STAMP)
 
@@ -70,12 +84,16 @@ test-oldest: $(STAMP)
 test-current: $(CUR_STAMP)
 	DS_ACCELERATOR=cpu $(CPY) -m pytest -q $(COMPAT_TESTS)
 
+# The compatibility suite on the newest releases (~3 GB of CUDA wheels to download; not part of `make test`).
+test-latest: $(LATEST_STAMP)
+	DS_ACCELERATOR=cpu $(LATEST_VENV)/bin/python -m pytest -q $(COMPAT_TESTS)
+
 # Both suites run even if the first fails; the exit status is non-zero if either failed.
 test: $(STAMP) $(CUR_STAMP)
 	@rc=0; \
 	echo "== full suite, oldest pins: $$($(VPY) tools/versions.py)"; \
 	DS_ACCELERATOR=cpu $(VPY) -m pytest -q tests || rc=1; \
-	echo "== compatibility suite, current releases: $$($(CPY) tools/versions.py)"; \
+	echo "== compatibility suite, newer end: $$($(CPY) tools/versions.py)"; \
 	DS_ACCELERATOR=cpu $(CPY) -m pytest -q $(COMPAT_TESTS) || rc=1; \
 	exit $$rc
 
@@ -88,4 +106,4 @@ wheels: $(STAMP)
 	$(VPY) -m pip wheel -q --no-deps -w wheels/ .
 
 clean:
-	rm -rf $(VENV) $(CUR_VENV) wheels build *.egg-info
+	rm -rf $(VENV) $(CUR_VENV) $(LATEST_VENV) wheels build *.egg-info
