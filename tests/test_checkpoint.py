@@ -318,10 +318,46 @@ def test_empty_missing_foreign_load_dirs(tmp_path, saved):
     (bad_latest / "latest").write_text("../../etc")
     with pytest.raises(CheckpointError, match="expected a checkpoint name"):
         resolve(str(bad_latest))
-    with pytest.raises(CheckpointError, match="saved with entry='megatron-core', this run has entry='deepspeed'"):
+    with pytest.raises(CheckpointError, match=r"written by the 'megatron-core' entry point \(training/pretrain_video_dit"
+                                              r"\.py\); this is 'deepspeed'"):
         read_run(resolve(saved), {"entry": "deepspeed"})
     with pytest.raises(RankFailure, match="the directory is empty"):  # never a silent fresh start
         run_ranks(_mg, 1, 1, "ulysses", 2, ("--load", str(empty)))
+
+
+def test_identity_mismatch_names_the_field_and_the_flag(saved):
+    """Another model or optimizer: the error lists only the differing fields and the flag to set."""
+    from training.video_dit import preset
+    from training.video_dit.checkpoint import describe
+    other = describe(preset("tiny", 3), "tiny")
+    with pytest.raises(CheckpointError) as e:
+        read_run(resolve(saved), other)
+    msg = str(e.value)
+    assert "another model (layers: 2 saved, 3 now)" in msg, msg
+    assert "--model tiny --num-layers 2" in msg, msg
+    with pytest.raises(CheckpointError, match=r"saved by the 'torch' optimizer, this run uses 'megatron'; resume "
+                                              r"with --ddp-impl torch"):
+        read_run(resolve(saved), {"optimizer_impl": "megatron"})
+
+
+def _names(ck):
+    return [os.path.basename(p) for p in list_checkpoints(ck)]
+
+
+@pytest.mark.parametrize("entry", ["megatron", "deepspeed"])
+def test_resume_past_train_iters_is_refused(tmp_path, entry):
+    """A checkpoint at step 4 resumed with --train-iters 2 is refused (it would relabel step-4 weights as
+    step 2 and move ``latest`` back); with --train-iters 4 nothing runs and nothing is re-saved."""
+    fn = _mg if entry == "megatron" else _ds
+    ck = str(tmp_path / "ck")
+    run_ranks(fn, 1, 1, "ulysses", 4, ("--save", ck))
+    assert _names(ck) == ["iter_0000004"]
+    with pytest.raises(RankFailure, match=r"saved at step 4, past --train-iters=2; set --train-iters to 4 or more"):
+        run_ranks(fn, 1, 1, "ulysses", 2, ("--load", ck, "--save", ck))
+    assert _names(ck) == ["iter_0000004"] and open(os.path.join(ck, "latest")).read().strip() == "iter_0000004"
+    mtime = os.path.getmtime(os.path.join(resolve(ck), "run.json"))
+    assert run_ranks(fn, 1, 1, "ulysses", 4, ("--load", ck, "--save", ck))[0] == []
+    assert _names(ck) == ["iter_0000004"] and os.path.getmtime(os.path.join(resolve(ck), "run.json")) == mtime
 
 
 def test_resave_interrupted_between_renames_resumes_from_stale(saved, tmp_path):
@@ -367,7 +403,8 @@ def test_bad_latent_files_fail_up_front(tmp_path, fmt):
     cases = {"wrong_text_width": (good_l, torch.randn(8, 48), "text embeddings are 48 wide, the model takes 32"),
              "wrong_channels": (torch.randn(3, 3, 6, 10), good_t, "latent has 3 channels, the model takes 4"),
              "wrong_rank": (torch.randn(4, 6, 10), good_t, r"'latent' is torch.float32 \[4, 6, 10\], expected"),
-             "odd_height": (torch.randn(4, 3, 5, 10), good_t, "latent height H=5 is not a multiple of the patch size 2")}
+             "odd_height": (torch.randn(4, 3, 5, 10), good_t, "latent height H=5 is not a multiple of the patch size 2"),
+             "zero_frames": (torch.randn(4, 0, 6, 10), good_t, r"latent is empty \(\[4, 0, 6, 10\] as \[C, T, H, W\]\)")}
     for name, (lat, txt, msg) in cases.items():
         d = tmp_path / name
         d.mkdir()
@@ -385,6 +422,39 @@ def test_bad_latent_files_fail_up_front(tmp_path, fmt):
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         LatentShardDataset(str(tmp_path / "missing"), **kw)
     assert len(LatentShardDataset(str(tmp_path / "wrong_text_width"))) == 2  # without a model: names only
+    d = tmp_path / "two_shapes"  # valid one by one; a micro-batch of 2 needs one shape
+    d.mkdir()
+    _write(str(d / f"a.{fmt}"), good_l, good_t, fmt)
+    _write(str(d / f"b.{fmt}"), good_l, torch.randn(5, 32), fmt)
+    assert len(LatentShardDataset(str(d), **kw)) == 2
+    with pytest.raises(LatentFileError, match=rf"b\.{fmt}: latent \[4, 3, 6, 10\], text L=5; .*a\.{fmt}: latent "
+                                              rf"\[4, 3, 6, 10\], text L=8: --micro-batch-size=2 needs"):
+        LatentShardDataset(str(d), **kw, micro_batch=2)
+
+
+def test_legacy_torch_save_latent_is_read(tmp_path):
+    """A latent written by torch.save's legacy (non-zip) format cannot be memory-mapped: its header is read whole."""
+    from training.video_dit.config import preset
+    from training.video_dit.data import LatentShardDataset
+    cfg = preset("tiny")
+    latent, text = torch.randn(4, 2, 6, 10), torch.randn(8, 32)
+    torch.save({"latent": latent, "text": text}, str(tmp_path / "a.pt"), _use_new_zipfile_serialization=False)
+    ds = LatentShardDataset(str(tmp_path), channels=cfg.in_channels, text_dim=cfg.text_dim, patch=cfg.patch)
+    assert torch.equal(ds[0]["latent"], latent) and torch.equal(ds[0]["text"], text)
+
+
+def test_micro_batch_shape_mismatch_names_the_samples():
+    """Past the up-front check (synthetic data, or files beyond check_up_to) the step names its samples."""
+    from training.video_dit.engine import flow_matching_batch
+
+    class Two:
+        files = ["/data/a.pt", "/data/b.pt"]
+
+        def __getitem__(self, i):
+            return {"latent": torch.zeros(4, 2 + 2 * (i % 2), 6, 10), "text": torch.zeros(8, 32)}
+    with pytest.raises(ValueError, match=r"--micro-batch-size=2: .*/data/a\.pt: latent \[4, 2, 6, 10\], text \[8, 32\]; "
+                                         r"/data/b\.pt: latent \[4, 4, 6, 10\]"):
+        flow_matching_batch(Two(), 0, 0, 0, 1, 2, (1, 2, 2))
 
 
 def test_bad_latent_dir_fails_before_first_step(tmp_path):

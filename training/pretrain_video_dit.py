@@ -161,7 +161,7 @@ def _train(args, device, ps) -> dict:
     start, loaded = 0, None
     if args.load:
         loaded = ckpt.load(args.load, model, opt, _ckpt_identity(args))
-        start = int(loaded["step"])
+        start = ckpt.check_resume_step(loaded, args.train_iters)
         if rank == 0 and not args.quiet:
             print(f"[pretrain_video_dit] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s",
                   flush=True)
@@ -183,7 +183,9 @@ def _train(args, device, ps) -> dict:
                           "global_batch": global_batch}
     losses = train_loop(args, ops, dataset, cfg, ctx, device, log, start=start, autocast=autocast, sample_base=base,
                         save=lambda s: _save(args, s, model, opt, rank, position(s)))
-    if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
+    # the last step is saved unless the interval saved it, or no step ran (the loaded checkpoint is the end)
+    interval_saved = bool(args.save_interval) and args.train_iters % args.save_interval == 0
+    if args.save and start < args.train_iters and not interval_saved:
         _save(args, args.train_iters, model, opt, rank, position(args.train_iters))
     plot = log.close(f"video DiT ({args.model}), CP={sp_world} {args.cp_comm_type[0]}")
     if not args.quiet and losses:

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import ds_checkpoint as ds_ckpt  # noqa: E402
-from training.video_dit.checkpoint import describe  # noqa: E402
+from training.video_dit.checkpoint import check_resume_step, describe  # noqa: E402
 from training.video_dit.cli import (add_common_args, build_dataset, check_common_args, frames_and_size,  # noqa: E402
                                     pick_device)
 from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
@@ -102,7 +102,7 @@ def _train(args, engine, cfg, device) -> dict:
     start, loaded = 0, None
     if args.load:
         loaded = ds_ckpt.load(engine, args.load, _ckpt_identity(args))
-        start = int(loaded["step"])
+        start = check_resume_step(loaded, args.train_iters)
         if rank == 0 and not args.quiet:
             print(f"[train_deepspeed] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s",
                   flush=True)
@@ -126,7 +126,9 @@ def _train(args, engine, cfg, device) -> dict:
                           "global_batch": global_batch}
     losses = train_loop(args, DeepSpeedOps(engine), dataset, cfg, ctx, device, log, start=start, sample_base=base,
                         cast_inputs=cast_inputs, save=lambda s: _save(args, engine, s, rank, position(s)))
-    if args.save and not (args.save_interval and args.train_iters % args.save_interval == 0):
+    # the last step is saved unless the interval saved it, or no step ran (the loaded checkpoint is the end)
+    interval_saved = bool(args.save_interval) and args.train_iters % args.save_interval == 0
+    if args.save and start < args.train_iters and not interval_saved:
         _save(args, engine, args.train_iters, rank, position(args.train_iters))
     plot = log.close(f"video DiT ({args.model}), DeepSpeed SP={sp_world}")
     if not args.quiet and losses:

@@ -258,8 +258,7 @@ def read_run(step_dir: str, expect: dict) -> dict:
                               f"expected {FORMAT!r} (a foreign checkpoint)")
     for key, want in expect.items():
         if run.get(key) != want:
-            raise CheckpointError(f"{step_dir}: saved with {key}={run.get(key)!r}, this run has {key}={want!r}; "
-                                  f"resume with the same {key}")
+            raise CheckpointError(f"{step_dir}: {_mismatch(key, run.get(key), want)}")
     for rel, size in run.get("files", {}).items():
         full = os.path.join(step_dir, rel)
         if not os.path.isfile(full):
@@ -268,6 +267,35 @@ def read_run(step_dir: str, expect: dict) -> dict:
         if got != size:
             raise CheckpointError(f"{full}: {got} bytes, {size} when saved: truncated or overwritten")
     return run
+
+
+_ENTRY_SCRIPT = {"megatron-core": "training/pretrain_video_dit.py", "deepspeed": "training/train_deepspeed.py"}
+
+
+def _mismatch(key: str, saved, now) -> str:
+    """What differs between a checkpoint's identity ``key`` and this run's, and the setting that fixes it."""
+    if key == "model" and isinstance(saved, dict) and isinstance(now, dict):
+        diff = [f"{k}: {saved.get(k)!r} saved, {now.get(k)!r} now"
+                for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        return (f"another model ({'; '.join(diff)}); resume with the saved --model / --num-layers "
+                f"(--model {saved.get('preset')} --num-layers {saved.get('layers')})")
+    if key == "optimizer_impl":
+        return (f"saved by the {saved!r} optimizer, this run uses {now!r}; resume with --ddp-impl {saved} "
+                f"(--ddp-impl auto picks megatron on CUDA, torch on CPU; the two optimizer formats do not convert)")
+    if key == "entry":
+        return (f"written by the {saved!r} entry point ({_ENTRY_SCRIPT.get(saved, '?')}); this is {now!r}: resume "
+                f"it with the entry point that wrote it")
+    return f"saved with {key}={saved!r}, this run has {key}={now!r}; resume with the same {key}"
+
+
+def check_resume_step(loaded: dict, train_iters: int) -> int:
+    """The step a resumed run starts at; refuses a checkpoint already past ``--train-iters`` (continuing
+    would label step-N weights as an earlier step and move ``latest`` back)."""
+    step = int(loaded["step"])
+    if step > train_iters:
+        raise CheckpointError(f"{loaded['path']}: saved at step {step}, past --train-iters={train_iters}; "
+                              f"set --train-iters to {step} or more to continue this run")
+    return step
 
 
 # ----------------------------------------------------------------------------- RNG

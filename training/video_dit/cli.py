@@ -55,7 +55,8 @@ def frames_and_size(args) -> tuple[list, int, int]:
 
 def build_dataset(args, cfg):
     if args.data_path:
-        return LatentShardDataset(args.data_path, channels=cfg.in_channels, text_dim=cfg.text_dim, patch=cfg.patch)
+        return LatentShardDataset(args.data_path, channels=cfg.in_channels, text_dim=cfg.text_dim, patch=cfg.patch,
+                                  micro_batch=args.micro_batch_size)
     frames, h, w = frames_and_size(args)
     return SyntheticVideoLatents(cfg.in_channels, frames, h, w, cfg.text_len, cfg.text_dim, seed=args.seed)
 

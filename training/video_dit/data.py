@@ -78,15 +78,24 @@ class LatentShardDataset:
     """
 
     def __init__(self, path: str, channels: int | None = None, text_dim: int | None = None,
-                 patch: tuple | None = None, check_up_to: int = 4096) -> None:
+                 patch: tuple | None = None, check_up_to: int = 4096, micro_batch: int = 1) -> None:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"--data-path={path!r} is not a directory")
         self.files = sorted(glob.glob(os.path.join(path, "*.pt")) + glob.glob(os.path.join(path, "*.safetensors")))
         if not self.files:
             raise FileNotFoundError(f"--data-path={path!r} holds no .pt or .safetensors latent files")
         self.channels, self.text_dim, self.patch = channels, text_dim, patch
+        first = None  # (file, latent shape, text length): micro-batches > 1 need one shape
         for f in self.files[:check_up_to]:
-            self._check(f, _header(f))
+            header = _header(f)
+            self._check(f, header)
+            shape, length = header["latent"][0], header["text"][0][0]
+            if micro_batch > 1 and first is not None and (shape, length) != first[1:]:
+                raise LatentFileError(
+                    f"{f}: latent {list(shape)}, text L={length}; {first[0]}: latent {list(first[1])}, text "
+                    f"L={first[2]}: --micro-batch-size={micro_batch} needs every sample of a micro-batch to have "
+                    f"one shape (use --micro-batch-size 1 with variable shapes)")
+            first = first or (f, shape, length)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -115,6 +124,8 @@ class LatentShardDataset:
             if len(shape) != rank or not dtype.is_floating_point:
                 raise LatentFileError(f"{f}: {key!r} is {dtype} {list(shape)}, expected a float tensor {what}")
         (c, t, h, w), _ = header["latent"]
+        if 0 in (c, t, h, w):
+            raise LatentFileError(f"{f}: latent is empty ({[c, t, h, w]} as [C, T, H, W])")
         if self.channels is not None and c != self.channels:
             raise LatentFileError(f"{f}: latent has {c} channels, the model takes {self.channels} (latent [C,T,H,W])")
         if self.patch is not None:
@@ -146,7 +157,12 @@ def _header(f: str) -> dict:
                     sl = st.get_slice(k)
                     out[k] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), torch.uint8))
             return out
-        d = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            d = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:  # torch.save's legacy (non-zip) format cannot be memory-mapped: read it whole
+            if "_use_new_zipfile_serialization" not in str(e):
+                raise
+            d = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
         raise LatentFileError(f"{f}: unreadable latent file (corrupt, truncated or not a tensor file: "
                               f"{_first_line(e)})") from None

@@ -78,6 +78,14 @@ def _rng(seed: int, sample: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + sample)
 
 
+def describe_samples(dataset, ids: list) -> list:
+    """Sample ids -> names a user can find: the file for on-disk shards, else 'synthetic sample i'."""
+    files = getattr(dataset, "files", None)
+    if files:
+        return [files[i % len(files)] for i in ids]
+    return [f"synthetic sample {i}" for i in ids]
+
+
 def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: int, micro_batch: int,
                         patch: tuple, base: int = 0) -> dict:
     """Rectified flow: x_t = (1 - t) x0 + t eps, target v = eps - x0, t ~ logit-normal(0, 1).
@@ -85,10 +93,11 @@ def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: i
     A pure function of (step, dp_rank, base): every SP rank of a DP rank builds the same full batch, and
     a resumed run draws exactly what an uninterrupted one would. Returns full-sequence patches.
     """
-    xs, tgts, ts, texts = [], [], [], []
+    xs, tgts, ts, texts, ids = [], [], [], [], []
     for m in range(micro_batch):
         index = base + (step * dp_world + dp_rank) * micro_batch + m
         sample = dataset[index]
+        ids.append(index)
         g = _rng(seed, index)
         x0 = sample["latent"][None]
         eps = torch.randn(x0.shape, generator=g)
@@ -97,9 +106,11 @@ def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: i
         tgts.append(eps - x0)
         ts.append(t)
         texts.append(sample["text"][None])
-    if len({x.shape for x in xs}) != 1:
-        raise ValueError("samples of one micro-batch must have equal latent shapes (use --micro-batch-size 1 "
-                         "with variable frame counts)")
+    if len({x.shape for x in xs}) != 1 or len({tx.shape for tx in texts}) != 1:
+        shapes = [f"{name}: latent {list(x.shape[1:])}, text {list(tx.shape[1:])}"
+                  for name, x, tx in zip(describe_samples(dataset, ids), xs, texts)]
+        raise ValueError(f"--micro-batch-size={micro_batch}: the samples of one micro-batch must have equal latent "
+                         f"and text shapes ({'; '.join(shapes)}); use --micro-batch-size 1 with variable shapes")
     def cat(parts):  # one micro-sample: no copy (same values)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     x, tgt = cat(xs), cat(tgts)

@@ -21,9 +21,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .engine import local_loss
+from .engine import describe_samples, local_loss
 from .guard import NonFiniteError, SpikeDetector, StepGuard
-from .pipeline import StepBatches, describe_samples, step_inputs
+from .pipeline import StepBatches, step_inputs
 from .profiling import StepProfiler
 from .telemetry import Telemetry
 

@@ -48,14 +48,6 @@ def consumed_samples(step: int, base: int, global_batch: int) -> int:
     return base + step * global_batch
 
 
-def describe_samples(dataset, ids: list) -> list:
-    """Sample ids -> names a user can find: the file for on-disk shards, else 'synthetic sample i'."""
-    files = getattr(dataset, "files", None)
-    if files:
-        return [files[i % len(files)] for i in ids]
-    return [f"synthetic sample {i}" for i in ids]
-
-
 def host_inputs(batch: dict, sp_rank: int, sp_world: int) -> dict:
     """This rank's share of a full batch, on the CPU, as a dict of tensors + ints (pinnable)."""
     n_valid = batch["x"].shape[1]
