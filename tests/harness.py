@@ -37,6 +37,10 @@ def _child(fn, rank, world, store_path, queue, args, kwargs):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         result = fn(rank, world, *args, **kwargs)
+        if dist.is_initialized():
+            # a rank that finished early must not close its gloo pairs while a peer is still connecting or
+            # reading them ("Connection closed by peer" in connectFullMesh, seen once in CI on a 4-rank test)
+            dist.barrier()
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything with the rank
         queue.put((rank, "error", traceback.format_exc()))
