@@ -329,3 +329,31 @@ def _megatron_auto_ring(rank, world):
 
 def test_megatron_auto_ring_and_zigzag_one_kernel():
     run_ranks(_megatron_auto_ring, 2)
+
+
+def _call_orders(rank, world, fake):
+    """Causal Ulysses in both placements, one after the other with the same shapes, through the cuDNN branch
+    (explicit kernels, held saved tensors): every call's output and gradients against float64."""
+    g, n = dist.group.WORLD, 0
+    for layout in ("bshd", "sbhd"):
+        for c in (1, 2):
+            for order in (("contiguous", "zigzag", "zigzag"), ("zigzag", "contiguous", "zigzag")):
+                be = SDPABackend()
+                for placement in order:
+                    run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, g, head_chunks=c, causal=True,
+                                                                   layout=layout, placement=placement, backend=be),
+                             rank, world, b=1, s=16 * world, h=4, hkv=2, d=16, dtype=torch.float32, causal=True,
+                             layout=layout, shard=_sharder(placement), seed=n)
+                    n += 1
+    assert fake.backward_calls >= n, (fake.backward_calls, n)  # every call ran the cuDNN branch
+    return n
+
+
+def test_cudnn_graph_cache_call_order_contiguous_then_zigzag(monkeypatch):
+    """Regression (CUDA, 2026-11-24): causal zigzag Ulysses with one head chunk gave right outputs and wrong
+    gradients after a same-shaped contiguous call: torch keeps one cuDNN backward graph per q/k/v shape+stride
+    key with O's/dO's strides baked in, and the two placements fed O/dO in different layouts. tests/fake_cudnn.py
+    reproduces that cache on the CPU; the library now feeds O/dO in q's layout (lse_kernels.in_layout_of)."""
+    from tests import fake_cudnn
+    fake = fake_cudnn.install(monkeypatch)
+    assert run_ranks(_call_orders, 2, fake)[0] == 24

@@ -147,6 +147,22 @@ def _strided_or_packed(op, tensors, rest, scale):
     return op(*(t.contiguous() for t in tensors), *rest, scale=scale)
 
 
+def _strides_without_ones(t: torch.Tensor) -> tuple:
+    """t's strides over its dimensions of size > 1 (a size-1 dimension's stride addresses nothing)."""
+    return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
+
+
+def in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` (same shape as ``like``) in the memory layout ``torch.empty_like(like)`` has: ``t`` itself when its
+    strides already match over the dimensions of size > 1, else a copy in that layout."""
+    want = torch.empty_like(like, device="meta")
+    if t.shape == like.shape and _strides_without_ones(t) == _strides_without_ones(want):
+        return t
+    out = torch.empty_strided(like.shape, want.stride(), dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
 def forward(kernel: str, q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: (out in q.dtype, lse fp32 [B, H, Sq]) with ``kernel`` (see module docstring)."""
     if kernel == "math":
@@ -174,8 +190,10 @@ def backward(kernel: str, do, q, k, v, out, lse, scale: float, causal: bool):
     lse = lse.float()
     if kernel == "cudnn":
         seed, offset, lse_dim = _cudnn_aux(q.device, q.dtype)
-        if do.stride() != out.stride():  # cuDNN wants dO with O's strides (slices of equal tensors have them)
-            do, out = do.contiguous(), out.contiguous()
+        # torch caches one cuDNN backward graph per (shapes, q/k/v strides, causal, ...): O's and dO's strides
+        # are baked into the graph but are not in its key. Fed in q's layout (the layout cuDNN's forward
+        # gives O), they are a function of the key, so a cached graph never reads them with other strides.
+        out, do = in_layout_of(out, q), in_layout_of(do, q)
         lse_in = (lse.unsqueeze(-1) if lse_dim == 4 else lse).contiguous()
         dq, dk, dv = _strided_or_packed(
             lambda do_, q_, k_, v_, out_, *rest, scale: torch.ops.aten._scaled_dot_product_cudnn_attention_backward(

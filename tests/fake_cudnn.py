@@ -1,0 +1,79 @@
+"""A CPU stand-in for torch's cuDNN attention ops that keeps torch's graph-cache behaviour.
+
+torch (aten/src/ATen/native/cudnn/MHA.cpp) builds one cuDNN backward graph per key and reuses it; the key
+holds the shapes and the q/k/v strides, causal and dropout, but NOT the strides of O and dO, which the graph
+bakes in. A later call with the same key and differently laid-out O/dO is read with the first call's strides:
+right outputs, wrong gradients (what the CUDA runs of 2026-11-24 showed for causal zigzag Ulysses after a
+contiguous call). ``install(monkeypatch)`` puts ops with exactly that cache on ``torch.ops.aten`` and makes
+``lse_kernels`` pick "cudnn" on the CPU, so the library's cuDNN branch (its explicit kernels, hold/saved
+tensors, the layouts it feeds the ops) runs in CPU tests and a layout that varies under one key shows up as
+wrong gradients. The math is blockwise.math_forward/backward in fp32 (fp64 for fp64).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_sp_ext.attention import blockwise, lse_kernels
+
+
+class FakeCudnn:
+    """The two ops, with torch's backward graph cache (``graphs``: key -> (O strides, dO strides))."""
+
+    def __init__(self) -> None:
+        self.graphs: dict = {}
+        self.backward_calls = 0
+
+    @staticmethod
+    def _key(q, k, v, causal, dropout):
+        return (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.stride(), k.stride(), v.stride(), bool(causal),
+                float(dropout), q.dtype)
+
+    def forward(self, q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *,
+                scale=None):
+        assert attn_bias is None and dropout_p == 0.0
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        o, lse = blockwise.math_forward(q, k, v, scale, "causal" if is_causal else None)
+        out = torch.empty_like(q)  # the forward allocates O in q's layout (alloc_with_matching_layout)
+        out.copy_(o)
+        b, h, sq, _ = q.shape
+        seed = torch.zeros((), dtype=torch.int64)
+        return (out, lse.float().reshape(b, h, sq, 1), None, None, sq, k.shape[2], seed, seed, None)
+
+    def backward(self, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
+                 cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):
+        self.backward_calls += 1
+        scale = scale if scale is not None else query.shape[-1] ** -0.5
+        if grad_out.stride()[-1] != 1:  # torch re-lays dO out like O only when its innermost stride is not 1
+            grad_out = torch.empty_like(out).copy_(grad_out)
+        key_ = self._key(query, key, value, is_causal, dropout_p)
+        if key_ not in self.graphs:  # "build the graph": O's and dO's strides are baked in
+            self.graphs[key_] = (out.stride(), grad_out.stride())
+        o_st, do_st = self.graphs[key_]
+        o_seen = _as_graph_reads(out, o_st, "O")
+        do_seen = _as_graph_reads(grad_out, do_st, "dO")
+        lse = logsumexp.reshape(query.shape[:3])
+        dq, dk, dv = blockwise.math_backward(do_seen, query, key, value, o_seen, lse, scale,
+                                             "causal" if is_causal else None)
+        return (torch.empty_like(query).copy_(dq), torch.empty_like(key).copy_(dk), torch.empty_like(value).copy_(dv))
+
+
+def _as_graph_reads(t: torch.Tensor, strides: tuple, name: str) -> torch.Tensor:
+    """``t``'s memory read with the cached graph's strides (what cuDNN does with a stale graph)."""
+    if t.stride() == tuple(strides):
+        return t
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, strides))
+    assert last < t.untyped_storage().nbytes() // t.element_size(), \
+        f"a cached cuDNN graph would read {name} past its memory"
+    return t.as_strided(t.shape, strides)
+
+
+def install(monkeypatch) -> FakeCudnn:
+    """Route the library's "cudnn" kernel to a ``FakeCudnn`` on the CPU (every dtype); returns it."""
+    fake = FakeCudnn()
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", fake.forward, raising=False)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward", fake.backward,
+                        raising=False)
+    monkeypatch.setattr(lse_kernels, "best", lambda device, dtype: "cudnn")
+    monkeypatch.setattr(lse_kernels, "available", lambda kernel, device, dtype: kernel in ("cudnn", "math"))
+    monkeypatch.setattr(lse_kernels, "_AUX", {})
+    return fake
