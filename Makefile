@@ -30,7 +30,7 @@ COMPAT_TESTS := tests/test_megatron.py tests/test_deepspeed.py tests/test_config
 	tests/test_ring.py::test_zigzag_equals_megatron_split tests/test_ring.py::test_ring_fp32_matches_reference \
 	tests/test_sample.py "tests/test_training.py::test_megatron_entry_3_steps_match_sp1"
 
-.PHONY: venv venv-current demo test test-oldest test-current test-latest wheels clean
+.PHONY: venv venv-current demo test test-oldest test-current test-latest test-gpu wheels clean
 
 # Each environment is built once (about 2 minutes each on 2 cores); the pip output goes to <venv>/install.log
 # and is shown only if the install fails.
@@ -96,6 +96,11 @@ test: $(STAMP) $(CUR_STAMP)
 	echo "== compatibility suite, newer end: $$($(CPY) tools/versions.py)"; \
 	DS_ACCELERATOR=cpu $(CPY) -m pytest -q $(COMPAT_TESTS) || rc=1; \
 	exit $$rc
+
+# The CUDA suite, on a GPU machine (first, before any benchmark): every algorithm's CUDA branches vs float64,
+# P=2 and P=4 ranks on one GPU (and one rank per GPU where there are several). Uses the machine's python3.
+test-gpu:
+	bash tools/gpu_run.sh
 
 # wheels for the GPU machines (python 3.12, no registry there); see tools/results/README.md
 wheels: $(STAMP)

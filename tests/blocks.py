@@ -71,7 +71,7 @@ def reference_block(x_full, p, h, hkv, d, ang_full, qk_norm, causal=False, kv_va
     k = rope(k.reshape(b, s, hkv, d), ang_full)
     mask = None
     if causal or kv_valid is not None:
-        mask = torch.ones(s, s, dtype=torch.bool)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x_full.device)
         if causal:
             mask = mask.tril()
         if kv_valid is not None:
@@ -81,10 +81,11 @@ def reference_block(x_full, p, h, hkv, d, ang_full, qk_norm, causal=False, kv_va
 
 
 def reference_case(rank, world, form, h, hkv, d, chunks, qk_norm, causal=False, placement="contiguous",
-                   kv_valid=None):
-    """The async ("async") or all-gather ("allgather") block in float64 on this rank's tokens against
-    ``reference_block`` on the full sequence: output and input grad of this rank's tokens, every
-    parameter grad (summed over ranks: the CP gradient reduction)."""
+                   kv_valid=None, *, device="cpu", dtype=torch.float64, check=True):
+    """The async ("async") or all-gather ("allgather") block in ``dtype`` (default float64) on this rank's tokens
+    against ``reference_block`` (float64) on the full sequence: output and input grad of this rank's tokens, every
+    parameter grad (summed over ranks: the CP gradient reduction). check: assert each error < 1e-10 and return
+    the number of checks; else return {name: relative error}."""
     import torch.distributed as dist
 
     import megatron_sp_ext as spx
@@ -94,18 +95,18 @@ def reference_case(rank, world, form, h, hkv, d, chunks, qk_norm, causal=False, 
     gen = torch.Generator().manual_seed(31)
     dim, b, sl = 24, 2, 6
     s = sl * world
-    p0 = {k: v.double() for k, v in block_params(gen, h, hkv, d, dim).items()}
-    x_full = torch.randn(b, s, dim, generator=gen, dtype=torch.float64)
-    dy_full = torch.randn(b, s, dim, generator=gen, dtype=torch.float64)
-    ang_full = torch.randn(s, d // 2, generator=gen, dtype=torch.float64)
-    mine = torch.tensor([i for a, n in pieces(placement, rank, world, s) for i in range(a, a + n)])
+    # values representable in ``dtype``: the reference sees exactly the inputs the block sees
+    p0 = {k: v.to(dtype).double().to(device) for k, v in block_params(gen, h, hkv, d, dim).items()}
+    x_full, dy_full = (torch.randn(b, s, dim, generator=gen).to(dtype).double().to(device) for _ in range(2))
+    ang_full = torch.randn(s, d // 2, generator=gen, dtype=torch.float64).to(device)
+    mine = torch.tensor([i for a, n in pieces(placement, rank, world, s) for i in range(a, a + n)], device=device)
     names = ["w_qkv", "b_qkv", "w_o", "b_o"] + (["nq", "nk"] if qk_norm else [])
     ref_p = {k: v.clone().requires_grad_() for k, v in p0.items()}
     xr = x_full.clone().requires_grad_()
     y_ref = reference_block(xr, ref_p, h, hkv, d, ang_full, qk_norm, causal, kv_valid)
     y_ref.backward(dy_full)
-    p = {k: v.clone().requires_grad_() for k, v in p0.items()}
-    x = x_full[:, mine].clone().requires_grad_()
+    p = {k: v.to(dtype).requires_grad_() for k, v in p0.items()}
+    x = x_full[:, mine].to(dtype).requires_grad_()
     kw = dict(num_heads=h, num_kv_heads=hkv, norm_q_weight=p["nq"] if qk_norm else None,
               norm_k_weight=p["nk"] if qk_norm else None, head_chunks=chunks, causal=causal, placement=placement,
               kv_valid_len=kv_valid)
@@ -115,12 +116,14 @@ def reference_case(rank, world, form, h, hkv, d, chunks, qk_norm, causal=False, 
     else:
         y = spx.allgather_self_attention(x, p["w_qkv"], p["b_qkv"], p["w_o"], p["b_o"], g,
                                          prep=gathered_prep(h, hkv, d, ang_full[mine]), **kw)
-    y.backward(dy_full[:, mine])
+    y.backward(dy_full[:, mine].to(dtype))
     checks = [("out", y, y_ref[:, mine]), ("dx", x.grad, xr.grad[:, mine])]
     for k in names:
-        grad = p[k].grad.clone()
+        grad = p[k].grad.double()
         dist.all_reduce(grad)
         checks.append(("d" + k, grad, ref_p[k].grad))
+    if not check:
+        return {name: rel_err(a, ref) for name, a, ref in checks}
     for name, a, ref in checks:
         err = rel_err(a, ref)
         assert err < 1e-10, f"{form} H={h}/{hkv} C={chunks} norm={qk_norm} causal={causal} {name}: {err:.2e}"

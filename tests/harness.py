@@ -27,15 +27,22 @@ class RankFailure(AssertionError):
     """A rank raised or timed out."""
 
 
-def _child(fn, rank, world, store_path, queue, args, kwargs):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+def _child(fn, rank, world, store_path, queue, args, kwargs, backend="gloo", device="cpu"):
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # what torchrun sets (DeepSpeed checks LOCAL_RANK); one simulated machine
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     try:
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        extra = {}
+        if device == "cuda":  # nccl: one rank per GPU; gloo: every rank on GPU 0 (CUDA tensors through host memory)
+            dev = torch.device("cuda", rank if backend == "nccl" else 0)
+            torch.cuda.set_device(dev)
+            if backend == "nccl":
+                extra["device_id"] = dev
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **extra)
         result = fn(rank, world, *args, **kwargs)
         if dist.is_initialized():
             # a rank that finished early must not close its gloo pairs while a peer is still connecting or
@@ -52,13 +59,19 @@ def _child(fn, rank, world, store_path, queue, args, kwargs):
             pass
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> list:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; returns per-rank results."""
-    ctx = mp.get_context("fork")
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = "cpu", backend: str = "gloo",
+              **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; returns per-rank results.
+
+    device "cpu": forked gloo ranks. device "cuda": spawned ranks (a forked child cannot use CUDA; ``fn`` must
+    be importable), each with its current device set: ``backend`` "gloo" puts every rank on GPU 0 (P ranks on
+    one GPU, exchanges through host memory), "nccl" one rank per GPU."""
+    ctx = mp.get_context("fork" if device == "cpu" else "spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store_path, queue, args, kwargs), daemon=True)
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store_path, queue, args, kwargs, backend,
+                                                  device), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
