@@ -150,7 +150,7 @@ def ring_family(rank: int, world: int) -> list:
     g, rec, n = dist.group.WORLD, [], 0
     for variant in ("ring", "tasp"):
         rings = len(routing_tables(world).cycles) if variant == "tasp" else 1
-        s = 512 * 2 * rings * world
+        s = (512 if variant == "ring" else 256) * 2 * rings * world  # float64 reference: ~S^2 H 8 B per rank
         for (b, h, hkv, d) in ((1, 8, 8, 64), (1, 8, 2, 128), (2, 6, 6, 64)):
             for dtype in (BF16, FP32) if h == 8 and hkv == 8 else (BF16,):
                 for causal in (False, True):
