@@ -23,6 +23,9 @@ LAYOUTS = ("bshd", "sbhd")
 SEQ_PLACEMENTS = ("contiguous", "zigzag", "tasp_zigzag")
 # modes whose attention is a 2D mesh (Ulysses x Ring) and so need a mesh
 MESH_MODES = ("usp", "tas", "torus")
+# modes whose local attention is one plain softmax attention over the full sequence (per head chunk), so the
+# kernel's own attention dropout applies; the ring family merges partial results by log-sum-exp and cannot
+DROPOUT_MODES = ("ulysses", "hcms")
 
 HeadChunks = Union[int, str]
 
@@ -47,6 +50,7 @@ _NAMES = {
     "transport": ("--sp-transport", "sequence_parallel_ext.transport"),
     "async_qkv": ("--sp-async-qkv", "sequence_parallel_ext.async_qkv"),
     "sp_size": ("--context-parallel-size", "sequence_parallel_size"),
+    "dropout_p": ("--attention-dropout", "sequence_parallel_ext.dropout_p"),
 }
 
 
@@ -96,6 +100,8 @@ class SPConfig:
     async_qkv: the attention block's projections overlapped with their exchanges: "off", "on",
         "allgather" (QKV from a sequence all-gather fused with the QKV GEMM, no q/k/v exchange), or
         "auto" (a runtime policy picks plain/async/allgather, HCMS chunks and transport per shape; video DiT).
+    dropout_p: attention dropout probability (Megatron's ``--attention-dropout``), applied in training by the
+        Ulysses family (ulysses, hcms; "auto" then never picks the ring); refused by every other mode.
     source: where the settings came from ("python", "megatron", "deepspeed"); errors use its names.
     """
 
@@ -108,6 +114,7 @@ class SPConfig:
     backend: str = "auto"
     transport: str = "nccl"
     async_qkv: str = "off"
+    dropout_p: float = 0.0
     source: str = field(default="python", repr=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +142,30 @@ class SPConfig:
         if self.mode == "ulysses" and self.head_chunks not in (1,):
             # plain Ulysses with chunks is HCMS: accept and say nothing, the math is identical
             self.mode = "hcms"
+        self.check_dropout()
+
+    def check_dropout(self, sp_size: int | None = None, num_heads: int | None = None) -> None:
+        """Refuse ``dropout_p`` > 0 where the mode cannot apply it (the ring family; "auto" where it would
+        resolve to a mesh or the ring: ``num_heads`` < ``sp_size``), naming the setting and what works."""
+        p, n = self.dropout_p, self.name("dropout_p")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise SPConfigError(f"{n}={p!r} is invalid: use a probability in [0, 1)")
+        self.dropout_p = float(p)
+        if p == 0.0:
+            return
+        ok = " or ".join(DROPOUT_MODES)
+        fix = f"use {n} 0" if self.source == "megatron" else f"set {n}=0"
+        if self.mode not in DROPOUT_MODES + ("auto",):
+            raise SPConfigError(
+                f"{n}={p} is not supported by {self.name('mode')}={self.mode!r}: its attention is merged from "
+                f"partial results (log-sum-exp), which cannot apply attention dropout; {fix}, or use "
+                f"{self.name('mode')} {ok}")
+        if self.mode == "auto" and sp_size is not None and num_heads is not None and sp_size > 1 \
+                and resolve_auto_mode(num_heads, sp_size) not in DROPOUT_MODES:
+            raise SPConfigError(
+                f"{n}={p} with {self.name('mode')}='auto' needs a head per rank ({num_heads} heads < "
+                f"{self.name('sp_size')} {sp_size}: auto would run {resolve_auto_mode(num_heads, sp_size)}, which "
+                f"cannot apply attention dropout); {fix}, or use fewer sequence-parallel ranks")
 
     def name(self, setting: str) -> str:
         """How the user spelled ``setting``."""
@@ -155,6 +186,7 @@ class SPConfig:
         if self.nodes is not None and sp_size % self.nodes != 0:
             raise SPConfigError(
                 f"{self.name('nodes')}={self.nodes} does not divide the sequence-parallel size {sp_size}")
+        self.check_dropout(sp_size, num_heads)
         if isinstance(self.head_chunks, int) and num_heads is not None and self.mode in ("hcms", "ulysses"):
             if num_heads >= sp_size and self.head_chunks > num_heads // sp_size:
                 raise SPConfigError(

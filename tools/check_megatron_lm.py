@@ -81,7 +81,7 @@ def _commit(path: str) -> str | None:
 
 def cpu_check(tag: str, path: str, cp_type: str) -> dict:
     argv = (TINY_GPT.format(gbs=1, iters=10, lr="1e-3") +
-            f" --context-parallel-size 2 --cp-comm-type {cp_type} --hcms-head-chunks 2 --sp-ring-variant ring").split()
+            f" --context-parallel-size 2 --cp-comm-type {cp_type} --hcms-head-chunks 2 --sp-ring-variant ring --attention-dropout 0").split()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, REPO, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-c", PROBE, *argv], env=env, capture_output=True, text=True, timeout=600)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("PROBE_JSON ")), None)

@@ -10,7 +10,7 @@ torchrun --nnodes 2 --node-rank "${NODE_RANK:?}" --master-addr "${MASTER_ADDR:?}
   --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 131072 --max-position-embeddings 131072 \
   --micro-batch-size 1 --global-batch-size 16 --lr 1e-4 --train-iters 100 --bf16 \
   --context-parallel-size 16 \
-  --cp-comm-type tas --sp-ring-variant tasp \
+  --cp-comm-type tas --sp-ring-variant tasp --attention-dropout 0 \
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
   --transformer-impl local --no-persist-layer-norm --no-rope-fusion --no-masked-softmax-fusion \
   --position-embedding-type rope --normalization RMSNorm

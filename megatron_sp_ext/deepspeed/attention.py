@@ -12,6 +12,11 @@ select the algorithm (``mode``) as the JSON block does:
       callable does not return, so they use megatron_sp_ext's LSE backends (``backend``) and
       ``causal``; ``local_attention`` is not called. RoPE (if given for the full sequence) is
       applied to this rank's own tokens before the ring starts.
+  auto: per attention, as in the other entries (megatron_sp_ext.sp.factory): hcms when every rank gets a
+      head (with the user's callable, or on CUDA with our kernels Ulysses/HCMS or the ring per shape), else
+      a usp mesh or the ring.
+``dropout_p`` (JSON ``sequence_parallel_ext.dropout_p``): attention dropout of our kernels in training
+(ulysses/hcms; the user's callable applies its own); the ring family refuses it.
 """
 from __future__ import annotations
 
@@ -21,18 +26,11 @@ from typing import Optional
 import torch
 from deepspeed.sequence.layer import DistributedAttention, apply_rotary_pos_emb
 
-from ..attention.backends import LocalAttention, get_backend
-from ..comm.streams import StreamPool
-from ..comm.transport import TransportPool
+from ..attention.backends import LocalAttention
 from ..config import SPConfig
 from ..errors import SPConfigError
-from ..sp.hybrid import hybrid_attention
+from ..sp.factory import SPAttention, SPResources, make_attention, packed_entry
 from ..sp.packed import PackedUlysses
-from ..sp.policy import HCMSPolicy
-from ..sp.ring import ring_attention
-from ..sp.torus import torus_attention
-from ..sp.ulysses import ulysses_attention
-from ..topology.mesh import build_sp_mesh
 
 
 class _UserLocalAttention(LocalAttention):
@@ -62,83 +60,57 @@ class SPDistributedAttention(DistributedAttention):
                  head_chunks=1, ring_variant: str = "ring", placement: str = "auto",
                  ulysses_size: Optional[int] = None, nodes: Optional[int] = None, backend: str = "sdpa",
                  causal: bool = False, softmax_scale: Optional[float] = None,
-                 sp_config: Optional[SPConfig] = None, transport: str = "nccl") -> None:
+                 sp_config: Optional[SPConfig] = None, transport: str = "nccl", dropout_p: float = 0.0) -> None:
         super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, None, num_kv_heads)
         self.cfg = sp_config or SPConfig(mode=mode, head_chunks=head_chunks, ring_variant=ring_variant,
                                          placement=placement, ulysses_size=ulysses_size, nodes=nodes,
-                                         backend=backend, transport=transport, source="deepspeed")
-        if self.cfg.mode == "auto":
-            raise SPConfigError("sequence_parallel_ext.mode='auto' is resolved by megatron_sp_ext.deepspeed.initialize; "
-                                "pass a concrete mode to SPDistributedAttention")
+                                         backend=backend, transport=transport, dropout_p=dropout_p,
+                                         source="deepspeed")
         self.causal, self.softmax_scale = causal, softmax_scale
-        self.sp_stream_pool = StreamPool()  # our comm streams (DeepSpeed's sp_stream path is not used)
-        self.policy = HCMSPolicy()
-        self.transports = TransportPool()
-        self._meshes: dict = {}
+        # comm streams, HCMS/mode policies, transports, meshes (DeepSpeed's sp_stream path is not used)
+        self.resources = SPResources(self.cfg)
+        self._attention: dict = {}  # (heads, kv heads, layout) -> the factory's SPAttention
         self.calls = 0  # forward calls (lets a script or test see that this attention ran)
+
+    def attention_for(self, num_heads: int, num_kv_heads: int, layout: str) -> SPAttention:
+        """The factory's attention for this head count and layout (built once, collectively, at first use)."""
+        key = (num_heads, num_kv_heads, layout)
+        if key not in self._attention:
+            self._attention[key] = make_attention(
+                self.cfg, self.spg, num_heads=num_heads, num_kv_heads=num_kv_heads, layout=layout,
+                placement="contiguous", backend=self.cfg.backend, resources=self.resources)
+        return self._attention[key]
 
     def packed_entry(self) -> Optional[PackedUlysses]:
         """For a model that writes q|k|v itself (the DiT's --ulysses-packed-qkv): a packed Ulysses / HCMS entry
         with this block's group, chunk count (``auto``: this block's policy) and backend, or None where it would
-        not be the plain path's math or resources: the ring and mesh modes, a ``softmax_scale`` or ``causal`` set
-        on this module (the plain path leaves the mask to the user's callable), a transport other than NCCL (its
-        workspace belongs to this module's pool). It runs ``sequence_parallel_ext.backend``, not the user's local
-        attention: only for callers whose local attention is that backend's math (softmax attention, default scale)."""
-        if (self.cfg.mode not in ("ulysses", "hcms") or self.softmax_scale is not None or self.causal
-                or self.cfg.transport != "nccl"):
+        not be the plain path's math or resources: the ring and mesh modes and ``auto`` (which may pick the
+        ring), attention dropout, a ``softmax_scale`` or ``causal`` set on this module (the plain path leaves
+        the mask to the user's callable), a transport other than NCCL (its workspace belongs to this module's
+        pool). It runs ``sequence_parallel_ext.backend``, not the user's local attention: only for callers whose
+        local attention is that backend's math (softmax attention, default scale)."""
+        if self.softmax_scale is not None or self.causal or self.cfg.transport != "nccl":
             return None
-        return PackedUlysses(self.spg, 1 if self.cfg.mode == "ulysses" else self.cfg.head_chunks,
-                             backend=self.cfg.backend, policy=self.policy)
-
-    def _mesh(self, num_heads: int):
-        if num_heads not in self._meshes:
-            placement = self.cfg.mode if self.cfg.mode in ("usp", "tas") else self.cfg.placement  # torus: any mesh
-            self._meshes[num_heads] = build_sp_mesh(
-                self.spg, num_heads=num_heads, placement=placement,
-                ulysses_size=self.cfg.ulysses_size, nodes=self.cfg.nodes,
-                names={"placement": "sequence_parallel_ext.placement", "ulysses_size": "sequence_parallel_ext.ulysses_size",
-                       "nodes": "sequence_parallel_ext.nodes"})
-        return self._meshes[num_heads]
+        return packed_entry(self.cfg, self.spg, self.resources)
 
     def forward(self, query, key, value, batch_dim_idx: int, rotary_pos_emb=None, *args,
                 kv_valid_len: Optional[int] = None, **kwargs):
         """DeepSpeed's forward; ``kv_valid_len`` (ours): keys at global positions >= it are padding.
-        With padding, ulysses/hcms use our LSE backend (a user callable cannot take the mask)."""
+        With padding, ulysses/hcms use our LSE backend (a user callable cannot take the mask).
+        ``sequence_parallel_ext.dropout_p`` applies to our kernels in training (the user's callable keeps its own)."""
         if batch_dim_idx not in (0, 1):
             raise SPConfigError(f"batch_dim_idx={batch_dim_idx} is invalid: use 0 ([b, s, h, d]) or 1 ([s, b, h, d])")
         layout = "bshd" if batch_dim_idx == 0 else "sbhd"
-        mode = self.cfg.mode
         self.calls += 1
-        scale = self.softmax_scale
-        if mode in ("ulysses", "hcms"):
-            if kv_valid_len is None:
-                be = _UserLocalAttention(self.local_attn, batch_dim_idx, rotary_pos_emb, args, kwargs)
-            else:
-                if rotary_pos_emb is not None:
-                    query, key = self._local_rope(query, key, rotary_pos_emb, batch_dim_idx)
-                be = get_backend(self.cfg.backend, "sequence_parallel_ext.backend")
-            chunks = 1 if mode == "ulysses" else self.cfg.head_chunks
-            return ulysses_attention(query, key, value, self.spg, head_chunks=chunks, layout=layout, backend=be,
-                                     softmax_scale=scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]),
-                                     comm_stream=self.sp_stream_pool.comm_stream(query.device), policy=self.policy,
-                                     causal=self.causal and kv_valid_len is not None, kv_valid_len=kv_valid_len,
-                                     transport=self.transports.get(self.cfg.transport, self.spg, query.device,
-                                                                   "sequence_parallel_ext.transport"))
+        attn = self.attention_for(query.shape[2], key.shape[2], layout)
+        if attn.takes_local_attention and kv_valid_len is None:  # the user's callable masks and scales itself
+            be = _UserLocalAttention(self.local_attn, batch_dim_idx, rotary_pos_emb, args, kwargs)
+            scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
+            return attn(query, key, value, causal=False, softmax_scale=scale, local_attention=be)
         if rotary_pos_emb is not None:
             query, key = self._local_rope(query, key, rotary_pos_emb, batch_dim_idx)
-        be = get_backend(self.cfg.backend, "sequence_parallel_ext.backend")
-        if mode in ("ring", "tasp"):
-            return ring_attention(query, key, value, self.spg, variant=mode, causal=self.causal, softmax_scale=scale,
-                                  layout=layout, backend=be, placement="contiguous", kv_valid_len=kv_valid_len)
-        mesh = self._mesh(query.shape[2])
-        if mode == "torus":
-            return torus_attention(query, key, value, mesh, causal=self.causal, softmax_scale=scale, layout=layout,
-                                   ring_variant=self.cfg.ring_variant, backend=self.cfg.backend,
-                                   placement="contiguous", kv_valid_len=kv_valid_len)
-        return hybrid_attention(query, key, value, mesh, head_chunks=self.cfg.head_chunks,
-                                ring_variant=self.cfg.ring_variant, causal=self.causal, softmax_scale=scale,
-                                layout=layout, backend=self.cfg.backend, placement="contiguous",
-                                kv_valid_len=kv_valid_len)
+        return attn(query, key, value, causal=self.causal, softmax_scale=self.softmax_scale,
+                    kv_valid_len=kv_valid_len, dropout_p=self.cfg.dropout_p if self.training else 0.0)
 
     def _local_rope(self, query, key, rope, batch_dim_idx):
         """Rotate this rank's contiguous tokens by their global positions (full-length cos/sin given)."""

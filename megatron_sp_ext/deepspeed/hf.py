@@ -22,7 +22,7 @@ from ..comm.transport import TransportPool
 from ..config import SPConfig
 from ..errors import SPConfigError
 from ..sp.policy import HCMSPolicy
-from ..sp.ulysses import ulysses_attention
+from ..sp.factory import SPResources, make_attention
 
 
 class _HFLocalAttention(LocalAttention):
@@ -90,13 +90,14 @@ class SPUlyssesAttentionHF(UlyssesSPAttentionHF):
         kwargs["position_ids"] = torch.cat(parts, dim=1)
         q_bshd, k_bshd, v_bshd = (t.transpose(1, 2) for t in (query, key, value))
         backend = _HFLocalAttention(self.attn, module, attention_mask, args, kwargs)
-        chunks = 1 if self.cfg.mode == "ulysses" else self.cfg.head_chunks
         scale = kwargs.get("scaling") or 1.0 / math.sqrt(d)
-        out_bshd = ulysses_attention(
-            q_bshd, k_bshd, v_bshd, self.process_group, head_chunks=chunks, layout="bshd", backend=backend,
-            causal=bool(getattr(module, "is_causal", False)), softmax_scale=scale,
-            comm_stream=self.streams.comm_stream(query.device), policy=self.policy,
-            transport=self.transports.get(self.cfg.transport, self.process_group, query.device,
-                                          "sequence_parallel_ext.transport"))
+        cache = self.__dict__.setdefault("_sp_attention", {})  # (heads, kv heads) -> the factory's attention
+        if (h, k_bshd.shape[2]) not in cache:
+            cache[(h, k_bshd.shape[2])] = make_attention(
+                self.cfg, self.process_group, num_heads=h, num_kv_heads=k_bshd.shape[2], layout="bshd",
+                resources=SPResources(self.cfg, streams=self.streams, policy=self.policy, transports=self.transports))
+        attn = cache[(h, k_bshd.shape[2])]
+        out_bshd = attn(q_bshd, k_bshd, v_bshd, causal=bool(getattr(module, "is_causal", False)), softmax_scale=scale,
+                        local_attention=backend)
         self.calls += 1
         return out_bshd.reshape(b, s_loc, h * d), None

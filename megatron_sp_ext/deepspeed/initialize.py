@@ -3,7 +3,7 @@
 JSON (next to DeepSpeed's own ``"sequence_parallel_size": P``):
     "sequence_parallel_ext": {"mode": "hcms", "head_chunks": "auto", "placement": "auto",
                               "ring_variant": "tasp", "nodes": null, "ulysses_size": null,
-                              "backend": "sdpa", "causal": false}
+                              "backend": "sdpa", "causal": false, "dropout_p": 0.0}
 Steps: validate the block (errors name the JSON key) -> build SP / data / sequence-data groups
 -> install the mpu in deepspeed.utils.groups -> swap the attention of opting-in modules ->
 deepspeed.initialize(model=..., config=..., mpu=..., **kwargs) and return what it returns.
@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..config import MESH_MODES, SPConfig, resolve_auto_mode
+from ..config import MESH_MODES, SPConfig
 from ..errors import SPConfigError
 from .mpu import SequenceParallelMPU, build_sequence_parallel_groups
 
@@ -80,13 +80,6 @@ def _multi_machine() -> bool:
     return bool(w and lw and int(w) > int(lw))
 
 
-def _resolve_mode(cfg: SPConfig, num_heads: Optional[int], sp: int) -> SPConfig:
-    if cfg.mode != "auto":
-        return cfg
-    import dataclasses  # noqa: PLC0415
-    return dataclasses.replace(cfg, mode=resolve_auto_mode(num_heads or 1, sp))
-
-
 def swap_attention(model: torch.nn.Module, mpu: SequenceParallelMPU, cfg: SPConfig, extras: dict) -> int:
     """Apply the opt-in protocol (module docstring); returns how many attentions were configured."""
     from deepspeed.sequence.layer import DistributedAttention  # noqa: PLC0415
@@ -112,7 +105,9 @@ def initialize(model: torch.nn.Module, config: Union[str, Mapping[str, Any]], nu
                **kwargs):
     """Validate, build groups and mpu, swap attention, then ``deepspeed.initialize``; returns its result.
 
-    num_heads: attention heads (lets validation and mode "auto" check head-based limits early).
+    num_heads: attention heads (lets validation check head-based limits early). Mode "auto" is resolved by
+    each attention (megatron_sp_ext.sp.factory) at its first call: statically from its heads, then per shape by
+    its calibration on CUDA, as in the Megatron and DiT entries.
     """
     import deepspeed  # noqa: PLC0415
     cfg_dict = _load(config)
@@ -121,7 +116,6 @@ def initialize(model: torch.nn.Module, config: Union[str, Mapping[str, Any]], nu
     else:
         deepspeed.init_distributed(dist_backend=dist.get_backend())
     cfg, extras, sp = validate_deepspeed_config(cfg_dict, dist.get_world_size(), num_heads)
-    cfg = _resolve_mode(cfg, num_heads, sp)
     mpu = build_sequence_parallel_groups(sp).install()
     n = swap_attention(model, mpu, cfg, extras)
     if n == 0 and sp > 1:

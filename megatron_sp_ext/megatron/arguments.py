@@ -5,13 +5,15 @@
     parse_and_validate_args(extra_args_provider=add_arguments)    # newer Megatron-LM
 
 Flags: --hcms-head-chunks, --sp-placement, --sp-nodes, --sp-ulysses-size, --sp-ring-variant,
---sp-attention-backend; ``--cp-comm-type`` itself is Megatron-LM's (added here only when the
+--sp-attention-backend; Megatron-LM's ``--attention-dropout`` is applied by ulysses/hcms (and auto, which then
+stays on them) and refused by the ring-family types; ``--cp-comm-type`` itself is Megatron-LM's (added here only when the
 parser lacks it, e.g. in megatron-core-only scripts). Bad combinations fail when the arguments are
 parsed, with one line naming the flag.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from ..config import BACKENDS, PLACEMENTS, RING_VARIANTS, SPConfig, parse_head_chunks
@@ -111,6 +113,13 @@ def validate_args(args) -> SPConfig:
         if cfg.ulysses_size is not None and (cp % cfg.ulysses_size or local % cfg.ulysses_size):
             raise SPConfigError(f"--sp-ulysses-size={cfg.ulysses_size} must divide --context-parallel-size {cp} "
                                 f"and the heads per TP rank {local}")
+    dropout = getattr(args, "attention_dropout", 0.0) or 0.0  # Megatron-LM's --attention-dropout (default 0.1)
+    if dropout:
+        for t in types:  # each of our types applies it (Ulysses family) or refuses it, naming the flags
+            if t in OURS:
+                layer = dataclasses.replace(cfg, mode=t, head_chunks=1 if t == "ulysses" else cfg.head_chunks,
+                                            dropout_p=dropout)
+                layer.check_dropout(cp, heads // tp if heads is not None else None)
     if cfg.nodes is not None and cp % cfg.nodes:
         raise SPConfigError(f"--sp-nodes={cfg.nodes} does not divide --context-parallel-size {cp}")
     if ("tas" in types or cfg.placement == "tas") and _nodes_hint(args) < 2:

@@ -4,12 +4,13 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..config import SPConfig
+from ..config import MODES, SPConfig
 
 
 @dataclass
@@ -39,7 +40,12 @@ class SPTransformerConfig(TransformerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        sp_config_from(self)  # validates; errors name the flags
+        base = sp_config_from(self)  # validates; errors name the flags
+        types = self.cp_comm_type if isinstance(self.cp_comm_type, (list, tuple)) else [self.cp_comm_type]
+        for t in types:  # --attention-dropout: applied by the Ulysses family, refused by the others
+            if t in MODES and self.attention_dropout:
+                dataclasses.replace(base, mode=t, head_chunks=1 if t == "ulysses" else base.head_chunks,
+                                    dropout_p=self.attention_dropout)
 
 
 def sp_config_from(config) -> SPConfig:

@@ -17,50 +17,27 @@ Causal masks follow Megatron's zigzag placement; DiTs use AttnMaskType.no_mask.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from ..attention.backends import get_backend
-from ..comm.streams import StreamPool
-from ..comm.transport import TransportPool
-from ..config import SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
-from ..sp.hybrid import hybrid_attention
-from ..sp.policy import HCMSPolicy, ModePolicy
-from ..sp.ring import ring_attention
-from ..sp.torus import torus_attention
-from ..sp.ulysses import ulysses_attention
-from ..topology.mesh import SPMesh, build_sp_mesh, mesh_from_hierarchical_groups
+from ..sp.factory import SPAttention, SPResources, make_attention
+from ..topology.mesh import mesh_from_hierarchical_groups
 from .config import sp_config_from
 
 OUR_CP_TYPES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
 TE_CP_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
-
-class SPContext:
-    """State shared by every layer of one model: settings, comm streams, HCMS policy, meshes."""
-
-    def __init__(self, sp_config: Optional[SPConfig] = None) -> None:
-        self.sp_config = sp_config
-        self.streams = StreamPool()
-        self.policy = HCMSPolicy()
-        self.mode_policy = ModePolicy()
-        self.transports = TransportPool()
-        self._meshes: dict = {}
-
-    def mesh(self, group, num_heads: int, cfg: SPConfig, placement: Optional[str] = None) -> SPMesh:
-        key = (id(group), num_heads, placement or cfg.placement, cfg.ulysses_size, cfg.nodes)
-        if key not in self._meshes:
-            self._meshes[key] = build_sp_mesh(
-                group, num_heads=num_heads, placement=placement or cfg.placement, ulysses_size=cfg.ulysses_size,
-                nodes=cfg.nodes, names={"placement": "--sp-placement", "ulysses_size": "--sp-ulysses-size",
-                                        "nodes": "--sp-nodes"})
-        return self._meshes[key]
+# State shared by every layer of one model (settings, comm streams, HCMS and mode policies, transports, meshes):
+# the factory's SPResources under its historical Megatron name.
+SPContext = SPResources
 
 
 class SPDotProductAttention(DotProductAttention):
@@ -92,23 +69,34 @@ class SPDotProductAttention(DotProductAttention):
             raise SPConfigError(f"--cp-comm-type={mode!r} is invalid: choose one of "
                                 f"{', '.join(OUR_CP_TYPES + TE_CP_TYPES)}")
         heads = self.num_attention_heads_per_partition
-        self.mode = resolve_auto_mode(heads, cp) if mode == "auto" else mode
-        self.auto_ring = mode == "auto" and self.mode == "hcms"  # may still pick the ring per shape
         self.ctx = sp_context or SPContext()
-        self.sp = self.ctx.sp_config or sp_config_from(config)
-        if self.mode in ("ulysses", "hcms") and cp > 1 and heads < cp:
-            raise SPConfigError(f"--cp-comm-type={mode} needs at least one attention head per CP rank: "
-                                f"{heads} heads (per tensor-parallel rank) < context-parallel size {cp}; "
-                                f"use ring, tasp, usp or auto")
-        self.backend = get_backend(self.sp.backend, "--sp-attention-backend")
-        self.mesh = None
+        base = self.ctx.sp_config or sp_config_from(config)
+        p = attention_dropout if attention_dropout is not None else (getattr(config, "attention_dropout", 0.0) or 0.0)
+        # this layer's settings: its --cp-comm-type and --attention-dropout (validated here, naming the flags)
+        self.sp = dataclasses.replace(base, mode=mode, head_chunks=1 if mode == "ulysses" else base.head_chunks,
+                                      dropout_p=p)
+        self.dropout_p = self.sp.dropout_p
+        mesh = None
         hcp = getattr(pg_collection, "hcp", None)
-        if self.mode == "usp" and cp > 1 and hcp and len(hcp) == 2 and self.sp.ulysses_size in (None, hcp[0].size()):
+        if mode == "usp" and cp > 1 and hcp and len(hcp) == 2 and self.sp.ulysses_size in (None, hcp[0].size()):
             # Megatron already built the two levels (--hierarchical-context-parallel-sizes): reuse them
-            self.mesh = mesh_from_hierarchical_groups(self.cp_group, hcp[0], hcp[1])
-        elif self.mode in ("usp", "tas", "torus") and cp > 1:
-            placement = None if self.mode == "torus" else self.mode
-            self.mesh = self.ctx.mesh(self.cp_group, heads, self.sp, placement)
+            mesh = mesh_from_hierarchical_groups(self.cp_group, hcp[0], hcp[1])
+        self.attention: SPAttention = make_attention(
+            self.sp, self.cp_group if cp > 1 else None, num_heads=heads,
+            num_kv_heads=self.num_query_groups_per_partition, layout="sbhd", placement="zigzag",
+            backend=self.sp.backend, resources=self.ctx, mesh=mesh)
+        self.attention.chooser = lambda q, k, causal, kv_valid_len: self._auto_mode(q, k, causal)
+        self.mode = self.attention.mode
+        self.mesh = self.attention.mesh
+
+    @property
+    def backend(self):
+        """The local attention kernel (the factory attention's; settable)."""
+        return self.attention.backend
+
+    @backend.setter
+    def backend(self, be) -> None:
+        self.attention.backend = be
 
     @staticmethod
     def _build_te(config, *args):
@@ -143,44 +131,38 @@ class SPDotProductAttention(DotProductAttention):
         return out.reshape(s, b, -1)
 
     def _auto_mode(self, q, k, causal: bool) -> str:
-        """``auto``: Ulysses/HCMS ("hcms", the baseline) or the ring for this shape (calibrated once per key)."""
-        group, scale, stream = self.cp_group, self.softmax_scale, self.ctx.streams.comm_stream(q.device)
-        tr = self.ctx.transports.get(self.sp.transport, group, q.device, "--sp-transport") \
-            if q.device.type == "cuda" else None
-        return self.ctx.mode_policy.choose_for(q, k, group, {
-            "hcms": lambda qs, ks, vs: ulysses_attention(
-                qs, ks, vs, group, head_chunks=self.sp.head_chunks, causal=causal, softmax_scale=scale, layout="sbhd",
-                backend=self.backend, comm_stream=stream, policy=self.ctx.policy, placement="zigzag", transport=tr),
-            "ring": lambda qs, ks, vs: ring_attention(qs, ks, vs, group, variant="ring", causal=causal,
-                                                      softmax_scale=scale, layout="sbhd", placement="zigzag",
-                                                      backend=self.backend),
-        }, extra_key=(causal,))
+        """``auto``: Ulysses/HCMS ("hcms", the baseline) or the ring for this shape (the factory's calibration,
+        once per key; a hook tests may replace)."""
+        chooser, self.attention.chooser = self.attention.chooser, None
+        try:
+            return self.attention.choose(q, k, causal, None, self.softmax_scale)
+        finally:
+            self.attention.chooser = chooser
+
+    def _dropout(self) -> float:
+        """This call's attention dropout: --attention-dropout in training, 0 in eval."""
+        return self.dropout_p if self.training else 0.0
 
     def attend(self, q, k, v, causal: bool):
-        """The algorithm of ``self.mode`` on sbhd tensors in Megatron's zigzag placement."""
+        """This layer's algorithm (the factory's) on sbhd tensors in Megatron's zigzag placement."""
         group, scale = self.cp_group, self.softmax_scale
         cp = group.size() if group is not None else 1
-        stream = self.ctx.streams.comm_stream(q.device)
+        p = self._dropout()
         if cp == 1:
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            if p > 0.0:  # one rank: torch SDPA's own dropout, under autograd
+                return F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale, dropout_p=p,
+                                                      enable_gqa=kb.shape[1] != qb.shape[1]).permute(2, 0, 1, 3)
             return self.backend(qb, kb, vb, causal=causal, softmax_scale=scale).permute(2, 0, 1, 3)
-        mode = self._auto_mode(q, k, causal) if self.auto_ring else self.mode
-        if mode == "ring" and self.auto_ring:
-            return ring_attention(q, k, v, group, variant="ring", causal=causal, softmax_scale=scale, layout="sbhd",
-                                  placement="zigzag", backend=self.backend)
-        if self.mode in ("ulysses", "hcms"):
-            chunks = 1 if self.mode == "ulysses" else self.sp.head_chunks
-            return ulysses_attention(q, k, v, group, head_chunks=chunks, causal=causal, softmax_scale=scale,
-                                     layout="sbhd", backend=self.backend, comm_stream=stream, policy=self.ctx.policy,
-                                     placement="zigzag",
-                                     transport=self.ctx.transports.get(self.sp.transport, group, q.device,
-                                                                       "--sp-transport"))
-        if self.mode in ("ring", "tasp"):
-            return ring_attention(q, k, v, group, variant=self.mode, causal=causal, softmax_scale=scale,
-                                  layout="sbhd", placement="zigzag", backend=self.backend)
-        if self.mode == "torus":
-            return torus_attention(q, k, v, self.mesh, causal=causal, softmax_scale=scale, layout="sbhd",
-                                   ring_variant=self.sp.ring_variant, placement="zigzag", backend=self.backend)
-        return hybrid_attention(q, k, v, self.mesh, head_chunks=self.sp.head_chunks,
-                                ring_variant=self.sp.ring_variant, causal=causal, softmax_scale=scale,
-                                layout="sbhd", placement="zigzag", backend=self.backend)
+        with _model_parallel_rng(q):
+            return self.attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=p)
+
+
+def _model_parallel_rng(q: torch.Tensor):
+    """Megatron's model-parallel CUDA RNG (as its own attention dropout uses) when initialised, else a no-op."""
+    import contextlib  # noqa: PLC0415
+    if q.device.type != "cuda":
+        return contextlib.nullcontext()
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # noqa: PLC0415
+    tracker = get_cuda_rng_tracker()
+    return tracker.fork() if tracker.is_initialized() else contextlib.nullcontext()

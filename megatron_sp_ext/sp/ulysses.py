@@ -57,6 +57,7 @@ class UlyssesPlan:
     transport: Optional[object] = None  # comm.transport object (None: the group's own all_to_all)
     order: Optional[lay.SeqOrder] = None  # gathered (rank) order -> global order; None: already global
     kv_valid_len: Optional[int] = None  # keys at global positions >= this are padding (0 < it < S)
+    dropout_p: float = 0.0  # attention dropout inside each chunk's kernel (forces the inner-graph path)
 
 
 def _alloc(numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -117,9 +118,14 @@ def _send_head_major(t_bhsd: torch.Tensor, tr, order: Optional[lay.SeqOrder] = N
     return send
 
 
-def _local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, valid: Optional[int]):
+def _local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, valid: Optional[int],
+                     dropout_p: float = 0.0):
     """The local kernel on global-order bhsd q/k/v; keys at positions >= ``valid`` are padding: they are
-    cut off (one call; causal: a causal call for the valid queries and a full one for the padded rows)."""
+    cut off (one call; causal: a causal call for the valid queries and a full one for the padded rows).
+    dropout_p > 0: torch's SDPA with its own dropout instead of ``be`` (under autograd, so the backward
+    reuses the forward's mask)."""
+    if dropout_p > 0.0:
+        be = _DropoutSDPA(dropout_p)
     if valid is None:
         return be(q, k, v, causal=causal, softmax_scale=scale)
     kv = (k[:, :, :valid], v[:, :, :valid])
@@ -130,6 +136,20 @@ def _local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, va
     return torch.cat([head, tail], dim=2)
 
 
+class _DropoutSDPA(LocalAttention):
+    """torch SDPA with attention dropout [B, H, S, D] (GQA allowed); differentiable, no log-sum-exp."""
+
+    name = "sdpa_dropout"
+
+    def __init__(self, dropout_p: float) -> None:
+        self.dropout_p = dropout_p
+
+    def __call__(self, q, k, v, *, causal, softmax_scale):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=softmax_scale, dropout_p=self.dropout_p,
+            enable_gqa=k.shape[1] != q.shape[1])
+
+
 def explicit_kernels(plan, like: torch.Tensor) -> bool:
     """Whether a call runs the kernels' own forward/backward (with log-sum-exp) and keeps each chunk's
     (q, k, v, out, lse) in autograd's saved tensors (``hold``) instead of an inner autograd graph per chunk:
@@ -138,6 +158,8 @@ def explicit_kernels(plan, like: torch.Tensor) -> bool:
     saved-tensor hooks, so activation checkpointing drops them and recomputes the call once; an inner graph
     kept on ``ctx`` stayed alive under checkpointing (no memory saved) and was recomputed once per chunk."""
     if not (getattr(plan, "need_grad", True) and isinstance(plan.backend, SDPABackend)):
+        return False
+    if getattr(plan, "dropout_p", 0.0) > 0.0:  # the kernels' explicit forward/backward carry no dropout mask
         return False
     from ..attention import lse_kernels  # noqa: PLC0415
     kernel = plan.backend.kernel if plan.backend.kernel != "auto" else lse_kernels.best(like.device, like.dtype)
@@ -178,7 +200,8 @@ def attend(plan, qc, kc, vc, explicit: bool):
     if need_grad:
         qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
     with torch.set_grad_enabled(need_grad):
-        oc = _local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, getattr(plan, "kv_valid_len", None))
+        oc = _local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, getattr(plan, "kv_valid_len", None),
+                              getattr(plan, "dropout_p", 0.0))
     return oc, ((qc, kc, vc, oc) if need_grad else None)
 
 
@@ -423,7 +446,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       comm_stream: Optional["torch.cuda.Stream"] = None,
                       policy=None, placement: str = "contiguous",
                       kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True,
-                      transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None) -> torch.Tensor:
+                      transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None,
+                      dropout_p: float = 0.0) -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
     q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's sequence shard.
@@ -444,7 +468,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     torch symmetric memory with CUDA tensors and an NCCL group; or a transport object. Same math.
     seq_order (advanced; hybrid meshes): an explicit permutation of the gathered sequence into the order
     ``backend`` expects (a ring backend that knows the runs), applied instead of the placement's.
+    dropout_p: attention dropout inside the local attention (torch SDPA's own, under autograd so that the
+    backward uses the forward's mask; pass 0 in eval). Each head chunk draws its own mask.
     """
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise SPConfigError(f"dropout_p={dropout_p!r} is invalid: use a probability in [0, 1)")
     _check_inputs(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     be = get_backend(backend)
@@ -471,9 +499,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                                           else st.default_pool().comm_stream(q.device))
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad, qkv_contiguous, tr,
-                       order, valid)
+                       order, valid, float(dropout_p))
     if world == 1:  # one rank: its placement is global order
         qb, kb, vb = ((t.transpose(1, 2) if layout == "bshd" else t.permute(1, 2, 0, 3)) for t in (q, k, v))
-        o = _local_attention(be, qb, kb, vb, causal, scale, valid)
+        o = _local_attention(be, qb, kb, vb, causal, scale, valid, float(dropout_p))
         return o.transpose(1, 2) if layout == "bshd" else o.permute(2, 0, 1, 3)
     return _UlyssesFn.apply(q, k, v, plan)

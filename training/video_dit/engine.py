@@ -18,10 +18,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-import megatron_sp_ext as spx
-from megatron_sp_ext.config import resolve_auto_mode
+from megatron_sp_ext.config import SPConfig
+from megatron_sp_ext.sp.factory import SPResources, make_attention
 from megatron_sp_ext.sp.placement import pieces
-from megatron_sp_ext.sp.policy import HCMSPolicy, ModePolicy
 
 from .model import patchify
 
@@ -30,46 +29,28 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e
 
 def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: str = "ring",
               placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "sdpa",
-              transport: str = "nccl"):
+              transport: str = "nccl", source: str = "megatron"):
     """The sequence-parallel attention core(q, k, v, kv_valid_len) on [B, S_local, H, D] shards
-    (contiguous token placement) for ``mode`` over ``group`` (None or size 1 = local)."""
+    (contiguous token placement) for ``mode`` over ``group`` (None or size 1 = local): the factory's
+    attention (megatron_sp_ext.sp.factory), with its ``packed`` entry (Ulysses / HCMS) and ``attention``.
+    The DiT has no attention dropout (its attention is dropout-free). Errors name the flags of ``source``."""
     from .model import local_core  # noqa: PLC0415
     world = dist.get_world_size(group) if group is not None else 1
     if world == 1:
         return local_core
-    auto = mode == "auto"
-    mode = resolve_auto_mode(num_heads, world) if auto else mode
-    policy = HCMSPolicy()
+    cfg = SPConfig(mode=mode, head_chunks=1 if mode == "ulysses" else head_chunks, ring_variant=ring_variant,
+                   placement=placement, ulysses_size=ulysses_size, nodes=nodes, backend=backend,
+                   transport=transport, source=source)
+    attn = make_attention(cfg, group, num_heads=num_heads, layout="bshd", placement="contiguous",
+                          backend=backend, resources=SPResources(cfg))
 
-    def ulysses(q, k, v, n=None, chunks=1 if mode == "ulysses" else head_chunks):
-        return spx.ulysses_attention(q, k, v, group, head_chunks=chunks, policy=policy, backend=backend,
-                                     kv_valid_len=n, transport=transport)
-
-    def ring(q, k, v, n=None, variant="ring" if auto else mode):
-        return spx.ring_attention(q, k, v, group, variant=variant, placement="contiguous", backend=backend,
-                                  kv_valid_len=n)
-    if auto and mode == "hcms":  # on GPUs Ulysses/HCMS or the ring per shape, from its own calibration
-        modes = ModePolicy()
-
-        def chosen(q, k, v, n=None):
-            pick = modes.choose_for(q, k, group, {"hcms": lambda a, b, c: ulysses(a, b, c, n),
-                                                  "ring": lambda a, b, c: ring(a, b, c, n)}, extra_key=(n,))
-            return (ulysses if pick == "hcms" else ring)(q, k, v, n)
-        chosen.mode_policy = modes
-        return chosen
-    if mode in ("ulysses", "hcms"):
-        ulysses.packed = spx.PackedUlysses(group, 1 if mode == "ulysses" else head_chunks, backend=backend,
-                                           transport=transport, policy=policy)
-        return ulysses
-    if mode in ("ring", "tasp"):
-        return ring
-    mesh = spx.build_sp_mesh(group, num_heads=num_heads, placement=mode if mode in ("usp", "tas") else placement,
-                             ulysses_size=ulysses_size, nodes=nodes)
-    if mode == "torus":
-        return lambda q, k, v, n=None: spx.torus_attention(q, k, v, mesh, ring_variant=ring_variant, backend=backend,
-                                                           kv_valid_len=n)
-    return lambda q, k, v, n=None: spx.hybrid_attention(q, k, v, mesh, head_chunks=head_chunks,
-                                                        ring_variant=ring_variant, backend=backend, kv_valid_len=n)
+    def core(q, k, v, n=None):
+        return attn(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n)
+    core.attention = attn
+    core.mode_policy = attn.res.mode_policy
+    if attn.packed is not None:
+        core.packed = attn.packed
+    return core
 
 
 def _rng(seed: int, sample: int) -> torch.Generator:

@@ -1,0 +1,186 @@
+"""The one map from a mode (``SPConfig.mode``) to its sequence-parallel attention algorithm.
+
+Every entry point (Megatron's ``SPDotProductAttention``, DeepSpeed's ``SPDistributedAttention``, the video
+DiT's ``make_core``) calls ``make_attention`` and runs the ``SPAttention`` it returns; no other module maps
+a mode name to an algorithm.
+
+    attn = make_attention(cfg, group, num_heads=H, num_kv_heads=Hkv, layout="sbhd", placement="zigzag",
+                          backend=cfg.backend, resources=SPResources())
+    out = attn(q, k, v, causal=True, softmax_scale=None, kv_valid_len=None, dropout_p=0.0)
+
+Modes: ulysses (one chunk), hcms (``cfg.head_chunks``, "auto" via the HCMS policy), ring and tasp (ring
+variants over ``group``), usp and tas (``hybrid_attention`` on a mesh), torus (``torus_attention`` on a
+mesh), auto (``resolve_auto_mode`` statically: hcms when every rank gets a head, else a usp mesh, else
+ring; when it is hcms, on CUDA the model's ``ModePolicy`` calibrates Ulysses/HCMS against the ring per
+shape). Attention dropout (``dropout_p``) runs inside the Ulysses family only (``config.DROPOUT_MODES``);
+with dropout, or with a caller's own local attention, "auto" stays on Ulysses/HCMS.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..attention.backends import LocalAttention, get_backend
+from ..comm.streams import StreamPool
+from ..comm.transport import TransportPool
+from ..config import DROPOUT_MODES, LAYOUTS, MESH_MODES, SEQ_PLACEMENTS, SPConfig, resolve_auto_mode
+from ..errors import SPConfigError
+from ..topology.mesh import SPMesh, build_sp_mesh
+from .hybrid import hybrid_attention
+from .packed import PackedUlysses
+from .policy import HCMSPolicy, ModePolicy
+from .ring import ring_attention
+from .torus import torus_attention
+from .ulysses import ulysses_attention
+
+ULYSSES_MODES = ("ulysses", "hcms")
+RING_MODES = ("ring", "tasp")
+
+
+class SPResources:
+    """What every attention of one model shares: comm streams, HCMS chunk policy, mode policy (auto),
+    transports and meshes (one per group/heads/placement). ``sp_config``: the model's settings, if known."""
+
+    def __init__(self, sp_config: Optional[SPConfig] = None, *, streams: Optional[StreamPool] = None,
+                 policy: Optional[HCMSPolicy] = None, mode_policy: Optional[ModePolicy] = None,
+                 transports: Optional[TransportPool] = None) -> None:
+        self.sp_config = sp_config
+        self.streams = streams or StreamPool()
+        self.policy = policy or HCMSPolicy()
+        self.mode_policy = mode_policy or ModePolicy()
+        self.transports = transports or TransportPool()
+        self.meshes: dict = {}
+
+    def mesh(self, group: dist.ProcessGroup, num_heads: int, cfg: SPConfig,
+             placement: Optional[str] = None) -> SPMesh:
+        """The (cached) mesh of ``group`` for ``num_heads`` heads; ``placement`` overrides ``cfg.placement``."""
+        placement = placement or cfg.placement
+        key = (id(group), num_heads, placement, cfg.ulysses_size, cfg.nodes)
+        if key not in self.meshes:
+            self.meshes[key] = build_sp_mesh(
+                group, num_heads=num_heads, placement=placement, ulysses_size=cfg.ulysses_size, nodes=cfg.nodes,
+                names={s: cfg.name(s) for s in ("placement", "ulysses_size", "nodes")})
+        return self.meshes[key]
+
+
+# (q, k, causal, kv_valid_len) -> "hcms" or "ring": overrides auto's calibration (adapters, tests)
+Chooser = Callable[[torch.Tensor, torch.Tensor, bool, Optional[int]], str]
+
+
+class SPAttention:
+    """One sequence-parallel attention: ``attn(q, k, v, *, causal, softmax_scale, kv_valid_len=None,
+    dropout_p=0.0, local_attention=None)`` on this rank's shards ([B, S_loc, H, D] for layout "bshd",
+    [S_loc, B, H, D] for "sbhd", in ``placement``), returning the output in q's layout and shape.
+
+    Attributes: ``mode`` (what runs; "auto" resolved statically), ``auto`` (auto may pick the ring per shape),
+    ``backend`` (local kernel; settable), ``mesh`` (usp/tas/torus), ``packed`` (a ``PackedUlysses`` for models
+    that write q|k|v into the exchange layout, or None), ``takes_local_attention`` (a caller's own local
+    attention can run inside: Ulysses/HCMS), ``chooser`` (None: auto's own calibration).
+    """
+
+    def __init__(self, cfg: SPConfig, group: Optional[dist.ProcessGroup], *, num_heads: int,
+                 num_kv_heads: Optional[int], layout: str, placement: str, backend: "str | LocalAttention",
+                 resources: SPResources, mesh: Optional[SPMesh] = None) -> None:
+        if layout not in LAYOUTS:
+            raise SPConfigError(f"layout={layout!r} is invalid: choose one of {', '.join(LAYOUTS)}")
+        if placement not in SEQ_PLACEMENTS:
+            raise SPConfigError(f"placement={placement!r} is invalid: choose one of {', '.join(SEQ_PLACEMENTS)}")
+        self.cfg, self.group, self.layout, self.placement, self.res = cfg, group, layout, placement, resources
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads or num_heads
+        self.world = dist.get_world_size(group) if group is not None else 1
+        cfg.check_dropout(self.world, num_heads)
+        self.mode = resolve_auto_mode(num_heads, self.world) if cfg.mode == "auto" else cfg.mode
+        self.auto = cfg.mode == "auto" and self.mode == "hcms" and cfg.dropout_p == 0.0
+        if self.mode in ULYSSES_MODES and self.world > 1 and num_heads < self.world:
+            raise SPConfigError(f"{cfg.name('mode')}={cfg.mode} needs at least one attention head per rank: "
+                                f"{num_heads} heads < {cfg.name('sp_size')} {self.world}; use ring, tasp, usp or auto")
+        self.chunks = 1 if self.mode == "ulysses" else cfg.head_chunks
+        self.backend = get_backend(backend, cfg.name("backend"))
+        self.takes_local_attention = self.mode in ULYSSES_MODES
+        self.chooser: Optional[Chooser] = None
+        self.mesh = mesh
+        if self.mesh is None and self.mode in MESH_MODES and self.world > 1:
+            self.mesh = resources.mesh(group, num_heads, cfg, self.mode if self.mode in ("usp", "tas") else None)
+        self.packed = packed_entry(cfg, group, resources, backend=self.backend) if self.world > 1 else None
+
+    def choose(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
+               softmax_scale: Optional[float] = None) -> str:
+        """auto: "hcms" (Ulysses/HCMS, the baseline) or "ring" for this shape (``chooser`` or the ModePolicy's
+        calibration, once per shape key; CPU: the baseline)."""
+        if self.chooser is not None:
+            return self.chooser(q, k, causal, kv_valid_len)
+        return self.res.mode_policy.choose_for(q, k, self.group, {
+            "hcms": lambda a, b, c: self._ulysses(a, b, c, causal, softmax_scale, kv_valid_len, 0.0, None),
+            "ring": lambda a, b, c: self._ring(a, b, c, "ring", causal, softmax_scale, kv_valid_len),
+        }, extra_key=(causal, kv_valid_len, self.layout, self.placement))
+
+    def _ulysses(self, q, k, v, causal, scale, kv_valid_len, dropout_p, local_attention):
+        return ulysses_attention(
+            q, k, v, self.group, head_chunks=self.chunks, causal=causal, softmax_scale=scale, layout=self.layout,
+            backend=local_attention if local_attention is not None else self.backend,
+            comm_stream=self.res.streams.comm_stream(q.device), policy=self.res.policy, placement=self.placement,
+            kv_valid_len=kv_valid_len, dropout_p=dropout_p,
+            transport=self.res.transports.get(self.cfg.transport, self.group, q.device, self.cfg.name("transport")))
+
+    def _ring(self, q, k, v, variant, causal, scale, kv_valid_len):
+        return ring_attention(q, k, v, self.group, variant=variant, causal=causal, softmax_scale=scale,
+                              layout=self.layout, placement=self.placement, backend=self.backend,
+                              kv_valid_len=kv_valid_len)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                 softmax_scale: Optional[float] = None, kv_valid_len: Optional[int] = None, dropout_p: float = 0.0,
+                 local_attention: Optional[LocalAttention] = None) -> torch.Tensor:
+        """q: [B, S_loc, H, D] / [S_loc, B, H, D]; k, v: Hkv heads. dropout_p: attention dropout of this call
+        (0 in eval). local_attention: a caller's local attention for Ulysses/HCMS (bhsd in and out)."""
+        if dropout_p > 0.0 and self.mode not in DROPOUT_MODES:
+            raise SPConfigError(f"dropout_p={dropout_p} is not supported by {self.cfg.name('mode')}={self.mode!r} "
+                                f"(log-sum-exp merged partial results): use dropout_p=0 or "
+                                f"{' / '.join(DROPOUT_MODES)}")
+        if local_attention is not None and not self.takes_local_attention:
+            raise SPConfigError(f"{self.cfg.name('mode')}={self.mode!r} runs megatron_sp_ext's log-sum-exp kernels "
+                                f"({self.cfg.name('backend')}), not a caller's local attention: use ulysses or hcms")
+        mode = self.mode
+        if self.auto and dropout_p == 0.0 and local_attention is None:
+            mode = "ring" if self.choose(q, k, causal, kv_valid_len, softmax_scale) == "ring" else self.mode
+        if mode in ULYSSES_MODES:
+            return self._ulysses(q, k, v, causal, softmax_scale, kv_valid_len, dropout_p, local_attention)
+        if mode in RING_MODES:
+            return self._ring(q, k, v, mode, causal, softmax_scale, kv_valid_len)
+        if mode == "torus":
+            return torus_attention(q, k, v, self.mesh, causal=causal, softmax_scale=softmax_scale, layout=self.layout,
+                                   ring_variant=self.cfg.ring_variant, placement=self.placement, backend=self.backend,
+                                   kv_valid_len=kv_valid_len)
+        if mode in ("usp", "tas"):
+            return hybrid_attention(q, k, v, self.mesh, head_chunks=self.cfg.head_chunks,
+                                    ring_variant=self.cfg.ring_variant, causal=causal, softmax_scale=softmax_scale,
+                                    layout=self.layout, placement=self.placement, backend=self.backend,
+                                    kv_valid_len=kv_valid_len)
+        raise SPConfigError(f"{self.cfg.name('mode')}={mode!r} is invalid")  # pragma: no cover - SPConfig checked
+
+
+def packed_entry(cfg: SPConfig, group: dist.ProcessGroup, resources: SPResources,
+                 backend: "str | LocalAttention | None" = None) -> Optional[PackedUlysses]:
+    """The packed Ulysses / HCMS entry of ``cfg.mode`` (for models that write q|k|v into the exchange layout),
+    or None where the mode is not plainly Ulysses/HCMS (ring and mesh modes, "auto", which may pick the ring)
+    or attention dropout is set (the packed path runs the explicit kernels, which carry no dropout mask)."""
+    if cfg.mode not in ULYSSES_MODES or cfg.dropout_p > 0.0:
+        return None
+    return PackedUlysses(group, 1 if cfg.mode == "ulysses" else cfg.head_chunks,
+                         backend=backend if backend is not None else cfg.backend, transport=cfg.transport,
+                         policy=resources.policy)
+
+
+def make_attention(cfg: SPConfig, group: Optional[dist.ProcessGroup], *, num_heads: int,
+                   num_kv_heads: Optional[int] = None, layout: str = "bshd", placement: str = "contiguous",
+                   backend: "str | LocalAttention | None" = None, resources: Optional[SPResources] = None,
+                   mesh: Optional[SPMesh] = None) -> SPAttention:
+    """The attention of ``cfg.mode`` over ``group`` for ``num_heads`` query heads (``num_kv_heads`` key/value
+    heads), on shards in ``layout`` ("bshd" [B, S_loc, H, D] or "sbhd") and sequence ``placement``
+    ("contiguous", "zigzag", "tasp_zigzag"). backend: local kernel (default ``cfg.backend``); resources: what
+    the model's attentions share (a fresh ``SPResources`` if None); mesh: a prebuilt mesh for usp/tas/torus.
+    Raises SPConfigError naming the user's setting (``cfg.source``)."""
+    return SPAttention(cfg, group, num_heads=num_heads, num_kv_heads=num_kv_heads, layout=layout,
+                       placement=placement, backend=backend if backend is not None else cfg.backend,
+                       resources=resources or SPResources(cfg), mesh=mesh)
