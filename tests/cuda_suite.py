@@ -138,7 +138,7 @@ def packed_family(rank: int, world: int) -> list:
     return rec
 
 
-def _use_ring_route() -> None:
+def use_ring_route() -> None:
     """gloo on one GPU: the ring family's hops through the host-staged transport (see module docstring)."""
     if dist.get_backend() == "gloo":
         os.environ["SPX_EMULATED_MACHINE_SIZE"] = "1"
@@ -146,7 +146,7 @@ def _use_ring_route() -> None:
 
 def ring_family(rank: int, world: int) -> list:
     """Ring and TASP: causal in their zigzag placements and not, both layouts, GQA, bf16 and fp32, padding."""
-    _use_ring_route()
+    use_ring_route()
     g, rec, n = dist.group.WORLD, [], 0
     for variant in ("ring", "tasp"):
         rings = len(routing_tables(world).cycles) if variant == "tasp" else 1
@@ -173,7 +173,7 @@ def ring_family(rank: int, world: int) -> list:
 def mesh_family(rank: int, world: int) -> list:
     """Ulysses x ring meshes at P=4 as 2 simulated machines of 2: usp, tas (hybrid, ring and tasp inside),
     torus, and the mesh's auto placement; causal (zigzag) and not, GQA, bf16."""
-    _use_ring_route()
+    use_ring_route()
     g, rec, n = dist.group.WORLD, [], 0
     s = 2048
     for (h, hkv) in ((8, 8), (8, 2)):
@@ -218,3 +218,34 @@ def block_family(rank: int, world: int) -> list:
 
 FAMILIES = {"ulysses": ulysses_family, "order": call_order, "packed": packed_family, "ring": ring_family,
             "mesh": mesh_family, "block": block_family}
+
+
+def dropout_family(rank: int, world: int) -> list:
+    """Attention dropout in the Ulysses family on CUDA (the SDPA kernel's own dropout): applied (the output
+    differs from p=0) and one mask for forward and backward: for a fixed mask the output is linear in v, so with
+    the same seed <dO, out(v + eps u) - out(v)> == eps <dv, u> (summed over ranks). fp32 and bf16."""
+    g, rec = dist.group.WORLD, []
+    for dtype, eps, tol in ((FP32, 1e-2, 1e-3), (BF16, 0.25, 3e-2)):
+        gen = torch.Generator().manual_seed(1 + rank)
+        q, k, v, u, go = (torch.randn(1, 1024 // SHRINK, 8, 64, generator=gen).to(DEV, dtype) for _ in range(5))
+        for c in (1, 2):
+            ref = spx.ulysses_attention(q, k, v, g, head_chunks=c)
+            torch.manual_seed(7)
+            dropped = spx.ulysses_attention(q, k, v, g, head_chunks=c, dropout_p=0.3)
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            torch.manual_seed(11)
+            out = spx.ulysses_attention(qq, kk, vv, g, head_chunks=c, dropout_p=0.3)
+            out.backward(go)
+            torch.manual_seed(11)
+            out2 = spx.ulysses_attention(q, k, v + eps * u, g, head_chunks=c, dropout_p=0.3)
+            sums = torch.stack([(go.double() * (out2.double() - out.detach().double())).sum(),
+                                eps * (vv.grad.double() * u.double()).sum(),
+                                (dropped.double() - ref.double()).abs().max()]).cpu()
+            dist.all_reduce(sums)
+            rec.append({"family": "dropout", "case": f"P={world} C={c} dropout_p=0.3 {dtype} s={1024 // SHRINK}",
+                        "errs": {"fwd_bwd_mask": abs((sums[0] - sums[1]) / sums[1]).item(),
+                                 "not_applied": float(sums[2].item() < 1e-2)}, "tol": tol})
+    return rec
+
+
+FAMILIES["dropout"] = dropout_family

@@ -39,6 +39,7 @@ def _child(fn, rank, world, store_path, queue, args, kwargs, backend="gloo", dev
         if device == "cuda":  # nccl: one rank per GPU; gloo: every rank on GPU 0 (CUDA tensors through host memory)
             dev = torch.device("cuda", rank if backend == "nccl" else 0)
             torch.cuda.set_device(dev)
+            os.environ["LOCAL_RANK"] = str(dev.index)  # entry points and DeepSpeed pick their GPU from it
             if backend == "nccl":
                 extra["device_id"] = dev
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,

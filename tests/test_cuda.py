@@ -31,8 +31,11 @@ def _layouts():
 
 def _run_family(family: str, world: int, backend: str, timeout: float = 900) -> list:
     from tests import cuda_suite
-    per_rank = run_ranks(getattr(cuda_suite, cuda_suite.FAMILIES[family].__name__), world, timeout=timeout,
-                         device="cuda", backend=backend)
+    per_rank = run_ranks(cuda_suite.FAMILIES[family], world, timeout=timeout, device="cuda", backend=backend)
+    return _check(family, world, backend, per_rank)
+
+
+def _check(family: str, world: int, backend: str, per_rank: list) -> list:
     merged = []
     for i, rec in enumerate(per_rank[0]):  # every rank ran the same cases in the same order: worst over ranks
         errs = {k: max(r[i]["errs"][k] for r in per_rank) for k in rec["errs"]}
@@ -80,3 +83,41 @@ def test_mesh_family(world, backend):
 @pytest.mark.parametrize("world,backend", _layouts())
 def test_block_family(world, backend):
     assert len(_run_family("block", world, backend)) >= 8
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_dropout_family(world, backend):
+    assert len(_run_family("dropout", world, backend)) == 4
+
+
+def _adapter(name: str, world: int, backend: str) -> list:
+    from tests import cuda_adapters
+    return _check(name, world, backend, run_ranks(getattr(cuda_adapters, f"{name}_family"), world, timeout=900,
+                                                  device="cuda", backend=backend))
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_megatron_block_cp_vs_cp1(world, backend):
+    """megatron-core TransformerBlock with our core attention at CP=P == the same weights at CP=1."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
+    assert len(_adapter("megatron", world, backend)) == 16
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_deepspeed_adapter_vs_distributed_attention(world, backend):
+    """SPDistributedAttention == DeepSpeed's own DistributedAttention, same local attention callable."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (carried as a wheel to the GPU machine)")
+    assert len(_adapter("deepspeed", world, backend)) >= 12
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_dit_entry_sp_vs_sp1(world, backend):
+    """The DiT entry point (training/pretrain_video_dit.py) at SP=P against SP=1: 5 steps' losses within 1e-4."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
+    from tests.cuda_adapters import dit_losses
+    ref = run_ranks(dit_losses, 1, ("ulysses",), timeout=600, device="cuda", backend=backend)[0]["ulysses"]
+    got = run_ranks(dit_losses, world, timeout=900, device="cuda", backend=backend)
+    per_rank = [[{"family": "dit-entry", "case": f"SP={world} {mode} vs SP=1, 5 steps, tiny, fp32",
+                  "errs": {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref))}, "tol": 1e-4}
+                 for mode, losses in r.items()] for r in got]
+    assert len(_check("dit", world, backend, per_rank)) >= 5
