@@ -28,7 +28,7 @@ class StepProfiler:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.cuda:
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=acts, record_shapes=False)
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=True)  # shapes: cross vs self attention
             self.prof.__enter__()
         elif n == self.end:
             self.close()
