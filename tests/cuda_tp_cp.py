@@ -1,0 +1,128 @@
+"""CUDA-suite worker for the TP x CP attention block (sp/tp_cp_block.py), and the functional case it shares with
+tests/test_tp_cp_block.py: the block on TP x CP ranks against a float64 single-device reference of the whole
+attention block on the full sequence (output, input grad, every parameter grad after Megatron's reductions).
+
+Ranks: global rank r = p T + t (TP fastest, Megatron's order), so the WORLD group is TP x CP in CP-major order.
+Records follow tests/cuda_suite.py: {"family", "case", "errs": {name: rel_err}, "tol"}; SPX_SUITE_DEVICE=cpu runs
+the same worker on forked gloo ranks.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from tests.blocks import rms, rope
+from tests.reference import reference_attention, rel_err
+
+DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
+
+
+def tp_cp_groups(tp: int):
+    """(tp_group, cp_group, tcp_group) of this rank for global rank r = p * tp + t (every rank builds them all)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cp = world // tp
+    mine = {}
+    for p in range(cp):
+        g = dist.new_group([p * tp + t for t in range(tp)])
+        if rank // tp == p:
+            mine["tp"] = g
+    for t in range(tp):
+        g = dist.new_group([p * tp + t for p in range(cp)])
+        if rank % tp == t:
+            mine["cp"] = g
+    return mine["tp"], mine["cp"], dist.group.WORLD
+
+
+def reference_block(x, p, h, hkv, d, ang, qk_norm, causal):
+    """The whole block in float64 on the full sequence x [B, S, dim]: per-head q/k RMS norm, RoPE, attention,
+    output projection (Megatron's attention math)."""
+    b, s, _ = x.shape
+    q, k, v = (x @ p["w_qkv"].t() + p["b_qkv"]).split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.reshape(b, s, h, d), k.reshape(b, s, hkv, d), v.reshape(b, s, hkv, d)
+    if qk_norm:
+        q, k = rms(q, p["nq"]), rms(k, p["nk"])
+    o = reference_attention(rope(q, ang), rope(k, ang), v, causal=causal)
+    return o.reshape(b, s, h * d) @ p["w_o"].t() + p["b_o"]
+
+
+def tp_cp_case(rank: int, world: int, tp: int, *, form: str = "pipelined", h: int = 8, hkv: int = 8, d: int = 16,
+               chunks: int = 1, qk_norm: bool = True, causal: bool = False, placement: str = "zigzag",
+               s_tp: int = 4, dim: int = 32, b: int = 2, dtype=torch.float64, device: str = "cpu",
+               seed: int = 5) -> dict:
+    """tp_cp_self_attention on this rank (TP size ``tp``, CP size world / tp) against ``reference_block``:
+    {name: relative error} for the output and input grad of this rank's tokens, w_qkv / b_qkv / w_o grads
+    summed over CP compared with this TP shard's rows/columns, b_o and norm-weight grads summed over all ranks."""
+    from megatron_sp_ext.sp.placement import pieces
+    from megatron_sp_ext.sp.tp_cp_block import tp_cp_self_attention
+    tp_g, cp_g, tcp_g = tp_cp_groups(tp)
+    cp = world // tp
+    t, pr = rank % tp, rank // tp
+    ht, kvt = h // tp, hkv // tp
+    s_cp = s_tp * tp
+    s = s_cp * cp
+    gen = torch.Generator().manual_seed(seed)
+    p0 = {"w_qkv": torch.randn((h + 2 * hkv) * d, dim, generator=gen) * 0.2,
+          "b_qkv": torch.randn((h + 2 * hkv) * d, generator=gen) * 0.1,
+          "w_o": torch.randn(dim, h * d, generator=gen) * 0.2, "b_o": torch.randn(dim, generator=gen) * 0.1,
+          "nq": 1 + 0.1 * torch.randn(d, generator=gen), "nk": 1 + 0.1 * torch.randn(d, generator=gen)}
+    # values representable in ``dtype``: the reference sees exactly the block's inputs
+    p0 = {k: v.to(dtype).double().to(device) for k, v in p0.items()}
+    x_full, dy_full = (torch.randn(b, s, dim, generator=gen).to(dtype).double().to(device) for _ in range(2))
+    ang = torch.randn(s, d // 2, generator=gen, dtype=torch.float64).to(device)
+    cp_tokens = [torch.tensor([i for a, n in pieces(placement, q, cp, s) for i in range(a, a + n)], device=device)
+                 for q in range(cp)]
+    mine = cp_tokens[pr][t * s_tp:(t + 1) * s_tp]
+    ref = {k: v.clone().requires_grad_() for k, v in p0.items()}
+    xr = x_full.clone().requires_grad_()
+    reference_block(xr, ref, h, hkv, d, ang, qk_norm, causal).backward(dy_full)
+
+    # this TP shard's parameters
+    q_rows = torch.arange(t * ht * d, (t + 1) * ht * d, device=device)
+    k_rows = h * d + torch.arange(t * kvt * d, (t + 1) * kvt * d, device=device)
+    rows = torch.cat([q_rows, k_rows, k_rows + hkv * d])
+    cols = q_rows
+    shard = {"w_qkv": p0["w_qkv"][rows], "b_qkv": p0["b_qkv"][rows], "w_o": p0["w_o"][:, cols], "b_o": p0["b_o"],
+             "nq": p0["nq"], "nk": p0["nk"]}
+    par = {k: v.to(dtype).requires_grad_() for k, v in shard.items()}
+    ang_cp = ang[cp_tokens[pr]].to(dtype)
+    ang_all = ang[torch.cat(cp_tokens)].to(dtype)
+
+    def prep(branch, y4, w, gathered):
+        if w is not None:
+            y4 = rms(y4, w)
+        return rope(y4, ang_all if gathered else ang_cp)
+    x = x_full[:, mine].to(dtype).requires_grad_()
+    y = tp_cp_self_attention(x, par["w_qkv"], par["b_qkv"], par["w_o"], par["b_o"], tp_g, cp_g, num_heads=ht,
+                             num_kv_heads=kvt, prep=prep, norm_q_weight=par["nq"] if qk_norm else None,
+                             norm_k_weight=par["nk"] if qk_norm else None, head_chunks=chunks, causal=causal,
+                             placement=placement, form=form, tcp_group=tcp_g)
+    y.backward(dy_full[:, mine].to(dtype))
+    with torch.no_grad():
+        y_ref = reference_block(x_full, p0, h, hkv, d, ang, qk_norm, causal)
+    errs = {"out": rel_err(y, y_ref[:, mine]), "dx": rel_err(x.grad, xr.grad[:, mine])}
+    for name, sel in (("w_qkv", lambda g: g[rows]), ("b_qkv", lambda g: g[rows]), ("w_o", lambda g: g[:, cols])):
+        grad = par[name].grad.double()
+        dist.all_reduce(grad, group=cp_g)             # Megatron's DP x CP gradient reduction
+        errs["d" + name] = rel_err(grad, sel(ref[name].grad))
+    for name in ("b_o",) + (("nq", "nk") if qk_norm else ()):
+        grad = par[name].grad.double()
+        dist.all_reduce(grad)                          # replicated over TP (sequence-parallel): TP and CP sums
+        errs["d" + name] = rel_err(grad, ref[name].grad)
+    return errs
+
+
+def tp_cp_block_family(rank: int, world: int) -> list:
+    """TP2 x CP2 on 4 ranks: both forms, GQA, HCMS chunks, causal (zigzag) and not; float64 (the stream
+    schedule, tol 1e-10) and bf16 (the kernels, tol 2e-2)."""
+    rec = []
+    for dtype, tol in ((torch.float64, 1e-10), (torch.bfloat16, 2e-2)):
+        for form in ("pipelined", "mixed"):
+            for (h, hkv, chunks, qk_norm, causal) in ((8, 8, 1, True, False), (8, 4, 2, True, True),
+                                                      (8, 2, 1, False, True)):
+                errs = tp_cp_case(rank, world, 2, form=form, h=h, hkv=hkv, d=64, chunks=chunks, qk_norm=qk_norm,
+                                  causal=causal, s_tp=128, dim=256, b=1, dtype=dtype, device=DEV)
+                rec.append({"family": "tp-cp-block", "case": f"TP=2 CP={world // 2} {form} {dtype} H={h}/{hkv} "
+                            f"C={chunks} norm={qk_norm} causal={causal} zigzag", "errs": errs, "tol": tol})
+    return rec
