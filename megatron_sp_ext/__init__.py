@@ -12,12 +12,9 @@ from .config import SPConfig
 from .errors import SPConfigError
 from .sp.async_block import async_ulysses_self_attention
 from .sp.gather_block import allgather_self_attention
-from .sp.hybrid import hybrid_attention
-from .sp.packed import PackedUlysses, pack_qkv, packed_head_layout, packed_ulysses_attention
+from .sp.ring import hybrid_attention, ring_attention, torus_attention
 from .sp.placement import shard_sequence, unshard_sequence
-from .sp.ring import ring_attention
-from .sp.torus import torus_attention
-from .sp.ulysses import ulysses_attention
+from .sp.ulysses import PackedUlysses, pack_qkv, packed_head_layout, packed_ulysses_attention, ulysses_attention
 from .topology.hamiltonian import hamiltonian_cycles, routing_tables
 from .topology.mesh import SPMesh, build_sp_mesh
 

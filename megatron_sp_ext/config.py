@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
@@ -33,7 +34,6 @@ HeadChunks = Union[int, str]
 def resolve_auto_mode(num_heads: int, sp_size: int) -> str:
     """What mode "auto" runs: hcms when every rank gets a head, else a usp mesh (if heads and ranks
     share a factor), else ring."""
-    import math  # noqa: PLC0415
     if num_heads >= sp_size:
         return "hcms"
     return "usp" if math.gcd(num_heads, sp_size) > 1 else "ring"

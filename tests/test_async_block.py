@@ -124,7 +124,7 @@ def test_async_block_equals_plain_bf16(chunks):
 def _pre_attention(rank, world, h, hkv, chunks):
     """The benchmark's pre-attention parts: async (per-branch GEMM + exchange) and fused (plain order,
     one q|k|v exchange) deliver the same head-sharded q, k, v."""
-    from megatron_sp_ext.sp import layout as lay
+    from megatron_sp_ext.sp.ulysses import layout as lay
     from megatron_sp_ext.sp.async_block import make_async_plan, project_and_exchange
     gen = torch.Generator().manual_seed(2)
     d, dim, b, sl = 8, 16, 2, 3

@@ -64,7 +64,7 @@ def test_resolve_fused_flag():
 def test_qkv_pack_compiled_equals_eager_bitwise():
     """The packed-q|k|v producer (QK-norm + RoPE + send layout) through torch.compile equals eager bit for
     bit, outputs and the gradients of y and both norm weights; one compiled function per HeadLayout."""
-    from megatron_sp_ext.sp.packed import packed_head_layout
+    from megatron_sp_ext.sp.ulysses.packed import packed_head_layout
     from training.video_dit.fused import ElementwiseOps
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(3)

@@ -10,7 +10,7 @@ WORLD_TIMEOUT = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)  # what the har
 def _timeouts(rank, world):
     import torch.distributed as dist
     import megatron_sp_ext as spx
-    from megatron_sp_ext.comm.groups import group_timeout, new_subgroup
+    from megatron_sp_ext.topology.groups import group_timeout, new_subgroup
     from megatron_sp_ext.deepspeed import build_sequence_parallel_groups
     out = {"world": group_timeout()}
     mpu = build_sequence_parallel_groups(2)

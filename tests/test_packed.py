@@ -1,4 +1,4 @@
-"""Ulysses on pre-packed q|k|v (sp/packed.py), gloo on CPU: output and the q/k/v gradients (through
+"""Ulysses on pre-packed q|k|v (sp/ulysses/packed.py), gloo on CPU: output and the q/k/v gradients (through
 pack_qkv's backward) against float64 on the full sequence, causal and not, contiguous and zigzag
 placement, padding, GQA (kv heads replicated, and kv >= P), HCMS chunks, B > 1, odd shard lengths,
 bf16; bit for bit equal to ulysses_attention(qkv_contiguous=False) on the same backend; clear
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import megatron_sp_ext as spx
 from megatron_sp_ext.errors import SPConfigError
-from megatron_sp_ext.sp.packed import pack_qkv, packable, packed_head_layout, packed_ulysses_attention
+from megatron_sp_ext.sp.ulysses.packed import pack_qkv, packable, packed_head_layout, packed_ulysses_attention
 from megatron_sp_ext.sp.placement import pieces
 from tests.harness import run_ranks
 from tests.sp_check import contiguous_shard, run_case
@@ -126,7 +126,7 @@ def _errors(rank, world):
 def _entry(rank, world):
     """PackedUlysses: the layout per heads (None for sizes it cannot pack), 'auto' chunks through the policy
     (CPU: 1), and the entry equal to packed_ulysses_attention called directly."""
-    from megatron_sp_ext.sp.packed import PackedUlysses
+    from megatron_sp_ext.sp.ulysses.packed import PackedUlysses
     g = dist.group.WORLD
     with pytest.raises(SPConfigError, match="head_chunks='x'"):
         PackedUlysses(g, "x")

@@ -4,7 +4,8 @@ import random
 
 import torch
 
-from megatron_sp_ext.sp.policy import HCMSPolicy, decide
+from megatron_sp_ext.sp.calibration import decide
+from megatron_sp_ext.sp.ulysses import HCMSPolicy
 
 
 def test_decide_margin_majority_ties_noise():
@@ -74,7 +75,8 @@ def test_choose_is_a_dict_lookup_after_calibration(monkeypatch):
     pol = HCMSPolicy()
     monkeypatch.setattr(dist, "get_world_size", lambda g=None: 4)
     q, k = torch.empty(1, 16, 8, 4), torch.empty(1, 16, 8, 4)
-    kw = dict(causal=False, layout="bshd", scale=0.5, backend=None, comm_stream=None)
+    kw = dict(causal=False, layout="bshd", scale=0.5, backend=None, comm_stream=None,
+              attention=lambda *a, **k: (_ for _ in ()).throw(AssertionError("attention timed on CPU")))
     assert pol.choose(q, k, None, **kw) == 1  # CPU: plain, cached
     pol.timer = lambda *a, **k: (_ for _ in ()).throw(AssertionError("timed after calibration"))
     n = 2000
@@ -89,7 +91,7 @@ def test_choose_is_a_dict_lookup_after_calibration(monkeypatch):
 def test_mode_policy_interleaved_and_cached(monkeypatch):
     import torch.distributed as dist
 
-    from megatron_sp_ext.sp.policy import ModePolicy
+    from megatron_sp_ext.sp.calibration import ModePolicy
     monkeypatch.setattr(dist, "get_world_size", lambda g=None: 2)
     true = {"hcms": 10.0, "ring": 8.0, "tasp": 10.5}
     rng = random.Random(0)
@@ -121,7 +123,7 @@ def test_mode_policy_choose_for_times_attention_on_private_random_tensors(monkey
     untouched), the fastest by the policy's rule wins, the choice is cached per shape, CPU is never timed."""
     import torch.distributed as dist
 
-    from megatron_sp_ext.sp.policy import ModePolicy
+    from megatron_sp_ext.sp.calibration import ModePolicy
     monkeypatch.setattr(dist, "get_world_size", lambda g=None: 2)
     cost = {"hcms": 10.0, "ring": 7.0}
     calls = []

@@ -1,5 +1,5 @@
 """The local kernel choice (backend "auto"/"cudnn"/"torch_flash") and the rewritten ring/TASP schedule:
-kernel calls per step, equality with the previous implementation, float64 reference on odd sizes."""
+kernel calls per step, the float64 reference (tests/reference.py) on even and odd sizes."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,13 +8,12 @@ import megatron_sp_ext as spx
 from megatron_sp_ext.attention import backends, lse_kernels
 from megatron_sp_ext.config import BACKENDS, SPConfig
 from megatron_sp_ext.errors import SPConfigError
-from megatron_sp_ext.sp import ring as ring_mod
+from megatron_sp_ext.sp.ring import ring as ring_mod
 from megatron_sp_ext.sp.placement import pieces
-from megatron_sp_ext.sp.ring_plan import Item, ab_layout, step_items
+from megatron_sp_ext.sp.ring.schedule import Item, ab_layout, step_items
 from megatron_sp_ext.topology.hamiltonian import routing_tables
-from tests import ring_v0
 from tests.harness import run_ranks
-from tests.reference import assert_close, make_qkv
+from tests.reference import assert_close, make_qkv, reference_attention
 from tests.sp_check import run_case
 
 
@@ -140,38 +139,37 @@ def test_ab_layout_rows():
     assert ab_layout((3, 3, 3), 3, 10) == ((0, 50), (10, 40), (20, 30))   # all own: zigzag order
 
 
-# ---------------------------------------------------------------- numbers: new path vs old path and vs float64
-def _new_vs_old(rank, world, variant, h, hkv, units):
+# ---------------------------------------------------------------- numbers vs float64
+def _vs_float64(rank, world, variant, h, hkv, units):
     for causal in (False, True):
-        _new_vs_old_case(rank, world, variant, causal, h, hkv, units)
+        _vs_float64_case(rank, world, variant, causal, h, hkv, units)
     return True
 
 
-def _new_vs_old_case(rank, world, variant, causal, h, hkv, units):
+def _vs_float64_case(rank, world, variant, causal, h, hkv, units):
     g = dist.group.WORLD
     rings = len(routing_tables(world).cycles) if variant == "tasp" else 1
     s = 2 * world * rings * units
     placement = ("zigzag" if variant == "ring" else "tasp_zigzag") if causal else "contiguous"
     q, k, v, do = make_qkv(11 + world, 1, s, h, hkv, 16)
     mine = lambda t: torch.cat([t[:, a:a + n] for a, n in pieces(placement, rank, world, s)], 1)  # noqa: E731
-    outs = []
-    for impl in (spx.ring_attention, ring_v0.ring_attention):
-        qs, ks, vs = (mine(t).clone().requires_grad_() for t in (q, k, v))
-        o = impl(qs, ks, vs, g, variant=variant, causal=causal, backend="torch_flash"
-                 if impl is spx.ring_attention else "sdpa")
-        o.backward(mine(do))
-        outs.append([o.detach(), qs.grad, ks.grad, vs.grad])
-    for name, a, b in zip(("out", "dq", "dk", "dv"), *outs):
-        assert_close(f"rank{rank} {variant} causal={causal} new vs old {name}", a, b, torch.float32)
-        assert (a - b).abs().max() < 1e-5, (name, (a - b).abs().max())
+    qs, ks, vs = (mine(t).clone().requires_grad_() for t in (q, k, v))
+    o = spx.ring_attention(qs, ks, vs, g, variant=variant, causal=causal, backend="torch_flash")
+    o.backward(mine(do))
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, causal=causal)
+    ref.backward(do.double())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (o.detach(), qs.grad, ks.grad, vs.grad),
+                          (ref.detach(), qr.grad, kr.grad, vr.grad)):
+        assert_close(f"rank{rank} {variant} causal={causal} {name}", a, mine(b), torch.float32)
     return True
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("variant", ["ring", "tasp"])
-def test_new_path_equals_old_path(world, variant):
-    """Same kernels (torch's CPU flash op, fp32): the rewritten schedule gives the old numbers."""
-    run_ranks(_new_vs_old, world, variant, 4, 2, 3)
+def test_torch_flash_schedule_matches_float64(world, variant):
+    """torch's CPU flash op (fp32) through the ring/TASP schedule, forward and gradients, vs float64."""
+    run_ranks(_vs_float64, world, variant, 4, 2, 3)
 
 
 def _odd(rank, world, variant):

@@ -212,7 +212,7 @@ def test_megatron_entry_async_qkv_matches_sp1(flags):
 
 def _counting_packed(rank, world, entry_run, *args):
     """Run an entry with every packed attention call counted: (losses, calls)."""
-    from megatron_sp_ext.sp import packed
+    from megatron_sp_ext.sp.ulysses import packed
     calls, real = [], packed.packed_ulysses_attention
 
     def counted(*a, **kw):

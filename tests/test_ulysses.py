@@ -126,7 +126,7 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def _auto(rank, world):
-    from megatron_sp_ext.sp.policy import HCMSPolicy
+    from megatron_sp_ext.sp.ulysses import HCMSPolicy
     pol = HCMSPolicy()
     res = run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, dist.group.WORLD, head_chunks="auto", policy=pol),
                    rank, world, b=1, s=8 * world, h=8, hkv=8, d=32, dtype=torch.float32, causal=False)

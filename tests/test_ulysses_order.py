@@ -8,7 +8,7 @@ import torch.distributed as dist
 import megatron_sp_ext as spx
 from megatron_sp_ext.attention.backends import SDPABackend
 from megatron_sp_ext.comm.transport import NcclTransport
-from megatron_sp_ext.sp import layout as lay
+from megatron_sp_ext.sp.ulysses import layout as lay
 from megatron_sp_ext.sp.placement import pieces
 from megatron_sp_ext.sp.ring import RingBackend
 from megatron_sp_ext.sp.ulysses import local_order
@@ -260,8 +260,8 @@ def test_zigzag_bitwise_equals_contiguous(world):
 def test_hybrid_rows_sort_and_merge_pieces():
     """USP's Ulysses level delivers each gathered sequence in ascending position: zigzag over 4 ranks as
     two Ulysses groups {0,1} and {2,3} (pieces of 2 tokens) merges 4 pieces into 2 runs and into 1 run."""
-    from megatron_sp_ext.sp.hybrid import _sorted_rows
-    rows = _sorted_rows(((0, 1), (2, 3)), 4, "zigzag", 16)
+    from megatron_sp_ext.sp.ring.hybrid import sorted_rows
+    rows = sorted_rows(((0, 1), (2, 3)), 4, "zigzag", 16)
     (o0, runs0), (o1, runs1) = rows
     assert runs0 == ((0, 4), (12, 4)) and runs1 == ((4, 8),)
     assert o0.to_global == (0, 3, 1, 2) and o1.to_global == (0, 3, 1, 2)

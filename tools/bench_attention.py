@@ -31,7 +31,8 @@ from tools.floor import add_ratios, floor_ms  # noqa: E402
 from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, run_world_sizes  # noqa: E402
 import megatron_sp_ext as spx  # noqa: E402
 from megatron_sp_ext.comm.exchange import all_to_all_flat  # noqa: E402
-from megatron_sp_ext.sp.policy import HCMSPolicy, time_ms  # noqa: E402
+from megatron_sp_ext.sp.calibration import time_ms  # noqa: E402
+from megatron_sp_ext.sp.ulysses import HCMSPolicy  # noqa: E402
 
 
 

@@ -17,14 +17,16 @@ from .lse import acc_dtype
 Mask = Union[None, str, torch.Tensor]
 
 
-def _expand_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def expand_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """k, v [B, Hkv, S, D] repeated to ``heads`` heads (GQA), and the repeat factor."""
     rep = heads // k.shape[1]
     if rep == 1:
         return k, v, 1
     return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), rep
 
 
-def _fold_kv_grad(g: torch.Tensor, rep: int) -> torch.Tensor:
+def fold_kv_grad(g: torch.Tensor, rep: int) -> torch.Tensor:
+    """The gradient [B, Hkv * rep, S, D] of ``expand_kv``'s output summed back to [B, Hkv, S, D]."""
     if rep == 1:
         return g
     b, h, s, d = g.shape
@@ -43,7 +45,7 @@ def _bool_mask(mask: Mask, sq: int, sk: int, device) -> Optional[torch.Tensor]:
 
 def math_forward(q, k, v, scale: float, mask: Mask = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference-quality block forward in fp32 (fp64 for fp64). Returns (out in q.dtype, lse)."""
-    k, v, _ = _expand_kv(k, v, q.shape[1])
+    k, v, _ = expand_kv(k, v, q.shape[1])
     acc = acc_dtype(q)
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     m = _bool_mask(mask, q.shape[2], k.shape[2], q.device)
@@ -60,7 +62,7 @@ def math_backward(do, q, k, v, out, lse, scale: float, mask: Mask = None):
     """Block backward in fp32 (fp64 for fp64) given final out/lse of the rows. Returns (dq, dk, dv) in
     input dtypes."""
     hk = k.shape[1]
-    ke, ve, rep = _expand_kv(k, v, q.shape[1])
+    ke, ve, rep = expand_kv(k, v, q.shape[1])
     acc = acc_dtype(q)
     qf, kf, vf, dof = q.to(acc), ke.to(acc), ve.to(acc), do.to(acc)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
@@ -75,14 +77,14 @@ def math_backward(do, q, k, v, out, lse, scale: float, mask: Mask = None):
     ds = p * (dp - delta)
     dq = torch.matmul(ds, kf) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
-    dk, dv = _fold_kv_grad(dk, rep), _fold_kv_grad(dv, rep)
+    dk, dv = fold_kv_grad(dk, rep), fold_kv_grad(dv, rep)
     assert dk.shape[1] == hk
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def fused_forward(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused-kernel block forward (torch flash attention on CUDA or CPU). Returns (out, lse fp32)."""
-    k, v, _ = _expand_kv(k, v, q.shape[1])
+    k, v, _ = expand_kv(k, v, q.shape[1])
     if q.is_cuda:
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return res[0], res[1]
@@ -107,7 +109,7 @@ def _flash_aux(device, dtype):
 
 def fused_backward(do, q, k, v, out, lse, scale: float, causal: bool):
     """Fused-kernel block backward given final out/lse. Returns (dq, dk, dv)."""
-    ke, ve, rep = _expand_kv(k, v, q.shape[1])
+    ke, ve, rep = expand_kv(k, v, q.shape[1])
     if q.is_cuda:
         sq, sk = q.shape[2], ke.shape[2]
         cum_q, cum_k, rng, unused = _flash_aux(q.device, q.dtype)
@@ -116,4 +118,4 @@ def fused_backward(do, q, k, v, out, lse, scale: float, causal: bool):
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, ke, ve, out, lse, 0.0, causal, scale=scale)
-    return dq, _fold_kv_grad(dk, rep), _fold_kv_grad(dv, rep)
+    return dq, fold_kv_grad(dk, rep), fold_kv_grad(dv, rep)

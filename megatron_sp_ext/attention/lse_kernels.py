@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from . import blockwise
+from .lse import merge
 
 log = logging.getLogger("megatron_sp_ext")
 
@@ -88,7 +89,6 @@ def _probe(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
     """The kernel used as a ring uses it, on a tiny case (40 rows: not a multiple of any tile), against math:
     a causal block and a full block of keys merged by log-sum-exp, then each block's backward fed the MERGED
     out/lse (a kernel that only handles a lone block must not pass)."""
-    from .lse import merge  # noqa: PLC0415
     g = torch.Generator().manual_seed(0)
     q, k0, v0, k1, v1, do = (torch.randn(1, 2, 40, 64, generator=g).to(device=device, dtype=dtype) for _ in range(6))
     blocks = ((k0, v0, True), (k1, v1, False))
@@ -115,7 +115,7 @@ def best(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def _expand(k, v, heads):
-    return blockwise._expand_kv(k, v, heads)
+    return blockwise.expand_kv(k, v, heads)
 
 
 _AUX: dict = {}
@@ -201,4 +201,4 @@ def backward(kernel: str, do, q, k, v, out, lse, scale: float, causal: bool):
             (do, q, ke, ve, out), (lse_in, seed, offset, None, None, None, sq, ke.shape[2], 0.0, causal), scale)
     else:
         raise ValueError(f"unknown kernel {kernel!r}")
-    return dq, blockwise._fold_kv_grad(dk, rep), blockwise._fold_kv_grad(dv, rep)
+    return dq, blockwise.fold_kv_grad(dk, rep), blockwise.fold_kv_grad(dv, rep)

@@ -35,8 +35,9 @@ import torch.distributed as dist
 
 from ..errors import SPConfigError
 from . import signal_schedule as sig
-from .groups import new_subgroup
-from .transport import _Done, exchange_table
+from . import stream_ops
+from ..topology.groups import new_subgroup
+from .exchange import Done, exchange_table
 
 SHM_DIR_ENV = "SPX_HOST_STAGED_DIR"   # where the shared files go (default /dev/shm)
 
@@ -51,8 +52,7 @@ def host_staged_unavailable_reason(group: dist.ProcessGroup, device: torch.devic
     if not os.path.isdir(d) or not os.access(d, os.W_OK):
         return f"its shared-memory directory {d!r} is not writable (set {SHM_DIR_ENV})"
     if device.type == "cuda":
-        from .stream_ops import unavailable_reason  # noqa: PLC0415
-        why = unavailable_reason()
+        why = stream_ops.unavailable_reason()
         if why is not None:
             return f"CUDA stream memory operations are unavailable: {why}"
     elif device.type != "cpu":
@@ -133,7 +133,6 @@ class HostStagedTransport:
                        for r in range(self.world)}
         self._flag_addr = {r: _Pinned.register(t) for r, t in self._flags.items()} if self.cuda else {}
         if self.cuda:
-            from . import stream_ops  # noqa: PLC0415
             self._ops = stream_ops
             self._streams = [torch.cuda.Stream(device=device) for _ in range(self.world)]
             self._start = stream_ops.Event()
@@ -231,7 +230,7 @@ class HostStagedTransport:
             self._acquire(epoch)
             self._run_host(table_b, epoch, slot, send.view(torch.uint8), recv.view(torch.uint8))
         self._epoch = epoch
-        return _Done() if async_op else None
+        return Done() if async_op else None
 
     def _run_host(self, table_b, epoch: int, slot: int, send_b: torch.Tensor, recv_b: torch.Tensor) -> None:
         """The op list in program order on this thread (CPU tensors)."""
@@ -356,7 +355,7 @@ class TwoLevelTransport:
         if work is not None and not async_op:
             work.wait()
             return None
-        return work if async_op and work is not None else (_Done() if async_op else None)
+        return work if async_op and work is not None else (Done() if async_op else None)
 
 
 def hop_table(out_ring: Sequence[Sequence[int]], lengths: Sequence[int], row_numel: int) -> list[list[int]]:

@@ -38,9 +38,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SPConfigError
+from ..topology.emulate import emulated_machine_size, machines_of
 from . import signal_schedule as sig
+from . import stream_ops
 from .signal_schedule import offsets as _offsets
-from .exchange import all_to_all_flat
+from .exchange import Done, all_to_all_flat, exchange_table
+from .host_staged import HostStagedTransport, TwoLevelTransport, check_host_staged
 
 TRANSPORT_NAMES = ("nccl", "symm_mem", "copy_engine", "host_staged")
 
@@ -70,20 +73,6 @@ def table_seq_to_head(send_splits: Sequence[int]) -> list[list[int]]:
 def table_head_to_seq(recv_splits: Sequence[int]) -> list[list[int]]:
     """Rank r sends the same amount (its heads) to everyone: row r is ``recv_splits[r]`` repeated."""
     return [[int(n)] * len(recv_splits) for n in recv_splits]
-
-
-def exchange_table(who: str, rank: int, world: int, send: torch.Tensor, recv: torch.Tensor,
-                   send_splits: Optional[Sequence[int]], recv_splits: Optional[Sequence[int]], table) -> list:
-    """Check a copy-engine exchange's buffers and return its table (rank r -> p sizes, elements); an
-    even exchange may omit it, an uneven one must give it (it is never learned by a hidden collective)."""
-    assert send.dim() == 1 and recv.dim() == 1 and send.is_contiguous() and recv.is_contiguous()
-    assert send.dtype == recv.dtype
-    if table is None:
-        if not all(s is None or len(set(s)) == 1 for s in (send_splits, recv_splits)):
-            raise ValueError(f"{who}.all_to_all: an uneven exchange needs table= (rank r -> p sizes)")
-        table = [[send.numel() // world] * world for _ in range(world)]
-    assert sum(table[rank]) == send.numel() and sum(r[rank] for r in table) == recv.numel()
-    return table
 
 
 def pull_all_to_all(me: int, world: int, send_table: Sequence[Sequence[int]], recv: torch.Tensor,
@@ -117,7 +106,7 @@ class SymmMemTransport:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, parallel_pulls: bool = True,
                  timeout: datetime.timedelta = datetime.timedelta(seconds=120)) -> None:
         check_symm_mem(group, device)
-        import torch.distributed._symmetric_memory as symm  # noqa: PLC0415
+        import torch.distributed._symmetric_memory as symm  # noqa: PLC0415  (optional in torch builds)
         self._symm = symm
         self.group, self.device = group, device
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -199,7 +188,7 @@ class SymmMemTransport:
             send.record_stream(cur)
         self._last = torch.cuda.Event()
         self._last.record(cur)
-        return _Done() if async_op else None
+        return Done() if async_op else None
 
 
 class CopyEngineTransport:
@@ -215,8 +204,7 @@ class CopyEngineTransport:
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, slots: int = 2) -> None:
         check_copy_engine(group, device)
-        import torch.distributed._symmetric_memory as symm  # noqa: PLC0415
-        from . import stream_ops  # noqa: PLC0415
+        import torch.distributed._symmetric_memory as symm  # noqa: PLC0415  (optional in torch builds)
         self._symm, self._ops = symm, stream_ops
         self.group, self.device, self.slots = group, device, slots
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -328,14 +316,7 @@ class CopyEngineTransport:
             send.record_stream(cur)
         self._ops.run_program(prog, epoch, recv.data_ptr(), send.data_ptr())
         self._epoch = epoch
-        return _Done() if async_op else None
-
-
-class _Done:
-    """Work handle of a stream-ordered exchange: already queued on the stream, nothing to wait for."""
-
-    def wait(self) -> bool:
-        return True
+        return Done() if async_op else None
 
 
 def p2p_disabled_reason() -> Optional[str]:
@@ -366,8 +347,7 @@ def copy_engine_unavailable_reason(group: dist.ProcessGroup, device: torch.devic
     """Why the kernel-free copy-engine transport cannot run here, or None when it can."""
     reason = symm_mem_unavailable_reason(group, device)
     if reason is None:
-        from .stream_ops import unavailable_reason  # noqa: PLC0415
-        reason = unavailable_reason()
+        reason = stream_ops.unavailable_reason()
         if reason is not None:
             reason = f"CUDA stream memory operations are unavailable: {reason}"
     return reason
@@ -403,7 +383,6 @@ class TransportPool:
                 return emulated
             key = ("nccl", id(group))
         elif name == "host_staged":
-            from .host_staged import check_host_staged  # noqa: PLC0415
             check_host_staged(group, device, setting)
             key = (name, id(group), device.type, device.index)
         else:
@@ -411,7 +390,6 @@ class TransportPool:
             key = (name, id(group), device.index)
         if key not in self._cache:
             if name == "host_staged":
-                from .host_staged import HostStagedTransport  # noqa: PLC0415
                 cls = HostStagedTransport
             else:
                 cls = {"nccl": NcclTransport, "symm_mem": SymmMemTransport, "copy_engine": CopyEngineTransport}[name]
@@ -423,7 +401,6 @@ def emulated_link(group: dist.ProcessGroup, device: torch.device):
     """With emulated machines (SPX_EMULATED_MACHINE_SIZE, topology/emulate.py) a group that spans them
     exchanges over two levels (comm/host_staged.TwoLevelTransport: NCCL inside a machine, host-staged
     across), one per group, cached; None for every other group (and without emulation)."""
-    from ..topology.emulate import emulated_machine_size, machines_of  # noqa: PLC0415
     m = emulated_machine_size()
     if m is None:
         return None
@@ -432,7 +409,6 @@ def emulated_link(group: dist.ProcessGroup, device: torch.device):
         return None
     key = ("two_level", id(group), device.type, device.index)
     if key not in _EMULATED:
-        from .host_staged import TwoLevelTransport, check_host_staged  # noqa: PLC0415
         check_host_staged(group, device, "SPX_EMULATED_MACHINE_SIZE")
         _EMULATED[key] = TwoLevelTransport(group, device, node_of)
     return _EMULATED[key]

@@ -30,7 +30,7 @@ from ..attention.backends import LocalAttention
 from ..config import SPConfig
 from ..errors import SPConfigError
 from ..sp.factory import SPAttention, SPResources, make_attention, packed_entry
-from ..sp.packed import PackedUlysses
+from ..sp.ulysses import PackedUlysses
 
 
 class _UserLocalAttention(LocalAttention):

@@ -21,7 +21,7 @@ from ..comm.streams import StreamPool
 from ..comm.transport import TransportPool
 from ..config import SPConfig
 from ..errors import SPConfigError
-from ..sp.policy import HCMSPolicy
+from ..sp.ulysses import HCMSPolicy
 from ..sp.factory import SPResources, make_attention
 
 

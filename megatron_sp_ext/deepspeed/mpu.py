@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..comm.groups import new_subgroup
+from ..topology.groups import new_subgroup
 from ..errors import SPConfigError
 
 

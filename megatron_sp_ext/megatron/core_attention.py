@@ -10,7 +10,7 @@ CP rank (Megatron's zigzag split when it comes from ``get_batch_on_this_cp_rank`
   usp, tas, torus    2D mesh over the CP group (``--sp-placement``, ``--sp-nodes``, ``--sp-ulysses-size``);
                      usp reuses Megatron's groups when ``--hierarchical-context-parallel-sizes`` built two levels
   auto               hcms when every rank gets a head (then, on GPUs, Ulysses/HCMS or the ring per shape from
-                     its own calibration: sp.policy.ModePolicy), else a usp mesh, else ring
+                     its own calibration: sp.calibration.ModePolicy), else a usp mesh, else ring
   p2p, a2a, all_gather, a2a+p2p   Transformer Engine's own CP (needs TE; delegated unchanged)
 Causal masks follow Megatron's zigzag placement; DiTs use AttnMaskType.no_mask.
 """

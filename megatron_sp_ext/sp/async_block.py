@@ -28,9 +28,12 @@ import torch.distributed as dist
 from ..attention.backends import LocalAttention, get_backend
 from ..comm import streams as st
 from ..comm.transport import default_transports, table_head_to_seq, table_seq_to_head
-from . import layout as lay
 from .heads import HeadLayout, head_layout
-from .ulysses import _alloc, _exchange_all_chunks, _send_head_major, _transport, attend_and_send, attend_backward
+from .placement import pieces
+from .ring import RingBackend
+from .ulysses import alloc as _alloc, attend_and_send, attend_backward
+from .ulysses import exchange_all_chunks as _exchange_all_chunks, send_head_major as _send_head_major
+from .ulysses import layout as lay, transport_of as _transport
 
 # prep(branch, y [B, S, n*D], weight) -> [B, S, n, D]; weight is the branch's QK-norm weight or None
 Prep = Callable[[str, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -49,6 +52,11 @@ class AsyncPlan:
     prep: Prep
     transport: Optional[object] = None
     causal: bool = False      # causal mask at global positions (placement decides which tokens are here)
+    # the rest of ulysses.AttendPlan: padding and placement ride on the RingBackend (make_async_plan)
+    need_grad: bool = True
+    kv_valid_len: Optional[int] = None
+    order: Optional[lay.SeqOrder] = None
+    dropout_p: float = 0.0
 
 
 def _mm(a, b):
@@ -298,8 +306,6 @@ def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: i
     hl = head_layout(num_heads, num_kv_heads, world, head_chunks)
     be = get_backend(backend)
     if kv_valid_len is not None or (causal and placement != "contiguous"):
-        from .placement import pieces  # noqa: PLC0415
-        from .ring import RingBackend  # noqa: PLC0415
         runs = tuple(r for p in range(world) for r in pieces(placement, p, world, seq_local * world))
         be = RingBackend(None, "ring", runs, (runs,), be, kv_valid_len)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)

@@ -23,6 +23,8 @@ from typing import Callable, Hashable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm.transport import copy_engine_unavailable_reason, symm_mem_unavailable_reason
+
 log = logging.getLogger("megatron_sp_ext")
 
 
@@ -65,7 +67,6 @@ class BlockPolicy:
         self.cache: dict = {}
 
     def candidates(self, heads_per_rank: int, group, device: torch.device) -> list[BlockChoice]:
-        from ..comm.transport import copy_engine_unavailable_reason, symm_mem_unavailable_reason  # noqa: PLC0415
         why = {"symm_mem": symm_mem_unavailable_reason, "copy_engine": copy_engine_unavailable_reason}
         trs = [t for t in self.transports if t == "nccl" or why[t](group, device) is None]
         forms = [(a, False) for a in self.async_candidates] + ([(False, True)] if self.allgather else [])

@@ -28,12 +28,9 @@ from ..comm.transport import TransportPool
 from ..config import DROPOUT_MODES, LAYOUTS, MESH_MODES, SEQ_PLACEMENTS, SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
 from ..topology.mesh import SPMesh, build_sp_mesh
-from .hybrid import hybrid_attention
-from .packed import PackedUlysses
-from .policy import HCMSPolicy, ModePolicy
-from .ring import ring_attention
-from .torus import torus_attention
-from .ulysses import ulysses_attention
+from .calibration import ModePolicy
+from .ring import hybrid_attention, ring_attention, torus_attention
+from .ulysses import HCMSPolicy, PackedUlysses, ulysses_attention
 
 ULYSSES_MODES = ("ulysses", "hcms")
 RING_MODES = ("ring", "tasp")

@@ -32,11 +32,18 @@ import torch
 import torch.distributed as dist
 
 from ..comm import streams as st
-from .async_block import AsyncPlan, attention_backward, make_async_plan, out_proj_backward, _mm
+from ..comm.transport import symm_mem_unavailable_reason
+from ..errors import SPConfigError
+from .async_block import AsyncPlan, attention_backward, make_async_plan, out_proj_backward
 from .ulysses import attend_and_send
 
 # prep(branch, y [B, S, n*D], norm_weight (full, or None), shard) -> [B, S, n, D]
 PrepFull = Callable[[str, torch.Tensor, Optional[torch.Tensor], "HeadShard"], torch.Tensor]
+
+
+def _mm(a, b):
+    """Every GEMM of this block goes through here (one place to trace the schedule)."""
+    return torch.matmul(a, b)
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -128,7 +135,6 @@ def _device_const(values: tuple, dtype: torch.dtype, device: torch.device) -> to
 
 def fused_ops_unavailable_reason(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
     """Why torch's fused all-gather/reduce-scatter matmuls cannot run here (None when they can)."""
-    from ..comm.transport import symm_mem_unavailable_reason  # noqa: PLC0415
     why = symm_mem_unavailable_reason(group, device)
     if why is not None:
         return why.replace("it needs", "they need")
@@ -309,7 +315,6 @@ def make_gather_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: 
         fused = getattr(base.transport, "name", "nccl") == "symm_mem"
     why = fused_ops_unavailable_reason(group, device) if fused else None
     if why is not None:
-        from ..errors import SPConfigError  # noqa: PLC0415
         raise SPConfigError(f"the all-gather block's fused symm_mem matmuls (transport 'symm_mem' or fused=True) "
                             f"cannot run here: {why}; use transport 'nccl' / fused=False")
     d = head_dim

@@ -18,13 +18,13 @@ import torch.distributed as dist
 
 from ..config import SEQ_PLACEMENTS
 from ..errors import SPConfigError
+from ..topology.hamiltonian import hamiltonian_cycles
 
 Pieces = tuple[tuple[int, int], ...]
 
 
 def num_rings(world: int) -> int:
     """Rings TASP runs for this world size (n-1, or n-2 where no full decomposition exists)."""
-    from ..topology.hamiltonian import hamiltonian_cycles  # noqa: PLC0415
     return max(1, len(hamiltonian_cycles(world)))
 
 

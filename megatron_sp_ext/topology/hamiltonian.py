@@ -19,6 +19,7 @@ Cycles are lists of ranks in visiting order: ring i sends r -> cycles[i][(pos(r)
 """
 from __future__ import annotations
 
+import random
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -56,7 +57,6 @@ def _rainbow_path(cycles: list[list[int]], m: int, max_restarts: int = 400, budg
     vertices with the fewest onward options (Warnsdorff), ties broken by a seeded RNG; each restart
     has a small node budget. Deterministic for a given m.
     """
-    import random  # noqa: PLC0415
     color = [[-1] * m for _ in range(m)]
     for i, cyc in enumerate(cycles):
         for a, b in zip(cyc, cyc[1:] + cyc[:1]):

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..comm.groups import new_subgroup
+from .groups import new_subgroup
 from ..config import PLACEMENTS
 from ..errors import SPConfigError
 from .detect import Topology, detect_topology

@@ -48,9 +48,9 @@ def qk_prep(t: torch.Tensor, weight: torch.Tensor, eps: float, angles: torch.Ten
 def qkv_pack(y: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps_q: float, eps_k: float,
              angles: torch.Tensor, heads: int, layout) -> list:
     """The fused QKV projection's output y [B, S, 3*H*D] -> QK-norm + RoPE of q and k, and q|k|v written
-    straight into packed Ulysses' send layout (``megatron_sp_ext.sp.packed.pack_qkv`` with HeadLayout
+    straight into packed Ulysses' send layout (``megatron_sp_ext.sp.ulysses.packed.pack_qkv`` with HeadLayout
     ``layout``): one kernel when compiled, so the exchange's pack costs no pass of its own."""
-    from megatron_sp_ext.sp.packed import pack_qkv  # noqa: PLC0415
+    from megatron_sp_ext.sp.ulysses.packed import pack_qkv  # noqa: PLC0415
     b, s, _ = y.shape
     q, k, v = y.chunk(3, dim=-1)
     q, k = qk_prep(q, wq, eps_q, angles, heads), qk_prep(k, wk, eps_k, angles, heads)

@@ -51,7 +51,7 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "torch.compile: auto = on CUDA only (training/video_dit/fused.py)")
     g.add_argument("--ulysses-packed-qkv", choices=["auto", "on", "off"], default="auto",
                    help="Ulysses / HCMS (any --hcms-head-chunks): write q|k|v straight into the exchange's send "
-                        "layout and read the received buffers in place (megatron_sp_ext.sp.packed); auto = on "
+                        "layout and read the received buffers in place (megatron_sp_ext.sp.ulysses.packed); auto = on "
                         "when --fused-elementwise compiles (the layout change then rides in the QK-norm/RoPE "
                         "kernel). Same math; heads must divide by the SP size, else the plain path runs")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",

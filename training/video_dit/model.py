@@ -168,7 +168,7 @@ class SelfAttention(nn.Module):
         packed = getattr(self.core, "packed", None) if self.packed_qkv else None
         layout = packed.layout(self.heads, self.heads, y.new_empty(()).expand(b, s, self.heads, self.hd)) \
             if packed is not None else None
-        if layout is not None:  # q|k|v straight into the exchange's send layout (see megatron_sp_ext.sp.packed)
+        if layout is not None:  # q|k|v straight into the exchange's send layout (see megatron_sp_ext.sp.ulysses.packed)
             sends = self.ops.qkv_pack(layout)(y, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps,
                                               self.norm_k.eps, angles, self.heads)
             run = functools.partial(packed, self.heads, self.heads, kv_valid_len)

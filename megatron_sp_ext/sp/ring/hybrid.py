@@ -14,12 +14,12 @@ from typing import Optional
 
 import torch
 
-from ..attention.backends import get_backend
-from ..topology.mesh import SPMesh
-from .placement import pieces
-from .layout import sorted_order
+from ...attention.backends import get_backend
+from ...topology.mesh import SPMesh
+from ..placement import pieces
+from ..ulysses import ulysses_attention
+from ..ulysses.layout import sorted_order
 from .ring import RingBackend
-from .ulysses import ulysses_attention
 
 
 def mesh_runs(mesh: SPMesh, placement: str, seqlen: int) -> tuple:
@@ -34,7 +34,7 @@ def mesh_runs(mesh: SPMesh, placement: str, seqlen: int) -> tuple:
 
 
 @lru_cache(maxsize=64)
-def _sorted_rows(grid: tuple, world: int, placement: str, seqlen: int) -> tuple:
+def sorted_rows(grid: tuple, world: int, placement: str, seqlen: int) -> tuple:
     """Per Ulysses group (grid row): (permutation of its gathered pieces into ascending position, merged runs)."""
     return tuple(sorted_order([pieces(placement, g, world, seqlen) for g in row]) for row in grid)
 
@@ -51,7 +51,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
     runs = mesh_runs(mesh, placement, s_loc * mesh.world)
     order = None
     if mesh.ulysses_group is not None and (causal or kv_valid_len is not None):
-        rows = _sorted_rows(mesh.grid, mesh.world, placement, s_loc * mesh.world)
+        rows = sorted_rows(mesh.grid, mesh.world, placement, s_loc * mesh.world)
         order = rows[mesh.ring_index][0]
         runs = tuple(merged for _, merged in rows)
     ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, get_backend(backend), kv_valid_len)

@@ -9,7 +9,7 @@ local kernels, forward and backward. Partial results merge by log-sum-exp in fp3
 Backward recomputes each block against the final out/lse; dK|dV accumulators (fp32) travel with
 their blocks and take one extra hop home.
 
-What each step computes comes from ``ring_plan``: tokens in compute order, kernel calls on contiguous
+What each step computes comes from ``schedule``: tokens in compute order, kernel calls on contiguous
 slices (the zigzag diagonal is one causal call, other steps one unmasked call on a half), and for
 causal TASP a per-step buffer layout that keeps every step at <= 2 calls. Local kernels are the
 backend's ``forward_lse``/``backward_lse`` (backend "auto": cuDNN where it runs).
@@ -24,17 +24,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..attention.backends import LocalAttention, get_backend
-from ..attention.lse import acc_dtype, merge_into
-from ..comm.multiring import wait_handles
-from ..comm.transport import emulated_link
-from ..config import LAYOUTS
-from ..errors import SPConfigError
-from ..topology.hamiltonian import RoutingTables, routing_tables
-from .heads import split_more_first
-from .placement import pieces
-from .ring_plan import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
-from .ulysses import check_same_shape_across_ranks
+from ...attention.backends import LocalAttention, get_backend
+from ...attention.lse import acc_dtype, merge_into
+from ...comm.multiring import wait_handles
+from ...comm.transport import emulated_link
+from ...errors import SPConfigError
+from ...topology.hamiltonian import RoutingTables, routing_tables
+from ..checks import check_ring_inputs
+from ..heads import split_more_first
+from ..placement import pieces
+from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
 
 VARIANTS = ("ring", "tasp")
 
@@ -67,7 +66,7 @@ def _local_runs(runs, lo: int, n: int, valid: Optional[int]) -> list[tuple[int, 
 
 @dataclass
 class RingPlan:
-    """One rank's schedule (see ``ring_plan``). ``mode``: "plain" (local order, one segment per slot),
+    """One rank's schedule (see ``schedule``). ``mode``: "plain" (local order, one segment per slot),
     "ab" (causal tasp_zigzag: zigzag compute order, two segments per slot, per-step layout) or
     "sorted" (one rank: q and k/v sorted by position, no exchange)."""
 
@@ -351,24 +350,21 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
 
 
 class _RingFn(torch.autograd.Function):
+    """``ring_forward`` / ``ring_backward`` as one autograd node: q [B, H, S_q, D], k, v [B, Hkv, S_kv, D]."""
+
     @staticmethod
     def forward(ctx, q_bhsd, k_bhsd, v_bhsd, plan: RingPlan):
-        q_c = permute_rows(q_bhsd, plan.q_moves, 2)
-        acc, lse = forward_compute_order(q_c, k_bhsd, v_bhsd, plan)
-        out_c = acc.to(q_bhsd.dtype)
-        ctx.save_for_backward(q_c, k_bhsd, v_bhsd, out_c, lse)
+        acc, lse = ring_forward(q_bhsd, k_bhsd, v_bhsd, plan)
+        out = acc.to(q_bhsd.dtype)
+        ctx.save_for_backward(q_bhsd, k_bhsd, v_bhsd, out, lse)
         ctx.plan = plan
-        return permute_rows(out_c, plan.q_moves, 2, inverse=True)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        q_c, k, v, out_c, lse = ctx.saved_tensors
-        plan = ctx.plan
-        dq, dkv = backward_compute_order(permute_rows(dout.contiguous(), plan.q_moves, 2), q_c, k, v, out_c, lse,
-                                         plan)
-        dk, dv = _dkv_local(dkv, plan)
-        dq = permute_rows(dq.to(q_c.dtype), plan.q_moves, 2, inverse=True)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 _PLANS: dict = {}
@@ -466,22 +462,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     """
     if variant not in VARIANTS:
         raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
-    if layout not in LAYOUTS:
-        raise SPConfigError(f"layout={layout!r} is invalid: choose one of {', '.join(LAYOUTS)}")
-    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise SPConfigError(f"q/k/v shapes do not agree ({layout}): {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[2] % k.shape[2] != 0:
-        raise SPConfigError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})")
+    check_ring_inputs(q, k, v, layout, group)
     if placement is None:
         placement = ("zigzag" if variant == "ring" else "tasp_zigzag") if causal else "contiguous"
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     be = get_backend(backend)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
-    key = (id(group), tuple(q.shape), layout, "ring")
-    if key not in _VALIDATED:
-        check_same_shape_across_ranks(q, group, what="sequence shard (q)")
-        _VALIDATED.add(key)
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * world
     q_runs = pieces(placement, rank, world, seqlen)  # validates divisibility
@@ -490,6 +477,3 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                           scale=scale, backend=be, balanced_slots=placement == "tasp_zigzag", kv_valid_len=kv_valid_len)
     out = _RingFn.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), plan)
     return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
-
-
-_VALIDATED: set = set()

@@ -20,13 +20,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..attention.backends import get_backend
-from ..attention.lse import acc_dtype, merge_into
-from ..comm.multiring import wait_handles
-from ..comm.transport import emulated_link
-from ..topology.mesh import SPMesh
-from .heads import HeadLayout, head_layout
-from .placement import pieces
+from ...attention.backends import get_backend
+from ...attention.lse import acc_dtype, merge_into
+from ...comm.multiring import wait_handles
+from ...comm.transport import emulated_link
+from ...topology.mesh import SPMesh
+from ..heads import HeadLayout, head_layout
+from ..placement import pieces
 from .ring import RingBackend
 
 

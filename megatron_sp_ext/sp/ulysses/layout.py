@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .heads import HeadLayout
+from ..heads import HeadLayout
 
 
 def _chunk(layout: HeadLayout, kind: str, rank: int, c: int) -> tuple[int, int]:
@@ -35,7 +35,7 @@ def _seq_major(x: torch.Tensor, a: int, b: int, seq_layout: str) -> torch.Tensor
     return part.transpose(0, 1) if seq_layout == "bshd" else part
 
 
-def _all_peers_view(x: torch.Tensor, layout: HeadLayout, kind: str, c: int, seq_layout: str) -> torch.Tensor:
+def all_peers_view(x: torch.Tensor, layout: HeadLayout, kind: str, c: int, seq_layout: str) -> torch.Tensor:
     """Even layouts only: chunk c of every peer's heads as one [P, S_loc, B, n, D] view."""
     per_rank = layout.q_counts[0] if kind == "q" else layout.kv_counts[0]
     start, size = _chunk(layout, kind, 0, c)
@@ -67,7 +67,7 @@ def pack(parts: Sequence[torch.Tensor], kinds: Sequence[str], layout: HeadLayout
         buf = out.view(layout.world, s_loc, bsz, sum(ws), d)
         col = 0
         for x, kind, w in zip(parts, kinds, ws):
-            buf[:, :, :, col:col + w].copy_(_all_peers_view(x, layout, kind, c, seq_layout))
+            buf[:, :, :, col:col + w].copy_(all_peers_view(x, layout, kind, c, seq_layout))
             col += w
         return splits
     off = 0
@@ -93,7 +93,7 @@ def unpack(flat: torch.Tensor, parts: Sequence[torch.Tensor], kinds: Sequence[st
         buf = flat.view(layout.world, s_loc, bsz, sum(ws), d)
         col = 0
         for x, kind, w in zip(parts, kinds, ws):
-            _all_peers_view(x, layout, kind, c, seq_layout).copy_(buf[:, :, :, col:col + w])
+            all_peers_view(x, layout, kind, c, seq_layout).copy_(buf[:, :, :, col:col + w])
             col += w
         return
     off = 0

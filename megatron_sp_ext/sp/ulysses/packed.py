@@ -23,16 +23,20 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..attention.backends import LocalAttention, get_backend
-from ..comm import streams as st
-from ..comm.transport import default_transports, table_head_to_seq, table_seq_to_head
-from ..errors import SPConfigError
-from . import layout as lay
-from .heads import HeadLayout, head_layout
 from torch.autograd.function import once_differentiable
 
-from .ulysses import _exchange_all_chunks, attend_and_send, attend_backward, check_same_shape_across_ranks
-from .ulysses import local_order
+from ...attention.backends import LocalAttention, get_backend
+from ...comm import streams as st
+from ...comm.transport import default_transports, table_head_to_seq, table_seq_to_head
+from ...errors import SPConfigError
+from ..checks import check_same_shape_across_ranks
+from ..heads import HeadLayout, head_layout
+from . import layout as lay
+from .attend import attend_backward
+from .engine import attend_and_send, exchange_all_chunks
+from .function import ulysses_attention
+from .plan import local_order
+from .policy import ChunkPolicy, default_policy
 
 _QKV = ("q", "kv", "kv")
 _VALIDATED: set = set()
@@ -63,7 +67,7 @@ def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hl: HeadLayout) 
     so the layout change is the store of that kernel, not a copy of its own."""
     if hl.kv_repeat > 1:
         k, v = (t.repeat_interleave(hl.kv_repeat, dim=2) for t in (k, v))
-    return [torch.cat([lay._all_peers_view(t, hl, kind, c, "bshd") for t, kind in zip((q, k, v), _QKV)], dim=3)
+    return [torch.cat([lay.all_peers_view(t, hl, kind, c, "bshd") for t, kind in zip((q, k, v), _QKV)], dim=3)
             for c in range(hl.chunks)]
 
 
@@ -82,6 +86,7 @@ class PackedPlan:
     seq_layout: str = "bshd"
     rank: int = 0
     need_grad: bool = True
+    dropout_p: float = 0.0  # packed calls carry no attention dropout
 
 
 def _start_exchanges(sends: Sequence[torch.Tensor], plan: PackedPlan, compute, comm):
@@ -142,7 +147,7 @@ class _PackedFn(torch.autograd.Function):
         tokens = s_loc * bsz
         grad_out = grad_out.contiguous()
         compute, comm = st.current(grad_out.device), plan.comm_stream
-        recv_g, ev_in = _exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm)
+        recv_g, ev_in = exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm)
         grads_packed = []
         for c in range(hl.chunks):
             st.wait(compute, ev_in[c])
@@ -188,7 +193,7 @@ class PackedUlysses:
 
     def __init__(self, group: dist.ProcessGroup, head_chunks: "int | str", *, backend: "str | LocalAttention" = "sdpa",
                  transport: "str | object" = "nccl", causal: bool = False,
-                 comm_stream: Optional["torch.cuda.Stream"] = None, policy=None) -> None:
+                 comm_stream: Optional["torch.cuda.Stream"] = None, policy: Optional[ChunkPolicy] = None) -> None:
         if head_chunks != "auto" and (isinstance(head_chunks, bool) or not isinstance(head_chunks, int)):
             raise SPConfigError(f"head_chunks={head_chunks!r} is invalid: use a positive integer or 'auto'")
         self.group, self.chunks, self.backend, self.transport = group, head_chunks, backend, transport
@@ -203,14 +208,13 @@ class PackedUlysses:
         if chunks == "auto":
             if q_like is None:
                 raise SPConfigError("PackedUlysses with head_chunks='auto' needs q_like (q's shape, dtype, device)")
-            from .policy import default_policy  # noqa: PLC0415
             d = q_like.shape[-1]
             k_like = q_like[:, :, :1].expand(*q_like.shape[:2], num_kv_heads, d)
             be = get_backend(self.backend)
             tr = default_transports().get(self.transport, self.group, q_like.device)
             chunks = (self.policy or default_policy()).choose(
                 q_like, k_like, self.group, causal=self.causal, layout="bshd", scale=1.0 / math.sqrt(d), backend=be,
-                comm_stream=self.comm_stream, transport=tr)
+                comm_stream=self.comm_stream, transport=tr, attention=ulysses_attention)
         if not packable(num_heads, num_kv_heads, world, chunks):
             return None
         return packed_head_layout(num_heads, num_kv_heads, world, chunks)

@@ -1,0 +1,72 @@
+"""Input checks shared by every sequence-parallel algorithm (Ulysses family and ring family).
+
+``check_inputs`` (Ulysses family: q, k, v of one layout, equal k/v shapes, one dtype) and
+``check_ring_inputs`` (ring family: also GQA heads) validate this rank's tensors, then once per
+(group, shapes, layout, dtype) ``check_same_shape_across_ranks`` compares them across the group with one
+small all_gather, so a mismatch raises SPConfigError on every rank instead of hanging an exchange.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..config import LAYOUTS
+from ..errors import SPConfigError
+
+_VALIDATED: set = set()  # (group id, shapes, layout, dtype, family) keys already compared across ranks
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise SPConfigError(f"layout={layout!r} is invalid: choose one of {', '.join(LAYOUTS)}")
+
+
+def _across_ranks_once(q: torch.Tensor, k: torch.Tensor, layout: str, group, family: str) -> None:
+    key = (id(group), tuple(q.shape), tuple(k.shape), layout, q.dtype, family)
+    if key in _VALIDATED:
+        return
+    check_same_shape_across_ranks(q, group, what="sequence shard (q)")
+    _VALIDATED.add(key)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, group) -> None:
+    """Ulysses-family inputs: q [B, S_loc, H, D] / k, v [B, S_loc, Hkv, D] ("bshd"; "sbhd" swaps B and S_loc),
+    one dtype, equal shards on every rank of ``group``. Raises SPConfigError naming the mismatch."""
+    _check_layout(layout)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise SPConfigError(f"q, k, v must be 4-D ({layout}); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise SPConfigError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[:2] != k.shape[:2]:
+        raise SPConfigError(f"q and k/v disagree on batch/sequence ({layout}): {tuple(q.shape)} vs {tuple(k.shape)}")
+    if q.shape[3] != k.shape[3]:
+        raise SPConfigError(f"head_dim mismatch: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise SPConfigError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    _across_ranks_once(q, k, layout, group, "ulysses")
+
+
+def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, group) -> None:
+    """Ring-family inputs: q/k/v of one layout with matching batch, sequence and head_dim, q heads a multiple
+    of k/v heads, equal q shards on every rank of ``group``. Raises SPConfigError naming the mismatch."""
+    _check_layout(layout)
+    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise SPConfigError(f"q/k/v shapes do not agree ({layout}): {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise SPConfigError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})")
+    _across_ranks_once(q, k, layout, group, "ring")
+
+
+def check_same_shape_across_ranks(x: torch.Tensor, group, what: str) -> None:
+    """One all_gather of the shape; raises on every rank if any rank's shape differs."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = torch.tensor(list(x.shape), dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        mine = mine.cuda()
+    allv = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(allv, mine, group=group)
+    shapes = [tuple(t.tolist()) for t in allv]
+    if len(set(shapes)) != 1:
+        raise SPConfigError(f"{what} shapes differ across ranks: {shapes}; every rank must hold an equal shard")

@@ -1,0 +1,151 @@
+"""Attention of one HCMS chunk on head-sharded q/k/v, forward and backward, and what it keeps in between.
+
+``attend`` runs the local kernel on global-order [B, h_c, S, D] q/k/v (keys at positions >= kv_valid_len cut
+off; dropout through torch SDPA). With SDPA-family fused kernels (``explicit_kernels``) it calls the kernel's
+forward with log-sum-exp and keeps (q, k, v, out, lse) in autograd's saved tensors (``hold``), so activation
+checkpointing drops them; otherwise it keeps an inner autograd graph. ``attend_backward`` gives the chunk's
+(dq, dk, dv) from either.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...attention import lse_kernels
+from ...attention.backends import LocalAttention, SDPABackend
+from .plan import AttendPlan
+
+
+def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, valid: Optional[int],
+                     dropout_p: float = 0.0):
+    """The local kernel on global-order bhsd q/k/v; keys at positions >= ``valid`` are padding: they are
+    cut off (one call; causal: a causal call for the valid queries and a full one for the padded rows).
+    dropout_p > 0: torch's SDPA with its own dropout instead of ``be`` (under autograd, so the backward
+    reuses the forward's mask)."""
+    if dropout_p > 0.0:
+        be = _DropoutSDPA(dropout_p)
+    if valid is None:
+        return be(q, k, v, causal=causal, softmax_scale=scale)
+    kv = (k[:, :, :valid], v[:, :, :valid])
+    if not causal:
+        return be(q, *kv, causal=False, softmax_scale=scale)
+    head = be(q[:, :, :valid], *kv, causal=True, softmax_scale=scale)
+    tail = be(q[:, :, valid:], *kv, causal=False, softmax_scale=scale)
+    return torch.cat([head, tail], dim=2)
+
+
+class _DropoutSDPA(LocalAttention):
+    """torch SDPA with attention dropout [B, H, S, D] (GQA allowed); differentiable, no log-sum-exp."""
+
+    name = "sdpa_dropout"
+
+    def __init__(self, dropout_p: float) -> None:
+        self.dropout_p = dropout_p
+
+    def __call__(self, q, k, v, *, causal, softmax_scale):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=softmax_scale, dropout_p=self.dropout_p,
+            enable_gqa=k.shape[1] != q.shape[1])
+
+
+def explicit_kernels(plan: AttendPlan, like: torch.Tensor) -> bool:
+    """Whether a call runs the kernels' own forward/backward (with log-sum-exp) and keeps each chunk's
+    (q, k, v, out, lse) in autograd's saved tensors (``hold``) instead of an inner autograd graph per chunk:
+    SDPA-family backends whose log-sum-exp kernel for ``like``'s device and dtype is a fused one (cuDNN or
+    flash; not the math fallback, e.g. fp32 on CUDA), gradients wanted. Saved tensors go through autograd's
+    saved-tensor hooks, so activation checkpointing drops them and recomputes the call once; an inner graph
+    kept on ``ctx`` stayed alive under checkpointing (no memory saved) and was recomputed once per chunk."""
+    if not (plan.need_grad and isinstance(plan.backend, SDPABackend)):
+        return False
+    if plan.dropout_p > 0.0:  # the kernels' explicit forward/backward carry no dropout mask
+        return False
+    kernel = plan.backend.kernel if plan.backend.kernel != "auto" else lse_kernels.best(like.device, like.dtype)
+    return kernel != "math"
+
+
+class _Hold(torch.autograd.Function):
+    """A node that only keeps tensors through ``ctx.save_for_backward`` (see ``hold``); never differentiated."""
+
+    @staticmethod
+    def forward(ctx, token, *tensors):
+        ctx.save_for_backward(*tensors)
+        return token.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - its output is never used
+        raise RuntimeError("megatron_sp_ext: a saved-tensor holder was differentiated")
+
+
+def hold(*tensors: torch.Tensor):
+    """Keep ``tensors`` for a backward through autograd's saved-tensor mechanism, so saved-tensor hooks
+    (activation checkpointing's) apply; one node per call, freed on its own when dropped. Returns the node's
+    (empty) output, which keeps the node alive: ``out.grad_fn.saved_tensors`` gives the tensors back (under
+    checkpointing: recomputed once, at the first access)."""
+    token = torch.empty(0, device=tensors[0].device, requires_grad=True)
+    with torch.enable_grad():
+        return _Hold.apply(token, *tensors)
+
+
+def attend(plan: AttendPlan, qc, kc, vc, explicit: bool):
+    """Chunk attention on head-sharded bhsd q/k/v. explicit: kernel forward with log-sum-exp, (q, k, v, out,
+    lse) held (``hold``); else the backend under autograd (the inner graph) when gradients are wanted.
+    Returns (out, what ``attend_backward`` needs or None)."""
+    if explicit:
+        oc, lse = _forward_lse(plan, qc, kc, vc)
+        return oc, hold(qc, kc, vc, oc, lse)
+    need_grad = plan.need_grad  # the block Functions' plans: always
+    if need_grad:
+        qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
+    with torch.set_grad_enabled(need_grad):
+        oc = local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, plan.kv_valid_len,
+                              plan.dropout_p)
+    return oc, ((qc, kc, vc, oc) if need_grad else None)
+
+
+def attend_backward(plan: AttendPlan, c: int, do_c, chunks: list) -> list:
+    """Chunk c's (dq, dk, dv), head-sharded bhsd, from what ``attend`` kept in chunks[c] (dropped here: the
+    chunk's saved tensors are freed as soon as its gradients exist)."""
+    kept, chunks[c] = chunks[c], None
+    if isinstance(kept, tuple):  # the inner autograd graph
+        qc, kc, vc, oc = kept
+        del kept
+        return list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
+    qc, kc, vc, oc, lse = kept.grad_fn.saved_tensors
+    del kept
+    return _backward_lse(plan, do_c, qc, kc, vc, oc, lse)
+
+
+def _forward_lse(plan: AttendPlan, q, k, v):
+    """``local_attention``'s calls through the backend's kernels with log-sum-exp: (out, lse) over global-order
+    bhsd q/k/v; keys at positions >= kv_valid_len are cut off (causal: a causal call for the valid queries
+    and a full one for the padded rows, their outputs and lse side by side)."""
+    be, valid, scale = plan.backend, plan.kv_valid_len, plan.scale
+    if valid is None:
+        return be.forward_lse(q, k, v, causal=plan.causal, softmax_scale=scale)
+    kv = (k[:, :, :valid], v[:, :, :valid])
+    if not plan.causal:
+        return be.forward_lse(q, *kv, causal=False, softmax_scale=scale)
+    head = be.forward_lse(q[:, :, :valid], *kv, causal=True, softmax_scale=scale)
+    tail = be.forward_lse(q[:, :, valid:], *kv, causal=False, softmax_scale=scale)
+    return torch.cat([head[0], tail[0]], dim=2), torch.cat([head[1], tail[1]], dim=2)
+
+
+def _backward_lse(plan: AttendPlan, do, q, k, v, out, lse) -> list:
+    """The gradients of ``_forward_lse``: [dq, dk, dv] (padded keys get zero gradients)."""
+    be, valid, scale = plan.backend, plan.kv_valid_len, plan.scale
+    if valid is None:
+        return list(be.backward_lse(do, q, k, v, out, lse, causal=plan.causal, softmax_scale=scale))
+    kv = (k[:, :, :valid], v[:, :, :valid])
+    if not plan.causal:
+        dq, dk_v, dv_v = be.backward_lse(do, q, *kv, out, lse, causal=False, softmax_scale=scale)
+    else:
+        cut = (slice(None), slice(None), slice(None, valid))
+        rest = (slice(None), slice(None), slice(valid, None))
+        dq1, dk1, dv1 = be.backward_lse(do[cut], q[cut], *kv, out[cut], lse[cut], causal=True, softmax_scale=scale)
+        dq2, dk2, dv2 = be.backward_lse(do[rest], q[rest], *kv, out[rest], lse[rest], causal=False,
+                                        softmax_scale=scale)
+        dq, dk_v, dv_v = torch.cat([dq1, dq2], dim=2), dk1 + dk2, dv1 + dv2
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dk[:, :, :valid], dv[:, :, :valid] = dk_v, dv_v
+    return [dq, dk, dv]

@@ -1,0 +1,78 @@
+"""The plan of one Ulysses-family call: what the exchange engine and the chunk attention read.
+
+``AttendPlan`` is the interface (a Protocol): every Ulysses-family plan provides its fields (``UlyssesPlan``
+here, ``PackedPlan`` in packed.py, ``AsyncPlan`` / ``GatherPlan`` of the attention blocks), so the engine
+reads typed fields instead of probing with getattr. ``local_order`` turns a placement into the permutation
+of the gathered sequence (and the padding cut) a plan carries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ...attention.backends import LocalAttention
+from ...errors import SPConfigError
+from ..heads import HeadLayout
+from ..placement import pieces
+from . import layout as lay
+
+
+class AttendPlan(Protocol):
+    """Fields the exchange engine (engine.py) and the chunk attention (attend.py) read."""
+
+    group: dist.ProcessGroup
+    rank: int                    # this rank in ``group``
+    heads: HeadLayout            # heads per rank and per HCMS chunk
+    seq_layout: str              # "bshd" or "sbhd" of the caller's tensors
+    causal: bool
+    scale: float
+    backend: LocalAttention
+    transport: Optional[object]  # comm.transport object (None: the group's own all_to_all)
+    need_grad: bool              # keep what the backward needs
+    kv_valid_len: Optional[int]  # keys at global positions >= this are padding (None: none)
+    order: Optional[lay.SeqOrder]  # gathered (rank) order -> global order; None: already global
+    dropout_p: float             # attention dropout inside each chunk's kernel
+
+
+@dataclass
+class UlyssesPlan:
+    """Everything one call needs that depends only on shapes and settings."""
+
+    group: dist.ProcessGroup
+    rank: int
+    heads: HeadLayout
+    seq_layout: str
+    causal: bool
+    scale: float
+    backend: LocalAttention
+    comm_stream: Optional["torch.cuda.Stream"]
+    need_grad: bool = True
+    qkv_contiguous: bool = True  # hand the kernel contiguous q/k/v and exchange grads one tensor at a time
+    transport: Optional[object] = None  # comm.transport object (None: the group's own all_to_all)
+    order: Optional[lay.SeqOrder] = None  # gathered (rank) order -> global order; None: already global
+    kv_valid_len: Optional[int] = None  # keys at global positions >= this are padding (0 < it < S)
+    dropout_p: float = 0.0  # attention dropout inside each chunk's kernel (forces the inner-graph path)
+
+
+def local_order(placement: str, world: int, s_loc: int, causal: bool,
+                kv_valid_len: Optional[int]) -> tuple[Optional[lay.SeqOrder], Optional[int]]:
+    """(order, valid) for one call: the piece permutation that puts the gathered sequence in global order
+    (None when it already is, or when nothing depends on positions: non-causal without padding), and the
+    padding cut (None: no key is padding). Raises SPConfigError for a bad placement or kv_valid_len."""
+    seqlen = s_loc * world
+    if kv_valid_len is not None and kv_valid_len >= seqlen:
+        kv_valid_len = None  # nothing is padding
+    if kv_valid_len is not None and kv_valid_len < 1:
+        raise SPConfigError(f"kv_valid_len={kv_valid_len} leaves no key to attend: use 1..{seqlen}")
+    if not causal and kv_valid_len is None:
+        return None, None
+    return _seq_order(placement, world, seqlen), kv_valid_len
+
+
+@lru_cache(maxsize=256)
+def _seq_order(placement: str, world: int, seqlen: int) -> Optional[lay.SeqOrder]:
+    return lay.seq_order([pieces(placement, p, world, seqlen) for p in range(world)])
