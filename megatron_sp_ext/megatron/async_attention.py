@@ -12,8 +12,13 @@ Megatron's), per-head q/k layernorm and RoPE applied to each branch before its e
 output exchange overlapped with the dO exchange / dW_proj GEMM in backward. Same math as the
 parent's forward; the returned (output, bias) follows ``linear_proj``'s skip_bias_add contract.
 
+With --tensor-model-parallel-size > 1 (needs --sequence-parallel; refused by name without it) the
+TP x CP block runs instead (sp/tp_cp_block.py): ``on`` its pipelined form (TP all-gather pipelined with
+the per-chunk QKV GEMMs, CP exchange per head chunk, pipelined TP reduce-scatter), ``allgather`` its mixed
+form (one all-gather / reduce-scatter over the tensor-and-context-parallel group); with one CP rank too.
+
 Runs where the async block does not apply (inference with a KV cache, cross attention, packed
-sequences, attention bias, one CP rank) use the parent's forward unchanged, which is the same math.
+sequences, attention bias, one CP rank at TP 1) use the parent's forward unchanged, which is the same math.
 Settings the async block cannot honour raise SPConfigError at construction, naming the flag.
 Shapes: hidden_states [s_local, b, hidden] (Megatron's sbhd), zigzag CP placement.
 """
@@ -30,6 +35,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from ..errors import SPConfigError
 from ..sp.async_block import async_ulysses_self_attention
 from ..sp.gather_block import allgather_self_attention
+from ..sp.tp_cp_block import tp_cp_self_attention
 from .compat import parent_kwargs
 
 log = logging.getLogger("megatron_sp_ext")
@@ -63,8 +69,14 @@ class SPSelfAttention(SelfAttention):
                                 f"(got {getattr(core, 'mode', type(core).__name__)})")
         if core.mode == "hcms" and not isinstance(core.sp.head_chunks, int):
             raise SPConfigError(f"{_FLAG} needs an integer --hcms-head-chunks (got {core.sp.head_chunks!r})")
-        if self.world_size != 1:
-            raise SPConfigError(f"{_FLAG} supports --tensor-model-parallel-size 1 only (got {self.world_size})")
+        if self.world_size != 1:  # TP x CP block (sp/tp_cp_block.py): needs Megatron's TP sequence parallelism
+            if not getattr(config, "sequence_parallel", False):
+                raise SPConfigError(f"{_FLAG} with --tensor-model-parallel-size {self.world_size} needs "
+                                    f"--sequence-parallel (the TP x CP block takes sequence-sharded hidden "
+                                    f"states); add --sequence-parallel or use --tensor-model-parallel-size 1")
+            if config.num_query_groups is not None and config.num_query_groups % self.world_size:
+                raise SPConfigError(f"{_FLAG} with --tensor-model-parallel-size {self.world_size} needs "
+                                    f"--num-query-groups divisible by it (got {config.num_query_groups})")
         if hasattr(self.linear_qkv, "layer_norm_weight"):
             raise SPConfigError(f"{_FLAG} needs a linear_qkv without a fused input layernorm (use the local layer "
                                 f"spec, get_gpt_layer_local_spec, or a TE spec with a separate input_layernorm)")
@@ -102,7 +114,7 @@ class SPSelfAttention(SelfAttention):
         if any(e is not None for e in extra):
             return "precomputed rotary cos/sin"
         group = self.core_attention.cp_group
-        if group is None or group.size() == 1:
+        if self.world_size == 1 and (group is None or group.size() == 1):
             return "one context-parallel rank"
         return ""
 
@@ -158,6 +170,8 @@ class SPSelfAttention(SelfAttention):
             return y4
         causal = core._causal(None, attention_mask)
         chunks = core.sp.head_chunks if core.mode == "hcms" else 1
+        if self.world_size != 1:
+            return self._tp_cp_forward(x_bsd, norms, weights, rotary_pos_emb, causal, chunks)
         block, block_prep = ((allgather_self_attention, prep_full) if self.async_qkv == "allgather"
                              else (async_ulysses_self_attention, prep))
         out_bsd = block(
@@ -168,5 +182,44 @@ class SPSelfAttention(SelfAttention):
             head_chunks=chunks, softmax_scale=core.softmax_scale, backend=core.backend,
             comm_stream=core.ctx.streams.comm_stream(hidden_states.device),
             transport=core.ctx.transports.get(core.sp.transport, group, hidden_states.device, "--sp-transport"),
+            causal=causal, placement="zigzag")
+        return out_bsd.transpose(0, 1).contiguous(), self.linear_proj.bias
+
+    def _tp_cp_forward(self, x_bsd, norms, weights, rotary_pos_emb, causal: bool, chunks: int):
+        """TP > 1 with --sequence-parallel: the TP x CP block (sp/tp_cp_block.py) on this rank's [b, s_tp, h]
+        tokens; ``on`` runs its pipelined form, ``allgather`` its mixed form (one all-gather / reduce-scatter
+        over the tensor-and-context-parallel group). The CP group may have one rank (TP only)."""
+        import torch.distributed as dist  # noqa: PLC0415
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+        core = self.core_attention
+        cp_group = core.cp_group if core.cp_group is not None else ps.get_context_parallel_group()
+        tcp_group = getattr(self.pg_collection, "tp_cp", None) or ps.get_tensor_and_context_parallel_group()
+        gathered = {}
+
+        def prep(branch, y4, w, cp_gathered):  # per-head q/k norm, then RoPE at these tokens' positions
+            if norms[branch] is not None:
+                y4 = torch.func.functional_call(norms[branch], {"weight": w}, (y4,)) if w is not None \
+                    else norms[branch](y4)
+            if rotary_pos_emb is not None:
+                i = 0 if branch == "q" else 1
+                freqs = rotary_pos_emb[i]
+                if cp_gathered and cp_group.size() > 1:  # this CP rank's freqs -> every CP rank's, rank order
+                    if i not in gathered:
+                        parts = [torch.empty_like(freqs) for _ in range(cp_group.size())]
+                        dist.all_gather(parts, freqs.contiguous(), group=cp_group)
+                        gathered[i] = torch.cat(parts, dim=0)
+                    freqs = gathered[i]
+                y4 = apply_rotary_pos_emb(y4.transpose(0, 1), freqs, config=self.config,
+                                          cp_group=cp_group).transpose(0, 1)
+            return y4
+        dev = x_bsd.device
+        out_bsd = tp_cp_self_attention(
+            x_bsd, self._qkv_weight(self.linear_qkv.weight), self._qkv_weight(self.linear_qkv.bias),
+            self.linear_proj.weight, None, self.tp_group, cp_group, num_heads=self.num_attention_heads_per_partition,
+            num_kv_heads=self.num_query_groups_per_partition, prep=prep, norm_q_weight=weights["q"],
+            norm_k_weight=weights["k"], head_chunks=chunks, form="mixed" if self.async_qkv == "allgather" else
+            "pipelined", tcp_group=tcp_group, softmax_scale=core.softmax_scale, backend=core.backend,
+            comm_stream=core.ctx.streams.comm_stream(dev),
+            transport=core.ctx.transports.get(core.sp.transport, cp_group, dev, "--sp-transport"),
             causal=causal, placement="zigzag")
         return out_bsd.transpose(0, 1).contiguous(), self.linear_proj.bias

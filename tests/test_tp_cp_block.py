@@ -1,0 +1,202 @@
+"""The TP x CP attention block (sp/tp_cp_block.py), issue #37.
+
+Functional: tp_cp_self_attention on TP2 x CP2 and TP2 x CP1 gloo ranks against a float64 single-device
+reference of the whole block (tests/cuda_tp_cp.tp_cp_case), both forms, GQA, HCMS chunks, zigzag causal.
+Megatron: a TransformerBlock of attention layers (no MLP: megatron-core's SP MLP needs CUDA) with --sp-async-qkv on|allgather at TP2 + --sequence-parallel (x CP2, x CP1)
+against the same weights at TP1 x CP1 (standard path): output, input grad, every parameter grad after the
+reductions Megatron does (sum over CP of each TP shard, then the TP shards gathered; replicated parameters
+summed over TP and CP).
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_sp_ext.errors import SPConfigError
+from tests.cuda_tp_cp import tp_cp_case
+from tests.harness import run_ranks
+from tests.reference import rel_err
+
+
+@pytest.mark.parametrize("world,form,h,hkv,chunks,qk_norm,causal", [
+    (4, "pipelined", 8, 8, 1, True, False), (4, "pipelined", 8, 2, 2, True, True),
+    (4, "mixed", 8, 4, 1, False, True), (4, "mixed", 8, 2, 2, True, False),
+    (2, "pipelined", 8, 4, 2, True, True), (2, "mixed", 8, 8, 1, True, False)])
+def test_functional_equals_float64_block(world, form, h, hkv, chunks, qk_norm, causal):
+    """TP2 x CP(world/2) in float64 == the float64 block on the full sequence (each error < 1e-10)."""
+    for errs in run_ranks(tp_cp_case, world, 2, form=form, h=h, hkv=hkv, chunks=chunks, qk_norm=qk_norm,
+                          causal=causal):
+        assert max(errs.values()) < 1e-10, errs
+
+
+def test_cuda_worker_runs_on_cpu(monkeypatch):
+    """tests/cuda_tp_cp.tp_cp_block_family's records, dry-run on CPU gloo ranks (SPX_SUITE_DEVICE=cpu)."""
+    import tests.cuda_tp_cp as mod
+    monkeypatch.setattr(mod, "DEV", "cpu")
+    recs = run_ranks(mod.tp_cp_block_family, 4, timeout=400)
+    for per_rank in recs:
+        assert len(per_rank) == 12 and all(r["family"] == "tp-cp-block" for r in per_rank)
+        for r in per_rank:  # bf16's 2e-2 is CUDA's (fp32-accumulating kernels); CPU bf16 kernels round more
+            assert max(r["errs"].values()) < (r["tol"] if "float64" in r["case"] else 0.1), r
+
+
+def test_mixed_form_needs_cp_major_tcp_group():
+    def fn(rank, world):
+        from megatron_sp_ext.sp.tp_cp_block import check_tp_cp_groups
+        from tests.cuda_tp_cp import tp_cp_groups
+        tp, cp, tcp = tp_cp_groups(2)
+        check_tp_cp_groups(tp, cp, tcp)
+        with pytest.raises(SPConfigError, match="CP-major"):
+            check_tp_cp_groups(tp, cp, tp)  # not the TP x CP group
+        if dist.get_rank(tp) != dist.get_rank(cp):
+            with pytest.raises(SPConfigError, match="CP-major"):
+                check_tp_cp_groups(cp, tp, tcp)  # TP and CP swapped: the WORLD order is then TP-major
+        return True
+    run_ranks(fn, 4)
+
+
+def _gather_tp(t, dim, group):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class _TorchNormSP:
+    """megatron-core's torch norm under --sequence-parallel (it asserts the flag off because it does not tag
+    its weights for the TP grad all-reduce; the test sums replicated grads over TP itself)."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kw):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        cfg = copy.copy(config)
+        cfg.sequence_parallel = False
+        return WrappedTorchNorm(cfg, hidden_size, eps, **kw)
+
+
+def _megatron_tp_cp(rank, world, tp, cp, cases):
+    """For each (form, causal, groups, qk_norm, rope, chunks): the block at TP x CP with --sequence-parallel and
+    --sp-async-qkv ``form`` vs the same weights at TP1 x CP1 (Megatron's standard path, full sequence)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+
+    from megatron_sp_ext.megatron import SPSelfAttention, SPTransformerConfig, with_sp_core_attention
+    from megatron_sp_ext.megatron.compat import cp_rank_batch
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+
+    def build(tp_, cp_, form, causal, groups, qk_norm, chunks):
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        cfg = SPTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=groups,
+                                  use_cpu_initialization=True, context_parallel_size=cp_,
+                                  tensor_model_parallel_size=tp_, sequence_parallel=tp_ > 1,
+                                  cp_comm_type="hcms" if chunks > 1 else "ulysses", hcms_head_chunks=chunks,
+                                  hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+                                  apply_rope_fusion=False, masked_softmax_fusion=False, sp_async_qkv=form,
+                                  normalization="RMSNorm", qk_layernorm=qk_norm, add_qkv_bias=True)
+        torch.manual_seed(1234)
+        spec = with_sp_core_attention(get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"),
+                                      no_mask=not causal)
+        sub = spec.submodules  # torch norms refuse sequence parallelism by assertion: see _TorchNormSP
+        sub.input_layernorm = _TorchNormSP
+        # attention layers only: Megatron's SP MLP allocates its gather buffers on the GPU (no CPU path)
+        sub.pre_mlp_layernorm, sub.mlp, sub.mlp_bda = IdentityOp, IdentityOp, IdentityFuncOp
+        if qk_norm:
+            sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = _TorchNormSP
+        return TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=[spec] * 2, layer_norm=_TorchNormSP))
+
+    import megatron_sp_ext.megatron.async_attention as adapter
+    calls, block_fn = [], adapter.tp_cp_self_attention  # count the block's calls (this forked rank only)
+    adapter.tp_cp_self_attention = lambda *a, **k: calls.append(k["form"]) or block_fn(*a, **k)
+    for form, causal, groups, qk_norm, rope, chunks in cases:
+        tag = f"{form} TP={tp} CP={cp} causal={causal} groups={groups} qk_norm={qk_norm} rope={rope} C={chunks}"
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        try:
+            tp_g, cp_g = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+            t = dist.get_rank(tp_g)
+            block = build(tp, cp, form, causal, groups, qk_norm, chunks)
+            assert all(isinstance(layer.self_attention, SPSelfAttention) for layer in block.layers)
+            s, b, hn = 8 * cp * tp, 2, 8
+            g = torch.Generator().manual_seed(3)
+            x_full, dy_full = torch.randn(s, b, 64, generator=g), torch.randn(s, b, 64, generator=g)
+            freqs_full = None
+            if rope:
+                inv = 1.0 / (10000 ** (torch.arange(0, hn, 2).float() / hn))
+                f = torch.outer(torch.arange(s).float(), inv)
+                freqs_full = torch.cat([f, f], dim=-1)[:, None, None, :]
+            cp_split = lambda z: cp_rank_batch({"x": z.transpose(0, 1)})["x"].transpose(0, 1)  # noqa: E731
+            s_tp = s // cp // tp
+            # this rank's tokens (Megatron's SP: contiguous over TP inside the CP rank's zigzag shard), fixed now:
+            # cp_rank_batch reads parallel_state, which the reference below re-initialises
+            mine = cp_split(torch.arange(s)[:, None])[t * s_tp:(t + 1) * s_tp, 0]
+            split = lambda z: z[mine]  # noqa: E731
+            x = split(x_full).clone().requires_grad_()
+            y = block(x, attention_mask=None, rotary_pos_emb=cp_split(freqs_full) if rope else None)
+            y.backward(split(dy_full))
+            y, dx = y.detach(), x.grad.clone()
+            assert calls == [{"on": "pipelined", "allgather": "mixed"}[form]] * 2, calls  # both layers ran it
+            calls.clear()
+            full_w, full_g = {}, {}
+            for n, p in block.named_parameters():
+                gr = p.grad.clone()
+                dist.all_reduce(gr, group=cp_g)  # DP x CP gradient reduction
+                if getattr(p, "tensor_model_parallel", False):  # this TP shard: gather the shards
+                    full_w[n] = _gather_tp(p.detach(), p.partition_dim, tp_g)
+                    full_g[n] = _gather_tp(gr, p.partition_dim, tp_g)
+                else:  # replicated under sequence parallelism: partial over TP too
+                    dist.all_reduce(gr, group=tp_g)
+                    full_w[n], full_g[n] = p.detach().clone(), gr
+        finally:
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
+        try:
+            ref = build(1, 1, "off", causal, groups, qk_norm, chunks)
+            with torch.no_grad():
+                for n, p in ref.named_parameters():
+                    p.copy_(full_w[n])
+            xf = x_full.clone().requires_grad_()
+            yf = ref(xf, attention_mask=None, rotary_pos_emb=freqs_full)
+            yf.backward(dy_full)
+            assert rel_err(y, split(yf)) < 1e-5, f"{tag}: output {rel_err(y, split(yf))}"
+            assert rel_err(dx, split(xf.grad)) < 1e-5, f"{tag}: input grad {rel_err(dx, split(xf.grad))}"
+            for n, p in ref.named_parameters():
+                assert rel_err(full_g[n], p.grad) < 1e-5, f"{tag}: grad of {n}: {rel_err(full_g[n], p.grad)}"
+        finally:
+            ps.destroy_model_parallel()
+    return True
+
+
+def test_megatron_tp2_cp2():
+    pytest.importorskip("megatron.core")
+    run_ranks(_megatron_tp_cp, 4, 2, 2, [("on", True, 8, True, True, 1), ("on", False, 2, True, False, 2),
+                                         ("allgather", True, 2, True, True, 1),
+                                         ("allgather", False, 8, False, False, 2)], timeout=400)
+
+
+def test_megatron_tp2_cp1():
+    pytest.importorskip("megatron.core")
+    run_ranks(_megatron_tp_cp, 2, 2, 1, [("on", True, 2, True, True, 2), ("allgather", False, 8, True, True, 1)],
+              timeout=400)
+
+
+def test_megatron_tp_without_sequence_parallel_is_refused():
+    pytest.importorskip("megatron.core")
+
+    def fn(rank, world):
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.transformer_block import TransformerBlock
+
+        from megatron_sp_ext.megatron import SPTransformerConfig, with_sp_core_attention
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+        try:
+            tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+            cfg = SPTransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, use_cpu_initialization=True,
+                                      tensor_model_parallel_size=2, sp_async_qkv="on", attention_dropout=0.0)
+            with pytest.raises(SPConfigError, match="--tensor-model-parallel-size 2 needs --sequence-parallel"):
+                TransformerBlock(cfg, with_sp_core_attention(get_gpt_layer_local_spec()))
+        finally:
+            ps.destroy_model_parallel()
+        return True
+    run_ranks(fn, 2)
