@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
-from training.video_dit.cli import (add_common_args, build_dataset, check_common_args, frames_and_size,  # noqa: E402
-                                    pick_device)
+from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
+                                    check_parallel_size, frames_and_size, pick_device)
 from training.video_dit.engine import MetricsLog, check_divisible, make_core  # noqa: E402
-from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
+from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import MegatronOps, RunContext, TorchOps, add_train_args, train_loop  # noqa: E402
@@ -41,7 +41,7 @@ logger = logging.getLogger("video_dit")
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
     quiet_known_warnings()  # before megatron-core is imported
     from megatron_sp_ext.megatron import add_arguments, validate_args  # noqa: PLC0415
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = EntryParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--ddp-impl", choices=["auto", "megatron", "torch"], default="auto")
@@ -56,7 +56,10 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                    help="megatron DDP: gradient buffers and their reduction in bf16 (default fp32)")
     add_train_args(p)
     add_arguments(p)
+    # Megatron-LM's default (p2p) is Transformer Engine's ring, which this DiT does not have: ours picks a mode
+    p.set_defaults(cp_comm_type=["auto"])
     args = p.parse_args(argv)
+    check_parallel_size(p, "--context-parallel-size", args.context_parallel_size)
     if args.bf16_params and not args.bf16:
         p.error("--bf16-params needs --bf16 (the autocast that feeds bf16 weights)")
     if (args.bf16_params or args.use_distributed_optimizer or args.overlap_grad_reduce or args.grad_reduce_in_bf16) \
@@ -110,11 +113,11 @@ def main(argv: Optional[list] = None) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     from megatron.core import parallel_state as ps  # noqa: PLC0415
-    ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size,
-                                 distributed_timeout_minutes=args.distributed_timeout_minutes)
     setup_logging(args.log_level, dist.get_rank())
     try:
         with report_failures("pretrain_video_dit"):
+            ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size,
+                                         distributed_timeout_minutes=args.distributed_timeout_minutes)
             return _train(args, device, ps)
     finally:
         ps.destroy_model_parallel()
@@ -125,7 +128,10 @@ def main(argv: Optional[list] = None) -> dict:
 def _train(args, device, ps) -> dict:
     cfg = preset(args.model, args.num_layers)
     frames, h, w = frames_and_size(args)
-    check_divisible(cfg, frames, h, w)
+    try:
+        check_divisible(cfg, frames, h, w)
+    except ValueError as e:
+        raise SPConfigError(f"--frames/--latent-size: {e}") from None
     cp_group, dp_group = ps.get_context_parallel_group(), ps.get_data_parallel_group()
     dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
     sp_rank, sp_world = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
@@ -151,7 +157,7 @@ def _train(args, device, ps) -> dict:
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
     if impl == "torch" and (args.bf16_params or args.use_distributed_optimizer or args.overlap_grad_reduce
                             or args.grad_reduce_in_bf16):
-        raise ValueError("--bf16-params / --use-distributed-optimizer / --overlap-grad-reduce / --grad-reduce-in-bf16 "
+        raise SPConfigError("--bf16-params / --use-distributed-optimizer / --overlap-grad-reduce / --grad-reduce-in-bf16 "
                          f"need megatron's DDP, which needs CUDA (this run uses --ddp-impl torch on {device})")
     if impl == "megatron":
         model, opt = _megatron_ddp(model, cfg, args)
@@ -230,4 +236,4 @@ def _fuse_torch_adam(opt) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry(main, "pretrain_video_dit"))

@@ -4,6 +4,10 @@
     "sequence_parallel_ext": {"mode": "hcms", "head_chunks": 2}
 
     torchrun --nproc-per-node 4 training/train_deepspeed.py --deepspeed-config configs/deepspeed/cpu_tiny_hcms.json
+    torchrun --nproc-per-node 4 training/train_deepspeed.py --context-parallel-size 4   (built-in ZeRO-1 config)
+
+Without --deepspeed-config the run uses ``default_config`` (AdamW at --lr, ZeRO-1, no sequence_parallel_ext
+block: every SP setting at its default); --context-parallel-size sets "sequence_parallel_size" in either.
 
 megatron_sp_ext.deepspeed.initialize validates the block, builds the SP groups and mpu, lets the
 DiT opt in (configure_sequence_parallel -> SPDistributedAttention) and calls deepspeed.initialize.
@@ -25,9 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import ds_checkpoint as ds_ckpt  # noqa: E402
 from training.video_dit.checkpoint import check_resume_step, describe  # noqa: E402
-from training.video_dit.cli import (add_common_args, build_dataset, check_common_args, frames_and_size,  # noqa: E402
-                                    pick_device)
-from training.video_dit.faults import report_failures, timeout_of  # noqa: E402
+from megatron_sp_ext.errors import SPConfigError  # noqa: E402
+from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
+                                    frames_and_size, parallel_size_problem, pick_device)
+from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.engine import MetricsLog, check_divisible  # noqa: E402
 from training.video_dit.logs import captured_stdout, quiet_known_warnings, setup_logging  # noqa: E402
@@ -39,14 +44,53 @@ logger = logging.getLogger("video_dit")
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = EntryParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
-    p.add_argument("--deepspeed-config", required=True, help="DeepSpeed JSON (with sequence_parallel_ext)")
+    p.add_argument("--deepspeed-config", default=None,
+                   help="DeepSpeed JSON (with sequence_parallel_ext); default: ZeRO-1 AdamW at --lr, SP defaults")
+    p.add_argument("--context-parallel-size", "--sequence-parallel-size", type=int, default=None,
+                   help="sets the JSON's \"sequence_parallel_size\" (default: the JSON's, else 1)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     add_train_args(p)
     args = p.parse_args(argv)
     check_common_args(p, args)
     return args
+
+
+def default_config(args: argparse.Namespace) -> dict:
+    """The DeepSpeed config used without --deepspeed-config: ZeRO-1, AdamW at --lr, no SP block."""
+    return {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": 1,
+            "gradient_clipping": args.clip_grad, "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": args.weight_decay,
+                                                      "torch_adam": True}}}
+
+
+def load_config(args: argparse.Namespace, config: Optional[dict] = None) -> dict:
+    """The run's DeepSpeed config: --deepspeed-config (or ``default_config``), ``config`` over it, then
+    --context-parallel-size. Raises SPConfigError naming the file and key when it cannot work here."""
+    where = f"--deepspeed-config={args.deepspeed_config!r}" if args.deepspeed_config else "the built-in config"
+    if args.deepspeed_config:
+        try:
+            with open(args.deepspeed_config) as f:
+                ds_cfg = json.load(f)
+        except OSError as e:
+            raise SPConfigError(f"{where}: cannot read it ({e.strerror or e})") from None
+        except json.JSONDecodeError as e:
+            raise SPConfigError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(ds_cfg, dict):
+            raise SPConfigError(f"{where}: holds a {type(ds_cfg).__name__}, expected a JSON object")
+    else:
+        ds_cfg = default_config(args)
+    if config:
+        ds_cfg.update(config)
+    if args.context_parallel_size is not None:
+        ds_cfg["sequence_parallel_size"] = args.context_parallel_size
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    problem = parallel_size_problem("sequence_parallel_size", ds_cfg.get("sequence_parallel_size", 1), world)
+    if problem:
+        flag = " (from --context-parallel-size)" if args.context_parallel_size is not None else ""
+        raise SPConfigError(f"{where}: {problem}{flag}")
+    return ds_cfg
 
 
 def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
@@ -56,13 +100,9 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     device = pick_device()
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    with open(args.deepspeed_config) as f:
-        ds_cfg = json.load(f)
-    if config:
-        ds_cfg.update(config)
+    ds_cfg = load_config(args, config)
     import deepspeed  # noqa: PLC0415
 
-    from megatron_sp_ext.deepspeed import initialize  # noqa: PLC0415
     own_pg = not dist.is_initialized()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -70,9 +110,24 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                    timeout=timeout_of(args.distributed_timeout_minutes))
     setup_logging(args.log_level, dist.get_rank())
+    try:
+        with report_failures("train_deepspeed"):
+            engine, cfg = _build(args, ds_cfg, device)
+            return _train(args, engine, cfg, device)
+    finally:
+        if own_pg:
+            dist.destroy_process_group()
+
+
+def _build(args, ds_cfg: dict, device):
+    """The model and the DeepSpeed engine (sequence parallelism from the JSON block)."""
+    from megatron_sp_ext.deepspeed import initialize  # noqa: PLC0415
     cfg = preset(args.model, args.num_layers)
     frames, h, w = frames_and_size(args)
-    check_divisible(cfg, frames, h, w)
+    try:
+        check_divisible(cfg, frames, h, w)
+    except ValueError as e:
+        raise SPConfigError(f"--frames/--latent-size: {e}") from None
     ds_cfg.setdefault("train_micro_batch_size_per_gpu", args.micro_batch_size)
     if args.check_for_nan_in_loss_and_grad and ds_cfg.get("bf16", {}).get("enabled"):
         ds_cfg["bf16"].setdefault("check_grad_overflow", True)  # the guard relies on DeepSpeed's skip of such steps
@@ -84,12 +139,7 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     model.set_fused_elementwise(fused_backend)
     model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend))
     engine, _, _, _ = initialize(model=model, config=ds_cfg, num_heads=cfg.heads)
-    try:
-        with report_failures("train_deepspeed"):
-            return _train(args, engine, cfg, device)
-    finally:
-        if own_pg:
-            dist.destroy_process_group()
+    return engine, cfg
 
 
 def _train(args, engine, cfg, device) -> dict:
@@ -152,4 +202,4 @@ def _save(args, engine, step, rank, position: dict):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry(main, "train_deepspeed"))

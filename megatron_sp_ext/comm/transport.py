@@ -367,22 +367,32 @@ def check_symm_mem(group: dist.ProcessGroup, device: torch.device, name: str = "
 
 
 class TransportPool:
-    """One transport object per (name, group, device), created on first use and reused."""
+    """One transport object per (name, group, device), created on first use and reused while the group lives.
+
+    "nccl" is not cached (``NcclTransport`` is a stateless wrapper of the group). The stateful ones are, and
+    entries of groups that ``destroy_process_group`` removed are dropped at the next ``get``: a cached
+    transport keeps its group (and gloo's worker threads) alive, and a group alive at interpreter exit
+    aborted the process ("terminate called without an active exception": a worker thread releasing a
+    finished exchange needs the GIL while Python is finalizing)."""
 
     def __init__(self) -> None:
         self._cache: dict = {}
+
+    def clear(self) -> None:
+        """Drop every cached transport (and with it the pool's references to process groups)."""
+        self._cache.clear()
 
     def get(self, name: "str | object", group: dist.ProcessGroup, device: torch.device, setting: str = "transport"):
         if not isinstance(name, str):
             return name  # already a transport object
         if name not in TRANSPORT_NAMES:
             raise SPConfigError(f"{setting}={name!r} is invalid: choose one of {', '.join(TRANSPORT_NAMES)}")
+        _drop_destroyed(self._cache)
         if name == "nccl":
             emulated = emulated_link(group, device)
-            if emulated is not None:
-                return emulated
-            key = ("nccl", id(group))
-        elif name == "host_staged":
+            return emulated if emulated is not None else NcclTransport(group)
+        if name == "host_staged":
+            from .host_staged import check_host_staged  # noqa: PLC0415
             check_host_staged(group, device, setting)
             key = (name, id(group), device.type, device.index)
         else:
@@ -390,11 +400,26 @@ class TransportPool:
             key = (name, id(group), device.index)
         if key not in self._cache:
             if name == "host_staged":
+                from .host_staged import HostStagedTransport  # noqa: PLC0415
                 cls = HostStagedTransport
             else:
-                cls = {"nccl": NcclTransport, "symm_mem": SymmMemTransport, "copy_engine": CopyEngineTransport}[name]
-            self._cache[key] = cls(group) if name == "nccl" else cls(group, device)
+                cls = {"symm_mem": SymmMemTransport, "copy_engine": CopyEngineTransport}[name]
+            self._cache[key] = cls(group, device)
         return self._cache[key]
+
+
+def _registered(group) -> bool:
+    """Whether ``group`` is still a live process group (not yet destroyed)."""
+    if group is None or not dist.is_initialized():
+        return False
+    pgs = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return pgs is None or group in pgs
+
+
+def _drop_destroyed(cache: dict) -> None:
+    """Remove the entries of ``cache`` whose transport's group was destroyed (also frees the id for reuse)."""
+    for key in [k for k, tr in cache.items() if not _registered(getattr(tr, "group", None))]:
+        del cache[key]
 
 
 def emulated_link(group: dist.ProcessGroup, device: torch.device):
@@ -408,6 +433,7 @@ def emulated_link(group: dist.ProcessGroup, device: torch.device):
     if len(set(node_of)) == 1:
         return None
     key = ("two_level", id(group), device.type, device.index)
+    _drop_destroyed(_EMULATED)
     if key not in _EMULATED:
         check_host_staged(group, device, "SPX_EMULATED_MACHINE_SIZE")
         _EMULATED[key] = TwoLevelTransport(group, device, node_of)

@@ -91,6 +91,11 @@ def _sp_size(config: dict) -> int:
         raise SPConfigError(f"{BLOCK_KEY} needs \"sequence_parallel_size\" next to it (DeepSpeed's own key)")
     if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
         raise SPConfigError(f"sequence_parallel_size={sp!r} is invalid: use a positive integer")
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
+    if world is not None and world % sp:
+        valid = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise SPConfigError(f"sequence_parallel_size={sp} does not divide the world size {world} (the number of "
+                            f"ranks): use one of {valid}")
     return sp
 
 

@@ -2,13 +2,49 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from typing import NoReturn
 
 import torch
 
+from megatron_sp_ext.errors import SPConfigError
+
 from .checkpoint import add_checkpoint_args
 from .config import PRESETS
-from .data import LatentShardDataset, SyntheticVideoLatents
+from .data import LatentFileError, LatentShardDataset, SyntheticVideoLatents
+from .faults import job_rank
 from .logs import add_log_level_arg
+
+
+class EntryParser(argparse.ArgumentParser):
+    """The entry points' parser: a bad flag is one line on rank 0 (every rank exits 2), not the usage
+    text on every rank."""
+
+    def error(self, message: str) -> NoReturn:
+        if job_rank() == 0:
+            print(f"{self.prog}: error: {message} (--help lists the flags)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def check_parallel_size(p: argparse.ArgumentParser, flag: str, size: int) -> None:
+    """``flag`` (a sequence/context-parallel size) must divide the world size: p.error names the valid ones."""
+    import torch.distributed as dist  # noqa: PLC0415
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    message = parallel_size_problem(flag, size, world)
+    if message:
+        p.error(message)
+
+
+def parallel_size_problem(name: str, size: object, world: int) -> str:
+    """Why ``name``=``size`` cannot split ``world`` ranks ("" when it can)."""
+    valid = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return f"{name}={size!r} is invalid: use a positive integer that divides the world size {world} ({valid})"
+    if world % size:
+        return (f"{name}={size} does not divide the world size {world} (the number of ranks): "
+                f"use one of {valid}")
+    return ""
 
 
 def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -48,15 +84,24 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 
 def frames_and_size(args) -> tuple[list, int, int]:
-    frames = [int(x) for x in str(args.frames).split(",")]
-    h, w = (int(x) for x in args.latent_size.lower().split("x"))
+    try:
+        frames = [int(x) for x in str(args.frames).split(",")]
+    except ValueError:
+        raise SPConfigError(f"--frames={args.frames!r}: expected a comma list of whole numbers, e.g. 4 or 4,8") from None
+    try:
+        h, w = (int(x) for x in args.latent_size.lower().split("x"))
+    except ValueError:
+        raise SPConfigError(f"--latent-size={args.latent_size!r}: expected HxW, e.g. 8x8") from None
     return frames, h, w
 
 
 def build_dataset(args, cfg):
     if args.data_path:
-        return LatentShardDataset(args.data_path, channels=cfg.in_channels, text_dim=cfg.text_dim, patch=cfg.patch,
-                                  micro_batch=args.micro_batch_size)
+        try:
+            return LatentShardDataset(args.data_path, channels=cfg.in_channels, text_dim=cfg.text_dim,
+                                      patch=cfg.patch, micro_batch=args.micro_batch_size)
+        except FileNotFoundError as e:  # --data-path names no directory / no latent files: the user's setting
+            raise LatentFileError(str(e)) from None
     frames, h, w = frames_and_size(args)
     return SyntheticVideoLatents(cfg.in_channels, frames, h, w, cfg.text_len, cfg.text_dim, seed=args.seed)
 

@@ -12,6 +12,12 @@ bounded time:
   names the ranks that never reported (dead or hung) and what the others reported, so the logs
   name the culprit under any launcher (srun, mpirun, a bare script).
 Checkpoints are never half-visible (checkpoint.py writes a new directory and moves ``latest`` last).
+
+Errors the user caused (``user_error_types()``: a bad setting, data file or checkpoint) are one message
+per job instead of a traceback per rank: ``report_failures`` posts them like any failure, and the lowest
+rank that holds a message prints it; ``run_entry`` (the entry points' ``__main__``) exits 1 without a
+traceback. ``--log-level DEBUG`` or ``SPX_TRACEBACK=1`` prints the tracebacks too. Every other error is a
+programming error and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ import datetime
 import os
 import sys
 import time
-from typing import Optional
+import traceback
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -28,12 +35,64 @@ import torch.distributed as dist
 def timeout_of(minutes: float) -> datetime.timedelta:
     """``--distributed-timeout-minutes`` as the timedelta init_process_group takes."""
     if not minutes > 0:
-        raise ValueError(f"--distributed-timeout-minutes={minutes}: must be > 0 (Megatron-LM's default is 10)")
+        from megatron_sp_ext.errors import SPConfigError  # noqa: PLC0415
+        raise SPConfigError(f"--distributed-timeout-minutes={minutes}: must be > 0 (Megatron-LM's default is 10)")
     return datetime.timedelta(minutes=minutes)
 
 
 ROLL_CALL_SECONDS = 10.0  # how long a survivor waits for the other ranks to report, once
+USER_ERROR_WAIT_SECONDS = 3.0  # how long a rank with a user error waits to learn which rank prints it
+TRACEBACK_ENV = "SPX_TRACEBACK"
 _KEY = "spx_fault/rank_{}"
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """The exceptions that report something the user gave (flag, JSON value, data file, checkpoint)."""
+    from megatron_sp_ext.errors import SPConfigError, UserError  # noqa: PLC0415
+
+    from .data import LatentFileError  # noqa: PLC0415
+    from .safe_load import CheckpointError  # noqa: PLC0415
+    return (UserError, SPConfigError, CheckpointError, LatentFileError)
+
+
+def job_rank() -> int:
+    """This process's rank: the default group's, else the launcher's RANK (0 without one)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def wants_tracebacks(argv: Optional[list] = None) -> bool:
+    """``SPX_TRACEBACK=1`` or ``--log-level DEBUG`` on the command line: user errors show their tracebacks."""
+    if os.environ.get(TRACEBACK_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, tok in enumerate(argv):
+        value = tok.split("=", 1)[1] if tok.startswith("--log-level=") else (
+            argv[i + 1] if tok == "--log-level" and i + 1 < len(argv) else None)
+        if value is not None and value.upper() == "DEBUG":
+            return True
+    return False
+
+
+def run_entry(main: Callable[[Optional[list]], object], what: str, argv: Optional[list] = None) -> int:
+    """Run an entry point's ``main(argv)`` as a command; returns the exit status. A user error ends it
+    with status 1 and one message per job (printed by ``report_failures`` on the rank it picked, else by
+    rank 0), no traceback unless ``wants_tracebacks``; other errors propagate with their traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        main(argv)
+    except user_error_types() as e:
+        if wants_tracebacks(argv):
+            traceback.print_exc()
+        announced = getattr(e, "spx_announced", None)
+        if announced is None and job_rank() == 0:
+            print(f"[{what}] error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 @contextlib.contextmanager
@@ -46,12 +105,17 @@ def report_failures(what: str = "training", roll_call_s: float = ROLL_CALL_SECON
     except BaseException as e:
         if isinstance(e, (SystemExit, KeyboardInterrupt)):
             raise
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+        rank = job_rank()
         first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         line = f"[rank {rank}] {what} failed: {first}"
         store = _store()
         if store is not None:
             _post(store, rank, first)
+        if isinstance(e, user_error_types()):  # one message per job, no per-rank line
+            e.spx_announced = _lowest_with(store, rank, first) if store is not None else rank == 0
+            if e.spx_announced:
+                print(f"[{what}] error: {e}", file=sys.stderr, flush=True)
+            raise
         lost_peer = _looks_like_peer_loss(e)
         if lost_peer:
             line += " (a peer rank died or stopped answering)"
@@ -72,6 +136,24 @@ def _store():
         return store
     except Exception:  # noqa: BLE001 - no store, no roll call; the line above still names this rank
         return None
+
+
+def _lowest_with(store, rank: int, text: str, wait_s: float = USER_ERROR_WAIT_SECONDS) -> bool:
+    """Whether this rank is the lowest one that posted ``text``: waits up to ``wait_s`` for every rank
+    to post (they do at once when they all hit the same error), then compares. A store that does not
+    answer leaves it to rank 0."""
+    world = dist.get_world_size()
+    keys = [_KEY.format(r) for r in range(world)]
+    deadline = time.monotonic() + wait_s
+    try:
+        while not all(store.check([k]) for k in keys[:rank]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for r in range(rank):
+            if store.check([keys[r]]) and store.get(keys[r]).decode(errors="replace") == text:
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - the store host (rank 0 without a launcher agent) may be gone
+        return rank == 0
 
 
 def _post(store, rank: int, text: str) -> None:
