@@ -22,8 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_sp_ext.sp import layout as lay  # noqa: E402
-from megatron_sp_ext.sp.packed import packed_head_layout  # noqa: E402
+from megatron_sp_ext.sp.ulysses import layout as lay  # noqa: E402
+from megatron_sp_ext.sp.ulysses.packed import packed_head_layout  # noqa: E402
 from tools.bench_attention import rotated  # noqa: E402
 from training.video_dit.fused import ElementwiseOps  # noqa: E402
 

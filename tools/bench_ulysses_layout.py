@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron_sp_ext as spx  # noqa: E402
 from megatron_sp_ext.attention.backends import SDPABackend  # noqa: E402
 from megatron_sp_ext.sp.placement import divisor, pieces  # noqa: E402
-from megatron_sp_ext.sp.policy import time_ms  # noqa: E402
+from megatron_sp_ext.sp.calibration import time_ms  # noqa: E402
 from megatron_sp_ext.sp.ring import RingBackend  # noqa: E402
 from tools.gpu_ranks import run_meta  # noqa: E402
 
