@@ -12,6 +12,7 @@ from .config import SPConfig
 from .errors import SPConfigError
 from .sp.async_block import async_ulysses_self_attention
 from .sp.gather_block import allgather_self_attention
+from .sp.tp_cp_block import tp_cp_self_attention
 from .sp.ring import hybrid_attention, ring_attention, torus_attention
 from .sp.placement import shard_sequence, unshard_sequence
 from .sp.ulysses import PackedUlysses, pack_qkv, packed_head_layout, packed_ulysses_attention, ulysses_attention
@@ -23,5 +24,6 @@ __version__ = "0.2.0"
 __all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
            "unshard_sequence", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
            "hybrid_attention", "torus_attention", "async_ulysses_self_attention", "allgather_self_attention",
+           "tp_cp_self_attention",
            "pack_qkv", "packed_head_layout", "packed_ulysses_attention", "PackedUlysses", "NcclTransport",
            "SymmMemTransport", "TransportPool", "default_transports"]

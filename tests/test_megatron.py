@@ -258,7 +258,7 @@ def test_async_self_attention_rejects_what_it_cannot_do():
             tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
             cfg = SPTransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, use_cpu_initialization=True,
                                       tensor_model_parallel_size=2, sp_async_qkv="on", attention_dropout=0.0)
-            with pytest.raises(SPConfigError, match="--sp-async-qkv supports --tensor-model-parallel-size 1 only"):
+            with pytest.raises(SPConfigError, match="--sp-async-qkv with --tensor-model-parallel-size 2 needs --sequence-parallel"):
                 TransformerBlock(cfg, with_sp_core_attention(get_gpt_layer_local_spec()))
             cfg = SPTransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, use_cpu_initialization=True,
                                       tensor_model_parallel_size=2, sp_async_qkv="auto", attention_dropout=0.0)

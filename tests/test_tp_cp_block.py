@@ -200,3 +200,21 @@ def test_megatron_tp_without_sequence_parallel_is_refused():
             ps.destroy_model_parallel()
         return True
     run_ranks(fn, 2)
+
+
+def test_block_policy_keeps_the_baseline_on_cpu_for_tp_cp():
+    """The TP x CP forms (async_qkv = pipelined, allgather = mixed) are chosen only where timed faster: on CPU
+    the policy answers the baseline without running any candidate, also on the TP x CP group."""
+    from megatron_sp_ext.sp.block_policy import PLAIN, BlockPolicy
+
+    def fn(rank, world):
+        ran = []
+        choice = BlockPolicy().choose(("tp-cp", 2, 2), ran.append, dist.group.WORLD, torch.device("cpu"), 2)
+        return choice == PLAIN and not ran
+    assert all(run_ranks(fn, 4))
+
+
+def test_exported():
+    import megatron_sp_ext as spx
+    from megatron_sp_ext.sp.tp_cp_block import tp_cp_self_attention
+    assert spx.tp_cp_self_attention is tp_cp_self_attention
