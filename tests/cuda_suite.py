@@ -120,7 +120,7 @@ def call_order(rank: int, world: int) -> list:
 def packed_family(rank: int, world: int) -> list:
     """Ulysses on pre-packed q|k|v (pack_qkv + packed_ulysses_attention): causal and not, contiguous and
     zigzag, HCMS chunks, GQA, bf16."""
-    from megatron_sp_ext.sp.packed import packable, packed_head_layout  # noqa: PLC0415
+    from megatron_sp_ext.sp.ulysses.packed import packable, packed_head_layout  # noqa: PLC0415
     g, rec, n = dist.group.WORLD, [], 0
     for (b, s, h, hkv, d) in ((1, 4096, 8, 8, 64), (1, 4096, 8, 2, 128), (2, 2048, 12, 4, 64)):
         for causal, placement in ((False, "contiguous"), (True, "zigzag"), (True, "contiguous")):
@@ -225,7 +225,9 @@ def dropout_family(rank: int, world: int) -> list:
     differs from p=0) and one mask for forward and backward: for a fixed mask the output is linear in v, so with
     the same seed <dO, out(v + eps u) - out(v)> == eps <dv, u> (summed over ranks). fp32 and bf16."""
     g, rec = dist.group.WORLD, []
-    for dtype, eps, tol in ((FP32, 1e-2, 1e-3), (BF16, 0.25, 3e-2)):
+    # for a fixed mask the output is exactly linear in v, so eps can be large: eps = 1 keeps bf16 rounding of the
+    # outputs (~4e-3 of |out|) far below the signal; a different mask in backward gives errors of order 1
+    for dtype, eps, tol in ((FP32, 1.0, 1e-3), (BF16, 1.0, 3e-2)):
         gen = torch.Generator().manual_seed(1 + rank)
         q, k, v, u, go = (torch.randn(1, 1024 // SHRINK, 8, 64, generator=gen).to(DEV, dtype) for _ in range(5))
         for c in (1, 2):

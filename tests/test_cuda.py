@@ -121,3 +121,11 @@ def test_dit_entry_sp_vs_sp1(world, backend):
                   "errs": {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, ref))}, "tol": 1e-4}
                  for mode, losses in r.items()] for r in got]
     assert len(_check("dit", world, backend, per_rank)) >= 5
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_tp_cp_block(world, backend):
+    """The TP x CP attention block (TP2 x CP1 on 2 ranks, TP2 x CP2 on 4) against its float64 reference."""
+    from tests import cuda_tp_cp
+    got = run_ranks(cuda_tp_cp.tp_cp_block_family, world, timeout=600, device="cuda", backend=backend)
+    assert len(_check("tp_cp", world, backend, got)) == 12
