@@ -392,7 +392,6 @@ class TransportPool:
             emulated = emulated_link(group, device)
             return emulated if emulated is not None else NcclTransport(group)
         if name == "host_staged":
-            from .host_staged import check_host_staged  # noqa: PLC0415
             check_host_staged(group, device, setting)
             key = (name, id(group), device.type, device.index)
         else:
@@ -400,7 +399,6 @@ class TransportPool:
             key = (name, id(group), device.index)
         if key not in self._cache:
             if name == "host_staged":
-                from .host_staged import HostStagedTransport  # noqa: PLC0415
                 cls = HostStagedTransport
             else:
                 cls = {"symm_mem": SymmMemTransport, "copy_engine": CopyEngineTransport}[name]
