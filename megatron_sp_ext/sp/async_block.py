@@ -258,6 +258,7 @@ class _AsyncBlockFn(torch.autograd.Function):
             del g2
         if comm is not None:
             compute.wait_stream(comm)
+        ctx.plan = ctx.chunks = ctx.saved_prep = None  # nothing of the call outlives its gradients
         return (dx.view_as(x), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"], None)
 
 

@@ -57,16 +57,29 @@ def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
     _across_ranks_once(q, k, layout, group, "ring")
 
 
+def _dtype_names() -> list[str]:
+    """Every torch dtype's name, sorted: an index into it is the same code on every rank (same torch)."""
+    return sorted({str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)})
+
+
 def check_same_shape_across_ranks(x: torch.Tensor, group, what: str) -> None:
-    """One all_gather of the shape; raises on every rank if any rank's shape differs."""
+    """One all_gather of the dtype and shape; raises SPConfigError on every rank if any rank's differs
+    (a dtype mismatch used to crash inside the backend's exchange)."""
     world = dist.get_world_size(group)
     if world == 1:
         return
-    mine = torch.tensor(list(x.shape), dtype=torch.int64)
+    names = _dtype_names()
+    mine = torch.tensor([names.index(str(x.dtype)), *x.shape], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
         mine = mine.cuda()
     allv = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(allv, mine, group=group)
-    shapes = [tuple(t.tolist()) for t in allv]
+    rows = [t.tolist() for t in allv]
+    dtypes = [names[r[0]] for r in rows]
+    if len(set(dtypes)) != 1:
+        per_rank = ", ".join(f"rank {r}: {d}" for r, d in enumerate(dtypes))
+        raise SPConfigError(f"{what} dtypes differ across ranks ({per_rank}): every rank must pass q, k, v in one "
+                            f"dtype (e.g. the same autocast / model dtype on every rank)")
+    shapes = [tuple(r[1:]) for r in rows]
     if len(set(shapes)) != 1:
         raise SPConfigError(f"{what} shapes differ across ranks: {shapes}; every rank must hold an equal shard")

@@ -298,6 +298,7 @@ class _GatherBlockFn(torch.autograd.Function):
         if has_b_qkv:
             d_b_qkv = torch.zeros(w_shape[0], dtype=w_dtype, device=dy.device).index_add_(
                 0, plan.rows, g2.sum(0).to(w_dtype))
+        ctx.plan = ctx.chunks = ctx.saved_prep = None  # nothing of the call outlives its gradients
         return (dx.reshape(x.shape), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"], None)
 
 

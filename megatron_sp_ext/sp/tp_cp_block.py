@@ -384,6 +384,7 @@ class _TpCpBlockFn(torch.autograd.Function):
             if ctx.has[0] else None
         if comm is not None:
             compute.wait_stream(comm)
+        ctx.plan = ctx.chunks = ctx.saved_prep = None  # nothing of the call outlives its gradients
         return dx.reshape(x.shape), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"], None
 
 

@@ -17,6 +17,7 @@ backend's ``forward_lse``/``backward_lse`` (backend "auto": cuDNN where it runs)
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
@@ -70,7 +71,7 @@ class RingPlan:
     "ab" (causal tasp_zigzag: zigzag compute order, two segments per slot, per-step layout) or
     "sorted" (one rank: q and k/v sorted by position, no exchange)."""
 
-    group: dist.ProcessGroup
+    group_ref: "Optional[weakref.ReferenceType]"  # the ring's group, weakly: a cached plan must not keep it alive
     rank: int
     world: int
     variant: str
@@ -87,6 +88,10 @@ class RingPlan:
     q_moves: tuple = ()   # (local_row, compute_row, len) of the queries
     kv_moves: tuple = ()  # the same for this rank's k/v into the step-0 buffer
     cache: dict = field(default_factory=dict)
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        return None if self.group_ref is None else self.group_ref()
 
     def origins(self, step: int, rank: Optional[int] = None) -> tuple[int, ...]:
         r = self.rank if rank is None else rank
@@ -364,10 +369,12 @@ class _RingFn(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.plan)
+        ctx.plan = None  # nothing of the call keeps its group alive once the gradients exist
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-_PLANS: dict = {}
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {key: RingPlan}
+_NO_GROUP: dict = {}
 
 
 def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: bool, scale: float,
@@ -375,10 +382,12 @@ def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: 
                    kv_valid_len: Optional[int] = None) -> RingPlan:
     """Plan for one ring group (None or size 1 = no exchange). kv_runs[o] = runs of ring rank o.
     Plans are cached by their arguments (the step schedules are built once)."""
-    key = (id(group), variant, s_loc, tuple(q_runs), tuple(kv_runs), causal, scale, id(backend), balanced_slots,
-           kv_valid_len)
-    if key in _PLANS:
-        return _PLANS[key]
+    # per group, weakly (a destroyed group's plans go with it; an id() could be reused by a new group), keyed on
+    # everything the schedule depends on; the backend itself, not its id(), which a new object could reuse
+    plans = _PLANS.setdefault(group, {}) if group is not None else _NO_GROUP
+    key = (variant, s_loc, tuple(q_runs), tuple(kv_runs), causal, scale, backend, balanced_slots, kv_valid_len)
+    if key in plans:
+        return plans[key]
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     if variant == "tasp" and world > 1:
@@ -402,16 +411,16 @@ def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: 
         mode = "ab"
         q_moves, _ = sorted_order(tuple(q_runs))
         kv_moves, _ = sorted_order(tuple(kv_runs[rank]))
-    plan = RingPlan(group, rank, world, variant, rt, offs, tuple(lens), tuple(q_runs), tuple(kv_runs),
+    plan = RingPlan(weakref.ref(group) if group is not None else None, rank, world, variant, rt, offs, tuple(lens), tuple(q_runs), tuple(kv_runs),
                     causal, scale, backend, kv_valid_len, mode, q_moves, kv_moves)
     if mode == "ab":  # the step-0 layout must be the sorted order the k/v were filled in
         filled = {lr: cr for lr, cr, _ in kv_moves}
         for slot in plan.segments(0):
             for brow, lrow, _ in slot:
                 assert filled.get(lrow) == brow, "tasp_zigzag layout does not match its sorted order"
-    if len(_PLANS) > 256:
-        _PLANS.clear()
-    _PLANS[key] = plan
+    if len(plans) > 256:
+        plans.clear()
+    plans[key] = plan
     return plan
 
 

@@ -129,6 +129,7 @@ class _UlyssesFn(torch.autograd.Function):
                 lay.unpack(recv, (dq, dk, dv), _QKV, hl, c, lay_)
         if comm is not None:
             compute.wait_stream(comm)
+        ctx.plan = ctx.chunks = None  # nothing of the call (its group, transport) outlives its gradients
         return dq, dk, dv, None
 
 

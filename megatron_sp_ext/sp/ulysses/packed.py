@@ -178,6 +178,7 @@ class _PackedFn(torch.autograd.Function):
             grads_packed.append(received)
         if comm is not None:
             compute.wait_stream(comm)
+        ctx.plan = ctx.chunks = None  # nothing of the call (its group, transport) outlives its gradients
         return (None, *grads_packed)
 
 
