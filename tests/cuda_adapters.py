@@ -40,7 +40,7 @@ def _block(cp_comm_type, cp, chunks, nodes, causal, dtype):
                               params_dtype=dtype, bf16=dtype == torch.bfloat16)
     torch.manual_seed(1234)
     spec = with_sp_core_attention(get_gpt_layer_local_spec(), no_mask=not causal)
-    return TransformerBlock(cfg, spec).to(DEV)
+    return TransformerBlock(cfg, spec).to(DEV, dtype)  # every parameter in dtype (CUDA layer_norm wants one dtype)
 
 
 def megatron_family(rank: int, world: int) -> list:
@@ -132,7 +132,8 @@ def deepspeed_family(rank: int, world: int) -> list:
 
 
 DIT_ARGS = ["--model", "tiny", "--train-iters", "5", "--frames", "4,3", "--latent-size", "8x12", "--quiet",
-            "--ddp-impl", "torch", "--lr", "1e-3", "--seed", "3", "--fused-elementwise", "off"]
+            "--ddp-impl", "torch", "--lr", "1e-3", "--seed", "3", "--fused-elementwise", "off",
+            "--num-workers", "0"]  # the suite's ranks are daemon processes: no DataLoader worker processes
 DIT_MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "auto")
 
 

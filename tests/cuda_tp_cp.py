@@ -47,10 +47,24 @@ def reference_block(x, p, h, hkv, d, ang, qk_norm, causal):
     return o.reshape(b, s, h * d) @ p["w_o"].t() + p["b_o"]
 
 
+def single_device_block(x, p, h, hkv, d, ang, qk_norm, causal):
+    """The whole block on one device in x's dtype with torch's own kernels (SDPA): the unsharded baseline."""
+    import torch.nn.functional as F  # noqa: PLC0415
+    b, s, _ = x.shape
+    q, k, v = (x @ p["w_qkv"].t() + p["b_qkv"]).split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.reshape(b, s, h, d), k.reshape(b, s, hkv, d), v.reshape(b, s, hkv, d)
+    if qk_norm:
+        q, k = rms(q, p["nq"]), rms(k, p["nk"])
+    q, k = rope(q, ang), rope(k, ang)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                       enable_gqa=hkv != h).transpose(1, 2)
+    return o.reshape(b, s, h * d) @ p["w_o"].t() + p["b_o"]
+
+
 def tp_cp_case(rank: int, world: int, tp: int, *, form: str = "pipelined", h: int = 8, hkv: int = 8, d: int = 16,
                chunks: int = 1, qk_norm: bool = True, causal: bool = False, placement: str = "zigzag",
                s_tp: int = 4, dim: int = 32, b: int = 2, dtype=torch.float64, device: str = "cpu",
-               seed: int = 5) -> dict:
+               seed: int = 5, baseline: "dict | None" = None) -> dict:
     """tp_cp_self_attention on this rank (TP size ``tp``, CP size world / tp) against ``reference_block``:
     {name: relative error} for the output and input grad of this rank's tokens, w_qkv / b_qkv / w_o grads
     summed over CP compared with this TP shard's rows/columns, b_o and norm-weight grads summed over all ranks."""
@@ -102,6 +116,19 @@ def tp_cp_case(rank: int, world: int, tp: int, *, form: str = "pipelined", h: in
     with torch.no_grad():
         y_ref = reference_block(x_full, p0, h, hkv, d, ang, qk_norm, causal)
     errs = {"out": rel_err(y, y_ref[:, mine]), "dx": rel_err(x.grad, xr.grad[:, mine])}
+    if baseline is not None:  # the same block on one device in ``dtype`` (torch's own kernels): its errors
+        bp = {k: v.to(dtype).requires_grad_() for k, v in p0.items()}
+        xb = x_full.to(dtype).requires_grad_()
+        single_device_block(xb, bp, h, hkv, d, ang.to(dtype), qk_norm, causal).backward(dy_full.to(dtype))
+        baseline.update({"dw_qkv": rel_err(bp["w_qkv"].grad, ref["w_qkv"].grad), "dx": rel_err(xb.grad, xr.grad),
+                         "dw_o": rel_err(bp["w_o"].grad, ref["w_o"].grad), "db_o": rel_err(bp["b_o"].grad, ref["b_o"].grad),
+                         "db_qkv": rel_err(bp["b_qkv"].grad, ref["b_qkv"].grad)})
+        with torch.no_grad():
+            baseline["out"] = rel_err(single_device_block(x_full.to(dtype), {k: v.to(dtype) for k, v in p0.items()},
+                                                          h, hkv, d, ang.to(dtype), qk_norm, causal), y_ref)
+        for n in ("nq", "nk"):
+            if qk_norm:
+                baseline["d" + n] = rel_err(bp[n].grad, ref[n].grad)
     for name, sel in (("w_qkv", lambda g: g[rows]), ("b_qkv", lambda g: g[rows]), ("w_o", lambda g: g[:, cols])):
         grad = par[name].grad.double()
         dist.all_reduce(grad, group=cp_g)             # Megatron's DP x CP gradient reduction
@@ -114,15 +141,22 @@ def tp_cp_case(rank: int, world: int, tp: int, *, form: str = "pipelined", h: in
 
 
 def tp_cp_block_family(rank: int, world: int) -> list:
-    """TP2 x CP2 on 4 ranks: both forms, GQA, HCMS chunks, causal (zigzag) and not; float64 (the stream
-    schedule, tol 1e-10) and bf16 (the kernels, tol 2e-2)."""
+    """TP2 x CP2 on 4 ranks (TP2 x CP1 on 2): both forms, GQA, HCMS chunks, causal (zigzag) and not; float64 (the
+    stream schedule, tol 1e-10) and bf16 (the kernels): bf16 errors against float64 divided by the unsharded bf16
+    block's own errors (floor 1e-2), tol 1.5 (un-normalised, a GQA case without QK-norm reaches 4e-2 on H200: its
+    logits are large and the one-device bf16 block is as far from float64)."""
     rec = []
-    for dtype, tol in ((torch.float64, 1e-10), (torch.bfloat16, 2e-2)):
+    for dtype in (torch.float64, torch.bfloat16):
         for form in ("pipelined", "mixed"):
             for (h, hkv, chunks, qk_norm, causal) in ((8, 8, 1, True, False), (8, 4, 2, True, True),
                                                       (8, 2, 1, False, True)):
+                base: "dict | None" = {} if dtype != torch.float64 else None
                 errs = tp_cp_case(rank, world, 2, form=form, h=h, hkv=hkv, d=64, chunks=chunks, qk_norm=qk_norm,
-                                  causal=causal, s_tp=128, dim=256, b=1, dtype=dtype, device=DEV)
+                                  causal=causal, s_tp=128, dim=256, b=1, dtype=dtype, device=DEV, baseline=base)
+                if base:  # bf16: each error relative to the unsharded bf16 block's own error (floor 1e-2)
+                    errs = {k: e / max(base[k], 1e-2) for k, e in errs.items()}
+                    tol = 1.5
+                tol = 1e-10 if dtype == torch.float64 else tol
                 rec.append({"family": "tp-cp-block", "case": f"TP=2 CP={world // 2} {form} {dtype} H={h}/{hkv} "
                             f"C={chunks} norm={qk_norm} causal={causal} zigzag", "errs": errs, "tol": tol})
     return rec
