@@ -14,6 +14,9 @@ def test_category_by_kernel_and_operator():
     assert category("ncclDevKernel_AllToAll_RING_LL", "nccl:all_to_all", []) == "exchange"
     assert category("multi_tensor_apply_kernel", "aten::_fused_adamw_", []) == "optimizer"
     assert category("triton_poi_fused_add_mul_0", "Torch-Compiled Region", []) == "elementwise"
+    # an Inductor kernel is its own launching "operator": a fused RoPE/norm region is not the optimizer
+    assert category("triton_red_fused__to_copy_add_cos_mean", "triton_red_fused__to_copy_add_cos_mean", []) \
+        == "elementwise"
     assert category("vectorized_elementwise_kernel", "aten::_scaled_dot_product_cudnn_attention", []) == "elementwise"
 
 

@@ -37,8 +37,8 @@ def test_cuda_worker_runs_on_cpu(monkeypatch):
     recs = run_ranks(mod.tp_cp_block_family, 4, timeout=400)
     for per_rank in recs:
         assert len(per_rank) == 12 and all(r["family"] == "tp-cp-block" for r in per_rank)
-        for r in per_rank:  # bf16's 2e-2 is CUDA's (fp32-accumulating kernels); CPU bf16 kernels round more
-            assert max(r["errs"].values()) < (r["tol"] if "float64" in r["case"] else 0.1), r
+        for r in per_rank:  # float64: against the reference; bf16: relative to the unsharded bf16 block's error
+            assert max(r["errs"].values()) <= r["tol"], r
 
 
 def test_mixed_form_needs_cp_major_tcp_group():

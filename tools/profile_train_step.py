@@ -33,7 +33,7 @@ _GEMM_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "s16816", "wgmma"
 _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm",
              "aten::_scaled_mm", "aten::addmm_")
 _ATTN_KERNELS = ("fmha", "flash", "cudnn_generated", "sdpa", "attention")
-_OPT_MARKS = ("adam", "multi_tensor", "foreach", "_fused_", "clip_grad", "norm_kernel")
+_OPT_MARKS = ("adam", "multi_tensor", "_foreach", "clip_grad")  # operator names of the update / clip / grad norm
 
 
 def _op_name_dims(op: dict) -> tuple[str, list]:
@@ -51,7 +51,7 @@ def category(kernel: str, op_name: str, dims: list, text_len: int = 512) -> str:
     k, o = kernel.lower(), op_name.lower()
     if "nccl" in k or "c10d" in o or "nccl" in o:
         return "exchange"
-    if any(m in o for m in _OPT_MARKS) or "multi_tensor_apply" in k or "adam" in k:
+    if (any(m in o for m in _OPT_MARKS) and not o.startswith("triton_")) or "multi_tensor_apply" in k or "adam" in k:
         return "optimizer"
     attn_op = "attention" in o or "scaled_dot_product" in o or "flash" in o
     if attn_op and not any(g in k for g in ("elementwise", "reduce", "copy", "fill", "vectorized")):
