@@ -67,3 +67,83 @@ def _placement_rank(rank, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_shard_unshard_per_sample(world):
     assert all(run_ranks(_placement_rank, world))
+
+
+def _sharder(cu, placement):
+    """shard(x_bshd, rank, world): this rank's per-sample pieces, independent of the library."""
+    def shard(x, rank, world):
+        idx = torch.tensor(_expected_positions(cu, placement, rank, world), device=x.device)
+        return x.index_select(1, idx)
+    return shard
+
+
+def _block_mask(cu, causal):
+    s = cu[-1]
+    sample = torch.zeros(s, dtype=torch.long)
+    for i, (a, b) in enumerate(zip(cu, cu[1:])):
+        sample[a:b] = i
+    mask = sample.view(-1, 1) == sample.view(1, -1)
+    return mask & torch.ones(s, s, dtype=torch.bool).tril() if causal else mask
+
+
+def _attention_rank(rank, world, placement, dtype=torch.float32, layouts=("bshd", "sbhd"), hkv_per_rank=(1, 2),
+                    fake=None):
+    g = dist.group.WORLD
+    n = 0
+    for mults in ((3, 1, 2), (1, 2, 1, 4)):
+        cu_list = [0]
+        for m in _lengths(world, placement, mults):
+            cu_list.append(cu_list[-1] + m)
+        cu = torch.tensor(cu_list, dtype=torch.int32)
+        for layout in layouts:
+            for causal in (False, True):
+                for hk in hkv_per_rank:  # hk=1: GQA (2 q heads per k/v head)
+                    outs = []
+                    for c in (1, 2):
+                        outs.append(run_case(
+                            lambda q, k, v: spx.ulysses_attention(q, k, v, g, head_chunks=c, causal=causal,
+                                                                  layout=layout, placement=placement,
+                                                                  cu_seqlens=cu),
+                            rank, world, b=1, s=cu_list[-1], h=2 * world, hkv=hk * world, d=8, dtype=dtype,
+                            causal=causal, layout=layout, shard=_sharder(cu_list, placement),
+                            mask=_block_mask(cu_list, causal), seed=n))
+                    for a, b in zip(*outs):  # HCMS == Ulysses, bit for bit
+                        assert torch.equal(a, b), (placement, layout, causal, hk)
+                    n += 1
+    if fake is not None:  # every call ran the explicit-kernel branch, per sample
+        assert fake.backward_calls >= 2 * n * 3, (fake.backward_calls, n)
+    return n
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("placement", ["contiguous", "zigzag"])
+def test_ulysses_hcms_packed_samples(world, placement):
+    assert all(run_ranks(_attention_rank, world, placement))
+
+
+def test_ulysses_packed_samples_explicit_kernels(monkeypatch):
+    """The cuDNN branch (kernel forward/backward with log-sum-exp, held saved tensors) on the CPU."""
+    from tests import fake_cudnn
+    fake = fake_cudnn.install(monkeypatch)
+    assert all(run_ranks(_attention_rank, 2, "zigzag", layouts=("bshd",), hkv_per_rank=(1,), fake=fake))
+    assert all(run_ranks(_attention_rank, 2, "contiguous", layouts=("sbhd",), hkv_per_rank=(2,), fake=fake))
+
+
+def _refusals_rank(rank, world):
+    g = dist.group.WORLD
+    cu = torch.tensor([0, 4 * world, 8 * world], dtype=torch.int32)
+    q = torch.randn(1, 8, 2 * world, 8)
+    with pytest.raises(SPConfigError, match="kv_valid_len"):
+        spx.ulysses_attention(q, q, q, g, cu_seqlens=cu, kv_valid_len=5)
+    with pytest.raises(SPConfigError, match="batch size 1"):
+        spx.ulysses_attention(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), g,
+                              cu_seqlens=cu)
+    with pytest.raises(SPConfigError, match="sample 0 has length"):
+        spx.ulysses_attention(q, q, q, g, cu_seqlens=torch.tensor([0, 3, 8 * world]), placement="zigzag")
+    with pytest.raises(SPConfigError, match="tasp_zigzag"):
+        spx.ulysses_attention(q, q, q, g, cu_seqlens=cu, placement="tasp_zigzag")
+    return True
+
+
+def test_ulysses_packed_samples_refusals():
+    assert all(run_ranks(_refusals_rank, 2))

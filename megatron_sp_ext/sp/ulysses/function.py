@@ -35,7 +35,8 @@ from ..heads import head_layout
 from . import layout as lay
 from .attend import attend_backward, local_attention
 from .engine import alloc, attend_and_send, exchange_all_chunks, send_head_major, transport_of
-from .plan import UlyssesPlan, local_order
+from ..placement import cu_tuple
+from .plan import UlyssesPlan, local_order, varlen_order
 from .policy import ChunkPolicy, default_policy
 
 _QKV = ("q", "kv", "kv")
@@ -140,7 +141,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       policy: Optional[ChunkPolicy] = None, placement: str = "contiguous",
                       kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True,
                       transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None,
-                      dropout_p: float = 0.0) -> torch.Tensor:
+                      dropout_p: float = 0.0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
     q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's sequence shard.
@@ -163,6 +164,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     ``backend`` expects (a ring backend that knows the runs), applied instead of the placement's.
     dropout_p: attention dropout inside the local attention (torch SDPA's own, under autograd so that the
     backward uses the forward's mask; pass 0 in eval). Each head chunk draws its own mask.
+    cu_seqlens: packed variable-length samples (B=1): 1-D int tensor [n_samples + 1] of cumulative lengths
+    over the FULL sequence (same on every rank); q/k/v are this rank's per-sample shards (``shard_sequence``
+    with the same cu_seqlens and a "contiguous" or "zigzag" placement). Each sample attends only within itself
+    (causal or not): after the exchange the local attention runs once per sample over its global range.
+    Not combined with kv_valid_len (pad each sample instead) or seq_order.
     """
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise SPConfigError(f"dropout_p={dropout_p!r} is invalid: use a probability in [0, 1)")
@@ -182,7 +188,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         k = k.repeat_interleave(hl.kv_repeat, dim=2)
         v = v.repeat_interleave(hl.kv_repeat, dim=2)
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
-    order, valid = local_order(placement, world, s_loc, causal, kv_valid_len)
+    cu = None
+    if cu_seqlens is not None:
+        cu = _packed_samples(cu_seqlens, q, layout, world, s_loc, kv_valid_len, seq_order)
+        order, valid = varlen_order(placement, world, cu), None
+    else:
+        order, valid = local_order(placement, world, s_loc, causal, kv_valid_len)
     if seq_order is not None:
         order = seq_order
     # one chunk has nothing to overlap: run on the caller's stream, no side stream and no events (less
@@ -191,9 +202,25 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                                           else st.default_pool().comm_stream(q.device))
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad, qkv_contiguous, tr,
-                       order, valid, float(dropout_p))
+                       order, valid, float(dropout_p), cu)
     if world == 1:  # one rank: its placement is global order
         qb, kb, vb = ((t.transpose(1, 2) if layout == "bshd" else t.permute(1, 2, 0, 3)) for t in (q, k, v))
-        o = local_attention(be, qb, kb, vb, causal, scale, valid, float(dropout_p))
+        o = local_attention(be, qb, kb, vb, causal, scale, valid, float(dropout_p), cu)
         return o.transpose(1, 2) if layout == "bshd" else o.permute(2, 0, 1, 3)
     return _UlyssesFn.apply(q, k, v, plan)
+
+
+def _packed_samples(cu_seqlens: torch.Tensor, q: torch.Tensor, layout: str, world: int, s_loc: int,
+                    kv_valid_len: Optional[int], seq_order) -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple after checking what packed samples need (B=1, the full length, no padding cut,
+    no explicit seq_order); raises SPConfigError naming the argument."""
+    if kv_valid_len is not None:
+        raise SPConfigError("kv_valid_len cannot be combined with cu_seqlens: pad each packed sample to a multiple "
+                            "of the placement's divisor instead (padding tokens form their own sample or the tail "
+                            "of one)")
+    if seq_order is not None:
+        raise SPConfigError("seq_order cannot be combined with cu_seqlens")
+    bsz = q.shape[0] if layout == "bshd" else q.shape[1]
+    if bsz != 1:
+        raise SPConfigError(f"cu_seqlens needs batch size 1 (samples packed along the sequence); got {bsz}")
+    return cu_tuple(cu_seqlens, s_loc * world)

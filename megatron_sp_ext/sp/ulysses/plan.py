@@ -3,10 +3,12 @@
 ``AttendPlan`` is the interface (a Protocol): every Ulysses-family plan provides its fields (``UlyssesPlan``
 here, ``PackedPlan`` in packed.py, ``AsyncPlan`` / ``GatherPlan`` of the attention blocks), so the engine
 reads typed fields instead of probing with getattr. ``local_order`` turns a placement into the permutation
-of the gathered sequence (and the padding cut) a plan carries.
+of the gathered sequence (and the padding cut) a plan carries; ``varlen_order`` does so for packed samples
+(``cu_seqlens``), whose attention runs per sample over each sample's global range (attend.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Protocol
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from ...attention.backends import LocalAttention
 from ...errors import SPConfigError
 from ..heads import HeadLayout
-from ..placement import pieces
+from ..placement import pieces, varlen_pieces
 from . import layout as lay
 
 
@@ -56,6 +58,7 @@ class UlyssesPlan:
     order: Optional[lay.SeqOrder] = None  # gathered (rank) order -> global order; None: already global
     kv_valid_len: Optional[int] = None  # keys at global positions >= this are padding (0 < it < S)
     dropout_p: float = 0.0  # attention dropout inside each chunk's kernel (forces the inner-graph path)
+    cu_seqlens: Optional[tuple[int, ...]] = None  # packed samples: cumulative lengths (global order), or None
 
 
 def local_order(placement: str, world: int, s_loc: int, causal: bool,
@@ -76,3 +79,19 @@ def local_order(placement: str, world: int, s_loc: int, causal: bool,
 @lru_cache(maxsize=256)
 def _seq_order(placement: str, world: int, seqlen: int) -> Optional[lay.SeqOrder]:
     return lay.seq_order([pieces(placement, p, world, seqlen) for p in range(world)])
+
+
+@lru_cache(maxsize=256)
+def varlen_order(placement: str, world: int, cu: tuple[int, ...]) -> Optional[lay.SeqOrder]:
+    """The permutation that puts the gathered packed sequence (rank order; each rank holds its pieces of every
+    sample, ``varlen_pieces``) in global order, so every sample is one contiguous range [cu[i], cu[i+1]); None
+    when it already is. Pieces of different samples differ in length: the permutation moves runs of their
+    greatest common divisor. Raises SPConfigError for a placement or sample length cu_seqlens cannot use."""
+    flat = [r for p in range(world) for r in varlen_pieces(placement, p, world, cu)]
+    unit = 0
+    for _, n in flat:
+        unit = math.gcd(unit, n)
+    to_global = [a // unit + j for a, n in flat for j in range(n // unit)]
+    if to_global == list(range(len(to_global))):
+        return None
+    return lay.SeqOrder(unit, to_global)
