@@ -146,3 +146,13 @@ def dit_losses(rank: int, world: int, modes=DIT_MODES) -> dict:
     return {mode: pretrain_video_dit.main(DIT_ARGS + ["--context-parallel-size", str(world), "--cp-comm-type", mode,
                                                       *extra.get(mode, ())])["losses"]
             for mode in modes if not (mode == "usp" and world < 4)}
+
+
+def dit_fused_losses(rank: int, world: int) -> dict:
+    """The DiT entry (bf16, 8 steps, ulysses at SP=world) with its compiled elementwise regions on and off:
+    {"on": losses, "off": losses}; the test holds them within bf16 noise of each other."""
+    from training import pretrain_video_dit  # noqa: PLC0415
+    argv = [a for a in DIT_ARGS if a not in ("--fused-elementwise", "off")]
+    argv[argv.index("5")] = "8"  # --train-iters
+    return {f: pretrain_video_dit.main(argv + ["--bf16", "--context-parallel-size", str(world), "--cp-comm-type",
+                                               "ulysses", "--fused-elementwise", f])["losses"] for f in ("on", "off")}
