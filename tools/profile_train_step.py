@@ -85,7 +85,7 @@ def categorize_trace(path: str, steps: int, text_len: int = 512) -> dict:
         if e.get("cat") == "cpu_op" and "External id" in (e.get("args") or {}):
             ops[e["args"]["External id"]] = e
     ms = {c: 0.0 for c in CATEGORIES}
-    kernels, top = [], {}
+    kernels, top, by_op = [], {}, {}
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
             continue
@@ -96,6 +96,8 @@ def categorize_trace(path: str, steps: int, text_len: int = 512) -> dict:
         kernels.append((e["ts"], e["ts"] + e["dur"]))
         key = (cat, e.get("name", "")[:90])
         top[key] = top.get(key, 0.0) + e["dur"] / 1e3
+        okey = (cat, name or "?", json.dumps(dims)[:160])
+        by_op[okey] = by_op.get(okey, 0.0) + e["dur"] / 1e3
     if not kernels:
         raise SystemExit(f"{path}: no GPU kernels in the trace (was it taken on a GPU?)")
     window = (max(b for _, b in kernels) - min(a for a, _ in kernels)) / 1e3
@@ -103,8 +105,11 @@ def categorize_trace(path: str, steps: int, text_len: int = 512) -> dict:
     ms["idle"] = window - busy
     per_step = {c: v / steps for c, v in ms.items()}
     top_k = sorted(((v / steps, c, n) for (c, n), v in top.items()), reverse=True)[:25]
+    top_ops = sorted(((v / steps, c, n, d) for (c, n, d), v in by_op.items() if c not in ("attention", "GEMM")),
+                     reverse=True)[:30]
     return {"ms_per_step": per_step, "window_ms_per_step": window / steps, "busy_ms_per_step": busy / steps,
-            "top_kernels": [{"ms": round(v, 3), "category": c, "kernel": n} for v, c, n in top_k]}
+            "top_kernels": [{"ms": round(v, 3), "category": c, "kernel": n} for v, c, n in top_k],
+            "top_other_ops": [{"ms": round(v, 3), "category": c, "op": n, "input_dims": d} for v, c, n, d in top_ops]}
 
 
 def ceiling_ms(model: str, layers: int, tokens: int, seqlen: int, attn_tflops: float, gemm_tflops: float,
