@@ -147,3 +147,24 @@ def _refusals_rank(rank, world):
 
 def test_ulysses_packed_samples_refusals():
     assert all(run_ranks(_refusals_rank, 2))
+
+
+def _other_modes_rank(rank, world):
+    g = dist.group.WORLD
+    cu = torch.tensor([0, 4 * world, 8 * world], dtype=torch.int32)
+    q = torch.randn(1, 8, 2 * world, 8)
+    mesh = spx.build_sp_mesh(g, num_heads=2 * world, placement="usp", ulysses_size=1)
+    calls = {"ring": lambda: spx.ring_attention(q, q, q, g, cu_seqlens=cu),
+             "tasp": lambda: spx.ring_attention(q, q, q, g, variant="tasp", cu_seqlens=cu),
+             "hybrid": lambda: spx.hybrid_attention(q, q, q, mesh, cu_seqlens=cu),
+             "torus": lambda: spx.torus_attention(q, q, q, mesh, cu_seqlens=cu)}
+    for name, call in calls.items():
+        with pytest.raises(SPConfigError, match=r"cu_seqlens .*not supported.*ulysses and hcms"):
+            call()
+    return True
+
+
+def test_other_modes_refuse_packed_samples():
+    """Ring / TASP / hybrid / torus do not run packed samples yet: one SPConfigError naming the argument and the
+    modes that do, never a silently ignored cu_seqlens."""
+    assert all(run_ranks(_other_modes_rank, 2))

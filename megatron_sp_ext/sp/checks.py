@@ -57,6 +57,13 @@ def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
     _across_ranks_once(q, k, layout, group, "ring")
 
 
+def refuse_cu_seqlens(cu_seqlens, mode: str) -> None:
+    """Packed samples (``cu_seqlens``) run only in the Ulysses family; raises SPConfigError in ``mode`` if given."""
+    if cu_seqlens is not None:
+        raise SPConfigError(f"cu_seqlens (packed variable-length samples) is not supported by {mode}: the modes that "
+                            f"support it are ulysses and hcms (ulysses_attention(..., cu_seqlens=...))")
+
+
 def _dtype_names() -> list[str]:
     """Every torch dtype's name, sorted: an index into it is the same code on every rank (same torch)."""
     return sorted({str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)})

@@ -16,6 +16,7 @@ import torch
 
 from ...attention.backends import get_backend
 from ...topology.mesh import SPMesh
+from ..checks import refuse_cu_seqlens
 from ..placement import pieces
 from ..ulysses import ulysses_attention
 from ..ulysses.layout import sorted_order
@@ -43,9 +44,11 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
                      head_chunks: "int | str" = 1, ring_variant: str = "ring", causal: bool = False,
                      softmax_scale: Optional[float] = None, layout: str = "bshd",
                      placement: Optional[str] = None, backend: str = "sdpa",
-                     kv_valid_len: Optional[int] = None) -> torch.Tensor:
+                     kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Ulysses over ``mesh.ulysses_group`` then ring/TASP over ``mesh.ring_group``. Shapes as ulysses_attention.
-    ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention."""
+    ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
+    cu_seqlens (packed samples): not supported here (SPConfigError); use ulysses_attention."""
+    refuse_cu_seqlens(cu_seqlens, "hybrid_attention")
     placement = placement or ("zigzag" if causal else "contiguous")
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     runs = mesh_runs(mesh, placement, s_loc * mesh.world)

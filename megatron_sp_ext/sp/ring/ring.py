@@ -31,7 +31,7 @@ from ...comm.multiring import wait_handles
 from ...comm.transport import emulated_link
 from ...errors import SPConfigError
 from ...topology.hamiltonian import RoutingTables, routing_tables
-from ..checks import check_ring_inputs
+from ..checks import check_ring_inputs, refuse_cu_seqlens
 from ..heads import split_more_first
 from ..placement import pieces
 from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
@@ -460,7 +460,8 @@ class RingBackend(LocalAttention):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                    variant: str = "ring", causal: bool = False, softmax_scale: Optional[float] = None,
                    layout: str = "bshd", placement: Optional[str] = None,
-                   backend: "str | LocalAttention" = "sdpa", kv_valid_len: Optional[int] = None) -> torch.Tensor:
+                   backend: "str | LocalAttention" = "sdpa", kv_valid_len: Optional[int] = None,
+                   cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Ring or TASP attention over ``group``. q: [B, S_loc, H, D] (or sbhd); k, v: Hkv heads.
 
     ``placement`` says which tokens each rank holds: by default "zigzag" for causal ring,
@@ -468,7 +469,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     the same result). Use ``shard_sequence(x, group, placement=...)`` to produce matching shards.
     ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
     Local attention uses the backend's log-sum-exp kernels (``forward_lse`` / ``backward_lse``).
+    cu_seqlens (packed samples): not supported here (SPConfigError); use ulysses_attention.
     """
+    refuse_cu_seqlens(cu_seqlens, f"ring_attention (variant={variant!r})")
     if variant not in VARIANTS:
         raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
     check_ring_inputs(q, k, v, layout, group)

@@ -26,6 +26,7 @@ from ...comm.multiring import wait_handles
 from ...comm.transport import emulated_link
 from ...topology.mesh import SPMesh
 from ..heads import HeadLayout, head_layout
+from ..checks import refuse_cu_seqlens
 from ..placement import pieces
 from .ring import RingBackend
 
@@ -268,8 +269,10 @@ class _TorusFn(torch.autograd.Function):
 def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool = False,
                     softmax_scale: Optional[float] = None, layout: str = "bshd", ring_variant: str = "ring",
                     placement: Optional[str] = None, backend: str = "sdpa",
-                    kv_valid_len: Optional[int] = None) -> torch.Tensor:
-    """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len as hybrid_attention."""
+                    kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len as hybrid_attention.
+    cu_seqlens (packed samples): not supported here (SPConfigError); use ulysses_attention."""
+    refuse_cu_seqlens(cu_seqlens, "torus_attention")
     placement = placement or ("zigzag" if causal else "contiguous")
     if layout == "sbhd":
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
