@@ -168,3 +168,55 @@ def test_other_modes_refuse_packed_samples():
     """Ring / TASP / hybrid / torus do not run packed samples yet: one SPConfigError naming the argument and the
     modes that do, never a silently ignored cu_seqlens."""
     assert all(run_ranks(_other_modes_rank, 2))
+
+
+def _megatron_thd_rank(rank, world):
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_sp_ext.megatron import SPTransformerConfig
+    from megatron_sp_ext.megatron.core_attention import SPDotProductAttention
+    ps.initialize_model_parallel(context_parallel_size=world)
+    try:
+        h, hkv, d = 4, 2, 8
+        cu_list = [0, 12, 16, 24]  # three samples, each a multiple of 2 * CP
+        cu = torch.tensor(cu_list, dtype=torch.int32)
+        n = 0
+        for mode, chunks in (("ulysses", 1), ("hcms", 2)):
+            for causal in (False, True):
+                cfg = SPTransformerConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=hkv,
+                                          use_cpu_initialization=True, context_parallel_size=world,
+                                          cp_comm_type=mode, attention_dropout=0.0, hcms_head_chunks=chunks)
+                core = SPDotProductAttention(cfg, 1, AttnMaskType.causal if causal else AttnMaskType.no_mask, "self",
+                                             cp_comm_type=mode)
+                params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                         cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
+
+                def attn(q, k, v):  # sbhd [t, 1, heads, D] shards -> Megatron's THD [t, heads, D] and back
+                    out = core(q.squeeze(1), k.squeeze(1), v.squeeze(1), None, packed_seq_params=params)
+                    assert out.shape == (q.shape[0], h * d)
+                    return out.view(q.shape[0], 1, h, d)
+                run_case(attn, rank, world, b=1, s=cu_list[-1], h=h, hkv=hkv, d=d, dtype=torch.float32,
+                         causal=causal, layout="sbhd", shard=_sharder(cu_list, "zigzag"),
+                         mask=_block_mask(cu_list, causal), seed=n)
+                n += 1
+        cfg = SPTransformerConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=hkv,
+                                  use_cpu_initialization=True, context_parallel_size=world, cp_comm_type="ring",
+                                  attention_dropout=0.0)
+        core = SPDotProductAttention(cfg, 1, AttnMaskType.no_mask, "self", cp_comm_type="ring")
+        x = torch.randn(8, h, d)
+        with pytest.raises(SPConfigError, match=r"packed_seq_params .*'ring'.*ulysses and hcms"):
+            core(x, x, x, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                                                                  cu_seqlens_kv=cu))
+    finally:
+        ps.destroy_model_parallel()
+    return True
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_megatron_thd_packed_seq_params(cp):
+    """SPDotProductAttention with Megatron's THD packed_seq_params (CP=2: per-sample zigzag split; CP=1: the local
+    per-sample path): ulysses and hcms against the per-sample float64 reference; ring refuses by name."""
+    pytest.importorskip("megatron.core")
+    assert all(run_ranks(_megatron_thd_rank, cp, timeout=400))

@@ -13,6 +13,8 @@ CP rank (Megatron's zigzag split when it comes from ``get_batch_on_this_cp_rank`
                      its own calibration: sp.calibration.ModePolicy), else a usp mesh, else ring
   p2p, a2a, all_gather, a2a+p2p   Transformer Engine's own CP (needs TE; delegated unchanged)
 Causal masks follow Megatron's zigzag placement; DiTs use AttnMaskType.no_mask.
+Packed samples (``packed_seq_params`` with qkv_format "thd", [t, heads, head_dim] tensors, Megatron's per-sample
+zigzag split): ulysses and hcms only, each sample attending within itself; returns [t, heads * head_dim].
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from ..errors import SPConfigError
 from ..sp.factory import SPAttention, SPResources, make_attention
+from ..sp.ulysses import ulysses_attention
+from ..sp.ulysses.attend import local_attention
 from ..topology.mesh import mesh_from_hierarchical_groups
 from .config import sp_config_from
 
@@ -122,13 +126,51 @@ class SPDotProductAttention(DotProductAttention):
         if self._te is not None:
             return self._te(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        if packed_seq_params is not None or attention_bias is not None:
-            raise SPConfigError("packed sequences and attention_bias are not supported by megatron_sp_ext "
-                                "core attention")
+        if attention_bias is not None:
+            raise SPConfigError("attention_bias is not supported by megatron_sp_ext core attention")
+        if packed_seq_params is not None:
+            return self._forward_thd(query, key, value, self._causal(attn_mask_type, attention_mask),
+                                     packed_seq_params)
         causal = self._causal(attn_mask_type, attention_mask)
         out = self.attend(query, key, value, causal)
         s, b = out.shape[:2]
         return out.reshape(s, b, -1)
+
+    def _forward_thd(self, q, k, v, causal: bool, params) -> torch.Tensor:
+        """Packed samples: q [t, H, D], k/v [t, Hkv, D] (this CP rank's per-sample zigzag shards) -> [t, H * D].
+        cu_seqlens: ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``), the global cumulative lengths."""
+        if params.qkv_format != "thd":
+            raise SPConfigError(f"packed_seq_params.qkv_format={params.qkv_format!r} is not supported by "
+                                f"megatron_sp_ext core attention: use 'thd'")
+        if self.sp.mode not in ("ulysses", "hcms"):
+            raise SPConfigError(f"packed_seq_params (packed samples) is not supported by --cp-comm-type="
+                                f"{self.sp.mode!r}: the modes that support it are ulysses and hcms")
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        if cu is None or (cu_kv is not None and not torch.equal(cu_kv.cpu(), cu.cpu())):
+            raise SPConfigError("packed_seq_params: cu_seqlens_q(_padded) must be given and equal "
+                                "cu_seqlens_kv(_padded) (self-attention)")
+        if (not causal and params.cu_seqlens_q_padded is not None and params.cu_seqlens_q is not None
+                and not torch.equal(params.cu_seqlens_q.cpu(), params.cu_seqlens_q_padded.cpu())):
+            # causal: a sample's tail padding is never attended by its real tokens; non-causal it would be
+            raise SPConfigError("packed_seq_params: padding inside samples (cu_seqlens_q != cu_seqlens_q_padded) "
+                                "is supported only with a causal mask")
+        q, k, v = (t.unsqueeze(1) for t in (q, k, v))  # [t, 1, heads, D] sbhd
+        group, scale, p = self.cp_group, self.softmax_scale, self._dropout()
+        if group is None or group.size() == 1:
+            cu_t = tuple(int(x) for x in cu.tolist())
+            qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            out = local_attention(self.backend, qb, kb, vb, causal, scale, None, p, cu_t).permute(2, 0, 1, 3)
+        else:
+            att = self.attention
+            res = att.res
+            with _model_parallel_rng(q):
+                out = ulysses_attention(
+                    q, k, v, group, head_chunks=att.chunks, causal=causal, softmax_scale=scale, layout="sbhd",
+                    backend=self.backend, comm_stream=res.streams.comm_stream(q.device), policy=res.policy,
+                    placement="zigzag", dropout_p=p, cu_seqlens=cu,
+                    transport=res.transports.get(self.sp.transport, group, q.device, self.sp.name("transport")))
+        return out.reshape(out.shape[0], -1)
 
     def _auto_mode(self, q, k, causal: bool) -> str:
         """``auto``: Ulysses/HCMS ("hcms", the baseline) or the ring for this shape (the factory's calibration,
