@@ -107,15 +107,15 @@ def _attention_rank(rank, world, placement, dtype=torch.float32, layouts=("bshd"
                             rank, world, b=1, s=cu_list[-1], h=2 * world, hkv=hk * world, d=8, dtype=dtype,
                             causal=causal, layout=layout, shard=_sharder(cu_list, placement),
                             mask=_block_mask(cu_list, causal), seed=n))
-                    for a, b in zip(*outs):  # HCMS == Ulysses, bit for bit
-                        assert torch.equal(a, b), (placement, layout, causal, hk)
+                    for a, b in zip(*outs):  # HCMS == Ulysses, bit for bit (P=1: no exchange, no chunks)
+                        assert world == 1 or torch.equal(a, b), (placement, layout, causal, hk)
                     n += 1
     if fake is not None:  # every call ran the explicit-kernel branch, per sample
         assert fake.backward_calls >= 2 * n * 3, (fake.backward_calls, n)
     return n
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("placement", ["contiguous", "zigzag"])
 def test_ulysses_hcms_packed_samples(world, placement):
     assert all(run_ranks(_attention_rank, world, placement))
