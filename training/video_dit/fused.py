@@ -29,9 +29,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (y * weight.float()).to(x.dtype)
 
 
-def ln_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
-    """AdaLN: LayerNorm without affine, then ``* (1 + scale) + shift``. x [B, S, d]; scale, shift [B, 1, d]."""
-    return F.layer_norm(x, (x.shape[-1],), eps=eps) * (1 + scale) + shift
+def ln_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
+                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """AdaLN: LayerNorm without affine, then ``* (1 + scale) + shift``. x [B, S, d]; scale, shift [B, 1, d].
+    out_dtype: the autocast dtype of the Linear that reads the result (its input cast, done here: fused when
+    compiled; the same rounding the Linear's own cast would do)."""
+    y = F.layer_norm(x, (x.shape[-1],), eps=eps) * (1 + scale) + shift
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """LayerNorm with affine over x [B, S, d], cast to ``out_dtype`` as ``ln_modulate``."""
+    y = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def linear_input_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype a Linear under the current autocast casts its input to (None without autocast)."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -67,6 +84,7 @@ class ElementwiseOps:
         # (runs cycling frame counts or resolutions) is recompiled once as dynamic, not once per shape
         self.rms_norm = wrap(rms_norm)
         self.ln_modulate = wrap(ln_modulate)
+        self.layer_norm = wrap(layer_norm)
         self.gated_residual = wrap(gated_residual)
         self.qk_prep = wrap(qk_prep)
         self._wrap, self._qkv_pack = wrap, {}

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import DiTConfig
-from .fused import ElementwiseOps, rms_norm
+from .fused import ElementwiseOps, linear_input_dtype, rms_norm
 from .rope import RopeCache, apply_rope
 
 # --recompute-modules values (Megatron-LM's names) for --recompute-granularity selective
@@ -230,10 +230,12 @@ class Block(nn.Module):
 
     def _forward(self, x, t_emb, ctx, angles, kv_valid_len):
         ops = self.ops
+        act = linear_input_dtype(x)  # the norms' outputs feed Linears: their autocast cast happens in the region
         sh1, sc1, g1, sh2, sc2, g2 = self.modulation(F.silu(t_emb))[:, None].chunk(6, dim=-1)
-        x = ops.gated_residual(x, g1, self.attn(ops.ln_modulate(x, sc1, sh1, self.norm1.eps), angles, kv_valid_len))
-        x = x + self.cross(self.norm2(x), ctx)
-        h = ops.ln_modulate(x, sc2, sh2, self.norm3.eps)
+        x = ops.gated_residual(x, g1, self.attn(ops.ln_modulate(x, sc1, sh1, self.norm1.eps, act), angles,
+                                                kv_valid_len))
+        x = x + self.cross(ops.layer_norm(x, self.norm2.weight, self.norm2.bias, self.norm2.eps, act), ctx)
+        h = ops.ln_modulate(x, sc2, sh2, self.norm3.eps, act)
         if self.recompute_mlp and torch.is_grad_enabled():
             return ops.gated_residual(x, g2, checkpoint(self.ffn, h, use_reentrant=False))
         return ops.gated_residual(x, g2, self.ffn(h))
