@@ -201,6 +201,29 @@ def _megatron_thd_rank(rank, world):
                          causal=causal, layout="sbhd", shard=_sharder(cu_list, "zigzag"),
                          mask=_block_mask(cu_list, causal), seed=n)
                 n += 1
+        # padding inside samples (real lengths 10, 3, 7 padded to 12, 4, 8): causal, the real tokens never see
+        # their sample's tail padding, so the block-causal reference over the padded samples holds; non-causal
+        # would attend the padding: refused
+        real = torch.tensor([0, 10, 13, 20], dtype=torch.int32)
+        for causal in (True, False):
+            cfg = SPTransformerConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=hkv,
+                                      use_cpu_initialization=True, context_parallel_size=world,
+                                      cp_comm_type="hcms", attention_dropout=0.0, hcms_head_chunks=2)
+            core = SPDotProductAttention(cfg, 1, AttnMaskType.causal if causal else AttnMaskType.no_mask, "self",
+                                         cp_comm_type="hcms")
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                                     cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
+
+            def attn(q, k, v):
+                return core(q.squeeze(1), k.squeeze(1), v.squeeze(1), None,
+                            packed_seq_params=params).view(q.shape[0], 1, h, d)
+            if causal:
+                run_case(attn, rank, world, b=1, s=cu_list[-1], h=h, hkv=hkv, d=d, dtype=torch.float32, causal=True,
+                         layout="sbhd", shard=_sharder(cu_list, "zigzag"), mask=_block_mask(cu_list, True), seed=n)
+            else:
+                x = torch.randn(cu_list[-1] // world, 1, h, d)
+                with pytest.raises(SPConfigError, match="padding inside samples"):
+                    attn(x, x, x)
         cfg = SPTransformerConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=hkv,
                                   use_cpu_initialization=True, context_parallel_size=world, cp_comm_type="ring",
                                   attention_dropout=0.0)
