@@ -139,22 +139,7 @@ class SPDotProductAttention(DotProductAttention):
     def _forward_thd(self, q, k, v, causal: bool, params) -> torch.Tensor:
         """Packed samples: q [t, H, D], k/v [t, Hkv, D] (this CP rank's per-sample zigzag shards) -> [t, H * D].
         cu_seqlens: ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``), the global cumulative lengths."""
-        if params.qkv_format != "thd":
-            raise SPConfigError(f"packed_seq_params.qkv_format={params.qkv_format!r} is not supported by "
-                                f"megatron_sp_ext core attention: use 'thd'")
-        if self.sp.mode not in ("ulysses", "hcms"):
-            raise SPConfigError(f"packed_seq_params (packed samples) is not supported by --cp-comm-type="
-                                f"{self.sp.mode!r}: the modes that support it are ulysses and hcms")
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-        if cu is None or (cu_kv is not None and not torch.equal(cu_kv.cpu(), cu.cpu())):
-            raise SPConfigError("packed_seq_params: cu_seqlens_q(_padded) must be given and equal "
-                                "cu_seqlens_kv(_padded) (self-attention)")
-        if (not causal and params.cu_seqlens_q_padded is not None and params.cu_seqlens_q is not None
-                and not torch.equal(params.cu_seqlens_q.cpu(), params.cu_seqlens_q_padded.cpu())):
-            # causal: a sample's tail padding is never attended by its real tokens; non-causal it would be
-            raise SPConfigError("packed_seq_params: padding inside samples (cu_seqlens_q != cu_seqlens_q_padded) "
-                                "is supported only with a causal mask")
+        cu = self._thd_cu_seqlens(causal, params)
         q, k, v = (t.unsqueeze(1) for t in (q, k, v))  # [t, 1, heads, D] sbhd
         group, scale, p = self.cp_group, self.softmax_scale, self._dropout()
         if group is None or group.size() == 1:
@@ -171,6 +156,28 @@ class SPDotProductAttention(DotProductAttention):
                     placement="zigzag", dropout_p=p, cu_seqlens=cu,
                     transport=res.transports.get(self.sp.transport, group, q.device, self.sp.name("transport")))
         return out.reshape(out.shape[0], -1)
+
+    def _thd_cu_seqlens(self, causal: bool, params) -> torch.Tensor:
+        """The checks of ``packed_seq_params`` (this layer's mode among those that run packed samples, the THD
+        format, self-attention, padding inside samples only when causal); returns the global cu_seqlens.
+        (A refusal, not a dispatch: packed samples run only in the Ulysses family.)"""
+        if params.qkv_format != "thd":
+            raise SPConfigError(f"packed_seq_params.qkv_format={params.qkv_format!r} is not supported by "
+                                f"megatron_sp_ext core attention: use 'thd'")
+        if self.sp.mode not in ("ulysses", "hcms"):
+            raise SPConfigError(f"packed_seq_params (packed samples) is not supported by --cp-comm-type="
+                                f"{self.sp.mode!r}: the modes that support it are ulysses and hcms")
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        if cu is None or (cu_kv is not None and not torch.equal(cu_kv.cpu(), cu.cpu())):
+            raise SPConfigError("packed_seq_params: cu_seqlens_q(_padded) must be given and equal "
+                                "cu_seqlens_kv(_padded) (self-attention)")
+        if (not causal and params.cu_seqlens_q_padded is not None and params.cu_seqlens_q is not None
+                and not torch.equal(params.cu_seqlens_q.cpu(), params.cu_seqlens_q_padded.cpu())):
+            # causal: a sample's tail padding is never attended by its real tokens; non-causal it would be
+            raise SPConfigError("packed_seq_params: padding inside samples (cu_seqlens_q != cu_seqlens_q_padded) "
+                                "is supported only with a causal mask")
+        return cu
 
     def _auto_mode(self, q, k, causal: bool) -> str:
         """``auto``: Ulysses/HCMS ("hcms", the baseline) or the ring for this shape (the factory's calibration,
