@@ -251,3 +251,44 @@ def dropout_family(rank: int, world: int) -> list:
 
 
 FAMILIES["dropout"] = dropout_family
+
+
+def _block_diag_mask(cu: list, causal: bool) -> torch.Tensor:
+    s = cu[-1]
+    m = torch.zeros(s, s, dtype=torch.bool)
+    for a, b in zip(cu, cu[1:]):
+        m[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril() if causal else True
+    return m
+
+
+def varlen_family(rank: int, world: int) -> list:
+    """Packed variable-length samples (cu_seqlens, B=1): Ulysses and HCMS, contiguous and zigzag per-sample
+    placement, causal and not, GQA, both layouts, bf16; against a float64 reference with a block-diagonal mask."""
+    g, rec, n = dist.group.WORLD, [], 0
+    for placement in ("contiguous", "zigzag"):
+        div = world if placement == "contiguous" else 2 * world
+        lengths = [m * div * 64 // SHRINK for m in (5, 2, 9)]  # three clip sizes
+        cu = [0]
+        for ln in lengths:
+            cu.append(cu[-1] + ln)
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+
+        def shard(x, r, w, placement=placement, cu_t=cu_t):
+            return spx.shard_sequence(x, g, placement=placement, seq_dim=1, cu_seqlens=cu_t.to(x.device))
+        for causal in (False, True):
+            for (h, hkv) in ((8, 8), (8, 2)):
+                for c in (1, 2):
+                    for layout in (("bshd", "sbhd") if c == 1 else ("bshd",)):
+                        errs: dict = {}
+                        run_case(lambda q, k, v: spx.ulysses_attention(
+                            q, k, v, g, head_chunks=c, causal=causal, layout=layout, placement=placement,
+                            cu_seqlens=cu_t.to(q.device)), rank, world, b=1, s=cu[-1], h=h, hkv=hkv, d=64,
+                            dtype=BF16, causal=causal, layout=layout, seed=n, shard=shard,
+                            mask=_block_diag_mask(cu, causal), device=DEV, errors=errs)
+                        rec.append({"family": "varlen", "case": f"P={world} C={c} lengths={lengths} {placement} "
+                                    f"causal={causal} h={h}/{hkv} {layout} bf16", "errs": errs, "tol": TOL[BF16]})
+                        n += 1
+    return rec
+
+
+FAMILIES["varlen"] = varlen_family

@@ -142,3 +142,9 @@ def test_dit_fused_regions_match_eager(world, backend):
                   "errs": {"loss": max(abs(a - b) / abs(b) for a, b in zip(r["on"], r["off"]))}, "tol": 2e-2}]
                 for r in got]
     assert len(_check("dit_fused", world, backend, per_rank)) == 1
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_varlen_family(world, backend):
+    """Packed variable-length samples (cu_seqlens) through Ulysses / HCMS on CUDA."""
+    assert len(_run_family("varlen", world, backend)) == 24
