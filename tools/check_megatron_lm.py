@@ -36,7 +36,10 @@ TINY_GPT = ("--num-layers 2 --hidden-size 512 --num-attention-heads 8 --seq-leng
             "--lr {lr} --min-lr {lr} --lr-decay-style constant --bf16 --mock-data --tokenizer-type NullTokenizer "
             "--vocab-size 1024 --transformer-impl local --no-persist-layer-norm --no-rope-fusion --no-masked-softmax-fusion --log-interval 1 "
             "--eval-iters 0 --eval-interval 1000000 --seed 1234 --no-gradient-accumulation-fusion "
-            "--position-embedding-type rope --normalization RMSNorm --disable-bias-linear")
+            "--position-embedding-type rope --normalization RMSNorm --disable-bias-linear "
+            # Megatron-LM's defaults (0.1) draw different dropout masks per CP rank (CP=2 and CP=1 then differ by
+            # design), and the ring-family CP types refuse attention dropout by name
+            "--attention-dropout 0 --hidden-dropout 0")
 CP_TYPES = ("ulysses", "hcms", "ring", "tasp", "usp", "torus")
 
 PROBE = textwrap.dedent("""
