@@ -243,3 +243,31 @@ def test_megatron_thd_packed_seq_params(cp):
     per-sample path): ulysses and hcms against the per-sample float64 reference; ring refuses by name."""
     pytest.importorskip("megatron.core")
     assert all(run_ranks(_megatron_thd_rank, cp, timeout=400))
+
+
+def _deepspeed_cu_seqlens(rank, world):
+    """SPDistributedAttention(..., cu_seqlens=) through the factory equals the functional API; the ring refuses."""
+    import importlib
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    from megatron_sp_ext.deepspeed import SPDistributedAttention, build_sequence_parallel_groups
+    g = build_sequence_parallel_groups(world).install().get_sequence_parallel_group()
+    cu = _cu(_lengths(world, "contiguous"))
+    gen = torch.Generator().manual_seed(3)
+    full = [torch.randn(1, int(cu[-1]), 4, 8, generator=gen) for _ in range(3)]
+    q, k, v = (spx.shard_sequence(t, g, placement="contiguous", seq_dim=1, cu_seqlens=cu) for t in full)
+    for mode, chunks in (("ulysses", 1), ("hcms", 2)):
+        attn = SPDistributedAttention(lambda *a, **kw: None, g, 2, 0, mode=mode, head_chunks=chunks)
+        got = attn(q, k, v, 0, cu_seqlens=cu)
+        want = spx.ulysses_attention(q, k, v, g, head_chunks=chunks, cu_seqlens=cu)
+        assert torch.equal(got, want), mode
+    ring = SPDistributedAttention(lambda *a, **kw: None, g, 2, 0, mode="ring")
+    with pytest.raises(SPConfigError, match="cu_seqlens.*not supported by sequence_parallel_ext.mode='ring'"):
+        ring(q, k, v, 0, cu_seqlens=cu)
+    return True
+
+
+def test_deepspeed_adapter_takes_cu_seqlens():
+    pytest.importorskip("deepspeed")
+    run_ranks(_deepspeed_cu_seqlens, 2)

@@ -94,15 +94,24 @@ class SPDistributedAttention(DistributedAttention):
         return packed_entry(self.cfg, self.spg, self.resources)
 
     def forward(self, query, key, value, batch_dim_idx: int, rotary_pos_emb=None, *args,
-                kv_valid_len: Optional[int] = None, **kwargs):
+                kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None, **kwargs):
         """DeepSpeed's forward; ``kv_valid_len`` (ours): keys at global positions >= it are padding.
         With padding, ulysses/hcms use our LSE backend (a user callable cannot take the mask).
+        ``cu_seqlens`` (ours): packed variable-length samples (B=1, shards from ``shard_sequence(cu_seqlens=)``),
+        ulysses/hcms on our kernels per sample; apply RoPE before the call (per-sample positions).
         ``sequence_parallel_ext.dropout_p`` applies to our kernels in training (the user's callable keeps its own)."""
         if batch_dim_idx not in (0, 1):
             raise SPConfigError(f"batch_dim_idx={batch_dim_idx} is invalid: use 0 ([b, s, h, d]) or 1 ([s, b, h, d])")
         layout = "bshd" if batch_dim_idx == 0 else "sbhd"
         self.calls += 1
         attn = self.attention_for(query.shape[2], key.shape[2], layout)
+        if cu_seqlens is not None:
+            if rotary_pos_emb is not None:
+                raise SPConfigError("rotary_pos_emb with cu_seqlens: rotate q and k at their per-sample positions "
+                                    "before the call (this forward's RoPE assumes one sequence)")
+            return attn(query, key, value, causal=self.causal, softmax_scale=self.softmax_scale,
+                        kv_valid_len=kv_valid_len, dropout_p=self.cfg.dropout_p if self.training else 0.0,
+                        cu_seqlens=cu_seqlens)
         if attn.takes_local_attention and kv_valid_len is None:  # the user's callable masks and scales itself
             be = _UserLocalAttention(self.local_attn, batch_dim_idx, rotary_pos_emb, args, kwargs)
             scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])

@@ -31,7 +31,6 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from ..errors import SPConfigError
 from ..sp.factory import SPAttention, SPResources, make_attention
-from ..sp.ulysses import ulysses_attention
 from ..sp.ulysses.attend import local_attention
 from ..topology.mesh import mesh_from_hierarchical_groups
 from .config import sp_config_from
@@ -147,14 +146,8 @@ class SPDotProductAttention(DotProductAttention):
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
             out = local_attention(self.backend, qb, kb, vb, causal, scale, None, p, cu_t).permute(2, 0, 1, 3)
         else:
-            att = self.attention
-            res = att.res
             with _model_parallel_rng(q):
-                out = ulysses_attention(
-                    q, k, v, group, head_chunks=att.chunks, causal=causal, softmax_scale=scale, layout="sbhd",
-                    backend=self.backend, comm_stream=res.streams.comm_stream(q.device), policy=res.policy,
-                    placement="zigzag", dropout_p=p, cu_seqlens=cu,
-                    transport=res.transports.get(self.sp.transport, group, q.device, self.sp.name("transport")))
+                out = self.attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=p, cu_seqlens=cu)
         return out.reshape(out.shape[0], -1)
 
     def _thd_cu_seqlens(self, causal: bool, params) -> torch.Tensor:

@@ -113,12 +113,12 @@ class SPAttention:
             "ring": lambda a, b, c: self._ring(a, b, c, "ring", causal, softmax_scale, kv_valid_len),
         }, extra_key=(causal, kv_valid_len, self.layout, self.placement))
 
-    def _ulysses(self, q, k, v, causal, scale, kv_valid_len, dropout_p, local_attention):
+    def _ulysses(self, q, k, v, causal, scale, kv_valid_len, dropout_p, local_attention, cu_seqlens=None):
         return ulysses_attention(
             q, k, v, self.group, head_chunks=self.chunks, causal=causal, softmax_scale=scale, layout=self.layout,
             backend=local_attention if local_attention is not None else self.backend,
             comm_stream=self.res.streams.comm_stream(q.device), policy=self.res.policy, placement=self.placement,
-            kv_valid_len=kv_valid_len, dropout_p=dropout_p,
+            kv_valid_len=kv_valid_len, dropout_p=dropout_p, cu_seqlens=cu_seqlens,
             transport=self.res.transports.get(self.cfg.transport, self.group, q.device, self.cfg.name("transport")))
 
     def _ring(self, q, k, v, variant, causal, scale, kv_valid_len):
@@ -128,9 +128,20 @@ class SPAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  softmax_scale: Optional[float] = None, kv_valid_len: Optional[int] = None, dropout_p: float = 0.0,
-                 local_attention: Optional[LocalAttention] = None) -> torch.Tensor:
+                 local_attention: Optional[LocalAttention] = None,
+                 cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q: [B, S_loc, H, D] / [S_loc, B, H, D]; k, v: Hkv heads. dropout_p: attention dropout of this call
-        (0 in eval). local_attention: a caller's local attention for Ulysses/HCMS (bhsd in and out)."""
+        (0 in eval). local_attention: a caller's local attention for Ulysses/HCMS (bhsd in and out).
+        cu_seqlens: packed variable-length samples (B=1; cumulative lengths over the full sequence, every rank the
+        same; shards in the per-sample placement of ``shard_sequence``): Ulysses / HCMS (auto stays on them)."""
+        if cu_seqlens is not None:
+            if self.mode not in ULYSSES_MODES:
+                raise SPConfigError(f"packed variable-length samples (cu_seqlens) are not supported by "
+                                    f"{self.cfg.name('mode')}={self.mode!r}: use ulysses or hcms")
+            if local_attention is not None:
+                raise SPConfigError("packed variable-length samples (cu_seqlens) run megatron_sp_ext's kernels per "
+                                    "sample, not a caller's local attention")
+            return self._ulysses(q, k, v, causal, softmax_scale, kv_valid_len, dropout_p, None, cu_seqlens)
         if dropout_p > 0.0 and self.mode not in DROPOUT_MODES:
             raise SPConfigError(f"dropout_p={dropout_p} is not supported by {self.cfg.name('mode')}={self.mode!r} "
                                 f"(log-sum-exp merged partial results): use dropout_p=0 or "
