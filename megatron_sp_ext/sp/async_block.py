@@ -285,15 +285,20 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
                            prep=prep, head_chunks=head_chunks, softmax_scale=softmax_scale, backend=backend,
                            comm_stream=comm_stream, kv_valid_len=kv_valid_len, transport=transport,
                            seq_local=x.shape[1], device=x.device, causal=causal, placement=placement)
+    return apply_block(_AsyncBlockFn, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+
+
+def apply_block(fn, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan):
+    """``fn.apply`` of an attention-block Function (async, all-gather, TP x CP) under the caller's autocast: what
+    autocast would do to each GEMM is done once up front (differentiable casts, so fp32 master weights still get
+    their grads), and the Function then runs in one dtype, forward and backward."""
     dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        # what autocast would do to each GEMM, done once up front (differentiable casts, so fp32 master
-        # weights still get their grads); the Function then runs in one dtype, forward and backward
-        dt = torch.get_autocast_dtype(dev)
-        x, w_qkv, b_qkv, w_o, b_o = (t.to(dt) if t is not None else None for t in (x, w_qkv, b_qkv, w_o, b_o))
-        with torch.autocast(dev, enabled=False):
-            return _AsyncBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
-    return _AsyncBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    if not torch.is_autocast_enabled(dev):
+        return fn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    dt = torch.get_autocast_dtype(dev)
+    x, w_qkv, b_qkv, w_o, b_o = (t.to(dt) if t is not None else None for t in (x, w_qkv, b_qkv, w_o, b_o))
+    with torch.autocast(dev, enabled=False):
+        return fn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
 
 
 def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: Prep,

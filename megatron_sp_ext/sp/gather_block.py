@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..comm import streams as st
 from ..comm.transport import symm_mem_unavailable_reason
 from ..errors import SPConfigError
-from .async_block import AsyncPlan, attention_backward, make_async_plan, out_proj_backward
+from .async_block import AsyncPlan, apply_block, attention_backward, make_async_plan, out_proj_backward
 from .ulysses import attend_and_send
 
 # prep(branch, y [B, S, n*D], norm_weight (full, or None), shard) -> [B, S, n, D]
@@ -345,10 +345,4 @@ def allgather_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Option
     plan = make_gather_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=w_o.shape[1] // num_heads, prep=prep, seq_local=x.shape[1], device=x.device,
                             fused=fused, head_chunks=head_chunks, **kw)
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):  # as in the async block: cast once, run in one dtype
-        dt = torch.get_autocast_dtype(dev)
-        x, w_qkv, b_qkv, w_o, b_o = (t.to(dt) if t is not None else None for t in (x, w_qkv, b_qkv, w_o, b_o))
-        with torch.autocast(dev, enabled=False):
-            return _GatherBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
-    return _GatherBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    return apply_block(_GatherBlockFn, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)

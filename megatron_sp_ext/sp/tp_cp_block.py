@@ -49,7 +49,7 @@ import torch.distributed as dist
 from ..comm import streams as st
 from ..comm.transport import table_head_to_seq, table_seq_to_head
 from ..errors import SPConfigError
-from .async_block import AsyncPlan, attention_backward, make_async_plan
+from .async_block import AsyncPlan, apply_block, attention_backward, make_async_plan
 from .gather_block import fused_ops_unavailable_reason
 from .heads import HeadLayout
 from .ulysses import attend_and_send
@@ -474,10 +474,4 @@ def tp_cp_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[t
                            head_dim=w_o.shape[1] // num_heads, prep=prep, seq_local=x.shape[1], device=x.device,
                            form=form, tcp_group=tcp_group, fused=fused, rs_pieces=rs_pieces,
                            head_chunks=head_chunks, **kw)
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):  # as in the async block: cast once, run in one dtype
-        dt = torch.get_autocast_dtype(dev)
-        x, w_qkv, b_qkv, w_o, b_o = (t.to(dt) if t is not None else None for t in (x, w_qkv, b_qkv, w_o, b_o))
-        with torch.autocast(dev, enabled=False):
-            return _TpCpBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
-    return _TpCpBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    return apply_block(_TpCpBlockFn, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
