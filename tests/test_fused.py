@@ -83,3 +83,53 @@ def test_qkv_pack_compiled_equals_eager_bitwise():
         results.append([t.detach() for t in sends] + [y.grad, a.grad, c.grad])
     for x, ref in zip(*results):
         assert torch.equal(x, ref)
+
+
+def _curve(backend, steps: int) -> list:
+    """Losses of ``steps`` AdamW steps of the tiny DiT (bf16 autocast on CPU), one fixed batch per step."""
+    torch._dynamo.reset()
+    model, inputs = _case(torch.float32)
+    model.set_fused_elementwise(backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(steps):
+        target = torch.randn(inputs[0].shape, generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(*inputs)
+        loss = (y.float() - target).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_fused_loss_curve_50_steps_equals_eager(tmp_path):
+    """#34: 50 training steps with the fused regions (aot_eager on CPU) give the eager loss curve bit for bit; the
+    comparison goes through tools/loss_curves.py, the tool the GPU run uses for the Inductor curves."""
+    import json
+
+    from tools.loss_curves import compare
+    curves = {name: _curve(be, 50) for name, be in (("eager", None), ("fused", "aot_eager"))}
+    assert curves["eager"][-1] < curves["eager"][0]  # it trains
+    for name, c in curves.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"step": i, "loss": v}) + "\n"
+                                                        for i, v in enumerate(c)))
+    res = compare(("eager", str(tmp_path / "eager.jsonl")), [("fused", str(tmp_path / "fused.jsonl"))], None,
+                  str(tmp_path / "out"))
+    assert res["runs"]["fused"] == {"steps": 50, "max_rel": 0.0, "mean_rel": 0.0}
+    assert curves["fused"] == curves["eager"]
+
+
+def test_loss_curves_tool_reports_gaps(tmp_path):
+    import json
+
+    from tools.loss_curves import compare
+    for name, vals in (("a", [2.0, 1.0]), ("b", [2.0, 1.1]), ("n", [2.2, 1.0])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"step": i, "loss": v}) + "\n"
+                                                        for i, v in enumerate(vals)))
+    res = compare(("a", str(tmp_path / "a.jsonl")), [("b", str(tmp_path / "b.jsonl"))], ("n", str(tmp_path / "n.jsonl")),
+                  str(tmp_path / "out"))
+    assert abs(res["runs"]["b"]["max_rel"] - 0.1) < 1e-12 and abs(res["noise"]["max_rel"] - 0.1) < 1e-12
+    assert res["runs"]["b"]["within_noise"] and (tmp_path / "out" / "loss_curves.png").exists()
