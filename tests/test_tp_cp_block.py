@@ -1,7 +1,7 @@
 """The TP x CP attention block (sp/tp_cp_block.py), issue #37.
 
 Functional: tp_cp_self_attention on TP2 x CP2 and TP2 x CP1 gloo ranks against a float64 single-device
-reference of the whole block (tests/cuda_tp_cp.tp_cp_case), both forms, GQA, HCMS chunks, zigzag causal.
+reference of the whole block (tests/cuda_tp_cp.tp_cp_case), every form, GQA, HCMS chunks, zigzag causal.
 Megatron: a TransformerBlock of attention layers (no MLP: megatron-core's SP MLP needs CUDA) with --sp-async-qkv on|allgather at TP2 + --sequence-parallel (x CP2, x CP1)
 against the same weights at TP1 x CP1 (standard path): output, input grad, every parameter grad after the
 reductions Megatron does (sum over CP of each TP shard, then the TP shards gathered; replicated parameters
@@ -21,8 +21,9 @@ from tests.reference import rel_err
 
 @pytest.mark.parametrize("world,form,h,hkv,chunks,qk_norm,causal", [
     (4, "pipelined", 8, 8, 1, True, False), (4, "pipelined", 8, 2, 2, True, True),
-    (4, "mixed", 8, 4, 1, False, True), (4, "mixed", 8, 2, 2, True, False),
-    (2, "pipelined", 8, 4, 2, True, True), (2, "mixed", 8, 8, 1, True, False)])
+    (4, "mixed", 8, 4, 1, False, True), (4, "mixed", 8, 2, 2, True, False), (4, "mixed", 12, 6, 2, True, True),
+    (4, "mixed_in", 8, 4, 2, True, True), (2, "pipelined", 8, 4, 2, True, True), (2, "mixed", 8, 8, 1, True, False),
+    (2, "mixed_in", 8, 2, 1, False, True)])
 def test_functional_equals_float64_block(world, form, h, hkv, chunks, qk_norm, causal):
     """TP2 x CP(world/2) in float64 == the float64 block on the full sequence (each error < 1e-10)."""
     for errs in run_ranks(tp_cp_case, world, 2, form=form, h=h, hkv=hkv, chunks=chunks, qk_norm=qk_norm,
@@ -36,7 +37,7 @@ def test_cuda_worker_runs_on_cpu(monkeypatch):
     monkeypatch.setattr(mod, "DEV", "cpu")
     recs = run_ranks(mod.tp_cp_block_family, 4, timeout=400)
     for per_rank in recs:
-        assert len(per_rank) == 12 and all(r["family"] == "tp-cp-block" for r in per_rank)
+        assert len(per_rank) == 18 and all(r["family"] == "tp-cp-block" for r in per_rank)
         for r in per_rank:  # float64: against the reference; bf16: relative to the unsharded bf16 block's error
             assert max(r["errs"].values()) <= r["tol"], r
 

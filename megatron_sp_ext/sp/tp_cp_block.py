@@ -20,15 +20,20 @@ dO's CP exchanges per chunk, dW_o overlapping them; per chunk attention backward
 exchange home; prep backward; dx by GEMM + pipelined TP reduce-scatter; dW from x re-gathered on the
 communication stream.
 
-form="mixed" (MixedComm for training) fuses the two groups' collectives. The QKV GEMM acts per token,
-so it commutes with moving tokens: the CP seq -> head exchange of q|k|v equals a CP all-gather of x
-followed by the GEMM of this CP rank's heads only. After that move the TP all-gather and the CP
-all-gather are adjacent with no compute between, and become ONE all-gather over the TP x CP group
-(pipelined with the GEMM as above); the backward's CP exchange home + TP reduce-scatter become ONE
-reduce-scatter of dx over TP x CP. Same FLOPs; no all-to-all on the input side; the price is bytes:
-x (dim per token) crosses all T * P ranks instead of q|k|v of H_t heads crossing P. Which wins depends
-on the shape and the machine: the block policy times it (never on CPU). The output side is the
-pipelined form's in both forms.
+form="mixed" (MixedComm for training) fuses the two groups' collectives on both sides. Input: the QKV
+GEMM acts per token, so it commutes with moving tokens: the CP seq -> head exchange of q|k|v equals a CP
+all-gather of x followed by the GEMM of this CP rank's heads only. After that move the TP all-gather and
+the CP all-gather are adjacent with no compute between, and become ONE all-gather over the TP x CP group
+(pipelined with the GEMM as above); in backward the CP exchange home + TP reduce-scatter of dx become ONE
+reduce-scatter over TP x CP. Output: the output GEMM sums over heads, so this rank's heads (over all S
+tokens) give a partial sum o_mine W_o[:, mine]^T [B, S, dim]; the CP head -> seq exchange then becomes a
+CP reduce-scatter, adjacent to the TP reduce-scatter: ONE reduce-scatter over TP x CP (pipelined with the
+GEMM in token pieces); in backward the TP all-gather of dy and the CP exchange of dO become ONE all-gather
+of dy over TP x CP followed by dO = dy_all W_o[:, mine] for this rank's heads. No all-to-all at all: the
+attention block is Megatron's TP-SP pattern over T * P ranks. Same FLOPs; the price is bytes: x and y
+(dim per token) cross all T * P ranks instead of q|k|v / o of H_t heads crossing P. form="mixed_in" fuses
+the input side only (the output side is the pipelined form's). Which wins depends on the shape and the
+machine: the block policy times them against Megatron's own path (never on CPU).
 
 Heads: ``num_heads`` / ``num_kv_heads`` are THIS TP shard's (Megatron's per-partition counts); w_qkv
 is the shard's [(H_t + 2 Hkv_t) D, dim] rows q | k | v, w_o its [dim, H_t D] columns, b_o the full
@@ -52,13 +57,14 @@ from ..errors import SPConfigError
 from .async_block import AsyncPlan, apply_block, attention_backward, make_async_plan
 from .gather_block import fused_ops_unavailable_reason
 from .heads import HeadLayout
-from .ulysses import attend_and_send
+from .ulysses import attend_and_send, attend_backward, explicit_kernels
+from .ulysses.attend import attend
 
 # prep(branch, y [B, S', n, D], norm_weight or None, cp_gathered) -> [B, S', n, D]; per head. S' = S_cp (this CP
 # rank's tokens, its local order) when cp_gathered is False, S = P * S_cp (every CP rank's tokens, CP rank order)
-# when True (the mixed form).
+# when True (the mixed forms).
 PrepTpCp = Callable[[str, torch.Tensor, Optional[torch.Tensor], bool], torch.Tensor]
-TP_CP_FORMS = ("pipelined", "mixed")
+TP_CP_FORMS = ("pipelined", "mixed", "mixed_in")  # mixed_in: input side fused only
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ class ChunkMap:
 @lru_cache(maxsize=64)
 def chunk_maps(hl: HeadLayout, head_dim: int, peers: tuple) -> tuple:
     """The ChunkMap of every HCMS chunk of ``hl`` (Ulysses over CP of one TP shard's heads) for ``peers``
-    (every CP rank: the pipelined form; this rank only: the mixed form)."""
+    (every CP rank: the pipelined form; this rank only: the mixed forms)."""
     h, hkv, d = hl.num_heads, hl.kv_heads, head_dim
     out = []
     for c in range(hl.chunks):
@@ -114,6 +120,17 @@ class TpCpPlan(AsyncPlan):
     fused: bool = False                             # torch.ops.symm_mem fused all-gather / reduce-scatter matmuls
     maps: tuple = ()
     rs_pieces: int = 1                              # token pieces of the pipelined reduce-scatters
+    o_cols: tuple = ()                              # w_o columns of this rank's heads, chunk order (form "mixed")
+
+    @property
+    def gather_in(self) -> bool:
+        """The input side is one all-gather over TP x CP (forms "mixed", "mixed_in")."""
+        return self.form in ("mixed", "mixed_in")
+
+    @property
+    def fuse_out(self) -> bool:
+        """The output side is one reduce-scatter over TP x CP (form "mixed")."""
+        return self.form == "mixed"
 
 
 def _gather_matmul(x: torch.Tensor, w: torch.Tensor, group, plan: TpCpPlan, compute, comm):
@@ -256,7 +273,7 @@ class _TpCpBlockFn(torch.autograd.Function):
     def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: TpCpPlan):
         _, _, d = plan.dims
         hl = plan.heads
-        mixed = plan.form == "mixed"
+        mixed = plan.gather_in
         bsz = x.shape[0]
         compute, comm = st.current(x.device), plan.comm_stream
         gather_group = plan.tcp_group if mixed else plan.tp_group
@@ -302,10 +319,23 @@ class _TpCpBlockFn(torch.autograd.Function):
             buf = recv.view(hl.world * s_cp, bsz, qn + 2 * kn, d)
             return [t.permute(1, 2, 0, 3).transpose(1, 2).contiguous().transpose(1, 2)
                     for t in torch.split(buf, (qn, kn, kn), dim=2)]
-        out = torch.empty(bsz, s_cp, hl.num_heads, d, dtype=x.dtype, device=x.device)
-        chunks = attend_and_send(views, plan, out, s_cp * bsz, d, compute, comm)
-        o_flat = out.view(bsz, s_cp, -1)
-        y_out = _matmul_reduce_scatter(o_flat, w_o.t(), plan.tp_group, plan, compute, comm)
+        if plan.fuse_out:  # this rank's heads over all S tokens: partial output GEMM, ONE reduce-scatter over TP x CP
+            chunks, o_parts, explicit = [], [], None
+            for c in range(hl.chunks):
+                qc, kc, vc = views(c)
+                explicit = explicit_kernels(plan, qc) if explicit is None else explicit
+                oc, kept = attend(plan, qc, kc, vc, explicit)                  # [B, n_c, S, D]
+                chunks.append(kept)
+                o_parts.append(oc.detach().transpose(1, 2))
+            o_flat = torch.cat(o_parts, dim=2).reshape(bsz, s_x, -1)        # [B, S, W D], my W heads
+            del o_parts
+            w_o_mine = w_o.index_select(1, _index(plan.o_cols, x.device))   # [dim, W D]
+            y_out = _matmul_reduce_scatter(o_flat, w_o_mine.t(), plan.tcp_group, plan, compute, comm)
+        else:
+            out = torch.empty(bsz, s_cp, hl.num_heads, d, dtype=x.dtype, device=x.device)
+            chunks = attend_and_send(views, plan, out, s_cp * bsz, d, compute, comm)
+            o_flat = out.view(bsz, s_cp, -1)
+            y_out = _matmul_reduce_scatter(o_flat, w_o.t(), plan.tp_group, plan, compute, comm)
         if b_o is not None:
             y_out = y_out + b_o
         ctx.save_for_backward(x, w_qkv, w_o, o_flat)
@@ -318,30 +348,49 @@ class _TpCpBlockFn(torch.autograd.Function):
         x, w_qkv, w_o, o_flat = ctx.saved_tensors
         plan: TpCpPlan = ctx.plan
         h, _, d = plan.dims
-        hl, mixed = plan.heads, plan.form == "mixed"
-        bsz, _, dim = x.shape
+        hl, mixed = plan.heads, plan.gather_in
+        bsz, s_tp, dim = x.shape
         dev = dy.device
         compute, comm = st.current(dev), plan.comm_stream
         dy = dy.contiguous()
         d_b_o = dy.sum((0, 1)) if ctx.has[1] else None
-        # dO = all_gather_TP(dy) W_o (own tokens first), its CP exchange per chunk, dW_o while it travels
-        dy_cp, d_o = _gather_matmul(dy, w_o.t(), plan.tp_group, plan, compute, comm)
-        s_cp = dy_cp.shape[1]
-        d_o4 = d_o.reshape(bsz, s_cp, h, d)
-        recv_g, ev_g = [], []
-        for c in range(hl.chunks):
-            slots = [(hl.q_range(p, c)[0], hl.q_range(p, c)[1] - hl.q_range(p, c)[0]) for p in range(hl.world)]
-            r, e = _to_heads((d_o4,), (slots,), hl.q_chunks[plan.rank][c][1], plan, compute, comm)
-            recv_g.append(r)
-            ev_g.append(e)
-        d_w_o = torch.matmul(dy_cp.reshape(-1, dim).t(), o_flat.reshape(-1, o_flat.shape[-1]))
-        del dy_cp, d_o, d_o4
+        if plan.fuse_out:  # ONE all-gather of dy over TP x CP; dO of my heads over all S tokens, no exchange
+            cols = _index(plan.o_cols, dev)
+            dy_all, d_o = _gather_matmul(dy, w_o.index_select(1, cols).t(), plan.tcp_group, plan, compute, comm)
+            s_cp = dy_all.shape[1] // hl.world
+            d_w_o = torch.zeros_like(w_o).index_add_(
+                1, cols, torch.matmul(dy_all.reshape(-1, dim).t(), o_flat.reshape(-1, o_flat.shape[-1])))
+            del dy_all
+            do_chunks, off = [], 0
+            for c in range(hl.chunks):
+                n = hl.q_chunks[plan.rank][c][1]
+                do_chunks.append(d_o[:, :, off * d:(off + n) * d].reshape(bsz, -1, n, d).transpose(1, 2))
+                off += n
+            del d_o
+        else:
+            # dO = all_gather_TP(dy) W_o (own tokens first), its CP exchange per chunk, dW_o while it travels
+            dy_cp, d_o = _gather_matmul(dy, w_o.t(), plan.tp_group, plan, compute, comm)
+            s_cp = dy_cp.shape[1]
+            d_o4 = d_o.reshape(bsz, s_cp, h, d)
+            recv_g, ev_g = [], []
+            for c in range(hl.chunks):
+                slots = [(hl.q_range(p, c)[0], hl.q_range(p, c)[1] - hl.q_range(p, c)[0]) for p in range(hl.world)]
+                r, e = _to_heads((d_o4,), (slots,), hl.q_chunks[plan.rank][c][1], plan, compute, comm)
+                recv_g.append(r)
+                ev_g.append(e)
+            d_w_o = torch.matmul(dy_cp.reshape(-1, dim).t(), o_flat.reshape(-1, o_flat.shape[-1]))
+            del dy_cp, d_o, d_o4
         # x again, for dW only: re-gathered on the comm stream while attention backward runs
         get_x_all = _gather_x(x, plan.tcp_group if mixed else plan.tp_group, compute, comm)
         s_x = s_cp * hl.world if mixed else s_cp
         per_chunk, events = [], []
         for c, m in enumerate(plan.maps):
-            g3 = attention_backward(ctx.chunks, c, recv_g, ev_g, plan, s_cp, bsz, d, compute)
+            if plan.fuse_out:
+                do_c, do_chunks[c] = do_chunks[c], None
+                g3 = attend_backward(plan, c, do_c, ctx.chunks)
+                del do_c
+            else:
+                g3 = attention_backward(ctx.chunks, c, recv_g, ev_g, plan, s_cp, bsz, d, compute)
             nq, _, _ = m.widths
             nrep = len(m.kv_index)
             if mixed:
@@ -419,7 +468,7 @@ def check_tp_cp_groups(tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup,
     t, p = dist.get_rank(tp_group), dist.get_rank(cp_group)
     tw, pw = dist.get_world_size(tp_group), dist.get_world_size(cp_group)
     if tcp_group is None:
-        raise SPConfigError("form='mixed' needs tcp_group: the tensor-and-context-parallel group")
+        raise SPConfigError("form='mixed' / 'mixed_in' needs tcp_group: the tensor-and-context-parallel group")
     if dist.get_world_size(tcp_group) != tw * pw or dist.get_rank(tcp_group) != p * tw + t:
         raise SPConfigError(f"tcp_group must be TP x CP in CP-major order: rank {dist.get_rank(tcp_group)} of "
                             f"{dist.get_world_size(tcp_group)}, expected {p * tw + t} of {tw * pw}")
@@ -435,7 +484,7 @@ def make_tp_cp_plan(tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup, *,
     tw = dist.get_world_size(tp_group)
     base = make_async_plan(cp_group, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, prep=prep,
                            seq_local=seq_local * tw, device=device, **kw)
-    if form == "mixed":
+    if form in ("mixed", "mixed_in"):
         check_tp_cp_groups(tp_group, cp_group, tcp_group)
     if fused is None:
         fused = getattr(base.transport, "name", "nccl") == "symm_mem"
@@ -445,10 +494,14 @@ def make_tp_cp_plan(tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup, *,
             if why is not None:
                 raise SPConfigError(f"the TP x CP block's fused symm_mem matmuls (transport 'symm_mem' or "
                                     f"fused=True) cannot run here: {why}; use transport 'nccl' / fused=False")
-    peers = (base.rank,) if form == "mixed" else tuple(range(base.heads.world))
+    gather_in = form in ("mixed", "mixed_in")
+    peers = (base.rank,) if gather_in else tuple(range(base.heads.world))
+    hl = base.heads
+    o_cols = tuple(g * head_dim + i for c in range(hl.chunks) for g in range(*hl.q_range(base.rank, c))
+                   for i in range(head_dim)) if form == "mixed" else ()
     return TpCpPlan(**{f.name: getattr(base, f.name) for f in fields(AsyncPlan)}, tp_group=tp_group,
                     tcp_group=tcp_group, form=form, fused=bool(fused),
-                    maps=chunk_maps(base.heads, head_dim, peers), rs_pieces=rs_pieces or max(1, tw))
+                    maps=chunk_maps(base.heads, head_dim, peers), rs_pieces=rs_pieces or max(1, tw), o_cols=o_cols)
 
 
 def tp_cp_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[torch.Tensor], w_o: torch.Tensor,
@@ -464,8 +517,9 @@ def tp_cp_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[t
     rank's S_cp = T S_tp tokens (CP placement ``placement``, e.g. Megatron's "zigzag"). num_heads, num_kv_heads:
     this TP shard's H_t, Hkv_t. w_qkv [(H_t + 2 Hkv_t) D, dim] (q | k | v rows), b_qkv [(H_t + 2 Hkv_t) D],
     w_o [dim, H_t D], b_o [dim] (replicated, added once). prep(branch, y [B, S', n, D], norm_weight,
-    cp_gathered) -> [B, S', n, D], per head (see PrepTpCp). form: "pipelined" or "mixed" (needs ``tcp_group``,
-    the TP x CP group in CP-major order: Megatron's tensor-and-context-parallel group). fused: torch's
+    cp_gathered) -> [B, S', n, D], per head (see PrepTpCp). form: "pipelined", "mixed" (both sides fused) or
+    "mixed_in" (input side fused); the mixed forms need ``tcp_group``, the TP x CP group in CP-major order
+    (Megatron's tensor-and-context-parallel group). fused: torch's
     symm_mem fused all-gather / reduce-scatter matmuls (None: with transport "symm_mem"). rs_pieces: token
     pieces of the pipelined reduce-scatters (default T). Other keywords (softmax_scale, backend, comm_stream,
     kv_valid_len, transport, causal, placement) as in ``async_ulysses_self_attention``.
