@@ -142,10 +142,9 @@ def tp_cp_case(rank: int, world: int, tp: int, *, form: str = "pipelined", h: in
 
 def tp_cp_block_family(rank: int, world: int) -> list:
     """TP2 x CP2 on 4 ranks (TP2 x CP1 on 2): the three forms (18 cases), GQA, HCMS chunks, causal (zigzag) and
-    not; float64 (the
-    stream schedule, tol 1e-10) and bf16 (the kernels): bf16 errors against float64 divided by the unsharded bf16
-    block's own errors (floor 1e-2), tol 1.5 (un-normalised, a GQA case without QK-norm reaches 4e-2 on H200: its
-    logits are large and the one-device bf16 block is as far from float64)."""
+    not; float64 (the stream schedule, tol 1e-10) and bf16 (the kernels): bf16 errors against float64 divided by
+    the unsharded bf16 block's own errors (floor 1e-2), tol 1.5 (un-normalised, a GQA case without QK-norm reaches
+    4e-2 on H200: its logits are large and the one-device bf16 block is as far from float64)."""
     rec = []
     for dtype in (torch.float64, torch.bfloat16):
         for form in ("pipelined", "mixed", "mixed_in"):
