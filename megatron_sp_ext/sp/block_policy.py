@@ -19,17 +19,28 @@ TP x CP block's forms: plain = Megatron's standard path (the baseline), async_qk
 allgather = the mixed form (one all-gather / reduce-scatter over TP x CP). Pass the tensor-and-context-
 parallel group as ``group`` (every rank of it takes the same decision; with one CP rank it still has T
 ranks). So the TP x CP forms run only where they measured faster than the standard path, never on CPU.
+
+``FormPolicy`` is the same idea for a block whose candidates are named callables, the first being the baseline
+(the Megatron adapter's ``--sp-async-qkv auto``: Megatron's own attention path against the TP x CP block's forms,
+or at TP 1 against the async and all-gather blocks). Per key, on the first call: ``warmup`` calls of each, then
+``rounds`` interleaved rounds (order rotated per round) of ``timer(name, step, iters, warmup, group)``; every
+round's time is all-reduced (max) over ``group``, so every rank feeds ``calibration.decide`` the same table and
+takes the same decision: the baseline unless a form is ``margin`` faster by median AND in a strict majority of
+the rounds. Logged once per key. The timer is injectable (tests drive the decision on CPU); without one,
+CUDA events (``calibration.time_ms``), and off CUDA the baseline untimed.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..comm.transport import copy_engine_unavailable_reason, symm_mem_unavailable_reason
+from .calibration import decide, median, time_ms
 
 log = logging.getLogger("megatron_sp_ext")
 
@@ -137,3 +148,74 @@ class BlockPolicy:
         else:
             dec.reason = f"{best.label} lost the interleaved confirmation {dec.confirm}"
         return dec
+
+
+# timer(name, step, iters, warmup, group) -> ms of one call of ``step`` (the candidate called ``name``)
+FormTimer = Callable[[str, Callable[[], None], int, int, Optional[dist.ProcessGroup]], float]
+
+
+def cuda_event_timer(name: str, step: Callable[[], None], iters: int, warmup: int, group) -> float:
+    """The default FormTimer: ``calibration.time_ms`` (CUDA events, median of ``iters``, max over ``group``)."""
+    return time_ms(step, iters, warmup, group)
+
+
+@dataclass
+class FormDecision:
+    """What FormPolicy decided for one key: the form, per-round ms (max over the group), why, calibration cost."""
+
+    form: str
+    rounds: dict = field(default_factory=dict)
+    reason: str = ""
+    cost_ms: float = 0.0
+
+    @property
+    def measured_ms(self) -> dict:
+        return {n: median(t) for n, t in self.rounds.items()}
+
+
+class FormPolicy:
+    """Per-key choice among named block forms; the first candidate is the baseline (see module docstring)."""
+
+    def __init__(self, margin: float = 0.02, rounds: int = 5, max_noise: float = 0.10, iters: int = 3,
+                 warmup: int = 2, timer: Optional[FormTimer] = None) -> None:
+        self.margin, self.rounds, self.max_noise, self.iters, self.warmup = margin, rounds, max_noise, iters, warmup
+        self.timer = timer
+        self.cache: dict = {}
+
+    def choose(self, key: Hashable, candidates: Mapping[str, Callable[[], None]], group,
+               device: torch.device) -> str:
+        """The form for ``key``; the first time, time each ``candidates[name]()`` (one step of that form at the
+        caller's shapes, e.g. fwd+bwd on detached copies) and decide. Later calls: a dict lookup."""
+        dec = self.cache.get(key)
+        if dec is not None:
+            return dec.form
+        names = list(candidates)
+        world = dist.get_world_size(group) if group is not None else 1
+        t0 = time.perf_counter()
+        if len(names) == 1 or world == 1:
+            dec = FormDecision(names[0], reason="one candidate / one rank: the baseline, untimed")
+        elif self.timer is None and device.type != "cuda":
+            dec = FormDecision(names[0], reason="no CUDA streams here (nothing overlaps): the baseline, untimed")
+        else:
+            dec = FormDecision(names[0], rounds=self._rounds(names, candidates, group, device))
+            dec.form, dec.reason = decide(dec.rounds, self.margin, self.max_noise, plain=names[0])
+        dec.cost_ms = (time.perf_counter() - t0) * 1e3
+        self.cache[key] = dec
+        log.info("megatron_sp_ext: block form -> %s for %s (%s; %s; calibration %.0f ms)", dec.form, key, dec.reason,
+                 {n: round(t, 3) for n, t in dec.measured_ms.items()}, dec.cost_ms)
+        return dec.form
+
+    def _rounds(self, names, candidates, group, device) -> dict:
+        timer = self.timer or cuda_event_timer
+        for _ in range(self.warmup):
+            for n in names:
+                candidates[n]()
+        rounds = {n: [] for n in names}
+        for r in range(self.rounds):
+            for i in range(len(names)):  # rotated order: every candidate leads equally often (no slot bias)
+                n = names[(r + i) % len(names)]
+                rounds[n].append(float(timer(n, candidates[n], self.iters, 1, group)))
+        # every rank decides from the same table: each round's time, max over the group
+        table = torch.tensor([rounds[n] for n in names], dtype=torch.float64, device=device)
+        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
+        return {n: row for n, row in zip(names, table.tolist())}
