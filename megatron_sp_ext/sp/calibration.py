@@ -1,10 +1,26 @@
-"""Timing-based choices that never pick a loser: the decision rule, the timer, and ``ModePolicy``.
+"""Timing-based choices that never pick a loser: the decision rule, the timers, and ``ModePolicy``.
 
 ``decide`` keeps the baseline unless another candidate is ``margin`` faster by median AND in a strict
 majority of interleaved rounds (paired, same round), and the baseline's own spread is within ``max_noise``.
-``time_ms`` times a step with CUDA events, max over the group (so every rank decides alike).
-``ModePolicy`` is ``auto`` across algorithms (Ulysses/HCMS, ring, ...); the HCMS chunk count's policy is
-``sp.ulysses.policy.HCMSPolicy``.
+``time_ms`` times a step with CUDA events, ``wall_time_ms`` with the host clock (CPU); both return the max over
+the group, and every loop decision (the early stop of long calls) is taken on group-wide numbers, so every rank
+runs the same collectives and decides alike. ``ModePolicy`` is ``auto`` across algorithms (Ulysses/HCMS, ring,
+TASP); the HCMS chunk count's policy is ``sp.ulysses.policy.HCMSPolicy``.
+
+What ``auto`` (the factory's ``SPAttention`` with ``mode="auto"``) guarantees, and the tests that show it
+(tests/test_auto_mode.py, tests/test_policy.py):
+  * the regime is measured, never told: each candidate runs fwd(+bwd) at the call's own shapes on the call's own
+    group and transport, so NVLink vs host links (NCCL_P2P_DISABLE), node spans and kernel speed all show up in
+    the timings; nothing reads an environment variable or a topology guess;
+  * one decision per key, identical on every rank: the key holds what changes the speed (shapes, dtype, causal,
+    padding, layout, placement, the group's global ranks, transport, local kernel, chunk setting, grad mode;
+    ``group_key``), every timing is the group's max, and the rule is deterministic on those numbers;
+  * the candidates' math is equal: Ulysses/HCMS, the ring and TASP give the same output and gradients (within
+    rounding) whatever is picked; tests force each branch with an injected timer and compare with float64,
+    causal zigzag and not, P=2,3,4, GQA, padding;
+  * the cost is bounded and logged: ``warmup`` + ``rounds`` x ``iters`` calls per candidate, rounds stop early
+    (from round ``min_rounds`` on) once the measured time exceeds ``budget_ms`` (a group-wide number), and the
+    choice, its reason and the calibration's wall time are logged once per key (logger "megatron_sp_ext").
 """
 from __future__ import annotations
 
@@ -65,40 +81,83 @@ def decide(rounds: dict, margin: float, max_noise: float, plain=1) -> tuple:
 def time_ms(fn, iters: int, warmup: int, group, long_ms: Optional[float] = 50.0) -> float:
     """Median ms of ``iters`` event-timed calls of ``fn`` after ``warmup`` calls and a barrier, max over
     the ranks of ``group``. With ``long_ms``, calls longer than that stop after 2 repetitions (the spread
-    there is far below the policies' 2% decision margin); benchmarks pass None."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for i in range(iters):
-        if long_ms is not None and i == 2 and min(times) > long_ms:
-            break
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    t = torch.tensor(sorted(times)[len(times) // 2], device="cuda")
+    there is far below the policies' 2% decision margin; decided on the group's max, so every rank stops
+    alike); benchmarks pass None."""
+    return _timed(fn, iters, warmup, group, long_ms, "cuda")
+
+
+def wall_time_ms(fn, iters: int, warmup: int, group, long_ms: Optional[float] = 50.0) -> float:
+    """``time_ms`` with the host clock (CPU tensors, gloo): what lets ``ModePolicy`` calibrate off CUDA (tests)."""
+    return _timed(fn, iters, warmup, group, long_ms, "wall")
+
+
+def group_max(x: float, group, device: str) -> float:
+    """``x`` maxed over ``group`` (a float64 all-reduce on ``device``); ``x`` itself without a group."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
 
+def _timed(fn, iters: int, warmup: int, group, long_ms: Optional[float], clock: str) -> float:
+    cuda = clock == "cuda"
+    dev = "cuda" if cuda else "cpu"
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    times = []
+    for i in range(iters):
+        # the early stop is a group-wide decision: a rank that stopped alone would leave its peers' next
+        # collective (inside fn) unmatched
+        if long_ms is not None and i == 2 and group_max(min(times), group, dev) > long_ms:
+            break
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return group_max(sorted(times)[len(times) // 2], group, dev)
+
+
+def group_key(group) -> tuple:
+    """What identifies ``group`` for a cached choice: its global ranks (the same tuple on every member, unlike
+    ``id``, which differs per process and can be reused after a group is destroyed); () without a group."""
+    if not dist.is_initialized():
+        return ()
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
 class ModePolicy:
-    """``auto`` across algorithms (Ulysses/HCMS, ring, ...) per shape key, from its own calibration.
+    """``auto`` across algorithms (Ulysses/HCMS, ring, TASP) per shape key, from its own calibration.
 
     ``choose(key, candidates, group, device)``: ``candidates`` maps a mode name to a zero-argument step
     (one fwd+bwd at the caller's shapes); the first is the baseline. The first time a key is seen every
-    candidate is timed in ``rounds`` interleaved rounds (rotating order), all-reduced (max) over the group,
+    candidate is timed in up to ``rounds`` interleaved rounds (rotating order), all-reduced (max) over the group,
     and ``decide`` keeps the baseline unless another mode is ``margin`` faster by median and in a strict
-    majority of the rounds. Without CUDA or with one rank: the baseline, untimed. Later calls: a dict lookup.
-    The cached ``Calibration``'s ``chunks`` field holds the chosen mode name.
+    majority of the rounds. Rounds stop early, from ``min_rounds`` on, once the summed measured time passes
+    ``budget_ms`` (the same group-wide sum on every rank). Devices outside ``timed_devices`` (default: CUDA; no
+    streams elsewhere) or one rank: the baseline, untimed. Later calls: a dict lookup. The cached
+    ``Calibration``'s ``chunks`` field holds the chosen mode name. ``timer(fn, iters, warmup, group) -> ms``
+    (default ``time_ms``) is injectable; each step it is handed carries its mode name as ``fn.mode``.
     """
 
     def __init__(self, margin: float = 0.02, rounds: int = 5, max_noise: float = 0.10, iters: int = 3,
-                 warmup: int = 2, timer=None) -> None:
+                 warmup: int = 2, timer=None, *, budget_ms: float = 4000.0, min_rounds: int = 3,
+                 timed_devices: tuple = ("cuda",)) -> None:
         self.margin, self.rounds, self.max_noise, self.iters, self.warmup = margin, rounds, max_noise, iters, warmup
+        self.budget_ms, self.min_rounds, self.timed_devices = budget_ms, min_rounds, tuple(timed_devices)
         self.timer = timer or time_ms
         self.cache: dict = {}
 
@@ -107,39 +166,48 @@ class ModePolicy:
         if cal is not None:
             return cal.chunks
         names = list(candidates)
+        steps = {n: _named(n, f) for n, f in candidates.items()}
         t0 = time.perf_counter()
-        if device.type != "cuda" or dist.get_world_size(group) == 1 or len(names) == 1:
-            cal = Calibration(names[0], reason="no CUDA / one rank / one candidate: the baseline, untimed")
+        if device.type not in self.timed_devices or dist.get_world_size(group) == 1 or len(names) == 1:
+            cal = Calibration(names[0], reason=f"{device.type} not timed / one rank / one candidate: the baseline, "
+                                               f"untimed")
         else:
             cal = Calibration(names[0])
             cal.rounds = {n: [] for n in names}
             for _ in range(self.warmup):
                 for n in names:
-                    candidates[n]()
+                    steps[n]()
+            spent = 0.0  # measured ms so far: group-wide numbers, so every rank stops after the same round
             for r in range(self.rounds):
+                if r >= self.min_rounds and spent > self.budget_ms:
+                    break
                 for i in range(len(names)):
                     n = names[(r + i) % len(names)]
-                    cal.rounds[n].append(self.timer(candidates[n], self.iters, 1, group))
+                    ms = self.timer(steps[n], self.iters, 1, group)
+                    cal.rounds[n].append(ms)
+                    spent += ms * (self.iters + 1)
             cal.measured = {n: median(v) for n, v in cal.rounds.items()}
             cal.chunks, cal.reason = decide(cal.rounds, self.margin, self.max_noise, plain=names[0])
             cal.confirm = (cal.measured[names[0]], cal.measured[cal.chunks])
         cal.cost_ms = (time.perf_counter() - t0) * 1e3
         self.cache[key] = cal
-        log.info("megatron_sp_ext: auto mode -> %s for %s (%s; calibration %.0f ms)", cal.chunks, key,
-                 cal.reason or cal.measured, cal.cost_ms)
+        log.info("megatron_sp_ext: auto mode -> %s for %s (%s; %d rounds, calibration %.0f ms)", cal.chunks, key,
+                 cal.reason or cal.measured, len(next(iter(cal.rounds.values()), ())), cal.cost_ms)
         return cal.chunks
 
     def choose_for(self, q, k, group, attention: dict, *, extra_key=(), device=None) -> str:
         """``choose`` for attention calls shaped like ``q``/``k``: each ``attention[name](q, k, v)`` is timed on
         fresh random tensors of those shapes (private RNG: the model's random streams stay untouched), with a
-        backward when grad is enabled. Without CUDA: the first (baseline) name, untimed. ``device`` overrides
-        the device whose type decides that (tests)."""
+        backward when grad is enabled. Devices outside ``timed_devices``: the first (baseline) name, untimed.
+        The key: shapes, dtype, device type, the group's global ranks (``group_key``), ``extra_key`` (what else
+        changes the speed: causal, padding, layout, placement, transport, kernel, ...), grad mode. ``device``
+        overrides the device whose type decides whether to time (tests)."""
         names = list(attention)
         device = device or q.device
-        if device.type != "cuda":
+        if device.type not in self.timed_devices:
             return names[0]
         fwd_bwd = torch.is_grad_enabled()
-        key = (tuple(q.shape), tuple(k.shape), q.dtype, device.type, id(group), *extra_key, fwd_bwd)
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, device.type, group_key(group), *extra_key, fwd_bwd)
         if key in self.cache:
             return self.cache[key].chunks
         gen = torch.Generator(device=q.device).manual_seed(0)
@@ -154,3 +222,11 @@ class ModePolicy:
                         o.backward(go)
             return run
         return self.choose(key, {n: step(fn) for n, fn in attention.items()}, group, device)
+
+
+def _named(name: str, fn):
+    """``fn`` as a function carrying ``.mode = name`` (what an injected timer may read)."""
+    def run():
+        return fn()
+    run.mode = name
+    return run

@@ -1,0 +1,234 @@
+"""``auto`` across Ulysses/HCMS, the ring and TASP (sp.factory's SPAttention + sp.calibration's ModePolicy).
+
+Whatever auto picks, its output and every input gradient equal the float64 single-device reference: each branch
+is forced through the real calibration (the ModePolicy timing the candidates on gloo, with an injected timer that
+makes the branch fastest), causal zigzag and not, P=2,3,4, GQA, key padding, sbhd (Megatron) and bshd (DeepSpeed,
+DiT). The decision is identical on every rank even where the ranks' own clocks disagree, the early stop of long
+timings is a group-wide decision, the cache key holds the group's global ranks (not ``id``), the calibration's
+cost is bounded by its budget and logged, and each entry point (Megatron, DeepSpeed, DiT) runs the calibrated pick.
+"""
+import logging
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_sp_ext.config import SPConfig
+from megatron_sp_ext.sp.calibration import ModePolicy, group_key, wall_time_ms
+from megatron_sp_ext.sp.factory import SPResources, make_attention
+from megatron_sp_ext.sp.placement import pieces
+from tests.harness import run_ranks
+from tests.sp_check import run_case
+
+
+def forcing_timer(pick):
+    """A timer that runs the step once (the candidate's real collectives) and reports ``pick`` fastest."""
+    def timer(fn, iters, warmup, group):
+        fn()
+        return 1.0 if fn.mode == pick else 2.0
+    return timer
+
+
+def _shard_fn(placement):
+    def shard(x, r, w):
+        return torch.cat([x[:, a:a + n] for a, n in pieces(placement, r, w, x.shape[1])], dim=1)
+    return shard
+
+
+def _counting(attn):
+    """Wrap the SPAttention's branch runners: which one served the call."""
+    ran = []
+    uly, ring = attn._ulysses, attn._ring
+
+    def u(*a, **kw):
+        ran.append("hcms")
+        return uly(*a, **kw)
+
+    def r(q, k, v, variant, *a, **kw):
+        ran.append(variant)
+        return ring(q, k, v, variant, *a, **kw)
+    attn._ulysses, attn._ring = u, r
+    return ran
+
+
+# (layout, placement, causal, kv heads per q head group, padding): Megatron-like, DiT-like, and mixes
+CASES = [("sbhd", "zigzag", True, 1, False), ("bshd", "contiguous", False, 2, True),
+         ("sbhd", "zigzag", True, 2, True), ("bshd", "contiguous", False, 1, False)]
+
+
+def _forced_branches(rank, world):
+    group = dist.group.WORLD
+    h, d, b = 2 * world, 8, 2
+    s = 6 * world
+    picks = ["hcms", "ring"] + (["tasp"] if world > 2 else [])
+    n = 0
+    for layout, placement, causal, gqa, padded in CASES:
+        hkv = h // gqa
+        valid = s - 3 if padded else None
+        mask = None
+        if padded:
+            mask = torch.zeros(s, s, dtype=torch.bool)
+            mask[:, :valid] = True
+            if causal:
+                mask &= torch.ones(s, s, dtype=torch.bool).tril()
+        for pick in picks:
+            cfg = SPConfig(mode="auto", head_chunks=2)
+            policy = ModePolicy(timer=forcing_timer(pick), timed_devices=("cpu",), rounds=3, warmup=1)
+            attn = make_attention(cfg, group, num_heads=h, num_kv_heads=hkv, layout=layout, placement=placement,
+                                  resources=SPResources(cfg, mode_policy=policy))
+            assert attn.auto and attn.mode == "hcms"
+            ran = _counting(attn)
+
+            def fn(q, k, v, attn=attn, causal=causal, valid=valid):
+                return attn(q, k, v, causal=causal, kv_valid_len=valid)
+            run_case(fn, rank, world, b=b, s=s, h=h, hkv=hkv, d=d, dtype=torch.float32, causal=causal,
+                     layout=layout, seed=n, shard=_shard_fn(placement), mask=mask, compare_rows=valid)
+            # the calibration ran every candidate, then the call itself ran the pick
+            assert set(ran[:-1]) == set(picks) and ran[-1] == pick, (pick, ran)
+            cal = next(iter(policy.cache.values()))
+            assert cal.chunks == pick and group_key(group) in next(iter(policy.cache))
+            # the choice is cached: a second call times nothing
+            ran.clear()
+            fn(*(torch.zeros((s // world, b, h, d) if layout == "sbhd" else (b, s // world, h, d)) for _ in range(1)),
+               *(torch.zeros((s // world, b, hkv, d) if layout == "sbhd" else (b, s // world, hkv, d))
+                 for _ in range(2)))
+            assert ran == [pick]
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_auto_every_branch_matches_float64(world):
+    assert run_ranks(_forced_branches, world, timeout=300)[0] == len(CASES) * (2 + (world > 2))
+
+
+def _rank_disagreeing_clocks(rank, world):
+    """Each rank's own clock prefers a different mode; the group's max makes one decision everywhere."""
+    group = dist.group.WORLD
+    sleeps = {"hcms": (0.012, 0.001), "ring": (0.001, 0.020)}  # (rank 0, rank 1) seconds
+
+    def step(name):
+        def run():
+            time.sleep(sleeps[name][rank])
+        return run
+    pol = ModePolicy(timer=wall_time_ms, timed_devices=("cpu",), rounds=3, warmup=1, iters=2)
+    choice = pol.choose(("k",), {n: step(n) for n in sleeps}, group, torch.device("cpu"))
+    cal = pol.cache[("k",)]
+    return choice, cal.measured
+
+
+def test_decision_identical_on_every_rank():
+    (c0, m0), (c1, m1) = run_ranks(_rank_disagreeing_clocks, 2)
+    assert c0 == c1 == "hcms" and m0 == m1  # max over ranks: hcms 12 ms < ring 20 ms
+
+
+def _early_stop_together(rank, world):
+    """One rank's calls exceed long_ms, the other's do not: both stop after the same number of calls."""
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.015 if rank == 0 else 0.0)
+    wall_time_ms(fn, 5, 0, dist.group.WORLD, long_ms=10.0)
+    return len(calls)
+
+
+def test_long_call_early_stop_is_group_wide():
+    assert run_ranks(_early_stop_together, 2) == [2, 2]
+
+
+def _group_keys(rank, world):
+    """Same shapes on two groups of different ranks: separate keys (the ranks, not a per-process id)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    pol = ModePolicy(timer=forcing_timer("ring" if rank < 2 else "hcms"), timed_devices=("cpu",), rounds=3,
+                     warmup=1)
+    q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 4, 8)
+    cands = {"hcms": lambda a, b, c: a * 1.0, "ring": lambda a, b, c: a * 1.0}
+    pick = pol.choose_for(q, k, mine, cands)
+    (key,) = pol.cache
+    return pick, key[4]
+
+
+def test_cache_key_holds_the_group_ranks():
+    got = run_ranks(_group_keys, 4)
+    assert got == [("ring", (0, 1)), ("ring", (0, 1)), ("hcms", (2, 3)), ("hcms", (2, 3))]
+
+
+def test_calibration_cost_is_bounded_and_logged(monkeypatch, caplog):
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 2)
+    calls = []
+
+    def slow(fn, iters, warmup, group):
+        calls.append(fn.mode)
+        return 1000.0 if fn.mode == "hcms" else 900.0
+    pol = ModePolicy(timer=slow, timed_devices=("cpu",), budget_ms=500.0, min_rounds=3, rounds=5)
+    with caplog.at_level(logging.INFO, logger="megatron_sp_ext"):
+        assert pol.choose(("slow",), {"hcms": lambda: None, "ring": lambda: None}, None,
+                          torch.device("cpu")) == "ring"
+    cal = pol.cache[("slow",)]
+    assert len(cal.rounds["hcms"]) == len(cal.rounds["ring"]) == 3 and len(calls) == 6  # budget: 3 of 5 rounds
+    assert cal.cost_ms >= 0.0
+    assert any("auto mode -> ring" in r.getMessage() and "calibration" in r.getMessage() for r in caplog.records)
+    fast = ModePolicy(timer=lambda fn, i, w, g: 1.0, timed_devices=("cpu",), budget_ms=500.0, rounds=5)
+    fast.choose(("fast",), {"hcms": lambda: None, "ring": lambda: None}, None, torch.device("cpu"))
+    assert len(fast.cache[("fast",)].rounds["hcms"]) == 5
+    # off the timed devices (default: CUDA only): the baseline, untimed
+    assert ModePolicy(timer=slow).choose(("cpu",), {"hcms": lambda: None, "ring": lambda: None}, None,
+                                         torch.device("cpu")) == "hcms"
+
+
+def _entries_run_the_pick(rank, world):
+    """Megatron's SPDotProductAttention, DeepSpeed's SPDistributedAttention and the DiT's make_core with
+    mode auto: the ModePolicy they share with the factory picks the ring (forced), and the call equals float64."""
+    import importlib
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_sp_ext.megatron import SPTransformerConfig
+    from megatron_sp_ext.megatron.core_attention import SPDotProductAttention
+    from training.video_dit.engine import make_core
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    from megatron_sp_ext.deepspeed import SPDistributedAttention
+    ps.initialize_model_parallel(context_parallel_size=world)
+    group = ps.get_context_parallel_group()
+    h, d, s, b = 8, 8, 4 * world, 2
+    try:
+        cfg = SPTransformerConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, context_parallel_size=world,
+                                  cp_comm_type="auto", attention_dropout=0.0, hidden_dropout=0.0)
+        core = SPDotProductAttention(cfg, 1, AttnMaskType.causal, "self", cp_comm_type="auto")
+        core.ctx.mode_policy = ModePolicy(timer=forcing_timer("ring"), timed_devices=("cpu",), rounds=3, warmup=1)
+        ran = _counting(core.attention)
+        run_case(lambda q, k, v: core(q, k, v, None).view(q.shape), rank, world, b=b, s=s, h=h, hkv=h, d=d,
+                 dtype=torch.float32, causal=True, layout="sbhd", shard=_shard_fn("zigzag"))
+        assert ran[-1] == "ring", ran
+        ds = SPDistributedAttention(None, group, 2, 1, mode="auto", causal=False)
+        ds.resources.mode_policy = ModePolicy(timer=forcing_timer("ring"), timed_devices=("cpu",), rounds=3,
+                                              warmup=1)
+        ran = _counting(ds.attention_for(h, h, "bshd"))
+        valid = s - 3
+        mask = torch.zeros(s, s, dtype=torch.bool)
+        mask[:, :valid] = True
+        run_case(lambda q, k, v: ds(q, k, v, 0, kv_valid_len=valid), rank, world, b=b, s=s, h=h, hkv=h, d=d,
+                 dtype=torch.float32, causal=False, mask=mask, compare_rows=valid, shard=_shard_fn("contiguous"))
+        assert ran[-1] == "ring", ran
+        dit = make_core("auto", group, num_heads=h)
+        dit.attention.res.mode_policy = ModePolicy(timer=forcing_timer("ring"), timed_devices=("cpu",), rounds=3,
+                                                   warmup=1)
+        ran = _counting(dit.attention)
+        run_case(lambda q, k, v: dit(q, k, v, None), rank, world, b=b, s=s, h=h, hkv=h, d=d, dtype=torch.float32,
+                 causal=False, shard=_shard_fn("contiguous"))
+        assert ran[-1] == "ring", ran
+    finally:
+        ps.destroy_model_parallel()
+    return True
+
+
+def test_every_entry_point_runs_the_calibrated_pick():
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("deepspeed")
+    run_ranks(_entries_run_the_pick, 2, timeout=300)
