@@ -25,13 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
+from training.video_dit import precision  # noqa: E402
 from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
-                                    check_parallel_size, frames_and_size, pick_device)
-from training.video_dit.engine import MetricsLog, check_divisible, make_core  # noqa: E402
+                                    check_parallel_size, check_shapes, pick_device)
+from training.video_dit.engine import MetricsLog, make_core  # noqa: E402
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import MegatronOps, RunContext, TorchOps, add_train_args, train_loop  # noqa: E402
+from training.video_dit.packing import first_sample, make_pack_plan  # noqa: E402
 from training.video_dit.pipeline import consumed_samples, resume_base  # noqa: E402
 from training.video_dit.sample import write_demo_samples  # noqa: E402
 
@@ -54,6 +56,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                         "in Megatron's optimizer (Megatron-LM's --bf16 meaning; needs --bf16 for the autocast)")
     p.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="megatron DDP: gradient buffers and their reduction in bf16 (default fp32)")
+    p.add_argument("--bf16-linear-weights", choices=precision.CHOICES, default="off",
+                   help="megatron DDP (GPU) with --bf16: keep the Linear weights in bf16 with fp32 main weights in "
+                        "Megatron's optimizer (autocast's math, no per-step weight casts); auto: wherever it fits")
     add_train_args(p)
     add_arguments(p)
     # Megatron-LM's default (p2p) is Transformer Engine's ring, which this DiT does not have: ours picks a mode
@@ -82,6 +87,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                                       or args.hcms_head_chunks == "auto"):
         p.error(f"--sp-async-qkv {args.sp_async_qkv} needs --cp-comm-type ulysses or hcms with an integer --hcms-head-chunks "
                 f"(got {args.cp_comm_type[0]}, {args.hcms_head_chunks}); --sp-async-qkv auto picks them itself")
+    if args.pack_samples and args.sp_async_qkv != "off":
+        p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --pack-samples (the async / all-gather block forms "
+                f"take one sample per sequence): use --sp-async-qkv off")
     if args.sp_async_qkv == "auto" and args.cp_comm_type[0] not in ("ulysses", "hcms", "auto"):
         p.error(f"--sp-async-qkv auto chooses among Ulysses block forms: use --cp-comm-type ulysses, hcms or auto "
                 f"(got {args.cp_comm_type[0]})")
@@ -127,11 +135,7 @@ def main(argv: Optional[list] = None) -> dict:
 
 def _train(args, device, ps) -> dict:
     cfg = preset(args.model, args.num_layers)
-    frames, h, w = frames_and_size(args)
-    try:
-        check_divisible(cfg, frames, h, w)
-    except ValueError as e:
-        raise SPConfigError(f"--frames/--latent-size: {e}") from None
+    check_shapes(args, cfg)
     cp_group, dp_group = ps.get_context_parallel_group(), ps.get_data_parallel_group()
     dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
     sp_rank, sp_world = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
@@ -153,7 +157,7 @@ def _train(args, device, ps) -> dict:
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
     fused_backend = resolve_fused(args.fused_elementwise, device)
     model.set_fused_elementwise(fused_backend)
-    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend))
+    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples))
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
     if impl == "torch" and (args.bf16_params or args.use_distributed_optimizer or args.overlap_grad_reduce
                             or args.grad_reduce_in_bf16):
@@ -161,6 +165,9 @@ def _train(args, device, ps) -> dict:
                          f"need megatron's DDP, which needs CUDA (this run uses --ddp-impl torch on {device})")
     if impl == "megatron":
         model, opt = _megatron_ddp(model, cfg, args)
+    elif args.bf16_linear_weights == "on":
+        raise SPConfigError(f"--bf16-linear-weights on needs megatron's DDP, which needs CUDA (this run uses "
+                            f"--ddp-impl torch on {device})")
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                                 fused=device.type == "cuda" or None)
@@ -172,23 +179,25 @@ def _train(args, device, ps) -> dict:
             print(f"[pretrain_video_dit] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s",
                   flush=True)
     global_batch = dp_world * args.micro_batch_size
-    base, note = resume_base(loaded, start, global_batch)
+    base, note = (0, None) if args.pack_samples else resume_base(loaded, start, global_batch)
     if note and rank == 0:
         logger.warning(note)
     dataset = build_dataset(args, cfg)
+    plan = make_pack_plan(args, dataset, cfg, sp_world, first_sample(loaded, start, global_batch), start)
     if not args.quiet:
         logger.info(f"model={args.model} layers={cfg.layers} CP={sp_world} DP={dp_world} "
                     f"cp_comm_type={args.cp_comm_type[0]} head_chunks={args.hcms_head_chunks} "
                     f"async_qkv={args.sp_async_qkv} ddp={impl} dist_opt={args.use_distributed_optimizer} "
-                    f"recompute={args.recompute_granularity} device={device}")
+                    f"recompute={args.recompute_granularity} device={device}"
+                    + (f" pack_samples max_tokens_per_step={args.max_tokens_per_step}" if plan else ""))
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
     ops = MegatronOps(model, opt) if impl == "megatron" else TorchOps(model, opt, dp_cp_group, args.clip_grad)
     ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, dist.get_world_size())
-    position = lambda s: {"consumed_samples": consumed_samples(s, base, global_batch),  # noqa: E731
-                          "global_batch": global_batch}
+    position = lambda s: {"consumed_samples": plan.consumed_samples(s, dp_world) if plan else  # noqa: E731
+                          consumed_samples(s, base, global_batch), "global_batch": global_batch}
     losses = train_loop(args, ops, dataset, cfg, ctx, device, log, start=start, autocast=autocast, sample_base=base,
-                        save=lambda s: _save(args, s, model, opt, rank, position(s)))
+                        save=lambda s: _save(args, s, model, opt, rank, position(s)), pack_plan=plan)
     # the last step is saved unless the interval saved it, or no step ran (the loaded checkpoint is the end)
     interval_saved = bool(args.save_interval) and args.train_iters % args.save_interval == 0
     if args.save and start < args.train_iters and not interval_saved:
@@ -212,15 +221,23 @@ def _megatron_ddp(model, cfg, args):
                              context_parallel_size=args.context_parallel_size, bf16=args.bf16)
     if args.bf16_params:  # Megatron-LM's --bf16: bf16 weights, fp32 main weights + Adam state in the optimizer
         model = model.to(torch.bfloat16)
+    try:
+        linear_bf16 = precision.resolve(args.bf16_linear_weights, bf16=args.bf16, megatron_ddp=True,
+                                        bf16_params=args.bf16_params,
+                                        distributed_optimizer=args.use_distributed_optimizer)
+    except ValueError as e:
+        raise SPConfigError(str(e)) from None
+    originals = precision.to_bf16_linear_weights(model) if linear_bf16 else {}
     ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16, overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
                                                  adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad,
-                                                 bf16=args.bf16_params,
+                                                 bf16=args.bf16_params or linear_bf16,
                                                  params_dtype=torch.bfloat16 if args.bf16_params else torch.float32,
                                                  use_distributed_optimizer=args.use_distributed_optimizer), [ddp])
     _fuse_torch_adam(opt)
+    precision.restore_main_weights(originals)
     return ddp, opt
 
 
