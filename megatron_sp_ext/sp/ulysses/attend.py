@@ -5,7 +5,9 @@ off; dropout through torch SDPA). With SDPA-family fused kernels (``explicit_ker
 forward with log-sum-exp and keeps (q, k, v, out, lse) in autograd's saved tensors (``hold``), so activation
 checkpointing drops them; otherwise it keeps an inner autograd graph. ``attend_backward`` gives the chunk's
 (dq, dk, dv) from either. Packed samples (the plan's ``cu_seqlens``): every step runs once per sample over
-the sample's global range (a block-diagonal mask), outputs / lse / gradients concatenated in sample order.
+the sample's global range (a block-diagonal mask), outputs / lse / gradients concatenated in sample order, by
+the plan's ``varlen_kernel`` method (attention/varlen.py: "per_sample" by default, one call per sample;
+"grouped", "flash_varlen", "cudnn_varlen" or "auto").
 """
 from __future__ import annotations
 
@@ -13,14 +15,9 @@ from typing import Optional
 
 import torch
 
-from ...attention import lse_kernels
+from ...attention import lse_kernels, varlen
 from ...attention.backends import LocalAttention, SDPABackend
 from .plan import AttendPlan
-
-
-def _samples(cu: tuple[int, ...]) -> list[slice]:
-    """The bhsd sequence-dim index of each non-empty sample of ``cu`` (cumulative lengths)."""
-    return [(slice(None), slice(None), slice(a, b)) for a, b in zip(cu, cu[1:]) if b > a]
 
 
 def _cu_of(plan: AttendPlan) -> Optional[tuple[int, ...]]:
@@ -28,17 +25,28 @@ def _cu_of(plan: AttendPlan) -> Optional[tuple[int, ...]]:
     return getattr(plan, "cu_seqlens", None)
 
 
+def _varlen_method(plan: AttendPlan, q, k, v, cu: tuple[int, ...]) -> str:
+    """The packed-samples method of the explicit-kernel path (``varlen.choose``; "auto" cached per key, so the
+    backward gets the forward's choice)."""
+    return varlen.choose(getattr(plan, "varlen_kernel", "per_sample"), plan.backend, q, k, v, cu,
+                         causal=plan.causal, scale=plan.scale, need_grad=plan.need_grad, explicit=True)
+
+
 def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, valid: Optional[int],
-                     dropout_p: float = 0.0, cu_seqlens: Optional[tuple[int, ...]] = None):
+                     dropout_p: float = 0.0, cu_seqlens: Optional[tuple[int, ...]] = None,
+                     varlen_kernel: str = "per_sample"):
     """The local kernel on global-order bhsd q/k/v; keys at positions >= ``valid`` are padding: they are
     cut off (one call; causal: a causal call for the valid queries and a full one for the padded rows).
     dropout_p > 0: torch's SDPA with its own dropout instead of ``be`` (under autograd, so the backward
-    reuses the forward's mask). cu_seqlens (packed samples, no padding): one call per sample over its range."""
+    reuses the forward's mask). cu_seqlens (packed samples, no padding): attention within each sample by the
+    ``varlen_kernel`` method (varlen.py; "per_sample": one call per sample over its range)."""
     if dropout_p > 0.0:
         be = _DropoutSDPA(dropout_p)
     if cu_seqlens is not None:
-        return torch.cat([be(q[i], k[i], v[i], causal=causal, softmax_scale=scale) for i in _samples(cu_seqlens)],
-                         dim=2)
+        need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        method = varlen.choose(varlen_kernel, be, q, k, v, cu_seqlens, causal=causal, scale=scale,
+                               need_grad=need_grad, explicit=False)
+        return varlen.attention(method, be, q, k, v, cu_seqlens, causal=causal, scale=scale)
     if valid is None:
         return be(q, k, v, causal=causal, softmax_scale=scale)
     kv = (k[:, :, :valid], v[:, :, :valid])
@@ -113,7 +121,7 @@ def attend(plan: AttendPlan, qc, kc, vc, explicit: bool):
         qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
     with torch.set_grad_enabled(need_grad):
         oc = local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, plan.kv_valid_len,
-                              plan.dropout_p, _cu_of(plan))
+                              plan.dropout_p, _cu_of(plan), getattr(plan, "varlen_kernel", "per_sample"))
     return oc, ((qc, kc, vc, oc) if need_grad else None)
 
 
@@ -135,9 +143,9 @@ def _forward_lse(plan: AttendPlan, q, k, v):
     bhsd q/k/v; keys at positions >= kv_valid_len are cut off (causal: a causal call for the valid queries
     and a full one for the padded rows, their outputs and lse side by side)."""
     be, valid, scale, cu = plan.backend, plan.kv_valid_len, plan.scale, _cu_of(plan)
-    if cu is not None:  # packed samples: one call per sample
-        parts = [be.forward_lse(q[i], k[i], v[i], causal=plan.causal, softmax_scale=scale) for i in _samples(cu)]
-        return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+    if cu is not None:  # packed samples: by the plan's varlen method ("per_sample": one call per sample)
+        return varlen.forward_lse(_varlen_method(plan, q, k, v, cu), be, q, k, v, cu, causal=plan.causal,
+                                  scale=scale)
     if valid is None:
         return be.forward_lse(q, k, v, causal=plan.causal, softmax_scale=scale)
     kv = (k[:, :, :valid], v[:, :, :valid])
@@ -151,10 +159,9 @@ def _forward_lse(plan: AttendPlan, q, k, v):
 def _backward_lse(plan: AttendPlan, do, q, k, v, out, lse) -> list:
     """The gradients of ``_forward_lse``: [dq, dk, dv] (padded keys get zero gradients)."""
     be, valid, scale, cu = plan.backend, plan.kv_valid_len, plan.scale, _cu_of(plan)
-    if cu is not None:  # packed samples: the forward's per-sample calls
-        parts = [be.backward_lse(do[i], q[i], k[i], v[i], out[i], lse[i], causal=plan.causal, softmax_scale=scale)
-                 for i in _samples(cu)]
-        return [torch.cat([p[j] for p in parts], dim=2) for j in range(3)]
+    if cu is not None:  # packed samples: the forward's method
+        return varlen.backward_lse(_varlen_method(plan, q, k, v, cu), be, do, q, k, v, out, lse, cu,
+                                   causal=plan.causal, scale=scale)
     if valid is None:
         return list(be.backward_lse(do, q, k, v, out, lse, causal=plan.causal, softmax_scale=scale))
     kv = (k[:, :, :valid], v[:, :, :valid])

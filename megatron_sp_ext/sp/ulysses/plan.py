@@ -59,6 +59,7 @@ class UlyssesPlan:
     kv_valid_len: Optional[int] = None  # keys at global positions >= this are padding (0 < it < S)
     dropout_p: float = 0.0  # attention dropout inside each chunk's kernel (forces the inner-graph path)
     cu_seqlens: Optional[tuple[int, ...]] = None  # packed samples: cumulative lengths (global order), or None
+    varlen_kernel: str = "per_sample"  # packed samples' local method (attention/varlen.py SETTINGS)
 
 
 def local_order(placement: str, world: int, s_loc: int, causal: bool,

@@ -1,0 +1,462 @@
+"""Attention of packed variable-length samples on one device: forward with log-sum-exp, backward, and a
+differentiable call, by one of several methods that compute the same per-sample attention.
+
+q [1, H, S, D], k/v [1, Hkv, S, D] (bhsd, any strides with stride(-1) == 1; GQA: H % Hkv == 0), ``cu`` the
+cumulative sample lengths (tuple of ints, cu[0] = 0, cu[-1] = S, empty samples allowed). Every sample
+attends only to itself (a block-diagonal mask; causal = top-left within the sample). out [1, H, S, D] in
+q's dtype, lse fp32 [1, H, S]. Methods (``METHODS``):
+  "per_sample"    one backend call per sample, in sample order (what the Ulysses varlen path always did)
+  "grouped"       samples of one length in one batched backend call (B = their count): a run of adjacent
+                  samples is a strided view of q/k/v, scattered ones are stacked copies; a length held by
+                  one sample is called as in "per_sample"
+  "flash_varlen"  one call of torch's FlashAttention-2 varlen kernel (aten._flash_attention_forward /
+                  _flash_attention_backward with cum_seq_q/k; what torch.nn.attention.varlen.varlen_attn
+                  calls); [S, H, D] views, no copies of q/k/v
+  "cudnn_varlen"  one call of cuDNN's ragged kernel (aten._cudnn_attention_forward / _backward with
+                  cum_seq_q/k); packed [S, H, D] copies
+The two kernel methods run on CUDA in fp16/bf16 only, for SDPA-family backends whose kernel choice allows
+them ("auto"/"sdpa": both; "torch_flash": flash_varlen; "cudnn": cudnn_varlen), and only after a probe
+against math on this (device, dtype) passed (schema check first: a torch without the op never offers it).
+``choose``: "auto" = "per_sample" off CUDA (the CPU fallback is the per-sample math); on CUDA the fastest
+method that runs here, measured once on the call's own tensors and cached under everything that decides
+which methods run and what they compute (device, dtype, heads, kv heads, head dim, sample lengths, causal,
+scale, backend and its kernel, whether a backward is timed). A named method that cannot run here raises
+SPConfigError naming the setting. The methods differ only by the rounding of their kernels; every method's
+backward takes any method's (out, lse), since each is exact given the final out/lse of the rows.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import SPConfigError
+from . import blockwise, lse_kernels
+from .backends import LocalAttention, SDPABackend
+
+log = logging.getLogger("megatron_sp_ext")
+
+METHODS = ("per_sample", "grouped", "flash_varlen", "cudnn_varlen")
+SETTINGS = ("auto",) + METHODS
+KERNEL_METHODS = ("flash_varlen", "cudnn_varlen")
+
+# the leading argument names this module passes positionally (torch 2.11 and 2.13 agree on them; later
+# keyword-only arguments differ between versions and are left at their defaults)
+_SCHEMAS = {
+    "flash_varlen": (
+        ("_flash_attention_forward", ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+                                      "dropout_p", "is_causal", "return_debug_mask")),
+        ("_flash_attention_backward", ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q",
+                                       "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "rng_state",
+                                       "unused"))),
+    "cudnn_varlen": (
+        ("_cudnn_attention_forward", ("query", "key", "value", "attn_bias", "cum_seq_q", "cum_seq_k", "max_q",
+                                      "max_k", "compute_log_sumexp", "dropout_p", "is_causal",
+                                      "return_debug_mask")),
+        ("_cudnn_attention_backward", ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed",
+                                       "philox_offset", "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+                                       "dropout_p", "is_causal"))),
+}
+
+
+# ----------------------------------------------------------------------------------------------- samples
+
+def sample_slices(cu: tuple[int, ...]) -> list[tuple[slice, slice, slice]]:
+    """The bhsd index of each non-empty sample of ``cu``."""
+    return [(slice(None), slice(None), slice(a, b)) for a, b in zip(cu, cu[1:]) if b > a]
+
+
+def length_groups(cu: tuple[int, ...]) -> list[tuple[int, list[int]]]:
+    """(length, [start of each sample of that length]) of the non-empty samples, lengths in order of first
+    appearance."""
+    groups: dict[int, list[int]] = {}
+    for a, b in zip(cu, cu[1:]):
+        if b > a:
+            groups.setdefault(b - a, []).append(a)
+    return list(groups.items())
+
+
+def _batched(x: torch.Tensor, length: int, starts: list[int]) -> torch.Tensor:
+    """x [1, H, S, ...] -> [n, H, length, ...]: the samples at ``starts``; a strided view when they are
+    adjacent, else a stacked copy."""
+    n, a = len(starts), starts[0]
+    if starts == list(range(a, a + n * length, length)):
+        return x[0, :, a:a + n * length].unflatten(1, (n, length)).transpose(0, 1)
+    return torch.stack([x[0, :, s:s + length] for s in starts])
+
+
+def _in_sample_order(cu: tuple[int, ...], groups: list[tuple[int, list[int]]], parts: list) -> list:
+    """Per-sample pieces [1, H, L, ...] in sample order, from ``parts[g]`` = group g's [n, H, L, ...] (or
+    the [1, H, L, ...] result of a one-sample group)."""
+    where = {}
+    for (length, starts), part in zip(groups, parts):
+        for j, s in enumerate(starts):
+            where[s] = part[j:j + 1]
+    return [where[a] for a, b in zip(cu, cu[1:]) if b > a]
+
+
+def _one(x: torch.Tensor, length: int, starts: list[int]) -> torch.Tensor:
+    """A group's input: the sample's own slice when it is alone (as "per_sample" calls it), else batched."""
+    if len(starts) == 1:
+        return x[:, :, starts[0]:starts[0] + length]
+    return _batched(x, length, starts)
+
+
+def _nonempty(cu: tuple[int, ...]) -> tuple[int, ...]:
+    out = [cu[0]]
+    for c in cu[1:]:
+        if c > out[-1]:
+            out.append(c)
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------------- the four methods
+
+def forward_lse(method: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [1, H, S, D], lse fp32 [1, H, S]) of the packed samples by ``method`` (a resolved one)."""
+    if method == "per_sample":
+        parts = [be.forward_lse(q[i], k[i], v[i], causal=causal, softmax_scale=scale) for i in sample_slices(cu)]
+        return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+    if method == "grouped":
+        groups = length_groups(cu)
+        parts = [be.forward_lse(_one(q, n, st), _one(k, n, st), _one(v, n, st), causal=causal, softmax_scale=scale)
+                 for n, st in groups]
+        outs = _in_sample_order(cu, groups, [o for o, _ in parts])
+        lses = _in_sample_order(cu, groups, [lse for _, lse in parts])
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    if method == "flash_varlen":
+        return _flash_varlen_forward(q, k, v, cu, causal, scale)
+    if method == "cudnn_varlen":
+        return _cudnn_varlen_forward(q, k, v, cu, causal, scale)
+    raise ValueError(f"unknown varlen method {method!r}")
+
+
+def backward_lse(method: str, be: LocalAttention, do, q, k, v, out, lse, cu: tuple[int, ...], *, causal: bool,
+                 scale: float) -> list[torch.Tensor]:
+    """[dq, dk, dv] of ``forward_lse`` given the final out / lse (any method's)."""
+    if method == "per_sample":
+        parts = [be.backward_lse(do[i], q[i], k[i], v[i], out[i], lse[i], causal=causal, softmax_scale=scale)
+                 for i in sample_slices(cu)]
+        return [torch.cat([p[j] for p in parts], dim=2) for j in range(3)]
+    if method == "grouped":
+        groups = length_groups(cu)
+        parts = [be.backward_lse(*(_one(t, n, st) for t in (do, q, k, v, out, lse)), causal=causal,
+                                 softmax_scale=scale) for n, st in groups]
+        return [torch.cat(_in_sample_order(cu, groups, [p[j] for p in parts]), dim=2) for j in range(3)]
+    if method == "flash_varlen":
+        return _flash_varlen_backward(do, q, k, v, out, lse, cu, causal, scale)
+    if method == "cudnn_varlen":
+        return _cudnn_varlen_backward(do, q, k, v, out, lse, cu, causal, scale)
+    raise ValueError(f"unknown varlen method {method!r}")
+
+
+def attention(method: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool,
+              scale: float) -> torch.Tensor:
+    """Differentiable out [1, H, S, D] of the packed samples by ``method`` (a resolved one): "per_sample" and
+    "grouped" call ``be`` (its own autograd), the kernel methods run under an autograd Function."""
+    if method == "per_sample":
+        return torch.cat([be(q[i], k[i], v[i], causal=causal, softmax_scale=scale) for i in sample_slices(cu)],
+                         dim=2)
+    if method == "grouped":
+        groups = length_groups(cu)
+        parts = [be(_one(q, n, st), _one(k, n, st), _one(v, n, st), causal=causal, softmax_scale=scale)
+                 for n, st in groups]
+        return torch.cat(_in_sample_order(cu, groups, parts), dim=2)
+    if method in KERNEL_METHODS:
+        return _KernelFn.apply(q, k, v, method, be, cu, causal, scale)
+    raise ValueError(f"unknown varlen method {method!r}")
+
+
+class _KernelFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, method, be, cu, causal, scale):
+        out, lse = forward_lse(method, be, q, k, v, cu, causal=causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (method, be, cu, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        method, be, cu, causal, scale = ctx.args
+        dq, dk, dv = backward_lse(method, be, do, q, k, v, out, lse, cu, causal=causal, scale=scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------- the varlen kernels
+
+def _thd(x: torch.Tensor) -> torch.Tensor:
+    """[1, H, S, D] -> the [S, H, D] view the varlen kernels take."""
+    return x[0].transpose(0, 1)
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    """[S, H, D] -> [1, H, S, D] view."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _cu_args(cu: tuple[int, ...], device) -> tuple[torch.Tensor, int]:
+    cu = _nonempty(cu)
+    return torch.tensor(cu, dtype=torch.int32, device=device), max(b - a for a, b in zip(cu, cu[1:]))
+
+
+def _lse_bhs(lse: torch.Tensor, heads: int, tokens: int, token_major: bool) -> torch.Tensor:
+    """A varlen kernel's lse ([H, T] or [T, H] with trailing / leading size-1 dims) as fp32 [1, H, T]."""
+    if token_major:
+        return lse.reshape(tokens, heads).transpose(0, 1).unsqueeze(0).float()
+    return lse.reshape(1, heads, tokens).float()
+
+
+_AUX: dict = {}
+
+
+def _flash_varlen_aux(device, dtype):
+    """(rng_state, unused) of a dropout-free varlen flash forward (data-independent; its backward wants them)."""
+    key = ("flash_varlen", str(device), dtype)
+    if key not in _AUX:
+        x = torch.zeros(16, 1, 64, device=device, dtype=dtype)
+        cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
+        res = torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, 16, 16, 0.0, False, False)
+        _AUX[key] = (res[2], res[3])
+    return _AUX[key]
+
+
+def _flash_varlen_forward(q, k, v, cu, causal, scale):
+    h, s = q.shape[1], q.shape[2]
+    ke, ve, _ = blockwise.expand_kv(k, v, h)
+    cu_t, m = _cu_args(cu, q.device)
+    res = torch.ops.aten._flash_attention_forward(_thd(q), _thd(ke), _thd(ve), cu_t, cu_t, m, m, 0.0, causal, False,
+                                                  scale=scale)
+    return _bhsd(res[0]), _lse_bhs(res[1], h, s, token_major=False)
+
+
+def _flash_varlen_backward(do, q, k, v, out, lse, cu, causal, scale):
+    h = q.shape[1]
+    ke, ve, rep = blockwise.expand_kv(k, v, h)
+    cu_t, m = _cu_args(cu, q.device)
+    rng, unused = _flash_varlen_aux(q.device, q.dtype)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        _thd(do), _thd(q), _thd(ke), _thd(ve), _thd(out), lse[0].float().contiguous(), cu_t, cu_t, m, m, 0.0, causal,
+        rng, unused, scale=scale)
+    return [_bhsd(dq), blockwise.fold_kv_grad(_bhsd(dk), rep), blockwise.fold_kv_grad(_bhsd(dv), rep)]
+
+
+def _cudnn_varlen_aux(device, dtype):
+    """(philox_seed, philox_offset, lse shape info) of a dropout-free ragged cuDNN forward: whether its lse is
+    token-major ([T, H, ...]) and the shape it has for T tokens (as a function: the backward wants it back)."""
+    key = ("cudnn_varlen", str(device), dtype)
+    if key not in _AUX:
+        t, h = 24, 2  # T != H: the lse's layout is read off its shape
+        x = torch.zeros(t, h, 64, device=device, dtype=dtype)
+        cu = torch.tensor([0, 16, t], dtype=torch.int32, device=device)
+        res = torch.ops.aten._cudnn_attention_forward(x, x, x, None, cu, cu, 16, 16, True, 0.0, False, False)
+        shape = tuple(res[1].shape)
+        token_major = shape.index(t) < shape.index(h) if t in shape and h in shape else False
+        _AUX[key] = (res[6], res[7], token_major, tuple(1 if n not in (t, h) else (0 if n == t else -1)
+                                                        for n in shape))
+    return _AUX[key]
+
+
+def _cudnn_varlen_lse_in(lse_bhs: torch.Tensor, token_major: bool, pattern: tuple) -> torch.Tensor:
+    """fp32 [1, H, T] back to the ragged cuDNN forward's lse layout (``pattern``: 0 = T, -1 = H, 1 = size 1)."""
+    h, t = lse_bhs.shape[1], lse_bhs.shape[2]
+    base = lse_bhs[0].transpose(0, 1) if token_major else lse_bhs[0]
+    shape = tuple(t if p == 0 else (h if p == -1 else 1) for p in pattern)
+    return base.float().contiguous().reshape(shape)
+
+
+def _cudnn_varlen_forward(q, k, v, cu, causal, scale):
+    h, s = q.shape[1], q.shape[2]
+    ke, ve, _ = blockwise.expand_kv(k, v, h)
+    cu_t, m = _cu_args(cu, q.device)
+    _, _, token_major, _ = _cudnn_varlen_aux(q.device, q.dtype)
+    qp, kp, vp = (_thd(t).contiguous() for t in (q, ke, ve))
+    res = torch.ops.aten._cudnn_attention_forward(qp, kp, vp, None, cu_t, cu_t, m, m, True, 0.0, causal, False,
+                                                  scale=scale)
+    return _bhsd(res[0]), _lse_bhs(res[1], h, s, token_major)
+
+
+def _cudnn_varlen_backward(do, q, k, v, out, lse, cu, causal, scale):
+    h = q.shape[1]
+    ke, ve, rep = blockwise.expand_kv(k, v, h)
+    cu_t, m = _cu_args(cu, q.device)
+    seed, offset, token_major, pattern = _cudnn_varlen_aux(q.device, q.dtype)
+    dop, qp, kp, vp, op = (_thd(t).contiguous() for t in (do, q, ke, ve, out))
+    dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+        dop, qp, kp, vp, op, _cudnn_varlen_lse_in(lse, token_major, pattern), seed, offset, None, cu_t, cu_t, m, m,
+        0.0, causal, scale=scale)
+    return [_bhsd(dq), blockwise.fold_kv_grad(_bhsd(dk), rep), blockwise.fold_kv_grad(_bhsd(dv), rep)]
+
+
+# ------------------------------------------------------------------------------------------ availability
+
+def schema_ok(method: str) -> bool:
+    """Whether this torch has ``method``'s ops with the leading arguments this module passes."""
+    if method not in _SCHEMAS:
+        return method in ("per_sample", "grouped")
+    for name, args in _SCHEMAS[method]:
+        op = getattr(torch.ops.aten, name, None)
+        try:
+            have = tuple(a.name for a in op.default._schema.arguments) if op is not None else ()
+        except (AttributeError, RuntimeError):
+            return False
+        if have[:len(args)] != args:
+            return False
+    return True
+
+
+_PROBED: dict = {}
+
+
+def kernel_available(method: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the varlen kernel ``method`` runs here: CUDA, fp16/bf16, its schema, and a probe against math
+    (packed samples of several lengths, GQA, causal and not, forward and backward; cached)."""
+    device = torch.device(device)
+    if method not in KERNEL_METHODS or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not schema_ok(method) or (method == "cudnn_varlen" and not torch.backends.cudnn.is_available()):
+        return False
+    key = (method, str(device), dtype)
+    if key not in _PROBED:
+        try:
+            ok = probe(method, device, dtype)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:  # a kernel this build lacks
+            log.info("megatron_sp_ext: varlen kernel %s unavailable on %s/%s: %s", method, device, dtype, e)
+            ok = False
+        if not ok:
+            log.info("megatron_sp_ext: varlen kernel %s is not offered on %s/%s (probe)", method, device, dtype)
+        _PROBED[key] = ok
+    return _PROBED[key]
+
+
+def probe(method: str, device, dtype, tol: float = 3e-2) -> bool:
+    """``method`` on a tiny packed case (lengths 40, 24, 0, 17: none a multiple of a tile; 4 q heads on 2 kv
+    heads) against per-sample math, causal and not: out, lse, dq, dk, dv within ``tol`` (relative to max)."""
+    g = torch.Generator().manual_seed(0)
+    cu, s = (0, 40, 64, 64, 81), 81
+    q, do = (torch.randn(1, 4, s, 64, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(1, 2, s, 64, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    math_be = LocalAttention()
+    close = lambda a, b: bool((a.float() - b.float()).abs().max() <= tol * (1 + b.float().abs().max()))  # noqa: E731
+    for causal in (False, True):
+        o, lse = forward_lse(method, math_be, q, k, v, cu, causal=causal, scale=0.125)
+        grads = backward_lse(method, math_be, do, q, k, v, o, lse, cu, causal=causal, scale=0.125)
+        f32 = [t.float() for t in (do, q, k, v)]
+        o_m, lse_m = forward_lse("per_sample", math_be, *f32[1:], cu, causal=causal, scale=0.125)
+        grads_m = backward_lse("per_sample", math_be, f32[0], *f32[1:], o_m, lse_m, cu, causal=causal, scale=0.125)
+        if not (close(o, o_m) and close(lse, lse_m) and all(close(a, b) for a, b in zip(grads, grads_m))):
+            return False
+    return True
+
+
+def _backend_kernel(be: LocalAttention, q: torch.Tensor) -> Optional[str]:
+    """The lse kernel an SDPA-family backend runs for q (None for other backends)."""
+    return be.kernel_for(q) if isinstance(be, SDPABackend) else None
+
+
+def methods_here(be: LocalAttention, q: torch.Tensor) -> list[str]:
+    """The methods that run for ``be`` on q's (device, dtype), "per_sample" first."""
+    out = ["per_sample", "grouped"]
+    kern = _backend_kernel(be, q)
+    if kern in ("cudnn", "flash"):
+        allowed = KERNEL_METHODS if be.kernel == "auto" else {"cudnn": ("cudnn_varlen",),
+                                                               "flash": ("flash_varlen",)}[be.kernel]
+        out += [m for m in allowed if kernel_available(m, q.device, q.dtype)]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ choice
+
+def cuda_timer(method: str, fn: Callable[[], None], reps: int = 3) -> float:
+    """Best of ``reps`` timings of ``fn`` (``method``'s call; ms, CUDA events) after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        best = min(best, s.elapsed_time(e))
+    return best
+
+
+class VarlenChooser:
+    """Resolves a ``varlen_kernel`` setting to a method; "auto" measures once per key (see module docstring).
+    ``timer(method, fn) -> ms`` and ``measure_off_cuda`` exist for tests; ``decisions`` is the cache (LRU)."""
+
+    def __init__(self, timer: Callable[[str, Callable[[], None]], float] = cuda_timer, capacity: int = 1024,
+                 measure_off_cuda: bool = False) -> None:
+        self.timer, self.capacity, self.measure_off_cuda = timer, capacity, measure_off_cuda
+        self.decisions: OrderedDict = OrderedDict()
+
+    @staticmethod
+    def key(be: LocalAttention, q, k, cu: tuple[int, ...], causal: bool, scale: float, need_grad: bool,
+            explicit: bool) -> tuple:
+        """Everything that decides which methods run and what they compute."""
+        lengths = tuple(b - a for a, b in zip(cu, cu[1:]))
+        return (str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[3], lengths, bool(causal), float(scale),
+                be.name, getattr(be, "kernel", None), _backend_kernel(be, q), bool(need_grad), bool(explicit))
+
+    def choose(self, setting: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool, scale: float,
+               need_grad: bool, explicit: bool = True, setting_name: str = "varlen_kernel") -> str:
+        """The method for this call (explicit: the call runs ``forward_lse`` / ``backward_lse``; else
+        ``attention`` under autograd; "auto" times that). Raises SPConfigError for an unknown setting or a
+        method that cannot run here."""
+        if setting not in SETTINGS:
+            raise SPConfigError(f"{setting_name}={setting!r} is invalid: choose one of {', '.join(SETTINGS)}")
+        here = methods_here(be, q)
+        if setting != "auto":
+            if setting not in here:
+                raise SPConfigError(
+                    f"{setting_name}={setting!r} does not run here (backend {be.name!r}, {q.device}, {q.dtype}): "
+                    f"use 'auto' or one of {', '.join(here)}")
+            return setting
+        if q.device.type != "cuda" and not self.measure_off_cuda:
+            return "per_sample"
+        key = self.key(be, q, k, cu, causal, scale, need_grad, explicit)
+        if key in self.decisions:
+            self.decisions.move_to_end(key)
+            return self.decisions[key]
+        times = {m: self.timer(m, self._run(m, be, q, k, v, cu, causal, scale, need_grad, explicit)) for m in here}
+        best = min(here, key=lambda m: (times[m], here.index(m)))
+        log.info("megatron_sp_ext: varlen_kernel='auto' chose %s for %d samples (ms: %s)", best,
+                 len(key[5]), {m: round(t, 3) for m, t in times.items()})
+        self.decisions[key] = best
+        while len(self.decisions) > self.capacity:
+            self.decisions.popitem(last=False)
+        return best
+
+    @staticmethod
+    def _run(method, be, q, k, v, cu, causal, scale, need_grad, explicit) -> Callable[[], None]:
+        def fn() -> None:
+            if not explicit:
+                with torch.enable_grad():
+                    qkv = [t.detach().requires_grad_(need_grad) for t in (q, k, v)]
+                    out = attention(method, be, *qkv, cu, causal=causal, scale=scale)
+                    if need_grad:
+                        torch.autograd.grad(out, qkv, out.detach())
+                return
+            with torch.no_grad():
+                out, lse = forward_lse(method, be, q, k, v, cu, causal=causal, scale=scale)
+                if need_grad:
+                    backward_lse(method, be, out, q, k, v, out, lse, cu, causal=causal, scale=scale)
+        return fn
+
+
+_DEFAULT = VarlenChooser()
+
+
+def default_chooser() -> VarlenChooser:
+    """The process-wide chooser (its cache is shared by every call that does not pass its own)."""
+    return _DEFAULT
+
+
+def choose(setting: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool, scale: float,
+           need_grad: bool, explicit: bool = True, chooser: Optional[VarlenChooser] = None) -> str:
+    """``(chooser or default_chooser()).choose(...)``."""
+    return (chooser or _DEFAULT).choose(setting, be, q, k, v, cu, causal=causal, scale=scale, need_grad=need_grad,
+                                        explicit=explicit)
