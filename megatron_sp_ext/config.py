@@ -99,7 +99,9 @@ class SPConfig:
         kernels) or "copy_engine" (copy-engine pulls ordered by stream-memory flags: no kernels); CUDA + NCCL.
     async_qkv: the attention block's projections overlapped with their exchanges: "off", "on",
         "allgather" (QKV from a sequence all-gather fused with the QKV GEMM, no q/k/v exchange), or
-        "auto" (a runtime policy picks plain/async/allgather, HCMS chunks and transport per shape; video DiT).
+        "auto" (a runtime policy times the forms per shape and keeps the baseline unless one is faster: video DiT
+        plain/async/allgather x HCMS chunks x transports; Megatron layers their own attention path against the
+        async/all-gather blocks, or with TP > 1 the TP x CP block's pipelined/mixed/mixed_in forms).
     dropout_p: attention dropout probability (Megatron's ``--attention-dropout``), applied in training by the
         Ulysses family (ulysses, hcms; "auto" then never picks the ring); refused by every other mode.
     source: where the settings came from ("python", "megatron", "deepspeed"); errors use its names.

@@ -262,7 +262,7 @@ def test_async_self_attention_rejects_what_it_cannot_do():
                 TransformerBlock(cfg, with_sp_core_attention(get_gpt_layer_local_spec()))
             cfg = SPTransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, use_cpu_initialization=True,
                                       tensor_model_parallel_size=2, sp_async_qkv="auto", attention_dropout=0.0)
-            with pytest.raises(SPConfigError, match="--sp-async-qkv=auto is a video-DiT setting.*allgather"):
+            with pytest.raises(SPConfigError, match="--sp-async-qkv with --tensor-model-parallel-size 2 needs --sequence-parallel"):
                 TransformerBlock(cfg, with_sp_core_attention(get_gpt_layer_local_spec()))
         finally:
             ps.destroy_model_parallel()

@@ -2,10 +2,11 @@
 
 Functional: tp_cp_self_attention on TP2 x CP2 and TP2 x CP1 gloo ranks against a float64 single-device
 reference of the whole block (tests/cuda_tp_cp.tp_cp_case), every form, GQA, HCMS chunks, zigzag causal.
-Megatron: a TransformerBlock of attention layers (no MLP: megatron-core's SP MLP needs CUDA) with --sp-async-qkv on|allgather at TP2 + --sequence-parallel (x CP2, x CP1)
-against the same weights at TP1 x CP1 (standard path): output, input grad, every parameter grad after the
-reductions Megatron does (sum over CP of each TP shard, then the TP shards gathered; replicated parameters
-summed over TP and CP).
+Megatron: a TransformerBlock of attention layers (no MLP: megatron-core's SP MLP needs CUDA) with --sp-async-qkv
+on|allgather|auto at TP2 + --sequence-parallel (x CP2, x CP1; auto also at TP1 x CP2) against the same weights at
+TP1 x CP1 (standard path): output, input grad, every parameter grad after the reductions Megatron does (sum over
+CP of each TP shard, then the TP shards gathered; replicated parameters summed over TP and CP). auto runs with an
+injected timer that makes each candidate win in turn, Megatron's own TP-SP layer included.
 """
 import copy
 
@@ -74,9 +75,27 @@ class _TorchNormSP:
         return WrappedTorchNorm(cfg, hidden_size, eps, **kw)
 
 
+def _cpu_megatron_sp():
+    """Megatron's own TP sequence-parallel layers allocate their all-gather / reduce-scatter buffers on
+    ``torch.cuda.current_device()`` (no CPU path): on these forked CPU ranks, answer "cpu" (the collectives are
+    gloo's, the math Megatron's unchanged)."""
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def _winner_timer(winner):
+    """A FormTimer under which ``winner`` is 10% faster than every other form in every round (each step runs)."""
+    def timer(name, step, iters, warmup, group):
+        step()
+        return 9.0 if name == winner else 10.0
+    return timer
+
+
 def _megatron_tp_cp(rank, world, tp, cp, cases):
     """For each (form, causal, groups, qk_norm, rope, chunks): the block at TP x CP with --sequence-parallel and
-    --sp-async-qkv ``form`` vs the same weights at TP1 x CP1 (Megatron's standard path, full sequence)."""
+    --sp-async-qkv ``form`` vs the same weights at TP1 x CP1 (Megatron's standard path, full sequence). form
+    "auto:<winner>": --sp-async-qkv auto with a FormPolicy whose injected timer makes <winner> the fastest (every
+    candidate, Megatron's own TP-SP path "megatron" included, runs in the calibration; the result must not
+    depend on the winner beyond fp rounding)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -107,16 +126,24 @@ def _megatron_tp_cp(rank, world, tp, cp, cases):
         return TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=[spec] * 2, layer_norm=_TorchNormSP))
 
     import megatron_sp_ext.megatron.async_attention as adapter
+    from megatron_sp_ext.sp.block_policy import FormPolicy
+    _cpu_megatron_sp()
     calls, block_fn = [], adapter.tp_cp_self_attention  # count the block's calls (this forked rank only)
     adapter.tp_cp_self_attention = lambda *a, **k: calls.append(k["form"]) or block_fn(*a, **k)
     for form, causal, groups, qk_norm, rope, chunks in cases:
         tag = f"{form} TP={tp} CP={cp} causal={causal} groups={groups} qk_norm={qk_norm} rope={rope} C={chunks}"
+        flag, _, winner = form.partition(":")
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
         try:
             tp_g, cp_g = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
             t = dist.get_rank(tp_g)
-            block = build(tp, cp, form, causal, groups, qk_norm, chunks)
+            block = build(tp, cp, flag, causal, groups, qk_norm, chunks)
             assert all(isinstance(layer.self_attention, SPSelfAttention) for layer in block.layers)
+            policy = None
+            if winner:  # one policy for the model (the layers share it through their SPContext)
+                block.layers[0].self_attention.form_policy = policy = FormPolicy(rounds=3, warmup=1,
+                                                                                 timer=_winner_timer(winner))
+                assert block.layers[1].self_attention.form_policy is policy
             s, b, hn = 8 * cp * tp, 2, 8
             g = torch.Generator().manual_seed(3)
             x_full, dy_full = torch.randn(s, b, 64, generator=g), torch.randn(s, b, 64, generator=g)
@@ -135,7 +162,17 @@ def _megatron_tp_cp(rank, world, tp, cp, cases):
             y = block(x, attention_mask=None, rotary_pos_emb=cp_split(freqs_full) if rope else None)
             y.backward(split(dy_full))
             y, dx = y.detach(), x.grad.clone()
-            assert calls == [{"on": "pipelined", "allgather": "mixed"}[form]] * 2, calls  # both layers ran it
+            if policy is None:
+                assert calls == [{"on": "pipelined", "allgather": "mixed"}[form]] * (2 if tp > 1 else 0), calls
+            else:  # one calibration (one shape key): every candidate ran; then both layers ran the winner
+                (dec,) = policy.cache.values()
+                forms = block.layers[0].self_attention.forms()
+                assert dec.form == winner and list(dec.rounds) == list(forms), (dec.form, dec.rounds)
+                if tp > 1:  # the TP x CP block's forms: warm-up + one timed call per round each, then the winner
+                    real = [winner] * 2 if winner != "megatron" else []
+                    n_cal = (policy.warmup + policy.rounds) * (len(forms) - 1)
+                    assert len(calls) == n_cal + len(real) and calls[n_cal:] == real, calls
+                    assert sorted(set(calls[:n_cal])) == sorted(forms[1:]), calls
             calls.clear()
             full_w, full_g = {}, {}
             for n, p in block.named_parameters():
@@ -180,6 +217,25 @@ def test_megatron_tp2_cp1():
               timeout=400)
 
 
+def test_megatron_auto_tp2_cp2_every_winner_same_math():
+    """--sp-async-qkv auto at TP2 x CP2: whichever form the policy picks (Megatron's own TP-SP path, pipelined,
+    mixed, mixed_in), output and every gradient equal TP1 x CP1 within 1e-5, and the calibration left no trace in
+    the model's gradients (each candidate ran on detached copies)."""
+    pytest.importorskip("megatron.core")
+    run_ranks(_megatron_tp_cp, 4, 2, 2, [("auto:megatron", True, 2, True, True, 1),
+                                         ("auto:pipelined", False, 8, True, True, 2),
+                                         ("auto:mixed", True, 2, True, True, 2),
+                                         ("auto:mixed_in", False, 2, False, False, 1)], timeout=400)
+
+
+def test_megatron_auto_tp2_cp1_and_tp1_cp2():
+    pytest.importorskip("megatron.core")
+    run_ranks(_megatron_tp_cp, 2, 2, 1, [("auto:mixed", True, 2, True, True, 1),
+                                         ("auto:megatron", False, 8, True, True, 2)], timeout=400)
+    run_ranks(_megatron_tp_cp, 2, 1, 2, [("auto:allgather", True, 2, True, True, 1),
+                                         ("auto:async", False, 8, True, False, 2)], timeout=400)
+
+
 def test_megatron_tp_without_sequence_parallel_is_refused():
     pytest.importorskip("megatron.core")
 
@@ -203,15 +259,17 @@ def test_megatron_tp_without_sequence_parallel_is_refused():
     run_ranks(fn, 2)
 
 
-def test_block_policy_keeps_the_baseline_on_cpu_for_tp_cp():
-    """The TP x CP forms (async_qkv = pipelined, allgather = mixed) are chosen only where timed faster: on CPU
-    the policy answers the baseline without running any candidate, also on the TP x CP group."""
-    from megatron_sp_ext.sp.block_policy import PLAIN, BlockPolicy
+def test_form_policy_keeps_megatron_on_cpu_for_tp_cp():
+    """The TP x CP forms are chosen only where timed faster: on CPU (no injected timer) the policy answers
+    Megatron's own path without running any candidate, on the TP x CP group."""
+    from megatron_sp_ext.sp.block_policy import FormPolicy
+    from megatron_sp_ext.sp.tp_cp_block import TP_CP_FORMS
 
     def fn(rank, world):
         ran = []
-        choice = BlockPolicy().choose(("tp-cp", 2, 2), ran.append, dist.group.WORLD, torch.device("cpu"), 2)
-        return choice == PLAIN and not ran
+        steps = {f: (lambda f=f: ran.append(f)) for f in ("megatron",) + TP_CP_FORMS}
+        return FormPolicy().choose(("tp-cp", 2, 2), steps, dist.group.WORLD, torch.device("cpu")) == "megatron" \
+            and not ran
     assert all(run_ranks(fn, 4))
 
 

@@ -52,10 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--sp-attention-backend", choices=BACKENDS, default="auto", help="local attention kernel")
     add("--sp-async-qkv", nargs="?", const="on", default="off",
         help="off (default); on: self-attention overlaps its Q/K/V and output projections with the Ulysses "
-             "exchanges (--cp-comm-type ulysses/hcms, integer --hcms-head-chunks, TP 1); allgather: QKV from a "
+             "exchanges (--cp-comm-type ulysses/hcms, integer --hcms-head-chunks); allgather: QKV from a "
              "sequence all-gather and the QKV GEMM for this rank's heads instead of the q/k/v exchanges (same "
-             "requirements; with --sp-transport symm_mem through torch's fused symm_mem matmuls); auto (video DiT): a runtime policy times plain/async/allgather x "
-             "HCMS chunks x transports per shape and keeps the fastest")
+             "requirements; with --sp-transport symm_mem through torch's fused symm_mem matmuls); with "
+             "--tensor-model-parallel-size > 1 (and --sequence-parallel) on/allgather run the TP x CP block's "
+             "pipelined / mixed (one all-gather and one reduce-scatter over TP x CP) form; auto: a runtime policy "
+             "times Megatron's own attention path against those forms per shape (first calls) and keeps it unless "
+             "a form is faster in a majority of interleaved rounds")
     add("--sp-transport", default="nccl",
         help="exchange transport of ulysses/hcms: nccl (default), symm_mem (copy-engine pulls between barrier kernels, torch symmetric memory) or copy_engine (copy-engine pulls ordered by stream-memory flags: no kernel at all)")
     if not getattr(parser, "_spx_validating", False):

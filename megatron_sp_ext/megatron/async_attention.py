@@ -15,7 +15,17 @@ parent's forward; the returned (output, bias) follows ``linear_proj``'s skip_bia
 With --tensor-model-parallel-size > 1 (needs --sequence-parallel; refused by name without it) the
 TP x CP block runs instead (sp/tp_cp_block.py): ``on`` its pipelined form (TP all-gather pipelined with
 the per-chunk QKV GEMMs, CP exchange per head chunk, pipelined TP reduce-scatter), ``allgather`` its mixed
-form (one all-gather / reduce-scatter over the tensor-and-context-parallel group); with one CP rank too.
+form (MixedComm: one all-gather over the tensor-and-context-parallel group in, one reduce-scatter over it
+out, no all-to-all); with one CP rank too.
+
+``--sp-async-qkv auto`` lets a FormPolicy (sp/block_policy.py) time, on the first call per shape key (shape,
+dtype, causal, TP, CP, heads, kv heads, chunks, RoPE, grad mode), Megatron's own attention path (the parent's
+forward: TP all-gather + QKV GEMM, our CP exchange + attention, output GEMM + TP reduce-scatter; the baseline)
+against the block's forms (TP > 1: pipelined, mixed, mixed_in; TP 1: async, allgather), one fwd(+bwd) each on
+detached copies of the input and parameters (the model's grads, main_grad included, stay untouched), and keep
+the baseline unless a form is faster by the margin in a majority of interleaved rounds, the same decision on
+every rank of the tensor-and-context-parallel group. Every form is the same math (to fp rounding). The policy
+is shared by the layers of one model (it lives on their shared SPContext), so a shape is timed once.
 
 Runs where the async block does not apply (inference with a KV cache, cross attention, packed
 sequences, attention bias, one CP rank at TP 1) use the parent's forward unchanged, which is the same math.
@@ -24,7 +34,9 @@ Shapes: hidden_states [s_local, b, hidden] (Megatron's sbhd), zigzag CP placemen
 """
 from __future__ import annotations
 
+import functools
 import logging
+from typing import Optional
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -34,12 +46,16 @@ from megatron.core.transformer.identity_op import IdentityOp
 
 from ..errors import SPConfigError
 from ..sp.async_block import async_ulysses_self_attention
+from ..sp.block_policy import FormPolicy
 from ..sp.gather_block import allgather_self_attention
-from ..sp.tp_cp_block import tp_cp_self_attention
+from ..sp.tp_cp_block import TP_CP_FORMS, tp_cp_self_attention
 from .compat import parent_kwargs
 
 log = logging.getLogger("megatron_sp_ext")
 _FLAG = "--sp-async-qkv"
+BASELINE = "megatron"  # the parent's forward: Megatron's own attention path, the policy's baseline
+# --sp-async-qkv on / allgather -> the form that runs (TP > 1, TP 1)
+FIXED_FORMS = {"on": ("pipelined", "async"), "allgather": ("mixed", "allgather")}
 
 
 def _real(norm):
@@ -61,9 +77,9 @@ class SPSelfAttention(SelfAttention):
         self.async_qkv = sp.async_qkv if sp is not None else getattr(config, "sp_async_qkv", "off")
         if self.async_qkv == "off":
             return
-        if self.async_qkv not in ("on", "allgather"):
-            raise SPConfigError(f"{_FLAG}={self.async_qkv} is a video-DiT setting (runtime block policy); Megatron "
-                                f"layers take {_FLAG} on, {_FLAG} allgather or nothing (off)")
+        if self.async_qkv not in ("on", "allgather", "auto"):
+            raise SPConfigError(f"{_FLAG}={self.async_qkv!r} is invalid for Megatron layers: use on, allgather, "
+                                f"auto or nothing (off)")
         if not hasattr(core, "ctx") or getattr(core, "mode", None) not in ("ulysses", "hcms"):
             raise SPConfigError(f"{_FLAG} needs megatron_sp_ext core attention with --cp-comm-type ulysses or hcms "
                                 f"(got {getattr(core, 'mode', type(core).__name__)})")
@@ -118,9 +134,69 @@ class SPSelfAttention(SelfAttention):
             return "one context-parallel rank"
         return ""
 
+    # -- which form runs -------------------------------------------------------------------------
+    def forms(self) -> tuple:
+        """The candidates of ``auto``, the baseline (Megatron's own path) first."""
+        return (BASELINE,) + (TP_CP_FORMS if self.world_size != 1 else ("async", "allgather"))
+
+    def _groups(self):
+        """(cp_group, tcp_group): the CP group and the tensor-and-context-parallel group (CP-major)."""
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+        core = self.core_attention
+        cp_group = core.cp_group if core.cp_group is not None else ps.get_context_parallel_group()
+        if self.world_size == 1:
+            return cp_group, cp_group
+        tcp_group = getattr(self.pg_collection, "tp_cp", None) or ps.get_tensor_and_context_parallel_group()
+        return cp_group, tcp_group
+
+    @property
+    def form_policy(self) -> FormPolicy:
+        """The FormPolicy of ``auto``, shared by every layer built with the same SPContext (settable, e.g. with an
+        injected timer)."""
+        ctx = self.core_attention.ctx
+        if getattr(ctx, "block_form_policy", None) is None:
+            ctx.block_form_policy = FormPolicy()
+        return ctx.block_form_policy
+
+    @form_policy.setter
+    def form_policy(self, policy: FormPolicy) -> None:
+        self.core_attention.ctx.block_form_policy = policy
+
+    def _choose_form(self, hidden_states, attention_mask, rotary_pos_emb) -> str:
+        if self.async_qkv != "auto":
+            return FIXED_FORMS[self.async_qkv][0 if self.world_size != 1 else 1]
+        core = self.core_attention
+        cp_group, group = self._groups()
+        chunks = core.sp.head_chunks if core.mode == "hcms" else 1
+        key = ("sp-block", tuple(hidden_states.shape), hidden_states.dtype, core._causal(None, attention_mask),
+               self.world_size, cp_group.size(), self.num_attention_heads_per_partition,
+               self.num_query_groups_per_partition, chunks, rotary_pos_emb is not None, torch.is_grad_enabled())
+        steps = {f: functools.partial(self._calibration_step, f, hidden_states, attention_mask, rotary_pos_emb)
+                 for f in self.forms()}
+        return self.form_policy.choose(key, steps, group, hidden_states.device)
+
+    def _calibration_step(self, form: str, hidden_states, attention_mask, rotary_pos_emb) -> None:
+        """One fwd (+bwd when grad is enabled) of ``form`` on detached copies of the input and of every parameter:
+        the model's .grad and main_grad (a scratch one per copy: Megatron's gradient-accumulation fusion writes
+        it) stay untouched, and no grad hook fires."""
+        params = {}
+        for name, p in self.named_parameters():
+            c = p.detach().requires_grad_(p.requires_grad)
+            if getattr(p, "main_grad", None) is not None:
+                c.main_grad = torch.zeros_like(p.main_grad)
+            params[name] = c
+        x = hidden_states.detach().requires_grad_(hidden_states.requires_grad)
+        out, _ = torch.func.functional_call(self, params, (x, attention_mask),
+                                            {"rotary_pos_emb": rotary_pos_emb, "sp_form": form})
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.backward(torch.ones_like(out))
+
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
-                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None,
+                sp_form: Optional[str] = None):
+        """Megatron's SelfAttention.forward; ``sp_form`` (one of ``forms()``) runs that form (the policy's
+        calibration), else ``--sp-async-qkv`` decides (``auto``: the FormPolicy)."""
         why = self._unsupported(key_value_states, inference_context or inference_params, packed_seq_params,
                                 attention_bias, (rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset))
         if why:
@@ -128,10 +204,16 @@ class SPSelfAttention(SelfAttention):
                 log.info("megatron_sp_ext: %s: layer %d runs the standard attention path for %s (same math)",
                          _FLAG, self.layer_number, why)
                 self._fallback_logged = True
+            form = BASELINE
+        else:
+            form = sp_form or self._choose_form(hidden_states, attention_mask, rotary_pos_emb)
+        if form == BASELINE:
             return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
                                    rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
                                    attention_bias, packed_seq_params, sequence_len_offset,
                                    inference_params=inference_params)
+        if form not in self.forms():
+            raise SPConfigError(f"sp_form={form!r} is invalid here: choose one of {', '.join(self.forms())}")
         if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
             rotary_pos_emb = None
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
@@ -171,8 +253,8 @@ class SPSelfAttention(SelfAttention):
         causal = core._causal(None, attention_mask)
         chunks = core.sp.head_chunks if core.mode == "hcms" else 1
         if self.world_size != 1:
-            return self._tp_cp_forward(x_bsd, norms, weights, rotary_pos_emb, causal, chunks)
-        block, block_prep = ((allgather_self_attention, prep_full) if self.async_qkv == "allgather"
+            return self._tp_cp_forward(x_bsd, norms, weights, rotary_pos_emb, causal, chunks, form)
+        block, block_prep = ((allgather_self_attention, prep_full) if form == "allgather"
                              else (async_ulysses_self_attention, prep))
         out_bsd = block(
             x_bsd, self._qkv_weight(self.linear_qkv.weight), self._qkv_weight(self.linear_qkv.bias),
@@ -185,15 +267,12 @@ class SPSelfAttention(SelfAttention):
             causal=causal, placement="zigzag")
         return out_bsd.transpose(0, 1).contiguous(), self.linear_proj.bias
 
-    def _tp_cp_forward(self, x_bsd, norms, weights, rotary_pos_emb, causal: bool, chunks: int):
-        """TP > 1 with --sequence-parallel: the TP x CP block (sp/tp_cp_block.py) on this rank's [b, s_tp, h]
-        tokens; ``on`` runs its pipelined form, ``allgather`` its mixed form (one all-gather / reduce-scatter
-        over the tensor-and-context-parallel group). The CP group may have one rank (TP only)."""
+    def _tp_cp_forward(self, x_bsd, norms, weights, rotary_pos_emb, causal: bool, chunks: int, form: str):
+        """TP > 1 with --sequence-parallel: the TP x CP block (sp/tp_cp_block.py) in ``form`` (pipelined, mixed,
+        mixed_in) on this rank's [b, s_tp, h] tokens. The CP group may have one rank (TP only)."""
         import torch.distributed as dist  # noqa: PLC0415
-        from megatron.core import parallel_state as ps  # noqa: PLC0415
         core = self.core_attention
-        cp_group = core.cp_group if core.cp_group is not None else ps.get_context_parallel_group()
-        tcp_group = getattr(self.pg_collection, "tp_cp", None) or ps.get_tensor_and_context_parallel_group()
+        cp_group, tcp_group = self._groups()
         gathered = {}
 
         def prep(branch, y4, w, cp_gathered):  # per-head q/k norm, then RoPE at these tokens' positions
@@ -217,8 +296,7 @@ class SPSelfAttention(SelfAttention):
             x_bsd, self._qkv_weight(self.linear_qkv.weight), self._qkv_weight(self.linear_qkv.bias),
             self.linear_proj.weight, None, self.tp_group, cp_group, num_heads=self.num_attention_heads_per_partition,
             num_kv_heads=self.num_query_groups_per_partition, prep=prep, norm_q_weight=weights["q"],
-            norm_k_weight=weights["k"], head_chunks=chunks, form="mixed" if self.async_qkv == "allgather" else
-            "pipelined", tcp_group=tcp_group, softmax_scale=core.softmax_scale, backend=core.backend,
+            norm_k_weight=weights["k"], head_chunks=chunks, form=form, tcp_group=tcp_group, softmax_scale=core.softmax_scale, backend=core.backend,
             comm_stream=core.ctx.streams.comm_stream(dev),
             transport=core.ctx.transports.get(core.sp.transport, cp_group, dev, "--sp-transport"),
             causal=causal, placement="zigzag")

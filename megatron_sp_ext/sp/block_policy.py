@@ -14,11 +14,11 @@ plain block (no async, C=1, NCCL) is the baseline: another candidate wins only i
 more than ``margin`` and then again in an interleaved confirmation against the baseline. Cached per
 key, logged once. On CPU or a single rank nothing can overlap: the baseline is chosen without timing.
 
-Tensor parallelism (TP > 1 with TP sequence parallelism, sp/tp_cp_block.py): the same choices name the
-TP x CP block's forms: plain = Megatron's standard path (the baseline), async_qkv = the pipelined form,
-allgather = the mixed form (one all-gather / reduce-scatter over TP x CP). Pass the tensor-and-context-
-parallel group as ``group`` (every rank of it takes the same decision; with one CP rank it still has T
-ranks). So the TP x CP forms run only where they measured faster than the standard path, never on CPU.
+Tensor parallelism (TP > 1 with TP sequence parallelism, sp/tp_cp_block.py) is chosen by ``FormPolicy`` below:
+the Megatron adapter's candidates are Megatron's own path (the baseline) and the TP x CP block's forms
+(pipelined, mixed, mixed_in), timed over the tensor-and-context-parallel group (every rank of it takes the same
+decision; with one CP rank it still has T ranks). So the TP x CP forms run only where they measured faster
+than the standard path, never on CPU.
 
 ``FormPolicy`` is the same idea for a block whose candidates are named callables, the first being the baseline
 (the Megatron adapter's ``--sp-async-qkv auto``: Megatron's own attention path against the TP x CP block's forms,
