@@ -57,18 +57,74 @@ def _dims(x0: torch.Tensor, seq_layout: str) -> tuple[int, int, int]:
     return s_loc, bsz, x0.shape[-1]
 
 
+def stacked(parts: Sequence[torch.Tensor]) -> "torch.Tensor | None":
+    """``parts`` (n >= 2 tensors) as ONE [n, *shape] view when they are equally spaced views of one storage with
+    one shape, dtype and strides (q, k, v split from one fused projection output: Megatron's
+    [S, B, ng, 3 * D] for MHA, a [.., H, 3, D] or [.., 3, H, D] qkv), else None. Slice i of it is ``parts[i]``
+    element for element (same storage offset and strides), so copying from it reads exactly those tensors."""
+    if len(parts) < 2:
+        return None
+    x0 = parts[0]
+    if any(t.shape != x0.shape or t.stride() != x0.stride() or t.dtype != x0.dtype or t.device != x0.device
+           or t.untyped_storage().data_ptr() != x0.untyped_storage().data_ptr() for t in parts[1:]):
+        return None
+    delta = parts[1].storage_offset() - x0.storage_offset()
+    if delta == 0 or any(parts[i + 1].storage_offset() - parts[i].storage_offset() != delta
+                         for i in range(len(parts) - 1)):
+        return None
+    return x0.as_strided((len(parts), *x0.shape), (delta, *x0.stride()), x0.storage_offset())
+
+
+def _fused_runs(parts: Sequence[torch.Tensor], kinds: Sequence[str], layout: HeadLayout, c: int):
+    """Consecutive parts that one copy can pack: [(first index, count, stacked view or None)]. Parts fuse when
+    ``stacked`` finds them in one storage and every rank holds the same heads of each (same widths and per-rank
+    counts: q with k/v for MHA, k with v for GQA)."""
+    runs, i = [], 0
+    while i < len(parts):
+        j = len(parts)
+        while j > i + 1:
+            ks = kinds[i:j]
+            counts = {(layout.q_counts if k == "q" else layout.kv_counts) for k in ks}
+            if len(counts) == 1 and len(set(widths(layout, ks, 0, c))) == 1:
+                view = stacked(parts[i:j])
+                if view is not None:
+                    runs.append((i, j - i, view))
+                    break
+            j -= 1
+        if j == i + 1:
+            runs.append((i, 1, None))
+        i = j
+    return runs
+
+
+def _all_peers_stacked(x: torch.Tensor, layout: HeadLayout, kind: str, c: int, seq_layout: str) -> torch.Tensor:
+    """Even layouts only: ``all_peers_view`` of each slice of a stacked [n, ...] view, as [P, S_loc, B, n, w, D]."""
+    per_rank = layout.q_counts[0] if kind == "q" else layout.kv_counts[0]
+    start, size = _chunk(layout, kind, 0, c)
+    n, a, b_, _, d = x.shape
+    y = x.view(n, a, b_, layout.world, per_rank, d)[:, :, :, :, start:start + size]
+    return y.permute(3, 2, 1, 0, 4, 5) if seq_layout == "bshd" else y.permute(3, 1, 2, 0, 4, 5)
+
+
 def pack(parts: Sequence[torch.Tensor], kinds: Sequence[str], layout: HeadLayout, c: int,
          seq_layout: str, out: torch.Tensor) -> list[int]:
-    """Copy chunk c of ``parts`` (local layout) into the flat send buffer ``out``; returns splits."""
+    """Copy chunk c of ``parts`` (local layout) into the flat send buffer ``out``; returns splits.
+    Even layouts: parts that are equally spaced views of one fused tensor (``stacked``) are packed by one copy
+    (q|k|v of an MHA projection in one pass, k|v for GQA) instead of one copy each; same bytes, same values."""
     s_loc, bsz, d = _dims(parts[0], seq_layout)
     splits = seg_splits(layout, kinds, c, s_loc * bsz, d)
     if layout.even:
         ws = widths(layout, kinds, 0, c)
         buf = out.view(layout.world, s_loc, bsz, sum(ws), d)
         col = 0
-        for x, kind, w in zip(parts, kinds, ws):
-            buf[:, :, :, col:col + w].copy_(all_peers_view(x, layout, kind, c, seq_layout))
-            col += w
+        for i, n, view in _fused_runs(parts, kinds, layout, c):
+            w = ws[i]
+            if view is None:
+                buf[:, :, :, col:col + w].copy_(all_peers_view(parts[i], layout, kinds[i], c, seq_layout))
+            else:
+                dst = buf[:, :, :, col:col + n * w].unflatten(3, (n, w))
+                dst.copy_(_all_peers_stacked(view, layout, kinds[i], c, seq_layout))
+            col += n * w
         return splits
     off = 0
     for p in range(layout.world):

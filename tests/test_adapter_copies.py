@@ -1,0 +1,231 @@
+"""The copies around the Ulysses exchanges of the Megatron and DeepSpeed adapters, counted at the dispatcher (CPU),
+and the one-pass pack of q|k|v handed over as views of one fused projection output.
+
+Per call (C = 1; QKV = bytes of q, k, v; O = bytes of the output), today's exchange path copies:
+  forward   pack q|k|v into the send buffer (QKV), received chunk into the kernel's layout (QKV, carrying the
+            placement's permutation), output into its send buffer (O; none for B == 1 in global order), received
+            output into [S_loc, B, H, D] (O)
+  backward  the same four for dO (pack, kernel layout) and dq|dk|dv (send layout, unpack).
+The sequence-side copies (pack, unpack) cannot go with the all-to-all's contiguous per-peer segments: a peer's
+heads of a token-major [S_loc, B, H, D] tensor (or of Megatron's fused [S_loc, B, ng, (np/ng + 2) * hn]) are
+strided unless S_loc * B == 1; only a producer that writes the send layout itself removes the pack (PackedUlysses,
+the DiT). What the layout allows is one copy instead of three: when q, k, v are equally spaced views of one
+storage (Megatron's linear_qkv output for MHA without RoPE / QK-norm, a [.., H, 3, D] or [.., 3, H, D] qkv), the
+pack reads them in one pass (k|v in one pass for GQA). Same bytes, same values: the adapters' outputs and
+gradients stay bitwise equal to the functional API on separate tensors, and equal float64.
+"""
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import megatron_sp_ext as spx
+from megatron_sp_ext.sp.heads import head_layout
+from megatron_sp_ext.sp.placement import pieces
+from megatron_sp_ext.sp.ulysses import layout as lay
+from tests.harness import run_ranks
+from tests.sp_check import run_case
+
+COPY_OPS = {"copy_", "clone", "cat", "index_copy_", "index_copy", "_to_copy", "stack", "index_select",
+            "repeat_interleave"}
+
+
+class CopyCount(TorchDispatchMode):
+    """Calls and bytes written by copying ops (``COPY_OPS``) inside the region: ``calls[op]``, ``bytes[op]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls, self.bytes = collections.Counter(), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if name in COPY_OPS:
+            dst = args[0] if name.endswith("_") else out
+            for t in tree_flatten(dst)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.calls[name] += 1
+                    self.bytes[name] += t.numel() * t.element_size()
+        return out
+
+    def total(self) -> tuple[int, int]:
+        return sum(self.calls.values()), sum(self.bytes.values())
+
+
+def test_stacked_finds_fused_views_only():
+    mixed = torch.randn(5, 2, 4, 3 * 8)  # Megatron MHA: [S, B, ng, (1 + 2) * hn]
+    q, k, v = torch.split(mixed, [8, 8, 8], dim=3)
+    st = lay.stacked([q, k, v])
+    assert st is not None and all(torch.equal(st[i], t) for i, t in enumerate((q, k, v)))
+    assert lay.stacked([q, k]) is not None
+    assert lay.stacked([q, v, k]) is None  # not equally spaced in this order
+    assert lay.stacked([q.clone(), k, v]) is None  # another storage
+    assert lay.stacked([q, k.clone(), v.clone()]) is None
+    qkv = torch.randn(2, 5, 3, 4, 8)  # [B, S, 3, H, D] blocks
+    assert lay.stacked(list(qkv.unbind(2))) is not None
+    gqa = torch.randn(5, 2, 2, (4 + 2) * 8)  # GQA: q is Megatron's reshape copy; k, v stay views
+    _, k2, v2 = torch.split(gqa, [32, 8, 8], dim=3)
+    assert lay.stacked([k2, v2]) is not None
+
+
+@pytest.mark.parametrize("world,h,hkv,chunks,layout", [(2, 4, 4, 1, "sbhd"), (2, 4, 4, 2, "bshd"), (4, 8, 8, 2, "sbhd"),
+                                                       (2, 8, 2, 1, "sbhd"), (2, 8, 4, 2, "bshd"), (4, 8, 2, 2, "bshd")])
+def test_fused_pack_equals_three_copies_with_fewer_calls(world, h, hkv, chunks, layout):
+    hl = head_layout(h, hkv, world, chunks)
+    s, b, d = 6, 3, 4
+    lead = (s, b) if layout == "sbhd" else (b, s)
+    mixed = torch.randn(*lead, hkv, (h // hkv + 2) * d)
+    q, k, v = torch.split(mixed, [h // hkv * d, d, d], dim=3)
+    q = q.reshape(*lead, h, d)
+    if hl.kv_repeat > 1:
+        k, v = (t.repeat_interleave(hl.kv_repeat, 2) for t in (k, v))
+    kinds = ("q", "kv", "kv")
+    for c in range(hl.chunks):
+        n = sum(lay.seg_splits(hl, kinds, c, s * b, d))
+        fused, sep = torch.empty(n), torch.empty(n)
+        with CopyCount() as m_fused:
+            lay.pack((q, k, v), kinds, hl, c, layout, fused)
+        separate = tuple(t.clone() for t in (q, k, v))
+        with CopyCount() as m_sep:
+            lay.pack(separate, kinds, hl, c, layout, sep)
+        assert torch.equal(fused, sep)
+        assert m_fused.total()[1] == m_sep.total()[1] == n * 4  # every byte of the send buffer, once
+        views_of_one = hl.kv_repeat == 1  # the repeat makes k, v new tensors
+        want = 1 if h == hkv else (2 if views_of_one else 3)
+        assert m_sep.total()[0] == 3 and m_fused.total()[0] == want, (m_fused.calls, want)
+
+
+def _megatron_views(q, k, v):
+    """q, k, v as Megatron's MHA split of one linear_qkv output [S, B, ng, 3 * hn] (differentiable)."""
+    mixed = torch.cat([q, k, v], dim=3)  # [S, B, H, 3 * D]
+    d = q.shape[-1]
+    return torch.split(mixed, [d, d, d], dim=3)
+
+
+def _adapters(rank, world):
+    import importlib
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_sp_ext.megatron import SPTransformerConfig
+    from megatron_sp_ext.megatron.core_attention import SPDotProductAttention
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    from megatron_sp_ext.deepspeed import SPDistributedAttention
+    ps.initialize_model_parallel(context_parallel_size=world)
+    group = ps.get_context_parallel_group()
+    h, d, s, b = 4, 8, 4 * world, 2
+    counts = {}
+    try:
+        for mode, chunks in (("ulysses", 1), ("hcms", 2)):
+            cfg = SPTransformerConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h,
+                                      context_parallel_size=world, cp_comm_type=mode, hcms_head_chunks=chunks,
+                                      attention_dropout=0.0, hidden_dropout=0.0)
+            core = SPDotProductAttention(cfg, 1, AttnMaskType.causal, "self", cp_comm_type=mode)
+            g = torch.Generator().manual_seed(5 + rank)
+            q, k, v, do = (torch.randn(s // world, b, h, d, generator=g) for _ in range(4))
+
+            def run(fn, fused):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                args = _megatron_views(*leaves) if fused else leaves
+                if fused:
+                    assert lay.stacked(list(args)) is not None
+                with CopyCount() as fwd:
+                    out = fn(*args)
+                with CopyCount() as bwd:
+                    out.backward(do.reshape(out.shape))
+                return [out.detach().reshape(q.shape)] + [t.grad for t in leaves], fwd, bwd
+            meg = lambda a, c, e: core(a, c, e, None)  # noqa: E731
+            func = lambda a, c, e: spx.ulysses_attention(a, c, e, group, head_chunks=chunks, causal=True,  # noqa
+                                                         layout="sbhd", placement="zigzag")
+            run(meg, True)  # the first call validates shapes across ranks (not an exchange's copies)
+            got_f, fwd_f, bwd_f = run(meg, True)
+            got_s, fwd_s, bwd_s = run(meg, False)
+            want, _, _ = run(func, False)
+            for name, a, x, y in zip(("out", "dq", "dk", "dv"), got_f, got_s, want):
+                assert torch.equal(a, x) and torch.equal(a, y), f"megatron {mode}: {name} not bitwise equal"
+            qkv_b, o_b = 3 * q.numel() * 4, q.numel() * 4
+            # the fused views skip two of the three pack copies per chunk, every byte still moves once
+            assert fwd_s.total()[0] - fwd_f.total()[0] == 2 * chunks, (fwd_s.calls, fwd_f.calls)
+            assert fwd_f.bytes["copy_"] + fwd_f.bytes["index_copy_"] == fwd_s.bytes["copy_"] + \
+                fwd_s.bytes["index_copy_"] == 2 * qkv_b + 2 * o_b
+            # backward: dO pack + kernel layout, dq|dk|dv send + unpack; the fused views' own split backward (cat)
+            # is Megatron's, outside the adapter
+            assert bwd_s.bytes["copy_"] + bwd_s.bytes["index_copy_"] == 2 * qkv_b + 2 * o_b
+            counts[mode] = (fwd_s.total(), fwd_f.total())
+            # DeepSpeed: [b, s, h, d], contiguous placement, the user's local attention on the gathered sequence
+            ds = SPDistributedAttention(_sdpa_bshd, group, 2, 1, mode=mode, head_chunks=chunks)
+            qb, kb, vb, dob = (t.transpose(0, 1).contiguous() for t in (q, k, v, do))
+
+            def run_ds(fused):
+                leaves = [t.clone().requires_grad_() for t in (qb, kb, vb)]
+                args = torch.stack(leaves, dim=3).unbind(3) if fused else leaves  # [b, s, h, 3, d] views
+                out = ds(*args, 0)
+                out.backward(dob)
+                return [out.detach()] + [t.grad for t in leaves]
+            fused, sep = run_ds(True), run_ds(False)
+            ref = [t.clone().requires_grad_() for t in (qb, kb, vb)]
+            o = spx.ulysses_attention(*ref, group, head_chunks=chunks, layout="bshd")
+            o.backward(dob)
+            for name, a, x, y in zip(("out", "dq", "dk", "dv"), fused, sep, [o.detach()] + [t.grad for t in ref]):
+                assert torch.equal(a, x), f"deepspeed {mode}: {name} fused vs separate"
+                assert (a - y).abs().max() < 1e-5, f"deepspeed {mode}: {name} vs functional"
+    finally:
+        ps.destroy_model_parallel()
+    return counts
+
+
+def _sdpa_bshd(q, k, v, *args, **kwargs):
+    return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                            v.transpose(1, 2)).transpose(1, 2)
+
+
+def test_adapters_fused_views_bitwise_and_counted():
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("deepspeed")
+    counts = run_ranks(_adapters, 2, timeout=300)[0]
+    print("forward copy ops (calls, bytes): separate vs fused views", counts)
+
+
+def _float64(rank, world):
+    """The fused-view pack through ulysses_attention against float64: GQA, causal zigzag and not, padding."""
+    group = dist.group.WORLD
+    h, d, s = 2 * world, 8, 6 * world
+    n = 0
+    for hkv, causal, layout, padded in ((h, True, "sbhd", False), (h // 2, False, "bshd", True),
+                                        (h, False, "bshd", True), (h // 2, True, "sbhd", True)):
+        placement = "zigzag" if causal else "contiguous"
+        valid = s - 3 if padded else None
+        mask = None
+        if padded:
+            mask = torch.zeros(s, s, dtype=torch.bool)
+            mask[:, :valid] = True
+            if causal:
+                mask &= torch.ones(s, s, dtype=torch.bool).tril()
+
+        def fn(q, k, v):
+            if hkv == h:
+                qkv = torch.stack([q, k, v], dim=3).unbind(3)
+                return spx.ulysses_attention(*qkv, group, head_chunks=2, causal=causal, layout=layout,
+                                             placement=placement, kv_valid_len=valid)
+            kf, vf = torch.stack([k, v], dim=3).unbind(3)  # k|v views of one storage
+            assert lay.stacked([kf, vf]) is not None
+            return spx.ulysses_attention(q, kf, vf, group, head_chunks=2, causal=causal, layout=layout,
+                                         placement=placement, kv_valid_len=valid)
+
+        def shard(x, r, w):
+            return torch.cat([x[:, a:a + m] for a, m in pieces(placement, r, w, x.shape[1])], dim=1)
+        run_case(fn, rank, world, b=2, s=s, h=h, hkv=hkv, d=d, dtype=torch.float32, causal=causal, layout=layout,
+                 seed=n, shard=shard, mask=mask, compare_rows=valid)
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fused_views_match_float64(world):
+    assert run_ranks(_float64, world)[0] == 4
