@@ -43,8 +43,9 @@ def _inputs(cu, h, hkv, d, dtype, seed, strided):
     return [torch.randn(1, n, s, dd, generator=g, dtype=torch.float64).to(dtype) for n, dd in shapes]
 
 
-def _reference(q, k, v, do, cu, causal, scale):
-    """float64 per-sample attention with a block-diagonal mask: out, lse, dq, dk, dv."""
+def packed_reference(q, k, v, do, cu, causal, scale):
+    """float64 per-sample attention with a block-diagonal mask: out, lse, dq, dk, dv (also used by
+    tests/cuda_varlen_local.py)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -73,7 +74,7 @@ def _run_all(method, be, cu, h, hkv, d, dtype, causal, seed, strided):
     """forward_lse + backward_lse, and attention() under autograd, against the float64 reference."""
     q, k, v, do = _inputs(cu, h, hkv, d, dtype, seed, strided)
     scale = 1.0 / math.sqrt(d) * 1.3
-    ref = _reference(q, k, v, do, cu, causal, scale)
+    ref = packed_reference(q, k, v, do, cu, causal, scale)
     out, lse = varlen.forward_lse(method, be, q, k, v, cu, causal=causal, scale=scale)
     grads = varlen.backward_lse(method, be, do, q, k, v, out, lse, cu, causal=causal, scale=scale)
     _check(f"{method} explicit {cu} causal={causal}", [out, lse, *grads], ref, dtype)
@@ -229,6 +230,21 @@ def test_varlen_kernel_glue_matches_float64(monkeypatch, method):
     assert "flash_varlen" in varlen.methods_here(be, torch.zeros(1, 1, 4, 8))
 
 
+@pytest.mark.parametrize("method", ["flash_varlen", "cudnn_varlen"])
+def test_probe_accepts_right_and_refuses_wrong_kernels(monkeypatch, method):
+    """The availability probe (run once per CUDA device/dtype) on the CPU stand-ins: passes them, and refuses one
+    whose backward ignores causality."""
+    fake = _install_fake_varlen(monkeypatch)
+    assert varlen.probe(method, torch.device("cpu"), torch.float32)
+    bwd_name = "flash_bwd" if method == "flash_varlen" else "cudnn_bwd"
+    right = getattr(fake, bwd_name)
+    wrong = lambda *a, **kw: right(*a[:14], False, *a[15:], **kw) if method == "cudnn_varlen" else \
+        right(*a[:11], False, *a[12:], **kw)  # noqa: E731
+    op = "_flash_attention_backward" if method == "flash_varlen" else "_cudnn_attention_backward"
+    monkeypatch.setattr(torch.ops.aten, op, wrong, raising=False)
+    assert not varlen.probe(method, torch.device("cpu"), torch.float32)
+
+
 def test_schema_check_of_this_torch():
     """This torch's varlen ops have the leading arguments varlen.py passes (a renamed one would be refused)."""
     assert varlen.schema_ok("per_sample") and varlen.schema_ok("grouped")
@@ -357,7 +373,7 @@ def test_attend_runs_the_plans_method(monkeypatch, method):
             before = dict(fake.calls)
             oc, kept = attend.attend(plan, q, k, v, explicit)
             grads = attend.attend_backward(plan, 0, do, [kept])
-            ref = _reference(q, k, v, do, cu, causal, 0.4)
+            ref = packed_reference(q, k, v, do, cu, causal, 0.4)
             _check(f"attend {method} explicit={explicit}", [oc, ref[1], *grads], ref, torch.float32)
             ran_kernel = {k_: fake.calls[k_] - before[k_] for k_ in fake.calls}
             if method in varlen.KERNEL_METHODS:
@@ -369,7 +385,7 @@ def test_attend_runs_the_plans_method(monkeypatch, method):
     with torch.no_grad():
         o = attend.local_attention(get_backend("auto"), q, k, v, True, 0.4, None, 0.0, cu, method)
         o_def = attend.local_attention(get_backend("auto"), q, k, v, True, 0.4, None, 0.0, cu)
-    assert rel_err(o, _reference(q, k, v, q, cu, True, 0.4)[0]) <= TOL[torch.float32]
+    assert rel_err(o, packed_reference(q, k, v, q, cu, True, 0.4)[0]) <= TOL[torch.float32]
     assert torch.equal(o_def, varlen.attention("per_sample", get_backend("auto"), q, k, v, cu, causal=True,
                                                scale=0.4))
 

@@ -334,14 +334,18 @@ def kernel_available(method: str, device: torch.device, dtype: torch.dtype) -> b
 
 def probe(method: str, device, dtype, tol: float = 3e-2) -> bool:
     """``method`` on a tiny packed case (lengths 40, 24, 0, 17: none a multiple of a tile; 4 q heads on 2 kv
-    heads) against per-sample math, causal and not: out, lse, dq, dk, dv within ``tol`` (relative to max)."""
+    heads) against per-sample math, causal and not, on contiguous bhsd q/k/v and on bhsd views of [S, H, D]
+    memory: out, lse, dq, dk, dv within ``tol`` (relative to max)."""
     g = torch.Generator().manual_seed(0)
     cu, s = (0, 40, 64, 64, 81), 81
-    q, do = (torch.randn(1, 4, s, 64, generator=g).to(device=device, dtype=dtype) for _ in range(2))
-    k, v = (torch.randn(1, 2, s, 64, generator=g).to(device=device, dtype=dtype) for _ in range(2))
     math_be = LocalAttention()
     close = lambda a, b: bool((a.float() - b.float()).abs().max() <= tol * (1 + b.float().abs().max()))  # noqa: E731
-    for causal in (False, True):
+    for causal, thd_memory in ((False, False), (True, False), (False, True), (True, True)):
+        if thd_memory:
+            q, k, v, do = (torch.randn(1, s, n, 64, generator=g).to(device=device, dtype=dtype).transpose(1, 2)
+                           for n in (4, 2, 2, 4))
+        else:
+            q, k, v, do = (torch.randn(1, n, s, 64, generator=g).to(device=device, dtype=dtype) for n in (4, 2, 2, 4))
         o, lse = forward_lse(method, math_be, q, k, v, cu, causal=causal, scale=0.125)
         grads = backward_lse(method, math_be, do, q, k, v, o, lse, cu, causal=causal, scale=0.125)
         f32 = [t.float() for t in (do, q, k, v)]
