@@ -2,7 +2,8 @@
 
 Placement: per-sample "contiguous" / "zigzag" shards (what each rank holds, round trip, errors).
 Attention: Ulysses / HCMS on a packed sequence against a float64 per-sample reference (block-diagonal mask),
-output and every input gradient of this rank's shard; HCMS bit-identical to Ulysses; other modes refuse.
+output and every input gradient of this rank's shard; HCMS bit-identical to Ulysses (the ring family:
+tests/test_ring_varlen.py).
 """
 from __future__ import annotations
 
@@ -149,27 +150,6 @@ def test_ulysses_packed_samples_refusals():
     assert all(run_ranks(_refusals_rank, 2))
 
 
-def _other_modes_rank(rank, world):
-    g = dist.group.WORLD
-    cu = torch.tensor([0, 4 * world, 8 * world], dtype=torch.int32)
-    q = torch.randn(1, 8, 2 * world, 8)
-    mesh = spx.build_sp_mesh(g, num_heads=2 * world, placement="usp", ulysses_size=1)
-    calls = {"ring": lambda: spx.ring_attention(q, q, q, g, cu_seqlens=cu),
-             "tasp": lambda: spx.ring_attention(q, q, q, g, variant="tasp", cu_seqlens=cu),
-             "hybrid": lambda: spx.hybrid_attention(q, q, q, mesh, cu_seqlens=cu),
-             "torus": lambda: spx.torus_attention(q, q, q, mesh, cu_seqlens=cu)}
-    for name, call in calls.items():
-        with pytest.raises(SPConfigError, match=r"cu_seqlens .*not supported.*ulysses and hcms"):
-            call()
-    return True
-
-
-def test_other_modes_refuse_packed_samples():
-    """Ring / TASP / hybrid / torus do not run packed samples yet: one SPConfigError naming the argument and the
-    modes that do, never a silently ignored cu_seqlens."""
-    assert all(run_ranks(_other_modes_rank, 2))
-
-
 def _megatron_thd_rank(rank, world):
     from megatron.core import parallel_state as ps
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -183,7 +163,7 @@ def _megatron_thd_rank(rank, world):
         cu_list = [0, 12, 16, 24]  # three samples, each a multiple of 2 * CP
         cu = torch.tensor(cu_list, dtype=torch.int32)
         n = 0
-        for mode, chunks in (("ulysses", 1), ("hcms", 2)):
+        for mode, chunks in (("ulysses", 1), ("hcms", 2), ("ring", 1), ("tasp", 1)):
             for causal in (False, True):
                 cfg = SPTransformerConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=hkv,
                                           use_cpu_initialization=True, context_parallel_size=world,
@@ -224,14 +204,6 @@ def _megatron_thd_rank(rank, world):
                 x = torch.randn(cu_list[-1] // world, 1, h, d)
                 with pytest.raises(SPConfigError, match="padding inside samples"):
                     attn(x, x, x)
-        cfg = SPTransformerConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=hkv,
-                                  use_cpu_initialization=True, context_parallel_size=world, cp_comm_type="ring",
-                                  attention_dropout=0.0)
-        core = SPDotProductAttention(cfg, 1, AttnMaskType.no_mask, "self", cp_comm_type="ring")
-        x = torch.randn(8, h, d)
-        with pytest.raises(SPConfigError, match=r"packed_seq_params .*'ring'.*ulysses and hcms"):
-            core(x, x, x, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
-                                                                  cu_seqlens_kv=cu))
     finally:
         ps.destroy_model_parallel()
     return True
@@ -240,13 +212,13 @@ def _megatron_thd_rank(rank, world):
 @pytest.mark.parametrize("cp", [1, 2])
 def test_megatron_thd_packed_seq_params(cp):
     """SPDotProductAttention with Megatron's THD packed_seq_params (CP=2: per-sample zigzag split; CP=1: the local
-    per-sample path): ulysses and hcms against the per-sample float64 reference; ring refuses by name."""
+    per-sample path): ulysses, hcms, ring and tasp against the per-sample float64 reference."""
     pytest.importorskip("megatron.core")
     assert all(run_ranks(_megatron_thd_rank, cp, timeout=400))
 
 
 def _deepspeed_cu_seqlens(rank, world):
-    """SPDistributedAttention(..., cu_seqlens=) through the factory equals the functional API; the ring refuses."""
+    """SPDistributedAttention(..., cu_seqlens=) through the factory equals the functional API (Ulysses, HCMS, ring)."""
     import importlib
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import deepspeed
@@ -263,8 +235,8 @@ def _deepspeed_cu_seqlens(rank, world):
         want = spx.ulysses_attention(q, k, v, g, head_chunks=chunks, cu_seqlens=cu)
         assert torch.equal(got, want), mode
     ring = SPDistributedAttention(lambda *a, **kw: None, g, 2, 0, mode="ring")
-    with pytest.raises(SPConfigError, match="cu_seqlens.*not supported by sequence_parallel_ext.mode='ring'"):
-        ring(q, k, v, 0, cu_seqlens=cu)
+    got = ring(q, k, v, 0, cu_seqlens=cu)
+    assert torch.equal(got, spx.ring_attention(q, k, v, g, placement="contiguous", cu_seqlens=cu))
     return True
 
 

@@ -14,7 +14,8 @@ CP rank (Megatron's zigzag split when it comes from ``get_batch_on_this_cp_rank`
   p2p, a2a, all_gather, a2a+p2p   Transformer Engine's own CP (needs TE; delegated unchanged)
 Causal masks follow Megatron's zigzag placement; DiTs use AttnMaskType.no_mask.
 Packed samples (``packed_seq_params`` with qkv_format "thd", [t, heads, head_dim] tensors, Megatron's per-sample
-zigzag split): ulysses and hcms only, each sample attending within itself; returns [t, heads * head_dim].
+zigzag split): every one of our types (auto stays on ulysses/hcms), each sample attending within itself; returns
+[t, heads * head_dim].
 """
 from __future__ import annotations
 
@@ -151,15 +152,11 @@ class SPDotProductAttention(DotProductAttention):
         return out.reshape(out.shape[0], -1)
 
     def _thd_cu_seqlens(self, causal: bool, params) -> torch.Tensor:
-        """The checks of ``packed_seq_params`` (this layer's mode among those that run packed samples, the THD
-        format, self-attention, padding inside samples only when causal); returns the global cu_seqlens.
-        (A refusal, not a dispatch: packed samples run only in the Ulysses family.)"""
+        """The checks of ``packed_seq_params`` (the THD format, self-attention, padding inside samples only when
+        causal); returns the global cu_seqlens."""
         if params.qkv_format != "thd":
             raise SPConfigError(f"packed_seq_params.qkv_format={params.qkv_format!r} is not supported by "
                                 f"megatron_sp_ext core attention: use 'thd'")
-        if self.sp.mode not in ("ulysses", "hcms"):
-            raise SPConfigError(f"packed_seq_params (packed samples) is not supported by --cp-comm-type="
-                                f"{self.sp.mode!r}: the modes that support it are ulysses and hcms")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
         if cu is None or (cu_kv is not None and not torch.equal(cu_kv.cpu(), cu.cpu())):

@@ -4,14 +4,18 @@
 ``check_ring_inputs`` (ring family: also GQA heads) validate this rank's tensors, then once per
 (group, shapes, layout, dtype) ``check_same_shape_across_ranks`` compares them across the group with one
 small all_gather, so a mismatch raises SPConfigError on every rank instead of hanging an exchange.
+``packed_cu`` checks the ring family's packed-sample arguments (cu_seqlens).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..config import LAYOUTS
 from ..errors import SPConfigError
+from .placement import cu_tuple
 
 _VALIDATED: set = set()  # (group id, shapes, layout, dtype, family) keys already compared across ranks
 
@@ -57,11 +61,21 @@ def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
     _across_ranks_once(q, k, layout, group, "ring")
 
 
-def refuse_cu_seqlens(cu_seqlens, mode: str) -> None:
-    """Packed samples (``cu_seqlens``) run only in the Ulysses family; raises SPConfigError in ``mode`` if given."""
-    if cu_seqlens is not None:
-        raise SPConfigError(f"cu_seqlens (packed variable-length samples) is not supported by {mode}: the modes that "
-                            f"support it are ulysses and hcms (ulysses_attention(..., cu_seqlens=...))")
+def packed_cu(cu_seqlens, q: torch.Tensor, layout: str, seqlen: int,
+              kv_valid_len: Optional[int]) -> Optional[tuple[int, ...]]:
+    """Ring family: ``cu_seqlens`` (packed samples, 1-D int [n_samples + 1] over the full ``seqlen``) as a tuple,
+    or None when not given, after checking what packed samples need (B=1, no kv_valid_len); raises SPConfigError
+    naming the argument."""
+    if cu_seqlens is None:
+        return None
+    if kv_valid_len is not None:
+        raise SPConfigError("kv_valid_len cannot be combined with cu_seqlens: pad each packed sample to a multiple "
+                            "of the placement's divisor instead (padding tokens form their own sample or the tail "
+                            "of one)")
+    bsz = q.shape[0] if layout == "bshd" else q.shape[1]
+    if bsz != 1:
+        raise SPConfigError(f"cu_seqlens needs batch size 1 (samples packed along the sequence); got {bsz}")
+    return cu_tuple(cu_seqlens, seqlen)
 
 
 def _dtype_names() -> list[str]:

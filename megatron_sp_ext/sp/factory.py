@@ -62,7 +62,7 @@ class SPResources:
         return self.meshes[key]
 
 
-# (q, k, causal, kv_valid_len) -> "hcms", "ring" or "tasp": overrides auto's calibration (adapters, tests)
+# (q, k, causal, kv_valid_len) -> "hcms" or "ring": overrides auto's calibration (adapters, tests)
 Chooser = Callable[[torch.Tensor, torch.Tensor, bool, Optional[int]], str]
 
 
@@ -104,20 +104,14 @@ class SPAttention:
 
     def choose(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
                softmax_scale: Optional[float] = None) -> str:
-        """auto: "hcms" (Ulysses/HCMS, the baseline), "ring", or "tasp" (groups of more than 2 ranks) for this
-        shape (``chooser`` or the ModePolicy's calibration, once per key, see sp.calibration; off CUDA: the
-        baseline). The three compute the same attention (tests/test_auto_mode.py)."""
+        """auto: "hcms" (Ulysses/HCMS, the baseline) or "ring" for this shape (``chooser`` or the ModePolicy's
+        calibration, once per shape key; CPU: the baseline)."""
         if self.chooser is not None:
             return self.chooser(q, k, causal, kv_valid_len)
-        candidates = {
+        return self.res.mode_policy.choose_for(q, k, self.group, {
             "hcms": lambda a, b, c: self._ulysses(a, b, c, causal, softmax_scale, kv_valid_len, 0.0, None),
             "ring": lambda a, b, c: self._ring(a, b, c, "ring", causal, softmax_scale, kv_valid_len),
-        }
-        if self.world > 2:  # TASP's n-1 rings differ from the ring only beyond 2 ranks
-            candidates["tasp"] = lambda a, b, c: self._ring(a, b, c, "tasp", causal, softmax_scale, kv_valid_len)
-        return self.res.mode_policy.choose_for(q, k, self.group, candidates, extra_key=(
-            causal, kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
-            getattr(self.backend, "name", type(self.backend).__name__)))
+        }, extra_key=(causal, kv_valid_len, self.layout, self.placement))
 
     def _ulysses(self, q, k, v, causal, scale, kv_valid_len, dropout_p, local_attention, cu_seqlens=None):
         return ulysses_attention(
@@ -127,10 +121,10 @@ class SPAttention:
             kv_valid_len=kv_valid_len, dropout_p=dropout_p, cu_seqlens=cu_seqlens,
             transport=self.res.transports.get(self.cfg.transport, self.group, q.device, self.cfg.name("transport")))
 
-    def _ring(self, q, k, v, variant, causal, scale, kv_valid_len):
+    def _ring(self, q, k, v, variant, causal, scale, kv_valid_len, cu_seqlens=None):
         return ring_attention(q, k, v, self.group, variant=variant, causal=causal, softmax_scale=scale,
                               layout=self.layout, placement=self.placement, backend=self.backend,
-                              kv_valid_len=kv_valid_len)
+                              kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  softmax_scale: Optional[float] = None, kv_valid_len: Optional[int] = None, dropout_p: float = 0.0,
@@ -139,15 +133,10 @@ class SPAttention:
         """q: [B, S_loc, H, D] / [S_loc, B, H, D]; k, v: Hkv heads. dropout_p: attention dropout of this call
         (0 in eval). local_attention: a caller's local attention for Ulysses/HCMS (bhsd in and out).
         cu_seqlens: packed variable-length samples (B=1; cumulative lengths over the full sequence, every rank the
-        same; shards in the per-sample placement of ``shard_sequence``): Ulysses / HCMS (auto stays on them)."""
-        if cu_seqlens is not None:
-            if self.mode not in ULYSSES_MODES:
-                raise SPConfigError(f"packed variable-length samples (cu_seqlens) are not supported by "
-                                    f"{self.cfg.name('mode')}={self.mode!r}: use ulysses or hcms")
-            if local_attention is not None:
-                raise SPConfigError("packed variable-length samples (cu_seqlens) run megatron_sp_ext's kernels per "
-                                    "sample, not a caller's local attention")
-            return self._ulysses(q, k, v, causal, softmax_scale, kv_valid_len, dropout_p, None, cu_seqlens)
+        same; shards in the per-sample placement of ``shard_sequence``): every mode (auto stays on Ulysses/HCMS)."""
+        if cu_seqlens is not None and local_attention is not None:
+            raise SPConfigError("packed variable-length samples (cu_seqlens) run megatron_sp_ext's kernels per "
+                                "sample, not a caller's local attention")
         if dropout_p > 0.0 and self.mode not in DROPOUT_MODES:
             raise SPConfigError(f"dropout_p={dropout_p} is not supported by {self.cfg.name('mode')}={self.mode!r} "
                                 f"(log-sum-exp merged partial results): use dropout_p=0 or "
@@ -156,22 +145,21 @@ class SPAttention:
             raise SPConfigError(f"{self.cfg.name('mode')}={self.mode!r} runs megatron_sp_ext's log-sum-exp kernels "
                                 f"({self.cfg.name('backend')}), not a caller's local attention: use ulysses or hcms")
         mode = self.mode
-        if self.auto and dropout_p == 0.0 and local_attention is None:
-            picked = self.choose(q, k, causal, kv_valid_len, softmax_scale)
-            mode = picked if picked in RING_MODES else self.mode
+        if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None:
+            mode = "ring" if self.choose(q, k, causal, kv_valid_len, softmax_scale) == "ring" else self.mode
         if mode in ULYSSES_MODES:
-            return self._ulysses(q, k, v, causal, softmax_scale, kv_valid_len, dropout_p, local_attention)
+            return self._ulysses(q, k, v, causal, softmax_scale, kv_valid_len, dropout_p, local_attention, cu_seqlens)
         if mode in RING_MODES:
-            return self._ring(q, k, v, mode, causal, softmax_scale, kv_valid_len)
+            return self._ring(q, k, v, mode, causal, softmax_scale, kv_valid_len, cu_seqlens)
         if mode == "torus":
             return torus_attention(q, k, v, self.mesh, causal=causal, softmax_scale=softmax_scale, layout=self.layout,
                                    ring_variant=self.cfg.ring_variant, placement=self.placement, backend=self.backend,
-                                   kv_valid_len=kv_valid_len)
+                                   kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens)
         if mode in ("usp", "tas"):
             return hybrid_attention(q, k, v, self.mesh, head_chunks=self.cfg.head_chunks,
                                     ring_variant=self.cfg.ring_variant, causal=causal, softmax_scale=softmax_scale,
                                     layout=self.layout, placement=self.placement, backend=self.backend,
-                                    kv_valid_len=kv_valid_len)
+                                    kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens)
         raise SPConfigError(f"{self.cfg.name('mode')}={mode!r} is invalid")  # pragma: no cover - SPConfig checked
 
 

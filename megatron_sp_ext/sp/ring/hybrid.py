@@ -5,6 +5,10 @@ placement=...)``: "contiguous", or "zigzag" for balanced causal), whatever the m
 the mesh's internal order is hidden. Ulysses (HCMS-chunked if asked) exchanges heads inside the
 Ulysses group; each chunk's local attention is ring/TASP attention over the Ring group, whose
 causal masks come from the global positions of every rank's tokens.
+
+Packed samples (``cu_seqlens``): the shards are in the per-sample placement (``shard_sequence(...,
+cu_seqlens=)``); the Ulysses stage only moves heads (it runs no attention itself), the gathered pieces are
+sorted by position and the ring backend attends within each sample.
 """
 from __future__ import annotations
 
@@ -16,28 +20,43 @@ import torch
 
 from ...attention.backends import get_backend
 from ...topology.mesh import SPMesh
-from ..checks import refuse_cu_seqlens
-from ..placement import pieces
+from ..checks import packed_cu
+from ..placement import pieces, varlen_pieces
 from ..ulysses import ulysses_attention
 from ..ulysses.layout import sorted_order
 from .ring import RingBackend
 
 
-def mesh_runs(mesh: SPMesh, placement: str, seqlen: int) -> tuple:
+def rank_runs(placement: str, rank: int, world: int, seqlen: int, cu: Optional[tuple] = None):
+    """Global (start, len) runs SP rank ``rank`` holds: ``pieces``, or per sample (``varlen_pieces``) with ``cu``."""
+    return pieces(placement, rank, world, seqlen) if cu is None else varlen_pieces(placement, rank, world, cu)
+
+
+def mesh_runs(mesh: SPMesh, placement: str, seqlen: int, cu: Optional[tuple] = None) -> tuple:
     """kv_runs[j]: global runs covered by ring index j after the Ulysses gather (Ulysses order)."""
     out = []
     for row in mesh.grid:
         runs = []
         for g in row:
-            runs.extend(pieces(placement, g, mesh.world, seqlen))
+            runs.extend(rank_runs(placement, g, mesh.world, seqlen, cu))
         out.append(tuple(runs))
     return tuple(out)
 
 
+def unit_pieces(runs_by_rank) -> list:
+    """Every rank's runs cut into pieces of one length (the gcd of all run lengths; packed samples give runs of
+    different lengths), so a piece permutation can sort them."""
+    unit = 0
+    for runs in runs_by_rank:
+        for _, n in runs:
+            unit = math.gcd(unit, n)
+    return [[(a + j * unit, unit) for a, n in runs for j in range(n // unit)] for runs in runs_by_rank]
+
+
 @lru_cache(maxsize=64)
-def sorted_rows(grid: tuple, world: int, placement: str, seqlen: int) -> tuple:
+def sorted_rows(grid: tuple, world: int, placement: str, seqlen: int, cu: Optional[tuple] = None) -> tuple:
     """Per Ulysses group (grid row): (permutation of its gathered pieces into ascending position, merged runs)."""
-    return tuple(sorted_order([pieces(placement, g, world, seqlen) for g in row]) for row in grid)
+    return tuple(sorted_order(unit_pieces([rank_runs(placement, g, world, seqlen, cu) for g in row])) for row in grid)
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *,
@@ -47,17 +66,19 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
                      kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Ulysses over ``mesh.ulysses_group`` then ring/TASP over ``mesh.ring_group``. Shapes as ulysses_attention.
     ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
-    cu_seqlens (packed samples): not supported here (SPConfigError); use ulysses_attention."""
-    refuse_cu_seqlens(cu_seqlens, "hybrid_attention")
+    cu_seqlens: packed samples (B=1; cumulative lengths over the full sequence, the same on every rank; shards in
+    the per-sample "contiguous" or "zigzag" placement of ``shard_sequence``): each sample attends within itself."""
     placement = placement or ("zigzag" if causal else "contiguous")
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
-    runs = mesh_runs(mesh, placement, s_loc * mesh.world)
+    cu = packed_cu(cu_seqlens, q, layout, s_loc * mesh.world, kv_valid_len)
+    runs = mesh_runs(mesh, placement, s_loc * mesh.world, cu)
     order = None
-    if mesh.ulysses_group is not None and (causal or kv_valid_len is not None):
-        rows = sorted_rows(mesh.grid, mesh.world, placement, s_loc * mesh.world)
+    if mesh.ulysses_group is not None and (causal or kv_valid_len is not None or cu is not None):
+        rows = sorted_rows(mesh.grid, mesh.world, placement, s_loc * mesh.world, cu)
         order = rows[mesh.ring_index][0]
         runs = tuple(merged for _, merged in rows)
-    ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, get_backend(backend), kv_valid_len)
+    ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, get_backend(backend), kv_valid_len,
+                       cu)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if mesh.ulysses_group is None:  # P_u == 1: pure ring over the mesh order
         to = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))

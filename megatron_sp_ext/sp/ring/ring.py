@@ -31,9 +31,9 @@ from ...comm.multiring import wait_handles
 from ...comm.transport import emulated_link
 from ...errors import SPConfigError
 from ...topology.hamiltonian import RoutingTables, routing_tables
-from ..checks import check_ring_inputs, refuse_cu_seqlens
+from ..checks import check_ring_inputs, packed_cu
 from ..heads import split_more_first
-from ..placement import pieces
+from ..placement import pieces, varlen_pieces
 from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
 
 VARIANTS = ("ring", "tasp")
@@ -87,6 +87,7 @@ class RingPlan:
     mode: str = "plain"
     q_moves: tuple = ()   # (local_row, compute_row, len) of the queries
     kv_moves: tuple = ()  # the same for this rank's k/v into the step-0 buffer
+    cu_seqlens: Optional[tuple] = None  # packed samples: cumulative lengths; q and k interact only within one
     cache: dict = field(default_factory=dict)
 
     @property
@@ -138,10 +139,10 @@ class RingPlan:
                     for brow, lrow, n in self.segments(step)[i]:
                         kvr += [(g, ln, brow + off) for g, ln, off in _local_runs(self.kv_runs[o], lrow, n,
                                                                                   self.kv_valid_len)]
-            if not self.causal and self.kv_valid_len is None:
+            if not self.causal and self.kv_valid_len is None and self.cu_seqlens is None:
                 its = [Item(slice(None), slice(None))]
             else:
-                its = step_items(qr, kvr, self.causal, device)
+                its = step_items(qr, kvr, self.causal, device, self.cu_seqlens)
             self.cache[key] = its
         return self.cache[key]
 
@@ -379,13 +380,15 @@ _NO_GROUP: dict = {}
 
 def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: bool, scale: float,
                    backend: LocalAttention, balanced_slots: bool = False,
-                   kv_valid_len: Optional[int] = None) -> RingPlan:
+                   kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None) -> RingPlan:
     """Plan for one ring group (None or size 1 = no exchange). kv_runs[o] = runs of ring rank o.
+    cu_seqlens (packed samples, a tuple of cumulative lengths): queries see keys of their own sample only.
     Plans are cached by their arguments (the step schedules are built once)."""
     # per group, weakly (a destroyed group's plans go with it; an id() could be reused by a new group), keyed on
     # everything the schedule depends on; the backend itself, not its id(), which a new object could reuse
     plans = _PLANS.setdefault(group, {}) if group is not None else _NO_GROUP
-    key = (variant, s_loc, tuple(q_runs), tuple(kv_runs), causal, scale, backend, balanced_slots, kv_valid_len)
+    key = (variant, s_loc, tuple(q_runs), tuple(kv_runs), causal, scale, backend, balanced_slots, kv_valid_len,
+           cu_seqlens)
     if key in plans:
         return plans[key]
     world = dist.get_world_size(group) if group is not None else 1
@@ -412,7 +415,7 @@ def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: 
         q_moves, _ = sorted_order(tuple(q_runs))
         kv_moves, _ = sorted_order(tuple(kv_runs[rank]))
     plan = RingPlan(weakref.ref(group) if group is not None else None, rank, world, variant, rt, offs, tuple(lens), tuple(q_runs), tuple(kv_runs),
-                    causal, scale, backend, kv_valid_len, mode, q_moves, kv_moves)
+                    causal, scale, backend, kv_valid_len, mode, q_moves, kv_moves, cu_seqlens)
     if mode == "ab":  # the step-0 layout must be the sorted order the k/v were filled in
         filled = {lr: cr for lr, cr, _ in kv_moves}
         for slot in plan.segments(0):
@@ -428,12 +431,13 @@ class RingBackend(LocalAttention):
     """Ring/TASP over ``group`` as a local-attention backend (for hybrid meshes).
 
     Queries and keys of this rank cover global runs ``q_runs``; ``kv_runs[o]`` are ring rank o's.
+    ``cu_seqlens`` (packed samples, tuple of cumulative lengths): attention only within each sample.
     """
 
     def __init__(self, group, variant: str, q_runs, kv_runs, inner: LocalAttention,
-                 kv_valid_len: Optional[int] = None) -> None:
+                 kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None) -> None:
         self.group, self.variant, self.q_runs, self.kv_runs, self.inner = group, variant, q_runs, kv_runs, inner
-        self.kv_valid_len = kv_valid_len
+        self.kv_valid_len, self.cu_seqlens = kv_valid_len, cu_seqlens
         self.name = f"{variant}[{inner.name}]"
         self._plans: dict = {}
 
@@ -442,7 +446,7 @@ class RingBackend(LocalAttention):
         if key not in self._plans:
             self._plans[key] = make_ring_plan(self.group, variant=self.variant, s_loc=s_loc, q_runs=self.q_runs,
                                               kv_runs=self.kv_runs, causal=causal, scale=scale, backend=self.inner,
-                                              kv_valid_len=self.kv_valid_len)
+                                              kv_valid_len=self.kv_valid_len, cu_seqlens=self.cu_seqlens)
         return self._plans[key]
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
@@ -469,23 +473,32 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     the same result). Use ``shard_sequence(x, group, placement=...)`` to produce matching shards.
     ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
     Local attention uses the backend's log-sum-exp kernels (``forward_lse`` / ``backward_lse``).
-    cu_seqlens (packed samples): not supported here (SPConfigError); use ulysses_attention.
+    cu_seqlens: packed variable-length samples (B=1): 1-D int tensor [n_samples + 1] of cumulative lengths over the
+    full sequence, the same on every rank; shards from ``shard_sequence(x, group, placement=..., cu_seqlens=)``
+    with placement "contiguous" or "zigzag" (the default for causal, ring and tasp: "tasp_zigzag" does not take
+    packed samples). Each sample attends only within itself; not combined with kv_valid_len.
     """
-    refuse_cu_seqlens(cu_seqlens, f"ring_attention (variant={variant!r})")
     if variant not in VARIANTS:
         raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
     check_ring_inputs(q, k, v, layout, group)
     if placement is None:
-        placement = ("zigzag" if variant == "ring" else "tasp_zigzag") if causal else "contiguous"
+        packed_causal = "zigzag" if cu_seqlens is not None else "tasp_zigzag"
+        placement = ("zigzag" if variant == "ring" else packed_causal) if causal else "contiguous"
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     be = get_backend(backend)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * world
-    q_runs = pieces(placement, rank, world, seqlen)  # validates divisibility
-    kv_runs = tuple(pieces(placement, o, world, seqlen) for o in range(world))
+    cu = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len)
+    if cu is None:
+        q_runs = pieces(placement, rank, world, seqlen)  # validates divisibility
+        kv_runs = tuple(pieces(placement, o, world, seqlen) for o in range(world))
+    else:  # each sample placed on its own (validates every sample's length)
+        q_runs = varlen_pieces(placement, rank, world, cu)
+        kv_runs = tuple(varlen_pieces(placement, o, world, cu) for o in range(world))
     plan = make_ring_plan(group, variant=variant, s_loc=s_loc, q_runs=q_runs, kv_runs=kv_runs, causal=causal,
-                          scale=scale, backend=be, balanced_slots=placement == "tasp_zigzag", kv_valid_len=kv_valid_len)
+                          scale=scale, backend=be, balanced_slots=placement == "tasp_zigzag" and cu is None,
+                          kv_valid_len=kv_valid_len, cu_seqlens=cu)
     out = _RingFn.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), plan)
     return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)

@@ -16,9 +16,16 @@ pieces first, the others (B) follow, mirrors in reverse, so the buffer reads
 rows are contiguous and the mask is full or exactly causal, else one call per diagonal/misaligned
 run pair and one per contiguous key range of each group of fully visible keys (no index copies
 unless query rows of a group are scattered).
+
+Packed samples (``cu``: cumulative sample lengths over the full sequence): a query and a key interact only
+within one sample, so the runs are split at sample boundaries (``sample_runs``; pieces touching in both rows
+and positions merged) and each sample's query runs x key runs become kernel calls as above, causal by global
+position inside the sample. Samples never share a call (no mask across samples): a step costs about one call
+per sample it touches.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -82,8 +89,35 @@ def _rows(runs: Sequence[tuple[int, int]], device) -> Rows:
     return torch.cat([torch.arange(r, r + n, device=device) for r, n in co])
 
 
-def step_items(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool, device) -> list[Item]:
-    """Kernel calls for queries ``q_runs`` against keys ``kv_runs`` (see module docstring)."""
+def sample_runs(runs: Sequence[Run], cu: Sequence[int]) -> dict[int, list[Run]]:
+    """``runs`` (global start, length, row) split at the sample boundaries ``cu``, by sample index; a piece that
+    continues the previous piece of its sample in both position and row is merged into it."""
+    out: dict[int, list[Run]] = {}
+    for g, n, r in runs:
+        while n > 0:
+            s = bisect_right(cu, g) - 1  # the (non-empty) sample holding position g
+            ln = min(n, cu[s + 1] - g)
+            lst = out.setdefault(s, [])
+            if lst and lst[-1][0] + lst[-1][1] == g and lst[-1][2] + lst[-1][1] == r:
+                lst[-1] = (lst[-1][0], lst[-1][1] + ln, lst[-1][2])
+            else:
+                lst.append((g, ln, r))
+            g, n, r = g + ln, n - ln, r + ln
+    return out
+
+
+def step_items(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool, device,
+               cu: Optional[Sequence[int]] = None) -> list[Item]:
+    """Kernel calls for queries ``q_runs`` against keys ``kv_runs`` (see module docstring); with packed samples
+    (``cu``) only within each sample."""
+    if cu is None:
+        return _block_items(q_runs, kv_runs, causal, device)
+    qs, ks = sample_runs(q_runs, cu), sample_runs(kv_runs, cu)
+    return [it for s in sorted(qs) if s in ks for it in _block_items(qs[s], ks[s], causal, device)]
+
+
+def _block_items(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool, device) -> list[Item]:
+    """Kernel calls for queries ``q_runs`` against keys ``kv_runs``, every pair allowed by the causal rule."""
     rel = {(qi, ki): _rel(q, k, causal) for qi, q in enumerate(q_runs) for ki, k in enumerate(kv_runs)}
     used_q = [q for qi, q in enumerate(q_runs) if any(rel[qi, ki] != "none" for ki in range(len(kv_runs)))]
     used_k = [k for ki, k in enumerate(kv_runs) if any(rel[qi, ki] != "none" for qi in range(len(q_runs)))]

@@ -10,7 +10,8 @@ inside every block (positions from the SP-group placement, so masks stay exact):
 Partial results merge by log-sum-exp. Backward (ours; the paper is inference-only) mirrors it:
 dO exchange overlapped with the own block's gradients, dK|dV of chunk j shipped home as soon as
 it is complete (overlapping the next chunk), dQ shipped last. X_{l,j}: tokens of Ulysses rank l,
-head group j. Two-sided (send/recv) exchanges.
+head group j. Two-sided (send/recv) exchanges. Packed samples (``cu_seqlens``): every block's ring backend
+attends within each sample (runs in the per-sample placement).
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from ...comm.multiring import wait_handles
 from ...comm.transport import emulated_link
 from ...topology.mesh import SPMesh
 from ..heads import HeadLayout, head_layout
-from ..checks import refuse_cu_seqlens
-from ..placement import pieces
+from ..checks import packed_cu
+from .hybrid import rank_runs
 from .ring import RingBackend
 
 
@@ -40,19 +41,20 @@ class _Ctx:
     """Static plan of one call: head groups, peers, and ring backends per (q tokens, kv tokens)."""
 
     def __init__(self, mesh: SPMesh, hl: HeadLayout, placement: str, seqlen: int, variant: str, inner, scale,
-                 kv_valid_len=None):
+                 kv_valid_len=None, cu=None):
         self.mesh, self.hl, self.scale = mesh, hl, scale
         self.T, self.t = mesh.ulysses_size, mesh.ulysses_index
         self.group = mesh.ulysses_group
         self.peers = [dist.get_global_rank(mesh.group, g) for g in mesh.ulysses_members()]
-        runs = lambda j, l: pieces(placement, mesh.grid[j][l], mesh.world, seqlen)  # noqa: E731
+        runs = lambda j, l: rank_runs(placement, mesh.grid[j][l], mesh.world, seqlen, cu)  # noqa: E731
         self.runs = runs
         self.others = [(self.t - k) % self.T for k in range(1, self.T)]
         self._be: dict = {}
         self._mk = lambda q_ls, kv_ls: RingBackend(  # noqa: E731
             mesh.ring_group, variant,
             tuple(r for l in q_ls for r in runs(mesh.ring_index, l)),
-            tuple(tuple(r for l in kv_ls for r in runs(j, l)) for j in range(mesh.ring_size)), inner, kv_valid_len)
+            tuple(tuple(r for l in kv_ls for r in runs(j, l)) for j in range(mesh.ring_size)), inner, kv_valid_len,
+            cu)
 
     def be(self, q_ls, kv_ls) -> RingBackend:
         key = (tuple(q_ls), tuple(kv_ls))
@@ -270,10 +272,11 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
                     softmax_scale: Optional[float] = None, layout: str = "bshd", ring_variant: str = "ring",
                     placement: Optional[str] = None, backend: str = "sdpa",
                     kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len as hybrid_attention.
-    cu_seqlens (packed samples): not supported here (SPConfigError); use ulysses_attention."""
-    refuse_cu_seqlens(cu_seqlens, "torus_attention")
+    """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len and cu_seqlens (packed
+    samples, attention within each sample) as hybrid_attention."""
     placement = placement or ("zigzag" if causal else "contiguous")
+    s_full = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
+    cu = packed_cu(cu_seqlens, q, layout, s_full, kv_valid_len)
     if layout == "sbhd":
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
     T = mesh.ulysses_size
@@ -281,7 +284,8 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
     if hl.kv_repeat > 1:
         k, v = k.repeat_interleave(hl.kv_repeat, dim=2), v.repeat_interleave(hl.kv_repeat, dim=2)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    c = _Ctx(mesh, hl, placement, q.shape[1] * mesh.world, ring_variant, get_backend(backend), scale, kv_valid_len)
+    c = _Ctx(mesh, hl, placement, q.shape[1] * mesh.world, ring_variant, get_backend(backend), scale, kv_valid_len,
+             cu)
     c.causal = causal
     out = _TorusFn.apply(q, k, v, c)
     return out.transpose(0, 1) if layout == "sbhd" else out
