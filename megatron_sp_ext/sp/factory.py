@@ -62,7 +62,7 @@ class SPResources:
         return self.meshes[key]
 
 
-# (q, k, causal, kv_valid_len) -> "hcms" or "ring": overrides auto's calibration (adapters, tests)
+# (q, k, causal, kv_valid_len) -> "hcms", "ring" or "tasp": overrides auto's calibration (adapters, tests)
 Chooser = Callable[[torch.Tensor, torch.Tensor, bool, Optional[int]], str]
 
 
@@ -104,14 +104,20 @@ class SPAttention:
 
     def choose(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
                softmax_scale: Optional[float] = None) -> str:
-        """auto: "hcms" (Ulysses/HCMS, the baseline) or "ring" for this shape (``chooser`` or the ModePolicy's
-        calibration, once per shape key; CPU: the baseline)."""
+        """auto: "hcms" (Ulysses/HCMS, the baseline), "ring", or "tasp" (groups of more than 2 ranks) for this
+        shape (``chooser`` or the ModePolicy's calibration, once per key, see sp.calibration; off CUDA: the
+        baseline). The three compute the same attention (tests/test_auto_mode.py)."""
         if self.chooser is not None:
             return self.chooser(q, k, causal, kv_valid_len)
-        return self.res.mode_policy.choose_for(q, k, self.group, {
+        candidates = {
             "hcms": lambda a, b, c: self._ulysses(a, b, c, causal, softmax_scale, kv_valid_len, 0.0, None),
             "ring": lambda a, b, c: self._ring(a, b, c, "ring", causal, softmax_scale, kv_valid_len),
-        }, extra_key=(causal, kv_valid_len, self.layout, self.placement))
+        }
+        if self.world > 2:  # TASP's n-1 rings differ from the ring only beyond 2 ranks
+            candidates["tasp"] = lambda a, b, c: self._ring(a, b, c, "tasp", causal, softmax_scale, kv_valid_len)
+        return self.res.mode_policy.choose_for(q, k, self.group, candidates, extra_key=(
+            causal, kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
+            getattr(self.backend, "name", type(self.backend).__name__)))
 
     def _ulysses(self, q, k, v, causal, scale, kv_valid_len, dropout_p, local_attention, cu_seqlens=None):
         return ulysses_attention(
@@ -146,7 +152,8 @@ class SPAttention:
                                 f"({self.cfg.name('backend')}), not a caller's local attention: use ulysses or hcms")
         mode = self.mode
         if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None:
-            mode = "ring" if self.choose(q, k, causal, kv_valid_len, softmax_scale) == "ring" else self.mode
+            picked = self.choose(q, k, causal, kv_valid_len, softmax_scale)
+            mode = picked if picked in RING_MODES else self.mode
         if mode in ULYSSES_MODES:
             return self._ulysses(q, k, v, causal, softmax_scale, kv_valid_len, dropout_p, local_attention, cu_seqlens)
         if mode in RING_MODES:
