@@ -2,7 +2,7 @@
 
 ``varlen_local_family(rank, world)`` (one GPU; ranks > 0 return nothing): q/k/v [1, H, S, D] as bhsd views of
 [S, H, D]-contiguous memory (what the Ulysses exchange leaves) over packed samples of lengths 300, 128, 128, 128,
-77, 1 (an adjacent equal-length run, odd lengths, a one-token sample) and 640, 200, 33; bf16 and fp16, causal and
+77, 3 (an adjacent equal-length run, odd lengths, a three-token sample) and 640, 200, 33; bf16 and fp16, causal and
 not, 8 q heads on 2 kv heads (GQA) and 5 on 5; each method of ``varlen.methods_here`` (per_sample, grouped, and
 flash_varlen / cudnn_varlen where their probe passed) plus what "auto" picks: out, lse, dq, dk, dv against a
 float64 per-sample reference on the device. 16 configurations x (methods that run + 1 for auto) records, family
@@ -23,7 +23,7 @@ from tests.test_varlen_local import packed_reference
 
 DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
 SHRINK = int(os.environ.get("SPX_SUITE_SHRINK", "1"))
-LENGTHS = ([300, 128, 128, 128, 77, 1], [640, 200, 33])
+LENGTHS = ([300, 128, 128, 128, 77, 3], [640, 200, 33])
 
 
 def _device() -> torch.device:

@@ -139,8 +139,8 @@ def run_case(name, lengths, h, hkv, d, causal, layout, dtype, iters, warmup, tol
     q, k, v, do = make_inputs(lengths, h, hkv, d, layout, dtype, device)
     be = get_backend("auto")
     row = {"case": name, "n_samples": len(lengths), "tokens": cu[-1], "lengths": lengths, "heads": h,
-           "kv_heads": hkv, "head_dim": d, "causal": causal, "layout": layout, "dtype": str(dtype).replace("torch.", ""),
-           "lse_kernel": be.kernel_for(q), "methods": {}}
+           "kv_heads": hkv, "head_dim": d, "causal": causal, "layout": layout,
+           "dtype": str(dtype).replace("torch.", ""), "lse_kernel": be.kernel_for(q), "methods": {}}
     fl_fwd, fl_fb, ref = floor_fns(q, k, v, do, cu, causal, scale)
     row["floor"] = {"fwd_ms": median_ms(fl_fwd, iters, warmup), "fwd_bwd_ms": median_ms(fl_fb, iters, warmup)}
     here = varlen.methods_here(be, q)
@@ -152,8 +152,12 @@ def run_case(name, lengths, h, hkv, d, causal, layout, dtype, iters, warmup, tol
             entry["status"] = "unavailable"
             entry["why"] = ("this torch lacks the op (schema)" if not varlen.schema_ok(method) else
                             "CUDA fp16/bf16 only" if not q.is_cuda else
-                            f"the backend's lse kernel is {be.kernel_for(q)}, or the probe against math failed "
-                            "(megatron_sp_ext log)")
+                            f"the backend's lse kernel is {be.kernel_for(q)}, or the probe against math failed")
+            if q.is_cuda and varlen.schema_ok(method):
+                try:
+                    entry["probe"] = varlen.probe(method, q.device, q.dtype)
+                except Exception as e:  # noqa: BLE001 - recorded for the report
+                    entry["probe"] = f"{type(e).__name__}: {str(e)[:400]}"
             continue
         try:
             o, lse = varlen.forward_lse(method, be, q, k, v, cu, causal=causal, scale=scale)
