@@ -277,3 +277,23 @@ def test_exported():
     import megatron_sp_ext as spx
     from megatron_sp_ext.sp.tp_cp_block import tp_cp_self_attention
     assert spx.tp_cp_self_attention is tp_cp_self_attention
+
+
+def _bench_tp_dry_run(rank, world):
+    """tools/bench_block.py --tp 2's measuring function on CPU (fp32, tiny): every form's output equals Megatron's
+    own TP-SP layer's, and auto (no CUDA: untimed) keeps Megatron's path."""
+    from tools.bench_block import TP_MODES, tp_bench
+    _cpu_megatron_sp()
+    res = tp_bench(2, dim=64, heads=8, kv_heads=4, head_dim=8, seqlen=8 * world, chunks=2 if world == 4 else 1,
+                   causal=world == 4, iters=1, dtype=torch.float32, device="cpu")
+    assert list(res["modes"]) == list(TP_MODES) and res["cp"] == world // 2
+    for m, e in res["modes"].items():
+        assert e["rel_diff_vs_megatron"] < 1e-5 and e["fwd_ms"] > 0 and e["fwd_bwd_ms"] > 0, (m, e)
+    assert {v["form"] for v in res["auto_choice"].values()} == {"megatron"} and len(res["auto_choice"]) == 2
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bench_block_tp_dry_run(world):
+    pytest.importorskip("megatron.core")
+    assert all(run_ranks(_bench_tp_dry_run, world, timeout=400))

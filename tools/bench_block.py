@@ -9,13 +9,28 @@ speedup_*_vs_deepspeed and peak_mem_vs_deepspeed per form), forward and forward+
     python tools/bench_block.py --links host --world-sizes 2,4 --models wan-14b --chunks 2,4,5 --out $OUT  # slow links
 
 Writes block.json and block.md (ratios vs the plain block in the same run).
+
+Tensor parallelism (``--tp T``, issue #37): Megatron's own TP sequence-parallel self-attention ("megatron": TP
+all-gather + QKV GEMM, our Ulysses/HCMS over CP, output GEMM + TP reduce-scatter; megatron-core's local layers)
+against the TP x CP block's forms ("pipelined", "mixed", "mixed_in") and "auto" (the FormPolicy, CUDA events),
+one SPSelfAttention module and its weights for all (``forward(..., sp_form=...)``), CP = world / T, bf16,
+fwd and fwd+bwd interleaved, each form's output relative to Megatron's (rel_diff_vs_megatron). Launch with
+torchrun (one process per GPU, as training is launched):
+
+    torchrun --nproc-per-node 2 tools/bench_block.py --tp 2 --models wan-1.3b,wan-14b --tokens-per-gpu 16384 --out $OUT
+    torchrun --nproc-per-node 2 tools/bench_block.py --tp 2 --models wan-1.3b,wan-14b --tokens-per-gpu 16384 \
+        --links host --tag host --out $OUT
+
+Writes block_tp<T>[_tag].json and .md (speedups vs "megatron").
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -274,6 +289,199 @@ def _worker(rank, world, port, args, path):
     dist.destroy_process_group()
 
 
+# -- --tp T: the TP x CP block against Megatron's own TP-SP self-attention ---------------------------------
+
+TP_MODES = ("megatron", "pipelined", "mixed", "mixed_in", "auto")
+
+
+class _QKNorm:
+    """megatron-core's torch norm as the per-head q/k norm under --sequence-parallel: it asserts the flag off only
+    because it does not tag its weight for the TP grad all-reduce (per-head norms see whole heads). A class (not a
+    function) so that Megatron's build_module instantiates it."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kw):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: PLC0415
+        cfg = copy.copy(config)
+        cfg.sequence_parallel = False
+        return WrappedTorchNorm(cfg, hidden_size, eps, **kw)
+
+
+def build_tp_attention(tp: int, cp: int, *, dim: int, heads: int, kv_heads: int, chunks: int, causal: bool,
+                       qk_norm: bool, dtype: torch.dtype, device: str):
+    """One SPSelfAttention (megatron-core local layers, --sequence-parallel, --sp-async-qkv auto) at TP ``tp`` x
+    CP ``cp``; parallel_state must be initialised with those sizes."""
+    from megatron.core import tensor_parallel  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
+    from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: PLC0415
+    from megatron.core.transformer.spec_utils import build_module  # noqa: PLC0415
+
+    from megatron_sp_ext.megatron import SPTransformerConfig, with_sp_core_attention  # noqa: PLC0415
+    if device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    else:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.manual_seed(1234)
+    cp_type = "hcms" if chunks > 1 else "ulysses"
+    cfg = SPTransformerConfig(num_layers=1, hidden_size=dim, num_attention_heads=heads, num_query_groups=kv_heads,
+                              use_cpu_initialization=True, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                              sequence_parallel=True, cp_comm_type=cp_type, hcms_head_chunks=chunks,
+                              sp_async_qkv="auto", hidden_dropout=0.0, attention_dropout=0.0,
+                              bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+                              normalization="RMSNorm", qk_layernorm=qk_norm, add_qkv_bias=True,
+                              params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    spec = with_sp_core_attention(get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"),
+                                  no_mask=not causal)
+    sub = spec.submodules.self_attention
+    if qk_norm:
+        sub.submodules.q_layernorm = sub.submodules.k_layernorm = _QKNorm
+    attn = build_module(sub, config=cfg, layer_number=1, cp_comm_type=cp_type,
+                        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    return attn.to(device, dtype)
+
+
+def _zigzag_freqs(seqlen: int, head_dim: int, cp_rank: int, cp: int, device) -> torch.Tensor:
+    """RoPE freqs [S_cp, 1, 1, D] of this CP rank's tokens (Megatron's zigzag split)."""
+    from megatron_sp_ext.sp.placement import pieces  # noqa: PLC0415
+    pos = torch.tensor([i for a, n in pieces("zigzag", cp_rank, cp, seqlen) for i in range(a, a + n)])
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    f = torch.outer(pos.float(), inv)
+    return torch.cat([f, f], dim=-1)[:, None, None, :].to(device)
+
+
+def tp_bench(tp: int, *, dim: int, heads: int, head_dim: int, seqlen: int, chunks: int = 1, kv_heads=None,
+             causal: bool = False, qk_norm: bool = True, iters: int = 10, modes=TP_MODES,
+             dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> dict:
+    """Megatron's own TP-SP self-attention vs the TP x CP block's forms on this rank (every rank calls it; the
+    world is TP x CP with CP = world / tp). Returns {"modes": {mode: fwd_ms, fwd_bwd_ms, speedup_*,
+    rel_diff_vs_megatron}, "auto_choice": ...}; times are medians over ``iters`` interleaved rounds, max over
+    ranks (CUDA events; on CPU the host clock: a dry run)."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    world = dist.get_world_size()
+    cp = world // tp
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    try:
+        attn = build_tp_attention(tp, cp, dim=dim, heads=heads, kv_heads=kv_heads or heads, chunks=chunks,
+                                  causal=causal, qk_norm=qk_norm, dtype=dtype, device=device)
+        assert attn.hidden_size_per_attention_head == head_dim, (attn.hidden_size_per_attention_head, head_dim)
+        s_tp = seqlen // world
+        g = torch.Generator().manual_seed(7 + dist.get_rank())
+        x = torch.randn(s_tp, 1, dim, generator=g).to(device, dtype).requires_grad_()
+        dy = torch.randn(s_tp, 1, dim, generator=g).to(device, dtype)
+        freqs = _zigzag_freqs(seqlen, head_dim, ps.get_context_parallel_rank(), cp, device)
+
+        def call(mode):
+            kw = {} if mode == "auto" else {"sp_form": mode}
+            return attn(x, None, rotary_pos_emb=freqs, **kw)[0]
+
+        def sync():
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        def timed(fn):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            return (time.perf_counter() - t0) * 1e3
+
+        def fwd(mode):
+            with torch.no_grad():
+                return call(mode)
+
+        def fwd_bwd(mode):
+            call(mode).backward(dy)
+        outs = {}
+        for m in modes:  # warm-up (auto calibrates here, for training and for inference); outputs kept
+            for _ in range(2):
+                fwd_bwd(m)
+                outs[m] = fwd(m).float()
+        t_f, t_fb = {m: [] for m in modes}, {m: [] for m in modes}
+        dist.barrier()
+        for it in range(iters):
+            order = rotated(list(modes), it)  # each mode leads equally often
+            for m in order:
+                t_f[m].append(timed(lambda: fwd(m)))
+            for m in order:
+                t_fb[m].append(timed(lambda: fwd_bwd(m)))
+        res = {"tp": tp, "cp": cp, "dim": dim, "heads": heads, "L": seqlen, "chunks": chunks, "causal": causal,
+               "modes": {}}
+        ref = outs.get("megatron")
+        for m in modes:
+            t = torch.tensor([sorted(t_f[m])[len(t_f[m]) // 2], sorted(t_fb[m])[len(t_fb[m]) // 2]],
+                             dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            diff = torch.tensor([0.0 if ref is None else float((outs[m] - ref).norm() / ref.norm())],
+                                dtype=torch.float64, device=device)
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+            res["modes"][m] = {"fwd_ms": float(t[0]), "fwd_bwd_ms": float(t[1]), "rel_diff_vs_megatron": float(diff)}
+        base = res["modes"].get("megatron", next(iter(res["modes"].values())))
+        for e in res["modes"].values():
+            e["speedup_fwd"], e["speedup_fwd_bwd"] = base["fwd_ms"] / e["fwd_ms"], base["fwd_bwd_ms"] / e["fwd_bwd_ms"]
+        res["auto_choice"] = {"fwd_bwd" if k[-1] else "fwd": {"form": d.form, "reason": d.reason,
+                                                              "measured_ms": d.measured_ms}
+                              for k, d in attn.form_policy.cache.items()}
+        return res
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _tp_worker(rank, world, port, args, path):
+    init_nccl_rank(rank, world, port, timeout_s=300)
+    out = []
+    for name in args.models:
+        cfg = preset(name)
+        seqlen = args.seqlen or args.tokens_per_gpu * world
+        for causal in args.causal:
+            r = tp_bench(args.tp, dim=cfg.dim, heads=cfg.heads, head_dim=cfg.head_dim, seqlen=seqlen,
+                         chunks=args.tp_chunks, causal=causal, iters=args.iters)
+            r["model"] = name
+            out.append(r)
+            if rank == 0:
+                print(f"[block TP={r['tp']} CP={r['cp']} {name} L={seqlen} causal={causal}] " + " ".join(
+                    f"{m}={e['fwd_ms']:.2f}/{e['fwd_bwd_ms']:.2f}" for m, e in r["modes"].items())
+                    + f" | auto: {r['auto_choice']}", flush=True)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def tp_main(args) -> None:
+    """``--tp T``: under torchrun one world (this process's rank); else spawned ranks per --world-sizes."""
+    stem = f"block_tp{args.tp}"
+    if "LOCAL_RANK" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"_{stem}_P{world}.json")
+        _tp_worker(rank, world, int(os.environ["MASTER_PORT"]), args, path)
+        if rank != 0:
+            return
+        with open(path) as f:
+            results = json.load(f)
+        os.remove(path)
+    else:
+        results = [r for rs in run_world_sizes(_tp_worker, [int(w) for w in args.world_sizes.split(",")], args,
+                                               args.out, stem) for r in rs]
+    meta = run_meta()
+    lines = [f"{meta['device']}, {meta['date']}, bf16, links {meta.get('links', 'nvlink')}; fwd ms / fwd+bwd ms "
+             "(speedup vs megatron: Megatron's own TP-SP self-attention); output rel. diff vs megatron", "",
+             "| TP | CP | model | L | causal | mode | fwd | fwd+bwd | rel diff |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for m, e in r["modes"].items():
+            lines.append(f"| {r['tp']} | {r['cp']} | {r['model']} | {r['L'] // 1024}K | {r['causal']} | {m} | "
+                         f"{e['fwd_ms']:.2f} ({e['speedup_fwd']:.2f}x) | {e['fwd_bwd_ms']:.2f} "
+                         f"({e['speedup_fwd_bwd']:.2f}x) | {e['rel_diff_vs_megatron']:.1e} |")
+        lines.append(f"| {r['tp']} | {r['cp']} | {r['model']} | {r['L'] // 1024}K | {r['causal']} | auto chose | "
+                     + ", ".join(f"{k}: {v['form']}" for k, v in r["auto_choice"].items()) + " | | |")
+    tag = f"_{args.tag}" if args.tag else ""
+    with open(os.path.join(args.out, f"{stem}{tag}.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(os.path.join(args.out, f"{stem}{tag}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-sizes", default="4")
@@ -288,10 +496,18 @@ def main():
     ap.add_argument("--baselines", default="deepspeed",
                     help="comma list of peer blocks timed beside ours: deepspeed (the plain block with DeepSpeed's "
                          "DistributedAttention, when deepspeed imports), or empty")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel size: > 1 benchmarks the TP x CP block's forms against Megatron's own TP-SP "
+                         "self-attention (CP = world / TP; see the module docstring), not the TP 1 blocks")
+    ap.add_argument("--causal", default="0", help="--tp: comma list of 0/1 (causal mask, Megatron's zigzag split)")
+    ap.add_argument("--tp-chunks", type=int, default=1, help="--tp: HCMS head chunks (--hcms-head-chunks)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="block_out")
     args = ap.parse_args()
     args.models = args.models.split(",")
+    if args.tp > 1:
+        args.causal = [c.strip() in ("1", "true", "True") for c in args.causal.split(",")]
+        return tp_main(args)
     args.baselines = [b for b in args.baselines.split(",") if b]
     args.chunks = [int(c) for c in args.chunks.split(",")]
     args.transports = (args.transports.split(",") if args.transports
