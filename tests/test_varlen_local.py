@@ -390,6 +390,21 @@ def test_attend_runs_the_plans_method(monkeypatch, method):
                                                scale=0.4))
 
 
+def test_auto_with_dropout_measures_nothing(monkeypatch):
+    """Attention dropout: "auto" runs per_sample without timing (timing would draw masks, moving the RNG)."""
+    timer = _Timer(dict.fromkeys(varlen.METHODS, 1.0))
+    monkeypatch.setattr(varlen, "_DEFAULT", varlen.VarlenChooser(timer=timer, measure_off_cuda=True))
+    cu = (0, 4, 8, 11)
+    q, k, v, _ = _inputs(cu, 2, 2, 8, torch.float32, 0, strided=False)
+    torch.manual_seed(0)
+    o = attend.local_attention(get_backend("auto"), q, k, v, False, 0.4, None, 0.5, cu, "auto")
+    torch.manual_seed(0)
+    o_ps = attend.local_attention(get_backend("auto"), q, k, v, False, 0.4, None, 0.5, cu, "per_sample")
+    assert timer.calls == [] and torch.equal(o, o_ps)
+    attend.local_attention(get_backend("auto"), q, k, v, False, 0.4, None, 0.0, cu, "auto")
+    assert len(timer.calls) == 2  # without dropout "auto" measures (here: per_sample and grouped)
+
+
 def test_attend_refuses_a_bad_setting():
     cu = (0, 4, 8)
     q, k, v, _ = _inputs(cu, 2, 2, 8, torch.float32, 0, strided=False)

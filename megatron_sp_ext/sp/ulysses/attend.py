@@ -42,6 +42,8 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
     ``varlen_kernel`` method (varlen.py; "per_sample": one call per sample over its range)."""
     if dropout_p > 0.0:
         be = _DropoutSDPA(dropout_p)
+        # "auto" would time calls that draw dropout masks (moving the RNG stream): one call per sample instead
+        varlen_kernel = "per_sample" if varlen_kernel == "auto" else varlen_kernel
     if cu_seqlens is not None:
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         method = varlen.choose(varlen_kernel, be, q, k, v, cu_seqlens, causal=causal, scale=scale,
