@@ -160,3 +160,55 @@ def tp_cp_block_family(rank: int, world: int) -> list:
                 rec.append({"family": "tp-cp-block", "case": f"TP=2 CP={world // 2} {form} {dtype} H={h}/{hkv} "
                             f"C={chunks} norm={qk_norm} causal={causal} zigzag", "errs": errs, "tol": tol})
     return rec
+
+
+MEGATRON_FORMS = ("pipelined", "mixed", "mixed_in", "auto")
+
+
+def tp_cp_megatron_family(rank: int, world: int) -> list:
+    """Megatron's own TP sequence-parallel self-attention (SPSelfAttention, sp_form="megatron": megatron-core's
+    local layers) against the TP x CP block's forms and ``auto`` (its FormPolicy; on CUDA timed with CUDA events,
+    the calibration on detached copies) in the same module and weights, TP2 x CP(world / 2), fp32, zigzag:
+    output, input grad and every parameter grad after Megatron's reductions (TP-sharded: summed over CP;
+    replicated: over TP and CP), each relative to Megatron's path. 2 shapes x 4 forms = 8 cases, tol 1e-4."""
+    from megatron.core import parallel_state as ps
+
+    from tools.bench_block import build_tp_attention, zigzag_freqs
+    if DEV == "cpu":  # Megatron's SP layers allocate their buffers on torch.cuda.current_device(): no CPU path
+        torch.cuda.current_device = lambda: "cpu"
+    tp, cp, dim, heads, hn = 2, world // 2, 128, 8, 16
+    rec = []
+    for kv, chunks, causal in ((4, 2, True), (8, 1, False)):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        try:
+            attn = build_tp_attention(tp, cp, dim=dim, heads=heads, kv_heads=kv, chunks=chunks, causal=causal,
+                                      qk_norm=True, dtype=torch.float32, device=DEV)
+            tp_g, cp_g = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+            s = 32 * world
+            gen = torch.Generator().manual_seed(11 + rank)
+            x0, dy = (torch.randn(s // world, 1, dim, generator=gen).to(DEV) for _ in range(2))
+            freqs = zigzag_freqs(s, hn, ps.get_context_parallel_rank(), cp, DEV)
+            res = {}
+            for form in ("megatron",) + MEGATRON_FORMS:
+                attn.zero_grad(set_to_none=True)
+                x = x0.clone().requires_grad_()
+                y, bias = attn(x, None, rotary_pos_emb=freqs, **({} if form == "auto" else {"sp_form": form}))
+                y = y + bias  # linear_proj's skip_bias_add: the layer adds it (bias-dropout-add)
+                y.backward(dy)
+                r = {"out": y.detach(), "dx": x.grad}
+                for n, p in attn.named_parameters():
+                    assert p.grad is not None, (form, n)
+                    gr = p.grad.clone()
+                    dist.all_reduce(gr, group=cp_g)  # Megatron's DP x CP gradient reduction
+                    if not getattr(p, "tensor_model_parallel", False):  # replicated under SP: partial over TP too
+                        dist.all_reduce(gr, group=tp_g)
+                    r["d" + n] = gr
+                res[form] = r
+            ref = res.pop("megatron")
+            for form, r in res.items():
+                rec.append({"family": "tp-cp-megatron", "case": f"TP=2 CP={cp} {form} vs Megatron's TP-SP layer fp32 "
+                            f"H={heads}/{kv} C={chunks} causal={causal} zigzag",
+                            "errs": {k: rel_err(v, ref[k]) for k, v in r.items()}, "tol": 1e-4})
+        finally:
+            ps.destroy_model_parallel()
+    return rec

@@ -43,6 +43,18 @@ def test_cuda_worker_runs_on_cpu(monkeypatch):
             assert max(r["errs"].values()) <= r["tol"], r
 
 
+def test_cuda_megatron_worker_runs_on_cpu(monkeypatch):
+    """tests/cuda_tp_cp.tp_cp_megatron_family's records, dry-run on CPU gloo ranks: each form (and auto) of the
+    adapter equals Megatron's own TP-SP layer in the same module."""
+    pytest.importorskip("megatron.core")
+    import tests.cuda_tp_cp as mod
+    monkeypatch.setattr(mod, "DEV", "cpu")
+    for per_rank in run_ranks(mod.tp_cp_megatron_family, 4, timeout=400):
+        assert len(per_rank) == 8 and all(r["family"] == "tp-cp-megatron" for r in per_rank)
+        for r in per_rank:
+            assert len(r["errs"]) >= 8 and max(r["errs"].values()) <= 1e-5, r  # fp32 on CPU: tighter than the tol
+
+
 def test_mixed_form_needs_cp_major_tcp_group():
     def fn(rank, world):
         from megatron_sp_ext.sp.tp_cp_block import check_tp_cp_groups

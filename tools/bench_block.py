@@ -339,7 +339,7 @@ def build_tp_attention(tp: int, cp: int, *, dim: int, heads: int, kv_heads: int,
     return attn.to(device, dtype)
 
 
-def _zigzag_freqs(seqlen: int, head_dim: int, cp_rank: int, cp: int, device) -> torch.Tensor:
+def zigzag_freqs(seqlen: int, head_dim: int, cp_rank: int, cp: int, device) -> torch.Tensor:
     """RoPE freqs [S_cp, 1, 1, D] of this CP rank's tokens (Megatron's zigzag split)."""
     from megatron_sp_ext.sp.placement import pieces  # noqa: PLC0415
     pos = torch.tensor([i for a, n in pieces("zigzag", cp_rank, cp, seqlen) for i in range(a, a + n)])
@@ -367,7 +367,7 @@ def tp_bench(tp: int, *, dim: int, heads: int, head_dim: int, seqlen: int, chunk
         g = torch.Generator().manual_seed(7 + dist.get_rank())
         x = torch.randn(s_tp, 1, dim, generator=g).to(device, dtype).requires_grad_()
         dy = torch.randn(s_tp, 1, dim, generator=g).to(device, dtype)
-        freqs = _zigzag_freqs(seqlen, head_dim, ps.get_context_parallel_rank(), cp, device)
+        freqs = zigzag_freqs(seqlen, head_dim, ps.get_context_parallel_rank(), cp, device)
 
         def call(mode):
             kw = {} if mode == "auto" else {"sp_form": mode}
