@@ -82,11 +82,29 @@ def _ring_rank(rank, world, variant):
                                                             cu_seqlens=c),
                       rank, world, cu, placement, causal, layout, 2, hkv, n)
                 n += 1
-    # non-causal attention in the zigzag placement (what a causal model's non-causal layer sees)
-    cu = packed_cu(world, "zigzag", (2, 1))
-    check(lambda q, k, v, c: spx.ring_attention(q, k, v, g, variant=variant, placement="zigzag", cu_seqlens=c),
-          rank, world, cu, "zigzag", False, "bshd", 2, 2, n)
-    return n + 1
+    # non-causal attention in the zigzag placement (what a causal model's non-causal layer sees), and causal in the
+    # contiguous placement (unbalanced but exact; sample lengths 3P and P, not multiples of 2P)
+    for causal, placement, mults in ((False, "zigzag", (2, 1)), (True, "contiguous", MULTS["contiguous"])):
+        cu = packed_cu(world, placement, mults)
+        check(lambda q, k, v, c: spx.ring_attention(q, k, v, g, variant=variant, causal=causal, placement=placement,
+                                                    cu_seqlens=c),
+              rank, world, cu, placement, causal, "bshd", 2, 2, n)
+        n += 1
+    if variant == "ring":  # one kernel call per sample and step (causal zigzag: the diagonal is one causal call)
+        from megatron_sp_ext.attention.backends import get_backend
+        from megatron_sp_ext.sp.placement import varlen_pieces
+        from megatron_sp_ext.sp.ring.ring import make_ring_plan
+        for causal, placement in ((False, "contiguous"), (True, "zigzag")):
+            cu = tuple(packed_cu(world, placement, MULTS[placement]))
+            runs = tuple(varlen_pieces(placement, o, world, cu) for o in range(world))
+            plan = make_ring_plan(g, variant="ring", s_loc=cu[-1] // world, q_runs=runs[rank], kv_runs=runs,
+                                  causal=causal, scale=1.0, backend=get_backend("sdpa"), cu_seqlens=cu)
+            samples = sum(b > a for a, b in zip(cu, cu[1:]))
+            for step in range(world):
+                items = plan.items(step, "cpu")
+                assert len(items) == samples, (causal, step, items)
+                assert all(it.mask is None and isinstance(it.q_rows, slice) for it in items), items
+    return n
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
