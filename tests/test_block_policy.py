@@ -75,14 +75,22 @@ def _scripted_timer(table, calls):
 
 
 def _form_policy_case(rank, world, table, **kw):
+    import logging
+
     from megatron_sp_ext.sp.block_policy import FormPolicy
-    calls, ran = [], []
+    calls, ran, logged = [], [], []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger("megatron_sp_ext")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     pol = FormPolicy(timer=_scripted_timer(table, calls), **kw)
     cands = {n: (lambda n=n: ran.append(n)) for n in FORMS}
     form = pol.choose(("k", 1), cands, dist.group.WORLD, torch.device("cpu"))
     n_ran = len(ran)
     assert pol.choose(("k", 1), cands, dist.group.WORLD, torch.device("cpu")) == form  # cached: nothing runs
     assert len(ran) == n_ran
+    assert len(logged) == 1 and f"block form -> {form} for ('k', 1)" in logged[0], logged  # logged once per key
     dec = pol.cache[("k", 1)]
     return form, dec.reason, dec.rounds, ran, calls
 
