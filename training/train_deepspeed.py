@@ -31,12 +31,13 @@ from training.video_dit import ds_checkpoint as ds_ckpt  # noqa: E402
 from training.video_dit.checkpoint import check_resume_step, describe  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
-                                    frames_and_size, parallel_size_problem, pick_device)
+                                    check_shapes, parallel_size_problem, pick_device)
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
-from training.video_dit.engine import MetricsLog, check_divisible  # noqa: E402
+from training.video_dit.engine import MetricsLog  # noqa: E402
 from training.video_dit.logs import captured_stdout, quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import DeepSpeedOps, RunContext, add_train_args, train_loop  # noqa: E402
+from training.video_dit.packing import first_sample, make_pack_plan  # noqa: E402
 from training.video_dit.pipeline import consumed_samples, resume_base  # noqa: E402
 from training.video_dit.sample import write_demo_samples  # noqa: E402
 
@@ -123,11 +124,7 @@ def _build(args, ds_cfg: dict, device):
     """The model and the DeepSpeed engine (sequence parallelism from the JSON block)."""
     from megatron_sp_ext.deepspeed import initialize  # noqa: PLC0415
     cfg = preset(args.model, args.num_layers)
-    frames, h, w = frames_and_size(args)
-    try:
-        check_divisible(cfg, frames, h, w)
-    except ValueError as e:
-        raise SPConfigError(f"--frames/--latent-size: {e}") from None
+    check_shapes(args, cfg)
     ds_cfg.setdefault("train_micro_batch_size_per_gpu", args.micro_batch_size)
     if args.check_for_nan_in_loss_and_grad and ds_cfg.get("bf16", {}).get("enabled"):
         ds_cfg["bf16"].setdefault("check_grad_overflow", True)  # the guard relies on DeepSpeed's skip of such steps
@@ -137,7 +134,7 @@ def _build(args, ds_cfg: dict, device):
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
     fused_backend = resolve_fused(args.fused_elementwise, device)
     model.set_fused_elementwise(fused_backend)
-    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend))
+    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples))
     engine, _, _, _ = initialize(model=model, config=ds_cfg, num_heads=cfg.heads)
     return engine, cfg
 
@@ -157,14 +154,16 @@ def _train(args, engine, cfg, device) -> dict:
             print(f"[train_deepspeed] resumed from {loaded['path']} (step {start}) in {loaded['seconds']:.2f}s",
                   flush=True)
     global_batch = dp_world * args.micro_batch_size
-    base, note = resume_base(loaded, start, global_batch)
+    base, note = (0, None) if args.pack_samples else resume_base(loaded, start, global_batch)
     if note and rank == 0:
         logger.warning(note)
     dataset = build_dataset(args, cfg)
+    plan = make_pack_plan(args, dataset, cfg, sp_world, first_sample(loaded, start, global_batch), start)
     block = engine.config.get("sequence_parallel_ext", {}) if isinstance(engine.config, dict) else {}
     if not args.quiet:
         logger.info(f"model={args.model} layers={cfg.layers} SP={sp_world} DP={dp_world} "
-                    f"zero={engine.zero_optimization_stage()} sequence_parallel_ext={block} device={device}")
+                    f"zero={engine.zero_optimization_stage()} sequence_parallel_ext={block} device={device}"
+                    + (f" pack_samples max_tokens_per_step={args.max_tokens_per_step}" if plan else ""))
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     bf16 = engine.bfloat16_enabled()
 
@@ -172,10 +171,11 @@ def _train(args, engine, cfg, device) -> dict:
         if bf16:
             inp.x, inp.text, inp.t = inp.x.bfloat16(), inp.text.bfloat16(), inp.t.bfloat16()
     ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, world)
-    position = lambda s: {"consumed_samples": consumed_samples(s, base, global_batch),  # noqa: E731
-                          "global_batch": global_batch}
+    position = lambda s: {"consumed_samples": plan.consumed_samples(s, dp_world) if plan else  # noqa: E731
+                          consumed_samples(s, base, global_batch), "global_batch": global_batch}
     losses = train_loop(args, DeepSpeedOps(engine), dataset, cfg, ctx, device, log, start=start, sample_base=base,
-                        cast_inputs=cast_inputs, save=lambda s: _save(args, engine, s, rank, position(s)))
+                        cast_inputs=cast_inputs, save=lambda s: _save(args, engine, s, rank, position(s)),
+                        pack_plan=plan)
     # the last step is saved unless the interval saved it, or no step ran (the loaded checkpoint is the end)
     interval_saved = bool(args.save_interval) and args.train_iters % args.save_interval == 0
     if args.save and start < args.train_iters and not interval_saved:

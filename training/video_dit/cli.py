@@ -52,10 +52,19 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model", default="tiny", choices=list(PRESETS), help="model preset")
     g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
     g.add_argument("--frames", default="4", help="comma list of latent frame counts, cycled per sample")
-    g.add_argument("--latent-size", default="8x8", help="latent HxW (before the 2x2 patch)")
+    g.add_argument("--latent-size", default="8x8", help="latent HxW (before the 2x2 patch); a comma list (e.g. "
+                   "60x104,48x84) is cycled per sample independently of --frames")
     g.add_argument("--data-path", default=None, help="directory of latent shards (tools/make_latents.py); "
                    "default: synthetic latents")
     g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--pack-samples", action="store_true",
+                   help="pack clips of different sizes (frames and/or latent HxW) into ONE sequence per step (B=1, "
+                        "cu_seqlens) instead of one micro-batch of equal-sized clips; consecutive samples fill the "
+                        "step up to --max-tokens-per-step. Loss: mean over the packed samples of each sample's mean "
+                        "(= one-sample-at-a-time). Under SP each sample's token count must divide by the SP size; "
+                        "attention modes: ulysses, hcms (auto stays on them)")
+    g.add_argument("--max-tokens-per-step", type=int, default=None,
+                   help="with --pack-samples: the video-token budget of one packed step (per data-parallel rank)")
     g.add_argument("--train-iters", type=int, default=30)
     g.add_argument("--lr", type=float, default=2e-3)
     g.add_argument("--weight-decay", type=float, default=0.0)
@@ -81,18 +90,52 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error(f"--sample-steps={args.sample_steps}: must be >= 0 (0 turns sampling off)")
     if args.sample_steps and not args.log_dir:
         p.error("--sample-steps needs --log-dir (samples.png is written there, beside loss.png)")
+    if args.max_tokens_per_step is not None and not args.pack_samples:
+        p.error("--max-tokens-per-step is the budget of a packed step: add --pack-samples")
+    if args.pack_samples:
+        if args.max_tokens_per_step is None or args.max_tokens_per_step < 1:
+            p.error(f"--pack-samples needs --max-tokens-per-step N (a positive video-token budget per step; got "
+                    f"{args.max_tokens_per_step})")
+        if args.micro_batch_size != 1:
+            p.error(f"--pack-samples packs one sequence per step (B=1): use --micro-batch-size 1 (got "
+                    f"{args.micro_batch_size}); --max-tokens-per-step sets how many clips join it")
+        if getattr(args, "ulysses_packed_qkv", "off") == "on":
+            p.error("--ulysses-packed-qkv on cannot run --pack-samples (the packed q|k|v exchange takes one sample "
+                    "per sequence): use --ulysses-packed-qkv off or auto (auto turns it off for packed samples)")
 
 
-def frames_and_size(args) -> tuple[list, int, int]:
+def frames_and_sizes(args) -> tuple[list, list]:
+    """(--frames as ints, --latent-size as [(H, W), ...])."""
     try:
         frames = [int(x) for x in str(args.frames).split(",")]
     except ValueError:
         raise SPConfigError(f"--frames={args.frames!r}: expected a comma list of whole numbers, e.g. 4 or 4,8") from None
     try:
-        h, w = (int(x) for x in args.latent_size.lower().split("x"))
+        sizes = [tuple(int(x) for x in hw.lower().split("x")) for hw in args.latent_size.split(",")]
+        if any(len(hw) != 2 for hw in sizes):
+            raise ValueError
     except ValueError:
-        raise SPConfigError(f"--latent-size={args.latent_size!r}: expected HxW, e.g. 8x8") from None
-    return frames, h, w
+        raise SPConfigError(f"--latent-size={args.latent_size!r}: expected HxW or a comma list of them, e.g. 8x8 "
+                            f"or 8x8,6x10") from None
+    if any(n < 1 for n in frames) or any(n < 1 for hw in sizes for n in hw):
+        raise SPConfigError(f"--frames={args.frames!r} --latent-size={args.latent_size!r}: sizes must be positive")
+    return frames, sizes
+
+
+def frames_and_size(args) -> tuple[list, int, int]:
+    """(--frames, H, W of the first --latent-size)."""
+    frames, sizes = frames_and_sizes(args)
+    return frames, sizes[0][0], sizes[0][1]
+
+
+def check_shapes(args, cfg) -> None:
+    """--frames / --latent-size must cut into the model's patches (SPConfigError naming them)."""
+    from .engine import check_divisible  # noqa: PLC0415
+    frames, sizes = frames_and_sizes(args)
+    try:
+        check_divisible(cfg, frames, 0, 0, sizes)
+    except ValueError as e:
+        raise SPConfigError(f"--frames/--latent-size: {e}") from None
 
 
 def build_dataset(args, cfg):
@@ -102,8 +145,10 @@ def build_dataset(args, cfg):
                                       patch=cfg.patch, micro_batch=args.micro_batch_size)
         except FileNotFoundError as e:  # --data-path names no directory / no latent files: the user's setting
             raise LatentFileError(str(e)) from None
-    frames, h, w = frames_and_size(args)
-    return SyntheticVideoLatents(cfg.in_channels, frames, h, w, cfg.text_len, cfg.text_dim, seed=args.seed)
+    frames, sizes = frames_and_sizes(args)
+    (h, w) = sizes[0]
+    return SyntheticVideoLatents(cfg.in_channels, frames, h, w, cfg.text_len, cfg.text_dim, seed=args.seed,
+                                 sizes=sizes if len(sizes) > 1 else None)
 
 
 def pick_device() -> torch.device:

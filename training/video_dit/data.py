@@ -25,7 +25,9 @@ class SyntheticVideoLatents:
     frame, period ``PERIOD``). The phase varies per sample. The text embedding is the prompt's fixed
     embedding plus a little noise, so a text-conditioned model can learn all three; the tiny demo
     model learns the colour within a minute, the stripes take longer. ``frames`` cycles through the
-    given frame counts. Values lie in ~[-0.1, 1.6] (0.03 noise).
+    given frame counts and ``sizes`` (optional list of (H, W), default [(height, width)]) through latent
+    sizes, independently: sample i is frames[i % len(frames)] x sizes[i % len(sizes)]. Values lie in
+    ~[-0.1, 1.6] (0.03 noise).
     """
 
     NUM_PROMPTS = 4
@@ -34,32 +36,40 @@ class SyntheticVideoLatents:
     PERIOD, SPEED = 5.0, 1.0
 
     def __init__(self, channels: int, frames: Sequence[int], height: int, width: int, text_len: int,
-                 text_dim: int, seed: int = 0) -> None:
+                 text_dim: int, seed: int = 0, sizes: Sequence[tuple] | None = None) -> None:
         self.c, self.frames, self.h, self.w = channels, list(frames), height, width
+        self.sizes = [tuple(s) for s in sizes] if sizes else [(height, width)]
+        self.period = math.lcm(len(self.frames), len(self.sizes))  # one frame count and size per sample
         self.text_len, self.text_dim, self.seed = text_len, text_dim, seed
         self.prompts = torch.randn(self.NUM_PROMPTS, text_len, text_dim,
                                    generator=torch.Generator().manual_seed(20261123))
 
     def prompt_of(self, i: int) -> int:
         """The prompt (0..NUM_PROMPTS-1) of sample i; frame counts and prompts vary independently."""
-        return (i // len(self.frames)) % self.NUM_PROMPTS
+        return (i // self.period) % self.NUM_PROMPTS
+
+    def shape_of(self, i: int) -> tuple:
+        """(latent [C, T, H, W] shape, text length) of sample i, without building it."""
+        h, w = self.sizes[i % len(self.sizes)]
+        return (self.c, self.frames[i % len(self.frames)], h, w), self.text_len
 
     def __getitem__(self, i: int) -> dict:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         t, k = self.frames[i % len(self.frames)], self.prompt_of(i)
+        height, width = self.sizes[i % len(self.sizes)]
         text = self.prompts[k] + 0.1 * torch.randn(self.text_len, self.text_dim, generator=g)
         dy, dx = self.DIRECTIONS[k]
         phase = float(torch.rand(1, generator=g)) * 2 * math.pi
         tt = torch.arange(t, dtype=torch.float32)[:, None, None]
-        yy = torch.arange(self.h, dtype=torch.float32)[None, :, None]
-        xx = torch.arange(self.w, dtype=torch.float32)[None, None, :]
+        yy = torch.arange(height, dtype=torch.float32)[None, :, None]
+        xx = torch.arange(width, dtype=torch.float32)[None, None, :]
         coord = yy * abs(dy) + xx * abs(dx) - (dy + dx) * self.SPEED * tt  # [T, H, W]
         wave = 0.5 + 0.5 * torch.cos(2 * math.pi * coord / self.PERIOD + phase)
         colour = torch.zeros(self.c)
         colour[:min(3, self.c)] = torch.tensor(self.COLOURS[k])[:min(3, self.c)]
         if self.c > 3:
             colour[3] = 1.0
-        latent = colour[:, None, None, None] * wave[None] + 0.03 * torch.randn(self.c, t, self.h, self.w, generator=g)
+        latent = colour[:, None, None, None] * wave[None] + 0.03 * torch.randn(self.c, t, height, width, generator=g)
         return {"latent": latent.float(), "text": text.float()}
 
 
@@ -85,11 +95,13 @@ class LatentShardDataset:
         if not self.files:
             raise FileNotFoundError(f"--data-path={path!r} holds no .pt or .safetensors latent files")
         self.channels, self.text_dim, self.patch = channels, text_dim, patch
+        self.shapes: dict = {}  # file -> (latent shape, text length), from the headers
         first = None  # (file, latent shape, text length): micro-batches > 1 need one shape
         for f in self.files[:check_up_to]:
             header = _header(f)
             self._check(f, header)
             shape, length = header["latent"][0], header["text"][0][0]
+            self.shapes[f] = (tuple(shape), length)
             if micro_batch > 1 and first is not None and (shape, length) != first[1:]:
                 raise LatentFileError(
                     f"{f}: latent {list(shape)}, text L={length}; {first[0]}: latent {list(first[1])}, text "
@@ -99,6 +111,15 @@ class LatentShardDataset:
 
     def __len__(self) -> int:
         return len(self.files)
+
+    def shape_of(self, i: int) -> tuple:
+        """(latent [C, T, H, W] shape, text length) of sample i from its file's header (no tensor bytes read)."""
+        f = self.files[i % len(self.files)]
+        if f not in self.shapes:
+            header = _header(f)
+            self._check(f, header)
+            self.shapes[f] = (tuple(header["latent"][0]), header["text"][0][0])
+        return self.shapes[f]
 
     def __getitem__(self, i: int) -> dict:
         f = self.files[i % len(self.files)]

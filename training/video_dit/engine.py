@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp_ext.config import SPConfig
+from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.factory import SPResources, make_attention
 from megatron_sp_ext.sp.placement import pieces
 
 from .model import patchify
+from .varlen import PackInfo
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
@@ -44,8 +46,13 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
     attn = make_attention(cfg, group, num_heads=num_heads, layout="bshd", placement="contiguous",
                           backend=backend, resources=SPResources(cfg))
 
-    def core(q, k, v, n=None):
-        return attn(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n)
+    def core(q, k, v, n=None, cu_seqlens=None):
+        if cu_seqlens is None:
+            return attn(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n)
+        try:  # packed samples (--pack-samples): the factory runs them per sample or refuses the mode by name
+            return attn(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n, cu_seqlens=cu_seqlens)
+        except SPConfigError as e:
+            raise SPConfigError(f"--pack-samples: {e}") from None
     core.attention = attn
     core.mode_policy = attn.res.mode_policy
     if attn.packed is not None:
@@ -57,6 +64,13 @@ def _rng(seed: int, sample: int) -> torch.Generator:
     """The noise of global sample ``sample`` (its index in the run's sample stream): the same whatever the
     data-parallel size and micro-batch split, so a run resharded across DP sizes draws what it would have."""
     return torch.Generator().manual_seed(seed * 1_000_003 + sample)
+
+
+def sample_noise(shape, seed: int, index: int) -> tuple:
+    """(eps of ``shape``, t [1]) of global sample ``index``: its flow-matching noise and timestep (logit-normal)."""
+    g = _rng(seed, index)
+    eps = torch.randn(shape, generator=g)
+    return eps, torch.sigmoid(torch.randn(1, generator=g))
 
 
 def describe_samples(dataset, ids: list) -> list:
@@ -79,10 +93,8 @@ def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: i
         index = base + (step * dp_world + dp_rank) * micro_batch + m
         sample = dataset[index]
         ids.append(index)
-        g = _rng(seed, index)
         x0 = sample["latent"][None]
-        eps = torch.randn(x0.shape, generator=g)
-        t = torch.sigmoid(torch.randn(1, generator=g))
+        eps, t = sample_noise(x0.shape, seed, index)
         xs.append((1 - t) * x0 + t * eps)
         tgts.append(eps - x0)
         ts.append(t)
@@ -124,6 +136,7 @@ class StepInputs:
     grid: tuple
     n_valid: int
     n_pad: int
+    pack: Optional[PackInfo] = None  # a packed step (--pack-samples): B=1, t [N], text [1, sum L_i, D]
 
 
 def prepare(batch: dict, sp_rank: int, sp_world: int, device) -> StepInputs:
@@ -135,7 +148,14 @@ def prepare(batch: dict, sp_rank: int, sp_world: int, device) -> StepInputs:
 
 
 def local_loss(model, inp: StepInputs, autocast_dtype=None) -> torch.Tensor:
-    """This rank's share loss_r (see module docstring); padded tokens are excluded."""
+    """This rank's share loss_r (see module docstring); padded tokens are excluded. A packed step
+    (``inp.pack``): each token weighted 1 / (N * n_i) (varlen.token_weights), so the SP group's sum is the
+    mean over the N samples of each sample's mean loss."""
+    if inp.pack is not None:
+        with torch.autocast(device_type=inp.x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            pred = model(inp.x, inp.t, inp.text, inp.token_ids, inp.grid, pack=inp.pack)
+        err = (pred.float() - inp.target.float()).pow(2).sum(-1)[0]  # [S_loc]
+        return (err * inp.pack.token_weight).sum() / inp.x.shape[2]
     with torch.autocast(device_type=inp.x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         pred = model(inp.x, inp.t, inp.text, inp.token_ids, inp.grid,
                      kv_valid_len=inp.n_valid if inp.n_pad > inp.n_valid else None)
@@ -251,11 +271,13 @@ def seqlen_of(cfg, frames: int, height: int, width: int) -> int:
     return (frames // pt) * (height // ph) * (width // pw)
 
 
-def check_divisible(cfg, frames, height, width) -> None:
+def check_divisible(cfg, frames, height, width, sizes=None) -> None:
+    """frames: frame counts; (height, width), or ``sizes`` a list of (H, W): each a multiple of the patch."""
     pt, ph, pw = cfg.patch
-    for n, p, name in ((height, ph, "height"), (width, pw, "width")):
-        if n % p:
-            raise ValueError(f"latent {name} {n} is not a multiple of the patch size {p}")
+    for h, w in sizes or [(height, width)]:
+        for n, p, name in ((h, ph, "height"), (w, pw, "width")):
+            if n % p:
+                raise ValueError(f"latent {name} {n} is not a multiple of the patch size {p}")
     for f in frames:
         if f % pt:
             raise ValueError(f"frame count {f} is not a multiple of the temporal patch {pt}")

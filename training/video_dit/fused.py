@@ -96,11 +96,19 @@ class ElementwiseOps:
         return self._qkv_pack[layout]
 
 
-def resolve_packed(choice: str, fused_backend: Optional[str], flag: str = "--ulysses-packed-qkv") -> bool:
+def resolve_packed(choice: str, fused_backend: Optional[str], flag: str = "--ulysses-packed-qkv",
+                   packed_samples: bool = False) -> bool:
     """Whether blocks write q|k|v in the exchange's send layout: ``auto`` when the elementwise regions are
-    compiled (eager, the layout change would be a copy of its own, as in the plain path), ``on``, ``off``."""
+    compiled (eager, the layout change would be a copy of its own, as in the plain path), ``on``, ``off``.
+    With ``packed_samples`` (--pack-samples: several clips per sequence, which that exchange does not take)
+    ``auto`` is off and ``on`` is refused."""
     if choice not in FUSED_CHOICES:
         raise ValueError(f"{flag}={choice!r}: choose one of {', '.join(FUSED_CHOICES)}")
+    if packed_samples:
+        if choice == "on":
+            raise ValueError(f"{flag}=on cannot run --pack-samples (the packed q|k|v exchange takes one sample per "
+                             f"sequence): use {flag} off or auto")
+        return False
     return choice == "on" or (choice == "auto" and fused_backend is not None)
 
 

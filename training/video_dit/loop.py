@@ -203,9 +203,11 @@ def _plant_inf_hook(model, step, at_step, rank):
 
 
 def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *, start: int, autocast=None,
-               save: Optional[Callable[[int], None]] = None, cast_inputs=None, sample_base: int = 0) -> list:
+               save: Optional[Callable[[int], None]] = None, cast_inputs=None, sample_base: int = 0,
+               pack_plan=None) -> list:
     """Run steps [start, args.train_iters); returns the mean sample loss per step (None if not read back).
-    ``sample_base``: the data position's offset after a resume (pipeline.sample_base)."""
+    ``sample_base``: the data position's offset after a resume (pipeline.sample_base); ``pack_plan``: a
+    packing.PackPlan (--pack-samples: one packed sequence of mixed-size clips per step)."""
     guard = StepGuard(args.check_for_nan_in_loss_and_grad, args.skip_nonfinite_steps, ctx.rank, ctx.world,
                       ctx.dp_world, ctx.group)
     spikes = SpikeDetector(args.loss_spike_factor)
@@ -214,7 +216,7 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
                     group=ctx.group)
     batches = StepBatches(dataset, start=start, stop=args.train_iters, seed=args.seed, dp_rank=ctx.dp_rank,
                           dp_world=ctx.dp_world, micro_batch=args.micro_batch_size, patch=cfg.patch,
-                          sp_rank=ctx.sp_rank, sp_world=ctx.sp_world, base=sample_base)
+                          sp_rank=ctx.sp_rank, sp_world=ctx.sp_world, base=sample_base, pack_plan=pack_plan)
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak (benchmarks run the entry more than once)
     prof = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end, args.profile_ranks, ctx.rank,
@@ -265,8 +267,12 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
             ev.mark(2)
         gn = out if out is not None else grad_norm
         losses.append(loss)
-        tel.record(step, loss, gn, ops.lr(), inp.n_valid * args.micro_batch_size * ctx.dp_world, inp.n_valid,
-                   len(guard.skipped), ev, {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid})
+        extra = {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid}
+        seqlen = inp.n_valid  # the length a token attends over (MFU); packed: its own sample's, averaged
+        if inp.pack is not None:
+            extra["samples"], seqlen = inp.pack.num_samples, inp.pack.attention_seqlen
+        tel.record(step, loss, gn, ops.lr(), inp.n_valid * args.micro_batch_size * ctx.dp_world, seqlen,
+                   len(guard.skipped), ev, extra)
         if save is not None and args.save and args.save_interval and (step + 1) % args.save_interval == 0:
             tel.flush()
             save(step + 1)

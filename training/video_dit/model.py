@@ -6,31 +6,49 @@ usual Conv3d). Blocks: AdaLN-zero modulated self-attention (QK RMSNorm, 3D RoPE 
 positions, the injected sequence-parallel core), cross-attention to replicated text embeddings
 (queries sharded: no exchange), GELU-tanh FFN. The head predicts the flow-matching velocity per
 patch; ``unpatchify`` rebuilds [B, C, T, H, W] from all tokens.
+
+Packed steps (``pack=``, a ``varlen.PackInfo``): B=1 and the sequence holds several clips of different sizes
+(``cu_seqlens``). Self-attention runs per sample (the core gets ``cu_seqlens``), every sample has its own 3D
+RoPE grid, its own timestep (AdaLN modulation expanded per token) and its own text: its video tokens
+cross-attend only to its own text tokens (block-diagonal). ``unpatchify_packed`` rebuilds each clip.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from megatron_sp_ext.errors import SPConfigError
+
 from .config import DiTConfig
 from .fused import ElementwiseOps, linear_input_dtype, rms_norm
 from .rope import RopeCache, apply_rope
+from .varlen import PackInfo
 
 # --recompute-modules values (Megatron-LM's names) for --recompute-granularity selective
 RECOMPUTE_MODULES = ("core_attn", "mlp")
 
-# core(q, k, v, kv_valid_len) -> out, all [B, S_local, H, D]; set by the entry point
+# core(q, k, v, kv_valid_len) -> out, all [B, S_local, H, D]; set by the entry point. Packed steps call
+# core(q, k, v, None, cu_seqlens=cu) with cu the int32 cumulative sample lengths over the full sequence (B=1).
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]
 
+PACK_FLAG = "--pack-samples"
 
-def local_core(q, k, v, kv_valid_len=None):
-    """Single-device attention (no sequence parallelism) with key padding."""
+
+def local_core(q, k, v, kv_valid_len=None, cu_seqlens=None):
+    """Single-device attention (no sequence parallelism) with key padding; with ``cu_seqlens`` (packed
+    samples, B=1) each sample attends only within itself (one SDPA per sample)."""
+    if cu_seqlens is not None:
+        if kv_valid_len is not None:
+            raise SPConfigError("packed samples (cu_seqlens) carry no padding: kv_valid_len must be None")
+        cu = [int(c) for c in cu_seqlens.tolist()]
+        outs = [local_core(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in zip(cu, cu[1:]) if b > a]
+        return torch.cat(outs, dim=1)
     mask = None
     if kv_valid_len is not None and kv_valid_len < k.shape[1]:
         mask = torch.zeros(k.shape[1], dtype=torch.bool, device=q.device)
@@ -55,6 +73,21 @@ def unpatchify(tokens: torch.Tensor, patch: tuple, channels: int, grid: tuple) -
     tn, hn, wn = grid
     x = tokens.view(b, tn, hn, wn, channels, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
     return x.reshape(b, channels, tn * pt, hn * ph, wn * pw)
+
+
+def unpatchify_packed(tokens: torch.Tensor, patch: tuple, channels: int, cu_seqlens: Sequence[int],
+                      grids: Sequence[tuple]) -> list:
+    """A packed sequence [1, N_total, C*pt*ph*pw] (full, global order) -> one [C, T, H, W] per sample."""
+    cu = [int(c) for c in cu_seqlens]
+    return [unpatchify(tokens[:, a:b], patch, channels, tuple(g))[0] for a, b, g in zip(cu, cu[1:], grids)]
+
+
+def per_token(values: torch.Tensor, pack: Optional[PackInfo]) -> torch.Tensor:
+    """Per-sample rows [B, k] -> what broadcasts over the tokens: [B, 1, k] (one sample per batch row), or
+    with ``pack`` each local token's sample's row, [1, S_local, k]."""
+    if pack is None:
+        return values[:, None]
+    return values.index_select(0, pack.sample_of_token)[None]
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -151,8 +184,14 @@ class SelfAttention(nn.Module):
         if torch.is_grad_enabled() and y.requires_grad:
             y.backward(torch.ones_like(y))
 
-    def forward(self, x, angles, kv_valid_len):
+    def forward(self, x, angles, kv_valid_len, cu_seqlens=None):
         b, s, _ = x.shape
+        if cu_seqlens is not None and self.sp_block is not None:
+            raise SPConfigError(f"{PACK_FLAG}: the async / all-gather self-attention block forms (--sp-async-qkv) "
+                                f"take no packed samples; use --sp-async-qkv off")
+        if cu_seqlens is not None and self.packed_qkv:
+            raise SPConfigError(f"{PACK_FLAG}: the packed q|k|v path (--ulysses-packed-qkv on) takes no packed "
+                                f"samples; use --ulysses-packed-qkv off or auto")
         if self.sp_block is not None:
             group, how = self.sp_block
             choice = how
@@ -181,10 +220,11 @@ class SelfAttention(nn.Module):
         q = self.ops.qk_prep(q, self.norm_q.weight, self.norm_q.eps, angles, self.heads)
         k = self.ops.qk_prep(k, self.norm_k.weight, self.norm_k.eps, angles, self.heads)
         v = v.reshape(b, s, self.heads, self.hd)
+        core = self.core if cu_seqlens is None else functools.partial(self.core, cu_seqlens=cu_seqlens)
         if self.recompute_core and torch.is_grad_enabled():
-            o = checkpoint(self.core, q, k, v, kv_valid_len, use_reentrant=False)
+            o = checkpoint(core, q, k, v, kv_valid_len, use_reentrant=False)
         else:
-            o = self.core(q, k, v, kv_valid_len)
+            o = core(q, k, v, kv_valid_len)
         return self.out(o.reshape(b, s, -1))
 
 
@@ -197,14 +237,21 @@ class CrossAttention(nn.Module):
         self.out = nn.Linear(cfg.dim, cfg.dim)
         self.ops = ElementwiseOps()
 
-    def forward(self, x, ctx):
+    def forward(self, x, ctx, pack: Optional[PackInfo] = None):
+        """x [B, S, d] to ctx [B, L, d]; with ``pack`` (B=1) the tokens of sample i attend only to its text
+        ctx[:, cu_text[i]:cu_text[i+1]] (block-diagonal: one SDPA per sample)."""
         b, s, _ = x.shape
         q = self.ops.rms_norm(self.q(x), self.norm_q.weight, self.norm_q.eps).view(b, s, self.heads, self.hd)
         q = q.transpose(1, 2)
         k, v = self.kv(ctx).chunk(2, dim=-1)
         k = self.norm_k(k).view(b, -1, self.heads, self.hd).transpose(1, 2)
         v = v.reshape(b, -1, self.heads, self.hd).transpose(1, 2)
-        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1))
+        if pack is None:
+            o = F.scaled_dot_product_attention(q, k, v)
+        else:
+            o = torch.cat([F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, c:d], v[:, :, c:d])
+                           for (a, e), (c, d) in zip(pack.local_ranges(), pack.text_ranges()) if e > a], dim=2)
+        return self.out(o.transpose(1, 2).reshape(b, s, -1))
 
 
 class Block(nn.Module):
@@ -223,18 +270,21 @@ class Block(nn.Module):
         self.recompute_mlp = False    # selective mlp: recompute the FFN (its [S, ffn] activations)
         self.ops = ElementwiseOps()
 
-    def forward(self, x, t_emb, ctx, angles, kv_valid_len):
+    def forward(self, x, t_emb, ctx, angles, kv_valid_len, pack: Optional[PackInfo] = None, cu=None):
         if self.recompute_block and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, t_emb, ctx, angles, kv_valid_len, use_reentrant=False)
-        return self._forward(x, t_emb, ctx, angles, kv_valid_len)
+            return checkpoint(self._forward, x, t_emb, ctx, angles, kv_valid_len, pack, cu, use_reentrant=False)
+        return self._forward(x, t_emb, ctx, angles, kv_valid_len, pack, cu)
 
-    def _forward(self, x, t_emb, ctx, angles, kv_valid_len):
+    def _forward(self, x, t_emb, ctx, angles, kv_valid_len, pack=None, cu=None):
+        """pack: a packed step's PackInfo (per-token modulation, block-diagonal cross-attention); cu: its
+        cu_seqlens tensor for the self-attention core."""
         ops = self.ops
         act = linear_input_dtype(x)  # the norms' outputs feed Linears: their autocast cast happens in the region
-        sh1, sc1, g1, sh2, sc2, g2 = self.modulation(F.silu(t_emb))[:, None].chunk(6, dim=-1)
-        x = ops.gated_residual(x, g1, self.attn(ops.ln_modulate(x, sc1, sh1, self.norm1.eps, act), angles,
-                                                kv_valid_len))
-        x = x + self.cross(ops.layer_norm(x, self.norm2.weight, self.norm2.bias, self.norm2.eps, act), ctx)
+        sh1, sc1, g1, sh2, sc2, g2 = per_token(self.modulation(F.silu(t_emb)), pack).chunk(6, dim=-1)
+        y = ops.ln_modulate(x, sc1, sh1, self.norm1.eps, act)
+        x = ops.gated_residual(x, g1, self.attn(y, angles, kv_valid_len) if cu is None else
+                               self.attn(y, angles, kv_valid_len, cu))
+        x = x + self.cross(ops.layer_norm(x, self.norm2.weight, self.norm2.bias, self.norm2.eps, act), ctx, pack)
         h = ops.ln_modulate(x, sc2, sh2, self.norm3.eps, act)
         if self.recompute_mlp and torch.is_grad_enabled():
             return ops.gated_residual(x, g2, checkpoint(self.ffn, h, use_reentrant=False))
@@ -243,7 +293,10 @@ class Block(nn.Module):
 
 class VideoDiT(nn.Module):
     """forward(patches [B, S_local, C*pt*ph*pw], t [B], text [B, L, text_dim], token_ids [S_local],
-    grid (T', H', W'), kv_valid_len) -> velocity per patch [B, S_local, C*pt*ph*pw]."""
+    grid (T', H', W'), kv_valid_len) -> velocity per patch [B, S_local, C*pt*ph*pw].
+
+    Packed (``pack=PackInfo``): patches [1, S_local, P] of N samples, t [N], text [1, sum L_i, text_dim],
+    token_ids = each local token's position in its own sample, grid ignored (``pack.grids``)."""
 
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
@@ -325,20 +378,34 @@ class VideoDiT(nn.Module):
         """DeepSpeed opt-in protocol (megatron_sp_ext.deepspeed.initialize): one SPDistributedAttention."""
         attn = make_attention(_sdpa_bshd, scatter_idx=2, gather_idx=1)
 
-        def core(q, k, v, n=None, a=attn):
-            return a(q, k, v, 0, kv_valid_len=n)
+        def core(q, k, v, n=None, a=attn, cu_seqlens=None):
+            if cu_seqlens is None:
+                return a(q, k, v, 0, kv_valid_len=n)
+            try:  # packed samples: the factory runs them per sample or refuses the mode by name
+                return a(q, k, v, 0, kv_valid_len=n, cu_seqlens=cu_seqlens)
+            except SPConfigError as e:
+                raise SPConfigError(f"{PACK_FLAG}: {e}") from None
         core.packed = attn.packed_entry()  # _sdpa_bshd is the "sdpa" backend's math: packing may bypass it
         self.set_attention_core(core)
         self.sp_attention = attn  # registered as a (parameter-free) submodule for visibility
 
-    def forward(self, patches, t, text, token_ids, grid, kv_valid_len=None):
+    def forward(self, patches, t, text, token_ids, grid, kv_valid_len=None, pack: Optional[PackInfo] = None):
         x = self.patch_embed(patches)
         t_emb = self.time_embed(timestep_embedding(t, self.cfg.freq_dim).to(x.dtype))
         ctx = self.text_embed(text)
-        angles = self.rope_cache.get(token_ids, grid, self.cfg.head_dim, x.device)
-        for blk in self.blocks:
-            x = blk(x, t_emb, ctx, angles, kv_valid_len)
-        shift, scale = self.mod_out(F.silu(t_emb))[:, None].chunk(2, dim=-1)
+        if pack is None:
+            angles = self.rope_cache.get(token_ids, grid, self.cfg.head_dim, x.device)
+            for blk in self.blocks:
+                x = blk(x, t_emb, ctx, angles, kv_valid_len)
+        else:
+            if patches.shape[0] != 1 or kv_valid_len is not None:
+                raise SPConfigError(f"{PACK_FLAG}: a packed step is one sequence (B=1) without padding; got "
+                                    f"B={patches.shape[0]}, kv_valid_len={kv_valid_len}")
+            angles = self.rope_cache.get_packed(token_ids, pack.local_lens, pack.grids, self.cfg.head_dim, x.device)
+            cu = pack.cu_tensor()
+            for blk in self.blocks:
+                x = blk(x, t_emb, ctx, angles, None, pack, cu)
+        shift, scale = per_token(self.mod_out(F.silu(t_emb)), pack).chunk(2, dim=-1)
         return self.head(self.ops.ln_modulate(x, scale, shift, self.norm_out.eps))
 
 

@@ -14,6 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .engine import StepInputs, flow_matching_batch, shard_tokens
+from .packing import PackPlan, packed_batch, packed_host_inputs
+from .varlen import pack_info
 
 
 def sample_index(step: int, dp_rank: int, dp_world: int, micro_batch: int, m: int, base: int = 0) -> int:
@@ -62,16 +64,23 @@ def to_device(h: dict, device, non_blocking: bool = True) -> StepInputs:
     """host_inputs(...) -> StepInputs on ``device`` (token_ids stay on the CPU, as in engine.prepare)."""
     def mv(t):
         return t.to(device, non_blocking=non_blocking)
+    pack = None
+    if "pack" in h:  # a packed step: the sample of each local token, loss weights (sp_world from the shares)
+        p = h["pack"]
+        sp_world = p["cu_seqlens"][-1] // h["x"].shape[1]
+        pack = pack_info(p["cu_seqlens"], p["grids"], p["cu_text"], sp_world, torch.device(device))
     return StepInputs(mv(h["x"]), mv(h["target"]), mv(h["valid"]), mv(h["t"]), mv(h["text"]), h["token_ids"],
-                      tuple(h["grid"]), int(h["n_valid"]), int(h["n_pad"]))
+                      tuple(h["grid"]), int(h["n_valid"]), int(h["n_pad"]), pack)
 
 
 class StepBatches(Dataset):
     """Item i = this rank's inputs of step ``start + i`` plus the step and its sample ids."""
 
     def __init__(self, dataset, *, start: int, stop: int, seed: int, dp_rank: int, dp_world: int, micro_batch: int,
-                 patch: tuple, sp_rank: int, sp_world: int, base: int = 0) -> None:
+                 patch: tuple, sp_rank: int, sp_world: int, base: int = 0, pack_plan: Optional[PackPlan] = None) -> None:
+        """pack_plan: --pack-samples (one packed sequence of the plan's pack per step and DP rank)."""
         self.dataset, self.start, self.stop, self.seed, self.base = dataset, start, stop, seed, base
+        self.pack_plan = pack_plan
         self.dp_rank, self.dp_world, self.micro, self.patch = dp_rank, dp_world, micro_batch, patch
         self.sp_rank, self.sp_world = sp_rank, sp_world
 
@@ -80,6 +89,11 @@ class StepBatches(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         step = self.start + i
+        if self.pack_plan is not None:
+            ids = self.pack_plan.pack(self.pack_plan.index(step, self.dp_rank, self.dp_world))
+            h = packed_host_inputs(packed_batch(self.dataset, ids, self.seed, self.patch), self.sp_rank, self.sp_world)
+            h["step"], h["sample_ids"] = step, ids
+            return h
         batch = flow_matching_batch(self.dataset, step, self.seed, self.dp_rank, self.dp_world, self.micro, self.patch,
                                     base=self.base)
         h = host_inputs(batch, self.sp_rank, self.sp_world)

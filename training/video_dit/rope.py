@@ -2,7 +2,8 @@
 
 head_dim D is split Wan-style into D - 4*(D//6) dims for time and 2*(D//6) each for height and
 width; each axis rotates its pairs by its own coordinate. Each rank rotates its own tokens by
-their GLOBAL positions, so the result is independent of the sequence placement.
+their GLOBAL positions, so the result is independent of the sequence placement. Packed steps (several
+clips in one sequence): each token is rotated by its position in its OWN clip's grid (``rope_angles_packed``).
 """
 from __future__ import annotations
 
@@ -30,6 +31,16 @@ def rope_angles(token_ids: torch.Tensor, grid: tuple[int, int, int], head_dim: i
     return torch.cat(parts, dim=1)
 
 
+def rope_angles_packed(token_ids: torch.Tensor, local_lens, grids, head_dim: int) -> torch.Tensor:
+    """Packed samples: token_ids [S_local] are positions within each token's own sample, the local tokens
+    grouped by sample (``local_lens``); sample i is rotated on its own grid ``grids[i]``. -> [S_local, D/2]."""
+    parts, a = [], 0
+    for n, grid in zip(local_lens, grids):
+        parts.append(rope_angles(token_ids[a:a + n], tuple(grid), head_dim))
+        a += n
+    return torch.cat(parts, dim=0)
+
+
 def apply_rope(x_bshd: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) of [B, S, H, D] by angles [S, D/2]."""
     cos = angles.cos().to(x_bshd.dtype)[None, :, None, :]
@@ -53,4 +64,12 @@ class RopeCache:
         if self.key != key or not torch.equal(self.ids, token_ids.cpu()):
             self.key, self.ids = key, token_ids.cpu().clone()
             self.angles = rope_angles(token_ids, grid, head_dim).to(device)
+        return self.angles
+
+    def get_packed(self, token_ids: torch.Tensor, local_lens, grids, head_dim: int, device) -> torch.Tensor:
+        """``rope_angles_packed``, cached like ``get`` (a packed step's table changes with its samples' sizes)."""
+        key = ("packed", tuple(local_lens), tuple(map(tuple, grids)), head_dim, str(device), token_ids.shape[0])
+        if self.key != key or not torch.equal(self.ids, token_ids.cpu()):
+            self.key, self.ids = key, token_ids.cpu().clone()
+            self.angles = rope_angles_packed(token_ids, local_lens, grids, head_dim).to(device)
         return self.angles
