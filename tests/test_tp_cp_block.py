@@ -33,9 +33,11 @@ def test_functional_equals_float64_block(world, form, h, hkv, chunks, qk_norm, c
 
 
 def test_cuda_worker_runs_on_cpu(monkeypatch):
-    """tests/cuda_tp_cp.tp_cp_block_family's records, dry-run on CPU gloo ranks (SPX_SUITE_DEVICE=cpu)."""
+    """tests/cuda_tp_cp.tp_cp_block_family's records, dry-run on CPU gloo ranks (SPX_SUITE_DEVICE=cpu, 1/4 of the
+    sequence length: SPX_SUITE_SHRINK=4)."""
     import tests.cuda_tp_cp as mod
     monkeypatch.setattr(mod, "DEV", "cpu")
+    monkeypatch.setattr(mod, "SHRINK", 4)
     recs = run_ranks(mod.tp_cp_block_family, 4, timeout=400)
     for per_rank in recs:
         assert len(per_rank) == 18 and all(r["family"] == "tp-cp-block" for r in per_rank)
