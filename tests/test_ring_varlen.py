@@ -188,11 +188,16 @@ def _mesh_rank(rank, world, nodes, placement, p_u, variant, kind):
     return n
 
 
-@pytest.mark.parametrize("kind,placement,variant", [
-    ("hybrid", "usp", "ring"), ("hybrid", "tas", "tasp"), ("torus", "tas", "ring"), ("torus", "usp", "tasp")])
-def test_mesh_packed_samples(kind, placement, variant):
-    """P=4 as 2 emulated machines x 2: Ulysses inside (usp) or across (tas), ring/TASP in the other dimension."""
-    assert all(run_ranks(_mesh_rank, 4, 2, placement, 2, variant, kind))
+@pytest.mark.parametrize("kind,world,nodes,placement,p_u,variant", [
+    ("hybrid", 4, 2, "usp", 2, "ring"), ("hybrid", 4, 2, "tas", 2, "tasp"), ("torus", 4, 2, "tas", 2, "ring"),
+    ("torus", 4, 2, "usp", 2, "tasp"),
+    ("hybrid", 2, 2, "usp", 1, "ring"),   # P_u = 1: the ring alone over the mesh order
+    ("torus", 4, 4, "tas", 4, "ring"),    # ring size 1: the torus stages alone
+])
+def test_mesh_packed_samples(kind, world, nodes, placement, p_u, variant):
+    """P=4 as 2 emulated machines x 2: Ulysses inside (usp) or across (tas), ring/TASP in the other dimension;
+    and the degenerate meshes (one of the two dimensions of size 1)."""
+    assert all(run_ranks(_mesh_rank, world, nodes, placement, p_u, variant, kind))
 
 
 def _factory_rank(rank, world):
