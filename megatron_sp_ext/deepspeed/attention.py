@@ -98,7 +98,7 @@ class SPDistributedAttention(DistributedAttention):
         """DeepSpeed's forward; ``kv_valid_len`` (ours): keys at global positions >= it are padding.
         With padding, ulysses/hcms use our LSE backend (a user callable cannot take the mask).
         ``cu_seqlens`` (ours): packed variable-length samples (B=1, shards from ``shard_sequence(cu_seqlens=)``),
-        ulysses/hcms on our kernels per sample; apply RoPE before the call (per-sample positions).
+        every mode on our kernels, each sample within itself; apply RoPE before the call (per-sample positions).
         ``sequence_parallel_ext.dropout_p`` applies to our kernels in training (the user's callable keeps its own)."""
         if batch_dim_idx not in (0, 1):
             raise SPConfigError(f"batch_dim_idx={batch_dim_idx} is invalid: use 0 ([b, s, h, d]) or 1 ([s, b, h, d])")
