@@ -2,7 +2,8 @@
 
 On-disk format (written by tools/make_latents.py): a directory of ``*.pt`` (torch.save) or
 ``*.safetensors`` files, one sample each, holding
-    "latent": float tensor [C, T, H, W]  (VAE latents; T may differ between samples)
+    "latent": float tensor [C, T, H, W]  (VAE latents; T, H and W may differ between samples: with
+                                          --micro-batch-size 1, or packed into one sequence by --pack-samples)
     "text":   float tensor [L, D_text]   (text-encoder embeddings)
 Samples are read in sorted file order; sample i of the run is file i mod n.
 """
