@@ -11,6 +11,13 @@ to the full sequence and compared with our plain Ulysses (bf16 tolerance).
     torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536 --links nvlink --out $OUT
     torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536 --links host --out $OUT
 
+The ring backward's dK|dV return (sp/ring/rotation.py): "ring"/"tasp" run the default route (partials
+straight home, the last step in ``--dkv-chunks`` head chunks); "ring_travel"/"tasp_travel" the previous
+traveling fp32 accumulator, as a baseline side by side (SPX_RING_DKV set per mode, on every rank):
+
+    torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536 --links host \
+        --modes ring,ring_travel,tasp,tasp_travel --dkv-chunks auto --out $OUT
+
 ``--links host`` sets NCCL_P2P_DISABLE=1 before NCCL starts (GPU-to-GPU traffic through host memory).
 Writes bench_cp_<links>_P<P>.json / .md / .png to --out (rank 0).
 """
@@ -32,6 +39,7 @@ from tools.floor import _median_ms, add_ratios, floor_ms  # noqa: E402
 
 TOL = 2e-2   # norm-wise relative error vs our plain Ulysses, bf16
 OURS = ("ring", "tasp", "ulysses", "ulysses_zigzag", "usp")
+TRAVEL = ("ring_travel", "tasp_travel")   # the previous dK|dV schedule (baseline; not in the default --modes)
 TORCH = ("torch_cp_allgather", "torch_cp_alltoall")
 
 
@@ -39,7 +47,7 @@ def placement_of(mode: str, causal: bool) -> str:
     """Which tokens a rank holds for ``mode`` (PyTorch's head-tail balancer = our zigzag)."""
     if not causal or mode == "ulysses":
         return "contiguous"
-    return "tasp_zigzag" if mode == "tasp" else "zigzag"
+    return "tasp_zigzag" if mode.startswith("tasp") else "zigzag"
 
 
 def _gather_full(x_bshd, group, placement):
@@ -53,8 +61,9 @@ def _rel(a, b) -> float:
 
 def our_mode(name, group, causal, h, mesh_cache):
     import megatron_sp_ext as spx  # noqa: PLC0415
-    if name in ("ring", "tasp"):
-        return lambda q, k, v: spx.ring_attention(q, k, v, group, variant=name, causal=causal)
+    if name in ("ring", "tasp") + TRAVEL:
+        variant = name.split("_")[0]
+        return lambda q, k, v: spx.ring_attention(q, k, v, group, variant=variant, causal=causal)
     if name == "ulysses":
         return lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal)
     if name == "ulysses_zigzag":
@@ -72,6 +81,8 @@ def run_ours(name, fn, full, group, causal, args):
     """Time ``fn`` on this rank's shards (bshd) and return (entry, full out/grads for the check)."""
     import megatron_sp_ext as spx  # noqa: PLC0415
     pl = placement_of(name, causal)
+    os.environ["SPX_RING_DKV"] = "travel" if name in TRAVEL else "home"   # read by each ring backward
+    os.environ["SPX_RING_DKV_CHUNKS"] = args.dkv_chunks
     q, k, v, do = (spx.shard_sequence(t, group, placement=pl, seq_dim=1) for t in full)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
@@ -212,6 +223,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", default="no,yes", help="comma list of no/yes")
     ap.add_argument("--modes", default=",".join(TORCH + OURS))
+    ap.add_argument("--dkv-chunks", default="auto",
+                    help="head chunks of the ring backward's last step (SPX_RING_DKV_CHUNKS): a count or auto")
     ap.add_argument("--links", choices=("nvlink", "host"), default="nvlink",
                     help="host: NCCL_P2P_DISABLE=1 (set here, before NCCL starts)")
     ap.add_argument("--iters", type=int, default=10)

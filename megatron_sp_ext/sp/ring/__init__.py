@@ -2,6 +2,7 @@
 
 Modules (below them ``sp.checks``, ``sp.heads``, ``sp.placement``):
   schedule  what each ring step computes (kernel calls on contiguous slices, zigzag / tasp_zigzag layouts)
+  rotation  the step transfers: starting a K|V hop; the backward's dK|dV partials sent home, last step per head chunk
   ring      ``RingPlan``, ``ring_forward`` / ``ring_backward``, the autograd Function, ``ring_attention``
             (``variant="ring"``: one ring; ``variant="tasp"``: the Hamiltonian multi-ring of TASP), ``RingBackend``
   hybrid    Ulysses x Ring over an SPMesh (``hybrid_attention``)

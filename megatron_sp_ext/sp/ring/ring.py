@@ -6,8 +6,10 @@ rings at once (TASP Algorithm 3) as one batch of point-to-point sends/receives. 
 is started before that step's kernels and waited after them, into the second of two preallocated
 buffers (double buffering); with NCCL it runs on NCCL's own stream, so the rotation overlaps the
 local kernels, forward and backward. Partial results merge by log-sum-exp in fp32 (fp64 for fp64).
-Backward recomputes each block against the final out/lse; dK|dV accumulators (fp32) travel with
-their blocks and take one extra hop home.
+Backward recomputes each block against the final out/lse; each step's partial dK|dV (kernel dtype)
+goes straight to its block's home, which accumulates in fp32 in step order, and the last step runs
+per head chunk so only one chunk's transfer is exposed (``rotation``: byte/time model, and the
+previous traveling-accumulator schedule kept as a baseline).
 
 What each step computes comes from ``schedule``: tokens in compute order, kernel calls on contiguous
 slices (the zigzag diagonal is one causal call, other steps one unmasked call on a half), and for
@@ -28,12 +30,12 @@ import torch.distributed as dist
 from ...attention.backends import LocalAttention, get_backend
 from ...attention.lse import acc_dtype, merge_into
 from ...comm.multiring import wait_handles
-from ...comm.transport import emulated_link
 from ...errors import SPConfigError
 from ...topology.hamiltonian import RoutingTables, routing_tables
 from ..checks import check_ring_inputs, packed_cu
 from ..heads import split_more_first
 from ..placement import pieces, varlen_pieces
+from .rotation import backward_steps, dkv_schedule_from_env, kv_view as _kv_view, sel_rows as _sel, start_ops
 from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
 
 VARIANTS = ("ring", "tasp")
@@ -170,68 +172,11 @@ class RingPlan:
 
     def start(self, step: int, src: torch.Tensor, dst: torch.Tensor) -> list:
         """Begin the step -> step+1 transfer of ``src`` into ``dst`` (returns works for ``wait``)."""
-        if self.group is None or self.world == 1:
-            return []
-        link = emulated_link(self.group, src.device)
-        if link is not None:  # the group spans emulated machines: its hops take their links (comm/host_staged)
-            return self._start_linked(link, step, src, dst)
-        key = ("global", step)
-        if key not in self.cache:
-            self.cache[key] = [(dist.isend if kind == "send" else dist.irecv, kind == "send",
-                                dist.get_global_rank(self.group, peer), row, n)
-                               for kind, peer, row, n in self.transfer(step)]
-        ops = [dist.P2POp(fn, (src if is_send else dst).narrow(0, row, n), peer, self.group)
-               for fn, is_send, peer, row, n in self.cache[key]]
-        return dist.batch_isend_irecv(ops)
-
-    def _start_linked(self, link, step: int, src: torch.Tensor, dst: torch.Tensor) -> list:
-        """The step's transfer as one all-to-all over ``link``: each peer's rows packed in slot order (the
-        order in which that peer lists its receives from us), unpacked into ``dst`` by ``wait``."""
-        key = ("table", step)
-        if key not in self.cache:
-            table = [[0] * self.world for _ in range(self.world)]
-            for r in range(self.world):
-                for kind, peer, _, n in self.transfer(step, r):
-                    if kind == "send":
-                        table[r][peer] += n
-            self.cache[key] = table
-        row = src[0].numel() if src.shape[0] else 1
-        table = [[n * row for n in t] for t in self.cache[key]]
-        ops = self.transfer(step)
-        by_peer = lambda kind: [(peer, r0, n) for p in range(self.world)  # noqa: E731
-                                for k, peer, r0, n in ops if k == kind and peer == p]
-        sends = [src.narrow(0, r0, n).reshape(-1) for _, r0, n in by_peer("send")]
-        send = torch.cat(sends) if sends else src.new_empty(0)
-        recv = torch.empty(sum(t[self.rank] for t in table), dtype=src.dtype, device=src.device)
-        work = link.all_to_all(send, recv, table[self.rank], [t[self.rank] for t in table], async_op=True,
-                               table=table)
-        views = [dst.narrow(0, r0, n) for _, r0, n in by_peer("recv")]
-        return ([work] if work is not None else []) + [(recv, views)]
+        return start_ops(self, "kv", step, lambda s_, r: self.transfer(s_, r), src, dst)
 
     @staticmethod
     def wait(works) -> None:
         wait_handles(works)
-
-
-def _sel(x: torch.Tensor, rows, dim: int) -> torch.Tensor:
-    if isinstance(rows, slice):
-        return x[(slice(None),) * dim + (rows,)]
-    return x.index_select(dim, rows)
-
-
-def _kv_view(buf: torch.Tensor, rows):
-    """K, V (bhsd) of ``rows`` of a [S, 2, B, H, D] buffer (zero-copy for a row range)."""
-    sel = _sel(buf, rows, 0)
-    return sel[:, 0].permute(1, 2, 0, 3), sel[:, 1].permute(1, 2, 0, 3)
-
-
-def _kv_add(acc: torch.Tensor, rows, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        sel = acc[rows]
-        sel[:, 0].add_(dk.permute(2, 0, 1, 3))
-        sel[:, 1].add_(dv.permute(2, 0, 1, 3))
-    else:
-        acc.index_add_(0, rows, torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1).to(acc.dtype))
 
 
 def _fill_kv(buf: torch.Tensor, k_bhsd, v_bhsd, moves) -> None:
@@ -288,41 +233,10 @@ def forward_compute_order(q_c, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Te
 
 def backward_compute_order(dout_c, q_c, k_bhsd, v_bhsd, out_c, lse_c, plan: RingPlan):
     """Gradients given the FINAL out/lse (compute order). Returns dq (compute order, acc dtype) and the
-    dK|dV buffer [S_kv, 2, B, Hkv, D] of this rank's own block in step-0 (compute) order."""
+    dK|dV buffer [S_kv, 2, B, Hkv, D] of this rank's own block in step-0 (compute) order. The dK|dV route
+    and the last step's head chunks: ``rotation`` (SPX_RING_DKV, SPX_RING_DKV_CHUNKS)."""
     cur, nxt = _kv_buffers(k_bhsd, v_bhsd, plan)
-    dq = torch.zeros(q_c.shape, dtype=acc_dtype(q_c), device=q_c.device)
-    dkv = [torch.zeros(cur.shape, dtype=dq.dtype, device=q_c.device)]
-    if plan.world > 1:
-        dkv.append(torch.empty_like(dkv[0]))
-    dkv_works: list = []
-    for step in range(plan.world):
-        works = plan.start(step, cur, nxt) if step < plan.world - 1 else []
-        grads = []
-        for it in plan.items(step, q_c.device):
-            k_, v_ = _kv_view(cur, it.kv_rows)
-            r = it.q_rows
-            gq, gk, gv = plan.backend.backward_lse(
-                _sel(dout_c, r, 2), _sel(q_c, r, 2), k_, v_, _sel(out_c, r, 2), _sel(lse_c, r, 2),
-                causal=it.causal, softmax_scale=plan.scale, mask=it.mask)
-            if isinstance(r, slice):
-                dq[:, :, r].add_(gq)
-            else:
-                dq.index_add_(2, r, gq.to(dq.dtype))
-            grads.append((it.kv_rows, gk, gv))
-        if dkv_works:  # this step's blocks' accumulators, from the ranks before us
-            plan.wait(dkv_works)
-            dkv.reverse()
-        for rows, gk, gv in grads:
-            _kv_add(dkv[0], rows, gk, gv)
-        if plan.world > 1:
-            dkv_works = plan.start(step, dkv[0], dkv[1])  # after the last step: the hop home
-        if works:
-            plan.wait(works)
-            cur, nxt = nxt, cur
-    if plan.world > 1:
-        plan.wait(dkv_works)
-        dkv.reverse()
-    return dq, dkv[0]
+    return backward_steps(dout_c, q_c, cur, nxt, out_c, lse_c, plan, dkv_schedule_from_env())
 
 
 def _dkv_local(dkv: torch.Tensor, plan: RingPlan):
