@@ -30,16 +30,18 @@ kernels finish, so only the last chunk's transfer is exposed (``SPX_RING_DKV_CHU
 Route "travel" (the previous schedule, kept as a baseline for benchmarks: ``SPX_RING_DKV=travel``):
 an fp32 accumulator per block travels with it and takes one extra hop home after the last step.
 
-Byte/time model (one rank, S = local tokens, bf16, E = S*B*Hkv*D elements, link bandwidth W):
+Byte/time model (one rank, S = local tokens, bf16, E = S*B*Hkv*D elements; not yet measured on 2 GPUs):
   forward  per step: K|V 2E*2 B = 4E B behind one step of kernels (unchanged).
   travel   backward: every step moves K|V (4E B) + the fp32 accumulator (8E B); after the last
            kernel the accumulator's hop home (8E B) is fully exposed.
   home     backward: steps 0..P-2 move K|V (4E B), steps 1..P-1 a bf16 partial (4E B): 8E B per
-           step (2/3 of travel's 12E B); exposed after the last kernel: one chunk, 4E/C B.
-  At P=2, 64K, H=Hkv=40, D=128 (E = 32768*40*128): K|V 671 MB; travel exposes 1.34 GB (~54 ms at
-  25 GB/s), home 671 MB / C (~7 ms with C=4), and the step-1 link load drops from 2.0 GB to 1.34 GB.
-  32K causal, zigzag (S=16K): exposed 671 MB (~27 ms) -> 84 MB (~3.4 ms); the fp32 hop that also
-  ran behind step 1's ~14 ms of kernels (~13 ms exposed) is gone. The forward first transfer is not
+           middle step (2/3 of travel's 12E B); exposed after the last kernel: one chunk, 4E/C B.
+  At P=2, 64K, H=Hkv=40, D=128 (E = 32768*40*128): K|V 671 MB (27 ms at 25 GB/s) behind step 0's
+  kernels in both; travel then moves a 1.34 GB fp32 hop behind step 1's kernels and exposes a second
+  one home (~54 ms), home moves nothing behind step 1 and exposes 671 MB / C (~7 ms with C=4).
+  32K causal, zigzag (S=16K, an estimated ~14 ms of backward kernels per step): travel's first fp32 hop (671 MB,
+  ~27 ms) runs behind step 1's kernels (~13 ms exposed), its hop home (~27 ms) is exposed: ~40 ms;
+  home: 335 MB / C exposed (~3.4 ms with C=4). The forward first transfer is not
   chunked: it starts before the step's kernels, so it is exposed only where a step's kernels are
   shorter than a block's transfer (causal at 32K: a link-bound regime that chunking cannot change,
   only fewer bytes could).
