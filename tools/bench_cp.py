@@ -13,10 +13,11 @@ to the full sequence and compared with our plain Ulysses (bf16 tolerance).
 
 The ring backward's dK|dV return (sp/ring/rotation.py): "ring"/"tasp" run the default route (partials
 straight home, the last step in ``--dkv-chunks`` head chunks); "ring_travel"/"tasp_travel" the previous
-traveling fp32 accumulator, as a baseline side by side (SPX_RING_DKV set per mode, on every rank):
+traveling fp32 accumulator, as a baseline side by side (SPX_RING_DKV set per mode, on every rank);
+"ring:C" / "tasp:C" run the default route with C head chunks (a sweep of C in one job):
 
     torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536 --links host \
-        --modes ring,ring_travel,tasp,tasp_travel --dkv-chunks auto --out $OUT
+        --modes ring,ring_travel,tasp,tasp_travel,ring:1,ring:8 --dkv-chunks auto --out $OUT
 
 ``--links host`` sets NCCL_P2P_DISABLE=1 before NCCL starts (GPU-to-GPU traffic through host memory).
 Writes bench_cp_<links>_P<P>.json / .md / .png to --out (rank 0).
@@ -61,8 +62,8 @@ def _rel(a, b) -> float:
 
 def our_mode(name, group, causal, h, mesh_cache):
     import megatron_sp_ext as spx  # noqa: PLC0415
-    if name in ("ring", "tasp") + TRAVEL:
-        variant = name.split("_")[0]
+    if name.split(":")[0] in ("ring", "tasp") + TRAVEL:
+        variant = name.split(":")[0].split("_")[0]
         return lambda q, k, v: spx.ring_attention(q, k, v, group, variant=variant, causal=causal)
     if name == "ulysses":
         return lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal)
@@ -82,7 +83,7 @@ def run_ours(name, fn, full, group, causal, args):
     import megatron_sp_ext as spx  # noqa: PLC0415
     pl = placement_of(name, causal)
     os.environ["SPX_RING_DKV"] = "travel" if name in TRAVEL else "home"   # read by each ring backward
-    os.environ["SPX_RING_DKV_CHUNKS"] = args.dkv_chunks
+    os.environ["SPX_RING_DKV_CHUNKS"] = name.split(":")[1] if ":" in name else args.dkv_chunks
     q, k, v, do = (spx.shard_sequence(t, group, placement=pl, seq_dim=1) for t in full)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
 
