@@ -1,18 +1,24 @@
-"""The copies around the Ulysses exchanges of the Megatron and DeepSpeed adapters, counted at the dispatcher (CPU),
-and the one-pass pack of q|k|v handed over as views of one fused projection output.
+"""The copies around the Ulysses exchanges of the Megatron and DeepSpeed adapters, counted at the dispatcher (CPU).
 
-Per call (C = 1; QKV = bytes of q, k, v; O = bytes of the output), today's exchange path copies:
+Per call (QKV = bytes of q, k, v; O = bytes of the output), the exchange path copied before issue #35 item 2:
   forward   pack q|k|v into the send buffer (QKV), received chunk into the kernel's layout (QKV, carrying the
             placement's permutation), output into its send buffer (O; none for B == 1 in global order), received
             output into [S_loc, B, H, D] (O)
-  backward  the same four for dO (pack, kernel layout) and dq|dk|dv (send layout, unpack).
-The sequence-side copies (pack, unpack) cannot go with the all-to-all's contiguous per-peer segments: a peer's
-heads of a token-major [S_loc, B, H, D] tensor (or of Megatron's fused [S_loc, B, ng, (np/ng + 2) * hn]) are
-strided unless S_loc * B == 1; only a producer that writes the send layout itself removes the pack (PackedUlysses,
-the DiT). What the layout allows is one copy instead of three: when q, k, v are equally spaced views of one
-storage (Megatron's linear_qkv output for MHA without RoPE / QK-norm, a [.., H, 3, D] or [.., 3, H, D] qkv), the
-pack reads them in one pass (k|v in one pass for GQA). Same bytes, same values: the adapters' outputs and
-gradients stay bitwise equal to the functional API on separate tensors, and equal float64.
+  backward  the same for dO (pack, kernel layout) and dq|dk|dv (send layout, unpack): 2 QKV + 2 O each way.
+What changed:
+  * with a placement order (Megatron's causal zigzag, padding) and B == 1 the permutation rides on the exchanges
+    (sp.ulysses.engine: one list all-to-all per piece slot): the output and gradient sends read the kernel's
+    results in place and dO lands in the kernel's layout: forward 2 QKV + O, backward QKV + O (-31% with MHA);
+  * q, k, v handed over as equally spaced views of one fused projection output (Megatron's linear_qkv split for
+    MHA without RoPE / QK-norm, a [.., H, 3, D] or [.., 3, H, D] qkv) are packed in one copy, not three (k|v in
+    one for GQA): same bytes, fewer passes.
+What cannot go: the sequence-side pack and unpack. The all-to-all needs each peer's segment contiguous, and a
+peer's heads of a token-major [S_loc, B, H, D] tensor (or of Megatron's [S_loc, B, ng, (np/ng + 2) * hn]) are
+strided unless S_loc * B == 1; only a producer that writes the send layout itself removes the pack
+(PackedUlysses, the DiT). The head-side copy of q|k|v into the kernel's dense layout is the default
+``qkv_contiguous=True`` choice (less peak memory at equal speed, measured on H200).
+Numerics: the adapters' outputs and gradients are bitwise equal to the functional API, to the pre-change path
+(per-piece exchanges disabled), fused views to separate tensors, and equal float64.
 """
 import collections
 
@@ -113,16 +119,17 @@ def _adapters(rank, world):
 
     from megatron_sp_ext.megatron import SPTransformerConfig
     from megatron_sp_ext.megatron.core_attention import SPDotProductAttention
+    from megatron_sp_ext.sp.ulysses import engine
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     from megatron_sp_ext.deepspeed import SPDistributedAttention
     ps.initialize_model_parallel(context_parallel_size=world)
     group = ps.get_context_parallel_group()
-    h, d, s, b = 4, 8, 4 * world, 2
+    h, d, s = 2 * world, 8, 4 * world
     counts = {}
     try:
-        for mode, chunks in (("ulysses", 1), ("hcms", 2)):
+        for (mode, chunks), b in ((("ulysses", 1), 1), (("hcms", 2), 1), (("ulysses", 1), 2), (("hcms", 2), 2)):
             cfg = SPTransformerConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h,
                                       context_parallel_size=world, cp_comm_type=mode, hcms_head_chunks=chunks,
                                       attention_dropout=0.0, hidden_dropout=0.0)
@@ -147,17 +154,30 @@ def _adapters(rank, world):
             got_f, fwd_f, bwd_f = run(meg, True)
             got_s, fwd_s, bwd_s = run(meg, False)
             want, _, _ = run(func, False)
-            for name, a, x, y in zip(("out", "dq", "dk", "dv"), got_f, got_s, want):
-                assert torch.equal(a, x) and torch.equal(a, y), f"megatron {mode}: {name} not bitwise equal"
+            slots, engine.MAX_PIECE_SLOTS = engine.MAX_PIECE_SLOTS, 0  # before: the permutation in index copies
+            try:
+                before, fwd_0, bwd_0 = run(meg, False)
+            finally:
+                engine.MAX_PIECE_SLOTS = slots
+            for name, a, x, y, z in zip(("out", "dq", "dk", "dv"), got_f, got_s, want, before):
+                assert torch.equal(a, x) and torch.equal(a, y) and torch.equal(a, z), \
+                    f"megatron {mode} B={b}: {name} not bitwise equal"
             qkv_b, o_b = 3 * q.numel() * 4, q.numel() * 4
+
+            def moved(m):
+                return m.bytes["copy_"] + m.bytes["index_copy_"]
             # the fused views skip two of the three pack copies per chunk, every byte still moves once
             assert fwd_s.total()[0] - fwd_f.total()[0] == 2 * chunks, (fwd_s.calls, fwd_f.calls)
-            assert fwd_f.bytes["copy_"] + fwd_f.bytes["index_copy_"] == fwd_s.bytes["copy_"] + \
-                fwd_s.bytes["index_copy_"] == 2 * qkv_b + 2 * o_b
-            # backward: dO pack + kernel layout, dq|dk|dv send + unpack; the fused views' own split backward (cat)
-            # is Megatron's, outside the adapter
-            assert bwd_s.bytes["copy_"] + bwd_s.bytes["index_copy_"] == 2 * qkv_b + 2 * o_b
-            counts[mode] = (fwd_s.total(), fwd_f.total())
+            assert moved(fwd_f) == moved(fwd_s)
+            # before: fwd pack + kernel layout (QKV each), output send + unpack (O each); backward dO pack + kernel
+            # layout, dq|dk|dv send + unpack. The fused views' own split backward (cat) is Megatron's.
+            assert moved(fwd_0) == moved(bwd_0) == 2 * qkv_b + 2 * o_b
+            if b == 1:  # the zigzag permutation rides on the exchanges: the output, dO and gradient copies are gone
+                assert moved(fwd_s) == 2 * qkv_b + o_b and moved(bwd_s) == qkv_b + o_b, (fwd_s.bytes, bwd_s.bytes)
+            else:  # B > 1: a piece's rows are strided on the head-sharded side; the copies stay
+                assert moved(fwd_s) == moved(bwd_s) == 2 * qkv_b + 2 * o_b
+            counts[f"{mode} B={b}"] = {"before": (moved(fwd_0), moved(bwd_0)), "now": (moved(fwd_s), moved(bwd_s)),
+                                       "fwd copy calls separate/fused": (fwd_s.total()[0], fwd_f.total()[0])}
             # DeepSpeed: [b, s, h, d], contiguous placement, the user's local attention on the gathered sequence
             ds = SPDistributedAttention(_sdpa_bshd, group, 2, 1, mode=mode, head_chunks=chunks)
             qb, kb, vb, dob = (t.transpose(0, 1).contiguous() for t in (q, k, v, do))
@@ -188,8 +208,9 @@ def _sdpa_bshd(q, k, v, *args, **kwargs):
 def test_adapters_fused_views_bitwise_and_counted():
     pytest.importorskip("megatron.core")
     pytest.importorskip("deepspeed")
-    counts = run_ranks(_adapters, 2, timeout=300)[0]
-    print("forward copy ops (calls, bytes): separate vs fused views", counts)
+    for world in (2, 4):
+        counts = run_ranks(_adapters, world, timeout=300)[0]
+        print(f"P={world} bytes copied (fwd, bwd) before/now, pack-region copy calls separate/fused:", counts)
 
 
 def _float64(rank, world):

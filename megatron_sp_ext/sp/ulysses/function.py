@@ -34,7 +34,8 @@ from ..checks import check_inputs
 from ..heads import head_layout
 from . import layout as lay
 from .attend import attend_backward, local_attention
-from .engine import alloc, attend_and_send, exchange_all_chunks, send_head_major, transport_of
+from .engine import (alloc, attend_and_send, by_piece, exchange_all_chunks, send_head_major, send_pieces,
+                     sends_in_place, transport_of)
 from ..placement import cu_tuple
 from .plan import UlyssesPlan, local_order, varlen_order
 from .policy import ChunkPolicy, default_policy
@@ -80,13 +81,15 @@ class _UlyssesFn(torch.autograd.Function):
         d = q_shape[-1]
         tokens = s_loc * bsz
         compute, comm = st.current(grad_out.device), plan.comm_stream
-        recv_g, ev_in = exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm)
+        in_order = by_piece(plan, bsz)  # dO lands in global order: already the kernel's layout (B == 1)
+        recv_g, ev_in = exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm, land_global=in_order)
         dq = dk = dv = None
         for c in range(C):
             st.wait(compute, ev_in[c])
             hq = lay.widths(hl, ("q",), me, c)[0]
             do_c = recv_g[c].view(world * s_loc, bsz, hq, d)
-            do_c = do_c.permute(1, 2, 0, 3) if plan.order is None else lay.to_kernel_layout(do_c, plan.order)
+            do_c = do_c.permute(1, 2, 0, 3) if plan.order is None or in_order else \
+                lay.to_kernel_layout(do_c, plan.order)
             grads = attend_backward(plan, c, do_c, ctx.chunks)
             # peak memory: the chunk's dO is dead now; drop it before the exchanges
             del do_c
@@ -102,15 +105,21 @@ class _UlyssesFn(torch.autograd.Function):
                     tr = transport_of(plan)
                     for i, (dst, kind) in enumerate(((dq, "q"), (dk, "kv"), (dv, "kv"))):
                         g, grads[i] = grads[i], None
-                        send = send_head_major(g, tr, plan.order)
                         if comm is not None:  # a compute-stream tensor read by the comm stream: guard its reuse
                             g.record_stream(comm)
-                        del g
                         splits = lay.seg_splits(hl, (kind,), c, tokens, d)
-                        recv = alloc(sum(splits), grad_out)
-                        tr.all_to_all(send, recv, None, splits, table=table_head_to_seq(splits))
+                        if sends_in_place(g, tr, plan.order, splits):  # the placement rides on the exchange
+                            recv = alloc(sum(splits), grad_out)
+                            send_pieces(g, tr, plan.order, recv, splits)
+                            del g
+                        else:
+                            send = send_head_major(g, tr, plan.order)
+                            del g  # freed once packed (peak memory)
+                            recv = alloc(sum(splits), grad_out)
+                            tr.all_to_all(send, recv, None, splits, table=table_head_to_seq(splits))
+                            del send
                         lay.unpack(recv, (dst,), (kind,), hl, c, lay_)
-                        del send, recv
+                        del recv
                 continue
             with st.on_stream(comm):
                 st.wait(comm, done)

@@ -33,7 +33,7 @@ from ..checks import check_same_shape_across_ranks
 from ..heads import HeadLayout, head_layout
 from . import layout as lay
 from .attend import attend_backward
-from .engine import attend_and_send, exchange_all_chunks
+from .engine import attend_and_send, by_piece, exchange_all_chunks
 from .function import ulysses_attention
 from .plan import local_order
 from .policy import ChunkPolicy, default_policy
@@ -147,13 +147,15 @@ class _PackedFn(torch.autograd.Function):
         tokens = s_loc * bsz
         grad_out = grad_out.contiguous()
         compute, comm = st.current(grad_out.device), plan.comm_stream
-        recv_g, ev_in = exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm)
+        in_order = by_piece(plan, bsz)  # dO lands in global order: already the kernel's layout (B == 1)
+        recv_g, ev_in = exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm, land_global=in_order)
         grads_packed = []
         for c in range(hl.chunks):
             st.wait(compute, ev_in[c])
             ws = lay.widths(hl, _QKV, plan.rank, c)
             do_c = recv_g[c].view(world * s_loc, bsz, ws[0], d)
-            do_c = do_c.permute(1, 2, 0, 3) if plan.order is None else lay.to_kernel_layout(do_c, plan.order)
+            do_c = do_c.permute(1, 2, 0, 3) if plan.order is None or in_order else \
+                lay.to_kernel_layout(do_c, plan.order)
             grads = attend_backward(plan, c, do_c, ctx.chunks)
             del do_c
             recv_g[c] = None
