@@ -250,3 +250,22 @@ def _float64(rank, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_fused_views_match_float64(world):
     assert run_ranks(_float64, world)[0] == 4
+
+
+def _bench_smoke(rank, world, out):
+    from megatron_sp_ext.sp.calibration import wall_time_ms
+    from tools.bench_ulysses_layout import _write_adapters, bench_adapters
+    row = bench_adapters(dist.group.WORLD, 2 * world, 8 * world, 8, 1, 0, device="cpu", timer=wall_time_ms,
+                         dtype=torch.float32, chunks=2)
+    if rank == 0:
+        _write_adapters([row], out)
+    return row
+
+
+def test_bench_adapters_runs_on_cpu(tmp_path):
+    """tools/bench_ulysses_layout.py --adapters on gloo: every mode runs, equals the pre-change path bitwise."""
+    row = run_ranks(_bench_smoke, 2, str(tmp_path))[0]
+    assert set(row["modes"]) == {"separate_before", "separate", "fused_before", "fused", "packed"}
+    assert all(m.get("equals_before", True) for m in row["modes"].values())
+    assert (tmp_path / "bench_ulysses_adapters.json").exists() and "separate_before" in \
+        (tmp_path / "bench_ulysses_adapters.md").read_text()

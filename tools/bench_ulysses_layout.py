@@ -12,12 +12,24 @@ and checks that zigzag's output (in global order) equals contiguous's (bitwise e
 recorded). Writes bench_ulysses_layout.json (+ .md table) to --out with date, device and command.
 Example (2 or 4 GPUs):
   torchrun --nproc-per-node 4 tools/bench_ulysses_layout.py --heads 40 --seqlens 16384,32768,65536 --out $OUT
+
+--adapters (issue #35 item 2): the copies around the exchanges for what Megatron hands over (sbhd, zigzag, causal,
+B = 1 by default), fwd and fwd+bwd per row, beside the same floor:
+  separate / separate_before    q, k, v as separate tensors, with / without the per-piece exchanges that carry the
+                                zigzag permutation (before: MAX_PIECE_SLOTS = 0, the index copies)
+  fused / fused_before          q, k, v as views of one [S, B, H, 3 * D] projection output (one-pass pack)
+  packed                        PackedUlysses on pre-packed q|k|v (no pack copy: what a producer-owned layout gives)
+and, with --profile, each mode's copy-like kernels of one fwd+bwd (name matches copy / index / Memcpy: count and ms).
+Checks that every mode's output equals separate_before bitwise. Writes bench_ulysses_adapters.json (+ .md).
+  torchrun --nproc-per-node 2 tools/bench_ulysses_layout.py --adapters --heads 40 --seqlens 16384,32768,65536 \
+      --profile --out $OUT
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -30,6 +42,8 @@ from megatron_sp_ext.attention.backends import SDPABackend  # noqa: E402
 from megatron_sp_ext.sp.placement import divisor, pieces  # noqa: E402
 from megatron_sp_ext.sp.calibration import time_ms  # noqa: E402
 from megatron_sp_ext.sp.ring import RingBackend  # noqa: E402
+from megatron_sp_ext.sp.ulysses import engine as uly_engine  # noqa: E402
+from megatron_sp_ext.sp.ulysses import pack_qkv, packed_head_layout, packed_ulysses_attention  # noqa: E402
 from tools.gpu_ranks import run_meta  # noqa: E402
 
 
@@ -94,6 +108,123 @@ def bench_shape(group, h, seqlen, d, iters, warmup, device="cuda", timer=time_ms
     return res
 
 
+def _copy_kernels(step, device) -> dict:
+    """Copy-like kernels (name matches copy / index / Memcpy) of one call of ``step``: count and device ms."""
+    if device != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    n, ms = 0, 0.0
+    for e in prof.key_averages():
+        if re.search(r"copy|index|Memcpy", e.key, re.IGNORECASE) and getattr(e, "device_time_total", 0) > 0:
+            n += e.count
+            ms += e.device_time_total / 1e3
+    return {"copy_kernels": n, "copy_ms": ms}
+
+
+def bench_adapters(group, h, seqlen, d, iters, warmup, device="cuda", timer=time_ms, dtype=torch.bfloat16,
+                   batch=1, chunks=1, profile=False):
+    """One --adapters row (module docstring); ``device``/``timer``/``dtype`` let a CPU smoke test run it."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    seqlen -= seqlen % divisor("zigzag", world)
+    g = torch.Generator(device=device).manual_seed(0)
+    full = [torch.randn(batch, seqlen, h, d, device=device, dtype=dtype, generator=g) for _ in range(4)]
+    q, k, v, do = (_shard(t, "zigzag", rank, world).transpose(0, 1).contiguous() for t in full)  # sbhd shards
+    kw = dict(head_chunks=chunks, causal=True, layout="sbhd", placement="zigzag")
+
+    def leaves():
+        return [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def fused_views(ls):
+        return torch.split(torch.cat(ls, dim=3), [d, d, d], dim=3)  # [S, B, H, 3 * D] -> views
+
+    def piece_slots(on):
+        return uly_engine.MAX_PIECE_SLOTS if on else 0
+    modes = {"separate_before": (False, False), "separate": (False, True), "fused_before": (True, False),
+             "fused": (True, True)}
+    res = {"H": h, "L": seqlen, "P": world, "B": batch, "chunks": chunks, "modes": {}}
+    outs = {}
+    default_slots = uly_engine.MAX_PIECE_SLOTS
+    for name, (fused, pieces_on) in modes.items():
+        ls = leaves()
+
+        def fwd(ls=ls, fused=fused):
+            with torch.no_grad():
+                args = fused_views(ls) if fused else ls
+                return spx.ulysses_attention(*args, group, **kw)
+
+        def fwd_bwd(ls=ls, fused=fused):
+            args = fused_views(ls) if fused else ls
+            spx.ulysses_attention(*args, group, **kw).backward(do)
+        uly_engine.MAX_PIECE_SLOTS = default_slots if pieces_on else 0
+        try:
+            row = {"fwd_ms": timer(fwd, iters, warmup, group, long_ms=None),
+                   "fwd_bwd_ms": timer(fwd_bwd, iters, warmup, group, long_ms=None)}
+            if profile:
+                row.update(_copy_kernels(fwd_bwd, device))
+            outs[name] = fwd()
+        finally:
+            uly_engine.MAX_PIECE_SLOTS = default_slots
+        res["modes"][name] = row
+    if h % world == 0:  # the packed entry: the producer wrote the send layout (not timed here)
+        hl = packed_head_layout(h, h, world, chunks)
+        qb, kb, vb = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+        sends = [t.detach().requires_grad_() for t in pack_qkv(qb, kb, vb, hl)]
+        do_b = do.transpose(0, 1).contiguous()
+        pkw = dict(num_heads=h, num_kv_heads=h, head_chunks=chunks, causal=True, placement="zigzag")
+
+        def p_fwd():
+            with torch.no_grad():
+                return packed_ulysses_attention(sends, group, **pkw)
+
+        def p_fwd_bwd():
+            packed_ulysses_attention(sends, group, **pkw).backward(do_b)
+        row = {"fwd_ms": timer(p_fwd, iters, warmup, group, long_ms=None),
+               "fwd_bwd_ms": timer(p_fwd_bwd, iters, warmup, group, long_ms=None)}
+        if profile:
+            row.update(_copy_kernels(p_fwd_bwd, device))
+        res["modes"]["packed"] = row
+    hl_loc = h // world
+    qf, kf, vf, dof = (t[:, :, :hl_loc].transpose(1, 2).contiguous().transpose(1, 2) for t in full)
+    qf.requires_grad_(), kf.requires_grad_(), vf.requires_grad_()
+
+    def floor_fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
+
+    def floor_fb():
+        F.scaled_dot_product_attention(qf, kf, vf, is_causal=True).backward(dof)
+    res["floor"] = {"fwd_ms": timer(floor_fwd, iters, warmup, group, long_ms=None),
+                    "fwd_bwd_ms": timer(floor_fb, iters, warmup, group, long_ms=None)}
+    for m in res["modes"].values():
+        m["fwd_ratio_to_floor"] = m["fwd_ms"] / res["floor"]["fwd_ms"]
+        m["fwd_bwd_ratio_to_floor"] = m["fwd_bwd_ms"] / res["floor"]["fwd_bwd_ms"]
+    base = outs["separate_before"]
+    for name, o in outs.items():
+        res["modes"][name]["equals_before"] = bool(torch.equal(o, base))
+    return res
+
+
+def _write_adapters(rows, out):
+    with open(os.path.join(out, "bench_ulysses_adapters.json"), "w") as f:
+        json.dump({**run_meta(), "rows": rows}, f, indent=1)
+    names = ["separate_before", "separate", "fused_before", "fused", "packed"]
+    lines = ["| P | H | L | B | C | floor fwd+bwd ms | " + " | ".join(names) + " | bitwise |",
+             "|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
+    for r in rows:
+        m = r["modes"]
+        cells = [f"{m[n]['fwd_bwd_ms']:.2f} ({m[n]['fwd_bwd_ratio_to_floor']:.3f})"
+                 + (f" [{m[n]['copy_kernels']} copies, {m[n]['copy_ms']:.2f} ms]" if "copy_kernels" in m[n] else "")
+                 if n in m else "-" for n in names]
+        same = all(m[n].get("equals_before", True) for n in m)
+        lines.append(f"| {r['P']} | {r['H']} | {r['L']} | {r['B']} | {r['chunks']} | {r['floor']['fwd_bwd_ms']:.2f} | "
+                     + " | ".join(cells) + f" | {same} |")
+    with open(os.path.join(out, "bench_ulysses_adapters.md"), "w") as f:
+        f.write("fwd+bwd ms (ratio to the kernel floor) [copy-like kernels of one fwd+bwd]\n\n" + "\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="40")
@@ -102,12 +233,31 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default="bench_ulysses_layout_out")
+    ap.add_argument("--adapters", action="store_true", help="the adapters' exchange copies (module docstring)")
+    ap.add_argument("--batch", type=int, default=1, help="--adapters: micro-batch B")
+    ap.add_argument("--chunks", type=int, default=1, help="--adapters: HCMS head chunks")
+    ap.add_argument("--profile", action="store_true", help="--adapters: count copy-like kernels per mode")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     group = dist.group.WORLD
     rows = []
+    if args.adapters:
+        for h in (int(x) for x in args.heads.split(",")):
+            for seqlen in (int(x) for x in args.seqlens.split(",")):
+                rows.append(bench_adapters(group, h, seqlen, args.head_dim, args.iters, args.warmup, batch=args.batch,
+                                           chunks=args.chunks, profile=args.profile))
+                if rank == 0:
+                    r = rows[-1]
+                    print(f"[bench_ulysses_layout --adapters] P={r['P']} H={h} L={r['L']} B={r['B']}: " + ", ".join(
+                        f"{n} {m['fwd_bwd_ms']:.2f} ms ({m['fwd_bwd_ratio_to_floor']:.3f})"
+                        for n, m in r["modes"].items()) + f", floor {r['floor']['fwd_bwd_ms']:.2f} ms", flush=True)
+        if rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            _write_adapters(rows, args.out)
+        dist.destroy_process_group()
+        return
     for h in (int(x) for x in args.heads.split(",")):
         for seqlen in (int(x) for x in args.seqlens.split(",")):
             rows.append(bench_shape(group, h, seqlen, args.head_dim, args.iters, args.warmup))
