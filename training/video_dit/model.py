@@ -280,7 +280,11 @@ class Block(nn.Module):
         cu_seqlens tensor for the self-attention core."""
         ops = self.ops
         act = linear_input_dtype(x)  # the norms' outputs feed Linears: their autocast cast happens in the region
-        sh1, sc1, g1, sh2, sc2, g2 = per_token(self.modulation(F.silu(t_emb)), pack).chunk(6, dim=-1)
+        mod = self.modulation(F.silu(t_emb))
+        if pack is None:
+            sh1, sc1, g1, sh2, sc2, g2 = mod[:, None].chunk(6, dim=-1)
+        else:  # each chunk expanded on its own: the shifts' [S, d] copies are freed after use, not saved
+            sh1, sc1, g1, sh2, sc2, g2 = (per_token(m, pack) for m in mod.chunk(6, dim=-1))
         y = ops.ln_modulate(x, sc1, sh1, self.norm1.eps, act)
         x = ops.gated_residual(x, g1, self.attn(y, angles, kv_valid_len) if cu is None else
                                self.attn(y, angles, kv_valid_len, cu))
