@@ -9,7 +9,8 @@ interleaved rounds (the order rotates every round, so warm-up and drift hit ever
 ``decide`` keeps C = 1 unless a chunked C has a median at least ``margin`` below plain's AND is
 ``margin`` faster than plain in a strict majority of the rounds (paired, same round); if plain's own spread over the rounds exceeds
 ``max_noise`` the measurement cannot separate them and plain is kept. Every timing is all-reduced
-(max) over the group, so all ranks hold the same numbers and take the same decision. The cost of
+(max) over the group, so all ranks hold the same numbers and take the same decision; the key names the group
+by its global ranks (``calibration.group_key``), the same on every member. The cost of
 the calibration itself is recorded (``Calibration.cost_ms``). After calibration a call costs one
 dict lookup (``choose``; ~1 us of host time on CPU). On CPU (no streams, nothing overlaps) it is C = 1.
 The attention function to time is passed in (``choose(..., attention=ulysses_attention)``): this module never
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.exchange import all_to_all_flat
-from ..calibration import Calibration, decide, median, time_ms
+from ..calibration import Calibration, decide, group_key, median, time_ms
 from ..heads import head_layout
 
 log = logging.getLogger("megatron_sp_ext")
@@ -54,7 +55,7 @@ class HCMSPolicy:
                attention: Callable[..., torch.Tensor]) -> int:
         """The chunk count for calls shaped like q [B, S_loc, H, D] / k (Hkv heads); calibrates ``attention``
         (``ulysses_attention``'s signature) the first time a shape key is seen."""
-        key = (q.shape, k.shape, q.dtype, q.device.type, id(group), causal, layout,
+        key = (q.shape, k.shape, q.dtype, q.device.type, group_key(group), causal, layout,
                getattr(backend, "name", "?"), getattr(transport, "name", "nccl"),
                self.objective == "fwd_bwd" and torch.is_grad_enabled())
         cal = self.cache.get(key)
