@@ -231,3 +231,14 @@ def test_on_disk_mixed_shapes_pack_like_synthetic(tmp_path):
     synthetic = run_ranks(lambda r, w: _mg(r, w, steps)["losses"], 2)[0]
     disk = run_ranks(lambda r, w: _mg(r, w, (*steps, "--data-path", str(out)))["losses"], 2)[0]
     assert disk == synthetic, (disk, synthetic)
+
+
+def test_megatron_entry_packed_data_parallel():
+    """DP=2 (CP=1): the ranks take packs 0 and 1 of the stream; the step's loss is the mean over the packs."""
+    from training import pretrain_video_dit
+    single = run_ranks(lambda r, w: _mg(r, w, ("--train-iters", "5", "--lr", "0"))["losses"], 1)[0]
+    got = run_ranks(lambda r, w: pretrain_video_dit.main([*ARGS, "--context-parallel-size", "1", "--cp-comm-type",
+                                                          "ulysses", "--train-iters", "1", "--lr", "0", *PACK]),
+                    2)[0]
+    expect = (sum(single[:3]) / 3 + sum(single[3:5]) / 2) / 2
+    assert abs(got["losses"][0] - expect) <= 1e-5 * expect, (got["losses"], expect)
