@@ -391,7 +391,7 @@ def tp_bench(tp: int, *, dim: int, heads: int, head_dim: int, seqlen: int, chunk
         def fwd_bwd(mode):
             call(mode).backward(dy)
         outs = {}
-        for m in modes:  # warm-up (auto calibrates here, for training and for inference); outputs kept
+        for m in modes:  # warm-up (auto calibrates here, timing fwd+bwd: the module is in training); outputs kept
             for _ in range(2):
                 fwd_bwd(m)
                 outs[m] = fwd(m).float()
@@ -417,9 +417,9 @@ def tp_bench(tp: int, *, dim: int, heads: int, head_dim: int, seqlen: int, chunk
         base = res["modes"].get("megatron", next(iter(res["modes"].values())))
         for e in res["modes"].values():
             e["speedup_fwd"], e["speedup_fwd_bwd"] = base["fwd_ms"] / e["fwd_ms"], base["fwd_bwd_ms"] / e["fwd_bwd_ms"]
-        res["auto_choice"] = {"fwd_bwd" if k[-1] else "fwd": {"form": d.form, "reason": d.reason,
-                                                              "measured_ms": d.measured_ms}
-                              for k, d in attn.form_policy.cache.items()}
+        res["auto_choice"] = {"train" if k[-1] else "eval": {"form": d.form, "reason": d.reason,
+                                                             "measured_ms": d.measured_ms}
+                              for k, d in attn.form_policy.cache.items()}  # one key: the module is in training
         return res
     finally:
         ps.destroy_model_parallel()

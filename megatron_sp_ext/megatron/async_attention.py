@@ -19,10 +19,11 @@ form (MixedComm: one all-gather over the tensor-and-context-parallel group in, o
 out, no all-to-all); with one CP rank too.
 
 ``--sp-async-qkv auto`` lets a FormPolicy (sp/block_policy.py) time, on the first call per shape key (shape,
-dtype, causal, TP, CP, heads, kv heads, chunks, RoPE, grad mode), Megatron's own attention path (the parent's
+dtype, causal, TP, CP, heads, kv heads, chunks, RoPE, training), Megatron's own attention path (the parent's
 forward: TP all-gather + QKV GEMM, our CP exchange + attention, output GEMM + TP reduce-scatter; the baseline)
-against the block's forms (TP > 1: pipelined, mixed, mixed_in; TP 1: async, allgather), one fwd(+bwd) each on
-detached copies of the input and parameters (the model's grads, main_grad included, stay untouched), and keep
+against the block's forms (TP > 1: pipelined, mixed, mixed_in; TP 1: async, allgather), one fwd (+bwd in
+training) each on detached copies of the input and parameters (the model's grads, main_grad included, stay
+untouched), and keep
 the baseline unless a form is faster by the margin in a majority of interleaved rounds, the same decision on
 every rank of the tensor-and-context-parallel group. Every form is the same math (to fp rounding). The policy
 is shared by the layers of one model (it lives on their shared SPContext), so a shape is timed once.
@@ -170,26 +171,29 @@ class SPSelfAttention(SelfAttention):
         chunks = core.sp.head_chunks if core.mode == "hcms" else 1
         key = ("sp-block", tuple(hidden_states.shape), hidden_states.dtype, core._causal(None, attention_mask),
                self.world_size, cp_group.size(), self.num_attention_heads_per_partition,
-               self.num_query_groups_per_partition, chunks, rotary_pos_emb is not None, torch.is_grad_enabled())
+               self.num_query_groups_per_partition, chunks, rotary_pos_emb is not None, self.training)
         steps = {f: functools.partial(self._calibration_step, f, hidden_states, attention_mask, rotary_pos_emb)
                  for f in self.forms()}
         return self.form_policy.choose(key, steps, group, hidden_states.device)
 
     def _calibration_step(self, form: str, hidden_states, attention_mask, rotary_pos_emb) -> None:
-        """One fwd (+bwd when grad is enabled) of ``form`` on detached copies of the input and of every parameter:
-        the model's .grad and main_grad (a scratch one per copy: Megatron's gradient-accumulation fusion writes
-        it) stay untouched, and no grad hook fires."""
+        """One fwd (+bwd in training, also when the caller runs under no_grad: the first forward of Megatron's
+        reentrant activation recompute, whose recompute then finds the same decision) of ``form`` on detached
+        copies of the input and of every parameter: the model's .grad and main_grad (a scratch one per copy:
+        Megatron's gradient-accumulation fusion writes it) stay untouched, and no grad hook fires."""
+        train = self.training
         params = {}
         for name, p in self.named_parameters():
-            c = p.detach().requires_grad_(p.requires_grad)
+            c = p.detach().requires_grad_(p.requires_grad and train)
             if getattr(p, "main_grad", None) is not None:
                 c.main_grad = torch.zeros_like(p.main_grad)
             params[name] = c
-        x = hidden_states.detach().requires_grad_(hidden_states.requires_grad)
-        out, _ = torch.func.functional_call(self, params, (x, attention_mask),
-                                            {"rotary_pos_emb": rotary_pos_emb, "sp_form": form})
-        if torch.is_grad_enabled() and out.requires_grad:
-            out.backward(torch.ones_like(out))
+        x = hidden_states.detach().requires_grad_(train)
+        with torch.set_grad_enabled(train):
+            out, _ = torch.func.functional_call(self, params, (x, attention_mask),
+                                                {"rotary_pos_emb": rotary_pos_emb, "sp_form": form})
+            if train:
+                out.backward(torch.ones_like(out))
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
