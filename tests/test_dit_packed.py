@@ -2,10 +2,11 @@
 
 A packed step (clips of different frame counts AND latent sizes in one sequence, B=1, cu_seqlens) gives
 the average of one-sample-at-a-time runs of the same samples: the loss and every parameter gradient, at
-SP=1 (local per-sample attention) and SP=2 (Ulysses, HCMS; the sequence sharded per sample as
-``shard_sequence(cu_seqlens=)`` does), with recompute and with the compiled elementwise regions. Both entry
-points: a packed step's loss at lr 0 equals the mean of unpacked steps over the same samples; SP=2 equals
-SP=1 over 3 real steps; a packed run resumes exactly. Refusals name the flag.
+SP=1 (local per-sample attention), SP=2 (Ulysses, HCMS, auto; the sequence sharded per sample as
+``shard_sequence(cu_seqlens=)`` does) and SP=4 (every mode), with recompute and with the compiled elementwise
+regions. Both entry points: a packed step's loss at lr 0 equals the mean of unpacked steps over the same
+samples (SP=2, and DP=2: the mean over packs); SP=2 equals SP=1 over 4 real steps; a packed run resumes
+exactly; on-disk shards of differing shapes train as the synthetic ones. Refusals name the flag.
 """
 import pytest
 import torch
@@ -30,8 +31,8 @@ FRAMES, SIZES = [4, 2, 6], [(4, 8), (6, 10)]
 BUDGET = 120  # pack 0 = samples 0, 1, 2 (32 + 30 + 48 = 110 tokens: three token counts, two grids)
 
 
-def _data():
-    return SyntheticVideoLatents(CFG.in_channels, FRAMES, 4, 8, CFG.text_len, CFG.text_dim, seed=1, sizes=SIZES)
+def _data(frames=FRAMES, sizes=SIZES):
+    return SyntheticVideoLatents(CFG.in_channels, frames, 4, 8, CFG.text_len, CFG.text_dim, seed=1, sizes=sizes)
 
 
 def _model():
@@ -44,9 +45,9 @@ def _model():
     return model
 
 
-def _one_at_a_time(ids):
+def _one_at_a_time(ids, data=None):
     """Reference: each sample alone (SP=1, unpacked), loss and gradients averaged over the samples."""
-    model, data = _model(), _data()
+    model, data = _model(), data or _data()
     loss, grads = 0.0, [torch.zeros_like(p) for p in model.parameters()]
     for i in ids:
         model.zero_grad(set_to_none=True)
@@ -58,11 +59,11 @@ def _one_at_a_time(ids):
     return loss, grads
 
 
-def _packed(group, ids, mode="ulysses", recompute=None, fused=None, **kw):
+def _packed(group, ids, mode="ulysses", recompute=None, fused=None, data=None, **kw):
     """The packed step of samples ``ids`` on this rank: (SP-summed loss, SP-averaged gradients, inputs)."""
     sp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
-    model, data = _model(), _data()
+    model, data = _model(), data or _data()
     model.set_attention_core(make_core(mode, group, num_heads=CFG.heads, **kw))
     model.set_recompute(recompute, ["core_attn", "mlp"] if recompute == "selective" else ["core_attn"])
     model.set_fused_elementwise(fused)
@@ -133,6 +134,21 @@ def _sp2(rank, world):
 
 def test_packed_step_equals_one_at_a_time_sp2():
     assert all(run_ranks(_sp2, 2))
+
+
+def _sp4_every_mode(rank, world):
+    data = _data([8, 4, 6], [(8, 8), (6, 10), (4, 8)])  # 128, 60, 48 tokens: each divisible by 4
+    ref = _one_at_a_time([0, 1, 2], data)
+    mesh = {"nodes": 2, "ulysses_size": 2}
+    for mode, kw in [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("tasp", {}), ("usp", mesh),
+                     ("tas", mesh), ("torus", {**mesh, "placement": "tas"}), ("auto", {})]:
+        _check(_packed(dist.group.WORLD, [0, 1, 2], mode, data=data, **kw), ref, f"SP=4 {mode}")
+    return True
+
+
+def test_packed_step_every_mode_sp4():
+    """Every --cp-comm-type mode takes the packed step (the factory runs cu_seqlens per sample)."""
+    assert all(run_ranks(_sp4_every_mode, 4))
 
 
 def test_plan_refusals():
