@@ -269,3 +269,16 @@ def test_bench_adapters_runs_on_cpu(tmp_path):
     assert all(m.get("equals_before", True) for m in row["modes"].values())
     assert (tmp_path / "bench_ulysses_adapters.json").exists() and "separate_before" in \
         (tmp_path / "bench_ulysses_adapters.md").read_text()
+
+
+def test_cuda_exchange_copies_worker_runs_on_cpu(monkeypatch):
+    """tests/cuda_auto_copies.exchange_copies_family dry-run on CPU gloo ranks (SPX_SUITE_SHRINK=16)."""
+    import tests.cuda_auto_copies as mod
+    import tests.cuda_suite as suite
+    for m in (mod, suite):
+        monkeypatch.setattr(m, "DEV", "cpu")
+        monkeypatch.setattr(m, "SHRINK", 16)
+    for per_rank in run_ranks(mod.exchange_copies_family, 2, timeout=300):
+        assert len(per_rank) == 10 and all(r["family"] == "exchange_copies" for r in per_rank)
+        for r in per_rank:
+            assert max(r["errs"].values()) <= r["tol"], r

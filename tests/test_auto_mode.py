@@ -232,3 +232,21 @@ def test_every_entry_point_runs_the_calibrated_pick():
     pytest.importorskip("megatron.core")
     pytest.importorskip("deepspeed")
     run_ranks(_entries_run_the_pick, 2, timeout=300)
+
+
+def _suite_on_cpu(monkeypatch):
+    import tests.cuda_auto_copies as mod
+    import tests.cuda_suite as suite
+    for m in (mod, suite):
+        monkeypatch.setattr(m, "DEV", "cpu")
+        monkeypatch.setattr(m, "SHRINK", 16)
+    return mod
+
+
+def test_cuda_auto_worker_runs_on_cpu(monkeypatch):
+    """tests/cuda_auto_copies.auto_family dry-run on CPU gloo ranks (SPX_SUITE_DEVICE=cpu, SPX_SUITE_SHRINK=16)."""
+    mod = _suite_on_cpu(monkeypatch)
+    for per_rank in run_ranks(mod.auto_family, 2, timeout=300):
+        assert len(per_rank) == 12 and all(r["family"] == "auto" for r in per_rank)
+        for r in per_rank:
+            assert max(r["errs"].values()) <= r["tol"], r
