@@ -417,7 +417,7 @@ def tp_bench(tp: int, *, dim: int, heads: int, head_dim: int, seqlen: int, chunk
         base = res["modes"].get("megatron", next(iter(res["modes"].values())))
         for e in res["modes"].values():
             e["speedup_fwd"], e["speedup_fwd_bwd"] = base["fwd_ms"] / e["fwd_ms"], base["fwd_bwd_ms"] / e["fwd_bwd_ms"]
-        res["auto_choice"] = {"train" if k[-1] else "eval": {"form": d.form, "reason": d.reason,
+        res["auto_choice"] = {"train" if k[-2] else "eval": {"form": d.form, "reason": d.reason,
                                                              "measured_ms": d.measured_ms}
                               for k, d in attn.form_policy.cache.items()}  # one key: the module is in training
         return res
@@ -466,7 +466,8 @@ def tp_main(args) -> None:
     meta = run_meta()
     lines = [f"{meta['device']}, {meta['date']}, bf16, links {meta.get('links', 'nvlink')}; fwd ms / fwd+bwd ms "
              "(speedup vs megatron: Megatron's own TP-SP self-attention); output rel. diff vs megatron", "",
-             "| TP | CP | model | L | causal | mode | fwd | fwd+bwd | rel diff |", "|---|---|---|---|---|---|---|---|---|"]
+             "| TP | CP | model | L | causal | mode | fwd | fwd+bwd | rel diff |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for m, e in r["modes"].items():
             lines.append(f"| {r['tp']} | {r['cp']} | {r['model']} | {r['L'] // 1024}K | {r['causal']} | {m} | "

@@ -19,14 +19,14 @@ form (MixedComm: one all-gather over the tensor-and-context-parallel group in, o
 out, no all-to-all); with one CP rank too.
 
 ``--sp-async-qkv auto`` lets a FormPolicy (sp/block_policy.py) time, on the first call per shape key (shape,
-dtype, causal, TP, CP, heads, kv heads, chunks, RoPE, training), Megatron's own attention path (the parent's
-forward: TP all-gather + QKV GEMM, our CP exchange + attention, output GEMM + TP reduce-scatter; the baseline)
-against the block's forms (TP > 1: pipelined, mixed, mixed_in; TP 1: async, allgather), one fwd (+bwd in
-training) each on detached copies of the input and parameters (the model's grads, main_grad included, stay
-untouched), and keep
-the baseline unless a form is faster by the margin in a majority of interleaved rounds, the same decision on
-every rank of the tensor-and-context-parallel group. Every form is the same math (to fp rounding). The policy
-is shared by the layers of one model (it lives on their shared SPContext), so a shape is timed once.
+dtype, causal, TP, CP, heads, kv heads, chunks, RoPE, training, the group's ranks), Megatron's own attention
+path (the parent's forward: TP all-gather + QKV GEMM, our CP exchange + attention, output GEMM + TP
+reduce-scatter; the baseline) against the block's forms (TP > 1: pipelined, mixed, mixed_in; TP 1: async,
+allgather), one fwd (+bwd in training) each on detached copies of the input and parameters (the model's grads,
+main_grad included, stay untouched), and keep the baseline unless a form is faster by the margin in a majority
+of interleaved rounds, the same decision on every rank of the tensor-and-context-parallel group. Every form is
+the same math (to fp rounding). The policy is shared by the layers of one model (it lives on their shared
+SPContext), so a shape is timed once.
 
 Runs where the async block does not apply (inference with a KV cache, cross attention, packed
 sequences, attention bias, one CP rank at TP 1) use the parent's forward unchanged, which is the same math.
@@ -48,6 +48,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from ..errors import SPConfigError
 from ..sp.async_block import async_ulysses_self_attention
 from ..sp.block_policy import FormPolicy
+from ..sp.calibration import group_key
 from ..sp.gather_block import allgather_self_attention
 from ..sp.tp_cp_block import TP_CP_FORMS, tp_cp_self_attention
 from .compat import parent_kwargs
@@ -171,7 +172,8 @@ class SPSelfAttention(SelfAttention):
         chunks = core.sp.head_chunks if core.mode == "hcms" else 1
         key = ("sp-block", tuple(hidden_states.shape), hidden_states.dtype, core._causal(None, attention_mask),
                self.world_size, cp_group.size(), self.num_attention_heads_per_partition,
-               self.num_query_groups_per_partition, chunks, rotary_pos_emb is not None, self.training)
+               self.num_query_groups_per_partition, chunks, rotary_pos_emb is not None, self.training,
+               group_key(group))
         steps = {f: functools.partial(self._calibration_step, f, hidden_states, attention_mask, rotary_pos_emb)
                  for f in self.forms()}
         return self.form_policy.choose(key, steps, group, hidden_states.device)
