@@ -250,3 +250,39 @@ def test_cuda_auto_worker_runs_on_cpu(monkeypatch):
         assert len(per_rank) == 12 and all(r["family"] == "auto" for r in per_rank)
         for r in per_rank:
             assert max(r["errs"].values()) <= r["tol"], r
+
+
+def _recompute(rank, world):
+    """A module in training whose first forward runs under no_grad (reentrant activation recompute): auto keys and
+    times fwd+bwd by the module's flag, so the recompute finds the same decision (one key) and the same output."""
+    group = dist.group.WORLD
+    cfg = SPConfig(mode="auto")
+    calls = []
+
+    def timer(fn, iters, warmup, group_):
+        calls.append(torch.is_grad_enabled())
+        fn()
+        return 1.0 if fn.mode == "ring" else 2.0
+    policy = ModePolicy(timer=timer, timed_devices=("cpu",), rounds=3, warmup=1)
+    attn = make_attention(cfg, group, num_heads=4, layout="sbhd", placement="zigzag",
+                          resources=SPResources(cfg, mode_policy=policy))
+    attn.training = True
+    ran = _counting(attn)
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(4, 1, 4, 8, generator=g) for _ in range(3))
+    with torch.no_grad():
+        first = attn(q, k, v, causal=True)
+    (key,) = policy.cache
+    n = len(calls)
+    again = attn(*(t.clone().requires_grad_() for t in (q, k, v)), causal=True)
+    assert len(policy.cache) == 1 and len(calls) == n and key[-1] is True  # one key: fwd+bwd
+    assert ran[-1] == ran[-2] == "ring" and torch.equal(first, again.detach())
+    attn.training = None  # no module flag: grad mode keys (inference under no_grad is its own key)
+    with torch.no_grad():
+        attn(q, k, v, causal=True)
+    assert len(policy.cache) == 2
+    return True
+
+
+def test_recompute_forward_decides_like_training():
+    run_ranks(_recompute, 2)

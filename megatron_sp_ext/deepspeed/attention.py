@@ -105,6 +105,7 @@ class SPDistributedAttention(DistributedAttention):
         layout = "bshd" if batch_dim_idx == 0 else "sbhd"
         self.calls += 1
         attn = self.attention_for(query.shape[2], key.shape[2], layout)
+        attn.training = self.training  # auto: a no_grad forward under activation recompute decides like training
         if cu_seqlens is not None:
             if rotary_pos_emb is not None:
                 raise SPConfigError("rotary_pos_emb with cu_seqlens: rotate q and k at their per-sample positions "

@@ -193,6 +193,7 @@ class SPDotProductAttention(DotProductAttention):
                 return F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale, dropout_p=p,
                                                       enable_gqa=kb.shape[1] != qb.shape[1]).permute(2, 0, 1, 3)
             return self.backend(qb, kb, vb, causal=causal, softmax_scale=scale).permute(2, 0, 1, 3)
+        self.attention.training = self.training  # auto: recompute's no_grad forward decides like training
         with _model_parallel_rng(q):
             return self.attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=p)
 

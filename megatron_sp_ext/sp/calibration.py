@@ -195,18 +195,21 @@ class ModePolicy:
                  cal.reason or cal.measured, len(next(iter(cal.rounds.values()), ())), cal.cost_ms)
         return cal.chunks
 
-    def choose_for(self, q, k, group, attention: dict, *, extra_key=(), device=None) -> str:
+    def choose_for(self, q, k, group, attention: dict, *, extra_key=(), device=None,
+                   fwd_bwd: Optional[bool] = None) -> str:
         """``choose`` for attention calls shaped like ``q``/``k``: each ``attention[name](q, k, v)`` is timed on
         fresh random tensors of those shapes (private RNG: the model's random streams stay untouched), with a
         backward when grad is enabled. Devices outside ``timed_devices``: the first (baseline) name, untimed.
         The key: shapes, dtype, device type, the group's global ranks (``group_key``), ``extra_key`` (what else
-        changes the speed: causal, padding, layout, placement, transport, kernel, ...), grad mode. ``device``
-        overrides the device whose type decides whether to time (tests)."""
+        changes the speed: causal, padding, layout, placement, transport, kernel, ...), and whether fwd+bwd is
+        timed: ``fwd_bwd`` (the caller's module is training; a no_grad forward of activation recompute then keys
+        and decides like its recompute) or, when None, grad mode. ``device`` overrides the device whose type
+        decides whether to time (tests)."""
         names = list(attention)
         device = device or q.device
         if device.type not in self.timed_devices:
             return names[0]
-        fwd_bwd = torch.is_grad_enabled()
+        fwd_bwd = torch.is_grad_enabled() if fwd_bwd is None else bool(fwd_bwd)
         key = (tuple(q.shape), tuple(k.shape), q.dtype, device.type, group_key(group), *extra_key, fwd_bwd)
         if key in self.cache:
             return self.cache[key].chunks

@@ -74,7 +74,9 @@ class SPAttention:
     Attributes: ``mode`` (what runs; "auto" resolved statically), ``auto`` (auto may pick the ring per shape),
     ``backend`` (local kernel; settable), ``mesh`` (usp/tas/torus), ``packed`` (a ``PackedUlysses`` for models
     that write q|k|v into the exchange layout, or None), ``takes_local_attention`` (a caller's own local
-    attention can run inside: Ulysses/HCMS), ``chooser`` (None: auto's own calibration).
+    attention can run inside: Ulysses/HCMS), ``chooser`` (None: auto's own calibration), ``training`` (the
+    owning module's training flag, set by the adapters before each call: auto's calibration then keys and times
+    fwd+bwd by it, so a no_grad forward under activation recompute decides like its recompute; None: grad mode).
     """
 
     def __init__(self, cfg: SPConfig, group: Optional[dist.ProcessGroup], *, num_heads: int,
@@ -97,6 +99,7 @@ class SPAttention:
         self.backend = get_backend(backend, cfg.name("backend"))
         self.takes_local_attention = self.mode in ULYSSES_MODES
         self.chooser: Optional[Chooser] = None
+        self.training: Optional[bool] = None  # the owning module's flag: auto times fwd+bwd by it (None: grad mode)
         self.mesh = mesh
         if self.mesh is None and self.mode in MESH_MODES and self.world > 1:
             self.mesh = resources.mesh(group, num_heads, cfg, self.mode if self.mode in ("usp", "tas") else None)
@@ -117,7 +120,7 @@ class SPAttention:
             candidates["tasp"] = lambda a, b, c: self._ring(a, b, c, "tasp", causal, softmax_scale, kv_valid_len)
         return self.res.mode_policy.choose_for(q, k, self.group, candidates, extra_key=(
             causal, kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
-            getattr(self.backend, "name", type(self.backend).__name__)))
+            getattr(self.backend, "name", type(self.backend).__name__)), fwd_bwd=self.training)
 
     def _ulysses(self, q, k, v, causal, scale, kv_valid_len, dropout_p, local_attention, cu_seqlens=None):
         return ulysses_attention(
