@@ -13,8 +13,8 @@ select the algorithm (``mode``) as the JSON block does:
       ``causal``; ``local_attention`` is not called. RoPE (if given for the full sequence) is
       applied to this rank's own tokens before the ring starts.
   auto: per attention, as in the other entries (megatron_sp_ext.sp.factory): hcms when every rank gets a
-      head (with the user's callable, or on CUDA with our kernels Ulysses/HCMS or the ring per shape), else
-      a usp mesh or the ring.
+      head (with the user's callable, or on CUDA with our kernels Ulysses/HCMS, the ring or TASP beyond 2 ranks
+      per shape from its own calibration: sp.calibration), else a usp mesh or the ring.
 ``dropout_p`` (JSON ``sequence_parallel_ext.dropout_p``): attention dropout of our kernels in training
 (ulysses/hcms; the user's callable applies its own); the ring family refuses it.
 """

@@ -9,10 +9,13 @@ CP rank (Megatron's zigzag split when it comes from ``get_batch_on_this_cp_rank`
   ring, tasp         ring / TASP multi-ring over the CP group
   usp, tas, torus    2D mesh over the CP group (``--sp-placement``, ``--sp-nodes``, ``--sp-ulysses-size``);
                      usp reuses Megatron's groups when ``--hierarchical-context-parallel-sizes`` built two levels
-  auto               hcms when every rank gets a head (then, on GPUs, Ulysses/HCMS or the ring per shape from
-                     its own calibration: sp.calibration.ModePolicy), else a usp mesh, else ring
+  auto               hcms when every rank gets a head (then, on GPUs, Ulysses/HCMS, the ring or TASP beyond 2
+                     ranks per shape, from its own calibration on this CP group: sp.calibration says what that
+                     guarantees), else a usp mesh, else ring
   p2p, a2a, all_gather, a2a+p2p   Transformer Engine's own CP (needs TE; delegated unchanged)
-Causal masks follow Megatron's zigzag placement; DiTs use AttnMaskType.no_mask.
+Causal masks follow Megatron's zigzag placement; DiTs use AttnMaskType.no_mask. Ulysses' copies per call: the pack
+of q|k|v (one pass when they are views of one linear_qkv output), their kernel layout, the output's unpack; with
+B == 1 the zigzag permutation rides on the exchanges (tests/test_adapter_copies.py counts them).
 Packed samples (``packed_seq_params`` with qkv_format "thd", [t, heads, head_dim] tensors, Megatron's per-sample
 zigzag split): every one of our types (auto stays on ulysses/hcms), each sample attending within itself; returns
 [t, heads * head_dim].
