@@ -157,18 +157,3 @@ def dit_fused_losses(rank: int, world: int) -> dict:
     return {f: pretrain_video_dit.main(argv + ["--bf16", "--context-parallel-size", str(world), "--cp-comm-type",
                                                "ulysses", "--fused-elementwise", f])["losses"] for f in ("on", "off")}
 
-
-def dit_bf16_linear_losses(rank: int, world: int) -> dict:
-    """The DiT entry (bf16 autocast, Megatron's DDP and optimizer, 8 steps, ulysses at SP=world) with the Linear
-    weights in fp32 (autocast casts them) and in bf16 with fp32 main weights (--bf16-linear-weights on):
-    {"off": losses, "on": losses, plus the grad norms}; the test holds them bit for bit equal."""
-    from training import pretrain_video_dit  # noqa: PLC0415
-    argv = list(DIT_ARGS)
-    argv[argv.index("5")] = "8"  # --train-iters
-    out = {}
-    for f in ("off", "on"):
-        res = pretrain_video_dit.main(argv + ["--bf16", "--context-parallel-size", str(world), "--cp-comm-type",
-                                              "ulysses", "--ddp-impl", "megatron", "--bf16-linear-weights", f])
-        out[f] = res["losses"]
-        out[f + "_grad_norm"] = [r.get("grad_norm") for r in res["rows"]]
-    return out

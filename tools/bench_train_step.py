@@ -32,8 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = {"guarded": [],  # the defaults: finite check every step
             "bare_loop": ["--no-check-for-nan-in-loss-and-grad"],
-            "unfused": ["--fused-elementwise", "off"],  # the eager elementwise path (the default on CPU)
-            "bf16_linear": ["--bf16-linear-weights", "on"]}  # bf16 Linear weights, fp32 main weights (same math)
+            "unfused": ["--fused-elementwise", "off"]}  # the eager elementwise path (the default on CPU)
 
 
 def main() -> None:

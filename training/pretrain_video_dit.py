@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
-from training.video_dit import precision  # noqa: E402
 from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
                                     check_parallel_size, check_shapes, pick_device)
 from training.video_dit.engine import MetricsLog, make_core  # noqa: E402
@@ -56,9 +55,6 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                         "in Megatron's optimizer (Megatron-LM's --bf16 meaning; needs --bf16 for the autocast)")
     p.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="megatron DDP: gradient buffers and their reduction in bf16 (default fp32)")
-    p.add_argument("--bf16-linear-weights", choices=precision.CHOICES, default="off",
-                   help="megatron DDP (GPU) with --bf16: keep the Linear weights in bf16 with fp32 main weights in "
-                        "Megatron's optimizer (autocast's math, no per-step weight casts); auto: wherever it fits")
     add_train_args(p)
     add_arguments(p)
     # Megatron-LM's default (p2p) is Transformer Engine's ring, which this DiT does not have: ours picks a mode
@@ -165,9 +161,6 @@ def _train(args, device, ps) -> dict:
                          f"need megatron's DDP, which needs CUDA (this run uses --ddp-impl torch on {device})")
     if impl == "megatron":
         model, opt = _megatron_ddp(model, cfg, args)
-    elif args.bf16_linear_weights == "on":
-        raise SPConfigError(f"--bf16-linear-weights on needs megatron's DDP, which needs CUDA (this run uses "
-                            f"--ddp-impl torch on {device})")
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                                 fused=device.type == "cuda" or None)
@@ -221,23 +214,15 @@ def _megatron_ddp(model, cfg, args):
                              context_parallel_size=args.context_parallel_size, bf16=args.bf16)
     if args.bf16_params:  # Megatron-LM's --bf16: bf16 weights, fp32 main weights + Adam state in the optimizer
         model = model.to(torch.bfloat16)
-    try:
-        linear_bf16 = precision.resolve(args.bf16_linear_weights, bf16=args.bf16, megatron_ddp=True,
-                                        bf16_params=args.bf16_params,
-                                        distributed_optimizer=args.use_distributed_optimizer)
-    except ValueError as e:
-        raise SPConfigError(str(e)) from None
-    originals = precision.to_bf16_linear_weights(model) if linear_bf16 else {}
     ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16, overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
                                                  adam_beta1=0.9, adam_beta2=0.95, clip_grad=args.clip_grad,
-                                                 bf16=args.bf16_params or linear_bf16,
+                                                 bf16=args.bf16_params,
                                                  params_dtype=torch.bfloat16 if args.bf16_params else torch.float32,
                                                  use_distributed_optimizer=args.use_distributed_optimizer), [ddp])
     _fuse_torch_adam(opt)
-    precision.restore_main_weights(originals)
     return ddp, opt
 
 

@@ -39,16 +39,13 @@ def sample_latents(model, text: torch.Tensor, shape: Sequence[int], *, steps: in
     _, t_len, h, w = shape
     pt, ph, pw = cfg.patch
     grid = (t_len // pt, h // ph, w // pw)
-    dtypes = {p.dtype for p in model.parameters()}
-    mixed = len(dtypes) > 1  # bf16 Linear weights beside fp32 norms (--bf16-linear-weights): sample under autocast
-    dtype = torch.float32 if mixed else dtypes.pop()
+    dtype = next(model.parameters()).dtype
     x, text = x.to(device), text.to(device=device, dtype=dtype)
     kv_valid_len = n_valid if n_pad > n_valid else None
     ts = torch.linspace(1.0, 0.0, steps + 1)
     for i in range(steps):
         t = torch.full((b,), float(ts[i]), device=device, dtype=dtype)
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=mixed):
-            v = model(x.to(dtype), t, text, ids, grid, kv_valid_len=kv_valid_len).float()
+        v = model(x.to(dtype), t, text, ids, grid, kv_valid_len=kv_valid_len).float()
         x = x + float(ts[i + 1] - ts[i]) * v
     if world > 1:
         shards = [torch.empty_like(x) for _ in range(world)]
