@@ -128,7 +128,7 @@ def test_tp_cp_block(world, backend):
     """The TP x CP attention block (TP2 x CP1 on 2 ranks, TP2 x CP2 on 4) against its float64 reference."""
     from tests import cuda_tp_cp
     got = run_ranks(cuda_tp_cp.tp_cp_block_family, world, timeout=600, device="cuda", backend=backend)
-    assert len(_check("tp_cp", world, backend, got)) == 12
+    assert len(_check("tp_cp", world, backend, got)) == 18
 
 
 @pytest.mark.parametrize("world,backend", _layouts())
@@ -149,3 +149,45 @@ def test_varlen_family(world, backend):
     """Packed variable-length samples (cu_seqlens) through Ulysses / HCMS on CUDA."""
     assert len(_run_family("varlen", world, backend)) == 24
 
+
+
+def _worker(module: str, fn: str, family: str, world: int, backend: str, timeout: float = 900) -> list:
+    import importlib
+    got = run_ranks(getattr(importlib.import_module(f"tests.{module}"), fn), world, timeout=timeout, device="cuda",
+                    backend=backend)
+    return _check(family, world, backend, got)
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_tp_cp_vs_megatron_layer(world, backend):
+    """The TP x CP block's forms and auto against Megatron's own TP sequence-parallel self-attention (same weights)."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
+    assert len(_worker("cuda_tp_cp", "tp_cp_megatron_family", "tp_cp_megatron", world, backend)) == 8
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_ring_varlen_family(world, backend):
+    """Packed variable-length samples through ring, TASP, the usp/tas meshes and torus."""
+    assert len(_worker("cuda_ring_varlen", "ring_varlen_family", "ring_varlen", world, backend)) == \
+        {2: 16, 4: 22}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_ring_rotation_family(world, backend):
+    """The ring backward that sends each step's dK|dV partial home (head-chunked last step) against float64 and
+    against the traveling-accumulator schedule."""
+    assert len(_worker("cuda_ring_rotation", "ring_rotation_family", "ring_rotation", world, backend)) == 14
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_dit_packed_family(world, backend):
+    """The DiT on packed mixed-size samples at SP=P: loss and gradients equal one-sample-at-a-time."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
+    assert len(_worker("cuda_dit_packed", "dit_packed_family", "dit_packed", world, backend)) == 4
+
+
+def test_varlen_local_kernels():
+    """The local kernels for packed samples (per sample, grouped by length, torch's flash varlen, cuDNN ragged where
+    its probe passes, and auto) against float64 per sample, on one GPU."""
+    got = _worker("cuda_varlen_local", "varlen_local_family", "varlen_local", 1, "gloo")
+    assert len(got) in (64, 80)
