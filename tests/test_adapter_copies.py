@@ -265,7 +265,7 @@ def _bench_smoke(rank, world, out):
 def test_bench_adapters_runs_on_cpu(tmp_path):
     """tools/bench_ulysses_layout.py --adapters on gloo: every mode runs, equals the pre-change path bitwise."""
     row = run_ranks(_bench_smoke, 2, str(tmp_path))[0]
-    assert set(row["modes"]) == {"separate_before", "separate", "fused_before", "fused", "packed"}
+    assert set(row["modes"]) == {"separate_before", "separate", "fused_before", "fused", "views", "packed"}
     assert all(m.get("equals_before", True) for m in row["modes"].values())
     assert (tmp_path / "bench_ulysses_adapters.json").exists() and "separate_before" in \
         (tmp_path / "bench_ulysses_adapters.md").read_text()
@@ -282,3 +282,40 @@ def test_cuda_exchange_copies_worker_runs_on_cpu(monkeypatch):
         assert len(per_rank) == 10 and all(r["family"] == "exchange_copies" for r in per_rank)
         for r in per_rank:
             assert max(r["errs"].values()) <= r["tol"], r
+
+
+def _views_zigzag(rank, world):
+    """Causal zigzag, B == 1: the exchanges land q|k|v in global order, so the zero-copy views (qkv_contiguous=False,
+    packed q|k|v) serve this placement too; equal bit for bit to the dense copies, and to float64."""
+    from megatron_sp_ext.sp.ulysses import pack_qkv, packed_head_layout, packed_ulysses_attention
+    group = dist.group.WORLD
+    h, d, s = 2 * world, 8, 4 * world
+    shard = _shard("zigzag")
+    res = {}
+    for name, contiguous in (("dense", True), ("views", False)):
+        res[name] = run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=True, placement="zigzag",
+                                                                   qkv_contiguous=contiguous, head_chunks=2),
+                             rank, world, b=1, s=s, h=h, hkv=h, d=d, dtype=torch.float32, causal=True, seed=3,
+                             shard=shard)
+    hl = packed_head_layout(h, h, world, 2)
+
+    def packed(q, k, v):
+        return packed_ulysses_attention(pack_qkv(q, k, v, hl), group, num_heads=h, num_kv_heads=h, head_chunks=2,
+                                        causal=True, placement="zigzag")
+    res["packed"] = run_case(packed, rank, world, b=1, s=s, h=h, hkv=h, d=d, dtype=torch.float32, causal=True,
+                             seed=3, shard=shard)
+    for name in ("views", "packed"):
+        for what, a, b in zip(("out", "dq", "dk", "dv"), res[name], res["dense"]):
+            assert torch.equal(a, b), f"{name} {what} differs from the dense copies"
+    return True
+
+
+def _shard(placement):
+    def shard(x, r, w):
+        return torch.cat([x[:, a:a + m] for a, m in pieces(placement, r, w, x.shape[1])], dim=1)
+    return shard
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zigzag_views_bitwise_equal_dense(world):
+    run_ranks(_views_zigzag, world)

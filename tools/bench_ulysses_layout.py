@@ -18,6 +18,7 @@ B = 1 by default), fwd and fwd+bwd per row, beside the same floor:
   separate / separate_before    q, k, v as separate tensors, with / without the per-piece exchanges that carry the
                                 zigzag permutation (before: MAX_PIECE_SLOTS = 0, the index copies)
   fused / fused_before          q, k, v as views of one [S, B, H, 3 * D] projection output (one-pass pack)
+  views                         separate, qkv_contiguous=False: the kernel reads the received buffer in place
   packed                        PackedUlysses on pre-packed q|k|v (no pack copy: what a producer-owned layout gives)
 and, with --profile, each mode's copy-like kernels of one fwd+bwd (name matches copy / index / Memcpy: count and ms).
 Checks that every mode's output equals separate_before bitwise. Writes bench_ulysses_adapters.json (+ .md).
@@ -142,22 +143,22 @@ def bench_adapters(group, h, seqlen, d, iters, warmup, device="cuda", timer=time
 
     def piece_slots(on):
         return uly_engine.MAX_PIECE_SLOTS if on else 0
-    modes = {"separate_before": (False, False), "separate": (False, True), "fused_before": (True, False),
-             "fused": (True, True)}
+    modes = {"separate_before": (False, False, True), "separate": (False, True, True),
+             "fused_before": (True, False, True), "fused": (True, True, True), "views": (False, True, False)}
     res = {"H": h, "L": seqlen, "P": world, "B": batch, "chunks": chunks, "modes": {}}
     outs = {}
     default_slots = uly_engine.MAX_PIECE_SLOTS
-    for name, (fused, pieces_on) in modes.items():
+    for name, (fused, pieces_on, contiguous) in modes.items():
         ls = leaves()
 
-        def fwd(ls=ls, fused=fused):
+        def fwd(ls=ls, fused=fused, contiguous=contiguous):
             with torch.no_grad():
                 args = fused_views(ls) if fused else ls
-                return spx.ulysses_attention(*args, group, **kw)
+                return spx.ulysses_attention(*args, group, qkv_contiguous=contiguous, **kw)
 
-        def fwd_bwd(ls=ls, fused=fused):
+        def fwd_bwd(ls=ls, fused=fused, contiguous=contiguous):
             args = fused_views(ls) if fused else ls
-            spx.ulysses_attention(*args, group, **kw).backward(do)
+            spx.ulysses_attention(*args, group, qkv_contiguous=contiguous, **kw).backward(do)
         uly_engine.MAX_PIECE_SLOTS = default_slots if pieces_on else 0
         try:
             row = {"fwd_ms": timer(fwd, iters, warmup, group, long_ms=None),
@@ -210,7 +211,7 @@ def bench_adapters(group, h, seqlen, d, iters, warmup, device="cuda", timer=time
 def _write_adapters(rows, out):
     with open(os.path.join(out, "bench_ulysses_adapters.json"), "w") as f:
         json.dump({**run_meta(), "rows": rows}, f, indent=1)
-    names = ["separate_before", "separate", "fused_before", "fused", "packed"]
+    names = ["separate_before", "separate", "fused_before", "fused", "views", "packed"]
     lines = ["| P | H | L | B | C | floor fwd+bwd ms | " + " | ".join(names) + " | bitwise |",
              "|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
     for r in rows:

@@ -9,9 +9,11 @@ buffers and transport of the reverse exchanges the Functions' backwards issue.
 Placement permutations without a copy (``by_piece``): with a placement order (causal zigzag, padding) and B == 1,
 the head-sharded side's [S, h, D] rows of one placement piece are contiguous, so the group's own all-to-all runs
 once per piece slot (list form, one contiguous view per peer) and lands or reads each piece at its global
-position: the output and gradient sends read the kernel's results in place (``send_to_seq``), and the backward's
-dO lands in the kernel's layout and order (``exchange_all_chunks(..., land_global=True)``). The same values move;
-only the index copies that carried the permutation are gone.
+position: the output and gradient sends read the kernel's results in place (``send_to_seq``), the backward's dO
+lands in the kernel's layout and order, and the forward's q|k|v land in global order (``exchange_all_chunks(...,
+land_global=True)``; their copy into the kernel's dense layout becomes a plain copy, and the zero-copy views of
+``qkv_contiguous=False`` / packed q|k|v now serve these placements too). The same values move; only the index
+copies that carried the permutation are gone.
 """
 from __future__ import annotations
 
@@ -138,12 +140,23 @@ def send_to_seq(t_bhsd: torch.Tensor, tr, order: Optional[lay.SeqOrder], recv: t
     tr.all_to_all(send, recv, None, splits, table=table_head_to_seq(splits))
 
 
+def receive_pieces(send: torch.Tensor, splits, order: lay.SeqOrder, recv: torch.Tensor, tr) -> list:
+    """The seq->head exchange of ``send`` (flat, one [S_loc, B, w, D] segment per peer, sizes ``splits``) landing
+    the gathered sequence in global order in ``recv`` ([S, B, w, D] flat): one async list all-to-all per piece slot
+    (``by_piece``). Returns the works."""
+    world = len(splits)
+    k = len(order.to_global) // world
+    rows = recv.view(world * k, -1)  # row g: global piece g
+    segs = [seg.view(k, -1) for seg in send.split(list(splits))]
+    return [dist.all_to_all([rows[g] for g in slot], [seg[j] for seg in segs], group=tr.group, async_op=True)
+            for j, slot in enumerate(_slots(order, world))]
+
+
 def _exchange_pieces_in(parts, kinds, plan: AttendPlan, tokens: int, d: int, compute, comm):
     """``exchange_all_chunks`` landing each piece at its global position (``by_piece``): per chunk, pack as usual,
     then one list all-to-all per piece slot from each peer's segment into the rows of that piece."""
     hl, me, like, order, world = plan.heads, plan.rank, parts[0], plan.order, plan.heads.world
     tr = transport_of(plan)
-    k, u = len(order.to_global) // world, order.piece
     recv = [alloc(world * tokens * sum(lay.widths(hl, kinds, me, c)) * d, like) for c in range(hl.chunks)]
     ready = st.record(compute)
     events = []
@@ -154,10 +167,7 @@ def _exchange_pieces_in(parts, kinds, plan: AttendPlan, tokens: int, d: int, com
             buf = tr.send_buffer(sum(lay.seg_splits(hl, kinds, c, tokens, d)), like)
             splits = lay.pack(parts, kinds, hl, c, plan.seq_layout, buf)
             sends.append(buf)
-            rows = recv[c].view(world * k, -1)  # [S, B, w, D] by piece: row g is global piece g
-            segs = [seg.view(k, -1) for seg in buf.split(splits)]
-            works.append([dist.all_to_all([rows[g] for g in slot], [seg[j] for seg in segs], group=tr.group,
-                                          async_op=True) for j, slot in enumerate(_slots(order, world))])
+            works.append(receive_pieces(buf, splits, order, recv[c], tr))
         for ws in works:
             for w in ws:
                 w.wait()

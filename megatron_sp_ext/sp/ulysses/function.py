@@ -53,16 +53,18 @@ class _UlyssesFn(torch.autograd.Function):
         tokens = s_loc * bsz
         compute, comm = st.current(q.device), plan.comm_stream
         out = torch.empty_like(q)
-        recv_in, ev_in = exchange_all_chunks((q, k, v), _QKV, plan, tokens, d, compute, comm)
+        in_order = by_piece(plan, bsz)  # the exchange lands q|k|v in global order (B == 1, engine.by_piece)
+        recv_in, ev_in = exchange_all_chunks((q, k, v), _QKV, plan, tokens, d, compute, comm, land_global=in_order)
+        order = None if in_order else plan.order
 
         def views(c):
             st.wait(compute, ev_in[c])
             ws = lay.widths(hl, _QKV, me, c)
             buf, recv_in[c] = recv_in[c].view(world * s_loc, bsz, sum(ws), d), None
-            if plan.qkv_contiguous or plan.order is not None:
-                # [B, S, h, D]-backed copies in global order (the kernel's native layout; the placement's
-                # permutation rides on this copy); the buffer is freed with this frame
-                return [lay.to_kernel_layout(t, plan.order) for t in lay.columns_sbhd(buf, ws)]
+            if plan.qkv_contiguous or order is not None:
+                # [B, S, h, D]-backed copies in global order (the kernel's native layout; a permutation the
+                # exchange did not carry rides on this copy); the buffer is freed with this frame
+                return [lay.to_kernel_layout(t, order) for t in lay.columns_sbhd(buf, ws)]
             return lay.columns(buf, ws)  # zero-copy views of the received buffer
         chunks = attend_and_send(views, plan, out, tokens, d, compute, comm)
         ctx.plan, ctx.chunks = plan, chunks

@@ -33,7 +33,7 @@ from ..checks import check_same_shape_across_ranks
 from ..heads import HeadLayout, head_layout
 from . import layout as lay
 from .attend import attend_backward
-from .engine import attend_and_send, by_piece, exchange_all_chunks
+from .engine import attend_and_send, by_piece, exchange_all_chunks, receive_pieces
 from .function import ulysses_attention
 from .plan import local_order
 from .policy import ChunkPolicy, default_policy
@@ -89,9 +89,10 @@ class PackedPlan:
     dropout_p: float = 0.0  # packed calls carry no attention dropout
 
 
-def _start_exchanges(sends: Sequence[torch.Tensor], plan: PackedPlan, compute, comm):
+def _start_exchanges(sends: Sequence[torch.Tensor], plan: PackedPlan, compute, comm, in_order: bool = False):
     """Every chunk's seq->head exchange in flight at once, straight from the caller's buffers (every transport
-    takes any contiguous send buffer). Returns (recv buffers, arrival events)."""
+    takes any contiguous send buffer). Returns (recv buffers, arrival events); with ``in_order`` (``by_piece``)
+    each buffer holds the gathered sequence in global order (one list all-to-all per piece slot)."""
     tr, hl = plan.transport, plan.heads
     tokens = plan.q_shape[0] * plan.q_shape[1]
     d = plan.q_shape[3]
@@ -105,11 +106,22 @@ def _start_exchanges(sends: Sequence[torch.Tensor], plan: PackedPlan, compute, c
             if comm is not None:
                 send.record_stream(comm)
             splits = lay.seg_splits(hl, _QKV, c, tokens, d)
+            if in_order:
+                works.extend(receive_pieces(flat, splits, plan.order, recv[c], tr))
+                works.append(None)  # chunk c's last work: its event follows
+                continue
             w = tr.all_to_all(flat, recv[c], splits, None, async_op=True, table=table_seq_to_head(splits))
             if tr.stream_ordered:
                 events.append(st.record(comm))
             else:
                 works.append(w)
+        if in_order:
+            for w in works:
+                if w is None:
+                    events.append(st.record(comm))
+                else:
+                    w.wait()
+            return recv, events
         for w in works:
             w.wait()
             events.append(st.record(comm))
@@ -124,13 +136,14 @@ class _PackedFn(torch.autograd.Function):
         tokens = s_loc * bsz
         compute, comm = st.current(sends[0].device), plan.comm_stream
         out = torch.empty(plan.q_shape, dtype=sends[0].dtype, device=sends[0].device)
-        recv, events = _start_exchanges(sends, plan, compute, comm)
+        in_order = by_piece(plan, bsz)  # the exchange lands q|k|v in global order (B == 1, engine.by_piece)
+        recv, events = _start_exchanges(sends, plan, compute, comm, in_order)
 
         def views(c):
             st.wait(compute, events[c])
             ws = lay.widths(hl, _QKV, plan.rank, c)
             buf, recv[c] = recv[c].view(world * s_loc, bsz, sum(ws), d), None
-            if plan.order is None:  # attention reads the received buffer in place
+            if plan.order is None or in_order:  # attention reads the received buffer in place
                 return lay.columns(buf, ws)
             # the placement's permutation rides on one copy into the kernel layout
             return [lay.to_kernel_layout(t, plan.order) for t in lay.columns_sbhd(buf, ws)]
