@@ -8,7 +8,9 @@ Per call (QKV = bytes of q, k, v; O = bytes of the output), the exchange path co
 What changed:
   * with a placement order (Megatron's causal zigzag, padding) and B == 1 the permutation rides on the exchanges
     (sp.ulysses.engine: one list all-to-all per piece slot): the output and gradient sends read the kernel's
-    results in place and dO lands in the kernel's layout: forward 2 QKV + O, backward QKV + O (-31% with MHA);
+    results in place, dO lands in the kernel's layout, q|k|v land in global order (their dense copy is a plain
+    copy; the zero-copy views of qkv_contiguous=False and PackedUlysses now serve zigzag): forward 2 QKV + O,
+    backward QKV + O (-31% with MHA);
   * q, k, v handed over as equally spaced views of one fused projection output (Megatron's linear_qkv split for
     MHA without RoPE / QK-norm, a [.., H, 3, D] or [.., 3, H, D] qkv) are packed in one copy, not three (k|v in
     one for GQA): same bytes, fewer passes.

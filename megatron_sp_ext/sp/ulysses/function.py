@@ -159,10 +159,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     k, v: same with Hkv heads (H % Hkv == 0). Returns the attention output in q's layout and shape.
     placement: which tokens each rank holds ("contiguous", "zigzag", "tasp_zigzag"); it matters
     only for causal masks and for ``kv_valid_len`` (keys at global positions >= kv_valid_len are
-    padding and get no attention). The placement's permutation is folded into the copies around the
-    exchanges (received q/k/v -> kernel layout in global order; output and gradients -> send buffers in
-    rank order), so every placement runs ONE kernel call per chunk (causal or not) at the speed of
-    "contiguous". Padding cuts the keys off (non-causal: one call; causal: a causal call for the valid
+    padding and get no attention). The placement's permutation rides on the exchanges themselves for B == 1
+    (one list all-to-all per piece slot, each piece landing at or read from its global position:
+    ``engine.by_piece``), else on the copies around them (received q/k/v -> kernel layout in global order;
+    output and gradients -> send buffers in rank order), so every placement runs ONE kernel call per chunk
+    (causal or not) at the speed of "contiguous". Padding cuts the keys off (non-causal: one call; causal: a causal call for the valid
     queries and a full call for the padded query rows).
     qkv_contiguous (default True): copy each chunk's q/k/v into the kernel's native [B, S, h, D]
     layout and exchange gradients one tensor at a time; False keeps the zero-copy packed q|k|v views
