@@ -191,3 +191,17 @@ def test_varlen_local_kernels():
     its probe passes, and auto) against float64 per sample, on one GPU."""
     got = _worker("cuda_varlen_local", "varlen_local_family", "varlen_local", 1, "gloo")
     assert len(got) in (64, 80)
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_auto_family(world, backend):
+    """auto's branches (Ulysses/HCMS, ring, TASP) forced through the real calibration, and the CUDA-event
+    calibration itself, against float64."""
+    assert len(_worker("cuda_auto_copies", "auto_family", "auto", world, backend)) == {2: 12, 4: 16}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_exchange_copies_family(world, backend):
+    """The adapters' Ulysses exchanges with the placement riding on them and fused-view packs: bitwise equal to the
+    plain path, and against float64."""
+    assert len(_worker("cuda_auto_copies", "exchange_copies_family", "exchange_copies", world, backend)) == 10
