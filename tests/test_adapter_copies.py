@@ -321,3 +321,16 @@ def _shard(placement):
 @pytest.mark.parametrize("world", [2, 4])
 def test_zigzag_views_bitwise_equal_dense(world):
     run_ranks(_views_zigzag, world)
+
+
+def _list_a2a_gate(rank, world):
+    from megatron_sp_ext.comm.transport import NcclTransport
+    from megatron_sp_ext.sp.ulysses.engine import list_all_to_all_runs
+    tr = NcclTransport(dist.group.WORLD)
+    return (list_all_to_all_runs(tr, torch.device("cpu")), list_all_to_all_runs(tr, torch.device("cuda", 0)))
+
+
+def test_per_piece_exchange_only_where_gloo_runs_it():
+    """gloo runs torch's list all-to-all on CPU tensors only ("Backend gloo does not support alltoall" with CUDA
+    tensors, seen in the 1-GPU CUDA suite 2026-11-24): the per-piece exchange is gated off there; NCCL keeps it."""
+    assert run_ranks(_list_a2a_gate, 2) == [(True, False), (True, False)]

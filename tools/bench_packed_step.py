@@ -103,6 +103,11 @@ def main(argv=None) -> dict:
         model = VideoDiT(cfg)
     group = dist.group.WORLD if world > 1 else None
     model.set_attention_core(make_core("ulysses", group, num_heads=cfg.heads))
+    # the variants give each compiled elementwise region several shape families in ONE process (packed per-token
+    # modulation, a padded batch, clips one at a time): more graphs than torch.compile's default limit of 8 per
+    # region, which with fullgraph=True is a hard failure (seen on 1 x H200, 2026-11-24). A training run has one
+    # family (static, then dynamic in S); the benchmark raises the limit for itself only.
+    torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
     model.set_fused_elementwise(resolve_fused(args.fused_elementwise, device))
     # lr 0: the full AdamW step is timed, the weights stay put, so every variant's loss is of the same weights
     # (packed equals sequential up to rounding: the check that they train the same thing)

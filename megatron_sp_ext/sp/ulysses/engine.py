@@ -95,12 +95,19 @@ def send_head_major(t_bhsd: torch.Tensor, tr, order: Optional[lay.SeqOrder] = No
 MAX_PIECE_SLOTS = 4  # collectives per exchange the per-piece path may take (zigzag: 2)
 
 
-def by_piece(plan: AttendPlan, bsz: int) -> bool:
+def list_all_to_all_runs(tr, device: torch.device) -> bool:
+    """Whether the group of transport ``tr`` runs torch's list all-to-all on ``device`` tensors: NCCL does, gloo on
+    CPU tensors only (gloo with CUDA tensors: "Backend gloo does not support alltoall")."""
+    return dist.get_backend(tr.group) != "gloo" or torch.device(device).type == "cpu"
+
+
+def by_piece(plan: AttendPlan, bsz: int, device: torch.device) -> bool:
     """Whether the placement's permutation can ride on the exchange itself (module docstring): an order to apply,
-    B == 1, even heads, the group's own all-to-all (NCCL / gloo), at most ``MAX_PIECE_SLOTS`` pieces per rank."""
-    order = plan.order
-    return (order is not None and bsz == 1 and plan.heads.even and isinstance(transport_of(plan), NcclTransport)
-            and len(order.to_global) // plan.heads.world <= MAX_PIECE_SLOTS)
+    B == 1, even heads, the group's own all-to-all (NCCL, or gloo on CPU tensors), at most ``MAX_PIECE_SLOTS``
+    pieces per rank."""
+    order, tr = plan.order, transport_of(plan)
+    return (order is not None and bsz == 1 and plan.heads.even and isinstance(tr, NcclTransport)
+            and list_all_to_all_runs(tr, device) and len(order.to_global) // plan.heads.world <= MAX_PIECE_SLOTS)
 
 
 def _slots(order: lay.SeqOrder, world: int) -> list[list[int]]:
@@ -111,10 +118,10 @@ def _slots(order: lay.SeqOrder, world: int) -> list[list[int]]:
 
 def sends_in_place(t_bhsd: torch.Tensor, tr, order: Optional[lay.SeqOrder], splits) -> bool:
     """Whether ``send_pieces`` can read the head-sharded result ``t_bhsd`` [B, h, S, D] in place: an order to
-    apply, the group's own all-to-all, even heads (equal ``splits``: gloo's list all-to-all takes equal sizes
+    apply, the group's own all-to-all (``list_all_to_all_runs``), even heads (equal ``splits``: gloo's list all-to-all takes equal sizes
     only), B == 1 with [S, h, D]-contiguous rows, at most ``MAX_PIECE_SLOTS`` slots."""
     return (order is not None and t_bhsd.shape[0] == 1 and isinstance(tr, NcclTransport)
-            and len(set(splits)) == 1 and t_bhsd.permute(2, 0, 1, 3).is_contiguous()
+            and list_all_to_all_runs(tr, t_bhsd.device) and len(set(splits)) == 1 and t_bhsd.permute(2, 0, 1, 3).is_contiguous()
             and len(order.to_global) // len(splits) <= MAX_PIECE_SLOTS)
 
 

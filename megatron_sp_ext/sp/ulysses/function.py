@@ -53,7 +53,7 @@ class _UlyssesFn(torch.autograd.Function):
         tokens = s_loc * bsz
         compute, comm = st.current(q.device), plan.comm_stream
         out = torch.empty_like(q)
-        in_order = by_piece(plan, bsz)  # the exchange lands q|k|v in global order (B == 1, engine.by_piece)
+        in_order = by_piece(plan, bsz, q.device)  # the exchange lands q|k|v in global order (B == 1, engine.by_piece)
         recv_in, ev_in = exchange_all_chunks((q, k, v), _QKV, plan, tokens, d, compute, comm, land_global=in_order)
         order = None if in_order else plan.order
 
@@ -83,7 +83,7 @@ class _UlyssesFn(torch.autograd.Function):
         d = q_shape[-1]
         tokens = s_loc * bsz
         compute, comm = st.current(grad_out.device), plan.comm_stream
-        in_order = by_piece(plan, bsz)  # dO lands in global order: already the kernel's layout (B == 1)
+        in_order = by_piece(plan, bsz, grad_out.device)  # dO lands in global order: already the kernel's layout (B == 1)
         recv_g, ev_in = exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm, land_global=in_order)
         dq = dk = dv = None
         for c in range(C):

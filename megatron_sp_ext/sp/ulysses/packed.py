@@ -136,7 +136,7 @@ class _PackedFn(torch.autograd.Function):
         tokens = s_loc * bsz
         compute, comm = st.current(sends[0].device), plan.comm_stream
         out = torch.empty(plan.q_shape, dtype=sends[0].dtype, device=sends[0].device)
-        in_order = by_piece(plan, bsz)  # the exchange lands q|k|v in global order (B == 1, engine.by_piece)
+        in_order = by_piece(plan, bsz, sends[0].device)  # the exchange lands q|k|v in global order (B == 1, engine.by_piece)
         recv, events = _start_exchanges(sends, plan, compute, comm, in_order)
 
         def views(c):
@@ -160,7 +160,7 @@ class _PackedFn(torch.autograd.Function):
         tokens = s_loc * bsz
         grad_out = grad_out.contiguous()
         compute, comm = st.current(grad_out.device), plan.comm_stream
-        in_order = by_piece(plan, bsz)  # dO lands in global order: already the kernel's layout (B == 1)
+        in_order = by_piece(plan, bsz, grad_out.device)  # dO lands in global order: already the kernel's layout (B == 1)
         recv_g, ev_in = exchange_all_chunks((grad_out,), ("q",), plan, tokens, d, compute, comm, land_global=in_order)
         grads_packed = []
         for c in range(hl.chunks):
