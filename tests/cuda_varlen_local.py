@@ -4,9 +4,10 @@
 [S, H, D]-contiguous memory (what the Ulysses exchange leaves) over packed samples of lengths 300, 128, 128, 128,
 77, 3 (an adjacent equal-length run, odd lengths, a three-token sample) and 640, 200, 33; bf16 and fp16, causal and
 not, 8 q heads on 2 kv heads (GQA) and 5 on 5; each method of ``varlen.methods_here`` (per_sample, grouped, and
-flash_varlen / cudnn_varlen where their probe passed) plus what "auto" picks: out, lse, dq, dk, dv against a
-float64 per-sample reference on the device. 16 configurations x (methods that run + 1 for auto) records, family
-"varlen_local" (on an H100/H200 with torch 2.11: 16 x 4 = 64 if cudnn_varlen's probe fails, 80 if it passes).
+flash_varlen where its probe passed) plus what "auto" picks: out, lse, dq, dk, dv against a float64 per-sample
+reference computed on the device (packed_reference builds its mask there). Family "varlen_local": 16
+configurations x (per_sample, grouped, flash_varlen where its probe passed, auto) = 64 records if flash_varlen's
+probe passes, 48 if not.
 Records as in tests/cuda_suite.py; SPX_SUITE_DEVICE=cpu runs per_sample / grouped / auto (= per_sample) on the
 CPU at 1/SPX_SUITE_SHRINK of the lengths.
 """
@@ -47,7 +48,7 @@ def varlen_local_family(rank: int, world: int) -> list:
                     q, k, v, do = (torch.randn(1, s, n, 64, generator=g, dtype=torch.float64).to(dev, dtype)
                                    .transpose(1, 2) for n in (h, hkv, hkv, h))
                     scale = 64 ** -0.5
-                    ref = [t.to(dev) for t in packed_reference(q, k, v, do, cu, causal, scale)]
+                    ref = packed_reference(q, k, v, do, cu, causal, scale)  # on q's device
                     here = varlen.methods_here(be, q)
                     auto = chooser.choose("auto", be, q, k, v, cu, causal=causal, scale=scale, need_grad=True)
                     for method in here + ["auto"]:

@@ -1,10 +1,11 @@
 """Local attention of packed variable-length samples (megatron_sp_ext/attention/varlen.py, issue #36 item 2).
 
-Every method (per_sample, grouped, and the two varlen kernels through CPU stand-ins of torch's ops that keep
+Every method (per_sample, grouped, and flash_varlen through CPU stand-ins of torch's varlen flash ops that keep
 the ops' layouts) against a float64 per-sample reference: out, lse and dq/dk/dv, causal and not, GQA, odd
 sizes, strided inputs, empty samples; the cuDNN branch through tests/fake_cudnn.py (graph cache included);
-"per_sample" bit for bit the loop the Ulysses varlen path ran before; the chooser (settings, errors, "auto"
-cached per key, call order); the wiring in sp/ulysses/attend.py.
+"per_sample" bit for bit the loop the Ulysses varlen path ran before; which methods each backend offers (no
+cuDNN ragged-kernel method); the chooser (settings, errors, "auto" cached per key, call order); the wiring in
+sp/ulysses/attend.py.
 """
 from __future__ import annotations
 
@@ -44,23 +45,35 @@ def _inputs(cu, h, hkv, d, dtype, seed, strided):
 
 
 def packed_reference(q, k, v, do, cu, causal, scale):
-    """float64 per-sample attention with a block-diagonal mask: out, lse, dq, dk, dv (also used by
-    tests/cuda_varlen_local.py)."""
+    """float64 per-sample attention with a block-diagonal mask on q's device: out, lse, dq, dk, dv (also used
+    by tests/cuda_varlen_local.py, on the GPU)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     s = cu[-1]
-    sample = torch.zeros(s, dtype=torch.long)
+    dev = q.device
+    sample = torch.zeros(s, dtype=torch.long, device=dev)
     for i, (a, b) in enumerate(zip(cu, cu[1:])):
         sample[a:b] = i
     mask = sample.view(-1, 1) == sample.view(1, -1)
     if causal:
-        mask &= torch.ones(s, s, dtype=torch.bool).tril()
+        mask &= torch.ones(s, s, dtype=torch.bool, device=dev).tril()
     scores = (q @ ke.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.softmax(scores, dim=-1) @ ve
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do.double())
     return out.detach(), lse.detach(), dq, dk, dv
+
+
+def test_packed_reference_stays_on_the_inputs_device():
+    """The reference builds its mask on q's device (the CUDA worker calls it with GPU tensors; a CPU mask failed
+    there with "expected self and mask to be on the same device"): meta tensors stand in for another device."""
+    q, k = torch.randn(1, 4, 11, 8, device="meta"), torch.randn(1, 2, 11, 8, device="meta")
+    for causal in (False, True):
+        ref = packed_reference(q, k, k, q, (0, 4, 4, 11), causal, 0.3)
+        assert [t.device.type for t in ref] == ["meta"] * 5
+        assert [tuple(t.shape) for t in ref] == [(1, 4, 11, 8), (1, 4, 11), (1, 4, 11, 8), (1, 2, 11, 8),
+                                                 (1, 2, 11, 8)]
 
 
 def _check(name, got, ref, dtype):
@@ -171,11 +184,11 @@ def _per_sample_math_bwd(do, q, k, v, out, lse_ht, cu_t, causal, scale):
 
 
 class FakeVarlenOps:
-    """aten._flash_attention_forward/_backward (lse [H, T]; any token/head strides, stride(-1) == 1) and
-    aten._cudnn_attention_forward/_backward (packed contiguous [T, H, D] only; lse [T, H, 1]) on the CPU."""
+    """aten._flash_attention_forward/_backward (lse [H, T]; any token/head strides, stride(-1) == 1) on the
+    CPU."""
 
     def __init__(self):
-        self.calls = {"flash": 0, "cudnn": 0}
+        self.calls = {"flash": 0}
 
     def flash_fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
                   **_):
@@ -192,57 +205,36 @@ class FakeVarlenOps:
         assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
         return _per_sample_math_bwd(do.contiguous(), q, k, v, out.contiguous(), lse, cu_q, is_causal, scale)
 
-    def cudnn_fwd(self, q, k, v, attn_bias, cu_q, cu_k, max_q, max_k, compute_lse, dropout_p=0.0, is_causal=False,
-                  return_debug_mask=False, *, scale=None):
-        assert all(t.is_contiguous() for t in (q, k, v)), "the ragged cuDNN path reads packed [T, H, D]"
-        assert attn_bias is None and compute_lse and dropout_p == 0.0
-        self.calls["cudnn"] += 1
-        out, lse = _per_sample_math(q, k, v, cu_q, is_causal, scale)
-        z = torch.zeros((), dtype=torch.int64)
-        return out, lse.float().t().contiguous().unsqueeze(-1), cu_q, cu_k, max_q, max_k, z, z, torch.empty(0)
-
-    def cudnn_bwd(self, do, q, k, v, out, lse, seed, offset, attn_bias, cu_q, cu_k, max_q, max_k, dropout_p,
-                  is_causal, *, scale=None):
-        assert all(t.is_contiguous() for t in (do, q, k, v, out)) and lse.shape == (q.shape[0], q.shape[1], 1)
-        return _per_sample_math_bwd(do, q, k, v, out, lse[..., 0].t(), cu_q, is_causal, scale)
-
 
 def _install_fake_varlen(monkeypatch):
     fake = FakeVarlenOps()
-    for name, fn in (("_flash_attention_forward", fake.flash_fwd), ("_flash_attention_backward", fake.flash_bwd),
-                     ("_cudnn_attention_forward", fake.cudnn_fwd), ("_cudnn_attention_backward", fake.cudnn_bwd)):
+    for name, fn in (("_flash_attention_forward", fake.flash_fwd), ("_flash_attention_backward", fake.flash_bwd)):
         monkeypatch.setattr(torch.ops.aten, name, fn, raising=False)
     monkeypatch.setattr(varlen, "kernel_available", lambda method, device, dtype: method in varlen.KERNEL_METHODS)
     monkeypatch.setattr(varlen, "_AUX", {})
     return fake
 
 
-@pytest.mark.parametrize("method", ["flash_varlen", "cudnn_varlen"])
-def test_varlen_kernel_glue_matches_float64(monkeypatch, method):
+def test_varlen_kernel_glue_matches_float64(monkeypatch):
     """The layouts, cu_seqlens, lse shapes and GQA handling around torch's varlen ops, on CPU stand-ins."""
     fake = _install_fake_varlen(monkeypatch)
     be = get_backend("auto")
     for i, cu in enumerate(CUS):
         for causal in (False, True):
             for h, hkv in ((3, 3), (4, 2)):
-                _run_all(method, be, cu, h, hkv, 8, torch.float32, causal, i, strided=bool(i % 2))
-    assert fake.calls["flash" if method == "flash_varlen" else "cudnn"] > 0
+                _run_all("flash_varlen", be, cu, h, hkv, 8, torch.float32, causal, i, strided=bool(i % 2))
+    assert fake.calls["flash"] > 0
     assert "flash_varlen" in varlen.methods_here(be, torch.zeros(1, 1, 4, 8))
 
 
-@pytest.mark.parametrize("method", ["flash_varlen", "cudnn_varlen"])
-def test_probe_accepts_right_and_refuses_wrong_kernels(monkeypatch, method):
+def test_probe_accepts_right_and_refuses_wrong_kernels(monkeypatch):
     """The availability probe (run once per CUDA device/dtype) on the CPU stand-ins: passes them, and refuses one
     whose backward ignores causality."""
     fake = _install_fake_varlen(monkeypatch)
-    assert varlen.probe(method, torch.device("cpu"), torch.float32)
-    bwd_name = "flash_bwd" if method == "flash_varlen" else "cudnn_bwd"
-    right = getattr(fake, bwd_name)
-    wrong = lambda *a, **kw: right(*a[:14], False, *a[15:], **kw) if method == "cudnn_varlen" else \
-        right(*a[:11], False, *a[12:], **kw)  # noqa: E731
-    op = "_flash_attention_backward" if method == "flash_varlen" else "_cudnn_attention_backward"
-    monkeypatch.setattr(torch.ops.aten, op, wrong, raising=False)
-    assert not varlen.probe(method, torch.device("cpu"), torch.float32)
+    assert varlen.probe("flash_varlen", torch.device("cpu"), torch.float32)
+    wrong = lambda *a, **kw: fake.flash_bwd(*a[:11], False, *a[12:], **kw)  # noqa: E731 - is_causal dropped
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", wrong, raising=False)
+    assert not varlen.probe("flash_varlen", torch.device("cpu"), torch.float32)
 
 
 def test_schema_check_of_this_torch():
@@ -252,6 +244,29 @@ def test_schema_check_of_this_torch():
         assert varlen.schema_ok(method), f"{method}: torch {torch.__version__} changed the op's arguments"
     assert not varlen.kernel_available("flash_varlen", torch.device("cpu"), torch.bfloat16)  # CUDA only
     assert not varlen.schema_ok("no_such_method")
+
+
+def test_methods_per_backend_and_no_cudnn_varlen(monkeypatch):
+    """flash_varlen where the backend's kernel choice allows it ("auto" on a cuDNN or flash lse kernel,
+    "torch_flash"); the fixed "cudnn" backend runs only per_sample / grouped. There is no cudnn_varlen method
+    (wrong on torch 2.11 / cuDNN 9.19, then an illegal memory access): naming it is an unknown setting."""
+    _install_fake_varlen(monkeypatch)  # flash_varlen "available" on the CPU
+    assert varlen.METHODS == ("per_sample", "grouped", "flash_varlen") and varlen.KERNEL_METHODS == ("flash_varlen",)
+    q = torch.zeros(1, 2, 4, 8)
+    for name, lse_kernel, want in (("auto", "cudnn", ["per_sample", "grouped", "flash_varlen"]),
+                                   ("auto", "flash", ["per_sample", "grouped", "flash_varlen"]),
+                                   ("auto", "math", ["per_sample", "grouped"]),
+                                   ("torch_flash", "flash", ["per_sample", "grouped", "flash_varlen"]),
+                                   ("cudnn", "cudnn", ["per_sample", "grouped"])):
+        be = get_backend(name)
+        monkeypatch.setattr(be, "kernel_for", lambda q_, k_=lse_kernel: k_)
+        assert varlen.methods_here(be, q) == want, (name, lse_kernel)
+    ch = varlen.VarlenChooser(timer=_Timer({}))
+    with pytest.raises(SPConfigError, match=r"varlen_kernel='cudnn_varlen' is invalid: choose one of "
+                                            r"auto, per_sample, grouped, flash_varlen$"):
+        _choose(ch, "cudnn_varlen")
+    with pytest.raises(ValueError, match="unknown varlen method 'cudnn_varlen'"):
+        varlen.forward_lse("cudnn_varlen", get_backend("auto"), q, q, q, (0, 4), causal=False, scale=0.5)
 
 
 def test_cudnn_branch_through_fake_cudnn(monkeypatch):
@@ -301,11 +316,11 @@ def test_choose_settings_and_errors():
 
 def test_auto_measures_once_per_key(monkeypatch):
     _install_fake_varlen(monkeypatch)
-    ms = {"per_sample": 3.0, "grouped": 2.0, "flash_varlen": 1.0, "cudnn_varlen": 5.0}
+    ms = {"per_sample": 3.0, "grouped": 2.0, "flash_varlen": 1.0}
     timer = _Timer(ms)
     ch = varlen.VarlenChooser(timer=timer, measure_off_cuda=True)
-    assert _choose(ch) == "flash_varlen" and len(timer.calls) == 4
-    assert _choose(ch) == "flash_varlen" and len(timer.calls) == 4  # cached
+    assert _choose(ch) == "flash_varlen" and timer.calls == ["per_sample", "grouped", "flash_varlen"]
+    assert _choose(ch) == "flash_varlen" and len(timer.calls) == 3  # cached
     # every field of the key is measured on its own
     variants = [dict(cu=(0, 4, 8, 12)), dict(causal=True), dict(scale=0.25), dict(need_grad=False),
                 dict(explicit=False), dict(dtype=torch.float64), dict(backend="torch_flash")]
@@ -327,8 +342,8 @@ def test_auto_measures_once_per_key(monkeypatch):
 def test_auto_decisions_do_not_depend_on_call_order(monkeypatch):
     _install_fake_varlen(monkeypatch)
     keys = [dict(cu=(0, 4, 8, 11)), dict(cu=(0, 4, 8, 11), causal=True), dict(cu=(0, 3, 11))]
-    ms_by_cu = {(0, 4, 8, 11): {"per_sample": 3.0, "grouped": 1.0, "flash_varlen": 2.0, "cudnn_varlen": 4.0},
-                (0, 3, 11): {"per_sample": 3.0, "grouped": 5.0, "flash_varlen": 4.0, "cudnn_varlen": 2.0}}
+    ms_by_cu = {(0, 4, 8, 11): {"per_sample": 3.0, "grouped": 1.0, "flash_varlen": 2.0},
+                (0, 3, 11): {"per_sample": 3.0, "grouped": 5.0, "flash_varlen": 2.0}}
 
     class ByCu(_Timer):
         cu = None
@@ -347,7 +362,7 @@ def test_auto_decisions_do_not_depend_on_call_order(monkeypatch):
 
     a, ch_a = run([0, 1, 2, 0])
     b, _ = run([2, 1, 0, 2])
-    assert a == b == {0: "grouped", 1: "grouped", 2: "cudnn_varlen"}
+    assert a == b == {0: "grouped", 1: "grouped", 2: "flash_varlen"}
     assert len(ch_a.decisions) == 2  # LRU capacity
 
 
@@ -358,7 +373,7 @@ def _plan(method, be, cu, causal, need_grad=True):
                        comm_stream=None, need_grad=need_grad, cu_seqlens=cu, varlen_kernel=method)
 
 
-@pytest.mark.parametrize("method", ["per_sample", "grouped", "flash_varlen", "cudnn_varlen", "auto"])
+@pytest.mark.parametrize("method", ["per_sample", "grouped", "flash_varlen", "auto"])
 def test_attend_runs_the_plans_method(monkeypatch, method):
     """attend.attend / attend_backward (explicit kernels and the inner autograd graph) with the plan's method."""
     fake = _install_fake_varlen(monkeypatch)
@@ -376,8 +391,8 @@ def test_attend_runs_the_plans_method(monkeypatch, method):
             ref = packed_reference(q, k, v, do, cu, causal, 0.4)
             _check(f"attend {method} explicit={explicit}", [oc, ref[1], *grads], ref, torch.float32)
             ran_kernel = {k_: fake.calls[k_] - before[k_] for k_ in fake.calls}
-            if method in varlen.KERNEL_METHODS:
-                assert ran_kernel["flash" if method == "flash_varlen" else "cudnn"] > 0
+            if method == "flash_varlen":
+                assert ran_kernel["flash"] > 0
             else:
                 assert sum(ran_kernel.values()) == 0  # "auto" off CUDA = per_sample
     # local_attention (the world-1 and inference path) takes the setting too; its default is per_sample

@@ -10,8 +10,8 @@ after --warmup; forward alone, and forward + backward):
   per_sample    varlen "per_sample" (what the Ulysses varlen path runs by default): forward_lse / backward_lse
                 of the "auto" backend (the cuDNN kernel on Hopper) per sample, slicing the packed tensors
   grouped       equal lengths in one batched call (B = count)
-  flash_varlen  torch's FlashAttention-2 varlen kernel (aten._flash_attention_forward/_backward, cum_seq)
-  cudnn_varlen  cuDNN's ragged kernel (aten._cudnn_attention_forward/_backward), where its probe passes
+  flash_varlen  torch's FlashAttention-2 varlen kernel (aten._flash_attention_forward/_backward, cum_seq),
+                where its probe passes (varlen.py has no cuDNN ragged-kernel method: see its docstring)
 Before timing, every method's out, dq, dk, dv are checked against the floor's (and lse against per_sample's)
 on the GPU: a norm-wise relative error above --tol marks the method "wrong" and it is not timed. The JSON
 also records what varlen_kernel="auto" picks for the case (its own measurement) and how long choosing took.

@@ -12,11 +12,12 @@ q's dtype, lse fp32 [1, H, S]. Methods (``METHODS``):
   "flash_varlen"  one call of torch's FlashAttention-2 varlen kernel (aten._flash_attention_forward /
                   _flash_attention_backward with cum_seq_q/k; what torch.nn.attention.varlen.varlen_attn
                   calls); [S, H, D] views, no copies of q/k/v
-  "cudnn_varlen"  one call of cuDNN's ragged kernel (aten._cudnn_attention_forward / _backward with
-                  cum_seq_q/k); packed [S, H, D] copies
-The two kernel methods run on CUDA in fp16/bf16 only, for SDPA-family backends whose kernel choice allows
-them ("auto"/"sdpa": both; "torch_flash": flash_varlen; "cudnn": cudnn_varlen), and only after a probe
-against math on this (device, dtype) passed (schema check first: a torch without the op never offers it).
+The kernel method runs on CUDA in fp16/bf16 only, for SDPA-family backends whose kernel choice allows it
+("auto"/"sdpa" and "torch_flash"; the fixed "cudnn" backend runs only per_sample and grouped), and only after
+a probe against math on this (device, dtype) passed (schema check first: a torch without the op never offers
+it). There is no cuDNN ragged-kernel method: aten._cudnn_attention_forward / _backward with cum_seq_q/k
+measured wrong on torch 2.11 / cuDNN 9.19 (1 x H200, 2026-11-24) and an illegal memory access followed, and
+torch 2.13's own varlen_attn also leaves its cuDNN route off.
 ``choose``: "auto" = "per_sample" off CUDA (the CPU fallback is the per-sample math); on CUDA the fastest
 method that runs here, measured once on the call's own tensors and cached under everything that decides
 which methods run and what they compute (device, dtype, heads, kv heads, head dim, sample lengths, causal,
@@ -38,9 +39,9 @@ from .backends import LocalAttention, SDPABackend
 
 log = logging.getLogger("megatron_sp_ext")
 
-METHODS = ("per_sample", "grouped", "flash_varlen", "cudnn_varlen")
+METHODS = ("per_sample", "grouped", "flash_varlen")
 SETTINGS = ("auto",) + METHODS
-KERNEL_METHODS = ("flash_varlen", "cudnn_varlen")
+KERNEL_METHODS = ("flash_varlen",)
 
 # the leading argument names this module passes positionally (torch 2.11 and 2.13 agree on them; later
 # keyword-only arguments differ between versions and are left at their defaults)
@@ -51,13 +52,6 @@ _SCHEMAS = {
         ("_flash_attention_backward", ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q",
                                        "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "rng_state",
                                        "unused"))),
-    "cudnn_varlen": (
-        ("_cudnn_attention_forward", ("query", "key", "value", "attn_bias", "cum_seq_q", "cum_seq_k", "max_q",
-                                      "max_k", "compute_log_sumexp", "dropout_p", "is_causal",
-                                      "return_debug_mask")),
-        ("_cudnn_attention_backward", ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed",
-                                       "philox_offset", "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
-                                       "dropout_p", "is_causal"))),
 }
 
 
@@ -112,7 +106,7 @@ def _nonempty(cu: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
-# ------------------------------------------------------------------------------------- the four methods
+# -------------------------------------------------------------------------------------- the three methods
 
 def forward_lse(method: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +123,6 @@ def forward_lse(method: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *
         return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
     if method == "flash_varlen":
         return _flash_varlen_forward(q, k, v, cu, causal, scale)
-    if method == "cudnn_varlen":
-        return _cudnn_varlen_forward(q, k, v, cu, causal, scale)
     raise ValueError(f"unknown varlen method {method!r}")
 
 
@@ -148,15 +140,13 @@ def backward_lse(method: str, be: LocalAttention, do, q, k, v, out, lse, cu: tup
         return [torch.cat(_in_sample_order(cu, groups, [p[j] for p in parts]), dim=2) for j in range(3)]
     if method == "flash_varlen":
         return _flash_varlen_backward(do, q, k, v, out, lse, cu, causal, scale)
-    if method == "cudnn_varlen":
-        return _cudnn_varlen_backward(do, q, k, v, out, lse, cu, causal, scale)
     raise ValueError(f"unknown varlen method {method!r}")
 
 
 def attention(method: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool,
               scale: float) -> torch.Tensor:
     """Differentiable out [1, H, S, D] of the packed samples by ``method`` (a resolved one): "per_sample" and
-    "grouped" call ``be`` (its own autograd), the kernel methods run under an autograd Function."""
+    "grouped" call ``be`` (its own autograd), "flash_varlen" runs under an autograd Function."""
     if method == "per_sample":
         return torch.cat([be(q[i], k[i], v[i], causal=causal, softmax_scale=scale) for i in sample_slices(cu)],
                          dim=2)
@@ -186,10 +176,10 @@ class _KernelFn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-# ----------------------------------------------------------------------------------- the varlen kernels
+# ------------------------------------------------------------------------------------ the varlen kernel
 
 def _thd(x: torch.Tensor) -> torch.Tensor:
-    """[1, H, S, D] -> the [S, H, D] view the varlen kernels take."""
+    """[1, H, S, D] -> the [S, H, D] view the varlen kernel takes."""
     return x[0].transpose(0, 1)
 
 
@@ -203,10 +193,8 @@ def _cu_args(cu: tuple[int, ...], device) -> tuple[torch.Tensor, int]:
     return torch.tensor(cu, dtype=torch.int32, device=device), max(b - a for a, b in zip(cu, cu[1:]))
 
 
-def _lse_bhs(lse: torch.Tensor, heads: int, tokens: int, token_major: bool) -> torch.Tensor:
-    """A varlen kernel's lse ([H, T] or [T, H] with trailing / leading size-1 dims) as fp32 [1, H, T]."""
-    if token_major:
-        return lse.reshape(tokens, heads).transpose(0, 1).unsqueeze(0).float()
+def _lse_bhs(lse: torch.Tensor, heads: int, tokens: int) -> torch.Tensor:
+    """The varlen flash kernel's lse ([H, T]) as fp32 [1, H, T]."""
     return lse.reshape(1, heads, tokens).float()
 
 
@@ -230,7 +218,7 @@ def _flash_varlen_forward(q, k, v, cu, causal, scale):
     cu_t, m = _cu_args(cu, q.device)
     res = torch.ops.aten._flash_attention_forward(_thd(q), _thd(ke), _thd(ve), cu_t, cu_t, m, m, 0.0, causal, False,
                                                   scale=scale)
-    return _bhsd(res[0]), _lse_bhs(res[1], h, s, token_major=False)
+    return _bhsd(res[0]), _lse_bhs(res[1], h, s)
 
 
 def _flash_varlen_backward(do, q, k, v, out, lse, cu, causal, scale):
@@ -241,53 +229,6 @@ def _flash_varlen_backward(do, q, k, v, out, lse, cu, causal, scale):
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         _thd(do), _thd(q), _thd(ke), _thd(ve), _thd(out), lse[0].float().contiguous(), cu_t, cu_t, m, m, 0.0, causal,
         rng, unused, scale=scale)
-    return [_bhsd(dq), blockwise.fold_kv_grad(_bhsd(dk), rep), blockwise.fold_kv_grad(_bhsd(dv), rep)]
-
-
-def _cudnn_varlen_aux(device, dtype):
-    """(philox_seed, philox_offset, lse shape info) of a dropout-free ragged cuDNN forward: whether its lse is
-    token-major ([T, H, ...]) and the shape it has for T tokens (as a function: the backward wants it back)."""
-    key = ("cudnn_varlen", str(device), dtype)
-    if key not in _AUX:
-        t, h = 24, 2  # T != H: the lse's layout is read off its shape
-        x = torch.zeros(t, h, 64, device=device, dtype=dtype)
-        cu = torch.tensor([0, 16, t], dtype=torch.int32, device=device)
-        res = torch.ops.aten._cudnn_attention_forward(x, x, x, None, cu, cu, 16, 16, True, 0.0, False, False)
-        shape = tuple(res[1].shape)
-        token_major = shape.index(t) < shape.index(h) if t in shape and h in shape else False
-        _AUX[key] = (res[6], res[7], token_major, tuple(1 if n not in (t, h) else (0 if n == t else -1)
-                                                        for n in shape))
-    return _AUX[key]
-
-
-def _cudnn_varlen_lse_in(lse_bhs: torch.Tensor, token_major: bool, pattern: tuple) -> torch.Tensor:
-    """fp32 [1, H, T] back to the ragged cuDNN forward's lse layout (``pattern``: 0 = T, -1 = H, 1 = size 1)."""
-    h, t = lse_bhs.shape[1], lse_bhs.shape[2]
-    base = lse_bhs[0].transpose(0, 1) if token_major else lse_bhs[0]
-    shape = tuple(t if p == 0 else (h if p == -1 else 1) for p in pattern)
-    return base.float().contiguous().reshape(shape)
-
-
-def _cudnn_varlen_forward(q, k, v, cu, causal, scale):
-    h, s = q.shape[1], q.shape[2]
-    ke, ve, _ = blockwise.expand_kv(k, v, h)
-    cu_t, m = _cu_args(cu, q.device)
-    _, _, token_major, _ = _cudnn_varlen_aux(q.device, q.dtype)
-    qp, kp, vp = (_thd(t).contiguous() for t in (q, ke, ve))
-    res = torch.ops.aten._cudnn_attention_forward(qp, kp, vp, None, cu_t, cu_t, m, m, True, 0.0, causal, False,
-                                                  scale=scale)
-    return _bhsd(res[0]), _lse_bhs(res[1], h, s, token_major)
-
-
-def _cudnn_varlen_backward(do, q, k, v, out, lse, cu, causal, scale):
-    h = q.shape[1]
-    ke, ve, rep = blockwise.expand_kv(k, v, h)
-    cu_t, m = _cu_args(cu, q.device)
-    seed, offset, token_major, pattern = _cudnn_varlen_aux(q.device, q.dtype)
-    dop, qp, kp, vp, op = (_thd(t).contiguous() for t in (do, q, ke, ve, out))
-    dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-        dop, qp, kp, vp, op, _cudnn_varlen_lse_in(lse, token_major, pattern), seed, offset, None, cu_t, cu_t, m, m,
-        0.0, causal, scale=scale)
     return [_bhsd(dq), blockwise.fold_kv_grad(_bhsd(dk), rep), blockwise.fold_kv_grad(_bhsd(dv), rep)]
 
 
@@ -317,7 +258,7 @@ def kernel_available(method: str, device: torch.device, dtype: torch.dtype) -> b
     device = torch.device(device)
     if method not in KERNEL_METHODS or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return False
-    if not schema_ok(method) or (method == "cudnn_varlen" and not torch.backends.cudnn.is_available()):
+    if not schema_ok(method):
         return False
     key = (method, str(device), dtype)
     if key not in _PROBED:
@@ -365,10 +306,8 @@ def methods_here(be: LocalAttention, q: torch.Tensor) -> list[str]:
     """The methods that run for ``be`` on q's (device, dtype), "per_sample" first."""
     out = ["per_sample", "grouped"]
     kern = _backend_kernel(be, q)
-    if kern in ("cudnn", "flash"):
-        allowed = KERNEL_METHODS if be.kernel == "auto" else {"cudnn": ("cudnn_varlen",),
-                                                               "flash": ("flash_varlen",)}[be.kernel]
-        out += [m for m in allowed if kernel_available(m, q.device, q.dtype)]
+    if kern in ("cudnn", "flash") and be.kernel in ("auto", "flash"):  # not the fixed "cudnn" backend
+        out += [m for m in KERNEL_METHODS if kernel_available(m, q.device, q.dtype)]
     return out
 
 

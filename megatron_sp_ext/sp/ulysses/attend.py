@@ -7,7 +7,7 @@ checkpointing drops them; otherwise it keeps an inner autograd graph. ``attend_b
 (dq, dk, dv) from either. Packed samples (the plan's ``cu_seqlens``): every step runs once per sample over
 the sample's global range (a block-diagonal mask), outputs / lse / gradients concatenated in sample order, by
 the plan's ``varlen_kernel`` method (attention/varlen.py: "per_sample" by default, one call per sample;
-"grouped", "flash_varlen", "cudnn_varlen" or "auto").
+"grouped", "flash_varlen" or "auto").
 """
 from __future__ import annotations
 
