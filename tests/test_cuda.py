@@ -190,7 +190,7 @@ def test_varlen_local_kernels():
     """The local kernels for packed samples (per sample, grouped by length, torch's flash varlen, cuDNN ragged where
     its probe passes, and auto) against float64 per sample, on one GPU."""
     got = _worker("cuda_varlen_local", "varlen_local_family", "varlen_local", 1, "gloo")
-    assert len(got) in (64, 80)
+    assert len(got) in (48, 64)  # 64 where flash_varlen's probe passes
 
 
 @pytest.mark.parametrize("world,backend", _layouts())
