@@ -52,6 +52,25 @@ def _shard(x, pl, rank, world):
     return torch.cat([x[:, a:a + n] for a, n in pieces(pl, rank, world, x.shape[1])], dim=1).contiguous()
 
 
+def add_floor(res: dict, full, heads_local: int, iters: int, warmup: int, group, timer) -> None:
+    """res["floor"]: one rank's ``heads_local`` heads of the full-sequence q/k/v/dO ``full`` ([B, S, H, D]) as one
+    causal cuDNN-family SDPA call, forward and forward+backward (``timer``); every mode's ratios to it."""
+    qf, kf, vf, dof = (t[:, :, :heads_local].transpose(1, 2).contiguous().transpose(1, 2) for t in full)
+    qf.requires_grad_(), kf.requires_grad_(), vf.requires_grad_()
+
+    def floor_fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
+
+    def floor_fb():
+        F.scaled_dot_product_attention(qf, kf, vf, is_causal=True).backward(dof)
+    res["floor"] = {"fwd_ms": timer(floor_fwd, iters, warmup, group, long_ms=None),
+                    "fwd_bwd_ms": timer(floor_fb, iters, warmup, group, long_ms=None)}
+    for m in res["modes"].values():
+        m["fwd_ratio_to_floor"] = m["fwd_ms"] / res["floor"]["fwd_ms"]
+        m["fwd_bwd_ratio_to_floor"] = m["fwd_bwd_ms"] / res["floor"]["fwd_bwd_ms"]
+
+
 def bench_shape(group, h, seqlen, d, iters, warmup, device="cuda", timer=time_ms, dtype=torch.bfloat16):
     """One row (see module docstring); ``device``/``timer``/``dtype`` let a CPU smoke test run it."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -85,21 +104,7 @@ def bench_shape(group, h, seqlen, d, iters, warmup, device="cuda", timer=time_ms
         if name in ("contiguous", "zigzag", "tasp_zigzag"):
             outs[name] = spx.unshard_sequence(fwd(), group, placement=pl)
     # the floor: one rank's heads over the whole sequence, one causal kernel call
-    hl = h // world
-    qf, kf, vf, dof = (t[:, :, :hl].transpose(1, 2).contiguous().transpose(1, 2) for t in full)
-    qf.requires_grad_(), kf.requires_grad_(), vf.requires_grad_()
-
-    def floor_fwd():
-        with torch.no_grad():
-            F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
-
-    def floor_fb():
-        F.scaled_dot_product_attention(qf, kf, vf, is_causal=True).backward(dof)
-    res["floor"] = {"fwd_ms": timer(floor_fwd, iters, warmup, group, long_ms=None),
-                    "fwd_bwd_ms": timer(floor_fb, iters, warmup, group, long_ms=None)}
-    for m in res["modes"].values():
-        m["fwd_ratio_to_floor"] = m["fwd_ms"] / res["floor"]["fwd_ms"]
-        m["fwd_bwd_ratio_to_floor"] = m["fwd_bwd_ms"] / res["floor"]["fwd_bwd_ms"]
+    add_floor(res, full, h // world, iters, warmup, group, timer)
     c = res["modes"]["contiguous"]
     for name in ("zigzag", "tasp_zigzag", "zigzag_masked"):
         res["modes"][name]["fwd_bwd_vs_contiguous"] = res["modes"][name]["fwd_bwd_ms"] / c["fwd_bwd_ms"]
@@ -187,21 +192,7 @@ def bench_adapters(group, h, seqlen, d, iters, warmup, device="cuda", timer=time
         if profile:
             row.update(_copy_kernels(p_fwd_bwd, device))
         res["modes"]["packed"] = row
-    hl_loc = h // world
-    qf, kf, vf, dof = (t[:, :, :hl_loc].transpose(1, 2).contiguous().transpose(1, 2) for t in full)
-    qf.requires_grad_(), kf.requires_grad_(), vf.requires_grad_()
-
-    def floor_fwd():
-        with torch.no_grad():
-            F.scaled_dot_product_attention(qf, kf, vf, is_causal=True)
-
-    def floor_fb():
-        F.scaled_dot_product_attention(qf, kf, vf, is_causal=True).backward(dof)
-    res["floor"] = {"fwd_ms": timer(floor_fwd, iters, warmup, group, long_ms=None),
-                    "fwd_bwd_ms": timer(floor_fb, iters, warmup, group, long_ms=None)}
-    for m in res["modes"].values():
-        m["fwd_ratio_to_floor"] = m["fwd_ms"] / res["floor"]["fwd_ms"]
-        m["fwd_bwd_ratio_to_floor"] = m["fwd_bwd_ms"] / res["floor"]["fwd_bwd_ms"]
+    add_floor(res, full, h // world, iters, warmup, group, timer)
     base = outs["separate_before"]
     for name, o in outs.items():
         res["modes"][name]["equals_before"] = bool(torch.equal(o, base))
