@@ -243,3 +243,31 @@ def _deepspeed_cu_seqlens(rank, world):
 def test_deepspeed_adapter_takes_cu_seqlens():
     pytest.importorskip("deepspeed")
     run_ranks(_deepspeed_cu_seqlens, 2)
+
+
+def _varlen_kernel_rank(rank, world):
+    """ulysses_attention(varlen_kernel=...): "grouped" and "auto" against float64 per sample (lengths with equal
+    samples, so "grouped" batches some), and the bad value refused by name."""
+    g = dist.group.WORLD
+    cu_list = [0]
+    for m in _lengths(world, "zigzag", (2, 2, 1, 2)):
+        cu_list.append(cu_list[-1] + m)
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    n = 0
+    for kernel in ("grouped", "auto"):
+        for causal in (False, True):
+            run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, g, causal=causal, placement="zigzag",
+                                                           cu_seqlens=cu, varlen_kernel=kernel),
+                     rank, world, b=1, s=cu_list[-1], h=2 * world, hkv=world, d=8, dtype=torch.float32,
+                     causal=causal, layout="bshd", shard=_sharder(cu_list, "zigzag"),
+                     mask=_block_mask(cu_list, causal), seed=n)
+            n += 1
+    q = torch.randn(1, cu_list[-1] // world, 2 * world, 8)
+    with pytest.raises(SPConfigError, match="varlen_kernel='cudnn_varlen' is invalid: choose one of auto"):
+        spx.ulysses_attention(q, q, q, g, cu_seqlens=cu, placement="zigzag", varlen_kernel="cudnn_varlen")
+    return n
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ulysses_varlen_kernel_setting(world):
+    assert run_ranks(_varlen_kernel_rank, world) == [4] * world

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ...attention.backends import LocalAttention, get_backend
+from ...attention.varlen import SETTINGS as VARLEN_SETTINGS
 from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq
 from ...errors import SPConfigError
@@ -152,7 +153,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       policy: Optional[ChunkPolicy] = None, placement: str = "contiguous",
                       kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True,
                       transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None,
-                      dropout_p: float = 0.0, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      dropout_p: float = 0.0, cu_seqlens: Optional[torch.Tensor] = None,
+                      varlen_kernel: str = "per_sample") -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
     q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's sequence shard.
@@ -181,7 +183,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     with the same cu_seqlens and a "contiguous" or "zigzag" placement). Each sample attends only within itself
     (causal or not): after the exchange the local attention runs once per sample over its global range.
     Not combined with kv_valid_len (pad each sample instead) or seq_order.
+    varlen_kernel: with cu_seqlens, the local method (``attention.varlen``): "per_sample" (one kernel call per
+    sample), "grouped" (equal lengths in one batched call), "flash_varlen" (torch's varlen kernel, CUDA
+    fp16/bf16) or "auto" (timed once per sample-length key). Same math up to kernel rounding.
     """
+    if varlen_kernel not in VARLEN_SETTINGS:
+        raise SPConfigError(f"varlen_kernel={varlen_kernel!r} is invalid: choose one of {', '.join(VARLEN_SETTINGS)}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise SPConfigError(f"dropout_p={dropout_p!r} is invalid: use a probability in [0, 1)")
     check_inputs(q, k, v, layout, group)
@@ -214,10 +221,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                                           else st.default_pool().comm_stream(q.device))
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad, qkv_contiguous, tr,
-                       order, valid, float(dropout_p), cu)
+                       order, valid, float(dropout_p), cu, varlen_kernel)
     if world == 1:  # one rank: its placement is global order
         qb, kb, vb = ((t.transpose(1, 2) if layout == "bshd" else t.permute(1, 2, 0, 3)) for t in (q, k, v))
-        o = local_attention(be, qb, kb, vb, causal, scale, valid, float(dropout_p), cu)
+        o = local_attention(be, qb, kb, vb, causal, scale, valid, float(dropout_p), cu, varlen_kernel)
         return o.transpose(1, 2) if layout == "bshd" else o.permute(2, 0, 1, 3)
     return _UlyssesFn.apply(q, k, v, plan)
 
