@@ -155,14 +155,11 @@ class SPSelfAttention(SelfAttention):
     def form_policy(self) -> FormPolicy:
         """The FormPolicy of ``auto``, shared by every layer built with the same SPContext (settable, e.g. with an
         injected timer)."""
-        ctx = self.core_attention.ctx
-        if getattr(ctx, "block_form_policy", None) is None:
-            ctx.block_form_policy = FormPolicy()
-        return ctx.block_form_policy
+        return self.core_attention.ctx.form_policy
 
     @form_policy.setter
     def form_policy(self, policy: FormPolicy) -> None:
-        self.core_attention.ctx.block_form_policy = policy
+        self.core_attention.ctx.form_policy = policy
 
     def _choose_form(self, hidden_states, attention_mask, rotary_pos_emb) -> str:
         if self.async_qkv != "auto":

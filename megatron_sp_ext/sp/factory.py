@@ -28,6 +28,7 @@ from ..comm.transport import TransportPool
 from ..config import DROPOUT_MODES, LAYOUTS, MESH_MODES, SEQ_PLACEMENTS, SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
 from ..topology.mesh import SPMesh, build_sp_mesh
+from .block_policy import FormPolicy
 from .calibration import ModePolicy
 from .ring import hybrid_attention, ring_attention, torus_attention
 from .ulysses import HCMSPolicy, PackedUlysses, ulysses_attention
@@ -37,17 +38,19 @@ RING_MODES = ("ring", "tasp")
 
 
 class SPResources:
-    """What every attention of one model shares: comm streams, HCMS chunk policy, mode policy (auto),
-    transports and meshes (one per group/heads/placement). ``sp_config``: the model's settings, if known."""
+    """What every attention of one model shares: comm streams, HCMS chunk policy, mode policy (auto), the
+    attention-block form policy (``--sp-async-qkv auto``), transports and meshes (one per group/heads/placement).
+    ``sp_config``: the model's settings, if known."""
 
     def __init__(self, sp_config: Optional[SPConfig] = None, *, streams: Optional[StreamPool] = None,
                  policy: Optional[HCMSPolicy] = None, mode_policy: Optional[ModePolicy] = None,
-                 transports: Optional[TransportPool] = None) -> None:
+                 transports: Optional[TransportPool] = None, form_policy: Optional[FormPolicy] = None) -> None:
         self.sp_config = sp_config
         self.streams = streams or StreamPool()
         self.policy = policy or HCMSPolicy()
         self.mode_policy = mode_policy or ModePolicy()
         self.transports = transports or TransportPool()
+        self.form_policy = form_policy or FormPolicy()
         self.meshes: dict = {}
 
     def mesh(self, group: dist.ProcessGroup, num_heads: int, cfg: SPConfig,
