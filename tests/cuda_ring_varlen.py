@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import megatron_sp_ext as spx
 from tests.reference import TOL
+from tests.packed_reference import block_mask, sharder
 from tests.sp_check import run_case
 
 DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
@@ -33,40 +34,14 @@ def packed_cu(world: int, placement: str) -> list:
     return cu
 
 
-def positions(cu: list, placement: str, rank: int, world: int) -> list:
-    """Global positions ``rank`` holds (each sample placed on its own), built independently of the library."""
-    out = []
-    for a, b in zip(cu, cu[1:]):
-        n = b - a
-        if placement == "contiguous":
-            c = n // world
-            out += list(range(a + rank * c, a + (rank + 1) * c))
-        else:
-            c = n // (2 * world)
-            for j in (rank, 2 * world - 1 - rank):
-                out += list(range(a + j * c, a + (j + 1) * c))
-    return out
-
-
-def block_mask(cu: list, causal: bool) -> torch.Tensor:
-    s = cu[-1]
-    m = torch.zeros(s, s, dtype=torch.bool)
-    for a, b in zip(cu, cu[1:]):
-        m[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril() if causal else True
-    return m
-
-
 def _one(rec: list, case: str, attn, rank: int, world: int, *, causal: bool, dtype, h: int, hkv: int,
          layout: str, seed: int) -> None:
     placement = "zigzag" if causal else "contiguous"
     cu = packed_cu(world, placement)
     cu_t = torch.tensor(cu, dtype=torch.int32)
-
-    def shard(x, r, w):
-        return x.index_select(1, torch.tensor(positions(cu, placement, r, w), device=x.device))
     errs: dict = {}
     run_case(lambda q, k, v: attn(q, k, v, cu_t.to(q.device)), rank, world, b=1, s=cu[-1], h=h, hkv=hkv, d=64,
-             dtype=dtype, causal=causal, layout=layout, seed=seed, shard=shard, mask=block_mask(cu, causal),
+             dtype=dtype, causal=causal, layout=layout, seed=seed, shard=sharder(cu, placement), mask=block_mask(cu, causal),
              device=DEV, errors=errs)
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     rec.append({"family": "ring_varlen", "case": f"P={world} {case} lengths={lengths} {placement} causal={causal} "

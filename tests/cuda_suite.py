@@ -20,7 +20,8 @@ import torch.distributed as dist
 import megatron_sp_ext as spx
 from megatron_sp_ext.sp.placement import pieces
 from megatron_sp_ext.topology.hamiltonian import routing_tables
-from tests.reference import TOL
+from tests.packed_reference import block_mask
+from tests.reference import TOL, pad_mask
 from tests.sp_check import run_case
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -41,7 +42,7 @@ def _one(records, family, case, attn, rank, world, *, dtype, causal, placement="
     mask = compare_rows = None
     s //= SHRINK
     if pad:  # the last ``pad`` keys are padding: attn gets kv_valid_len=s - pad, padded query rows are not compared
-        mask, compare_rows = _pad_mask(s, s - pad, causal), s - pad
+        mask, compare_rows = pad_mask(s, s - pad, causal), s - pad
         case += f" kv_valid_len={s - pad}"
     run_case(attn, rank, world, b=b, s=s, h=h, hkv=hkv, d=d, dtype=dtype, causal=causal, layout=layout,
              seed=seed, shard=_shard(placement), mask=mask, device=DEV, compare_rows=compare_rows, errors=errs)
@@ -52,12 +53,6 @@ def _one(records, family, case, attn, rank, world, *, dtype, causal, placement="
 def _valid(q_bshd: torch.Tensor, world: int, pad: int) -> int:
     """kv_valid_len leaving the last ``pad`` tokens of the full sequence as padding (q: this rank's bshd shard)."""
     return q_bshd.shape[1] * world - pad
-
-
-def _pad_mask(s: int, valid: int, causal: bool) -> torch.Tensor:
-    m = torch.zeros(s, s, dtype=torch.bool)
-    m[:, :valid] = True
-    return m & torch.ones(s, s, dtype=torch.bool).tril() if causal else m
 
 
 # (b, S total, h, hkv, d), S divisible by 2 P (P - 1) for tasp_zigzag at P=4: even heads; uneven for P=4 (6) and P=2 (5); GQA; GQA with kv < P and B=2
@@ -253,14 +248,6 @@ def dropout_family(rank: int, world: int) -> list:
 FAMILIES["dropout"] = dropout_family
 
 
-def _block_diag_mask(cu: list, causal: bool) -> torch.Tensor:
-    s = cu[-1]
-    m = torch.zeros(s, s, dtype=torch.bool)
-    for a, b in zip(cu, cu[1:]):
-        m[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril() if causal else True
-    return m
-
-
 def varlen_family(rank: int, world: int) -> list:
     """Packed variable-length samples (cu_seqlens, B=1): Ulysses and HCMS, contiguous and zigzag per-sample
     placement, causal and not, GQA, both layouts, bf16; against a float64 reference with a block-diagonal mask."""
@@ -284,7 +271,7 @@ def varlen_family(rank: int, world: int) -> list:
                             q, k, v, g, head_chunks=c, causal=causal, layout=layout, placement=placement,
                             cu_seqlens=cu_t.to(q.device)), rank, world, b=1, s=cu[-1], h=h, hkv=hkv, d=64,
                             dtype=BF16, causal=causal, layout=layout, seed=n, shard=shard,
-                            mask=_block_diag_mask(cu, causal), device=DEV, errors=errs)
+                            mask=block_mask(cu, causal), device=DEV, errors=errs)
                         rec.append({"family": "varlen", "case": f"P={world} C={c} lengths={lengths} {placement} "
                                     f"causal={causal} h={h}/{hkv} {layout} bf16", "errs": errs, "tol": TOL[BF16]})
                         n += 1

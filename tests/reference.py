@@ -49,3 +49,10 @@ def make_qkv(seed, b, s, h, hkv, d, dtype=torch.float32):
     v = torch.randn(b, s, hkv, d, generator=g, dtype=torch.float64)
     do = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
     return q.to(dtype), k.to(dtype), v.to(dtype), do.to(dtype)
+
+
+def pad_mask(s: int, valid: int, causal: bool) -> torch.Tensor:
+    """[S, S] bool for key padding: keys at positions >= ``valid`` get no attention (causal: also j <= i)."""
+    m = torch.zeros(s, s, dtype=torch.bool)
+    m[:, :valid] = True
+    return m & torch.ones(s, s, dtype=torch.bool).tril() if causal else m

@@ -35,6 +35,7 @@ from megatron_sp_ext.sp.heads import head_layout
 from megatron_sp_ext.sp.placement import pieces
 from megatron_sp_ext.sp.ulysses import layout as lay
 from tests.harness import run_ranks
+from tests.reference import pad_mask
 from tests.sp_check import run_case
 
 COPY_OPS = {"copy_", "clone", "cat", "index_copy_", "index_copy", "_to_copy", "stack", "index_select",
@@ -224,12 +225,7 @@ def _float64(rank, world):
                                         (h, False, "bshd", True), (h // 2, True, "sbhd", True)):
         placement = "zigzag" if causal else "contiguous"
         valid = s - 3 if padded else None
-        mask = None
-        if padded:
-            mask = torch.zeros(s, s, dtype=torch.bool)
-            mask[:, :valid] = True
-            if causal:
-                mask &= torch.ones(s, s, dtype=torch.bool).tril()
+        mask = pad_mask(s, valid, causal) if padded else None
 
         def fn(q, k, v):
             if hkv == h:

@@ -19,6 +19,7 @@ from megatron_sp_ext.sp.calibration import ModePolicy, group_key, wall_time_ms
 from megatron_sp_ext.sp.factory import SPResources, make_attention
 from megatron_sp_ext.sp.placement import pieces
 from tests.harness import run_ranks
+from tests.reference import pad_mask
 from tests.sp_check import run_case
 
 
@@ -66,12 +67,7 @@ def _forced_branches(rank, world):
     for layout, placement, causal, gqa, padded in CASES:
         hkv = h // gqa
         valid = s - 3 if padded else None
-        mask = None
-        if padded:
-            mask = torch.zeros(s, s, dtype=torch.bool)
-            mask[:, :valid] = True
-            if causal:
-                mask &= torch.ones(s, s, dtype=torch.bool).tril()
+        mask = pad_mask(s, valid, causal) if padded else None
         for pick in picks:
             cfg = SPConfig(mode="auto", head_chunks=2)
             policy = ModePolicy(timer=forcing_timer(pick), timed_devices=("cpu",), rounds=3, warmup=1)
@@ -211,8 +207,7 @@ def _entries_run_the_pick(rank, world):
                                               warmup=1)
         ran = _counting(ds.attention_for(h, h, "bshd"))
         valid = s - 3
-        mask = torch.zeros(s, s, dtype=torch.bool)
-        mask[:, :valid] = True
+        mask = pad_mask(s, valid, False)
         run_case(lambda q, k, v: ds(q, k, v, 0, kv_valid_len=valid), rank, world, b=b, s=s, h=h, hkv=h, d=d,
                  dtype=torch.float32, causal=False, mask=mask, compare_rows=valid, shard=_shard_fn("contiguous"))
         assert ran[-1] == "ring", ran

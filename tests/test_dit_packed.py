@@ -18,6 +18,7 @@ import megatron_sp_ext as spx  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from tests.harness import RankFailure, run_ranks  # noqa: E402
 from tests.reference import rel_err  # noqa: E402
+from tests.sp_reduce import loss_and_grads  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
@@ -69,16 +70,8 @@ def _packed(group, ids, mode="ulysses", recompute=None, fused=None, data=None, *
     model.set_fused_elementwise(fused)
     batch = packed_batch(data, ids, 7, CFG.patch)
     inp = to_device(packed_host_inputs(batch, rank, sp), "cpu")
-    loss_r = local_loss(model, inp)
-    (loss_r * sp).backward()
-    loss = loss_r.detach().clone()
-    grads = [p.grad.clone() for p in model.parameters()]
-    if group is not None:
-        dist.all_reduce(loss, group=group)
-        for g in grads:
-            dist.all_reduce(g, group=group)
-            g /= sp
-    return loss.item(), grads, batch, inp
+    loss, grads = loss_and_grads(model, local_loss(model, inp), group)
+    return loss, grads, batch, inp
 
 
 def _check(got, ref, what):

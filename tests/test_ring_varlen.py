@@ -3,9 +3,9 @@ and torus meshes, and the factory path, against a float64 per-sample reference (
 inside each sample): output and every input gradient of this rank's shard.
 
 Shards come from the per-sample placement (each sample split on its own: "contiguous" P pieces, "zigzag" 2P
-pieces [r, 2P-1-r]); the expected positions are built here, independently of the library. Also: the schedule
-never pairs tokens of different samples, rows stay finite when a step gives them no key, and the refusals
-(sample lengths that do not divide, tasp_zigzag, kv_valid_len, B > 1) are SPConfigErrors naming the setting.
+pieces [r, 2P-1-r]); the expected positions come from tests/packed_reference.py, independent of the library.
+Also: the schedule never pairs tokens of different samples, rows stay finite when a step gives them no key, and
+the refusals (sample lengths that do not divide, tasp_zigzag, kv_valid_len, B > 1) are SPConfigErrors naming the setting.
 """
 from __future__ import annotations
 
@@ -17,38 +17,8 @@ import megatron_sp_ext as spx
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.ring.schedule import sample_runs, step_items
 from tests.harness import run_ranks
+from tests.packed_reference import block_mask, sharder
 from tests.sp_check import run_case
-
-
-def positions(cu, placement, rank, world):
-    """Global positions ``rank`` holds of the packed sequence ``cu`` (each sample placed on its own)."""
-    out = []
-    for a, b in zip(cu, cu[1:]):
-        n = b - a
-        if placement == "contiguous":
-            c = n // world
-            out += list(range(a + rank * c, a + (rank + 1) * c))
-        else:
-            c = n // (2 * world)
-            for j in (rank, 2 * world - 1 - rank):
-                out += list(range(a + j * c, a + (j + 1) * c))
-    return out
-
-
-def sharder(cu, placement):
-    def shard(x_bshd, rank, world):
-        return x_bshd.index_select(1, torch.tensor(positions(cu, placement, rank, world), device=x_bshd.device))
-    return shard
-
-
-def block_mask(cu, causal):
-    """[S, S] bool: query i may attend key j (same sample; causal: j <= i)."""
-    s = cu[-1]
-    sample = torch.zeros(s, dtype=torch.long)
-    for i, (a, b) in enumerate(zip(cu, cu[1:])):
-        sample[a:b] = i
-    mask = sample.view(-1, 1) == sample.view(1, -1)
-    return mask & torch.ones(s, s, dtype=torch.bool).tril() if causal else mask
 
 
 def packed_cu(world, placement, mults):

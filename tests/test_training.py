@@ -10,6 +10,7 @@ import torch.distributed as dist
 pytest.importorskip("megatron.core")
 
 from tests.harness import run_ranks  # noqa: E402
+from tests.sp_reduce import loss_and_grads  # noqa: E402
 from tests.reference import rel_err  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
@@ -27,16 +28,8 @@ def _loss_and_grads(group, mode, frames=(4,), size=(6, 10), **kw):
     data = SyntheticVideoLatents(CFG.in_channels, frames, size[0], size[1], CFG.text_len, CFG.text_dim, seed=1)
     batch = flow_matching_batch(data, 0, 7, 0, 1, 1, CFG.patch)
     inp = prepare(batch, dist.get_rank(group) if group is not None else 0, sp, "cpu")
-    loss_r = local_loss(model, inp)
-    (loss_r * sp).backward()
-    loss = loss_r.detach().clone()
-    grads = [p.grad.clone() for p in model.parameters()]
-    if group is not None:
-        dist.all_reduce(loss, group=group)
-        for g in grads:
-            dist.all_reduce(g, group=group)
-            g /= sp
-    return loss.item(), grads, inp.n_pad - inp.n_valid
+    loss, grads = loss_and_grads(model, local_loss(model, inp), group)
+    return loss, grads, inp.n_pad - inp.n_valid
 
 
 MODES = [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("tasp", {}),

@@ -14,23 +14,8 @@ import torch.distributed as dist
 import megatron_sp_ext as spx
 from megatron_sp_ext.errors import SPConfigError
 from tests.harness import run_ranks
+from tests.packed_reference import block_mask, positions, sharder
 from tests.sp_check import run_case
-
-
-def _expected_positions(cu, placement, rank, world):
-    """Global positions rank holds, built independently of the library."""
-    out = []
-    for a, b in zip(cu, cu[1:]):
-        n = b - a
-        if placement == "contiguous":
-            c = n // world
-            out += list(range(a + rank * c, a + (rank + 1) * c))
-        else:
-            c = n // (2 * world)
-            out += list(range(a + rank * c, a + (rank + 1) * c))
-            j = 2 * world - 1 - rank
-            out += list(range(a + j * c, a + (j + 1) * c))
-    return out
 
 
 def _lengths(world, placement, mults=(3, 1, 2)):
@@ -51,7 +36,7 @@ def _placement_rank(rank, world):
         for seq_dim, full in ((1, x), (0, x.transpose(0, 1).contiguous())):
             shard = spx.shard_sequence(full, g, placement=placement, seq_dim=seq_dim, cu_seqlens=cu)
             pos = shard.select(3, 0).select(2, 0).flatten().long().tolist()
-            assert pos == _expected_positions(cu.tolist(), placement, rank, world), (placement, seq_dim, pos)
+            assert pos == positions(cu.tolist(), placement, rank, world), (placement, seq_dim, pos)
             back = spx.unshard_sequence(shard, g, placement=placement, seq_dim=seq_dim, cu_seqlens=cu)
             assert torch.equal(back, full), (placement, seq_dim)
     # a sample whose length does not divide: one clear error naming it
@@ -68,23 +53,6 @@ def _placement_rank(rank, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_shard_unshard_per_sample(world):
     assert all(run_ranks(_placement_rank, world))
-
-
-def _sharder(cu, placement):
-    """shard(x_bshd, rank, world): this rank's per-sample pieces, independent of the library."""
-    def shard(x, rank, world):
-        idx = torch.tensor(_expected_positions(cu, placement, rank, world), device=x.device)
-        return x.index_select(1, idx)
-    return shard
-
-
-def _block_mask(cu, causal):
-    s = cu[-1]
-    sample = torch.zeros(s, dtype=torch.long)
-    for i, (a, b) in enumerate(zip(cu, cu[1:])):
-        sample[a:b] = i
-    mask = sample.view(-1, 1) == sample.view(1, -1)
-    return mask & torch.ones(s, s, dtype=torch.bool).tril() if causal else mask
 
 
 def _attention_rank(rank, world, placement, dtype=torch.float32, layouts=("bshd", "sbhd"), hkv_per_rank=(1, 2),
@@ -106,8 +74,8 @@ def _attention_rank(rank, world, placement, dtype=torch.float32, layouts=("bshd"
                                                                   layout=layout, placement=placement,
                                                                   cu_seqlens=cu),
                             rank, world, b=1, s=cu_list[-1], h=2 * world, hkv=hk * world, d=8, dtype=dtype,
-                            causal=causal, layout=layout, shard=_sharder(cu_list, placement),
-                            mask=_block_mask(cu_list, causal), seed=n))
+                            causal=causal, layout=layout, shard=sharder(cu_list, placement),
+                            mask=block_mask(cu_list, causal), seed=n))
                     for a, b in zip(*outs):  # HCMS == Ulysses, bit for bit (P=1: no exchange, no chunks)
                         assert world == 1 or torch.equal(a, b), (placement, layout, causal, hk)
                     n += 1
@@ -178,8 +146,8 @@ def _megatron_thd_rank(rank, world):
                     assert out.shape == (q.shape[0], h * d)
                     return out.view(q.shape[0], 1, h, d)
                 run_case(attn, rank, world, b=1, s=cu_list[-1], h=h, hkv=hkv, d=d, dtype=torch.float32,
-                         causal=causal, layout="sbhd", shard=_sharder(cu_list, "zigzag"),
-                         mask=_block_mask(cu_list, causal), seed=n)
+                         causal=causal, layout="sbhd", shard=sharder(cu_list, "zigzag"),
+                         mask=block_mask(cu_list, causal), seed=n)
                 n += 1
         # padding inside samples (real lengths 10, 3, 7 padded to 12, 4, 8): causal, the real tokens never see
         # their sample's tail padding, so the block-causal reference over the padded samples holds; non-causal
@@ -199,7 +167,7 @@ def _megatron_thd_rank(rank, world):
                             packed_seq_params=params).view(q.shape[0], 1, h, d)
             if causal:
                 run_case(attn, rank, world, b=1, s=cu_list[-1], h=h, hkv=hkv, d=d, dtype=torch.float32, causal=True,
-                         layout="sbhd", shard=_sharder(cu_list, "zigzag"), mask=_block_mask(cu_list, True), seed=n)
+                         layout="sbhd", shard=sharder(cu_list, "zigzag"), mask=block_mask(cu_list, True), seed=n)
             else:
                 x = torch.randn(cu_list[-1] // world, 1, h, d)
                 with pytest.raises(SPConfigError, match="padding inside samples"):
@@ -259,8 +227,8 @@ def _varlen_kernel_rank(rank, world):
             run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, g, causal=causal, placement="zigzag",
                                                            cu_seqlens=cu, varlen_kernel=kernel),
                      rank, world, b=1, s=cu_list[-1], h=2 * world, hkv=world, d=8, dtype=torch.float32,
-                     causal=causal, layout="bshd", shard=_sharder(cu_list, "zigzag"),
-                     mask=_block_mask(cu_list, causal), seed=n)
+                     causal=causal, layout="bshd", shard=sharder(cu_list, "zigzag"),
+                     mask=block_mask(cu_list, causal), seed=n)
             n += 1
     q = torch.randn(1, cu_list[-1] // world, 2 * world, 8)
     with pytest.raises(SPConfigError, match="varlen_kernel='cudnn_varlen' is invalid: choose one of auto"):
