@@ -1,8 +1,8 @@
 """CUDA-suite worker for packed variable-length samples (cu_seqlens) in the ring family: ring and TASP (causal in
 the per-sample zigzag placement, non-causal contiguous), bf16 (fp32 on a subset), GQA, both layouts; at P=4 also
 hybrid (usp with the ring, tas with TASP) and torus (tas) as 2 emulated machines x 2. Against the float64 reference
-with a block-diagonal (per-sample, causal inside) mask (tests/sp_check.run_case). Family "ring_varlen": 16 cases
-at P=2, 22 at P=4.
+with a block-diagonal (per-sample, causal inside) mask (tests/sp_check.run_case); also sample lengths that divide
+by neither P nor 2P (padded per sample). Family "ring_varlen": 20 cases at P=2, 28 at P=4.
 
 Records follow tests/cuda_suite.py: {"family", "case", "errs": {name: rel_err}, "tol"}. With gloo on one GPU
 every rank is its own emulated machine (the ring's hops take the host-staged transport, as cuda_suite's ring
@@ -34,10 +34,18 @@ def packed_cu(world: int, placement: str) -> list:
     return cu
 
 
+def ragged_cu() -> list:
+    """Sample lengths that divide by neither P nor 2P (each padded at its tail; the padding kept apart)."""
+    cu = [0]
+    for m, e in ((5, 1), (2, -3), (9, 7), (1, 5)):
+        cu.append(cu[-1] + m * 64 // SHRINK + e)
+    return cu
+
+
 def _one(rec: list, case: str, attn, rank: int, world: int, *, causal: bool, dtype, h: int, hkv: int,
-         layout: str, seed: int) -> None:
+         layout: str, seed: int, ragged: bool = False) -> None:
     placement = "zigzag" if causal else "contiguous"
-    cu = packed_cu(world, placement)
+    cu = ragged_cu() if ragged else packed_cu(world, placement)
     cu_t = torch.tensor(cu, dtype=torch.int32)
     errs: dict = {}
     run_case(lambda q, k, v: attn(q, k, v, cu_t.to(q.device)), rank, world, b=1, s=cu[-1], h=h, hkv=hkv, d=64,
@@ -54,11 +62,12 @@ def ring_varlen_family(rank: int, world: int) -> list:
     g, rec, n = dist.group.WORLD, [], 0
     for variant in ("ring", "tasp"):
         for causal in (False, True):
-            cases = [(BF16, 8, 8, "bshd"), (BF16, 8, 2, "bshd"), (BF16, 8, 8, "sbhd"), (FP32, 8, 8, "bshd")]
-            for dtype, h, hkv, layout in cases:
+            cases = [(BF16, 8, 8, "bshd", False), (BF16, 8, 2, "bshd", False), (BF16, 8, 8, "sbhd", False),
+                     (FP32, 8, 8, "bshd", False), (BF16, 8, 2, "bshd", True)]
+            for dtype, h, hkv, layout, ragged in cases:
                 _one(rec, variant, lambda q, k, v, c, variant=variant, causal=causal, layout=layout:
                      spx.ring_attention(q, k, v, g, variant=variant, causal=causal, layout=layout, cu_seqlens=c),
-                     rank, world, causal=causal, dtype=dtype, h=h, hkv=hkv, layout=layout, seed=n)
+                     rank, world, causal=causal, dtype=dtype, h=h, hkv=hkv, layout=layout, seed=n, ragged=ragged)
                 n += 1
     if world == 4:  # 2 emulated machines x 2
         for causal in (False, True):
@@ -70,10 +79,11 @@ def ring_varlen_family(rank: int, world: int) -> list:
                      rank, world, causal=causal, dtype=BF16, h=8, hkv=2, layout="bshd", seed=n)
                 n += 1
             mesh = spx.build_sp_mesh(g, num_heads=8, placement="tas", ulysses_size=2, nodes=2)
-            _one(rec, "torus tas 2x2", lambda q, k, v, c, mesh=mesh, causal=causal:
-                 spx.torus_attention(q, k, v, mesh, causal=causal, layout="sbhd", cu_seqlens=c),
-                 rank, world, causal=causal, dtype=BF16, h=8, hkv=8, layout="sbhd", seed=n)
-            n += 1
+            for ragged in (False, True):
+                _one(rec, "torus tas 2x2", lambda q, k, v, c, mesh=mesh, causal=causal:
+                     spx.torus_attention(q, k, v, mesh, causal=causal, layout="sbhd", cu_seqlens=c),
+                     rank, world, causal=causal, dtype=BF16, h=8, hkv=8, layout="sbhd", seed=n, ragged=ragged)
+                n += 1
     return rec
 
 

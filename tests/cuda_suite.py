@@ -250,11 +250,14 @@ FAMILIES["dropout"] = dropout_family
 
 def varlen_family(rank: int, world: int) -> list:
     """Packed variable-length samples (cu_seqlens, B=1): Ulysses and HCMS, contiguous and zigzag per-sample
-    placement, causal and not, GQA, both layouts, bf16; against a float64 reference with a block-diagonal mask."""
+    placement, causal and not, GQA, both layouts, bf16, sample lengths that divide by P (2P) and that do not
+    (padded); against a float64 reference with a block-diagonal mask (padding rows: zero in and out)."""
     g, rec, n = dist.group.WORLD, [], 0
-    for placement in ("contiguous", "zigzag"):
+    for placement, ragged in (("contiguous", False), ("zigzag", False), ("contiguous", True), ("zigzag", True)):
         div = world if placement == "contiguous" else 2 * world
         lengths = [m * div * 64 // SHRINK for m in (5, 2, 9)]  # three clip sizes
+        if ragged:  # lengths that divide by neither P nor 2P: each sample padded at its tail, padding kept apart
+            lengths = [m * 64 // SHRINK + e for m, e in ((5, 1), (2, -3), (9, 7))]
         cu = [0]
         for ln in lengths:
             cu.append(cu[-1] + ln)
@@ -263,9 +266,9 @@ def varlen_family(rank: int, world: int) -> list:
         def shard(x, r, w, placement=placement, cu_t=cu_t):
             return spx.shard_sequence(x, g, placement=placement, seq_dim=1, cu_seqlens=cu_t.to(x.device))
         for causal in (False, True):
-            for (h, hkv) in ((8, 8), (8, 2)):
+            for (h, hkv) in (((8, 2),) if ragged else ((8, 8), (8, 2))):
                 for c in (1, 2):
-                    for layout in (("bshd", "sbhd") if c == 1 else ("bshd",)):
+                    for layout in (("bshd", "sbhd") if c == 1 and not ragged else ("bshd",)):
                         errs: dict = {}
                         run_case(lambda q, k, v: spx.ulysses_attention(
                             q, k, v, g, head_chunks=c, causal=causal, layout=layout, placement=placement,

@@ -4,8 +4,10 @@ inside each sample): output and every input gradient of this rank's shard.
 
 Shards come from the per-sample placement (each sample split on its own: "contiguous" P pieces, "zigzag" 2P
 pieces [r, 2P-1-r]); the expected positions come from tests/packed_reference.py, independent of the library.
-Also: the schedule never pairs tokens of different samples, rows stay finite when a step gives them no key, and
-the refusals (sample lengths that do not divide, tasp_zigzag, kv_valid_len, B > 1) are SPConfigErrors naming the setting.
+Sample lengths that divide by neither P nor 2P are padded per sample (tests.packed_reference.ragged). Also: the
+schedule never pairs tokens of different samples, rows stay finite when a step gives them no key, and the refusals
+(shards not padded as shard_sequence pads them, tasp_zigzag, kv_valid_len, B > 1) are SPConfigErrors naming the
+setting.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import megatron_sp_ext as spx
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.ring.schedule import sample_runs, step_items
 from tests.harness import run_ranks
-from tests.packed_reference import block_mask, sharder
+from tests.packed_reference import block_mask, ragged, sharder
 from tests.sp_check import run_case
 
 
@@ -54,8 +56,10 @@ def _ring_rank(rank, world, variant):
                 n += 1
     # non-causal attention in the zigzag placement (what a causal model's non-causal layer sees), and causal in the
     # contiguous placement (unbalanced but exact; sample lengths 3P and P, not multiples of 2P)
-    for causal, placement, mults in ((False, "zigzag", (2, 1)), (True, "contiguous", MULTS["contiguous"])):
-        cu = packed_cu(world, placement, mults)
+    # and sample lengths that divide by neither P nor 2P (each padded at its tail; padding kept apart)
+    for causal, placement, mults in ((False, "zigzag", (2, 1)), (True, "contiguous", MULTS["contiguous"]),
+                                     (False, "contiguous", None), (True, "zigzag", None)):
+        cu = packed_cu(world, placement, mults) if mults else ragged(world)
         check(lambda q, k, v, c: spx.ring_attention(q, k, v, g, variant=variant, causal=causal, placement=placement,
                                                     cu_seqlens=c),
               rank, world, cu, placement, causal, "bshd", 2, 2, n)
@@ -144,7 +148,7 @@ def _mesh_rank(rank, world, nodes, placement, p_u, variant, kind):
     for causal in (False, True):
         seq_pl = "zigzag" if causal else "contiguous"
         cu = packed_cu(world, seq_pl, MULTS[seq_pl])
-        for layout, hkv in (("bshd", 4), ("sbhd", 2)):
+        for layout, hkv, cu in (("bshd", 4, cu), ("sbhd", 2, cu), ("bshd", 2, ragged(world))):
             if kind == "hybrid":
                 def attn(q, k, v, c):
                     return spx.hybrid_attention(q, k, v, mesh, head_chunks=2, ring_variant=variant, causal=causal,
@@ -179,7 +183,7 @@ def _factory_rank(rank, world):
         cfg = SPConfig(mode=mode, head_chunks=2, nodes=2)
         for causal in (False, True):
             placement = "zigzag" if causal else "contiguous"
-            cu = packed_cu(world, placement, (1, 2))
+            cu = packed_cu(world, placement, (1, 2)) if causal else ragged(world)
             attn = make_attention(cfg, g, num_heads=8, num_kv_heads=4, layout="sbhd", placement=placement)
             check(lambda q, k, v, c: attn(q, k, v, causal=causal, cu_seqlens=c), rank, world, cu, placement, causal,
                   "sbhd", 8, 4, 40 + n)
@@ -203,9 +207,9 @@ def _refusals_rank(rank, world):
     for name, call in calls.items():
         with pytest.raises(SPConfigError, match="kv_valid_len cannot be combined with cu_seqlens"):
             call(cu_seqlens=cu, kv_valid_len=5)
-        with pytest.raises(SPConfigError, match=r"sample 0 has length 3, not divisible by"):
+        with pytest.raises(SPConfigError, match=r"do not divide by .* shard_sequence"):
             call(cu_seqlens=torch.tensor([0, 3, 8 * world]), causal=True)
-        with pytest.raises(SPConfigError, match="cu_seqlens=.*must start at 0"):
+        with pytest.raises(SPConfigError, match="cu_seqlens=.*must end at the full packed sequence length"):
             call(cu_seqlens=torch.tensor([0, 4]))
     with pytest.raises(SPConfigError, match="placement='tasp_zigzag' does not support cu_seqlens"):
         spx.ring_attention(q, q, q, g, variant="tasp", causal=True, placement="tasp_zigzag", cu_seqlens=cu)

@@ -14,7 +14,8 @@ import torch.distributed as dist
 import megatron_sp_ext as spx
 from megatron_sp_ext.errors import SPConfigError
 from tests.harness import run_ranks
-from tests.packed_reference import block_mask, positions, sharder
+from megatron_sp_ext.sp.placement import pad_samples, packed_samples
+from tests.packed_reference import block_mask, positions, ragged, sharder
 from tests.sp_check import run_case
 
 
@@ -39,14 +40,26 @@ def _placement_rank(rank, world):
             assert pos == positions(cu.tolist(), placement, rank, world), (placement, seq_dim, pos)
             back = spx.unshard_sequence(shard, g, placement=placement, seq_dim=seq_dim, cu_seqlens=cu)
             assert torch.equal(back, full), (placement, seq_dim)
-    # a sample whose length does not divide: one clear error naming it
-    bad = _cu([2 * world, 2 * world + 1, 2 * world - 1])
-    x = torch.zeros(1, int(bad[-1]), 1, 1)
+    # samples whose lengths do not divide: each padded at its tail (zero rows), dropped again by unshard; x may
+    # also come already padded
+    cu_list = ragged(world)
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    s = cu_list[-1]
+    x = (torch.arange(s, dtype=torch.float64) + 1).view(1, s, 1, 1).expand(1, s, 2, 3).contiguous()
     for placement in ("contiguous", "zigzag"):
-        with pytest.raises(SPConfigError, match=r"sample 1 has length .*pad each sample"):
-            spx.shard_sequence(x, g, placement=placement, cu_seqlens=bad)
+        shard = spx.shard_sequence(x, g, placement=placement, cu_seqlens=cu)
+        pos = (shard.select(3, 0).select(2, 0).flatten().long() - 1).tolist()  # padding rows: 0 - 1
+        assert pos == positions(cu_list, placement, rank, world), (placement, pos)
+        back = spx.unshard_sequence(shard, g, placement=placement, cu_seqlens=cu)
+        assert torch.equal(back, x), placement
+        lay = packed_samples(cu, shard.shape[1] * world, placement, world)
+        x_pad = pad_samples(x, lay, 1)
+        assert x_pad.shape[1] == shard.shape[1] * world
+        assert torch.equal(spx.shard_sequence(x_pad, g, placement=placement, cu_seqlens=cu), shard)
     with pytest.raises(SPConfigError, match="cu_seqlens"):
         spx.shard_sequence(x, g, cu_seqlens=torch.tensor([0, 4]))  # does not end at the sequence length
+    with pytest.raises(SPConfigError, match="must start at 0 and never decrease"):
+        spx.shard_sequence(x, g, cu_seqlens=torch.tensor([0, 5, 4, s]))
     return True
 
 
@@ -59,10 +72,12 @@ def _attention_rank(rank, world, placement, dtype=torch.float32, layouts=("bshd"
                     fake=None):
     g = dist.group.WORLD
     n = 0
-    for mults in ((3, 1, 2), (1, 2, 1, 4)):
+    for mults in ((3, 1, 2), (1, 2, 1, 4), None):
         cu_list = [0]
-        for m in _lengths(world, placement, mults):
+        for m in (_lengths(world, placement, mults) if mults else []):
             cu_list.append(cu_list[-1] + m)
+        if mults is None:  # lengths that divide by neither P nor 2P: padded per sample
+            cu_list = ragged(world)
         cu = torch.tensor(cu_list, dtype=torch.int32)
         for layout in layouts:
             for causal in (False, True):
@@ -107,7 +122,7 @@ def _refusals_rank(rank, world):
     with pytest.raises(SPConfigError, match="batch size 1"):
         spx.ulysses_attention(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), g,
                               cu_seqlens=cu)
-    with pytest.raises(SPConfigError, match="sample 0 has length"):
+    with pytest.raises(SPConfigError, match=r"do not divide by 4 .* must hold 20 rows .* shard_sequence"):
         spx.ulysses_attention(q, q, q, g, cu_seqlens=torch.tensor([0, 3, 8 * world]), placement="zigzag")
     with pytest.raises(SPConfigError, match="tasp_zigzag"):
         spx.ulysses_attention(q, q, q, g, cu_seqlens=cu, placement="tasp_zigzag")
@@ -149,29 +164,31 @@ def _megatron_thd_rank(rank, world):
                          causal=causal, layout="sbhd", shard=sharder(cu_list, "zigzag"),
                          mask=block_mask(cu_list, causal), seed=n)
                 n += 1
-        # padding inside samples (real lengths 10, 3, 7 padded to 12, 4, 8): causal, the real tokens never see
-        # their sample's tail padding, so the block-causal reference over the padded samples holds; non-causal
-        # would attend the padding: refused
+        # padding inside samples (real lengths 10, 3, 7 placed as 12, 4, 8: cu_seqlens_q / cu_seqlens_q_padded):
+        # the padding rows form segments of their own, causal or not, so the reference is block-diagonal over the
+        # segments [0, 10), [10, 12), [12, 15), [15, 16), [16, 23), [23, 24) of the padded sequence
         real = torch.tensor([0, 10, 13, 20], dtype=torch.int32)
-        for causal in (True, False):
+        segments = [0, 10, 12, 15, 16, 23, 24]
+        for mode, causal in (("hcms", True), ("hcms", False), ("ring", False), ("ring", True)):
             cfg = SPTransformerConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=hkv,
                                       use_cpu_initialization=True, context_parallel_size=world,
-                                      cp_comm_type="hcms", attention_dropout=0.0, hcms_head_chunks=2)
+                                      cp_comm_type=mode, attention_dropout=0.0, hcms_head_chunks=2)
             core = SPDotProductAttention(cfg, 1, AttnMaskType.causal if causal else AttnMaskType.no_mask, "self",
-                                         cp_comm_type="hcms")
+                                         cp_comm_type=mode)
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
                                      cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
 
             def attn(q, k, v):
                 return core(q.squeeze(1), k.squeeze(1), v.squeeze(1), None,
                             packed_seq_params=params).view(q.shape[0], 1, h, d)
-            if causal:
-                run_case(attn, rank, world, b=1, s=cu_list[-1], h=h, hkv=hkv, d=d, dtype=torch.float32, causal=True,
-                         layout="sbhd", shard=sharder(cu_list, "zigzag"), mask=block_mask(cu_list, True), seed=n)
-            else:
-                x = torch.randn(cu_list[-1] // world, 1, h, d)
-                with pytest.raises(SPConfigError, match="padding inside samples"):
-                    attn(x, x, x)
+            run_case(attn, rank, world, b=1, s=cu_list[-1], h=h, hkv=hkv, d=d, dtype=torch.float32, causal=causal,
+                     layout="sbhd", shard=sharder(cu_list, "zigzag"), mask=block_mask(segments, causal), seed=n)
+            n += 1
+        bad = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                              cu_seqlens_q_padded=torch.tensor([0, 8, 16, 24], dtype=torch.int32))
+        x = torch.randn(cu_list[-1] // world, h, d)
+        with pytest.raises(SPConfigError, match="padded cumulative lengths .* at least its real length"):
+            core(x, x, x, None, packed_seq_params=bad)
     finally:
         ps.destroy_model_parallel()
     return True

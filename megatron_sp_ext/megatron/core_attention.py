@@ -35,6 +35,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from ..errors import SPConfigError
 from ..sp.factory import SPAttention, SPResources, make_attention
+from ..sp.placement import PackedSamples, packed_samples
 from ..sp.ulysses.attend import local_attention
 from ..topology.mesh import mesh_from_hierarchical_groups
 from .config import sp_config_from
@@ -141,36 +142,35 @@ class SPDotProductAttention(DotProductAttention):
 
     def _forward_thd(self, q, k, v, causal: bool, params) -> torch.Tensor:
         """Packed samples: q [t, H, D], k/v [t, Hkv, D] (this CP rank's per-sample zigzag shards) -> [t, H * D].
-        cu_seqlens: ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``), the global cumulative lengths."""
-        cu = self._thd_cu_seqlens(causal, params)
+        The samples: ``cu_seqlens_q`` (real lengths) placed as ``cu_seqlens_q_padded`` (each padded to a multiple
+        of 2 * CP); padding rows form segments of their own."""
+        pk = self._thd_samples(params)
         q, k, v = (t.unsqueeze(1) for t in (q, k, v))  # [t, 1, heads, D] sbhd
         group, scale, p = self.cp_group, self.softmax_scale, self._dropout()
         if group is None or group.size() == 1:
-            cu_t = tuple(int(x) for x in cu.tolist())
+            pk = packed_samples(pk, q.shape[0], "contiguous", 1)
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            out = local_attention(self.backend, qb, kb, vb, causal, scale, None, p, cu_t).permute(2, 0, 1, 3)
+            out = local_attention(self.backend, qb, kb, vb, causal, scale, None, p, pk.segments).permute(2, 0, 1, 3)
         else:
             with _model_parallel_rng(q):
-                out = self.attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=p, cu_seqlens=cu)
+                out = self.attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=p, cu_seqlens=pk)
         return out.reshape(out.shape[0], -1)
 
-    def _thd_cu_seqlens(self, causal: bool, params) -> torch.Tensor:
-        """The checks of ``packed_seq_params`` (the THD format, self-attention, padding inside samples only when
-        causal); returns the global cu_seqlens."""
+    @staticmethod
+    def _thd_samples(params) -> PackedSamples:
+        """The checks of ``packed_seq_params`` (the THD format, self-attention); returns the packed samples (real
+        lengths ``cu_seqlens_q``, placed as ``cu_seqlens_q_padded`` when given)."""
         if params.qkv_format != "thd":
             raise SPConfigError(f"packed_seq_params.qkv_format={params.qkv_format!r} is not supported by "
                                 f"megatron_sp_ext core attention: use 'thd'")
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-        if cu is None or (cu_kv is not None and not torch.equal(cu_kv.cpu(), cu.cpu())):
-            raise SPConfigError("packed_seq_params: cu_seqlens_q(_padded) must be given and equal "
-                                "cu_seqlens_kv(_padded) (self-attention)")
-        if (not causal and params.cu_seqlens_q_padded is not None and params.cu_seqlens_q is not None
-                and not torch.equal(params.cu_seqlens_q.cpu(), params.cu_seqlens_q_padded.cpu())):
-            # causal: a sample's tail padding is never attended by its real tokens; non-causal it would be
-            raise SPConfigError("packed_seq_params: padding inside samples (cu_seqlens_q != cu_seqlens_q_padded) "
-                                "is supported only with a causal mask")
-        return cu
+        pairs = [(params.cu_seqlens_q, params.cu_seqlens_kv), (params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded)]
+        if params.cu_seqlens_q is None or any(b is not None and (a is None or not torch.equal(a.cpu(), b.cpu()))
+                                              for a, b in pairs):
+            raise SPConfigError("packed_seq_params: cu_seqlens_q must be given, and cu_seqlens_kv(_padded) must equal "
+                                "cu_seqlens_q(_padded) (self-attention)")
+        real = tuple(int(x) for x in params.cu_seqlens_q.tolist())
+        padded = params.cu_seqlens_q_padded
+        return PackedSamples(real, real if padded is None else tuple(int(x) for x in padded.tolist()))
 
     def _auto_mode(self, q, k, causal: bool) -> str:
         """``auto``: Ulysses/HCMS ("hcms", the baseline) or the ring for this shape (the factory's calibration,

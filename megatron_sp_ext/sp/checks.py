@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..config import LAYOUTS
 from ..errors import SPConfigError
-from .placement import cu_tuple
+from .placement import PackedSamples, packed_samples
 
 _VALIDATED: set = set()  # (group id, shapes, layout, dtype, family) keys already compared across ranks
 
@@ -61,21 +61,20 @@ def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
     _across_ranks_once(q, k, layout, group, "ring")
 
 
-def packed_cu(cu_seqlens, q: torch.Tensor, layout: str, seqlen: int,
-              kv_valid_len: Optional[int]) -> Optional[tuple[int, ...]]:
-    """Ring family: ``cu_seqlens`` (packed samples, 1-D int [n_samples + 1] over the full ``seqlen``) as a tuple,
-    or None when not given, after checking what packed samples need (B=1, no kv_valid_len); raises SPConfigError
-    naming the argument."""
+def packed_cu(cu_seqlens, q: torch.Tensor, layout: str, seqlen: int, kv_valid_len: Optional[int],
+              placement: str, world: int) -> Optional[PackedSamples]:
+    """``cu_seqlens`` (packed samples: 1-D int [n_samples + 1] real cumulative lengths, or ``PackedSamples``) for a
+    padded sequence of ``seqlen`` rows split by ``placement`` over ``world`` ranks, or None when not given, after
+    checking what packed samples need (B=1, no kv_valid_len); raises SPConfigError naming the argument."""
     if cu_seqlens is None:
         return None
     if kv_valid_len is not None:
-        raise SPConfigError("kv_valid_len cannot be combined with cu_seqlens: pad each packed sample to a multiple "
-                            "of the placement's divisor instead (padding tokens form their own sample or the tail "
-                            "of one)")
+        raise SPConfigError("kv_valid_len cannot be combined with cu_seqlens: give each sample's real length in "
+                            "cu_seqlens (samples are padded, and their padding kept apart, per sample)")
     bsz = q.shape[0] if layout == "bshd" else q.shape[1]
     if bsz != 1:
         raise SPConfigError(f"cu_seqlens needs batch size 1 (samples packed along the sequence); got {bsz}")
-    return cu_tuple(cu_seqlens, seqlen)
+    return packed_samples(cu_seqlens, seqlen, placement, world)
 
 
 def _dtype_names() -> list[str]:

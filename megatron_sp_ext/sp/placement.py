@@ -12,9 +12,14 @@ A placement is a list of pieces (global_start, length) in local order.
 Packed variable-length samples (``cu_seqlens``: cumulative sample lengths over the full sequence): each sample
 is placed on its own ("contiguous": piece r of P of every sample; "zigzag": pieces r and 2P-1-r of 2P of every
 sample, Megatron/TE's THD convention), the rank's pieces concatenated in sample order (``varlen_pieces``).
+A sample whose length does not divide by the placement's divisor (P, or 2P for "zigzag") is padded at its tail to
+the next multiple (``PackedSamples``): ``shard_sequence`` inserts the zero rows, the attention treats them as a
+segment of their own (no real token attends a padding token, nor the other way round), ``unshard_sequence``
+drops them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -66,26 +71,81 @@ def pieces(placement: str, rank: int, world: int, seqlen: int) -> Pieces:
     return tuple(out)
 
 
-def cu_tuple(cu_seqlens, seqlen: int) -> tuple[int, ...]:
-    """``cu_seqlens`` (1-D int tensor or sequence [n_samples + 1]: 0, cumulative lengths, ``seqlen``) as a tuple
-    of ints; raises SPConfigError when it is not one."""
+@dataclass(frozen=True)
+class PackedSamples:
+    """Packed samples as the ranks hold them (cumulative lengths, ``n_samples + 1`` entries each).
+
+    real:   the samples' real cumulative lengths (the user's ``cu_seqlens``);
+    layout: the cumulative lengths as placed: sample i occupies rows [layout[i], layout[i+1]) of the padded
+            sequence, its real tokens first, then ``(layout[i+1] - layout[i]) - (real[i+1] - real[i])`` padding rows.
+    Megatron's ``cu_seqlens_q`` / ``cu_seqlens_q_padded`` pair maps to (real, layout)."""
+
+    real: tuple[int, ...]
+    layout: tuple[int, ...]
+
+    @property
+    def padded(self) -> bool:
+        return self.real != self.layout
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        """Attention boundaries in layout coordinates: each sample's real rows, then its padding rows as a segment
+        of their own (tokens attend only within their segment)."""
+        out = [0]
+        for i in range(len(self.real) - 1):
+            for edge in (self.layout[i] + self.real[i + 1] - self.real[i], self.layout[i + 1]):
+                if edge != out[-1]:
+                    out.append(edge)
+        return tuple(out)
+
+
+def _cu_ints(cu_seqlens, what: str) -> tuple[int, ...]:
+    """A 1-D integer tensor or sequence as a tuple of ints that starts at 0 and never decreases."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise SPConfigError(f"cu_seqlens must be a 1-D integer tensor [n_samples + 1]; got dtype "
+            raise SPConfigError(f"{what} must be a 1-D integer tensor [n_samples + 1]; got dtype "
                                 f"{cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
         cu = tuple(int(x) for x in cu_seqlens.tolist())
     else:
         cu = tuple(int(x) for x in cu_seqlens)
-    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != seqlen:
-        raise SPConfigError(f"cu_seqlens={list(cu)} is invalid: it must start at 0, never decrease and end at the "
-                            f"full packed sequence length {seqlen}")
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise SPConfigError(f"{what}={list(cu)} is invalid: it must start at 0 and never decrease")
     return cu
+
+
+def packed_samples(cu_seqlens, seqlen: int, placement: str, world: int) -> PackedSamples:
+    """``cu_seqlens`` (1-D int tensor or sequence, the samples' real cumulative lengths; or a ``PackedSamples``) for
+    a padded sequence of ``seqlen`` rows (shard rows x world) split by ``placement``: samples are padded to a
+    multiple of the placement's divisor. Raises SPConfigError when ``seqlen`` fits neither."""
+    div = divisor(placement, world)
+    if isinstance(cu_seqlens, PackedSamples):
+        pk = cu_seqlens
+        real, lay = pk.real, pk.layout
+        if (len(real) != len(lay) or len(real) < 2 or real[0] != 0 or lay[0] != 0
+                or any(lb - la < rb - ra or rb < ra for ra, rb, la, lb in zip(real, real[1:], lay, lay[1:]))):
+            raise SPConfigError(f"packed samples: the padded cumulative lengths {list(lay)} must start at 0 and give "
+                                f"every sample at least its real length (cumulative {list(real)})")
+    else:
+        real = _cu_ints(cu_seqlens, "cu_seqlens")
+        lens = [-(-(b - a) // div) * div for a, b in zip(real, real[1:])]
+        pk = PackedSamples(real, tuple([0] + [sum(lens[:i + 1]) for i in range(len(lens))]))
+    if pk.layout[-1] != seqlen:
+        if pk.padded and pk.real[-1] == seqlen:
+            raise SPConfigError(
+                f"cu_seqlens={list(pk.real)}: some samples' lengths do not divide by {div} (placement={placement!r}, "
+                f"{world} ranks), so each is padded to a multiple of {div}: the shards must hold {pk.layout[-1]} "
+                f"rows in all ({pk.layout[-1] // world} per rank), as shard_sequence(x, group, placement="
+                f"{placement!r}, cu_seqlens=...) makes them; these hold {seqlen}")
+        raise SPConfigError(f"cu_seqlens={list(pk.real)} is invalid: it must end at the full packed sequence length "
+                            f"{seqlen} ({seqlen // world} rows x {world} ranks)")
+    return pk
 
 
 @lru_cache(maxsize=1024)
 def varlen_pieces(placement: str, rank: int, world: int, cu: tuple[int, ...]) -> Pieces:
-    """Global (start, length) runs of ``rank``'s shard of the packed sequence ``cu`` (cumulative lengths), in
-    local order: each sample placed on its own, samples in order; empty samples hold nothing."""
+    """Global (start, length) runs of ``rank``'s shard of the packed sequence ``cu`` (cumulative lengths as placed:
+    ``PackedSamples.layout``), in local order: each sample placed on its own, samples in order; empty samples hold
+    nothing."""
     if placement not in ("contiguous", "zigzag"):
         raise SPConfigError(f"placement={placement!r} does not support cu_seqlens (packed samples): use "
                             f"'contiguous' or 'zigzag'")
@@ -95,9 +155,9 @@ def varlen_pieces(placement: str, rank: int, world: int, cu: tuple[int, ...]) ->
         n = b - a
         if n % div != 0:
             raise SPConfigError(
-                f"cu_seqlens: sample {i} has length {n}, not divisible by {div}, which placement={placement!r} "
-                f"needs for {world} ranks: pad each sample to a multiple of {div} (Megatron's convention for "
-                f"THD context parallelism)")
+                f"packed samples: sample {i} is placed on {n} rows, not a multiple of {div}, which placement="
+                f"{placement!r} needs for {world} ranks: the padded lengths (Megatron's cu_seqlens_q_padded) must "
+                f"be multiples of {div}")
         if n == 0:
             continue
         out += [(a + st, ln) for st, ln in pieces(placement, rank, world, n)]
@@ -107,7 +167,7 @@ def varlen_pieces(placement: str, rank: int, world: int, cu: tuple[int, ...]) ->
 def _runs(placement: str, rank: int, world: int, seqlen: int, cu_seqlens) -> Pieces:
     if cu_seqlens is None:
         return pieces(placement, rank, world, seqlen)
-    return varlen_pieces(placement, rank, world, cu_tuple(cu_seqlens, seqlen))
+    return varlen_pieces(placement, rank, world, packed_samples(cu_seqlens, seqlen, placement, world).layout)
 
 
 def positions(placement: str, rank: int, world: int, seqlen: int) -> torch.Tensor:
@@ -115,25 +175,67 @@ def positions(placement: str, rank: int, world: int, seqlen: int) -> torch.Tenso
     return torch.cat([torch.arange(a, a + n) for a, n in pieces(placement, rank, world, seqlen)])
 
 
+def pad_samples(x: torch.Tensor, pk: PackedSamples, seq_dim: int) -> torch.Tensor:
+    """x with its samples at their real lengths (``pk.real[-1]`` rows along ``seq_dim``) -> the padded layout
+    (``pk.layout[-1]`` rows, zero rows at each sample's tail); autograd flows to x's rows."""
+    parts = []
+    for i in range(len(pk.real) - 1):
+        n, pad = pk.real[i + 1] - pk.real[i], (pk.layout[i + 1] - pk.layout[i]) - (pk.real[i + 1] - pk.real[i])
+        parts.append(x.narrow(seq_dim, pk.real[i], n))
+        if pad:
+            shape = list(x.shape)
+            shape[seq_dim] = pad
+            parts.append(x.new_zeros(shape))
+    return torch.cat(parts, dim=seq_dim)
+
+
+def unpad_samples(x: torch.Tensor, pk: PackedSamples, seq_dim: int) -> torch.Tensor:
+    """Inverse of ``pad_samples``: the real rows of each sample of the padded layout ``x``."""
+    return torch.cat([x.narrow(seq_dim, pk.layout[i], pk.real[i + 1] - pk.real[i]) for i in range(len(pk.real) - 1)],
+                     dim=seq_dim)
+
+
 def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: str = "contiguous",
-                   seq_dim: int = 1, cu_seqlens: "torch.Tensor | None" = None) -> torch.Tensor:
+                   seq_dim: int = 1, cu_seqlens: "torch.Tensor | PackedSamples | None" = None) -> torch.Tensor:
     """The full sequence ``x`` (identical on every rank) -> this rank's shard (a new tensor).
 
-    cu_seqlens: 1-D int [n_samples + 1], cumulative sample lengths over the full packed sequence (B=1, same
-    on every rank): each sample is placed on its own (see ``varlen_pieces``)."""
+    cu_seqlens: 1-D int [n_samples + 1], cumulative sample lengths over the full packed sequence ``x`` (B=1, same
+    on every rank): each sample is placed on its own (see ``varlen_pieces``). A sample whose length does not
+    divide by the placement's divisor (P, or 2P for "zigzag") gets zero rows at its tail up to the next multiple,
+    so the shard holds sum(padded lengths) / P rows; the attention functions given the same cu_seqlens keep
+    those rows apart. ``x`` may also be given already padded (sum(padded lengths) rows)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    runs = _runs(placement, rank, world, x.shape[seq_dim], cu_seqlens)
+    if cu_seqlens is None:
+        runs = pieces(placement, rank, world, x.shape[seq_dim])
+    else:
+        pk = packed_samples(cu_seqlens, _padded_total(cu_seqlens, placement, world), placement, world)
+        if pk.padded and x.shape[seq_dim] == pk.real[-1]:
+            x = pad_samples(x, pk, seq_dim)
+        elif x.shape[seq_dim] != pk.layout[-1]:
+            raise SPConfigError(f"shard_sequence: x has {x.shape[seq_dim]} rows along dim {seq_dim}; cu_seqlens="
+                                f"{list(pk.real)} needs {pk.real[-1]} (or {pk.layout[-1]} already padded)")
+        runs = varlen_pieces(placement, rank, world, pk.layout)
     return torch.cat([x.narrow(seq_dim, a, n) for a, n in runs], dim=seq_dim).contiguous()
 
 
+def _padded_total(cu_seqlens, placement: str, world: int) -> int:
+    """Rows of the padded layout of ``cu_seqlens`` under ``placement`` over ``world`` ranks."""
+    if isinstance(cu_seqlens, PackedSamples):
+        return cu_seqlens.layout[-1]
+    div = divisor(placement, world)
+    real = _cu_ints(cu_seqlens, "cu_seqlens")
+    return sum(-(-(b - a) // div) * div for a, b in zip(real, real[1:]))
+
+
 def unshard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: str = "contiguous",
-                     seq_dim: int = 1, cu_seqlens: "torch.Tensor | None" = None) -> torch.Tensor:
+                     seq_dim: int = 1, cu_seqlens: "torch.Tensor | PackedSamples | None" = None) -> torch.Tensor:
     """Inverse of ``shard_sequence`` (same ``placement`` and ``cu_seqlens``): all-gather the shards and restore
-    global order (not autograd)."""
+    global order (not autograd). With cu_seqlens the padding rows are dropped: ``cu_seqlens[-1]`` rows."""
     world = dist.get_world_size(group)
     x = x.contiguous()
     seqlen = x.shape[seq_dim] * world
-    runs_of = [_runs(placement, r, world, seqlen, cu_seqlens) for r in range(world)]  # checked before the gather
+    pk = None if cu_seqlens is None else packed_samples(cu_seqlens, seqlen, placement, world)  # checked first
+    runs_of = [_runs(placement, r, world, seqlen, pk) for r in range(world)]
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
     shape = list(x.shape)
@@ -144,4 +246,4 @@ def unshard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: st
         for a, n in runs_of[r]:
             out.narrow(seq_dim, a, n).copy_(part.narrow(seq_dim, off, n))
             off += n
-    return out
+    return unpad_samples(out, pk, seq_dim) if pk is not None and pk.padded else out

@@ -28,7 +28,8 @@ from .ring import RingBackend
 
 
 def rank_runs(placement: str, rank: int, world: int, seqlen: int, cu: Optional[tuple] = None):
-    """Global (start, len) runs SP rank ``rank`` holds: ``pieces``, or per sample (``varlen_pieces``) with ``cu``."""
+    """Global (start, len) runs SP rank ``rank`` holds: ``pieces``, or per sample (``varlen_pieces``) with ``cu``
+    (the packed samples' layout, ``PackedSamples.layout``)."""
     return pieces(placement, rank, world, seqlen) if cu is None else varlen_pieces(placement, rank, world, cu)
 
 
@@ -70,7 +71,8 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
     the per-sample "contiguous" or "zigzag" placement of ``shard_sequence``): each sample attends within itself."""
     placement = placement or ("zigzag" if causal else "contiguous")
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
-    cu = packed_cu(cu_seqlens, q, layout, s_loc * mesh.world, kv_valid_len)
+    pk = packed_cu(cu_seqlens, q, layout, s_loc * mesh.world, kv_valid_len, placement, mesh.world)
+    cu = None if pk is None else pk.layout
     runs = mesh_runs(mesh, placement, s_loc * mesh.world, cu)
     order = None
     if mesh.ulysses_group is not None and (causal or kv_valid_len is not None or cu is not None):
@@ -78,7 +80,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
         order = rows[mesh.ring_index][0]
         runs = tuple(merged for _, merged in rows)
     ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, get_backend(backend), kv_valid_len,
-                       cu)
+                       None if pk is None else pk.segments)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if mesh.ulysses_group is None:  # P_u == 1: pure ring over the mesh order
         to = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))

@@ -387,10 +387,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     the same result). Use ``shard_sequence(x, group, placement=...)`` to produce matching shards.
     ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
     Local attention uses the backend's log-sum-exp kernels (``forward_lse`` / ``backward_lse``).
-    cu_seqlens: packed variable-length samples (B=1): 1-D int tensor [n_samples + 1] of cumulative lengths over the
-    full sequence, the same on every rank; shards from ``shard_sequence(x, group, placement=..., cu_seqlens=)``
-    with placement "contiguous" or "zigzag" (the default for causal, ring and tasp: "tasp_zigzag" does not take
-    packed samples). Each sample attends only within itself; not combined with kv_valid_len.
+    cu_seqlens: packed variable-length samples (B=1): 1-D int tensor [n_samples + 1] of the samples' cumulative
+    lengths, the same on every rank; shards from ``shard_sequence(x, group, placement=..., cu_seqlens=)`` with
+    placement "contiguous" or "zigzag" (the default for causal, ring and tasp: "tasp_zigzag" does not take
+    packed samples). Each sample attends only within itself; samples that do not divide by the placement's
+    divisor are padded as in ``ulysses_attention``; not combined with kv_valid_len.
     """
     if variant not in VARIANTS:
         raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
@@ -404,13 +405,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * world
-    cu = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len)
-    if cu is None:
+    pk = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len, placement, world)
+    cu = None if pk is None else pk.segments
+    if pk is None:
         q_runs = pieces(placement, rank, world, seqlen)  # validates divisibility
         kv_runs = tuple(pieces(placement, o, world, seqlen) for o in range(world))
-    else:  # each sample placed on its own (validates every sample's length)
-        q_runs = varlen_pieces(placement, rank, world, cu)
-        kv_runs = tuple(varlen_pieces(placement, o, world, cu) for o in range(world))
+    else:  # each (padded) sample placed on its own; its padding is a segment of its own
+        q_runs = varlen_pieces(placement, rank, world, pk.layout)
+        kv_runs = tuple(varlen_pieces(placement, o, world, pk.layout) for o in range(world))
     plan = make_ring_plan(group, variant=variant, s_loc=s_loc, q_runs=q_runs, kv_runs=kv_runs, causal=causal,
                           scale=scale, backend=be, balanced_slots=placement == "tasp_zigzag" and cu is None,
                           kv_valid_len=kv_valid_len, cu_seqlens=cu)

@@ -41,12 +41,13 @@ class _Ctx:
     """Static plan of one call: head groups, peers, and ring backends per (q tokens, kv tokens)."""
 
     def __init__(self, mesh: SPMesh, hl: HeadLayout, placement: str, seqlen: int, variant: str, inner, scale,
-                 kv_valid_len=None, cu=None):
+                 kv_valid_len=None, packed=None):
         self.mesh, self.hl, self.scale = mesh, hl, scale
         self.T, self.t = mesh.ulysses_size, mesh.ulysses_index
         self.group = mesh.ulysses_group
         self.peers = [dist.get_global_rank(mesh.group, g) for g in mesh.ulysses_members()]
-        runs = lambda j, l: rank_runs(placement, mesh.grid[j][l], mesh.world, seqlen, cu)  # noqa: E731
+        layout_cu, cu = (None, None) if packed is None else (packed.layout, packed.segments)
+        runs = lambda j, l: rank_runs(placement, mesh.grid[j][l], mesh.world, seqlen, layout_cu)  # noqa: E731
         self.runs = runs
         self.others = [(self.t - k) % self.T for k in range(1, self.T)]
         self._be: dict = {}
@@ -276,7 +277,7 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
     samples, attention within each sample) as hybrid_attention."""
     placement = placement or ("zigzag" if causal else "contiguous")
     s_full = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
-    cu = packed_cu(cu_seqlens, q, layout, s_full, kv_valid_len)
+    pk = packed_cu(cu_seqlens, q, layout, s_full, kv_valid_len, placement, mesh.world)
     if layout == "sbhd":
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
     T = mesh.ulysses_size
@@ -285,7 +286,7 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
         k, v = k.repeat_interleave(hl.kv_repeat, dim=2), v.repeat_interleave(hl.kv_repeat, dim=2)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     c = _Ctx(mesh, hl, placement, q.shape[1] * mesh.world, ring_variant, get_backend(backend), scale, kv_valid_len,
-             cu)
+             pk)
     c.causal = causal
     out = _TorusFn.apply(q, k, v, c)
     return out.transpose(0, 1) if layout == "sbhd" else out

@@ -31,13 +31,13 @@ from ...attention.varlen import SETTINGS as VARLEN_SETTINGS
 from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq
 from ...errors import SPConfigError
-from ..checks import check_inputs
+from ..checks import check_inputs, packed_cu
 from ..heads import head_layout
 from . import layout as lay
 from .attend import attend_backward, local_attention
 from .engine import (alloc, attend_and_send, by_piece, exchange_all_chunks, send_head_major, send_pieces,
                      sends_in_place, transport_of)
-from ..placement import cu_tuple
+from ..placement import PackedSamples
 from .plan import UlyssesPlan, local_order, varlen_order
 from .policy import ChunkPolicy, default_policy
 
@@ -153,7 +153,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       policy: Optional[ChunkPolicy] = None, placement: str = "contiguous",
                       kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True,
                       transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None,
-                      dropout_p: float = 0.0, cu_seqlens: Optional[torch.Tensor] = None,
+                      dropout_p: float = 0.0, cu_seqlens: "torch.Tensor | PackedSamples | None" = None,
                       varlen_kernel: str = "per_sample") -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
@@ -178,11 +178,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     ``backend`` expects (a ring backend that knows the runs), applied instead of the placement's.
     dropout_p: attention dropout inside the local attention (torch SDPA's own, under autograd so that the
     backward uses the forward's mask; pass 0 in eval). Each head chunk draws its own mask.
-    cu_seqlens: packed variable-length samples (B=1): 1-D int tensor [n_samples + 1] of cumulative lengths
-    over the FULL sequence (same on every rank); q/k/v are this rank's per-sample shards (``shard_sequence``
-    with the same cu_seqlens and a "contiguous" or "zigzag" placement). Each sample attends only within itself
-    (causal or not): after the exchange the local attention runs once per sample over its global range.
-    Not combined with kv_valid_len (pad each sample instead) or seq_order.
+    cu_seqlens: packed variable-length samples (B=1): 1-D int tensor [n_samples + 1] of the samples' cumulative
+    lengths (same on every rank); q/k/v are this rank's per-sample shards (``shard_sequence`` with the same
+    cu_seqlens and a "contiguous" or "zigzag" placement). Each sample attends only within itself (causal or
+    not): after the exchange the local attention runs once per sample over its global range. A sample whose
+    length does not divide by P ("contiguous") or 2P ("zigzag") is padded at its tail by ``shard_sequence``;
+    its padding rows form a segment of their own (never attended by, nor attending, real tokens). Also a
+    ``PackedSamples`` (real and padded cumulative lengths, e.g. Megatron's cu_seqlens_q / _q_padded). Not
+    combined with kv_valid_len or seq_order.
     varlen_kernel: with cu_seqlens, the local method (``attention.varlen``): "per_sample" (one kernel call per
     sample), "grouped" (equal lengths in one batched call), "flash_varlen" (torch's varlen kernel, CUDA
     fp16/bf16) or "auto" (timed once per sample-length key). Same math up to kernel rounding.
@@ -209,8 +212,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     cu = None
     if cu_seqlens is not None:
-        cu = _packed_samples(cu_seqlens, q, layout, world, s_loc, kv_valid_len, seq_order)
-        order, valid = varlen_order(placement, world, cu), None
+        pk = _packed_samples(cu_seqlens, q, layout, world, s_loc, kv_valid_len, seq_order, placement)
+        order, valid, cu = varlen_order(placement, world, pk.layout), None, pk.segments
     else:
         order, valid = local_order(placement, world, s_loc, causal, kv_valid_len)
     if seq_order is not None:
@@ -229,17 +232,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     return _UlyssesFn.apply(q, k, v, plan)
 
 
-def _packed_samples(cu_seqlens: torch.Tensor, q: torch.Tensor, layout: str, world: int, s_loc: int,
-                    kv_valid_len: Optional[int], seq_order) -> tuple[int, ...]:
-    """``cu_seqlens`` as a tuple after checking what packed samples need (B=1, the full length, no padding cut,
-    no explicit seq_order); raises SPConfigError naming the argument."""
-    if kv_valid_len is not None:
-        raise SPConfigError("kv_valid_len cannot be combined with cu_seqlens: pad each packed sample to a multiple "
-                            "of the placement's divisor instead (padding tokens form their own sample or the tail "
-                            "of one)")
+def _packed_samples(cu_seqlens, q: torch.Tensor, layout: str, world: int, s_loc: int, kv_valid_len: Optional[int],
+                    seq_order, placement: str) -> PackedSamples:
+    """``cu_seqlens`` as ``PackedSamples`` after checking what packed samples need (B=1, the full padded length, no
+    kv_valid_len, no explicit seq_order); raises SPConfigError naming the argument."""
     if seq_order is not None:
         raise SPConfigError("seq_order cannot be combined with cu_seqlens")
-    bsz = q.shape[0] if layout == "bshd" else q.shape[1]
-    if bsz != 1:
-        raise SPConfigError(f"cu_seqlens needs batch size 1 (samples packed along the sequence); got {bsz}")
-    return cu_tuple(cu_seqlens, s_loc * world)
+    return packed_cu(cu_seqlens, q, layout, s_loc * world, kv_valid_len, placement, world)
