@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import megatron_sp_ext as spx
 from tests.reference import TOL
-from tests.packed_reference import block_mask, sharder
+from tests.packed_reference import sharder
 from tests.sp_check import run_case
 
 DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
@@ -37,7 +37,7 @@ def packed_cu(world: int, placement: str) -> list:
 def ragged_cu() -> list:
     """Sample lengths that divide by neither P nor 2P (each padded at its tail; the padding kept apart)."""
     cu = [0]
-    for m, e in ((5, 1), (2, -3), (9, 7), (1, 5)):
+    for m, e in ((5, 1), (2, -3), (9, 7), (0, 1), (1, 5)):  # (0, 1): a one-token sample
         cu.append(cu[-1] + m * 64 // SHRINK + e)
     return cu
 
@@ -49,7 +49,7 @@ def _one(rec: list, case: str, attn, rank: int, world: int, *, causal: bool, dty
     cu_t = torch.tensor(cu, dtype=torch.int32)
     errs: dict = {}
     run_case(lambda q, k, v: attn(q, k, v, cu_t.to(q.device)), rank, world, b=1, s=cu[-1], h=h, hkv=hkv, d=64,
-             dtype=dtype, causal=causal, layout=layout, seed=seed, shard=sharder(cu, placement), mask=block_mask(cu, causal),
+             dtype=dtype, causal=causal, layout=layout, seed=seed, shard=sharder(cu, placement), segments=cu,
              device=DEV, errors=errs)
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     rec.append({"family": "ring_varlen", "case": f"P={world} {case} lengths={lengths} {placement} causal={causal} "

@@ -20,7 +20,6 @@ import torch.distributed as dist
 import megatron_sp_ext as spx
 from megatron_sp_ext.sp.placement import pieces
 from megatron_sp_ext.topology.hamiltonian import routing_tables
-from tests.packed_reference import block_mask
 from tests.reference import TOL, pad_mask
 from tests.sp_check import run_case
 
@@ -274,7 +273,7 @@ def varlen_family(rank: int, world: int) -> list:
                             q, k, v, g, head_chunks=c, causal=causal, layout=layout, placement=placement,
                             cu_seqlens=cu_t.to(q.device)), rank, world, b=1, s=cu[-1], h=h, hkv=hkv, d=64,
                             dtype=BF16, causal=causal, layout=layout, seed=n, shard=shard,
-                            mask=block_mask(cu, causal), device=DEV, errors=errs)
+                            segments=cu, device=DEV, errors=errs)
                         rec.append({"family": "varlen", "case": f"P={world} C={c} lengths={lengths} {placement} "
                                     f"causal={causal} h={h}/{hkv} {layout} bf16", "errs": errs, "tol": TOL[BF16]})
                         n += 1

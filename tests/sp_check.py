@@ -26,14 +26,20 @@ def from_layout(x, layout):
 
 
 def run_case(attn, rank, world, *, b, s, h, hkv, d, dtype, causal, layout="bshd", seed=0,
-             shard=contiguous_shard, mask=None, device="cpu", compare_rows=None, errors=None):
+             shard=contiguous_shard, mask=None, device="cpu", compare_rows=None, errors=None, segments=None):
     """Returns (out, dq, dk, dv) of this rank (bshd) and asserts them against the reference.
-    ``errors`` (a dict): instead of asserting, store each relative error there by name ("out", "dq", ...)."""
+    ``errors`` (a dict): instead of asserting, store each relative error there by name ("out", "dq", ...).
+    ``segments`` (cumulative lengths, instead of ``mask``): a block-diagonal reference computed one block at a time
+    (the same math as the block mask, in sum(n_i^2) memory instead of S^2)."""
     q, k, v, do = (t.to(device) for t in make_qkv(seed, b, s, h, hkv, d, dtype))
     if compare_rows is not None:  # rows >= compare_rows are padding: no loss flows from them
         do[:, compare_rows:] = 0
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref = reference_attention(qr, kr, vr, causal=causal, mask=mask.to(device) if mask is not None else None)
+    if segments is not None:
+        ref = torch.cat([reference_attention(qr[:, a:b], kr[:, a:b], vr[:, a:b], causal=causal)
+                         for a, b in zip(segments, segments[1:]) if b > a], dim=1)
+    else:
+        ref = reference_attention(qr, kr, vr, causal=causal, mask=mask.to(device) if mask is not None else None)
     ref.backward(do.double())
     shards = [to_layout(shard(t, rank, world), layout).clone().requires_grad_() for t in (q, k, v)]
     out = attn(*shards)

@@ -87,3 +87,27 @@ def test_backend_registry_errors():
     if "flash_attn" not in available_backends():
         with pytest.raises(SPConfigError, match="needs the package 'flash_attn'"):
             get_backend("flash_attn")
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 5), (5, 1)])
+def test_one_row_blocks_run_on_math(monkeypatch, sq, sk):
+    """A block with one query or one key row never reaches the fused kernels (their 1 x 1 blocks crashed or were
+    wrong on an H100): forward and backward run on math, equal to the float64 reference."""
+    from megatron_sp_ext.attention import lse_kernels
+
+    def refuse(*a, **k):
+        raise AssertionError("a one-row block reached a fused kernel")
+    monkeypatch.setattr(blockwise, "fused_forward", refuse)
+    monkeypatch.setattr(blockwise, "fused_backward", refuse)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, sq, 8, generator=g)
+    k, v = torch.randn(1, 2, sk, 8, generator=g), torch.randn(1, 2, sk, 8, generator=g)
+    do = torch.randn(1, 4, sq, 8, generator=g)
+    out, lse = lse_kernels.forward("flash", q, k, v, 0.3, False)
+    dq, dk, dv = lse_kernels.backward("flash", do, q, k, v, out, lse, 0.3, False)
+    qr, kr, vr = (t.double().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, softmax_scale=0.3)
+    ref.backward(do.double().transpose(1, 2))
+    for name, got, want in (("out", out, ref.transpose(1, 2)), ("dq", dq, qr.grad.transpose(1, 2)),
+                            ("dk", dk, kr.grad.transpose(1, 2)), ("dv", dv, vr.grad.transpose(1, 2))):
+        assert_close(name, got, want, torch.float32)

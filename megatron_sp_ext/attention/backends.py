@@ -74,6 +74,8 @@ class SDPABackend(LocalAttention):
         return self._chosen[key]
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
+        if _one_row_block(q, k):
+            return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
@@ -99,7 +101,7 @@ class FixedKernelBackend(SDPABackend):
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
         kern = self.kernel_for(q)
-        if kern == "math":
+        if kern == "math" or _one_row_block(q, k):
             return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
         from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
         sdp = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kern]
@@ -110,13 +112,20 @@ class FixedKernelBackend(SDPABackend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
 
 
+def _one_row_block(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """A CUDA block with one query or one key row: it runs on the math kernel (the fused kernels' 1 x 1 blocks were
+    wrong or crashed on an H100: see lse_kernels)."""
+    return q.is_cuda and (q.shape[2] == 1 or k.shape[2] == 1)
+
+
 class MathBackend(LocalAttention):
     """Explicit fp32 softmax attention; the reference path (slow, exact masks)."""
 
     name = "math"
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
-        return _MathAttnFn.apply(q, k, v, causal, softmax_scale)
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        return _MathAttnFn.apply(q, k, v, causal, scale)
 
 
 class _MathAttnFn(torch.autograd.Function):

@@ -13,6 +13,10 @@ Kernels, fastest first on Hopper (``KERNELS``):
 The memory-efficient kernel is not offered: on an H100 (torch 2.11) its backward was wrong when fed merged
 out/lse with strided k/v (dq/dk errors 0.1-3.9 and NaN; tools/results/2026-11-23_h100_early), which is
 exactly how ring steps call it.
+Blocks with one query or one key row run on "math" whatever the kernel: on an H100 (torch 2.11, CUDA 13) cuDNN's
+1 x 1 block crashed the process (segfault) and flash's returned garbage (error 1e24), while 2 x 2 and 1 x 5 were
+right (tools/results/2026-11-24_h100_packed_padding/tiny_blocks.txt). Packed samples make such blocks: a
+one-token sample, or a sample's one padding row.
 Availability is a schema check plus a tiny probe call per (kernel, device, dtype), cached.
 GQA: k/v are expanded to q's heads for the fused kernels and dk/dv summed back.
 """
@@ -163,8 +167,14 @@ def in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _for_block(kernel: str, q, k) -> str:
+    """``kernel``, or "math" for a block with one query or one key row (see the module docstring)."""
+    return "math" if q.shape[2] == 1 or k.shape[2] == 1 else kernel
+
+
 def forward(kernel: str, q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: (out in q.dtype, lse fp32 [B, H, Sq]) with ``kernel`` (see module docstring)."""
+    kernel = _for_block(kernel, q, k)
     if kernel == "math":
         o, lse = blockwise.math_forward(q, k, v, scale, "causal" if causal else None)
         return o, lse
@@ -181,6 +191,7 @@ def forward(kernel: str, q, k, v, scale: float, causal: bool) -> tuple[torch.Ten
 
 def backward(kernel: str, do, q, k, v, out, lse, scale: float, causal: bool):
     """Block gradients (dq, dk, dv) given the FINAL out (q dtype) and lse (fp32 [B, H, Sq]) of the rows."""
+    kernel = _for_block(kernel, q, k)
     if kernel == "math":
         return blockwise.math_backward(do, q, k, v, out, lse, scale, "causal" if causal else None)
     if kernel == "flash":

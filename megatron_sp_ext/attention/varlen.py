@@ -302,11 +302,14 @@ def _backend_kernel(be: LocalAttention, q: torch.Tensor) -> Optional[str]:
     return be.kernel_for(q) if isinstance(be, SDPABackend) else None
 
 
-def methods_here(be: LocalAttention, q: torch.Tensor) -> list[str]:
-    """The methods that run for ``be`` on q's (device, dtype), "per_sample" first."""
+def methods_here(be: LocalAttention, q: torch.Tensor, cu: Optional[tuple[int, ...]] = None) -> list[str]:
+    """The methods that run for ``be`` on q's (device, dtype), "per_sample" first. Not the varlen kernels when a
+    sample of ``cu`` has one token (the fixed-length kernels' 1 x 1 blocks were wrong or crashed on an H100, see
+    lse_kernels; the per-sample methods run those blocks on "math")."""
     out = ["per_sample", "grouped"]
     kern = _backend_kernel(be, q)
-    if kern in ("cudnn", "flash") and be.kernel in ("auto", "flash"):  # not the fixed "cudnn" backend
+    one_token = cu is not None and any(b - a == 1 for a, b in zip(cu, cu[1:]))
+    if kern in ("cudnn", "flash") and be.kernel in ("auto", "flash") and not one_token:  # not fixed "cudnn"
         out += [m for m in KERNEL_METHODS if kernel_available(m, q.device, q.dtype)]
     return out
 
@@ -351,12 +354,13 @@ class VarlenChooser:
         method that cannot run here."""
         if setting not in SETTINGS:
             raise SPConfigError(f"{setting_name}={setting!r} is invalid: choose one of {', '.join(SETTINGS)}")
-        here = methods_here(be, q)
+        here = methods_here(be, q, cu)
         if setting != "auto":
             if setting not in here:
                 raise SPConfigError(
-                    f"{setting_name}={setting!r} does not run here (backend {be.name!r}, {q.device}, {q.dtype}): "
-                    f"use 'auto' or one of {', '.join(here)}")
+                    f"{setting_name}={setting!r} does not run here (backend {be.name!r}, {q.device}, {q.dtype}"
+                    f"{', a one-token sample or padding segment' if setting in KERNEL_METHODS else ''}): use 'auto' "
+                    f"or one of {', '.join(here)}")
             return setting
         if q.device.type != "cuda" and not self.measure_off_cuda:
             return "per_sample"
