@@ -5,7 +5,8 @@ packed step of three clips of different frame counts and latent sizes (B=1, cu_s
 ``world`` ranks, the sequence sharded per sample) and each clip alone at SP=1 (plain path); the packed loss and
 every parameter gradient (summed / averaged over the SP ranks) must equal the average over the clips. Cases:
 ulysses and hcms C=2, eager and with the compiled elementwise regions (inductor on CUDA, aot_eager on the CPU dry
-run): 4 records, family "dit_packed". Records as in tests/cuda_suite.py; SPX_SUITE_DEVICE=cpu runs it on gloo.
+run), and ulysses on clips whose token counts divide by neither 2 nor 4 (padded per sample): 6 records, family
+"dit_packed". Records as in tests/cuda_suite.py; SPX_SUITE_DEVICE=cpu runs it on gloo.
 """
 from __future__ import annotations
 
@@ -45,8 +46,12 @@ def _model(device, fused):
     return model
 
 
-def _data():
-    return SyntheticVideoLatents(CFG.in_channels, FRAMES, 8, 8, CFG.text_len, CFG.text_dim, seed=1, sizes=SIZES)
+# and frames 3, 5, 1 x latent 6x10: 45, 75, 15 tokens (divisible by neither 2 nor 4: each sample padded)
+ODD_FRAMES, ODD_SIZES = [3, 5, 1], [(6, 10)] * 3
+
+
+def _data(frames=FRAMES, sizes=SIZES):
+    return SyntheticVideoLatents(CFG.in_channels, frames, 8, 8, CFG.text_len, CFG.text_dim, seed=1, sizes=sizes)
 
 
 def _grads(model):
@@ -56,10 +61,13 @@ def _grads(model):
 def dit_packed_family(rank: int, world: int) -> list:
     device = _device()
     group = dist.group.WORLD if world > 1 else None
-    data, ids = _data(), [0, 1, 2]
+    ids = [0, 1, 2]
     fused_backend = "inductor" if device.type == "cuda" else "aot_eager"
     records = []
-    for fused in (None, fused_backend):
+    cases = [(FRAMES, SIZES, fused, (("ulysses", {}), ("hcms", {"head_chunks": 2}))) for fused in (None, fused_backend)]
+    cases += [(ODD_FRAMES, ODD_SIZES, fused, (("ulysses", {}),)) for fused in (None, fused_backend)]
+    for frames, sizes, fused, modes in cases:
+        data = _data(frames, sizes)
         ref_model = _model(device, fused)
         ref_loss, ref_grads = 0.0, None
         for i in ids:  # one clip at a time, SP=1
@@ -71,7 +79,7 @@ def dit_packed_family(rank: int, world: int) -> list:
             g = _grads(ref_model)
             ref_grads = g if ref_grads is None else [a + b for a, b in zip(ref_grads, g)]
         ref_grads = [g / len(ids) for g in ref_grads]
-        for mode, kw in (("ulysses", {}), ("hcms", {"head_chunks": 2})):
+        for mode, kw in modes:
             model = _model(device, fused)
             model.set_attention_core(make_core(mode, group, num_heads=CFG.heads, **kw))
             inp = to_device(packed_host_inputs(packed_batch(data, ids, 7, CFG.patch), rank, world), device)
@@ -87,6 +95,6 @@ def dit_packed_family(rank: int, world: int) -> list:
             errs = {"loss": abs(loss.item() - ref_loss) / abs(ref_loss),
                     "grads": max(rel_err(g, r) for g, r in zip(grads, ref_grads))}
             records.append({"family": "dit_packed", "case": f"P={world} {mode}{kw.get('head_chunks', '')} "
-                            f"fused={fused} clips={list(zip(FRAMES, SIZES))} packed vs one-at-a-time fp32",
+                            f"fused={fused} clips={list(zip(frames, sizes))} packed vs one-at-a-time fp32",
                             "errs": errs, "tol": 5 * TOL[torch.float32]})
     return records

@@ -6,7 +6,8 @@ SP=1 (local per-sample attention), SP=2 (Ulysses, HCMS, auto; the sequence shard
 ``shard_sequence(cu_seqlens=)`` does) and SP=4 (every mode), with recompute and with the compiled elementwise
 regions. Both entry points: a packed step's loss at lr 0 equals the mean of unpacked steps over the same
 samples (SP=2, and DP=2: the mean over packs); SP=2 equals SP=1 over 4 real steps; a packed run resumes
-exactly; on-disk shards of differing shapes train as the synthetic ones. Refusals name the flag.
+exactly; on-disk shards of differing shapes train as the synthetic ones; clips whose token count does not divide
+by the SP size are padded per sample and give the same loss and gradients. Refusals name the flag.
 """
 import pytest
 import torch
@@ -122,6 +123,16 @@ def _sp2(rank, world):
     _check(_packed(g, ids, "hcms", head_chunks=2), ref, "SP=2 hcms C=2")
     _check(_packed(g, ids, "auto"), ref, "SP=2 auto")
     _check(_packed(g, ids, recompute="selective"), ref, "SP=2 selective recompute")
+    # token counts that do not divide by P (45, 75, 15): each sample padded at its tail (zero loss weight)
+    odd = _data([3, 5, 1], [(6, 10)])
+    ref = _one_at_a_time([0, 1, 2], odd)
+    got = _packed(g, [0, 1, 2], data=odd)
+    cu = torch.tensor(got[2]["cu_seqlens"], dtype=torch.int32)
+    assert torch.equal(got[3].x, spx.shard_sequence(got[2]["x"], g, cu_seqlens=cu))  # the library's padding
+    assert got[3].x.shape[1] == (46 + 76 + 16) // world  # padding rows at each sample's tail: on the last rank
+    assert int(got[3].valid.sum()) == (23 + 38 + 8 if rank == 0 else 22 + 37 + 7), got[3].valid
+    _check(got, ref, "SP=2 ulysses, samples padded")
+    _check(_packed(g, [0, 1, 2], "ring", data=odd), ref, "SP=2 ring, samples padded")
     return True
 
 
@@ -136,6 +147,10 @@ def _sp4_every_mode(rank, world):
     for mode, kw in [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("tasp", {}), ("usp", mesh),
                      ("tas", mesh), ("torus", {**mesh, "placement": "tas"}), ("auto", {})]:
         _check(_packed(dist.group.WORLD, [0, 1, 2], mode, data=data, **kw), ref, f"SP=4 {mode}")
+    odd = _data([3, 5, 1], [(6, 10)])  # 45, 75, 15 tokens: padded to 48, 76, 16
+    ref = _one_at_a_time([0, 1, 2], odd)
+    for mode, kw in [("hcms", {"head_chunks": 2}), ("tasp", {}), ("usp", mesh), ("torus", {**mesh, "placement": "tas"})]:
+        _check(_packed(dist.group.WORLD, [0, 1, 2], mode, data=odd, **kw), ref, f"SP=4 {mode}, samples padded")
     return True
 
 
@@ -147,9 +162,6 @@ def test_packed_step_every_mode_sp4():
 def test_plan_refusals():
     with pytest.raises(SPConfigError, match=r"--max-tokens-per-step=40: synthetic sample 2 alone has 48"):
         PackPlan(_data(), 40, CFG.patch).pack(2)
-    odd = SyntheticVideoLatents(CFG.in_channels, [3], 6, 10, CFG.text_len, CFG.text_dim)  # 45 tokens
-    with pytest.raises(SPConfigError, match=r"--pack-samples with sequence parallel size 2: .* 45 video tokens"):
-        PackPlan(odd, 100, CFG.patch, sp_world=2).pack(0)
 
 
 # ---- both entry points ----
@@ -209,10 +221,18 @@ def test_entry_refusals(flags, match, capsys):
     assert e.value.code == 2 and match in capsys.readouterr().err
 
 
-def test_entry_refuses_sample_not_divisible_by_sp():
-    """SP=2 with a 45-token clip (3 frames of 3 x 5 patches): one message naming --pack-samples and the sample."""
-    with pytest.raises(RankFailure, match=r"--pack-samples with sequence parallel size 2: synthetic sample 0 has 45"):
-        run_ranks(lambda r, w: _mg(r, w, ("--frames", "3", "--latent-size", "6x10", "--train-iters", "1", *PACK)), 2)
+def test_entry_packed_sample_not_divisible_by_sp():
+    """SP=2, 45-token clips (3 frames of 3 x 5 patches; 3 frames of 2 x 4: 24): each clip padded per sample; at lr 0
+    a packed step's loss is the mean of the unpacked steps' losses over the same samples."""
+    odd = ("--frames", "3", "--latent-size", "6x10,4x8", "--lr", "0")
+    single = run_ranks(lambda r, w: _mg(r, w, (*odd, "--train-iters", "4"))["losses"], 1)[0]
+    res = run_ranks(lambda r, w: _mg(r, w, (*odd, "--train-iters", "2", "--pack-samples", "--max-tokens-per-step",
+                                            "69"))["rows"], 2)[0]
+    packed = [row["loss"] for row in res]
+    expect = [sum(single[:2]) / 2, sum(single[2:4]) / 2]  # packs [0, 1] and [2, 3] (45 + 24 tokens each)
+    for a, b in zip(packed, expect):
+        assert abs(a - b) <= 1e-5 * abs(b), (packed, expect)
+    assert [row["tokens"] for row in res] == [69, 69]
 
 
 def test_model_refuses_packed_qkv_path():

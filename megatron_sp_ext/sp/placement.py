@@ -208,7 +208,7 @@ def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: str 
     if cu_seqlens is None:
         runs = pieces(placement, rank, world, x.shape[seq_dim])
     else:
-        pk = packed_samples(cu_seqlens, _padded_total(cu_seqlens, placement, world), placement, world)
+        pk = padded_samples(cu_seqlens, placement, world)
         if pk.padded and x.shape[seq_dim] == pk.real[-1]:
             x = pad_samples(x, pk, seq_dim)
         elif x.shape[seq_dim] != pk.layout[-1]:
@@ -218,13 +218,14 @@ def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: str 
     return torch.cat([x.narrow(seq_dim, a, n) for a, n in runs], dim=seq_dim).contiguous()
 
 
-def _padded_total(cu_seqlens, placement: str, world: int) -> int:
-    """Rows of the padded layout of ``cu_seqlens`` under ``placement`` over ``world`` ranks."""
+def padded_samples(cu_seqlens, placement: str, world: int) -> PackedSamples:
+    """``cu_seqlens`` (the samples' real cumulative lengths, or a ``PackedSamples``) with each sample padded to a
+    multiple of ``placement``'s divisor over ``world`` ranks: the layout ``shard_sequence`` gives the shards."""
     if isinstance(cu_seqlens, PackedSamples):
-        return cu_seqlens.layout[-1]
+        return packed_samples(cu_seqlens, cu_seqlens.layout[-1], placement, world)
     div = divisor(placement, world)
     real = _cu_ints(cu_seqlens, "cu_seqlens")
-    return sum(-(-(b - a) // div) * div for a, b in zip(real, real[1:]))
+    return packed_samples(real, sum(-(-(b - a) // div) * div for a, b in zip(real, real[1:])), placement, world)
 
 
 def unshard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: str = "contiguous",

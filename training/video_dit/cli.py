@@ -61,8 +61,8 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="pack clips of different sizes (frames and/or latent HxW) into ONE sequence per step (B=1, "
                         "cu_seqlens) instead of one micro-batch of equal-sized clips; consecutive samples fill the "
                         "step up to --max-tokens-per-step. Loss: mean over the packed samples of each sample's mean "
-                        "(= one-sample-at-a-time). Under SP each sample's token count must divide by the SP size "
-                        "(each sample is split on its own); the attention runs per sample (cu_seqlens) in any "
+                        "(= one-sample-at-a-time). Under SP each sample is split on its own (padded to a multiple of "
+                        "the SP size, the padding carrying no loss); the attention runs per sample (cu_seqlens) in any "
                         "sequence-parallel mode that takes it, and a mode that does not is refused by name")
     g.add_argument("--max-tokens-per-step", type=int, default=None,
                    help="with --pack-samples: the video-token budget of one packed step (per data-parallel rank)")

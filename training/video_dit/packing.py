@@ -14,17 +14,19 @@ equal to the average of one-sample-at-a-time runs of the same samples (same nois
 draw them from the sample's index). Across data-parallel ranks the step's loss is the mean over packs.
 
 Under sequence parallelism each sample is split on its own over the P ranks (``shard_sequence(...,
-cu_seqlens=)``, contiguous): every sample's token count must be a multiple of P (checked per sample when
-planned; the attention kernels take no padding inside a packed sample).
+cu_seqlens=)``, contiguous): a sample whose token count does not divide by P gets zero rows at its tail up to the
+next multiple, as the library pads it; those rows carry no loss (weight 0), RoPE position 0 and their sample's
+timestep and text, and the attention keeps them apart from the real tokens.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Optional
 
 import torch
 
 from megatron_sp_ext.errors import SPConfigError
-from megatron_sp_ext.sp.placement import varlen_pieces
+from megatron_sp_ext.sp.placement import padded_samples, varlen_pieces
 
 from .engine import describe_samples, sample_noise
 from .model import patchify
@@ -42,7 +44,7 @@ def tokens_of(shape: tuple, patch: tuple) -> int:
 class PackPlan:
     """Greedy packing of the sample stream from sample ``first`` into packs of at most ``max_tokens`` video
     tokens. ``pack(k)``: the sample indices of pack k; ``first_sample(k)``: the first sample of pack k (the
-    samples consumed before it). ``sp_world``: every sample's token count must divide by it."""
+    samples consumed before it). ``sp_world``: the SP size (samples are padded per sample to a multiple of it)."""
 
     def __init__(self, dataset, max_tokens: int, patch: tuple, *, first: int = 0, sp_world: int = 1,
                  start_step: int = 0) -> None:
@@ -62,12 +64,6 @@ class PackPlan:
             raise SPConfigError(f"{BUDGET_FLAG}={self.max_tokens}: {describe_samples(self.dataset, [i])[0]} alone has "
                                 f"{n} video tokens (latent {list(self.dataset.shape_of(i)[0])}); raise the budget to "
                                 f"at least the largest clip's token count")
-        if n % self.sp_world:
-            raise SPConfigError(
-                f"{PACK_FLAG} with sequence parallel size {self.sp_world}: {describe_samples(self.dataset, [i])[0]} has "
-                f"{n} video tokens (latent {list(self.dataset.shape_of(i)[0])}, patch {list(self.patch)}), not a "
-                f"multiple of {self.sp_world}; each packed sample is split on its own over the SP ranks: use clip "
-                f"sizes whose token count divides by it")
         return n
 
     def _extend(self, k: int) -> None:
@@ -121,19 +117,30 @@ def packed_batch(dataset, indices: list, seed: int, patch: tuple) -> dict:
 
 
 def packed_host_inputs(batch: dict, sp_rank: int, sp_world: int) -> dict:
-    """This rank's share of a packed batch (per-sample contiguous placement: what ``shard_sequence(x, group,
-    cu_seqlens=cu)`` keeps), as host_inputs' dict plus the pack description ("pack")."""
+    """This rank's share of a packed batch (per-sample contiguous placement, each sample padded to a multiple of
+    P: what ``shard_sequence(x, group, cu_seqlens=cu)`` keeps), as host_inputs' dict plus the pack description
+    ("pack"). Padding rows: zero x and target, valid False, token id 0."""
     cu = tuple(batch["cu_seqlens"])
-    runs = varlen_pieces("contiguous", sp_rank, sp_world, cu)
-    idx = torch.cat([torch.arange(a, a + n) for a, n in runs])
-    # position of each local token inside its own sample (its RoPE coordinate)
-    starts = torch.tensor(cu[:-1]).repeat_interleave(torch.tensor([(b - a) // sp_world for a, b in zip(cu, cu[1:])]))
-    n_total = cu[-1]
-    return {"x": batch["x"][:, idx].contiguous(), "target": batch["target"][:, idx].contiguous(),
-            "valid": torch.ones(idx.shape[0], dtype=torch.bool), "t": batch["t"], "text": batch["text"].contiguous(),
-            "token_ids": idx - starts, "grid": (0, 0, 0), "n_valid": n_total, "n_pad": n_total,
+    pk = padded_samples(cu, "contiguous", sp_world)
+    src, tid = [], []  # per local row: the real row it holds (-1: padding), its position inside its sample
+    for a, n in varlen_pieces("contiguous", sp_rank, sp_world, pk.layout):
+        i = bisect_right(pk.layout, a) - 1
+        for j in range(a - pk.layout[i], a - pk.layout[i] + n):
+            real = j < cu[i + 1] - cu[i]
+            src.append(cu[i] + j if real else -1)
+            tid.append(j if real else 0)
+    src_t = torch.tensor(src, dtype=torch.int64)
+    valid = src_t >= 0
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(x.shape[0], src_t.shape[0], *x.shape[2:])
+        out[:, valid] = x[:, src_t[valid]]
+        return out
+    return {"x": rows(batch["x"]), "target": rows(batch["target"]), "valid": valid, "t": batch["t"],
+            "text": batch["text"].contiguous(), "token_ids": torch.tensor(tid, dtype=torch.int64), "grid": (0, 0, 0),
+            "n_valid": cu[-1], "n_pad": pk.layout[-1],
             "pack": {"cu_seqlens": cu, "grids": tuple(tuple(g) for g in batch["grids"]),
-                     "cu_text": tuple(batch["cu_text"])}}
+                     "cu_text": tuple(batch["cu_text"]), "sp_world": sp_world}}
 
 
 def first_sample(loaded: Optional[dict], start: int, global_batch: int) -> int:

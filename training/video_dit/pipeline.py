@@ -65,10 +65,9 @@ def to_device(h: dict, device, non_blocking: bool = True) -> StepInputs:
     def mv(t):
         return t.to(device, non_blocking=non_blocking)
     pack = None
-    if "pack" in h:  # a packed step: the sample of each local token, loss weights (sp_world from the shares)
+    if "pack" in h:  # a packed step: the sample of each local token, loss weights (0 on padding rows)
         p = h["pack"]
-        sp_world = p["cu_seqlens"][-1] // h["x"].shape[1]
-        pack = pack_info(p["cu_seqlens"], p["grids"], p["cu_text"], sp_world, torch.device(device))
+        pack = pack_info(p["cu_seqlens"], p["grids"], p["cu_text"], p["sp_world"], torch.device(device), h["valid"])
     return StepInputs(mv(h["x"]), mv(h["target"]), mv(h["valid"]), mv(h["t"]), mv(h["text"]), h["token_ids"],
                       tuple(h["grid"]), int(h["n_valid"]), int(h["n_pad"]), pack)
 

@@ -2,8 +2,9 @@
 
 The full packed sequence is the samples' patch tokens concatenated, ``cu_seqlens`` (cumulative lengths,
 [n_samples + 1]) the same on every rank. Under sequence parallelism each sample is split on its own
-(``megatron_sp_ext.shard_sequence(..., cu_seqlens=)``, contiguous placement): rank r holds piece r of P of
-every sample, in sample order, so its local tokens are again grouped by sample (``local_lens``).
+(``megatron_sp_ext.shard_sequence(..., cu_seqlens=)``, contiguous placement, each sample padded to a multiple of
+P): rank r holds piece r of P of every sample, in sample order, so its local tokens are again grouped by sample
+(``local_lens``); padding rows (zero weight) sit at a sample's tail.
 
 ``PackInfo`` is what the model needs beyond the tokens: each sample's token grid (its own 3D RoPE), its text
 range in the packed text (block-diagonal cross-attention), which sample each local token belongs to
@@ -64,8 +65,9 @@ class PackInfo:
 
 
 def local_lengths(cu_seqlens: Sequence[int], sp_world: int) -> tuple:
-    """Each sample's token count on one rank (contiguous per-sample placement: n_i / P)."""
-    return tuple((b - a) // sp_world for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+    """Each sample's row count on one rank (contiguous per-sample placement, each sample padded to a multiple of P:
+    ceil(n_i / P))."""
+    return tuple(-(-(b - a) // sp_world) for a, b in zip(cu_seqlens, cu_seqlens[1:]))
 
 
 def token_weights(cu_seqlens: Sequence[int], local_lens: Sequence[int]) -> torch.Tensor:
@@ -79,12 +81,15 @@ def token_weights(cu_seqlens: Sequence[int], local_lens: Sequence[int]) -> torch
 
 
 def pack_info(cu_seqlens: Sequence[int], grids: Sequence[tuple], cu_text: Sequence[int], sp_world: int,
-              device: Optional[torch.device] = None) -> PackInfo:
-    """The PackInfo of one rank (every rank's is the same but for nothing: the placement is symmetric)."""
+              device: Optional[torch.device] = None, valid: Optional[torch.Tensor] = None) -> PackInfo:
+    """The PackInfo of one rank. ``valid`` ([S_local] bool, host): False for a padding row (a sample padded to a
+    multiple of P), whose loss weight is 0; None: every row is real."""
     cu = tuple(int(x) for x in cu_seqlens)
     lens = local_lengths(cu, sp_world)
     sot = torch.arange(len(lens)).repeat_interleave(torch.tensor(lens, dtype=torch.int64))
     w = token_weights(cu, lens)
+    if valid is not None:
+        w = w * valid.to(w.dtype)
     if device is not None:
         sot, w = sot.to(device, non_blocking=True), w.to(device, non_blocking=True)
     return PackInfo(cu, tuple(tuple(int(v) for v in g) for g in grids), tuple(int(x) for x in cu_text), lens, sot, w)
