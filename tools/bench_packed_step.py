@@ -11,8 +11,8 @@ regions on CUDA), timed with CUDA events, interleaved per repetition:
 tokens_per_s counts REAL video tokens only (sum of the clips' tokens) per step time. Writes ONE JSON (rank 0):
 per variant the median step ms (max over ranks), tokens/s, peak memory, loss (AdamW at lr 0: the weights stay
 put, so packed and sequential must agree; padded trains other clips); and packed_speedup_vs_padded /
-_vs_sequential. Under torchrun with P > 1 ranks, self-attention is Ulysses over all ranks (each clip's token
-count must divide by P).
+_vs_sequential. Under torchrun with P > 1 ranks, self-attention is Ulysses over all ranks (a clip whose token
+count does not divide by P is padded per sample, as --pack-samples does).
 
     torchrun --nproc-per-node 1 tools/bench_packed_step.py --model wan-1.3b --num-layers 4 \
         --clips 13x60x104,9x40x72,5x48x84 --bf16 --out $OUT
