@@ -1,7 +1,8 @@
 """megatron_sp_ext: sequence-parallel attention for long-context video DiTs.
 
 Public functional API (layout "bshd" = [batch, seq_local, heads, head_dim] unless layout="sbhd"):
-    ulysses_attention, ring_attention, shard_sequence, unshard_sequence,
+    ulysses_attention, ring_attention, shard_sequence, unshard_sequence, PackedSamples (cu_seqlens with Megatron's
+    padded layout),
     build_sp_mesh, hybrid_attention, torus_attention, hamiltonian_cycles,
     pack_qkv, packed_ulysses_attention, PackedUlysses (q|k|v written in the exchange's send layout)
 Framework adapters live in ``megatron_sp_ext.megatron`` and ``megatron_sp_ext.deepspeed`` and are
@@ -14,7 +15,7 @@ from .sp.async_block import async_ulysses_self_attention
 from .sp.gather_block import allgather_self_attention
 from .sp.tp_cp_block import tp_cp_self_attention
 from .sp.ring import hybrid_attention, ring_attention, torus_attention
-from .sp.placement import shard_sequence, unshard_sequence
+from .sp.placement import PackedSamples, shard_sequence, unshard_sequence
 from .sp.ulysses import PackedUlysses, pack_qkv, packed_head_layout, packed_ulysses_attention, ulysses_attention
 from .topology.hamiltonian import hamiltonian_cycles, routing_tables
 from .topology.mesh import SPMesh, build_sp_mesh
@@ -24,6 +25,6 @@ __version__ = "0.2.0"
 __all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
            "unshard_sequence", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
            "hybrid_attention", "torus_attention", "async_ulysses_self_attention", "allgather_self_attention",
-           "tp_cp_self_attention",
+           "tp_cp_self_attention", "PackedSamples",
            "pack_qkv", "packed_head_layout", "packed_ulysses_attention", "PackedUlysses", "NcclTransport",
            "SymmMemTransport", "TransportPool", "default_transports"]
