@@ -122,22 +122,21 @@ def packed_host_inputs(batch: dict, sp_rank: int, sp_world: int) -> dict:
     ("pack"). Padding rows: zero x and target, valid False, token id 0."""
     cu = tuple(batch["cu_seqlens"])
     pk = padded_samples(cu, "contiguous", sp_world)
-    src, tid = [], []  # per local row: the real row it holds (-1: padding), its position inside its sample
+    src, tid = [], []  # per run of local rows: the real rows they hold (-1: padding), their positions in the sample
     for a, n in varlen_pieces("contiguous", sp_rank, sp_world, pk.layout):
         i = bisect_right(pk.layout, a) - 1
-        for j in range(a - pk.layout[i], a - pk.layout[i] + n):
-            real = j < cu[i + 1] - cu[i]
-            src.append(cu[i] + j if real else -1)
-            tid.append(j if real else 0)
-    src_t = torch.tensor(src, dtype=torch.int64)
-    valid = src_t >= 0
+        j = torch.arange(a - pk.layout[i], a - pk.layout[i] + n)
+        real = j < cu[i + 1] - cu[i]
+        src.append(torch.where(real, cu[i] + j, -1))
+        tid.append(torch.where(real, j, 0))
+    src_t, valid = torch.cat(src), torch.cat(src) >= 0
 
     def rows(x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros(x.shape[0], src_t.shape[0], *x.shape[2:])
         out[:, valid] = x[:, src_t[valid]]
         return out
     return {"x": rows(batch["x"]), "target": rows(batch["target"]), "valid": valid, "t": batch["t"],
-            "text": batch["text"].contiguous(), "token_ids": torch.tensor(tid, dtype=torch.int64), "grid": (0, 0, 0),
+            "text": batch["text"].contiguous(), "token_ids": torch.cat(tid), "grid": (0, 0, 0),
             "n_valid": cu[-1], "n_pad": pk.layout[-1],
             "pack": {"cu_seqlens": cu, "grids": tuple(tuple(g) for g in batch["grids"]),
                      "cu_text": tuple(batch["cu_text"]), "sp_world": sp_world}}
