@@ -447,6 +447,16 @@ def _tp_worker(rank, world, port, args, path):
     dist.destroy_process_group()
 
 
+def write_results(args, stem: str, meta: dict, results: list, lines: list) -> None:
+    """<out>/<stem>[_<tag>].json (meta + results) and .md (the table ``lines``); the table printed too."""
+    tag = f"_{args.tag}" if args.tag else ""
+    with open(os.path.join(args.out, f"{stem}{tag}.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(os.path.join(args.out, f"{stem}{tag}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def tp_main(args) -> None:
     """``--tp T``: under torchrun one world (this process's rank); else spawned ranks per --world-sizes."""
     stem = f"block_tp{args.tp}"
@@ -475,12 +485,7 @@ def tp_main(args) -> None:
                          f"({e['speedup_fwd_bwd']:.2f}x) | {e['rel_diff_vs_megatron']:.1e} |")
         lines.append(f"| {r['tp']} | {r['cp']} | {r['model']} | {r['L'] // 1024}K | {r['causal']} | auto chose | "
                      + ", ".join(f"{k}: {v['form']}" for k, v in r["auto_choice"].items()) + " | | |")
-    tag = f"_{args.tag}" if args.tag else ""
-    with open(os.path.join(args.out, f"{stem}{tag}.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    with open(os.path.join(args.out, f"{stem}{tag}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args, stem, meta, results, lines)
 
 
 def main():
@@ -528,12 +533,7 @@ def main():
                          f"{e['floor_fwd_bwd_ms']:.2f} | {e['peak_mem_gib']:.2f} |")
         lines.append(f"| {r['P']} | {r['model']} | {r['heads']} | {r['L'] // 1024}K | pre-attention | " + ", ".join(
             f"{n} {e['ms']:.3f} ms ({e['speedup_vs_pre_plain']:.2f}x)" for n, e in r["pre_attention"].items()) + " | | | |")
-    tag = f"_{args.tag}" if args.tag else ""
-    with open(os.path.join(args.out, f"block{tag}.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    with open(os.path.join(args.out, f"block{tag}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args, "block", meta, results, lines)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron_sp_ext as spx  # noqa: E402
+from megatron_sp_ext.sp.calibration import time_ms, wall_time_ms  # noqa: E402
 from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, spawn  # noqa: E402
 
 CASES = {  # Wan-style clips of different sizes; many short clips / images
@@ -50,31 +50,6 @@ def _call(mode: str, q, k, v, g, causal: bool, placement: str, cu):
     variant = "tasp" if mode.startswith("tasp") else "ring"
     return spx.ring_attention(q, k, v, g, variant=variant, causal=causal, placement=placement,
                               cu_seqlens=cu if mode.endswith("_packed") else None)
-
-
-def _median_ms(fn, iters: int, warmup: int, device) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def _max_over_ranks(x: float, device) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, device) -> float:
@@ -131,8 +106,9 @@ def worker(rank: int, world: int, port: int, args, path: str) -> None:
 
                     def fwd_bwd():
                         _call(mode, qq, kk, vv, g, causal, placement, cu_t).backward(do)
-                    rec["fwd_ms"] = _max_over_ranks(_median_ms(fwd, args.iters, args.warmup, device), device)
-                    rec["fwd_bwd_ms"] = _max_over_ranks(_median_ms(fwd_bwd, args.iters, args.warmup, device), device)
+                    timer = time_ms if device.type == "cuda" else wall_time_ms  # median, max over the ranks
+                    rec["fwd_ms"] = timer(fwd, args.iters, args.warmup, g, long_ms=None)
+                    rec["fwd_bwd_ms"] = timer(fwd_bwd, args.iters, args.warmup, g, long_ms=None)
                     row["modes"][mode] = rec
                 if rank == 0:
                     from megatron_sp_ext.attention.backends import get_backend

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.attention import varlen  # noqa: E402
 from megatron_sp_ext.attention.backends import get_backend  # noqa: E402
+from megatron_sp_ext.sp.calibration import time_ms, wall_time_ms  # noqa: E402
 
 CASES = {
     # Wan-style video clips of different durations / resolutions packed into one sequence
@@ -48,25 +49,9 @@ CASES = {
 
 
 def median_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():  # --device cpu smoke test: wall clock
-        ts = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return sorted(ts)[len(ts) // 2]
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
+    """Median ms of ``iters`` calls after ``warmup`` (CUDA events; the host clock for the --device cpu smoke test)."""
+    timer = time_ms if torch.cuda.is_available() else wall_time_ms
+    return timer(fn, iters, warmup, None, long_ms=None)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

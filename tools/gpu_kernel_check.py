@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.attention import lse_kernels as lk  # noqa: E402
 from megatron_sp_ext.attention.lse import merge_into  # noqa: E402
+from megatron_sp_ext.sp.calibration import time_ms  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -36,18 +37,7 @@ BF16 = torch.bfloat16
 
 def timed(fn, iters=5, warmup=2) -> float:
     """Median ms of ``iters`` event-timed calls after ``warmup``."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(iters):
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
+    return time_ms(fn, iters, warmup, None, long_ms=None)
 
 
 def _ref(q, k, v, causal, scale):

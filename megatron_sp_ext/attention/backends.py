@@ -113,9 +113,8 @@ class FixedKernelBackend(SDPABackend):
 
 
 def _one_row_block(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """A CUDA block with one query or one key row: it runs on the math kernel (the fused kernels' 1 x 1 blocks were
-    wrong or crashed on an H100: see lse_kernels)."""
-    return q.is_cuda and (q.shape[2] == 1 or k.shape[2] == 1)
+    """A CUDA block with one query or one key row (``lse_kernels.one_row_block``): it runs on the math kernel."""
+    return q.is_cuda and lse_kernels.one_row_block(q, k)
 
 
 class MathBackend(LocalAttention):

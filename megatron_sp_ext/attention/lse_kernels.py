@@ -167,9 +167,15 @@ def in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def one_row_block(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a block (q [B, H, Sq, D], k [B, Hkv, Sk, D]) has one query or one key row: the fused kernels are not
+    trusted with it (see the module docstring); it runs on "math"."""
+    return q.shape[2] == 1 or k.shape[2] == 1
+
+
 def _for_block(kernel: str, q, k) -> str:
-    """``kernel``, or "math" for a block with one query or one key row (see the module docstring)."""
-    return "math" if q.shape[2] == 1 or k.shape[2] == 1 else kernel
+    """``kernel``, or "math" for a one-row block."""
+    return "math" if one_row_block(q, k) else kernel
 
 
 def forward(kernel: str, q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,12 @@ def _cu_ints(cu_seqlens, what: str) -> tuple[int, ...]:
     return cu
 
 
+def _pad_each(real: tuple[int, ...], div: int) -> PackedSamples:
+    """The samples ``real`` (cumulative lengths) each padded at its tail to a multiple of ``div``."""
+    return PackedSamples(real, tuple(accumulate((-(-(b - a) // div) * div for a, b in zip(real, real[1:])),
+                                                initial=0)))
+
+
 def packed_samples(cu_seqlens, seqlen: int, placement: str, world: int) -> PackedSamples:
     """``cu_seqlens`` (1-D int tensor or sequence, the samples' real cumulative lengths; or a ``PackedSamples``) for
     a padded sequence of ``seqlen`` rows (shard rows x world) split by ``placement``: samples are padded to a
@@ -126,9 +133,7 @@ def packed_samples(cu_seqlens, seqlen: int, placement: str, world: int) -> Packe
             raise SPConfigError(f"packed samples: the padded cumulative lengths {list(lay)} must start at 0 and give "
                                 f"every sample at least its real length (cumulative {list(real)})")
     else:
-        real = _cu_ints(cu_seqlens, "cu_seqlens")
-        lens = [-(-(b - a) // div) * div for a, b in zip(real, real[1:])]
-        pk = PackedSamples(real, tuple([0] + [sum(lens[:i + 1]) for i in range(len(lens))]))
+        pk = _pad_each(_cu_ints(cu_seqlens, "cu_seqlens"), div)
     if pk.layout[-1] != seqlen:
         if pk.padded and pk.real[-1] == seqlen:
             raise SPConfigError(
@@ -221,11 +226,9 @@ def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: str 
 def padded_samples(cu_seqlens, placement: str, world: int) -> PackedSamples:
     """``cu_seqlens`` (the samples' real cumulative lengths, or a ``PackedSamples``) with each sample padded to a
     multiple of ``placement``'s divisor over ``world`` ranks: the layout ``shard_sequence`` gives the shards."""
-    if isinstance(cu_seqlens, PackedSamples):
-        return packed_samples(cu_seqlens, cu_seqlens.layout[-1], placement, world)
-    div = divisor(placement, world)
-    real = _cu_ints(cu_seqlens, "cu_seqlens")
-    return packed_samples(real, sum(-(-(b - a) // div) * div for a, b in zip(real, real[1:])), placement, world)
+    if not isinstance(cu_seqlens, PackedSamples):
+        cu_seqlens = _pad_each(_cu_ints(cu_seqlens, "cu_seqlens"), divisor(placement, world))
+    return packed_samples(cu_seqlens, cu_seqlens.layout[-1], placement, world)
 
 
 def unshard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: str = "contiguous",

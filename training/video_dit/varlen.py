@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_sp_ext.sp.placement import padded_samples
+
 
 @dataclass
 class PackInfo:
@@ -67,7 +69,8 @@ class PackInfo:
 def local_lengths(cu_seqlens: Sequence[int], sp_world: int) -> tuple:
     """Each sample's row count on one rank (contiguous per-sample placement, each sample padded to a multiple of P:
     ceil(n_i / P))."""
-    return tuple(-(-(b - a) // sp_world) for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+    lay = padded_samples(tuple(cu_seqlens), "contiguous", sp_world).layout
+    return tuple((b - a) // sp_world for a, b in zip(lay, lay[1:]))
 
 
 def token_weights(cu_seqlens: Sequence[int], local_lens: Sequence[int]) -> torch.Tensor:
