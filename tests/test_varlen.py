@@ -256,3 +256,32 @@ def _varlen_kernel_rank(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_ulysses_varlen_kernel_setting(world):
     assert run_ranks(_varlen_kernel_rank, world) == [4] * world
+
+
+def _order_rank(rank, world, order):
+    """Equal shard shapes, different math: padded samples, samples that divide, one unpacked sequence, called in
+    ``order`` on one process (plans, orders and kernel choices kept between calls must be keyed on the samples)."""
+    g = dist.group.WORLD
+    div = 2 * world
+    calls = {"padded": [0, div + 1, 2 * div - 1], "divides": [0, 2 * div, 3 * div], "unpacked": None}
+    # every variant's shard holds 3 * div / world rows: padded (div + 1 -> 2 div) + (div - 2 -> div)
+    for n, name in enumerate(order):
+        cu = calls[name]
+        for attn_name, attn in (
+                ("hcms", lambda q, k, v, c: spx.ulysses_attention(q, k, v, g, head_chunks=2, causal=True,
+                                                                  placement="zigzag", cu_seqlens=c)),
+                ("ring", lambda q, k, v, c: spx.ring_attention(q, k, v, g, causal=True, cu_seqlens=c))):
+            if cu is None:
+                run_case(lambda q, k, v: attn(q, k, v, None), rank, world, b=1, s=3 * div, h=2 * world, hkv=world,
+                         d=8, dtype=torch.float32, causal=True, shard=sharder([0, 3 * div], "zigzag"), seed=n)
+            else:
+                c = torch.tensor(cu, dtype=torch.int32)
+                run_case(lambda q, k, v: attn(q, k, v, c), rank, world, b=1, s=cu[-1], h=2 * world, hkv=world, d=8,
+                         dtype=torch.float32, causal=True, shard=sharder(cu, "zigzag"), mask=block_mask(cu, True),
+                         seed=n)
+    return True
+
+
+@pytest.mark.parametrize("order", [("padded", "divides", "unpacked"), ("unpacked", "divides", "padded")])
+def test_packed_call_order(order):
+    assert all(run_ranks(_order_rank, 2, order))
