@@ -17,7 +17,7 @@ from .errors import SPConfigError
 MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
 RING_VARIANTS = ("ring", "tasp")
 PLACEMENTS = ("auto", "usp", "tas")
-BACKENDS = ("auto", "cudnn", "torch_flash", "sdpa", "math", "flash_attn", "te")
+BACKENDS = ("auto", "fa4", "cudnn", "torch_flash", "sdpa", "math", "flash_attn", "te")
 TRANSPORTS = ("nccl", "symm_mem", "copy_engine")  # copy-engine exchanges (CUDA + NCCL only; checked at first use)
 ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-block forms (see SPConfig.async_qkv)
 LAYOUTS = ("bshd", "sbhd")
@@ -91,9 +91,10 @@ class SPConfig:
     placement: 2D mesh placement ("auto", "usp", "tas").
     ulysses_size: Ulysses degree P_u of the mesh (None = gcd(world, heads)).
     nodes: number of machines to assume (None = detect); lets one machine simulate several.
-    backend: local attention kernel: "auto" (default; torch SDPA for plain calls, the fastest kernel with
-        log-sum-exp for ring/TASP/Torus/hybrid/masked blocks: cuDNN, FlashAttention-2,
-        math), "cudnn" or "torch_flash" (that kernel only; an error where it does not run), "sdpa" (= auto),
+    backend: local attention kernel: "auto" (default; FlashAttention-4 for every call where it runs, else torch
+        SDPA for plain calls and the fastest kernel with log-sum-exp for ring/TASP/Torus/hybrid/masked blocks:
+        cuDNN, FlashAttention-2, math), "fa4", "cudnn" or "torch_flash" (that kernel only; an error naming the
+        reason where it does not run), "sdpa" (= auto),
         "math", "flash_attn", "te".
     transport: exchange transport: "nccl" (default), "symm_mem" (copy-engine pulls between barrier
         kernels) or "copy_engine" (copy-engine pulls ordered by stream-memory flags: no kernels); CUDA + NCCL.
@@ -157,6 +158,10 @@ class SPConfig:
             return
         ok = " or ".join(DROPOUT_MODES)
         fix = f"use {n} 0" if self.source == "megatron" else f"set {n}=0"
+        if self.backend == "fa4":
+            raise SPConfigError(
+                f"{n}={p} is not supported by {self.name('backend')}='fa4': FlashAttention-4 has no attention "
+                f"dropout; {fix}, or use {self.name('backend')} auto or cudnn")
         if self.mode not in DROPOUT_MODES + ("auto",):
             raise SPConfigError(
                 f"{n}={p} is not supported by {self.name('mode')}={self.mode!r}: its attention is merged from "

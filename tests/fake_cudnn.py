@@ -73,8 +73,8 @@ def install(monkeypatch) -> FakeCudnn:
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", fake.forward, raising=False)
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward", fake.backward,
                         raising=False)
-    monkeypatch.setattr(lse_kernels, "best", lambda device, dtype: "cudnn")
-    monkeypatch.setattr(lse_kernels, "available", lambda kernel, device, dtype: kernel in ("cudnn", "math"))
+    monkeypatch.setattr(lse_kernels, "best", lambda device, dtype, head_dim=None: "cudnn")
+    monkeypatch.setattr(lse_kernels, "available", lambda kernel, device, dtype, head_dim=None: kernel in ("cudnn", "math"))
     monkeypatch.setattr(lse_kernels, "_AUX", {})
     # backends already made in this process (get_backend's registry) remember the kernel they chose per
     # (device, dtype): start from a fresh registry so "auto" / "sdpa" choose again, now "cudnn"

@@ -205,3 +205,11 @@ def test_exchange_copies_family(world, backend):
     """The adapters' Ulysses exchanges with the placement riding on them and fused-view packs: bitwise equal to the
     plain path, and against float64."""
     assert len(_worker("cuda_auto_copies", "exchange_copies_family", "exchange_copies", world, backend)) == 10
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_fa4_family(world, backend):
+    """Every mode with backend="fa4" named (FlashAttention-4), FA4 and cuDNN calls interleaved, against float64."""
+    if os.environ.get("SPX_REQUIRE_FA4") != "1":
+        pytest.importorskip("flash_attn.cute", reason="needs flash-attn-4 (tools/gpu_run.sh installs it when carried)")
+    assert len(_worker("cuda_fa4", "fa4_family", "fa4", world, backend)) == {2: 48, 4: 54}[world]

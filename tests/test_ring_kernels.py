@@ -21,15 +21,15 @@ from tests.sp_check import run_case
 def test_auto_takes_the_first_available_kernel(monkeypatch):
     seen = []
 
-    def fake(kernel, device, dtype):
+    def fake(kernel, device, dtype, head_dim=None):
         seen.append(kernel)
         return kernel in ("flash", "math")
     monkeypatch.setattr(lse_kernels, "available", fake)
     assert lse_kernels.best(torch.device("cpu"), torch.bfloat16) == "flash"
-    assert seen == ["cudnn", "flash"]   # cuDNN first, stop at the first that runs
-    monkeypatch.setattr(lse_kernels, "available", lambda k, d, t: k in ("cudnn", "flash"))
+    assert seen == ["fa4", "cudnn", "flash"]   # FA4, then cuDNN first, stop at the first that runs
+    monkeypatch.setattr(lse_kernels, "available", lambda k, d, t, hd=None: k in ("cudnn", "flash"))
     assert lse_kernels.best(torch.device("cpu"), torch.bfloat16) == "cudnn"
-    monkeypatch.setattr(lse_kernels, "available", lambda k, d, t: k == "math")
+    monkeypatch.setattr(lse_kernels, "available", lambda k, d, t, hd=None: k == "math")
     assert lse_kernels.best(torch.device("cpu"), torch.bfloat16) == "math"
 
 
@@ -41,14 +41,15 @@ def test_cpu_kernels_and_precision():
     assert lse_kernels.best(cpu, torch.float32) == "flash"
     assert lse_kernels.best(cpu, torch.float64) == "math"                # the reference precision stays exact
     for k in lse_kernels.KERNELS:
-        assert lse_kernels.schema_ok(k), k                               # this torch has the schemas we call
+        if k != "fa4":                                                   # a package of its own (tests/test_fa4.py)
+            assert lse_kernels.schema_ok(k), k                           # this torch has the schemas we call
 
 
 def test_config_backends():
     assert SPConfig().backend == "auto"
     for name in ("auto", "cudnn", "torch_flash", "sdpa"):
         assert name in BACKENDS and SPConfig(backend=name).backend == name
-    with pytest.raises(SPConfigError, match=r"--sp-attention-backend='cudnnn' is invalid.*auto, cudnn"):
+    with pytest.raises(SPConfigError, match=r"--sp-attention-backend='cudnnn' is invalid.*auto, fa4, cudnn"):
         SPConfig(backend="cudnnn", source="megatron")
 
 
@@ -56,7 +57,7 @@ def test_explicit_unavailable_kernel_is_an_error_naming_the_setting():
     q = torch.randn(1, 2, 8, 16)
     for setting in ("--sp-attention-backend", "sequence_parallel_ext.backend", "backend"):
         be = backends.get_backend("cudnn", setting)
-        with pytest.raises(SPConfigError, match=rf"{setting}='cudnn' needs the cudnn attention kernel.*use 'auto'"):
+        with pytest.raises(SPConfigError, match=rf"{setting}='cudnn' cannot run here.*use 'auto'"):
             be.forward_lse(q, q, q, causal=False, softmax_scale=0.25)
         with pytest.raises(SPConfigError, match=rf"{setting}='cudnn'"):
             be(q, q, q, causal=False, softmax_scale=0.25)

@@ -11,6 +11,7 @@ once per variant, each with --timing, and writes ONE JSON with, per variant:
 Variants: "guarded" (the defaults: finite check every step) and "bare_loop" (--no-check-for-nan-in-loss-and-grad),
 both with metrics read back every --log-interval steps (default 10); guard_overhead = guarded / bare_loop - 1
 (target < 1%). "unfused" is the defaults with --fused-elementwise off (fused_speedup = unfused / guarded step time).
+"cudnn" and "fa4" are the defaults with attention on that kernel (fa4_speedup = cudnn / fa4 step time).
 The medians leave out the first log interval (warm-up, which includes torch.compile's compilation).
 
     torchrun --nproc-per-node 1 tools/bench_train_step.py --out $OUT -- --model wan-1.3b --num-layers 4 \
@@ -32,7 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VARIANTS = {"guarded": [],  # the defaults: finite check every step
             "bare_loop": ["--no-check-for-nan-in-loss-and-grad"],
-            "unfused": ["--fused-elementwise", "off"]}  # the eager elementwise path (the default on CPU)
+            "unfused": ["--fused-elementwise", "off"],  # the eager elementwise path (the default on CPU)
+            "cudnn": ["--sp-attention-backend", "cudnn"],  # attention on cuDNN (every call), the defaults otherwise
+            "fa4": ["--sp-attention-backend", "fa4"]}  # attention on FlashAttention-4 (every call)
 
 
 def main() -> None:
@@ -74,6 +77,8 @@ def main() -> None:
         results["guard_overhead"] = results["guarded"]["entry_step_ms"] / results["bare_loop"]["entry_step_ms"] - 1
     if "guarded" in results and "unfused" in results:
         results["fused_speedup"] = results["unfused"]["entry_step_ms"] / results["guarded"]["entry_step_ms"]
+    if "cudnn" in results and "fa4" in results:
+        results["fa4_speedup"] = results["cudnn"]["entry_step_ms"] / results["fa4"]["entry_step_ms"]
     if int(os.environ.get("RANK", "0")) == 0:
         from tools.gpu_ranks import run_meta  # noqa: PLC0415
         out = {"meta": run_meta(), "entry": args.entry, "argv": rest,

@@ -4,10 +4,11 @@ Every backend is a ``LocalAttention`` with
   ``__call__(q, k, v, *, causal, softmax_scale) -> out``   differentiable, [B, H, S, D] in and out
   ``forward_lse(q, k, v, *, causal, softmax_scale) -> (out, lse)``   no autograd, lse fp32 [B, H, S]
   ``backward_lse(do, q, k, v, out, lse, *, causal, softmax_scale) -> (dq, dk, dv)``
-k/v may carry fewer heads than q (GQA). Backends: "auto" (default; "sdpa" is the same): plain calls through
-torch's SDPA, log-sum-exp blocks on the fastest kernel that runs here (cuDNN, FlashAttention-2,
-math; see lse_kernels); "cudnn" and "torch_flash": every call on that one kernel (an
-error naming the setting where it does not run); "math" (fp32 reference with explicit masks);
+k/v may carry fewer heads than q (GQA). Backends: "auto" (default; "sdpa" is the same): every call on
+FlashAttention-4 where it runs (flash-attn-4 installed, Hopper/Blackwell, bf16/fp16, its head dims), else plain
+calls through torch's SDPA and log-sum-exp blocks on the fastest kernel that runs here (cuDNN,
+FlashAttention-2, math; see lse_kernels); "fa4", "cudnn" and "torch_flash": every call on that one kernel (an
+error naming the setting and the reason where it does not run); "math" (fp32 reference with explicit masks);
 "flash_attn" and "te" when those packages import. ``get_backend`` logs the choice once per name.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SPConfigError
-from . import blockwise, lse_kernels
+from . import blockwise, fa4, lse_kernels
 
 log = logging.getLogger("megatron_sp_ext")
 
@@ -56,26 +57,35 @@ class SDPABackend(LocalAttention):
         self._chosen: dict = {}
 
     def kernel_for(self, q: torch.Tensor) -> str:
-        """The block kernel for q's (device, dtype); a fixed kernel that cannot run here raises naming the setting."""
-        key = (str(q.device), q.dtype)
+        """The block kernel for q's (device, dtype, head dim); a fixed kernel that cannot run here raises naming the
+        setting and the reason. Chosen once per key and logged once."""
+        key = (str(q.device), q.dtype, q.shape[-1])
         if key not in self._chosen:
             if self.kernel == "auto":
-                k = lse_kernels.best(q.device, q.dtype)
+                k = lse_kernels.best(q.device, q.dtype, q.shape[-1])
             else:
                 k = self.kernel
-                if not lse_kernels.available(k, q.device, q.dtype):
-                    here = [n for n in lse_kernels.KERNELS if lse_kernels.available(n, q.device, q.dtype)]
+                if not lse_kernels.available(k, q.device, q.dtype, q.shape[-1]):
+                    here = [n for n in lse_kernels.KERNELS
+                            if lse_kernels.available(n, q.device, q.dtype, q.shape[-1])]
                     raise SPConfigError(
-                        f"{self.setting}={self.name!r} needs the {k} attention kernel, which does not run here "
-                        f"({q.device}, {q.dtype}): use 'auto' (kernels that run here: {', '.join(here)})")
-            log.info("megatron_sp_ext: %s=%r runs its log-sum-exp blocks on the %s kernel (%s, %s)",
-                     self.setting, self.name, k, q.device, q.dtype)
+                        f"{self.setting}={self.name!r} cannot run here ({q.device}, {q.dtype}, head dim "
+                        f"{q.shape[-1]}): {lse_kernels.why_not(k, q.device, q.dtype, q.shape[-1])}; use 'auto' "
+                        f"(kernels that run here: {', '.join(here)})")
+            log.debug("megatron_sp_ext: %s=%r runs attention on the %s kernel (%s, %s, head dim %d)",
+                      self.setting, self.name, k, q.device, q.dtype, q.shape[-1])
             self._chosen[key] = k
         return self._chosen[key]
+
+    def chosen(self) -> dict:
+        """{(device, dtype, head dim): kernel} chosen so far (what a job reports to its user)."""
+        return dict(self._chosen)
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
         if _one_row_block(q, k):
             return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        if self.kernel_for(q) == "fa4":
+            return lse_attention("fa4", q, k, v, causal, softmax_scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
@@ -91,9 +101,9 @@ class SDPABackend(LocalAttention):
 
 
 class FixedKernelBackend(SDPABackend):
-    """Every call on one named kernel: "cudnn" (cuDNN attention) or "torch_flash" (torch's
-    FlashAttention-2, the kernel of the ring paths before "auto"). Unavailable here = an error naming the
-    setting, never a silent fallback."""
+    """Every call on one named kernel: "fa4" (FlashAttention-4), "cudnn" (cuDNN attention) or "torch_flash"
+    (torch's FlashAttention-2, the kernel of the ring paths before "auto"). Unavailable here = an error naming the
+    setting and the reason, never a silent fallback."""
 
     def __init__(self, name: str, kernel: str, setting: str = "backend") -> None:
         super().__init__(name, setting)
@@ -103,6 +113,8 @@ class FixedKernelBackend(SDPABackend):
         kern = self.kernel_for(q)
         if kern == "math" or _one_row_block(q, k):
             return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        if kern == "fa4":
+            return lse_attention("fa4", q, k, v, causal, softmax_scale)
         from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
         sdp = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kern]
         if k.shape[1] != q.shape[1]:   # not every kernel takes GQA: expand (autograd sums the copies back)
@@ -110,6 +122,30 @@ class FixedKernelBackend(SDPABackend):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         with sdpa_kernel([sdp]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+
+
+def lse_attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  softmax_scale: Optional[float]) -> torch.Tensor:
+    """Differentiable attention [B, H, S, D] on one ``lse_kernels`` kernel's forward/backward (the calls the ring
+    and head-chunked blocks make, so a plain call and a one-block ring compute the same bits)."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return _LseKernelFn.apply(q, k, v, kernel, causal, scale)
+
+
+class _LseKernelFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, causal, scale):
+        out, lse = lse_kernels.forward(kernel, q, k, v, scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (kernel, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        kernel, causal, scale = ctx.args
+        dq, dk, dv = lse_kernels.backward(kernel, do, q, k, v, out, lse, scale, causal)
+        return dq, dk, dv, None, None, None
 
 
 def _one_row_block(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -181,6 +217,7 @@ class TEBackend(LocalAttention):
 _FACTORIES: dict[str, Callable[[str], LocalAttention]] = {
     "auto": lambda setting: SDPABackend("auto", setting),
     "sdpa": lambda setting: SDPABackend("sdpa", setting),
+    "fa4": lambda setting: FixedKernelBackend("fa4", "fa4", setting),
     "cudnn": lambda setting: FixedKernelBackend("cudnn", "cudnn", setting),
     "torch_flash": lambda setting: FixedKernelBackend("torch_flash", "flash", setting),
     "math": lambda setting: MathBackend(),
@@ -190,9 +227,15 @@ _FACTORIES: dict[str, Callable[[str], LocalAttention]] = {
 _MODULES = {"flash_attn": "flash_attn", "te": "transformer_engine"}
 
 
+def _installed(name: str) -> bool:
+    if name == "fa4":
+        return fa4.installed()
+    return name not in _MODULES or importlib.util.find_spec(_MODULES[name]) is not None
+
+
 def available_backends() -> list[str]:
     """Names whose packages import here."""
-    return [n for n in _FACTORIES if n not in _MODULES or importlib.util.find_spec(_MODULES[n]) is not None]
+    return [n for n in _FACTORIES if _installed(n)]
 
 
 class BackendRegistry:
@@ -207,9 +250,11 @@ class BackendRegistry:
         if name not in _FACTORIES:
             raise SPConfigError(f"{setting}={name!r} is invalid: choose one of {', '.join(_FACTORIES)}")
         if (name, setting) not in self._instances:
-            if name in _MODULES and importlib.util.find_spec(_MODULES[name]) is None:
+            if not _installed(name):
+                package = fa4.PACKAGE if name == "fa4" else _MODULES[name]
+                hint = f" ({fa4.INSTALL_HINT})" if name == "fa4" else ""
                 raise SPConfigError(
-                    f"{setting}={name!r} needs the package {_MODULES[name]!r}, which is not installed here; "
+                    f"{setting}={name!r} needs the package {package!r}, which is not installed here{hint}; "
                     f"available: {', '.join(available_backends())}")
             self._instances[(name, setting)] = _FACTORIES[name](setting)
             log.info("megatron_sp_ext: local attention backend = %s", name)

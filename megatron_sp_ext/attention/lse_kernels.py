@@ -6,6 +6,8 @@ dtype, lse fp32 [B, H, Sq]); backward takes the merged out/lse of the rows, whic
 gradient exact (the kernels recompute P = exp(S * scale - lse) and D = rowsum(dO * O)).
 
 Kernels, fastest first on Hopper (``KERNELS``):
+  "fa4"        FlashAttention-4 (pip ``flash-attn-4``; ``fa4``): Hopper/Blackwell, bf16/fp16, GQA without expanding
+               k/v; 1.12-1.17x cuDNN's fwd+bwd on an H200 at our shapes (2026-11-24)
   "cudnn"      torch.ops.aten._scaled_dot_product_cudnn_attention (what F.scaled_dot_product_attention
                picks on Hopper; returns lse [B, H, Sq, 1] or [B, H, Sq] depending on the build)
   "flash"      torch.ops.aten._scaled_dot_product_flash_attention (FlashAttention-2; on CPU its CPU op)
@@ -18,7 +20,8 @@ Blocks with one query or one key row run on "math" whatever the kernel: on an H1
 right (tools/results/2026-11-24_h100_packed_padding/tiny_blocks.txt). Packed samples make such blocks: a
 one-token sample, or a sample's one padding row.
 Availability is a schema check plus a tiny probe call per (kernel, device, dtype), cached.
-GQA: k/v are expanded to q's heads for the fused kernels and dk/dv summed back.
+GQA: k/v are expanded to q's heads for cuDNN and flash and dk/dv summed back; FA4 takes them as they are.
+A kernel may also refuse a head dim (FA4: ``fa4.head_dim_ok``): ``available(..., head_dim=)`` says so.
 """
 from __future__ import annotations
 
@@ -27,12 +30,12 @@ from typing import Optional
 
 import torch
 
-from . import blockwise
+from . import blockwise, fa4
 from .lse import merge
 
 log = logging.getLogger("megatron_sp_ext")
 
-KERNELS = ("cudnn", "flash", "math")
+KERNELS = ("fa4", "cudnn", "flash", "math")
 
 # argument names of the schemas this module calls (torch 2.11 and 2.13 agree; a different build is refused)
 _CUDNN_FWD_ARGS = ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
@@ -56,12 +59,16 @@ def schema_ok(kernel: str) -> bool:
     if kernel == "cudnn":
         return (_schema_args("_scaled_dot_product_cudnn_attention") == _CUDNN_FWD_ARGS
                 and _schema_args("_scaled_dot_product_cudnn_attention_backward") == _CUDNN_BWD_ARGS)
+    if kernel == "fa4":
+        return fa4.installed() and fa4.schema_ok()
     return kernel in ("flash", "math")
 
 
 def _dtype_ok(kernel: str, device_type: str, dtype: torch.dtype) -> bool:
     if kernel == "math":
         return True
+    if kernel == "fa4":
+        return True   # fa4.why_not decides (device, dtype, head dim): see available
     if device_type == "cuda":  # fp32 stays on math (exact, as before): the fused fp32 paths are not the point
         return dtype in (torch.float16, torch.bfloat16)
     # CPU: torch's CPU flash op only (fp64 goes to math, the reference precision)
@@ -71,18 +78,32 @@ def _dtype_ok(kernel: str, device_type: str, dtype: torch.dtype) -> bool:
 _PROBED: dict = {}
 
 
-def available(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``kernel`` runs here for ``dtype`` (schema, dtype, and one tiny probe call, cached)."""
+def why_not(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> str:
+    """Why ``kernel`` does not run for (device, dtype, head_dim) here, in a user's words ("" if it runs)."""
+    if available(kernel, device, dtype, head_dim):
+        return ""
+    if kernel == "fa4":
+        return fa4.why_not(device, dtype, head_dim) or "its probe call against the math kernel failed here"
+    return f"it does not run on {torch.device(device).type} with {dtype}"
+
+
+def available(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> bool:
+    """Whether ``kernel`` runs here for ``dtype`` (schema, dtype, and one tiny probe call, cached) and, when given,
+    ``head_dim``."""
     device = torch.device(device)
     if kernel not in KERNELS or not schema_ok(kernel) or not _dtype_ok(kernel, device.type, dtype):
         return False
     if kernel == "cudnn" and not torch.backends.cudnn.is_available():
         return False
+    if kernel == "fa4" and (fa4.why_not(device, dtype) is not None
+                            or (head_dim is not None and not fa4.head_dim_ok(head_dim, device))):
+        return False
     key = (kernel, str(device), dtype)
     if key not in _PROBED:
         try:
             ok = _probe(kernel, device, dtype)
-        except (RuntimeError, NotImplementedError, TypeError) as e:  # a kernel this build/device lacks
+        except (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError, ImportError) as e:
+            # a kernel this build/device lacks (FA4 reports unsupported cases by assertions)
             log.info("megatron_sp_ext: attention kernel %s unavailable on %s/%s: %s", kernel, device, dtype, e)
             ok = False
         _PROBED[key] = ok
@@ -110,10 +131,10 @@ def _probe(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
             and all(close(a, b) for gk, gm in zip(grads, grads_m) for a, b in zip(gk, gm)))
 
 
-def best(device: torch.device, dtype: torch.dtype) -> str:
-    """The first of ``KERNELS`` available for (device, dtype)."""
+def best(device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> str:
+    """The first of ``KERNELS`` available for (device, dtype, head_dim)."""
     for k in KERNELS:
-        if available(k, device, dtype):
+        if available(k, device, dtype, head_dim):
             return k
     return "math"
 
@@ -186,6 +207,8 @@ def forward(kernel: str, q, k, v, scale: float, causal: bool) -> tuple[torch.Ten
         return o, lse
     if kernel == "flash":
         return blockwise.fused_forward(q, k, v, scale, causal)
+    if kernel == "fa4":
+        return fa4.forward(q, k, v, scale, causal)
     b, h, sq, _ = q.shape
     k, v, _ = _expand(k, v, h)
     if kernel == "cudnn":
@@ -202,6 +225,8 @@ def backward(kernel: str, do, q, k, v, out, lse, scale: float, causal: bool):
         return blockwise.math_backward(do, q, k, v, out, lse, scale, "causal" if causal else None)
     if kernel == "flash":
         return blockwise.fused_backward(do, q, k, v, out, lse, scale, causal)
+    if kernel == "fa4":
+        return fa4.backward(do, q, k, v, out, lse, scale, causal)
     b, h, sq, _ = q.shape
     ke, ve, rep = _expand(k, v, h)
     lse = lse.float()

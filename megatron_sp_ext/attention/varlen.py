@@ -12,7 +12,9 @@ q's dtype, lse fp32 [1, H, S]. Methods (``METHODS``):
   "flash_varlen"  one call of torch's FlashAttention-2 varlen kernel (aten._flash_attention_forward /
                   _flash_attention_backward with cum_seq_q/k; what torch.nn.attention.varlen.varlen_attn
                   calls); [S, H, D] views, no copies of q/k/v
-The kernel method runs on CUDA in fp16/bf16 only, for SDPA-family backends whose kernel choice allows it
+  "fa4_varlen"    one call of FlashAttention-4's varlen kernel (``fa4.varlen_forward`` / ``varlen_backward``, cu_seqlens;
+                  GQA without expanding k/v); offered where the backend's kernel is "fa4"
+The kernel methods run on CUDA in fp16/bf16 only, for SDPA-family backends whose kernel choice allows it
 ("auto"/"sdpa" and "torch_flash"; the fixed "cudnn" backend runs only per_sample and grouped), and only after
 a probe against math on this (device, dtype) passed (schema check first: a torch without the op never offers
 it). There is no cuDNN ragged-kernel method: aten._cudnn_attention_forward / _backward with cum_seq_q/k
@@ -34,14 +36,14 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import SPConfigError
-from . import blockwise, lse_kernels
+from . import blockwise, fa4, lse_kernels
 from .backends import LocalAttention, SDPABackend
 
 log = logging.getLogger("megatron_sp_ext")
 
-METHODS = ("per_sample", "grouped", "flash_varlen")
+METHODS = ("per_sample", "grouped", "flash_varlen", "fa4_varlen")
 SETTINGS = ("auto",) + METHODS
-KERNEL_METHODS = ("flash_varlen",)
+KERNEL_METHODS = ("flash_varlen", "fa4_varlen")
 
 # the leading argument names this module passes positionally (torch 2.11 and 2.13 agree on them; later
 # keyword-only arguments differ between versions and are left at their defaults)
@@ -123,6 +125,8 @@ def forward_lse(method: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *
         return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
     if method == "flash_varlen":
         return _flash_varlen_forward(q, k, v, cu, causal, scale)
+    if method == "fa4_varlen":
+        return fa4.varlen_forward(q, k, v, _nonempty(cu), scale, causal)
     raise ValueError(f"unknown varlen method {method!r}")
 
 
@@ -140,6 +144,8 @@ def backward_lse(method: str, be: LocalAttention, do, q, k, v, out, lse, cu: tup
         return [torch.cat(_in_sample_order(cu, groups, [p[j] for p in parts]), dim=2) for j in range(3)]
     if method == "flash_varlen":
         return _flash_varlen_backward(do, q, k, v, out, lse, cu, causal, scale)
+    if method == "fa4_varlen":
+        return fa4.varlen_backward(do, q, k, v, out, lse, _nonempty(cu), scale, causal)
     raise ValueError(f"unknown varlen method {method!r}")
 
 
@@ -236,6 +242,8 @@ def _flash_varlen_backward(do, q, k, v, out, lse, cu, causal, scale):
 
 def schema_ok(method: str) -> bool:
     """Whether this torch has ``method``'s ops with the leading arguments this module passes."""
+    if method == "fa4_varlen":
+        return fa4.installed() and fa4.schema_ok()
     if method not in _SCHEMAS:
         return method in ("per_sample", "grouped")
     for name, args in _SCHEMAS[method]:
@@ -256,9 +264,11 @@ def kernel_available(method: str, device: torch.device, dtype: torch.dtype) -> b
     """Whether the varlen kernel ``method`` runs here: CUDA, fp16/bf16, its schema, and a probe against math
     (packed samples of several lengths, GQA, causal and not, forward and backward; cached)."""
     device = torch.device(device)
-    if method not in KERNEL_METHODS or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if not schema_ok(method):
+    if method == "fa4_varlen":   # fa4.why_not decides device and dtype
+        if not schema_ok(method) or fa4.why_not(device, dtype) is not None:
+            return False
+    elif method not in KERNEL_METHODS or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) \
+            or not schema_ok(method):
         return False
     key = (method, str(device), dtype)
     if key not in _PROBED:
@@ -309,8 +319,12 @@ def methods_here(be: LocalAttention, q: torch.Tensor, cu: Optional[tuple[int, ..
     out = ["per_sample", "grouped"]
     kern = _backend_kernel(be, q)
     one_token = cu is not None and any(b - a == 1 for a, b in zip(cu, cu[1:]))
-    if kern in ("cudnn", "flash") and be.kernel in ("auto", "flash") and not one_token:  # not fixed "cudnn"
-        out += [m for m in KERNEL_METHODS if kernel_available(m, q.device, q.dtype)]
+    if one_token:
+        return out
+    if kern in ("fa4", "cudnn", "flash") and be.kernel in ("auto", "flash"):  # not fixed "cudnn" / "fa4"
+        out += [m for m in ("flash_varlen",) if kernel_available(m, q.device, q.dtype)]
+    if kern == "fa4":
+        out += [m for m in ("fa4_varlen",) if kernel_available(m, q.device, q.dtype)]
     return out
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sp_ext.attention.backends import SDPABackend, get_backend
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.factory import SPResources, make_attention
@@ -29,6 +30,29 @@ from .varlen import PackInfo
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
+def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backend"):
+    """The attention core(q, k, v, kv_valid_len, cu_seqlens) on one device ([B, S, H, D], no sequence parallelism) on
+    the local kernel ``backend``: FA4 where "auto"/"sdpa" resolve to it or "fa4" is named, the named kernel for
+    "cudnn"/"torch_flash"/..., else torch SDPA (``model.local_core``, the DiT's reference path)."""
+    from megatron_sp_ext.sp.ulysses.attend import local_attention  # noqa: PLC0415
+    from .model import local_core  # noqa: PLC0415
+    be = get_backend(backend, setting)
+    plain_sdpa = isinstance(be, SDPABackend) and be.kernel == "auto"
+
+    def core(q, k, v, kv_valid_len=None, cu_seqlens=None):
+        q_bhsd, k_bhsd, v_bhsd = (t.transpose(1, 2) for t in (q, k, v))
+        if plain_sdpa and be.kernel_for(q_bhsd) != "fa4":
+            return local_core(q, k, v, kv_valid_len, cu_seqlens)
+        valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < k.shape[1] else None
+        cu = tuple(int(c) for c in cu_seqlens.tolist()) if cu_seqlens is not None else None
+        if cu is not None and valid is not None:
+            raise SPConfigError("packed samples (cu_seqlens) carry no padding: kv_valid_len must be None")
+        o = local_attention(be, q_bhsd, k_bhsd, v_bhsd, False, q.shape[-1] ** -0.5, valid, 0.0, cu,
+                            "auto" if cu is not None else "per_sample")
+        return o.transpose(1, 2)
+    return core
+
+
 def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: str = "ring",
               placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "sdpa",
               transport: str = "nccl", source: str = "megatron"):
@@ -36,10 +60,9 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
     (contiguous token placement) for ``mode`` over ``group`` (None or size 1 = local): the factory's
     attention (megatron_sp_ext.sp.factory), with its ``packed`` entry (Ulysses / HCMS) and ``attention``.
     The DiT has no attention dropout (its attention is dropout-free). Errors name the flags of ``source``."""
-    from .model import local_core  # noqa: PLC0415
     world = dist.get_world_size(group) if group is not None else 1
     if world == 1:
-        return local_core
+        return one_device_core(backend, setting=SPConfig(source=source).name("backend"))
     cfg = SPConfig(mode=mode, head_chunks=1 if mode == "ulysses" else head_chunks, ring_variant=ring_variant,
                    placement=placement, ulysses_size=ulysses_size, nodes=nodes, backend=backend,
                    transport=transport, source=source)

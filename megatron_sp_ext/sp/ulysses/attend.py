@@ -15,8 +15,9 @@ from typing import Optional
 
 import torch
 
-from ...attention import lse_kernels, varlen
+from ...attention import varlen
 from ...attention.backends import LocalAttention, SDPABackend
+from ...errors import SPConfigError
 from .plan import AttendPlan
 
 
@@ -41,6 +42,10 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
     reuses the forward's mask). cu_seqlens (packed samples, no padding): attention within each sample by the
     ``varlen_kernel`` method (varlen.py; "per_sample": one call per sample over its range)."""
     if dropout_p > 0.0:
+        if getattr(be, "kernel", None) == "fa4":
+            raise SPConfigError(
+                f"{be.setting}='fa4' cannot apply attention dropout (dropout_p={dropout_p}): FlashAttention-4 has "
+                f"none; set the attention dropout to 0, or choose {be.setting} 'auto' or 'cudnn'")
         be = _DropoutSDPA(dropout_p)
         # "auto" would time calls that draw dropout masks (moving the RNG stream): one call per sample instead
         varlen_kernel = "per_sample" if varlen_kernel == "auto" else varlen_kernel
@@ -84,8 +89,7 @@ def explicit_kernels(plan: AttendPlan, like: torch.Tensor) -> bool:
         return False
     if plan.dropout_p > 0.0:  # the kernels' explicit forward/backward carry no dropout mask
         return False
-    kernel = plan.backend.kernel if plan.backend.kernel != "auto" else lse_kernels.best(like.device, like.dtype)
-    return kernel != "math"
+    return plan.backend.kernel_for(like) != "math"
 
 
 class _Hold(torch.autograd.Function):

@@ -1,0 +1,201 @@
+"""Local attention kernels side by side on one GPU, one job: FlashAttention-4 ("fa4") against cuDNN ("cudnn", what
+torch's SDPA picks on Hopper and what every mode ran before FA4), through the library's own kernel calls.
+
+Rows (bf16, B=1, head dim 128 unless --head-dim):
+  plain      differentiable call (``get_backend(name)(q, k, v)``): fwd and fwd+bwd ms, TFLOP/s
+  lse        the block form the ring / head-chunked blocks use (``forward_lse`` / ``backward_lse``): fwd, fwd+bwd
+  gqa        plain with H/4 key-value heads (FA4 reads them as they are; cuDNN gets them expanded)
+  varlen     packed samples (3-8 of them) in one call per kernel: fa4_varlen vs per-sample cuDNN calls
+  cross      the DiT's cross-attention shape: S queries on 512 text keys, non-causal
+For every row: each kernel's first call (compile) time, the medians (CUDA events, after warm-up), the speedup
+(cuDNN time / FA4 time) and the outputs' and gradients' relative difference (FA4 vs cuDNN).
+
+    python tools/bench_kernels.py --out $OUT            # default grid: S 8K..128K, H 40 (24 at 128K)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_sp_ext.attention import backends, varlen  # noqa: E402
+from tools.gpu_ranks import run_meta  # noqa: E402
+
+KERNELS = ("cudnn", "fa4")
+
+
+def _median_ms(fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(iters):
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _flops(sq: int, sk: int, h: int, d: int, causal: bool) -> float:
+    return 4.0 * sq * sk * h * d * (0.5 if causal else 1.0)
+
+
+def _inputs(sq, sk, h, hkv, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, h, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, hkv, sk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    do = torch.randn(1, h, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v, do
+
+
+def _plain(name, q, k, v, do, causal):
+    be = backends.get_backend(name)
+    qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def fwd():
+        with torch.no_grad():
+            return be(q, k, v, causal=causal, softmax_scale=None)
+
+    def fwd_bwd():
+        for t in qkv:
+            t.grad = None
+        out = be(*qkv, causal=causal, softmax_scale=None)
+        out.backward(do)
+        return out
+    return fwd, fwd_bwd, qkv
+
+
+def _lse(name, q, k, v, do, causal):
+    be = backends.get_backend(name)
+    scale = q.shape[-1] ** -0.5
+    box = {}
+
+    def fwd():
+        box["o"], box["lse"] = be.forward_lse(q, k, v, causal=causal, softmax_scale=scale)
+        return box["o"]
+
+    def fwd_bwd():
+        o = fwd()
+        box["g"] = be.backward_lse(do, q, k, v, o, box["lse"], causal=causal, softmax_scale=scale)
+        return o
+    return fwd, fwd_bwd, box
+
+
+def _varlen(name, q, k, v, do, cu, causal):
+    be = backends.get_backend(name)
+    method = "fa4_varlen" if name == "fa4" else "per_sample"
+    scale = q.shape[-1] ** -0.5
+    box = {}
+
+    def fwd():
+        box["o"], box["lse"] = varlen.forward_lse(method, be, q, k, v, cu, causal=causal, scale=scale)
+        return box["o"]
+
+    def fwd_bwd():
+        o = fwd()
+        box["g"] = varlen.backward_lse(method, be, do, q, k, v, o, box["lse"], cu, causal=causal, scale=scale)
+        return o
+    return fwd, fwd_bwd, box
+
+
+def _row(kind, make, flops, iters, warmup):
+    row, outs = {"kind": kind}, {}
+    for name in KERNELS:
+        fwd, fwd_bwd, keep = make(name)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        o = fwd_bwd()
+        torch.cuda.synchronize()
+        row[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 3)
+        row[f"{name}_fwd_ms"] = _median_ms(fwd, iters, warmup)
+        row[f"{name}_fwd_bwd_ms"] = _median_ms(fwd_bwd, iters, warmup)
+        row[f"{name}_fwd_tflops"] = round(flops / row[f"{name}_fwd_ms"] / 1e9, 1)
+        row[f"{name}_bwd_tflops"] = round(2.5 * flops / (row[f"{name}_fwd_bwd_ms"] - row[f"{name}_fwd_ms"]) / 1e9, 1)
+        o = fwd_bwd()
+        grads = [t.grad for t in keep] if isinstance(keep, list) else list(keep["g"])
+        outs[name] = [o.detach().clone()] + [g.detach().clone() for g in grads]
+        del keep, o, grads
+        torch.cuda.empty_cache()
+    row["speedup_fwd"] = round(row["cudnn_fwd_ms"] / row["fa4_fwd_ms"], 3)
+    row["speedup_fwd_bwd"] = round(row["cudnn_fwd_bwd_ms"] / row["fa4_fwd_bwd_ms"], 3)
+    row["fa4_vs_cudnn_rel"] = {n: _rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), outs["fa4"], outs["cudnn"])}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqlens", default="8192,16384,32768,65536,131072")
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--heads-longest", type=int, default=24, help="heads at the longest sequence (memory)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--kinds", default="plain,lse,gqa,varlen,cross")
+    ap.add_argument("--out", default="bench_kernels_out")
+    args = ap.parse_args()
+    torch.cuda.set_device(0)
+    seqlens = [int(x) for x in args.seqlens.split(",")]
+    kinds = args.kinds.split(",")
+    d, rows = args.head_dim, []
+    for s in seqlens:
+        h = args.heads_longest if s == max(seqlens) and len(seqlens) > 1 else args.heads
+        for causal in (False, True):
+            fl = _flops(s, s, h, d, causal)
+            if "plain" in kinds:
+                q, k, v, do = _inputs(s, s, h, h, d)
+                rows.append({"s": s, "h": h, "causal": causal, **_row(
+                    "plain", lambda n: _plain(n, q, k, v, do, causal), fl, args.iters, args.warmup)})
+            if "lse" in kinds:
+                rows.append({"s": s, "h": h, "causal": causal, **_row(
+                    "lse", lambda n: _lse(n, q, k, v, do, causal), fl, args.iters, args.warmup)})
+            if "gqa" in kinds:
+                q, k, v, do = _inputs(s, s, h, h // 4 if h % 4 == 0 else h, d)
+                rows.append({"s": s, "h": h, "hkv": k.shape[1], "causal": causal, **_row(
+                    "gqa", lambda n: _plain(n, q, k, v, do, causal), fl, args.iters, args.warmup)})
+            if "varlen" in kinds and s <= 65536:
+                for n_samples in (3, 8):
+                    parts = [s // n_samples // 128 * 128] * n_samples
+                    parts[-1] = s - sum(parts[:-1])
+                    cu = tuple([0] + list(torch.tensor(parts).cumsum(0).tolist()))
+                    q, k, v, do = _inputs(s, s, h, h, d)
+                    flv = sum(_flops(n, n, h, d, causal) for n in parts)
+                    rows.append({"s": s, "h": h, "causal": causal, "samples": n_samples, **_row(
+                        "varlen", lambda n: _varlen(n, q, k, v, do, cu, causal), flv, args.iters, args.warmup)})
+            print(json.dumps(rows[-1]), flush=True)
+        if "cross" in kinds:
+            q, k, v, do = _inputs(s, 512, h, h, d)
+            rows.append({"s": s, "h": h, "sk": 512, "causal": False, **_row(
+                "cross", lambda n: _plain(n, q, k, v, do, False), _flops(s, 512, h, d, False), args.iters,
+                args.warmup)})
+            print(json.dumps(rows[-1]), flush=True)
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    out = {"meta": run_meta(torch=torch.__version__, cudnn=torch.backends.cudnn.version()), "rows": rows}
+    path = os.path.join(args.out, "bench_kernels.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"{'kind':<7} {'S':>7} {'H':>3} {'causal':>6} {'cuDNN fwd/fwd+bwd':>18} {'FA4 fwd/fwd+bwd':>17} {'x':>6} "
+          f"{'FA4 1st call s':>14}")
+    for r in rows:
+        print(f"{r['kind']:<7} {r['s']:>7} {r['h']:>3} {str(r['causal']):>6} "
+              f"{r['cudnn_fwd_ms']:>8.2f}/{r['cudnn_fwd_bwd_ms']:<9.2f} {r['fa4_fwd_ms']:>7.2f}/{r['fa4_fwd_bwd_ms']:<9.2f}"
+              f" {r['speedup_fwd_bwd']:>6.3f} {r['fa4_first_call_s']:>14}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

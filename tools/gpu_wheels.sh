@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Here (with a registry): the wheels the GPU machines lack, as parts small enough to carry one per device call.
+#   bash tools/gpu_wheels.sh            -> .fa4/part.aa, .fa4/part.ab (+ .fa4/manifest), git-ignored
+# Contents: flash-attn-4 and its CuTe DSL compiler (~102 MB), megatron-core 0.16.1, deepspeed 0.19.8 and their
+# small needs (cp312, manylinux). There (tools/gpu_install.sh, sourced by tools/gpu_run.sh): each call carrying a
+# part leaves it under /tmp/spx_parts; once every part of the manifest is there they are joined, checked
+# (sha256) and installed with pip --no-index into /tmp/site.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+W=$(mktemp -d)
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+      --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
+      --platform manylinux2014_x86_64)
+"$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$W" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 \
+  nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 \
+  apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 quack-kernels==0.6.5 megatron-core==0.16.1 \
+  hjson msgpack py-cpuinfo pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
+DS_BUILD_OPS=0 "$PY" -m pip wheel -q deepspeed==0.19.8 --no-deps --no-build-isolation -w "$W"
+rm -rf .fa4 && mkdir -p .fa4
+tar -C "$W" -cf .fa4/wheels.tar .
+split -b 55M .fa4/wheels.tar .fa4/part.
+{ echo "sha256 $(sha256sum .fa4/wheels.tar | cut -d' ' -f1)"; (cd .fa4 && ls part.*); } > .fa4/manifest
+rm -f .fa4/wheels.tar
+rm -rf "$W"
+cat .fa4/manifest; du -sh .fa4/*
