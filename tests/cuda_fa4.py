@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_sp_ext as spx
+from megatron_sp_ext.attention import backends
 from megatron_sp_ext.sp.placement import pieces
 from tests.cuda_suite import DEV, SHRINK, use_ring_route
 from tests.reference import TOL, pad_mask
@@ -47,7 +48,13 @@ def _case(rec, name, attn, rank, world, *, dtype=BF16, causal, placement="contig
 def fa4_family(rank: int, world: int) -> list:
     use_ring_route()
     g, rec, n = dist.group.WORLD, [], 0
-    s = 2048 * world
+    s = 4096   # float64 reference: S^2 H 8 bytes per rank
+    # the plain differentiable call (what the one-device DiT core makes), every rank on the full sequence
+    for causal, (h, hkv) in ((False, (8, 8)), (True, (8, 2))):
+        _case(rec, "plain fa4 call", lambda q, k, v: backends.get_backend("fa4")(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=None).transpose(1, 2),
+            rank, world, causal=causal, s=s, h=h, hkv=hkv, seed=n, shard=lambda x, r, w: x)
+        n += 1
     # Ulysses / HCMS, FA4 and cuDNN interleaved on equal shapes (both layouts, chunkings, zero-copy views)
     for (h, hkv) in ((8, 8), (12, 4)):
         for causal, placement in ((False, "contiguous"), (True, "zigzag"), (True, "contiguous")):

@@ -212,4 +212,4 @@ def test_fa4_family(world, backend):
     """Every mode with backend="fa4" named (FlashAttention-4), FA4 and cuDNN calls interleaved, against float64."""
     if os.environ.get("SPX_REQUIRE_FA4") != "1":
         pytest.importorskip("flash_attn.cute", reason="needs flash-attn-4 (tools/gpu_run.sh installs it when carried)")
-    assert len(_worker("cuda_fa4", "fa4_family", "fa4", world, backend)) == {2: 48, 4: 54}[world]
+    assert len(_worker("cuda_fa4", "fa4_family", "fa4", world, backend)) == {2: 50, 4: 56}[world]

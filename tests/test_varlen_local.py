@@ -253,7 +253,8 @@ def test_methods_per_backend_and_no_cudnn_varlen(monkeypatch):
     "torch_flash"); the fixed "cudnn" backend runs only per_sample / grouped. There is no cudnn_varlen method
     (wrong on torch 2.11 / cuDNN 9.19, then an illegal memory access): naming it is an unknown setting."""
     _install_fake_varlen(monkeypatch)  # flash_varlen "available" on the CPU
-    assert varlen.METHODS == ("per_sample", "grouped", "flash_varlen") and varlen.KERNEL_METHODS == ("flash_varlen",)
+    assert varlen.METHODS == ("per_sample", "grouped", "flash_varlen", "fa4_varlen")
+    assert varlen.KERNEL_METHODS == ("flash_varlen", "fa4_varlen")   # fa4_varlen: tests/test_fa4.py
     q = torch.zeros(1, 2, 4, 8)
     for name, lse_kernel, want in (("auto", "cudnn", ["per_sample", "grouped", "flash_varlen"]),
                                    ("auto", "flash", ["per_sample", "grouped", "flash_varlen"]),
@@ -265,7 +266,7 @@ def test_methods_per_backend_and_no_cudnn_varlen(monkeypatch):
         assert varlen.methods_here(be, q) == want, (name, lse_kernel)
     ch = varlen.VarlenChooser(timer=_Timer({}))
     with pytest.raises(SPConfigError, match=r"varlen_kernel='cudnn_varlen' is invalid: choose one of "
-                                            r"auto, per_sample, grouped, flash_varlen$"):
+                                            r"auto, per_sample, grouped, flash_varlen, fa4_varlen$"):
         _choose(ch, "cudnn_varlen")
     with pytest.raises(ValueError, match="unknown varlen method 'cudnn_varlen'"):
         varlen.forward_lse("cudnn_varlen", get_backend("auto"), q, q, q, (0, 4), causal=False, scale=0.5)
