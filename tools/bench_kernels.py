@@ -135,6 +135,12 @@ def _row(kind, make, flops, iters, warmup):
     return row
 
 
+def _write(path: str, rows: list) -> None:
+    with open(path, "w") as f:   # after every row: a run cut short keeps what it measured
+        json.dump({"meta": run_meta(torch=torch.__version__, cudnn=torch.backends.cudnn.version()), "rows": rows},
+                  f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", default="8192,16384,32768,65536,131072")
@@ -150,20 +156,27 @@ def main() -> None:
     seqlens = [int(x) for x in args.seqlens.split(",")]
     kinds = args.kinds.split(",")
     d, rows = args.head_dim, []
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_kernels.json")
+
+    def done(row: dict) -> None:
+        rows.append(row)
+        _write(path, rows)
+        print(json.dumps(row), flush=True)
     for s in seqlens:
         h = args.heads_longest if s == max(seqlens) and len(seqlens) > 1 else args.heads
         for causal in (False, True):
             fl = _flops(s, s, h, d, causal)
             if "plain" in kinds:
                 q, k, v, do = _inputs(s, s, h, h, d)
-                rows.append({"s": s, "h": h, "causal": causal, **_row(
+                done({"s": s, "h": h, "causal": causal, **_row(
                     "plain", lambda n: _plain(n, q, k, v, do, causal), fl, args.iters, args.warmup)})
             if "lse" in kinds:
-                rows.append({"s": s, "h": h, "causal": causal, **_row(
+                done({"s": s, "h": h, "causal": causal, **_row(
                     "lse", lambda n: _lse(n, q, k, v, do, causal), fl, args.iters, args.warmup)})
             if "gqa" in kinds:
                 q, k, v, do = _inputs(s, s, h, h // 4 if h % 4 == 0 else h, d)
-                rows.append({"s": s, "h": h, "hkv": k.shape[1], "causal": causal, **_row(
+                done({"s": s, "h": h, "hkv": k.shape[1], "causal": causal, **_row(
                     "gqa", lambda n: _plain(n, q, k, v, do, causal), fl, args.iters, args.warmup)})
             if "varlen" in kinds and s <= 65536:
                 for n_samples in (3, 8):
@@ -172,22 +185,15 @@ def main() -> None:
                     cu = tuple([0] + list(torch.tensor(parts).cumsum(0).tolist()))
                     q, k, v, do = _inputs(s, s, h, h, d)
                     flv = sum(_flops(n, n, h, d, causal) for n in parts)
-                    rows.append({"s": s, "h": h, "causal": causal, "samples": n_samples, **_row(
+                    done({"s": s, "h": h, "causal": causal, "samples": n_samples, **_row(
                         "varlen", lambda n: _varlen(n, q, k, v, do, cu, causal), flv, args.iters, args.warmup)})
-            print(json.dumps(rows[-1]), flush=True)
         if "cross" in kinds:
             q, k, v, do = _inputs(s, 512, h, h, d)
-            rows.append({"s": s, "h": h, "sk": 512, "causal": False, **_row(
+            done({"s": s, "h": h, "sk": 512, "causal": False, **_row(
                 "cross", lambda n: _plain(n, q, k, v, do, False), _flops(s, 512, h, d, False), args.iters,
                 args.warmup)})
-            print(json.dumps(rows[-1]), flush=True)
         del q, k, v, do
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    out = {"meta": run_meta(torch=torch.__version__, cudnn=torch.backends.cudnn.version()), "rows": rows}
-    path = os.path.join(args.out, "bench_kernels.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
     print(f"{'kind':<7} {'S':>7} {'H':>3} {'causal':>6} {'cuDNN fwd/fwd+bwd':>18} {'FA4 fwd/fwd+bwd':>17} {'x':>6} "
           f"{'FA4 1st call s':>14}")
     for r in rows:
