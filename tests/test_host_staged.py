@@ -254,8 +254,10 @@ def _mesh_modes_emulated(rank, world, causal):
                     meshes[placement_of_mesh] = spx.build_sp_mesh(g, num_heads=h, placement=placement_of_mesh,
                                                                   ulysses_size=2, nodes=2)
                 mesh = meshes[placement_of_mesh]
-                o = (spx.torus_attention(q, k, v, mesh, causal=causal) if name == "torus"
-                     else spx.hybrid_attention(q, k, v, mesh, causal=causal))
+                o = (spx.torus_attention(q, k, v, mesh, causal=causal, placement=spx.balanced_placement("ring",
+                                         causal)) if name == "torus"
+                     else spx.hybrid_attention(q, k, v, mesh, causal=causal, placement=spx.balanced_placement("ring",
+                                               causal)))
             o.backward(go)
             out[name] = (o.detach(), q.grad, k.grad, v.grad)
             crossings[name] = link_exchanges() - before
