@@ -68,8 +68,8 @@ class SDPABackend(LocalAttention):
                     raise SPConfigError(
                         f"{self.setting}={self.name!r} needs the {k} attention kernel, which does not run here "
                         f"({q.device}, {q.dtype}): use 'auto' (kernels that run here: {', '.join(here)})")
-            log.info("megatron_sp_ext: %s=%r runs its log-sum-exp blocks on the %s kernel (%s, %s)",
-                     self.setting, self.name, k, q.device, q.dtype)
+            log.debug("megatron_sp_ext: %s=%r runs its log-sum-exp blocks on the %s kernel (%s, %s)",
+                      self.setting, self.name, k, q.device, q.dtype)
             self._chosen[key] = k
         return self._chosen[key]
 
@@ -212,7 +212,7 @@ class BackendRegistry:
                     f"{setting}={name!r} needs the package {_MODULES[name]!r}, which is not installed here; "
                     f"available: {', '.join(available_backends())}")
             self._instances[(name, setting)] = _FACTORIES[name](setting)
-            log.info("megatron_sp_ext: local attention backend = %s", name)
+            log.debug("megatron_sp_ext: local attention backend = %s", name)
         return self._instances[(name, setting)]
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sp_ext.attention.backends import SDPABackend, get_backend
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.factory import SPResources, make_attention
@@ -172,6 +173,18 @@ def sample_loss(loss_r: torch.Tensor, sp_group, dp_group) -> float:
         dist.all_reduce(t, group=dp_group)
         t /= dist.get_world_size(dp_group)
     return float(t.item())
+
+
+def attention_kernel_line(backend: str, setting: str, device: torch.device, dtype: torch.dtype) -> str:
+    """One line for the user, printed before training starts: which kernel runs attention on ``device``/``dtype``
+    for the local-attention ``backend`` and the ``setting`` (flag or JSON key) that changes it."""
+    be = get_backend(backend, setting)
+    if isinstance(be, SDPABackend):
+        kernel = f"{be.kernel_for(torch.empty(1, 1, 1, 1, device=device, dtype=dtype))} (torch SDPA)"
+    else:
+        kernel = be.name
+    return (f"attention kernel: {kernel} on {device.type}/{str(dtype).replace('torch.', '')}; "
+            f"change with {setting}")
 
 
 class MetricsLog:
