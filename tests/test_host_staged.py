@@ -245,7 +245,7 @@ def _mesh_modes_emulated(rank, world, causal):
             q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
             if name in ("ring", "tasp"):
                 o = spx.ring_attention(q, k, v, g, variant=name, causal=causal, placement=placement if name == "ring"
-                                       else None) if not (causal and name == "tasp") else None
+                                       else "contiguous") if not (causal and name == "tasp") else None
                 if o is None:
                     continue
             else:
