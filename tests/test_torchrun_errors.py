@@ -2,12 +2,19 @@
 carries our one-line message (through TORCHELASTIC_ERROR_FILE), not "To enable traceback see ..."."""
 import json
 import os
+import socket
 import subprocess
 import sys
 
 from megatron_sp_ext.elastic_error import ERROR_FILE_ENV, record_user_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
 
 
 def test_record_user_error_writes_torch_elastic_format(tmp_path, monkeypatch):
@@ -23,7 +30,7 @@ def test_record_user_error_writes_torch_elastic_format(tmp_path, monkeypatch):
 
 def test_torchrun_root_cause_is_our_message():
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", _free_port(),
            "training/pretrain_video_dit.py", "--model", "tiny", "--context-parallel-size", "3",
            "--train-iters", "1"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
