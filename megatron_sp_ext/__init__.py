@@ -15,7 +15,8 @@ from .sp.async_block import async_ulysses_self_attention
 from .sp.gather_block import allgather_self_attention
 from .sp.tp_cp_block import tp_cp_self_attention
 from .sp.ring import hybrid_attention, ring_attention, torus_attention
-from .sp.placement import PackedSamples, shard_sequence, unshard_sequence
+from .config import DEFAULT_PLACEMENT
+from .sp.placement import PackedSamples, balanced_placement, shard_sequence, unshard_sequence
 from .sp.ulysses import PackedUlysses, pack_qkv, packed_head_layout, packed_ulysses_attention, ulysses_attention
 from .topology.hamiltonian import hamiltonian_cycles, routing_tables
 from .topology.mesh import SPMesh, build_sp_mesh
@@ -23,7 +24,7 @@ from .topology.mesh import SPMesh, build_sp_mesh
 __version__ = "0.2.0"
 
 __all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
-           "unshard_sequence", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
+           "unshard_sequence", "DEFAULT_PLACEMENT", "balanced_placement", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
            "hybrid_attention", "torus_attention", "async_ulysses_self_attention", "allgather_self_attention",
            "tp_cp_self_attention", "PackedSamples",
            "pack_qkv", "packed_head_layout", "packed_ulysses_attention", "PackedUlysses", "NcclTransport",

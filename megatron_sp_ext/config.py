@@ -22,6 +22,10 @@ TRANSPORTS = ("nccl", "symm_mem", "copy_engine")  # copy-engine exchanges (CUDA 
 ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-block forms (see SPConfig.async_qkv)
 LAYOUTS = ("bshd", "sbhd")
 SEQ_PLACEMENTS = ("contiguous", "zigzag", "tasp_zigzag")
+# The ONE default sequence placement of every public function that takes or makes shards (shard_sequence,
+# unshard_sequence, ulysses/ring/hybrid/torus/packed attention, make_attention): default shards are always right
+# input for every default call. Load-balanced causal layouts ("zigzag", "tasp_zigzag") are passed explicitly.
+DEFAULT_PLACEMENT = "contiguous"
 # modes whose attention is a 2D mesh (Ulysses x Ring) and so need a mesh
 MESH_MODES = ("usp", "tas", "torus")
 # modes whose local attention is one plain softmax attention over the full sequence (per head chunk), so the

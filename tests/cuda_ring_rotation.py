@@ -47,7 +47,8 @@ def ring_rotation_family(rank: int, world: int) -> list:
                 for dtype, route, chunks in cases:
                     os.environ[DKV_ROUTE_ENV], os.environ[DKV_CHUNKS_ENV] = route, chunks
                     errs: dict = {}
-                    run_case(lambda q, k, v: spx.ring_attention(q, k, v, g, variant=variant, causal=causal),
+                    run_case(lambda q, k, v: spx.ring_attention(q, k, v, g, variant=variant, causal=causal,
+                                                                placement=spx.balanced_placement(variant, causal)),
                              rank, world, b=1, s=s, h=h, hkv=hkv, d=d, dtype=dtype, causal=causal, seed=n,
                              shard=_shard(placement), device=DEV, errors=errs)
                     rec.append({"family": "ring_rotation",

@@ -66,7 +66,9 @@ def ring_varlen_family(rank: int, world: int) -> list:
                      (FP32, 8, 8, "bshd", False), (BF16, 8, 2, "bshd", True)]
             for dtype, h, hkv, layout, ragged in cases:
                 _one(rec, variant, lambda q, k, v, c, variant=variant, causal=causal, layout=layout:
-                     spx.ring_attention(q, k, v, g, variant=variant, causal=causal, layout=layout, cu_seqlens=c),
+                     spx.ring_attention(q, k, v, g, variant=variant, causal=causal,
+                                        placement=spx.balanced_placement(variant, causal, packed=True), layout=layout,
+                                            cu_seqlens=c),
                      rank, world, causal=causal, dtype=dtype, h=h, hkv=hkv, layout=layout, seed=n, ragged=ragged)
                 n += 1
     if world == 4:  # 2 emulated machines x 2
@@ -75,13 +77,15 @@ def ring_varlen_family(rank: int, world: int) -> list:
                 mesh = spx.build_sp_mesh(g, num_heads=8, placement=pl, ulysses_size=2, nodes=2)
                 _one(rec, f"hybrid-{pl} {variant} C=2", lambda q, k, v, c, mesh=mesh, variant=variant, causal=causal:
                      spx.hybrid_attention(q, k, v, mesh, head_chunks=2, ring_variant=variant, causal=causal,
+                                          placement=spx.balanced_placement("ring", causal),
                                           cu_seqlens=c),
                      rank, world, causal=causal, dtype=BF16, h=8, hkv=2, layout="bshd", seed=n)
                 n += 1
             mesh = spx.build_sp_mesh(g, num_heads=8, placement="tas", ulysses_size=2, nodes=2)
             for ragged in (False, True):
                 _one(rec, "torus tas 2x2", lambda q, k, v, c, mesh=mesh, causal=causal:
-                     spx.torus_attention(q, k, v, mesh, causal=causal, layout="sbhd", cu_seqlens=c),
+                     spx.torus_attention(q, k, v, mesh, causal=causal, placement=spx.balanced_placement("ring",
+                                         causal), layout="sbhd", cu_seqlens=c),
                      rank, world, causal=causal, dtype=BF16, h=8, hkv=8, layout="sbhd", seed=n, ragged=ragged)
                 n += 1
     return rec

@@ -151,7 +151,8 @@ def ring_family(rank: int, world: int) -> list:
                     placement = ("zigzag" if variant == "ring" else "tasp_zigzag") if causal else "contiguous"
                     for layout in ("bshd", "sbhd"):
                         _one(rec, variant, "", lambda q, k, v: spx.ring_attention(
-                            q, k, v, g, variant=variant, causal=causal, layout=layout),
+                            q, k, v, g, variant=variant, causal=causal, placement=spx.balanced_placement(variant,
+                                causal), layout=layout),
                             rank, world, dtype=dtype, causal=causal, placement=placement, layout=layout,
                             b=b, s=s, h=h, hkv=hkv, d=d, seed=n)
                         n += 1

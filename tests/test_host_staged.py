@@ -245,7 +245,7 @@ def _mesh_modes_emulated(rank, world, causal):
             q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
             if name in ("ring", "tasp"):
                 o = spx.ring_attention(q, k, v, g, variant=name, causal=causal, placement=placement if name == "ring"
-                                       else None) if not (causal and name == "tasp") else None
+                                       else "contiguous") if not (causal and name == "tasp") else None
                 if o is None:
                     continue
             else:
@@ -254,8 +254,10 @@ def _mesh_modes_emulated(rank, world, causal):
                     meshes[placement_of_mesh] = spx.build_sp_mesh(g, num_heads=h, placement=placement_of_mesh,
                                                                   ulysses_size=2, nodes=2)
                 mesh = meshes[placement_of_mesh]
-                o = (spx.torus_attention(q, k, v, mesh, causal=causal) if name == "torus"
-                     else spx.hybrid_attention(q, k, v, mesh, causal=causal))
+                o = (spx.torus_attention(q, k, v, mesh, causal=causal, placement=spx.balanced_placement("ring",
+                                         causal)) if name == "torus"
+                     else spx.hybrid_attention(q, k, v, mesh, causal=causal, placement=spx.balanced_placement("ring",
+                                               causal)))
             o.backward(go)
             out[name] = (o.detach(), q.grad, k.grad, v.grad)
             crossings[name] = link_exchanges() - before

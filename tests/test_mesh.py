@@ -93,7 +93,8 @@ def _hybrid(rank, world, nodes, placement, p_u, variant, chunks):
                 return torch.cat([x[:, a:a + m] for a, m in pieces(seq_pl, r, w, x.shape[1])], dim=1)
             c = min(chunks, h // p_u)
             run_case(lambda q, k, v: spx.hybrid_attention(q, k, v, mesh, head_chunks=c, ring_variant=variant,
-                                                          causal=causal),
+                                                          causal=causal, placement=spx.balanced_placement("ring",
+                                                              causal)),
                      rank, world, b=1, s=2 * world * 3, h=h, hkv=hkv, d=16, dtype=torch.float32, causal=causal,
                      seed=n, shard=shard)
             n += 1
@@ -124,7 +125,9 @@ def _torus(rank, world, nodes, placement, p_u, variant):
 
                 def shard(x, r, w, seq_pl=seq_pl):
                     return torch.cat([x[:, a:a + m] for a, m in pieces(seq_pl, r, w, x.shape[1])], dim=1)
-                run_case(lambda q, k, v: spx.torus_attention(q, k, v, mesh, causal=causal, ring_variant=variant,
+                run_case(lambda q, k, v: spx.torus_attention(q, k, v, mesh, causal=causal,
+                                                             placement=spx.balanced_placement("ring", causal),
+                                                                 ring_variant=variant,
                                                              layout=layout),
                          rank, world, b=1, s=2 * world * 3, h=h, hkv=hkv, d=16, dtype=torch.float32, causal=causal,
                          seed=10 + n, shard=shard, layout=layout)

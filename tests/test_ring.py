@@ -33,6 +33,7 @@ def _ring_ref(rank, world, variant, dtypes, causals):
                     placement = ("zigzag" if variant == "ring" else "tasp_zigzag") if causal else "contiguous"
                     s = units * 2 * rings * world * (2 if variant == "ring" else 1)
                     run_case(lambda q, k, v: spx.ring_attention(q, k, v, group, variant=variant, causal=causal,
+                                                                placement=spx.balanced_placement(variant, causal),
                                                                 layout=layout),
                              rank, world, b=b, s=s, h=h, hkv=hkv, d=d, dtype=dtype, causal=causal, layout=layout,
                              seed=n, shard=_shard_fn(placement))

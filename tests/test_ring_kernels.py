@@ -155,7 +155,8 @@ def _vs_float64_case(rank, world, variant, causal, h, hkv, units):
     q, k, v, do = make_qkv(11 + world, 1, s, h, hkv, 16)
     mine = lambda t: torch.cat([t[:, a:a + n] for a, n in pieces(placement, rank, world, s)], 1)  # noqa: E731
     qs, ks, vs = (mine(t).clone().requires_grad_() for t in (q, k, v))
-    o = spx.ring_attention(qs, ks, vs, g, variant=variant, causal=causal, backend="torch_flash")
+    o = spx.ring_attention(qs, ks, vs, g, variant=variant, causal=causal, placement=spx.balanced_placement(variant,
+                           causal), backend="torch_flash")
     o.backward(mine(do))
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref = reference_attention(qr, kr, vr, causal=causal)
@@ -186,7 +187,8 @@ def _odd(rank, world, variant):
 
                 def shard(x, r, w, placement=placement):
                     return torch.cat([x[:, a:a + ln] for a, ln in pieces(placement, r, w, x.shape[1])], 1)
-                run_case(lambda q, k, v: spx.ring_attention(q, k, v, g, variant=variant, causal=causal),
+                run_case(lambda q, k, v: spx.ring_attention(q, k, v, g, variant=variant, causal=causal,
+                                                            placement=spx.balanced_placement(variant, causal)),
                          rank, world, b=1, s=s, h=h, hkv=hkv, d=8, dtype=dtype, causal=causal, seed=n, shard=shard)
                 n += 1
     return n
@@ -209,7 +211,8 @@ def _padded_tasp(rank, world):
         return torch.cat([x[:, a:a + ln] for a, ln in pieces("tasp_zigzag", r, w, x.shape[1])], 1)
     mask = torch.ones(s, s, dtype=torch.bool).tril()
     mask[:, valid:] = False   # padding keys get no attention
-    run_case(lambda q, k, v: spx.ring_attention(q, k, v, g, variant="tasp", causal=True, kv_valid_len=valid),
+    run_case(lambda q, k, v: spx.ring_attention(q, k, v, g, variant="tasp", causal=True,
+                                                placement=spx.balanced_placement("tasp", True), kv_valid_len=valid),
              rank, world, b=1, s=s, h=2, hkv=2, d=8, dtype=torch.float32, causal=True, shard=shard, mask=mask,
              compare_rows=valid)
     return True

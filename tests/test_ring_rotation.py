@@ -131,7 +131,9 @@ def _schedules(rank, world, variant):
             os.environ[rotation.DKV_ROUTE_ENV], os.environ[rotation.DKV_CHUNKS_ENV] = route, chunks
             be = _Recording()
             results[route, chunks] = run_case(
-                lambda q, k, v: spx.ring_attention(q, k, v, g, variant=variant, causal=causal, layout=case["layout"],
+                lambda q, k, v: spx.ring_attention(q, k, v, g, variant=variant, causal=causal,
+                                                   placement=spx.balanced_placement(variant, causal),
+                                                   layout=case["layout"],
                                                    backend=be, kv_valid_len=valid),
                 rank, world, b=1, s=s, h=4, hkv=2, d=8, dtype=case["dtype"], causal=causal, layout=case["layout"],
                 seed=case["seed"], shard=_shard(placement), mask=mask, compare_rows=valid)
@@ -161,7 +163,8 @@ def _emulated(rank, world, variant, causal):
     got = {}
     for emulate in ("", "1"):
         os.environ[MACHINE_SIZE_ENV] = emulate
-        got[emulate] = run_case(lambda q, k, v: spx.ring_attention(q, k, v, g, variant=variant, causal=causal),
+        got[emulate] = run_case(lambda q, k, v: spx.ring_attention(q, k, v, g, variant=variant, causal=causal,
+                                                                   placement=spx.balanced_placement(variant, causal)),
                                 rank, world, b=1, s=s, h=4, hkv=2, d=8, dtype=torch.bfloat16, causal=causal,
                                 seed=3, shard=_shard(placement))
     os.environ[MACHINE_SIZE_ENV] = ""

@@ -50,7 +50,9 @@ def _ring_rank(rank, world, variant):
         cu = packed_cu(world, placement, MULTS[placement])
         for layout in ("bshd", "sbhd"):
             for hkv in (2, 1):  # hkv=1: GQA, 2 q heads per k/v head
-                check(lambda q, k, v, c: spx.ring_attention(q, k, v, g, variant=variant, causal=causal, layout=layout,
+                check(lambda q, k, v, c: spx.ring_attention(q, k, v, g, variant=variant, causal=causal,
+                                                            placement=spx.balanced_placement(variant, causal,
+                                                                packed=True), layout=layout,
                                                             cu_seqlens=c),
                       rank, world, cu, placement, causal, layout, 2, hkv, n)
                 n += 1
@@ -131,7 +133,8 @@ def _no_key_rank(rank, world):
     sample see no key of the later ranks' pieces at most steps)."""
     g = dist.group.WORLD
     cu = packed_cu(world, "zigzag", (1, 1, 1, 1))
-    check(lambda q, k, v, c: spx.ring_attention(q, k, v, g, causal=True, cu_seqlens=c),
+    check(lambda q, k, v, c: spx.ring_attention(q, k, v, g, causal=True, placement=spx.balanced_placement("ring",
+                                                True, packed=True), cu_seqlens=c),
           rank, world, cu, "zigzag", True, "bshd", 4, 2, 7)
     return True
 
@@ -152,10 +155,12 @@ def _mesh_rank(rank, world, nodes, placement, p_u, variant, kind):
             if kind == "hybrid":
                 def attn(q, k, v, c):
                     return spx.hybrid_attention(q, k, v, mesh, head_chunks=2, ring_variant=variant, causal=causal,
+                                                placement=spx.balanced_placement("ring", causal),
                                                 layout=layout, cu_seqlens=c)
             else:
                 def attn(q, k, v, c):
-                    return spx.torus_attention(q, k, v, mesh, ring_variant=variant, causal=causal, layout=layout,
+                    return spx.torus_attention(q, k, v, mesh, ring_variant=variant, causal=causal,
+                                               placement=spx.balanced_placement("ring", causal), layout=layout,
                                                cu_seqlens=c)
             check(attn, rank, world, cu, seq_pl, causal, layout, h, hkv, 20 + n)
             n += 1

@@ -280,7 +280,9 @@ def _hybrid_sorted(rank, world):
             mask = torch.ones(s, s, dtype=torch.bool).tril()
             if valid is not None:
                 mask[:, valid:] = False
-            run_case(lambda q, k, v: spx.hybrid_attention(q, k, v, mesh, head_chunks=c, causal=True, kv_valid_len=valid),
+            run_case(lambda q, k, v: spx.hybrid_attention(q, k, v, mesh, head_chunks=c, causal=True,
+                                                          placement=spx.balanced_placement("ring", True),
+                                                              kv_valid_len=valid),
                      rank, world, b=1, s=s, h=h, hkv=hkv, d=16, dtype=torch.float32, causal=True, seed=n,
                      shard=_sharder("zigzag"), mask=mask, compare_rows=valid)
             n += 1

@@ -270,7 +270,9 @@ def _order_rank(rank, world, order):
         for attn_name, attn in (
                 ("hcms", lambda q, k, v, c: spx.ulysses_attention(q, k, v, g, head_chunks=2, causal=True,
                                                                   placement="zigzag", cu_seqlens=c)),
-                ("ring", lambda q, k, v, c: spx.ring_attention(q, k, v, g, causal=True, cu_seqlens=c))):
+                ("ring", lambda q, k, v, c: spx.ring_attention(q, k, v, g, causal=True,
+                                                               placement=spx.balanced_placement("ring", True,
+                                                                   packed=True), cu_seqlens=c))):
             if cu is None:
                 run_case(lambda q, k, v: attn(q, k, v, None), rank, world, b=1, s=3 * div, h=2 * world, hkv=world,
                          d=8, dtype=torch.float32, causal=True, shard=sharder([0, 3 * div], "zigzag"), seed=n)

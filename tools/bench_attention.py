@@ -135,18 +135,22 @@ def build_modes(names, group, causal, nodes=None, heads=None):
             auto.policy = policy
             modes[name] = auto
         elif name in ("ring", "tasp"):
-            modes[name] = lambda q, k, v, n=name: spx.ring_attention(q, k, v, group, variant=n, causal=causal)
+            modes[name] = lambda q, k, v, n=name: spx.ring_attention(q, k, v, group, variant=n, causal=causal,
+                                                                     placement=spx.balanced_placement(n, causal))
         elif name in ("usp", "tas", "usp-tasp", "tas-tasp"):
             pl, variant = name.split("-")[0], ("tasp" if name.endswith("tasp") else "ring")
             modes[name] = lambda q, k, v, pl=pl, variant=variant: spx.hybrid_attention(
-                q, k, v, mesh(q.shape[2], pl), ring_variant=variant, causal=causal)
+                q, k, v, mesh(q.shape[2], pl), ring_variant=variant, causal=causal,
+                    placement=spx.balanced_placement("ring", causal))
         elif name == "mesh_auto":  # placement="auto": the mesh the topology detector and volume model pick
             def mesh_auto(q, k, v):
-                return spx.hybrid_attention(q, k, v, mesh(q.shape[2], "auto"), causal=causal)
+                return spx.hybrid_attention(q, k, v, mesh(q.shape[2], "auto"), causal=causal,
+                                            placement=spx.balanced_placement("ring", causal))
             mesh_auto.mesh_of = lambda h: mesh(h, "auto")
             modes[name] = mesh_auto
         elif name == "torus":
-            modes[name] = lambda q, k, v: spx.torus_attention(q, k, v, mesh(q.shape[2], "tas"), causal=causal)
+            modes[name] = lambda q, k, v: spx.torus_attention(q, k, v, mesh(q.shape[2], "tas"), causal=causal,
+                                                              placement=spx.balanced_placement("ring", causal))
         else:
             raise SystemExit(f"unknown mode {name}")
         if tr != "nccl" and (name not in ("ulysses", "auto") and not name.startswith("hcms")

@@ -64,7 +64,8 @@ def our_mode(name, group, causal, h, mesh_cache):
     import megatron_sp_ext as spx  # noqa: PLC0415
     if name.split(":")[0] in ("ring", "tasp") + TRAVEL:
         variant = name.split(":")[0].split("_")[0]
-        return lambda q, k, v: spx.ring_attention(q, k, v, group, variant=variant, causal=causal)
+        return lambda q, k, v: spx.ring_attention(q, k, v, group, variant=variant, causal=causal,
+                                                  placement=spx.balanced_placement(variant, causal))
     if name == "ulysses":
         return lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal)
     if name == "ulysses_zigzag":
@@ -74,7 +75,8 @@ def our_mode(name, group, causal, h, mesh_cache):
         key = (h, world)
         if key not in mesh_cache:
             mesh_cache[key] = spx.build_sp_mesh(group, num_heads=h, placement="usp", ulysses_size=max(1, world // 2))
-        return lambda q, k, v: spx.hybrid_attention(q, k, v, mesh_cache[key], causal=causal)
+        return lambda q, k, v: spx.hybrid_attention(q, k, v, mesh_cache[key], causal=causal,
+                                                    placement=spx.balanced_placement("ring", causal))
     raise SystemExit(f"unknown mode {name}")
 
 

@@ -27,7 +27,7 @@ from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
 from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
                                     check_parallel_size, check_shapes, pick_device)
-from training.video_dit.engine import MetricsLog, make_core  # noqa: E402
+from training.video_dit.engine import MetricsLog, attention_kernel_line, make_core  # noqa: E402
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
@@ -183,6 +183,9 @@ def _train(args, device, ps) -> dict:
                     f"async_qkv={args.sp_async_qkv} ddp={impl} dist_opt={args.use_distributed_optimizer} "
                     f"recompute={args.recompute_granularity} device={device}"
                     + (f" pack_samples max_tokens_per_step={args.max_tokens_per_step}" if plan else ""))
+    if rank == 0 and not args.quiet:  # before the progress bar starts, not inside it
+        low = torch.bfloat16 if (args.bf16 and device.type == "cuda") or args.bf16_params else torch.float32
+        logger.info(attention_kernel_line(args.sp_attention_backend, "--sp-attention-backend", device, low))
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
     ops = MegatronOps(model, opt) if impl == "megatron" else TorchOps(model, opt, dp_cp_group, args.clip_grad)

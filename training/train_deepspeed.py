@@ -34,7 +34,7 @@ from training.video_dit.cli import (EntryParser, add_common_args, build_dataset,
                                     check_shapes, parallel_size_problem, pick_device)
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
-from training.video_dit.engine import MetricsLog  # noqa: E402
+from training.video_dit.engine import MetricsLog, attention_kernel_line  # noqa: E402
 from training.video_dit.logs import captured_stdout, quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import DeepSpeedOps, RunContext, add_train_args, train_loop  # noqa: E402
 from training.video_dit.packing import first_sample, make_pack_plan  # noqa: E402
@@ -164,8 +164,12 @@ def _train(args, engine, cfg, device) -> dict:
         logger.info(f"model={args.model} layers={cfg.layers} SP={sp_world} DP={dp_world} "
                     f"zero={engine.zero_optimization_stage()} sequence_parallel_ext={block} device={device}"
                     + (f" pack_samples max_tokens_per_step={args.max_tokens_per_step}" if plan else ""))
-    log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     bf16 = engine.bfloat16_enabled()
+    if rank == 0 and not args.quiet:  # before the progress bar starts, not inside it
+        key = "sequence_parallel_ext.backend" + (f" in {args.deepspeed_config}" if args.deepspeed_config else "")
+        logger.info(attention_kernel_line(block.get("backend", "auto"), key, device,
+                                          torch.bfloat16 if bf16 else torch.float32))
+    log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
 
     def cast_inputs(inp):
         if bf16:

@@ -257,7 +257,7 @@ class BackendRegistry:
                     f"{setting}={name!r} needs the package {package!r}, which is not installed here{hint}; "
                     f"available: {', '.join(available_backends())}")
             self._instances[(name, setting)] = _FACTORIES[name](setting)
-            log.info("megatron_sp_ext: local attention backend = %s", name)
+            log.debug("megatron_sp_ext: local attention backend = %s", name)
         return self._instances[(name, setting)]
 
 

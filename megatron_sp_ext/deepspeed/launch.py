@@ -12,6 +12,9 @@ from __future__ import annotations
 import runpy
 import sys
 
+from ..elastic_error import record_user_error
+from ..errors import SPConfigError, UserError
+
 
 def main(argv: "list[str] | None" = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -21,7 +24,11 @@ def main(argv: "list[str] | None" = None) -> None:
     from .hook import activate  # noqa: PLC0415
     activate()
     sys.argv = argv
-    runpy.run_path(argv[0], run_name="__main__")
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except (SPConfigError, UserError) as e:  # the traceback stays; torchrun's "Root Cause" shows our line
+        record_user_error(f"megatron_sp_ext: {e}")
+        raise
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import runpy
 import shlex
 import sys
 
+from ..elastic_error import record_user_error
 from ..errors import SPConfigError
 from .lm import ENV, SPEC, parse_sp_flags, split_sp_flags
 
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         from .compat import check_supported  # noqa: PLC0415  (the checkout's megatron.core)
         check_supported()
     except SPConfigError as e:
+        record_user_error(f"megatron_sp_ext: {e}")  # torchrun's "Root Cause" shows this line
         raise SystemExit(f"megatron_sp_ext: {e}") from None
     sys.argv = [script, *rest]
     runpy.run_path(script, run_name="__main__")

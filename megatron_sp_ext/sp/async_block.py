@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..attention.backends import LocalAttention, get_backend
 from ..comm import streams as st
 from ..comm.transport import default_transports, table_head_to_seq, table_seq_to_head
+from ..config import DEFAULT_PLACEMENT
 from .heads import HeadLayout, head_layout
 from .placement import pieces
 from .ring import RingBackend
@@ -271,7 +272,7 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
                                  comm_stream: Optional["torch.cuda.Stream"] = None,
                                  kv_valid_len: Optional[int] = None,
                                  transport: "str | object" = "nccl", causal: bool = False,
-                                 placement: str = "contiguous") -> torch.Tensor:
+                                 placement: str = DEFAULT_PLACEMENT) -> torch.Tensor:
     """The async block on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
 
     w_qkv: [(H + 2 Hkv) * D, dim] (q rows, then k, then v), w_o: [dim, H * D] (nn.Linear layout).
@@ -306,7 +307,7 @@ def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: i
                     softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
                     comm_stream: Optional["torch.cuda.Stream"] = None, kv_valid_len: Optional[int] = None,
                     transport: "str | object" = "nccl", causal: bool = False,
-                    placement: str = "contiguous") -> AsyncPlan:
+                    placement: str = DEFAULT_PLACEMENT) -> AsyncPlan:
     """The AsyncPlan of one block call (arguments as in async_ulysses_self_attention)."""
     world, d = dist.get_world_size(group), head_dim
     hl = head_layout(num_heads, num_kv_heads, world, head_chunks)

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from ..attention.backends import LocalAttention, get_backend
 from ..comm.streams import StreamPool
 from ..comm.transport import TransportPool
-from ..config import DROPOUT_MODES, LAYOUTS, MESH_MODES, SEQ_PLACEMENTS, SPConfig, resolve_auto_mode
+from ..config import (DEFAULT_PLACEMENT, DROPOUT_MODES, LAYOUTS, MESH_MODES, SEQ_PLACEMENTS, SPConfig,
+                      resolve_auto_mode)
 from ..errors import SPConfigError
 from ..topology.mesh import SPMesh, build_sp_mesh
 from .block_policy import FormPolicy
@@ -189,7 +190,7 @@ def packed_entry(cfg: SPConfig, group: dist.ProcessGroup, resources: SPResources
 
 
 def make_attention(cfg: SPConfig, group: Optional[dist.ProcessGroup], *, num_heads: int,
-                   num_kv_heads: Optional[int] = None, layout: str = "bshd", placement: str = "contiguous",
+                   num_kv_heads: Optional[int] = None, layout: str = "bshd", placement: str = DEFAULT_PLACEMENT,
                    backend: "str | LocalAttention | None" = None, resources: Optional[SPResources] = None,
                    mesh: Optional[SPMesh] = None) -> SPAttention:
     """The attention of ``cfg.mode`` over ``group`` for ``num_heads`` query heads (``num_kv_heads`` key/value

@@ -26,7 +26,7 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
-from ..config import SEQ_PLACEMENTS
+from ..config import DEFAULT_PLACEMENT, SEQ_PLACEMENTS
 from ..errors import SPConfigError
 from ..topology.hamiltonian import hamiltonian_cycles
 
@@ -200,7 +200,7 @@ def unpad_samples(x: torch.Tensor, pk: PackedSamples, seq_dim: int) -> torch.Ten
                      dim=seq_dim)
 
 
-def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: str = "contiguous",
+def shard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: str = DEFAULT_PLACEMENT,
                    seq_dim: int = 1, cu_seqlens: "torch.Tensor | PackedSamples | None" = None) -> torch.Tensor:
     """The full sequence ``x`` (identical on every rank) -> this rank's shard (a new tensor).
 
@@ -231,7 +231,7 @@ def padded_samples(cu_seqlens, placement: str, world: int) -> PackedSamples:
     return packed_samples(cu_seqlens, cu_seqlens.layout[-1], placement, world)
 
 
-def unshard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: str = "contiguous",
+def unshard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: str = DEFAULT_PLACEMENT,
                      seq_dim: int = 1, cu_seqlens: "torch.Tensor | PackedSamples | None" = None) -> torch.Tensor:
     """Inverse of ``shard_sequence`` (same ``placement`` and ``cu_seqlens``): all-gather the shards and restore
     global order (not autograd). With cu_seqlens the padding rows are dropped: ``cu_seqlens[-1]`` rows."""
@@ -251,3 +251,12 @@ def unshard_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, placement: st
             out.narrow(seq_dim, a, n).copy_(part.narrow(seq_dim, off, n))
             off += n
     return unpad_samples(out, pk, seq_dim) if pk is not None and pk.padded else out
+
+
+def balanced_placement(variant: str, causal: bool, *, packed: bool = False) -> str:
+    """The load-balanced placement for causal ``variant`` ("ring" or "tasp"; hybrid and torus rings take
+    "ring"): "zigzag", "tasp_zigzag" ("zigzag" for packed samples), and "contiguous" when not causal. Pass it
+    explicitly, the same to ``shard_sequence`` and the attention; the default is ``DEFAULT_PLACEMENT``."""
+    if not causal:
+        return "contiguous"
+    return "tasp_zigzag" if variant == "tasp" and not packed else "zigzag"

@@ -8,6 +8,7 @@ from typing import NoReturn
 
 import torch
 
+from megatron_sp_ext.elastic_error import record_user_error
 from megatron_sp_ext.errors import SPConfigError
 
 from .checkpoint import add_checkpoint_args
@@ -22,8 +23,10 @@ class EntryParser(argparse.ArgumentParser):
     text on every rank."""
 
     def error(self, message: str) -> NoReturn:
+        line = f"{self.prog}: error: {message} (--help lists the flags)"
         if job_rank() == 0:
-            print(f"{self.prog}: error: {message} (--help lists the flags)", file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
+        record_user_error(line)  # torchrun's "Root Cause" shows this line
         sys.exit(2)
 
 

@@ -197,6 +197,18 @@ def sample_loss(loss_r: torch.Tensor, sp_group, dp_group) -> float:
     return float(t.item())
 
 
+def attention_kernel_line(backend: str, setting: str, device: torch.device, dtype: torch.dtype) -> str:
+    """One line for the user, printed before training starts: which kernel runs attention on ``device``/``dtype``
+    for the local-attention ``backend`` and the ``setting`` (flag or JSON key) that changes it."""
+    be = get_backend(backend, setting)
+    if isinstance(be, SDPABackend):
+        kernel = f"{be.kernel_for(torch.empty(1, 1, 1, 1, device=device, dtype=dtype))} (torch SDPA)"
+    else:
+        kernel = be.name
+    return (f"attention kernel: {kernel} on {device.type}/{str(dtype).replace('torch.', '')}; "
+            f"change with {setting}")
+
+
 class MetricsLog:
     """JSONL metrics, a tqdm progress bar and a loss-curve PNG (rank 0 writes)."""
 

@@ -31,6 +31,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from megatron_sp_ext.elastic_error import record_user_error
+
 
 def timeout_of(minutes: float) -> datetime.timedelta:
     """``--distributed-timeout-minutes`` as the timedelta init_process_group takes."""
@@ -91,6 +93,7 @@ def run_entry(main: Callable[[Optional[list]], object], what: str, argv: Optiona
         announced = getattr(e, "spx_announced", None)
         if announced is None and job_rank() == 0:
             print(f"[{what}] error: {e}", file=sys.stderr, flush=True)
+        record_user_error(f"[{what}] error: {e}")  # torchrun's "Root Cause" shows this line
         return 1
     return 0
 

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ...attention.backends import get_backend
+from ...config import DEFAULT_PLACEMENT
 from ...topology.mesh import SPMesh
 from ..checks import packed_cu
 from ..placement import pieces, varlen_pieces
@@ -63,13 +64,12 @@ def sorted_rows(grid: tuple, world: int, placement: str, seqlen: int, cu: Option
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *,
                      head_chunks: "int | str" = 1, ring_variant: str = "ring", causal: bool = False,
                      softmax_scale: Optional[float] = None, layout: str = "bshd",
-                     placement: Optional[str] = None, backend: str = "sdpa",
+                     placement: str = DEFAULT_PLACEMENT, backend: str = "sdpa",
                      kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Ulysses over ``mesh.ulysses_group`` then ring/TASP over ``mesh.ring_group``. Shapes as ulysses_attention.
     ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
     cu_seqlens: packed samples (B=1; cumulative lengths over the full sequence, the same on every rank; shards in
     the per-sample "contiguous" or "zigzag" placement of ``shard_sequence``): each sample attends within itself."""
-    placement = placement or ("zigzag" if causal else "contiguous")
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     pk = packed_cu(cu_seqlens, q, layout, s_loc * mesh.world, kv_valid_len, placement, mesh.world)
     cu = None if pk is None else pk.layout

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ...attention.backends import LocalAttention, get_backend
 from ...attention.lse import acc_dtype, merge_into
 from ...comm.multiring import wait_handles
+from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
 from ...topology.hamiltonian import RoutingTables, routing_tables
 from ..checks import check_ring_inputs, packed_cu
@@ -377,28 +378,24 @@ class RingBackend(LocalAttention):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                    variant: str = "ring", causal: bool = False, softmax_scale: Optional[float] = None,
-                   layout: str = "bshd", placement: Optional[str] = None,
+                   layout: str = "bshd", placement: str = DEFAULT_PLACEMENT,
                    backend: "str | LocalAttention" = "sdpa", kv_valid_len: Optional[int] = None,
                    cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Ring or TASP attention over ``group``. q: [B, S_loc, H, D] (or sbhd); k, v: Hkv heads.
 
-    ``placement`` says which tokens each rank holds: by default "zigzag" for causal ring,
-    "tasp_zigzag" for causal tasp, and "contiguous" otherwise (for non-causal any placement gives
-    the same result). Use ``shard_sequence(x, group, placement=...)`` to produce matching shards.
+    ``placement`` says which tokens each rank holds (default ``DEFAULT_PLACEMENT``, "contiguous", as
+    ``shard_sequence``); causal load balance is one keyword away: "zigzag" (ring) or "tasp_zigzag" (tasp),
+    passed the same to ``shard_sequence(x, group, placement=...)``.
     ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
     Local attention uses the backend's log-sum-exp kernels (``forward_lse`` / ``backward_lse``).
     cu_seqlens: packed variable-length samples (B=1): 1-D int tensor [n_samples + 1] of the samples' cumulative
     lengths, the same on every rank; shards from ``shard_sequence(x, group, placement=..., cu_seqlens=)`` with
-    placement "contiguous" or "zigzag" (the default for causal, ring and tasp: "tasp_zigzag" does not take
-    packed samples). Each sample attends only within itself; samples that do not divide by the placement's
+    placement "contiguous" or "zigzag" ("tasp_zigzag" does not take packed samples). Each sample attends only within itself; samples that do not divide by the placement's
     divisor are padded as in ``ulysses_attention``; not combined with kv_valid_len.
     """
     if variant not in VARIANTS:
         raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
     check_ring_inputs(q, k, v, layout, group)
-    if placement is None:
-        packed_causal = "zigzag" if cu_seqlens is not None else "tasp_zigzag"
-        placement = ("zigzag" if variant == "ring" else packed_causal) if causal else "contiguous"
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     be = get_backend(backend)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ...attention.backends import get_backend
+from ...config import DEFAULT_PLACEMENT
 from ...attention.lse import acc_dtype, merge_into
 from ...comm.multiring import wait_handles
 from ...comm.transport import emulated_link
@@ -271,11 +272,10 @@ class _TorusFn(torch.autograd.Function):
 
 def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool = False,
                     softmax_scale: Optional[float] = None, layout: str = "bshd", ring_variant: str = "ring",
-                    placement: Optional[str] = None, backend: str = "sdpa",
+                    placement: str = DEFAULT_PLACEMENT, backend: str = "sdpa",
                     kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len and cu_seqlens (packed
     samples, attention within each sample) as hybrid_attention."""
-    placement = placement or ("zigzag" if causal else "contiguous")
     s_full = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
     pk = packed_cu(cu_seqlens, q, layout, s_full, kv_valid_len, placement, mesh.world)
     if layout == "sbhd":

@@ -30,6 +30,7 @@ from ...attention.backends import LocalAttention, get_backend
 from ...attention.varlen import SETTINGS as VARLEN_SETTINGS
 from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq
+from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
 from ..checks import check_inputs, packed_cu
 from ..heads import head_layout
@@ -150,7 +151,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       head_chunks: "int | str" = 1, causal: bool = False, softmax_scale: Optional[float] = None,
                       layout: str = "bshd", backend: "str | LocalAttention" = "sdpa",
                       comm_stream: Optional["torch.cuda.Stream"] = None,
-                      policy: Optional[ChunkPolicy] = None, placement: str = "contiguous",
+                      policy: Optional[ChunkPolicy] = None, placement: str = DEFAULT_PLACEMENT,
                       kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True,
                       transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None,
                       dropout_p: float = 0.0, cu_seqlens: "torch.Tensor | PackedSamples | None" = None,

@@ -28,6 +28,7 @@ from torch.autograd.function import once_differentiable
 from ...attention.backends import LocalAttention, get_backend
 from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq, table_seq_to_head
+from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
 from ..checks import check_same_shape_across_ranks
 from ..heads import HeadLayout, head_layout
@@ -246,7 +247,7 @@ class PackedUlysses:
 def packed_ulysses_attention(sends: Sequence[torch.Tensor], group: dist.ProcessGroup, *, num_heads: int,
                              num_kv_heads: int, head_chunks: int = 1, causal: bool = False,
                              softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
-                             comm_stream: Optional["torch.cuda.Stream"] = None, placement: str = "contiguous",
+                             comm_stream: Optional["torch.cuda.Stream"] = None, placement: str = DEFAULT_PLACEMENT,
                              kv_valid_len: Optional[int] = None,
                              transport: "str | object" = "nccl") -> torch.Tensor:
     """Ulysses / HCMS attention on ``sends`` = ``pack_qkv(q, k, v, layout)``; returns [B, S_loc, H, D] ("bshd").
