@@ -230,3 +230,15 @@ def test_cuda_fa4_family_dry_run_on_cpu(monkeypatch):
     assert len(records) == 50
     for r in records:
         assert max(r["errs"].values()) <= r["tol"], r
+
+
+def test_the_user_line_names_the_kernel_and_the_flag(monkeypatch):
+    pytest.importorskip("megatron.core")
+    from training.video_dit.engine import attention_kernel_line  # noqa: PLC0415
+    cpu = torch.device("cpu")
+    assert attention_kernel_line("auto", "--sp-attention-backend", cpu, torch.float32, 64) == \
+        "attention kernel: FlashAttention-2 (torch SDPA) on cpu/float32; change with --sp-attention-backend"
+    fake_fa4.install(monkeypatch, dtypes=(torch.bfloat16,), head_dims=(64, 128))
+    assert attention_kernel_line("auto", "--sp-attention-backend", cpu, torch.bfloat16, 128).startswith(
+        "attention kernel: FlashAttention-4 on cpu/bfloat16")
+    assert "FlashAttention-2" in attention_kernel_line("auto", "x", cpu, torch.bfloat16, 96)   # a head dim FA4 refuses

@@ -185,7 +185,8 @@ def _train(args, device, ps) -> dict:
                     + (f" pack_samples max_tokens_per_step={args.max_tokens_per_step}" if plan else ""))
     if rank == 0 and not args.quiet:  # before the progress bar starts, not inside it
         low = torch.bfloat16 if (args.bf16 and device.type == "cuda") or args.bf16_params else torch.float32
-        logger.info(attention_kernel_line(args.sp_attention_backend, "--sp-attention-backend", device, low))
+        logger.info(attention_kernel_line(args.sp_attention_backend, "--sp-attention-backend", device, low,
+                                          cfg.head_dim))
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
     ops = MegatronOps(model, opt) if impl == "megatron" else TorchOps(model, opt, dp_cp_group, args.clip_grad)

@@ -197,12 +197,18 @@ def sample_loss(loss_r: torch.Tensor, sp_group, dp_group) -> float:
     return float(t.item())
 
 
-def attention_kernel_line(backend: str, setting: str, device: torch.device, dtype: torch.dtype) -> str:
-    """One line for the user, printed before training starts: which kernel runs attention on ``device``/``dtype``
-    for the local-attention ``backend`` and the ``setting`` (flag or JSON key) that changes it."""
+KERNEL_NAMES = {"fa4": "FlashAttention-4", "cudnn": "cuDNN (torch SDPA)", "flash": "FlashAttention-2 (torch SDPA)",
+                "math": "math (torch SDPA)"}
+
+
+def attention_kernel_line(backend: str, setting: str, device: torch.device, dtype: torch.dtype,
+                          head_dim: int) -> str:
+    """One line for the user, printed before training starts: which kernel runs attention on ``device``/``dtype`` at
+    ``head_dim`` for the local-attention ``backend``, and the ``setting`` (flag or JSON key) that changes it."""
     be = get_backend(backend, setting)
     if isinstance(be, SDPABackend):
-        kernel = f"{be.kernel_for(torch.empty(1, 1, 1, 1, device=device, dtype=dtype))} (torch SDPA)"
+        k = be.kernel_for(torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype))
+        kernel = KERNEL_NAMES.get(k, k)
     else:
         kernel = be.name
     return (f"attention kernel: {kernel} on {device.type}/{str(dtype).replace('torch.', '')}; "
