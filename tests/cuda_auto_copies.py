@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import megatron_sp_ext as spx
 from megatron_sp_ext.config import SPConfig
+from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.calibration import ModePolicy, time_ms, wall_time_ms
 from megatron_sp_ext.sp.factory import SPResources, make_attention
 from megatron_sp_ext.sp.ulysses import engine
@@ -54,7 +55,35 @@ def auto_family(rank: int, world: int) -> list:
                 if pick == "measured":  # name what the calibration picked (the same on every rank)
                     rec[-1]["case"] += f" -> {next(iter(policy.cache.values())).chunks}"
                 n += 1
+    user_auto_on_the_plain_group(rec, rank, world, g, s, d, n)
     return rec
+
+
+def user_auto_on_the_plain_group(rec: list, rank: int, world: int, g, s: int, d: int, n: int) -> None:
+    """As a user calls it: ``make_attention(SPConfig(mode="auto"))`` with default resources on the group as it is
+    (no emulated machines: on gloo with CUDA tensors its point-to-point hops cannot run), against float64; and
+    ``mode="ring"`` there refused by name before any exchange (the group stays usable for the next case)."""
+    import os  # noqa: PLC0415
+    saved = os.environ.pop("SPX_EMULATED_MACHINE_SIZE", None)
+    try:
+        attn = make_attention(SPConfig(mode="auto"), g, num_heads=8, placement="zigzag")
+        _one(rec, "auto", "user make_attention(SPConfig(mode='auto')), plain group",
+             lambda q, k, v: attn(q, k, v, causal=True), rank, world, dtype=BF16, causal=True, placement="zigzag",
+             s=s, h=8, hkv=8, d=d, seed=n)
+        ring = make_attention(SPConfig(mode="ring"), g, num_heads=8)
+        q = torch.randn(1, s // SHRINK // world, 8, d, device=DEV, dtype=BF16)
+        gloo_cuda = dist.get_backend(g) == "gloo" and DEV == "cuda"
+        try:
+            ring(q, q, q, causal=False)
+            refused = False
+        except SPConfigError as e:
+            refused = "cannot run on this process group with CUDA tensors" in str(e)
+        rec.append({"family": "auto", "case": f"P={world} mode='ring' on {dist.get_backend(g)} with {DEV} tensors "
+                    f"{'refused by name' if gloo_cuda else 'runs'}", "errs": {"check": 0.0 if refused == gloo_cuda
+                                                                                     else 1.0}, "tol": 0.5})
+    finally:
+        if saved is not None:
+            os.environ["SPX_EMULATED_MACHINE_SIZE"] = saved
 
 
 def exchange_copies_family(rank: int, world: int) -> list:

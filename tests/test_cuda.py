@@ -197,7 +197,7 @@ def test_varlen_local_kernels():
 def test_auto_family(world, backend):
     """auto's branches (Ulysses/HCMS, ring, TASP) forced through the real calibration, and the CUDA-event
     calibration itself, against float64."""
-    assert len(_worker("cuda_auto_copies", "auto_family", "auto", world, backend)) == {2: 12, 4: 16}[world]
+    assert len(_worker("cuda_auto_copies", "auto_family", "auto", world, backend)) == {2: 14, 4: 18}[world]
 
 
 @pytest.mark.parametrize("world,backend", _layouts())

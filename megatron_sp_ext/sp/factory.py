@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
+from ..comm.capability import check_p2p, needs_p2p, p2p_unavailable_reason
 from ..comm.streams import StreamPool
 from ..comm.transport import TransportPool
 from ..config import (DEFAULT_PLACEMENT, DROPOUT_MODES, LAYOUTS, MESH_MODES, SEQ_PLACEMENTS, SPConfig,
@@ -122,6 +123,10 @@ class SPAttention:
         }
         if self.world > 2:  # TASP's n-1 rings differ from the ring only beyond 2 ranks
             candidates["tasp"] = lambda a, b, c: self._ring(a, b, c, "tasp", causal, softmax_scale, kv_valid_len)
+        if p2p_unavailable_reason(self.group, q.device) is not None:   # never tried: it would break the group
+            candidates = {m: f for m, f in candidates.items() if not needs_p2p(m, self.world)}
+        if len(candidates) == 1:
+            return next(iter(candidates))
         return self.res.mode_policy.choose_for(q, k, self.group, candidates, extra_key=(
             causal, kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
             getattr(self.backend, "name", type(self.backend).__name__)), fwd_bwd=self.training)
@@ -161,6 +166,9 @@ class SPAttention:
         if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None:
             picked = self.choose(q, k, causal, kv_valid_len, softmax_scale)
             mode = picked if picked in RING_MODES else self.mode
+        if self.world > 1 and needs_p2p(mode, self.world):
+            check_p2p(f"{self.cfg.name('mode')}={mode!r}" + (" (auto)" if self.cfg.mode == "auto" else ""),
+                      self.group, q.device, f"{self.cfg.name('mode')} ulysses or hcms")
         if mode in ULYSSES_MODES:
             return self._ulysses(q, k, v, causal, softmax_scale, kv_valid_len, dropout_p, local_attention, cu_seqlens)
         if mode in RING_MODES:

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ...attention.backends import get_backend
+from ...comm.capability import check_p2p, needs_p2p
 from ...config import DEFAULT_PLACEMENT
 from ...topology.mesh import SPMesh
 from ..checks import packed_cu
@@ -70,6 +71,9 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
     ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
     cu_seqlens: packed samples (B=1; cumulative lengths over the full sequence, the same on every rank; shards in
     the per-sample "contiguous" or "zigzag" placement of ``shard_sequence``): each sample attends within itself."""
+    if mesh.ring_group is not None and needs_p2p(ring_variant, mesh.ring_size):
+        check_p2p(f"hybrid_attention(ring_variant={ring_variant!r})", mesh.ring_group, q.device,
+                  "ulysses_attention")
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     pk = packed_cu(cu_seqlens, q, layout, s_loc * mesh.world, kv_valid_len, placement, mesh.world)
     cu = None if pk is None else pk.layout

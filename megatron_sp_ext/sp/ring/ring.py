@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ...attention.backends import LocalAttention, get_backend
 from ...attention.lse import acc_dtype, merge_into
+from ...comm.capability import check_p2p, needs_p2p
 from ...comm.multiring import wait_handles
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
@@ -393,6 +394,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     placement "contiguous" or "zigzag" ("tasp_zigzag" does not take packed samples). Each sample attends only within itself; samples that do not divide by the placement's
     divisor are padded as in ``ulysses_attention``; not combined with kv_valid_len.
     """
+    if group is not None and dist.get_world_size(group) > 1 and needs_p2p(variant, dist.get_world_size(group)):
+        check_p2p(f"ring_attention(variant={variant!r})", group, q.device, "ulysses_attention")
     if variant not in VARIANTS:
         raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
     check_ring_inputs(q, k, v, layout, group)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ...attention.backends import get_backend
+from ...comm.capability import check_p2p
 from ...config import DEFAULT_PLACEMENT
 from ...attention.lse import acc_dtype, merge_into
 from ...comm.multiring import wait_handles
@@ -276,6 +277,8 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
                     kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len and cu_seqlens (packed
     samples, attention within each sample) as hybrid_attention."""
+    for group in (mesh.ulysses_group, mesh.ring_group):   # its stages and its ring are point to point
+        check_p2p("torus_attention", group, q.device, "ulysses_attention")
     s_full = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
     pk = packed_cu(cu_seqlens, q, layout, s_full, kv_valid_len, placement, mesh.world)
     if layout == "sbhd":
