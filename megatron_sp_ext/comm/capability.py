@@ -2,9 +2,10 @@
 
 gloo carries CUDA tensors in its collectives (all_to_all_single, all_gather: through host memory) but not point to
 point: its send/recv of a CUDA tensor fails (``gloo/transport/tcp/pair.cc ... writev ... Bad address``) and leaves the
-group broken for every later call. The ring hops (ring, the inner ring of usp/tas, torus's stages, TASP with one
-ring) are point to point, unless the group spans emulated machines, whose hops take the host-staged link
-(comm/host_staged.py). Ulysses/HCMS and TASP with several rings exchange by all-to-all and run anywhere.
+group broken for every later call. The ring family's hops (ring and TASP: their steps and dK|dV returns are
+batched send/recv pairs; the inner ring of usp/tas; torus's stages) are point to point, unless the group spans
+emulated machines, whose hops take the host-staged link (comm/host_staged.py). Ulysses/HCMS exchange by all-to-all
+and run anywhere.
 """
 from __future__ import annotations
 
@@ -30,10 +31,8 @@ def p2p_unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.dev
 
 
 def needs_p2p(mode: str, world: int) -> bool:
-    """Whether ``mode`` (an algorithm name) exchanges point to point on a group of ``world`` ranks."""
-    if mode == "tasp":
-        return world == 2   # one Hamiltonian cycle: a send/recv pair; more: one all-to-all per step
-    return mode in ("ring", "usp", "tas", "torus")
+    """Whether ``mode`` (an algorithm name) exchanges point to point on a group of ``world`` (> 1) ranks."""
+    return world > 1 and mode in ("ring", "tasp", "usp", "tas", "torus")
 
 
 def check_p2p(what: str, group: Optional[dist.ProcessGroup], device: torch.device, instead: str) -> None:
