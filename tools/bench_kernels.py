@@ -24,25 +24,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.attention import backends, varlen  # noqa: E402
+from megatron_sp_ext.sp.calibration import time_ms  # noqa: E402
 from tools.gpu_ranks import run_meta  # noqa: E402
 
 KERNELS = ("cudnn", "fa4")
-
-
-def _median_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(iters):
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -120,8 +105,8 @@ def _row(kind, make, flops, iters, warmup):
         o = fwd_bwd()
         torch.cuda.synchronize()
         row[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 3)
-        row[f"{name}_fwd_ms"] = _median_ms(fwd, iters, warmup)
-        row[f"{name}_fwd_bwd_ms"] = _median_ms(fwd_bwd, iters, warmup)
+        row[f"{name}_fwd_ms"] = time_ms(fwd, iters, warmup, None, long_ms=None)
+        row[f"{name}_fwd_bwd_ms"] = time_ms(fwd_bwd, iters, warmup, None, long_ms=None)
         row[f"{name}_fwd_tflops"] = round(flops / row[f"{name}_fwd_ms"] / 1e9, 1)
         row[f"{name}_bwd_tflops"] = round(2.5 * flops / (row[f"{name}_fwd_bwd_ms"] - row[f"{name}_fwd_ms"]) / 1e9, 1)
         o = fwd_bwd()
