@@ -242,7 +242,11 @@ def test_cuda_auto_worker_runs_on_cpu(monkeypatch):
     """tests/cuda_auto_copies.auto_family dry-run on CPU gloo ranks (SPX_SUITE_DEVICE=cpu, SPX_SUITE_SHRINK=16)."""
     mod = _suite_on_cpu(monkeypatch)
     for per_rank in run_ranks(mod.auto_family, 2, timeout=300):
-        assert len(per_rank) == 12 and all(r["family"] == "auto" for r in per_rank)
+        # 2 head layouts x 2 (layout, causal) x 3 picks at P=2, then the user's own make_attention call and the
+        # ring-on-this-group check of user_auto_on_the_plain_group
+        assert len(per_rank) == 12 + 2 and all(r["family"] == "auto" for r in per_rank)
+        assert "user make_attention" in per_rank[12]["case"] and "mode='ring' on gloo with cpu tensors runs" in \
+            per_rank[13]["case"], [r["case"] for r in per_rank[12:]]
         for r in per_rank:
             assert max(r["errs"].values()) <= r["tol"], r
 
