@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import tempfile
 import traceback
 
@@ -85,7 +86,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = 
                     break
                 try:
                     rank, status, payload = queue.get(timeout=min(left, 1.0))
-                except Exception:  # queue.Empty
+                except queue_mod.Empty:  # only "nothing yet": a result that cannot be unpickled must fail loudly
                     if any(not p.is_alive() and p.exitcode not in (0, None) for p in procs) and queue.empty():
                         dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
                         errors.append((dead[0], f"rank process exited with code {procs[dead[0]].exitcode}"))

@@ -176,6 +176,14 @@ def test_inf_grad_hook_caught_megatron():
     assert [r["skipped_steps"] for r in res["rows"]] == [0, 0, 1, 1]
     assert all(x == x and abs(x) != float("inf") for x in res["losses"])
 
+    # the same guard with FSDP2 (the norm is a DTensor reduction over the data x context shards)
+    with pytest.raises(RankFailure) as e:
+        run_ranks(lambda r, w: _mg(r, w, ("--debug-inf-grad-step", "2", "--use-torch-fsdp2")), 2)
+    assert "step 2: gradient norm non-finite on rank(s) [0, 1]" in str(e.value)
+    res = run_ranks(lambda r, w: _mg(r, w, ("--debug-inf-grad-step", "2", "--skip-nonfinite-steps", "1",
+                                            "--use-torch-fsdp2")), 2)[0]
+    assert [r["skipped_steps"] for r in res["rows"]] == [0, 0, 1, 1]
+
 
 def test_nan_sample_deepspeed(tmp_path):
     data, ck = _nan_data(tmp_path), str(tmp_path / "ck")

@@ -35,6 +35,7 @@ from training.video_dit.loop import MegatronOps, RunContext, TorchOps, add_train
 from training.video_dit.packing import first_sample, make_pack_plan  # noqa: E402
 from training.video_dit.pipeline import consumed_samples, resume_base  # noqa: E402
 from training.video_dit.sample import write_demo_samples  # noqa: E402
+from training.video_dit.sharding import FsdpOps, check_fsdp2_flags, full_parameters, shard_model  # noqa: E402
 
 logger = logging.getLogger("video_dit")
 
@@ -55,6 +56,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                         "in Megatron's optimizer (Megatron-LM's --bf16 meaning; needs --bf16 for the autocast)")
     p.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="megatron DDP: gradient buffers and their reduction in bf16 (default fp32)")
+    p.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="torch FSDP2 (fully_shard per block + root): shard parameters, gradients and optimizer state "
+                        "over data x context ranks; fp32 main weights, bf16 compute with --bf16 (reduce in fp32)")
     add_train_args(p)
     add_arguments(p)
     # Megatron-LM's default (p2p) is Transformer Engine's ring, which this DiT does not have: ours picks a mode
@@ -67,6 +71,12 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
             and args.ddp_impl == "torch":
         p.error("--bf16-params / --use-distributed-optimizer / --overlap-grad-reduce / --grad-reduce-in-bf16 are "
                 "megatron DDP options: use --ddp-impl megatron or auto on CUDA")
+    fsdp_msg = check_fsdp2_flags(args.use_torch_fsdp2, **{
+        "--use-distributed-optimizer": args.use_distributed_optimizer, "--bf16-params": args.bf16_params,
+        "--overlap-grad-reduce": args.overlap_grad_reduce, "--grad-reduce-in-bf16": args.grad_reduce_in_bf16,
+        "--ddp-impl megatron": args.ddp_impl == "megatron"})
+    if fsdp_msg:
+        p.error(fsdp_msg)
     check_common_args(p, args)
     cfg = preset(args.model, args.num_layers)
     args.num_attention_heads, args.tensor_model_parallel_size = cfg.heads, 1
@@ -107,7 +117,9 @@ def _ckpt_identity(args) -> dict:
     return {"entry": "megatron-core", **ckpt.describe(preset(args.model, args.num_layers), args.model)}
 
 
-def main(argv: Optional[list] = None) -> dict:
+def main(argv: Optional[list] = None, return_params: bool = False) -> dict:
+    """Train; returns losses, plot, rows, timing (and "params": name -> full fp32 tensor when
+    ``return_params``, gathered on every rank, for tests)."""
     args = parse(argv)
     device = pick_device()
     own_pg = not dist.is_initialized()
@@ -122,14 +134,14 @@ def main(argv: Optional[list] = None) -> dict:
         with report_failures("pretrain_video_dit"):
             ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size,
                                          distributed_timeout_minutes=args.distributed_timeout_minutes)
-            return _train(args, device, ps)
+            return _train(args, device, ps, return_params)
     finally:
         ps.destroy_model_parallel()
         if own_pg:
             dist.destroy_process_group()
 
 
-def _train(args, device, ps) -> dict:
+def _train(args, device, ps, return_params: bool = False) -> dict:
     cfg = preset(args.model, args.num_layers)
     check_shapes(args, cfg)
     cp_group, dp_group = ps.get_context_parallel_group(), ps.get_data_parallel_group()
@@ -155,12 +167,18 @@ def _train(args, device, ps) -> dict:
     model.set_fused_elementwise(fused_backend)
     model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples))
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
+    if args.use_torch_fsdp2:
+        impl = "fsdp2"
     if impl == "torch" and (args.bf16_params or args.use_distributed_optimizer or args.overlap_grad_reduce
                             or args.grad_reduce_in_bf16):
         raise SPConfigError("--bf16-params / --use-distributed-optimizer / --overlap-grad-reduce / --grad-reduce-in-bf16 "
                          f"need megatron's DDP, which needs CUDA (this run uses --ddp-impl torch on {device})")
     if impl == "megatron":
         model, opt = _megatron_ddp(model, cfg, args)
+    elif impl == "fsdp2":
+        model = shard_model(model, dp_cp_group, device, bf16=args.bf16 and device.type == "cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
+                                foreach=True)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                                 fused=device.type == "cuda" or None)
@@ -189,7 +207,8 @@ def _train(args, device, ps) -> dict:
                                           cfg.head_dim))
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
-    ops = MegatronOps(model, opt) if impl == "megatron" else TorchOps(model, opt, dp_cp_group, args.clip_grad)
+    ops = MegatronOps(model, opt) if impl == "megatron" else FsdpOps(model, opt, args.clip_grad) \
+        if impl == "fsdp2" else TorchOps(model, opt, dp_cp_group, args.clip_grad)
     ctx = RunContext(sp_rank, sp_world, dp_rank, dp_world, rank, dist.get_world_size())
     position = lambda s: {"consumed_samples": plan.consumed_samples(s, dp_world) if plan else  # noqa: E731
                           consumed_samples(s, base, global_batch), "global_batch": global_batch}
@@ -207,7 +226,10 @@ def _train(args, device, ps) -> dict:
         write_demo_samples(model.module if impl == "megatron" else model, dataset, steps=args.sample_steps,
                            seed=args.seed, group=cp_group if sp_world > 1 else None, device=device,
                            log_dir=args.log_dir)
-    return {"losses": losses, "plot": plot, "rows": log.rows, "timing": getattr(log, "timing", None)}
+    out = {"losses": losses, "plot": plot, "rows": log.rows, "timing": getattr(log, "timing", None)}
+    if return_params:
+        out["params"] = full_parameters(model.module if impl == "megatron" else model)
+    return out
 
 
 def _megatron_ddp(model, cfg, args):

@@ -199,7 +199,14 @@ def _plant_inf_hook(model, step, at_step, rank):
     if at_step is None or step != at_step or rank != 0:
         return None
     p = next(p for p in model.parameters() if p.requires_grad)
-    return p.register_hook(lambda g: g + float("inf"))
+    if not hasattr(p, "device_mesh"):
+        return p.register_hook(lambda g: g + float("inf"))
+
+    # FSDP2: the forward runs on the all-gathered parameter, never on this DTensor shard, so a hook on the shard
+    # would not fire; poison the gradient of the model's output on this rank instead
+    def poison_output(module, inputs, out):
+        out.register_hook(lambda g: g + float("inf"))
+    return model.register_forward_hook(poison_output)
 
 
 def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *, start: int, autocast=None,

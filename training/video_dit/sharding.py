@@ -1,0 +1,89 @@
+"""Parameter / gradient / optimizer-state sharding beside sequence parallelism (Megatron-LM's --use-torch-fsdp2).
+
+SP (context-parallel) ranks hold the same parameters, so FSDP2 shards over the data x context group, as
+Megatron does: one ``fully_shard`` per transformer block, then the root. bf16 compute with fp32 main weights is
+FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 parameters. Gradients are averaged
+over the data x context ranks by FSDP2's reduce-scatter (the same average TorchOps does with an all-reduce).
+Checkpoints go through training/video_dit/checkpoint.py (torch.distributed.checkpoint get_state_dict /
+set_state_dict), which reshards DTensors across FSDP and SP sizes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_sp_ext.errors import SPConfigError
+
+
+def check_fsdp2_flags(use_torch_fsdp2: bool, **other: bool) -> Optional[str]:
+    """The message for a flag that cannot go with --use-torch-fsdp2 (None when the combination works).
+    ``other``: flag name (with dashes) -> whether it was given."""
+    if not use_torch_fsdp2:
+        return None
+    bad = [name for name, on in other.items() if on]
+    if bad:
+        return (f"--use-torch-fsdp2 cannot run with {', '.join(bad)}: FSDP2 already shards parameters, gradients "
+                f"and optimizer state over data x context ranks (drop {', '.join(bad)})")
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
+        return f"--use-torch-fsdp2 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this is {torch.__version__}"
+    return None
+
+
+def shard_model(model: torch.nn.Module, dp_cp_group: dist.ProcessGroup, device: torch.device,
+                bf16: bool) -> torch.nn.Module:
+    """FSDP2 over ``dp_cp_group``: each of ``model.blocks`` and the root; fp32 parameters, bf16 compute when
+    ``bf16`` (reduce in fp32). Returns the same module (fully_shard works in place)."""
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise SPConfigError("--use-torch-fsdp2 keeps fp32 parameters (main weights); got another dtype")
+    mesh = DeviceMesh.from_group(dp_cp_group, device_type=device.type)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class FsdpOps:
+    """The train loop's adapter for an FSDP2 model + torch AdamW over its DTensor shards: the gradients are
+    already averaged (reduce-scatter in backward); the norm is the global one (DTensor reduction)."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, clip: float) -> None:
+        self.model, self.opt, self.clip = model, opt, clip
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def grads_ready(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if self.clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm, foreach=True)
+        return _local(norm)
+
+    def update(self) -> None:
+        self.opt.step()
+        return None
+
+    def discard(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return float(self.opt.param_groups[0]["lr"])
+
+
+def full_parameters(model: torch.nn.Module) -> dict:
+    """name -> full (unsharded) parameter tensor, on every rank (collective for FSDP2 models)."""
+    return {n: _local(p.detach()).clone() for n, p in model.named_parameters()}
