@@ -8,7 +8,6 @@ not cache groups, plans are dropped once the gradients exist, and cached ring pl
 Limit (torch, not this library): a reference of the user's own that keeps a gloo group alive past
 destroy_process_group into interpreter exit can abort the same way (plain torch: 4-6 of 30 runs)."""
 import os
-import socket
 import subprocess
 import sys
 
@@ -22,8 +21,12 @@ SCRIPT = """
 import sys
 import torch
 import torch.distributed as dist
+import os
 import megatron_sp_ext
-dist.init_process_group("gloo")
+# a file store, not a TCP port: a port found free can be taken by another job before rank 0 binds it (seen in CI:
+# "recvValue failed", then a hang)
+dist.init_process_group("gloo", init_method=os.environ["SPX_INIT"], rank=int(os.environ["RANK"]),
+                        world_size=int(os.environ["WORLD_SIZE"]))
 torch.manual_seed(dist.get_rank())
 q, k, v = (torch.randn(1, 8, 4, 16, requires_grad=True) for _ in range(3))
 out = megatron_sp_ext.ulysses_attention(q, k, v, dist.group.WORLD, head_chunks=2)
@@ -32,19 +35,13 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_script_exits_zero_every_time(tmp_path):
     script = tmp_path / "exit_script.py"
     script.write_text(SCRIPT)
-    base = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    base = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2"}
     bad = []
     for i in range(RUNS):
-        env = {**base, "MASTER_PORT": str(_free_port())}
+        env = {**base, "SPX_INIT": f"file://{tmp_path / f'store{i}'}"}
         procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r)}, cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
         outs = [p.communicate(timeout=120)[0] for p in procs]
