@@ -189,11 +189,14 @@ def flex_attention_masked(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: to
                           scale: float, *, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, Sq, D], lse [B, H, Sq] fp32) of flex_attention under ``flex_mask`` (``flex_block_mask``);
     differentiable in out. ``compiled=False`` runs flex_attention eagerly (its reference mode; CPU forward only)."""
-    from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
-    fn = _compiled_flex() if compiled else flex_attention
-    out, lse = fn(q_bhsd, k_bhsd, v_bhsd, block_mask=flex_mask, scale=scale,
-                  enable_gqa=k_bhsd.shape[1] != q_bhsd.shape[1], return_lse=True)
-    return out, lse
+    from torch.nn.attention import flex_attention as fa  # noqa: PLC0415
+    fn = _compiled_flex() if compiled else fa.flex_attention
+    gqa = k_bhsd.shape[1] != q_bhsd.shape[1]
+    if hasattr(fa, "AuxRequest"):  # torch >= 2.9: return_lse is deprecated
+        out, aux = fn(q_bhsd, k_bhsd, v_bhsd, block_mask=flex_mask, scale=scale, enable_gqa=gqa,
+                      return_aux=fa.AuxRequest(lse=True))
+        return out, aux.lse
+    return fn(q_bhsd, k_bhsd, v_bhsd, block_mask=flex_mask, scale=scale, enable_gqa=gqa, return_lse=True)
 
 
 # ------------------------------------------------------------------------------------------------ entry point

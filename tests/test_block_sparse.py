@@ -1,0 +1,165 @@
+"""Block-sparse attention (block_mask / block_size) in the sequence-parallel modes vs a float64 masked reference.
+
+The reference here builds its token mask on its own (tile of each position, AND causal) and runs an explicit
+softmax in float64 on one device; every rank compares its shard of out, dq, dk, dv. gloo, CPU.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_sp_ext as spx
+from megatron_sp_ext.attention import block_sparse as bsp
+from megatron_sp_ext.config import SPConfig
+from megatron_sp_ext.errors import SPConfigError
+from megatron_sp_ext.sp.factory import SPResources, make_attention
+from megatron_sp_ext.sp.placement import positions
+from tests.harness import run_ranks
+from tests.reference import make_qkv, rel_err
+
+TOL64 = 1e-10
+
+
+# ----------------------------------------------------------------------------------------------- masks, reference
+def random_mask(seed: int, heads: int, t: int, keep: float = 0.35) -> torch.Tensor:
+    """[heads, t, t] random tiles (~1-keep sparse), with query-tile row 1 empty for every head."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(heads, t, t, generator=g) < keep
+    m[:, 1] = False
+    return m
+
+
+def window_mask(t: int, radius: int = 1) -> torch.Tensor:
+    """[1, t, t] 1D window (band): query tile i attends key tiles |i - j| <= radius."""
+    i = torch.arange(t)
+    return ((i.view(-1, 1) - i.view(1, -1)).abs() <= radius).unsqueeze(0)
+
+
+def keep_tokens(block_mask: torch.Tensor, s: int, bs: int, causal: bool) -> torch.Tensor:
+    """[H or 1, S, S] token keep mask, built element by element from the definition."""
+    tile = torch.arange(s) // bs
+    keep = block_mask[:, tile][:, :, tile]
+    if causal:
+        keep = keep & torch.ones(s, s, dtype=torch.bool).tril()
+    return keep
+
+
+def masked_reference(q, k, v, keep_hss, scale=None):
+    """float64 attention [B, S, H, D] under keep [H or 1, S, S]; rows without a kept key give 0 (and 0 grads)."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = (q @ k.transpose(-1, -2)) * scale
+    any_row = keep.any(-1, keepdim=True) if (keep := keep_hss.unsqueeze(0)) is not None else None
+    s = torch.where(any_row, s.masked_fill(~keep, float("-inf")), torch.zeros_like(s))
+    p = torch.softmax(s, dim=-1) * keep
+    return (p @ v).transpose(1, 2)
+
+
+def check_case(fn, rank, world, *, s, h, hkv, d, bs, block_mask, causal, placement="contiguous",
+               dtype=torch.float64, seed=0, tol=TOL64):
+    """fn(q, k, v) on this rank's shards (``placement``) vs the float64 masked reference: out, dq, dk, dv."""
+    q, k, v, do = make_qkv(seed, 1, s, h, hkv, d, torch.float64)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = masked_reference(qr, kr, vr, keep_tokens(block_mask, s, bs, causal))
+    ref.backward(do)
+    pos = positions(placement, rank, world, s)
+    mine = [t[:, pos].to(dtype).requires_grad_() for t in (q, k, v)]
+    out = fn(*mine)
+    out.backward(do[:, pos].to(dtype))
+    errs = {"out": rel_err(out, ref[:, pos]), "dq": rel_err(mine[0].grad, qr.grad[:, pos]),
+            "dk": rel_err(mine[1].grad, kr.grad[:, pos]), "dv": rel_err(mine[2].grad, vr.grad[:, pos])}
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, f"rank {rank}: {bad} > {tol} (s={s}, h={h}/{hkv}, bs={bs}, causal={causal}, {placement})"
+    return out.detach(), [t.grad for t in mine]
+
+
+def _shape(world):
+    """(S, block_size): S a multiple of 2P (zigzag), never of block_size (a partial last tile)."""
+    s = 2 * world * 7
+    return s, {2: 9, 3: 9, 4: 9}.get(world, 9)
+
+
+# ------------------------------------------------------------------------------------------------------- unit
+def test_check_block_mask_names_the_setting():
+    ok = torch.ones(1, 3, 3, dtype=torch.bool)
+    assert bsp.check_block_mask(ok, seq_len=20, block_size=8, num_heads=4) is not None
+    with pytest.raises(SPConfigError, match=r"block_mask must be a bool tensor \[1 or 4, 3, 3\].*shape \[1, 2, 2\]"):
+        bsp.check_block_mask(ok[:, :2, :2], seq_len=20, block_size=8, num_heads=4)
+    with pytest.raises(SPConfigError, match="block_mask.*dtype torch.int64"):
+        bsp.check_block_mask(ok.long(), seq_len=20, block_size=8, num_heads=4)
+    with pytest.raises(SPConfigError, match=r"block_mask.*\[2, 3, 3\]"):
+        bsp.check_block_mask(ok.expand(2, 3, 3), seq_len=20, block_size=8, num_heads=4)
+    with pytest.raises(SPConfigError, match="block_size=0"):
+        bsp.check_block_mask(ok, seq_len=20, block_size=0, num_heads=4)
+    with pytest.raises(SPConfigError, match="block_kernel='flex' cannot run here"):
+        bsp.resolve_kernel("flex", torch.device("cpu"))
+
+
+def test_pair_selected_matches_token_mask():
+    s, bs = 45, 7
+    t = bsp.num_tiles(s, bs)
+    for seed in range(6):
+        bm = random_mask(seed, 2, t, keep=0.15)
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(10):
+            qp, kp = torch.randperm(s, generator=g)[:9], torch.randperm(s, generator=g)[:9]
+            for causal in (False, True):
+                dense = bool(bsp.token_mask(bm, qp, kp, bs, causal=causal).any())
+                assert bsp.pair_selected(bm, qp, kp, bs, causal=causal) == dense
+
+
+def test_local_kernel_matches_reference():
+    s, bs, h, hkv, d = 45, 7, 4, 2, 8
+    bm = random_mask(3, h, bsp.num_tiles(s, bs))
+    for causal in (False, True):
+        q, k, v, do = make_qkv(1, 1, s, h, hkv, d, torch.float64)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref = masked_reference(qr, kr, vr, keep_tokens(bm, s, bs, causal))
+        ref.backward(do)
+        qb, kb, vb = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
+        out = bsp.block_sparse_attention(qb, kb, vb, bm, block_size=bs, causal=causal, kernel="math")
+        out.backward(do.transpose(1, 2))
+        assert rel_err(out.transpose(1, 2), ref) < TOL64
+        for mine, r in ((qb, qr), (kb, kr), (vb, vr)):
+            assert rel_err(mine.grad.transpose(1, 2), r.grad) < TOL64
+        # rows of query tile 1 (empty) give zeros and zero dq
+        assert out[:, :, bs:2 * bs].abs().max() == 0 and qb.grad[:, :, bs:2 * bs].abs().max() == 0
+
+
+def test_flex_mask_mod_matches_math_forward():
+    """The flex path's mask_mod (eager flex_attention, forward only: its CPU mode) against the math kernel."""
+    s, bs, h, hkv, d = 45, 7, 4, 2, 8
+    bm = random_mask(5, h, bsp.num_tiles(s, bs))
+    q, k, v, _ = make_qkv(2, 1, s, h, hkv, d, torch.float64)
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+    pos = torch.arange(s)
+    for causal in (False, True):
+        fm = bsp.flex_block_mask(bm, pos, pos, bs, causal=causal)
+        with torch.no_grad():
+            of, lf = bsp.flex_attention_masked(qb, kb, vb, fm, d ** -0.5, compiled=False)
+        om, lm = bsp.math_forward(qb, kb, vb, bsp.token_mask(bm, pos, pos, bs, causal=causal), d ** -0.5)
+        assert rel_err(of, om) < TOL64
+        assert torch.equal(torch.isneginf(lf), torch.isneginf(lm))
+
+
+# ---------------------------------------------------------------------------------------------------- Ulysses
+def _ulysses(rank, world, hkv, causal, placement, chunks):
+    g = dist.group.WORLD
+    s, bs = _shape(world)
+    t = bsp.num_tiles(s, bs)
+    for n, bm in enumerate((random_mask(7 + world, 4, t), window_mask(t))):
+        check_case(lambda q, k, v: spx.ulysses_attention(q, k, v, g, causal=causal, placement=placement,
+                                                         head_chunks=chunks, block_mask=bm, block_size=bs),
+                   rank, world, s=s, h=4, hkv=hkv, d=8, bs=bs, block_mask=bm, causal=causal, placement=placement,
+                   seed=n)
+    return True
+
+
+@pytest.mark.parametrize("world,hkv,causal,placement,chunks", [
+    (2, 2, False, "contiguous", 1), (2, 4, True, "zigzag", 2), (3, 2, True, "contiguous", 1),
+    (4, 2, False, "zigzag", 1), (4, 4, True, "contiguous", 1)])
+def test_ulysses_block_mask_matches_reference(world, hkv, causal, placement, chunks):
+    run_ranks(_ulysses, world, hkv, causal, placement, chunks)
