@@ -163,3 +163,100 @@ def _ulysses(rank, world, hkv, causal, placement, chunks):
     (4, 2, False, "zigzag", 1), (4, 4, True, "contiguous", 1)])
 def test_ulysses_block_mask_matches_reference(world, hkv, causal, placement, chunks):
     run_ranks(_ulysses, world, hkv, causal, placement, chunks)
+
+
+# ------------------------------------------------------------------------------------------------------- ring
+def _ring(rank, world, hkv, causal, placement, layout):
+    g = dist.group.WORLD
+    s, bs = _shape(world)
+    t = bsp.num_tiles(s, bs)
+    for n, bm in enumerate((random_mask(11 + world, 4, t), window_mask(t))):
+        def fn(q, k, v):
+            if layout == "sbhd":
+                q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+            o = spx.ring_attention(q, k, v, g, causal=causal, placement=placement, layout=layout, block_mask=bm,
+                                   block_size=bs)
+            return o.transpose(0, 1) if layout == "sbhd" else o
+        check_case(fn, rank, world, s=s, h=4, hkv=hkv, d=8, bs=bs, block_mask=bm, causal=causal,
+                   placement=placement, seed=n)
+    return True
+
+
+@pytest.mark.parametrize("world,hkv,causal,placement,layout", [
+    (2, 2, False, "contiguous", "bshd"), (2, 4, True, "zigzag", "sbhd"), (3, 2, True, "contiguous", "bshd"),
+    (3, 4, False, "zigzag", "bshd"), (4, 2, True, "zigzag", "bshd"), (4, 4, False, "contiguous", "bshd")])
+def test_ring_block_mask_matches_reference(world, hkv, causal, placement, layout):
+    run_ranks(_ring, world, hkv, causal, placement, layout)
+
+
+def _ring_tasp_zigzag(rank, world):
+    """variant "ring" on shards in the tasp_zigzag placement (positions from placement.py)."""
+    g = dist.group.WORLD
+    s, bs = 2 * world * 2 * 3, 5  # tasp_zigzag needs 2 * P * rings; 3 ranks: 2 rings
+    bm = random_mask(4, 1, bsp.num_tiles(s, bs), keep=0.4)
+    check_case(lambda q, k, v: spx.ring_attention(q, k, v, g, causal=True, placement="tasp_zigzag",
+                                                  block_mask=bm, block_size=bs),
+               rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=True, placement="tasp_zigzag")
+    return True
+
+
+def test_ring_block_mask_tasp_zigzag_placement():
+    run_ranks(_ring_tasp_zigzag, 3)
+
+
+def _skips(rank, world, causal):
+    """Banded mask, contiguous, P=4, S=64, 8-token tiles: each rank holds 2 tiles, the band reaches its
+    neighbours only. Counts what the ring actually ran and sent (kernel calls, p2p ops) and checks the output."""
+    import megatron_sp_ext.sp.ring.sparse as sparse_mod
+    g = dist.group.WORLD
+    s, bs, d = 64, 8, 8
+    bm = window_mask(8, 1)
+    calls, sent = {"fwd": 0, "bwd": 0}, {"kv": 0, "bytes": 0}
+    fwd, bwd, batch = bsp.math_forward, bsp.math_backward, dist.batch_isend_irecv
+
+    def count_fwd(*a, **kw):
+        calls["fwd"] += 1
+        return fwd(*a, **kw)
+
+    def count_bwd(*a, **kw):
+        calls["bwd"] += 1
+        return bwd(*a, **kw)
+
+    def count_batch(ops):
+        for op in ops:
+            if op.op is dist.isend:
+                sent["kv"] += 1
+                sent["bytes"] += op.tensor.numel() * op.tensor.element_size()
+        return batch(ops)
+    bsp.math_forward, bsp.math_backward, dist.batch_isend_irecv = count_fwd, count_bwd, count_batch
+    try:
+        check_case(lambda q, k, v: spx.ring_attention(q, k, v, g, causal=causal, block_mask=bm, block_size=bs),
+                   rank, world, s=s, h=2, hkv=2, d=d, bs=bs, block_mask=bm, causal=causal)
+    finally:
+        bsp.math_forward, bsp.math_backward, dist.batch_isend_irecv = fwd, bwd, batch
+    block = 2 * 1 * 2 * (s // world) * d * 8  # k and v, fp64
+    plan = sparse_mod.sparse_ring_plan(bm, world=world, seq_len=s, block_size=bs, placement="contiguous",
+                                       causal=causal, block_bytes=block)
+    return plan.counts(rank), calls, sent, block
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_skips_steps_and_transfers_of_a_banded_mask(causal):
+    res = run_ranks(_skips, 4, causal)
+    counts = [r[0] for r in res]
+    # non-causal: rank r needs blocks r-1, r, r+1 (no wrap): runs 2, 3, 3, 2 of 4 steps; block 0 hops once (rank 1
+    # is the only later rank that needs it), blocks 1, 2, 3 hop 3 times: 10 of 12 K|V hops.
+    # causal: rank r needs r-1 and r; blocks 0, 1, 2 hop once (to r+1), block 3 never: 3 of 12 hops.
+    runs = [1, 2, 2, 2] if causal else [2, 3, 3, 2]
+    sends = [1, 1, 1, 0] if causal else [3, 2, 2, 3]
+    assert [c["steps_run"] for c in counts] == runs
+    assert [c["steps_skipped"] for c in counts] == [4 - n for n in runs]
+    block = res[0][3]
+    assert [c["bytes_sent"] for c in counts] == [n * block for n in sends]
+    assert [c["bytes_skipped"] for c in counts] == [(3 - n) * block for n in sends]
+    for rank, (c, calls, sent, _) in enumerate(res):
+        assert calls == {"fwd": runs[rank], "bwd": runs[rank]}, (rank, calls)
+        # what went out: forward and backward K|V hops (2 x sends) + one dK|dV partial per run step beyond step 0
+        assert sent["kv"] == 2 * sends[rank] + runs[rank] - 1, (rank, sent)
+        assert sent["bytes"] == (2 * sends[rank] + runs[rank] - 1) * block
+        assert c["dkv_bytes_sent"] == (runs[rank] - 1) * block

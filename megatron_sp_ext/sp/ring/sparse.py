@@ -1,0 +1,225 @@
+"""Block-sparse ring attention: the ring of ``variant="ring"`` under a block mask, skipping what the mask leaves out.
+
+The mask (attention/block_sparse.py) is the same on every rank, so every rank computes the same plan
+(``SparseRingPlan``) from it and the placement's global positions, and the send/receive schedule agrees on all
+ranks (no rank waits for a transfer its peer skips):
+
+* ``need[r][o]``: whether rank r's queries attend any key of rank o's block (tile level, any head, AND causal AND
+  kv_valid_len; ``block_sparse.pair_selected``). Rank r meets block o at step s = (r - o) mod P; a step whose
+  pair is not needed is SKIPPED (no kernel call).
+* Block o travels o -> o+1 -> ... (one hop per step). Its hop at step s (from rank o+s to o+s+1) is sent only if
+  a later rank on its path needs it (some s' > s with ``need[o+s'][o]``); otherwise the K|V transfer is skipped.
+* Backward: K|V travel as in the forward (same skips); each run step recomputes its block against the FINAL
+  out/lse and sends its dK|dV partial straight to the block's home (skipped with the step); the home adds them.
+
+Local kernel: the math block kernel (``block_sparse.math_forward`` / ``math_backward``, token masks from global
+positions) on every device; partial results merge by log-sum-exp (fp32, fp64 for fp64). Counters for benchmarks:
+``SparseRingPlan.counts(rank)`` (steps run / skipped, K|V bytes sent / skipped, dK|dV bytes sent / skipped).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ...attention import block_sparse
+from ...attention.lse import acc_dtype, merge_into
+from ..placement import positions
+
+
+@dataclass(frozen=True)
+class SparseRingPlan:
+    """The skip schedule of one block-sparse ring call, identical on every rank.
+
+    world: P. need[r][o]: rank r's queries attend some key of rank o's block. hop[o][s] (s < P - 1): block o is
+    sent on its step-s hop (from rank (o+s) % P to (o+s+1) % P). block_bytes: bytes of one rank's K|V block
+    (k and v); 0 when unknown.
+    """
+
+    world: int
+    need: tuple[tuple[bool, ...], ...]
+    hop: tuple[tuple[bool, ...], ...]
+    block_bytes: int = 0
+
+    def origin(self, rank: int, step: int) -> int:
+        """The block rank ``rank`` holds at ``step``."""
+        return (rank - step) % self.world
+
+    def runs(self, rank: int, step: int) -> bool:
+        """Whether ``rank`` calls the kernel at ``step``."""
+        return self.need[rank][self.origin(rank, step)]
+
+    def sends(self, rank: int, step: int) -> bool:
+        """Whether ``rank`` sends its held block to rank + 1 after ``step`` (step < P - 1)."""
+        return step < self.world - 1 and self.hop[self.origin(rank, step)][step]
+
+    def receives(self, rank: int, step: int) -> bool:
+        """Whether ``rank`` receives a block from rank - 1 after ``step`` (step < P - 1)."""
+        return self.sends((rank - 1) % self.world, step)
+
+    def counts(self, rank: int) -> dict:
+        """Per-rank counters of one forward (K|V hops) and backward (dK|dV partials sent home; its K|V hops repeat
+        the forward's): steps_run, steps_skipped, bytes_sent, bytes_skipped, dkv_bytes_sent, dkv_bytes_skipped."""
+        p = self.world
+        run = sum(self.runs(rank, s) for s in range(p))
+        sent = sum(self.sends(rank, s) for s in range(p - 1))
+        dkv = sum(self.runs(rank, s) for s in range(1, p))
+        return {"steps_run": run, "steps_skipped": p - run, "bytes_sent": sent * self.block_bytes,
+                "bytes_skipped": (p - 1 - sent) * self.block_bytes, "dkv_bytes_sent": dkv * self.block_bytes,
+                "dkv_bytes_skipped": (p - 1 - dkv) * self.block_bytes}
+
+
+def sparse_ring_plan(block_mask: torch.Tensor, *, world: int, seq_len: int, block_size: int, placement: str,
+                     causal: bool, kv_valid_len: Optional[int] = None, block_bytes: int = 0) -> SparseRingPlan:
+    """The ``SparseRingPlan`` of ``block_mask`` ([H or 1, T, T], checked) for a ring of ``world`` ranks holding a
+    ``seq_len`` sequence in ``placement``."""
+    pos = [positions(placement, r, world, seq_len) for r in range(world)]
+    need = tuple(tuple(block_sparse.pair_selected(block_mask, pos[r], pos[o], block_size, causal=causal,
+                                                  kv_valid_len=kv_valid_len) for o in range(world))
+                 for r in range(world))
+    hop = tuple(tuple(any(need[(o + t) % world][o] for t in range(s + 1, world)) for s in range(world - 1))
+                for o in range(world))
+    return SparseRingPlan(world, need, hop, block_bytes)
+
+
+@dataclass
+class SparseRingCall:
+    """What one call needs: the group, this rank, the plan, the mask and positions, the softmax settings."""
+
+    group: dist.ProcessGroup
+    rank: int
+    plan: SparseRingPlan
+    block_mask: torch.Tensor
+    block_size: int
+    q_pos: torch.Tensor          # [S_loc] global positions of this rank's queries
+    kv_pos: tuple                # kv_pos[o]: [S_loc] global positions of rank o's keys
+    causal: bool
+    scale: float
+    kv_valid_len: Optional[int] = None
+
+    def mask(self, origin: int) -> torch.Tensor:
+        """Token mask [H or 1, S_loc, S_loc] of this rank's queries against block ``origin``'s keys."""
+        return block_sparse.token_mask(self.block_mask, self.q_pos, self.kv_pos[origin], self.block_size,
+                                       causal=self.causal, kv_valid_len=self.kv_valid_len)
+
+    def peer(self, offset: int) -> int:
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.plan.world)
+
+
+def _start_hop(call: SparseRingCall, step: int, cur: torch.Tensor, nxt: torch.Tensor) -> tuple[list, bool]:
+    """Start the K|V hop after ``step`` (only the sends and receives the plan keeps); (works, receiving)."""
+    plan, r = call.plan, call.rank
+    if step >= plan.world - 1:
+        return [], False
+    ops = []
+    if plan.sends(r, step):
+        ops.append(dist.P2POp(dist.isend, cur, call.peer(1), call.group))
+    recv = plan.receives(r, step)
+    if recv:
+        ops.append(dist.P2POp(dist.irecv, nxt, call.peer(-1), call.group))
+    return (dist.batch_isend_irecv(ops) if ops else []), recv
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def sparse_ring_forward(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor,
+                        call: SparseRingCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, S_q, D], lse [B, H, S_q]) in the accumulator dtype of this rank's queries over every needed
+    block; k, v [B, Hkv, S_kv, D] this rank's block. Rows with no selected key: out 0, lse -inf."""
+    b, h, s_q, d = q_bhsd.shape
+    acc = torch.zeros(b, h, s_q, d, dtype=acc_dtype(q_bhsd), device=q_bhsd.device)
+    lse = torch.full((b, h, s_q), float("-inf"), dtype=acc.dtype, device=q_bhsd.device)
+    cur = torch.stack([k_bhsd, v_bhsd]).contiguous()
+    nxt = torch.empty_like(cur)
+    for step in range(call.plan.world):
+        works, recv = _start_hop(call, step, cur, nxt)
+        if call.plan.runs(call.rank, step):
+            o, l_ = block_sparse.math_forward(q_bhsd, cur[0], cur[1], call.mask(call.plan.origin(call.rank, step)),
+                                              call.scale)
+            merge_into(acc, lse, o, l_)
+        _wait(works)
+        if recv:
+            cur, nxt = nxt, cur
+    return acc, lse
+
+
+def sparse_ring_backward(do_bhsd: torch.Tensor, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor,
+                         out_bhsd: torch.Tensor, lse_bhs: torch.Tensor, call: SparseRingCall):
+    """Gradients of ``sparse_ring_forward`` given the FINAL out (q dtype) and lse: (dq [B, H, S_q, D], dk, dv
+    [B, Hkv, S_kv, D] of this rank's own block) in the accumulator dtype."""
+    plan, r, world = call.plan, call.rank, call.plan.world
+    do_bhsd = do_bhsd.contiguous()
+    dq = torch.zeros(q_bhsd.shape, dtype=acc_dtype(q_bhsd), device=q_bhsd.device)
+    dkv = torch.zeros((2,) + tuple(k_bhsd.shape), dtype=dq.dtype, device=q_bhsd.device)
+    cur = torch.stack([k_bhsd, v_bhsd]).contiguous()
+    nxt = torch.empty_like(cur)
+    pending: list = []   # (works, inbox or None) of dK|dV partials in flight
+    for step in range(world):
+        works, recv = _start_hop(call, step, cur, nxt)
+        ops, inbox, send = [], None, None
+        if plan.runs(r, step):
+            origin = plan.origin(r, step)
+            dq_s, dk_s, dv_s = block_sparse.math_backward(do_bhsd, q_bhsd, cur[0], cur[1], out_bhsd, lse_bhs,
+                                                          call.mask(origin), call.scale)
+            dq += dq_s
+            if step == 0:
+                dkv[0] += dk_s
+                dkv[1] += dv_s
+            else:  # the partial goes straight home
+                send = torch.stack([dk_s, dv_s])
+                ops.append(dist.P2POp(dist.isend, send, call.peer(-step), call.group))
+        if step > 0 and plan.need[(r + step) % world][r]:  # rank r + step ran our block at this step
+            inbox = torch.empty_like(cur)
+            ops.append(dist.P2POp(dist.irecv, inbox, call.peer(step), call.group))
+        if ops:
+            pending.append((dist.batch_isend_irecv(ops), inbox, send))  # ``send`` lives until its work is done
+        _wait(works)
+        if recv:
+            cur, nxt = nxt, cur
+    for ws, inbox, _ in pending:
+        _wait(ws)
+        if inbox is not None:
+            dkv += inbox
+    return dq, dkv[0], dkv[1]
+
+
+class SparseRingFn(torch.autograd.Function):
+    """``sparse_ring_forward`` / ``sparse_ring_backward`` as one autograd node: q [B, H, S_q, D], k, v
+    [B, Hkv, S_kv, D] (bhsd views), returning out in q's dtype."""
+
+    @staticmethod
+    def forward(ctx, q_bhsd, k_bhsd, v_bhsd, call: SparseRingCall):
+        acc, lse = sparse_ring_forward(q_bhsd, k_bhsd, v_bhsd, call)
+        out = acc.to(q_bhsd.dtype)
+        ctx.save_for_backward(q_bhsd, k_bhsd, v_bhsd, out, lse)
+        ctx.call = call
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = sparse_ring_backward(dout, q, k, v, out, lse, ctx.call)
+        ctx.call = None  # nothing of the call keeps its group alive once the gradients exist
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+@lru_cache(maxsize=64)
+def _positions(placement: str, world: int, seq_len: int) -> tuple:
+    return tuple(positions(placement, r, world, seq_len) for r in range(world))
+
+
+def make_sparse_ring_call(group: dist.ProcessGroup, block_mask: torch.Tensor, *, block_size: int, placement: str,
+                          seq_len: int, causal: bool, scale: float, kv_valid_len: Optional[int],
+                          block_bytes: int) -> SparseRingCall:
+    """The call of this rank of ``group`` (plan, positions on the mask's device)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    plan = sparse_ring_plan(block_mask, world=world, seq_len=seq_len, block_size=block_size, placement=placement,
+                            causal=causal, kv_valid_len=kv_valid_len, block_bytes=block_bytes)
+    pos = tuple(p.to(block_mask.device) for p in _positions(placement, world, seq_len))
+    return SparseRingCall(group, rank, plan, block_mask, block_size, pos[rank], pos, causal, scale, kv_valid_len)
