@@ -260,3 +260,108 @@ def test_ring_skips_steps_and_transfers_of_a_banded_mask(causal):
         assert sent["kv"] == 2 * sends[rank] + runs[rank] - 1, (rank, sent)
         assert sent["bytes"] == (2 * sends[rank] + runs[rank] - 1) * block
         assert c["dkv_bytes_sent"] == (runs[rank] - 1) * block
+
+
+# ---------------------------------------------------------------------------------------------- factory, edges
+def _factory(rank, world):
+    """SPAttention(...)(q, k, v, causal=, block_mask=, block_size=) for every mode that takes it (auto resolves to
+    hcms here and stays there), placement zigzag, causal and not."""
+    g = dist.group.WORLD
+    s, bs = _shape(world)
+    bm = random_mask(21, 4, bsp.num_tiles(s, bs), keep=0.5)
+    n = 0
+    for mode in ("ulysses", "hcms", "ring", "auto"):
+        cfg = SPConfig(mode=mode, head_chunks=2 if mode == "hcms" else 1)
+        attn = make_attention(cfg, g, num_heads=4, num_kv_heads=2, placement="zigzag", resources=SPResources(cfg))
+        for causal in (False, True):
+            check_case(lambda q, k, v: attn(q, k, v, causal=causal, block_mask=bm, block_size=bs), rank, world,
+                       s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=causal, placement="zigzag", seed=n)
+            n += 1
+    return n
+
+
+def test_factory_modes_take_block_mask():
+    assert run_ranks(_factory, 2) == [8, 8]
+
+
+def _refusals(rank, world):
+    g = dist.group.WORLD
+    s, bs = 16, 4
+    bm = torch.ones(1, 4, 4, dtype=torch.bool)
+    q = torch.randn(1, s // world, 4, 8, dtype=torch.float64)
+    mesh = spx.build_sp_mesh(g, num_heads=4)
+    cases = [
+        ("variant='tasp'", lambda: spx.ring_attention(q, q, q, g, variant="tasp", block_mask=bm, block_size=bs)),
+        ("hybrid_attention", lambda: spx.hybrid_attention(q, q, q, mesh, block_mask=bm, block_size=bs)),
+        ("torus_attention", lambda: spx.torus_attention(q, q, q, mesh, block_mask=bm, block_size=bs)),
+        ("cu_seqlens", lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=bs,
+                                                      cu_seqlens=torch.tensor([0, 8, 16]))),
+        ("cu_seqlens", lambda: spx.ring_attention(q, q, q, g, block_mask=bm, block_size=bs,
+                                                   cu_seqlens=torch.tensor([0, 8, 16]))),
+        ("dropout_p", lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=bs, dropout_p=0.1)),
+        (r"block_mask must be a bool tensor \[1 or 4, 2, 2\]",
+         lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=8)),
+        ("block_size=0", lambda: spx.ring_attention(q, q, q, g, block_mask=bm, block_size=0)),
+    ]
+    for mode in ("tasp", "usp", "torus"):
+        cfg = SPConfig(mode=mode, nodes=2 if mode == "torus" else None)
+        attn = make_attention(cfg, g, num_heads=4)
+        cases.append((f"block_mask is not supported with mode='{mode}' yet; use ulysses, hcms, ring",
+                      lambda attn=attn: attn(q, q, q, causal=False, block_mask=bm, block_size=bs)))
+    for pattern, call in cases:
+        with pytest.raises(SPConfigError, match=pattern):
+            call()
+    return len(cases)
+
+
+def test_refusals_name_the_setting():
+    assert run_ranks(_refusals, 2) == [11, 11]
+
+
+def _all_true_all_false(rank, world):
+    """All-True equals block_mask=None bit for bit where the same kernel runs (Ulysses on backend "math": its
+    dense call and the block path both run blockwise.math_forward / math_backward; the ring's dense path runs other
+    kernels: compared to 1e-10); all-False gives zeros and zero gradients in every mode."""
+    g = dist.group.WORLD
+    s, bs = 2 * world * 7, 9
+    t = bsp.num_tiles(s, bs)
+    ones, zeros = torch.ones(1, t, t, dtype=torch.bool), torch.zeros(4, t, t, dtype=torch.bool)
+    q, k, v, do = make_qkv(3, 1, s, 4, 2, 8, torch.float64)
+    pos = positions("contiguous", rank, world, s)
+
+    def run(fn):
+        mine = [x[:, pos].clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*mine)
+        out.backward(do[:, pos])
+        return [out.detach()] + [x.grad for x in mine]
+    for causal in (False, True):
+        uly = lambda bm: lambda a, b, c: spx.ulysses_attention(a, b, c, g, causal=causal, backend="math",  # noqa: E731
+                                                               block_mask=bm, block_size=bs)
+        ring = lambda bm: lambda a, b, c: spx.ring_attention(a, b, c, g, causal=causal, block_mask=bm,  # noqa: E731
+                                                             block_size=bs)
+        dense, masked = run(uly(None)), run(uly(ones))
+        assert all(torch.equal(a, b) for a, b in zip(dense, masked)), "ulysses all-True != dense (math)"
+        dense, masked = run(ring(None)), run(ring(ones))
+        assert all(rel_err(b, a) < TOL64 for a, b in zip(dense, masked)), "ring all-True != dense"
+        for fn in (uly(zeros), ring(zeros)):
+            assert all(x.abs().max() == 0 for x in run(fn)), "all-False mask: nonzero output or gradient"
+    return True
+
+
+def test_all_true_equals_dense_and_all_false_gives_zeros():
+    run_ranks(_all_true_all_false, 2)
+
+
+def _bf16(rank, world):
+    g = dist.group.WORLD
+    s, bs = _shape(world)
+    bm = random_mask(31, 1, bsp.num_tiles(s, bs), keep=0.6)
+    for fn in (lambda q, k, v: spx.ulysses_attention(q, k, v, g, causal=True, block_mask=bm, block_size=bs),
+               lambda q, k, v: spx.ring_attention(q, k, v, g, causal=True, block_mask=bm, block_size=bs)):
+        check_case(fn, rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=True,
+                   dtype=torch.bfloat16, tol=3e-2)
+    return True
+
+
+def test_bf16_matches_reference():
+    run_ranks(_bf16, 2)

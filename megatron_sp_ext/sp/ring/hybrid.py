@@ -21,6 +21,7 @@ import torch
 from ...attention.backends import get_backend
 from ...comm.capability import check_p2p, needs_p2p
 from ...config import DEFAULT_PLACEMENT
+from ...errors import SPConfigError
 from ...topology.mesh import SPMesh
 from ..checks import packed_cu
 from ..placement import pieces, varlen_pieces
@@ -66,11 +67,15 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
                      head_chunks: "int | str" = 1, ring_variant: str = "ring", causal: bool = False,
                      softmax_scale: Optional[float] = None, layout: str = "bshd",
                      placement: str = DEFAULT_PLACEMENT, backend: str = "sdpa",
-                     kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                     block_mask: Optional[torch.Tensor] = None, block_size: int = 64) -> torch.Tensor:
     """Ulysses over ``mesh.ulysses_group`` then ring/TASP over ``mesh.ring_group``. Shapes as ulysses_attention.
     ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
     cu_seqlens: packed samples (B=1; cumulative lengths over the full sequence, the same on every rank; shards in
     the per-sample "contiguous" or "zigzag" placement of ``shard_sequence``): each sample attends within itself."""
+    if block_mask is not None:  # block_size: its tile size, taken for the same signature as ulysses/ring_attention
+        raise SPConfigError("block_mask is not supported with hybrid_attention yet; use ulysses_attention "
+                            "(ulysses, hcms) or ring_attention (variant='ring')")
     if mesh.ring_group is not None and needs_p2p(ring_variant, mesh.ring_size):
         check_p2p(f"hybrid_attention(ring_variant={ring_variant!r})", mesh.ring_group, q.device,
                   "ulysses_attention")

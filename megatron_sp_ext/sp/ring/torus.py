@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ...attention.backends import get_backend
 from ...comm.capability import check_p2p
 from ...config import DEFAULT_PLACEMENT
+from ...errors import SPConfigError
 from ...attention.lse import acc_dtype, merge_into
 from ...comm.multiring import wait_handles
 from ...comm.transport import emulated_link
@@ -274,9 +275,13 @@ class _TorusFn(torch.autograd.Function):
 def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool = False,
                     softmax_scale: Optional[float] = None, layout: str = "bshd", ring_variant: str = "ring",
                     placement: str = DEFAULT_PLACEMENT, backend: str = "sdpa",
-                    kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                    block_mask: Optional[torch.Tensor] = None, block_size: int = 64) -> torch.Tensor:
     """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len and cu_seqlens (packed
     samples, attention within each sample) as hybrid_attention."""
+    if block_mask is not None:  # block_size: its tile size, taken for the same signature as ulysses/ring_attention
+        raise SPConfigError("block_mask is not supported with torus_attention yet; use ulysses_attention "
+                            "(ulysses, hcms) or ring_attention (variant='ring')")
     for group in (mesh.ulysses_group, mesh.ring_group):   # its stages and its ring are point to point
         check_p2p("torus_attention", group, q.device, "ulysses_attention")
     s_full = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
