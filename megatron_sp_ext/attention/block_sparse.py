@@ -12,7 +12,7 @@ Local kernels (q [B, H, Sq, D], k/v [B, Hkv, Sk, D], GQA by head repetition; mas
           forward gives (out, lse) and backward runs from the FINAL out/lse (ring steps, held chunks). Any device.
   "flex"  CUDA only: ``torch.nn.attention.flex_attention`` (compiled) with a ``BlockMask`` built from a
           ``mask_mod`` that indexes the tile mask; differentiable through autograd (no backward-from-lse).
-  "auto"  "flex" on CUDA where flex_attention imports, else "math". An explicit "flex" that cannot run raises
+  "auto"  "flex" on CUDA where flex_attention imports (fp16/bf16/fp32), else "math". An explicit "flex" that cannot run raises
           SPConfigError naming ``block_kernel``; nothing falls back silently.
 """
 from __future__ import annotations
@@ -101,13 +101,17 @@ def pair_selected(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Te
     return bool(sel.any())
 
 
-def resolve_kernel(kernel: str, device: torch.device) -> str:
+FLEX_AUTO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def resolve_kernel(kernel: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> str:
     """"math" or "flex" for ``kernel`` ("auto", "math", "flex") on ``device``; raises SPConfigError naming
-    ``block_kernel`` where "flex" cannot run (not CUDA, or flex_attention does not import)."""
+    ``block_kernel`` where "flex" cannot run (not CUDA, or flex_attention does not import). "auto" picks "flex"
+    only for fp16/bf16/fp32 (``dtype``; fp64 stays on "math")."""
     if kernel not in KERNELS:
         raise SPConfigError(f"block_kernel={kernel!r} is invalid: choose one of {', '.join(KERNELS)}")
     device = torch.device(device)
-    if kernel == "math":
+    if kernel == "math" or (kernel == "auto" and dtype is not None and dtype not in FLEX_AUTO_DTYPES):
         return "math"
     why = _flex_unavailable(device)
     if kernel == "flex" and why is not None:
@@ -212,7 +216,7 @@ def block_sparse_attention(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: t
     dev = q_bhsd.device
     q_pos = q_pos if q_pos is not None else torch.arange(q_bhsd.shape[2], device=dev)
     k_pos = k_pos if k_pos is not None else torch.arange(k_bhsd.shape[2], device=dev)
-    kern = resolve_kernel(kernel, dev)
+    kern = resolve_kernel(kernel, dev, q_bhsd.dtype)
     if kern == "flex":
         fm = flex_block_mask(block_mask, q_pos, k_pos, block_size, heads, causal=causal, kv_valid_len=kv_valid_len)
         return flex_attention_masked(q_bhsd, k_bhsd, v_bhsd, fm, scale)[0]

@@ -216,7 +216,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                                     f"{off!r}, or block_mask=None")
         block_mask = block_sparse.check_block_mask(block_mask, seq_len=s_loc * world, block_size=block_size,
                                                    num_heads=q.shape[2]).to(q.device)
-        block_kernel = block_sparse.resolve_kernel("math" if be.name == "math" else "auto", q.device)
+        block_kernel = block_sparse.resolve_kernel("math" if be.name == "math" else "auto", q.device, q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     tr = default_transports().get(transport, group, q.device)
     if head_chunks == "auto":
