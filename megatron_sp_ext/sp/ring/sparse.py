@@ -109,23 +109,53 @@ class SparseRingCall:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.plan.world)
 
 
+class _Batch:
+    """One batch of point-to-point ops in flight. With a gloo group and CUDA tensors (gloo's send/recv cannot take
+    them) the tensors go through host copies, received ones copied back by ``wait``; same bytes, same order."""
+
+    def __init__(self, ops: list, group: dist.ProcessGroup) -> None:
+        self.copies: list = []
+        staged = ops[0][1].is_cuda and dist.get_backend(group) == "gloo"
+        p2p = []
+        for kind, t, peer in ops:
+            if staged:
+                host = t.cpu() if kind == "send" else torch.empty(t.shape, dtype=t.dtype)
+                if kind == "recv":
+                    self.copies.append((host, t))
+                t = host
+            p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group))
+        self.keep = p2p  # the sent tensors live until the works are done
+        self.works = dist.batch_isend_irecv(p2p)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        for host, t in self.copies:
+            t.copy_(host)
+
+
+def _start(ops: list, group: dist.ProcessGroup) -> list:
+    """Start ``ops`` [("send" | "recv", tensor, global peer)] as one batch; the handles for ``_wait``."""
+    return [_Batch(ops, group)] if ops else []
+
+
 def _start_hop(call: SparseRingCall, step: int, cur: torch.Tensor, nxt: torch.Tensor) -> tuple[list, bool]:
-    """Start the K|V hop after ``step`` (only the sends and receives the plan keeps); (works, receiving)."""
+    """Start the K|V hop after ``step`` (only the sends and receives the plan keeps); (handles, receiving)."""
     plan, r = call.plan, call.rank
     if step >= plan.world - 1:
         return [], False
     ops = []
     if plan.sends(r, step):
-        ops.append(dist.P2POp(dist.isend, cur, call.peer(1), call.group))
+        ops.append(("send", cur, call.peer(1)))
     recv = plan.receives(r, step)
     if recv:
-        ops.append(dist.P2POp(dist.irecv, nxt, call.peer(-1), call.group))
-    return (dist.batch_isend_irecv(ops) if ops else []), recv
+        ops.append(("recv", nxt, call.peer(-1)))
+    return _start(ops, call.group), recv
 
 
-def _wait(works: list) -> None:
-    for w in works:
-        w.wait()
+def _wait(handles: list) -> None:
+    for h in handles:
+        h.wait()
 
 
 def sparse_ring_forward(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor,
@@ -162,7 +192,7 @@ def sparse_ring_backward(do_bhsd: torch.Tensor, q_bhsd: torch.Tensor, k_bhsd: to
     pending: list = []   # (works, inbox or None) of dK|dV partials in flight
     for step in range(world):
         works, recv = _start_hop(call, step, cur, nxt)
-        ops, inbox, send = [], None, None
+        ops, inbox = [], None
         if plan.runs(r, step):
             origin = plan.origin(r, step)
             dq_s, dk_s, dv_s = block_sparse.math_backward(do_bhsd, q_bhsd, cur[0], cur[1], out_bhsd, lse_bhs,
@@ -172,17 +202,16 @@ def sparse_ring_backward(do_bhsd: torch.Tensor, q_bhsd: torch.Tensor, k_bhsd: to
                 dkv[0] += dk_s
                 dkv[1] += dv_s
             else:  # the partial goes straight home
-                send = torch.stack([dk_s, dv_s])
-                ops.append(dist.P2POp(dist.isend, send, call.peer(-step), call.group))
+                ops.append(("send", torch.stack([dk_s, dv_s]), call.peer(-step)))
         if step > 0 and plan.need[(r + step) % world][r]:  # rank r + step ran our block at this step
             inbox = torch.empty_like(cur)
-            ops.append(dist.P2POp(dist.irecv, inbox, call.peer(step), call.group))
+            ops.append(("recv", inbox, call.peer(step)))
         if ops:
-            pending.append((dist.batch_isend_irecv(ops), inbox, send))  # ``send`` lives until its work is done
+            pending.append((_start(ops, call.group), inbox))
         _wait(works)
         if recv:
             cur, nxt = nxt, cur
-    for ws, inbox, _ in pending:
+    for ws, inbox in pending:
         _wait(ws)
         if inbox is not None:
             dkv += inbox
