@@ -270,7 +270,7 @@ def _factory(rank, world):
     s, bs = _shape(world)
     bm = random_mask(21, 4, bsp.num_tiles(s, bs), keep=0.5)
     n = 0
-    for mode in ("ulysses", "hcms", "ring", "auto"):
+    for mode in ("ulysses", "hcms", "ring", "usp", "auto"):
         cfg = SPConfig(mode=mode, head_chunks=2 if mode == "hcms" else 1)
         attn = make_attention(cfg, g, num_heads=4, num_kv_heads=2, placement="zigzag", resources=SPResources(cfg))
         for causal in (False, True):
@@ -281,7 +281,7 @@ def _factory(rank, world):
 
 
 def test_factory_modes_take_block_mask():
-    assert run_ranks(_factory, 2) == [8, 8]
+    assert run_ranks(_factory, 2) == [10, 10]
 
 
 def _refusals(rank, world):
@@ -292,7 +292,8 @@ def _refusals(rank, world):
     mesh = spx.build_sp_mesh(g, num_heads=4)
     cases = [
         ("variant='tasp'", lambda: spx.ring_attention(q, q, q, g, variant="tasp", block_mask=bm, block_size=bs)),
-        ("hybrid_attention", lambda: spx.hybrid_attention(q, q, q, mesh, block_mask=bm, block_size=bs)),
+        ("ring_variant='tasp'", lambda: spx.hybrid_attention(q, q, q, mesh, block_mask=bm, block_size=bs,
+                                                              ring_variant="tasp")),
         ("torus_attention", lambda: spx.torus_attention(q, q, q, mesh, block_mask=bm, block_size=bs)),
         ("cu_seqlens", lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=bs,
                                                       cu_seqlens=torch.tensor([0, 8, 16]))),
@@ -303,10 +304,10 @@ def _refusals(rank, world):
          lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=8)),
         ("block_size=0", lambda: spx.ring_attention(q, q, q, g, block_mask=bm, block_size=0)),
     ]
-    for mode in ("tasp", "usp", "torus"):
+    for mode in ("tasp", "torus"):
         cfg = SPConfig(mode=mode, nodes=2 if mode == "torus" else None)
         attn = make_attention(cfg, g, num_heads=4)
-        cases.append((f"block_mask is not supported with mode='{mode}' yet; use ulysses, hcms, ring",
+        cases.append((f"block_mask is not supported with mode='{mode}' yet; use ulysses, hcms, ring, usp, tas",
                       lambda attn=attn: attn(q, q, q, causal=False, block_mask=bm, block_size=bs)))
     for pattern, call in cases:
         with pytest.raises(SPConfigError, match=pattern):
@@ -315,7 +316,7 @@ def _refusals(rank, world):
 
 
 def test_refusals_name_the_setting():
-    assert run_ranks(_refusals, 2) == [11, 11]
+    assert run_ranks(_refusals, 2) == [10, 10]
 
 
 def _all_true_all_false(rank, world):
@@ -378,3 +379,23 @@ def test_cuda_family_dry_run_on_cpu(monkeypatch):
         assert sum("kernel=math" in r["case"] for r in per_rank) == 28
         for r in per_rank:
             assert max(r["errs"].values()) <= r["tol"], r
+
+
+# ------------------------------------------------------------------------------------------------------ hybrid
+def _hybrid(rank, world, ulysses_size, causal, placement, chunks):
+    g = dist.group.WORLD
+    s, bs = _shape(world)
+    t = bsp.num_tiles(s, bs)
+    mesh = spx.build_sp_mesh(g, num_heads=4, ulysses_size=ulysses_size)
+    for n, bm in enumerate((random_mask(17 + world, 4, t), window_mask(t))):
+        check_case(lambda q, k, v: spx.hybrid_attention(q, k, v, mesh, causal=causal, placement=placement,
+                                                        head_chunks=chunks, block_mask=bm, block_size=bs),
+                   rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=causal, placement=placement,
+                   seed=n)
+    return True
+
+
+@pytest.mark.parametrize("world,ulysses_size,causal,placement,chunks", [
+    (4, 2, True, "zigzag", 2), (4, 2, False, "contiguous", 1), (2, 1, True, "zigzag", 1), (2, 2, False, "zigzag", 1)])
+def test_hybrid_block_mask_matches_reference(world, ulysses_size, causal, placement, chunks):
+    run_ranks(_hybrid, world, ulysses_size, causal, placement, chunks)

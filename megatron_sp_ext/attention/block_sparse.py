@@ -25,6 +25,7 @@ import torch
 
 from ..errors import SPConfigError
 from . import blockwise
+from .backends import LocalAttention
 
 KERNELS = ("auto", "math", "flex")
 DEFAULT_BLOCK_SIZE = 64
@@ -201,6 +202,20 @@ def flex_attention_masked(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: to
                       return_aux=fa.AuxRequest(lse=True))
         return out, aux.lse
     return fn(q_bhsd, k_bhsd, v_bhsd, block_mask=flex_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+
+
+class BlockSparseBackend(LocalAttention):
+    """A local attention that applies a block mask itself, over its own token positions (a hybrid mesh's sparse
+    ring): ``attend(q, k, v, *, heads, causal, softmax_scale)`` differentiable, q/k/v bhsd in the order the backend
+    knows, ``heads`` the global query heads q carries. ``seq_len``: the full sequence its mask covers."""
+
+    seq_len: int
+
+    def attend(self, q_bhsd, k_bhsd, v_bhsd, *, heads: slice, causal: bool, softmax_scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, q, k, v, *, causal, softmax_scale):
+        raise SPConfigError(f"{self.name} applies a block mask and runs only with block_mask=")
 
 
 # ------------------------------------------------------------------------------------------------ entry point

@@ -39,7 +39,7 @@ from ..checks import check_ring_inputs, packed_cu
 from ..heads import split_more_first
 from ..placement import pieces, varlen_pieces
 from .rotation import backward_steps, dkv_schedule_from_env, kv_view as _kv_view, sel_rows as _sel, start_ops
-from .sparse import SparseRingFn, make_sparse_ring_call
+from .sparse import SparseRingFn, make_sparse_ring_call, runs_positions
 from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
 
 VARIANTS = ("ring", "tasp")
@@ -420,11 +420,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
             raise SPConfigError("block_mask cannot be combined with cu_seqlens (ring_attention): give one of them")
         block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size,
                                                    num_heads=q.shape[2]).to(q.device)
-        pieces(placement, rank, world, seqlen)  # validates the placement and divisibility
+        pos = tuple(runs_positions(pieces(placement, o, world, seqlen)) for o in range(world))  # validates
         valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < seqlen else None
-        call = make_sparse_ring_call(group, block_mask, block_size=block_size, placement=placement, seq_len=seqlen,
-                                     causal=causal, scale=scale, kv_valid_len=valid,
-                                     block_bytes=2 * k.numel() * k.element_size())
+        call = make_sparse_ring_call(group, block_mask, block_size=block_size, pos=pos, causal=causal, scale=scale,
+                                     kv_valid_len=valid, block_bytes=2 * k.numel() * k.element_size())
         out = SparseRingFn.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), call)
         return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
     pk = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len, placement, world)

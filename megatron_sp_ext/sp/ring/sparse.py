@@ -18,7 +18,7 @@ positions) on every device; partial results merge by log-sum-exp (fp32, fp64 for
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
 
@@ -76,8 +76,16 @@ def sparse_ring_plan(block_mask: torch.Tensor, *, world: int, seq_len: int, bloc
                      causal: bool, kv_valid_len: Optional[int] = None, block_bytes: int = 0) -> SparseRingPlan:
     """The ``SparseRingPlan`` of ``block_mask`` ([H or 1, T, T], checked) for a ring of ``world`` ranks holding a
     ``seq_len`` sequence in ``placement``."""
-    pos = [positions(placement, r, world, seq_len) for r in range(world)]
-    need = tuple(tuple(block_sparse.pair_selected(block_mask, pos[r], pos[o], block_size, causal=causal,
+    return plan_from_positions(block_mask, _positions(placement, world, seq_len), block_size, causal=causal,
+                               kv_valid_len=kv_valid_len, block_bytes=block_bytes)
+
+
+def plan_from_positions(block_mask: torch.Tensor, pos: tuple, block_size: int, heads: slice = slice(None), *,
+                        causal: bool, kv_valid_len: Optional[int] = None, block_bytes: int = 0) -> SparseRingPlan:
+    """The plan of a ring whose rank r holds the tokens at global positions ``pos[r]`` (queries and keys alike),
+    for the query heads ``heads`` (rows of the mask)."""
+    world = len(pos)
+    need = tuple(tuple(block_sparse.pair_selected(block_mask, pos[r], pos[o], block_size, heads, causal=causal,
                                                   kv_valid_len=kv_valid_len) for o in range(world))
                  for r in range(world))
     hop = tuple(tuple(any(need[(o + t) % world][o] for t in range(s + 1, world)) for s in range(world - 1))
@@ -89,7 +97,7 @@ def sparse_ring_plan(block_mask: torch.Tensor, *, world: int, seq_len: int, bloc
 class SparseRingCall:
     """What one call needs: the group, this rank, the plan, the mask and positions, the softmax settings."""
 
-    group: dist.ProcessGroup
+    group: Optional[dist.ProcessGroup]
     rank: int
     plan: SparseRingPlan
     block_mask: torch.Tensor
@@ -99,11 +107,12 @@ class SparseRingCall:
     causal: bool
     scale: float
     kv_valid_len: Optional[int] = None
+    heads: slice = field(default_factory=lambda: slice(None))  # the global query heads q carries (mask rows)
 
     def mask(self, origin: int) -> torch.Tensor:
-        """Token mask [H or 1, S_loc, S_loc] of this rank's queries against block ``origin``'s keys."""
+        """Token mask [h or 1, S_loc, S_loc] of this rank's queries against block ``origin``'s keys."""
         return block_sparse.token_mask(self.block_mask, self.q_pos, self.kv_pos[origin], self.block_size,
-                                       causal=self.causal, kv_valid_len=self.kv_valid_len)
+                                       self.heads, causal=self.causal, kv_valid_len=self.kv_valid_len)
 
     def peer(self, offset: int) -> int:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.plan.world)
@@ -243,12 +252,38 @@ def _positions(placement: str, world: int, seq_len: int) -> tuple:
     return tuple(positions(placement, r, world, seq_len) for r in range(world))
 
 
-def make_sparse_ring_call(group: dist.ProcessGroup, block_mask: torch.Tensor, *, block_size: int, placement: str,
-                          seq_len: int, causal: bool, scale: float, kv_valid_len: Optional[int],
-                          block_bytes: int) -> SparseRingCall:
-    """The call of this rank of ``group`` (plan, positions on the mask's device)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    plan = sparse_ring_plan(block_mask, world=world, seq_len=seq_len, block_size=block_size, placement=placement,
-                            causal=causal, kv_valid_len=kv_valid_len, block_bytes=block_bytes)
-    pos = tuple(p.to(block_mask.device) for p in _positions(placement, world, seq_len))
-    return SparseRingCall(group, rank, plan, block_mask, block_size, pos[rank], pos, causal, scale, kv_valid_len)
+def make_sparse_ring_call(group: Optional[dist.ProcessGroup], block_mask: torch.Tensor, *, block_size: int,
+                          pos: tuple, causal: bool, scale: float, kv_valid_len: Optional[int], block_bytes: int,
+                          heads: slice = slice(None)) -> SparseRingCall:
+    """The call of this rank of ``group`` (None: one rank) whose ring rank r holds global positions ``pos[r]``."""
+    world = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    assert len(pos) == world, (len(pos), world)
+    pos = tuple(p.to(block_mask.device) for p in pos)
+    plan = plan_from_positions(block_mask, pos, block_size, heads, causal=causal, kv_valid_len=kv_valid_len,
+                               block_bytes=block_bytes)
+    return SparseRingCall(group, rank, plan, block_mask, block_size, pos[rank], pos, causal, scale, kv_valid_len,
+                          heads)
+
+
+def runs_positions(runs) -> torch.Tensor:
+    """Global positions [n] of the tokens of ``runs`` ((start, len), ... in local order)."""
+    return torch.cat([torch.arange(a, a + n) for a, n in runs])
+
+
+class SparseRingBackend(block_sparse.BlockSparseBackend):
+    """The sparse ring over ``group`` as the local attention of a hybrid mesh's Ulysses exchange: ring rank o holds
+    the tokens of ``runs[o]`` (global (start, len) runs, the order of the Ulysses group's gathered sequence)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], runs: tuple, block_mask: torch.Tensor, block_size: int,
+                 seq_len: int, kv_valid_len: Optional[int] = None) -> None:
+        self.group, self.block_mask, self.block_size = group, block_mask, block_size
+        self.seq_len, self.kv_valid_len = seq_len, kv_valid_len
+        self.pos = tuple(runs_positions(r) for r in runs)
+        self.name = "sparse_ring"
+
+    def attend(self, q_bhsd, k_bhsd, v_bhsd, *, heads: slice, causal: bool, softmax_scale: float) -> torch.Tensor:
+        call = make_sparse_ring_call(self.group, self.block_mask, block_size=self.block_size, pos=self.pos,
+                                     causal=causal, scale=softmax_scale, kv_valid_len=self.kv_valid_len,
+                                     block_bytes=2 * k_bhsd.numel() * k_bhsd.element_size(), heads=heads)
+        return SparseRingFn.apply(q_bhsd, k_bhsd, v_bhsd, call)

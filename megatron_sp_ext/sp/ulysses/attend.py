@@ -160,10 +160,17 @@ def attend_block_sparse(plan: AttendPlan, qc, kc, vc, chunk: int):
     """Chunk ``chunk``'s attention under the plan's block mask: q/k/v bhsd [B, h_c, S, D] in GLOBAL order (the
     plan's order puts them there), the mask's rows of this rank's chunk heads (``heads.q_range``; one row
     broadcasts), AND causal, AND kv_valid_len. Kernel ``plan.block_kernel``: "math" runs its forward with
-    log-sum-exp and holds (q, k, v, out, lse, token mask) for ``attend_backward``; "flex" keeps the inner graph."""
+    log-sum-exp and holds (q, k, v, out, lse, token mask) for ``attend_backward``; "flex" keeps the inner graph;
+    a ``BlockSparseBackend`` (a hybrid mesh's sparse ring, in the order it knows) keeps the inner graph too."""
     heads = slice(*plan.heads.q_range(plan.rank, chunk))
     pos = torch.arange(qc.shape[2], device=qc.device)
     bm, bs = plan.block_mask, plan.block_size
+    if isinstance(plan.backend, block_sparse.BlockSparseBackend):  # it applies the mask over its own positions
+        if plan.need_grad:
+            qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
+        with torch.set_grad_enabled(plan.need_grad):
+            oc = plan.backend.attend(qc, kc, vc, heads=heads, causal=plan.causal, softmax_scale=plan.scale)
+        return oc, ((qc, kc, vc, oc) if plan.need_grad else None)
     if plan.block_kernel == "flex":
         if plan.need_grad:
             qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))

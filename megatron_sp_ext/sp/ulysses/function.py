@@ -209,13 +209,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     block_kernel = "math"
     if block_mask is not None:
+        own = isinstance(be, block_sparse.BlockSparseBackend)  # a hybrid mesh's sparse ring: its own positions
         for name, bad, off in (("cu_seqlens", cu_seqlens is not None, None), ("dropout_p", dropout_p != 0.0, 0.0),
-                               ("seq_order", seq_order is not None, None)):
+                               ("seq_order", seq_order is not None and not own, None)):
             if bad:
                 raise SPConfigError(f"block_mask cannot be combined with {name} (ulysses_attention): leave {name} at "
                                     f"{off!r}, or block_mask=None")
-        block_mask = block_sparse.check_block_mask(block_mask, seq_len=s_loc * world, block_size=block_size,
-                                                   num_heads=q.shape[2]).to(q.device)
+        block_mask = block_sparse.check_block_mask(block_mask, seq_len=be.seq_len if own else s_loc * world,
+                                                   block_size=block_size, num_heads=q.shape[2]).to(q.device)
         block_kernel = block_sparse.resolve_kernel("math" if be.name == "math" else "auto", q.device, q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     tr = default_transports().get(transport, group, q.device)
