@@ -106,14 +106,19 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
                              softmax_scale=scale, layout=layout, backend=ring, seq_order=order)
 
 
+def _check_block_ring_variant(ring_variant: str) -> None:
+    """The sparse ring is a single ring: ``ring_variant`` "tasp" with a block mask raises SPConfigError naming it."""
+    if ring_variant != "ring":
+        raise SPConfigError(f"block_mask is not supported with ring_variant={ring_variant!r} yet: use ring_variant="
+                            f"'ring' or block_mask=None")
+
+
 def _hybrid_block_sparse(q, k, v, mesh: SPMesh, *, head_chunks, ring_variant: str, causal: bool,
                          softmax_scale: Optional[float], layout: str, placement: str, kv_valid_len: Optional[int],
                          cu_seqlens, block_mask: torch.Tensor, block_size: int) -> torch.Tensor:
     """``hybrid_attention`` with a block mask: Ulysses over the mesh's Ulysses group into ascending global order
     (``sorted_rows``), then the sparse ring (``SparseRingBackend``) over the ring group with the chunk's heads."""
-    if ring_variant != "ring":
-        raise SPConfigError(f"block_mask is not supported with ring_variant={ring_variant!r} yet: use ring_variant="
-                            f"'ring' or block_mask=None")
+    _check_block_ring_variant(ring_variant)
     if cu_seqlens is not None:
         raise SPConfigError("block_mask cannot be combined with cu_seqlens (hybrid_attention): give one of them")
     if mesh.ring_group is not None:
