@@ -59,11 +59,15 @@ def masked_reference(q, k, v, keep_hss, scale=None):
 
 
 def check_case(fn, rank, world, *, s, h, hkv, d, bs, block_mask, causal, placement="contiguous",
-               dtype=torch.float64, seed=0, tol=TOL64):
-    """fn(q, k, v) on this rank's shards (``placement``) vs the float64 masked reference: out, dq, dk, dv."""
+               dtype=torch.float64, seed=0, tol=TOL64, kv_valid_len=None):
+    """fn(q, k, v) on this rank's shards (``placement``) vs the float64 masked reference: out, dq, dk, dv.
+    kv_valid_len: keys at positions >= it are masked out in the reference too."""
     q, k, v, do = make_qkv(seed, 1, s, h, hkv, d, torch.float64)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = masked_reference(qr, kr, vr, keep_tokens(block_mask, s, bs, causal))
+    keep = keep_tokens(block_mask, s, bs, causal)
+    if kv_valid_len is not None:
+        keep = keep & (torch.arange(s) < kv_valid_len)
+    ref = masked_reference(qr, kr, vr, keep)
     ref.backward(do)
     pos = positions(placement, rank, world, s)
     mine = [t[:, pos].to(dtype).requires_grad_() for t in (q, k, v)]
@@ -399,3 +403,29 @@ def _hybrid(rank, world, ulysses_size, causal, placement, chunks):
     (4, 2, True, "zigzag", 2), (4, 2, False, "contiguous", 1), (2, 1, True, "zigzag", 1), (2, 2, False, "zigzag", 1)])
 def test_hybrid_block_mask_matches_reference(world, ulysses_size, causal, placement, chunks):
     run_ranks(_hybrid, world, ulysses_size, causal, placement, chunks)
+
+
+# ------------------------------------------------------------------------------------------------ kv_valid_len
+def _kv_valid(rank, world):
+    """kv_valid_len ANDs with the block mask in Ulysses, the ring and the hybrid (keys past it: never attended)."""
+    g = dist.group.WORLD
+    s, bs = _shape(world)
+    valid = s - 11
+    bm = random_mask(41, 4, bsp.num_tiles(s, bs), keep=0.5)
+    mesh = spx.build_sp_mesh(g, num_heads=4, ulysses_size=1)
+    n = 0
+    for causal in (False, True):
+        for fn in (lambda q, k, v: spx.ulysses_attention(q, k, v, g, causal=causal, placement="zigzag",
+                                                         kv_valid_len=valid, block_mask=bm, block_size=bs),
+                   lambda q, k, v: spx.ring_attention(q, k, v, g, causal=causal, placement="zigzag",
+                                                      kv_valid_len=valid, block_mask=bm, block_size=bs),
+                   lambda q, k, v: spx.hybrid_attention(q, k, v, mesh, causal=causal, placement="zigzag",
+                                                        kv_valid_len=valid, block_mask=bm, block_size=bs)):
+            check_case(fn, rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=causal,
+                       placement="zigzag", seed=n, kv_valid_len=valid)
+            n += 1
+    return n
+
+
+def test_kv_valid_len_ands_with_block_mask():
+    assert run_ranks(_kv_valid, 2) == [6, 6]

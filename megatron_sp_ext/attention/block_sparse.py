@@ -168,10 +168,12 @@ def _compiled_flex():
 
 
 def flex_block_mask(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int,
-                    heads: slice = slice(None), *, causal: bool = False, kv_valid_len: Optional[int] = None):
+                    heads: slice = slice(None), *, causal: bool = False, kv_valid_len: Optional[int] = None,
+                    compiled: Optional[bool] = None):
     """flex_attention's ``BlockMask`` for queries at ``q_pos`` and keys at ``k_pos`` (global positions): its
     ``mask_mod`` indexes the tile mask (head rows ``heads``), ANDed with causal and kv_valid_len as in
-    ``token_mask``."""
+    ``token_mask``. compiled (default: on CUDA): build it through torch.compile (``_compile=True``), which does not
+    materialise the [h, Sq, Sk] mask; False evaluates the mask_mod eagerly (small shapes, CPU)."""
     from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
     dev = block_mask.device
     rows = head_rows(block_mask, heads).contiguous()
@@ -186,8 +188,9 @@ def flex_block_mask(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.
             keep = keep & (kp[kv_idx] <= qp[q_idx])
         return keep & (kp[kv_idx] < valid)
 
+    compiled = dev.type == "cuda" if compiled is None else compiled
     return create_block_mask(mask_mod, None, None if one_head else rows.shape[0], qp.numel(), kp.numel(),
-                             device=dev)
+                             device=dev, _compile=compiled)
 
 
 def flex_attention_masked(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor, flex_mask,
