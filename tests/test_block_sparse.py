@@ -59,10 +59,10 @@ def masked_reference(q, k, v, keep_hss, scale=None):
 
 
 def check_case(fn, rank, world, *, s, h, hkv, d, bs, block_mask, causal, placement="contiguous",
-               dtype=torch.float64, seed=0, tol=TOL64, kv_valid_len=None):
+               dtype=torch.float64, seed=0, tol=TOL64, kv_valid_len=None, b=1):
     """fn(q, k, v) on this rank's shards (``placement``) vs the float64 masked reference: out, dq, dk, dv.
     kv_valid_len: keys at positions >= it are masked out in the reference too."""
-    q, k, v, do = make_qkv(seed, 1, s, h, hkv, d, torch.float64)
+    q, k, v, do = make_qkv(seed, b, s, h, hkv, d, torch.float64)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     keep = keep_tokens(block_mask, s, bs, causal)
     if kv_valid_len is not None:
@@ -429,3 +429,24 @@ def _kv_valid(rank, world):
 
 def test_kv_valid_len_ands_with_block_mask():
     assert run_ranks(_kv_valid, 2) == [6, 6]
+
+
+def _batch2(rank, world):
+    """B = 2 (the exchange's non-per-piece path), Ulysses in sbhd and the ring in bshd, causal zigzag."""
+    g = dist.group.WORLD
+    s, bs = _shape(world)
+    bm = random_mask(43, 4, bsp.num_tiles(s, bs), keep=0.5)
+
+    def uly_sbhd(q, k, v):
+        o = spx.ulysses_attention(*(x.transpose(0, 1) for x in (q, k, v)), g, causal=True, placement="zigzag",
+                                  layout="sbhd", head_chunks=2, block_mask=bm, block_size=bs)
+        return o.transpose(0, 1)
+    for n, fn in enumerate((uly_sbhd, lambda q, k, v: spx.ring_attention(q, k, v, g, causal=True, placement="zigzag",
+                                                                         block_mask=bm, block_size=bs))):
+        check_case(fn, rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=True, placement="zigzag",
+                   seed=n, b=2)
+    return True
+
+
+def test_batch_of_two():
+    run_ranks(_batch2, 2)

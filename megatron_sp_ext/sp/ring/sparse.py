@@ -85,6 +85,7 @@ def plan_from_positions(block_mask: torch.Tensor, pos: tuple, block_size: int, h
     """The plan of a ring whose rank r holds the tokens at global positions ``pos[r]`` (queries and keys alike),
     for the query heads ``heads`` (rows of the mask)."""
     world = len(pos)
+    block_mask, pos = block_mask.cpu(), tuple(p.cpu() for p in pos)  # tile-level work: one copy, no device syncs
     need = tuple(tuple(block_sparse.pair_selected(block_mask, pos[r], pos[o], block_size, heads, causal=causal,
                                                   kv_valid_len=kv_valid_len) for o in range(world))
                  for r in range(world))
