@@ -163,7 +163,7 @@ def _ulysses(rank, world, hkv, causal, placement, chunks):
 
 
 @pytest.mark.parametrize("world,hkv,causal,placement,chunks", [
-    (2, 2, False, "contiguous", 1), (2, 4, True, "zigzag", 2), (3, 2, True, "contiguous", 1),
+    (2, 2, False, "contiguous", "auto"), (2, 4, True, "zigzag", 2), (3, 2, True, "contiguous", 1),
     (4, 2, False, "zigzag", 1), (4, 4, True, "contiguous", 1)])
 def test_ulysses_block_mask_matches_reference(world, hkv, causal, placement, chunks):
     run_ranks(_ulysses, world, hkv, causal, placement, chunks)

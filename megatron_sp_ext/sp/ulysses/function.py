@@ -196,8 +196,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     query tiles x key tiles over the FULL sequence in global token order, the same on every rank (H indexes query
     heads; 1 broadcasts); only selected tile pairs attend, AND causal, AND kv_valid_len; query rows with no
     selected key give zeros. After the exchange each chunk attends in global order with its heads' mask rows, on
-    the "math" block kernel (backend="math", or off CUDA) or flex_attention (CUDA). Not combined with cu_seqlens,
-    dropout_p or seq_order.
+    the "math" block kernel (backend="math", or off CUDA) or flex_attention (CUDA); head_chunks="auto" picks C by
+    the dense call's calibration. Not combined with cu_seqlens, dropout_p or seq_order.
     """
     if varlen_kernel not in VARLEN_SETTINGS:
         raise SPConfigError(f"varlen_kernel={varlen_kernel!r} is invalid: choose one of {', '.join(VARLEN_SETTINGS)}")
@@ -221,9 +221,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     tr = default_transports().get(transport, group, q.device)
     if head_chunks == "auto":
-        if block_mask is not None:
-            raise SPConfigError("head_chunks='auto' cannot be combined with block_mask (its policy times dense "
-                                "calls): give head_chunks as an integer")
+        # with a block mask too: the policy calibrates the dense call of this shape (the exchanges it balances are
+        # the same; the chunk count never changes the result)
         head_chunks = (policy or default_policy()).choose(q, k, group, causal=causal, layout=layout,
                                                         scale=scale, backend=be, comm_stream=comm_stream,
                                                         transport=tr, attention=ulysses_attention)
