@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ...attention import block_sparse
 from ...attention.lse import acc_dtype, merge_into
+from ..checks import check_ring_inputs
 from ..placement import positions
 
 
@@ -284,6 +285,10 @@ class SparseRingBackend(block_sparse.BlockSparseBackend):
         self.name = "sparse_ring"
 
     def attend(self, q_bhsd, k_bhsd, v_bhsd, *, heads: slice, causal: bool, softmax_scale: float) -> torch.Tensor:
+        if self.group is not None:  # the ring group's shapes, checked once per shape by a collective (so NCCL's
+            # first call on the group involves every rank before the plan may leave some rank out of a step)
+            check_ring_inputs(q_bhsd.transpose(1, 2), k_bhsd.transpose(1, 2), v_bhsd.transpose(1, 2), "bshd",
+                              self.group)
         call = make_sparse_ring_call(self.group, self.block_mask, block_size=self.block_size, pos=self.pos,
                                      causal=causal, scale=softmax_scale, kv_valid_len=self.kv_valid_len,
                                      block_bytes=2 * k_bhsd.numel() * k_bhsd.element_size(), heads=heads)
