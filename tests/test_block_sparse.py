@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import megatron_sp_ext as spx
 from megatron_sp_ext.attention import block_sparse as bsp
+from megatron_sp_ext.attention.backends import wrap_callable
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.factory import SPResources, make_attention
@@ -307,6 +308,8 @@ def _refusals(rank, world):
         (r"block_mask must be a bool tensor \[1 or 4, 2, 2\]",
          lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=8)),
         ("block_size=0", lambda: spx.ring_attention(q, q, q, g, block_mask=bm, block_size=0)),
+        ("not backend='user'", lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=bs,
+                                                              backend=wrap_callable(lambda *a, **kw: None, "user"))),
     ]
     for mode in ("tasp", "torus"):
         cfg = SPConfig(mode=mode, nodes=2 if mode == "torus" else None)
@@ -320,7 +323,7 @@ def _refusals(rank, world):
 
 
 def test_refusals_name_the_setting():
-    assert run_ranks(_refusals, 2) == [10, 10]
+    assert run_ranks(_refusals, 2) == [11, 11]
 
 
 def _all_true_all_false(rank, world):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ...attention import block_sparse
-from ...attention.backends import LocalAttention, get_backend
+from ...attention.backends import LocalAttention, MathBackend, SDPABackend, get_backend
 from ...attention.varlen import SETTINGS as VARLEN_SETTINGS
 from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq
@@ -196,7 +196,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     query tiles x key tiles over the FULL sequence in global token order, the same on every rank (H indexes query
     heads; 1 broadcasts); only selected tile pairs attend, AND causal, AND kv_valid_len; query rows with no
     selected key give zeros. After the exchange each chunk attends in global order with its heads' mask rows, on
-    the "math" block kernel (backend="math", or off CUDA) or flex_attention (CUDA); head_chunks="auto" picks C by
+    the "math" block kernel (backend="math", or off CUDA) or flex_attention (CUDA; other SDPA-family backends
+    name no kernel for it; a caller's callable, flash_attn or te backend is refused); head_chunks="auto" picks C by
     the dense call's calibration. Not combined with cu_seqlens, dropout_p or seq_order.
     """
     if varlen_kernel not in VARLEN_SETTINGS:
@@ -210,6 +211,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     block_kernel = "math"
     if block_mask is not None:
         own = isinstance(be, block_sparse.BlockSparseBackend)  # a hybrid mesh's sparse ring: its own positions
+        if not (own or isinstance(be, (SDPABackend, MathBackend))):
+            raise SPConfigError(f"block_mask runs megatron_sp_ext's block-sparse kernels (math, flex_attention), not "
+                                f"backend={getattr(be, 'name', be)!r}: use backend 'auto', 'sdpa', 'math' (or a "
+                                f"fixed SDPA-family kernel name), or block_mask=None")
         for name, bad, off in (("cu_seqlens", cu_seqlens is not None, None), ("dropout_p", dropout_p != 0.0, 0.0),
                                ("seq_order", seq_order is not None and not own, None)):
             if bad:
