@@ -435,7 +435,8 @@ def test_kv_valid_len_ands_with_block_mask():
 
 
 def _batch2(rank, world):
-    """B = 2 (the exchange's non-per-piece path), Ulysses in sbhd and the ring in bshd, causal zigzag."""
+    """B = 2 (the exchange's non-per-piece path), Ulysses in sbhd and the ring in bshd, causal zigzag; and the same
+    calls under no_grad."""
     g = dist.group.WORLD
     s, bs = _shape(world)
     bm = random_mask(43, 4, bsp.num_tiles(s, bs), keep=0.5)
@@ -446,8 +447,12 @@ def _batch2(rank, world):
         return o.transpose(0, 1)
     for n, fn in enumerate((uly_sbhd, lambda q, k, v: spx.ring_attention(q, k, v, g, causal=True, placement="zigzag",
                                                                          block_mask=bm, block_size=bs))):
-        check_case(fn, rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=True, placement="zigzag",
-                   seed=n, b=2)
+        out, _ = check_case(fn, rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=True,
+                            placement="zigzag", seed=n, b=2)
+        q, k, v, _ = make_qkv(n, 2, s, 4, 2, 8, torch.float64)
+        pos = positions("zigzag", rank, world, s)
+        with torch.no_grad():  # inference: nothing kept, same output
+            assert torch.equal(fn(q[:, pos], k[:, pos], v[:, pos]), out)
     return True
 
 
