@@ -299,7 +299,8 @@ def _refusals(rank, world):
         ("variant='tasp'", lambda: spx.ring_attention(q, q, q, g, variant="tasp", block_mask=bm, block_size=bs)),
         ("ring_variant='tasp'", lambda: spx.hybrid_attention(q, q, q, mesh, block_mask=bm, block_size=bs,
                                                               ring_variant="tasp")),
-        ("torus_attention", lambda: spx.torus_attention(q, q, q, mesh, block_mask=bm, block_size=bs)),
+        ("ring_variant='tasp' yet \\(torus_attention\\)", lambda: spx.torus_attention(
+            q, q, q, mesh, block_mask=bm, block_size=bs, ring_variant="tasp")),
         ("cu_seqlens", lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=bs,
                                                       cu_seqlens=torch.tensor([0, 8, 16]))),
         ("cu_seqlens", lambda: spx.ring_attention(q, q, q, g, block_mask=bm, block_size=bs,
@@ -311,10 +312,10 @@ def _refusals(rank, world):
         ("not backend='user'", lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=bs,
                                                               backend=wrap_callable(lambda *a, **kw: None, "user"))),
     ]
-    for mode in ("tasp", "torus"):
-        cfg = SPConfig(mode=mode, nodes=2 if mode == "torus" else None)
+    for mode in ("tasp",):
+        cfg = SPConfig(mode=mode)
         attn = make_attention(cfg, g, num_heads=4)
-        cases.append((f"block_mask is not supported with mode='{mode}' yet; use ulysses, hcms, ring, usp, tas",
+        cases.append((f"block_mask is not supported with mode='{mode}' yet; use ulysses, hcms, ring, usp, tas, torus",
                       lambda attn=attn: attn(q, q, q, causal=False, block_mask=bm, block_size=bs)))
     for pattern, call in cases:
         with pytest.raises(SPConfigError, match=pattern):
@@ -323,7 +324,7 @@ def _refusals(rank, world):
 
 
 def test_refusals_name_the_setting():
-    assert run_ranks(_refusals, 2) == [11, 11]
+    assert run_ranks(_refusals, 2) == [10, 10]
 
 
 def _all_true_all_false(rank, world):
@@ -458,3 +459,27 @@ def _batch2(rank, world):
 
 def test_batch_of_two():
     run_ranks(_batch2, 2)
+
+
+# ------------------------------------------------------------------------------------------------------- torus
+def _torus(rank, world, causal, placement):
+    g = dist.group.WORLD
+    s, bs = _shape(world)
+    t = bsp.num_tiles(s, bs)
+    mesh = spx.build_sp_mesh(g, num_heads=4, nodes=2)
+    for n, bm in enumerate((random_mask(19 + world, 4, t), window_mask(t))):
+        check_case(lambda q, k, v: spx.torus_attention(q, k, v, mesh, causal=causal, placement=placement,
+                                                       block_mask=bm, block_size=bs),
+                   rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=causal, placement=placement,
+                   seed=n)
+    cfg = SPConfig(mode="torus", nodes=2)
+    attn = make_attention(cfg, g, num_heads=4, num_kv_heads=2, placement=placement, resources=SPResources(cfg))
+    bm = random_mask(23, 4, t)
+    check_case(lambda q, k, v: attn(q, k, v, causal=causal, block_mask=bm, block_size=bs), rank, world, s=s, h=4,
+               hkv=2, d=8, bs=bs, block_mask=bm, causal=causal, placement=placement, seed=5)
+    return True
+
+
+@pytest.mark.parametrize("world,causal,placement", [(4, True, "zigzag"), (2, False, "contiguous")])
+def test_torus_block_mask_matches_reference(world, causal, placement):
+    run_ranks(_torus, world, causal, placement)

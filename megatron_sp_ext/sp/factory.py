@@ -38,7 +38,7 @@ from .ulysses import HCMSPolicy, PackedUlysses, ulysses_attention
 
 ULYSSES_MODES = ("ulysses", "hcms")
 RING_MODES = ("ring", "tasp")
-BLOCK_MASK_MODES = ("ulysses", "hcms", "ring", "usp", "tas")  # the modes that take block_mask (auto: as it resolves)
+BLOCK_MASK_MODES = ("ulysses", "hcms", "ring", "usp", "tas", "torus")  # the modes that take block_mask (auto: as it resolves)
 
 
 class SPResources:
@@ -158,8 +158,8 @@ class SPAttention:
         cu_seqlens: packed variable-length samples (B=1; cumulative lengths over the full sequence, every rank the
         same; shards in the per-sample placement of ``shard_sequence``): every mode (auto stays on Ulysses/HCMS).
         block_mask / block_size: block-sparse attention (bool [H or 1, T, T] tiles over the full sequence in global
-        order, T = ceil(S / block_size); attention/block_sparse.py) in modes ulysses, hcms, ring, usp and tas (auto
-        does not switch per shape with it); tasp and torus refuse it by name."""
+        order, T = ceil(S / block_size); attention/block_sparse.py) in modes ulysses, hcms, ring, usp, tas and torus
+        (auto does not switch per shape with it); tasp refuses it by name."""
         block = None
         if block_mask is not None:
             if self.mode not in BLOCK_MASK_MODES:
@@ -194,7 +194,7 @@ class SPAttention:
         if mode == "torus":
             return torus_attention(q, k, v, self.mesh, causal=causal, softmax_scale=softmax_scale, layout=self.layout,
                                    ring_variant=self.cfg.ring_variant, placement=self.placement, backend=self.backend,
-                                   kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens)
+                                   kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, **(block or {}))
         if mode in ("usp", "tas"):
             return hybrid_attention(q, k, v, self.mesh, head_chunks=self.cfg.head_chunks,
                                     ring_variant=self.cfg.ring_variant, causal=causal, softmax_scale=softmax_scale,

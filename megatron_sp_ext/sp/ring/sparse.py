@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ...attention import block_sparse
+from ...attention.backends import LocalAttention
 from ...attention.lse import acc_dtype, merge_into
-from ..checks import check_ring_inputs
+from ..checks import check_ring_inputs, check_same_shape_across_ranks
 from ..placement import positions
 
 
@@ -82,12 +83,15 @@ def sparse_ring_plan(block_mask: torch.Tensor, *, world: int, seq_len: int, bloc
 
 
 def plan_from_positions(block_mask: torch.Tensor, pos: tuple, block_size: int, heads: slice = slice(None), *,
-                        causal: bool, kv_valid_len: Optional[int] = None, block_bytes: int = 0) -> SparseRingPlan:
-    """The plan of a ring whose rank r holds the tokens at global positions ``pos[r]`` (queries and keys alike),
-    for the query heads ``heads`` (rows of the mask)."""
+                        causal: bool, kv_valid_len: Optional[int] = None, block_bytes: int = 0,
+                        kv_pos: Optional[tuple] = None) -> SparseRingPlan:
+    """The plan of a ring whose rank r holds queries at global positions ``pos[r]`` and keys at ``kv_pos[r]``
+    (default: the same tokens), for the query heads ``heads`` (rows of the mask)."""
     world = len(pos)
-    block_mask, pos = block_mask.cpu(), tuple(p.cpu() for p in pos)  # tile-level work: one copy, no device syncs
-    need = tuple(tuple(block_sparse.pair_selected(block_mask, pos[r], pos[o], block_size, heads, causal=causal,
+    kv_pos = pos if kv_pos is None else kv_pos
+    block_mask = block_mask.cpu()  # tile-level work: one copy, no device syncs
+    pos, kv_pos = tuple(p.cpu() for p in pos), tuple(p.cpu() for p in kv_pos)
+    need = tuple(tuple(block_sparse.pair_selected(block_mask, pos[r], kv_pos[o], block_size, heads, causal=causal,
                                                   kv_valid_len=kv_valid_len) for o in range(world))
                  for r in range(world))
     hop = tuple(tuple(any(need[(o + t) % world][o] for t in range(s + 1, world)) for s in range(world - 1))
@@ -256,16 +260,18 @@ def _positions(placement: str, world: int, seq_len: int) -> tuple:
 
 def make_sparse_ring_call(group: Optional[dist.ProcessGroup], block_mask: torch.Tensor, *, block_size: int,
                           pos: tuple, causal: bool, scale: float, kv_valid_len: Optional[int], block_bytes: int,
-                          heads: slice = slice(None)) -> SparseRingCall:
-    """The call of this rank of ``group`` (None: one rank) whose ring rank r holds global positions ``pos[r]``."""
+                          heads: slice = slice(None), kv_pos: Optional[tuple] = None) -> SparseRingCall:
+    """The call of this rank of ``group`` (None: one rank) whose ring rank r holds queries at global positions
+    ``pos[r]`` and keys at ``kv_pos[r]`` (default: the same tokens)."""
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
-    assert len(pos) == world, (len(pos), world)
-    pos = tuple(p.to(block_mask.device) for p in pos)
+    kv_pos = pos if kv_pos is None else kv_pos
+    assert len(pos) == world and len(kv_pos) == world, (len(pos), len(kv_pos), world)
     plan = plan_from_positions(block_mask, pos, block_size, heads, causal=causal, kv_valid_len=kv_valid_len,
-                               block_bytes=block_bytes)
-    return SparseRingCall(group, rank, plan, block_mask, block_size, pos[rank], pos, causal, scale, kv_valid_len,
-                          heads)
+                               block_bytes=block_bytes, kv_pos=kv_pos)
+    dev = block_mask.device
+    return SparseRingCall(group, rank, plan, block_mask, block_size, pos[rank].to(dev),
+                          tuple(p.to(dev) for p in kv_pos), causal, scale, kv_valid_len, heads)
 
 
 def runs_positions(runs) -> torch.Tensor:
@@ -293,3 +299,40 @@ class SparseRingBackend(block_sparse.BlockSparseBackend):
                                      causal=causal, scale=softmax_scale, kv_valid_len=self.kv_valid_len,
                                      block_bytes=2 * k_bhsd.numel() * k_bhsd.element_size(), heads=heads)
         return SparseRingFn.apply(q_bhsd, k_bhsd, v_bhsd, call)
+
+
+class SparseRingBlocks(LocalAttention):
+    """The sparse ring over ``group`` in log-sum-exp block form, for torus attention's blocks: ring rank r holds
+    queries ``q_runs[r]`` and keys ``kv_runs[r]`` (global (start, len) runs), query heads ``heads`` of the mask.
+    ``forward_lse`` -> (out, lse) in the accumulator dtype; ``backward_lse`` from the FINAL out/lse of the rows."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], q_runs: tuple, kv_runs: tuple, block_mask: torch.Tensor,
+                 block_size: int, heads: slice, kv_valid_len: Optional[int] = None) -> None:
+        self.group, self.block_mask, self.block_size, self.heads = group, block_mask, block_size, heads
+        self.kv_valid_len = kv_valid_len
+        self.q_pos = tuple(runs_positions(r) for r in q_runs)
+        self.kv_pos = tuple(runs_positions(r) for r in kv_runs)
+        self.name = "sparse_ring_blocks"
+        self._calls: dict = {}
+
+    def _call(self, k_bhsd: torch.Tensor, causal: bool, scale: float) -> SparseRingCall:
+        key = (causal, scale, tuple(k_bhsd.shape), k_bhsd.dtype)
+        if key not in self._calls:
+            if self.group is not None:  # one collective on the ring group before its first point-to-point batch
+                check_same_shape_across_ranks(k_bhsd, self.group, "key block (torus ring)")
+            self._calls[key] = make_sparse_ring_call(
+                self.group, self.block_mask, block_size=self.block_size, pos=self.q_pos, kv_pos=self.kv_pos,
+                causal=causal, scale=scale, kv_valid_len=self.kv_valid_len,
+                block_bytes=2 * k_bhsd.numel() * k_bhsd.element_size(), heads=self.heads)
+        return self._calls[key]
+
+    def __call__(self, q, k, v, *, causal, softmax_scale):
+        return SparseRingFn.apply(q, k, v, self._call(k, causal, softmax_scale))
+
+    def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None):
+        assert mask is None
+        return sparse_ring_forward(q, k, v, self._call(k, causal, softmax_scale))
+
+    def backward_lse(self, do, q, k, v, out, lse, *, causal, softmax_scale, mask=None):
+        assert mask is None
+        return sparse_ring_backward(do, q, k, v, out, lse, self._call(k, causal, softmax_scale))
