@@ -5,7 +5,8 @@ named in each case), the ring runs its skip schedule on the math block kernel: a
 query-tile row) and a 1D window mask, causal (zigzag) and not (contiguous), GQA 8/2 and 8/8, bf16 (fp32 on a
 subset), S not a multiple of block_size. out, dq, dk, dv against a float64 masked reference computed on the device.
 Records as in tests/cuda_suite.py: 2 (masks) x 2 (causal) x 2 (head layouts) x 3 (ulysses C=1, hcms C=2, ring) in
-bf16 + 2 (causal) x 2 (ulysses C=1, ring) in fp32 = 28. Dry run on the CPU: SPX_SUITE_DEVICE=cpu SPX_SUITE_SHRINK=16 (every Ulysses case then runs
+bf16 + 2 (causal) x 2 (ulysses C=1, ring) in fp32 = 28; at P=4 also hybrid (usp, C=2) and torus (tas) on 2 simulated
+machines of 2, causal and not, bf16: 32. Dry run on the CPU: SPX_SUITE_DEVICE=cpu SPX_SUITE_SHRINK=16 (every Ulysses case then runs
 the math kernel; tests/test_block_sparse.py runs it).
 """
 from __future__ import annotations
@@ -74,4 +75,18 @@ def block_sparse_family(rank: int, world: int) -> list:
                         _record(rec, f"{name} mask={mask_name}", fn, rank, world, s=s, h=h, hkv=hkv, d=d, bs=bs,
                                 bm=bm, causal=causal, placement=placement, dtype=dtype, seed=n)
                         n += 1
+    if world == 4:  # meshes as 2 simulated machines of 2 (as cuda_suite.mesh_family): usp (C=2) and torus (tas)
+        meshes = {pl: spx.build_sp_mesh(g, num_heads=8, placement=pl, ulysses_size=2, nodes=2) for pl in ("usp", "tas")}
+        bm = random_mask(world + 1, 8, t)
+        for causal in (False, True):
+            placement = "zigzag" if causal else "contiguous"
+            for name, fn in (
+                    ("hybrid-usp C=2", lambda a, b, c, m: spx.hybrid_attention(
+                        a, b, c, meshes["usp"], head_chunks=2, causal=causal, placement=placement, block_mask=m,
+                        block_size=bs)),
+                    ("torus tas 2x2", lambda a, b, c, m: spx.torus_attention(
+                        a, b, c, meshes["tas"], causal=causal, placement=placement, block_mask=m, block_size=bs))):
+                _record(rec, f"{name} kernel=math mask=random", fn, rank, world, s=s, h=8, hkv=2, d=d, bs=bs, bm=bm,
+                        causal=causal, placement=placement, dtype=torch.bfloat16, seed=n)
+                n += 1
     return rec
