@@ -483,3 +483,18 @@ def _torus(rank, world, causal, placement):
 @pytest.mark.parametrize("world,causal,placement", [(4, True, "zigzag"), (2, False, "contiguous")])
 def test_torus_block_mask_matches_reference(world, causal, placement):
     run_ranks(_torus, world, causal, placement)
+
+
+def _one_rank(rank, world):
+    g = dist.group.WORLD
+    s, bs = 23, 5
+    bm = random_mask(47, 4, bsp.num_tiles(s, bs), keep=0.5)
+    for causal in (False, True):
+        for fn in (lambda q, k, v: spx.ulysses_attention(q, k, v, g, causal=causal, block_mask=bm, block_size=bs),
+                   lambda q, k, v: spx.ring_attention(q, k, v, g, causal=causal, block_mask=bm, block_size=bs)):
+            check_case(fn, rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=causal)
+    return True
+
+
+def test_one_rank():
+    run_ranks(_one_rank, 1)
