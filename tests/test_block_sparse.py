@@ -16,6 +16,7 @@ from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.factory import SPResources, make_attention
 from megatron_sp_ext.sp.placement import positions
+from megatron_sp_ext.topology.hamiltonian import routing_tables
 from tests.harness import run_ranks
 from tests.reference import make_qkv, rel_err
 
@@ -209,6 +210,39 @@ def test_ring_block_mask_tasp_zigzag_placement():
     run_ranks(_ring_tasp_zigzag, 3)
 
 
+def _tasp(rank, world, causal, placement):
+    """variant "tasp" (one K|V slot per Hamiltonian cycle) under a block mask, and the factory's mode tasp."""
+    g = dist.group.WORLD
+    rings = len(routing_tables(world).cycles)
+    s, bs = 2 * world * rings * 5, 7
+    t = bsp.num_tiles(s, bs)
+    for n, bm in enumerate((random_mask(29 + world, 4, t), window_mask(t))):
+        check_case(lambda q, k, v: spx.ring_attention(q, k, v, g, variant="tasp", causal=causal, placement=placement,
+                                                      block_mask=bm, block_size=bs),
+                   rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=causal, placement=placement,
+                   seed=n)
+    cfg = SPConfig(mode="tasp")
+    attn = make_attention(cfg, g, num_heads=4, num_kv_heads=2, placement=placement, resources=SPResources(cfg))
+    bm = window_mask(t)
+    check_case(lambda q, k, v: attn(q, k, v, causal=causal, block_mask=bm, block_size=bs), rank, world, s=s, h=4,
+               hkv=2, d=8, bs=bs, block_mask=bm, causal=causal, placement=placement, seed=7)
+    from megatron_sp_ext.sp.ring import sparse_ring_plan
+    plan = sparse_ring_plan(bm, world=world, seq_len=s, block_size=bs, placement=placement, causal=causal,
+                            variant="tasp", block_bytes=1000)
+    return plan.counts(rank), rings
+
+
+@pytest.mark.parametrize("world,causal,placement", [(3, True, "tasp_zigzag"), (3, False, "contiguous"),
+                                                    (4, True, "zigzag"), (4, False, "tasp_zigzag")])
+def test_tasp_block_mask_matches_reference(world, causal, placement):
+    res = run_ranks(_tasp, world, causal, placement)
+    for counts, rings in res:
+        assert counts["steps_run"] + counts["steps_skipped"] == world * rings
+        assert counts["bytes_sent"] + counts["bytes_skipped"] == 1000 * (world - 1)
+    # a window of one tile each side over 2 * P * rings * 5 tokens: some (step, slot) blocks are skipped
+    assert sum(c["steps_skipped"] for c, _ in res) > 0
+
+
 def _skips(rank, world, causal):
     """Banded mask, contiguous, P=4, S=64, 8-token tiles: each rank holds 2 tiles, the band reaches its
     neighbours only. Counts what the ring actually ran and sent (kernel calls, p2p ops) and checks the output."""
@@ -296,7 +330,6 @@ def _refusals(rank, world):
     q = torch.randn(1, s // world, 4, 8, dtype=torch.float64)
     mesh = spx.build_sp_mesh(g, num_heads=4)
     cases = [
-        ("variant='tasp'", lambda: spx.ring_attention(q, q, q, g, variant="tasp", block_mask=bm, block_size=bs)),
         ("ring_variant='tasp'", lambda: spx.hybrid_attention(q, q, q, mesh, block_mask=bm, block_size=bs,
                                                               ring_variant="tasp")),
         ("ring_variant='tasp' yet \\(torus_attention\\)", lambda: spx.torus_attention(
@@ -312,11 +345,6 @@ def _refusals(rank, world):
         ("not backend='user'", lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=bs,
                                                               backend=wrap_callable(lambda *a, **kw: None, "user"))),
     ]
-    for mode in ("tasp",):
-        cfg = SPConfig(mode=mode)
-        attn = make_attention(cfg, g, num_heads=4)
-        cases.append((f"block_mask is not supported with mode='{mode}' yet; use ulysses, hcms, ring, usp, tas, torus",
-                      lambda attn=attn: attn(q, q, q, causal=False, block_mask=bm, block_size=bs)))
     for pattern, call in cases:
         with pytest.raises(SPConfigError, match=pattern):
             call()
@@ -324,7 +352,7 @@ def _refusals(rank, world):
 
 
 def test_refusals_name_the_setting():
-    assert run_ranks(_refusals, 2) == [10, 10]
+    assert run_ranks(_refusals, 2) == [8, 8]
 
 
 def _all_true_all_false(rank, world):

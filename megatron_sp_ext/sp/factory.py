@@ -38,7 +38,7 @@ from .ulysses import HCMSPolicy, PackedUlysses, ulysses_attention
 
 ULYSSES_MODES = ("ulysses", "hcms")
 RING_MODES = ("ring", "tasp")
-BLOCK_MASK_MODES = ("ulysses", "hcms", "ring", "usp", "tas", "torus")  # the modes that take block_mask (auto: as it resolves)
+BLOCK_MASK_MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus")  # the modes that take block_mask (auto: as it resolves)
 
 
 class SPResources:
@@ -158,8 +158,8 @@ class SPAttention:
         cu_seqlens: packed variable-length samples (B=1; cumulative lengths over the full sequence, every rank the
         same; shards in the per-sample placement of ``shard_sequence``): every mode (auto stays on Ulysses/HCMS).
         block_mask / block_size: block-sparse attention (bool [H or 1, T, T] tiles over the full sequence in global
-        order, T = ceil(S / block_size); attention/block_sparse.py) in modes ulysses, hcms, ring, usp, tas and torus
-        (auto does not switch per shape with it); tasp refuses it by name."""
+        order, T = ceil(S / block_size); attention/block_sparse.py) in every mode (auto does not switch per shape
+        with it; usp, tas and torus with ring_variant "ring")."""
         block = None
         if block_mask is not None:
             if self.mode not in BLOCK_MASK_MODES:

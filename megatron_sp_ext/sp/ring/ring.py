@@ -397,9 +397,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     placement "contiguous" or "zigzag" ("tasp_zigzag" does not take packed samples). Each sample attends only within itself; samples that do not divide by the placement's
     divisor are padded as in ``ulysses_attention``; not combined with kv_valid_len.
     block_mask: block-sparse attention (attention/block_sparse.py), bool [H or 1, T, T], T = ceil(S / block_size),
-    over the full sequence in global order, the same on every rank: ``sparse.py``'s ring (variant "ring", any
-    placement; AND causal, AND kv_valid_len) skips the steps whose tile pairs are all unselected and the K|V hops
-    no later rank needs, on the math block kernel. Not with variant "tasp" or cu_seqlens.
+    over the full sequence in global order, the same on every rank: ``sparse.py``'s ring or TASP multi-ring (any
+    placement; AND causal, AND kv_valid_len) skips the (step, slot) blocks whose tile pairs are all unselected and
+    the K|V hops no later rank needs, on the math block kernel. Not with cu_seqlens.
     """
     if group is not None and dist.get_world_size(group) > 1 and needs_p2p(variant, dist.get_world_size(group)):
         check_p2p(f"ring_attention(variant={variant!r})", group, q.device, "ulysses_attention")
@@ -413,9 +413,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * world
     if block_mask is not None:
-        if variant != "ring":
-            raise SPConfigError(f"block_mask is not supported with variant={variant!r} yet: use variant='ring' "
-                                f"(any placement) or block_mask=None")
         if cu_seqlens is not None:
             raise SPConfigError("block_mask cannot be combined with cu_seqlens (ring_attention): give one of them")
         block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size,
@@ -423,7 +420,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         pos = tuple(runs_positions(pieces(placement, o, world, seqlen)) for o in range(world))  # validates
         valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < seqlen else None
         call = make_sparse_ring_call(group, block_mask, block_size=block_size, pos=pos, causal=causal, scale=scale,
-                                     kv_valid_len=valid, block_bytes=2 * k.numel() * k.element_size())
+                                     kv_valid_len=valid, block_bytes=2 * k.numel() * k.element_size(),
+                                     variant=variant, balanced=placement == "tasp_zigzag")
         out = SparseRingFn.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), call)
         return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
     pk = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len, placement, world)
