@@ -330,10 +330,8 @@ def _refusals(rank, world):
     q = torch.randn(1, s // world, 4, 8, dtype=torch.float64)
     mesh = spx.build_sp_mesh(g, num_heads=4)
     cases = [
-        ("ring_variant='tasp'", lambda: spx.hybrid_attention(q, q, q, mesh, block_mask=bm, block_size=bs,
-                                                              ring_variant="tasp")),
-        ("ring_variant='tasp' yet \\(torus_attention\\)", lambda: spx.torus_attention(
-            q, q, q, mesh, block_mask=bm, block_size=bs, ring_variant="tasp")),
+        ("variant='ring3' is invalid", lambda: spx.hybrid_attention(q, q, q, mesh, block_mask=bm, block_size=bs,
+                                                                     ring_variant="ring3")),
         ("cu_seqlens", lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=bs,
                                                       cu_seqlens=torch.tensor([0, 8, 16]))),
         ("cu_seqlens", lambda: spx.ring_attention(q, q, q, g, block_mask=bm, block_size=bs,
@@ -352,7 +350,7 @@ def _refusals(rank, world):
 
 
 def test_refusals_name_the_setting():
-    assert run_ranks(_refusals, 2) == [8, 8]
+    assert run_ranks(_refusals, 2) == [7, 7]
 
 
 def _all_true_all_false(rank, world):
@@ -418,23 +416,25 @@ def test_cuda_family_dry_run_on_cpu(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------------ hybrid
-def _hybrid(rank, world, ulysses_size, causal, placement, chunks):
+def _hybrid(rank, world, ulysses_size, causal, placement, chunks, variant):
     g = dist.group.WORLD
     s, bs = _shape(world)
     t = bsp.num_tiles(s, bs)
     mesh = spx.build_sp_mesh(g, num_heads=4, ulysses_size=ulysses_size)
     for n, bm in enumerate((random_mask(17 + world, 4, t), window_mask(t))):
         check_case(lambda q, k, v: spx.hybrid_attention(q, k, v, mesh, causal=causal, placement=placement,
-                                                        head_chunks=chunks, block_mask=bm, block_size=bs),
+                                                        head_chunks=chunks, ring_variant=variant, block_mask=bm,
+                                                        block_size=bs),
                    rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=causal, placement=placement,
                    seed=n)
     return True
 
 
-@pytest.mark.parametrize("world,ulysses_size,causal,placement,chunks", [
-    (4, 2, True, "zigzag", 2), (4, 2, False, "contiguous", 1), (2, 1, True, "zigzag", 1), (2, 2, False, "zigzag", 1)])
-def test_hybrid_block_mask_matches_reference(world, ulysses_size, causal, placement, chunks):
-    run_ranks(_hybrid, world, ulysses_size, causal, placement, chunks)
+@pytest.mark.parametrize("world,ulysses_size,causal,placement,chunks,variant", [
+    (4, 2, True, "zigzag", 2, "ring"), (4, 2, False, "contiguous", 1, "ring"), (2, 1, True, "zigzag", 1, "ring"),
+    (2, 2, False, "zigzag", 1, "ring"), (3, 1, True, "zigzag", 1, "tasp")])
+def test_hybrid_block_mask_matches_reference(world, ulysses_size, causal, placement, chunks, variant):
+    run_ranks(_hybrid, world, ulysses_size, causal, placement, chunks, variant)
 
 
 # ------------------------------------------------------------------------------------------------ kv_valid_len
@@ -490,14 +490,14 @@ def test_batch_of_two():
 
 
 # ------------------------------------------------------------------------------------------------------- torus
-def _torus(rank, world, causal, placement):
+def _torus(rank, world, causal, placement, variant):
     g = dist.group.WORLD
     s, bs = _shape(world)
     t = bsp.num_tiles(s, bs)
     mesh = spx.build_sp_mesh(g, num_heads=4, nodes=2)
     for n, bm in enumerate((random_mask(19 + world, 4, t), window_mask(t))):
         check_case(lambda q, k, v: spx.torus_attention(q, k, v, mesh, causal=causal, placement=placement,
-                                                       block_mask=bm, block_size=bs),
+                                                       ring_variant=variant, block_mask=bm, block_size=bs),
                    rank, world, s=s, h=4, hkv=2, d=8, bs=bs, block_mask=bm, causal=causal, placement=placement,
                    seed=n)
     cfg = SPConfig(mode="torus", nodes=2)
@@ -508,9 +508,10 @@ def _torus(rank, world, causal, placement):
     return True
 
 
-@pytest.mark.parametrize("world,causal,placement", [(4, True, "zigzag"), (2, False, "contiguous")])
-def test_torus_block_mask_matches_reference(world, causal, placement):
-    run_ranks(_torus, world, causal, placement)
+@pytest.mark.parametrize("world,causal,placement,variant", [(4, True, "zigzag", "ring"), (2, False, "contiguous", "ring"),
+                                                            (4, False, "contiguous", "tasp")])
+def test_torus_block_mask_matches_reference(world, causal, placement, variant):
+    run_ranks(_torus, world, causal, placement, variant)
 
 
 def _one_rank(rank, world):

@@ -76,8 +76,8 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
     cu_seqlens: packed samples (B=1; cumulative lengths over the full sequence, the same on every rank; shards in
     the per-sample "contiguous" or "zigzag" placement of ``shard_sequence``): each sample attends within itself.
     block_mask / block_size: block-sparse attention as ``ulysses_attention``'s (global tiles, the same on every
-    rank): the Ulysses exchange puts each group's sequence in ascending order and the ring is ``sparse.py``'s (its
-    step and hop skips over the mesh's runs), ring_variant "ring" only; not with cu_seqlens."""
+    rank): the Ulysses exchange puts each group's sequence in ascending order and the ring ("ring" or "tasp") is
+    ``sparse.py``'s (its step and hop skips over the mesh's runs); not with cu_seqlens."""
     if block_mask is not None:
         return _hybrid_block_sparse(q, k, v, mesh, head_chunks=head_chunks, ring_variant=ring_variant, causal=causal,
                                     softmax_scale=softmax_scale, layout=layout, placement=placement,
@@ -106,19 +106,11 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
                              softmax_scale=scale, layout=layout, backend=ring, seq_order=order)
 
 
-def _check_block_ring_variant(ring_variant: str) -> None:
-    """The sparse ring is a single ring: ``ring_variant`` "tasp" with a block mask raises SPConfigError naming it."""
-    if ring_variant != "ring":
-        raise SPConfigError(f"block_mask is not supported with ring_variant={ring_variant!r} yet: use ring_variant="
-                            f"'ring' or block_mask=None")
-
-
 def _hybrid_block_sparse(q, k, v, mesh: SPMesh, *, head_chunks, ring_variant: str, causal: bool,
                          softmax_scale: Optional[float], layout: str, placement: str, kv_valid_len: Optional[int],
                          cu_seqlens, block_mask: torch.Tensor, block_size: int) -> torch.Tensor:
     """``hybrid_attention`` with a block mask: Ulysses over the mesh's Ulysses group into ascending global order
     (``sorted_rows``), then the sparse ring (``SparseRingBackend``) over the ring group with the chunk's heads."""
-    _check_block_ring_variant(ring_variant)
     if cu_seqlens is not None:
         raise SPConfigError("block_mask cannot be combined with cu_seqlens (hybrid_attention): give one of them")
     if mesh.ring_group is not None:
@@ -135,7 +127,7 @@ def _hybrid_block_sparse(q, k, v, mesh: SPMesh, *, head_chunks, ring_variant: st
         rows = sorted_rows(mesh.grid, mesh.world, placement, seqlen)
         order = rows[mesh.ring_index][0]
         runs = tuple(merged for _, merged in rows)
-    ring = SparseRingBackend(mesh.ring_group, runs, block_mask, block_size, seqlen, valid)
+    ring = SparseRingBackend(mesh.ring_group, runs, block_mask, block_size, seqlen, valid, ring_variant)
     if mesh.ulysses_group is None:  # P_u == 1: the sparse ring over the mesh order, every head
         to = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
         out = ring.attend(to(q), to(k), to(v), heads=slice(None), causal=causal, softmax_scale=scale)

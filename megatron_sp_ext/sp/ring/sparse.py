@@ -90,7 +90,9 @@ class SparseRingPlan:
 
 
 def _ring_tables(variant: str, world: int) -> tuple[tuple, tuple]:
-    """(nxt, prv) per slot: one ring, or TASP's Hamiltonian cycles."""
+    """(nxt, prv) per slot: one ring, or TASP's Hamiltonian cycles; raises SPConfigError for another variant."""
+    if variant not in ("ring", "tasp"):
+        raise SPConfigError(f"variant={variant!r} is invalid: choose one of ring, tasp")
     if variant == "tasp" and world > 1:
         rt = routing_tables(world)
         return rt.nxt, rt.prv
@@ -356,15 +358,16 @@ def runs_positions(runs) -> torch.Tensor:
 
 
 class SparseRingBackend(block_sparse.BlockSparseBackend):
-    """The sparse ring over ``group`` as the local attention of a hybrid mesh's Ulysses exchange: ring rank o holds
-    the tokens of ``runs[o]`` (global (start, len) runs, the order of the Ulysses group's gathered sequence)."""
+    """The sparse ring (``variant`` "ring" or "tasp") over ``group`` as the local attention of a hybrid mesh's Ulysses
+    exchange: ring rank o holds the tokens of ``runs[o]`` (global (start, len) runs, the order of the Ulysses group's
+    gathered sequence)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], runs: tuple, block_mask: torch.Tensor, block_size: int,
-                 seq_len: int, kv_valid_len: Optional[int] = None) -> None:
+                 seq_len: int, kv_valid_len: Optional[int] = None, variant: str = "ring") -> None:
         self.group, self.block_mask, self.block_size = group, block_mask, block_size
-        self.seq_len, self.kv_valid_len = seq_len, kv_valid_len
+        self.seq_len, self.kv_valid_len, self.variant = seq_len, kv_valid_len, variant
         self.pos = tuple(runs_positions(r) for r in runs)
-        self.name = "sparse_ring"
+        self.name = f"sparse_{variant}"
 
     def attend(self, q_bhsd, k_bhsd, v_bhsd, *, heads: slice, causal: bool, softmax_scale: float) -> torch.Tensor:
         if self.group is not None:  # the ring group's shapes, checked once per shape by a collective (so NCCL's
@@ -373,19 +376,21 @@ class SparseRingBackend(block_sparse.BlockSparseBackend):
                               self.group)
         call = make_sparse_ring_call(self.group, self.block_mask, block_size=self.block_size, pos=self.pos,
                                      causal=causal, scale=softmax_scale, kv_valid_len=self.kv_valid_len,
-                                     block_bytes=2 * k_bhsd.numel() * k_bhsd.element_size(), heads=heads)
+                                     block_bytes=2 * k_bhsd.numel() * k_bhsd.element_size(), heads=heads,
+                                     variant=self.variant)
         return SparseRingFn.apply(q_bhsd, k_bhsd, v_bhsd, call)
 
 
 class SparseRingBlocks(LocalAttention):
-    """The sparse ring over ``group`` in log-sum-exp block form, for torus attention's blocks: ring rank r holds
+    """The sparse ring (``variant`` "ring" or "tasp") over ``group`` in log-sum-exp block form, for torus attention's
+    blocks: ring rank r holds
     queries ``q_runs[r]`` and keys ``kv_runs[r]`` (global (start, len) runs), query heads ``heads`` of the mask.
     ``forward_lse`` -> (out, lse) in the accumulator dtype; ``backward_lse`` from the FINAL out/lse of the rows."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], q_runs: tuple, kv_runs: tuple, block_mask: torch.Tensor,
-                 block_size: int, heads: slice, kv_valid_len: Optional[int] = None) -> None:
+                 block_size: int, heads: slice, kv_valid_len: Optional[int] = None, variant: str = "ring") -> None:
         self.group, self.block_mask, self.block_size, self.heads = group, block_mask, block_size, heads
-        self.kv_valid_len = kv_valid_len
+        self.kv_valid_len, self.variant = kv_valid_len, variant
         self.q_pos = tuple(runs_positions(r) for r in q_runs)
         self.kv_pos = tuple(runs_positions(r) for r in kv_runs)
         self.name = "sparse_ring_blocks"
@@ -399,7 +404,7 @@ class SparseRingBlocks(LocalAttention):
             self._calls[key] = make_sparse_ring_call(
                 self.group, self.block_mask, block_size=self.block_size, pos=self.q_pos, kv_pos=self.kv_pos,
                 causal=causal, scale=scale, kv_valid_len=self.kv_valid_len,
-                block_bytes=2 * k_bhsd.numel() * k_bhsd.element_size(), heads=self.heads)
+                block_bytes=2 * k_bhsd.numel() * k_bhsd.element_size(), heads=self.heads, variant=self.variant)
         return self._calls[key]
 
     def __call__(self, q, k, v, *, causal, softmax_scale):

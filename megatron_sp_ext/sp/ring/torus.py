@@ -67,7 +67,7 @@ class _Ctx:
             self._mk = lambda q_ls, kv_ls: SparseRingBlocks(  # noqa: E731
                 mesh.ring_group, tuple(tuple(r for l in q_ls for r in runs(j, l)) for j in range(mesh.ring_size)),
                 tuple(tuple(r for l in kv_ls for r in runs(j, l)) for j in range(mesh.ring_size)), block_mask,
-                block_size, heads, kv_valid_len)
+                block_size, heads, kv_valid_len, variant)
 
     def be(self, q_ls, kv_ls) -> RingBackend:
         key = (tuple(q_ls), tuple(kv_ls))
@@ -289,13 +289,10 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
     """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len and cu_seqlens (packed
     samples, attention within each sample) as hybrid_attention. block_mask / block_size: block-sparse attention as
     ``ulysses_attention``'s; every block's ring is ``sparse.py``'s (``SparseRingBlocks``: its steps and K|V hops
-    skipped per block, this rank's head group's mask rows); the stages' exchanges all run. ring_variant "ring"
-    only; not with cu_seqlens."""
+    skipped per block, this rank's head group's mask rows; ring_variant "ring" or "tasp"); the stages' exchanges
+    all run. Not with cu_seqlens."""
     block = None
     if block_mask is not None:
-        if ring_variant != "ring":
-            raise SPConfigError(f"block_mask is not supported with ring_variant={ring_variant!r} yet (torus_attention): "
-                                f"use ring_variant='ring' or block_mask=None")
         if cu_seqlens is not None:
             raise SPConfigError("block_mask cannot be combined with cu_seqlens (torus_attention): give one of them")
         s_all = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
