@@ -6,7 +6,7 @@ query-tile row) and a 1D window mask, causal (zigzag) and not (contiguous), GQA 
 subset), S not a multiple of block_size. out, dq, dk, dv against a float64 masked reference computed on the device.
 Records as in tests/cuda_suite.py: 2 (masks) x 2 (causal) x 2 (head layouts) x 3 (ulysses C=1, hcms C=2, ring) in
 bf16 + 2 (causal) x 2 (ulysses C=1, ring) in fp32 = 28; at P=4 also hybrid (usp, C=2) and torus (tas) on 2 simulated
-machines of 2, causal and not, bf16: 32. Dry run on the CPU: SPX_SUITE_DEVICE=cpu SPX_SUITE_SHRINK=16 (every Ulysses case then runs
+machines of 2, and TASP (tasp_zigzag when causal), causal and not, bf16: 34. Dry run on the CPU: SPX_SUITE_DEVICE=cpu SPX_SUITE_SHRINK=16 (every Ulysses case then runs
 the math kernel; tests/test_block_sparse.py runs it).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _record(rec, case, fn, rank, world, *, s, h, hkv, d, bs, bm, causal, placeme
 def block_sparse_family(rank: int, world: int) -> list:
     use_ring_route()
     g, rec, n = dist.group.WORLD, [], 0
-    s = 2 * world * max(4, 250 // SHRINK)
+    s = 2 * world * 2 * max(4, 250 // SHRINK)  # tasp_zigzag at P=4: 2 rings
     bs, d = (48, 64) if SHRINK == 1 else (7, 16)
     t = bsp.num_tiles(s, bs)
     dev = _device()
@@ -79,6 +79,12 @@ def block_sparse_family(rank: int, world: int) -> list:
         meshes = {pl: spx.build_sp_mesh(g, num_heads=8, placement=pl, ulysses_size=2, nodes=2) for pl in ("usp", "tas")}
         bm = random_mask(world + 1, 8, t)
         for causal in (False, True):
+            placement = "tasp_zigzag" if causal else "contiguous"
+            _record(rec, "tasp kernel=math mask=random", lambda a, b, c, m: spx.ring_attention(
+                a, b, c, g, variant="tasp", causal=causal, placement=placement, block_mask=m, block_size=bs),
+                rank, world, s=s, h=8, hkv=2, d=d, bs=bs, bm=bm, causal=causal, placement=placement,
+                dtype=torch.bfloat16, seed=n)
+            n += 1
             placement = "zigzag" if causal else "contiguous"
             for name, fn in (
                     ("hybrid-usp C=2", lambda a, b, c, m: spx.hybrid_attention(
