@@ -383,9 +383,9 @@ class SparseRingBackend(block_sparse.BlockSparseBackend):
 
 class SparseRingBlocks(LocalAttention):
     """The sparse ring (``variant`` "ring" or "tasp") over ``group`` in log-sum-exp block form, for torus attention's
-    blocks: ring rank r holds
-    queries ``q_runs[r]`` and keys ``kv_runs[r]`` (global (start, len) runs), query heads ``heads`` of the mask.
-    ``forward_lse`` -> (out, lse) in the accumulator dtype; ``backward_lse`` from the FINAL out/lse of the rows."""
+    blocks: ring rank r holds queries ``q_runs[r]`` and keys ``kv_runs[r]`` (global (start, len) runs), query heads
+    ``heads`` of the mask. ``forward_lse`` -> (out, lse) in the accumulator dtype; ``backward_lse`` from the FINAL
+    out/lse of the rows."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], q_runs: tuple, kv_runs: tuple, block_mask: torch.Tensor,
                  block_size: int, heads: slice, kv_valid_len: Optional[int] = None, variant: str = "ring") -> None:
