@@ -38,7 +38,6 @@ from .ulysses import HCMSPolicy, PackedUlysses, ulysses_attention
 
 ULYSSES_MODES = ("ulysses", "hcms")
 RING_MODES = ("ring", "tasp")
-BLOCK_MASK_MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus")  # the modes that take block_mask (auto: as it resolves)
 
 
 class SPResources:
@@ -162,9 +161,6 @@ class SPAttention:
         with it; usp, tas and torus with ring_variant "ring")."""
         block = None
         if block_mask is not None:
-            if self.mode not in BLOCK_MASK_MODES:
-                raise SPConfigError(f"block_mask is not supported with {self.cfg.name('mode')}={self.mode!r} yet; use "
-                                    f"{', '.join(BLOCK_MASK_MODES)}")
             if local_attention is not None:
                 raise SPConfigError("block_mask runs megatron_sp_ext's block-sparse kernels, not a caller's local "
                                     "attention: give one of them")
