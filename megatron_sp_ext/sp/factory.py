@@ -158,7 +158,7 @@ class SPAttention:
         same; shards in the per-sample placement of ``shard_sequence``): every mode (auto stays on Ulysses/HCMS).
         block_mask / block_size: block-sparse attention (bool [H or 1, T, T] tiles over the full sequence in global
         order, T = ceil(S / block_size); attention/block_sparse.py) in every mode (auto does not switch per shape
-        with it; usp, tas and torus with ring_variant "ring")."""
+        with it); not with cu_seqlens, dropout_p or local_attention."""
         block = None
         if block_mask is not None:
             if local_attention is not None:
