@@ -213,3 +213,11 @@ def test_fa4_family(world, backend):
     if os.environ.get("SPX_REQUIRE_FA4") != "1":
         pytest.importorskip("flash_attn.cute", reason="needs flash-attn-4 (tools/gpu_run.sh installs it when carried)")
     assert len(_worker("cuda_fa4", "fa4_family", "fa4", world, backend)) == {2: 50, 4: 56}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_block_sparse_family(world, backend):
+    """Block-sparse attention (#45): Ulysses / HCMS on flex_attention, the ring's skip schedule on the math block
+    kernel, against a float64 masked reference."""
+    assert len(_worker("cuda_block_sparse", "block_sparse_family", "block_sparse", world, backend)) == \
+        {2: 28, 4: 34}[world]

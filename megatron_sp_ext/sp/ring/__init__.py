@@ -3,6 +3,7 @@
 Modules (below them ``sp.checks``, ``sp.heads``, ``sp.placement``):
   schedule  what each ring step computes (kernel calls on contiguous slices, zigzag / tasp_zigzag layouts)
   rotation  the step transfers: starting a K|V hop; the backward's dK|dV partials sent home, last step per head chunk
+  sparse    the ring under a block mask (``block_mask=``): skipped steps and K|V hops, ``sparse_ring_plan`` counters
   ring      ``RingPlan``, ``ring_forward`` / ``ring_backward``, the autograd Function, ``ring_attention``
             (``variant="ring"``: one ring; ``variant="tasp"``: the Hamiltonian multi-ring of TASP), ``RingBackend``
   hybrid    Ulysses x Ring over an SPMesh (``hybrid_attention``)
@@ -10,7 +11,8 @@ Modules (below them ``sp.checks``, ``sp.heads``, ``sp.placement``):
 """
 from .hybrid import hybrid_attention, mesh_runs
 from .ring import VARIANTS, RingBackend, RingPlan, make_ring_plan, ring_attention, ring_backward, ring_forward
+from .sparse import SparseRingPlan, sparse_ring_plan
 from .torus import torus_attention
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward", "RingPlan", "RingBackend", "make_ring_plan", "VARIANTS",
-           "hybrid_attention", "mesh_runs", "torus_attention"]
+           "hybrid_attention", "mesh_runs", "torus_attention", "SparseRingPlan", "sparse_ring_plan"]

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ...attention import block_sparse
 from ...attention.backends import LocalAttention, get_backend
 from ...attention.lse import acc_dtype, merge_into
 from ...comm.capability import check_p2p, needs_p2p
@@ -38,6 +39,7 @@ from ..checks import check_ring_inputs, packed_cu
 from ..heads import split_more_first
 from ..placement import pieces, varlen_pieces
 from .rotation import backward_steps, dkv_schedule_from_env, kv_view as _kv_view, sel_rows as _sel, start_ops
+from .sparse import SparseRingFn, make_sparse_ring_call, runs_positions
 from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
 
 VARIANTS = ("ring", "tasp")
@@ -381,7 +383,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                    variant: str = "ring", causal: bool = False, softmax_scale: Optional[float] = None,
                    layout: str = "bshd", placement: str = DEFAULT_PLACEMENT,
                    backend: "str | LocalAttention" = "sdpa", kv_valid_len: Optional[int] = None,
-                   cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   cu_seqlens: Optional[torch.Tensor] = None, block_mask: Optional[torch.Tensor] = None,
+                   block_size: int = block_sparse.DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     """Ring or TASP attention over ``group``. q: [B, S_loc, H, D] (or sbhd); k, v: Hkv heads.
 
     ``placement`` says which tokens each rank holds (default ``DEFAULT_PLACEMENT``, "contiguous", as
@@ -393,6 +396,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     lengths, the same on every rank; shards from ``shard_sequence(x, group, placement=..., cu_seqlens=)`` with
     placement "contiguous" or "zigzag" ("tasp_zigzag" does not take packed samples). Each sample attends only within itself; samples that do not divide by the placement's
     divisor are padded as in ``ulysses_attention``; not combined with kv_valid_len.
+    block_mask: block-sparse attention (attention/block_sparse.py), bool [H or 1, T, T], T = ceil(S / block_size),
+    over the full sequence in global order, the same on every rank: ``sparse.py``'s ring or TASP multi-ring (any
+    placement; AND causal, AND kv_valid_len) skips the (step, slot) blocks whose tile pairs are all unselected and
+    the K|V hops no later rank needs, on the math block kernel. Not with cu_seqlens.
     """
     if group is not None and dist.get_world_size(group) > 1 and needs_p2p(variant, dist.get_world_size(group)):
         check_p2p(f"ring_attention(variant={variant!r})", group, q.device, "ulysses_attention")
@@ -405,6 +412,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * world
+    if block_mask is not None:
+        if cu_seqlens is not None:
+            raise SPConfigError("block_mask cannot be combined with cu_seqlens (ring_attention): give one of them")
+        block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size,
+                                                   num_heads=q.shape[2]).to(q.device)
+        pos = tuple(runs_positions(pieces(placement, o, world, seqlen)) for o in range(world))  # validates
+        valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < seqlen else None
+        call = make_sparse_ring_call(group, block_mask, block_size=block_size, pos=pos, causal=causal, scale=scale,
+                                     kv_valid_len=valid, block_bytes=2 * k.numel() * k.element_size(),
+                                     variant=variant, balanced=placement == "tasp_zigzag")
+        out = SparseRingFn.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), call)
+        return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
     pk = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len, placement, world)
     cu = None if pk is None else pk.segments
     if pk is None:

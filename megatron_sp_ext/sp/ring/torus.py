@@ -21,9 +21,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ...attention import block_sparse
 from ...attention.backends import get_backend
 from ...comm.capability import check_p2p
 from ...config import DEFAULT_PLACEMENT
+from ...errors import SPConfigError
 from ...attention.lse import acc_dtype, merge_into
 from ...comm.multiring import wait_handles
 from ...comm.transport import emulated_link
@@ -32,6 +34,7 @@ from ..heads import HeadLayout, head_layout
 from ..checks import packed_cu
 from .hybrid import rank_runs
 from .ring import RingBackend
+from .sparse import SparseRingBlocks
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +46,7 @@ class _Ctx:
     """Static plan of one call: head groups, peers, and ring backends per (q tokens, kv tokens)."""
 
     def __init__(self, mesh: SPMesh, hl: HeadLayout, placement: str, seqlen: int, variant: str, inner, scale,
-                 kv_valid_len=None, packed=None):
+                 kv_valid_len=None, packed=None, block: Optional[tuple] = None):
         self.mesh, self.hl, self.scale = mesh, hl, scale
         self.T, self.t = mesh.ulysses_size, mesh.ulysses_index
         self.group = mesh.ulysses_group
@@ -58,6 +61,13 @@ class _Ctx:
             tuple(r for l in q_ls for r in runs(mesh.ring_index, l)),
             tuple(tuple(r for l in kv_ls for r in runs(j, l)) for j in range(mesh.ring_size)), inner, kv_valid_len,
             cu)
+        if block is not None:  # (block_mask, block_size): the sparse ring over the blocks, this head group's rows
+            block_mask, block_size = block
+            heads = slice(*hl.q_range(self.t, 0))
+            self._mk = lambda q_ls, kv_ls: SparseRingBlocks(  # noqa: E731
+                mesh.ring_group, tuple(tuple(r for l in q_ls for r in runs(j, l)) for j in range(mesh.ring_size)),
+                tuple(tuple(r for l in kv_ls for r in runs(j, l)) for j in range(mesh.ring_size)), block_mask,
+                block_size, heads, kv_valid_len, variant)
 
     def be(self, q_ls, kv_ls) -> RingBackend:
         key = (tuple(q_ls), tuple(kv_ls))
@@ -274,9 +284,22 @@ class _TorusFn(torch.autograd.Function):
 def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool = False,
                     softmax_scale: Optional[float] = None, layout: str = "bshd", ring_variant: str = "ring",
                     placement: str = DEFAULT_PLACEMENT, backend: str = "sdpa",
-                    kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                    block_mask: Optional[torch.Tensor] = None, block_size: int = 64) -> torch.Tensor:
     """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len and cu_seqlens (packed
-    samples, attention within each sample) as hybrid_attention."""
+    samples, attention within each sample) as hybrid_attention. block_mask / block_size: block-sparse attention as
+    ``ulysses_attention``'s; every block's ring is ``sparse.py``'s (``SparseRingBlocks``: its steps and K|V hops
+    skipped per block, this rank's head group's mask rows; ring_variant "ring" or "tasp"); the stages' exchanges
+    all run. Not with cu_seqlens."""
+    block = None
+    if block_mask is not None:
+        if cu_seqlens is not None:
+            raise SPConfigError("block_mask cannot be combined with cu_seqlens (torus_attention): give one of them")
+        s_all = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
+        block = (block_sparse.check_block_mask(block_mask, seq_len=s_all, block_size=block_size,
+                                               num_heads=q.shape[2]).to(q.device), block_size)
+        if kv_valid_len is not None and kv_valid_len >= s_all:
+            kv_valid_len = None
     for group in (mesh.ulysses_group, mesh.ring_group):   # its stages and its ring are point to point
         check_p2p("torus_attention", group, q.device, "ulysses_attention")
     s_full = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
@@ -289,7 +312,7 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
         k, v = k.repeat_interleave(hl.kv_repeat, dim=2), v.repeat_interleave(hl.kv_repeat, dim=2)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     c = _Ctx(mesh, hl, placement, q.shape[1] * mesh.world, ring_variant, get_backend(backend), scale, kv_valid_len,
-             pk)
+             pk, block)
     c.causal = causal
     out = _TorusFn.apply(q, k, v, c)
     return out.transpose(0, 1) if layout == "sbhd" else out

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ...attention import varlen
+from ...attention import block_sparse, varlen
 from ...attention.backends import LocalAttention, SDPABackend
 from ...errors import SPConfigError
 from .plan import AttendPlan
@@ -115,10 +115,18 @@ def hold(*tensors: torch.Tensor):
         return _Hold.apply(token, *tensors)
 
 
-def attend(plan: AttendPlan, qc, kc, vc, explicit: bool):
+def _block_mask_of(plan: AttendPlan) -> Optional[torch.Tensor]:
+    # only UlyssesPlan carries a block mask; the other Ulysses-family plans never have one
+    return getattr(plan, "block_mask", None)
+
+
+def attend(plan: AttendPlan, qc, kc, vc, explicit: bool, chunk: int = 0):
     """Chunk attention on head-sharded bhsd q/k/v. explicit: kernel forward with log-sum-exp, (q, k, v, out,
     lse) held (``hold``); else the backend under autograd (the inner graph) when gradients are wanted.
+    With a block mask (``plan.block_mask``): ``attend_block_sparse`` for chunk ``chunk``'s heads.
     Returns (out, what ``attend_backward`` needs or None)."""
+    if _block_mask_of(plan) is not None:
+        return attend_block_sparse(plan, qc, kc, vc, chunk)
     if explicit:
         oc, lse = _forward_lse(plan, qc, kc, vc)
         return oc, hold(qc, kc, vc, oc, lse)
@@ -139,9 +147,41 @@ def attend_backward(plan: AttendPlan, c: int, do_c, chunks: list) -> list:
         qc, kc, vc, oc = kept
         del kept
         return list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
+    if _block_mask_of(plan) is not None:  # the math block kernel's held tensors and token mask
+        qc, kc, vc, oc, lse, mask = kept.grad_fn.saved_tensors
+        del kept
+        return list(block_sparse.math_backward(do_c, qc, kc, vc, oc, lse, mask, plan.scale))
     qc, kc, vc, oc, lse = kept.grad_fn.saved_tensors
     del kept
     return _backward_lse(plan, do_c, qc, kc, vc, oc, lse)
+
+
+def attend_block_sparse(plan: AttendPlan, qc, kc, vc, chunk: int):
+    """Chunk ``chunk``'s attention under the plan's block mask: q/k/v bhsd [B, h_c, S, D] in GLOBAL order (the
+    plan's order puts them there), the mask's rows of this rank's chunk heads (``heads.q_range``; one row
+    broadcasts), AND causal, AND kv_valid_len. Kernel ``plan.block_kernel``: "math" runs its forward with
+    log-sum-exp and holds (q, k, v, out, lse, token mask) for ``attend_backward``; "flex" keeps the inner graph;
+    a ``BlockSparseBackend`` (a hybrid mesh's sparse ring, in the order it knows) keeps the inner graph too."""
+    heads = slice(*plan.heads.q_range(plan.rank, chunk))
+    pos = torch.arange(qc.shape[2], device=qc.device)
+    bm, bs = plan.block_mask, plan.block_size
+    if isinstance(plan.backend, block_sparse.BlockSparseBackend):  # it applies the mask over its own positions
+        if plan.need_grad:
+            qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
+        with torch.set_grad_enabled(plan.need_grad):
+            oc = plan.backend.attend(qc, kc, vc, heads=heads, causal=plan.causal, softmax_scale=plan.scale)
+        return oc, ((qc, kc, vc, oc) if plan.need_grad else None)
+    if plan.block_kernel == "flex":
+        if plan.need_grad:
+            qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
+        with torch.set_grad_enabled(plan.need_grad):
+            oc = block_sparse.block_sparse_attention(qc, kc, vc, bm, block_size=bs, heads=heads, causal=plan.causal,
+                                                     softmax_scale=plan.scale, kv_valid_len=plan.kv_valid_len,
+                                                     kernel="flex")
+        return oc, ((qc, kc, vc, oc) if plan.need_grad else None)
+    mask = block_sparse.token_mask(bm, pos, pos, bs, heads, causal=plan.causal, kv_valid_len=plan.kv_valid_len)
+    oc, lse = block_sparse.math_forward(qc, kc, vc, mask, plan.scale)
+    return oc, (hold(qc, kc, vc, oc, lse, mask) if plan.need_grad else None)
 
 
 def _forward_lse(plan: AttendPlan, q, k, v):

@@ -196,7 +196,7 @@ def attend_and_send(views, plan: AttendPlan, out, tokens: int, d: int, compute, 
         qc, kc, vc = views(c)
         if explicit is None:
             explicit = explicit_kernels(plan, qc)
-        oc, kept = attend(plan, qc, kc, vc, explicit)
+        oc, kept = attend(plan, qc, kc, vc, explicit, c)
         chunks.append(kept)
         _exchange_out_chunk(oc, out, plan, c, tokens, d, compute, comm)
     if comm is not None:

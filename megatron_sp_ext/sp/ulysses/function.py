@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ...attention.backends import LocalAttention, get_backend
+from ...attention import block_sparse
+from ...attention.backends import LocalAttention, MathBackend, SDPABackend, get_backend
 from ...attention.varlen import SETTINGS as VARLEN_SETTINGS
 from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq
@@ -155,7 +156,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True,
                       transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None,
                       dropout_p: float = 0.0, cu_seqlens: "torch.Tensor | PackedSamples | None" = None,
-                      varlen_kernel: str = "per_sample") -> torch.Tensor:
+                      varlen_kernel: str = "per_sample", block_mask: Optional[torch.Tensor] = None,
+                      block_size: int = block_sparse.DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
     q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's sequence shard.
@@ -190,6 +192,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     varlen_kernel: with cu_seqlens, the local method (``attention.varlen``): "per_sample" (one kernel call per
     sample), "grouped" (equal lengths in one batched call), "flash_varlen" (torch's varlen kernel, CUDA
     fp16/bf16) or "auto" (timed once per sample-length key). Same math up to kernel rounding.
+    block_mask: block-sparse attention (attention/block_sparse.py): bool [H or 1, T, T], T = ceil(S / block_size),
+    query tiles x key tiles over the FULL sequence in global token order, the same on every rank (H indexes query
+    heads; 1 broadcasts); only selected tile pairs attend, AND causal, AND kv_valid_len; query rows with no
+    selected key give zeros. After the exchange each chunk attends in global order with its heads' mask rows, on
+    the "math" block kernel (backend="math", or off CUDA) or flex_attention (CUDA; other SDPA-family backends
+    name no kernel for it; a caller's callable, flash_attn or te backend is refused); head_chunks="auto" picks C by
+    the dense call's calibration. Not combined with cu_seqlens, dropout_p or seq_order.
     """
     if varlen_kernel not in VARLEN_SETTINGS:
         raise SPConfigError(f"varlen_kernel={varlen_kernel!r} is invalid: choose one of {', '.join(VARLEN_SETTINGS)}")
@@ -198,9 +207,27 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     check_inputs(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     be = get_backend(backend)
+    s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
+    block_kernel = "math"
+    if block_mask is not None:
+        own = isinstance(be, block_sparse.BlockSparseBackend)  # a hybrid mesh's sparse ring: its own positions
+        if not (own or isinstance(be, (SDPABackend, MathBackend))):
+            raise SPConfigError(f"block_mask runs megatron_sp_ext's block-sparse kernels (math, flex_attention), not "
+                                f"backend={getattr(be, 'name', be)!r}: use backend 'auto', 'sdpa', 'math' (or a "
+                                f"fixed SDPA-family kernel name), or block_mask=None")
+        for name, bad, off in (("cu_seqlens", cu_seqlens is not None, None), ("dropout_p", dropout_p != 0.0, 0.0),
+                               ("seq_order", seq_order is not None and not own, None)):
+            if bad:
+                raise SPConfigError(f"block_mask cannot be combined with {name} (ulysses_attention): leave {name} at "
+                                    f"{off!r}, or block_mask=None")
+        block_mask = block_sparse.check_block_mask(block_mask, seq_len=be.seq_len if own else s_loc * world,
+                                                   block_size=block_size, num_heads=q.shape[2]).to(q.device)
+        block_kernel = block_sparse.resolve_kernel("math" if be.name == "math" else "auto", q.device, q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     tr = default_transports().get(transport, group, q.device)
     if head_chunks == "auto":
+        # with a block mask too: the policy calibrates the dense call of this shape (the exchanges it balances are
+        # the same; the chunk count never changes the result)
         head_chunks = (policy or default_policy()).choose(q, k, group, causal=causal, layout=layout,
                                                         scale=scale, backend=be, comm_stream=comm_stream,
                                                         transport=tr, attention=ulysses_attention)
@@ -210,13 +237,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if hl.kv_repeat > 1:
         k = k.repeat_interleave(hl.kv_repeat, dim=2)
         v = v.repeat_interleave(hl.kv_repeat, dim=2)
-    s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     cu = None
     if cu_seqlens is not None:
         pk = _packed_samples(cu_seqlens, q, layout, world, s_loc, kv_valid_len, seq_order, placement)
         order, valid, cu = varlen_order(placement, world, pk.layout), None, pk.segments
-    else:
-        order, valid = local_order(placement, world, s_loc, causal, kv_valid_len)
+    else:  # a block mask is stated in global order: the gathered sequence must be put in it (as for causal)
+        order, valid = local_order(placement, world, s_loc, causal or block_mask is not None, kv_valid_len)
     if seq_order is not None:
         order = seq_order
     # one chunk has nothing to overlap: run on the caller's stream, no side stream and no events (less
@@ -225,9 +251,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                                           else st.default_pool().comm_stream(q.device))
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad, qkv_contiguous, tr,
-                       order, valid, float(dropout_p), cu, varlen_kernel)
+                       order, valid, float(dropout_p), cu, varlen_kernel, block_mask, block_size, block_kernel)
     if world == 1:  # one rank: its placement is global order
         qb, kb, vb = ((t.transpose(1, 2) if layout == "bshd" else t.permute(1, 2, 0, 3)) for t in (q, k, v))
+        if block_mask is not None:
+            o = block_sparse.block_sparse_attention(qb, kb, vb, block_mask, block_size=block_size, causal=causal,
+                                                    softmax_scale=scale, kv_valid_len=valid, kernel=block_kernel)
+            return o.transpose(1, 2) if layout == "bshd" else o.permute(2, 0, 1, 3)
         o = local_attention(be, qb, kb, vb, causal, scale, valid, float(dropout_p), cu, varlen_kernel)
         return o.transpose(1, 2) if layout == "bshd" else o.permute(2, 0, 1, 3)
     return _UlyssesFn.apply(q, k, v, plan)

@@ -60,6 +60,9 @@ class UlyssesPlan:
     dropout_p: float = 0.0  # attention dropout inside each chunk's kernel (forces the inner-graph path)
     cu_seqlens: Optional[tuple[int, ...]] = None  # packed samples: cumulative lengths (global order), or None
     varlen_kernel: str = "per_sample"  # packed samples' local method (attention/varlen.py SETTINGS)
+    block_mask: Optional[torch.Tensor] = None  # block-sparse tiles [H or 1, T, T] over the global sequence, or None
+    block_size: int = 64  # tokens per tile of block_mask
+    block_kernel: str = "math"  # block_mask's local kernel, resolved: "math" or "flex" (attention/block_sparse.py)
 
 
 def local_order(placement: str, world: int, s_loc: int, causal: bool,

@@ -1,0 +1,98 @@
+"""CUDA-suite worker for block-sparse attention (#45): ``block_sparse_family(rank, world)``.
+
+Ulysses / HCMS (C = 1, 2) with a block mask run the flex_attention path on CUDA (fp16/bf16/fp32; the kernel is
+named in each case), the ring runs its skip schedule on the math block kernel: a random per-head mask (one empty
+query-tile row) and a 1D window mask, causal (zigzag) and not (contiguous), GQA 8/2 and 8/8, bf16 (fp32 on a
+subset), S not a multiple of block_size. out, dq, dk, dv against a float64 masked reference computed on the device.
+Records as in tests/cuda_suite.py: 2 (masks) x 2 (causal) x 2 (head layouts) x 3 (ulysses C=1, hcms C=2, ring) in
+bf16 + 2 (causal) x 2 (ulysses C=1, ring) in fp32 = 28; at P=4 also hybrid (usp, C=2) and torus (tas) on 2 simulated
+machines of 2, and TASP (tasp_zigzag when causal), causal and not, bf16: 34. Dry run on the CPU: SPX_SUITE_DEVICE=cpu SPX_SUITE_SHRINK=16 (every Ulysses case then runs
+the math kernel; tests/test_block_sparse.py runs it).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import megatron_sp_ext as spx
+from megatron_sp_ext.attention import block_sparse as bsp
+from megatron_sp_ext.sp.placement import positions
+from tests.cuda_suite import use_ring_route
+from tests.reference import TOL, make_qkv, rel_err
+from tests.test_block_sparse import keep_tokens, masked_reference, random_mask, window_mask
+
+DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
+SHRINK = int(os.environ.get("SPX_SUITE_SHRINK", "1"))
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if DEV == "cuda" else torch.device("cpu")
+
+
+def _record(rec, case, fn, rank, world, *, s, h, hkv, d, bs, bm, causal, placement, dtype, seed):
+    dev = _device()
+    q, k, v, do = (t.to(dev) for t in make_qkv(seed, 1, s, h, hkv, d, torch.float64))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = masked_reference(qr, kr, vr, keep_tokens(bm, s, bs, causal).to(dev))
+    ref.backward(do)
+    pos = positions(placement, rank, world, s).to(dev)
+    mine = [t[:, pos].to(dtype).requires_grad_() for t in (q, k, v)]
+    out = fn(*mine, bm.to(dev))
+    out.backward(do[:, pos].to(dtype))
+    errs = {"out": rel_err(out, ref[:, pos]), "dq": rel_err(mine[0].grad, qr.grad[:, pos]),
+            "dk": rel_err(mine[1].grad, kr.grad[:, pos]), "dv": rel_err(mine[2].grad, vr.grad[:, pos])}
+    rec.append({"family": "block_sparse", "case": f"P={world} {case} {dtype} causal={causal} {placement} s={s} "
+                                                  f"bs={bs} h={h}/{hkv} d={d}", "errs": errs, "tol": TOL[dtype]})
+
+
+def block_sparse_family(rank: int, world: int) -> list:
+    use_ring_route()
+    g, rec, n = dist.group.WORLD, [], 0
+    s = 2 * world * 2 * max(4, 250 // SHRINK)  # tasp_zigzag at P=4: 2 rings
+    bs, d = (48, 64) if SHRINK == 1 else (7, 16)
+    t = bsp.num_tiles(s, bs)
+    dev = _device()
+    for dtype in (torch.bfloat16, torch.float32):
+        kern = bsp.resolve_kernel("auto", dev, dtype)
+        for mask_name, bm in (("random", random_mask(world, 8, t)), ("window", window_mask(t, 2))):
+            for causal in (False, True):
+                placement = "zigzag" if causal else "contiguous"
+                for h, hkv in ((8, 2), (8, 8)):
+                    if dtype == torch.float32 and (mask_name != "random" or h != hkv):
+                        continue  # fp32: one mask, one head layout
+                    for name, fn in (
+                            (f"ulysses C=1 kernel={kern}", lambda a, b, c, m: spx.ulysses_attention(
+                                a, b, c, g, causal=causal, placement=placement, block_mask=m, block_size=bs)),
+                            (f"hcms C=2 kernel={kern}", lambda a, b, c, m: spx.ulysses_attention(
+                                a, b, c, g, head_chunks=2, causal=causal, placement=placement, block_mask=m,
+                                block_size=bs)),
+                            ("ring kernel=math", lambda a, b, c, m: spx.ring_attention(
+                                a, b, c, g, causal=causal, placement=placement, block_mask=m, block_size=bs))):
+                        if dtype == torch.float32 and not name.startswith(("ulysses", "ring")):
+                            continue
+                        _record(rec, f"{name} mask={mask_name}", fn, rank, world, s=s, h=h, hkv=hkv, d=d, bs=bs,
+                                bm=bm, causal=causal, placement=placement, dtype=dtype, seed=n)
+                        n += 1
+    if world == 4:  # meshes as 2 simulated machines of 2 (as cuda_suite.mesh_family): usp (C=2) and torus (tas)
+        meshes = {pl: spx.build_sp_mesh(g, num_heads=8, placement=pl, ulysses_size=2, nodes=2) for pl in ("usp", "tas")}
+        bm = random_mask(world + 1, 8, t)
+        for causal in (False, True):
+            placement = "tasp_zigzag" if causal else "contiguous"
+            _record(rec, "tasp kernel=math mask=random", lambda a, b, c, m: spx.ring_attention(
+                a, b, c, g, variant="tasp", causal=causal, placement=placement, block_mask=m, block_size=bs),
+                rank, world, s=s, h=8, hkv=2, d=d, bs=bs, bm=bm, causal=causal, placement=placement,
+                dtype=torch.bfloat16, seed=n)
+            n += 1
+            placement = "zigzag" if causal else "contiguous"
+            for name, fn in (
+                    ("hybrid-usp C=2", lambda a, b, c, m: spx.hybrid_attention(
+                        a, b, c, meshes["usp"], head_chunks=2, causal=causal, placement=placement, block_mask=m,
+                        block_size=bs)),
+                    ("torus tas 2x2", lambda a, b, c, m: spx.torus_attention(
+                        a, b, c, meshes["tas"], causal=causal, placement=placement, block_mask=m, block_size=bs))):
+                _record(rec, f"{name} kernel=math mask=random", fn, rank, world, s=s, h=8, hkv=2, d=d, bs=bs, bm=bm,
+                        causal=causal, placement=placement, dtype=torch.bfloat16, seed=n)
+                n += 1
+    return rec
