@@ -197,3 +197,42 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=safe[None])
     o = o * any_key[None, :, :, None].to(o.dtype)
     return o.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class SparseStep:
+    """What one forward's sparse self-attention needs (``sparse_step``), the same in every block: ``spec``,
+    ``tile_index`` [S_local] (the tile of each local token; >= ``num_tiles`` for SP padding), ``num_tiles`` (tiles
+    of the grid), ``num_blocks`` (blocks of the SP-padded full sequence, ceil(S_padded / block_size)), ``group`` (the
+    SP group the pooled tiles are summed over; None: one rank) and, for a window, its ``window_mask``
+    [1, num_blocks, num_blocks] on the device (None for top-k, which is picked per layer)."""
+
+    spec: SparseSpec
+    tile_index: torch.Tensor
+    num_tiles: int
+    num_blocks: int
+    group: Optional[dist.ProcessGroup]
+    window_mask: Optional[torch.Tensor]
+
+
+def sparse_step(spec: SparseSpec, token_ids: torch.Tensor, grid_thw: tuple, group: Optional[dist.ProcessGroup],
+                device: torch.device) -> SparseStep:
+    """The ``SparseStep`` of a forward on this rank's tokens: ``token_ids`` [S_local] are their row-major ids (as
+    RoPE reads them; ``row_major_ids`` of their tile-order positions), which must be one contiguous run of tile
+    order (the batch was put in tile order before sharding, ``engine.flow_matching_batch(tile=...)``): raises
+    SPConfigError otherwise."""
+    positions = tile_positions(token_ids.cpu(), tuple(grid_thw), spec.tile)
+    seq_local = positions.numel()
+    if not torch.equal(positions, torch.arange(seq_local) + positions[0]):
+        raise SPConfigError(f"{SPARSE_FLAG} tiles: this rank's tokens are not one contiguous run of the tile order "
+                            f"(build the batch with engine.flow_matching_batch(..., tile=...), or permute the "
+                            f"patches with sparse.tile_order before sharding them contiguously)")
+    world = dist.get_world_size(group) if group is not None else 1
+    block = spec.block_size
+    num_tiles = grid_thw[0] * grid_thw[1] * grid_thw[2] // block
+    num_blocks = -(-seq_local * world // block)
+    window = None
+    if spec.window is not None:
+        window = pad_block_mask(window_block_mask(tuple(grid_thw), spec.tile, spec.window), num_blocks).to(device)
+    return SparseStep(spec, (positions // block).to(device), num_tiles, num_blocks,
+                      group if world > 1 else None, window)
