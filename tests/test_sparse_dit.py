@@ -153,3 +153,255 @@ def test_block_sparse_reference_equals_masked_dense_and_zero_rows():
     assert torch.allclose(full, dense, atol=1e-6)
     with pytest.raises(SPConfigError, match=r"expected \[H or 1, 3, 3\]"):
         block_sparse_attention(q, k, v, torch.ones(1, 2, 2, dtype=torch.bool), block)
+
+
+# ---- the DiT's sparse step at SP=1 -----------------------------------------------------------------------------
+
+def _awake(model, seed=11, gates=False):
+    """Give the AdaLN-zero modulations (and, with ``gates``, the coarse branch's gates) random values: at init every
+    block is the identity, so the attention would not reach the loss."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "modulation" in name or "mod_out" in name or (gates and "sparse_gate" in name):
+            with torch.no_grad():
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def _step(spec, group=None, frames=(4,), size=(8, 8), core=None, gates=False, micro=1):
+    """(loss, grads by name, model) of one step of the tiny DiT on this rank (``group``: the SP group, None: one
+    rank); ``core``: an attention core to install instead of make_core's."""
+    torch.manual_seed(5)
+    model = VideoDiT(CFG)
+    model.set_sparse_attention(spec)
+    _awake(model, gates=gates)
+    sp = dist.get_world_size(group) if group is not None else 1
+    model.set_attention_core(core or make_core("ulysses", group, num_heads=CFG.heads))
+    data = SyntheticVideoLatents(CFG.in_channels, frames, size[0], size[1], CFG.text_len, CFG.text_dim, seed=1)
+    batch = flow_matching_batch(data, 0, 7, 0, 1, micro, CFG.patch, tile=spec.tile if spec is not None else None)
+    inp = prepare(batch, dist.get_rank(group) if group is not None else 0, sp, "cpu")
+    loss_r = local_loss(model, inp)
+    (loss_r * sp).backward()
+    loss = loss_r.detach().clone()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    if group is not None:
+        dist.all_reduce(loss, group=group)
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+            g /= sp
+    return loss.item(), grads, model
+
+
+def _close(got, ref, what, tol=1e-5):
+    (l1, g1, _), (l0, g0, _) = got, ref
+    assert abs(l1 - l0) <= tol * abs(l0), f"{what}: loss {l1} vs {l0}"
+    for n, g in g0.items():
+        assert rel_err(g1[n], g) < 10 * tol, f"{what}: grad {n} {rel_err(g1[n], g)}"
+
+
+def test_window_covering_everything_equals_dense_sp1():
+    """A window that reaches every tile is dense attention in tile order: the loss and every gradient of the dense
+    model (the tile order changes only the summation order); a one-tile window differs."""
+    dense = _step(None)
+    _close(_step(SparseSpec((2, 2, 2), window=(5, 5, 5))), dense, "all-true window")
+    local = _step(SparseSpec((2, 2, 2), window=(0, 0, 0)))
+    assert abs(local[0] - dense[0]) > 1e-4 * abs(dense[0]), (local[0], dense[0])
+
+
+def test_topk_all_tiles_with_zero_gate_equals_dense_sp1():
+    """Top-k over every tile (K = nT = 8) with the coarse gate at its zero init: the dense loss and gradients (the
+    gate's own gradient aside, which the dense model lacks: nonzero, so the gate learns); K=2 differs."""
+    dense = _step(None)
+    full = _step(SparseSpec((2, 2, 2), topk=8))
+    _close(full, dense, "top-k over every tile")
+    assert all(full[1][f"blocks.{i}.attn.sparse_gate.weight"].abs().sum() > 0 for i in range(CFG.layers))
+    few = _step(SparseSpec((2, 2, 2), topk=2))
+    assert abs(few[0] - dense[0]) > 1e-4 * abs(dense[0]), (few[0], dense[0])
+
+
+def test_topk_self_attention_is_fine_plus_gated_coarse():
+    """One block's sparse self-attention (top-k over every tile, random gate) = dense attention + gate(x) * the
+    coarse branch computed by hand (pooled q/k/v per contiguous tile, softmax attention, repeated per token)."""
+    from training.video_dit.sparse import sparse_step
+    torch.manual_seed(3)
+    grid, spec = (2, 4, 4), SparseSpec((1, 2, 2), topk=8)
+    model = VideoDiT(CFG)
+    model.set_sparse_attention(spec)
+    attn = model.blocks[0].attn
+    _awake(model, gates=True)
+    perm, _ = tile_order(grid, spec.tile)
+    x = torch.randn(2, 32, CFG.dim)
+    angles = model.rope_cache.get(perm, grid, CFG.head_dim, "cpu")
+    step = sparse_step(spec, perm, grid, None, torch.device("cpu"))
+    got = attn(x, angles, None, sparse=step)
+    q, k, v = attn.qkv(x).chunk(3, dim=-1)
+    q = attn.ops.qk_prep(q, attn.norm_q.weight, attn.norm_q.eps, angles, attn.heads)
+    k = attn.ops.qk_prep(k, attn.norm_k.weight, attn.norm_k.eps, angles, attn.heads)
+    v = v.reshape(2, 32, attn.heads, attn.hd)
+    dense = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    pooled = [t.reshape(2, 8, 4, attn.heads, attn.hd).mean(2).transpose(1, 2) for t in (q, k, v)]  # [B, H, 8, D]
+    coarse = torch.softmax(pooled[0] @ pooled[1].transpose(-1, -2) / attn.hd ** 0.5, -1) @ pooled[2]
+    coarse = coarse.repeat_interleave(4, dim=2).transpose(1, 2)  # [B, S, H, D]
+    gate = attn.sparse_gate(x).view(2, 32, attn.heads, attn.hd)
+    want = attn.out((dense + gate * coarse).reshape(2, 32, -1))
+    assert rel_err(got, want) < 1e-5, rel_err(got, want)
+    assert gate.abs().sum() > 0 and rel_err(got, attn.out(dense.reshape(2, 32, -1))) > 1e-3
+
+
+def test_sparse_step_micro_batch_sp1():
+    """Two samples per micro-batch (one top-k mask each) give the mean of the two one-sample losses."""
+    spec = SparseSpec((2, 2, 2), topk=3)
+    both = _step(spec, micro=2)[0]
+    assert torch.isfinite(torch.tensor(both))
+    data = SyntheticVideoLatents(CFG.in_channels, (4,), 8, 8, CFG.text_len, CFG.text_dim, seed=1)
+    singles = []
+    for m in range(2):
+        torch.manual_seed(5)
+        model = VideoDiT(CFG)
+        model.set_sparse_attention(spec)
+        _awake(model)
+        model.set_attention_core(make_core("ulysses", None, num_heads=CFG.heads))
+        batch = flow_matching_batch(data, 0, 7, 0, 1, 2, CFG.patch, tile=spec.tile)
+        one = {**batch, "x": batch["x"][m:m + 1], "target": batch["target"][m:m + 1], "t": batch["t"][m:m + 1],
+               "text": batch["text"][m:m + 1]}
+        singles.append(local_loss(model, prepare(one, 0, 1, "cpu")).item())
+    assert abs(both - sum(singles) / 2) <= 1e-5 * abs(both), (both, singles)
+
+
+def test_untiled_tokens_are_refused():
+    spec = SparseSpec((2, 2, 2), window=(1, 1, 1))
+    model = VideoDiT(CFG)
+    model.set_sparse_attention(spec)
+    data = SyntheticVideoLatents(CFG.in_channels, (4,), 8, 8, CFG.text_len, CFG.text_dim, seed=1)
+    inp = prepare(flow_matching_batch(data, 0, 7, 0, 1, 1, CFG.patch), 0, 1, "cpu")  # row-major: no tile=
+    with pytest.raises(SPConfigError, match="not one contiguous run of the tile order"):
+        local_loss(model, inp)
+
+
+def test_dense_default_has_no_new_parameters_and_same_math():
+    """--sparse-attention none: the state dict and the step are those of a model that never heard of tiles."""
+    plain = _step(None)
+    torch.manual_seed(5)
+    assert list(VideoDiT(CFG).state_dict()) == list(plain[2].state_dict())
+    again = _step(None)
+    assert again[0] == plain[0] and all(torch.equal(again[1][n], g) for n, g in plain[1].items())
+    topk = VideoDiT(CFG)
+    topk.set_sparse_attention(SparseSpec((4, 4, 4), topk=1))
+    extra = set(topk.state_dict()) - set(plain[2].state_dict())
+    assert extra == {f"blocks.{i}.attn.sparse_gate.{w}" for i in range(CFG.layers) for w in ("weight", "bias")}
+
+
+def test_sampling_in_tile_order_equals_dense_sp1():
+    """sample_latents on a tiled model (window over every tile) gives the dense model's latents: the tokens go in
+    tile order and come back row-major before unpatchify."""
+    from training.video_dit.sample import sample_latents
+    text = torch.randn(1, CFG.text_len, CFG.text_dim)
+    out = []
+    for spec in (None, SparseSpec((2, 2, 2), window=(5, 5, 5)), SparseSpec((2, 2, 2), window=(0, 0, 0))):
+        torch.manual_seed(5)
+        model = VideoDiT(CFG)
+        model.set_sparse_attention(spec)
+        _awake(model)
+        out.append(sample_latents(model, text, (CFG.in_channels, 4, 8, 8), steps=2, seed=3))
+    assert out[0].shape == (1, CFG.in_channels, 4, 8, 8)
+    assert rel_err(out[1], out[0]) < 1e-5 and rel_err(out[2], out[0]) > 1e-4
+
+
+# ---- SP=2/4 equals SP=1 ----------------------------------------------------------------------------------------
+
+def _gathered_core(group):
+    """A test core with ``block_mask``: all-gathers q, k, v (differentiably) and runs the one-device reference on
+    the full sequence, keeping this rank's rows. Checks the DiT's side at SP>1 (tile order across ranks, pooled
+    tiles summed over the group, the padded block count) independently of megatron_sp_ext's modes."""
+    from torch.distributed.nn.functional import all_gather
+    rank = dist.get_rank(group)
+
+    def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
+        full = [torch.cat(all_gather(t.contiguous(), group=group), dim=1) for t in (q, k, v)]
+        s = q.shape[1]
+        return block_sparse_attention(*full, block_mask, block_size, n)[:, rank * s:(rank + 1) * s]
+    core.group = group
+    return core
+
+
+# (spec, frames, latent HxW): 4x4x4 tokens in 8 tiles; 3x3x5 = 45 tokens in 3 tiles of 15 (SP-padded to 46 / 48,
+# the shards cutting through tiles)
+SP_CASES = [(SparseSpec((2, 2, 2), topk=3), (4,), (8, 8)), (SparseSpec((2, 2, 2), window=(0, 1, 0)), (4,), (8, 8)),
+            (SparseSpec((1, 3, 5), topk=2), (3,), (6, 10)), (SparseSpec((1, 3, 5), window=(0, 0, 0)), (3,), (6, 10))]
+
+
+def _sp_equals_sp1(rank, world, modes):
+    for spec, frames, size in SP_CASES:
+        ref = _step(spec, None, frames, size, gates=True)
+        for mode, kw in modes:
+            core = _gathered_core(dist.group.WORLD) if mode == "gathered" else \
+                make_core(mode, dist.group.WORLD, num_heads=CFG.heads, **kw)
+            _close(_step(spec, dist.group.WORLD, frames, size, core=core, gates=True), ref,
+                   f"SP={world} {mode} {spec} frames {frames}")
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sparse_step_sp_equals_sp1_through_a_gathered_core(world):
+    from tests.harness import run_ranks
+    run_ranks(_sp_equals_sp1, world, [("gathered", {})])
+
+
+SP_MODES = {2: [("ulysses", {}), ("ring", {}), ("auto", {})],
+            4: [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("tasp", {}),
+                ("usp", {"nodes": 2, "ulysses_size": 2}), ("tas", {"nodes": 2, "ulysses_size": 2}),
+                ("torus", {"nodes": 2, "ulysses_size": 2, "placement": "tas"}), ("auto", {})]}
+
+
+@NEEDS_SP_MASK
+@pytest.mark.parametrize("world", [2, 4])
+def test_sparse_step_every_mode_sp_equals_sp1(world):
+    """The DiT's sparse step (top-k and window, padded or not) in every SP mode: SP=1's loss and gradients."""
+    from tests.harness import run_ranks
+    run_ranks(_sp_equals_sp1, world, SP_MODES[world])
+
+
+def _entry_run(rank, world, entry, sp, sparse, steps=3, mode="ulysses"):
+    flags = ["--sparse-attention", "tiles", *sparse] if sparse else []
+    base = ["--model", "tiny", "--train-iters", str(steps), "--frames", "4,3", "--latent-size", "8x8",
+            "--quiet", *flags]
+    if entry == "megatron":
+        from training import pretrain_video_dit
+        return pretrain_video_dit.main(base + ["--context-parallel-size", str(sp), "--cp-comm-type", mode])["losses"]
+    from training import train_deepspeed
+    cfg = {"sequence_parallel_size": sp, "zero_optimization": {"stage": 1}, "sequence_parallel_ext": {"mode": mode}}
+    return train_deepspeed.main(base + ["--deepspeed-config", os.path.join(ROOT, "configs", "deepspeed",
+                                                                           "cpu_tiny_hcms.json")], config=cfg)["losses"]
+
+
+# frames 4 and 3 at 8x8 latents (4x4 patches): tiles of 1x2x2 tokens
+ENTRY_SPARSE = {"topk": ("--sparse-tile", "1,2,2", "--sparse-topk", "3"),
+                "window": ("--sparse-tile", "1,2,2", "--sparse-window", "1,0,1")}
+
+
+@pytest.mark.parametrize("entry", ["megatron", "deepspeed"])
+def test_entry_sp1_window_over_everything_equals_dense_and_topk_trains(entry):
+    """Both entry points at SP=1: a window over every tile trains as the dense model does (3 steps, the batches in
+    tile order); top-k runs, its losses finite and its own."""
+    pytest.importorskip("megatron.core" if entry == "megatron" else "deepspeed")
+    from tests.harness import run_ranks
+    dense = run_ranks(_entry_run, 1, entry, 1, None)[0]
+    everything = run_ranks(_entry_run, 1, entry, 1, ("--sparse-tile", "1,2,2", "--sparse-window", "3,3,3"))[0]
+    for a, b in zip(everything, dense):
+        assert abs(a - b) <= 1e-5 * abs(b), (everything, dense)
+    topk = run_ranks(_entry_run, 1, entry, 1, ENTRY_SPARSE["topk"])[0]
+    assert len(topk) == 3 and all(torch.isfinite(torch.tensor(topk))) and topk != dense, (topk, dense)
+
+
+@NEEDS_SP_MASK
+@pytest.mark.parametrize("entry", ["megatron", "deepspeed"])
+@pytest.mark.parametrize("kind", ["topk", "window"])
+@pytest.mark.parametrize("sp,mode", [(2, "ulysses"), (4, "ring"), (4, "hcms")])
+def test_entry_sparse_sp_equals_sp1(entry, kind, sp, mode):
+    """Both entry points: 3 sparse steps at SP=2/4 give the SP=1 losses."""
+    pytest.importorskip("megatron.core" if entry == "megatron" else "deepspeed")
+    from tests.harness import run_ranks
+    ref = run_ranks(_entry_run, 1, entry, 1, ENTRY_SPARSE[kind])[0]
+    got = run_ranks(_entry_run, sp, entry, sp, ENTRY_SPARSE[kind], 3, mode)
+    for r in range(sp):
+        for a, b in zip(got[r], ref):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{entry} {kind} SP={sp} {mode}: {got[r]} vs {ref}"
