@@ -3,7 +3,6 @@ branch, the one-device block-sparse reference, the DiT's sparse step at SP=1 (ru
 the flag refusals, and the sparse step at SP=2/4 equal to SP=1 (both entry points; these need ``block_mask=`` in
 megatron_sp_ext's SPAttention)."""
 import inspect
-import itertools
 import os
 
 import pytest
@@ -108,7 +107,8 @@ def test_topk_mask_counts_and_picks_the_highest_scores():
 def test_pad_block_mask():
     mask = torch.ones(2, 3, 3, dtype=torch.bool)
     padded = pad_block_mask(mask, 5)
-    assert padded.shape == (2, 5, 5) and padded[:, :3, :3].all() and not padded[:, 3:].any() and not padded[:, :, 3:].any()
+    assert padded.shape == (2, 5, 5) and padded[:, :3, :3].all()
+    assert not padded[:, 3:].any() and not padded[:, :, 3:].any()
 
 
 # ---- coarse branch and the one-device block-sparse reference ---------------------------------------------------
@@ -405,3 +405,59 @@ def test_entry_sparse_sp_equals_sp1(entry, kind, sp, mode):
     for r in range(sp):
         for a, b in zip(got[r], ref):
             assert abs(a - b) <= 1e-4 * abs(b), f"{entry} {kind} SP={sp} {mode}: {got[r]} vs {ref}"
+
+
+# ---- flag refusals ---------------------------------------------------------------------------------------------
+
+TINY_ARGS = ("--model", "tiny", "--frames", "4", "--latent-size", "8x8", "--quiet")
+TILES = ("--sparse-attention", "tiles")
+
+
+@pytest.mark.parametrize("entry", ["megatron", "deepspeed"])
+@pytest.mark.parametrize("flags,match", [
+    (("--sparse-topk", "2"), "--sparse-topk set with --sparse-attention none: add --sparse-attention tiles"),
+    (("--sparse-tile", "2,2,2", "--sparse-window", "1,1,1"),
+     "--sparse-tile / --sparse-window set with --sparse-attention none"),
+    (TILES, "--sparse-attention tiles needs exactly one of --sparse-topk K"),
+    (TILES + ("--sparse-topk", "2", "--sparse-window", "1,1,1"), "got both"),
+    (TILES + ("--sparse-topk", "0"), "--sparse-topk=0 is invalid: use a positive whole number"),
+    (TILES + ("--sparse-window", "1,1"), "--sparse-window='1,1' is invalid: use three non-negative whole numbers"),
+    (TILES + ("--sparse-window", "1,-1,0"), "--sparse-window='1,-1,0' is invalid"),
+    (TILES + ("--sparse-tile", "2,0,2", "--sparse-topk", "1"), "--sparse-tile='2,0,2' is invalid: use three positive"),
+    (TILES + ("--sparse-tile", "a,b,c", "--sparse-topk", "1"), "--sparse-tile='a,b,c' is invalid"),
+    (("--sparse-attention", "vsa"), "invalid choice: 'vsa' (choose from 'none', 'tiles')"),
+    (TILES + ("--sparse-topk", "2", "--pack-samples", "--max-tokens-per-step", "100"),
+     "--sparse-attention tiles cannot run --pack-samples"),
+    (TILES + ("--sparse-topk", "2", "--ulysses-packed-qkv", "on"),
+     "--ulysses-packed-qkv on cannot run --sparse-attention tiles"),
+])
+def test_flag_refusals(entry, flags, match, capsys):
+    pytest.importorskip("megatron.core" if entry == "megatron" else "deepspeed")
+    if entry == "megatron":
+        from training.pretrain_video_dit import parse
+    else:
+        from training.train_deepspeed import parse
+    with pytest.raises(SystemExit) as e:
+        parse([*TINY_ARGS, *flags])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_megatron_entry_refuses_async_blocks_with_tiles(capsys):
+    pytest.importorskip("megatron.core")
+    from training.pretrain_video_dit import parse
+    with pytest.raises(SystemExit) as e:
+        parse([*TINY_ARGS, *TILES, "--sparse-topk", "2", "--cp-comm-type", "hcms", "--hcms-head-chunks", "2",
+               "--sp-async-qkv", "on"])
+    assert e.value.code == 2 and "--sp-async-qkv on cannot run --sparse-attention tiles" in capsys.readouterr().err
+
+
+def test_tiles_that_do_not_cut_the_run_shapes_are_refused_by_name():
+    """--frames 4,3 at 8x8 latents: grids 4x4x4 and 3x4x4; tiles of 2 frames do not cut 3 frames."""
+    import argparse
+    from training.video_dit.cli import check_shapes
+    args = argparse.Namespace(frames="4,3", latent_size="8x8", sparse_attention="tiles", sparse_tile="2,2,2",
+                              sparse_topk=2, sparse_window=None)
+    with pytest.raises(SPConfigError, match=r"--sparse-tile=2,2,2 does not cut the token grid 3x4x4.*T in \{1, 3\}"):
+        check_shapes(args, CFG)
+    args.sparse_tile = "1,2,2"
+    check_shapes(args, CFG)

@@ -87,8 +87,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
         p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --pack-samples (the async / all-gather block forms "
                 f"take one sample per sequence): use --sp-async-qkv off")
     if args.sparse_attention != "none" and args.sp_async_qkv != "off":
-        p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --sparse-attention {args.sparse_attention} (the async / "
-                f"all-gather block forms take no block mask): use --sp-async-qkv off")
+        p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --sparse-attention {args.sparse_attention} (the "
+                f"async / all-gather block forms take no block mask): use --sp-async-qkv off")
     if args.sp_async_qkv == "auto" and args.cp_comm_type[0] not in ("ulysses", "hcms", "auto"):
         p.error(f"--sp-async-qkv auto chooses among Ulysses block forms: use --cp-comm-type ulysses, hcms or auto "
                 f"(got {args.cp_comm_type[0]})")

@@ -119,8 +119,8 @@ def sparse_spec(args: argparse.Namespace) -> Optional[SparseSpec]:
     """The run's ``SparseSpec`` from --sparse-attention / --sparse-tile / --sparse-topk / --sparse-window (None:
     dense). Raises SPConfigError naming the flag and its valid values."""
     mode = getattr(args, "sparse_attention", "none")
-    given = [f for f, v in ((TILE_FLAG, getattr(args, "sparse_tile", None)), (TOPK_FLAG, getattr(args, "sparse_topk", None)),
-                            (WINDOW_FLAG, getattr(args, "sparse_window", None))) if v is not None]
+    given = [flag for flag, name in ((TILE_FLAG, "sparse_tile"), (TOPK_FLAG, "sparse_topk"),
+                                     (WINDOW_FLAG, "sparse_window")) if getattr(args, name, None) is not None]
     if mode not in SPARSE_CHOICES:
         raise SPConfigError(f"{SPARSE_FLAG}={mode!r} is invalid: choose one of {', '.join(SPARSE_CHOICES)}")
     if mode == "none":

@@ -56,8 +56,8 @@ def host_inputs(batch: dict, sp_rank: int, sp_world: int) -> dict:
     x, ids, n_pad = shard_tokens(batch["x"], n_valid, sp_rank, sp_world)
     tgt, _, _ = shard_tokens(batch["target"], n_valid, sp_rank, sp_world)
     return {"x": x.contiguous(), "target": tgt.contiguous(), "valid": ids < n_valid, "t": batch["t"],
-            "text": batch["text"].contiguous(), "token_ids": token_ids_of(batch, ids), "grid": tuple(batch["grid"]), "n_valid": n_valid,
-            "n_pad": n_pad}
+            "text": batch["text"].contiguous(), "token_ids": token_ids_of(batch, ids), "grid": tuple(batch["grid"]),
+            "n_valid": n_valid, "n_pad": n_pad}
 
 
 def to_device(h: dict, device, non_blocking: bool = True) -> StepInputs:

@@ -186,9 +186,10 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     torch SDPA with the expanded token mask: O(S^2) memory, for checks and small runs."""
     seq_len = q.shape[1]
     n_blocks = -(-seq_len // block_size)
-    if block_mask.dim() != 3 or block_mask.shape[1:] != (n_blocks, n_blocks) or block_mask.shape[0] not in (1, q.shape[2]):
+    heads = q.shape[2]
+    if block_mask.dim() != 3 or block_mask.shape[1:] != (n_blocks, n_blocks) or block_mask.shape[0] not in (1, heads):
         raise SPConfigError(f"block_mask of shape {list(block_mask.shape)}: expected [H or 1, {n_blocks}, {n_blocks}] "
-                            f"for {seq_len} tokens in blocks of {block_size} ({q.shape[2]} heads)")
+                            f"for {seq_len} tokens in blocks of {block_size} ({heads} heads)")
     allowed = token_mask(block_mask.to(q.device), block_size, seq_len)  # [Hm, S, S]
     if kv_valid_len is not None and kv_valid_len < seq_len:
         allowed = allowed & (torch.arange(seq_len, device=q.device) < kv_valid_len)
