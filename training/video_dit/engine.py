@@ -25,7 +25,7 @@ from megatron_sp_ext.sp.factory import SPResources, make_attention
 from megatron_sp_ext.sp.placement import pieces
 
 from .model import patchify
-from .sparse import SPARSE_FLAG, block_sparse_attention, row_major_ids, tile_order
+from .sparse import SPARSE_FLAG, row_major_ids, tile_order
 from .varlen import PackInfo
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
