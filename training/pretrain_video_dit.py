@@ -26,7 +26,7 @@ from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
 from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
-                                    check_parallel_size, check_shapes, pick_device)
+                                    check_parallel_size, check_shapes, pick_device, sparse_spec)
 from training.video_dit.engine import MetricsLog, attention_kernel_line, make_core  # noqa: E402
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
@@ -96,6 +96,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     if args.pack_samples and args.sp_async_qkv != "off":
         p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --pack-samples (the async / all-gather block forms "
                 f"take one sample per sequence): use --sp-async-qkv off")
+    if args.sparse_attention != "none" and args.sp_async_qkv != "off":
+        p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --sparse-attention {args.sparse_attention} (the "
+                f"async / all-gather block forms take no block mask): use --sp-async-qkv off")
     if args.sp_async_qkv == "auto" and args.cp_comm_type[0] not in ("ulysses", "hcms", "auto"):
         p.error(f"--sp-async-qkv auto chooses among Ulysses block forms: use --cp-comm-type ulysses, hcms or auto "
                 f"(got {args.cp_comm_type[0]})")
@@ -152,6 +155,8 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     torch.manual_seed(args.seed)
     with torch.device(device):  # initialise on the device: a 14B model built on the CPU takes minutes
         model = VideoDiT(cfg)
+    sparse = sparse_spec(args)
+    model.set_sparse_attention(sparse)  # before DDP and the optimizer: top-k adds the coarse branch's gates
     model.set_attention_core(make_core(args.cp_comm_type[0], cp_group if sp_world > 1 else None, num_heads=cfg.heads,
                                        head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
                                        placement=args.sp_placement, ulysses_size=args.sp_ulysses_size,
@@ -165,7 +170,8 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
     fused_backend = resolve_fused(args.fused_elementwise, device)
     model.set_fused_elementwise(fused_backend)
-    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples))
+    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples,
+                                        sparse=sparse is not None))
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
     if args.use_torch_fsdp2:
         impl = "fsdp2"
@@ -200,6 +206,7 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
                     f"cp_comm_type={args.cp_comm_type[0]} head_chunks={args.hcms_head_chunks} "
                     f"async_qkv={args.sp_async_qkv} ddp={impl} dist_opt={args.use_distributed_optimizer} "
                     f"recompute={args.recompute_granularity} device={device}"
+                    + (f" sparse_attention=tiles {sparse}" if sparse is not None else "")
                     + (f" pack_samples max_tokens_per_step={args.max_tokens_per_step}" if plan else ""))
     if rank == 0 and not args.quiet:  # before the progress bar starts, not inside it
         low = torch.bfloat16 if (args.bf16 and device.type == "cuda") or args.bf16_params else torch.float32

@@ -31,7 +31,7 @@ from training.video_dit import ds_checkpoint as ds_ckpt  # noqa: E402
 from training.video_dit.checkpoint import check_resume_step, describe  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
-                                    check_shapes, parallel_size_problem, pick_device)
+                                    check_shapes, parallel_size_problem, pick_device, sparse_spec)
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.engine import MetricsLog, attention_kernel_line  # noqa: E402
@@ -131,10 +131,13 @@ def _build(args, ds_cfg: dict, device):
     torch.manual_seed(args.seed)
     with torch.device(device):  # initialise on the device (minutes on the CPU at 14B)
         model = VideoDiT(cfg)
+    sparse = sparse_spec(args)
+    model.set_sparse_attention(sparse)  # before deepspeed.initialize builds the optimizer: top-k adds gates
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
     fused_backend = resolve_fused(args.fused_elementwise, device)
     model.set_fused_elementwise(fused_backend)
-    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples))
+    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples,
+                                        sparse=sparse is not None))
     engine, _, _, _ = initialize(model=model, config=ds_cfg, num_heads=cfg.heads)
     return engine, cfg
 

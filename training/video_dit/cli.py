@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 import torch
 
@@ -16,6 +16,8 @@ from .config import PRESETS
 from .data import LatentFileError, LatentShardDataset, SyntheticVideoLatents
 from .faults import job_rank
 from .logs import add_log_level_arg
+from .sparse import (DEFAULT_TILE, SPARSE_CHOICES, SPARSE_FLAG, TILE_FLAG, TOPK_FLAG, WINDOW_FLAG, SparseSpec,
+                     check_tile_grid)
 
 
 class EntryParser(argparse.ArgumentParser):
@@ -83,9 +85,59 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--sample-steps", type=int, default=0,
                    help="after training, sample one clip per prompt with this many flow-matching Euler steps "
                         "(same sequence-parallel attention) and write samples.png beside loss.png (0: off)")
+    g.add_argument(SPARSE_FLAG, default="none", choices=list(SPARSE_CHOICES),
+                   help="block-sparse self-attention over 3D tiles of the token grid (tiles: the tokens are put in "
+                        "tile order, which the sequence is sharded in, so neighbouring tiles share a rank); needs "
+                        f"exactly one of {TOPK_FLAG} or {WINDOW_FLAG}; the cross-attention stays dense (none: dense)")
+    g.add_argument(TILE_FLAG, default=None, metavar="T,H,W",
+                   help=f"with {SPARSE_FLAG} tiles: tokens per tile along frames, rows, columns after patchify "
+                        f"(default {','.join(map(str, DEFAULT_TILE))}); must divide the token grid")
+    g.add_argument(TOPK_FLAG, type=int, default=None, metavar="K",
+                   help=f"with {SPARSE_FLAG} tiles: Video Sparse Attention, each query tile attends its K key tiles "
+                        "of highest pooled score (per head and layer) plus a gated dense coarse branch over the "
+                        "pooled tiles")
+    g.add_argument(WINDOW_FLAG, default=None, metavar="t,h,w",
+                   help=f"with {SPARSE_FLAG} tiles: a fixed local window, each query tile attends the key tiles at "
+                        "most t, h, w tiles away along frames, rows, columns")
     add_log_level_arg(g)
     add_checkpoint_args(p)
     return p
+
+
+def _triple(flag: str, text: str, least: int, what: str) -> tuple:
+    try:
+        parts = tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) != 3 or any(n < least for n in parts):
+        raise SPConfigError(f"{flag}={text!r} is invalid: use three {what} whole numbers T,H,W, e.g. "
+                            f"{','.join(map(str, DEFAULT_TILE))}")
+    return parts
+
+
+def sparse_spec(args: argparse.Namespace) -> Optional[SparseSpec]:
+    """The run's ``SparseSpec`` from --sparse-attention / --sparse-tile / --sparse-topk / --sparse-window (None:
+    dense). Raises SPConfigError naming the flag and its valid values."""
+    mode = getattr(args, "sparse_attention", "none")
+    given = [flag for flag, name in ((TILE_FLAG, "sparse_tile"), (TOPK_FLAG, "sparse_topk"),
+                                     (WINDOW_FLAG, "sparse_window")) if getattr(args, name, None) is not None]
+    if mode not in SPARSE_CHOICES:
+        raise SPConfigError(f"{SPARSE_FLAG}={mode!r} is invalid: choose one of {', '.join(SPARSE_CHOICES)}")
+    if mode == "none":
+        if given:
+            raise SPConfigError(f"{' / '.join(given)} set with {SPARSE_FLAG} none: add {SPARSE_FLAG} tiles (or drop "
+                                f"{' / '.join(given)})")
+        return None
+    topk, window = args.sparse_topk, args.sparse_window
+    if (topk is None) == (window is None):
+        raise SPConfigError(f"{SPARSE_FLAG} tiles needs exactly one of {TOPK_FLAG} K (key tiles per query tile, a "
+                            f"positive whole number) or {WINDOW_FLAG} t,h,w (tiles each way, whole numbers >= 0); "
+                            f"got {'both' if topk is not None else 'neither'}")
+    tile = _triple(TILE_FLAG, args.sparse_tile, 1, "positive") if args.sparse_tile is not None else DEFAULT_TILE
+    if topk is not None and (isinstance(topk, bool) or topk < 1):
+        raise SPConfigError(f"{TOPK_FLAG}={topk} is invalid: use a positive whole number of key tiles per query tile")
+    return SparseSpec(tile=tile, topk=topk,
+                      window=_triple(WINDOW_FLAG, window, 0, "non-negative") if window is not None else None)
 
 
 def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -106,6 +158,16 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         if getattr(args, "ulysses_packed_qkv", "off") == "on":
             p.error("--ulysses-packed-qkv on cannot run --pack-samples (the packed q|k|v exchange takes one sample "
                     "per sequence): use --ulysses-packed-qkv off or auto (auto turns it off for packed samples)")
+    try:
+        spec = sparse_spec(args)
+    except SPConfigError as e:
+        p.error(str(e))
+    if spec is not None:
+        if args.pack_samples:
+            p.error(f"{SPARSE_FLAG} tiles cannot run --pack-samples (one block mask per sequence): drop one of them")
+        if getattr(args, "ulysses_packed_qkv", "off") == "on":
+            p.error(f"--ulysses-packed-qkv on cannot run {SPARSE_FLAG} tiles (the block-sparse attention takes q, k, v "
+                    f"on the plain path): use --ulysses-packed-qkv off or auto (auto turns it off)")
 
 
 def frames_and_sizes(args) -> tuple[list, list]:
@@ -133,13 +195,20 @@ def frames_and_size(args) -> tuple[list, int, int]:
 
 
 def check_shapes(args, cfg) -> None:
-    """--frames / --latent-size must cut into the model's patches (SPConfigError naming them)."""
+    """--frames / --latent-size must cut into the model's patches, and with --sparse-attention tiles the patch grids
+    into whole tiles (SPConfigError naming them)."""
     from .engine import check_divisible  # noqa: PLC0415
     frames, sizes = frames_and_sizes(args)
     try:
         check_divisible(cfg, frames, 0, 0, sizes)
     except ValueError as e:
         raise SPConfigError(f"--frames/--latent-size: {e}") from None
+    spec = sparse_spec(args)
+    if spec is not None:
+        pt, ph, pw = cfg.patch
+        for f in frames:
+            for h, w in sizes:
+                check_tile_grid((f // pt, h // ph, w // pw), spec.tile)
 
 
 def build_dataset(args, cfg):

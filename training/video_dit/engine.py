@@ -25,6 +25,7 @@ from megatron_sp_ext.sp.factory import SPResources, make_attention
 from megatron_sp_ext.sp.placement import pieces
 
 from .model import patchify
+from .sparse import SPARSE_FLAG, row_major_ids, tile_order
 from .varlen import PackInfo
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -33,13 +34,17 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e
 def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backend"):
     """The attention core(q, k, v, kv_valid_len, cu_seqlens) on one device ([B, S, H, D], no sequence parallelism) on
     the local kernel ``backend``: FA4 where "auto"/"sdpa" resolve to it or "fa4" is named, the named kernel for
-    "cudnn"/"torch_flash"/..., else torch SDPA (``model.local_core``, the DiT's reference path)."""
+    "cudnn"/"torch_flash"/..., else torch SDPA (``model.local_core``, the DiT's reference path). A sparse step's
+    ``block_mask`` / ``block_size`` (--sparse-attention tiles) run ``sparse.block_sparse_attention`` (torch SDPA with
+    the expanded token mask) on every backend."""
     from megatron_sp_ext.sp.ulysses.attend import local_attention  # noqa: PLC0415
     from .model import local_core  # noqa: PLC0415
     be = get_backend(backend, setting)
     plain_sdpa = isinstance(be, SDPABackend) and be.kernel == "auto"
 
-    def core(q, k, v, kv_valid_len=None, cu_seqlens=None):
+    def core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None):
+        if block_mask is not None:
+            return local_core(q, k, v, kv_valid_len, cu_seqlens, block_mask, block_size)
         q_bhsd, k_bhsd, v_bhsd = (t.transpose(1, 2) for t in (q, k, v))
         if plain_sdpa and be.kernel_for(q_bhsd) != "fa4":
             return local_core(q, k, v, kv_valid_len, cu_seqlens)
@@ -59,17 +64,26 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
     """The sequence-parallel attention core(q, k, v, kv_valid_len) on [B, S_local, H, D] shards
     (contiguous token placement) for ``mode`` over ``group`` (None or size 1 = local): the factory's
     attention (megatron_sp_ext.sp.factory), with its ``packed`` entry (Ulysses / HCMS) and ``attention``.
-    The DiT has no attention dropout (its attention is dropout-free). Errors name the flags of ``source``."""
+    The DiT has no attention dropout (its attention is dropout-free). Errors name the flags of ``source``.
+    Sparse steps call core(q, k, v, kv_valid_len, block_mask=, block_size=) (model.AttentionCore); ``core.group``
+    is ``group`` (None on one rank)."""
     world = dist.get_world_size(group) if group is not None else 1
     if world == 1:
-        return one_device_core(backend, setting=SPConfig(source=source).name("backend"))
+        core = one_device_core(backend, setting=SPConfig(source=source).name("backend"))
+        core.group = None
+        return core
     cfg = SPConfig(mode=mode, head_chunks=1 if mode == "ulysses" else head_chunks, ring_variant=ring_variant,
                    placement=placement, ulysses_size=ulysses_size, nodes=nodes, backend=backend,
                    transport=transport, source=source)
     attn = make_attention(cfg, group, num_heads=num_heads, layout="bshd", placement="contiguous",
                           backend=backend, resources=SPResources(cfg))
 
-    def core(q, k, v, n=None, cu_seqlens=None):
+    def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
+        if block_mask is not None:  # --sparse-attention tiles: the block mask over the full sequence
+            if cu_seqlens is not None:
+                raise SPConfigError(f"--pack-samples cannot run {SPARSE_FLAG} tiles (one block mask per sequence)")
+            return attn(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n, block_mask=block_mask,
+                        block_size=block_size)
         if cu_seqlens is None:
             return attn(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n)
         try:  # packed samples (--pack-samples): the factory runs them per sample or refuses the mode by name
@@ -77,6 +91,7 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
         except SPConfigError as e:
             raise SPConfigError(f"--pack-samples: {e}") from None
     core.attention = attn
+    core.group = group
     core.mode_policy = attn.res.mode_policy
     if attn.packed is not None:
         core.packed = attn.packed
@@ -105,11 +120,14 @@ def describe_samples(dataset, ids: list) -> list:
 
 
 def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: int, micro_batch: int,
-                        patch: tuple, base: int = 0) -> dict:
+                        patch: tuple, base: int = 0, tile: Optional[tuple] = None) -> dict:
     """Rectified flow: x_t = (1 - t) x0 + t eps, target v = eps - x0, t ~ logit-normal(0, 1).
 
     A pure function of (step, dp_rank, base): every SP rank of a DP rank builds the same full batch, and
     a resumed run draws exactly what an uninterrupted one would. Returns full-sequence patches.
+    ``tile`` (--sparse-tile, with --sparse-attention tiles): the patches and targets in tile order
+    (``sparse.tile_order``; sharding then keeps neighbouring tiles on one rank) and ``order`` [N], the row-major
+    id of each position (``prepare`` turns positions into the token ids RoPE reads).
     """
     xs, tgts, ts, texts, ids = [], [], [], [], []
     for m in range(micro_batch):
@@ -132,8 +150,12 @@ def flow_matching_batch(dataset, step: int, seed: int, dp_rank: int, dp_world: i
     x, tgt = cat(xs), cat(tgts)
     _, c, tn, h, w = x.shape
     pt, ph, pw = patch
-    return {"x": patchify(x, patch), "target": patchify(tgt, patch), "t": cat(ts), "text": cat(texts),
-            "grid": (tn // pt, h // ph, w // pw)}
+    grid = (tn // pt, h // ph, w // pw)
+    batch = {"x": patchify(x, patch), "target": patchify(tgt, patch), "t": cat(ts), "text": cat(texts), "grid": grid}
+    if tile is not None:
+        order, _ = tile_order(grid, tuple(tile))
+        batch.update(x=batch["x"][:, order], target=batch["target"][:, order], order=order)
+    return batch
 
 
 def shard_tokens(full: torch.Tensor, n_valid: int, sp_rank: int, sp_world: int, placement: str = "contiguous"):
@@ -162,12 +184,19 @@ class StepInputs:
     pack: Optional[PackInfo] = None  # a packed step (--pack-samples): B=1, t [N], text [1, sum L_i, D]
 
 
+def token_ids_of(batch: dict, positions: torch.Tensor) -> torch.Tensor:
+    """The token ids (row-major grid index, what RoPE reads) of a shard's ``positions`` in ``batch``'s sequence:
+    the positions themselves, or through ``batch["order"]`` for a tile-ordered batch (padding keeps its position)."""
+    order = batch.get("order")
+    return positions if order is None else row_major_ids(positions, order)
+
+
 def prepare(batch: dict, sp_rank: int, sp_world: int, device) -> StepInputs:
     n_valid = batch["x"].shape[1]
     x, ids, n_pad = shard_tokens(batch["x"], n_valid, sp_rank, sp_world)
     tgt, _, _ = shard_tokens(batch["target"], n_valid, sp_rank, sp_world)
     return StepInputs(x.to(device), tgt.to(device), (ids < n_valid).to(device), batch["t"].to(device),
-                      batch["text"].to(device), ids, batch["grid"], n_valid, n_pad)
+                      batch["text"].to(device), token_ids_of(batch, ids), batch["grid"], n_valid, n_pad)
 
 
 def local_loss(model, inp: StepInputs, autocast_dtype=None) -> torch.Tensor:

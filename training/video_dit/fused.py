@@ -97,13 +97,19 @@ class ElementwiseOps:
 
 
 def resolve_packed(choice: str, fused_backend: Optional[str], flag: str = "--ulysses-packed-qkv",
-                   packed_samples: bool = False) -> bool:
+                   packed_samples: bool = False, sparse: bool = False) -> bool:
     """Whether blocks write q|k|v in the exchange's send layout: ``auto`` when the elementwise regions are
     compiled (eager, the layout change would be a copy of its own, as in the plain path), ``on``, ``off``.
     With ``packed_samples`` (--pack-samples: several clips per sequence, which that exchange does not take)
-    ``auto`` is off and ``on`` is refused."""
+    ``auto`` is off and ``on`` is refused; likewise with ``sparse`` (--sparse-attention tiles, whose block-sparse
+    attention takes q, k, v on the plain path)."""
     if choice not in FUSED_CHOICES:
         raise ValueError(f"{flag}={choice!r}: choose one of {', '.join(FUSED_CHOICES)}")
+    if sparse:
+        if choice == "on":
+            raise ValueError(f"{flag}=on cannot run --sparse-attention tiles (the block-sparse attention takes q, k, "
+                             f"v on the plain path): use {flag} off or auto")
+        return False
     if packed_samples:
         if choice == "on":
             raise ValueError(f"{flag}=on cannot run --pack-samples (the packed q|k|v exchange takes one sample per "

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .cli import sparse_spec
 from .engine import describe_samples, local_loss
 from .guard import NonFiniteError, SpikeDetector, StepGuard
 from .pipeline import StepBatches, step_inputs
@@ -221,9 +222,11 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
     tel = Telemetry(log_metrics, cfg=cfg, device=device, world=ctx.world, interval=args.log_interval,
                     timing=args.timing, tensorboard_dir=args.tensorboard_dir, writer_rank=ctx.rank == 0,
                     group=ctx.group)
+    sparse = sparse_spec(args)  # --sparse-attention tiles: the batches in tile order
     batches = StepBatches(dataset, start=start, stop=args.train_iters, seed=args.seed, dp_rank=ctx.dp_rank,
                           dp_world=ctx.dp_world, micro_batch=args.micro_batch_size, patch=cfg.patch,
-                          sp_rank=ctx.sp_rank, sp_world=ctx.sp_world, base=sample_base, pack_plan=pack_plan)
+                          sp_rank=ctx.sp_rank, sp_world=ctx.sp_world, base=sample_base, pack_plan=pack_plan,
+                          tile=sparse.tile if sparse is not None else None)
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak (benchmarks run the entry more than once)
     prof = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end, args.profile_ranks, ctx.rank,

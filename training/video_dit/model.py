@@ -19,6 +19,7 @@ import math
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -28,6 +29,8 @@ from megatron_sp_ext.errors import SPConfigError
 from .config import DiTConfig
 from .fused import ElementwiseOps, linear_input_dtype, rms_norm
 from .rope import RopeCache, apply_rope
+from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, block_sparse_attention, coarse_attention, pad_block_mask,
+                     pool_tiles, sparse_step, topk_block_mask)
 from .varlen import PackInfo
 
 # --recompute-modules values (Megatron-LM's names) for --recompute-granularity selective
@@ -35,14 +38,22 @@ RECOMPUTE_MODULES = ("core_attn", "mlp")
 
 # core(q, k, v, kv_valid_len) -> out, all [B, S_local, H, D]; set by the entry point. Packed steps call
 # core(q, k, v, None, cu_seqlens=cu) with cu the int32 cumulative sample lengths over the full sequence (B=1).
+# Sparse steps (--sparse-attention tiles) call core(q, k, v, kv_valid_len, block_mask=m, block_size=n): m bool
+# [H or 1, nT, nT] over query x key blocks of n tokens of the full (tile-ordered) sequence, the same on every rank.
+# A core's ``group`` attribute (None or absent: one rank) is the SP group its attention runs over.
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]
 
 PACK_FLAG = "--pack-samples"
 
 
-def local_core(q, k, v, kv_valid_len=None, cu_seqlens=None):
+def local_core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None):
     """Single-device attention (no sequence parallelism) with key padding; with ``cu_seqlens`` (packed
-    samples, B=1) each sample attends only within itself (one SDPA per sample)."""
+    samples, B=1) each sample attends only within itself (one SDPA per sample); with ``block_mask`` /
+    ``block_size`` block-sparse (``sparse.block_sparse_attention``, the reference of the SP modes' masks)."""
+    if block_mask is not None:
+        if cu_seqlens is not None:
+            raise SPConfigError(f"{PACK_FLAG} cannot run {SPARSE_FLAG} tiles (one block mask per sequence)")
+        return block_sparse_attention(q, k, v, block_mask, block_size, kv_valid_len)
     if cu_seqlens is not None:
         if kv_valid_len is not None:
             raise SPConfigError("packed samples (cu_seqlens) carry no padding: kv_valid_len must be None")
@@ -121,6 +132,9 @@ class SelfAttention(nn.Module):
         self.recompute_core = False  # activation checkpointing of the attention core (selective core_attn)
         self.ops = ElementwiseOps()  # eager; VideoDiT.set_fused_elementwise shares one compiled set
         self.packed_qkv = False  # write q|k|v in the core's send layout when it has a packed entry (set_packed_qkv)
+        # --sparse-topk: the VSA gate of the coarse branch, Linear(dim, dim) per token, head and channel; zero
+        # at init (VideoDiT.set_sparse_attention), so a model starts as its fine block-sparse attention alone
+        self.sparse_gate: Optional[nn.Linear] = None
 
     def _params(self):
         return (self.qkv.weight, self.qkv.bias, self.out.weight, self.out.bias, self.norm_q.weight,
@@ -184,8 +198,33 @@ class SelfAttention(nn.Module):
         if torch.is_grad_enabled() and y.requires_grad:
             y.backward(torch.ones_like(y))
 
-    def forward(self, x, angles, kv_valid_len, cu_seqlens=None):
+    def _sparse_attend(self, q, k, v, x, kv_valid_len, step: SparseStep):
+        """--sparse-attention tiles: block-sparse attention of this rank's q, k, v [B, S_local, H, D] (tile order)
+        over the window mask, or VSA: each sample's top-k key tiles per query tile and head (from the pooled tiles
+        of the whole sequence) plus the gated coarse branch (gate = ``sparse_gate(x)``, x the block's input)."""
+        b, s = q.shape[:2]
+        block = step.spec.block_size
+
+        def fine(qs, ks, vs, mask):
+            run = functools.partial(self.core, block_mask=mask, block_size=block)
+            if self.recompute_core and torch.is_grad_enabled():
+                return checkpoint(run, qs, ks, vs, kv_valid_len, use_reentrant=False)
+            return run(qs, ks, vs, kv_valid_len)
+        if step.window_mask is not None:
+            return fine(q, k, v, step.window_mask)
+        q_tiles, k_tiles, v_tiles = (pool_tiles(t, step.tile_index, step.num_tiles, step.group) for t in (q, k, v))
+        outs = []
+        for i in range(b):  # a block mask is one sample's (its own top-k)
+            mask = pad_block_mask(topk_block_mask(q_tiles[i], k_tiles[i], step.spec.topk), step.num_blocks)
+            outs.append(fine(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask))
+        gate = self.sparse_gate(x).view(b, s, self.heads, self.hd)
+        return torch.cat(outs) + gate * coarse_attention(q_tiles, k_tiles, v_tiles, step.tile_index)
+
+    def forward(self, x, angles, kv_valid_len, cu_seqlens=None, sparse: Optional[SparseStep] = None):
         b, s, _ = x.shape
+        if sparse is not None and (self.sp_block is not None or self.packed_qkv or cu_seqlens is not None):
+            raise SPConfigError(f"{SPARSE_FLAG} tiles runs the plain self-attention path: use --sp-async-qkv off, "
+                                f"--ulysses-packed-qkv off or auto, and no {PACK_FLAG}")
         if cu_seqlens is not None and self.sp_block is not None:
             raise SPConfigError(f"{PACK_FLAG}: the async / all-gather self-attention block forms (--sp-async-qkv) "
                                 f"take no packed samples; use --sp-async-qkv off")
@@ -220,6 +259,8 @@ class SelfAttention(nn.Module):
         q = self.ops.qk_prep(q, self.norm_q.weight, self.norm_q.eps, angles, self.heads)
         k = self.ops.qk_prep(k, self.norm_k.weight, self.norm_k.eps, angles, self.heads)
         v = v.reshape(b, s, self.heads, self.hd)
+        if sparse is not None:
+            return self.out(self._sparse_attend(q, k, v, x, kv_valid_len, sparse).reshape(b, s, -1))
         core = self.core if cu_seqlens is None else functools.partial(self.core, cu_seqlens=cu_seqlens)
         if self.recompute_core and torch.is_grad_enabled():
             o = checkpoint(core, q, k, v, kv_valid_len, use_reentrant=False)
@@ -270,14 +311,17 @@ class Block(nn.Module):
         self.recompute_mlp = False    # selective mlp: recompute the FFN (its [S, ffn] activations)
         self.ops = ElementwiseOps()
 
-    def forward(self, x, t_emb, ctx, angles, kv_valid_len, pack: Optional[PackInfo] = None, cu=None):
+    def forward(self, x, t_emb, ctx, angles, kv_valid_len, pack: Optional[PackInfo] = None, cu=None,
+                sparse: Optional[SparseStep] = None):
         if self.recompute_block and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, t_emb, ctx, angles, kv_valid_len, pack, cu, use_reentrant=False)
-        return self._forward(x, t_emb, ctx, angles, kv_valid_len, pack, cu)
+            return checkpoint(self._forward, x, t_emb, ctx, angles, kv_valid_len, pack, cu, sparse,
+                              use_reentrant=False)
+        return self._forward(x, t_emb, ctx, angles, kv_valid_len, pack, cu, sparse)
 
-    def _forward(self, x, t_emb, ctx, angles, kv_valid_len, pack=None, cu=None):
+    def _forward(self, x, t_emb, ctx, angles, kv_valid_len, pack=None, cu=None, sparse=None):
         """pack: a packed step's PackInfo (per-token modulation, block-diagonal cross-attention); cu: its
-        cu_seqlens tensor for the self-attention core."""
+        cu_seqlens tensor for the self-attention core; sparse: a sparse step's SparseStep (block-sparse
+        self-attention, --sparse-attention tiles; the cross-attention stays dense)."""
         ops = self.ops
         act = linear_input_dtype(x)  # the norms' outputs feed Linears: their autocast cast happens in the region
         mod = self.modulation(F.silu(t_emb))
@@ -286,8 +330,11 @@ class Block(nn.Module):
         else:  # each chunk expanded on its own: the shifts' [S, d] copies are freed after use, not saved
             sh1, sc1, g1, sh2, sc2, g2 = (per_token(m, pack) for m in mod.chunk(6, dim=-1))
         y = ops.ln_modulate(x, sc1, sh1, self.norm1.eps, act)
-        x = ops.gated_residual(x, g1, self.attn(y, angles, kv_valid_len) if cu is None else
-                               self.attn(y, angles, kv_valid_len, cu))
+        if sparse is not None:
+            x = ops.gated_residual(x, g1, self.attn(y, angles, kv_valid_len, sparse=sparse))
+        else:
+            x = ops.gated_residual(x, g1, self.attn(y, angles, kv_valid_len) if cu is None else
+                                   self.attn(y, angles, kv_valid_len, cu))
         x = x + self.cross(ops.layer_norm(x, self.norm2.weight, self.norm2.bias, self.norm2.eps, act), ctx, pack)
         h = ops.ln_modulate(x, sc2, sh2, self.norm3.eps, act)
         if self.recompute_mlp and torch.is_grad_enabled():
@@ -317,6 +364,23 @@ class VideoDiT(nn.Module):
         nn.init.zeros_(self.mod_out.bias)
         self.rope_cache = RopeCache()
         self.ops = ElementwiseOps()
+        self.sparse: Optional[SparseSpec] = None  # --sparse-attention tiles (set_sparse_attention)
+
+    def set_sparse_attention(self, spec: Optional[SparseSpec]) -> None:
+        """--sparse-attention tiles (``spec``; None: dense, the default). The caller feeds tokens in tile order
+        (``engine.flow_matching_batch(tile=...)``, sharded contiguously: neighbouring tiles on one rank) with their
+        row-major ids as ``token_ids`` (RoPE unchanged per token). With top-k (VSA) every block gets the coarse
+        branch's gate, Linear(dim, dim) (per token, head and channel, as VSA's gate_compress), zero-initialised so
+        the model starts as its fine block-sparse attention; call before building the optimizer (new parameters)."""
+        self.sparse = spec
+        param = next(self.parameters())
+        for blk in self.blocks:
+            gate = None
+            if spec is not None and spec.topk is not None:
+                gate = nn.Linear(self.cfg.dim, self.cfg.dim, device=param.device, dtype=param.dtype)
+                nn.init.zeros_(gate.weight)
+                nn.init.zeros_(gate.bias)
+            blk.attn.sparse_gate = gate
 
     def set_recompute(self, granularity: Optional[str], modules=("core_attn",),
                       num_layers: Optional[int] = None) -> None:
@@ -381,8 +445,18 @@ class VideoDiT(nn.Module):
     def configure_sequence_parallel(self, make_attention) -> None:
         """DeepSpeed opt-in protocol (megatron_sp_ext.deepspeed.initialize): one SPDistributedAttention."""
         attn = make_attention(_sdpa_bshd, scatter_idx=2, gather_idx=1)
+        group = attn.spg if attn.spg is not None and dist.get_world_size(attn.spg) > 1 else None
 
-        def core(q, k, v, n=None, a=attn, cu_seqlens=None):
+        def core(q, k, v, n=None, a=attn, cu_seqlens=None, block_mask=None, block_size=None):
+            if block_mask is not None:  # --sparse-attention tiles
+                if cu_seqlens is not None:
+                    raise SPConfigError(f"{PACK_FLAG} cannot run {SPARSE_FLAG} tiles (one block mask per sequence)")
+                if group is None:  # one rank: the block-sparse reference
+                    return block_sparse_attention(q, k, v, block_mask, block_size, n)
+                sp = a.attention_for(q.shape[2], k.shape[2], "bshd")  # the factory's attention that ``a`` runs
+                sp.training = a.training
+                return sp(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n, block_mask=block_mask,
+                          block_size=block_size)
             if cu_seqlens is None:
                 return a(q, k, v, 0, kv_valid_len=n)
             try:  # packed samples: the factory runs them per sample or refuses the mode by name
@@ -390,6 +464,7 @@ class VideoDiT(nn.Module):
             except SPConfigError as e:
                 raise SPConfigError(f"{PACK_FLAG}: {e}") from None
         core.packed = attn.packed_entry()  # _sdpa_bshd is the "sdpa" backend's math: packing may bypass it
+        core.group = group
         self.set_attention_core(core)
         self.sp_attention = attn  # registered as a (parameter-free) submodule for visibility
 
@@ -397,11 +472,19 @@ class VideoDiT(nn.Module):
         x = self.patch_embed(patches)
         t_emb = self.time_embed(timestep_embedding(t, self.cfg.freq_dim).to(x.dtype))
         ctx = self.text_embed(text)
-        if pack is None:
+        if pack is None and self.sparse is not None:
+            angles = self.rope_cache.get(token_ids, grid, self.cfg.head_dim, x.device)
+            step = sparse_step(self.sparse, token_ids, grid, getattr(self.blocks[0].attn.core, "group", None),
+                               x.device)
+            for blk in self.blocks:
+                x = blk(x, t_emb, ctx, angles, kv_valid_len, sparse=step)
+        elif pack is None:
             angles = self.rope_cache.get(token_ids, grid, self.cfg.head_dim, x.device)
             for blk in self.blocks:
                 x = blk(x, t_emb, ctx, angles, kv_valid_len)
         else:
+            if self.sparse is not None:
+                raise SPConfigError(f"{PACK_FLAG} cannot run {SPARSE_FLAG} tiles (one block mask per sequence)")
             if patches.shape[0] != 1 or kv_valid_len is not None:
                 raise SPConfigError(f"{PACK_FLAG}: a packed step is one sequence (B=1) without padding; got "
                                     f"B={patches.shape[0]}, kv_valid_len={kv_valid_len}")

@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .engine import StepInputs, flow_matching_batch, shard_tokens
+from .engine import StepInputs, flow_matching_batch, shard_tokens, token_ids_of
 from .packing import PackPlan, packed_batch, packed_host_inputs
 from .varlen import pack_info
 
@@ -56,8 +56,8 @@ def host_inputs(batch: dict, sp_rank: int, sp_world: int) -> dict:
     x, ids, n_pad = shard_tokens(batch["x"], n_valid, sp_rank, sp_world)
     tgt, _, _ = shard_tokens(batch["target"], n_valid, sp_rank, sp_world)
     return {"x": x.contiguous(), "target": tgt.contiguous(), "valid": ids < n_valid, "t": batch["t"],
-            "text": batch["text"].contiguous(), "token_ids": ids, "grid": tuple(batch["grid"]), "n_valid": n_valid,
-            "n_pad": n_pad}
+            "text": batch["text"].contiguous(), "token_ids": token_ids_of(batch, ids), "grid": tuple(batch["grid"]),
+            "n_valid": n_valid, "n_pad": n_pad}
 
 
 def to_device(h: dict, device, non_blocking: bool = True) -> StepInputs:
@@ -76,8 +76,11 @@ class StepBatches(Dataset):
     """Item i = this rank's inputs of step ``start + i`` plus the step and its sample ids."""
 
     def __init__(self, dataset, *, start: int, stop: int, seed: int, dp_rank: int, dp_world: int, micro_batch: int,
-                 patch: tuple, sp_rank: int, sp_world: int, base: int = 0, pack_plan: Optional[PackPlan] = None) -> None:
-        """pack_plan: --pack-samples (one packed sequence of the plan's pack per step and DP rank)."""
+                 patch: tuple, sp_rank: int, sp_world: int, base: int = 0, pack_plan: Optional[PackPlan] = None,
+                 tile: Optional[tuple] = None) -> None:
+        """pack_plan: --pack-samples (one packed sequence of the plan's pack per step and DP rank); tile:
+        --sparse-tile with --sparse-attention tiles (the tokens in tile order, engine.flow_matching_batch)."""
+        self.tile = tile
         self.dataset, self.start, self.stop, self.seed, self.base = dataset, start, stop, seed, base
         self.pack_plan = pack_plan
         self.dp_rank, self.dp_world, self.micro, self.patch = dp_rank, dp_world, micro_batch, patch
@@ -94,7 +97,7 @@ class StepBatches(Dataset):
             h["step"], h["sample_ids"] = step, ids
             return h
         batch = flow_matching_batch(self.dataset, step, self.seed, self.dp_rank, self.dp_world, self.micro, self.patch,
-                                    base=self.base)
+                                    base=self.base, tile=self.tile)
         h = host_inputs(batch, self.sp_rank, self.sp_world)
         h["step"] = step
         h["sample_ids"] = [sample_index(step, self.dp_rank, self.dp_world, self.micro, m, self.base)

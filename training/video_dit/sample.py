@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .engine import shard_tokens
 from .model import patchify, unpatchify
+from .sparse import row_major_ids, tile_order
 
 log = logging.getLogger("video_dit")
 
@@ -27,7 +28,8 @@ def sample_latents(model, text: torch.Tensor, shape: Sequence[int], *, steps: in
     """Euler-sample latents [B, C, T, H, W] (float32, on every rank) for text [B, L, D_text].
 
     shape: (C, T, H, W); steps: Euler steps; group: the SP group the model's attention runs over
-    (None: one rank)."""
+    (None: one rank). A model with --sparse-attention tiles (``model.sparse``) samples its tokens in tile order
+    (put back in row-major order before unpatchify)."""
     cfg = model.cfg
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
@@ -35,10 +37,15 @@ def sample_latents(model, text: torch.Tensor, shape: Sequence[int], *, steps: in
     noise = torch.randn(b, *shape, generator=torch.Generator().manual_seed(seed))
     full = patchify(noise, cfg.patch)  # [B, N, P]
     n_valid = full.shape[1]
-    x, ids, n_pad = shard_tokens(full, n_valid, rank, world)
     _, t_len, h, w = shape
     pt, ph, pw = cfg.patch
     grid = (t_len // pt, h // ph, w // pw)
+    spec = getattr(model, "sparse", None)
+    order, inv = tile_order(grid, spec.tile) if spec is not None else (None, None)
+    if order is not None:
+        full = full[:, order]
+    x, positions, n_pad = shard_tokens(full, n_valid, rank, world)
+    ids = positions if order is None else row_major_ids(positions, order)
     dtype = next(model.parameters()).dtype
     x, text = x.to(device), text.to(device=device, dtype=dtype)
     kv_valid_len = n_valid if n_pad > n_valid else None
@@ -54,7 +61,8 @@ def sample_latents(model, text: torch.Tensor, shape: Sequence[int], *, steps: in
         for r, shard in enumerate(shards):
             out[:, shard_tokens(full, n_valid, r, world)[1]] = shard
         x = out
-    return unpatchify(x[:, :n_valid].cpu(), cfg.patch, shape[0], grid)
+    x = x[:, :n_valid].cpu()
+    return unpatchify(x if inv is None else x[:, inv], cfg.patch, shape[0], grid)
 
 
 def latent_to_rgb(latent_cthw: torch.Tensor, scale: float = 1.5) -> torch.Tensor:

@@ -1,0 +1,239 @@
+"""Block-sparse self-attention for the video DiT (``--sparse-attention tiles``), VSA-style.
+
+Tiles: the (T', H', W') token grid (after patchify) is cut into tiles of ``tile_thw`` = (Tt, Th, Tw) tokens;
+``tile_order`` puts every tile's tokens next to each other (tiles in (t, h, w) order, the tokens of a tile in
+(t, h, w) order), so a tile is one block of ``block_size`` = Tt*Th*Tw consecutive tokens and a block mask over
+tiles is a block mask of the attention. Tiles must divide the grid exactly (``check_tile_grid`` refuses
+``--sparse-tile`` otherwise, naming the values that fit): no partial edge tiles, so every tile is one
+``block_size``-aligned block and every pooled tile is a mean over ``block_size`` tokens.
+
+Two ways to pick each query tile's key tiles:
+
+* ``window_block_mask``: a fixed local window, key tile within +-(wt, wh, ww) tiles of the query tile on each
+  axis (``--sparse-window``); the same mask in every layer and head.
+* ``topk_block_mask`` (``--sparse-topk K``, Video Sparse Attention, FastVideo): q and k are mean-pooled per tile
+  (``pool_tiles``), the tile-level scores q_tile . k_tile pick each query tile's K highest key tiles per head.
+  As in VSA the selection is plain top-k (the query tile's own key tile is not forced in; it is kept when it
+  scores in the top K, as it usually does). The selection is not differentiable; the fine attention over the
+  selected tiles and the coarse branch (``coarse_attention``: dense attention of pooled q over pooled k/v,
+  each tile's result given to its tokens) are. The DiT adds the coarse branch through a learned gate.
+
+Under sequence parallelism the sequence is sharded contiguously IN TILE ORDER (3D-neighbouring tiles on one rank,
+so a local window touches few other ranks); the pooled tiles are summed over the SP group (``pool_tiles`` with a
+group, a differentiable all-reduce), so every rank builds the same block mask over the full sequence.
+
+``block_sparse_attention`` is the single-device reference (torch SDPA with the token mask expanded from the block
+mask); the SP modes take ``block_mask=`` / ``block_size=`` in ``megatron_sp_ext``'s attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_sp_ext.errors import SPConfigError
+
+SPARSE_CHOICES = ("none", "tiles")
+DEFAULT_TILE = (4, 4, 4)
+TILE_FLAG, TOPK_FLAG, WINDOW_FLAG, SPARSE_FLAG = "--sparse-tile", "--sparse-topk", "--sparse-window", \
+    "--sparse-attention"
+
+
+@dataclass(frozen=True)
+class SparseSpec:
+    """What ``--sparse-attention tiles`` runs: ``tile`` (Tt, Th, Tw) tokens per tile, and exactly one of ``topk``
+    (key tiles per query tile, VSA) or ``window`` ((wt, wh, ww) tiles each way)."""
+
+    tile: tuple
+    topk: Optional[int] = None
+    window: Optional[tuple] = None
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per tile = the block size of the block mask."""
+        tt, th, tw = self.tile
+        return tt * th * tw
+
+
+def tiles_per_axis(grid_thw: tuple, tile_thw: tuple) -> tuple:
+    """(nt, nh, nw): tiles along frames, rows, columns (the grid must divide, see ``check_tile_grid``)."""
+    check_tile_grid(grid_thw, tile_thw)
+    return tuple(g // t for g, t in zip(grid_thw, tile_thw))
+
+
+def check_tile_grid(grid_thw: tuple, tile_thw: tuple) -> None:
+    """Raise SPConfigError naming ``--sparse-tile`` and the tile sizes that divide the token grid when
+    ``tile_thw`` does not cut ``grid_thw`` (T', H', W' tokens after patchify) into whole tiles."""
+    if all(g % t == 0 for g, t in zip(grid_thw, tile_thw)) and all(t >= 1 for t in tile_thw):
+        return
+    valid = [", ".join(str(d) for d in range(1, g + 1) if g % d == 0) for g in grid_thw]
+    raise SPConfigError(
+        f"{TILE_FLAG}={','.join(map(str, tile_thw))} does not cut the token grid {'x'.join(map(str, grid_thw))} "
+        f"(frames x rows x columns after patchify) into whole tiles: use T in {{{valid[0]}}}, H in {{{valid[1]}}}, "
+        f"W in {{{valid[2]}}} (for every --frames / --latent-size of the run)")
+
+
+def tile_order(grid_thw: tuple, tile_thw: tuple) -> tuple:
+    """(perm, inv), LongTensors [N] with N = T'*H'*W': ``perm[p]`` is the row-major (t, h, w) index of the token at
+    tile-order position p (tiles in (t, h, w) order, each tile's tokens in (t, h, w) order); ``inv[i]`` is the
+    tile-order position of row-major token i. ``x_rowmajor[:, perm]`` is tile order, ``x_tiles[:, inv]`` row-major.
+    Tile ``j`` holds positions [j * block_size, (j + 1) * block_size)."""
+    t_n, h_n, w_n = grid_thw
+    nt, nh, nw = tiles_per_axis(grid_thw, tile_thw)
+    tt, th, tw = tile_thw
+    ids = torch.arange(t_n * h_n * w_n).view(nt, tt, nh, th, nw, tw)
+    perm = ids.permute(0, 2, 4, 1, 3, 5).reshape(-1)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    return perm, inv
+
+
+def row_major_ids(positions: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Row-major token ids of tile-order ``positions`` [S] (a shard, padding included): ``perm[p]`` for p < N,
+    p itself for the padding positions p >= N (they carry no token of the grid)."""
+    n_tokens = perm.numel()
+    real = positions < n_tokens
+    return torch.where(real, perm[positions.clamp(max=n_tokens - 1)], positions)
+
+
+def tile_positions(token_ids: torch.Tensor, grid_thw: tuple, tile_thw: tuple) -> torch.Tensor:
+    """Inverse of ``row_major_ids``: the tile-order position [S] of row-major ``token_ids`` [S] (ids >= N, the
+    padding, map to themselves)."""
+    _, inv = tile_order(grid_thw, tile_thw)
+    return row_major_ids(token_ids, inv)
+
+
+def window_block_mask(grid_thw: tuple, tile_thw: tuple, window_thw: tuple) -> torch.Tensor:
+    """bool [1, nT, nT] (query tiles x key tiles, tile order): key tile (a', b', c') is selected for query tile
+    (a, b, c) when |a - a'| <= wt, |b - b'| <= wh and |c - c'| <= ww (``window_thw`` = (wt, wh, ww), in tiles)."""
+    nt, nh, nw = tiles_per_axis(grid_thw, tile_thw)
+    coords = torch.stack(torch.meshgrid(torch.arange(nt), torch.arange(nh), torch.arange(nw), indexing="ij"),
+                         dim=-1).reshape(-1, 3)  # [nT, 3] in tile order
+    dist_thw = (coords[:, None, :] - coords[None, :, :]).abs()  # [nT, nT, 3]
+    reach = torch.tensor(window_thw, dtype=dist_thw.dtype)
+    return (dist_thw <= reach).all(dim=-1)[None]
+
+
+def topk_block_mask(q_tiles: torch.Tensor, k_tiles: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [H, nT, nT]: for each head and query tile the ``k`` key tiles of highest score q_tile . k_tile
+    (q_tiles, k_tiles: [H, nT, D], pooled per tile of one sample; ``k`` >= nT selects every tile). Plain top-k as in
+    VSA (the diagonal is not forced); computed without gradient."""
+    with torch.no_grad():
+        scores = torch.matmul(q_tiles.float(), k_tiles.float().transpose(-1, -2))  # [H, nT, nT]
+        keep = min(k, scores.shape[-1])
+        picked = scores.topk(keep, dim=-1).indices
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        return mask.scatter_(-1, picked, True)
+
+
+def pad_block_mask(block_mask: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Grow [Hm, nT, nT] to [Hm, num_blocks, num_blocks] with False: the padding blocks of an SP-padded sequence
+    (ceil(S_padded / block_size) blocks) attend nothing and are attended by nothing."""
+    hm, nt, _ = block_mask.shape
+    if num_blocks == nt:
+        return block_mask
+    out = block_mask.new_zeros(hm, num_blocks, num_blocks)
+    out[:, :nt, :nt] = block_mask
+    return out
+
+
+def pool_tiles(x_bshd: torch.Tensor, tile_index: torch.Tensor, num_tiles: int,
+               group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Mean of every tile's tokens: x [B, S_local, H, D] (this rank's tokens), ``tile_index`` [S_local] (tile of
+    each local token; >= num_tiles for padding, which is left out) -> [B, H, num_tiles, D]. With an SP ``group``
+    of more than one rank the per-rank sums are all-reduced (differentiable: the backward sums the gradients), so
+    every rank gets the pooled tiles of the whole sequence. Tiles are whole, so each mean is over the same count."""
+    b, _, h, d = x_bshd.shape
+    real = tile_index < num_tiles
+    idx = tile_index[real]
+    sums = x_bshd.new_zeros(b, num_tiles, h, d).index_add(1, idx, x_bshd[:, real])
+    counts = torch.bincount(idx, minlength=num_tiles).to(x_bshd.dtype)
+    if group is not None and dist.get_world_size(group) > 1:
+        from torch.distributed.nn.functional import all_reduce  # noqa: PLC0415
+        sums = all_reduce(sums, group=group)
+        counts = counts.clone()
+        dist.all_reduce(counts, group=group)
+    return (sums / counts.clamp(min=1)[None, :, None, None]).transpose(1, 2)
+
+
+def coarse_attention(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torch.Tensor,
+                     tile_index: torch.Tensor) -> torch.Tensor:
+    """VSA's coarse branch: dense attention of pooled q over pooled k/v (all [B, H, nT, D], default scale
+    1/sqrt(D)), each query tile's result given to its tokens: -> [B, S_local, H, D] for the local tokens of
+    ``tile_index`` [S_local]; padding tokens (tile >= nT) get zeros."""
+    out_tiles = F.scaled_dot_product_attention(q_tiles, k_tiles, v_tiles)  # [B, H, nT, D]
+    num_tiles = out_tiles.shape[2]
+    real = tile_index < num_tiles
+    per_token = out_tiles.index_select(2, tile_index.clamp(max=num_tiles - 1)).transpose(1, 2)  # [B, S, H, D]
+    return per_token * real[None, :, None, None].to(per_token.dtype)
+
+
+def token_mask(block_mask: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+    """bool [Hm, S, S] from a block mask [Hm, nT, nT] (nT = ceil(S / block_size)): token i attends token j when
+    block (i // block_size, j // block_size) is selected."""
+    blocks = torch.arange(seq_len, device=block_mask.device) // block_size
+    return block_mask[:, blocks][:, :, blocks]
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
+                           block_size: int, kv_valid_len: Optional[int] = None) -> torch.Tensor:
+    """One-device block-sparse attention (the reference of the SP modes' ``block_mask=``): q, k, v [B, S, H, D] in
+    global (tile) order, ``block_mask`` bool [H or 1, nT, nT] over query x key blocks of ``block_size`` tokens;
+    keys at positions >= ``kv_valid_len`` are padding. Rows that select no (valid) key give zeros. -> [B, S, H, D].
+    torch SDPA with the expanded token mask: O(S^2) memory, for checks and small runs."""
+    seq_len = q.shape[1]
+    n_blocks = -(-seq_len // block_size)
+    heads = q.shape[2]
+    if block_mask.dim() != 3 or block_mask.shape[1:] != (n_blocks, n_blocks) or block_mask.shape[0] not in (1, heads):
+        raise SPConfigError(f"block_mask of shape {list(block_mask.shape)}: expected [H or 1, {n_blocks}, {n_blocks}] "
+                            f"for {seq_len} tokens in blocks of {block_size} ({heads} heads)")
+    allowed = token_mask(block_mask.to(q.device), block_size, seq_len)  # [Hm, S, S]
+    if kv_valid_len is not None and kv_valid_len < seq_len:
+        allowed = allowed & (torch.arange(seq_len, device=q.device) < kv_valid_len)
+    any_key = allowed.any(dim=-1)  # [Hm, S]
+    safe = allowed | ~any_key[..., None]  # empty rows attend everything, then zeroed: no NaN in fwd or bwd
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=safe[None])
+    o = o * any_key[None, :, :, None].to(o.dtype)
+    return o.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class SparseStep:
+    """What one forward's sparse self-attention needs (``sparse_step``), the same in every block: ``spec``,
+    ``tile_index`` [S_local] (the tile of each local token; >= ``num_tiles`` for SP padding), ``num_tiles`` (tiles
+    of the grid), ``num_blocks`` (blocks of the SP-padded full sequence, ceil(S_padded / block_size)), ``group`` (the
+    SP group the pooled tiles are summed over; None: one rank) and, for a window, its ``window_mask``
+    [1, num_blocks, num_blocks] on the device (None for top-k, which is picked per layer)."""
+
+    spec: SparseSpec
+    tile_index: torch.Tensor
+    num_tiles: int
+    num_blocks: int
+    group: Optional[dist.ProcessGroup]
+    window_mask: Optional[torch.Tensor]
+
+
+def sparse_step(spec: SparseSpec, token_ids: torch.Tensor, grid_thw: tuple, group: Optional[dist.ProcessGroup],
+                device: torch.device) -> SparseStep:
+    """The ``SparseStep`` of a forward on this rank's tokens: ``token_ids`` [S_local] are their row-major ids (as
+    RoPE reads them; ``row_major_ids`` of their tile-order positions), which must be one contiguous run of tile
+    order (the batch was put in tile order before sharding, ``engine.flow_matching_batch(tile=...)``): raises
+    SPConfigError otherwise."""
+    positions = tile_positions(token_ids.cpu(), tuple(grid_thw), spec.tile)
+    seq_local = positions.numel()
+    if not torch.equal(positions, torch.arange(seq_local) + positions[0]):
+        raise SPConfigError(f"{SPARSE_FLAG} tiles: this rank's tokens are not one contiguous run of the tile order "
+                            f"(build the batch with engine.flow_matching_batch(..., tile=...), or permute the "
+                            f"patches with sparse.tile_order before sharding them contiguously)")
+    world = dist.get_world_size(group) if group is not None else 1
+    block = spec.block_size
+    num_tiles = grid_thw[0] * grid_thw[1] * grid_thw[2] // block
+    num_blocks = -(-seq_local * world // block)
+    window = None
+    if spec.window is not None:
+        window = pad_block_mask(window_block_mask(tuple(grid_thw), spec.tile, spec.window), num_blocks).to(device)
+    return SparseStep(spec, (positions // block).to(device), num_tiles, num_blocks,
+                      group if world > 1 else None, window)
