@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp_ext.errors import SPConfigError
-from megatron_sp_ext.sp.factory import SPAttention
 from tests.reference import rel_err
 from training.video_dit import VideoDiT, preset
 from training.video_dit.data import SyntheticVideoLatents
