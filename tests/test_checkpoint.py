@@ -338,6 +338,13 @@ def test_identity_mismatch_names_the_field_and_the_flag(saved):
     with pytest.raises(CheckpointError, match=r"saved by the 'torch' optimizer, this run uses 'megatron'; resume "
                                               r"with --ddp-impl torch"):
         read_run(resolve(saved), {"optimizer_impl": "megatron"})
+    # the saved run is dense (a checkpoint without the key reads as "no gates"): a --sparse-topk run is refused by
+    # name, a --sparse-window run (same parameters) is not
+    same = describe(preset("tiny", 2), "tiny")
+    read_run(resolve(saved), {**same, "sparse_gates": False})
+    with pytest.raises(CheckpointError, match=r"saved without the top-k sparse attention's gates .* resume with the "
+                                              r"same kind of run \(--sparse-topk with --sparse-topk"):
+        read_run(resolve(saved), {**same, "sparse_gates": True})
 
 
 def _names(ck):

@@ -117,7 +117,8 @@ def _save(args, step, model, opt, rank, position: dict):
 
 
 def _ckpt_identity(args) -> dict:
-    return {"entry": "megatron-core", **ckpt.describe(preset(args.model, args.num_layers), args.model)}
+    gates = getattr(args, "sparse_topk", None) is not None  # --sparse-topk adds the coarse branch's gates
+    return {"entry": "megatron-core", **ckpt.describe(preset(args.model, args.num_layers), args.model, sparse_gates=gates)}
 
 
 def main(argv: Optional[list] = None, return_params: bool = False) -> dict:

@@ -197,7 +197,8 @@ def _train(args, engine, cfg, device) -> dict:
 
 
 def _ckpt_identity(args) -> dict:
-    return {"entry": "deepspeed", **describe(preset(args.model, args.num_layers), args.model)}
+    gates = getattr(args, "sparse_topk", None) is not None  # --sparse-topk adds the coarse branch's gates
+    return {"entry": "deepspeed", **describe(preset(args.model, args.num_layers), args.model, sparse_gates=gates)}
 
 
 def _save(args, engine, step, rank, position: dict):

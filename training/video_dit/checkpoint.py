@@ -257,8 +257,9 @@ def read_run(step_dir: str, expect: dict) -> dict:
         raise CheckpointError(f"{path}: format {run.get('format') if isinstance(run, dict) else None!r}, "
                               f"expected {FORMAT!r} (a foreign checkpoint)")
     for key, want in expect.items():
-        if run.get(key) != want:
-            raise CheckpointError(f"{step_dir}: {_mismatch(key, run.get(key), want)}")
+        saved = run.get(key, _IDENTITY_DEFAULTS.get(key))
+        if saved != want:
+            raise CheckpointError(f"{step_dir}: {_mismatch(key, saved, want)}")
     for rel, size in run.get("files", {}).items():
         full = os.path.join(step_dir, rel)
         if not os.path.isfile(full):
@@ -268,6 +269,9 @@ def read_run(step_dir: str, expect: dict) -> dict:
             raise CheckpointError(f"{full}: {got} bytes, {size} when saved: truncated or overwritten")
     return run
 
+
+# identity keys added later: what a checkpoint written before them had
+_IDENTITY_DEFAULTS = {"sparse_gates": False}
 
 _ENTRY_SCRIPT = {"megatron-core": "training/pretrain_video_dit.py", "deepspeed": "training/train_deepspeed.py"}
 
@@ -282,6 +286,11 @@ def _mismatch(key: str, saved, now) -> str:
     if key == "optimizer_impl":
         return (f"saved by the {saved!r} optimizer, this run uses {now!r}; resume with --ddp-impl {saved} "
                 f"(--ddp-impl auto picks megatron on CUDA, torch on CPU; the two optimizer formats do not convert)")
+    if key == "sparse_gates":
+        return ("saved with the top-k sparse attention's coarse-branch gates (--sparse-attention tiles --sparse-topk K)"
+                if saved else "saved without the top-k sparse attention's gates (dense or --sparse-window)") + \
+            ": the parameter sets differ; resume with the same kind of run (--sparse-topk with --sparse-topk, dense or " \
+            "--sparse-window otherwise)"
     if key == "entry":
         return (f"written by the {saved!r} entry point ({_ENTRY_SCRIPT.get(saved, '?')}); this is {now!r}: resume "
                 f"it with the entry point that wrote it")
@@ -500,8 +509,10 @@ def init_adam_state(opt) -> None:
                     state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def describe(cfg, name: str) -> dict:
-    """The model identity a checkpoint must match on resume."""
+def describe(cfg, name: str, sparse_gates: bool = False) -> dict:
+    """The model identity a checkpoint must match on resume. ``sparse_gates``: the model has the top-k sparse
+    attention's gate parameters (--sparse-topk); a window or dense model has none (their checkpoints interchange)."""
     import dataclasses  # noqa: PLC0415
     return {"model": {"preset": name, **{k: (list(v) if isinstance(v, tuple) else v)
-                                         for k, v in dataclasses.asdict(cfg).items()}}}
+                                         for k, v in dataclasses.asdict(cfg).items()}},
+            "sparse_gates": sparse_gates}
