@@ -35,17 +35,22 @@ def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backen
     """The attention core(q, k, v, kv_valid_len, cu_seqlens) on one device ([B, S, H, D], no sequence parallelism) on
     the local kernel ``backend``: FA4 where "auto"/"sdpa" resolve to it or "fa4" is named, the named kernel for
     "cudnn"/"torch_flash"/..., else torch SDPA (``model.local_core``, the DiT's reference path). A sparse step's
-    ``block_mask`` / ``block_size`` (--sparse-attention tiles) run ``sparse.block_sparse_attention`` (torch SDPA with
-    the expanded token mask) on every backend."""
+    ``block_mask`` / ``block_size`` (--sparse-attention tiles) run megatron_sp_ext's block-sparse kernel (flex_attention
+    on CUDA, its math kernel on CPU), the one the SP modes run, on every backend."""
+    from megatron_sp_ext.attention.block_sparse import block_sparse_attention  # noqa: PLC0415
     from megatron_sp_ext.sp.ulysses.attend import local_attention  # noqa: PLC0415
     from .model import local_core  # noqa: PLC0415
     be = get_backend(backend, setting)
     plain_sdpa = isinstance(be, SDPABackend) and be.kernel == "auto"
 
     def core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None):
-        if block_mask is not None:
-            return local_core(q, k, v, kv_valid_len, cu_seqlens, block_mask, block_size)
         q_bhsd, k_bhsd, v_bhsd = (t.transpose(1, 2) for t in (q, k, v))
+        if block_mask is not None:
+            if cu_seqlens is not None:  # the reference names the flags
+                return local_core(q, k, v, kv_valid_len, cu_seqlens, block_mask, block_size)
+            o = block_sparse_attention(q_bhsd, k_bhsd, v_bhsd, block_mask, block_size=block_size,
+                                       kv_valid_len=kv_valid_len, kernel="auto")  # flex on CUDA, math on CPU
+            return o.transpose(1, 2)
         if plain_sdpa and be.kernel_for(q_bhsd) != "fa4":
             return local_core(q, k, v, kv_valid_len, cu_seqlens)
         valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < k.shape[1] else None
