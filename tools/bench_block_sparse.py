@@ -23,7 +23,8 @@ Rows (bf16, B=1, D=128, non-causal: the video DiT's self-attention):
                send/receive, no merge). Kernels: "math" (what the sparse ring runs today on every device:
                ``block_sparse.math_forward`` + ``math_backward`` from the step's own out/lse) and "flex" (what a
                flex ring step would cost: forward + autograd backward).
-Every timed row: ms (median, CUDA events via ``calibration.time_ms``; host clock on CPU) and TFLOP/s of USEFUL
+Every timed row: ms (median of --iters, ring steps --ring-iters; CUDA events via ``calibration.time_ms``, host clock
+on CPU; the first call, which compiles, is ``first_call_s`` and is not in the median) and TFLOP/s of USEFUL
 work: 4 * D * (selected query-key pairs) per head for the forward, 3.5x that for forward+backward (the dense rows
 count every pair). A row that runs out of memory records ``error`` and the job goes on.
 
@@ -221,7 +222,7 @@ def ring_rows(bm: torch.Tensor, mask_meta: dict, s: int, h: int, d: int, p: int,
                     qp, kp = pos[r].to(dev), pos[o].to(dev)
                     pairs = selected_pairs(bm, pos[r], pos[o], bs, h)
                     fwd, fb, _ = sparse_fns(kernel, q, k, v, do, bm.to(dev), qp, kp, bs)
-                    t = _time((fwd, fb), 4.0 * d * pairs, args.iters, args.warmup, cuda)
+                    t = _time((fwd, fb), 4.0 * d * pairs, args.ring_iters, args.ring_warmup, cuda)
                     per["run_steps_fwd_ms"] += t["fwd_ms"]
                     per["run_steps_fwd_bwd_ms"] += t["fwd_bwd_ms"]
                     per["useful_pairs"] += pairs
@@ -377,12 +378,16 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     ap.add_argument("--dense-kernels", default="cudnn,fa4", help="dense floor kernels (those installed run)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ring-iters", type=int, default=3, help="timed calls per ring step (each step is timed "
+                    "alone; the math kernel at 32K local tokens takes seconds per call)")
+    ap.add_argument("--ring-warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU, S=512, H=2, D=16, sdpa dense, math kernels")
     ap.add_argument("--out", default="bench_block_sparse_out")
     args = ap.parse_args(argv)
     if args.smoke:
         args.seqlens, args.heads, args.head_dim, args.iters, args.warmup = "512", 2, 16, 1, 0
+        args.ring_iters, args.ring_warmup = 1, 0
         args.ring_kernels, args.dense_kernels = "math", "sdpa"
     return args
 
