@@ -18,8 +18,9 @@ self-attention at ~0.8 / ~0.9 sparsity; K and the window are computed at run tim
 (--frames / --latent-size / --model's patch; one grid only) and --sparse-tile (``sparse_variant_flags``):
 K = round((1 - s) * nT) of nT tiles, the window nearest s (tools/bench_block_sparse.window_for_sparsity). Each
 sparse result records its flags, nT, K or window and the actual sparsity; sparse_speedup_<v> = guarded / <v> step
-time, the same for tokens/s. MFU: the entry's ``mfu`` counts DENSE attention FLOPs (DiTConfig.flops_per_token), so
-for a sparse variant it is a dense-equivalent rate; ``mfu_sparse_aware`` rescales it to the FLOPs the sparse step
+time and sparse_tokens_per_s_ratio_<v> = <v> / guarded tokens/s (both need "guarded", the dense defaults, in the
+job). MFU: the entry's ``mfu`` counts DENSE attention FLOPs (DiTConfig.flops_per_token), so for a sparse variant it
+is a dense-equivalent rate; ``mfu_sparse_aware`` rescales it to the FLOPs the sparse step
 computes (``sparse_flops_per_token``: self-attention x (1 - sparsity), plus the top-k gate's Linear and the coarse
 branch). At SP=1 (one GPU) the DiT's sparse core is the one-device REFERENCE (``sparse.block_sparse_attention``:
 SDPA with the [H, S, S] token mask expanded), not the block-sparse kernel; with SP > 1 the factory's SPAttention
@@ -151,6 +152,9 @@ def main() -> None:
     for v in sparse_info:
         if "guarded" in results:
             results[f"sparse_speedup_{v}"] = results["guarded"]["entry_step_ms"] / results[v]["entry_step_ms"]
+            if results["guarded"].get("tokens_per_s") and results[v].get("tokens_per_s"):
+                results[f"sparse_tokens_per_s_ratio_{v}"] = \
+                    results[v]["tokens_per_s"] / results["guarded"]["tokens_per_s"]
     if int(os.environ.get("RANK", "0")) == 0:
         from tools.gpu_ranks import run_meta  # noqa: PLC0415
         out = {"meta": run_meta(), "entry": args.entry, "argv": rest,
