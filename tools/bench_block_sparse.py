@@ -6,8 +6,8 @@ Masks (``block_size`` 64 by default, one mask per sequence length S and target s
   random   per head and query tile, round((1 - s) * nT) key tiles drawn at random (seeded): top-k-like
            (``--sparse-topk``'s shape of mask, not its choice of tiles); [H, nT, nT]
   window   ``training.video_dit.sparse.window_block_mask`` on the token grid ``grid_for(S)`` (tiles of
-           --tile tokens, in tile order), the window (wt, wh, ww) whose sparsity is nearest s
-           (``window_for_sparsity``); [1, nT, nT]. The actual sparsity of every mask is in its row.
+           --tile tokens, in tile order), the most even window (wt, wh, ww) within 0.02 of s, else the
+           nearest (``window_for_sparsity``); [1, nT, nT]. The actual sparsity of every mask is in its row.
 
 Rows (bf16, B=1, D=128, non-causal: the video DiT's self-attention):
   dense        the dense local kernel (``backends.get_backend(name)``, the call tools/bench_kernels.py times) at
@@ -85,18 +85,18 @@ def _axis_density(n: int, w: int) -> float:
     return sum(min(n - 1, a + w) - max(0, a - w) + 1 for a in range(n)) / (n * n)
 
 
-def window_for_sparsity(grid: tuple, tile: tuple, sparsity: float) -> tuple:
-    """The window (wt, wh, ww) in tiles whose ``window_block_mask`` sparsity (1 - selected fraction) is nearest
-    ``sparsity``; ties go to the most even window (smallest max - min), then the smallest. The selected fraction
-    factorises over the axes, so this is exact without building masks."""
+def window_for_sparsity(grid: tuple, tile: tuple, sparsity: float, tol: float = 0.02) -> tuple:
+    """The window (wt, wh, ww) in tiles for a ``window_block_mask`` of sparsity (1 - selected fraction) near
+    ``sparsity``: among the windows within ``tol`` of it the most even one (smallest max - min, a local window
+    rather than a slab), then the nearest, then the smallest; with none within ``tol``, the nearest. The selected
+    fraction factorises over the axes, so this is exact without building masks."""
     counts = [g // t for g, t in zip(grid, tile)]
-    best = None
+    cands = []
     for w in itertools.product(*(range(n) for n in counts)):
         s = 1.0 - math.prod(_axis_density(n, wi) for n, wi in zip(counts, w))
-        key = (round(abs(s - sparsity), 12), max(w) - min(w), w)
-        if best is None or key < best[0]:
-            best = (key, w)
-    return best[1]
+        cands.append((round(abs(s - sparsity), 12), max(w) - min(w), w))
+    close = [(spread, off, w) for off, spread, w in cands if off <= tol]
+    return min(close)[2] if close else min(cands)[2]
 
 
 def random_topk_mask(heads: int, n_tiles: int, sparsity: float, seed: int) -> torch.Tensor:
