@@ -336,8 +336,9 @@ def table(rows: list) -> str:
     def f(x) -> str:
         return "" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
     for r in rows:
-        head = f"| {r['kind']}{'/' + r['layout'] if 'layout' in r else ''} | {r['kernel']} | {r.get('mask', 'dense')} " \
-               f"| {r.get('sparsity', 0.0)} | {r['s']} | {r['h']} | {r['p']} |"
+        kind = r["kind"] + ("/" + r["layout"] if "layout" in r else "")
+        head = f"| {kind} | {r['kernel']} | {r.get('mask', 'dense')} | {r.get('sparsity', 0.0)} | {r['s']} | " \
+               f"{r['h']} | {r['p']} |"
         if r["kind"] != "ring":
             lines.append(f"{head} | | | {f(r.get('fwd_ms'))} | {f(r.get('fwd_bwd_ms'))} | "
                          f"{f(r.get('fwd_bwd_tflops', r.get('error')))} |")
