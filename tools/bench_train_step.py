@@ -12,6 +12,19 @@ Variants: "guarded" (the defaults: finite check every step) and "bare_loop" (--n
 both with metrics read back every --log-interval steps (default 10); guard_overhead = guarded / bare_loop - 1
 (target < 1%). "unfused" is the defaults with --fused-elementwise off (fused_speedup = unfused / guarded step time).
 "cudnn" and "fa4" are the defaults with attention on that kernel (fa4_speedup = cudnn / fa4 step time).
+Block-sparse (#45): "sparse_topk80" / "sparse_topk90" (--sparse-attention tiles --sparse-topk K) and
+"sparse_window80" / "sparse_window90" (--sparse-window t,h,w) are the defaults with the DiT's block-sparse
+self-attention at ~0.8 / ~0.9 sparsity; K and the window are computed at run time from the run's token grid
+(--frames / --latent-size / --model's patch; one grid only) and --sparse-tile (``sparse_variant_flags``):
+K = round((1 - s) * nT) of nT tiles, the window nearest s (tools/bench_block_sparse.window_for_sparsity). Each
+sparse result records its flags, nT, K or window and the actual sparsity; sparse_speedup_<v> = guarded / <v> step
+time and sparse_tokens_per_s_ratio_<v> = <v> / guarded tokens/s (both need "guarded", the dense defaults, in the
+job). MFU: the entry's ``mfu`` counts DENSE attention FLOPs (DiTConfig.flops_per_token), so for a sparse variant it
+is a dense-equivalent rate; ``mfu_sparse_aware`` rescales it to the FLOPs the sparse step
+computes (``sparse_flops_per_token``: self-attention x (1 - sparsity), plus the top-k gate's Linear and the coarse
+branch). At SP=1 (one GPU) the DiT's sparse core is the one-device REFERENCE (``sparse.block_sparse_attention``:
+SDPA with the [H, S, S] token mask expanded), not the block-sparse kernel; with SP > 1 the factory's SPAttention
+runs the block-sparse path (results record ``sparse_core``, from --context-parallel-size).
 The medians leave out the first log interval (warm-up, which includes torch.compile's compilation).
 
     torchrun --nproc-per-node 1 tools/bench_train_step.py --out $OUT -- --model wan-1.3b --num-layers 4 \
@@ -36,6 +49,56 @@ VARIANTS = {"guarded": [],  # the defaults: finite check every step
             "unfused": ["--fused-elementwise", "off"],  # the eager elementwise path (the default on CPU)
             "cudnn": ["--sp-attention-backend", "cudnn"],  # attention on cuDNN (every call), the defaults otherwise
             "fa4": ["--sp-attention-backend", "fa4"]}  # attention on FlashAttention-4 (every call)
+# block-sparse variants: (selection, target sparsity); their flags depend on the grid (sparse_variant_flags)
+SPARSE_VARIANTS = {"sparse_topk80": ("topk", 0.8), "sparse_topk90": ("topk", 0.9),
+                   "sparse_window80": ("window", 0.8), "sparse_window90": ("window", 0.9)}
+
+
+def sparse_variant_flags(name: str, rest: list, tile: str, entry) -> tuple[list, dict]:
+    """(extra entry flags, info) of the sparse variant ``name`` for the entry flags ``rest``: the token grid comes
+    from ``entry.parse(rest)`` (--frames, --latent-size, --model's patch; one grid only), tiles of ``tile``
+    ("T,H,W"); topk: K = max(1, round((1 - s) * nT)); window: ``window_for_sparsity``. info: flags, grid, tile,
+    n_tiles, topk or window, target and actual sparsity."""
+    from tools.bench_block_sparse import window_for_sparsity  # noqa: PLC0415
+    from training.video_dit.cli import frames_and_sizes  # noqa: PLC0415
+    from training.video_dit.config import preset  # noqa: PLC0415
+    from training.video_dit.sparse import tiles_per_axis, window_block_mask  # noqa: PLC0415
+    kind, target = SPARSE_VARIANTS[name]
+    args = entry.parse(list(rest))
+    frames, sizes = frames_and_sizes(args)
+    if len(frames) != 1 or len(sizes) != 1:
+        raise SystemExit(f"--variants {name}: needs one --frames and one --latent-size (K / the window is computed "
+                         f"from the token grid); got --frames {args.frames} --latent-size {args.latent_size}")
+    pt, ph, pw = preset(args.model).patch
+    grid = (frames[0] // pt, sizes[0][0] // ph, sizes[0][1] // pw)
+    tile_thw = tuple(int(x) for x in tile.split(","))
+    n_tiles = 1
+    for n in tiles_per_axis(grid, tile_thw):  # SPConfigError naming --sparse-tile when it does not cut the grid
+        n_tiles *= n
+    flags = ["--sparse-attention", "tiles", "--sparse-tile", tile]
+    info = {"grid": list(grid), "tile": list(tile_thw), "n_tiles": n_tiles, "target_sparsity": target}
+    if kind == "topk":
+        k = max(1, round((1.0 - target) * n_tiles))
+        flags += ["--sparse-topk", str(k)]
+        info.update(topk=k, sparsity=1.0 - k / n_tiles)
+    else:
+        w = window_for_sparsity(grid, tile_thw, target)
+        flags += ["--sparse-window", ",".join(map(str, w))]
+        info.update(window=list(w), sparsity=1.0 - float(window_block_mask(grid, tile_thw, w).float().mean()))
+    info["flags"] = flags
+    return flags, info
+
+
+def sparse_flops_per_token(cfg, seqlen: int, text_len: int, sparsity: float, n_tiles: int, topk: bool) -> float:
+    """Forward+backward FLOPs per token of the sparse step, on DiTConfig.flops_per_token's terms: the
+    self-attention term x (1 - sparsity); with top-k also the gate (Linear(dim, dim) per token) and the coarse
+    branch (dense attention over n_tiles pooled tiles, per token: its total / seqlen). Pooling and top-k picking
+    are not counted (as the dense count leaves out norms and RoPE)."""
+    d, L = cfg.dim, cfg.layers
+    dense = cfg.flops_per_token(seqlen, text_len)
+    self_attn = 3 * 2 * 2 * seqlen * d * L
+    extra = 3 * (2 * d * d + 2 * 2 * n_tiles * n_tiles * d / seqlen) * L if topk else 0.0
+    return dense - self_attn * sparsity + extra
 
 
 def main() -> None:
@@ -44,18 +107,23 @@ def main() -> None:
     ap.add_argument("--variants", default="guarded,bare_loop")
     ap.add_argument("--log-interval", type=int, default=10, help="the entry's --log-interval in every variant "
                     "(the first interval is warm-up and left out of the medians)")
+    ap.add_argument("--sparse-tile", default="4,4,4", help="T,H,W tile of the sparse_* variants (must cut the grid)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="train_step_out")
     ap.add_argument("rest", nargs=argparse.REMAINDER, help="-- then the entry point's flags")
     args = ap.parse_args()
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     for v in args.variants.split(","):
-        if v not in VARIANTS:
-            raise SystemExit(f"--variants: unknown {v!r} (choose from {', '.join(VARIANTS)})")
+        if v not in VARIANTS and v not in SPARSE_VARIANTS:
+            raise SystemExit(f"--variants: unknown {v!r} (choose from {', '.join([*VARIANTS, *SPARSE_VARIANTS])})")
     if args.entry == "megatron":
         from training import pretrain_video_dit as entry
     else:
         from training import train_deepspeed as entry
+    extra, sparse_info = dict(VARIANTS), {}
+    for v in args.variants.split(","):
+        if v in SPARSE_VARIANTS:
+            extra[v], sparse_info[v] = sparse_variant_flags(v, rest, args.sparse_tile, entry)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # shared by the runs below
@@ -63,9 +131,11 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     for v in args.variants.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            res = entry.main([*rest, *VARIANTS[v], "--log-interval", str(args.log_interval), "--timing", "--quiet",
+            res = entry.main([*rest, *extra[v], "--log-interval", str(args.log_interval), "--timing", "--quiet",
                               "--log-dir", os.path.join(tmp, v)])
         results[v] = res["timing"]
+        if v in sparse_info:
+            results[v] = {**res["timing"], "sparse": _sparse_result(sparse_info[v], res["timing"], rest, entry)}
         if int(os.environ.get("RANK", "0")) == 0:
             t = res["timing"]
             print(f"[bench_train_step] {v}: entry {t['entry_step_ms']:.1f} ms, model fwd+bwd "
@@ -79,6 +149,12 @@ def main() -> None:
         results["fused_speedup"] = results["unfused"]["entry_step_ms"] / results["guarded"]["entry_step_ms"]
     if "cudnn" in results and "fa4" in results:
         results["fa4_speedup"] = results["cudnn"]["entry_step_ms"] / results["fa4"]["entry_step_ms"]
+    for v in sparse_info:
+        if "guarded" in results:
+            results[f"sparse_speedup_{v}"] = results["guarded"]["entry_step_ms"] / results[v]["entry_step_ms"]
+            if results["guarded"].get("tokens_per_s") and results[v].get("tokens_per_s"):
+                results[f"sparse_tokens_per_s_ratio_{v}"] = \
+                    results[v]["tokens_per_s"] / results["guarded"]["tokens_per_s"]
     if int(os.environ.get("RANK", "0")) == 0:
         from tools.gpu_ranks import run_meta  # noqa: PLC0415
         out = {"meta": run_meta(), "entry": args.entry, "argv": rest,
@@ -91,6 +167,23 @@ def main() -> None:
         print(f"wrote {path}")
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _sparse_result(info: dict, timing: dict, rest: list, entry) -> dict:
+    """``info`` plus the sparse-aware MFU (``mfu`` x sparse / dense FLOPs per token; ``mfu`` itself is
+    dense-equivalent) and which core ran the sparse attention."""
+    from training.video_dit.config import preset  # noqa: PLC0415
+    args = entry.parse(list(rest))
+    cfg = preset(args.model, getattr(args, "num_layers", None))
+    seqlen = info["grid"][0] * info["grid"][1] * info["grid"][2]
+    ratio = sparse_flops_per_token(cfg, seqlen, cfg.text_len, info["sparsity"], info["n_tiles"],
+                                   "topk" in info) / cfg.flops_per_token(seqlen, cfg.text_len)
+    sp = getattr(args, "context_parallel_size", None) or 1
+    mfu = timing.get("mfu")
+    return {**info, "mfu_is": "dense-equivalent (DiTConfig.flops_per_token counts dense attention)",
+            "sparse_over_dense_flops": ratio, "mfu_sparse_aware": mfu * ratio if mfu is not None else None,
+            "sparse_core": "one-device reference (SDPA, expanded [H,S,S] token mask)" if sp == 1
+            else "SPAttention block_mask path"}
 
 
 if __name__ == "__main__":

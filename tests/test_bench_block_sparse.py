@@ -1,0 +1,160 @@
+"""#45's benchmarks on CPU: tools/bench_block_sparse.py --smoke (rows, skip counts, sparsities, useful-work counts
+against the masks) and tools/bench_train_step.py's block-sparse variants (K / window from the grid, flags that both
+entry points' parse() accept, the sparse-aware FLOP count)."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from megatron_sp_ext.attention import block_sparse
+from megatron_sp_ext.errors import SPConfigError
+from megatron_sp_ext.sp.placement import positions
+from tools import bench_block_sparse as bbs
+from tools import bench_train_step as bts
+from training.video_dit.config import preset
+from training.video_dit.sparse import window_block_mask
+
+
+def test_smoke_rows_counts_and_sparsity(tmp_path):
+    bbs.main(["--smoke", "--out", str(tmp_path)])
+    with open(os.path.join(tmp_path, "bench_block_sparse.json")) as f:
+        doc = json.load(f)
+    meta, rows = doc["meta"], doc["rows"]
+    assert meta["torch"] == torch.__version__ and meta["device"] == "cpu" and "command" in meta and "utc" in meta
+    s, h, d, bs = 512, 2, 16, 64
+    n_tiles = s // bs
+    targets = (0.5, 0.8, 0.9)
+    kinds = {(r["kind"], r.get("layout"), r.get("mask"), r.get("target_sparsity"), r["p"]) for r in rows}
+    for p in (1, 8):
+        assert ("dense", "ulysses", None, None, p) in kinds
+    for p in (4, 8):
+        assert ("dense", "ring_step", None, None, p) in kinds
+    for mask, t in itertools.product(("random", "window"), targets):
+        for p in (1, 8):
+            assert ("ulysses", None, mask, t, p) in kinds
+        for p in (4, 8):
+            assert ("ring", None, mask, t, p) in kinds
+    for r in rows:
+        assert "error" not in r, r
+        if r["kind"] != "ring":
+            assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_tflops"] > 0, r
+    # sparsity: random keeps round((1 - s) * nT) tiles per query tile; window: the achievable sparsity nearest s
+    achievable = sorted({round(1 - float(window_block_mask((8, 8, 8), (4, 4, 4), w).float().mean()), 4)
+                         for w in itertools.product(range(2), repeat=3)})
+    for r in (r for r in rows if r["kind"] == "ulysses"):
+        t = r["target_sparsity"]
+        if r["mask"] == "random":
+            assert r["keep_tiles"] == max(1, round((1 - t) * n_tiles))
+            assert abs(r["sparsity"] - t) <= 0.5 / n_tiles + 1e-9
+        else:
+            assert r["sparsity"] == min(achievable, key=lambda a: abs(a - t))
+        hp = math.ceil(h / r["p"])
+        assert r["useful_pairs"] == pytest.approx(hp * s * s * (1 - r["sparsity"]))
+    # ring: steps_run + steps_skipped == P on every rank, bytes add up, the timed ranks ran the plan's steps, and
+    # the run steps' useful pairs are all of that rank's selected pairs (skipped steps had nothing to compute)
+    block_bytes = lambda p: 2 * h * (s // p) * d * 4  # noqa: E731  (fp32 on CPU)
+    for r in (r for r in rows if r["kind"] == "ring"):
+        p = r["p"]
+        assert len(r["counts_per_rank"]) == p
+        for c in r["counts_per_rank"]:
+            assert c["steps_run"] + c["steps_skipped"] == p and c["steps_run"] >= 1
+            assert c["bytes_sent"] + c["bytes_skipped"] == (p - 1) * block_bytes(p)
+            assert c["dkv_bytes_sent"] + c["dkv_bytes_skipped"] == (p - 1) * block_bytes(p)
+        assert "no communication" in r["note"]
+        busiest = max(c["steps_run"] for c in r["counts_per_rank"])
+        assert r["counts_per_rank"][r["busiest_rank"]]["steps_run"] == busiest
+        assert set(r["ranks"]) == {"0", str(r["busiest_rank"])}
+        ulysses = next(u for u in rows if u["kind"] == "ulysses" and u["mask"] == r["mask"]
+                       and u["target_sparsity"] == r["target_sparsity"] and u["p"] == 1)
+        for rank, per in r["ranks"].items():
+            assert len(per["run_steps"]) == r["counts_per_rank"][int(rank)]["steps_run"]
+            assert per["run_steps_fwd_ms"] > 0
+            # rank's queries are s/p of the sequence; for contiguous placement under a window/random mask the
+            # pairs of its queries against every key equal the sum over the steps that ran
+            q_pos = positions("contiguous", int(rank), p, s)
+            assert per["useful_pairs"] == pytest.approx(_pairs_of(r, ulysses, q_pos, s, h))
+        if r["mask"] == "window" and r["sparsity"] == 0.875:
+            # window 0 on a 2x2x2 tile grid: every query tile attends only itself
+            assert all(c["steps_run"] == 1 for c in r["counts_per_rank"])
+    assert "kernel time of the steps that run" in doc["table"]
+
+
+def _pairs_of(ring_row: dict, ulysses_row: dict, q_pos: torch.Tensor, s: int, h: int) -> float:
+    """Selected pairs of the queries at q_pos against all keys, rebuilt from the row's mask definition."""
+    args = bbs.parse(["--smoke"])
+    for bm, meta in bbs.masks_for(s, h, args):
+        if meta["mask"] == ring_row["mask"] and meta["target_sparsity"] == ring_row["target_sparsity"]:
+            tm = block_sparse.token_mask(bm, q_pos, torch.arange(s), 64)
+            return float(tm.sum() * (h if bm.shape[0] == 1 else 1))
+    raise AssertionError(ulysses_row)
+
+
+def test_window_for_sparsity_is_nearest_and_grid_for_fits():
+    grid, tile = (16, 16, 32), (4, 4, 4)
+    for target in (0.5, 0.8, 0.9):
+        w = bbs.window_for_sparsity(grid, tile, target)
+        got = 1 - float(window_block_mask(grid, tile, w).float().mean())
+        offs = {x: abs(1 - float(window_block_mask(grid, tile, x).float().mean()) - target)
+                for x in itertools.product(range(4), range(4), range(8))}
+        close = [x for x, o in offs.items() if o <= 0.02]
+        assert close and abs(got - target) <= 0.02 + 1e-9
+        assert max(w) - min(w) == min(max(x) - min(x) for x in close)
+    # nothing within tol: the nearest
+    w = bbs.window_for_sparsity((8, 8, 8), (4, 4, 4), 0.8)
+    assert 1 - float(window_block_mask((8, 8, 8), (4, 4, 4), w).float().mean()) == 0.75
+    for s in (512, 32768, 131072):
+        g = bbs.grid_for(s, (4, 4, 4))
+        assert math.prod(g) == s and all(x % 4 == 0 for x in g)
+    assert bbs.grid_for(32768, (4, 4, 4)) == (32, 32, 32) and bbs.grid_for(131072, (4, 4, 4)) == (32, 64, 64)
+
+
+def test_selected_pairs_matches_token_mask():
+    bm = bbs.random_topk_mask(3, 5, 0.6, seed=1)
+    q_pos, k_pos = torch.tensor([0, 3, 64, 200, 319]), torch.arange(0, 320, 7)
+    want = float(block_sparse.token_mask(bm, q_pos, k_pos, 64).sum())
+    assert bbs.selected_pairs(bm, q_pos, k_pos, 64, 3) == want
+    assert (bm.sum(-1) == 2).all()
+
+
+REST = ["--model", "tiny", "--frames", "8", "--latent-size", "32x32", "--train-iters", "1"]
+
+
+@pytest.mark.parametrize("entry_name", ["megatron", "deepspeed"])
+def test_train_step_sparse_variants_parse(entry_name):
+    from training import pretrain_video_dit, train_deepspeed
+    from training.video_dit.cli import sparse_spec
+    entry = pretrain_video_dit if entry_name == "megatron" else train_deepspeed
+    n_tiles = 2 * 4 * 4  # grid 8x16x16 after the (1, 2, 2) patch, tiles 4,4,4
+    for name, (kind, target) in bts.SPARSE_VARIANTS.items():
+        flags, info = bts.sparse_variant_flags(name, REST, "4,4,4", entry)
+        spec = sparse_spec(entry.parse([*REST, *flags]))
+        assert info["grid"] == [8, 16, 16] and info["n_tiles"] == n_tiles and info["flags"] == flags
+        if kind == "topk":
+            assert spec.topk == max(1, round((1 - target) * n_tiles)) == info["topk"] and spec.window is None
+            assert info["sparsity"] == 1 - spec.topk / n_tiles
+        else:
+            assert spec.window == tuple(info["window"]) and spec.topk is None
+            assert info["sparsity"] == pytest.approx(
+                1 - float(window_block_mask((8, 16, 16), (4, 4, 4), spec.window).float().mean()))
+        assert abs(info["sparsity"] - target) < 0.1
+    with pytest.raises(SPConfigError, match="--sparse-tile"):
+        bts.sparse_variant_flags("sparse_topk80", REST, "3,4,4", entry)
+    with pytest.raises(SystemExit, match="one --frames"):
+        bts.sparse_variant_flags("sparse_topk80", [*REST, "--frames", "4,8"], "4,4,4", entry)
+
+
+def test_sparse_flops_per_token():
+    cfg = preset("wan-1.3b", 4)
+    s = 32768
+    dense = cfg.flops_per_token(s, cfg.text_len)
+    assert bts.sparse_flops_per_token(cfg, s, cfg.text_len, 0.0, 512, topk=False) == dense
+    self_attn = 3 * 4 * s * cfg.dim * cfg.layers
+    assert bts.sparse_flops_per_token(cfg, s, cfg.text_len, 0.9, 512, topk=False) == pytest.approx(
+        dense - 0.9 * self_attn)
+    assert bts.sparse_flops_per_token(cfg, s, cfg.text_len, 0.9, 512, topk=True) > \
+        bts.sparse_flops_per_token(cfg, s, cfg.text_len, 0.9, 512, topk=False)

@@ -1,0 +1,430 @@
+"""Block-sparse attention (#45) on ONE GPU, one job: the dense kernel floor, the block-sparse local kernel as
+Ulysses runs it, and the sparse ring's placement emulated on one GPU (skip counts from the plan, kernel time of
+the steps that run; NO communication is timed).
+
+Masks (``block_size`` 64 by default, one mask per sequence length S and target sparsity s in --sparsities):
+  random   per head and query tile, round((1 - s) * nT) key tiles drawn at random (seeded): top-k-like
+           (``--sparse-topk``'s shape of mask, not its choice of tiles); [H, nT, nT]
+  window   ``training.video_dit.sparse.window_block_mask`` on the token grid ``grid_for(S)`` (tiles of
+           --tile tokens, in tile order), the most even window (wt, wh, ww) within 0.02 of s, else the
+           nearest (``window_for_sparsity``); [1, nT, nT]. The actual sparsity of every mask is in its row.
+
+Rows (bf16, B=1, D=128, non-causal: the video DiT's self-attention):
+  dense        the dense local kernel (``backends.get_backend(name)``, the call tools/bench_kernels.py times) at
+               [1, H/P, S, D] for P in --ulysses-p (the floor of a P-way Ulysses rank), and at [1, H, S/P, D] for P
+               in --ring-p (one dense ring step)
+  ulysses      the block-sparse local kernel Ulysses runs after its exchange: the full sequence, H/P heads (the
+               mask's rows of heads 0..H/P-1), kernel "flex" on CUDA (BlockMask built once, outside the timing;
+               its build time is ``mask_build_ms``), "math" on CPU
+  ring         placement --placement over P ranks (``sparse_ring_plan(...).counts(rank)`` for every rank: steps
+               run / skipped, K|V bytes sent / skipped, dK|dV bytes sent / skipped); for rank 0 and the busiest
+               rank (most steps run) the kernel of every step that runs, (local q, that step's K|V) with its token
+               mask, timed one by one and summed: ``run_steps_*_ms`` is KERNEL TIME OF THE RUN STEPS ONLY (no
+               send/receive, no merge). Kernels: "math" (what the sparse ring runs today on every device:
+               ``block_sparse.math_forward`` + ``math_backward`` from the step's own out/lse) and "flex" (what a
+               flex ring step would cost: forward + autograd backward).
+Every timed row: ms (median of --iters, ring steps --ring-iters; CUDA events via ``calibration.time_ms``, host clock
+on CPU; the first call, which compiles, is ``first_call_s`` and is not in the median) and TFLOP/s of USEFUL
+work: 4 * D * (selected query-key pairs) per head for the forward, 3.5x that for forward+backward (the dense rows
+count every pair). A row that runs out of memory records ``error`` and the job goes on.
+
+    python tools/bench_block_sparse.py --out $OUT                      # S 32K,128K, H 12, s 0.5,0.8,0.9
+    python tools/bench_block_sparse.py --heads 40 --out $OUT           # wan-14b heads
+    python tools/bench_block_sparse.py --smoke --out /tmp/bs           # CPU, S=512, tiny (the test)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_sp_ext.attention import backends, block_sparse  # noqa: E402
+from megatron_sp_ext.sp.calibration import time_ms, wall_time_ms  # noqa: E402
+from megatron_sp_ext.sp.placement import positions  # noqa: E402
+from megatron_sp_ext.sp.ring.sparse import sparse_ring_plan  # noqa: E402
+from tools.bench_kernels import _plain  # noqa: E402
+from tools.gpu_ranks import run_meta  # noqa: E402
+from training.video_dit.sparse import window_block_mask  # noqa: E402
+
+Fns = tuple[Callable[[], object], Callable[[], object]]
+
+
+# ------------------------------------------------------------------------------------------------ masks
+def grid_for(seq_len: int, tile: tuple) -> tuple:
+    """A (T', H', W') token grid of exactly ``seq_len`` tokens cut into whole ``tile``s: the tile counts
+    (a <= b <= c, a * b * c = seq_len / tile volume) with the smallest c / a (the most cube-like video)."""
+    vol = math.prod(tile)
+    if seq_len % vol:
+        raise SystemExit(f"S={seq_len} is not a multiple of the tile volume {vol} (--tile {tile})")
+    n = seq_len // vol
+    best = None
+    for a in range(1, n + 1):
+        if n % a:
+            continue
+        for b in range(a, n // a + 1):
+            if (n // a) % b or n // a // b < b:
+                continue
+            c = n // a // b
+            if best is None or c / a < best[2] / best[0]:
+                best = (a, b, c)
+    return tuple(t * k for t, k in zip(tile, best))
+
+
+def _axis_density(n: int, w: int) -> float:
+    """Fraction of (a, a') pairs on an axis of n tiles with |a - a'| <= w."""
+    return sum(min(n - 1, a + w) - max(0, a - w) + 1 for a in range(n)) / (n * n)
+
+
+def window_for_sparsity(grid: tuple, tile: tuple, sparsity: float, tol: float = 0.02) -> tuple:
+    """The window (wt, wh, ww) in tiles for a ``window_block_mask`` of sparsity (1 - selected fraction) near
+    ``sparsity``: among the windows within ``tol`` of it the most even one (smallest max - min, a local window
+    rather than a slab), then the nearest, then the smallest; with none within ``tol``, the nearest. The selected
+    fraction factorises over the axes, so this is exact without building masks."""
+    counts = [g // t for g, t in zip(grid, tile)]
+    cands = []
+    for w in itertools.product(*(range(n) for n in counts)):
+        s = 1.0 - math.prod(_axis_density(n, wi) for n, wi in zip(counts, w))
+        cands.append((round(abs(s - sparsity), 12), max(w) - min(w), w))
+    close = [(spread, off, w) for off, spread, w in cands if off <= tol]
+    return min(close)[2] if close else min(cands)[2]
+
+
+def random_topk_mask(heads: int, n_tiles: int, sparsity: float, seed: int) -> torch.Tensor:
+    """bool [heads, nT, nT]: per head and query tile round((1 - sparsity) * nT) (at least 1) key tiles drawn
+    uniformly without replacement (torch.Generator seeded with ``seed``)."""
+    keep = max(1, round((1.0 - sparsity) * n_tiles))
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.rand(heads, n_tiles, n_tiles, generator=g).argsort(-1)[..., :keep]
+    return torch.zeros(heads, n_tiles, n_tiles, dtype=torch.bool).scatter_(-1, idx, True)
+
+
+def selected_pairs(rows: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int,
+                   heads: int) -> float:
+    """Selected (query, key) token pairs summed over ``heads`` query heads (non-causal) of queries at ``q_pos``
+    against keys at ``k_pos`` under the tile mask ``rows`` [1 or heads, T, T]; exact, at tile level."""
+    t = rows.shape[-1]
+    nq = torch.bincount(q_pos // block_size, minlength=t).double()
+    nk = torch.bincount(k_pos // block_size, minlength=t).double()
+    per = torch.einsum("hij,i,j->h", rows.double(), nq, nk)
+    return float(per.sum() * (heads if rows.shape[0] == 1 else 1))
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+def _inputs(h: int, sq: int, sk: int, d: int, dev: torch.device, dtype: torch.dtype, seed: int = 0) -> list:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return [torch.randn(1, h, n, d, device=dev, dtype=dtype, generator=g) for n in (sq, sk, sk, sq)]
+
+
+def sparse_fns(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+               rows: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int) -> tuple:
+    """(fwd, fwd_bwd, mask_build_ms) of the block-sparse local kernel ``kernel`` ("flex" or "math") on q against
+    k/v at global positions q_pos / k_pos under the tile mask ``rows`` (already the heads q carries). "math":
+    ``block_sparse.math_forward``, then ``math_backward`` from that out/lse (a ring step's calls); "flex": the
+    BlockMask built once here, ``flex_attention_masked`` forward, autograd backward."""
+    scale = q.shape[-1] ** -0.5
+    t0 = time.perf_counter()
+    if kernel == "math":
+        mask = block_sparse.token_mask(rows, q_pos, k_pos, block_size)
+
+        def fwd():
+            return block_sparse.math_forward(q, k, v, mask, scale)[0]
+
+        def fwd_bwd():
+            out, lse = block_sparse.math_forward(q, k, v, mask, scale)
+            block_sparse.math_backward(do, q, k, v, out, lse, mask, scale)
+            return out
+    else:
+        fm = block_sparse.flex_block_mask(rows, q_pos, k_pos, block_size)
+        qkv = [x.detach().requires_grad_() for x in (q, k, v)]
+
+        def fwd():
+            with torch.no_grad():
+                return block_sparse.flex_attention_masked(q, k, v, fm, scale)[0]
+
+        def fwd_bwd():
+            for x in qkv:
+                x.grad = None
+            out = block_sparse.flex_attention_masked(*qkv, fm, scale)[0]
+            out.backward(do)
+            return out
+    if q.is_cuda:
+        torch.cuda.synchronize()
+    return fwd, fwd_bwd, (time.perf_counter() - t0) * 1e3
+
+
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (CPU smoke rates are tiny, GPU ones large)."""
+    return float(f"{x:.4g}")
+
+
+def _time(fns: Fns, flops: float, iters: int, warmup: int, cuda: bool) -> dict:
+    """First call (s), fwd and fwd+bwd medians (ms) and useful TFLOP/s (fwd: flops; fwd+bwd: 3.5 * flops)."""
+    fwd, fwd_bwd = fns
+    timer = time_ms if cuda else wall_time_ms
+    t0 = time.perf_counter()
+    fwd_bwd()
+    if cuda:
+        torch.cuda.synchronize()
+    r = {"first_call_s": round(time.perf_counter() - t0, 3),
+         "fwd_ms": timer(fwd, iters, warmup, None, long_ms=None),
+         "fwd_bwd_ms": timer(fwd_bwd, iters, warmup, None, long_ms=None)}
+    r["fwd_tflops"] = _sig(flops / r["fwd_ms"] / 1e9)
+    r["fwd_bwd_tflops"] = _sig(3.5 * flops / r["fwd_bwd_ms"] / 1e9)
+    return r
+
+
+def _guard(row: dict, fn: Callable[[], dict], cuda: bool) -> dict:
+    """``row`` updated with ``fn()``, or with ``error`` when it runs out of memory (the job goes on)."""
+    try:
+        row.update(fn())
+    except torch.OutOfMemoryError as e:
+        row["error"] = f"OutOfMemoryError: {str(e).splitlines()[0]}"
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+# ------------------------------------------------------------------------------------------------ rows
+def ring_rows(bm: torch.Tensor, mask_meta: dict, s: int, h: int, d: int, p: int, args, dev, dtype) -> list:
+    """The ring rows of one mask at P ranks: the plan's counts per rank and, for rank 0 and the busiest rank,
+    the summed kernel time of the steps it runs (per kernel in --ring-kernels)."""
+    bs, cuda = args.block_size, dev.type == "cuda"
+    block_bytes = 2 * h * (s // p) * d * torch.finfo(dtype).bits // 8  # one rank's K and V
+    plan = sparse_ring_plan(bm, world=p, seq_len=s, block_size=bs, placement=args.placement, causal=False,
+                            block_bytes=block_bytes)
+    counts = [plan.counts(r) for r in range(p)]
+    pos = [positions(args.placement, r, p, s) for r in range(p)]
+    busiest = max(range(p), key=lambda r: (counts[r]["steps_run"], -r))
+    base = {"kind": "ring", **mask_meta, "s": s, "h": h, "p": p, "placement": args.placement,
+            "counts_per_rank": counts, "busiest_rank": busiest,
+            "note": "kernel time of the run steps only: no communication, no merge"}
+    rows = []
+    for kernel in args.ring_kernels.split(","):
+        row = dict(base, kernel=kernel, ranks={})
+        for r in sorted({0, busiest}):
+            steps = [st for st in range(p) if plan.runs(0, r, st)]
+            per = {"run_steps": steps, "run_steps_fwd_ms": 0.0, "run_steps_fwd_bwd_ms": 0.0, "useful_pairs": 0.0}
+
+            def one_rank(r=r, steps=steps, per=per) -> dict:
+                for st in steps:
+                    o = plan.origin(0, r, st)
+                    q, k, v, do = _inputs(h, pos[r].numel(), pos[o].numel(), d, dev, dtype, seed=st)
+                    qp, kp = pos[r].to(dev), pos[o].to(dev)
+                    pairs = selected_pairs(bm, pos[r], pos[o], bs, h)
+                    fwd, fb, _ = sparse_fns(kernel, q, k, v, do, bm.to(dev), qp, kp, bs)
+                    t = _time((fwd, fb), 4.0 * d * pairs, args.ring_iters, args.ring_warmup, cuda)
+                    per["run_steps_fwd_ms"] += t["fwd_ms"]
+                    per["run_steps_fwd_bwd_ms"] += t["fwd_bwd_ms"]
+                    per["useful_pairs"] += pairs
+                    del q, k, v, do, fwd, fb
+                flops = 4.0 * d * per["useful_pairs"]
+                if steps:
+                    per["run_steps_fwd_tflops"] = _sig(flops / per["run_steps_fwd_ms"] / 1e9)
+                    per["run_steps_fwd_bwd_tflops"] = _sig(3.5 * flops / per["run_steps_fwd_bwd_ms"] / 1e9)
+                return per
+            row["ranks"][str(r)] = _guard({}, one_rank, cuda)
+        rows.append(row)
+    return rows
+
+
+def masks_for(s: int, h: int, args) -> list:
+    """(bm, meta) for every mask kind in --masks and target sparsity in --sparsities at sequence length s."""
+    bs, tile = args.block_size, tuple(int(x) for x in args.tile.split(","))
+    if math.prod(tile) != bs:
+        raise SystemExit(f"--tile {args.tile} holds {math.prod(tile)} tokens; --block-size is {bs}")
+    n_tiles = block_sparse.num_tiles(s, bs)
+    grid = grid_for(s, tile)
+    out = []
+    for target in (float(x) for x in args.sparsities.split(",")):
+        if "random" in args.masks:
+            bm = random_topk_mask(h, n_tiles, target, seed=args.seed)
+            out.append((bm, {"mask": "random", "target_sparsity": target, "keep_tiles": int(bm[0, 0].sum())}))
+        if "window" in args.masks:
+            w = window_for_sparsity(grid, tile, target)
+            bm = window_block_mask(grid, tile, w)
+            out.append((bm, {"mask": "window", "target_sparsity": target, "grid": list(grid), "tile": list(tile),
+                             "window": list(w)}))
+    for bm, meta in out:
+        meta["sparsity"] = round(1.0 - float(bm.float().mean()), 4)
+    return out
+
+
+def run(args) -> dict:
+    """Every row for args; writes the JSON after every row (a run cut short keeps what it measured)."""
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    d, h, bs = args.head_dim, args.heads, args.block_size
+    ulysses_kernel = "flex" if cuda else "math"
+    dense = [n for n in args.dense_kernels.split(",") if n in backends.available_backends()]
+    skipped = [n for n in args.dense_kernels.split(",") if n not in dense]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_block_sparse.json")
+    doc = {"meta": run_meta(torch=torch.__version__, git_commit=_git_commit(),
+                            utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                            dtype=str(dtype), head_dim=d, block_size=bs, causal=False,
+                            dense_kernels=dense, dense_kernels_not_installed=skipped,
+                            ulysses_kernel=ulysses_kernel, dynamo_recompile_limit=_recompile_limit(),
+                            flops="useful: 4*D*selected pairs per head (fwd); fwd+bwd 3.5x"),
+           "rows": []}
+
+    def done(row: dict) -> None:
+        doc["rows"].append(row)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(json.dumps({k: v for k, v in row.items() if k != "counts_per_rank"}), flush=True)
+
+    for s in (int(x) for x in args.seqlens.split(",")):
+        for p in sorted({int(x) for x in args.ulysses_p.split(",")}):
+            hp = math.ceil(h / p)
+            for name in dense:
+                q, k, v, do = _inputs(hp, s, s, d, dev, dtype)
+                done(_guard({"kind": "dense", "layout": "ulysses", "kernel": name, "s": s, "h": hp, "p": p,
+                             "sq": s, "sk": s},
+                            lambda: _time(_plain(name, q, k, v, do, False)[:2], 4.0 * s * s * hp * d,
+                                          args.iters, args.warmup, cuda), cuda))
+                del q, k, v, do
+        for p in sorted({int(x) for x in args.ring_p.split(",")}):
+            for name in dense:
+                q, k, v, do = _inputs(h, s // p, s // p, d, dev, dtype)
+                done(_guard({"kind": "dense", "layout": "ring_step", "kernel": name, "s": s, "h": h, "p": p,
+                             "sq": s // p, "sk": s // p},
+                            lambda: _time(_plain(name, q, k, v, do, False)[:2], 4.0 * (s // p) ** 2 * h * d,
+                                          args.iters, args.warmup, cuda), cuda))
+                del q, k, v, do
+        for bm, meta in masks_for(s, h, args):
+            for p in sorted({int(x) for x in args.ulysses_p.split(",")}):
+                hp = math.ceil(h / p)
+                rows = block_sparse.head_rows(bm, slice(0, hp))
+                full = torch.arange(s)
+                pairs = selected_pairs(rows, full, full, bs, hp)
+
+                def ulysses() -> dict:
+                    q, k, v, do = _inputs(hp, s, s, d, dev, dtype)
+                    fwd, fb, build = sparse_fns(ulysses_kernel, q, k, v, do, rows.to(dev), full.to(dev),
+                                                full.to(dev), bs)
+                    return {"mask_build_ms": round(build, 3), **_time((fwd, fb), 4.0 * d * pairs, args.iters,
+                                                                       args.warmup, cuda)}
+                done(_guard({"kind": "ulysses", "kernel": ulysses_kernel, **meta, "s": s, "h": hp, "p": p,
+                             "useful_pairs": pairs}, ulysses, cuda))
+            for p in sorted({int(x) for x in args.ring_p.split(",")}):
+                for row in ring_rows(bm, meta, s, h, d, p, args, dev, dtype):
+                    done(row)
+    doc["table"] = table(doc["rows"])
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(doc["table"])
+    print(f"wrote {path}")
+    return doc
+
+
+def table(rows: list) -> str:
+    """The rows as a markdown table (ring rows: one line per timed rank)."""
+    lines = ["| kind | kernel | mask | sparsity | S | H | P | rank | steps run/skipped | KV MB sent/skipped | "
+             "fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s (useful) |", "|" + "---|" * 13]
+
+    def f(x) -> str:
+        return "" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
+    for r in rows:
+        kind = r["kind"] + ("/" + r["layout"] if "layout" in r else "")
+        head = f"| {kind} | {r['kernel']} | {r.get('mask', 'dense')} | {r.get('sparsity', 0.0)} | {r['s']} | " \
+               f"{r['h']} | {r['p']} |"
+        if r["kind"] != "ring":
+            lines.append(f"{head} | | | {f(r.get('fwd_ms'))} | {f(r.get('fwd_bwd_ms'))} | "
+                         f"{f(r.get('fwd_bwd_tflops', r.get('error')))} |")
+            continue
+        for rank, per in r["ranks"].items():
+            c = r["counts_per_rank"][int(rank)]
+            lines.append(f"{head} {rank} | {c['steps_run']}/{c['steps_skipped']} | "
+                         f"{c['bytes_sent'] / 2**20:.1f}/{c['bytes_skipped'] / 2**20:.1f} | "
+                         f"{f(per.get('run_steps_fwd_ms'))} | {f(per.get('run_steps_fwd_bwd_ms'))} | "
+                         f"{f(per.get('run_steps_fwd_bwd_tflops', per.get('error')))} |")
+    lines.append("ring rows: kernel time of the steps that run (summed), no communication.")
+    return "\n".join(lines)
+
+
+def _recompile_limit() -> Optional[int]:
+    import torch._dynamo.config as dynamo_config  # noqa: PLC0415
+    for name in ("recompile_limit", "cache_size_limit"):
+        try:
+            return int(getattr(dynamo_config, name))
+        except AttributeError:
+            continue
+    return None
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def parse(argv: Optional[list] = None) -> argparse.Namespace:
+    """The tool's flags; --smoke replaces the sizes with a CPU-sized run (S=512, H=2, D=16, iters 1)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqlens", default="32768,131072")
+    ap.add_argument("--heads", type=int, default=12, help="query heads (12: wan-1.3b, 40: wan-14b)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--tile", default="4,4,4", help="tokens per tile T,H,W of the window mask's grid "
+                    "(its volume must be --block-size)")
+    ap.add_argument("--sparsities", default="0.5,0.8,0.9")
+    ap.add_argument("--masks", default="random,window")
+    ap.add_argument("--ulysses-p", default="1,8", help="Ulysses sizes: the local kernel runs H/P heads")
+    ap.add_argument("--ring-p", default="4,8")
+    ap.add_argument("--placement", default="contiguous", choices=["contiguous", "zigzag"])
+    ap.add_argument("--ring-kernels", default="flex,math", help="flex and/or math (math: what the ring runs today)")
+    ap.add_argument("--dense-kernels", default="cudnn,fa4", help="dense floor kernels (those installed run)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ring-iters", type=int, default=3, help="timed calls per ring step (each step is timed "
+                    "alone; the math kernel at 32K local tokens takes seconds per call)")
+    ap.add_argument("--ring-warmup", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="CPU, S=512, H=2, D=16, sdpa dense, math kernels")
+    ap.add_argument("--out", default="bench_block_sparse_out")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.seqlens, args.heads, args.head_dim, args.iters, args.warmup = "512", 2, 16, 1, 0
+        args.ring_iters, args.ring_warmup = 1, 0
+        args.ring_kernels, args.dense_kernels = "math", "sdpa"
+    return args
+
+
+def main(argv: Optional[list] = None) -> dict:
+    """Run the benchmark (see the module docstring); returns the JSON document."""
+    args = parse(argv)
+    if torch.cuda.is_available() and not args.smoke:
+        torch.cuda.set_device(0)
+        raise_recompile_limit(64)
+    return run(args)
+
+
+def raise_recompile_limit(limit: int) -> Optional[int]:
+    """Let torch.compile keep ``limit`` graphs per function (default 8): the compiled flex_attention meets one
+    graph per (heads, length, mask head rows, grad or not) here, and past the limit dynamo silently runs it eagerly
+    (scores materialised), which would time the wrong thing. Returns the limit now in force (None: no such knob)."""
+    import torch._dynamo.config as dynamo_config  # noqa: PLC0415
+    for name in ("recompile_limit", "cache_size_limit"):
+        try:
+            setattr(dynamo_config, name, max(int(getattr(dynamo_config, name)), limit))
+            return int(getattr(dynamo_config, name))
+        except AttributeError:
+            continue
+    return None
+
+
+if __name__ == "__main__":
+    main()
