@@ -22,9 +22,9 @@ time and sparse_tokens_per_s_ratio_<v> = <v> / guarded tokens/s (both need "guar
 job). MFU: the entry's ``mfu`` counts DENSE attention FLOPs (DiTConfig.flops_per_token), so for a sparse variant it
 is a dense-equivalent rate; ``mfu_sparse_aware`` rescales it to the FLOPs the sparse step
 computes (``sparse_flops_per_token``: self-attention x (1 - sparsity), plus the top-k gate's Linear and the coarse
-branch). At SP=1 (one GPU) the DiT's sparse core is the one-device REFERENCE (``sparse.block_sparse_attention``:
-SDPA with the [H, S, S] token mask expanded), not the block-sparse kernel; with SP > 1 the factory's SPAttention
-runs the block-sparse path (results record ``sparse_core``, from --context-parallel-size).
+branch). At SP=1 the DiT's sparse core is megatron_sp_ext's block-sparse kernel (``engine.one_device_core``:
+flex_attention on CUDA); with SP > 1 the factory's SPAttention runs its block_mask path (results record
+``sparse_core``, from --context-parallel-size).
 The medians leave out the first log interval (warm-up, which includes torch.compile's compilation).
 
     torchrun --nproc-per-node 1 tools/bench_train_step.py --out $OUT -- --model wan-1.3b --num-layers 4 \
@@ -182,7 +182,7 @@ def _sparse_result(info: dict, timing: dict, rest: list, entry) -> dict:
     mfu = timing.get("mfu")
     return {**info, "mfu_is": "dense-equivalent (DiTConfig.flops_per_token counts dense attention)",
             "sparse_over_dense_flops": ratio, "mfu_sparse_aware": mfu * ratio if mfu is not None else None,
-            "sparse_core": "one-device reference (SDPA, expanded [H,S,S] token mask)" if sp == 1
+            "sparse_core": "one-device block-sparse kernel (flex on CUDA)" if sp == 1
             else "SPAttention block_mask path"}
 
 
