@@ -34,12 +34,26 @@ class LocalAttention:
     def __call__(self, q, k, v, *, causal: bool, softmax_scale: float) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward_lse(self, q, k, v, *, causal: bool, softmax_scale: float, mask=None):
-        return blockwise.math_forward(q, k, v, softmax_scale, mask if mask is not None else ("causal" if causal else None))
+    def forward_lse(self, q, k, v, *, causal: bool, softmax_scale: float, mask=None, tiles=None):
+        """(out, lse) of one block; ``mask``: bool [Sq, Sk] (or [h, Sq, Sk]) keep mask; ``tiles``: a
+        ``tiles.TileSlice`` of a block mask for these rows (ANDed with causal and mask)."""
+        return blockwise.math_forward(q, k, v, softmax_scale, _combined_mask(q, k, causal, mask, tiles))
 
-    def backward_lse(self, do, q, k, v, out, lse, *, causal: bool, softmax_scale: float, mask=None):
-        m = mask if mask is not None else ("causal" if causal else None)
-        return blockwise.math_backward(do, q, k, v, out, lse, softmax_scale, m)
+    def backward_lse(self, do, q, k, v, out, lse, *, causal: bool, softmax_scale: float, mask=None, tiles=None):
+        """(dq, dk, dv) of ``forward_lse``'s block given the FINAL out/lse of its rows."""
+        return blockwise.math_backward(do, q, k, v, out, lse, softmax_scale, _combined_mask(q, k, causal, mask, tiles))
+
+
+def _combined_mask(q, k, causal: bool, mask, tiles):
+    """The math kernel's mask: None / "causal" / a bool keep mask (tiles AND causal AND mask)."""
+    if tiles is None:
+        return mask if mask is not None else ("causal" if causal else None)
+    m = tiles.token_mask()
+    if causal:
+        m = m & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=m.device).tril()
+    if mask is not None:
+        m = m & mask
+    return m
 
 
 class SDPABackend(LocalAttention):
@@ -89,14 +103,15 @@ class SDPABackend(LocalAttention):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
-    def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None):
-        if mask is not None:
-            return super().forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale, mask=mask)
+    def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None, tiles=None):
+        if mask is not None or tiles is not None:
+            return super().forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale, mask=mask, tiles=tiles)
         return lse_kernels.forward(self.kernel_for(q), q, k, v, softmax_scale, causal)
 
-    def backward_lse(self, do, q, k, v, out, lse, *, causal, softmax_scale, mask=None):
-        if mask is not None:
-            return super().backward_lse(do, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, mask=mask)
+    def backward_lse(self, do, q, k, v, out, lse, *, causal, softmax_scale, mask=None, tiles=None):
+        if mask is not None or tiles is not None:
+            return super().backward_lse(do, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, mask=mask,
+                                        tiles=tiles)
         return lse_kernels.backward(self.kernel_for(q), do, q, k, v, out, lse, softmax_scale, causal)
 
 
