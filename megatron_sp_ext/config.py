@@ -12,12 +12,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
+from .attention import kernels
+from .attention.backends import backend_names
 from .errors import SPConfigError
 
 MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
 RING_VARIANTS = ("ring", "tasp")
 PLACEMENTS = ("auto", "usp", "tas")
-BACKENDS = ("auto", "fa4", "cudnn", "torch_flash", "sdpa", "math", "flash_attn", "te")
+BACKENDS = backend_names()   # "auto", "sdpa" and every kernel of the registry that can be a backend
 TRANSPORTS = ("nccl", "symm_mem", "copy_engine")  # copy-engine exchanges (CUDA + NCCL only; checked at first use)
 ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-block forms (see SPConfig.async_qkv)
 LAYOUTS = ("bshd", "sbhd")
@@ -162,10 +164,12 @@ class SPConfig:
             return
         ok = " or ".join(DROPOUT_MODES)
         fix = f"use {n} 0" if self.source == "megatron" else f"set {n}=0"
-        if self.backend == "fa4":
+        kern = kernels.by_setting(self.backend)
+        if kern is not None and not kern.caps.dropout:
+            with_dropout = [k for k in BACKENDS if k in ("auto", "sdpa") or kernels.by_setting(k).caps.dropout]
             raise SPConfigError(
-                f"{n}={p} is not supported by {self.name('backend')}='fa4': FlashAttention-4 has no attention "
-                f"dropout; {fix}, or use {self.name('backend')} auto or cudnn")
+                f"{n}={p} is not supported by {self.name('backend')}={self.backend!r}: {kern.label} has no attention "
+                f"dropout; {fix}, or use {self.name('backend')} {' or '.join(with_dropout)}")
         if self.mode not in DROPOUT_MODES + ("auto",):
             raise SPConfigError(
                 f"{n}={p} is not supported by {self.name('mode')}={self.mode!r}: its attention is merged from "

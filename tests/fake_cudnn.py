@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sp_ext.attention import backends, blockwise, lse_kernels
+from megatron_sp_ext.attention import backends, blockwise, kernels, lse_kernels
 
 
 class FakeCudnn:
@@ -75,7 +75,7 @@ def install(monkeypatch) -> FakeCudnn:
                         raising=False)
     monkeypatch.setattr(lse_kernels, "best", lambda device, dtype, head_dim=None: "cudnn")
     monkeypatch.setattr(lse_kernels, "available", lambda kernel, device, dtype, head_dim=None: kernel in ("cudnn", "math"))
-    monkeypatch.setattr(lse_kernels, "_AUX", {})
+    monkeypatch.setattr(kernels.get("cudnn"), "aux", {})
     # backends already made in this process (get_backend's registry) remember the kernel they chose per
     # (device, dtype): start from a fresh registry so "auto" / "sdpa" choose again, now "cudnn"
     monkeypatch.setattr(backends, "_REGISTRY", backends.BackendRegistry())

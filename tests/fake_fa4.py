@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from megatron_sp_ext.attention import backends, blockwise, fa4, lse_kernels, varlen
+from megatron_sp_ext.attention import backends, blockwise, lse_kernels, varlen
+from megatron_sp_ext.attention.kernels import fa4
 
 
 class FakeFA4:

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_sp_ext as spx
-from megatron_sp_ext.attention import backends, fa4, lse_kernels, varlen
+from megatron_sp_ext.attention import backends, lse_kernels, varlen
+from megatron_sp_ext.attention.kernels import fa4
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.factory import make_attention
 from megatron_sp_ext.sp.placement import pieces

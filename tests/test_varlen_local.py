@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from megatron_sp_ext.attention import blockwise, varlen
+from megatron_sp_ext.attention import blockwise, kernels, varlen
 from megatron_sp_ext.attention.backends import get_backend
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.ulysses import attend
@@ -211,7 +211,7 @@ def _install_fake_varlen(monkeypatch):
     for name, fn in (("_flash_attention_forward", fake.flash_fwd), ("_flash_attention_backward", fake.flash_bwd)):
         monkeypatch.setattr(torch.ops.aten, name, fn, raising=False)
     monkeypatch.setattr(varlen, "kernel_available", lambda method, device, dtype: method in varlen.KERNEL_METHODS)
-    monkeypatch.setattr(varlen, "_AUX", {})
+    monkeypatch.setattr(kernels.get("flash"), "_aux", {})
     return fake
 
 

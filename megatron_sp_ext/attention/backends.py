@@ -1,19 +1,21 @@
-"""Local (single-device) attention backends behind one signature.
+"""Local (single-device) attention backends behind one signature, on the registry's kernels (``kernels``).
 
 Every backend is a ``LocalAttention`` with
   ``__call__(q, k, v, *, causal, softmax_scale) -> out``   differentiable, [B, H, S, D] in and out
-  ``forward_lse(q, k, v, *, causal, softmax_scale) -> (out, lse)``   no autograd, lse fp32 [B, H, S]
-  ``backward_lse(do, q, k, v, out, lse, *, causal, softmax_scale) -> (dq, dk, dv)``
-k/v may carry fewer heads than q (GQA). Backends: "auto" (default; "sdpa" is the same): every call on
-FlashAttention-4 where it runs (flash-attn-4 installed, Hopper/Blackwell, bf16/fp16, its head dims), else plain
-calls through torch's SDPA and log-sum-exp blocks on the fastest kernel that runs here (cuDNN,
-FlashAttention-2, math; see lse_kernels); "fa4", "cudnn" and "torch_flash": every call on that one kernel (an
-error naming the setting and the reason where it does not run); "math" (fp32 reference with explicit masks);
-"flash_attn" and "te" when those packages import. ``get_backend`` logs the choice once per name.
+  ``forward_lse(q, k, v, *, causal, softmax_scale, mask=None, tiles=None) -> (out, lse)``   no autograd, lse fp32
+  ``backward_lse(do, q, k, v, out, lse, *, causal, softmax_scale, mask=None, tiles=None) -> (dq, dk, dv)``
+k/v may carry fewer heads than q (GQA). ``tiles``: a block mask's slice for the call (attention/tiles.py), ANDed with
+causal and ``mask``. Backends ("backend" setting; ``config.BACKENDS`` = "auto", "sdpa" and every kernel's setting):
+  "auto" (default; "sdpa" is the same): every call on the first kernel of the registry's order that runs it here
+      (FlashAttention-4 where it runs; else plain calls through torch's SDPA dispatch and log-sum-exp blocks on
+      cuDNN, FlashAttention-2 or math; block-sparse calls on FA4's block sparsity, flex_attention or math)
+  a kernel's setting ("fa4", "cudnn", "torch_flash", "math", "flash_attn", "te"): every call on that kernel; a
+      call it cannot run (no block sparsity, wrong device/dtype, ...) raises SPConfigError naming the setting and
+      the reason, never a silent replacement.
+``get_backend`` logs the choice once per name.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 from typing import Callable, Optional
 
@@ -21,9 +23,30 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SPConfigError
-from . import blockwise, fa4, lse_kernels
+from . import blockwise, kernels, lse_kernels
+from .kernels import Kernel, KernelCall
 
 log = logging.getLogger("megatron_sp_ext")
+
+AUTO_NAMES = ("auto", "sdpa")
+
+
+def _combined_mask(q, k, causal: bool, mask, tiles):
+    """The math kernel's mask: None / "causal" / a bool keep mask (tiles AND causal AND mask)."""
+    if tiles is None:
+        return mask if mask is not None else ("causal" if causal else None)
+    m = tiles.token_mask()
+    if causal:
+        m = m & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=m.device).tril()
+    if mask is not None:
+        m = m & mask
+    return m
+
+
+def tile_call(q: torch.Tensor, tiles, causal: bool, lse: bool) -> KernelCall:
+    """The registry call of a block-sparse block on ``q`` (``lse``: forward with lse + backward from it)."""
+    needs = {"tiles"} | ({"lse"} if lse else {"plain"}) | ({"causal"} if causal else set())
+    return KernelCall(q.device, q.dtype, q.shape[-1], frozenset(needs), tiles)
 
 
 class LocalAttention:
@@ -43,26 +66,18 @@ class LocalAttention:
         """(dq, dk, dv) of ``forward_lse``'s block given the FINAL out/lse of its rows."""
         return blockwise.math_backward(do, q, k, v, out, lse, softmax_scale, _combined_mask(q, k, causal, mask, tiles))
 
-
-def _combined_mask(q, k, causal: bool, mask, tiles):
-    """The math kernel's mask: None / "causal" / a bool keep mask (tiles AND causal AND mask)."""
-    if tiles is None:
-        return mask if mask is not None else ("causal" if causal else None)
-    m = tiles.token_mask()
-    if causal:
-        m = m & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=m.device).tril()
-    if mask is not None:
-        m = m & mask
-    return m
+    def tile_kernel(self, q: torch.Tensor, tiles, causal: bool, lse: bool) -> Kernel:
+        """The kernel that runs a block-sparse call of this backend (the math kernel here)."""
+        return kernels.get(kernels.FALLBACK)
 
 
 class SDPABackend(LocalAttention):
-    """Plain calls: torch.nn.functional.scaled_dot_product_attention. Blocks with log-sum-exp (ring, TASP,
-    Torus, hybrid, masked Ulysses): the fastest available kernel of ``lse_kernels.KERNELS`` (cuDNN, then
-    torch's FlashAttention-2, math), chosen per (device, dtype). Names "auto" and "sdpa"."""
+    """The "auto" backend (also named "sdpa"): per call the registry's first kernel that runs it. Plain calls on
+    FlashAttention-4 where it runs, else through torch's SDPA dispatch; blocks with log-sum-exp on the fastest
+    ``lse_kernels`` kernel available per (device, dtype, head dim); block-sparse calls on ``tile_kernel``."""
 
     name = "sdpa"
-    kernel = "auto"   # or one of lse_kernels.KERNELS, fixed
+    kernel = "auto"   # or a kernel name, fixed (FixedKernelBackend)
 
     def __init__(self, name: Optional[str] = None, setting: str = "backend") -> None:
         if name is not None:
@@ -95,48 +110,54 @@ class SDPABackend(LocalAttention):
         """{(device, dtype, head dim): kernel} chosen so far (what a job reports to its user)."""
         return dict(self._chosen)
 
+    def tile_kernel(self, q: torch.Tensor, tiles, causal: bool, lse: bool) -> Kernel:
+        """The kernel of a block-sparse call (``lse``: one that offers forward with lse and backward from it):
+        "auto" picks the registry's first that runs it (FA4's block sparsity, flex, math); a fixed kernel must run it
+        (SPConfigError naming the setting otherwise)."""
+        call = tile_call(q, tiles, causal, lse)
+        if self.kernel == "auto":
+            return kernels.pick(call)
+        return kernels.require(kernels.get(self.kernel), call, self.setting)
+
     def __call__(self, q, k, v, *, causal, softmax_scale):
         if _one_row_block(q, k):
             return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
-        if self.kernel_for(q) == "fa4":
-            return lse_attention("fa4", q, k, v, causal, softmax_scale)
+        kern = kernels.get(self.kernel_for(q))
+        if not getattr(kern, "in_torch_sdpa", False):   # a kernel of its own (FA4): its plain call
+            return kern.attention(q, k, v, causal, softmax_scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
     def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None, tiles=None):
-        if mask is not None or tiles is not None:
+        if mask is not None:
             return super().forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale, mask=mask, tiles=tiles)
+        if tiles is not None:
+            return self.tile_kernel(q, tiles, causal, True).forward(q, k, v, softmax_scale, causal, tiles)
         return lse_kernels.forward(self.kernel_for(q), q, k, v, softmax_scale, causal)
 
     def backward_lse(self, do, q, k, v, out, lse, *, causal, softmax_scale, mask=None, tiles=None):
-        if mask is not None or tiles is not None:
+        if mask is not None:
             return super().backward_lse(do, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, mask=mask,
                                         tiles=tiles)
+        if tiles is not None:
+            return self.tile_kernel(q, tiles, causal, True).backward(do, q, k, v, out, lse, softmax_scale, causal,
+                                                                     tiles)
         return lse_kernels.backward(self.kernel_for(q), do, q, k, v, out, lse, softmax_scale, causal)
 
 
 class FixedKernelBackend(SDPABackend):
-    """Every call on one named kernel: "fa4" (FlashAttention-4), "cudnn" (cuDNN attention) or "torch_flash"
-    (torch's FlashAttention-2, the kernel of the ring paths before "auto"). Unavailable here = an error naming the
-    setting and the reason, never a silent fallback."""
+    """Every call on one named kernel (its setting: "fa4", "cudnn", "torch_flash"). Unavailable here = an error
+    naming the setting and the reason, never a silent fallback."""
 
     def __init__(self, name: str, kernel: str, setting: str = "backend") -> None:
         super().__init__(name, setting)
         self.kernel = kernel
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
-        kern = self.kernel_for(q)
-        if kern == "math" or _one_row_block(q, k):
-            return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
-        if kern == "fa4":
-            return lse_attention("fa4", q, k, v, causal, softmax_scale)
-        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
-        sdp = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kern]
-        if k.shape[1] != q.shape[1]:   # not every kernel takes GQA: expand (autograd sums the copies back)
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        with sdpa_kernel([sdp]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale)
+        kern = kernels.get(self.kernel_for(q))
+        if _one_row_block(q, k):
+            kern = kernels.get(kernels.FALLBACK)
+        return kern.attention(q, k, v, causal, softmax_scale)
 
 
 def lse_attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -144,23 +165,7 @@ def lse_attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Differentiable attention [B, H, S, D] on one ``lse_kernels`` kernel's forward/backward (the calls the ring
     and head-chunked blocks make, so a plain call and a one-block ring compute the same bits)."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return _LseKernelFn.apply(q, k, v, kernel, causal, scale)
-
-
-class _LseKernelFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, kernel, causal, scale):
-        out, lse = lse_kernels.forward(kernel, q, k, v, scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (kernel, causal, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, out, lse = ctx.saved_tensors
-        kernel, causal, scale = ctx.args
-        dq, dk, dv = lse_kernels.backward(kernel, do, q, k, v, out, lse, scale, causal)
-        return dq, dk, dv, None, None, None
+    return kernels.LseFunction.apply(q, k, v, kernels.get(kernel), causal, scale, None)
 
 
 def _one_row_block(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -175,82 +180,52 @@ class MathBackend(LocalAttention):
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        return _MathAttnFn.apply(q, k, v, causal, scale)
+        return kernels.get(kernels.FALLBACK).attention(q, k, v, causal, scale)
 
 
-class _MathAttnFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        out, lse = blockwise.math_forward(q, k, v, scale, "causal" if causal else None)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return out
+class PlainKernelBackend(LocalAttention):
+    """A kernel with plain calls only (flash_attn, te): ring steps and block-sparse calls are refused by name."""
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = blockwise.math_backward(do, q, k, v, out, lse, ctx.scale, "causal" if ctx.causal else None)
-        return dq, dk, dv, None, None
-
-
-class FlashAttnBackend(LocalAttention):
-    """flash-attn 2/3 (``flash_attn.flash_attn_func``), CUDA only."""
-
-    name = "flash_attn"
-
-    def __init__(self) -> None:
-        from flash_attn import flash_attn_func  # noqa: PLC0415
-        self._fn = flash_attn_func
+    def __init__(self, kernel: Kernel, setting: str = "backend") -> None:
+        self.kern, self.name, self.setting = kernel, kernel.setting, setting
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
-        out = self._fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                       softmax_scale=softmax_scale, causal=causal)
-        return out.transpose(1, 2)
+        return self.kern.attention(q, k, v, causal, softmax_scale)
+
+    def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None, tiles=None):
+        raise SPConfigError(f"{self.setting}={self.name!r} has no forward with log-sum-exp (ring, TASP, torus, "
+                            f"hybrid and block-sparse calls need one): use 'auto' or one of "
+                            f"{', '.join(kernels.get(n).setting for n in kernels.names('lse'))}")
+
+    backward_lse = forward_lse
 
 
-class TEBackend(LocalAttention):
-    """Transformer Engine's fused attention (``transformer_engine.pytorch.DotProductAttention``), CUDA only."""
-
-    name = "te"
-
-    def __init__(self) -> None:
-        import transformer_engine.pytorch as te  # noqa: PLC0415
-        self._te = te
-        self._mods: dict = {}
-
-    def __call__(self, q, k, v, *, causal, softmax_scale):
-        b, h, s, d = q.shape
-        key = (h, k.shape[1], d, causal, softmax_scale)
-        if key not in self._mods:
-            self._mods[key] = self._te.DotProductAttention(
-                h, d, num_gqa_groups=k.shape[1], attention_dropout=0.0, qkv_format="bshd",
-                attn_mask_type="causal" if causal else "no_mask", softmax_scale=softmax_scale)
-        out = self._mods[key](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return out.view(b, s, h, d).transpose(1, 2)
+def _factory(name: str) -> Optional[Callable[[str], LocalAttention]]:
+    if name in AUTO_NAMES:
+        return lambda setting: SDPABackend(name, setting)
+    kern = kernels.by_setting(name)
+    if kern is None:
+        return None
+    if kern.name == kernels.FALLBACK:
+        return lambda setting: MathBackend()
+    if kern.caps.lse:
+        return lambda setting: FixedKernelBackend(name, kern.name, setting)
+    if kern.caps.tiles == "none":
+        return lambda setting: PlainKernelBackend(kern, setting)
+    return None   # a block-sparse-only kernel (flex): not a backend
 
 
-_FACTORIES: dict[str, Callable[[str], LocalAttention]] = {
-    "auto": lambda setting: SDPABackend("auto", setting),
-    "sdpa": lambda setting: SDPABackend("sdpa", setting),
-    "fa4": lambda setting: FixedKernelBackend("fa4", "fa4", setting),
-    "cudnn": lambda setting: FixedKernelBackend("cudnn", "cudnn", setting),
-    "torch_flash": lambda setting: FixedKernelBackend("torch_flash", "flash", setting),
-    "math": lambda setting: MathBackend(),
-    "flash_attn": lambda setting: FlashAttnBackend(),
-    "te": lambda setting: TEBackend(),
-}
-_MODULES = {"flash_attn": "flash_attn", "te": "transformer_engine"}
-
-
-def _installed(name: str) -> bool:
-    if name == "fa4":
-        return fa4.installed()
-    return name not in _MODULES or importlib.util.find_spec(_MODULES[name]) is not None
+def backend_names() -> tuple[str, ...]:
+    """The backend setting's choices: "auto", the fused kernels with log-sum-exp, "sdpa" (= auto), the math kernel,
+    the plain-call kernels (every kernel of the registry that can be a backend)."""
+    usable = [s for s in kernels.settings() if _factory(s) is not None]
+    fast = [s for s in usable if kernels.by_setting(s).caps.lse and s != kernels.FALLBACK]
+    return ("auto",) + tuple(fast) + ("sdpa",) + tuple(s for s in usable if s not in fast)
 
 
 def available_backends() -> list[str]:
     """Names whose packages import here."""
-    return [n for n in _FACTORIES if _installed(n)]
+    return [n for n in backend_names() if n in AUTO_NAMES or kernels.by_setting(n).installed()]
 
 
 class BackendRegistry:
@@ -262,16 +237,17 @@ class BackendRegistry:
     def get(self, name: str, setting: str = "backend") -> LocalAttention:
         if isinstance(name, LocalAttention):
             return name
-        if name not in _FACTORIES:
-            raise SPConfigError(f"{setting}={name!r} is invalid: choose one of {', '.join(_FACTORIES)}")
+        make = _factory(name) if isinstance(name, str) else None
+        if make is None:
+            raise SPConfigError(f"{setting}={name!r} is invalid: choose one of {', '.join(backend_names())}")
         if (name, setting) not in self._instances:
-            if not _installed(name):
-                package = fa4.PACKAGE if name == "fa4" else _MODULES[name]
-                hint = f" ({fa4.INSTALL_HINT})" if name == "fa4" else ""
+            kern = kernels.by_setting(name)
+            if kern is not None and not kern.installed():
+                hint = f" ({kern.install_hint})" if getattr(kern, "install_hint", None) else ""
                 raise SPConfigError(
-                    f"{setting}={name!r} needs the package {package!r}, which is not installed here{hint}; "
+                    f"{setting}={name!r} needs the package {kern.package!r}, which is not installed here{hint}; "
                     f"available: {', '.join(available_backends())}")
-            self._instances[(name, setting)] = _FACTORIES[name](setting)
+            self._instances[(name, setting)] = make(setting)
             log.debug("megatron_sp_ext: local attention backend = %s", name)
         return self._instances[(name, setting)]
 

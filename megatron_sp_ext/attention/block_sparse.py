@@ -7,13 +7,10 @@ token mask from the global positions of the tokens it holds (``token_mask``), or
 whether a (query set, key set) pair has anything to compute (``pair_selected``). ``causal`` combines as AND at
 token level (key position <= query position). Query rows with no selected key give out 0, lse -inf, zero grads.
 
-Local kernels (q [B, H, Sq, D], k/v [B, Hkv, Sk, D], GQA by head repetition; mask [h, Sq, Sk] bool):
-  "math"  ``blockwise.math_forward`` / ``math_backward`` with the token mask (fp32 accumulation, fp64 for fp64);
-          forward gives (out, lse) and backward runs from the FINAL out/lse (ring steps, held chunks). Any device.
-  "flex"  CUDA only: ``torch.nn.attention.flex_attention`` (compiled) with a ``BlockMask`` built from a
-          ``mask_mod`` that indexes the tile mask; differentiable through autograd (no backward-from-lse).
-  "auto"  "flex" on CUDA where flex_attention imports (fp16/bf16/fp32), else "math". An explicit "flex" that cannot run raises
-          SPConfigError naming ``block_kernel``; nothing falls back silently.
+Local kernels: the registry's (attention/kernels/) with block sparsity, ``KERNELS``: "auto" picks per call the first
+that runs it (FlashAttention-4's own block sparsity at 128-token kernel blocks, flex_attention, the math kernel;
+kernels/__init__.py records the measured order); a named kernel that cannot run the call raises SPConfigError naming
+``block_kernel``; nothing falls back silently. A call's view of the mask is a ``tiles.TileSlice``.
 """
 from __future__ import annotations
 
@@ -24,10 +21,13 @@ from typing import Optional
 import torch
 
 from ..errors import SPConfigError
-from . import blockwise
-from .backends import LocalAttention
+from . import blockwise, kernels
+from .backends import LocalAttention, tile_call
+from .kernels.flex import flex_attention_masked  # noqa: F401 - part of this module's API (tests, tools)
+from .kernels.flex import flex_block_mask as _flex_mask_of_slice
+from .tiles import TileSlice
 
-KERNELS = ("auto", "math", "flex")
+KERNELS = ("auto",) + tuple(kernels.get(n).setting for n in kernels.names("tiles", auto_only=True))
 DEFAULT_BLOCK_SIZE = 64
 
 
@@ -102,32 +102,27 @@ def pair_selected(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Te
     return bool(sel.any())
 
 
-FLEX_AUTO_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def resolve_kernel(kernel: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> str:
-    """"math" or "flex" for ``kernel`` ("auto", "math", "flex") on ``device``; raises SPConfigError naming
-    ``block_kernel`` where "flex" cannot run (not CUDA, or flex_attention does not import). "auto" picks "flex"
-    only for fp16/bf16/fp32 (``dtype``; fp64 stays on "math")."""
+    """The block-sparse kernel ``kernel`` ("auto" or one of ``KERNELS``) names for calls on (device, dtype), before
+    a call's tile slice is known (the slice may still send a call elsewhere: ``kernel_for_call``); raises
+    SPConfigError naming ``block_kernel`` for an unknown name or a named kernel that cannot run here."""
     if kernel not in KERNELS:
         raise SPConfigError(f"block_kernel={kernel!r} is invalid: choose one of {', '.join(KERNELS)}")
-    device = torch.device(device)
-    if kernel == "math" or (kernel == "auto" and dtype is not None and dtype not in FLEX_AUTO_DTYPES):
-        return "math"
-    why = _flex_unavailable(device)
-    if kernel == "flex" and why is not None:
-        raise SPConfigError(f"block_kernel='flex' cannot run here: {why}; use 'math' or 'auto'")
-    return "flex" if why is None else "math"
+    call = kernels.KernelCall(torch.device(device), dtype or torch.float32, None, frozenset({"tiles", "plain"}))
+    if kernel == "auto":
+        return kernels.pick(call).setting
+    return kernels.require(kernels.by_setting(kernel), call, "block_kernel").setting
 
 
-def _flex_unavailable(device: torch.device) -> Optional[str]:
-    if device.type != "cuda":
-        return f"flex_attention's block-sparse path runs on CUDA only (tensors on {device})"
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401, PLC0415
-    except ImportError as e:  # pragma: no cover - depends on the torch build
-        return f"torch.nn.attention.flex_attention does not import ({e})"
-    return None
+def kernel_for_call(kernel: str, q: torch.Tensor, ts: TileSlice, causal: bool, lse: bool) -> kernels.Kernel:
+    """The kernel of one block-sparse call: "auto" = the registry's first that runs it; a named kernel must run it
+    (SPConfigError naming ``block_kernel``)."""
+    call = tile_call(q, ts, causal, lse)
+    if kernel == "auto":
+        return kernels.pick(call)
+    if kernel not in KERNELS:
+        raise SPConfigError(f"block_kernel={kernel!r} is invalid: choose one of {', '.join(KERNELS)}")
+    return kernels.require(kernels.by_setting(kernel), call, "block_kernel")
 
 
 def math_forward(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor, mask_hqk: torch.Tensor,
@@ -145,7 +140,9 @@ def math_backward(do_bhsd: torch.Tensor, q_bhsd: torch.Tensor, k_bhsd: torch.Ten
     return blockwise.math_backward(do_bhsd, q_bhsd, k_bhsd, v_bhsd, out_bhsd, lse_bhs, scale, mask_hqk)
 
 
-class _MathBlockFn(torch.autograd.Function):
+class _MaskedMathFn(torch.autograd.Function):
+    """The math kernel under an explicit token mask [h or 1, Sq, Sk], differentiable."""
+
     @staticmethod
     def forward(ctx, q, k, v, mask, scale):
         out, lse = math_forward(q, k, v, mask, scale)
@@ -160,51 +157,13 @@ class _MathBlockFn(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-# ------------------------------------------------------------------------------------------------- flex (CUDA)
-@functools.lru_cache(maxsize=1)
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def flex_block_mask(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int,
                     heads: slice = slice(None), *, causal: bool = False, kv_valid_len: Optional[int] = None,
                     compiled: Optional[bool] = None):
-    """flex_attention's ``BlockMask`` for queries at ``q_pos`` and keys at ``k_pos`` (global positions): its
-    ``mask_mod`` indexes the tile mask (head rows ``heads``), ANDed with causal and kv_valid_len as in
-    ``token_mask``. compiled (default: on CUDA): build it through torch.compile (``_compile=True``), which does not
-    materialise the [h, Sq, Sk] mask; False evaluates the mask_mod eagerly (small shapes, CPU)."""
-    from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
-    dev = block_mask.device
-    rows = head_rows(block_mask, heads).contiguous()
-    one_head = rows.shape[0] == 1
-    qt, kt = (q_pos.to(dev) // block_size).contiguous(), (k_pos.to(dev) // block_size).contiguous()
-    qp, kp = q_pos.to(dev).contiguous(), k_pos.to(dev).contiguous()
-    valid = kv_valid_len if kv_valid_len is not None else int(k_pos.max()) + 1 if k_pos.numel() else 0
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        keep = rows[0 if one_head else h, qt[q_idx], kt[kv_idx]]
-        if causal:
-            keep = keep & (kp[kv_idx] <= qp[q_idx])
-        return keep & (kp[kv_idx] < valid)
-
-    compiled = dev.type == "cuda" if compiled is None else compiled
-    return create_block_mask(mask_mod, None, None if one_head else rows.shape[0], qp.numel(), kp.numel(),
-                             device=dev, _compile=compiled)
-
-
-def flex_attention_masked(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor, flex_mask,
-                          scale: float, *, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, H, Sq, D], lse [B, H, Sq] fp32) of flex_attention under ``flex_mask`` (``flex_block_mask``);
-    differentiable in out. ``compiled=False`` runs flex_attention eagerly (its reference mode; CPU forward only)."""
-    from torch.nn.attention import flex_attention as fa  # noqa: PLC0415
-    fn = _compiled_flex() if compiled else fa.flex_attention
-    gqa = k_bhsd.shape[1] != q_bhsd.shape[1]
-    if hasattr(fa, "AuxRequest"):  # torch >= 2.9: return_lse is deprecated
-        out, aux = fn(q_bhsd, k_bhsd, v_bhsd, block_mask=flex_mask, scale=scale, enable_gqa=gqa,
-                      return_aux=fa.AuxRequest(lse=True))
-        return out, aux.lse
-    return fn(q_bhsd, k_bhsd, v_bhsd, block_mask=flex_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    """flex_attention's ``BlockMask`` for queries at ``q_pos`` and keys at ``k_pos`` (global positions) under the
+    tile mask (``kernels.flex.flex_block_mask`` of their ``TileSlice``)."""
+    return _flex_mask_of_slice(TileSlice(block_mask, block_size, q_pos, k_pos, heads, kv_valid_len), causal=causal,
+                               compiled=compiled)
 
 
 class BlockSparseBackend(LocalAttention):
@@ -229,14 +188,15 @@ def block_sparse_attention(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: t
                            kernel: str = "auto") -> torch.Tensor:
     """Differentiable single-device block-sparse attention. q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (H % Hkv == 0);
     ``block_mask`` [1 or H_total, T, T] (global tiles); q_pos / k_pos: global positions of the rows (default
-    0..Sq-1 / 0..Sk-1); heads: the global query heads q carries (rows of the mask). Returns out [B, H, Sq, D]."""
+    0..Sq-1 / 0..Sk-1); heads: the global query heads q carries (rows of the mask); ``causal``: k_pos <= q_pos (with
+    the default positions: tril). Returns out [B, H, Sq, D]."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_bhsd.shape[-1])
     dev = q_bhsd.device
     q_pos = q_pos if q_pos is not None else torch.arange(q_bhsd.shape[2], device=dev)
     k_pos = k_pos if k_pos is not None else torch.arange(k_bhsd.shape[2], device=dev)
-    kern = resolve_kernel(kernel, dev, q_bhsd.dtype)
-    if kern == "flex":
-        fm = flex_block_mask(block_mask, q_pos, k_pos, block_size, heads, causal=causal, kv_valid_len=kv_valid_len)
-        return flex_attention_masked(q_bhsd, k_bhsd, v_bhsd, fm, scale)[0]
-    mask = token_mask(block_mask, q_pos, k_pos, block_size, heads, causal=causal, kv_valid_len=kv_valid_len)
-    return _MathBlockFn.apply(q_bhsd, k_bhsd, v_bhsd, mask, scale)
+    ts = TileSlice(block_mask, block_size, q_pos.to(dev), k_pos.to(dev), heads, kv_valid_len)
+    positional = causal and not (q_pos.numel() == k_pos.numel() and bool((q_pos.to(dev) == k_pos.to(dev)).all()))
+    if positional:   # causal between different rows: by global position, through the token mask (math kernel)
+        return _MaskedMathFn.apply(q_bhsd, k_bhsd, v_bhsd, ts.token_mask(causal=True), scale)
+    kern = kernel_for_call(kernel, q_bhsd, ts, causal, lse=False)
+    return kern.attention(q_bhsd, k_bhsd, v_bhsd, causal, scale, ts)

@@ -13,6 +13,8 @@ select no key: out 0, lse -inf, zero gradients.
 """
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -105,3 +107,26 @@ def _selects_any(ts: TileSlice, causal: bool) -> bool:
     if causal:
         sel = sel & (k_min.unsqueeze(0) <= q_max.unsqueeze(1))
     return bool(sel.any())
+
+
+def full_sequence_slice(block_mask: torch.Tensor, block_size: int, seq_len: int, kv_valid_len: Optional[int],
+                        device) -> TileSlice:
+    """The slice of a call over the whole sequence in global order (queries and keys at 0..seq_len-1, every head):
+    one per (mask tensor and its version, sizes, padding, device), kept while the mask tensor lives (a handful, LRU),
+    so a mask shared by the layers of a step is converted once and a changed or new mask never hits a stale one."""
+    key = (id(block_mask), block_mask._version, tuple(block_mask.shape), block_size, seq_len, kv_valid_len,
+           str(device))
+    hit = _FULL.get(key)
+    if hit is not None and hit[0]() is block_mask:
+        _FULL.move_to_end(key)
+        return hit[1]
+    pos = torch.arange(seq_len, device=device)
+    ts = TileSlice(block_mask, block_size, pos, pos, slice(None), kv_valid_len)
+    _FULL[key] = (weakref.ref(block_mask), ts)
+    while len(_FULL) > FULL_SLICES:
+        _FULL.popitem(last=False)
+    return ts
+
+
+FULL_SLICES = 16
+_FULL = OrderedDict()

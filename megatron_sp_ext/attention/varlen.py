@@ -36,26 +36,14 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import SPConfigError
-from . import blockwise, fa4, lse_kernels
+from . import kernels
 from .backends import LocalAttention, SDPABackend
 
 log = logging.getLogger("megatron_sp_ext")
 
-METHODS = ("per_sample", "grouped", "flash_varlen", "fa4_varlen")
+KERNEL_METHODS = tuple(reversed(kernels.varlen_methods()))   # one call of a kernel's varlen path
+METHODS = ("per_sample", "grouped") + KERNEL_METHODS
 SETTINGS = ("auto",) + METHODS
-KERNEL_METHODS = ("flash_varlen", "fa4_varlen")
-
-# the leading argument names this module passes positionally (torch 2.11 and 2.13 agree on them; later
-# keyword-only arguments differ between versions and are left at their defaults)
-_SCHEMAS = {
-    "flash_varlen": (
-        ("_flash_attention_forward", ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
-                                      "dropout_p", "is_causal", "return_debug_mask")),
-        ("_flash_attention_backward", ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q",
-                                       "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "rng_state",
-                                       "unused"))),
-}
-
 
 # ----------------------------------------------------------------------------------------------- samples
 
@@ -123,11 +111,10 @@ def forward_lse(method: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *
         outs = _in_sample_order(cu, groups, [o for o, _ in parts])
         lses = _in_sample_order(cu, groups, [lse for _, lse in parts])
         return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-    if method == "flash_varlen":
-        return _flash_varlen_forward(q, k, v, cu, causal, scale)
-    if method == "fa4_varlen":
-        return fa4.varlen_forward(q, k, v, _nonempty(cu), scale, causal)
-    raise ValueError(f"unknown varlen method {method!r}")
+    kern = kernels.of_varlen_method(method)
+    if kern is None:
+        raise ValueError(f"unknown varlen method {method!r}")
+    return kern.varlen_forward(q, k, v, _nonempty(cu), scale, causal)
 
 
 def backward_lse(method: str, be: LocalAttention, do, q, k, v, out, lse, cu: tuple[int, ...], *, causal: bool,
@@ -142,11 +129,10 @@ def backward_lse(method: str, be: LocalAttention, do, q, k, v, out, lse, cu: tup
         parts = [be.backward_lse(*(_one(t, n, st) for t in (do, q, k, v, out, lse)), causal=causal,
                                  softmax_scale=scale) for n, st in groups]
         return [torch.cat(_in_sample_order(cu, groups, [p[j] for p in parts]), dim=2) for j in range(3)]
-    if method == "flash_varlen":
-        return _flash_varlen_backward(do, q, k, v, out, lse, cu, causal, scale)
-    if method == "fa4_varlen":
-        return fa4.varlen_backward(do, q, k, v, out, lse, _nonempty(cu), scale, causal)
-    raise ValueError(f"unknown varlen method {method!r}")
+    kern = kernels.of_varlen_method(method)
+    if kern is None:
+        raise ValueError(f"unknown varlen method {method!r}")
+    return kern.varlen_backward(do, q, k, v, out, lse, _nonempty(cu), scale, causal)
 
 
 def attention(method: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool,
@@ -182,97 +168,29 @@ class _KernelFn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-# ------------------------------------------------------------------------------------ the varlen kernel
-
-def _thd(x: torch.Tensor) -> torch.Tensor:
-    """[1, H, S, D] -> the [S, H, D] view the varlen kernel takes."""
-    return x[0].transpose(0, 1)
-
-
-def _bhsd(x: torch.Tensor) -> torch.Tensor:
-    """[S, H, D] -> [1, H, S, D] view."""
-    return x.transpose(0, 1).unsqueeze(0)
-
-
-def _cu_args(cu: tuple[int, ...], device) -> tuple[torch.Tensor, int]:
-    cu = _nonempty(cu)
-    return torch.tensor(cu, dtype=torch.int32, device=device), max(b - a for a, b in zip(cu, cu[1:]))
-
-
-def _lse_bhs(lse: torch.Tensor, heads: int, tokens: int) -> torch.Tensor:
-    """The varlen flash kernel's lse ([H, T]) as fp32 [1, H, T]."""
-    return lse.reshape(1, heads, tokens).float()
-
-
-_AUX: dict = {}
-
-
-def _flash_varlen_aux(device, dtype):
-    """(rng_state, unused) of a dropout-free varlen flash forward (data-independent; its backward wants them)."""
-    key = ("flash_varlen", str(device), dtype)
-    if key not in _AUX:
-        x = torch.zeros(16, 1, 64, device=device, dtype=dtype)
-        cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
-        res = torch.ops.aten._flash_attention_forward(x, x, x, cu, cu, 16, 16, 0.0, False, False)
-        _AUX[key] = (res[2], res[3])
-    return _AUX[key]
-
-
-def _flash_varlen_forward(q, k, v, cu, causal, scale):
-    h, s = q.shape[1], q.shape[2]
-    ke, ve, _ = blockwise.expand_kv(k, v, h)
-    cu_t, m = _cu_args(cu, q.device)
-    res = torch.ops.aten._flash_attention_forward(_thd(q), _thd(ke), _thd(ve), cu_t, cu_t, m, m, 0.0, causal, False,
-                                                  scale=scale)
-    return _bhsd(res[0]), _lse_bhs(res[1], h, s)
-
-
-def _flash_varlen_backward(do, q, k, v, out, lse, cu, causal, scale):
-    h = q.shape[1]
-    ke, ve, rep = blockwise.expand_kv(k, v, h)
-    cu_t, m = _cu_args(cu, q.device)
-    rng, unused = _flash_varlen_aux(q.device, q.dtype)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        _thd(do), _thd(q), _thd(ke), _thd(ve), _thd(out), lse[0].float().contiguous(), cu_t, cu_t, m, m, 0.0, causal,
-        rng, unused, scale=scale)
-    return [_bhsd(dq), blockwise.fold_kv_grad(_bhsd(dk), rep), blockwise.fold_kv_grad(_bhsd(dv), rep)]
-
-
 # ------------------------------------------------------------------------------------------ availability
 
 def schema_ok(method: str) -> bool:
-    """Whether this torch has ``method``'s ops with the leading arguments this module passes."""
-    if method == "fa4_varlen":
-        return fa4.installed() and fa4.schema_ok()
-    if method not in _SCHEMAS:
-        return method in ("per_sample", "grouped")
-    for name, args in _SCHEMAS[method]:
-        op = getattr(torch.ops.aten, name, None)
-        try:
-            have = tuple(a.name for a in op.default._schema.arguments) if op is not None else ()
-        except (AttributeError, RuntimeError):
-            return False
-        if have[:len(args)] != args:
-            return False
-    return True
+    """Whether this build has ``method``'s calls with the arguments this library passes."""
+    if method in ("per_sample", "grouped"):
+        return True
+    kern = kernels.of_varlen_method(method)
+    return kern is not None and kern.varlen_schema_ok()
 
 
 _PROBED: dict = {}
 
 
 def kernel_available(method: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the varlen kernel ``method`` runs here: CUDA, fp16/bf16, its schema, and a probe against math
-    (packed samples of several lengths, GQA, causal and not, forward and backward; cached)."""
+    """Whether the varlen kernel ``method`` runs here: its kernel's conditions (device, dtype, schema) and a probe
+    against math (packed samples of several lengths, GQA, causal and not, forward and backward; cached)."""
     device = torch.device(device)
-    if method == "fa4_varlen":   # fa4.why_not decides device and dtype
-        if not schema_ok(method) or fa4.why_not(device, dtype) is not None:
-            return False
-    elif method not in KERNEL_METHODS or device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) \
-            or not schema_ok(method):
+    kern = kernels.of_varlen_method(method)
+    if kern is None or kern.why_not(kernels.KernelCall(device, dtype, None, frozenset({"varlen"}))) is not None:
         return False
     key = (method, str(device), dtype)
     if key not in _PROBED:
-        failures = Exception if method == "fa4_varlen" else (RuntimeError, NotImplementedError, TypeError, ValueError)
+        failures = getattr(kern, "probe_failures", (RuntimeError, NotImplementedError, TypeError, ValueError))
         try:   # a kernel this build lacks (FA4, its own package, may fail by assertions or its DSL's errors)
             ok = probe(method, device, dtype)
         except failures as e:  # noqa: BLE001 - see above
@@ -314,19 +232,21 @@ def _backend_kernel(be: LocalAttention, q: torch.Tensor) -> Optional[str]:
 
 
 def methods_here(be: LocalAttention, q: torch.Tensor, cu: Optional[tuple[int, ...]] = None) -> list[str]:
-    """The methods that run for ``be`` on q's (device, dtype), "per_sample" first. Not the varlen kernels when a
-    sample of ``cu`` has one token (the fixed-length kernels' 1 x 1 blocks were wrong or crashed on an H100, see
-    lse_kernels; the per-sample methods run those blocks on "math")."""
+    """The methods that run for ``be`` on q's (device, dtype), "per_sample" first, then the varlen methods of the
+    kernels the backend may run (every "auto" kernel's for "auto"/"sdpa"; a fixed kernel's own), where they run
+    here. Not the varlen kernels when a sample of ``cu`` has one token (the fixed-length kernels' 1 x 1 blocks were
+    wrong or crashed on an H100, see lse_kernels; the per-sample methods run those blocks on the math kernel)."""
     out = ["per_sample", "grouped"]
-    kern = _backend_kernel(be, q)
     one_token = cu is not None and any(b - a == 1 for a, b in zip(cu, cu[1:]))
-    if one_token:
+    if one_token or not isinstance(be, SDPABackend):
         return out
-    if kern in ("fa4", "cudnn", "flash") and be.kernel in ("auto", "flash"):  # not fixed "cudnn" / "fa4"
-        out += [m for m in ("flash_varlen",) if kernel_available(m, q.device, q.dtype)]
-    if kern == "fa4":
-        out += [m for m in ("fa4_varlen",) if kernel_available(m, q.device, q.dtype)]
-    return out
+    chosen = _backend_kernel(be, q)   # a fixed kernel that cannot run here raises naming its setting
+    if be.kernel == SDPABackend.kernel:   # "auto": the varlen calls of the kernels at or after its choice in order
+        rank = kernels.AUTO.index(chosen)
+        offered = [m for m in KERNEL_METHODS if kernels.AUTO.index(kernels.of_varlen_method(m).name) >= rank]
+    else:
+        offered = [m for m in KERNEL_METHODS if kernels.of_varlen_method(m).name == be.kernel]
+    return out + [m for m in offered if kernel_available(m, q.device, q.dtype)]
 
 
 # ------------------------------------------------------------------------------------------------ choice

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ...attention import block_sparse, varlen
+from ...attention import block_sparse, kernels, tiles, varlen
 from ...attention.backends import LocalAttention, SDPABackend
 from ...errors import SPConfigError
 from .plan import AttendPlan
@@ -42,9 +42,10 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
     reuses the forward's mask). cu_seqlens (packed samples, no padding): attention within each sample by the
     ``varlen_kernel`` method (varlen.py; "per_sample": one call per sample over its range)."""
     if dropout_p > 0.0:
-        if getattr(be, "kernel", None) == "fa4":
+        fixed = kernels.by_setting(be.name) if isinstance(be, SDPABackend) and be.kernel != "auto" else None
+        if fixed is not None and not fixed.caps.dropout:
             raise SPConfigError(
-                f"{be.setting}='fa4' cannot apply attention dropout (dropout_p={dropout_p}): FlashAttention-4 has "
+                f"{be.setting}={be.name!r} cannot apply attention dropout (dropout_p={dropout_p}): {fixed.label} has "
                 f"none; set the attention dropout to 0, or choose {be.setting} 'auto' or 'cudnn'")
         be = _DropoutSDPA(dropout_p)
         # "auto" would time calls that draw dropout masks (moving the RNG stream): one call per sample instead
@@ -89,7 +90,7 @@ def explicit_kernels(plan: AttendPlan, like: torch.Tensor) -> bool:
         return False
     if plan.dropout_p > 0.0:  # the kernels' explicit forward/backward carry no dropout mask
         return False
-    return plan.backend.kernel_for(like) != "math"
+    return plan.backend.kernel_for(like) != kernels.FALLBACK
 
 
 class _Hold(torch.autograd.Function):
@@ -147,41 +148,48 @@ def attend_backward(plan: AttendPlan, c: int, do_c, chunks: list) -> list:
         qc, kc, vc, oc = kept
         del kept
         return list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
-    if _block_mask_of(plan) is not None:  # the math block kernel's held tensors and token mask
-        qc, kc, vc, oc, lse, mask = kept.grad_fn.saved_tensors
+    if _block_mask_of(plan) is not None:  # a block-sparse kernel's forward with lse: its backward from out/lse
+        qc, kc, vc, oc, lse = kept.grad_fn.saved_tensors
         del kept
-        return list(block_sparse.math_backward(do_c, qc, kc, vc, oc, lse, mask, plan.scale))
+        kern, ts = _tile_kernel(plan, qc, c)
+        return list(kern.backward(do_c, qc, kc, vc, oc, lse, plan.scale, plan.causal, ts))
     qc, kc, vc, oc, lse = kept.grad_fn.saved_tensors
     del kept
     return _backward_lse(plan, do_c, qc, kc, vc, oc, lse)
 
 
+def _tile_kernel(plan: AttendPlan, qc: torch.Tensor, chunk: int):
+    """(kernel, tile slice) of chunk ``chunk``'s block-sparse call: the mask's rows of this rank's chunk heads over
+    the global order, the kernel the backend picks for it (``LocalAttention.tile_kernel``; cached slice, so a mask
+    shared by the layers of a step is converted once)."""
+    heads = slice(*plan.heads.q_range(plan.rank, chunk))
+    ts = tiles.full_sequence_slice(plan.block_mask, plan.block_size, qc.shape[2], plan.kv_valid_len, qc.device)
+    ts = ts.with_heads(heads)
+    return plan.backend.tile_kernel(qc, ts, plan.causal, lse=False), ts
+
+
 def attend_block_sparse(plan: AttendPlan, qc, kc, vc, chunk: int):
     """Chunk ``chunk``'s attention under the plan's block mask: q/k/v bhsd [B, h_c, S, D] in GLOBAL order (the
-    plan's order puts them there), the mask's rows of this rank's chunk heads (``heads.q_range``; one row
-    broadcasts), AND causal, AND kv_valid_len. Kernel ``plan.block_kernel``: "math" runs its forward with
-    log-sum-exp and holds (q, k, v, out, lse, token mask) for ``attend_backward``; "flex" keeps the inner graph;
-    a ``BlockSparseBackend`` (a hybrid mesh's sparse ring, in the order it knows) keeps the inner graph too."""
-    heads = slice(*plan.heads.q_range(plan.rank, chunk))
-    pos = torch.arange(qc.shape[2], device=qc.device)
-    bm, bs = plan.block_mask, plan.block_size
+    plan's order puts them there), the mask's rows of this rank's chunk heads (one row broadcasts), AND causal, AND
+    kv_valid_len. A kernel with log-sum-exp (FA4's block sparsity, math) runs its forward and holds (q, k, v, out,
+    lse) for ``attend_backward``; one without (flex) keeps the inner graph; a ``BlockSparseBackend`` (a hybrid
+    mesh's ring, in the order it knows) keeps the inner graph too."""
     if isinstance(plan.backend, block_sparse.BlockSparseBackend):  # it applies the mask over its own positions
+        heads = slice(*plan.heads.q_range(plan.rank, chunk))
         if plan.need_grad:
             qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
         with torch.set_grad_enabled(plan.need_grad):
             oc = plan.backend.attend(qc, kc, vc, heads=heads, causal=plan.causal, softmax_scale=plan.scale)
         return oc, ((qc, kc, vc, oc) if plan.need_grad else None)
-    if plan.block_kernel == "flex":
-        if plan.need_grad:
-            qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
-        with torch.set_grad_enabled(plan.need_grad):
-            oc = block_sparse.block_sparse_attention(qc, kc, vc, bm, block_size=bs, heads=heads, causal=plan.causal,
-                                                     softmax_scale=plan.scale, kv_valid_len=plan.kv_valid_len,
-                                                     kernel="flex")
-        return oc, ((qc, kc, vc, oc) if plan.need_grad else None)
-    mask = block_sparse.token_mask(bm, pos, pos, bs, heads, causal=plan.causal, kv_valid_len=plan.kv_valid_len)
-    oc, lse = block_sparse.math_forward(qc, kc, vc, mask, plan.scale)
-    return oc, (hold(qc, kc, vc, oc, lse, mask) if plan.need_grad else None)
+    kern, ts = _tile_kernel(plan, qc, chunk)
+    if kern.caps.lse:
+        oc, lse = kern.forward(qc, kc, vc, plan.scale, plan.causal, ts)
+        return oc, (hold(qc, kc, vc, oc, lse) if plan.need_grad else None)
+    if plan.need_grad:
+        qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
+    with torch.set_grad_enabled(plan.need_grad):
+        oc = kern.attention(qc, kc, vc, plan.causal, plan.scale, ts)
+    return oc, ((qc, kc, vc, oc) if plan.need_grad else None)
 
 
 def _forward_lse(plan: AttendPlan, q, k, v):

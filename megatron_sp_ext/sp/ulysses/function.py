@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ...attention import block_sparse
+from ...attention import block_sparse, tiles
 from ...attention.backends import LocalAttention, MathBackend, SDPABackend, get_backend
 from ...attention.varlen import SETTINGS as VARLEN_SETTINGS
 from ...comm import streams as st
@@ -222,7 +222,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                                     f"{off!r}, or block_mask=None")
         block_mask = block_sparse.check_block_mask(block_mask, seq_len=be.seq_len if own else s_loc * world,
                                                    block_size=block_size, num_heads=q.shape[2]).to(q.device)
-        block_kernel = block_sparse.resolve_kernel("math" if be.name == "math" else "auto", q.device, q.dtype)
+        block_kernel = be.tile_kernel(q, None, causal, lse=False).setting if not own else "ring"
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     tr = default_transports().get(transport, group, q.device)
     if head_chunks == "auto":
@@ -255,8 +255,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if world == 1:  # one rank: its placement is global order
         qb, kb, vb = ((t.transpose(1, 2) if layout == "bshd" else t.permute(1, 2, 0, 3)) for t in (q, k, v))
         if block_mask is not None:
-            o = block_sparse.block_sparse_attention(qb, kb, vb, block_mask, block_size=block_size, causal=causal,
-                                                    softmax_scale=scale, kv_valid_len=valid, kernel=block_kernel)
+            ts = tiles.full_sequence_slice(block_mask, block_size, qb.shape[2], valid, qb.device)
+            o = be.tile_kernel(qb, ts, causal, lse=False).attention(qb, kb, vb, causal, scale, ts)
             return o.transpose(1, 2) if layout == "bshd" else o.permute(2, 0, 1, 3)
         o = local_attention(be, qb, kb, vb, causal, scale, valid, float(dropout_p), cu, varlen_kernel)
         return o.transpose(1, 2) if layout == "bshd" else o.permute(2, 0, 1, 3)

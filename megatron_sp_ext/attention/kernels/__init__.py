@@ -1,0 +1,115 @@
+"""The registry of local attention kernels: one module per kernel, each declaring what it can do (``base``).
+
+Every list of kernel names in the library derives from here (the ``backend`` setting's choices, the log-sum-exp
+kernels, the varlen methods, the block-sparse kernels), and "auto" picks, per call, the first kernel of ``ORDER``
+that can run it (``pick``). No kernel name is compared anywhere outside this package (tests/test_registry.py scans).
+
+ORDER is fastest first on Hopper, measured (fwd+bwd, bf16, D=128; ../shared/ENVIRONMENT.md):
+  fa4    FlashAttention-4: 1.12-1.17x cuDNN dense (H200, 2026-11-24); block-sparse 440-571 useful TFLOP/s at
+         128-token tiles (H100, 2026-11-25)
+  cudnn  cuDNN through torch: 511-528 TFLOP/s backward, 561-654 forward (H200, 2026-11-24)
+  flash  torch's FlashAttention-2: below cuDNN on Hopper; the CPU's fused op
+  flex   flex_attention, block-sparse only: 323-392 useful TFLOP/s at 128-token tiles, 59-255 at 64 (H100)
+  math   the fp32 reference: any device, dtype and mask (4 useful TFLOP/s as a ring step kernel)
+  flash_attn, te: plain calls only, never picked by "auto" (named by the user).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+from ...errors import SPConfigError
+from .base import NEEDS, Capabilities, Kernel, KernelCall, LseFunction
+from .cudnn import CudnnKernel
+from .fa4 import FA4Kernel
+from .flash_attn import FlashAttnKernel
+from .flex import FlexKernel
+from .math import MathKernel
+from .te import TEKernel
+from .torch_flash import TorchFlashKernel
+
+_CLASSES = (FA4Kernel, CudnnKernel, TorchFlashKernel, FlexKernel, MathKernel, FlashAttnKernel, TEKernel)
+ORDER = tuple(c.name for c in _CLASSES)
+AUTO = ("fa4", "cudnn", "flash", "flex", "math")     # what "auto" may pick, in this order
+FALLBACK = "math"
+
+
+@lru_cache(maxsize=None)
+def get(name: str) -> Kernel:
+    """The kernel called ``name`` (one instance per process)."""
+    for c in _CLASSES:
+        if c.name == name:
+            return c()
+    raise KeyError(name)
+
+
+def names(*needs: str, auto_only: bool = False) -> tuple[str, ...]:
+    """Kernel names (ORDER) whose declared capabilities cover ``needs`` (no device check)."""
+    out = []
+    for n in (AUTO if auto_only else ORDER):
+        caps = get(n).caps
+        ok = {"plain": caps.plain, "lse": caps.lse, "varlen": caps.varlen is not None,
+              "tiles": caps.tiles != "none", "dropout": caps.dropout}
+        if all(ok.get(need, True) for need in needs):
+            out.append(n)
+    return tuple(out)
+
+
+def by_setting(setting: str) -> Optional[Kernel]:
+    """The kernel a user's setting (``backend=...``) names, or None."""
+    for n in ORDER:
+        if get(n).setting == setting:
+            return get(n)
+    return None
+
+
+def settings() -> tuple[str, ...]:
+    """Every kernel's setting name (ORDER)."""
+    return tuple(get(n).setting for n in ORDER)
+
+
+def varlen_methods() -> tuple[str, ...]:
+    """The varlen methods of the kernels that have one (ORDER)."""
+    return tuple(get(n).caps.varlen for n in names("varlen"))
+
+
+def of_varlen_method(method: str) -> Optional[Kernel]:
+    """The kernel whose varlen method is ``method``, or None."""
+    for n in names("varlen"):
+        if get(n).caps.varlen == method:
+            return get(n)
+    return None
+
+
+def why_not(name: str, call: KernelCall) -> Optional[str]:
+    """None if kernel ``name`` runs ``call`` here, else the reason in a user's words."""
+    return get(name).why_not(call)
+
+
+def pick(call: KernelCall, among: Optional[tuple] = None) -> Kernel:
+    """The first kernel of ``among`` (default AUTO, in order) that runs ``call`` here; math as the last resort."""
+    for n in (among or AUTO):
+        if get(n).why_not(call) is None:
+            return get(n)
+    return get(FALLBACK)
+
+
+def label(name: str) -> str:
+    """Kernel ``name`` in a user's words."""
+    return get(name).label
+
+
+def require(kernel: Kernel, call: KernelCall, setting: str) -> Kernel:
+    """``kernel`` if it runs ``call``, else SPConfigError naming ``setting`` and the reason (never a silent
+    replacement)."""
+    reason = kernel.why_not(call)
+    if reason is not None:
+        here = [n for n in AUTO if get(n).why_not(call) is None]
+        raise SPConfigError(f"{setting}={kernel.setting!r} cannot run here ({call.device}, {call.dtype}"
+                            f"{', block_mask' if call.tiles is not None else ''}): {reason}; use 'auto' (kernels that "
+                            f"run it here: {', '.join(here) or 'math'})")
+    return kernel
+
+
+__all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "get", "names",
+           "by_setting", "settings", "varlen_methods", "of_varlen_method", "why_not", "pick", "label", "require"]

@@ -1,0 +1,125 @@
+"""cuDNN attention through torch (``aten._scaled_dot_product_cudnn_attention`` / ``_backward``: what
+F.scaled_dot_product_attention picks on Hopper): log-sum-exp blocks (lse [B, H, Sq, 1] or [B, H, Sq] depending on
+the build) and plain calls through SDPA with the cuDNN backend. GQA: k/v expanded, dk/dv summed back.
+
+torch caches one cuDNN backward graph per (shapes, q/k/v strides, causal, ...): O's and dO's strides are baked into
+the graph but are not in its key, so O and dO are fed in q's layout (``in_layout_of``), a function of the key.
+A build whose cuDNN refuses strided views gets packed copies (same kernel and math; remembered per stride pattern).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from .. import blockwise
+from .base import Capabilities, Kernel
+
+log = logging.getLogger("megatron_sp_ext")
+
+HALF = (torch.float16, torch.bfloat16)
+# argument names of the schemas called here (torch 2.11 and 2.13 agree; a different build is refused)
+FWD_ARGS = ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal", "return_debug_mask",
+            "scale")
+BWD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
+            "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale")
+
+
+def _schema_args(op_name: str):
+    op = getattr(torch.ops.aten, op_name, None)
+    if op is None:
+        return None
+    try:
+        return tuple(a.name for a in op.default._schema.arguments)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def schema_ok() -> bool:
+    """Whether this torch build has the cuDNN ops with the argument lists passed here."""
+    return (_schema_args("_scaled_dot_product_cudnn_attention") == FWD_ARGS
+            and _schema_args("_scaled_dot_product_cudnn_attention_backward") == BWD_ARGS)
+
+
+def _strides_without_ones(t: torch.Tensor) -> tuple:
+    """t's strides over its dimensions of size > 1 (a size-1 dimension's stride addresses nothing)."""
+    return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
+
+
+def in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` (same shape as ``like``) in the memory layout ``torch.empty_like(like)`` has: ``t`` itself when its
+    strides already match over the dimensions of size > 1, else a copy in that layout."""
+    want = torch.empty_like(like, device="meta")
+    if t.shape == like.shape and _strides_without_ones(t) == _strides_without_ones(want):
+        return t
+    out = torch.empty_strided(like.shape, want.stride(), dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+class CudnnKernel(Kernel):
+    name = setting = "cudnn"
+    label = "cuDNN (torch SDPA)"
+    in_torch_sdpa = True   # "auto"'s plain calls go through torch's SDPA dispatch
+    caps = Capabilities(plain=True, lse=True, varlen=None, tiles="none", gqa=False, dropout=True,
+                        dtypes={"cuda": HALF})
+
+    def __init__(self) -> None:
+        self.aux: dict = {}
+        self.pack_only: set = set()
+
+    def schema_ok(self) -> bool:
+        return schema_ok()
+
+    def why_not_here(self, call):
+        if not schema_ok():
+            return "this torch build lacks the cuDNN attention ops with the arguments used here"
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available here"
+        return None
+
+    def _aux(self, device, dtype):
+        """(philox_seed, philox_offset, lse_ndim) of a dropout-free cuDNN forward (data-independent)."""
+        key = (str(device), dtype)
+        if key not in self.aux:
+            x = torch.zeros(1, 1, 64, 64, device=device, dtype=dtype)
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
+            self.aux[key] = (res[6], res[7], res[1].dim())
+        return self.aux[key]
+
+    def _strided_or_packed(self, op, tensors, rest, scale):
+        key = (getattr(op, "__name__", "op"), tuple(t.stride() for t in tensors), tuple(t.shape for t in tensors))
+        if key not in self.pack_only:
+            try:
+                return op(*tensors, *rest, scale=scale)
+            except RuntimeError as e:
+                log.info("megatron_sp_ext: cuDNN attention refused strided views (%s); packing them", e)
+                self.pack_only.add(key)
+        return op(*(t.contiguous() for t in tensors), *rest, scale=scale)
+
+    def attention(self, q, k, v, causal, scale, tiles=None):
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+        k, v, _ = blockwise.expand_kv(k, v, q.shape[1])  # autograd sums the copies back
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    def forward(self, q, k, v, scale, causal, tiles=None):
+        b, h, sq, _ = q.shape
+        k, v, _ = blockwise.expand_kv(k, v, h)
+        res = self._strided_or_packed(torch.ops.aten._scaled_dot_product_cudnn_attention, (q, k, v),
+                                      (None, True, 0.0, causal, False), scale)
+        return res[0], res[1].reshape(b, h, sq)
+
+    def backward(self, do, q, k, v, out, lse, scale, causal, tiles=None):
+        sq = q.shape[2]
+        ke, ve, rep = blockwise.expand_kv(k, v, q.shape[1])
+        lse = lse.float()
+        seed, offset, lse_dim = self._aux(q.device, q.dtype)
+        out, do = in_layout_of(out, q), in_layout_of(do, q)
+        lse_in = (lse.unsqueeze(-1) if lse_dim == 4 else lse).contiguous()
+        dq, dk, dv = self._strided_or_packed(
+            lambda do_, q_, k_, v_, out_, *rest, scale: torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                do_, q_, k_, v_, out_, *rest, scale=scale),
+            (do, q, ke, ve, out), (lse_in, seed, offset, None, None, None, sq, ke.shape[2], 0.0, causal), scale)
+        return dq, blockwise.fold_kv_grad(dk, rep), blockwise.fold_kv_grad(dv, rep)
