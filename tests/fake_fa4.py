@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from megatron_sp_ext.attention import backends, blockwise, lse_kernels, varlen
-from megatron_sp_ext.attention.kernels import fa4
+from megatron_sp_ext.attention import kernels
+from megatron_sp_ext.attention.kernels import fa4, fa4_mask_mod
+
+
+class BlockSparseTensors(NamedTuple):
+    mask_block_cnt: torch.Tensor
+    mask_block_idx: torch.Tensor
+    full_block_cnt: Optional[torch.Tensor] = None
+    full_block_idx: Optional[torch.Tensor] = None
+    cu_total_m_blocks: Optional[torch.Tensor] = None
+    cu_block_idx_offsets: Optional[torch.Tensor] = None
+    block_size: Optional[tuple] = None
 
 
 class FakeFA4:
@@ -39,10 +50,16 @@ class FakeFA4:
 
     def _flash_attn_fwd(self, q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                         max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False,
-                        return_lse=False, **unused):
+                        return_lse=False, block_sparse_tensors=None, mask_mod=None, aux_tensors=None, **unused):
         assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-        self.calls.append(("fwd" if cu_seqlens_q is None else "varlen_fwd", q.shape[-2], k.shape[-2]))
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        if block_sparse_tensors is not None:
+            self.calls.append(("sparse_fwd", q.shape[-2], k.shape[-2]))
+            keep = self._sparse_keep(block_sparse_tensors, q.shape[-2], q.shape[1], k.shape[1], causal, mask_mod,
+                                     aux_tensors, transposed=False)
+            out, lse = self._fwd(q, k, v, scale, keep)
+            return out, lse, None, None, None
+        self.calls.append(("fwd" if cu_seqlens_q is None else "varlen_fwd", q.shape[-2], k.shape[-2]))
         if cu_seqlens_q is None:
             out, lse = self._fwd(q, k, v, scale, causal)
             return out, lse, None, None, None
@@ -53,16 +70,60 @@ class FakeFA4:
             lses.append(lse[0])
         return torch.cat(outs, 0), torch.cat(lses, 1), None, None, None
 
+    @staticmethod
+    def _sparse_keep(bst, heads, sq, sk, causal, mask_mod, aux, transposed):
+        """The token keep mask [h or 1, Sq, Sk] that FA4 computes from its block-sparse tensors: listed "full" blocks
+        whole, listed partial blocks through the mask_mod (evaluated here from the library's aux-tensor layout,
+        kernels/fa4_mask_mod.py) or FA4's causal mask; 128 x 128 blocks. ``transposed``: the backward's layout."""
+        bm = bn = 128
+        cnt_m, idx_m, cnt_f, idx_f = bst.mask_block_cnt[0], bst.mask_block_idx[0], bst.full_block_cnt[0], \
+            bst.full_block_idx[0]
+        h = cnt_m.shape[0]
+        blocks_full = torch.zeros(h, -(-sq // bm), -(-sk // bn), dtype=torch.bool)
+        blocks_part = torch.zeros_like(blocks_full)
+        for hh in range(h):
+            for r in range(cnt_m.shape[1]):
+                for dst, cnt, idx in ((blocks_part, cnt_m, idx_m), (blocks_full, cnt_f, idx_f)):
+                    cols = idx[hh, r, :int(cnt[hh, r])].tolist()
+                    assert cols == sorted(cols), "block indices must ascend"
+                    for c in cols:
+                        if transposed:
+                            dst[hh, c, r] = True
+                        else:
+                            dst[hh, r, c] = True
+        assert not bool((blocks_full & blocks_part).any()), "a block listed as full and partial"
+        rows = torch.arange(sq) // bm
+        cols = torch.arange(sk) // bn
+        full = blocks_full[:, rows][:, :, cols]
+        part = blocks_part[:, rows][:, :, cols]
+        if mask_mod is not None:
+            qt, kt, tiles = aux[0].long().cpu(), aux[1].long().cpu(), aux[2].cpu().bool()
+            inside = tiles[:, qt][:, :, kt]
+            if len(aux) == 5:
+                inside = inside & (aux[4].long().cpu()[None, :] <= aux[3].long().cpu()[:, None])
+            part = part & inside
+        elif causal:
+            tril = torch.ones(sq, sk, dtype=torch.bool).tril()
+            part, full = part & tril, full & tril
+        return full | part
+
     def _fwd(self, q, k, v, scale, causal):
         wide = torch.float64 if q.dtype == torch.float64 else torch.float32
         qb, kb, vb = (t.transpose(1, 2).to(wide) for t in (q, k, v))
-        o, lse = blockwise.math_forward(qb, kb, vb, scale, self._mask(q.shape[1], k.shape[1], causal))
+        mask = causal if isinstance(causal, torch.Tensor) else self._mask(q.shape[1], k.shape[1], causal)
+        o, lse = blockwise.math_forward(qb, kb, vb, scale, mask)
         return o.to(q.dtype).transpose(1, 2).contiguous(), lse.float().contiguous()
 
     def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
-                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **unused):
-        self.calls.append(("bwd" if cu_seqlens_q is None else "varlen_bwd", q.shape[-2], k.shape[-2]))
+                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                        block_sparse_tensors=None, mask_mod=None, aux_tensors=None, **unused):
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        if block_sparse_tensors is not None:
+            self.calls.append(("sparse_bwd", q.shape[-2], k.shape[-2]))
+            keep = self._sparse_keep(block_sparse_tensors, q.shape[-2], q.shape[1], k.shape[1], causal, mask_mod,
+                                     aux_tensors, transposed=True)
+            return self._bwd(dout, q, k, v, out, lse, scale, keep)
+        self.calls.append(("bwd" if cu_seqlens_q is None else "varlen_bwd", q.shape[-2], k.shape[-2]))
         if cu_seqlens_q is None:
             return self._bwd(dout, q, k, v, out, lse, scale, causal)
         parts = [self._bwd(*(t[a:b].unsqueeze(0) for t in (dout, q, k, v, out)), lse[:, a:b].unsqueeze(0), scale,
@@ -72,7 +133,8 @@ class FakeFA4:
     def _bwd(self, do, q, k, v, out, lse, scale, causal):
         wide = torch.float64 if q.dtype == torch.float64 else torch.float32
         t = [x.transpose(1, 2).to(wide) for x in (do, q, k, v, out)]
-        dq, dk, dv = blockwise.math_backward(*t, lse.to(wide), scale, self._mask(q.shape[1], k.shape[1], causal))
+        mask = causal if isinstance(causal, torch.Tensor) else self._mask(q.shape[1], k.shape[1], causal)
+        dq, dk, dv = blockwise.math_backward(*t, lse.to(wide), scale, mask)
         return tuple(g.to(q.dtype).transpose(1, 2).contiguous() for g in (dq, dk, dv))
 
 
@@ -96,6 +158,11 @@ def install(monkeypatch, dtypes: tuple = (torch.bfloat16, torch.float16, torch.f
         return None
     monkeypatch.setattr(fa4, "why_not", why_not)
     monkeypatch.setattr(fa4, "head_dim_ok", lambda head_dim, device: head_dims is None or head_dim in head_dims)
+    # block sparsity: FA4's BlockSparseTensorsTorch (a NamedTuple: a stand-in with its fields) and the mask_mod (a
+    # CuTe DSL function there; the fake evaluates the aux tensors itself)
+    monkeypatch.setattr(fa4, "_block_sparse_class", lambda: BlockSparseTensors)
+    monkeypatch.setattr(fa4_mask_mod, "tile_mask_mod", lambda per_head, causal: ("tile_mask_mod", per_head, causal))
+    monkeypatch.setattr(kernels.get("fa4"), "probed", {})
     # probes and choices already made in this process are for the kernels without FA4: start afresh
     monkeypatch.setattr(lse_kernels, "_PROBED", {})
     monkeypatch.setattr(varlen, "_PROBED", {})

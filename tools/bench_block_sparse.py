@@ -48,7 +48,8 @@ from typing import Callable, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_sp_ext.attention import backends, block_sparse  # noqa: E402
+from megatron_sp_ext.attention import backends, block_sparse, kernels  # noqa: E402
+from megatron_sp_ext.attention.tiles import TileSlice  # noqa: E402
 from megatron_sp_ext.sp.calibration import time_ms, wall_time_ms  # noqa: E402
 from megatron_sp_ext.sp.placement import positions  # noqa: E402
 from megatron_sp_ext.sp.ring.sparse import sparse_ring_plan  # noqa: E402
@@ -127,39 +128,41 @@ def _inputs(h: int, sq: int, sk: int, d: int, dev: torch.device, dtype: torch.dt
 
 def sparse_fns(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
                rows: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int) -> tuple:
-    """(fwd, fwd_bwd, mask_build_ms) of the block-sparse local kernel ``kernel`` ("flex" or "math") on q against
-    k/v at global positions q_pos / k_pos under the tile mask ``rows`` (already the heads q carries). "math":
-    ``block_sparse.math_forward``, then ``math_backward`` from that out/lse (a ring step's calls); "flex": the
-    BlockMask built once here, ``flex_attention_masked`` forward, autograd backward."""
+    """(fwd, fwd_bwd, mask_build_ms) of the registry's block-sparse kernel ``kernel`` (a setting of
+    ``block_sparse.KERNELS``: "fa4", "flex", "math") on q against k/v at global positions q_pos / k_pos under the tile
+    mask ``rows`` (already the heads q carries). A kernel with log-sum-exp (fa4, math): its forward, then its
+    backward from that out/lse (a ring step's calls); flex: forward, autograd backward. The kernel's metadata (FA4's
+    block-sparse tensors, flex's BlockMask) is built once here, outside the timing: ``mask_build_ms``."""
     scale = q.shape[-1] ** -0.5
+    kern = kernels.by_setting(kernel)
+    ts = TileSlice(rows, block_size, q_pos, k_pos)
     t0 = time.perf_counter()
-    if kernel == "math":
-        mask = block_sparse.token_mask(rows, q_pos, k_pos, block_size)
-
+    kern.prepare(ts, q.shape[2], k.shape[2], False)       # the kernel's metadata, cached in the slice
+    if q.is_cuda:
+        torch.cuda.synchronize()
+    build_ms = (time.perf_counter() - t0) * 1e3
+    if kern.caps.lse:
         def fwd():
-            return block_sparse.math_forward(q, k, v, mask, scale)[0]
+            return kern.forward(q, k, v, scale, False, ts)[0]
 
         def fwd_bwd():
-            out, lse = block_sparse.math_forward(q, k, v, mask, scale)
-            block_sparse.math_backward(do, q, k, v, out, lse, mask, scale)
+            out, lse = kern.forward(q, k, v, scale, False, ts)
+            kern.backward(do, q, k, v, out, lse, scale, False, ts)
             return out
     else:
-        fm = block_sparse.flex_block_mask(rows, q_pos, k_pos, block_size)
         qkv = [x.detach().requires_grad_() for x in (q, k, v)]
 
         def fwd():
             with torch.no_grad():
-                return block_sparse.flex_attention_masked(q, k, v, fm, scale)[0]
+                return kern.attention(q, k, v, False, scale, ts)
 
         def fwd_bwd():
             for x in qkv:
                 x.grad = None
-            out = block_sparse.flex_attention_masked(*qkv, fm, scale)[0]
+            out = kern.attention(*qkv, False, scale, ts)
             out.backward(do)
             return out
-    if q.is_cuda:
-        torch.cuda.synchronize()
-    return fwd, fwd_bwd, (time.perf_counter() - t0) * 1e3
+    return fwd, fwd_bwd, build_ms
 
 
 def _sig(x: float) -> float:
@@ -265,7 +268,8 @@ def run(args) -> dict:
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     d, h, bs = args.head_dim, args.heads, args.block_size
-    ulysses_kernel = "flex" if cuda else "math"
+    ulysses_kernels = [k for k in args.ulysses_kernels.split(",")
+                       if kernels.by_setting(k).why_not(kernels.KernelCall(dev, dtype, d, frozenset({"tiles"}))) is None]
     dense = [n for n in args.dense_kernels.split(",") if n in backends.available_backends()]
     skipped = [n for n in args.dense_kernels.split(",") if n not in dense]
     os.makedirs(args.out, exist_ok=True)
@@ -274,7 +278,7 @@ def run(args) -> dict:
                             utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                             dtype=str(dtype), head_dim=d, block_size=bs, causal=False,
                             dense_kernels=dense, dense_kernels_not_installed=skipped,
-                            ulysses_kernel=ulysses_kernel, dynamo_recompile_limit=_recompile_limit(),
+                            ulysses_kernels=ulysses_kernels, dynamo_recompile_limit=_recompile_limit(),
                             flops="useful: 4*D*selected pairs per head (fwd); fwd+bwd 3.5x"),
            "rows": []}
 
@@ -309,14 +313,19 @@ def run(args) -> dict:
                 full = torch.arange(s)
                 pairs = selected_pairs(rows, full, full, bs, hp)
 
-                def ulysses() -> dict:
-                    q, k, v, do = _inputs(hp, s, s, d, dev, dtype)
-                    fwd, fb, build = sparse_fns(ulysses_kernel, q, k, v, do, rows.to(dev), full.to(dev),
-                                                full.to(dev), bs)
-                    return {"mask_build_ms": round(build, 3), **_time((fwd, fb), 4.0 * d * pairs, args.iters,
-                                                                       args.warmup, cuda)}
-                done(_guard({"kind": "ulysses", "kernel": ulysses_kernel, **meta, "s": s, "h": hp, "p": p,
-                             "useful_pairs": pairs}, ulysses, cuda))
+                for kname in ulysses_kernels:
+                    if kname == args.math_name and hp * s * s > args.math_max_scores:
+                        done({"kind": "ulysses", "kernel": kname, **meta, "s": s, "h": hp, "p": p,
+                              "skipped": f"h*S^2 > --math-max-scores {args.math_max_scores:g} (its score matrix)"})
+                        continue
+
+                    def ulysses(kname=kname) -> dict:
+                        q, k, v, do = _inputs(hp, s, s, d, dev, dtype)
+                        fwd, fb, build = sparse_fns(kname, q, k, v, do, rows.to(dev), full.to(dev), full.to(dev), bs)
+                        return {"mask_build_ms": round(build, 3), **_time((fwd, fb), 4.0 * d * pairs, args.iters,
+                                                                           args.warmup, cuda)}
+                    done(_guard({"kind": "ulysses", "kernel": kname, **meta, "s": s, "h": hp, "p": p,
+                                 "useful_pairs": pairs}, ulysses, cuda))
             for p in sorted({int(x) for x in args.ring_p.split(",")}):
                 for row in ring_rows(bm, meta, s, h, d, p, args, dev, dtype):
                     done(row)
@@ -385,7 +394,11 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     ap.add_argument("--ulysses-p", default="1,8", help="Ulysses sizes: the local kernel runs H/P heads")
     ap.add_argument("--ring-p", default="4,8")
     ap.add_argument("--placement", default="contiguous", choices=["contiguous", "zigzag"])
-    ap.add_argument("--ring-kernels", default="flex,math", help="flex and/or math (math: what the ring runs today)")
+    ap.add_argument("--ring-kernels", default="fa4,math", help="kernels of the ring steps (with log-sum-exp: fa4, math)")
+    ap.add_argument("--ulysses-kernels", default="fa4,flex,math", help="block-sparse kernels of the Ulysses rows "
+                    "(those that run here)")
+    ap.add_argument("--math-max-scores", type=float, default=2.5e9, help="skip the math kernel where heads * S^2 "
+                    "exceeds this (its fp32 score matrix)")
     ap.add_argument("--dense-kernels", default="cudnn,fa4", help="dense floor kernels (those installed run)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -396,10 +409,11 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="CPU, S=512, H=2, D=16, sdpa dense, math kernels")
     ap.add_argument("--out", default="bench_block_sparse_out")
     args = ap.parse_args(argv)
+    args.math_name = kernels.get(kernels.FALLBACK).setting
     if args.smoke:
         args.seqlens, args.heads, args.head_dim, args.iters, args.warmup = "512", 2, 16, 1, 0
         args.ring_iters, args.ring_warmup = 1, 0
-        args.ring_kernels, args.dense_kernels = "math", "sdpa"
+        args.ring_kernels, args.dense_kernels, args.ulysses_kernels = "math", "sdpa", "math"
     return args
 
 

@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_sp_ext.attention import backends, varlen  # noqa: E402
+from megatron_sp_ext.attention import backends, kernels, varlen  # noqa: E402
 from megatron_sp_ext.sp.calibration import time_ms  # noqa: E402
 from tools.gpu_ranks import run_meta  # noqa: E402
 
@@ -81,7 +81,7 @@ def _lse(name, q, k, v, do, causal):
 
 def _varlen(name, q, k, v, do, cu, causal):
     be = backends.get_backend(name)
-    method = "fa4_varlen" if name == "fa4" else "per_sample"
+    method = kernels.by_setting(name).caps.varlen or "per_sample"   # the kernel's own varlen call where it has one
     scale = q.shape[-1] ** -0.5
     box = {}
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sp_ext.attention import kernels
 from megatron_sp_ext.attention.backends import SDPABackend, get_backend
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
@@ -51,7 +52,7 @@ def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backen
             o = block_sparse_attention(q_bhsd, k_bhsd, v_bhsd, block_mask, block_size=block_size,
                                        kv_valid_len=kv_valid_len, kernel="auto")  # flex on CUDA, math on CPU
             return o.transpose(1, 2)
-        if plain_sdpa and be.kernel_for(q_bhsd) != "fa4":
+        if plain_sdpa and kernels.get(be.kernel_for(q_bhsd)).in_torch_sdpa:   # torch's own dispatch: the reference
             return local_core(q, k, v, kv_valid_len, cu_seqlens)
         valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < k.shape[1] else None
         cu = tuple(int(c) for c in cu_seqlens.tolist()) if cu_seqlens is not None else None

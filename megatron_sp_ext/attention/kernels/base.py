@@ -110,6 +110,10 @@ class Kernel:
         """The kernel's own further conditions (head dims, tile alignment, a probe); None when it runs."""
         return None
 
+    def prepare(self, tiles, sq: int, sk: int, causal: bool) -> None:
+        """Build (and cache in the slice) what block-sparse calls of ``tiles`` over ``sq`` x ``sk`` rows need; the
+        first call would otherwise do it (benchmarks time it apart)."""
+
     # -- calls (a kernel implements those its capabilities declare)
     def attention(self, q, k, v, causal: bool, scale: float, tiles=None) -> torch.Tensor:
         raise NotImplementedError(f"{self.name}: no plain call")

@@ -215,19 +215,23 @@ def _build_meta(ts, sq, sk, causal, partial_ok):
         return None   # FA4's causal is tril over the rows: only for identical, increasing positions
     qt, kt = qp // bs, kp // bs
     valid = (kp < ts.kv_valid_len) if ts.kv_valid_len is not None else torch.ones_like(kp, dtype=torch.bool)
-    uq, uk = _unit(qt), _unit(kt, valid)
+    uq, uk = _unit(qt), _unit(kt)
     if uq == 0 or uk == 0:
         return None
     rows = ts.mask_rows()                               # [h or 1, T, T]
     per_head = rows.shape[0] > 1
-    m_units = rows.index_select(1, qt[::uq]).index_select(2, kt[::uk]) & valid[::uk]   # [h, Uq, Uk]
+    m_units = rows.index_select(1, qt[::uq]).index_select(2, kt[::uk])                # [h, Uq, Uk]
     nq, nk = -(-sq // KERNEL_BLOCK), -(-sk // KERNEL_BLOCK)
     rq, rk = KERNEL_BLOCK // uq, KERNEL_BLOCK // uk
     pad_q, pad_k = nq * rq - m_units.shape[1], nk * rk - m_units.shape[2]
     h = m_units.shape[0]
     m_any = torch.nn.functional.pad(m_units, (0, pad_k, 0, pad_q), value=False).view(h, nq, rq, nk, rk)
     m_all = torch.nn.functional.pad(m_units, (0, pad_k, 0, pad_q), value=True).view(h, nq, rq, nk, rk)
-    anyb, allb = m_any.any(4).any(2), m_all.all(4).all(2)                              # [h, nq, nk]
+    pad_v = nk * KERNEL_BLOCK - sk                      # padded keys, per key block: all valid / any valid
+    v_all = torch.nn.functional.pad(valid, (0, pad_v), value=True).view(nk, KERNEL_BLOCK).all(1)
+    v_any = torch.nn.functional.pad(valid, (0, pad_v), value=False).view(nk, KERNEL_BLOCK).any(1)
+    anyb = m_any.any(4).any(2) & v_any                  # [h, nq, nk]; may over-count: a partial block is exact
+    allb = m_all.all(4).all(2) & v_all
     if causal:
         i = torch.arange(nq, device=dev).view(nq, 1)
         j = torch.arange(nk, device=dev).view(1, nk)
@@ -343,6 +347,9 @@ class FA4Kernel(Kernel):
             from . import fa4_mask_mod  # noqa: PLC0415
             self.probed[key] = fa4_mask_mod.probe(self, device, dtype, partial)
         return self.probed[key]
+
+    def prepare(self, tiles, sq, sk, causal):
+        tile_metadata(tiles, sq, sk, causal)
 
     def attention(self, q, k, v, causal, scale, tiles=None):
         return LseFunction.apply(q, k, v, self, causal, scale, tiles)

@@ -73,8 +73,11 @@ class FlexKernel(Kernel):
             return "it runs block-sparse calls only (give a block mask)"
         return None
 
-    def attention(self, q, k, v, causal, scale, tiles=None):
+    def prepare(self, tiles, sq, sk, causal):
         key = ("flex_mask", bool(causal))
         if key not in tiles.cache:
             tiles.cache[key] = flex_block_mask(tiles, causal=causal)
-        return flex_attention_masked(q, k, v, tiles.cache[key], scale)[0]
+        return tiles.cache[key]
+
+    def attention(self, q, k, v, causal, scale, tiles=None):
+        return flex_attention_masked(q, k, v, self.prepare(tiles, q.shape[2], k.shape[2], causal), scale)[0]
