@@ -15,7 +15,8 @@ from training.video_dit.data import SyntheticVideoLatents
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare
 from training.video_dit.model import patchify, unpatchify
 from training.video_dit.sparse import (SparseSpec, block_sparse_attention, check_tile_grid, coarse_attention,
-                                       pad_block_mask, pool_tiles, row_major_ids, tile_order, tile_positions,
+                                       num_tiles_of, pad_block_mask, pool_tiles, row_major_ids, tile_coords, tile_order,
+                                       tile_positions,
                                        token_mask, topk_block_mask, window_block_mask)
 
 CFG = preset("tiny")
@@ -56,12 +57,25 @@ def test_row_major_ids_and_tile_positions_keep_padding():
     assert torch.equal(tile_positions(ids, grid, tile), positions)
 
 
-def test_tiles_that_do_not_divide_the_grid_are_refused_by_flag_with_valid_values():
-    with pytest.raises(SPConfigError) as e:
-        check_tile_grid((4, 6, 10), (4, 4, 4))
-    msg = str(e.value)
-    assert "--sparse-tile=4,4,4" in msg and "H in {1, 2, 3, 6}" in msg and "W in {1, 2, 5, 10}" in msg
-    check_tile_grid((4, 6, 10), (2, 3, 5))
+def test_grids_the_tile_does_not_cut_run_with_edge_blocks_compacted():
+    """#53: Wan's grids are cut by no power-of-two tile; they run (no refusal, no padding): whole blocks first, each
+    one tile of consecutive positions with its own coordinates, then the edge blocks' tokens, every token once."""
+    grid, tile = (5, 6, 10), (2, 4, 4)
+    perm, inv = tile_order(grid, tile)
+    n, vol = 5 * 6 * 10, 32
+    assert sorted(perm.tolist()) == list(range(n)) and torch.equal(perm[inv], torch.arange(n))
+    t, h, w = perm // 60, perm // 10 % 6, perm % 10
+    whole = (t < 4) & (h < 4) & (w < 8)          # blocks the grid does not cut: 2 x 1 x 2
+    assert bool(whole[:4 * vol].all()) and not bool(whole[4 * vol:].any())
+    coords = tile_coords(grid, tile)
+    assert coords.shape == (num_tiles_of(grid, tile), 3) and num_tiles_of(grid, tile) == -(-n // vol)
+    for j in range(4):                            # a whole block: one tile, its own block coordinates
+        members = perm[j * vol:(j + 1) * vol]
+        assert len({(int(a) // 2, int(b) // 4, int(c) // 4) for a, b, c in zip(members // 60, members // 10 % 6,
+                                                                               members % 10)}) == 1
+        assert tuple(coords[j].tolist()) == (int(t[j * vol]) // 2, int(h[j * vol]) // 4, int(w[j * vol]) // 4)
+    with pytest.raises(SPConfigError, match="--sparse-tile=0,4,4 is invalid"):
+        check_tile_grid(grid, (0, 4, 4))
 
 
 # ---- masks ------------------------------------------------------------------------------------------------------
@@ -442,13 +456,13 @@ def test_megatron_entry_refuses_async_blocks_with_tiles(capsys):
     assert e.value.code == 2 and "--sp-async-qkv on cannot run --sparse-attention tiles" in capsys.readouterr().err
 
 
-def test_tiles_that_do_not_cut_the_run_shapes_are_refused_by_name():
-    """--frames 4,3 at 8x8 latents: grids 4x4x4 and 3x4x4; tiles of 2 frames do not cut 3 frames."""
+def test_tiles_that_do_not_cut_the_run_shapes_run():
+    """--frames 4,3 at 8x8 latents: grids 4x4x4 and 3x4x4; tiles of 2 frames do not cut 3 frames: the run's shapes
+    are accepted (edge blocks compacted, #53), and a tile that is not three positive sizes is refused by name."""
     import argparse
     from training.video_dit.cli import check_shapes
     args = argparse.Namespace(frames="4,3", latent_size="8x8", sparse_attention="tiles", sparse_tile="2,2,2",
                               sparse_topk=2, sparse_window=None)
-    with pytest.raises(SPConfigError, match=r"--sparse-tile=2,2,2 does not cut the token grid 3x4x4.*T in \{1, 3\}"):
-        check_shapes(args, CFG)
+    check_shapes(args, CFG)
     args.sparse_tile = "1,2,2"
     check_shapes(args, CFG)

@@ -25,7 +25,7 @@ from . import blockwise, kernels
 from .backends import LocalAttention, tile_call
 from .kernels.flex import flex_attention_masked  # noqa: F401 - part of this module's API (tests, tools)
 from .kernels.flex import flex_block_mask as _flex_mask_of_slice
-from .tiles import TileSlice
+from .tiles import TileSlice, full_sequence_slice
 
 KERNELS = ("auto",) + tuple(kernels.get(n).setting for n in kernels.names("tiles", auto_only=True))
 DEFAULT_BLOCK_SIZE = 64
@@ -192,6 +192,10 @@ def block_sparse_attention(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: t
     the default positions: tril). Returns out [B, H, Sq, D]."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_bhsd.shape[-1])
     dev = q_bhsd.device
+    if q_pos is None and k_pos is None and q_bhsd.shape[2] == k_bhsd.shape[2]:   # the whole sequence: cached slice
+        ts = full_sequence_slice(block_mask, block_size, q_bhsd.shape[2], kv_valid_len, dev).with_heads(heads)
+        return kernel_for_call(kernel, q_bhsd, ts, causal, lse=False).attention(q_bhsd, k_bhsd, v_bhsd, causal,
+                                                                                scale, ts)
     q_pos = q_pos if q_pos is not None else torch.arange(q_bhsd.shape[2], device=dev)
     k_pos = k_pos if k_pos is not None else torch.arange(k_bhsd.shape[2], device=dev)
     ts = TileSlice(block_mask, block_size, q_pos.to(dev), k_pos.to(dev), heads, kv_valid_len)

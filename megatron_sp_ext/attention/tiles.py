@@ -33,6 +33,7 @@ class TileSlice:
     k_pos: torch.Tensor
     heads: slice = field(default_factory=lambda: slice(None))
     kv_valid_len: Optional[int] = None
+    contiguous: bool = False   # q_pos == k_pos == 0..S-1 (the whole sequence): kernels may skip checking the rows
     cache: dict = field(default_factory=dict, repr=False)
 
     def rows(self, q_rows, kv_rows) -> "TileSlice":
@@ -51,7 +52,7 @@ class TileSlice:
         key = ("heads", heads.start, heads.stop, heads.step)
         if key not in self.cache:
             self.cache[key] = TileSlice(self.block_mask, self.block_size, self.q_pos, self.k_pos, heads,
-                                        self.kv_valid_len)
+                                        self.kv_valid_len, self.contiguous)
         return self.cache[key]
 
     def mask_rows(self) -> torch.Tensor:
@@ -121,7 +122,7 @@ def full_sequence_slice(block_mask: torch.Tensor, block_size: int, seq_len: int,
         _FULL.move_to_end(key)
         return hit[1]
     pos = torch.arange(seq_len, device=device)
-    ts = TileSlice(block_mask, block_size, pos, pos, slice(None), kv_valid_len)
+    ts = TileSlice(block_mask, block_size, pos, pos, slice(None), kv_valid_len, contiguous=True)
     _FULL[key] = (weakref.ref(block_mask), ts)
     while len(_FULL) > FULL_SLICES:
         _FULL.popitem(last=False)

@@ -210,12 +210,15 @@ def _build_meta(ts, sq, sk, causal, partial_ok):
     dev = ts.block_mask.device
     bs = ts.block_size
     qp, kp = ts.q_pos.to(dev), ts.k_pos.to(dev)
-    if causal and not (qp.numel() == kp.numel() and bool((qp == kp).all())
-                       and (qp.numel() < 2 or bool((qp[1:] > qp[:-1]).all()))):
+    if causal and not ts.contiguous and not (qp.numel() == kp.numel() and bool((qp == kp).all())
+                                             and (qp.numel() < 2 or bool((qp[1:] > qp[:-1]).all()))):
         return None   # FA4's causal is tril over the rows: only for identical, increasing positions
     qt, kt = qp // bs, kp // bs
     valid = (kp < ts.kv_valid_len) if ts.kv_valid_len is not None else torch.ones_like(kp, dtype=torch.bool)
-    uq, uk = _unit(qt), _unit(kt)
+    if ts.contiguous:   # rows 0..S-1: the unit is the tile's alignment, known without looking (no host sync)
+        uq = uk = next((u for u in UNITS if bs % u == 0), 0)
+    else:
+        uq, uk = _unit(qt), _unit(kt)
     if uq == 0 or uk == 0:
         return None
     rows = ts.mask_rows()                               # [h or 1, T, T]
@@ -243,7 +246,9 @@ def _build_meta(ts, sq, sk, causal, partial_ok):
     else:
         full = allb & anyb
         partial = anyb & ~full
-        needs_mod = bool(partial.any())
+        aligned = ts.contiguous and bs % KERNEL_BLOCK == 0 and (ts.kv_valid_len is None or
+                                                                 ts.kv_valid_len >= sk or ts.kv_valid_len % KERNEL_BLOCK == 0)
+        needs_mod = False if aligned else bool(partial.any())   # aligned tiles: no block is cut (no host sync)
     if needs_mod and not partial_ok:
         return None
     cls = _block_sparse_class()
