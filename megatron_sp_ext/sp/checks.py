@@ -103,3 +103,42 @@ def check_same_shape_across_ranks(x: torch.Tensor, group, what: str) -> None:
     shapes = [tuple(r[1:]) for r in rows]
     if len(set(shapes)) != 1:
         raise SPConfigError(f"{what} shapes differ across ranks: {shapes}; every rank must hold an equal shard")
+
+
+_MASK_WEIGHTS: dict = {}
+
+
+def _mask_checksum(block_mask: torch.Tensor) -> torch.Tensor:
+    """int64 [4]: the mask's shape (heads, tiles) and two weighted sums of its bits (fixed pseudo-random weights):
+    masks that differ in any bit differ here except with negligible probability. On the mask's device."""
+    n, dev = block_mask.numel(), block_mask.device
+    key = (n, str(dev))
+    if key not in _MASK_WEIGHTS:
+        idx = torch.arange(n, dtype=torch.int64, device=dev)
+        _MASK_WEIGHTS[key] = ((idx * 2654435761 + 12345) % 2147483647, (idx * 40503 + 977) % 1000003)
+    w1, w2 = _MASK_WEIGHTS[key]
+    bits = block_mask.reshape(-1).to(torch.int64)
+    shape = torch.tensor(block_mask.shape[:2], dtype=torch.int64, device=dev)
+    return torch.cat([shape, (bits * w1).sum().view(1), (bits * w2).sum().view(1)])
+
+
+def check_same_block_mask(block_mask: torch.Tensor, group, what: str = "block_mask") -> None:
+    """One small all_gather of a checksum of ``block_mask`` ([H or 1, T, T] bool, already checked on this rank):
+    raises SPConfigError naming ``what`` on every rank when any rank's mask differs (a per-rank mask used to hang
+    TASP and crash the ring), before any exchange. Every call with a mask runs it (a cache would decide differently
+    on different ranks and hang)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    world = dist.get_world_size(group)
+    mine = _mask_checksum(block_mask)
+    if dist.get_backend(group) != "nccl":
+        mine = mine.cpu()
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    rows = torch.stack(parts).cpu()
+    differ = [r for r in range(world) if not torch.equal(rows[r], rows[0])]
+    if differ:
+        raise SPConfigError(f"{what} differs between ranks (rank 0 vs rank(s) {differ}: shapes "
+                            f"{[tuple(rows[r, :2].tolist()) for r in range(world)]}): give every rank the SAME mask over "
+                            f"the full sequence in global token order (e.g. build it from data all ranks share, or "
+                            f"broadcast it from rank 0)")

@@ -33,7 +33,7 @@ from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
-from ..checks import check_inputs, packed_cu
+from ..checks import check_inputs, check_same_block_mask, packed_cu
 from ..heads import head_layout
 from . import layout as lay
 from .attend import attend_backward, local_attention
@@ -222,6 +222,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                                     f"{off!r}, or block_mask=None")
         block_mask = block_sparse.check_block_mask(block_mask, seq_len=be.seq_len if own else s_loc * world,
                                                    block_size=block_size, num_heads=q.shape[2]).to(q.device)
+        check_same_block_mask(block_mask, group)
         block_kernel = be.tile_kernel(q, None, causal, lse=False).setting if not own else "ring"
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     tr = default_transports().get(transport, group, q.device)
