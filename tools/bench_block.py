@@ -132,9 +132,9 @@ def bench(rank, world, group, cfg, seqlen, args):
         return lambda: allgather_self_attention(x, w_qkv, b_qkv, w_o, b_o, group, num_heads=h, num_kv_heads=h,
                                                 prep=prep_full, norm_q_weight=nq, norm_k_weight=nk, head_chunks=c,
                                                 transport=tr, fused=fused)
-    from megatron_sp_ext.sp.async_block import make_async_plan, project_and_exchange  # noqa: PLC0415
-    from megatron_sp_ext.sp.gather_block import allgather_self_attention, make_gather_plan, project_gathered  # noqa
-    from megatron_sp_ext.sp.block_policy import BlockPolicy  # noqa: PLC0415
+    from megatron_sp_ext.sp.layers.async_qkv import make_async_plan, project_and_exchange  # noqa: PLC0415
+    from megatron_sp_ext.sp.layers.allgather import allgather_self_attention, make_gather_plan, project_gathered  # noqa
+    from megatron_sp_ext.sp.layers.policy import BlockPolicy  # noqa: PLC0415
 
     def pre(fused, c, tr="nccl"):
         """Pre-attention part only: projections + prep + exchanges until q, k, v have all arrived."""

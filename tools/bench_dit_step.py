@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.benchlib import (finish_worker, init_nccl_rank, interleaved_ms, launch, links_option,  # noqa: E402
                             run_meta, write_results)
-from megatron_sp_ext.sp.block_policy import BlockChoice, BlockPolicy  # noqa: E402
+from megatron_sp_ext.sp.layers.policy import BlockChoice, BlockPolicy  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit.fused import resolve_fused  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
