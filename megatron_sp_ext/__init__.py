@@ -11,9 +11,9 @@ imported only on demand (``import megatron_sp_ext`` needs torch alone).
 from .comm.transport import NcclTransport, SymmMemTransport, TransportPool, default_transports
 from .config import SPConfig
 from .errors import SPConfigError
-from .sp.async_block import async_ulysses_self_attention
-from .sp.gather_block import allgather_self_attention
-from .sp.tp_cp_block import tp_cp_self_attention
+from .sp.layers.async_qkv import async_ulysses_self_attention
+from .sp.layers.allgather import allgather_self_attention
+from .sp.layers.tp_cp import tp_cp_self_attention
 from .sp.ring import hybrid_attention, ring_attention, torus_attention
 from .config import DEFAULT_PLACEMENT
 from .sp.placement import PackedSamples, balanced_placement, shard_sequence, unshard_sequence

@@ -1,4 +1,4 @@
-"""CUDA-suite worker for the TP x CP attention block (sp/tp_cp_block.py), and the functional case it shares with
+"""CUDA-suite worker for the TP x CP attention block (sp/layers/tp_cp.py), and the functional case it shares with
 tests/test_tp_cp_block.py: the block on TP x CP ranks against a float64 single-device reference of the whole
 attention block on the full sequence (output, input grad, every parameter grad after Megatron's reductions).
 
@@ -70,7 +70,7 @@ def tp_cp_case(rank: int, world: int, tp: int, *, form: str = "pipelined", h: in
     {name: relative error} for the output and input grad of this rank's tokens, w_qkv / b_qkv / w_o grads
     summed over CP compared with this TP shard's rows/columns, b_o and norm-weight grads summed over all ranks."""
     from megatron_sp_ext.sp.placement import pieces
-    from megatron_sp_ext.sp.tp_cp_block import tp_cp_self_attention
+    from megatron_sp_ext.sp.layers.tp_cp import tp_cp_self_attention
     tp_g, cp_g, tcp_g = tp_cp_groups(tp)
     cp = world // tp
     t, pr = rank % tp, rank // tp

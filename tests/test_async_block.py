@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_sp_ext as spx
-from megatron_sp_ext.sp.async_block import async_ulysses_self_attention
+from megatron_sp_ext.sp.layers.async_qkv import async_ulysses_self_attention
 from tests.blocks import block_params, gathered_prep, local_prep, reference_case, rms
 from tests.harness import run_ranks
 from tests.reference import rel_err
@@ -68,7 +68,7 @@ def _schedule(rank, world, chunks):
     """Chunk 0 of each branch's exchange is issued right after its own GEMM (before the next branch's
     GEMM), the later chunks chunk-major (q, k, v of chunk 1, then chunk 2, ...) once all are projected;
     in backward the dO exchange is issued before the output-projection weight gradient."""
-    import megatron_sp_ext.sp.async_block as ab
+    import megatron_sp_ext.sp.layers.async_qkv as ab
     events = []
     real_exchange, real_chunk, real_mm = ab._exchange_all_chunks, ab._exchange_chunk, ab._mm
 
@@ -125,7 +125,7 @@ def _pre_attention(rank, world, h, hkv, chunks):
     """The benchmark's pre-attention parts: async (per-branch GEMM + exchange) and fused (plain order,
     one q|k|v exchange) deliver the same head-sharded q, k, v."""
     from megatron_sp_ext.sp.ulysses import layout as lay
-    from megatron_sp_ext.sp.async_block import make_async_plan, project_and_exchange
+    from megatron_sp_ext.sp.layers.async_qkv import make_async_plan, project_and_exchange
     gen = torch.Generator().manual_seed(2)
     d, dim, b, sl = 8, 16, 2, 3
     x = torch.randn(b, sl, dim, generator=gen)
@@ -157,7 +157,7 @@ def _autocast(rank, world, form="async"):
     """Under bf16 autocast with fp32 weights and input (a DiT's mixed-precision step), the async block
     (form "async") or the all-gather block ("allgather") runs in one dtype inside and matches the plain
     block under the same autocast (the all-gather block's weight grads after the CP sum)."""
-    from megatron_sp_ext.sp.gather_block import allgather_self_attention
+    from megatron_sp_ext.sp.layers.allgather import allgather_self_attention
     g = dist.group.WORLD
     gen = torch.Generator().manual_seed(4)
     h, d, dim, b, sl = 4, 8, 32, 1, 4

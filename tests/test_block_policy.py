@@ -2,7 +2,7 @@
 import torch
 import torch.distributed as dist
 
-from megatron_sp_ext.sp.block_policy import PLAIN, BlockChoice, BlockPolicy
+from megatron_sp_ext.sp.layers.policy import PLAIN, BlockChoice, BlockPolicy
 from tests.harness import run_ranks
 
 
@@ -77,7 +77,7 @@ def _scripted_timer(table, calls):
 def _form_policy_case(rank, world, table, **kw):
     import logging
 
-    from megatron_sp_ext.sp.block_policy import FormPolicy
+    from megatron_sp_ext.sp.layers.policy import FormPolicy
     calls, ran, logged = [], [], []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
@@ -132,7 +132,7 @@ def test_form_policy_decides_alike_on_every_rank():
 
 
 def test_form_policy_untimed_baseline_without_cuda_or_timer():
-    from megatron_sp_ext.sp.block_policy import FormPolicy
+    from megatron_sp_ext.sp.layers.policy import FormPolicy
 
     def fn(rank, world):
         ran = []

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import megatron_sp_ext as spx
 from megatron_sp_ext.errors import SPConfigError
-from megatron_sp_ext.sp.gather_block import allgather_self_attention, make_gather_plan
+from megatron_sp_ext.sp.layers.allgather import allgather_self_attention, make_gather_plan
 from megatron_sp_ext.sp.placement import pieces
 from tests.harness import run_ranks
 from tests.reference import rel_err

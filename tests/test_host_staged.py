@@ -16,7 +16,7 @@ from megatron_sp_ext.comm.host_staged import TwoLevelTransport
 from megatron_sp_ext.comm.transport import (NcclTransport, TransportPool, default_transports, p2p_disabled_reason,
                                             symm_mem_unavailable_reason)
 from megatron_sp_ext.errors import SPConfigError
-from megatron_sp_ext.sp.async_block import async_ulysses_self_attention
+from megatron_sp_ext.sp.layers.async_qkv import async_ulysses_self_attention
 from megatron_sp_ext.topology.detect import detect_topology
 from megatron_sp_ext.topology.emulate import MACHINE_SIZE_ENV, link_transport, spans_machines
 from tests.harness import RankFailure, run_ranks

@@ -197,9 +197,9 @@ def test_ulysses_family_plans_provide_the_plan_interface():
     """Every plan the Ulysses engine reads carries AttendPlan's fields (typed, no getattr probes)."""
     import dataclasses
 
-    from megatron_sp_ext.sp.async_block import AsyncPlan
-    from megatron_sp_ext.sp.gather_block import GatherPlan
-    from megatron_sp_ext.sp.tp_cp_block import TpCpPlan
+    from megatron_sp_ext.sp.layers.async_qkv import AsyncPlan
+    from megatron_sp_ext.sp.layers.allgather import GatherPlan
+    from megatron_sp_ext.sp.layers.tp_cp import TpCpPlan
     from megatron_sp_ext.sp.ulysses.packed import PackedPlan
     from megatron_sp_ext.sp.ulysses.plan import AttendPlan, UlyssesPlan
     need = set(AttendPlan.__annotations__)

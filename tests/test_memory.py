@@ -84,7 +84,7 @@ def test_hcms_peak_not_above_ulysses(world, h, hkv):
 
 
 def _block_peaks(rank, world):
-    from megatron_sp_ext.sp.gather_block import allgather_self_attention
+    from megatron_sp_ext.sp.layers.allgather import allgather_self_attention
     from tests.blocks import gathered_prep, local_prep
     g = dist.group.WORLD
     gen = torch.Generator().manual_seed(rank)

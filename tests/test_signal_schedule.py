@@ -190,3 +190,33 @@ def test_compiled_exchange_addresses_every_segment_and_flag():
     assert all(op[3] == 0 for op in prog if op[0] in (so.WAIT, so.WRITE))  # value = this exchange's epoch
     joins = [op for op in prog if op[0] == so.EVENT_WAIT and op[1] == 99]
     assert sorted(op[2] for op in joins) == [70, 71, 72]
+
+
+def test_both_transports_share_one_translator():
+    """HostStagedTransport._compile and CopyEngineTransport._compile are one translator (comm/program.py): on the
+    same addresses, streams and events they give the same program (host-staged never has its send staged)."""
+    import types
+
+    from megatron_sp_ext.comm import stream_ops as so
+    from megatron_sp_ext.comm.host_staged import HostStagedTransport
+    from megatron_sp_ext.comm.transport import CopyEngineTransport
+
+    world, slots, sb = 4, 2, 4096
+    table_b = [[(3 * r + p) % 5 * 8 for p in range(world)] for r in range(world)]
+    streams = [types.SimpleNamespace(cuda_stream=200 + r) for r in range(world)]
+    start = types.SimpleNamespace(handle=types.SimpleNamespace(value=5))
+    joined = [types.SimpleNamespace(handle=types.SimpleNamespace(value=50 + r)) for r in range(world)]
+    ws = {r: 1 << (20 + r) for r in range(world)}
+    flags = {r: 1 << (30 + r) for r in range(world)}
+    for me in range(world):
+        ce, hs = object.__new__(CopyEngineTransport), object.__new__(HostStagedTransport)
+        for tr in (ce, hs):
+            tr.rank, tr.world, tr.slots, tr._slot_bytes, tr._ops = me, world, slots, sb, so
+            tr._streams, tr._start, tr._joined = streams, start, joined
+        ce._base, ce._flag_base = ws, flags
+        hs._addr, hs._flag_addr = ws, flags
+        for slot in range(slots):
+            cur = types.SimpleNamespace(cuda_stream=99)
+            got = hs._compile(table_b, slot, cur)
+            assert got == ce._compile(table_b, False, slot, cur)
+            assert [op for op in got if op[0] == so.STAGE] == [(so.STAGE, 99, ws[me] + slot * sb, sum(table_b[me]), 0)]

@@ -1,4 +1,4 @@
-"""The TP x CP attention block (sp/tp_cp_block.py), issue #37.
+"""The TP x CP attention block (sp/layers/tp_cp.py), issue #37.
 
 Functional: tp_cp_self_attention on TP2 x CP2 and TP2 x CP1 gloo ranks against a float64 single-device
 reference of the whole block (tests/cuda_tp_cp.tp_cp_case), every form, GQA, HCMS chunks, zigzag causal.
@@ -59,7 +59,7 @@ def test_cuda_megatron_worker_runs_on_cpu(monkeypatch):
 
 def test_mixed_form_needs_cp_major_tcp_group():
     def fn(rank, world):
-        from megatron_sp_ext.sp.tp_cp_block import check_tp_cp_groups
+        from megatron_sp_ext.sp.layers.tp_cp import check_tp_cp_groups
         from tests.cuda_tp_cp import tp_cp_groups
         tp, cp, tcp = tp_cp_groups(2)
         check_tp_cp_groups(tp, cp, tcp)
@@ -140,7 +140,7 @@ def _megatron_tp_cp(rank, world, tp, cp, cases):
         return TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=[spec] * 2, layer_norm=_TorchNormSP))
 
     import megatron_sp_ext.megatron.async_attention as adapter
-    from megatron_sp_ext.sp.block_policy import FormPolicy
+    from megatron_sp_ext.sp.layers.policy import FormPolicy
     _cpu_megatron_sp()
     calls, block_fn = [], adapter.tp_cp_self_attention  # count the block's calls (this forked rank only)
     adapter.tp_cp_self_attention = lambda *a, **k: calls.append(k["form"]) or block_fn(*a, **k)
@@ -284,8 +284,8 @@ def test_megatron_tp_without_sequence_parallel_is_refused():
 def test_form_policy_keeps_megatron_on_cpu_for_tp_cp():
     """The TP x CP forms are chosen only where timed faster: on CPU (no injected timer) the policy answers
     Megatron's own path without running any candidate, on the TP x CP group."""
-    from megatron_sp_ext.sp.block_policy import FormPolicy
-    from megatron_sp_ext.sp.tp_cp_block import TP_CP_FORMS
+    from megatron_sp_ext.sp.layers.policy import FormPolicy
+    from megatron_sp_ext.sp.layers.tp_cp import TP_CP_FORMS
 
     def fn(rank, world):
         ran = []
@@ -297,7 +297,7 @@ def test_form_policy_keeps_megatron_on_cpu_for_tp_cp():
 
 def test_exported():
     import megatron_sp_ext as spx
-    from megatron_sp_ext.sp.tp_cp_block import tp_cp_self_attention
+    from megatron_sp_ext.sp.layers.tp_cp import tp_cp_self_attention
     assert spx.tp_cp_self_attention is tp_cp_self_attention
 
 

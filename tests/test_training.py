@@ -51,7 +51,7 @@ class _Forced:
 def _async_vs_plain(rank, world, frames, chunks, how="async"):
     """The DiT with the async Ulysses block (or a block form picked through the policy hook) equals the
     plain DiT (loss and every gradient), padding included."""
-    from megatron_sp_ext.sp.block_policy import BlockChoice, BlockPolicy
+    from megatron_sp_ext.sp.layers.policy import BlockChoice, BlockPolicy
     out = []
     for use_async in (False, True):
         torch.manual_seed(5)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import megatron_sp_ext as spx
 from megatron_sp_ext.comm.transport import TransportPool, pull_all_to_all
 from megatron_sp_ext.errors import SPConfigError
-from megatron_sp_ext.sp.async_block import async_ulysses_self_attention
+from megatron_sp_ext.sp.layers.async_qkv import async_ulysses_self_attention
 from tests.harness import run_ranks
 
 

@@ -17,7 +17,6 @@ Example (4 x H200):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,10 +27,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.floor import add_ratios, floor_ms  # noqa: E402
-from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, run_world_sizes  # noqa: E402
+from tools.benchlib import (finish_worker, init_nccl_rank, interleaved_ms, launch, links_option,  # noqa: E402
+                            median_ms, no_grad, plot_or_skip, run_meta, write_results)
 import megatron_sp_ext as spx  # noqa: E402
 from megatron_sp_ext.comm.exchange import all_to_all_flat  # noqa: E402
-from megatron_sp_ext.sp.calibration import time_ms  # noqa: E402
 from megatron_sp_ext.sp.ulysses import HCMSPolicy  # noqa: E402
 
 
@@ -172,18 +171,6 @@ def split_transport(mode: str) -> tuple:
     return mode, "nccl"
 
 
-def rotated(items: list, i: int) -> list:
-    """``items`` rotated by ``i``: interleaved timing starts each repetition with a different mode, so
-    no mode always runs first (or right after the same neighbour)."""
-    k = i % len(items) if items else 0
-    return items[k:] + items[:k]
-
-
-def _time(fn, iters, warmup, group):
-    """Median ms of ``iters`` calls, max over ranks (the library's timer, with every repetition kept)."""
-    return time_ms(fn, iters, warmup, group, long_ms=None)
-
-
 def bench_shape(rank, world, group, h, seqlen, args, modes):
     d, b = args.head_dim, 1
     sl = seqlen // world
@@ -194,13 +181,13 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
     # bare exchange (forward: q|k|v in + out) and local attention
     n_in, n_out = 3 * q.numel(), q.numel()
     s_in, r_in, s_out, r_out = (q.new_empty(n) for n in (n_in, n_in, n_out, n_out))
-    res["t_comm_fwd"] = _time(lambda: (all_to_all_flat(s_in, r_in, group), all_to_all_flat(s_out, r_out, group)),
+    res["t_comm_fwd"] = median_ms(lambda: (all_to_all_flat(s_in, r_in, group), all_to_all_flat(s_out, r_out, group)),
                               args.iters, args.warmup, group)
     for suffix, tr_name in TRANSPORT_SUFFIXES.items():  # the same bare exchange through the copy engines
         if any(split_transport(n)[1] == tr_name for n in modes):
             tr = spx.default_transports().get(tr_name, group, q.device)
             tr.all_to_all(s_in, r_in)  # grow the workspace outside the timed region
-            res[f"t_comm_fwd{suffix}"] = _time(lambda tr=tr: (tr.all_to_all(s_in, r_in), tr.all_to_all(s_out, r_out)),
+            res[f"t_comm_fwd{suffix}"] = median_ms(lambda tr=tr: (tr.all_to_all(s_in, r_in), tr.all_to_all(s_out, r_out)),
                                                args.iters, args.warmup, group)
     # the floor: this rank's share (ceil(H/P) heads over the full L) as one SDPA call, same job
     res["floor"] = floor_ms(group, h, seqlen, d, args.causal, iters=args.iters, warmup=args.warmup)
@@ -254,33 +241,10 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
         del o, grads
     # 2. timing, interleaved: every repetition times each mode once, so clock and allocator drift
     #    hit all modes alike (sequential per-mode timing showed a +-5% spread between identical code)
-    t_f = {n: [] for n in fns}
-    t_fb = {n: [] for n in fns}
-    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    for it in range(iters):
-        order = rotated(list(fns.items()), it)  # each mode leads equally often: no slot bias
-        for name, fn in order:
-            a, b = ev(), ev()
-            with torch.no_grad():
-                a.record()
-                fn(q, k, v)
-                b.record()
-            b.synchronize()
-            t_f[name].append(a.elapsed_time(b))
-        for name, fn in order:
-            a, b = ev(), ev()
-            a.record()
-            fb(fn)
-            b.record()
-            b.synchronize()
-            t_fb[name].append(a.elapsed_time(b))
+    t_f, t_fb = interleaved_ms([{n: (lambda fn=fn: no_grad(fn)(q, k, v)) for n, fn in fns.items()},
+                                {n: (lambda fn=fn: fb(fn)) for n, fn in fns.items()}], iters, group)
     for name in fns:
-        t = torch.tensor([sorted(t_f[name])[len(t_f[name]) // 2], sorted(t_fb[name])[len(t_fb[name]) // 2]],
-                         device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        res["modes"][name]["fwd_ms"], res["modes"][name]["fwd_bwd_ms"] = float(t[0]), float(t[1])
+        res["modes"][name]["fwd_ms"], res["modes"][name]["fwd_bwd_ms"] = t_f[name], t_fb[name]
         add_ratios(res["modes"][name], res["floor"])
         fn = fns[name]
         if hasattr(fn, "mesh_of"):  # what placement="auto" built for this shape
@@ -355,18 +319,11 @@ def _worker(rank, world, port, args, part_path):
     if args.trace and world > 1:
         h = args.heads[-1]
         trace = overlap_trace(group, h, args.seqlens[min(1, len(args.seqlens) - 1)], min(4, h // world), args)
-    if rank == 0:
-        with open(part_path, "w") as f:
-            json.dump({"results": out, "trace": trace}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(rank, part_path, {"results": out, "trace": trace})
 
 
 def write_reports(results, traces, args):
-    os.makedirs(args.out, exist_ok=True)
     meta = run_meta(torch=torch.__version__, causal=args.causal, dtype="bf16", B=1, D=args.head_dim)
-    with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
-        json.dump({"meta": meta, "results": results, "overlap_traces": traces}, f, indent=1)
     modes = []
     for r in results:
         for m in r["modes"]:
@@ -389,13 +346,9 @@ def write_reports(results, traces, args):
         lines.append(f"| {r['P']} | {r['H']} | {r['L'] // 1024}K | {fl.get('fwd', 0):.2f} / {fl.get('fwd_bwd', 0):.2f} | "
                      f"{r.get('rho', 0):.2f} | {r.get('bound_fwd', 0):.2f}x | "
                      + " | ".join(cells) + " |")
-    with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib  # noqa: PLC0415
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+    write_results(args.out, args.tag, {"meta": meta, "results": results, "overlap_traces": traces}, lines)
+
+    def draw(plt):
         keys = sorted({(r["P"], r["H"]) for r in results})
         fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
         for ax, (p, h) in zip(axes[0], keys):
@@ -410,10 +363,8 @@ def write_reports(results, traces, args):
             ax.set_ylabel("speedup vs plain Ulysses")
             ax.axhline(1.0, color="gray", lw=0.5)
         axes[0][0].legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, f"{args.tag}.png"), dpi=90)
-    except Exception as e:  # noqa: BLE001
-        print(f"[bench] plot skipped: {e}")
+        return fig
+    plot_or_skip(os.path.join(args.out, f"{args.tag}.png"), draw)
 
 
 def main() -> None:
@@ -435,7 +386,7 @@ def main() -> None:
     args.heads = [int(x) for x in args.heads.split(",")]
     args.seqlens = [int(x) for x in args.seqlens.split(",")]
     results, traces = [], []
-    for got in run_world_sizes(_worker, [int(x) for x in args.world_sizes.split(",")], args, args.out, args.tag):
+    for got in launch(_worker, [int(x) for x in args.world_sizes.split(",")], args, args.out, args.tag):
         results += got["results"]
         if got["trace"]:
             traces.append({"P": got["results"][0]["P"], **got["trace"]})

@@ -27,19 +27,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
-import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.floor import add_ratios, floor_ms  # noqa: E402
-from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, run_world_sizes, transports_for_links  # noqa: E402
+from tools.benchlib import (finish_worker, init_nccl_rank, interleaved_ms, launch, links_option,  # noqa: E402
+                            no_grad, run_meta, transports_for_links, write_results)
 import megatron_sp_ext as spx  # noqa: E402
-from tools.bench_attention import TRANSPORT_SUFFIXES, rotated  # noqa: E402
+from tools.bench_attention import TRANSPORT_SUFFIXES  # noqa: E402
 from training.video_dit.config import preset  # noqa: E402
 
 
@@ -132,9 +132,9 @@ def bench(rank, world, group, cfg, seqlen, args):
         return lambda: allgather_self_attention(x, w_qkv, b_qkv, w_o, b_o, group, num_heads=h, num_kv_heads=h,
                                                 prep=prep_full, norm_q_weight=nq, norm_k_weight=nk, head_chunks=c,
                                                 transport=tr, fused=fused)
-    from megatron_sp_ext.sp.async_block import make_async_plan, project_and_exchange  # noqa: PLC0415
-    from megatron_sp_ext.sp.gather_block import allgather_self_attention, make_gather_plan, project_gathered  # noqa
-    from megatron_sp_ext.sp.block_policy import BlockPolicy  # noqa: PLC0415
+    from megatron_sp_ext.sp.layers.async_qkv import make_async_plan, project_and_exchange  # noqa: PLC0415
+    from megatron_sp_ext.sp.layers.allgather import allgather_self_attention, make_gather_plan, project_gathered  # noqa
+    from megatron_sp_ext.sp.layers.policy import BlockPolicy  # noqa: PLC0415
 
     def pre(fused, c, tr="nccl"):
         """Pre-attention part only: projections + prep + exchanges until q, k, v have all arrived."""
@@ -197,9 +197,6 @@ def bench(rank, world, group, cfg, seqlen, args):
         pre_modes[f"pre_plain_{tr}"], pre_modes[f"pre_async_{tr}"] = pre(True, 1, tr), pre(False, 1, tr)
         if tr != "copy_engine":
             pre_modes[f"pre_allgather_{tr}"] = pre_gather(tr)
-    ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-    t_f = {n: [] for n in modes}
-    t_fb = {n: [] for n in modes}
     peak = {}
     for n, fn in modes.items():  # warm-up (auto calibrates here, for training and for inference), then the
         for _ in range(2):        # peak memory of one fwd+bwd above what was allocated before it
@@ -212,38 +209,16 @@ def bench(rank, world, group, cfg, seqlen, args):
         fn().backward(dy)
         torch.cuda.synchronize()
         peak[n] = (torch.cuda.max_memory_allocated() - base) / 2**30
-    t_pre = {n: [] for n in pre_modes}
     for fn in pre_modes.values():
         with torch.no_grad():
             fn()
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    def forward_ms(fn):
-        a, b = ev(), ev()
-        with torch.no_grad():
-            a.record()
-            fn()
-            b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
-    for it in range(args.iters):
-        for n, fn in rotated(list(pre_modes.items()), it):
-            t_pre[n].append(forward_ms(fn))
-        order = rotated(list(modes.items()), it)  # each mode leads equally often
-        for n, fn in order:
-            t_f[n].append(forward_ms(fn))
-        for n, fn in order:
-            a, b = ev(), ev()
-            a.record()
-            fn().backward(dy)
-            b.record()
-            b.synchronize()
-            t_fb[n].append(a.elapsed_time(b))
+    t_pre, t_f, t_fb = interleaved_ms([{n: no_grad(fn) for n, fn in pre_modes.items()},
+                                       {n: no_grad(fn) for n, fn in modes.items()},
+                                       {n: (lambda fn=fn: fn().backward(dy)) for n, fn in modes.items()}],
+                                      args.iters, group)
     res = {"P": world, "model": cfg.dim, "heads": h, "L": seqlen, "modes": {}}
     for n in modes:
-        t = torch.tensor([sorted(t_f[n])[len(t_f[n]) // 2], sorted(t_fb[n])[len(t_fb[n]) // 2]], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        res["modes"][n] = {"fwd_ms": float(t[0]), "fwd_bwd_ms": float(t[1]), "peak_mem_gib": peak[n]}
+        res["modes"][n] = {"fwd_ms": t_f[n], "fwd_bwd_ms": t_fb[n], "peak_mem_gib": peak[n]}
     p = res["modes"]["plain"]
     # the attention floor of this block (its projections come on top): one SDPA call of this rank's heads
     res["floor"] = floor_ms(group, h, seqlen, d, False, iters=args.iters, warmup=2)
@@ -255,11 +230,7 @@ def bench(rank, world, group, cfg, seqlen, args):
             e["speedup_fwd_vs_deepspeed"] = ds_e["fwd_ms"] / e["fwd_ms"]
             e["speedup_fwd_bwd_vs_deepspeed"] = ds_e["fwd_bwd_ms"] / e["fwd_bwd_ms"]
             e["peak_mem_vs_deepspeed"] = e["peak_mem_gib"] / ds_e["peak_mem_gib"] if ds_e["peak_mem_gib"] else None
-    res["pre_attention"] = {}
-    for n in pre_modes:
-        t = torch.tensor(sorted(t_pre[n])[len(t_pre[n]) // 2], device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        res["pre_attention"][n] = {"ms": float(t)}
+    res["pre_attention"] = {n: {"ms": t_pre[n]} for n in pre_modes}
     for n, e in res["pre_attention"].items():
         base = res["pre_attention"]["pre_plain"]["ms"]
         e["speedup_vs_pre_plain"] = base / e["ms"]
@@ -282,11 +253,7 @@ def _worker(rank, world, port, args, path):
                 f"{n}={e['fwd_ms']:.2f}/{e['fwd_bwd_ms']:.2f}" for n, e in r["modes"].items())
                 + " | pre-attention " + " ".join(f"{n}={e['ms']:.3f}" for n, e in r["pre_attention"].items())
                 + f" | auto: {r['auto_choice']}", flush=True)
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(rank, path, out)
 
 
 # -- --tp T: the TP x CP block against Megatron's own TP-SP self-attention ---------------------------------
@@ -373,17 +340,6 @@ def tp_bench(tp: int, *, dim: int, heads: int, head_dim: int, seqlen: int, chunk
             kw = {} if mode == "auto" else {"sp_form": mode}
             return attn(x, None, rotary_pos_emb=freqs, **kw)[0]
 
-        def sync():
-            if device == "cuda":
-                torch.cuda.synchronize()
-
-        def timed(fn):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            return (time.perf_counter() - t0) * 1e3
-
         def fwd(mode):
             with torch.no_grad():
                 return call(mode)
@@ -395,25 +351,17 @@ def tp_bench(tp: int, *, dim: int, heads: int, head_dim: int, seqlen: int, chunk
             for _ in range(2):
                 fwd_bwd(m)
                 outs[m] = fwd(m).float()
-        t_f, t_fb = {m: [] for m in modes}, {m: [] for m in modes}
-        dist.barrier()
-        for it in range(iters):
-            order = rotated(list(modes), it)  # each mode leads equally often
-            for m in order:
-                t_f[m].append(timed(lambda: fwd(m)))
-            for m in order:
-                t_fb[m].append(timed(lambda: fwd_bwd(m)))
+        t_f, t_fb = interleaved_ms([{m: (lambda m=m: fwd(m)) for m in modes},
+                                    {m: (lambda m=m: fwd_bwd(m)) for m in modes}], iters, dist.group.WORLD,
+                                   clock="wall", device=device)  # the host clock: this also runs on CPU
         res = {"tp": tp, "cp": cp, "dim": dim, "heads": heads, "L": seqlen, "chunks": chunks, "causal": causal,
                "modes": {}}
         ref = outs.get("megatron")
         for m in modes:
-            t = torch.tensor([sorted(t_f[m])[len(t_f[m]) // 2], sorted(t_fb[m])[len(t_fb[m]) // 2]],
-                             dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
             diff = torch.tensor([0.0 if ref is None else float((outs[m] - ref).norm() / ref.norm())],
                                 dtype=torch.float64, device=device)
             dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-            res["modes"][m] = {"fwd_ms": float(t[0]), "fwd_bwd_ms": float(t[1]), "rel_diff_vs_megatron": float(diff)}
+            res["modes"][m] = {"fwd_ms": t_f[m], "fwd_bwd_ms": t_fb[m], "rel_diff_vs_megatron": float(diff)}
         base = res["modes"].get("megatron", next(iter(res["modes"].values())))
         for e in res["modes"].values():
             e["speedup_fwd"], e["speedup_fwd_bwd"] = base["fwd_ms"] / e["fwd_ms"], base["fwd_bwd_ms"] / e["fwd_bwd_ms"]
@@ -440,39 +388,26 @@ def _tp_worker(rank, world, port, args, path):
                 print(f"[block TP={r['tp']} CP={r['cp']} {name} L={seqlen} causal={causal}] " + " ".join(
                     f"{m}={e['fwd_ms']:.2f}/{e['fwd_bwd_ms']:.2f}" for m, e in r["modes"].items())
                     + f" | auto: {r['auto_choice']}", flush=True)
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(rank, path, out)
 
 
-def write_results(args, stem: str, meta: dict, results: list, lines: list) -> None:
+def _rows(worker, args, stem: str) -> Optional[list]:
+    """Every world size's rows in one list (``launch``: torchrun or spawned ranks); None on torchrun ranks > 0."""
+    per_world = launch(worker, [int(w) for w in args.world_sizes.split(",")], args, args.out, stem)
+    return None if per_world is None else [r for rs in per_world for r in rs]
+
+
+def write_tables(args, stem: str, meta: dict, results: list, lines: list) -> None:
     """<out>/<stem>[_<tag>].json (meta + results) and .md (the table ``lines``); the table printed too."""
-    tag = f"_{args.tag}" if args.tag else ""
-    with open(os.path.join(args.out, f"{stem}{tag}.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    with open(os.path.join(args.out, f"{stem}{tag}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, stem + (f"_{args.tag}" if args.tag else ""), {"meta": meta, "results": results}, lines)
 
 
 def tp_main(args) -> None:
     """``--tp T``: under torchrun one world (this process's rank); else spawned ranks per --world-sizes."""
     stem = f"block_tp{args.tp}"
-    if "LOCAL_RANK" in os.environ:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"_{stem}_P{world}.json")
-        _tp_worker(rank, world, int(os.environ["MASTER_PORT"]), args, path)
-        if rank != 0:
-            return
-        with open(path) as f:
-            results = json.load(f)
-        os.remove(path)
-    else:
-        results = [r for rs in run_world_sizes(_tp_worker, [int(w) for w in args.world_sizes.split(",")], args,
-                                               args.out, stem) for r in rs]
+    results = _rows(_tp_worker, args, stem)
+    if results is None:  # a torchrun rank other than 0
+        return
     meta = run_meta()
     lines = [f"{meta['device']}, {meta['date']}, bf16, links {meta.get('links', 'nvlink')}; fwd ms / fwd+bwd ms "
              "(speedup vs megatron: Megatron's own TP-SP self-attention); output rel. diff vs megatron", "",
@@ -485,7 +420,7 @@ def tp_main(args) -> None:
                          f"({e['speedup_fwd_bwd']:.2f}x) | {e['rel_diff_vs_megatron']:.1e} |")
         lines.append(f"| {r['tp']} | {r['cp']} | {r['model']} | {r['L'] // 1024}K | {r['causal']} | auto chose | "
                      + ", ".join(f"{k}: {v['form']}" for k, v in r["auto_choice"].items()) + " | | |")
-    write_results(args, stem, meta, results, lines)
+    write_tables(args, stem, meta, results, lines)
 
 
 def main():
@@ -518,8 +453,9 @@ def main():
     args.chunks = [int(c) for c in args.chunks.split(",")]
     args.transports = (args.transports.split(",") if args.transports
                        else transports_for_links(["nccl", "symm_mem"]))
-    per_world = run_world_sizes(_worker, [int(w) for w in args.world_sizes.split(",")], args, args.out, "block")
-    results = [r for rs in per_world for r in rs]
+    results = _rows(_worker, args, "block")
+    if results is None:  # a torchrun rank other than 0
+        return
     meta = run_meta()
     lines = [f"{meta['device']} x P, {meta['date']}, bf16; fwd ms / fwd+bwd ms (speedup vs plain) [ratio to the "
              "attention floor: one SDPA call of ceil(H/P) heads over L, same job; the block adds its GEMMs]", "",
@@ -533,7 +469,7 @@ def main():
                          f"{e['floor_fwd_bwd_ms']:.2f} | {e['peak_mem_gib']:.2f} |")
         lines.append(f"| {r['P']} | {r['model']} | {r['heads']} | {r['L'] // 1024}K | pre-attention | " + ", ".join(
             f"{n} {e['ms']:.3f} ms ({e['speedup_vs_pre_plain']:.2f}x)" for n, e in r["pre_attention"].items()) + " | | | |")
-    write_results(args, "block", meta, results, lines)
+    write_tables(args, "block", meta, results, lines)
 
 
 if __name__ == "__main__":

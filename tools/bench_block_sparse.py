@@ -40,7 +40,6 @@ import itertools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from typing import Callable, Optional
@@ -54,7 +53,7 @@ from megatron_sp_ext.sp.calibration import time_ms, wall_time_ms  # noqa: E402
 from megatron_sp_ext.sp.placement import positions  # noqa: E402
 from megatron_sp_ext.sp.ring.sparse import sparse_ring_plan  # noqa: E402
 from tools.bench_kernels import _plain  # noqa: E402
-from tools.gpu_ranks import run_meta  # noqa: E402
+from tools.benchlib import git_commit, run_meta, write_json  # noqa: E402
 from training.video_dit.sparse import window_block_mask  # noqa: E402
 
 Fns = tuple[Callable[[], object], Callable[[], object]]
@@ -272,9 +271,8 @@ def run(args) -> dict:
                        if kernels.by_setting(k).why_not(kernels.KernelCall(dev, dtype, d, frozenset({"tiles"}))) is None]
     dense = [n for n in args.dense_kernels.split(",") if n in backends.available_backends()]
     skipped = [n for n in args.dense_kernels.split(",") if n not in dense]
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_block_sparse.json")
-    doc = {"meta": run_meta(torch=torch.__version__, git_commit=_git_commit(),
+    doc = {"meta": run_meta(torch=torch.__version__, git_commit=git_commit(),
                             utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                             dtype=str(dtype), head_dim=d, block_size=bs, causal=False,
                             dense_kernels=dense, dense_kernels_not_installed=skipped,
@@ -284,8 +282,7 @@ def run(args) -> dict:
 
     def done(row: dict) -> None:
         doc["rows"].append(row)
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(path, doc)
         print(json.dumps({k: v for k, v in row.items() if k != "counts_per_rank"}), flush=True)
 
     for s in (int(x) for x in args.seqlens.split(",")):
@@ -330,8 +327,7 @@ def run(args) -> dict:
                 for row in ring_rows(bm, meta, s, h, d, p, args, dev, dtype):
                     done(row)
     doc["table"] = table(doc["rows"])
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(path, doc)
     print(doc["table"])
     print(f"wrote {path}")
     return doc
@@ -370,14 +366,6 @@ def _recompile_limit() -> Optional[int]:
         except AttributeError:
             continue
     return None
-
-
-def _git_commit() -> Optional[str]:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -36,7 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.floor import _median_ms, add_ratios, floor_ms  # noqa: E402
+from tools.benchlib import init_world, median_ms, plot_or_skip, run_meta, write_results  # noqa: E402
+from tools.floor import add_ratios, floor_ms  # noqa: E402
 
 TOL = 2e-2   # norm-wise relative error vs our plain Ulysses, bf16
 OURS = ("ring", "tasp", "ulysses", "ulysses_zigzag", "usp")
@@ -95,8 +95,8 @@ def run_ours(name, fn, full, group, causal, args):
         o.backward(do)
         return o
     with torch.no_grad():
-        t_f = _median_ms(lambda: fn(q, k, v), args.iters, args.warmup, group)
-    t_fb = _median_ms(fb, args.iters, args.warmup, group)
+        t_f = median_ms(lambda: fn(q, k, v), args.iters, args.warmup, group)
+    t_fb = median_ms(fb, args.iters, args.warmup, group)
     o = fb()
     got = [_gather_full(t, group, pl) for t in (o.detach(), qg.grad, kg.grad, vg.grad)]
     return {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "placement": pl}, got
@@ -121,9 +121,9 @@ def run_torch_cp(method, full, mesh, group, causal, args):
                 o.backward(do)
                 return o
             with torch.no_grad():
-                t_f = _median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                t_f = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                                  args.iters, args.warmup, group)
-            t_fb = _median_ms(fb, args.iters, args.warmup, group)
+            t_fb = median_ms(fb, args.iters, args.warmup, group)
             o = fb()
             local = [t.transpose(1, 2) for t in (o.detach(), qg.grad, kg.grad, vg.grad)]
     finally:
@@ -170,9 +170,7 @@ def bench_row(group, mesh, h, seqlen, causal, modes, args, mesh_cache):
 
 
 def write_reports(rows, args, meta):
-    stem = os.path.join(args.out, f"bench_cp_{args.links}_P{rows[0]['P']}")
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    name = f"bench_cp_{args.links}_P{rows[0]['P']}"
     modes = []
     for r in rows:
         modes += [m for m in r["modes"] if m not in modes]
@@ -194,13 +192,9 @@ def write_reports(rows, args, meta):
         fl = r["floor"]
         lines.append(f"| {r['H']} | {r['L'] // 1024}K | {'yes' if r['causal'] else 'no'} | "
                      f"{fl['fwd']:.1f} / {fl['fwd_bwd']:.1f} | " + " | ".join(cells) + " |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
-    try:
-        import matplotlib  # noqa: PLC0415
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+    write_results(args.out, name, {"meta": meta, "rows": rows}, lines)
+
+    def draw(plt):
         fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 4))
         width = 0.8 / max(1, len(modes))
         for i, m in enumerate(modes):
@@ -213,10 +207,8 @@ def write_reports(rows, args, meta):
         ax.set_ylabel("fwd+bwd time / floor (lower is better)")
         ax.set_title(f"context parallel, P={rows[0]['P']}, links={args.links}")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=90)
-    except Exception as e:  # noqa: BLE001
-        print(f"[bench_cp] plot skipped: {e}")
+        return fig
+    plot_or_skip(os.path.join(args.out, name + ".png"), draw, "bench_cp")
 
 
 def main() -> None:
@@ -238,10 +230,7 @@ def main() -> None:
         os.environ["NCCL_P2P_DISABLE"] = "1"
     for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(k, "1" if k != "NCCL_NVLS_ENABLE" else "0")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank),
-                            timeout=datetime.timedelta(seconds=600))
+    init_world("nccl", timeout_s=600)
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     world = dist.get_world_size()
     mesh = init_device_mesh("cuda", (world,))
@@ -260,11 +249,8 @@ def main() -> None:
                     print(f"[bench_cp P={world} H={h} L={L} causal={causal} {time.time() - t0:.0f}s] "
                           f"floor={r['floor']['fwd_bwd']:.1f} {brief}", flush=True)
     if dist.get_rank() == 0:
-        os.makedirs(args.out, exist_ok=True)
-        meta = {"date": datetime.datetime.utcnow().isoformat(timespec="seconds"),
-                "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                "nccl": str(torch.cuda.nccl.version()), "command": " ".join(sys.argv),
-                "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE", "")}
+        meta = run_meta(date=datetime.datetime.utcnow().isoformat(timespec="seconds"), torch=torch.__version__,
+                        nccl=str(torch.cuda.nccl.version()), NCCL_P2P_DISABLE=os.environ.get("NCCL_P2P_DISABLE", ""))
         write_reports(rows, args, meta)
         bad = [(r["L"], r["causal"], m) for r in rows for m, e in r["modes"].items() if e.get("ok") is False]
         if bad:

@@ -16,7 +16,6 @@ tools/bench_train_step.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, run_world_sizes  # noqa: E402
-from megatron_sp_ext.sp.block_policy import BlockChoice, BlockPolicy  # noqa: E402
-from tools.bench_attention import rotated  # noqa: E402
+from tools.benchlib import (finish_worker, init_nccl_rank, interleaved_ms, launch, links_option,  # noqa: E402
+                            run_meta, write_results)
+from megatron_sp_ext.sp.layers.policy import BlockChoice, BlockPolicy  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
-from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
+from training.video_dit.fused import resolve_fused  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
 
@@ -80,24 +79,13 @@ def _worker(rank, world, port, args, path):
     for lab, how in forms.items():  # warm-up; auto calibrates here
         for _ in range(2):
             losses[lab] = step(how)
-    torch.cuda.synchronize()
-    times = {lab: [] for lab in forms}
-    for it in range(args.iters):
-        for lab, how in rotated(list(forms.items()), it):  # each form leads equally often
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            dist.barrier(group=group)
-            a.record()
-            step(how)
-            b.record()
-            b.synchronize()
-            times[lab].append(a.elapsed_time(b))
+    step_ms, = interleaved_ms([{lab: (lambda how=how: step(how)) for lab, how in forms.items()}], args.iters,
+                              group, barrier_each=True)  # each form leads equally often
     res = {"P": world, "model": args.model, "layers": cfg.layers, "tokens": inp.n_valid, "forms": {}}
     for lab in forms:
-        t = torch.tensor([sorted(times[lab])[len(times[lab]) // 2]], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         ls = losses[lab].clone()
         dist.all_reduce(ls)
-        res["forms"][lab] = {"step_ms": float(t), "loss": float(ls)}
+        res["forms"][lab] = {"step_ms": step_ms[lab], "loss": float(ls)}
     base = res["forms"][args.forms[0]]
     for e in res["forms"].values():
         e["speedup"] = base["step_ms"] / e["step_ms"]
@@ -109,10 +97,7 @@ def _worker(rank, world, port, args, path):
         print(f"[dit P={world}] " + " ".join(f"{lab}={e['step_ms']:.1f}ms ({e['speedup']:.3f}x)"
                                              for lab, e in res["forms"].items()) + f" | auto: {res['auto_choice']}",
               flush=True)
-        with open(path, "w") as f:
-            json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(rank, path, res)
 
 
 def main():
@@ -136,18 +121,9 @@ def main():
     for lab in args.forms:
         if lab != "auto" and lab not in CORE_FORMS:
             parse_form(lab)
-    if "LOCAL_RANK" in os.environ:  # launched by torchrun (as users launch training): one world, this process
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"_dit_P{world}.json")
-        _worker(rank, world, int(os.environ["MASTER_PORT"]), args, path)
-        if rank != 0:
-            return
-        with open(path) as f:
-            results = [json.load(f)]
-        os.remove(path)
-    else:
-        results = run_world_sizes(_worker, [int(w) for w in args.world_sizes.split(",")], args, args.out, "dit")
+    results = launch(_worker, [int(w) for w in args.world_sizes.split(",")], args, args.out, "dit")
+    if results is None:  # a torchrun rank other than 0
+        return
     meta = run_meta()
     lines = [f"{meta['device']} x P, {meta['date']}; DiT fwd+bwd step ms, interleaved (speedup vs "
              f"{args.forms[0]}; loss rel. diff)", "", "| P | model | layers | tokens | form | step ms | speedup | "
@@ -156,12 +132,8 @@ def main():
         for lab, e in r["forms"].items():
             lines.append(f"| {r['P']} | {r['model']} | {r['layers']} | {r['tokens']} | {lab} | {e['step_ms']:.1f} | "
                          f"{e['speedup']:.3f}x | {e['loss_rel_diff']:.1e} |")
-    tag = f"_{args.tag}" if args.tag else ""
-    with open(os.path.join(args.out, f"dit_step{tag}.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    with open(os.path.join(args.out, f"dit_step{tag}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, "dit_step" + (f"_{args.tag}" if args.tag else ""), {"meta": meta, "results": results},
+                  lines)
 
 
 if __name__ == "__main__":

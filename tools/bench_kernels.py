@@ -24,8 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.attention import backends, kernels, varlen  # noqa: E402
-from megatron_sp_ext.sp.calibration import time_ms  # noqa: E402
-from tools.gpu_ranks import run_meta  # noqa: E402
+from tools.benchlib import median_ms, run_meta, write_json  # noqa: E402
 
 KERNELS = ("cudnn", "fa4")
 
@@ -105,8 +104,8 @@ def _row(kind, make, flops, iters, warmup):
         o = fwd_bwd()
         torch.cuda.synchronize()
         row[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 3)
-        row[f"{name}_fwd_ms"] = time_ms(fwd, iters, warmup, None, long_ms=None)
-        row[f"{name}_fwd_bwd_ms"] = time_ms(fwd_bwd, iters, warmup, None, long_ms=None)
+        row[f"{name}_fwd_ms"] = median_ms(fwd, iters, warmup, None)
+        row[f"{name}_fwd_bwd_ms"] = median_ms(fwd_bwd, iters, warmup, None)
         row[f"{name}_fwd_tflops"] = round(flops / row[f"{name}_fwd_ms"] / 1e9, 1)
         row[f"{name}_bwd_tflops"] = round(2.5 * flops / (row[f"{name}_fwd_bwd_ms"] - row[f"{name}_fwd_ms"]) / 1e9, 1)
         o = fwd_bwd()
@@ -121,9 +120,8 @@ def _row(kind, make, flops, iters, warmup):
 
 
 def _write(path: str, rows: list) -> None:
-    with open(path, "w") as f:   # after every row: a run cut short keeps what it measured
-        json.dump({"meta": run_meta(torch=torch.__version__, cudnn=torch.backends.cudnn.version()), "rows": rows},
-                  f, indent=1)
+    # after every row: a run cut short keeps what it measured
+    write_json(path, {"meta": run_meta(torch=torch.__version__, cudnn=torch.backends.cudnn.version()), "rows": rows})
 
 
 def main() -> None:
@@ -141,7 +139,6 @@ def main() -> None:
     seqlens = [int(x) for x in args.seqlens.split(",")]
     kinds = args.kinds.split(",")
     d, rows = args.head_dim, []
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_kernels.json")
 
     def done(row: dict) -> None:

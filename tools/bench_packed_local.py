@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.sp.ulysses import layout as lay  # noqa: E402
 from megatron_sp_ext.sp.ulysses.packed import packed_head_layout  # noqa: E402
-from tools.bench_attention import rotated  # noqa: E402
+from tools.benchlib import interleaved_ms, write_json  # noqa: E402
 from training.video_dit.fused import ElementwiseOps  # noqa: E402
 
 _QKV = ("q", "kv", "kv")
@@ -80,25 +80,13 @@ def main() -> None:
     for fn, bwd in cases.values():  # compile and warm up
         for _ in range(3):
             fn(bwd)
-    torch.cuda.synchronize()
-    times = {k: [] for k in cases}
-    for i in range(args.iters):
-        for name, (fn, bwd) in rotated(list(cases.items()), i):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(bwd)
-            b.record()
-            b.synchronize()
-            times[name].append(a.elapsed_time(b))
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    med, = interleaved_ms([{name: (lambda fn=fn, bwd=bwd: fn(bwd)) for name, (fn, bwd) in cases.items()}], args.iters)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": h, "head_dim": d,
            "tokens": t, "world": p, "chunks": args.chunks, "median_ms": med,
            "speedup_fwd": med["plain_fwd"] / med["packed_fwd"],
            "speedup_fwd_bwd": med["plain_fwd_bwd"] / med["packed_fwd_bwd"]}
     print(json.dumps(res), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"packed_local_H{h}_T{t}_P{p}_C{args.chunks}.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(os.path.join(args.out, f"packed_local_H{h}_T{t}_P{p}_C{args.chunks}.json"), res)
 
 
 if __name__ == "__main__":

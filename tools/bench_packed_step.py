@@ -22,7 +22,6 @@ count does not divide by P is padded per sample, as --pack-samples does).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.benchlib import init_world, write_json  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
     own = not dist.is_initialized()
     if own:
         if "RANK" in os.environ:
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+            init_world(timeout_s=600)
         else:  # a plain python run: one rank
             dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -170,10 +170,7 @@ def main(argv=None) -> dict:
         if "packed" in r and other in r:
             result[f"packed_speedup_vs_{other}"] = r[other]["step_ms"] / r["packed"]["step_ms"]
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "bench_packed_step.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        path = write_json(os.path.join(args.out, "bench_packed_step.json"), result)
         print(json.dumps({k: v for k, v in result.items() if k != "variants"}), flush=True)
         for v, row in r.items():
             print(f"{v:>10}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} real tokens/s, "

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron_sp_ext as spx  # noqa: E402
-from megatron_sp_ext.sp.calibration import time_ms, wall_time_ms  # noqa: E402
-from tools.gpu_ranks import init_nccl_rank, links_option, run_meta, spawn  # noqa: E402
+from tools.benchlib import (finish_worker, init_nccl_rank, links_option, median_ms, run_meta,  # noqa: E402
+                            run_world_sizes, write_json)
 
 CASES = {  # Wan-style clips of different sizes; many short clips / images
     "video_mixed": [32760, 14040, 4680],
@@ -106,9 +106,9 @@ def worker(rank: int, world: int, port: int, args, path: str) -> None:
 
                     def fwd_bwd():
                         _call(mode, qq, kk, vv, g, causal, placement, cu_t).backward(do)
-                    timer = time_ms if device.type == "cuda" else wall_time_ms  # median, max over the ranks
-                    rec["fwd_ms"] = timer(fwd, args.iters, args.warmup, g, long_ms=None)
-                    rec["fwd_bwd_ms"] = timer(fwd_bwd, args.iters, args.warmup, g, long_ms=None)
+                    cuda = device.type == "cuda"  # median, max over the ranks
+                    rec["fwd_ms"] = median_ms(fwd, args.iters, args.warmup, g, cuda)
+                    rec["fwd_bwd_ms"] = median_ms(fwd_bwd, args.iters, args.warmup, g, cuda)
                     row["modes"][mode] = rec
                 if rank == 0:
                     from megatron_sp_ext.attention.backends import get_backend
@@ -121,10 +121,7 @@ def worker(rank: int, world: int, port: int, args, path: str) -> None:
                     row["ring_calls_per_step_rank0"] = [len(plan.items(s, device)) for s in range(world)]
                     print(json.dumps(row), flush=True)
                 rows.append(row)
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(rows, f)
-    dist.destroy_process_group()
+    finish_worker(rank, path, rows, barrier=False)
 
 
 def main() -> None:
@@ -142,21 +139,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     links_option(ap)
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     limit = torch.cuda.device_count() if args.device == "cuda" else max(args.world_sizes)
-    results = []
-    for world in args.world_sizes:
-        if world > limit:
-            print(f"P={world} skipped: only {limit} devices", flush=True)
-            continue
-        path = os.path.join(args.out, f"_bench_ring_varlen_P{world}.json")
-        spawn(worker, world, args, path)
-        with open(path) as f:
-            results += json.load(f)
-        os.remove(path)
-    out = os.path.join(args.out, f"bench_ring_varlen_{args.links}.json")
-    with open(out, "w") as f:
-        json.dump({**run_meta(), "rows": results}, f, indent=1)
+    results = [row for rows in run_world_sizes(worker, args.world_sizes, args, args.out, "bench_ring_varlen",
+                                               max_world=limit) for row in rows]
+    out = write_json(os.path.join(args.out, f"bench_ring_varlen_{args.links}.json"), {**run_meta(), "rows": results})
     print(f"wrote {out}")
 
 

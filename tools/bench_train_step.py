@@ -39,10 +39,10 @@ import os
 import sys
 import tempfile
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.benchlib import init_world, run_meta, write_json  # noqa: E402
 
 VARIANTS = {"guarded": [],  # the defaults: finite check every step
             "bare_loop": ["--no-check-for-nan-in-loss-and-grad"],
@@ -124,9 +124,7 @@ def main() -> None:
     for v in args.variants.split(","):
         if v in SPARSE_VARIANTS:
             extra[v], sparse_info[v] = sparse_variant_flags(v, rest, args.sparse_tile, entry)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # shared by the runs below
+    init_world()  # shared by the runs below
     results = {}
     os.makedirs(args.out, exist_ok=True)
     for v in args.variants.split(","):
@@ -156,13 +154,10 @@ def main() -> None:
                 results[f"sparse_tokens_per_s_ratio_{v}"] = \
                     results[v]["tokens_per_s"] / results["guarded"]["tokens_per_s"]
     if int(os.environ.get("RANK", "0")) == 0:
-        from tools.gpu_ranks import run_meta  # noqa: PLC0415
         out = {"meta": run_meta(), "entry": args.entry, "argv": rest,
                "world": int(os.environ.get("WORLD_SIZE", "1")), "results": results}
         tag = f"_{args.tag}" if args.tag else ""
-        path = os.path.join(args.out, f"train_step{tag}.json")
-        with open(path, "w") as f:
-            json.dump(out, f, indent=1)
+        path = write_json(os.path.join(args.out, f"train_step{tag}.json"), out)
         print(json.dumps(out["results"], indent=1))
         print(f"wrote {path}")
     if dist.is_initialized():

@@ -34,16 +34,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tools.gpu_ranks import (bandwidth_row, init_nccl_rank, link_groups, links_option, run_meta,  # noqa: E402
-                             run_world_sizes, transports_for_links)
+from tools.benchlib import (finish_worker, init_nccl_rank, links_option, median_ms, plot_or_skip,  # noqa: E402
+                            run_meta, run_world_sizes, transports_for_links, write_json, write_results)
+from tools.gpu_ranks import bandwidth_row, link_groups  # noqa: E402
 
-
-
-def _median_ms(fn, iters, group):
-    """Median ms of ``iters`` calls after 3 warm-ups, max over ranks (bench_attention's timer)."""
-    from bench_attention import _time  # noqa: PLC0415
-    return _time(fn, iters, 3, group)
 
 
 class _PullsOnly:
@@ -100,13 +94,13 @@ def _worker(rank, world, port, args, path):
                 transports["local_copy_only"] = _LocalCopyOnly(n * 2)
             q = torch.randn(1, h // world, L, 128, device="cuda", dtype=torch.bfloat16)
             row = {"P": world, "H": h, "L": L, "bytes": n * 2}
-            row["t_attn"] = _median_ms(lambda: F.scaled_dot_product_attention(q, q, q), args.iters, group)
+            row["t_attn"] = median_ms(lambda: F.scaled_dot_product_attention(q, q, q), args.iters, 3, group)
             for name, tr in transports.items():
 
                 def comm(tr=tr):
                     for _ in range(args.repeat):
                         tr.all_to_all(send, recv)
-                row[f"t_comm_{name}"] = _median_ms(comm, args.iters, group)
+                row[f"t_comm_{name}"] = median_ms(comm, args.iters, 3, group)
 
                 attn_in_both = []
 
@@ -120,7 +114,7 @@ def _worker(rank, world, port, args, path):
                     b.record()
                     attn_in_both.append((a, b))
                     torch.cuda.current_stream().wait_stream(side)
-                t_both = _median_ms(both, args.iters, group)
+                t_both = median_ms(both, args.iters, 3, group)
                 # the attention kernel's own time while the exchange runs (its stream has nothing else):
                 # ~t_attn means the exchange did not slow attention, only its tail (or launch) showed
                 times = sorted(a.elapsed_time(b) for a, b in attn_in_both)
@@ -132,11 +126,7 @@ def _worker(rank, world, port, args, path):
             if rank == 0:
                 print("[transport] " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                                 for k, v in row.items()), flush=True)
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(rank, path, out)
 
 
 def main():
@@ -170,8 +160,6 @@ def main():
     per_world = run_world_sizes(_worker, [int(w) for w in args.world_sizes.split(",")], args, args.out, "transport")
     rows = [r for rs in per_world for r in rs]
     meta = run_meta()
-    with open(os.path.join(args.out, "transport.json"), "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1)
     names = [n for n in ("nccl", "symm_mem", "copy_engine", "host_staged", "ce_pulls_only", "local_copy_only")
              if rows and f"t_comm_{n}" in rows[0]]
     lines = [f"{meta['device']}, {meta['date']}: q|k|v exchange x{args.repeat} (ms) alone and beside flash attention",
@@ -183,9 +171,7 @@ def main():
         lines.append(f"| {r['P']} | {r['H']} | {r['L'] // 1024}K | {r['t_attn']:.2f} | " + " | ".join(
             f"{r[f't_comm_{n}']:.2f} / {r[f't_both_{n}']:.2f} / {r[f'overlap_eff_{n}']:.2f} / {r[f't_attn_beside_{n}']:.2f}"
             for n in names) + " |")
-    with open(os.path.join(args.out, "transport.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, "transport", {"meta": meta, "results": rows}, lines)
 
 
 def _sweep_worker(rank, world, port, args, path):
@@ -209,11 +195,7 @@ def _sweep_worker(rank, world, port, args, path):
         if rank == 0:
             print(f"[sweep] {label} via {tr.name}: " + ", ".join(
                 f"{r['bytes'] >> 10}KiB {r['ms']:.3f}ms {r['GBps_per_gpu']:.1f}GB/s" for r in rows), flush=True)
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(out, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(rank, path, out)
 
 
 def _check_worker(rank, world, store_dir, args, path):
@@ -264,13 +246,10 @@ def _check_worker(rank, world, store_dir, args, path):
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / 5
     tr.close()
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump({"device": str(dev), "ranks_on_one_gpu": world, "exchanges_checked_bitwise": 2 * checked,
-                       "note": "all ranks share one GPU and its PCIe link: the bandwidth is not a per-GPU figure",
-                       "ms_64MiB_per_rank": ms, "GBps_per_rank": nbytes * (world - 1) / world / ms / 1e6}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(rank, path, {"device": str(dev), "ranks_on_one_gpu": world, "exchanges_checked_bitwise": 2 * checked,
+                               "note": "all ranks share one GPU and its PCIe link: the bandwidth is not a per-GPU "
+                                       "figure",
+                               "ms_64MiB_per_rank": ms, "GBps_per_rank": nbytes * (world - 1) / world / ms / 1e6})
 
 
 def check_main(args) -> None:
@@ -284,8 +263,7 @@ def check_main(args) -> None:
     with open(path) as f:
         res = json.load(f)
     res["meta"] = run_meta()
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(path, res)
     print(json.dumps(res, indent=1))
 
 
@@ -296,26 +274,24 @@ def sweep_main(args) -> None:
     per_world = run_world_sizes(_sweep_worker, [int(w) for w in args.world_sizes.split(",")], args, args.out,
                                 "sweep")
     meta = run_meta()
-    with open(os.path.join(args.out, "links_sweep.json"), "w") as f:
-        json.dump({"meta": meta, "results": per_world}, f, indent=1)
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-    fig, axes = plt.subplots(1, len(per_world), figsize=(6 * len(per_world), 4.5), squeeze=False)
-    for ax, res in zip(axes[0], per_world):
-        for label, s in res["series"].items():
-            xs = [r["bytes"] / 2**20 for r in s["rows"]]
-            ax.plot(xs, [r["ms"] for r in s["rows"]], marker="o",
-                    label=f"{label} [{s['transport']}] {max(r['GBps_per_gpu'] for r in s['rows']):.0f} GB/s/GPU")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("all-to-all buffer per rank (MiB)")
-        ax.set_ylabel("exchange time (ms)")
-        ax.set_title(f"P={res['world']} as {res['world'] // res['machine_size']} x {res['machine_size']} "
-                     f"(emulated), {meta['device']}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "links_sweep.png"), dpi=90)
+    write_results(args.out, "links_sweep", {"meta": meta, "results": per_world})
+
+    def draw(plt):
+        fig, axes = plt.subplots(1, len(per_world), figsize=(6 * len(per_world), 4.5), squeeze=False)
+        for ax, res in zip(axes[0], per_world):
+            for label, s in res["series"].items():
+                xs = [r["bytes"] / 2**20 for r in s["rows"]]
+                ax.plot(xs, [r["ms"] for r in s["rows"]], marker="o",
+                        label=f"{label} [{s['transport']}] {max(r['GBps_per_gpu'] for r in s['rows']):.0f} GB/s/GPU")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("all-to-all buffer per rank (MiB)")
+            ax.set_ylabel("exchange time (ms)")
+            ax.set_title(f"P={res['world']} as {res['world'] // res['machine_size']} x {res['machine_size']} "
+                         f"(emulated), {meta['device']}")
+            ax.legend(fontsize=7)
+        return fig
+    plot_or_skip(os.path.join(args.out, "links_sweep.png"), draw, "sweep")
     print(json.dumps(meta.get("links_probe", {}), indent=1))
 
 

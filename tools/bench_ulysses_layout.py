@@ -28,7 +28,6 @@ Checks that every mode's output equals separate_before bitwise. Writes bench_uly
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -45,7 +44,7 @@ from megatron_sp_ext.sp.calibration import time_ms  # noqa: E402
 from megatron_sp_ext.sp.ring import RingBackend  # noqa: E402
 from megatron_sp_ext.sp.ulysses import engine as uly_engine  # noqa: E402
 from megatron_sp_ext.sp.ulysses import pack_qkv, packed_head_layout, packed_ulysses_attention  # noqa: E402
-from tools.gpu_ranks import run_meta  # noqa: E402
+from tools.benchlib import init_world, run_meta, write_results  # noqa: E402
 
 
 def _shard(x, pl, rank, world):
@@ -200,8 +199,6 @@ def bench_adapters(group, h, seqlen, d, iters, warmup, device="cuda", timer=time
 
 
 def _write_adapters(rows, out):
-    with open(os.path.join(out, "bench_ulysses_adapters.json"), "w") as f:
-        json.dump({**run_meta(), "rows": rows}, f, indent=1)
     names = ["separate_before", "separate", "fused_before", "fused", "views", "packed"]
     lines = ["| P | H | L | B | C | floor fwd+bwd ms | " + " | ".join(names) + " | bitwise |",
              "|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
@@ -213,8 +210,8 @@ def _write_adapters(rows, out):
         same = all(m[n].get("equals_before", True) for n in m)
         lines.append(f"| {r['P']} | {r['H']} | {r['L']} | {r['B']} | {r['chunks']} | {r['floor']['fwd_bwd_ms']:.2f} | "
                      + " | ".join(cells) + f" | {same} |")
-    with open(os.path.join(out, "bench_ulysses_adapters.md"), "w") as f:
-        f.write("fwd+bwd ms (ratio to the kernel floor) [copy-like kernels of one fwd+bwd]\n\n" + "\n".join(lines) + "\n")
+    write_results(out, "bench_ulysses_adapters", {**run_meta(), "rows": rows},
+                  ["fwd+bwd ms (ratio to the kernel floor) [copy-like kernels of one fwd+bwd]", "", *lines])
 
 
 def main():
@@ -230,9 +227,7 @@ def main():
     ap.add_argument("--chunks", type=int, default=1, help="--adapters: HCMS head chunks")
     ap.add_argument("--profile", action="store_true", help="--adapters: count copy-like kernels per mode")
     args = ap.parse_args()
-    dist.init_process_group("nccl")
-    rank = dist.get_rank()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    rank, _, _ = init_world("nccl")
     group = dist.group.WORLD
     rows = []
     if args.adapters:
@@ -246,7 +241,6 @@ def main():
                         f"{n} {m['fwd_bwd_ms']:.2f} ms ({m['fwd_bwd_ratio_to_floor']:.3f})"
                         for n, m in r["modes"].items()) + f", floor {r['floor']['fwd_bwd_ms']:.2f} ms", flush=True)
         if rank == 0:
-            os.makedirs(args.out, exist_ok=True)
             _write_adapters(rows, args.out)
         dist.destroy_process_group()
         return
@@ -259,9 +253,6 @@ def main():
                     f"{n} {m['fwd_bwd_ms']:.2f} ms ({m['fwd_bwd_ratio_to_floor']:.2f})" for n, m in r["modes"].items())
                     + f", floor {r['floor']['fwd_bwd_ms']:.2f} ms", flush=True)
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_ulysses_layout.json"), "w") as f:
-            json.dump({**run_meta(), "rows": rows}, f, indent=1)
         lines = ["| P | H | L | floor fwd+bwd | contiguous | zigzag | tasp_zigzag | zigzag masked (old) | zigzag/contig |",
                  "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
@@ -270,8 +261,7 @@ def main():
             lines.append(f"| {r['P']} | {r['H']} | {r['L']} | {r['floor']['fwd_bwd_ms']:.2f} | {cell('contiguous')} | "
                          f"{cell('zigzag')} | {cell('tasp_zigzag')} | {cell('zigzag_masked')} | "
                          f"{m['zigzag']['fwd_bwd_vs_contiguous']:.3f} |")
-        with open(os.path.join(args.out, "bench_ulysses_layout.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+        write_results(args.out, "bench_ulysses_layout", {**run_meta(), "rows": rows}, lines)
     dist.destroy_process_group()
 
 

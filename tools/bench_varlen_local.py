@@ -23,7 +23,6 @@ also records what varlen_kernel="auto" picks for the case (its own measurement) 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.attention import varlen  # noqa: E402
 from megatron_sp_ext.attention.backends import get_backend  # noqa: E402
-from megatron_sp_ext.sp.calibration import time_ms, wall_time_ms  # noqa: E402
+from tools.benchlib import median_ms, write_json  # noqa: E402
 
 CASES = {
     # Wan-style video clips of different durations / resolutions packed into one sequence
@@ -46,12 +45,6 @@ CASES = {
     "equal_group": [4680] * 8,
     "equal_short": [1560] * 24,
 }
-
-
-def median_ms(fn, iters: int, warmup: int) -> float:
-    """Median ms of ``iters`` calls after ``warmup`` (CUDA events; the host clock for the --device cpu smoke test)."""
-    timer = time_ms if torch.cuda.is_available() else wall_time_ms
-    return timer(fn, iters, warmup, None, long_ms=None)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -127,7 +120,9 @@ def run_case(name, lengths, h, hkv, d, causal, layout, dtype, iters, warmup, tol
            "kv_heads": hkv, "head_dim": d, "causal": causal, "layout": layout,
            "dtype": str(dtype).replace("torch.", ""), "lse_kernel": be.kernel_for(q), "methods": {}}
     fl_fwd, fl_fb, ref = floor_fns(q, k, v, do, cu, causal, scale)
-    row["floor"] = {"fwd_ms": median_ms(fl_fwd, iters, warmup), "fwd_bwd_ms": median_ms(fl_fb, iters, warmup)}
+    cuda = device.type == "cuda"  # CUDA events; the host clock for the --device cpu smoke test
+    row["floor"] = {"fwd_ms": median_ms(fl_fwd, iters, warmup, None, cuda),
+                    "fwd_bwd_ms": median_ms(fl_fb, iters, warmup, None, cuda)}
     here = varlen.methods_here(be, q)
     lse_ref = None
     for method in varlen.METHODS:
@@ -159,7 +154,8 @@ def run_case(name, lengths, h, hkv, d, causal, layout, dtype, iters, warmup, tol
             entry["status"] = "wrong"
             continue
         fwd, fb = method_fns(method, be, q, k, v, do, cu, causal, scale)
-        entry.update(status="ok", fwd_ms=median_ms(fwd, iters, warmup), fwd_bwd_ms=median_ms(fb, iters, warmup))
+        entry.update(status="ok", fwd_ms=median_ms(fwd, iters, warmup, None, cuda),
+                     fwd_bwd_ms=median_ms(fb, iters, warmup, None, cuda))
         entry["ratio_fwd"] = entry["fwd_ms"] / row["floor"]["fwd_ms"]
         entry["ratio_fwd_bwd"] = entry["fwd_bwd_ms"] / row["floor"]["fwd_bwd_ms"]
     ok = {m: e for m, e in row["methods"].items() if e.get("status") == "ok"}
@@ -223,9 +219,7 @@ def main() -> None:
                       flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.out, res)
     print(f"wrote {args.out}")
 
 

@@ -17,25 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-
-def _median_ms(fn, iters: int, warmup: int, group: Optional[dist.ProcessGroup]) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    if group is not None:
-        dist.barrier(group=group)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(iters):
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    t = torch.tensor(sorted(ts)[len(ts) // 2], device="cuda")
-    if group is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
+from tools.benchlib import median_ms
 
 
 def floor_ms(group: Optional[dist.ProcessGroup], heads: int, seqlen: int, head_dim: int = 128, causal: bool = False,
@@ -47,12 +29,12 @@ def floor_ms(group: Optional[dist.ProcessGroup], heads: int, seqlen: int, head_d
     q, k, v = (torch.randn(1, h, seqlen, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
     with torch.no_grad():
-        fwd = _median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), iters, warmup, group)
+        fwd = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), iters, warmup, group)
 
     def fb():
         F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(do)
         q.grad = k.grad = v.grad = None
-    fwd_bwd = _median_ms(fb, iters, warmup, group)
+    fwd_bwd = median_ms(fb, iters, warmup, group)
     del q, k, v, do
     return {"fwd": fwd, "fwd_bwd": fwd_bwd, "heads_per_rank": h, "seqlen": seqlen, "causal": causal,
             "kernel": "F.scaled_dot_product_attention"}

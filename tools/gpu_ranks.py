@@ -3,7 +3,7 @@
     spawn(worker, world, *args)   # runs worker(rank, world, port, *args) on ranks 0..world-1
     init_nccl_rank(rank, world, port, timeout_s)   # first line of every worker
     run_world_sizes(worker, [2, 4], args, out_dir, stem)   # one spawn per world size, rank 0's JSON back
-    run_meta()   # date, device, command line for a result file (+ the link regime and its probe)
+    run_meta()   # date, device, command line, git commit for a result file (+ the link regime and its probe)
     links_option(ap)   # --links nvlink|host|emu<M>: one line in every benchmark's argument parser
 
 The link regime (``--links``), applied in the parent before any rank starts (spawned ranks inherit it):
@@ -25,6 +25,7 @@ import glob
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 from typing import Optional
@@ -79,11 +80,21 @@ def run_world_sizes(worker, world_sizes, args, out_dir: str, stem: str, max_worl
     return results
 
 
+def git_commit() -> Optional[str]:
+    """The commit of the checkout these tools run from (None outside git)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def run_meta(**extra) -> dict:
-    """Date, device and the command line of this run (plus ``extra``), for a result file's header; with
-    ``--links``, the regime and the exchange bandwidth each world size measured (``links_probe``)."""
+    """Date, device, the command line and the git commit of this run (plus ``extra``), for a result file's
+    header; with ``--links``, the regime and the exchange bandwidth each world size measured (``links_probe``)."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    meta = {"date": datetime.date.today().isoformat(), "device": device, "command": " ".join(sys.argv)}
+    meta = {"date": datetime.date.today().isoformat(), "device": device, "command": " ".join(sys.argv),
+            "commit": git_commit()}
     if os.environ.get(LINKS_ENV):
         meta["links"] = os.environ[LINKS_ENV]
         meta["NCCL_P2P_DISABLE"] = os.environ.get("NCCL_P2P_DISABLE", "0")

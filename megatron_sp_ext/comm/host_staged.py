@@ -36,6 +36,7 @@ import torch.distributed as dist
 from ..errors import SPConfigError
 from . import signal_schedule as sig
 from . import stream_ops
+from .program import ProgramCache, compile_exchange, flag_offset
 from ..topology.groups import new_subgroup
 from .exchange import Done, exchange_table
 
@@ -123,7 +124,7 @@ class HostStagedTransport:
         self._gen = 0                     # workspace generation (file name suffix)
         self._ws: dict[int, torch.Tensor] = {}     # rank -> its workspace as mapped here (uint8)
         self._addr: dict[int, int] = {}            # rank -> device address of that mapping (CUDA)
-        self._programs: dict = {}
+        self._programs = ProgramCache()
         nflags = 2 * slots * self.world
         self._flag_bytes = (4 * nflags + 4095) // 4096 * 4096  # whole pages (host registration)
         own = self._map(f"{self._prefix}_flags_{self.rank}", self._flag_bytes, create=True)
@@ -174,11 +175,11 @@ class HostStagedTransport:
         os.remove(path + str(self.rank))  # mapped everywhere: the memory lives as long as the mappings
         self._ws, self._slot_bytes = ws, sb
         self._addr = {r: _Pinned.register(t) for r, t in ws.items()} if self.cuda else {}
-        self._programs = {}
+        self._programs.clear()  # compiled exchanges hold workspace addresses
 
     # -- protocol --------------------------------------------------------------------------------
     def _flag_pos(self, kind: int, slot: int, peer: int) -> int:
-        return 4 * sig.flag_index(kind, slot, peer, self.slots, self.world)
+        return flag_offset(kind, slot, peer, self.slots, self.world)
 
     def _host_wait(self, owner: int, pos: int, value: int, what: str) -> None:
         flag = self._flags[owner][pos:pos + 4].view(torch.int32)
@@ -219,11 +220,7 @@ class HostStagedTransport:
             cur = torch.cuda.current_stream(self.device)
             self._acquire(epoch, cur)
             key = (tuple(map(tuple, table_b)), slot, cur.cuda_stream)
-            prog = self._programs.get(key)
-            if prog is None:
-                if len(self._programs) > 256:
-                    self._programs.clear()
-                prog = self._programs[key] = self._compile(table_b, slot, cur)
+            prog = self._programs.get(key, lambda: self._compile(table_b, slot, cur))
             send.record_stream(cur)
             self._ops.run_program(prog, epoch, recv.data_ptr(), send.data_ptr())
         else:
@@ -251,32 +248,10 @@ class HostStagedTransport:
             # record / wait_event / join: program order already gives them
 
     def _compile(self, table_b, slot: int, cur) -> tuple:
-        """The op list resolved to driver calls (as CopyEngineTransport._compile, host addresses)."""
-        so, me = self._ops, self.rank
-        handle = {r: s.cuda_stream for r, s in enumerate(self._streams)}
-        handle["main"] = cur.cuda_stream
-        slot_off = slot * self._slot_bytes
-        e0 = slot + 1
-        prog = []
-        for op in sig.exchange_ops(me, self.world, e0, self.slots, table_b, staged=False):
-            kind, h = op[0], handle[op[1]]
-            if kind == "copy":
-                _, _, src, _, src_off, dst_off, n = op
-                prog.append((so.COPY, h, dst_off, self._addr[src] + slot_off + src_off, n))
-            elif kind == "wait_flag":
-                prog.append((so.WAIT, h, self._flag_addr[me] + self._flag_pos(op[2], op[3], op[4]), op[5] - e0, 0))
-            elif kind == "write_flag":
-                prog.append((so.WRITE, h, self._flag_addr[op[2]] + self._flag_pos(op[3], op[4], me), op[5] - e0, 0))
-            elif kind == "record":
-                prog.append((so.EVENT_RECORD, h, self._start.handle.value, 0, 0))
-            elif kind == "wait_event":
-                prog.append((so.EVENT_WAIT, h, self._start.handle.value, 0, 0))
-            elif kind == "join":
-                ev = self._joined[op[2]].handle.value
-                prog += [(so.EVENT_RECORD, handle[op[2]], ev, 0, 0), (so.EVENT_WAIT, h, ev, 0, 0)]
-            elif kind == "stage":
-                prog.append((so.STAGE, h, self._addr[me] + slot_off, sum(table_b[me]), 0))
-        return tuple(prog)
+        """``compile_exchange`` on the pinned shared host workspaces and flags (their device addresses)."""
+        return compile_exchange(self.rank, self.world, self.slots, slot, self._slot_bytes, table_b, False,
+                                workspaces=self._addr, flags=self._flag_addr, streams=self._streams, main=cur,
+                                start=self._start, joined=self._joined)
 
     def close(self) -> None:
         """Unpin the mappings (CUDA). The shared files were unlinked once every rank had mapped them."""

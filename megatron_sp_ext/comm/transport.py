@@ -41,6 +41,7 @@ from ..errors import SPConfigError
 from ..topology.emulate import emulated_machine_size, machines_of
 from . import signal_schedule as sig
 from . import stream_ops
+from .program import ProgramCache, compile_exchange, flag_offset
 from .signal_schedule import offsets as _offsets
 from .exchange import Done, all_to_all_flat, exchange_table
 from .host_staged import HostStagedTransport, TwoLevelTransport, check_host_staged
@@ -215,7 +216,7 @@ class CopyEngineTransport:
         self._slot_bytes = 0
         self._buf: Optional[torch.Tensor] = None
         self._base: dict[int, int] = {}  # rank -> address of its workspace (mapped here)
-        self._programs: dict = {}
+        self._programs = ProgramCache()
         self._streams = [torch.cuda.Stream(device=device) for _ in range(self.world)]  # one per source rank
         self._start = stream_ops.Event()
         self._joined = [stream_ops.Event() for _ in range(self.world)]
@@ -231,7 +232,7 @@ class CopyEngineTransport:
                            for r in range(self.world)}
 
     def _flag(self, owner: int, kind: int, slot: int, peer: int) -> int:
-        return self._flag_base[owner] + 4 * sig.flag_index(kind, slot, peer, self.slots, self.world)
+        return self._flag_base[owner] + flag_offset(kind, slot, peer, self.slots, self.world)
 
     def _ensure(self, need_bytes: int) -> None:
         """Grow every slot to ``need_bytes`` (the same value on every rank: collective rendezvous)."""
@@ -245,36 +246,13 @@ class CopyEngineTransport:
         self._base = {r: (buf.data_ptr() if r == self.rank else
                           hdl.get_buffer(r, [self.slots * sb], torch.uint8, 0).data_ptr()) for r in range(self.world)}
         self._buf, self._hdl, self._slot_bytes = buf, hdl, sb
-        self._programs = {}  # compiled exchanges hold workspace addresses
+        self._programs.clear()  # compiled exchanges hold workspace addresses
 
     def _compile(self, table_b, staged: bool, slot: int, cur: "torch.cuda.Stream") -> tuple:
-        """``signal_schedule.exchange_ops`` resolved to addresses, stream and event handles (cached per
-        table, slot and stream; dropped when the workspace moves)."""
-        so, me = self._ops, self.rank
-        handle = {r: s.cuda_stream for r, s in enumerate(self._streams)}
-        handle["main"] = cur.cuda_stream
-        slot_off = slot * self._slot_bytes
-        prog = []
-        e0 = slot + 1  # an epoch that uses this slot; flag values are stored relative to it
-        for op in sig.exchange_ops(me, self.world, e0, self.slots, table_b, staged):
-            kind, h = op[0], handle[op[1]]
-            if kind == "copy":
-                _, _, src, _, src_off, dst_off, n = op
-                prog.append((so.COPY, h, dst_off, self._base[src] + slot_off + src_off, n))
-            elif kind == "wait_flag":
-                prog.append((so.WAIT, h, self._flag(me, op[2], op[3], op[4]), op[5] - e0, 0))
-            elif kind == "write_flag":
-                prog.append((so.WRITE, h, self._flag(op[2], op[3], op[4], me), op[5] - e0, 0))
-            elif kind == "record":
-                prog.append((so.EVENT_RECORD, h, self._start.handle.value, 0, 0))
-            elif kind == "wait_event":
-                prog.append((so.EVENT_WAIT, h, self._start.handle.value, 0, 0))
-            elif kind == "join":
-                ev = self._joined[op[2]].handle.value
-                prog += [(so.EVENT_RECORD, handle[op[2]], ev, 0, 0), (so.EVENT_WAIT, h, ev, 0, 0)]
-            elif kind == "stage":
-                prog.append((so.STAGE, h, self._base[me] + slot_off, sum(table_b[me]), 0))
-        return tuple(prog)
+        """``compile_exchange`` on the symmetric workspaces and flags (device addresses)."""
+        return compile_exchange(self.rank, self.world, self.slots, slot, self._slot_bytes, table_b, staged,
+                                workspaces=self._base, flags=self._flag_base, streams=self._streams, main=cur,
+                                start=self._start, joined=self._joined)
 
     def _acquire(self, stream: "torch.cuda.Stream", epoch: int) -> None:
         if self._acquired < epoch:
@@ -307,11 +285,8 @@ class CopyEngineTransport:
         cur = torch.cuda.current_stream(self.device)
         self._acquire(cur, epoch)
         key = (tuple(map(tuple, table)), es, staged, slot, cur.cuda_stream)
-        prog = self._programs.get(key)
-        if prog is None:
-            if len(self._programs) > 256:  # many distinct shapes: start over rather than grow without bound
-                self._programs.clear()
-            prog = self._programs[key] = self._compile([[n * es for n in row] for row in table], staged, slot, cur)
+        prog = self._programs.get(key, lambda: self._compile([[n * es for n in row] for row in table], staged,
+                                                             slot, cur))
         if not staged:  # the staging copy reads send on cur: the caller may free it on its allocating stream
             send.record_stream(cur)
         self._ops.run_program(prog, epoch, recv.data_ptr(), send.data_ptr())

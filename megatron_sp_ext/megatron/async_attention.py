@@ -2,23 +2,23 @@
 
 ``with_sp_core_attention`` puts it in the layer spec; ``--sp-async-qkv`` (``sp_async_qkv="on"`` in
 SPTransformerConfig, or SPConfig.async_qkv) switches it on, otherwise it is the parent unchanged.
-With ``--sp-async-qkv allgather`` it runs the all-gather QKV block instead (sp/gather_block.py:
+With ``--sp-async-qkv allgather`` it runs the all-gather QKV block instead (sp/layers/allgather.py:
 sequence all-gather fused with the QKV GEMM for this rank's heads; per-head q/k norms, RoPE with the
 gathered ranks' freqs; parameter grads are each CP rank's share, summed by the DP x CP grad reduction).
 When on, the training forward runs megatron_sp_ext's async Ulysses block
-(sp/async_block.py): per-branch Q, K, V GEMMs from ``linear_qkv``'s weight (Megatron's interleaved
+(sp/layers/async_qkv.py): per-branch Q, K, V GEMMs from ``linear_qkv``'s weight (Megatron's interleaved
 per-query-group rows q1..qn k v | ... are regrouped q | k | v on the fly, so checkpoints stay
 Megatron's), per-head q/k layernorm and RoPE applied to each branch before its exchange, the
 output exchange overlapped with the dO exchange / dW_proj GEMM in backward. Same math as the
 parent's forward; the returned (output, bias) follows ``linear_proj``'s skip_bias_add contract.
 
 With --tensor-model-parallel-size > 1 (needs --sequence-parallel; refused by name without it) the
-TP x CP block runs instead (sp/tp_cp_block.py): ``on`` its pipelined form (TP all-gather pipelined with
+TP x CP block runs instead (sp/layers/tp_cp.py): ``on`` its pipelined form (TP all-gather pipelined with
 the per-chunk QKV GEMMs, CP exchange per head chunk, pipelined TP reduce-scatter), ``allgather`` its mixed
 form (MixedComm: one all-gather over the tensor-and-context-parallel group in, one reduce-scatter over it
 out, no all-to-all); with one CP rank too.
 
-``--sp-async-qkv auto`` lets a FormPolicy (sp/block_policy.py) time, on the first call per shape key (shape,
+``--sp-async-qkv auto`` lets a FormPolicy (sp/layers/policy.py) time, on the first call per shape key (shape,
 dtype, causal, TP, CP, heads, kv heads, chunks, RoPE, training, the group's ranks), Megatron's own attention
 path (the parent's forward: TP all-gather + QKV GEMM, our CP exchange + attention, output GEMM + TP
 reduce-scatter; the baseline) against the block's forms (TP > 1: pipelined, mixed, mixed_in; TP 1: async,
@@ -46,11 +46,11 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
 from ..errors import SPConfigError
-from ..sp.async_block import async_ulysses_self_attention
-from ..sp.block_policy import FormPolicy
+from ..sp.layers.async_qkv import async_ulysses_self_attention
+from ..sp.layers.policy import FormPolicy
 from ..sp.calibration import group_key
-from ..sp.gather_block import allgather_self_attention
-from ..sp.tp_cp_block import TP_CP_FORMS, tp_cp_self_attention
+from ..sp.layers.allgather import allgather_self_attention
+from ..sp.layers.tp_cp import TP_CP_FORMS, tp_cp_self_attention
 from .compat import parent_kwargs
 
 log = logging.getLogger("megatron_sp_ext")
@@ -87,7 +87,7 @@ class SPSelfAttention(SelfAttention):
                                 f"(got {getattr(core, 'mode', type(core).__name__)})")
         if core.mode == "hcms" and not isinstance(core.sp.head_chunks, int):
             raise SPConfigError(f"{_FLAG} needs an integer --hcms-head-chunks (got {core.sp.head_chunks!r})")
-        if self.world_size != 1:  # TP x CP block (sp/tp_cp_block.py): needs Megatron's TP sequence parallelism
+        if self.world_size != 1:  # TP x CP block (sp/layers/tp_cp.py): needs Megatron's TP sequence parallelism
             if not getattr(config, "sequence_parallel", False):
                 raise SPConfigError(f"{_FLAG} with --tensor-model-parallel-size {self.world_size} needs "
                                     f"--sequence-parallel (the TP x CP block takes sequence-sharded hidden "
@@ -271,7 +271,7 @@ class SPSelfAttention(SelfAttention):
         return out_bsd.transpose(0, 1).contiguous(), self.linear_proj.bias
 
     def _tp_cp_forward(self, x_bsd, norms, weights, rotary_pos_emb, causal: bool, chunks: int, form: str):
-        """TP > 1 with --sequence-parallel: the TP x CP block (sp/tp_cp_block.py) in ``form`` (pipelined, mixed,
+        """TP > 1 with --sequence-parallel: the TP x CP block (sp/layers/tp_cp.py) in ``form`` (pipelined, mixed,
         mixed_in) on this rank's [b, s_tp, h] tokens. The CP group may have one rank (TP only)."""
         import torch.distributed as dist  # noqa: PLC0415
         core = self.core_attention

@@ -2,7 +2,8 @@
 
   ulysses/      all-to-all family: Ulysses, HCMS, packed q|k|v, the exchange engine, the chunk policy
   ring/         ring family: ring, TASP, hybrid (Ulysses x Ring), torus
-  async_block   / gather_block: whole self-attention blocks built on the Ulysses engine; block_policy picks one
+  layers/       layer blocks: whole self-attention layers built on the Ulysses engine (async_qkv, allgather,
+                tp_cp), one shared autograd skeleton, and the policy that picks a block form
   factory       maps an SPConfig mode to its attention callable (every entry point uses it)
 Shared below both families: checks (input / shape checks), heads (head splits), placement (which tokens
 a rank holds), calibration (timing-based choices).

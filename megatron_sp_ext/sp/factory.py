@@ -31,7 +31,7 @@ from ..config import (DEFAULT_PLACEMENT, DROPOUT_MODES, LAYOUTS, MESH_MODES, SEQ
                       resolve_auto_mode)
 from ..errors import SPConfigError
 from ..topology.mesh import SPMesh, build_sp_mesh
-from .block_policy import FormPolicy
+from .layers.policy import FormPolicy
 from .calibration import ModePolicy
 from .ring import hybrid_attention, ring_attention, torus_attention
 from .ulysses import HCMSPolicy, PackedUlysses, ulysses_attention

@@ -147,7 +147,7 @@ class SelfAttention(nn.Module):
         if choice.allgather:
             return self._run_allgather(choice, group, x, angles, kv_valid_len, params)
         if choice.async_qkv:
-            from megatron_sp_ext.sp.async_block import async_ulysses_self_attention  # noqa: PLC0415
+            from megatron_sp_ext.sp.layers.async_qkv import async_ulysses_self_attention  # noqa: PLC0415
 
             def prep(branch, y, w):  # QK-norm (weight w) + RoPE at global positions, per branch
                 eps = (self.norm_q if branch == "q" else self.norm_k).eps
@@ -168,7 +168,7 @@ class SelfAttention(nn.Module):
     def _run_allgather(self, choice, group, x, angles, kv_valid_len, params):
         """The all-gather QKV block: this rank's heads over the whole sequence (QK-norm over all heads via
         a cross-rank sum of squares, RoPE at every gathered token's global position)."""
-        from megatron_sp_ext.sp.gather_block import allgather_self_attention  # noqa: PLC0415
+        from megatron_sp_ext.sp.layers.allgather import allgather_self_attention  # noqa: PLC0415
         w_qkv, b_qkv, w_o, b_o, nq, nk = params
         width, hd = self.heads * self.hd, self.hd
 
@@ -425,7 +425,7 @@ class VideoDiT(nn.Module):
                             allgather: bool = False) -> None:
         """Use the async Ulysses block (projections overlapped with their exchanges) in every block, or
         with ``allgather`` the all-gather QKV block (sequence all-gather fused with the QKV GEMM)."""
-        from megatron_sp_ext.sp.block_policy import BlockChoice  # noqa: PLC0415
+        from megatron_sp_ext.sp.layers.policy import BlockChoice  # noqa: PLC0415
         memo: dict = {}
         for blk in self.blocks:
             blk.attn.sp_block = (group, BlockChoice(not allgather, head_chunks, transport, allgather))
@@ -434,7 +434,7 @@ class VideoDiT(nn.Module):
     def set_block_policy(self, group, policy=None) -> None:
         """Let one runtime policy pick plain/async/allgather, HCMS chunks and transport per shape (all blocks
         share the policy, so a shape is calibrated once)."""
-        from megatron_sp_ext.sp.block_policy import BlockPolicy  # noqa: PLC0415
+        from megatron_sp_ext.sp.layers.policy import BlockPolicy  # noqa: PLC0415
         policy = policy or BlockPolicy()
         memo: dict = {}
         for blk in self.blocks:

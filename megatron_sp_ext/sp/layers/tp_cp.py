@@ -1,4 +1,4 @@
-"""Self-attention block where tensor parallelism (with TP sequence parallelism) meets our CP (Ulysses/HCMS).
+"""Self-attention layer block where tensor parallelism (with TP sequence parallelism) meets our CP (Ulysses/HCMS).
 
 Megatron's layout (NeMo's Wan-14B run: TP2 + --sequence-parallel, CP4), per rank (t, p) of TP size T, CP size P:
 
@@ -51,14 +51,15 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import streams as st
-from ..comm.transport import table_head_to_seq, table_seq_to_head
-from ..errors import SPConfigError
-from .async_block import AsyncPlan, apply_block, attention_backward, make_async_plan
-from .gather_block import fused_ops_unavailable_reason
-from .heads import HeadLayout
-from .ulysses import attend_and_send, attend_backward, explicit_kernels
-from .ulysses.attend import attend
+from ...comm import streams as st
+from ...comm.transport import table_head_to_seq, table_seq_to_head
+from ...errors import SPConfigError
+from ..heads import HeadLayout
+from ..ulysses import attend_backward, explicit_kernels
+from ..ulysses.attend import attend
+from .allgather import fused_ops_unavailable_reason
+from .async_qkv import AsyncPlan, attention_backward, make_async_plan
+from .skeleton import LayerBlock, apply_block, attend_all, prep_backward, prep_forward, start_gather
 
 # prep(branch, y [B, S', n, D], norm_weight or None, cp_gathered) -> [B, S', n, D]; per head. S' = S_cp (this CP
 # rank's tokens, its local order) when cp_gathered is False, S = P * S_cp (every CP rank's tokens, CP rank order)
@@ -268,197 +269,161 @@ def _qkv_slots(m: ChunkMap):
     return ([(qa, qn) for qa, qn, _, _ in m.slots], [(ka, kn) for _, _, ka, kn in m.slots])
 
 
-class _TpCpBlockFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: TpCpPlan):
-        _, _, d = plan.dims
-        hl = plan.heads
-        mixed = plan.gather_in
-        bsz = x.shape[0]
-        compute, comm = st.current(x.device), plan.comm_stream
-        gather_group = plan.tcp_group if mixed else plan.tp_group
-        w0 = w_qkv.index_select(0, _index(plan.maps[0].rows, x.device))
-        x_all, y0 = _gather_matmul(x, w0, gather_group, plan, compute, comm)    # [B, S', dim], chunk 0's GEMM
-        s_x = x_all.shape[1]                                                    # S' (S_cp, or S when mixed)
-        s_cp = s_x // hl.world if mixed else s_x
-        saved_prep, ready = {}, []
-        for c, m in enumerate(plan.maps):
-            rows = _index(m.rows, x.device)
-            y = y0 if c == 0 else torch.matmul(x_all, w_qkv.index_select(0, rows).t())
-            if b_qkv is not None:
-                y = y + b_qkv.index_select(0, rows)
-            nq, nk, _ = m.widths
-            yq, yk, yv = torch.split(y, (nq * d, nk * d, nk * d), dim=-1)
-            four = {"v": yv.reshape(bsz, s_x, nk, d)}
-            for name, yb, nw, n in (("q", yq, nq_w, nq), ("k", yk, nk_w, nk)):   # per-head norm + RoPE, kept
-                y_leaf = yb.detach().reshape(bsz, s_x, n, d).clone().requires_grad_()
-                w_leaf = nw.detach().requires_grad_() if nw is not None else None
-                with torch.enable_grad():
-                    y4g = plan.prep(name, y_leaf, w_leaf, mixed)
-                saved_prep[(c, name)] = (y_leaf, w_leaf, y4g)
-                four[name] = y4g.detach()
-            if m.kv_index != tuple(range(nk)):                                  # GQA: replicate kv heads
-                idx = _index(m.kv_index, x.device)
-                four["k"], four["v"] = four["k"].index_select(2, idx), four["v"].index_select(2, idx)
-            if mixed:  # this rank's heads over the whole sequence already: nothing to exchange
-                ready.append([t.contiguous().transpose(1, 2) for t in (four["q"], four["k"], four["v"])])
-            else:      # chunk c's exchange starts now; chunk c+1's GEMM hides it
-                qs, ks = _qkv_slots(m)
-                me = m.slots[plan.rank]
-                ready.append(_to_heads((four["q"], four["k"], four["v"]), (qs, ks, ks), me[1] + 2 * me[3],
-                                       plan, compute, comm))
-            del y, yq, yk, yv, four
+def _forward(x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: TpCpPlan):
+    _, _, d = plan.dims
+    hl = plan.heads
+    mixed = plan.gather_in
+    bsz = x.shape[0]
+    compute, comm = st.current(x.device), plan.comm_stream
+    gather_group = plan.tcp_group if mixed else plan.tp_group
+    w0 = w_qkv.index_select(0, _index(plan.maps[0].rows, x.device))
+    x_all, y0 = _gather_matmul(x, w0, gather_group, plan, compute, comm)    # [B, S', dim], chunk 0's GEMM
+    s_x = x_all.shape[1]                                                    # S' (S_cp, or S when mixed)
+    s_cp = s_x // hl.world if mixed else s_x
+    saved_prep, ready = {}, []
+    for c, m in enumerate(plan.maps):
+        rows = _index(m.rows, x.device)
+        y = y0 if c == 0 else torch.matmul(x_all, w_qkv.index_select(0, rows).t())
+        if b_qkv is not None:
+            y = y + b_qkv.index_select(0, rows)
+        nq, nk, _ = m.widths
+        yq, yk, yv = torch.split(y, (nq * d, nk * d, nk * d), dim=-1)
+        four = {"v": yv.reshape(bsz, s_x, nk, d)}
+        for name, yb, nw, n in (("q", yq, nq_w, nq), ("k", yk, nk_w, nk)):   # per-head norm + RoPE, kept
+            four[name], saved_prep[(c, name)] = prep_forward(
+                lambda y_, w_, name=name: plan.prep(name, y_, w_, mixed),
+                yb.detach().reshape(bsz, s_x, n, d).clone(), nw)
+        if m.kv_index != tuple(range(nk)):                                  # GQA: replicate kv heads
+            idx = _index(m.kv_index, x.device)
+            four["k"], four["v"] = four["k"].index_select(2, idx), four["v"].index_select(2, idx)
+        if mixed:  # this rank's heads over the whole sequence already: nothing to exchange
+            ready.append([t.contiguous().transpose(1, 2) for t in (four["q"], four["k"], four["v"])])
+        else:      # chunk c's exchange starts now; chunk c+1's GEMM hides it
+            qs, ks = _qkv_slots(m)
+            me = m.slots[plan.rank]
+            ready.append(_to_heads((four["q"], four["k"], four["v"]), (qs, ks, ks), me[1] + 2 * me[3],
+                                   plan, compute, comm))
+        del y, yq, yk, yv, four
 
-        def views(c):
-            if mixed:
-                vs, ready[c] = ready[c], None
-                return vs
-            (recv, ev), ready[c] = ready[c], None
-            st.wait(compute, ev)
-            _, qn, _, kn = plan.maps[c].slots[plan.rank]
-            buf = recv.view(hl.world * s_cp, bsz, qn + 2 * kn, d)
-            return [t.permute(1, 2, 0, 3).transpose(1, 2).contiguous().transpose(1, 2)
-                    for t in torch.split(buf, (qn, kn, kn), dim=2)]
-        if plan.fuse_out:  # this rank's heads over all S tokens: partial output GEMM, ONE reduce-scatter over TP x CP
-            chunks, o_parts, explicit = [], [], None
-            for c in range(hl.chunks):
-                qc, kc, vc = views(c)
-                explicit = explicit_kernels(plan, qc) if explicit is None else explicit
-                oc, kept = attend(plan, qc, kc, vc, explicit)                  # [B, n_c, S, D]
-                chunks.append(kept)
-                o_parts.append(oc.detach().transpose(1, 2))
-            o_flat = torch.cat(o_parts, dim=2).reshape(bsz, s_x, -1)        # [B, S, W D], my W heads
-            del o_parts
-            w_o_mine = w_o.index_select(1, _index(plan.o_cols, x.device))   # [dim, W D]
-            y_out = _matmul_reduce_scatter(o_flat, w_o_mine.t(), plan.tcp_group, plan, compute, comm)
+    def views(c):
+        if mixed:
+            vs, ready[c] = ready[c], None
+            return vs
+        (recv, ev), ready[c] = ready[c], None
+        st.wait(compute, ev)
+        _, qn, _, kn = plan.maps[c].slots[plan.rank]
+        buf = recv.view(hl.world * s_cp, bsz, qn + 2 * kn, d)
+        return [t.permute(1, 2, 0, 3).transpose(1, 2).contiguous().transpose(1, 2)
+                for t in torch.split(buf, (qn, kn, kn), dim=2)]
+    if plan.fuse_out:  # this rank's heads over all S tokens: partial output GEMM, ONE reduce-scatter over TP x CP
+        chunks, o_parts, explicit = [], [], None
+        for c in range(hl.chunks):
+            qc, kc, vc = views(c)
+            explicit = explicit_kernels(plan, qc) if explicit is None else explicit
+            oc, kept = attend(plan, qc, kc, vc, explicit)                  # [B, n_c, S, D]
+            chunks.append(kept)
+            o_parts.append(oc.detach().transpose(1, 2))
+        o_flat = torch.cat(o_parts, dim=2).reshape(bsz, s_x, -1)        # [B, S, W D], my W heads
+        del o_parts
+        w_o_mine = w_o.index_select(1, _index(plan.o_cols, x.device))   # [dim, W D]
+        y_out = _matmul_reduce_scatter(o_flat, w_o_mine.t(), plan.tcp_group, plan, compute, comm)
+    else:
+        chunks, o_flat = attend_all(views, plan, x, s_cp, compute, comm)
+        y_out = _matmul_reduce_scatter(o_flat, w_o.t(), plan.tp_group, plan, compute, comm)
+    if b_o is not None:
+        y_out = y_out + b_o
+    return y_out, (x, w_qkv, w_o, o_flat), (chunks, saved_prep, (b_qkv is not None, b_o is not None))
+
+
+def _backward(saved, state, dy, plan: TpCpPlan):
+    x, w_qkv, w_o, o_flat = saved
+    chunks, saved_prep, has = state
+    h, _, d = plan.dims
+    hl, mixed = plan.heads, plan.gather_in
+    bsz, s_tp, dim = x.shape
+    dev = dy.device
+    compute, comm = st.current(dev), plan.comm_stream
+    dy = dy.contiguous()
+    d_b_o = dy.sum((0, 1)) if has[1] else None
+    if plan.fuse_out:  # ONE all-gather of dy over TP x CP; dO of my heads over all S tokens, no exchange
+        cols = _index(plan.o_cols, dev)
+        dy_all, d_o = _gather_matmul(dy, w_o.index_select(1, cols).t(), plan.tcp_group, plan, compute, comm)
+        s_cp = dy_all.shape[1] // hl.world
+        d_w_o = torch.zeros_like(w_o).index_add_(
+            1, cols, torch.matmul(dy_all.reshape(-1, dim).t(), o_flat.reshape(-1, o_flat.shape[-1])))
+        del dy_all
+        do_chunks, off = [], 0
+        for c in range(hl.chunks):
+            n = hl.q_chunks[plan.rank][c][1]
+            do_chunks.append(d_o[:, :, off * d:(off + n) * d].reshape(bsz, -1, n, d).transpose(1, 2))
+            off += n
+        del d_o
+    else:
+        # dO = all_gather_TP(dy) W_o (own tokens first), its CP exchange per chunk, dW_o while it travels
+        dy_cp, d_o = _gather_matmul(dy, w_o.t(), plan.tp_group, plan, compute, comm)
+        s_cp = dy_cp.shape[1]
+        d_o4 = d_o.reshape(bsz, s_cp, h, d)
+        recv_g, ev_g = [], []
+        for c in range(hl.chunks):
+            slots = [(hl.q_range(p, c)[0], hl.q_range(p, c)[1] - hl.q_range(p, c)[0]) for p in range(hl.world)]
+            r, e = _to_heads((d_o4,), (slots,), hl.q_chunks[plan.rank][c][1], plan, compute, comm)
+            recv_g.append(r)
+            ev_g.append(e)
+        d_w_o = torch.matmul(dy_cp.reshape(-1, dim).t(), o_flat.reshape(-1, o_flat.shape[-1]))
+        del dy_cp, d_o, d_o4
+    # x again, for dW only: re-gathered on the comm stream while attention backward runs
+    get_x_all = start_gather(x, plan.tcp_group if mixed else plan.tp_group, compute, comm)
+    s_x = s_cp * hl.world if mixed else s_cp
+    per_chunk, events = [], []
+    for c, m in enumerate(plan.maps):
+        if plan.fuse_out:
+            do_c, do_chunks[c] = do_chunks[c], None
+            g3 = attend_backward(plan, c, do_c, chunks)
+            del do_c
         else:
-            out = torch.empty(bsz, s_cp, hl.num_heads, d, dtype=x.dtype, device=x.device)
-            chunks = attend_and_send(views, plan, out, s_cp * bsz, d, compute, comm)
-            o_flat = out.view(bsz, s_cp, -1)
-            y_out = _matmul_reduce_scatter(o_flat, w_o.t(), plan.tp_group, plan, compute, comm)
-        if b_o is not None:
-            y_out = y_out + b_o
-        ctx.save_for_backward(x, w_qkv, w_o, o_flat)
-        ctx.plan, ctx.chunks, ctx.saved_prep = plan, chunks, saved_prep
-        ctx.has = (b_qkv is not None, b_o is not None)
-        return y_out
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w_qkv, w_o, o_flat = ctx.saved_tensors
-        plan: TpCpPlan = ctx.plan
-        h, _, d = plan.dims
-        hl, mixed = plan.heads, plan.gather_in
-        bsz, s_tp, dim = x.shape
-        dev = dy.device
-        compute, comm = st.current(dev), plan.comm_stream
-        dy = dy.contiguous()
-        d_b_o = dy.sum((0, 1)) if ctx.has[1] else None
-        if plan.fuse_out:  # ONE all-gather of dy over TP x CP; dO of my heads over all S tokens, no exchange
-            cols = _index(plan.o_cols, dev)
-            dy_all, d_o = _gather_matmul(dy, w_o.index_select(1, cols).t(), plan.tcp_group, plan, compute, comm)
-            s_cp = dy_all.shape[1] // hl.world
-            d_w_o = torch.zeros_like(w_o).index_add_(
-                1, cols, torch.matmul(dy_all.reshape(-1, dim).t(), o_flat.reshape(-1, o_flat.shape[-1])))
-            del dy_all
-            do_chunks, off = [], 0
-            for c in range(hl.chunks):
-                n = hl.q_chunks[plan.rank][c][1]
-                do_chunks.append(d_o[:, :, off * d:(off + n) * d].reshape(bsz, -1, n, d).transpose(1, 2))
-                off += n
-            del d_o
+            g3 = attention_backward(chunks, c, recv_g, ev_g, plan, s_cp, bsz, d, compute)
+        nq, _, _ = m.widths
+        nrep = len(m.kv_index)
+        if mixed:
+            per_chunk.append([g.transpose(1, 2) for g in g3])
+            events.append(None)
         else:
-            # dO = all_gather_TP(dy) W_o (own tokens first), its CP exchange per chunk, dW_o while it travels
-            dy_cp, d_o = _gather_matmul(dy, w_o.t(), plan.tp_group, plan, compute, comm)
-            s_cp = dy_cp.shape[1]
-            d_o4 = d_o.reshape(bsz, s_cp, h, d)
-            recv_g, ev_g = [], []
-            for c in range(hl.chunks):
-                slots = [(hl.q_range(p, c)[0], hl.q_range(p, c)[1] - hl.q_range(p, c)[0]) for p in range(hl.world)]
-                r, e = _to_heads((d_o4,), (slots,), hl.q_chunks[plan.rank][c][1], plan, compute, comm)
-                recv_g.append(r)
-                ev_g.append(e)
-            d_w_o = torch.matmul(dy_cp.reshape(-1, dim).t(), o_flat.reshape(-1, o_flat.shape[-1]))
-            del dy_cp, d_o, d_o4
-        # x again, for dW only: re-gathered on the comm stream while attention backward runs
-        get_x_all = _gather_x(x, plan.tcp_group if mixed else plan.tp_group, compute, comm)
-        s_x = s_cp * hl.world if mixed else s_cp
-        per_chunk, events = [], []
-        for c, m in enumerate(plan.maps):
-            if plan.fuse_out:
-                do_c, do_chunks[c] = do_chunks[c], None
-                g3 = attend_backward(plan, c, do_c, ctx.chunks)
-                del do_c
-            else:
-                g3 = attention_backward(ctx.chunks, c, recv_g, ev_g, plan, s_cp, bsz, d, compute)
-            nq, _, _ = m.widths
-            nrep = len(m.kv_index)
-            if mixed:
-                per_chunk.append([g.transpose(1, 2) for g in g3])
-                events.append(None)
-            else:
-                outs = [torch.empty(bsz, s_x, n, d, dtype=dy.dtype, device=dev) for n in (nq, nrep, nrep)]
-                qs, ks = _qkv_slots(m)
-                events.append(_to_seq(g3, outs, (qs, ks, ks), plan, compute, comm))
-                per_chunk.append(outs)
-            del g3
-        d_y_parts, d_norm = [], {"q": None, "k": None}
-        for c, m in enumerate(plan.maps):
-            st.wait(compute, events[c])
-            gq, gk, gv = per_chunk[c]
-            per_chunk[c] = None
-            nq, nk, _ = m.widths
-            if m.kv_index != tuple(range(nk)):  # replicated kv heads: sum their gradients back
-                idx = _index(m.kv_index, dev)
-                gk = gk.new_zeros(bsz, s_x, nk, d).index_add_(2, idx, gk)
-                gv = gv.new_zeros(bsz, s_x, nk, d).index_add_(2, idx, gv)
-            g = {"v": gv.reshape(bsz, s_x, -1)}
-            for name, gb in (("q", gq), ("k", gk)):
-                y_leaf, w_leaf, y4g = ctx.saved_prep.pop((c, name))
-                inputs = (y_leaf,) if w_leaf is None else (y_leaf, w_leaf)
-                res = torch.autograd.grad(y4g, inputs, gb)
-                g[name] = res[0].reshape(bsz, s_x, -1)
-                if w_leaf is not None:
-                    d_norm[name] = res[1] if d_norm[name] is None else d_norm[name] + res[1]
-            d_y_parts.append(torch.cat((g["q"], g["k"], g["v"]), dim=-1))
-        rows = _index(tuple(r for m in plan.maps for r in m.rows), dev)
-        d_y = torch.cat(d_y_parts, dim=-1) if len(d_y_parts) > 1 else d_y_parts[0]   # [B, S', R]
-        del d_y_parts
-        dx = _matmul_reduce_scatter(d_y, w_qkv.index_select(0, rows), plan.tcp_group if mixed else plan.tp_group,
-                                    plan, compute, comm)
-        x_all = get_x_all()
-        d_y2 = d_y.reshape(-1, d_y.shape[-1])
-        d_w_qkv = torch.zeros_like(w_qkv).index_add_(0, rows, torch.matmul(d_y2.t(), x_all.reshape(-1, dim)))
-        d_b_qkv = torch.zeros(w_qkv.shape[0], dtype=w_qkv.dtype, device=dev).index_add_(0, rows, d_y2.sum(0)) \
-            if ctx.has[0] else None
-        if comm is not None:
-            compute.wait_stream(comm)
-        ctx.plan = ctx.chunks = ctx.saved_prep = None  # nothing of the call outlives its gradients
-        return dx.reshape(x.shape), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"], None
+            outs = [torch.empty(bsz, s_x, n, d, dtype=dy.dtype, device=dev) for n in (nq, nrep, nrep)]
+            qs, ks = _qkv_slots(m)
+            events.append(_to_seq(g3, outs, (qs, ks, ks), plan, compute, comm))
+            per_chunk.append(outs)
+        del g3
+    d_y_parts, d_norm = [], {"q": None, "k": None}
+    for c, m in enumerate(plan.maps):
+        st.wait(compute, events[c])
+        gq, gk, gv = per_chunk[c]
+        per_chunk[c] = None
+        nq, nk, _ = m.widths
+        if m.kv_index != tuple(range(nk)):  # replicated kv heads: sum their gradients back
+            idx = _index(m.kv_index, dev)
+            gk = gk.new_zeros(bsz, s_x, nk, d).index_add_(2, idx, gk)
+            gv = gv.new_zeros(bsz, s_x, nk, d).index_add_(2, idx, gv)
+        g = {"v": gv.reshape(bsz, s_x, -1)}
+        for name, gb in (("q", gq), ("k", gk)):
+            g_y, d_w = prep_backward(saved_prep.pop((c, name)), gb)
+            g[name] = g_y.reshape(bsz, s_x, -1)
+            if d_w is not None:
+                d_norm[name] = d_w if d_norm[name] is None else d_norm[name] + d_w
+        d_y_parts.append(torch.cat((g["q"], g["k"], g["v"]), dim=-1))
+    rows = _index(tuple(r for m in plan.maps for r in m.rows), dev)
+    d_y = torch.cat(d_y_parts, dim=-1) if len(d_y_parts) > 1 else d_y_parts[0]   # [B, S', R]
+    del d_y_parts
+    dx = _matmul_reduce_scatter(d_y, w_qkv.index_select(0, rows), plan.tcp_group if mixed else plan.tp_group,
+                                plan, compute, comm)
+    x_all = get_x_all()
+    d_y2 = d_y.reshape(-1, d_y.shape[-1])
+    d_w_qkv = torch.zeros_like(w_qkv).index_add_(0, rows, torch.matmul(d_y2.t(), x_all.reshape(-1, dim)))
+    d_b_qkv = torch.zeros(w_qkv.shape[0], dtype=w_qkv.dtype, device=dev).index_add_(0, rows, d_y2.sum(0)) \
+        if has[0] else None
+    return dx.reshape(x.shape), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"]
 
 
-def _gather_x(x: torch.Tensor, group, compute, comm):
-    """Start the all-gather of x [B, s, dim] over ``group`` on ``comm``; returns get: get() waits for it and
-    gives [B, G s, dim] in rank order."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return lambda: x
-    xs = x.transpose(0, 1).contiguous()
-    ready = st.record(compute)
-    with st.on_stream(comm):
-        st.wait(comm, ready)
-        full = xs.new_empty(world * xs.shape[0], *xs.shape[1:])
-        work = dist.all_gather_into_tensor(full, xs, group=group, async_op=True)
-
-    def get():
-        with st.on_stream(comm):
-            work.wait()
-            done = st.record(comm)
-        st.wait(compute, done)
-        if comm is not None:
-            full.record_stream(compute)
-        return full.transpose(0, 1)
-    return get
+TP_CP = LayerBlock("tp_cp", _forward, _backward)
 
 
 def check_tp_cp_groups(tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup,
@@ -528,4 +493,4 @@ def tp_cp_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[t
                            head_dim=w_o.shape[1] // num_heads, prep=prep, seq_local=x.shape[1], device=x.device,
                            form=form, tcp_group=tcp_group, fused=fused, rs_pieces=rs_pieces,
                            head_chunks=head_chunks, **kw)
-    return apply_block(_TpCpBlockFn, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    return apply_block(TP_CP, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)

@@ -1,4 +1,4 @@
-"""Self-attention block whose QKV exchange is a sequence all-gather fused with the QKV GEMM.
+"""Self-attention layer block whose QKV exchange is a sequence all-gather fused with the QKV GEMM.
 
     x_full = all_gather_seq(x)                         [B, S, dim]   (S = P * S_local, rank order)
     q|k|v  = x_full W_r^T                               this rank's Ulysses heads only
@@ -31,11 +31,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import streams as st
-from ..comm.transport import symm_mem_unavailable_reason
-from ..errors import SPConfigError
-from .async_block import AsyncPlan, apply_block, attention_backward, make_async_plan, out_proj_backward
-from .ulysses import attend_and_send
+from ...comm import streams as st
+from ...comm.transport import symm_mem_unavailable_reason
+from ...errors import SPConfigError
+from .async_qkv import AsyncPlan, attention_backward, make_async_plan, out_proj_backward
+from .skeleton import LayerBlock, apply_block, attend_all, prep_backward, prep_forward, start_gather
 
 # prep(branch, y [B, S, n*D], norm_weight (full, or None), shard) -> [B, S, n, D]
 PrepFull = Callable[[str, torch.Tensor, Optional[torch.Tensor], "HeadShard"], torch.Tensor]
@@ -159,15 +159,6 @@ def _seq_gather(x: torch.Tensor, group) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
-def _seq_gather_async(x: torch.Tensor, group):
-    """Start the gather of ``_seq_gather``; returns (work, out [B, S, ...] view)."""
-    world = dist.get_world_size(group)
-    xs = x.transpose(0, 1).contiguous()
-    out = xs.new_empty(world * xs.shape[0], *xs.shape[1:])
-    work = dist.all_gather_into_tensor(out, xs, group=group, async_op=True)
-    return work, out.transpose(0, 1)
-
-
 def _seq_reduce_scatter(part: torch.Tensor, group) -> torch.Tensor:
     """[B, S, n] partial sums -> [B, S_local, n]: summed over ranks, this rank's tokens."""
     world = dist.get_world_size(group)
@@ -211,95 +202,73 @@ def project_gathered(x, w_qkv, b_qkv, nq_w, nk_w, plan: GatherPlan):
     saved_prep, four = {}, {"v": yv.reshape(bsz, s_full, -1, d)}
     for name, yb, nw in (("q", yq, nq_w), ("k", yk, nk_w)):   # QK-norm + RoPE, graph kept for backward
         # a copy, not a view: a view would keep the whole q|k|v GEMM output alive until backward
-        y_leaf = yb.detach().clone().requires_grad_()
-        w_leaf = nw.detach().requires_grad_() if nw is not None else None
-        with torch.enable_grad():
-            y4g = plan.prep(name, y_leaf, w_leaf, plan.shard)
-        saved_prep[name] = (y_leaf, w_leaf, y4g)
-        four[name] = y4g.detach()
+        four[name], saved_prep[name] = prep_forward(lambda y_, w_, name=name: plan.prep(name, y_, w_, plan.shard),
+                                                    yb.detach().clone(), nw)
     return w_r, four, saved_prep
 
 
-class _GatherBlockFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: GatherPlan):
-        h, _, d = plan.dims
-        hl, me = plan.heads, plan.rank
-        bsz, s_loc, _ = x.shape
-        tokens = s_loc * bsz
-        compute, comm = st.current(x.device), plan.comm_stream
-        w_r, four, saved_prep = project_gathered(x, w_qkv, b_qkv, nq_w, nk_w, plan)
-        out = torch.empty(bsz, s_loc, h, d, dtype=x.dtype, device=x.device)
+def _forward(x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: GatherPlan):
+    h, _, d = plan.dims
+    hl, me = plan.heads, plan.rank
+    bsz, s_loc, _ = x.shape
+    compute, comm = st.current(x.device), plan.comm_stream
+    w_r, four, saved_prep = project_gathered(x, w_qkv, b_qkv, nq_w, nk_w, plan)
 
-        def views(c):
-            (qa, qn), (ka, kn) = hl.q_chunks[me][c], hl.kv_chunks[me][c]
-            return [t.contiguous().transpose(1, 2) for t in
-                    (four["q"][:, :, qa:qa + qn], four["k"][:, :, ka:ka + kn], four["v"][:, :, ka:ka + kn])]
-        chunks = attend_and_send(views, plan, out, tokens, d, compute, comm)
-        o_flat = out.view(bsz, s_loc, h * d)
-        y_out = o_flat @ w_o.t()
-        if b_o is not None:
-            y_out = y_out + b_o
-        ctx.save_for_backward(x, w_r, w_o, o_flat)
-        ctx.plan, ctx.chunks, ctx.saved_prep = plan, chunks, saved_prep
-        ctx.meta = (b_qkv is not None, b_o is not None, w_qkv.shape, w_qkv.dtype)
-        return y_out
+    def views(c):
+        (qa, qn), (ka, kn) = hl.q_chunks[me][c], hl.kv_chunks[me][c]
+        return [t.contiguous().transpose(1, 2) for t in
+                (four["q"][:, :, qa:qa + qn], four["k"][:, :, ka:ka + kn], four["v"][:, :, ka:ka + kn])]
+    chunks, o_flat = attend_all(views, plan, x, s_loc, compute, comm)
+    y_out = o_flat @ w_o.t()
+    if b_o is not None:
+        y_out = y_out + b_o
+    meta = (b_qkv is not None, b_o is not None, w_qkv.shape, w_qkv.dtype)
+    return y_out, (x, w_r, w_o, o_flat), (chunks, saved_prep, meta)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, w_r, w_o, o_flat = ctx.saved_tensors
-        plan: GatherPlan = ctx.plan
-        has_b_qkv, has_b_o, w_shape, w_dtype = ctx.meta
-        _, _, d = plan.dims
-        hl, me = plan.heads, plan.rank
-        bsz, s_loc, dim = x.shape
-        tokens, s_full = s_loc * bsz, s_loc * hl.world
-        compute, comm = st.current(x.device), plan.comm_stream
-        recv_g, ev_g, d_w_o, d_b_o = out_proj_backward(dy, w_o, o_flat, plan, has_b_o, tokens, d, compute, comm)
-        wq, wk, wv = plan.widths
-        g_all = g4 = None
-        for c in range(hl.chunks):
-            (qa, qn), (ka, kn) = hl.q_chunks[me][c], hl.kv_chunks[me][c]
-            g3 = attention_backward(ctx.chunks, c, recv_g, ev_g, plan, s_loc, bsz, d, compute)
-            if g_all is None:  # allocated once the first chunk's attention inputs are freed (peak memory)
-                g_all = torch.empty(bsz, s_full, wq + wk + wv, dtype=dy.dtype, device=dy.device)
-                g4 = {"q": torch.empty(bsz, s_full, wq // d, d, dtype=dy.dtype, device=dy.device),
-                      "k": torch.empty(bsz, s_full, wk // d, d, dtype=dy.dtype, device=dy.device),
-                      "v": g_all[..., wq + wk:].view(bsz, s_full, wv // d, d)}
-            for i, (name, a, n) in enumerate((("q", qa, qn), ("k", ka, kn), ("v", ka, kn))):
-                g4[name][:, :, a:a + n].copy_(g3[i].transpose(1, 2))
-                g3[i] = None
-        # x is needed again only for dW: gather it on the comm stream while the q/k prep backward and the
-        # dx GEMM run (x_full is not kept from the forward: P x the block input per layer)
-        ready = st.record(compute)
-        with st.on_stream(comm):
-            st.wait(comm, ready)
-            work, x_full = _seq_gather_async(x, plan.group)
-        d_norm = {}
-        for name, off in (("q", 0), ("k", wq)):  # prep backward; each graph is freed right after
-            y_leaf, w_leaf, y4g = ctx.saved_prep.pop(name)
-            inputs = (y_leaf,) if w_leaf is None else (y_leaf, w_leaf)
-            res = torch.autograd.grad(y4g, inputs, g4.pop(name))
-            del y_leaf, y4g
-            g_all[..., off:off + res[0].shape[-1]].copy_(res[0])
-            d_norm[name] = res[1] if w_leaf is not None else None
-            del res
-        dx = _matmul_reduce_scatter(g_all, w_r, plan)
-        with st.on_stream(comm):
-            work.wait()
-            gathered = st.record(comm)
-        st.wait(compute, gathered)
-        if comm is not None:
-            x_full.record_stream(compute)
-        g2 = g_all.reshape(-1, g_all.shape[-1])
-        d_w_r = _mm(g2.t(), x_full.reshape(-1, dim))
-        d_w_qkv = torch.zeros(w_shape, dtype=w_dtype, device=dy.device).index_add_(0, plan.rows, d_w_r.to(w_dtype))
-        d_b_qkv = None
-        if has_b_qkv:
-            d_b_qkv = torch.zeros(w_shape[0], dtype=w_dtype, device=dy.device).index_add_(
-                0, plan.rows, g2.sum(0).to(w_dtype))
-        ctx.plan = ctx.chunks = ctx.saved_prep = None  # nothing of the call outlives its gradients
-        return (dx.reshape(x.shape), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"], None)
+
+def _backward(saved, state, dy, plan: GatherPlan):
+    x, w_r, w_o, o_flat = saved
+    chunks, saved_prep, (has_b_qkv, has_b_o, w_shape, w_dtype) = state
+    _, _, d = plan.dims
+    hl, me = plan.heads, plan.rank
+    bsz, s_loc, dim = x.shape
+    tokens, s_full = s_loc * bsz, s_loc * hl.world
+    compute, comm = st.current(x.device), plan.comm_stream
+    recv_g, ev_g, d_w_o, d_b_o = out_proj_backward(dy, w_o, o_flat, plan, has_b_o, tokens, d, compute, comm)
+    wq, wk, wv = plan.widths
+    g_all = g4 = None
+    for c in range(hl.chunks):
+        (qa, qn), (ka, kn) = hl.q_chunks[me][c], hl.kv_chunks[me][c]
+        g3 = attention_backward(chunks, c, recv_g, ev_g, plan, s_loc, bsz, d, compute)
+        if g_all is None:  # allocated once the first chunk's attention inputs are freed (peak memory)
+            g_all = torch.empty(bsz, s_full, wq + wk + wv, dtype=dy.dtype, device=dy.device)
+            g4 = {"q": torch.empty(bsz, s_full, wq // d, d, dtype=dy.dtype, device=dy.device),
+                  "k": torch.empty(bsz, s_full, wk // d, d, dtype=dy.dtype, device=dy.device),
+                  "v": g_all[..., wq + wk:].view(bsz, s_full, wv // d, d)}
+        for i, (name, a, n) in enumerate((("q", qa, qn), ("k", ka, kn), ("v", ka, kn))):
+            g4[name][:, :, a:a + n].copy_(g3[i].transpose(1, 2))
+            g3[i] = None
+    # x is needed again only for dW: gather it on the comm stream while the q/k prep backward and the
+    # dx GEMM run (x_full is not kept from the forward: P x the block input per layer)
+    get_x_full = start_gather(x, plan.group, compute, comm)
+    d_norm = {}
+    for name, off in (("q", 0), ("k", wq)):  # prep backward; each graph is freed right after
+        g_y, d_norm[name] = prep_backward(saved_prep.pop(name), g4.pop(name))
+        g_all[..., off:off + g_y.shape[-1]].copy_(g_y)
+        del g_y
+    dx = _matmul_reduce_scatter(g_all, w_r, plan)
+    x_full = get_x_full()
+    g2 = g_all.reshape(-1, g_all.shape[-1])
+    d_w_r = _mm(g2.t(), x_full.reshape(-1, dim))
+    d_w_qkv = torch.zeros(w_shape, dtype=w_dtype, device=dy.device).index_add_(0, plan.rows, d_w_r.to(w_dtype))
+    d_b_qkv = None
+    if has_b_qkv:
+        d_b_qkv = torch.zeros(w_shape[0], dtype=w_dtype, device=dy.device).index_add_(
+            0, plan.rows, g2.sum(0).to(w_dtype))
+    return dx.reshape(x.shape), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"]
+
+
+ALLGATHER = LayerBlock("allgather", _forward, _backward)
 
 
 def make_gather_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: PrepFull,
@@ -345,4 +314,4 @@ def allgather_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Option
     plan = make_gather_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=w_o.shape[1] // num_heads, prep=prep, seq_local=x.shape[1], device=x.device,
                             fused=fused, head_chunks=head_chunks, **kw)
-    return apply_block(_GatherBlockFn, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    return apply_block(ALLGATHER, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)

@@ -4,7 +4,7 @@ No single strategy wins every regime (the async-Ulysses note; our own 4 x H200 r
 times the candidates on the caller's real shapes the first time a key is seen and keeps the fastest.
 
 Candidates: ``BlockChoice(async_qkv, head_chunks, transport, allgather)`` for async_qkv in
-{False, True}, the all-gather QKV block (allgather=True, sp/gather_block.py), head_chunks in
+{False, True}, the all-gather QKV block (allgather=True, sp/layers/allgather.py), head_chunks in
 ``chunk_candidates`` (those that fit the heads per rank) and each transport that can run here
 (symm_mem needs CUDA + NCCL; for the all-gather block it selects torch's fused symm_mem matmuls
 and the copy-engine output exchange). Timing: ``rounds`` interleaved rounds after ``warmup`` (every
@@ -14,7 +14,7 @@ plain block (no async, C=1, NCCL) is the baseline: another candidate wins only i
 more than ``margin`` and then again in an interleaved confirmation against the baseline. Cached per
 key, logged once. On CPU or a single rank nothing can overlap: the baseline is chosen without timing.
 
-Tensor parallelism (TP > 1 with TP sequence parallelism, sp/tp_cp_block.py) is chosen by ``FormPolicy`` below:
+Tensor parallelism (TP > 1 with TP sequence parallelism, sp/layers/tp_cp.py) is chosen by ``FormPolicy`` below:
 the Megatron adapter's candidates are Megatron's own path (the baseline) and the TP x CP block's forms
 (pipelined, mixed, mixed_in), timed over the tensor-and-context-parallel group (every rank of it takes the same
 decision; with one CP rank it still has T ranks). So the TP x CP forms run only where they measured faster
@@ -39,8 +39,8 @@ from typing import Callable, Hashable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm.transport import copy_engine_unavailable_reason, symm_mem_unavailable_reason
-from .calibration import decide, median, time_ms
+from ...comm.transport import copy_engine_unavailable_reason, symm_mem_unavailable_reason
+from ..calibration import decide, median, time_ms
 
 log = logging.getLogger("megatron_sp_ext")
 

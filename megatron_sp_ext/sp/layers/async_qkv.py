@@ -1,9 +1,9 @@
-"""Async Ulysses self-attention block: projections overlapped with their exchanges.
+"""Async Ulysses self-attention layer block: projections overlapped with their exchanges.
 
     y = out_proj( UlyssesAttention( prep_q(x Wq^T), prep_k(x Wk^T), x Wv^T ) )
 
-One autograd Function with an explicit schedule (CUDA: compute stream + communication stream
-joined by events; CPU: the same code in program order):
+The layer blocks' autograd Function (skeleton.py) around an explicit schedule (CUDA: compute stream +
+communication stream joined by events; CPU: the same code in program order):
   forward   q GEMM -> prep (QK-norm, RoPE) -> start HCMS chunk 0 of q's seq->head exchange ->
             k GEMM (overlaps it) -> chunk 0 of k -> v GEMM -> chunk 0 of v, then chunks 1.. of q, k, v
             in chunk-major order, so chunk c's attention waits only for chunk c of q, k and v (1/C of
@@ -25,16 +25,17 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..attention.backends import LocalAttention, get_backend
-from ..comm import streams as st
-from ..comm.transport import default_transports, table_head_to_seq, table_seq_to_head
-from ..config import DEFAULT_PLACEMENT
-from .heads import HeadLayout, head_layout
-from .placement import pieces
-from .ring import RingBackend
-from .ulysses import alloc as _alloc, attend_and_send, attend_backward
-from .ulysses import exchange_all_chunks as _exchange_all_chunks, send_head_major as _send_head_major
-from .ulysses import layout as lay, transport_of as _transport
+from ...attention.backends import LocalAttention, get_backend
+from ...comm import streams as st
+from ...comm.transport import default_transports, table_head_to_seq, table_seq_to_head
+from ...config import DEFAULT_PLACEMENT
+from ..heads import HeadLayout, head_layout
+from ..placement import pieces
+from ..ring import RingBackend
+from ..ulysses import alloc as _alloc, attend_backward
+from ..ulysses import exchange_all_chunks as _exchange_all_chunks, send_head_major as _send_head_major
+from ..ulysses import layout as lay, transport_of as _transport
+from .skeleton import LayerBlock, apply_block, attend_all, prep_backward, prep_forward
 
 # prep(branch, y [B, S, n*D], weight) -> [B, S, n, D]; weight is the branch's QK-norm weight or None
 Prep = Callable[[str, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -97,12 +98,7 @@ def project_and_exchange(x, w_qkv, b_qkv, nq_w, nk_w, plan: AsyncPlan, *, fused:
         if name == "v":
             y4 = y.reshape(bsz, s_loc, hkv, d)
         else:                                                        # QK-norm + RoPE, kept for backward
-            y_leaf = y.detach().requires_grad_()
-            w_leaf = nw.detach().requires_grad_() if nw is not None else None
-            with torch.enable_grad():
-                y4g = plan.prep(name, y_leaf, w_leaf)
-            saved_prep[name] = (y_leaf, w_leaf, y4g)
-            y4 = y4g.detach()
+            y4, saved_prep[name] = prep_forward(lambda y_, w_, name=name: plan.prep(name, y_, w_), y, nw)
         if kind == "kv" and hl.kv_repeat > 1:
             y4 = y4.repeat_interleave(hl.kv_repeat, dim=2)
         prepared[name] = y4
@@ -166,101 +162,88 @@ def attention_backward(chunks: list, c: int, recv_g, ev_g, plan, s_loc: int, bsz
     return attend_backward(plan, c, do_c, chunks)
 
 
-class _AsyncBlockFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: AsyncPlan):
-        h, hkv, d = plan.dims
-        hl, world = plan.heads, plan.heads.world
-        bsz, s_loc, _ = x.shape
-        tokens = s_loc * bsz
-        compute, comm = st.current(x.device), plan.comm_stream
-        recv, events, saved_prep = project_and_exchange(x, w_qkv, b_qkv, nq_w, nk_w, plan)
-        out = torch.empty(bsz, s_loc, h, d, dtype=x.dtype, device=x.device)
+def _forward(x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan: AsyncPlan):
+    h, hkv, d = plan.dims
+    hl, world = plan.heads, plan.heads.world
+    bsz, s_loc, _ = x.shape
+    compute, comm = st.current(x.device), plan.comm_stream
+    recv, events, saved_prep = project_and_exchange(x, w_qkv, b_qkv, nq_w, nk_w, plan)
 
-        def views(c):
-            vs = []
-            for name, kind in (("q", "q"), ("k", "kv"), ("v", "kv")):
-                st.wait(compute, events[name][c])
-                n = lay.widths(hl, (kind,), plan.rank, c)[0]
-                t = recv[name][c].view(world * s_loc, bsz, n, d).permute(1, 2, 0, 3)
-                vs.append(t.transpose(1, 2).contiguous().transpose(1, 2))
-                recv[name][c] = None
-            return vs
-        chunks = attend_and_send(views, plan, out, tokens, d, compute, comm)
-        o_flat = out.view(bsz, s_loc, h * d)
-        y = _linear(o_flat, w_o, b_o)
-        ctx.save_for_backward(x, w_qkv, w_o, o_flat)
-        ctx.plan, ctx.chunks, ctx.saved_prep = plan, chunks, saved_prep
-        ctx.has = (b_qkv is not None, b_o is not None, nq_w is not None, nk_w is not None)
-        return y
+    def views(c):
+        vs = []
+        for name, kind in (("q", "q"), ("k", "kv"), ("v", "kv")):
+            st.wait(compute, events[name][c])
+            n = lay.widths(hl, (kind,), plan.rank, c)[0]
+            t = recv[name][c].view(world * s_loc, bsz, n, d).permute(1, 2, 0, 3)
+            vs.append(t.transpose(1, 2).contiguous().transpose(1, 2))
+            recv[name][c] = None
+        return vs
+    chunks, o_flat = attend_all(views, plan, x, s_loc, compute, comm)
+    y = _linear(o_flat, w_o, b_o)
+    return y, (x, w_qkv, w_o, o_flat), (chunks, saved_prep, (b_qkv is not None, b_o is not None))
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, w_qkv, w_o, o_flat = ctx.saved_tensors
-        plan: AsyncPlan = ctx.plan
-        h, hkv, d = plan.dims
-        hl, C = plan.heads, plan.heads.chunks
-        bsz, s_loc, dim = x.shape
-        tokens = s_loc * bsz
-        compute, comm = st.current(x.device), plan.comm_stream
-        recv_g, ev_g, d_w_o, d_b_o = out_proj_backward(dy, w_o, o_flat, plan, ctx.has[1], tokens, d, compute, comm)
-        hkv_rep = hkv * hl.kv_repeat
-        grads, last = None, {}
-        for c in range(C):
-            g3 = attention_backward(ctx.chunks, c, recv_g, ev_g, plan, s_loc, bsz, d, compute)
-            if grads is None:  # allocated once the first chunk's attention inputs are freed (peak memory)
-                grads = {"q": torch.empty(bsz, s_loc, h, d, dtype=dy.dtype, device=dy.device),
-                         "k": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device),
-                         "v": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device)}
-            done = st.record(compute)
-            with st.on_stream(comm):
-                st.wait(comm, done)
-                tr = _transport(plan)
-                for i, name, kind in ((2, "v", "kv"), (1, "k", "kv"), (0, "q", "q")):
-                    g, g3[i] = g3[i], None
-                    send = _send_head_major(g, tr)
-                    if comm is not None:  # a compute-stream tensor read by the comm stream: guard its reuse
-                        g.record_stream(comm)
-                    del g  # each gradient is freed once packed
-                    splits = lay.seg_splits(hl, (kind,), c, tokens, d)
-                    r = _alloc(sum(splits), dy)
-                    tr.all_to_all(send, r, None, splits, table=table_head_to_seq(splits))
-                    lay.unpack(r, (grads[name],), (kind,), hl, c, "bshd")
-                    last[name] = st.record(comm)
-                    del send, r
-        # branch backward: each waits only for its own gradient (v first: it has no prep)
-        x2 = x.reshape(-1, dim)
-        sizes = (h * d, hkv * d, hkv * d)
-        offs = {"q": 0, "k": sizes[0], "v": sizes[0] + sizes[1]}
-        ws = torch.split(w_qkv, sizes, dim=0)
-        d_w_qkv = torch.empty(w_qkv.shape, dtype=dy.dtype, device=dy.device)
-        d_b_qkv = torch.empty(w_qkv.shape[0], dtype=dy.dtype, device=dy.device) if ctx.has[0] else None
-        dx, d_norm = torch.zeros_like(x2), {"q": None, "k": None}
-        for name, w in (("v", ws[2]), ("k", ws[1]), ("q", ws[0])):
-            st.wait(compute, last.get(name))
-            g, grads[name] = grads[name], None
-            if name != "q" and hl.kv_repeat > 1:  # replicated kv heads: sum their gradients back
-                g = g.view(bsz, s_loc, hkv, hl.kv_repeat, d).sum(3)
-            if name in ctx.saved_prep:  # QK-norm + RoPE backward; its graph is freed right after
-                y_leaf, w_leaf, y4g = ctx.saved_prep.pop(name)
-                inputs = (y_leaf,) if w_leaf is None else (y_leaf, w_leaf)
-                res = torch.autograd.grad(y4g, inputs, g)
-                del y_leaf, y4g
-                g2 = res[0]
-                d_norm[name] = res[1] if w_leaf is not None else None
-            else:
-                g2 = g.reshape(bsz, s_loc, -1)
-            del g
-            g2 = g2.reshape(-1, g2.shape[-1])
-            d_w_qkv.narrow(0, offs[name], g2.shape[1]).copy_(_mm(g2.t(), x2))
-            if d_b_qkv is not None:
-                d_b_qkv.narrow(0, offs[name], g2.shape[1]).copy_(g2.sum(0))
-            dx.add_(_mm(g2, w))
-            del g2
-        if comm is not None:
-            compute.wait_stream(comm)
-        ctx.plan = ctx.chunks = ctx.saved_prep = None  # nothing of the call outlives its gradients
-        return (dx.view_as(x), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"], None)
+
+def _backward(saved, state, dy, plan: AsyncPlan):
+    x, w_qkv, w_o, o_flat = saved
+    chunks, saved_prep, has = state
+    h, hkv, d = plan.dims
+    hl, C = plan.heads, plan.heads.chunks
+    bsz, s_loc, dim = x.shape
+    tokens = s_loc * bsz
+    compute, comm = st.current(x.device), plan.comm_stream
+    recv_g, ev_g, d_w_o, d_b_o = out_proj_backward(dy, w_o, o_flat, plan, has[1], tokens, d, compute, comm)
+    hkv_rep = hkv * hl.kv_repeat
+    grads, last = None, {}
+    for c in range(C):
+        g3 = attention_backward(chunks, c, recv_g, ev_g, plan, s_loc, bsz, d, compute)
+        if grads is None:  # allocated once the first chunk's attention inputs are freed (peak memory)
+            grads = {"q": torch.empty(bsz, s_loc, h, d, dtype=dy.dtype, device=dy.device),
+                     "k": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device),
+                     "v": torch.empty(bsz, s_loc, hkv_rep, d, dtype=dy.dtype, device=dy.device)}
+        done = st.record(compute)
+        with st.on_stream(comm):
+            st.wait(comm, done)
+            tr = _transport(plan)
+            for i, name, kind in ((2, "v", "kv"), (1, "k", "kv"), (0, "q", "q")):
+                g, g3[i] = g3[i], None
+                send = _send_head_major(g, tr)
+                if comm is not None:  # a compute-stream tensor read by the comm stream: guard its reuse
+                    g.record_stream(comm)
+                del g  # each gradient is freed once packed
+                splits = lay.seg_splits(hl, (kind,), c, tokens, d)
+                r = _alloc(sum(splits), dy)
+                tr.all_to_all(send, r, None, splits, table=table_head_to_seq(splits))
+                lay.unpack(r, (grads[name],), (kind,), hl, c, "bshd")
+                last[name] = st.record(comm)
+                del send, r
+    # branch backward: each waits only for its own gradient (v first: it has no prep)
+    x2 = x.reshape(-1, dim)
+    sizes = (h * d, hkv * d, hkv * d)
+    offs = {"q": 0, "k": sizes[0], "v": sizes[0] + sizes[1]}
+    ws = torch.split(w_qkv, sizes, dim=0)
+    d_w_qkv = torch.empty(w_qkv.shape, dtype=dy.dtype, device=dy.device)
+    d_b_qkv = torch.empty(w_qkv.shape[0], dtype=dy.dtype, device=dy.device) if has[0] else None
+    dx, d_norm = torch.zeros_like(x2), {"q": None, "k": None}
+    for name, w in (("v", ws[2]), ("k", ws[1]), ("q", ws[0])):
+        st.wait(compute, last.get(name))
+        g, grads[name] = grads[name], None
+        if name != "q" and hl.kv_repeat > 1:  # replicated kv heads: sum their gradients back
+            g = g.view(bsz, s_loc, hkv, hl.kv_repeat, d).sum(3)
+        if name in saved_prep:  # QK-norm + RoPE backward; its graph is freed right after
+            g2, d_norm[name] = prep_backward(saved_prep.pop(name), g)
+        else:
+            g2 = g.reshape(bsz, s_loc, -1)
+        del g
+        g2 = g2.reshape(-1, g2.shape[-1])
+        d_w_qkv.narrow(0, offs[name], g2.shape[1]).copy_(_mm(g2.t(), x2))
+        if d_b_qkv is not None:
+            d_b_qkv.narrow(0, offs[name], g2.shape[1]).copy_(g2.sum(0))
+        dx.add_(_mm(g2, w))
+        del g2
+    return dx.view_as(x), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"]
+
+
+ASYNC_QKV = LayerBlock("async_qkv", _forward, _backward)
 
 
 def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[torch.Tensor],
@@ -286,20 +269,7 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
                            prep=prep, head_chunks=head_chunks, softmax_scale=softmax_scale, backend=backend,
                            comm_stream=comm_stream, kv_valid_len=kv_valid_len, transport=transport,
                            seq_local=x.shape[1], device=x.device, causal=causal, placement=placement)
-    return apply_block(_AsyncBlockFn, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
-
-
-def apply_block(fn, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan):
-    """``fn.apply`` of an attention-block Function (async, all-gather, TP x CP) under the caller's autocast: what
-    autocast would do to each GEMM is done once up front (differentiable casts, so fp32 master weights still get
-    their grads), and the Function then runs in one dtype, forward and backward."""
-    dev = x.device.type
-    if not torch.is_autocast_enabled(dev):
-        return fn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
-    dt = torch.get_autocast_dtype(dev)
-    x, w_qkv, b_qkv, w_o, b_o = (t.to(dt) if t is not None else None for t in (x, w_qkv, b_qkv, w_o, b_o))
-    with torch.autocast(dev, enabled=False):
-        return fn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    return apply_block(ASYNC_QKV, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
 
 
 def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: Prep,
