@@ -15,6 +15,12 @@ What each step computes comes from ``schedule``: tokens in compute order, kernel
 slices (the zigzag diagonal is one causal call, other steps one unmasked call on a half), and for
 causal TASP a per-step buffer layout that keeps every step at <= 2 calls. Local kernels are the
 backend's ``forward_lse``/``backward_lse`` (backend "auto": cuDNN where it runs).
+
+Under a block mask (``block_mask=``) the same plan, Function, rotation and transports run: the step's calls are made
+per slot (a call never reads a slot whose hop was skipped), each gets its ``TileSlice`` (``tiles=`` of the
+backend's kernels, whichever kernel runs it), and ``skips``' tables (built once per plan, identical on every rank)
+drop the calls that select nothing, the (step, slot) blocks left without calls, the K|V hops no later rank needs
+and the dK|dV partials of blocks that did not run. Point-to-point batches: ``comm.p2p``.
 """
 from __future__ import annotations
 

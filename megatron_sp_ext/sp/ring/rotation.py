@@ -16,7 +16,7 @@ calls touch disjoint key rows (every zigzag ring / tasp_zigzag / non-causal step
 the step's calls are summed in the accumulator dtype and rounded once to the wire dtype.
 The K|V pattern is not changed: ring and TASP keep their own routing; only the dK|dV destinations
 differ (shift-by-s along each ring, an all-to-all of per-slot segments per step; on the emulated
-host-staged link one ``all_to_all`` with its table, on NCCL/gloo one ``batch_isend_irecv``).
+host-staged link one ``all_to_all`` with its table, on NCCL/gloo one ``batch_isend_irecv``: ``comm.p2p``).
 Each rank still sends one partial per slot and receives one per slot per step; across machines with
 a NIC per GPU a step costs one cross-machine transfer as the ring's slowest hop does, but where GPUs
 share a NIC the shift-by-s steps put more ranks on it at once (``SPX_RING_DKV=travel`` keeps the

@@ -32,6 +32,20 @@ class SparseRingPlan:
     def slots(self) -> int:
         return self.tables.slots
 
+    def origin(self, slot: int, rank: int, step: int) -> int:
+        """The rank whose slot ``slot`` ``rank`` holds at ``step``."""
+        for _ in range(step):
+            rank = self.tables.prv[slot][rank]
+        return rank
+
+    def runs(self, slot: int, rank: int, step: int) -> bool:
+        """Whether ``rank`` calls a kernel on slot ``slot`` at ``step``."""
+        return self.tables.runs(slot, rank, step)
+
+    def sends(self, slot: int, rank: int, step: int) -> bool:
+        """Whether ``rank`` sends its held slot ``slot`` on after ``step`` (step < P - 1)."""
+        return self.tables.sends(slot, rank, step)
+
     def counts(self, rank: int) -> dict:
         """Per-rank counters of one forward (K|V hops) and backward (dK|dV partials sent home; its K|V hops repeat
         the forward's), over (step, slot) pairs (the ring: one slot, so steps): steps_run, steps_skipped,
