@@ -21,14 +21,13 @@ import torch
 from ...attention.backends import get_backend
 from ...comm.capability import check_p2p, needs_p2p
 from ...config import DEFAULT_PLACEMENT
-from ...attention import block_sparse
 from ...errors import SPConfigError
 from ...topology.mesh import SPMesh
 from ..checks import packed_cu
 from ..placement import pieces, varlen_pieces
 from ..ulysses import ulysses_attention
 from ..ulysses.layout import sorted_order
-from .ring import VARIANTS, RingBackend
+from .ring import VARIANTS, RingBackend, checked_mask
 
 
 def rank_runs(placement: str, rank: int, world: int, seqlen: int, cu: Optional[tuple] = None):
@@ -81,13 +80,8 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
         raise SPConfigError(f"ring_variant={ring_variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * mesh.world
-    if block_mask is not None:
-        if cu_seqlens is not None:
-            raise SPConfigError("block_mask cannot be combined with cu_seqlens (hybrid_attention): give one of them")
-        block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size,
-                                                   num_heads=q.shape[2])
-        if kv_valid_len is not None and kv_valid_len >= seqlen:
-            kv_valid_len = None
+    block_mask, kv_valid_len = checked_mask("hybrid_attention", block_mask, block_size, seqlen, q.shape[2],
+                                            cu_seqlens, kv_valid_len)
     if mesh.ring_group is not None and needs_p2p(ring_variant, mesh.ring_size):
         check_p2p(f"hybrid_attention(ring_variant={ring_variant!r})", mesh.ring_group, q.device,
                   "ulysses_attention")

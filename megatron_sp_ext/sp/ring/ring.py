@@ -46,7 +46,7 @@ from ..checks import check_ring_inputs, check_same_shape_across_ranks, packed_cu
 from ..heads import split_more_first
 from ..placement import pieces, varlen_pieces
 from .rotation import (backward_steps, check_travel, dkv_schedule_from_env, kv_view as _kv_view, sel_rows as _sel,
-                       start_ops)
+                       start_ops, tiles_kw)
 from .skips import SkipTables, TileSpec, skip_tables
 from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
 
@@ -302,7 +302,7 @@ def forward_compute_order(q_c, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Te
         for n, it in enumerate(plan.items(step, q_c.device)):
             k_, v_ = _kv_view(cur, it.kv_rows)
             o, l_ = plan.backend.forward_lse(_sel(q_c, it.q_rows, 2), k_, v_, causal=it.causal,
-                                             softmax_scale=plan.scale, mask=it.mask, tiles=it.tiles)
+                                             softmax_scale=plan.scale, mask=it.mask, **tiles_kw(it.tiles))
             first = step == 0 and n == 0 and it.mask is None and it.tiles is None and plan.kv_valid_len is None
             if first and _all_rows(it.q_rows, s_q):
                 acc.copy_(o)   # the first result of every row (each sees itself): the merge would give exactly this
@@ -510,6 +510,19 @@ class RingBackend(block_sparse.BlockSparseBackend):
         return ring_backward(do, q, k, v, out, lse, self.plan(k, causal, softmax_scale))
 
 
+def checked_mask(what: str, block_mask: Optional[torch.Tensor], block_size: int, seqlen: int, num_heads: int,
+                 cu_seqlens, kv_valid_len: Optional[int]) -> tuple[Optional[torch.Tensor], Optional[int]]:
+    """(block_mask checked for a ``seqlen`` sequence, kv_valid_len or None where it cuts nothing) for the function
+    ``what``; SPConfigError for a bad mask or a mask with cu_seqlens. The mask stays where it is: a plan keeps its
+    own copy (and its identity is the plan cache's key)."""
+    if block_mask is None:
+        return None, kv_valid_len
+    if cu_seqlens is not None:
+        raise SPConfigError(f"block_mask cannot be combined with cu_seqlens ({what}): give one of them")
+    block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size, num_heads=num_heads)
+    return block_mask, (None if kv_valid_len is not None and kv_valid_len >= seqlen else kv_valid_len)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                    variant: str = "ring", causal: bool = False, softmax_scale: Optional[float] = None,
                    layout: str = "bshd", placement: str = DEFAULT_PLACEMENT,
@@ -544,13 +557,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * world
-    if block_mask is not None:
-        if cu_seqlens is not None:
-            raise SPConfigError("block_mask cannot be combined with cu_seqlens (ring_attention): give one of them")
-        block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size,
-                                                   num_heads=q.shape[2])
-        if kv_valid_len is not None and kv_valid_len >= seqlen:
-            kv_valid_len = None
+    block_mask, kv_valid_len = checked_mask("ring_attention", block_mask, block_size, seqlen, q.shape[2], cu_seqlens,
+                                            kv_valid_len)
     pk = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len, placement, world)
     cu = None if pk is None else pk.segments
     if pk is None:

@@ -232,6 +232,12 @@ def moves_any(plan: StepPlan, kind: str, step: int, ops_of: Callable[[int, int],
 
 
 # ---------------------------------------------------------------- backward
+def tiles_kw(tiles) -> dict:
+    """``tiles=`` for a kernel call under a block mask; nothing for a dense call (backends written before the
+    ``tiles`` keyword keep working on the dense ring)."""
+    return {} if tiles is None else {"tiles": tiles}
+
+
 def _disjoint(items) -> bool:
     """Whether the calls' key rows are pairwise disjoint (index rows: assumed not)."""
     spans = []
@@ -257,7 +263,7 @@ def _kernel(plan: StepPlan, it, cur, dout_c, q_c, out_c, lse_c, kh: Optional[tup
         do_, q_, o_, l_ = do_[:, qh], q_[:, qh], o_[:, qh], l_[:, qh]
         tiles = None if tiles is None else tiles.with_heads(plan.tile_heads(qh))
     return plan.backend.backward_lse(do_, q_, k_, v_, o_, l_, causal=it.causal, softmax_scale=plan.scale,
-                                     mask=it.mask, tiles=tiles)
+                                     mask=it.mask, **tiles_kw(tiles))
 
 
 def _dq_add(dq: torch.Tensor, rows, heads: Optional[slice], gq: torch.Tensor) -> None:

@@ -11,7 +11,14 @@ Partial results merge by log-sum-exp. Backward (ours; the paper is inference-onl
 dO exchange overlapped with the own block's gradients, dK|dV of chunk j shipped home as soon as
 it is complete (overlapping the next chunk), dQ shipped last. X_{l,j}: tokens of Ulysses rank l,
 head group j. Two-sided (send/recv) exchanges. Packed samples (``cu_seqlens``): every block's ring backend
-attends within each sample (runs in the per-sample placement).
+attends within each sample (runs in the per-sample placement). Block masks: every block's ring is the ring
+(``RingBackend``, this rank's head group's mask rows), with its skips.
+
+Why a Function of its own (``_TorusFn``) beside the ring's: its stages interleave Ulysses exchanges of Q, K|V, O and
+their gradients with the blocks' attention in an order no single ring call has (the backward ships dO first, then
+each block's dK|dV home as it completes, dQ last), and each block's ring runs in log-sum-exp form
+(``RingBackend.forward_lse`` / ``backward_lse`` from the final out/lse) inside it; the ring's own Function would
+differentiate one ring call, not the stage schedule.
 """
 from __future__ import annotations
 
@@ -21,11 +28,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...attention import block_sparse
 from ...attention.backends import get_backend
 from ...comm.capability import check_p2p
 from ...config import DEFAULT_PLACEMENT
-from ...errors import SPConfigError
 from ...attention.lse import acc_dtype, merge_into
 from ...comm import p2p
 from ...comm.p2p import wait_handles
@@ -33,7 +38,7 @@ from ...topology.mesh import SPMesh
 from ..heads import HeadLayout, head_layout
 from ..checks import packed_cu
 from .hybrid import rank_runs
-from .ring import RingBackend
+from .ring import RingBackend, checked_mask
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -58,7 +63,9 @@ class _Ctx:
         self.others = [(self.t - k) % self.T for k in range(1, self.T)]
         self._be: dict = {}
         block_mask, block_size = block if block is not None else (None, 64)
-        ring_runs = lambda ls: tuple(tuple(r for l in ls for r in runs(j, l)) for j in range(mesh.ring_size))  # noqa: E731
+
+        def ring_runs(ls) -> tuple:  # per ring rank j: the runs of the Ulysses ranks ``ls`` of its row
+            return tuple(tuple(r for l in ls for r in runs(j, l)) for j in range(mesh.ring_size))
         # every block's ring: this rank's head group's mask rows (block_mask: the ring's skips per block)
         self._mk = lambda q_ls, kv_ls: RingBackend(  # noqa: E731
             mesh.ring_group, variant, ring_runs(q_ls)[mesh.ring_index], ring_runs(kv_ls), inner, kv_valid_len, cu,
@@ -259,15 +266,10 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
     ``ulysses_attention``'s; every block's ring is the ring under the mask (``RingBackend`` with this rank's head
     group's mask rows: its calls, steps and K|V hops skipped per block; ring_variant "ring" or "tasp"); the stages'
     exchanges all run. Not with cu_seqlens."""
-    block = None
-    if block_mask is not None:
-        if cu_seqlens is not None:
-            raise SPConfigError("block_mask cannot be combined with cu_seqlens (torus_attention): give one of them")
-        s_all = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
-        block = (block_sparse.check_block_mask(block_mask, seq_len=s_all, block_size=block_size,
-                                               num_heads=q.shape[2]).to(q.device), block_size)
-        if kv_valid_len is not None and kv_valid_len >= s_all:
-            kv_valid_len = None
+    s_all = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
+    block_mask, kv_valid_len = checked_mask("torus_attention", block_mask, block_size, s_all, q.shape[2], cu_seqlens,
+                                            kv_valid_len)
+    block = None if block_mask is None else (block_mask, block_size)
     for group in (mesh.ulysses_group, mesh.ring_group):   # its stages and its ring are point to point
         check_p2p("torus_attention", group, q.device, "ulysses_attention")
     s_full = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
