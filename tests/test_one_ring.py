@@ -165,9 +165,9 @@ def test_masked_ring_family_under_emulated_machines_is_bitwise(causal):
 def test_cuda_family_dry_run_on_cpu(monkeypatch):
     """tests/cuda_one_ring.one_ring_family on 4 CPU gloo ranks (SPX_SUITE_DEVICE=cpu, SPX_SUITE_SHRINK=16): its 10
     records, each within tolerance."""
-    from tests import cuda_one_ring as fam
-    monkeypatch.setattr(fam, "DEV", "cpu")
-    monkeypatch.setattr(fam, "SHRINK", 16)
+    from tests import cuda_block_sparse as cbs, cuda_one_ring as fam
+    monkeypatch.setattr(cbs, "DEV", "cpu")
+    monkeypatch.setattr(cbs, "SHRINK", 16)
     for per_rank in run_ranks(fam.one_ring_family, 4):
         assert len(per_rank) == 10
         for r in per_rank:
