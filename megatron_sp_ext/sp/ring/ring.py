@@ -79,7 +79,7 @@ def _local_runs(runs, lo: int, n: int, valid: Optional[int]) -> list[tuple[int, 
     return out
 
 
-@dataclass
+@dataclass(eq=False)
 class RingPlan:
     """One rank's schedule (see ``schedule``). ``mode``: "plain" (local order, one segment per slot),
     "ab" (causal tasp_zigzag: zigzag compute order, two segments per slot, per-step layout) or
@@ -483,7 +483,8 @@ class RingBackend(block_sparse.BlockSparseBackend):
 
     def plan(self, k_bhsd: torch.Tensor, causal: bool, scale: float, heads: Optional[slice] = None) -> RingPlan:
         heads = self.heads if heads is None else heads
-        key = (k_bhsd.shape[2], causal, scale, heads.start, heads.stop)
+        key = (k_bhsd.shape[2], causal, scale, heads.start, heads.stop,
+               None if self.block_mask is None else self.block_mask._version)  # a mask changed in place: a new plan
         if key not in self._plans:
             if self.block_mask is not None and self.group is not None:
                 # one collective on the ring group before its first (possibly partial) point-to-point batch
