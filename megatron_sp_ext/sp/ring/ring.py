@@ -46,7 +46,7 @@ from ..checks import check_ring_inputs, check_same_shape_across_ranks, packed_cu
 from ..heads import split_more_first
 from ..placement import pieces, varlen_pieces
 from .rotation import (backward_steps, check_travel, dkv_schedule_from_env, kv_view as _kv_view, sel_rows as _sel,
-                       start_ops, tiles_kw)
+                       pair_ops, start_ops, tiles_kw)
 from .skips import SkipTables, TileSpec, skip_tables
 from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
 
@@ -225,7 +225,8 @@ class RingPlan:
     def transfer(self, step: int, rank: Optional[int] = None) -> list[tuple[str, int, int, int]]:
         """Point-to-point ops of ``rank`` (default: this rank) moving the slots from the layout of ``step`` to
         that of ``step + 1``: (kind, group rank of the peer, buffer row, rows), slot by slot; touching segments
-        on both ends go as one. ``start`` uses the peers' global ranks (cached with the ops)."""
+        on both ends go as one; under a mask only the hops of ``hop``. ``start`` sends them as one ``comm.p2p``
+        batch."""
         r = self.rank if rank is None else rank
         key = ("transfer", step, r)
         if key not in self.cache:
@@ -236,14 +237,8 @@ class RingPlan:
                 for kind, peer, mine, theirs in (
                         ("send", rt.nxt[i][r], self.segments(step, r)[i], self.segments(step + 1, rt.nxt[i][r])[i]),
                         ("recv", rt.prv[i][r], self.segments(step + 1, r)[i], self.segments(step, rt.prv[i][r])[i])):
-                    if not (sends if kind == "send" else receives):
-                        continue
-                    joined = all(a[0] + a[2] == b[0] for a, b in zip(mine, mine[1:])) and \
-                        all(a[0] + a[2] == b[0] for a, b in zip(theirs, theirs[1:]))
-                    if joined:
-                        ops.append((kind, peer, mine[0][0], sum(sg[2] for sg in mine)))
-                    else:
-                        ops += [(kind, peer, sg[0], sg[2]) for sg in mine]
+                    if sends if kind == "send" else receives:
+                        ops += pair_ops(kind, peer, mine, theirs)
             self.cache[key] = ops
         return self.cache[key]
 

@@ -171,7 +171,7 @@ def holder(routing, ring: int, home: int, step: int) -> int:
     return r
 
 
-def _pair_ops(kind: str, peer: int, mine, theirs) -> list[Op]:
+def pair_ops(kind: str, peer: int, mine, theirs) -> list[Op]:
     """Ops for one slot: its segments on both ends paired in order; touching ones go as one op."""
     joined = all(a[0] + a[2] == b[0] for a, b in zip(mine, mine[1:])) and \
         all(a[0] + a[2] == b[0] for a, b in zip(theirs, theirs[1:]))
@@ -192,11 +192,11 @@ def home_ops(plan: StepPlan, step: int, rank: Optional[int] = None) -> list[Op]:
             dest = rt.origin(i, r, step)
             assert dest != r, "a ring step >= 1 holds another rank's block"
             if plan.runs(i, step, r):
-                ops += _pair_ops("send", dest, plan.segments(step, r)[i], plan.segments(0, dest)[i])
+                ops += pair_ops("send", dest, plan.segments(step, r)[i], plan.segments(0, dest)[i])
         for i in range(len(plan.slot_len)):
             src = holder(rt, i, r, step)
             if plan.runs(i, step, src):
-                ops += _pair_ops("recv", src, plan.segments(0, r)[i], plan.segments(step, src)[i])
+                ops += pair_ops("recv", src, plan.segments(0, r)[i], plan.segments(step, src)[i])
         plan.cache[key] = ops
     return plan.cache[key]
 
