@@ -105,6 +105,38 @@ def test_mask_changed_in_place_gives_the_new_result(world, variant, causal, plac
     run_ranks(_in_place, world, variant, causal, placement)
 
 
+# ------------------------------------------------------------------------------------------ host-staged batches
+def _staged(rank, world):
+    """The gloo-with-CUDA-tensors path of comm/p2p (host copies, received ones copied back at the wait) forced on
+    CPU tensors: masked ring and TASP, dense ring, and torus (its stages' batches) against the reference, and the
+    path was taken."""
+    from megatron_sp_ext.comm import p2p
+    g = dist.group.WORLD
+    s, bs = 2 * world * len(routing_tables(world).cycles) * 4, 5
+    t = bsp.num_tiles(s, bs)
+    bm = random_mask(41, 4, t, keep=0.4)
+    taken = []
+    p2p.needs_host_staging = lambda group, like: taken.append(1) or True  # this forked rank only
+    mesh = spx.build_sp_mesh(g, num_heads=4, placement="tas", ulysses_size=2, nodes=2)
+    kw = dict(s=s, h=4, hkv=2, d=8, bs=bs)
+    for n, (causal, fn) in enumerate((
+            (True, lambda q, k, v: spx.ring_attention(q, k, v, g, causal=True, placement="zigzag", block_mask=bm,
+                                                      block_size=bs)),
+            (False, lambda q, k, v: spx.ring_attention(q, k, v, g, variant="tasp", block_mask=bm, block_size=bs)),
+            (False, lambda q, k, v: spx.torus_attention(q, k, v, mesh, block_mask=bm, block_size=bs)))):
+        check_case(fn, rank, world, block_mask=bm, causal=causal, placement="zigzag" if causal else "contiguous",
+                   seed=n, **kw)
+    ones = torch.ones(1, t, t, dtype=torch.bool)
+    check_case(lambda q, k, v: spx.ring_attention(q, k, v, g, causal=True, placement="zigzag"), rank, world,
+               block_mask=ones, causal=True, placement="zigzag", seed=9, **kw)
+    assert taken, "the host-staged path was not taken"
+    return True
+
+
+def test_host_staged_batches_are_right():
+    run_ranks(_staged, 4)
+
+
 # ------------------------------------------------------------------------------------- emulated machines' links
 def _emulated(rank, world, causal):
     """Masked ring, tasp, hybrid (ring across machines) and torus (staged Ulysses across machines): bitwise equal

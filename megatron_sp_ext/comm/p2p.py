@@ -49,11 +49,16 @@ def start(ops: Sequence[Op], group: Optional[dist.ProcessGroup], *, like: Option
         return _start_linked(link, ops, table, like)
     if not ops:
         return []
-    if like.is_cuda and dist.get_backend(group) == "gloo":
+    if needs_host_staging(group, like):
         return _start_staged(ops, group)
     p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, dist.get_global_rank(group, peer), group)
            for kind, t, peer in ops]
     return dist.batch_isend_irecv(p2p)
+
+
+def needs_host_staging(group: dist.ProcessGroup, like: torch.Tensor) -> bool:
+    """Whether ``group``'s point-to-point ops on tensors like ``like`` go through host copies (gloo, CUDA)."""
+    return like.is_cuda and dist.get_backend(group) == "gloo"
 
 
 def _start_staged(ops: Sequence[Op], group: dist.ProcessGroup) -> list:

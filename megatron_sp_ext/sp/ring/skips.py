@@ -35,13 +35,14 @@ class TileSpec:
 
 @dataclass(frozen=True)
 class SkipTables:
-    """keep[i][r][s] (kept call indices) and sends[i][r][s] of one plan (module docstring); nxt/prv per slot."""
+    """keep[i][r][s] (kept call indices) and forwards[i][r][s] (the module docstring's sends) of one plan; nxt/prv
+    per slot."""
 
     world: int
     nxt: tuple
     prv: tuple
     keep: tuple
-    sends_: tuple
+    forwards: tuple
 
     @property
     def slots(self) -> int:
@@ -51,7 +52,7 @@ class SkipTables:
         return bool(self.keep[slot][rank][step])
 
     def sends(self, slot: int, rank: int, step: int) -> bool:
-        return step < self.world - 1 and self.sends_[slot][rank][step]
+        return step < self.world - 1 and self.forwards[slot][rank][step]
 
     def receives(self, slot: int, rank: int, step: int) -> bool:
         return self.sends(slot, self.prv[slot][rank], step)
