@@ -31,7 +31,7 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if DEV == "cuda" else torch.device("cpu")
 
 
-def _record(rec, case, fn, rank, world, *, s, h, hkv, d, bs, bm, causal, placement, dtype, seed):
+def record(rec, case, fn, rank, world, *, s, h, hkv, d, bs, bm, causal, placement, dtype, seed):
     dev = _device()
     q, k, v, do = (t.to(dev) for t in make_qkv(seed, 1, s, h, hkv, d, torch.float64))
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
@@ -72,7 +72,7 @@ def block_sparse_family(rank: int, world: int) -> list:
                                 a, b, c, g, causal=causal, placement=placement, block_mask=m, block_size=bs))):
                         if dtype == torch.float32 and not name.startswith(("ulysses", "ring")):
                             continue
-                        _record(rec, f"{name} mask={mask_name}", fn, rank, world, s=s, h=h, hkv=hkv, d=d, bs=bs,
+                        record(rec, f"{name} mask={mask_name}", fn, rank, world, s=s, h=h, hkv=hkv, d=d, bs=bs,
                                 bm=bm, causal=causal, placement=placement, dtype=dtype, seed=n)
                         n += 1
     if world == 4:  # meshes as 2 simulated machines of 2 (as cuda_suite.mesh_family): usp (C=2) and torus (tas)
@@ -80,7 +80,7 @@ def block_sparse_family(rank: int, world: int) -> list:
         bm = random_mask(world + 1, 8, t)
         for causal in (False, True):
             placement = "tasp_zigzag" if causal else "contiguous"
-            _record(rec, "tasp kernel=math mask=random", lambda a, b, c, m: spx.ring_attention(
+            record(rec, "tasp kernel=math mask=random", lambda a, b, c, m: spx.ring_attention(
                 a, b, c, g, variant="tasp", causal=causal, placement=placement, block_mask=m, block_size=bs),
                 rank, world, s=s, h=8, hkv=2, d=d, bs=bs, bm=bm, causal=causal, placement=placement,
                 dtype=torch.bfloat16, seed=n)
@@ -92,7 +92,7 @@ def block_sparse_family(rank: int, world: int) -> list:
                         block_size=bs)),
                     ("torus tas 2x2", lambda a, b, c, m: spx.torus_attention(
                         a, b, c, meshes["tas"], causal=causal, placement=placement, block_mask=m, block_size=bs))):
-                _record(rec, f"{name} kernel=math mask=random", fn, rank, world, s=s, h=8, hkv=2, d=d, bs=bs, bm=bm,
+                record(rec, f"{name} kernel=math mask=random", fn, rank, world, s=s, h=8, hkv=2, d=d, bs=bs, bm=bm,
                         causal=causal, placement=placement, dtype=torch.bfloat16, seed=n)
                 n += 1
     return rec

@@ -221,3 +221,10 @@ def test_block_sparse_family(world, backend):
     kernel, against a float64 masked reference."""
     assert len(_worker("cuda_block_sparse", "block_sparse_family", "block_sparse", world, backend)) == \
         {2: 28, 4: 34}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_one_ring_family(world, backend):
+    """The block-masked ring and TASP through the one ring (#50): the same device mask changed in place between
+    calls, a dense call between masked ones, a host mask with device q; float64 reference."""
+    assert len(_worker("cuda_one_ring", "one_ring_family", "one_ring", world, backend)) == 10

@@ -1,4 +1,4 @@
-"""Exchanges (flat all-to-all, ring p2p, multi-ring) and stream helpers."""
+"""Exchanges (flat all-to-all, point-to-point batches: ``p2p``) and stream helpers."""
 from .exchange import all_to_all_flat
 from .streams import StreamPool, default_pool
 

@@ -3,9 +3,11 @@
 Modules (below them ``sp.checks``, ``sp.heads``, ``sp.placement``):
   schedule  what each ring step computes (kernel calls on contiguous slices, zigzag / tasp_zigzag layouts)
   rotation  the step transfers: starting a K|V hop; the backward's dK|dV partials sent home, last step per head chunk
-  sparse    the ring under a block mask (``block_mask=``): skipped steps and K|V hops, ``sparse_ring_plan`` counters
-  ring      ``RingPlan``, ``ring_forward`` / ``ring_backward``, the autograd Function, ``ring_attention``
-            (``variant="ring"``: one ring; ``variant="tasp"``: the Hamiltonian multi-ring of TASP), ``RingBackend``
+  skips     under a block mask (``block_mask=``): the calls that select anything, the K|V hops a later rank needs
+  ring      ``RingPlan``, ``ring_forward`` / ``ring_backward``, the one autograd Function, ``ring_attention``
+            (``variant="ring"``: one ring; ``variant="tasp"``: the Hamiltonian multi-ring of TASP; dense or
+            block-masked), ``RingBackend``
+  sparse    ``sparse_ring_plan(...).counts``: the skip tables' counters, for benchmarks
   hybrid    Ulysses x Ring over an SPMesh (``hybrid_attention``)
   torus     StreamFusion's torus attention over an SPMesh (``torus_attention``)
 """

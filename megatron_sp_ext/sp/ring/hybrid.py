@@ -21,15 +21,13 @@ import torch
 from ...attention.backends import get_backend
 from ...comm.capability import check_p2p, needs_p2p
 from ...config import DEFAULT_PLACEMENT
-from ...attention import block_sparse
 from ...errors import SPConfigError
 from ...topology.mesh import SPMesh
 from ..checks import packed_cu
 from ..placement import pieces, varlen_pieces
 from ..ulysses import ulysses_attention
 from ..ulysses.layout import sorted_order
-from .ring import RingBackend
-from .sparse import SparseRingBackend
+from .ring import VARIANTS, RingBackend, checked_mask
 
 
 def rank_runs(placement: str, rank: int, world: int, seqlen: int, cu: Optional[tuple] = None):
@@ -76,62 +74,34 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
     cu_seqlens: packed samples (B=1; cumulative lengths over the full sequence, the same on every rank; shards in
     the per-sample "contiguous" or "zigzag" placement of ``shard_sequence``): each sample attends within itself.
     block_mask / block_size: block-sparse attention as ``ulysses_attention``'s (global tiles, the same on every
-    rank): the Ulysses exchange puts each group's sequence in ascending order and the ring ("ring" or "tasp") is
-    ``sparse.py``'s (its step and hop skips over the mesh's runs); not with cu_seqlens."""
-    if block_mask is not None:
-        return _hybrid_block_sparse(q, k, v, mesh, head_chunks=head_chunks, ring_variant=ring_variant, causal=causal,
-                                    softmax_scale=softmax_scale, layout=layout, placement=placement,
-                                    kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, block_mask=block_mask,
-                                    block_size=block_size)
+    rank): the Ulysses exchange puts each group's sequence in ascending order and the ring ("ring" or "tasp") runs
+    under the mask with its step and hop skips over the mesh's runs (``RingBackend``); not with cu_seqlens."""
+    if ring_variant not in VARIANTS:
+        raise SPConfigError(f"ring_variant={ring_variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
+    s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
+    seqlen = s_loc * mesh.world
+    block_mask, kv_valid_len = checked_mask("hybrid_attention", block_mask, block_size, seqlen, q.shape[2],
+                                            cu_seqlens, kv_valid_len)
     if mesh.ring_group is not None and needs_p2p(ring_variant, mesh.ring_size):
         check_p2p(f"hybrid_attention(ring_variant={ring_variant!r})", mesh.ring_group, q.device,
                   "ulysses_attention")
-    s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
-    pk = packed_cu(cu_seqlens, q, layout, s_loc * mesh.world, kv_valid_len, placement, mesh.world)
+    pk = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len, placement, mesh.world)
     cu = None if pk is None else pk.layout
-    runs = mesh_runs(mesh, placement, s_loc * mesh.world, cu)
+    runs = mesh_runs(mesh, placement, seqlen, cu)
     order = None
-    if mesh.ulysses_group is not None and (causal or kv_valid_len is not None or cu is not None):
-        rows = sorted_rows(mesh.grid, mesh.world, placement, s_loc * mesh.world, cu)
+    if mesh.ulysses_group is not None and (causal or kv_valid_len is not None or cu is not None
+                                           or block_mask is not None):
+        rows = sorted_rows(mesh.grid, mesh.world, placement, seqlen, cu)
         order = rows[mesh.ring_index][0]
         runs = tuple(merged for _, merged in rows)
     ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, get_backend(backend), kv_valid_len,
-                       None if pk is None else pk.segments)
+                       None if pk is None else pk.segments, block_mask=block_mask, block_size=block_size,
+                       seq_len=seqlen)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if mesh.ulysses_group is None:  # P_u == 1: pure ring over the mesh order
+    if mesh.ulysses_group is None:  # P_u == 1: pure ring over the mesh order, every head
         to = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
         out = ring(to(q), to(k), to(v), causal=causal, softmax_scale=scale)
         return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
     return ulysses_attention(q, k, v, mesh.ulysses_group, head_chunks=head_chunks, causal=causal,
-                             softmax_scale=scale, layout=layout, backend=ring, seq_order=order)
-
-
-def _hybrid_block_sparse(q, k, v, mesh: SPMesh, *, head_chunks, ring_variant: str, causal: bool,
-                         softmax_scale: Optional[float], layout: str, placement: str, kv_valid_len: Optional[int],
-                         cu_seqlens, block_mask: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``hybrid_attention`` with a block mask: Ulysses over the mesh's Ulysses group into ascending global order
-    (``sorted_rows``), then the sparse ring (``SparseRingBackend``) over the ring group with the chunk's heads."""
-    if cu_seqlens is not None:
-        raise SPConfigError("block_mask cannot be combined with cu_seqlens (hybrid_attention): give one of them")
-    if mesh.ring_group is not None:
-        check_p2p("hybrid_attention(block_mask=...)", mesh.ring_group, q.device, "ulysses_attention")
-    s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
-    seqlen = s_loc * mesh.world
-    block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size,
-                                               num_heads=q.shape[2]).to(q.device)
-    valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < seqlen else None
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    runs = mesh_runs(mesh, placement, seqlen)
-    order = None
-    if mesh.ulysses_group is not None:  # the gathered sequence in ascending order, the ring's runs merged
-        rows = sorted_rows(mesh.grid, mesh.world, placement, seqlen)
-        order = rows[mesh.ring_index][0]
-        runs = tuple(merged for _, merged in rows)
-    ring = SparseRingBackend(mesh.ring_group, runs, block_mask, block_size, seqlen, valid, ring_variant)
-    if mesh.ulysses_group is None:  # P_u == 1: the sparse ring over the mesh order, every head
-        to = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
-        out = ring.attend(to(q), to(k), to(v), heads=slice(None), causal=causal, softmax_scale=scale)
-        return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
-    return ulysses_attention(q, k, v, mesh.ulysses_group, head_chunks=head_chunks, causal=causal, softmax_scale=scale,
-                             layout=layout, backend=ring, seq_order=order, block_mask=block_mask,
-                             block_size=block_size)
+                             softmax_scale=scale, layout=layout, backend=ring, seq_order=order,
+                             block_mask=block_mask, block_size=block_size)

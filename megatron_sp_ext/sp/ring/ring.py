@@ -15,6 +15,12 @@ What each step computes comes from ``schedule``: tokens in compute order, kernel
 slices (the zigzag diagonal is one causal call, other steps one unmasked call on a half), and for
 causal TASP a per-step buffer layout that keeps every step at <= 2 calls. Local kernels are the
 backend's ``forward_lse``/``backward_lse`` (backend "auto": cuDNN where it runs).
+
+Under a block mask (``block_mask=``) the same plan, Function, rotation and transports run: the step's calls are made
+per slot (a call never reads a slot whose hop was skipped), each gets its ``TileSlice`` (``tiles=`` of the
+backend's kernels, whichever kernel runs it), and ``skips``' tables (built once per plan, identical on every rank)
+drop the calls that select nothing, the (step, slot) blocks left without calls, the K|V hops no later rank needs
+and the dK|dV partials of blocks that did not run. Point-to-point batches: ``comm.p2p``.
 """
 from __future__ import annotations
 
@@ -31,15 +37,17 @@ from ...attention import block_sparse
 from ...attention.backends import LocalAttention, get_backend
 from ...attention.lse import acc_dtype, merge_into
 from ...comm.capability import check_p2p, needs_p2p
-from ...comm.multiring import wait_handles
+from ...attention.tiles import TileSlice
+from ...comm.p2p import wait_handles
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
 from ...topology.hamiltonian import RoutingTables, routing_tables
-from ..checks import check_ring_inputs, packed_cu
+from ..checks import check_ring_inputs, check_same_shape_across_ranks, packed_cu
 from ..heads import split_more_first
 from ..placement import pieces, varlen_pieces
-from .rotation import backward_steps, dkv_schedule_from_env, kv_view as _kv_view, sel_rows as _sel, start_ops
-from .sparse import SparseRingFn, make_sparse_ring_call, runs_positions
+from .rotation import (backward_steps, check_travel, dkv_schedule_from_env, kv_view as _kv_view, sel_rows as _sel,
+                       pair_ops, start_ops, tiles_kw)
+from .skips import SkipTables, TileSpec, skip_tables
 from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
 
 VARIANTS = ("ring", "tasp")
@@ -71,7 +79,7 @@ def _local_runs(runs, lo: int, n: int, valid: Optional[int]) -> list[tuple[int, 
     return out
 
 
-@dataclass
+@dataclass(eq=False)
 class RingPlan:
     """One rank's schedule (see ``schedule``). ``mode``: "plain" (local order, one segment per slot),
     "ab" (causal tasp_zigzag: zigzag compute order, two segments per slot, per-step layout) or
@@ -94,6 +102,8 @@ class RingPlan:
     q_moves: tuple = ()   # (local_row, compute_row, len) of the queries
     kv_moves: tuple = ()  # the same for this rank's k/v into the step-0 buffer
     cu_seqlens: Optional[tuple] = None  # packed samples: cumulative lengths; q and k interact only within one
+    tiles: Optional[TileSpec] = None  # a block mask: calls that select nothing, and hops nobody needs, are skipped
+    q_runs_of: tuple = ()  # q_runs_of[o]: ring rank o's query runs (masked plans build every rank's tables)
     cache: dict = field(default_factory=dict)
 
     @property
@@ -113,64 +123,122 @@ class RingPlan:
         rows = ab_layout(self.origins(step % self.world, r), r, u)
         return tuple(((pr, off, u), (mr, off + u, u)) for (pr, mr), off in zip(rows, self.slot_off))
 
-    def q_compute_runs(self) -> list[tuple[int, int, int]]:
-        out, row = [], 0
-        local = []
-        for a, n in self.q_runs:
+    def q_moves_of(self, rank: int) -> tuple:
+        """(local_row, compute_row, len) of ``rank``'s queries (this rank's: ``q_moves``)."""
+        if rank == self.rank or self.mode == "plain":
+            return self.q_moves if rank == self.rank else ()
+        return sorted_order(tuple(self.q_runs_of[rank]))[0]
+
+    def q_compute_runs(self, rank: Optional[int] = None) -> list[tuple[int, int, int]]:
+        """(global start, len, compute row) of ``rank``'s queries."""
+        r = self.rank if rank is None else rank
+        local, row = [], 0
+        for a, n in (self.q_runs if r == self.rank else self.q_runs_of[r]):
             local.append((a, n, row))
             row += n
-        dest = {lr: cr for lr, cr, _ in self.q_moves} if self.q_moves else {}
-        for a, n, lr in local:
-            out.append((a, n, dest.get(lr, lr)))
+        dest = {lr: cr for lr, cr, _ in self.q_moves_of(r)}
+        return [(a, n, dest.get(lr, lr)) for a, n, lr in local]
+
+    def slot_kv_runs(self, step: int, rank: Optional[int] = None, valid: bool = True) -> list[list[tuple]]:
+        """Per slot: (global start, len, buffer row) of the keys ``rank`` holds at ``step`` (``valid``: keys at
+        positions >= kv_valid_len dropped)."""
+        r = self.rank if rank is None else rank
+        cut = self.kv_valid_len if valid else None
+        if self.mode == "sorted":
+            kvr, row, local = [], 0, []
+            for a, n in self.kv_runs[0]:
+                local.append((a, n, row))
+                row += n
+            dest = {lr: cr for lr, cr, _ in self.kv_moves}
+            for a, n, lr in local:
+                kvr += [(g, ln, dest.get(lr, lr) + off) for g, ln, off in _local_runs(((a, n),), 0, n, cut)]
+            return [kvr]
+        out = []
+        for i, o in enumerate(self.origins(step, r)):
+            out.append([(g, ln, brow + off) for brow, lrow, n in self.segments(step, r)[i]
+                        for g, ln, off in _local_runs(self.kv_runs[o], lrow, n, cut)])
         return out
 
+    def slot_calls(self, step: int, rank: Optional[int], device) -> list[list[Item]]:
+        """Per slot: the kernel calls of ``rank`` at ``step`` on that slot's keys (masked plans: one slot's
+        block per call, so a call never reads a slot whose hop was skipped)."""
+        qr = self.q_compute_runs(rank)
+        return [step_items(qr, kvr, self.causal, device, self.cu_seqlens)
+                for kvr in self.slot_kv_runs(step, rank)]
+
+    def step_tiles(self, step: int, rank: Optional[int], block_mask: torch.Tensor) -> TileSlice:
+        """The mask's view of ``rank``'s whole step: its queries (compute order) x its K|V buffer rows."""
+        dev = block_mask.device
+        q_pos = _positions(((g, n, row) for g, n, row in self.q_compute_runs(rank)), dev)
+        kv_pos = _positions((run for slot in self.slot_kv_runs(step, rank, valid=False) for run in slot), dev)
+        return TileSlice(block_mask, self.tiles.block_size, q_pos, kv_pos, self.tiles.heads, self.kv_valid_len)
+
+    def skips(self) -> SkipTables:
+        """The mask's skip tables (``skips``), built once per plan on the host for every rank."""
+        if "skips" not in self.cache:
+            sel = self.tiles.selection_mask()
+
+            def selected(step: int, r: int) -> list:
+                base = self.step_tiles(step, r, sel)
+                return [[j for j, it in enumerate(calls) if base.rows(it.q_rows, it.kv_rows).selects_any(self.causal)]
+                        for calls in self.slot_calls(step, r, "cpu")]
+            self.cache["skips"] = skip_tables(self.world, self.routing.nxt, self.routing.prv, selected)
+        return self.cache["skips"]
+
     def items(self, step: int, device) -> list[Item]:
-        """Kernel calls of ``step`` (cached)."""
+        """Kernel calls of ``step`` (cached); masked plans: the calls that select anything, each with its
+        ``TileSlice``."""
         key = ("items", step, str(device))
         if key not in self.cache:
-            qr = self.q_compute_runs()
-            if self.mode == "sorted":
-                kvr, row = [], 0
-                local = []
-                for a, n in self.kv_runs[0]:
-                    local.append((a, n, row))
-                    row += n
-                dest = {lr: cr for lr, cr, _ in self.kv_moves}
-                for a, n, lr in local:
-                    for g, ln, off in _local_runs(((a, n),), 0, n, self.kv_valid_len):
-                        kvr.append((g, ln, dest.get(lr, lr) + off))
-            else:
-                kvr = []
-                for i, o in enumerate(self.origins(step)):
-                    for brow, lrow, n in self.segments(step)[i]:
-                        kvr += [(g, ln, brow + off) for g, ln, off in _local_runs(self.kv_runs[o], lrow, n,
-                                                                                  self.kv_valid_len)]
-            if not self.causal and self.kv_valid_len is None and self.cu_seqlens is None:
+            if self.tiles is not None:
+                keep = self.skips().keep
+                base = self.step_tiles(step, None, self.mask_on(device))
+                its = [Item(it.q_rows, it.kv_rows, it.causal, it.mask, base.rows(it.q_rows, it.kv_rows))
+                       for i, calls in enumerate(self.slot_calls(step, None, device))
+                       for j, it in enumerate(calls) if j in keep[i][self.rank][step]]
+            elif not self.causal and self.kv_valid_len is None and self.cu_seqlens is None:
                 its = [Item(slice(None), slice(None))]
             else:
-                its = step_items(qr, kvr, self.causal, device, self.cu_seqlens)
+                its = step_items(self.q_compute_runs(), [run for slot in self.slot_kv_runs(step) for run in slot],
+                                 self.causal, device, self.cu_seqlens)
             self.cache[key] = its
         return self.cache[key]
+
+    def mask_on(self, device) -> torch.Tensor:
+        """The plan's block mask on ``device`` (one copy per device)."""
+        key = ("mask", str(device))
+        if key not in self.cache:
+            self.cache[key] = self.tiles.block_mask.to(device)
+        return self.cache[key]
+
+    def runs(self, slot: int, step: int, rank: Optional[int] = None) -> bool:
+        """Whether ``rank`` runs any call on slot ``slot`` at ``step`` (always, without a mask)."""
+        return self.tiles is None or self.skips().runs(slot, self.rank if rank is None else rank, step)
+
+    def hop(self, slot: int, step: int, rank: Optional[int] = None) -> tuple[bool, bool]:
+        """(sends, receives) of ``rank``'s slot ``slot`` after ``step`` (both, without a mask)."""
+        if self.tiles is None:
+            return True, True
+        r, t = self.rank if rank is None else rank, self.skips()
+        return t.sends(slot, r, step), t.receives(slot, r, step)
 
     def transfer(self, step: int, rank: Optional[int] = None) -> list[tuple[str, int, int, int]]:
         """Point-to-point ops of ``rank`` (default: this rank) moving the slots from the layout of ``step`` to
         that of ``step + 1``: (kind, group rank of the peer, buffer row, rows), slot by slot; touching segments
-        on both ends go as one. ``start`` uses the peers' global ranks (cached with the ops)."""
+        on both ends go as one; under a mask only the hops of ``hop``. ``start`` sends them as one ``comm.p2p``
+        batch."""
         r = self.rank if rank is None else rank
         key = ("transfer", step, r)
         if key not in self.cache:
             ops: list = []
             rt = self.routing
             for i in range(len(self.slot_len)):
+                sends, receives = self.hop(i, step, r)
                 for kind, peer, mine, theirs in (
                         ("send", rt.nxt[i][r], self.segments(step, r)[i], self.segments(step + 1, rt.nxt[i][r])[i]),
                         ("recv", rt.prv[i][r], self.segments(step + 1, r)[i], self.segments(step, rt.prv[i][r])[i])):
-                    joined = all(a[0] + a[2] == b[0] for a, b in zip(mine, mine[1:])) and \
-                        all(a[0] + a[2] == b[0] for a, b in zip(theirs, theirs[1:]))
-                    if joined:
-                        ops.append((kind, peer, mine[0][0], sum(sg[2] for sg in mine)))
-                    else:
-                        ops += [(kind, peer, sg[0], sg[2]) for sg in mine]
+                    if sends if kind == "send" else receives:
+                        ops += pair_ops(kind, peer, mine, theirs)
             self.cache[key] = ops
         return self.cache[key]
 
@@ -181,6 +249,18 @@ class RingPlan:
     @staticmethod
     def wait(works) -> None:
         wait_handles(works)
+
+    def tile_heads(self, heads: slice) -> slice:
+        """The global query heads (mask rows) of ``heads``, a slice of this plan's q heads."""
+        base = self.tiles.heads.start or 0
+        return slice(base + (heads.start or 0), base + heads.stop)
+
+
+def _positions(runs, device) -> torch.Tensor:
+    """Global position of each row given (global start, len, row) runs covering the rows."""
+    runs = sorted(runs, key=lambda run: run[2])
+    pos = torch.cat([torch.arange(g, g + n) for g, n, _ in runs]) if runs else torch.empty(0, dtype=torch.long)
+    return pos.to(device)
 
 
 def _fill_kv(buf: torch.Tensor, k_bhsd, v_bhsd, moves) -> None:
@@ -217,8 +297,8 @@ def forward_compute_order(q_c, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Te
         for n, it in enumerate(plan.items(step, q_c.device)):
             k_, v_ = _kv_view(cur, it.kv_rows)
             o, l_ = plan.backend.forward_lse(_sel(q_c, it.q_rows, 2), k_, v_, causal=it.causal,
-                                             softmax_scale=plan.scale, mask=it.mask)
-            first = step == 0 and n == 0 and it.mask is None and plan.kv_valid_len is None
+                                             softmax_scale=plan.scale, mask=it.mask, **tiles_kw(it.tiles))
+            first = step == 0 and n == 0 and it.mask is None and it.tiles is None and plan.kv_valid_len is None
             if first and _all_rows(it.q_rows, s_q):
                 acc.copy_(o)   # the first result of every row (each sees itself): the merge would give exactly this
                 lse.copy_(l_)
@@ -274,10 +354,13 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
 
 
 class _RingFn(torch.autograd.Function):
-    """``ring_forward`` / ``ring_backward`` as one autograd node: q [B, H, S_q, D], k, v [B, Hkv, S_kv, D]."""
+    """``ring_forward`` / ``ring_backward`` as one autograd node: q [B, H, S_q, D], k, v [B, Hkv, S_kv, D]; dense
+    or under the plan's block mask, ring or TASP."""
 
     @staticmethod
     def forward(ctx, q_bhsd, k_bhsd, v_bhsd, plan: RingPlan):
+        if dkv_schedule_from_env().route == "travel":
+            check_travel(plan)
         acc, lse = ring_forward(q_bhsd, k_bhsd, v_bhsd, plan)
         out = acc.to(q_bhsd.dtype)
         ctx.save_for_backward(q_bhsd, k_bhsd, v_bhsd, out, lse)
@@ -296,21 +379,52 @@ _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {k
 _NO_GROUP: dict = {}
 
 
+def _mask_key(block_mask: Optional[torch.Tensor], block_size: int, heads: slice) -> tuple:
+    """A block mask's part of the plan key: the tensor's identity and version (an in-place change bumps it; the
+    entry is evicted when the tensor dies, so a new tensor reusing the id cannot hit it)."""
+    if block_mask is None:
+        return ()
+    return (id(block_mask), block_mask._version, tuple(block_mask.shape), block_size, heads.start, heads.stop)
+
+
 def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: bool, scale: float,
-                   backend: LocalAttention, balanced_slots: bool = False,
-                   kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None) -> RingPlan:
+                   backend: Optional[LocalAttention], balanced_slots: bool = False,
+                   kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None,
+                   block_mask: Optional[torch.Tensor] = None, block_size: int = block_sparse.DEFAULT_BLOCK_SIZE,
+                   heads: slice = slice(None), q_runs_of: Optional[tuple] = None) -> RingPlan:
     """Plan for one ring group (None or size 1 = no exchange). kv_runs[o] = runs of ring rank o.
     cu_seqlens (packed samples, a tuple of cumulative lengths): queries see keys of their own sample only.
-    Plans are cached by their arguments (the step schedules are built once)."""
+    block_mask (checked, [H or 1, T, T]) with block_size and the global query ``heads`` q carries: the skips of
+    ``skips`` (q_runs_of[o]: ring rank o's query runs, default kv_runs: each rank's queries are its keys' tokens).
+    Plans are cached by their arguments and the mask's identity (the step schedules are built once)."""
     # per group, weakly (a destroyed group's plans go with it; an id() could be reused by a new group), keyed on
     # everything the schedule depends on; the backend itself, not its id(), which a new object could reuse
     plans = _PLANS.setdefault(group, {}) if group is not None else _NO_GROUP
+    q_runs_of = tuple(kv_runs) if q_runs_of is None else tuple(q_runs_of)
     key = (variant, s_loc, tuple(q_runs), tuple(kv_runs), causal, scale, backend, balanced_slots, kv_valid_len,
-           cu_seqlens)
+           cu_seqlens) + _mask_key(block_mask, block_size, heads) + ((q_runs_of,) if block_mask is not None else ())
     if key in plans:
         return plans[key]
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
+    tiles = None if block_mask is None else TileSpec(block_mask.detach().to("cpu", copy=True), block_size, heads)
+    plan = build_ring_plan(weakref.ref(group) if group is not None else None, rank, world, variant=variant,
+                           s_loc=s_loc, q_runs=q_runs, kv_runs=kv_runs, causal=causal, scale=scale, backend=backend,
+                           balanced_slots=balanced_slots, kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens,
+                           tiles=tiles, q_runs_of=q_runs_of)
+    if len(plans) > 256:
+        plans.clear()
+    plans[key] = plan
+    if block_mask is not None:
+        weakref.finalize(block_mask, plans.pop, key, None)
+    return plan
+
+
+def build_ring_plan(group_ref, rank: int, world: int, *, variant: str, s_loc: int, q_runs, kv_runs, causal: bool,
+                    scale: float, backend: Optional[LocalAttention], balanced_slots: bool = False,
+                    kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None,
+                    tiles: Optional[TileSpec] = None, q_runs_of: tuple = ()) -> RingPlan:
+    """The ``RingPlan`` of ring rank ``rank`` of ``world`` (uncached; ``make_ring_plan`` caches it per group)."""
     if variant == "tasp" and world > 1:
         rt = routing_tables(world)
         m = len(rt.cycles)
@@ -332,51 +446,77 @@ def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: 
         mode = "ab"
         q_moves, _ = sorted_order(tuple(q_runs))
         kv_moves, _ = sorted_order(tuple(kv_runs[rank]))
-    plan = RingPlan(weakref.ref(group) if group is not None else None, rank, world, variant, rt, offs, tuple(lens), tuple(q_runs), tuple(kv_runs),
-                    causal, scale, backend, kv_valid_len, mode, q_moves, kv_moves, cu_seqlens)
+    plan = RingPlan(group_ref, rank, world, variant, rt, offs, tuple(lens), tuple(q_runs), tuple(kv_runs),
+                    causal, scale, backend, kv_valid_len, mode, q_moves, kv_moves, cu_seqlens, tiles, tuple(q_runs_of))
     if mode == "ab":  # the step-0 layout must be the sorted order the k/v were filled in
         filled = {lr: cr for lr, cr, _ in kv_moves}
         for slot in plan.segments(0):
             for brow, lrow, _ in slot:
                 assert filled.get(lrow) == brow, "tasp_zigzag layout does not match its sorted order"
-    if len(plans) > 256:
-        plans.clear()
-    plans[key] = plan
     return plan
 
 
-class RingBackend(LocalAttention):
-    """Ring/TASP over ``group`` as a local-attention backend (for hybrid meshes).
+class RingBackend(block_sparse.BlockSparseBackend):
+    """Ring/TASP over ``group`` as a local-attention backend (hybrid meshes, torus blocks).
 
     Queries and keys of this rank cover global runs ``q_runs``; ``kv_runs[o]`` are ring rank o's.
     ``cu_seqlens`` (packed samples, tuple of cumulative lengths): attention only within each sample.
-    """
+    ``block_mask`` (checked, over a ``seq_len`` sequence) / ``block_size``: the ring under the mask, its skips;
+    ``q_runs_of[o]``: ring rank o's query runs (default ``kv_runs``); ``heads``: the global query heads of q
+    (``attend`` passes them per Ulysses chunk)."""
 
     def __init__(self, group, variant: str, q_runs, kv_runs, inner: LocalAttention,
-                 kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None) -> None:
+                 kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None, *,
+                 block_mask: Optional[torch.Tensor] = None, block_size: int = block_sparse.DEFAULT_BLOCK_SIZE,
+                 seq_len: int = 0, q_runs_of: Optional[tuple] = None, heads: slice = slice(None)) -> None:
         self.group, self.variant, self.q_runs, self.kv_runs, self.inner = group, variant, q_runs, kv_runs, inner
         self.kv_valid_len, self.cu_seqlens = kv_valid_len, cu_seqlens
+        self.block_mask, self.block_size, self.seq_len, self.q_runs_of = block_mask, block_size, seq_len, q_runs_of
+        self.heads = heads
         self.name = f"{variant}[{inner.name}]"
         self._plans: dict = {}
 
-    def plan(self, s_loc: int, causal: bool, scale: float) -> RingPlan:
-        key = (s_loc, causal, scale)
+    def plan(self, k_bhsd: torch.Tensor, causal: bool, scale: float, heads: Optional[slice] = None) -> RingPlan:
+        heads = self.heads if heads is None else heads
+        key = (k_bhsd.shape[2], causal, scale, heads.start, heads.stop,
+               None if self.block_mask is None else self.block_mask._version)  # a mask changed in place: a new plan
         if key not in self._plans:
-            self._plans[key] = make_ring_plan(self.group, variant=self.variant, s_loc=s_loc, q_runs=self.q_runs,
-                                              kv_runs=self.kv_runs, causal=causal, scale=scale, backend=self.inner,
-                                              kv_valid_len=self.kv_valid_len, cu_seqlens=self.cu_seqlens)
+            if self.block_mask is not None and self.group is not None:
+                # one collective on the ring group before its first (possibly partial) point-to-point batch
+                check_same_shape_across_ranks(k_bhsd, self.group, "key block (masked ring)")
+            self._plans[key] = make_ring_plan(self.group, variant=self.variant, s_loc=k_bhsd.shape[2],
+                                              q_runs=self.q_runs, kv_runs=self.kv_runs, causal=causal, scale=scale,
+                                              backend=self.inner, kv_valid_len=self.kv_valid_len,
+                                              cu_seqlens=self.cu_seqlens, block_mask=self.block_mask,
+                                              block_size=self.block_size, heads=heads, q_runs_of=self.q_runs_of)
         return self._plans[key]
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
-        return _RingFn.apply(q, k, v, self.plan(k.shape[2], causal, softmax_scale))
+        return _RingFn.apply(q, k, v, self.plan(k, causal, softmax_scale))
 
-    def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None):
-        assert mask is None
-        return ring_forward(q, k, v, self.plan(k.shape[2], causal, softmax_scale))
+    def attend(self, q_bhsd, k_bhsd, v_bhsd, *, heads: slice, causal: bool, softmax_scale: float) -> torch.Tensor:
+        return _RingFn.apply(q_bhsd, k_bhsd, v_bhsd, self.plan(k_bhsd, causal, softmax_scale, heads))
 
-    def backward_lse(self, do, q, k, v, out, lse, *, causal, softmax_scale, mask=None):
-        assert mask is None
-        return ring_backward(do, q, k, v, out, lse, self.plan(k.shape[2], causal, softmax_scale))
+    def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None, tiles=None):
+        assert mask is None and tiles is None
+        return ring_forward(q, k, v, self.plan(k, causal, softmax_scale))
+
+    def backward_lse(self, do, q, k, v, out, lse, *, causal, softmax_scale, mask=None, tiles=None):
+        assert mask is None and tiles is None
+        return ring_backward(do, q, k, v, out, lse, self.plan(k, causal, softmax_scale))
+
+
+def checked_mask(what: str, block_mask: Optional[torch.Tensor], block_size: int, seqlen: int, num_heads: int,
+                 cu_seqlens, kv_valid_len: Optional[int]) -> tuple[Optional[torch.Tensor], Optional[int]]:
+    """(block_mask checked for a ``seqlen`` sequence, kv_valid_len or None where it cuts nothing) for the function
+    ``what``; SPConfigError for a bad mask or a mask with cu_seqlens. The mask stays where it is: a plan keeps its
+    own copy (and its identity is the plan cache's key)."""
+    if block_mask is None:
+        return None, kv_valid_len
+    if cu_seqlens is not None:
+        raise SPConfigError(f"block_mask cannot be combined with cu_seqlens ({what}): give one of them")
+    block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size, num_heads=num_heads)
+    return block_mask, (None if kv_valid_len is not None and kv_valid_len >= seqlen else kv_valid_len)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
@@ -397,9 +537,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     placement "contiguous" or "zigzag" ("tasp_zigzag" does not take packed samples). Each sample attends only within itself; samples that do not divide by the placement's
     divisor are padded as in ``ulysses_attention``; not combined with kv_valid_len.
     block_mask: block-sparse attention (attention/block_sparse.py), bool [H or 1, T, T], T = ceil(S / block_size),
-    over the full sequence in global order, the same on every rank: ``sparse.py``'s ring or TASP multi-ring (any
-    placement; AND causal, AND kv_valid_len) skips the (step, slot) blocks whose tile pairs are all unselected and
-    the K|V hops no later rank needs, on the math block kernel. Not with cu_seqlens.
+    over the full sequence in global order, the same on every rank: the same ring or TASP multi-ring (any
+    placement; AND causal, AND kv_valid_len) runs only the kernel calls whose tiles select anything (each call gets
+    its ``TileSlice``), skips the (step, slot) blocks with none and the K|V hops no later rank needs
+    (``skips``). Not with cu_seqlens.
     """
     if group is not None and dist.get_world_size(group) > 1 and needs_p2p(variant, dist.get_world_size(group)):
         check_p2p(f"ring_attention(variant={variant!r})", group, q.device, "ulysses_attention")
@@ -412,18 +553,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * world
-    if block_mask is not None:
-        if cu_seqlens is not None:
-            raise SPConfigError("block_mask cannot be combined with cu_seqlens (ring_attention): give one of them")
-        block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size,
-                                                   num_heads=q.shape[2]).to(q.device)
-        pos = tuple(runs_positions(pieces(placement, o, world, seqlen)) for o in range(world))  # validates
-        valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < seqlen else None
-        call = make_sparse_ring_call(group, block_mask, block_size=block_size, pos=pos, causal=causal, scale=scale,
-                                     kv_valid_len=valid, block_bytes=2 * k.numel() * k.element_size(),
-                                     variant=variant, balanced=placement == "tasp_zigzag")
-        out = SparseRingFn.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), call)
-        return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
+    block_mask, kv_valid_len = checked_mask("ring_attention", block_mask, block_size, seqlen, q.shape[2], cu_seqlens,
+                                            kv_valid_len)
     pk = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len, placement, world)
     cu = None if pk is None else pk.segments
     if pk is None:
@@ -434,6 +565,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         kv_runs = tuple(varlen_pieces(placement, o, world, pk.layout) for o in range(world))
     plan = make_ring_plan(group, variant=variant, s_loc=s_loc, q_runs=q_runs, kv_runs=kv_runs, causal=causal,
                           scale=scale, backend=be, balanced_slots=placement == "tasp_zigzag" and cu is None,
-                          kv_valid_len=kv_valid_len, cu_seqlens=cu)
+                          kv_valid_len=kv_valid_len, cu_seqlens=cu, block_mask=block_mask, block_size=block_size)
     out = _RingFn.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), plan)
     return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)

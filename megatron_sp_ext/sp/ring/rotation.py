@@ -16,7 +16,7 @@ calls touch disjoint key rows (every zigzag ring / tasp_zigzag / non-causal step
 the step's calls are summed in the accumulator dtype and rounded once to the wire dtype.
 The K|V pattern is not changed: ring and TASP keep their own routing; only the dK|dV destinations
 differ (shift-by-s along each ring, an all-to-all of per-slot segments per step; on the emulated
-host-staged link one ``all_to_all`` with its table, on NCCL/gloo one ``batch_isend_irecv``).
+host-staged link one ``all_to_all`` with its table, on NCCL/gloo one ``batch_isend_irecv``: ``comm.p2p``).
 Each rank still sends one partial per slot and receives one per slot per step; across machines with
 a NIC per GPU a step costs one cross-machine transfer as the ring's slowest hop does, but where GPUs
 share a NIC the shift-by-s steps put more ranks on it at once (``SPX_RING_DKV=travel`` keeps the
@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 
 from ...attention.lse import acc_dtype
-from ...comm.multiring import wait_handles
-from ...comm.transport import emulated_link
+from ...comm import p2p
+from ...comm.p2p import wait_handles
 from ...errors import SPConfigError
 from ..heads import split_more_first
 
@@ -83,6 +83,7 @@ class StepPlan(Protocol):
     cache: dict
     backend: object
     scale: float
+    tiles: object
 
     @property
     def group(self) -> Optional[dist.ProcessGroup]: ...
@@ -94,6 +95,10 @@ class StepPlan(Protocol):
     def items(self, step: int, device) -> list: ...
 
     def start(self, step: int, src: torch.Tensor, dst: torch.Tensor) -> list: ...
+
+    def runs(self, slot: int, step: int, rank: Optional[int] = None) -> bool: ...
+
+    def tile_heads(self, heads: slice) -> slice: ...
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,7 @@ def holder(routing, ring: int, home: int, step: int) -> int:
     return r
 
 
-def _pair_ops(kind: str, peer: int, mine, theirs) -> list[Op]:
+def pair_ops(kind: str, peer: int, mine, theirs) -> list[Op]:
     """Ops for one slot: its segments on both ends paired in order; touching ones go as one op."""
     joined = all(a[0] + a[2] == b[0] for a, b in zip(mine, mine[1:])) and \
         all(a[0] + a[2] == b[0] for a, b in zip(theirs, theirs[1:]))
@@ -177,7 +182,8 @@ def _pair_ops(kind: str, peer: int, mine, theirs) -> list[Op]:
 
 def home_ops(plan: StepPlan, step: int, rank: Optional[int] = None) -> list[Op]:
     """Ops of ``rank`` at ``step`` >= 1 returning partial dK|dV: send each held slot (rows of this step's
-    layout) to its home (rows of the home's step-0 layout); receive each own slot from its holder."""
+    layout) to its home (rows of the home's step-0 layout); receive each own slot from its holder; only for the
+    (step, slot) pairs that ran (``plan.runs``)."""
     r = plan.rank if rank is None else rank
     key = ("home_ops", step, r)
     if key not in plan.cache:
@@ -185,59 +191,53 @@ def home_ops(plan: StepPlan, step: int, rank: Optional[int] = None) -> list[Op]:
         for i in range(len(plan.slot_len)):
             dest = rt.origin(i, r, step)
             assert dest != r, "a ring step >= 1 holds another rank's block"
-            ops += _pair_ops("send", dest, plan.segments(step, r)[i], plan.segments(0, dest)[i])
+            if plan.runs(i, step, r):
+                ops += pair_ops("send", dest, plan.segments(step, r)[i], plan.segments(0, dest)[i])
         for i in range(len(plan.slot_len)):
             src = holder(rt, i, r, step)
-            ops += _pair_ops("recv", src, plan.segments(0, r)[i], plan.segments(step, src)[i])
+            if plan.runs(i, step, src):
+                ops += pair_ops("recv", src, plan.segments(0, r)[i], plan.segments(step, src)[i])
         plan.cache[key] = ops
     return plan.cache[key]
 
 
 def start_ops(plan: StepPlan, kind: str, step: int, ops_of: Callable[[int, int], list], src: torch.Tensor,
               dst: torch.Tensor) -> list:
-    """Begin the exchange ``ops_of(step, rank)`` (rows of dim 0) of ``src`` into ``dst``; works for ``wait_handles``.
-    NCCL/gloo: one ``batch_isend_irecv``; a group spanning emulated machines: one all-to-all over its link."""
+    """Begin the exchange ``ops_of(step, rank)`` (rows of dim 0) of ``src`` into ``dst`` as one ``comm.p2p`` batch;
+    handles for ``wait_handles``. The table of every rank's sends (for a group spanning emulated machines) comes
+    from the same ops on every rank, once per plan."""
     group = plan.group
     if group is None or plan.world == 1:
         return []
-    link = emulated_link(group, src.device)
-    if link is not None:  # the group spans emulated machines: its hops take their links (comm/host_staged)
-        return _start_linked(plan, link, kind, step, ops_of, src, dst)
-    key = (kind, "global", step)
-    if key not in plan.cache:
-        plan.cache[key] = [(dist.isend if k == "send" else dist.irecv, k == "send", dist.get_global_rank(group, peer),
-                            row, n) for k, peer, row, n in ops_of(step, plan.rank)]
-    ops = [dist.P2POp(fn, (src if is_send else dst).narrow(0, row, n), peer, group)
-           for fn, is_send, peer, row, n in plan.cache[key]]
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _start_linked(plan: StepPlan, link, kind: str, step: int, ops_of, src: torch.Tensor, dst: torch.Tensor) -> list:
-    """The exchange as one all-to-all over ``link``: each peer's rows packed in op order (the order in which
-    that peer lists its receives from us), unpacked into ``dst`` by ``wait_handles``."""
     key = (kind, "table", step)
-    world = plan.world
     if key not in plan.cache:
-        table = [[0] * world for _ in range(world)]
-        for r in range(world):
+        table = [[0] * plan.world for _ in range(plan.world)]
+        for r in range(plan.world):
             for k, peer, _, n in ops_of(step, r):
                 if k == "send":
                     table[r][peer] += n
         plan.cache[key] = table
     row = src[0].numel() if src.shape[0] else 1
     table = [[n * row for n in t] for t in plan.cache[key]]
-    ops = ops_of(step, plan.rank)
-    by_peer = lambda kd: [(peer, r0, n) for p in range(world)  # noqa: E731
-                          for k, peer, r0, n in ops if k == kd and peer == p]
-    sends = [src.narrow(0, r0, n).reshape(-1) for _, r0, n in by_peer("send")]
-    send = torch.cat(sends) if sends else src.new_empty(0)
-    recv = torch.empty(sum(t[plan.rank] for t in table), dtype=src.dtype, device=src.device)
-    work = link.all_to_all(send, recv, table[plan.rank], [t[plan.rank] for t in table], async_op=True, table=table)
-    views = [dst.narrow(0, r0, n) for _, r0, n in by_peer("recv")]
-    return ([work] if work is not None else []) + [(recv, views)]
+    ops = [(k, (src if k == "send" else dst).narrow(0, r0, n), peer) for k, peer, r0, n in ops_of(step, plan.rank)]
+    return p2p.start(ops, group, like=src, table=table)
+
+
+def moves_any(plan: StepPlan, kind: str, step: int, ops_of: Callable[[int, int], list]) -> bool:
+    """Whether any rank moves anything in the exchange ``kind`` of ``step`` (the same answer on every rank)."""
+    key = (kind, "any", step)
+    if key not in plan.cache:
+        plan.cache[key] = any(ops_of(step, r) for r in range(plan.world))
+    return plan.cache[key]
 
 
 # ---------------------------------------------------------------- backward
+def tiles_kw(tiles) -> dict:
+    """``tiles=`` for a kernel call under a block mask; nothing for a dense call (backends written before the
+    ``tiles`` keyword keep working on the dense ring)."""
+    return {} if tiles is None else {"tiles": tiles}
+
+
 def _disjoint(items) -> bool:
     """Whether the calls' key rows are pairwise disjoint (index rows: assumed not)."""
     spans = []
@@ -256,11 +256,14 @@ def _kernel(plan: StepPlan, it, cur, dout_c, q_c, out_c, lse_c, kh: Optional[tup
     k_, v_ = kv_view(cur, it.kv_rows)
     r = it.q_rows
     do_, q_, o_, l_ = (sel_rows(t, r, 2) for t in (dout_c, q_c, out_c, lse_c))
+    tiles = it.tiles
     if kh is not None:
         qh = slice(kh[0] * rep, kh[1] * rep)
         k_, v_ = k_[:, kh[0]:kh[1]], v_[:, kh[0]:kh[1]]
         do_, q_, o_, l_ = do_[:, qh], q_[:, qh], o_[:, qh], l_[:, qh]
-    return plan.backend.backward_lse(do_, q_, k_, v_, o_, l_, causal=it.causal, softmax_scale=plan.scale, mask=it.mask)
+        tiles = None if tiles is None else tiles.with_heads(plan.tile_heads(qh))
+    return plan.backend.backward_lse(do_, q_, k_, v_, o_, l_, causal=it.causal, softmax_scale=plan.scale,
+                                     mask=it.mask, **tiles_kw(tiles))
 
 
 def _dq_add(dq: torch.Tensor, rows, heads: Optional[slice], gq: torch.Tensor) -> None:
@@ -271,12 +274,20 @@ def _dq_add(dq: torch.Tensor, rows, heads: Optional[slice], gq: torch.Tensor) ->
         d.index_add_(2, rows, gq.to(d.dtype))
 
 
+def check_travel(plan: StepPlan) -> None:
+    """The travel route moves accumulators along the K|V hops: a masked ring skips some of them."""
+    if plan.tiles is not None:
+        raise SPConfigError(f"{DKV_ROUTE_ENV}=travel cannot return dK|dV of a block-masked ring (its skipped K|V "
+                            f"hops would strand the accumulators): unset it or use {DKV_ROUTE_ENV}=home")
+
+
 def backward_steps(dout_c, q_c, cur: torch.Tensor, nxt: Optional[torch.Tensor], out_c, lse_c, plan: StepPlan,
                    schedule: DkvSchedule) -> tuple[torch.Tensor, torch.Tensor]:
     """The ring backward given the FINAL out/lse (compute order, [B, H, S_q, D] / [B, H, S_q]) and this rank's
     K|V in the step-0 buffer ``cur`` ([S_kv, 2, B, Hkv, D]; ``nxt`` its twin, None for one rank).
     Returns dq (compute order, acc dtype) and this rank's dK|dV [S_kv, 2, B, Hkv, D] (step-0 layout, acc dtype)."""
     if schedule.route == "travel":
+        check_travel(plan)
         return _backward_travel(dout_c, q_c, cur, nxt, out_c, lse_c, plan)
     return _backward_home(dout_c, q_c, cur, nxt, out_c, lse_c, plan, schedule)
 
@@ -299,7 +310,7 @@ def _backward_home(dout_c, q_c, cur, nxt, out_c, lse_c, plan: StepPlan, schedule
                 gq, gk, gv = _kernel(plan, it, cur, dout_c, q_c, out_c, lse_c, None, rep)
                 _dq_add(dq, it.q_rows, None, gq)
                 kv_add(dkv, it.kv_rows, gk, gv)
-        else:
+        elif its or moves_any(plan, "home", step, lambda s_, r: home_ops(plan, s_, r)):
             exact = _disjoint(its)
             full = [(0, hkv)]
             chunks = head_chunks(schedule, hkv, cur.numel() * cur.element_size()) if last else full
@@ -313,7 +324,8 @@ def _backward_home(dout_c, q_c, cur, nxt, out_c, lse_c, plan: StepPlan, schedule
                     kv_add(part, it.kv_rows, gk, gv)
                 if not exact:
                     part = part.to(wire)  # overlapping calls: summed in the acc dtype, rounded once
-                recv = torch.empty_like(part)
+                # a masked ring receives only the slots that ran elsewhere: the other rows must add nothing
+                recv = torch.empty_like(part) if plan.tiles is None else torch.zeros_like(part)
                 w = start_ops(plan, "home", step, lambda s, r: home_ops(plan, s, r), part, recv)
                 pending.append((w, part, recv, (h0, h1)))
         for w, _, recv, (h0, h1) in pending[:done]:  # fixed order: steps 1, 2, ... (chunks in head order)

@@ -31,18 +31,22 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ...attention.tiles import TileSlice
+
 Rows = Union[slice, torch.Tensor]   # a contiguous row range, or int64 indices (rare fallback)
 Run = tuple[int, int, int]          # (global start, length, buffer/compute row)
 
 
 @dataclass
 class Item:
-    """One kernel call: q rows x kv buffer rows, full (default), causal (diagonal) or with a bool mask."""
+    """One kernel call: q rows x kv buffer rows, full (default), causal (diagonal) or with a bool mask; under a
+    block mask also its ``tiles`` (``attention.tiles.TileSlice``, ANDed with the rest by the kernel)."""
 
     q_rows: Rows
     kv_rows: Rows
     causal: bool = False
     mask: Optional[torch.Tensor] = None
+    tiles: Optional[TileSlice] = None
 
 
 def _rel(q: Run, k: Run, causal: bool) -> str:

@@ -11,7 +11,14 @@ Partial results merge by log-sum-exp. Backward (ours; the paper is inference-onl
 dO exchange overlapped with the own block's gradients, dK|dV of chunk j shipped home as soon as
 it is complete (overlapping the next chunk), dQ shipped last. X_{l,j}: tokens of Ulysses rank l,
 head group j. Two-sided (send/recv) exchanges. Packed samples (``cu_seqlens``): every block's ring backend
-attends within each sample (runs in the per-sample placement).
+attends within each sample (runs in the per-sample placement). Block masks: every block's ring is the ring
+(``RingBackend``, this rank's head group's mask rows), with its skips.
+
+Why a Function of its own (``_TorusFn``) beside the ring's: its stages interleave Ulysses exchanges of Q, K|V, O and
+their gradients with the blocks' attention in an order no single ring call has (the backward ships dO first, then
+each block's dK|dV home as it completes, dQ last), and each block's ring runs in log-sum-exp form
+(``RingBackend.forward_lse`` / ``backward_lse`` from the final out/lse) inside it; the ring's own Function would
+differentiate one ring call, not the stage schedule.
 """
 from __future__ import annotations
 
@@ -21,20 +28,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...attention import block_sparse
 from ...attention.backends import get_backend
 from ...comm.capability import check_p2p
 from ...config import DEFAULT_PLACEMENT
-from ...errors import SPConfigError
 from ...attention.lse import acc_dtype, merge_into
-from ...comm.multiring import wait_handles
-from ...comm.transport import emulated_link
+from ...comm import p2p
+from ...comm.p2p import wait_handles
 from ...topology.mesh import SPMesh
 from ..heads import HeadLayout, head_layout
 from ..checks import packed_cu
 from .hybrid import rank_runs
-from .ring import RingBackend
-from .sparse import SparseRingBlocks
+from .ring import RingBackend, checked_mask
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -50,24 +54,23 @@ class _Ctx:
         self.mesh, self.hl, self.scale = mesh, hl, scale
         self.T, self.t = mesh.ulysses_size, mesh.ulysses_index
         self.group = mesh.ulysses_group
-        self.peers = [dist.get_global_rank(mesh.group, g) for g in mesh.ulysses_members()]
+        # ulysses index -> rank in the Ulysses group (new_group orders a group's ranks by global rank)
+        self.peers = [dist.get_group_rank(self.group, dist.get_global_rank(mesh.group, g))
+                      for g in mesh.ulysses_members()] if self.group is not None else [0]
         layout_cu, cu = (None, None) if packed is None else (packed.layout, packed.segments)
         runs = lambda j, l: rank_runs(placement, mesh.grid[j][l], mesh.world, seqlen, layout_cu)  # noqa: E731
         self.runs = runs
         self.others = [(self.t - k) % self.T for k in range(1, self.T)]
         self._be: dict = {}
+        block_mask, block_size = block if block is not None else (None, 64)
+
+        def ring_runs(ls) -> tuple:  # per ring rank j: the runs of the Ulysses ranks ``ls`` of its row
+            return tuple(tuple(r for l in ls for r in runs(j, l)) for j in range(mesh.ring_size))
+        # every block's ring: this rank's head group's mask rows (block_mask: the ring's skips per block)
         self._mk = lambda q_ls, kv_ls: RingBackend(  # noqa: E731
-            mesh.ring_group, variant,
-            tuple(r for l in q_ls for r in runs(mesh.ring_index, l)),
-            tuple(tuple(r for l in kv_ls for r in runs(j, l)) for j in range(mesh.ring_size)), inner, kv_valid_len,
-            cu)
-        if block is not None:  # (block_mask, block_size): the sparse ring over the blocks, this head group's rows
-            block_mask, block_size = block
-            heads = slice(*hl.q_range(self.t, 0))
-            self._mk = lambda q_ls, kv_ls: SparseRingBlocks(  # noqa: E731
-                mesh.ring_group, tuple(tuple(r for l in q_ls for r in runs(j, l)) for j in range(mesh.ring_size)),
-                tuple(tuple(r for l in kv_ls for r in runs(j, l)) for j in range(mesh.ring_size)), block_mask,
-                block_size, heads, kv_valid_len, variant)
+            mesh.ring_group, variant, ring_runs(q_ls)[mesh.ring_index], ring_runs(kv_ls), inner, kv_valid_len, cu,
+            block_mask=block_mask, block_size=block_size, seq_len=seqlen, q_runs_of=ring_runs(q_ls),
+            heads=slice(*hl.q_range(self.t, 0)))
 
     def be(self, q_ls, kv_ls) -> RingBackend:
         key = (tuple(q_ls), tuple(kv_ls))
@@ -81,38 +84,10 @@ class _Ctx:
 
 
 def _p2p(sends, recvs, c: "_Ctx"):
-    """Start sends [(ulysses index, tensor)] and receives into [(ulysses index, buffer)]; returns handles for
-    ``_wait``. Over a Ulysses group that spans emulated machines, through the emulation's link."""
-    like = sends[0][1] if sends else (recvs[0][1] if recvs else None)
-    link = emulated_link(c.group, like.device) if like is not None and c.group is not None else None
-    if link is not None:
-        return _linked_p2p(link, sends, recvs)
-    ops = [dist.P2POp(dist.isend, t, c.peers[p]) for p, t in sends] + \
-          [dist.P2POp(dist.irecv, t, c.peers[p]) for p, t in recvs]
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _linked_p2p(link, sends, recvs) -> list:
-    """The stage's point-to-point transfers as one all-to-all over ``link`` (every rank of the group calls
-    it at the same stage): per peer, its tensors in list order; the table of all ranks' send sizes comes
-    from one small all-gather (the emulation measures links, not this bookkeeping)."""
-    world, me = link.world, link.rank
-    like = sends[0][1] if sends else recvs[0][1]
-    row = [0] * world
-    for p, t in sends:
-        row[p] += t.numel()
-    mine = torch.tensor(row, dtype=torch.int64, device=like.device if like.is_cuda else "cpu")
-    every = torch.empty(world * world, dtype=torch.int64, device=mine.device)
-    dist.all_gather_into_tensor(every, mine, group=link.group)
-    table = every.view(world, world).tolist()
-    if [sum(t.numel() for p, t in recvs if p == r) for r in range(world)] != [table[r][me] for r in range(world)]:
-        raise RuntimeError(f"torus stage: rank {me} expects other sizes than its peers send ({table})")
-    ordered = sorted(range(len(sends)), key=lambda i: sends[i][0])
-    send = torch.cat([sends[i][1].reshape(-1) for i in ordered]) if sends else like.new_empty(0)
-    recv = torch.empty(sum(table[r][me] for r in range(world)), dtype=like.dtype, device=like.device)
-    work = link.all_to_all(send, recv, table[me], [table[r][me] for r in range(world)], async_op=True, table=table)
-    views = [recvs[i][1] for i in sorted(range(len(recvs)), key=lambda i: recvs[i][0])]
-    return ([work] if work is not None else []) + [(recv, views)]
+    """Start sends [(ulysses index, tensor)] and receives into [(ulysses index, buffer)] on the Ulysses group
+    (``comm.p2p``: its emulated link where it spans emulated machines); handles for ``_wait``."""
+    return p2p.start([("send", t, c.peers[p]) for p, t in sends] + [("recv", t, c.peers[p]) for p, t in recvs],
+                     c.group)
 
 
 def _wait(works):
@@ -288,18 +263,13 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
                     block_mask: Optional[torch.Tensor] = None, block_size: int = 64) -> torch.Tensor:
     """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len and cu_seqlens (packed
     samples, attention within each sample) as hybrid_attention. block_mask / block_size: block-sparse attention as
-    ``ulysses_attention``'s; every block's ring is ``sparse.py``'s (``SparseRingBlocks``: its steps and K|V hops
-    skipped per block, this rank's head group's mask rows; ring_variant "ring" or "tasp"); the stages' exchanges
-    all run. Not with cu_seqlens."""
-    block = None
-    if block_mask is not None:
-        if cu_seqlens is not None:
-            raise SPConfigError("block_mask cannot be combined with cu_seqlens (torus_attention): give one of them")
-        s_all = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
-        block = (block_sparse.check_block_mask(block_mask, seq_len=s_all, block_size=block_size,
-                                               num_heads=q.shape[2]).to(q.device), block_size)
-        if kv_valid_len is not None and kv_valid_len >= s_all:
-            kv_valid_len = None
+    ``ulysses_attention``'s; every block's ring is the ring under the mask (``RingBackend`` with this rank's head
+    group's mask rows: its calls, steps and K|V hops skipped per block; ring_variant "ring" or "tasp"); the stages'
+    exchanges all run. Not with cu_seqlens."""
+    s_all = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
+    block_mask, kv_valid_len = checked_mask("torus_attention", block_mask, block_size, s_all, q.shape[2], cu_seqlens,
+                                            kv_valid_len)
+    block = None if block_mask is None else (block_mask, block_size)
     for group in (mesh.ulysses_group, mesh.ring_group):   # its stages and its ring are point to point
         check_p2p("torus_attention", group, q.device, "ulysses_attention")
     s_full = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
