@@ -10,7 +10,7 @@ from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.factory import make_attention
 from tests.harness import run_ranks
 
-S, H, D, BS = 64, 4, 8, 8
+S, H, D, BS = 64, 8, 8, 8
 
 
 def _calls(world):

@@ -131,7 +131,9 @@ def check_same_block_mask(block_mask: torch.Tensor, group, what: str = "block_ma
         return
     world = dist.get_world_size(group)
     mine = _mask_checksum(block_mask)
-    if dist.get_backend(group) != "nccl":
+    if dist.get_backend(group) == "nccl":
+        mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+    else:
         mine = mine.cpu()
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)

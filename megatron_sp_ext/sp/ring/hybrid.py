@@ -81,7 +81,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * mesh.world
     block_mask, kv_valid_len = checked_mask("hybrid_attention", block_mask, block_size, seqlen, q.shape[2],
-                                            cu_seqlens, kv_valid_len)
+                                            cu_seqlens, kv_valid_len, mesh.group)
     if mesh.ring_group is not None and needs_p2p(ring_variant, mesh.ring_size):
         check_p2p(f"hybrid_attention(ring_variant={ring_variant!r})", mesh.ring_group, q.device,
                   "ulysses_attention")

@@ -268,7 +268,7 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
     exchanges all run. Not with cu_seqlens."""
     s_all = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
     block_mask, kv_valid_len = checked_mask("torus_attention", block_mask, block_size, s_all, q.shape[2], cu_seqlens,
-                                            kv_valid_len)
+                                            kv_valid_len, mesh.group)
     block = None if block_mask is None else (block_mask, block_size)
     for group in (mesh.ulysses_group, mesh.ring_group):   # its stages and its ring are point to point
         check_p2p("torus_attention", group, q.device, "ulysses_attention")
