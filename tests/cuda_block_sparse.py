@@ -96,3 +96,50 @@ def block_sparse_family(rank: int, world: int) -> list:
                         causal=causal, placement=placement, dtype=torch.bfloat16, seed=n)
                 n += 1
     return rec
+
+
+def fa4_block_sparse_family(rank: int, world: int) -> list:
+    """#53: every mode on FlashAttention-4's own block sparsity (backend="fa4" named, so a call FA4 cannot run fails
+    instead of moving to another kernel): 128-token tiles (full kernel blocks) and 64-token tiles (partial blocks
+    through the mask_mod); masks random per head with an empty query-tile row, a window, all-True; causal (zigzag /
+    tasp_zigzag) and not (contiguous); GQA 8/2; bf16. out, dq, dk, dv against float64. P=2: ulysses, hcms (C=2),
+    ring: 2 tiles x (2 masks + all-True at 128) x 2 causal x 3 = 30. P=4 also tasp, usp (C=2), torus (tas): 60."""
+    use_ring_route()
+    g = dist.group.WORLD
+    rec, n = [], 0
+    s = (2048 if world == 2 else 3072) // SHRINK   # zigzag pieces of 128 at P=2/4; tasp_zigzag: 2P(P-1) | s at P=4
+    d, h, hkv = 64, 8, 2
+    meshes = {}
+    if world == 4:
+        meshes = {pl: spx.build_sp_mesh(g, num_heads=h, placement=pl, ulysses_size=2, nodes=2) for pl in ("usp", "tas")}
+    for bs in (128, 64):
+        t = bsp.num_tiles(s, bs)
+        masks = [("random", random_mask(world + bs, h, t)), ("window", window_mask(t, 2))]
+        if bs == 128:
+            masks.append(("all", torch.ones(1, t, t, dtype=torch.bool)))
+        for mask_name, bm in masks:
+            if mask_name == "random":
+                bm = bm.clone()
+                bm[:, 1] = False   # a query tile with no key: out 0, lse -inf, zero gradients
+            for causal in (False, True):
+                placement = "zigzag" if causal else "contiguous"
+                kw = dict(causal=causal, placement=placement, block_size=bs, backend="fa4")
+                modes = [("ulysses C=1", lambda a, b, c, m: spx.ulysses_attention(a, b, c, g, block_mask=m, **kw)),
+                         ("hcms C=2", lambda a, b, c, m: spx.ulysses_attention(a, b, c, g, head_chunks=2,
+                                                                                block_mask=m, **kw)),
+                         ("ring", lambda a, b, c, m: spx.ring_attention(a, b, c, g, block_mask=m, **kw))]
+                if world == 4:
+                    tkw = dict(kw, placement="tasp_zigzag" if causal else "contiguous")
+                    modes += [("tasp", lambda a, b, c, m: spx.ring_attention(a, b, c, g, variant="tasp",
+                                                                             block_mask=m, **tkw)),
+                              ("usp C=2", lambda a, b, c, m: spx.hybrid_attention(a, b, c, meshes["usp"],
+                                                                                  head_chunks=2, block_mask=m, **kw)),
+                              ("torus tas", lambda a, b, c, m: spx.torus_attention(a, b, c, meshes["tas"],
+                                                                                   block_mask=m, **kw))]
+                for name, fn in modes:
+                    pl = "tasp_zigzag" if name == "tasp" and causal else placement
+                    record(rec, f"fa4 {name} mask={mask_name}", fn, rank, world, s=s, h=h, hkv=hkv, d=d, bs=bs,
+                           bm=bm, causal=causal, placement=pl, dtype=torch.bfloat16, seed=n)
+                    rec[-1]["family"] = "fa4_block_sparse"
+                    n += 1
+    return rec

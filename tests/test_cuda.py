@@ -224,6 +224,16 @@ def test_block_sparse_family(world, backend):
 
 
 @pytest.mark.parametrize("world,backend", _layouts())
+def test_fa4_block_sparse_family(world, backend):
+    """#53: every mode on FlashAttention-4's own block sparsity (backend "fa4" named), 64- and 128-token tiles,
+    random per-head (an empty query-tile row) / window / all-True masks, causal and not, against float64."""
+    if os.environ.get("SPX_REQUIRE_FA4") != "1":
+        pytest.importorskip("flash_attn.cute", reason="needs flash-attn-4 (tools/gpu_run.sh installs it when carried)")
+    assert len(_worker("cuda_block_sparse", "fa4_block_sparse_family", "fa4_block_sparse", world, backend)) == \
+        {2: 30, 4: 60}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
 def test_one_ring_family(world, backend):
     """The block-masked ring and TASP through the one ring (#50): the same device mask changed in place between
     calls, a dense call between masked ones, a host mask with device q; float64 reference."""

@@ -10,6 +10,7 @@ from megatron_sp_ext.attention import backends, kernels
 from megatron_sp_ext.attention.kernels import fa4
 from megatron_sp_ext.attention.tiles import TileSlice
 from tests import fake_fa4
+from tests.harness import run_ranks
 
 F64 = torch.float64
 
@@ -119,3 +120,18 @@ def test_failed_probe_turns_the_route_off(monkeypatch):
     q = torch.zeros(1, 2, 512, 32, dtype=torch.bfloat16)
     assert "mask_mod route" in kernels.get("fa4").why_not(backends.tile_call(q, ts, False, True))
     assert backends.get_backend("auto").tile_kernel(q, ts, False, True).name == "math"
+
+
+@pytest.mark.parametrize("world", [4])   # every mode (P=2 runs a subset of the same cases)
+def test_cuda_fa4_block_sparse_family_dry_run_on_cpu(monkeypatch, world):
+    """tests/cuda_block_sparse.fa4_block_sparse_family on CPU gloo ranks with the FA4 stand-in (backend "fa4" named:
+    every block-sparse call of every mode runs FA4's block sparsity, its metadata rebuilt and checked by the fake):
+    the records' count, each within the bf16 tolerance against float64."""
+    from tests import cuda_block_sparse as fam
+    fake_fa4.install(monkeypatch)
+    monkeypatch.setattr(fam, "DEV", "cpu")
+    monkeypatch.setattr(fam, "SHRINK", 4)
+    for per_rank in run_ranks(fam.fa4_block_sparse_family, world, timeout=600):
+        assert len(per_rank) == {2: 30, 4: 60}[world]
+        for r in per_rank:
+            assert max(r["errs"].values()) <= r["tol"], r
