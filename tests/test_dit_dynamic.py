@@ -1,0 +1,97 @@
+"""The video DiT under dynamic sequence parallelism (--dynamic-context-parallel), CPU / gloo, float64.
+
+A mixed pack (single images, short and long clips of different latent sizes) run with each sample on its own
+aligned sub-group (megatron_sp_ext.sp.dynamic) gives the loss and EVERY parameter gradient of SP=1 on the same pack:
+at P=2 and P=4, for ulysses, hcms, ring and usp, with hand-written plans that mix samples on one rank, on pairs and
+on all ranks (lengths that do not divide by their sub-group: padding rows), and with the packer's own plan.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core")
+
+from megatron_sp_ext.sp.dynamic import CostModel, DynamicPlan, plan_pack  # noqa: E402
+from tests.harness import run_ranks  # noqa: E402
+from tests.reference import rel_err  # noqa: E402
+from tests.sp_reduce import loss_and_grads  # noqa: E402
+from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
+from training.video_dit.dynamic import make_dynamic_core  # noqa: E402
+from training.video_dit.engine import local_loss, make_core  # noqa: E402
+from training.video_dit.packing import packed_batch, packed_host_inputs  # noqa: E402
+from training.video_dit.pipeline import to_device  # noqa: E402
+
+CFG = preset("tiny")
+# sample i: frames[i % 5] x sizes[i % 3]: tokens 8, 45, 64, 8, 90, 16, 24 (images of 4x8 and 8x8 latents, clips of
+# 3-6 frames of 4x8, 6x10 and 8x8 latents; 45 divides by neither 2 nor 4)
+FRAMES, SIZES = [1, 3, 4, 1, 6], [(4, 8), (6, 10), (8, 8)]
+IDS = [0, 1, 2, 3, 4, 5, 6]
+
+
+def _data():
+    return SyntheticVideoLatents(CFG.in_channels, FRAMES, 4, 8, CFG.text_len, CFG.text_dim, seed=1, sizes=SIZES)
+
+
+def _model():
+    torch.manual_seed(5)
+    model = VideoDiT(CFG)
+    with torch.no_grad():  # AdaLN-zero starts as the identity: random modulation makes every block count
+        for blk in model.blocks:
+            blk.modulation.weight.normal_(0.0, 0.05)
+        model.mod_out.weight.normal_(0.0, 0.05)
+    return model.double()
+
+
+def _step(core, group, rank, world, plan=None):
+    model = _model()
+    model.set_attention_core(core)
+    batch = packed_batch(_data(), IDS, 7, CFG.patch)
+    inp = to_device(packed_host_inputs(batch, rank, world, plan), "cpu")
+    inp.x, inp.target, inp.t, inp.text = (t.double() for t in (inp.x, inp.target, inp.t, inp.text))
+    return loss_and_grads(model, local_loss(model, inp), group), batch
+
+
+def _tokens():
+    cu = packed_batch(_data(), IDS, 7, CFG.patch)["cu_seqlens"]
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def _plans(world):
+    n = _tokens()  # [8, 45, 64, 8, 90, 16, 24]
+    if world == 2:
+        hand = DynamicPlan(2, tuple(n), (1, 2, 2, 1, 2, 1, 1), (0, 0, 0, 1, 0, 1, 0))
+    else:
+        hand = DynamicPlan(4, tuple(n), (1, 2, 4, 1, 4, 2, 1), (0, 2, 0, 1, 0, 0, 3))
+    return [hand, plan_pack(n, world, cost=CostModel())]  # attention-only work: the long clips get split
+
+
+def _check(got, ref, what):
+    (loss, grads), (rloss, rgrads) = got, ref
+    assert abs(loss - rloss) <= 1e-10 * abs(rloss), f"{what}: loss {loss} vs SP=1 {rloss}"
+    for i, (g, r) in enumerate(zip(grads, rgrads)):
+        # 1e-6: the model's RMS norms compute in float32 (fused.rms_norm), which turns float64's 1e-16 differences
+        # of summation order into ~1e-8 (uniform SP on the same pack: 1.4e-7); a wrong attention is off by >1e-2
+        assert rel_err(g, r) < 1e-6, f"{what}: grad {i} rel err {rel_err(g, r)}"
+
+
+def _every_mode(rank, world):
+    g = dist.group.WORLD
+    ref, _ = _step(make_core("ulysses", None, num_heads=CFG.heads), None, 0, 1)
+    plans = _plans(world)
+    assert len(set(plans[0].sizes)) == (2 if world == 2 else 3) and any(
+        n % d for n, d in zip(plans[0].lengths, plans[0].sizes)), plans
+    usp = {"ulysses_size": 2}
+    checked = 0
+    for mode, kw in [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("usp", usp)]:
+        core = make_dynamic_core(mode, g, num_heads=CFG.heads, **kw)
+        for k, plan in enumerate(plans):
+            got, _ = _step(core, g, rank, world, plan)
+            _check(got, ref, f"P={world} {mode} plan {k} {plan}")
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dynamic_step_equals_sp1(world):
+    assert run_ranks(_every_mode, world, timeout=400) == [8] * world
