@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
+from megatron_sp_ext.config import SPConfig  # noqa: E402
 from megatron_sp_ext.sp.dynamic import CostModel, DynamicPlan, plan_pack  # noqa: E402
-from tests.harness import run_ranks  # noqa: E402
+from tests.harness import RankFailure, run_ranks  # noqa: E402
 from tests.reference import rel_err  # noqa: E402
 from tests.sp_reduce import loss_and_grads  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
@@ -84,7 +85,7 @@ def _every_mode(rank, world):
     usp = {"ulysses_size": 2}
     checked = 0
     for mode, kw in [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("usp", usp)]:
-        core = make_dynamic_core(mode, g, num_heads=CFG.heads, **kw)
+        core = make_dynamic_core(SPConfig(mode=mode, **kw), g, num_heads=CFG.heads)
         for k, plan in enumerate(plans):
             got, _ = _step(core, g, rank, world, plan)
             _check(got, ref, f"P={world} {mode} plan {k} {plan}")
@@ -95,3 +96,69 @@ def _every_mode(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_dynamic_step_equals_sp1(world):
     assert run_ranks(_every_mode, world, timeout=400) == [8] * world
+
+
+# ---- both entry points: switched on as users expect, refused by name, checkpoints across dynamic and fixed SP ----
+
+ARGS = ["--model", "tiny", "--frames", "1,3,4,1,6", "--latent-size", "4x8,6x10,8x8", "--quiet"]
+PACK = ("--pack-samples", "--max-tokens-per-step", "160")
+DYN = ("--dynamic-context-parallel",)
+
+
+def _mg(rank, world, extra=(), mode="ulysses"):
+    from training import pretrain_video_dit
+    return pretrain_video_dit.main([*ARGS, "--context-parallel-size", str(world), "--cp-comm-type", mode, *extra])
+
+
+def _ds(rank, world, extra=(), dynamic=True):
+    from training import train_deepspeed
+    cfg = {"sequence_parallel_size": world, "zero_optimization": {"stage": 1},
+           "sequence_parallel_ext": {"mode": "ring", "dynamic": dynamic}}
+    return train_deepspeed.main([*ARGS, *extra], config=cfg)
+
+
+def test_entries_dynamic_equal_sp1():
+    """4 real steps: CP=2 dynamic (megatron-core entry, ring; DeepSpeed JSON "dynamic": true, ring) gives the
+    same entry's SP=1 losses on the same packs (each entry its own optimizer)."""
+    steps = ("--train-iters", "4", *PACK)
+    for entry, flags in ((_mg, (*steps, *DYN)), (_ds, steps)):
+        sp1 = run_ranks(lambda r, w: entry(r, w, steps)["losses"], 1)[0]
+        kw = {"mode": "ring"} if entry is _mg else {}
+        got = run_ranks(lambda r, w: entry(r, w, flags, **kw), 2)[0]
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got["losses"], sp1)) and len(sp1) == 4, \
+            (entry.__name__, got["losses"], sp1)
+
+
+def test_checkpoint_resume_across_dynamic_and_fixed(tmp_path):
+    """Saved under dynamic SP and resumed under fixed SP (and the other way round): the resumed steps give the
+    uninterrupted run's losses (the checkpoint holds full parameters; the sample stream continues)."""
+    steps = ("--train-iters", "4", *PACK)
+    whole = run_ranks(lambda r, w: _mg(r, w, steps)["losses"], 1)[0]
+    for first, then in ((DYN, ()), ((), DYN)):
+        ck = str(tmp_path / f"ck{len(first)}")
+        a = run_ranks(lambda r, w: _mg(r, w, ("--train-iters", "2", *PACK, *first, "--save", ck))["losses"], 2)[0]
+        b = run_ranks(lambda r, w: _mg(r, w, ("--train-iters", "4", *PACK, *then, "--load", ck))["losses"], 2)[0]
+        got = a + b
+        assert len(got) == 4 and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(got, whole)), (first, got, whole)
+
+
+@pytest.mark.parametrize("flags,match", [
+    (DYN, "--dynamic-context-parallel places each sample of a packed step on its own ranks: add --pack-samples"),
+    (PACK + DYN + ("--cp-comm-type", "torus"), "--cp-comm-type='torus' cannot run with --dynamic-context-parallel"),
+    (PACK + DYN + ("--min-dynamic-context-parallel-size", "3"),
+     "--min-dynamic-context-parallel-size=3 is invalid: use a divisor of --context-parallel-size 4"),
+    (PACK + ("--min-dynamic-context-parallel-size", "2"),
+     "--min-dynamic-context-parallel-size applies to --dynamic-context-parallel: add it"),
+])
+def test_entry_refusals(flags, match, capsys, monkeypatch):
+    from training import pretrain_video_dit
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as e:
+        pretrain_video_dit.parse([*ARGS, "--context-parallel-size", "4", "--cp-comm-type", "ulysses", *flags])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_deepspeed_refuses_dynamic_without_packing():
+    with pytest.raises(RankFailure, match=r"sequence_parallel_ext.dynamic=true places each sample .* add "
+                                          r"--pack-samples"):
+        run_ranks(lambda r, w: _ds(r, w, ("--train-iters", "1")), 2)

@@ -94,8 +94,12 @@ def test_dynamic_attention_block_masks():
 def _refusals(rank, world):
     groups = DynamicGroups(dist.group.WORLD)
     with pytest.raises(SPConfigError, match=r"--cp-comm-type='torus' cannot run with --dynamic-context-parallel"):
-        DynamicAttention(SPConfig(mode="torus", source="megatron"), groups, num_heads=4,
-                         dynamic_name="--dynamic-context-parallel")
+        DynamicAttention(SPConfig(mode="torus", source="megatron"), groups, num_heads=4)
+    with pytest.raises(SPConfigError, match=r"sequence_parallel_ext.mode='tas' cannot run with "
+                                            r"sequence_parallel_ext.dynamic: .* use ulysses, hcms, ring, tasp, usp"):
+        SPConfig.from_dict({"mode": "tas", "dynamic": True}, source="deepspeed")
+    with pytest.raises(SPConfigError, match=r"sequence_parallel_ext.dynamic='yes' is invalid: use true or false"):
+        SPConfig.from_dict({"dynamic": "yes"}, source="deepspeed")
     attn = DynamicAttention(SPConfig(mode="ulysses"), groups, num_heads=4)
     with pytest.raises(SPConfigError, match="the plan is for 4 ranks"):
         attn(*(torch.zeros(1, 3, 4, 8) for _ in range(3)), DynamicPlan(4, (3,), (1,), (0,)))

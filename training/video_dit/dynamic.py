@@ -12,6 +12,7 @@ throughput over an NVLink all-to-all's per-GPU rate, about 500 TFLOP/s / 125 GB/
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional, Sequence
 
@@ -45,22 +46,19 @@ class DynamicSP:
                          min_size_name=self.min_size_name)
 
 
-def make_dynamic_core(mode: str, group: dist.ProcessGroup, *, num_heads: int, min_size: int = 1, head_chunks=1,
-                      ring_variant: str = "ring", placement: str = "auto", ulysses_size=None, nodes=None,
-                      backend: str = "sdpa", transport: str = "nccl", source: str = "megatron",
-                      dynamic_name: str = DYNAMIC_FLAG):
-    """The DiT's attention core for dynamic SP over ``group``: core(q, k, v, None, cu_seqlens=plan) on this rank's
-    rows [1, S_loc, H, D] of a packed step (plan: the step's DynamicPlan). Creates the aligned sub-groups (collective:
-    every process of the job calls it). Refuses modes that cannot run on a sub-group, naming ``dynamic_name``."""
-    cfg = SPConfig(mode=mode, head_chunks=1 if mode == "ulysses" else head_chunks, ring_variant=ring_variant,
-                   placement=placement, ulysses_size=ulysses_size, nodes=nodes, backend=backend,
-                   transport=transport, source=source)
+def make_dynamic_core(cfg: SPConfig, group: dist.ProcessGroup, *, num_heads: int, min_size: int = 1):
+    """The DiT's attention core for dynamic SP over ``group`` with ``cfg`` (its mode, chunks, backend, ...):
+    core(q, k, v, None, cu_seqlens=plan) on this rank's rows [1, S_loc, H, D] of a packed step (plan: the step's
+    DynamicPlan). Creates the aligned sub-groups (collective: every process of the job calls it). Refuses modes that
+    cannot run on a sub-group, naming the user's settings (``cfg.source``)."""
+    cfg = dataclasses.replace(cfg, dynamic=True)
     attn = DynamicAttention(cfg, DynamicGroups(group, min_size), num_heads=num_heads, layout="bshd",
-                            backend=backend, resources=SPResources(cfg), dynamic_name=dynamic_name)
+                            resources=SPResources(cfg))
+    name = cfg.name("dynamic")
 
     def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
         if not isinstance(cu_seqlens, DynamicPlan) or n is not None or block_mask is not None:
-            raise SPConfigError(f"{dynamic_name} runs packed steps only (--pack-samples, no padding, no block mask)")
+            raise SPConfigError(f"{name} runs packed steps only (--pack-samples, no padding, no block mask)")
         return attn(q, k, v, cu_seqlens, causal=False)
     core.group = group
     core.attention = attn

@@ -21,22 +21,18 @@ import torch
 
 from ...attention.backends import get_backend
 from ...attention.block_sparse import DEFAULT_BLOCK_SIZE, block_sparse_attention
-from ...config import SPConfig
+from ...config import DYNAMIC_MODES, SPConfig
 from ...errors import SPConfigError
 from ..factory import SPAttention, SPResources, make_attention
 from ..ulysses.attend import local_attention
 from .groups import DynamicGroups
 from .plan import DynamicPlan
 
-DYNAMIC_MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "auto")
 
 
-def check_dynamic_mode(cfg: SPConfig, dynamic_name: str) -> None:
-    """Refuse modes that cannot run on a sub-group, naming the mode setting and ``dynamic_name`` (the user's flag)."""
-    if cfg.mode not in DYNAMIC_MODES:
-        raise SPConfigError(f"{cfg.name('mode')}={cfg.mode!r} cannot run with {dynamic_name}: it places Ulysses "
-                            f"across machines, which the sub-groups of one sample (aligned ranks of one machine) do "
-                            f"not span; use {', '.join(DYNAMIC_MODES)}")
+def check_dynamic_mode(cfg: SPConfig) -> None:
+    """Refuse modes that cannot run on a sub-group, naming the mode setting and the dynamic one (SPConfig's check)."""
+    dataclasses.replace(cfg, dynamic=True)
 
 
 class DynamicAttention:
@@ -44,9 +40,8 @@ class DynamicAttention:
     ``cfg.backend``); resources: shared with the sub-groups' attentions."""
 
     def __init__(self, cfg: SPConfig, groups: DynamicGroups, *, num_heads: int, num_kv_heads: Optional[int] = None,
-                 layout: str = "bshd", backend=None, resources: Optional[SPResources] = None,
-                 dynamic_name: str = "dynamic") -> None:
-        check_dynamic_mode(cfg, dynamic_name)
+                 layout: str = "bshd", backend=None, resources: Optional[SPResources] = None) -> None:
+        check_dynamic_mode(cfg)
         self.cfg, self.groups, self.layout = cfg, groups, layout
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads or num_heads
         self.backend = backend if backend is not None else cfg.backend
@@ -59,7 +54,7 @@ class DynamicAttention:
         """The factory's attention over sub-group (start, size) (mesh settings scaled to the sub-group)."""
         key = (start, size)
         if key not in self.attns:
-            cfg = self.cfg
+            cfg = dataclasses.replace(self.cfg, dynamic=False)  # one sub-group: a plain SP attention
             if cfg.mode == "usp" and size < self.groups.world:
                 cfg = dataclasses.replace(
                     cfg, ulysses_size=math.gcd(cfg.ulysses_size, size) if cfg.ulysses_size else None,
