@@ -25,7 +25,7 @@ from megatron_sp_ext.sp.factory import SPResources
 
 from .config import DiTConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("video_dit")  # the entries' logger (logs.setup_logging)
 
 DYNAMIC_FLAG, MIN_FLAG = "--dynamic-context-parallel", "--min-dynamic-context-parallel-size"
 EXCHANGE_FLOPS_PER_BYTE = 4000.0
