@@ -162,3 +162,48 @@ def test_deepspeed_refuses_dynamic_without_packing():
     with pytest.raises(RankFailure, match=r"sequence_parallel_ext.dynamic=true places each sample .* add "
                                           r"--pack-samples"):
         run_ranks(lambda r, w: _ds(r, w, ("--train-iters", "1")), 2)
+
+
+def test_dynamic_with_fsdp2_and_data_parallel():
+    """FSDP2 (parameters sharded over data x context ranks) and DP=2 x CP=2 under dynamic SP give the losses of the
+    same runs without context parallelism (Megatron-LM's version refuses FSDP; ours does not need to)."""
+    from training import pretrain_video_dit
+    steps = ("--train-iters", "3", *PACK)
+
+    def run(cp, extra):
+        return lambda r, w: pretrain_video_dit.main([*ARGS, "--context-parallel-size", str(cp), "--cp-comm-type",
+                                                     "ulysses", *steps, *extra])["losses"]
+    fsdp = ("--use-torch-fsdp2",)
+    ref = run_ranks(run(1, fsdp), 1)[0]
+    got = run_ranks(run(2, (*fsdp, *DYN)), 2)[0]
+    assert len(got) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, ref)), ("fsdp2", got, ref)
+    ref = run_ranks(run(1, ()), 2)[0]  # DP=2
+    got = run_ranks(run(2, DYN), 4)[0]  # DP=2 x CP=2
+    assert len(got) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, ref)), ("dp2 x cp2", got, ref)
+
+
+def _two_sp_groups(rank, world):
+    """8 ranks as DP=2 x SP=4 (SP groups {0,2,4,6} and {1,3,5,7}): every process creates every SP group's pairs; each
+    rank's sub-groups hold the right ranks, and a plan with pairs and single ranks runs in both SP groups at once."""
+    from megatron_sp_ext.sp.dynamic import DynamicAttention, DynamicGroups, shard_dynamic
+    from tests.reference import make_qkv, reference_attention
+    mine = [r for r in range(world) if r % 2 == rank % 2]
+    groups = [dist.new_group(list(range(p, world, 2))) for p in (0, 1)]
+    sp = groups[rank % 2]
+    dyn = DynamicGroups(sp)
+    pair = dyn.get(dyn.rank // 2 * 2, 2)
+    assert dist.get_process_group_ranks(pair) == mine[dyn.rank // 2 * 2: dyn.rank // 2 * 2 + 2]
+    plan = DynamicPlan(4, (6, 9, 5, 7), (1, 2, 1, 4), (0, 2, 1, 0))
+    q, k, v, _ = make_qkv(rank % 2, 1, 27, 4, 4, 8, torch.float64)
+    out = DynamicAttention(SPConfig(mode="ulysses"), dyn, num_heads=4)(
+        *(shard_dynamic(t, plan, dyn.rank) for t in (q, k, v)), plan)
+    mask = torch.zeros(27, 27, dtype=torch.bool)
+    for a, b in zip(plan.cu_seqlens, plan.cu_seqlens[1:]):
+        mask[a:b, a:b] = True
+    real = shard_dynamic(torch.ones(1, 27, 1, 1), plan, dyn.rank) > 0
+    assert rel_err(out * real, shard_dynamic(reference_attention(q, k, v, mask=mask), plan, dyn.rank)) < 1e-10
+    return True
+
+
+def test_sub_groups_of_several_sp_groups():
+    assert all(run_ranks(_two_sp_groups, 8, timeout=300))
