@@ -207,3 +207,21 @@ def _two_sp_groups(rank, world):
 
 def test_sub_groups_of_several_sp_groups():
     assert all(run_ranks(_two_sp_groups, 8, timeout=300))
+
+
+def test_plan_logged_once_in_words(caplog):
+    from training.video_dit.dynamic import DynamicSP, PlanLog
+    dyn = DynamicSP(8, preset("wan-14b"))
+    plan = dyn.plan([0, 1560, 3120, 43120, 83120, 84680, 86240, 87800, 89360, 90920, 92480])
+    log = PlanLog(True, dyn.cost)
+    import logging
+    logger = logging.getLogger("video_dit")  # the entries set propagate=False on it: listen on it directly
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="video_dit"):
+            for _ in range(3):
+                log.see(plan)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert len(caplog.records) == 1 and caplog.records[0].getMessage().startswith("dynamic SP over 8 ranks: ")
+    assert "(first pack; each step's pack gets its own plan)" in caplog.records[0].getMessage()
