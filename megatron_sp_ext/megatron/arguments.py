@@ -6,9 +6,10 @@
 
 Flags: --hcms-head-chunks, --sp-placement, --sp-nodes, --sp-ulysses-size, --sp-ring-variant,
 --sp-attention-backend, --dynamic-context-parallel / --min-dynamic-context-parallel-size (Megatron-LM's names:
-each packed sample over an aligned sub-group of CP ranks sized to its length); Megatron-LM's ``--attention-dropout`` is applied by ulysses/hcms (and auto, which then
-stays on them) and refused by the ring-family types; ``--cp-comm-type`` itself is Megatron-LM's (added here only when the
-parser lacks it, e.g. in megatron-core-only scripts). Bad combinations fail when the arguments are
+each packed sample over an aligned sub-group of CP ranks sized to its length); Megatron-LM's
+``--attention-dropout`` is applied by ulysses/hcms (and auto, which then stays on them) and refused by the
+ring-family types; ``--cp-comm-type`` itself is Megatron-LM's (added here only when the parser lacks it, e.g. in
+megatron-core-only scripts). Bad combinations fail when the arguments are
 parsed, with one line naming the flag.
 """
 from __future__ import annotations
@@ -115,8 +116,8 @@ def validate_args(args) -> SPConfig:
             if t in OURS:
                 dataclasses.replace(cfg, mode=t, head_chunks=1 if t == "ulysses" else cfg.head_chunks)
             else:
-                raise SPConfigError(f"--cp-comm-type={t} is Transformer Engine's context parallelism: "
-                                    f"--dynamic-context-parallel runs megatron_sp_ext's modes ({', '.join(DYNAMIC_MODES)})")
+                raise SPConfigError(f"--cp-comm-type={t} is Transformer Engine's context parallelism: --dynamic-"
+                                    f"context-parallel runs megatron_sp_ext's modes ({', '.join(DYNAMIC_MODES)})")
     floor = getattr(args, "min_dynamic_context_parallel_size", 1)
     if floor != 1 and not cfg.dynamic:
         raise SPConfigError("--min-dynamic-context-parallel-size applies to --dynamic-context-parallel: add it")

@@ -12,7 +12,8 @@ exchange_tokens * ceil(n/d) * (d-1)/d (the all-to-all volume of its tokens). ``p
 least-loaded aligned sub-group of their size, then improves each by moving one sample of the busiest rank at a time
 (to any allowed size and aligned sub-group) while that lowers (busiest rank, sum of squared loads); it keeps only
 plans that give every rank tokens, adds uniform SP (every sample over all P ranks) and returns the plan with the
-lowest busiest-rank work (ties: less exchange, then the earlier candidate). A pure function of (lengths, P, min_size, cost): identical on every rank.
+lowest busiest-rank work (ties: less exchange, then the earlier candidate). A pure function of (lengths, P,
+min_size, cost): identical on every rank.
 
 Local rows: rank r holds, for each of its samples in sample order, piece (r - start) of d of the sample padded at its
 tail to a multiple of d (contiguous per-sample placement inside the sub-group, as ``shard_sequence(cu_seqlens=)``
