@@ -1,25 +1,27 @@
 """Dynamic vs uniform sequence parallelism on one GPU, EMULATED: each rank's kernels timed one by one, exchanges
 from their bytes at a link rate (a model, stated as such in the output).
 
-For a pack of samples (``--pack wan-mix``: Wan's kind of mix, 40% single images of 1,560 tokens and 60% clips of
-8K-75K tokens, drawn with ``--seed`` up to ``--tokens``; or ``equal:N:L``, N clips of L tokens) and P ranks, two
-plans of the same pack (megatron_sp_ext.sp.dynamic):
+For a pack of samples (``--pack wan-mix``: Wan's kind of mix, ``--samples`` samples of which 40% single images of
+1,560 tokens and 60% clips of 8K-75K tokens drawn with ``--seed``; or ``equal:N:L``, N clips of L tokens) and P
+ranks, two plans of the same pack (megatron_sp_ext.sp.dynamic):
   uniform  every sample over all P ranks (what --pack-samples does today)
   dynamic  each sample over an aligned sub-group sized to its length (--dynamic-context-parallel's plan_pack)
-Per rank and per layer, fwd+bwd, timed on this GPU (CUDA events, median of --reps after --warmup):
-  attention  Ulysses' local work: for each sub-group the rank is in, one varlen call over its samples' FULL lengths
-             with H/d heads (d = 1: the rank's whole samples with all H heads), on the library's local kernel
-             (--backend, default auto: FlashAttention-4 where installed, else cuDNN)
+each under two SP modes (--modes), per rank and per layer, fwd+bwd, timed on this GPU (CUDA events, median of
+--reps after --warmup), on the library's local kernel (--backend, default cudnn: no per-shape compilation; fa4 or
+auto where FlashAttention-4 is installed):
+  attention  ulysses: for each sub-group the rank is in, one varlen call over its samples' FULL lengths with H/d heads;
+             ring: d steps, each one varlen call over the samples' local chunks (ceil(n/d) query x key rows) with all
+             H heads; d = 1 (both): the rank's whole samples in one varlen call with all H heads
   rest       the block without its attention core on the rank's own tokens (QKV and output projections, cross-
-             attention to --text-len text tokens, the MLP), bf16
-  exchange   Ulysses' all-to-alls (q, k, v and output forward, their gradients backward: 8 tensors of the rank's
-             tokens x H x D bf16 values, times (d-1)/d) at the link rate: "host" = a pinned device-to-host copy rate
-             MEASURED in this job (the PCIe / host-staged class), "nvlink" = --nvlink-gbps (a stated figure, not
-             measured here)
+             attention to the text tokens, the MLP), bf16
+  exchange   ulysses: q, k, v and output forward, their gradients backward (8 tensors of the rank's rows x H x D
+             bf16 values, times (d-1)/d); ring: k, v forward and k, v, dk, dv backward over d-1 steps (6 tensors of
+             its rows x H x D per step); at the link rate: "host" = a pinned device-to-host copy rate MEASURED in this
+             job (the PCIe / host-staged class), "nvlink" = --nvlink-gbps (a stated figure, not measured here)
 A rank's emulated layer time is attention + rest + exchange (no overlap assumed); the step is the slowest rank's.
 Kernels with the same shapes are timed once (uniform SP's ranks are identical). Writes ONE JSON to --out.
 
-    python tools/bench_dynamic_sp.py --model wan-14b --world 8 --out $OUT          # one GPU, about 2 minutes
+    python tools/bench_dynamic_sp.py --model wan-14b --world 8 --out $OUT          # one GPU, 1-2 minutes
     python tools/bench_dynamic_sp.py --smoke --out /tmp/bd                          # CPU, seconds (CI)
 """
 from __future__ import annotations
@@ -42,21 +44,24 @@ from megatron_sp_ext.sp.ulysses.attend import local_attention  # noqa: E402
 from training.video_dit import preset  # noqa: E402
 
 IMAGE_TOKENS = 1560
-EXCHANGED_TENSORS = 8  # q, k, v, output forward; their gradients backward
+EXCHANGED_TENSORS = 8  # ulysses: q, k, v, output forward; their gradients backward
+RING_TENSORS = 6  # ring, per step: k, v forward; k, v, dk, dv backward
 
 
-def wan_mix(tokens: int, seed: int, image_share: float = 0.4, clip_range=(8000, 75000),
+def wan_mix(samples: int, seed: int, image_share: float = 0.4, clip_range=(8000, 75000),
             image_tokens: int = IMAGE_TOKENS) -> list:
-    """Samples until ``tokens``: each an image (``image_share`` of the samples) or a clip of uniform length."""
-    rng, out = random.Random(seed), []
-    while sum(out) < tokens:
-        out.append(image_tokens if rng.random() < image_share else rng.randint(*clip_range))
+    """``samples`` samples, round(image_share * samples) of them images, the others clips of uniformly drawn
+    lengths, in a seeded random order."""
+    rng = random.Random(seed)
+    images = round(image_share * samples)
+    out = [image_tokens] * images + [rng.randint(*clip_range) for _ in range(samples - images)]
+    rng.shuffle(out)
     return out
 
 
-def parse_pack(text: str, tokens: int, seed: int) -> list:
+def parse_pack(text: str, samples: int, seed: int) -> list:
     if text == "wan-mix":
-        return wan_mix(tokens, seed)
+        return wan_mix(samples, seed)
     parts = text.split(":")
     if len(parts) == 3 and parts[0] == "equal":
         return [int(parts[2])] * int(parts[1])
@@ -152,8 +157,8 @@ def host_link_gbps(device, mib: int = 256) -> float:
     return 2 * n / best / 1e9
 
 
-def run_plan(plan: DynamicPlan, timer: Timer, backend, rest: Rest, cfg, dtype, links: dict) -> dict:
-    """Per-rank emulated layer times of ``plan`` (ms) and exchanged bytes."""
+def run_plan(plan: DynamicPlan, mode: str, timer: Timer, backend, rest: Rest, cfg, dtype, links: dict) -> dict:
+    """Per-rank emulated layer times of ``plan`` under ``mode`` ("ulysses" or "ring", ms) and exchanged bytes."""
     per_rank = []
     value_bytes = torch.tensor([], dtype=dtype).element_size()
     for r in range(plan.world):
@@ -163,11 +168,17 @@ def run_plan(plan: DynamicPlan, timer: Timer, backend, rest: Rest, cfg, dtype, l
                 continue
             ids = [i for i in range(len(plan.lengths)) if (plan.starts[i], plan.sizes[i]) == (start, size)]
             lengths = tuple(plan.lengths[i] for i in ids)
-            attn += attention_ms(timer, backend, lengths, cfg.heads // size, cfg.head_dim, dtype)
-            rows = sum(-(-n // size) for n in lengths)
+            chunks = tuple(-(-n // size) for n in lengths)
+            rows = sum(chunks)
             tokens += rows
-            if size > 1:
+            if size == 1 or mode == "ulysses":
+                attn += attention_ms(timer, backend, lengths, cfg.heads // size, cfg.head_dim, dtype)
+            else:  # the ring: size steps over the samples' chunk pairs
+                attn += size * attention_ms(timer, backend, chunks, cfg.heads, cfg.head_dim, dtype)
+            if size > 1 and mode == "ulysses":
                 sent += EXCHANGED_TENSORS * rows * cfg.dim * value_bytes * (size - 1) / size
+            elif size > 1:
+                sent += RING_TENSORS * rows * cfg.dim * value_bytes * (size - 1)
         rest_t = rest_ms(timer, rest, tokens, cfg.text_len, cfg.dim, dtype)
         per_rank.append({"rank": r, "tokens": tokens, "attention_ms": attn, "rest_ms": rest_t,
                          "exchanged_bytes": sent,
@@ -183,16 +194,19 @@ def run_plan(plan: DynamicPlan, timer: Timer, backend, rest: Rest, cfg, dtype, l
     return out
 
 
-def bench_pack(name: str, lengths: list, world: int, timer, backend, rest, cfg, dtype, links, cost) -> dict:
+def bench_pack(name: str, lengths: list, world: int, modes: list, timer, backend, rest, cfg, dtype, links,
+               cost) -> dict:
     dynamic = plan_pack(lengths, world, cost=cost)
     uniform = DynamicPlan(world, tuple(lengths), (world,) * len(lengths), (0,) * len(lengths))
-    res = {"pack": name, "lengths": lengths, "tokens": sum(lengths), "plan": dynamic.describe(cost),
-           "uniform": run_plan(uniform, timer, backend, rest, cfg, dtype, links),
-           "dynamic": run_plan(dynamic, timer, backend, rest, cfg, dtype, links)}
-    for k in links:
-        res[f"speedup_{k}"] = res["uniform"][f"step_ms_{k}"] / res["dynamic"][f"step_ms_{k}"]
-    res["exchanged_bytes_ratio"] = (res["dynamic"]["exchanged_bytes"] / res["uniform"]["exchanged_bytes"]
-                                    if res["uniform"]["exchanged_bytes"] else None)
+    res = {"pack": name, "lengths": lengths, "tokens": sum(lengths), "plan": dynamic.describe(cost)}
+    for mode in modes:
+        m = {"uniform": run_plan(uniform, mode, timer, backend, rest, cfg, dtype, links),
+             "dynamic": run_plan(dynamic, mode, timer, backend, rest, cfg, dtype, links)}
+        for k in links:
+            m[f"speedup_{k}"] = m["uniform"][f"step_ms_{k}"] / m["dynamic"][f"step_ms_{k}"]
+        m["exchanged_bytes_ratio"] = (m["dynamic"]["exchanged_bytes"] / m["uniform"]["exchanged_bytes"]
+                                      if m["uniform"]["exchanged_bytes"] else None)
+        res[mode] = m
     return res
 
 
@@ -203,9 +217,11 @@ def main(argv=None) -> dict:
     p.add_argument("--pack", action="append", default=None,
                    help="wan-mix (default) or equal:N:L; repeat for several packs (default: wan-mix, equal:8:32760, "
                         "equal:3:75600)")
-    p.add_argument("--tokens", type=int, default=320_000, help="wan-mix: tokens per pack (per DP rank)")
+    p.add_argument("--samples", type=int, default=20, help="wan-mix: samples per pack (per DP rank)")
+    p.add_argument("--modes", default="ulysses,ring", help="SP modes modelled, comma-separated (ulysses, ring)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="auto", help="local attention kernel (megatron_sp_ext backends)")
+    p.add_argument("--backend", default=None,
+                   help="local attention kernel (megatron_sp_ext backends; default cudnn on CUDA, auto on the CPU)")
     p.add_argument("--nvlink-gbps", type=float, default=150.0,
                    help="stated all-to-all rate per GPU for the 'nvlink' model (GB/s; not measured here)")
     p.add_argument("--reps", type=int, default=3)
@@ -217,37 +233,42 @@ def main(argv=None) -> dict:
     if args.smoke:
         cfg, dtype, world = preset("tiny"), torch.float32, min(args.world, 4)
         packs = [("wan-mix (smoke: images of 15 tokens, clips of 40-300)",
-                  wan_mix(1200, args.seed, clip_range=(40, 300), image_tokens=15)), ("equal:4:96", [96] * 4)]
+                  wan_mix(10, args.seed, clip_range=(40, 300), image_tokens=15)), ("equal:4:96", [96] * 4)]
     else:
         cfg, dtype, world = preset(args.model), torch.bfloat16, args.world
-        packs = [(t, parse_pack(t, args.tokens, args.seed)) for t in (args.pack or ["wan-mix", "equal:8:32760",
+        packs = [(t, parse_pack(t, args.samples, args.seed)) for t in (args.pack or ["wan-mix", "equal:8:32760",
                                                                                    "equal:3:75600"])]
     torch.manual_seed(0)
-    backend = get_backend(args.backend, "--backend")
+    backend = get_backend(args.backend or ("cudnn" if device.type == "cuda" else "auto"), "--backend")
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in ("ulysses", "ring") for m in modes):
+        raise SystemExit(f"--modes={args.modes!r}: use ulysses and/or ring")
     rest = Rest(cfg).to(device, dtype)
     timer = Timer(device, args.reps, args.warmup)
     links = {"host": host_link_gbps(device), "nvlink": args.nvlink_gbps}
     cost = CostModel.for_dims(cfg.dim, cfg.ffn, cfg.text_len, flops_per_byte=4000.0)
-    results = [bench_pack(name, lengths, world, timer, backend, rest, cfg, dtype, links, cost)
+    results = [bench_pack(name, lengths, world, modes, timer, backend, rest, cfg, dtype, links, cost)
                for name, lengths in packs]
     out = {"what": "EMULATED on one device: per-rank kernels timed one by one; exchange = bytes / link rate "
                    "(host: measured pinned D2H copy rate; nvlink: stated --nvlink-gbps); no overlap",
            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__,
            "model": "tiny" if args.smoke else args.model, "world": world, "dtype": str(dtype).replace("torch.", ""),
-           "link_gbps": links, "packs": results}
+           "backend": getattr(backend, "name", str(args.backend)), "link_gbps": links, "packs": results}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_dynamic_sp.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     for r in results:
         print(f"{r['pack']}: {len(r['lengths'])} samples, {r['tokens']:,} tokens; {r['plan']}")
-        for k in links:
-            print(f"  {k} link ({links[k]:.0f} GB/s): uniform {r['uniform'][f'step_ms_{k}']:.1f} ms/layer, dynamic "
-                  f"{r['dynamic'][f'step_ms_{k}']:.1f} (slowest/mean {r['dynamic'][f'slowest_over_mean_{k}']:.3f}): "
-                  f"{r[f'speedup_{k}']:.3f}x")
-        ratio = r["exchanged_bytes_ratio"]
-        print(f"  exchanged bytes {r['dynamic']['exchanged_bytes'] / 1e9:.2f} GB vs uniform "
-              f"{r['uniform']['exchanged_bytes'] / 1e9:.2f} GB" + (f" ({ratio:.0%})" if ratio is not None else ""))
+        for mode in modes:
+            m = r[mode]
+            for k in links:
+                print(f"  {mode}, {k} link ({links[k]:.0f} GB/s): uniform {m['uniform'][f'step_ms_{k}']:.1f} ms/layer, "
+                      f"dynamic {m['dynamic'][f'step_ms_{k}']:.1f} (slowest/mean "
+                      f"{m['dynamic'][f'slowest_over_mean_{k}']:.3f}): {m[f'speedup_{k}']:.3f}x")
+            ratio = m["exchanged_bytes_ratio"]
+            print(f"  {mode}: exchanged {m['dynamic']['exchanged_bytes'] / 1e9:.2f} GB vs uniform "
+                  f"{m['uniform']['exchanged_bytes'] / 1e9:.2f} GB" + (f" ({ratio:.0%})" if ratio is not None else ""))
     print(f"wrote {path}")
     return out
 
