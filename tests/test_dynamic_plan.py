@@ -93,3 +93,13 @@ def test_refusals(kw, match):
         plan_pack([100, 0], 8)
     with pytest.raises(SPConfigError, match="size must divide"):
         DynamicPlan(4, (5,), (3,), (0,))
+
+
+def test_ring_exchange_model():
+    """The ring sends k and v d-1 times (Ulysses: 4 tensors x (d-1)/d): its plans split less."""
+    ring = CostModel.for_dims(5120, 13824, 512, flops_per_byte=4000, ring=True)
+    assert ring.exchange(8000, 8) == WAN.exchange_tokens * 1000 * 3.5 and WAN.exchange(8000, 8) == \
+        WAN.exchange_tokens * 1000 * 7 / 8 and ring.exchange(8000, 1) == 0.0
+    for seed in range(4):
+        lengths = _wan_mix(seed, 20)
+        assert plan_pack(lengths, 8, cost=ring).exchanged_tokens() <= plan_pack(lengths, 8, cost=WAN).exchanged_tokens()

@@ -31,6 +31,7 @@ import json
 import os
 import random
 import statistics
+from itertools import accumulate
 import sys
 import time
 
@@ -39,9 +40,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.attention.backends import get_backend  # noqa: E402
-from megatron_sp_ext.sp.dynamic import CostModel, DynamicPlan, plan_pack  # noqa: E402
+from megatron_sp_ext.sp.dynamic import DynamicPlan  # noqa: E402
 from megatron_sp_ext.sp.ulysses.attend import local_attention  # noqa: E402
 from training.video_dit import preset  # noqa: E402
+from training.video_dit.dynamic import DynamicSP  # noqa: E402
 
 IMAGE_TOKENS = 1560
 EXCHANGED_TENSORS = 8  # ulysses: q, k, v, output forward; their gradients backward
@@ -194,13 +196,15 @@ def run_plan(plan: DynamicPlan, mode: str, timer: Timer, backend, rest: Rest, cf
     return out
 
 
-def bench_pack(name: str, lengths: list, world: int, modes: list, timer, backend, rest, cfg, dtype, links,
-               cost) -> dict:
-    dynamic = plan_pack(lengths, world, cost=cost)
+def bench_pack(name: str, lengths: list, world: int, modes: list, timer, backend, rest, cfg, dtype, links) -> dict:
+    """Uniform vs dynamic SP on one pack, per mode (the plan: the DiT's, dynamic.DynamicSP, for that mode)."""
     uniform = DynamicPlan(world, tuple(lengths), (world,) * len(lengths), (0,) * len(lengths))
-    res = {"pack": name, "lengths": lengths, "tokens": sum(lengths), "plan": dynamic.describe(cost)}
+    res = {"pack": name, "lengths": lengths, "tokens": sum(lengths)}
     for mode in modes:
-        m = {"uniform": run_plan(uniform, mode, timer, backend, rest, cfg, dtype, links),
+        sp = DynamicSP(world, cfg, mode=mode)
+        dynamic = sp.plan([0] + list(accumulate(lengths)))
+        m = {"plan": dynamic.describe(sp.cost), "uniform": run_plan(uniform, mode, timer, backend, rest, cfg, dtype,
+                                                                     links),
              "dynamic": run_plan(dynamic, mode, timer, backend, rest, cfg, dtype, links)}
         for k in links:
             m[f"speedup_{k}"] = m["uniform"][f"step_ms_{k}"] / m["dynamic"][f"step_ms_{k}"]
@@ -246,8 +250,7 @@ def main(argv=None) -> dict:
     rest = Rest(cfg).to(device, dtype)
     timer = Timer(device, args.reps, args.warmup)
     links = {"host": host_link_gbps(device), "nvlink": args.nvlink_gbps}
-    cost = CostModel.for_dims(cfg.dim, cfg.ffn, cfg.text_len, flops_per_byte=4000.0)
-    results = [bench_pack(name, lengths, world, modes, timer, backend, rest, cfg, dtype, links, cost)
+    results = [bench_pack(name, lengths, world, modes, timer, backend, rest, cfg, dtype, links)
                for name, lengths in packs]
     out = {"what": "EMULATED on one device: per-rank kernels timed one by one; exchange = bytes / link rate "
                    "(host: measured pinned D2H copy rate; nvlink: stated --nvlink-gbps); no overlap",
@@ -259,9 +262,10 @@ def main(argv=None) -> dict:
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     for r in results:
-        print(f"{r['pack']}: {len(r['lengths'])} samples, {r['tokens']:,} tokens; {r['plan']}")
+        print(f"{r['pack']}: {len(r['lengths'])} samples, {r['tokens']:,} tokens")
         for mode in modes:
             m = r[mode]
+            print(f"  {mode}: {m['plan']}")
             for k in links:
                 print(f"  {mode}, {k} link ({links[k]:.0f} GB/s): uniform {m['uniform'][f'step_ms_{k}']:.1f} ms/layer, "
                       f"dynamic {m['dynamic'][f'step_ms_{k}']:.1f} (slowest/mean "

@@ -165,7 +165,7 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     model.set_sparse_attention(sparse)  # before DDP and the optimizer: top-k adds the coarse branch's gates
     dynamic = None
     if args.dynamic_context_parallel and sp_world > 1:  # each packed sample on its own sub-group of CP ranks
-        dynamic = DynamicSP(sp_world, cfg, args.min_dynamic_context_parallel_size)
+        dynamic = DynamicSP(sp_world, cfg, args.min_dynamic_context_parallel_size, mode=args.cp_comm_type[0])
         mode = args.cp_comm_type[0]
         sp_cfg = SPConfig(mode=mode, head_chunks=1 if mode == "ulysses" else args.hcms_head_chunks,
                           ring_variant=args.sp_ring_variant, placement=args.sp_placement,

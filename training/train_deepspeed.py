@@ -156,7 +156,7 @@ def _dynamic(args, engine, ds_cfg: dict, cfg, sp_group, sp_world: int):
     if sp_world == 1:
         return None
     engine.module.set_attention_core(make_dynamic_core(sp_cfg, sp_group, num_heads=cfg.heads))
-    return DynamicSP(sp_world, cfg)
+    return DynamicSP(sp_world, cfg, mode=sp_cfg.mode)
 
 
 def _train(args, engine, cfg, device, ds_cfg: dict) -> dict:

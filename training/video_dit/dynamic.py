@@ -35,9 +35,12 @@ class DynamicSP:
     """The packer's settings for one run: ``plan(cu_seqlens)`` gives a pack's plan (pure; every rank and DataLoader
     worker computes the same)."""
 
-    def __init__(self, world: int, cfg: DiTConfig, min_size: int = 1, min_size_name: str = MIN_FLAG) -> None:
+    def __init__(self, world: int, cfg: DiTConfig, min_size: int = 1, min_size_name: str = MIN_FLAG,
+                 mode: str = "ulysses") -> None:
+        """mode: the SP mode (the ring family's exchange is modelled as the ring's)."""
         self.world, self.min_size, self.min_size_name = world, min_size, min_size_name
-        self.cost = CostModel.for_dims(cfg.dim, cfg.ffn, cfg.text_len, flops_per_byte=EXCHANGE_FLOPS_PER_BYTE)
+        self.cost = CostModel.for_dims(cfg.dim, cfg.ffn, cfg.text_len, flops_per_byte=EXCHANGE_FLOPS_PER_BYTE,
+                                       ring=mode in ("ring", "tasp"))
         plan_pack([1], world, min_size=min_size, min_size_name=min_size_name)  # refuses a bad size now, by name
 
     def plan(self, cu_seqlens: Sequence[int]) -> DynamicPlan:

@@ -8,9 +8,10 @@ short samples sit on single ranks (no exchange); a long sample is split over as 
 Work model (``CostModel``, in units of one query-key pair's attention): a sample of n tokens split over d ranks
 costs each of them ceil(n/d) * (n + linear_tokens) (attention ~ n^2, the rest of the layer ~ n) plus, when d > 1,
 exchange_tokens * ceil(n/d) * (d-1)/d (the all-to-all volume of its tokens). ``plan_pack`` tries a set of work caps
-(each sample at the smallest size whose per-rank share fits the cap), places the samples largest first on the
-least-loaded aligned sub-group of their size, then improves each by moving one sample of the busiest rank at a time
-(to any allowed size and aligned sub-group) while that lowers (busiest rank, sum of squared loads); it keeps only
+(each sample at the smallest size whose per-rank share fits the cap; and the same with every sample that does not
+fit one rank spread over all P), places the samples largest first on the least-loaded aligned sub-group of its
+size, then improves each by moving one sample of the busiest rank at a time (to any allowed size and aligned
+sub-group) while that lowers (busiest rank, sum of squared loads); it keeps only
 plans that give every rank tokens, adds uniform SP (every sample over all P ranks) and returns the plan with the
 lowest busiest-rank work (ties: less exchange, then the earlier candidate). A pure function of (lengths, P,
 min_size, cost): identical on every rank.
@@ -37,20 +38,23 @@ def divisors(n: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class CostModel:
     """Per-rank work of a sample in units of one query-key pair's attention. linear_tokens: the rest of the layer
-    per token (projections, MLP, cross-attention); exchange_tokens: one token's exchange (all-to-all) per rank."""
+    per token (projections, MLP, cross-attention); exchange_tokens: one token's Ulysses exchange per rank (q, k, v and
+    the output); ring: exchange as the ring's instead (k and v, d - 1 times)."""
 
     linear_tokens: float = 0.0
     exchange_tokens: float = 0.0
+    ring: bool = False
 
     @classmethod
     def for_dims(cls, dim: int, ffn: int, text_len: int = 0, flops_per_byte: float = 0.0,
-                 bytes_per_value: int = 2) -> "CostModel":
+                 bytes_per_value: int = 2, ring: bool = False) -> "CostModel":
         """A DiT block of width ``dim``, MLP width ``ffn`` and ``text_len`` text tokens: linear FLOPs per token
         2 * (6 dim^2 + 2 dim ffn) + 4 dim text_len over 4 dim per pair; the exchange of q, k, v and the output
         (4 dim values of ``bytes_per_value``) at ``flops_per_byte`` (the GPU's FLOP/s over the link's bytes/s;
-        0: exchange not counted)."""
+        0: exchange not counted); ring: the ring's exchange (``CostModel.ring``)."""
         lin = (2 * (6 * dim * dim + 2 * dim * ffn) + 4 * dim * text_len) / (4 * dim)
-        return cls(linear_tokens=lin, exchange_tokens=4 * dim * bytes_per_value * flops_per_byte / (4 * dim))
+        return cls(linear_tokens=lin, exchange_tokens=4 * dim * bytes_per_value * flops_per_byte / (4 * dim),
+                   ring=ring)
 
     def compute(self, n: int, d: int) -> float:
         """A rank's attention + linear work for its share of an n-token sample split over d ranks."""
@@ -58,8 +62,12 @@ class CostModel:
         return rows * (n + self.linear_tokens)
 
     def exchange(self, n: int, d: int) -> float:
-        """A rank's exchange work for its share of an n-token sample over d ranks (0 on one rank)."""
-        return 0.0 if d == 1 else self.exchange_tokens * (-(-n // d)) * (d - 1) / d
+        """A rank's exchange work for its share of an n-token sample over d ranks (0 on one rank): Ulysses sends
+        4 tensors of its rows x (d-1)/d, the ring 2 tensors of its rows d - 1 times."""
+        if d == 1:
+            return 0.0
+        rows = -(-n // d)
+        return self.exchange_tokens * rows * ((d - 1) / 2 if self.ring else (d - 1) / d)
 
     def work(self, n: int, d: int) -> float:
         return self.compute(n, d) + self.exchange(n, d)
@@ -228,8 +236,10 @@ def plan_pack(lengths: Sequence[int], world: int, *, min_size: int = 1, cost: Op
     candidates = []
     for f in CAPS:
         sizes = tuple(_fits(n, allowed, mean * f, cost) for n in lengths)
-        plan = _refine(_place(lengths, sizes, world, cost), allowed, cost, rounds=4 * len(lengths))
-        if all(plan.samples_on(r) for r in range(world)) and plan not in candidates:
-            candidates.append(plan)
+        bimodal = tuple(allowed[0] if d == allowed[0] else world for d in sizes)  # small samples whole, others on all
+        for choice in (sizes, bimodal):
+            plan = _refine(_place(lengths, choice, world, cost), allowed, cost, rounds=4 * len(lengths))
+            if all(plan.samples_on(r) for r in range(world)) and plan not in candidates:
+                candidates.append(plan)
     candidates.append(DynamicPlan(world, lengths, (world,) * len(lengths), (0,) * len(lengths)))
     return min(candidates, key=lambda p: (max(p.loads(cost)), p.exchanged_tokens()))
