@@ -33,6 +33,9 @@ MESH_MODES = ("usp", "tas", "torus")
 # modes whose local attention is one plain softmax attention over the full sequence (per head chunk), so the
 # kernel's own attention dropout applies; the ring family merges partial results by log-sum-exp and cannot
 DROPOUT_MODES = ("ulysses", "hcms")
+# modes that run on the aligned sub-groups of dynamic SP (tas and torus place Ulysses across machines: a sub-group
+# inside one machine has no such dimension)
+DYNAMIC_MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "auto")
 
 HeadChunks = Union[int, str]
 
@@ -57,6 +60,7 @@ _NAMES = {
     "async_qkv": ("--sp-async-qkv", "sequence_parallel_ext.async_qkv"),
     "sp_size": ("--context-parallel-size", "sequence_parallel_size"),
     "dropout_p": ("--attention-dropout", "sequence_parallel_ext.dropout_p"),
+    "dynamic": ("--dynamic-context-parallel", "sequence_parallel_ext.dynamic"),
 }
 
 
@@ -111,6 +115,8 @@ class SPConfig:
         async/all-gather blocks, or with TP > 1 the TP x CP block's pipelined/mixed/mixed_in forms).
     dropout_p: attention dropout probability (Megatron's ``--attention-dropout``), applied in training by the
         Ulysses family (ulysses, hcms; "auto" then never picks the ring); refused by every other mode.
+    dynamic: dynamic sequence parallelism for packed samples (Megatron-LM's --dynamic-context-parallel): each sample
+        over an aligned sub-group of ranks sized to its length (megatron_sp_ext.sp.dynamic); modes in DYNAMIC_MODES.
     source: where the settings came from ("python", "megatron", "deepspeed"); errors use its names.
     """
 
@@ -124,6 +130,7 @@ class SPConfig:
     transport: str = "nccl"
     async_qkv: str = "off"
     dropout_p: float = 0.0
+    dynamic: bool = False
     source: str = field(default="python", repr=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +159,12 @@ class SPConfig:
             # plain Ulysses with chunks is HCMS: accept and say nothing, the math is identical
             self.mode = "hcms"
         self.check_dropout()
+        if not isinstance(self.dynamic, bool):
+            raise SPConfigError(f"{n('dynamic')}={self.dynamic!r} is invalid: use true or false")
+        if self.dynamic and self.mode not in DYNAMIC_MODES:
+            raise SPConfigError(f"{n('mode')}={self.mode!r} cannot run with {n('dynamic')}: it places Ulysses across "
+                                f"machines, which the sub-groups of one sample (aligned ranks of one machine) do not "
+                                f"span; use {', '.join(DYNAMIC_MODES)}")
 
     def check_dropout(self, sp_size: int | None = None, num_heads: int | None = None) -> None:
         """Refuse ``dropout_p`` > 0 where the mode cannot apply it (the ring family; "auto" where it would

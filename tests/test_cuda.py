@@ -186,6 +186,15 @@ def test_dit_packed_family(world, backend):
     assert len(_worker("cuda_dit_packed", "dit_packed_family", "dit_packed", world, backend)) == 6
 
 
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_dit_dynamic_family(world, backend):
+    """The DiT under dynamic SP (each packed sample on its own sub-group): loss and gradients equal SP=1 on the same
+    pack, fp32 and bf16 autocast."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
+    assert len(_worker("cuda_dit_dynamic", "dit_dynamic_family", "dit_dynamic", world, backend)) == \
+        (6 if world == 2 else 8)
+
+
 def test_varlen_local_kernels():
     """The local kernels for packed samples (per sample, grouped by length, torch's flash varlen, cuDNN ragged where
     its probe passes, and auto) against float64 per sample, on one GPU."""

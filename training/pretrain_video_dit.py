@@ -22,11 +22,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_sp_ext.config import SPConfig  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
 from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
                                     check_parallel_size, check_shapes, pick_device, sparse_spec)
+from training.video_dit.dynamic import DynamicSP, make_dynamic_core  # noqa: E402
 from training.video_dit.engine import MetricsLog, attention_kernel_line, make_core  # noqa: E402
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
@@ -96,6 +98,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     if args.pack_samples and args.sp_async_qkv != "off":
         p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --pack-samples (the async / all-gather block forms "
                 f"take one sample per sequence): use --sp-async-qkv off")
+    if args.dynamic_context_parallel and not args.pack_samples:
+        p.error("--dynamic-context-parallel places each sample of a packed step on its own ranks: add --pack-samples "
+                "with --max-tokens-per-step N")
     if args.sparse_attention != "none" and args.sp_async_qkv != "off":
         p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --sparse-attention {args.sparse_attention} (the "
                 f"async / all-gather block forms take no block mask): use --sp-async-qkv off")
@@ -158,11 +163,22 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
         model = VideoDiT(cfg)
     sparse = sparse_spec(args)
     model.set_sparse_attention(sparse)  # before DDP and the optimizer: top-k adds the coarse branch's gates
-    model.set_attention_core(make_core(args.cp_comm_type[0], cp_group if sp_world > 1 else None, num_heads=cfg.heads,
-                                       head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
-                                       placement=args.sp_placement, ulysses_size=args.sp_ulysses_size,
-                                       nodes=args.sp_nodes, backend=args.sp_attention_backend,
-                                       transport=args.sp_transport))
+    dynamic = None
+    if args.dynamic_context_parallel and sp_world > 1:  # each packed sample on its own sub-group of CP ranks
+        dynamic = DynamicSP(sp_world, cfg, args.min_dynamic_context_parallel_size, mode=args.cp_comm_type[0])
+        mode = args.cp_comm_type[0]
+        sp_cfg = SPConfig(mode=mode, head_chunks=1 if mode == "ulysses" else args.hcms_head_chunks,
+                          ring_variant=args.sp_ring_variant, placement=args.sp_placement,
+                          ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes, backend=args.sp_attention_backend,
+                          transport=args.sp_transport, dynamic=True, source="megatron")
+        model.set_attention_core(make_dynamic_core(sp_cfg, cp_group, num_heads=cfg.heads,
+                                                   min_size=args.min_dynamic_context_parallel_size))
+    else:
+        model.set_attention_core(make_core(args.cp_comm_type[0], cp_group if sp_world > 1 else None,
+                                           num_heads=cfg.heads, head_chunks=args.hcms_head_chunks,
+                                           ring_variant=args.sp_ring_variant, placement=args.sp_placement,
+                                           ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes,
+                                           backend=args.sp_attention_backend, transport=args.sp_transport))
     if args.sp_async_qkv in ("on", "allgather") and sp_world > 1:
         model.set_async_attention(cp_group, 1 if args.cp_comm_type[0] == "ulysses" else args.hcms_head_chunks,
                                   args.sp_transport, allgather=args.sp_async_qkv == "allgather")
@@ -208,7 +224,9 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
                     f"async_qkv={args.sp_async_qkv} ddp={impl} dist_opt={args.use_distributed_optimizer} "
                     f"recompute={args.recompute_granularity} device={device}"
                     + (f" sparse_attention=tiles {sparse}" if sparse is not None else "")
-                    + (f" pack_samples max_tokens_per_step={args.max_tokens_per_step}" if plan else ""))
+                    + (f" pack_samples max_tokens_per_step={args.max_tokens_per_step}" if plan else "")
+                    + (f" dynamic_context_parallel min_size={args.min_dynamic_context_parallel_size}"
+                       if dynamic else ""))
     if rank == 0 and not args.quiet:  # before the progress bar starts, not inside it
         low = torch.bfloat16 if (args.bf16 and device.type == "cuda") or args.bf16_params else torch.float32
         logger.info(attention_kernel_line(args.sp_attention_backend, "--sp-attention-backend", device, low,
@@ -221,7 +239,8 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     position = lambda s: {"consumed_samples": plan.consumed_samples(s, dp_world) if plan else  # noqa: E731
                           consumed_samples(s, base, global_batch), "global_batch": global_batch}
     losses = train_loop(args, ops, dataset, cfg, ctx, device, log, start=start, autocast=autocast, sample_base=base,
-                        save=lambda s: _save(args, s, model, opt, rank, position(s)), pack_plan=plan)
+                        save=lambda s: _save(args, s, model, opt, rank, position(s)), pack_plan=plan,
+                        dynamic=dynamic)
     # the last step is saved unless the interval saved it, or no step ran (the loaded checkpoint is the end)
     interval_saved = bool(args.save_interval) and args.train_iters % args.save_interval == 0
     if args.save and start < args.train_iters and not interval_saved:

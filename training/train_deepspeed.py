@@ -34,6 +34,7 @@ from training.video_dit.cli import (EntryParser, add_common_args, build_dataset,
                                     check_shapes, parallel_size_problem, pick_device, sparse_spec)
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
+from training.video_dit.dynamic import DynamicSP, make_dynamic_core  # noqa: E402
 from training.video_dit.engine import MetricsLog, attention_kernel_line  # noqa: E402
 from training.video_dit.logs import captured_stdout, quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import DeepSpeedOps, RunContext, add_train_args, train_loop  # noqa: E402
@@ -114,7 +115,7 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     try:
         with report_failures("train_deepspeed"):
             engine, cfg = _build(args, ds_cfg, device)
-            return _train(args, engine, cfg, device)
+            return _train(args, engine, cfg, device, ds_cfg)
     finally:
         if own_pg:
             dist.destroy_process_group()
@@ -142,7 +143,23 @@ def _build(args, ds_cfg: dict, device):
     return engine, cfg
 
 
-def _train(args, engine, cfg, device) -> dict:
+def _dynamic(args, engine, ds_cfg: dict, cfg, sp_group, sp_world: int):
+    """``"dynamic": true`` in sequence_parallel_ext: each packed sample on its own sub-group of the SP ranks (the
+    DiT's dynamic core replaces the uniform one); None when off or on one rank."""
+    from megatron_sp_ext.deepspeed.initialize import sp_config_from_deepspeed  # noqa: PLC0415 - after DeepSpeed
+    sp_cfg, _ = sp_config_from_deepspeed(ds_cfg)
+    if not sp_cfg.dynamic:
+        return None
+    if not args.pack_samples:
+        raise SPConfigError(f"{sp_cfg.name('dynamic')}=true places each sample of a packed step on its own ranks: "
+                            f"add --pack-samples with --max-tokens-per-step N")
+    if sp_world == 1:
+        return None
+    engine.module.set_attention_core(make_dynamic_core(sp_cfg, sp_group, num_heads=cfg.heads))
+    return DynamicSP(sp_world, cfg, mode=sp_cfg.mode)
+
+
+def _train(args, engine, cfg, device, ds_cfg: dict) -> dict:
     from deepspeed.utils import groups  # noqa: PLC0415
     mpu = groups.mpu
     sp_group = mpu.get_sequence_parallel_group()
@@ -162,6 +179,7 @@ def _train(args, engine, cfg, device) -> dict:
         logger.warning(note)
     dataset = build_dataset(args, cfg)
     plan = make_pack_plan(args, dataset, cfg, sp_world, first_sample(loaded, start, global_batch), start)
+    dynamic = _dynamic(args, engine, ds_cfg, cfg, sp_group, sp_world)
     block = engine.config.get("sequence_parallel_ext", {}) if isinstance(engine.config, dict) else {}
     if not args.quiet:
         logger.info(f"model={args.model} layers={cfg.layers} SP={sp_world} DP={dp_world} "
@@ -182,7 +200,7 @@ def _train(args, engine, cfg, device) -> dict:
                           consumed_samples(s, base, global_batch), "global_batch": global_batch}
     losses = train_loop(args, DeepSpeedOps(engine), dataset, cfg, ctx, device, log, start=start, sample_base=base,
                         cast_inputs=cast_inputs, save=lambda s: _save(args, engine, s, rank, position(s)),
-                        pack_plan=plan)
+                        pack_plan=plan, dynamic=dynamic)
     # the last step is saved unless the interval saved it, or no step ran (the loaded checkpoint is the end)
     interval_saved = bool(args.save_interval) and args.train_iters % args.save_interval == 0
     if args.save and start < args.train_iters and not interval_saved:

@@ -96,6 +96,10 @@ def swap_attention(model: torch.nn.Module, mpu: SequenceParallelMPU, cfg: SPConf
             n += 1
         for name, child in list(parent.named_children()):
             if isinstance(child, DistributedAttention) and not isinstance(child, SPDistributedAttention):
+                if cfg.dynamic:  # DistributedAttention sees one exchange per call: no per-sample sub-groups
+                    raise SPConfigError(f"{cfg.name('dynamic')}=true needs a model that runs packed samples on "
+                                        f"sub-groups (the video DiT's train_deepspeed.py with --pack-samples); "
+                                        f"{type(parent).__name__}.{name} is a DistributedAttention: set it to false")
                 setattr(parent, name, make(child.local_attn, child.scatter_idx, child.gather_idx, child.num_kv_heads))
                 n += 1
     return n

@@ -5,9 +5,11 @@
     parse_and_validate_args(extra_args_provider=add_arguments)    # newer Megatron-LM
 
 Flags: --hcms-head-chunks, --sp-placement, --sp-nodes, --sp-ulysses-size, --sp-ring-variant,
---sp-attention-backend; Megatron-LM's ``--attention-dropout`` is applied by ulysses/hcms (and auto, which then
-stays on them) and refused by the ring-family types; ``--cp-comm-type`` itself is Megatron-LM's (added here only when the
-parser lacks it, e.g. in megatron-core-only scripts). Bad combinations fail when the arguments are
+--sp-attention-backend, --dynamic-context-parallel / --min-dynamic-context-parallel-size (Megatron-LM's names:
+each packed sample over an aligned sub-group of CP ranks sized to its length); Megatron-LM's
+``--attention-dropout`` is applied by ulysses/hcms (and auto, which then stays on them) and refused by the
+ring-family types; ``--cp-comm-type`` itself is Megatron-LM's (added here only when the parser lacks it, e.g. in
+megatron-core-only scripts). Bad combinations fail when the arguments are
 parsed, with one line naming the flag.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import argparse
 import dataclasses
 import os
 
-from ..config import BACKENDS, PLACEMENTS, RING_VARIANTS, SPConfig, parse_head_chunks
+from ..config import BACKENDS, DYNAMIC_MODES, PLACEMENTS, RING_VARIANTS, SPConfig, parse_head_chunks
 from ..errors import SPConfigError
 
 OURS = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
@@ -61,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "a form is faster in a majority of interleaved rounds")
     add("--sp-transport", default="nccl",
         help="exchange transport of ulysses/hcms: nccl (default), symm_mem (copy-engine pulls between barrier kernels, torch symmetric memory) or copy_engine (copy-engine pulls ordered by stream-memory flags: no kernel at all)")
+    add("--dynamic-context-parallel", action="store_true",
+        help="packed samples: each sample over an aligned sub-group of CP ranks sized to its length (divisors of "
+             "--context-parallel-size; short samples whole on one rank, no exchange), balanced per rank; the step "
+             "equals CP=1 on the same pack. Needs packed samples; modes ulysses, hcms, ring, tasp, usp, auto")
+    add("--min-dynamic-context-parallel-size", type=int, default=1,
+        help="with --dynamic-context-parallel: the smallest sub-group a sample may get (a divisor of "
+             "--context-parallel-size; default 1)")
     if not getattr(parser, "_spx_validating", False):
         parser._spx_validating = True
         inner = parser.parse_known_args
@@ -100,8 +109,21 @@ def validate_args(args) -> SPConfig:
                    placement=args.sp_placement, ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes,
                    backend=args.sp_attention_backend, transport=getattr(args, "sp_transport", "nccl"),
                    async_qkv=getattr(args, "sp_async_qkv", "off"),
-                   source="megatron")
+                   dynamic=bool(getattr(args, "dynamic_context_parallel", False)), source="megatron")
     cp = getattr(args, "context_parallel_size", 1) or 1
+    if cfg.dynamic:
+        for t in types:  # each of our types must run on a sub-group (SPConfig names both flags)
+            if t in OURS:
+                dataclasses.replace(cfg, mode=t, head_chunks=1 if t == "ulysses" else cfg.head_chunks)
+            else:
+                raise SPConfigError(f"--cp-comm-type={t} is Transformer Engine's context parallelism: --dynamic-"
+                                    f"context-parallel runs megatron_sp_ext's modes ({', '.join(DYNAMIC_MODES)})")
+    floor = getattr(args, "min_dynamic_context_parallel_size", 1)
+    if floor != 1 and not cfg.dynamic:
+        raise SPConfigError("--min-dynamic-context-parallel-size applies to --dynamic-context-parallel: add it")
+    if cfg.dynamic and (not isinstance(floor, int) or floor < 1 or cp % floor):
+        raise SPConfigError(f"--min-dynamic-context-parallel-size={floor} is invalid: use a divisor of "
+                            f"--context-parallel-size {cp}")
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     heads = getattr(args, "num_attention_heads", None)
     if heads is not None:

@@ -5,6 +5,7 @@
   layers/       layer blocks: whole self-attention layers built on the Ulysses engine (async_qkv, allgather,
                 tp_cp), one shared autograd skeleton, and the policy that picks a block form
   factory       maps an SPConfig mode to its attention callable (every entry point uses it)
+  dynamic/      dynamic SP for packed samples: the packer, the aligned sub-groups, per-sample sub-group attention
 Shared below both families: checks (input / shape checks), heads (head splits), placement (which tokens
 a rank holds), calibration (timing-based choices).
 """

@@ -212,7 +212,8 @@ def local_loss(model, inp: StepInputs, autocast_dtype=None) -> torch.Tensor:
     if inp.pack is not None:
         with torch.autocast(device_type=inp.x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             pred = model(inp.x, inp.t, inp.text, inp.token_ids, inp.grid, pack=inp.pack)
-        err = (pred.float() - inp.target.float()).pow(2).sum(-1)[0]  # [S_loc]
+        acc = torch.promote_types(pred.dtype, torch.float32)  # float32, or float64 in float64 runs
+        err = (pred.to(acc) - inp.target.to(acc)).pow(2).sum(-1)[0]  # [S_loc]
         return (err * inp.pack.token_weight).sum() / inp.x.shape[2]
     with torch.autocast(device_type=inp.x.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         pred = model(inp.x, inp.t, inp.text, inp.token_ids, inp.grid,

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .cli import sparse_spec
+from .dynamic import PlanLog
 from .engine import describe_samples, local_loss
 from .guard import NonFiniteError, SpikeDetector, StepGuard
 from .pipeline import StepBatches, step_inputs
@@ -212,10 +213,12 @@ def _plant_inf_hook(model, step, at_step, rank):
 
 def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *, start: int, autocast=None,
                save: Optional[Callable[[int], None]] = None, cast_inputs=None, sample_base: int = 0,
-               pack_plan=None) -> list:
+               pack_plan=None, dynamic=None) -> list:
     """Run steps [start, args.train_iters); returns the mean sample loss per step (None if not read back).
     ``sample_base``: the data position's offset after a resume (pipeline.sample_base); ``pack_plan``: a
-    packing.PackPlan (--pack-samples: one packed sequence of mixed-size clips per step)."""
+    packing.PackPlan (--pack-samples: one packed sequence of mixed-size clips per step); ``dynamic``: a
+    dynamic.DynamicSP (--dynamic-context-parallel: each pack's samples over their own sub-groups; the first plan is
+    logged in words)."""
     guard = StepGuard(args.check_for_nan_in_loss_and_grad, args.skip_nonfinite_steps, ctx.rank, ctx.world,
                       ctx.dp_world, ctx.group)
     spikes = SpikeDetector(args.loss_spike_factor)
@@ -226,7 +229,8 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
     batches = StepBatches(dataset, start=start, stop=args.train_iters, seed=args.seed, dp_rank=ctx.dp_rank,
                           dp_world=ctx.dp_world, micro_batch=args.micro_batch_size, patch=cfg.patch,
                           sp_rank=ctx.sp_rank, sp_world=ctx.sp_world, base=sample_base, pack_plan=pack_plan,
-                          tile=sparse.tile if sparse is not None else None)
+                          tile=sparse.tile if sparse is not None else None, dynamic=dynamic)
+    plan_log = PlanLog(ctx.rank == 0 and not getattr(args, "quiet", False), getattr(dynamic, "cost", None))
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak (benchmarks run the entry more than once)
     prof = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end, args.profile_ranks, ctx.rank,
@@ -234,6 +238,7 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
     losses: list = []
     for step, inp, ids in step_inputs(batches, device, resolve_workers(args, device)):
         prof.step(step)
+        plan_log.see(inp.pack.dynamic if inp.pack is not None else None)
         if cast_inputs is not None:
             cast_inputs(inp)
         ev = tel.events()

@@ -40,7 +40,8 @@ RECOMPUTE_MODULES = ("core_attn", "mlp")
 # core(q, k, v, None, cu_seqlens=cu) with cu the int32 cumulative sample lengths over the full sequence (B=1).
 # Sparse steps (--sparse-attention tiles) call core(q, k, v, kv_valid_len, block_mask=m, block_size=n): m bool
 # [H or 1, nT, nT] over query x key blocks of n tokens of the full (tile-ordered) sequence, the same on every rank.
-# A core's ``group`` attribute (None or absent: one rank) is the SP group its attention runs over.
+# A core's ``group`` attribute (None or absent: one rank) is the SP group its attention runs over. Dynamic SP
+# (--dynamic-context-parallel) steps pass the pack's DynamicPlan as cu_seqlens (dynamic.make_dynamic_core).
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]
 
 PACK_FLAG = "--pack-samples"
@@ -489,7 +490,7 @@ class VideoDiT(nn.Module):
                 raise SPConfigError(f"{PACK_FLAG}: a packed step is one sequence (B=1) without padding; got "
                                     f"B={patches.shape[0]}, kv_valid_len={kv_valid_len}")
             angles = self.rope_cache.get_packed(token_ids, pack.local_lens, pack.grids, self.cfg.head_dim, x.device)
-            cu = pack.cu_tensor()
+            cu = pack.cu_tensor() if pack.dynamic is None else pack.dynamic  # dynamic SP: the core takes the plan
             for blk in self.blocks:
                 x = blk(x, t_emb, ctx, angles, None, pack, cu)
         shift, scale = per_token(self.mod_out(F.silu(t_emb)), pack).chunk(2, dim=-1)

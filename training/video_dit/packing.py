@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from megatron_sp_ext.errors import SPConfigError
+from megatron_sp_ext.sp.dynamic import DynamicPlan, local_rows
 from megatron_sp_ext.sp.placement import padded_samples, varlen_pieces
 
 from .engine import describe_samples, sample_noise
@@ -116,30 +117,36 @@ def packed_batch(dataset, indices: list, seed: int, patch: tuple) -> dict:
             "text": torch.cat(texts)[None], "grids": grids, "cu_seqlens": cu, "cu_text": cu_text}
 
 
-def packed_host_inputs(batch: dict, sp_rank: int, sp_world: int) -> dict:
+def packed_host_inputs(batch: dict, sp_rank: int, sp_world: int, dynamic: Optional[DynamicPlan] = None) -> dict:
     """This rank's share of a packed batch (per-sample contiguous placement, each sample padded to a multiple of
     P: what ``shard_sequence(x, group, cu_seqlens=cu)`` keeps), as host_inputs' dict plus the pack description
-    ("pack"). Padding rows: zero x and target, valid False, token id 0."""
+    ("pack"). Padding rows: zero x and target, valid False, token id 0. ``dynamic``: dynamic SP's plan of this
+    pack (--dynamic-context-parallel): the rows it gives this rank (``sp.dynamic.local_rows``) instead."""
     cu = tuple(batch["cu_seqlens"])
     pk = padded_samples(cu, "contiguous", sp_world)
-    src, tid = [], []  # per run of local rows: the real rows they hold (-1: padding), their positions in the sample
-    for a, n in varlen_pieces("contiguous", sp_rank, sp_world, pk.layout):
-        i = bisect_right(pk.layout, a) - 1
-        j = torch.arange(a - pk.layout[i], a - pk.layout[i] + n)
-        real = j < cu[i + 1] - cu[i]
-        src.append(torch.where(real, cu[i] + j, -1))
-        tid.append(torch.where(real, j, 0))
-    src_t, valid = torch.cat(src), torch.cat(src) >= 0
+    if dynamic is not None:
+        src_t, tid_t = local_rows(dynamic, sp_rank)
+    else:
+        src, tid = [], []  # per run of local rows: the real rows they hold (-1: padding), their positions in the sample
+        for a, n in varlen_pieces("contiguous", sp_rank, sp_world, pk.layout):
+            i = bisect_right(pk.layout, a) - 1
+            j = torch.arange(a - pk.layout[i], a - pk.layout[i] + n)
+            real = j < cu[i + 1] - cu[i]
+            src.append(torch.where(real, cu[i] + j, -1))
+            tid.append(torch.where(real, j, 0))
+        src_t, tid_t = torch.cat(src), torch.cat(tid)
+    valid = src_t >= 0
 
     def rows(x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros(x.shape[0], src_t.shape[0], *x.shape[2:])
         out[:, valid] = x[:, src_t[valid]]
         return out
     return {"x": rows(batch["x"]), "target": rows(batch["target"]), "valid": valid, "t": batch["t"],
-            "text": batch["text"].contiguous(), "token_ids": torch.cat(tid), "grid": (0, 0, 0),
-            "n_valid": cu[-1], "n_pad": pk.layout[-1],
+            "text": batch["text"].contiguous(), "token_ids": tid_t, "grid": (0, 0, 0),
+            "n_valid": cu[-1], "n_pad": pk.layout[-1] if dynamic is None else cu[-1] + int((~valid).sum()),
             "pack": {"cu_seqlens": cu, "grids": tuple(tuple(g) for g in batch["grids"]),
-                     "cu_text": tuple(batch["cu_text"]), "sp_world": sp_world}}
+                     "cu_text": tuple(batch["cu_text"]), "sp_world": sp_world, "dynamic": dynamic,
+                     "sp_rank": sp_rank}}
 
 
 def first_sample(loaded: Optional[dict], start: int, global_batch: int) -> int:

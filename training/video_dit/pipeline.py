@@ -67,7 +67,8 @@ def to_device(h: dict, device, non_blocking: bool = True) -> StepInputs:
     pack = None
     if "pack" in h:  # a packed step: the sample of each local token, loss weights (0 on padding rows)
         p = h["pack"]
-        pack = pack_info(p["cu_seqlens"], p["grids"], p["cu_text"], p["sp_world"], torch.device(device), h["valid"])
+        pack = pack_info(p["cu_seqlens"], p["grids"], p["cu_text"], p["sp_world"], torch.device(device), h["valid"],
+                         p.get("dynamic"), p.get("sp_rank", 0))
     return StepInputs(mv(h["x"]), mv(h["target"]), mv(h["valid"]), mv(h["t"]), mv(h["text"]), h["token_ids"],
                       tuple(h["grid"]), int(h["n_valid"]), int(h["n_pad"]), pack)
 
@@ -77,10 +78,11 @@ class StepBatches(Dataset):
 
     def __init__(self, dataset, *, start: int, stop: int, seed: int, dp_rank: int, dp_world: int, micro_batch: int,
                  patch: tuple, sp_rank: int, sp_world: int, base: int = 0, pack_plan: Optional[PackPlan] = None,
-                 tile: Optional[tuple] = None) -> None:
+                 tile: Optional[tuple] = None, dynamic=None) -> None:
         """pack_plan: --pack-samples (one packed sequence of the plan's pack per step and DP rank); tile:
-        --sparse-tile with --sparse-attention tiles (the tokens in tile order, engine.flow_matching_batch)."""
-        self.tile = tile
+        --sparse-tile with --sparse-attention tiles (the tokens in tile order, engine.flow_matching_batch);
+        dynamic: --dynamic-context-parallel (a ``dynamic.DynamicSP``: each pack's plan of sub-groups)."""
+        self.tile, self.dynamic = tile, dynamic
         self.dataset, self.start, self.stop, self.seed, self.base = dataset, start, stop, seed, base
         self.pack_plan = pack_plan
         self.dp_rank, self.dp_world, self.micro, self.patch = dp_rank, dp_world, micro_batch, patch
@@ -93,7 +95,9 @@ class StepBatches(Dataset):
         step = self.start + i
         if self.pack_plan is not None:
             ids = self.pack_plan.pack(self.pack_plan.index(step, self.dp_rank, self.dp_world))
-            h = packed_host_inputs(packed_batch(self.dataset, ids, self.seed, self.patch), self.sp_rank, self.sp_world)
+            batch = packed_batch(self.dataset, ids, self.seed, self.patch)
+            plan = self.dynamic.plan(batch["cu_seqlens"]) if self.dynamic is not None else None
+            h = packed_host_inputs(batch, self.sp_rank, self.sp_world, plan)
             h["step"], h["sample_ids"] = step, ids
             return h
         batch = flow_matching_batch(self.dataset, step, self.seed, self.dp_rank, self.dp_world, self.micro, self.patch,

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_sp_ext.sp.dynamic import DynamicPlan
 from megatron_sp_ext.sp.placement import padded_samples
 
 
@@ -25,7 +26,9 @@ class PackInfo:
     """cu_seqlens: cumulative sample lengths over the full packed sequence (ints, [N + 1]);
     grids: each sample's token grid (T', H', W'); cu_text: cumulative text lengths in the packed text [N + 1];
     local_lens: each sample's token count on this rank; sample_of_token: [S_local] int64 (model device);
-    token_weight: [S_local] float32, 1 / (N * n_i) for a token of sample i (model device)."""
+    token_weight: [S_local] float32, 1 / (N * n_i) for a token of sample i (model device);
+    dynamic: dynamic SP's plan (--dynamic-context-parallel: each sample over its own sub-group of ranks, this rank's
+    rows in ``DynamicPlan.pieces`` order; samples not on this rank have local length 0), or None."""
 
     cu_seqlens: tuple
     grids: tuple
@@ -33,6 +36,7 @@ class PackInfo:
     local_lens: tuple
     sample_of_token: torch.Tensor
     token_weight: torch.Tensor
+    dynamic: Optional[DynamicPlan] = None
 
     @property
     def num_samples(self) -> int:
@@ -84,15 +88,18 @@ def token_weights(cu_seqlens: Sequence[int], local_lens: Sequence[int]) -> torch
 
 
 def pack_info(cu_seqlens: Sequence[int], grids: Sequence[tuple], cu_text: Sequence[int], sp_world: int,
-              device: Optional[torch.device] = None, valid: Optional[torch.Tensor] = None) -> PackInfo:
+              device: Optional[torch.device] = None, valid: Optional[torch.Tensor] = None,
+              dynamic: Optional[DynamicPlan] = None, sp_rank: int = 0) -> PackInfo:
     """The PackInfo of one rank. ``valid`` ([S_local] bool, host): False for a padding row (a sample padded to a
-    multiple of P), whose loss weight is 0; None: every row is real."""
+    multiple of P), whose loss weight is 0; None: every row is real. ``dynamic``: dynamic SP's plan of the pack
+    (this rank ``sp_rank`` holds ``dynamic.local_lens(sp_rank)`` rows of each sample)."""
     cu = tuple(int(x) for x in cu_seqlens)
-    lens = local_lengths(cu, sp_world)
+    lens = local_lengths(cu, sp_world) if dynamic is None else dynamic.local_lens(sp_rank)
     sot = torch.arange(len(lens)).repeat_interleave(torch.tensor(lens, dtype=torch.int64))
     w = token_weights(cu, lens)
     if valid is not None:
         w = w * valid.to(w.dtype)
     if device is not None:
         sot, w = sot.to(device, non_blocking=True), w.to(device, non_blocking=True)
-    return PackInfo(cu, tuple(tuple(int(v) for v in g) for g in grids), tuple(int(x) for x in cu_text), lens, sot, w)
+    return PackInfo(cu, tuple(tuple(int(v) for v in g) for g in grids), tuple(int(x) for x in cu_text), lens, sot, w,
+                    dynamic)

@@ -1,0 +1,145 @@
+"""Attention of a dynamic-SP pack: each sample on its own aligned sub-group, with the configured mode.
+
+``DynamicAttention(cfg, groups, num_heads=H)(q, k, v, plan)`` takes this rank's rows (B=1, [1, S_loc, H, D] for
+layout "bshd", [S_loc, 1, H, D] for "sbhd") in the plan's local order (``DynamicPlan.pieces``) and returns the
+output in the same rows. Samples on one rank run the local kernel (no exchange; all of them in one varlen call);
+the samples of a sub-group of d > 1 ranks run in one call of the factory's attention for ``cfg.mode`` over that
+sub-group (``make_attention``, cu_seqlens of those samples: the library pads each to a multiple of d, as the plan's
+rows are). Sub-groups run in ``plan.groups()`` order on every rank. With ``block_masks`` (one per sample, over the
+sample's own tokens, or None) each sample runs on its own with its mask (block-sparse kernels).
+
+Modes: ulysses, hcms, ring, tasp, usp and auto (resolved per sub-group size); tas and torus place Ulysses across
+machines, which a sub-group inside one machine does not span: refused by name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from ...attention.backends import get_backend
+from ...attention.block_sparse import DEFAULT_BLOCK_SIZE, block_sparse_attention
+from ...config import DYNAMIC_MODES, SPConfig
+from ...errors import SPConfigError
+from ..factory import SPAttention, SPResources, make_attention
+from ..ulysses.attend import local_attention
+from .groups import DynamicGroups
+from .plan import DynamicPlan
+
+
+
+def check_dynamic_mode(cfg: SPConfig) -> None:
+    """Refuse modes that cannot run on a sub-group, naming the mode setting and the dynamic one (SPConfig's check)."""
+    dataclasses.replace(cfg, dynamic=True)
+
+
+class DynamicAttention:
+    """Per-sample sub-group attention of one model (see the module docstring). backend: local kernel (default
+    ``cfg.backend``); resources: shared with the sub-groups' attentions."""
+
+    def __init__(self, cfg: SPConfig, groups: DynamicGroups, *, num_heads: int, num_kv_heads: Optional[int] = None,
+                 layout: str = "bshd", backend=None, resources: Optional[SPResources] = None) -> None:
+        check_dynamic_mode(cfg)
+        self.cfg, self.groups, self.layout = cfg, groups, layout
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads or num_heads
+        self.backend = backend if backend is not None else cfg.backend
+        self.local = get_backend(self.backend, cfg.name("backend"))
+        self.res = resources or SPResources(cfg)
+        self.attns: dict[tuple[int, int], SPAttention] = {}
+        self.seq_dim = 1 if layout == "bshd" else 0
+
+    def sub_attention(self, start: int, size: int) -> SPAttention:
+        """The factory's attention over sub-group (start, size) (mesh settings scaled to the sub-group)."""
+        key = (start, size)
+        if key not in self.attns:
+            cfg = dataclasses.replace(self.cfg, dynamic=False)  # one sub-group: a plain SP attention
+            if cfg.mode == "usp" and size < self.groups.world:
+                cfg = dataclasses.replace(
+                    cfg, ulysses_size=math.gcd(cfg.ulysses_size, size) if cfg.ulysses_size else None,
+                    nodes=max(1, cfg.nodes * size // self.groups.world) if cfg.nodes else None)
+            self.attns[key] = make_attention(cfg, self.groups.get(start, size), num_heads=self.num_heads,
+                                             num_kv_heads=self.num_kv_heads, layout=self.layout,
+                                             placement="contiguous", backend=self.backend, resources=self.res)
+        return self.attns[key]
+
+    def _local(self, q, k, v, lengths, causal, scale):
+        """Whole samples on this rank: one varlen call of the local kernel (bhsd inside)."""
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        bhsd = (lambda t: t.permute(1, 2, 0, 3)) if self.seq_dim == 0 else (lambda t: t.transpose(1, 2))
+        o = local_attention(self.local, bhsd(q), bhsd(k), bhsd(v), causal, scale, None, 0.0,
+                            tuple(cu) if len(lengths) > 1 else None, "auto")
+        return o.permute(2, 0, 1, 3) if self.seq_dim == 0 else o.transpose(1, 2)
+
+    def _masked(self, q, k, v, plan, i, mask, block_size, causal, scale):
+        """Sample i alone with its block mask: the local block-sparse kernel, or its sub-group's attention."""
+        n, d = plan.lengths[i], plan.sizes[i]
+        if d == 1:
+            bhsd = (lambda t: t.permute(1, 2, 0, 3)) if self.seq_dim == 0 else (lambda t: t.transpose(1, 2))
+            o = block_sparse_attention(bhsd(q), bhsd(k), bhsd(v), mask, block_size=block_size, causal=causal,
+                                       softmax_scale=scale)
+            return o.permute(2, 0, 1, 3) if self.seq_dim == 0 else o.transpose(1, 2)
+        valid = n if n % d else None
+        return self.sub_attention(plan.starts[i], d)(q, k, v, causal=causal, softmax_scale=scale, kv_valid_len=valid,
+                                                     block_mask=mask, block_size=block_size)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DynamicPlan, *, causal: bool = False,
+                 softmax_scale: Optional[float] = None, block_masks: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+        """q: this rank's rows ([1, S_loc, H, D] / [S_loc, 1, H, D]); k, v: Hkv heads; plan: the pack's plan (the
+        same on every rank). block_masks: per sample, bool [H or 1, T_i, T_i] over its own tokens (T_i =
+        ceil(n_i / block_size)), or None for dense. Returns the output rows."""
+        if plan.world != self.groups.world:
+            raise SPConfigError(f"dynamic SP: the plan is for {plan.world} ranks, the SP group has "
+                                f"{self.groups.world}")
+        rank, sd = self.groups.rank, self.seq_dim
+        pieces = plan.pieces(rank)
+        rows = sum(r for _, _, r in pieces)
+        if q.shape[sd] != rows:
+            raise SPConfigError(f"dynamic SP: rank {rank} holds {q.shape[sd]} rows, its plan places {rows}")
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        offset, at = {}, 0
+        for i, _, r in pieces:
+            offset[i], at = (at, r), at + r
+
+        def rows_of(t, ids):
+            parts = [t.narrow(sd, *offset[i]) for i in ids]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=sd)
+        outs: dict[int, torch.Tensor] = {}
+
+        def keep(ids, o):
+            at = 0
+            for i in ids:
+                outs[i] = o.narrow(sd, at, offset[i][1])
+                at += offset[i][1]
+        masked = block_masks is not None and any(m is not None for m in block_masks)
+        for start, size in plan.groups():  # one global order on every rank
+            if not start <= rank < start + size:
+                continue
+            ids = [i for i, _, _ in pieces if (plan.starts[i], plan.sizes[i]) == (start, size)]
+            if masked:
+                for i in ids:
+                    t = [x.narrow(sd, *offset[i]) for x in (q, k, v)]
+                    if block_masks[i] is not None:
+                        keep([i], self._masked(*t, plan, i, block_masks[i], block_size, causal, scale))
+                    elif size == 1:
+                        keep([i], self._local(*t, [plan.lengths[i]], causal, scale))
+                    else:
+                        keep([i], self.sub_attention(start, size)(
+                            *t, causal=causal, softmax_scale=scale,
+                            cu_seqlens=torch.tensor([0, plan.lengths[i]], dtype=torch.int32)))
+                continue
+            qs, ks, vs = (rows_of(x, ids) for x in (q, k, v))
+            if size == 1:
+                keep(ids, self._local(qs, ks, vs, [plan.lengths[i] for i in ids], causal, scale))
+            else:
+                cu = [0]
+                for i in ids:
+                    cu.append(cu[-1] + plan.lengths[i])
+                keep(ids, self.sub_attention(start, size)(qs, ks, vs, causal=causal, softmax_scale=scale,
+                                                          cu_seqlens=torch.tensor(cu, dtype=torch.int32)))
+        order = [outs[i] for i, _, _ in pieces]
+        return order[0] if len(order) == 1 else torch.cat(order, dim=sd)
