@@ -443,12 +443,13 @@ def test_megatron_entry_refuses_async_blocks_with_tiles(capsys):
 
 
 def test_tiles_that_do_not_cut_the_run_shapes_are_refused_by_name():
-    """--frames 4,3 at 8x8 latents: grids 4x4x4 and 3x4x4; tiles of 2 frames do not cut 3 frames."""
+    """--frames 4,3 at 8x8 latents: grids 4x4x4 and 3x4x4; tiles of 2 frames do not cut 3 frames, and the advice
+    is over both grids (T in {1}: the old advice {1, 3} failed on the 4-frame grid)."""
     import argparse
     from training.video_dit.cli import check_shapes
     args = argparse.Namespace(frames="4,3", latent_size="8x8", sparse_attention="tiles", sparse_tile="2,2,2",
                               sparse_topk=2, sparse_window=None)
-    with pytest.raises(SPConfigError, match=r"--sparse-tile=2,2,2 does not cut the token grid 3x4x4.*T in \{1, 3\}"):
+    with pytest.raises(SPConfigError, match=r"--sparse-tile=2,2,2 does not cut the token grid 3x4x4.*T in \{1\}, H in \{1, 2, 4\}"):
         check_shapes(args, CFG)
     args.sparse_tile = "1,2,2"
     check_shapes(args, CFG)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import NoReturn, Optional
@@ -16,8 +17,7 @@ from .config import PRESETS
 from .data import LatentFileError, LatentShardDataset, SyntheticVideoLatents
 from .faults import job_rank
 from .logs import add_log_level_arg
-from .sparse import (DEFAULT_TILE, SPARSE_CHOICES, SPARSE_FLAG, TILE_FLAG, TOPK_FLAG, WINDOW_FLAG, SparseSpec,
-                     check_tile_grid)
+from .sparse import DEFAULT_TILE, SPARSE_CHOICES, SPARSE_FLAG, TILE_FLAG, TOPK_FLAG, WINDOW_FLAG, SparseSpec
 
 
 class EntryParser(argparse.ArgumentParser):
@@ -206,9 +206,24 @@ def check_shapes(args, cfg) -> None:
     spec = sparse_spec(args)
     if spec is not None:
         pt, ph, pw = cfg.patch
-        for f in frames:
-            for h, w in sizes:
-                check_tile_grid((f // pt, h // ph, w // pw), spec.tile)
+        grids = list(dict.fromkeys((f // pt, h // ph, w // pw) for f in frames for h, w in sizes))
+        check_tile_cuts_grids(spec.tile, grids)
+
+
+def check_tile_cuts_grids(tile_thw: tuple, grids_thw: list) -> None:
+    """Raise SPConfigError naming --sparse-tile when ``tile_thw`` does not cut EVERY token grid of the run
+    (``grids_thw``: (T', H', W') after patchify, one per --frames x --latent-size) into whole tiles, with the sizes
+    per axis that cut all of them (the divisors of each axis' greatest common divisor)."""
+    bad = [g for g in grids_thw if any(n % t for n, t in zip(g, tile_thw))]
+    if not bad:
+        return
+    common = [math.gcd(*axis) for axis in zip(*grids_thw)]
+    valid = ["{" + ", ".join(str(d) for d in range(1, c + 1) if c % d == 0) + "}" for c in common]
+    grids = ", ".join("x".join(map(str, g)) for g in grids_thw)
+    raise SPConfigError(
+        f"{TILE_FLAG}={','.join(map(str, tile_thw))} does not cut the token grid {'x'.join(map(str, bad[0]))} (frames "
+        f"x rows x columns after patchify) into whole tiles: use T in {valid[0]}, H in {valid[1]}, W in {valid[2]} "
+        f"(the sizes that cut every grid of the run: {grids}, from --frames / --latent-size)")
 
 
 def build_dataset(args, cfg):
