@@ -23,7 +23,8 @@ def _load() -> None:
     from .config import SPTransformerConfig, sp_config_from  # noqa: PLC0415
     from .core_attention import OUR_CP_TYPES, TE_CP_TYPES, SPContext, SPDotProductAttention  # noqa: PLC0415
     from .spec import with_sp_core_attention  # noqa: PLC0415
-    globals().update({name: value for name, value in locals().items() if name in __all__})
+    loaded = locals()
+    globals().update({name: loaded[name] for name in __all__})
 
 
 def __getattr__(name: str) -> Any:
