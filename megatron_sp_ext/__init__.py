@@ -4,6 +4,7 @@ Public functional API (layout "bshd" = [batch, seq_local, heads, head_dim] unles
     ulysses_attention, ring_attention, shard_sequence, unshard_sequence, PackedSamples (cu_seqlens with Megatron's
     padded layout),
     build_sp_mesh, hybrid_attention, torus_attention, hamiltonian_cycles,
+    SPConfig + make_attention(cfg, group, num_heads=H) (the attention of a mode; runs on shards),
     pack_qkv, packed_ulysses_attention, PackedUlysses (q|k|v written in the exchange's send layout)
 Framework adapters live in ``megatron_sp_ext.megatron`` and ``megatron_sp_ext.deepspeed`` and are
 imported only on demand (``import megatron_sp_ext`` needs torch alone).
@@ -11,6 +12,7 @@ imported only on demand (``import megatron_sp_ext`` needs torch alone).
 from .comm.transport import NcclTransport, SymmMemTransport, TransportPool, default_transports
 from .config import SPConfig
 from .errors import SPConfigError
+from .sp.factory import make_attention
 from .sp.layers.async_qkv import async_ulysses_self_attention
 from .sp.layers.allgather import allgather_self_attention
 from .sp.layers.tp_cp import tp_cp_self_attention
@@ -23,7 +25,7 @@ from .topology.mesh import SPMesh, build_sp_mesh
 
 __version__ = "0.2.0"
 
-__all__ = ["SPConfig", "SPConfigError", "ulysses_attention", "ring_attention", "shard_sequence",
+__all__ = ["SPConfig", "SPConfigError", "make_attention", "ulysses_attention", "ring_attention", "shard_sequence",
            "unshard_sequence", "DEFAULT_PLACEMENT", "balanced_placement", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
            "hybrid_attention", "torus_attention", "async_ulysses_self_attention", "allgather_self_attention",
            "tp_cp_self_attention", "PackedSamples",

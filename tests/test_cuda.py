@@ -144,6 +144,13 @@ def test_dit_fused_regions_match_eager(world, backend):
     assert len(_check("dit_fused", world, backend, per_rank)) == 1
 
 
+def test_dit_fused_regions_fp32_match_eager():
+    """--fused-elementwise in fp32 at the shapes whose compiled backward failed (wan-1.3b dims, B=1, 8190 tokens):
+    the model's gradients and the DiT entry's 3 losses against eager (tests/cuda_fused_fp32.py), on one GPU."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
+    assert len(_worker("cuda_fused_fp32", "fused_fp32_family", "fused_fp32", 1, "gloo")) == 2
+
+
 @pytest.mark.parametrize("world,backend", _layouts())
 def test_varlen_family(world, backend):
     """Packed variable-length samples (cu_seqlens) through Ulysses / HCMS on CUDA."""

@@ -230,7 +230,7 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     if rank == 0 and not args.quiet:  # before the progress bar starts, not inside it
         low = torch.bfloat16 if (args.bf16 and device.type == "cuda") or args.bf16_params else torch.float32
         logger.info(attention_kernel_line(args.sp_attention_backend, "--sp-attention-backend", device, low,
-                                          cfg.head_dim))
+                                          cfg.head_dim, block_kernel="auto" if sparse is not None else None))
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
     ops = MegatronOps(model, opt) if impl == "megatron" else FsdpOps(model, opt, args.clip_grad) \

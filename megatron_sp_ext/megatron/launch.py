@@ -41,22 +41,26 @@ def prepare(argv: list[str], environ: dict) -> list[str]:
     return rest + ["--spec", *SPEC]
 
 
+PROG = "megatron_sp_ext.megatron.launch"
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Check the command line (one line under ``PROG`` on a mistake, before megatron.core is imported), then run
+    the script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or not argv[0].endswith(".py"):
-        raise SystemExit("usage: python -m megatron_sp_ext.megatron.launch <pretrain_gpt.py> [Megatron-LM and "
-                         "megatron_sp_ext arguments]")
+        raise SystemExit(f"usage: python -m {PROG} <pretrain_gpt.py> [Megatron-LM and megatron_sp_ext arguments]")
     script = os.path.abspath(argv[0])
-    if not os.path.isfile(script):
-        raise SystemExit(f"megatron_sp_ext.megatron.launch: no such script: {argv[0]}")
     try:
+        if not os.path.isfile(script):
+            raise SPConfigError(f"no such script: {argv[0]}")
         rest = prepare(argv[1:], os.environ)
         sys.path.insert(0, os.path.dirname(script))
         from .compat import check_supported  # noqa: PLC0415  (the checkout's megatron.core)
         check_supported()
     except SPConfigError as e:
-        record_user_error(f"megatron_sp_ext: {e}")  # torchrun's "Root Cause" shows this line
-        raise SystemExit(f"megatron_sp_ext: {e}") from None
+        record_user_error(f"{PROG}: {e}")  # torchrun's "Root Cause" shows this line
+        raise SystemExit(f"{PROG}: {e}") from None
     sys.argv = [script, *rest]
     runpy.run_path(script, run_name="__main__")
 

@@ -24,9 +24,17 @@ _FLAGS = {"--hcms-head-chunks": False, "--sp-placement": False, "--sp-nodes": Fa
           "--sp-async-qkv": True}
 
 
+class _FlagParser(argparse.ArgumentParser):
+    """Our flags' parser: a bad value raises one SPConfigError naming the flag (no usage text, no program name:
+    the caller, the launcher or a rank reading ``MEGATRON_SP_EXT_ARGS``, says who it is)."""
+
+    def error(self, message: str):
+        raise SPConfigError(message)
+
+
 def _our_parser() -> argparse.ArgumentParser:
     from .arguments import add_arguments  # noqa: PLC0415
-    p = argparse.ArgumentParser(prog=f"{ENV}", add_help=False, allow_abbrev=False)
+    p = _FlagParser(prog=ENV, add_help=False, allow_abbrev=False)
     p.add_argument("--cp-comm-type", nargs="+", default=["ulysses"])  # not ours; keeps add_arguments off it
     return add_arguments(p)
 

@@ -1,8 +1,8 @@
 """Input checks shared by every sequence-parallel algorithm (Ulysses family and ring family).
 
-``check_inputs`` (Ulysses family: q, k, v of one layout, equal k/v shapes, one dtype) and
-``check_ring_inputs`` (ring family: also GQA heads) validate this rank's tensors, then once per
-(group, shapes, layout, dtype) ``check_same_shape_across_ranks`` compares them across the group with one
+``check_inputs`` (Ulysses family: q, k, v of one layout, equal k/v shapes) and ``check_ring_inputs`` (ring
+family: also GQA heads), both through ``check_same_dtype`` (q, k, v of one dtype), validate this rank's
+tensors, then once per (group, shapes, layout, dtype) ``check_same_shape_across_ranks`` compares them across the group with one
 small all_gather, so a mismatch raises SPConfigError on every rank instead of hanging an exchange.
 ``packed_cu`` checks the ring family's packed-sample arguments (cu_seqlens).
 """
@@ -33,6 +33,13 @@ def _across_ranks_once(q: torch.Tensor, k: torch.Tensor, layout: str, group, fam
     _VALIDATED.add(key)
 
 
+def check_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q, k, v in one dtype (no algorithm upcasts one of them silently); raises SPConfigError naming each."""
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise SPConfigError(f"q, k, v dtypes differ (q: {q.dtype}, k: {k.dtype}, v: {v.dtype}): pass all three in "
+                            f"one dtype (e.g. k.to(q.dtype), or one autocast region around the q/k/v projections)")
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, group) -> None:
     """Ulysses-family inputs: q [B, S_loc, H, D] / k, v [B, S_loc, Hkv, D] ("bshd"; "sbhd" swaps B and S_loc),
     one dtype, equal shards on every rank of ``group``. Raises SPConfigError naming the mismatch."""
@@ -45,19 +52,19 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
         raise SPConfigError(f"q and k/v disagree on batch/sequence ({layout}): {tuple(q.shape)} vs {tuple(k.shape)}")
     if q.shape[3] != k.shape[3]:
         raise SPConfigError(f"head_dim mismatch: q has {q.shape[3]}, k/v have {k.shape[3]}")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise SPConfigError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    check_same_dtype(q, k, v)
     _across_ranks_once(q, k, layout, group, "ulysses")
 
 
 def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, group) -> None:
     """Ring-family inputs: q/k/v of one layout with matching batch, sequence and head_dim, q heads a multiple
-    of k/v heads, equal q shards on every rank of ``group``. Raises SPConfigError naming the mismatch."""
+    of k/v heads, one dtype, equal q shards on every rank of ``group``. Raises SPConfigError naming the mismatch."""
     _check_layout(layout)
     if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise SPConfigError(f"q/k/v shapes do not agree ({layout}): {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[2] % k.shape[2] != 0:
         raise SPConfigError(f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]})")
+    check_same_dtype(q, k, v)
     _across_ranks_once(q, k, layout, group, "ring")
 
 

@@ -195,8 +195,9 @@ def frames_and_size(args) -> tuple[list, int, int]:
 
 
 def check_shapes(args, cfg) -> None:
-    """--frames / --latent-size must cut into the model's patches, and with --sparse-attention tiles the patch grids
-    into whole tiles (SPConfigError naming them)."""
+    """--frames / --latent-size must cut into the model's patches, and with --sparse-attention tiles the tile must be
+    three positive sizes (SPConfigError naming them). Any tile runs on every grid of the run: blocks the grid cuts are
+    compacted after the whole ones (training/video_dit/sparse.py, #53), so no grid needs advice or padding."""
     from .engine import check_divisible  # noqa: PLC0415
     frames, sizes = frames_and_sizes(args)
     try:

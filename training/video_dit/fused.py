@@ -74,14 +74,29 @@ def qkv_pack(y: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps_q: float, 
     return pack_qkv(q, k, v.reshape(b, s, heads, -1), layout)
 
 
+def compile_options(backend: Optional[str]) -> Optional[dict]:
+    """Inductor options of the regions: Triton's mix-order reduction off where torch has it (2.10+). Its split
+    reduction of the [B, 1, d] AdaLN modulation gradients over B*S rows returns them as [d] in fp32 at B=1 on
+    torch 2.11 (the final reduce drops keepdim: "CompiledFunctionBackward returned an invalid gradient at index 1 -
+    got [1536] but expected shape compatible with [1, 1, 1536]", wan-1.3b, 8190 tokens; bf16 was spared by the
+    cast after the reduction), and through 2.13 it can leave chunked modulation slices' gradients unwritten
+    (pytorch/pytorch#193061). None for other backends (they take no Inductor options)."""
+    if backend != "inductor":
+        return None
+    from torch._inductor import config  # noqa: PLC0415
+    return {"triton.mix_order_reduction": False} if hasattr(config.triton, "mix_order_reduction") else None
+
+
 class ElementwiseOps:
-    """The block's elementwise regions, eager (``backend=None``) or compiled with ``backend``."""
+    """The block's elementwise regions, eager (``backend=None``) or compiled with ``backend``
+    (``compile_options``)."""
 
     def __init__(self, backend: Optional[str] = None) -> None:
         self.backend = backend
+        options = compile_options(backend)
         wrap: Callable = (lambda f: f) if backend is None else (
-            lambda f: torch.compile(f, backend=backend, fullgraph=True))  # dynamic=None: a shape that changes
-        # (runs cycling frame counts or resolutions) is recompiled once as dynamic, not once per shape
+            lambda f: torch.compile(f, backend=backend, fullgraph=True, options=options))  # dynamic=None: a shape
+        # that changes (runs cycling frame counts or resolutions) is recompiled once as dynamic, not once per shape
         self.rms_norm = wrap(rms_norm)
         self.ln_modulate = wrap(ln_modulate)
         self.layer_norm = wrap(layer_norm)

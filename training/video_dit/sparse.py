@@ -187,8 +187,8 @@ def pool_tiles(x_bshd: torch.Tensor, tile_index: torch.Tensor, num_tiles: int,
     sums = x_bshd.new_zeros(b, num_tiles, h, d).index_add(1, idx, x_bshd[:, real])
     counts = torch.bincount(idx, minlength=num_tiles).to(x_bshd.dtype)
     if group is not None and dist.get_world_size(group) > 1:
-        from torch.distributed.nn.functional import all_reduce  # noqa: PLC0415
-        sums = all_reduce(sums, group=group)
+        from megatron_sp_ext.comm.autograd_reduce import all_reduce_sum  # noqa: PLC0415
+        sums = all_reduce_sum(sums, group)
         counts = counts.clone()
         dist.all_reduce(counts, group=group)
     return (sums / counts.clamp(min=1)[None, :, None, None]).transpose(1, 2)

@@ -23,7 +23,7 @@ from ...comm.capability import check_p2p, needs_p2p
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
 from ...topology.mesh import SPMesh
-from ..checks import packed_cu
+from ..checks import check_ring_inputs, packed_cu
 from ..placement import pieces, varlen_pieces
 from ..ulysses import ulysses_attention
 from ..ulysses.layout import sorted_order
@@ -78,6 +78,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
     under the mask with its step and hop skips over the mesh's runs (``RingBackend``); not with cu_seqlens."""
     if ring_variant not in VARIANTS:
         raise SPConfigError(f"ring_variant={ring_variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
+    check_ring_inputs(q, k, v, layout, mesh.group)
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * mesh.world
     block_mask, kv_valid_len = checked_mask("hybrid_attention", block_mask, block_size, seqlen, q.shape[2],

@@ -36,7 +36,7 @@ from ...comm import p2p
 from ...comm.p2p import wait_handles
 from ...topology.mesh import SPMesh
 from ..heads import HeadLayout, head_layout
-from ..checks import packed_cu
+from ..checks import check_ring_inputs, packed_cu
 from .hybrid import rank_runs
 from .ring import RingBackend, checked_mask
 
@@ -266,6 +266,7 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
     ``ulysses_attention``'s; every block's ring is the ring under the mask (``RingBackend`` with this rank's head
     group's mask rows: its calls, steps and K|V hops skipped per block; ring_variant "ring" or "tasp"); the stages'
     exchanges all run. Not with cu_seqlens."""
+    check_ring_inputs(q, k, v, layout, mesh.group)
     s_all = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
     block_mask, kv_valid_len = checked_mask("torus_attention", block_mask, block_size, s_all, q.shape[2], cu_seqlens,
                                             kv_valid_len, mesh.group)

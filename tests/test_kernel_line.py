@@ -1,0 +1,35 @@
+"""The attention-kernel line a run prints names the kernel that runs the SELF-attention (issue #51 item 6: a sparse
+run said "FlashAttention-2 (torch SDPA)" while the block-sparse kernel ran it) and the setting that changes it;
+dense runs keep their line."""
+import pytest
+import torch
+
+from training.video_dit.engine import attention_kernel_line
+
+CPU = torch.device("cpu")
+
+
+def test_dense_line_unchanged():
+    assert attention_kernel_line("auto", "--sp-attention-backend", CPU, torch.float32, 16) == \
+        "attention kernel: FlashAttention-2 (torch SDPA) on cpu/float32; change with --sp-attention-backend"
+
+
+def test_sparse_line_names_the_block_sparse_kernel_and_its_setting():
+    line = attention_kernel_line("auto", "--sp-attention-backend", CPU, torch.float32, 16, block_kernel="math")
+    self_part, cross_part = line.split("; cross-attention")
+    assert "self-attention: block-sparse math" in self_part and "--sparse-attention" in self_part, line
+    assert "FlashAttention-2 (torch SDPA)" in cross_part and "--sp-attention-backend" in cross_part, line
+
+
+@pytest.mark.parametrize("entry", ["megatron", "deepspeed"])
+def test_sparse_run_prints_the_block_sparse_kernel(entry):
+    """Both entry points, one rank on CPU, one sparse step: the line names the block-sparse math kernel."""
+    pytest.importorskip("megatron.core" if entry == "megatron" else "deepspeed")
+    from tests.test_user_errors import DS, MG, launch  # noqa: PLC0415 - the entry points run as commands
+    args = ["--model", "tiny", "--frames", "4", "--latent-size", "8x8", "--train-iters", "1",
+            "--sparse-attention", "tiles", "--sparse-tile", "1,2,2", "--sparse-topk", "2"]
+    script = MG if entry == "megatron" else DS
+    codes, out = launch(script, args + (["--context-parallel-size", "1"] if entry == "megatron" else []), world=1)
+    assert codes == [0], out[-3000:]
+    line = next((ln for ln in out.splitlines() if "attention kernel:" in ln), "")
+    assert "self-attention: block-sparse math" in line and "FlashAttention-2" not in line.split(";")[0], out[-3000:]

@@ -1,0 +1,35 @@
+"""What a new user needs from the README's first section (issue #51 item 7): that `make test` builds a second
+environment, how long both commands take, which figures the demo writes and what its samples show; and the README
+stays within its size budget. (The demo's outputs themselves: tests/test_sparse_tile_advice.py runs the demo.)"""
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+BUDGET = 15_000  # bytes
+
+
+def _first_section() -> str:
+    with open(README) as f:
+        text = f.read()
+    return " ".join(text[text.index("## Two commands"):text.index("## Tested versions")].split())
+
+
+def test_readme_within_budget():
+    assert os.path.getsize(README) <= BUDGET
+
+
+def test_two_commands_say_what_they_build_and_take():
+    sec = _first_section()
+    assert ".venv-current" in sec, "make test's second environment is not named"
+    demo = re.search(r"make demo .*?\(([^)]*\d+:\d\d[^)]*)\)", sec)
+    test = re.search(r"make test .*?~\d+ min", sec)
+    assert demo and test, "the two commands' durations are missing"
+    assert "~2 min" in sec, "the environment build time is missing"
+
+
+def test_demo_outputs_and_what_samples_show():
+    sec = _first_section()
+    for name in ("samples.png", "loss.png", "step_time.png", "metrics.jsonl"):
+        assert name in sec, name
+    assert re.search(r"after 100 steps the colours are right, the stripes still noisy", sec)

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One lent GPU session of a round, in stages that each fit one device call (<= 10 min), run back to back on the same
+# warm machine (the wheels carried as parts in .fa4/: tools/gpu_wheels.sh; the first call carries part.aa only).
+#   bash tools/gpu_round.sh STAGE [STAGE ...]      stages: suite kernels steps32 steps75 extras
+# Each stage writes $OUT/<stage>.tgz (its raw JSON and logs) and $OUT/<stage>.txt (the summary printed last).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source tools/gpu_install.sh || exit 1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+OUT=${OUT:-./gpu_out}
+W=/tmp/gpu_round; mkdir -p "$W"
+STEP="torchrun --nproc-per-node 1 tools/bench_train_step.py"
+WAN14=(--model wan-14b --num-layers 2 --bf16 --train-iters 30 --ddp-impl torch)
+
+stage_suite() {   # the CUDA suite first: the families this round touched
+  SPX_CUDA_REPORT=$W/suite bash tools/gpu_run.sh "${SUITE_K:-fa4_block_sparse or one_ring or block_sparse_family or ring_family or mesh_family or fa4_family or auto_family or fsdp2 or fused_fp32 or dit_dynamic}"
+}
+stage_kernels() {  # the kernel table (#53): FA4 block-sparse / flex / math beside dense FA4 and cuDNN
+  python3 tools/bench_block_sparse.py --heads 40 --seqlens 32768,75776 --block-size 128 --tile 4,4,8 \
+    --sparsities 0.5,0.8,0.9,0.95 --ulysses-p 1 --ring-p 8 --ring-kernels fa4 --ulysses-kernels fa4,flex \
+    --out $W/kernels/h40_bs128 2>&1 | tail -n 40
+  python3 tools/bench_block_sparse.py --heads 40 --seqlens 32768 --block-size 64 --tile 4,4,4 \
+    --sparsities 0.8,0.9 --ulysses-p 1 --ring-p 8 --ring-kernels fa4,math --ulysses-kernels fa4 \
+    --out $W/kernels/h40_bs64 2>&1 | tail -n 20
+  python3 tools/bench_block_sparse.py --heads 5 --seqlens 131072 --block-size 128 --tile 4,4,8 \
+    --sparsities 0.8,0.9 --ulysses-p 1 --ring-p 8 --ring-kernels fa4 --ulysses-kernels fa4,flex \
+    --out $W/kernels/h5_bs128 2>&1 | tail -n 20
+}
+stage_steps32() {  # the step (#53): wan-14b 2 layers on Wan's 480p grid and on a grid the tile cuts
+  $STEP --variants guarded,sparse_window90,sparse_topk90 --out $W/steps/wan14b_21x30x52 -- "${WAN14[@]}" \
+    --frames 21 --latent-size 60x104 2>&1 | tail -n 15
+  $STEP --variants guarded,sparse_window90,sparse_topk90 --out $W/steps/wan14b_16x32x64 -- "${WAN14[@]}" \
+    --frames 16 --latent-size 64x128 2>&1 | tail -n 15
+}
+stage_steps75() {  # 720p, and wan-1.3b 4 layers at 32K
+  $STEP --variants guarded,sparse_window90,sparse_topk90 --out $W/steps/wan14b_21x45x80 -- "${WAN14[@]}" \
+    --frames 21 --latent-size 90x160 2>&1 | tail -n 15
+  $STEP --variants guarded,sparse_window90 --out $W/steps/wan13b_16x32x64 -- --model wan-1.3b --num-layers 4 --bf16 \
+    --train-iters 30 --ddp-impl torch --frames 16 --latent-size 64x128 2>&1 | tail -n 15
+}
+stage_extras() {   # the topk90 profile beside dense, FSDP2 step and peaks (#52, #51 item 8), dynamic SP (#54)
+  torchrun --nproc-per-node 1 tools/profile_train_step.py --out $W/profile --tag dense -- "${WAN14[@]}" --frames 21 --latent-size 60x104 \
+    --train-iters 14 2>&1 | tail -n 12
+  torchrun --nproc-per-node 1 tools/profile_train_step.py --out $W/profile --tag topk90 -- "${WAN14[@]}" --frames 21 --latent-size 60x104 \
+    --train-iters 14 --sparse-attention tiles --sparse-topk 26 2>&1 | tail -n 12
+  $STEP --variants guarded,fsdp2 --out $W/fsdp2 -- --model wan-14b --num-layers 4 --frames 21 --latent-size 60x104 \
+    --bf16 --train-iters 24 --recompute-granularity full 2>&1 | tail -n 12
+  timeout 300 torchrun --nproc-per-node 1 tools/measure_peaks.py --out $W/peaks --budget-s 240 2>&1 | tail -n 15
+  python3 tools/bench_dynamic_sp.py --model wan-14b --world 8 --out $W/dynamic 2>&1 | tail -n 15
+}
+
+for s in "$@"; do
+  start=$(date +%s)
+  { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git rev-parse --short HEAD; date -u; } \
+    > "$W/$s.meta"
+  "stage_$s" 2>&1 | tee "$W/$s.log" | tail -n 60 > "$OUT/$s.txt"
+  echo "stage $s: $(( $(date +%s) - start )) s" | tee -a "$OUT/$s.txt"
+  tar -C "$W" -czf "$OUT/$s.tgz" --exclude='*.pt' --exclude='*.pth' "$s.meta" "$s.log" \
+    $(cd "$W" && ls -d suite kernels steps profile fsdp2 peaks dynamic 2>/dev/null) 2>/dev/null
+  cat "$OUT/$s.txt"
+done
