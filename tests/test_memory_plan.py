@@ -84,3 +84,20 @@ def test_bad_input_names_the_flag():
         mp.plan("wan-14b", 1000, 1, 1, "zero2")
     with pytest.raises(ValueError, match="--gpus"):
         mp.plan("wan-14b", 1000, 3, 8)
+
+
+def test_measure_peaks_configs_parse_and_grids():
+    """tools/measure_peaks.py's entry flags are the entry's own and give 32,760 / 75,600 tokens; the 16-layer runs
+    are planned not to fit one 80 GB GPU (recorded as skipped there)."""
+    pytest.importorskip("megatron.core")
+    from tools import measure_peaks as mpk
+    from tools.bench_train_step import token_grid
+    from training import pretrain_video_dit as entry
+    for sharding, recompute, layers, tokens in mpk.CONFIGS:
+        args = entry.parse(mpk.entry_argv(sharding, recompute, layers, tokens, "/tmp/x"))
+        g = token_grid(args)
+        assert g[0] * g[1] * g[2] == tokens and args.num_layers == layers
+        assert args.use_torch_fsdp2 == (sharding == "fsdp")
+        assert (args.recompute_granularity == "full") == (recompute == "full")
+        if layers == 16:
+            assert mp.plan("wan-14b", tokens, 1, 1, sharding, recompute, layers).total_gib > 80
