@@ -227,7 +227,9 @@ def test_block_sparse_family(world, backend):
 def test_fsdp2_model_vs_unsharded(world, backend):
     """#52: the DiT under FSDP2 (bf16 compute weights, fp32 reduction) against the unsharded DiT under the same bf16
     autocast, token ids on the host as the entry passes them: loss and every gradient within bf16 tolerance. On one
-    GPU as a world of one, and one rank per GPU over NCCL where there are enough GPUs."""
+    GPU as a world of one, and one rank per GPU over NCCL where there are enough GPUs. Not P ranks on one GPU over
+    gloo: FSDP2's all-gather / reduce-scatter of CUDA tensors over gloo kills the rank (SIGSEGV; 1 x H100, torch
+    2.11, 2026-11-25), while gloo on CPU tensors runs it (tests/test_fsdp2.py); P > 1 needs P GPUs."""
     assert len(_worker("cuda_fsdp2", "fsdp2_model_family", "fsdp2", world, backend)) == 4
 
 
