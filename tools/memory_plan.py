@@ -3,7 +3,7 @@ full recompute), the attention's and the SP exchanges' buffers, and whether it f
 
     python tools/memory_plan.py --model wan-14b --tokens 75600 --sp 8 --gpus 8 --sharding fsdp --recompute full
     python tools/memory_plan.py --table          # wan-14b, 32K / 75K / 300K tokens on 8 / 16 / 64 GPUs
-    python tools/memory_plan.py --validate       # fitted and validated points apart; exit 1 if a validated one is >10% off
+    python tools/memory_plan.py --validate       # fit and validate points apart; exit 1 if a validate one is >10% off
     python tools/memory_plan.py --merge $OUT/memory_peaks.json   # add tools/measure_peaks.py's GPU peaks (validate)
 
 Model (bf16 autocast over fp32 weights, AdamW, Megatron's fp32 gradient buffers):
