@@ -63,3 +63,64 @@ def test_fsdp2_refuses_distributed_optimizer(capsys):
         pretrain_video_dit.parse([*BASE, "--use-torch-fsdp2", "--use-distributed-optimizer"])
     err = capsys.readouterr().err
     assert "--use-torch-fsdp2" in err and "--use-distributed-optimizer" in err, err
+
+
+# --- #52: what the model makes on the fly follows its inputs' device (FSDP2's root moves token ids to the GPU) ---
+
+def test_rope_follows_token_ids_device():
+    """rope_angles and RopeCache build on token_ids' device (meta here: no host tensor may enter); host ids keep
+    the cache (one table per shape), device ids are computed where they are."""
+    import torch
+
+    from training.video_dit.rope import RopeCache, rope_angles
+    grid, hd = (3, 4, 5), 24
+    ids = torch.arange(60)
+    host = rope_angles(ids, grid, hd)
+    assert rope_angles(ids.to("meta"), grid, hd).device.type == "meta"
+    cache = RopeCache()
+    assert cache.get(ids.to("meta"), grid, hd, "meta").device.type == "meta"
+    a = cache.get(ids, grid, hd, "cpu")
+    assert torch.equal(a, host) and cache.get(ids.clone(), grid, hd, "cpu") is a  # cached for host ids
+    assert cache.get_packed(ids.to("meta"), (20, 40), ((1, 4, 5), (2, 4, 5)), hd, "meta").device.type == "meta"
+
+
+@pytest.mark.parametrize("path", ["plain", "padded", "packed", "recompute"])
+def test_model_forward_on_inputs_device(path):
+    """The whole DiT with every input (token ids included) on a device other than the host (meta), as FSDP2's
+    root hands them over on CUDA: forward (and backward) build nothing on the host. The old RoPE mixed a host
+    frequency table into the device ids (issue #52's 'cuda:0 and cpu')."""
+    import torch
+
+    from training.video_dit import VideoDiT, preset
+    from training.video_dit.varlen import pack_info
+    cfg = preset("tiny")
+    with torch.device("meta"):
+        model = VideoDiT(cfg)
+    grid, s = (2, 3, 5), 30
+    x = torch.empty(1, s, cfg.patch_volume, device="meta", requires_grad=True)
+    t, text = torch.empty(1, device="meta"), torch.empty(1, cfg.text_len, cfg.text_dim, device="meta")
+    ids = torch.arange(s, device="meta")
+    if path == "packed":
+        pk = pack_info((0, 12, 30), ((1, 3, 4), (2, 3, 3)), (0, 4, 8), 1, device="meta")
+        out = model(x, torch.empty(2, device="meta"), text, torch.cat([torch.arange(12), torch.arange(18)]).to("meta"),
+                    None, pack=pk)
+    else:
+        model.set_recompute("full" if path == "recompute" else None)
+        out = model(x, t, text, ids, grid, kv_valid_len=28 if path == "padded" else None)
+    assert out.device.type == "meta" and out.shape == (1, s, cfg.patch_volume)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.device.type == "meta"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp2_bf16_equals_unsharded_autocast(monkeypatch, world):
+    """shard_model with bf16 compute weights (what --bf16 runs on CUDA) against the unsharded model under the same
+    bf16 autocast (CPU autocast here; tests/cuda_fsdp2.py on the GPU): loss and every gradient within bf16
+    tolerance. FSDP2's default cast_forward_inputs rounded the blocks' float64 RoPE angles and the timesteps to
+    bf16 (gradients off by up to 52%)."""
+    from tests import cuda_fsdp2
+    monkeypatch.setattr(cuda_fsdp2, "DEV", "cpu")
+    for rank_records in run_ranks(cuda_fsdp2.fsdp2_model_family, world, timeout=600):
+        assert len(rank_records) == 4
+        for r in rank_records:
+            assert all(e <= r["tol"] for e in r["errs"].values()), (r["case"], r["errs"])

@@ -26,6 +26,14 @@ branch). At SP=1 the DiT's sparse core is megatron_sp_ext's block-sparse kernel 
 flex_attention on CUDA); with SP > 1 the factory's SPAttention runs its block_mask path (results record
 ``sparse_core``, from --context-parallel-size).
 The medians leave out the first log interval (warm-up, which includes torch.compile's compilation).
+Agreement (#51 item 9): each variant's ``step_agreement`` says whether its entry step and bare step agree within 2%
+(``STEP_AGREEMENT_TOL``); a run of fewer than 2 x --log-interval steps has no full interval past the warm-up, so
+its medians include the compilation: the bench then flags it (JSON and a WARNING line) with the --train-iters it
+needs. ``mfu`` is the entry step's; ``mfu_bare`` the bare step's (mfu x entry / bare step time; same FLOPs).
+FSDP2 (#52): variant "fsdp2" is the defaults with --use-torch-fsdp2 (with "guarded" in the job,
+fsdp2_overhead = fsdp2 / guarded entry step time - 1, and the same for the bare step). Every variant of the
+megatron-core entry also records ``plan_gib`` (tools/memory_plan.py for the run's model, layers, tokens, SP,
+world, sharding and recompute) and ``plan_error`` = plan / measured peak - 1, beside ``peak_mem_gib``.
 
     torchrun --nproc-per-node 1 tools/bench_train_step.py --out $OUT -- --model wan-1.3b --num-layers 4 \
         --frames 21 --latent-size 60x104 --bf16 --train-iters 30 --ddp-impl torch
@@ -38,6 +46,7 @@ import json
 import os
 import sys
 import tempfile
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -48,7 +57,9 @@ VARIANTS = {"guarded": [],  # the defaults: finite check every step
             "bare_loop": ["--no-check-for-nan-in-loss-and-grad"],
             "unfused": ["--fused-elementwise", "off"],  # the eager elementwise path (the default on CPU)
             "cudnn": ["--sp-attention-backend", "cudnn"],  # attention on cuDNN (every call), the defaults otherwise
-            "fa4": ["--sp-attention-backend", "fa4"]}  # attention on FlashAttention-4 (every call)
+            "fa4": ["--sp-attention-backend", "fa4"],  # attention on FlashAttention-4 (every call)
+            "fsdp2": ["--use-torch-fsdp2"]}  # FSDP2 over data x context ranks (megatron-core entry)
+STEP_AGREEMENT_TOL = 0.02  # entry step vs bare step: beyond this the run is flagged
 # block-sparse variants: (selection, target sparsity); their flags depend on the grid (sparse_variant_flags)
 SPARSE_VARIANTS = {"sparse_topk80": ("topk", 0.8), "sparse_topk90": ("topk", 0.9),
                    "sparse_window80": ("window", 0.8), "sparse_window90": ("window", 0.9)}
@@ -60,17 +71,13 @@ def sparse_variant_flags(name: str, rest: list, tile: str, entry) -> tuple[list,
     ("T,H,W"); topk: K = max(1, round((1 - s) * nT)); window: ``window_for_sparsity``. info: flags, grid, tile,
     n_tiles, topk or window, target and actual sparsity."""
     from tools.bench_block_sparse import window_for_sparsity  # noqa: PLC0415
-    from training.video_dit.cli import frames_and_sizes  # noqa: PLC0415
-    from training.video_dit.config import preset  # noqa: PLC0415
     from training.video_dit.sparse import check_tile_grid, num_tiles_of, window_block_mask  # noqa: PLC0415
     kind, target = SPARSE_VARIANTS[name]
     args = entry.parse(list(rest))
-    frames, sizes = frames_and_sizes(args)
-    if len(frames) != 1 or len(sizes) != 1:
+    grid = token_grid(args)
+    if grid is None:
         raise SystemExit(f"--variants {name}: needs one --frames and one --latent-size (K / the window is computed "
                          f"from the token grid); got --frames {args.frames} --latent-size {args.latent_size}")
-    pt, ph, pw = preset(args.model).patch
-    grid = (frames[0] // pt, sizes[0][0] // ph, sizes[0][1] // pw)
     tile_thw = tuple(int(x) for x in tile.split(","))
     check_tile_grid(grid, tile_thw)   # SPConfigError naming --sparse-tile for a tile that is not 3 positive sizes
     n_tiles = num_tiles_of(grid, tile_thw)   # any grid: edge blocks compacted (training/video_dit/sparse.py)
@@ -86,6 +93,63 @@ def sparse_variant_flags(name: str, rest: list, tile: str, entry) -> tuple[list,
         info.update(window=list(w), sparsity=1.0 - float(window_block_mask(grid, tile_thw, w).float().mean()))
     info["flags"] = flags
     return flags, info
+
+
+def token_grid(args) -> Optional[tuple]:
+    """(T', H', W') token grid of the entry flags ``args`` (one --frames and one --latent-size, --model's patch);
+    None when the run has several grids."""
+    from training.video_dit.cli import frames_and_sizes  # noqa: PLC0415
+    from training.video_dit.config import preset  # noqa: PLC0415
+    frames, sizes = frames_and_sizes(args)
+    if len(frames) != 1 or len(sizes) != 1:
+        return None
+    pt, ph, pw = preset(args.model).patch
+    return frames[0] // pt, sizes[0][0] // ph, sizes[0][1] // pw
+
+
+def step_agreement(timing: dict, train_iters: int, log_interval: int, tol: float = STEP_AGREEMENT_TOL) -> dict:
+    """Whether the entry's step (median of its rows past the first log interval) and the bare step agree within
+    ``tol``; ``train_iters_needed``: 2 x ``log_interval``, one full interval past the warm-up (with fewer steps the
+    entry's medians fall back to every row, compilation included). ``mfu_bare``: the MFU of the bare step."""
+    ratio = timing["entry_over_bare"]
+    needed = 2 * log_interval
+    out = {"entry_over_bare": ratio, "tol": tol, "agrees": abs(ratio - 1.0) <= tol, "train_iters": train_iters,
+           "train_iters_needed": needed, "warmup_in_median": train_iters < needed}
+    mfu = timing.get("mfu")
+    out["mfu_bare"] = mfu * timing["entry_step_ms"] / timing["bare_step_ms"] if mfu is not None else None
+    if out["agrees"]:
+        out["note"] = None
+    elif out["warmup_in_median"]:
+        out["note"] = (f"entry step {timing['entry_step_ms']:.1f} ms vs bare step {timing['bare_step_ms']:.1f} ms "
+                       f"(x{ratio:.3f}): --train-iters {train_iters} < 2 x --log-interval {log_interval}, so the "
+                       f"entry's medians include the warm-up (compilation); run --train-iters >= {needed}. The "
+                       f"entry's mfu and tokens_per_s are wrong by the same factor: use mfu_bare")
+    else:
+        out["note"] = (f"entry step {timing['entry_step_ms']:.1f} ms vs bare step {timing['bare_step_ms']:.1f} ms "
+                       f"(x{ratio:.3f}) past the warm-up: the entry's loop costs {ratio - 1:+.1%} over the bare step "
+                       f"(more --train-iters only if the steps vary: {train_iters} now)")
+    return out
+
+
+def plan_beside_peak(args, flags: list, world: int) -> dict:
+    """tools/memory_plan.py's per-GPU plan of the run (megatron-core entry flags ``args`` plus the variant's
+    ``flags``): plan_gib and the settings it assumed, or plan_gib None and why."""
+    from tools.memory_plan import plan  # noqa: PLC0415
+    grid = token_grid(args)
+    rc = getattr(args, "recompute_granularity", None)
+    why = ("several token grids" if grid is None else None) or \
+        (f"--recompute-granularity {rc} (the plan models none and full)" if rc not in (None, "full") else None) or \
+        ("no --bf16 (the plan models bf16 autocast)" if not getattr(args, "bf16", False) else None)
+    if why:
+        return {"plan_gib": None, "plan_skipped": why}
+    sharding = "fsdp" if "--use-torch-fsdp2" in flags or getattr(args, "use_torch_fsdp2", False) else \
+        "distributed-optimizer" if getattr(args, "use_distributed_optimizer", False) else "none"
+    tokens = grid[0] * grid[1] * grid[2]
+    sp = getattr(args, "context_parallel_size", None) or 1
+    p = plan(args.model, tokens, sp, world, sharding, rc or "none", getattr(args, "num_layers", None))
+    return {"plan_gib": p.total_gib, "plan_settings": {"model": args.model, "layers": p.layers, "tokens": tokens,
+                                                       "sp": sp, "gpus": world, "sharding": sharding,
+                                                       "recompute": p.recompute}}
 
 
 def sparse_flops_per_token(cfg, seqlen: int, text_len: int, sparsity: float, n_tiles: int, topk: bool) -> float:
@@ -131,20 +195,32 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             res = entry.main([*rest, *extra[v], "--log-interval", str(args.log_interval), "--timing", "--quiet",
                               "--log-dir", os.path.join(tmp, v)])
-        results[v] = res["timing"]
+        parsed = entry.parse([*rest, *extra[v]])
+        t = dict(res["timing"])
+        t["step_agreement"] = step_agreement(t, parsed.train_iters, args.log_interval)
+        t["mfu_bare"] = t["step_agreement"]["mfu_bare"]
+        if args.entry == "megatron":
+            t.update(plan_beside_peak(parsed, extra[v], int(os.environ.get("WORLD_SIZE", "1"))))
+            if t.get("plan_gib") is not None and t.get("peak_mem_gib"):
+                t["plan_error"] = t["plan_gib"] / t["peak_mem_gib"] - 1
         if v in sparse_info:
-            results[v] = {**res["timing"], "sparse": _sparse_result(sparse_info[v], res["timing"], rest, entry)}
+            t["sparse"] = _sparse_result(sparse_info[v], res["timing"], rest, entry)
+        results[v] = t
         if int(os.environ.get("RANK", "0")) == 0:
-            t = res["timing"]
             print(f"[bench_train_step] {v}: entry {t['entry_step_ms']:.1f} ms, model fwd+bwd "
                   f"{t['model_fwd_bwd_ms']:.1f} + optimizer {t['optimizer_ms']:.1f} ms "
                   f"(entry/(fwd+bwd+opt) {t.get('entry_over_model_and_opt', float('nan')):.3f}), bare step "
-                  f"{t['bare_step_ms']:.1f} ms (entry/bare {t['entry_over_bare']:.3f}), mfu {t['mfu']}, "
-                  f"peak {t['peak_mem_gib']} GiB", flush=True)
+                  f"{t['bare_step_ms']:.1f} ms (entry/bare {t['entry_over_bare']:.3f}), mfu {t['mfu']} (entry), "
+                  f"{t['mfu_bare']} (bare), peak {t['peak_mem_gib']} GiB, plan {t.get('plan_gib')} GiB", flush=True)
+            if not t["step_agreement"]["agrees"]:
+                print(f"[bench_train_step] WARNING {v}: {t['step_agreement']['note']}", flush=True)
     if "guarded" in results and "bare_loop" in results:
         results["guard_overhead"] = results["guarded"]["entry_step_ms"] / results["bare_loop"]["entry_step_ms"] - 1
     if "guarded" in results and "unfused" in results:
         results["fused_speedup"] = results["unfused"]["entry_step_ms"] / results["guarded"]["entry_step_ms"]
+    if "guarded" in results and "fsdp2" in results:
+        results["fsdp2_overhead"] = results["fsdp2"]["entry_step_ms"] / results["guarded"]["entry_step_ms"] - 1
+        results["fsdp2_overhead_bare"] = results["fsdp2"]["bare_step_ms"] / results["guarded"]["bare_step_ms"] - 1
     if "cudnn" in results and "fa4" in results:
         results["fa4_speedup"] = results["cudnn"]["entry_step_ms"] / results["fa4"]["entry_step_ms"]
     for v in sparse_info:
@@ -154,8 +230,11 @@ def main() -> None:
                 results[f"sparse_tokens_per_s_ratio_{v}"] = \
                     results[v]["tokens_per_s"] / results["guarded"]["tokens_per_s"]
     if int(os.environ.get("RANK", "0")) == 0:
+        flagged = [v for v, r in results.items() if isinstance(r, dict) and "step_agreement" in r
+                   and not r["step_agreement"]["agrees"]]
         out = {"meta": run_meta(), "entry": args.entry, "argv": rest,
-               "world": int(os.environ.get("WORLD_SIZE", "1")), "results": results}
+               "world": int(os.environ.get("WORLD_SIZE", "1")), "step_agreement_flagged": flagged,
+               "results": results}
         tag = f"_{args.tag}" if args.tag else ""
         path = write_json(os.path.join(args.out, f"train_step{tag}.json"), out)
         print(json.dumps(out["results"], indent=1))

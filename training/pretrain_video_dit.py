@@ -249,10 +249,11 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     if not args.quiet and losses:
         logger.info(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
                     f"metrics: {args.log_dir}/metrics.jsonl; plot: {plot}")
-    if args.sample_steps:
-        write_demo_samples(model.module if impl == "megatron" else model, dataset, steps=args.sample_steps,
-                           seed=args.seed, group=cp_group if sp_world > 1 else None, device=device,
-                           log_dir=args.log_dir)
+    if args.sample_steps:  # FSDP2 with --bf16 holds bf16 compute weights and casts no inputs: it needs the autocast
+        with torch.autocast(device.type, dtype=autocast, enabled=impl == "fsdp2" and autocast is not None):
+            write_demo_samples(model.module if impl == "megatron" else model, dataset, steps=args.sample_steps,
+                               seed=args.seed, group=cp_group if sp_world > 1 else None, device=device,
+                               log_dir=args.log_dir)
     out = {"losses": losses, "plot": plot, "rows": log.rows, "timing": getattr(log, "timing", None)}
     if return_params:
         out["params"] = full_parameters(model.module if impl == "megatron" else model)

@@ -46,8 +46,11 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 
 def linear_input_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
-    """The dtype a Linear under the current autocast casts its input to (None without autocast)."""
+    """The dtype a Linear under the current autocast casts its input to (None without autocast, and on a device
+    type autocast does not know, e.g. meta)."""
     kind = x.device.type
+    if not torch.amp.is_autocast_available(kind):
+        return None
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 

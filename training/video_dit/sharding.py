@@ -2,7 +2,12 @@
 
 SP (context-parallel) ranks hold the same parameters, so FSDP2 shards over the data x context group, as
 Megatron does: one ``fully_shard`` per transformer block, then the root. bf16 compute with fp32 main weights is
-FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 parameters. Gradients are averaged
+FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32 parameters, under the same autocast
+as the unsharded run, with cast_forward_inputs=False: FSDP2's default casts every floating-point input of every
+sharded module to bf16, which would round the blocks' float64 RoPE angles and the root's timesteps (before their
+x1000 sinusoidal embedding), a different model from the unsharded one; autocast already casts what the matmuls
+take. FSDP2's root moves the forward's tensor arguments to the CUDA device (token ids included): the model builds
+whatever it makes on the fly on its inputs' devices (rope.py). Gradients are averaged
 over the data x context ranks by FSDP2's reduce-scatter (the same average TorchOps does with an all-reduce).
 Checkpoints go through training/video_dit/checkpoint.py (torch.distributed.checkpoint get_state_dict /
 set_state_dict), which reshards DTensors across FSDP and SP sizes.
@@ -34,14 +39,15 @@ def check_fsdp2_flags(use_torch_fsdp2: bool, **other: bool) -> Optional[str]:
 def shard_model(model: torch.nn.Module, dp_cp_group: dist.ProcessGroup, device: torch.device,
                 bf16: bool) -> torch.nn.Module:
     """FSDP2 over ``dp_cp_group``: each of ``model.blocks`` and the root; fp32 parameters, bf16 compute when
-    ``bf16`` (reduce in fp32). Returns the same module (fully_shard works in place)."""
+    ``bf16`` (reduce in fp32; the forward must run under bf16 autocast, as the entry's does: inputs are not cast).
+    Returns the same module (fully_shard works in place)."""
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise SPConfigError("--use-torch-fsdp2 keeps fp32 parameters (main weights); got another dtype")
     mesh = DeviceMesh.from_group(dp_cp_group, device_type=device.type)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
+        if bf16 else MixedPrecisionPolicy(cast_forward_inputs=False)
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
