@@ -11,10 +11,15 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 OUT=${OUT:-./gpu_out}
 W=/tmp/gpu_round; mkdir -p "$W"
 STEP="torchrun --nproc-per-node 1 tools/bench_train_step.py"
-WAN14=(--model wan-14b --num-layers 2 --bf16 --train-iters 30 --ddp-impl torch)
+WAN14=(--model wan-14b --num-layers 2 --bf16 --train-iters ${ITERS:-30} --ddp-impl torch)
 
 stage_suite() {   # the CUDA suite first: the families this round touched
   SPX_CUDA_REPORT=$W/suite bash tools/gpu_run.sh "${SUITE_K:-fa4_block_sparse or one_ring or block_sparse_family or ring_family or mesh_family or fa4_family or auto_family or fsdp2 or fused_fp32 or dit_dynamic}"
+}
+stage_checks() {   # a short session's checks: FA4 block sparsity per kernel call, then the CUDA suite's new cases
+  timeout 170 python3 tools/check_fa4_tiles.py --skip-timing --out $W/checks 2>&1 | tail -n 3
+  SPX_CUDA_REPORT=$W/checks/suite timeout 330 bash tools/gpu_run.sh \
+    "fa4_block_sparse_family or fused_regions_fp32 or fsdp2_model or one_ring_family" 2>&1 | tail -n 40
 }
 stage_kernels() {  # the kernel table (#53): FA4 block-sparse / flex / math beside dense FA4 and cuDNN
   python3 tools/bench_block_sparse.py --heads 40 --seqlens 32768,75776 --block-size 128 --tile 4,4,8 \
@@ -57,6 +62,6 @@ for s in "$@"; do
   "stage_$s" 2>&1 | tee "$W/$s.log" | tail -n 60 > "$OUT/$s.txt"
   echo "stage $s: $(( $(date +%s) - start )) s" | tee -a "$OUT/$s.txt"
   tar -C "$W" -czf "$OUT/$s.tgz" --exclude='*.pt' --exclude='*.pth' "$s.meta" "$s.log" \
-    $(cd "$W" && ls -d suite kernels steps profile fsdp2 peaks dynamic 2>/dev/null) 2>/dev/null
+    $(cd "$W" && ls -d checks suite kernels steps profile fsdp2 peaks dynamic 2>/dev/null) 2>/dev/null
   cat "$OUT/$s.txt"
 done
