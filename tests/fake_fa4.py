@@ -163,6 +163,7 @@ def install(monkeypatch, dtypes: tuple = (torch.bfloat16, torch.float16, torch.f
     monkeypatch.setattr(fa4, "_block_sparse_class", lambda: BlockSparseTensors)
     monkeypatch.setattr(fa4_mask_mod, "tile_mask_mod", lambda per_head, causal: ("tile_mask_mod", per_head, causal))
     monkeypatch.setattr(kernels.get("fa4"), "probed", {})
+    monkeypatch.setattr(kernels.get("fa4"), "probe_failures_seen", {})
     # probes and choices already made in this process are for the kernels without FA4: start afresh
     monkeypatch.setattr(lse_kernels, "_PROBED", {})
     monkeypatch.setattr(varlen, "_PROBED", {})

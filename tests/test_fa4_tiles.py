@@ -135,3 +135,25 @@ def test_cuda_fa4_block_sparse_family_dry_run_on_cpu(monkeypatch, world):
         assert len(per_rank) == {2: 30, 4: 60}[world]
         for r in per_rank:
             assert max(r["errs"].values()) <= r["tol"], r
+
+
+def test_a_probe_that_raises_is_tried_once_more_and_its_reason_named(monkeypatch):
+    """A probe that raises (2 ranks compiling at once, seen on an H100) gets one more try; a second failure refuses
+    the route with the reason in the message."""
+    from megatron_sp_ext.attention.kernels import fa4_mask_mod
+    fake_fa4.install(monkeypatch)
+    calls = []
+    real = fa4_mask_mod.probe
+
+    def flaky(kernel, device, dtype, partial):
+        calls.append(partial)
+        if len(calls) == 1:
+            return False, "raised RuntimeError: cache file busy"
+        return real(kernel, device, dtype, partial)
+    monkeypatch.setattr(fa4_mask_mod, "probe", flaky)
+    assert kernels.get("fa4").route_ok(torch.device("cpu"), torch.bfloat16, partial=True) and len(calls) == 2
+    monkeypatch.setattr(fa4_mask_mod, "probe", lambda *a: (False, "raised RuntimeError: always"))
+    pos = torch.arange(512)
+    ts = TileSlice(torch.ones(2, 8, 8, dtype=torch.bool), 64, pos, pos)
+    q = torch.zeros(1, 2, 512, 32, dtype=torch.float16)
+    assert "RuntimeError: always" in kernels.get("fa4").why_not(backends.tile_call(q, ts, False, True))

@@ -51,6 +51,7 @@ from typing import Optional
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_sp_ext.attention import kernels  # noqa: E402
 from tools.benchlib import init_world, run_meta, write_json  # noqa: E402
 
 VARIANTS = {"guarded": [],  # the defaults: finite check every step
@@ -192,6 +193,7 @@ def main() -> None:
     results = {}
     os.makedirs(args.out, exist_ok=True)
     for v in args.variants.split(","):
+        kernels.PICKS.clear()   # which kernels this variant's calls ran on (``block_sparse_kernels``)
         with tempfile.TemporaryDirectory() as tmp:
             res = entry.main([*rest, *extra[v], "--log-interval", str(args.log_interval), "--timing", "--quiet",
                               "--log-dir", os.path.join(tmp, v)])
@@ -256,8 +258,8 @@ def _sparse_result(info: dict, timing: dict, rest: list, entry) -> dict:
     mfu = timing.get("mfu")
     return {**info, "mfu_is": "dense-equivalent (DiTConfig.flops_per_token counts dense attention)",
             "sparse_over_dense_flops": ratio, "mfu_sparse_aware": mfu * ratio if mfu is not None else None,
-            "sparse_core": "one-device block-sparse kernel (flex on CUDA)" if sp == 1
-            else "SPAttention block_mask path"}
+            "sparse_core": "one-device block-sparse kernel" if sp == 1 else "SPAttention block_mask path",
+            "block_sparse_kernels": {n: c for (n, what), c in kernels.PICKS.items() if what == "tiles"}}
 
 
 if __name__ == "__main__":

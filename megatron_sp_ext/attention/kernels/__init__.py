@@ -86,12 +86,21 @@ def why_not(name: str, call: KernelCall) -> Optional[str]:
     return get(name).why_not(call)
 
 
+PICKS: dict = {}   # (kernel name, "tiles" or "dense") -> calls routed to it by pick/require (reports, benchmarks)
+
+
+def _picked(kernel: Kernel, call: KernelCall) -> Kernel:
+    key = (kernel.name, "tiles" if call.tiles is not None else "dense")
+    PICKS[key] = PICKS.get(key, 0) + 1
+    return kernel
+
+
 def pick(call: KernelCall, among: Optional[tuple] = None) -> Kernel:
     """The first kernel of ``among`` (default AUTO, in order) that runs ``call`` here; math as the last resort."""
     for n in (among or AUTO):
         if get(n).why_not(call) is None:
-            return get(n)
-    return get(FALLBACK)
+            return _picked(get(n), call)
+    return _picked(get(FALLBACK), call)
 
 
 def label(name: str) -> str:
@@ -108,8 +117,8 @@ def require(kernel: Kernel, call: KernelCall, setting: str) -> Kernel:
         raise SPConfigError(f"{setting}={kernel.setting!r} cannot run here ({call.device}, {call.dtype}"
                             f"{', block_mask' if call.tiles is not None else ''}): {reason}; use 'auto' (kernels that "
                             f"run it here: {', '.join(here) or 'math'})")
-    return kernel
+    return _picked(kernel, call)
 
 
-__all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "get", "names",
+__all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "PICKS", "get", "names",
            "by_setting", "settings", "varlen_methods", "of_varlen_method", "why_not", "pick", "label", "require"]

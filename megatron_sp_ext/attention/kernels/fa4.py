@@ -315,6 +315,7 @@ class FA4Kernel(Kernel):
 
     def __init__(self) -> None:
         self.probed: dict = {}
+        self.probe_failures_seen: dict = {}
 
     def installed(self) -> bool:
         return installed()
@@ -338,19 +339,28 @@ class FA4Kernel(Kernel):
             return "its block sparsity needs tiles of >= 16 tokens per row group (and, with causal, identical " \
                    "query and key positions)"
         if not self.route_ok(call.device, call.dtype, partial=False):
-            return "its block sparsity failed its probe against the math kernel here"
+            return f"its block sparsity failed its probe here " \
+                   f"({self.probe_failures_seen.get((str(call.device), call.dtype, False))})"
         if meta.aux is not None and not self.route_ok(call.device, call.dtype, partial=True):
             return "tiles that cut its 128-token blocks (or padded keys inside one) need its mask_mod route, which " \
-                   "failed its probe here"
+                   f"failed its probe here ({self.probe_failures_seen.get((str(call.device), call.dtype, True))})"
         return None
 
     def route_ok(self, device, dtype, partial: bool) -> bool:
         """Whether FA4's block sparsity (``partial``: partial blocks through the mask_mod) runs right here: a probe
-        against math, once per (device, dtype, route)."""
+        against math, once per (device, dtype, route). A probe that RAISES is tried once more (seen once, 1 x H100
+        2026-11-25: the partial probe failed in 2 ranks compiling at once, and passed in a single process); one that
+        computes wrong results is not. The reason is kept for the refusal's message."""
         key = (str(device), dtype, partial)
         if key not in self.probed:
             from . import fa4_mask_mod  # noqa: PLC0415
-            self.probed[key] = fa4_mask_mod.probe(self, device, dtype, partial)
+            ok, reason = False, None
+            for _ in range(2):
+                ok, reason = fa4_mask_mod.probe(self, device, dtype, partial)
+                if ok or not reason.startswith("raised"):
+                    break
+            self.probed[key] = ok
+            self.probe_failures_seen[key] = reason
         return self.probed[key]
 
     def prepare(self, tiles, sq, sk, causal):

@@ -10,6 +10,7 @@ aux tensors (int32, on the device; kernels/fa4.py ``TileMeta.aux``): [0] the que
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -41,12 +42,12 @@ def tile_mask_mod(per_head: bool, causal: bool):
     return mask_mod
 
 
-def probe(kernel, device, dtype, partial: bool) -> bool:
+def probe(kernel, device, dtype, partial: bool) -> tuple[bool, Optional[str]]:
     """FA4's block sparsity on a tiny case against the math kernel: out, lse (-inf where a row selects nothing) and
     the gradients within 3e-2 of max, causal and not, GQA 4/2, a per-head random mask with an empty query tile.
     ``partial``: 32-token tiles and padded keys (every 128-token kernel block cut: the mask_mod route); else
     128-token tiles (full blocks and FA4's causal diagonal). Any failure (the DSL refusing the function included)
-    means "not here"."""
+    means "not here". Returns (ok, None) or (False, the reason: "raised ..." or "disagrees ...")."""
     from ..tiles import TileSlice  # noqa: PLC0415
     from .math import MathKernel  # noqa: PLC0415
     import logging  # noqa: PLC0415
@@ -74,8 +75,8 @@ def probe(kernel, device, dtype, partial: bool) -> bool:
                     and bool((~torch.isfinite(lse[~live]) | (lse[~live] < -1e30)).all())
                     and all(close(a, b) for a, b in zip(grads, grads_m))):
                 log.info("megatron_sp_ext: FA4's block sparsity (partial=%s) disagrees with math here: off", partial)
-                return False
+                return False, f"disagrees with the math kernel (causal={causal})"
     except Exception as e:  # noqa: BLE001 - see docstring
         log.info("megatron_sp_ext: FA4's block sparsity (partial=%s) unavailable here: %s", partial, e)
-        return False
-    return True
+        return False, f"raised {type(e).__name__}: {str(e)[:200]}"
+    return True, None
