@@ -331,27 +331,3 @@ class TwoLevelTransport:
             work.wait()
             return None
         return work if async_op and work is not None else (Done() if async_op else None)
-
-
-def hop_table(out_ring: Sequence[Sequence[int]], lengths: Sequence[int], row_numel: int) -> list[list[int]]:
-    """The exchange table of one multi-ring hop: rank r sends slot ``out_ring[r][p]`` (-1: nothing) to p;
-    every rank's slots have the same ``lengths`` (rows) of ``row_numel`` elements."""
-    return [[lengths[s] * row_numel if s >= 0 else 0 for s in row] for row in out_ring]
-
-
-def linked_hop(link, routing, rank: int, offsets: Sequence[int], lengths: Sequence[int],
-               cur: torch.Tensor, nxt: torch.Tensor) -> list:
-    """One multi-ring hop (comm/multiring.py) through ``link`` (the emulation's transport of the group):
-    slots packed in destination order, one all-to-all, unpacked into ``nxt``'s slots. Returns the work
-    handles for ``comm.multiring.wait_handles``."""
-    row = cur[0].numel() if cur.dim() > 0 and cur.shape[0] else 1
-    table = hop_table(routing.out_ring, lengths, row)
-    n = routing.n
-    send = torch.cat([cur.narrow(0, offsets[routing.out_ring[rank][p]], lengths[routing.out_ring[rank][p]]).reshape(-1)
-                      for p in range(n) if routing.out_ring[rank][p] >= 0]) if any(
-        s >= 0 for s in routing.out_ring[rank]) else cur.new_empty(0)
-    recv = torch.empty(sum(table[r][rank] for r in range(n)), dtype=cur.dtype, device=cur.device)
-    work = link.all_to_all(send, recv, table[rank], [table[r][rank] for r in range(n)], async_op=True, table=table)
-    views = [nxt.narrow(0, offsets[routing.in_ring[rank][r]], lengths[routing.in_ring[rank][r]])
-             for r in range(n) if table[r][rank]]
-    return ([work] if work is not None else []) + [(recv, views)]  # unpacked by wait() after the work
