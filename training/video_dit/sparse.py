@@ -34,6 +34,7 @@ mask); the SP modes take ``block_mask=`` / ``block_size=`` in ``megatron_sp_ext`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -97,7 +98,13 @@ def tile_order(grid_thw: tuple, tile_thw: tuple) -> tuple:
     """(perm, inv), LongTensors [N] with N = T'*H'*W': ``perm[p]`` is the row-major (t, h, w) index of the token at
     tile-order position p (whole blocks in (t, h, w) order, each block's tokens in (t, h, w) order, then the edge
     blocks' tokens the same way); ``inv[i]`` is the tile-order position of row-major token i. ``x_rowmajor[:, perm]``
-    is tile order, ``x_tiles[:, inv]`` row-major. Tile ``j`` holds positions [j * block_size, (j + 1) * block_size)."""
+    is tile order, ``x_tiles[:, inv]`` row-major. Tile ``j`` holds positions [j * block_size, (j + 1) * block_size).
+    Cached per (grid, tile): the tensors are shared, read them only."""
+    return _tile_order(tuple(int(g) for g in grid_thw), tuple(int(t) for t in tile_thw))
+
+
+@lru_cache(maxsize=32)
+def _tile_order(grid_thw: tuple, tile_thw: tuple) -> tuple:
     block, whole, inner, _ = _block_ids(grid_thw, tile_thw)
     vol = tile_thw[0] * tile_thw[1] * tile_thw[2]
     key = (~whole).long() * (block.numel() * vol) + block * vol + inner
@@ -110,6 +117,11 @@ def tile_order(grid_thw: tuple, tile_thw: tuple) -> tuple:
 def tile_coords(grid_thw: tuple, tile_thw: tuple) -> torch.Tensor:
     """[nT, 3] integer block coordinates (t, h, w) of every tile of ``tile_order`` (nT = ceil(N / block_size)):
     a whole block's own; an edge tile's the block holding the centroid of its tokens."""
+    return _tile_coords(tuple(int(g) for g in grid_thw), tuple(int(t) for t in tile_thw))
+
+
+@lru_cache(maxsize=32)
+def _tile_coords(grid_thw: tuple, tile_thw: tuple) -> torch.Tensor:
     perm, _ = tile_order(grid_thw, tile_thw)
     t_n, h_n, w_n = grid_thw
     vol = tile_thw[0] * tile_thw[1] * tile_thw[2]
@@ -145,7 +157,14 @@ def tile_positions(token_ids: torch.Tensor, grid_thw: tuple, tile_thw: tuple) ->
 
 def window_block_mask(grid_thw: tuple, tile_thw: tuple, window_thw: tuple) -> torch.Tensor:
     """bool [1, nT, nT] (query tiles x key tiles, tile order): key tile k is selected for query tile q when their
-    block coordinates (``tile_coords``) differ by at most (wt, wh, ww) = ``window_thw`` tiles on each axis."""
+    block coordinates (``tile_coords``) differ by at most (wt, wh, ww) = ``window_thw`` tiles on each axis. Cached per
+    arguments (read it only)."""
+    ints = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
+    return _window_block_mask(ints(grid_thw), ints(tile_thw), ints(window_thw))
+
+
+@lru_cache(maxsize=32)
+def _window_block_mask(grid_thw: tuple, tile_thw: tuple, window_thw: tuple) -> torch.Tensor:
     coords = tile_coords(grid_thw, tile_thw)                       # [nT, 3] in tile order
     dist_thw = (coords[:, None, :] - coords[None, :, :]).abs()     # [nT, nT, 3]
     reach = torch.tensor(window_thw, dtype=dist_thw.dtype)
@@ -235,6 +254,14 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     return o.transpose(1, 2)
 
 
+@lru_cache(maxsize=16)
+def device_window_mask(grid_thw: tuple, tile_thw: tuple, window_thw: tuple, num_blocks: int, device: str) -> torch.Tensor:
+    """The window mask padded to ``num_blocks`` on ``device``: ONE tensor per arguments for the whole run, so every
+    step and layer passes the same mask and the kernel's metadata for it (FA4's block-sparse tensors) is built once
+    (not per forward, which cost host time and a transfer every step)."""
+    return pad_block_mask(window_block_mask(grid_thw, tile_thw, window_thw), num_blocks).to(device)
+
+
 @dataclass(frozen=True)
 class SparseStep:
     """What one forward's sparse self-attention needs (``sparse_step``), the same in every block: ``spec``,
@@ -269,7 +296,7 @@ def sparse_step(spec: SparseSpec, token_ids: torch.Tensor, grid_thw: tuple, grou
     num_blocks = -(-seq_local * world // block)
     window = None
     if spec.window is not None:
-        window = pad_block_mask(window_block_mask(tuple(grid_thw), spec.tile, spec.window), num_blocks).to(device)
+        window = device_window_mask(tuple(grid_thw), tuple(spec.tile), tuple(spec.window), num_blocks, str(device))
     n_tokens = grid_thw[0] * grid_thw[1] * grid_thw[2]
     tile_index = torch.where(positions < n_tokens, positions // block, torch.full_like(positions, num_tiles))
     return SparseStep(spec, tile_index.to(device), num_tiles, num_blocks,
