@@ -233,22 +233,17 @@ def sample_loss(loss_r: torch.Tensor, sp_group, dp_group) -> float:
     return float(t.item())
 
 
-KERNEL_NAMES = {"fa4": "FlashAttention-4", "cudnn": "cuDNN (torch SDPA)", "flash": "FlashAttention-2 (torch SDPA)",
-                "math": "math (torch SDPA)", "block:math": "block-sparse math (megatron_sp_ext)",
-                "block:flex": "block-sparse flex_attention (torch)"}
-
-
 def attention_kernel_line(backend: str, setting: str, device: torch.device, dtype: torch.dtype,
                           head_dim: int, block_kernel: Optional[str] = None) -> str:
     """One line for the user, printed before training starts: which kernel runs the self-attention on
     ``device``/``dtype`` at ``head_dim`` and the ``setting`` (flag or JSON key) that changes it. Dense runs: the
     local-attention ``backend``'s kernel. ``block_kernel`` (the block-sparse kernel of a --sparse-attention tiles
-    run: "math", "flex", or "auto" resolved for ``device``/``dtype`` as attention/block_sparse.py does): it runs
+    run: a setting of attention/block_sparse.KERNELS, "auto" resolved for ``device``/``dtype`` by the registry): it runs
     the self-attention (changed by --sparse-attention) and the backend's kernel runs the cross-attention."""
     be = get_backend(backend, setting)
     if isinstance(be, SDPABackend):
         k = be.kernel_for(torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype))
-        dense = KERNEL_NAMES.get(k, k)
+        dense = kernels.label(k)
     else:
         dense = be.name
     on = f"on {device.type}/{str(dtype).replace('torch.', '')}"
@@ -256,7 +251,8 @@ def attention_kernel_line(backend: str, setting: str, device: torch.device, dtyp
         return f"attention kernel: {dense} {on}; change with {setting}"
     from megatron_sp_ext.attention.block_sparse import resolve_kernel  # noqa: PLC0415
     block = resolve_kernel(block_kernel, device, dtype)
-    return (f"attention kernel: self-attention: {KERNEL_NAMES[f'block:{block}']} {on}, change with {SPARSE_FLAG}; "
+    return (f"attention kernel: self-attention: block-sparse {kernels.by_setting(block).label} {on}, change with "
+            f"{SPARSE_FLAG}; "
             f"cross-attention: {dense}, change with {setting}")
 
 
