@@ -14,10 +14,10 @@ from training.video_dit import VideoDiT, preset
 from training.video_dit.data import SyntheticVideoLatents
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare
 from training.video_dit.model import patchify, unpatchify
-from training.video_dit.sparse import (SparseSpec, block_sparse_attention, check_tile_grid, coarse_attention,
+from training.video_dit.sparse import (SparseSpec, reference_sparse_attention, check_tile_grid, coarse_attention,
                                        num_tiles_of, pad_block_mask, pool_tiles, row_major_ids, tile_coords, tile_order,
                                        tile_positions,
-                                       token_mask, topk_block_mask, window_block_mask)
+                                       tile_token_mask, topk_block_mask, window_block_mask)
 
 CFG = preset("tiny")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +90,7 @@ def test_window_mask_matches_token_distance_definition(grid, tile, window):
     perm, inv = tile_order(grid, tile)
     block = tile[0] * tile[1] * tile[2]
     n = perm.numel()
-    got = token_mask(mask, block, n)[0][inv][:, inv]  # row-major x row-major
+    got = tile_token_mask(mask, block, n)[0][inv][:, inv]  # row-major x row-major
     t_n, h_n, w_n = grid
     coord = [(i // (h_n * w_n), (i // w_n) % h_n, i % w_n) for i in range(n)]
     want = torch.tensor([[all(abs(a // s - b // s) <= r for a, b, s, r in zip(coord[i], coord[j], tile, window))
@@ -144,7 +144,7 @@ def test_block_sparse_reference_equals_masked_dense_and_zero_rows():
     b, s, h, d, block = 1, 10, 2, 4, 4  # 3 blocks, the last one partial
     q, k, v = (torch.randn(b, s, h, d, requires_grad=True) for _ in range(3))
     mask = torch.tensor([[[1, 0, 1], [0, 1, 0], [0, 0, 0]], [[1, 1, 1], [1, 1, 1], [1, 1, 1]]], dtype=torch.bool)
-    out = block_sparse_attention(q, k, v, mask, block)
+    out = reference_sparse_attention(q, k, v, mask, block)
     for head in range(h):
         for i in range(s):
             keys = [j for j in range(s) if mask[head, i // block, j // block]]
@@ -156,10 +156,10 @@ def test_block_sparse_reference_equals_masked_dense_and_zero_rows():
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
     dense = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
-    full = block_sparse_attention(q, k, v, torch.ones(1, 3, 3, dtype=torch.bool), block)
+    full = reference_sparse_attention(q, k, v, torch.ones(1, 3, 3, dtype=torch.bool), block)
     assert torch.allclose(full, dense, atol=1e-6)
     with pytest.raises(SPConfigError, match=r"expected \[H or 1, 3, 3\]"):
-        block_sparse_attention(q, k, v, torch.ones(1, 2, 2, dtype=torch.bool), block)
+        reference_sparse_attention(q, k, v, torch.ones(1, 2, 2, dtype=torch.bool), block)
 
 
 # ---- the DiT's sparse step at SP=1 -----------------------------------------------------------------------------
@@ -325,7 +325,7 @@ def _gathered_core(group):
     def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
         full = [torch.cat(all_gather(t.contiguous(), group=group), dim=1) for t in (q, k, v)]
         s = q.shape[1]
-        return block_sparse_attention(*full, block_mask, block_size, n)[:, rank * s:(rank + 1) * s]
+        return reference_sparse_attention(*full, block_mask, block_size, n)[:, rank * s:(rank + 1) * s]
     core.group = group
     return core
 

@@ -29,7 +29,7 @@ from megatron_sp_ext.errors import SPConfigError
 from .config import DiTConfig
 from .fused import ElementwiseOps, linear_input_dtype, rms_norm
 from .rope import RopeCache, apply_rope
-from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, block_sparse_attention, coarse_attention, pad_block_mask,
+from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, reference_sparse_attention, coarse_attention, pad_block_mask,
                      pool_tiles, sparse_step, topk_block_mask)
 from .varlen import PackInfo
 
@@ -50,11 +50,11 @@ PACK_FLAG = "--pack-samples"
 def local_core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None):
     """Single-device attention (no sequence parallelism) with key padding; with ``cu_seqlens`` (packed
     samples, B=1) each sample attends only within itself (one SDPA per sample); with ``block_mask`` /
-    ``block_size`` block-sparse (``sparse.block_sparse_attention``, the reference of the SP modes' masks)."""
+    ``block_size`` block-sparse (``sparse.reference_sparse_attention``, the reference of the SP modes' masks)."""
     if block_mask is not None:
         if cu_seqlens is not None:
             raise SPConfigError(f"{PACK_FLAG} cannot run {SPARSE_FLAG} tiles (one block mask per sequence)")
-        return block_sparse_attention(q, k, v, block_mask, block_size, kv_valid_len)
+        return reference_sparse_attention(q, k, v, block_mask, block_size, kv_valid_len)
     if cu_seqlens is not None:
         if kv_valid_len is not None:
             raise SPConfigError("packed samples (cu_seqlens) carry no padding: kv_valid_len must be None")
@@ -453,7 +453,7 @@ class VideoDiT(nn.Module):
                 if cu_seqlens is not None:
                     raise SPConfigError(f"{PACK_FLAG} cannot run {SPARSE_FLAG} tiles (one block mask per sequence)")
                 if group is None:  # one rank: the block-sparse reference
-                    return block_sparse_attention(q, k, v, block_mask, block_size, n)
+                    return reference_sparse_attention(q, k, v, block_mask, block_size, n)
                 sp = a.attention_for(q.shape[2], k.shape[2], "bshd")  # the factory's attention that ``a`` runs
                 sp.training = a.training
                 return sp(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n, block_mask=block_mask,

@@ -28,7 +28,7 @@ Under sequence parallelism the sequence is sharded contiguously IN TILE ORDER (3
 so a local window touches few other ranks); the pooled tiles are summed over the SP group (``pool_tiles`` with a
 group, a differentiable all-reduce), so every rank builds the same block mask over the full sequence.
 
-``block_sparse_attention`` is the single-device reference (torch SDPA with the token mask expanded from the block
+``reference_sparse_attention`` is the single-device reference (torch SDPA with the token mask expanded from the block
 mask); the SP modes take ``block_mask=`` / ``block_size=`` in ``megatron_sp_ext``'s attention.
 """
 from __future__ import annotations
@@ -225,14 +225,14 @@ def coarse_attention(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torc
     return per_token * real[None, :, None, None].to(per_token.dtype)
 
 
-def token_mask(block_mask: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+def tile_token_mask(block_mask: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
     """bool [Hm, S, S] from a block mask [Hm, nT, nT] (nT = ceil(S / block_size)): token i attends token j when
     block (i // block_size, j // block_size) is selected."""
     blocks = torch.arange(seq_len, device=block_mask.device) // block_size
     return block_mask[:, blocks][:, :, blocks]
 
 
-def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
+def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
                            block_size: int, kv_valid_len: Optional[int] = None) -> torch.Tensor:
     """One-device block-sparse attention (the reference of the SP modes' ``block_mask=``): q, k, v [B, S, H, D] in
     global (tile) order, ``block_mask`` bool [H or 1, nT, nT] over query x key blocks of ``block_size`` tokens;
@@ -244,7 +244,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bl
     if block_mask.dim() != 3 or block_mask.shape[1:] != (n_blocks, n_blocks) or block_mask.shape[0] not in (1, heads):
         raise SPConfigError(f"block_mask of shape {list(block_mask.shape)}: expected [H or 1, {n_blocks}, {n_blocks}] "
                             f"for {seq_len} tokens in blocks of {block_size} ({heads} heads)")
-    allowed = token_mask(block_mask.to(q.device), block_size, seq_len)  # [Hm, S, S]
+    allowed = tile_token_mask(block_mask.to(q.device), block_size, seq_len)  # [Hm, S, S]
     if kv_valid_len is not None and kv_valid_len < seq_len:
         allowed = allowed & (torch.arange(seq_len, device=q.device) < kv_valid_len)
     any_key = allowed.any(dim=-1)  # [Hm, S]
