@@ -123,8 +123,8 @@ class SDPABackend(LocalAttention):
         if _one_row_block(q, k):
             return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
         kern = kernels.get(self.kernel_for(q))
-        if not getattr(kern, "in_torch_sdpa", False):   # a kernel of its own (FA4): its plain call
-            return kern.attention(q, k, v, causal, softmax_scale)
+        if not kern.in_torch_sdpa:   # a kernel of its own (FA4): its plain call
+            return kern.attention(q, k, v, causal, _scale(q, softmax_scale))
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
@@ -157,15 +157,19 @@ class FixedKernelBackend(SDPABackend):
         kern = kernels.get(self.kernel_for(q))
         if _one_row_block(q, k):
             kern = kernels.get(kernels.FALLBACK)
-        return kern.attention(q, k, v, causal, softmax_scale)
+        return kern.attention(q, k, v, causal, _scale(q, softmax_scale))
 
 
 def lse_attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: Optional[float]) -> torch.Tensor:
     """Differentiable attention [B, H, S, D] on one ``lse_kernels`` kernel's forward/backward (the calls the ring
     and head-chunked blocks make, so a plain call and a one-block ring compute the same bits)."""
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return kernels.LseFunction.apply(q, k, v, kernels.get(kernel), causal, scale, None)
+    return kernels.LseFunction.apply(q, k, v, kernels.get(kernel), causal, _scale(q, softmax_scale), None)
+
+
+def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
+    """The softmax scale of a call: the given one, else 1/sqrt(head dim)."""
+    return softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
 
 
 def _one_row_block(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -179,8 +183,7 @@ class MathBackend(LocalAttention):
     name = "math"
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
-        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        return kernels.get(kernels.FALLBACK).attention(q, k, v, causal, scale)
+        return kernels.get(kernels.FALLBACK).attention(q, k, v, causal, _scale(q, softmax_scale))
 
 
 class PlainKernelBackend(LocalAttention):
