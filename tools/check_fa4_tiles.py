@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.attention import kernels  # noqa: E402
 from megatron_sp_ext.attention.tiles import TileSlice  # noqa: E402
+from tools.benchlib import median_ms  # noqa: E402
 
 
 def rel(a, b) -> float:
@@ -81,19 +82,9 @@ def check(args, dev) -> list:
     return rows
 
 
-def ms(fn, iters=10) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+def ms(fn, iters: int = 10) -> float:
+    """Median ms of ``iters`` calls after 2 warm-up calls (CUDA events; one process: no group)."""
+    return median_ms(fn, iters, 2, None)
 
 
 def timing(args, dev) -> list:
