@@ -20,7 +20,8 @@ import torch.distributed as dist
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.sp.dynamic import DynamicPlan
 from tests.reference import TOL, rel_err
-from training.video_dit import VideoDiT, preset
+from tests.dit_models import modulated_dit
+from training.video_dit import preset
 from training.video_dit.data import SyntheticVideoLatents
 from training.video_dit.dynamic import make_dynamic_core
 from training.video_dit.engine import local_loss, make_core
@@ -40,14 +41,7 @@ def _device() -> torch.device:
 
 
 def _model(device):
-    torch.manual_seed(5)
-    with torch.device(device):
-        model = VideoDiT(CFG)
-    with torch.no_grad():
-        for blk in model.blocks:
-            blk.modulation.weight.normal_(0.0, 0.05)
-        model.mod_out.weight.normal_(0.0, 0.05)
-    return model
+    return modulated_dit(CFG, device=device)
 
 
 def _step(core, group, rank, world, device, autocast, plan=None):

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from tests.reference import TOL, rel_err
-from training.video_dit import VideoDiT, preset
+from tests.dit_models import modulated_dit
+from training.video_dit import preset
 from training.video_dit.data import SyntheticVideoLatents
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare
 from training.video_dit.packing import packed_batch, packed_host_inputs
@@ -35,13 +36,7 @@ def _device() -> torch.device:
 
 
 def _model(device, fused):
-    torch.manual_seed(5)
-    with torch.device(device):
-        model = VideoDiT(CFG)
-    with torch.no_grad():
-        for blk in model.blocks:
-            blk.modulation.weight.normal_(0.0, 0.05)
-        model.mod_out.weight.normal_(0.0, 0.05)
+    model = modulated_dit(CFG, device=device)
     model.set_fused_elementwise(fused)
     return model
 

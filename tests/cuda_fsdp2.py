@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.reference import TOL, rel_err
+from tests.dit_models import modulated_dit
 from training.video_dit import VideoDiT
 from training.video_dit.config import DiTConfig
 from training.video_dit.sharding import shard_model
@@ -38,13 +39,7 @@ def _device() -> torch.device:
 
 
 def _model(device: torch.device, recompute: bool) -> VideoDiT:
-    torch.manual_seed(11)
-    with torch.device(device):
-        model = VideoDiT(CFG)
-    with torch.no_grad():  # AdaLN-zero starts every block as the identity: give the timesteps a say
-        for blk in model.blocks:
-            blk.modulation.weight.normal_(0.0, 0.05)
-        model.mod_out.weight.normal_(0.0, 0.05)
+    model = modulated_dit(CFG, seed=11, device=device)
     model.set_recompute("full" if recompute else None)
     return model
 

@@ -18,7 +18,8 @@ import os
 import torch
 
 from tests.reference import rel_err
-from training.video_dit import VideoDiT, preset
+from tests.dit_models import modulated_dit
+from training.video_dit import preset
 from training.video_dit.data import SyntheticVideoLatents
 from training.video_dit.engine import flow_matching_batch, local_loss, prepare
 
@@ -40,13 +41,7 @@ def _model_case(device: torch.device) -> dict:
     results = []
     for fused in (None, "inductor"):
         torch._dynamo.reset()
-        torch.manual_seed(5)
-        with torch.device(device):
-            model = VideoDiT(cfg)
-        with torch.no_grad():
-            for blk in model.blocks:
-                blk.modulation.weight.normal_(0.0, 0.05)
-            model.mod_out.weight.normal_(0.0, 0.05)
+        model = modulated_dit(cfg, device=device)
         model.set_fused_elementwise(fused)
         loss = local_loss(model, inp)
         loss.backward()

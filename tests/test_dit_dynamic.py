@@ -16,7 +16,8 @@ from megatron_sp_ext.sp.dynamic import CostModel, DynamicPlan, plan_pack  # noqa
 from tests.harness import RankFailure, run_ranks  # noqa: E402
 from tests.reference import rel_err  # noqa: E402
 from tests.sp_reduce import loss_and_grads  # noqa: E402
-from training.video_dit import VideoDiT, preset  # noqa: E402
+from tests.dit_models import modulated_dit  # noqa: E402
+from training.video_dit import preset  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
 from training.video_dit.dynamic import make_dynamic_core  # noqa: E402
 from training.video_dit.engine import local_loss, make_core  # noqa: E402
@@ -35,13 +36,7 @@ def _data():
 
 
 def _model():
-    torch.manual_seed(5)
-    model = VideoDiT(CFG)
-    with torch.no_grad():  # AdaLN-zero starts as the identity: random modulation makes every block count
-        for blk in model.blocks:
-            blk.modulation.weight.normal_(0.0, 0.05)
-        model.mod_out.weight.normal_(0.0, 0.05)
-    return model.double()
+    return modulated_dit(CFG).double()
 
 
 def _step(core, group, rank, world, plan=None):

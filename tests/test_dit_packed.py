@@ -20,7 +20,8 @@ from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from tests.harness import RankFailure, run_ranks  # noqa: E402
 from tests.reference import rel_err  # noqa: E402
 from tests.sp_reduce import loss_and_grads  # noqa: E402
-from training.video_dit import VideoDiT, preset  # noqa: E402
+from tests.dit_models import modulated_dit  # noqa: E402
+from training.video_dit import preset  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
 from training.video_dit.model import patchify, unpatchify_packed  # noqa: E402
@@ -38,13 +39,7 @@ def _data(frames=FRAMES, sizes=SIZES):
 
 
 def _model():
-    torch.manual_seed(5)
-    model = VideoDiT(CFG)
-    with torch.no_grad():  # AdaLN-zero starts as the identity: random modulation makes every block count
-        for blk in model.blocks:
-            blk.modulation.weight.normal_(0.0, 0.05)
-        model.mod_out.weight.normal_(0.0, 0.05)
-    return model
+    return modulated_dit(CFG)
 
 
 def _one_at_a_time(ids, data=None):
