@@ -192,6 +192,7 @@ def block_sparse_attention(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: t
     the default positions: tril). Returns out [B, H, Sq, D]."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_bhsd.shape[-1])
     dev = q_bhsd.device
+    block_mask = block_mask.to(dev)   # the kernels' metadata lives beside q (no copy when it already does)
     if q_pos is None and k_pos is None and q_bhsd.shape[2] == k_bhsd.shape[2]:   # the whole sequence: cached slice
         ts = full_sequence_slice(block_mask, block_size, q_bhsd.shape[2], kv_valid_len, dev).with_heads(heads)
         return kernel_for_call(kernel, q_bhsd, ts, causal, lse=False).attention(q_bhsd, k_bhsd, v_bhsd, causal,
