@@ -21,6 +21,7 @@ from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.sp.dynamic import DynamicPlan
 from tests.reference import TOL, rel_err
 from tests.dit_models import modulated_dit
+from tests.sp_reduce import loss_and_grads
 from training.video_dit import preset
 from training.video_dit.data import SyntheticVideoLatents
 from training.video_dit.dynamic import make_dynamic_core
@@ -49,15 +50,7 @@ def _step(core, group, rank, world, device, autocast, plan=None):
     model.set_attention_core(core)
     data = SyntheticVideoLatents(CFG.in_channels, FRAMES, 4, 8, CFG.text_len, CFG.text_dim, seed=1, sizes=SIZES)
     inp = to_device(packed_host_inputs(packed_batch(data, IDS, 7, CFG.patch), rank, world, plan), device)
-    loss_r = local_loss(model, inp, autocast)
-    (loss_r * world).backward()
-    loss, grads = loss_r.detach().float().clone(), [p.grad.detach().clone() for p in model.parameters()]
-    if group is not None:
-        dist.all_reduce(loss, group=group)
-        for g in grads:
-            dist.all_reduce(g, group=group)
-            g /= world
-    return loss.item(), grads
+    return loss_and_grads(model, local_loss(model, inp, autocast), group)
 
 
 def dit_dynamic_family(rank: int, world: int) -> list:
