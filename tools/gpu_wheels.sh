@@ -18,7 +18,9 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
   hjson msgpack py-cpuinfo pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q deepspeed==0.19.8 --no-deps --no-build-isolation -w "$W"
 rm -rf .fa4 && mkdir -p .fa4
-tar -C "$W" -cf .fa4/wheels.tar .
+# smallest first: the first part then holds every wheel but the CuTe DSL libraries whole (megatron-core, deepspeed,
+# FA4's Python), which gpu_install.sh installs from the first call on
+tar -C "$W" -cf .fa4/wheels.tar $(cd "$W" && ls -Sr)
 split -b 55M .fa4/wheels.tar .fa4/part.
 { echo "sha256 $(sha256sum .fa4/wheels.tar | cut -d' ' -f1)"; (cd .fa4 && ls part.*); } > .fa4/manifest
 rm -f .fa4/wheels.tar
