@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent GPU session of a round, in stages that each fit one device call (<= 10 min), run back to back on the same
 # warm machine (the wheels carried as parts in .fa4/: tools/gpu_wheels.sh; the first call carries part.aa only).
-#   bash tools/gpu_round.sh STAGE [STAGE ...]      stages: suite kernels steps32 steps75 extras
+#   bash tools/gpu_round.sh STAGE [STAGE ...]      stages: first checks suite kernels steps32 steps75 extras
 # Each stage writes $OUT/<stage>.tgz (its raw JSON and logs) and $OUT/<stage>.txt (the summary printed last).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,16 @@ W=/tmp/gpu_round; mkdir -p "$W"
 STEP="torchrun --nproc-per-node 1 tools/bench_train_step.py"
 WAN14=(--model wan-14b --num-layers 2 --bf16 --train-iters ${ITERS:-30} --ddp-impl torch)
 
+stage_first() {   # first call (the CuTe DSL libraries not yet there, so no FA4): the round's FA4-free new paths
+  SPX_CUDA_REPORT=$W/first/suite timeout ${FIRST_SUITE_S:-300} bash tools/gpu_run.sh \
+    "(fsdp2 or fused_regions_fp32 or dit_dynamic) and not 2-gloo" 2>&1 | tail -n 30
+  local n; n=$(nvidia-smi -L | wc -l)
+  if [ "$n" -ge 2 ]; then   # #55 item 5, #52: FSDP2 at 2 ranks (SP=2) beside megatron DDP, the plan beside the peak
+    timeout 240 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,fsdp2 --out $W/first/fsdp2_p2 \
+      -- --model wan-14b --num-layers 4 --frames 21 --latent-size 60x104 --bf16 --train-iters 20 \
+      --recompute-granularity full --context-parallel-size 2 2>&1 | tail -n 12
+  fi
+}
 stage_suite() {   # the CUDA suite first: the families this round touched
   SPX_CUDA_REPORT=$W/suite bash tools/gpu_run.sh "${SUITE_K:-fa4_block_sparse or one_ring or block_sparse_family or ring_family or mesh_family or fa4_family or auto_family or fsdp2 or fused_fp32 or dit_dynamic}"
 }
@@ -62,6 +72,6 @@ for s in "$@"; do
   "stage_$s" 2>&1 | tee "$W/$s.log" | tail -n 60 > "$OUT/$s.txt"
   echo "stage $s: $(( $(date +%s) - start )) s" | tee -a "$OUT/$s.txt"
   tar -C "$W" -czf "$OUT/$s.tgz" --exclude='*.pt' --exclude='*.pth' "$s.meta" "$s.log" \
-    $(cd "$W" && ls -d checks suite kernels steps profile fsdp2 peaks dynamic 2>/dev/null) 2>/dev/null
+    $(cd "$W" && ls -d first checks suite kernels steps profile fsdp2 peaks dynamic 2>/dev/null) 2>/dev/null
   cat "$OUT/$s.txt"
 done
