@@ -1,18 +1,21 @@
 # Sourced by tools/gpu_run.sh on a GPU machine: installs the wheels carried as parts (tools/gpu_wheels.sh), kept
 # under /tmp/spx_parts between calls to the same warm machine. The parts hold the wheels smallest first: from the
-# first call on, every wheel the parts so far hold whole is installed (megatron-core, deepspeed, FA4's Python);
-# once every part of the manifest is there they are joined, checked (sha256) and the rest installed (the CuTe DSL
-# libraries, without which FA4 does not import). Exports PYTHONPATH with /tmp/site (and FA4's CuTe DSL packages,
-# which pip --target leaves off the path).
+# first call on, the wheels the parts so far hold whole are installed, except FA4 and its CuTe DSL (megatron-core,
+# deepspeed and their needs; FA4 half-installed would import and fail); once every part of the manifest is there
+# they are joined, checked (sha256) and ALL installed afresh in one pip call (pip --target --upgrade replaces a
+# package folder that two wheels share, e.g. nvidia_cutlass_dsl/). Exports PYTHONPATH with /tmp/site (and FA4's
+# CuTe DSL packages, which pip --target leaves off the path).
 mkdir -p /tmp/spx_parts /tmp/site
 if [ -d .fa4 ]; then cp -f .fa4/part.* .fa4/manifest /tmp/spx_parts/ 2>/dev/null; fi
-spx_install_whole() {   # $1: a tar stream's file (maybe cut short); installs each whole wheel not installed yet
+SPX_LATE='flash_attn|quack|cutlass|tvm_ffi|dlpack'   # FA4 and its DSL: installed only once every part is there
+spx_install_whole() {   # $1: a tar stream's file (maybe cut short); $2: "early" leaves SPX_LATE's wheels out
   rm -rf /tmp/spx_wheels && mkdir -p /tmp/spx_wheels
   tar -C /tmp/spx_wheels -xf "$1" 2>/dev/null
   local todo=()
   for w in /tmp/spx_wheels/*.whl; do
     [ -f "$w" ] || continue
     grep -qxF "$(basename "$w")" /tmp/site/.spx_wheels 2>/dev/null && continue
+    [ "${2:-}" = early ] && basename "$w" | grep -qE "$SPX_LATE" && continue
     python3 -c "import sys, zipfile; sys.exit(0 if zipfile.is_zipfile(sys.argv[1]) else 1)" "$w" && todo+=("$w")
   done
   [ ${#todo[@]} -eq 0 ] && return 0
@@ -26,7 +29,7 @@ if [ ! -f /tmp/site/.spx_installed ] && [ -f /tmp/spx_parts/manifest ]; then
   missing=$(for p in $parts; do [ -f "/tmp/spx_parts/$p" ] || echo -n "$p "; done)
   if [ -n "$missing" ]; then
     have=""; for p in $parts; do [ -f "/tmp/spx_parts/$p" ] || break; have="$have /tmp/spx_parts/$p"; done
-    if [ -n "$have" ]; then cat $have > /tmp/spx_wheels.tar && spx_install_whole /tmp/spx_wheels.tar; fi
+    if [ -n "$have" ]; then cat $have > /tmp/spx_wheels.tar && spx_install_whole /tmp/spx_wheels.tar early; fi
     echo "gpu_install: waiting for parts: $missing (carry them in the next call)"
   else
     want=$(head -1 /tmp/spx_parts/manifest | cut -d' ' -f2)
@@ -34,7 +37,7 @@ if [ ! -f /tmp/site/.spx_installed ] && [ -f /tmp/spx_parts/manifest ]; then
     if [ "$(sha256sum /tmp/spx_wheels.tar | cut -d' ' -f1)" != "$want" ]; then
       echo "gpu_install: the joined parts do not match the manifest's sha256"; return 1
     fi
-    spx_install_whole /tmp/spx_wheels.tar && touch /tmp/site/.spx_installed
+    rm -rf /tmp/site && mkdir -p /tmp/site && spx_install_whole /tmp/spx_wheels.tar && touch /tmp/site/.spx_installed
   fi
 fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}

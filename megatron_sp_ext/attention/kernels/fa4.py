@@ -175,18 +175,15 @@ def _unit(tile_idx: torch.Tensor, extra: Optional[torch.Tensor] = None) -> int:
 
 
 def _lists(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(counts int32 [..., R], ascending column indices int32 [..., R, W] (selected first)) of a bool [..., R, C],
-    W = the largest count (>= 1): FA4 reads only the first count entries of a row, so the index tensor is kept
-    compact (at 90% sparsity a tenth of [..., R, C]; at 75K tokens x 40 heads the full one is ~56 MB a layout). One
-    host read of W per mask."""
+    """(counts int32 [..., R], ascending column indices int32 [..., R, C] (selected first)) of a bool [..., R, C].
+    The index tensor keeps the full width C: a compact one (width = the largest count) made every FA4 call fail
+    with "Expected strides[leading_dim] == 1, but got <width>" on an H100 (2026-11-25, FA4 4.0.0b36)."""
     c = sel.shape[-1]
     col = torch.arange(c, device=sel.device)
     key = torch.where(sel, col, col + c)
-    counts = sel.sum(-1, dtype=torch.int32)
-    width = max(1, int(counts.max())) if counts.numel() else 1
-    idx = key.sort(dim=-1).values[..., :width]
+    idx = key.sort(dim=-1).values
     idx = torch.where(idx >= c, idx - c, idx)
-    return counts, idx.to(torch.int32).contiguous()
+    return sel.sum(-1, dtype=torch.int32), idx.to(torch.int32).contiguous()
 
 
 class TileMeta:
