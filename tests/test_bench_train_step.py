@@ -84,3 +84,50 @@ def test_cpu_run_records_agreement_fsdp2_and_plan(tmp_path):
         if not a["agrees"]:
             assert v in out["step_agreement_flagged"] and f"WARNING {v}" in r.stdout
     assert "fsdp2_overhead" in res and "fsdp2_overhead_bare" in res
+
+
+def test_packed_variants_are_refused_by_name_before_any_run():
+    """dynamic_cp at --context-parallel-size 1 (uniform and dynamic SP are then the same run) and the packed
+    variants on the DeepSpeed entry (its dynamic SP is a JSON setting) stop the job, naming the flag."""
+    pytest.importorskip("megatron.core")
+    from training import pretrain_video_dit as entry
+    rest = ["--model", "tiny", "--pack-samples", "--max-tokens-per-step", "64"]
+    parsed = {v: entry.parse([*rest, *bts.VARIANTS[v]]) for v in ("packed", "dynamic_cp")}
+    bts.check_packed_variants(["packed"], "megatron", parsed)  # uniform SP at CP=1 runs
+    with pytest.raises(SystemExit, match="--context-parallel-size > 1"):
+        bts.check_packed_variants(["packed", "dynamic_cp"], "megatron", parsed)
+    with pytest.raises(SystemExit, match="--entry megatron"):
+        bts.check_packed_variants(["packed"], "deepspeed", parsed)
+
+
+def test_cpu_run_dynamic_cp_against_uniform_sp_on_one_mixed_pack(tmp_path):
+    """#55 item 3 on the CPU: the tool at 2 gloo ranks, "packed" (uniform SP) and "dynamic_cp" on one mixed pack
+    per step (--frames / --latent-size cycle per sample: a 16-frame 32x32 clip of 4,096 tokens, images of 8x8 and
+    6x10 latents, a 3-frame 6x10 clip; odd token counts pad under uniform SP). The packer puts the long clip over
+    both ranks and the rest whole on one rank each; both variants record the same packs, the speedup keys exist,
+    and the first step's loss (same pack, same init, before any update) agrees within fp32 rounding."""
+    pytest.importorskip("megatron.core")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           os.path.join(ROOT, "tools", "bench_train_step.py"), "--variants", "packed,dynamic_cp", "--log-interval", "2",
+           "--out", str(tmp_path), "--", "--model", "tiny", "--context-parallel-size", "2", "--frames", "16,1,1,3,1",
+           "--latent-size", "32x32,8x8,6x10,6x10,8x8", "--pack-samples", "--max-tokens-per-step", "4200",
+           "--train-iters", "3", "--ddp-impl", "torch", "--num-workers", "0", "--timing-bare-steps", "1"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.load(open(tmp_path / "train_step.json"))["results"]
+    for v in ("packed", "dynamic_cp"):
+        assert res[v]["entry_step_ms"] > 0 and res[v]["bare_step_ms"] > 0
+        first = res[v]["pack"]["first_step"]
+        assert first["tokens"] == [4096, 16, 15, 45, 16] and first["samples"] == 5 and first["total_tokens"] == 4188
+        assert first["latent_thw"][:2] == [[16, 32, 32], [1, 8, 8]]
+        assert [s["samples"] for s in res[v]["pack"]["steps"]] == [5, 5, 5]
+    assert "sp_sizes" not in res["packed"]["pack"]["first_step"]
+    assert res["dynamic_cp"]["pack"]["first_step"]["sp_sizes"] == [2, 1, 1, 1, 1]  # a real mix of placements
+    assert "1 sample of 4,096 tokens over 2 ranks" in res["dynamic_cp"]["pack"]["first_step"]["plan"]
+    assert res["dynamic_cp_same_pack"] is True
+    for key, what in (("dynamic_cp_speedup", "entry_step_ms"), ("dynamic_cp_speedup_bare", "bare_step_ms")):
+        assert res[key] == pytest.approx(res["packed"][what] / res["dynamic_cp"][what])
+    a, b = res["packed"]["first_step_loss"], res["dynamic_cp"]["first_step_loss"]
+    assert a is not None and b == pytest.approx(a, rel=1e-5), (a, b)
+    assert res["dynamic_cp_first_loss_rel_diff"] <= 1e-5

@@ -34,6 +34,17 @@ FSDP2 (#52): variant "fsdp2" is the defaults with --use-torch-fsdp2 (with "guard
 fsdp2_overhead = fsdp2 / guarded entry step time - 1, and the same for the bare step). Every variant of the
 megatron-core entry also records ``plan_gib`` (tools/memory_plan.py for the run's model, layers, tokens, SP,
 world, sharding and recompute) and ``plan_error`` = plan / measured peak - 1, beside ``peak_mem_gib``.
+Every variant records ``first_step_loss`` (the entry's loss of its first step, from its metrics rows).
+Dynamic SP (#55 item 3, megatron-core entry, --context-parallel-size > 1): "packed" is the defaults with
+--pack-samples (uniform SP: every sample of the pack split over all context ranks), "dynamic_cp" the same plus
+--dynamic-context-parallel (each sample over its own aligned sub-group); the budget --max-tokens-per-step and the
+mix come from the entry flags (--frames cycles per sample, so --frames 21,1,1,11 packs images with clips;
+--latent-size cycles independently). Both see the same sample stream, so the same packs. Each records ``pack``: the
+first step's and the bare step's pack (samples, their latent shapes and video tokens; under dynamic_cp also each
+sample's SP size and the plan in words) and the samples / tokens of every logged step. With both in the job:
+dynamic_cp_speedup = packed / dynamic_cp entry step time (dynamic_cp_speedup_bare: the bare steps),
+dynamic_cp_same_pack, and dynamic_cp_first_loss_rel_diff = |loss dynamic_cp - loss packed| / |loss packed| of the
+first step (same pack, same init: ~1e-7 in fp32; bf16 rounds differently on the two placements).
 
     torchrun --nproc-per-node 1 tools/bench_train_step.py --out $OUT -- --model wan-1.3b --num-layers 4 \
         --frames 21 --latent-size 60x104 --bf16 --train-iters 30 --ddp-impl torch
@@ -59,7 +70,10 @@ VARIANTS = {"guarded": [],  # the defaults: finite check every step
             "unfused": ["--fused-elementwise", "off"],  # the eager elementwise path (the default on CPU)
             "cudnn": ["--sp-attention-backend", "cudnn"],  # attention on cuDNN (every call), the defaults otherwise
             "fa4": ["--sp-attention-backend", "fa4"],  # attention on FlashAttention-4 (every call)
-            "fsdp2": ["--use-torch-fsdp2"]}  # FSDP2 over data x context ranks (megatron-core entry)
+            "fsdp2": ["--use-torch-fsdp2"],  # FSDP2 over data x context ranks (megatron-core entry)
+            "packed": ["--pack-samples"],  # packed steps, uniform SP (needs --max-tokens-per-step in the entry flags)
+            "dynamic_cp": ["--pack-samples", "--dynamic-context-parallel"]}  # the same packs, dynamic SP
+PACKED_VARIANTS = ("packed", "dynamic_cp")  # their results record the pack (pack_info)
 STEP_AGREEMENT_TOL = 0.02  # entry step vs bare step: beyond this the run is flagged
 # block-sparse variants: (selection, target sparsity); their flags depend on the grid (sparse_variant_flags)
 SPARSE_VARIANTS = {"sparse_topk80": ("topk", 0.8), "sparse_topk90": ("topk", 0.9),
@@ -94,6 +108,55 @@ def sparse_variant_flags(name: str, rest: list, tile: str, entry) -> tuple[list,
         info.update(window=list(w), sparsity=1.0 - float(window_block_mask(grid, tile_thw, w).float().mean()))
     info["flags"] = flags
     return flags, info
+
+
+def pack_info(args, world: int, rows: list) -> dict:
+    """The packs of a --pack-samples run with entry flags ``args`` (megatron-core entry) on ``world`` ranks, from the
+    entry's own PackPlan over its dataset: ``first_step`` and ``bare_step`` (the run's last step, which the bare
+    steps repeat) of data-parallel rank 0: sample ids, latent (T, H, W), video tokens per sample and in all; with
+    --dynamic-context-parallel at SP > 1 also each sample's SP size and the plan in words (DynamicSP, as the entry
+    plans it). ``steps``: samples and video tokens of every step the entry logged (its metrics rows)."""
+    from training.video_dit.cli import build_dataset  # noqa: PLC0415
+    from training.video_dit.config import preset  # noqa: PLC0415
+    from training.video_dit.dynamic import DynamicSP  # noqa: PLC0415
+    from training.video_dit.packing import make_pack_plan  # noqa: PLC0415
+    cfg = preset(args.model, args.num_layers)
+    sp = args.context_parallel_size or 1
+    dataset = build_dataset(args, cfg)
+    plan = make_pack_plan(args, dataset, cfg, sp, 0, 0)
+    dyn = DynamicSP(sp, cfg, args.min_dynamic_context_parallel_size, mode=args.cp_comm_type[0]) \
+        if args.dynamic_context_parallel and sp > 1 else None
+
+    def one(step: int) -> dict:
+        ids = plan.pack(plan.index(step, 0, world // sp))
+        tokens = [plan.tokens(i) for i in ids]
+        out = {"step": step, "samples": len(ids), "sample_ids": ids, "total_tokens": sum(tokens), "tokens": tokens,
+               "latent_thw": [list(dataset.shape_of(i)[0][1:]) for i in ids]}
+        if dyn is not None:
+            cu = [0]
+            for n in tokens:
+                cu.append(cu[-1] + n)
+            d = dyn.plan(cu)
+            out.update(sp_sizes=list(d.sizes), plan=d.describe(dyn.cost))
+        return out
+    return {"first_step": one(0), "bare_step": one(max(args.train_iters - 1, 0)), "sp": sp,
+            "max_tokens_per_step": args.max_tokens_per_step,
+            "steps": [{"step": r["step"], "samples": r.get("samples"), "tokens": r.get("tokens")} for r in rows]}
+
+
+def check_packed_variants(variants: list, entry_name: str, parsed: dict) -> None:
+    """The packed / dynamic_cp variants' preconditions, named before any run (SystemExit): the megatron-core entry
+    (--dynamic-context-parallel is its flag) and, for dynamic_cp, --context-parallel-size > 1 (at 1 it is uniform
+    SP). ``parsed``: variant -> its parsed entry flags."""
+    for v in variants:
+        if v not in PACKED_VARIANTS:
+            continue
+        if entry_name != "megatron":
+            raise SystemExit(f"--variants {v}: runs the megatron-core entry (--entry megatron); the DeepSpeed entry "
+                             f"takes dynamic SP from its JSON config (sequence_parallel_ext.dynamic)")
+        if v == "dynamic_cp" and (parsed[v].context_parallel_size or 1) < 2:
+            raise SystemExit("--variants dynamic_cp: needs --context-parallel-size > 1 in the entry flags (at 1 every "
+                             "sample is on one rank: dynamic and uniform SP are the same run)")
 
 
 def token_grid(args) -> Optional[tuple]:
@@ -189,6 +252,9 @@ def main() -> None:
     for v in args.variants.split(","):
         if v in SPARSE_VARIANTS:
             extra[v], sparse_info[v] = sparse_variant_flags(v, rest, args.sparse_tile, entry)
+    variants = args.variants.split(",")
+    parsed_all = {v: entry.parse([*rest, *extra[v]]) for v in variants}  # a bad flag stops the job before any run
+    check_packed_variants(variants, args.entry, parsed_all)
     init_world()  # shared by the runs below
     results = {}
     os.makedirs(args.out, exist_ok=True)
@@ -197,8 +263,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             res = entry.main([*rest, *extra[v], "--log-interval", str(args.log_interval), "--timing", "--quiet",
                               "--log-dir", os.path.join(tmp, v)])
-        parsed = entry.parse([*rest, *extra[v]])
+        parsed = parsed_all[v]
         t = dict(res["timing"])
+        t["first_step_loss"] = res["losses"][0] if res.get("losses") else None
         t["step_agreement"] = step_agreement(t, parsed.train_iters, args.log_interval)
         t["mfu_bare"] = t["step_agreement"]["mfu_bare"]
         if args.entry == "megatron":
@@ -207,6 +274,8 @@ def main() -> None:
                 t["plan_error"] = t["plan_gib"] / t["peak_mem_gib"] - 1
         if v in sparse_info:
             t["sparse"] = _sparse_result(sparse_info[v], res["timing"], rest, entry)
+        if v in PACKED_VARIANTS:
+            t["pack"] = pack_info(parsed, int(os.environ.get("WORLD_SIZE", "1")), res.get("rows") or [])
         results[v] = t
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"[bench_train_step] {v}: entry {t['entry_step_ms']:.1f} ms, model fwd+bwd "
@@ -225,6 +294,8 @@ def main() -> None:
         results["fsdp2_overhead_bare"] = results["fsdp2"]["bare_step_ms"] / results["guarded"]["bare_step_ms"] - 1
     if "cudnn" in results and "fa4" in results:
         results["fa4_speedup"] = results["cudnn"]["entry_step_ms"] / results["fa4"]["entry_step_ms"]
+    if "packed" in results and "dynamic_cp" in results:
+        results.update(dynamic_cp_comparison(results["packed"], results["dynamic_cp"]))
     for v in sparse_info:
         if "guarded" in results:
             results[f"sparse_speedup_{v}"] = results["guarded"]["entry_step_ms"] / results[v]["entry_step_ms"]
@@ -243,6 +314,19 @@ def main() -> None:
         print(f"wrote {path}")
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def dynamic_cp_comparison(packed: dict, dyn: dict) -> dict:
+    """dynamic_cp_speedup (packed / dynamic_cp entry step time), _bare (the bare steps), whether both ran the same
+    packs, and the relative difference of their first-step losses (same pack, same init)."""
+    out = {"dynamic_cp_speedup": packed["entry_step_ms"] / dyn["entry_step_ms"],
+           "dynamic_cp_speedup_bare": packed["bare_step_ms"] / dyn["bare_step_ms"]}
+    keys = ("sample_ids", "tokens")
+    out["dynamic_cp_same_pack"] = all(packed["pack"][w][k] == dyn["pack"][w][k] for w in ("first_step", "bare_step")
+                                      for k in keys)
+    a, b = packed.get("first_step_loss"), dyn.get("first_step_loss")
+    out["dynamic_cp_first_loss_rel_diff"] = abs(b - a) / abs(a) if a is not None and b is not None and a else None
+    return out
 
 
 def _sparse_result(info: dict, timing: dict, rest: list, entry) -> dict:
