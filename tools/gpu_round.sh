@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent GPU session of a round, in stages that each fit one device call (<= 10 min), run back to back on the same
 # warm machine (the wheels carried as parts in .fa4/: tools/gpu_wheels.sh; the first call carries part.aa only).
-#   bash tools/gpu_round.sh STAGE [STAGE ...]      stages: first checks suite kernels steps32 steps75 extras
+#   bash tools/gpu_round.sh STAGE [STAGE ...]      stages: first fa4 sp2 checks suite kernels steps32 steps75 extras
 # Each stage writes $OUT/<stage>.tgz (its raw JSON and logs) and $OUT/<stage>.txt (the summary printed last).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,15 +13,35 @@ W=/tmp/gpu_round; mkdir -p "$W"
 STEP="torchrun --nproc-per-node 1 tools/bench_train_step.py"
 WAN14=(--model wan-14b --num-layers 2 --bf16 --train-iters ${ITERS:-30} --ddp-impl torch)
 
-stage_first() {   # first call (the CuTe DSL libraries not yet there, so no FA4): the round's FA4-free new paths
-  SPX_CUDA_REPORT=$W/first/suite timeout ${FIRST_SUITE_S:-300} bash tools/gpu_run.sh \
-    "(fsdp2 or fused_regions_fp32 or dit_dynamic) and not 2-gloo" 2>&1 | tail -n 30
-  local n; n=$(nvidia-smi -L | wc -l)
-  if [ "$n" -ge 2 ]; then   # #55 item 5, #52: FSDP2 at 2 ranks (SP=2) beside megatron DDP, the plan beside the peak
-    timeout 240 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,fsdp2 --out $W/first/fsdp2_p2 \
-      -- --model wan-14b --num-layers 4 --frames 21 --latent-size 60x104 --bf16 --train-iters 20 \
-      --recompute-granularity full --context-parallel-size 2 2>&1 | tail -n 12
-  fi
+stage_first() {   # first call (FA4's DSL not there yet: the local kernel is cuDNN): 2-rank jobs that need no FA4
+  SPX_CUDA_REPORT=$W/first/suite timeout 80 bash tools/gpu_run.sh "fsdp2_entry" 2>&1 | tail -n 8
+  [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || return 0
+  # #55 item 5, #52: FSDP2 at 2 ranks (SP=2) beside megatron DDP, the plan beside the peak
+  timeout 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,fsdp2 --log-interval 4 \
+    --out $W/first/fsdp2_p2 -- --model wan-14b --num-layers 4 --frames 21 --latent-size 60x104 --bf16 \
+    --train-iters 12 --timing-bare-steps 4 --recompute-granularity full --context-parallel-size 2 2>&1 | tail -n 12
+  # #55 item 3: dynamic vs uniform SP on one mixed pack (images + clips), 2 ranks
+  timeout 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants packed,dynamic_cp --log-interval 4 \
+    --out $W/first/dynamic_p2 -- --model wan-14b --num-layers 2 --bf16 --context-parallel-size 2 \
+    --cp-comm-type ulysses --ddp-impl torch --frames 21,1,1,1,11,1,1,1,5,1 --latent-size 60x104 --pack-samples \
+    --max-tokens-per-step 75000 --train-iters 10 --timing-bare-steps 4 2>&1 | tail -n 12
+}
+stage_fa4() {   # second call (FA4 installed): its block sparsity checked per kernel call (GPU 1) beside the suite
+  mkdir -p $W/fa4
+  CUDA_VISIBLE_DEVICES=1 timeout 240 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks \
+    > $W/fa4/checks.log 2>&1 &
+  local bg=$!
+  SPX_CUDA_REPORT=$W/fa4/suite timeout 250 bash tools/gpu_run.sh \
+    "(fa4_block_sparse_family and (2-nccl or 4-gloo)) or (dit_dynamic and 2-nccl)" 2>&1 | grep -E "^(ok|BAD)|passed|failed" | tail -n 40
+  SPX_SUITE_KERNEL=cudnn SPX_CUDA_REPORT=$W/fa4/suite_cudnn timeout 70 bash tools/gpu_run.sh "dit_dynamic and 2-nccl" \
+    2>&1 | grep -E "^(ok|BAD)|passed|failed" | tail -n 10
+  wait $bg; tail -n 2 $W/fa4/checks.log
+}
+stage_sp2() {   # #55 item 4: the step at SP=2 (one rank per GPU), wan-14b 4 layers, 75,600 tokens
+  timeout ${SP2_S:-180} torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,sparse_window90,sparse_topk90 \
+    --log-interval 4 --out $W/sp2/wan14b_4l_21x45x80 -- --model wan-14b --num-layers 4 --bf16 --train-iters 12 \
+    --timing-bare-steps 4 --ddp-impl torch \
+    --context-parallel-size 2 --frames 21 --latent-size 90x160 2>&1 | tail -n 15
 }
 stage_suite() {   # the CUDA suite first: the families this round touched
   SPX_CUDA_REPORT=$W/suite bash tools/gpu_run.sh "${SUITE_K:-fa4_block_sparse or one_ring or block_sparse_family or ring_family or mesh_family or fa4_family or auto_family or fsdp2 or fused_fp32 or dit_dynamic}"
@@ -72,6 +92,6 @@ for s in "$@"; do
   "stage_$s" 2>&1 | tee "$W/$s.log" | tail -n 60 > "$OUT/$s.txt"
   echo "stage $s: $(( $(date +%s) - start )) s" | tee -a "$OUT/$s.txt"
   tar -C "$W" -czf "$OUT/$s.tgz" --exclude='*.pt' --exclude='*.pth' "$s.meta" "$s.log" \
-    $(cd "$W" && ls -d first checks suite kernels steps profile fsdp2 peaks dynamic 2>/dev/null) 2>/dev/null
+    $(cd "$W" && ls -d first fa4 sp2 checks suite kernels steps profile fsdp2 peaks dynamic 2>/dev/null) 2>/dev/null
   cat "$OUT/$s.txt"
 done
