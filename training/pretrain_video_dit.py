@@ -26,8 +26,10 @@ from megatron_sp_ext.config import SPConfig  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
-from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
-                                    check_parallel_size, check_shapes, pick_device, sparse_spec)
+from training.video_dit.cli import (EntryParser, add_common_args, add_sparse_kernel_arg, build_dataset,  # noqa: E402
+                                    check_common_args, check_parallel_size, check_shapes, check_sparse_kernel,
+                                    pick_device, run_dtype, sparse_spec)
+from training.video_dit.sparse import SPARSE_KERNEL_FLAG  # noqa: E402
 from training.video_dit.dynamic import DynamicSP, make_dynamic_core  # noqa: E402
 from training.video_dit.engine import MetricsLog, attention_kernel_line, make_core  # noqa: E402
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
@@ -47,6 +49,7 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     from megatron_sp_ext.megatron import add_arguments, validate_args  # noqa: PLC0415
     p = EntryParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
+    add_sparse_kernel_arg(p)
     p.add_argument("--context-parallel-size", type=int, default=1)
     p.add_argument("--ddp-impl", choices=["auto", "megatron", "torch"], default="auto")
     p.add_argument("--use-distributed-optimizer", action="store_true",
@@ -80,6 +83,7 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     if fsdp_msg:
         p.error(fsdp_msg)
     check_common_args(p, args)
+    check_sparse_kernel(p, args)
     cfg = preset(args.model, args.num_layers)
     args.num_attention_heads, args.tensor_model_parallel_size = cfg.heads, 1
     if len(args.cp_comm_type) != 1:
@@ -178,7 +182,8 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
                                            num_heads=cfg.heads, head_chunks=args.hcms_head_chunks,
                                            ring_variant=args.sp_ring_variant, placement=args.sp_placement,
                                            ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes,
-                                           backend=args.sp_attention_backend, transport=args.sp_transport))
+                                           backend=args.sp_attention_backend, transport=args.sp_transport,
+                                           block_kernel=args.sparse_attention_kernel))
     if args.sp_async_qkv in ("on", "allgather") and sp_world > 1:
         model.set_async_attention(cp_group, 1 if args.cp_comm_type[0] == "ulysses" else args.hcms_head_chunks,
                                   args.sp_transport, allgather=args.sp_async_qkv == "allgather")
@@ -223,14 +228,16 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
                     f"cp_comm_type={args.cp_comm_type[0]} head_chunks={args.hcms_head_chunks} "
                     f"async_qkv={args.sp_async_qkv} ddp={impl} dist_opt={args.use_distributed_optimizer} "
                     f"recompute={args.recompute_granularity} device={device}"
-                    + (f" sparse_attention=tiles {sparse}" if sparse is not None else "")
+                    + (f" sparse_attention=tiles {sparse} kernel={args.sparse_attention_kernel}"
+                       if sparse is not None else "")
                     + (f" pack_samples max_tokens_per_step={args.max_tokens_per_step}" if plan else "")
                     + (f" dynamic_context_parallel min_size={args.min_dynamic_context_parallel_size}"
                        if dynamic else ""))
     if rank == 0 and not args.quiet:  # before the progress bar starts, not inside it
-        low = torch.bfloat16 if (args.bf16 and device.type == "cuda") or args.bf16_params else torch.float32
-        logger.info(attention_kernel_line(args.sp_attention_backend, "--sp-attention-backend", device, low,
-                                          cfg.head_dim, block_kernel="auto" if sparse is not None else None))
+        logger.info(attention_kernel_line(args.sp_attention_backend, "--sp-attention-backend", device,
+                                          run_dtype(args, device), cfg.head_dim,
+                                          block_kernel=args.sparse_attention_kernel if sparse is not None else None,
+                                          block_setting=SPARSE_KERNEL_FLAG))
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
     ops = MegatronOps(model, opt) if impl == "megatron" else FsdpOps(model, opt, args.clip_grad) \

@@ -12,10 +12,13 @@ causal and ``mask``. Backends ("backend" setting; ``config.BACKENDS`` = "auto", 
   a kernel's setting ("fa4", "cudnn", "torch_flash", "math", "flash_attn", "te"): every call on that kernel; a
       call it cannot run (no block sparsity, wrong device/dtype, ...) raises SPConfigError naming the setting and
       the reason, never a silent replacement.
-``get_backend`` logs the choice once per name.
+``get_backend`` logs the choice once per name. ``with_block_kernel`` gives a backend whose block-sparse calls
+(``tiles=``) run on one named block-sparse kernel whatever the backend's own choice (the DiT's
+--sparse-attention-kernel).
 """
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Callable, Optional
 
@@ -50,9 +53,13 @@ def tile_call(q: torch.Tensor, tiles, causal: bool, lse: bool) -> KernelCall:
 
 
 class LocalAttention:
-    """A named local attention implementation (see module docstring for the contract)."""
+    """A named local attention implementation (see module docstring for the contract). ``block_kernel``: "auto"
+    (block-sparse calls on the backend's own choice, ``tile_kernel``) or the setting of a kernel with block sparsity
+    that every block-sparse call must run on (``with_block_kernel``; ``block_setting`` names it in refusals)."""
 
     name = "base"
+    block_kernel = "auto"
+    block_setting = "block_kernel"
 
     def __call__(self, q, k, v, *, causal: bool, softmax_scale: float) -> torch.Tensor:
         raise NotImplementedError
@@ -60,15 +67,31 @@ class LocalAttention:
     def forward_lse(self, q, k, v, *, causal: bool, softmax_scale: float, mask=None, tiles=None):
         """(out, lse) of one block; ``mask``: bool [Sq, Sk] (or [h, Sq, Sk]) keep mask; ``tiles``: a
         ``tiles.TileSlice`` of a block mask for these rows (ANDed with causal and mask)."""
+        if tiles is not None and mask is None and self.block_kernel != "auto":
+            return self.tile_kernel(q, tiles, causal, True).forward(q, k, v, softmax_scale, causal, tiles)
         return blockwise.math_forward(q, k, v, softmax_scale, _combined_mask(q, k, causal, mask, tiles))
 
     def backward_lse(self, do, q, k, v, out, lse, *, causal: bool, softmax_scale: float, mask=None, tiles=None):
         """(dq, dk, dv) of ``forward_lse``'s block given the FINAL out/lse of its rows."""
+        if tiles is not None and mask is None and self.block_kernel != "auto":
+            return self.tile_kernel(q, tiles, causal, True).backward(do, q, k, v, out, lse, softmax_scale, causal,
+                                                                     tiles)
         return blockwise.math_backward(do, q, k, v, out, lse, softmax_scale, _combined_mask(q, k, causal, mask, tiles))
 
     def tile_kernel(self, q: torch.Tensor, tiles, causal: bool, lse: bool) -> Kernel:
-        """The kernel that runs a block-sparse call of this backend (the math kernel here)."""
-        return kernels.get(kernels.FALLBACK)
+        """The kernel that runs a block-sparse call of this backend (the math kernel here, or ``block_kernel``)."""
+        fixed = self.fixed_tile_kernel(q, tiles, causal, lse)
+        return fixed if fixed is not None else kernels.get(kernels.FALLBACK)
+
+    def fixed_tile_kernel(self, q: torch.Tensor, tiles, causal: bool, lse: bool) -> Optional[Kernel]:
+        """None for ``block_kernel`` "auto"; else that kernel if it runs the call (SPConfigError naming
+        ``block_setting`` and the reason otherwise). ``tiles`` None (which kernel the backend names here, before a
+        call's slice is known): the device and dtype are checked, the call's needs when its slice comes."""
+        if self.block_kernel == "auto":
+            return None
+        call = tile_call(q, tiles, causal, lse) if tiles is not None else \
+            KernelCall(q.device, q.dtype, q.shape[-1], frozenset({"tiles"}))
+        return kernels.require(kernels.by_setting(self.block_kernel), call, self.block_setting)
 
 
 class SDPABackend(LocalAttention):
@@ -114,6 +137,9 @@ class SDPABackend(LocalAttention):
         """The kernel of a block-sparse call (``lse``: one that offers forward with lse and backward from it):
         "auto" picks the registry's first that runs it (FA4's block sparsity, flex, math); a fixed kernel must run it
         (SPConfigError naming the setting otherwise)."""
+        fixed = self.fixed_tile_kernel(q, tiles, causal, lse)
+        if fixed is not None:
+            return fixed
         call = tile_call(q, tiles, causal, lse)
         if self.kernel == "auto":
             return kernels.pick(call)
@@ -196,11 +222,17 @@ class PlainKernelBackend(LocalAttention):
         return self.kern.attention(q, k, v, causal, softmax_scale)
 
     def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None, tiles=None):
+        if tiles is not None and mask is None and self.block_kernel != "auto":   # on the named block kernel
+            return super().forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale, tiles=tiles)
         raise SPConfigError(f"{self.setting}={self.name!r} has no forward with log-sum-exp (ring, TASP, torus, "
                             f"hybrid and block-sparse calls need one): use 'auto' or one of "
                             f"{', '.join(kernels.get(n).setting for n in kernels.names('lse'))}")
 
-    backward_lse = forward_lse
+    def backward_lse(self, do, q, k, v, out, lse, *, causal, softmax_scale, mask=None, tiles=None):
+        if tiles is not None and mask is None and self.block_kernel != "auto":
+            return super().backward_lse(do, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                        tiles=tiles)
+        return self.forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale, mask=mask)
 
 
 def _factory(name: str) -> Optional[Callable[[str], LocalAttention]]:
@@ -229,6 +261,29 @@ def backend_names() -> tuple[str, ...]:
 def available_backends() -> list[str]:
     """Names whose packages import here."""
     return [n for n in backend_names() if n in AUTO_NAMES or kernels.by_setting(n).installed()]
+
+
+def block_kernel_settings() -> tuple[str, ...]:
+    """The choices of a block-sparse kernel setting: "auto" and every kernel "auto" may pick that has block sparsity
+    (``attention.block_sparse.KERNELS``)."""
+    return ("auto",) + tuple(kernels.get(n).setting for n in kernels.names("tiles", auto_only=True))
+
+
+def with_block_kernel(backend: "str | LocalAttention", block_kernel: str, setting: str = "block_kernel",
+                      backend_setting: str = "backend") -> LocalAttention:
+    """``backend`` (a name or a backend) whose block-sparse calls all run on ``block_kernel`` (one of
+    ``block_kernel_settings``; "auto": the backend itself, its own choice); its dense calls are unchanged. A copy:
+    the shared instance ``get_backend`` returns is not changed. Raises SPConfigError naming ``setting`` for an unknown
+    kernel; a call the kernel cannot run is refused then, naming ``setting``."""
+    be = get_backend(backend, backend_setting)
+    choices = block_kernel_settings()
+    if block_kernel not in choices:
+        raise SPConfigError(f"{setting}={block_kernel!r} is invalid: choose one of {', '.join(choices)}")
+    if block_kernel == "auto":
+        return be
+    out = copy.copy(be)
+    out.block_kernel, out.block_setting = block_kernel, setting
+    return out
 
 
 class BackendRegistry:

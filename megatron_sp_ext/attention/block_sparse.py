@@ -22,12 +22,12 @@ import torch
 
 from ..errors import SPConfigError
 from . import blockwise, kernels
-from .backends import LocalAttention, tile_call
+from .backends import LocalAttention, block_kernel_settings, tile_call
 from .kernels.flex import flex_attention_masked  # noqa: F401 - part of this module's API (tests, tools)
 from .kernels.flex import flex_block_mask as _flex_mask_of_slice
 from .tiles import TileSlice, full_sequence_slice
 
-KERNELS = ("auto",) + tuple(kernels.get(n).setting for n in kernels.names("tiles", auto_only=True))
+KERNELS = block_kernel_settings()   # "auto" and the registry's kernels with block sparsity that auto may pick
 DEFAULT_BLOCK_SIZE = 64
 
 
@@ -102,27 +102,31 @@ def pair_selected(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Te
     return bool(sel.any())
 
 
-def resolve_kernel(kernel: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> str:
+def resolve_kernel(kernel: str, device: torch.device, dtype: Optional[torch.dtype] = None,
+                   setting: str = "block_kernel") -> str:
     """The block-sparse kernel ``kernel`` ("auto" or one of ``KERNELS``) names for calls on (device, dtype), before
     a call's tile slice is known (the slice may still send a call elsewhere: ``kernel_for_call``); raises
-    SPConfigError naming ``block_kernel`` for an unknown name or a named kernel that cannot run here."""
+    SPConfigError naming ``setting`` (the user's name of the choice) for an unknown name or a named kernel that cannot
+    run here."""
     if kernel not in KERNELS:
-        raise SPConfigError(f"block_kernel={kernel!r} is invalid: choose one of {', '.join(KERNELS)}")
-    call = kernels.KernelCall(torch.device(device), dtype or torch.float32, None, frozenset({"tiles", "plain"}))
+        raise SPConfigError(f"{setting}={kernel!r} is invalid: choose one of {', '.join(KERNELS)}")
     if kernel == "auto":
+        call = kernels.KernelCall(torch.device(device), dtype or torch.float32, None, frozenset({"tiles", "plain"}))
         return kernels.pick(call).setting
-    return kernels.require(kernels.by_setting(kernel), call, "block_kernel").setting
+    call = kernels.KernelCall(torch.device(device), dtype or torch.float32, None, frozenset({"tiles"}))
+    return kernels.require(kernels.by_setting(kernel), call, setting).setting
 
 
-def kernel_for_call(kernel: str, q: torch.Tensor, ts: TileSlice, causal: bool, lse: bool) -> kernels.Kernel:
+def kernel_for_call(kernel: str, q: torch.Tensor, ts: TileSlice, causal: bool, lse: bool,
+                    setting: str = "block_kernel") -> kernels.Kernel:
     """The kernel of one block-sparse call: "auto" = the registry's first that runs it; a named kernel must run it
-    (SPConfigError naming ``block_kernel``)."""
+    (SPConfigError naming ``setting`` otherwise)."""
     call = tile_call(q, ts, causal, lse)
     if kernel == "auto":
         return kernels.pick(call)
     if kernel not in KERNELS:
-        raise SPConfigError(f"block_kernel={kernel!r} is invalid: choose one of {', '.join(KERNELS)}")
-    return kernels.require(kernels.by_setting(kernel), call, "block_kernel")
+        raise SPConfigError(f"{setting}={kernel!r} is invalid: choose one of {', '.join(KERNELS)}")
+    return kernels.require(kernels.by_setting(kernel), call, setting)
 
 
 def math_forward(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor, mask_hqk: torch.Tensor,
@@ -185,23 +189,24 @@ def block_sparse_attention(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: t
                            block_mask: torch.Tensor, *, block_size: int, q_pos: Optional[torch.Tensor] = None,
                            k_pos: Optional[torch.Tensor] = None, heads: slice = slice(None), causal: bool = False,
                            softmax_scale: Optional[float] = None, kv_valid_len: Optional[int] = None,
-                           kernel: str = "auto") -> torch.Tensor:
+                           kernel: str = "auto", setting: str = "block_kernel") -> torch.Tensor:
     """Differentiable single-device block-sparse attention. q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (H % Hkv == 0);
     ``block_mask`` [1 or H_total, T, T] (global tiles); q_pos / k_pos: global positions of the rows (default
     0..Sq-1 / 0..Sk-1); heads: the global query heads q carries (rows of the mask); ``causal``: k_pos <= q_pos (with
-    the default positions: tril). Returns out [B, H, Sq, D]."""
+    the default positions: tril); ``kernel``: "auto" or one of ``KERNELS`` (a named kernel that cannot run the call is
+    refused naming ``setting``). Returns out [B, H, Sq, D]."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_bhsd.shape[-1])
     dev = q_bhsd.device
     block_mask = block_mask.to(dev)   # the kernels' metadata lives beside q (no copy when it already does)
     if q_pos is None and k_pos is None and q_bhsd.shape[2] == k_bhsd.shape[2]:   # the whole sequence: cached slice
         ts = full_sequence_slice(block_mask, block_size, q_bhsd.shape[2], kv_valid_len, dev).with_heads(heads)
-        return kernel_for_call(kernel, q_bhsd, ts, causal, lse=False).attention(q_bhsd, k_bhsd, v_bhsd, causal,
-                                                                                scale, ts)
+        kern = kernel_for_call(kernel, q_bhsd, ts, causal, lse=False, setting=setting)
+        return kern.attention(q_bhsd, k_bhsd, v_bhsd, causal, scale, ts)
     q_pos = q_pos if q_pos is not None else torch.arange(q_bhsd.shape[2], device=dev)
     k_pos = k_pos if k_pos is not None else torch.arange(k_bhsd.shape[2], device=dev)
     ts = TileSlice(block_mask, block_size, q_pos.to(dev), k_pos.to(dev), heads, kv_valid_len)
     positional = causal and not (q_pos.numel() == k_pos.numel() and bool((q_pos.to(dev) == k_pos.to(dev)).all()))
     if positional:   # causal between different rows: by global position, through the token mask (math kernel)
         return _MaskedMathFn.apply(q_bhsd, k_bhsd, v_bhsd, ts.token_mask(causal=True), scale)
-    kern = kernel_for_call(kernel, q_bhsd, ts, causal, lse=False)
+    kern = kernel_for_call(kernel, q_bhsd, ts, causal, lse=False, setting=setting)
     return kern.attention(q_bhsd, k_bhsd, v_bhsd, causal, scale, ts)

@@ -16,8 +16,8 @@ from .config import PRESETS
 from .data import LatentFileError, LatentShardDataset, SyntheticVideoLatents
 from .faults import job_rank
 from .logs import add_log_level_arg
-from .sparse import (DEFAULT_TILE, SPARSE_CHOICES, SPARSE_FLAG, TILE_FLAG, TOPK_FLAG, WINDOW_FLAG, SparseSpec,
-                     check_tile_grid)
+from .sparse import (DEFAULT_TILE, SPARSE_CHOICES, SPARSE_FLAG, SPARSE_KERNEL_FLAG, TILE_FLAG, TOPK_FLAG, WINDOW_FLAG,
+                     SparseSpec, check_tile_grid)
 
 
 class EntryParser(argparse.ArgumentParser):
@@ -102,6 +102,55 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_log_level_arg(g)
     add_checkpoint_args(p)
     return p
+
+
+def add_sparse_kernel_arg(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--sparse-attention-kernel (the megatron entry): the kernel of every block-sparse self-attention call, at SP=1
+    and in every SP mode; its choices are the registry's (attention/block_sparse.KERNELS: "auto" and each kernel with
+    block sparsity that "auto" may pick). The dense attention (the cross-attention, dense runs) keeps
+    --sp-attention-backend."""
+    from megatron_sp_ext.attention.block_sparse import KERNELS  # noqa: PLC0415
+    p.add_argument(SPARSE_KERNEL_FLAG, default="auto", choices=list(KERNELS),
+                   help=f"with {SPARSE_FLAG} tiles: the kernel of the block-sparse self-attention (auto: per call the "
+                        f"registry's first that runs it, FlashAttention-4's block sparsity, then flex_attention, then "
+                        f"math; a named kernel runs every call or the run is refused by name); the cross-attention "
+                        f"keeps --sp-attention-backend")
+    return p
+
+
+def sparse_kernel_problem(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> str:
+    """Why --sparse-attention-kernel cannot run this run on ``device``/``dtype`` ("" when it can): an unknown kernel,
+    a named kernel without --sparse-attention tiles, or one that does not run block-sparse calls there (the registry's
+    reason and the kernels that do). A call's own tile slice may still refuse a named kernel later (e.g. FA4 with
+    fewer than 16 tokens per tile row group), naming the flag too."""
+    from megatron_sp_ext.attention.block_sparse import KERNELS, resolve_kernel  # noqa: PLC0415
+    kernel = getattr(args, "sparse_attention_kernel", "auto")
+    if kernel not in KERNELS:
+        return f"{SPARSE_KERNEL_FLAG}={kernel!r} is invalid: choose one of {', '.join(KERNELS)}"
+    if kernel == "auto":
+        return ""
+    if getattr(args, "sparse_attention", "none") == "none":
+        return (f"{SPARSE_KERNEL_FLAG} {kernel} set with {SPARSE_FLAG} none: add {SPARSE_FLAG} tiles (or drop "
+                f"{SPARSE_KERNEL_FLAG}; the dense attention's kernel is --sp-attention-backend)")
+    try:
+        resolve_kernel(kernel, device, dtype, setting=SPARSE_KERNEL_FLAG)
+    except SPConfigError as e:
+        return str(e)
+    return ""
+
+
+def run_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    """The attention's dtype of a run: bf16 under --bf16 on CUDA (the autocast) or with --bf16-params, else fp32."""
+    bf16 = (getattr(args, "bf16", False) and device.type == "cuda") or getattr(args, "bf16_params", False)
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def check_sparse_kernel(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Parse-time check of --sparse-attention-kernel on the device the run will take (p.error names the flag)."""
+    device = pick_device()
+    message = sparse_kernel_problem(args, device, run_dtype(args, device))
+    if message:
+        p.error(message)
 
 
 def _triple(flag: str, text: str, least: int, what: str) -> tuple:

@@ -19,25 +19,27 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp_ext.attention import kernels
-from megatron_sp_ext.attention.backends import SDPABackend, get_backend
+from megatron_sp_ext.attention.backends import SDPABackend, get_backend, with_block_kernel
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.factory import SPResources, make_attention
 from megatron_sp_ext.sp.placement import pieces
 
 from .model import patchify
-from .sparse import SPARSE_FLAG, row_major_ids, tile_order
+from .sparse import SPARSE_FLAG, SPARSE_KERNEL_FLAG, row_major_ids, tile_order
 from .varlen import PackInfo
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
-def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backend"):
+def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backend", block_kernel: str = "auto"):
     """The attention core(q, k, v, kv_valid_len, cu_seqlens) on one device ([B, S, H, D], no sequence parallelism) on
     the local kernel ``backend``: FA4 where "auto"/"sdpa" resolve to it or "fa4" is named, the named kernel for
     "cudnn"/"torch_flash"/..., else torch SDPA (``model.local_core``, the DiT's reference path). A sparse step's
-    ``block_mask`` / ``block_size`` (--sparse-attention tiles) run megatron_sp_ext's block-sparse kernel (flex_attention
-    on CUDA, its math kernel on CPU), the one the SP modes run, on every backend."""
+    ``block_mask`` / ``block_size`` (--sparse-attention tiles) run megatron_sp_ext's block-sparse kernel
+    ``block_kernel`` (--sparse-attention-kernel; "auto": the registry's first that runs the call, FA4's block sparsity
+    or flex_attention on CUDA, the math kernel on CPU; a named one must run it, else SPConfigError naming the flag),
+    the one the SP modes run, on every backend."""
     from megatron_sp_ext.attention.block_sparse import block_sparse_attention  # noqa: PLC0415
     from megatron_sp_ext.sp.ulysses.attend import local_attention  # noqa: PLC0415
     from .model import local_core  # noqa: PLC0415
@@ -50,7 +52,7 @@ def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backen
             if cu_seqlens is not None:  # the reference names the flags
                 return local_core(q, k, v, kv_valid_len, cu_seqlens, block_mask, block_size)
             o = block_sparse_attention(q_bhsd, k_bhsd, v_bhsd, block_mask, block_size=block_size,
-                                       kv_valid_len=kv_valid_len, kernel="auto")  # flex on CUDA, math on CPU
+                                       kv_valid_len=kv_valid_len, kernel=block_kernel, setting=SPARSE_KERNEL_FLAG)
             return o.transpose(1, 2)
         if plain_sdpa and kernels.get(be.kernel_for(q_bhsd)).in_torch_sdpa:   # torch's own dispatch: the reference
             return local_core(q, k, v, kv_valid_len, cu_seqlens)
@@ -66,23 +68,26 @@ def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backen
 
 def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: str = "ring",
               placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "sdpa",
-              transport: str = "nccl", source: str = "megatron"):
+              transport: str = "nccl", source: str = "megatron", block_kernel: str = "auto"):
     """The sequence-parallel attention core(q, k, v, kv_valid_len) on [B, S_local, H, D] shards
     (contiguous token placement) for ``mode`` over ``group`` (None or size 1 = local): the factory's
     attention (megatron_sp_ext.sp.factory), with its ``packed`` entry (Ulysses / HCMS) and ``attention``.
     The DiT has no attention dropout (its attention is dropout-free). Errors name the flags of ``source``.
-    Sparse steps call core(q, k, v, kv_valid_len, block_mask=, block_size=) (model.AttentionCore); ``core.group``
-    is ``group`` (None on one rank)."""
+    Sparse steps call core(q, k, v, kv_valid_len, block_mask=, block_size=) (model.AttentionCore), their block-sparse
+    calls on ``block_kernel`` (--sparse-attention-kernel; "auto": the backend's choice); ``core.group`` is ``group``
+    (None on one rank)."""
     world = dist.get_world_size(group) if group is not None else 1
+    backend_setting = SPConfig(source=source).name("backend")
     if world == 1:
-        core = one_device_core(backend, setting=SPConfig(source=source).name("backend"))
+        core = one_device_core(backend, setting=backend_setting, block_kernel=block_kernel)
         core.group = None
         return core
     cfg = SPConfig(mode=mode, head_chunks=1 if mode == "ulysses" else head_chunks, ring_variant=ring_variant,
                    placement=placement, ulysses_size=ulysses_size, nodes=nodes, backend=backend,
                    transport=transport, source=source)
+    local = with_block_kernel(backend, block_kernel, SPARSE_KERNEL_FLAG, backend_setting)  # "auto": the backend
     attn = make_attention(cfg, group, num_heads=num_heads, layout="bshd", placement="contiguous",
-                          backend=backend, resources=SPResources(cfg))
+                          backend=local, resources=SPResources(cfg))
 
     def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
         if block_mask is not None:  # --sparse-attention tiles: the block mask over the full sequence
@@ -234,12 +239,13 @@ def sample_loss(loss_r: torch.Tensor, sp_group, dp_group) -> float:
 
 
 def attention_kernel_line(backend: str, setting: str, device: torch.device, dtype: torch.dtype,
-                          head_dim: int, block_kernel: Optional[str] = None) -> str:
+                          head_dim: int, block_kernel: Optional[str] = None, block_setting: str = SPARSE_FLAG) -> str:
     """One line for the user, printed before training starts: which kernel runs the self-attention on
     ``device``/``dtype`` at ``head_dim`` and the ``setting`` (flag or JSON key) that changes it. Dense runs: the
     local-attention ``backend``'s kernel. ``block_kernel`` (the block-sparse kernel of a --sparse-attention tiles
     run: a setting of attention/block_sparse.KERNELS, "auto" resolved for ``device``/``dtype`` by the registry): it runs
-    the self-attention (changed by --sparse-attention) and the backend's kernel runs the cross-attention."""
+    the self-attention (changed by ``block_setting``: --sparse-attention-kernel where the entry has it, else
+    --sparse-attention) and the backend's kernel runs the cross-attention."""
     be = get_backend(backend, setting)
     if isinstance(be, SDPABackend):
         k = be.kernel_for(torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype))
@@ -250,9 +256,9 @@ def attention_kernel_line(backend: str, setting: str, device: torch.device, dtyp
     if block_kernel is None:
         return f"attention kernel: {dense} {on}; change with {setting}"
     from megatron_sp_ext.attention.block_sparse import resolve_kernel  # noqa: PLC0415
-    block = resolve_kernel(block_kernel, device, dtype)
+    block = resolve_kernel(block_kernel, device, dtype, setting=block_setting)
     return (f"attention kernel: self-attention: block-sparse {kernels.by_setting(block).label} {on}, change with "
-            f"{SPARSE_FLAG}; "
+            f"{block_setting}; "
             f"cross-attention: {dense}, change with {setting}")
 
 

@@ -47,6 +47,7 @@ SPARSE_CHOICES = ("none", "tiles")
 DEFAULT_TILE = (4, 4, 8)
 TILE_FLAG, TOPK_FLAG, WINDOW_FLAG, SPARSE_FLAG = "--sparse-tile", "--sparse-topk", "--sparse-window", \
     "--sparse-attention"
+SPARSE_KERNEL_FLAG = "--sparse-attention-kernel"   # the megatron entry's block-sparse kernel (cli.add_sparse_kernel_arg)
 
 
 @dataclass(frozen=True)
