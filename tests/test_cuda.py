@@ -271,8 +271,8 @@ def test_fsdp2_entry_vs_unsharded_entry():
     DDP), one GPU, 6 steps: every loss within bf16 tolerance (2e-2 relative)."""
     pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
     from tests.cuda_fsdp2 import fsdp2_entry_losses
-    r = run_ranks(fsdp2_entry_losses, 1, timeout=600, device="cuda", backend="gloo")[0]
+    r = run_ranks(fsdp2_entry_losses, 1, timeout=600, device="cuda", backend="nccl")[0]  # megatron DDP: no gloo on CUDA
     per_rank = [[{"family": "fsdp2-entry", "case": "entry --bf16 --use-torch-fsdp2 vs megatron DDP, 6 steps, tiny",
                   "errs": {"loss": max(abs(a - b) / abs(b) for a, b in zip(r["fsdp2"], r["plain"]))}, "tol": 2e-2}]]
     assert len(r["fsdp2"]) == len(r["plain"]) == 6
-    assert len(_check("fsdp2_entry", 1, "gloo", per_rank)) == 1
+    assert len(_check("fsdp2_entry", 1, "nccl", per_rank)) == 1

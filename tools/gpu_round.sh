@@ -10,6 +10,11 @@ source tools/gpu_install.sh || exit 1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 OUT=${OUT:-./gpu_out}
 W=/tmp/gpu_round; mkdir -p "$W"
+keep() {   # keep NAME CMD...: runs CMD with its whole output in $W/NAME.log (kept in the stage's tarball), prints its tail
+  local name=$1; shift; mkdir -p "$(dirname "$W/$name")"
+  "$@" > "$W/$name.log" 2>&1; local rc=$?
+  grep -v "UserWarning\|exe_args" "$W/$name.log" | tail -n 15; echo "[$name: exit $rc]"
+}
 STEP="torchrun --nproc-per-node 1 tools/bench_train_step.py"
 WAN14=(--model wan-14b --num-layers 2 --bf16 --train-iters ${ITERS:-30} --ddp-impl torch)
 
@@ -17,14 +22,14 @@ stage_first() {   # first call (FA4's DSL not there yet: the local kernel is cuD
   SPX_CUDA_REPORT=$W/first/suite timeout 80 bash tools/gpu_run.sh "fsdp2_entry" 2>&1 | tail -n 8
   [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || return 0
   # #55 item 5, #52: FSDP2 at 2 ranks (SP=2) beside megatron DDP, the plan beside the peak
-  timeout 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,fsdp2 --log-interval 4 \
+  keep first/fsdp2_p2 timeout 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,fsdp2 --log-interval 4 \
     --out $W/first/fsdp2_p2 -- --model wan-14b --num-layers 4 --frames 21 --latent-size 60x104 --bf16 \
-    --train-iters 12 --timing-bare-steps 4 --recompute-granularity full --context-parallel-size 2 2>&1 | tail -n 12
+    --train-iters 12 --timing-bare-steps 4 --recompute-granularity full --context-parallel-size 2
   # #55 item 3: dynamic vs uniform SP on one mixed pack (images + clips), 2 ranks
-  timeout 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants packed,dynamic_cp --log-interval 4 \
+  keep first/dynamic_p2 timeout 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants packed,dynamic_cp --log-interval 4 \
     --out $W/first/dynamic_p2 -- --model wan-14b --num-layers 2 --bf16 --context-parallel-size 2 \
     --cp-comm-type ulysses --ddp-impl torch --frames 21,1,1,1,11,1,1,1,5,1 --latent-size 60x104 --pack-samples \
-    --max-tokens-per-step 75000 --train-iters 10 --timing-bare-steps 4 2>&1 | tail -n 12
+    --max-tokens-per-step 75000 --train-iters 10 --timing-bare-steps 4
 }
 stage_fa4() {   # second call (FA4 installed): its block sparsity checked per kernel call (GPU 1) beside the suite
   mkdir -p $W/fa4
@@ -38,10 +43,10 @@ stage_fa4() {   # second call (FA4 installed): its block sparsity checked per ke
   wait $bg; tail -n 2 $W/fa4/checks.log
 }
 stage_sp2() {   # #55 item 4: the step at SP=2 (one rank per GPU), wan-14b 4 layers, 75,600 tokens
-  timeout ${SP2_S:-180} torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,sparse_window90,sparse_topk90 \
+  keep sp2/step timeout ${SP2_S:-180} torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,sparse_window90,sparse_topk90 \
     --log-interval 4 --out $W/sp2/wan14b_4l_21x45x80 -- --model wan-14b --num-layers 4 --bf16 --train-iters 12 \
     --timing-bare-steps 4 --ddp-impl torch \
-    --context-parallel-size 2 --frames 21 --latent-size 90x160 2>&1 | tail -n 15
+    --context-parallel-size 2 --frames 21 --latent-size 90x160
 }
 stage_suite() {   # the CUDA suite first: the families this round touched
   SPX_CUDA_REPORT=$W/suite bash tools/gpu_run.sh "${SUITE_K:-fa4_block_sparse or one_ring or block_sparse_family or ring_family or mesh_family or fa4_family or auto_family or fsdp2 or fused_fp32 or dit_dynamic}"
