@@ -42,10 +42,11 @@ stage_fa4() {   # second call (FA4 installed): its block sparsity checked per ke
     2>&1 | grep -E "^(ok|BAD)|passed|failed" | tail -n 10
   wait $bg; tail -n 2 $W/fa4/checks.log
 }
-stage_sp2() {   # #55 item 4: the step at SP=2 (one rank per GPU), wan-14b 4 layers, 75,600 tokens
+stage_sp2() {   # #55 item 4: the step at SP=2 (one rank per GPU), wan-14b 4 layers, 75,600 tokens (full recompute: the
+  # plan without it is 75.2 GiB of an H100's 79, and the run without it failed on 2 x H100, 2026-11-25)
   keep sp2/step timeout ${SP2_S:-180} torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,sparse_window90,sparse_topk90 \
     --log-interval 4 --out $W/sp2/wan14b_4l_21x45x80 -- --model wan-14b --num-layers 4 --bf16 --train-iters 12 \
-    --timing-bare-steps 4 --ddp-impl torch \
+    --timing-bare-steps 4 --ddp-impl torch --recompute-granularity full \
     --context-parallel-size 2 --frames 21 --latent-size 90x160
 }
 stage_suite() {   # the CUDA suite first: the families this round touched
