@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lent GPU session of a round, in stages that each fit one device call (<= 10 min), run back to back on the same
 # warm machine (the wheels carried as parts in .fa4/: tools/gpu_wheels.sh; the first call carries part.aa only).
-#   bash tools/gpu_round.sh STAGE [STAGE ...]      stages: first fa4 sp2 checks suite kernels steps32 steps75 extras
+#   bash tools/gpu_round.sh STAGE [STAGE ...]      stages: first fa4 sp2 curves checks suite kernels steps32 steps75 extras
 # Each stage writes $OUT/<stage>.tgz (its raw JSON and logs) and $OUT/<stage>.txt (the summary printed last).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +48,10 @@ stage_sp2() {   # #55 item 4: the step at SP=2 (one rank per GPU), wan-14b 4 lay
     --log-interval 4 --out $W/sp2/wan14b_4l_21x45x80 -- --model wan-14b --num-layers 4 --bf16 --train-iters 12 \
     --timing-bare-steps 4 --ddp-impl torch --recompute-granularity full \
     --context-parallel-size 2 --frames 21 --latent-size 90x160
+}
+stage_curves() {  # #53: 50-step loss curves, block-sparse DiT on FA4 vs flex (fp32 flex: the noise), one GPU;
+  # CURVES_ARGS: tools/sparse_curves.py's flags (e.g. "--variant sparse_window90 --frames 16")
+  keep curves/run python3 tools/sparse_curves.py --out $W/curves ${CURVES_ARGS:-}
 }
 stage_suite() {   # the CUDA suite first: the families this round touched
   SPX_CUDA_REPORT=$W/suite bash tools/gpu_run.sh "${SUITE_K:-fa4_block_sparse or one_ring or block_sparse_family or ring_family or mesh_family or fa4_family or auto_family or fsdp2 or fused_fp32 or dit_dynamic}"
@@ -98,6 +102,6 @@ for s in "$@"; do
   "stage_$s" 2>&1 | tee "$W/$s.log" | tail -n 60 > "$OUT/$s.txt"
   echo "stage $s: $(( $(date +%s) - start )) s" | tee -a "$OUT/$s.txt"
   tar -C "$W" -czf "$OUT/$s.tgz" --exclude='*.pt' --exclude='*.pth' "$s.meta" "$s.log" \
-    $(cd "$W" && ls -d first fa4 sp2 checks suite kernels steps profile fsdp2 peaks dynamic 2>/dev/null) 2>/dev/null
+    $(cd "$W" && ls -d first fa4 sp2 curves checks suite kernels steps profile fsdp2 peaks dynamic 2>/dev/null) 2>/dev/null
   cat "$OUT/$s.txt"
 done

@@ -15,7 +15,7 @@ tiles; sparse_window90: the window nearest 90% sparsity). Default size: wan-1.3b
 (--frames 8 --latent-size 64x128, 16384 tokens, 128 tiles of 4x4x8 = 128 tokens: FA4's kernel block).
 
     source tools/gpu_install.sh && python3 tools/sparse_curves.py --out $OUT/sparse_curves     (or: bash
-    tools/sparse_curves.sh, which does both)
+    tools/gpu_round.sh's stage "curves", which does both)
     python tools/sparse_curves.py --out /tmp/x --dry-run     (CPU: print and parse-check the runs' flags)
 """
 from __future__ import annotations
