@@ -103,3 +103,21 @@ def test_ring_exchange_model():
     for seed in range(4):
         lengths = _wan_mix(seed, 20)
         assert plan_pack(lengths, 8, cost=ring).exchanged_tokens() <= plan_pack(lengths, 8, cost=WAN).exchanged_tokens()
+
+
+def test_min_gain_keeps_uniform_sp_where_the_model_sees_little():
+    """2 x H100, 2026-11-25: the entries' plan of this pack (wan-14b dims, P=2) was modelled 1.9% lighter than
+    uniform SP and ran 4% slower; with the entries' MIN_GAIN the packer keeps uniform SP for it, and a pack where
+    the model sees a large gain (many short samples over P=8) still gets its dynamic plan."""
+    from megatron_sp_ext.sp.dynamic import MIN_GAIN
+    from training.video_dit import preset
+    cfg = preset("wan-14b")
+    cost = CostModel.for_dims(cfg.dim, cfg.ffn, cfg.text_len, flops_per_byte=4000.0)
+    pack = [32760, 1560, 1560, 1560, 17160, 1560, 1560, 1560, 7800, 1560]
+    assert plan_pack(pack, 2, cost=cost).sizes != (2,) * len(pack)            # the lightest plan is dynamic ...
+    assert plan_pack(pack, 2, cost=cost, min_gain=MIN_GAIN).sizes == (2,) * len(pack)   # ... but not enough
+    many = [1560] * 24 + [32760]
+    plan = plan_pack(many, 8, cost=cost, min_gain=MIN_GAIN)
+    uniform = DynamicPlan(8, tuple(many), (8,) * len(many), (0,) * len(many))
+    assert plan.sizes != uniform.sizes
+    assert max(plan.loads(cost)) <= (1 - MIN_GAIN) * max(uniform.loads(cost))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
-from megatron_sp_ext.sp.dynamic import CostModel, DynamicAttention, DynamicGroups, DynamicPlan, plan_pack
+from megatron_sp_ext.sp.dynamic import MIN_GAIN, CostModel, DynamicAttention, DynamicGroups, DynamicPlan, plan_pack
 from megatron_sp_ext.sp.factory import SPResources
 
 from .config import DiTConfig
@@ -46,7 +46,7 @@ class DynamicSP:
     def plan(self, cu_seqlens: Sequence[int]) -> DynamicPlan:
         cu = [int(c) for c in cu_seqlens]
         return plan_pack([b - a for a, b in zip(cu, cu[1:])], self.world, min_size=self.min_size, cost=self.cost,
-                         min_size_name=self.min_size_name)
+                         min_size_name=self.min_size_name, min_gain=MIN_GAIN)
 
 
 def make_dynamic_core(cfg: SPConfig, group: dist.ProcessGroup, *, num_heads: int, min_size: int = 1):

@@ -8,8 +8,8 @@ aligned sub-group of ranks sized to its length.
 """
 from .attention import DYNAMIC_MODES, DynamicAttention, check_dynamic_mode
 from .groups import DynamicGroups
-from .plan import CostModel, DynamicPlan, divisors, plan_pack
+from .plan import MIN_GAIN, CostModel, DynamicPlan, divisors, plan_pack
 from .rows import local_rows, shard_dynamic, unshard_dynamic
 
-__all__ = ["CostModel", "DYNAMIC_MODES", "DynamicAttention", "DynamicGroups", "DynamicPlan", "check_dynamic_mode",
+__all__ = ["MIN_GAIN", "CostModel", "DYNAMIC_MODES", "DynamicAttention", "DynamicGroups", "DynamicPlan", "check_dynamic_mode",
            "divisors", "local_rows", "plan_pack", "shard_dynamic", "unshard_dynamic"]

@@ -13,8 +13,10 @@ fit one rank spread over all P), places the samples largest first on the least-l
 size, then improves each by moving one sample of the busiest rank at a time (to any allowed size and aligned
 sub-group) while that lowers (busiest rank, sum of squared loads); it keeps only
 plans that give every rank tokens, adds uniform SP (every sample over all P ranks) and returns the plan with the
-lowest busiest-rank work (ties: less exchange, then the earlier candidate). A pure function of (lengths, P,
-min_size, cost): identical on every rank.
+lowest busiest-rank work (ties: less exchange, then the earlier candidate), but uniform SP unless that plan's busiest
+rank is at least ``min_gain`` lighter than uniform SP's (the model leaves out each sub-group's own calls and launches:
+on 2 x H100 a plan modelled 1.9% lighter ran 4% slower, so the entries keep ``MIN_GAIN``). A pure function of
+(lengths, P, min_size, cost, min_gain): identical on every rank.
 
 Local rows: rank r holds, for each of its samples in sample order, piece (r - start) of d of the sample padded at its
 tail to a multiple of d (contiguous per-sample placement inside the sub-group, as ``shard_sequence(cu_seqlens=)``
@@ -27,6 +29,9 @@ from typing import Optional, Sequence
 
 from ...errors import SPConfigError
 
+# the modelled gain below which the entries keep uniform SP (2 x H100, 2026-11-25: a plan modelled 1.9% lighter than
+# uniform SP ran 4% slower at P=2 over NVLink; tools/results/2026-11-25_h100x2_round6)
+MIN_GAIN = 0.05
 # the caps tried, as multiples of the mean work per rank (inf: every sample at its smallest allowed size)
 CAPS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, float("inf"))
 
@@ -220,10 +225,11 @@ def _refine(plan: DynamicPlan, allowed: Sequence[int], cost: CostModel, rounds: 
 
 
 def plan_pack(lengths: Sequence[int], world: int, *, min_size: int = 1, cost: Optional[CostModel] = None,
-              min_size_name: str = "min_size") -> DynamicPlan:
+              min_size_name: str = "min_size", min_gain: float = 0.0) -> DynamicPlan:
     """The dynamic-SP plan of a pack (see the module docstring). lengths: tokens per sample (positive ints);
     world: P; min_size: the smallest SP size a sample may get (a divisor of P; Megatron-LM's
-    --min-dynamic-context-parallel-size, named by ``min_size_name`` in errors)."""
+    --min-dynamic-context-parallel-size, named by ``min_size_name`` in errors); min_gain: uniform SP unless the best
+    plan's busiest rank is at least this fraction lighter (0: the lightest plan)."""
     lengths = tuple(int(n) for n in lengths)
     if not lengths or any(n < 1 for n in lengths):
         raise SPConfigError(f"dynamic SP: every sample needs at least one token (lengths {list(lengths)})")
@@ -241,5 +247,9 @@ def plan_pack(lengths: Sequence[int], world: int, *, min_size: int = 1, cost: Op
             plan = _refine(_place(lengths, choice, world, cost), allowed, cost, rounds=4 * len(lengths))
             if all(plan.samples_on(r) for r in range(world)) and plan not in candidates:
                 candidates.append(plan)
-    candidates.append(DynamicPlan(world, lengths, (world,) * len(lengths), (0,) * len(lengths)))
-    return min(candidates, key=lambda p: (max(p.loads(cost)), p.exchanged_tokens()))
+    uniform = DynamicPlan(world, lengths, (world,) * len(lengths), (0,) * len(lengths))
+    candidates.append(uniform)
+    best = min(candidates, key=lambda p: (max(p.loads(cost)), p.exchanged_tokens()))
+    if max(best.loads(cost)) > (1 - min_gain) * max(uniform.loads(cost)):
+        return uniform
+    return best
