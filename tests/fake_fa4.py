@@ -7,10 +7,10 @@ the dtypes given. The math is blockwise.math_forward/backward in fp32 (fp64 for 
 against the float64 reference at the dtype's tolerance. ``calls`` counts (name, heads of q, heads of k) per call.
 
 Strict where the real interface (flash-attn-4 4.0.0b36, ``flash_attn/cute/interface.py``) is: every call checks what
-FA4 asserts (q/k/v/out/dout of one fp16/bf16 dtype, their shapes, lse fp32 of exactly FA4's shape: [B, H, Sq], or
-[H, T] varlen; cu_seqlens int32 with stride 1) (dtypes: those given to ``install``) and what its kernels ASSUME without checking: stride 1 on the last
-dim (the library never relies on FA4's own copy of a tensor without it), 16-byte aligned data pointers and every
-other stride a multiple of 16 bytes (``to_cute_tensor(assumed_align=16)`` and the divisibility of its compiled
+FA4 asserts (q/k/v/out/dout of one fp16/bf16 dtype, or those given to ``install``; their shapes; lse fp32 of
+exactly FA4's shape: [B, H, Sq], or [H, T] varlen; cu_seqlens int32 with stride 1) and what its kernels ASSUME
+without checking: stride 1 on the last dim (the library never relies on FA4's own copy of a tensor without it),
+16-byte aligned data pointers and every other stride a multiple of 16 bytes (``to_cute_tensor(assumed_align=16)`` and the divisibility of its compiled
 tensors). It does not require FA4's own [B, S, H, D] memory order: the real kernel reads any such strides (the
 library's probes pass it head-major dO on a GPU and check it against math); ``calls_log`` keeps, per backward, whether
 out / dout were in that order, for tests that want to see which layouts reach the kernel.
