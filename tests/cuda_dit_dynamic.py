@@ -17,6 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_sp_ext.attention import varlen
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.sp.dynamic import DynamicPlan
 from tests.reference import TOL, rel_err
@@ -30,13 +31,20 @@ from training.video_dit.packing import packed_batch, packed_host_inputs
 from training.video_dit.pipeline import to_device
 
 DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
-# the local kernel of BOTH sides (SP=1 and dynamic SP): what a user's SP=1 run would pick ("auto"), or one named
+# the local kernel of BOTH sides (SP=1 and dynamic SP) in the bf16 cases: what a user's SP=1 run would pick ("auto"),
+# or one named; the fp32 cases (and the fp32 SP=1 reference) stay on "auto" (a named cuDNN was refused for fp32 on
+# a GPU, and FA4 takes no fp32)
 KERNEL = os.environ.get("SPX_SUITE_KERNEL", "auto")
+
 CFG = preset("tiny")
 # sample i: frames[i % 5] x latent sizes[i % 3]: tokens 8 (image), 45 (3 frames), 64, 8 (image), 90, 16, 24
 FRAMES, SIZES = [1, 3, 4, 1, 6], [(4, 8), (6, 10), (8, 8)]
 IDS = [0, 1, 2, 3, 4, 5, 6]
 PLANS = {2: ((1, 2, 2, 1, 2, 1, 1), (0, 0, 0, 1, 0, 1, 0)), 4: ((1, 2, 4, 1, 4, 2, 1), (0, 2, 0, 1, 0, 0, 3))}
+
+
+def _kernel(autocast) -> str:
+    return KERNEL if autocast is not None else "auto"
 
 
 def _device() -> torch.device:
@@ -66,22 +74,24 @@ def dit_dynamic_family(rank: int, world: int) -> list:
     data = SyntheticVideoLatents(CFG.in_channels, FRAMES, 4, 8, CFG.text_len, CFG.text_dim, seed=1, sizes=SIZES)
     cu = packed_batch(data, IDS, 7, CFG.patch)["cu_seqlens"]
     plan = DynamicPlan(world, tuple(b - a for a, b in zip(cu, cu[1:])), *PLANS[world])
-    one = lambda: make_core("ulysses", None, num_heads=CFG.heads, backend=KERNEL)  # noqa: E731
-    ref_loss, ref_grads = _step(one(), None, 0, 1, device, None)
-    one_bf16 = _step(one(), None, 0, 1, device, torch.bfloat16)
+    one = lambda autocast: make_core("ulysses", None, num_heads=CFG.heads, backend=_kernel(autocast))  # noqa: E731
+    ref_loss, ref_grads = _step(one(None), None, 0, 1, device, None)
+    one_bf16 = _step(one(torch.bfloat16), None, 0, 1, device, torch.bfloat16)
+    sp1_methods = sorted(set(varlen.default_chooser().decisions.values()))  # what "auto" chose for SP=1's packs
     names = [n for n, _ in _model(device).named_parameters()]
     bf16_tol = max(TOL[torch.bfloat16], 1.5 * max(abs(one_bf16[0] - ref_loss) / abs(ref_loss),
                                                   max(rel_err(a, b) for a, b in zip(one_bf16[1], ref_grads))))
     for autocast in (None, torch.bfloat16):
         for mode, kw in modes:
-            core = make_dynamic_core(SPConfig(mode=mode, backend=KERNEL, **kw), g, num_heads=CFG.heads)
+            core = make_dynamic_core(SPConfig(mode=mode, backend=_kernel(autocast), **kw), g, num_heads=CFG.heads)
             loss, grads = _step(core, g, rank, world, device, autocast, plan)
             per = [rel_err(a, b) for a, b in zip(grads, ref_grads)]
             worst = max(range(len(per)), key=per.__getitem__)
             errs = {"loss": abs(loss - ref_loss) / abs(ref_loss), "grads": per[worst]}
             dtype = "bf16" if autocast is not None else "fp32"
             records.append({"family": "dit_dynamic", "case": f"P={world} {mode}{kw.get('head_chunks', '')} {dtype} "
-                            f"plan sizes={plan.sizes} dynamic vs SP=1 fp32 same pack, kernel {KERNEL}", "errs": errs,
-                            "worst_grad": names[worst], "sp1_bf16_tol": bf16_tol,
+                            f"plan sizes={plan.sizes} dynamic vs SP=1 fp32 same pack, kernel {_kernel(autocast)}",
+                            "errs": errs, "worst_grad": names[worst], "sp1_bf16_tol": bf16_tol,
+                            "sp1_varlen_methods": sp1_methods,
                             "tol": bf16_tol if autocast is not None else 5 * TOL[torch.float32]})
     return records

@@ -5,6 +5,15 @@
 [H, T], causal aligned bottom-right as FA4 does) into ``sys.modules`` and lets ``attention.fa4`` run on the CPU for
 the dtypes given. The math is blockwise.math_forward/backward in fp32 (fp64 for fp64), so results are checked
 against the float64 reference at the dtype's tolerance. ``calls`` counts (name, heads of q, heads of k) per call.
+
+Strict where the real interface (flash-attn-4 4.0.0b36, ``flash_attn/cute/interface.py``) is: every call checks what
+FA4 asserts (q/k/v/out/dout of one fp16/bf16 dtype, or those given to ``install``; their shapes; lse fp32 of
+exactly FA4's shape: [B, H, Sq], or [H, T] varlen; cu_seqlens int32 with stride 1) and what its kernels ASSUME
+without checking: stride 1 on the last dim (the library never relies on FA4's own copy of a tensor without it),
+16-byte aligned data pointers and every other stride a multiple of 16 bytes (``to_cute_tensor(assumed_align=16)`` and the divisibility of its compiled
+tensors). It does not require FA4's own [B, S, H, D] memory order: the real kernel reads any such strides (the
+library's probes pass it head-major dO on a GPU and check it against math); ``calls_log`` keeps, per backward, whether
+out / dout were in that order, for tests that want to see which layouts reach the kernel.
 """
 from __future__ import annotations
 
@@ -29,9 +38,51 @@ class BlockSparseTensors(NamedTuple):
     block_size: Optional[tuple] = None
 
 
+def _own_order(t: torch.Tensor) -> bool:
+    """Whether ``t``'s dims lie in memory outermost first (strides non-increasing over the dims of size > 1): FA4's
+    own [B, S, H, D] / [T, H, D] order, of which a slice along S or a batch of equal samples is a view too."""
+    strides = [st for st, n in zip(t.stride(), t.shape) if n > 1]
+    return all(a >= b for a, b in zip(strides, strides[1:]))
+
+
+def check_tensor(name: str, t: torch.Tensor, dtypes: tuple = (torch.float16, torch.bfloat16)) -> None:
+    """What FA4's kernels assume of a q/k/v/out/dout tensor (module docstring); ``dtypes``: those the stand-in takes
+    (FA4's fp16/bf16, widened by tests that check the glue against float64)."""
+    assert t.dtype in dtypes, f"FA4: {name} must be one of {dtypes}, not {t.dtype}"
+    assert t.stride(-1) == 1, f"FA4: {name} must have stride 1 on its last dim (strides {t.stride()})"
+    align = 16 // t.element_size()
+    assert t.data_ptr() % 16 == 0, f"FA4: {name} must start 16-byte aligned"
+    assert all(st % align == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1), \
+        f"FA4: {name}'s strides {t.stride()} must be multiples of 16 bytes"
+
+
 class FakeFA4:
-    def __init__(self) -> None:
+    def __init__(self, dtypes: tuple = (torch.float16, torch.bfloat16)) -> None:
         self.calls: list = []
+        self.calls_log: list = []
+        self.dtypes = tuple(dtypes)
+
+    @staticmethod
+    def _check_cu(cu, total):
+        assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.stride(0) == 1, \
+            "FA4: cu_seqlens must be int32 with stride 1"
+        c = cu.tolist()
+        assert c[0] == 0 and c[-1] == total and all(b >= a for a, b in zip(c, c[1:])), f"FA4: bad cu_seqlens {c}"
+
+    def _check_qkv(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(name, t, self.dtypes)
+        assert q.dtype == k.dtype == v.dtype, "FA4: inputs must have the same dtype"
+        assert q.shape[-2] % k.shape[-2] == 0, "FA4: num_head must be divisible by num_head_kv"
+        assert q.shape[-1] % 8 == 0 and q.shape[-1] == k.shape[-1], "FA4: head_dim must be a multiple of 8"
+        if cu_seqlens_q is None:
+            assert q.dim() == 4 and k.shape == v.shape and k.shape[0] == q.shape[0], \
+                f"FA4: q/k/v must be [B, S, H, D] (got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)})"
+        else:
+            assert q.dim() == 3 and k.shape == v.shape and k.shape[0] == q.shape[0], \
+                f"FA4: varlen q/k/v must be [T, H, D] (got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)})"
+            self._check_cu(cu_seqlens_q, q.shape[0])
+            self._check_cu(cu_seqlens_k, k.shape[0])
 
     @staticmethod
     def _mask(sq: int, sk: int, causal: bool):
@@ -51,7 +102,7 @@ class FakeFA4:
     def _flash_attn_fwd(self, q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                         max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False,
                         return_lse=False, block_sparse_tensors=None, mask_mod=None, aux_tensors=None, **unused):
-        assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+        self._check_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k)
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         if block_sparse_tensors is not None:
             self.calls.append(("sparse_fwd", q.shape[-2], k.shape[-2]))
@@ -117,6 +168,16 @@ class FakeFA4:
     def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
                         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                         block_sparse_tensors=None, mask_mod=None, aux_tensors=None, **unused):
+        self._check_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        for name, t in (("out", out), ("dout", dout)):
+            check_tensor(name, t, self.dtypes)
+            assert t.shape == q.shape and t.dtype == q.dtype, \
+                f"FA4: {name} must be {tuple(q.shape)} {q.dtype} (got {tuple(t.shape)} {t.dtype})"
+        want = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else (q.shape[0], q.shape[2], q.shape[1])
+        assert lse.dtype == torch.float32 and tuple(lse.shape) == want, \
+            f"FA4: lse must be fp32 {want} (got {lse.dtype} {tuple(lse.shape)})"
+        assert lse.is_contiguous(), f"FA4: lse must be contiguous (strides {lse.stride()})"
+        self.calls_log.append({"out_own_order": _own_order(out), "dout_own_order": _own_order(dout)})
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         if block_sparse_tensors is not None:
             self.calls.append(("sparse_bwd", q.shape[-2], k.shape[-2]))
@@ -141,7 +202,7 @@ class FakeFA4:
 def install(monkeypatch, dtypes: tuple = (torch.bfloat16, torch.float16, torch.float32, torch.float64),
             head_dims: Optional[tuple] = None) -> FakeFA4:
     """Route ``attention.fa4`` to a ``FakeFA4`` on the CPU for ``dtypes`` (and ``head_dims``, if given); returns it."""
-    fake = FakeFA4()
+    fake = FakeFA4(dtypes)
     pkg, cute, iface = (types.ModuleType(n) for n in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"))
     iface._flash_attn_fwd, iface._flash_attn_bwd = fake._flash_attn_fwd, fake._flash_attn_bwd
     pkg.cute, cute.interface = cute, iface

@@ -88,6 +88,16 @@ def _one(x: torch.Tensor, length: int, starts: list[int]) -> torch.Tensor:
     return _batched(x, length, starts)
 
 
+def _cat_seq(parts: list) -> torch.Tensor:
+    """The per-sample outputs [1, H, L_i, D] side by side along S, in the kernel's own memory order: parts that are
+    views of [1, L_i, H, D] memory (FA4, cuDNN, flash) give a view of one [1, S, H, D] tensor, so a backward's slice
+    of a sample is exactly the layout its kernel wrote (a plain cat made a head-major [1, H, S, D] out that FA4's
+    backward, reading its own [B, S, H, D] order, never received from any other path); others a plain cat."""
+    if len(parts) > 1 and all(p.transpose(1, 2).is_contiguous() for p in parts):
+        return torch.cat([p.transpose(1, 2) for p in parts], dim=1).transpose(1, 2)
+    return torch.cat(parts, dim=2)
+
+
 def _nonempty(cu: tuple[int, ...]) -> tuple[int, ...]:
     out = [cu[0]]
     for c in cu[1:]:
@@ -103,14 +113,14 @@ def forward_lse(method: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *
     """(out [1, H, S, D], lse fp32 [1, H, S]) of the packed samples by ``method`` (a resolved one)."""
     if method == "per_sample":
         parts = [be.forward_lse(q[i], k[i], v[i], causal=causal, softmax_scale=scale) for i in sample_slices(cu)]
-        return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+        return _cat_seq([o for o, _ in parts]), torch.cat([lse for _, lse in parts], dim=2)
     if method == "grouped":
         groups = length_groups(cu)
         parts = [be.forward_lse(_one(q, n, st), _one(k, n, st), _one(v, n, st), causal=causal, softmax_scale=scale)
                  for n, st in groups]
         outs = _in_sample_order(cu, groups, [o for o, _ in parts])
         lses = _in_sample_order(cu, groups, [lse for _, lse in parts])
-        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        return _cat_seq(outs), torch.cat(lses, dim=2)
     kern = kernels.of_varlen_method(method)
     if kern is None:
         raise ValueError(f"unknown varlen method {method!r}")

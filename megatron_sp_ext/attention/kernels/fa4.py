@@ -113,9 +113,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block gradients (dq [B, H, Sq, D], dk/dv [B, Hkv, Sk, D]) given the rows' FINAL out and lse."""
-    dq, dk, dv = _interface()._flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(do),
+    dq, dk, dv = _interface()._flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _own(_bshd(out)), _bshd(do),
                                               lse.float().contiguous(), scale, causal)[:3]
     return _bshd(dq), _bshd(dk), _bshd(dv)
+
+
+def _own(out: torch.Tensor) -> torch.Tensor:
+    """The backward's ``out`` ([B, S, H, D] / [T, H, D] view) in FA4's own memory order, as its forward wrote it and
+    its autograd Function hands it back (no copy when it already is; a head-major out, which no other caller gives
+    FA4, is copied). Defensive: seen with the dynamic-SP Ulysses path's wrong dq on an H100, not shown to be its
+    cause (docs/dynamic_sp.md)."""
+    return out.contiguous()
 
 
 def _thd(x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +150,7 @@ def varlen_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """[dq, dk, dv] ([1, H or Hkv, S, D]) of ``varlen_forward`` given the final out / lse."""
     cu_t, m = _cu_args(cu, q.device)
     dq, dk, dv = _interface()._flash_attn_bwd(
-        _thd(q), _thd(k), _thd(v), _thd(out), _thd(do), lse[0].float().contiguous(), scale, causal,
+        _thd(q), _thd(k), _thd(v), _own(_thd(out)), _thd(do), lse[0].float().contiguous(), scale, causal,
         cu_seqlens_q=cu_t, cu_seqlens_k=cu_t, max_seqlen_q=m, max_seqlen_k=m)[:3]
     return [t.transpose(0, 1).unsqueeze(0) for t in (dq, dk, dv)]
 
@@ -296,7 +304,7 @@ def tile_backward(do, q, k, v, out, lse, scale: float, causal: bool, meta: TileM
     kw = {}
     if meta.aux is not None:
         kw = {"mask_mod": _mask_mod(meta, causal), "aux_tensors": meta.aux}
-    dq, dk, dv = _interface()._flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(do),
+    dq, dk, dv = _interface()._flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _own(_bshd(out)), _bshd(do),
                                               lse.float().contiguous(), scale, meta.causal_in_kernel,
                                               block_sparse_tensors=meta.bwd, **kw)[:3]
     return _bshd(dq), _bshd(dk), _bshd(dv)
