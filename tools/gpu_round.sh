@@ -36,6 +36,7 @@ stage_fa4() {   # second call (FA4 installed): its block sparsity checked per ke
   CUDA_VISIBLE_DEVICES=1 timeout 240 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks \
     > $W/fa4/checks.log 2>&1 &
   local bg=$!
+  keep fa4/layouts timeout 90 python3 tools/check_fa4_layouts.py --out $W/fa4   # the dit_dynamic bf16 miss's suspects
   SPX_CUDA_REPORT=$W/fa4/suite timeout 250 bash tools/gpu_run.sh \
     "(fa4_block_sparse_family and (2-nccl or 4-gloo)) or (dit_dynamic and 2-nccl)" 2>&1 | grep -E "^(ok|BAD)|passed|failed" | tail -n 40
   SPX_SUITE_KERNEL=cudnn SPX_CUDA_REPORT=$W/fa4/suite_cudnn timeout 70 bash tools/gpu_run.sh "dit_dynamic and 2-nccl" \
