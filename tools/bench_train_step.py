@@ -59,6 +59,7 @@ import sys
 import tempfile
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -216,6 +217,26 @@ def plan_beside_peak(args, flags: list, world: int) -> dict:
                                                        "recompute": p.recompute}}
 
 
+PREFLIGHT_FRACTION = 0.92   # of the GPU's memory: above it the plan is too close to call (tools/memory_plan.py's error
+                            # on its validation points is up to ~2%; allocator fragmentation comes on top)
+
+
+def memory_preflight(plan: dict, gpu_gib: Optional[float] = None) -> Optional[str]:
+    """A warning when the run's per-GPU memory plan (``plan_beside_peak``) is above PREFLIGHT_FRACTION of the GPU's
+    memory (``gpu_gib``, default: this CUDA device's; no GPU: no warning), else None. 2 x H100, 2026-11-25: a run
+    planned at 75.2 of 79 GiB failed ~100 s in, with nothing recorded."""
+    if gpu_gib is None:
+        if not torch.cuda.is_available():
+            return None
+        gpu_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2 ** 30
+    need = plan.get("plan_gib")
+    if need is None or need <= PREFLIGHT_FRACTION * gpu_gib:
+        return None
+    return (f"tools/memory_plan.py plans {need:.1f} GiB per GPU of this GPU's {gpu_gib:.1f} GiB (over "
+            f"{PREFLIGHT_FRACTION:.0%}): it may run out of memory; --recompute-granularity full, "
+            f"--use-distributed-optimizer or --use-torch-fsdp2 lower it")
+
+
 def sparse_flops_per_token(cfg, seqlen: int, text_len: int, sparsity: float, n_tiles: int, topk: bool) -> float:
     """Forward+backward FLOPs per token of the sparse step, on DiTConfig.flops_per_token's terms: the
     self-attention term x (1 - sparsity); with top-k also the gate (Linear(dim, dim) per token) and the coarse
@@ -258,6 +279,13 @@ def main() -> None:
     init_world()  # shared by the runs below
     results = {}
     os.makedirs(args.out, exist_ok=True)
+    tag = f"_{args.tag}" if args.tag else ""
+    partial = os.path.join(args.out, f"train_step{tag}.partial.json")
+    if args.entry == "megatron":
+        for v in variants:
+            warn = memory_preflight(plan_beside_peak(parsed_all[v], extra[v], int(os.environ.get("WORLD_SIZE", "1"))))
+            if warn and int(os.environ.get("RANK", "0")) == 0:
+                print(f"[bench_train_step] WARNING {v}: {warn}", flush=True)
     for v in args.variants.split(","):
         kernels.PICKS.clear()   # which kernels this variant's calls ran on (``block_sparse_kernels``)
         with tempfile.TemporaryDirectory() as tmp:
@@ -285,6 +313,7 @@ def main() -> None:
                   f"{t['mfu_bare']} (bare), peak {t['peak_mem_gib']} GiB, plan {t.get('plan_gib')} GiB", flush=True)
             if not t["step_agreement"]["agrees"]:
                 print(f"[bench_train_step] WARNING {v}: {t['step_agreement']['note']}", flush=True)
+            write_json(partial, {"meta": run_meta(), "argv": rest, "results_so_far": results})  # a later crash keeps these
     if "guarded" in results and "bare_loop" in results:
         results["guard_overhead"] = results["guarded"]["entry_step_ms"] / results["bare_loop"]["entry_step_ms"] - 1
     if "guarded" in results and "unfused" in results:
@@ -308,8 +337,9 @@ def main() -> None:
         out = {"meta": run_meta(), "entry": args.entry, "argv": rest,
                "world": int(os.environ.get("WORLD_SIZE", "1")), "step_agreement_flagged": flagged,
                "results": results}
-        tag = f"_{args.tag}" if args.tag else ""
         path = write_json(os.path.join(args.out, f"train_step{tag}.json"), out)
+        if os.path.exists(partial):
+            os.remove(partial)
         print(json.dumps(out["results"], indent=1))
         print(f"wrote {path}")
     if dist.is_initialized():
