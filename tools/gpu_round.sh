@@ -3,6 +3,10 @@
 # warm machine (the wheels carried as parts in .fa4/: tools/gpu_wheels.sh; the first call carries part.aa only).
 #   bash tools/gpu_round.sh STAGE [STAGE ...]      stages: first fa4 sp2 curves checks suite kernels steps32 steps75 extras
 # Each stage writes $OUT/<stage>.tgz (its raw JSON and logs) and $OUT/<stage>.txt (the summary printed last).
+# A 30-minute session, in order (each line one call; the machine stays warm only 30 s between calls):
+#   1. carry .fa4/part.aa + manifest: first   (no FA4 yet: FSDP2 entry test, FSDP2 / dynamic SP at 2 ranks)
+#   2. carry .fa4/part.ab + manifest: fa4     (check_fa4_layouts, check_fa4_tiles beside the FA4 block-sparse family)
+#   3. sp2 (2 GPUs) or steps75, then kernels / steps32 / curves / extras as the budget allows
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
