@@ -15,7 +15,7 @@ sub-group) while that lowers (busiest rank, sum of squared loads); it keeps only
 plans that give every rank tokens, adds uniform SP (every sample over all P ranks) and returns the plan with the
 lowest busiest-rank work (ties: less exchange, then the earlier candidate), but uniform SP unless that plan's busiest
 rank is at least ``min_gain`` lighter than uniform SP's (the model leaves out each sub-group's own calls and launches:
-on 2 x H100 a plan modelled 1.9% lighter ran 4% slower, so the entries keep ``MIN_GAIN``). A pure function of
+on 2 x H100 a plan modelled 1.9% lighter ran 4% slower, unchecked, so the entries keep ``MIN_GAIN``). A pure function of
 (lengths, P, min_size, cost, min_gain): identical on every rank.
 
 Local rows: rank r holds, for each of its samples in sample order, piece (r - start) of d of the sample padded at its
@@ -30,7 +30,8 @@ from typing import Optional, Sequence
 from ...errors import SPConfigError
 
 # the modelled gain below which the entries keep uniform SP (2 x H100, 2026-11-25: a plan modelled 1.9% lighter than
-# uniform SP ran 4% slower at P=2 over NVLink; tools/results/2026-11-25_h100x2_round6)
+# uniform SP ran 4% slower at P=2 over NVLink, before that path's gradients were checked there: a conservative
+# margin until a checked rerun; tools/results/2026-11-25_h100x2_round6)
 MIN_GAIN = 0.05
 # the caps tried, as multiples of the mean work per rank (inf: every sample at its smallest allowed size)
 CAPS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, float("inf"))
