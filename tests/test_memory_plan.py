@@ -52,13 +52,13 @@ def test_validate_exit_code(tmp_path, capsys):
 def test_merge_adds_validation_points(tmp_path):
     path = _write(tmp_path, mp.load_points())
     gpu = tmp_path / "gpu.json"
-    new = {"model": "wan-14b", "layers": 4, "tokens": 32760, "sp": 1, "gpus": 1, "sharding": "fsdp",
+    new = {"model": "wan-14b", "layers": 3, "tokens": 32760, "sp": 1, "gpus": 1, "sharding": "fsdp",
            "recompute": "full", "peak_gib": 40.0, "device": "1 x H100"}
     gpu.write_text(json.dumps({"points": [new, {**new, "layers": 16, "peak_gib": None}]}))
     assert mp.merge(str(gpu), path) == 1
     assert mp.merge(str(gpu), path) == 1  # again: replaced, not duplicated
     pts = mp.load_points(path)
-    added = [p for p in pts if p["sharding"] == "fsdp"]
+    added = [p for p in pts if p["sharding"] == "fsdp" and p["layers"] == 3]
     assert len(added) == 1 and added[0]["role"] == "validate" and len(pts) == len(mp.load_points()) + 1
 
 

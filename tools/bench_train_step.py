@@ -53,6 +53,7 @@ Everything after "--" goes to the entry point unchanged.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -249,6 +250,22 @@ def sparse_flops_per_token(cfg, seqlen: int, text_len: int, sparsity: float, n_t
     return dense - self_attn * sparsity + extra
 
 
+
+def device_memory_after() -> dict:
+    """After a variant (its model and optimizer freed, the allocator's cache emptied): GiB in use on this GPU, and
+    the part outside torch's allocator (CUDA context, NCCL buffers, kernels' own allocations). A variant that ran
+    out of memory on 1 x H100 (sparse_topk90 at 75,600 tokens, 2026-11-25) had ~20 GiB outside torch's allocator
+    after two variants in the same process; this records whether that grows from variant to variant."""
+    if not torch.cuda.is_available():
+        return {}
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    used = (total - free) / 2**30
+    return {"gpu_used_after_gib": round(used, 3),
+            "outside_torch_after_gib": round(used - torch.cuda.memory_reserved() / 2**30, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--entry", choices=["megatron", "deepspeed"], default="megatron")
@@ -293,6 +310,7 @@ def main() -> None:
                               "--log-dir", os.path.join(tmp, v)])
         parsed = parsed_all[v]
         t = dict(res["timing"])
+        t.update(device_memory_after())
         t["first_step_loss"] = res["losses"][0] if res.get("losses") else None
         t["step_agreement"] = step_agreement(t, parsed.train_iters, args.log_interval)
         t["mfu_bare"] = t["step_agreement"]["mfu_bare"]

@@ -13,8 +13,8 @@ Model (bf16 autocast over fp32 weights, AdamW, Megatron's fp32 gradient buffers)
   so the backward holds one recomputed block's copies (the end of the forward, all copies and no block's
   activations, is the other candidate peak: the larger of the two counts). Distributed-optimizer: Adam / (DP x CP).
   fsdp / zero3: parameters, gradients and Adam / (DP x CP), no autocast copies (FSDP2 gathers bf16 itself), plus
-  two blocks unsharded (bf16 params + fp32 gradients: one in use, one prefetched) and the root's own (non-block)
-  parameters gathered in bf16 for the whole step; the same at one rank (FSDP2 still gathers into bf16 buffers).
+  two blocks unsharded (bf16 params + fp32 gradients: one in use, one prefetched; at one rank no unsharded
+  gradient: it is the shard) and the root's own (non-block) parameters gathered in bf16 for the whole step.
   activations: c x dim bytes per local token per layer, c the one constant FITTED to the
   measured peaks marked "fit" (tools/results/memory_peaks/peaks.json; least squares of the relative error).
   full recompute keeps each block's input, the bf16 residual stream (the patch embedding's output is bf16 under
@@ -100,7 +100,11 @@ def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", re
     local = tokens / sp
     per_layer = c * cfg.dim * local / GIB
     per_layer_rc = 2 * cfg.dim * local / GIB
-    blocks = (2 * (2 + 4) * n_blk + 2 * (n - cfg.layers * n_blk)) / GIB if fsdp else 0.0
+    # two blocks unsharded: bf16 params, and fp32 gradients before their reduce-scatter where there is one to do
+    # (one rank: the gradient is the shard itself; the plan without this was 8-18% over three FSDP2 peaks
+    # measured at one rank on an H100, 2026-11-25, and this term was revised after them)
+    unsharded_grad = 4 if shard > 1 else 0
+    blocks = (2 * (2 + unsharded_grad) * n_blk + 2 * (n - cfg.layers * n_blk)) / GIB if fsdp else 0.0
     if recompute == "none":
         act = cfg.layers * per_layer
         cast = 0.0 if fsdp else 2 * n / GIB
