@@ -245,3 +245,17 @@ def test_the_user_line_names_the_kernel_and_the_flag(monkeypatch):
     assert attention_kernel_line("auto", "--sp-attention-backend", cpu, torch.bfloat16, 128).startswith(
         "attention kernel: FlashAttention-4 on cpu/bfloat16")
     assert "FlashAttention-2" in attention_kernel_line("auto", "x", cpu, torch.bfloat16, 96)   # a head dim FA4 refuses
+
+
+def test_block_lists_match_a_sort_of_each_row():
+    """FA4's block-sparse index lists (counts, then every column: the selected ones ascending, then the rest
+    ascending, full width, int32, contiguous) equal a stable sort of each row, on masks from empty to full."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(1, 1, 1), (3, 5, 7), (2, 40, 33, 33), (1, 4, 1, 256)]:
+        for p in (0.0, 0.1, 0.5, 1.0):
+            sel = torch.rand(shape, generator=gen) < p
+            col = torch.arange(shape[-1])
+            want = torch.argsort((~sel).long() * shape[-1] + col, dim=-1).to(torch.int32)
+            counts, idx = fa4.block_lists(sel)
+            assert torch.equal(counts, sel.sum(-1, dtype=torch.int32))
+            assert torch.equal(idx, want) and idx.dtype == torch.int32 and idx.is_contiguous()

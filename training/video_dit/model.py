@@ -213,13 +213,14 @@ class SelfAttention(nn.Module):
             return run(qs, ks, vs, kv_valid_len)
         if step.window_mask is not None:
             return fine(q, k, v, step.window_mask)
-        q_tiles, k_tiles, v_tiles = (pool_tiles(t, step.tile_index, step.num_tiles, step.group) for t in (q, k, v))
+        q_tiles, k_tiles, v_tiles = (pool_tiles(t, step.tile_index, step.num_tiles, step.group, step.run)
+                                     for t in (q, k, v))
         outs = []
         for i in range(b):  # a block mask is one sample's (its own top-k)
             mask = pad_block_mask(topk_block_mask(q_tiles[i], k_tiles[i], step.spec.topk), step.num_blocks)
             outs.append(fine(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask))
         gate = self.sparse_gate(x).view(b, s, self.heads, self.hd)
-        return torch.cat(outs) + gate * coarse_attention(q_tiles, k_tiles, v_tiles, step.tile_index)
+        return torch.cat(outs) + gate * coarse_attention(q_tiles, k_tiles, v_tiles, step.tile_index, step.run)
 
     def forward(self, x, angles, kv_valid_len, cu_seqlens=None, sparse: Optional[SparseStep] = None):
         b, s, _ = x.shape
