@@ -2,7 +2,7 @@
 # One lent GPU session of a round, in stages that each fit one device call (<= 10 min), run back to back on the same
 # warm machine (the wheels carried as parts in .fa4/: tools/gpu_wheels.sh; the first call carries part.aa only).
 #   bash tools/gpu_round.sh STAGE[@GPU] [STAGE[@GPU] ...]
-# stages: first fa4 sp2 curves checks suite kernels kernels2 steps32 steps75 profiles extras. A stage named with @GPU
+# stages: first fa4 sp2 curves checks suite kernels kernels2 steps32 steps75 steps13 profiles extras. A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
 # call's deadline (DEADLINE_S, default 540 s after the call starts), so the tarballs are written before the
@@ -11,10 +11,10 @@
 # A 30-minute session on 2 GPUs, in order (each line one call; the machine stays warm only 30 s between calls):
 #   1. carry .fa4/part.aa + manifest: first     (no FA4 yet: dit_dynamic on cuDNN, dynamic SP / FSDP2 at 2 ranks,
 #                                                  the FSDP2 entry test, the peaks, a --sparse-attention-kernel step)
-#   2. carry .fa4/part.ab + manifest: fa4       (check_fa4_layouts, the FA4 block-sparse family, check_fa4_tiles)
-#   3. steps32@0 profiles@1
-#   4. steps75@0 kernels@1
-#   5. sp2, then kernels2 / curves as the budget allows
+#   2. carry .fa4/part.ab + manifest: fa4       (the FA4 block-sparse family; check_fa4_tiles, check_fa4_layouts)
+#   3. steps32@0 profiles@1                      (the round's new code on the step: top-k, TileRun)
+#   4. steps75@0 curves@1                        (50 steps; flex's first step compiled for 192 s on 2026-11-25)
+#   5. sp2, then steps13 / kernels2 as the budget allows
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -72,10 +72,12 @@ stage_first() {   # first call (FA4's DSL not there yet: the local kernel is cuD
 stage_fa4() {   # second call (FA4 installed): its block sparsity checked per kernel call beside the suite
   mkdir -p $W/fa4
   local g1=0; [ "$(ngpu)" -ge 2 ] && g1=1
-  CUDA_VISIBLE_DEVICES=$g1 keep fa4/checks 300 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks &
+  { CUDA_VISIBLE_DEVICES=$g1 keep fa4/checks 240 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
+    CUDA_VISIBLE_DEVICES=$g1 keep fa4/layouts 200 python3 tools/check_fa4_layouts.py --out $W/fa4; } &
   local bg=$!
-  keep fa4/layouts 90 python3 tools/check_fa4_layouts.py --out $W/fa4   # the dit_dynamic bf16 miss's suspects
-  suite fa4/suite 330 "(fa4_block_sparse_family and (2-nccl or 4-gloo)) or (dit_dynamic and 2-nccl)"
+  # the FA4 block-sparse family first (2026-11-25 it was cut by the limit behind dit_dynamic), then dit_dynamic
+  suite fa4/suite 330 "fa4_block_sparse_family and (2-nccl or 4-gloo)"
+  suite fa4/suite_dyn 90 "dit_dynamic and 2-nccl"
   wait $bg
 }
 stage_sp2() {   # #55 item 4: the step at SP=2 (one rank per GPU), wan-14b 4 layers, 75,600 tokens (full recompute: the
@@ -118,9 +120,14 @@ stage_steps32() {  # the step (#53): wan-14b 2 layers on Wan's 480p grid and on 
   keep steps/wan14b_16x32x64 260 $STEP --variants guarded,sparse_window90,sparse_topk90 \
     --out $W/steps/wan14b_16x32x64 -- "${WAN14[@]}" --frames 16 --latent-size 64x128
 }
-stage_steps75() {  # 720p, and wan-1.3b 4 layers at 32K
-  keep steps/wan14b_21x45x80 380 $STEP --variants guarded,sparse_window90,sparse_topk90 \
+stage_steps75() {  # 720p (top-k in its own process: in one with two variants before it, it ran out of memory twice
+  # on 1 x H100 with ~20 GiB outside torch's allocator, 2026-11-25), and wan-1.3b 4 layers at 32K
+  keep steps/wan14b_21x45x80 250 $STEP --variants guarded,sparse_window90 \
     --out $W/steps/wan14b_21x45x80 -- "${WAN14[@]}" --frames 21 --latent-size 90x160
+  keep steps/wan14b_21x45x80_topk 230 $STEP --variants guarded,sparse_topk90 \
+    --out $W/steps/wan14b_21x45x80_topk -- "${WAN14[@]}" --frames 21 --latent-size 90x160
+}
+stage_steps13() {  # wan-1.3b 4 layers at 32K
   keep steps/wan13b_16x32x64 140 $STEP --variants guarded,sparse_window90 --out $W/steps/wan13b_16x32x64 -- \
     --model wan-1.3b --num-layers 4 --bf16 --train-iters 30 --ddp-impl torch --frames 16 --latent-size 64x128
 }
