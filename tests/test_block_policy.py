@@ -13,7 +13,7 @@ class _Scripted(BlockPolicy):
         super().__init__(**kw)
         self.scripts, self.runs = list(scripts), 0
 
-    def _timed_rounds(self, run, cands, rounds, group):
+    def _timed_rounds(self, run, cands, rounds, group, device=None):
         table = self.scripts.pop(0)
         return {c: table.get(c.label, 10.0) for c in cands}
 

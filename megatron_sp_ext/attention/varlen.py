@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import SPConfigError
+from ..trials import isolated_trial
 from . import kernels
 from .backends import LocalAttention, SDPABackend
 
@@ -276,7 +277,8 @@ def cuda_timer(method: str, fn: Callable[[], None], reps: int = 3) -> float:
 
 
 class VarlenChooser:
-    """Resolves a ``varlen_kernel`` setting to a method; "auto" measures once per key (see module docstring).
+    """Resolves a ``varlen_kernel`` setting to a method; "auto" measures once per key (see module docstring), in
+    ``trials.isolated_trial`` (activation checkpointing's saved-tensor hooks never see the trials).
     ``timer(method, fn) -> ms`` and ``measure_off_cuda`` exist for tests; ``decisions`` is the cache (LRU)."""
 
     def __init__(self, timer: Callable[[str, Callable[[], None]], float] = cuda_timer, capacity: int = 1024,
@@ -313,7 +315,9 @@ class VarlenChooser:
         if key in self.decisions:
             self.decisions.move_to_end(key)
             return self.decisions[key]
-        times = {m: self.timer(m, self._run(m, be, q, k, v, cu, causal, scale, need_grad, explicit)) for m in here}
+        with isolated_trial():  # a checkpointed forward's saved-tensor hooks never see the trials
+            times = {m: self.timer(m, self._run(m, be, q, k, v, cu, causal, scale, need_grad, explicit))
+                     for m in here}
         best = min(here, key=lambda m: (times[m], here.index(m)))
         log.info("megatron_sp_ext: varlen_kernel='auto' chose %s for %d samples (ms: %s)", best,
                  len(key[5]), {m: round(t, 3) for m, t in times.items()})

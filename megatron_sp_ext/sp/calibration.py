@@ -20,7 +20,10 @@ What ``auto`` (the factory's ``SPAttention`` with ``mode="auto"``) guarantees, a
     causal zigzag and not, P=2,3,4, GQA, padding;
   * the cost is bounded and logged: ``warmup`` + ``rounds`` x ``iters`` calls per candidate, rounds stop early
     (from round ``min_rounds`` on) once the measured time exceeds ``budget_ms`` (a group-wide number), and the
-    choice, its reason and the calibration's wall time are logged once per key (logger "megatron_sp_ext").
+    choice, its reason and the calibration's wall time are logged once per key (logger "megatron_sp_ext");
+  * activation checkpointing is unaffected: the trials run in ``trials.isolated_trial``, so a forward under torch's
+    non-reentrant checkpoint saves through its hooks exactly what its recompute (a cache hit) saves, and the
+    gradients equal those without checkpoint (tests/test_trials.py; reentrant checkpoint too).
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..trials import isolated_trial
 
 log = logging.getLogger("megatron_sp_ext")
 
@@ -150,7 +155,9 @@ class ModePolicy:
     ``budget_ms`` (the same group-wide sum on every rank). Devices outside ``timed_devices`` (default: CUDA; no
     streams elsewhere) or one rank: the baseline, untimed. Later calls: a dict lookup. The cached
     ``Calibration``'s ``chunks`` field holds the chosen mode name. ``timer(fn, iters, warmup, group) -> ms``
-    (default ``time_ms``) is injectable; each step it is handed carries its mode name as ``fn.mode``.
+    (default ``time_ms``) is injectable; each step it is handed carries its mode name as ``fn.mode``. The
+    trials run in ``trials.isolated_trial``: inside a forward under non-reentrant activation checkpointing they
+    save nothing through its hooks, so the recompute (a cache hit) saves what the forward saved.
     """
 
     def __init__(self, margin: float = 0.02, rounds: int = 5, max_noise: float = 0.10, iters: int = 3,
@@ -174,18 +181,19 @@ class ModePolicy:
         else:
             cal = Calibration(names[0])
             cal.rounds = {n: [] for n in names}
-            for _ in range(self.warmup):
-                for n in names:
-                    steps[n]()
-            spent = 0.0  # measured ms so far: group-wide numbers, so every rank stops after the same round
-            for r in range(self.rounds):
-                if r >= self.min_rounds and spent > self.budget_ms:
-                    break
-                for i in range(len(names)):
-                    n = names[(r + i) % len(names)]
-                    ms = self.timer(steps[n], self.iters, 1, group)
-                    cal.rounds[n].append(ms)
-                    spent += ms * (self.iters + 1)
+            with isolated_trial():  # a checkpointed forward's saved-tensor hooks never see the trials
+                for _ in range(self.warmup):
+                    for n in names:
+                        steps[n]()
+                spent = 0.0  # measured ms so far: group-wide numbers, so every rank stops after the same round
+                for r in range(self.rounds):
+                    if r >= self.min_rounds and spent > self.budget_ms:
+                        break
+                    for i in range(len(names)):
+                        n = names[(r + i) % len(names)]
+                        ms = self.timer(steps[n], self.iters, 1, group)
+                        cal.rounds[n].append(ms)
+                        spent += ms * (self.iters + 1)
             cal.measured = {n: median(v) for n, v in cal.rounds.items()}
             cal.chunks, cal.reason = decide(cal.rounds, self.margin, self.max_noise, plain=names[0])
             cal.confirm = (cal.measured[names[0]], cal.measured[cal.chunks])

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.transport import copy_engine_unavailable_reason, symm_mem_unavailable_reason
+from ...trials import isolated_trial
 from ..calibration import decide, median, time_ms
 
 log = logging.getLogger("megatron_sp_ext")
@@ -73,14 +74,17 @@ class BlockDecision:
 
 
 class BlockPolicy:
-    """Per-key block strategy chooser (see module docstring)."""
+    """Per-key block strategy chooser (see module docstring). ``timed_devices`` (default CUDA, timed with CUDA
+    events; elsewhere the host clock) exists for tests. The calibration runs in ``trials.isolated_trial``
+    (activation checkpointing's saved-tensor hooks never see it)."""
 
     def __init__(self, chunk_candidates: Sequence[int] = (1, 2), transports: Sequence[str] = ("nccl", "symm_mem"),
                  async_candidates: Sequence[bool] = (False, True), allgather: bool = True, rounds: int = 5,
-                 warmup: int = 2, margin: float = 0.02) -> None:
+                 warmup: int = 2, margin: float = 0.02, *, timed_devices: Sequence[str] = ("cuda",)) -> None:
         self.chunk_candidates, self.transports = tuple(chunk_candidates), tuple(transports)
         self.async_candidates, self.allgather = tuple(async_candidates), allgather
         self.rounds, self.warmup, self.margin = rounds, warmup, margin
+        self.timed_devices = tuple(timed_devices)
         self.cache: dict = {}
 
     def candidates(self, heads_per_rank: int, group, device: torch.device) -> list[BlockChoice]:
@@ -104,44 +108,55 @@ class BlockPolicy:
         if key in self.cache:
             return self.cache[key].choice
         world = dist.get_world_size(group)
-        if device.type != "cuda" or world == 1:
+        if device.type not in self.timed_devices or world == 1:
             dec = BlockDecision(PLAIN, reason="no CUDA streams here: nothing overlaps" if world > 1 else "world 1")
         else:
-            dec = self._calibrate(run, self.candidates(heads_per_rank, group, device), group)
+            with isolated_trial():  # a checkpointed forward's saved-tensor hooks never see the trials
+                dec = self._calibrate(run, self.candidates(heads_per_rank, group, device), group, device)
         self.cache[key] = dec
         log.info("megatron_sp_ext: block policy -> %s for %s (%s)", dec.choice.label, key,
                  dec.reason or {c.label: round(t, 3) for c, t in dec.measured_ms.items()})
         return dec.choice
 
-    def _timed_rounds(self, run, cands, rounds, group) -> dict:
+    def _timed_rounds(self, run, cands, rounds, group, device: Optional[torch.device] = None) -> dict:
+        """Median ms of each candidate over ``rounds`` rotated rounds, max over ``group``: CUDA events on CUDA
+        (``device`` None: CUDA), the host clock elsewhere."""
+        dev = device or torch.device("cuda")
+        cuda = dev.type == "cuda"
         for c in cands:
             for _ in range(self.warmup):
                 run(c)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         times = {c: [] for c in cands}
         for r in range(rounds):
             k = r % len(cands)  # rotate the order: every candidate leads equally often (no slot bias)
             for c in cands[k:] + cands[:k]:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                run(c)
-                b.record()
-                b.synchronize()
-                times[c].append(a.elapsed_time(b))
-        med = torch.tensor([sorted(t)[len(t) // 2] for t in times.values()], device="cuda")
+                if cuda:
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    run(c)
+                    b.record()
+                    b.synchronize()
+                    times[c].append(a.elapsed_time(b))
+                else:
+                    t0 = time.perf_counter()
+                    run(c)
+                    times[c].append((time.perf_counter() - t0) * 1e3)
+        med = torch.tensor([sorted(t)[len(t) // 2] for t in times.values()], device=dev)
         dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
         return dict(zip(cands, med.tolist()))
 
-    def _calibrate(self, run, cands, group) -> BlockDecision:
+    def _calibrate(self, run, cands, group, device: Optional[torch.device] = None) -> BlockDecision:
         dec = BlockDecision(PLAIN)
-        dec.measured_ms = self._timed_rounds(run, cands, self.rounds, group)
+        dec.measured_ms = self._timed_rounds(run, cands, self.rounds, group, device)
         best = min(dec.measured_ms, key=lambda c: (dec.measured_ms[c], c != PLAIN))
         if best == PLAIN:
             return dec
         if dec.measured_ms[best] > dec.measured_ms[PLAIN] * (1 - self.margin):
             dec.reason = f"{best.label} within {self.margin:.0%} of plain: keep plain"
             return dec
-        conf = self._timed_rounds(run, [PLAIN, best], 3, group)
+        conf = self._timed_rounds(run, [PLAIN, best], 3, group, device)
         dec.confirm = (conf[PLAIN], conf[best])
         if conf[best] <= conf[PLAIN] * (1 - self.margin):
             dec.choice = best
@@ -174,7 +189,8 @@ class FormDecision:
 
 
 class FormPolicy:
-    """Per-key choice among named block forms; the first candidate is the baseline (see module docstring)."""
+    """Per-key choice among named block forms; the first candidate is the baseline (see module docstring). The
+    calibration runs in ``trials.isolated_trial`` (activation checkpointing's saved-tensor hooks never see it)."""
 
     def __init__(self, margin: float = 0.02, rounds: int = 5, max_noise: float = 0.10, iters: int = 3,
                  warmup: int = 2, timer: Optional[FormTimer] = None) -> None:
@@ -197,7 +213,8 @@ class FormPolicy:
         elif self.timer is None and device.type != "cuda":
             dec = FormDecision(names[0], reason="no CUDA streams here (nothing overlaps): the baseline, untimed")
         else:
-            dec = FormDecision(names[0], rounds=self._rounds(names, candidates, group, device))
+            with isolated_trial():  # a checkpointed forward's saved-tensor hooks never see the trials
+                dec = FormDecision(names[0], rounds=self._rounds(names, candidates, group, device))
             dec.form, dec.reason = decide(dec.rounds, self.margin, self.max_noise, plain=names[0])
         dec.cost_ms = (time.perf_counter() - t0) * 1e3
         self.cache[key] = dec

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.exchange import all_to_all_flat
+from ...trials import isolated_trial
 from ..calibration import Calibration, decide, group_key, median, time_ms
 from ..heads import head_layout
 
@@ -42,13 +43,17 @@ class ChunkPolicy(Protocol):
 
 class HCMSPolicy:
     """Per-shape chunk-count chooser (see module docstring). ``timer(fn, iters, warmup, group) -> ms``
-    (default ``time_ms``: CUDA events, max over ranks) is injectable for tests."""
+    (default ``time_ms``: CUDA events, max over ranks) and ``timed_devices`` (default CUDA: elsewhere C = 1,
+    untimed) are injectable for tests. The calibration runs in ``trials.isolated_trial`` (activation
+    checkpointing's saved-tensor hooks never see it)."""
 
     def __init__(self, objective: str = "fwd_bwd", iters: int = 3, warmup: int = 2, margin: float = 0.02,
-                 max_chunks: int = 8, rounds: int = 5, max_noise: float = 0.10, timer=None) -> None:
+                 max_chunks: int = 8, rounds: int = 5, max_noise: float = 0.10, timer=None, *,
+                 timed_devices: tuple = ("cuda",)) -> None:
         self.objective, self.iters, self.warmup = objective, iters, warmup
         self.margin, self.max_chunks, self.rounds, self.max_noise = margin, max_chunks, rounds, max_noise
         self.timer = timer or time_ms
+        self.timed_devices = tuple(timed_devices)
         self.cache: dict = {}
 
     def choose(self, q, k, group, *, causal, layout, scale, backend, comm_stream, transport=None,
@@ -62,11 +67,12 @@ class HCMSPolicy:
         if cal is not None:
             return cal.chunks
         world = dist.get_world_size(group)
-        if q.device.type != "cuda" or world == 1:
+        if q.device.type not in self.timed_devices or world == 1:
             cal = Calibration(1, reason="no CUDA streams here: chunking cannot overlap" if world > 1 else "world 1")
         else:
-            cal = self._calibrate(attention, q, k, group, causal, layout, scale, backend, comm_stream, key[-1],
-                                  transport)
+            with isolated_trial():  # a checkpointed forward's saved-tensor hooks never see the trials
+                cal = self._calibrate(attention, q, k, group, causal, layout, scale, backend, comm_stream, key[-1],
+                                      transport)
         self.cache[key] = cal
         log.info("megatron_sp_ext: head_chunks=auto -> %d for q%s k%s %s P=%d (%s; calibration %.0f ms)",
                  cal.chunks, tuple(q.shape), tuple(k.shape), q.dtype, world, cal.reason or cal.measured, cal.cost_ms)
