@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.reference import TOL, rel_err
+from tests.reference import TOL, rel_diff, rel_err
 from tests.dit_models import modulated_dit
 from training.video_dit import preset
 from training.video_dit.data import SyntheticVideoLatents
@@ -87,7 +87,7 @@ def dit_packed_family(rank: int, world: int) -> list:
                 for g in grads:
                     dist.all_reduce(g, group=group)
                     g /= world
-            errs = {"loss": abs(loss.item() - ref_loss) / abs(ref_loss),
+            errs = {"loss": rel_diff(loss.item(), ref_loss),
                     "grads": max(rel_err(g, r) for g, r in zip(grads, ref_grads))}
             records.append({"family": "dit_packed", "case": f"P={world} {mode}{kw.get('head_chunks', '')} "
                             f"fused={fused} clips={list(zip(frames, sizes))} packed vs one-at-a-time fp32",

@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.reference import TOL, rel_err
+from tests.reference import TOL, rel_diff, rel_err
 from tests.dit_models import modulated_dit
 from training.video_dit import VideoDiT
 from training.video_dit.config import DiTConfig
@@ -83,7 +83,7 @@ def fsdp2_model_family(rank: int, world: int) -> list:
                 (lo / world).backward()
                 ref_loss = lo.detach() if r == rank else ref_loss
             ref = dict(ref_model.named_parameters())
-            errs = {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())}
+            errs = {"loss": rel_diff(loss.item(), ref_loss.item())}
             errs.update({f"grad {n}": rel_err(g, ref[n].grad) for n, g in grads.items()})
             records.append({"family": "fsdp2", "case": f"P={world} FSDP2 bf16 vs unsharded autocast bf16 grid={grid} "
                             f"recompute={'full' if recompute else 'none'} token ids on the host",

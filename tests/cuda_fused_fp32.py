@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from tests.reference import rel_err
+from tests.reference import curve_err, rel_err
 from tests.dit_models import modulated_dit
 from training.video_dit import preset
 from training.video_dit.data import SyntheticVideoLatents
@@ -68,7 +68,7 @@ def _entry_case() -> dict:
     assert len(losses["on"]) == len(losses["off"]) == 3, losses
     return {"family": "fused_fp32", "case": f"DiT entry {name} 2 layers, --frames {frames} --latent-size {h}x{w}, "
                                           f"fp32, 3 steps: --fused-elementwise on vs off",
-            "errs": {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses["on"], losses["off"]))}, "tol": TOL}
+            "errs": {"loss": curve_err(losses["on"], losses["off"])}, "tol": TOL}
 
 
 def fused_fp32_family(rank: int, world: int) -> list:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tests.blocks import rms, rope
 from tests.reference import reference_attention, rel_err
+from tests.suite_judge import checked_reference_err
 
 DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
 SHRINK = int(os.environ.get("SPX_SUITE_SHRINK", "1"))  # CPU dry runs: 1/SHRINK of the sequence lengths
@@ -141,11 +142,25 @@ def tp_cp_case(rank: int, world: int, tp: int, *, form: str = "pipelined", h: in
     return errs
 
 
+# the largest error (vs float64) of the unsharded bf16 block that a bf16 case's errors are divided by: its errors
+# reach 4e-2 (a GQA case without QK-norm on H200, large logits); 2.5x that. A baseline further off (or not finite:
+# an inf one turned every error into 0) is a kernel fault, and the case is refused instead of judged against it.
+BASELINE_CAP = 1e-1
+
+
+def normalised_errs(errs: dict, baseline: dict) -> dict:
+    """Each error divided by the unsharded bf16 block's own error of that name (floor 1e-2); ValueError naming the
+    first baseline error that is not a finite number <= BASELINE_CAP."""
+    return {k: e / max(checked_reference_err(baseline[k], BASELINE_CAP, f"unsharded bf16 block's {k}"), 1e-2)
+            for k, e in errs.items()}
+
+
 def tp_cp_block_family(rank: int, world: int) -> list:
     """TP2 x CP2 on 4 ranks (TP2 x CP1 on 2): the three forms (18 cases), GQA, HCMS chunks, causal (zigzag) and
     not; float64 (the stream schedule, tol 1e-10) and bf16 (the kernels): bf16 errors against float64 divided by
-    the unsharded bf16 block's own errors (floor 1e-2), tol 1.5 (un-normalised, a GQA case without QK-norm reaches
-    4e-2 on H200: its logits are large and the one-device bf16 block is as far from float64)."""
+    the unsharded bf16 block's own errors (floor 1e-2; ``normalised_errs``: refused when a baseline error is not
+    finite or over BASELINE_CAP), tol 1.5 (un-normalised, a GQA case without QK-norm reaches 4e-2 on H200: its
+    logits are large and the one-device bf16 block is as far from float64)."""
     rec = []
     for dtype in (torch.float64, torch.bfloat16):
         for form in ("pipelined", "mixed", "mixed_in"):
@@ -155,12 +170,16 @@ def tp_cp_block_family(rank: int, world: int) -> list:
                 errs = tp_cp_case(rank, world, 2, form=form, h=h, hkv=hkv, d=64, chunks=chunks, qk_norm=qk_norm,
                                   causal=causal, s_tp=max(4, 128 // SHRINK), dim=256, b=1, dtype=dtype, device=DEV,
                                   baseline=base)
-                if base:  # bf16: each error relative to the unsharded bf16 block's own error (floor 1e-2)
-                    errs = {k: e / max(base[k], 1e-2) for k, e in errs.items()}
-                    tol = 1.5
-                tol = 1e-10 if dtype == torch.float64 else tol
-                rec.append({"family": "tp-cp-block", "case": f"TP=2 CP={world // 2} {form} {dtype} H={h}/{hkv} "
-                            f"C={chunks} norm={qk_norm} causal={causal} zigzag", "errs": errs, "tol": tol})
+                r = {"family": "tp-cp-block", "case": f"TP=2 CP={world // 2} {form} {dtype} H={h}/{hkv} "
+                     f"C={chunks} norm={qk_norm} causal={causal} zigzag", "errs": errs,
+                     "tol": 1e-10 if dtype == torch.float64 else 1.5}
+                if base is not None:  # bf16: each error relative to the unsharded bf16 block's own error
+                    r["baseline"] = base
+                    try:
+                        r["errs"] = normalised_errs(errs, base)
+                    except ValueError as e:
+                        r["refused"] = str(e)
+                rec.append(r)
     return rec
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -26,11 +27,39 @@ def reference_attention(q_bshd, k_bshd, v_bshd, *, causal=False, softmax_scale=N
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """Norm-wise relative error ||x - ref|| / ||ref|| in float64 (inf if x has NaN)."""
+    """Norm-wise relative error ||x - ref|| / ||ref|| in float64; inf if x or ref has a NaN or an inf anywhere (a
+    non-finite value is never close, and inf - inf would give a NaN that ``max`` over errors drops)."""
     x, ref = x.double(), ref.double()
-    if torch.isnan(x).any():
-        return float("inf")
+    if not (torch.isfinite(x).all() and torch.isfinite(ref).all()):
+        return math.inf
     return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def rel_diff(a: float, ref: float) -> float:
+    """|a - ref| / |ref| of two scalars (losses); inf if either is not finite (0 / 0 = 0, x / 0 = inf)."""
+    if not (math.isfinite(a) and math.isfinite(ref)):
+        return math.inf
+    if ref == 0:
+        return 0.0 if a == 0 else math.inf
+    return abs(a - ref) / abs(ref)
+
+
+def nan_worst(e: float) -> float:
+    """Sort key of an error where a NaN (or a non-number) counts as the worst (Python's ``max([x, nan])`` is x: it
+    drops the NaN)."""
+    return e if isinstance(e, numbers.Real) and not math.isnan(e) else math.inf
+
+
+def worst(errors) -> float:
+    """The largest of ``errors`` (an iterable of floats), a NaN counting as the largest."""
+    return max(errors, key=nan_worst)
+
+
+def curve_err(got: list, ref: list) -> float:
+    """Worst ``rel_diff`` of two loss curves step by step; inf when their lengths differ or either is empty."""
+    if len(got) != len(ref) or not ref:
+        return math.inf
+    return worst(rel_diff(a, b) for a, b in zip(got, ref))
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float64: 1e-10}

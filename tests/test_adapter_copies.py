@@ -37,6 +37,7 @@ from megatron_sp_ext.sp.ulysses import layout as lay
 from tests.harness import run_ranks
 from tests.reference import pad_mask
 from tests.sp_check import run_case
+from tests.suite_judge import verdict
 
 COPY_OPS = {"copy_", "clone", "cat", "index_copy_", "index_copy", "_to_copy", "stack", "index_select",
             "repeat_interleave"}
@@ -279,7 +280,7 @@ def test_cuda_exchange_copies_worker_runs_on_cpu(monkeypatch):
     for per_rank in run_ranks(mod.exchange_copies_family, 2, timeout=300):
         assert len(per_rank) == 10 and all(r["family"] == "exchange_copies" for r in per_rank)
         for r in per_rank:
-            assert max(r["errs"].values()) <= r["tol"], r
+            assert not verdict(r), (verdict(r), r)
 
 
 def _views_zigzag(rank, world):

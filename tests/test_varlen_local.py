@@ -4,18 +4,20 @@ Every method (per_sample, grouped, and flash_varlen through CPU stand-ins of tor
 the ops' layouts) against a float64 per-sample reference: out, lse and dq/dk/dv, causal and not, GQA, odd
 sizes, strided inputs, empty samples; the cuDNN branch through tests/fake_cudnn.py (graph cache included);
 "per_sample" bit for bit the loop the Ulysses varlen path ran before; which methods each backend offers (no
-cuDNN ragged-kernel method); the chooser (settings, errors, "auto" cached per key, call order); the wiring in
+cuDNN ragged-kernel method); the chooser (settings, errors, "auto" cached per key, call order, a candidate whose
+trial raises dropped with a warning, every candidate failing raises, a named method never dropped); the wiring in
 sp/ulysses/attend.py.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
 import torch
 
 from megatron_sp_ext.attention import blockwise, kernels, varlen
-from megatron_sp_ext.attention.backends import get_backend
+from megatron_sp_ext.attention.backends import LocalAttention, get_backend
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.ulysses import attend
 from megatron_sp_ext.sp.ulysses.plan import UlyssesPlan
@@ -367,6 +369,92 @@ def test_auto_decisions_do_not_depend_on_call_order(monkeypatch):
     b, _ = run([2, 1, 0, 2])
     assert a == b == {0: "grouped", 1: "grouped", 2: "flash_varlen"}
     assert len(ch_a.decisions) == 2  # LRU capacity
+
+
+# torch 2.11's cuDNN backward inside VarlenChooser's trial on an H100 (tools/bench_dynamic_sp.py --model wan-14b)
+CUDNN_BWD_ERROR = ("Expected mha_graph.execute(handle, variant_pack, workspace_ptr.get()).is_good() to be true, but "
+                   "got false.  (Could this error message be improved?  If so, please report an enhancement request "
+                   "to PyTorch.)\nException raised from run_cudnn_SDP_bprop_nestedtensor at aten/src/ATen/native/"
+                   "cudnn/MHA.cpp:1873 (most recent call first):")
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "megatron_sp_ext" and r.levelno == logging.WARNING]
+
+
+def test_auto_drops_a_candidate_whose_trial_raises(monkeypatch, caplog):
+    """"auto": a candidate whose fwd+bwd trial raises (flash_varlen's backward, with the cuDNN error an H100 gave) is
+    dropped, the fastest of the rest chosen; one warning per key naming the method, the backend and the error's
+    first line; the drop kept in ``dropped`` under the decision's key; a cached key neither re-runs nor re-warns."""
+    _install_fake_varlen(monkeypatch)
+
+    def failing_bwd(*args, **kwargs):
+        raise RuntimeError(CUDNN_BWD_ERROR)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", failing_bwd, raising=False)
+    timer = _Timer({"per_sample": 3.0, "grouped": 2.0, "flash_varlen": 1.0})  # the failing one would have won
+    ch = varlen.VarlenChooser(timer=timer, measure_off_cuda=True)
+    line = "RuntimeError: " + CUDNN_BWD_ERROR.splitlines()[0]
+    with caplog.at_level(logging.WARNING, logger="megatron_sp_ext"):
+        for explicit in (True, False):  # forward_lse / backward_lse, and attention() under autograd
+            for _ in range(2):
+                assert _choose(ch, explicit=explicit) == "grouped"
+    assert timer.calls == ["per_sample", "grouped"] * 2  # flash_varlen raised before the timer counted it
+    warnings = _warnings(caplog)
+    assert len(warnings) == 2, warnings  # once per key (explicit is part of the key)
+    for w in warnings:
+        assert "dropped flash_varlen" in w and "backend 'auto'" in w and line in w and "MHA.cpp" not in w, w
+    assert len(ch.decisions) == 2 and set(ch.decisions.values()) == {"grouped"}
+    assert ch.dropped == {key: {"flash_varlen": line} for key in ch.decisions}
+    # LRU eviction takes the decision's drop record with it
+    small = varlen.VarlenChooser(timer=_Timer({"per_sample": 3.0, "grouped": 2.0}), measure_off_cuda=True,
+                                 capacity=1)
+    _choose(small)
+    _choose(small, causal=True)
+    assert list(small.dropped) == list(small.decisions) and len(small.decisions) == 1
+
+
+class _FailingBackend(LocalAttention):
+    """Every call raises (a backend whose kernel fails on every shape)."""
+
+    name = "failing"
+
+    def __call__(self, q, k, v, *, causal, softmax_scale):
+        raise RuntimeError("failing kernel: no plain call\nsecond line")
+
+    def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None, tiles=None):
+        raise RuntimeError("failing kernel: no forward\nsecond line")
+
+
+def test_auto_raises_when_every_candidate_fails_and_a_named_method_is_never_dropped(monkeypatch, caplog):
+    """Every candidate's trial raises: "auto" raises the first candidate's own error (each warned), caches nothing.
+    A named method is not tried: the chooser returns it and its call raises as before; the same for a named kernel
+    method whose backward fails."""
+    timer = _Timer({"per_sample": 1.0, "grouped": 1.0})
+    ch = varlen.VarlenChooser(timer=timer, measure_off_cuda=True)
+    be = _FailingBackend()
+    cu = (0, 4, 8, 11)
+    q, k, v, do = _inputs(cu, 2, 1, 8, torch.float32, 0, strided=False)
+    with caplog.at_level(logging.WARNING, logger="megatron_sp_ext"):
+        for explicit in (True, False):
+            with pytest.raises(RuntimeError, match="^failing kernel: no (forward|plain call)\nsecond line$"):
+                ch.choose("auto", be, q, k, v, cu, causal=False, scale=0.5, need_grad=True, explicit=explicit)
+    warnings = _warnings(caplog)
+    assert len(warnings) == 4 and all("backend 'failing'" in w and "second line" not in w for w in warnings)
+    assert [w.split("dropped ")[1].split()[0] for w in warnings] == ["per_sample", "grouped"] * 2
+    assert timer.calls == [] and not ch.decisions and not ch.dropped
+    for method in ("per_sample", "grouped"):  # named: returned untried, its call raises
+        assert ch.choose(method, be, q, k, v, cu, causal=False, scale=0.5, need_grad=True) == method
+        with pytest.raises(RuntimeError, match="failing kernel"):
+            varlen.forward_lse(method, be, q, k, v, cu, causal=False, scale=0.5)
+    _install_fake_varlen(monkeypatch)
+
+    def failing_bwd(*args, **kwargs):
+        raise RuntimeError(CUDNN_BWD_ERROR)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", failing_bwd, raising=False)
+    assert _choose(ch, "flash_varlen") == "flash_varlen" and timer.calls == []
+    out, lse = varlen.forward_lse("flash_varlen", get_backend("auto"), q, k, v, cu, causal=False, scale=0.5)
+    with pytest.raises(RuntimeError, match="mha_graph"):
+        varlen.backward_lse("flash_varlen", get_backend("auto"), do, q, k, v, out, lse, cu, causal=False, scale=0.5)
 
 
 # ------------------------------------------------------------------------------------------------ wiring

@@ -23,9 +23,14 @@ torch 2.13's own varlen_attn also leaves its cuDNN route off.
 ``choose``: "auto" = "per_sample" off CUDA (the CPU fallback is the per-sample math); on CUDA the fastest
 method that runs here, measured once on the call's own tensors and cached under everything that decides
 which methods run and what they compute (device, dtype, heads, kv heads, head dim, sample lengths, causal,
-scale, backend and its kernel, whether a backward is timed). A named method that cannot run here raises
-SPConfigError naming the setting. The methods differ only by the rounding of their kernels; every method's
-backward takes any method's (out, lse), since each is exact given the final out/lse of the rows.
+scale, backend and its kernel, whether a backward is timed). A candidate whose trial raises is dropped (every
+method computes the same attention, so one kernel failing on these shapes is no reason to fail the call; torch
+2.11's cuDNN backward raised ``mha_graph.execute(...).is_good()`` in a trial on an H100): one warning per key
+naming the method, the backend and the error's first line, kept in ``VarlenChooser.dropped``; the fastest of the
+rest is chosen, and if every candidate raises, the first candidate's error is raised. A named method is never
+tried nor dropped: it runs, and raises, as named; one that cannot run here raises SPConfigError naming the
+setting. The methods differ only by the rounding of their kernels; every method's backward takes any method's
+(out, lse), since each is exact given the final out/lse of the rows.
 """
 from __future__ import annotations
 
@@ -279,12 +284,15 @@ def cuda_timer(method: str, fn: Callable[[], None], reps: int = 3) -> float:
 class VarlenChooser:
     """Resolves a ``varlen_kernel`` setting to a method; "auto" measures once per key (see module docstring), in
     ``trials.isolated_trial`` (activation checkpointing's saved-tensor hooks never see the trials).
-    ``timer(method, fn) -> ms`` and ``measure_off_cuda`` exist for tests; ``decisions`` is the cache (LRU)."""
+    ``timer(method, fn) -> ms`` and ``measure_off_cuda`` exist for tests; ``decisions`` is the cache (LRU, key ->
+    method); ``dropped`` holds, for the cached keys where some candidate's trial raised, {method: "ErrorType: the
+    error's first line"} (evicted with its decision)."""
 
     def __init__(self, timer: Callable[[str, Callable[[], None]], float] = cuda_timer, capacity: int = 1024,
                  measure_off_cuda: bool = False) -> None:
         self.timer, self.capacity, self.measure_off_cuda = timer, capacity, measure_off_cuda
         self.decisions: OrderedDict = OrderedDict()
+        self.dropped: dict = {}
 
     @staticmethod
     def key(be: LocalAttention, q, k, cu: tuple[int, ...], causal: bool, scale: float, need_grad: bool,
@@ -297,8 +305,9 @@ class VarlenChooser:
     def choose(self, setting: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool, scale: float,
                need_grad: bool, explicit: bool = True, setting_name: str = "varlen_kernel") -> str:
         """The method for this call (explicit: the call runs ``forward_lse`` / ``backward_lse``; else
-        ``attention`` under autograd; "auto" times that). Raises SPConfigError for an unknown setting or a
-        method that cannot run here."""
+        ``attention`` under autograd; "auto" times that, dropping a candidate whose trial raises). Raises
+        SPConfigError for an unknown setting or a method that cannot run here, and, for "auto", the first
+        candidate's error when every candidate's trial raised."""
         if setting not in SETTINGS:
             raise SPConfigError(f"{setting_name}={setting!r} is invalid: choose one of {', '.join(SETTINGS)}")
         here = methods_here(be, q, cu)
@@ -315,15 +324,29 @@ class VarlenChooser:
         if key in self.decisions:
             self.decisions.move_to_end(key)
             return self.decisions[key]
+        times: dict = {}
+        errors: dict = {}
         with isolated_trial():  # a checkpointed forward's saved-tensor hooks never see the trials
-            times = {m: self.timer(m, self._run(m, be, q, k, v, cu, causal, scale, need_grad, explicit))
-                     for m in here}
-        best = min(here, key=lambda m: (times[m], here.index(m)))
-        log.info("megatron_sp_ext: varlen_kernel='auto' chose %s for %d samples (ms: %s)", best,
-                 len(key[5]), {m: round(t, 3) for m, t in times.items()})
+            for m in here:
+                try:
+                    times[m] = self.timer(m, self._run(m, be, q, k, v, cu, causal, scale, need_grad, explicit))
+                except Exception as e:  # noqa: BLE001 - any failure of one candidate's trial drops that candidate
+                    errors[m] = e
+        dropped = {m: first_line(e) for m, e in errors.items()}
+        for m, line in dropped.items():
+            log.warning("megatron_sp_ext: varlen_kernel='auto' dropped %s (backend %r, kernel %s, %d samples): its "
+                        "trial raised %s", m, be.name, key[10], len(key[5]), line)
+        if not times:  # nothing ran: the first candidate's own error (the others are in the warnings above)
+            raise errors[here[0]]
+        best = min(times, key=lambda m: (times[m], here.index(m)))
+        log.info("megatron_sp_ext: varlen_kernel='auto' chose %s for %d samples (ms: %s%s)", best,
+                 len(key[5]), {m: round(t, 3) for m, t in times.items()},
+                 f"; dropped: {sorted(dropped)}" if dropped else "")
         self.decisions[key] = best
+        if dropped:
+            self.dropped[key] = dropped
         while len(self.decisions) > self.capacity:
-            self.decisions.popitem(last=False)
+            self.dropped.pop(self.decisions.popitem(last=False)[0], None)
         return best
 
     @staticmethod
@@ -341,6 +364,12 @@ class VarlenChooser:
                 if need_grad:
                     backward_lse(method, be, out, q, k, v, out, lse, cu, causal=causal, scale=scale)
         return fn
+
+
+def first_line(e: BaseException) -> str:
+    """``"ErrorType: <first line of the message>"`` (a cuDNN error's message runs to many lines)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 _DEFAULT = VarlenChooser()
