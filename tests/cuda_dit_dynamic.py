@@ -14,6 +14,7 @@ on forked gloo ranks. Cases: 2 dtypes x 3 modes at P=2 (6), 2 x 4 at P=4 (8).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -40,7 +41,9 @@ DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
 # a GPU, and FA4 takes no fp32)
 KERNEL = os.environ.get("SPX_SUITE_KERNEL", "auto")
 
-CFG = preset("tiny")
+# the tiny preset's width with head dim 64 (8 heads x 64): at its own head dim 8 FA4's backward was wrong and cuDNN's
+# bf16 gradients not finite on an H100 (2026-11-25, tools/results/2026-11-25_h100x2_round7); FA4 is refused below 64
+CFG = dataclasses.replace(preset("tiny"), dim=512, ffn=1024)
 # sample i: frames[i % 5] x latent sizes[i % 3]: tokens 8 (image), 45 (3 frames), 64, 8 (image), 90, 16, 24
 FRAMES, SIZES = [1, 3, 4, 1, 6], [(4, 8), (6, 10), (8, 8)]
 IDS = [0, 1, 2, 3, 4, 5, 6]
