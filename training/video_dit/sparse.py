@@ -250,8 +250,8 @@ def _pool_run(x_bshd: torch.Tensor, run: TileRun, num_tiles: int, group) -> torc
     b, s, h, d = x_bshd.shape
     real, off, t0, local = run.layout(s, num_tiles)
     acc = torch.float32 if x_bshd.dtype in (torch.bfloat16, torch.float16) else x_bshd.dtype   # summed in fp32 or wider
-    grown = F.pad(x_bshd[:, :real].to(acc), (0, 0, 0, 0, off, local * run.block_size - off - real))
-    sums = grown.view(b, local, run.block_size, h, d).sum(2)
+    grown = F.pad(x_bshd[:, :real], (0, 0, 0, 0, off, local * run.block_size - off - real))
+    sums = grown.view(b, local, run.block_size, h, d).sum(2, dtype=acc)   # no fp32 copy of x
     sums = F.pad(sums, (0, 0, 0, 0, t0, num_tiles - t0 - local)).to(x_bshd.dtype)   # [B, nT, H, D]
     if group is not None and dist.get_world_size(group) > 1:
         from megatron_sp_ext.comm.autograd_reduce import all_reduce_sum  # noqa: PLC0415
