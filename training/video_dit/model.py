@@ -220,7 +220,8 @@ class SelfAttention(nn.Module):
             mask = pad_block_mask(topk_block_mask(q_tiles[i], k_tiles[i], step.spec.topk), step.num_blocks)
             outs.append(fine(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask))
         gate = self.sparse_gate(x).view(b, s, self.heads, self.hd)
-        return torch.cat(outs) + gate * coarse_attention(q_tiles, k_tiles, v_tiles, step.tile_index, step.run)
+        fine_out = outs[0] if b == 1 else torch.cat(outs)   # no copy of the one sample's output
+        return fine_out + gate * coarse_attention(q_tiles, k_tiles, v_tiles, step.tile_index, step.run)
 
     def forward(self, x, angles, kv_valid_len, cu_seqlens=None, sparse: Optional[SparseStep] = None):
         b, s, _ = x.shape
