@@ -2,7 +2,7 @@
 # One lent GPU session of a round, in stages that each fit one device call (<= 10 min), run back to back on the same
 # warm machine (the wheels carried as parts in .fa4/: tools/gpu_wheels.sh; the first call carries part.aa only).
 #   bash tools/gpu_round.sh STAGE[@GPU] [STAGE[@GPU] ...]
-# stages: first fa4 sp2 curves checks suite kernels kernels2 steps32 steps75 steps13 profiles extras. A stage named with @GPU
+# stages: first fa4 sp2 curves checks suite kernels kernels2 steps32 steps75 steps13 profiles peaks extras. A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
 # call's deadline (DEADLINE_S, default 540 s after the call starts), so the tarballs are written before the
@@ -10,7 +10,7 @@
 # Each stage writes $OUT/<stage>.tgz (its raw JSON and every job's whole log) and $OUT/<stage>.txt (its summary).
 # A 30-minute session on 2 GPUs, in order (each line one call; the machine stays warm only 30 s between calls):
 #   1. carry .fa4/part.aa + manifest: first     (no FA4 yet: dit_dynamic on cuDNN, dynamic SP / FSDP2 at 2 ranks,
-#                                                  the FSDP2 entry test, the peaks, a --sparse-attention-kernel step)
+#                                                  the FSDP2 entry test and step at one rank, emulated P=8 dynamic)
 #   2. carry .fa4/part.ab + manifest: fa4       (the FA4 block-sparse family; check_fa4_tiles, check_fa4_layouts)
 #   3. steps32@0 profiles@1                      (the round's new code on the step: top-k, TileRun)
 #   4. steps75@0 curves@1                        (50 steps; flex's first step compiled for 192 s on 2026-11-25)
@@ -42,9 +42,10 @@ ngpu() { nvidia-smi -L | wc -l; }
 STEP="torchrun --nproc-per-node 1 tools/bench_train_step.py"
 WAN14=(--model wan-14b --num-layers 2 --bf16 --train-iters ${ITERS:-30} --ddp-impl torch)
 
-stage_first() {   # first call (FA4's DSL not there yet: the local kernel is cuDNN); every path last round added that
-  # needs no FA4: dit_dynamic checked on cuDNN before dynamic SP is timed on it, the FSDP2 entry test (NCCL), a step
-  # of --sparse-attention-kernel, the peaks, the emulated P=8 dynamic bench; FSDP2 at 2 ranks last
+stage_first() {   # first call (FA4's DSL not there yet: the local kernel is cuDNN): what needs no FA4. dit_dynamic
+  # checked on cuDNN (head dim 64 now) before dynamic SP is timed on it; on GPU 0 meanwhile the FSDP2 entry test, the
+  # FSDP2 step at one rank beside the plain entry (#52), the emulated P=8 dynamic bench (#54); FSDP2 / megatron DDP at
+  # 2 ranks with full recompute last (the CheckpointError of 2026-11-25, fixed since)
   if [ "$(ngpu)" -ge 2 ]; then
     suite first/dit_dynamic_cudnn 100 "dit_dynamic and 2-nccl" SPX_SUITE_KERNEL=cudnn
     keep first/dynamic_p2 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants packed,dynamic_cp \
@@ -52,16 +53,13 @@ stage_first() {   # first call (FA4's DSL not there yet: the local kernel is cuD
       --cp-comm-type ulysses --ddp-impl torch --frames 21,1,1,1,11,1,1,1,5,1 --latent-size 60x104 --pack-samples \
       --max-tokens-per-step 75000 --train-iters 10 --timing-bare-steps 4
   fi
-  { suite first/fsdp2_entry 90 "fsdp2_entry or fused_regions_fp32"
-    keep first/sparse_kernel_flex 60 torchrun --nproc-per-node 1 training/pretrain_video_dit.py --model wan-1.3b \
-      --num-layers 2 --frames 8 --latent-size 32x64 --bf16 --train-iters 2 --log-interval 1 \
-      --sparse-attention tiles --sparse-window 1,1,1 --sparse-attention-kernel flex
-    keep first/dynamic_p8 150 python3 tools/bench_dynamic_sp.py --model wan-14b --world 8 --out $W/first/dynamic_p8
+  suite first/fsdp2_entry 90 "fsdp2_entry or fused_regions_fp32"
+  { keep first/fsdp2_1rank 200 $STEP --variants guarded,fsdp2 --out $W/first/fsdp2_1rank -- --model wan-14b \
+      --num-layers 4 --frames 21 --latent-size 60x104 --bf16 --train-iters 24 --recompute-granularity full
   } &
   local bg=$!
   [ "$(ngpu)" -ge 2 ] && export CUDA_VISIBLE_DEVICES=1
-  keep first/peaks 260 torchrun --nproc-per-node 1 --master-port 29611 tools/measure_peaks.py --out $W/first/peaks \
-    --budget-s 190
+  keep first/dynamic_p8 150 python3 tools/bench_dynamic_sp.py --model wan-14b --world 8 --out $W/first/dynamic_p8
   unset CUDA_VISIBLE_DEVICES; wait $bg
   if [ "$(ngpu)" -ge 2 ]; then   # #55 item 5, #52: FSDP2 at 2 ranks (SP=2) beside megatron DDP
     keep first/fsdp2_p2 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,fsdp2 \
@@ -139,6 +137,9 @@ stage_profiles() {   # the topk90 and window90 steps' profiles beside the dense 
       --out $W/profile --tag $tag -- "${WAN14[@]}" --frames 21 --latent-size 60x104 --train-iters 14 "${extra[@]}"
   done
 }
+stage_peaks() {   # the memory plan's validation peaks (#51; measured 2026-11-25 on cuDNN)
+  keep peaks 260 torchrun --nproc-per-node 1 tools/measure_peaks.py --out $W/peaks --budget-s 190
+}
 stage_extras() {   # FSDP2 step at one rank beside the plain entry (#52)
   keep fsdp2/step 200 $STEP --variants guarded,fsdp2 --out $W/fsdp2 -- --model wan-14b --num-layers 4 --frames 21 \
     --latent-size 60x104 --bf16 --train-iters 24 --recompute-granularity full
@@ -152,7 +153,7 @@ run_stage() {   # run_stage STAGE [GPU]
   "stage_$s" 2>&1 | tee "$W/$s.log" | tail -n 60 > "$OUT/$s.txt"
   echo "stage $s${g:+ (GPU $g)}: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$s.txt"
   tar -C "$W" -czf "$OUT/$s.tgz" --exclude='*.pt' --exclude='*.pth' --exclude='*.distcp' "$s.meta" "$s.log" \
-    $(cd "$W" && ls -d first fa4 sp2 curves checks suite kernels steps profile fsdp2 2>/dev/null) 2>/dev/null
+    $(cd "$W" && ls -d first fa4 sp2 curves checks suite kernels steps profile fsdp2 peaks 2>/dev/null) 2>/dev/null
 }
 pids=()
 for arg in "$@"; do
