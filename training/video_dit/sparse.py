@@ -274,7 +274,8 @@ def coarse_attention(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torc
         real, off, t0, local = run.layout(s, num_tiles)
         per_tile = out_tiles[:, :, t0:t0 + local].transpose(1, 2)                        # [B, local, H, D]
         spread = per_tile.unsqueeze(2).expand(b, local, run.block_size, h, d).reshape(b, local * run.block_size, h, d)
-        return F.pad(spread[:, off:off + real], (0, 0, 0, 0, 0, s - real))
+        spread = spread[:, off:off + real]
+        return spread if real == s else F.pad(spread, (0, 0, 0, 0, 0, s - real))   # padding tokens: zeros
     real = tile_index < num_tiles
     per_token = out_tiles.index_select(2, tile_index.clamp(max=num_tiles - 1)).transpose(1, 2)  # [B, S, H, D]
     return per_token * real[None, :, None, None].to(per_token.dtype)
