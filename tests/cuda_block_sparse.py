@@ -21,6 +21,7 @@ from megatron_sp_ext.attention import block_sparse as bsp
 from megatron_sp_ext.sp.placement import positions
 from tests.cuda_suite import use_ring_route
 from tests.reference import TOL, make_qkv, rel_err
+from tests.suite_judge import progress
 from tests.test_block_sparse import keep_tokens, masked_reference, random_mask, window_mask
 
 DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
@@ -45,6 +46,9 @@ def record(rec, case, fn, rank, world, *, s, h, hkv, d, bs, bm, causal, placemen
             "dk": rel_err(mine[1].grad, kr.grad[:, pos]), "dv": rel_err(mine[2].grad, vr.grad[:, pos])}
     rec.append({"family": "block_sparse", "case": f"P={world} {case} {dtype} causal={causal} {placement} s={s} "
                                                   f"bs={bs} h={h}/{hkv} d={d}", "errs": errs, "tol": TOL[dtype]})
+    if case.startswith("fa4 "):
+        rec[-1]["family"] = "fa4_block_sparse"
+    progress(rec[-1], rank)
 
 
 def block_sparse_family(rank: int, world: int) -> list:
@@ -140,6 +144,5 @@ def fa4_block_sparse_family(rank: int, world: int) -> list:
                     pl = "tasp_zigzag" if name == "tasp" and causal else placement
                     record(rec, f"fa4 {name} mask={mask_name}", fn, rank, world, s=s, h=h, hkv=hkv, d=d, bs=bs,
                            bm=bm, causal=causal, placement=pl, dtype=torch.bfloat16, seed=n)
-                    rec[-1]["family"] = "fa4_block_sparse"
                     n += 1
     return rec

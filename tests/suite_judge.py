@@ -65,3 +65,14 @@ def checked_reference_err(err: float, cap: float, what: str) -> float:
     if not finite_number(err) or not 0 <= err <= cap:
         raise ValueError(f"{what}: error {err!r} is not a finite number <= {cap:g}; no tolerance is derived from it")
     return float(err)
+
+
+def progress(rec: dict, rank: int) -> None:
+    """Print one rank's record as soon as it is computed ("case ..." lines, rank 0's view; the merged verdict over
+    every rank comes at the family's end): a family cut by a time limit keeps in its log what it finished."""
+    if rank != 0:
+        return
+    name, err = worst_item(rec.get("errs") or {})
+    why = verdict(rec)
+    print(f"case {'ok ' if not why else 'BAD'} {rec.get('family', '?'):<14} {rec.get('case', '?')} (rank 0) max {name} "
+          f"{err:.2e}{'' if not why else f'  ({why})'}", flush=True)
