@@ -1,4 +1,4 @@
-"""``TileRun``: pool_tiles / coarse_attention by reshapes (the DiT's top-k path) equal the index route over
+"""``TileRun``: pool_tiles / coarse_attention by reshapes, and ``gated_spread``, (the DiT's top-k path) equal the index route over
 ``tile_index`` in float64, output and input gradients, for shards that start mid-tile, end in SP padding, are all
 padding, or cover a shorter last tile; and ``sparse_step`` hands the DiT a run that matches its ``tile_index``."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.video_dit.sparse import (SparseSpec, TileRun, coarse_attention, num_tiles_of, pool_tiles, row_major_ids,
-                                       sparse_step, tile_counts, tile_order)
+from training.video_dit.sparse import (SparseSpec, TileRun, coarse_attention, gated_spread, num_tiles_of, pool_tiles,
+                                       row_major_ids, sparse_step, spread_tiles, tile_counts, tile_order)
 
 BS = 8
 
@@ -77,3 +77,23 @@ def test_sparse_step_run_matches_its_tile_index():
 def _index_for(run: TileRun, seq_local: int, num_tiles: int) -> torch.Tensor:
     pos = torch.arange(seq_local) + run.first_position
     return torch.where(pos < run.n_tokens, pos // run.block_size, torch.full_like(pos, num_tiles))
+
+
+@pytest.mark.parametrize("first,seq_local,n_tokens", [(0, 61, 61), (5, 20, 61), (40, 32, 61), (64, 8, 61)])
+@pytest.mark.parametrize("use_run", [True, False])
+def test_gated_spread_equals_the_plain_product(first, seq_local, n_tokens, use_run):
+    """gated_spread (keeps gate and the tiles, rebuilds the spread in the backward) == gate * spread_tiles, output
+    and both gradients, float64, on the run and on the index route."""
+    num_tiles = -(-n_tokens // BS)
+    tile_index = _index(first, seq_local, n_tokens, num_tiles)
+    run = TileRun(first, n_tokens, BS) if use_run else None
+    gen = torch.Generator().manual_seed(7 + first)
+    gate = torch.randn(2, seq_local, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    tiles = torch.randn(2, 3, num_tiles, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, seq_local, 3, 4, generator=gen, dtype=torch.float64)
+    ref = gate * spread_tiles(tiles, tile_index, run)
+    got = gated_spread(gate, tiles, tile_index, run)
+    assert torch.equal(got, ref)
+    for a, b in zip(torch.autograd.grad(ref, (gate, tiles), dy), torch.autograd.grad(got, (gate, tiles), dy)):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda g, t: gated_spread(g, t, tile_index, run), (gate, tiles))

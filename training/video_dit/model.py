@@ -29,8 +29,8 @@ from megatron_sp_ext.errors import SPConfigError
 from .config import DiTConfig
 from .fused import ElementwiseOps, linear_input_dtype, rms_norm
 from .rope import RopeCache, apply_rope
-from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, reference_sparse_attention, coarse_attention, pad_block_mask,
-                     pool_tiles, sparse_step, topk_block_mask)
+from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, coarse_tiles, gated_spread, pad_block_mask, pool_tiles,
+                     reference_sparse_attention, sparse_step, topk_block_mask)
 from .varlen import PackInfo
 
 # --recompute-modules values (Megatron-LM's names) for --recompute-granularity selective
@@ -221,7 +221,7 @@ class SelfAttention(nn.Module):
             outs.append(fine(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask))
         gate = self.sparse_gate(x).view(b, s, self.heads, self.hd)
         fine_out = outs[0] if b == 1 else torch.cat(outs)   # no copy of the one sample's output
-        return fine_out + gate * coarse_attention(q_tiles, k_tiles, v_tiles, step.tile_index, step.run)
+        return fine_out + gated_spread(gate, coarse_tiles(q_tiles, k_tiles, v_tiles), step.tile_index, step.run)
 
     def forward(self, x, angles, kv_valid_len, cu_seqlens=None, sparse: Optional[SparseStep] = None):
         b, s, _ = x.shape

@@ -266,7 +266,17 @@ def coarse_attention(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torc
     1/sqrt(D)), each query tile's result given to its tokens: -> [B, S_local, H, D] for the local tokens of
     ``tile_index`` [S_local]; padding tokens (tile >= nT) get zeros. ``run``: spread by expand/reshape (see
     ``TileRun``) instead of an index_select."""
-    out_tiles = F.scaled_dot_product_attention(q_tiles, k_tiles, v_tiles)  # [B, H, nT, D]
+    return spread_tiles(coarse_tiles(q_tiles, k_tiles, v_tiles), tile_index, run)
+
+
+def coarse_tiles(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torch.Tensor) -> torch.Tensor:
+    """The coarse branch per tile: dense attention of pooled q over pooled k/v, [B, H, nT, D] each."""
+    return F.scaled_dot_product_attention(q_tiles, k_tiles, v_tiles)
+
+
+def spread_tiles(out_tiles: torch.Tensor, tile_index: torch.Tensor, run: Optional[TileRun] = None) -> torch.Tensor:
+    """Each tile's row of ``out_tiles`` [B, H, nT, D] given to the local tokens of ``tile_index`` [S_local]:
+    -> [B, S_local, H, D], zeros for padding tokens (tile >= nT); ``run``: by expand/reshape."""
     num_tiles = out_tiles.shape[2]
     if run is not None:
         b, h, _, d = out_tiles.shape
@@ -279,6 +289,34 @@ def coarse_attention(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torc
     real = tile_index < num_tiles
     per_token = out_tiles.index_select(2, tile_index.clamp(max=num_tiles - 1)).transpose(1, 2)  # [B, S, H, D]
     return per_token * real[None, :, None, None].to(per_token.dtype)
+
+
+class _GatedSpread(torch.autograd.Function):
+    """gate * spread_tiles(out_tiles): saves gate and the small out_tiles, not the spread [B, S, H, D] (rebuilt in
+    the backward), one [S, dim] activation less per layer than the plain product."""
+
+    @staticmethod
+    def forward(ctx, gate, out_tiles, tile_index, run):
+        ctx.save_for_backward(gate, out_tiles, tile_index)
+        ctx.run = run
+        return gate * spread_tiles(out_tiles, tile_index, run)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, out_tiles, tile_index = ctx.saved_tensors
+        with torch.enable_grad():
+            tiles = out_tiles.detach().requires_grad_(ctx.needs_input_grad[1])
+            spread = spread_tiles(tiles, tile_index, ctx.run)
+            g_tiles = torch.autograd.grad(spread, tiles, grad * gate)[0] if ctx.needs_input_grad[1] else None
+        g_gate = grad * spread.detach() if ctx.needs_input_grad[0] else None
+        return g_gate, g_tiles, None, None
+
+
+def gated_spread(gate_bshd: torch.Tensor, out_tiles: torch.Tensor, tile_index: torch.Tensor,
+                 run: Optional[TileRun] = None) -> torch.Tensor:
+    """``gate_bshd * spread_tiles(out_tiles, tile_index, run)`` ([B, S_local, H, D]) without keeping the spread for
+    the backward (VSA's gated coarse branch)."""
+    return _GatedSpread.apply(gate_bshd, out_tiles, tile_index, run)
 
 
 def tile_token_mask(block_mask: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
