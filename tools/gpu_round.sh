@@ -12,7 +12,7 @@
 #   1. carry .fa4/part.aa + manifest: first     (no FA4 yet: dit_dynamic on cuDNN, dynamic SP / FSDP2 at 2 ranks,
 #                                                  the FSDP2 entry test and step at one rank, emulated P=8 dynamic)
 #   2. carry .fa4/part.ab + manifest: fa4       (the FA4 block-sparse family; check_fa4_tiles, check_fa4_layouts)
-#   3. steps32@0 profiles@1                      (the round's new code on the step: top-k, TileRun)
+#   3. steps32@0 profiles@1                      (the newest code on the step: top-k, TileRun)
 #   4. steps75@0 curves@1                        (50 steps; flex's first step compiled for 192 s on 2026-11-25)
 #   5. sp2, then steps13 / kernels2 as the budget allows
 set -uo pipefail
@@ -92,7 +92,7 @@ stage_curves() {  # #53: 50-step loss curves, block-sparse DiT on FA4 vs flex (f
   # CURVES_ARGS: tools/sparse_curves.py's flags (e.g. "--variant sparse_window90 --frames 16")
   keep curves/run 400 python3 tools/sparse_curves.py --out $W/curves ${CURVES_ARGS:-}
 }
-stage_suite() {   # the CUDA suite: the families this round touched
+stage_suite() {   # the CUDA suite: the families the newest code touched
   suite suite 520 "${SUITE_K:-fa4_block_sparse or one_ring or block_sparse_family or ring_family or mesh_family or fa4_family or auto_family or fsdp2 or fused_fp32 or dit_dynamic}"
 }
 stage_checks() {   # a short session's checks: FA4 block sparsity per kernel call, then the CUDA suite's new cases

@@ -201,7 +201,7 @@ class TileRun:
     run, as ``sparse_step`` requires), ``n_tokens`` tokens in the grid (positions >= it are SP padding), tile i =
     positions [i * block_size, (i + 1) * block_size). Lets ``pool_tiles`` / ``coarse_attention`` pool and spread by
     reshapes instead of index_add / index_select over ``tile_index`` (on 1 x H100 at 32,760 tokens the index route
-    took ~15 ms of a top-k step's 65 ms over the window step: tools/results/2026-11-25_h100x2_round7)."""
+    took ~15 ms of a top-k step's 65 ms over the window step: tools/results/2026-11-25_h100x2_sparse)."""
 
     first_position: int
     n_tokens: int
