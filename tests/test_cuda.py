@@ -197,6 +197,13 @@ def test_dit_packed_family(world, backend):
 
 
 @pytest.mark.parametrize("world,backend", _layouts())
+def test_dit_sparse_family(world, backend):
+    """The DiT's block-sparse step (top-k, window, a grid the tile cuts; 128-token tiles, head dim 64) at SP=P in
+    ulysses / hcms / ring (/ usp): SP=1's loss and gradients, fp32 and bf16 on "auto" (FA4's block sparsity)."""
+    assert len(_worker("cuda_dit_sparse", "dit_sparse_family", "dit_sparse", world, backend)) == {2: 18, 4: 24}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
 def test_dit_dynamic_family(world, backend):
     """The DiT under dynamic SP (each packed sample on its own sub-group): loss and gradients equal SP=1 on the same
     pack, fp32 and bf16 autocast."""

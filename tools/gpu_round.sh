@@ -75,7 +75,7 @@ stage_fa4() {   # second call (FA4 installed): its block sparsity checked per ke
   local bg=$!
   # the FA4 block-sparse family first (2026-11-25 it was cut by the limit behind dit_dynamic), then dit_dynamic
   suite fa4/suite 330 "fa4_block_sparse_family and (2-nccl or 4-gloo)"
-  suite fa4/suite_dyn 90 "dit_dynamic and 2-nccl"
+  suite fa4/suite_dyn 150 "(dit_dynamic or dit_sparse) and 2-nccl"
   wait $bg
 }
 stage_sp2() {   # #55 item 4: the step at SP=2 (one rank per GPU), wan-14b 4 layers, 75,600 tokens (full recompute: the
