@@ -8,13 +8,10 @@
 # call's deadline (DEADLINE_S, default 540 s after the call starts), so the tarballs are written before the
 # device's 600 s limit.
 # Each stage writes $OUT/<stage>.tgz (its raw JSON and every job's whole log) and $OUT/<stage>.txt (its summary).
-# A 30-minute session on 2 GPUs, in order (each line one call; the machine stays warm only 30 s between calls):
-#   1. carry .fa4/part.aa + manifest: first     (no FA4 yet: dit_dynamic on cuDNN, dynamic SP / FSDP2 at 2 ranks,
-#                                                  the FSDP2 entry test and step at one rank, emulated P=8 dynamic)
-#   2. carry .fa4/part.ab + manifest: fa4       (the FA4 block-sparse family; check_fa4_tiles, check_fa4_layouts)
-#   3. steps32@0 profiles@1                      (the newest code on the step: top-k, TileRun)
-#   4. steps75@0 curves@1                        (50 steps; flex's first step compiled for 192 s on 2026-11-25)
-#   5. sp2, then steps13 / kernels2 as the budget allows
+# A session on ONE GPU (nvidia-h200 / nvidia-h100-x1; a one-chip machine goes back after 30 min held), in order:
+#   machine 1: first (part.aa) | fa4 (part.ab) | steps32 | steps75
+#   machine 2: suite with SUITE_K = the families that need no FA4 (part.aa) | fa4 family, curves, kernels2 (part.ab)
+# On 2 GPUs: first | fa4 | steps32@0 profiles@1 | steps75@0 curves@1 | sp2, steps13, kernels2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -43,40 +40,51 @@ STEP="torchrun --nproc-per-node 1 tools/bench_train_step.py"
 WAN14=(--model wan-14b --num-layers 2 --bf16 --train-iters ${ITERS:-30} --ddp-impl torch)
 
 stage_first() {   # first call (FA4's DSL not there yet: the local kernel is cuDNN): what needs no FA4. dit_dynamic
-  # checked on cuDNN (head dim 64 now) before dynamic SP is timed on it; on GPU 0 meanwhile the FSDP2 entry test, the
-  # FSDP2 step at one rank beside the plain entry (#52), the emulated P=8 dynamic bench (#54); FSDP2 / megatron DDP at
-  # 2 ranks with full recompute last (the CheckpointError of 2026-11-25, fixed since)
-  if [ "$(ngpu)" -ge 2 ]; then
-    suite first/dit_dynamic_cudnn 100 "dit_dynamic and 2-nccl" SPX_SUITE_KERNEL=cudnn
+  # checked on cuDNN (head dim 64 now) before dynamic SP is timed on it; the FSDP2 entry test, the FSDP2 step at one
+  # rank beside the plain entry (#52), the emulated P=8 dynamic bench (#54); on 2 GPUs the P=2 dynamic step and
+  # FSDP2 / megatron DDP at 2 ranks with full recompute (the CheckpointError of 2026-11-25, fixed since). On one GPU
+  # the jobs run one after the other (no timing shares the GPU) and the P ranks of the suite share it over gloo.
+  local two=0; [ "$(ngpu)" -ge 2 ] && two=1
+  suite first/dit_dynamic_cudnn 100 "dit_dynamic and $([ $two = 1 ] && echo 2-nccl || echo 2-gloo)" \
+    SPX_SUITE_KERNEL=cudnn
+  if [ $two = 1 ]; then
     keep first/dynamic_p2 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants packed,dynamic_cp \
       --log-interval 4 --out $W/first/dynamic_p2 -- --model wan-14b --num-layers 2 --bf16 --context-parallel-size 2 \
       --cp-comm-type ulysses --ddp-impl torch --frames 21,1,1,1,11,1,1,1,5,1 --latent-size 60x104 --pack-samples \
       --max-tokens-per-step 75000 --train-iters 10 --timing-bare-steps 4
   fi
   suite first/fsdp2_entry 90 "fsdp2_entry or fused_regions_fp32"
-  { keep first/fsdp2_1rank 200 $STEP --variants guarded,fsdp2 --out $W/first/fsdp2_1rank -- --model wan-14b \
-      --num-layers 4 --frames 21 --latent-size 60x104 --bf16 --train-iters 24 --recompute-granularity full
-  } &
-  local bg=$!
-  [ "$(ngpu)" -ge 2 ] && export CUDA_VISIBLE_DEVICES=1
-  keep first/dynamic_p8 150 python3 tools/bench_dynamic_sp.py --model wan-14b --world 8 --out $W/first/dynamic_p8
-  unset CUDA_VISIBLE_DEVICES; wait $bg
-  if [ "$(ngpu)" -ge 2 ]; then   # #55 item 5, #52: FSDP2 at 2 ranks (SP=2) beside megatron DDP
+  local fsdp2=(keep first/fsdp2_1rank 200 $STEP --variants guarded,fsdp2 --out $W/first/fsdp2_1rank -- \
+    --model wan-14b --num-layers 4 --frames 21 --latent-size 60x104 --bf16 --train-iters 24 --recompute-granularity full)
+  if [ $two = 1 ]; then
+    "${fsdp2[@]}" & local bg=$!
+    CUDA_VISIBLE_DEVICES=1 keep first/dynamic_p8 150 python3 tools/bench_dynamic_sp.py --model wan-14b --world 8 \
+      --out $W/first/dynamic_p8
+    wait $bg
     keep first/fsdp2_p2 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,fsdp2 \
       --log-interval 4 --out $W/first/fsdp2_p2 -- --model wan-14b --num-layers 4 --frames 21 --latent-size 60x104 \
       --bf16 --train-iters 12 --timing-bare-steps 4 --recompute-granularity full --context-parallel-size 2
+  else
+    "${fsdp2[@]}"
+    keep first/dynamic_p8 150 python3 tools/bench_dynamic_sp.py --model wan-14b --world 8 --out $W/first/dynamic_p8
   fi
 }
-stage_fa4() {   # second call (FA4 installed): its block sparsity checked per kernel call beside the suite
+stage_fa4() {   # second call (FA4 installed): its block sparsity checked per kernel call beside the suite; on one GPU
+  # the FA4 block-sparse family (P=2 and P=4 over gloo), then the DiT's sparse step family (checks the path the
+  # step benchmarks time, on this machine), then check_fa4_tiles with the time left
   mkdir -p $W/fa4
-  local g1=0; [ "$(ngpu)" -ge 2 ] && g1=1
-  { CUDA_VISIBLE_DEVICES=$g1 keep fa4/checks 240 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
-    CUDA_VISIBLE_DEVICES=$g1 keep fa4/layouts 200 python3 tools/check_fa4_layouts.py --out $W/fa4; } &
-  local bg=$!
-  # the FA4 block-sparse family first (2026-11-25 it was cut by the limit behind dit_dynamic), then dit_dynamic
-  suite fa4/suite 330 "fa4_block_sparse_family and (2-nccl or 4-gloo)"
-  suite fa4/suite_dyn 150 "(dit_dynamic or dit_sparse) and 2-nccl"
-  wait $bg
+  if [ "$(ngpu)" -ge 2 ]; then
+    { CUDA_VISIBLE_DEVICES=1 keep fa4/checks 240 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
+      CUDA_VISIBLE_DEVICES=1 keep fa4/layouts 200 python3 tools/check_fa4_layouts.py --out $W/fa4; } &
+    local bg=$!
+    suite fa4/suite 330 "fa4_block_sparse_family and (2-nccl or 4-gloo)"
+    suite fa4/suite_dyn 150 "(dit_dynamic or dit_sparse) and 2-nccl"
+    wait $bg
+  else
+    suite fa4/suite 330 "fa4_block_sparse_family"
+    suite fa4/suite_sparse 150 "dit_sparse and 2-gloo"
+    keep fa4/checks 240 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
+  fi
 }
 stage_sp2() {   # #55 item 4: the step at SP=2 (one rank per GPU), wan-14b 4 layers, 75,600 tokens (full recompute: the
   # plan without it is 75.2 GiB of an H100's 79, and the run without it failed on 2 x H100, 2026-11-25)
@@ -118,12 +126,12 @@ stage_steps32() {  # the step (#53): wan-14b 2 layers on Wan's 480p grid and on 
   keep steps/wan14b_16x32x64 260 $STEP --variants guarded,sparse_window90,sparse_topk90 \
     --out $W/steps/wan14b_16x32x64 -- "${WAN14[@]}" --frames 16 --latent-size 64x128
 }
-stage_steps75() {  # 720p (top-k in its own process: in one with two variants before it, it ran out of memory twice
-  # on 1 x H100 with ~20 GiB outside torch's allocator, 2026-11-25), and wan-1.3b 4 layers at 32K
+stage_steps75() {  # 720p: each sparse variant in its own process beside the dense step (top-k ran out of memory on
+  # 1 x H100 in one process with two variants before it, ~20 GiB outside torch's allocator, 2026-11-25)
+  keep steps/wan14b_21x45x80_topk 250 $STEP --variants guarded,sparse_topk90 \
+    --out $W/steps/wan14b_21x45x80_topk -- "${WAN14[@]}" --frames 21 --latent-size 90x160
   keep steps/wan14b_21x45x80 250 $STEP --variants guarded,sparse_window90 \
     --out $W/steps/wan14b_21x45x80 -- "${WAN14[@]}" --frames 21 --latent-size 90x160
-  keep steps/wan14b_21x45x80_topk 230 $STEP --variants guarded,sparse_topk90 \
-    --out $W/steps/wan14b_21x45x80_topk -- "${WAN14[@]}" --frames 21 --latent-size 90x160
 }
 stage_steps13() {  # wan-1.3b 4 layers at 32K
   keep steps/wan13b_16x32x64 140 $STEP --variants guarded,sparse_window90 --out $W/steps/wan13b_16x32x64 -- \
