@@ -148,10 +148,22 @@ class FakeFA4:
         full = blocks_full[:, rows][:, :, cols]
         part = blocks_part[:, rows][:, :, cols]
         if mask_mod is not None:
-            qt, kt, tiles = aux[0].long().cpu(), aux[1].long().cpu(), aux[2].cpu().bool()
+            # the real kernel calls the mask_mod for every row / column of a partial block, past sq / sk in the last
+            # one too: the per-row aux tensors must cover whole blocks, and every tile index read must be in range
+            for i, need in ((0, -(-sq // bm) * bm), (1, -(-sk // bn) * bn)) + (((3, -(-sq // bm) * bm),
+                                                                              (4, -(-sk // bn) * bn))
+                                                                             if len(aux) == 5 else ()):
+                assert aux[i].shape[0] >= need, f"aux[{i}] has {aux[i].shape[0]} rows, the kernel reads {need}"
+            qt_all, kt_all, tiles = aux[0].long().cpu(), aux[1].long().cpu(), aux[2].cpu().bool()
+            nq_read, nk_read = -(-sq // bm) * bm, -(-sk // bn) * bn
+            assert 0 <= int(qt_all[:nq_read].min()) and int(qt_all[:nq_read].max()) < tiles.shape[1], \
+                "a query row's tile index past the tile mask"
+            assert 0 <= int(kt_all[:nk_read].min()) and int(kt_all[:nk_read].max()) < tiles.shape[2], \
+                "a key row's tile index past the tile mask"
+            qt, kt = qt_all[:sq], kt_all[:sk]
             inside = tiles[:, qt][:, :, kt]
             if len(aux) == 5:
-                inside = inside & (aux[4].long().cpu()[None, :] <= aux[3].long().cpu()[:, None])
+                inside = inside & (aux[4].long().cpu()[:sk][None, :] <= aux[3].long().cpu()[:sq][:, None])
             part = part & inside
         elif causal:
             tril = torch.ones(sq, sk, dtype=torch.bool).tril()

@@ -2,7 +2,8 @@
 # One lent GPU session of a round, in stages that each fit one device call (<= 10 min), run back to back on the same
 # warm machine (the wheels carried as parts in .fa4/: tools/gpu_wheels.sh; the first call carries part.aa only).
 #   bash tools/gpu_round.sh STAGE[@GPU] [STAGE[@GPU] ...]
-# stages: first fa4 sp2 curves checks suite kernels kernels2 steps32 steps75 steps13 profiles peaks extras. A stage named with @GPU
+# stages: first fa4 sp2 curves checks suite kernels kernels2 steps32 steps480 steps75 steps13 profiles peaks extras
+# cudnn dyncheck. A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
 # call's deadline (DEADLINE_S, default 540 s after the call starts), so the tarballs are written before the
@@ -82,7 +83,7 @@ stage_fa4() {   # second call (FA4 installed): its block sparsity checked per ke
     wait $bg
   else
     suite fa4/suite 330 "fa4_block_sparse_family"
-    suite fa4/suite_sparse 150 "dit_sparse and 2-gloo"
+    suite fa4/suite_sparse 220 "dit_sparse and 2-gloo"
     keep fa4/checks 240 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
   fi
 }
@@ -101,7 +102,7 @@ stage_curves() {  # #53: 50-step loss curves, block-sparse DiT on FA4 vs flex (f
   keep curves/run 400 python3 tools/sparse_curves.py --out $W/curves ${CURVES_ARGS:-}
 }
 stage_suite() {   # the CUDA suite: the families the newest code touched
-  suite suite 520 "${SUITE_K:-fa4_block_sparse or one_ring or block_sparse_family or ring_family or mesh_family or fa4_family or auto_family or fsdp2 or fused_fp32 or dit_dynamic}"
+  suite suite ${SUITE_S:-520} "${SUITE_K:-fa4_block_sparse or one_ring or block_sparse_family or ring_family or mesh_family or fa4_family or auto_family or fsdp2 or fused_fp32 or dit_dynamic}"
 }
 stage_checks() {   # a short session's checks: FA4 block sparsity per kernel call, then the CUDA suite's new cases
   keep checks/tiles 170 python3 tools/check_fa4_tiles.py --skip-timing --out $W/checks
@@ -119,6 +120,18 @@ stage_kernels2() {  # the kernel table's H=5 rows (wan-14b's 40 heads over Ulyss
   keep kernels/h5_bs128 200 python3 tools/bench_block_sparse.py --heads 5 --seqlens 131072 --block-size 128 \
     --tile 4,4,8 --sparsities 0.8,0.9 --ulysses-p 1 --ring-p 8 --ring-kernels fa4 --ulysses-kernels fa4,flex \
     --out $W/kernels/h5_bs128
+}
+stage_cudnn() {   # which lengths cuDNN's bf16 attention gets right (fwd+bwd vs fp32 math), one process per case
+  keep cudnn 200 python3 tools/check_cudnn_lengths.py --out $W/cudnn
+}
+stage_dyncheck() {   # dynamic SP's DiT family on "auto" (FA4 where installed: the kernel the dynamic bench times),
+  # then the emulated P=8 bench on it (#54)
+  suite dyn/suite 120 "dit_dynamic and 2-gloo"
+  keep dyn/p8 180 python3 tools/bench_dynamic_sp.py --model wan-14b --world 8 --out $W/dyn/p8
+}
+stage_steps480() {  # the step on Wan's 480p grid only (dense FA4, window90, topk90 in one job)
+  keep steps/wan14b_21x30x52 270 $STEP --variants guarded,sparse_window90,sparse_topk90 \
+    --out $W/steps/wan14b_21x30x52 -- "${WAN14[@]}" --frames 21 --latent-size 60x104
 }
 stage_steps32() {  # the step (#53): wan-14b 2 layers on Wan's 480p grid and on a grid the tile cuts
   keep steps/wan14b_21x30x52 260 $STEP --variants guarded,sparse_window90,sparse_topk90 \
@@ -161,7 +174,7 @@ run_stage() {   # run_stage STAGE [GPU]
   "stage_$s" 2>&1 | tee "$W/$s.log" | tail -n 60 > "$OUT/$s.txt"
   echo "stage $s${g:+ (GPU $g)}: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$s.txt"
   tar -C "$W" -czf "$OUT/$s.tgz" --exclude='*.pt' --exclude='*.pth' --exclude='*.distcp' "$s.meta" "$s.log" \
-    $(cd "$W" && ls -d first fa4 sp2 curves checks suite kernels steps profile fsdp2 peaks 2>/dev/null) 2>/dev/null
+    $(cd "$W" && ls -d first fa4 sp2 curves checks suite kernels steps profile fsdp2 peaks cudnn dyn 2>/dev/null) 2>/dev/null
 }
 pids=()
 for arg in "$@"; do

@@ -175,8 +175,9 @@ def _window_block_mask(grid_thw: tuple, tile_thw: tuple, window_thw: tuple) -> t
 def topk_block_mask(q_tiles: torch.Tensor, k_tiles: torch.Tensor, k: int) -> torch.Tensor:
     """bool [H, nT, nT]: for each head and query tile the ``k`` key tiles of highest score q_tile . k_tile
     (q_tiles, k_tiles: [H, nT, D], pooled per tile of one sample; ``k`` >= nT selects every tile). Plain top-k as in
-    VSA (the diagonal is not forced); computed without gradient."""
-    with torch.no_grad():
+    VSA (the diagonal is not forced); computed without gradient, in fp32 also under autocast (a bf16 matmul's
+    rounding picks other tiles near ties than SP=1 does)."""
+    with torch.no_grad(), torch.autocast(q_tiles.device.type, enabled=False):
         scores = torch.matmul(q_tiles.float(), k_tiles.float().transpose(-1, -2))  # [H, nT, nT]
         keep = min(k, scores.shape[-1])
         picked = scores.topk(keep, dim=-1).indices
@@ -234,30 +235,38 @@ def pool_tiles(x_bshd: torch.Tensor, tile_index: torch.Tensor, num_tiles: int,
     b, _, h, d = x_bshd.shape
     if run is not None:
         return _pool_run(x_bshd, run, num_tiles, group)
+    acc = _acc_dtype(x_bshd.dtype)
     real = tile_index < num_tiles
     idx = tile_index[real]
-    sums = x_bshd.new_zeros(b, num_tiles, h, d).index_add(1, idx, x_bshd[:, real])
-    counts = torch.bincount(idx, minlength=num_tiles).to(x_bshd.dtype)
+    sums = x_bshd.new_zeros(b, num_tiles, h, d, dtype=acc).index_add(1, idx, x_bshd[:, real].to(acc))
+    counts = torch.bincount(idx, minlength=num_tiles).to(acc)
     if group is not None and dist.get_world_size(group) > 1:
         from megatron_sp_ext.comm.autograd_reduce import all_reduce_sum  # noqa: PLC0415
         sums = all_reduce_sum(sums, group)
         counts = counts.clone()
         dist.all_reduce(counts, group=group)
-    return (sums / counts.clamp(min=1)[None, :, None, None]).transpose(1, 2)
+    return (sums / counts.clamp(min=1)[None, :, None, None]).to(x_bshd.dtype).transpose(1, 2)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The pooled sums' dtype: fp32 for bf16/fp16 inputs (summed, all-reduced over the SP group and divided before
+    the one rounding to the input dtype, so SP=P rounds like SP=1: bf16 partial sums rounded per rank and then
+    summed in bf16 changed the top-k selection against SP=1 (7e-2 gradient error on an H200, 2026-11-25))."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def _pool_run(x_bshd: torch.Tensor, run: TileRun, num_tiles: int, group) -> torch.Tensor:
     b, s, h, d = x_bshd.shape
     real, off, t0, local = run.layout(s, num_tiles)
-    acc = torch.float32 if x_bshd.dtype in (torch.bfloat16, torch.float16) else x_bshd.dtype   # summed in fp32 or wider
+    acc = _acc_dtype(x_bshd.dtype)
     grown = F.pad(x_bshd[:, :real], (0, 0, 0, 0, off, local * run.block_size - off - real))
     sums = grown.view(b, local, run.block_size, h, d).sum(2, dtype=acc)   # no fp32 copy of x
-    sums = F.pad(sums, (0, 0, 0, 0, t0, num_tiles - t0 - local)).to(x_bshd.dtype)   # [B, nT, H, D]
+    sums = F.pad(sums, (0, 0, 0, 0, t0, num_tiles - t0 - local))          # [B, nT, H, D] in acc
     if group is not None and dist.get_world_size(group) > 1:
         from megatron_sp_ext.comm.autograd_reduce import all_reduce_sum  # noqa: PLC0415
         sums = all_reduce_sum(sums, group)
-    counts = tile_counts(num_tiles, run.n_tokens, run.block_size, x_bshd.device).to(x_bshd.dtype)
-    return (sums / counts.clamp(min=1)[None, :, None, None]).transpose(1, 2)
+    counts = tile_counts(num_tiles, run.n_tokens, run.block_size, x_bshd.device).to(acc)
+    return (sums / counts.clamp(min=1)[None, :, None, None]).to(x_bshd.dtype).transpose(1, 2)
 
 
 def coarse_attention(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torch.Tensor,

@@ -229,6 +229,17 @@ def tile_metadata(ts, sq: int, sk: int, causal: bool, partial_ok: bool = True) -
     return meta
 
 
+def aux_rows(n: int) -> int:
+    """Rows of a per-row aux tensor of a call with ``n`` rows: whole kernel blocks plus one spare block (a kernel tile
+    that runs past the last block boundary reads no further)."""
+    return (-(-n // KERNEL_BLOCK) + 1) * KERNEL_BLOCK
+
+
+def pad_to(x: torch.Tensor, n: int, value: int) -> torch.Tensor:
+    """int32 contiguous copy of the 1-D ``x`` padded with ``value`` to ``n`` rows."""
+    return torch.nn.functional.pad(x.to(torch.int32), (0, n - x.shape[0]), value=value).contiguous()
+
+
 def _build_meta(ts, sq, sk, causal, partial_ok):
     dev = ts.block_mask.device
     bs = ts.block_size
@@ -287,10 +298,15 @@ def _build_meta(ts, sq, sk, causal, partial_ok):
         t = rows.shape[-1]
         sentinel = torch.full_like(kt, t)
         tile_mask = torch.nn.functional.pad(rows, (0, 1), value=False).to(torch.int32).contiguous()
-        aux = [qt.to(torch.int32).contiguous(), torch.where(valid, kt, sentinel).to(torch.int32).contiguous(),
-               tile_mask]
+        # FA4 calls the mask_mod for every row and column of a partial kernel block, also past sq / sk in the last
+        # one: the per-row aux tensors run to AUX_ROWS(n) so those reads stay inside them (query rows past sq read
+        # tile 0, their output is dropped; key columns past sk read the sentinel tile T, masked). Unpadded, the
+        # reads past the end took garbage tile indices into the tile mask: an illegal memory access on an H200
+        # (2026-11-25) where an H100 had passed the same cases.
+        lq, lk = aux_rows(sq), aux_rows(sk)
+        aux = [pad_to(qt, lq, 0), pad_to(torch.where(valid, kt, sentinel), lk, t), tile_mask]
         if causal:
-            aux += [qp.to(torch.int32).contiguous(), kp.to(torch.int32).contiguous()]
+            aux += [pad_to(qp, lq, 0), pad_to(kp, lk, 0)]
     return TileMeta(fwd, bwd, aux, causal_in_kernel=causal and aux is None, per_head=per_head)
 
 

@@ -2,9 +2,10 @@
 the causal diagonal cut: a CuTe DSL function FA4 compiles into its kernels and calls per element of a PARTIAL block
 only (full blocks run unmasked).
 
-aux tensors (int32, on the device; kernels/fa4.py ``TileMeta.aux``): [0] the query rows' global tile indices [Sq],
-[1] the key rows' global tile indices [Sk] (T for padded keys), [2] the tile mask [h or 1, T, T + 1] (column T:
-0), and with causal [3] / [4] the query / key rows' global positions. keep = tile_mask[head, q_tile, k_tile] AND
+aux tensors (int32, on the device; kernels/fa4.py ``TileMeta.aux``): [0] the query rows' global tile indices
+[aux_rows(Sq)], [1] the key rows' global tile indices [aux_rows(Sk)] (T for padded keys and past Sk), [2] the tile
+mask [h or 1, T, T + 1] (column T: 0), and with causal [3] / [4] the query / key rows' global positions (the
+per-row tensors run past Sq / Sk to whole kernel blocks: FA4 calls the mask_mod there too). keep = tile_mask[head, q_tile, k_tile] AND
 (causal) k_pos <= q_pos. ``probe`` checks the route against the math kernel on a tiny case before it is offered.
 """
 from __future__ import annotations

@@ -1,0 +1,88 @@
+"""Which sequence lengths cuDNN's attention (torch SDPA, cuDNN backend: what the "cudnn" kernel runs) gets right in
+bf16, forward and backward, against fp32 math; each case in its own process (an illegal memory access ends the
+process's CUDA context, not the check).
+
+    python tools/check_cudnn_lengths.py --out DIR [--lengths 8,16,...] [--head-dims 64,128]
+
+Why: the DiT's packed step on cuDNN (samples of 8-90 tokens, head dim 8 on an H100 and 64 on an H200) gave
+non-finite bf16 gradients at SP=1, and a batch of 20 samples of 1,560 tokens (H=5, head dim 128) failed cuDNN's
+graph and then an illegal memory access (2026-11-25). Writes DIR/cudnn_lengths.json: per case finite / relative
+errors of out, dq, dk, dv / the error raised.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def one_case(b: int, h: int, s: int, d: int, contiguous: bool) -> dict:
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    g = torch.Generator(device="cuda").manual_seed(0)
+    big = torch.randn(b, h, s + 8, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    base = [torch.randn(b, h, s + 8, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3)]
+    q, k, v = (t[:, :, 4:4 + s] for t in base)        # strided views of a packed tensor, as per-sample slices are
+    if contiguous:
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    do = big[:, :, :s].contiguous()
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        o = F.scaled_dot_product_attention(q, k, v)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel([SDPBackend.MATH]):
+        of = F.scaled_dot_product_attention(qf, kf, vf)
+    refs = torch.autograd.grad(of, (qf, kf, vf), do.float())
+    torch.cuda.synchronize()
+    rec = {}
+    for name, a, r in (("out", o, of), ("dq", grads[0], refs[0]), ("dk", grads[1], refs[1]), ("dv", grads[2], refs[2])):
+        a = a.float()
+        rec[name] = float((a - r).norm() / r.norm().clamp_min(1e-30)) if bool(torch.isfinite(a).all()) else "non-finite"
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--lengths", default="8,16,45,64,90,128,320,1560")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        b, h, s, d, c = (int(x) for x in args.case.split(","))
+        try:
+            print(json.dumps(one_case(b, h, s, d, bool(c))))
+        except Exception as e:  # noqa: BLE001 - reported as the case's result
+            print(json.dumps({"error": f"{type(e).__name__}: {str(e)[:300]}"}))
+        return
+    cases = [(1, 8, s, d, 0) for d in map(int, args.head_dims.split(",")) for s in map(int, args.lengths.split(","))]
+    cases += [(1, 8, s, 64, 1) for s in (8, 45, 90)]   # the same lengths contiguous: is it the view?
+    cases += [(20, 5, 1560, 128, 1), (20, 5, 1560, 128, 0), (4, 5, 8190, 128, 1)]   # the grouped packs of the bench
+    res = []
+    for b, h, s, d, c in cases:
+        t0 = time.time()
+        p = subprocess.run([sys.executable, __file__, "--out", args.out, "--case", f"{b},{h},{s},{d},{c}"],
+                           capture_output=True, text=True, timeout=120)
+        line = (p.stdout.strip().splitlines() or [""])[-1]
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = {"error": f"exit {p.returncode}: {p.stderr.strip()[-300:]}"}
+        rec.update(batch=b, heads=h, seqlen=s, head_dim=d, contiguous=bool(c), seconds=round(time.time() - t0, 1))
+        print(json.dumps(rec), flush=True)
+        res.append(rec)
+    os.makedirs(args.out, exist_ok=True)
+    import torch  # noqa: PLC0415
+    with open(os.path.join(args.out, "cudnn_lengths.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                   "cudnn": torch.backends.cudnn.version(), "date": time.strftime("%Y-%m-%d"), "cases": res}, f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()
