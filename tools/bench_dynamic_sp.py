@@ -7,8 +7,9 @@ ranks, two plans of the same pack (megatron_sp_ext.sp.dynamic):
   uniform  every sample over all P ranks (what --pack-samples does today)
   dynamic  each sample over an aligned sub-group sized to its length (--dynamic-context-parallel's plan_pack)
 each under two SP modes (--modes), per rank and per layer, fwd+bwd, timed on this GPU (CUDA events, median of
---reps after --warmup), on the library's local kernel (--backend, default cudnn: no per-shape compilation; fa4 or
-auto where FlashAttention-4 is installed):
+--reps after --warmup), on the library's local kernel (--backend, default auto: FlashAttention-4 where installed,
+which the DiT runs; cudnn crashed here twice, a batched call of 20 samples of 1,560 tokens failing cuDNN's graph and
+leaving the CUDA context broken, 2026-11-25 on an H100 and an H200):
   attention  ulysses: for each sub-group the rank is in, one varlen call over its samples' FULL lengths with H/d heads;
              ring: d steps, each one varlen call over the samples' local chunks (ceil(n/d) query x key rows) with all
              H heads; d = 1 (both): the rank's whole samples in one varlen call with all H heads
@@ -225,7 +226,7 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", default="ulysses,ring", help="SP modes modelled, comma-separated (ulysses, ring)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default=None,
-                   help="local attention kernel (megatron_sp_ext backends; default cudnn on CUDA, auto on the CPU)")
+                   help="local attention kernel (megatron_sp_ext backends; default auto)")
     p.add_argument("--nvlink-gbps", type=float, default=150.0,
                    help="stated all-to-all rate per GPU for the 'nvlink' model (GB/s; not measured here)")
     p.add_argument("--reps", type=int, default=3)
@@ -243,7 +244,7 @@ def main(argv=None) -> dict:
         packs = [(t, parse_pack(t, args.samples, args.seed)) for t in (args.pack or ["wan-mix", "equal:8:32760",
                                                                                    "equal:3:75600"])]
     torch.manual_seed(0)
-    backend = get_backend(args.backend or ("cudnn" if device.type == "cuda" else "auto"), "--backend")
+    backend = get_backend(args.backend or "auto", "--backend")
     modes = [m for m in args.modes.split(",") if m]
     if not modes or any(m not in ("ulysses", "ring") for m in modes):
         raise SystemExit(f"--modes={args.modes!r}: use ulysses and/or ring")

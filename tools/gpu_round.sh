@@ -10,8 +10,9 @@
 # device's 600 s limit.
 # Each stage writes $OUT/<stage>.tgz (its raw JSON and every job's whole log) and $OUT/<stage>.txt (its summary).
 # A session on ONE GPU (nvidia-h200 / nvidia-h100-x1; a one-chip machine goes back after 30 min held), in order:
-#   machine 1: first (part.aa) | fa4 (part.ab) | steps32 | steps75
-#   machine 2: suite with SUITE_K = the families that need no FA4 (part.aa) | fa4 family, curves, kernels2 (part.ab)
+#   machine 1: first (part.aa) | fa4 (part.ab) | dyncheck steps75 | steps480 kernels2
+#   machine 2: suite with SUITE_K = the families that need no FA4 (part.aa) | fa4 family, curves (part.ab)
+# (2026-11-25/26 on one H200: tools/results/2026-11-26_h200_sparse_dynamic/README.md)
 # On 2 GPUs: first | fa4 | steps32@0 profiles@1 | steps75@0 curves@1 | sp2, steps13, kernels2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +43,7 @@ WAN14=(--model wan-14b --num-layers 2 --bf16 --train-iters ${ITERS:-30} --ddp-im
 
 stage_first() {   # first call (FA4's DSL not there yet: the local kernel is cuDNN): what needs no FA4. dit_dynamic
   # checked on cuDNN (head dim 64 now) before dynamic SP is timed on it; the FSDP2 entry test, the FSDP2 step at one
-  # rank beside the plain entry (#52), the emulated P=8 dynamic bench (#54); on 2 GPUs the P=2 dynamic step and
+  # rank beside the plain entry (#52) (the emulated P=8 dynamic bench runs in dyncheck, on FA4); on 2 GPUs the P=2 dynamic step and
   # FSDP2 / megatron DDP at 2 ranks with full recompute (the CheckpointError of 2026-11-25, fixed since). On one GPU
   # the jobs run one after the other (no timing shares the GPU) and the P ranks of the suite share it over gloo.
   local two=0; [ "$(ngpu)" -ge 2 ] && two=1
@@ -57,17 +58,11 @@ stage_first() {   # first call (FA4's DSL not there yet: the local kernel is cuD
   suite first/fsdp2_entry 90 "fsdp2_entry or fused_regions_fp32"
   local fsdp2=(keep first/fsdp2_1rank 200 $STEP --variants guarded,fsdp2 --out $W/first/fsdp2_1rank -- \
     --model wan-14b --num-layers 4 --frames 21 --latent-size 60x104 --bf16 --train-iters 24 --recompute-granularity full)
+  "${fsdp2[@]}"
   if [ $two = 1 ]; then
-    "${fsdp2[@]}" & local bg=$!
-    CUDA_VISIBLE_DEVICES=1 keep first/dynamic_p8 150 python3 tools/bench_dynamic_sp.py --model wan-14b --world 8 \
-      --out $W/first/dynamic_p8
-    wait $bg
     keep first/fsdp2_p2 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,fsdp2 \
       --log-interval 4 --out $W/first/fsdp2_p2 -- --model wan-14b --num-layers 4 --frames 21 --latent-size 60x104 \
       --bf16 --train-iters 12 --timing-bare-steps 4 --recompute-granularity full --context-parallel-size 2
-  else
-    "${fsdp2[@]}"
-    keep first/dynamic_p8 150 python3 tools/bench_dynamic_sp.py --model wan-14b --world 8 --out $W/first/dynamic_p8
   fi
 }
 stage_fa4() {   # second call (FA4 installed): its block sparsity checked per kernel call beside the suite; on one GPU
@@ -122,12 +117,12 @@ stage_kernels2() {  # the kernel table's H=5 rows (wan-14b's 40 heads over Ulyss
     --out $W/kernels/h5_bs128
 }
 stage_cudnn() {   # which lengths cuDNN's bf16 attention gets right (fwd+bwd vs fp32 math), one process per case
-  keep cudnn 200 python3 tools/check_cudnn_lengths.py --out $W/cudnn
+  keep cudnn_lengths 200 python3 tools/check_cudnn_lengths.py --out $W/cudnn
 }
 stage_dyncheck() {   # dynamic SP's DiT family on "auto" (FA4 where installed: the kernel the dynamic bench times),
   # then the emulated P=8 bench on it (#54)
   suite dyn/suite 120 "dit_dynamic and 2-gloo"
-  keep dyn/p8 180 python3 tools/bench_dynamic_sp.py --model wan-14b --world 8 --out $W/dyn/p8
+  keep dyn/p8 190 python3 tools/bench_dynamic_sp.py --model wan-14b --world 8 --out $W/dyn/p8
 }
 stage_steps480() {  # the step on Wan's 480p grid only (dense FA4, window90, topk90 in one job)
   keep steps/wan14b_21x30x52 270 $STEP --variants guarded,sparse_window90,sparse_topk90 \
