@@ -10,7 +10,10 @@ same batch: the loss and the parameter gradients (summed loss; gradients average
 parameter's gradient on its own, tol 5e-5. bf16: the gradients norm-wise (all parameters as one vector; a bias
 whose gradient nearly cancels over the tokens, e.g. norm2's, is off by 0.17 relative in bf16 at SP=1 already, with
 CPU's one-thread bf16 sums), tol ``cuda_dit_dynamic.bf16_tolerance`` of the SP=1 bf16 step's own norm-wise error
-(finite, capped at 5e-2); the worst single parameter is recorded, not judged. Cases: 3 grids x (3 or 4 modes) x 2
+(finite, capped at 5e-2); the worst single parameter is recorded, not judged. In the bf16 top-k cases both SP=1
+runs (fp32 reference, bf16 tolerance) replay the SP=P step's own selection (``Selections``): top-k is discontinuous,
+and near-tied tile scores flip under bf16 rounding of other GEMM shapes; each flipped row must be such a near-tie
+(``NEAR_TIE``), so a selection that SP got wrong still fails. Cases: 3 grids x (3 or 4 modes) x 2
 dtypes: 18 at P=2, 24 at P=4. SPX_SUITE_DEVICE=cpu runs it on gloo (math kernel).
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -75,7 +79,66 @@ def normwise(grads, ref) -> float:
     return rel_err(torch.cat([g.flatten() for g in grads]), torch.cat([r.flatten() for r in ref]))
 
 
+# A top-k row whose k-th and (k+1)-th tile scores are closer than this (relative to the row's largest score) is a
+# near-tie that bf16 rounding upstream may flip: 8 bf16 spacings (2^-8 each). The test's own top-k case has rows
+# 7.3e-4 apart (CPU, fp32), below one spacing: on an H200 every SP=P mode's bf16 step picked other tiles there
+# than SP=1 did (the SP ranks' projections are GEMMs of other shapes), 7.2e-2 off in the gradients (2026-11-25).
+NEAR_TIE = 8 * 2.0 ** -8
+
+
+def score_gaps(q_tiles: torch.Tensor, k_tiles: torch.Tensor, k: int) -> torch.Tensor:
+    """[H, nT] relative gap between each query tile's k-th and (k+1)-th key-tile score (inf where k >= nT)."""
+    with torch.no_grad(), torch.autocast(q_tiles.device.type, enabled=False):
+        scores = torch.matmul(q_tiles.float(), k_tiles.float().transpose(-1, -2))
+        if k >= scores.shape[-1]:
+            return torch.full(scores.shape[:-1], math.inf, device=scores.device)
+        top = scores.topk(k + 1, dim=-1).values
+        return (top[..., k - 1] - top[..., k]) / scores.abs().amax(-1).clamp_min(1e-30)
+
+
+class Selections:
+    """Records the top-k tile masks the DiT picks (``training.video_dit.model.topk_block_mask``, in call order: one
+    per layer and sample) with their score gaps; with ``replay`` (another run's masks) the run uses those instead,
+    so a reference step runs the selection of the step it is compared with."""
+
+    def __init__(self, replay: Optional[list] = None) -> None:
+        self.replay, self.masks, self.gaps = replay, [], []
+
+    def __enter__(self) -> "Selections":
+        from training.video_dit import model  # noqa: PLC0415
+        self._model, self._real = model, model.topk_block_mask
+
+        def pick(q_tiles, k_tiles, k):
+            own = self._real(q_tiles, k_tiles, k)
+            self.masks.append(own)
+            self.gaps.append(score_gaps(q_tiles, k_tiles, k))
+            return own if self.replay is None else self.replay[len(self.masks) - 1].to(own.device)
+        model.topk_block_mask = pick
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._model.topk_block_mask = self._real
+
+
+def selection_change(picked: list, own: Selections) -> dict:
+    """How the masks ``picked`` (a bf16 SP=P step's) differ from ``own.masks`` (SP=1 fp32's own picks on the same
+    batch): rows (layer call, head, query tile) changed, and the largest SP=1 fp32 score gap among them."""
+    if len(picked) != len(own.masks):
+        return {"rows": -1, "changed": -1, "changed_max_gap": math.inf}
+    changed, gap_max, rows = 0, 0.0, 0
+    for a, b, gap in zip(picked, own.masks, own.gaps):
+        diff = (a.to(b.device) != b).any(-1)                      # [H, nT]
+        rows += diff.numel()
+        changed += int(diff.sum())
+        if bool(diff.any()):
+            gap_max = max(gap_max, float(gap[diff].max()))
+    return {"rows": rows, "changed": changed, "changed_max_gap": gap_max}
+
+
 def dit_sparse_family(rank: int, world: int) -> list:
+    """The family's records (module docstring). bf16 top-k cases: SP=1 (the fp32 reference and the bf16 step that
+    sets the tolerance) runs the SP=P step's own top-k selection, and every tile row where that selection differs
+    from SP=1 fp32's own must be a near-tie (gap < NEAR_TIE), else the case fails naming the rows."""
     if dist.get_backend() == "gloo" and DEV == "cuda":  # one GPU: the ring's hops through the host-staged transport
         os.environ["SPX_EMULATED_MACHINE_SIZE"] = "1"
     device, g = _device(), dist.group.WORLD
@@ -87,29 +150,45 @@ def dit_sparse_family(rank: int, world: int) -> list:
     for name, spec, _, _ in CASES:
         one = make_core("ulysses", None, num_heads=CFG.heads)
         ref_loss, ref_grads = sparse_step(spec, one, None, device, None)
-        sp1_loss, sp1_grads = sparse_step(spec, one, None, device, torch.bfloat16)
-        sp1 = worst([rel_diff(sp1_loss, ref_loss), normwise(sp1_grads, ref_grads)])
-        try:
-            bf16_tol, refused = bf16_tolerance(sp1, "auto"), ""
-        except ValueError as e:
-            bf16_tol, refused = math.nan, str(e)
         for autocast in (None, torch.bfloat16):
             for mode, kw in modes:
                 core = make_core(mode, g, num_heads=CFG.heads, **kw)
-                loss, grads = sparse_step(spec, core, g, device, autocast)
-                per = [rel_err(a, b) for a, b in zip(grads, ref_grads)]
+                with Selections() as picked:
+                    loss, grads = sparse_step(spec, core, g, device, autocast)
+                extra, refused = {}, ""
+                base_loss, base_grads = ref_loss, ref_grads
+                if autocast is not None:
+                    with Selections(replay=picked.masks if spec.topk else None) as own:
+                        base_loss, base_grads = sparse_step(spec, one, None, device, None)
+                    with Selections(replay=picked.masks if spec.topk else None):
+                        sp1_loss, sp1_grads = sparse_step(spec, one, None, device, torch.bfloat16)
+                    sp1 = worst([rel_diff(sp1_loss, base_loss), normwise(sp1_grads, base_grads)])
+                    try:
+                        bf16_tol = bf16_tolerance(sp1, "auto")
+                    except ValueError as e:
+                        bf16_tol, refused = math.nan, str(e)
+                    if spec.topk:
+                        ch = selection_change(picked.masks, own)
+                        extra = {"selection_rows": ch["rows"], "selection_rows_changed": ch["changed"],
+                                 "selection_changed_max_gap": ch["changed_max_gap"]}
+                        if ch["rows"] < 0 or not ch["changed_max_gap"] < NEAR_TIE:
+                            refused = (f"the SP={world} bf16 step's top-k selection differs from SP=1's beyond bf16 "
+                                       f"rounding: {ch['changed']} of {ch['rows']} tile rows changed, one with a "
+                                       f"score gap of {ch['changed_max_gap']:.3g} >= {NEAR_TIE:.3g}")
+                    extra["sp1_bf16_err"] = sp1
+                per = [rel_err(a, b) for a, b in zip(grads, base_grads)]
                 worst_i = max(range(len(per)), key=lambda i: nan_worst(per[i]))
                 dtype = "bf16" if autocast is not None else "fp32"
-                errs = {"loss": rel_diff(loss, ref_loss)}
+                errs = {"loss": rel_diff(loss, base_loss)}
                 if autocast is None:
                     errs["grads"] = per[worst_i]
                 else:
-                    errs["grads_normwise"] = normwise(grads, ref_grads)
+                    errs["grads_normwise"] = normwise(grads, base_grads)
                 rec = {"family": "dit_sparse", "case": f"P={world} {mode}{kw.get('head_chunks', '')} {dtype} {name} "
                        f"tile {TILE} vs SP=1 fp32", "errs": errs, "worst_grad": names[worst_i],
-                       "worst_grad_err": per[worst_i], "sp1_bf16_err": sp1,
+                       "worst_grad_err": per[worst_i], **extra,
                        "tol": bf16_tol if autocast is not None else 5 * TOL[torch.float32]}
-                if autocast is not None and refused:
+                if refused:
                     rec["refused"] = refused
                 records.append(rec)
                 progress(rec, rank)
