@@ -76,13 +76,40 @@ def _model(device):
     return modulated_dit(CFG, device=device)
 
 
-def dit_step(core, group, rank: int, world: int, device: torch.device, autocast, plan=None) -> tuple:
-    """(loss, [parameter grads]) of one packed step of the tiny DiT on ``core`` (group None: SP=1)."""
+def dit_step(core, group, rank: int, world: int, device: torch.device, autocast, plan=None, watch=None) -> tuple:
+    """(loss, [parameter grads]) of one packed step of the tiny DiT on ``core`` (group None: SP=1); ``watch``: a
+    callable given the model before the step (``NonFiniteWatch``)."""
     model = _model(device)
     model.set_attention_core(core)
+    if watch is not None:
+        watch(model)
     data = SyntheticVideoLatents(CFG.in_channels, FRAMES, 4, 8, CFG.text_len, CFG.text_dim, seed=1, sizes=SIZES)
     inp = to_device(packed_host_inputs(packed_batch(data, IDS, 7, CFG.patch), rank, world, plan), device)
     return loss_and_grads(model, local_loss(model, inp, autocast), group)
+
+
+class NonFiniteWatch:
+    """Backward hooks on every submodule: ``first`` names the first module (in backward order) whose gradient w.r.t.
+    its inputs is not finite while the gradient it received was (where a non-finite gradient starts), with the
+    shapes it saw. Diagnosis only, for a reference run that failed (cuDNN's bf16 SP=1 step gave inf gradients on
+    this pack on an H100 and an H200, 2026-11-25; isolated cuDNN calls of its lengths were right)."""
+
+    def __init__(self) -> None:
+        self.first = ""
+
+    def __call__(self, model: torch.nn.Module) -> None:
+        def finite(ts):
+            return all(t is None or bool(torch.isfinite(t).all()) for t in ts)
+
+        for name, mod in model.named_modules():
+            def hook(m, grad_in, grad_out, name=name):
+                if not self.first and finite(grad_out) and not finite(grad_in):
+                    shapes = [tuple(t.shape) for t in grad_out if t is not None]
+                    self.first = f"{name or 'model'} ({type(m).__name__}, grad_out {shapes})"
+            try:
+                mod.register_full_backward_hook(hook)
+            except RuntimeError:   # a module whose forward the hooks cannot wrap: skipped
+                pass
 
 
 def dit_dynamic_family(rank: int, world: int) -> list:
@@ -109,8 +136,15 @@ def dit_dynamic_family(rank: int, world: int) -> list:
     try:
         bf16_tol, refused = bf16_tolerance(worst(sp1_errs.values()), KERNEL), ""
     except ValueError as e:  # no bf16 case is judged against a reference that failed itself
+        watch = NonFiniteWatch()
+        if not math.isfinite(sp1_errs["grads"]):   # where the non-finite gradient starts, for the record
+            try:
+                dit_step(one(torch.bfloat16), None, 0, 1, device, torch.bfloat16, watch=watch)
+            except RuntimeError as err:
+                watch.first = watch.first or f"the hooked rerun raised {type(err).__name__}: {str(err)[:120]}"
         bf16_tol, refused = math.nan, f"{e} (SP=1 bf16: loss {sp1_errs['loss']:.3g}, worst grad " \
-                                      f"{names[sp1_worst]} {sp1_errs['grads']:.3g})"
+                                      f"{names[sp1_worst]} {sp1_errs['grads']:.3g}" \
+                                      + (f"; non-finite from {watch.first}" if watch.first else "") + ")"
     for autocast in (None, torch.bfloat16):
         for mode, kw in modes:
             core = make_dynamic_core(SPConfig(mode=mode, backend=_kernel(autocast), **kw), g, num_heads=CFG.heads)

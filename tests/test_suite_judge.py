@@ -102,8 +102,8 @@ def _dit_dynamic_on_cpu(monkeypatch, poison=None) -> list:
     if poison is not None:
         step = cuda_dit_dynamic.dit_step
 
-        def poisoned(core, group, rank, world, device, autocast, plan=None):
-            loss, grads = step(core, group, rank, world, device, autocast, plan)
+        def poisoned(core, group, rank, world, device, autocast, plan=None, watch=None):
+            loss, grads = step(core, group, rank, world, device, autocast, plan, watch)
             return poison(loss, grads, group, autocast, core)
         monkeypatch.setattr(cuda_dit_dynamic, "dit_step", poisoned)
     return merge_ranks(run_ranks(cuda_dit_dynamic.dit_dynamic_family, 2, timeout=300))
@@ -140,3 +140,31 @@ def test_dit_dynamic_worker_refuses_a_non_finite_sp1_reference(monkeypatch):
     fp32 = {m["case"].split()[1]: m for m in merged if m["case"].split()[2] == "fp32"}
     assert fp32["ulysses"]["ok"] and fp32["hcms2"]["ok"], fp32
     assert not fp32["ring"]["ok"] and fp32["ring"]["why"].endswith("not finite: {'loss': inf}"), fp32["ring"]
+
+
+class _InfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
+
+
+class _BlowUp(torch.nn.Module):
+    def forward(self, x):
+        return _InfGrad.apply(x)
+
+
+def test_non_finite_watch_names_the_module_where_gradients_stop_being_finite():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _BlowUp(), torch.nn.Linear(4, 1))
+    watch = cuda_dit_dynamic.NonFiniteWatch()
+    watch(model)
+    model(torch.randn(3, 4)).sum().backward()
+    assert watch.first.startswith("1 (_BlowUp, grad_out [(3, 4)])"), watch.first
+    clean = cuda_dit_dynamic.NonFiniteWatch()
+    other = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    clean(other)
+    other(torch.randn(3, 4)).sum().backward()
+    assert clean.first == ""
