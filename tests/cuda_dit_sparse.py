@@ -29,6 +29,7 @@ import torch.distributed as dist
 from tests.cuda_dit_dynamic import bf16_tolerance
 from tests.dit_models import modulated_dit
 from tests.reference import TOL, nan_worst, rel_diff, rel_err, worst
+from tests.sp_reduce import loss_and_grads
 from tests.suite_judge import progress
 from training.video_dit import preset
 from training.video_dit.data import SyntheticVideoLatents
@@ -62,16 +63,7 @@ def sparse_step(spec, core, group, device, autocast):
     data = SyntheticVideoLatents(CFG.in_channels, (frames,), size[0], size[1], CFG.text_len, CFG.text_dim, seed=1)
     batch = flow_matching_batch(data, 0, 7, 0, 1, 1, CFG.patch, tile=spec.tile)
     inp = prepare(batch, dist.get_rank(group) if group is not None else 0, sp, device)
-    loss_r = local_loss(model, inp, autocast)
-    (loss_r * sp).backward()
-    loss = loss_r.detach().float().clone()
-    grads = [p.grad.detach().float().clone() for p in model.parameters()]
-    if group is not None:
-        dist.all_reduce(loss, group=group)
-        for g in grads:
-            dist.all_reduce(g, group=group)
-            g /= sp
-    return loss.item(), grads
+    return loss_and_grads(model, local_loss(model, inp, autocast).float(), group)
 
 
 def normwise(grads, ref) -> float:

@@ -6,8 +6,8 @@ process's CUDA context, not the check).
 
 Why: the DiT's packed step on cuDNN (samples of 8-90 tokens, head dim 8 on an H100 and 64 on an H200) gave
 non-finite bf16 gradients at SP=1, and a batch of 20 samples of 1,560 tokens (H=5, head dim 128) failed cuDNN's
-graph and then an illegal memory access (2026-11-25). Writes DIR/cudnn_lengths.json: per case finite / relative
-errors of out, dq, dk, dv / the error raised.
+graph and then an illegal memory access (2026-11-25). Writes DIR/cudnn_lengths.jsonl as cases end and
+DIR/cudnn_lengths.json at the end: per case the relative errors of out, dq, dk, dv, "non-finite", or the error raised.
 """
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ def main() -> None:
     cases += [(1, 8, s, 64, 1) for s in (8, 45, 90)]   # the same lengths contiguous: is it the view?
     cases += [(20, 5, 1560, 128, 1), (20, 5, 1560, 128, 0), (4, 5, 8190, 128, 1)]   # the grouped packs of the bench
     res = []
+    os.makedirs(args.out, exist_ok=True)
+    partial = open(os.path.join(args.out, "cudnn_lengths.jsonl"), "w")   # each case as it ends (a cut run keeps them)
     for b, h, s, d, c in cases:
         t0 = time.time()
         p = subprocess.run([sys.executable, __file__, "--out", args.out, "--case", f"{b},{h},{s},{d},{c}"],
@@ -75,8 +77,10 @@ def main() -> None:
             rec = {"error": f"exit {p.returncode}: {p.stderr.strip()[-300:]}"}
         rec.update(batch=b, heads=h, seqlen=s, head_dim=d, contiguous=bool(c), seconds=round(time.time() - t0, 1))
         print(json.dumps(rec), flush=True)
+        partial.write(json.dumps(rec) + "\n")
+        partial.flush()
         res.append(rec)
-    os.makedirs(args.out, exist_ok=True)
+    partial.close()
     import torch  # noqa: PLC0415
     with open(os.path.join(args.out, "cudnn_lengths.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -299,7 +299,7 @@ def _build_meta(ts, sq, sk, causal, partial_ok):
         sentinel = torch.full_like(kt, t)
         tile_mask = torch.nn.functional.pad(rows, (0, 1), value=False).to(torch.int32).contiguous()
         # FA4 calls the mask_mod for every row and column of a partial kernel block, also past sq / sk in the last
-        # one: the per-row aux tensors run to AUX_ROWS(n) so those reads stay inside them (query rows past sq read
+        # one: the per-row aux tensors run to aux_rows(n) so those reads stay inside them (query rows past sq read
         # tile 0, their output is dropped; key columns past sk read the sentinel tile T, masked). Unpadded, the
         # reads past the end took garbage tile indices into the tile mask: an illegal memory access on an H200
         # (2026-11-25) where an H100 had passed the same cases.
