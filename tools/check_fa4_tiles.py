@@ -128,6 +128,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--cases", default="", help="comma-separated case indices to run (default: all)")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     res = {"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "check": check(args, dev)}
@@ -138,6 +139,7 @@ def main() -> None:
         json.dump(res, f, indent=1)
     bad = [r for r in res["check"] if "error" in r or max(r.get(x, 0) for x in ("out", "dq", "dk", "dv")) > 2e-2]
     print(f"check: {len(res['check']) - len(bad)} of {len(res['check'])} right")
+    sys.exit(1 if bad else 0)
 
 
 if __name__ == "__main__":

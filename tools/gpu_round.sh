@@ -39,6 +39,25 @@ suite() {  # suite NAME SECS EXPR [ENV=VAL ...]: the CUDA suite's cases EXPR, re
   grep -hE "^(ok|BAD)|passed|failed|error" "$W/$name.log" | tail -n 30
 }
 ngpu() { nvidia-smi -L | wc -l; }
+fa4_disk_cache() {   # FA4's own persistent compile cache (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED, under /tmp, kept
+  # between calls to the same warm machine): on only after two runs of two check_fa4_tiles cases (128-token tiles;
+  # 64-token tiles through the mask_mod) pass with it, the second loading what the first compiled; else off
+  [ -n "${SPX_REQUIRE_FA4:-}" ] || return 0
+  if [ ! -f /tmp/spx_fa4_cache.tried ]; then
+    touch /tmp/spx_fa4_cache.tried
+    local ok=1 i t0
+    for i in 1 2; do
+      t0=$(date +%s)
+      FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 timeout 150 python3 tools/check_fa4_tiles.py --skip-timing \
+        --cases 2,19 --out /tmp/spx_fa4_cache_probe$i > /tmp/spx_fa4_cache_probe$i.log 2>&1 || ok=0
+      echo "fa4 disk cache probe $i: $(tail -n 1 /tmp/spx_fa4_cache_probe$i.log), $(( $(date +%s) - t0 )) s"
+    done
+    [ $ok = 1 ] && touch /tmp/spx_fa4_cache.on
+  fi
+  if [ -f /tmp/spx_fa4_cache.on ]; then export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1; echo "fa4 disk cache: on"
+  else echo "fa4 disk cache: off"; fi
+}
+fa4_disk_cache
 STEP="torchrun --nproc-per-node 1 tools/bench_train_step.py"
 WAN14=(--model wan-14b --num-layers 2 --bf16 --train-iters ${ITERS:-30} --ddp-impl torch)
 
@@ -162,6 +181,31 @@ stage_extras() {   # FSDP2 step at one rank beside the plain entry (#52)
     --latent-size 60x104 --bf16 --train-iters 24 --recompute-granularity full
 }
 
+stage_s1() {   # 2026-11-26 session, first call (part.aa: no FA4): dynamic SP's DiT family on cuDNN at P=2 and P=4
+  # (SP=1's bf16 non-finite gradients on cuDNN: the worker's NonFiniteWatch names the module), the FSDP2 entry case
+  suite s1/dit_dynamic_cudnn 300 "dit_dynamic and gloo" SPX_SUITE_KERNEL=cudnn
+  suite s1/fsdp2_entry 100 "fsdp2_entry or fused_regions_fp32"
+}
+stage_s2() {   # second call (FA4 installed): the fa4 family after the registry (#50), dynamic SP at P=4 on FA4 (#54)
+  suite s2/fa4_family 380 "fa4_family"
+  suite s2/dit_dynamic 150 "dit_dynamic and 4-gloo"
+}
+stage_s3() {   # the DiT's sparse family with the SP=1 replay of SP=P's top-k selection (#53), P=2 and P=4
+  suite s3/dit_sparse ${S3_S:-540} "dit_sparse"
+}
+stage_kernels75() {   # the kernel table's H=40 rows at 75K (random masks: 0.74-0.78 of dense on 1 x H100)
+  keep kernels/h40_75k 260 python3 tools/bench_block_sparse.py --heads 40 --seqlens 75776 --block-size 128 \
+    --tile 4,4,8 --sparsities 0.8,0.9 --ulysses-p 1 --ring-p 8 --ring-kernels fa4 --ulysses-kernels fa4 \
+    --out $W/kernels/h40_75k
+}
+stage_profiles2() {   # the topk90 step's profile beside the dense one only
+  for tag in dense topk90; do
+    local extra=(); [ $tag = topk90 ] && extra=(--sparse-attention tiles --sparse-topk 26)
+    keep profile/$tag 150 torchrun --nproc-per-node 1 tools/profile_train_step.py \
+      --out $W/profile --tag $tag -- "${WAN14[@]}" --frames 21 --latent-size 60x104 --train-iters 14 "${extra[@]}"
+  done
+}
+
 run_stage() {   # run_stage STAGE [GPU]
   local s=$1 g=${2:-} t0; t0=$(date +%s)
   { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git rev-parse --short HEAD; date -u;
@@ -170,7 +214,7 @@ run_stage() {   # run_stage STAGE [GPU]
   "stage_$s" 2>&1 | tee "$W/$s.log" | tail -n 60 > "$OUT/$s.txt"
   echo "stage $s${g:+ (GPU $g)}: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$s.txt"
   tar -C "$W" -czf "$OUT/$s.tgz" --exclude='*.pt' --exclude='*.pth' --exclude='*.distcp' "$s.meta" "$s.log" \
-    $(cd "$W" && ls -d first fa4 sp2 curves checks suite kernels steps profile fsdp2 peaks cudnn dyn 2>/dev/null) 2>/dev/null
+    $(cd "$W" && ls -d first fa4 sp2 curves checks suite kernels steps profile fsdp2 peaks cudnn dyn s1 s2 s3 2>/dev/null) 2>/dev/null
 }
 pids=()
 for arg in "$@"; do
