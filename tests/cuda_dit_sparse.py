@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sp_ext.attention import kernels
 from tests.cuda_dit_dynamic import bf16_tolerance
 from tests.dit_models import modulated_dit
 from tests.reference import TOL, nan_worst, rel_diff, rel_err, worst
@@ -152,9 +153,21 @@ def dit_sparse_family(rank: int, world: int) -> list:
                 if autocast is not None:
                     with Selections(replay=picked.masks if spec.topk else None) as own:
                         base_loss, base_grads = sparse_step(spec, one, None, device, None)
+                    before = dict(kernels.PICKS)
                     with Selections(replay=picked.masks if spec.topk else None):
                         sp1_loss, sp1_grads = sparse_step(spec, one, None, device, torch.bfloat16)
                     sp1 = worst([rel_diff(sp1_loss, base_loss), normwise(sp1_grads, base_grads)])
+                    extra["sp1_bf16_kernels"] = {f"{k[0]}/{k[1]}": n - before.get(k, 0)
+                                                 for k, n in kernels.PICKS.items() if n != before.get(k, 0)}
+                    if spec.topk and os.environ.get("SPX_DIT_SPARSE_DIAG") == "1":   # the replay's diagnosis
+                        with Selections(replay=[m.clone() for m in picked.masks]):
+                            fl, fg = sparse_step(spec, one, None, device, torch.bfloat16)
+                        extra["diag_sp1_bf16_replay_clones"] = normwise(fg, base_grads)
+                        with Selections():
+                            ol, og = sparse_step(spec, one, None, device, torch.bfloat16)
+                        extra["diag_sp1_bf16_own_vs_base"] = normwise(og, base_grads)
+                        extra["diag_sp1_bf16_own_vs_ref"] = normwise(og, ref_grads)
+                        extra["diag_spp_vs_ref"] = normwise(grads, ref_grads)
                     try:
                         bf16_tol = bf16_tolerance(sp1, "auto")
                     except ValueError as e:

@@ -53,6 +53,8 @@ def check(args, dev) -> list:
     cases += [dict(bs=128, kind="random", causal=False, h=4, hkv=4, s=2048 - 40, valid=None),
               dict(bs=128, kind="random", causal=False, h=4, hkv=4, s=2048, valid=2048 - 100),
               dict(bs=64, kind="window", causal=True, h=4, hkv=2, s=1984, valid=1900)]
+    if args.cases:
+        cases = [cases[int(i)] for i in args.cases.split(",")]
     for c in cases:
         t = -(-c["s"] // c["bs"])
         bm = mask_of(c["kind"], c["h"], t, 0.7, g).to(dev)

@@ -43,12 +43,13 @@ fa4_disk_cache() {   # FA4's own persistent compile cache (FLASH_ATTENTION_CUTE_
   # between calls to the same warm machine): on only after two runs of two check_fa4_tiles cases (128-token tiles;
   # 64-token tiles through the mask_mod) pass with it, the second loading what the first compiled; else off
   [ -n "${SPX_REQUIRE_FA4:-}" ] || return 0
+  [ -n "${FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED+x}" ] && { echo "fa4 disk cache: as set ($FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED)"; return 0; }
   if [ ! -f /tmp/spx_fa4_cache.tried ]; then
     touch /tmp/spx_fa4_cache.tried
     local ok=1 i t0
     for i in 1 2; do
       t0=$(date +%s)
-      FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 timeout 150 python3 tools/check_fa4_tiles.py --skip-timing \
+      FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 timeout 240 python3 tools/check_fa4_tiles.py --skip-timing \
         --cases 2,19 --out /tmp/spx_fa4_cache_probe$i > /tmp/spx_fa4_cache_probe$i.log 2>&1 || ok=0
       echo "fa4 disk cache probe $i: $(tail -n 1 /tmp/spx_fa4_cache_probe$i.log), $(( $(date +%s) - t0 )) s"
     done
@@ -192,6 +193,14 @@ stage_s2() {   # second call (FA4 installed): the fa4 family after the registry 
 }
 stage_s3() {   # the DiT's sparse family with the SP=1 replay of SP=P's top-k selection (#53), P=2 and P=4
   suite s3/dit_sparse ${S3_S:-540} "dit_sparse"
+}
+stage_cudnn_small() {   # cuDNN's bf16 backward on the dit_dynamic pack: the step with its loss scaled up (are small
+  # gradients the trigger?), then single calls of the pack's lengths as the DiT lays them out, dO scaled down
+  keep cudnn/dit_scale 200 python3 tools/check_cudnn_dit_scale.py --out $W/cudnn
+  keep cudnn/small_do 200 python3 tools/check_cudnn_lengths.py --small-do --in-process --out $W/cudnn
+}
+stage_sparse_diag() {   # the DiT's sparse family at P=2 with the replay diagnosis (SPX_DIT_SPARSE_DIAG=1)
+  suite s3/dit_sparse_diag ${S3_S:-400} "dit_sparse and 2-gloo" SPX_DIT_SPARSE_DIAG=1
 }
 stage_kernels75() {   # the kernel table's H=40 rows at 75K (random masks: 0.74-0.78 of dense on 1 x H100)
   keep kernels/h40_75k 260 python3 tools/bench_block_sparse.py --heads 40 --seqlens 75776 --block-size 128 \
