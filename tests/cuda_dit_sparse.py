@@ -174,7 +174,7 @@ def dit_sparse_family(rank: int, world: int) -> list:
                         bf16_tol, refused = math.nan, str(e)
                     if spec.topk:
                         ch = selection_change(picked.masks, own)
-                        extra = {"selection_rows": ch["rows"], "selection_rows_changed": ch["changed"],
+                        extra |= {"selection_rows": ch["rows"], "selection_rows_changed": ch["changed"],
                                  "selection_changed_max_gap": ch["changed_max_gap"]}
                         if ch["rows"] < 0 or not ch["changed_max_gap"] < NEAR_TIE:
                             refused = (f"the SP={world} bf16 step's top-k selection differs from SP=1's beyond bf16 "
