@@ -199,6 +199,9 @@ stage_cudnn_small() {   # cuDNN's bf16 backward on the dit_dynamic pack: the ste
   keep cudnn/dit_scale 200 python3 tools/check_cudnn_dit_scale.py --out $W/cudnn
   keep cudnn/small_do 200 python3 tools/check_cudnn_lengths.py --small-do --in-process --out $W/cudnn
 }
+stage_sdpa_calls() {   # every torch SDPA call of the two failing SP=1 bf16 steps, replayed alone against fp32 math
+  keep cudnn/sdpa_calls 300 python3 tools/check_sdpa_calls.py --out $W/cudnn
+}
 stage_sparse_diag() {   # the DiT's sparse family at P=2 with the replay diagnosis (SPX_DIT_SPARSE_DIAG=1)
   suite s3/dit_sparse_diag ${S3_S:-400} "dit_sparse and 2-gloo" SPX_DIT_SPARSE_DIAG=1
 }

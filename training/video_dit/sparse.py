@@ -279,8 +279,12 @@ def coarse_attention(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torc
 
 
 def coarse_tiles(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torch.Tensor) -> torch.Tensor:
-    """The coarse branch per tile: dense attention of pooled q over pooled k/v, [B, H, nT, D] each."""
-    return F.scaled_dot_product_attention(q_tiles, k_tiles, v_tiles)
+    """The coarse branch per tile: dense attention of pooled q over pooled k/v, [B, H, nT, D] each (input dtype).
+    Computed in fp32 also under autocast: nT is the token count / tile size (256 at 32K tokens), so it costs little,
+    and its dq cancels strongly (pooled tiles score alike): in bf16 it was the SP=1 top-k step's largest error."""
+    with torch.autocast(q_tiles.device.type, enabled=False):
+        out = F.scaled_dot_product_attention(q_tiles.float(), k_tiles.float(), v_tiles.float())
+    return out.to(q_tiles.dtype)
 
 
 def spread_tiles(out_tiles: torch.Tensor, tile_index: torch.Tensor, run: Optional[TileRun] = None) -> torch.Tensor:

@@ -1,0 +1,148 @@
+"""Which torch SDPA call of a DiT step goes wrong in bf16? Records every ``F.scaled_dot_product_attention`` call of
+one SP=1 bf16 step (inputs with their strides, the incoming gradient of its output), then replays each call alone
+(same data, same strides, torch's default backend choice) against fp32 math: out and dq/dk/dv errors, non-finite
+flags, shapes and strides per call; and reruns the whole step with cuDNN left out of SDPA's backends.
+
+Steps: "dynamic" (tests/cuda_dit_dynamic.py's pack at SP=1 on the cudnn kernel: non-finite bf16 gradients on an H100
+and an H200, 2026-11-25/26) and "sparse" (tests/cuda_dit_sparse.py's top-k case at SP=1 on auto: 7.2e-2 off fp32 on
+an H200, 2026-11-26, while SP=2 was 4.2e-3 off).
+
+    python tools/check_sdpa_calls.py --out DIR [--steps dynamic,sparse]      (one GPU; DIR/sdpa_calls.json)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.reference import rel_err  # noqa: E402
+from training.video_dit.engine import make_core  # noqa: E402
+
+REAL = F.scaled_dot_product_attention
+
+
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+class Recorder:
+    """Wraps F.scaled_dot_product_attention: keeps each call's q/k/v (strided copies), kwargs and dO."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def __enter__(self):
+        def sdpa(q, k, v, *args, **kwargs):
+            out = REAL(q, k, v, *args, **kwargs)
+            rec = {"qkv": [strided_copy(t.detach()) for t in (q, k, v)], "args": args,
+                   "kwargs": {n: (x.detach().clone() if torch.is_tensor(x) else x) for n, x in kwargs.items()},
+                   "dout": None, "backends": [str(b) for b in torch._C._get_sdp_backends()]
+                   if hasattr(torch._C, "_get_sdp_backends") else None}
+            if out.requires_grad:
+                out.register_hook(lambda g, rec=rec: rec.__setitem__("dout", g.detach().clone()))
+            self.calls.append(rec)
+            return out
+        F.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = REAL
+
+
+def replay(rec: dict) -> dict:
+    q, k, v = rec["qkv"]
+    row = {"q": [list(q.shape), list(q.stride())], "k": [list(k.shape), list(k.stride())],
+           "v": [list(v.shape), list(v.stride())], "dtype": str(q.dtype),
+           "kwargs": {n: (list(x.shape) if torch.is_tensor(x) else x) for n, x in rec["kwargs"].items()},
+           "has_dout": rec["dout"] is not None}
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return row
+    qs, ks, vs = (strided_copy(t).requires_grad_() for t in (q, k, v))
+    out = REAL(qs, ks, vs, *rec["args"], **rec["kwargs"])
+    kw32 = {n: (x.float() if torch.is_tensor(x) and x.is_floating_point() else x) for n, x in rec["kwargs"].items()}
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = REAL(qf, kf, vf, *rec["args"], **kw32)
+    row["out"] = rel_err(out.float(), ref) if bool(torch.isfinite(out).all()) else "non-finite"
+    if rec["dout"] is not None:
+        d = rec["dout"]
+        row["dout_absmax"] = float(d.float().abs().max())
+        row["dout"] = [list(d.shape), list(d.stride())]
+        grads = torch.autograd.grad(out, (qs, ks, vs), d)
+        refs = torch.autograd.grad(ref, (qf, kf, vf), d.float())
+        for n, a, r in zip(("dq", "dk", "dv"), grads, refs):
+            row[n] = rel_err(a.float(), r) if bool(torch.isfinite(a).all()) else "non-finite"
+    return row
+
+
+def normwise(grads, ref) -> float:
+    return rel_err(torch.cat([g.flatten() for g in grads]), torch.cat([r.flatten() for r in ref]))
+
+
+def step(which: str, dev, autocast):
+    if which == "dynamic":
+        from tests import cuda_dit_dynamic as w  # noqa: PLC0415
+        core = make_core("ulysses", None, num_heads=w.CFG.heads, backend=("cudnn" if autocast and dev.type == "cuda" else "auto"))
+        return w.dit_step(core, None, 0, 1, dev, autocast)
+    from tests import cuda_dit_sparse as w  # noqa: PLC0415
+    _, spec, _, _ = w.CASES[0]
+    return w.sparse_step(spec, make_core("ulysses", None, num_heads=w.CFG.heads), None, dev, autocast)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", default="dynamic,sparse")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the flow")
+    args = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    dev = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    res = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "cudnn": torch.backends.cudnn.version(),
+           "date": time.strftime("%Y-%m-%d"), "steps": {}}
+    for which in args.steps.split(","):
+        _, ref = step(which, dev, None)
+        with Recorder() as r:
+            _, g16 = step(which, dev, torch.bfloat16)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            _, g_nocudnn = step(which, dev, torch.bfloat16)
+        finite = lambda gs: all(bool(torch.isfinite(g).all()) for g in gs)  # noqa: E731
+        entry = {"step_bf16_vs_fp32": normwise(g16, ref) if finite(g16) else "non-finite",
+                 "step_bf16_no_cudnn_sdpa_vs_fp32": normwise(g_nocudnn, ref) if finite(g_nocudnn) else "non-finite",
+                 "calls": []}
+        if which == "sparse":   # VSA's coarse branch in the input dtype (bf16), as before 2026-11-26
+            from training.video_dit import model  # noqa: PLC0415
+            fp32_coarse = model.coarse_tiles
+            model.coarse_tiles = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
+            try:
+                _, g_old = step(which, dev, torch.bfloat16)
+            finally:
+                model.coarse_tiles = fp32_coarse
+            entry["step_bf16_coarse_in_bf16_vs_fp32"] = normwise(g_old, ref) if finite(g_old) else "non-finite"
+        for i, rec in enumerate(r.calls):
+            try:
+                row = replay(rec)
+            except Exception as e:  # noqa: BLE001 - recorded
+                row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row["index"] = i
+            entry["calls"].append(row)
+            print(which, json.dumps(row), flush=True)
+        res["steps"][which] = entry
+        print(which, {k: v for k, v in entry.items() if k != "calls"}, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sdpa_calls.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
