@@ -53,17 +53,29 @@ def check(args, dev) -> list:
     cases += [dict(bs=128, kind="random", causal=False, h=4, hkv=4, s=2048 - 40, valid=None),
               dict(bs=128, kind="random", causal=False, h=4, hkv=4, s=2048, valid=2048 - 100),
               dict(bs=64, kind="window", causal=True, h=4, hkv=2, s=1984, valid=1900)]
+    if args.dit:   # the DiT sparse family's shapes: 8 or 4 heads (MHA), head dim 64 (and 128), top-k 3 of 8 tiles
+        # per head and query tile, q/k/v handed over as [B, S, H, D] memory (what the DiT passes), S 1024 and 540
+        cases = [dict(bs=128, kind="topk3", causal=False, h=h, hkv=h, s=s, valid=None, d=d, bshd=bshd)
+                 for d in (64, 128) for h in (8, 4) for s in (1024, 540) for bshd in (True, False)]
     if args.cases:
         cases = [cases[int(i)] for i in args.cases.split(",")]
     for c in cases:
         t = -(-c["s"] // c["bs"])
-        bm = mask_of(c["kind"], c["h"], t, 0.7, g).to(dev)
+        bm = (mask_of("random", c["h"], t, 1 - 3 / t, g) if c["kind"] == "topk3" else
+              mask_of(c["kind"], c["h"], t, 0.7, g)).to(dev)
         pos = torch.arange(c["s"], device=dev)
         ts = TileSlice(bm, c["bs"], pos, pos, slice(None), c["valid"])
-        q, do = (torch.randn(1, c["h"], c["s"], 128, generator=g).to(dev, torch.bfloat16) for _ in range(2))
-        k, v = (torch.randn(1, c["hkv"], c["s"], 128, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+        d = c.get("d", 128)
+        if c.get("bshd"):   # [B, S, H, D] memory seen as [B, H, S, D]
+            q, do = (torch.randn(1, c["s"], c["h"], d, generator=g).to(dev, torch.bfloat16).transpose(1, 2)
+                     for _ in range(2))
+            k, v = (torch.randn(1, c["s"], c["hkv"], d, generator=g).to(dev, torch.bfloat16).transpose(1, 2)
+                    for _ in range(2))
+        else:
+            q, do = (torch.randn(1, c["h"], c["s"], d, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+            k, v = (torch.randn(1, c["hkv"], c["s"], d, generator=g).to(dev, torch.bfloat16) for _ in range(2))
         row = dict(c)
-        call = kernels.KernelCall(dev, torch.bfloat16, 128,
+        call = kernels.KernelCall(dev, torch.bfloat16, d,
                                   frozenset({"tiles", "lse"} | ({"causal"} if c["causal"] else set())), ts)
         row["why_not"] = fa4.why_not(call)
         try:
@@ -130,6 +142,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--dit", action="store_true", help="the DiT sparse family's shapes instead (head dim 64, MHA)")
     ap.add_argument("--cases", default="", help="comma-separated case indices to run (default: all)")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)

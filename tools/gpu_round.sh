@@ -202,6 +202,17 @@ stage_cudnn_small() {   # cuDNN's bf16 backward on the dit_dynamic pack: the ste
 stage_sdpa_calls() {   # every torch SDPA call of the two failing SP=1 bf16 steps, replayed alone against fp32 math
   keep cudnn/sdpa_calls 300 python3 tools/check_sdpa_calls.py --out $W/cudnn
 }
+stage_cudnn_fix() {   # after the contiguous-input fix (kernels/cudnn.py): the replayed calls, then the dit_dynamic family
+  # on cuDNN at P=2 and P=4
+  keep cudnn/sdpa_calls_fixed 150 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/fixed
+  suite s1/dit_dynamic_cudnn_fixed 240 "dit_dynamic and gloo" SPX_SUITE_KERNEL=cudnn
+}
+stage_fa4_dit() {   # FA4's block sparsity at the DiT sparse family's shapes (head dim 64, 8 heads, top-k 3 of 8), then
+  # the SP=1 sparse step's SDPA calls and error on FA4, then the family at P=2
+  keep checks/fa4_dit 200 python3 tools/check_fa4_tiles.py --skip-timing --dit --out $W/checks/dit
+  keep cudnn/sdpa_calls_sparse 100 python3 tools/check_sdpa_calls.py --steps sparse --out $W/cudnn/sparse
+  suite s3/dit_sparse_p2 ${S3_S:-220} "dit_sparse and 2-gloo" SPX_DIT_SPARSE_DIAG=1
+}
 stage_sparse_diag() {   # the DiT's sparse family at P=2 with the replay diagnosis (SPX_DIT_SPARSE_DIAG=1)
   suite s3/dit_sparse_diag ${S3_S:-400} "dit_sparse and 2-gloo" SPX_DIT_SPARSE_DIAG=1
 }

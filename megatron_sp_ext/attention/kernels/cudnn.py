@@ -4,19 +4,19 @@ the build) and plain calls through SDPA with the cuDNN backend. GQA: k/v expande
 
 torch caches one cuDNN backward graph per (shapes, q/k/v strides, causal, ...): O's and dO's strides are baked into
 the graph but are not in its key, so O and dO are fed in q's layout (``in_layout_of``), a function of the key.
-A build whose cuDNN refuses strided views gets packed copies (same kernel and math; remembered per stride pattern).
+q, k, v reach cuDNN contiguous (``dense``): on strided per-sample views of a packed self-attention (q/k token
+stride 512, v a view of the fused q|k|v projection, stride 1536, at each sample's offset) its bf16 backward gave
+gradients ~1.1 off or non-finite, replayed call by call against fp32 math (1 x H200, torch 2.11, cuDNN 9.19,
+2026-11-26: tools/check_sdpa_calls.py); isolated calls with other strides were right. A copy costs ~1% of a long
+call; the per-sample calls it fixes are short.
 """
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
 
 from .. import blockwise
 from .base import Capabilities, Kernel
-
-log = logging.getLogger("megatron_sp_ext")
 
 HALF = (torch.float16, torch.bfloat16)
 # argument names of the schemas called here (torch 2.11 and 2.13 agree; a different build is refused)
@@ -47,6 +47,11 @@ def _strides_without_ones(t: torch.Tensor) -> tuple:
     return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
 
 
+def dense(*ts: torch.Tensor) -> tuple:
+    """The tensors as cuDNN gets them: contiguous (a copy of a strided view; see the module docstring)."""
+    return tuple(t.contiguous() for t in ts)
+
+
 def in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` (same shape as ``like``) in the memory layout ``torch.empty_like(like)`` has: ``t`` itself when its
     strides already match over the dimensions of size > 1, else a copy in that layout."""
@@ -67,7 +72,6 @@ class CudnnKernel(Kernel):
 
     def __init__(self) -> None:
         self.aux: dict = {}
-        self.pack_only: set = set()
 
     def schema_ok(self) -> bool:
         return schema_ok()
@@ -88,38 +92,28 @@ class CudnnKernel(Kernel):
             self.aux[key] = (res[6], res[7], res[1].dim())
         return self.aux[key]
 
-    def _strided_or_packed(self, op, tensors, rest, scale):
-        key = (getattr(op, "__name__", "op"), tuple(t.stride() for t in tensors), tuple(t.shape for t in tensors))
-        if key not in self.pack_only:
-            try:
-                return op(*tensors, *rest, scale=scale)
-            except RuntimeError as e:
-                log.info("megatron_sp_ext: cuDNN attention refused strided views (%s); packing them", e)
-                self.pack_only.add(key)
-        return op(*(t.contiguous() for t in tensors), *rest, scale=scale)
-
     def attention(self, q, k, v, causal, scale, tiles=None):
         from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
         k, v, _ = blockwise.expand_kv(k, v, q.shape[1])  # autograd sums the copies back
+        q, k, v = dense(q, k, v)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
     def forward(self, q, k, v, scale, causal, tiles=None):
         b, h, sq, _ = q.shape
         k, v, _ = blockwise.expand_kv(k, v, h)
-        res = self._strided_or_packed(torch.ops.aten._scaled_dot_product_cudnn_attention, (q, k, v),
-                                      (None, True, 0.0, causal, False), scale)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(*dense(q, k, v), None, True, 0.0, causal, False,
+                                                                 scale=scale)
         return res[0], res[1].reshape(b, h, sq)
 
     def backward(self, do, q, k, v, out, lse, scale, causal, tiles=None):
         sq = q.shape[2]
         ke, ve, rep = blockwise.expand_kv(k, v, q.shape[1])
+        q, ke, ve = dense(q, ke, ve)
         lse = lse.float()
         seed, offset, lse_dim = self._aux(q.device, q.dtype)
         out, do = in_layout_of(out, q), in_layout_of(do, q)
         lse_in = (lse.unsqueeze(-1) if lse_dim == 4 else lse).contiguous()
-        dq, dk, dv = self._strided_or_packed(
-            lambda do_, q_, k_, v_, out_, *rest, scale: torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                do_, q_, k_, v_, out_, *rest, scale=scale),
-            (do, q, ke, ve, out), (lse_in, seed, offset, None, None, None, sq, ke.shape[2], 0.0, causal), scale)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do, q, ke, ve, out, lse_in, seed, offset, None, None, None, sq, ke.shape[2], 0.0, causal, scale=scale)
         return dq, blockwise.fold_kv_grad(dk, rep), blockwise.fold_kv_grad(dv, rep)
