@@ -83,6 +83,50 @@ def replay(rec: dict) -> dict:
     return row
 
 
+def errors_of(q, k, v, dout, args, kwargs) -> dict:
+    """out/dq/dk/dv errors of one bf16 call (default backend) against fp32 math on the same tensors."""
+    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+    out = REAL(qs, ks, vs, *args, **kwargs)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = REAL(qf, kf, vf, *args, **kwargs)
+    grads = torch.autograd.grad(out, (qs, ks, vs), dout)
+    refs = torch.autograd.grad(ref, (qf, kf, vf), dout.float())
+    fin = lambda a, r: rel_err(a.float(), r) if bool(torch.isfinite(a).all()) else "non-finite"  # noqa: E731
+    return {"out": fin(out, ref), **{n: fin(a, r) for n, a, r in zip(("dq", "dk", "dv"), grads, refs)}}
+
+
+def random_like_call(rec: dict) -> dict:
+    """The call's errors on random data of the same shapes and strides (this process: its cached graphs)."""
+    g = torch.Generator(device=rec["qkv"][0].device).manual_seed(0)
+    q, k, v = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(
+        torch.randn(t.shape, generator=g, device=t.device, dtype=t.dtype)) for t in rec["qkv"])
+    dout = torch.randn(rec["dout"].shape, generator=g, device=q.device, dtype=q.dtype)
+    return errors_of(q, k, v, dout, rec["args"], rec["kwargs"])
+
+
+def fresh_process(rec: dict, path: str) -> dict:
+    """The call's errors on its own data in a new process (no cached cuDNN graphs)."""
+    import subprocess  # noqa: PLC0415
+    torch.save({"qkv": [t.cpu() for t in rec["qkv"]], "strides": [t.stride() for t in rec["qkv"]],
+                "dout": rec["dout"].cpu(), "kwargs": {n: x for n, x in rec["kwargs"].items() if not torch.is_tensor(x)}},
+               path)
+    p = subprocess.run([sys.executable, __file__, "--out", os.path.dirname(path), "--replay-file", path],
+                       capture_output=True, text=True, timeout=120)
+    try:
+        return json.loads((p.stdout.strip().splitlines() or [""])[-1])
+    except json.JSONDecodeError:
+        return {"error": f"exit {p.returncode}: {p.stderr.strip()[-300:]}"}
+
+
+def replay_file(path: str) -> None:
+    d = torch.load(path, weights_only=True)   # tensors and plain values only: loading runs no code
+    dev = torch.device("cuda", 0)
+    q, k, v = (torch.empty_strided(t.shape, st, dtype=t.dtype, device=dev).copy_(t)
+               for t, st in zip(d["qkv"], d["strides"]))
+    print(json.dumps(errors_of(q, k, v, d["dout"].to(dev), (), d["kwargs"])))
+
+
 def normwise(grads, ref) -> float:
     return rel_err(torch.cat([g.flatten() for g in grads]), torch.cat([r.flatten() for r in ref]))
 
@@ -102,7 +146,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", default="dynamic,sparse")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the flow")
+    ap.add_argument("--replay-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.replay_file:
+        replay_file(args.replay_file)
+        return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29534")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -135,6 +183,12 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - recorded
                 row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             row["index"] = i
+            bad = any(row.get(n) == "non-finite" or (isinstance(row.get(n), float) and row[n] > 0.05)
+                      for n in ("out", "dq", "dk", "dv"))
+            if bad and rec["dout"] is not None and sum(1 for c in entry["calls"] if "fresh_process" in c) < 4:
+                row["random_data_same_layout"] = random_like_call(rec)
+                os.makedirs(args.out, exist_ok=True)
+                row["fresh_process"] = fresh_process(rec, os.path.join(args.out, f"call_{which}_{i}.pt"))
             entry["calls"].append(row)
             print(which, json.dumps(row), flush=True)
         res["steps"][which] = entry

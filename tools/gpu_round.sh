@@ -204,8 +204,12 @@ stage_sdpa_calls() {   # every torch SDPA call of the two failing SP=1 bf16 step
 }
 stage_cudnn_fix() {   # after the contiguous-input fix (kernels/cudnn.py): the replayed calls, then the dit_dynamic family
   # on cuDNN at P=2 and P=4
-  keep cudnn/sdpa_calls_fixed 150 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/fixed
+  keep cudnn/sdpa_calls_fixed 200 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/fixed
   suite s1/dit_dynamic_cudnn_fixed 240 "dit_dynamic and gloo" SPX_SUITE_KERNEL=cudnn
+}
+stage_cudnn_calls() {   # the dynamic step's bad cuDNN calls: on random data of the same layout here, and on their own
+  # data in a fresh process (is it the data or this process's cached graphs?)
+  keep cudnn/sdpa_calls_why 250 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/why
 }
 stage_fa4_dit() {   # FA4's block sparsity at the DiT sparse family's shapes (head dim 64, 8 heads, top-k 3 of 8), then
   # the SP=1 sparse step's SDPA calls and error on FA4, then the family at P=2
