@@ -120,11 +120,20 @@ def fresh_process(rec: dict, path: str) -> dict:
 
 
 def replay_file(path: str) -> None:
-    d = torch.load(path, weights_only=True)   # tensors and plain values only: loading runs no code
+    """Each saved call of ``path`` (comma-separated files) in order, each twice, in this fresh process: one JSON line
+    of errors per run (is a cached cuDNN graph wrong when reused?)."""
     dev = torch.device("cuda", 0)
-    q, k, v = (torch.empty_strided(t.shape, st, dtype=t.dtype, device=dev).copy_(t)
-               for t, st in zip(d["qkv"], d["strides"]))
-    print(json.dumps(errors_of(q, k, v, d["dout"].to(dev), (), d["kwargs"])))
+    rows = []
+    for one in path.split(","):
+        d = torch.load(one, weights_only=True)   # tensors and plain values only: loading runs no code
+        q, k, v = (torch.empty_strided(t.shape, st, dtype=t.dtype, device=dev).copy_(t)
+                   for t, st in zip(d["qkv"], d["strides"]))
+        for run in (1, 2):
+            rows.append({"file": os.path.basename(one), "run": run,
+                         **errors_of(q, k, v, d["dout"].to(dev), (), d["kwargs"])})
+    for r in rows[:-1]:
+        print(json.dumps(r), file=sys.stderr)
+    print(json.dumps(rows[-1] if len(rows) == 2 else {"runs": rows}))
 
 
 def normwise(grads, ref) -> float:
@@ -191,6 +200,18 @@ def main() -> None:
                 row["fresh_process"] = fresh_process(rec, os.path.join(args.out, f"call_{which}_{i}.pt"))
             entry["calls"].append(row)
             print(which, json.dumps(row), flush=True)
+        saved = sorted(f for f in os.listdir(args.out) if f.startswith(f"call_{which}_") and f.endswith(".pt")) \
+            if os.path.isdir(args.out) else []
+        if saved:   # the bad calls one after another in one fresh process, each run twice
+            import subprocess  # noqa: PLC0415
+            p = subprocess.run([sys.executable, __file__, "--out", args.out, "--replay-file",
+                                ",".join(os.path.join(args.out, f) for f in saved)],
+                               capture_output=True, text=True, timeout=300)
+            try:
+                entry["fresh_process_sequence"] = json.loads((p.stdout.strip().splitlines() or [""])[-1])
+            except json.JSONDecodeError:
+                entry["fresh_process_sequence"] = {"error": f"exit {p.returncode}: {p.stderr.strip()[-300:]}"}
+            print(which, "sequence", json.dumps(entry["fresh_process_sequence"]), flush=True)
         res["steps"][which] = entry
         print(which, {k: v for k, v in entry.items() if k != "calls"}, flush=True)
     os.makedirs(args.out, exist_ok=True)
