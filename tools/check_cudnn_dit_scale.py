@@ -36,7 +36,8 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
     dev = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     core = lambda kernel: make_core("ulysses", None, num_heads=worker.CFG.heads, backend=kernel)  # noqa: E731
     ref_loss, ref_grads = worker.dit_step(core("auto"), None, 0, 1, dev, None)

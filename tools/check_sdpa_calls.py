@@ -160,7 +160,8 @@ def main() -> None:
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29534")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
     dev = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     res = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(),
