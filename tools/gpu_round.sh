@@ -12,8 +12,10 @@
 # A session on ONE GPU (nvidia-h200 / nvidia-h100-x1; a one-chip machine goes back after 30 min held), in order:
 #   machine 1: first (part.aa) | fa4 (part.ab) | dyncheck steps75 | steps480 kernels2
 #   machine 2: suite with SUITE_K = the families that need no FA4 (part.aa) | fa4 family, curves (part.ab)
-# (2026-11-25/26 on one H200: tools/results/2026-11-26_h200_sparse_dynamic/README.md). Left for the next one:
-#   SUITE_K="fa4_family or dit_sparse or dit_dynamic" suite, curves, checks, steps32 (16x32x64), steps13, profiles
+# (2026-11-25/26 on one H200: tools/results/2026-11-26_h200_sparse_dynamic/README.md; 2026-11-26 morning:
+# tools/results/2026-11-26_h200_fa4family_sparse_cudnn/README.md). Left for the next one: cudnn_fix (the DiT's
+# cross-attention now contiguous too: does dit_dynamic on cuDNN pass?), steps75 on the current code, curves with a
+# stable run, sp2 on two GPUs.
 # On 2 GPUs: first | fa4 | steps32@0 profiles@1 | steps75@0 curves@1 | sp2, steps13, kernels2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
