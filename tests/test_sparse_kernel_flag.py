@@ -156,7 +156,8 @@ def test_sparse_curves_tool_flags_parse(capsys):
     out = capsys.readouterr().out
     for name, tail in (("flex_bf16", f"{SPARSE_KERNEL_FLAG} flex --bf16"),
                        ("fa4_bf16", f"{SPARSE_KERNEL_FLAG} fa4 --bf16"), ("flex_fp32", f"{SPARSE_KERNEL_FLAG} flex\n")):
-        assert f"{name}: --model wan-1.3b --num-layers 2 --frames 8 --latent-size 64x128 --train-iters 50" in out, out
+        assert f"{name}: --model wan-1.3b --num-layers 2 --frames 8 --latent-size 64x128 --train-iters 50 " \
+            f"--seed 1234 --lr 0.0002" in out, out
         assert tail in out, (tail, out)
     assert "--sparse-topk 13" in out and '"n_tiles": 128' in out, out
     assert main(["--out", "unused", "--dry-run", "--variant", "sparse_window90", "--frames", "16"]) == 0

@@ -41,7 +41,8 @@ KERNEL_FLAG = "--sparse-attention-kernel"
 def base_flags(a: argparse.Namespace) -> list:
     """The entry flags every run shares (no precision, no sparse kernel)."""
     return ["--model", a.model, "--num-layers", str(a.num_layers), "--frames", a.frames, "--latent-size",
-            a.latent_size, "--train-iters", str(a.steps), "--seed", str(a.seed), "--ddp-impl", "torch",
+            a.latent_size, "--train-iters", str(a.steps), "--seed", str(a.seed), "--lr", str(a.lr),
+            "--ddp-impl", "torch",
             "--fused-elementwise", "off", *a.extra]   # not --quiet: the log names the kernel that ran
 
 
@@ -107,6 +108,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--latent-size", default="64x128")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=2e-4, help="the runs' learning rate (the entry's own 2e-3 made the "
+                   "50-step run chaotic on 1 x H200, 2026-11-26: loss 1.3-23.7, fp32 and bf16 parted by 127%%, so no "
+                   "kernel could be judged against bf16 noise)")
     p.add_argument("--dry-run", action="store_true", help="print the runs and parse-check their flags; run nothing")
     p.add_argument("extra", nargs="*", help="after --: more entry flags for every run")
     a = p.parse_args(argv)
