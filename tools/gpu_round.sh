@@ -2,8 +2,9 @@
 # One lent GPU session of a round, in stages that each fit one device call (<= 10 min), run back to back on the same
 # warm machine (the wheels carried as parts in .fa4/: tools/gpu_wheels.sh; the first call carries part.aa only).
 #   bash tools/gpu_round.sh STAGE[@GPU] [STAGE[@GPU] ...]
-# stages: first fa4 sp2 curves checks suite kernels kernels2 steps32 steps480 steps75 steps13 profiles peaks extras
-# cudnn dyncheck. A stage named with @GPU
+# stages: first fa4 sp2 curves checks suite kernels kernels2 kernels75 steps32 steps480 steps75 steps13 profiles
+# profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag.
+# A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
 # call's deadline (DEADLINE_S, default 540 s after the call starts), so the tarballs are written before the
