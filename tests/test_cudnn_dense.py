@@ -48,3 +48,9 @@ def test_cudnn_ops_see_contiguous_inputs_from_strided_views(monkeypatch):
     assert seen and all(all(flags[1:]) for flags in seen), seen
     errs = [rel_err(out, ref)] + [rel_err(a, b) for a, b in zip(grads, refs)]
     assert errs[0] < 1e-12 and max(errs[1:]) < 1e-6, errs   # the backward takes lse in fp32 (kernels.cudnn)
+
+
+def test_torch_sdpa_inputs_leave_cpu_tensors_alone():
+    """The auto backend's torch-SDPA calls copy only on CUDA (where torch may pick cuDNN)."""
+    q = torch.randn(1, 5, 2, 8).transpose(1, 2)
+    assert all(a is b for a, b in zip(kernels.torch_sdpa_inputs(q, q, q), (q, q, q)))

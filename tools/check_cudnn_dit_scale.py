@@ -19,12 +19,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests import cuda_dit_dynamic as worker  # noqa: E402
-from tests.reference import rel_err  # noqa: E402
+from tests.cuda_dit_sparse import normwise  # noqa: E402
 from training.video_dit.engine import make_core  # noqa: E402
 
-
-def normwise(grads, ref) -> float:
-    return rel_err(torch.cat([g.flatten() for g in grads]), torch.cat([r.flatten() for r in ref]))
 
 
 def main() -> None:

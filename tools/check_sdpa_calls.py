@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.cuda_dit_sparse import normwise  # noqa: E402
 from tests.reference import rel_err  # noqa: E402
 from training.video_dit.engine import make_core  # noqa: E402
 
@@ -109,7 +110,8 @@ def fresh_process(rec: dict, path: str) -> dict:
     """The call's errors on its own data in a new process (no cached cuDNN graphs)."""
     import subprocess  # noqa: PLC0415
     torch.save({"qkv": [t.cpu() for t in rec["qkv"]], "strides": [t.stride() for t in rec["qkv"]],
-                "dout": rec["dout"].cpu(), "kwargs": {n: x for n, x in rec["kwargs"].items() if not torch.is_tensor(x)}},
+                "dout": rec["dout"].cpu(),
+                "kwargs": {n: x for n, x in rec["kwargs"].items() if not torch.is_tensor(x)}},
                path)
     p = subprocess.run([sys.executable, __file__, "--out", os.path.dirname(path), "--replay-file", path],
                        capture_output=True, text=True, timeout=120)
@@ -134,14 +136,12 @@ def replay_file(path: str) -> None:
     print(json.dumps({"runs": rows}))
 
 
-def normwise(grads, ref) -> float:
-    return rel_err(torch.cat([g.flatten() for g in grads]), torch.cat([r.flatten() for r in ref]))
-
 
 def step(which: str, dev, autocast):
     if which == "dynamic":
         from tests import cuda_dit_dynamic as w  # noqa: PLC0415
-        core = make_core("ulysses", None, num_heads=w.CFG.heads, backend=("cudnn" if autocast and dev.type == "cuda" else "auto"))
+        kernel = "cudnn" if autocast and dev.type == "cuda" else "auto"
+        core = make_core("ulysses", None, num_heads=w.CFG.heads, backend=kernel)
         return w.dit_step(core, None, 0, 1, dev, autocast)
     from tests import cuda_dit_sparse as w  # noqa: PLC0415
     _, spec, _, _ = w.CASES[0]

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from ..errors import SPConfigError
 from . import blockwise, kernels, lse_kernels
 from .kernels import Kernel, KernelCall
-from .kernels.cudnn import dense as cudnn_dense
 
 log = logging.getLogger("megatron_sp_ext")
 
@@ -152,8 +151,7 @@ class SDPABackend(LocalAttention):
         kern = kernels.get(self.kernel_for(q))
         if not kern.in_torch_sdpa:   # a kernel of its own (FA4): its plain call
             return kern.attention(q, k, v, causal, _scale(q, softmax_scale))
-        if q.is_cuda:   # torch's dispatch picks cuDNN on Hopper: contiguous, as kernels.cudnn feeds it (why: there)
-            q, k, v = cudnn_dense(q, k, v)
+        q, k, v = kernels.torch_sdpa_inputs(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
 

@@ -24,7 +24,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megatron_sp_ext.attention.kernels.cudnn import dense as cudnn_dense
 from megatron_sp_ext.errors import SPConfigError
 
 from .config import DiTConfig
@@ -292,9 +291,9 @@ class CrossAttention(nn.Module):
         k = self.norm_k(k).view(b, -1, self.heads, self.hd).transpose(1, 2)
         v = v.reshape(b, -1, self.heads, self.hd).transpose(1, 2)
         if pack is None:
-            o = _cross_sdpa(q, k, v)
+            o = F.scaled_dot_product_attention(q, k, v)
         else:
-            o = torch.cat([_cross_sdpa(q[:, :, a:e], k[:, :, c:d], v[:, :, c:d])
+            o = torch.cat([F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, c:d], v[:, :, c:d])
                            for (a, e), (c, d) in zip(pack.local_ranges(), pack.text_ranges()) if e > a], dim=2)
         return self.out(o.transpose(1, 2).reshape(b, s, -1))
 
@@ -498,15 +497,6 @@ class VideoDiT(nn.Module):
                 x = blk(x, t_emb, ctx, angles, None, pack, cu)
         shift, scale = per_token(self.mod_out(F.silu(t_emb)), pack).chunk(2, dim=-1)
         return self.head(self.ops.ln_modulate(x, scale, shift, self.norm_out.eps))
-
-
-def _cross_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Cross-attention's SDPA, q [B, H, S, D] over k/v [B, H, L, D]; on CUDA with contiguous inputs, as
-    megatron_sp_ext's cuDNN kernel feeds cuDNN (torch picks cuDNN on Hopper; its bf16 backward went wrong on strided
-    per-sample views, see megatron_sp_ext/attention/kernels/cudnn.py)."""
-    if q.is_cuda:
-        q, k, v = cudnn_dense(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v)
 
 
 def _sdpa_bshd(q, k, v, *args, **kwargs):

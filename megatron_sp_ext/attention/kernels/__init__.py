@@ -18,9 +18,11 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional
 
+import torch
+
 from ...errors import SPConfigError
 from .base import NEEDS, Capabilities, Kernel, KernelCall, LseFunction
-from .cudnn import CudnnKernel
+from .cudnn import CudnnKernel, dense
 from .fa4 import FA4Kernel
 from .flash_attn import FlashAttnKernel
 from .flex import FlexKernel
@@ -120,5 +122,12 @@ def require(kernel: Kernel, call: KernelCall, setting: str) -> Kernel:
     return _picked(kernel, call)
 
 
+def torch_sdpa_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """q, k, v as a plain call through torch's SDPA dispatch gets them: contiguous on CUDA, where torch picks cuDNN
+    on Hopper whichever kernel the registry named (why: kernels/cudnn.py), as they are elsewhere."""
+    return dense(q, k, v) if q.is_cuda else (q, k, v)
+
+
 __all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "PICKS", "get", "names",
-           "by_setting", "settings", "varlen_methods", "of_varlen_method", "why_not", "pick", "label", "require"]
+           "torch_sdpa_inputs", "by_setting", "settings", "varlen_methods", "of_varlen_method", "why_not", "pick",
+           "label", "require"]
