@@ -14,9 +14,9 @@
 #   machine 1: first (part.aa) | fa4 (part.ab) | dyncheck steps75 | steps480 kernels2
 #   machine 2: suite with SUITE_K = the families that need no FA4 (part.aa) | fa4 family, curves (part.ab)
 # (2026-11-25/26 on one H200: tools/results/2026-11-26_h200_sparse_dynamic/README.md; 2026-11-26 morning:
-# tools/results/2026-11-26_h200_fa4family_sparse_cudnn/README.md). Left for the next one: cudnn_fix (the DiT's
-# cross-attention now contiguous too: does dit_dynamic on cuDNN pass?), steps75 on the current code, curves with a
-# stable run, sp2 on two GPUs.
+# tools/results/2026-11-26_h200_fa4family_sparse_cudnn/README.md). Left for the next one: the suite's cuDNN
+# families after the contiguous-input change (SPX_SUITE_KERNEL=cudnn), steps75 on the current code, curves with a
+# stable run (--lr 2e-4), sp2 on two GPUs.
 # On 2 GPUs: first | fa4 | steps32@0 profiles@1 | steps75@0 curves@1 | sp2, steps13, kernels2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
