@@ -49,10 +49,13 @@ $(STAMP): pyproject.toml setup.py
 # The newer end (.venv-current, in `make test`) and the newest releases (.venv-latest, `make test-latest`) are
 # built by one recipe from their constraints file. megatron-core >= 0.17 declares Python >= 3.12 but runs on
 # 3.11: installed without its Requires-Python check and without deps; its imports (numpy, packaging, triton,
-# einops) are listed here. $(1): venv dir, $(2): constraints file.
+# einops) are listed here. Its torch is a CUDA build from PyPI (~3 GiB of wheels, ~5.5 GiB installed): the disk
+# is checked first (CI once ran out of space mid-download) and pip keeps no cached copy of the wheels.
+# $(1): venv dir, $(2): constraints file.
 define install_newer
 	@echo "== installing $(1): $$(grep -E '^(torch|megatron-core|deepspeed)==' $(2) | tr '\n' ' ')(log: $(1)/install.log)"
-	@mkdir -p $(1) && ( set -x; export PIP_CONSTRAINT=$(CURDIR)/$(2); \
+	@{ test -x $(1)/bin/python && $(1)/bin/python -c 'import torch' 2>/dev/null; } || bash tools/need_disk.sh 9 $(1) "$(1) (torch $$(sed -n 's/^torch==//p' $(2)), a CUDA build from PyPI)"
+	@mkdir -p $(1) && ( set -x; export PIP_CONSTRAINT=$(CURDIR)/$(2) PIP_NO_CACHE_DIR=1; \
 	T=$$(sed -n 's/^torch==//p' $(2)); M=$$(sed -n 's/^megatron-core==//p' $(2)); \
 	{ test -x $(1)/bin/python || $(PY) -m venv $(1); } && \
 	$(RETRY) $(1)/bin/python -m pip install -q --upgrade pip && \
