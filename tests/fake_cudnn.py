@@ -4,10 +4,14 @@ torch (aten/src/ATen/native/cudnn/MHA.cpp) builds one cuDNN backward graph per k
 holds the shapes and the q/k/v strides, causal and dropout, but NOT the strides of O and dO, which the graph
 bakes in. A later call with the same key and differently laid-out O/dO is read with the first call's strides:
 right outputs, wrong gradients (what the CUDA runs of 2026-11-24 showed for causal zigzag Ulysses after a
-contiguous call). ``install(monkeypatch)`` puts ops with exactly that cache on ``torch.ops.aten`` and makes
+contiguous call; through torch's SDPA, the likely cause of a packed DiT step's non-finite gradients on
+2026-11-26, not yet confirmed on a GPU: kernels/cudnn.py).
+``install(monkeypatch)`` puts ops with exactly that cache on ``torch.ops.aten`` and makes
 ``lse_kernels`` pick "cudnn" on the CPU, so the library's cuDNN branch (its explicit kernels, hold/saved
 tensors, the layouts it feeds the ops) runs in CPU tests and a layout that varies under one key shows up as
-wrong gradients. The math is blockwise.math_forward/backward in fp32 (fp64 for fp64).
+wrong gradients; ``install_sdpa`` also routes ``F.scaled_dot_product_attention`` to them (torch's SDPA autograd on
+the cuDNN backend, whose dO is whatever the caller's backward hands it). The math is
+blockwise.math_forward/backward in fp32 (fp64 for fp64).
 """
 from __future__ import annotations
 
@@ -57,6 +61,35 @@ class FakeCudnn:
         return (torch.empty_like(query).copy_(dq), torch.empty_like(key).copy_(dk), torch.empty_like(value).copy_(dv))
 
 
+class _FakeSDPAFn(torch.autograd.Function):
+    """torch's SDPA on the cuDNN backend: the forward op, and under autograd the backward op with whatever dO
+    autograd hands it (torch re-lays dO out only when its innermost stride is not 1: ``FakeCudnn.backward``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, fake):
+        out, lse = fake.forward(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (causal, scale, fake)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, fake = ctx.args
+        sq, sk = q.shape[2], k.shape[2]
+        dq, dk, dv = fake.backward(do, q, k, v, out, lse, None, None, None, None, None, sq, sk, 0.0, causal,
+                                   scale=scale)
+        return dq, dk, dv, None, None, None
+
+
+def fake_sdpa(fake: FakeCudnn):
+    """An ``F.scaled_dot_product_attention`` stand-in that runs ``fake``'s ops (no mask, no dropout, no GQA)."""
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        assert attn_mask is None and dropout_p == 0.0 and k.shape[1] == q.shape[1]
+        return _FakeSDPAFn.apply(q, k, v, is_causal, scale, fake)
+    return sdpa
+
+
 def _as_graph_reads(t: torch.Tensor, strides: tuple, name: str) -> torch.Tensor:
     """``t``'s memory read with the cached graph's strides (what cuDNN does with a stale graph)."""
     if t.stride() == tuple(strides):
@@ -79,4 +112,11 @@ def install(monkeypatch) -> FakeCudnn:
     # backends already made in this process (get_backend's registry) remember the kernel they chose per
     # (device, dtype): start from a fresh registry so "auto" / "sdpa" choose again, now "cudnn"
     monkeypatch.setattr(backends, "_REGISTRY", backends.BackendRegistry())
+    return fake
+
+
+def install_sdpa(monkeypatch) -> FakeCudnn:
+    """``install``, and torch's SDPA routed to the same ``FakeCudnn`` (the "cudnn" kernel's plain calls go there)."""
+    fake = install(monkeypatch)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fake_sdpa(fake))
     return fake

@@ -158,3 +158,47 @@ def test_sparse_flops_per_token():
         dense - 0.9 * self_attn)
     assert bts.sparse_flops_per_token(cfg, s, cfg.text_len, 0.9, 512, topk=True) > \
         bts.sparse_flops_per_token(cfg, s, cfg.text_len, 0.9, 512, topk=False)
+
+
+def test_topk_mask_keeps_k_tiles_and_prefers_near_ones():
+    grid, tile = (16, 32, 32), (4, 4, 4)
+    bm = bbs.topk_mask(3, grid, tile, 0.9, seed=0)
+    coords = bbs.tile_coords(grid, tile).double()
+    n = coords.shape[0]
+    assert bm.shape == (3, n, n) and (bm.sum(-1) == round(0.1 * n)).all()
+    assert not torch.equal(bm[0], bm[1])                       # per head
+    dist = torch.cdist(coords, coords)
+    near_topk = float((dist[None] * bm).sum() / bm.sum())
+    rnd = bbs.random_topk_mask(3, n, 0.9, seed=0)
+    near_random = float((dist[None] * rnd).sum() / rnd.sum())
+    assert near_topk < 0.8 * near_random, (near_topk, near_random)   # local, as VSA's picks are
+
+
+def test_budget_then_resume_completes_the_table(tmp_path):
+    argv = ["--smoke", "--block-size", "64,128", "--sparsities", "0.5", "--ulysses-p", "1", "--ring-p", "4",
+            "--out", str(tmp_path)]
+    cut = bbs.main([*argv, "--masks", "random,topk,window", "--budget-s", "0"])
+    assert cut["left"] and not cut["rows"]                     # past the budget no row starts; all are listed
+    part = bbs.main([*argv, "--masks", "random", "--resume"])  # a part of the table ...
+    full = bbs.main([*argv, "--masks", "random,topk,window", "--resume"])   # ... and the rest, keeping it
+    keys = [bbs.row_key(r) for r in full["rows"]]
+    assert not full["left"] and len(keys) == len(set(keys))
+    assert keys[:len(part["rows"])] == [bbs.row_key(r) for r in part["rows"]]
+    assert full["rows"][0]["utc"] == part["rows"][0]["utc"]   # kept, not rerun
+    assert sorted(map(list, keys)) == sorted(cut["left"])      # what the budget left is what the table holds
+    kinds = {(r["kind"], r.get("mask"), r.get("block_size")) for r in full["rows"]}
+    for mask in ("random", "topk", "window"):
+        for bs in (64, 128):
+            assert ("ulysses", mask, bs) in kinds and ("ring", mask, bs) in kinds
+    assert len(full["runs"]) == 3
+    again = bbs.main([*argv, "--masks", "random,topk,window", "--resume"])   # nothing left: the same rows
+    assert [bbs.row_key(r) for r in again["rows"]] == keys
+
+
+def test_tile_per_block_size_is_checked():
+    args = bbs.parse(["--block-size", "64,128", "--tile", "4,4,4/4,4,8"])
+    assert bbs.tile_for(128, args) == (4, 4, 8)
+    with pytest.raises(SystemExit, match="one per block size"):
+        bbs.tile_for(64, bbs.parse(["--block-size", "64,128", "--tile", "4,4,4"]))
+    with pytest.raises(SystemExit, match="holds 32 tokens"):
+        bbs.tile_for(64, bbs.parse(["--block-size", "64", "--tile", "2,4,4"]))

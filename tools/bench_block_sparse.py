@@ -2,12 +2,16 @@
 Ulysses runs it, and the sparse ring's placement emulated on one GPU (skip counts from the plan, kernel time of
 the steps that run; NO communication is timed).
 
-Masks (``block_size`` 64 by default, one mask per sequence length S and target sparsity s in --sparsities):
+Masks (one per sequence length S, heads H, tile size --block-size and target sparsity s in --sparsities; tiles of
+--tile tokens T,H,W per block size, default 64: 4,4,4 and 128: 4,4,8):
   random   per head and query tile, round((1 - s) * nT) key tiles drawn at random (seeded): top-k-like
            (``--sparse-topk``'s shape of mask, not its choice of tiles); [H, nT, nT]
-  window   ``training.video_dit.sparse.window_block_mask`` on the token grid ``grid_for(S)`` (tiles of
-           --tile tokens, in tile order), the most even window (wt, wh, ww) within 0.02 of s, else the
-           nearest (``window_for_sparsity``); [1, nT, nT]. The actual sparsity of every mask is in its row.
+  topk     the DiT's own selection (``training.video_dit.sparse.topk_block_mask``, VSA's plain top-k) of
+           round((1 - s) * nT) key tiles per head and query tile, on synthetic pooled q/k tiles that are smooth over
+           the tile grid plus noise (``synthetic_tiles``): local with long-range picks, per head; [H, nT, nT]
+  window   ``training.video_dit.sparse.window_block_mask`` on the token grid ``grid_for(S)`` (in tile order), the
+           most even window (wt, wh, ww) within 0.02 of s, else the nearest (``window_for_sparsity``); [1, nT, nT].
+The actual sparsity of every mask is in its row.
 
 Rows (bf16, B=1, D=128, non-causal: the video DiT's self-attention):
   dense        the dense local kernel (``backends.get_backend(name)``, the call tools/bench_kernels.py times) at
@@ -26,10 +30,16 @@ Rows (bf16, B=1, D=128, non-causal: the video DiT's self-attention):
 Every timed row: ms (median of --iters, ring steps --ring-iters; CUDA events via ``calibration.time_ms``, host clock
 on CPU; the first call, which compiles, is ``first_call_s`` and is not in the median) and TFLOP/s of USEFUL
 work: 4 * D * (selected query-key pairs) per head for the forward, 3.5x that for forward+backward (the dense rows
-count every pair). A row that runs out of memory records ``error`` and the job goes on.
+count every pair). A row that runs out of memory records ``error`` and the job goes on. Calls longer than
+--long-ms stop after 2 timed repetitions (one warmup after the first call): the 128K rows take seconds per call.
+--budget-s stops starting rows once that much time has passed (the JSON says what is left); --resume keeps the
+rows of an earlier run's JSON in --out and runs only the missing ones, so one table can take several device calls
+on one machine (each row's ``utc`` says when it ran).
 
     python tools/bench_block_sparse.py --out $OUT                      # S 32K,128K, H 12, s 0.5,0.8,0.9
     python tools/bench_block_sparse.py --heads 40 --out $OUT           # wan-14b heads
+    python tools/bench_block_sparse.py --table --out $OUT --resume    # #53's table: S 32K/75K/128K, H 40/5,
+                                                                      # s .5-.95, 3 masks, 64/128 tiles, no ring
     python tools/bench_block_sparse.py --smoke --out /tmp/bs           # CPU, S=512, tiny (the test)
 """
 from __future__ import annotations
@@ -54,7 +64,7 @@ from megatron_sp_ext.sp.placement import positions  # noqa: E402
 from megatron_sp_ext.sp.ring.sparse import sparse_ring_plan  # noqa: E402
 from tools.bench_kernels import _plain  # noqa: E402
 from tools.benchlib import git_commit, run_meta, write_json  # noqa: E402
-from training.video_dit.sparse import window_block_mask  # noqa: E402
+from training.video_dit.sparse import tile_coords, topk_block_mask, window_block_mask  # noqa: E402
 
 Fns = tuple[Callable[[], object], Callable[[], object]]
 
@@ -106,6 +116,26 @@ def random_topk_mask(heads: int, n_tiles: int, sparsity: float, seed: int) -> to
     g = torch.Generator().manual_seed(seed)
     idx = torch.rand(heads, n_tiles, n_tiles, generator=g).argsort(-1)[..., :keep]
     return torch.zeros(heads, n_tiles, n_tiles, dtype=torch.bool).scatter_(-1, idx, True)
+
+
+def synthetic_tiles(heads: int, coords: torch.Tensor, seed: int, dim: int = 32) -> tuple:
+    """(q_tiles, k_tiles) [heads, nT, dim]: per head, random Fourier features of the tile coordinates ``coords``
+    [nT, 3] (wavelengths of 6-24 tiles: nearby tiles alike) plus half as much independent noise (long-range picks)."""
+    g = torch.Generator().manual_seed(seed)
+    freq = 2 * math.pi / (6.0 + 18.0 * torch.rand(heads, 3, dim, generator=g))
+    phase = 2 * math.pi * torch.rand(heads, 1, dim, generator=g)
+    smooth = torch.cos(torch.einsum("nc,hcd->hnd", coords.double(), freq.double()) + phase)
+    noise = [0.5 * torch.randn(smooth.shape, generator=g, dtype=torch.double) for _ in range(2)]
+    return tuple((smooth + n).float() for n in noise)
+
+
+def topk_mask(heads: int, grid: tuple, tile: tuple, sparsity: float, seed: int) -> torch.Tensor:
+    """bool [heads, nT, nT]: the DiT's top-k selection of round((1 - sparsity) * nT) key tiles (at least 1) on
+    ``synthetic_tiles`` of the grid's tiles."""
+    coords = tile_coords(grid, tile)
+    keep = max(1, round((1.0 - sparsity) * coords.shape[0]))
+    q_tiles, k_tiles = synthetic_tiles(heads, coords, seed)
+    return topk_block_mask(q_tiles, k_tiles, keep)
 
 
 def selected_pairs(rows: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int,
@@ -169,17 +199,24 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
+LONG_MS: Optional[float] = None   # --long-ms (set by run): calls longer than this stop after 2 timed repetitions
+
+
 def _time(fns: Fns, flops: float, iters: int, warmup: int, cuda: bool) -> dict:
-    """First call (s), fwd and fwd+bwd medians (ms) and useful TFLOP/s (fwd: flops; fwd+bwd: 3.5 * flops)."""
+    """First call (s), fwd and fwd+bwd medians (ms) and useful TFLOP/s (fwd: flops; fwd+bwd: 3.5 * flops). A first
+    call longer than LONG_MS (compile included) leaves one warmup call."""
     fwd, fwd_bwd = fns
     timer = time_ms if cuda else wall_time_ms
     t0 = time.perf_counter()
     fwd_bwd()
     if cuda:
         torch.cuda.synchronize()
-    r = {"first_call_s": round(time.perf_counter() - t0, 3),
-         "fwd_ms": timer(fwd, iters, warmup, None, long_ms=None),
-         "fwd_bwd_ms": timer(fwd_bwd, iters, warmup, None, long_ms=None)}
+    first_s = time.perf_counter() - t0
+    if LONG_MS is not None and first_s * 1e3 > LONG_MS:
+        warmup = min(warmup, 1)
+    r = {"first_call_s": round(first_s, 3),
+         "fwd_ms": timer(fwd, iters, warmup, None, long_ms=LONG_MS),
+         "fwd_bwd_ms": timer(fwd_bwd, iters, warmup, None, long_ms=LONG_MS)}
     r["fwd_tflops"] = _sig(flops / r["fwd_ms"] / 1e9)
     r["fwd_bwd_tflops"] = _sig(3.5 * flops / r["fwd_bwd_ms"] / 1e9)
     return r
@@ -200,7 +237,7 @@ def _guard(row: dict, fn: Callable[[], dict], cuda: bool) -> dict:
 def ring_rows(bm: torch.Tensor, mask_meta: dict, s: int, h: int, d: int, p: int, args, dev, dtype) -> list:
     """The ring rows of one mask at P ranks: the plan's counts per rank and, for rank 0 and the busiest rank,
     the summed kernel time of the steps it runs (per kernel in --ring-kernels)."""
-    bs, cuda = args.block_size, dev.type == "cuda"
+    bs, cuda = mask_meta["block_size"], dev.type == "cuda"
     block_bytes = 2 * h * (s // p) * d * torch.finfo(dtype).bits // 8  # one rank's K and V
     plan = sparse_ring_plan(bm, world=p, seq_len=s, block_size=bs, placement=args.placement, causal=False,
                             block_bytes=block_bytes)
@@ -239,11 +276,30 @@ def ring_rows(bm: torch.Tensor, mask_meta: dict, s: int, h: int, d: int, p: int,
     return rows
 
 
-def masks_for(s: int, h: int, args) -> list:
-    """(bm, meta) for every mask kind in --masks and target sparsity in --sparsities at sequence length s."""
-    bs, tile = args.block_size, tuple(int(x) for x in args.tile.split(","))
-    if math.prod(tile) != bs:
-        raise SystemExit(f"--tile {args.tile} holds {math.prod(tile)} tokens; --block-size is {bs}")
+DEFAULT_TILES = {64: (4, 4, 4), 128: (4, 4, 8)}
+
+
+def tile_for(block_size: int, args) -> tuple:
+    """The tile (T, H, W tokens) of ``block_size``: --tile's entry for it, else DEFAULT_TILES."""
+    sizes = [int(x) for x in str(args.block_size).split(",")]
+    given = [tuple(int(x) for x in t.split(",")) for t in args.tile.split("/")] if args.tile else []
+    if given and len(given) != len(sizes):
+        raise SystemExit(f"--tile {args.tile} gives {len(given)} tiles for {len(sizes)} block sizes "
+                         f"(--block-size {args.block_size}): one per block size, separated by '/'")
+    tile = given[sizes.index(block_size)] if given else DEFAULT_TILES.get(block_size)
+    if tile is None:
+        raise SystemExit(f"--block-size {block_size} has no default tile: give --tile T,H,W (volume {block_size})")
+    if math.prod(tile) != block_size:
+        raise SystemExit(f"--tile {','.join(map(str, tile))} holds {math.prod(tile)} tokens; --block-size is "
+                         f"{block_size}")
+    return tile
+
+
+def masks_for(s: int, h: int, args, bs: Optional[int] = None) -> list:
+    """(bm, meta) for every mask kind in --masks and target sparsity in --sparsities at sequence length s, h heads
+    and block size ``bs`` (default: the first of --block-size)."""
+    bs = bs if bs is not None else int(str(args.block_size).split(",")[0])
+    tile = tile_for(bs, args)
     n_tiles = block_sparse.num_tiles(s, bs)
     grid = grid_for(s, tile)
     out = []
@@ -251,6 +307,10 @@ def masks_for(s: int, h: int, args) -> list:
         if "random" in args.masks:
             bm = random_topk_mask(h, n_tiles, target, seed=args.seed)
             out.append((bm, {"mask": "random", "target_sparsity": target, "keep_tiles": int(bm[0, 0].sum())}))
+        if "topk" in args.masks:
+            bm = topk_mask(h, grid, tile, target, seed=args.seed)
+            out.append((bm, {"mask": "topk", "target_sparsity": target, "grid": list(grid), "tile": list(tile),
+                             "keep_tiles": int(bm[0, 0].sum())}))
         if "window" in args.masks:
             w = window_for_sparsity(grid, tile, target)
             bm = window_block_mask(grid, tile, w)
@@ -258,102 +318,154 @@ def masks_for(s: int, h: int, args) -> list:
                              "window": list(w)}))
     for bm, meta in out:
         meta["sparsity"] = round(1.0 - float(bm.float().mean()), 4)
+        meta["block_size"] = bs
     return out
+
+
+def row_key(row: dict) -> tuple:
+    """What identifies a row of the table (a resumed run skips the keys it has)."""
+    return tuple(row.get(n) for n in ("kind", "layout", "kernel", "mask", "target_sparsity", "block_size", "s", "h",
+                                      "p"))
+
+
+def _ints(text: str) -> list:
+    return [int(x) for x in str(text).split(",") if x.strip()]
 
 
 def run(args) -> dict:
     """Every row for args; writes the JSON after every row (a run cut short keeps what it measured)."""
+    global LONG_MS
+    LONG_MS = args.long_ms
+    t_start = time.perf_counter()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    d, h, bs = args.head_dim, args.heads, args.block_size
+    d = args.head_dim
     ulysses_kernels = [k for k in args.ulysses_kernels.split(",")
                        if kernels.by_setting(k).why_not(kernels.KernelCall(dev, dtype, d, frozenset({"tiles"}))) is None]
     dense = [n for n in args.dense_kernels.split(",") if n in backends.available_backends()]
     skipped = [n for n in args.dense_kernels.split(",") if n not in dense]
     path = os.path.join(args.out, "bench_block_sparse.json")
-    doc = {"meta": run_meta(torch=torch.__version__, git_commit=git_commit(),
-                            utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                            dtype=str(dtype), head_dim=d, block_size=bs, causal=False,
-                            dense_kernels=dense, dense_kernels_not_installed=skipped,
-                            ulysses_kernels=ulysses_kernels, dynamo_recompile_limit=_recompile_limit(),
-                            flops="useful: 4*D*selected pairs per head (fwd); fwd+bwd 3.5x"),
-           "rows": []}
+    meta = run_meta(torch=torch.__version__, git_commit=git_commit(),
+                    utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    dtype=str(dtype), head_dim=d, block_sizes=_ints(args.block_size), causal=False,
+                    dense_kernels=dense, dense_kernels_not_installed=skipped,
+                    ulysses_kernels=ulysses_kernels, dynamo_recompile_limit=_recompile_limit(), long_ms=args.long_ms,
+                    flops="useful: 4*D*selected pairs per head (fwd); fwd+bwd 3.5x")
+    doc = {"meta": meta, "rows": [], "runs": []}
+    if args.resume and os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        doc["rows"] = [r for r in old.get("rows", []) if "error" not in r]
+        doc["runs"] = old.get("runs", [])
+    doc["runs"].append(meta)
+    have = {row_key(r) for r in doc["rows"]}
+    left: list = []
+
+    def over_budget() -> bool:
+        return args.budget_s is not None and time.perf_counter() - t_start > args.budget_s
+
+    def todo(row: dict) -> bool:
+        """Whether ``row`` (its key fields) is still to run; past the budget it is listed as left."""
+        if row_key(row) in have:
+            return False
+        if over_budget():
+            left.append(list(row_key(row)))
+            return False
+        return True
 
     def done(row: dict) -> None:
+        row["utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         doc["rows"].append(row)
+        have.add(row_key(row))
         write_json(path, doc)
         print(json.dumps({k: v for k, v in row.items() if k != "counts_per_rank"}), flush=True)
 
-    for s in (int(x) for x in args.seqlens.split(",")):
-        for p in sorted({int(x) for x in args.ulysses_p.split(",")}):
+    passes = [[k] for k in ulysses_kernels] if args.kernel_major else [ulysses_kernels]
+    for pass_kernels, s, h in itertools.product(passes, _ints(args.seqlens), _ints(args.heads)):
+        for p in sorted(set(_ints(args.ulysses_p))):
             hp = math.ceil(h / p)
             for name in dense:
+                row = {"kind": "dense", "layout": "ulysses", "kernel": name, "s": s, "h": hp, "p": p, "sq": s, "sk": s}
+                if not todo(row):
+                    continue
                 q, k, v, do = _inputs(hp, s, s, d, dev, dtype)
-                done(_guard({"kind": "dense", "layout": "ulysses", "kernel": name, "s": s, "h": hp, "p": p,
-                             "sq": s, "sk": s},
-                            lambda: _time(_plain(name, q, k, v, do, False)[:2], 4.0 * s * s * hp * d,
-                                          args.iters, args.warmup, cuda), cuda))
+                done(_guard(row, lambda: _time(_plain(name, q, k, v, do, False)[:2], 4.0 * s * s * hp * d,
+                                               args.iters, args.warmup, cuda), cuda))
                 del q, k, v, do
-        for p in sorted({int(x) for x in args.ring_p.split(",")}):
+        for p in sorted(set(_ints(args.ring_p))):
             for name in dense:
+                row = {"kind": "dense", "layout": "ring_step", "kernel": name, "s": s, "h": h, "p": p,
+                       "sq": s // p, "sk": s // p}
+                if not todo(row):
+                    continue
                 q, k, v, do = _inputs(h, s // p, s // p, d, dev, dtype)
-                done(_guard({"kind": "dense", "layout": "ring_step", "kernel": name, "s": s, "h": h, "p": p,
-                             "sq": s // p, "sk": s // p},
-                            lambda: _time(_plain(name, q, k, v, do, False)[:2], 4.0 * (s // p) ** 2 * h * d,
-                                          args.iters, args.warmup, cuda), cuda))
+                done(_guard(row, lambda: _time(_plain(name, q, k, v, do, False)[:2], 4.0 * (s // p) ** 2 * h * d,
+                                               args.iters, args.warmup, cuda), cuda))
                 del q, k, v, do
-        for bm, meta in masks_for(s, h, args):
-            for p in sorted({int(x) for x in args.ulysses_p.split(",")}):
-                hp = math.ceil(h / p)
-                rows = block_sparse.head_rows(bm, slice(0, hp))
-                full = torch.arange(s)
-                pairs = selected_pairs(rows, full, full, bs, hp)
+        for bs in _ints(args.block_size):
+            for bm, meta_m in masks_for(s, h, args, bs):
+                for p in sorted(set(_ints(args.ulysses_p))):
+                    hp = math.ceil(h / p)
+                    rows = block_sparse.head_rows(bm, slice(0, hp))
+                    full = torch.arange(s)
+                    pairs = selected_pairs(rows, full, full, bs, hp)
+                    for kname in pass_kernels:
+                        row = {"kind": "ulysses", "kernel": kname, **meta_m, "s": s, "h": hp, "p": p,
+                               "useful_pairs": pairs}
+                        if not todo(row):
+                            continue
+                        if kname == args.math_name and hp * s * s > args.math_max_scores:
+                            done({**row, "skipped": f"h*S^2 > --math-max-scores {args.math_max_scores:g} (its "
+                                                    f"score matrix)"})
+                            continue
 
-                for kname in ulysses_kernels:
-                    if kname == args.math_name and hp * s * s > args.math_max_scores:
-                        done({"kind": "ulysses", "kernel": kname, **meta, "s": s, "h": hp, "p": p,
-                              "skipped": f"h*S^2 > --math-max-scores {args.math_max_scores:g} (its score matrix)"})
+                        def ulysses(kname=kname, rows=rows, hp=hp, pairs=pairs, bs=bs) -> dict:
+                            q, k, v, do = _inputs(hp, s, s, d, dev, dtype)
+                            fwd, fb, build = sparse_fns(kname, q, k, v, do, rows.to(dev), full.to(dev), full.to(dev),
+                                                        bs)
+                            return {"mask_build_ms": round(build, 3), **_time((fwd, fb), 4.0 * d * pairs, args.iters,
+                                                                               args.warmup, cuda)}
+                        done(_guard(row, ulysses, cuda))
+                for p in sorted(set(_ints(args.ring_p))) if pass_kernels == passes[0] else ():
+                    probe = {"kind": "ring", **meta_m, "s": s, "h": h, "p": p}
+                    if all(not todo(dict(probe, kernel=kn)) for kn in args.ring_kernels.split(",")):
                         continue
-
-                    def ulysses(kname=kname) -> dict:
-                        q, k, v, do = _inputs(hp, s, s, d, dev, dtype)
-                        fwd, fb, build = sparse_fns(kname, q, k, v, do, rows.to(dev), full.to(dev), full.to(dev), bs)
-                        return {"mask_build_ms": round(build, 3), **_time((fwd, fb), 4.0 * d * pairs, args.iters,
-                                                                           args.warmup, cuda)}
-                    done(_guard({"kind": "ulysses", "kernel": kname, **meta, "s": s, "h": hp, "p": p,
-                                 "useful_pairs": pairs}, ulysses, cuda))
-            for p in sorted({int(x) for x in args.ring_p.split(",")}):
-                for row in ring_rows(bm, meta, s, h, d, p, args, dev, dtype):
-                    done(row)
+                    for row in ring_rows(bm, meta_m, s, h, d, p, args, dev, dtype):
+                        if row_key(row) not in have:
+                            done(row)
+    doc["left"] = left
     doc["table"] = table(doc["rows"])
     write_json(path, doc)
     print(doc["table"])
+    if left:
+        print(f"--budget-s {args.budget_s} reached: {len(left)} rows left (run again with --resume)")
     print(f"wrote {path}")
     return doc
 
 
 def table(rows: list) -> str:
     """The rows as a markdown table (ring rows: one line per timed rank)."""
-    lines = ["| kind | kernel | mask | sparsity | S | H | P | rank | steps run/skipped | KV MB sent/skipped | "
-             "fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s (useful) |", "|" + "---|" * 13]
+    lines = ["| kind | kernel | mask | sparsity | tile | S | H | P | rank | steps run/skipped | KV MB sent/skipped | "
+             "fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s (useful) | build ms |", "|" + "---|" * 15]
 
     def f(x) -> str:
         return "" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
     for r in rows:
         kind = r["kind"] + ("/" + r["layout"] if "layout" in r else "")
-        head = f"| {kind} | {r['kernel']} | {r.get('mask', 'dense')} | {r.get('sparsity', 0.0)} | {r['s']} | " \
-               f"{r['h']} | {r['p']} |"
+        head = f"| {kind} | {r['kernel']} | {r.get('mask', 'dense')} | {r.get('sparsity', 0.0)} | " \
+               f"{r.get('block_size', '')} | {r['s']} | {r['h']} | {r['p']} |"
         if r["kind"] != "ring":
             lines.append(f"{head} | | | {f(r.get('fwd_ms'))} | {f(r.get('fwd_bwd_ms'))} | "
-                         f"{f(r.get('fwd_bwd_tflops', r.get('error')))} |")
+                         f"{f(r.get('fwd_bwd_tflops', r.get('error', r.get('skipped'))))} | "
+                         f"{f(r.get('mask_build_ms'))} |")
             continue
         for rank, per in r["ranks"].items():
             c = r["counts_per_rank"][int(rank)]
             lines.append(f"{head} {rank} | {c['steps_run']}/{c['steps_skipped']} | "
                          f"{c['bytes_sent'] / 2**20:.1f}/{c['bytes_skipped'] / 2**20:.1f} | "
                          f"{f(per.get('run_steps_fwd_ms'))} | {f(per.get('run_steps_fwd_bwd_ms'))} | "
-                         f"{f(per.get('run_steps_fwd_bwd_tflops', per.get('error')))} |")
+                         f"{f(per.get('run_steps_fwd_bwd_tflops', per.get('error')))} | |")
     lines.append("ring rows: kernel time of the steps that run (summed), no communication.")
     return "\n".join(lines)
 
@@ -372,13 +484,13 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     """The tool's flags; --smoke replaces the sizes with a CPU-sized run (S=512, H=2, D=16, iters 1)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", default="32768,131072")
-    ap.add_argument("--heads", type=int, default=12, help="query heads (12: wan-1.3b, 40: wan-14b)")
+    ap.add_argument("--heads", default="12", help="query heads, a list (12: wan-1.3b, 40: wan-14b)")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--tile", default="4,4,4", help="tokens per tile T,H,W of the window mask's grid "
-                    "(its volume must be --block-size)")
+    ap.add_argument("--block-size", default="64", help="tile sizes in tokens, a list (64, 128)")
+    ap.add_argument("--tile", default="", help="tokens per tile T,H,W of the masks' grid per block size, '/' between "
+                    "them (volume = the block size; default 64: 4,4,4, 128: 4,4,8)")
     ap.add_argument("--sparsities", default="0.5,0.8,0.9")
-    ap.add_argument("--masks", default="random,window")
+    ap.add_argument("--masks", default="random,window", help="random, topk, window")
     ap.add_argument("--ulysses-p", default="1,8", help="Ulysses sizes: the local kernel runs H/P heads")
     ap.add_argument("--ring-p", default="4,8")
     ap.add_argument("--placement", default="contiguous", choices=["contiguous", "zigzag"])
@@ -394,10 +506,26 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                     "alone; the math kernel at 32K local tokens takes seconds per call)")
     ap.add_argument("--ring-warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long-ms", type=float, default=None, help="calls longer than this stop after 2 timed "
+                    "repetitions (default: every call --iters times)")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no row after this many seconds")
+    ap.add_argument("--resume", action="store_true", help="keep the rows of --out's JSON, run the missing ones")
+    ap.add_argument("--kernel-major", action="store_true", help="every size for the first of --ulysses-kernels, "
+                    "then every size for the next (a budget cut leaves the slow kernels' rows)")
+    ap.add_argument("--table", action="store_true", help="#53's kernel table: S 32768,75776,131072, H 40,5, "
+                    "sparsities .5,.8,.9,.95, masks random,topk,window, block sizes 64,128, kernels fa4,flex,math "
+                    "beside dense cudnn,fa4, Ulysses P=1, no ring rows, --long-ms 400, --kernel-major, math where "
+                    "H*S^2 <= 6e9")
     ap.add_argument("--smoke", action="store_true", help="CPU, S=512, H=2, D=16, sdpa dense, math kernels")
     ap.add_argument("--out", default="bench_block_sparse_out")
     args = ap.parse_args(argv)
     args.math_name = kernels.get(kernels.FALLBACK).setting
+    if args.table:
+        args.seqlens, args.heads, args.sparsities = "32768,75776,131072", "40,5", "0.5,0.8,0.9,0.95"
+        args.masks, args.block_size, args.tile = "random,topk,window", "64,128", ""
+        args.ulysses_kernels, args.dense_kernels, args.ulysses_p, args.ring_p = "fa4,flex,math", "cudnn,fa4", "1", ""
+        args.long_ms = args.long_ms if args.long_ms is not None else 400.0
+        args.kernel_major, args.math_max_scores = True, 6e9   # math: H=5 at 32K only (its fp32 score matrix)
     if args.smoke:
         args.seqlens, args.heads, args.head_dim, args.iters, args.warmup = "512", 2, 16, 1, 0
         args.ring_iters, args.ring_warmup = 1, 0

@@ -3,7 +3,8 @@
 # warm machine (the wheels carried as parts in .fa4/: tools/gpu_wheels.sh; the first call carries part.aa only).
 #   bash tools/gpu_round.sh STAGE[@GPU] [STAGE[@GPU] ...]
 # stages: first fa4 sp2 curves checks suite kernels kernels2 kernels75 steps32 steps480 steps75 steps13 profiles
-# profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag.
+# profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
+# cudnn_layout table.
 # A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
@@ -14,9 +15,9 @@
 #   machine 1: first (part.aa) | fa4 (part.ab) | dyncheck steps75 | steps480 kernels2
 #   machine 2: suite with SUITE_K = the families that need no FA4 (part.aa) | fa4 family, curves (part.ab)
 # (2026-11-25/26 on one H200: tools/results/2026-11-26_h200_sparse_dynamic/README.md; 2026-11-26 morning:
-# tools/results/2026-11-26_h200_fa4family_sparse_cudnn/README.md). Left for the next one: the suite's cuDNN
-# families after the contiguous-input change (SPX_SUITE_KERNEL=cudnn), steps75 on the current code, curves with a
-# stable run (--lr 2e-4), sp2 on two GPUs.
+# tools/results/2026-11-26_h200_fa4family_sparse_cudnn/README.md). Left for the next one, first machine's part.aa
+# call: cudnn_layout (the dO-layout hook; the cuDNN families of the suite); then steps75 on the current code, curves
+# with a stable run (--lr 2e-4), the kernel table (tools/bench_block_sparse.py), sp2 on two GPUs.
 # On 2 GPUs: first | fa4 | steps32@0 profiles@1 | steps75@0 curves@1 | sp2, steps13, kernels2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -214,6 +215,14 @@ stage_cudnn_calls() {   # the dynamic step's bad cuDNN calls: on random data of 
   # data in a fresh process (is it the data or this process's cached graphs?)
   keep cudnn/sdpa_calls_why 250 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/why
 }
+stage_cudnn_layout() {   # torch's cuDNN backward graph cache (dO strides baked in, not in the key) as the cause of
+  # the packed step's failure (needs no FA4: part.aa): the two-call check with and without the dO-layout hook, the
+  # CUDA test, the dynamic step's SDPA calls, then the dit_dynamic family on cuDNN at P=2 and P=4
+  keep cudnn/do_layout 120 python3 tools/check_cudnn_do_layout.py --out $W/cudnn/do_layout
+  keep cudnn/test_layouts 90 python3 -m pytest -q tests/test_cudnn_layouts.py
+  keep cudnn/sdpa_calls_layout 150 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/layout
+  suite s1/dit_dynamic_cudnn_layout 240 "dit_dynamic and gloo" SPX_SUITE_KERNEL=cudnn
+}
 stage_fa4_dit() {   # FA4's block sparsity at the DiT sparse family's shapes (head dim 64, 8 heads, top-k 3 of 8), then
   # the SP=1 sparse step's SDPA calls and error on FA4, then the family at P=2
   keep checks/fa4_dit 200 python3 tools/check_fa4_tiles.py --skip-timing --dit --out $W/checks/dit
@@ -222,6 +231,12 @@ stage_fa4_dit() {   # FA4's block sparsity at the DiT sparse family's shapes (he
 }
 stage_sparse_diag() {   # the DiT's sparse family at P=2 with the replay diagnosis (SPX_DIT_SPARSE_DIAG=1)
   suite s3/dit_sparse_diag ${S3_S:-400} "dit_sparse and 2-gloo" SPX_DIT_SPARSE_DIAG=1
+}
+stage_table() {   # #53's kernel table, one job over as many calls on this machine as it takes (--resume): every size
+  # for FA4's block sparsity beside dense FA4/cuDNN first, then flex, then math (--kernel-major)
+  local left=$(( DEADLINE - $(date +%s) - 90 ))
+  keep kernels/table $(( left + 60 )) python3 tools/bench_block_sparse.py --table --resume --budget-s $left \
+    --out $W/kernels/table
 }
 stage_kernels75() {   # the kernel table's H=40 rows at 75K (random masks: 0.74-0.78 of dense on 1 x H100)
   keep kernels/h40_75k 260 python3 tools/bench_block_sparse.py --heads 40 --seqlens 75776 --block-size 128 \

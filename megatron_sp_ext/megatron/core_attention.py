@@ -33,6 +33,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from ..attention import kernels
 from ..errors import SPConfigError
 from ..sp.factory import SPAttention, SPResources, make_attention
 from ..sp.placement import PackedSamples, packed_samples
@@ -193,8 +194,9 @@ class SPDotProductAttention(DotProductAttention):
         if cp == 1:
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
             if p > 0.0:  # one rank: torch SDPA's own dropout, under autograd
-                return F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=scale, dropout_p=p,
-                                                      enable_gqa=kb.shape[1] != qb.shape[1]).permute(2, 0, 1, 3)
+                return kernels.torch_sdpa_output(F.scaled_dot_product_attention(
+                    qb, kb, vb, is_causal=causal, scale=scale, dropout_p=p,
+                    enable_gqa=kb.shape[1] != qb.shape[1])).permute(2, 0, 1, 3)
             return self.backend(qb, kb, vb, causal=causal, softmax_scale=scale).permute(2, 0, 1, 3)
         self.attention.training = self.training  # auto: recompute's no_grad forward decides like training
         with _model_parallel_rng(q):

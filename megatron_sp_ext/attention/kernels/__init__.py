@@ -22,7 +22,7 @@ import torch
 
 from ...errors import SPConfigError
 from .base import NEEDS, Capabilities, Kernel, KernelCall, LseFunction
-from .cudnn import CudnnKernel, dense
+from .cudnn import CudnnKernel, dense, grad_in_own_layout
 from .fa4 import FA4Kernel
 from .flash_attn import FlashAttnKernel
 from .flex import FlexKernel
@@ -128,6 +128,12 @@ def torch_sdpa_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
     return dense(q, k, v) if q.is_cuda else (q, k, v)
 
 
+def torch_sdpa_output(out: torch.Tensor) -> torch.Tensor:
+    """The output of a plain call through torch's SDPA dispatch: on CUDA its gradient reaches SDPA's backward in
+    the output's own layout (``cudnn.grad_in_own_layout``: torch's cuDNN graph cache), as it is elsewhere."""
+    return grad_in_own_layout(out) if out.is_cuda else out
+
+
 __all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "PICKS", "get", "names",
-           "torch_sdpa_inputs", "by_setting", "settings", "varlen_methods", "of_varlen_method", "why_not", "pick",
+           "torch_sdpa_inputs", "torch_sdpa_output", "by_setting", "settings", "varlen_methods", "of_varlen_method", "why_not", "pick",
            "label", "require"]

@@ -2,13 +2,18 @@
 F.scaled_dot_product_attention picks on Hopper): log-sum-exp blocks (lse [B, H, Sq, 1] or [B, H, Sq] depending on
 the build) and plain calls through SDPA with the cuDNN backend. GQA: k/v expanded, dk/dv summed back.
 
-torch caches one cuDNN backward graph per (shapes, q/k/v strides, causal, ...): O's and dO's strides are baked into
-the graph but are not in its key, so O and dO are fed in q's layout (``in_layout_of``), a function of the key.
-q, k, v reach cuDNN contiguous (``dense``): on strided per-sample views of a packed self-attention (q/k token
-stride 512, v a view of the fused q|k|v projection, stride 1536, at each sample's offset) its bf16 backward gave
-gradients ~1.1 off or non-finite, replayed call by call against fp32 math (1 x H200, torch 2.11, cuDNN 9.19,
-2026-11-26: tools/check_sdpa_calls.py); isolated calls with other strides were right. A copy costs ~1% of a long
-call; the per-sample calls it fixes are short.
+torch (2.11 at least) caches one cuDNN backward graph per key (shapes, q/k/v strides, causal, dropout, ...): the
+strides of O and dO are baked into the graph but are not in its key, and torch passes dO on as autograd hands it
+(only an innermost stride other than 1 is fixed). A later call of the same key whose dO (or O) is laid out
+otherwise is read with the first call's strides: right outputs, gradients ~1 off or non-finite. So every call
+made here feeds cuDNN one layout per key: q, k, v contiguous (``dense``), O and dO exactly in O's layout, which
+torch allocates from q's (``in_layout_of`` on the log-sum-exp route; ``grad_in_own_layout`` on the outputs of the
+plain SDPA calls, whose dO would otherwise be whatever the caller's backward produced: a slice of a packed
+gradient, a transposed view, or a timing trial's ``out.detach()``). On 1 x H200 (torch 2.11, cuDNN 9.19,
+2026-11-26) a packed DiT step's per-sample calls gave gradients ~1 off or non-finite in the step's process, and
+right ones replayed alone in a fresh process (tools/check_sdpa_calls.py; the replays fed dO contiguous, the step
+slices of a packed gradient): this cache is the likely cause, not yet confirmed on a GPU after this change
+(tests/test_cudnn_layouts.py has the CUDA case).
 """
 from __future__ import annotations
 
@@ -42,9 +47,9 @@ def schema_ok() -> bool:
             and _schema_args("_scaled_dot_product_cudnn_attention_backward") == BWD_ARGS)
 
 
-def _strides_without_ones(t: torch.Tensor) -> tuple:
-    """t's strides over its dimensions of size > 1 (a size-1 dimension's stride addresses nothing)."""
-    return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
+def _strides_without_ones(shape, stride) -> tuple:
+    """The strides over the dimensions of size > 1 (a size-1 dimension's stride addresses nothing)."""
+    return tuple(st for n, st in zip(shape, stride) if n > 1)
 
 
 def dense(*ts: torch.Tensor) -> tuple:
@@ -52,14 +57,28 @@ def dense(*ts: torch.Tensor) -> tuple:
     return tuple(t.contiguous() for t in ts)
 
 
-def in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` (same shape as ``like``) in the memory layout ``torch.empty_like(like)`` has: ``t`` itself when its
-    strides already match over the dimensions of size > 1, else a copy in that layout."""
-    want = torch.empty_like(like, device="meta")
-    if t.shape == like.shape and _strides_without_ones(t) == _strides_without_ones(want):
+def relaid(t: torch.Tensor, stride: tuple) -> torch.Tensor:
+    """``t`` with exactly the strides ``stride``: itself when they are its strides, a view when they differ only on
+    dimensions of size 1, else a copy in that layout (``stride`` must describe a dense layout of ``t``'s shape)."""
+    stride = tuple(stride)
+    if tuple(t.stride()) == stride:
         return t
-    out = torch.empty_strided(like.shape, want.stride(), dtype=t.dtype, device=t.device)
-    out.copy_(t)
+    if _strides_without_ones(t.shape, t.stride()) == _strides_without_ones(t.shape, stride):
+        return t.as_strided(t.shape, stride)
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` (same shape as ``like``) with exactly the strides ``torch.empty_like(like)`` has (``relaid``)."""
+    return relaid(t, torch.empty_like(like, device="meta").stride())
+
+
+def grad_in_own_layout(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (a plain SDPA call's output) with a hook that hands its gradient on with exactly ``out``'s strides,
+    so the SDPA backward that follows gets one dO layout per cuDNN graph key (see the module docstring)."""
+    if out.requires_grad:
+        stride = out.stride()
+        out.register_hook(lambda g: relaid(g, stride))
     return out
 
 
@@ -97,7 +116,7 @@ class CudnnKernel(Kernel):
         k, v, _ = blockwise.expand_kv(k, v, q.shape[1])  # autograd sums the copies back
         q, k, v = dense(q, k, v)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            return grad_in_own_layout(F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale))
 
     def forward(self, q, k, v, scale, causal, tiles=None):
         b, h, sq, _ = q.shape

@@ -74,9 +74,9 @@ class _DropoutSDPA(LocalAttention):
         self.dropout_p = dropout_p
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
-        return torch.nn.functional.scaled_dot_product_attention(
+        return kernels.torch_sdpa_output(torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=softmax_scale, dropout_p=self.dropout_p,
-            enable_gqa=k.shape[1] != q.shape[1])
+            enable_gqa=k.shape[1] != q.shape[1]))
 
 
 def explicit_kernels(plan: AttendPlan, like: torch.Tensor) -> bool:
