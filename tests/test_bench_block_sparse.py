@@ -202,3 +202,13 @@ def test_tile_per_block_size_is_checked():
         bbs.tile_for(64, bbs.parse(["--block-size", "64,128", "--tile", "4,4,4"]))
     with pytest.raises(SystemExit, match="holds 32 tokens"):
         bbs.tile_for(64, bbs.parse(["--block-size", "64", "--tile", "2,4,4"]))
+
+
+def test_math_rows_too_big_are_recorded_without_building_masks(tmp_path, monkeypatch):
+    def no_masks(*a, **k):
+        raise AssertionError("masks built for rows that are all skipped")
+    monkeypatch.setattr(bbs, "masks_for", no_masks)
+    doc = bbs.main(["--smoke", "--masks", "random,topk,window", "--ulysses-kernels", "math", "--ring-p", "",
+                    "--math-max-scores", "1", "--out", str(tmp_path)])
+    sparse = [r for r in doc["rows"] if r["kind"] == "ulysses"]
+    assert len(sparse) == 3 * 3 * 2 and all("h*S^2 > --math-max-scores" in r["skipped"] for r in sparse)

@@ -277,6 +277,7 @@ def ring_rows(bm: torch.Tensor, mask_meta: dict, s: int, h: int, d: int, p: int,
 
 
 DEFAULT_TILES = {64: (4, 4, 4), 128: (4, 4, 8)}
+MASK_KINDS = ("random", "topk", "window")   # masks_for's kinds, in its order
 
 
 def tile_for(block_size: int, args) -> tuple:
@@ -404,6 +405,21 @@ def run(args) -> dict:
                                                args.iters, args.warmup, cuda), cuda))
                 del q, k, v, do
         for bs in _ints(args.block_size):
+            ring_ps = sorted(set(_ints(args.ring_p))) if pass_kernels == passes[0] else []
+            planned = [{"kind": "ulysses", "kernel": kn, "mask": m, "target_sparsity": float(t), "block_size": bs,
+                        "s": s, "h": math.ceil(h / p), "p": p}
+                       for t in args.sparsities.split(",") for m in MASK_KINDS if m in args.masks
+                       for p in sorted(set(_ints(args.ulysses_p))) for kn in pass_kernels]
+            planned += [{"kind": "ring", "kernel": kn, "mask": m, "target_sparsity": float(t), "block_size": bs,
+                         "s": s, "h": h, "p": p}
+                        for t in args.sparsities.split(",") for m in MASK_KINDS if m in args.masks
+                        for p in ring_ps for kn in args.ring_kernels.split(",")]
+            for r in planned:   # the math kernel where its score matrix would not fit: recorded, no mask built
+                if r["kind"] == "ulysses" and r["kernel"] == args.math_name and r["h"] * s * s > args.math_max_scores \
+                        and todo(r):
+                    done({**r, "skipped": f"h*S^2 > --math-max-scores {args.math_max_scores:g} (its score matrix)"})
+            if all(row_key(r) in have for r in planned):
+                continue   # nothing of this size left: its masks are not built
             for bm, meta_m in masks_for(s, h, args, bs):
                 for p in sorted(set(_ints(args.ulysses_p))):
                     hp = math.ceil(h / p)
@@ -415,10 +431,6 @@ def run(args) -> dict:
                                "useful_pairs": pairs}
                         if not todo(row):
                             continue
-                        if kname == args.math_name and hp * s * s > args.math_max_scores:
-                            done({**row, "skipped": f"h*S^2 > --math-max-scores {args.math_max_scores:g} (its "
-                                                    f"score matrix)"})
-                            continue
 
                         def ulysses(kname=kname, rows=rows, hp=hp, pairs=pairs, bs=bs) -> dict:
                             q, k, v, do = _inputs(hp, s, s, d, dev, dtype)
@@ -427,7 +439,7 @@ def run(args) -> dict:
                             return {"mask_build_ms": round(build, 3), **_time((fwd, fb), 4.0 * d * pairs, args.iters,
                                                                                args.warmup, cuda)}
                         done(_guard(row, ulysses, cuda))
-                for p in sorted(set(_ints(args.ring_p))) if pass_kernels == passes[0] else ():
+                for p in ring_ps:
                     probe = {"kind": "ring", **meta_m, "s": s, "h": h, "p": p}
                     if all(not todo(dict(probe, kernel=kn)) for kn in args.ring_kernels.split(",")):
                         continue
