@@ -11,6 +11,9 @@
 # call's deadline (DEADLINE_S, default 540 s after the call starts), so the tarballs are written before the
 # device's 600 s limit.
 # Each stage writes $OUT/<stage>.tgz (its raw JSON and every job's whole log) and $OUT/<stage>.txt (its summary).
+# Next session on ONE GPU (#53 and the cuDNN fix; 30 min of device time):
+#   machine 1: cudnn_layout (part.aa: the round's new path first) | fa4 (part.ab) table | table | table (--resume)
+#   machine 2: suite, the families that need no FA4 (part.aa) | fa4 steps75 (part.ab) | curves kernels75
 # A session on ONE GPU (nvidia-h200 / nvidia-h100-x1; a one-chip machine goes back after 30 min held), in order:
 #   machine 1: first (part.aa) | fa4 (part.ab) | dyncheck steps75 | steps480 kernels2
 #   machine 2: suite with SUITE_K = the families that need no FA4 (part.aa) | fa4 family, curves (part.ab)
