@@ -1,6 +1,6 @@
 """The GPU diagnostics of 2026-11-26 on the CPU (their flow, their records, and that they can report a failure):
-tools/check_fa4_tiles.py --dit on the FA4 stand-in, tools/check_sdpa_calls.py and tools/check_cudnn_dit_scale.py
-with --device cpu."""
+tools/check_fa4_tiles.py --dit on the FA4 stand-in, tools/check_sdpa_calls.py, tools/check_cudnn_dit_scale.py and
+tools/check_cudnn_do_layout.py with --device cpu."""
 from __future__ import annotations
 
 import argparse
@@ -72,3 +72,17 @@ def test_check_cudnn_dit_scale_divides_the_scale_back(world_of_one, tmp_path, mo
     assert [r["loss_scale"] for r in rows] == [1.0, 1e4]
     assert all(r["non_finite_params"] == 0 and r["grads_normwise_err"] < 2e-2 for r in rows), rows
     assert abs(rows[0]["loss"] - rows[1]["loss"]) < 1e-3 * abs(rows[0]["loss"])
+
+
+def test_check_cudnn_do_layout_flow_on_the_stand_in(tmp_path):
+    """tools/check_cudnn_do_layout.py --device cpu: both fresh processes run, and the record tells the hook's
+    calls (right) from the calls without it (the second call's gradients wrong), as it must on the GPU."""
+    from tools import check_cudnn_do_layout
+    res = check_cudnn_do_layout.main(["--out", str(tmp_path), "--device", "cpu"])
+    with open(os.path.join(tmp_path, "cudnn_do_layout.json")) as f:
+        assert json.load(f) == res
+    hook, no_hook = res["runs"]
+    assert hook["hook"] and not no_hook["hook"] and "error" not in hook and "error" not in no_hook, res
+    assert max(max(c.values()) for k, c in hook.items() if k != "hook") < 1e-6
+    assert max(no_hook["first_call_dO_transposed"].values()) < 1e-6
+    assert min(v for n, v in no_hook["second_call_dO_contiguous"].items() if n != "out") > 1e-2

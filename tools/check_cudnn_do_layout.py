@@ -5,6 +5,7 @@ with the library's dO-layout hook (kernels/cudnn.py ``grad_in_own_layout``) and 
 out/dq/dk/dv against fp64 math, one JSON file.
 
     python tools/check_cudnn_do_layout.py --out DIR          (one GPU; DIR/cudnn_do_layout.json)
+    python tools/check_cudnn_do_layout.py --out DIR --device cpu    (the flow on the CPU stand-in, tests/fake_cudnn.py)
 """
 from __future__ import annotations
 
@@ -18,31 +19,53 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def one(hook: bool) -> dict:
+class _Setattr:
+    """What ``tests.fake_cudnn.install`` needs of pytest's monkeypatch (this process ends right after)."""
+
+    @staticmethod
+    def setattr(obj, name, value, raising=True) -> None:
+        setattr(obj, name, value)
+
+
+def one(hook: bool, device: str) -> dict:
     import torch  # noqa: PLC0415
     from megatron_sp_ext.attention.kernels import cudnn  # noqa: PLC0415
     from tests.test_cudnn_layouts import two_calls  # noqa: PLC0415
+    if device == "cpu":
+        from tests import fake_cudnn  # noqa: PLC0415
+        fake_cudnn.install_sdpa(_Setattr())
     if not hook:
         cudnn.grad_in_own_layout = lambda out: out
-    errs = two_calls(torch.device("cuda", 0), torch.bfloat16)
+    dev, dtype = (torch.device("cuda", 0), torch.bfloat16) if device == "cuda" else (torch.device("cpu"), torch.float64)
+    errs = two_calls(dev, dtype)
     return {"hook": hook, "first_call_dO_transposed": dict(zip(("out", "dq", "dk", "dv"), errs[0])),
             "second_call_dO_contiguous": dict(zip(("out", "dq", "dk", "dv"), errs[1]))}
 
 
-def main() -> None:
+def _env() -> dict:
+    """The child's environment: this checkout first on its import path (it imports ``tests``)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the CPU stand-in of cuDNN")
     ap.add_argument("--one", choices=("hook", "no_hook"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(one(args.one == "hook")))
-        return
+        print(json.dumps(one(args.one == "hook", args.device)))
+        return {}
     import torch  # noqa: PLC0415
-    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    res = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (tests/fake_cudnn.py)",
+           "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "date": time.strftime("%Y-%m-%d"), "runs": []}
     for which in ("hook", "no_hook"):
-        p = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", which], capture_output=True,
-                           text=True, timeout=240)
+        p = subprocess.run([sys.executable, __file__, "--out", args.out, "--device", args.device, "--one", which],
+                           capture_output=True, text=True, timeout=240, env=_env())
         try:
             res["runs"].append(json.loads((p.stdout.strip().splitlines() or [""])[-1]))
         except json.JSONDecodeError:
@@ -51,6 +74,7 @@ def main() -> None:
     with open(os.path.join(args.out, "cudnn_do_layout.json"), "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res))
+    return res
 
 
 if __name__ == "__main__":
