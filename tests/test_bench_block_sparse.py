@@ -212,3 +212,12 @@ def test_math_rows_too_big_are_recorded_without_building_masks(tmp_path, monkeyp
                     "--math-max-scores", "1", "--out", str(tmp_path)])
     sparse = [r for r in doc["rows"] if r["kind"] == "ulysses"]
     assert len(sparse) == 3 * 3 * 2 and all("h*S^2 > --math-max-scores" in r["skipped"] for r in sparse)
+
+
+def test_table_mode_on_the_cpu(tmp_path):
+    """--table's grid of rows (smoke sizes): both tile sizes, three masks, four sparsities, no ring rows."""
+    doc = bbs.main(["--table", "--smoke", "--out", str(tmp_path)])
+    sparse = {(r["mask"], r["block_size"], r["target_sparsity"]) for r in doc["rows"] if r["kind"] == "ulysses"}
+    assert sparse == set(itertools.product(("random", "topk", "window"), (64, 128), (0.5, 0.8, 0.9, 0.95)))
+    assert not [r for r in doc["rows"] if r["kind"] == "ring"] and not doc["left"]
+    assert doc["meta"]["long_ms"] == 400.0 and doc["meta"]["block_sizes"] == [64, 128]
