@@ -4,7 +4,7 @@
 #   bash tools/gpu_round.sh STAGE[@GPU] [STAGE[@GPU] ...]
 # stages: first fa4 sp2 curves checks suite kernels kernels2 kernels75 steps32 steps480 steps75 steps13 profiles
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
-# cudnn_layout table.
+# cudnn_layout table ring_profile.
 # A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
@@ -12,7 +12,7 @@
 # device's 600 s limit.
 # Each stage writes $OUT/<stage>.tgz (its raw JSON and every job's whole log) and $OUT/<stage>.txt (its summary).
 # Next session on ONE GPU (#53 and the cuDNN fix; 30 min of device time):
-#   machine 1: cudnn_layout (part.aa: the round's new path first) | fa4 (part.ab) table | table | table (--resume)
+#   machine 1: cudnn_layout (part.aa: the round's new path first) | fa4 ring_profile table (part.ab) | table | table
 #   machine 2: suite, the families that need no FA4 (part.aa) | fa4 steps75 (part.ab) | curves kernels75
 # A session on ONE GPU (nvidia-h200 / nvidia-h100-x1; a one-chip machine goes back after 30 min held), in order:
 #   machine 1: first (part.aa) | fa4 (part.ab) | dyncheck steps75 | steps480 kernels2
@@ -240,6 +240,9 @@ stage_table() {   # #53's kernel table, one job over as many calls on this machi
   local left=$(( DEADLINE - $(date +%s) - 90 ))
   keep kernels/table $(( left + 60 )) python3 tools/bench_block_sparse.py --table --resume --budget-s $left \
     --out $W/kernels/table
+}
+stage_ring_profile() {   # where a sparse ring step's kernel time goes (FA4: part.ab), random 90% at 75K / 8 ranks
+  keep kernels/ring_profile 150 python3 tools/profile_ring_step.py --out $W/kernels/ring_profile
 }
 stage_kernels75() {   # the kernel table's H=40 rows at 75K (random masks: 0.74-0.78 of dense on 1 x H100)
   keep kernels/h40_75k 260 python3 tools/bench_block_sparse.py --heads 40 --seqlens 75776 --block-size 128 \
