@@ -152,8 +152,9 @@ class SDPABackend(LocalAttention):
         if not kern.in_torch_sdpa:   # a kernel of its own (FA4): its plain call
             return kern.attention(q, k, v, causal, _scale(q, softmax_scale))
         q, k, v = kernels.torch_sdpa_inputs(q, k, v)
-        return kernels.torch_sdpa_output(F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
-                                                                        enable_gqa=k.shape[1] != q.shape[1]))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+        return kernels.torch_sdpa_output(out)
 
     def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None, tiles=None):
         if mask is not None:

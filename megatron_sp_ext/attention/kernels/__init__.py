@@ -135,5 +135,5 @@ def torch_sdpa_output(out: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "PICKS", "get", "names",
-           "torch_sdpa_inputs", "torch_sdpa_output", "by_setting", "settings", "varlen_methods", "of_varlen_method", "why_not", "pick",
-           "label", "require"]
+           "torch_sdpa_inputs", "torch_sdpa_output", "by_setting", "settings", "varlen_methods", "of_varlen_method",
+           "why_not", "pick", "label", "require"]
