@@ -221,3 +221,43 @@ def test_table_mode_on_the_cpu(tmp_path):
     assert sparse == set(itertools.product(("random", "topk", "window"), (64, 128), (0.5, 0.8, 0.9, 0.95)))
     assert not [r for r in doc["rows"] if r["kind"] == "ring"] and not doc["left"]
     assert doc["meta"]["long_ms"] == 400.0 and doc["meta"]["block_sizes"] == [64, 128]
+
+
+def test_table_parts_merge_into_one_table(tmp_path):
+    """Parts of a table run as separate jobs (one per GPU) join into one JSON: every row once, the dense rows both
+    jobs timed kept once with the second timing as a cross-check, and the Ulysses rows' ratio to dense FA4."""
+    argv = ["--smoke", "--block-size", "64", "--sparsities", "0.5", "--ulysses-p", "1", "--ring-p", ""]
+    a = bbs.main([*argv, "--masks", "random", "--out", str(tmp_path / "a")])
+    b = bbs.main([*argv, "--masks", "window", "--out", str(tmp_path / "b")])
+    assert all(r["gpu"] == "cpu" for r in a["rows"] + b["rows"]) and a["meta"]["gpu"] == "cpu"
+    # the second job as if on another GPU: its dense row is then a cross-check of the first's
+    path_b = tmp_path / "b" / "bench_block_sparse.json"
+    doc_b = json.load(open(path_b))
+    for r in doc_b["rows"]:
+        r["gpu"] = "other #1"
+    path_b.write_text(json.dumps(doc_b))
+    merged = bbs.main(["--out", str(tmp_path / "t"), "--merge", str(tmp_path / "a"), str(tmp_path / "b")])
+    keys = [bbs.row_key(r) for r in merged["rows"]]
+    assert len(keys) == len(set(keys))
+    assert {r.get("mask") for r in merged["rows"] if r["kind"] == "ulysses"} == {"random", "window"}
+    dense_a = [r for r in a["rows"] if r["kind"] == "dense"]
+    assert len(merged["cross_checks"]) == len(dense_a) >= 1
+    cc = merged["cross_checks"][0]
+    assert cc["kept"][0] == "cpu" and cc["other"][0] == "other #1" and cc["ratio"] > 0
+    assert len(merged["runs"]) == 2 and not merged["left"]
+    assert json.load(open(tmp_path / "t" / "bench_block_sparse.json"))["rows"] == merged["rows"]
+
+
+def test_dense_fa4_ratio_prefers_the_same_gpu():
+    rows = [{"kind": "dense", "layout": "ulysses", "kernel": "fa4", "s": 8, "h": 2, "p": 1, "fwd_bwd_tflops": 500.0,
+             "gpu": "g #0"},
+            {"kind": "dense", "layout": "ulysses", "kernel": "fa4", "s": 8, "h": 2, "p": 1, "fwd_bwd_tflops": 400.0,
+             "gpu": "g #1"},
+            {"kind": "ulysses", "kernel": "fa4", "s": 8, "h": 2, "p": 1, "fwd_bwd_tflops": 320.0, "gpu": "g #1"},
+            {"kind": "ulysses", "kernel": "flex", "s": 8, "h": 2, "p": 1, "fwd_bwd_tflops": 100.0, "gpu": "g #2"},
+            {"kind": "ulysses", "kernel": "flex", "s": 16, "h": 2, "p": 1, "fwd_bwd_tflops": 100.0, "gpu": "g #2"}]
+    assert bbs.dense_fa4_ratio(rows[2], rows) == 0.8        # its own GPU's dense FA4
+    assert bbs.dense_fa4_ratio(rows[3], rows) in (0.2, 0.25)  # no dense FA4 on its GPU: another's
+    assert bbs.dense_fa4_ratio(rows[4], rows) is None       # no dense FA4 of its size
+    assert bbs.dense_fa4_ratio(rows[0], rows) is None
+    assert "| 320.000 | 0.800 |" in bbs.table(rows)

@@ -34,12 +34,17 @@ count every pair). A row that runs out of memory records ``error`` and the job g
 --long-ms stop after 2 timed repetitions (one warmup after the first call): the 128K rows take seconds per call.
 --budget-s stops starting rows once that much time has passed (the JSON says what is left); --resume keeps the
 rows of an earlier run's JSON in --out and runs only the missing ones, so one table can take several device calls
-on one machine (each row's ``utc`` says when it ran).
+on one machine (each row's ``utc`` says when it ran, ``gpu`` on which GPU). --table-kernels splits the table's
+kernels over jobs on several GPUs of one host (each times the dense floor of its sizes); --merge joins their JSONs
+into one, keeping a dense row timed twice as a cross-check of the GPUs. Ulysses rows' ratio to dense FA4 (same S, H,
+P; the same GPU where timed there) is a column of the table.
 
     python tools/bench_block_sparse.py --out $OUT                      # S 32K,128K, H 12, s 0.5,0.8,0.9
     python tools/bench_block_sparse.py --heads 40 --out $OUT           # wan-14b heads
     python tools/bench_block_sparse.py --table --out $OUT --resume    # #53's table: S 32K/75K/128K, H 40/5,
                                                                       # s .5-.95, 3 masks, 64/128 tiles, no ring
+    python tools/bench_block_sparse.py --table --table-kernels flex --out A   # one GPU: the flex rows, and so on
+    python tools/bench_block_sparse.py --out T --merge A B             # one table from the parts
     python tools/bench_block_sparse.py --smoke --out /tmp/bs           # CPU, S=512, tiny (the test)
 """
 from __future__ import annotations
@@ -347,7 +352,8 @@ def run(args) -> dict:
     dense = [n for n in args.dense_kernels.split(",") if n in backends.available_backends()]
     skipped = [n for n in args.dense_kernels.split(",") if n not in dense]
     path = os.path.join(args.out, "bench_block_sparse.json")
-    meta = run_meta(torch=torch.__version__, git_commit=git_commit(),
+    gpu = gpu_tag(cuda)
+    meta = run_meta(gpu=gpu, torch=torch.__version__, git_commit=git_commit(),
                     utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     dtype=str(dtype), head_dim=d, block_sizes=_ints(args.block_size), causal=False,
                     dense_kernels=dense, dense_kernels_not_installed=skipped,
@@ -377,6 +383,7 @@ def run(args) -> dict:
 
     def done(row: dict) -> None:
         row["utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        row["gpu"] = gpu
         doc["rows"].append(row)
         have.add(row_key(row))
         write_json(path, doc)
@@ -456,10 +463,22 @@ def run(args) -> dict:
     return doc
 
 
+def dense_fa4_ratio(row: dict, rows: list) -> Optional[float]:
+    """A Ulysses row's useful fwd+bwd TFLOP/s over the dense FA4 row of its S, H and P (the one timed on the same
+    GPU where there is one, else any); None where either is missing."""
+    if row["kind"] != "ulysses" or "fwd_bwd_tflops" not in row:
+        return None
+    dense = [r for r in rows if r["kind"] == "dense" and r.get("layout") == "ulysses" and r["kernel"] == "fa4"
+             and (r["s"], r["h"], r["p"]) == (row["s"], row["h"], row["p"]) and "fwd_bwd_tflops" in r]
+    dense.sort(key=lambda r: r.get("gpu") != row.get("gpu"))
+    return round(row["fwd_bwd_tflops"] / dense[0]["fwd_bwd_tflops"], 3) if dense else None
+
+
 def table(rows: list) -> str:
-    """The rows as a markdown table (ring rows: one line per timed rank)."""
+    """The rows as a markdown table (ring rows: one line per timed rank; Ulysses rows with their ratio to dense
+    FA4's useful TFLOP/s at the same S, H, P)."""
     lines = ["| kind | kernel | mask | sparsity | tile | S | H | P | rank | steps run/skipped | KV MB sent/skipped | "
-             "fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s (useful) | build ms |", "|" + "---|" * 15]
+             "fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s (useful) | / dense FA4 | build ms |", "|" + "---|" * 16]
 
     def f(x) -> str:
         return "" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
@@ -470,16 +489,57 @@ def table(rows: list) -> str:
         if r["kind"] != "ring":
             lines.append(f"{head} | | | {f(r.get('fwd_ms'))} | {f(r.get('fwd_bwd_ms'))} | "
                          f"{f(r.get('fwd_bwd_tflops', r.get('error', r.get('skipped'))))} | "
-                         f"{f(r.get('mask_build_ms'))} |")
+                         f"{f(dense_fa4_ratio(r, rows))} | {f(r.get('mask_build_ms'))} |")
             continue
         for rank, per in r["ranks"].items():
             c = r["counts_per_rank"][int(rank)]
             lines.append(f"{head} {rank} | {c['steps_run']}/{c['steps_skipped']} | "
                          f"{c['bytes_sent'] / 2**20:.1f}/{c['bytes_skipped'] / 2**20:.1f} | "
                          f"{f(per.get('run_steps_fwd_ms'))} | {f(per.get('run_steps_fwd_bwd_ms'))} | "
-                         f"{f(per.get('run_steps_fwd_bwd_tflops', per.get('error')))} | |")
+                         f"{f(per.get('run_steps_fwd_bwd_tflops', per.get('error')))} | | |")
     lines.append("ring rows: kernel time of the steps that run (summed), no communication.")
     return "\n".join(lines)
+
+
+def gpu_tag(cuda: bool) -> str:
+    """Which device timed a row: the GPU's name and its index on the host (CUDA_VISIBLE_DEVICES), or "cpu"."""
+    if not cuda:
+        return "cpu"
+    return f"{torch.cuda.get_device_name()} #{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}"
+
+
+def merge(out: str, parts: list) -> dict:
+    """One table from the JSONs of jobs that ran parts of it (``--table-kernels``) on GPUs of one host: --out's
+    JSON (if any) first, then each part's rows whose key is new. A row whose key is already there (each job times
+    the dense floor of its sizes) goes to ``cross_checks`` beside the kept one: the same kernel timed on two GPUs."""
+    path = os.path.join(out, "bench_block_sparse.json")
+    docs = []
+    for d in ([out] if os.path.exists(path) else []) + list(parts):
+        with open(os.path.join(d, "bench_block_sparse.json")) as f:
+            docs.append(json.load(f))
+    doc: dict = {"meta": docs[0]["meta"], "rows": [], "runs": [], "cross_checks": [], "left": []}
+    kept: dict = {}
+    for part in docs:
+        doc["runs"] += part.get("runs", [])
+        doc["left"] += [k for k in part.get("left", []) if tuple(k) not in kept]
+        doc["cross_checks"] += part.get("cross_checks", [])
+        for row in part["rows"]:
+            key = row_key(row)
+            if key not in kept:
+                kept[key] = row
+                doc["rows"].append(row)
+            elif row.get("gpu") != kept[key].get("gpu") and "fwd_bwd_ms" in row and "fwd_bwd_ms" in kept[key]:
+                doc["cross_checks"].append({"key": list(key), "kept": [kept[key]["gpu"], kept[key]["fwd_bwd_ms"]],
+                                            "other": [row["gpu"], row["fwd_bwd_ms"]],
+                                            "ratio": round(row["fwd_bwd_ms"] / kept[key]["fwd_bwd_ms"], 4)})
+    doc["left"] = [k for k in doc["left"] if tuple(k) not in kept]
+    doc["table"] = table(doc["rows"])
+    os.makedirs(out, exist_ok=True)
+    write_json(path, doc)
+    print(doc["table"])
+    print(f"merged {len(docs)} JSONs into {path}: {len(doc['rows'])} rows, {len(doc['cross_checks'])} cross-checks, "
+          f"{len(doc['left'])} left")
+    return doc
 
 
 def _recompile_limit() -> Optional[int]:
@@ -528,6 +588,10 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                     "sparsities .5,.8,.9,.95, masks random,topk,window, block sizes 64,128, kernels fa4,flex,math "
                     "beside dense cudnn,fa4, Ulysses P=1, no ring rows, --long-ms 400, --kernel-major, math where "
                     "H*S^2 <= 6e9")
+    ap.add_argument("--table-kernels", default="fa4,flex,math", help="with --table: the block-sparse kernels this "
+                    "job runs (the others' rows can run in another job, on another GPU, joined by --merge)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="DIR", help="join the JSONs of these --out folders "
+                    "into --out's (rows of new keys added; a dense row timed again goes to cross_checks) and exit")
     ap.add_argument("--smoke", action="store_true", help="CPU, S=512, H=2, D=16, sdpa dense, math kernels")
     ap.add_argument("--out", default="bench_block_sparse_out")
     args = ap.parse_args(argv)
@@ -535,7 +599,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     if args.table:
         args.seqlens, args.heads, args.sparsities = "32768,75776,131072", "40,5", "0.5,0.8,0.9,0.95"
         args.masks, args.block_size, args.tile = "random,topk,window", "64,128", ""
-        args.ulysses_kernels, args.dense_kernels, args.ulysses_p, args.ring_p = "fa4,flex,math", "cudnn,fa4", "1", ""
+        args.ulysses_kernels, args.dense_kernels = args.table_kernels, "cudnn,fa4"
+        args.ulysses_p, args.ring_p = "1", ""
         args.long_ms = args.long_ms if args.long_ms is not None else 400.0
         args.kernel_major, args.math_max_scores = True, 6e9   # math: H=5 at 32K only (its fp32 score matrix)
     if args.smoke:
@@ -548,6 +613,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
 def main(argv: Optional[list] = None) -> dict:
     """Run the benchmark (see the module docstring); returns the JSON document."""
     args = parse(argv)
+    if args.merge:
+        return merge(args.out, args.merge)
     if torch.cuda.is_available() and not args.smoke:
         torch.cuda.set_device(0)
         raise_recompile_limit(64)

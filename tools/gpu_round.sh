@@ -11,6 +11,9 @@
 # call's deadline (DEADLINE_S, default 540 s after the call starts), so the tarballs are written before the
 # device's 600 s limit.
 # Each stage writes $OUT/<stage>.tgz (its raw JSON and every job's whole log) and $OUT/<stage>.txt (its summary).
+# On 4 GPUs (2026-11-26, second session): call 1 (part.aa): c1_cudnn@0 c1_dyn@1 table_flex@2 table_math+c1_ring@3 |
+#   call 2 (part.ab): c2_fa4suite@0 table@1 steps75@2 curves+ring_profile@3 | call 3: steps32@0 table@1
+#   steps13+profiles2@2 kernels75@3. STAGE+STAGE@GPU runs them one after the other on that GPU; @2,3 gives two GPUs.
 # Next session on ONE GPU (#53 and the cuDNN fix; 30 min of device time):
 #   machine 1: cudnn_layout (part.aa: the round's new path first) | fa4 ring_profile table (part.ab) | table | table
 #   machine 2: suite, the families that need no FA4 (part.aa) | fa4 steps75 (part.ab) | curves kernels75
@@ -238,8 +241,14 @@ stage_sparse_diag() {   # the DiT's sparse family at P=2 with the replay diagnos
 stage_table() {   # #53's kernel table, one job over as many calls on this machine as it takes (--resume): every size
   # for FA4's block sparsity beside dense FA4/cuDNN first, then flex, then math (--kernel-major)
   local left=$(( DEADLINE - $(date +%s) - 90 ))
-  keep kernels/table $(( left + 60 )) python3 tools/bench_block_sparse.py --table --resume --budget-s $left \
-    --out $W/kernels/table
+  local kk=fa4,flex,math; [ -d $W/kernels/table_math ] && kk=fa4,flex   # math: in its own job (table_math)
+  keep kernels/table $(( left + 60 )) python3 tools/bench_block_sparse.py --table --table-kernels $kk --resume \
+    --budget-s $left --out $W/kernels/table
+  if [ -f $W/kernels/table_math/bench_block_sparse.json ]; then   # the math job's rows joined: one table
+    rm -rf $W/kernels/table_all
+    keep kernels/table_merge 60 python3 tools/bench_block_sparse.py --out $W/kernels/table_all \
+      --merge $W/kernels/table $W/kernels/table_math
+  fi
 }
 stage_ring_profile() {   # where a sparse ring step's kernel time goes (FA4: part.ab), random 90% at 75K / 8 ranks
   keep kernels/ring_profile 150 python3 tools/profile_ring_step.py --out $W/kernels/ring_profile
@@ -257,15 +266,47 @@ stage_profiles2() {   # the topk90 step's profile beside the dense one only
   done
 }
 
-run_stage() {   # run_stage STAGE [GPU]
-  local s=$1 g=${2:-} t0; t0=$(date +%s)
+stage_c1_cudnn() {   # 2026-11-26 second session, call 1 (part.aa, no FA4), GPU 0: the cuDNN dO-layout fix's checks
+  # (torch's cuDNN backward graph cache: dO's strides baked in, not in the key), then the FSDP2 entry case
+  keep cudnn/do_layout 120 python3 tools/check_cudnn_do_layout.py --out $W/cudnn/do_layout
+  keep cudnn/test_layouts 90 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_layouts.py
+  keep cudnn/sdpa_calls_layout 150 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/layout
+  suite c1/fsdp2_entry 100 "fsdp2_entry or fused_regions_fp32"
+}
+stage_c1_dyn() {   # call 1, GPU 1: the DiT families on cuDNN (the packed step that failed before the fix), P=2 and 4
+  suite c1/dit_dynamic_cudnn 260 "dit_dynamic and gloo" SPX_SUITE_KERNEL=cudnn
+  suite c1/dit_packed 120 "dit_packed and gloo"
+  suite c1/ulysses_packed 200 "(ulysses_family or packed_family or dropout_family) and gloo"
+}
+stage_c1_ring() {   # call 1, GPU 3 after the math rows: the ring, mesh and varlen families on cuDNN (no FA4)
+  suite c1/ring_mesh 400 "(ring_family or mesh_family or varlen_family or one_ring) and gloo"
+}
+stage_table_flex() {   # the kernel table's flex rows (no FA4 needed: the first call), resumed by stage "table"
+  local left=$(( DEADLINE - $(date +%s) - 90 ))
+  keep kernels/table_flex $(( left + 60 )) python3 tools/bench_block_sparse.py --table --table-kernels flex --resume \
+    --budget-s $left --out $W/kernels/table
+}
+stage_table_math() {   # the kernel table's math rows (H=5 at 32K: its fp32 score matrix), a job of their own
+  keep kernels/table_math 240 python3 tools/bench_block_sparse.py --table --table-kernels math --resume \
+    --budget-s 170 --out $W/kernels/table_math
+}
+stage_c2_fa4suite() {   # call 2 (part.ab), GPU 0: the checks of the paths the call's figures time, on this machine:
+  # FA4's block sparsity in every mode (P=2 and 4 over gloo) and the DiT's sparse family at P=2
+  suite c2/fa4_block_sparse 330 "fa4_block_sparse_family"
+  suite c2/dit_sparse 200 "dit_sparse and 2-gloo"
+}
+run_stage() {   # run_stage STAGE[+STAGE...] [GPU[,GPU]]: the stages one after the other (on those GPUs); one summary
+  # and one tarball per call of run_stage (the device returns 8 files: 4 stages at once at most), named with '_'
+  local s=${1//+/_} parts=${1//+/ } g=${2:-} t0 part; t0=$(date +%s)
   { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git rev-parse --short HEAD; date -u;
     echo "gpu: ${g:-all}"; } > "$W/$s.meta"
-  if [ -n "$g" ]; then export CUDA_VISIBLE_DEVICES=$g PET_MASTER_PORT=$(( 29500 + 17 * (g + 1) )); fi
-  "stage_$s" 2>&1 | tee "$W/$s.log" | tail -n 60 > "$OUT/$s.txt"
+  if [ -n "$g" ]; then export CUDA_VISIBLE_DEVICES=$g PET_MASTER_PORT=$(( 29500 + 17 * (${g%%,*} + 1) )); fi
+  for part in $parts; do "stage_$part"; done 2>&1 | tee "$W/$s.log" | tail -n 60 > "$OUT/$s.txt"
   echo "stage $s${g:+ (GPU $g)}: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$s.txt"
-  tar -C "$W" -czf "$OUT/$s.tgz" --exclude='*.pt' --exclude='*.pth' --exclude='*.distcp' "$s.meta" "$s.log" \
-    $(cd "$W" && ls -d first fa4 sp2 curves checks suite kernels steps profile fsdp2 peaks cudnn dyn s1 s2 s3 2>/dev/null) 2>/dev/null
+  # what this stage wrote (files newer than its start; stages on other GPUs at the same time may add theirs),
+  # checkpoints and files over 4 MB (profiler traces) left out
+  (cd "$W" && find . -type f -newer "$s.meta" -size -4M ! -name '*.pt' ! -name '*.pth' ! -name '*.distcp' \
+    ! -name '*.tgz' -print0 | tar --null -czf "$OUT/$s.tgz" "$s.meta" -T - 2>/dev/null)
 }
 pids=()
 for arg in "$@"; do
@@ -275,4 +316,4 @@ for arg in "$@"; do
   esac
 done
 for p in "${pids[@]}"; do wait "$p"; done
-for arg in "$@"; do s=${arg%@*}; echo "=== $s"; cat "$OUT/$s.txt"; done
+for arg in "$@"; do s=${arg%@*}; s=${s//+/_}; echo "=== $s"; cat "$OUT/$s.txt"; done
