@@ -21,7 +21,7 @@ rm -rf .fa4 && mkdir -p .fa4
 # smallest first: the first part then holds every wheel but the CuTe DSL libraries whole (megatron-core, deepspeed,
 # FA4's Python), which gpu_install.sh installs from the first call on
 tar -C "$W" -cf .fa4/wheels.tar $(cd "$W" && ls -Sr)
-split -b 55M .fa4/wheels.tar .fa4/part.
+split -n 2 .fa4/wheels.tar .fa4/part.   # two equal parts: each under 64 MiB with the tree (~10 MB)
 { echo "sha256 $(sha256sum .fa4/wheels.tar | cut -d' ' -f1)"; (cd .fa4 && ls part.*); } > .fa4/manifest
 rm -f .fa4/wheels.tar
 rm -rf "$W"
