@@ -4,8 +4,8 @@ torch (aten/src/ATen/native/cudnn/MHA.cpp) builds one cuDNN backward graph per k
 holds the shapes and the q/k/v strides, causal and dropout, but NOT the strides of O and dO, which the graph
 bakes in. A later call with the same key and differently laid-out O/dO is read with the first call's strides:
 right outputs, wrong gradients (what the CUDA runs of 2026-11-24 showed for causal zigzag Ulysses after a
-contiguous call; through torch's SDPA, the likely cause of a packed DiT step's non-finite gradients on
-2026-11-26, not yet confirmed on a GPU: kernels/cudnn.py).
+contiguous call; through torch's SDPA, the cause of a packed DiT step's non-finite gradients on 2026-11-26,
+confirmed on an H200 the same day: kernels/cudnn.py).
 ``install(monkeypatch)`` puts ops with exactly that cache on ``torch.ops.aten`` and makes
 ``lse_kernels`` pick "cudnn" on the CPU, so the library's cuDNN branch (its explicit kernels, hold/saved
 tensors, the layouts it feeds the ops) runs in CPU tests and a layout that varies under one key shows up as
