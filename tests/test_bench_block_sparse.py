@@ -261,3 +261,26 @@ def test_dense_fa4_ratio_prefers_the_same_gpu():
     assert bbs.dense_fa4_ratio(rows[4], rows) is None       # no dense FA4 of its size
     assert bbs.dense_fa4_ratio(rows[0], rows) is None
     assert "| 320.000 | 0.800 |" in bbs.table(rows)
+
+
+def test_resume_on_another_gpu_retimes_only_the_dense_floors(tmp_path):
+    """--resume --retime-dense on another GPU: the dense rows are timed again there (the old ones kept, the ratios of
+    new rows then use this GPU's), the block-sparse rows already in the JSON are not rerun."""
+    argv = ["--smoke", "--block-size", "64", "--sparsities", "0.5", "--masks", "random", "--ulysses-p", "1",
+            "--ring-p", "", "--out", str(tmp_path)]
+    first = bbs.main(argv)
+    path = tmp_path / "bench_block_sparse.json"
+    doc = json.load(open(path))
+    for r in doc["rows"]:
+        r["gpu"] = "other #0 1234abcd"
+    path.write_text(json.dumps(doc))
+    same = bbs.main([*argv, "--resume"])                      # without the flag nothing is rerun
+    assert [bbs.row_key(r) for r in same["rows"]] == [bbs.row_key(r) for r in first["rows"]]
+    again = bbs.main([*argv, "--resume", "--retime-dense"])
+    dense = [r for r in again["rows"] if r["kind"] == "dense"]
+    assert sorted(r["gpu"] for r in dense) == ["cpu", "other #0 1234abcd"]
+    sparse = [r for r in again["rows"] if r["kind"] != "dense"]
+    assert len(sparse) == len([r for r in first["rows"] if r["kind"] != "dense"])
+    assert all(r["gpu"] == "other #0 1234abcd" for r in sparse)   # kept, not rerun
+    third = bbs.main([*argv, "--resume", "--retime-dense"])   # on the same GPU again: nothing new
+    assert len(third["rows"]) == len(again["rows"])

@@ -366,7 +366,10 @@ def run(args) -> dict:
         doc["rows"] = [r for r in old.get("rows", []) if "error" not in r]
         doc["runs"] = old.get("runs", [])
     doc["runs"].append(meta)
-    have = {row_key(r) for r in doc["rows"]}
+    def have_key(row: dict) -> tuple:
+        """A row's key for --resume; with --retime-dense a dense row timed on another GPU does not count."""
+        return row_key(row) + ((row.get("gpu", gpu),) if args.retime_dense and row["kind"] == "dense" else ())
+    have = {have_key(r) for r in doc["rows"]}
     left: list = []
 
     def over_budget() -> bool:
@@ -374,7 +377,7 @@ def run(args) -> dict:
 
     def todo(row: dict) -> bool:
         """Whether ``row`` (its key fields) is still to run; past the budget it is listed as left."""
-        if row_key(row) in have:
+        if have_key(dict(row, gpu=gpu)) in have:
             return False
         if over_budget():
             left.append(list(row_key(row)))
@@ -385,7 +388,7 @@ def run(args) -> dict:
         row["utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         row["gpu"] = gpu
         doc["rows"].append(row)
-        have.add(row_key(row))
+        have.add(have_key(row))
         write_json(path, doc)
         print(json.dumps({k: v for k, v in row.items() if k != "counts_per_rank"}), flush=True)
 
@@ -451,7 +454,7 @@ def run(args) -> dict:
                     if all(not todo(dict(probe, kernel=kn)) for kn in args.ring_kernels.split(",")):
                         continue
                     for row in ring_rows(bm, meta_m, s, h, d, p, args, dev, dtype):
-                        if row_key(row) not in have:
+                        if have_key(row) not in have:
                             done(row)
     doc["left"] = left
     doc["table"] = table(doc["rows"])
@@ -502,10 +505,12 @@ def table(rows: list) -> str:
 
 
 def gpu_tag(cuda: bool) -> str:
-    """Which device timed a row: the GPU's name and its index on the host (CUDA_VISIBLE_DEVICES), or "cpu"."""
+    """Which device timed a row: the GPU's name, its index on the host (CUDA_VISIBLE_DEVICES) and the start of its
+    UUID (tells machines apart), or "cpu"."""
     if not cuda:
         return "cpu"
-    return f"{torch.cuda.get_device_name()} #{os.environ.get('CUDA_VISIBLE_DEVICES', '0')}"
+    uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", ""))[:8]
+    return f"{torch.cuda.get_device_name()} #{os.environ.get('CUDA_VISIBLE_DEVICES', '0')} {uuid}".rstrip()
 
 
 def merge(out: str, parts: list) -> dict:
@@ -588,6 +593,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                     "sparsities .5,.8,.9,.95, masks random,topk,window, block sizes 64,128, kernels fa4,flex,math "
                     "beside dense cudnn,fa4, Ulysses P=1, no ring rows, --long-ms 400, --kernel-major, math where "
                     "H*S^2 <= 6e9")
+    ap.add_argument("--retime-dense", action="store_true", help="with --resume: time the dense floors again on this "
+                    "GPU where the resumed rows' were timed on another (the ratios then use this GPU's)")
     ap.add_argument("--table-kernels", default="fa4,flex,math", help="with --table: the block-sparse kernels this "
                     "job runs (the others' rows can run in another job, on another GPU, joined by --merge)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="DIR", help="join the JSONs of these --out folders "

@@ -14,6 +14,8 @@
 # On 4 GPUs (2026-11-26, second session): call 1 (part.aa): c1_cudnn@0 c1_dyn@1 table_flex@2 table_math+c1_ring@3 |
 #   call 2 (part.ab): c2_fa4suite@0 table@1 steps75@2 curves+ring_profile@3 | call 3: steps32@0 table@1
 #   steps13+profiles2@2 kernels75@3. STAGE+STAGE@GPU runs them one after the other on that GPU; @2,3 gives two GPUs.
+# Next session (#53's rest): table_rest (part.aa: flex needs no FA4) beside steps13 (part.ab: the wan-1.3b row whose
+#   entry step was 6.4% over its bare step on 2026-11-26).
 # Next session on ONE GPU (#53 and the cuDNN fix; 30 min of device time):
 #   machine 1: cudnn_layout (part.aa: the round's new path first) | fa4 ring_profile table (part.ab) | table | table
 #   machine 2: suite, the families that need no FA4 (part.aa) | fa4 steps75 (part.ab) | curves kernels75
@@ -289,6 +291,16 @@ stage_table_flex() {   # the kernel table's flex rows (no FA4 needed: the first 
 stage_table_math() {   # the kernel table's math rows (H=5 at 32K: its fp32 score matrix), a job of their own
   keep kernels/table_math 240 python3 tools/bench_block_sparse.py --table --table-kernels math --resume \
     --budget-s 170 --out $W/kernels/table_math
+}
+stage_table_rest() {   # the kernel table's rows left on 2026-11-26 (flex at 128K, H=5, and one H=40 row), resumed
+  # from that table's JSON in the tree; dense floors timed again on this machine (--retime-dense) so every ratio is
+  # against a dense row of this GPU
+  mkdir -p $W/kernels/table_rest
+  cp tools/results/2026-11-26_h200x4_table_steps_cudnn/call3/kernels/table_all/bench_block_sparse.json \
+    $W/kernels/table_rest/
+  local left=$(( DEADLINE - $(date +%s) - 90 ))
+  keep kernels/table_rest $(( left + 60 )) python3 tools/bench_block_sparse.py --table --table-kernels flex --resume \
+    --retime-dense --budget-s $left --out $W/kernels/table_rest
 }
 stage_c2_fa4suite() {   # call 2 (part.ab), GPU 0: the checks of the paths the call's figures time, on this machine:
   # FA4's block sparsity in every mode (P=2 and 4 over gloo) and the DiT's sparse family at P=2
