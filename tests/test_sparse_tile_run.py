@@ -97,3 +97,57 @@ def test_gated_spread_equals_the_plain_product(first, seq_local, n_tokens, use_r
     for a, b in zip(torch.autograd.grad(ref, (gate, tiles), dy), torch.autograd.grad(got, (gate, tiles), dy)):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
     assert torch.autograd.gradcheck(lambda g, t: gated_spread(g, t, tile_index, run), (gate, tiles))
+
+
+def test_sparse_step_cache_builds_once_per_shape(monkeypatch):
+    """The DiT's ``SparseStepCache``: the same step for equal token ids passed as new tensors (what each training
+    step's batch brings), the same loss and gradients as building it every forward, and a rebuild when the grid and
+    its ids, the spec or the device change (``sparse_step`` counted)."""
+    from training.video_dit import VideoDiT, preset, sparse as sparse_mod
+    from training.video_dit.sparse import SparseStepCache
+    cfg = preset("tiny")
+    grid, spec = (2, 4, 4), SparseSpec((1, 2, 2), window=(1, 1, 1))
+    perm, _ = tile_order(grid, spec.tile)
+    built = []
+    real = sparse_mod.sparse_step
+    monkeypatch.setattr(sparse_mod, "sparse_step", lambda *a, **k: built.append(1) or real(*a, **k))
+    cache, cpu = SparseStepCache(), torch.device("cpu")
+    first = cache.get(spec, perm.clone(), grid, None, cpu)
+    assert cache.get(spec, perm.clone(), grid, None, cpu) is first and len(built) == 1
+    want = real(spec, perm, grid, None, cpu)
+    assert torch.equal(first.tile_index, want.tile_index) and first.run == want.run and \
+        (first.num_tiles, first.num_blocks) == (want.num_tiles, want.num_blocks) and \
+        torch.equal(first.window_mask, want.window_mask)
+    grid2 = (4, 2, 4)   # another grid (and its ids): rebuilt, and matches its own step
+    perm2, _ = tile_order(grid2, spec.tile)
+    assert torch.equal(cache.get(spec, perm2.clone(), grid2, None, cpu).window_mask,
+                       real(spec, perm2, grid2, None, cpu).window_mask)
+    cache.get(spec, perm.clone(), grid, None, cpu)
+    cache.get(SparseSpec((1, 2, 2), window=(0, 1, 1)), perm.clone(), grid, None, cpu)
+    assert len(built) == 4
+    cache.get(SparseSpec((1, 2, 2), window=(0, 1, 1)), perm.clone(), grid, None, "meta")
+    assert len(built) == 5
+
+    def loss_and_grads(model):
+        torch.manual_seed(1)
+        x, t = torch.randn(1, 32, cfg.patch_volume), torch.rand(1)
+        text = torch.randn(1, cfg.text_len, cfg.text_dim)
+        model.zero_grad()
+        out = model(x, t, text, perm.clone(), grid)
+        out.square().mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.manual_seed(0)
+    model = VideoDiT(cfg)
+    model.set_sparse_attention(spec)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "modulation" in name or "mod_out" in name:
+                p.copy_(0.2 * torch.randn(p.shape))
+    built.clear()
+    runs = [loss_and_grads(model) for _ in range(3)]
+    assert len(built) == 1   # one build for three forwards
+    model.sparse_cache = SparseStepCache()
+    for out, grads in runs:   # bitwise the same as a fresh build
+        ref_out, ref_grads = loss_and_grads(model)
+        assert torch.equal(out, ref_out) and all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+        model.sparse_cache = SparseStepCache()

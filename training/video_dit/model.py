@@ -29,8 +29,8 @@ from megatron_sp_ext.errors import SPConfigError
 from .config import DiTConfig
 from .fused import ElementwiseOps, linear_input_dtype, rms_norm
 from .rope import RopeCache, apply_rope
-from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, coarse_tiles, gated_spread, pad_block_mask, pool_tiles,
-                     reference_sparse_attention, sparse_step, topk_block_mask)
+from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, SparseStepCache, coarse_tiles, gated_spread, pad_block_mask,
+                     pool_tiles, reference_sparse_attention, topk_block_mask)
 from .varlen import PackInfo
 
 # --recompute-modules values (Megatron-LM's names) for --recompute-granularity selective
@@ -368,6 +368,7 @@ class VideoDiT(nn.Module):
         self.rope_cache = RopeCache()
         self.ops = ElementwiseOps()
         self.sparse: Optional[SparseSpec] = None  # --sparse-attention tiles (set_sparse_attention)
+        self.sparse_cache = SparseStepCache()  # the forward's SparseStep, built once per shape (not per step)
 
     def set_sparse_attention(self, spec: Optional[SparseSpec]) -> None:
         """--sparse-attention tiles (``spec``; None: dense, the default). The caller feeds tokens in tile order
@@ -477,8 +478,8 @@ class VideoDiT(nn.Module):
         ctx = self.text_embed(text)
         if pack is None and self.sparse is not None:
             angles = self.rope_cache.get(token_ids, grid, self.cfg.head_dim, x.device)
-            step = sparse_step(self.sparse, token_ids, grid, getattr(self.blocks[0].attn.core, "group", None),
-                               x.device)
+            step = self.sparse_cache.get(self.sparse, token_ids, grid,
+                                         getattr(self.blocks[0].attn.core, "group", None), x.device)
             for blk in self.blocks:
                 x = blk(x, t_emb, ctx, angles, kv_valid_len, sparse=step)
         elif pack is None:

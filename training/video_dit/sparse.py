@@ -410,3 +410,32 @@ def sparse_step(spec: SparseSpec, token_ids: torch.Tensor, grid_thw: tuple, grou
     tile_index = torch.where(positions < n_tokens, positions // block, torch.full_like(positions, num_tiles))
     return SparseStep(spec, tile_index.to(device), num_tiles, num_blocks,
                       group if world > 1 else None, window, TileRun(int(positions[0]), n_tokens, block))
+
+
+class SparseStepCache:
+    """The ``SparseStep`` of the last (spec, grid, token ids, SP group, device) seen: a run with a fixed shape builds it
+    once instead of every forward. ``sparse_step`` does host tensor work over every local token (its index over the
+    tile order is an OpenMP-parallel op: 7.1 ms per call in a training entry's profile on an H200, 2026-11-26,
+    tools/results/2026-11-26_h200x4_table_steps_cudnn/call3/profile/topk90) and a blocking host-to-device copy of
+    ``tile_index`` (a stream sync), both in the step's critical path: the likely cause of short sparse steps' entry
+    over bare step (wan-1.3b 4 layers, window 90%: 114.4 vs 107.5 ms). As ``rope.RopeCache``: token ids on the host
+    (what the entry points pass) are compared on the host, without a device sync; token ids already on a device (a
+    wrapper moved the model's inputs, as FSDP2's root does) are not cached. The cached step is shared: read its
+    tensors only."""
+
+    def __init__(self) -> None:
+        self.key: tuple = ()
+        self.group = None
+        self.ids: Optional[torch.Tensor] = None
+        self.step: Optional[SparseStep] = None
+
+    def get(self, spec: SparseSpec, token_ids: torch.Tensor, grid_thw: tuple, group: Optional[dist.ProcessGroup],
+            device: torch.device) -> SparseStep:
+        """``sparse_step(spec, token_ids, grid_thw, group, device)``, cached."""
+        if token_ids.device.type != "cpu":
+            return sparse_step(spec, token_ids, grid_thw, group, device)
+        key = (spec, tuple(int(g) for g in grid_thw), str(torch.device(device)), token_ids.dtype, token_ids.shape[0])
+        if self.step is None or self.key != key or self.group is not group or not torch.equal(self.ids, token_ids):
+            step = sparse_step(spec, token_ids, grid_thw, group, device)   # raises before anything is kept
+            self.key, self.group, self.ids, self.step = key, group, token_ids.clone(), step
+        return self.step
