@@ -14,8 +14,9 @@
 # On 4 GPUs (2026-11-26, second session): call 1 (part.aa): c1_cudnn@0 c1_dyn@1 table_flex@2 table_math+c1_ring@3 |
 #   call 2 (part.ab): c2_fa4suite@0 table@1 steps75@2 curves+ring_profile@3 | call 3: steps32@0 table@1
 #   steps13+profiles2@2 kernels75@3. STAGE+STAGE@GPU runs them one after the other on that GPU; @2,3 gives two GPUs.
-# Next session (#53's rest): table_rest (part.aa: flex needs no FA4) beside steps13 (part.ab: the wan-1.3b row whose
-#   entry step was 6.4% over its bare step on 2026-11-26).
+# Next session (#53's rest): call 1 (part.aa; flex needs no FA4): table_rest | call 2 (part.ab): c2_fa4suite steps13
+#   (the checks of the sparse paths on that machine, then the wan-1.3b row whose entry step was 6.4% over its bare
+#   step on 2026-11-26, before the SparseStepCache). On 4 GPUs: c2_fa4suite@0 steps13@1 in call 2.
 # Next session on ONE GPU (#53 and the cuDNN fix; 30 min of device time):
 #   machine 1: cudnn_layout (part.aa: the round's new path first) | fa4 ring_profile table (part.ab) | table | table
 #   machine 2: suite, the families that need no FA4 (part.aa) | fa4 steps75 (part.ab) | curves kernels75
