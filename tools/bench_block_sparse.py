@@ -466,12 +466,15 @@ def run(args) -> dict:
     return doc
 
 
+RATIO_REF = kernels.AUTO[0]   # the dense kernel "auto" tries first (FA4): the reference of the table's ratio
+
+
 def dense_fa4_ratio(row: dict, rows: list) -> Optional[float]:
-    """A Ulysses row's useful fwd+bwd TFLOP/s over the dense FA4 row of its S, H and P (the one timed on the same
-    GPU where there is one, else any); None where either is missing."""
+    """A Ulysses row's useful fwd+bwd TFLOP/s over the dense RATIO_REF (FA4) row of its S, H and P (the one timed on
+    the same GPU where there is one, else any); None where either is missing."""
     if row["kind"] != "ulysses" or "fwd_bwd_tflops" not in row:
         return None
-    dense = [r for r in rows if r["kind"] == "dense" and r.get("layout") == "ulysses" and r["kernel"] == "fa4"
+    dense = [r for r in rows if r["kind"] == "dense" and r.get("layout") == "ulysses" and r["kernel"] == RATIO_REF
              and (r["s"], r["h"], r["p"]) == (row["s"], row["h"], row["p"]) and "fwd_bwd_tflops" in r]
     dense.sort(key=lambda r: r.get("gpu") != row.get("gpu"))
     return round(row["fwd_bwd_tflops"] / dense[0]["fwd_bwd_tflops"], 3) if dense else None
