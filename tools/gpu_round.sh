@@ -14,7 +14,9 @@
 # On 4 GPUs (2026-11-26, second session): call 1 (part.aa): c1_cudnn@0 c1_dyn@1 table_flex@2 table_math+c1_ring@3 |
 #   call 2 (part.ab): c2_fa4suite@0 table@1 steps75@2 curves+ring_profile@3 | call 3: steps32@0 table@1
 #   steps13+profiles2@2 kernels75@3. STAGE+STAGE@GPU runs them one after the other on that GPU; @2,3 gives two GPUs.
-# Next session (#53's rest): call 1 (part.aa; flex needs no FA4): table_rest | call 2 (part.ab): c2_fa4suite steps13
+# 2026-11-26 second session, 4 GPUs: call 1 (part.aa): n1 (NCCL suite, no FA4) | call 2 (part.ab): table_rest@0
+#   dit_sparse+steps13@1 n2@2,3 | call 3: n4 (P=4 over NCCL, the SP=4 step).
+# Before (#53's rest): call 1 (part.aa; flex needs no FA4): table_rest | call 2 (part.ab): c2_fa4suite steps13
 #   (the checks of the sparse paths on that machine, then the wan-1.3b row whose entry step was 6.4% over its bare
 #   step on 2026-11-26, before the SparseStepCache). On 4 GPUs: c2_fa4suite@0 steps13@1 in call 2.
 # Next session on ONE GPU (#53 and the cuDNN fix; 30 min of device time):
@@ -307,6 +309,29 @@ stage_c2_fa4suite() {   # call 2 (part.ab), GPU 0: the checks of the paths the c
   # FA4's block sparsity in every mode (P=2 and 4 over gloo) and the DiT's sparse family at P=2
   suite c2/fa4_block_sparse 330 "fa4_block_sparse_family"
   suite c2/dit_sparse 200 "dit_sparse and 2-gloo"
+}
+stage_n1() {   # 2026-11-26 session 2, call 1 (part.aa: no FA4, the local kernel cuDNN, sparse on flex), every GPU:
+  # the suite over NCCL, one rank per GPU (P=2 and P=4 where there are 4), the round's paths first (the one ring,
+  # the DiT's sparse family with its SparseStepCache, flex block sparsity), then the rest
+  suite n1/ring 130 "nccl and (one_ring_family or ring_family)"
+  suite n1/sparse 130 "nccl and (block_sparse_family or dit_sparse_family) and not fa4"
+  suite n1/ulysses 120 "nccl and (ulysses_family or call_order)"
+  suite n1/mesh 100 "nccl and (mesh_family or fsdp2_model or dit_entry)"
+}
+stage_dit_sparse() {   # the DiT's sparse family at P=2 ranks on this GPU (gloo), before its step is timed
+  suite dit_sparse 200 "dit_sparse and 2-gloo"
+}
+stage_n2() {   # call 2 (part.ab), two GPUs: FA4's block sparsity and the DiT's sparse family over NCCL at P=2, then
+  # the step at SP=2 (one rank per GPU), wan-14b 4 layers, 75,600 tokens, dense beside window90 / topk90
+  suite n2/fa4_nccl 200 "2-nccl and (fa4_block_sparse_family or dit_sparse_family)"
+  stage_sp2
+}
+stage_n4() {   # call 3, four GPUs: the same checks at P=4 over NCCL, then the step at SP=4
+  suite n4/fa4_nccl 200 "4-nccl and (fa4_block_sparse_family or dit_sparse_family)"
+  keep sp4/step 300 torchrun --nproc-per-node 4 tools/bench_train_step.py \
+    --variants guarded,sparse_window90,sparse_topk90 --log-interval 4 --out $W/sp4/wan14b_4l_21x45x80 -- \
+    --model wan-14b --num-layers 4 --bf16 --train-iters 12 --timing-bare-steps 4 --ddp-impl torch \
+    --recompute-granularity full --context-parallel-size 4 --frames 21 --latent-size 90x160
 }
 run_stage() {   # run_stage STAGE[+STAGE...] [GPU[,GPU]]: the stages one after the other (on those GPUs); one summary
   # and one tarball per call of run_stage (the device returns 8 files: 4 stages at once at most), named with '_'
