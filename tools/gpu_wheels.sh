@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Here (with a registry): the wheels the GPU machines lack, as parts small enough to carry one per device call.
 #   bash tools/gpu_wheels.sh            -> .fa4/part.aa, .fa4/part.ab (+ .fa4/manifest), git-ignored
+#   bash tools/gpu_wheels.sh lite       -> the same parts without DeepSpeed and its needs (smaller)
 # Contents: flash-attn-4 and its CuTe DSL compiler (~102 MB), megatron-core 0.16.1, deepspeed 0.19.8 and their
 # small needs (cp312, manylinux). There (tools/gpu_install.sh, sourced by tools/gpu_run.sh): each call carrying a
 # part leaves it under /tmp/spx_parts; once every part of the manifest is there they are joined, checked
@@ -8,6 +9,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if [ "${1:-}" = lite ]; then   # the parts again without DeepSpeed and its needs (not used by tests/test_cuda.py
+  # outside its DeepSpeed adapter case, which then skips by name; msgpack and py-cpuinfo are on the image): with the
+  # tree at 12.3 MB, two halves of the whole set (55.1 MB each) went over the 64 MiB a call carries
+  W=$(mktemp -d); (cd .fa4 && cat $(tail -n +2 manifest)) | tar -C "$W" -xf -
+  rm -f "$W"/deepspeed-*.whl "$W"/hjson-*.whl "$W"/msgpack-*.whl "$W"/py_cpuinfo-*.whl "$W"/pydantic-*.whl \
+    "$W"/pydantic_core-*.whl "$W"/annotated_types-*.whl "$W"/typing_inspection-*.whl
+  rm -rf .fa4 && mkdir -p .fa4
+  tar -C "$W" -cf .fa4/wheels.tar $(cd "$W" && ls -Sr)
+  split -n 2 .fa4/wheels.tar .fa4/part.
+  { echo "sha256 $(sha256sum .fa4/wheels.tar | cut -d' ' -f1)"; (cd .fa4 && ls part.*); } > .fa4/manifest
+  rm -f .fa4/wheels.tar; rm -rf "$W"; cat .fa4/manifest; ls -l .fa4; exit 0
+fi
 W=$(mktemp -d)
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
       --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
