@@ -43,6 +43,19 @@ def test_overhead_past_warmup_is_named_as_such():
     assert bts.step_agreement(_timing(110.0, 100.0), 40, 10)["mfu_bare"] is None  # no MFU on the CPU
 
 
+def test_excess_between_steps_named_with_the_data_wait():
+    # wan-1.3b 4 layers, window90, FA4, 1 x H100 (2026-11-26): entry 109.6 ms, fwd+bwd 94.5 + optimizer 5.4 ms
+    t = dict(_timing(109.6, 99.4), model_fwd_bwd_ms=94.5, optimizer_ms=5.4, data_wait_ms=9.1, gc_ms=0.2)
+    a = bts.step_agreement(t, train_iters=30, log_interval=10)
+    assert a["between_steps_ms"] == pytest.approx(9.7) and a["data_wait_ms"] == 9.1 and a["gc_ms"] == 0.2
+    assert "9.1 ms waiting for the data path" in a["note"] and "--num-workers" in a["note"]
+    assert "0.2 ms per step in Python's garbage collector" in a["note"]
+    a = bts.step_agreement(dict(t, data_wait_ms=0.3, gc_ms=6.8), train_iters=30, log_interval=10)
+    assert "0.3 ms waiting" in a["note"] and "--num-workers" not in a["note"] and "6.8 ms per step" in a["note"]
+    ok = bts.step_agreement(dict(t, entry_step_ms=100.2, entry_over_bare=100.2 / 99.4), 30, 10)
+    assert ok["agrees"] and ok["note"] is None and ok["between_steps_ms"] == pytest.approx(0.3)
+
+
 def test_plan_beside_peak_matches_memory_plan():
     pytest.importorskip("megatron.core")
     from tools import memory_plan as mp

@@ -93,6 +93,35 @@ def test_step_batches_equal_prepare():
         assert (inp.grid, inp.n_valid, inp.n_pad) == (ref.grid, ref.n_valid, ref.n_pad)
 
 
+def test_gc_timer_counts_collections_inside_its_block():
+    """telemetry.GcTimer: a forced collection inside the block is counted, the callback leaves with the block."""
+    import gc
+    from training.video_dit.telemetry import GcTimer
+    n = len(gc.callbacks)
+    with GcTimer() as g:
+        junk = [[i] for i in range(200_000)]
+        gc.collect()
+        assert g.take() > 0 and g.take() == 0.0
+    del junk
+    assert len(gc.callbacks) == n
+
+
+def test_timed_appends_the_wait_for_each_item():
+    """pipeline.timed: the items unchanged, each with the host ms the consumer waited for it (a slow producer's
+    sleep shows, a ready item's does not)."""
+    import time
+    from training.video_dit.pipeline import timed
+
+    def slow():
+        for i in range(3):
+            if i == 1:
+                time.sleep(0.05)
+            yield i, f"x{i}"
+    got = list(timed(slow()))
+    assert [g[:2] for g in got] == [(0, "x0"), (1, "x1"), (2, "x2")]
+    assert got[1][2] >= 45 and got[0][2] < 45 and got[2][2] < 45
+
+
 def test_sample_position_follows_a_global_batch_change():
     """A checkpoint taken after 4 samples at global batch 2 (step 2), resumed at global batch 1: steps 2, 3
     read samples 4, 5 (none repeated, none skipped); unchanged global batch: no offset."""
@@ -256,12 +285,15 @@ def test_timing_rows_and_bare_steps(tmp_path, fn):
     """--timing: per-step fwd+bwd / optimizer spans in the rows, timing.json with the bare steps and ratios."""
     log = str(tmp_path / "log")
     res = run_ranks(lambda r, w: fn(r, w, ("--timing", "--timing-bare-steps", "2", "--log-dir", log)), 2)[0]
-    assert all(r["model_fwd_bwd_ms"] > 0 and r["optimizer_ms"] > 0 for r in res["rows"])
+    assert all(r["model_fwd_bwd_ms"] > 0 and r["optimizer_ms"] > 0 and r["data_wait_ms"] >= 0 for r in res["rows"])
     t = json.load(open(os.path.join(log, "timing.json")))
     assert t["bare_step_ms"] == pytest.approx(res["timing"]["bare_step_ms"]) and t["bare_step_ms"] > 0
     assert len(t["bare_step_ms_all"]) == 2
     assert t["entry_over_bare"] == pytest.approx(t["entry_step_ms"] / t["bare_step_ms"])
     assert t["entry_over_model_and_opt"] > 0 and t["rows_used"] == 2
+    assert t["data_wait_ms"] == sorted(r["data_wait_ms"] for r in res["rows"][-2:])[1]
+    assert all(r["gc_ms"] >= 0 for r in res["rows"]) and t["gc_ms"] == pytest.approx(
+        sum(r["gc_ms"] for r in res["rows"][-2:]) / 2)
 
 
 def test_megatron_only_flags_rejected_on_torch_ddp():

@@ -27,7 +27,10 @@ flex_attention on CUDA); with SP > 1 the factory's SPAttention runs its block_ma
 ``sparse_core``, from --context-parallel-size).
 The medians leave out the first log interval (warm-up, which includes torch.compile's compilation).
 Agreement (#51 item 9): each variant's ``step_agreement`` says whether its entry step and bare step agree within 2%
-(``STEP_AGREEMENT_TOL``); a run of fewer than 2 x --log-interval steps has no full interval past the warm-up, so
+(``STEP_AGREEMENT_TOL``), and where a flagged entry's excess lies: ``between_steps_ms`` (entry step - fwd+bwd -
+optimizer: the GPU idle between steps), ``data_wait_ms`` (the loop waiting on its data path, median per step) and
+``gc_ms`` (host time in Python's garbage collector, mean per step);
+a run of fewer than 2 x --log-interval steps has no full interval past the warm-up, so
 its medians include the compilation: the bench then flags it (JSON and a WARNING line) with the --train-iters it
 needs. ``mfu`` is the entry step's; ``mfu_bare`` the bare step's (mfu x entry / bare step time; same FLOPs).
 FSDP2 (#52): variant "fsdp2" is the defaults with --use-torch-fsdp2 (with "guarded" in the job,
@@ -194,6 +197,18 @@ def step_agreement(timing: dict, train_iters: int, log_interval: int, tol: float
         out["note"] = (f"entry step {timing['entry_step_ms']:.1f} ms vs bare step {timing['bare_step_ms']:.1f} ms "
                        f"(x{ratio:.3f}) past the warm-up: the entry's loop costs {ratio - 1:+.1%} over the bare step "
                        f"(more --train-iters only if the steps vary: {train_iters} now)")
+    inside = [timing.get(k) for k in ("model_fwd_bwd_ms", "optimizer_ms")]
+    if None not in inside:   # where the entry's excess lies: between the steps (GPU idle), data, collector
+        out["between_steps_ms"] = timing["entry_step_ms"] - sum(inside)
+        out["data_wait_ms"], out["gc_ms"] = timing.get("data_wait_ms"), timing.get("gc_ms")
+        if out["note"] is not None and not out["warmup_in_median"] and out["data_wait_ms"] is not None:
+            data_bound = out["data_wait_ms"] >= 0.5 * out["between_steps_ms"]
+            out["note"] += (f"; {out['between_steps_ms']:.1f} ms of each step lie between one step's update and the "
+                            f"next forward: {out['data_wait_ms']:.1f} ms waiting for the data path"
+                            + (" (its DataLoader workers cannot keep up with this step: --num-workers)"
+                               if data_bound else "")
+                            + (f", {out['gc_ms']:.1f} ms per step in Python's garbage collector"
+                               if out["gc_ms"] is not None else ""))
     return out
 
 

@@ -178,6 +178,8 @@ def shard_tokens(full: torch.Tensor, n_valid: int, sp_rank: int, sp_world: int, 
     if n_pad > n_valid:
         full = torch.cat([full, full.new_zeros(full.shape[0], n_pad - n_valid, full.shape[2])], dim=1)
     ids = torch.cat([torch.arange(a, a + n) for a, n in pieces(placement, sp_rank, sp_world, n_pad)])
+    if torch.equal(ids, torch.arange(full.shape[1])):   # every token in order (one SP rank): no copy
+        return full, ids, n_pad
     return full[:, ids], ids, n_pad
 
 

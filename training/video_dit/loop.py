@@ -25,9 +25,9 @@ from .cli import sparse_spec
 from .dynamic import PlanLog
 from .engine import describe_samples, local_loss
 from .guard import NonFiniteError, SpikeDetector, StepGuard
-from .pipeline import StepBatches, step_inputs
+from .pipeline import StepBatches, step_inputs, timed
 from .profiling import StepProfiler
-from .telemetry import Telemetry
+from .telemetry import GcTimer, Telemetry
 
 log = logging.getLogger("video_dit")
 
@@ -236,61 +236,63 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
     prof = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end, args.profile_ranks, ctx.rank,
                         args.log_dir, device)
     losses: list = []
-    for step, inp, ids in step_inputs(batches, device, resolve_workers(args, device)):
-        prof.step(step)
-        plan_log.see(inp.pack.dynamic if inp.pack is not None else None)
-        if cast_inputs is not None:
-            cast_inputs(inp)
-        ev = tel.events()
-        hook = _plant_inf_hook(ops.model, step, args.debug_inf_grad_step, ctx.rank)
-        if ev:
-            ev.mark(0)
-        ops.zero_grad()
-        loss_r = local_loss(ops.model, inp, autocast)
-        ops.backward(loss_r * ctx.sp_world)
-        if ev:
-            ev.mark(1)
-        if hook is not None:
-            hook.remove()
-        grad_norm = ops.grads_ready()
-        vec = guard.reduce(loss_r, grad_norm)
-        loss = vec[0]
-        apply = True
-        if guard.enabled:
-            verdict = guard.read(vec)
-            loss = verdict.loss
-            if isinstance(ops, DeepSpeedOps):  # gradients: DeepSpeed's own overflow check inside step()
-                if not verdict.ok:
+    with GcTimer() as gc_timer:   # host time in the collector, per step (gc_ms)
+        for step, inp, ids, data_wait_ms in timed(step_inputs(batches, device, resolve_workers(args, device))):
+            prof.step(step)
+            plan_log.see(inp.pack.dynamic if inp.pack is not None else None)
+            if cast_inputs is not None:
+                cast_inputs(inp)
+            ev = tel.events()
+            hook = _plant_inf_hook(ops.model, step, args.debug_inf_grad_step, ctx.rank)
+            if ev:
+                ev.mark(0)
+            ops.zero_grad()
+            loss_r = local_loss(ops.model, inp, autocast)
+            ops.backward(loss_r * ctx.sp_world)
+            if ev:
+                ev.mark(1)
+            if hook is not None:
+                hook.remove()
+            grad_norm = ops.grads_ready()
+            vec = guard.reduce(loss_r, grad_norm)
+            loss = vec[0]
+            apply = True
+            if guard.enabled:
+                verdict = guard.read(vec)
+                loss = verdict.loss
+                if isinstance(ops, DeepSpeedOps):  # gradients: DeepSpeed's own overflow check inside step()
+                    if not verdict.ok:
+                        apply = guard.decide(verdict, step, describe_samples(dataset, ids))
+                    out = ops.update()
+                    if ops.ds_skipped and verdict.ok:
+                        verdict.ok, verdict.grad_ranks = False, list(range(ctx.world))
+                        apply = guard.decide(verdict, step, describe_samples(dataset, ids))
+                    elif not ops.ds_skipped and (not verdict.ok or (out is not None and not math.isfinite(out))):
+                        raise NonFiniteError(f"step {step}: non-finite loss or gradient norm ({out}) and DeepSpeed "
+                                             f"applied the update (its gradient overflow check is off for this "
+                                             f"configuration: use ZeRO 1-3 with bf16.check_grad_overflow true); "
+                                             f"samples: {describe_samples(dataset, ids)}")
+                else:
                     apply = guard.decide(verdict, step, describe_samples(dataset, ids))
-                out = ops.update()
-                if ops.ds_skipped and verdict.ok:
-                    verdict.ok, verdict.grad_ranks = False, list(range(ctx.world))
-                    apply = guard.decide(verdict, step, describe_samples(dataset, ids))
-                elif not ops.ds_skipped and (not verdict.ok or (out is not None and not math.isfinite(out))):
-                    raise NonFiniteError(f"step {step}: non-finite loss or gradient norm ({out}) and DeepSpeed "
-                                         f"applied the update (its gradient overflow check is off for this "
-                                         f"configuration: use ZeRO 1-3 with bf16.check_grad_overflow true); "
-                                         f"samples: {describe_samples(dataset, ids)}")
+                    out = ops.update() if apply else ops.discard()
+                if loss is not None and apply:
+                    spikes.update(step, loss, describe_samples(dataset, ids))
             else:
-                apply = guard.decide(verdict, step, describe_samples(dataset, ids))
-                out = ops.update() if apply else ops.discard()
-            if loss is not None and apply:
-                spikes.update(step, loss, describe_samples(dataset, ids))
-        else:
-            out = ops.update()
-        if ev:
-            ev.mark(2)
-        gn = out if out is not None else grad_norm
-        losses.append(loss)
-        extra = {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid}
-        seqlen = inp.n_valid  # the length a token attends over (MFU); packed: its own sample's, averaged
-        if inp.pack is not None:
-            extra["samples"], seqlen = inp.pack.num_samples, inp.pack.attention_seqlen
-        tel.record(step, loss, gn, ops.lr(), inp.n_valid * args.micro_batch_size * ctx.dp_world, seqlen,
-                   len(guard.skipped), ev, extra)
-        if save is not None and args.save and args.save_interval and (step + 1) % args.save_interval == 0:
-            tel.flush()
-            save(step + 1)
+                out = ops.update()
+            if ev:
+                ev.mark(2)
+            gn = out if out is not None else grad_norm
+            losses.append(loss)
+            extra = {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid, "data_wait_ms": data_wait_ms,
+                     "gc_ms": gc_timer.take()}
+            seqlen = inp.n_valid  # the length a token attends over (MFU); packed: its own sample's, averaged
+            if inp.pack is not None:
+                extra["samples"], seqlen = inp.pack.num_samples, inp.pack.attention_seqlen
+            tel.record(step, loss, gn, ops.lr(), inp.n_valid * args.micro_batch_size * ctx.dp_world, seqlen,
+                       len(guard.skipped), ev, extra)
+            if save is not None and args.save and args.save_interval and (step + 1) % args.save_interval == 0:
+                tel.flush()
+                save(step + 1)
     prof.close()
     tel.close()
     if args.timing and args.timing_bare_steps > 0 and losses:
@@ -342,7 +344,9 @@ def _write_timing(log_metrics, rank: int, interval: int) -> None:
     t = log_metrics.timing
     t.update(entry_step_ms=1e3 * med("step_time_s"), model_fwd_bwd_ms=med("model_fwd_bwd_ms"),
              optimizer_ms=med("optimizer_ms"), mfu=med("mfu"), peak_mem_gib=med("peak_mem_gib"),
-             tokens_per_s=med("tokens_per_s"), rows_used=len(rows))
+             tokens_per_s=med("tokens_per_s"), data_wait_ms=med("data_wait_ms"), rows_used=len(rows))
+    gc_ms = [r["gc_ms"] for r in rows if r.get("gc_ms") is not None]
+    t["gc_ms"] = sum(gc_ms) / len(gc_ms) if gc_ms else None   # a mean: collections come every few steps
     if t["model_fwd_bwd_ms"] is not None and t["optimizer_ms"] is not None:
         t["entry_over_model_and_opt"] = t["entry_step_ms"] / (t["model_fwd_bwd_ms"] + t["optimizer_ms"])
     t["entry_over_bare"] = t["entry_step_ms"] / t["bare_step_ms"]

@@ -8,6 +8,7 @@ The values are those of ``engine.prepare`` bit for bit: only where they are comp
 """
 from __future__ import annotations
 
+import time
 from typing import Iterator, Optional
 
 import torch
@@ -124,3 +125,16 @@ def step_inputs(batches: StepBatches, device, num_workers: int = 0, prefetch: in
                         persistent_workers=False)
     for h in loader:
         yield h["step"], to_device(h, device, non_blocking=pin), h["sample_ids"]
+
+
+def timed(steps: Iterator[tuple]) -> Iterator[tuple]:
+    """``steps``' items with the host milliseconds the consumer waited for each appended (what the data path costs
+    the step beyond what the DataLoader's read-ahead hides; a step faster than the data path waits every step)."""
+    it = iter(steps)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        yield (*item, 1e3 * (time.perf_counter() - t0))

@@ -4,7 +4,8 @@ every ``--log-interval`` steps (and before a checkpoint), then written to metric
 
 Row fields: step, loss, grad_norm, lr, step_time_s, tokens_per_s, mfu, peak_mem_gib (max over ranks),
 peak_mem_gib_per_rank, skipped_steps, and with --timing model_fwd_bwd_ms / optimizer_ms (CUDA events in
-the same run). step_time_s is the interval's wall time over its steps (exact per step at --log-interval 1).
+the same run); data_wait_ms (the loop waiting on its data path) and gc_ms (host time in Python's garbage collector)
+per step. step_time_s is the interval's wall time over its steps (exact per step at --log-interval 1).
 
 MFU = model FLOPs per second / (world x peak dense bf16 FLOP/s of one GPU), where model FLOPs per
 token = 6 x (matmul parameters a video token passes) + 12 x layers x dim x (video tokens + text tokens)
@@ -12,6 +13,7 @@ token = 6 x (matmul parameters a video token passes) + 12 x layers x dim x (vide
 """
 from __future__ import annotations
 
+import gc
 import time
 from typing import Optional
 
@@ -47,6 +49,35 @@ class _Events:
         if self.cuda:
             return m[0].elapsed_time(m[1]), m[1].elapsed_time(m[2])
         return (m[1] - m[0]) * 1e3, (m[2] - m[1]) * 1e3
+
+
+class GcTimer:
+    """Host milliseconds spent in Python's garbage collector (``gc.callbacks``) since the last ``take()``: a
+    collection of a large heap where the host has no lead on the GPU (between two steps) leaves the GPU idle.
+    A context manager: the callback is registered inside the ``with`` block only."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self._t0: Optional[float] = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += 1e3 * (time.perf_counter() - self._t0)
+            self._t0 = None
+
+    def take(self) -> float:
+        """The ms collected since the last call (then 0)."""
+        ms, self.ms = self.ms, 0.0
+        return ms
+
+    def __enter__(self) -> "GcTimer":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 class Telemetry:
