@@ -9,17 +9,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+pack() {   # pack DIR: DIR's wheels -> .fa4/part.aa, .fa4/part.ab + .fa4/manifest (sha256 of the whole); DIR removed.
+  # Smallest first: the first part then holds every wheel but the CuTe DSL libraries whole (megatron-core, FA4's
+  # Python), which gpu_install.sh installs from the first call on; two equal parts, each under 64 MiB with the tree
+  rm -rf .fa4 && mkdir -p .fa4
+  tar -C "$1" -cf .fa4/wheels.tar $(cd "$1" && ls -Sr)
+  split -n 2 .fa4/wheels.tar .fa4/part.
+  { echo "sha256 $(sha256sum .fa4/wheels.tar | cut -d' ' -f1)"; (cd .fa4 && ls part.*); } > .fa4/manifest
+  rm -f .fa4/wheels.tar; rm -rf "$1"
+  cat .fa4/manifest; du -sh .fa4/*
+}
 if [ "${1:-}" = lite ]; then   # the parts again without DeepSpeed and its needs (not used by tests/test_cuda.py
   # outside its DeepSpeed adapter case, which then skips by name; msgpack and py-cpuinfo are on the image): with the
   # tree at 12.3 MB, two halves of the whole set (55.1 MB each) went over the 64 MiB a call carries
   W=$(mktemp -d); (cd .fa4 && cat $(tail -n +2 manifest)) | tar -C "$W" -xf -
   rm -f "$W"/deepspeed-*.whl "$W"/hjson-*.whl "$W"/msgpack-*.whl "$W"/py_cpuinfo-*.whl "$W"/pydantic-*.whl \
     "$W"/pydantic_core-*.whl "$W"/annotated_types-*.whl "$W"/typing_inspection-*.whl
-  rm -rf .fa4 && mkdir -p .fa4
-  tar -C "$W" -cf .fa4/wheels.tar $(cd "$W" && ls -Sr)
-  split -n 2 .fa4/wheels.tar .fa4/part.
-  { echo "sha256 $(sha256sum .fa4/wheels.tar | cut -d' ' -f1)"; (cd .fa4 && ls part.*); } > .fa4/manifest
-  rm -f .fa4/wheels.tar; rm -rf "$W"; cat .fa4/manifest; ls -l .fa4; exit 0
+  pack "$W"; exit 0
 fi
 W=$(mktemp -d)
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
@@ -30,12 +36,4 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
   apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 quack-kernels==0.6.5 megatron-core==0.16.1 \
   hjson msgpack py-cpuinfo pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q deepspeed==0.19.8 --no-deps --no-build-isolation -w "$W"
-rm -rf .fa4 && mkdir -p .fa4
-# smallest first: the first part then holds every wheel but the CuTe DSL libraries whole (megatron-core, deepspeed,
-# FA4's Python), which gpu_install.sh installs from the first call on
-tar -C "$W" -cf .fa4/wheels.tar $(cd "$W" && ls -Sr)
-split -n 2 .fa4/wheels.tar .fa4/part.   # two equal parts: each under 64 MiB with the tree (~10 MB)
-{ echo "sha256 $(sha256sum .fa4/wheels.tar | cut -d' ' -f1)"; (cd .fa4 && ls part.*); } > .fa4/manifest
-rm -f .fa4/wheels.tar
-rm -rf "$W"
-cat .fa4/manifest; du -sh .fa4/*
+pack "$W"
