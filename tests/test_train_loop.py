@@ -106,6 +106,66 @@ def test_gc_timer_counts_collections_inside_its_block():
     assert len(gc.callbacks) == n
 
 
+def test_manual_gc_turns_the_collector_off_and_collects_at_its_interval(monkeypatch):
+    """manual_gc.ManualGc (--manual-gc / --manual-gc-interval): the automatic collector is off inside the block
+    and back on after it; a full collection after every interval-th step (0: none); off, it changes nothing."""
+    import gc
+    from training.video_dit.manual_gc import ManualGc
+    assert gc.isenabled()
+    calls = []
+    real = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or real(*a))
+    with ManualGc(True, 3) as m:
+        assert not gc.isenabled() and len(calls) == 1     # one collection on entry, the survivors frozen
+        assert gc.get_freeze_count() > 0
+        for step in range(7):
+            m.step_done(step)
+    assert gc.isenabled() and len(calls) == 1 + 2         # after steps 2 and 5
+    assert gc.get_freeze_count() == 0
+    with ManualGc(True, 0) as m:
+        for step in range(5):
+            m.step_done(step)
+    assert len(calls) == 4 and gc.isenabled()
+    with ManualGc(False, 0) as m:
+        assert gc.isenabled()
+        m.step_done(0)
+    assert len(calls) == 4
+    with pytest.raises(ValueError, match="--manual-gc-interval=-1"):
+        ManualGc(True, -1)
+
+
+def test_default_workers_scale_with_the_ranks_share_of_cpus(monkeypatch):
+    """--num-workers default: half the rank's CPUs, 2 to 8, on CUDA (LOCAL_WORLD_SIZE ranks share the host); 0 on
+    CPU; a given value is kept."""
+    import argparse
+    from training.video_dit.loop import default_workers, resolve_workers
+    assert [default_workers(16, 1), default_workers(16, 4), default_workers(128, 8), default_workers(32, 8),
+            default_workers(2, 1)] == [8, 2, 8, 2, 2]
+    args = argparse.Namespace(num_workers=None)
+    assert resolve_workers(args, "cpu") == 0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolve_workers(args, "cuda") == 3
+    assert resolve_workers(argparse.Namespace(num_workers=5), "cuda") == 5
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--manual-gc-interval", "-1", "--manual-gc"), "--manual-gc-interval=-1: must be >= 0"),
+    (("--manual-gc-interval", "5"), "--manual-gc-interval=5 is set without --manual-gc"),
+    (("--num-workers", "-2"), "--num-workers=-2: must be >= 0")])
+def test_gc_and_worker_flags_refused_by_name(flags, says):
+    """Bad --manual-gc-interval / --num-workers: one line naming the flag, exit 2, no traceback."""
+    r = subprocess.run([sys.executable, "-m", "training.pretrain_video_dit", *BASE, *flags], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_manual_gc_bit_identical():
+    """--manual-gc (collector off, a collection every 2 steps) trains exactly the plain run's losses."""
+    plain = _losses(_mg)
+    assert _losses(_mg, ("--manual-gc", "--manual-gc-interval", "2")) == plain
+
+
 def test_timed_appends_the_wait_for_each_item():
     """pipeline.timed: the items unchanged, each with the host ms the consumer waited for it (a slow producer's
     sleep shows, a ready item's does not)."""

@@ -14,7 +14,7 @@
 # On 4 GPUs (2026-11-26, second session): call 1 (part.aa): c1_cudnn@0 c1_dyn@1 table_flex@2 table_math+c1_ring@3 |
 #   call 2 (part.ab): c2_fa4suite@0 table@1 steps75@2 curves+ring_profile@3 | call 3: steps32@0 table@1
 #   steps13+profiles2@2 kernels75@3. STAGE+STAGE@GPU runs them one after the other on that GPU; @2,3 gives two GPUs.
-# Next session: checks first (c2_fa4suite or dit_sparse), then entry13 (where wan-1.3b's entry excess goes).
+# 2026-11-26 session 3, one GPU: call 1 (part.aa): newpaths | call 2 (part.ab): dit_sparse entry13.
 # 2026-11-26 second session, 4 GPUs: call 1 (part.aa): n1 (NCCL suite, no FA4) | call 2 (part.ab): table_rest@0
 #   dit_sparse+steps13@1 n2@2,3 | call 3: n4 (P=4 over NCCL, the SP=4 step).
 # Before (#53's rest): call 1 (part.aa; flex needs no FA4): table_rest | call 2 (part.ab): c2_fa4suite steps13
@@ -182,12 +182,22 @@ stage_steps13() {  # wan-1.3b 4 layers at 32K
   keep steps/wan13b_16x32x64 140 $STEP --variants guarded,sparse_window90 --out $W/steps/wan13b_16x32x64 -- \
     --model wan-1.3b --num-layers 4 --bf16 --train-iters 30 --ddp-impl torch --frames 16 --latent-size 64x128
 }
+stage_newpaths() {   # 2026-11-26 session 3, call 1 (part.aa, no FA4): the round's new paths on CUDA first (the
+  # entry with the default worker count, --manual-gc and --timing's data_wait_ms / gc_ms rows, against the
+  # in-thread data path), then how fast this host's data path delivers wan-1.3b 32K batches in tile order per
+  # worker count (no model: the floor under the entry's step)
+  suite newpaths/entry 150 "dit_entry_data_path_and_manual_gc or fsdp2_entry"
+  keep newpaths/data_path 200 python3 tools/bench_data_path.py --model wan-1.3b --frames 16 --latent-size 64x128 \
+    --sparse-tile 4,4,4 --workers 0,2,4,6,8 --batches 24 --out $W/newpaths/data_path
+}
 stage_entry13() {   # wan-1.3b 4 layers window90: its entry step 10.3% over its bare step (2026-11-26, 1 x H100),
-  # all of it between steps (fwd+bwd+optimizer = the bare step); the rows' data_wait_ms / gc_ms say where it goes;
-  # then the same with 8 DataLoader workers (the default is 4)
+  # all of it between steps (fwd+bwd+optimizer = the bare step). The entry with its default workers (now half the
+  # host's CPUs, 2-8) beside the dense step; the old default (4 workers); the default with --manual-gc
   local a=(--model wan-1.3b --num-layers 4 --bf16 --train-iters 30 --ddp-impl torch --frames 16 --latent-size 64x128)
-  keep entry13/w4 140 $STEP --variants guarded,sparse_window90 --out $W/entry13/w4 -- "${a[@]}"
-  keep entry13/w8 100 $STEP --variants sparse_window90 --out $W/entry13/w8 -- "${a[@]}" --num-workers 8
+  keep entry13/default 150 $STEP --variants guarded,sparse_window90 --out $W/entry13/default -- "${a[@]}"
+  keep entry13/w4 90 $STEP --variants sparse_window90 --out $W/entry13/w4 -- "${a[@]}" --num-workers 4
+  keep entry13/mgc 90 $STEP --variants sparse_window90 --out $W/entry13/mgc -- "${a[@]}" --manual-gc \
+    --manual-gc-interval 10
 }
 stage_profiles() {   # the topk90 and window90 steps' profiles beside the dense one (#53), wan-14b 2 layers, 32,760
   for tag in dense topk90 window90; do

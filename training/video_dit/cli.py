@@ -195,6 +195,13 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error(f"--sample-steps={args.sample_steps}: must be >= 0 (0 turns sampling off)")
     if args.sample_steps and not args.log_dir:
         p.error("--sample-steps needs --log-dir (samples.png is written there, beside loss.png)")
+    if getattr(args, "num_workers", None) is not None and args.num_workers < 0:
+        p.error(f"--num-workers={args.num_workers}: must be >= 0 (0: batches built in the training thread)")
+    if getattr(args, "manual_gc_interval", 0) < 0:
+        p.error(f"--manual-gc-interval={args.manual_gc_interval}: must be >= 0 (0: no collection between steps)")
+    if getattr(args, "manual_gc_interval", 0) and not getattr(args, "manual_gc", False):
+        p.error(f"--manual-gc-interval={args.manual_gc_interval} is set without --manual-gc: add --manual-gc (the "
+                f"interval applies only when Python's automatic collector is off)")
     if args.max_tokens_per_step is not None and not args.pack_samples:
         p.error("--max-tokens-per-step is the budget of a packed step: add --pack-samples")
     if args.pack_samples:

@@ -25,6 +25,7 @@ from .cli import sparse_spec
 from .dynamic import PlanLog
 from .engine import describe_samples, local_loss
 from .guard import NonFiniteError, SpikeDetector, StepGuard
+from .manual_gc import ManualGc
 from .pipeline import StepBatches, step_inputs, timed
 from .profiling import StepProfiler
 from .telemetry import GcTimer, Telemetry
@@ -40,8 +41,14 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "non-finite check is off)")
     g.add_argument("--tensorboard-dir", default=None, help="also write TensorBoard event files here (rank 0)")
     g.add_argument("--num-workers", type=int, default=None,
-                   help="DataLoader worker processes preparing batches ahead (default: 4 on CUDA, 0 on CPU; "
-                        "0 = in the training thread). A synthetic wan-1.3b 32K batch costs ~150 ms of one CPU core")
+                   help="DataLoader worker processes preparing batches ahead (default on CUDA: half this rank's "
+                        "share of the host's CPUs, 2 to 8; on CPU 0 = in the training thread). A synthetic "
+                        "wan-1.3b 32K batch costs 70-300 ms of one CPU core")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="as in Megatron-LM: Python's automatic garbage collector off during the step loop, a full "
+                        "collection every --manual-gc-interval steps instead (the same step on every rank)")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: collect every N steps (0: no collection between steps)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="activation checkpointing: full blocks, or selective (--recompute-modules)")
     g.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=["core_attn", "mlp"],
@@ -78,8 +85,21 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def default_workers(cpus: int, local_ranks: int) -> int:
+    """DataLoader workers per rank on CUDA: half of the rank's share of ``cpus`` (the rest: the training thread,
+    the pin-memory thread, the launcher), at least 2 and at most 8."""
+    return min(8, max(2, cpus // max(1, local_ranks) // 2))
+
+
 def resolve_workers(args, device) -> int:
-    n = args.num_workers if args.num_workers is not None else (4 if torch.device(device).type == "cuda" else 0)
+    """--num-workers, or on CUDA ``default_workers`` over this process's CPU affinity and torchrun's
+    LOCAL_WORLD_SIZE; 0 on CPU."""
+    n = args.num_workers
+    if n is None:
+        if torch.device(device).type != "cuda":
+            return 0
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return default_workers(cpus, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if n < 0:
         raise ValueError(f"--num-workers={n}: must be >= 0")
     return n
@@ -236,8 +256,13 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
     prof = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end, args.profile_ranks, ctx.rank,
                         args.log_dir, device)
     losses: list = []
-    with GcTimer() as gc_timer:   # host time in the collector, per step (gc_ms)
-        for step, inp, ids, data_wait_ms in timed(step_inputs(batches, device, resolve_workers(args, device))):
+    workers = resolve_workers(args, device)
+    if ctx.rank == 0:
+        log.info("data path: %d DataLoader worker(s) per rank%s", workers,
+                 "" if args.num_workers is not None else " (--num-workers default)")
+    manual_gc = ManualGc(getattr(args, "manual_gc", False), getattr(args, "manual_gc_interval", 0))
+    with GcTimer() as gc_timer, manual_gc:   # host time in the collector, per step (gc_ms)
+        for step, inp, ids, data_wait_ms in timed(step_inputs(batches, device, workers)):
             prof.step(step)
             plan_log.see(inp.pack.dynamic if inp.pack is not None else None)
             if cast_inputs is not None:
@@ -281,6 +306,7 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
                 out = ops.update()
             if ev:
                 ev.mark(2)
+            manual_gc.step_done(step)
             gn = out if out is not None else grad_norm
             losses.append(loss)
             extra = {"tokens": inp.n_valid, "padded_tokens": inp.n_pad - inp.n_valid, "data_wait_ms": data_wait_ms,
@@ -297,6 +323,8 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
     tel.close()
     if args.timing and args.timing_bare_steps > 0 and losses:
         log_metrics.timing = bare_steps(ops, inp, args.timing_bare_steps, autocast, ctx)
+        log_metrics.timing.update(num_workers=workers, manual_gc=manual_gc.enabled,
+                                  manual_gc_interval=manual_gc.interval)
         _write_timing(log_metrics, ctx.rank, args.log_interval)
     if guard.skipped and ctx.rank == 0:
         log.warning("skipped %d non-finite step(s): %s", len(guard.skipped), guard.skipped)
