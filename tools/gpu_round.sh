@@ -196,8 +196,14 @@ stage_entry13() {   # wan-1.3b 4 layers window90: its entry step 10.3% over its 
   local a=(--model wan-1.3b --num-layers 4 --bf16 --train-iters 30 --ddp-impl torch --frames 16 --latent-size 64x128)
   keep entry13/default 150 $STEP --variants guarded,sparse_window90 --out $W/entry13/default -- "${a[@]}"
   keep entry13/w4 90 $STEP --variants sparse_window90 --out $W/entry13/w4 -- "${a[@]}" --num-workers 4
+}
+stage_entry13b() {   # the same window90 entry with --manual-gc, then its profile (steps 10-12; the trace gzipped)
+  local a=(--model wan-1.3b --num-layers 4 --bf16 --train-iters 30 --ddp-impl torch --frames 16 --latent-size 64x128)
   keep entry13/mgc 90 $STEP --variants sparse_window90 --out $W/entry13/mgc -- "${a[@]}" --manual-gc \
     --manual-gc-interval 10
+  keep entry13/profile 120 torchrun --nproc-per-node 1 tools/profile_train_step.py --out $W/entry13/profile \
+    --tag window90 -- "${a[@]/30/14}" --sparse-attention tiles --sparse-window 1,1,1
+  find $W/entry13/profile -name '*.json' -size +3M -exec gzip -f {} \;
 }
 stage_profiles() {   # the topk90 and window90 steps' profiles beside the dense one (#53), wan-14b 2 layers, 32,760
   for tag in dense topk90 window90; do
