@@ -320,3 +320,32 @@ def test_dit_entry_data_path_and_manual_gc(tmp_path):
     assert timing["num_workers"] == default_workers(len(os.sched_getaffinity(0)), 1) and timing["manual_gc"]
     assert timing["manual_gc_interval"] == 2
     assert len(_check("dit_data", 1, "nccl", per_rank)) == 1
+
+
+def test_device_batches_equal_prepare_on_cuda():
+    """pipeline.step_inputs on CUDA (2 DataLoader workers, pinned, each batch copied one step ahead on a copy
+    stream): every step's inputs equal engine.prepare's on the GPU bit for bit, read on a compute stream that runs
+    behind the host while each used batch is freed and the next one copied (a batch's memory handed to the next
+    copy before the compute stream's reads ran shows as a mismatch)."""
+    from training.video_dit import preset
+    from training.video_dit.data import SyntheticVideoLatents
+    from training.video_dit.engine import flow_matching_batch, prepare
+    from training.video_dit.pipeline import StepBatches, step_inputs
+    cfg = preset("tiny")
+    data = SyntheticVideoLatents(cfg.in_channels, [4, 3], 32, 48, cfg.text_len, cfg.text_dim, seed=3)
+    sb = StepBatches(data, start=0, stop=8, seed=9, dp_rank=1, dp_world=2, micro_batch=1, patch=cfg.patch,
+                     sp_rank=1, sp_world=2, tile=(2, 2, 2))
+    busy = torch.randn(4096, 4096, device="cuda") / 64
+    got = []
+    it = step_inputs(sb, "cuda", num_workers=2)
+    for step, inp, _ in it:
+        for _ in range(10):   # ~20 ms of queued work: this batch's reads below still pending when the next
+            busy = (busy @ busy).tanh_()   # prefetch allocates (reusing the block early would overwrite them)
+        it.prefetch()
+        got.append((step, {k: getattr(inp, k).clone() for k in ("x", "target", "valid", "t", "text")}))
+        del inp
+    assert [s for s, _ in got] == list(range(8))
+    for step, inp in got:
+        ref = prepare(flow_matching_batch(data, step, 9, 1, 2, 1, cfg.patch, tile=(2, 2, 2)), 1, 2, "cuda")
+        for k, v in inp.items():
+            assert torch.equal(v, getattr(ref, k)), (step, k)

@@ -166,20 +166,35 @@ def test_manual_gc_bit_identical():
     assert _losses(_mg, ("--manual-gc", "--manual-gc-interval", "2")) == plain
 
 
-def test_timed_appends_the_wait_for_each_item():
-    """pipeline.timed: the items unchanged, each with the host ms the consumer waited for it (a slow producer's
-    sleep shows, a ready item's does not)."""
+def test_device_batches_prefetch_one_ahead_and_count_the_wait():
+    """pipeline.DeviceBatches: the batches unchanged and in order; ``prefetch()`` takes the next one from the
+    loader once (a second call is a no-op) and ``next`` then returns it without reading further; the host ms a
+    slow loader made the consumer wait are counted where the wait happened (in prefetch), then reset."""
     import time
-    from training.video_dit.pipeline import timed
+    from training.video_dit import preset
+    from training.video_dit.data import SyntheticVideoLatents
+    from training.video_dit.pipeline import DeviceBatches, StepBatches
+    cfg = preset("tiny")
+    data = SyntheticVideoLatents(cfg.in_channels, [4], 6, 10, cfg.text_len, cfg.text_dim, seed=3)
+    sb = StepBatches(data, start=0, stop=3, seed=9, dp_rank=0, dp_world=1, micro_batch=1, patch=cfg.patch,
+                     sp_rank=0, sp_world=1)
+    read = []
 
     def slow():
-        for i in range(3):
+        for i in range(len(sb)):
+            read.append(i)
             if i == 1:
                 time.sleep(0.05)
-            yield i, f"x{i}"
-    got = list(timed(slow()))
-    assert [g[:2] for g in got] == [(0, "x0"), (1, "x1"), (2, "x2")]
-    assert got[1][2] >= 45 and got[0][2] < 45 and got[2][2] < 45
+            yield sb[i]
+    d = DeviceBatches(slow(), "cpu")
+    step, inp, ids = next(d)
+    assert (step, ids, read) == (0, [0], [0]) and d.take_wait_ms() < 45
+    d.prefetch()
+    d.prefetch()
+    assert read == [0, 1] and d.take_wait_ms() >= 45 and d.take_wait_ms() == 0.0
+    step, inp, ids = next(d)
+    assert (step, read) == (1, [0, 1]) and torch.equal(inp.x, sb[1]["x"])
+    assert [s for s, _, _ in d] == [2] and d.take_wait_ms() < 45
 
 
 def test_sample_position_follows_a_global_batch_change():

@@ -190,6 +190,10 @@ stage_newpaths() {   # 2026-11-26 session 3, call 1 (part.aa, no FA4): the round
   keep newpaths/data_path 200 python3 tools/bench_data_path.py --model wan-1.3b --frames 16 --latent-size 64x128 \
     --sparse-tile 4,4,4 --workers 0,2,4,6,8 --batches 24 --out $W/newpaths/data_path
 }
+stage_prefetch() {   # the data path's device copy one step ahead on a copy stream (pipeline.DeviceBatches): its CUDA
+  # cases (values against engine.prepare under a lagging compute stream; the entry's losses against in-thread data)
+  suite prefetch/cases 150 "device_batches_equal_prepare or dit_entry_data_path_and_manual_gc"
+}
 stage_entry13() {   # wan-1.3b 4 layers window90: its entry step 10.3% over its bare step (2026-11-26, 1 x H100),
   # all of it between steps (fwd+bwd+optimizer = the bare step). The entry with its default workers (now half the
   # host's CPUs, 2-8) beside the dense step; the old default (4 workers); the default with --manual-gc

@@ -1,6 +1,7 @@
 """The training step loop shared by both entry points, and its flags.
 
-Per step: inputs from the background data path (pipeline.step_inputs), forward+backward, the
+Per step: inputs from the background data path (pipeline.step_inputs; the next step's batch is fetched and
+copied to the device once this step's backward is queued), forward+backward, the
 framework's gradient reduction and clip (which yields the gradient norm), the non-finite guard (one
 small all-reduce, guard.StepGuard), the update (or a counted skip), and device-side metrics read
 back every --log-interval steps (telemetry.Telemetry). A framework adapter (TorchOps, MegatronOps,
@@ -26,7 +27,7 @@ from .dynamic import PlanLog
 from .engine import describe_samples, local_loss
 from .guard import NonFiniteError, SpikeDetector, StepGuard
 from .manual_gc import ManualGc
-from .pipeline import StepBatches, step_inputs, timed
+from .pipeline import StepBatches, step_inputs
 from .profiling import StepProfiler
 from .telemetry import GcTimer, Telemetry
 
@@ -262,7 +263,9 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
                  "" if args.num_workers is not None else " (--num-workers default)")
     manual_gc = ManualGc(getattr(args, "manual_gc", False), getattr(args, "manual_gc_interval", 0))
     with GcTimer() as gc_timer, manual_gc:   # host time in the collector, per step (gc_ms)
-        for step, inp, ids, data_wait_ms in timed(step_inputs(batches, device, workers)):
+        data = step_inputs(batches, device, workers)
+        for step, inp, ids in data:
+            data_wait_ms = data.take_wait_ms()   # this batch's wait (taken while the previous step ran, mostly)
             prof.step(step)
             plan_log.see(inp.pack.dynamic if inp.pack is not None else None)
             if cast_inputs is not None:
@@ -274,6 +277,7 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
             ops.zero_grad()
             loss_r = local_loss(ops.model, inp, autocast)
             ops.backward(loss_r * ctx.sp_world)
+            data.prefetch()   # the next batch's host wait and device copy while the GPU runs this backward
             if ev:
                 ev.mark(1)
             if hook is not None:

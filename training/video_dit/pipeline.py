@@ -3,13 +3,14 @@
 A step's batch is a pure function of (step, dp_rank) (engine.flow_matching_batch), so the steps of
 a run form a map-style dataset: ``StepBatches[i]`` is step ``start + i`` already cut to this rank's
 tokens (CPU). A torch DataLoader reads it ahead with ``num_workers`` processes (0: in the training
-thread, the plain path), pins the tensors, and ``to_device`` copies them with ``non_blocking=True``.
+thread, the plain path), pins the tensors, and ``DeviceBatches`` copies them to the device one step ahead, on a
+copy stream of its own on CUDA.
 The values are those of ``engine.prepare`` bit for bit: only where they are computed changes.
 """
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -114,27 +115,80 @@ def _identity(item):
     return item
 
 
+class DeviceBatches:
+    """(step, StepInputs on the device, sample_ids) for every step, from a DataLoader of host batches.
+
+    ``prefetch()`` takes the next host batch from the DataLoader and starts its copy to the device - on CUDA on a
+    copy stream of its own. The step loop calls it once the current step's backward is queued (the GPU busy, the
+    host about to wait for it anyway), so that between two steps there is neither a wait on the data path nor a
+    copy on the compute stream. ``__next__`` prefetches if the loop did not, then orders the compute stream after
+    the copy (and marks the batch's tensors as used there, so the allocator keeps them until that stream is done).
+    ``take_wait_ms()``: host ms spent waiting on the DataLoader since the last call (what the data path costs the
+    host beyond what the read-ahead hides). Values are ``to_device``'s, bit for bit."""
+
+    def __init__(self, loader, device) -> None:
+        self.device = torch.device(device)
+        self.it = iter(loader)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.ahead: Optional[tuple] = None
+        self.done = False
+        self.wait_ms = 0.0
+
+    def prefetch(self) -> None:
+        """Read the next host batch and start its copy (no-op if one is ahead or the data is done)."""
+        if self.ahead is not None or self.done:
+            return
+        t0 = time.perf_counter()
+        try:
+            h = next(self.it)
+        except StopIteration:
+            self.done = True
+            return
+        finally:
+            self.wait_ms += 1e3 * (time.perf_counter() - t0)
+        if self.stream is None:
+            inp = to_device(h, self.device, non_blocking=False)
+        else:
+            with torch.cuda.stream(self.stream):
+                inp = to_device(h, self.device, non_blocking=True)
+        self.ahead = (h["step"], inp, h["sample_ids"])
+
+    def take_wait_ms(self) -> float:
+        ms, self.wait_ms = self.wait_ms, 0.0
+        return ms
+
+    def __iter__(self) -> "DeviceBatches":
+        return self
+
+    def __next__(self) -> tuple:
+        self.prefetch()
+        if self.ahead is None:
+            raise StopIteration
+        item, self.ahead = self.ahead, None
+        if self.stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.stream)
+            for t in _tensors(item[1]):
+                if t.device.type == "cuda":
+                    t.record_stream(compute)
+        return item
+
+
+def _tensors(inp: StepInputs) -> list:
+    """The tensors a StepInputs holds (its own and its PackInfo's)."""
+    out = [v for v in vars(inp).values() if isinstance(v, torch.Tensor)]
+    if inp.pack is not None:
+        out += [v for v in vars(inp.pack).values() if isinstance(v, torch.Tensor)]
+    return out
+
+
 def step_inputs(batches: StepBatches, device, num_workers: int = 0, prefetch: int = 2,
-                pin_memory: Optional[bool] = None) -> Iterator[tuple]:
-    """Yield (step, StepInputs on device, sample_ids) for every step of ``batches``, read ahead by
+                pin_memory: Optional[bool] = None) -> DeviceBatches:
+    """Every step of ``batches`` as (step, StepInputs on device, sample_ids) (a ``DeviceBatches``), read ahead by
     ``num_workers`` DataLoader processes (``prefetch`` batches each), pinned when the device is CUDA."""
     device = torch.device(device)
     pin = device.type == "cuda" if pin_memory is None else pin_memory
     loader = DataLoader(batches, batch_size=None, shuffle=False, num_workers=num_workers, collate_fn=_identity,
                         pin_memory=pin, prefetch_factor=prefetch if num_workers > 0 else None,
                         persistent_workers=False)
-    for h in loader:
-        yield h["step"], to_device(h, device, non_blocking=pin), h["sample_ids"]
-
-
-def timed(steps: Iterator[tuple]) -> Iterator[tuple]:
-    """``steps``' items with the host milliseconds the consumer waited for each appended (what the data path costs
-    the step beyond what the DataLoader's read-ahead hides; a step faster than the data path waits every step)."""
-    it = iter(steps)
-    while True:
-        t0 = time.perf_counter()
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        yield (*item, 1e3 * (time.perf_counter() - t0))
+    return DeviceBatches(loader, device)
