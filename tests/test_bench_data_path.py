@@ -10,7 +10,8 @@ def test_rows_per_worker_count(tmp_path):
     doc = json.load(open(tmp_path / "bench_data_path.json"))
     assert [r["workers"] for r in doc["results"]] == [0, 1]
     for r in doc["results"]:
-        assert r["batches"] >= 4 and 0 < r["min_ms"] <= r["ms_per_batch"] <= r["max_ms"]
+        assert r["batches"] >= 4 and 0 < r["min_ms"] <= min(r["ms_per_batch"], r["median_ms"]) <= r["max_ms"]
+        assert r["ms_per_batch"] == sum(r["intervals_ms"]) / r["batches"]
         assert len(r["intervals_ms"]) == r["batches"]
     meta = doc["meta"]
     assert meta["tokens"] == 4 * 4 * 6 and meta["tile"] == [2, 2, 2] and meta["cpus"] >= 1

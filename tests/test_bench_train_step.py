@@ -52,7 +52,9 @@ def test_excess_between_steps_named_with_the_data_wait():
     assert "0.2 ms per step in Python's garbage collector" in a["note"]
     a = bts.step_agreement(dict(t, data_wait_ms=0.3, gc_ms=6.8), train_iters=30, log_interval=10)
     assert "0.3 ms waiting" in a["note"] and "--num-workers" not in a["note"] and "6.8 ms per step" in a["note"]
-    assert "--manual-gc" in a["note"] and "--manual-gc" not in bts.step_agreement(t, 30, 10)["note"]
+    assert "--manual-gc moves" in a["note"] and "--manual-gc" not in bts.step_agreement(t, 30, 10)["note"]
+    m = bts.step_agreement(dict(t, data_wait_ms=0.3, gc_ms=6.0, manual_gc=True), train_iters=30, log_interval=10)
+    assert "--manual-gc-interval collections" in m["note"]   # the advice for a run that already has it on
     ok = bts.step_agreement(dict(t, entry_step_ms=100.2, entry_over_bare=100.2 / 99.4), 30, 10)
     assert ok["agrees"] and ok["note"] is None and ok["between_steps_ms"] == pytest.approx(0.3)
 

@@ -208,7 +208,8 @@ def step_agreement(timing: dict, train_iters: int, log_interval: int, tol: float
                             + (" (its DataLoader workers cannot keep up with this step: --num-workers)"
                                if data_bound else "")
                             + (f", {out['gc_ms']:.1f} ms per step in Python's garbage collector"
-                               + (" (--manual-gc moves it out of the steps)"
+                               + ((" (its --manual-gc-interval collections: a larger interval, or 0)"
+                                   if timing.get("manual_gc") else " (--manual-gc moves it out of the steps)")
                                   if out["gc_ms"] >= 0.5 * out["between_steps_ms"] else "")
                                if out["gc_ms"] is not None else ""))
     return out

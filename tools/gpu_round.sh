@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One lent GPU session of a round, in stages that each fit one device call (<= 10 min), run back to back on the same
 # warm machine (the wheels carried as parts in .fa4/: tools/gpu_wheels.sh; the first call carries part.aa only).
+# Carry .fa4/commit too (git rev-parse --short HEAD > .fa4/commit): the device copy's git metadata lagged the
+# working tree on 2026-11-26 (it named eeafb9a for runs of 61a0b5c..7f7f659), so the stages' .meta read that file.
 #   bash tools/gpu_round.sh STAGE[@GPU] [STAGE[@GPU] ...]
 # stages: first fa4 sp2 curves checks suite kernels kernels2 kernels75 steps32 steps480 steps75 steps13 profiles
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
@@ -364,7 +366,8 @@ stage_n4() {   # call 3, four GPUs: the same checks at P=4 over NCCL, then the s
 run_stage() {   # run_stage STAGE[+STAGE...] [GPU[,GPU]]: the stages one after the other (on those GPUs); one summary
   # and one tarball per call of run_stage (the device returns 8 files: 4 stages at once at most), named with '_'
   local s=${1//+/_} parts=${1//+/ } g=${2:-} t0 part; t0=$(date +%s)
-  { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git rev-parse --short HEAD; date -u;
+  { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; cat .fa4/commit 2>/dev/null || echo \
+    "$(git rev-parse --short HEAD) (the device copy's git metadata: may lag; carry .fa4/commit)"; date -u;
     echo "gpu: ${g:-all}"; } > "$W/$s.meta"
   if [ -n "$g" ]; then export CUDA_VISIBLE_DEVICES=$g PET_MASTER_PORT=$(( 29500 + 17 * (${g%%,*} + 1) )); fi
   for part in $parts; do "stage_$part"; done 2>&1 | tee "$W/$s.log" | tail -n 60 > "$OUT/$s.txt"
