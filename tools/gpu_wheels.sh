@@ -2,6 +2,8 @@
 # Here (with a registry): the wheels the GPU machines lack, as parts small enough to carry one per device call.
 #   bash tools/gpu_wheels.sh            -> .fa4/part.aa, .fa4/part.ab (+ .fa4/manifest), git-ignored
 #   bash tools/gpu_wheels.sh lite       -> the same parts without DeepSpeed and its needs (smaller)
+#   PARTS=3 bash tools/gpu_wheels.sh lite   -> three parts (~35 MB each): with tools/results at 12.7 MB the tree
+#                                              (13.8 MB) and one of two lite halves went over 64 MiB (2026-11-26)
 # Contents: flash-attn-4 and its CuTe DSL compiler (~102 MB), megatron-core 0.16.1, deepspeed 0.19.8 and their
 # small needs (cp312, manylinux). There (tools/gpu_install.sh, sourced by tools/gpu_run.sh): each call carrying a
 # part leaves it under /tmp/spx_parts; once every part of the manifest is there they are joined, checked
@@ -9,12 +11,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-pack() {   # pack DIR: DIR's wheels -> .fa4/part.aa, .fa4/part.ab + .fa4/manifest (sha256 of the whole); DIR removed.
+pack() {   # pack DIR: DIR's wheels -> .fa4/part.aa, .fa4/part.ab (PARTS of them, default 2) + .fa4/manifest (sha256 of
+  # the whole); DIR removed.
   # Smallest first: the first part then holds every wheel but the CuTe DSL libraries whole (megatron-core, FA4's
   # Python), which gpu_install.sh installs from the first call on; two equal parts, each under 64 MiB with the tree
   rm -rf .fa4 && mkdir -p .fa4
   tar -C "$1" -cf .fa4/wheels.tar $(cd "$1" && ls -Sr)
-  split -n 2 .fa4/wheels.tar .fa4/part.
+  split -n "${PARTS:-2}" .fa4/wheels.tar .fa4/part.
   { echo "sha256 $(sha256sum .fa4/wheels.tar | cut -d' ' -f1)"; (cd .fa4 && ls part.*); } > .fa4/manifest
   rm -f .fa4/wheels.tar; rm -rf "$1"
   cat .fa4/manifest; du -sh .fa4/*
