@@ -15,4 +15,6 @@ def test_rows_per_worker_count(tmp_path):
         assert len(r["intervals_ms"]) == r["batches"]
     meta = doc["meta"]
     assert meta["tokens"] == 4 * 4 * 6 and meta["tile"] == [2, 2, 2] and meta["cpus"] >= 1
-    assert (tmp_path / "bench_data_path.md").read_text().startswith("| workers")
+    table = [line.split("|")[1:-1] for line in (tmp_path / "bench_data_path.md").read_text().splitlines()]
+    assert table[0][1].strip() == "ms per batch (mean)" and len({len(r) for r in table}) == 1   # header fits rows
+    assert [float(r[1]) for r in table[2:]] == [round(r["ms_per_batch"], 1) for r in doc["results"]]

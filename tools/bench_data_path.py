@@ -9,8 +9,8 @@ drained by a consumer that does nothing else; ``ms_per_batch`` is the mean inter
 read-ahead is used up (the first ``W x 2`` + 2 batches are left out): the fastest step the entry can run at with W
 workers. Batches from W workers arrive in bursts (W nearly at once, then a gap), so the median interval
 (``median_ms``) says little about the rate; it is kept beside. W=0 builds every batch in this thread: its interval
-is one batch's host cost. The host's CPU count and
-torch's threads are recorded beside the rows. Writes DIR/bench_data_path.json (+ .md).
+is one batch's host cost. The host's CPU count and torch's threads are recorded beside the rows. Writes
+DIR/bench_data_path.json (+ .md).
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     data = SyntheticVideoLatents(cfg.in_channels, [args.frames], h, w, cfg.text_len, cfg.text_dim, seed=0)
     device = torch.device(args.device)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    rows, lines = [], [f"| workers | ms per batch (median) | min | max | batches |", "|---|---|---|---|---|"]
+    rows, lines = [], ["| workers | ms per batch (mean) | median | min | max | batches |", "|---|---|---|---|---|---|"]
     for n in (int(v) for v in args.workers.split(",")):
         stop = args.batches + n * PREFETCH + 3
         batches = StepBatches(data, start=0, stop=stop, seed=0, dp_rank=0, dp_world=1, micro_batch=1,

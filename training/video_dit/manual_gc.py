@@ -14,9 +14,9 @@ import gc
 
 
 class ManualGc:
-    """A context manager over the step loop: ``enabled`` turns the automatic collector off inside the block
-    (one full collection on entry, then the survivors frozen) and restores its previous state on exit (unfrozen); ``step_done(step)`` collects after
-    every ``interval``-th step (0: never)."""
+    """A context manager over the step loop: ``enabled`` turns the automatic collector off inside the block (one
+    full collection on entry, then the survivors frozen) and restores its previous state on exit (unfrozen);
+    ``step_done(step)`` collects after every ``interval``-th step (0: never)."""
 
     def __init__(self, enabled: bool, interval: int = 0) -> None:
         if interval < 0:
