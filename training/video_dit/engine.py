@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sp_ext import modes
 from megatron_sp_ext.attention import kernels
 from megatron_sp_ext.attention.backends import SDPABackend, get_backend, with_block_kernel
 from megatron_sp_ext.config import SPConfig
@@ -82,7 +83,7 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
         core = one_device_core(backend, setting=backend_setting, block_kernel=block_kernel)
         core.group = None
         return core
-    cfg = SPConfig(mode=mode, head_chunks=1 if mode == "ulysses" else head_chunks, ring_variant=ring_variant,
+    cfg = SPConfig(mode=mode, head_chunks=modes.head_chunks_of(mode, head_chunks), ring_variant=ring_variant,
                    placement=placement, ulysses_size=ulysses_size, nodes=nodes, backend=backend,
                    transport=transport, source=source)
     local = with_block_kernel(backend, block_kernel, SPARSE_KERNEL_FLAG, backend_setting)  # "auto": the backend

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ... import modes
 from ...attention import block_sparse
 from ...attention.backends import LocalAttention, get_backend
 from ...attention.lse import acc_dtype, merge_into
@@ -50,7 +51,7 @@ from .rotation import (backward_steps, check_travel, dkv_schedule_from_env, kv_v
 from .skips import SkipTables, TileSpec, skip_tables
 from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
 
-VARIANTS = ("ring", "tasp")
+VARIANTS = modes.names(ring_variant=True)   # the ring variants (the mode registry: ring, tasp)
 
 
 @lru_cache(maxsize=None)
@@ -425,7 +426,7 @@ def build_ring_plan(group_ref, rank: int, world: int, *, variant: str, s_loc: in
                     kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None,
                     tiles: Optional[TileSpec] = None, q_runs_of: tuple = ()) -> RingPlan:
     """The ``RingPlan`` of ring rank ``rank`` of ``world`` (uncached; ``make_ring_plan`` caches it per group)."""
-    if variant == "tasp" and world > 1:
+    if modes.get(variant).multi_ring and world > 1:
         rt = routing_tables(world)
         m = len(rt.cycles)
         if balanced_slots:  # tasp_zigzag: ring i carries [piece, mirror] = 2 * (s_loc / 2m) tokens
@@ -442,7 +443,7 @@ def build_ring_plan(group_ref, rank: int, world: int, *, variant: str, s_loc: in
         mode = "sorted"
         q_moves, _ = sorted_order(tuple(q_runs))
         kv_moves, _ = sorted_order(tuple(kv_runs[0]))
-    elif causal and variant == "tasp" and balanced_slots:
+    elif causal and modes.get(variant).multi_ring and balanced_slots:
         mode = "ab"
         q_moves, _ = sorted_order(tuple(q_runs))
         kv_moves, _ = sorted_order(tuple(kv_runs[rank]))
@@ -544,10 +545,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     its ``TileSlice``), skips the (step, slot) blocks with none and the K|V hops no later rank needs
     (``skips``). Not with cu_seqlens.
     """
-    if group is not None and dist.get_world_size(group) > 1 and needs_p2p(variant, dist.get_world_size(group)):
-        check_p2p(f"ring_attention(variant={variant!r})", group, q.device, "ulysses_attention")
     if variant not in VARIANTS:
         raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
+    if group is not None and dist.get_world_size(group) > 1 and needs_p2p(variant, dist.get_world_size(group)):
+        check_p2p(f"ring_attention(variant={variant!r})", group, q.device, "ulysses_attention")
     check_ring_inputs(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     be = get_backend(backend)
