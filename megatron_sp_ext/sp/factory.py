@@ -32,6 +32,7 @@ from ..comm.transport import TransportPool
 from ..config import DEFAULT_PLACEMENT, DROPOUT_MODES, LAYOUTS, SEQ_PLACEMENTS, SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
 from ..topology.mesh import SPMesh, build_sp_mesh
+from .checks import MaskChecks
 from .layers.policy import FormPolicy
 from .calibration import ModePolicy
 from .ring import hybrid_attention, ring_attention, torus_attention
@@ -42,18 +43,21 @@ RING_MODES = modes.names(family="ring")         # the ring variants auto may pic
 
 class SPResources:
     """What every attention of one model shares: comm streams, HCMS chunk policy, mode policy (auto), the
-    attention-block form policy (``--sp-async-qkv auto``), transports and meshes (one per group/heads/placement).
-    ``sp_config``: the model's settings, if known."""
+    attention-block form policy (``--sp-async-qkv auto``), transports, meshes (one per group/heads/placement) and
+    the block-mask checks (``MaskChecks``: each distinct mask compared across ranks once; ``per_call=True`` for the
+    check on every call). ``sp_config``: the model's settings, if known."""
 
     def __init__(self, sp_config: Optional[SPConfig] = None, *, streams: Optional[StreamPool] = None,
                  policy: Optional[HCMSPolicy] = None, mode_policy: Optional[ModePolicy] = None,
-                 transports: Optional[TransportPool] = None, form_policy: Optional[FormPolicy] = None) -> None:
+                 transports: Optional[TransportPool] = None, form_policy: Optional[FormPolicy] = None,
+                 mask_checks: Optional[MaskChecks] = None) -> None:
         self.sp_config = sp_config
         self.streams = streams or StreamPool()
         self.policy = policy or HCMSPolicy()
         self.mode_policy = mode_policy or ModePolicy()
         self.transports = transports or TransportPool()
         self.form_policy = form_policy or FormPolicy()
+        self.mask_checks = mask_checks if mask_checks is not None else MaskChecks()
         self.meshes: dict = {}
 
     def mesh(self, group: dist.ProcessGroup, num_heads: int, cfg: SPConfig,
@@ -143,12 +147,13 @@ class SPAttention:
             comm_stream=self.res.streams.comm_stream(q.device), policy=self.res.policy, placement=self.placement,
             kv_valid_len=kv_valid_len, dropout_p=dropout_p, cu_seqlens=cu_seqlens,
             transport=self.res.transports.get(self.cfg.transport, self.group, q.device, self.cfg.name("transport")),
-            **(block or {}))
+            mask_checks=self.res.mask_checks, **(block or {}))
 
     def _ring(self, q, k, v, variant, causal, scale, kv_valid_len, cu_seqlens=None, block=None):
         return ring_attention(q, k, v, self.group, variant=variant, causal=causal, softmax_scale=scale,
                               layout=self.layout, placement=self.placement, backend=self.backend,
-                              kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, **(block or {}))
+                              kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, mask_checks=self.res.mask_checks,
+                              **(block or {}))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  softmax_scale: Optional[float] = None, kv_valid_len: Optional[int] = None, dropout_p: float = 0.0,
@@ -195,12 +200,14 @@ class SPAttention:
         if family == "torus":
             return torus_attention(q, k, v, self.mesh, causal=causal, softmax_scale=softmax_scale, layout=self.layout,
                                    ring_variant=self.cfg.ring_variant, placement=self.placement, backend=self.backend,
-                                   kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, **(block or {}))
+                                   kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens,
+                                   mask_checks=self.res.mask_checks, **(block or {}))
         if family == "hybrid":
             return hybrid_attention(q, k, v, self.mesh, head_chunks=self.cfg.head_chunks,
                                     ring_variant=self.cfg.ring_variant, causal=causal, softmax_scale=softmax_scale,
                                     layout=self.layout, placement=self.placement, backend=self.backend,
-                                    kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, **(block or {}))
+                                    kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens,
+                                    mask_checks=self.res.mask_checks, **(block or {}))
         raise SPConfigError(f"{self.cfg.name('mode')}={mode!r} is invalid")  # pragma: no cover - SPConfig checked
 
 

@@ -105,6 +105,7 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
     core.attention = attn
     core.group = group
     core.mode_policy = attn.res.mode_policy
+    core.mask_checks = attn.res.mask_checks   # the cross-rank block-mask checks (sp.checks.MaskChecks)
     if attn.packed is not None:
         core.packed = attn.packed
     return core
