@@ -90,7 +90,6 @@ MODES = (
 )
 NAMES = tuple(m.name for m in MODES)
 FLAGS = tuple(f.name for f in fields(Mode) if f.type in ("bool", bool))
-assert all(m.family in FAMILIES for m in MODES)
 
 
 def get(name: str) -> Mode:
