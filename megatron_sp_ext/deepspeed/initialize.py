@@ -3,7 +3,7 @@
 JSON (next to DeepSpeed's own ``"sequence_parallel_size": P``):
     "sequence_parallel_ext": {"mode": "hcms", "head_chunks": "auto", "placement": "auto",
                               "ring_variant": "tasp", "nodes": null, "ulysses_size": null,
-                              "backend": "sdpa", "causal": false, "dropout_p": 0.0}
+                              "backend": "auto", "causal": false, "dropout_p": 0.0}
 Steps: validate the block (errors name the JSON key) -> build SP / data / sequence-data groups
 -> install the mpu in deepspeed.utils.groups -> swap the attention of opting-in modules ->
 deepspeed.initialize(model=..., config=..., mpu=..., **kwargs) and return what it returns.

@@ -33,7 +33,7 @@ from .varlen import PackInfo
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
-def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backend", block_kernel: str = "auto"):
+def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backend", block_kernel: str = "auto"):
     """The attention core(q, k, v, kv_valid_len, cu_seqlens) on one device ([B, S, H, D], no sequence parallelism) on
     the local kernel ``backend``: FA4 where "auto"/"sdpa" resolve to it or "fa4" is named, the named kernel for
     "cudnn"/"torch_flash"/..., else torch SDPA (``model.local_core``, the DiT's reference path). A sparse step's
@@ -68,7 +68,7 @@ def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backen
 
 
 def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: str = "ring",
-              placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "sdpa",
+              placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "auto",
               transport: str = "nccl", source: str = "megatron", block_kernel: str = "auto"):
     """The sequence-parallel attention core(q, k, v, kv_valid_len) on [B, S_local, H, D] shards
     (contiguous token placement) for ``mode`` over ``group`` (None or size 1 = local): the factory's

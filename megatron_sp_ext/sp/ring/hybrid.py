@@ -66,7 +66,7 @@ def sorted_rows(grid: tuple, world: int, placement: str, seqlen: int, cu: Option
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *,
                      head_chunks: "int | str" = 1, ring_variant: str = "ring", causal: bool = False,
                      softmax_scale: Optional[float] = None, layout: str = "bshd",
-                     placement: str = DEFAULT_PLACEMENT, backend: str = "sdpa",
+                     placement: str = DEFAULT_PLACEMENT, backend: str = "auto",
                      kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
                      block_mask: Optional[torch.Tensor] = None, block_size: int = 64,
                      mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:

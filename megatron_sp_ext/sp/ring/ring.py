@@ -527,7 +527,7 @@ def checked_mask(what: str, block_mask: Optional[torch.Tensor], block_size: int,
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                    variant: str = "ring", causal: bool = False, softmax_scale: Optional[float] = None,
                    layout: str = "bshd", placement: str = DEFAULT_PLACEMENT,
-                   backend: "str | LocalAttention" = "sdpa", kv_valid_len: Optional[int] = None,
+                   backend: "str | LocalAttention" = "auto", kv_valid_len: Optional[int] = None,
                    cu_seqlens: Optional[torch.Tensor] = None, block_mask: Optional[torch.Tensor] = None,
                    block_size: int = block_sparse.DEFAULT_BLOCK_SIZE,
                    mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:

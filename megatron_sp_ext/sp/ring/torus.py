@@ -258,7 +258,7 @@ class _TorusFn(torch.autograd.Function):
 
 def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool = False,
                     softmax_scale: Optional[float] = None, layout: str = "bshd", ring_variant: str = "ring",
-                    placement: str = DEFAULT_PLACEMENT, backend: str = "sdpa",
+                    placement: str = DEFAULT_PLACEMENT, backend: str = "auto",
                     kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
                     block_mask: Optional[torch.Tensor] = None, block_size: int = 64,
                     mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:

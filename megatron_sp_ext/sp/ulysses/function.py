@@ -150,7 +150,7 @@ class _UlyssesFn(torch.autograd.Function):
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                       head_chunks: "int | str" = 1, causal: bool = False, softmax_scale: Optional[float] = None,
-                      layout: str = "bshd", backend: "str | LocalAttention" = "sdpa",
+                      layout: str = "bshd", backend: "str | LocalAttention" = "auto",
                       comm_stream: Optional["torch.cuda.Stream"] = None,
                       policy: Optional[ChunkPolicy] = None, placement: str = DEFAULT_PLACEMENT,
                       kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True,
