@@ -116,9 +116,9 @@ def _agreed_and_freed(rank, world):
     spx.ulysses_attention(q, q, q, g, block_mask=mask, block_size=BS, mask_checks=checks)
     log.append(checks.collectives)
     spare = checks.agree(random_mask(8, H, T), g)
-    entries = len(checks._seen)
+    entries = len(checks)
     del spare                                     # freed: its entry goes with it
-    log.append(entries - len(checks._seen))
+    log.append(entries - len(checks))
     for _ in range(3):                            # new masks (the allocator may reuse the freed address): each checked
         spx.ulysses_attention(q, q, q, g, block_mask=random_mask(7, H, T), block_size=BS, mask_checks=checks)
     log.append(checks.collectives)

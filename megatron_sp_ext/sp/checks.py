@@ -179,6 +179,10 @@ class MaskChecks:
         self.collectives = 0
         self._seen: dict = {}   # (id(mask), id(group)) -> (weak ref to the mask, group, state at the check)
 
+    def __len__(self) -> int:
+        """How many (mask, group) pairs are remembered (entries go when their mask is freed)."""
+        return len(self._seen)
+
     @staticmethod
     def _state(mask: torch.Tensor) -> tuple:
         return (mask._version, mask.data_ptr(), tuple(mask.shape), mask.dtype, mask.device)
