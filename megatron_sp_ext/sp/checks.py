@@ -1,12 +1,13 @@
 """Input checks shared by every sequence-parallel algorithm (Ulysses family and ring family).
 
+``check_same_block_mask`` compares a block mask across the group (one all_gather and a host sync); ``MaskChecks``
+runs it once per distinct mask (the algorithms take one as ``mask_checks=``; the factory passes its resources').
+
 ``check_inputs`` (Ulysses family: q, k, v of one layout, equal k/v shapes) and ``check_ring_inputs`` (ring
 family: also GQA heads), both through ``check_same_dtype`` (q, k, v of one dtype), validate this rank's
 tensors, then once per (group, shapes, layout, dtype) ``check_same_shape_across_ranks`` compares them across the group with one
 small all_gather, so a mismatch raises SPConfigError on every rank instead of hanging an exchange.
 ``packed_cu`` checks the ring family's packed-sample arguments (cu_seqlens).
-``check_same_block_mask`` compares a block mask across the group (one all_gather and a host sync); ``MaskChecks``
-runs it once per distinct mask (the algorithms take one as ``mask_checks=``; the factory passes its resources').
 """
 from __future__ import annotations
 
