@@ -18,8 +18,9 @@ A stock DeepSpeed script calls ``deepspeed.initialize(model=..., config=...)`` i
   Finding neither is an error (the block would otherwise do nothing).
 
 ``activate()`` is called by ``megatron_sp_ext_autoload`` (imported by the ``.pth`` file installed
-with the package, when deepspeed is first imported) and by ``python -m megatron_sp_ext.deepspeed.launch``.
-Set ``MEGATRON_SP_EXT_DEEPSPEED_HOOK=0`` to turn the switch off.
+with the package, wheel or editable, when deepspeed is first imported) and by
+``python -m megatron_sp_ext.deepspeed.launch``. Set ``MEGATRON_SP_EXT_DEEPSPEED_HOOK=0`` to turn the switch
+off: ``deepspeed.initialize`` then refuses a config that holds the block (it would be ignored).
 """
 from __future__ import annotations
 
@@ -59,11 +60,13 @@ def _config_of(args: Any, kwargs: dict) -> Optional[dict]:
 
 
 def activate() -> None:
-    """Wrap ``deepspeed.initialize`` (idempotent)."""
+    """Wrap ``deepspeed.initialize`` (idempotent; replaces the start-up guard that refuses the block while the
+    switch is off, ``megatron_sp_ext_autoload.guard``)."""
     import deepspeed  # noqa: PLC0415
-    if getattr(deepspeed.initialize, "_megatron_sp_ext", False):
+    marker = getattr(deepspeed.initialize, "_megatron_sp_ext", False)
+    if marker is True:
         return
-    original = deepspeed.initialize
+    original = deepspeed.initialize.__wrapped__ if marker else deepspeed.initialize
 
     @functools.wraps(original)
     def initialize(*args, **kwargs):
