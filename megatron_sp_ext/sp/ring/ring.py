@@ -512,15 +512,15 @@ def checked_mask(what: str, block_mask: Optional[torch.Tensor], block_size: int,
     """(block_mask checked for a ``seqlen`` sequence, kv_valid_len or None where it cuts nothing) for the function
     ``what``; SPConfigError for a bad mask, a mask with cu_seqlens, or (over ``group``, before any exchange) a mask
     that differs between ranks. The mask stays where it is: a plan keeps its own copy (and its identity is the plan
-    cache's key). kv_valid_len < 1 (no key left) raises SPConfigError naming it (``checks.valid_kv_len``)."""
-    kv_valid_len = valid_kv_len(kv_valid_len, seqlen)
+    cache's key)."""
+    kv_valid_len = valid_kv_len(kv_valid_len, seqlen)  # < 1: no key left, refused by name
     if block_mask is None:
         return None, kv_valid_len
     if cu_seqlens is not None:
         raise SPConfigError(f"block_mask cannot be combined with cu_seqlens ({what}): give one of them")
     block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size, num_heads=num_heads)
     check_same_block_mask(block_mask, group)
-    return block_mask, kv_valid_len
+    return block_mask, (None if kv_valid_len is not None and kv_valid_len >= seqlen else kv_valid_len)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
