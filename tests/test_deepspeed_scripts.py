@@ -120,6 +120,8 @@ def _bad_block(rank, world, script, config_path):
     ("train_ulysses", {"mode": "hcmz"}, "sequence_parallel_ext.mode"),
     ("train_ulysses", {"mode": "hcms", "head_chunks": 0}, "sequence_parallel_ext.head_chunks"),
     ("train_ulysses", {"mode": "hcms", "chunks": 2}, "sequence_parallel_ext.chunks"),
+    # the causal GPT's DistributedAttention: the ring runs our kernels, DeepSpeed does not say "causal"
+    ("train_ulysses", {"mode": "ring"}, "sequence_parallel_ext.causal"),
     ("train_alst_llama", {"mode": "ring"}, "sequence_parallel_ext.mode"),
 ])
 def test_bad_block_names_the_key(script, block, key, tmp_path):
@@ -144,6 +146,37 @@ def test_block_without_sp_attention_is_an_error():
             deepspeed.initialize(model=torch.nn.Linear(2, 2), config=dict(BASE, sequence_parallel_ext="hcms"))
     finally:
         deactivate()
+
+
+def test_unknown_key_lists_every_valid_key():
+    from megatron_sp_ext.deepspeed.initialize import sp_config_from_deepspeed
+    with pytest.raises(SPConfigError, match=r"sequence_parallel_ext.chunks is not a known setting: valid keys are "
+                                            r"(\w+, )*causal, (\w+, )*mode, "):
+        sp_config_from_deepspeed({"sequence_parallel_ext": {"chunks": 2}})
+
+
+def _causal_per_call(rank, world):
+    """Our kernels (ring) run with sequence_parallel_ext.causal; a causal= / is_causal= the caller passes for its
+    local attention must agree (DeepSpeed forwards them to it), else an error naming both."""
+    from megatron_sp_ext.deepspeed import SPDistributedAttention
+    from megatron_sp_ext.deepspeed.initialize import sp_config_from_deepspeed
+    from tests.reference import rel_err
+    import megatron_sp_ext as spx
+    g = torch.distributed.group.WORLD
+    q, k, v = (torch.randn(1, 4, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    cfg, extras = sp_config_from_deepspeed({"sequence_parallel_ext": {"mode": "ring", "causal": True}})
+    attn = SPDistributedAttention(None, g, 2, 1, sp_config=cfg, causal=extras["causal"])
+    want = spx.ring_attention(q, k, v, g, causal=True, placement="contiguous")
+    assert rel_err(attn(q, k, v, 0, is_causal=True), want) < 1e-6
+    with pytest.raises(SPConfigError, match=r"this call passes is_causal=False for the local attention, but "
+                                            r"sequence_parallel_ext.mode='ring' runs megatron_sp_ext's kernels with "
+                                            r"sequence_parallel_ext.causal True"):
+        attn(q, k, v, 0, is_causal=False)
+    return True
+
+
+def test_call_causal_must_agree_with_the_block():
+    assert all(run_ranks(_causal_per_call, 2))
 
 
 def test_config_is_found_where_deepspeed_looks(tmp_path):

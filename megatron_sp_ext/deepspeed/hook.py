@@ -136,6 +136,7 @@ def _swap_distributed_attention(model: torch.nn.Module, cfg: SPConfig, extras: d
     from deepspeed.sequence.layer import DistributedAttention  # noqa: PLC0415
 
     from .attention import SPDistributedAttention  # noqa: PLC0415
+    from .initialize import causal_of  # noqa: PLC0415
     ours = [m for m in model.modules() if isinstance(m, SPDistributedAttention)]  # installed by the script itself
     found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, DistributedAttention) and not isinstance(child, SPDistributedAttention)]
@@ -144,9 +145,10 @@ def _swap_distributed_attention(model: torch.nn.Module, cfg: SPConfig, extras: d
                             "in forward: use a concrete mode (ulysses, hcms, ring, tasp, usp, tas, torus)")
     for parent, name, child in found:
         _check_group(child.spg, sp, "DistributedAttention")
+        causal = causal_of(cfg, extras, f"{type(parent).__name__}.{name}")
         setattr(parent, name, SPDistributedAttention(
             child.local_attn, child.spg, child.scatter_idx, child.gather_idx, None, child.num_kv_heads,
-            sp_config=cfg, causal=extras.get("causal", False)))
+            sp_config=cfg, causal=causal))
     return len(found) + len(ours)
 
 
