@@ -221,14 +221,16 @@ class SPConfig:
                     f"use 1..{num_heads // sp_size} or 'auto'")
 
     @classmethod
-    def from_dict(cls, block: Mapping[str, Any], source: str = "python") -> "SPConfig":
-        """Build from a dict; unknown keys raise naming the key."""
+    def from_dict(cls, block: Mapping[str, Any], source: str = "python",
+                  adapter_keys: tuple[str, ...] = ()) -> "SPConfig":
+        """Build from a dict; unknown keys raise naming the key. adapter_keys: keys the caller's adapter takes
+        itself (listed among the valid keys; not in ``block``, e.g. DeepSpeed's ``causal``)."""
         known = {f.name for f in dataclasses.fields(cls)} - {"source"}
         for key in block:
             if key not in known:
                 prefix = "sequence_parallel_ext." if source == "deepspeed" else ""
-                raise SPConfigError(
-                    f"{prefix}{key} is not a known setting: valid keys are {', '.join(sorted(known))}")
+                valid = ", ".join(sorted(known | set(adapter_keys)))
+                raise SPConfigError(f"{prefix}{key} is not a known setting: valid keys are {valid}")
         return cls(**dict(block), source=source)
 
     @classmethod

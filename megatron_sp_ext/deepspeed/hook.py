@@ -18,8 +18,9 @@ A stock DeepSpeed script calls ``deepspeed.initialize(model=..., config=...)`` i
   Finding neither is an error (the block would otherwise do nothing).
 
 ``activate()`` is called by ``megatron_sp_ext_autoload`` (imported by the ``.pth`` file installed
-with the package, when deepspeed is first imported) and by ``python -m megatron_sp_ext.deepspeed.launch``.
-Set ``MEGATRON_SP_EXT_DEEPSPEED_HOOK=0`` to turn the switch off.
+with the package, wheel or editable, when deepspeed is first imported) and by
+``python -m megatron_sp_ext.deepspeed.launch``. Set ``MEGATRON_SP_EXT_DEEPSPEED_HOOK=0`` to turn the switch
+off: ``deepspeed.initialize`` then refuses a config that holds the block (it would be ignored).
 """
 from __future__ import annotations
 
@@ -60,11 +61,13 @@ def _config_of(args: Any, kwargs: dict) -> Optional[dict]:
 
 
 def activate() -> None:
-    """Wrap ``deepspeed.initialize`` (idempotent)."""
+    """Wrap ``deepspeed.initialize`` (idempotent; replaces the start-up guard that refuses the block while the
+    switch is off, ``megatron_sp_ext_autoload.guard``)."""
     import deepspeed  # noqa: PLC0415
-    if getattr(deepspeed.initialize, "_megatron_sp_ext", False):
+    marker = getattr(deepspeed.initialize, "_megatron_sp_ext", False)
+    if marker is True:
         return
-    original = deepspeed.initialize
+    original = deepspeed.initialize.__wrapped__ if marker else deepspeed.initialize
 
     @functools.wraps(original)
     def initialize(*args, **kwargs):
@@ -134,6 +137,7 @@ def _swap_distributed_attention(model: torch.nn.Module, cfg: SPConfig, extras: d
     from deepspeed.sequence.layer import DistributedAttention  # noqa: PLC0415
 
     from .attention import SPDistributedAttention  # noqa: PLC0415
+    from .initialize import causal_of  # noqa: PLC0415
     ours = [m for m in model.modules() if isinstance(m, SPDistributedAttention)]  # installed by the script itself
     found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, DistributedAttention) and not isinstance(child, SPDistributedAttention)]
@@ -142,9 +146,10 @@ def _swap_distributed_attention(model: torch.nn.Module, cfg: SPConfig, extras: d
                             f"only in forward: use a concrete mode ({', '.join(modes.names(auto=False))})")
     for parent, name, child in found:
         _check_group(child.spg, sp, "DistributedAttention")
+        causal = causal_of(cfg, extras, f"{type(parent).__name__}.{name}")
         setattr(parent, name, SPDistributedAttention(
             child.local_attn, child.spg, child.scatter_idx, child.gather_idx, None, child.num_kv_heads,
-            sp_config=cfg, causal=extras.get("causal", False)))
+            sp_config=cfg, causal=causal))
     return len(found) + len(ours)
 
 

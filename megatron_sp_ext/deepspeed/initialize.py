@@ -29,6 +29,8 @@ from ..errors import SPConfigError
 from .mpu import SequenceParallelMPU, build_sequence_parallel_groups
 
 _EXTRA_KEYS = ("causal",)
+# modes whose attention runs the model's own local attention (which masks itself); the others run our kernels
+LOCAL_ATTENTION_MODES = ("ulysses", "hcms")
 
 
 def _load(config: Union[str, Mapping[str, Any]]) -> dict:
@@ -44,7 +46,24 @@ def sp_config_from_deepspeed(config: Union[str, Mapping[str, Any]]) -> tuple[SPC
     extras = {k: block.pop(k) for k in _EXTRA_KEYS if k in block}
     if "causal" in extras and not isinstance(extras["causal"], bool):
         raise SPConfigError(f"sequence_parallel_ext.causal={extras['causal']!r} is invalid: use true or false")
-    return SPConfig.from_dict(block, source="deepspeed"), extras
+    return SPConfig.from_dict(block, source="deepspeed", adapter_keys=_EXTRA_KEYS), extras
+
+
+def causal_of(cfg: SPConfig, extras: dict, where: str) -> bool:
+    """``sequence_parallel_ext.causal`` for DeepSpeed ``DistributedAttention`` modules (``where``: the model's
+    module) that a mode replaces by our kernels. DeepSpeed's forward passes no causal flag (its ``*args,
+    **kwargs`` go to the model's local attention, which applies its own mask), so for every mode but ulysses and
+    hcms (``auto`` may pick the ring) the block must say it: SPConfigError naming the key when it does not (a
+    causal model would otherwise train bidirectional)."""
+    if "causal" in extras:
+        return extras["causal"]
+    if cfg.mode in LOCAL_ATTENTION_MODES:
+        return False  # the model's local attention runs and masks itself; our kernels only for padded calls
+    raise SPConfigError(
+        f"{cfg.name('mode')}={cfg.mode!r} replaces {where}'s local attention by megatron_sp_ext's kernels, and "
+        f"DeepSpeed does not say whether that attention is causal: set sequence_parallel_ext.causal to true (a "
+        f"causal model, e.g. GPT) or false (bidirectional, e.g. a DiT), or use mode ulysses / hcms (they run the "
+        f"model's own local attention)")
 
 
 def validate_deepspeed_config(config: Union[str, Mapping[str, Any]], world_size: int,
@@ -89,9 +108,9 @@ def swap_attention(model: torch.nn.Module, mpu: SequenceParallelMPU, cfg: SPConf
     from .attention import SPDistributedAttention  # noqa: PLC0415
     n = 0
 
-    def make(local_attention, scatter_idx=2, gather_idx=0, num_kv_heads=None):
+    def make(local_attention, scatter_idx=2, gather_idx=0, num_kv_heads=None, causal=False):
         return SPDistributedAttention(local_attention, mpu.get_sequence_parallel_group(), scatter_idx, gather_idx,
-                                      None, num_kv_heads, sp_config=cfg, causal=extras.get("causal", False))
+                                      None, num_kv_heads, sp_config=cfg, causal=extras.get("causal", causal))
     for parent in list(model.modules()):
         if hasattr(parent, "configure_sequence_parallel"):
             parent.configure_sequence_parallel(make)
@@ -102,7 +121,8 @@ def swap_attention(model: torch.nn.Module, mpu: SequenceParallelMPU, cfg: SPConf
                     raise SPConfigError(f"{cfg.name('dynamic')}=true needs a model that runs packed samples on "
                                         f"sub-groups (the video DiT's train_deepspeed.py with --pack-samples); "
                                         f"{type(parent).__name__}.{name} is a DistributedAttention: set it to false")
-                setattr(parent, name, make(child.local_attn, child.scatter_idx, child.gather_idx, child.num_kv_heads))
+                setattr(parent, name, make(child.local_attn, child.scatter_idx, child.gather_idx, child.num_kv_heads,
+                                           causal_of(cfg, extras, f"{type(parent).__name__}.{name}")))
                 n += 1
     return n
 

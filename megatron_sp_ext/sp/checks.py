@@ -7,7 +7,8 @@ runs it once per distinct mask (the algorithms take one as ``mask_checks=``; the
 family: also GQA heads), both through ``check_same_dtype`` (q, k, v of one dtype), validate this rank's
 tensors, then once per (group, shapes, layout, dtype) ``check_same_shape_across_ranks`` compares them across the group with one
 small all_gather, so a mismatch raises SPConfigError on every rank instead of hanging an exchange.
-``packed_cu`` checks the ring family's packed-sample arguments (cu_seqlens).
+``packed_cu`` checks the ring family's packed-sample arguments (cu_seqlens); ``valid_kv_len`` the padding cut
+(kv_valid_len) of every mode.
 """
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ def _across_ranks_once(q: torch.Tensor, k: torch.Tensor, layout: str, group, fam
         return
     check_same_shape_across_ranks(q, group, what="sequence shard (q)")
     _VALIDATED.add(key)
+
+
+def valid_kv_len(kv_valid_len: Optional[int], seqlen: int) -> Optional[int]:
+    """kv_valid_len (keys at global positions >= it are padding) for a ``seqlen``-token sequence: None where it cuts
+    nothing (None or >= seqlen); SPConfigError naming it where it leaves no key to attend (< 1), which would
+    otherwise give all-zero outputs. The one check every mode and layer runs."""
+    if kv_valid_len is None or kv_valid_len >= seqlen:
+        return None
+    if kv_valid_len < 1:
+        raise SPConfigError(f"kv_valid_len={kv_valid_len} leaves no key to attend: use 1..{seqlen} (or None: no "
+                            f"padding)")
+    return int(kv_valid_len)
 
 
 def check_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -44,7 +44,7 @@ from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
 from ...topology.hamiltonian import RoutingTables, routing_tables
 from ..checks import (MaskChecks, check_mask_once, check_ring_inputs, check_same_shape_across_ranks,
-                      packed_cu)
+                      packed_cu, valid_kv_len)
 from ..heads import split_more_first
 from ..placement import pieces, varlen_pieces
 from .rotation import (backward_steps, check_travel, dkv_schedule_from_env, kv_view as _kv_view, sel_rows as _sel,
@@ -515,6 +515,7 @@ def checked_mask(what: str, block_mask: Optional[torch.Tensor], block_size: int,
     ``what``; SPConfigError for a bad mask, a mask with cu_seqlens, or (over ``group``, before any exchange) a mask
     that differs between ranks (through ``mask_checks``: once per distinct mask). The mask stays where it is: a
     plan keeps its own copy (and its identity is the plan cache's key)."""
+    kv_valid_len = valid_kv_len(kv_valid_len, seqlen)  # < 1: no key left, refused by name
     if block_mask is None:
         return None, kv_valid_len
     if cu_seqlens is not None:
