@@ -61,10 +61,13 @@ def get(name: str) -> Kernel:
 
 
 def names(*needs: str, auto_only: bool = False) -> tuple[str, ...]:
-    """Kernel names (ORDER) whose declared capabilities cover ``needs`` (no device check)."""
+    """Kernel names (ORDER) whose declared capabilities cover ``needs`` (no device check); without "tiles" among
+    ``needs``, only kernels with dense calls."""
     out = []
     for n in (AUTO if auto_only else ORDER):
         caps = get(n).caps
+        if "tiles" not in needs and not caps.dense:
+            continue
         ok = {"plain": caps.plain, "lse": caps.lse, "varlen": caps.varlen is not None,
               "tiles": caps.tiles != "none", "dropout": caps.dropout}
         if all(ok.get(need, True) for need in needs):

@@ -335,7 +335,7 @@ class CudnnBlockSparseKernel(Kernel):
     package = PACKAGE
     install_hint = INSTALL_HINT
     caps = Capabilities(plain=True, lse=True, varlen=None, tiles="kernel_blocks", partial_tiles=False, gqa=False,
-                        dropout=False, dtypes={"cuda": DTYPES}, archs=ARCH_MAJORS)
+                        dropout=False, dtypes={"cuda": DTYPES}, archs=ARCH_MAJORS, dense=False)
 
     def installed(self) -> bool:
         return installed()
@@ -344,9 +344,11 @@ class CudnnBlockSparseKernel(Kernel):
         return why_not(call.device, call.dtype, call.head_dim)
 
     def why_not_here(self, call: KernelCall) -> Optional[str]:
-        if call.tiles is None:
+        if "tiles" not in call.needs:
             return "it runs block-sparse calls only (give a block mask)"
         ts = call.tiles
+        if ts is None:   # which kernel a block-sparse call goes to, asked before its slice is known
+            return None
         sq, sk = ts.q_pos.numel(), ts.k_pos.numel()
         if block_of(ts, sq, sk) is None:
             return (f"its blocks are whole 64- or 128-token blocks: the call's {sq} query / {sk} key rows must be "
