@@ -51,7 +51,8 @@ def test_the_scan_finds_a_comparison(tmp_path):
 
 def test_every_list_of_names_derives_from_the_registry():
     assert set(BACKENDS) == {"auto", "sdpa"} | {kernels.get(n).setting for n in kernels.ORDER
-                                                if kernels.get(n).caps.lse or kernels.get(n).caps.tiles == "none"}
+                                                if kernels.get(n).caps.lse and kernels.get(n).caps.dense
+                                                or kernels.get(n).caps.tiles == "none"}
     assert lse_kernels.KERNELS == kernels.names("lse", auto_only=True)
     assert set(varlen.KERNEL_METHODS) == {kernels.get(n).caps.varlen for n in kernels.names("varlen")}
     assert block_sparse.KERNELS == ("auto",) + tuple(kernels.get(n).setting for n in kernels.names("tiles",
