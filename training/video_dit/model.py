@@ -375,7 +375,12 @@ class Block(nn.Module):
         and RoPE -> the attention core's inputs."""
         sh1, sc1, _, _, _, _ = self._modulations(mod, pack)
         y = self.ops.ln_modulate(x, sc1, sh1, self.norm1.eps, linear_input_dtype(x))
-        return self.attn.project(y, angles, layout, sparse)
+        parts = self.attn.project(y, angles, layout, sparse)
+        if layout is None and getattr(self.attn.core, "group", None) is None:
+            # one rank: the core keeps v itself, a view of the QKV projection's whole [S, 3d] output; its own
+            # copy keeps [S, d] (an exchange at SP > 1 copies it anyway)
+            parts = (parts[0], parts[1], parts[2].contiguous(), *parts[3:])
+        return parts
 
     def _after_core(self, x, mod, o, ctx, pack):
         """Region 2 (recomputed in the backward): the output projection and gated residual, the cross-attention
