@@ -355,7 +355,7 @@ def main(argv: list | None = None) -> int:
     if a.json:
         print(json.dumps([asdict(p) for p in plans], indent=1))
         return 0
-    print("| tokens | GPUs | SP | sharding | recompute | params+grads+opt | activations | exchange | total GiB | fits | "
+    print("| tokens | GPUs | SP | sharding | recompute | state (params, grads, Adam, unsharded, temp) | activations | exchange | total GiB | fits | "
           "peak |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for p in plans:
