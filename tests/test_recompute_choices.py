@@ -195,3 +195,25 @@ def test_packed_samples_keep_core_sp1():
         res[bool(modules)] = ([p.grad for p in model.parameters()], core.calls)
     assert res[True][1] == res[False][1] == CFG.layers, (res[True][1], res[False][1])
     assert all(torch.equal(a, b) for a, b in zip(res[True][0], res[False][0]))
+
+
+def _ds_entry(rank, world, extra):
+    import os
+    from training import train_deepspeed
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = {"sequence_parallel_size": world, "zero_optimization": {"stage": 1},
+           "sequence_parallel_ext": {"mode": "ulysses"}}
+    return train_deepspeed.main(["--model", "tiny", "--train-iters", "2", "--frames", "4", "--latent-size", "8x8",
+                                 "--quiet", "--num-workers", "0", *extra, "--deepspeed-config",
+                                 os.path.join(root, "configs", "deepspeed", "cpu_tiny_hcms.json")],
+                                config=cfg)["losses"]
+
+
+def test_deepspeed_entry_keep_core_and_offload_sp2():
+    """The DeepSpeed entry (SP=2, ZeRO-1): outside_core_attn, with and without --cpu-offloading, trains the same
+    losses as no recompute, bit for bit, over 2 steps."""
+    ref = run_ranks(_ds_entry, 2, [], timeout=300)[0]
+    keep = ["--recompute-granularity", "selective", "--recompute-modules", "outside_core_attn"]
+    assert run_ranks(_ds_entry, 2, keep, timeout=300)[0] == ref
+    assert run_ranks(_ds_entry, 2, [*keep, "--cpu-offloading"], timeout=300)[0] == ref
+    assert len(ref) == 2
