@@ -194,6 +194,7 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     elif args.sp_async_qkv == "auto" and sp_world > 1:
         model.set_block_policy(cp_group)
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
+    model.set_cpu_offloading(args.cpu_offloading, args.cpu_offloading_num_layers)
     fused_backend = resolve_fused(args.fused_elementwise, device)
     model.set_fused_elementwise(fused_backend)
     model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples,
