@@ -43,11 +43,12 @@ def wan_inputs(kind: str = "t2v", *, seed: int = 0, dtype=torch.float64, device=
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
     b = latent[0]
     out = {"hidden_states": r(*latent).requires_grad_(), "encoder_hidden_states": r(b, TEXT_LEN[kind], TINY["text_dim"])}
+    t_dtype = torch.float64 if dtype == torch.float64 else torch.float32   # as pipelines pass it (bf16 rounds 417)
     if kind == "ti2v":
         s = latent[2] * (latent[3] // 2) * (latent[4] // 2)
-        out["timestep"] = torch.randint(0, 1000, (b, s), generator=g).to(device=device, dtype=dtype)
+        out["timestep"] = torch.randint(0, 1000, (b, s), generator=g).to(device=device, dtype=t_dtype)
     else:
-        out["timestep"] = torch.tensor([417.0] * b, device=device, dtype=dtype)
+        out["timestep"] = torch.tensor([417.0] * b, device=device, dtype=t_dtype)
     if kind == "i2v":
         out["encoder_hidden_states_image"] = r(b, 257, I2V["image_dim"])
     return out
@@ -57,7 +58,7 @@ def output_weight(inputs: dict, seed: int = 5) -> torch.Tensor:
     """A fixed random weight of the output's shape: loss = (out * weight).sum() reaches every output element."""
     x = inputs["hidden_states"]
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(x.shape, generator=g, dtype=torch.float64).to(x)
+    return torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.device)
 
 
 def forward_backward(model, inputs: dict, group: Optional[dist.ProcessGroup]):
@@ -66,7 +67,7 @@ def forward_backward(model, inputs: dict, group: Optional[dist.ProcessGroup]):
     model.zero_grad(set_to_none=True)
     inp = {k: (v.detach().clone().requires_grad_() if k == "hidden_states" else v) for k, v in inputs.items()}
     out = model(**inp).sample
-    (out.float() * output_weight(inputs).float()).sum().backward()
+    (out.double() * output_weight(inputs)).sum().backward()   # float64 loss; d loss / d out = weight in out's dtype
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
              for n, p in model.named_parameters()}
     grads["input"] = inp["hidden_states"].grad.detach().clone()
