@@ -138,6 +138,8 @@ def test_sp1_same_code_path_and_sparse_reference():
     model = copy.deepcopy(stock)
     sp = parallelize(model, None, sparse=plan)
     assert rel_err(model(**inputs).sample, ref) <= TOL64
+    positional = model(inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"]).sample
+    assert rel_err(positional, ref) <= TOL64
     sp.remove()
     sp = parallelize(model, None, sparse=FixedSparsePlan(gated=False))
     assert rel_err(model(**inputs).sample, ref) > 1e-3
