@@ -19,16 +19,19 @@ import torch.nn.functional as F
 TINY = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
             text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64)
 I2V = dict(image_dim=24, added_kv_proj_dim=64)   # Wan 2.1 I2V: 257 image tokens before 512 text tokens
+VACE = dict(vace_layers=[0, 1], vace_in_channels=8)   # WanVACETransformer3DModel: a control video beside the latent
 LATENT = (1, 4, 3, 8, 8)                          # -> 3 x 4 x 4 = 48 tokens
-TEXT_LEN = {"t2v": 7, "ti2v": 7, "i2v": 512}      # WanAttnProcessor splits I2V's context at 512 text tokens
+TEXT_LEN = {"t2v": 7, "ti2v": 7, "i2v": 512, "vace": 7}      # WanAttnProcessor splits I2V's context at 512 text tokens
 
 
 def tiny_wan(kind: str = "t2v", *, seed: int = 0, dtype=torch.float64, device="cpu", **over):
-    """A tiny WanTransformer3DModel (``kind`` "i2v" adds the image branch), seeded, in ``dtype`` on ``device``."""
-    from diffusers import WanTransformer3DModel  # noqa: PLC0415
+    """A tiny WanTransformer3DModel (``kind`` "i2v" adds the image branch; "vace": a WanVACETransformer3DModel),
+    seeded, in ``dtype`` on ``device``."""
+    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel  # noqa: PLC0415
     torch.manual_seed(seed)
-    cfg = {**TINY, **(I2V if kind == "i2v" else {}), **over}
-    model = WanTransformer3DModel(**cfg).to(device=device, dtype=dtype)
+    cfg = {**TINY, **(I2V if kind == "i2v" else {}), **(VACE if kind == "vace" else {}), **over}
+    cls = WanVACETransformer3DModel if kind == "vace" else WanTransformer3DModel
+    model = cls(**cfg).to(device=device, dtype=dtype)
     with torch.no_grad():   # waken the zero-initialised parts so every parameter's gradient counts
         g = torch.Generator().manual_seed(seed + 1)
         for p in model.parameters():
@@ -51,6 +54,8 @@ def wan_inputs(kind: str = "t2v", *, seed: int = 0, dtype=torch.float64, device=
         out["timestep"] = torch.tensor([417.0] * b, device=device, dtype=t_dtype)
     if kind == "i2v":
         out["encoder_hidden_states_image"] = r(b, 257, I2V["image_dim"])
+    if kind == "vace":
+        out["control_hidden_states"] = r(b, VACE["vace_in_channels"], *latent[2:])
     return out
 
 
