@@ -8,11 +8,11 @@
 
 Sharding: the model's own ``_cp_plan`` (hooks.py): rope's (cos, sin) and blocks.0's hidden_states split along the
 sequence, proj_out's output gathered, Wan 2.2 TI2V's per-token timestep [B, S] split. WanVACETransformer3DModel has
-no ``_cp_plan``: it runs Wan's plan plus its vace_blocks.0's hidden_states and control_hidden_states split (``plan_of``;
-its vace blocks only ever see that shard and their own outputs). Every self-attention (``blocks.i.attn1``, and
-VACE's ``vace_blocks.i.attn1``) runs through ``make_attention(cfg, group, num_heads=H, layout="bshd")`` (processor.py); the
-cross-attention (attn2: text, and Wan 2.1 I2V's image tokens) keeps diffusers' own processor, locally (this rank's
-queries against the whole text).
+no ``_cp_plan``: it runs Wan's plan plus the split of its vace_blocks.0's hidden_states and control_hidden_states
+(``plan_of``; its vace blocks only ever see that shard and their own outputs). Every self-attention
+(``blocks.i.attn1``, and VACE's ``vace_blocks.i.attn1``) runs through ``make_attention(cfg, group, num_heads=H,
+layout="bshd")`` (processor.py); the cross-attention (attn2: text, and Wan 2.1 I2V's image tokens) keeps diffusers'
+own processor, locally (this rank's queries against the whole text).
 
 Gradients: every SP rank computes the same loss on the gathered output; the gather's backward hands each rank the
 gradient of its own tokens, so each rank's parameter gradients are its tokens' share, and the SP=1 gradient is their
@@ -147,8 +147,8 @@ def _check_sparse(sparse: Any) -> None:
 
 def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None, mode: str = "auto", *,
                 config: Optional[SPConfig] = None, sparse: Any = None, **settings: Any) -> SPHandle:
-    """Shard ``model`` (a diffusers WanTransformer3DModel or WanVACETransformer3DModel) over the SP ``group`` and run every self-attention
-    through ``make_attention``; returns the ``SPHandle``.
+    """Shard ``model`` (a diffusers WanTransformer3DModel or WanVACETransformer3DModel) over the SP ``group`` and
+    run every self-attention through ``make_attention``; returns the ``SPHandle``.
 
     group: the SP process group (None or one rank: no sharding, the same code path). mode / settings: SPConfig's
     fields (mode, head_chunks, backend, ring_variant, placement, ulysses_size, nodes, transport), or config= a ready
