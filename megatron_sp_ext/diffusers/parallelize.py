@@ -49,14 +49,14 @@ class SPHandle:
     """What ``parallelize`` did to a model. config: the SPConfig; group: the SP group as given; sp_size; processors:
     the self-attention processors it set (blocks in order). ``remove()`` undoes it all."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module = field(repr=False)
     config: SPConfig
     group: Optional[dist.ProcessGroup]
     sp_size: int
-    processors: list
-    attentions: list = field(default_factory=list)
+    processors: list = field(repr=False)
+    attentions: list = field(default_factory=list, repr=False)
     sparse: Any = None
-    hooks: list = field(default_factory=list)
+    hooks: list = field(default_factory=list, repr=False)
     removed: bool = False
 
     def remove(self) -> None:
