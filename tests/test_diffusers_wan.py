@@ -206,6 +206,10 @@ def test_bad_input_is_refused_by_name():
     drop.blocks[1].attn1.to_out[1].p = 0.1
     with pytest.raises(SPConfigError, match=r"blocks.1.attn1.to_out\[1\] is Dropout\(p=0.1\)"):
         parallelize(drop, None)
+    from megatron_sp_ext.diffusers.hooks import SequenceState, install_plan
+    with pytest.raises(SPConfigError, match=r"_cp_plan\['proj_out'\] = 3 is not a plan entry"):
+        install_plan(model, {"proj_out": 3}, SequenceState(None, 1))
+    assert _no_hooks(model)
     sp = parallelize(model, None)
     with pytest.raises(SPConfigError, match=r"already parallelized"):
         parallelize(model, None)
