@@ -211,6 +211,11 @@ def test_bad_input_is_refused_by_name():
         install_plan(model, {"proj_out": 3}, SequenceState(None, 1))
     assert _no_hooks(model)
     sp = parallelize(model, None)
+    with pytest.raises(SPConfigError, match=r"ran outside the model's forward"):
+        model.blocks[0](torch.zeros(1, 48, 64, dtype=torch.float64), torch.zeros(1, 7, 64, dtype=torch.float64),
+                        torch.zeros(1, 6, 64, dtype=torch.float64), None)
+    with pytest.raises(SPConfigError, match=r"blocks.0.attn1 was called with an attention_mask"):
+        model.blocks[0].attn1(torch.zeros(1, 48, 64, dtype=torch.float64), None, torch.ones(1, 1, 48, 48), None)
     with pytest.raises(SPConfigError, match=r"already parallelized"):
         parallelize(model, None)
     sp.remove()
