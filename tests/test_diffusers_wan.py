@@ -98,8 +98,27 @@ def case_errors(kind: str, group, mode: str, settings: dict, **kw) -> dict:
     return Cases(group).errors(kind, mode, settings, **kw)
 
 
+def gather_backward_errors(group) -> dict:
+    """gather_tokens' forward is the full sequence in raster order and its backward hands this rank exactly its own
+    rows of the full gradient (with and without a token order): rel errors against the expected tensors."""
+    from megatron_sp_ext import shard_sequence
+    from megatron_sp_ext.diffusers.sequence import ForwardContext, gather_tokens, split_tokens
+    full = torch.randn(2, 48, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    weight = torch.randn(2, 48, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    out = {}
+    for plan in (None, FixedSparsePlan()):
+        ctx = ForwardContext.of((3, 4, 4), plan, full.device, torch.distributed.get_world_size(group))
+        x_loc = split_tokens(full, group, 1, ctx).detach().requires_grad_()
+        y = gather_tokens(x_loc, group, 1, ctx)
+        (y * weight).sum().backward()
+        permuted = weight if ctx.order is None else weight.index_select(1, ctx.order)
+        out[f"gather forward order={plan is not None}"] = rel_err(y, full)
+        out[f"gather backward order={plan is not None}"] = rel_err(x_loc.grad, shard_sequence(permuted, group))
+    return out
+
+
 def _modes_case(rank, world):
-    cases, out = Cases(torch.distributed.group.WORLD), {}
+    cases, out = Cases(torch.distributed.group.WORLD), {"gather": gather_backward_errors(torch.distributed.group.WORLD)}
     for mode, kw in MODES[world]:
         for sparse in (False, True) if mode in PLAIN_TOO[world] else (True,):
             out[f"{mode} sparse={sparse}"] = cases.errors("t2v", mode, kw, sparse=sparse)
@@ -120,7 +139,7 @@ def _modes_case(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_mode_equals_stock_sp1(world):
     per_rank = run_ranks(_modes_case, world, timeout=240)
-    want = len(MODES[world]) + len(PLAIN_TOO[world]) + 1 + (8 if world == 2 else 0)
+    want = 1 + len(MODES[world]) + len(PLAIN_TOO[world]) + 1 + (8 if world == 2 else 0)
     assert len(per_rank[0]) == want
     bad = {(r, c): e for r, res in enumerate(per_rank) for c, e in res.items() if not max(e.values()) <= TOL64}
     assert not bad, bad
