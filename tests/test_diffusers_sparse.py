@@ -4,11 +4,12 @@ The plan alone: its token order is the latent grid's tile order (a permutation),
 ``video_tiles``' functions of the grid / of the pooled q, k (the DiT's), the top-k mask is the same on every rank,
 bad settings are refused by keyword. On the model: the coarse branch's gate contributes exactly 0 at init (so a
 pretrained model starts as its fine top-k attention) yet gets a gradient; a window covering every tile equals the
-dense model; the gates round-trip through save_pretrained / from_pretrained + ``load_gates``; at SP=2 and SP=4
-(ulysses, hcms, ring; usp mesh at 4), window and top-k with gated coarse branch: output and every parameter's
-gradient (summed over the SP ranks) and the latent's equal SP=1 (the same plan, group=None) and a float64
-single-device reference (``reference_sparse_attention`` over the tile order plus an independent coarse branch)
-within 1e-10 (diffusers' float32 islands within 1e-6, tests/test_diffusers_wan.py).
+dense model; the gates round-trip through save_pretrained and a reload (from_pretrained where accelerate is
+installed, which diffusers needs for Wan; else the saved config and safetensors) + ``load_gates``. At SP=2 and SP=4
+(ulysses, hcms, ring; usp mesh at 4; ring with gradient checkpointing at 2), window and top-k with the gated coarse
+branch: the output and every parameter's gradient (summed over the SP ranks) and the latent's equal SP=1 (the same
+plan, group=None) and a float64 single-device reference (``reference_sparse_attention`` over the tile order plus an
+independent coarse branch) within 1e-10 (diffusers' float32 islands within 1e-6, tests/test_diffusers_wan.py).
 """
 from __future__ import annotations
 
@@ -98,9 +99,12 @@ def reference_model(stock, kind: str):
     return ref
 
 
-def run_plan(stock, inputs, kind: str, group, mode: str = "auto", **settings):
-    """(output, grads, per-layer masks) of ``stock``'s copy parallelized over ``group`` with a fresh plan."""
+def run_plan(stock, inputs, kind: str, group, mode: str = "auto", *, checkpoint: bool = False, **settings):
+    """(output, grads, per-layer masks) of ``stock``'s copy parallelized over ``group`` with a fresh plan
+    (``checkpoint``: diffusers' gradient checkpointing, the blocks rerun in the backward)."""
     model = copy.deepcopy(stock)
+    if checkpoint:
+        model.enable_gradient_checkpointing()
     plan = BlockSparsePlan(TILE, **PLANS[kind])
     masks = {}
 
@@ -292,12 +296,15 @@ def _sp_case(rank, world):
             assert masks.keys() == one_masks.keys() and all(torch.equal(masks[i], one_masks[i]) for i in masks)
             out[f"{kind} {mode} vs SP=1"] = errors(got, grads, one_out, one_grads, islands)
             out[f"{kind} {mode} vs reference"] = errors(got, grads, ref_out, ref_grads, islands)
+        if world == 2:
+            got, grads, _ = run_plan(stock, inputs, kind, dist.group.WORLD, "ring", checkpoint=True)
+            out[f"{kind} ring checkpointing vs reference"] = errors(got, grads, ref_out, ref_grads, islands)
     return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sp_equals_sp1_and_reference(world):
     per_rank = run_ranks(_sp_case, world, timeout=240)
-    assert len(per_rank[0]) == len(PLANS) * (1 + 2 * len(MODES[world]))
+    assert len(per_rank[0]) == len(PLANS) * (1 + 2 * len(MODES[world]) + (world == 2))
     bad = {(r, c): e for r, res in enumerate(per_rank) for c, e in res.items() if not max(e.values()) <= TOL64}
     assert not bad, bad
