@@ -41,8 +41,8 @@ class SequenceState:
 
     def current(self) -> ForwardContext:
         if self.ctx is None:
-            raise SPConfigError("parallelize: a parallelized block ran outside the model's forward (its context, set by "
-                                "the model's forward, is missing): call the model, not its blocks")
+            raise SPConfigError("parallelize: a parallelized block ran outside the model's forward (its context, set "
+                                "by the model's forward, is missing): call the model, not its blocks")
         return self.ctx
 
 
@@ -74,7 +74,7 @@ def _split_inputs_hook(entries: dict, state: SequenceState, names: list[str]):
         ctx = state.current()
         for name, cpi in entries.items():
             value, where = _locate(names, name, args, kwargs)
-            if not isinstance(value, torch.Tensor) or (cpi.expected_dims is not None and value.dim() != cpi.expected_dims):
+            if not isinstance(value, torch.Tensor) or (cpi.expected_dims not in (None, value.dim())):
                 continue
             args, kwargs = _put(args, kwargs, name, where, split_tokens(value, state.group, cpi.split_dim, ctx))
         return args, kwargs
@@ -110,8 +110,8 @@ def _context_hook(state: SequenceState, names: list[str]):
     def hook(module, args, kwargs):
         x, _ = _locate(names, "hidden_states", args, kwargs)
         if not isinstance(x, torch.Tensor) or x.dim() != 5:
-            raise SPConfigError(f"parallelize: {type(module).__name__}'s hidden_states must be a latent [B, C, F, H, W]; "
-                                f"got {type(x).__name__} {list(getattr(x, 'shape', []))}")
+            raise SPConfigError(f"parallelize: {type(module).__name__}'s hidden_states must be a latent "
+                                f"[B, C, F, H, W]; got {type(x).__name__} {list(getattr(x, 'shape', []))}")
         grid = tuple(int(n) // int(p) for n, p in zip(x.shape[2:], state.patch_size))
         state.ctx = ForwardContext.of(grid, state.sparse, x.device, state.sp_size)
         return None
