@@ -1,0 +1,130 @@
+"""training/train_wan_diffusers.py on CPU (gloo, fp32, the tiny Wan config): SP=2 equals SP=1 (losses, the first
+step's reduced gradients, the parameters after the run; also under FSDP2 with gradient checkpointing and at
+SP=2 x DP=2), a local diffusers checkpoint round trip (save_pretrained -> --init DIR -> save / resume bit-identical ->
+--save-pretrained loads back with from_pretrained and gives the same output), and bad flags refused by name."""
+import os
+
+import pytest
+
+pytest.importorskip("diffusers")
+
+import torch  # noqa: E402
+
+import diffusers  # noqa: E402,F401  (imported before the harness forks: the ranks then start fast)
+from tests.harness import run_ranks  # noqa: E402
+from training import train_wan_diffusers as entry  # noqa: E402
+from training.wan_diffusers import model as wan  # noqa: E402
+
+BASE = ["--model", "tiny", "--frames", "4", "--latent-size", "8x8", "--quiet", "--cp-comm-type", "ulysses"]
+TOL = 1e-5
+
+
+def _run(rank, world, argv, grads_at=None):
+    res = entry.main(list(argv), return_params=True, grads_at=grads_at)
+    # numpy, not tensors: a tensor on the harness's queue is a shared-memory handle that dies with its rank
+    return (res["losses"], {n: p.numpy() for n, p in res["params"].items()},
+            {n: g.numpy() for n, g in res.get("grads", {}).items()})
+
+
+def _close(got, ref, what, tol=TOL):
+    (l1, p1, g1), (l0, p0, g0) = got, ref
+    assert len(l1) == len(l0) and all(abs(a - b) <= tol * max(1.0, abs(b)) for a, b in zip(l1, l0)), \
+        f"{what}: losses {l1} vs {l0}"
+    for name, a, b in (("gradient", g1, g0), ("parameter", p1, p0)):
+        assert a.keys() == b.keys(), f"{what}: {name} names differ"
+        for n in b:
+            scale = max(1.0, float(abs(b[n]).max()))
+            err = float(abs(a[n] - b[n]).max())
+            assert err <= tol * scale, f"{what}: {name} {n} differs by {err}"
+
+
+def test_presets_match_the_video_dit_and_diffusers_wan21():
+    from training.video_dit.config import PRESETS
+    for name in ("wan-1.3b", "wan-14b"):
+        cfg, dit = wan.dit_config(wan.preset_kwargs(name), 512), PRESETS[name]
+        assert (cfg.dim, cfg.heads, cfg.ffn, cfg.layers, cfg.in_channels, cfg.patch, cfg.text_dim, cfg.text_len) == \
+            (dit.dim, dit.heads, dit.ffn, dit.layers, dit.in_channels, dit.patch, dit.text_dim, dit.text_len), name
+    assert wan.preset_kwargs("wan-1.3b")["num_layers"] == 30 and wan.preset_kwargs("wan-14b")["num_attention_heads"] == 40
+    assert wan.preset_kwargs("wan-14b", 4)["num_layers"] == 4
+
+
+def test_sp2_equals_sp1_plain_and_fsdp2_recompute():
+    steps = ["--train-iters", "3"]
+    ref = run_ranks(_run, 1, [*BASE, *steps], 0, timeout=120)[0]
+    got = run_ranks(_run, 2, [*BASE, *steps, "--context-parallel-size", "2"], 0, timeout=120)
+    for r in range(2):
+        _close(got[r], ref, f"SP=2 rank {r}")
+    fsdp = run_ranks(_run, 2, [*BASE, *steps, "--context-parallel-size", "2", "--use-torch-fsdp2",
+                               "--recompute-granularity", "full"], 0, timeout=120)
+    _close(fsdp[0], ref, "SP=2 FSDP2 + gradient checkpointing")
+
+
+def test_sp2_x_dp2_fsdp2_equals_dp2():
+    """4 ranks: FSDP2 averages over all of them; the backward's sp factor makes it the SUM over SP, mean over DP."""
+    steps = ["--train-iters", "2"]
+    ref = run_ranks(_run, 2, [*BASE, *steps], 0, timeout=150)
+    got = run_ranks(_run, 4, [*BASE, *steps, "--context-parallel-size", "2", "--use-torch-fsdp2"], 0, timeout=150)
+    for r in range(4):
+        _close(got[r], ref[r // 2], f"SP=2 x DP=2 rank {r}")
+
+
+def _tiny_pretrained(path):
+    from diffusers import WanTransformer3DModel
+    torch.manual_seed(7)
+    WanTransformer3DModel(**wan.preset_kwargs("tiny")).save_pretrained(path, safe_serialization=True)
+
+
+def test_init_from_dir_save_resume_save_pretrained(tmp_path):
+    init, ck, out = str(tmp_path / "init"), str(tmp_path / "ck"), str(tmp_path / "out")
+    _tiny_pretrained(init)
+    argv = [*BASE, "--init", init, "--text-len", "8", "--context-parallel-size", "2"]
+    straight = run_ranks(_run, 2, [*argv, "--train-iters", "5"], timeout=120)[0]
+    first = run_ranks(_run, 2, [*argv, "--train-iters", "3", "--save", ck], timeout=120)[0]
+    rest = run_ranks(_run, 2, [*argv, "--train-iters", "5", "--load", ck, "--save-pretrained", out],
+                     timeout=120)[0]
+    assert first[0] == straight[0][:3] and rest[0] == straight[0][3:], (first[0], rest[0], straight[0])
+    for n in straight[1]:
+        assert (rest[1][n] == straight[1][n]).all(), f"parameter {n}: resumed run differs from the straight one"
+    from diffusers import WanTransformer3DModel
+    back = WanTransformer3DModel.from_pretrained(out)
+    trained = WanTransformer3DModel(**wan.preset_kwargs("tiny"))
+    trained.load_state_dict({n: torch.from_numpy(p) for n, p in rest[1].items()})
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(1, 4, 4, 8, 8, generator=g), torch.randn(1, 8, 32, generator=g)
+    with torch.no_grad():
+        a = back(x, torch.tensor([300.0]), text, return_dict=False)[0]
+        b = trained(x, torch.tensor([300.0]), text, return_dict=False)[0]
+    assert torch.equal(a, b)
+    start = WanTransformer3DModel.from_pretrained(init)
+    assert any(not torch.equal(p, back.state_dict()[n]) for n, p in start.state_dict().items()), "nothing trained"
+
+
+def _user_error(rank, world, argv):
+    from training.video_dit.faults import run_entry
+    return run_entry(entry.main, entry.WHAT, list(argv))
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--cp-comm-type", "bogus"], ["--cp-comm-type"]),
+    (["--context-parallel-size", "3"], ["--context-parallel-size"]),
+    (["--init", "somewhere", "--num-layers", "4"], ["--num-layers", "--init"]),
+    (["--pack-samples"], ["--pack-samples"]),
+    (["--sparse-topk", "3"], ["--sparse-topk", "--sparse-attention"]),
+    (["--timestep-shift", "0"], ["--timestep-shift"]),
+])
+def test_bad_flags_refused_by_name(argv, names, capsys):
+    with pytest.raises(SystemExit) as e:
+        entry.parse([*BASE, *argv])
+    assert e.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(n in err for n in names), err
+
+
+def test_bad_init_dir_is_one_message(tmp_path, capfd):
+    (tmp_path / "notamodel").mkdir()
+    for path, words in ((str(tmp_path / "missing"), "no such directory"), (str(tmp_path / "notamodel"),
+                                                                          "no config.json")):
+        code = run_ranks(_user_error, 1, [*BASE, "--init", path, "--train-iters", "1"], timeout=60)[0]
+        err = capfd.readouterr().err.strip().splitlines()
+        assert code == 1 and any("--init" in line and words in line for line in err), err
+        assert not any("Traceback" in line for line in err), err
