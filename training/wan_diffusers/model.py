@@ -89,17 +89,52 @@ def pretrained_dir(path: str) -> tuple[str, Optional[str]]:
 
 
 def load_model(path: str, device: torch.device) -> torch.nn.Module:
-    """WanTransformer3DModel.from_pretrained(``path``) in fp32 on ``device``, from safetensors only (no pickle)."""
+    """WanTransformer3DModel.from_pretrained(``path``) in fp32 on ``device``, from safetensors only (no pickle).
+    diffusers 0.42 loads this model (it has _keep_in_fp32_modules) only with accelerate installed; without it the
+    same files are read here: config.json -> from_config, the safetensors (one file or an index of shards) ->
+    load_state_dict(strict)."""
     from diffusers import WanTransformer3DModel  # noqa: PLC0415
     root, sub = pretrained_dir(path)
     try:
-        model = WanTransformer3DModel.from_pretrained(root, subfolder=sub, torch_dtype=torch.float32,
-                                                      use_safetensors=True)
+        if has_accelerate():
+            # no torch_dtype: the weights are read into the fp32 parameters whatever dtype the files hold
+            model = WanTransformer3DModel.from_pretrained(root, subfolder=sub, use_safetensors=True)
+        else:
+            model = _read_pretrained(WanTransformer3DModel, os.path.join(root, sub or ""))
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         lines = str(e).strip().splitlines()
         raise SPConfigError(f"--init={path!r}: diffusers could not load it ({lines[0][:300] if lines else e})") \
             from None
-    return model.to(device)
+    return model.float().to(device)
+
+
+def has_accelerate() -> bool:
+    import importlib.util  # noqa: PLC0415
+    return importlib.util.find_spec("accelerate") is not None
+
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def _read_pretrained(cls, folder: str) -> torch.nn.Module:
+    """What from_pretrained reads, without accelerate: config.json and the safetensors weights of ``folder``."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+    model = cls.from_config(cls.load_config(folder))
+    index = os.path.join(folder, WEIGHTS + ".index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(folder, WEIGHTS)):
+        files = [WEIGHTS]
+    else:
+        raise OSError(f"no {WEIGHTS} (or its .index.json) in {folder}: only safetensors weights are read")
+    state: dict = {}
+    for name in files:
+        state.update(load_file(os.path.join(folder, name)))
+    ignore = tuple(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ())
+    state = {k: v for k, v in state.items() if not any(pat in k for pat in ignore)}
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return model
 
 
 def identity(config, preset: str, sparse_gates: bool) -> dict:
