@@ -1,0 +1,169 @@
+"""``parallelize``: one call that makes a diffusers Wan transformer sequence parallel.
+
+    from megatron_sp_ext.diffusers import parallelize
+    sp = parallelize(model, group, mode="auto")      # every mode of SPConfig; settings as keywords or config=
+    out = model(latent, timestep, text).sample        # every rank: the same full inputs, the same full output
+    loss.backward(); all-reduce SUM each parameter's .grad over ``group``
+    sp.remove()                                       # the model as it was
+
+Sharding: the model's own ``_cp_plan`` (hooks.py): rope's (cos, sin) and blocks.0's hidden_states split along the
+sequence, proj_out's output gathered, Wan 2.2 TI2V's per-token timestep [B, S] split. Every self-attention
+(``blocks.i.attn1``) runs through ``make_attention(cfg, group, num_heads=H, layout="bshd")`` (processor.py); the
+cross-attention (attn2: text, and Wan 2.1 I2V's image tokens) keeps diffusers' own processor, locally (this rank's
+queries against the whole text).
+
+Gradients: every SP rank computes the same loss on the gathered output; the gather's backward hands each rank the
+gradient of its own tokens, so each rank's parameter gradients are its tokens' share, and the SP=1 gradient is their
+SUM over the SP group: all-reduce SUM ``p.grad`` over ``group`` (then average over data-parallel replicas as usual).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import SPConfig
+from ..errors import SPConfigError
+from ..sp.factory import SPResources, make_attention
+from .hooks import SequenceState, install_plan
+from .local import OneRankAttention
+from .processor import SPWanSelfAttnProcessor
+
+SUPPORTED = ("WanTransformer3DModel",)
+# diffusers Wan models whose sharding this client does not carry out, and why (diffusers 0.42.1)
+REFUSED = {
+    "WanVACETransformer3DModel": "it has no _cp_plan (its vace_blocks take hidden_states and control_hidden_states "
+                                 "beside the main blocks; diffusers defines no sequence split for them)",
+    "WanAnimateTransformer3DModel": "it has no _cp_plan and its face adapter attends per frame "
+                                    "(WanAnimateFaceBlockAttnProcessor), not token-wise",
+    "WanAnimate2Transformer3DModel": "it has no _cp_plan and its attention keeps a KV cache "
+                                     "(WanAnimate2AttnProcessor)",
+}
+SPARSE_MEMBERS = ("block_size", "token_order", "attach", "detach", "__call__")
+
+
+@dataclass
+class SPHandle:
+    """What ``parallelize`` did to a model. config: the SPConfig; group: the SP group as given; sp_size; processors:
+    the self-attention processors it set (blocks in order). ``remove()`` undoes it all."""
+
+    model: torch.nn.Module
+    config: SPConfig
+    group: Optional[dist.ProcessGroup]
+    sp_size: int
+    processors: list
+    sparse: Any = None
+    hooks: list = field(default_factory=list)
+    removed: bool = False
+
+    def remove(self) -> None:
+        """Remove every hook, put the original processors back and detach the sparse plan's modules (idempotent)."""
+        if self.removed:
+            return
+        for h in self.hooks:
+            h.remove()
+        for blk, proc in zip(self.model.blocks, self.processors):
+            blk.attn1.set_processor(proc.original)
+        if self.sparse is not None:
+            self.sparse.detach(self.model)
+        self.removed = True
+
+
+def _config(mode: str, config: Optional[SPConfig], settings: dict) -> SPConfig:
+    if config is not None:
+        if not isinstance(config, SPConfig):
+            raise SPConfigError(f"parallelize: config= must be an SPConfig; got {type(config).__name__}")
+        if mode != "auto" or settings:
+            given = ([f"mode={mode!r}"] if mode != "auto" else []) + sorted(settings)
+            raise SPConfigError(f"parallelize: give either config= or mode/settings, not both (got config= and "
+                                f"{', '.join(given)})")
+        return config
+    return SPConfig.from_dict({"mode": mode, **settings})
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    name = type(model).__name__
+    try:
+        from diffusers import WanTransformer3DModel  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - the client needs diffusers
+        raise SPConfigError(f"parallelize needs diffusers (pip install 'diffusers>=0.42'): {e}") from None
+    if type(model) is not WanTransformer3DModel:
+        why = f" ({REFUSED[name]})" if name in REFUSED else ""
+        raise SPConfigError(f"parallelize supports {', '.join(SUPPORTED)} (diffusers; Wan 2.1 / 2.2, T2V, I2V, TI2V); "
+                            f"got {name}{why}")
+    if getattr(model, "_parallel_config", None) is not None:
+        raise SPConfigError(f"parallelize: this {name} already has diffusers' own context parallelism enabled "
+                            f"(model.enable_parallelism / _parallel_config is set); use one of the two, on a model "
+                            f"loaded without parallel_config")
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor  # noqa: PLC0415
+    for i, blk in enumerate(model.blocks):
+        for attr in ("attn1", "attn2"):
+            proc = getattr(blk, attr).processor
+            if getattr(proc, "_parallel_config", None) is not None:
+                raise SPConfigError(f"parallelize: blocks.{i}.{attr}'s processor has diffusers' context parallelism "
+                                    f"set (_parallel_config); use one of the two")
+        attn = blk.attn1
+        if isinstance(attn.processor, SPWanSelfAttnProcessor):
+            raise SPConfigError(f"parallelize: this {name} is already parallelized (blocks.{i}.attn1): call remove() "
+                                f"on its handle first")
+        if type(attn.processor) is not WanAttnProcessor:
+            raise SPConfigError(f"parallelize replaces diffusers' WanAttnProcessor of each self-attention; "
+                                f"blocks.{i}.attn1 has {type(attn.processor).__name__}")
+        if attn.is_cross_attention or attn.add_k_proj is not None:
+            raise SPConfigError(f"parallelize: blocks.{i}.attn1 is not a plain self-attention (is_cross_attention="
+                                f"{attn.is_cross_attention}, added k/v projections: {attn.add_k_proj is not None})")
+        drop = attn.to_out[1]
+        if isinstance(drop, torch.nn.Dropout) and drop.p > 0:
+            raise SPConfigError(f"parallelize: blocks.{i}.attn1.to_out[1] is Dropout(p={drop.p}); its random mask would "
+                                f"differ between SP sizes; build the model with dropout 0")
+
+
+def _check_sparse(sparse: Any) -> None:
+    missing = [m for m in SPARSE_MEMBERS if not hasattr(sparse, m)]
+    if missing:
+        raise SPConfigError(f"parallelize: sparse= must be a SparseAttentionPlan (block_size, token_order, attach, "
+                            f"detach, __call__); {type(sparse).__name__} lacks {', '.join(missing)}")
+
+
+def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None, mode: str = "auto", *,
+                config: Optional[SPConfig] = None, sparse: Any = None, **settings: Any) -> SPHandle:
+    """Shard ``model`` (a diffusers WanTransformer3DModel) over the SP ``group`` and run every self-attention
+    through ``make_attention``; returns the ``SPHandle``.
+
+    group: the SP process group (None or one rank: no sharding, the same code path). mode / settings: SPConfig's
+    fields (mode, head_chunks, backend, ring_variant, placement, ulysses_size, nodes, transport), or config= a ready
+    SPConfig. sparse: a SparseAttentionPlan (token order, block mask per layer, optional extra branch) or None.
+    Every rank passes the same full inputs and gets the same full output; parameter gradients must be all-reduced
+    (SUM) over ``group`` (module docstring). Raises SPConfigError naming the keyword or the model's part."""
+    _check_model(model)
+    cfg = _config(mode, config, settings)
+    sp_size = dist.get_world_size(group) if group is not None else 1
+    sp_group = group if sp_size > 1 else None
+    heads = model.config.num_attention_heads
+    if cfg.dropout_p > 0:
+        raise SPConfigError(f"parallelize: dropout_p={cfg.dropout_p}: diffusers' WanAttnProcessor runs attention "
+                            f"without dropout; leave dropout_p=0")
+    if cfg.async_qkv != "off" or cfg.dynamic:
+        key = "async_qkv" if cfg.async_qkv != "off" else "dynamic"
+        raise SPConfigError(f"parallelize: {key}={getattr(cfg, key)!r} applies to megatron_sp_ext's own attention "
+                            f"blocks, not to a diffusers processor; leave it unset")
+    cfg.validate_world(sp_size, num_heads=heads)
+    if sparse is not None:
+        _check_sparse(sparse)
+    if sp_group is None:   # one rank: every mode is the local attention (no group to exchange over)
+        attention = OneRankAttention(cfg)
+    else:
+        attention = make_attention(cfg, sp_group, num_heads=heads, layout="bshd", resources=SPResources(cfg))
+    state = SequenceState(sp_group, sp_size, sparse, tuple(model.config.patch_size))
+    if sparse is not None:
+        sparse.attach(model)
+    processors = []
+    for i, blk in enumerate(model.blocks):
+        proc = SPWanSelfAttnProcessor(attention, state, i, blk.attn1.processor)
+        blk.attn1.set_processor(proc)
+        processors.append(proc)
+    handle = SPHandle(model, cfg, group, sp_size, processors, sparse)
+    handle.hooks = install_plan(model, type(model)._cp_plan, state)
+    return handle
