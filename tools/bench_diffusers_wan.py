@@ -109,9 +109,9 @@ def sparse_settings(spec: Optional[dict], grid: tuple, tile: tuple) -> Optional[
 
 
 def make_plan(settings: dict):
-    from megatron_sp_ext.diffusers.sparse import SparseAttentionPlan  # noqa: PLC0415
-    return SparseAttentionPlan(tile=tuple(settings["tile"]), topk=settings["topk"],
-                               window=tuple(settings["window"]) if settings["window"] else None)
+    from megatron_sp_ext.diffusers.sparse import BlockSparsePlan  # noqa: PLC0415
+    return BlockSparsePlan(tuple(settings["tile"]), topk=settings["topk"],
+                           window=tuple(settings["window"]) if settings["window"] else None)
 
 
 def fixed_batch(cfg, grid_latent: tuple, seed: int, device) -> dict:

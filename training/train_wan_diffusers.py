@@ -158,8 +158,9 @@ def sparse_plan(args):
     spec = sparse_spec(args)
     if spec is None:
         return None
-    from megatron_sp_ext.diffusers.sparse import SparseAttentionPlan  # noqa: PLC0415
-    return SparseAttentionPlan(tile=spec.tile, topk=spec.topk, window=spec.window)
+    from megatron_sp_ext.diffusers.sparse import BlockSparsePlan  # noqa: PLC0415
+    return BlockSparsePlan(tuple(spec.tile), window=tuple(spec.window) if spec.window is not None else None,
+                           topk=spec.topk)
 
 
 def main(argv: Optional[list] = None, return_params: bool = False, grads_at: Optional[int] = None) -> dict:
@@ -218,6 +219,15 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
         sp_cfg = SPConfig(mode=args.cp_comm_type, head_chunks=1 if args.cp_comm_type == "ulysses"
                           else args.hcms_head_chunks, backend=args.sp_attention_backend, source="megatron")
         handle = parallelize(model, sp_group, config=sp_cfg, sparse=plan)
+    gates = plan is not None and any(".sparse_gate." in n for n, _ in model.named_parameters())
+    if gates and args.init != "random":   # a top-k model saved by --save-pretrained carries its gates beside it
+        root, sub = wan.pretrained_dir(args.init)
+        folder = os.path.join(root, sub or "")
+        if wan.gate_names(folder):
+            plan.load_gates(model, folder)
+        else:
+            logger.info(f"--init {args.init} has no sparse gates: they start at zero (the model's fine block-sparse "
+                        f"attention alone)")
     world_group = dist.group.WORLD if lay.world > 1 else None
     if args.use_torch_fsdp2:
         model = shard_model(model, dist.group.WORLD, device, bf16=args.bf16 and device.type == "cuda")
@@ -226,8 +236,7 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
                             fused=(device.type == "cuda" and not args.use_torch_fsdp2) or None)
     ops = FsdpOps(model, opt, args.clip_grad) if args.use_torch_fsdp2 else TorchOps(model, opt, world_group,
                                                                                    args.clip_grad)
-    run_id = wan.identity(model.config, preset, sparse_gates=plan is not None and getattr(plan, "topk", None)
-                          is not None)
+    run_id = wan.identity(model.config, preset, sparse_gates=gates)
     start, loaded = 0, None
     if args.load:
         loaded = ckpt.load(args.load, model, opt, run_id)

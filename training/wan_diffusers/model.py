@@ -114,6 +114,7 @@ def has_accelerate() -> bool:
 
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
+EXTRA = "megatron_sp_ext_extra.safetensors"   # tensors a stock WanTransformer3DModel lacks (sparse gates)
 
 
 def _read_pretrained(cls, folder: str) -> torch.nn.Module:
@@ -131,10 +132,22 @@ def _read_pretrained(cls, folder: str) -> torch.nn.Module:
     state: dict = {}
     for name in files:
         state.update(load_file(os.path.join(folder, name)))
-    ignore = tuple(getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ())
-    state = {k: v for k, v in state.items() if not any(pat in k for pat in ignore)}
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    missing, _ = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if missing:   # unexpected keys (a sparse plan's gates) are left out, as from_pretrained does
+        raise OSError(f"{folder}: {len(missing)} weights of the model are not in its safetensors (first: {missing[0]})")
     return model
+
+
+def gate_names(folder: str) -> set:
+    """Names of the sparse plan's gate tensors (``.sparse_gate.``) in ``folder``'s safetensors files (headers only):
+    what BlockSparsePlan.load_gates copies."""
+    from safetensors import safe_open  # noqa: PLC0415
+    names: set = set()
+    for f in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, f), framework="pt") as st:
+                names |= {k for k in st.keys() if ".sparse_gate." in k}
+    return names
 
 
 def identity(config, preset: str, sparse_gates: bool) -> dict:
@@ -147,7 +160,7 @@ def save_pretrained(model: torch.nn.Module, out_dir: str, rank: int) -> Optional
     """Write the trained weights in diffusers' layout (``out_dir``: config.json + safetensors) that
     WanTransformer3DModel.from_pretrained reads back. Collective: FSDP2 shards are gathered (full state dict, on the
     CPU of rank 0). Parameters a stock WanTransformer3DModel lacks (the sparse plan's gates) go to
-    ``megatron_sp_ext_extra.safetensors`` beside them. Returns (rank 0) the names of those extra tensors."""
+    ``megatron_sp_ext_extra.safetensors`` beside them (BlockSparsePlan.load_gates reads them there). Returns (rank 0) the names of those extra tensors."""
     from diffusers import WanTransformer3DModel  # noqa: PLC0415
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
@@ -164,9 +177,16 @@ def save_pretrained(model: torch.nn.Module, out_dir: str, rank: int) -> Optional
         stock.load_state_dict({k: v.float() for k, v in full.items() if k in keys}, strict=True, assign=True)
         stock.save_pretrained(out_dir, safe_serialization=True)
         extra = sorted(set(full) - keys)
-        if extra:
+        if extra:   # beside the model's files; listed in the index when diffusers sharded them
             from safetensors.torch import save_file  # noqa: PLC0415
-            save_file({k: full[k].contiguous() for k in extra}, os.path.join(out_dir, "megatron_sp_ext_extra.safetensors"))
+            save_file({k: full[k].contiguous() for k in extra}, os.path.join(out_dir, EXTRA))
+            index = os.path.join(out_dir, WEIGHTS + ".index.json")
+            if os.path.isfile(index):
+                with open(index) as f:
+                    doc = json.load(f)
+                doc["weight_map"].update({k: EXTRA for k in extra})
+                with open(index, "w") as f:
+                    json.dump(doc, f, indent=2)
     if dist.is_initialized():
         dist.barrier()
     return extra
