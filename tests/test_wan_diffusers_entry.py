@@ -134,3 +134,27 @@ def test_bad_init_dir_is_one_message(tmp_path, capfd):
         err = capfd.readouterr().err.strip().splitlines()
         assert code == 1 and any("--init" in line and words in line for line in err), err
         assert not any("Traceback" in line for line in err), err
+
+
+SPARSE = ["--sparse-attention", "tiles", "--sparse-tile", "1,2,2"]
+
+
+def test_sparse_sp2_equals_sp1_and_gates_round_trip(tmp_path):
+    """Top-k (VSA, gated coarse branch) at SP=2 equals SP=1; --save-pretrained writes the gates beside the model's
+    files and --init reads them back (the window plan is the same code path with a fixed mask)."""
+    pytest.importorskip("megatron_sp_ext.diffusers.sparse")
+    out = str(tmp_path / "out")
+    argv = [*BASE, *SPARSE, "--sparse-topk", "4", "--train-iters", "2"]
+    ref = run_ranks(_run, 1, argv, 0, timeout=120)[0]
+    got = run_ranks(_run, 2, [*argv, "--context-parallel-size", "2", "--save-pretrained", out], 0, timeout=120)[0]
+    _close(got, ref, "top-k SP=2")
+    gates = {n for n in got[1] if ".sparse_gate." in n}
+    assert gates and any(abs(got[1][n]).max() > 0 for n in gates), "the gates did not train"
+    assert wan.gate_names(out) == gates
+    back = run_ranks(_run, 1, [*BASE, *SPARSE, "--sparse-topk", "4", "--init", out, "--text-len", "8",
+                               "--train-iters", "0"], timeout=120)[0]
+    for n in got[1]:
+        assert (back[1][n] == got[1][n]).all(), f"{n}: not read back from --init"
+    win = [*BASE, *SPARSE, "--sparse-window", "1,1,1", "--train-iters", "2"]
+    _close(run_ranks(_run, 2, [*win, "--context-parallel-size", "2"], 0, timeout=120)[0],
+           run_ranks(_run, 1, win, 0, timeout=120)[0], "window SP=2")
