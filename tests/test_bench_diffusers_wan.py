@@ -8,7 +8,9 @@ import pytest
 
 pytest.importorskip("diffusers")
 
-import diffusers  # noqa: E402,F401  (imported before the harness forks)
+import torch.distributed.checkpoint.state_dict  # noqa: E402,F401  (imported before the harness forks)
+from diffusers import WanTransformer3DModel  # noqa: E402,F401
+import megatron_sp_ext.diffusers  # noqa: E402,F401
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 from tools import bench_diffusers_wan as bench  # noqa: E402
