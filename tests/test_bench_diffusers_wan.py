@@ -22,14 +22,16 @@ def _bench(rank, world, argv):
 
 def test_dry_run_rows(tmp_path):
     out = str(tmp_path / "bench.json")
-    run_ranks(_bench, 2, ["--dry-run", "--variants", "diffusers-ulysses,ours-auto,ours-ring", "--out", out],
-              timeout=120)
+    pytest.importorskip("megatron_sp_ext.diffusers.sparse")
+    run_ranks(_bench, 2, ["--dry-run", "--variants", "diffusers-ulysses,ours-auto,ours-ring,ours-ulysses-topk90",
+                          "--out", out], timeout=120)
     with open(out) as f:
         doc = json.load(f)
     rows = {r["variant"]: r for r in doc["rows"]}
     assert doc["meta"]["tokens"] == 64 and doc["meta"]["world"] == 2
     assert "accelerator" in rows["diffusers-ulysses"]["skipped"]
-    for name in ("ours-auto", "ours-ring"):
+    assert rows["ours-ulysses-topk90"]["sparse"]["topk"] == 2   # 10% of the 16 tiles of 1x2x2 on the 4x4x4 grid
+    for name in ("ours-auto", "ours-ring", "ours-ulysses-topk90"):
         r = rows[name]
         assert "skipped" not in r, r
         assert r["step_ms"] > 0 and len(r["step_ms_all"]) == 2 and r["first_loss"] > 0 and r["mfu"] is None
