@@ -204,6 +204,15 @@ def test_dit_sparse_family(world, backend):
 
 
 @pytest.mark.parametrize("world,backend", _layouts())
+def test_diffusers_family(world, backend):
+    """The diffusers client (megatron_sp_ext.diffusers.parallelize) on diffusers' WanTransformer3DModel at SP=P in
+    every mode, fp32 and bf16, with and without a test-only sparse plan, I2V / TI2V / checkpointing: the output, the
+    latent's and the parameters' gradients (summed over SP) against the stock SP=1 model in float64."""
+    pytest.importorskip("diffusers", reason="needs diffusers 0.42 (carried as a wheel to the GPU machine)")
+    assert len(_worker("cuda_diffusers", "diffusers_family", "diffusers", world, backend)) == {2: 16, 4: 22}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
 def test_dit_dynamic_family(world, backend):
     """The DiT under dynamic SP (each packed sample on its own sub-group): loss and gradients equal SP=1 on the same
     pack, fp32 and bf16 autocast."""

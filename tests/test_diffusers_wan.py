@@ -2,7 +2,8 @@
 every mode's output and every parameter gradient (and the latent's; summed over the SP ranks) equal the stock SP=1
 model's (diffusers' own processors) within 1e-10; with the test-only SparseAttentionPlan (tests/wan_sp.py: a token
 permutation, a random block mask, a gated extra branch) they equal the dense masked reference; I2V, a TI2V per-token
-timestep, gradient checkpointing and fused projections at SP=2; remove() gives back the untouched model; bad input is
+timestep, WanVACETransformer3DModel (its vace blocks' self-attentions too), gradient checkpointing and fused
+projections at SP=2; remove() gives back the untouched model; bad input is
 refused by name. A 20-step fp32 AdamW run at SP=2 matches SP=1 within 1e-5.
 
 Float32 islands: diffusers' Wan block computes in float32 on purpose even in a float64 model: ``temb.float()`` (the
@@ -25,14 +26,21 @@ from megatron_sp_ext import SPConfig, SPConfigError   # noqa: E402
 from megatron_sp_ext.diffusers import parallelize     # noqa: E402
 from tests.harness import run_ranks                   # noqa: E402
 from tests.reference import rel_err                   # noqa: E402
-from tests.wan_sp import (FixedSparsePlan, forward_backward, grid_of, reference_with_plan, tiny_wan,  # noqa: E402
-                          wan_inputs)
+from tests.wan_sp import (TINY, FixedSparsePlan, forward_backward, grid_of, reference_with_plan,  # noqa: E402
+                          tiny_wan, wan_inputs)
 
 TOL64 = 1e-10
+TOL_FP32_ISLAND = 1e-6
 # beside every FP32LayerNorm's parameters: the time embedding (temb.float()) and the I2V image embedder (its output
 # FP32LayerNorm's backward runs in float32, so every gradient inside it is float32-rounded)
 FP32_ISLANDS = ("condition_embedder.time_embedder.", "condition_embedder.time_proj.",
                 "condition_embedder.image_embedder.")
+MODES = {2: [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("tasp", {}), ("auto", {})],
+         4: [("ulysses", {}), ("hcms", {"head_chunks": "auto"}), ("ring", {}), ("tasp", {}), ("auto", {}),
+             ("usp", {"ulysses_size": 2, "nodes": 2}), ("tas", {"ulysses_size": 2, "nodes": 2}),
+             ("torus", {"ulysses_size": 2, "nodes": 2})]}
+# the modes also run without the plan (the plan's runs cover every mode's path plus the token order and the mask)
+PLAIN_TOO = {2: [m for m, _ in MODES[2]], 4: ["ulysses", "ring", "usp", "torus"]}
 
 
 def fp32_islands(model) -> set:
@@ -42,11 +50,6 @@ def fp32_islands(model) -> set:
     names = {f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, FP32LayerNorm)
              for p, _ in mod.named_parameters()}
     return names | {n for n, _ in model.named_parameters() if n.startswith(FP32_ISLANDS)}
-TOL_FP32_ISLAND = 1e-6
-MODES = {2: [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("tasp", {}), ("auto", {})],
-         4: [("ulysses", {}), ("hcms", {"head_chunks": "auto"}), ("ring", {}), ("tasp", {}), ("auto", {}),
-             ("usp", {"ulysses_size": 2, "nodes": 2}), ("tas", {"ulysses_size": 2, "nodes": 2}),
-             ("torus", {"ulysses_size": 2, "nodes": 2})]}
 
 
 class Cases:
@@ -98,7 +101,7 @@ def case_errors(kind: str, group, mode: str, settings: dict, **kw) -> dict:
 def _modes_case(rank, world):
     cases, out = Cases(torch.distributed.group.WORLD), {}
     for mode, kw in MODES[world]:
-        for sparse in (False, True):
+        for sparse in (False, True) if mode in PLAIN_TOO[world] else (True,):
             out[f"{mode} sparse={sparse}"] = cases.errors("t2v", mode, kw, sparse=sparse)
     out["ring checkpointing sparse"] = cases.errors("t2v", "ring", {}, sparse=True, checkpoint=True)
     if world == 2:
@@ -106,6 +109,8 @@ def _modes_case(rank, world):
         out["ulysses ti2v"] = cases.errors("ti2v", "ulysses", {})
         out["ring ti2v sparse"] = cases.errors("ti2v", "ring", {}, sparse=True)
         out["ulysses checkpointing"] = cases.errors("t2v", "ulysses", {}, checkpoint=True)
+        out["ulysses vace"] = cases.errors("vace", "ulysses", {})
+        out["ring vace checkpointing"] = cases.errors("vace", "ring", {}, checkpoint=True)
         out["hcms fused projections i2v"] = cases.errors("i2v", "hcms", {"head_chunks": 2}, fused=True)
         out["auto checkpointing fused sparse"] = cases.errors("t2v", "auto", {}, sparse=True, checkpoint=True,
                                                               fused=True)
@@ -115,7 +120,7 @@ def _modes_case(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_mode_equals_stock_sp1(world):
     per_rank = run_ranks(_modes_case, world, timeout=240)
-    want = 2 * len(MODES[world]) + 1 + (6 if world == 2 else 0)
+    want = len(MODES[world]) + len(PLAIN_TOO[world]) + 1 + (8 if world == 2 else 0)
     assert len(per_rank[0]) == want
     bad = {(r, c): e for r, res in enumerate(per_rank) for c, e in res.items() if not max(e.values()) <= TOL64}
     assert not bad, bad
@@ -135,6 +140,8 @@ def test_sp1_same_code_path_and_sparse_reference():
     model = copy.deepcopy(stock)
     sp = parallelize(model, None, sparse=plan)
     assert rel_err(model(**inputs).sample, ref) <= TOL64
+    positional = model(inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"]).sample
+    assert rel_err(positional, ref) <= TOL64
     sp.remove()
     sp = parallelize(model, None, sparse=FixedSparsePlan(gated=False))
     assert rel_err(model(**inputs).sample, ref) > 1e-3
@@ -171,11 +178,16 @@ def test_remove_restores_the_model_bit_for_bit():
 
 def test_bad_input_is_refused_by_name():
     model = tiny_wan()
-    with pytest.raises(SPConfigError, match=r"parallelize supports WanTransformer3DModel .*got Linear"):
+    with pytest.raises(SPConfigError, match=r"parallelize supports WanTransformer3DModel, WanVACETransformer3DModel "
+                                            r"\(diffusers; .*\); got Linear"):
         parallelize(torch.nn.Linear(2, 2), None)
-    vace = WanVACETransformer3DModel(**{**dict(tiny_wan().config), "vace_layers": [0], "vace_in_channels": 4})
-    with pytest.raises(SPConfigError, match=r"got WanVACETransformer3DModel \(it has no _cp_plan"):
-        parallelize(vace, None)
+
+    class MyWan(WanTransformer3DModel):   # a subclass may change forward: refused too
+        pass
+    with pytest.raises(SPConfigError, match=r"; got MyWan"):
+        parallelize(MyWan(**TINY), None)
+    with pytest.raises(SPConfigError, match=r"sparse= .* is not available for WanVACETransformer3DModel"):
+        parallelize(tiny_wan("vace"), None, sparse=FixedSparsePlan())
     with pytest.raises(SPConfigError, match=r"mode='bogus' is invalid"):
         parallelize(model, None, "bogus")
     with pytest.raises(SPConfigError, match=r"head_chunk is not a known setting"):

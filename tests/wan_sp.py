@@ -19,16 +19,19 @@ import torch.nn.functional as F
 TINY = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
             text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64)
 I2V = dict(image_dim=24, added_kv_proj_dim=64)   # Wan 2.1 I2V: 257 image tokens before 512 text tokens
+VACE = dict(vace_layers=[0, 1], vace_in_channels=8)   # WanVACETransformer3DModel: a control video beside the latent
 LATENT = (1, 4, 3, 8, 8)                          # -> 3 x 4 x 4 = 48 tokens
-TEXT_LEN = {"t2v": 7, "ti2v": 7, "i2v": 512}      # WanAttnProcessor splits I2V's context at 512 text tokens
+TEXT_LEN = {"t2v": 7, "ti2v": 7, "i2v": 512, "vace": 7}      # WanAttnProcessor splits I2V's context at 512 text tokens
 
 
 def tiny_wan(kind: str = "t2v", *, seed: int = 0, dtype=torch.float64, device="cpu", **over):
-    """A tiny WanTransformer3DModel (``kind`` "i2v" adds the image branch), seeded, in ``dtype`` on ``device``."""
-    from diffusers import WanTransformer3DModel  # noqa: PLC0415
+    """A tiny WanTransformer3DModel (``kind`` "i2v" adds the image branch; "vace": a WanVACETransformer3DModel),
+    seeded, in ``dtype`` on ``device``."""
+    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel  # noqa: PLC0415
     torch.manual_seed(seed)
-    cfg = {**TINY, **(I2V if kind == "i2v" else {}), **over}
-    model = WanTransformer3DModel(**cfg).to(device=device, dtype=dtype)
+    cfg = {**TINY, **(I2V if kind == "i2v" else {}), **(VACE if kind == "vace" else {}), **over}
+    cls = WanVACETransformer3DModel if kind == "vace" else WanTransformer3DModel
+    model = cls(**cfg).to(device=device, dtype=dtype)
     with torch.no_grad():   # waken the zero-initialised parts so every parameter's gradient counts
         g = torch.Generator().manual_seed(seed + 1)
         for p in model.parameters():
@@ -43,13 +46,16 @@ def wan_inputs(kind: str = "t2v", *, seed: int = 0, dtype=torch.float64, device=
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
     b = latent[0]
     out = {"hidden_states": r(*latent).requires_grad_(), "encoder_hidden_states": r(b, TEXT_LEN[kind], TINY["text_dim"])}
+    t_dtype = torch.float64 if dtype == torch.float64 else torch.float32   # as pipelines pass it (bf16 rounds 417)
     if kind == "ti2v":
         s = latent[2] * (latent[3] // 2) * (latent[4] // 2)
-        out["timestep"] = torch.randint(0, 1000, (b, s), generator=g).to(device=device, dtype=dtype)
+        out["timestep"] = torch.randint(0, 1000, (b, s), generator=g).to(device=device, dtype=t_dtype)
     else:
-        out["timestep"] = torch.tensor([417.0] * b, device=device, dtype=dtype)
+        out["timestep"] = torch.tensor([417.0] * b, device=device, dtype=t_dtype)
     if kind == "i2v":
         out["encoder_hidden_states_image"] = r(b, 257, I2V["image_dim"])
+    if kind == "vace":
+        out["control_hidden_states"] = r(b, VACE["vace_in_channels"], *latent[2:])
     return out
 
 
@@ -57,7 +63,7 @@ def output_weight(inputs: dict, seed: int = 5) -> torch.Tensor:
     """A fixed random weight of the output's shape: loss = (out * weight).sum() reaches every output element."""
     x = inputs["hidden_states"]
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(x.shape, generator=g, dtype=torch.float64).to(x)
+    return torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.device)
 
 
 def forward_backward(model, inputs: dict, group: Optional[dist.ProcessGroup]):
@@ -66,7 +72,7 @@ def forward_backward(model, inputs: dict, group: Optional[dist.ProcessGroup]):
     model.zero_grad(set_to_none=True)
     inp = {k: (v.detach().clone().requires_grad_() if k == "hidden_states" else v) for k, v in inputs.items()}
     out = model(**inp).sample
-    (out.float() * output_weight(inputs).float()).sum().backward()
+    (out.double() * output_weight(inputs)).sum().backward()   # float64 loss; d loss / d out = weight in out's dtype
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
              for n, p in model.named_parameters()}
     grads["input"] = inp["hidden_states"].grad.detach().clone()

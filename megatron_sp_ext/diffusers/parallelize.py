@@ -7,8 +7,10 @@
     sp.remove()                                       # the model as it was
 
 Sharding: the model's own ``_cp_plan`` (hooks.py): rope's (cos, sin) and blocks.0's hidden_states split along the
-sequence, proj_out's output gathered, Wan 2.2 TI2V's per-token timestep [B, S] split. Every self-attention
-(``blocks.i.attn1``) runs through ``make_attention(cfg, group, num_heads=H, layout="bshd")`` (processor.py); the
+sequence, proj_out's output gathered, Wan 2.2 TI2V's per-token timestep [B, S] split. WanVACETransformer3DModel has
+no ``_cp_plan``: it runs Wan's plan plus its vace_blocks.0's hidden_states and control_hidden_states split (``plan_of``;
+its vace blocks only ever see that shard and their own outputs). Every self-attention (``blocks.i.attn1``, and
+VACE's ``vace_blocks.i.attn1``) runs through ``make_attention(cfg, group, num_heads=H, layout="bshd")`` (processor.py); the
 cross-attention (attn2: text, and Wan 2.1 I2V's image tokens) keeps diffusers' own processor, locally (this rank's
 queries against the whole text).
 
@@ -31,11 +33,9 @@ from .hooks import SequenceState, install_plan
 from .local import OneRankAttention
 from .processor import SPWanSelfAttnProcessor
 
-SUPPORTED = ("WanTransformer3DModel",)
+SUPPORTED = ("WanTransformer3DModel", "WanVACETransformer3DModel")
 # diffusers Wan models whose sharding this client does not carry out, and why (diffusers 0.42.1)
 REFUSED = {
-    "WanVACETransformer3DModel": "it has no _cp_plan (its vace_blocks take hidden_states and control_hidden_states "
-                                 "beside the main blocks; diffusers defines no sequence split for them)",
     "WanAnimateTransformer3DModel": "it has no _cp_plan and its face adapter attends per frame "
                                     "(WanAnimateFaceBlockAttnProcessor), not token-wise",
     "WanAnimate2Transformer3DModel": "it has no _cp_plan and its attention keeps a KV cache "
@@ -54,6 +54,7 @@ class SPHandle:
     group: Optional[dist.ProcessGroup]
     sp_size: int
     processors: list
+    attentions: list = field(default_factory=list)
     sparse: Any = None
     hooks: list = field(default_factory=list)
     removed: bool = False
@@ -64,8 +65,8 @@ class SPHandle:
             return
         for h in self.hooks:
             h.remove()
-        for blk, proc in zip(self.model.blocks, self.processors):
-            blk.attn1.set_processor(proc.original)
+        for attn, proc in zip(self.attentions, self.processors):
+            attn.set_processor(proc.original)
         if self.sparse is not None:
             self.sparse.detach(self.model)
         self.removed = True
@@ -83,13 +84,32 @@ def _config(mode: str, config: Optional[SPConfig], settings: dict) -> SPConfig:
     return SPConfig.from_dict({"mode": mode, **settings})
 
 
+def self_attentions(model: torch.nn.Module) -> list:
+    """(name, module) of every self-attention: blocks.i.attn1, then VACE's vace_blocks.i.attn1."""
+    out = [(f"blocks.{i}.attn1", blk.attn1) for i, blk in enumerate(model.blocks)]
+    return out + [(f"vace_blocks.{i}.attn1", blk.attn1) for i, blk in enumerate(getattr(model, "vace_blocks", ()))]
+
+
+def plan_of(model: torch.nn.Module) -> dict:
+    """The sequence plan: the model's ``_cp_plan``; for WanVACETransformer3DModel (none of its own) Wan's plus the
+    split of vace_blocks.0's hidden_states and control_hidden_states (the other vace blocks take the previous one's
+    sharded output and ignore hidden_states)."""
+    from diffusers import WanTransformer3DModel  # noqa: PLC0415
+    from diffusers.models._modeling_parallel import ContextParallelInput  # noqa: PLC0415
+    if type(model) is WanTransformer3DModel:
+        return type(model)._cp_plan
+    tokens = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    return {**WanTransformer3DModel._cp_plan,
+            "vace_blocks.0": {"hidden_states": tokens, "control_hidden_states": tokens}}
+
+
 def _check_model(model: torch.nn.Module) -> None:
     name = type(model).__name__
     try:
-        from diffusers import WanTransformer3DModel  # noqa: PLC0415
+        from diffusers import WanTransformer3DModel, WanVACETransformer3DModel  # noqa: PLC0415
     except ImportError as e:  # pragma: no cover - the client needs diffusers
         raise SPConfigError(f"parallelize needs diffusers (pip install 'diffusers>=0.42'): {e}") from None
-    if type(model) is not WanTransformer3DModel:
+    if type(model) not in (WanTransformer3DModel, WanVACETransformer3DModel):
         why = f" ({REFUSED[name]})" if name in REFUSED else ""
         raise SPConfigError(f"parallelize supports {', '.join(SUPPORTED)} (diffusers; Wan 2.1 / 2.2, T2V, I2V, TI2V); "
                             f"got {name}{why}")
@@ -98,25 +118,23 @@ def _check_model(model: torch.nn.Module) -> None:
                             f"(model.enable_parallelism / _parallel_config is set); use one of the two, on a model "
                             f"loaded without parallel_config")
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor  # noqa: PLC0415
-    for i, blk in enumerate(model.blocks):
-        for attr in ("attn1", "attn2"):
-            proc = getattr(blk, attr).processor
-            if getattr(proc, "_parallel_config", None) is not None:
-                raise SPConfigError(f"parallelize: blocks.{i}.{attr}'s processor has diffusers' context parallelism "
-                                    f"set (_parallel_config); use one of the two")
-        attn = blk.attn1
+    for where, attn in [(n, m) for n, m in model.named_modules() if hasattr(m, "processor")]:
+        if getattr(attn.processor, "_parallel_config", None) is not None:
+            raise SPConfigError(f"parallelize: {where}'s processor has diffusers' context parallelism set "
+                                f"(_parallel_config); use one of the two")
+    for where, attn in self_attentions(model):
         if isinstance(attn.processor, SPWanSelfAttnProcessor):
-            raise SPConfigError(f"parallelize: this {name} is already parallelized (blocks.{i}.attn1): call remove() "
-                                f"on its handle first")
+            raise SPConfigError(f"parallelize: this {name} is already parallelized ({where}): call remove() on its "
+                                f"handle first")
         if type(attn.processor) is not WanAttnProcessor:
             raise SPConfigError(f"parallelize replaces diffusers' WanAttnProcessor of each self-attention; "
-                                f"blocks.{i}.attn1 has {type(attn.processor).__name__}")
+                                f"{where} has {type(attn.processor).__name__}")
         if attn.is_cross_attention or attn.add_k_proj is not None:
-            raise SPConfigError(f"parallelize: blocks.{i}.attn1 is not a plain self-attention (is_cross_attention="
+            raise SPConfigError(f"parallelize: {where} is not a plain self-attention (is_cross_attention="
                                 f"{attn.is_cross_attention}, added k/v projections: {attn.add_k_proj is not None})")
         drop = attn.to_out[1]
         if isinstance(drop, torch.nn.Dropout) and drop.p > 0:
-            raise SPConfigError(f"parallelize: blocks.{i}.attn1.to_out[1] is Dropout(p={drop.p}); its random mask would "
+            raise SPConfigError(f"parallelize: {where}.to_out[1] is Dropout(p={drop.p}); its random mask would "
                                 f"differ between SP sizes; build the model with dropout 0")
 
 
@@ -129,7 +147,7 @@ def _check_sparse(sparse: Any) -> None:
 
 def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None, mode: str = "auto", *,
                 config: Optional[SPConfig] = None, sparse: Any = None, **settings: Any) -> SPHandle:
-    """Shard ``model`` (a diffusers WanTransformer3DModel) over the SP ``group`` and run every self-attention
+    """Shard ``model`` (a diffusers WanTransformer3DModel or WanVACETransformer3DModel) over the SP ``group`` and run every self-attention
     through ``make_attention``; returns the ``SPHandle``.
 
     group: the SP process group (None or one rank: no sharding, the same code path). mode / settings: SPConfig's
@@ -152,6 +170,10 @@ def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = Non
     cfg.validate_world(sp_size, num_heads=heads)
     if sparse is not None:
         _check_sparse(sparse)
+        if hasattr(model, "vace_blocks"):
+            raise SPConfigError(f"parallelize: sparse= (a SparseAttentionPlan keyed by the main blocks) is not "
+                                f"available for {type(model).__name__}, whose vace_blocks have self-attentions of "
+                                f"their own; leave sparse=None")
     if sp_group is None:   # one rank: every mode is the local attention (no group to exchange over)
         attention = OneRankAttention(cfg)
     else:
@@ -159,11 +181,12 @@ def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = Non
     state = SequenceState(sp_group, sp_size, sparse, tuple(model.config.patch_size))
     if sparse is not None:
         sparse.attach(model)
-    processors = []
-    for i, blk in enumerate(model.blocks):
-        proc = SPWanSelfAttnProcessor(attention, state, i, blk.attn1.processor)
-        blk.attn1.set_processor(proc)
+    attentions, processors = [], []
+    for i, (where, attn) in enumerate(self_attentions(model)):
+        proc = SPWanSelfAttnProcessor(attention, state, i, attn.processor, where)
+        attn.set_processor(proc)
+        attentions.append(attn)
         processors.append(proc)
-    handle = SPHandle(model, cfg, group, sp_size, processors, sparse)
-    handle.hooks = install_plan(model, type(model)._cp_plan, state)
+    handle = SPHandle(model, cfg, group, sp_size, processors, attentions, sparse)
+    handle.hooks = install_plan(model, plan_of(model), state)
     return handle

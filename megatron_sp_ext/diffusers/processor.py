@@ -36,15 +36,17 @@ class SPWanSelfAttnProcessor:
     """One block's self-attention through ``attention`` (an SPAttention, layout "bshd") over ``state.group``.
 
     layer_index: the block's index (the SparseAttentionPlan's layer); original: the processor it replaced
-    (``SPHandle.remove`` puts it back)."""
+    (``SPHandle.remove`` puts it back); where: the module's name (errors)."""
 
-    def __init__(self, attention: "SPAttention | OneRankAttention", state: SequenceState, layer_index: int, original: object) -> None:
+    def __init__(self, attention: "SPAttention | OneRankAttention", state: SequenceState, layer_index: int,
+                 original: object, where: str = "") -> None:
         self.attention, self.state, self.layer_index, self.original = attention, state, layer_index, original
+        self.where = where or f"blocks.{layer_index}.attn1"
 
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
                  encoder_hidden_states: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
                  rotary_emb: Optional[tuple] = None, **kwargs) -> torch.Tensor:
-        where = f"blocks.{self.layer_index}.attn1"
+        where = self.where
         if encoder_hidden_states is not None:
             raise SPConfigError(f"parallelize: {where} is a self-attention but was called with encoder_hidden_states")
         if attention_mask is not None:

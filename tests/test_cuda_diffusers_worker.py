@@ -1,0 +1,36 @@
+"""The CUDA suite's diffusers worker (tests/cuda_diffusers.py) dry-run on 2 CPU gloo ranks (SPX_SUITE_DEVICE=cpu,
+the tiny test model): every case passes; and it can fail: with the gather's inverse token permutation dropped (the
+output left in the plan's tile order) every case with the plan fails."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("diffusers", reason="needs diffusers (pip install 'megatron_sp_ext[diffusers]')")
+
+from diffusers import WanTransformer3DModel  # noqa: E402,F401 - imported before forking
+
+from tests import cuda_diffusers  # noqa: E402
+from tests.harness import run_ranks  # noqa: E402
+from tests.suite_judge import merge_ranks  # noqa: E402
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(cuda_diffusers, "DEV", "cpu")
+
+
+def test_diffusers_worker_on_cpu_passes(on_cpu):
+    merged = merge_ranks(run_ranks(cuda_diffusers.diffusers_family, 2, timeout=300))
+    assert len(merged) == 16 and all(m["ok"] for m in merged), [(m["case"], m["why"]) for m in merged]
+
+
+def test_diffusers_worker_fails_without_the_inverse_order(on_cpu, monkeypatch):
+    from megatron_sp_ext.diffusers import hooks, sequence
+
+    def no_inverse(x, group, seq_dim, ctx):
+        return sequence.gather_tokens(x, group, seq_dim, type(ctx)(ctx.grid_thw, ctx.seq_len, None, None))
+    monkeypatch.setattr(hooks, "gather_tokens", no_inverse)
+    merged = merge_ranks(run_ranks(cuda_diffusers.diffusers_family, 2, timeout=300))
+    sparse = [m for m in merged if "sparse" in m["case"]]
+    assert sparse and not any(m["ok"] for m in sparse), [(m["case"], m["errs"]) for m in sparse]
+    assert all(m["ok"] for m in merged if "sparse" not in m["case"])
