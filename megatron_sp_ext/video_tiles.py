@@ -176,9 +176,10 @@ def topk_block_mask(q_tiles: torch.Tensor, k_tiles: torch.Tensor, k: int) -> tor
     """bool [H, nT, nT]: for each head and query tile the ``k`` key tiles of highest score q_tile . k_tile
     (q_tiles, k_tiles: [H, nT, D], pooled per tile of one sample; ``k`` >= nT selects every tile). Plain top-k as in
     VSA (the diagonal is not forced); computed without gradient, in fp32 also under autocast (a bf16 matmul's
-    rounding picks other tiles near ties than SP=1 does)."""
+    rounding picks other tiles near ties than SP=1 does; float64 stays float64)."""
     with torch.no_grad(), torch.autocast(q_tiles.device.type, enabled=False):
-        scores = torch.matmul(q_tiles.float(), k_tiles.float().transpose(-1, -2))  # [H, nT, nT]
+        wide = _wide_dtype(q_tiles.dtype)
+        scores = torch.matmul(q_tiles.to(wide), k_tiles.to(wide).transpose(-1, -2))  # [H, nT, nT]
         keep = min(k, scores.shape[-1])
         picked = scores.topk(keep, dim=-1).indices
         mask = torch.zeros_like(scores, dtype=torch.bool)
@@ -247,6 +248,11 @@ def pool_tiles(x_bshd: torch.Tensor, tile_index: torch.Tensor, num_tiles: int,
     return (sums / counts.clamp(min=1)[None, :, None, None]).to(x_bshd.dtype).transpose(1, 2)
 
 
+def _wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32, float64 for float64: the dtype of the tile scores and the coarse branch."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The pooled sums' dtype: fp32 for bf16/fp16 inputs (summed, all-reduced over the SP group and divided before
     the one rounding to the input dtype, so SP=P rounds like SP=1: bf16 partial sums rounded per rank and then
@@ -278,10 +284,12 @@ def coarse_attention(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torc
 
 def coarse_tiles(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torch.Tensor) -> torch.Tensor:
     """The coarse branch per tile: dense attention of pooled q over pooled k/v, [B, H, nT, D] each (input dtype).
-    Computed in fp32 also under autocast: nT is the token count / tile size (256 at 32K tokens), so it costs little,
-    and its dq cancels strongly (pooled tiles score alike): in bf16 it was the SP=1 top-k step's largest error."""
+    Computed in fp32 (float64 inputs: float64) also under autocast: nT is the token count / tile size (256 at 32K
+    tokens), so it costs little, and its dq cancels strongly (pooled tiles score alike): in bf16 it was the SP=1
+    top-k step's largest error."""
     with torch.autocast(q_tiles.device.type, enabled=False):
-        out = F.scaled_dot_product_attention(q_tiles.float(), k_tiles.float(), v_tiles.float())
+        wide = _wide_dtype(q_tiles.dtype)
+        out = F.scaled_dot_product_attention(q_tiles.to(wide), k_tiles.to(wide), v_tiles.to(wide))
     return out.to(q_tiles.dtype)
 
 
