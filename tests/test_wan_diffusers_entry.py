@@ -160,3 +160,18 @@ def test_sparse_sp2_equals_sp1_and_gates_round_trip(tmp_path):
     win = [*BASE, *SPARSE, "--sparse-window", "1,1,1", "--train-iters", "2"]
     _close(run_ranks(_run, 2, [*win, "--context-parallel-size", "2"], 0, timeout=120)[0],
            run_ranks(_run, 1, win, 0, timeout=120)[0], "window SP=2")
+
+
+def test_data_path_safetensors_equals_synthetic(tmp_path):
+    """--data-path: latent + text files (safetensors) holding the synthetic samples train exactly as the synthetic
+    source does (the noise and timestep of sample i come from --seed and i either way)."""
+    from training.video_dit.data import SyntheticVideoLatents, write_sample
+    cfg = wan.dit_config(wan.preset_kwargs("tiny"), 8)
+    syn = SyntheticVideoLatents(cfg.in_channels, [4], 8, 8, cfg.text_len, cfg.text_dim, seed=1234)
+    for i in range(3):
+        s = syn[i]
+        write_sample(str(tmp_path / f"s{i}.safetensors"), s["latent"], s["text"], fmt="safetensors")
+    argv = [*BASE, "--train-iters", "3", "--seed", "1234"]
+    files = run_ranks(_run, 1, [*argv, "--data-path", str(tmp_path)], timeout=120)[0]
+    synthetic = run_ranks(_run, 1, argv, timeout=120)[0]
+    assert files[0] == synthetic[0], (files[0], synthetic[0])
