@@ -175,3 +175,12 @@ def test_data_path_safetensors_equals_synthetic(tmp_path):
     files = run_ranks(_run, 1, [*argv, "--data-path", str(tmp_path)], timeout=120)[0]
     synthetic = run_ranks(_run, 1, argv, timeout=120)[0]
     assert files[0] == synthetic[0], (files[0], synthetic[0])
+
+
+def test_resume_of_another_model_is_refused(tmp_path, capfd):
+    ck = str(tmp_path / "ck")
+    run_ranks(_run, 1, [*BASE, "--train-iters", "1", "--save", ck], timeout=60)
+    capfd.readouterr()
+    code = run_ranks(_user_error, 1, [*BASE, "--train-iters", "2", "--load", ck, "--num-layers", "1"], timeout=60)[0]
+    err = capfd.readouterr().err
+    assert code == 1 and "another model" in err and "--num-layers" in err and "Traceback" not in err, err
