@@ -30,7 +30,7 @@ from .mpu import SequenceParallelMPU, build_sequence_parallel_groups
 
 _EXTRA_KEYS = ("causal",)
 # modes whose attention runs the model's own local attention (which masks itself); the others run our kernels
-LOCAL_ATTENTION_MODES = ("ulysses", "hcms")
+LOCAL_ATTENTION_MODES = modes.names(local_attention=True)
 
 
 def _load(config: Union[str, Mapping[str, Any]]) -> dict:
@@ -62,8 +62,8 @@ def causal_of(cfg: SPConfig, extras: dict, where: str) -> bool:
     raise SPConfigError(
         f"{cfg.name('mode')}={cfg.mode!r} replaces {where}'s local attention by megatron_sp_ext's kernels, and "
         f"DeepSpeed does not say whether that attention is causal: set sequence_parallel_ext.causal to true (a "
-        f"causal model, e.g. GPT) or false (bidirectional, e.g. a DiT), or use mode ulysses / hcms (they run the "
-        f"model's own local attention)")
+        f"causal model, e.g. GPT) or false (bidirectional, e.g. a DiT), or use mode "
+        f"{modes.listing(LOCAL_ATTENTION_MODES)} (they run the model's own local attention)")
 
 
 def validate_deepspeed_config(config: Union[str, Mapping[str, Any]], world_size: int,
