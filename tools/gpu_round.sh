@@ -455,6 +455,11 @@ stage_r7a() {   # call 1 (no FA4: the local kernel cuDNN, tiles on flex/math): t
     --model wan-1.3b --num-layers 2 --bf16 --frames 5 --latent-size 32x64 --train-iters 4 --timing-bare-steps 2 \
     --ddp-impl torch --context-parallel-size 2
 }
+stage_r7s() {   # call 2 (part.ab): the diffusers families again (call 1 skipped them: the carried huggingface_hub 2.4
+  # needed truststore; gpu_install.sh now keeps the image's)
+  suite r7s/diffusers 200 "test_diffusers_family and (2-nccl or 2-gloo)"
+  suite r7s/diffusers_sparse 120 "test_diffusers_sparse_family and 2-nccl"
+}
 stage_r7b() {   # call 2 (part.ab): diffusers' own context parallelism on its best backend (needs no FA4), 720p, 480p
   keep r7b/720p 330 $WAN_BENCH --grid 720p --variants diffusers-ulysses,diffusers-ring --steps 4 --warmup 2 \
     --out $W/r7b/720p_diffusers.json
