@@ -30,6 +30,8 @@ def tiny_wan(kind: str = "t2v", *, seed: int = 0, dtype=torch.float64, device="c
     from diffusers import WanTransformer3DModel, WanVACETransformer3DModel  # noqa: PLC0415
     torch.manual_seed(seed)
     cfg = {**TINY, **(I2V if kind == "i2v" else {}), **(VACE if kind == "vace" else {}), **over}
+    if kind == "i2v":   # the image branch's k/v projections read the image embedder's output: the model's width
+        cfg["added_kv_proj_dim"] = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     cls = WanVACETransformer3DModel if kind == "vace" else WanTransformer3DModel
     model = cls(**cfg).to(device=device, dtype=dtype)
     with torch.no_grad():   # waken the zero-initialised parts so every parameter's gradient counts

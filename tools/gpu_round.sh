@@ -470,8 +470,8 @@ stage_r7c() {   # call 3 (part.ac: FA4 and cuDNN frontend there): the checks of 
   # ours-auto at 720p
   suite r7c/diffusers 160 "test_diffusers_family and 2-nccl"
   suite r7c/diffusers_sparse 160 "test_diffusers_sparse_family and 2-nccl"
-  suite r7c/cudnn_bs 120 "test_cudnn_block_sparse_family and 2-gloo"
   keep r7c/720p 150 $WAN_BENCH --grid 720p --variants ours-auto --steps 4 --warmup 2 --out $W/r7c/720p_auto.json
+  suite r7c/cudnn_bs 150 "test_cudnn_block_sparse_family and 2-gloo"
 }
 stage_r7d() {   # call 4: our modes and block sparsity at 720p, ours-auto at 480p
   keep r7d/720p 420 $WAN_BENCH --grid 720p --variants ours-hcms,ours-ring,ours-auto-window90,ours-auto-topk90 \
