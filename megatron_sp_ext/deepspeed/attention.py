@@ -58,7 +58,7 @@ class SPDistributedAttention(DistributedAttention):
     def __init__(self, local_attention, sequence_process_group, scatter_idx: int = 2, gather_idx: int = 0,
                  sp_stream=None, num_kv_heads: Optional[int] = None, *, mode: str = "ulysses",
                  head_chunks=1, ring_variant: str = "ring", placement: str = "auto",
-                 ulysses_size: Optional[int] = None, nodes: Optional[int] = None, backend: str = "sdpa",
+                 ulysses_size: Optional[int] = None, nodes: Optional[int] = None, backend: str = "auto",
                  causal: bool = False, softmax_scale: Optional[float] = None,
                  sp_config: Optional[SPConfig] = None, transport: str = "nccl", dropout_p: float = 0.0) -> None:
         super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, None, num_kv_heads)

@@ -32,13 +32,14 @@ from typing import Any, Optional
 
 import torch
 
+from .. import modes
 from ..config import SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
 
 log = logging.getLogger("megatron_sp_ext")
 
 BLOCK_KEY = "sequence_parallel_ext"
-HF_MODES = ("ulysses", "hcms")
+HF_MODES = modes.names(local_attention=True)   # Hugging Face's attention runs inside (it returns no log-sum-exp)
 
 
 def _config_of(args: Any, kwargs: dict) -> Optional[dict]:
@@ -140,9 +141,9 @@ def _swap_distributed_attention(model: torch.nn.Module, cfg: SPConfig, extras: d
     ours = [m for m in model.modules() if isinstance(m, SPDistributedAttention)]  # installed by the script itself
     found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, DistributedAttention) and not isinstance(child, SPDistributedAttention)]
-    if found and cfg.mode == "auto":
-        raise SPConfigError(f"{BLOCK_KEY}.mode='auto' needs the head count, which DistributedAttention learns only "
-                            "in forward: use a concrete mode (ulysses, hcms, ring, tasp, usp, tas, torus)")
+    if found and modes.get(cfg.mode).auto:
+        raise SPConfigError(f"{BLOCK_KEY}.mode={cfg.mode!r} needs the head count, which DistributedAttention learns "
+                            f"only in forward: use a concrete mode ({', '.join(modes.names(auto=False))})")
     for parent, name, child in found:
         _check_group(child.spg, sp, "DistributedAttention")
         causal = causal_of(cfg, extras, f"{type(parent).__name__}.{name}")
@@ -169,7 +170,7 @@ def _swap_hf_ulysses(model: torch.nn.Module, cfg: SPConfig, sp: int) -> int:
     if not cells:
         return 0
     from .hf import SPUlyssesAttentionHF  # noqa: PLC0415
-    if cfg.mode == "auto":
+    if modes.get(cfg.mode).auto:
         heads = _cell_value(cells[0]).attn_head_count
         cfg = dataclasses.replace(cfg, mode=resolve_auto_mode(heads, sp))
     if cfg.mode not in HF_MODES:

@@ -3,7 +3,7 @@
 JSON (next to DeepSpeed's own ``"sequence_parallel_size": P``):
     "sequence_parallel_ext": {"mode": "hcms", "head_chunks": "auto", "placement": "auto",
                               "ring_variant": "tasp", "nodes": null, "ulysses_size": null,
-                              "backend": "sdpa", "causal": false, "dropout_p": 0.0}
+                              "backend": "auto", "causal": false, "dropout_p": 0.0}
 Steps: validate the block (errors name the JSON key) -> build SP / data / sequence-data groups
 -> install the mpu in deepspeed.utils.groups -> swap the attention of opting-in modules ->
 deepspeed.initialize(model=..., config=..., mpu=..., **kwargs) and return what it returns.
@@ -23,13 +23,14 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..config import MESH_MODES, SPConfig
+from .. import modes
+from ..config import MESH_MODES, PLACEMENTS, SPConfig
 from ..errors import SPConfigError
 from .mpu import SequenceParallelMPU, build_sequence_parallel_groups
 
 _EXTRA_KEYS = ("causal",)
 # modes whose attention runs the model's own local attention (which masks itself); the others run our kernels
-LOCAL_ATTENTION_MODES = ("ulysses", "hcms")
+LOCAL_ATTENTION_MODES = modes.names(local_attention=True)
 
 
 def _load(config: Union[str, Mapping[str, Any]]) -> dict:
@@ -61,8 +62,8 @@ def causal_of(cfg: SPConfig, extras: dict, where: str) -> bool:
     raise SPConfigError(
         f"{cfg.name('mode')}={cfg.mode!r} replaces {where}'s local attention by megatron_sp_ext's kernels, and "
         f"DeepSpeed does not say whether that attention is causal: set sequence_parallel_ext.causal to true (a "
-        f"causal model, e.g. GPT) or false (bidirectional, e.g. a DiT), or use mode ulysses / hcms (they run the "
-        f"model's own local attention)")
+        f"causal model, e.g. GPT) or false (bidirectional, e.g. a DiT), or use mode "
+        f"{modes.listing(LOCAL_ATTENTION_MODES)} (they run the model's own local attention)")
 
 
 def validate_deepspeed_config(config: Union[str, Mapping[str, Any]], world_size: int,
@@ -77,15 +78,16 @@ def validate_deepspeed_config(config: Union[str, Mapping[str, Any]], world_size:
                             f"use a divisor of {world_size}")
     cfg, extras = sp_config_from_deepspeed(cfg_dict)
     cfg.validate_world(sp, world_size, num_heads)
-    if cfg.mode in MESH_MODES or cfg.placement == "tas":
-        tas = cfg.mode == "tas" or cfg.placement == "tas"
+    across = modes.get(cfg.mode).ulysses_across or modes.get(cfg.placement).ulysses_across
+    if cfg.mode in MESH_MODES or across:
         if sp < 2:
             raise SPConfigError(f"sequence_parallel_ext.mode={cfg.mode!r} needs a mesh of at least 2 ranks: "
                                 f"sequence_parallel_size={sp}")
-        if tas and (cfg.nodes is None or cfg.nodes < 2) and not _multi_machine():
-            raise SPConfigError("sequence_parallel_ext.placement/mode 'tas' needs a multi-machine mesh but this job "
-                                "runs on one machine: set sequence_parallel_ext.nodes to simulate machines, or use "
-                                "'usp'/'auto'")
+        if across and (cfg.nodes is None or cfg.nodes < 2) and not _multi_machine():
+            within = "/".join(repr(p) for p in PLACEMENTS[::-1] if not modes.get(p).ulysses_across)
+            raise SPConfigError(f"sequence_parallel_ext.placement/mode {', '.join(modes.names(ulysses_across=True))!r}"
+                                f" needs a multi-machine mesh but this job runs on one machine: set "
+                                f"sequence_parallel_ext.nodes to simulate machines, or use {within}")
     return cfg, extras, sp
 
 

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from megatron_sp_ext import modes
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.dynamic import MIN_GAIN, CostModel, DynamicAttention, DynamicGroups, DynamicPlan, plan_pack
@@ -40,7 +41,7 @@ class DynamicSP:
         """mode: the SP mode (the ring family's exchange is modelled as the ring's)."""
         self.world, self.min_size, self.min_size_name = world, min_size, min_size_name
         self.cost = CostModel.for_dims(cfg.dim, cfg.ffn, cfg.text_len, flops_per_byte=EXCHANGE_FLOPS_PER_BYTE,
-                                       ring=mode in ("ring", "tasp"))
+                                       ring=modes.get(mode).ring_variant)
         plan_pack([1], world, min_size=min_size, min_size_name=min_size_name)  # refuses a bad size now, by name
 
     def plan(self, cu_seqlens: Sequence[int]) -> DynamicPlan:

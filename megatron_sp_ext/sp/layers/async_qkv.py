@@ -252,7 +252,7 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
                                  num_heads: int, num_kv_heads: int, prep: Prep,
                                  norm_q_weight: Optional[torch.Tensor] = None,
                                  norm_k_weight: Optional[torch.Tensor] = None, head_chunks: int = 1,
-                                 softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
+                                 softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "auto",
                                  comm_stream: Optional["torch.cuda.Stream"] = None,
                                  kv_valid_len: Optional[int] = None,
                                  transport: "str | object" = "nccl", causal: bool = False,
@@ -275,7 +275,7 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
 
 def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: Prep,
                     seq_local: int, device: torch.device, head_chunks: int = 1,
-                    softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
+                    softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "auto",
                     comm_stream: Optional["torch.cuda.Stream"] = None, kv_valid_len: Optional[int] = None,
                     transport: "str | object" = "nccl", causal: bool = False,
                     placement: str = DEFAULT_PLACEMENT) -> AsyncPlan:
