@@ -11,7 +11,7 @@ import pytest
 import megatron_sp_ext as spx
 from tests.test_readme import ROOT, _free_port, python_blocks
 
-DOCS = ("docs/block_sparse.md",)
+DOCS = ("docs/block_sparse.md", "docs/choosing_a_mode.md")
 BLOCKS = [(doc, i, block) for doc in DOCS for i, block in enumerate(python_blocks(os.path.join(ROOT, doc)))]
 
 
