@@ -3,7 +3,9 @@
 #   make test   - both ends of the supported range:
 #                 .venv          oldest pins: torch 2.13.0, megatron-core 0.16.1, deepspeed 0.19.8 (full suite)
 #                 .venv-current  newer end: torch $(TORCH_CURRENT), megatron-core $(MCORE_CURRENT),
-#                                deepspeed 0.19.8 (compatibility suite: adapters + a few algorithms)
+#                                deepspeed 0.19.8 (compatibility suite: adapters + a few algorithms).
+#                                Its torch is PyPI's CUDA build, even on a CPU machine: ~5.6 GB with its NVIDIA
+#                                libraries (9 GB free disk checked first). `make test-oldest`: .venv only.
 #   make test-latest - the compatibility suite on the newest releases (tools/constraints-latest.txt)
 SHELL := /bin/bash
 PY ?= python3

@@ -14,7 +14,9 @@ CPU's one-thread bf16 sums), tol ``cuda_dit_dynamic.bf16_tolerance`` of the SP=1
 runs (fp32 reference, bf16 tolerance) replay the SP=P step's own selection (``Selections``): top-k is discontinuous,
 and near-tied tile scores flip under bf16 rounding of other GEMM shapes; each flipped row must be such a near-tie
 (``NEAR_TIE``), so a selection that SP got wrong still fails. Cases: 3 grids x (3 or 4 modes) x 2
-dtypes: 18 at P=2, 24 at P=4. SPX_SUITE_DEVICE=cpu runs it on gloo (math kernel).
+dtypes: 18 at P=2, 24 at P=4 (the CUDA suite runs them all). SPX_SUITE_DEVICE=cpu runs it on gloo (math kernel);
+``only=`` (a list of (grid, mode, dtype)) runs a subset, ``small_sizes()`` the same grids at a quarter of the tokens
+and width: the CPU dry run (tests/test_cuda_dit_sparse_worker.py) covers every path with a few such cases.
 """
 from __future__ import annotations
 
@@ -44,6 +46,17 @@ TILE = (2, 8, 8)
 # tokens: the tile cuts H and W, 5 tiles, the last 28 tokens)
 CASES = [("topk", SparseSpec(TILE, topk=3), 4, (32, 32)), ("window", SparseSpec(TILE, window=(0, 1, 0)), 4, (32, 32)),
          ("topk cut grid", SparseSpec(TILE, topk=2), 3, (20, 36))]
+
+
+def small_sizes() -> dict:
+    """Module settings for a CPU dry run: 8 heads x 16, 32-token tiles (2x4x4), grids 4x8x8 (256 tokens, 8 tiles)
+    and 3x5x9 (135 tokens: the tile cuts every axis, 5 tiles after compaction, the last 7 tokens); the same
+    selections. Returns {name: value} to set on this module (e.g. with monkeypatch.setattr)."""
+    tile = (2, 4, 4)
+    return {"CFG": dataclasses.replace(preset("tiny"), dim=128, ffn=256), "TILE": tile,
+            "CASES": [("topk", SparseSpec(tile, topk=3), 4, (16, 16)),
+                      ("window", SparseSpec(tile, window=(0, 1, 0)), 4, (16, 16)),
+                      ("topk cut grid", SparseSpec(tile, topk=2), 3, (10, 18))]}
 
 
 def _device() -> torch.device:
@@ -128,23 +141,33 @@ def selection_change(picked: list, own: Selections) -> dict:
     return {"rows": rows, "changed": changed, "changed_max_gap": gap_max}
 
 
-def dit_sparse_family(rank: int, world: int) -> list:
+def dit_sparse_family(rank: int, world: int, only: Optional[list] = None) -> list:
     """The family's records (module docstring). bf16 top-k cases: SP=1 (the fp32 reference and the bf16 step that
     sets the tolerance) runs the SP=P step's own top-k selection, and every tile row where that selection differs
-    from SP=1 fp32's own must be a near-tie (gap < NEAR_TIE), else the case fails naming the rows."""
-    if dist.get_backend() == "gloo" and DEV == "cuda":  # one GPU: the ring's hops through the host-staged transport
-        os.environ["SPX_EMULATED_MACHINE_SIZE"] = "1"
-    device, g = _device(), dist.group.WORLD
+    from SP=1 fp32's own must be a near-tie (gap < NEAR_TIE), else the case fails naming the rows. only: the
+    (grid, mode, dtype) cases to run, e.g. ("window", "hcms", "bf16") (None: all)."""
     modes = [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {})]
     if world == 4:
         modes.append(("usp", {"nodes": 2, "ulysses_size": 2}))
+    picked_cases = {(name, mode, dtype) for name, *_ in CASES for mode, _ in modes for dtype in ("fp32", "bf16")}
+    if only is not None:
+        unknown = set(map(tuple, only)) - picked_cases
+        assert not unknown, f"only= names no case of this family at P={world}: {sorted(unknown)}"
+        picked_cases = set(map(tuple, only))
+    if dist.get_backend() == "gloo" and DEV == "cuda":  # one GPU: the ring's hops through the host-staged transport
+        os.environ["SPX_EMULATED_MACHINE_SIZE"] = "1"
+    device, g = _device(), dist.group.WORLD
     names = [n for n, _ in modulated_dit(CFG).named_parameters()]
     records = []
     for name, spec, _, _ in CASES:
+        if not any(c[0] == name for c in picked_cases):
+            continue
         one = make_core("ulysses", None, num_heads=CFG.heads)
         ref_loss, ref_grads = sparse_step(spec, one, None, device, None)
         for autocast in (None, torch.bfloat16):
             for mode, kw in modes:
+                if (name, mode, "bf16" if autocast is not None else "fp32") not in picked_cases:
+                    continue
                 core = make_core(mode, g, num_heads=CFG.heads, **kw)
                 with Selections() as picked:
                     loss, grads = sparse_step(spec, core, g, device, autocast)

@@ -15,10 +15,16 @@ def test_dense_line_unchanged():
 
 
 def test_sparse_line_names_the_block_sparse_kernel_and_its_setting():
-    line = attention_kernel_line("auto", "--sp-attention-backend", CPU, torch.float32, 16, block_kernel="math")
+    line = attention_kernel_line("auto", "--sp-attention-backend", CPU, torch.float32, 16, block_kernel="math",
+                                 block_setting="--sparse-attention-kernel")
     self_part, cross_part = line.split("; cross-attention")
-    assert "self-attention: block-sparse math" in self_part and "--sparse-attention" in self_part, line
+    assert "self-attention: block-sparse math" in self_part and "change with --sparse-attention-kernel" in self_part
     assert "FlashAttention-2 (torch SDPA)" in cross_part and "--sp-attention-backend" in cross_part, line
+    # an entry without a kernel setting (DeepSpeed's): no "change with" for the self-attention, the pick explained
+    line = attention_kernel_line("auto", "sequence_parallel_ext.backend", CPU, torch.float32, 16, block_kernel="auto")
+    self_part, cross_part = line.split("; cross-attention")
+    assert "change with" not in self_part and "picked per call for the device and dtype" in self_part, line
+    assert "change with sequence_parallel_ext.backend" in cross_part, line
 
 
 @pytest.mark.parametrize("entry", ["megatron", "deepspeed"])
@@ -33,3 +39,32 @@ def test_sparse_run_prints_the_block_sparse_kernel(entry):
     assert codes == [0], out[-3000:]
     line = next((ln for ln in out.splitlines() if "attention kernel:" in ln), "")
     assert "self-attention: block-sparse math" in line and "FlashAttention-2" not in line.split(";")[0], out[-3000:]
+    # every flag the line names is one of this entry's flags, and each "change with" names a setting of this entry
+    # that chooses a kernel (the DeepSpeed entry's said "change with --sparse-attention", which only turns tiles on)
+    import re
+    flags = set(re.findall(r"(--[a-z][a-z0-9-]+)", line))
+    entry_flags = set(re.findall(r"(--[a-z][a-z0-9-]+)", _help(entry)))
+    assert flags <= entry_flags, (flags - entry_flags, line)
+    kernel_settings = {"megatron": {"--sparse-attention-kernel", "--sp-attention-backend"},
+                       "deepspeed": {"sequence_parallel_ext.backend"}}[entry]
+    named = set(re.findall(r"change with ([^\s;,]+)", line))
+    assert named and named <= kernel_settings, (named, line)
+
+
+def _help(entry: str) -> str:
+    import contextlib
+    import io
+    if entry == "megatron":
+        from training.pretrain_video_dit import parse
+    else:
+        from training.train_deepspeed import parse
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        parse(["--help"])
+    return out.getvalue()
+
+
+def test_sparse_tile_help_says_any_size_runs():
+    """--sparse-tile's help: edge blocks are compacted (it once said the tile must divide the token grid)."""
+    text = " ".join(_help("deepspeed").split())
+    assert "must divide the token grid" not in text and "edge blocks are compacted" in text, text

@@ -1,7 +1,8 @@
 """``python -m megatron_sp_ext.megatron.launch`` reports its own errors first (issue #51 item 5): a missing script
 or a bad value of one of our flags is ONE stderr line under the launcher's name, printed before anything imports
 megatron.core (whose "Transformer Engine and Apex are not installed" warnings used to come first), with no usage
-dump under the program name MEGATRON_SP_EXT_ARGS."""
+dump under the program name MEGATRON_SP_EXT_ARGS, exit status 2. Our flags are checked with the Megatron-LM flags
+they depend on (--context-parallel-size, --cp-comm-type, heads, --attention-dropout) as at model build."""
 import os
 import subprocess
 import sys
@@ -31,16 +32,28 @@ def script(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["missing script", "bad value", "unknown choice"])
+CASES = {  # case: (arguments after the script, what the one line names)
+    "bad value": (["--context-parallel-size", "2", "--hcms-head-chunks", "zero"], "--hcms-head-chunks"),
+    "unknown choice": (["--sp-ring-variant", "spiral"], "--sp-ring-variant"),
+    # combinations with Megatron-LM's own flags (issue #70 item 5), checked before the script runs
+    "bad cp type": (["--context-parallel-size", "2", "--cp-comm-type", "bogus"], "--cp-comm-type='bogus' is invalid"),
+    "ulysses size": (["--context-parallel-size", "4", "--cp-comm-type", "usp", "--sp-ulysses-size", "3",
+                      "--attention-dropout", "0"], "--sp-ulysses-size=3 must divide --context-parallel-size 4"),
+    # Megatron-LM's default --attention-dropout 0.1, which the ring cannot apply (model build refused it)
+    "ring dropout": (["--context-parallel-size", "2", "--cp-comm-type", "ring", "--hcms-head-chunks", "2"],
+                     "--attention-dropout=0.1 is not supported by --cp-comm-type='ring'"),
+    "chunks per heads": (["--num-attention-heads", "8", "--context-parallel-size", "4", "--cp-comm-type", "hcms",
+                          "--hcms-head-chunks", "4"], "--hcms-head-chunks=4 exceeds the heads per rank"),
+}
+
+
+@pytest.mark.parametrize("case", ["missing script", *CASES])
 def test_one_line_under_the_launchers_name_before_megatron(case, tmp_path, script):
-    argv = {"missing script": ["nosuch/pretrain_gpt.py"],
-            "bad value": [script, "--context-parallel-size", "2", "--hcms-head-chunks", "zero"],
-            "unknown choice": [script, "--sp-ring-variant", "spiral"]}[case]
-    needle = {"missing script": "no such script: nosuch/pretrain_gpt.py", "bad value": "--hcms-head-chunks",
-              "unknown choice": "--sp-ring-variant"}[case]
+    argv, needle = ((["nosuch/pretrain_gpt.py"], "no such script: nosuch/pretrain_gpt.py") if case == "missing script"
+                    else ([script, "--num-layers", "2", *CASES[case][0]], CASES[case][1]))
     r = _launch(tmp_path, *argv)
     lines = r.stderr.strip().splitlines()
-    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr)
     assert lines[0].startswith(f"{PROG}: ") and needle in lines[0], lines[0]
     assert "MEGATRON_SP_EXT_ARGS" not in r.stderr and "usage" not in r.stderr, r.stderr
     assert "Transformer Engine" not in r.stderr + r.stdout
@@ -50,4 +63,5 @@ def test_one_line_under_the_launchers_name_before_megatron(case, tmp_path, scrip
 
 def test_usage_line_names_the_launcher(tmp_path):
     r = _launch(tmp_path)
-    assert r.returncode != 0 and r.stderr.strip().startswith(f"usage: python -m {PROG} "), r.stderr
+    assert r.returncode == 2 and r.stderr.strip().startswith(f"usage: python -m {PROG} "), r.stderr
+

@@ -53,3 +53,28 @@ def test_a_mask_that_differs_between_ranks_is_refused_by_name(world):
     res = run_ranks(_refuse, world, timeout=180)
     for rank_res in res:
         assert rank_res and all(v == "refused" for v in rank_res.values()), rank_res
+
+
+def _what_differs(rank, world):
+    """The refusal says what differs: the shapes where they differ, else the first differing entry (the shapes, equal
+    on every rank, were all it used to list)."""
+    q = torch.randn(1, S // world, H, D, dtype=torch.float64)
+    same = torch.rand(1, S // BS, S // BS, generator=torch.Generator().manual_seed(1)) < 0.5
+    flipped = same.clone()
+    flipped[0, 2, 3] ^= rank == world - 1                          # the last rank flips one entry
+    shaped = same if rank == 0 else same.expand(H, -1, -1).clone()  # [1, T, T] on rank 0, [H, T, T] elsewhere
+    said = []
+    for mask in (flipped, shaped):
+        with pytest.raises(SPConfigError) as e:
+            spx.ring_attention(q, q, q, dist.group.WORLD, block_mask=mask, block_size=BS)
+        said.append(str(e.value))
+    return said
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_refusal_says_what_differs(world):
+    for entry, shaped in run_ranks(_what_differs, world, timeout=120):
+        first = "[head 0, query tile 2, key tile 3]"
+        assert (f"same shape (1, {S // BS}) on every rank; the selected tiles differ from rank 0's: rank {world - 1} "
+                f"at 1 of {(S // BS) ** 2} entries, first {first}") in entry, entry
+        assert f"shapes [heads, tiles]: rank 0 (1, {S // BS}), rank 1 ({H}, {S // BS})" in shaped, shaped

@@ -42,11 +42,22 @@ def test_prepare_rejects_with_the_flag_named(argv, needle, capsys):
     assert needle in text
 
 
-def test_launcher_usage_errors():
-    with pytest.raises(SystemExit, match="usage"):
+def test_prepare_accepts_what_megatron_lm_accepts():
+    """tools/check_megatron_lm.py's command (one --hcms-head-chunks for every type, dropout 0) and per-layer types
+    pass the launcher's checks of our flags with Megatron-LM's (tests/test_launch_errors.py: what they refuse)."""
+    for types in (["ring"], ["hcms", "ring"], ["ulysses"]):
+        theirs = ["--num-attention-heads", "8", "--context-parallel-size", "2", "--cp-comm-type", *types,
+                  "--attention-dropout", "0"]
+        assert launch.prepare(theirs + ["--hcms-head-chunks", "2"], {}) == theirs + ["--spec", *lm.SPEC]
+
+
+def test_launcher_usage_errors(capsys):
+    with pytest.raises(SystemExit) as e:
         launch.main([])
-    with pytest.raises(SystemExit, match="no such script"):
+    assert e.value.code == 2 and "usage" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
         launch.main(["/nonexistent/pretrain_gpt.py"])
+    assert e.value.code == 2 and "no such script" in capsys.readouterr().err
 
 
 def _lm_args(**kw):

@@ -111,6 +111,8 @@ def validate_args(args) -> SPConfig:
                    async_qkv=getattr(args, "sp_async_qkv", "off"),
                    dynamic=bool(getattr(args, "dynamic_context_parallel", False)), source="megatron")
     cp = getattr(args, "context_parallel_size", 1) or 1
+    if cfg.ulysses_size is not None and hasattr(args, "context_parallel_size") and cp % cfg.ulysses_size:
+        raise SPConfigError(f"--sp-ulysses-size={cfg.ulysses_size} must divide --context-parallel-size {cp}")
     if cfg.dynamic:
         for t in types:  # each of our types must run on a sub-group (SPConfig names both flags)
             if t in OURS:

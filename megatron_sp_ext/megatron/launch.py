@@ -19,14 +19,17 @@ import sys
 
 from ..elastic_error import record_user_error
 from ..errors import SPConfigError
-from .lm import ENV, SPEC, parse_sp_flags, split_sp_flags
+from .lm import ENV, SPEC, parse_sp_flags, split_sp_flags, validated_flags
 
 
 def prepare(argv: list[str], environ: dict) -> list[str]:
     """Megatron-LM's argv for the script (our flags out, ``--spec`` in); ``environ[ENV]`` set. Raises
-    SPConfigError for a command line that cannot work."""
+    SPConfigError for a command line that cannot work: our flags' values, and their combinations with
+    Megatron-LM's sizes, types and dropout (``arguments.validate_args``, as at model build), before any rank
+    starts Megatron-LM."""
     rest, ours = split_sp_flags(argv)
-    parse_sp_flags(ours)  # validate now: one clear error before Megatron-LM starts
+    parse_sp_flags(ours)  # our flags alone: the error names the flag (not the combined parser's wording)
+    validated_flags(rest, ours)
     if "--spec" in rest:
         raise SPConfigError("--spec is set by megatron_sp_ext.megatron.launch (it installs "
                             f"'{' '.join(SPEC)}'); remove your --spec, or use with_sp_core_attention on your own spec")
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     the script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or not argv[0].endswith(".py"):
-        raise SystemExit(f"usage: python -m {PROG} <pretrain_gpt.py> [Megatron-LM and megatron_sp_ext arguments]")
+        sys.stderr.write(f"usage: python -m {PROG} <pretrain_gpt.py> [Megatron-LM and megatron_sp_ext arguments]\n")
+        raise SystemExit(2)
     script = os.path.abspath(argv[0])
     try:
         if not os.path.isfile(script):
@@ -60,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         check_supported()
     except SPConfigError as e:
         record_user_error(f"{PROG}: {e}")  # torchrun's "Root Cause" shows this line
-        raise SystemExit(f"{PROG}: {e}") from None
+        sys.stderr.write(f"{PROG}: {e}\n")
+        raise SystemExit(2) from None  # argparse's status for a bad command line
     sys.argv = [script, *rest]
     runpy.run_path(script, run_name="__main__")
 

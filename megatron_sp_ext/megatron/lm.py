@@ -68,6 +68,23 @@ def parse_sp_flags(flags: list[str]) -> argparse.Namespace:
     return ns
 
 
+# Megatron-LM's flags that our validation reads, with Megatron-LM's defaults (its --attention-dropout is 0.1)
+_MEGATRON_LM_FLAGS = (("--context-parallel-size", int, 1), ("--tensor-model-parallel-size", int, 1),
+                      ("--num-attention-heads", int, None), ("--attention-dropout", float, 0.1))
+
+
+def validated_flags(megatron_argv: list[str], flags: list[str]) -> argparse.Namespace:
+    """Our flags with the Megatron-LM arguments they depend on (sizes, --cp-comm-type, heads, dropout,
+    --dynamic-context-parallel) read from Megatron-LM's command line and checked together by
+    ``arguments.validate_args``, the check Megatron-LM's parse and model build run: SPConfigError naming the flag."""
+    p = _our_parser()
+    p.set_defaults(cp_comm_type=["p2p"])  # Megatron-LM's default (Transformer Engine's ring)
+    for flag, kind, default in _MEGATRON_LM_FLAGS:
+        p.add_argument(flag, type=kind, default=default)
+    ns, _ = p.parse_known_args([*megatron_argv, *flags])  # add_arguments' parse runs validate_args
+    return ns
+
+
 def sp_config_from_flags(flags: list[str]) -> SPConfig:
     ns = parse_sp_flags(flags)
     return SPConfig(head_chunks=ns.hcms_head_chunks, ring_variant=ns.sp_ring_variant, placement=ns.sp_placement,

@@ -162,11 +162,30 @@ def check_same_block_mask(block_mask: torch.Tensor, group, what: str = "block_ma
     dist.all_gather(parts, mine, group=group)
     rows = torch.stack(parts).cpu()
     differ = [r for r in range(world) if not torch.equal(rows[r], rows[0])]
-    if differ:
-        raise SPConfigError(f"{what} differs between ranks (rank 0 vs rank(s) {differ}: shapes "
-                            f"{[tuple(rows[r, :2].tolist()) for r in range(world)]}): give every rank the SAME mask over "
-                            f"the full sequence in global token order (e.g. build it from data all ranks share, or "
-                            f"broadcast it from rank 0)")
+    if differ:  # every rank sees the same rows: all raise, after the same collectives
+        raise SPConfigError(f"{what} differs between ranks ({_mask_difference(block_mask, group, rows, differ)}): "
+                            f"give every rank the SAME mask over the full sequence in global token order (e.g. build "
+                            f"it from data all ranks share, or broadcast it from rank 0)")
+
+
+def _mask_difference(block_mask: torch.Tensor, group, rows: torch.Tensor, differ: list) -> str:
+    """What differs between rank 0's mask and ranks ``differ``'s: their [H, T] shapes where those differ, else (one
+    more all_gather, on this error path only, of the equal-shaped masks) how many entries and the first one."""
+    shapes = [tuple(rows[r, :2].tolist()) for r in range(rows.shape[0])]
+    if any(shapes[r] != shapes[0] for r in differ):
+        return "shapes [heads, tiles]: " + ", ".join(f"rank {r} {shapes[r]}" for r in [0, *differ])
+    mine = block_mask.to(torch.uint8).contiguous()
+    if dist.get_backend(group) == "nccl":
+        mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+    parts = [torch.empty_like(mine) for _ in range(rows.shape[0])]
+    dist.all_gather(parts, mine, group=group)
+    ref, said = parts[0].cpu(), []
+    for r in differ:
+        diff = parts[r].cpu() != ref
+        h, i, j = (int(x) for x in diff.nonzero()[0])
+        said.append(f"rank {r} at {int(diff.sum())} of {diff.numel()} entries, first [head {h}, query tile {i}, key "
+                    f"tile {j}]: {bool(parts[r][h, i, j])} where rank 0 has {bool(ref[h, i, j])}")
+    return f"same shape {shapes[0]} on every rank; the selected tiles differ from rank 0's: " + "; ".join(said)
 
 
 class MaskChecks:

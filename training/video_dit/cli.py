@@ -91,7 +91,8 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         f"exactly one of {TOPK_FLAG} or {WINDOW_FLAG}; the cross-attention stays dense (none: dense)")
     g.add_argument(TILE_FLAG, default=None, metavar="T,H,W",
                    help=f"with {SPARSE_FLAG} tiles: tokens per tile along frames, rows, columns after patchify "
-                        f"(default {','.join(map(str, DEFAULT_TILE))}); must divide the token grid")
+                        f"(default {','.join(map(str, DEFAULT_TILE))}); any size: where it does not divide the token grid "
+                        "the edge blocks are compacted into full tiles (only the last tile is shorter)")
     g.add_argument(TOPK_FLAG, type=int, default=None, metavar="K",
                    help=f"with {SPARSE_FLAG} tiles: Video Sparse Attention, each query tile attends its K key tiles "
                         "of highest pooled score (per head and layer) plus a gated dense coarse branch over the "

@@ -243,13 +243,15 @@ def sample_loss(loss_r: torch.Tensor, sp_group, dp_group) -> float:
 
 
 def attention_kernel_line(backend: str, setting: str, device: torch.device, dtype: torch.dtype,
-                          head_dim: int, block_kernel: Optional[str] = None, block_setting: str = SPARSE_FLAG) -> str:
+                          head_dim: int, block_kernel: Optional[str] = None,
+                          block_setting: Optional[str] = None) -> str:
     """One line for the user, printed before training starts: which kernel runs the self-attention on
     ``device``/``dtype`` at ``head_dim`` and the ``setting`` (flag or JSON key) that changes it. Dense runs: the
     local-attention ``backend``'s kernel. ``block_kernel`` (the block-sparse kernel of a --sparse-attention tiles
     run: a setting of attention/block_sparse.KERNELS, "auto" resolved for ``device``/``dtype`` by the registry): it runs
-    the self-attention (changed by ``block_setting``: --sparse-attention-kernel where the entry has it, else
-    --sparse-attention) and the backend's kernel runs the cross-attention."""
+    the self-attention (changed by ``block_setting``, --sparse-attention-kernel where the entry has it; None: the
+    entry has no such setting, the line says the kernel is the registry's pick) and the backend's kernel runs the
+    cross-attention."""
     be = get_backend(backend, setting)
     if isinstance(be, SDPABackend):
         k = be.kernel_for(torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype))
@@ -260,9 +262,10 @@ def attention_kernel_line(backend: str, setting: str, device: torch.device, dtyp
     if block_kernel is None:
         return f"attention kernel: {dense} {on}; change with {setting}"
     from megatron_sp_ext.attention.block_sparse import resolve_kernel  # noqa: PLC0415
-    block = resolve_kernel(block_kernel, device, dtype, setting=block_setting)
-    return (f"attention kernel: self-attention: block-sparse {kernels.by_setting(block).label} {on}, change with "
-            f"{block_setting}; "
+    block = resolve_kernel(block_kernel, device, dtype, setting=block_setting or "block_kernel")
+    how = (f"change with {block_setting}" if block_setting else
+           "picked per call for the device and dtype (no setting of this entry changes it)")
+    return (f"attention kernel: self-attention: block-sparse {kernels.by_setting(block).label} {on}, {how}; "
             f"cross-attention: {dense}, change with {setting}")
 
 
