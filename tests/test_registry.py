@@ -190,3 +190,38 @@ def test_every_list_of_modes_derives_from_the_mode_registry():
         assert "bogus" in str(e)
     else:
         raise AssertionError("an unknown field must raise")
+
+
+def _declared(rank, world):
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megatron_sp_ext.config import SPConfig
+    from megatron_sp_ext.errors import SPConfigError
+    from megatron_sp_ext.sp.factory import make_attention
+
+    q = torch.randn(1, 8, 2, 8)
+    out = {}
+    for flag, kw in (("packed", {"cu_seqlens": torch.tensor([0, 16])}),
+                     ("block_mask", {"block_mask": torch.ones(1, 2, 2, dtype=torch.bool), "block_size": 8})):
+        plain = make_attention(SPConfig(mode="ring"), dist.group.WORLD, num_heads=2)   # as declared: it runs
+        ran = tuple(plain(q, q, q, causal=False, **kw).shape) == tuple(q.shape)
+        attn = make_attention(SPConfig(mode="ring"), dist.group.WORLD, num_heads=2)
+        attn.spec = dataclasses.replace(attn.spec, **{flag: False})
+        try:
+            attn(q, q, q, causal=False, **kw)
+            out[flag] = (ran, "ran")
+        except SPConfigError as e:
+            out[flag] = (ran, str(e))
+    return out
+
+
+def test_the_factory_reads_what_a_mode_declares():
+    """Packed samples and block masks run where the registry says: a mode declared without them is refused by name
+    (every mode takes both today; the declaration is what the factory reads)."""
+    from tests.harness import run_ranks
+    for out in run_ranks(_declared, 2, timeout=60):
+        for flag, arg in (("packed", "cu_seqlens"), ("block_mask", "block_mask")):
+            ran, msg = out[flag]
+            assert ran and msg.startswith(f"{arg} is not supported by mode='ring': use ulysses, hcms"), out

@@ -176,6 +176,11 @@ class SPAttention:
         if cu_seqlens is not None and local_attention is not None:
             raise SPConfigError("packed variable-length samples (cu_seqlens) run megatron_sp_ext's kernels per "
                                 "sample, not a caller's local attention")
+        for arg, given, flag in (("cu_seqlens", cu_seqlens is not None, "packed"),
+                                 ("block_mask", block_mask is not None, "block_mask")):
+            if given and not getattr(self.spec, flag):   # what the mode registry declares the mode takes
+                raise SPConfigError(f"{arg} is not supported by {self.cfg.name('mode')}={self.mode!r}: use "
+                                    f"{modes.listing(modes.names(**{flag: True}))}")
         if dropout_p > 0.0 and not self.spec.dropout:
             raise SPConfigError(f"dropout_p={dropout_p} is not supported by {self.cfg.name('mode')}={self.mode!r} "
                                 f"(log-sum-exp merged partial results): use dropout_p=0 or "
