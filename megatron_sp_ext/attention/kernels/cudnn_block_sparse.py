@@ -129,6 +129,8 @@ class BlockMeta:
     def __init__(self, block, index, nums, sizes, q_live, k_live, diag) -> None:
         self.block, self.index, self.nums, self.sizes = block, index, nums, sizes
         self.q_live, self.k_live, self.diag = q_live, k_live, diag
+        # every block has a listed pair (windows, all-True): no gradient to zero (one host sync, at build)
+        self.all_live = bool(q_live.all()) and bool(k_live.all())
         self.expanded: dict = {}
 
     def lists(self, batch: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,11 +234,12 @@ def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
         _to(do, lay), _to(q, lay), _to(_expand_kv(k, heads), lay), _to(_expand_kv(v, heads), lay), _to(out, lay),
         lse.float().contiguous(), idx, block_sizes=meta.sizes, q2k_block_nums=nums, softmax_scale=scale,
         sparse_block_size=meta.block, layout=lay)
+    dq, dk, dv = (_from(res[n], lay) for n in ("dq_tensor", "dk_tensor", "dv_tensor"))
+    if meta.all_live:
+        return dq, dk, dv
     b = meta.block
-    dq = torch.where(_per_row(meta.q_live, batch, heads, b), _from(res["dq_tensor"], lay), 0)
-    dk = torch.where(_per_row(meta.k_live, batch, heads, b), _from(res["dk_tensor"], lay), 0)
-    dv = torch.where(_per_row(meta.k_live, batch, heads, b), _from(res["dv_tensor"], lay), 0)
-    return dq, dk, dv
+    q_live, k_live = _per_row(meta.q_live, batch, heads, b), _per_row(meta.k_live, batch, heads, b)
+    return torch.where(q_live, dq, 0), torch.where(k_live, dk, 0), torch.where(k_live, dv, 0)
 
 
 def _blocks(x: torch.Tensor, b: int) -> torch.Tensor:
