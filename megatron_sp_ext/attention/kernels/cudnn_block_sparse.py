@@ -221,7 +221,13 @@ def bsa_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, t
         _to(q, lay), _to(_expand_kv(k, heads), lay), _to(_expand_kv(v, heads), lay), idx, block_sizes=meta.sizes,
         q2k_block_nums=nums, sparse_block_size=meta.block, allow_empty_block_nums=True, softmax_scale=scale,
         layout=lay)
-    return _from(res["o_tensor"], lay), res["lse_tensor"]
+    out, lse = _from(res["o_tensor"], lay), res["lse_tensor"]
+    if meta.all_live:
+        return out, lse
+    # query blocks without a listed key block: out 0, lse -inf whatever the kernel wrote (its SM90 128-token path
+    # has no empty-list specialisation of its own)
+    q_live = _per_row(meta.q_live, batch, heads, meta.block)
+    return torch.where(q_live, out, 0), torch.where(q_live[..., 0], lse, float("-inf"))
 
 
 def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
