@@ -65,7 +65,7 @@ def _compare(ts, q, k, v, do, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_matches_math(monkeypatch, bs, kind, causal):
     fake = fake_bsa.install(monkeypatch)
-    cases = [(4, 2, 512, None, 1), (2, 2, 512, None, 2)] + ([] if causal else [(3, 1, 512, 400, 1)])
+    cases = [(4, 2, 512, None, 1), (2, 2, 450, None, 2)] + ([] if causal else [(3, 1, 512, 400, 1)])
     for h, hkv, s, valid, batch in cases:
         ts, q, k, v, do = _case(bs, kind, h, hkv, s, valid, batch=batch)
         _compare(ts, q, k, v, do, causal)
@@ -75,7 +75,8 @@ def test_matches_math(monkeypatch, bs, kind, causal):
 
 def test_ring_step_rows(monkeypatch):
     """A ring step's rows: queries and keys at other global positions (zigzag pieces of 128), not causal; the causal
-    diagonal of a rank's zigzag rows (identical increasing positions); a key piece ending in padding."""
+    diagonal of a rank's zigzag rows (identical increasing positions); a key piece ending in padding; rows ending in
+    a short group (the DiT's last tile)."""
     fake = fake_bsa.install(monkeypatch)
     zig = torch.cat([torch.arange(0, 128), torch.arange(896, 1024)])
     other = torch.cat([torch.arange(384, 512), torch.arange(512, 640)])
@@ -85,6 +86,11 @@ def test_ring_step_rows(monkeypatch):
         ts, q, k, v, do = _case(bs, "random", 4, 2, 0, q_pos=zig, k_pos=zig)
         _compare(ts, q, k, v, do, True)
         ts, q, k, v, do = _case(bs, "random", 2, 2, 0, valid=1000, q_pos=other, k_pos=zig)
+        _compare(ts, q, k, v, do, False)
+        short = torch.cat([torch.arange(0, 128), torch.arange(896, 1000)])
+        ts, q, k, v, do = _case(bs, "empty", 2, 1, 0, q_pos=short, k_pos=short)
+        _compare(ts, q, k, v, do, True)
+        ts, q, k, v, do = _case(bs, "random", 2, 1, 0, q_pos=other, k_pos=short)
         _compare(ts, q, k, v, do, False)
     assert {c[1] for c in fake.calls} == {64, 128}
 
@@ -106,8 +112,8 @@ def test_refusals_name_the_reason_and_auto_moves_on(monkeypatch):
     fine = TileSlice(torch.ones(1, 16, 16, dtype=torch.bool), 32, pos, pos, contiguous=True)
     assert "64- or 128-token" in cb.why_not(backends.tile_call(q, fine, False, True))
     assert backends.get_backend("auto").tile_kernel(q, fine, False, True).name == "math"
-    odd = TileSlice(torch.ones(1, 8, 8, dtype=torch.bool), 64, torch.arange(500), torch.arange(500))
-    assert "multiples of 64" in cb.why_not(backends.tile_call(q[:, :, :500], odd, False, True))
+    shifted_rows = TileSlice(torch.ones(1, 9, 9, dtype=torch.bool), 64, pos + 32, pos + 32)   # groups cut tiles
+    assert "inside one 64-token tile" in cb.why_not(backends.tile_call(q, shifted_rows, False, True))
     ts = TileSlice(torch.ones(1, 4, 4, dtype=torch.bool), 128, pos, pos, contiguous=True)
     assert "block-sparse calls only" in cb.why_not(kernels.KernelCall.of(q, "lse"))
     shifted = TileSlice(torch.ones(1, 8, 8, dtype=torch.bool), 128, pos, pos + 256)
