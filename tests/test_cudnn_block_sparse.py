@@ -220,3 +220,30 @@ def test_cuda_cudnn_block_sparse_family_dry_run_on_cpu(monkeypatch, world, tile,
         assert all(f"bs={tile} " in r["case"] and r["family"] == "cudnn_block_sparse" for r in per_rank)
         for r in per_rank:
             assert not verdict(r), (verdict(r), r)
+
+
+def entry_losses(rank, world, sparse, kernel, sp, mode):
+    """(losses, the registry's block-sparse picks) of a short CPU run of the megatron entry (tiny preset, 4x8x8
+    tokens after the patch, 64-token tiles 4,4,4) on --sparse-attention-kernel ``kernel``."""
+    from training import pretrain_video_dit  # noqa: PLC0415
+    kernels.PICKS.clear()
+    argv = ["--model", "tiny", "--train-iters", "2", "--frames", "4", "--latent-size", "16x16", "--quiet",
+            "--sparse-attention", "tiles", "--sparse-tile", "4,4,4", *sparse, "--sparse-attention-kernel", kernel,
+            "--context-parallel-size", str(sp), "--cp-comm-type", mode]
+    losses = pretrain_video_dit.main(argv)["losses"]
+    return losses, {n: c for (n, what), c in kernels.PICKS.items() if what == "tiles"}
+
+
+@pytest.mark.parametrize("sparse,sp,mode", [(("--sparse-topk", "2"), 1, "ulysses"),
+                                            (("--sparse-window", "0,1,1"), 2, "ring")])
+def test_dit_entry_on_the_kernel_gives_the_math_kernels_losses(monkeypatch, sparse, sp, mode):
+    """The DiT's --sparse-attention-kernel cudnn_block_sparse (VSA's 64-token tiles) at SP=1 and on the SP=2 ring:
+    the losses of the same run on the math kernel (the stand-in computes in fp32 like math)."""
+    pytest.importorskip("megatron.core")
+    from tests.harness import run_ranks
+    fake_bsa.install(monkeypatch)
+    got = run_ranks(entry_losses, sp, sparse, NAME, sp, mode)
+    ref = run_ranks(entry_losses, sp, sparse, "math", sp, mode)
+    for (a, picks), (m, picks_m) in zip(got, ref):
+        assert len(a) == 2 and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, m)), (a, m)
+        assert set(picks) == {NAME} and set(picks_m) == {"math"}, (picks, picks_m)
