@@ -155,8 +155,9 @@ def test_metadata_is_built_on_the_slice_device_once_and_keyed(monkeypatch):
             n = int(m1.nums[h, r])
             assert m1.index[h, r, :n].tolist() == torch.nonzero(bm[h, r]).flatten().tolist()
     assert int(m2.nums.sum()) == int(bm.tril(-1).sum()) and torch.equal(m2.diag, bm.diagonal(dim1=1, dim2=2))
-    idx, nums = m1.lists(2, 2)
-    assert idx.shape == (2, 2, 8, 8) and idx.is_contiguous() and m1.lists(2, 2)[0] is idx
+    idx, nums, sizes = m1.lists(2, 2, torch.device("cpu"))
+    assert idx.shape == (2, 2, 8, 8) and idx.is_contiguous() and sizes is None
+    assert m1.lists(2, 2, torch.device("cpu"))[0] is idx and nums.shape == (2, 2, 8)
     m128 = cbs.block_metadata(TileSlice(torch.ones(1, 4, 4, dtype=torch.bool), 128, pos, pos, contiguous=True),
                               512, 512, False)
     assert m128.block == 128

@@ -137,14 +137,15 @@ class BlockMeta:
         self.all_live = bool(q_live.all()) and bool(k_live.all())
         self.expanded: dict = {}
 
-    def lists(self, batch: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q2k_block_index [B, H, nq, nk], q2k_block_nums [B, H, nq]) as cuDNN checks them (contiguous int32), kept
-        per (B, H)."""
-        key = (batch, heads)
+    def lists(self, batch: int, heads: int, device: torch.device) -> tuple:
+        """(q2k_block_index [B, H, nq, nk], q2k_block_nums [B, H, nq], block_sizes [nk] or None) as cuDNN checks them
+        (contiguous int32 on q's ``device``: a mask kept elsewhere is copied once), kept per (B, H, device)."""
+        key = (batch, heads, str(device))
         if key not in self.expanded:
             h, nq, nk = self.index.shape
-            self.expanded[key] = (self.index.unsqueeze(0).expand(batch, heads, nq, nk).contiguous(),
-                                  self.nums.unsqueeze(0).expand(batch, heads, nq).contiguous())
+            self.expanded[key] = (self.index.to(device).unsqueeze(0).expand(batch, heads, nq, nk).contiguous(),
+                                  self.nums.to(device).unsqueeze(0).expand(batch, heads, nq).contiguous(),
+                                  self.sizes.to(device) if self.sizes is not None else None)
         return self.expanded[key]
 
 
@@ -222,9 +223,9 @@ def bsa_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, t
     """cuDNN's block-sparse forward over the listed blocks: (out [B, H, Sq, D], lse fp32 [B, H, Sq])."""
     batch, heads = q.shape[:2]
     lay = _layout(q)
-    idx, nums = meta.lists(batch, heads)
+    idx, nums, sizes = meta.lists(batch, heads, q.device)
     res = api().block_sparse_attention_forward(
-        _to(q, lay), _to(_expand_kv(k, heads), lay), _to(_expand_kv(v, heads), lay), idx, block_sizes=meta.sizes,
+        _to(q, lay), _to(_expand_kv(k, heads), lay), _to(_expand_kv(v, heads), lay), idx, block_sizes=sizes,
         q2k_block_nums=nums, sparse_block_size=meta.block, allow_empty_block_nums=True, softmax_scale=scale,
         layout=lay)
     out, lse = _from(res["o_tensor"], lay), res["lse_tensor"]
@@ -232,7 +233,7 @@ def bsa_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, t
         return out, lse
     # query blocks without a listed key block: out 0, lse -inf whatever the kernel wrote (its SM90 128-token path
     # has no empty-list specialisation of its own)
-    q_live = _per_row(meta.q_live, batch, heads, meta.block)
+    q_live = _per_row(meta.q_live.to(q.device), batch, heads, meta.block)
     return torch.where(q_live, out, 0), torch.where(q_live[..., 0], lse, float("-inf"))
 
 
@@ -241,16 +242,17 @@ def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
     on blocks without a listed pair."""
     batch, heads = q.shape[:2]
     lay = _layout(q)
-    idx, nums = meta.lists(batch, heads)
+    idx, nums, sizes = meta.lists(batch, heads, q.device)
     res = api().block_sparse_attention_backward(
         _to(do, lay), _to(q, lay), _to(_expand_kv(k, heads), lay), _to(_expand_kv(v, heads), lay), _to(out, lay),
-        lse.float().contiguous(), idx, block_sizes=meta.sizes, q2k_block_nums=nums, softmax_scale=scale,
+        lse.float().contiguous(), idx, block_sizes=sizes, q2k_block_nums=nums, softmax_scale=scale,
         sparse_block_size=meta.block, layout=lay)
     dq, dk, dv = (_from(res[n], lay) for n in ("dq_tensor", "dk_tensor", "dv_tensor"))
     if meta.all_live:
         return dq, dk, dv
     b = meta.block
-    q_live, k_live = _per_row(meta.q_live, batch, heads, b), _per_row(meta.k_live, batch, heads, b)
+    q_live = _per_row(meta.q_live.to(q.device), batch, heads, b)
+    k_live = _per_row(meta.k_live.to(q.device), batch, heads, b)
     return torch.where(q_live, dq, 0), torch.where(k_live, dk, 0), torch.where(k_live, dv, 0)
 
 
@@ -269,7 +271,7 @@ def _unblocks(x: torch.Tensor, batch: int) -> torch.Tensor:
 
 def _diag_select(meta: BlockMeta, batch: int, heads: int) -> torch.Tensor:
     """[B * nq, H] bool: whether the causal diagonal block of each (batch, block) is selected for each head."""
-    d = meta.diag.t()                                                     # [nq, h]
+    d = meta.diag.t()                                                     # [nq, h], on the mask's device
     return d.unsqueeze(0).expand(batch, d.shape[0], heads).reshape(batch * d.shape[0], heads)
 
 
@@ -293,7 +295,7 @@ def diag_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, 
     b = meta.block
     qd, kd, vd = _blocks(q, b), _blocks(_expand_kv(k, heads), b), _blocks(_expand_kv(v, heads), b)
     out, lse = dense_kernel(q).forward(qd, kd, vd, scale, True)
-    keep = _diag_select(meta, batch, heads)
+    keep = _diag_select(meta, batch, heads).to(q.device)
     out = torch.where(keep[:, :, None, None], out, 0)
     lse = torch.where(keep[:, :, None], lse.float(), float("-inf"))
     return _unblocks(out, batch), _unblocks(lse, batch)
@@ -306,7 +308,7 @@ def diag_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
     args = [_blocks(t, b) for t in (do, q, _expand_kv(k, heads), _expand_kv(v, heads), out)]
     lse_d = _blocks(lse.unsqueeze(-1), b).squeeze(-1)
     grads = dense_kernel(q).backward(*args, lse_d, scale, True)
-    keep = _diag_select(meta, batch, heads)[:, :, None, None]
+    keep = _diag_select(meta, batch, heads).to(q.device)[:, :, None, None]
     return tuple(_unblocks(torch.where(keep, g, 0), batch) for g in grads)
 
 
