@@ -248,3 +248,35 @@ def test_dit_entry_on_the_kernel_gives_the_math_kernels_losses(monkeypatch, spar
     for (a, picks), (m, picks_m) in zip(got, ref):
         assert len(a) == 2 and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, m)), (a, m)
         assert set(picks) == {NAME} and set(picks_m) == {"math"}, (picks, picks_m)
+
+
+def _source_signature(path: str, name: str) -> list:
+    """[(argument name, kind, default source)] of function ``name`` in the file ``path``, read without importing it
+    (the package's import needs CUDA's Python bindings)."""
+    import ast
+    tree = ast.parse(open(path).read())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    a = fn.args
+    pos = [(x.arg, "pos") for x in a.args]
+    pos_defaults = [None] * (len(a.args) - len(a.defaults)) + [ast.unparse(d) for d in a.defaults]
+    kw = [(x.arg, "kw") for x in a.kwonlyargs]
+    kw_defaults = [ast.unparse(d) if d is not None else None for d in a.kw_defaults]
+    return [(n, k, d) for (n, k), d in zip(pos + kw, pos_defaults + kw_defaults)]
+
+
+def test_the_stand_in_has_the_packages_signatures():
+    """Where nvidia-cudnn-frontend is installed (found, not imported), the stand-in's two calls take exactly its
+    arguments, kinds and defaults (read from its api.py), so the kernel's calls are the package's."""
+    import importlib.util
+    import inspect
+    import os
+    spec = importlib.util.find_spec("cudnn") if cbs.installed() else None
+    if spec is None:
+        pytest.skip("needs nvidia-cudnn-frontend installed (or its wheel unpacked on PYTHONPATH)")
+    api = next(os.path.join(loc, "block_sparse_attention", "api.py") for loc in spec.submodule_search_locations)
+    fake = fake_bsa.FakeBSA((), None)
+    for name in ("block_sparse_attention_forward", "block_sparse_attention_backward"):
+        mine = [(p.name, "kw" if p.kind == p.KEYWORD_ONLY else "pos",
+                 None if p.default is p.empty else repr(p.default)) for p in
+                inspect.signature(getattr(fake, name)).parameters.values()]
+        assert mine == _source_signature(api, name), name
