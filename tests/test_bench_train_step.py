@@ -67,11 +67,18 @@ def test_plan_beside_peak_matches_memory_plan():
             "--recompute-granularity", "full"]
     got = bts.plan_beside_peak(entry.parse(rest), ["--use-torch-fsdp2"], 1)
     assert got["plan_settings"] == {"model": "wan-14b", "layers": 4, "tokens": 32760, "sp": 1, "gpus": 1,
-                                    "sharding": "fsdp", "recompute": "full"}
+                                    "sharding": "fsdp", "recompute": "full", "offload": False}
     assert got["plan_gib"] == pytest.approx(mp.plan("wan-14b", 32760, 1, 1, "fsdp", "full", 4).total_gib)
     assert bts.plan_beside_peak(entry.parse(rest), [], 1)["plan_settings"]["sharding"] == "none"
     no_bf16 = bts.plan_beside_peak(entry.parse([a for a in rest if a != "--bf16"]), [], 1)
     assert no_bf16["plan_gib"] is None and "--bf16" in no_bf16["plan_skipped"]
+    # the recompute variants (#67): selective outside_core_attn and its offload are planned, core_attn is not
+    sel = bts.plan_beside_peak(entry.parse([*rest, *bts.VARIANTS["recompute_selective_offload"]]), [], 2)
+    assert sel["plan_settings"]["recompute"] == "selective" and sel["plan_settings"]["offload"]
+    assert sel["plan_gib"] == pytest.approx(mp.plan("wan-14b", 32760, 1, 2, "none", "selective", 4,
+                                                    offload=True).total_gib)
+    core = bts.plan_beside_peak(entry.parse([*rest, "--recompute-granularity", "selective"]), [], 1)
+    assert core["plan_gib"] is None and "core_attn" in core["plan_skipped"]
 
 
 def _free_port():
@@ -214,3 +221,23 @@ def test_sparse_args_refused_by_name():
         bts.variant_flags(["guarded"], SPARSE_REST, None, "--sparse-tile 4,4,4", entry)
     with pytest.raises(SystemExit, match="not a list of entry flags"):
         bts.variant_flags(["sparse_topk80"], SPARSE_REST, None, "--sparse-tile '4,4", entry)
+
+
+def test_cpu_run_recompute_variants(tmp_path):
+    """The selective-vs-full job of #67 as a CPU dry run (one gloo rank, fp32): recompute_full and
+    recompute_selective_offload in one job (the model-level tests cover selective without offload); the same
+    first-step loss bit for bit (the recompute never changes the math) and the speedup recorded."""
+    pytest.importorskip("megatron.core")
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_train_step.py"), "--variants",
+           "recompute_full,recompute_selective_offload", "--log-interval", "1", "--out",
+           str(tmp_path), "--", "--model", "tiny", "--frames", "4", "--latent-size", "6x10", "--train-iters", "1",
+           "--ddp-impl", "torch", "--num-workers", "0", "--timing-bare-steps", "1"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.load(open(tmp_path / "train_step.json"))["results"]
+    losses = {v: res[v]["first_step_loss"] for v in ("recompute_full", "recompute_selective_offload")}
+    assert len(set(losses.values())) == 1 and None not in losses.values(), losses
+    for k in ("recompute_selective_offload_speedup", "recompute_selective_offload_speedup_bare"):
+        assert res[k] > 0, k

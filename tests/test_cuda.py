@@ -204,6 +204,25 @@ def test_dit_sparse_family(world, backend):
 
 
 @pytest.mark.parametrize("world,backend", _layouts())
+def test_diffusers_family(world, backend):
+    """The diffusers client (megatron_sp_ext.diffusers.parallelize) on diffusers' WanTransformer3DModel at SP=P in
+    every mode, fp32 and bf16, with and without a test-only sparse plan, I2V / TI2V / VACE / checkpointing: the
+    output, the latent's and the parameters' gradients (summed over SP) against the stock SP=1 model in float64."""
+    pytest.importorskip("diffusers", reason="needs diffusers 0.42 (carried as a wheel to the GPU machine)")
+    assert len(_worker("cuda_diffusers", "diffusers_family", "diffusers", world, backend)) == {2: 17, 4: 23}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_diffusers_sparse_family(world, backend):
+    """BlockSparsePlan (window, VSA top-k with the gated coarse branch; 128-token tiles) on diffusers' Wan through
+    parallelize at SP=P in ulysses / hcms / ring (/ usp), fp32 and bf16: output and gradients against a float64
+    single-device reference; the top-k masks equal on every rank."""
+    pytest.importorskip("diffusers", reason="needs diffusers 0.42 (carried as a wheel to the GPU machine)")
+    assert len(_worker("cuda_diffusers_sparse", "diffusers_sparse_family", "diffusers_sparse", world, backend)) == \
+        {2: 12, 4: 16}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
 def test_dit_dynamic_family(world, backend):
     """The DiT under dynamic SP (each packed sample on its own sub-group): loss and gradients equal SP=1 on the same
     pack, fp32 and bf16 autocast."""

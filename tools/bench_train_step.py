@@ -37,6 +37,10 @@ optimizer: the GPU idle between steps), ``data_wait_ms`` (the loop waiting on it
 a run of fewer than 2 x --log-interval steps has no full interval past the warm-up, so
 its medians include the compilation: the bench then flags it (JSON and a WARNING line) with the --train-iters it
 needs. ``mfu`` is the entry step's; ``mfu_bare`` the bare step's (mfu x entry / bare step time; same FLOPs).
+Recompute (#67): "recompute_full", "recompute_selective" (--recompute-granularity selective --recompute-modules
+outside_core_attn: every part of a block but the attention core recomputed) and "recompute_selective_offload" (the
+same with --cpu-offloading) override the entry flags' recompute; recompute_selective_speedup = recompute_full /
+recompute_selective entry step time (_bare: the bare steps; target >= 1.15), each variant with its plan_gib.
 FSDP2 (#52): variant "fsdp2" is the defaults with --use-torch-fsdp2 (with "guarded" in the job,
 fsdp2_overhead = fsdp2 / guarded entry step time - 1, and the same for the bare step). Every variant of the
 megatron-core entry also records ``plan_gib`` (tools/memory_plan.py for the run's model, layers, tokens, SP,
@@ -81,6 +85,14 @@ VARIANTS = {"guarded": [],  # the defaults: finite check every step
             "cudnn": ["--sp-attention-backend", "cudnn"],  # attention on cuDNN (every call), the defaults otherwise
             "fa4": ["--sp-attention-backend", "fa4"],  # attention on FlashAttention-4 (every call)
             "fsdp2": ["--use-torch-fsdp2"],  # FSDP2 over data x context ranks (megatron-core entry)
+            # recompute choices (#67), each replacing the entry flags' own recompute flags: whole blocks; every part
+            # of a block but the attention core (the core's q, k, v, out, lse kept); the same with the kept core
+            # tensors offloaded to host memory
+            "recompute_full": ["--recompute-granularity", "full"],
+            "recompute_selective": ["--recompute-granularity", "selective", "--recompute-modules",
+                                    "outside_core_attn"],
+            "recompute_selective_offload": ["--recompute-granularity", "selective", "--recompute-modules",
+                                            "outside_core_attn", "--cpu-offloading"],
             "packed": ["--pack-samples"],  # packed steps, uniform SP (needs --max-tokens-per-step in the entry flags)
             "dynamic_cp": ["--pack-samples", "--dynamic-context-parallel"]}  # the same packs, dynamic SP
 PACKED_VARIANTS = ("packed", "dynamic_cp")  # their results record the pack (pack_info)
@@ -284,8 +296,19 @@ def plan_beside_peak(args, flags: list, world: int) -> dict:
     from tools.memory_plan import plan  # noqa: PLC0415
     grid = token_grid(args)
     rc = getattr(args, "recompute_granularity", None)
+    modules = list(getattr(args, "recompute_modules", None) or [])
+    if rc == "selective" and modules == ["outside_core_attn"]:
+        rc = "selective"   # the plan's "selective": everything of a block but the attention core recomputed
+    elif rc == "selective":
+        rc = f"selective {' '.join(modules)}"
+    offload = bool(getattr(args, "cpu_offloading", False))
     why = ("several token grids" if grid is None else None) or \
-        (f"--recompute-granularity {rc} (the plan models none and full)" if rc not in (None, "full") else None) or \
+        (f"--recompute-granularity {rc} (the plan models none, full and selective outside_core_attn)"
+         if rc not in (None, "full", "selective") else None) or \
+        ("--cpu-offloading-num-layers (the plan offloads every block or none)"
+         if offload and getattr(args, "cpu_offloading_num_layers", None) is not None else None) or \
+        ("--recompute-num-layers (the plan recomputes every block or none)"
+         if getattr(args, "recompute_num_layers", None) is not None else None) or \
         ("no --bf16 (the plan models bf16 autocast)" if not getattr(args, "bf16", False) else None)
     if why:
         return {"plan_gib": None, "plan_skipped": why}
@@ -293,10 +316,11 @@ def plan_beside_peak(args, flags: list, world: int) -> dict:
         "distributed-optimizer" if getattr(args, "use_distributed_optimizer", False) else "none"
     tokens = grid[0] * grid[1] * grid[2]
     sp = getattr(args, "context_parallel_size", None) or 1
-    p = plan(args.model, tokens, sp, world, sharding, rc or "none", getattr(args, "num_layers", None))
-    return {"plan_gib": p.total_gib, "plan_settings": {"model": args.model, "layers": p.layers, "tokens": tokens,
-                                                       "sp": sp, "gpus": world, "sharding": sharding,
-                                                       "recompute": p.recompute}}
+    p = plan(args.model, tokens, sp, world, sharding, rc or "none", getattr(args, "num_layers", None),
+             offload=offload)
+    return {"plan_gib": p.total_gib, "plan_peak_phase": p.peak_phase,
+            "plan_settings": {"model": args.model, "layers": p.layers, "tokens": tokens, "sp": sp, "gpus": world,
+                              "sharding": sharding, "recompute": p.recompute, "offload": offload}}
 
 
 PREFLIGHT_FRACTION = 0.92   # of the GPU's memory: above it the plan is too close to call (tools/memory_plan.py's error
@@ -421,6 +445,10 @@ def main() -> None:
     if "guarded" in results and "fsdp2" in results:
         results["fsdp2_overhead"] = results["fsdp2"]["entry_step_ms"] / results["guarded"]["entry_step_ms"] - 1
         results["fsdp2_overhead_bare"] = results["fsdp2"]["bare_step_ms"] / results["guarded"]["bare_step_ms"] - 1
+    for v in ("recompute_selective", "recompute_selective_offload"):
+        if "recompute_full" in results and v in results:   # #67: target >= 1.15 for recompute_selective
+            results[f"{v}_speedup"] = results["recompute_full"]["entry_step_ms"] / results[v]["entry_step_ms"]
+            results[f"{v}_speedup_bare"] = results["recompute_full"]["bare_step_ms"] / results[v]["bare_step_ms"]
     if "cudnn" in results and "fa4" in results:
         results["fa4_speedup"] = results["cudnn"]["entry_step_ms"] / results["fa4"]["entry_step_ms"]
     if "packed" in results and "dynamic_cp" in results:
