@@ -3,6 +3,8 @@
 real backward writes nothing): forward with lse and backward from the final out/lse exact against the math kernel in
 float64, 64- and 128-token kernel blocks, GQA, empty rows, all-True, padded keys, causal (diagonal blocks on the dense
 kernel, merged by lse), ring-step rows; refusals with reasons; the metadata cached; "auto"'s per-call tile order."""
+import sys
+
 import pytest
 import torch
 
@@ -280,3 +282,28 @@ def test_the_stand_in_has_the_packages_signatures():
                  None if p.default is p.empty else repr(p.default)) for p in
                 inspect.signature(getattr(fake, name)).parameters.values()]
         assert mine == _source_signature(api, name), name
+
+
+def test_check_tool_on_the_stand_in(monkeypatch):
+    """tools/check_cudnn_block_sparse.py (the GPU's first contact) on the CPU stand-in: its cases run and are right,
+    the kernel block named; a wrong dq is reported."""
+    import argparse
+    from tools import check_cudnn_block_sparse as tool
+    fake = fake_bsa.install(monkeypatch)
+    args = argparse.Namespace(cases="0,23,35,36,41", head_dim=16, shrink=4)
+    rows = tool.check(args, torch.device("cpu"))
+    assert [(r["bs"], r["kind"], r["causal"], r["s"], r["valid"], r["bshd"]) for r in rows] == [
+        (128, "random", False, 512, None, False), (64, "random_empty", True, 512, None, False),
+        (64, "random_empty", True, 502, None, False), (128, "random", False, 512, 487, False),
+        (64, "random_empty", True, 512, None, True)]
+    assert not [r for r in rows if tool.wrong(r)], rows
+    assert [r["block"] for r in rows] == [128, 64, 64, 128, 64] and rows[1]["dead_rows"] > 0
+    real = fake.block_sparse_attention_backward
+
+    def wrong_bwd(*a, **kw):
+        res = real(*a, **kw)
+        return dict(res, dq_tensor=res["dq_tensor"] * 1.1)
+    monkeypatch.setattr(fake, "block_sparse_attention_backward", wrong_bwd)
+    monkeypatch.setattr(sys.modules["cudnn.block_sparse_attention"], "block_sparse_attention_backward", wrong_bwd)
+    bad = tool.check(argparse.Namespace(cases="0", head_dim=16, shrink=4), torch.device("cpu"))
+    assert tool.wrong(bad[0]) and bad[0]["dq"] > 5e-2 and bad[0]["dk"] < 1e-2
