@@ -12,8 +12,9 @@ rank-4 q/k/v with stride 1 on the head dim, one dtype; q2k_block_index int32 [B,
 [B, H, nq] (nq, nk from the sparse block size), listed key blocks in range and without repeats; an empty list needs
 ``allow_empty_block_nums=True`` (else the real kernel's branch-free specialisation); Sq a multiple of 64 at 64-token
 blocks; block_sizes int32 [nk]; the backward MHA only, lse fp32 [B, H, Sq], out/dout of q's shape and dtype. Where the
-real backward leaves memory unwritten (query blocks with no listed key block, key blocks no query block lists: its SM90
-128-token path allocates dq/dk/dv with ``torch.empty``), the stand-in writes NaN, so the library must not read it.
+real kernels may leave memory unwritten (query blocks with no listed key block, key blocks no query block lists: the
+SM90 128-token backward allocates dq/dk/dv with ``torch.empty``, its forward has no empty-list branch), the stand-in
+writes NaN (out, lse, dq, dk, dv), so the library must not read it.
 ``calls`` counts (name, sparse block size, layout) per call.
 """
 from __future__ import annotations
@@ -105,8 +106,13 @@ class FakeBSA:
         scale = softmax_scale if softmax_scale is not None else d ** -0.5
         outs, lses = zip(*(blockwise.math_forward(q[i:i + 1], k[i:i + 1], v[i:i + 1], scale, keep[i])
                            for i in range(b)))
-        out = self._bhsd(torch.cat(outs).to(q_tensor.dtype), layout).contiguous()
-        return {"o_tensor": out, "lse_tensor": torch.cat(lses).float().contiguous()}
+        out, lse = torch.cat(outs), torch.cat(lses).float()
+        # query blocks with no listed key block: the real SM90 128-token kernel has no empty-list branch of its own
+        # (only its 64-token one does): NaN here, so the library must not rely on it
+        dead = ~blocks.any(3).repeat_interleave(bs, 2)[:, :, :sq]
+        out, lse = out.masked_fill(dead[..., None], float("nan")), lse.masked_fill(dead, float("nan"))
+        out = self._bhsd(out.to(q_tensor.dtype), layout).contiguous()
+        return {"o_tensor": out, "lse_tensor": lse.contiguous()}
 
     def block_sparse_attention_backward(self, do_tensor, q_tensor, k_tensor, v_tensor, o_tensor, lse_tensor,
                                         q2k_block_index, block_sparse_num=None, block_sizes=None, q2k_block_nums=None,

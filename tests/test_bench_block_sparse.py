@@ -286,3 +286,23 @@ def test_resume_on_another_gpu_retimes_only_the_dense_floors(tmp_path):
     assert all(r["gpu"] == "other #0 1234abcd" for r in sparse)   # kept, not rerun
     third = bbs.main([*argv, "--resume", "--retime-dense"])   # on the same GPU again: nothing new
     assert len(third["rows"]) == len(again["rows"])
+
+
+def test_table_rows_of_cudnn_block_sparse_beside_the_others_on_the_cpu(tmp_path, monkeypatch):
+    """#69's table on the CPU stand-in of cuDNN's block sparsity (tests/fake_cudnn_block_sparse.py): --table
+    --table-kernels cudnn_block_sparse,math at #69's sparsities times it at 64- and 128-token tiles, every mask, with
+    its metadata's build time; a kernel that does not run here is named with its reason, an unknown one refused."""
+    from tests import fake_cudnn_block_sparse as fake_bsa
+    fake = fake_bsa.install(monkeypatch)
+    doc = bbs.main(["--table", "--smoke", "--table-kernels", "cudnn_block_sparse,math,fa4", "--table-sparsities",
+                    "0.8,0.9,0.95", "--out", str(tmp_path)])
+    rows = [r for r in doc["rows"] if r["kind"] == "ulysses" and r["kernel"] == "cudnn_block_sparse"]
+    assert {(r["mask"], r["block_size"], r["target_sparsity"]) for r in rows} == \
+        set(itertools.product(("random", "topk", "window"), (64, 128), (0.8, 0.9, 0.95)))
+    assert all(r["fwd_bwd_ms"] > 0 and r["mask_build_ms"] >= 0 and r["fwd_bwd_tflops"] > 0 for r in rows)
+    assert {c[1] for c in fake.calls} == {64, 128}
+    assert doc["meta"]["ulysses_kernels"] == ["cudnn_block_sparse", "math"]
+    assert "not installed" in doc["meta"]["ulysses_kernels_not_here"]["fa4"]
+    assert "| ulysses | cudnn_block_sparse | random |" in doc["table"]
+    with pytest.raises(SystemExit, match="unknown cudnn "):   # a dense kernel: no block sparsity
+        bbs.main(["--table", "--smoke", "--table-kernels", "cudnn", "--out", str(tmp_path / "x")])

@@ -3,6 +3,8 @@
 real backward writes nothing): forward with lse and backward from the final out/lse exact against the math kernel in
 float64, 64- and 128-token kernel blocks, GQA, empty rows, all-True, padded keys, causal (diagonal blocks on the dense
 kernel, merged by lse), ring-step rows; refusals with reasons; the metadata cached; "auto"'s per-call tile order."""
+import sys
+
 import pytest
 import torch
 
@@ -65,7 +67,7 @@ def _compare(ts, q, k, v, do, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_matches_math(monkeypatch, bs, kind, causal):
     fake = fake_bsa.install(monkeypatch)
-    cases = [(4, 2, 512, None, 1), (2, 2, 512, None, 2)] + ([] if causal else [(3, 1, 512, 400, 1)])
+    cases = [(4, 2, 512, None, 1), (2, 2, 450, None, 2)] + ([] if causal else [(3, 1, 512, 400, 1)])
     for h, hkv, s, valid, batch in cases:
         ts, q, k, v, do = _case(bs, kind, h, hkv, s, valid, batch=batch)
         _compare(ts, q, k, v, do, causal)
@@ -75,7 +77,8 @@ def test_matches_math(monkeypatch, bs, kind, causal):
 
 def test_ring_step_rows(monkeypatch):
     """A ring step's rows: queries and keys at other global positions (zigzag pieces of 128), not causal; the causal
-    diagonal of a rank's zigzag rows (identical increasing positions); a key piece ending in padding."""
+    diagonal of a rank's zigzag rows (identical increasing positions); a key piece ending in padding; rows ending in
+    a short group (the DiT's last tile)."""
     fake = fake_bsa.install(monkeypatch)
     zig = torch.cat([torch.arange(0, 128), torch.arange(896, 1024)])
     other = torch.cat([torch.arange(384, 512), torch.arange(512, 640)])
@@ -85,6 +88,11 @@ def test_ring_step_rows(monkeypatch):
         ts, q, k, v, do = _case(bs, "random", 4, 2, 0, q_pos=zig, k_pos=zig)
         _compare(ts, q, k, v, do, True)
         ts, q, k, v, do = _case(bs, "random", 2, 2, 0, valid=1000, q_pos=other, k_pos=zig)
+        _compare(ts, q, k, v, do, False)
+        short = torch.cat([torch.arange(0, 128), torch.arange(896, 1000)])
+        ts, q, k, v, do = _case(bs, "empty", 2, 1, 0, q_pos=short, k_pos=short)
+        _compare(ts, q, k, v, do, True)
+        ts, q, k, v, do = _case(bs, "random", 2, 1, 0, q_pos=other, k_pos=short)
         _compare(ts, q, k, v, do, False)
     assert {c[1] for c in fake.calls} == {64, 128}
 
@@ -106,8 +114,8 @@ def test_refusals_name_the_reason_and_auto_moves_on(monkeypatch):
     fine = TileSlice(torch.ones(1, 16, 16, dtype=torch.bool), 32, pos, pos, contiguous=True)
     assert "64- or 128-token" in cb.why_not(backends.tile_call(q, fine, False, True))
     assert backends.get_backend("auto").tile_kernel(q, fine, False, True).name == "math"
-    odd = TileSlice(torch.ones(1, 8, 8, dtype=torch.bool), 64, torch.arange(500), torch.arange(500))
-    assert "multiples of 64" in cb.why_not(backends.tile_call(q[:, :, :500], odd, False, True))
+    shifted_rows = TileSlice(torch.ones(1, 9, 9, dtype=torch.bool), 64, pos + 32, pos + 32)   # groups cut tiles
+    assert "inside one 64-token tile" in cb.why_not(backends.tile_call(q, shifted_rows, False, True))
     ts = TileSlice(torch.ones(1, 4, 4, dtype=torch.bool), 128, pos, pos, contiguous=True)
     assert "block-sparse calls only" in cb.why_not(kernels.KernelCall.of(q, "lse"))
     shifted = TileSlice(torch.ones(1, 8, 8, dtype=torch.bool), 128, pos, pos + 256)
@@ -149,8 +157,9 @@ def test_metadata_is_built_on_the_slice_device_once_and_keyed(monkeypatch):
             n = int(m1.nums[h, r])
             assert m1.index[h, r, :n].tolist() == torch.nonzero(bm[h, r]).flatten().tolist()
     assert int(m2.nums.sum()) == int(bm.tril(-1).sum()) and torch.equal(m2.diag, bm.diagonal(dim1=1, dim2=2))
-    idx, nums = m1.lists(2, 2)
-    assert idx.shape == (2, 2, 8, 8) and idx.is_contiguous() and m1.lists(2, 2)[0] is idx
+    idx, nums, sizes = m1.lists(2, 2, torch.device("cpu"))
+    assert idx.shape == (2, 2, 8, 8) and idx.is_contiguous() and sizes is None
+    assert m1.lists(2, 2, torch.device("cpu"))[0] is idx and nums.shape == (2, 2, 8)
     m128 = cbs.block_metadata(TileSlice(torch.ones(1, 4, 4, dtype=torch.bool), 128, pos, pos, contiguous=True),
                               512, 512, False)
     assert m128.block == 128
@@ -214,3 +223,87 @@ def test_cuda_cudnn_block_sparse_family_dry_run_on_cpu(monkeypatch, world, tile,
         assert all(f"bs={tile} " in r["case"] and r["family"] == "cudnn_block_sparse" for r in per_rank)
         for r in per_rank:
             assert not verdict(r), (verdict(r), r)
+
+
+def entry_losses(rank, world, sparse, kernel, sp, mode):
+    """(losses, the registry's block-sparse picks) of a short CPU run of the megatron entry (tiny preset, 4x8x8
+    tokens after the patch, 64-token tiles 4,4,4) on --sparse-attention-kernel ``kernel``."""
+    from training import pretrain_video_dit  # noqa: PLC0415
+    kernels.PICKS.clear()
+    argv = ["--model", "tiny", "--train-iters", "2", "--frames", "4", "--latent-size", "16x16", "--quiet",
+            "--sparse-attention", "tiles", "--sparse-tile", "4,4,4", *sparse, "--sparse-attention-kernel", kernel,
+            "--context-parallel-size", str(sp), "--cp-comm-type", mode]
+    losses = pretrain_video_dit.main(argv)["losses"]
+    return losses, {n: c for (n, what), c in kernels.PICKS.items() if what == "tiles"}
+
+
+@pytest.mark.parametrize("sparse,sp,mode", [(("--sparse-topk", "2"), 1, "ulysses"),
+                                            (("--sparse-window", "0,1,1"), 2, "ring")])
+def test_dit_entry_on_the_kernel_gives_the_math_kernels_losses(monkeypatch, sparse, sp, mode):
+    """The DiT's --sparse-attention-kernel cudnn_block_sparse (VSA's 64-token tiles) at SP=1 and on the SP=2 ring:
+    the losses of the same run on the math kernel (the stand-in computes in fp32 like math)."""
+    pytest.importorskip("megatron.core")
+    from tests.harness import run_ranks
+    fake_bsa.install(monkeypatch)
+    got = run_ranks(entry_losses, sp, sparse, NAME, sp, mode)
+    ref = run_ranks(entry_losses, sp, sparse, "math", sp, mode)
+    for (a, picks), (m, picks_m) in zip(got, ref):
+        assert len(a) == 2 and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, m)), (a, m)
+        assert set(picks) == {NAME} and set(picks_m) == {"math"}, (picks, picks_m)
+
+
+def _source_signature(path: str, name: str) -> list:
+    """[(argument name, kind, default source)] of function ``name`` in the file ``path``, read without importing it
+    (the package's import needs CUDA's Python bindings)."""
+    import ast
+    tree = ast.parse(open(path).read())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    a = fn.args
+    pos = [(x.arg, "pos") for x in a.args]
+    pos_defaults = [None] * (len(a.args) - len(a.defaults)) + [ast.unparse(d) for d in a.defaults]
+    kw = [(x.arg, "kw") for x in a.kwonlyargs]
+    kw_defaults = [ast.unparse(d) if d is not None else None for d in a.kw_defaults]
+    return [(n, k, d) for (n, k), d in zip(pos + kw, pos_defaults + kw_defaults)]
+
+
+def test_the_stand_in_has_the_packages_signatures():
+    """Where nvidia-cudnn-frontend is installed (found, not imported), the stand-in's two calls take exactly its
+    arguments, kinds and defaults (read from its api.py), so the kernel's calls are the package's."""
+    import importlib.util
+    import inspect
+    import os
+    spec = importlib.util.find_spec("cudnn") if cbs.installed() else None
+    if spec is None:
+        pytest.skip("needs nvidia-cudnn-frontend installed (or its wheel unpacked on PYTHONPATH)")
+    api = next(os.path.join(loc, "block_sparse_attention", "api.py") for loc in spec.submodule_search_locations)
+    fake = fake_bsa.FakeBSA((), None)
+    for name in ("block_sparse_attention_forward", "block_sparse_attention_backward"):
+        mine = [(p.name, "kw" if p.kind == p.KEYWORD_ONLY else "pos",
+                 None if p.default is p.empty else repr(p.default)) for p in
+                inspect.signature(getattr(fake, name)).parameters.values()]
+        assert mine == _source_signature(api, name), name
+
+
+def test_check_tool_on_the_stand_in(monkeypatch):
+    """tools/check_cudnn_block_sparse.py (the GPU's first contact) on the CPU stand-in: its cases run and are right,
+    the kernel block named; a wrong dq is reported."""
+    import argparse
+    from tools import check_cudnn_block_sparse as tool
+    fake = fake_bsa.install(monkeypatch)
+    args = argparse.Namespace(cases="0,23,35,36,41", head_dim=16, shrink=4)
+    rows = tool.check(args, torch.device("cpu"))
+    assert [(r["bs"], r["kind"], r["causal"], r["s"], r["valid"], r["bshd"]) for r in rows] == [
+        (128, "random", False, 512, None, False), (64, "random_empty", True, 512, None, False),
+        (64, "random_empty", True, 502, None, False), (128, "random", False, 512, 487, False),
+        (64, "random_empty", True, 512, None, True)]
+    assert not [r for r in rows if tool.wrong(r)], rows
+    assert [r["block"] for r in rows] == [128, 64, 64, 128, 64] and rows[1]["dead_rows"] > 0
+    real = fake.block_sparse_attention_backward
+
+    def wrong_bwd(*a, **kw):
+        res = real(*a, **kw)
+        return dict(res, dq_tensor=res["dq_tensor"] * 1.1)
+    monkeypatch.setattr(fake, "block_sparse_attention_backward", wrong_bwd)
+    monkeypatch.setattr(sys.modules["cudnn.block_sparse_attention"], "block_sparse_attention_backward", wrong_bwd)
+    bad = tool.check(argparse.Namespace(cases="0", head_dim=16, shrink=4), torch.device("cpu"))
+    assert tool.wrong(bad[0]) and bad[0]["dq"] > 5e-2 and bad[0]["dk"] < 1e-2

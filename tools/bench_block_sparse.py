@@ -44,6 +44,8 @@ P; the same GPU where timed there) is a column of the table.
     python tools/bench_block_sparse.py --table --out $OUT --resume    # #53's table: S 32K/75K/128K, H 40/5,
                                                                       # s .5-.95, 3 masks, 64/128 tiles, no ring
     python tools/bench_block_sparse.py --table --table-kernels flex --out A   # one GPU: the flex rows, and so on
+    python tools/bench_block_sparse.py --table --table-kernels cudnn_block_sparse,fa4 --table-seqlens 32768,75776 \
+        --table-sparsities 0.8,0.9,0.95 --out C            # #69: cuDNN's block sparsity beside FA4's, 64/128 tiles
     python tools/bench_block_sparse.py --out T --merge A B             # one table from the parts
     python tools/bench_block_sparse.py --smoke --out /tmp/bs           # CPU, S=512, tiny (the test)
 """
@@ -163,10 +165,11 @@ def _inputs(h: int, sq: int, sk: int, d: int, dev: torch.device, dtype: torch.dt
 def sparse_fns(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
                rows: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int) -> tuple:
     """(fwd, fwd_bwd, mask_build_ms) of the registry's block-sparse kernel ``kernel`` (a setting of
-    ``block_sparse.KERNELS``: "fa4", "flex", "math") on q against k/v at global positions q_pos / k_pos under the tile
-    mask ``rows`` (already the heads q carries). A kernel with log-sum-exp (fa4, math): its forward, then its
-    backward from that out/lse (a ring step's calls); flex: forward, autograd backward. The kernel's metadata (FA4's
-    block-sparse tensors, flex's BlockMask) is built once here, outside the timing: ``mask_build_ms``."""
+    ``block_sparse.KERNELS``: "fa4", "flex", "cudnn_block_sparse", "math") on q against k/v at global positions
+    q_pos / k_pos under the tile mask ``rows`` (already the heads q carries). A kernel with log-sum-exp (fa4,
+    cudnn_block_sparse, math): its forward, then its backward from that out/lse (a ring step's calls); flex: forward,
+    autograd backward. The kernel's metadata (FA4's block-sparse tensors, cuDNN's block lists, flex's BlockMask) is
+    built once here, outside the timing: ``mask_build_ms``."""
     scale = q.shape[-1] ** -0.5
     kern = kernels.by_setting(kernel)
     ts = TileSlice(rows, block_size, q_pos, k_pos)
@@ -347,8 +350,15 @@ def run(args) -> dict:
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     d = args.head_dim
-    ulysses_kernels = [k for k in args.ulysses_kernels.split(",")
-                       if kernels.by_setting(k).why_not(kernels.KernelCall(dev, dtype, d, frozenset({"tiles"}))) is None]
+    unknown = [k for k in args.ulysses_kernels.split(",") if k not in block_sparse.KERNELS[1:]]
+    if unknown:
+        raise SystemExit(f"--ulysses-kernels / --table-kernels: unknown {', '.join(unknown)} (the block-sparse "
+                         f"kernels: {', '.join(block_sparse.KERNELS[1:])})")
+    why = {k: kernels.by_setting(k).why_not(kernels.KernelCall(dev, dtype, d, frozenset({"tiles", "lse"})
+                                                                if kernels.by_setting(k).caps.lse else
+                                                                frozenset({"tiles"})))
+           for k in args.ulysses_kernels.split(",")}
+    ulysses_kernels = [k for k, reason in why.items() if reason is None]
     dense = [n for n in args.dense_kernels.split(",") if n in backends.available_backends()]
     skipped = [n for n in args.dense_kernels.split(",") if n not in dense]
     path = os.path.join(args.out, "bench_block_sparse.json")
@@ -357,7 +367,9 @@ def run(args) -> dict:
                     utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     dtype=str(dtype), head_dim=d, block_sizes=_ints(args.block_size), causal=False,
                     dense_kernels=dense, dense_kernels_not_installed=skipped,
-                    ulysses_kernels=ulysses_kernels, dynamo_recompile_limit=_recompile_limit(), long_ms=args.long_ms,
+                    ulysses_kernels=ulysses_kernels,
+                    ulysses_kernels_not_here={k: r for k, r in why.items() if r is not None},
+                    dynamo_recompile_limit=_recompile_limit(), long_ms=args.long_ms,
                     flops="useful: 4*D*selected pairs per head (fwd); fwd+bwd 3.5x")
     doc = {"meta": meta, "rows": [], "runs": []}
     if args.resume and os.path.exists(path):
@@ -599,7 +611,12 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     ap.add_argument("--retime-dense", action="store_true", help="with --resume: time the dense floors again on this "
                     "GPU where the resumed rows' were timed on another (the ratios then use this GPU's)")
     ap.add_argument("--table-kernels", default="fa4,flex,math", help="with --table: the block-sparse kernels this "
-                    "job runs (the others' rows can run in another job, on another GPU, joined by --merge)")
+                    "job runs (the others' rows can run in another job, on another GPU, joined by --merge), e.g. "
+                    "cudnn_block_sparse,fa4: cuDNN's block sparsity beside FA4's at the same masks (#69)")
+    ap.add_argument("--table-seqlens", default="32768,75776,131072", help="with --table: its sequence lengths "
+                    "(#69's rows: 32768,75776)")
+    ap.add_argument("--table-sparsities", default="0.5,0.8,0.9,0.95", help="with --table: its target sparsities "
+                    "(#69's rows: 0.8,0.9,0.95)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="DIR", help="join the JSONs of these --out folders "
                     "into --out's (rows of new keys added; a dense row timed again goes to cross_checks) and exit")
     ap.add_argument("--smoke", action="store_true", help="CPU, S=512, H=2, D=16, sdpa dense, math kernels")
@@ -607,7 +624,7 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.math_name = kernels.get(kernels.FALLBACK).setting
     if args.table:
-        args.seqlens, args.heads, args.sparsities = "32768,75776,131072", "40,5", "0.5,0.8,0.9,0.95"
+        args.seqlens, args.heads, args.sparsities = args.table_seqlens, "40,5", args.table_sparsities
         args.masks, args.block_size, args.tile = "random,topk,window", "64,128", ""
         args.ulysses_kernels, args.dense_kernels = args.table_kernels, "cudnn,fa4"
         args.ulysses_p, args.ring_p = "1", ""
@@ -616,7 +633,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     if args.smoke:
         args.seqlens, args.heads, args.head_dim, args.iters, args.warmup = "512", 2, 16, 1, 0
         args.ring_iters, args.ring_warmup = 1, 0
-        args.ring_kernels, args.dense_kernels, args.ulysses_kernels = "math", "sdpa", "math"
+        args.ring_kernels, args.dense_kernels = "math", "sdpa"
+        args.ulysses_kernels = args.ulysses_kernels if args.table else "math"   # --table: its kernels that run here
     return args
 
 

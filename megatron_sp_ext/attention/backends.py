@@ -8,7 +8,8 @@ k/v may carry fewer heads than q (GQA). ``tiles``: a block mask's slice for the 
 causal and ``mask``. Backends ("backend" setting; ``config.BACKENDS`` = "auto", "sdpa" and every kernel's setting):
   "auto" (default; "sdpa" is the same): every call on the first kernel of the registry's order that runs it here
       (FlashAttention-4 where it runs; else plain calls through torch's SDPA dispatch and log-sum-exp blocks on
-      cuDNN, FlashAttention-2 or math; block-sparse calls on FA4's block sparsity, flex_attention or math)
+      cuDNN, FlashAttention-2 or math; block-sparse calls on FA4's or cuDNN frontend's block sparsity, flex_attention
+      or math)
   a kernel's setting ("fa4", "cudnn", "torch_flash", "math", "flash_attn", "te"): every call on that kernel; a
       call it cannot run (no block sparsity, wrong device/dtype, ...) raises SPConfigError naming the setting and
       the reason, never a silent replacement.

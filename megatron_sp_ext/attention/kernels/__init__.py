@@ -162,7 +162,7 @@ def torch_sdpa_output(out: torch.Tensor) -> torch.Tensor:
     return grad_in_own_layout(out) if out.is_cuda else out
 
 
-__all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "TILE_ORDER", "PICKS", "get",
-           "names", "auto_order",
+__all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "TILE_ORDER", "PICKS",
+           "get", "names", "auto_order",
            "torch_sdpa_inputs", "torch_sdpa_output", "by_setting", "settings", "varlen_methods", "of_varlen_method",
            "why_not", "pick", "label", "require"]

@@ -12,8 +12,9 @@ number of valid keys ``block_sizes`` int32 [nk] (padding at a block's end).
 What cuDNN runs (1.32.0, read from the wheel): NON-causal attention over whole blocks (no mask inside a block);
 the backward is bf16 only, MHA only (k/v are expanded to H heads here, dk/dv summed back per kv head), head dim 128
 on SM90 (64 or 128 at 128-token blocks on SM100). So:
-  - a call runs when its rows split into whole kernel blocks (b = 128 or 64 rows, Sq and Sk multiples of b) each
-    inside ONE tile of the mask (``block_of``): the block grid is then exact, no superset of the mask ever runs;
+  - a call runs when its rows split into kernel blocks (b = 128 or 64 rows) each inside ONE tile of the mask
+    (``block_of``): the block grid is then exact, no superset of the mask ever runs; a short last block (Sq or Sk not
+    a multiple of b: the DiT's last tile on Wan's grids) is padded here, its missing keys masked by ``block_sizes``;
   - causal (identical, increasing query and key positions, as FA4's): the blocks below the diagonal run on cuDNN,
     the diagonal blocks (tril inside one block) as one batched causal call of FlashAttention-4 (the math kernel where
     FA4 does not run), merged by log-sum-exp; the backward runs both from the FINAL
@@ -97,17 +98,20 @@ def why_not(device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = 
 
 # ---------------------------------------------------------------------------------------- metadata
 def one_tile_per_group(tile_idx: torch.Tensor, b: int) -> bool:
-    """Whether every aligned group of ``b`` rows has one tile index (``tile_idx`` [n], n a multiple of b)."""
-    groups = tile_idx.view(-1, b)
-    return bool((groups == groups[:, :1]).all())
+    """Whether every aligned group of ``b`` rows has one tile index (``tile_idx`` [n]; a last group shorter than b
+    counts its rows only)."""
+    pad = (-tile_idx.numel()) % b
+    groups = torch.nn.functional.pad(tile_idx, (0, pad), value=-1).view(-1, b)
+    return bool(((groups == groups[:, :1]) | (groups == -1)).all())
 
 
 def block_of(ts, sq: int, sk: int) -> Optional[int]:
-    """The kernel block (128 or 64 rows) of the call: Sq and Sk multiples of it and every aligned group of its
-    query and key rows inside one tile; None when neither fits (rows contiguous: decided from the tile size alone)."""
+    """The kernel block (128 or 64 rows) of the call: every aligned group of its query and key rows inside one tile
+    (the last group may be shorter: padded here, its missing keys masked by ``block_sizes``); None when neither fits
+    (rows contiguous: decided from the tile size alone)."""
+    if sq == 0 or sk == 0:
+        return None
     for b in BLOCKS:
-        if sq % b or sk % b or sq == 0 or sk == 0:
-            continue
         if ts.contiguous:
             if ts.block_size % b == 0:
                 return b
@@ -129,16 +133,19 @@ class BlockMeta:
     def __init__(self, block, index, nums, sizes, q_live, k_live, diag) -> None:
         self.block, self.index, self.nums, self.sizes = block, index, nums, sizes
         self.q_live, self.k_live, self.diag = q_live, k_live, diag
+        # every block has a listed pair (windows, all-True): no gradient to zero (one host sync, at build)
+        self.all_live = bool(q_live.all()) and bool(k_live.all())
         self.expanded: dict = {}
 
-    def lists(self, batch: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q2k_block_index [B, H, nq, nk], q2k_block_nums [B, H, nq]) as cuDNN checks them (contiguous int32), kept
-        per (B, H)."""
-        key = (batch, heads)
+    def lists(self, batch: int, heads: int, device: torch.device) -> tuple:
+        """(q2k_block_index [B, H, nq, nk], q2k_block_nums [B, H, nq], block_sizes [nk] or None) as cuDNN checks them
+        (contiguous int32 on q's ``device``: a mask kept elsewhere is copied once), kept per (B, H, device)."""
+        key = (batch, heads, str(device))
         if key not in self.expanded:
             h, nq, nk = self.index.shape
-            self.expanded[key] = (self.index.unsqueeze(0).expand(batch, heads, nq, nk).contiguous(),
-                                  self.nums.unsqueeze(0).expand(batch, heads, nq).contiguous())
+            self.expanded[key] = (self.index.to(device).unsqueeze(0).expand(batch, heads, nq, nk).contiguous(),
+                                  self.nums.to(device).unsqueeze(0).expand(batch, heads, nq).contiguous(),
+                                  self.sizes.to(device) if self.sizes is not None else None)
         return self.expanded[key]
 
 
@@ -165,14 +172,16 @@ def _build(ts, sq, sk, causal) -> Optional[BlockMeta]:
         if not ts.contiguous and not (sq == sk and bool((qp == kp).all())
                                       and (sq < 2 or bool((qp[1:] > qp[:-1]).all()))):
             return None
-    nq, nk = sq // b, sk // b
+    nq, nk = -(-sq // b), -(-sk // b)
     rows = ts.mask_rows()                                                        # [h or 1, T, T]
     sel = rows.index_select(1, qp[::b] // ts.block_size).index_select(2, kp[::b] // ts.block_size)  # [h, nq, nk]
     sizes = None
-    if padded:
-        valid = (kp < ts.kv_valid_len).view(nk, b)
+    if padded or sk % b:   # valid keys per key block: padding (kv_valid_len) and the rows past sk (a short last block)
+        valid = kp < ts.kv_valid_len if padded else torch.ones(sk, dtype=torch.bool, device=dev)
+        valid = torch.nn.functional.pad(valid, (0, nk * b - sk), value=False).view(nk, b)
         counts = valid.sum(1, dtype=torch.int32)
-        if not ts.contiguous and not bool((valid == (torch.arange(b, device=dev) < counts.unsqueeze(1))).all()):
+        if padded and not ts.contiguous and \
+                not bool((valid == (torch.arange(b, device=dev) < counts.unsqueeze(1))).all()):
             return None   # padded keys in the middle of a block: block_sizes cannot say it
         sizes = counts.contiguous()
         sel = sel & (counts > 0)
@@ -214,12 +223,18 @@ def bsa_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, t
     """cuDNN's block-sparse forward over the listed blocks: (out [B, H, Sq, D], lse fp32 [B, H, Sq])."""
     batch, heads = q.shape[:2]
     lay = _layout(q)
-    idx, nums = meta.lists(batch, heads)
+    idx, nums, sizes = meta.lists(batch, heads, q.device)
     res = api().block_sparse_attention_forward(
-        _to(q, lay), _to(_expand_kv(k, heads), lay), _to(_expand_kv(v, heads), lay), idx, block_sizes=meta.sizes,
+        _to(q, lay), _to(_expand_kv(k, heads), lay), _to(_expand_kv(v, heads), lay), idx, block_sizes=sizes,
         q2k_block_nums=nums, sparse_block_size=meta.block, allow_empty_block_nums=True, softmax_scale=scale,
         layout=lay)
-    return _from(res["o_tensor"], lay), res["lse_tensor"]
+    out, lse = _from(res["o_tensor"], lay), res["lse_tensor"]
+    if meta.all_live:
+        return out, lse
+    # query blocks without a listed key block: out 0, lse -inf whatever the kernel wrote (its SM90 128-token path
+    # has no empty-list specialisation of its own)
+    q_live = _per_row(meta.q_live.to(q.device), batch, heads, meta.block)
+    return torch.where(q_live, out, 0), torch.where(q_live[..., 0], lse, float("-inf"))
 
 
 def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
@@ -227,16 +242,18 @@ def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
     on blocks without a listed pair."""
     batch, heads = q.shape[:2]
     lay = _layout(q)
-    idx, nums = meta.lists(batch, heads)
+    idx, nums, sizes = meta.lists(batch, heads, q.device)
     res = api().block_sparse_attention_backward(
         _to(do, lay), _to(q, lay), _to(_expand_kv(k, heads), lay), _to(_expand_kv(v, heads), lay), _to(out, lay),
-        lse.float().contiguous(), idx, block_sizes=meta.sizes, q2k_block_nums=nums, softmax_scale=scale,
+        lse.float().contiguous(), idx, block_sizes=sizes, q2k_block_nums=nums, softmax_scale=scale,
         sparse_block_size=meta.block, layout=lay)
+    dq, dk, dv = (_from(res[n], lay) for n in ("dq_tensor", "dk_tensor", "dv_tensor"))
+    if meta.all_live:
+        return dq, dk, dv
     b = meta.block
-    dq = torch.where(_per_row(meta.q_live, batch, heads, b), _from(res["dq_tensor"], lay), 0)
-    dk = torch.where(_per_row(meta.k_live, batch, heads, b), _from(res["dk_tensor"], lay), 0)
-    dv = torch.where(_per_row(meta.k_live, batch, heads, b), _from(res["dv_tensor"], lay), 0)
-    return dq, dk, dv
+    q_live = _per_row(meta.q_live.to(q.device), batch, heads, b)
+    k_live = _per_row(meta.k_live.to(q.device), batch, heads, b)
+    return torch.where(q_live, dq, 0), torch.where(k_live, dk, 0), torch.where(k_live, dv, 0)
 
 
 def _blocks(x: torch.Tensor, b: int) -> torch.Tensor:
@@ -254,7 +271,7 @@ def _unblocks(x: torch.Tensor, batch: int) -> torch.Tensor:
 
 def _diag_select(meta: BlockMeta, batch: int, heads: int) -> torch.Tensor:
     """[B * nq, H] bool: whether the causal diagonal block of each (batch, block) is selected for each head."""
-    d = meta.diag.t()                                                     # [nq, h]
+    d = meta.diag.t()                                                     # [nq, h], on the mask's device
     return d.unsqueeze(0).expand(batch, d.shape[0], heads).reshape(batch * d.shape[0], heads)
 
 
@@ -278,7 +295,7 @@ def diag_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, 
     b = meta.block
     qd, kd, vd = _blocks(q, b), _blocks(_expand_kv(k, heads), b), _blocks(_expand_kv(v, heads), b)
     out, lse = dense_kernel(q).forward(qd, kd, vd, scale, True)
-    keep = _diag_select(meta, batch, heads)
+    keep = _diag_select(meta, batch, heads).to(q.device)
     out = torch.where(keep[:, :, None, None], out, 0)
     lse = torch.where(keep[:, :, None], lse.float(), float("-inf"))
     return _unblocks(out, batch), _unblocks(lse, batch)
@@ -291,7 +308,7 @@ def diag_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
     args = [_blocks(t, b) for t in (do, q, _expand_kv(k, heads), _expand_kv(v, heads), out)]
     lse_d = _blocks(lse.unsqueeze(-1), b).squeeze(-1)
     grads = dense_kernel(q).backward(*args, lse_d, scale, True)
-    keep = _diag_select(meta, batch, heads)[:, :, None, None]
+    keep = _diag_select(meta, batch, heads).to(q.device)[:, :, None, None]
     return tuple(_unblocks(torch.where(keep, g, 0), batch) for g in grads)
 
 
@@ -301,24 +318,40 @@ def _sum_kv_heads(g: torch.Tensor, hkv: int) -> torch.Tensor:
     return g.float().view(bsz, hkv, h // hkv, s, d).sum(2)
 
 
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, H, S, ...] with zero rows appended to n (no copy when S == n)."""
+    extra = n - x.shape[2]
+    if extra == 0:
+        return x
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, extra))
+
+
 def tile_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, torch.Tensor]:
     """One block-sparse call: (out [B, H, Sq, D] in q's dtype, lse fp32 [B, H, Sq]); rows that select nothing: out 0,
-    lse -inf."""
+    lse -inf. Rows past whole kernel blocks are padded here (zero queries, keys masked by ``block_sizes``)."""
+    sq = q.shape[2]
+    nq, nk = meta.index.shape[1] * meta.block, meta.index.shape[2] * meta.block
+    q, k, v = _pad_rows(q, nq), _pad_rows(k, nk), _pad_rows(v, nk)
     out, lse = bsa_forward(q, k, v, scale, meta)
-    if meta.diag is None:
-        return out, lse
-    o2, l2 = diag_forward(q, k, v, scale, meta)
-    out, lse = merge([out, o2], [lse, l2])
-    return out.to(q.dtype), lse.float()
+    if meta.diag is not None:
+        o2, l2 = diag_forward(q, k, v, scale, meta)
+        out, lse = merge([out, o2], [lse, l2])
+        out, lse = out.to(q.dtype), lse.float()
+    return out[:, :, :sq], lse[:, :, :sq]
 
 
 def tile_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
-    """(dq [B, H, Sq, D], dk/dv [B, Hkv, Sk, D]) of ``tile_forward``'s call given the rows' FINAL out/lse."""
-    grads = bsa_backward(do, q, k, v, out, lse, scale, meta)
+    """(dq [B, H, Sq, D], dk/dv [B, Hkv, Sk, D]) of ``tile_forward``'s call given the rows' FINAL out/lse (padded rows:
+    zero dO and out, lse 0, so they add nothing)."""
+    sq, sk = q.shape[2], k.shape[2]
+    nq, nk = meta.index.shape[1] * meta.block, meta.index.shape[2] * meta.block
+    do, q, out, lse = _pad_rows(do, nq), _pad_rows(q, nq), _pad_rows(out, nq), _pad_rows(lse.unsqueeze(-1), nq)[..., 0]
+    k_p, v_p = _pad_rows(k, nk), _pad_rows(v, nk)
+    grads = bsa_backward(do, q, k_p, v_p, out, lse, scale, meta)
     if meta.diag is not None:
-        grads = tuple(a.float() + b.float() for a, b in zip(grads, diag_backward(do, q, k, v, out, lse, scale,
+        grads = tuple(a.float() + b.float() for a, b in zip(grads, diag_backward(do, q, k_p, v_p, out, lse, scale,
                                                                                  meta)))
-    dq, dk, dv = grads
+    dq, dk, dv = grads[0][:, :, :sq], grads[1][:, :, :sk], grads[2][:, :, :sk]
     hkv = k.shape[1]
     if hkv != q.shape[1]:
         dk, dv = _sum_kv_heads(dk, hkv), _sum_kv_heads(dv, hkv)
@@ -351,8 +384,8 @@ class CudnnBlockSparseKernel(Kernel):
             return None
         sq, sk = ts.q_pos.numel(), ts.k_pos.numel()
         if block_of(ts, sq, sk) is None:
-            return (f"its blocks are whole 64- or 128-token blocks: the call's {sq} query / {sk} key rows must be "
-                    f"multiples of 64 and each aligned group of 64 inside one {ts.block_size}-token tile")
+            return (f"its blocks are 64- or 128-token blocks: each aligned group of 64 of the call's {sq} query / {sk} "
+                    f"key rows must lie inside one {ts.block_size}-token tile")
         if block_metadata(ts, sq, sk, "causal" in call.needs) is None:
             return ("its kernels are non-causal and mask no token inside a block: causal needs identical increasing "
                     "query and key positions and no padded keys, and padded keys must end the key blocks they sit in")
