@@ -217,3 +217,15 @@ def test_deepspeed_entry_keep_core_and_offload_sp2():
     assert run_ranks(_ds_entry, 2, keep, timeout=300)[0] == ref
     assert run_ranks(_ds_entry, 2, [*keep, "--cpu-offloading"], timeout=300)[0] == ref
     assert len(ref) == 2
+
+
+def test_cuda_recompute_worker_on_cpu(monkeypatch):
+    """tests/cuda_recompute.recompute_family (the CUDA suite's #67 family) on 2 CPU gloo ranks at tiny widths:
+    every record passes the suite's judge (here the kernels are deterministic: errors 0)."""
+    from tests import cuda_recompute
+    from tests.suite_judge import merge_ranks
+    monkeypatch.setattr(cuda_recompute, "DEV", "cpu")
+    monkeypatch.setattr(cuda_recompute, "CFG", CFG)   # tiny widths: bf16 matmuls are slow on the CPU
+    monkeypatch.setattr(cuda_recompute, "GRID", (2, 4, 4))
+    merged = merge_ranks(run_ranks(cuda_recompute.recompute_family, 2, timeout=300))
+    assert len(merged) == 12 and all(m["ok"] for m in merged), [m for m in merged if not m["ok"]]

@@ -366,8 +366,11 @@ stage_n4() {   # call 3, four GPUs: the same checks at P=4 over NCCL, then the s
     --recompute-granularity full --context-parallel-size 4 --frames 21 --latent-size 90x160
 }
 # ---- #67: recompute that keeps the attention, the memory plan at 2 and 4 ranks, full-depth wan-14b on 4 GPUs ----
-stage_fsdp2_nccl() {   # the CUDA suite's FSDP2 families over NCCL (one rank per GPU: P=2, and P=4 on 4 GPUs), first
+stage_fsdp2_nccl() {   # the CUDA suite's FSDP2 families over NCCL (one rank per GPU: P=2, and P=4 on 4 GPUs), first,
+  # then the recompute family (#67: full / outside_core_attn / + offload against none on FA4 or cuDNN, one GPU and
+  # over NCCL)
   suite fsdp2_nccl/suite 300 "nccl and (fsdp2_model or fsdp2_entry)"
+  suite fsdp2_nccl/recompute 200 "recompute_family"
 }
 stage_recompute2() {   # 2 GPUs, ONE job: wan-14b 4 blocks, 75,600 tokens, SP=2 (megatron DDP: the plan's "none"),
   # full recompute beside selective (--recompute-modules outside_core_attn: the attention core kept, never rerun);
