@@ -229,3 +229,51 @@ def test_cuda_recompute_worker_on_cpu(monkeypatch):
     monkeypatch.setattr(cuda_recompute, "GRID", (2, 4, 4))
     merged = merge_ranks(run_ranks(cuda_recompute.recompute_family, 2, timeout=300))
     assert len(merged) == 12 and all(m["ok"] for m in merged), [m for m in merged if not m["ok"]]
+
+
+def _kept_per_token_layer(group, choice, packed_qkv=False) -> float:
+    """Tensor elements a block keeps per local token and layer after the forward, in units of dim (live bytes of
+    a 4-layer minus a 2-layer forward, fp32), with recompute ``choice``."""
+    import dataclasses
+    from tests.live_bytes import LiveBytes
+    sp = dist.get_world_size(group) if group is not None else 1
+    live = {}
+    for layers in (2, 4):
+        cfg = dataclasses.replace(CFG, layers=layers, dim=64, heads=4)
+        model = modulated_dit(cfg)
+        model.set_attention_core(make_core("ulysses", group, num_heads=cfg.heads))
+        model.set_packed_qkv(packed_qkv)
+        model.set_recompute(*choice)
+        data = SyntheticVideoLatents(cfg.in_channels, [8], 16, 16, cfg.text_len, cfg.text_dim, seed=1)
+        inp = prepare(flow_matching_batch(data, 0, 7, 0, 1, 1, cfg.patch),
+                      dist.get_rank(group) if group is not None else 0, sp, "cpu")
+        with LiveBytes() as m:
+            pred = model(inp.x, inp.t, inp.text, inp.token_ids, inp.grid)
+            live[layers] = m.live
+        del pred
+    return (live[4] - live[2]) / 2 / inp.x.shape[1] / 64 / 4
+
+
+def _kept_checks(rank, world):
+    from tools import memory_plan as mp
+    g = dist.group.WORLD if world > 1 else None
+    lse = 4 / 64   # one fp32 log-sum-exp per head (4 heads) and token, in units of dim x 4 B
+    want = {"full": mp.KEEP_FULL / 2, "selective": (mp.KEEP_SELECTIVE_SP if world > 1 else mp.KEEP_SELECTIVE_SP1) / 2}
+    out = {}
+    for name, choice in (("full", ("full", ["core_attn"])), ("selective", ("selective", ["outside_core_attn"]))):
+        for packed in ((False, True) if world > 1 else (False,)):
+            got = _kept_per_token_layer(g, choice, packed)
+            extra = lse if name == "selective" else 0.0
+            # the plan's bf16 bytes / 2 = elements (this run is fp32); AdaLN's [B, 6d] per layer adds ~6/S
+            assert abs(got - want[name] - extra) < 0.05, (world, name, packed, got, want[name] + extra)
+            out[(name, packed)] = got
+    return out
+
+
+def test_kept_tensors_match_the_memory_plan():
+    """What a block keeps between forward and backward (CPU live bytes): full its input (1 x dim per token),
+    outside_core_attn the input and the core's q, k, v, out (5 x dim) plus lse at SP=1, and the output exchanged
+    back too at SP=2 (6 x dim, plain and packed q|k|v): tools/memory_plan.py's KEEP_* terms. (--cpu-offloading
+    moves tensors to host memory: on the CPU that is no change the count can see.)"""
+    _kept_checks(0, 1)
+    run_ranks(_kept_checks, 2)
