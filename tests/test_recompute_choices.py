@@ -54,7 +54,7 @@ class CountingPacked:
         return self.packed(*args, **kwargs)
 
 
-def _step(group, choice, packed_qkv=False, spec=None):
+def _step(group, choice, packed_qkv=False, spec=None, fused=None):
     """(loss, grads, core calls) of one float64 step of the tiny DiT on this rank under recompute ``choice``."""
     granularity, modules, offload = choice
     sp = dist.get_world_size(group) if group is not None else 1
@@ -70,6 +70,7 @@ def _step(group, choice, packed_qkv=False, spec=None):
     model.set_packed_qkv(packed_qkv)
     model.set_recompute(granularity, modules)
     model.set_cpu_offloading(offload)
+    model.set_fused_elementwise(fused)
     data = SyntheticVideoLatents(CFG.in_channels, [4], 8, 8, CFG.text_len, CFG.text_dim, seed=1)
     batch = flow_matching_batch(data, 0, 7, 0, 1, 2, CFG.patch, tile=spec.tile if spec is not None else None)
     inp = prepare({k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()},
@@ -127,6 +128,15 @@ def _check_choices(group, packed_qkv=False, spec=None, choices=CHOICES):
 
 def test_every_recompute_choice_is_bit_identical_sp1():
     _check_choices(None)
+
+
+def test_compiled_elementwise_regions_keep_core_sp1():
+    """The compiled elementwise regions (--fused-elementwise; aot_eager here) inside the two recomputed regions:
+    outside_core_attn equals no recompute bit for bit, the core once per layer."""
+    ref = _step(None, (None, ["core_attn"], False), fused="aot_eager")
+    got = _step(None, ("selective", ["outside_core_attn"], False), fused="aot_eager")
+    _equal(got, ref, "outside_core_attn, compiled elementwise regions")
+    assert got[2] == ref[2] == CFG.layers
 
 
 def test_sparse_window_and_topk_keep_core_sp1():
