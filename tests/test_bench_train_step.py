@@ -167,6 +167,62 @@ def test_memory_preflight_warns_near_the_gpu_limit():
     assert memory_preflight({"plan_gib": None, "plan_skipped": "several token grids"}, gpu_gib=79.1) is None
 
 
+SPARSE_REST = ["--model", "tiny", "--frames", "8", "--latent-size", "32x32", "--train-iters", "1"]
+
+
+def test_sparse_args_reach_the_sparse_variants_only():
+    """#69 item 4: --sparse-args (a tile, a kernel) go to the sparse variants; the dense one in the same job runs
+    without them and still parses (a sparse-only flag given after "--" made it refuse the job)."""
+    pytest.importorskip("megatron.core")
+    from training import pretrain_video_dit as entry
+    from training.video_dit.cli import sparse_spec
+    extra, info = bts.variant_flags(["guarded", "sparse_topk90", "sparse_window80"], SPARSE_REST, None,
+                                    "--sparse-tile 4,4,4 --sparse-attention-kernel math", entry)
+    assert extra["guarded"] == [] and set(info) == {"sparse_topk90", "sparse_window80"}
+    for v in ("sparse_topk90", "sparse_window80"):
+        assert extra[v][-2:] == ["--sparse-attention-kernel", "math"] and info[v]["tile"] == [4, 4, 4]
+        parsed = entry.parse([*SPARSE_REST, *extra[v]])
+        assert parsed.sparse_attention_kernel == "math" and sparse_spec(parsed).tile == (4, 4, 4)
+    assert info["sparse_topk90"]["n_tiles"] == 32 and info["sparse_topk90"]["topk"] == 3   # 8x16x16 / 4,4,4
+    dense = entry.parse([*SPARSE_REST, *extra["guarded"]])
+    assert sparse_spec(dense) is None and dense.sparse_attention_kernel == "auto"
+    # the tool's own --sparse-tile sets the tile too; the default is the DiT's 4,4,8
+    assert bts.variant_flags(["sparse_topk80"], SPARSE_REST, "4,4,4", "", entry)[1]["sparse_topk80"]["tile"] == \
+        [4, 4, 4]
+    assert bts.variant_flags(["sparse_topk80"], SPARSE_REST, None, "", entry)[1]["sparse_topk80"]["tile"] == [4, 4, 8]
+
+
+def test_sparse_custom_takes_the_users_window_or_topk():
+    pytest.importorskip("megatron.core")
+    from training import pretrain_video_dit as entry
+    from training.video_dit.cli import sparse_spec
+    from training.video_dit.sparse import window_block_mask
+    extra, info = bts.variant_flags(["guarded", "sparse_custom"], SPARSE_REST, None,
+                                    "--sparse-tile 4,4,4 --sparse-window 1,1,1", entry)
+    spec = sparse_spec(entry.parse([*SPARSE_REST, *extra["sparse_custom"]]))
+    assert spec.window == (1, 1, 1) and spec.topk is None and info["sparse_custom"]["target_sparsity"] is None
+    assert info["sparse_custom"]["sparsity"] == pytest.approx(
+        1 - float(window_block_mask((8, 16, 16), (4, 4, 4), (1, 1, 1)).float().mean()))
+    extra, info = bts.variant_flags(["sparse_custom"], SPARSE_REST, None, "--sparse-topk 5", entry)
+    assert info["sparse_custom"]["topk"] == 5 and info["sparse_custom"]["sparsity"] == pytest.approx(1 - 5 / 16)
+    assert sparse_spec(entry.parse([*SPARSE_REST, *extra["sparse_custom"]])).topk == 5
+
+
+def test_sparse_args_refused_by_name():
+    pytest.importorskip("megatron.core")
+    from training import pretrain_video_dit as entry
+    with pytest.raises(SystemExit, match="sparse_custom"):   # a fixed variant's selection is its own
+        bts.variant_flags(["sparse_topk80"], SPARSE_REST, None, "--sparse-window 1,1,1", entry)
+    with pytest.raises(SystemExit, match="--sparse-topk K or --sparse-window"):
+        bts.variant_flags(["sparse_custom"], SPARSE_REST, None, "--sparse-tile 4,4,4", entry)
+    with pytest.raises(SystemExit, match="disagree"):
+        bts.variant_flags(["sparse_topk80"], SPARSE_REST, "4,4,8", "--sparse-tile 4,4,4", entry)
+    with pytest.raises(SystemExit, match="no sparse_\\* variant"):
+        bts.variant_flags(["guarded"], SPARSE_REST, None, "--sparse-tile 4,4,4", entry)
+    with pytest.raises(SystemExit, match="not a list of entry flags"):
+        bts.variant_flags(["sparse_topk80"], SPARSE_REST, None, "--sparse-tile '4,4", entry)
+
+
 def test_cpu_run_recompute_variants(tmp_path):
     """The selective-vs-full job of #67 as a CPU dry run (one gloo rank, fp32): recompute_full and
     recompute_selective_offload in one job (the model-level tests cover selective without offload); the same

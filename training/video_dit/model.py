@@ -42,7 +42,9 @@ KEEP_CORE_MODULE = "outside_core_attn"
 # core(q, k, v, None, cu_seqlens=cu) with cu the int32 cumulative sample lengths over the full sequence (B=1).
 # Sparse steps (--sparse-attention tiles) call core(q, k, v, kv_valid_len, block_mask=m, block_size=n): m bool
 # [H or 1, nT, nT] over query x key blocks of n tokens of the full (tile-ordered) sequence, the same on every rank.
-# A core's ``group`` attribute (None or absent: one rank) is the SP group its attention runs over. Dynamic SP
+# A core's ``group`` attribute (None or absent: one rank) is the SP group its attention runs over; its
+# ``mask_checks`` (absent: none) the cross-rank block-mask checks (sp.checks.MaskChecks: top-k masks, built the same
+# on every rank from tiles all-reduced over the group, are declared agreed there instead of compared). Dynamic SP
 # (--dynamic-context-parallel) steps pass the pack's DynamicPlan as cu_seqlens (dynamic.make_dynamic_core).
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]
 
@@ -218,8 +220,11 @@ class SelfAttention(nn.Module):
         q_tiles, k_tiles, v_tiles = (pool_tiles(t, step.tile_index, step.num_tiles, step.group, step.run)
                                      for t in (q, k, v))
         outs = []
+        checks = getattr(self.core, "mask_checks", None)
         for i in range(b):  # a block mask is one sample's (its own top-k)
             mask = pad_block_mask(topk_block_mask(q_tiles[i], k_tiles[i], step.spec.topk), step.num_blocks)
+            if checks is not None and step.group is not None:   # every rank's top-k of the same all-reduced tiles
+                checks.agree(mask, step.group)
             outs.append(fine(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask))
         gate = self.sparse_gate(x).view(b, s, self.heads, self.hd)
         fine_out = outs[0] if b == 1 else torch.cat(outs)   # no copy of the one sample's output
@@ -580,6 +585,7 @@ class VideoDiT(nn.Module):
                 raise SPConfigError(f"{PACK_FLAG}: {e}") from None
         core.packed = attn.packed_entry()  # _sdpa_bshd is the "sdpa" backend's math: packing may bypass it
         core.group = group
+        core.mask_checks = attn.resources.mask_checks
         self.set_attention_core(core)
         self.sp_attention = attn  # registered as a (parameter-free) submodule for visibility
 

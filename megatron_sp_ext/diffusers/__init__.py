@@ -1,0 +1,10 @@
+"""The diffusers client: ``parallelize(model, group, mode="auto")`` shards a diffusers WanTransformer3DModel's
+sequence with the model's own ``_cp_plan`` (torch module hooks) and runs every self-attention through
+``megatron_sp_ext.make_attention`` (docs/diffusers.md). diffusers itself is imported only when ``parallelize`` runs.
+
+    from megatron_sp_ext.diffusers import parallelize
+    sp = parallelize(model, group, mode="auto")    # -> SPHandle; sp.remove() undoes it
+"""
+from .parallelize import SPHandle, parallelize
+
+__all__ = ["parallelize", "SPHandle"]

@@ -1,0 +1,162 @@
+"""A diffusers model's ``_cp_plan`` carried out with torch's module hooks (no diffusers hook registry, nothing of
+diffusers patched).
+
+    state = SequenceState(group, sp_size, sparse)
+    handles = install_plan(model, type(model)._cp_plan, state)     # list of torch RemovableHandle
+    for h in handles: h.remove()
+
+The model's own forward pre-hook first sets ``state.ctx`` (the patch grid of ``hidden_states`` [B, C, F, H, W] and,
+with a SparseAttentionPlan, its token order), then every plan entry:
+- ``{name: ContextParallelInput(split_dim, expected_dims, split_output=False)}`` at module M: M's input ``name`` is
+  put in the token order and sharded along split_dim (a forward pre-hook with kwargs);
+- ``{index: ContextParallelInput(..., split_output=True)}``: M's output ``index`` likewise (a forward hook);
+- ``ContextParallelOutput(gather_dim, expected_dims)``: M's output is gathered and put back in raster order.
+Entries are read by their fields (diffusers' classes live in a private module). A tensor whose dimension count
+differs from ``expected_dims`` is left whole, as diffusers' own hooks do (Wan's 1-D
+timestep: one per sample, not per token). Hooks fire again when gradient checkpointing recomputes a block: the split
+of the same full input gives the same shard.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import SPConfigError
+from .sequence import ForwardContext, gather_tokens, split_tokens
+
+
+@dataclass
+class SequenceState:
+    """What the hooks and processors of one parallelized model share: the SP group (None: one rank), its size, the
+    SparseAttentionPlan (or None) and the current forward's ``ForwardContext``."""
+
+    group: Optional[dist.ProcessGroup]
+    sp_size: int
+    sparse: Any = None
+    patch_size: tuple = (1, 1, 1)
+    ctx: Optional[ForwardContext] = field(default=None)
+
+    def current(self) -> ForwardContext:
+        if self.ctx is None:
+            raise SPConfigError("parallelize: a parallelized block ran outside the model's forward (its context, set "
+                                "by the model's forward, is missing): call the model, not its blocks")
+        return self.ctx
+
+
+def is_split(entry: Any) -> bool:
+    """A plan's split entry (diffusers' ContextParallelInput: split_dim, expected_dims, split_output)."""
+    return all(hasattr(entry, a) for a in ("split_dim", "expected_dims", "split_output"))
+
+
+def is_gather(entry: Any) -> bool:
+    """A plan's gather entry (diffusers' ContextParallelOutput: gather_dim, expected_dims)."""
+    return all(hasattr(entry, a) for a in ("gather_dim", "expected_dims"))
+
+
+def _param_names(module: torch.nn.Module) -> list[str]:
+    """The forward's parameter names after self, in order."""
+    return list(inspect.signature(type(module).forward).parameters)[1:]
+
+
+def _locate(names: list[str], name: str, args: tuple, kwargs: dict):
+    """(value, where) of input ``name``: where is "kw", an int position, or None when not passed."""
+    if name in kwargs:
+        return kwargs[name], "kw"
+    if name in names and names.index(name) < len(args):
+        i = names.index(name)
+        return args[i], i
+    return None, None
+
+
+def _put(args: tuple, kwargs: dict, name: str, where, value) -> tuple[tuple, dict]:
+    if where == "kw":
+        return args, {**kwargs, name: value}
+    args = list(args)
+    args[where] = value
+    return tuple(args), kwargs
+
+
+def _split_inputs_hook(entries: dict, state: SequenceState, names: list[str]):
+    def hook(module, args, kwargs):
+        ctx = state.current()
+        for name, cpi in entries.items():
+            value, where = _locate(names, name, args, kwargs)
+            if not isinstance(value, torch.Tensor) or (cpi.expected_dims not in (None, value.dim())):
+                continue
+            args, kwargs = _put(args, kwargs, name, where, split_tokens(value, state.group, cpi.split_dim, ctx))
+        return args, kwargs
+    return hook
+
+
+def _split_outputs_hook(entries: dict, state: SequenceState):
+    def hook(module, args, output):
+        ctx = state.current()
+        single = isinstance(output, torch.Tensor)
+        outs = [output] if single else list(output)
+        for index, cpi in entries.items():
+            x = outs[index]
+            if cpi.expected_dims is None or x.dim() == cpi.expected_dims:
+                outs[index] = split_tokens(x, state.group, cpi.split_dim, ctx)
+        return outs[0] if single else type(output)(outs)
+    return hook
+
+
+def _gather_output_hook(cpos: list, state: SequenceState):
+    def hook(module, args, output):
+        ctx = state.current()
+        single = isinstance(output, torch.Tensor)
+        outs = [output] if single else list(output)
+        for i, cpo in enumerate(cpos):
+            if cpo is not None and (cpo.expected_dims is None or outs[i].dim() == cpo.expected_dims):
+                outs[i] = gather_tokens(outs[i], state.group, cpo.gather_dim, ctx)
+        return outs[0] if single else type(output)(outs)
+    return hook
+
+
+def _context_hook(state: SequenceState, names: list[str]):
+    def hook(module, args, kwargs):
+        x, _ = _locate(names, "hidden_states", args, kwargs)
+        if not isinstance(x, torch.Tensor) or x.dim() != 5:
+            raise SPConfigError(f"parallelize: {type(module).__name__}'s hidden_states must be a latent "
+                                f"[B, C, F, H, W]; got {type(x).__name__} {list(getattr(x, 'shape', []))}")
+        grid = tuple(int(n) // int(p) for n, p in zip(x.shape[2:], state.patch_size))
+        state.ctx = ForwardContext.of(grid, state.sparse, x.device, state.sp_size)
+        return None
+    return hook
+
+
+def install_plan(model: torch.nn.Module, plan: dict, state: SequenceState) -> list:
+    """Register the context hook and ``plan``'s split/gather hooks on ``model``; returns the hook handles (the
+    context hook first, so it runs before the model's own split entry "")."""
+    handles = [model.register_forward_pre_hook(_context_hook(state, _param_names(model)), with_kwargs=True)]
+    try:
+        _install_entries(model, plan, state, handles)
+    except BaseException:
+        for h in handles:   # nothing left behind on a refused plan
+            h.remove()
+        raise
+    return handles
+
+
+def _install_entries(model: torch.nn.Module, plan: dict, state: SequenceState, handles: list) -> None:
+    for name, entry in plan.items():
+        module = model.get_submodule(name)
+        if is_gather(entry) or (isinstance(entry, (list, tuple)) and all(e is None or is_gather(e) for e in entry)):
+            cpos = [entry] if is_gather(entry) else list(entry)
+            handles.append(module.register_forward_hook(_gather_output_hook(cpos, state)))
+            continue
+        if not isinstance(entry, dict) or not all(is_split(v) for v in entry.values()):
+            raise SPConfigError(f"parallelize: {type(model).__name__}._cp_plan[{name!r}] = {entry!r} is not a plan "
+                                f"entry this client carries out (ContextParallelInput per input/output, or "
+                                f"ContextParallelOutput)")
+        inputs = {k: v for k, v in entry.items() if not v.split_output}
+        outputs = {k: v for k, v in entry.items() if v.split_output}
+        if inputs:
+            handles.append(module.register_forward_pre_hook(
+                _split_inputs_hook(inputs, state, _param_names(module)), with_kwargs=True))
+        if outputs:
+            handles.append(module.register_forward_hook(_split_outputs_hook(outputs, state)))

@@ -1,0 +1,79 @@
+"""The self-attention processor: diffusers' ``WanAttnProcessor`` math for a self-attention (``attn1``) with its
+``dispatch_attention_fn`` swapped for megatron_sp_ext's sequence-parallel attention.
+
+    attn.set_processor(SPWanSelfAttnProcessor(attention, state, layer_index))
+
+Per call on this rank's shard hidden_states [B, S_loc, C]: q, k, v from ``to_q/to_k/to_v`` (or the fused
+``to_qkv``), ``norm_q`` / ``norm_k``, unflattened to [B, S_loc, H, D], Wan's RoPE on the sharded (cos, sin)
+[1, S_loc, 1, D]; then, with a SparseAttentionPlan, ``mask, extra = plan(layer_index, q, k, v, grid_thw, group)``;
+``out = attention(q, k, v, causal=False, block_mask=mask, block_size=plan.block_size)`` (+ extra), flattened,
+``type_as(q)``, ``to_out``. Not an ``nn.Module``: the model's state_dict is unchanged.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..errors import SPConfigError
+from ..sp.factory import SPAttention
+from .hooks import SequenceState
+from .local import OneRankAttention
+
+
+def wan_rotary(x_bshd: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's RoPE (diffusers' WanAttnProcessor): x [B, S, H, D], cos/sin [1, S, 1, D] (pairs interleaved)."""
+    x1, x2 = x_bshd.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x_bshd)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x_bshd)
+
+
+class SPWanSelfAttnProcessor:
+    """One block's self-attention through ``attention`` (an SPAttention, layout "bshd") over ``state.group``.
+
+    layer_index: the block's index (the SparseAttentionPlan's layer); original: the processor it replaced
+    (``SPHandle.remove`` puts it back); where: the module's name (errors)."""
+
+    def __init__(self, attention: "SPAttention | OneRankAttention", state: SequenceState, layer_index: int,
+                 original: object, where: str = "") -> None:
+        self.attention, self.state, self.layer_index, self.original = attention, state, layer_index, original
+        self.where = where or f"blocks.{layer_index}.attn1"
+
+    def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
+                 encoder_hidden_states: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                 rotary_emb: Optional[tuple] = None, **kwargs) -> torch.Tensor:
+        where = self.where
+        if encoder_hidden_states is not None:
+            raise SPConfigError(f"parallelize: {where} is a self-attention but was called with encoder_hidden_states")
+        if attention_mask is not None:
+            raise SPConfigError(f"parallelize: {where} was called with an attention_mask, which the sequence-parallel "
+                                f"attention does not apply (Wan's self-attention takes none)")
+        if kwargs:
+            raise SPConfigError(f"parallelize: {where} was called with {sorted(kwargs)}, which "
+                                f"WanAttnProcessor's self-attention does not take")
+        if attn.fused_projections:
+            q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q_bshd, k_bshd, v_bshd = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+        if rotary_emb is not None:
+            q_bshd = wan_rotary(q_bshd, *rotary_emb)
+            k_bshd = wan_rotary(k_bshd, *rotary_emb)
+        plan, extra, block = self.state.sparse, None, {}
+        if plan is not None:
+            mask, extra = plan(self.layer_index, q_bshd, k_bshd, v_bshd, self.state.current().grid_thw,
+                               self.state.group)
+            if mask is not None:
+                block = {"block_mask": mask, "block_size": plan.block_size}
+        self.attention.training = attn.training
+        out_bshd = self.attention(q_bshd, k_bshd, v_bshd, causal=False, **block)
+        if extra is not None:
+            out_bshd = out_bshd + extra
+        out = out_bshd.flatten(2, 3).type_as(q_bshd)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
