@@ -162,7 +162,7 @@ def test_every_recompute_choice_is_bit_identical_sp2():
     run_ranks(_sp2, 2)
 
 
-def test_refusals_name_the_flags():
+def test_refusals_name_the_flags(capsys):
     from training import pretrain_video_dit
     base = ["--model", "tiny", "--frames", "4", "--latent-size", "6x10"]
     with pytest.raises(SystemExit):
@@ -172,6 +172,13 @@ def test_refusals_name_the_flags():
         pretrain_video_dit.parse([*base, "--recompute-granularity", "full", "--cpu-offloading"])
     with pytest.raises(SystemExit):
         pretrain_video_dit.parse([*base, "--cpu-offloading-num-layers", "1"])
+    with pytest.raises(SystemExit):
+        pretrain_video_dit.parse([*base, "--recompute-granularity", "selective", "--recompute-modules",
+                                  "outside_core_attn", "--sp-async-qkv", "on", "--cp-comm-type", "ulysses"])
+    err = capsys.readouterr().err
+    for flag in ("outside_core_attn already recomputes", "--cpu-offloading with --recompute-granularity full",
+                 "add --cpu-offloading", "--sp-async-qkv on cannot run --recompute-modules outside_core_attn"):
+        assert flag in err, (flag, err)
     args = pretrain_video_dit.parse([*base, "--recompute-granularity", "selective", "--recompute-modules",
                                      "outside_core_attn", "--cpu-offloading"])
     assert args.recompute_modules == ["outside_core_attn"] and args.cpu_offloading
