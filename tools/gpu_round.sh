@@ -396,19 +396,23 @@ stage_peaks4() {   # the same at 4 ranks (SP=CP=4), ~5 min
   keep peaks4 ${PEAKS_S:-480} torchrun --nproc-per-node 4 tools/measure_peaks.py --out $W/peaks4 --budget-s 380
 }
 full40() {   # full40 NAME TOKENS SP RECOMPUTE...: wan-14b at full depth (40 blocks) on 4 GPUs, FSDP2 beside SP, one
-  # bench_train_step job over F40_VARIANTS (default dense, window90, top-k90), ${ITERS40:-20} steps each
+  # bench_train_step job over F40_VARIANTS (default guarded = dense; then sparse_window90, sparse_topk90: one call
+  # each, the time below), ${ITERS40:-20} steps each (bench_train_step keeps each finished variant in its
+  # .partial.json if the call's limit cuts the job)
   local name=$1 tokens=$2 sp=$3; shift 3
   local size=60x104; [ "$tokens" = 75600 ] && size=90x160
   keep full40/$name ${FULL40_S:-530} torchrun --nproc-per-node 4 tools/bench_train_step.py \
-    --variants ${F40_VARIANTS:-guarded,sparse_window90,sparse_topk90} --log-interval 5 --out $W/full40/$name -- \
+    --variants ${F40_VARIANTS:-guarded} --log-interval 5 --out $W/full40/$name${F40_TAG:-} -- \
     --model wan-14b --bf16 --use-torch-fsdp2 --context-parallel-size $sp --frames 21 --latent-size $size \
     --train-iters ${ITERS40:-20} --timing-bare-steps 2 "$@"
 }
 # Per GPU by tools/memory_plan.py (FSDP2 over 4, 2026-11-27): the optimizer step alone is 96.3 GiB (fp32 params,
 # grads, Adam and foreach AdamW's temporary: 20.5B parameters), so none of these fits 4 x H100 (78 GiB): 4 x H200.
 # 32,760: SP=2 selective 102.5, SP=4 selective 96.3 | 75,600: SP=4 selective 109.0, SP=2 selective 157.7 (no):
-# full 96.3 or selective + --cpu-offloading 99.8. Each 32,760 job ~5-8 min, each 75,600 job ~8-10 min per variant
-# (the step ~10-14 s): run one variant per call there (F40_VARIANTS=guarded, then sparse_window90, ...).
+# full 96.3 or selective + --cpu-offloading 99.8. Time (5.0e15 / 2.0e16 model FLOPs a step at 32,760 / 75,600 tokens:
+# ~3-4 s / 11-14 s a step at 35-45% MFU on 4 GPUs): a 32,760 variant ~3-5 min with the 20.5B build and FA4's
+# compile (F40_VARIANTS=guarded,sparse_window90 fits one call), a 75,600 variant ~6-8 min (one per call; set F40_TAG
+# to keep each call's JSON apart).
 SEL=(--recompute-granularity selective --recompute-modules outside_core_attn)
 stage_full40_32k_sp4() { full40 wan14b_40l_32k_sp4 32760 4 "${SEL[@]}"; }
 stage_full40_32k_sp2() { full40 wan14b_40l_32k_sp2 32760 2 "${SEL[@]}"; }
