@@ -419,10 +419,11 @@ stage_full40_32k_sp2() { full40 wan14b_40l_32k_sp2 32760 2 "${SEL[@]}"; }
 stage_full40_75k_sp4() { full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"; }
 stage_full40_75k_sp2() { full40 wan14b_40l_75k_sp2 75600 2 "${SEL[@]}" --cpu-offloading; }
 stage_full40_75k_sp2_full() { full40 wan14b_40l_75k_sp2_full 75600 2 --recompute-granularity full; }
-R40=(--model wan-14b --bf16 --use-torch-fsdp2 --context-parallel-size 4 --frames 21 --latent-size 60x104
-  --log-interval 1 --num-workers 2 "${SEL[@]}")
-ck40_dir() {   # where the full-depth checkpoint fits: 20.5B x 12 B (fp32 params + Adam) ~ 230 GiB; /dev/shm first
-  local need=240 d
+R40=(--model wan-14b --num-layers ${R40_LAYERS:-40} --bf16 --use-torch-fsdp2 --context-parallel-size 4 --frames 21
+  --latent-size 60x104 --log-interval 1 --num-workers 2 "${SEL[@]}")
+ck40_dir() {   # where the checkpoint fits: 12 B a parameter (fp32 params + Adam), 0.51B a block: ~230 GiB at 40
+  # blocks; /dev/shm first (a container's may be small), then this machine's disk; R40_LAYERS=20 halves it
+  local need=$(( ${R40_LAYERS:-40} * 6 + 4 )) d
   for d in ${CK40_DIR:-} /dev/shm/spx_ck40 $W/ck40; do
     [ -z "$d" ] && continue; mkdir -p "$d" 2>/dev/null || continue
     if [ $(( $(df -Pk "$d" | awk 'NR == 2 {print $4}') / 1048576 )) -ge $need ]; then echo "$d"; return 0; fi
@@ -431,8 +432,8 @@ ck40_dir() {   # where the full-depth checkpoint fits: 20.5B x 12 B (fp32 params
 }
 stage_resume40a() {   # full-depth resume, call 1 (4 GPUs, 32,760 tokens, SP=4, FSDP2, selective): the uninterrupted 8
   # steps, then 4 steps saving the DCP checkpoint (kept for resume40b on this warm machine); ~6-8 min
-  local ck; ck=$(ck40_dir) || { echo "[resume40a: not started: no file system with 240 GiB free for the checkpoint"\
-    "(set CK40_DIR)]"; return 0; }
+  local ck; ck=$(ck40_dir) || { echo "[resume40a: not started: no file system with $(( ${R40_LAYERS:-40} * 6 + 4 ))"\
+    "GiB free for the checkpoint (set CK40_DIR, or R40_LAYERS=20)]"; df -h /dev/shm $W; return 0; }
   echo "checkpoint dir: $ck"; echo "$ck" > /tmp/spx_ck40_dir; rm -rf "$ck"/*
   keep resume40/straight 240 torchrun --nproc-per-node 4 training/pretrain_video_dit.py "${R40[@]}" --train-iters 8 \
     --log-dir $W/resume40/straight
