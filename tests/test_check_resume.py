@@ -31,6 +31,7 @@ def test_resume_is_bit_identical_and_a_change_is_named(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["bit_identical"] and res["resumed"]["steps"] == 2 and res["first"]["steps"] == 2
     assert [r["step"] for r in res["resumed"]["rows"]] == [2, 3]  # 0-based steps
+    assert res["resumed"]["max_rel_diff"] == 0.0
     path = tmp_path / "resumed" / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows[-1]["loss"] = rows[-1]["loss"] * (1 + 1e-7)

@@ -384,3 +384,13 @@ def test_device_batches_equal_prepare_on_cuda():
         ref = prepare(flow_matching_batch(data, step, 9, 1, 2, 1, cfg.patch, tile=(2, 2, 2)), 1, 2, "cuda")
         for k, v in inp.items():
             assert torch.equal(v, getattr(ref, k)), (step, k)
+
+
+@pytest.mark.parametrize("world,backend", [(1, "gloo")] + [wb for wb in _layouts() if wb[1] == "nccl"])
+def test_recompute_family(world, backend):
+    """#67: full recompute, selective outside_core_attn (the attention core kept: q, k, v, out, lse) and the same
+    with --cpu-offloading against no recompute, bf16 autocast, on the GPU's kernels (explicit backward from out +
+    lse), SP = world (plain and packed q|k|v): loss and gradients within bf16 tolerance, and the core run once per
+    layer under outside_core_attn, twice under full. One GPU as a world of one; one rank per GPU over NCCL."""
+    assert len(_worker("cuda_recompute", "recompute_family", "recompute", world, backend)) == \
+        (6 if world == 1 else 12)

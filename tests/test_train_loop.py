@@ -49,7 +49,8 @@ def _losses(fn, extra=()):
 RECOMPUTE = [("--recompute-granularity", "full"), ("--recompute-granularity", "full", "--recompute-num-layers", "1"),
              ("--recompute-granularity", "selective", "--recompute-modules", "core_attn"),
              ("--recompute-granularity", "selective", "--recompute-modules", "mlp"),
-             ("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp")]
+             ("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp"),
+             ("--recompute-granularity", "selective", "--recompute-modules", "outside_core_attn")]
 
 
 def test_recompute_bit_identical_megatron():

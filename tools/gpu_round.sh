@@ -366,8 +366,11 @@ stage_n4() {   # call 3, four GPUs: the same checks at P=4 over NCCL, then the s
     --recompute-granularity full --context-parallel-size 4 --frames 21 --latent-size 90x160
 }
 # ---- #67: recompute that keeps the attention, the memory plan at 2 and 4 ranks, full-depth wan-14b on 4 GPUs ----
-stage_fsdp2_nccl() {   # the CUDA suite's FSDP2 families over NCCL (one rank per GPU: P=2, and P=4 on 4 GPUs), first
+stage_fsdp2_nccl() {   # the CUDA suite's FSDP2 families over NCCL (one rank per GPU: P=2, and P=4 on 4 GPUs), first,
+  # then the recompute family (#67: full / outside_core_attn / + offload against none on FA4 or cuDNN, one GPU and
+  # over NCCL)
   suite fsdp2_nccl/suite 300 "nccl and (fsdp2_model or fsdp2_entry)"
+  suite fsdp2_nccl/recompute 200 "recompute_family"
 }
 stage_recompute2() {   # 2 GPUs, ONE job: wan-14b 4 blocks, 75,600 tokens, SP=2 (megatron DDP: the plan's "none"),
   # full recompute beside selective (--recompute-modules outside_core_attn: the attention core kept, never rerun);
@@ -393,29 +396,34 @@ stage_peaks4() {   # the same at 4 ranks (SP=CP=4), ~5 min
   keep peaks4 ${PEAKS_S:-480} torchrun --nproc-per-node 4 tools/measure_peaks.py --out $W/peaks4 --budget-s 380
 }
 full40() {   # full40 NAME TOKENS SP RECOMPUTE...: wan-14b at full depth (40 blocks) on 4 GPUs, FSDP2 beside SP, one
-  # bench_train_step job over F40_VARIANTS (default dense, window90, top-k90), ${ITERS40:-20} steps each
+  # bench_train_step job over F40_VARIANTS (default guarded = dense; then sparse_window90, sparse_topk90: one call
+  # each, the time below), ${ITERS40:-20} steps each (bench_train_step keeps each finished variant in its
+  # .partial.json if the call's limit cuts the job)
   local name=$1 tokens=$2 sp=$3; shift 3
   local size=60x104; [ "$tokens" = 75600 ] && size=90x160
   keep full40/$name ${FULL40_S:-530} torchrun --nproc-per-node 4 tools/bench_train_step.py \
-    --variants ${F40_VARIANTS:-guarded,sparse_window90,sparse_topk90} --log-interval 5 --out $W/full40/$name -- \
+    --variants ${F40_VARIANTS:-guarded} --log-interval 5 --out $W/full40/$name${F40_TAG:-} -- \
     --model wan-14b --bf16 --use-torch-fsdp2 --context-parallel-size $sp --frames 21 --latent-size $size \
     --train-iters ${ITERS40:-20} --timing-bare-steps 2 "$@"
 }
 # Per GPU by tools/memory_plan.py (FSDP2 over 4, 2026-11-27): the optimizer step alone is 96.3 GiB (fp32 params,
 # grads, Adam and foreach AdamW's temporary: 20.5B parameters), so none of these fits 4 x H100 (78 GiB): 4 x H200.
 # 32,760: SP=2 selective 102.5, SP=4 selective 96.3 | 75,600: SP=4 selective 109.0, SP=2 selective 157.7 (no):
-# full 96.3 or selective + --cpu-offloading 99.8. Each 32,760 job ~5-8 min, each 75,600 job ~8-10 min per variant
-# (the step ~10-14 s): run one variant per call there (F40_VARIANTS=guarded, then sparse_window90, ...).
+# full 96.3 or selective + --cpu-offloading 99.8. Time (5.0e15 / 2.0e16 model FLOPs a step at 32,760 / 75,600 tokens:
+# ~3-4 s / 11-14 s a step at 35-45% MFU on 4 GPUs): a 32,760 variant ~3-5 min with the 20.5B build and FA4's
+# compile (F40_VARIANTS=guarded,sparse_window90 fits one call), a 75,600 variant ~6-8 min (one per call; set F40_TAG
+# to keep each call's JSON apart).
 SEL=(--recompute-granularity selective --recompute-modules outside_core_attn)
 stage_full40_32k_sp4() { full40 wan14b_40l_32k_sp4 32760 4 "${SEL[@]}"; }
 stage_full40_32k_sp2() { full40 wan14b_40l_32k_sp2 32760 2 "${SEL[@]}"; }
 stage_full40_75k_sp4() { full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"; }
 stage_full40_75k_sp2() { full40 wan14b_40l_75k_sp2 75600 2 "${SEL[@]}" --cpu-offloading; }
 stage_full40_75k_sp2_full() { full40 wan14b_40l_75k_sp2_full 75600 2 --recompute-granularity full; }
-R40=(--model wan-14b --bf16 --use-torch-fsdp2 --context-parallel-size 4 --frames 21 --latent-size 60x104
-  --log-interval 1 --num-workers 2 "${SEL[@]}")
-ck40_dir() {   # where the full-depth checkpoint fits: 20.5B x 12 B (fp32 params + Adam) ~ 230 GiB; /dev/shm first
-  local need=240 d
+R40=(--model wan-14b --num-layers ${R40_LAYERS:-40} --bf16 --use-torch-fsdp2 --context-parallel-size 4 --frames 21
+  --latent-size 60x104 --log-interval 1 --num-workers 2 "${SEL[@]}")
+ck40_dir() {   # where the checkpoint fits: 12 B a parameter (fp32 params + Adam), 0.51B a block: ~230 GiB at 40
+  # blocks; /dev/shm first (a container's may be small), then this machine's disk; R40_LAYERS=20 halves it
+  local need=$(( ${R40_LAYERS:-40} * 6 + 4 )) d
   for d in ${CK40_DIR:-} /dev/shm/spx_ck40 $W/ck40; do
     [ -z "$d" ] && continue; mkdir -p "$d" 2>/dev/null || continue
     if [ $(( $(df -Pk "$d" | awk 'NR == 2 {print $4}') / 1048576 )) -ge $need ]; then echo "$d"; return 0; fi
@@ -424,8 +432,8 @@ ck40_dir() {   # where the full-depth checkpoint fits: 20.5B x 12 B (fp32 params
 }
 stage_resume40a() {   # full-depth resume, call 1 (4 GPUs, 32,760 tokens, SP=4, FSDP2, selective): the uninterrupted 8
   # steps, then 4 steps saving the DCP checkpoint (kept for resume40b on this warm machine); ~6-8 min
-  local ck; ck=$(ck40_dir) || { echo "[resume40a: not started: no file system with 240 GiB free for the checkpoint"\
-    "(set CK40_DIR)]"; return 0; }
+  local ck; ck=$(ck40_dir) || { echo "[resume40a: not started: no file system with $(( ${R40_LAYERS:-40} * 6 + 4 ))"\
+    "GiB free for the checkpoint (set CK40_DIR, or R40_LAYERS=20)]"; df -h /dev/shm $W; return 0; }
   echo "checkpoint dir: $ck"; echo "$ck" > /tmp/spx_ck40_dir; rm -rf "$ck"/*
   keep resume40/straight 240 torchrun --nproc-per-node 4 training/pretrain_video_dit.py "${R40[@]}" --train-iters 8 \
     --log-dir $W/resume40/straight

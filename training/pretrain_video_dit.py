@@ -106,6 +106,11 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     if args.pack_samples and args.sp_async_qkv != "off":
         p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --pack-samples (the async / all-gather block forms "
                 f"take one sample per sequence): use --sp-async-qkv off")
+    if args.sp_async_qkv != "off" and args.recompute_granularity == "selective" \
+            and "outside_core_attn" in args.recompute_modules:
+        p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --recompute-modules outside_core_attn (the async / "
+                f"all-gather block forms fuse the projections with the exchanges: no split around the attention "
+                f"core): use --sp-async-qkv off, or --recompute-modules core_attn")
     if args.dynamic_context_parallel and not args.pack_samples:
         p.error("--dynamic-context-parallel places each sample of a packed step on its own ranks: add --pack-samples "
                 "with --max-tokens-per-step N")
