@@ -311,8 +311,13 @@ def main(argv: Optional[list] = None) -> dict:
     p.add_argument("--dry-run", action="store_true", help="CPU stand-in: tiny model, gloo, a 4x8x8 latent, 2 steps")
     p.add_argument("--out", default="tools/results/diffusers_wan/bench.json")
     args = p.parse_args(argv)
-    if args.hcms_head_chunks != "auto":
-        args.hcms_head_chunks = int(args.hcms_head_chunks)
+    try:
+        variants = [parse_variant(v.strip()) for v in args.variants.split(",") if v.strip()]
+        if args.hcms_head_chunks != "auto":
+            args.hcms_head_chunks = int(args.hcms_head_chunks)
+    except (SPConfigError, ValueError) as e:
+        p.error(str(e) if isinstance(e, SPConfigError) else f"--hcms-head-chunks={args.hcms_head_chunks!r}: an "
+                f"integer or auto")
     own_pg = not dist.is_initialized()
     if own_pg:
         if "WORLD_SIZE" not in os.environ:
@@ -328,7 +333,6 @@ def main(argv: Optional[list] = None) -> dict:
         args.text_len = args.text_len or 8
     args.text_len = args.text_len or wan.TEXT_LEN.get(args.model, 512)
     try:
-        variants = [parse_variant(v.strip()) for v in args.variants.split(",") if v.strip()]
         return _run(args, variants, rank, world, device)
     finally:
         if own_pg:
