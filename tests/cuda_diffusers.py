@@ -6,11 +6,12 @@ test-only SparseAttentionPlan of tests/wan_sp.py with 128-token tiles, FA4's ker
 ulysses, hcms C=2, ring, tasp, auto; P=4 adds usp, tas and torus on 2 simulated machines), fp32 and bf16 (the whole
 model cast), with the plan (token order, block mask, gated extra branch: the reference is the dense masked processor
 in float64) and, for ulysses and ring, without it (the reference is stock diffusers in float64); and in fp32: I2V
-(Wan 2.1's image tokens), a TI2V per-token timestep, gradient checkpointing. Each record: the output's, the latent's
-and all parameter gradients' (one vector, summed over the SP ranks) relative errors against float64. Tolerance per
-dtype: max(the suite's (fp32 1e-5, bf16 2e-2), 1.5 x the SP=1 stock model's own error in that dtype against
-float64) (``tolerance``: that SP=1 error must be finite and at most 1e-3 in fp32, 5e-2 in bf16, else the case is
-refused naming it). fp32 is fp32: cuDNN's TF32 convolutions (the patch embedding) are turned off in the worker. Cases: 16 at P=2, 22 at P=4. SPX_SUITE_DEVICE=cpu runs it on gloo with the tiny float64 test
+(Wan 2.1's image tokens), a TI2V per-token timestep, WanVACETransformer3DModel, gradient checkpointing. Each record:
+the output's, the latent's and all parameter gradients' (one vector, summed over the SP ranks) relative errors
+against float64. Tolerance per dtype: max(the suite's (fp32 1e-5, bf16 2e-2), 1.5 x the SP=1 stock model's own error
+in that dtype against float64) (``tolerance``: that SP=1 error must be finite and at most 1e-3 in fp32, 5e-2 in
+bf16, else the case is refused naming it). fp32 is fp32: cuDNN's TF32 convolutions (the patch embedding) are turned
+off in the worker. Cases: 17 at P=2, 23 at P=4. SPX_SUITE_DEVICE=cpu runs it on gloo with the tiny float64 test
 model's sizes (tests/test_cuda_diffusers_worker.py).
 """
 from __future__ import annotations
@@ -138,6 +139,7 @@ def diffusers_family(rank: int, world: int) -> list:
     for mode in ("ulysses", "ring"):
         fam.case("t2v", mode, {}, torch.float32, sparse=False)
     fam.case("i2v", "ulysses", {}, torch.float32, sparse=False)
+    fam.case("vace", "ring", {}, torch.float32, sparse=False)
     fam.case("ti2v", "ulysses", {}, torch.float32, sparse=True)
     fam.case("t2v", "ring", {}, torch.float32, sparse=True, checkpoint=True)
     fam.case("t2v", "auto", {}, torch.bfloat16, sparse=False, checkpoint=True)

@@ -206,10 +206,20 @@ def test_dit_sparse_family(world, backend):
 @pytest.mark.parametrize("world,backend", _layouts())
 def test_diffusers_family(world, backend):
     """The diffusers client (megatron_sp_ext.diffusers.parallelize) on diffusers' WanTransformer3DModel at SP=P in
-    every mode, fp32 and bf16, with and without a test-only sparse plan, I2V / TI2V / checkpointing: the output, the
-    latent's and the parameters' gradients (summed over SP) against the stock SP=1 model in float64."""
+    every mode, fp32 and bf16, with and without a test-only sparse plan, I2V / TI2V / VACE / checkpointing: the
+    output, the latent's and the parameters' gradients (summed over SP) against the stock SP=1 model in float64."""
     pytest.importorskip("diffusers", reason="needs diffusers 0.42 (carried as a wheel to the GPU machine)")
-    assert len(_worker("cuda_diffusers", "diffusers_family", "diffusers", world, backend)) == {2: 16, 4: 22}[world]
+    assert len(_worker("cuda_diffusers", "diffusers_family", "diffusers", world, backend)) == {2: 17, 4: 23}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_diffusers_sparse_family(world, backend):
+    """BlockSparsePlan (window, VSA top-k with the gated coarse branch; 128-token tiles) on diffusers' Wan through
+    parallelize at SP=P in ulysses / hcms / ring (/ usp), fp32 and bf16: output and gradients against a float64
+    single-device reference; the top-k masks equal on every rank."""
+    pytest.importorskip("diffusers", reason="needs diffusers 0.42 (carried as a wheel to the GPU machine)")
+    assert len(_worker("cuda_diffusers_sparse", "diffusers_sparse_family", "diffusers_sparse", world, backend)) == \
+        {2: 12, 4: 16}[world]
 
 
 @pytest.mark.parametrize("world,backend", _layouts())
@@ -266,6 +276,22 @@ def test_fa4_block_sparse_family(world, backend):
         pytest.importorskip("flash_attn.cute", reason="needs flash-attn-4 (tools/gpu_run.sh installs it when carried)")
     assert len(_worker("cuda_block_sparse", "fa4_block_sparse_family", "fa4_block_sparse", world, backend)) == \
         {2: 30, 4: 60}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
+def test_cudnn_block_sparse_family(world, backend):
+    """#69: every mode on cuDNN frontend's block-sparse attention (backend "cudnn_block_sparse" named), 64- and
+    128-token tiles, random per-head (an empty query-tile row) / window / all-True masks, causal and not, against
+    float64. Skipped with its reason where the package or the GPU is not one it runs on (SPX_REQUIRE_CUDNN_BSA=1,
+    set by tools/gpu_install.sh where the carried package imports: it must run); the package is found without importing it (its import loads cuDNN)."""
+    from megatron_sp_ext.attention.kernels import cudnn_block_sparse as cbs
+    reason = cbs.why_not(torch.device("cuda", 0), torch.bfloat16, 128)
+    if reason is not None:
+        if os.environ.get("SPX_REQUIRE_CUDNN_BSA") == "1":
+            pytest.fail(f"SPX_REQUIRE_CUDNN_BSA=1 but cuDNN's block-sparse attention does not run here: {reason}")
+        pytest.skip(f"cuDNN's block-sparse attention does not run here: {reason}")
+    assert len(_worker("cuda_block_sparse", "cudnn_block_sparse_family", "cudnn_block_sparse", world, backend)) == \
+        {2: 36, 4: 72}[world]
 
 
 @pytest.mark.parametrize("world,backend", _layouts())

@@ -4,35 +4,34 @@ The plan alone: its token order is the latent grid's tile order (a permutation),
 ``video_tiles``' functions of the grid / of the pooled q, k (the DiT's), the top-k mask is the same on every rank,
 bad settings are refused by keyword. On the model: the coarse branch's gate contributes exactly 0 at init (so a
 pretrained model starts as its fine top-k attention) yet gets a gradient; a window covering every tile equals the
-dense model; the gates round-trip through save_pretrained / from_pretrained + ``load_gates``; at SP=2 and SP=4
-(ulysses, hcms, ring; usp mesh at 4), window and top-k with gated coarse branch: output and every parameter's
-gradient (summed over the SP ranks) and the latent's equal SP=1 (the same plan, group=None) and a float64
-single-device reference (``reference_sparse_attention`` over the tile order plus an independent coarse branch)
-within 1e-10 (diffusers' float32 islands within 1e-6, tests/test_diffusers_wan.py).
+dense model; the gates round-trip through save_pretrained and a reload (from_pretrained where accelerate is
+installed, which diffusers needs for Wan; else the saved config and safetensors) + ``load_gates``. At SP=2 and SP=4
+(ulysses, hcms, ring; usp mesh at 4; ring with gradient checkpointing at 2), window and top-k with the gated coarse
+branch: the output and every parameter's gradient (summed over the SP ranks) and the latent's equal SP=1 (the same
+plan, group=None) and a float64 single-device reference (``reference_sparse_attention`` over the tile order plus an
+independent coarse branch) within 1e-10 (diffusers' float32 islands within 1e-6, tests/test_diffusers_wan.py).
 """
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 pytest.importorskip("diffusers", reason="needs diffusers (pip install 'megatron_sp_ext[diffusers]')")
 
 from diffusers import WanTransformer3DModel  # noqa: E402 - imported before forking
 from megatron_sp_ext import SPConfigError  # noqa: E402
 from megatron_sp_ext.diffusers import parallelize  # noqa: E402
-from megatron_sp_ext.diffusers.processor import wan_rotary  # noqa: E402
 from megatron_sp_ext.diffusers.sparse import GATE_NAME, BlockSparsePlan  # noqa: E402
-from megatron_sp_ext.video_tiles import (reference_sparse_attention, tile_order, topk_block_mask,  # noqa: E402
-                                         window_block_mask)
+from megatron_sp_ext.video_tiles import tile_order, topk_block_mask, window_block_mask  # noqa: E402
+from tests import wan_sparse  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 from tests.reference import rel_err  # noqa: E402
 from tests.test_diffusers_wan import TOL_FP32_ISLAND, fp32_islands  # noqa: E402
 from tests.wan_sp import forward_backward, tiny_wan, wan_inputs  # noqa: E402
+from tests.wan_sparse import RecordingPlan, set_gates  # noqa: E402
 
 TOL64 = 1e-10
 LATENT = (1, 4, 4, 8, 8)          # -> patch grid 4 x 4 x 4 = 64 tokens
@@ -44,95 +43,23 @@ MODES = {2: [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {})],
              ("usp", {"ulysses_size": 2, "nodes": 2})]}
 
 
-def set_gates(model, seed: int = 3) -> None:
-    """Every attached gate to fixed non-zero values (the same on every rank)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for blk in model.blocks:
-            gate = getattr(blk.attn1, GATE_NAME)
-            for p in gate.parameters():
-                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=torch.float64).to(p))
-
-
-class ReferenceProcessor:
-    """diffusers' WanAttnProcessor self-attention with the plan's sparsity computed on one device from scratch: q, k,
-    v in tile order, the window mask of the grid or the top-k of mean-pooled q . k, ``reference_sparse_attention``,
-    plus (top-k) the gate (``attn.sparse_gate`` of the block input) times the dense attention of the pooled tiles,
-    back to raster order."""
-
-    def __init__(self, window=None, topk=None) -> None:
-        self.window, self.topk = window, topk
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
-        q, k = wan_rotary(q, *rotary_emb), wan_rotary(k, *rotary_emb)
-        perm, inv = tile_order(GRID, TILE)
-        q, k, v = (t[:, perm] for t in (q, k, v))                          # [1, S, H, D] in tile order
-        b, s, h, d = q.shape
-        bs = math.prod(TILE)
-        pooled = [t.reshape(b, s // bs, bs, h, d).mean(2).transpose(1, 2) for t in (q, k, v)]   # [B, H, nT, D]
-        if self.window is not None:
-            mask = window_block_mask(GRID, TILE, self.window)
-        else:
-            mask = topk_block_mask(pooled[0][0], pooled[1][0], self.topk)
-        out = reference_sparse_attention(q, k, v, mask, bs)
-        if self.topk is not None:
-            scores = pooled[0] @ pooled[1].transpose(-1, -2) / math.sqrt(d)
-            coarse = (scores.softmax(-1) @ pooled[2]).transpose(1, 2).repeat_interleave(bs, dim=1)   # [B, S, H, D]
-            gate = getattr(attn, GATE_NAME)(hidden_states)[:, perm].view(b, s, h, d)
-            out = out + gate * coarse
-        out = out[:, inv].flatten(2, 3).type_as(q)
-        return attn.to_out[1](attn.to_out[0](out))
-
-
 def reference_model(stock, kind: str):
-    """A copy of ``stock`` with the plan's gates (``set_gates``) and every attn1 on ``ReferenceProcessor``."""
-    ref = copy.deepcopy(stock)
-    if kind == "topk":
-        BlockSparsePlan(TILE, **PLANS[kind]).attach(ref)
-        set_gates(ref)
-    for blk in ref.blocks:
-        blk.attn1.set_processor(ReferenceProcessor(**PLANS[kind]))
-    return ref
+    return wan_sparse.reference_model(stock, GRID, TILE, **PLANS[kind])
 
 
-def run_plan(stock, inputs, kind: str, group, mode: str = "auto", **settings):
-    """(output, grads, per-layer masks) of ``stock``'s copy parallelized over ``group`` with a fresh plan."""
+def run_plan(stock, inputs, kind: str, group, mode: str = "auto", *, checkpoint: bool = False, **settings):
+    """(output, grads, per-layer masks) of ``stock``'s copy parallelized over ``group`` with a fresh plan
+    (``checkpoint``: diffusers' gradient checkpointing, the blocks rerun in the backward)."""
     model = copy.deepcopy(stock)
-    plan = BlockSparsePlan(TILE, **PLANS[kind])
-    masks = {}
-
-    def recording(layer_index, *args):
-        mask, extra = plan(layer_index, *args)
-        masks[layer_index] = mask.clone()
-        return mask, extra
-    sp = parallelize(model, group, mode, sparse=_Recorder(plan, recording), **settings)
+    if checkpoint:
+        model.enable_gradient_checkpointing()
+    plan = RecordingPlan(BlockSparsePlan(TILE, **PLANS[kind]))
+    sp = parallelize(model, group, mode, sparse=plan, **settings)
     if kind == "topk":
         set_gates(model)
     out, grads = forward_backward(model, inputs, group)
     sp.remove()
-    return out, grads, masks
-
-
-class _Recorder:
-    """The plan with its __call__ routed through ``recording`` (keeps every layer's mask)."""
-
-    def __init__(self, plan, recording) -> None:
-        self.plan, self.recording, self.block_size = plan, recording, plan.block_size
-
-    def token_order(self, grid_thw, device):
-        return self.plan.token_order(grid_thw, device)
-
-    def attach(self, model):
-        self.plan.attach(model)
-
-    def detach(self, model):
-        self.plan.detach(model)
-
-    def __call__(self, *args):
-        return self.recording(*args)
+    return out, grads, plan.masks
 
 
 def errors(out, grads, ref_out, ref_grads, islands) -> dict:
@@ -292,12 +219,15 @@ def _sp_case(rank, world):
             assert masks.keys() == one_masks.keys() and all(torch.equal(masks[i], one_masks[i]) for i in masks)
             out[f"{kind} {mode} vs SP=1"] = errors(got, grads, one_out, one_grads, islands)
             out[f"{kind} {mode} vs reference"] = errors(got, grads, ref_out, ref_grads, islands)
+        if world == 2:
+            got, grads, _ = run_plan(stock, inputs, kind, dist.group.WORLD, "ring", checkpoint=True)
+            out[f"{kind} ring checkpointing vs reference"] = errors(got, grads, ref_out, ref_grads, islands)
     return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sp_equals_sp1_and_reference(world):
     per_rank = run_ranks(_sp_case, world, timeout=240)
-    assert len(per_rank[0]) == len(PLANS) * (1 + 2 * len(MODES[world]))
+    assert len(per_rank[0]) == len(PLANS) * (1 + 2 * len(MODES[world]) + (world == 2))
     bad = {(r, c): e for r, res in enumerate(per_rank) for c, e in res.items() if not max(e.values()) <= TOL64}
     assert not bad, bad

@@ -45,7 +45,8 @@ def wan_inputs(kind: str = "t2v", *, seed: int = 0, dtype=torch.float64, device=
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
     b = latent[0]
-    out = {"hidden_states": r(*latent).requires_grad_(), "encoder_hidden_states": r(b, TEXT_LEN[kind], TINY["text_dim"])}
+    out = {"hidden_states": r(*latent).requires_grad_(),
+           "encoder_hidden_states": r(b, TEXT_LEN[kind], TINY["text_dim"])}
     t_dtype = torch.float64 if dtype == torch.float64 else torch.float32   # as pipelines pass it (bf16 rounds 417)
     if kind == "ti2v":
         s = latent[2] * (latent[3] // 2) * (latent[4] // 2)

@@ -43,4 +43,7 @@ fi
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 if [ -f /tmp/site/.spx_installed ]; then
   python3 -c "import flash_attn.cute" 2>/dev/null && export SPX_REQUIRE_FA4=1
+  # cuDNN frontend's block sparsity (#69), when carried: its family must then run (in a process of its own: importing
+  # cudnn loads cuDNN)
+  python3 -c "import cudnn.block_sparse_attention" 2>/dev/null && export SPX_REQUIRE_CUDNN_BSA=1
 fi

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_sp_ext import modes  # noqa: E402
 from megatron_sp_ext.config import BACKENDS, MODES, SPConfig, parse_head_chunks  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
@@ -122,7 +123,7 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
             p.error(f"{flag}={n}: must be >= {least}")
     if args.num_workers is not None and args.num_workers < 0:
         p.error(f"--num-workers={args.num_workers}: must be >= 0")
-    if args.cp_comm_type == "ulysses" and args.hcms_head_chunks not in (1,):
+    if modes.head_chunks_of(args.cp_comm_type, args.hcms_head_chunks) != args.hcms_head_chunks:
         p.error(f"--hcms-head-chunks={args.hcms_head_chunks} is HCMS's: use --cp-comm-type hcms (or auto)")
     return args
 
@@ -216,8 +217,9 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
     handle = None
     if sp > 1 or plan is not None:   # dense SP=1 runs diffusers' own model as it is (the reference)
         from megatron_sp_ext.diffusers import parallelize  # noqa: PLC0415
-        sp_cfg = SPConfig(mode=args.cp_comm_type, head_chunks=1 if args.cp_comm_type == "ulysses"
-                          else args.hcms_head_chunks, backend=args.sp_attention_backend, source="megatron")
+        sp_cfg = SPConfig(mode=args.cp_comm_type,
+                          head_chunks=modes.head_chunks_of(args.cp_comm_type, args.hcms_head_chunks),
+                          backend=args.sp_attention_backend, source="megatron")
         handle = parallelize(model, sp_group, config=sp_cfg, sparse=plan)
     gates = plan is not None and any(".sparse_gate." in n for n, _ in model.named_parameters())
     if gates and args.init != "random":   # a top-k model saved by --save-pretrained carries its gates beside it

@@ -8,11 +8,11 @@
 
 Sharding: the model's own ``_cp_plan`` (hooks.py): rope's (cos, sin) and blocks.0's hidden_states split along the
 sequence, proj_out's output gathered, Wan 2.2 TI2V's per-token timestep [B, S] split. WanVACETransformer3DModel has
-no ``_cp_plan``: it runs Wan's plan plus its vace_blocks.0's hidden_states and control_hidden_states split (``plan_of``;
-its vace blocks only ever see that shard and their own outputs). Every self-attention (``blocks.i.attn1``, and
-VACE's ``vace_blocks.i.attn1``) runs through ``make_attention(cfg, group, num_heads=H, layout="bshd")`` (processor.py); the
-cross-attention (attn2: text, and Wan 2.1 I2V's image tokens) keeps diffusers' own processor, locally (this rank's
-queries against the whole text).
+no ``_cp_plan``: it runs Wan's plan plus the split of its vace_blocks.0's hidden_states and control_hidden_states
+(``plan_of``; its vace blocks only ever see that shard and their own outputs). Every self-attention
+(``blocks.i.attn1``, and VACE's ``vace_blocks.i.attn1``) runs through ``make_attention(cfg, group, num_heads=H,
+layout="bshd")`` (processor.py); the cross-attention (attn2: text, and Wan 2.1 I2V's image tokens) keeps diffusers'
+own processor, locally (this rank's queries against the whole text).
 
 Gradients: every SP rank computes the same loss on the gathered output; the gather's backward hands each rank the
 gradient of its own tokens, so each rank's parameter gradients are its tokens' share, and the SP=1 gradient is their
@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .. import modes
 from ..config import SPConfig
 from ..errors import SPConfigError
 from ..sp.factory import SPResources, make_attention
@@ -49,14 +50,14 @@ class SPHandle:
     """What ``parallelize`` did to a model. config: the SPConfig; group: the SP group as given; sp_size; processors:
     the self-attention processors it set (blocks in order). ``remove()`` undoes it all."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module = field(repr=False)
     config: SPConfig
     group: Optional[dist.ProcessGroup]
     sp_size: int
-    processors: list
-    attentions: list = field(default_factory=list)
+    processors: list = field(repr=False)
+    attentions: list = field(default_factory=list, repr=False)
     sparse: Any = None
-    hooks: list = field(default_factory=list)
+    hooks: list = field(default_factory=list, repr=False)
     removed: bool = False
 
     def remove(self) -> None:
@@ -72,12 +73,15 @@ class SPHandle:
         self.removed = True
 
 
+DEFAULT_MODE = modes.names(auto=True)[0]   # parallelize's default mode: the registry's per-model choice
+
+
 def _config(mode: str, config: Optional[SPConfig], settings: dict) -> SPConfig:
     if config is not None:
         if not isinstance(config, SPConfig):
             raise SPConfigError(f"parallelize: config= must be an SPConfig; got {type(config).__name__}")
-        if mode != "auto" or settings:
-            given = ([f"mode={mode!r}"] if mode != "auto" else []) + sorted(settings)
+        if mode != DEFAULT_MODE or settings:
+            given = ([f"mode={mode!r}"] if mode != DEFAULT_MODE else []) + sorted(settings)
             raise SPConfigError(f"parallelize: give either config= or mode/settings, not both (got config= and "
                                 f"{', '.join(given)})")
         return config
@@ -95,10 +99,9 @@ def plan_of(model: torch.nn.Module) -> dict:
     split of vace_blocks.0's hidden_states and control_hidden_states (the other vace blocks take the previous one's
     sharded output and ignore hidden_states)."""
     from diffusers import WanTransformer3DModel  # noqa: PLC0415
-    from diffusers.models._modeling_parallel import ContextParallelInput  # noqa: PLC0415
     if type(model) is WanTransformer3DModel:
         return type(model)._cp_plan
-    tokens = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    tokens = WanTransformer3DModel._cp_plan["blocks.0"]["hidden_states"]   # [B, S, C] split along dim 1
     return {**WanTransformer3DModel._cp_plan,
             "vace_blocks.0": {"hidden_states": tokens, "control_hidden_states": tokens}}
 
@@ -147,8 +150,8 @@ def _check_sparse(sparse: Any) -> None:
 
 def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None, mode: str = "auto", *,
                 config: Optional[SPConfig] = None, sparse: Any = None, **settings: Any) -> SPHandle:
-    """Shard ``model`` (a diffusers WanTransformer3DModel or WanVACETransformer3DModel) over the SP ``group`` and run every self-attention
-    through ``make_attention``; returns the ``SPHandle``.
+    """Shard ``model`` (a diffusers WanTransformer3DModel or WanVACETransformer3DModel) over the SP ``group`` and
+    run every self-attention through ``make_attention``; returns the ``SPHandle``.
 
     group: the SP process group (None or one rank: no sharding, the same code path). mode / settings: SPConfig's
     fields (mode, head_chunks, backend, ring_variant, placement, ulysses_size, nodes, transport), or config= a ready
@@ -188,5 +191,9 @@ def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = Non
         attentions.append(attn)
         processors.append(proc)
     handle = SPHandle(model, cfg, group, sp_size, processors, attentions, sparse)
-    handle.hooks = install_plan(model, plan_of(model), state)
+    try:
+        handle.hooks = install_plan(model, plan_of(model), state)
+    except BaseException:
+        handle.remove()   # the processors back, the plan's modules detached
+        raise
     return handle
