@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_sp_ext import modes  # noqa: E402
 from megatron_sp_ext.config import MODES, SPConfig  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from tools.benchlib import init_world, plot_or_skip, run_meta, write_json  # noqa: E402
@@ -143,8 +144,8 @@ class Setup:
         else:
             from megatron_sp_ext.diffusers import parallelize  # noqa: PLC0415
             plan = make_plan(variant["sparse_settings"]) if variant.get("sparse_settings") else None
-            head_chunks = args.hcms_head_chunks if variant["mode"] in ("hcms", "auto") else 1
-            cfg = SPConfig(mode=variant["mode"], head_chunks=head_chunks, backend=args.sp_attention_backend)
+            chunks = modes.head_chunks_of(variant["mode"], args.hcms_head_chunks)
+            cfg = SPConfig(mode=variant["mode"], head_chunks=chunks, backend=args.sp_attention_backend)
             self.handle = parallelize(self.model, dist.group.WORLD if world > 1 else None, config=cfg, sparse=plan)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                      fused=torch.device(device).type == "cuda" or None)
