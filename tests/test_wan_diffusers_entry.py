@@ -47,7 +47,8 @@ def test_presets_match_the_video_dit_and_diffusers_wan21():
         cfg, dit = wan.dit_config(wan.preset_kwargs(name), 512), PRESETS[name]
         assert (cfg.dim, cfg.heads, cfg.ffn, cfg.layers, cfg.in_channels, cfg.patch, cfg.text_dim, cfg.text_len) == \
             (dit.dim, dit.heads, dit.ffn, dit.layers, dit.in_channels, dit.patch, dit.text_dim, dit.text_len), name
-    assert wan.preset_kwargs("wan-1.3b")["num_layers"] == 30 and wan.preset_kwargs("wan-14b")["num_attention_heads"] == 40
+    assert wan.preset_kwargs("wan-1.3b")["num_layers"] == 30
+    assert wan.preset_kwargs("wan-14b")["num_attention_heads"] == 40
     assert wan.preset_kwargs("wan-14b", 4)["num_layers"] == 4
 
 

@@ -2,7 +2,7 @@
 parallelism against megatron_sp_ext's (``megatron_sp_ext.diffusers.parallelize``), one torchrun job, one rank per GPU.
 
     torchrun --nproc-per-node 2 tools/bench_diffusers_wan.py --grid 480p \
-        --variants diffusers-ulysses,diffusers-ring,ours-auto,ours-ulysses,ours-hcms,ours-ring,ours-auto-window90,ours-auto-topk90 \
+        --variants diffusers-ulysses,diffusers-ring,ours-auto,ours-ulysses,ours-hcms,ours-ring,ours-auto-window90 \
         --out tools/results/diffusers_wan/480p.json
 
 Each variant builds the same model (--model, default wan-1.3b at full depth; weights fp32 from --seed), bf16
