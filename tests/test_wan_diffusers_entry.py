@@ -2,7 +2,7 @@
 step's reduced gradients, the parameters after the run; also under FSDP2 with gradient checkpointing and at
 SP=2 x DP=2), a local diffusers checkpoint round trip (save_pretrained -> --init DIR -> save / resume bit-identical ->
 --save-pretrained loads back with from_pretrained and gives the same output), and bad flags refused by name."""
-import os
+import json
 
 import pytest
 
@@ -173,9 +173,13 @@ def test_data_path_safetensors_equals_synthetic(tmp_path):
         s = syn[i]
         write_sample(str(tmp_path / f"s{i}.safetensors"), s["latent"], s["text"], fmt="safetensors")
     argv = [*BASE, "--train-iters", "3", "--seed", "1234"]
-    files = run_ranks(_run, 1, [*argv, "--data-path", str(tmp_path)], timeout=120)[0]
+    logs = tmp_path / "logs"
+    files = run_ranks(_run, 1, [*argv, "--data-path", str(tmp_path), "--log-dir", str(logs)], timeout=120)[0]
     synthetic = run_ranks(_run, 1, argv, timeout=120)[0]
     assert files[0] == synthetic[0], (files[0], synthetic[0])
+    rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == files[0] and all(r["tokens"] == 64 for r in rows)
+    assert (logs / "loss.png").is_file() and (logs / "step_time.png").is_file()
 
 
 def test_resume_of_another_model_is_refused(tmp_path, capfd):
