@@ -1,7 +1,8 @@
 """training/train_wan_diffusers.py on CPU (gloo, fp32, the tiny Wan config): SP=2 equals SP=1 (losses, the first
-step's reduced gradients, the parameters after the run; also under FSDP2 with gradient checkpointing and at
-SP=2 x DP=2), a local diffusers checkpoint round trip (save_pretrained -> --init DIR -> save / resume bit-identical ->
---save-pretrained loads back with from_pretrained and gives the same output), and bad flags refused by name."""
+step's reduced gradients, the parameters after the run), SP=2 x DP=2 under FSDP2 with gradient checkpointing equals
+DP=2, top-k / window sparse SP=2 equals SP=1 (gates through --save-pretrained / --init), a local diffusers checkpoint
+round trip (save_pretrained -> --init DIR -> save / resume bit-identical -> --save-pretrained reads back with the
+same output), --data-path safetensors latents, and bad flags / another model's checkpoint refused by name."""
 import json
 
 import pytest
