@@ -61,15 +61,17 @@ def test_sp2_equals_sp1():
         _close(got[r], ref, f"SP=2 rank {r}")
 
 
-def test_sp2_x_dp2_fsdp2_recompute_equals_dp2():
+def test_sp2_x_dp2_fsdp2_recompute_equals_dp2(tmp_path):
     """4 ranks: FSDP2 averages over all of them; the backward's sp factor makes it the SUM over SP, mean over DP
-    (training/wan_diffusers/loop.py); with diffusers' gradient checkpointing."""
-    steps = ["--train-iters", "2"]
+    (training/wan_diffusers/loop.py); with diffusers' gradient checkpointing. --save-pretrained gathers the shards."""
+    steps, out = ["--train-iters", "2"], str(tmp_path / "out")
     ref = run_ranks(_run, 2, [*BASE, *steps], 0, timeout=150)
     got = run_ranks(_run, 4, [*BASE, *steps, "--context-parallel-size", "2", "--use-torch-fsdp2",
-                              "--recompute-granularity", "full"], 0, timeout=150)
+                              "--recompute-granularity", "full", "--save-pretrained", out], 0, timeout=150)
     for r in range(4):
         _close(got[r], ref[r // 2], f"SP=2 x DP=2 FSDP2 rank {r}")
+    saved = wan.load_model(out, torch.device("cpu")).state_dict()
+    assert all(torch.equal(saved[n], torch.from_numpy(p)) for n, p in got[0][1].items())
 
 
 def _tiny_pretrained(path):
