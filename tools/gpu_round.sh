@@ -441,6 +441,53 @@ stage_resume40b() {   # call 2: resume from that checkpoint to step 8 and compar
     $W/resume40/resumed --first $W/resume40/first --out $W/resume40/check_resume.json
   rm -rf "$ck"
 }
+WAN_BENCH="torchrun --nproc-per-node 2 tools/bench_diffusers_wan.py"
+# 2026-11-27 (issues #65-#70) on 2 GPUs: call 1 (part.aa): r7a | call 2 (part.ab): r7b | call 3 (part.ac): r7c |
+#   call 4: r7d | call 5: r7e.
+stage_r7a() {   # call 1 (no FA4: the local kernel cuDNN, tiles on flex/math): the round's new paths on CUDA first:
+  # the diffusers client (#65) over NCCL and on one GPU, its block sparsity, the call-order family after the mode
+  # registry (#66), and the recompute choices' first step (#67) in one small job
+  suite r7a/diffusers 220 "test_diffusers_family and (2-nccl or 2-gloo)"
+  suite r7a/diffusers_sparse 150 "test_diffusers_sparse_family and 2-nccl"
+  suite r7a/order 60 "test_call_order_regression and 2-nccl"
+  keep r7a/recompute 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants \
+    recompute_full,recompute_selective,recompute_selective_offload --log-interval 2 --out $W/r7a/recompute_small -- \
+    --model wan-1.3b --num-layers 2 --bf16 --frames 5 --latent-size 32x64 --train-iters 4 --timing-bare-steps 2 \
+    --ddp-impl torch --context-parallel-size 2
+}
+stage_r7s() {   # call 2 (part.ab): the diffusers families again (call 1 skipped them: the carried huggingface_hub 2.4
+  # needed truststore; gpu_install.sh now keeps the image's)
+  suite r7s/diffusers 200 "test_diffusers_family and (2-nccl or 2-gloo)"
+  suite r7s/diffusers_sparse 120 "test_diffusers_sparse_family and 2-nccl"
+}
+stage_r7b() {   # call 2 (part.ab): diffusers' own context parallelism on its best backend (needs no FA4), 720p, 480p
+  keep r7b/720p 330 $WAN_BENCH --grid 720p --variants diffusers-ulysses,diffusers-ring --steps 4 --warmup 2 \
+    --out $W/r7b/720p_diffusers.json
+  keep r7b/480p 200 $WAN_BENCH --grid 480p --variants diffusers-ulysses,diffusers-ring --steps 4 --warmup 2 \
+    --out $W/r7b/480p_diffusers.json
+}
+stage_r7c() {   # call 3 (part.ac: FA4 and cuDNN frontend there): the checks of what the rows time, on FA4, then
+  # ours-auto at 720p
+  suite r7c/diffusers 160 "test_diffusers_family and 2-nccl"
+  suite r7c/diffusers_sparse 160 "test_diffusers_sparse_family and 2-nccl"
+  suite r7c/cudnn_bs 120 "test_cudnn_block_sparse_family and 2-gloo"
+  keep r7c/720p 150 $WAN_BENCH --grid 720p --variants ours-auto --steps 4 --warmup 2 --out $W/r7c/720p_auto.json
+}
+stage_r7d() {   # call 4: our modes and block sparsity at 720p, ours-auto at 480p
+  keep r7d/720p 420 $WAN_BENCH --grid 720p --variants ours-hcms,ours-ring,ours-auto-window90,ours-auto-topk90 \
+    --steps 4 --warmup 2 --out $W/r7d/720p_ours.json
+  keep r7d/480p 120 $WAN_BENCH --grid 480p --variants ours-auto --steps 4 --warmup 2 --out $W/r7d/480p_auto.json
+}
+stage_r7e() {   # call 5: 50-step bf16 loss curves (ours-auto vs diffusers' best CP, 480p), selective vs full recompute
+  # (#67: wan-14b 4 blocks, 75,600 tokens, SP=2), the mask check per call vs once per mask (#66)
+  keep r7e/curves 260 $WAN_BENCH --grid 480p --curves 50 --out $W/r7e/480p.json
+  keep r7e/recompute 200 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants \
+    recompute_full,recompute_selective --log-interval 4 --out $W/r7e/recompute_14b -- --model wan-14b --num-layers 4 \
+    --bf16 --frames 21 --latent-size 90x160 --train-iters 12 --timing-bare-steps 4 --ddp-impl torch \
+    --context-parallel-size 2
+  keep r7e/sparse_sync 120 torchrun --nproc-per-node 2 tools/profile_sparse_sync.py --out $W/r7e/sparse_sync.json \
+    --model wan-14b --num-layers 2 --frames 21 --latent-size 60x104 --sparsity 0.9 --bf16 --steps 10
+}
 run_stage() {   # run_stage STAGE[+STAGE...] [GPU[,GPU]]: the stages one after the other (on those GPUs); one summary
   # and one tarball per call of run_stage (the device returns 8 files: 4 stages at once at most), named with '_'
   local s=${1//+/_} parts=${1//+/ } g=${2:-} t0 part; t0=$(date +%s)
