@@ -20,7 +20,8 @@ mode=<mode>). A sparse variant adds ``-window90`` / ``-topk90`` (the window near
 tiles of the grid, --sparse-tile) or explicit ``-window=t.h.w`` / ``-topk=K``: each variant carries its own sparse
 settings, dense and sparse in one job.
 --curves N: instead of timing, N training steps (fresh synthetic samples each step, same seed and data for both) of
-ours-auto and diffusers' best CP variant, bf16, losses to <out>_curves.json and <out>_curves.png.
+ours-auto and diffusers' CP (the first diffusers variant of --variants, default diffusers-ulysses, on its first
+backend that runs), bf16, losses to <out>_curves.json and <out>_curves.png.
 --dry-run: CPU stand-in (tiny config, gloo, a 4x8x8 latent, 2 steps); diffusers' own CP is skipped there with its
 reason (it needs an accelerator). Rows carry machine, date, commit and the command.
 """
