@@ -63,3 +63,10 @@ def test_variant_grammar_and_sparse_settings():
     w = bench.sparse_settings(bench.parse_variant("ours-hcms-window90")["sparse"], (21, 30, 52), (4, 4, 8))
     assert abs(w["sparsity"] - 0.9) < 0.03 and len(w["window"]) == 3
     assert bench.parse_variant("diffusers-ring@native")["backend"] == "native"
+
+
+def test_bad_variant_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--dry-run", "--variants", "ours-auto,ours-bogus"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "--variants 'ours-bogus'" in err[-1], err

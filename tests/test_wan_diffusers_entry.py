@@ -1,8 +1,9 @@
 """training/train_wan_diffusers.py on CPU (gloo, fp32, the tiny Wan config): SP=2 equals SP=1 (losses, the first
-step's reduced gradients, the parameters after the run; also under FSDP2 with gradient checkpointing and at
-SP=2 x DP=2), a local diffusers checkpoint round trip (save_pretrained -> --init DIR -> save / resume bit-identical ->
---save-pretrained loads back with from_pretrained and gives the same output), and bad flags refused by name."""
-import os
+step's reduced gradients, the parameters after the run), SP=2 x DP=2 under FSDP2 with gradient checkpointing equals
+DP=2, top-k / window sparse SP=2 equals SP=1 (gates through --save-pretrained / --init), a local diffusers checkpoint
+round trip (save_pretrained -> --init DIR -> save / resume bit-identical -> --save-pretrained reads back with the
+same output), --data-path safetensors latents, and bad flags / another model's checkpoint refused by name."""
+import json
 
 import pytest
 
@@ -47,7 +48,8 @@ def test_presets_match_the_video_dit_and_diffusers_wan21():
         cfg, dit = wan.dit_config(wan.preset_kwargs(name), 512), PRESETS[name]
         assert (cfg.dim, cfg.heads, cfg.ffn, cfg.layers, cfg.in_channels, cfg.patch, cfg.text_dim, cfg.text_len) == \
             (dit.dim, dit.heads, dit.ffn, dit.layers, dit.in_channels, dit.patch, dit.text_dim, dit.text_len), name
-    assert wan.preset_kwargs("wan-1.3b")["num_layers"] == 30 and wan.preset_kwargs("wan-14b")["num_attention_heads"] == 40
+    assert wan.preset_kwargs("wan-1.3b")["num_layers"] == 30
+    assert wan.preset_kwargs("wan-14b")["num_attention_heads"] == 40
     assert wan.preset_kwargs("wan-14b", 4)["num_layers"] == 4
 
 
@@ -59,15 +61,17 @@ def test_sp2_equals_sp1():
         _close(got[r], ref, f"SP=2 rank {r}")
 
 
-def test_sp2_x_dp2_fsdp2_recompute_equals_dp2():
+def test_sp2_x_dp2_fsdp2_recompute_equals_dp2(tmp_path):
     """4 ranks: FSDP2 averages over all of them; the backward's sp factor makes it the SUM over SP, mean over DP
-    (training/wan_diffusers/loop.py); with diffusers' gradient checkpointing."""
-    steps = ["--train-iters", "2"]
+    (training/wan_diffusers/loop.py); with diffusers' gradient checkpointing. --save-pretrained gathers the shards."""
+    steps, out = ["--train-iters", "2"], str(tmp_path / "out")
     ref = run_ranks(_run, 2, [*BASE, *steps], 0, timeout=150)
     got = run_ranks(_run, 4, [*BASE, *steps, "--context-parallel-size", "2", "--use-torch-fsdp2",
-                              "--recompute-granularity", "full"], 0, timeout=150)
+                              "--recompute-granularity", "full", "--save-pretrained", out], 0, timeout=150)
     for r in range(4):
         _close(got[r], ref[r // 2], f"SP=2 x DP=2 FSDP2 rank {r}")
+    saved = wan.load_model(out, torch.device("cpu")).state_dict()
+    assert all(torch.equal(saved[n], torch.from_numpy(p)) for n, p in got[0][1].items())
 
 
 def _tiny_pretrained(path):
@@ -172,9 +176,13 @@ def test_data_path_safetensors_equals_synthetic(tmp_path):
         s = syn[i]
         write_sample(str(tmp_path / f"s{i}.safetensors"), s["latent"], s["text"], fmt="safetensors")
     argv = [*BASE, "--train-iters", "3", "--seed", "1234"]
-    files = run_ranks(_run, 1, [*argv, "--data-path", str(tmp_path)], timeout=120)[0]
+    logs = tmp_path / "logs"
+    files = run_ranks(_run, 1, [*argv, "--data-path", str(tmp_path), "--log-dir", str(logs)], timeout=120)[0]
     synthetic = run_ranks(_run, 1, argv, timeout=120)[0]
     assert files[0] == synthetic[0], (files[0], synthetic[0])
+    rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == files[0] and all(r["tokens"] == 64 for r in rows)
+    assert (logs / "loss.png").is_file() and (logs / "step_time.png").is_file()
 
 
 def test_resume_of_another_model_is_refused(tmp_path, capfd):

@@ -2,7 +2,7 @@
 parallelism against megatron_sp_ext's (``megatron_sp_ext.diffusers.parallelize``), one torchrun job, one rank per GPU.
 
     torchrun --nproc-per-node 2 tools/bench_diffusers_wan.py --grid 480p \
-        --variants diffusers-ulysses,diffusers-ring,ours-auto,ours-ulysses,ours-hcms,ours-ring,ours-auto-window90,ours-auto-topk90 \
+        --variants diffusers-ulysses,diffusers-ring,ours-auto,ours-ulysses,ours-hcms,ours-ring,ours-auto-window90 \
         --out tools/results/diffusers_wan/480p.json
 
 Each variant builds the same model (--model, default wan-1.3b at full depth; weights fp32 from --seed), bf16
@@ -20,7 +20,8 @@ mode=<mode>). A sparse variant adds ``-window90`` / ``-topk90`` (the window near
 tiles of the grid, --sparse-tile) or explicit ``-window=t.h.w`` / ``-topk=K``: each variant carries its own sparse
 settings, dense and sparse in one job.
 --curves N: instead of timing, N training steps (fresh synthetic samples each step, same seed and data for both) of
-ours-auto and diffusers' best CP variant, bf16, losses to <out>_curves.json and <out>_curves.png.
+ours-auto and diffusers' CP (the first diffusers variant of --variants, default diffusers-ulysses, on its first
+backend that runs), bf16, losses to <out>_curves.json and <out>_curves.png.
 --dry-run: CPU stand-in (tiny config, gloo, a 4x8x8 latent, 2 steps); diffusers' own CP is skipped there with its
 reason (it needs an accelerator). Rows carry machine, date, commit and the command.
 """
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_sp_ext import modes  # noqa: E402
 from megatron_sp_ext.config import MODES, SPConfig  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from tools.benchlib import init_world, plot_or_skip, run_meta, write_json  # noqa: E402
@@ -143,8 +145,8 @@ class Setup:
         else:
             from megatron_sp_ext.diffusers import parallelize  # noqa: PLC0415
             plan = make_plan(variant["sparse_settings"]) if variant.get("sparse_settings") else None
-            head_chunks = args.hcms_head_chunks if variant["mode"] in ("hcms", "auto") else 1
-            cfg = SPConfig(mode=variant["mode"], head_chunks=head_chunks, backend=args.sp_attention_backend)
+            chunks = modes.head_chunks_of(variant["mode"], args.hcms_head_chunks)
+            cfg = SPConfig(mode=variant["mode"], head_chunks=chunks, backend=args.sp_attention_backend)
             self.handle = parallelize(self.model, dist.group.WORLD if world > 1 else None, config=cfg, sparse=plan)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                      fused=torch.device(device).type == "cuda" or None)
@@ -311,8 +313,13 @@ def main(argv: Optional[list] = None) -> dict:
     p.add_argument("--dry-run", action="store_true", help="CPU stand-in: tiny model, gloo, a 4x8x8 latent, 2 steps")
     p.add_argument("--out", default="tools/results/diffusers_wan/bench.json")
     args = p.parse_args(argv)
-    if args.hcms_head_chunks != "auto":
-        args.hcms_head_chunks = int(args.hcms_head_chunks)
+    try:
+        variants = [parse_variant(v.strip()) for v in args.variants.split(",") if v.strip()]
+        if args.hcms_head_chunks != "auto":
+            args.hcms_head_chunks = int(args.hcms_head_chunks)
+    except (SPConfigError, ValueError) as e:
+        p.error(str(e) if isinstance(e, SPConfigError) else f"--hcms-head-chunks={args.hcms_head_chunks!r}: an "
+                f"integer or auto")
     own_pg = not dist.is_initialized()
     if own_pg:
         if "WORLD_SIZE" not in os.environ:
@@ -328,7 +335,6 @@ def main(argv: Optional[list] = None) -> dict:
         args.text_len = args.text_len or 8
     args.text_len = args.text_len or wan.TEXT_LEN.get(args.model, 512)
     try:
-        variants = [parse_variant(v.strip()) for v in args.variants.split(",") if v.strip()]
         return _run(args, variants, rank, world, device)
     finally:
         if own_pg:

@@ -160,7 +160,8 @@ def save_pretrained(model: torch.nn.Module, out_dir: str, rank: int) -> Optional
     """Write the trained weights in diffusers' layout (``out_dir``: config.json + safetensors) that
     WanTransformer3DModel.from_pretrained reads back. Collective: FSDP2 shards are gathered (full state dict, on the
     CPU of rank 0). Parameters a stock WanTransformer3DModel lacks (the sparse plan's gates) go to
-    ``megatron_sp_ext_extra.safetensors`` beside them (BlockSparsePlan.load_gates reads them there). Returns (rank 0) the names of those extra tensors."""
+    ``megatron_sp_ext_extra.safetensors`` beside them (BlockSparsePlan.load_gates reads them there). Returns (rank 0)
+    the names of those extra tensors."""
     from diffusers import WanTransformer3DModel  # noqa: PLC0415
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
@@ -173,7 +174,8 @@ def save_pretrained(model: torch.nn.Module, out_dir: str, rank: int) -> Optional
         keys = set(stock.state_dict())
         missing = sorted(keys - set(full))
         if missing:
-            raise RuntimeError(f"--save-pretrained: the trained model lacks {missing[:4]} (not a WanTransformer3DModel)")
+            raise RuntimeError(f"--save-pretrained: the trained model lacks {missing[:4]} (not a "
+                               f"WanTransformer3DModel)")
         stock.load_state_dict({k: v.float() for k, v in full.items() if k in keys}, strict=True, assign=True)
         stock.save_pretrained(out_dir, safe_serialization=True)
         extra = sorted(set(full) - keys)
