@@ -39,9 +39,9 @@ def _modes(world: int) -> list:
 
 def _same_on_every_rank(masks: dict, group) -> float:
     """0.0 when every rank's per-layer masks equal rank 0's, else inf."""
-    flat = torch.cat([masks[i].flatten().to(torch.uint8) for i in sorted(masks)])
-    dev = torch.device("cuda", torch.cuda.current_device()) if DEV == "cuda" else torch.device("cpu")
-    mine = flat.to(dev)
+    flat = torch.cat([masks[i].flatten().to(torch.uint8) for i in sorted(masks)])   # recorded on the CPU
+    on_gpu = DEV == "cuda" and dist.get_backend(group) == "nccl"
+    mine = flat.to(torch.device("cuda", torch.cuda.current_device())) if on_gpu else flat
     first = mine.clone()
     dist.broadcast(first, 0, group=group)
     return 0.0 if torch.equal(mine, first) else float("inf")
