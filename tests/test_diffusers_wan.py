@@ -98,8 +98,27 @@ def case_errors(kind: str, group, mode: str, settings: dict, **kw) -> dict:
     return Cases(group).errors(kind, mode, settings, **kw)
 
 
+def gather_backward_errors(group) -> dict:
+    """gather_tokens' forward is the full sequence in raster order and its backward hands this rank exactly its own
+    rows of the full gradient (with and without a token order): rel errors against the expected tensors."""
+    from megatron_sp_ext import shard_sequence
+    from megatron_sp_ext.diffusers.sequence import ForwardContext, gather_tokens, split_tokens
+    full = torch.randn(2, 48, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    weight = torch.randn(2, 48, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    out = {}
+    for plan in (None, FixedSparsePlan()):
+        ctx = ForwardContext.of((3, 4, 4), plan, full.device, torch.distributed.get_world_size(group))
+        x_loc = split_tokens(full, group, 1, ctx).detach().requires_grad_()
+        y = gather_tokens(x_loc, group, 1, ctx)
+        (y * weight).sum().backward()
+        permuted = weight if ctx.order is None else weight.index_select(1, ctx.order)
+        out[f"gather forward order={plan is not None}"] = rel_err(y, full)
+        out[f"gather backward order={plan is not None}"] = rel_err(x_loc.grad, shard_sequence(permuted, group))
+    return out
+
+
 def _modes_case(rank, world):
-    cases, out = Cases(torch.distributed.group.WORLD), {}
+    cases, out = Cases(torch.distributed.group.WORLD), {"gather": gather_backward_errors(torch.distributed.group.WORLD)}
     for mode, kw in MODES[world]:
         for sparse in (False, True) if mode in PLAIN_TOO[world] else (True,):
             out[f"{mode} sparse={sparse}"] = cases.errors("t2v", mode, kw, sparse=sparse)
@@ -120,7 +139,7 @@ def _modes_case(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_mode_equals_stock_sp1(world):
     per_rank = run_ranks(_modes_case, world, timeout=240)
-    want = len(MODES[world]) + len(PLAIN_TOO[world]) + 1 + (8 if world == 2 else 0)
+    want = 1 + len(MODES[world]) + len(PLAIN_TOO[world]) + 1 + (8 if world == 2 else 0)
     assert len(per_rank[0]) == want
     bad = {(r, c): e for r, res in enumerate(per_rank) for c, e in res.items() if not max(e.values()) <= TOL64}
     assert not bad, bad
@@ -206,7 +225,16 @@ def test_bad_input_is_refused_by_name():
     drop.blocks[1].attn1.to_out[1].p = 0.1
     with pytest.raises(SPConfigError, match=r"blocks.1.attn1.to_out\[1\] is Dropout\(p=0.1\)"):
         parallelize(drop, None)
+    from megatron_sp_ext.diffusers.hooks import SequenceState, install_plan
+    with pytest.raises(SPConfigError, match=r"_cp_plan\['proj_out'\] = 3 is not a plan entry"):
+        install_plan(model, {"proj_out": 3}, SequenceState(None, 1))
+    assert _no_hooks(model)
     sp = parallelize(model, None)
+    with pytest.raises(SPConfigError, match=r"ran outside the model's forward"):
+        model.blocks[0](torch.zeros(1, 48, 64, dtype=torch.float64), torch.zeros(1, 7, 64, dtype=torch.float64),
+                        torch.zeros(1, 6, 64, dtype=torch.float64), None)
+    with pytest.raises(SPConfigError, match=r"blocks.0.attn1 was called with an attention_mask"):
+        model.blocks[0].attn1(torch.zeros(1, 48, 64, dtype=torch.float64), None, torch.ones(1, 1, 48, 48), None)
     with pytest.raises(SPConfigError, match=r"already parallelized"):
         parallelize(model, None)
     sp.remove()

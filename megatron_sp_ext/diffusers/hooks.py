@@ -11,7 +11,8 @@ with a SparseAttentionPlan, its token order), then every plan entry:
   put in the token order and sharded along split_dim (a forward pre-hook with kwargs);
 - ``{index: ContextParallelInput(..., split_output=True)}``: M's output ``index`` likewise (a forward hook);
 - ``ContextParallelOutput(gather_dim, expected_dims)``: M's output is gathered and put back in raster order.
-A tensor whose dimension count differs from ``expected_dims`` is left whole, as diffusers' own hooks do (Wan's 1-D
+Entries are read by their fields (diffusers' classes live in a private module). A tensor whose dimension count
+differs from ``expected_dims`` is left whole, as diffusers' own hooks do (Wan's 1-D
 timestep: one per sample, not per token). Hooks fire again when gradient checkpointing recomputes a block: the split
 of the same full input gives the same shard.
 """
@@ -44,6 +45,16 @@ class SequenceState:
             raise SPConfigError("parallelize: a parallelized block ran outside the model's forward (its context, set "
                                 "by the model's forward, is missing): call the model, not its blocks")
         return self.ctx
+
+
+def is_split(entry: Any) -> bool:
+    """A plan's split entry (diffusers' ContextParallelInput: split_dim, expected_dims, split_output)."""
+    return all(hasattr(entry, a) for a in ("split_dim", "expected_dims", "split_output"))
+
+
+def is_gather(entry: Any) -> bool:
+    """A plan's gather entry (diffusers' ContextParallelOutput: gather_dim, expected_dims)."""
+    return all(hasattr(entry, a) for a in ("gather_dim", "expected_dims"))
 
 
 def _param_names(module: torch.nn.Module) -> list[str]:
@@ -121,16 +132,24 @@ def _context_hook(state: SequenceState, names: list[str]):
 def install_plan(model: torch.nn.Module, plan: dict, state: SequenceState) -> list:
     """Register the context hook and ``plan``'s split/gather hooks on ``model``; returns the hook handles (the
     context hook first, so it runs before the model's own split entry "")."""
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput  # noqa: PLC0415
-
     handles = [model.register_forward_pre_hook(_context_hook(state, _param_names(model)), with_kwargs=True)]
+    try:
+        _install_entries(model, plan, state, handles)
+    except BaseException:
+        for h in handles:   # nothing left behind on a refused plan
+            h.remove()
+        raise
+    return handles
+
+
+def _install_entries(model: torch.nn.Module, plan: dict, state: SequenceState, handles: list) -> None:
     for name, entry in plan.items():
         module = model.get_submodule(name)
-        if isinstance(entry, (ContextParallelOutput, list, tuple)):
-            cpos = [entry] if isinstance(entry, ContextParallelOutput) else list(entry)
+        if is_gather(entry) or (isinstance(entry, (list, tuple)) and all(e is None or is_gather(e) for e in entry)):
+            cpos = [entry] if is_gather(entry) else list(entry)
             handles.append(module.register_forward_hook(_gather_output_hook(cpos, state)))
             continue
-        if not isinstance(entry, dict) or not all(isinstance(v, ContextParallelInput) for v in entry.values()):
+        if not isinstance(entry, dict) or not all(is_split(v) for v in entry.values()):
             raise SPConfigError(f"parallelize: {type(model).__name__}._cp_plan[{name!r}] = {entry!r} is not a plan "
                                 f"entry this client carries out (ContextParallelInput per input/output, or "
                                 f"ContextParallelOutput)")
@@ -141,4 +160,3 @@ def install_plan(model: torch.nn.Module, plan: dict, state: SequenceState) -> li
                 _split_inputs_hook(inputs, state, _param_names(module)), with_kwargs=True))
         if outputs:
             handles.append(module.register_forward_hook(_split_outputs_hook(outputs, state)))
-    return handles

@@ -95,10 +95,9 @@ def plan_of(model: torch.nn.Module) -> dict:
     split of vace_blocks.0's hidden_states and control_hidden_states (the other vace blocks take the previous one's
     sharded output and ignore hidden_states)."""
     from diffusers import WanTransformer3DModel  # noqa: PLC0415
-    from diffusers.models._modeling_parallel import ContextParallelInput  # noqa: PLC0415
     if type(model) is WanTransformer3DModel:
         return type(model)._cp_plan
-    tokens = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    tokens = WanTransformer3DModel._cp_plan["blocks.0"]["hidden_states"]   # [B, S, C] split along dim 1
     return {**WanTransformer3DModel._cp_plan,
             "vace_blocks.0": {"hidden_states": tokens, "control_hidden_states": tokens}}
 
@@ -188,5 +187,9 @@ def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = Non
         attentions.append(attn)
         processors.append(proc)
     handle = SPHandle(model, cfg, group, sp_size, processors, attentions, sparse)
-    handle.hooks = install_plan(model, plan_of(model), state)
+    try:
+        handle.hooks = install_plan(model, plan_of(model), state)
+    except BaseException:
+        handle.remove()   # the processors back, the plan's modules detached
+        raise
     return handle

@@ -86,9 +86,11 @@ def split_tokens(x: torch.Tensor, group: Optional[dist.ProcessGroup], seq_dim: i
     if x.shape[seq_dim] != ctx.seq_len:
         raise SPConfigError(f"parallelize: a tensor split along dim {seq_dim} has {x.shape[seq_dim]} tokens but this "
                             f"forward's patch grid {ctx.grid_thw} has {ctx.seq_len}")
-    if ctx.order is not None:
-        x = x.index_select(seq_dim, ctx.order.to(x.device))
-    return x if group is None else shard_sequence(x, group, seq_dim=seq_dim)
+    if ctx.order is None:
+        return x if group is None else shard_sequence(x, group, seq_dim=seq_dim)
+    # the shard of the permuted sequence, gathered straight from x: this rank's rows of the order (no full copy)
+    rows = ctx.order if group is None else shard_sequence(ctx.order, group, seq_dim=0)
+    return x.index_select(seq_dim, rows.to(x.device))
 
 
 def gather_tokens(x: torch.Tensor, group: Optional[dist.ProcessGroup], seq_dim: int,
