@@ -89,7 +89,8 @@ def test_token_order_is_the_tile_order_and_cached():
     (dict(), "exactly one of window"), (dict(window=(1, 1, 1), topk=2), "exactly one of window"),
     (dict(tile=(0, 2, 2), topk=2), "tile=0,2,2 is invalid"), (dict(tile=(2, 2), topk=2), "tile=2,2 is invalid"),
     (dict(window=(1, -1, 1)), r"window=\(1, -1, 1\)\) is invalid: give 3 integers >= 0"),
-    (dict(window=(1, 1)), r"window=\(1, 1\)\) is invalid"), (dict(topk=0), r"topk=0\) is invalid: give an integer >= 1"),
+    (dict(window=(1, 1)), r"window=\(1, 1\)\) is invalid"),
+    (dict(topk=0), r"topk=0\) is invalid: give an integer >= 1"),
     (dict(topk=2.5), r"topk=2.5\) is invalid"), (dict(topk=2, coarse="yes"), r"coarse='yes'\) is invalid")])
 def test_bad_settings_are_refused_by_keyword(kwargs, match):
     with pytest.raises(SPConfigError, match=match):

@@ -203,7 +203,8 @@ class BlockSparsePlan:
             for name, tensor in found.items():
                 if tensor.shape != wanted[name].shape:
                     raise SPConfigError(f"BlockSparsePlan.load_gates(path={path!r}): {name} has shape "
-                                        f"{list(tensor.shape)} in the checkpoint, {list(wanted[name].shape)} in the model")
+                                        f"{list(tensor.shape)} in the checkpoint, {list(wanted[name].shape)} in the "
+                                        f"model")
                 wanted[name].copy_(tensor)
         return len(found)
 
