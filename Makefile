@@ -30,6 +30,12 @@ COMPAT_TESTS := tests/test_megatron.py tests/test_deepspeed.py tests/test_config
 	tests/test_ring.py::test_zigzag_equals_megatron_split tests/test_ring.py::test_ring_fp32_matches_reference \
 	tests/test_sample.py "tests/test_training.py::test_megatron_entry_3_steps_match_sp1"
 
+# After the editable install: the DeepSpeed JSON switch is active at start-up (the .pth is in site-packages), so a
+# stock DeepSpeed script in this venv switches by its "sequence_parallel_ext" block (docs/deepspeed.md). $(1): python
+hook_check = DS_ACCELERATOR=cpu MEGATRON_SP_EXT_DEEPSPEED_HOOK=1 $(1) -c 'import sys, deepspeed; sys.exit(0 if \
+	getattr(deepspeed.initialize, "_megatron_sp_ext", 0) is True else "the DeepSpeed JSON switch is not active \
+	after pip install -e . (docs/deepspeed.md)")'
+
 .PHONY: venv venv-current demo test test-oldest test-current test-latest test-gpu wheels clean
 
 # Each environment is built once (about 2 minutes each on 2 cores); the pip output goes to <venv>/install.log
@@ -42,7 +48,8 @@ $(STAMP): pyproject.toml setup.py
 	$(VPY) -m pip install -q torch==2.13.0 && \
 	$(RETRY) $(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard transformers==5.23.0 diffusers==0.42.1 && \
 	DS_BUILD_OPS=0 $(RETRY) $(VPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation && \
-	$(VPY) -m pip install -q --no-deps --no-build-isolation -e . ) > $(VENV)/install.log 2>&1 \
+	$(VPY) -m pip install -q --no-deps --no-build-isolation -e . && \
+	$(call hook_check,$(VPY)) ) > $(VENV)/install.log 2>&1 \
 	|| { tail -n 40 $(VENV)/install.log; exit 1; }
 	@touch $(STAMP)
 
@@ -63,7 +70,8 @@ define install_newer
 	$(RETRY) $(1)/bin/python -m pip install -q --no-deps --ignore-requires-python megatron-core==$$M && \
 	DS_BUILD_OPS=0 $(RETRY) $(1)/bin/python -m pip install -q deepspeed==0.19.8 --no-build-isolation && \
 	$(1)/bin/python -c "import torch, megatron.core, deepspeed; assert torch.__version__.split('+')[0] == '$$T', torch.__version__" && \
-	$(1)/bin/python -m pip install -q --no-deps --no-build-isolation -e . ) > $(1)/install.log 2>&1 \
+	$(1)/bin/python -m pip install -q --no-deps --no-build-isolation -e . && \
+	$(call hook_check,$(1)/bin/python) ) > $(1)/install.log 2>&1 \
 	|| { tail -n 40 $(1)/install.log; exit 1; }
 	@touch $@
 endef

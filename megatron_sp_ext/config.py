@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
+from . import modes
 from .attention import kernels
-from .attention.backends import backend_names
+from .attention.backends import AUTO_NAMES, backend_names
 from .errors import SPConfigError
 
-MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
-RING_VARIANTS = ("ring", "tasp")
-PLACEMENTS = ("auto", "usp", "tas")
+# every list of modes derives from the mode registry (modes.py)
+MODES = modes.NAMES
+RING_VARIANTS = modes.names(ring_variant=True)
+PLACEMENTS = ("auto",) + modes.names(placement=True)
 BACKENDS = backend_names()   # "auto", "sdpa" and every kernel of the registry that can be a backend
 TRANSPORTS = ("nccl", "symm_mem", "copy_engine")  # copy-engine exchanges (CUDA + NCCL only; checked at first use)
 ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-block forms (see SPConfig.async_qkv)
@@ -28,24 +29,13 @@ SEQ_PLACEMENTS = ("contiguous", "zigzag", "tasp_zigzag")
 # unshard_sequence, ulysses/ring/hybrid/torus/packed attention, make_attention): default shards are always right
 # input for every default call. Load-balanced causal layouts ("zigzag", "tasp_zigzag") are passed explicitly.
 DEFAULT_PLACEMENT = "contiguous"
-# modes whose attention is a 2D mesh (Ulysses x Ring) and so need a mesh
-MESH_MODES = ("usp", "tas", "torus")
-# modes whose local attention is one plain softmax attention over the full sequence (per head chunk), so the
-# kernel's own attention dropout applies; the ring family merges partial results by log-sum-exp and cannot
-DROPOUT_MODES = ("ulysses", "hcms")
-# modes that run on the aligned sub-groups of dynamic SP (tas and torus place Ulysses across machines: a sub-group
-# inside one machine has no such dimension)
-DYNAMIC_MODES = ("ulysses", "hcms", "ring", "tasp", "usp", "auto")
+MESH_MODES = modes.names(mesh=True)          # modes whose attention is a 2D mesh (Ulysses x Ring)
+DROPOUT_MODES = modes.names(dropout=True, auto=False)   # modes that apply attention dropout ("auto" aside)
+DYNAMIC_MODES = modes.names(dynamic=True)    # modes that run on the aligned sub-groups of dynamic SP
 
 HeadChunks = Union[int, str]
 
-
-def resolve_auto_mode(num_heads: int, sp_size: int) -> str:
-    """What mode "auto" runs: hcms when every rank gets a head, else a usp mesh (if heads and ranks
-    share a factor), else ring."""
-    if num_heads >= sp_size:
-        return "hcms"
-    return "usp" if math.gcd(num_heads, sp_size) > 1 else "ring"
+resolve_auto_mode = modes.resolve_auto   # what mode "auto" runs for (num_heads, sp_size)
 
 # setting -> (megatron flag, deepspeed json key)
 _NAMES = {
@@ -95,7 +85,8 @@ def _choice(value: Any, choices: tuple, name: str) -> str:
 class SPConfig:
     """Sequence-parallel attention settings (validated on construction).
 
-    mode: algorithm ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto").
+    mode: algorithm, one of ``MODES`` (the mode registry, modes.py: "ulysses", "hcms", "ring", "tasp", "usp",
+        "tas", "torus", "auto").
     head_chunks: HCMS chunk count C per rank, or "auto" (calibrated per shape).
     ring_variant: ring algorithm inside ring/hybrid modes ("ring" or "tasp").
     placement: 2D mesh placement ("auto", "usp", "tas").
@@ -141,9 +132,10 @@ class SPConfig:
         self.placement = _choice(self.placement, PLACEMENTS, n("placement"))
         self.backend = _choice(self.backend, BACKENDS, n("backend"))
         self.transport = _choice(self.transport, TRANSPORTS, n("transport"))
-        if self.transport != "nccl" and self.mode not in ("ulysses", "hcms", "auto"):
-            raise SPConfigError(f"{n('transport')}={self.transport!r} applies to the ulysses/hcms exchanges only, "
-                                f"not to {n('mode')}={self.mode!r}: use 'nccl' or a ulysses/hcms mode")
+        if self.transport != "nccl" and not modes.get(self.mode).exchange_blocks:
+            a2a = "/".join(modes.names(exchange_blocks=True, auto=False))
+            raise SPConfigError(f"{n('transport')}={self.transport!r} applies to the {a2a} exchanges only, "
+                                f"not to {n('mode')}={self.mode!r}: use 'nccl' or a {a2a} mode")
         if self.async_qkv in (True, False):
             self.async_qkv = "on" if self.async_qkv else "off"
         self.async_qkv = _choice(self.async_qkv, ASYNC_QKV, n("async_qkv"))
@@ -155,9 +147,10 @@ class SPConfig:
             val = getattr(self, key)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 raise SPConfigError(f"{n(key)}={val!r} is invalid: use a positive integer (or leave it unset)")
-        if self.mode == "ulysses" and self.head_chunks not in (1,):
+        fixed = modes.get(self.mode)
+        if fixed.head_chunks is not None and self.head_chunks != fixed.head_chunks:
             # plain Ulysses with chunks is HCMS: accept and say nothing, the math is identical
-            self.mode = "hcms"
+            self.mode = fixed.with_chunks
         self.check_dropout()
         if not isinstance(self.dynamic, bool):
             raise SPConfigError(f"{n('dynamic')}={self.dynamic!r} is invalid: use true or false")
@@ -165,6 +158,11 @@ class SPConfig:
             raise SPConfigError(f"{n('mode')}={self.mode!r} cannot run with {n('dynamic')}: it places Ulysses across "
                                 f"machines, which the sub-groups of one sample (aligned ranks of one machine) do not "
                                 f"span; use {', '.join(DYNAMIC_MODES)}")
+
+    def for_mode(self, mode: str, **changes: Any) -> "SPConfig":
+        """A copy running ``mode`` (one layer's ``--cp-comm-type``) with the head chunks that mode runs (validated;
+        errors name the user's settings); ``changes``: other fields to replace."""
+        return dataclasses.replace(self, mode=mode, head_chunks=modes.get(mode).chunks(self.head_chunks), **changes)
 
     def check_dropout(self, sp_size: int | None = None, num_heads: int | None = None) -> None:
         """Refuse ``dropout_p`` > 0 where the mode cannot apply it (the ring family; "auto" where it would
@@ -179,17 +177,17 @@ class SPConfig:
         fix = f"use {n} 0" if self.source == "megatron" else f"set {n}=0"
         kern = kernels.by_setting(self.backend)
         if kern is not None and not kern.caps.dropout:
-            with_dropout = [k for k in BACKENDS if k in ("auto", "sdpa") or kernels.by_setting(k).caps.dropout]
+            with_dropout = [k for k in BACKENDS if k in AUTO_NAMES or kernels.by_setting(k).caps.dropout]
             raise SPConfigError(
                 f"{n}={p} is not supported by {self.name('backend')}={self.backend!r}: {kern.label} has no attention "
                 f"dropout; {fix}, or use {self.name('backend')} {' or '.join(with_dropout)}")
-        if self.mode not in DROPOUT_MODES + ("auto",):
+        if not modes.get(self.mode).dropout:
             raise SPConfigError(
                 f"{n}={p} is not supported by {self.name('mode')}={self.mode!r}: its attention is merged from "
                 f"partial results (log-sum-exp), which cannot apply attention dropout; {fix}, or use "
                 f"{self.name('mode')} {ok}")
-        if self.mode == "auto" and sp_size is not None and num_heads is not None and sp_size > 1 \
-                and resolve_auto_mode(num_heads, sp_size) not in DROPOUT_MODES:
+        if modes.get(self.mode).auto and sp_size is not None and num_heads is not None and sp_size > 1 \
+                and not modes.get(resolve_auto_mode(num_heads, sp_size)).dropout:
             raise SPConfigError(
                 f"{n}={p} with {self.name('mode')}='auto' needs a head per rank ({num_heads} heads < "
                 f"{self.name('sp_size')} {sp_size}: auto would run {resolve_auto_mode(num_heads, sp_size)}, which "
@@ -215,7 +213,7 @@ class SPConfig:
             raise SPConfigError(
                 f"{self.name('nodes')}={self.nodes} does not divide the sequence-parallel size {sp_size}")
         self.check_dropout(sp_size, num_heads)
-        if isinstance(self.head_chunks, int) and num_heads is not None and self.mode in ("hcms", "ulysses"):
+        if isinstance(self.head_chunks, int) and num_heads is not None and modes.get(self.mode).heads_per_rank:
             if num_heads >= sp_size and self.head_chunks > num_heads // sp_size:
                 raise SPConfigError(
                     f"{self.name('head_chunks')}={self.head_chunks} exceeds the heads per rank "
@@ -223,14 +221,16 @@ class SPConfig:
                     f"use 1..{num_heads // sp_size} or 'auto'")
 
     @classmethod
-    def from_dict(cls, block: Mapping[str, Any], source: str = "python") -> "SPConfig":
-        """Build from a dict; unknown keys raise naming the key."""
+    def from_dict(cls, block: Mapping[str, Any], source: str = "python",
+                  adapter_keys: tuple[str, ...] = ()) -> "SPConfig":
+        """Build from a dict; unknown keys raise naming the key. adapter_keys: keys the caller's adapter takes
+        itself (listed among the valid keys; not in ``block``, e.g. DeepSpeed's ``causal``)."""
         known = {f.name for f in dataclasses.fields(cls)} - {"source"}
         for key in block:
             if key not in known:
                 prefix = "sequence_parallel_ext." if source == "deepspeed" else ""
-                raise SPConfigError(
-                    f"{prefix}{key} is not a known setting: valid keys are {', '.join(sorted(known))}")
+                valid = ", ".join(sorted(known | set(adapter_keys)))
+                raise SPConfigError(f"{prefix}{key} is not a known setting: valid keys are {valid}")
         return cls(**dict(block), source=source)
 
     @classmethod

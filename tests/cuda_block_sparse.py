@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_sp_ext as spx
+from megatron_sp_ext.attention import backends
 from megatron_sp_ext.attention import block_sparse as bsp
 from megatron_sp_ext.sp.placement import positions
 from tests.cuda_suite import use_ring_route
@@ -32,7 +33,8 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if DEV == "cuda" else torch.device("cpu")
 
 
-def record(rec, case, fn, rank, world, *, s, h, hkv, d, bs, bm, causal, placement, dtype, seed):
+def record(rec, case, fn, rank, world, *, s, h, hkv, d, bs, bm, causal, placement, dtype, seed,
+           family="block_sparse"):
     dev = _device()
     q, k, v, do = (t.to(dev) for t in make_qkv(seed, 1, s, h, hkv, d, torch.float64))
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
@@ -44,10 +46,8 @@ def record(rec, case, fn, rank, world, *, s, h, hkv, d, bs, bm, causal, placemen
     out.backward(do[:, pos].to(dtype))
     errs = {"out": rel_err(out, ref[:, pos]), "dq": rel_err(mine[0].grad, qr.grad[:, pos]),
             "dk": rel_err(mine[1].grad, kr.grad[:, pos]), "dv": rel_err(mine[2].grad, vr.grad[:, pos])}
-    rec.append({"family": "block_sparse", "case": f"P={world} {case} {dtype} causal={causal} {placement} s={s} "
+    rec.append({"family": family, "case": f"P={world} {case} {dtype} causal={causal} {placement} s={s} "
                                                   f"bs={bs} h={h}/{hkv} d={d}", "errs": errs, "tol": TOL[dtype]})
-    if case.startswith("fa4 "):
-        rec[-1]["family"] = "fa4_block_sparse"
     progress(rec[-1], rank)
 
 
@@ -108,26 +108,57 @@ def fa4_block_sparse_family(rank: int, world: int) -> list:
     through the mask_mod); masks random per head with an empty query-tile row, a window, all-True; causal (zigzag /
     tasp_zigzag) and not (contiguous); GQA 8/2; bf16. out, dq, dk, dv against float64. P=2: ulysses, hcms (C=2),
     ring: 2 tiles x (2 masks + all-True at 128) x 2 causal x 3 = 30. P=4 also tasp, usp (C=2), torus (tas): 60."""
+    s = (2048 if world == 2 else 3072) // SHRINK   # zigzag pieces of 128 at P=2/4; tasp_zigzag: 2P(P-1) | s at P=4
+    return named_kernel_family(rank, world, "fa4", "fa4", s=s, d=64, all_true_tiles=(128,))
+
+
+def cudnn_block_sparse_family(rank: int, world: int) -> list:
+    """#69: every mode on cuDNN frontend's block-sparse attention (the backend "auto" with its block_kernel
+    "cudnn_block_sparse": every block-sparse call on it, and a call it cannot run fails instead of moving to another
+    kernel): 128- and 64-token tiles (its native blocks); masks random
+    per head with an empty query-tile row, a window, all-True (at both tiles); causal (zigzag / tasp_zigzag: the
+    diagonal blocks on FA4, merged by lse) and not (contiguous); GQA 8/2 (k/v expanded for its MHA backward); bf16,
+    head dim 128 (its SM90 backward's). out, dq, dk, dv against float64. P=2: ulysses, hcms (C=2), ring: 2 tiles x
+    3 masks x 2 causal x 3 = 36. P=4 also tasp, usp (C=2), torus (tas): 72. Every rank's rows stay whole 64-token
+    blocks (tasp_zigzag's 2P(P-1) pieces of 128 at P=4; CPU dry runs shrink s to pieces of 64)."""
+    s = (2048 if world == 2 else 3072) // (min(SHRINK, 4) if world == 2 else min(SHRINK, 2))
+    be = backends.with_block_kernel("auto", "cudnn_block_sparse")
+    return named_kernel_family(rank, world, "cudnn_block_sparse", be, s=s, d=128 if DEV == "cuda" else 16,
+                               all_true_tiles=(128, 64))
+
+
+FAMILY_OF_KERNEL = {"fa4": "fa4_block_sparse", "cudnn_block_sparse": "cudnn_block_sparse"}
+# the named-kernel families' cases (CPU dry runs narrow them to stay fast): tile sizes, mask names, (q heads, kv heads)
+TILES = (128, 64)
+MASKS = ("random", "window", "all")
+HEADS = (8, 2)
+CAUSAL = (False, True)
+MODES = None   # None: every mode of the world size; else the names to run
+
+
+def named_kernel_family(rank: int, world: int, kernel: str, backend, *, s: int, d: int,
+                        all_true_tiles: tuple) -> list:
+    """Every mode with ``backend`` (whose block-sparse calls run on ``kernel`` alone), block-sparse (the cases of
+    ``fa4_block_sparse_family``), records of family ``FAMILY_OF_KERNEL[kernel]``."""
     use_ring_route()
     g = dist.group.WORLD
     rec, n = [], 0
-    s = (2048 if world == 2 else 3072) // SHRINK   # zigzag pieces of 128 at P=2/4; tasp_zigzag: 2P(P-1) | s at P=4
-    d, h, hkv = 64, 8, 2
+    h, hkv = HEADS
     meshes = {}
     if world == 4:
         meshes = {pl: spx.build_sp_mesh(g, num_heads=h, placement=pl, ulysses_size=2, nodes=2) for pl in ("usp", "tas")}
-    for bs in (128, 64):
+    for bs in TILES:
         t = bsp.num_tiles(s, bs)
         masks = [("random", random_mask(world + bs, h, t)), ("window", window_mask(t, 2))]
-        if bs == 128:
+        if bs in all_true_tiles:
             masks.append(("all", torch.ones(1, t, t, dtype=torch.bool)))
-        for mask_name, bm in masks:
+        for mask_name, bm in [m for m in masks if m[0] in MASKS]:
             if mask_name == "random":
                 bm = bm.clone()
                 bm[:, 1] = False   # a query tile with no key: out 0, lse -inf, zero gradients
-            for causal in (False, True):
+            for causal in CAUSAL:
                 placement = "zigzag" if causal else "contiguous"
-                kw = dict(causal=causal, placement=placement, block_size=bs, backend="fa4")
+                kw = dict(causal=causal, placement=placement, block_size=bs, backend=backend)
                 modes = [("ulysses C=1", lambda a, b, c, m: spx.ulysses_attention(a, b, c, g, block_mask=m, **kw)),
                          ("hcms C=2", lambda a, b, c, m: spx.ulysses_attention(a, b, c, g, head_chunks=2,
                                                                                 block_mask=m, **kw)),
@@ -140,9 +171,10 @@ def fa4_block_sparse_family(rank: int, world: int) -> list:
                                                                                   head_chunks=2, block_mask=m, **kw)),
                               ("torus tas", lambda a, b, c, m: spx.torus_attention(a, b, c, meshes["tas"],
                                                                                    block_mask=m, **kw))]
-                for name, fn in modes:
+                for name, fn in [m for m in modes if MODES is None or m[0] in MODES]:
                     pl = "tasp_zigzag" if name == "tasp" and causal else placement
-                    record(rec, f"fa4 {name} mask={mask_name}", fn, rank, world, s=s, h=h, hkv=hkv, d=d, bs=bs,
-                           bm=bm, causal=causal, placement=pl, dtype=torch.bfloat16, seed=n)
+                    record(rec, f"{kernel} {name} mask={mask_name}", fn, rank, world, s=s, h=h, hkv=hkv, d=d, bs=bs,
+                           bm=bm, causal=causal, placement=pl, dtype=torch.bfloat16, seed=n,
+                           family=FAMILY_OF_KERNEL[kernel])
                     n += 1
     return rec

@@ -64,3 +64,28 @@ def _walk(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_default_call_matches_reference(world):
     run_ranks(_walk, world)
+
+
+def test_every_public_backend_default_is_spconfigs():
+    """Defaults agree: every public function (and entry helper) that takes a local-attention ``backend`` defaults to
+    what SPConfig defaults to ("auto"); "sdpa" stays an accepted alias of it."""
+    import dataclasses
+    import inspect
+
+    from megatron_sp_ext.attention.backends import AUTO_NAMES, get_backend
+    from megatron_sp_ext.config import SPConfig
+    from megatron_sp_ext.sp.layers import async_qkv
+    from training.video_dit import engine
+
+    default = next(f.default for f in dataclasses.fields(SPConfig) if f.name == "backend")
+    fns = [spx.ulysses_attention, spx.ring_attention, spx.hybrid_attention, spx.torus_attention,
+           spx.packed_ulysses_attention, spx.PackedUlysses.__init__, async_qkv.async_ulysses_self_attention, async_qkv.make_async_plan,
+           engine.one_device_core, engine.make_core]
+    try:
+        from megatron_sp_ext.deepspeed.attention import SPDistributedAttention
+        fns.append(SPDistributedAttention.__init__)
+    except ImportError:   # deepspeed not installed: the others still agree
+        pass
+    got = {f.__qualname__: inspect.signature(f).parameters["backend"].default for f in fns}
+    assert default == "auto" and set(got.values()) == {default}, got
+    assert "sdpa" in AUTO_NAMES and type(get_backend("sdpa")) is type(get_backend("auto"))

@@ -67,11 +67,18 @@ def test_plan_beside_peak_matches_memory_plan():
             "--recompute-granularity", "full"]
     got = bts.plan_beside_peak(entry.parse(rest), ["--use-torch-fsdp2"], 1)
     assert got["plan_settings"] == {"model": "wan-14b", "layers": 4, "tokens": 32760, "sp": 1, "gpus": 1,
-                                    "sharding": "fsdp", "recompute": "full"}
+                                    "sharding": "fsdp", "recompute": "full", "offload": False}
     assert got["plan_gib"] == pytest.approx(mp.plan("wan-14b", 32760, 1, 1, "fsdp", "full", 4).total_gib)
     assert bts.plan_beside_peak(entry.parse(rest), [], 1)["plan_settings"]["sharding"] == "none"
     no_bf16 = bts.plan_beside_peak(entry.parse([a for a in rest if a != "--bf16"]), [], 1)
     assert no_bf16["plan_gib"] is None and "--bf16" in no_bf16["plan_skipped"]
+    # the recompute variants (#67): selective outside_core_attn and its offload are planned, core_attn is not
+    sel = bts.plan_beside_peak(entry.parse([*rest, *bts.VARIANTS["recompute_selective_offload"]]), [], 2)
+    assert sel["plan_settings"]["recompute"] == "selective" and sel["plan_settings"]["offload"]
+    assert sel["plan_gib"] == pytest.approx(mp.plan("wan-14b", 32760, 1, 2, "none", "selective", 4,
+                                                    offload=True).total_gib)
+    core = bts.plan_beside_peak(entry.parse([*rest, "--recompute-granularity", "selective"]), [], 1)
+    assert core["plan_gib"] is None and "core_attn" in core["plan_skipped"]
 
 
 def _free_port():
@@ -158,3 +165,79 @@ def test_memory_preflight_warns_near_the_gpu_limit():
     assert warn and "75.2 GiB" in warn and "--recompute-granularity full" in warn
     assert memory_preflight({"plan_gib": 50.0}, gpu_gib=79.1) is None
     assert memory_preflight({"plan_gib": None, "plan_skipped": "several token grids"}, gpu_gib=79.1) is None
+
+
+SPARSE_REST = ["--model", "tiny", "--frames", "8", "--latent-size", "32x32", "--train-iters", "1"]
+
+
+def test_sparse_args_reach_the_sparse_variants_only():
+    """#69 item 4: --sparse-args (a tile, a kernel) go to the sparse variants; the dense one in the same job runs
+    without them and still parses (a sparse-only flag given after "--" made it refuse the job)."""
+    pytest.importorskip("megatron.core")
+    from training import pretrain_video_dit as entry
+    from training.video_dit.cli import sparse_spec
+    extra, info = bts.variant_flags(["guarded", "sparse_topk90", "sparse_window80"], SPARSE_REST, None,
+                                    "--sparse-tile 4,4,4 --sparse-attention-kernel math", entry)
+    assert extra["guarded"] == [] and set(info) == {"sparse_topk90", "sparse_window80"}
+    for v in ("sparse_topk90", "sparse_window80"):
+        assert extra[v][-2:] == ["--sparse-attention-kernel", "math"] and info[v]["tile"] == [4, 4, 4]
+        parsed = entry.parse([*SPARSE_REST, *extra[v]])
+        assert parsed.sparse_attention_kernel == "math" and sparse_spec(parsed).tile == (4, 4, 4)
+    assert info["sparse_topk90"]["n_tiles"] == 32 and info["sparse_topk90"]["topk"] == 3   # 8x16x16 / 4,4,4
+    dense = entry.parse([*SPARSE_REST, *extra["guarded"]])
+    assert sparse_spec(dense) is None and dense.sparse_attention_kernel == "auto"
+    # the tool's own --sparse-tile sets the tile too; the default is the DiT's 4,4,8
+    assert bts.variant_flags(["sparse_topk80"], SPARSE_REST, "4,4,4", "", entry)[1]["sparse_topk80"]["tile"] == \
+        [4, 4, 4]
+    assert bts.variant_flags(["sparse_topk80"], SPARSE_REST, None, "", entry)[1]["sparse_topk80"]["tile"] == [4, 4, 8]
+
+
+def test_sparse_custom_takes_the_users_window_or_topk():
+    pytest.importorskip("megatron.core")
+    from training import pretrain_video_dit as entry
+    from training.video_dit.cli import sparse_spec
+    from training.video_dit.sparse import window_block_mask
+    extra, info = bts.variant_flags(["guarded", "sparse_custom"], SPARSE_REST, None,
+                                    "--sparse-tile 4,4,4 --sparse-window 1,1,1", entry)
+    spec = sparse_spec(entry.parse([*SPARSE_REST, *extra["sparse_custom"]]))
+    assert spec.window == (1, 1, 1) and spec.topk is None and info["sparse_custom"]["target_sparsity"] is None
+    assert info["sparse_custom"]["sparsity"] == pytest.approx(
+        1 - float(window_block_mask((8, 16, 16), (4, 4, 4), (1, 1, 1)).float().mean()))
+    extra, info = bts.variant_flags(["sparse_custom"], SPARSE_REST, None, "--sparse-topk 5", entry)
+    assert info["sparse_custom"]["topk"] == 5 and info["sparse_custom"]["sparsity"] == pytest.approx(1 - 5 / 16)
+    assert sparse_spec(entry.parse([*SPARSE_REST, *extra["sparse_custom"]])).topk == 5
+
+
+def test_sparse_args_refused_by_name():
+    pytest.importorskip("megatron.core")
+    from training import pretrain_video_dit as entry
+    with pytest.raises(SystemExit, match="sparse_custom"):   # a fixed variant's selection is its own
+        bts.variant_flags(["sparse_topk80"], SPARSE_REST, None, "--sparse-window 1,1,1", entry)
+    with pytest.raises(SystemExit, match="--sparse-topk K or --sparse-window"):
+        bts.variant_flags(["sparse_custom"], SPARSE_REST, None, "--sparse-tile 4,4,4", entry)
+    with pytest.raises(SystemExit, match="disagree"):
+        bts.variant_flags(["sparse_topk80"], SPARSE_REST, "4,4,8", "--sparse-tile 4,4,4", entry)
+    with pytest.raises(SystemExit, match="no sparse_\\* variant"):
+        bts.variant_flags(["guarded"], SPARSE_REST, None, "--sparse-tile 4,4,4", entry)
+    with pytest.raises(SystemExit, match="not a list of entry flags"):
+        bts.variant_flags(["sparse_topk80"], SPARSE_REST, None, "--sparse-tile '4,4", entry)
+
+
+def test_cpu_run_recompute_variants(tmp_path):
+    """The selective-vs-full job of #67 as a CPU dry run (one gloo rank, fp32): recompute_full and
+    recompute_selective_offload in one job (the model-level tests cover selective without offload); the same
+    first-step loss bit for bit (the recompute never changes the math) and the speedup recorded."""
+    pytest.importorskip("megatron.core")
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "DS_ACCELERATOR": "cpu", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_train_step.py"), "--variants",
+           "recompute_full,recompute_selective_offload", "--log-interval", "1", "--out",
+           str(tmp_path), "--", "--model", "tiny", "--frames", "4", "--latent-size", "6x10", "--train-iters", "1",
+           "--ddp-impl", "torch", "--num-workers", "0", "--timing-bare-steps", "1"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.load(open(tmp_path / "train_step.json"))["results"]
+    losses = {v: res[v]["first_step_loss"] for v in ("recompute_full", "recompute_selective_offload")}
+    assert len(set(losses.values())) == 1 and None not in losses.values(), losses
+    for k in ("recompute_selective_offload_speedup", "recompute_selective_offload_speedup_bare"):
+        assert res[k] > 0, k

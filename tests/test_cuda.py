@@ -279,6 +279,22 @@ def test_fa4_block_sparse_family(world, backend):
 
 
 @pytest.mark.parametrize("world,backend", _layouts())
+def test_cudnn_block_sparse_family(world, backend):
+    """#69: every mode on cuDNN frontend's block-sparse attention (backend "cudnn_block_sparse" named), 64- and
+    128-token tiles, random per-head (an empty query-tile row) / window / all-True masks, causal and not, against
+    float64. Skipped with its reason where the package or the GPU is not one it runs on (SPX_REQUIRE_CUDNN_BSA=1,
+    set by tools/gpu_install.sh where the carried package imports: it must run); the package is found without importing it (its import loads cuDNN)."""
+    from megatron_sp_ext.attention.kernels import cudnn_block_sparse as cbs
+    reason = cbs.why_not(torch.device("cuda", 0), torch.bfloat16, 128)
+    if reason is not None:
+        if os.environ.get("SPX_REQUIRE_CUDNN_BSA") == "1":
+            pytest.fail(f"SPX_REQUIRE_CUDNN_BSA=1 but cuDNN's block-sparse attention does not run here: {reason}")
+        pytest.skip(f"cuDNN's block-sparse attention does not run here: {reason}")
+    assert len(_worker("cuda_block_sparse", "cudnn_block_sparse_family", "cudnn_block_sparse", world, backend)) == \
+        {2: 36, 4: 72}[world]
+
+
+@pytest.mark.parametrize("world,backend", _layouts())
 def test_one_ring_family(world, backend):
     """The block-masked ring and TASP through the one ring (#50): the same device mask changed in place between
     calls, a dense call between masked ones, a host mask with device q; float64 reference."""

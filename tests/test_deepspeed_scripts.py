@@ -120,6 +120,8 @@ def _bad_block(rank, world, script, config_path):
     ("train_ulysses", {"mode": "hcmz"}, "sequence_parallel_ext.mode"),
     ("train_ulysses", {"mode": "hcms", "head_chunks": 0}, "sequence_parallel_ext.head_chunks"),
     ("train_ulysses", {"mode": "hcms", "chunks": 2}, "sequence_parallel_ext.chunks"),
+    # the causal GPT's DistributedAttention: the ring runs our kernels, DeepSpeed does not say "causal"
+    ("train_ulysses", {"mode": "ring"}, "sequence_parallel_ext.causal"),
     ("train_alst_llama", {"mode": "ring"}, "sequence_parallel_ext.mode"),
 ])
 def test_bad_block_names_the_key(script, block, key, tmp_path):
@@ -146,6 +148,37 @@ def test_block_without_sp_attention_is_an_error():
         deactivate()
 
 
+def test_unknown_key_lists_every_valid_key():
+    from megatron_sp_ext.deepspeed.initialize import sp_config_from_deepspeed
+    with pytest.raises(SPConfigError, match=r"sequence_parallel_ext.chunks is not a known setting: valid keys are "
+                                            r"(\w+, )*causal, (\w+, )*mode, "):
+        sp_config_from_deepspeed({"sequence_parallel_ext": {"chunks": 2}})
+
+
+def _causal_per_call(rank, world):
+    """Our kernels (ring) run with sequence_parallel_ext.causal; a causal= / is_causal= the caller passes for its
+    local attention must agree (DeepSpeed forwards them to it), else an error naming both."""
+    from megatron_sp_ext.deepspeed import SPDistributedAttention
+    from megatron_sp_ext.deepspeed.initialize import sp_config_from_deepspeed
+    from tests.reference import rel_err
+    import megatron_sp_ext as spx
+    g = torch.distributed.group.WORLD
+    q, k, v = (torch.randn(1, 4, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    cfg, extras = sp_config_from_deepspeed({"sequence_parallel_ext": {"mode": "ring", "causal": True}})
+    attn = SPDistributedAttention(None, g, 2, 1, sp_config=cfg, causal=extras["causal"])
+    want = spx.ring_attention(q, k, v, g, causal=True, placement="contiguous")
+    assert rel_err(attn(q, k, v, 0, is_causal=True), want) < 1e-6
+    with pytest.raises(SPConfigError, match=r"this call passes is_causal=False for the local attention, but "
+                                            r"sequence_parallel_ext.mode='ring' runs megatron_sp_ext's kernels with "
+                                            r"sequence_parallel_ext.causal True"):
+        attn(q, k, v, 0, is_causal=False)
+    return True
+
+
+def test_call_causal_must_agree_with_the_block():
+    assert all(run_ranks(_causal_per_call, 2))
+
+
 def test_config_is_found_where_deepspeed_looks(tmp_path):
     """config=, config_params=, args.deepspeed_config; dict or JSON path; unreadable -> left to DeepSpeed."""
     import argparse
@@ -161,20 +194,120 @@ def test_config_is_found_where_deepspeed_looks(tmp_path):
 
 
 def test_pth_autoload_activates_on_deepspeed_import(tmp_path):
-    """The .pth shipped with the package: cheap at start-up, wraps deepspeed.initialize once imported."""
+    """The .pth shipped with the package: cheap at start-up, wraps deepspeed.initialize once imported. Where the
+    switch is off (MEGATRON_SP_EXT_DEEPSPEED_HOOK=0) or its import fails, deepspeed.initialize is only guarded: a
+    config holding the block is refused by name (it would be ignored), one without it goes to DeepSpeed."""
     site_dir = tmp_path / "site"
     site_dir.mkdir()
     with open(os.path.join(ROOT, "megatron_sp_ext_autoload.pth")) as f:
         (site_dir / "megatron_sp_ext_autoload.pth").write_text(f.read())
+    broken = tmp_path / "broken"  # a package whose import fails, before the real one on the path
+    (broken / "megatron_sp_ext").mkdir(parents=True)
+    (broken / "megatron_sp_ext" / "__init__.py").write_text("raise ImportError('simulated breakage')\n")
+    (broken / "megatron_sp_ext_autoload.py").write_text(open(os.path.join(ROOT, "megatron_sp_ext_autoload.py")).read())
     code = ("import site, sys; site.addsitedir(sys.argv[1]); "
             "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'the .pth must stay cheap'; "
             "hooked = any(type(f).__name__ == '_Finder' for f in sys.meta_path); "
             "deepspeed = __import__('deepspeed') if hooked else None; "
-            "print(hooked, getattr(deepspeed.initialize, '_megatron_sp_ext', False) if hooked else False)")
-    env = dict(os.environ, PYTHONPATH=ROOT, DS_ACCELERATOR="cpu")
-    for flag, want in (("1", "True True"), ("0", "False False")):  # "0": the switch is off, deepspeed untouched
-        env["MEGATRON_SP_EXT_DEEPSPEED_HOOK"] = flag
+            "marker = getattr(deepspeed.initialize, '_megatron_sp_ext', False) if hooked else False; "
+            "print(hooked, marker)\n"
+            "if marker == 'guard':\n"
+            "    try: deepspeed.initialize(model=None, config={'sequence_parallel_ext': {'mode': 'hcms'}})\n"
+            "    except ValueError as e: print(type(e).__name__, e)\n"
+            "    try: deepspeed.initialize(model=None, config={})\n"
+            "    except ValueError as e: print('no block refused', e)\n"
+            "    except Exception as e: print('to DeepSpeed', type(e).__name__)\n")
+    guarded = "sequence_parallel_ext is in the DeepSpeed config but megatron_sp_ext's JSON switch is not active ("
+    # ("1", ROOT): "True True", the switch itself, is test_stock_script_in_an_editable_install's first check
+    for flag, path, want in (("0", ROOT, ["True guard", f"SPConfigError {guarded}MEGATRON_SP_EXT_DEEPSPEED_HOOK=0 "
+                                                        "turns it off)", "to DeepSpeed"]),
+                             ("1", f"{broken}{os.pathsep}{ROOT}",
+                              ["True guard", f"ValueError {guarded}its import failed: ImportError: simulated breakage)",
+                               "to DeepSpeed"])):
+        env = dict(os.environ, PYTHONPATH=path, DS_ACCELERATOR="cpu", MEGATRON_SP_EXT_DEEPSPEED_HOOK=flag)
         out = subprocess.run([sys.executable, "-c", code, str(site_dir)], env=env, capture_output=True, text=True,
+                             cwd=tmp_path,  # not ROOT: "-c" puts the working directory first on sys.path
                              timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
-        assert out.stdout.strip().splitlines()[-1] == want, (flag, out.stdout, out.stderr[-2000:])
+        lines = out.stdout.strip().splitlines()[-len(want):]
+        assert [line[:len(w)] for line, w in zip(lines, want)] == want, (flag, out.stdout, out.stderr[-2000:])
+
+
+def test_guard_reads_the_config_as_the_hook_does(tmp_path):
+    """The start-up guard's stdlib reader (megatron_sp_ext_autoload.has_block) and the hook's agree."""
+    import argparse
+
+    import megatron_sp_ext_autoload as autoload
+    from megatron_sp_ext.deepspeed.hook import BLOCK_KEY, _config_of
+    with_block, without = _write(tmp_path, {"mode": "hcms"}), _write(tmp_path, None)
+    cases = [((), {"config": with_block}), ((), {"config": without}), ((), {"config_params": {BLOCK_KEY: {}}}),
+             ((argparse.Namespace(deepspeed_config=with_block),), {}), ((), {"args": argparse.Namespace(
+                 deepspeed_config=with_block)}), ((argparse.Namespace(deepspeed_config=None),), {}),
+             ((), {"config": str(tmp_path / "missing.json")}), ((), {})]
+    for args, kwargs in cases:
+        config = _config_of(args[0] if args else kwargs.get("args"), kwargs)
+        assert autoload.has_block(args, kwargs) == (config is not None and BLOCK_KEY in config), (args, kwargs)
+    assert autoload.BLOCK_KEY == BLOCK_KEY
+
+
+# ---- installed as `make` installs it (pip install -e .): the start-up hook is in place, the block never ignored ----
+
+PACKAGE_FILES = ("setup.py", "pyproject.toml", "README.md", "megatron_sp_ext_autoload.py", "megatron_sp_ext_autoload.pth")
+
+
+def _build(tmp_path, hook: str) -> str:
+    """Build the package's ``hook`` ("build_editable": pip install -e; "build_wheel") from a copy of its sources."""
+    import shutil
+    src, out = tmp_path / "src", tmp_path / "out"
+    if not src.exists():
+        src.mkdir()
+        for name in PACKAGE_FILES:
+            shutil.copy(os.path.join(ROOT, name), src / name)
+        shutil.copytree(os.path.join(ROOT, "megatron_sp_ext"), src / "megatron_sp_ext",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    code = f"import sys; from setuptools import build_meta; print(build_meta.{hook}(sys.argv[1]))"
+    res = subprocess.run([sys.executable, "-c", code, str(out)], cwd=src, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return str(out / res.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def editable_site(tmp_path_factory):
+    """What ``pip install -e .`` puts in site-packages: the editable wheel's files, unpacked."""
+    import zipfile
+    tmp = tmp_path_factory.mktemp("editable")
+    site_dir = tmp / "site"
+    zipfile.ZipFile(_build(tmp, "build_editable")).extractall(site_dir)
+    return str(site_dir)
+
+
+def test_wheel_and_editable_install_carry_the_pth(tmp_path, editable_site):
+    """Both a wheel and an editable install put megatron_sp_ext_autoload.pth at the top of site-packages (setuptools'
+    editable wheels once carried no .pth: the hook was off in `make`'s .venv and the block silently ignored)."""
+    import zipfile
+    with open(os.path.join(ROOT, "megatron_sp_ext_autoload.pth")) as f:
+        want = f.read()
+    with open(os.path.join(editable_site, "megatron_sp_ext_autoload.pth")) as f:
+        assert f.read() == want
+    with zipfile.ZipFile(_build(tmp_path, "build_wheel")) as whl:
+        assert whl.read("megatron_sp_ext_autoload.pth").decode() == want
+        assert "megatron_sp_ext_autoload.py" in whl.namelist()
+
+
+def _stock(site_dir, *config_paths, **env):
+    env = dict(os.environ, PYTHONPATH=ROOT, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **env)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "stock_deepspeed.py"), site_dir, *config_paths],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_stock_script_in_an_editable_install(tmp_path, editable_site):
+    """train_ulysses.py, unchanged, in a fresh interpreter whose site-packages is the editable install's: the
+    JSON block alone switches the attention (ours runs), and a bad block fails naming its key."""
+    got = _stock(editable_site, _write(tmp_path, {"mode": "bogus"}), _write(tmp_path, {"mode": "hcms", "head_chunks": 2}))
+    assert got["hooked"] is True, got
+    bogus, hcms = got["runs"]
+    want = "SPConfigError: sequence_parallel_ext.mode='bogus' is invalid: choose one of ulysses, hcms"
+    assert all(r.get("error", "").startswith(want) for r in bogus), bogus
+    assert all(r.get("attention") == ["SPDistributedAttention"] for r in hcms), hcms

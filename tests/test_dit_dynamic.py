@@ -227,3 +227,42 @@ def test_plan_logged_once_in_words():
         logger.setLevel(old)
     assert len(seen) == 1 and seen[0].startswith("dynamic SP over 8 ranks: "), seen
     assert seen[0].endswith("(first pack; each step's pack gets its own plan)")
+
+
+# ---- sampling after a dynamic run: unpacked clips run the uniform SP attention of the same settings ----
+
+def _sample_dynamic_vs_sp1(rank, world):
+    """sample_latents through the dynamic core (ulysses, hcms, ring; 45 tokens: padded) equals SP=1 sampling (fp32),
+    and the attention matters for the result (a rank-local model's sample differs)."""
+    from tests.test_sample import _model as sample_model
+    from training.video_dit.sample import sample_latents
+    data = SyntheticVideoLatents(CFG.in_channels, [3], 6, 10, CFG.text_len, CFG.text_dim, seed=1)
+    text = torch.stack([data[i]["text"] for i in (0, 1)])
+    shape = (CFG.in_channels, 3, 6, 10)
+    ref = sample_latents(sample_model(None, "ulysses"), text, shape, steps=3, seed=11)
+    errs = []
+    for mode, kw in [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {})]:
+        model = sample_model(None, "ulysses")
+        model.set_attention_core(make_dynamic_core(SPConfig(mode=mode, **kw), dist.group.WORLD, num_heads=CFG.heads))
+        out = sample_latents(model, text, shape, steps=3, seed=11, group=dist.group.WORLD)
+        errs.append((out - ref).abs().max().item())
+        assert errs[-1] < 1e-5, f"dynamic {mode} P={world}: max |sample - SP1| = {errs[-1]}"
+    local = sample_latents(sample_model(None, "ulysses"), text, shape, steps=3, seed=11, group=dist.group.WORLD)
+    assert (local - ref).abs().max().item() > 1e-3, "attention does not influence the sample"
+    return errs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dynamic_core_samples_equal_sp1(world):
+    assert len(run_ranks(_sample_dynamic_vs_sp1, world, timeout=120)) == world
+
+
+def test_entries_sample_after_dynamic_run(tmp_path):
+    """Both entries train 2 dynamic steps at CP=2 and then sample (--sample-steps): samples.png is written (the
+    sampler's unpacked clips ran through the dynamic core)."""
+    for entry in (_mg, _ds):
+        log_dir = tmp_path / entry.__name__
+        flags = ("--train-iters", "2", *PACK, "--sample-steps", "2", "--log-dir", str(log_dir))
+        flags = (*flags, *DYN) if entry is _mg else flags
+        got = run_ranks(lambda r, w: entry(r, w, flags), 2, timeout=120)[0]
+        assert len(got["losses"]) == 2 and (log_dir / "samples.png").is_file(), (entry.__name__, got["losses"])

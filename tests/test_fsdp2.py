@@ -125,3 +125,13 @@ def test_fsdp2_bf16_equals_unsharded_autocast(monkeypatch, world):
         assert len(rank_records) == 4
         for r in rank_records:
             assert not verdict(r), (r["case"], verdict(r))
+
+
+def test_fsdp2_selective_keep_core_equals_unsharded():
+    """#67: FSDP2 with the two checkpoint regions around the attention core (--recompute-modules
+    outside_core_attn; FSDP2's pre-backward all-gather serves both recomputed regions) equals the unsharded run
+    without recompute."""
+    ref = run_ranks(_run, 2, 2, 2)
+    got = run_ranks(_run, 2, 2, 2, ("--use-torch-fsdp2", "--recompute-granularity", "selective",
+                                    "--recompute-modules", "outside_core_attn"))
+    _close(got[0], ref[0], "recompute selective outside_core_attn")

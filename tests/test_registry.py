@@ -2,9 +2,11 @@
 declares what it can do and says why it cannot run a call, and no kernel name is compared anywhere outside it."""
 import ast
 import pathlib
+import re
 
 import torch
 
+from megatron_sp_ext import modes
 from megatron_sp_ext.attention import backends, block_sparse, kernels, lse_kernels, varlen
 from megatron_sp_ext.attention.kernels import KernelCall
 from megatron_sp_ext.config import BACKENDS
@@ -49,7 +51,8 @@ def test_the_scan_finds_a_comparison(tmp_path):
 
 def test_every_list_of_names_derives_from_the_registry():
     assert set(BACKENDS) == {"auto", "sdpa"} | {kernels.get(n).setting for n in kernels.ORDER
-                                                if kernels.get(n).caps.lse or kernels.get(n).caps.tiles == "none"}
+                                                if kernels.get(n).caps.lse and kernels.get(n).caps.dense
+                                                or kernels.get(n).caps.tiles == "none"}
     assert lse_kernels.KERNELS == kernels.names("lse", auto_only=True)
     assert set(varlen.KERNEL_METHODS) == {kernels.get(n).caps.varlen for n in kernels.names("varlen")}
     assert block_sparse.KERNELS == ("auto",) + tuple(kernels.get(n).setting for n in kernels.names("tiles",
@@ -74,3 +77,116 @@ def test_auto_picks_the_first_kernel_that_runs_the_call():
     assert kernels.pick(KernelCall(cpu, torch.float32, 64, frozenset({"lse"}))).name == kernels.names("lse")[2]
     assert kernels.pick(KernelCall(cpu, torch.float64, 64, frozenset({"lse"}))).name == kernels.FALLBACK
     assert kernels.pick(KernelCall(cpu, torch.bfloat16, 64, frozenset({"tiles", "lse"}))).name == kernels.FALLBACK
+
+
+# ---- the mode registry (megatron_sp_ext/modes.py) ----
+MODE_NAMES = set(modes.NAMES) - {"auto"}   # "auto" is also every policy setting's word: flagged only against a mode
+MODE_WORDS = ("mode", "cp_comm_type")       # what a value called like this holds is a mode
+# the files that may compare mode names: the registry, and the one factory that maps a mode's family to its algorithm
+MODE_EXEMPT = ("megatron_sp_ext/modes.py", "megatron_sp_ext/sp/factory.py")
+
+
+def _compared_modes(path: pathlib.Path) -> list:
+    """(line, name) of every comparison (==, !=, in, not in) of a mode-name literal in ``path`` ("auto" only where
+    the other side names a mode: ``cfg.mode == "auto"``), and of every literal tuple/list/set of two or more mode
+    names (a list of modes)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            names = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in MODE_NAMES]
+            if len(names) >= 2:
+                found += [(node.lineno, n) for n in names]
+            continue
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        for op, left, right in zip(node.ops, sides, sides[1:]):
+            if isinstance(op, (ast.Eq, ast.NotEq)):
+                pairs = [(left, right), (right, left)]
+            elif isinstance(op, (ast.In, ast.NotIn)) and isinstance(right, (ast.Tuple, ast.List, ast.Set)):
+                pairs = [(e, left) for e in right.elts]
+            else:
+                continue
+            for const, other in pairs:
+                if not isinstance(const, ast.Constant) or not isinstance(const.value, str):
+                    continue
+                about_mode = any(w in ast.unparse(other) for w in MODE_WORDS)
+                if const.value in MODE_NAMES or (const.value == "auto" and about_mode):
+                    found.append((node.lineno, const.value))
+    return sorted(set(found))
+
+
+def _error_lists(path: pathlib.Path) -> list:
+    """(line, text) of every error message (the string parts of a ``raise``'s or ``p.error``'s arguments) that
+    lists two or more mode names written out ("use ulysses or hcms"): such lists come from the registry."""
+    pattern = re.compile(r"\b(%s)\b\s*(,|or|/|and)\s*'?\b(%s)\b" % ("|".join(MODE_NAMES), "|".join(MODE_NAMES)))
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        calls = []
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            calls = [node.exc]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "error":
+            calls = [node]
+        for call in calls:
+            for arg in ast.walk(call):
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and pattern.search(arg.value):
+                    found.append((arg.lineno, arg.value))
+    return found
+
+
+def _mode_files() -> list:
+    return [p for d in ("megatron_sp_ext", "training") for p in (ROOT / d).rglob("*.py")
+            if p.relative_to(ROOT).as_posix() not in MODE_EXEMPT]
+
+
+def test_no_mode_name_is_compared_outside_the_registry():
+    files = _mode_files()
+    assert len(files) > 50
+    offenders = {str(p.relative_to(ROOT)): hits for p in files if (hits := _compared_modes(p))}
+    assert not offenders, f"mode names compared or listed outside modes.py / sp/factory.py: {offenders}"
+
+
+def test_error_messages_list_modes_from_the_registry():
+    offenders = {str(p.relative_to(ROOT)): hits for p in _mode_files() if (hits := _error_lists(p))}
+    assert not offenders, f"error messages that write out a list of modes (use modes.names/listing): {offenders}"
+
+
+def test_the_mode_scans_find_comparisons_and_lists(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(cfg, t, p):\n    a = cfg.mode == 'auto' or t in ('ulysses', 'x') or p.placement != 'tas'\n"
+                   "    b = p.head_chunks == 'auto'\n    MODES = ('ring', 'tasp')\n"
+                   "    raise ValueError(f'{t} needs a head per rank: use ring, tasp or usp')\n")
+    assert _compared_modes(bad) == [(2, "auto"), (2, "tas"), (2, "ulysses"), (4, "ring"), (4, "tasp")]
+    assert [line for line, _ in _error_lists(bad)] == [5]
+
+
+def test_every_list_of_modes_derives_from_the_mode_registry():
+    from megatron_sp_ext import config
+    from megatron_sp_ext.comm import capability
+    from megatron_sp_ext.sp import factory
+    from megatron_sp_ext.sp.ring import VARIANTS
+
+    assert config.MODES == modes.NAMES and len(set(modes.NAMES)) == len(modes.NAMES)
+    assert config.MESH_MODES == tuple(m.name for m in modes.MODES if m.mesh)
+    assert config.DROPOUT_MODES == tuple(m.name for m in modes.MODES if m.dropout and not m.auto)
+    assert config.DYNAMIC_MODES == tuple(m.name for m in modes.MODES if m.dynamic)
+    assert config.RING_VARIANTS == VARIANTS == factory.RING_MODES == tuple(m.name for m in modes.MODES
+                                                                          if m.ring_variant)
+    assert config.PLACEMENTS == ("auto",) + tuple(m.name for m in modes.MODES if m.placement)
+    assert [m.name for m in modes.MODES if capability.needs_p2p(m.name, 4)] == [m.name for m in modes.MODES if m.p2p]
+    assert not any(capability.needs_p2p(n, 1) for n in modes.NAMES)
+    for name in modes.NAMES:
+        m = modes.get(name)
+        assert m.family in modes.FAMILIES and m.summary
+        assert m.local_attention <= m.heads_per_rank, name   # a caller's attention runs on whole heads
+        assert not (m.p2p and m.dropout), name                # log-sum-exp merged partials carry no dropout
+        assert m.placement <= m.mesh and m.ulysses_across <= m.placement, name
+        assert m.head_chunks is None or modes.get(m.with_chunks).head_chunks is None, name
+    assert modes.get(modes.resolve_auto(8, 4)).family == "ulysses"
+    assert modes.get(modes.resolve_auto(2, 4)).placement and modes.get(modes.resolve_auto(3, 4)).ring_variant
+    try:
+        modes.names(bogus=True)
+    except TypeError as e:
+        assert "bogus" in str(e)
+    else:
+        raise AssertionError("an unknown field must raise")

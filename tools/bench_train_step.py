@@ -17,7 +17,11 @@ Block-sparse (#45): "sparse_topk80" / "sparse_topk90" (--sparse-attention tiles 
 self-attention at ~0.8 / ~0.9 sparsity; K and the window are computed at run time from the run's token grid
 (--frames / --latent-size / --model's patch; one grid only) and --sparse-tile (``sparse_variant_flags``):
 K = round((1 - s) * nT) of nT tiles, the window nearest s (tools/bench_block_sparse.window_for_sparsity). Each
-sparse result records its flags, nT, K or window and the actual sparsity; sparse_speedup_<v> = guarded / <v> step
+sparse result records its flags, nT, K or window and the actual sparsity. --sparse-args "FLAGS" gives entry flags
+to the sparse variants only (the dense ones of the same job run without them, #69 item 4): a kernel
+(--sparse-attention-kernel), a tile (--sparse-tile 4,4,4: also the tile K / the window are computed for), and for
+variant "sparse_custom" its own --sparse-topk K or --sparse-window t,h,w (the fixed variants refuse them, naming
+sparse_custom). sparse_speedup_<v> = guarded / <v> step
 time and sparse_tokens_per_s_ratio_<v> = <v> / guarded tokens/s (both need "guarded", the dense defaults, in the
 job). MFU: the entry's ``mfu`` counts DENSE attention FLOPs (DiTConfig.flops_per_token), so for a sparse variant it
 is a dense-equivalent rate; ``mfu_sparse_aware`` rescales it to the FLOPs the sparse step
@@ -33,6 +37,10 @@ optimizer: the GPU idle between steps), ``data_wait_ms`` (the loop waiting on it
 a run of fewer than 2 x --log-interval steps has no full interval past the warm-up, so
 its medians include the compilation: the bench then flags it (JSON and a WARNING line) with the --train-iters it
 needs. ``mfu`` is the entry step's; ``mfu_bare`` the bare step's (mfu x entry / bare step time; same FLOPs).
+Recompute (#67): "recompute_full", "recompute_selective" (--recompute-granularity selective --recompute-modules
+outside_core_attn: every part of a block but the attention core recomputed) and "recompute_selective_offload" (the
+same with --cpu-offloading) override the entry flags' recompute; recompute_selective_speedup = recompute_full /
+recompute_selective entry step time (_bare: the bare steps; target >= 1.15), each variant with its plan_gib.
 FSDP2 (#52): variant "fsdp2" is the defaults with --use-torch-fsdp2 (with "guarded" in the job,
 fsdp2_overhead = fsdp2 / guarded entry step time - 1, and the same for the bare step). Every variant of the
 megatron-core entry also records ``plan_gib`` (tools/memory_plan.py for the run's model, layers, tokens, SP,
@@ -59,6 +67,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import sys
 import tempfile
 from typing import Optional
@@ -76,23 +85,66 @@ VARIANTS = {"guarded": [],  # the defaults: finite check every step
             "cudnn": ["--sp-attention-backend", "cudnn"],  # attention on cuDNN (every call), the defaults otherwise
             "fa4": ["--sp-attention-backend", "fa4"],  # attention on FlashAttention-4 (every call)
             "fsdp2": ["--use-torch-fsdp2"],  # FSDP2 over data x context ranks (megatron-core entry)
+            # recompute choices (#67), each replacing the entry flags' own recompute flags: whole blocks; every part
+            # of a block but the attention core (the core's q, k, v, out, lse kept); the same with the kept core
+            # tensors offloaded to host memory
+            "recompute_full": ["--recompute-granularity", "full"],
+            "recompute_selective": ["--recompute-granularity", "selective", "--recompute-modules",
+                                    "outside_core_attn"],
+            "recompute_selective_offload": ["--recompute-granularity", "selective", "--recompute-modules",
+                                            "outside_core_attn", "--cpu-offloading"],
             "packed": ["--pack-samples"],  # packed steps, uniform SP (needs --max-tokens-per-step in the entry flags)
             "dynamic_cp": ["--pack-samples", "--dynamic-context-parallel"]}  # the same packs, dynamic SP
 PACKED_VARIANTS = ("packed", "dynamic_cp")  # their results record the pack (pack_info)
 STEP_AGREEMENT_TOL = 0.02  # entry step vs bare step: beyond this the run is flagged
-# block-sparse variants: (selection, target sparsity); their flags depend on the grid (sparse_variant_flags)
+# block-sparse variants: (selection, target sparsity); their flags depend on the grid (sparse_variant_flags).
+# "sparse_custom": the user's own selection (--sparse-topk K or --sparse-window t,h,w in --sparse-args).
 SPARSE_VARIANTS = {"sparse_topk80": ("topk", 0.8), "sparse_topk90": ("topk", 0.9),
-                   "sparse_window80": ("window", 0.8), "sparse_window90": ("window", 0.9)}
+                   "sparse_window80": ("window", 0.8), "sparse_window90": ("window", 0.9),
+                   "sparse_custom": ("custom", None)}
+DEFAULT_SPARSE_TILE = "4,4,8"
 
 
-def sparse_variant_flags(name: str, rest: list, tile: str, entry) -> tuple[list, dict]:
+def split_sparse_args(text: str, tile: Optional[str]) -> tuple[str, Optional[list], list]:
+    """--sparse-args (entry flags for the sparse variants only, shell-quoted) as (the tile the sparse variants use,
+    their own selection flags (--sparse-topk / --sparse-window) or None, the other flags). The tile: --sparse-tile
+    in ``text``, else the tool's --sparse-tile ``tile``, else the DiT's default; both given and different stop the
+    job naming them."""
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ap.add_argument("--sparse-tile")
+    ap.add_argument("--sparse-topk")
+    ap.add_argument("--sparse-window")
+    try:
+        known, other = ap.parse_known_args(shlex.split(text))
+    except (ValueError, SystemExit) as e:
+        raise SystemExit(f"--sparse-args {text!r}: not a list of entry flags ({e})") from None
+    if known.sparse_tile is not None and tile is not None and known.sparse_tile != tile:
+        raise SystemExit(f"--sparse-tile {tile} and --sparse-args '--sparse-tile {known.sparse_tile}' disagree: give "
+                         f"the sparse variants' tile once")
+    selection = None
+    if known.sparse_topk is not None or known.sparse_window is not None:
+        selection = ((["--sparse-topk", known.sparse_topk] if known.sparse_topk is not None else [])
+                     + (["--sparse-window", known.sparse_window] if known.sparse_window is not None else []))
+    return known.sparse_tile or tile or DEFAULT_SPARSE_TILE, selection, other
+
+
+def sparse_variant_flags(name: str, rest: list, tile: str, entry, selection: Optional[list] = None,
+                         other: Optional[list] = None) -> tuple[list, dict]:
     """(extra entry flags, info) of the sparse variant ``name`` for the entry flags ``rest``: the token grid comes
     from ``entry.parse(rest)`` (--frames, --latent-size, --model's patch; one grid only), tiles of ``tile``
-    ("T,H,W"); topk: K = max(1, round((1 - s) * nT)); window: ``window_for_sparsity``. info: flags, grid, tile,
-    n_tiles, topk or window, target and actual sparsity."""
+    ("T,H,W"); topk: K = max(1, round((1 - s) * nT)); window: ``window_for_sparsity``; sparse_custom: the user's
+    ``selection`` (--sparse-topk K or --sparse-window t,h,w). ``other``: further entry flags of the sparse variants
+    only (--sparse-args: a kernel, ...), after the variant's own. info: flags, grid, tile, n_tiles, topk or window,
+    target (None for sparse_custom) and actual sparsity."""
     from tools.bench_block_sparse import window_for_sparsity  # noqa: PLC0415
     from training.video_dit.sparse import check_tile_grid, num_tiles_of, window_block_mask  # noqa: PLC0415
     kind, target = SPARSE_VARIANTS[name]
+    if kind == "custom" and selection is None:
+        raise SystemExit("--variants sparse_custom: give its selection in --sparse-args (--sparse-topk K or "
+                         "--sparse-window t,h,w)")
+    if kind != "custom" and selection is not None:
+        raise SystemExit(f"--variants {name}: it sets its own --sparse-topk / --sparse-window (target sparsity "
+                         f"{target}); give yours in --sparse-args with --variants sparse_custom")
     args = entry.parse(list(rest))
     grid = token_grid(args)
     if grid is None:
@@ -103,16 +155,39 @@ def sparse_variant_flags(name: str, rest: list, tile: str, entry) -> tuple[list,
     n_tiles = num_tiles_of(grid, tile_thw)   # any grid: edge blocks compacted (training/video_dit/sparse.py)
     flags = ["--sparse-attention", "tiles", "--sparse-tile", tile]
     info = {"grid": list(grid), "tile": list(tile_thw), "n_tiles": n_tiles, "target_sparsity": target}
-    if kind == "topk":
+    if kind == "custom":
+        from training.video_dit.cli import sparse_spec  # noqa: PLC0415
+        spec = sparse_spec(entry.parse([*rest, *flags, *selection]))   # SPConfigError naming a bad flag
+        kind, k, w = ("topk", spec.topk, None) if spec.topk is not None else ("window", None, spec.window)
+    elif kind == "topk":
         k = max(1, round((1.0 - target) * n_tiles))
+    else:
+        w = window_for_sparsity(grid, tile_thw, target)
+    if kind == "topk":
         flags += ["--sparse-topk", str(k)]
         info.update(topk=k, sparsity=1.0 - k / n_tiles)
     else:
-        w = window_for_sparsity(grid, tile_thw, target)
         flags += ["--sparse-window", ",".join(map(str, w))]
         info.update(window=list(w), sparsity=1.0 - float(window_block_mask(grid, tile_thw, w).float().mean()))
+    flags += list(other or [])
     info["flags"] = flags
     return flags, info
+
+
+def variant_flags(variants: list, rest: list, sparse_tile: Optional[str], sparse_args: str,
+                  entry) -> tuple[dict, dict]:
+    """({variant: its entry flags beside ``rest``}, {sparse variant: info}): the dense variants' flags
+    (``VARIANTS``) and the sparse ones' (``sparse_variant_flags`` with --sparse-tile and --sparse-args, which reach
+    the sparse variants only)."""
+    extra, sparse_info = {v: list(VARIANTS[v]) for v in variants if v in VARIANTS}, {}
+    tile, selection, other = split_sparse_args(sparse_args, sparse_tile)
+    if sparse_args.strip() and not any(v in SPARSE_VARIANTS for v in variants):
+        raise SystemExit(f"--sparse-args {sparse_args!r}: no sparse_* variant in --variants {','.join(variants)} to "
+                         f"give them to")
+    for v in variants:
+        if v in SPARSE_VARIANTS:
+            extra[v], sparse_info[v] = sparse_variant_flags(v, rest, tile, entry, selection, other)
+    return extra, sparse_info
 
 
 def pack_info(args, world: int, rows: list) -> dict:
@@ -221,8 +296,19 @@ def plan_beside_peak(args, flags: list, world: int) -> dict:
     from tools.memory_plan import plan  # noqa: PLC0415
     grid = token_grid(args)
     rc = getattr(args, "recompute_granularity", None)
+    modules = list(getattr(args, "recompute_modules", None) or [])
+    if rc == "selective" and modules == ["outside_core_attn"]:
+        rc = "selective"   # the plan's "selective": everything of a block but the attention core recomputed
+    elif rc == "selective":
+        rc = f"selective {' '.join(modules)}"
+    offload = bool(getattr(args, "cpu_offloading", False))
     why = ("several token grids" if grid is None else None) or \
-        (f"--recompute-granularity {rc} (the plan models none and full)" if rc not in (None, "full") else None) or \
+        (f"--recompute-granularity {rc} (the plan models none, full and selective outside_core_attn)"
+         if rc not in (None, "full", "selective") else None) or \
+        ("--cpu-offloading-num-layers (the plan offloads every block or none)"
+         if offload and getattr(args, "cpu_offloading_num_layers", None) is not None else None) or \
+        ("--recompute-num-layers (the plan recomputes every block or none)"
+         if getattr(args, "recompute_num_layers", None) is not None else None) or \
         ("no --bf16 (the plan models bf16 autocast)" if not getattr(args, "bf16", False) else None)
     if why:
         return {"plan_gib": None, "plan_skipped": why}
@@ -230,10 +316,11 @@ def plan_beside_peak(args, flags: list, world: int) -> dict:
         "distributed-optimizer" if getattr(args, "use_distributed_optimizer", False) else "none"
     tokens = grid[0] * grid[1] * grid[2]
     sp = getattr(args, "context_parallel_size", None) or 1
-    p = plan(args.model, tokens, sp, world, sharding, rc or "none", getattr(args, "num_layers", None))
-    return {"plan_gib": p.total_gib, "plan_settings": {"model": args.model, "layers": p.layers, "tokens": tokens,
-                                                       "sp": sp, "gpus": world, "sharding": sharding,
-                                                       "recompute": p.recompute}}
+    p = plan(args.model, tokens, sp, world, sharding, rc or "none", getattr(args, "num_layers", None),
+             offload=offload)
+    return {"plan_gib": p.total_gib, "plan_peak_phase": p.peak_phase,
+            "plan_settings": {"model": args.model, "layers": p.layers, "tokens": tokens, "sp": sp, "gpus": world,
+                              "sharding": sharding, "recompute": p.recompute, "offload": offload}}
 
 
 PREFLIGHT_FRACTION = 0.92   # of the GPU's memory: above it the plan is too close to call (tools/memory_plan.py's error
@@ -290,8 +377,12 @@ def main() -> None:
     ap.add_argument("--variants", default="guarded,bare_loop")
     ap.add_argument("--log-interval", type=int, default=10, help="the entry's --log-interval in every variant "
                     "(the first interval is warm-up and left out of the medians)")
-    ap.add_argument("--sparse-tile", default="4,4,8", help="T,H,W tile of the sparse_* variants (the DiT's default: "
-                    "128 tokens)")
+    ap.add_argument("--sparse-tile", default=None, help=f"T,H,W tile of the sparse_* variants (default "
+                    f"{DEFAULT_SPARSE_TILE}, the DiT's: 128 tokens)")
+    ap.add_argument("--sparse-args", default="", help="entry flags given to the sparse_* variants only (one quoted "
+                    "string; the dense variants of the job run without them), e.g. \"--sparse-tile 4,4,4 "
+                    "--sparse-attention-kernel cudnn_block_sparse\"; a --sparse-tile there is the tile K / the window "
+                    "are computed for; --sparse-topk K or --sparse-window t,h,w there: variant sparse_custom only")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="train_step_out")
     ap.add_argument("rest", nargs=argparse.REMAINDER, help="-- then the entry point's flags")
@@ -304,11 +395,8 @@ def main() -> None:
         from training import pretrain_video_dit as entry
     else:
         from training import train_deepspeed as entry
-    extra, sparse_info = dict(VARIANTS), {}
-    for v in args.variants.split(","):
-        if v in SPARSE_VARIANTS:
-            extra[v], sparse_info[v] = sparse_variant_flags(v, rest, args.sparse_tile, entry)
     variants = args.variants.split(",")
+    extra, sparse_info = variant_flags(variants, rest, args.sparse_tile, args.sparse_args, entry)
     parsed_all = {v: entry.parse([*rest, *extra[v]]) for v in variants}  # a bad flag stops the job before any run
     check_packed_variants(variants, args.entry, parsed_all)
     init_world()  # shared by the runs below
@@ -357,6 +445,10 @@ def main() -> None:
     if "guarded" in results and "fsdp2" in results:
         results["fsdp2_overhead"] = results["fsdp2"]["entry_step_ms"] / results["guarded"]["entry_step_ms"] - 1
         results["fsdp2_overhead_bare"] = results["fsdp2"]["bare_step_ms"] / results["guarded"]["bare_step_ms"] - 1
+    for v in ("recompute_selective", "recompute_selective_offload"):
+        if "recompute_full" in results and v in results:   # #67: target >= 1.15 for recompute_selective
+            results[f"{v}_speedup"] = results["recompute_full"]["entry_step_ms"] / results[v]["entry_step_ms"]
+            results[f"{v}_speedup_bare"] = results["recompute_full"]["bare_step_ms"] / results[v]["bare_step_ms"]
     if "cudnn" in results and "fa4" in results:
         results["fa4_speedup"] = results["cudnn"]["entry_step_ms"] / results["fa4"]["entry_step_ms"]
     if "packed" in results and "dynamic_cp" in results:

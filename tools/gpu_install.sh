@@ -40,7 +40,13 @@ if [ ! -f /tmp/site/.spx_installed ] && [ -f /tmp/spx_parts/manifest ]; then
     rm -rf /tmp/site && mkdir -p /tmp/site && spx_install_whole /tmp/spx_wheels.tar && touch /tmp/site/.spx_installed
   fi
 fi
+# The image's huggingface_hub (1.33 on 2026-11-27) serves diffusers 0.42 (>= 1.32); a carried 2.x needs truststore,
+# which the image lacks (diffusers' import then fails and its families skip): the image's copy is kept.
+rm -rf /tmp/site/huggingface_hub /tmp/site/huggingface_hub-*.dist-info
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 if [ -f /tmp/site/.spx_installed ]; then
   python3 -c "import flash_attn.cute" 2>/dev/null && export SPX_REQUIRE_FA4=1
+  # cuDNN frontend's block sparsity (#69), when carried: its family must then run (in a process of its own: importing
+  # cudnn loads cuDNN)
+  python3 -c "import cudnn.block_sparse_attention" 2>/dev/null && export SPX_REQUIRE_CUDNN_BSA=1
 fi

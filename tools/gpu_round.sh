@@ -6,7 +6,8 @@
 #   bash tools/gpu_round.sh STAGE[@GPU] [STAGE[@GPU] ...]
 # stages: first fa4 sp2 curves checks suite kernels kernels2 kernels75 steps32 steps480 steps75 steps13 profiles
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
-# cudnn_layout table ring_profile.
+# cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
+# full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b.
 # A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
@@ -363,6 +364,129 @@ stage_n4() {   # call 3, four GPUs: the same checks at P=4 over NCCL, then the s
     --variants guarded,sparse_window90,sparse_topk90 --log-interval 4 --out $W/sp4/wan14b_4l_21x45x80 -- \
     --model wan-14b --num-layers 4 --bf16 --train-iters 12 --timing-bare-steps 4 --ddp-impl torch \
     --recompute-granularity full --context-parallel-size 4 --frames 21 --latent-size 90x160
+}
+# ---- #67: recompute that keeps the attention, the memory plan at 2 and 4 ranks, full-depth wan-14b on 4 GPUs ----
+stage_fsdp2_nccl() {   # the CUDA suite's FSDP2 families over NCCL (one rank per GPU: P=2, and P=4 on 4 GPUs), first
+  suite fsdp2_nccl/suite 300 "nccl and (fsdp2_model or fsdp2_entry)"
+}
+stage_recompute2() {   # 2 GPUs, ONE job: wan-14b 4 blocks, 75,600 tokens, SP=2 (megatron DDP: the plan's "none"),
+  # full recompute beside selective (--recompute-modules outside_core_attn: the attention core kept, never rerun);
+  # recompute_selective_speedup = full / selective entry step (target >= 1.15), each with plan_gib beside its peak
+  # (plan 46.2 / 53.4 GiB). ~4-5 min on 2 x H200 (2 x 24 steps of ~2.2 s, bare steps, build)
+  keep recompute2/step ${RECOMPUTE2_S:-500} torchrun --nproc-per-node 2 tools/bench_train_step.py \
+    --variants recompute_full,recompute_selective --log-interval 4 --out $W/recompute2/wan14b_4l_21x45x80 -- \
+    --model wan-14b --num-layers 4 --bf16 --train-iters 24 --timing-bare-steps 4 --context-parallel-size 2 \
+    --frames 21 --latent-size 90x160
+}
+stage_recompute2_offload() {   # the same job with --cpu-offloading (the kept core tensors in pinned host memory,
+  # plan 47.6 GiB, 5.8 GiB on the host per rank) beside selective without it
+  keep recompute2/offload ${RECOMPUTE2_S:-500} torchrun --nproc-per-node 2 tools/bench_train_step.py \
+    --variants recompute_selective,recompute_selective_offload --log-interval 4 \
+    --out $W/recompute2/wan14b_4l_21x45x80_offload -- --model wan-14b --num-layers 4 --bf16 --train-iters 24 \
+    --timing-bare-steps 4 --context-parallel-size 2 --frames 21 --latent-size 90x160
+}
+stage_peaks2() {   # the memory plan's validation points at 2 ranks (SP=CP=2; FSDP2 and megatron DDP, full / selective
+  # / offload, 32,760 and 75,600 tokens; tools/measure_peaks.py CONFIGS_SHARDED), ~5 min
+  keep peaks2 ${PEAKS_S:-480} torchrun --nproc-per-node 2 tools/measure_peaks.py --out $W/peaks2 --budget-s 380
+}
+stage_peaks4() {   # the same at 4 ranks (SP=CP=4), ~5 min
+  keep peaks4 ${PEAKS_S:-480} torchrun --nproc-per-node 4 tools/measure_peaks.py --out $W/peaks4 --budget-s 380
+}
+full40() {   # full40 NAME TOKENS SP RECOMPUTE...: wan-14b at full depth (40 blocks) on 4 GPUs, FSDP2 beside SP, one
+  # bench_train_step job over F40_VARIANTS (default dense, window90, top-k90), ${ITERS40:-20} steps each
+  local name=$1 tokens=$2 sp=$3; shift 3
+  local size=60x104; [ "$tokens" = 75600 ] && size=90x160
+  keep full40/$name ${FULL40_S:-530} torchrun --nproc-per-node 4 tools/bench_train_step.py \
+    --variants ${F40_VARIANTS:-guarded,sparse_window90,sparse_topk90} --log-interval 5 --out $W/full40/$name -- \
+    --model wan-14b --bf16 --use-torch-fsdp2 --context-parallel-size $sp --frames 21 --latent-size $size \
+    --train-iters ${ITERS40:-20} --timing-bare-steps 2 "$@"
+}
+# Per GPU by tools/memory_plan.py (FSDP2 over 4, 2026-11-27): the optimizer step alone is 96.3 GiB (fp32 params,
+# grads, Adam and foreach AdamW's temporary: 20.5B parameters), so none of these fits 4 x H100 (78 GiB): 4 x H200.
+# 32,760: SP=2 selective 102.5, SP=4 selective 96.3 | 75,600: SP=4 selective 109.0, SP=2 selective 157.7 (no):
+# full 96.3 or selective + --cpu-offloading 99.8. Each 32,760 job ~5-8 min, each 75,600 job ~8-10 min per variant
+# (the step ~10-14 s): run one variant per call there (F40_VARIANTS=guarded, then sparse_window90, ...).
+SEL=(--recompute-granularity selective --recompute-modules outside_core_attn)
+stage_full40_32k_sp4() { full40 wan14b_40l_32k_sp4 32760 4 "${SEL[@]}"; }
+stage_full40_32k_sp2() { full40 wan14b_40l_32k_sp2 32760 2 "${SEL[@]}"; }
+stage_full40_75k_sp4() { full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"; }
+stage_full40_75k_sp2() { full40 wan14b_40l_75k_sp2 75600 2 "${SEL[@]}" --cpu-offloading; }
+stage_full40_75k_sp2_full() { full40 wan14b_40l_75k_sp2_full 75600 2 --recompute-granularity full; }
+R40=(--model wan-14b --bf16 --use-torch-fsdp2 --context-parallel-size 4 --frames 21 --latent-size 60x104
+  --log-interval 1 --num-workers 2 "${SEL[@]}")
+ck40_dir() {   # where the full-depth checkpoint fits: 20.5B x 12 B (fp32 params + Adam) ~ 230 GiB; /dev/shm first
+  local need=240 d
+  for d in ${CK40_DIR:-} /dev/shm/spx_ck40 $W/ck40; do
+    [ -z "$d" ] && continue; mkdir -p "$d" 2>/dev/null || continue
+    if [ $(( $(df -Pk "$d" | awk 'NR == 2 {print $4}') / 1048576 )) -ge $need ]; then echo "$d"; return 0; fi
+  done
+  return 1
+}
+stage_resume40a() {   # full-depth resume, call 1 (4 GPUs, 32,760 tokens, SP=4, FSDP2, selective): the uninterrupted 8
+  # steps, then 4 steps saving the DCP checkpoint (kept for resume40b on this warm machine); ~6-8 min
+  local ck; ck=$(ck40_dir) || { echo "[resume40a: not started: no file system with 240 GiB free for the checkpoint"\
+    "(set CK40_DIR)]"; return 0; }
+  echo "checkpoint dir: $ck"; echo "$ck" > /tmp/spx_ck40_dir; rm -rf "$ck"/*
+  keep resume40/straight 240 torchrun --nproc-per-node 4 training/pretrain_video_dit.py "${R40[@]}" --train-iters 8 \
+    --log-dir $W/resume40/straight
+  keep resume40/first 280 torchrun --nproc-per-node 4 training/pretrain_video_dit.py "${R40[@]}" --train-iters 4 \
+    --save "$ck" --log-dir $W/resume40/first
+  du -sh "$ck"
+}
+stage_resume40b() {   # call 2: resume from that checkpoint to step 8 and compare every logged loss, bit for bit
+  local ck; ck=$(cat /tmp/spx_ck40_dir 2>/dev/null) || { echo "[resume40b: run resume40a first]"; return 0; }
+  keep resume40/resumed 400 torchrun --nproc-per-node 4 training/pretrain_video_dit.py "${R40[@]}" --train-iters 8 \
+    --load "$ck" --log-dir $W/resume40/resumed
+  keep resume40/check 30 python3 tools/check_resume.py --straight $W/resume40/straight --resumed \
+    $W/resume40/resumed --first $W/resume40/first --out $W/resume40/check_resume.json
+  rm -rf "$ck"
+}
+WAN_BENCH="torchrun --nproc-per-node 2 tools/bench_diffusers_wan.py"
+# 2026-11-27 (issues #65-#70) on 2 GPUs: call 1 (part.aa): r7a | call 2 (part.ab): r7b | call 3 (part.ac): r7c |
+#   call 4: r7d | call 5: r7e.
+stage_r7a() {   # call 1 (no FA4: the local kernel cuDNN, tiles on flex/math): the round's new paths on CUDA first:
+  # the diffusers client (#65) over NCCL and on one GPU, its block sparsity, the call-order family after the mode
+  # registry (#66), and the recompute choices' first step (#67) in one small job
+  suite r7a/diffusers 220 "test_diffusers_family and (2-nccl or 2-gloo)"
+  suite r7a/diffusers_sparse 150 "test_diffusers_sparse_family and 2-nccl"
+  suite r7a/order 60 "test_call_order_regression and 2-nccl"
+  keep r7a/recompute 120 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants \
+    recompute_full,recompute_selective,recompute_selective_offload --log-interval 2 --out $W/r7a/recompute_small -- \
+    --model wan-1.3b --num-layers 2 --bf16 --frames 5 --latent-size 32x64 --train-iters 4 --timing-bare-steps 2 \
+    --ddp-impl torch --context-parallel-size 2
+}
+stage_r7s() {   # call 2 (part.ab): the diffusers families again (call 1 skipped them: the carried huggingface_hub 2.4
+  # needed truststore; gpu_install.sh now keeps the image's)
+  suite r7s/diffusers 200 "test_diffusers_family and (2-nccl or 2-gloo)"
+  suite r7s/diffusers_sparse 120 "test_diffusers_sparse_family and 2-nccl"
+}
+stage_r7b() {   # call 2 (part.ab): diffusers' own context parallelism on its best backend (needs no FA4), 720p, 480p
+  keep r7b/720p 330 $WAN_BENCH --grid 720p --variants diffusers-ulysses,diffusers-ring --steps 4 --warmup 2 \
+    --out $W/r7b/720p_diffusers.json
+  keep r7b/480p 200 $WAN_BENCH --grid 480p --variants diffusers-ulysses,diffusers-ring --steps 4 --warmup 2 \
+    --out $W/r7b/480p_diffusers.json
+}
+stage_r7c() {   # call 3 (part.ac: FA4 and cuDNN frontend there): the checks of what the rows time, on FA4, then
+  # ours-auto at 720p
+  suite r7c/diffusers 160 "test_diffusers_family and 2-nccl"
+  suite r7c/diffusers_sparse 160 "test_diffusers_sparse_family and 2-nccl"
+  suite r7c/cudnn_bs 120 "test_cudnn_block_sparse_family and 2-gloo"
+  keep r7c/720p 150 $WAN_BENCH --grid 720p --variants ours-auto --steps 4 --warmup 2 --out $W/r7c/720p_auto.json
+}
+stage_r7d() {   # call 4: our modes and block sparsity at 720p, ours-auto at 480p
+  keep r7d/720p 420 $WAN_BENCH --grid 720p --variants ours-hcms,ours-ring,ours-auto-window90,ours-auto-topk90 \
+    --steps 4 --warmup 2 --out $W/r7d/720p_ours.json
+  keep r7d/480p 120 $WAN_BENCH --grid 480p --variants ours-auto --steps 4 --warmup 2 --out $W/r7d/480p_auto.json
+}
+stage_r7e() {   # call 5: 50-step bf16 loss curves (ours-auto vs diffusers' best CP, 480p), selective vs full recompute
+  # (#67: wan-14b 4 blocks, 75,600 tokens, SP=2), the mask check per call vs once per mask (#66)
+  keep r7e/curves 260 $WAN_BENCH --grid 480p --curves 50 --out $W/r7e/480p.json
+  keep r7e/recompute 200 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants \
+    recompute_full,recompute_selective --log-interval 4 --out $W/r7e/recompute_14b -- --model wan-14b --num-layers 4 \
+    --bf16 --frames 21 --latent-size 90x160 --train-iters 12 --timing-bare-steps 4 --ddp-impl torch \
+    --context-parallel-size 2
+  keep r7e/sparse_sync 120 torchrun --nproc-per-node 2 tools/profile_sparse_sync.py --out $W/r7e/sparse_sync.json \
+    --model wan-14b --num-layers 2 --frames 21 --latent-size 60x104 --sparsity 0.9 --bf16 --steps 10
 }
 run_stage() {   # run_stage STAGE[+STAGE...] [GPU[,GPU]]: the stages one after the other (on those GPUs); one summary
   # and one tarball per call of run_stage (the device returns 8 files: 4 stages at once at most), named with '_'

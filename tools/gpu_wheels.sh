@@ -4,8 +4,9 @@
 #   bash tools/gpu_wheels.sh lite       -> the same parts without DeepSpeed and its needs (smaller)
 #   PARTS=3 bash tools/gpu_wheels.sh lite   -> three parts (~35 MB each): with tools/results at 12.7 MB the tree
 #                                              (13.8 MB) and one of two lite halves went over 64 MiB (2026-11-26)
-# Contents: flash-attn-4 and its CuTe DSL compiler (~102 MB), megatron-core 0.16.1, deepspeed 0.19.8 and their
-# small needs (cp312, manylinux). There (tools/gpu_install.sh, sourced by tools/gpu_run.sh): each call carrying a
+# Contents: flash-attn-4 and its CuTe DSL compiler (~102 MB), megatron-core 0.16.1, deepspeed 0.19.8, diffusers 0.42.1
+# (the image's huggingface-hub 1.33 serves it), cuDNN frontend 1.32.0 (block-sparse attention; uses FA4's
+# CuTe DSL) and their small needs (cp312, manylinux). There (tools/gpu_install.sh, sourced by tools/gpu_run.sh): each call carrying a
 # part leaves it under /tmp/spx_parts; once every part of the manifest is there they are joined, checked
 # (sha256) and installed with pip --no-index into /tmp/site.
 set -euo pipefail
@@ -37,6 +38,7 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$W" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 \
   nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 \
   apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 quack-kernels==0.6.5 megatron-core==0.16.1 \
-  hjson msgpack py-cpuinfo pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
+  hjson msgpack py-cpuinfo pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection \
+  diffusers==0.42.1 importlib_metadata==10.2.0 lazy-importer==0.1.0 nvidia-cudnn-frontend==1.32.0
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q deepspeed==0.19.8 --no-deps --no-build-isolation -w "$W"
 pack "$W"

@@ -1,25 +1,47 @@
-"""Per-GPU memory plan for the video DiT: parameters, gradients, optimizer state, activations (with / without
-full recompute), the attention's and the SP exchanges' buffers, and whether it fits a GPU.
+"""Per-GPU memory plan for the video DiT: parameters, gradients, optimizer state, activations (no recompute, full
+recompute, selective recompute that keeps the attention core, activation offloading), the SP exchanges' buffers,
+and whether it fits a GPU.
 
     python tools/memory_plan.py --model wan-14b --tokens 75600 --sp 8 --gpus 8 --sharding fsdp --recompute full
+    python tools/memory_plan.py --model wan-14b --layers 4 --tokens 75600 --sp 2 --gpus 2 --recompute selective
     python tools/memory_plan.py --table          # wan-14b, 32K / 75K / 300K tokens on 8 / 16 / 64 GPUs
     python tools/memory_plan.py --validate       # fit and validate points apart; exit 1 if a validate one is >10% off
+    python tools/memory_plan.py --validate --require-ranks 1,2,4   # ... or if a rank count has no validate point
     python tools/memory_plan.py --merge $OUT/memory_peaks.json   # add tools/measure_peaks.py's GPU peaks (validate)
 
-Model (bf16 autocast over fp32 weights, AdamW, Megatron's fp32 gradient buffers):
-  parameters 4 B/param, gradients 4 B, Adam 8 B.
-  none / distributed-optimizer: autocast's bf16 weight copies, 2 B/param: without recompute every block's copies
-  are saved for the backward; with full recompute the autocast cache is dropped when the forward's autocast ends,
-  so the backward holds one recomputed block's copies (the end of the forward, all copies and no block's
-  activations, is the other candidate peak: the larger of the two counts). Distributed-optimizer: Adam / (DP x CP).
-  fsdp / zero3: parameters, gradients and Adam / (DP x CP), no autocast copies (FSDP2 gathers bf16 itself), plus
-  two blocks unsharded (bf16 params + fp32 gradients: one in use, one prefetched; at one rank no unsharded
-  gradient: it is the shard) and the root's own (non-block) parameters gathered in bf16 for the whole step.
-  activations: c x dim bytes per local token per layer, c the one constant FITTED to the
-  measured peaks marked "fit" (tools/results/memory_peaks/peaks.json; least squares of the relative error).
-  full recompute keeps each block's input, the bf16 residual stream (the patch embedding's output is bf16 under
-  autocast, and every block adds bf16 to it): 2 x dim B per local token per layer, plus one block's activations
-  while it is recomputed.
+Recompute choices (the entry's flags): none; full (--recompute-granularity full); selective
+(--recompute-granularity selective --recompute-modules outside_core_attn: everything of a block but the attention
+core recomputed); --offload (--cpu-offloading, with none or selective).
+
+Model (bf16 autocast over fp32 weights, AdamW): parameters 4 B/param, gradients 4 B, Adam 8 B.
+  none / distributed-optimizer (megatron DDP: fp32 gradient buffers for the whole step, fused AdamW): autocast's
+  bf16 weight copies, 2 B/param: without recompute every block's copies are saved for the backward; with
+  recompute the autocast cache is dropped when the forward's autocast ends, so the backward holds one recomputed
+  block's copies (the end of the forward, all copies and no block's activations, is the other candidate peak: the
+  larger of the two counts). Distributed-optimizer: Adam / (DP x CP). The peak is the backward of the last block.
+  fsdp / zero3 (FSDP2, sharded over all DP x CP ranks, gradients set to None between steps, torch's foreach
+  AdamW): the larger of two phases.
+    backward of block i (blocks run L-1 .. 0): parameter and Adam shards; the gradient shards of the blocks whose
+      backward is done (L-1-i of them: a shard exists once its reduce-scatter lands); one block unsharded at
+      4 B/param (its bf16 parameters, and 2 B/param more: its bf16 gradient or the reduce-scatter buffer in flight,
+      whichever meets the activation peak); the root's own parameters gathered in bf16 for the whole step; the
+      activations of blocks 0..i (what each keeps) plus one block's working set. No autocast copies (FSDP2 gathers
+      bf16 itself).
+    optimizer step: parameter, gradient and Adam shards plus foreach AdamW's one temporary of the parameters' size
+      (sqrt of the second moment, 4 B/param of the shard).
+  Before 2026-11-27 the plan counted every gradient shard, two blocks unsharded at 6 B/param and no optimizer
+  phase: +23% on the one 2-rank FSDP2 peak (23.0 GiB measured, plan 28.2), +7% at one rank.
+  activations: c x dim bytes per local token per layer, c the one constant FITTED to the measured peaks marked
+  "fit" (tools/results/memory_peaks/peaks.json; least squares of the relative error; all of them without
+  recompute, megatron DDP). What a block keeps between its forward and its backward, per local token:
+    full: its input, the bf16 residual stream (2 x dim B);
+    selective: its input (2 x dim), the attention core's saved q, k, v and output (8 x dim, bf16) and log-sum-exp
+      (4 B per head), and at SP > 1 the output after its exchange back (2 x dim: the second region's input; at one
+      rank it is the core's output itself);
+    selective + offload: only the two recomputed regions' inputs stay (block input, core output: 4 x dim); the
+      core's q, k, v, out, lse wait in pinned host memory (host_offload_gib);
+    none + offload: nothing but the block being run (its c x dim come back for its backward).
+  Recompute holds one block's activations (c x dim) while it is recomputed and backpropagated.
   exchanges (SP > 1): Ulysses all-to-all of q, k, v, out in bf16, two in flight: 8 x dim B per local token.
   workspace: a constant (allocator slack, cuDNN workspace).
 """
@@ -39,8 +61,16 @@ WORKSPACE_GIB = 1.0
 H200_USABLE_GIB = 139.0
 MAX_VALIDATION_ERROR = 0.10
 SHARDINGS = ("none", "distributed-optimizer", "fsdp", "zero3")
+RECOMPUTES = ("none", "full", "selective")
 PEAKS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory_peaks", "peaks.json")
 POINT_KEYS = ("model", "layers", "tokens", "sp", "gpus", "sharding", "recompute")
+# bytes per local token per layer a block keeps between forward and backward, in units of dim (bf16 tensors)
+KEEP_FULL = 2          # the block's input
+KEEP_SELECTIVE_SP1 = 10  # input + the core's q, k, v, out (its out is the second region's input)
+KEEP_SELECTIVE_SP = 12   # ... + the output exchanged back (the second region's input) at SP > 1
+KEEP_SELECTIVE_OFFLOAD = 4  # the regions' inputs only (block input, core output); q, k, v, out, lse on the host
+FSDP_BLOCK_BYTES = 4   # one block unsharded in the backward: bf16 parameters + its bf16 gradient / the RS buffer
+ADAM_FOREACH_TEMP = 4  # torch foreach AdamW: one fp32 temporary of the parameters' size
 
 
 @dataclass
@@ -52,6 +82,7 @@ class Plan:
     gpus: int
     sharding: str
     recompute: str
+    offload: bool
     params_b: float
     parameters_gib: float
     gradients_gib: float
@@ -63,6 +94,9 @@ class Plan:
     activations_per_layer_recompute_gib: float
     exchange_gib: float
     workspace_gib: float
+    optimizer_temp_gib: float
+    host_offload_gib: float
+    peak_phase: str
     total_gib: float
     gpu_gib: float
     fits: bool
@@ -78,20 +112,37 @@ def param_counts(model: str, layers: int | None) -> tuple[int, int]:
     return sum(p.numel() for p in m.parameters()), sum(p.numel() for p in m.blocks[0].parameters())
 
 
+def kept_per_layer(recompute: str, offload: bool, sp: int, dim: int, heads: int, per_layer: float) -> float:
+    """Bytes per local token and layer a block keeps on the GPU between its forward and its backward (the plan's
+    activation terms, module docstring); ``per_layer``: the no-recompute constant (c x dim)."""
+    if recompute == "full":
+        return KEEP_FULL * dim
+    if recompute == "selective":
+        if offload:
+            return KEEP_SELECTIVE_OFFLOAD * dim
+        return (KEEP_SELECTIVE_SP if sp > 1 else KEEP_SELECTIVE_SP1) * dim + 4 * heads
+    return 0.0 if offload else per_layer
+
+
 def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", recompute: str = "none",
-         layers: int | None = None, gpu_gib: float = H200_USABLE_GIB, act_bytes: float | None = None) -> Plan:
+         layers: int | None = None, gpu_gib: float = H200_USABLE_GIB, act_bytes: float | None = None,
+         offload: bool = False) -> Plan:
     """The per-GPU memory of one training step (see the module docstring for the model); ``act_bytes``: the
-    activation constant (default: fitted to the "fit" points of PEAKS_FILE)."""
+    activation constant (default: fitted to the "fit" points of PEAKS_FILE); ``offload``: --cpu-offloading."""
     from training.video_dit import preset  # noqa: PLC0415
     if sharding not in SHARDINGS:
         raise ValueError(f"--sharding={sharding!r}: choose one of {', '.join(SHARDINGS)}")
-    if recompute not in ("none", "full"):
-        raise ValueError(f"--recompute={recompute!r}: choose none or full")
+    if recompute not in RECOMPUTES:
+        raise ValueError(f"--recompute={recompute!r}: choose one of {', '.join(RECOMPUTES)}")
+    if offload and recompute == "full":
+        raise ValueError("--offload with --recompute full: the entry refuses --cpu-offloading there (the blocks "
+                         "keep only their inputs, held by the checkpoint)")
     if sp < 1 or gpus % sp:
         raise ValueError(f"--gpus={gpus} must be a multiple of --sp={sp}")
     c = fitted_act_bytes() if act_bytes is None else act_bytes
     cfg = preset(model, layers)
     n, n_blk = param_counts(model, layers)
+    n_root = n - cfg.layers * n_blk
     fsdp = sharding in ("fsdp", "zero3")
     shard = gpus if fsdp else 1
     p = 4 * n / shard / GIB
@@ -99,26 +150,50 @@ def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", re
     o = 8 * n / (gpus if sharding != "none" else 1) / GIB
     local = tokens / sp
     per_layer = c * cfg.dim * local / GIB
-    per_layer_rc = 2 * cfg.dim * local / GIB
-    # two blocks unsharded: bf16 params, and fp32 gradients before their reduce-scatter where there is one to do
-    # (one rank: the gradient is the shard itself; the plan without this was 8-18% over three FSDP2 peaks
-    # measured at one rank on an H100, 2026-11-25, and this term was revised after them)
-    unsharded_grad = 4 if shard > 1 else 0
-    blocks = (2 * (2 + unsharded_grad) * n_blk + 2 * (n - cfg.layers * n_blk)) / GIB if fsdp else 0.0
-    if recompute == "none":
-        act = cfg.layers * per_layer
-        cast = 0.0 if fsdp else 2 * n / GIB
-    else:
-        inputs = cfg.layers * per_layer_rc
-        cast_all, cast_blk = (0.0, 0.0) if fsdp else (2 * n / GIB, 2 * n_blk / GIB)
-        if cast_all > per_layer + cast_blk:  # the end of the forward: every block's copies, no block's activations
-            act, cast = inputs, cast_all
-        else:  # the backward: one block recomputed (its activations and its bf16 weight copies)
-            act, cast = inputs + per_layer, cast_blk
+    keep_b = kept_per_layer(recompute, offload, sp, cfg.dim, cfg.heads, c * cfg.dim)
+    keep = keep_b * local / GIB
+    # offloaded: without recompute everything a block saves; selective: the core's q, k, v, out (bf16) and lse
+    host = cfg.layers * (per_layer if recompute == "none" else (8 * cfg.dim + 4 * cfg.heads) * local / GIB) \
+        if offload else 0.0
     exch = 8 * cfg.dim * local / GIB if sp > 1 else 0.0
+    temp = 0.0
+    if fsdp:
+        # the backward of block i (L-1 .. 0): grads of the blocks done, blocks 0..i's kept tensors, one block's
+        # working set (it is recomputed, or, without recompute, its activations are among the kept ones)
+        g_blk = 4 * n_blk / shard / GIB
+        blocks = (FSDP_BLOCK_BYTES * n_blk + 2 * n_root) / GIB
+        work = 0.0 if recompute == "none" and not offload else per_layer
+        phases = {f"backward of block {i}": (cfg.layers - 1 - i) * g_blk + (i + 1) * keep + work
+                  for i in range(cfg.layers)}
+        phase, bwd = max(phases.items(), key=lambda kv: kv[1])
+        grads_bwd = (cfg.layers - 1 - int(phase.rsplit(" ", 1)[1])) * g_blk
+        act, cast = bwd - grads_bwd, 0.0
+        temp = ADAM_FOREACH_TEMP * n / shard / GIB
+        backward_total = p + o + grads_bwd + blocks + act + exch + WORKSPACE_GIB
+        optimizer_total = p + g + o + temp + WORKSPACE_GIB
+        if optimizer_total > backward_total:
+            phase, act, blocks, exch_used = "optimizer step", 0.0, 0.0, 0.0
+            total = optimizer_total
+        else:
+            g, temp, exch_used = grads_bwd, 0.0, exch
+            total = backward_total
+        return Plan(model, cfg.layers, tokens, sp, gpus, sharding, recompute, offload, n / 1e9, p, g, o, cast,
+                    blocks, act, per_layer, keep, exch_used, WORKSPACE_GIB, temp, host, phase, total, gpu_gib,
+                    total <= gpu_gib)
+    blocks = 0.0
+    if recompute == "none" and not offload:
+        act, cast, phase = cfg.layers * per_layer, 2 * n / GIB, "backward of the last block"
+    else:
+        inputs = cfg.layers * keep
+        # (offload without recompute: the saved bf16 weight copies go to the host too, as the recomputed ones go)
+        cast_all, cast_blk = 2 * n / GIB, 2 * n_blk / GIB
+        if cast_all > per_layer + cast_blk:  # the end of the forward: every block's copies, no block's activations
+            act, cast, phase = inputs, cast_all, "end of the forward"
+        else:  # the backward: one block recomputed (its activations and its bf16 weight copies)
+            act, cast, phase = inputs + per_layer, cast_blk, "backward of the last block"
     total = p + g + o + cast + blocks + act + exch + WORKSPACE_GIB
-    return Plan(model, cfg.layers, tokens, sp, gpus, sharding, recompute, n / 1e9, p, g, o, cast, blocks, act,
-                per_layer, per_layer_rc, exch, WORKSPACE_GIB, total, gpu_gib, total <= gpu_gib)
+    return Plan(model, cfg.layers, tokens, sp, gpus, sharding, recompute, offload, n / 1e9, p, g, o, cast, blocks,
+                act, per_layer, keep, exch, WORKSPACE_GIB, temp, host, phase, total, gpu_gib, total <= gpu_gib)
 
 
 def load_points(path: str = PEAKS_FILE) -> list:
@@ -139,8 +214,8 @@ def fit_act_bytes(points: list) -> float:
         if pt["role"] != "fit":
             continue
         args = [pt[k] for k in ("model", "tokens", "sp", "gpus", "sharding", "recompute")]
-        at0 = plan(*args, layers=pt["layers"], act_bytes=0.0).total_gib
-        at1 = plan(*args, layers=pt["layers"], act_bytes=1.0).total_gib
+        at0 = plan(*args, layers=pt["layers"], act_bytes=0.0, offload=pt.get("offload", False)).total_gib
+        at1 = plan(*args, layers=pt["layers"], act_bytes=1.0, offload=pt.get("offload", False)).total_gib
         a, rest = (at1 - at0) / pt["peak_gib"], at0 / pt["peak_gib"]
         num += a * (1.0 - rest)
         den += a * a
@@ -162,25 +237,34 @@ def validate(path: str = PEAKS_FILE) -> list[dict]:
     rows = []
     for pt in points:
         pl = plan(pt["model"], pt["tokens"], pt["sp"], pt["gpus"], pt["sharding"], pt["recompute"], pt["layers"],
-                  act_bytes=c)
-        rows.append({**{k: pt[k] for k in POINT_KEYS}, "role": pt["role"], "plan_gib": round(pl.total_gib, 2),
+                  act_bytes=c, offload=pt.get("offload", False))
+        rows.append({**{k: pt[k] for k in POINT_KEYS}, "offload": pt.get("offload", False), "role": pt["role"],
+                     "date": pt.get("date", ""), "derived": bool(pt.get("derived", False)), "phase": pl.peak_phase,
+                     "plan_gib": round(pl.total_gib, 2),
                      "measured_gib": pt["peak_gib"], "error": round(pl.total_gib / pt["peak_gib"] - 1, 4),
                      "device": pt.get("device", ""), "source": pt.get("source", ""), "act_bytes": c})
     return rows
+
+
+def point_key(pt: dict) -> tuple:
+    """What identifies a measured configuration (POINT_KEYS and whether it offloads)."""
+    return (*(pt[k] for k in POINT_KEYS), bool(pt.get("offload", False)))
 
 
 def merge(measured_json: str, path: str = PEAKS_FILE) -> int:
     """Add tools/measure_peaks.py's measured points (role validate; a point already there is replaced) to
     ``path``; returns how many were added or replaced."""
     with open(measured_json) as f:
-        new = [pt for pt in json.load(f)["points"] if pt.get("peak_gib") is not None]
+        measured = json.load(f)
+    new = [pt for pt in measured["points"] if pt.get("peak_gib") is not None]
+    date = str(measured.get("meta", {}).get("date", ""))[:10]
     with open(path) as f:
         data = json.load(f)
-    key = lambda pt: tuple(pt[k] for k in POINT_KEYS)  # noqa: E731
-    fresh = {key(pt) for pt in new}
-    data["points"] = [pt for pt in data["points"] if key(pt) not in fresh or pt["role"] == "fit"] + \
-        [{**{k: pt[k] for k in POINT_KEYS}, "peak_gib": round(pt["peak_gib"], 2), "role": "validate",
-          "device": pt.get("device", ""), "source": pt.get("source", measured_json)} for pt in new]
+    fresh = {point_key(pt) for pt in new}
+    data["points"] = [pt for pt in data["points"] if point_key(pt) not in fresh or pt["role"] == "fit"] + \
+        [{**{k: pt[k] for k in POINT_KEYS}, "offload": bool(pt.get("offload", False)),
+          "peak_gib": round(pt["peak_gib"], 2), "role": "validate", "device": pt.get("device", ""),
+          "date": pt.get("date", date), "source": pt.get("source", measured_json)} for pt in new]
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     return len(new)
@@ -191,12 +275,29 @@ def markdown(rows: list) -> str:
     c = rows[0]["act_bytes"] if rows else float("nan")
     out = [f"Activation constant fitted to the fit rows: {c:.1f} x dim bytes per local token per layer.", "",
            "| role | model | layers | tokens | SP | GPUs | sharding | recompute | plan GiB | measured GiB | error | "
-           "device |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "plan's peak | device | date |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        rc = r["recompute"] + (" + offload" if r.get("offload") else "")
         out.append(f"| {r['role']} | {r['model']} | {r['layers']} | {r['tokens']:,} | {r['sp']} | {r['gpus']} | "
-                   f"{r['sharding']} | {r['recompute']} | {r['plan_gib']:.1f} | {r['measured_gib']:.1f} | "
-                   f"{r['error']:+.1%} | {r['device']} |")
+                   f"{r['sharding']} | {rc} | {r['plan_gib']:.1f} | {r['measured_gib']:.1f}{' (derived)' if r.get('derived') else ''} | "
+                   f"{r['error']:+.1%} | {r['phase']} | {r['device']} | {r.get('date', '')} |")
     return "\n".join(out)
+
+
+def failures(rows: list, require_ranks: tuple = ()) -> list[str]:
+    """Why ``--validate`` fails: each validate row off by more than MAX_VALIDATION_ERROR (named), and each rank
+    count of ``require_ranks`` without a validate row."""
+    out = []
+    for r in rows:
+        if r["role"] == "validate" and abs(r["error"]) > MAX_VALIDATION_ERROR:
+            out.append(f"{r['model']} {r['layers']} layers {r['tokens']} tokens SP={r['sp']} GPUs={r['gpus']} "
+                       f"{r['sharding']} recompute={r['recompute']}{' offload' if r.get('offload') else ''} "
+                       f"({r['device']}): plan {r['plan_gib']} GiB vs measured {r['measured_gib']} GiB "
+                       f"({r['error']:+.1%}, limit {MAX_VALIDATION_ERROR:.0%})")
+    have = {r["gpus"] for r in rows if r["role"] == "validate"}
+    out += [f"no validate point at {n} ranks (tools/measure_peaks.py on {n} GPUs, then --merge)"
+            for n in require_ranks if n not in have]
+    return out
 
 
 def table(gpu_gib: float = H200_USABLE_GIB) -> list[Plan]:
@@ -206,7 +307,7 @@ def table(gpu_gib: float = H200_USABLE_GIB) -> list[Plan]:
         for gpus in (8, 16, 64):
             sp = 8 if tokens <= 75600 else min(gpus, 32)
             sp = min(sp, gpus)
-            for rc in ("none", "full"):
+            for rc in ("none", "full", "selective"):
                 out.append(plan("wan-14b", tokens, sp, gpus, "fsdp", rc, gpu_gib=gpu_gib))
     return out
 
@@ -219,12 +320,16 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--sp", type=int, default=8)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--sharding", default="fsdp", choices=SHARDINGS)
-    ap.add_argument("--recompute", default="full", choices=["none", "full"])
+    ap.add_argument("--recompute", default="full", choices=RECOMPUTES,
+                    help="selective: --recompute-granularity selective --recompute-modules outside_core_attn")
+    ap.add_argument("--offload", action="store_true", help="--cpu-offloading (with --recompute none or selective)")
     ap.add_argument("--gpu-gib", type=float, default=H200_USABLE_GIB, help="usable GPU memory (H200: 139 GiB)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--validate", action="store_true", help="plan vs every measured peak (fit and validate rows); "
-                    "exit 1 when a validate row is off by more than 10%%")
+                    "exit 1 when a validate row is off by more than 10%% (each named)")
+    ap.add_argument("--require-ranks", default="", help="with --validate: also exit 1 when one of these rank "
+                    "counts (comma-separated, e.g. 1,2,4) has no validate point")
     ap.add_argument("--peaks", default=PEAKS_FILE, help="the measured peaks (JSON, each point role fit or validate)")
     ap.add_argument("--merge", default=None, help="add tools/measure_peaks.py's JSON to --peaks as validate points")
     a = ap.parse_args(argv)
@@ -232,25 +337,33 @@ def main(argv: list | None = None) -> int:
         print(f"merged {merge(a.merge, a.peaks)} points into {a.peaks}")
         return 0
     if a.validate:
+        try:
+            need = tuple(int(x) for x in a.require_ranks.split(",") if x.strip())
+        except ValueError:
+            ap.error(f"--require-ranks={a.require_ranks!r}: comma-separated rank counts, e.g. 1,2,4")
         rows = validate(a.peaks)
         print(json.dumps(rows, indent=1) if a.json else markdown(rows))
-        bad = [r for r in rows if r["role"] == "validate" and abs(r["error"]) > MAX_VALIDATION_ERROR]
-        for r in bad:
-            print(f"FAIL: {r['model']} {r['layers']} layers {r['tokens']} tokens SP={r['sp']} {r['sharding']} "
-                  f"recompute={r['recompute']}: plan {r['plan_gib']} GiB vs measured {r['measured_gib']} GiB "
-                  f"({r['error']:+.1%}, limit {MAX_VALIDATION_ERROR:.0%})", file=sys.stderr)
+        bad = failures(rows, need)
+        for why in bad:
+            print(f"FAIL: {why}", file=sys.stderr)
         return 1 if bad else 0
-    plans = table(a.gpu_gib) if a.table else [plan(a.model, a.tokens, a.sp, a.gpus, a.sharding, a.recompute,
-                                                     a.layers, a.gpu_gib)]
+    try:
+        plans = table(a.gpu_gib) if a.table else [plan(a.model, a.tokens, a.sp, a.gpus, a.sharding, a.recompute,
+                                                         a.layers, a.gpu_gib, offload=a.offload)]
+    except ValueError as e:
+        ap.error(str(e))
     if a.json:
         print(json.dumps([asdict(p) for p in plans], indent=1))
         return 0
-    print("| tokens | GPUs | SP | sharding | recompute | params+grads+opt | activations | exchange | total GiB | fits |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | GPUs | SP | sharding | recompute | state (params, grads, Adam, unsharded, temp) | activations | exchange | total GiB | fits | "
+          "peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for p in plans:
-        print(f"| {p.tokens:,} | {p.gpus} | {p.sp} | {p.sharding} | {p.recompute} | "
-              f"{p.parameters_gib + p.gradients_gib + p.optimizer_gib + p.autocast_copies_gib + p.unsharded_blocks_gib:.1f} | "
-              f"{p.activations_gib:.1f} | {p.exchange_gib:.1f} | {p.total_gib:.1f} | {'yes' if p.fits else 'no'} |")
+        state = p.parameters_gib + p.gradients_gib + p.optimizer_gib + p.autocast_copies_gib + \
+            p.unsharded_blocks_gib + p.optimizer_temp_gib
+        print(f"| {p.tokens:,} | {p.gpus} | {p.sp} | {p.sharding} | {p.recompute}{' + offload' if p.offload else ''} "
+              f"| {state:.1f} | {p.activations_gib:.1f} | {p.exchange_gib:.1f} | {p.total_gib:.1f} | "
+              f"{'yes' if p.fits else 'no'} | {p.peak_phase} |")
     return 0
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_sp_ext import modes  # noqa: E402
 from megatron_sp_ext.config import SPConfig  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
@@ -90,15 +91,18 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
         p.error("--cp-comm-type: the video DiT takes one value for all layers")
     if args.cp_comm_type[0] in ("p2p", "a2a", "all_gather", "a2a+p2p"):
         p.error(f"--cp-comm-type={args.cp_comm_type[0]}: Transformer Engine's CP needs TE's attention module; "
-                f"this DiT uses megatron_sp_ext modes (ulysses, hcms, ring, tasp, usp, tas, torus, auto)")
+                f"this DiT uses megatron_sp_ext modes ({', '.join(modes.NAMES)})")
     try:
         validate_args(args)
     except SPConfigError as e:
         p.error(str(e))
-    if args.sp_async_qkv in ("on", "allgather") and (args.cp_comm_type[0] not in ("ulysses", "hcms")
-                                      or args.hcms_head_chunks == "auto"):
-        p.error(f"--sp-async-qkv {args.sp_async_qkv} needs --cp-comm-type ulysses or hcms with an integer --hcms-head-chunks "
-                f"(got {args.cp_comm_type[0]}, {args.hcms_head_chunks}); --sp-async-qkv auto picks them itself")
+    spec = modes.get(args.cp_comm_type[0])   # a mode (validate_args refused anything else)
+    blocks = modes.names(exchange_blocks=True, auto=False)   # the modes whose exchanges the block forms overlap
+    if args.sp_async_qkv in ("on", "allgather") and (not spec.exchange_blocks or spec.auto
+                                                     or args.hcms_head_chunks == "auto"):
+        p.error(f"--sp-async-qkv {args.sp_async_qkv} needs --cp-comm-type {modes.listing(blocks)} with an integer "
+                f"--hcms-head-chunks (got {args.cp_comm_type[0]}, {args.hcms_head_chunks}); --sp-async-qkv auto picks "
+                f"them itself")
     if args.pack_samples and args.sp_async_qkv != "off":
         p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --pack-samples (the async / all-gather block forms "
                 f"take one sample per sequence): use --sp-async-qkv off")
@@ -108,9 +112,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     if args.sparse_attention != "none" and args.sp_async_qkv != "off":
         p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --sparse-attention {args.sparse_attention} (the "
                 f"async / all-gather block forms take no block mask): use --sp-async-qkv off")
-    if args.sp_async_qkv == "auto" and args.cp_comm_type[0] not in ("ulysses", "hcms", "auto"):
-        p.error(f"--sp-async-qkv auto chooses among Ulysses block forms: use --cp-comm-type ulysses, hcms or auto "
-                f"(got {args.cp_comm_type[0]})")
+    if args.sp_async_qkv == "auto" and not spec.exchange_blocks:
+        p.error(f"--sp-async-qkv auto chooses among Ulysses block forms: use --cp-comm-type "
+                f"{modes.listing(modes.names(exchange_blocks=True))} (got {args.cp_comm_type[0]})")
     return args
 
 
@@ -171,7 +175,7 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     if args.dynamic_context_parallel and sp_world > 1:  # each packed sample on its own sub-group of CP ranks
         dynamic = DynamicSP(sp_world, cfg, args.min_dynamic_context_parallel_size, mode=args.cp_comm_type[0])
         mode = args.cp_comm_type[0]
-        sp_cfg = SPConfig(mode=mode, head_chunks=1 if mode == "ulysses" else args.hcms_head_chunks,
+        sp_cfg = SPConfig(mode=mode, head_chunks=modes.get(mode).chunks(args.hcms_head_chunks),
                           ring_variant=args.sp_ring_variant, placement=args.sp_placement,
                           ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes, backend=args.sp_attention_backend,
                           transport=args.sp_transport, dynamic=True, source="megatron")
@@ -185,11 +189,12 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
                                            backend=args.sp_attention_backend, transport=args.sp_transport,
                                            block_kernel=args.sparse_attention_kernel))
     if args.sp_async_qkv in ("on", "allgather") and sp_world > 1:
-        model.set_async_attention(cp_group, 1 if args.cp_comm_type[0] == "ulysses" else args.hcms_head_chunks,
+        model.set_async_attention(cp_group, modes.get(args.cp_comm_type[0]).chunks(args.hcms_head_chunks),
                                   args.sp_transport, allgather=args.sp_async_qkv == "allgather")
     elif args.sp_async_qkv == "auto" and sp_world > 1:
         model.set_block_policy(cp_group)
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
+    model.set_cpu_offloading(args.cpu_offloading, args.cpu_offloading_num_layers)
     fused_backend = resolve_fused(args.fused_elementwise, device)
     model.set_fused_elementwise(fused_backend)
     model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples,

@@ -135,6 +135,7 @@ def _build(args, ds_cfg: dict, device):
     sparse = sparse_spec(args)
     model.set_sparse_attention(sparse)  # before deepspeed.initialize builds the optimizer: top-k adds gates
     model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
+    model.set_cpu_offloading(args.cpu_offloading, args.cpu_offloading_num_layers)
     fused_backend = resolve_fused(args.fused_elementwise, device)
     model.set_fused_elementwise(fused_backend)
     model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples,

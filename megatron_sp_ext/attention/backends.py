@@ -245,11 +245,11 @@ def _factory(name: str) -> Optional[Callable[[str], LocalAttention]]:
         return None
     if kern.name == kernels.FALLBACK:
         return lambda setting: MathBackend()
-    if kern.caps.lse:
+    if kern.caps.lse and kern.caps.dense:
         return lambda setting: FixedKernelBackend(name, kern.name, setting)
     if kern.caps.tiles == "none":
         return lambda setting: PlainKernelBackend(kern, setting)
-    return None   # a block-sparse-only kernel (flex): not a backend
+    return None   # a block-sparse-only kernel (flex, cudnn_block_sparse): not a backend (a block_kernel setting)
 
 
 def backend_names() -> tuple[str, ...]:

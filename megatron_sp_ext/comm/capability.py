@@ -5,7 +5,7 @@ point: its send/recv of a CUDA tensor fails (``gloo/transport/tcp/pair.cc ... wr
 group broken for every later call. The ring family's hops (ring and TASP: their steps and dK|dV returns are
 batched send/recv pairs; the inner ring of usp/tas; torus's stages) are point to point, unless the group spans
 emulated machines, whose hops take the host-staged link (comm/host_staged.py). Ulysses/HCMS exchange by all-to-all
-and run anywhere.
+and run anywhere. Which modes exchange point to point is the mode registry's declaration (modes.py: ``p2p``).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import modes
 from ..errors import SPConfigError
 from ..topology.emulate import spans_machines
 
@@ -31,8 +32,9 @@ def p2p_unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.dev
 
 
 def needs_p2p(mode: str, world: int) -> bool:
-    """Whether ``mode`` (an algorithm name) exchanges point to point on a group of ``world`` (> 1) ranks."""
-    return world > 1 and mode in ("ring", "tasp", "usp", "tas", "torus")
+    """Whether ``mode`` exchanges point to point on a group of ``world`` (> 1) ranks (as the mode registry
+    declares it: this layer knows no algorithm by name)."""
+    return world > 1 and modes.get(mode).p2p
 
 
 def check_p2p(what: str, group: Optional[dist.ProcessGroup], device: torch.device, instead: str) -> None:

@@ -58,7 +58,7 @@ class SPDistributedAttention(DistributedAttention):
     def __init__(self, local_attention, sequence_process_group, scatter_idx: int = 2, gather_idx: int = 0,
                  sp_stream=None, num_kv_heads: Optional[int] = None, *, mode: str = "ulysses",
                  head_chunks=1, ring_variant: str = "ring", placement: str = "auto",
-                 ulysses_size: Optional[int] = None, nodes: Optional[int] = None, backend: str = "sdpa",
+                 ulysses_size: Optional[int] = None, nodes: Optional[int] = None, backend: str = "auto",
                  causal: bool = False, softmax_scale: Optional[float] = None,
                  sp_config: Optional[SPConfig] = None, transport: str = "nccl", dropout_p: float = 0.0) -> None:
         super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, None, num_kv_heads)
@@ -110,6 +110,7 @@ class SPDistributedAttention(DistributedAttention):
             if rotary_pos_emb is not None:
                 raise SPConfigError("rotary_pos_emb with cu_seqlens: rotate q and k at their per-sample positions "
                                     "before the call (this forward's RoPE assumes one sequence)")
+            self._check_call_causal(kwargs)
             return attn(query, key, value, causal=self.causal, softmax_scale=self.softmax_scale,
                         kv_valid_len=kv_valid_len, dropout_p=self.cfg.dropout_p if self.training else 0.0,
                         cu_seqlens=cu_seqlens)
@@ -117,10 +118,21 @@ class SPDistributedAttention(DistributedAttention):
             be = _UserLocalAttention(self.local_attn, batch_dim_idx, rotary_pos_emb, args, kwargs)
             scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
             return attn(query, key, value, causal=False, softmax_scale=scale, local_attention=be)
+        self._check_call_causal(kwargs)
         if rotary_pos_emb is not None:
             query, key = self._local_rope(query, key, rotary_pos_emb, batch_dim_idx)
         return attn(query, key, value, causal=self.causal, softmax_scale=self.softmax_scale,
                     kv_valid_len=kv_valid_len, dropout_p=self.cfg.dropout_p if self.training else 0.0)
+
+    def _check_call_causal(self, kwargs: dict) -> None:
+        """Our kernels run with ``self.causal``: a ``causal=`` / ``is_causal=`` the caller meant for its local
+        attention (DeepSpeed passes them through to it) must agree, else SPConfigError naming both."""
+        setting = "sequence_parallel_ext.causal" if self.cfg.source == "deepspeed" else "causal="
+        for key in ("causal", "is_causal"):
+            if isinstance(kwargs.get(key), bool) and kwargs[key] != bool(self.causal):
+                raise SPConfigError(f"this call passes {key}={kwargs[key]} for the local attention, but "
+                                    f"{self.cfg.name('mode')}={self.cfg.mode!r} runs megatron_sp_ext's kernels with "
+                                    f"{setting} {bool(self.causal)}: make them agree")
 
     def _local_rope(self, query, key, rope, batch_dim_idx):
         """Rotate this rank's contiguous tokens by their global positions (full-length cos/sin given)."""

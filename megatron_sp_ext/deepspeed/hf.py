@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+from .. import modes
 from ..attention.backends import LocalAttention
 from ..comm.streams import StreamPool
 from ..comm.transport import TransportPool
@@ -53,9 +54,9 @@ class SPUlyssesAttentionHF(UlyssesSPAttentionHF):
 
     def __init__(self, *args, sp_config: SPConfig, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if sp_config.mode not in ("ulysses", "hcms"):
+        if not modes.get(sp_config.mode).local_attention:
             raise SPConfigError(f"sequence_parallel_ext.mode={sp_config.mode!r} is not available with "
-                                "UlyssesSPAttentionHF: use ulysses or hcms")
+                                f"UlyssesSPAttentionHF: use {modes.listing(modes.names(local_attention=True))}")
         self.cfg = sp_config
         self.calls = 0  # forward calls that ran our exchange
         self.streams, self.policy, self.transports = StreamPool(), HCMSPolicy(), TransportPool()

@@ -18,8 +18,9 @@ A stock DeepSpeed script calls ``deepspeed.initialize(model=..., config=...)`` i
   Finding neither is an error (the block would otherwise do nothing).
 
 ``activate()`` is called by ``megatron_sp_ext_autoload`` (imported by the ``.pth`` file installed
-with the package, when deepspeed is first imported) and by ``python -m megatron_sp_ext.deepspeed.launch``.
-Set ``MEGATRON_SP_EXT_DEEPSPEED_HOOK=0`` to turn the switch off.
+with the package, wheel or editable, when deepspeed is first imported) and by
+``python -m megatron_sp_ext.deepspeed.launch``. Set ``MEGATRON_SP_EXT_DEEPSPEED_HOOK=0`` to turn the switch
+off: ``deepspeed.initialize`` then refuses a config that holds the block (it would be ignored).
 """
 from __future__ import annotations
 
@@ -31,13 +32,14 @@ from typing import Any, Optional
 
 import torch
 
+from .. import modes
 from ..config import SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
 
 log = logging.getLogger("megatron_sp_ext")
 
 BLOCK_KEY = "sequence_parallel_ext"
-HF_MODES = ("ulysses", "hcms")
+HF_MODES = modes.names(local_attention=True)   # Hugging Face's attention runs inside (it returns no log-sum-exp)
 
 
 def _config_of(args: Any, kwargs: dict) -> Optional[dict]:
@@ -59,11 +61,13 @@ def _config_of(args: Any, kwargs: dict) -> Optional[dict]:
 
 
 def activate() -> None:
-    """Wrap ``deepspeed.initialize`` (idempotent)."""
+    """Wrap ``deepspeed.initialize`` (idempotent; replaces the start-up guard that refuses the block while the
+    switch is off, ``megatron_sp_ext_autoload.guard``)."""
     import deepspeed  # noqa: PLC0415
-    if getattr(deepspeed.initialize, "_megatron_sp_ext", False):
+    marker = getattr(deepspeed.initialize, "_megatron_sp_ext", False)
+    if marker is True:
         return
-    original = deepspeed.initialize
+    original = deepspeed.initialize.__wrapped__ if marker else deepspeed.initialize
 
     @functools.wraps(original)
     def initialize(*args, **kwargs):
@@ -133,17 +137,19 @@ def _swap_distributed_attention(model: torch.nn.Module, cfg: SPConfig, extras: d
     from deepspeed.sequence.layer import DistributedAttention  # noqa: PLC0415
 
     from .attention import SPDistributedAttention  # noqa: PLC0415
+    from .initialize import causal_of  # noqa: PLC0415
     ours = [m for m in model.modules() if isinstance(m, SPDistributedAttention)]  # installed by the script itself
     found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, DistributedAttention) and not isinstance(child, SPDistributedAttention)]
-    if found and cfg.mode == "auto":
-        raise SPConfigError(f"{BLOCK_KEY}.mode='auto' needs the head count, which DistributedAttention learns only "
-                            "in forward: use a concrete mode (ulysses, hcms, ring, tasp, usp, tas, torus)")
+    if found and modes.get(cfg.mode).auto:
+        raise SPConfigError(f"{BLOCK_KEY}.mode={cfg.mode!r} needs the head count, which DistributedAttention learns "
+                            f"only in forward: use a concrete mode ({', '.join(modes.names(auto=False))})")
     for parent, name, child in found:
         _check_group(child.spg, sp, "DistributedAttention")
+        causal = causal_of(cfg, extras, f"{type(parent).__name__}.{name}")
         setattr(parent, name, SPDistributedAttention(
             child.local_attn, child.spg, child.scatter_idx, child.gather_idx, None, child.num_kv_heads,
-            sp_config=cfg, causal=extras.get("causal", False)))
+            sp_config=cfg, causal=causal))
     return len(found) + len(ours)
 
 
@@ -164,7 +170,7 @@ def _swap_hf_ulysses(model: torch.nn.Module, cfg: SPConfig, sp: int) -> int:
     if not cells:
         return 0
     from .hf import SPUlyssesAttentionHF  # noqa: PLC0415
-    if cfg.mode == "auto":
+    if modes.get(cfg.mode).auto:
         heads = _cell_value(cells[0]).attn_head_count
         cfg = dataclasses.replace(cfg, mode=resolve_auto_mode(heads, sp))
     if cfg.mode not in HF_MODES:

@@ -3,7 +3,7 @@
 JSON (next to DeepSpeed's own ``"sequence_parallel_size": P``):
     "sequence_parallel_ext": {"mode": "hcms", "head_chunks": "auto", "placement": "auto",
                               "ring_variant": "tasp", "nodes": null, "ulysses_size": null,
-                              "backend": "sdpa", "causal": false, "dropout_p": 0.0}
+                              "backend": "auto", "causal": false, "dropout_p": 0.0}
 Steps: validate the block (errors name the JSON key) -> build SP / data / sequence-data groups
 -> install the mpu in deepspeed.utils.groups -> swap the attention of opting-in modules ->
 deepspeed.initialize(model=..., config=..., mpu=..., **kwargs) and return what it returns.
@@ -23,11 +23,14 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..config import MESH_MODES, SPConfig
+from .. import modes
+from ..config import MESH_MODES, PLACEMENTS, SPConfig
 from ..errors import SPConfigError
 from .mpu import SequenceParallelMPU, build_sequence_parallel_groups
 
 _EXTRA_KEYS = ("causal",)
+# modes whose attention runs the model's own local attention (which masks itself); the others run our kernels
+LOCAL_ATTENTION_MODES = modes.names(local_attention=True)
 
 
 def _load(config: Union[str, Mapping[str, Any]]) -> dict:
@@ -43,7 +46,24 @@ def sp_config_from_deepspeed(config: Union[str, Mapping[str, Any]]) -> tuple[SPC
     extras = {k: block.pop(k) for k in _EXTRA_KEYS if k in block}
     if "causal" in extras and not isinstance(extras["causal"], bool):
         raise SPConfigError(f"sequence_parallel_ext.causal={extras['causal']!r} is invalid: use true or false")
-    return SPConfig.from_dict(block, source="deepspeed"), extras
+    return SPConfig.from_dict(block, source="deepspeed", adapter_keys=_EXTRA_KEYS), extras
+
+
+def causal_of(cfg: SPConfig, extras: dict, where: str) -> bool:
+    """``sequence_parallel_ext.causal`` for DeepSpeed ``DistributedAttention`` modules (``where``: the model's
+    module) that a mode replaces by our kernels. DeepSpeed's forward passes no causal flag (its ``*args,
+    **kwargs`` go to the model's local attention, which applies its own mask), so for every mode but ulysses and
+    hcms (``auto`` may pick the ring) the block must say it: SPConfigError naming the key when it does not (a
+    causal model would otherwise train bidirectional)."""
+    if "causal" in extras:
+        return extras["causal"]
+    if cfg.mode in LOCAL_ATTENTION_MODES:
+        return False  # the model's local attention runs and masks itself; our kernels only for padded calls
+    raise SPConfigError(
+        f"{cfg.name('mode')}={cfg.mode!r} replaces {where}'s local attention by megatron_sp_ext's kernels, and "
+        f"DeepSpeed does not say whether that attention is causal: set sequence_parallel_ext.causal to true (a "
+        f"causal model, e.g. GPT) or false (bidirectional, e.g. a DiT), or use mode "
+        f"{modes.listing(LOCAL_ATTENTION_MODES)} (they run the model's own local attention)")
 
 
 def validate_deepspeed_config(config: Union[str, Mapping[str, Any]], world_size: int,
@@ -58,15 +78,16 @@ def validate_deepspeed_config(config: Union[str, Mapping[str, Any]], world_size:
                             f"use a divisor of {world_size}")
     cfg, extras = sp_config_from_deepspeed(cfg_dict)
     cfg.validate_world(sp, world_size, num_heads)
-    if cfg.mode in MESH_MODES or cfg.placement == "tas":
-        tas = cfg.mode == "tas" or cfg.placement == "tas"
+    across = modes.get(cfg.mode).ulysses_across or modes.get(cfg.placement).ulysses_across
+    if cfg.mode in MESH_MODES or across:
         if sp < 2:
             raise SPConfigError(f"sequence_parallel_ext.mode={cfg.mode!r} needs a mesh of at least 2 ranks: "
                                 f"sequence_parallel_size={sp}")
-        if tas and (cfg.nodes is None or cfg.nodes < 2) and not _multi_machine():
-            raise SPConfigError("sequence_parallel_ext.placement/mode 'tas' needs a multi-machine mesh but this job "
-                                "runs on one machine: set sequence_parallel_ext.nodes to simulate machines, or use "
-                                "'usp'/'auto'")
+        if across and (cfg.nodes is None or cfg.nodes < 2) and not _multi_machine():
+            within = "/".join(repr(p) for p in PLACEMENTS[::-1] if not modes.get(p).ulysses_across)
+            raise SPConfigError(f"sequence_parallel_ext.placement/mode {', '.join(modes.names(ulysses_across=True))!r}"
+                                f" needs a multi-machine mesh but this job runs on one machine: set "
+                                f"sequence_parallel_ext.nodes to simulate machines, or use {within}")
     return cfg, extras, sp
 
 
@@ -87,9 +108,9 @@ def swap_attention(model: torch.nn.Module, mpu: SequenceParallelMPU, cfg: SPConf
     from .attention import SPDistributedAttention  # noqa: PLC0415
     n = 0
 
-    def make(local_attention, scatter_idx=2, gather_idx=0, num_kv_heads=None):
+    def make(local_attention, scatter_idx=2, gather_idx=0, num_kv_heads=None, causal=False):
         return SPDistributedAttention(local_attention, mpu.get_sequence_parallel_group(), scatter_idx, gather_idx,
-                                      None, num_kv_heads, sp_config=cfg, causal=extras.get("causal", False))
+                                      None, num_kv_heads, sp_config=cfg, causal=extras.get("causal", causal))
     for parent in list(model.modules()):
         if hasattr(parent, "configure_sequence_parallel"):
             parent.configure_sequence_parallel(make)
@@ -100,7 +121,8 @@ def swap_attention(model: torch.nn.Module, mpu: SequenceParallelMPU, cfg: SPConf
                     raise SPConfigError(f"{cfg.name('dynamic')}=true needs a model that runs packed samples on "
                                         f"sub-groups (the video DiT's train_deepspeed.py with --pack-samples); "
                                         f"{type(parent).__name__}.{name} is a DistributedAttention: set it to false")
-                setattr(parent, name, make(child.local_attn, child.scatter_idx, child.gather_idx, child.num_kv_heads))
+                setattr(parent, name, make(child.local_attn, child.scatter_idx, child.gather_idx, child.num_kv_heads,
+                                           causal_of(cfg, extras, f"{type(parent).__name__}.{name}")))
                 n += 1
     return n
 

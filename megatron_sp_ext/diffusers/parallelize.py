@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .. import modes
 from ..config import SPConfig
 from ..errors import SPConfigError
 from ..sp.factory import SPResources, make_attention
@@ -72,12 +73,15 @@ class SPHandle:
         self.removed = True
 
 
+DEFAULT_MODE = modes.names(auto=True)[0]   # parallelize's default mode: the registry's per-model choice
+
+
 def _config(mode: str, config: Optional[SPConfig], settings: dict) -> SPConfig:
     if config is not None:
         if not isinstance(config, SPConfig):
             raise SPConfigError(f"parallelize: config= must be an SPConfig; got {type(config).__name__}")
-        if mode != "auto" or settings:
-            given = ([f"mode={mode!r}"] if mode != "auto" else []) + sorted(settings)
+        if mode != DEFAULT_MODE or settings:
+            given = ([f"mode={mode!r}"] if mode != DEFAULT_MODE else []) + sorted(settings)
             raise SPConfigError(f"parallelize: give either config= or mode/settings, not both (got config= and "
                                 f"{', '.join(given)})")
         return config

@@ -15,13 +15,13 @@ parsed, with one line naming the flag.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
+from .. import modes
 from ..config import BACKENDS, DYNAMIC_MODES, PLACEMENTS, RING_VARIANTS, SPConfig, parse_head_chunks
 from ..errors import SPConfigError
 
-OURS = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
+OURS = modes.NAMES   # the mode registry's
 TE = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
 
@@ -114,7 +114,7 @@ def validate_args(args) -> SPConfig:
     if cfg.dynamic:
         for t in types:  # each of our types must run on a sub-group (SPConfig names both flags)
             if t in OURS:
-                dataclasses.replace(cfg, mode=t, head_chunks=1 if t == "ulysses" else cfg.head_chunks)
+                cfg.for_mode(t)
             else:
                 raise SPConfigError(f"--cp-comm-type={t} is Transformer Engine's context parallelism: --dynamic-"
                                     f"context-parallel runs megatron_sp_ext's modes ({', '.join(DYNAMIC_MODES)})")
@@ -128,9 +128,10 @@ def validate_args(args) -> SPConfig:
     heads = getattr(args, "num_attention_heads", None)
     if heads is not None:
         local = heads // tp
-        if "hcms" in types or "ulysses" in types:
+        per_rank = [t for t in types if t in OURS and modes.get(t).heads_per_rank]
+        if per_rank:
             if cp > 1 and local < cp:
-                raise SPConfigError(f"--cp-comm-type=hcms needs at least one head per CP rank: "
+                raise SPConfigError(f"--cp-comm-type={per_rank[0]} needs at least one head per CP rank: "
                                     f"{heads} heads / TP {tp} = {local} < --context-parallel-size {cp}")
             if isinstance(cfg.head_chunks, int) and cp > 1 and cfg.head_chunks > local // cp:
                 raise SPConfigError(f"--hcms-head-chunks={cfg.head_chunks} exceeds the heads per rank "
@@ -142,12 +143,13 @@ def validate_args(args) -> SPConfig:
     if dropout:
         for t in types:  # each of our types applies it (Ulysses family) or refuses it, naming the flags
             if t in OURS:
-                layer = dataclasses.replace(cfg, mode=t, head_chunks=1 if t == "ulysses" else cfg.head_chunks,
-                                            dropout_p=dropout)
+                layer = cfg.for_mode(t, dropout_p=dropout)
                 layer.check_dropout(cp, heads // tp if heads is not None else None)
     if cfg.nodes is not None and cp % cfg.nodes:
         raise SPConfigError(f"--sp-nodes={cfg.nodes} does not divide --context-parallel-size {cp}")
-    if ("tas" in types or cfg.placement == "tas") and _nodes_hint(args) < 2:
-        raise SPConfigError("--cp-comm-type/--sp-placement tas needs a multi-machine mesh: this job runs on one "
-                            "machine; set --sp-nodes N to simulate N machines, or use usp/auto")
+    across = [t for t in [*types, cfg.placement] if modes.find(t) is not None and modes.get(t).ulysses_across]
+    if across and _nodes_hint(args) < 2:
+        within = "/".join(modes.names(placement=True, ulysses_across=False) + ("auto",))
+        raise SPConfigError(f"--cp-comm-type/--sp-placement {across[0]} needs a multi-machine mesh: this job runs on "
+                            f"one machine; set --sp-nodes N to simulate N machines, or use {within}")
     return cfg

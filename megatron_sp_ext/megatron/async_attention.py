@@ -45,6 +45,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
+from .. import modes
 from ..errors import SPConfigError
 from ..sp.layers.async_qkv import async_ulysses_self_attention
 from ..sp.layers.policy import FormPolicy
@@ -82,10 +83,12 @@ class SPSelfAttention(SelfAttention):
         if self.async_qkv not in ("on", "allgather", "auto"):
             raise SPConfigError(f"{_FLAG}={self.async_qkv!r} is invalid for Megatron layers: use on, allgather, "
                                 f"auto or nothing (off)")
-        if not hasattr(core, "ctx") or getattr(core, "mode", None) not in ("ulysses", "hcms"):
-            raise SPConfigError(f"{_FLAG} needs megatron_sp_ext core attention with --cp-comm-type ulysses or hcms "
+        spec = modes.find(getattr(core, "mode", None))
+        if not hasattr(core, "ctx") or spec is None or not spec.exchange_blocks or spec.auto:
+            raise SPConfigError(f"{_FLAG} needs megatron_sp_ext core attention with --cp-comm-type "
+                                f"{modes.listing(modes.names(exchange_blocks=True, auto=False))} "
                                 f"(got {getattr(core, 'mode', type(core).__name__)})")
-        if core.mode == "hcms" and not isinstance(core.sp.head_chunks, int):
+        if not isinstance(spec.chunks(core.sp.head_chunks), int):
             raise SPConfigError(f"{_FLAG} needs an integer --hcms-head-chunks (got {core.sp.head_chunks!r})")
         if self.world_size != 1:  # TP x CP block (sp/layers/tp_cp.py): needs Megatron's TP sequence parallelism
             if not getattr(config, "sequence_parallel", False):
@@ -166,7 +169,7 @@ class SPSelfAttention(SelfAttention):
             return FIXED_FORMS[self.async_qkv][0 if self.world_size != 1 else 1]
         core = self.core_attention
         cp_group, group = self._groups()
-        chunks = core.sp.head_chunks if core.mode == "hcms" else 1
+        chunks = modes.get(core.mode).chunks(core.sp.head_chunks)
         key = ("sp-block", tuple(hidden_states.shape), hidden_states.dtype, core._causal(None, attention_mask),
                self.world_size, cp_group.size(), self.num_attention_heads_per_partition,
                self.num_query_groups_per_partition, chunks, rotary_pos_emb is not None, self.training,
@@ -254,7 +257,7 @@ class SPSelfAttention(SelfAttention):
                                           cp_group=group).transpose(0, 1)
             return y4
         causal = core._causal(None, attention_mask)
-        chunks = core.sp.head_chunks if core.mode == "hcms" else 1
+        chunks = modes.get(core.mode).chunks(core.sp.head_chunks)
         if self.world_size != 1:
             return self._tp_cp_forward(x_bsd, norms, weights, rotary_pos_emb, causal, chunks, form)
         block, block_prep = ((allgather_self_attention, prep_full) if form == "allgather"

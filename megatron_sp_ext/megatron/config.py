@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -44,8 +43,7 @@ class SPTransformerConfig(TransformerConfig):
         types = self.cp_comm_type if isinstance(self.cp_comm_type, (list, tuple)) else [self.cp_comm_type]
         for t in types:  # --attention-dropout: applied by the Ulysses family, refused by the others
             if t in MODES and self.attention_dropout:
-                dataclasses.replace(base, mode=t, head_chunks=1 if t == "ulysses" else base.head_chunks,
-                                    dropout_p=self.attention_dropout)
+                base.for_mode(t, dropout_p=self.attention_dropout)
 
 
 def sp_config_from(config) -> SPConfig:

@@ -23,7 +23,6 @@ zigzag split): every one of our types (auto stays on ulysses/hcms), each sample 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib.util
 from typing import Optional
 
@@ -33,6 +32,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from .. import modes
 from ..attention import kernels
 from ..errors import SPConfigError
 from ..sp.factory import SPAttention, SPResources, make_attention
@@ -41,7 +41,7 @@ from ..sp.ulysses.attend import local_attention
 from ..topology.mesh import mesh_from_hierarchical_groups
 from .config import sp_config_from
 
-OUR_CP_TYPES = ("ulysses", "hcms", "ring", "tasp", "usp", "tas", "torus", "auto")
+OUR_CP_TYPES = modes.NAMES   # the mode registry's
 TE_CP_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 
 # State shared by every layer of one model (settings, comm streams, HCMS and mode policies, transports, meshes):
@@ -82,12 +82,12 @@ class SPDotProductAttention(DotProductAttention):
         base = self.ctx.sp_config or sp_config_from(config)
         p = attention_dropout if attention_dropout is not None else (getattr(config, "attention_dropout", 0.0) or 0.0)
         # this layer's settings: its --cp-comm-type and --attention-dropout (validated here, naming the flags)
-        self.sp = dataclasses.replace(base, mode=mode, head_chunks=1 if mode == "ulysses" else base.head_chunks,
-                                      dropout_p=p)
+        self.sp = base.for_mode(mode, dropout_p=p)
         self.dropout_p = self.sp.dropout_p
         mesh = None
         hcp = getattr(pg_collection, "hcp", None)
-        if mode == "usp" and cp > 1 and hcp and len(hcp) == 2 and self.sp.ulysses_size in (None, hcp[0].size()):
+        spec = modes.get(mode)   # a mesh with Ulysses inside machines is what Megatron's two levels are
+        if spec.placement and not spec.ulysses_across and cp > 1 and hcp and len(hcp) == 2 and self.sp.ulysses_size in (None, hcp[0].size()):
             # Megatron already built the two levels (--hierarchical-context-parallel-sizes): reuse them
             mesh = mesh_from_hierarchical_groups(self.cp_group, hcp[0], hcp[1])
         self.attention: SPAttention = make_attention(

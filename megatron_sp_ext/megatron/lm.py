@@ -103,7 +103,7 @@ def build_gpt_layer_spec(args: Any):
     from megatron.core.models.gpt import gpt_layer_specs as specs  # noqa: PLC0415
 
     from .compat import check_supported  # noqa: PLC0415
-    from .core_attention import OUR_CP_TYPES, SPContext  # noqa: PLC0415
+    from .core_attention import OUR_CP_TYPES, TE_CP_TYPES, SPContext  # noqa: PLC0415
     from .spec import with_sp_core_attention  # noqa: PLC0415
     check_supported()
     if getattr(args, "num_experts", None):
@@ -111,9 +111,9 @@ def build_gpt_layer_spec(args: Any):
                             "(MoE) needs its own spec: call with_sp_core_attention on it")
     cp_types = args.cp_comm_type if isinstance(args.cp_comm_type, (list, tuple)) else [args.cp_comm_type]
     for t in cp_types:
-        if t not in OUR_CP_TYPES and t not in ("p2p", "a2a", "all_gather", "a2a+p2p"):
+        if t not in OUR_CP_TYPES and t not in TE_CP_TYPES:
             raise SPConfigError(f"--cp-comm-type={t!r} is invalid: choose one of {', '.join(OUR_CP_TYPES)} "
-                                f"(megatron_sp_ext) or p2p, a2a, all_gather, a2a+p2p (Transformer Engine)")
+                                f"(megatron_sp_ext) or {', '.join(TE_CP_TYPES)} (Transformer Engine)")
     factory = (specs.get_gpt_layer_local_spec if getattr(args, "transformer_impl", "local") == "local"
                else specs.get_gpt_layer_with_transformer_engine_spec)
     base = _call_filtered(factory, qk_layernorm=getattr(args, "qk_layernorm", False),

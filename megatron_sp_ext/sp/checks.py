@@ -1,13 +1,18 @@
 """Input checks shared by every sequence-parallel algorithm (Ulysses family and ring family).
 
+``check_same_block_mask`` compares a block mask across the group (one all_gather and a host sync); ``MaskChecks``
+runs it once per distinct mask (the algorithms take one as ``mask_checks=``; the factory passes its resources').
+
 ``check_inputs`` (Ulysses family: q, k, v of one layout, equal k/v shapes) and ``check_ring_inputs`` (ring
 family: also GQA heads), both through ``check_same_dtype`` (q, k, v of one dtype), validate this rank's
 tensors, then once per (group, shapes, layout, dtype) ``check_same_shape_across_ranks`` compares them across the group with one
 small all_gather, so a mismatch raises SPConfigError on every rank instead of hanging an exchange.
-``packed_cu`` checks the ring family's packed-sample arguments (cu_seqlens).
+``packed_cu`` checks the ring family's packed-sample arguments (cu_seqlens); ``valid_kv_len`` the padding cut
+(kv_valid_len) of every mode.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -31,6 +36,18 @@ def _across_ranks_once(q: torch.Tensor, k: torch.Tensor, layout: str, group, fam
         return
     check_same_shape_across_ranks(q, group, what="sequence shard (q)")
     _VALIDATED.add(key)
+
+
+def valid_kv_len(kv_valid_len: Optional[int], seqlen: int) -> Optional[int]:
+    """kv_valid_len (keys at global positions >= it are padding) for a ``seqlen``-token sequence: None where it cuts
+    nothing (None or >= seqlen); SPConfigError naming it where it leaves no key to attend (< 1), which would
+    otherwise give all-zero outputs. The one check every mode and layer runs."""
+    if kv_valid_len is None or kv_valid_len >= seqlen:
+        return None
+    if kv_valid_len < 1:
+        raise SPConfigError(f"kv_valid_len={kv_valid_len} leaves no key to attend: use 1..{seqlen} (or None: no "
+                            f"padding)")
+    return int(kv_valid_len)
 
 
 def check_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -132,8 +149,7 @@ def _mask_checksum(block_mask: torch.Tensor) -> torch.Tensor:
 def check_same_block_mask(block_mask: torch.Tensor, group, what: str = "block_mask") -> None:
     """One small all_gather of a checksum of ``block_mask`` ([H or 1, T, T] bool, already checked on this rank):
     raises SPConfigError naming ``what`` on every rank when any rank's mask differs (a per-rank mask used to hang
-    TASP and crash the ring), before any exchange. Every call with a mask runs it (a cache would decide differently
-    on different ranks and hang)."""
+    TASP and crash the ring), before any exchange. Every call runs it; ``MaskChecks`` runs it once per distinct mask."""
     if group is None or dist.get_world_size(group) == 1:
         return
     world = dist.get_world_size(group)
@@ -151,3 +167,72 @@ def check_same_block_mask(block_mask: torch.Tensor, group, what: str = "block_ma
                             f"{[tuple(rows[r, :2].tolist()) for r in range(world)]}): give every rank the SAME mask over "
                             f"the full sequence in global token order (e.g. build it from data all ranks share, or "
                             f"broadcast it from rank 0)")
+
+
+class MaskChecks:
+    """The cross-rank block-mask check once per distinct mask: ``check(mask, group)`` runs ``check_same_block_mask``
+    (one all_gather and a host sync) unless this object already checked (or was told about) the same mask over the
+    same group. "The same mask" is keyed on everything that changes the result: the mask object itself (held by a
+    weak reference: a new mask built at a freed mask's address is a new mask), its in-place version (``_version``:
+    a mask mutated in place is checked again), data pointer, shape, dtype and device, and the group. So a mask
+    object that 40 layers reuse is checked once, and a mask rebuilt every step is checked once per step.
+
+    ``agree(mask, group)`` is the "already agreed" token: the caller states that every rank built ``mask``
+    identically by construction (e.g. top-k over pooled tiles all-reduced over ``group``, the DiT's
+    ``--sparse-topk``), so it is recorded as checked without a collective. A mask the caller did NOT declare is
+    still compared, and refused by name when it differs between ranks.
+
+    Each rank decides locally; the decisions agree across ranks when every rank makes the same calls on its masks
+    (the same program on every rank, as the algorithms' own exchanges already require). A mask mutated in place
+    on some ranks only is outside that contract: use a new mask object instead. ``per_call=True`` checks every
+    call (the behaviour before this cache; profiles compare the two). ``collectives``: the checks run so far.
+    Owned by the caller (``SPResources.mask_checks`` is one model's); entries go when their mask is freed."""
+
+    def __init__(self, per_call: bool = False) -> None:
+        self.per_call = per_call
+        self.collectives = 0
+        self._seen: dict = {}   # (id(mask), id(group)) -> (weak ref to the mask, group, state at the check)
+
+    def __len__(self) -> int:
+        """How many (mask, group) pairs are remembered (entries go when their mask is freed)."""
+        return len(self._seen)
+
+    @staticmethod
+    def _state(mask: torch.Tensor) -> tuple:
+        return (mask._version, mask.data_ptr(), tuple(mask.shape), mask.dtype, mask.device)
+
+    def _remember(self, mask: torch.Tensor, group) -> None:
+        key = (id(mask), id(group))
+        self._seen[key] = (weakref.ref(mask, lambda _ref, seen=self._seen, key=key: seen.pop(key, None)), group,
+                           self._state(mask))
+
+    def checked(self, mask: torch.Tensor, group) -> bool:
+        """Whether ``mask`` (as it is now) was checked, or declared agreed, over ``group`` (no collective)."""
+        entry = self._seen.get((id(mask), id(group)))
+        return (not self.per_call and entry is not None and entry[0]() is mask and entry[1] is group
+                and entry[2] == self._state(mask))
+
+    def check(self, mask: torch.Tensor, group, what: str = "block_mask") -> None:
+        """``check_same_block_mask(mask, group, what)`` unless ``checked(mask, group)``."""
+        if group is None or dist.get_world_size(group) == 1 or self.checked(mask, group):
+            return
+        check_same_block_mask(mask, group, what)
+        self.collectives += 1
+        self._remember(mask, group)
+
+    def agree(self, mask: torch.Tensor, group) -> torch.Tensor:
+        """Record ``mask`` as agreed over ``group`` without a collective (see class docstring); returns ``mask``.
+        Later in-place changes to it void the record (its version moves)."""
+        if group is not None and not self.per_call:
+            self._remember(mask, group)
+        return mask
+
+
+def check_mask_once(block_mask: torch.Tensor, group, mask_checks: Optional[MaskChecks],
+                    what: str = "block_mask") -> None:
+    """The cross-rank check of ``block_mask``: through ``mask_checks`` (once per distinct mask) or, without one,
+    on this call (``check_same_block_mask``)."""
+    if mask_checks is None:
+        check_same_block_mask(block_mask, group, what)
+    else:
+        mask_checks.check(block_mask, group, what)

@@ -13,7 +13,8 @@ variants over ``group``), usp and tas (``hybrid_attention`` on a mesh), torus (`
 mesh), auto (``resolve_auto_mode`` statically: hcms when every rank gets a head, else a usp mesh, else
 ring; when it is hcms, on CUDA the model's ``ModePolicy`` calibrates Ulysses/HCMS against the ring per
 shape). Attention dropout (``dropout_p``) runs inside the Ulysses family only (``config.DROPOUT_MODES``);
-with dropout, or with a caller's own local attention, "auto" stays on Ulysses/HCMS.
+with dropout, or with a caller's own local attention, "auto" stays on Ulysses/HCMS. What each mode needs and
+supports is declared in the mode registry (modes.py); this module maps a mode's ``family`` to its algorithm.
 """
 from __future__ import annotations
 
@@ -24,36 +25,39 @@ import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
 from ..attention.block_sparse import DEFAULT_BLOCK_SIZE
+from .. import modes
 from ..comm.capability import check_p2p, needs_p2p, p2p_unavailable_reason
 from ..comm.streams import StreamPool
 from ..comm.transport import TransportPool
-from ..config import (DEFAULT_PLACEMENT, DROPOUT_MODES, LAYOUTS, MESH_MODES, SEQ_PLACEMENTS, SPConfig,
-                      resolve_auto_mode)
+from ..config import DEFAULT_PLACEMENT, DROPOUT_MODES, LAYOUTS, SEQ_PLACEMENTS, SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
 from ..topology.mesh import SPMesh, build_sp_mesh
+from .checks import MaskChecks
 from .layers.policy import FormPolicy
 from .calibration import ModePolicy
 from .ring import hybrid_attention, ring_attention, torus_attention
 from .ulysses import HCMSPolicy, PackedUlysses, ulysses_attention
 
-ULYSSES_MODES = ("ulysses", "hcms")
-RING_MODES = ("ring", "tasp")
+RING_MODES = modes.names(family="ring")         # the ring variants auto may pick per shape
 
 
 class SPResources:
     """What every attention of one model shares: comm streams, HCMS chunk policy, mode policy (auto), the
-    attention-block form policy (``--sp-async-qkv auto``), transports and meshes (one per group/heads/placement).
-    ``sp_config``: the model's settings, if known."""
+    attention-block form policy (``--sp-async-qkv auto``), transports, meshes (one per group/heads/placement) and
+    the block-mask checks (``MaskChecks``: each distinct mask compared across ranks once; ``per_call=True`` for the
+    check on every call). ``sp_config``: the model's settings, if known."""
 
     def __init__(self, sp_config: Optional[SPConfig] = None, *, streams: Optional[StreamPool] = None,
                  policy: Optional[HCMSPolicy] = None, mode_policy: Optional[ModePolicy] = None,
-                 transports: Optional[TransportPool] = None, form_policy: Optional[FormPolicy] = None) -> None:
+                 transports: Optional[TransportPool] = None, form_policy: Optional[FormPolicy] = None,
+                 mask_checks: Optional[MaskChecks] = None) -> None:
         self.sp_config = sp_config
         self.streams = streams or StreamPool()
         self.policy = policy or HCMSPolicy()
         self.mode_policy = mode_policy or ModePolicy()
         self.transports = transports or TransportPool()
         self.form_policy = form_policy or FormPolicy()
+        self.mask_checks = mask_checks if mask_checks is not None else MaskChecks()
         self.meshes: dict = {}
 
     def mesh(self, group: dist.ProcessGroup, num_heads: int, cfg: SPConfig,
@@ -96,19 +100,22 @@ class SPAttention:
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads or num_heads
         self.world = dist.get_world_size(group) if group is not None else 1
         cfg.check_dropout(self.world, num_heads)
-        self.mode = resolve_auto_mode(num_heads, self.world) if cfg.mode == "auto" else cfg.mode
-        self.auto = cfg.mode == "auto" and self.mode == "hcms" and cfg.dropout_p == 0.0
-        if self.mode in ULYSSES_MODES and self.world > 1 and num_heads < self.world:
+        auto = modes.get(cfg.mode).auto
+        self.mode = resolve_auto_mode(num_heads, self.world) if auto else cfg.mode
+        self.spec = modes.get(self.mode)   # what the mode that runs needs and supports
+        self.auto = auto and self.spec.family == "ulysses" and cfg.dropout_p == 0.0
+        if self.spec.heads_per_rank and self.world > 1 and num_heads < self.world:
             raise SPConfigError(f"{cfg.name('mode')}={cfg.mode} needs at least one attention head per rank: "
-                                f"{num_heads} heads < {cfg.name('sp_size')} {self.world}; use ring, tasp, usp or auto")
-        self.chunks = 1 if self.mode == "ulysses" else cfg.head_chunks
+                                f"{num_heads} heads < {cfg.name('sp_size')} {self.world}; use "
+                                f"{modes.listing(modes.names(heads_per_rank=False))}")
+        self.chunks = self.spec.chunks(cfg.head_chunks)
         self.backend = get_backend(backend, cfg.name("backend"))
-        self.takes_local_attention = self.mode in ULYSSES_MODES
+        self.takes_local_attention = self.spec.local_attention
         self.chooser: Optional[Chooser] = None
         self.training: Optional[bool] = None  # the owning module's flag: auto times fwd+bwd by it (None: grad mode)
         self.mesh = mesh
-        if self.mesh is None and self.mode in MESH_MODES and self.world > 1:
-            self.mesh = resources.mesh(group, num_heads, cfg, self.mode if self.mode in ("usp", "tas") else None)
+        if self.mesh is None and self.spec.mesh and self.world > 1:
+            self.mesh = resources.mesh(group, num_heads, cfg, self.mode if self.spec.placement else None)
         self.packed = packed_entry(cfg, group, resources, backend=self.backend) if self.world > 1 else None
 
     def choose(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
@@ -118,12 +125,12 @@ class SPAttention:
         baseline). The three compute the same attention (tests/test_auto_mode.py)."""
         if self.chooser is not None:
             return self.chooser(q, k, causal, kv_valid_len)
-        candidates = {
-            "hcms": lambda a, b, c: self._ulysses(a, b, c, causal, softmax_scale, kv_valid_len, 0.0, None),
-            "ring": lambda a, b, c: self._ring(a, b, c, "ring", causal, softmax_scale, kv_valid_len),
-        }
-        if self.world > 2:  # TASP's n-1 rings differ from the ring only beyond 2 ranks
-            candidates["tasp"] = lambda a, b, c: self._ring(a, b, c, "tasp", causal, softmax_scale, kv_valid_len)
+        candidates = {self.mode: lambda a, b, c: self._ulysses(a, b, c, causal, softmax_scale, kv_valid_len, 0.0,
+                                                                None)}
+        for variant in RING_MODES:   # TASP's n-1 rings differ from the ring only beyond 2 ranks
+            if self.world > 2 or not modes.get(variant).multi_ring:
+                candidates[variant] = (lambda a, b, c, var=variant:
+                                       self._ring(a, b, c, var, causal, softmax_scale, kv_valid_len))
         if p2p_unavailable_reason(self.group, q.device) is not None:   # never tried: it would break the group
             candidates = {m: f for m, f in candidates.items() if not needs_p2p(m, self.world)}
         if len(candidates) == 1:
@@ -140,12 +147,13 @@ class SPAttention:
             comm_stream=self.res.streams.comm_stream(q.device), policy=self.res.policy, placement=self.placement,
             kv_valid_len=kv_valid_len, dropout_p=dropout_p, cu_seqlens=cu_seqlens,
             transport=self.res.transports.get(self.cfg.transport, self.group, q.device, self.cfg.name("transport")),
-            **(block or {}))
+            mask_checks=self.res.mask_checks, **(block or {}))
 
     def _ring(self, q, k, v, variant, causal, scale, kv_valid_len, cu_seqlens=None, block=None):
         return ring_attention(q, k, v, self.group, variant=variant, causal=causal, softmax_scale=scale,
                               layout=self.layout, placement=self.placement, backend=self.backend,
-                              kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, **(block or {}))
+                              kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, mask_checks=self.res.mask_checks,
+                              **(block or {}))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  softmax_scale: Optional[float] = None, kv_valid_len: Optional[int] = None, dropout_p: float = 0.0,
@@ -168,34 +176,38 @@ class SPAttention:
         if cu_seqlens is not None and local_attention is not None:
             raise SPConfigError("packed variable-length samples (cu_seqlens) run megatron_sp_ext's kernels per "
                                 "sample, not a caller's local attention")
-        if dropout_p > 0.0 and self.mode not in DROPOUT_MODES:
+        if dropout_p > 0.0 and not self.spec.dropout:
             raise SPConfigError(f"dropout_p={dropout_p} is not supported by {self.cfg.name('mode')}={self.mode!r} "
                                 f"(log-sum-exp merged partial results): use dropout_p=0 or "
                                 f"{' / '.join(DROPOUT_MODES)}")
         if local_attention is not None and not self.takes_local_attention:
             raise SPConfigError(f"{self.cfg.name('mode')}={self.mode!r} runs megatron_sp_ext's log-sum-exp kernels "
-                                f"({self.cfg.name('backend')}), not a caller's local attention: use ulysses or hcms")
+                                f"({self.cfg.name('backend')}), not a caller's local attention: use "
+                                f"{modes.listing(modes.names(local_attention=True))}")
         mode = self.mode
         if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None and block is None:
             picked = self.choose(q, k, causal, kv_valid_len, softmax_scale)
             mode = picked if picked in RING_MODES else self.mode
         if self.world > 1 and needs_p2p(mode, self.world):
-            check_p2p(f"{self.cfg.name('mode')}={mode!r}" + (" (auto)" if self.cfg.mode == "auto" else ""),
-                      self.group, q.device, f"{self.cfg.name('mode')} ulysses or hcms")
-        if mode in ULYSSES_MODES:
+            check_p2p(f"{self.cfg.name('mode')}={mode!r}" + (" (auto)" if modes.get(self.cfg.mode).auto else ""),
+                      self.group, q.device, f"{self.cfg.name('mode')} {modes.listing(modes.names(p2p=False, auto=False))}")
+        family = modes.get(mode).family   # the one map from a mode to its algorithm
+        if family == "ulysses":
             return self._ulysses(q, k, v, causal, softmax_scale, kv_valid_len, dropout_p, local_attention, cu_seqlens,
                                  block)
-        if mode in RING_MODES:
+        if family == "ring":
             return self._ring(q, k, v, mode, causal, softmax_scale, kv_valid_len, cu_seqlens, block)
-        if mode == "torus":
+        if family == "torus":
             return torus_attention(q, k, v, self.mesh, causal=causal, softmax_scale=softmax_scale, layout=self.layout,
                                    ring_variant=self.cfg.ring_variant, placement=self.placement, backend=self.backend,
-                                   kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, **(block or {}))
-        if mode in ("usp", "tas"):
+                                   kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens,
+                                   mask_checks=self.res.mask_checks, **(block or {}))
+        if family == "hybrid":
             return hybrid_attention(q, k, v, self.mesh, head_chunks=self.cfg.head_chunks,
                                     ring_variant=self.cfg.ring_variant, causal=causal, softmax_scale=softmax_scale,
                                     layout=self.layout, placement=self.placement, backend=self.backend,
-                                    kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, **(block or {}))
+                                    kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens,
+                                    mask_checks=self.res.mask_checks, **(block or {}))
         raise SPConfigError(f"{self.cfg.name('mode')}={mode!r} is invalid")  # pragma: no cover - SPConfig checked
 
 
@@ -204,9 +216,10 @@ def packed_entry(cfg: SPConfig, group: dist.ProcessGroup, resources: SPResources
     """The packed Ulysses / HCMS entry of ``cfg.mode`` (for models that write q|k|v into the exchange layout),
     or None where the mode is not plainly Ulysses/HCMS (ring and mesh modes, "auto", which may pick the ring)
     or attention dropout is set (the packed path runs the explicit kernels, which carry no dropout mask)."""
-    if cfg.mode not in ULYSSES_MODES or cfg.dropout_p > 0.0:
+    spec = modes.get(cfg.mode)
+    if spec.family != "ulysses" or cfg.dropout_p > 0.0:
         return None
-    return PackedUlysses(group, 1 if cfg.mode == "ulysses" else cfg.head_chunks,
+    return PackedUlysses(group, spec.chunks(cfg.head_chunks),
                          backend=backend if backend is not None else cfg.backend, transport=cfg.transport,
                          policy=resources.policy)
 

@@ -26,6 +26,7 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
+from .. import modes
 from ..config import DEFAULT_PLACEMENT, SEQ_PLACEMENTS
 from ..errors import SPConfigError
 from ..topology.hamiltonian import hamiltonian_cycles
@@ -259,4 +260,4 @@ def balanced_placement(variant: str, causal: bool, *, packed: bool = False) -> s
     explicitly, the same to ``shard_sequence`` and the attention; the default is ``DEFAULT_PLACEMENT``."""
     if not causal:
         return "contiguous"
-    return "tasp_zigzag" if variant == "tasp" and not packed else "zigzag"
+    return "tasp_zigzag" if modes.get(variant).multi_ring and not packed else "zigzag"

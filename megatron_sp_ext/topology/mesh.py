@@ -16,6 +16,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from .groups import new_subgroup
+from .. import modes
 from ..config import PLACEMENTS
 from ..errors import SPConfigError
 from .detect import Topology, detect_topology
@@ -88,11 +89,13 @@ def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, placement: str = 
     p_r = world // p_u
     if placement == "auto":
         placement = choose_placement(topo.nodes, topo.per_node, p_u)
-    if placement == "tas" and topo.nodes == 1:
-        raise SPConfigError(f"{nm['placement']}='tas' needs a multi-machine mesh but the group runs on one machine: "
-                            f"set {nm['nodes']} to simulate machines, or use 'usp'/'auto'")
+    across = modes.get(placement).ulysses_across   # Ulysses groups span machines (tas), else inside them (usp)
+    if across and topo.nodes == 1:
+        within = "/".join(repr(p) for p in PLACEMENTS[::-1] if not modes.get(p).ulysses_across)
+        raise SPConfigError(f"{nm['placement']}={placement!r} needs a multi-machine mesh but the group runs on one "
+                            f"machine: set {nm['nodes']} to simulate machines, or use {within}")
     order = topo.mesh_order()
-    if placement == "usp":
+    if not across:
         grid = tuple(tuple(order[j * p_u + u] for u in range(p_u)) for j in range(p_r))
     else:
         grid = tuple(tuple(order[u * p_r + j] for u in range(p_u)) for j in range(p_r))

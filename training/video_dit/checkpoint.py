@@ -273,7 +273,8 @@ def read_run(step_dir: str, expect: dict) -> dict:
 # identity keys added later: what a checkpoint written before them had
 _IDENTITY_DEFAULTS = {"sparse_gates": False}
 
-_ENTRY_SCRIPT = {"megatron-core": "training/pretrain_video_dit.py", "deepspeed": "training/train_deepspeed.py"}
+_ENTRY_SCRIPT = {"megatron-core": "training/pretrain_video_dit.py", "deepspeed": "training/train_deepspeed.py",
+                 "diffusers-wan": "training/train_wan_diffusers.py"}
 
 
 def _mismatch(key: str, saved, now) -> str:

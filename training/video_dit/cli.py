@@ -199,6 +199,18 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error(f"--num-workers={args.num_workers}: must be >= 0 (0: batches built in the training thread)")
     if getattr(args, "manual_gc_interval", 0) < 0:
         p.error(f"--manual-gc-interval={args.manual_gc_interval}: must be >= 0 (0: no collection between steps)")
+    modules = getattr(args, "recompute_modules", None) or []
+    if "outside_core_attn" in modules and len(set(modules)) > 1:
+        p.error(f"--recompute-modules {' '.join(modules)}: outside_core_attn already recomputes the FFN and keeps "
+                f"the attention core; give it alone")
+    if getattr(args, "cpu_offloading", False) and getattr(args, "recompute_granularity", None) == "full" \
+            and getattr(args, "recompute_num_layers", None) is None:
+        p.error("--cpu-offloading with --recompute-granularity full: the blocks keep only their inputs, held by the "
+                "checkpoint, so nothing is left to offload; use --recompute-granularity selective "
+                "--recompute-modules outside_core_attn")
+    if getattr(args, "cpu_offloading_num_layers", None) is not None and not getattr(args, "cpu_offloading", False):
+        p.error(f"--cpu-offloading-num-layers={args.cpu_offloading_num_layers} is set without --cpu-offloading: "
+                f"add --cpu-offloading")
     if getattr(args, "manual_gc_interval", 0) and not getattr(args, "manual_gc", False):
         p.error(f"--manual-gc-interval={args.manual_gc_interval} is set without --manual-gc: add --manual-gc (the "
                 f"interval applies only when Python's automatic collector is off)")

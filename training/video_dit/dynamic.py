@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from megatron_sp_ext import modes
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.dynamic import MIN_GAIN, CostModel, DynamicAttention, DynamicGroups, DynamicPlan, plan_pack
@@ -40,7 +41,7 @@ class DynamicSP:
         """mode: the SP mode (the ring family's exchange is modelled as the ring's)."""
         self.world, self.min_size, self.min_size_name = world, min_size, min_size_name
         self.cost = CostModel.for_dims(cfg.dim, cfg.ffn, cfg.text_len, flops_per_byte=EXCHANGE_FLOPS_PER_BYTE,
-                                       ring=mode in ("ring", "tasp"))
+                                       ring=modes.get(mode).ring_variant)
         plan_pack([1], world, min_size=min_size, min_size_name=min_size_name)  # refuses a bad size now, by name
 
     def plan(self, cu_seqlens: Sequence[int]) -> DynamicPlan:
@@ -52,14 +53,22 @@ class DynamicSP:
 def make_dynamic_core(cfg: SPConfig, group: dist.ProcessGroup, *, num_heads: int, min_size: int = 1):
     """The DiT's attention core for dynamic SP over ``group`` with ``cfg`` (its mode, chunks, backend, ...):
     core(q, k, v, None, cu_seqlens=plan) on this rank's rows [1, S_loc, H, D] of a packed step (plan: the step's
-    DynamicPlan). Creates the aligned sub-groups (collective: every process of the job calls it). Refuses modes that
-    cannot run on a sub-group, naming the user's settings (``cfg.source``)."""
+    DynamicPlan). An unpacked call (cu_seqlens None: sampling after training, [B, S_loc, H, D] contiguous shards,
+    kv_valid_len n) runs the uniform SP attention of ``cfg`` over the whole group: the dynamic plan of one sample
+    on every rank is that attention (``DynamicAttention.sub_attention(0, world)``). Creates the aligned sub-groups
+    (collective: every process of the job calls it). Refuses modes that cannot run on a sub-group, naming the
+    user's settings (``cfg.source``)."""
     cfg = dataclasses.replace(cfg, dynamic=True)
     attn = DynamicAttention(cfg, DynamicGroups(group, min_size), num_heads=num_heads, layout="bshd",
                             resources=SPResources(cfg))
     name = cfg.name("dynamic")
 
     def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
+        if cu_seqlens is None:  # one unpacked sequence over every rank (sampling): the uniform attention
+            uniform = attn.sub_attention(0, attn.groups.world)
+            if block_mask is not None:
+                return uniform(q, k, v, causal=False, kv_valid_len=n, block_mask=block_mask, block_size=block_size)
+            return uniform(q, k, v, causal=False, kv_valid_len=n)
         if not isinstance(cu_seqlens, DynamicPlan) or n is not None or block_mask is not None:
             raise SPConfigError(f"{name} runs packed steps only (--pack-samples, no padding, no block mask)")
         return attn(q, k, v, cu_seqlens, causal=False)

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sp_ext import modes
 from megatron_sp_ext.attention import kernels
 from megatron_sp_ext.attention.backends import SDPABackend, get_backend, with_block_kernel
 from megatron_sp_ext.config import SPConfig
@@ -32,7 +33,7 @@ from .varlen import PackInfo
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
-def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backend", block_kernel: str = "auto"):
+def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backend", block_kernel: str = "auto"):
     """The attention core(q, k, v, kv_valid_len, cu_seqlens) on one device ([B, S, H, D], no sequence parallelism) on
     the local kernel ``backend``: FA4 where "auto"/"sdpa" resolve to it or "fa4" is named, the named kernel for
     "cudnn"/"torch_flash"/..., else torch SDPA (``model.local_core``, the DiT's reference path). A sparse step's
@@ -67,7 +68,7 @@ def one_device_core(backend: str = "sdpa", setting: str = "--sp-attention-backen
 
 
 def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: str = "ring",
-              placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "sdpa",
+              placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "auto",
               transport: str = "nccl", source: str = "megatron", block_kernel: str = "auto"):
     """The sequence-parallel attention core(q, k, v, kv_valid_len) on [B, S_local, H, D] shards
     (contiguous token placement) for ``mode`` over ``group`` (None or size 1 = local): the factory's
@@ -82,7 +83,7 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
         core = one_device_core(backend, setting=backend_setting, block_kernel=block_kernel)
         core.group = None
         return core
-    cfg = SPConfig(mode=mode, head_chunks=1 if mode == "ulysses" else head_chunks, ring_variant=ring_variant,
+    cfg = SPConfig(mode=mode, head_chunks=modes.head_chunks_of(mode, head_chunks), ring_variant=ring_variant,
                    placement=placement, ulysses_size=ulysses_size, nodes=nodes, backend=backend,
                    transport=transport, source=source)
     local = with_block_kernel(backend, block_kernel, SPARSE_KERNEL_FLAG, backend_setting)  # "auto": the backend
@@ -104,6 +105,7 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
     core.attention = attn
     core.group = group
     core.mode_policy = attn.res.mode_policy
+    core.mask_checks = attn.res.mask_checks   # the cross-rank block-mask checks (sp.checks.MaskChecks)
     if attn.packed is not None:
         core.packed = attn.packed
     return core

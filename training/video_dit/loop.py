@@ -27,6 +27,7 @@ from .dynamic import PlanLog
 from .engine import describe_samples, local_loss
 from .guard import NonFiniteError, SpikeDetector, StepGuard
 from .manual_gc import ManualGc
+from .model import RECOMPUTE_MODULES
 from .pipeline import StepBatches, step_inputs
 from .profiling import StepProfiler
 from .telemetry import GcTimer, Telemetry
@@ -52,10 +53,20 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with --manual-gc: collect every N steps (0: no collection between steps)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="activation checkpointing: full blocks, or selective (--recompute-modules)")
-    g.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=["core_attn", "mlp"],
-                   help="with --recompute-granularity selective: the attention core and/or the FFN")
+    g.add_argument("--recompute-modules", nargs="+", default=["core_attn"], choices=list(RECOMPUTE_MODULES),
+                   help="with --recompute-granularity selective: the attention core (core_attn) and/or the FFN "
+                        "(mlp), Megatron-LM's names; or outside_core_attn alone (ours): everything of each block "
+                        "but the self-attention core, whose q, k, v, output and log-sum-exp are kept, so the "
+                        "backward never reruns the attention kernel (docs/full_depth_sharding.md)")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="with full: recompute only the first N blocks (default: all)")
+    g.add_argument("--cpu-offloading", action="store_true",
+                   help="as in Megatron-LM: activation offloading to pinned host memory; the tensors each block "
+                        "saves for the backward outside its recomputed regions (with --recompute-modules "
+                        "outside_core_attn: the attention core's q, k, v, output, log-sum-exp). Not with "
+                        "--recompute-granularity full (its blocks keep only their inputs)")
+    g.add_argument("--cpu-offloading-num-layers", type=int, default=None,
+                   help="with --cpu-offloading: offload only the first N blocks (default: all)")
     g.add_argument("--fused-elementwise", choices=["auto", "on", "off"], default="auto",
                    help="fuse the blocks' elementwise work (AdaLN modulation, gated residuals, QK-norm + RoPE) with "
                         "torch.compile: auto = on CUDA only (training/video_dit/fused.py)")

@@ -34,13 +34,17 @@ from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, SparseStepCache, coars
 from .varlen import PackInfo
 
 # --recompute-modules values (Megatron-LM's names) for --recompute-granularity selective
-RECOMPUTE_MODULES = ("core_attn", "mlp")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "outside_core_attn")
+# ours (no Megatron-LM module of that meaning): recompute the whole block except the self-attention core
+KEEP_CORE_MODULE = "outside_core_attn"
 
 # core(q, k, v, kv_valid_len) -> out, all [B, S_local, H, D]; set by the entry point. Packed steps call
 # core(q, k, v, None, cu_seqlens=cu) with cu the int32 cumulative sample lengths over the full sequence (B=1).
 # Sparse steps (--sparse-attention tiles) call core(q, k, v, kv_valid_len, block_mask=m, block_size=n): m bool
 # [H or 1, nT, nT] over query x key blocks of n tokens of the full (tile-ordered) sequence, the same on every rank.
-# A core's ``group`` attribute (None or absent: one rank) is the SP group its attention runs over. Dynamic SP
+# A core's ``group`` attribute (None or absent: one rank) is the SP group its attention runs over; its
+# ``mask_checks`` (absent: none) the cross-rank block-mask checks (sp.checks.MaskChecks: top-k masks, built the same
+# on every rank from tiles all-reduced over the group, are declared agreed there instead of compared). Dynamic SP
 # (--dynamic-context-parallel) steps pass the pack's DynamicPlan as cu_seqlens (dynamic.make_dynamic_core).
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]
 
@@ -216,8 +220,11 @@ class SelfAttention(nn.Module):
         q_tiles, k_tiles, v_tiles = (pool_tiles(t, step.tile_index, step.num_tiles, step.group, step.run)
                                      for t in (q, k, v))
         outs = []
+        checks = getattr(self.core, "mask_checks", None)
         for i in range(b):  # a block mask is one sample's (its own top-k)
             mask = pad_block_mask(topk_block_mask(q_tiles[i], k_tiles[i], step.spec.topk), step.num_blocks)
+            if checks is not None and step.group is not None:   # every rank's top-k of the same all-reduced tiles
+                checks.agree(mask, step.group)
             outs.append(fine(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask))
         gate = self.sparse_gate(x).view(b, s, self.heads, self.hd)
         fine_out = outs[0] if b == 1 else torch.cat(outs)   # no copy of the one sample's output
@@ -225,15 +232,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, angles, kv_valid_len, cu_seqlens=None, sparse: Optional[SparseStep] = None):
         b, s, _ = x.shape
-        if sparse is not None and (self.sp_block is not None or self.packed_qkv or cu_seqlens is not None):
-            raise SPConfigError(f"{SPARSE_FLAG} tiles runs the plain self-attention path: use --sp-async-qkv off, "
-                                f"--ulysses-packed-qkv off or auto, and no {PACK_FLAG}")
-        if cu_seqlens is not None and self.sp_block is not None:
-            raise SPConfigError(f"{PACK_FLAG}: the async / all-gather self-attention block forms (--sp-async-qkv) "
-                                f"take no packed samples; use --sp-async-qkv off")
-        if cu_seqlens is not None and self.packed_qkv:
-            raise SPConfigError(f"{PACK_FLAG}: the packed q|k|v path (--ulysses-packed-qkv on) takes no packed "
-                                f"samples; use --ulysses-packed-qkv off or auto")
+        self.check_path(cu_seqlens, sparse)
         if self.sp_block is not None:
             group, how = self.sp_block
             choice = how
@@ -245,31 +244,67 @@ class SelfAttention(nn.Module):
                 return checkpoint(self._run, choice, group, x, angles, kv_valid_len, self._params(),
                                   use_reentrant=False)
             return self._run(choice, group, x, angles, kv_valid_len, self._params())
-        y = self.qkv(x)
+        layout = self.packed_layout(x)
+        parts = self.project(x, angles, layout, sparse)
+        return self.out(self.attend(parts, layout, kv_valid_len, cu_seqlens, sparse).reshape(b, s, -1))
+
+    def check_path(self, cu_seqlens=None, sparse: Optional[SparseStep] = None) -> None:
+        """Refuse (SPConfigError, naming the flags) a step the configured path cannot run."""
+        if sparse is not None and (self.sp_block is not None or self.packed_qkv or cu_seqlens is not None):
+            raise SPConfigError(f"{SPARSE_FLAG} tiles runs the plain self-attention path: use --sp-async-qkv off, "
+                                f"--ulysses-packed-qkv off or auto, and no {PACK_FLAG}")
+        if cu_seqlens is not None and self.sp_block is not None:
+            raise SPConfigError(f"{PACK_FLAG}: the async / all-gather self-attention block forms (--sp-async-qkv) "
+                                f"take no packed samples; use --sp-async-qkv off")
+        if cu_seqlens is not None and self.packed_qkv:
+            raise SPConfigError(f"{PACK_FLAG}: the packed q|k|v path (--ulysses-packed-qkv on) takes no packed "
+                                f"samples; use --ulysses-packed-qkv off or auto")
+
+    def packed_layout(self, x: torch.Tensor):
+        """The packed exchange's HeadLayout for the block input ``x`` [B, S, d] when q|k|v go straight into its
+        send layout (``set_packed_qkv`` and a core with a packed entry), else None (the plain q, k, v path)."""
         packed = getattr(self.core, "packed", None) if self.packed_qkv else None
-        layout = packed.layout(self.heads, self.heads, y.new_empty(()).expand(b, s, self.heads, self.hd)) \
-            if packed is not None else None
+        if packed is None:
+            return None
+        b, s, _ = x.shape
+        dev = x.device.type  # q's dtype: the QKV projection's output (autocast's, else its weight's)
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.qkv.weight.dtype
+        return packed.layout(self.heads, self.heads, x.new_empty((), dtype=dtype).expand(b, s, self.heads, self.hd))
+
+    def project(self, x: torch.Tensor, angles: torch.Tensor, layout=None,
+                sparse: Optional[SparseStep] = None) -> tuple:
+        """Everything of the plain path before the attention core: the QKV projection, QK-norm and RoPE of
+        ``x`` [B, S_local, d]. Returns the core's inputs: (q, k, v) [B, S_local, H, D]; with ``layout`` (the
+        packed exchange) its send buffers (q|k|v per HCMS chunk); a top-k sparse step adds ``x`` (its gate's
+        input)."""
+        b, s, _ = x.shape
+        y = self.qkv(x)
         if layout is not None:  # q|k|v straight into the exchange's send layout (see megatron_sp_ext.sp.ulysses.packed)
-            sends = self.ops.qkv_pack(layout)(y, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps,
-                                              self.norm_k.eps, angles, self.heads)
-            run = functools.partial(packed, self.heads, self.heads, kv_valid_len)
-            if self.recompute_core and torch.is_grad_enabled():
-                o = checkpoint(run, *sends, use_reentrant=False)
-            else:
-                o = run(*sends)
-            return self.out(o.reshape(b, s, -1))
+            return tuple(self.ops.qkv_pack(layout)(y, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps,
+                                                   self.norm_k.eps, angles, self.heads))
         q, k, v = y.chunk(3, dim=-1)
         q = self.ops.qk_prep(q, self.norm_q.weight, self.norm_q.eps, angles, self.heads)
         k = self.ops.qk_prep(k, self.norm_k.weight, self.norm_k.eps, angles, self.heads)
         v = v.reshape(b, s, self.heads, self.hd)
+        return (q, k, v, x) if sparse is not None and sparse.spec.topk is not None else (q, k, v)
+
+    def attend(self, parts: tuple, layout, kv_valid_len, cu_seqlens=None,
+               sparse: Optional[SparseStep] = None) -> torch.Tensor:
+        """The attention core on ``project``'s output (same ``layout`` and ``sparse``) -> out [B, S_local, H, D]
+        (the packed exchange: [B, S_local, H*D]); with selective core_attn under activation checkpointing."""
+        if layout is not None:
+            run = functools.partial(self.core.packed, self.heads, self.heads, kv_valid_len)
+            if self.recompute_core and torch.is_grad_enabled():
+                return checkpoint(run, *parts, use_reentrant=False)
+            return run(*parts)
         if sparse is not None:
-            return self.out(self._sparse_attend(q, k, v, x, kv_valid_len, sparse).reshape(b, s, -1))
+            q, k, v = parts[:3]
+            return self._sparse_attend(q, k, v, parts[3] if len(parts) > 3 else None, kv_valid_len, sparse)
+        q, k, v = parts
         core = self.core if cu_seqlens is None else functools.partial(self.core, cu_seqlens=cu_seqlens)
         if self.recompute_core and torch.is_grad_enabled():
-            o = checkpoint(core, q, k, v, kv_valid_len, use_reentrant=False)
-        else:
-            o = core(q, k, v, kv_valid_len)
-        return self.out(o.reshape(b, s, -1))
+            return checkpoint(core, q, k, v, kv_valid_len, use_reentrant=False)
+        return core(q, k, v, kv_valid_len)
 
 
 class CrossAttention(nn.Module):
@@ -312,14 +347,72 @@ class Block(nn.Module):
         nn.init.zeros_(self.modulation.bias)
         self.recompute_block = False  # --recompute-granularity full: keep only the block's input
         self.recompute_mlp = False    # selective mlp: recompute the FFN (its [S, ffn] activations)
+        # selective outside_core_attn: recompute all of the block but the self-attention core (which keeps q, k, v,
+        # its output and log-sum-exp): two checkpoint regions, before and after the core
+        self.recompute_outside_core = False
+        self.cpu_offload = False  # --cpu-offloading: the saved tensors outside recomputed regions wait on the host
         self.ops = ElementwiseOps()
 
     def forward(self, x, t_emb, ctx, angles, kv_valid_len, pack: Optional[PackInfo] = None, cu=None,
                 sparse: Optional[SparseStep] = None):
+        if self.cpu_offload and torch.is_grad_enabled():
+            with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda):
+                return self._dispatch(x, t_emb, ctx, angles, kv_valid_len, pack, cu, sparse)
+        return self._dispatch(x, t_emb, ctx, angles, kv_valid_len, pack, cu, sparse)
+
+    def _dispatch(self, x, t_emb, ctx, angles, kv_valid_len, pack=None, cu=None, sparse=None):
         if self.recompute_block and torch.is_grad_enabled():
             return checkpoint(self._forward, x, t_emb, ctx, angles, kv_valid_len, pack, cu, sparse,
                               use_reentrant=False)
+        if self.recompute_outside_core and torch.is_grad_enabled():
+            return self._forward_keep_core(x, t_emb, ctx, angles, kv_valid_len, pack, cu, sparse)
         return self._forward(x, t_emb, ctx, angles, kv_valid_len, pack, cu, sparse)
+
+    def _modulations(self, mod: torch.Tensor, pack: Optional[PackInfo]) -> tuple:
+        """The six AdaLN chunks (shift, scale, gate of the attention; of the FFN) of ``mod`` [B, 6d]."""
+        if pack is None:
+            return mod[:, None].chunk(6, dim=-1)
+        # each chunk expanded on its own: the shifts' [S, d] copies are freed after use, not saved
+        return tuple(per_token(m, pack) for m in mod.chunk(6, dim=-1))
+
+    def _before_core(self, x, mod, angles, layout, pack, sparse):
+        """Selective outside_core_attn, region 1 (recomputed in the backward): AdaLN, the QKV projection, QK-norm
+        and RoPE -> the attention core's inputs."""
+        sh1, sc1, _, _, _, _ = self._modulations(mod, pack)
+        y = self.ops.ln_modulate(x, sc1, sh1, self.norm1.eps, linear_input_dtype(x))
+        parts = self.attn.project(y, angles, layout, sparse)
+        if layout is None and getattr(self.attn.core, "group", None) is None:
+            # one rank: the core keeps v itself, a view of the QKV projection's whole [S, 3d] output; its own
+            # copy keeps [S, d] (an exchange at SP > 1 copies it anyway)
+            parts = (parts[0], parts[1], parts[2].contiguous(), *parts[3:])
+        return parts
+
+    def _after_core(self, x, mod, o, ctx, pack):
+        """Region 2 (recomputed in the backward): the output projection and gated residual, the cross-attention
+        and the FFN, from the block input ``x`` and the core's output ``o``."""
+        ops, act = self.ops, linear_input_dtype(x)
+        _, _, g1, sh2, sc2, g2 = self._modulations(mod, pack)
+        b, s, _ = x.shape
+        x = ops.gated_residual(x, g1, self.attn.out(o.reshape(b, s, -1)))
+        x = x + self.cross(ops.layer_norm(x, self.norm2.weight, self.norm2.bias, self.norm2.eps, act), ctx, pack)
+        h = ops.ln_modulate(x, sc2, sh2, self.norm3.eps, act)
+        return ops.gated_residual(x, g2, self.ffn(h))
+
+    def _forward_keep_core(self, x, t_emb, ctx, angles, kv_valid_len, pack=None, cu=None, sparse=None):
+        """The block with everything but the self-attention core recomputed in the backward: the core's inputs
+        (q, k, v) and its own saved tensors (output, log-sum-exp) are kept, so the backward reruns norms,
+        modulation, projections, cross-attention and FFN, never the attention kernel. The modulation [B, 6d] is
+        computed once outside both regions (same gradient summation as without recompute: bit-identical)."""
+        if self.attn.sp_block is not None:
+            raise SPConfigError("--recompute-modules outside_core_attn splits the block around the attention core: "
+                                "the fused async / all-gather block forms (--sp-async-qkv on / allgather / auto) have "
+                                "no such split; use --sp-async-qkv off, or --recompute-modules core_attn")
+        self.attn.check_path(cu, sparse)
+        mod = self.modulation(F.silu(t_emb))
+        layout = self.attn.packed_layout(x)
+        parts = checkpoint(self._before_core, x, mod, angles, layout, pack, sparse, use_reentrant=False)
+        o = self.attn.attend(parts, layout, kv_valid_len, cu, sparse)
+        return checkpoint(self._after_core, x, mod, o, ctx, pack, use_reentrant=False)
 
     def _forward(self, x, t_emb, ctx, angles, kv_valid_len, pack=None, cu=None, sparse=None):
         """pack: a packed step's PackInfo (per-token modulation, block-diagonal cross-attention); cu: its
@@ -328,10 +421,7 @@ class Block(nn.Module):
         ops = self.ops
         act = linear_input_dtype(x)  # the norms' outputs feed Linears: their autocast cast happens in the region
         mod = self.modulation(F.silu(t_emb))
-        if pack is None:
-            sh1, sc1, g1, sh2, sc2, g2 = mod[:, None].chunk(6, dim=-1)
-        else:  # each chunk expanded on its own: the shifts' [S, d] copies are freed after use, not saved
-            sh1, sc1, g1, sh2, sc2, g2 = (per_token(m, pack) for m in mod.chunk(6, dim=-1))
+        sh1, sc1, g1, sh2, sc2, g2 = self._modulations(mod, pack)
         y = ops.ln_modulate(x, sc1, sh1, self.norm1.eps, act)
         if sparse is not None:
             x = ops.gated_residual(x, g1, self.attn(y, angles, kv_valid_len, sparse=sparse))
@@ -391,12 +481,17 @@ class VideoDiT(nn.Module):
         """Activation checkpointing (Megatron-LM's --recompute-granularity / --recompute-modules /
         --recompute-num-layers): 'full' recomputes whole blocks (the first ``num_layers``, default all) in the
         backward; 'selective' recomputes only ``modules``: 'core_attn' (the attention core; with the fused
-        async/all-gather block forms the whole self-attention block) and/or 'mlp' (the FFN). None: off."""
+        async/all-gather block forms the whole self-attention block) and/or 'mlp' (the FFN), or
+        'outside_core_attn' alone (ours: everything of the block but the self-attention core, whose inputs q, k,
+        v and its output and log-sum-exp are kept: the backward never reruns the attention kernel). None: off."""
         if granularity not in (None, "full", "selective"):
             raise ValueError(f"--recompute-granularity={granularity!r}: use full or selective")
         bad = [m for m in modules if m not in RECOMPUTE_MODULES]
         if bad:
             raise ValueError(f"--recompute-modules {bad}: valid are {', '.join(RECOMPUTE_MODULES)}")
+        if KEEP_CORE_MODULE in modules and len(set(modules)) > 1:
+            raise ValueError(f"--recompute-modules {' '.join(modules)}: {KEEP_CORE_MODULE} already recomputes the "
+                             f"FFN and keeps the attention core; give it alone")
         n = len(self.blocks) if num_layers is None else num_layers
         if not 0 <= n <= len(self.blocks):
             raise ValueError(f"--recompute-num-layers={num_layers}: the model has {len(self.blocks)} layers")
@@ -404,6 +499,27 @@ class VideoDiT(nn.Module):
             blk.recompute_block = granularity == "full" and i < n
             blk.recompute_mlp = granularity == "selective" and "mlp" in modules
             blk.attn.recompute_core = granularity == "selective" and "core_attn" in modules
+            blk.recompute_outside_core = granularity == "selective" and KEEP_CORE_MODULE in modules
+            if blk.recompute_block and blk.cpu_offload:
+                raise ValueError(f"--cpu-offloading with --recompute-granularity full (block {i}): the blocks keep "
+                                 f"only their inputs, held by the checkpoint, so nothing is left to offload; use "
+                                 f"--recompute-granularity selective --recompute-modules {KEEP_CORE_MODULE}")
+
+    def set_cpu_offloading(self, on: bool, num_layers: Optional[int] = None) -> None:
+        """Activation offloading (Megatron-LM's --cpu-offloading / --cpu-offloading-num-layers): the tensors the
+        first ``num_layers`` blocks (default all) save for the backward, outside their recomputed regions, wait in
+        pinned host memory (``torch.autograd.graph.save_on_cpu``) and come back in the backward. With
+        outside_core_attn that is the attention core's q, k, v, output and log-sum-exp; the recomputed regions'
+        inputs (block input, core output) stay on the GPU. Not with full recompute (call after set_recompute)."""
+        n = len(self.blocks) if num_layers is None else num_layers
+        if not 0 <= n <= len(self.blocks):
+            raise ValueError(f"--cpu-offloading-num-layers={num_layers}: the model has {len(self.blocks)} layers")
+        for i, blk in enumerate(self.blocks):
+            blk.cpu_offload = bool(on) and i < n
+            if blk.cpu_offload and blk.recompute_block:
+                raise ValueError(f"--cpu-offloading with --recompute-granularity full (block {i}): the blocks keep "
+                                 f"only their inputs, held by the checkpoint, so nothing is left to offload; use "
+                                 f"--recompute-granularity selective --recompute-modules {KEEP_CORE_MODULE}")
 
     def set_fused_elementwise(self, backend: Optional[str]) -> None:
         """Fuse the blocks' elementwise regions with ``torch.compile(backend=...)`` (None: eager; see fused.py).
@@ -469,6 +585,7 @@ class VideoDiT(nn.Module):
                 raise SPConfigError(f"{PACK_FLAG}: {e}") from None
         core.packed = attn.packed_entry()  # _sdpa_bshd is the "sdpa" backend's math: packing may bypass it
         core.group = group
+        core.mask_checks = attn.resources.mask_checks
         self.set_attention_core(core)
         self.sp_attention = attn  # registered as a (parameter-free) submodule for visibility
 

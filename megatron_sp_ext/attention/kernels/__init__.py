@@ -12,6 +12,16 @@ ORDER is fastest first on Hopper, measured (fwd+bwd, bf16, D=128; ../shared/ENVI
   flex   flex_attention, block-sparse only: 323-392 useful TFLOP/s at 128-token tiles, 59-255 at 64 (H100)
   math   the fp32 reference: any device, dtype and mask (4 useful TFLOP/s as a ring step kernel)
   flash_attn, te: plain calls only, never picked by "auto" (named by the user).
+  cudnn_block_sparse: cuDNN frontend's block sparsity (nvidia-cudnn-frontend), native 64- and 128-token blocks:
+         block-sparse calls only; NOT MEASURED on our GPUs yet. Its place among the block-sparse kernels is per call
+         (``TILE_ORDER``, by the call's tile size), not ORDER's.
+
+Block-sparse calls ("auto"): ``TILE_ORDER`` puts the kernels it names first, in its order, for a call whose tile size it
+lists, then the rest of AUTO. UNMEASURED default (2026-11-27), to be replaced by the kernel table's order
+(tools/bench_block_sparse.py --table-kernels fa4,cudnn_block_sparse; the rows go below this line):
+  tiles of a multiple of 128 tokens: FA4 first (its blocks are then full: 0.84-0.94 of dense FA4, H100 2026-11-26)
+  other tiles (64, 192, ...): cuDNN's first (FA4 cuts its 128-token blocks: 0.12-0.62 of dense FA4 at 64-token
+         tiles; cuDNN's own benchmark, B200 not Hopper: 49-55% of dense at 64-token blocks)
 """
 from __future__ import annotations
 
@@ -23,6 +33,7 @@ import torch
 from ...errors import SPConfigError
 from .base import NEEDS, Capabilities, Kernel, KernelCall, LseFunction
 from .cudnn import CudnnKernel, dense, grad_in_own_layout
+from .cudnn_block_sparse import CudnnBlockSparseKernel
 from .fa4 import FA4Kernel
 from .flash_attn import FlashAttnKernel
 from .flex import FlexKernel
@@ -30,9 +41,13 @@ from .math import MathKernel
 from .te import TEKernel
 from .torch_flash import TorchFlashKernel
 
-_CLASSES = (FA4Kernel, CudnnKernel, TorchFlashKernel, FlexKernel, MathKernel, FlashAttnKernel, TEKernel)
+_CLASSES = (FA4Kernel, CudnnKernel, TorchFlashKernel, FlexKernel, CudnnBlockSparseKernel, MathKernel, FlashAttnKernel,
+            TEKernel)
 ORDER = tuple(c.name for c in _CLASSES)
-AUTO = ("fa4", "cudnn", "flash", "flex", "math")     # what "auto" may pick, in this order
+AUTO = ("fa4", "cudnn", "flash", "flex", "cudnn_block_sparse", "math")     # what "auto" may pick, in this order
+# block-sparse calls: (tile size multiple, kernels first in this order); the first entry whose multiple divides the
+# call's tile size applies. UNMEASURED (module docstring): replace with the kernel table's order.
+TILE_ORDER = ((128, ("fa4", "cudnn_block_sparse")), (1, ("cudnn_block_sparse", "fa4")))
 FALLBACK = "math"
 
 
@@ -46,10 +61,13 @@ def get(name: str) -> Kernel:
 
 
 def names(*needs: str, auto_only: bool = False) -> tuple[str, ...]:
-    """Kernel names (ORDER) whose declared capabilities cover ``needs`` (no device check)."""
+    """Kernel names (ORDER) whose declared capabilities cover ``needs`` (no device check); without "tiles" among
+    ``needs``, only kernels with dense calls."""
     out = []
     for n in (AUTO if auto_only else ORDER):
         caps = get(n).caps
+        if "tiles" not in needs and not caps.dense:
+            continue
         ok = {"plain": caps.plain, "lse": caps.lse, "varlen": caps.varlen is not None,
               "tiles": caps.tiles != "none", "dropout": caps.dropout}
         if all(ok.get(need, True) for need in needs):
@@ -97,9 +115,19 @@ def _picked(kernel: Kernel, call: KernelCall) -> Kernel:
     return kernel
 
 
+def auto_order(call: KernelCall) -> tuple[str, ...]:
+    """AUTO for ``call``: for a block-sparse call, the kernels ``TILE_ORDER`` names for its tile size first."""
+    if call.tiles is None:
+        return AUTO
+    bs = call.tiles.block_size
+    first = next(names for multiple, names in TILE_ORDER if bs % multiple == 0)
+    return tuple(first) + tuple(n for n in AUTO if n not in first)
+
+
 def pick(call: KernelCall, among: Optional[tuple] = None) -> Kernel:
-    """The first kernel of ``among`` (default AUTO, in order) that runs ``call`` here; math as the last resort."""
-    for n in (among or AUTO):
+    """The first kernel of ``among`` (default: ``auto_order(call)``) that runs ``call`` here; math as the last
+    resort."""
+    for n in (among or auto_order(call)):
         if get(n).why_not(call) is None:
             return _picked(get(n), call)
     return _picked(get(FALLBACK), call)
@@ -115,7 +143,7 @@ def require(kernel: Kernel, call: KernelCall, setting: str) -> Kernel:
     replacement)."""
     reason = kernel.why_not(call)
     if reason is not None:
-        here = [n for n in AUTO if get(n).why_not(call) is None]
+        here = [n for n in auto_order(call) if get(n).why_not(call) is None]
         raise SPConfigError(f"{setting}={kernel.setting!r} cannot run here ({call.device}, {call.dtype}"
                             f"{', block_mask' if call.tiles is not None else ''}): {reason}; use 'auto' (kernels that "
                             f"run it here: {', '.join(here) or 'math'})")
@@ -134,6 +162,7 @@ def torch_sdpa_output(out: torch.Tensor) -> torch.Tensor:
     return grad_in_own_layout(out) if out.is_cuda else out
 
 
-__all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "PICKS", "get", "names",
+__all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "TILE_ORDER", "PICKS", "get",
+           "names", "auto_order",
            "torch_sdpa_inputs", "torch_sdpa_output", "by_setting", "settings", "varlen_methods", "of_varlen_method",
            "why_not", "pick", "label", "require"]

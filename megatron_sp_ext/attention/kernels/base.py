@@ -27,7 +27,8 @@ NEEDS = ("plain", "lse", "varlen", "tiles", "dropout")
 @dataclass(frozen=True)
 class Capabilities:
     """What a kernel can do (see module docstring). dtypes per device type; archs: CUDA compute-capability majors
-    (None: any); gqa: k/v with fewer heads read as they are (not expanded)."""
+    (None: any); gqa: k/v with fewer heads read as they are (not expanded); dense: calls without a block mask too
+    (False: a block-sparse-only kernel, never a backend nor a dense log-sum-exp kernel)."""
 
     plain: bool = True
     lse: bool = False
@@ -38,6 +39,7 @@ class Capabilities:
     dropout: bool = False
     dtypes: dict = field(default_factory=dict)
     archs: Optional[tuple] = None
+    dense: bool = True
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 
 from ...attention.backends import get_backend
 from ...attention.block_sparse import DEFAULT_BLOCK_SIZE, block_sparse_attention
+from ... import modes
 from ...config import DYNAMIC_MODES, SPConfig
 from ...errors import SPConfigError
 from ..factory import SPAttention, SPResources, make_attention
@@ -55,7 +56,7 @@ class DynamicAttention:
         key = (start, size)
         if key not in self.attns:
             cfg = dataclasses.replace(self.cfg, dynamic=False)  # one sub-group: a plain SP attention
-            if cfg.mode == "usp" and size < self.groups.world:
+            if modes.get(cfg.mode).mesh and size < self.groups.world:   # the mesh scaled to the sub-group
                 cfg = dataclasses.replace(
                     cfg, ulysses_size=math.gcd(cfg.ulysses_size, size) if cfg.ulysses_size else None,
                     nodes=max(1, cfg.nodes * size // self.groups.world) if cfg.nodes else None)

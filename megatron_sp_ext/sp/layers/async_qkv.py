@@ -29,6 +29,7 @@ from ...attention.backends import LocalAttention, get_backend
 from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq, table_seq_to_head
 from ...config import DEFAULT_PLACEMENT
+from ..checks import valid_kv_len
 from ..heads import HeadLayout, head_layout
 from ..placement import pieces
 from ..ring import RingBackend
@@ -251,7 +252,7 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
                                  num_heads: int, num_kv_heads: int, prep: Prep,
                                  norm_q_weight: Optional[torch.Tensor] = None,
                                  norm_k_weight: Optional[torch.Tensor] = None, head_chunks: int = 1,
-                                 softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
+                                 softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "auto",
                                  comm_stream: Optional["torch.cuda.Stream"] = None,
                                  kv_valid_len: Optional[int] = None,
                                  transport: "str | object" = "nccl", causal: bool = False,
@@ -274,7 +275,7 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
 
 def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: Prep,
                     seq_local: int, device: torch.device, head_chunks: int = 1,
-                    softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
+                    softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "auto",
                     comm_stream: Optional["torch.cuda.Stream"] = None, kv_valid_len: Optional[int] = None,
                     transport: "str | object" = "nccl", causal: bool = False,
                     placement: str = DEFAULT_PLACEMENT) -> AsyncPlan:
@@ -282,6 +283,7 @@ def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: i
     world, d = dist.get_world_size(group), head_dim
     hl = head_layout(num_heads, num_kv_heads, world, head_chunks)
     be = get_backend(backend)
+    kv_valid_len = valid_kv_len(kv_valid_len, seq_local * world)
     if kv_valid_len is not None or (causal and placement != "contiguous"):
         runs = tuple(r for p in range(world) for r in pieces(placement, p, world, seq_local * world))
         be = RingBackend(None, "ring", runs, (runs,), be, kv_valid_len)

@@ -23,7 +23,7 @@ from ...comm.capability import check_p2p, needs_p2p
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
 from ...topology.mesh import SPMesh
-from ..checks import check_ring_inputs, packed_cu
+from ..checks import MaskChecks, check_ring_inputs, packed_cu
 from ..placement import pieces, varlen_pieces
 from ..ulysses import ulysses_attention
 from ..ulysses.layout import sorted_order
@@ -66,23 +66,27 @@ def sorted_rows(grid: tuple, world: int, placement: str, seqlen: int, cu: Option
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *,
                      head_chunks: "int | str" = 1, ring_variant: str = "ring", causal: bool = False,
                      softmax_scale: Optional[float] = None, layout: str = "bshd",
-                     placement: str = DEFAULT_PLACEMENT, backend: str = "sdpa",
+                     placement: str = DEFAULT_PLACEMENT, backend: str = "auto",
                      kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                     block_mask: Optional[torch.Tensor] = None, block_size: int = 64) -> torch.Tensor:
+                     block_mask: Optional[torch.Tensor] = None, block_size: int = 64,
+                     mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:
     """Ulysses over ``mesh.ulysses_group`` then ring/TASP over ``mesh.ring_group``. Shapes as ulysses_attention.
     ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
     cu_seqlens: packed samples (B=1; cumulative lengths over the full sequence, the same on every rank; shards in
     the per-sample "contiguous" or "zigzag" placement of ``shard_sequence``): each sample attends within itself.
     block_mask / block_size: block-sparse attention as ``ulysses_attention``'s (global tiles, the same on every
     rank): the Ulysses exchange puts each group's sequence in ascending order and the ring ("ring" or "tasp") runs
-    under the mask with its step and hop skips over the mesh's runs (``RingBackend``); not with cu_seqlens."""
+    under the mask with its step and hop skips over the mesh's runs (``RingBackend``); not with cu_seqlens.
+    mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
+    call compares it: one all_gather and a host sync). A mask checked over the mesh's group is agreed on its Ulysses group too: the
+    inner exchange does not compare it again."""
     if ring_variant not in VARIANTS:
         raise SPConfigError(f"ring_variant={ring_variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
     check_ring_inputs(q, k, v, layout, mesh.group)
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * mesh.world
     block_mask, kv_valid_len = checked_mask("hybrid_attention", block_mask, block_size, seqlen, q.shape[2],
-                                            cu_seqlens, kv_valid_len, mesh.group)
+                                            cu_seqlens, kv_valid_len, mesh.group, mask_checks)
     if mesh.ring_group is not None and needs_p2p(ring_variant, mesh.ring_size):
         check_p2p(f"hybrid_attention(ring_variant={ring_variant!r})", mesh.ring_group, q.device,
                   "ulysses_attention")
@@ -103,6 +107,9 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
         to = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
         out = ring(to(q), to(k), to(v), causal=causal, softmax_scale=scale)
         return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
+    inner = mask_checks if mask_checks is not None else MaskChecks()
+    if block_mask is not None:   # equal over the whole mesh group (just checked): equal over its Ulysses group
+        inner.agree(block_mask, mesh.ulysses_group)
     return ulysses_attention(q, k, v, mesh.ulysses_group, head_chunks=head_chunks, causal=causal,
                              softmax_scale=scale, layout=layout, backend=ring, seq_order=order,
-                             block_mask=block_mask, block_size=block_size)
+                             block_mask=block_mask, block_size=block_size, mask_checks=inner)

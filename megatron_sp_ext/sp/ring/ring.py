@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ... import modes
 from ...attention import block_sparse
 from ...attention.backends import LocalAttention, get_backend
 from ...attention.lse import acc_dtype, merge_into
@@ -42,7 +43,8 @@ from ...comm.p2p import wait_handles
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
 from ...topology.hamiltonian import RoutingTables, routing_tables
-from ..checks import check_ring_inputs, check_same_block_mask, check_same_shape_across_ranks, packed_cu
+from ..checks import (MaskChecks, check_mask_once, check_ring_inputs, check_same_shape_across_ranks,
+                      packed_cu, valid_kv_len)
 from ..heads import split_more_first
 from ..placement import pieces, varlen_pieces
 from .rotation import (backward_steps, check_travel, dkv_schedule_from_env, kv_view as _kv_view, sel_rows as _sel,
@@ -50,7 +52,7 @@ from .rotation import (backward_steps, check_travel, dkv_schedule_from_env, kv_v
 from .skips import SkipTables, TileSpec, skip_tables
 from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
 
-VARIANTS = ("ring", "tasp")
+VARIANTS = modes.names(ring_variant=True)   # the ring variants (the mode registry: ring, tasp)
 
 
 @lru_cache(maxsize=None)
@@ -425,7 +427,7 @@ def build_ring_plan(group_ref, rank: int, world: int, *, variant: str, s_loc: in
                     kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None,
                     tiles: Optional[TileSpec] = None, q_runs_of: tuple = ()) -> RingPlan:
     """The ``RingPlan`` of ring rank ``rank`` of ``world`` (uncached; ``make_ring_plan`` caches it per group)."""
-    if variant == "tasp" and world > 1:
+    if modes.get(variant).multi_ring and world > 1:
         rt = routing_tables(world)
         m = len(rt.cycles)
         if balanced_slots:  # tasp_zigzag: ring i carries [piece, mirror] = 2 * (s_loc / 2m) tokens
@@ -442,7 +444,7 @@ def build_ring_plan(group_ref, rank: int, world: int, *, variant: str, s_loc: in
         mode = "sorted"
         q_moves, _ = sorted_order(tuple(q_runs))
         kv_moves, _ = sorted_order(tuple(kv_runs[0]))
-    elif causal and variant == "tasp" and balanced_slots:
+    elif causal and modes.get(variant).multi_ring and balanced_slots:
         mode = "ab"
         q_moves, _ = sorted_order(tuple(q_runs))
         kv_moves, _ = sorted_order(tuple(kv_runs[rank]))
@@ -507,26 +509,29 @@ class RingBackend(block_sparse.BlockSparseBackend):
 
 
 def checked_mask(what: str, block_mask: Optional[torch.Tensor], block_size: int, seqlen: int, num_heads: int,
-                 cu_seqlens, kv_valid_len: Optional[int], group=None) -> tuple[Optional[torch.Tensor], Optional[int]]:
+                 cu_seqlens, kv_valid_len: Optional[int], group=None,
+                 mask_checks: Optional[MaskChecks] = None) -> tuple[Optional[torch.Tensor], Optional[int]]:
     """(block_mask checked for a ``seqlen`` sequence, kv_valid_len or None where it cuts nothing) for the function
     ``what``; SPConfigError for a bad mask, a mask with cu_seqlens, or (over ``group``, before any exchange) a mask
-    that differs between ranks. The mask stays where it is: a plan keeps its own copy (and its identity is the plan
-    cache's key)."""
+    that differs between ranks (through ``mask_checks``: once per distinct mask). The mask stays where it is: a
+    plan keeps its own copy (and its identity is the plan cache's key)."""
+    kv_valid_len = valid_kv_len(kv_valid_len, seqlen)  # < 1: no key left, refused by name
     if block_mask is None:
         return None, kv_valid_len
     if cu_seqlens is not None:
         raise SPConfigError(f"block_mask cannot be combined with cu_seqlens ({what}): give one of them")
     block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size, num_heads=num_heads)
-    check_same_block_mask(block_mask, group)
+    check_mask_once(block_mask, group, mask_checks)
     return block_mask, (None if kv_valid_len is not None and kv_valid_len >= seqlen else kv_valid_len)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                    variant: str = "ring", causal: bool = False, softmax_scale: Optional[float] = None,
                    layout: str = "bshd", placement: str = DEFAULT_PLACEMENT,
-                   backend: "str | LocalAttention" = "sdpa", kv_valid_len: Optional[int] = None,
+                   backend: "str | LocalAttention" = "auto", kv_valid_len: Optional[int] = None,
                    cu_seqlens: Optional[torch.Tensor] = None, block_mask: Optional[torch.Tensor] = None,
-                   block_size: int = block_sparse.DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+                   block_size: int = block_sparse.DEFAULT_BLOCK_SIZE,
+                   mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:
     """Ring or TASP attention over ``group``. q: [B, S_loc, H, D] (or sbhd); k, v: Hkv heads.
 
     ``placement`` says which tokens each rank holds (default ``DEFAULT_PLACEMENT``, "contiguous", as
@@ -543,11 +548,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     placement; AND causal, AND kv_valid_len) runs only the kernel calls whose tiles select anything (each call gets
     its ``TileSlice``), skips the (step, slot) blocks with none and the K|V hops no later rank needs
     (``skips``). Not with cu_seqlens.
+    mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
+    call compares it: one all_gather and a host sync).
     """
-    if group is not None and dist.get_world_size(group) > 1 and needs_p2p(variant, dist.get_world_size(group)):
-        check_p2p(f"ring_attention(variant={variant!r})", group, q.device, "ulysses_attention")
     if variant not in VARIANTS:
         raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
+    if group is not None and dist.get_world_size(group) > 1 and needs_p2p(variant, dist.get_world_size(group)):
+        check_p2p(f"ring_attention(variant={variant!r})", group, q.device, "ulysses_attention")
     check_ring_inputs(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     be = get_backend(backend)
@@ -556,7 +563,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
     seqlen = s_loc * world
     block_mask, kv_valid_len = checked_mask("ring_attention", block_mask, block_size, seqlen, q.shape[2], cu_seqlens,
-                                            kv_valid_len, group)
+                                            kv_valid_len, group, mask_checks)
     pk = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len, placement, world)
     cu = None if pk is None else pk.segments
     if pk is None:

@@ -36,7 +36,7 @@ from ...comm import p2p
 from ...comm.p2p import wait_handles
 from ...topology.mesh import SPMesh
 from ..heads import HeadLayout, head_layout
-from ..checks import check_ring_inputs, packed_cu
+from ..checks import MaskChecks, check_ring_inputs, packed_cu
 from .hybrid import rank_runs
 from .ring import RingBackend, checked_mask
 
@@ -258,18 +258,21 @@ class _TorusFn(torch.autograd.Function):
 
 def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool = False,
                     softmax_scale: Optional[float] = None, layout: str = "bshd", ring_variant: str = "ring",
-                    placement: str = DEFAULT_PLACEMENT, backend: str = "sdpa",
+                    placement: str = DEFAULT_PLACEMENT, backend: str = "auto",
                     kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                    block_mask: Optional[torch.Tensor] = None, block_size: int = 64) -> torch.Tensor:
+                    block_mask: Optional[torch.Tensor] = None, block_size: int = 64,
+                    mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:
     """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len and cu_seqlens (packed
     samples, attention within each sample) as hybrid_attention. block_mask / block_size: block-sparse attention as
     ``ulysses_attention``'s; every block's ring is the ring under the mask (``RingBackend`` with this rank's head
     group's mask rows: its calls, steps and K|V hops skipped per block; ring_variant "ring" or "tasp"); the stages'
-    exchanges all run. Not with cu_seqlens."""
+    exchanges all run. Not with cu_seqlens.
+    mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
+    call compares it: one all_gather and a host sync)."""
     check_ring_inputs(q, k, v, layout, mesh.group)
     s_all = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
     block_mask, kv_valid_len = checked_mask("torus_attention", block_mask, block_size, s_all, q.shape[2], cu_seqlens,
-                                            kv_valid_len, mesh.group)
+                                            kv_valid_len, mesh.group, mask_checks)
     block = None if block_mask is None else (block_mask, block_size)
     for group in (mesh.ulysses_group, mesh.ring_group):   # its stages and its ring are point to point
         check_p2p("torus_attention", group, q.device, "ulysses_attention")

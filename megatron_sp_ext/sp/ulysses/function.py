@@ -33,7 +33,7 @@ from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
-from ..checks import check_inputs, check_same_block_mask, packed_cu
+from ..checks import MaskChecks, check_inputs, check_mask_once, packed_cu
 from ..heads import head_layout
 from . import layout as lay
 from .attend import attend_backward, local_attention
@@ -150,14 +150,15 @@ class _UlyssesFn(torch.autograd.Function):
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                       head_chunks: "int | str" = 1, causal: bool = False, softmax_scale: Optional[float] = None,
-                      layout: str = "bshd", backend: "str | LocalAttention" = "sdpa",
+                      layout: str = "bshd", backend: "str | LocalAttention" = "auto",
                       comm_stream: Optional["torch.cuda.Stream"] = None,
                       policy: Optional[ChunkPolicy] = None, placement: str = DEFAULT_PLACEMENT,
                       kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True,
                       transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None,
                       dropout_p: float = 0.0, cu_seqlens: "torch.Tensor | PackedSamples | None" = None,
                       varlen_kernel: str = "per_sample", block_mask: Optional[torch.Tensor] = None,
-                      block_size: int = block_sparse.DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+                      block_size: int = block_sparse.DEFAULT_BLOCK_SIZE,
+                      mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
     q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's sequence shard.
@@ -199,6 +200,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     the "math" block kernel (backend="math", or off CUDA) or flex_attention (CUDA; other SDPA-family backends
     name no kernel for it; a caller's callable, flash_attn or te backend is refused); head_chunks="auto" picks C by
     the dense call's calibration. Not combined with cu_seqlens, dropout_p or seq_order.
+    mask_checks: a ``checks.MaskChecks`` that compares each distinct block mask across ranks once (None: this call
+    compares it: one all_gather and a host sync).
     """
     if varlen_kernel not in VARLEN_SETTINGS:
         raise SPConfigError(f"varlen_kernel={varlen_kernel!r} is invalid: choose one of {', '.join(VARLEN_SETTINGS)}")
@@ -221,8 +224,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                 raise SPConfigError(f"block_mask cannot be combined with {name} (ulysses_attention): leave {name} at "
                                     f"{off!r}, or block_mask=None")
         block_mask = block_sparse.check_block_mask(block_mask, seq_len=be.seq_len if own else s_loc * world,
-                                                   block_size=block_size, num_heads=q.shape[2]).to(q.device)
-        check_same_block_mask(block_mask, group)
+                                                   block_size=block_size, num_heads=q.shape[2])
+        check_mask_once(block_mask, group, mask_checks)   # the caller's mask object: what mask_checks keys on
+        block_mask = block_mask.to(q.device)
         block_kernel = be.tile_kernel(q, None, causal, lse=False).setting if not own else "ring"
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     tr = default_transports().get(transport, group, q.device)

@@ -208,7 +208,7 @@ class PackedUlysses:
     zero-stride view will do) gives it the shape.
     """
 
-    def __init__(self, group: dist.ProcessGroup, head_chunks: "int | str", *, backend: "str | LocalAttention" = "sdpa",
+    def __init__(self, group: dist.ProcessGroup, head_chunks: "int | str", *, backend: "str | LocalAttention" = "auto",
                  transport: "str | object" = "nccl", causal: bool = False,
                  comm_stream: Optional["torch.cuda.Stream"] = None, policy: Optional[ChunkPolicy] = None) -> None:
         if head_chunks != "auto" and (isinstance(head_chunks, bool) or not isinstance(head_chunks, int)):
@@ -246,7 +246,7 @@ class PackedUlysses:
 
 def packed_ulysses_attention(sends: Sequence[torch.Tensor], group: dist.ProcessGroup, *, num_heads: int,
                              num_kv_heads: int, head_chunks: int = 1, causal: bool = False,
-                             softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "sdpa",
+                             softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "auto",
                              comm_stream: Optional["torch.cuda.Stream"] = None, placement: str = DEFAULT_PLACEMENT,
                              kv_valid_len: Optional[int] = None,
                              transport: "str | object" = "nccl") -> torch.Tensor:

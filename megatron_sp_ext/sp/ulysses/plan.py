@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ...attention.backends import LocalAttention
-from ...errors import SPConfigError
+from ..checks import valid_kv_len
 from ..heads import HeadLayout
 from ..placement import pieces, varlen_pieces
 from . import layout as lay
@@ -71,10 +71,7 @@ def local_order(placement: str, world: int, s_loc: int, causal: bool,
     (None when it already is, or when nothing depends on positions: non-causal without padding), and the
     padding cut (None: no key is padding). Raises SPConfigError for a bad placement or kv_valid_len."""
     seqlen = s_loc * world
-    if kv_valid_len is not None and kv_valid_len >= seqlen:
-        kv_valid_len = None  # nothing is padding
-    if kv_valid_len is not None and kv_valid_len < 1:
-        raise SPConfigError(f"kv_valid_len={kv_valid_len} leaves no key to attend: use 1..{seqlen}")
+    kv_valid_len = valid_kv_len(kv_valid_len, seqlen)
     if not causal and kv_valid_len is None:
         return None, None
     return _seq_order(placement, world, seqlen), kv_valid_len

@@ -1,0 +1,378 @@
+"""cuDNN frontend's block-sparse attention (the pip package ``nvidia-cudnn-frontend``, module
+``cudnn.block_sparse_attention``; CuTe DSL kernels with native 64- and 128-token blocks on Hopper SM90 and Blackwell
+SM100) as a block-sparse kernel with log-sum-exp and a backward from the rows' FINAL out/lse (ring steps,
+head-chunked blocks).
+
+Shapes (this module's side): q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (bhsd, stride(-1) == 1; GQA: H % Hkv == 0), out
+[B, H, Sq, D] bf16, lse fp32 [B, H, Sq] (natural log; cuDNN writes -inf for rows that select nothing). cuDNN takes
+q/k/v as bhsd or bshd (here bshd when q's storage is [B, S, H, D], so no copy), per query block a list of key blocks
+``q2k_block_index`` int32 [B, H, nq, cap] (the first ``q2k_block_nums`` [B, H, nq] entries count) and per key block the
+number of valid keys ``block_sizes`` int32 [nk] (padding at a block's end).
+
+What cuDNN runs (1.32.0, read from the wheel): NON-causal attention over whole blocks (no mask inside a block);
+the backward is bf16 only, MHA only (k/v are expanded to H heads here, dk/dv summed back per kv head), head dim 128
+on SM90 (64 or 128 at 128-token blocks on SM100). So:
+  - a call runs when its rows split into whole kernel blocks (b = 128 or 64 rows, Sq and Sk multiples of b) each
+    inside ONE tile of the mask (``block_of``): the block grid is then exact, no superset of the mask ever runs;
+  - causal (identical, increasing query and key positions, as FA4's): the blocks below the diagonal run on cuDNN,
+    the diagonal blocks (tril inside one block) as one batched causal call of FlashAttention-4 (the math kernel where
+    FA4 does not run), merged by log-sum-exp; the backward runs both from the FINAL
+    out/lse and adds the gradients (the ring's contract);
+  - padded keys (``kv_valid_len``) must form the end of each key block they sit in (``block_sizes``); not with causal.
+Anything else is refused by ``why_not`` so the registry picks another kernel (FA4, flex, math); nothing runs a
+different mask. Rows or blocks cuDNN leaves out (no listed block) get zero gradients here whatever the package
+writes there (its SM90 128-token backward allocates dq/dk/dv with ``torch.empty``).
+
+Metadata (``block_metadata``): built on the call's device from the slice by tensor ops (no host loop, no copy of the
+mask to the host), kept in the slice's cache (keyed on rows, sizes, causal; the per-(B, H) expansion cuDNN's shape
+check wants in the metadata object), so a slice shared by every layer or step is converted once.
+The package is imported at the first call only (this module imports with torch alone).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from ..lse import merge
+from .base import Capabilities, Kernel, KernelCall, LseFunction
+from . import fa4
+from .fa4 import block_lists
+from .math import MathKernel
+
+PACKAGE = "nvidia-cudnn-frontend"
+INSTALL_HINT = "pip install nvidia-cudnn-frontend==1.32.0 (needs nvidia-cutlass-dsl[cu13] and apache-tvm-ffi)"
+MODULE = "cudnn.block_sparse_attention"
+DTYPES = (torch.bfloat16,)   # its backward is bf16 only (forward also fp16: not offered, a training kernel)
+ARCH_MAJORS = (9, 10)        # SM90 (sm90_blk64 / sm90_blk128) and SM100 (sm100_blk64 / sm100_blk128): fwd AND bwd
+BLOCKS = (128, 64)           # cuDNN's sparse block sizes, the larger tried first
+
+
+def api():
+    """The package's public module (``block_sparse_attention_forward`` / ``_backward``)."""
+    return importlib.import_module(MODULE)
+
+
+@lru_cache(maxsize=None)
+def installed() -> bool:
+    """Whether ``cudnn.block_sparse_attention`` is here, found without importing ``cudnn`` (its import loads a
+    compiled module and cuDNN)."""
+    try:
+        spec = importlib.util.find_spec("cudnn")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(os.path.isfile(os.path.join(loc, "block_sparse_attention", "api.py"))
+               for loc in spec.submodule_search_locations)
+
+
+def head_dims(device: torch.device) -> tuple:
+    """The head dims its backward takes on ``device``: 128 on SM90, 64 (128-token blocks only) or 128 on SM100."""
+    if torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10:
+        return (64, 128)
+    return (128,)
+
+
+def why_not(device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> Optional[str]:
+    """None if the package runs for (device, dtype, head_dim) here, else the reason in a user's words."""
+    device = torch.device(device)
+    if not installed():
+        return f"the package {PACKAGE!r} is not installed ({INSTALL_HINT})"
+    if device.type != "cuda":
+        return f"it runs on NVIDIA GPUs only (tensors are on {device.type})"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in ARCH_MAJORS:
+        return f"it runs on Hopper (sm_90) and Blackwell (sm_100) GPUs, not sm_{major}{minor}"
+    if dtype not in DTYPES:
+        return f"its backward takes bf16 only, not {dtype}"
+    if head_dim is not None and head_dim not in head_dims(device):
+        return f"its backward takes head dim {' or '.join(map(str, head_dims(device)))} here, not {head_dim}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------- metadata
+def one_tile_per_group(tile_idx: torch.Tensor, b: int) -> bool:
+    """Whether every aligned group of ``b`` rows has one tile index (``tile_idx`` [n], n a multiple of b)."""
+    groups = tile_idx.view(-1, b)
+    return bool((groups == groups[:, :1]).all())
+
+
+def block_of(ts, sq: int, sk: int) -> Optional[int]:
+    """The kernel block (128 or 64 rows) of the call: Sq and Sk multiples of it and every aligned group of its
+    query and key rows inside one tile; None when neither fits (rows contiguous: decided from the tile size alone)."""
+    for b in BLOCKS:
+        if sq % b or sk % b or sq == 0 or sk == 0:
+            continue
+        if ts.contiguous:
+            if ts.block_size % b == 0:
+                return b
+            continue
+        dev = ts.block_mask.device
+        if one_tile_per_group(ts.q_pos.to(dev) // ts.block_size, b) and \
+                one_tile_per_group(ts.k_pos.to(dev) // ts.block_size, b):
+            return b
+    return None
+
+
+class BlockMeta:
+    """cuDNN's block lists of one call: kernel block ``block``; ``index`` int32 [h, nq, nk] (each query block's key
+    blocks, selected first, ascending), ``nums`` int32 [h, nq], ``sizes`` int32 [nk] (valid keys per key block) or
+    None; ``q_live`` / ``k_live`` bool [h, nq] / [h, nk]: blocks with a listed pair (cuDNN writes their gradients);
+    ``diag`` bool [h, nq]: the causal diagonal blocks selected (None when not causal). h = the mask's rows for the
+    call (1: every head)."""
+
+    def __init__(self, block, index, nums, sizes, q_live, k_live, diag) -> None:
+        self.block, self.index, self.nums, self.sizes = block, index, nums, sizes
+        self.q_live, self.k_live, self.diag = q_live, k_live, diag
+        self.expanded: dict = {}
+
+    def lists(self, batch: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q2k_block_index [B, H, nq, nk], q2k_block_nums [B, H, nq]) as cuDNN checks them (contiguous int32), kept
+        per (B, H)."""
+        key = (batch, heads)
+        if key not in self.expanded:
+            h, nq, nk = self.index.shape
+            self.expanded[key] = (self.index.unsqueeze(0).expand(batch, heads, nq, nk).contiguous(),
+                                  self.nums.unsqueeze(0).expand(batch, heads, nq).contiguous())
+        return self.expanded[key]
+
+
+def block_metadata(ts, sq: int, sk: int, causal: bool) -> Optional[BlockMeta]:
+    """``BlockMeta`` of the slice ``ts`` for a call of ``sq`` x ``sk`` rows, or None when cuDNN cannot run it exactly
+    (``why_not_tiles`` says why). Cached in ``ts.cache``."""
+    key = ("cudnn_bsa_meta", sq, sk, bool(causal))
+    if key not in ts.cache:
+        ts.cache[key] = _build(ts, sq, sk, causal)
+    return ts.cache[key]
+
+
+def _build(ts, sq, sk, causal) -> Optional[BlockMeta]:
+    b = block_of(ts, sq, sk)
+    if b is None:
+        return None
+    dev = ts.block_mask.device
+    qp, kp = ts.q_pos.to(dev), ts.k_pos.to(dev)
+    padded = ts.kv_valid_len is not None and (ts.kv_valid_len < sk if ts.contiguous
+                                              else bool((kp >= ts.kv_valid_len).any()))
+    if causal:
+        if padded:
+            return None
+        if not ts.contiguous and not (sq == sk and bool((qp == kp).all())
+                                      and (sq < 2 or bool((qp[1:] > qp[:-1]).all()))):
+            return None
+    nq, nk = sq // b, sk // b
+    rows = ts.mask_rows()                                                        # [h or 1, T, T]
+    sel = rows.index_select(1, qp[::b] // ts.block_size).index_select(2, kp[::b] // ts.block_size)  # [h, nq, nk]
+    sizes = None
+    if padded:
+        valid = (kp < ts.kv_valid_len).view(nk, b)
+        counts = valid.sum(1, dtype=torch.int32)
+        if not ts.contiguous and not bool((valid == (torch.arange(b, device=dev) < counts.unsqueeze(1))).all()):
+            return None   # padded keys in the middle of a block: block_sizes cannot say it
+        sizes = counts.contiguous()
+        sel = sel & (counts > 0)
+    diag = None
+    if causal:
+        i = torch.arange(nq, device=dev)
+        diag = sel[:, i, i].contiguous()                                          # [h, nq]
+        sel = sel & (i.view(1, nq) < i.view(nq, 1))                               # strictly below the diagonal
+    nums, index = block_lists(sel)
+    return BlockMeta(b, index, nums, sizes, sel.any(2), sel.any(1), diag)
+
+
+# ---------------------------------------------------------------------------------------- calls
+def _layout(q: torch.Tensor) -> str:
+    """cuDNN's layout for q's storage: "bshd" when q is a [B, S, H, D] tensor seen as bhsd (no copy), else "bhsd"."""
+    return "bshd" if q.transpose(1, 2).is_contiguous() else "bhsd"
+
+
+def _to(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """bhsd ``x`` in cuDNN's ``layout``, contiguous (no copy when it already is)."""
+    return x.transpose(1, 2).contiguous() if layout == "bshd" else x.contiguous()
+
+
+def _from(x: torch.Tensor, layout: str) -> torch.Tensor:
+    return x.transpose(1, 2) if layout == "bshd" else x
+
+
+def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v [B, Hkv, S, D] with H heads (cuDNN's backward is MHA only; the forward gets the same tensors)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _per_row(live: torch.Tensor, batch: int, heads: int, block: int) -> torch.Tensor:
+    """[h, n] per-block flags as [B, H, n * block, 1] per-row flags."""
+    return live.repeat_interleave(block, dim=1).unsqueeze(0).expand(batch, heads, -1).unsqueeze(-1)
+
+
+def bsa_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's block-sparse forward over the listed blocks: (out [B, H, Sq, D], lse fp32 [B, H, Sq])."""
+    batch, heads = q.shape[:2]
+    lay = _layout(q)
+    idx, nums = meta.lists(batch, heads)
+    res = api().block_sparse_attention_forward(
+        _to(q, lay), _to(_expand_kv(k, heads), lay), _to(_expand_kv(v, heads), lay), idx, block_sizes=meta.sizes,
+        q2k_block_nums=nums, sparse_block_size=meta.block, allow_empty_block_nums=True, softmax_scale=scale,
+        layout=lay)
+    return _from(res["o_tensor"], lay), res["lse_tensor"]
+
+
+def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
+    """(dq [B, H, Sq, D], dk/dv [B, H, Sk, D] per q head) of the listed blocks given the rows' FINAL out/lse; zero
+    on blocks without a listed pair."""
+    batch, heads = q.shape[:2]
+    lay = _layout(q)
+    idx, nums = meta.lists(batch, heads)
+    res = api().block_sparse_attention_backward(
+        _to(do, lay), _to(q, lay), _to(_expand_kv(k, heads), lay), _to(_expand_kv(v, heads), lay), _to(out, lay),
+        lse.float().contiguous(), idx, block_sizes=meta.sizes, q2k_block_nums=nums, softmax_scale=scale,
+        sparse_block_size=meta.block, layout=lay)
+    b = meta.block
+    dq = torch.where(_per_row(meta.q_live, batch, heads, b), _from(res["dq_tensor"], lay), 0)
+    dk = torch.where(_per_row(meta.k_live, batch, heads, b), _from(res["dk_tensor"], lay), 0)
+    dv = torch.where(_per_row(meta.k_live, batch, heads, b), _from(res["dv_tensor"], lay), 0)
+    return dq, dk, dv
+
+
+def _blocks(x: torch.Tensor, b: int) -> torch.Tensor:
+    """[B, H, S, D] -> [B * S/b, H, b, D] (one batch entry per block of b rows)."""
+    bsz, h, s, d = x.shape
+    return x.unflatten(2, (s // b, b)).transpose(1, 2).reshape(bsz * (s // b), h, b, d)
+
+
+def _unblocks(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """Inverse of ``_blocks`` (also for lse [B * n, H, b] -> [B, H, S])."""
+    n, h = x.shape[0] // batch, x.shape[1]
+    y = x.view(batch, n, *x.shape[1:]).transpose(1, 2)
+    return y.reshape(batch, h, n * x.shape[2], *x.shape[3:])
+
+
+def _diag_select(meta: BlockMeta, batch: int, heads: int) -> torch.Tensor:
+    """[B * nq, H] bool: whether the causal diagonal block of each (batch, block) is selected for each head."""
+    d = meta.diag.t()                                                     # [nq, h]
+    return d.unsqueeze(0).expand(batch, d.shape[0], heads).reshape(batch * d.shape[0], heads)
+
+
+class _FA4Dense:
+    """FA4's dense block calls (kernels/fa4.py) in the kernel call signature."""
+
+    forward = staticmethod(fa4.forward)
+    backward = staticmethod(fa4.backward)
+
+
+def dense_kernel(q: torch.Tensor):
+    """The dense causal log-sum-exp kernel of the diagonal blocks: FlashAttention-4 where it runs, else the math
+    kernel (exact, fp32; small blocks)."""
+    return _FA4Dense if fa4.why_not(q.device, q.dtype, q.shape[-1]) is None else MathKernel()
+
+
+def diag_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selected causal diagonal blocks as one batched causal call: (out [B, H, Sq, D], lse fp32 [B, H, Sq]),
+    out 0 / lse -inf on rows of unselected ones."""
+    batch, heads = q.shape[:2]
+    b = meta.block
+    qd, kd, vd = _blocks(q, b), _blocks(_expand_kv(k, heads), b), _blocks(_expand_kv(v, heads), b)
+    out, lse = dense_kernel(q).forward(qd, kd, vd, scale, True)
+    keep = _diag_select(meta, batch, heads)
+    out = torch.where(keep[:, :, None, None], out, 0)
+    lse = torch.where(keep[:, :, None], lse.float(), float("-inf"))
+    return _unblocks(out, batch), _unblocks(lse, batch)
+
+
+def diag_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
+    """(dq [B, H, Sq, D], dk/dv [B, H, Sk, D] per q head) of ``diag_forward``'s blocks given the FINAL out/lse."""
+    batch, heads = q.shape[:2]
+    b = meta.block
+    args = [_blocks(t, b) for t in (do, q, _expand_kv(k, heads), _expand_kv(v, heads), out)]
+    lse_d = _blocks(lse.unsqueeze(-1), b).squeeze(-1)
+    grads = dense_kernel(q).backward(*args, lse_d, scale, True)
+    keep = _diag_select(meta, batch, heads)[:, :, None, None]
+    return tuple(_unblocks(torch.where(keep, g, 0), batch) for g in grads)
+
+
+def _sum_kv_heads(g: torch.Tensor, hkv: int) -> torch.Tensor:
+    """dk or dv per q head [B, H, S, D] summed to the kv heads [B, Hkv, S, D] (in fp32)."""
+    bsz, h, s, d = g.shape
+    return g.float().view(bsz, hkv, h // hkv, s, d).sum(2)
+
+
+def tile_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block-sparse call: (out [B, H, Sq, D] in q's dtype, lse fp32 [B, H, Sq]); rows that select nothing: out 0,
+    lse -inf."""
+    out, lse = bsa_forward(q, k, v, scale, meta)
+    if meta.diag is None:
+        return out, lse
+    o2, l2 = diag_forward(q, k, v, scale, meta)
+    out, lse = merge([out, o2], [lse, l2])
+    return out.to(q.dtype), lse.float()
+
+
+def tile_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
+    """(dq [B, H, Sq, D], dk/dv [B, Hkv, Sk, D]) of ``tile_forward``'s call given the rows' FINAL out/lse."""
+    grads = bsa_backward(do, q, k, v, out, lse, scale, meta)
+    if meta.diag is not None:
+        grads = tuple(a.float() + b.float() for a, b in zip(grads, diag_backward(do, q, k, v, out, lse, scale,
+                                                                                 meta)))
+    dq, dk, dv = grads
+    hkv = k.shape[1]
+    if hkv != q.shape[1]:
+        dk, dv = _sum_kv_heads(dk, hkv), _sum_kv_heads(dv, hkv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------- the registry's kernel
+class CudnnBlockSparseKernel(Kernel):
+    """cuDNN frontend's block-sparse attention: block masks only (64- and 128-token kernel blocks, whole blocks),
+    log-sum-exp and backward from the final out/lse, GQA by expansion, bf16, Hopper and Blackwell."""
+
+    name = setting = "cudnn_block_sparse"
+    label = "cuDNN block-sparse attention"
+    package = PACKAGE
+    install_hint = INSTALL_HINT
+    caps = Capabilities(plain=True, lse=True, varlen=None, tiles="kernel_blocks", partial_tiles=False, gqa=False,
+                        dropout=False, dtypes={"cuda": DTYPES}, archs=ARCH_MAJORS, dense=False)
+
+    def installed(self) -> bool:
+        return installed()
+
+    def device_reason(self, call: KernelCall) -> Optional[str]:
+        return why_not(call.device, call.dtype, call.head_dim)
+
+    def why_not_here(self, call: KernelCall) -> Optional[str]:
+        if "tiles" not in call.needs:
+            return "it runs block-sparse calls only (give a block mask)"
+        ts = call.tiles
+        if ts is None:   # which kernel a block-sparse call goes to, asked before its slice is known
+            return None
+        sq, sk = ts.q_pos.numel(), ts.k_pos.numel()
+        if block_of(ts, sq, sk) is None:
+            return (f"its blocks are whole 64- or 128-token blocks: the call's {sq} query / {sk} key rows must be "
+                    f"multiples of 64 and each aligned group of 64 inside one {ts.block_size}-token tile")
+        if block_metadata(ts, sq, sk, "causal" in call.needs) is None:
+            return ("its kernels are non-causal and mask no token inside a block: causal needs identical increasing "
+                    "query and key positions and no padded keys, and padded keys must end the key blocks they sit in")
+        return None
+
+    def prepare(self, tiles, sq, sk, causal):
+        block_metadata(tiles, sq, sk, causal)
+
+    def attention(self, q, k, v, causal, scale, tiles=None):
+        return LseFunction.apply(q, k, v, self, causal, scale, tiles)
+
+    def forward(self, q, k, v, scale, causal, tiles=None):
+        return tile_forward(q, k, v, scale, self._meta(q, k, causal, tiles))
+
+    def backward(self, do, q, k, v, out, lse, scale, causal, tiles=None):
+        return tile_backward(do, q, k, v, out, lse, scale, self._meta(q, k, causal, tiles))
+
+    def _meta(self, q, k, causal, tiles) -> BlockMeta:
+        meta = block_metadata(tiles, q.shape[2], k.shape[2], causal) if tiles is not None else None
+        if meta is None:   # the registry asked why_not first; a direct caller gets the reason
+            needs = ("lse", "causal") if causal else ("lse",)
+            raise ValueError(f"{self.name}: {self.why_not_here(KernelCall.of(q, *needs, tiles=tiles))}")
+        return meta

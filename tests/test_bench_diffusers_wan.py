@@ -1,0 +1,65 @@
+"""tools/bench_diffusers_wan.py in its CPU dry mode (tiny Wan, gloo, 2 ranks, 2 steps): our variants time and report
+their rows (machine, date, commit, command), diffusers' own context parallelism is skipped with its stated reason,
+variant names are checked, and --curves writes its JSON and plot."""
+import json
+import os
+
+import pytest
+
+pytest.importorskip("diffusers")
+
+import torch.distributed.checkpoint.state_dict  # noqa: E402,F401  (imported before the harness forks)
+from diffusers import WanTransformer3DModel  # noqa: E402,F401
+import megatron_sp_ext.diffusers  # noqa: E402,F401
+from megatron_sp_ext.errors import SPConfigError  # noqa: E402
+from tests.harness import run_ranks  # noqa: E402
+from tools import bench_diffusers_wan as bench  # noqa: E402
+
+
+def _bench(rank, world, argv):
+    return bench.main(list(argv))
+
+
+def test_dry_run_rows(tmp_path):
+    out = str(tmp_path / "bench.json")
+    pytest.importorskip("megatron_sp_ext.diffusers.sparse")
+    run_ranks(_bench, 2, ["--dry-run", "--variants", "diffusers-ulysses,ours-auto,ours-ring,ours-ulysses-topk90",
+                          "--out", out], timeout=120)
+    with open(out) as f:
+        doc = json.load(f)
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert doc["meta"]["tokens"] == 64 and doc["meta"]["world"] == 2
+    assert "accelerator" in rows["diffusers-ulysses"]["skipped"]
+    assert rows["ours-ulysses-topk90"]["sparse"]["topk"] == 2   # 10% of the 16 tiles of 1x2x2 on the 4x4x4 grid
+    for name in ("ours-auto", "ours-ring", "ours-ulysses-topk90"):
+        r = rows[name]
+        assert "skipped" not in r, r
+        assert r["step_ms"] > 0 and len(r["step_ms_all"]) == 2 and r["first_loss"] > 0 and r["mfu"] is None
+    for r in rows.values():
+        assert r["machine"] and r["date"] and "command" in r and "commit" in r
+
+
+def test_curves_dry(tmp_path):
+    out = str(tmp_path / "c.json")
+    run_ranks(_bench, 2, ["--dry-run", "--curves", "2", "--out", out], timeout=120)
+    with open(str(tmp_path / "c_curves.json")) as f:
+        doc = json.load(f)
+    assert len(doc["curves"]["ours-auto"]["losses"]) == 2
+    assert "accelerator" in doc["curves"]["diffusers-ulysses"]["skipped"]
+    assert os.path.isfile(str(tmp_path / "c_curves.png"))
+
+
+@pytest.mark.parametrize("name", ["diffusers-hcms", "ours-bogus", "ours-auto-window=1.2", "theirs-auto",
+                                  "diffusers-ring@sage"])
+def test_bad_variant_names(name):
+    with pytest.raises(SPConfigError, match="--variants"):
+        bench.parse_variant(name)
+
+
+def test_variant_grammar_and_sparse_settings():
+    v = bench.parse_variant("ours-auto-topk90")
+    s = bench.sparse_settings(v["sparse"], (21, 30, 52), (4, 4, 8))
+    assert s["topk"] == max(1, round(0.1 * s["n_tiles"])) and abs(s["sparsity"] - 0.9) < 0.01
+    w = bench.sparse_settings(bench.parse_variant("ours-hcms-window90")["sparse"], (21, 30, 52), (4, 4, 8))
+    assert abs(w["sparsity"] - 0.9) < 0.03 and len(w["window"]) == 3
+    assert bench.parse_variant("diffusers-ring@native")["backend"] == "native"

@@ -1,0 +1,420 @@
+"""Training-step benchmark of diffusers' WanTransformer3DModel under sequence parallelism: diffusers' OWN context
+parallelism against megatron_sp_ext's (``megatron_sp_ext.diffusers.parallelize``), one torchrun job, one rank per GPU.
+
+    torchrun --nproc-per-node 2 tools/bench_diffusers_wan.py --grid 480p \
+        --variants diffusers-ulysses,diffusers-ring,ours-auto,ours-ulysses,ours-hcms,ours-ring,ours-auto-window90,ours-auto-topk90 \
+        --out tools/results/diffusers_wan/480p.json
+
+Each variant builds the same model (--model, default wan-1.3b at full depth; weights fp32 from --seed), bf16
+autocast, diffusers' gradient checkpointing (every block), then times --steps training steps after --warmup ones on
+one fixed synthetic batch (Wan's flow-matching loss, training/wan_diffusers/flow.py; AdamW; gradients all-reduced
+over the ranks with the SP sum, training/wan_diffusers/loop.py): step_ms = median over steps of CUDA-event time,
+max over ranks. MFU = model FLOPs (DiTConfig.flops_per_token: Wan's block, recomputation not counted) / (step time x
+world x 989 TFLOP/s); peak_mem_gib = max over ranks of torch.cuda.max_memory_allocated.
+
+Variants (comma list): ``diffusers-ulysses`` / ``diffusers-ring``: model.enable_parallelism(config=
+ContextParallelConfig(ulysses_degree=P | ring_degree=P)) with model.set_attention_backend(B), B = --diffusers-backend
+or, with "auto", the first of _native_cudnn, flash, native whose step runs (each refusal recorded); name one as
+``diffusers-ring@native``. ``ours-<mode>`` (auto, ulysses, hcms, ring, tasp, usp, ...): parallelize(model, group,
+mode=<mode>). A sparse variant adds ``-window90`` / ``-topk90`` (the window nearest 0.9 sparsity / K = 10% of the
+tiles of the grid, --sparse-tile) or explicit ``-window=t.h.w`` / ``-topk=K``: each variant carries its own sparse
+settings, dense and sparse in one job.
+--curves N: instead of timing, N training steps (fresh synthetic samples each step, same seed and data for both) of
+ours-auto and diffusers' best CP variant, bf16, losses to <out>_curves.json and <out>_curves.png.
+--dry-run: CPU stand-in (tiny config, gloo, a 4x8x8 latent, 2 steps); diffusers' own CP is skipped there with its
+reason (it needs an accelerator). Rows carry machine, date, commit and the command.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import socket
+import sys
+import time
+import traceback
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_sp_ext.config import MODES, SPConfig  # noqa: E402
+from megatron_sp_ext.errors import SPConfigError  # noqa: E402
+from tools.benchlib import init_world, plot_or_skip, run_meta, write_json  # noqa: E402
+from training.video_dit.loop import TorchOps  # noqa: E402
+from training.video_dit.telemetry import peak_flops  # noqa: E402
+from training.wan_diffusers import model as wan  # noqa: E402
+from training.wan_diffusers.flow import WanStepBatches, flow_loss, shift_timestep  # noqa: E402
+
+GRIDS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}   # Wan's latent F x H x W (81 frames; 832x480 / 1280x720)
+DRY_GRID = (4, 8, 8)
+DIFFUSERS_BACKENDS = ("_native_cudnn", "flash", "native")   # "auto" tries them in this order
+DEFAULT_VARIANTS = "diffusers-ulysses,diffusers-ring,ours-auto,ours-ulysses,ours-hcms,ours-ring"
+NO_ACCELERATOR = ("diffusers' context parallelism needs an accelerator: enable_parallelism builds its mesh over "
+                  "torch.accelerator.device_count() devices, and this run has none (CPU)")
+
+
+def parse_variant(name: str) -> dict:
+    """``diffusers-<ulysses|ring>[@backend]`` or ``ours-<mode>[-window90|-topk90|-window=t.h.w|-topk=K]`` -> a dict
+    (impl, mode, backend, sparse). SPConfigError naming --variants otherwise."""
+    impl, _, rest = name.partition("-")
+    if impl == "diffusers":
+        mode, _, backend = rest.partition("@")
+        if mode not in ("ulysses", "ring") or (backend and backend not in DIFFUSERS_BACKENDS):
+            raise SPConfigError(f"--variants {name!r}: diffusers' variants are diffusers-ulysses and diffusers-ring, "
+                                f"optionally @backend ({', '.join(DIFFUSERS_BACKENDS)})")
+        return {"name": name, "impl": impl, "mode": mode, "backend": backend or "auto", "sparse": None}
+    if impl == "ours":
+        mode, _, sparse = rest.partition("-")
+        if mode not in MODES:
+            raise SPConfigError(f"--variants {name!r}: ours-<mode> takes a mode of {', '.join(MODES)}")
+        spec = None
+        if sparse:
+            kind, _, value = sparse.partition("=")
+            if sparse in ("window90", "topk90"):
+                spec = {"kind": sparse[:-2], "target": 0.9}
+            elif kind == "window" and len(value.split(".")) == 3 and all(v.isdigit() for v in value.split(".")):
+                spec = {"kind": "window", "window": tuple(int(v) for v in value.split("."))}
+            elif kind == "topk" and value.isdigit() and int(value) > 0:
+                spec = {"kind": "topk", "topk": int(value)}
+            else:
+                raise SPConfigError(f"--variants {name!r}: a sparse suffix is -window90, -topk90, -window=t.h.w or "
+                                    f"-topk=K")
+        return {"name": name, "impl": impl, "mode": mode, "backend": None, "sparse": spec}
+    raise SPConfigError(f"--variants {name!r}: a variant starts with diffusers- or ours- (e.g. {DEFAULT_VARIANTS})")
+
+
+def sparse_settings(spec: Optional[dict], grid: tuple, tile: tuple) -> Optional[dict]:
+    """The tile, top-k K or window of a sparse variant on ``grid`` (tokens after the patch), and its sparsity."""
+    if spec is None:
+        return None
+    from training.video_dit.sparse import num_tiles_of, window_block_mask  # noqa: PLC0415
+    n_tiles = num_tiles_of(grid, tile)
+    out = {"tile": list(tile), "n_tiles": n_tiles}
+    if spec["kind"] == "topk":
+        k = spec.get("topk") or max(1, round((1.0 - spec["target"]) * n_tiles))
+        out.update(topk=k, window=None, sparsity=1.0 - k / n_tiles)
+    else:
+        w = spec.get("window")
+        if w is None:
+            from tools.bench_block_sparse import window_for_sparsity  # noqa: PLC0415
+            w = window_for_sparsity(grid, tile, spec["target"])
+        out.update(topk=None, window=list(w), sparsity=1.0 - float(window_block_mask(grid, tile, tuple(w)).float()
+                                                                     .mean()))
+    return out
+
+
+def make_plan(settings: dict):
+    from megatron_sp_ext.diffusers.sparse import BlockSparsePlan  # noqa: PLC0415
+    return BlockSparsePlan(tuple(settings["tile"]), topk=settings["topk"],
+                           window=tuple(settings["window"]) if settings["window"] else None)
+
+
+def fixed_batch(cfg, grid_latent: tuple, seed: int, device) -> dict:
+    """One synthetic flow-matching batch (B=1) on ``device``: x_t, target, t, text [1, text_len, text_dim]."""
+    g = torch.Generator().manual_seed(seed)
+    f, h, w = grid_latent
+    x0 = torch.randn(1, cfg.in_channels, f, h, w, generator=g)
+    eps = torch.randn(x0.shape, generator=g)
+    t = shift_timestep(torch.sigmoid(torch.randn(1, generator=g)), 5.0)
+    text = torch.randn(1, cfg.text_len, cfg.text_dim, generator=g)
+    return {"x": ((1 - t) * x0 + t * eps).to(device), "target": (eps - x0).to(device), "t": t.to(device),
+            "text": text.to(device)}
+
+
+class Setup:
+    """One variant's model, optimizer and step on this rank (built fresh from the same seed)."""
+
+    def __init__(self, args, variant: dict, world: int, device, grid_tokens: tuple, backend: Optional[str]) -> None:
+        kw = wan.preset_kwargs(args.model, args.num_layers)
+        self.model = wan.random_model(kw, args.seed, device)
+        self.cfg = wan.dit_config(self.model.config, args.text_len)
+        self.model.enable_gradient_checkpointing()
+        self.handle, self.backend = None, backend
+        if variant["impl"] == "diffusers":
+            from diffusers import ContextParallelConfig  # noqa: PLC0415
+            self.model.set_attention_backend(backend)
+            degree = {"ulysses_degree": world} if variant["mode"] == "ulysses" else {"ring_degree": world}
+            self.model.enable_parallelism(config=ContextParallelConfig(**degree))
+        else:
+            from megatron_sp_ext.diffusers import parallelize  # noqa: PLC0415
+            plan = make_plan(variant["sparse_settings"]) if variant.get("sparse_settings") else None
+            head_chunks = args.hcms_head_chunks if variant["mode"] in ("hcms", "auto") else 1
+            cfg = SPConfig(mode=variant["mode"], head_chunks=head_chunks, backend=args.sp_attention_backend)
+            self.handle = parallelize(self.model, dist.group.WORLD if world > 1 else None, config=cfg, sparse=plan)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                     fused=torch.device(device).type == "cuda" or None)
+        self.ops = TorchOps(self.model, self.opt, dist.group.WORLD if world > 1 else None, clip=1.0)
+        self.world = world
+        self.autocast = torch.bfloat16 if torch.device(device).type == "cuda" else None
+
+    def step(self, batch: dict) -> torch.Tensor:
+        self.ops.zero_grad()
+        loss = flow_loss(self.model, batch, self.autocast)
+        self.ops.backward(loss * self.world)   # SUM over SP ranks under the average (wan_diffusers/loop.py)
+        self.ops.grads_ready()
+        self.ops.update()
+        return loss.detach()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+        del self.model, self.opt, self.ops
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _free(device) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _all_ok(ok: bool, device) -> bool:
+    """True when every rank's ``ok`` is (one all-reduce MIN): a variant fails or runs on all ranks together."""
+    t = torch.tensor([1.0 if ok else 0.0], device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item() > 0)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def build(args, variant: dict, world: int, device, grid: tuple, batch: Optional[dict]) -> tuple:
+    """(Setup, tried): the variant built (diffusers "auto": the first backend whose step runs), or (None, tried)
+    with each backend's refusal. ``tried``: [{"backend", "error"}] of the backends that did not run."""
+    backends = [variant["backend"]] if variant["impl"] == "ours" else (
+        list(DIFFUSERS_BACKENDS) if variant["backend"] == "auto" else [variant["backend"]])
+    tried = []
+    for backend in backends:
+        setup, err = None, None
+        try:
+            setup = Setup(args, variant, world, device, grid, backend)
+            if batch is not None and variant["impl"] == "diffusers":
+                setup.step(batch)   # the backend must run forward AND backward here
+        except Exception as e:  # noqa: BLE001 - recorded per backend, the next one tried
+            err = _first_line(e)
+            if args.dry_run or os.environ.get("SPX_TRACEBACK"):
+                traceback.print_exc()
+        if _all_ok(err is None, device):
+            return setup, tried
+        tried.append({"backend": backend, "error": err or "failed on another rank"})
+        if setup is not None:
+            setup.close()
+        _free(device)
+    return None, tried
+
+
+def time_variant(args, variant: dict, world: int, device, grid: tuple, batch: dict) -> dict:
+    cuda = torch.device(device).type == "cuda"
+    _free(device)
+    setup, tried = build(args, variant, world, device, grid, batch)
+    row = {"variant": variant["name"], "impl": variant["impl"], "mode": variant["mode"],
+           "sparse": variant.get("sparse_settings")}
+    if tried:
+        row["backends_refused"] = tried
+    if setup is None:
+        row["skipped"] = "no backend ran: " + "; ".join(f"{t['backend']}: {t['error']}" for t in tried)
+        return row
+    row["backend"] = setup.backend if variant["impl"] == "diffusers" else args.sp_attention_backend
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+        t0 = time.perf_counter()
+        losses.append(setup.step(batch))
+        if cuda:
+            ev[1].record()
+            ev[1].synchronize()
+            ms = ev[0].elapsed_time(ev[1])
+        else:
+            ms = 1e3 * (time.perf_counter() - t0)
+        if i >= args.warmup:
+            times.append(ms)
+    t = torch.tensor(times, device=device)
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0], device=device)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    ms = sorted(t.tolist())
+    step_ms = ms[len(ms) // 2]
+    tokens = grid[0] * grid[1] * grid[2]
+    flops = setup.cfg.flops_per_token(tokens, setup.cfg.text_len) * tokens
+    pk = peak_flops(device)
+    row.update(step_ms=step_ms, step_ms_all=ms, tokens=tokens, model_tflop_per_step=flops / 1e12,
+               mfu=flops / (step_ms / 1e3) / (pk * world) if pk else None,
+               peak_mem_gib=float(peak.item()) if cuda else None,
+               first_loss=float(losses[0].float().item()), last_loss=float(losses[-1].float().item()))
+    if variant.get("sparse_settings"):
+        row["mfu_note"] = "dense-equivalent: the FLOPs of dense attention over the same step time"
+    setup.close()
+    return row
+
+
+def curves(args, variants: list, world: int, device, grid_latent: tuple) -> dict:
+    """--curves N: N steps of each variant on the same sample stream (training/wan_diffusers/flow.py batches of
+    synthetic latents from --seed); returns {variant: losses or {"skipped": reason}}."""
+    from training.video_dit.data import SyntheticVideoLatents  # noqa: PLC0415
+    out = {}
+    for variant in variants:
+        _free(device)
+        kw = wan.preset_kwargs(args.model, args.num_layers)
+        cfg = wan.dit_config(kw, args.text_len)
+        data = SyntheticVideoLatents(cfg.in_channels, [grid_latent[0]], grid_latent[1], grid_latent[2],
+                                     cfg.text_len, cfg.text_dim, seed=args.seed)
+        batches = WanStepBatches(data, start=0, stop=args.curves, seed=args.seed, dp_rank=0, dp_world=1,
+                                 micro_batch=1, shift=5.0)
+        first = {k: v.to(device) for k, v in batches[0].items() if isinstance(v, torch.Tensor)}
+        setup, tried = build(args, variant, world, device, grid_latent, first)
+        if setup is None:
+            out[variant["name"]] = {"skipped": "; ".join(f"{t['backend']}: {t['error']}" for t in tried)}
+            continue
+        if variant["impl"] == "diffusers":   # the probe step trained once: start again from the seed
+            setup.close()
+            variant = {**variant, "backend": setup.backend}
+            setup, _ = build(args, variant, world, device, grid_latent, None)
+        losses = []
+        for i in range(args.curves):
+            b = {k: v.to(device) for k, v in batches[i].items() if isinstance(v, torch.Tensor)}
+            losses.append(float(setup.step(b).float().item()))
+        out[variant["name"]] = {"losses": losses, "backend": setup.backend or args.sp_attention_backend}
+        setup.close()
+    return out
+
+
+def main(argv: Optional[list] = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grid", default="480p", choices=list(GRIDS), help="Wan's latent grid (480p: 21x60x104, "
+                   "32,760 tokens; 720p: 21x90x160, 75,600 tokens)")
+    p.add_argument("--model", default="wan-1.3b", choices=list(wan.WAN_PRESETS))
+    p.add_argument("--num-layers", type=int, default=None, help="override the preset's depth (default: full)")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--sparse-tile", default="4,4,8", help="tile T,H,W of the sparse variants (tokens after the patch)")
+    p.add_argument("--hcms-head-chunks", default="auto", help="head chunks of ours-hcms / ours-auto")
+    p.add_argument("--sp-attention-backend", default="auto", help="our local attention kernel")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per variant (after --warmup)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--curves", type=int, default=0, help="N: loss curves of ours-auto and diffusers' CP instead")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--text-len", type=int, default=None, help="text tokens (default 512; 8 in --dry-run)")
+    p.add_argument("--dry-run", action="store_true", help="CPU stand-in: tiny model, gloo, a 4x8x8 latent, 2 steps")
+    p.add_argument("--out", default="tools/results/diffusers_wan/bench.json")
+    args = p.parse_args(argv)
+    if args.hcms_head_chunks != "auto":
+        args.hcms_head_chunks = int(args.hcms_head_chunks)
+    own_pg = not dist.is_initialized()
+    if own_pg:
+        if "WORLD_SIZE" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        rank, world, device = init_world()
+    else:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if args.dry_run:
+        args.model, args.steps, args.warmup = "tiny", min(args.steps, 2), min(args.warmup, 1)
+        args.curves = min(args.curves, 2)
+        args.text_len = args.text_len or 8
+    args.text_len = args.text_len or wan.TEXT_LEN.get(args.model, 512)
+    try:
+        variants = [parse_variant(v.strip()) for v in args.variants.split(",") if v.strip()]
+        return _run(args, variants, rank, world, device)
+    finally:
+        if own_pg:
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(args, variants: list, rank: int, world: int, device) -> dict:
+    cuda = torch.device(device).type == "cuda"
+    kw = wan.preset_kwargs(args.model, args.num_layers)
+    grid_latent = DRY_GRID if args.dry_run else GRIDS[args.grid]
+    pt, ph, pw = kw["patch_size"]
+    grid = (grid_latent[0] // pt, grid_latent[1] // ph, grid_latent[2] // pw)
+    tile = tuple(int(x) for x in args.sparse_tile.split(","))
+    if args.dry_run:
+        tile = (1, 2, 2)
+    meta = run_meta(machine=f"{platform.node()}: {world} x {torch.cuda.get_device_name(0) if cuda else 'CPU'}",
+                    torch=torch.__version__, diffusers=_diffusers_version(), world=world, model=args.model,
+                    layers=kw["num_layers"], grid_latent=list(grid_latent), grid_tokens=list(grid),
+                    tokens=grid[0] * grid[1] * grid[2], dry_run=args.dry_run)
+    for v in variants:
+        try:
+            v["sparse_settings"] = sparse_settings(v["sparse"], grid, tile)
+        except SPConfigError as e:
+            v["sparse_settings"], v["skip"] = None, f"sparse settings: {e}"
+    cfg = wan.dit_config(kw, args.text_len)
+    rows: list = []
+    if args.curves:
+        ours = next((v for v in variants if v["impl"] == "ours" and v["mode"] == "auto" and not v["sparse"]),
+                    parse_variant("ours-auto"))
+        theirs = [v for v in variants if v["impl"] == "diffusers"] or [parse_variant("diffusers-ulysses")]
+        chosen = [ours] + ([] if not cuda else theirs[:1])
+        result = curves(args, chosen, world, device, grid_latent)
+        if not cuda:
+            result[theirs[0]["name"]] = {"skipped": NO_ACCELERATOR}
+        doc = {"meta": meta, "curves": result, "steps": args.curves}
+        if rank == 0:
+            stem = os.path.splitext(args.out)[0]
+            write_json(stem + "_curves.json", doc)
+            plot_or_skip(stem + "_curves.png", lambda plt: _draw_curves(plt, result, meta), who="bench_diffusers_wan")
+            print(json.dumps({k: v.get("losses", v)[-1:] if "losses" in v else v for k, v in result.items()}),
+                  flush=True)
+        return doc
+    batch = fixed_batch(cfg, grid_latent, args.seed, device)
+    for v in variants:
+        if v["impl"] == "diffusers" and not cuda:
+            row = {"variant": v["name"], "impl": "diffusers", "mode": v["mode"], "skipped": NO_ACCELERATOR}
+        elif v.get("skip"):
+            row = {"variant": v["name"], "impl": v["impl"], "mode": v["mode"], "skipped": v["skip"]}
+        else:
+            row = time_variant(args, v, world, device, grid, batch)
+        row.update(machine=meta["machine"], date=meta["date"], commit=meta["commit"], command=meta["command"])
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps({k: row.get(k) for k in ("variant", "backend", "step_ms", "mfu", "peak_mem_gib",
+                                                      "first_loss", "skipped")}), flush=True)
+    doc = {"meta": meta, "rows": rows}
+    if rank == 0:
+        write_json(args.out, doc)
+    return doc
+
+
+def _diffusers_version() -> Optional[str]:
+    try:
+        import diffusers  # noqa: PLC0415
+        return diffusers.__version__
+    except ImportError:
+        return None
+
+
+def _draw_curves(plt, result: dict, meta: dict):
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, r in result.items():
+        if "losses" in r:
+            ax.plot(range(len(r["losses"])), r["losses"], marker=".", label=f"{name} ({r['backend']})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("flow-matching loss (bf16)" if "CPU" not in meta["machine"] else "flow-matching loss")
+    ax.set_title(f"{meta['model']} x{meta['layers']}, {meta['tokens']} tokens, SP={meta['world']}")
+    ax.legend()
+    return fig
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Wan 2.1 transformer presets (diffusers' WanTransformer3DModel keywords), building one from a preset (random init)
+or a local diffusers directory, its FLOP count, and writing it back in diffusers' layout.
+
+Presets (diffusers' Wan2.1-T2V configs, the same widths as the video DiT's presets in training/video_dit/config.py):
+    wan-1.3b: 30 blocks, 12 heads x 128 (1536), FFN 8960, text 4096, 16 latent channels in and out, patch (1, 2, 2)
+    wan-14b:  40 blocks, 40 heads x 128 (5120), FFN 13824, the rest as wan-1.3b
+    tiny:     2 blocks, 4 heads x 16, FFN 128, text 32 wide, 4 channels (CPU tests)
+Text embeddings are umT5's: [512, 4096] per prompt for the Wan presets ([8, 32] for tiny).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+from megatron_sp_ext.errors import SPConfigError
+
+from training.video_dit.config import DiTConfig
+
+_COMMON = dict(patch_size=(1, 2, 2), cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+               image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024, pos_embed_seq_len=None)
+WAN_PRESETS = {
+    "tiny": dict(_COMMON, num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32,
+                 freq_dim=32, ffn_dim=128, num_layers=2),
+    "wan-1.3b": dict(_COMMON, num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                     text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30),
+    "wan-14b": dict(_COMMON, num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+                    text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40),
+}
+TEXT_LEN = {"tiny": 8}   # tokens per prompt; 512 (umT5) for every other model
+ENTRY = "diffusers-wan"   # the entry point's name in checkpoints' run.json
+
+
+def preset_kwargs(name: str, num_layers: Optional[int] = None) -> dict:
+    """WanTransformer3DModel keywords of preset ``name`` (--model), with --num-layers' override."""
+    if name not in WAN_PRESETS:
+        raise SPConfigError(f"--model={name!r} is invalid: choose one of {', '.join(WAN_PRESETS)}")
+    kw = dict(WAN_PRESETS[name])
+    if num_layers is not None:
+        if num_layers < 1:
+            raise SPConfigError(f"--num-layers={num_layers}: must be >= 1")
+        kw["num_layers"] = num_layers
+    return kw
+
+
+def dit_config(config, text_len: int) -> DiTConfig:
+    """The video DiT's config of the same widths (``config``: a WanTransformer3DModel config or keywords): what the
+    data path (channels, patch, text width/length) and the MFU count (DiTConfig.flops_per_token) read. The count fits
+    Wan's block: self-attention q/k/v/o (4 d^2), cross-attention q/o on video tokens (2 d^2; its k/v run on the text),
+    a two-matrix FFN (2 d f), attention scores and values over the video and the text tokens."""
+    c = dict(config)
+    heads, hd = c["num_attention_heads"], c["attention_head_dim"]
+    return DiTConfig(dim=heads * hd, heads=heads, ffn=c["ffn_dim"], layers=c["num_layers"],
+                     in_channels=c["in_channels"], patch=tuple(c["patch_size"]), text_dim=c["text_dim"],
+                     text_len=text_len, freq_dim=c["freq_dim"], eps=c["eps"])
+
+
+def random_model(kwargs: dict, seed: int, device: torch.device) -> torch.nn.Module:
+    """A WanTransformer3DModel of ``kwargs`` with diffusers' own initialisation drawn from ``seed`` (the same
+    weights on every rank), built on ``device`` (fp32)."""
+    from diffusers import WanTransformer3DModel  # noqa: PLC0415
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return WanTransformer3DModel(**kwargs).float()
+
+
+def pretrained_dir(path: str) -> tuple[str, Optional[str]]:
+    """(directory, subfolder) of ``--init PATH``: a transformer saved with save_pretrained (config.json beside its
+    safetensors), or a Wan pipeline directory holding it under transformer/. SPConfigError naming --init otherwise."""
+    if not os.path.isdir(path):
+        raise SPConfigError(f"--init={path!r}: no such directory (give 'random' with --model, or a local directory "
+                            f"in diffusers' layout: config.json + diffusion_pytorch_model*.safetensors)")
+    for sub in (None, "transformer"):
+        cfg = os.path.join(path, sub or "", "config.json")
+        if os.path.isfile(cfg):
+            try:
+                with open(cfg) as f:
+                    name = json.load(f).get("_class_name")
+            except (OSError, ValueError) as e:
+                raise SPConfigError(f"--init={path!r}: {cfg} is unreadable ({e})") from None
+            if name != "WanTransformer3DModel":
+                raise SPConfigError(f"--init={path!r}: {cfg} describes a {name!r}, this entry trains "
+                                    f"WanTransformer3DModel")
+            return path, sub
+    raise SPConfigError(f"--init={path!r}: no config.json there or under transformer/ (not a diffusers model "
+                        f"directory; write one with WanTransformer3DModel.save_pretrained)")
+
+
+def load_model(path: str, device: torch.device) -> torch.nn.Module:
+    """WanTransformer3DModel.from_pretrained(``path``) in fp32 on ``device``, from safetensors only (no pickle).
+    diffusers 0.42 loads this model (it has _keep_in_fp32_modules) only with accelerate installed; without it the
+    same files are read here: config.json -> from_config, the safetensors (one file or an index of shards) ->
+    load_state_dict(strict)."""
+    from diffusers import WanTransformer3DModel  # noqa: PLC0415
+    root, sub = pretrained_dir(path)
+    try:
+        if has_accelerate():
+            # no torch_dtype: the weights are read into the fp32 parameters whatever dtype the files hold
+            model = WanTransformer3DModel.from_pretrained(root, subfolder=sub, use_safetensors=True)
+        else:
+            model = _read_pretrained(WanTransformer3DModel, os.path.join(root, sub or ""))
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        lines = str(e).strip().splitlines()
+        raise SPConfigError(f"--init={path!r}: diffusers could not load it ({lines[0][:300] if lines else e})") \
+            from None
+    return model.float().to(device)
+
+
+def has_accelerate() -> bool:
+    import importlib.util  # noqa: PLC0415
+    return importlib.util.find_spec("accelerate") is not None
+
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+EXTRA = "megatron_sp_ext_extra.safetensors"   # tensors a stock WanTransformer3DModel lacks (sparse gates)
+
+
+def _read_pretrained(cls, folder: str) -> torch.nn.Module:
+    """What from_pretrained reads, without accelerate: config.json and the safetensors weights of ``folder``."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+    model = cls.from_config(cls.load_config(folder))
+    index = os.path.join(folder, WEIGHTS + ".index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(folder, WEIGHTS)):
+        files = [WEIGHTS]
+    else:
+        raise OSError(f"no {WEIGHTS} (or its .index.json) in {folder}: only safetensors weights are read")
+    state: dict = {}
+    for name in files:
+        state.update(load_file(os.path.join(folder, name)))
+    missing, _ = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if missing:   # unexpected keys (a sparse plan's gates) are left out, as from_pretrained does
+        raise OSError(f"{folder}: {len(missing)} weights of the model are not in its safetensors (first: {missing[0]})")
+    return model
+
+
+def gate_names(folder: str) -> set:
+    """Names of the sparse plan's gate tensors (``.sparse_gate.``) in ``folder``'s safetensors files (headers only):
+    what BlockSparsePlan.load_gates copies."""
+    from safetensors import safe_open  # noqa: PLC0415
+    names: set = set()
+    for f in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, f), framework="pt") as st:
+                names |= {k for k in st.keys() if ".sparse_gate." in k}
+    return names
+
+
+def identity(config, preset: str, sparse_gates: bool) -> dict:
+    """run.json keys a checkpoint must match on resume (training/video_dit/checkpoint.read_run)."""
+    c = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dict(config).items() if not k.startswith("_")}
+    return {"entry": ENTRY, "model": {"preset": preset, "layers": c["num_layers"], **c}, "sparse_gates": sparse_gates}
+
+
+def save_pretrained(model: torch.nn.Module, out_dir: str, rank: int) -> Optional[list]:
+    """Write the trained weights in diffusers' layout (``out_dir``: config.json + safetensors) that
+    WanTransformer3DModel.from_pretrained reads back. Collective: FSDP2 shards are gathered (full state dict, on the
+    CPU of rank 0). Parameters a stock WanTransformer3DModel lacks (the sparse plan's gates) go to
+    ``megatron_sp_ext_extra.safetensors`` beside them (BlockSparsePlan.load_gates reads them there). Returns (rank 0) the names of those extra tensors."""
+    from diffusers import WanTransformer3DModel  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    extra = None
+    if rank == 0:
+        config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+        with torch.device("meta"):
+            stock = WanTransformer3DModel(**config)
+        keys = set(stock.state_dict())
+        missing = sorted(keys - set(full))
+        if missing:
+            raise RuntimeError(f"--save-pretrained: the trained model lacks {missing[:4]} (not a WanTransformer3DModel)")
+        stock.load_state_dict({k: v.float() for k, v in full.items() if k in keys}, strict=True, assign=True)
+        stock.save_pretrained(out_dir, safe_serialization=True)
+        extra = sorted(set(full) - keys)
+        if extra:   # beside the model's files; listed in the index when diffusers sharded them
+            from safetensors.torch import save_file  # noqa: PLC0415
+            save_file({k: full[k].contiguous() for k in extra}, os.path.join(out_dir, EXTRA))
+            index = os.path.join(out_dir, WEIGHTS + ".index.json")
+            if os.path.isfile(index):
+                with open(index) as f:
+                    doc = json.load(f)
+                doc["weight_map"].update({k: EXTRA for k in extra})
+                with open(index, "w") as f:
+                    json.dump(doc, f, indent=2)
+    if dist.is_initialized():
+        dist.barrier()
+    return extra
