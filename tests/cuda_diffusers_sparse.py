@@ -8,11 +8,11 @@ window (0, 1, 0) and top-k 3 with the gated coarse branch (gates set non-zero), 
 adds usp on 2 simulated machines), fp32 and bf16 (the whole model cast). Top-k's selection depends on the pooled
 scores' rounding, so its reference takes the masks the run picked (recorded per layer) and the selection is checked
 on its own: every rank's masks equal rank 0's (``mask_ranks``, 0 or inf); the mask entries unlike the float64
-reference's own selection are recorded (``mask_entries_unlike_fp64``, not judged: near-ties flip). Each record: output, latent
-gradient and all parameter gradients (one vector, summed over the SP ranks) against float64; tolerance per dtype as
-tests/cuda_diffusers.py (``tolerance``: max(the suite's, 1.5 x the SP=1 stock model's own error in that dtype)).
-Cases: 12 at P=2, 16 at P=4. SPX_SUITE_DEVICE=cpu runs it on gloo with the tiny float64 test model's sizes (tests/
-test_cuda_diffusers_sparse_worker.py).
+reference's own selection are recorded (``mask_entries_unlike_fp64``, not judged: near-ties flip). Each record:
+output, latent gradient and all parameter gradients (one vector, summed over the SP ranks) against float64;
+tolerance per dtype as tests/cuda_diffusers.py (``tolerance``: max(the suite's, 1.5 x the SP=1 stock model's own
+error in that dtype)). Cases: 12 at P=2, 16 at P=4. SPX_SUITE_DEVICE=cpu runs it on gloo with the tiny float64
+test model's sizes and tile 2x2x2 (tests/test_cuda_diffusers_sparse_worker.py).
 """
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def _modes(world: int) -> list:
 
 def _same_on_every_rank(masks: dict, group) -> float:
     """0.0 when every rank's per-layer masks equal rank 0's, else inf."""
-    flat = torch.cat([masks[i].flatten().to(torch.uint8) for i in sorted(masks)])
-    dev = torch.device("cuda", torch.cuda.current_device()) if DEV == "cuda" else torch.device("cpu")
-    mine = flat.to(dev)
+    flat = torch.cat([masks[i].flatten().to(torch.uint8) for i in sorted(masks)])   # recorded on the CPU
+    on_gpu = DEV == "cuda" and dist.get_backend(group) == "nccl"
+    mine = flat.to(torch.device("cuda", torch.cuda.current_device())) if on_gpu else flat
     first = mine.clone()
     dist.broadcast(first, 0, group=group)
     return 0.0 if torch.equal(mine, first) else float("inf")

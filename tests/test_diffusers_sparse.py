@@ -23,6 +23,7 @@ pytest.importorskip("diffusers", reason="needs diffusers (pip install 'megatron_
 
 from diffusers import WanTransformer3DModel  # noqa: E402 - imported before forking
 from megatron_sp_ext import SPConfigError  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 from megatron_sp_ext.diffusers import parallelize  # noqa: E402
 from megatron_sp_ext.diffusers.sparse import GATE_NAME, BlockSparsePlan  # noqa: E402
 from megatron_sp_ext.video_tiles import tile_order, topk_block_mask, window_block_mask  # noqa: E402
@@ -89,7 +90,8 @@ def test_token_order_is_the_tile_order_and_cached():
     (dict(), "exactly one of window"), (dict(window=(1, 1, 1), topk=2), "exactly one of window"),
     (dict(tile=(0, 2, 2), topk=2), "tile=0,2,2 is invalid"), (dict(tile=(2, 2), topk=2), "tile=2,2 is invalid"),
     (dict(window=(1, -1, 1)), r"window=\(1, -1, 1\)\) is invalid: give 3 integers >= 0"),
-    (dict(window=(1, 1)), r"window=\(1, 1\)\) is invalid"), (dict(topk=0), r"topk=0\) is invalid: give an integer >= 1"),
+    (dict(window=(1, 1)), r"window=\(1, 1\)\) is invalid"),
+    (dict(topk=0), r"topk=0\) is invalid: give an integer >= 1"),
     (dict(topk=2.5), r"topk=2.5\) is invalid"), (dict(topk=2, coarse="yes"), r"coarse='yes'\) is invalid")])
 def test_bad_settings_are_refused_by_keyword(kwargs, match):
     with pytest.raises(SPConfigError, match=match):
@@ -190,14 +192,19 @@ def test_gates_round_trip_through_save_pretrained(tmp_path, load):
     assert plan2.load_gates(loaded, str(tmp_path)) == 4
     got, _ = forward_backward(loaded, inputs, None)
     assert torch.equal(got, want)
-    sp.remove()
     # a checkpoint without gates, a path that is neither: refused by name
-    loaded.save_pretrained(tmp_path / "plain")
+    gates = {n: t.clone() for n, t in loaded.state_dict().items() if GATE_NAME in n}
+    sp.remove()
+    loaded.save_pretrained(tmp_path / "plain", max_shard_size="20KB")
     sp = parallelize(loaded, None, sparse=BlockSparsePlan(TILE, topk=3))
     with pytest.raises(SPConfigError, match="4 of 4 gate tensors are not in the checkpoint"):
         sp.sparse.load_gates(loaded, str(tmp_path / "plain"))
     with pytest.raises(SPConfigError, match="not a diffusers model directory"):
         sp.sparse.load_gates(loaded, str(tmp_path / "missing"))
+    # gates in a file beside a sharded checkpoint that its index does not list: found there
+    save_file(gates, str(tmp_path / "plain" / "gates.safetensors"))
+    assert sp.sparse.load_gates(loaded, str(tmp_path / "plain")) == 4
+    assert torch.equal(forward_backward(loaded, inputs, None)[0], want)
     sp.remove()
     with pytest.raises(SPConfigError, match="the model has no gates"):
         BlockSparsePlan(TILE, window=(1, 1, 1)).load_gates(loaded, str(tmp_path))

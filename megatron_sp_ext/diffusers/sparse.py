@@ -188,7 +188,8 @@ class BlockSparsePlan:
         """Copy the gates (``blocks.{i}.attn1.sparse_gate.*``) of a diffusers checkpoint into ``model`` (attached):
         ``path`` is the model's directory (``save_pretrained``'s, e.g. ``<pipeline>/transformer``, sharded or not) or
         one ``.safetensors`` file; read with safetensors (no pickle). Returns the tensors copied. SPConfigError
-        naming ``path`` when a gate is missing or its shape differs (e.g. saved without an attached top-k plan)."""
+        naming ``path`` when a gate is missing or its shape differs (e.g. saved without an attached top-k plan).
+        Full tensors: call it before sharding the parameters (FSDP2)."""
         wanted = {name: tensor for name, tensor in model.state_dict().items() if f".{GATE_NAME}." in name}
         if not wanted:
             raise SPConfigError(f"BlockSparsePlan.load_gates: the model has no gates: attach a plan with topk= and "
@@ -203,7 +204,8 @@ class BlockSparsePlan:
             for name, tensor in found.items():
                 if tensor.shape != wanted[name].shape:
                     raise SPConfigError(f"BlockSparsePlan.load_gates(path={path!r}): {name} has shape "
-                                        f"{list(tensor.shape)} in the checkpoint, {list(wanted[name].shape)} in the model")
+                                        f"{list(tensor.shape)} in the checkpoint, {list(wanted[name].shape)} in the "
+                                        f"model")
                 wanted[name].copy_(tensor)
         return len(found)
 
@@ -239,8 +241,8 @@ class BlockSparsePlan:
 
 
 def _read_safetensors(path: str, names: set) -> dict:
-    """The tensors ``names`` found in a safetensors file or a diffusers model directory (its index's files when it
-    is sharded, else its ``*.safetensors`` files): name -> CPU tensor."""
+    """The tensors ``names`` found in a safetensors file or a diffusers model directory (the files its index names
+    for them when it is sharded; every ``*.safetensors`` file for the names no index lists): name -> CPU tensor."""
     from safetensors import safe_open  # noqa: PLC0415 - optional dependency (diffusers requires it)
     if os.path.isdir(path):
         index = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors.index.json")]
@@ -248,7 +250,7 @@ def _read_safetensors(path: str, names: set) -> dict:
             with open(os.path.join(path, index[0])) as fh:
                 weight_map = json.load(fh)["weight_map"]
             files = sorted({weight_map[n] for n in names if n in weight_map})
-        else:
+        if not index or not names <= set(weight_map):
             files = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors")]
         files = [os.path.join(path, f) for f in files]
     elif os.path.isfile(path) and path.endswith(".safetensors"):
