@@ -4,7 +4,9 @@ sequence with the model's own ``_cp_plan`` (torch module hooks) and runs every s
 
     from megatron_sp_ext.diffusers import parallelize
     sp = parallelize(model, group, mode="auto")    # -> SPHandle; sp.remove() undoes it
+    sp = parallelize(model, group, sparse=BlockSparsePlan(topk=K))   # or window=(wt, wh, ww): block-sparse tiles
 """
 from .parallelize import SPHandle, parallelize
+from .sparse import BlockSparsePlan
 
-__all__ = ["parallelize", "SPHandle"]
+__all__ = ["parallelize", "SPHandle", "BlockSparsePlan"]
