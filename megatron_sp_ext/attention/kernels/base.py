@@ -24,6 +24,20 @@ import torch
 NEEDS = ("plain", "lse", "varlen", "tiles", "dropout")
 
 
+def package_device_problem(installed: bool, package: str, install_hint: str, device: torch.device,
+                           arch_majors: tuple) -> Optional[str]:
+    """The reason a CUDA-only kernel package cannot run on ``device`` (not installed, not a CUDA tensor, an
+    architecture outside ``arch_majors``), in a user's words; None when those three hold."""
+    if not installed:
+        return f"the package {package!r} is not installed ({install_hint})"
+    if device.type != "cuda":
+        return f"it runs on NVIDIA GPUs only (tensors are on {device.type})"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in arch_majors:
+        return f"it runs on Hopper (sm_90) and Blackwell (sm_100) GPUs, not sm_{major}{minor}"
+    return None
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a kernel can do (see module docstring). dtypes per device type; archs: CUDA compute-capability majors

@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from ..lse import merge
-from .base import Capabilities, Kernel, KernelCall, LseFunction
+from .base import Capabilities, Kernel, KernelCall, LseFunction, package_device_problem
 from . import fa4
 from .fa4 import block_lists
 from .math import MathKernel
@@ -82,13 +82,9 @@ def head_dims(device: torch.device) -> tuple:
 def why_not(device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> Optional[str]:
     """None if the package runs for (device, dtype, head_dim) here, else the reason in a user's words."""
     device = torch.device(device)
-    if not installed():
-        return f"the package {PACKAGE!r} is not installed ({INSTALL_HINT})"
-    if device.type != "cuda":
-        return f"it runs on NVIDIA GPUs only (tensors are on {device.type})"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in ARCH_MAJORS:
-        return f"it runs on Hopper (sm_90) and Blackwell (sm_100) GPUs, not sm_{major}{minor}"
+    problem = package_device_problem(installed(), PACKAGE, INSTALL_HINT, device, ARCH_MAJORS)
+    if problem is not None:
+        return problem
     if dtype not in DTYPES:
         return f"its backward takes bf16 only, not {dtype}"
     if head_dim is not None and head_dim not in head_dims(device):

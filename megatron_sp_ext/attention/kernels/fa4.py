@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from .base import Capabilities, Kernel, KernelCall, LseFunction
+from .base import Capabilities, Kernel, KernelCall, LseFunction, package_device_problem
 
 PACKAGE = "flash-attn-4"
 INSTALL_HINT = "pip install 'megatron_sp_ext[fa4]'"
@@ -89,13 +89,9 @@ def head_dim_ok(head_dim: int, device: torch.device) -> bool:
 def why_not(device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> Optional[str]:
     """None if FA4 runs for (device, dtype, head_dim) here, else the reason in a user's words."""
     device = torch.device(device)
-    if not installed():
-        return f"the package {PACKAGE!r} is not installed ({INSTALL_HINT})"
-    if device.type != "cuda":
-        return f"it runs on NVIDIA GPUs only (tensors are on {device.type})"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in ARCH_MAJORS:
-        return f"it runs on Hopper (sm_90) and Blackwell (sm_100) GPUs, not sm_{major}{minor}"
+    problem = package_device_problem(installed(), PACKAGE, INSTALL_HINT, device, ARCH_MAJORS)
+    if problem is not None:
+        return problem
     if dtype not in DTYPES:
         return f"it takes bf16 or fp16, not {dtype}"
     if head_dim is not None and not head_dim_ok(head_dim, device):
