@@ -203,7 +203,9 @@ class MaskChecks:
 
     Each rank decides locally; the decisions agree across ranks when every rank makes the same calls on its masks
     (the same program on every rank, as the algorithms' own exchanges already require). A mask mutated in place
-    on some ranks only is outside that contract: use a new mask object instead. ``per_call=True`` checks every
+    on some ranks only is outside that contract: use a new mask object instead. Writes that bypass autograd's
+    version counter (``mask.data[...] = ...``, a view taken through ``.data`` or ``.detach()``, DLPack/NumPy
+    aliases) are not seen either: after such a write pass a new mask object. ``per_call=True`` checks every
     call (the behaviour before this cache; profiles compare the two). ``collectives``: the checks run so far.
     Owned by the caller (``SPResources.mask_checks`` is one model's); entries go when their mask is freed."""
 

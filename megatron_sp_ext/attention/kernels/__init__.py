@@ -46,7 +46,9 @@ _CLASSES = (FA4Kernel, CudnnKernel, TorchFlashKernel, FlexKernel, CudnnBlockSpar
 ORDER = tuple(c.name for c in _CLASSES)
 AUTO = ("fa4", "cudnn", "flash", "flex", "cudnn_block_sparse", "math")     # what "auto" may pick, in this order
 # block-sparse calls: (tile size multiple, kernels first in this order); the first entry whose multiple divides the
-# call's tile size applies. UNMEASURED (module docstring): replace with the kernel table's order.
+# call's tile size applies. NOT MEASURED on Hopper (module docstring): the basis is FA4's measured 0.12-0.62 of
+# dense at 64-token tiles (its mask_mod route, 2026-11-26) against cuDNN's published 0.49-0.55 at 64 (B200); both
+# checked right on 2 x H200 (2026-11-27). Replace with the kernel table's order (bench_block_sparse --table-kernels).
 TILE_ORDER = ((128, ("fa4", "cudnn_block_sparse")), (1, ("cudnn_block_sparse", "fa4")))
 FALLBACK = "math"
 
