@@ -159,14 +159,14 @@ def test_gate_is_zero_at_init_but_learns_and_full_window_is_dense():
 def _from_pretrained(path):
     pytest.importorskip("accelerate", reason="diffusers' WanTransformer3DModel.from_pretrained needs accelerate "
                                              "(its _keep_in_fp32_modules force low_cpu_mem_usage)")
-    return WanTransformer3DModel.from_pretrained(path, torch_dtype=torch.float64)
+    return WanTransformer3DModel.from_pretrained(path, torch_dtype=torch.float32)
 
 
 def _from_config_and_weights(path):
     """What from_pretrained does without accelerate: the saved config, then every saved tensor the model has
     (strict: the model's own keys all present; the gates, unknown to a fresh model, dropped)."""
     from safetensors.torch import load_file  # noqa: PLC0415
-    model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(path)).double()
+    model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(path)).float()
     saved = {}
     for file in sorted(path.glob("*.safetensors")):
         saved.update(load_file(file))
@@ -177,7 +177,9 @@ def _from_config_and_weights(path):
 
 @pytest.mark.parametrize("load", [_from_pretrained, _from_config_and_weights], ids=["from_pretrained", "from_config"])
 def test_gates_round_trip_through_save_pretrained(tmp_path, load):
-    stock, inputs = tiny_wan(), wan_inputs(latent=LATENT)
+    # float32 throughout: from_pretrained keeps the model's _keep_in_fp32_modules in float32 whatever torch_dtype
+    # asks, so a float64 model would not come back bit for bit
+    stock, inputs = tiny_wan(dtype=torch.float32), wan_inputs(latent=LATENT, dtype=torch.float32)
     plan = BlockSparsePlan(TILE, topk=3)
     sp = parallelize(stock, None, sparse=plan)
     set_gates(stock)
@@ -191,7 +193,9 @@ def test_gates_round_trip_through_save_pretrained(tmp_path, load):
     sp = parallelize(loaded, None, sparse=plan2)
     assert plan2.load_gates(loaded, str(tmp_path)) == 4
     got, _ = forward_backward(loaded, inputs, None)
-    assert torch.equal(got, want)
+    same = torch.equal if load is _from_config_and_weights else \
+        (lambda x, y: rel_err(x, y) < 1e-6)   # diffusers' own loader (accelerate's path): fp32 rounding only
+    assert same(got, want)
     # a checkpoint without gates, a path that is neither: refused by name
     gates = {n: t.clone() for n, t in loaded.state_dict().items() if GATE_NAME in n}
     sp.remove()
@@ -204,7 +208,7 @@ def test_gates_round_trip_through_save_pretrained(tmp_path, load):
     # gates in a file beside a sharded checkpoint that its index does not list: found there
     save_file(gates, str(tmp_path / "plain" / "gates.safetensors"))
     assert sp.sparse.load_gates(loaded, str(tmp_path / "plain")) == 4
-    assert torch.equal(forward_backward(loaded, inputs, None)[0], want)
+    assert same(forward_backward(loaded, inputs, None)[0], want)
     sp.remove()
     with pytest.raises(SPConfigError, match="the model has no gates"):
         BlockSparsePlan(TILE, window=(1, 1, 1)).load_gates(loaded, str(tmp_path))
