@@ -142,6 +142,29 @@ def test_bad_init_dir_is_one_message(tmp_path, capfd):
         assert not any("Traceback" in line for line in err), err
 
 
+def _save_into(rank, world, out_dir):
+    from megatron_sp_ext.errors import SPConfigError
+    model = wan.random_model(wan.preset_kwargs("tiny"), 0, torch.device("cpu"))
+    try:
+        wan.save_pretrained(model, out_dir, rank)
+    except SPConfigError as e:
+        return str(e)
+    return None
+
+
+def test_save_pretrained_failure_on_rank0_raises_on_every_rank(tmp_path):
+    """Rank 0 cannot write --save-pretrained (its directory lies under a file): every rank raises the same user
+    error naming the directory, none waits in a collective until the timeout."""
+    (tmp_path / "afile").write_text("")
+    out = str(tmp_path / "afile" / "out")
+    got = run_ranks(_save_into, 2, out, timeout=60)
+    assert got[0] is not None and got[0] == got[1], got
+    assert "--save-pretrained" in got[0] and out in got[0], got
+    ok = str(tmp_path / "ok")
+    assert run_ranks(_save_into, 2, ok, timeout=60) == [None, None]
+    assert (tmp_path / "ok" / "config.json").is_file()
+
+
 SPARSE = ["--sparse-attention", "tiles", "--sparse-tile", "1,2,2"]
 
 
