@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-pytest.importorskip("diffusers")
+pytest.importorskip("diffusers", reason="needs diffusers (pip install 'megatron_sp_ext[diffusers]')")
 
 import torch  # noqa: E402
 
@@ -15,6 +15,7 @@ import torch.distributed.checkpoint.state_dict  # noqa: E402,F401  (what the ran
 import torch.distributed.fsdp  # noqa: E402,F401   the harness forks them: each rank then starts in well under a second)
 from diffusers import WanTransformer3DModel  # noqa: E402,F401
 import megatron_sp_ext.diffusers  # noqa: E402,F401
+import megatron_sp_ext.diffusers.sparse  # noqa: E402,F401
 from tests.harness import run_ranks  # noqa: E402
 from training import train_wan_diffusers as entry  # noqa: E402
 from training.wan_diffusers import model as wan  # noqa: E402
@@ -171,7 +172,6 @@ SPARSE = ["--sparse-attention", "tiles", "--sparse-tile", "1,2,2"]
 def test_sparse_sp2_equals_sp1_and_gates_round_trip(tmp_path):
     """Top-k (VSA, gated coarse branch) at SP=2 equals SP=1; --save-pretrained writes the gates beside the model's
     files and --init reads them back (the window plan is the same code path with a fixed mask)."""
-    pytest.importorskip("megatron_sp_ext.diffusers.sparse")
     out = str(tmp_path / "out")
     argv = [*BASE, *SPARSE, "--sparse-topk", "4", "--train-iters", "2"]
     ref = run_ranks(_run, 1, argv, 0, timeout=120)[0]
