@@ -22,6 +22,7 @@ from training.wan_diffusers import model as wan  # noqa: E402
 
 BASE = ["--model", "tiny", "--frames", "4", "--latent-size", "8x8", "--quiet", "--cp-comm-type", "ulysses"]
 TOL = 1e-5
+SPARSE = ["--sparse-attention", "tiles", "--sparse-tile", "1,2,2"]
 
 
 def _run(rank, world, argv, grads_at=None):
@@ -124,6 +125,7 @@ def _user_error(rank, world, argv):
     (["--pack-samples"], ["--pack-samples"]),
     (["--sparse-topk", "3"], ["--sparse-topk", "--sparse-attention"]),
     (["--timestep-shift", "0"], ["--timestep-shift"]),
+    ([*SPARSE, "--sparse-topk", "4", "--micro-batch-size", "2"], ["--sparse-topk", "--micro-batch-size"]),
 ])
 def test_bad_flags_refused_by_name(argv, names, capsys):
     with pytest.raises(SystemExit) as e:
@@ -166,9 +168,6 @@ def test_save_pretrained_failure_on_rank0_raises_on_every_rank(tmp_path):
     assert (tmp_path / "ok" / "config.json").is_file()
 
 
-SPARSE = ["--sparse-attention", "tiles", "--sparse-tile", "1,2,2"]
-
-
 def test_sparse_sp2_equals_sp1_and_gates_round_trip(tmp_path):
     """Top-k (VSA, gated coarse branch) at SP=2 equals SP=1; --save-pretrained writes the gates beside the model's
     files and --init reads them back (the window plan is the same code path with a fixed mask)."""
@@ -206,6 +205,23 @@ def test_data_path_safetensors_equals_synthetic(tmp_path):
     rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows] == files[0] and all(r["tokens"] == 64 for r in rows)
     assert (logs / "loss.png").is_file() and (logs / "step_time.png").is_file()
+
+
+def test_data_path_tokens_not_dividing_by_sp_refused(tmp_path, capfd):
+    """--data-path: a clip of 4x2x2 latents (4 tokens at the patch 1x2x2) divides by SP=2, one of 3x2x2 (3 tokens)
+    does not: refused at start-up on every rank, naming --data-path, the file and the sizes."""
+    from training.video_dit.data import write_sample
+    cfg = wan.dit_config(wan.preset_kwargs("tiny"), 8)
+    text = torch.zeros(8, cfg.text_dim)
+    write_sample(str(tmp_path / "a.safetensors"), torch.zeros(cfg.in_channels, 4, 2, 2), text, fmt="safetensors")
+    write_sample(str(tmp_path / "b.safetensors"), torch.zeros(cfg.in_channels, 3, 2, 2), text, fmt="safetensors")
+    code = run_ranks(_user_error, 2, [*BASE, "--train-iters", "1", "--context-parallel-size", "2", "--data-path",
+                                      str(tmp_path)], timeout=60)
+    err = capfd.readouterr().err
+    assert code == [1, 1], (code, err)
+    line = [ln for ln in err.splitlines() if "--data-path" in ln]
+    assert len(line) == 1 and "b.safetensors" in line[0] and "3x2x2" in line[0] and "3 tokens" in line[0] \
+        and "--context-parallel-size=2" in line[0] and "Traceback" not in err, err
 
 
 def test_resume_of_another_model_is_refused(tmp_path, capfd):
