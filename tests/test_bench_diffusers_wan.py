@@ -6,11 +6,12 @@ import os
 
 import pytest
 
-pytest.importorskip("diffusers")
+pytest.importorskip("diffusers", reason="needs diffusers (pip install 'megatron_sp_ext[diffusers]')")
 
 import torch.distributed.checkpoint.state_dict  # noqa: E402,F401  (imported before the harness forks)
 from diffusers import WanTransformer3DModel  # noqa: E402,F401
 import megatron_sp_ext.diffusers  # noqa: E402,F401
+import megatron_sp_ext.diffusers.sparse  # noqa: E402,F401
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 from tools import bench_diffusers_wan as bench  # noqa: E402
@@ -22,7 +23,6 @@ def _bench(rank, world, argv):
 
 def test_dry_run_rows(tmp_path):
     out = str(tmp_path / "bench.json")
-    pytest.importorskip("megatron_sp_ext.diffusers.sparse")
     run_ranks(_bench, 2, ["--dry-run", "--variants", "diffusers-ulysses,ours-auto,ours-ring,ours-ulysses-topk90",
                           "--out", out], timeout=120)
     with open(out) as f:

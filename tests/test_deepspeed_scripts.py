@@ -183,14 +183,14 @@ def test_config_is_found_where_deepspeed_looks(tmp_path):
     """config=, config_params=, args.deepspeed_config; dict or JSON path; unreadable -> left to DeepSpeed."""
     import argparse
 
-    from megatron_sp_ext.deepspeed.hook import _config_of
+    from megatron_sp_ext.deepspeed.hook import config_of
     path = _write(tmp_path, {"mode": "hcms"})
     want = json.loads(open(path).read())
-    assert _config_of(None, {"config": path}) == want
-    assert _config_of(None, {"config_params": want}) == want
-    assert _config_of(argparse.Namespace(deepspeed_config=path), {}) == want
-    assert _config_of(argparse.Namespace(deepspeed_config=None), {}) is None
-    assert _config_of(None, {"config": str(tmp_path / "missing.json")}) is None
+    assert config_of(None, {"config": path}) == want
+    assert config_of(None, {"config_params": want}) == want
+    assert config_of(argparse.Namespace(deepspeed_config=path), {}) == want
+    assert config_of(argparse.Namespace(deepspeed_config=None), {}) is None
+    assert config_of(None, {"config": str(tmp_path / "missing.json")}) is None
 
 
 def test_pth_autoload_activates_on_deepspeed_import(tmp_path):
@@ -238,14 +238,14 @@ def test_guard_reads_the_config_as_the_hook_does(tmp_path):
     import argparse
 
     import megatron_sp_ext_autoload as autoload
-    from megatron_sp_ext.deepspeed.hook import BLOCK_KEY, _config_of
+    from megatron_sp_ext.deepspeed.hook import BLOCK_KEY, config_of
     with_block, without = _write(tmp_path, {"mode": "hcms"}), _write(tmp_path, None)
     cases = [((), {"config": with_block}), ((), {"config": without}), ((), {"config_params": {BLOCK_KEY: {}}}),
              ((argparse.Namespace(deepspeed_config=with_block),), {}), ((), {"args": argparse.Namespace(
                  deepspeed_config=with_block)}), ((argparse.Namespace(deepspeed_config=None),), {}),
              ((), {"config": str(tmp_path / "missing.json")}), ((), {})]
     for args, kwargs in cases:
-        config = _config_of(args[0] if args else kwargs.get("args"), kwargs)
+        config = config_of(args[0] if args else kwargs.get("args"), kwargs)
         assert autoload.has_block(args, kwargs) == (config is not None and BLOCK_KEY in config), (args, kwargs)
     assert autoload.BLOCK_KEY == BLOCK_KEY
 

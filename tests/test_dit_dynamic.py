@@ -234,7 +234,7 @@ def test_plan_logged_once_in_words():
 def _sample_dynamic_vs_sp1(rank, world):
     """sample_latents through the dynamic core (ulysses, hcms, ring; 45 tokens: padded) equals SP=1 sampling (fp32),
     and the attention matters for the result (a rank-local model's sample differs)."""
-    from tests.test_sample import _model as sample_model
+    from tests.test_sample import sample_model
     from training.video_dit.sample import sample_latents
     data = SyntheticVideoLatents(CFG.in_channels, [3], 6, 10, CFG.text_len, CFG.text_dim, seed=1)
     text = torch.stack([data[i]["text"] for i in (0, 1)])

@@ -16,7 +16,7 @@ from training.video_dit.sample import pick_prompts, sample_latents, save_frame_s
 CFG = preset("tiny")
 
 
-def _model(group, mode, **kw):
+def sample_model(group, mode, **kw):
     torch.manual_seed(3)
     model = VideoDiT(CFG)
     # AdaLN-zero starts every block as the identity; open the gates so that attention shapes the output
@@ -32,13 +32,14 @@ def _sample_sp_vs_sp1(rank, world, frames, mode, kw):
     idx = pick_prompts(data, 2)
     text = torch.stack([data[i]["text"] for i in idx])
     shape = (CFG.in_channels, frames, 6, 10)
-    ref = sample_latents(_model(None, "ulysses"), text, shape, steps=4, seed=11)
-    out = sample_latents(_model(dist.group.WORLD, mode, **kw), text, shape, steps=4, seed=11, group=dist.group.WORLD)
+    ref = sample_latents(sample_model(None, "ulysses"), text, shape, steps=4, seed=11)
+    out = sample_latents(sample_model(dist.group.WORLD, mode, **kw), text, shape, steps=4, seed=11,
+                         group=dist.group.WORLD)
     assert out.shape == (2, *shape) and torch.isfinite(out).all()
     err = (out - ref).abs().max().item()
     assert err < 1e-5, f"{mode} SP={world}: max |SP - SP1| = {err}"
     # negative control: each rank attending only to its own tokens must change the sample
-    local = _model(None, "ulysses")
+    local = sample_model(None, "ulysses")
     local_out = sample_latents(local, text, shape, steps=4, seed=11, group=dist.group.WORLD)
     gap = (local_out - ref).abs().max().item()
     assert gap > 1e-3, f"attention does not influence the sample (gap {gap})"
@@ -57,7 +58,7 @@ def test_sp_sampling_equals_sp1(world, frames, mode, kw):
 
 def _demo_png(rank, world, log_dir):
     data = SyntheticVideoLatents(CFG.in_channels, [4, 5], 6, 10, CFG.text_len, CFG.text_dim, seed=1)
-    path = write_demo_samples(_model(dist.group.WORLD, "hcms", head_chunks=2), data, steps=3, seed=5,
+    path = write_demo_samples(sample_model(dist.group.WORLD, "hcms", head_chunks=2), data, steps=3, seed=5,
                               group=dist.group.WORLD, device="cpu", log_dir=log_dir)
     return path
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-pytest.importorskip("diffusers")
+pytest.importorskip("diffusers", reason="needs diffusers (pip install 'megatron_sp_ext[diffusers]')")
 
 import torch  # noqa: E402
 
@@ -15,12 +15,14 @@ import torch.distributed.checkpoint.state_dict  # noqa: E402,F401  (what the ran
 import torch.distributed.fsdp  # noqa: E402,F401   the harness forks them: each rank then starts in well under a second)
 from diffusers import WanTransformer3DModel  # noqa: E402,F401
 import megatron_sp_ext.diffusers  # noqa: E402,F401
+import megatron_sp_ext.diffusers.sparse  # noqa: E402,F401
 from tests.harness import run_ranks  # noqa: E402
 from training import train_wan_diffusers as entry  # noqa: E402
 from training.wan_diffusers import model as wan  # noqa: E402
 
 BASE = ["--model", "tiny", "--frames", "4", "--latent-size", "8x8", "--quiet", "--cp-comm-type", "ulysses"]
 TOL = 1e-5
+SPARSE = ["--sparse-attention", "tiles", "--sparse-tile", "1,2,2"]
 
 
 def _run(rank, world, argv, grads_at=None):
@@ -123,6 +125,7 @@ def _user_error(rank, world, argv):
     (["--pack-samples"], ["--pack-samples"]),
     (["--sparse-topk", "3"], ["--sparse-topk", "--sparse-attention"]),
     (["--timestep-shift", "0"], ["--timestep-shift"]),
+    ([*SPARSE, "--sparse-topk", "4", "--micro-batch-size", "2"], ["--sparse-topk", "--micro-batch-size"]),
 ])
 def test_bad_flags_refused_by_name(argv, names, capsys):
     with pytest.raises(SystemExit) as e:
@@ -142,13 +145,32 @@ def test_bad_init_dir_is_one_message(tmp_path, capfd):
         assert not any("Traceback" in line for line in err), err
 
 
-SPARSE = ["--sparse-attention", "tiles", "--sparse-tile", "1,2,2"]
+def _save_into(rank, world, out_dir):
+    from megatron_sp_ext.errors import SPConfigError
+    model = wan.random_model(wan.preset_kwargs("tiny"), 0, torch.device("cpu"))
+    try:
+        wan.save_pretrained(model, out_dir, rank)
+    except SPConfigError as e:
+        return str(e)
+    return None
+
+
+def test_save_pretrained_failure_on_rank0_raises_on_every_rank(tmp_path):
+    """Rank 0 cannot write --save-pretrained (its directory lies under a file): every rank raises the same user
+    error naming the directory, none waits in a collective until the timeout."""
+    (tmp_path / "afile").write_text("")
+    out = str(tmp_path / "afile" / "out")
+    got = run_ranks(_save_into, 2, out, timeout=60)
+    assert got[0] is not None and got[0] == got[1], got
+    assert "--save-pretrained" in got[0] and out in got[0], got
+    ok = str(tmp_path / "ok")
+    assert run_ranks(_save_into, 2, ok, timeout=60) == [None, None]
+    assert (tmp_path / "ok" / "config.json").is_file()
 
 
 def test_sparse_sp2_equals_sp1_and_gates_round_trip(tmp_path):
     """Top-k (VSA, gated coarse branch) at SP=2 equals SP=1; --save-pretrained writes the gates beside the model's
     files and --init reads them back (the window plan is the same code path with a fixed mask)."""
-    pytest.importorskip("megatron_sp_ext.diffusers.sparse")
     out = str(tmp_path / "out")
     argv = [*BASE, *SPARSE, "--sparse-topk", "4", "--train-iters", "2"]
     ref = run_ranks(_run, 1, argv, 0, timeout=120)[0]
@@ -183,6 +205,23 @@ def test_data_path_safetensors_equals_synthetic(tmp_path):
     rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows] == files[0] and all(r["tokens"] == 64 for r in rows)
     assert (logs / "loss.png").is_file() and (logs / "step_time.png").is_file()
+
+
+def test_data_path_tokens_not_dividing_by_sp_refused(tmp_path, capfd):
+    """--data-path: a clip of 4x2x2 latents (4 tokens at the patch 1x2x2) divides by SP=2, one of 3x2x2 (3 tokens)
+    does not: refused at start-up on every rank, naming --data-path, the file and the sizes."""
+    from training.video_dit.data import write_sample
+    cfg = wan.dit_config(wan.preset_kwargs("tiny"), 8)
+    text = torch.zeros(8, cfg.text_dim)
+    write_sample(str(tmp_path / "a.safetensors"), torch.zeros(cfg.in_channels, 4, 2, 2), text, fmt="safetensors")
+    write_sample(str(tmp_path / "b.safetensors"), torch.zeros(cfg.in_channels, 3, 2, 2), text, fmt="safetensors")
+    code = run_ranks(_user_error, 2, [*BASE, "--train-iters", "1", "--context-parallel-size", "2", "--data-path",
+                                      str(tmp_path)], timeout=60)
+    err = capfd.readouterr().err
+    assert code == [1, 1], (code, err)
+    line = [ln for ln in err.splitlines() if "--data-path" in ln]
+    assert len(line) == 1 and "b.safetensors" in line[0] and "3x2x2" in line[0] and "3 tokens" in line[0] \
+        and "--context-parallel-size=2" in line[0] and "Traceback" not in err, err
 
 
 def test_resume_of_another_model_is_refused(tmp_path, capfd):

@@ -193,17 +193,19 @@ def _first_line(e: BaseException) -> str:
 
 def build(args, variant: dict, world: int, device, grid: tuple, batch: Optional[dict]) -> tuple:
     """(Setup, tried): the variant built (diffusers "auto": the first backend whose step runs), or (None, tried)
-    with each backend's refusal. ``tried``: [{"backend", "error"}] of the backends that did not run."""
-    backends = [variant["backend"]] if variant["impl"] == "ours" else (
-        list(DIFFUSERS_BACKENDS) if variant["backend"] == "auto" else [variant["backend"]])
+    with each backend's refusal. ``tried``: [{"backend", "error"}] of diffusers' backends that did not run. Our
+    variants are built without a catch: their failure is an error of this package and ends the run."""
+    if variant["impl"] == "ours":
+        return Setup(args, variant, world, device, grid, variant["backend"]), []
+    backends = list(DIFFUSERS_BACKENDS) if variant["backend"] == "auto" else [variant["backend"]]
     tried = []
     for backend in backends:
         setup, err = None, None
         try:
             setup = Setup(args, variant, world, device, grid, backend)
-            if batch is not None and variant["impl"] == "diffusers":
+            if batch is not None:
                 setup.step(batch)   # the backend must run forward AND backward here
-        except Exception as e:  # noqa: BLE001 - recorded per backend, the next one tried
+        except Exception as e:  # noqa: BLE001 - diffusers' backend probed: recorded, the next one tried
             err = _first_line(e)
             if args.dry_run or os.environ.get("SPX_TRACEBACK"):
                 traceback.print_exc()

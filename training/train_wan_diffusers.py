@@ -123,6 +123,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
             p.error(f"{flag}={n}: must be >= {least}")
     if args.num_workers is not None and args.num_workers < 0:
         p.error(f"--num-workers={args.num_workers}: must be >= 0")
+    if args.sparse_topk is not None and args.micro_batch_size > 1:
+        p.error(f"--sparse-topk={args.sparse_topk} with --micro-batch-size={args.micro_batch_size}: the top-k plan "
+                f"takes one mask per forward (batch 1): use --micro-batch-size 1")
     if modes.head_chunks_of(args.cp_comm_type, args.hcms_head_chunks) != args.hcms_head_chunks:
         p.error(f"--hcms-head-chunks={args.hcms_head_chunks} is HCMS's: use --cp-comm-type hcms (or auto)")
     return args
@@ -198,6 +201,19 @@ def _check_tokens(args, cfg, sp: int) -> None:
                                     f"--context-parallel-size={sp} (the model's split needs equal shards)")
 
 
+def _check_data_tokens(args, dataset, cfg, sp: int) -> None:
+    """--data-path: every clip's token count (latent [C, T, H, W] / the patch, from the file headers) divides by
+    ``sp``."""
+    pt, ph, pw = cfg.patch
+    for i in range(len(dataset)):
+        (_, t, h, w), _ = dataset.shape_of(i)
+        n = (t // pt) * (h // ph) * (w // pw)
+        if n % sp:
+            raise SPConfigError(f"--data-path {args.data_path}: {dataset.files[i]} (latent T x H x W = {t}x{h}x{w}) "
+                                f"has {n} tokens, which do not divide by --context-parallel-size={sp} (the model's "
+                                f"split needs equal shards)")
+
+
 def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
     sp = args.context_parallel_size
     lay, sp_group = make_layout(sp, device)
@@ -209,7 +225,10 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
         preset = "pretrained"
     text_len = args.text_len or wan.TEXT_LEN.get(preset, 512)
     cfg = wan.dit_config(model.config, text_len)
-    if not args.data_path:
+    dataset = build_dataset(args, cfg)
+    if args.data_path:
+        _check_data_tokens(args, dataset, cfg, sp)
+    else:
         _check_tokens(args, cfg, sp)
     if args.recompute_granularity == "full":
         model.enable_gradient_checkpointing()
@@ -245,7 +264,6 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
         start = ckpt.check_resume_step(loaded, args.train_iters)
         if lay.rank == 0 and not args.quiet:
             print(f"[{WHAT}] resumed from {loaded['path']} (step {start})", flush=True)
-    dataset = build_dataset(args, cfg)
     if not args.quiet:
         logger.info(f"Wan ({'random ' + args.model if args.init == 'random' else args.init}) layers={cfg.layers} "
                     f"SP={sp} DP={lay.dp_world} cp_comm_type={args.cp_comm_type} "

@@ -42,7 +42,7 @@ BLOCK_KEY = "sequence_parallel_ext"
 HF_MODES = modes.names(local_attention=True)   # Hugging Face's attention runs inside (it returns no log-sum-exp)
 
 
-def _config_of(args: Any, kwargs: dict) -> Optional[dict]:
+def config_of(args: Any, kwargs: dict) -> Optional[dict]:
     """The config deepspeed.initialize will use, as a dict (None when none is given)."""
     config = kwargs.get("config")
     if config is None:
@@ -71,7 +71,7 @@ def activate() -> None:
 
     @functools.wraps(original)
     def initialize(*args, **kwargs):
-        config = _config_of(args[0] if args else kwargs.get("args"), kwargs)
+        config = config_of(args[0] if args else kwargs.get("args"), kwargs)
         if config is not None and BLOCK_KEY in config:
             model = kwargs.get("model", args[1] if len(args) > 1 else None)
             install(model, config)

@@ -166,29 +166,44 @@ def save_pretrained(model: torch.nn.Module, out_dir: str, rank: int) -> Optional
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    extra = None
+    extra, error = None, None
     if rank == 0:
-        config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
-        with torch.device("meta"):
-            stock = WanTransformer3DModel(**config)
-        keys = set(stock.state_dict())
-        missing = sorted(keys - set(full))
-        if missing:
-            raise RuntimeError(f"--save-pretrained: the trained model lacks {missing[:4]} (not a "
-                               f"WanTransformer3DModel)")
-        stock.load_state_dict({k: v.float() for k, v in full.items() if k in keys}, strict=True, assign=True)
-        stock.save_pretrained(out_dir, safe_serialization=True)
-        extra = sorted(set(full) - keys)
-        if extra:   # beside the model's files; listed in the index when diffusers sharded them
-            from safetensors.torch import save_file  # noqa: PLC0415
-            save_file({k: full[k].contiguous() for k in extra}, os.path.join(out_dir, EXTRA))
-            index = os.path.join(out_dir, WEIGHTS + ".index.json")
-            if os.path.isfile(index):
-                with open(index) as f:
-                    doc = json.load(f)
-                doc["weight_map"].update({k: EXTRA for k in extra})
-                with open(index, "w") as f:
-                    json.dump(doc, f, indent=2)
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            extra = _write_pretrained(WanTransformer3DModel, dict(model.config), full, out_dir)
+        except Exception as e:   # shared as text with every rank below: none waits on a barrier rank 0 never reaches
+            error = e if isinstance(e, SPConfigError) else SPConfigError(
+                f"--save-pretrained {out_dir}: could not write the model ({type(e).__name__}: {e})")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        outcome = [str(error) if error is not None else None]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise (error if error is not None else SPConfigError(outcome[0]))
+    elif error is not None:
+        raise error
+    return extra
+
+
+def _write_pretrained(stock_cls, config: dict, full: dict, out_dir: str) -> list:
+    """Rank 0's part of save_pretrained: ``full`` (name -> CPU tensor) into ``out_dir``; returns the extra names."""
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        stock = stock_cls(**config)
+    keys = set(stock.state_dict())
+    missing = sorted(keys - set(full))
+    if missing:
+        raise SPConfigError(f"--save-pretrained {out_dir}: the trained model lacks {missing[:4]} (not a "
+                            f"WanTransformer3DModel)")
+    stock.load_state_dict({k: v.float() for k, v in full.items() if k in keys}, strict=True, assign=True)
+    stock.save_pretrained(out_dir, safe_serialization=True)
+    extra = sorted(set(full) - keys)
+    if extra:   # beside the model's files; listed in the index when diffusers sharded them
+        from safetensors.torch import save_file  # noqa: PLC0415
+        save_file({k: full[k].contiguous() for k in extra}, os.path.join(out_dir, EXTRA))
+        index = os.path.join(out_dir, WEIGHTS + ".index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                doc = json.load(f)
+            doc["weight_map"].update({k: EXTRA for k in extra})
+            with open(index, "w") as f:
+                json.dump(doc, f, indent=2)
     return extra
