@@ -65,9 +65,9 @@ class SPWanSelfAttnProcessor:
             q_bshd = wan_rotary(q_bshd, *rotary_emb)
             k_bshd = wan_rotary(k_bshd, *rotary_emb)
         plan, extra, block = self.state.sparse, None, {}
-        if plan is not None:
-            mask, extra = plan(self.layer_index, q_bshd, k_bshd, v_bshd, self.state.current().grid_thw,
-                               self.state.group)
+        if plan is not None:   # the grid of the forward that made rotary_emb (a checkpoint recompute: not the latest)
+            ctx = self.state.context_of(rotary_emb[:1] if rotary_emb is not None else ())
+            mask, extra = plan(self.layer_index, q_bshd, k_bshd, v_bshd, ctx.grid_thw, self.state.group)
             if mask is not None:
                 block = {"block_mask": mask, "block_size": plan.block_size}
         self.attention.training = attn.training
