@@ -268,3 +268,23 @@ def test_checkpoint_recompute_uses_its_own_forward_context(latents):
     assert set(got) == set(ref) and len(ref) > 2
     worst = max(rel_err(got[n], ref[n]) for n in ref)
     assert worst < TOL64, worst
+
+
+class _BadOrder:
+    """A plan whose token_order is ``order`` (not a permutation)."""
+
+    def __init__(self, order) -> None:
+        self.order = torch.tensor(order)
+
+    def token_order(self, grid_thw, device):
+        return self.order
+
+
+@pytest.mark.parametrize("order", [[0, 1, 1, 3], [0, 1, 2, 4], [-1, 0, 1, 2]],
+                         ids=["duplicate", "too-large", "negative"])
+def test_token_order_not_a_permutation_is_refused_by_name(order):
+    from megatron_sp_ext.diffusers.sequence import ForwardContext  # noqa: PLC0415
+    with pytest.raises(SPConfigError, match=r"token_order\(\(1, 2, 2\)\) is not a permutation of the 4 tokens"):
+        ForwardContext.of((1, 2, 2), _BadOrder(order), torch.device("cpu"), 1)
+    ctx = ForwardContext.of((1, 2, 2), _BadOrder([2, 0, 3, 1]), torch.device("cpu"), 1)
+    assert ctx.inverse.tolist() == [1, 3, 0, 2]
