@@ -288,3 +288,37 @@ def test_token_order_not_a_permutation_is_refused_by_name(order):
         ForwardContext.of((1, 2, 2), _BadOrder(order), torch.device("cpu"), 1)
     ctx = ForwardContext.of((1, 2, 2), _BadOrder([2, 0, 3, 1]), torch.device("cpu"), 1)
     assert ctx.inverse.tolist() == [1, 3, 0, 2]
+
+
+def _mask_check_counts(rank, world):
+    """Cross-rank mask compares (sp.checks.check_same_block_mask calls, the one all_gather + host sync each) over
+    two training steps of a 4-layer model, per plan and mode."""
+    from megatron_sp_ext.sp import checks  # noqa: PLC0415
+    calls = [0]
+    original = checks.check_same_block_mask
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+    checks.check_same_block_mask = counted
+    model, out = tiny_wan(num_layers=4), {}
+    try:
+        for mode in ("ulysses", "ring"):
+            for name, kw in (("window", dict(window=(0, 1, 1))), ("topk", dict(topk=3, coarse=False))):
+                sp = parallelize(model, dist.group.WORLD, mode, sparse=BlockSparsePlan((1, 2, 2), **kw))
+                calls[0] = 0
+                for step in range(2):
+                    model(**wan_inputs(seed=step)).sample.sum().backward()
+                out[f"{mode} {name}"] = (calls[0], sp.processors[0].attention.res.mask_checks.collectives)
+                sp.remove()
+    finally:
+        checks.check_same_block_mask = original
+    return out
+
+
+def test_topk_masks_are_agreed_not_compared_across_ranks():
+    """Top-k masks are equal on every rank by construction (tiles all-reduced over the group): the plan declares
+    them agreed (masks_agreed), so 2 steps x 4 layers do no mask compare; a window's one cached mask: one."""
+    for res in run_ranks(_mask_check_counts, 2, timeout=120):
+        assert res == {"ulysses window": (1, 1), "ulysses topk": (0, 0), "ring window": (1, 1),
+                       "ring topk": (0, 0)}, res
