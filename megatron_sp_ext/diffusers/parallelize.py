@@ -42,6 +42,9 @@ REFUSED = {
     "WanAnimate2Transformer3DModel": "it has no _cp_plan and its attention keeps a KV cache "
                                      "(WanAnimate2AttnProcessor)",
 }
+# every torch dropout (and its subclasses): refused anywhere in the model when p > 0
+DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+            torch.nn.FeatureAlphaDropout)
 SPARSE_MEMBERS = ("block_size", "token_order", "attach", "detach", "__call__")
 
 
@@ -135,10 +138,11 @@ def _check_model(model: torch.nn.Module) -> None:
         if attn.is_cross_attention or attn.add_k_proj is not None:
             raise SPConfigError(f"parallelize: {where} is not a plain self-attention (is_cross_attention="
                                 f"{attn.is_cross_attention}, added k/v projections: {attn.add_k_proj is not None})")
-        drop = attn.to_out[1]
-        if isinstance(drop, torch.nn.Dropout) and drop.p > 0:
-            raise SPConfigError(f"parallelize: {where}.to_out[1] is Dropout(p={drop.p}); its random mask would "
-                                f"differ between SP sizes; build the model with dropout 0")
+    for where, module in model.named_modules():
+        if isinstance(module, DROPOUTS) and module.p > 0:
+            raise SPConfigError(f"parallelize: {where} is {type(module).__name__}(p={module.p}); on sharded tokens "
+                                f"its random mask would differ from SP=1's; build the model with dropout 0 (or set "
+                                f"{where}.p = 0)")
 
 
 def _check_sparse(sparse: Any) -> None:
