@@ -213,6 +213,16 @@ def test_bad_input_is_refused_by_name():
         parallelize(model, None, "hcms", head_chunk=2)
     with pytest.raises(SPConfigError, match=r"either config= or mode/settings"):
         parallelize(model, None, "ring", config=SPConfig(mode="ulysses"))
+    for mode in ("auto", "ulysses"):   # any explicit mode beside config=, the default's name included
+        with pytest.raises(SPConfigError, match=rf"either config= or mode/settings, not both \(got config= and "
+                                                rf"mode='{mode}'\)"):
+            parallelize(model, None, mode=mode, config=SPConfig(mode="ring"))
+    with pytest.raises(SPConfigError, match=r"got config= and head_chunks"):
+        parallelize(model, None, config=SPConfig(mode="hcms"), head_chunks=2)
+    for kw, want in (({}, "auto"), ({"mode": "auto"}, "auto"), ({"config": SPConfig(mode="ring")}, "ring")):
+        sp = parallelize(model, None, **kw)   # the default, an explicit "auto", config= alone
+        assert sp.config.mode == want, (kw, sp.config)
+        sp.remove()
     with pytest.raises(SPConfigError, match=r"dropout_p=0.1: diffusers' WanAttnProcessor"):
         parallelize(model, None, "ulysses", dropout_p=0.1)
     with pytest.raises(SPConfigError, match=r"sparse= must be a SparseAttentionPlan .*lacks .*token_order"):
