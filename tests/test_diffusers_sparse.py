@@ -159,7 +159,12 @@ def test_gate_is_zero_at_init_but_learns_and_full_window_is_dense():
 def _from_pretrained(path):
     pytest.importorskip("accelerate", reason="diffusers' WanTransformer3DModel.from_pretrained needs accelerate "
                                              "(its _keep_in_fp32_modules force low_cpu_mem_usage)")
-    return WanTransformer3DModel.from_pretrained(path, torch_dtype=torch.float64)
+    from unittest import mock  # noqa: PLC0415
+    # diffusers loads _keep_in_fp32_modules (time embedder, norm2, scale_shift_table) in float32 even for
+    # torch_dtype=float64, rounding the saved float64 weights (~6e-8), and the rope buffers (not saved) in float32:
+    # load the weights as saved and the buffers in float64, as tiny_wan's model
+    with mock.patch.object(WanTransformer3DModel, "_keep_in_fp32_modules", None):
+        return WanTransformer3DModel.from_pretrained(path, torch_dtype=torch.float64).to(torch.float64)
 
 
 def _from_config_and_weights(path):
@@ -191,7 +196,7 @@ def test_gates_round_trip_through_save_pretrained(tmp_path, load):
     sp = parallelize(loaded, None, sparse=plan2)
     assert plan2.load_gates(loaded, str(tmp_path)) == 4
     got, _ = forward_backward(loaded, inputs, None)
-    assert torch.equal(got, want)
+    assert rel_err(got, want) < TOL64     # from_pretrained's model: equal up to float64 rounding (6.7e-16)
     # a checkpoint without gates, a path that is neither: refused by name
     gates = {n: t.clone() for n, t in loaded.state_dict().items() if GATE_NAME in n}
     sp.remove()
@@ -204,7 +209,7 @@ def test_gates_round_trip_through_save_pretrained(tmp_path, load):
     # gates in a file beside a sharded checkpoint that its index does not list: found there
     save_file(gates, str(tmp_path / "plain" / "gates.safetensors"))
     assert sp.sparse.load_gates(loaded, str(tmp_path / "plain")) == 4
-    assert torch.equal(forward_backward(loaded, inputs, None)[0], want)
+    assert rel_err(forward_backward(loaded, inputs, None)[0], want) < TOL64
     sp.remove()
     with pytest.raises(SPConfigError, match="the model has no gates"):
         BlockSparsePlan(TILE, window=(1, 1, 1)).load_gates(loaded, str(tmp_path))
