@@ -213,6 +213,16 @@ def test_bad_input_is_refused_by_name():
         parallelize(model, None, "hcms", head_chunk=2)
     with pytest.raises(SPConfigError, match=r"either config= or mode/settings"):
         parallelize(model, None, "ring", config=SPConfig(mode="ulysses"))
+    for mode in ("auto", "ulysses"):   # any explicit mode beside config=, the default's name included
+        with pytest.raises(SPConfigError, match=rf"either config= or mode/settings, not both \(got config= and "
+                                                rf"mode='{mode}'\)"):
+            parallelize(model, None, mode=mode, config=SPConfig(mode="ring"))
+    with pytest.raises(SPConfigError, match=r"got config= and head_chunks"):
+        parallelize(model, None, config=SPConfig(mode="hcms"), head_chunks=2)
+    for kw, want in (({}, "auto"), ({"mode": "auto"}, "auto"), ({"config": SPConfig(mode="ring")}, "ring")):
+        sp = parallelize(model, None, **kw)   # the default, an explicit "auto", config= alone
+        assert sp.config.mode == want, (kw, sp.config)
+        sp.remove()
     with pytest.raises(SPConfigError, match=r"dropout_p=0.1: diffusers' WanAttnProcessor"):
         parallelize(model, None, "ulysses", dropout_p=0.1)
     with pytest.raises(SPConfigError, match=r"sparse= must be a SparseAttentionPlan .*lacks .*token_order"):
@@ -223,8 +233,21 @@ def test_bad_input_is_refused_by_name():
     model._parallel_config = None
     drop = tiny_wan()
     drop.blocks[1].attn1.to_out[1].p = 0.1
-    with pytest.raises(SPConfigError, match=r"blocks.1.attn1.to_out\[1\] is Dropout\(p=0.1\)"):
+    with pytest.raises(SPConfigError, match=r"blocks\.1\.attn1\.to_out\.1 is Dropout\(p=0.1\)"):
         parallelize(drop, None)
+    drop = tiny_wan()   # any dropout of the model, e.g. the FFN's, or a subclass of torch's
+    drop.blocks[0].ffn.net[1].p = 0.2
+    with pytest.raises(SPConfigError, match=r"blocks\.0\.ffn\.net\.1 is Dropout\(p=0.2\); on sharded tokens"):
+        parallelize(drop, None)
+
+    class MyDropout(torch.nn.Dropout):
+        pass
+    drop = tiny_wan()
+    drop.blocks[1].attn2.to_out[1] = MyDropout(0.3)
+    with pytest.raises(SPConfigError, match=r"blocks\.1\.attn2\.to_out\.1 is MyDropout\(p=0.3\)"):
+        parallelize(drop, None)
+    assert _no_hooks(drop) and all(type(a.processor) is type(model.blocks[0].attn1.processor)
+                                   for a in (drop.blocks[0].attn1, drop.blocks[1].attn1))
     from megatron_sp_ext.diffusers.hooks import SequenceState, install_plan
     with pytest.raises(SPConfigError, match=r"_cp_plan\['proj_out'\] = 3 is not a plan entry"):
         install_plan(model, {"proj_out": 3}, SequenceState(None, 1))

@@ -14,7 +14,10 @@ with a SparseAttentionPlan, its token order), then every plan entry:
 Entries are read by their fields (diffusers' classes live in a private module). A tensor whose dimension count
 differs from ``expected_dims`` is left whole, as diffusers' own hooks do (Wan's 1-D
 timestep: one per sample, not per token). Hooks fire again when gradient checkpointing recomputes a block: the split
-of the same full input gives the same shard.
+of the same full input gives the same shard, in the context of the forward that built the graph (not the latest
+one): torch's non-reentrant checkpoint reruns a block on its original argument objects, and ``SequenceState.contexts``
+maps the tensors a forward hands to its blocks (the rope's sharded cos/sin, blocks.0's full hidden_states) to that
+forward's context, so two forwards before one backward recompute each in its own grid and token order.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import SPConfigError
 from .sequence import ForwardContext, gather_tokens, split_tokens
@@ -32,13 +36,32 @@ from .sequence import ForwardContext, gather_tokens, split_tokens
 @dataclass
 class SequenceState:
     """What the hooks and processors of one parallelized model share: the SP group (None: one rank), its size, the
-    SparseAttentionPlan (or None) and the current forward's ``ForwardContext``."""
+    SparseAttentionPlan (or None), the current forward's ``ForwardContext`` and ``contexts``: the tensors each
+    forward handed to its blocks -> that forward's context (weak keys by identity: entries go with the tensors)."""
 
     group: Optional[dist.ProcessGroup]
     sp_size: int
     sparse: Any = None
     patch_size: tuple = (1, 1, 1)
     ctx: Optional[ForwardContext] = field(default=None)
+    contexts: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary, repr=False)
+
+    def remember(self, tensors, ctx: ForwardContext) -> None:
+        """Tie ``tensors`` (an iterable; non-tensors skipped) to ``ctx``, the forward that made them."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self.contexts[t] = ctx
+
+    def context_of(self, values) -> ForwardContext:
+        """The context of the forward that made the first remembered tensor among ``values`` (tensors, or tuples /
+        lists of them, e.g. a block's inputs); the current forward's when none is remembered (its first run)."""
+        for v in values:
+            for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(t, torch.Tensor):
+                    ctx = self.contexts.get(t)
+                    if ctx is not None:
+                        return ctx
+        return self.current()
 
     def current(self) -> ForwardContext:
         if self.ctx is None:
@@ -82,11 +105,12 @@ def _put(args: tuple, kwargs: dict, name: str, where, value) -> tuple[tuple, dic
 
 def _split_inputs_hook(entries: dict, state: SequenceState, names: list[str]):
     def hook(module, args, kwargs):
-        ctx = state.current()
+        ctx = state.context_of([*args, *kwargs.values()])     # a recompute: the forward that built the graph
         for name, cpi in entries.items():
             value, where = _locate(names, name, args, kwargs)
             if not isinstance(value, torch.Tensor) or (cpi.expected_dims not in (None, value.dim())):
                 continue
+            state.remember([value], ctx)
             args, kwargs = _put(args, kwargs, name, where, split_tokens(value, state.group, cpi.split_dim, ctx))
         return args, kwargs
     return hook
@@ -101,6 +125,7 @@ def _split_outputs_hook(entries: dict, state: SequenceState):
             x = outs[index]
             if cpi.expected_dims is None or x.dim() == cpi.expected_dims:
                 outs[index] = split_tokens(x, state.group, cpi.split_dim, ctx)
+                state.remember([outs[index]], ctx)     # e.g. rope's cos/sin shards, handed to every block
         return outs[0] if single else type(output)(outs)
     return hook
 

@@ -1,7 +1,8 @@
 """``parallelize``: one call that makes a diffusers Wan transformer sequence parallel.
 
     from megatron_sp_ext.diffusers import parallelize
-    sp = parallelize(model, group, mode="auto")      # every mode of SPConfig; settings as keywords or config=
+    sp = parallelize(model, group)                    # mode=None: "auto"; any mode of SPConfig, settings as
+                                                      # keywords, or config= a ready SPConfig (no mode then)
     out = model(latent, timestep, text).sample        # every rank: the same full inputs, the same full output
     loss.backward(); all-reduce SUM each parameter's .grad over ``group``
     sp.remove()                                       # the model as it was
@@ -42,6 +43,9 @@ REFUSED = {
     "WanAnimate2Transformer3DModel": "it has no _cp_plan and its attention keeps a KV cache "
                                      "(WanAnimate2AttnProcessor)",
 }
+# every torch dropout (and its subclasses): refused anywhere in the model when p > 0
+DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+            torch.nn.FeatureAlphaDropout)
 SPARSE_MEMBERS = ("block_size", "token_order", "attach", "detach", "__call__")
 
 
@@ -76,16 +80,17 @@ class SPHandle:
 DEFAULT_MODE = modes.names(auto=True)[0]   # parallelize's default mode: the registry's per-model choice
 
 
-def _config(mode: str, config: Optional[SPConfig], settings: dict) -> SPConfig:
+def _config(mode: Optional[str], config: Optional[SPConfig], settings: dict) -> SPConfig:
+    """The SPConfig of ``parallelize``'s arguments: config= alone, or mode (None: DEFAULT_MODE) and settings."""
     if config is not None:
         if not isinstance(config, SPConfig):
             raise SPConfigError(f"parallelize: config= must be an SPConfig; got {type(config).__name__}")
-        if mode != DEFAULT_MODE or settings:
-            given = ([f"mode={mode!r}"] if mode != DEFAULT_MODE else []) + sorted(settings)
+        if mode is not None or settings:
+            given = ([f"mode={mode!r}"] if mode is not None else []) + sorted(settings)
             raise SPConfigError(f"parallelize: give either config= or mode/settings, not both (got config= and "
-                                f"{', '.join(given)})")
+                                f"{', '.join(given)}); the mode is config.mode")
         return config
-    return SPConfig.from_dict({"mode": mode, **settings})
+    return SPConfig.from_dict({"mode": DEFAULT_MODE if mode is None else mode, **settings})
 
 
 def self_attentions(model: torch.nn.Module) -> list:
@@ -135,10 +140,11 @@ def _check_model(model: torch.nn.Module) -> None:
         if attn.is_cross_attention or attn.add_k_proj is not None:
             raise SPConfigError(f"parallelize: {where} is not a plain self-attention (is_cross_attention="
                                 f"{attn.is_cross_attention}, added k/v projections: {attn.add_k_proj is not None})")
-        drop = attn.to_out[1]
-        if isinstance(drop, torch.nn.Dropout) and drop.p > 0:
-            raise SPConfigError(f"parallelize: {where}.to_out[1] is Dropout(p={drop.p}); its random mask would "
-                                f"differ between SP sizes; build the model with dropout 0")
+    for where, module in model.named_modules():
+        if isinstance(module, DROPOUTS) and module.p > 0:
+            raise SPConfigError(f"parallelize: {where} is {type(module).__name__}(p={module.p}); on sharded tokens "
+                                f"its random mask would differ from SP=1's; build the model with dropout 0 (or set "
+                                f"{where}.p = 0)")
 
 
 def _check_sparse(sparse: Any) -> None:
@@ -148,14 +154,14 @@ def _check_sparse(sparse: Any) -> None:
                             f"detach, __call__); {type(sparse).__name__} lacks {', '.join(missing)}")
 
 
-def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None, mode: str = "auto", *,
+def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None, mode: Optional[str] = None, *,
                 config: Optional[SPConfig] = None, sparse: Any = None, **settings: Any) -> SPHandle:
     """Shard ``model`` (a diffusers WanTransformer3DModel or WanVACETransformer3DModel) over the SP ``group`` and
     run every self-attention through ``make_attention``; returns the ``SPHandle``.
 
     group: the SP process group (None or one rank: no sharding, the same code path). mode / settings: SPConfig's
-    fields (mode, head_chunks, backend, ring_variant, placement, ulysses_size, nodes, transport), or config= a ready
-    SPConfig. sparse: a SparseAttentionPlan (token order, block mask per layer, optional extra branch) or None.
+    fields (mode, head_chunks, backend, ring_variant, placement, ulysses_size, nodes, transport; mode None: the
+    registry's automatic choice, ``DEFAULT_MODE``), or config= a ready SPConfig (then no mode and no settings). sparse: a SparseAttentionPlan (token order, block mask per layer, optional extra branch) or None.
     Every rank passes the same full inputs and gets the same full output; parameter gradients must be all-reduced
     (SUM) over ``group`` (module docstring). Raises SPConfigError naming the keyword or the model's part."""
     _check_model(model)

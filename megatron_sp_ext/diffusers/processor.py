@@ -5,7 +5,9 @@
 
 Per call on this rank's shard hidden_states [B, S_loc, C]: q, k, v from ``to_q/to_k/to_v`` (or the fused
 ``to_qkv``), ``norm_q`` / ``norm_k``, unflattened to [B, S_loc, H, D], Wan's RoPE on the sharded (cos, sin)
-[1, S_loc, 1, D]; then, with a SparseAttentionPlan, ``mask, extra = plan(layer_index, q, k, v, grid_thw, group)``;
+[1, S_loc, 1, D]; then, with a SparseAttentionPlan, ``mask, extra = plan(layer_index, q, k, v, grid_thw, group)``
+(a plan whose ``masks_agreed`` is True builds every mask identically on every rank: it is recorded as agreed in the
+attention's ``MaskChecks``, not compared across ranks; otherwise each distinct mask is compared once);
 ``out = attention(q, k, v, causal=False, block_mask=mask, block_size=plan.block_size)`` (+ extra), flattened,
 ``type_as(q)``, ``to_out``. Not an ``nn.Module``: the model's state_dict is unchanged.
 """
@@ -65,10 +67,13 @@ class SPWanSelfAttnProcessor:
             q_bshd = wan_rotary(q_bshd, *rotary_emb)
             k_bshd = wan_rotary(k_bshd, *rotary_emb)
         plan, extra, block = self.state.sparse, None, {}
-        if plan is not None:
-            mask, extra = plan(self.layer_index, q_bshd, k_bshd, v_bshd, self.state.current().grid_thw,
-                               self.state.group)
+        if plan is not None:   # the grid of the forward that made rotary_emb (a checkpoint recompute: not the latest)
+            ctx = self.state.context_of(rotary_emb[:1] if rotary_emb is not None else ())
+            mask, extra = plan(self.layer_index, q_bshd, k_bshd, v_bshd, ctx.grid_thw, self.state.group)
             if mask is not None:
+                if getattr(plan, "masks_agreed", False) and isinstance(self.attention, SPAttention):
+                    # equal on every rank by construction (the plan says so): no cross-rank compare per layer
+                    self.attention.res.mask_checks.agree(mask, self.state.group)
                 block = {"block_mask": mask, "block_size": plan.block_size}
         self.attention.training = attn.training
         out_bshd = self.attention(q_bshd, k_bshd, v_bshd, causal=False, **block)

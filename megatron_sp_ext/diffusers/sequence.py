@@ -58,10 +58,14 @@ class ForwardContext:
                     f"the {seq_len} tokens); got {type(order).__name__} "
                     f"{getattr(order, 'dtype', '')} {list(getattr(order, 'shape', []))}")
             order = order.to(device)
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(seq_len, device=device)
-            if not torch.equal(order[inverse], torch.arange(seq_len, device=device)):
-                raise SPConfigError(f"sparse.token_order({grid_thw}) is not a permutation of the {seq_len} tokens")
+            counts = torch.bincount(order.clamp(0, seq_len - 1), minlength=seq_len)
+            if int(order.min()) < 0 or int(order.max()) >= seq_len or not bool((counts == 1).all()):
+                raise SPConfigError(
+                    f"parallelize(sparse=...): the plan's token_order({grid_thw}) is not a permutation of the "
+                    f"{seq_len} tokens (values {int(order.min())}..{int(order.max())}, "
+                    f"{int((counts != 1).sum())} tokens missing or repeated): it must hold each of 0..{seq_len - 1} "
+                    f"exactly once")
+            inverse = order.argsort()
         return cls(tuple(grid_thw), seq_len, order, inverse)
 
 

@@ -8,7 +8,8 @@ contiguously over the SP group, so a tile is ``block_size`` consecutive tokens a
 * ``window=(wt, wh, ww)``: each query tile attends the key tiles within +-(wt, wh, ww) tiles of it; one mask per
   grid for every layer and head, built once (cached).
 * ``topk=K`` (VSA): per layer and head, each query tile attends the K key tiles of highest pooled score q . k (q, k
-  mean-pooled per tile, the pooled sums all-reduced over the SP group so every rank builds the same mask). With
+  mean-pooled per tile, the pooled sums all-reduced over the SP group so every rank builds the same mask:
+  ``masks_agreed`` is True, so no per-layer cross-rank compare). With
   ``coarse=True`` (VSA's default) the coarse branch (dense attention of the pooled q over the pooled k/v, each
   tile's result given to its tokens) is added through a gate, ``Linear(dim, heads * head_dim)`` of the
   self-attention's input as in VSA's ``gate_compress``: a registered submodule ``blocks.{i}.attn1.sparse_gate`` of
@@ -90,6 +91,10 @@ class BlockSparsePlan:
             raise SPConfigError(f"BlockSparsePlan(coarse={coarse!r}) is invalid: give True or False")
         self.spec = SparseSpec(tile=tile, topk=topk, window=window)
         self.coarse = coarse and topk is not None       # the coarse branch is VSA's (top-k only)
+        # top-k masks are built per layer from tiles all-reduced over the group: equal on every rank by construction,
+        # so the processor records them as agreed instead of comparing each across ranks (a window mask, cached per
+        # grid, is compared once)
+        self.masks_agreed = topk is not None
         self._orders: dict = {}                         # (grid, device) -> order on the device
         self._layouts: dict = {}                        # (grid, S_local, rank, world, device) -> _Layout
         self._gates: list = []                          # the gate of each block (coarse), by layer index
