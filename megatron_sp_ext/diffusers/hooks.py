@@ -116,29 +116,34 @@ def _split_inputs_hook(entries: dict, state: SequenceState, names: list[str]):
     return hook
 
 
+def _map_outputs(output, entries: dict, fn):
+    """``output`` (a tensor or a tuple/list of them) with ``fn(x, entry)`` applied at each index of ``entries``
+    whose entry expects ``x``'s number of dims (or any); the container's type kept."""
+    single = isinstance(output, torch.Tensor)
+    outs = [output] if single else list(output)
+    for index, entry in entries.items():
+        if entry is not None and (entry.expected_dims is None or outs[index].dim() == entry.expected_dims):
+            outs[index] = fn(outs[index], entry)
+    return outs[0] if single else type(output)(outs)
+
+
 def _split_outputs_hook(entries: dict, state: SequenceState):
     def hook(module, args, output):
         ctx = state.current()
-        single = isinstance(output, torch.Tensor)
-        outs = [output] if single else list(output)
-        for index, cpi in entries.items():
-            x = outs[index]
-            if cpi.expected_dims is None or x.dim() == cpi.expected_dims:
-                outs[index] = split_tokens(x, state.group, cpi.split_dim, ctx)
-                state.remember([outs[index]], ctx)     # e.g. rope's cos/sin shards, handed to every block
-        return outs[0] if single else type(output)(outs)
+
+        def split(x, cpi):
+            shard = split_tokens(x, state.group, cpi.split_dim, ctx)
+            state.remember([shard], ctx)     # e.g. rope's cos/sin shards, handed to every block
+            return shard
+        return _map_outputs(output, entries, split)
     return hook
 
 
 def _gather_output_hook(cpos: list, state: SequenceState):
     def hook(module, args, output):
         ctx = state.current()
-        single = isinstance(output, torch.Tensor)
-        outs = [output] if single else list(output)
-        for i, cpo in enumerate(cpos):
-            if cpo is not None and (cpo.expected_dims is None or outs[i].dim() == cpo.expected_dims):
-                outs[i] = gather_tokens(outs[i], state.group, cpo.gather_dim, ctx)
-        return outs[0] if single else type(output)(outs)
+        return _map_outputs(output, dict(enumerate(cpos)),
+                            lambda x, cpo: gather_tokens(x, state.group, cpo.gather_dim, ctx))
     return hook
 
 
