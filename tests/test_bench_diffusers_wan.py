@@ -23,17 +23,18 @@ def _bench(rank, world, argv):
 
 def test_dry_run_rows(tmp_path):
     out = str(tmp_path / "bench.json")
-    run_ranks(_bench, 2, ["--dry-run", "--variants", "diffusers-ulysses,ours-auto,ours-ring,ours-ulysses-topk90",
-                          "--out", out], timeout=120)
+    run_ranks(_bench, 2, ["--dry-run", "--variants", "diffusers-ulysses,ours-auto,ours-ring,ours-ulysses-topk90,"
+                          "ours-auto@rope=eager", "--profile-steps", "1", "--out", out], timeout=120)
     with open(out) as f:
         doc = json.load(f)
     rows = {r["variant"]: r for r in doc["rows"]}
     assert doc["meta"]["tokens"] == 64 and doc["meta"]["world"] == 2
     assert "accelerator" in rows["diffusers-ulysses"]["skipped"]
     assert rows["ours-ulysses-topk90"]["sparse"]["topk"] == 2   # 10% of the 16 tiles of 1x2x2 on the 4x4x4 grid
-    for name in ("ours-auto", "ours-ring", "ours-ulysses-topk90"):
+    for name in ("ours-auto", "ours-ring", "ours-ulysses-topk90", "ours-auto@rope=eager"):
         r = rows[name]
         assert "skipped" not in r, r
+        assert r["profile"] == {"skipped": "--profile-steps needs CUDA"}
         assert r["step_ms"] > 0 and len(r["step_ms_all"]) == 2 and r["first_loss"] > 0 and r["mfu"] is None
     for r in rows.values():
         assert r["machine"] and r["date"] and "command" in r and "commit" in r
@@ -50,7 +51,7 @@ def test_curves_dry(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["diffusers-hcms", "ours-bogus", "ours-auto-window=1.2", "theirs-auto",
-                                  "diffusers-ring@sage"])
+                                  "diffusers-ring@sage", "ours-auto@rope=triton", "ours-auto@eager"])
 def test_bad_variant_names(name):
     with pytest.raises(SPConfigError, match="--variants"):
         bench.parse_variant(name)
@@ -63,6 +64,9 @@ def test_variant_grammar_and_sparse_settings():
     w = bench.sparse_settings(bench.parse_variant("ours-hcms-window90")["sparse"], (21, 30, 52), (4, 4, 8))
     assert abs(w["sparsity"] - 0.9) < 0.03 and len(w["window"]) == 3
     assert bench.parse_variant("diffusers-ring@native")["backend"] == "native"
+    assert bench.parse_variant("ours-auto")["rope"] == "fused"
+    assert bench.parse_variant("ours-hcms-window90@rope=eager")["rope"] == "eager"
+    assert bench.parse_variant("ours-hcms-window90@rope=eager")["sparse"] == {"kind": "window", "target": 0.9}
 
 
 def test_bad_variant_flag_is_one_line(capsys):

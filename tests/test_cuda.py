@@ -394,3 +394,42 @@ def test_recompute_family(world, backend):
     layer under outside_core_attn, twice under full. One GPU as a world of one; one rank per GPU over NCCL."""
     assert len(_worker("cuda_recompute", "recompute_family", "recompute", world, backend)) == \
         (6 if world == 1 else 12)
+
+
+def test_wan_rope_fused_bitwise():
+    """megatron_sp_ext.diffusers.rope's fused Wan RoPE (one triton kernel per direction) against diffusers' eager
+    ops (rope.wan_rotary_eager) on this GPU: output and input gradient bit for bit, bf16 / fp16 / fp32 inputs with
+    float32 tables (random and Wan's own from WanRotaryPosEmbed), odd lengths, B=2, head dims 128 / 64 / 2, a
+    non-contiguous input (a chunk of a fused QKV projection)."""
+    from megatron_sp_ext.diffusers import rope
+    cases = [((1, 37, 12, 128), "random"), ((2, 1001, 5, 64), "random"), ((1, 3, 1, 2), "random"),
+             ((1, 2 * 6 * 10, 12, 128), "wan")]
+    checked = 0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for (b, s, h, d), tables in cases:
+            g = torch.Generator(device="cuda").manual_seed(s * d + h)
+            if tables == "wan":
+                from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+                pos = WanRotaryPosEmbed(d, (1, 2, 2), 1024).cuda()
+                cos, sin = pos(torch.zeros(1, 16, 2, 12, 20, device="cuda"))   # 2 x 6 x 10 patches
+                assert cos.shape == (1, s, 1, d) and cos.dtype == torch.float32
+            else:
+                cos, sin = (torch.randn(1, s, 1, d, device="cuda", generator=g) for _ in range(2))
+            qkv = torch.randn(b, s, 3 * h * d, device="cuda", generator=g).to(dtype)
+            for x in (qkv[..., : h * d].unflatten(2, (h, d)), torch.randn(b, s, h, d, device="cuda",
+                                                                          generator=g).to(dtype)):
+                assert rope.fused_applies(x, cos, sin) is None, rope.fused_applies(x, cos, sin)
+                grad = torch.randn(b, s, h, d, device="cuda", generator=g).to(dtype)
+                x_ref = x.detach().clone().requires_grad_()
+                x_fused = x.detach().clone().requires_grad_()
+                out_ref = rope.wan_rotary_eager(x_ref, cos, sin)
+                out_fused = rope.wan_rotary(x_fused, cos, sin)
+                out_ref.backward(grad)
+                out_fused.backward(grad)
+                where = f"{dtype} {(b, s, h, d)} {tables} contiguous={x.is_contiguous()}"
+                assert out_fused.dtype == out_ref.dtype and torch.equal(out_fused, out_ref), \
+                    f"{where}: forward differs by {(out_fused.float() - out_ref.float()).abs().max().item()}"
+                assert torch.equal(x_fused.grad, x_ref.grad), \
+                    f"{where}: backward differs by {(x_fused.grad.float() - x_ref.grad.float()).abs().max().item()}"
+                checked += 1
+    assert checked == 24

@@ -223,6 +223,8 @@ def test_bad_input_is_refused_by_name():
         sp = parallelize(model, None, **kw)   # the default, an explicit "auto", config= alone
         assert sp.config.mode == want, (kw, sp.config)
         sp.remove()
+    with pytest.raises(SPConfigError, match=r"parallelize: rope='triton'; valid: 'fused', 'eager'"):
+        parallelize(model, None, rope="triton")
     with pytest.raises(SPConfigError, match=r"dropout_p=0.1: diffusers' WanAttnProcessor"):
         parallelize(model, None, "ulysses", dropout_p=0.1)
     with pytest.raises(SPConfigError, match=r"sparse= must be a SparseAttentionPlan .*lacks .*token_order"):
@@ -318,3 +320,26 @@ def test_training_20_steps_sp2_matches_sp1():
     assert two[0] == two[1]
     assert max(abs(a - b) / abs(b) for a, b in zip(two[0], one)) <= 1e-5, (two[0], one)
     assert one[-1] < one[0]
+
+
+def test_rope_eager_is_diffusers_and_fused_falls_back_off_cuda():
+    """rope="fused" and rope="eager" give the same bits on CPU, and the stock model's output and gradients (float64,
+    1e-10): the fused kernels do not apply off CUDA (rope.fused_applies says why;
+    tests/test_cuda.py::test_wan_rope_fused_bitwise checks the kernels against the eager ops on a GPU)."""
+    from megatron_sp_ext.diffusers import rope
+    x = torch.randn(1, 6, 2, 8)
+    cos, sin = torch.randn(1, 6, 1, 8), torch.randn(1, 6, 1, 8)
+    assert rope.fused_applies(x, cos, sin) in ("triton is not installed", "x is on cpu")
+    assert rope.fused_applies(x, cos.double(), sin) is not None
+    stock, inputs = tiny_wan(), wan_inputs()
+    want_out, want = forward_backward(stock, inputs, None)
+    got = {}
+    for choice in ("fused", "eager"):
+        model = copy.deepcopy(stock)
+        sp = parallelize(model, None, "ulysses", rope=choice)
+        assert all(p.fused_rope is (choice == "fused") for p in sp.processors)
+        got[choice] = forward_backward(model, inputs, None)
+        assert rel_err(got[choice][0], want_out) < 1e-10
+        assert all(rel_err(got[choice][1][k], want[k]) < 1e-10 for k in want), choice
+    assert torch.equal(got["fused"][0], got["eager"][0])
+    assert all(torch.equal(got["fused"][1][k], got["eager"][1][k]) for k in want)

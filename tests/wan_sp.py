@@ -137,7 +137,7 @@ class MaskedReferenceProcessor:
         self.plan, self.layer_index, self.grid_thw = plan, layer_index, tuple(grid_thw)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        from megatron_sp_ext.diffusers.processor import wan_rotary  # noqa: PLC0415 - the same formula as diffusers'
+        from megatron_sp_ext.diffusers.rope import wan_rotary_eager as wan_rotary  # noqa: PLC0415 - the same formula as diffusers'
         if attn.fused_projections:
             q, k, v = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:

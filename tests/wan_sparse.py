@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from megatron_sp_ext.diffusers.processor import wan_rotary
+from megatron_sp_ext.diffusers.rope import wan_rotary_eager as wan_rotary
 from megatron_sp_ext.diffusers.sparse import GATE_NAME, BlockSparsePlan
 from megatron_sp_ext.video_tiles import reference_sparse_attention, tile_order, topk_block_mask, window_block_mask
 

@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_sp_ext import modes  # noqa: E402
 from megatron_sp_ext.config import MODES, SPConfig  # noqa: E402
+from megatron_sp_ext.diffusers.parallelize import ROPE_CHOICES  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from tools.benchlib import init_world, plot_or_skip, run_meta, write_json  # noqa: E402
 from training.video_dit.loop import TorchOps  # noqa: E402
@@ -61,8 +62,8 @@ NO_ACCELERATOR = ("diffusers' context parallelism needs an accelerator: enable_p
 
 
 def parse_variant(name: str) -> dict:
-    """``diffusers-<ulysses|ring>[@backend]`` or ``ours-<mode>[-window90|-topk90|-window=t.h.w|-topk=K]`` -> a dict
-    (impl, mode, backend, sparse). SPConfigError naming --variants otherwise."""
+    """``diffusers-<ulysses|ring>[@backend]`` or ``ours-<mode>[-window90|-topk90|-window=t.h.w|-topk=K][@rope=R]``
+    -> a dict (impl, mode, backend, sparse, rope). SPConfigError naming --variants otherwise."""
     impl, _, rest = name.partition("-")
     if impl == "diffusers":
         mode, _, backend = rest.partition("@")
@@ -71,6 +72,10 @@ def parse_variant(name: str) -> dict:
                                 f"optionally @backend ({', '.join(DIFFUSERS_BACKENDS)})")
         return {"name": name, "impl": impl, "mode": mode, "backend": backend or "auto", "sparse": None}
     if impl == "ours":
+        rest, _, option = rest.partition("@")
+        rope = option.partition("=")[2] if option.startswith("rope=") else None
+        if option and rope not in ROPE_CHOICES:
+            raise SPConfigError(f"--variants {name!r}: ours- variants take @rope=R, R one of {', '.join(ROPE_CHOICES)}")
         mode, _, sparse = rest.partition("-")
         if mode not in MODES:
             raise SPConfigError(f"--variants {name!r}: ours-<mode> takes a mode of {', '.join(MODES)}")
@@ -86,7 +91,7 @@ def parse_variant(name: str) -> dict:
             else:
                 raise SPConfigError(f"--variants {name!r}: a sparse suffix is -window90, -topk90, -window=t.h.w or "
                                     f"-topk=K")
-        return {"name": name, "impl": impl, "mode": mode, "backend": None, "sparse": spec}
+        return {"name": name, "impl": impl, "mode": mode, "backend": None, "sparse": spec, "rope": rope or "fused"}
     raise SPConfigError(f"--variants {name!r}: a variant starts with diffusers- or ours- (e.g. {DEFAULT_VARIANTS})")
 
 
@@ -147,7 +152,8 @@ class Setup:
             plan = make_plan(variant["sparse_settings"]) if variant.get("sparse_settings") else None
             chunks = modes.head_chunks_of(variant["mode"], args.hcms_head_chunks)
             cfg = SPConfig(mode=variant["mode"], head_chunks=chunks, backend=args.sp_attention_backend)
-            self.handle = parallelize(self.model, dist.group.WORLD if world > 1 else None, config=cfg, sparse=plan)
+            self.handle = parallelize(self.model, dist.group.WORLD if world > 1 else None, config=cfg, sparse=plan,
+                                      rope=variant["rope"])
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                      fused=torch.device(device).type == "cuda" or None)
         self.ops = TorchOps(self.model, self.opt, dist.group.WORLD if world > 1 else None, clip=1.0)
@@ -261,8 +267,31 @@ def time_variant(args, variant: dict, world: int, device, grid: tuple, batch: di
                first_loss=float(losses[0].float().item()), last_loss=float(losses[-1].float().item()))
     if variant.get("sparse_settings"):
         row["mfu_note"] = "dense-equivalent: the FLOPs of dense attention over the same step time"
+    if args.profile_steps:
+        row["profile"] = (profile_steps(setup, batch, args.profile_steps, setup.cfg.text_len, args.out,
+                                        variant["name"]) if cuda else {"skipped": "--profile-steps needs CUDA"})
     setup.close()
     return row
+
+
+def profile_steps(setup: "Setup", batch: dict, steps: int, text_len: int, out: str, name: str) -> Optional[dict]:
+    """--profile-steps N: N more steps under torch.profiler (after the timed ones); rank 0's GPU kernel time by
+    category per step (tools/profile_train_step.categorize_trace: attention, GEMM, elementwise, exchange, optimizer,
+    idle) with its top kernels and top non-attention/GEMM operators; the trace itself is deleted (hundreds of MB)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    from tools.profile_train_step import categorize_trace  # noqa: PLC0415
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(steps):
+            setup.step(batch)
+        torch.cuda.synchronize()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    path = f"{os.path.splitext(out)[0]}_{name.replace('@', '_').replace('=', '-')}_trace.json"
+    prof.export_chrome_trace(path)
+    try:
+        return categorize_trace(path, steps, text_len)
+    finally:
+        os.remove(path)
 
 
 def curves(args, variants: list, world: int, device, grid_latent: tuple) -> dict:
@@ -308,6 +337,8 @@ def main(argv: Optional[list] = None) -> dict:
     p.add_argument("--sp-attention-backend", default="auto", help="our local attention kernel")
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant (after --warmup)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=0, help="N: after timing, N steps of each variant under "
+                   "torch.profiler, rank 0's kernel time by category in the row's 'profile' (CUDA only)")
     p.add_argument("--curves", type=int, default=0, help="N: loss curves of ours-auto and diffusers' CP instead")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=1234)

@@ -7,7 +7,8 @@
 # stages: first fa4 sp2 curves checks suite kernels kernels2 kernels75 steps32 steps480 steps75 steps13 profiles
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
-# full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b.
+# full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
+# r8c65 r8c67 (2026-11-27 evening).
 # A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
@@ -495,6 +496,33 @@ stage_r7e() {   # call 5: 50-step bf16 loss curves (ours-auto vs diffusers' best
     --context-parallel-size 2
   keep r7e/sparse_sync 120 torchrun --nproc-per-node 2 tools/profile_sparse_sync.py --out $W/r7e/sparse_sync.json \
     --model wan-14b --num-layers 2 --frames 21 --latent-size 60x104 --sparsity 0.9 --bf16 --steps 10
+}
+# 2026-11-27 evening (issues #65 #67 #69 #70) on 4 GPUs: call 1 (part.aa, no FA4): r8a65@0,1 r8a67@2,3 r8a4 |
+#   call 2 (part.ab): peaks2@0,1 <#70 stages>@2,3 | call 3 (part.ac, FA4): r8c65@0,1 r8c67@2,3 | call 4: full40.
+stage_r8a65() {   # call 1, 2 GPUs: the round's new path (the fused Wan RoPE, bit for bit diffusers' ops) and the
+  # diffusers families over NCCL with it (cuDNN: no FA4 yet), ~5 min
+  suite r8a/rope 120 "test_wan_rope_fused_bitwise"
+  suite r8a/diffusers 200 "test_diffusers_family and 2-nccl"
+  suite r8a/diffusers_sparse 150 "test_diffusers_sparse_family and 2-nccl"
+}
+stage_r8a67() {   # call 1, 2 GPUs: #67's FSDP2 families over NCCL at P=2 and the recompute family, ~5 min
+  suite r8a/fsdp2_p2 200 "nccl and (fsdp2_model or fsdp2_entry)"
+  suite r8a/recompute 150 "recompute_family"
+}
+stage_r8a4() {   # call 1, 4 GPUs: the P=4 rows over NCCL (diffusers' Wan, FSDP2, recompute), ~3 min
+  suite r8a4/diffusers 150 "test_diffusers_family and 4-nccl"
+  suite r8a4/fsdp2 100 "test_fsdp2_model_vs_unsharded and 4-nccl"
+  suite r8a4/recompute 100 "test_recompute_family and 4-nccl"
+}
+stage_r8c65() {   # call 3 (FA4), 2 GPUs: the diffusers family on FA4 over NCCL, then ONE job at 720p: diffusers' own
+  # Ulysses beside ours-auto with the fused RoPE and with diffusers' RoPE ops, each timed then profiled 2 steps
+  # (kernel time by category), ~7 min
+  suite r8c/diffusers 150 "test_diffusers_family and 2-nccl"
+  keep r8c/720p 400 $WAN_BENCH --grid 720p --variants diffusers-ulysses,ours-auto,ours-auto@rope=eager --steps 4 \
+    --warmup 2 --profile-steps 2 --out $W/r8c/720p_side_by_side.json
+}
+stage_r8c67() {   # call 3 (FA4), 2 GPUs: #67's selective vs full recompute, one job (stage recompute2), ~5 min
+  RECOMPUTE2_S=480 stage_recompute2
 }
 run_stage() {   # run_stage STAGE[+STAGE...] [GPU[,GPU]]: the stages one after the other (on those GPUs); one summary
   # and one tarball per call of run_stage (the device returns 8 files: 4 stages at once at most), named with '_'

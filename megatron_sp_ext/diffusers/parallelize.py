@@ -154,17 +154,26 @@ def _check_sparse(sparse: Any) -> None:
                             f"detach, __call__); {type(sparse).__name__} lacks {', '.join(missing)}")
 
 
+ROPE_CHOICES = ("fused", "eager")   # parallelize's rope=: rope.py's kernels where they apply, or diffusers' ops
+
+
 def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None, mode: Optional[str] = None, *,
-                config: Optional[SPConfig] = None, sparse: Any = None, **settings: Any) -> SPHandle:
+                config: Optional[SPConfig] = None, sparse: Any = None, rope: str = "fused",
+                **settings: Any) -> SPHandle:
     """Shard ``model`` (a diffusers WanTransformer3DModel or WanVACETransformer3DModel) over the SP ``group`` and
     run every self-attention through ``make_attention``; returns the ``SPHandle``.
 
     group: the SP process group (None or one rank: no sharding, the same code path). mode / settings: SPConfig's
     fields (mode, head_chunks, backend, ring_variant, placement, ulysses_size, nodes, transport; mode None: the
-    registry's automatic choice, ``DEFAULT_MODE``), or config= a ready SPConfig (then no mode and no settings). sparse: a SparseAttentionPlan (token order, block mask per layer, optional extra branch) or None.
+    registry's automatic choice, ``DEFAULT_MODE``), or config= a ready SPConfig (then no mode and no settings).
+    sparse: a SparseAttentionPlan (token order, block mask per layer, optional extra branch) or None. rope: "fused"
+    (Wan's RoPE as one kernel per direction on CUDA where it applies, bit for bit diffusers' ops: rope.py) or
+    "eager" (diffusers' ops).
     Every rank passes the same full inputs and gets the same full output; parameter gradients must be all-reduced
     (SUM) over ``group`` (module docstring). Raises SPConfigError naming the keyword or the model's part."""
     _check_model(model)
+    if rope not in ROPE_CHOICES:
+        raise SPConfigError(f"parallelize: rope={rope!r}; valid: {', '.join(map(repr, ROPE_CHOICES))}")
     cfg = _config(mode, config, settings)
     sp_size = dist.get_world_size(group) if group is not None else 1
     sp_group = group if sp_size > 1 else None
@@ -192,7 +201,7 @@ def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = Non
         sparse.attach(model)
     attentions, processors = [], []
     for i, (where, attn) in enumerate(self_attentions(model)):
-        proc = SPWanSelfAttnProcessor(attention, state, i, attn.processor, where)
+        proc = SPWanSelfAttnProcessor(attention, state, i, attn.processor, where, fused_rope=rope == "fused")
         attn.set_processor(proc)
         attentions.append(attn)
         processors.append(proc)

@@ -5,7 +5,7 @@
 
 Per call on this rank's shard hidden_states [B, S_loc, C]: q, k, v from ``to_q/to_k/to_v`` (or the fused
 ``to_qkv``), ``norm_q`` / ``norm_k``, unflattened to [B, S_loc, H, D], Wan's RoPE on the sharded (cos, sin)
-[1, S_loc, 1, D]; then, with a SparseAttentionPlan, ``mask, extra = plan(layer_index, q, k, v, grid_thw, group)``
+[1, S_loc, 1, D] (rope.py: one fused kernel per direction on CUDA, bit for bit diffusers' ops); then, with a SparseAttentionPlan, ``mask, extra = plan(layer_index, q, k, v, grid_thw, group)``
 (a plan whose ``masks_agreed`` is True builds every mask identically on every rank: it is recorded as agreed in the
 attention's ``MaskChecks``, not compared across ranks; otherwise each distinct mask is compared once);
 ``out = attention(q, k, v, causal=False, block_mask=mask, block_size=plan.block_size)`` (+ extra), flattened,
@@ -21,28 +21,20 @@ from ..errors import SPConfigError
 from ..sp.factory import SPAttention
 from .hooks import SequenceState
 from .local import OneRankAttention
-
-
-def wan_rotary(x_bshd: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    """Wan's RoPE (diffusers' WanAttnProcessor): x [B, S, H, D], cos/sin [1, S, 1, D] (pairs interleaved)."""
-    x1, x2 = x_bshd.unflatten(-1, (-1, 2)).unbind(-1)
-    cos = freqs_cos[..., 0::2]
-    sin = freqs_sin[..., 1::2]
-    out = torch.empty_like(x_bshd)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x_bshd)
+from .rope import wan_rotary
 
 
 class SPWanSelfAttnProcessor:
     """One block's self-attention through ``attention`` (an SPAttention, layout "bshd") over ``state.group``.
 
     layer_index: the block's index (the SparseAttentionPlan's layer); original: the processor it replaced
-    (``SPHandle.remove`` puts it back); where: the module's name (errors)."""
+    (``SPHandle.remove`` puts it back); where: the module's name (errors); fused_rope: Wan's RoPE as one kernel per
+    direction where it applies (rope.py; the same bits as diffusers' ops), else diffusers' ops."""
 
     def __init__(self, attention: "SPAttention | OneRankAttention", state: SequenceState, layer_index: int,
-                 original: object, where: str = "") -> None:
+                 original: object, where: str = "", fused_rope: bool = True) -> None:
         self.attention, self.state, self.layer_index, self.original = attention, state, layer_index, original
+        self.fused_rope = fused_rope
         self.where = where or f"blocks.{layer_index}.attn1"
 
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
@@ -64,8 +56,8 @@ class SPWanSelfAttnProcessor:
         q, k = attn.norm_q(q), attn.norm_k(k)
         q_bshd, k_bshd, v_bshd = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
         if rotary_emb is not None:
-            q_bshd = wan_rotary(q_bshd, *rotary_emb)
-            k_bshd = wan_rotary(k_bshd, *rotary_emb)
+            q_bshd = wan_rotary(q_bshd, *rotary_emb, fused=self.fused_rope)
+            k_bshd = wan_rotary(k_bshd, *rotary_emb, fused=self.fused_rope)
         plan, extra, block = self.state.sparse, None, {}
         if plan is not None:   # the grid of the forward that made rotary_emb (a checkpoint recompute: not the latest)
             ctx = self.state.context_of(rotary_emb[:1] if rotary_emb is not None else ())
