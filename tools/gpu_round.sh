@@ -497,7 +497,7 @@ stage_r7e() {   # call 5: 50-step bf16 loss curves (ours-auto vs diffusers' best
   keep r7e/sparse_sync 120 torchrun --nproc-per-node 2 tools/profile_sparse_sync.py --out $W/r7e/sparse_sync.json \
     --model wan-14b --num-layers 2 --frames 21 --latent-size 60x104 --sparsity 0.9 --bf16 --steps 10
 }
-# 2026-11-27 evening (issues #65 #67 #69 #70) on 4 GPUs: call 1 (part.aa, no FA4): r8a65@0,1 r8a67@2,3 r8a4 |
+$|
 #   call 2 (part.ab): peaks2@0,1 <#70 stages>@2,3 | call 3 (part.ac, FA4): r8c65@0,1 r8c67@2,3 | call 4: full40.
 stage_r8a65() {   # call 1, 2 GPUs: the round's new path (the fused Wan RoPE, bit for bit diffusers' ops) and the
   # diffusers families over NCCL with it (cuDNN: no FA4 yet), ~5 min
@@ -506,7 +506,7 @@ stage_r8a65() {   # call 1, 2 GPUs: the round's new path (the fused Wan RoPE, bi
   suite r8a/diffusers_sparse 150 "test_diffusers_sparse_family and 2-nccl"
 }
 stage_r8a67() {   # call 1, 2 GPUs: #67's FSDP2 families over NCCL at P=2 and the recompute family, ~5 min
-  suite r8a/fsdp2_p2 200 "nccl and (fsdp2_model or fsdp2_entry)"
+  suite r8a/fsdp2_p2 200 "(fsdp2_model and 2-nccl) or fsdp2_entry"
   suite r8a/recompute 150 "recompute_family"
 }
 stage_r8a4() {   # call 1, 4 GPUs: the P=4 rows over NCCL (diffusers' Wan, FSDP2, recompute), ~3 min
