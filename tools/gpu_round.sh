@@ -497,8 +497,8 @@ stage_r7e() {   # call 5: 50-step bf16 loss curves (ours-auto vs diffusers' best
   keep r7e/sparse_sync 120 torchrun --nproc-per-node 2 tools/profile_sparse_sync.py --out $W/r7e/sparse_sync.json \
     --model wan-14b --num-layers 2 --frames 21 --latent-size 60x104 --sparsity 0.9 --bf16 --steps 10
 }
-$|
-#   call 2 (part.ab): peaks2@0,1 <#70 stages>@2,3 | call 3 (part.ac, FA4): r8c65@0,1 r8c67@2,3 | call 4: full40.
+# 2026-11-27 evening (issues #65 #67 #69 #70) on 4 GPUs: call 1 (part.aa, no FA4): r8a65@0,1 r8a67@2,3 | call 2
+#   (part.ab): r8a4, then peaks2@0,1 <#70 stages>@2,3 | call 3 (part.ac, FA4): r8c65@0,1 r8c67@2,3 | call 4: full40.
 stage_r8a65() {   # call 1, 2 GPUs: the round's new path (the fused Wan RoPE, bit for bit diffusers' ops) and the
   # diffusers families over NCCL with it (cuDNN: no FA4 yet), ~5 min
   suite r8a/rope 120 "test_wan_rope_fused_bitwise"
