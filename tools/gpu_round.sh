@@ -8,7 +8,7 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 (2026-11-27 evening).
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening).
 # A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
@@ -498,7 +498,8 @@ stage_r7e() {   # call 5: 50-step bf16 loss curves (ours-auto vs diffusers' best
     --model wan-14b --num-layers 2 --frames 21 --latent-size 60x104 --sparsity 0.9 --bf16 --steps 10
 }
 # 2026-11-27 evening (issues #65 #67 #69 #70) on 4 GPUs: call 1 (part.aa, no FA4): r8a65@0,1 r8a67@2,3 | call 2
-#   (part.ab): r8a4, then peaks2@0,1 <#70 stages>@2,3 | call 3 (part.ac, FA4): r8c65@0,1 r8c67@2,3 | call 4: full40.
+#   (part.ab): r8a4, then peaks2@0,1 <#70 stages>@2,3 | call 3 (part.ac, FA4): r8c65@0,1 r8c67@2,3 | call 4:
+#   full40_32k_sp4 (4 x H200), or r8d69a@0 r8d69b@1 r8d66@2,3.
 stage_r8a65() {   # call 1, 2 GPUs: the round's new path (the fused Wan RoPE, bit for bit diffusers' ops) and the
   # diffusers families over NCCL with it (cuDNN: no FA4 yet), ~5 min
   suite r8a/rope 120 "test_wan_rope_fused_bitwise"
@@ -523,6 +524,22 @@ stage_r8c65() {   # call 3 (FA4), 2 GPUs: the diffusers family on FA4 over NCCL,
 }
 stage_r8c67() {   # call 3 (FA4), 2 GPUs: #67's selective vs full recompute, one job (stage recompute2), ~5 min
   RECOMPUTE2_S=480 stage_recompute2
+}
+stage_r8d69a() {   # call 4 (FA4 + cuDNN frontend), 1 GPU: cuDNN's block-sparse kernel checked against fp32 math on
+  # this machine (exit 1 on a wrong case), with its first timing; then its CUDA family at P=2 on this GPU, ~4 min
+  keep r8d/cudnn_check 200 python3 tools/check_cudnn_block_sparse.py --out $W/r8d/cudnn_check
+  suite r8d/cudnn_bs 200 "test_cudnn_block_sparse_family and 2-gloo"
+}
+stage_r8d69b() {   # call 4, 1 GPU: #69's kernel table rows (H=40 and 5, S 32K / 75K, 90%, random / top-k / window, 64-
+  # and 128-token tiles): cuDNN's block sparsity beside FA4's and dense FA4 / cuDNN, as far as the call allows
+  local left=$(( DEADLINE - $(date +%s) - 60 ))
+  keep r8d/table $(( left + 40 )) python3 tools/bench_block_sparse.py --table --table-kernels cudnn_block_sparse,fa4 \
+    --table-seqlens 32768,75776 --table-sparsities 0.9 --budget-s $left --out $W/r8d/table
+}
+stage_r8d66() {   # call 4, 2 GPUs: #66's profile of the sparse DiT step at SP=2 (host syncs, the mask check's
+  # collectives per step), ~2 min
+  keep r8d/sparse_sync 200 torchrun --nproc-per-node 2 tools/profile_sparse_sync.py --out $W/r8d/sparse_sync.json \
+    --model wan-14b --num-layers 2 --frames 21 --latent-size 60x104 --sparsity 0.9 --bf16 --steps 10
 }
 run_stage() {   # run_stage STAGE[+STAGE...] [GPU[,GPU]]: the stages one after the other (on those GPUs); one summary
   # and one tarball per call of run_stage (the device returns 8 files: 4 stages at once at most), named with '_'
