@@ -394,3 +394,13 @@ def test_recompute_family(world, backend):
     layer under outside_core_attn, twice under full. One GPU as a world of one; one rank per GPU over NCCL."""
     assert len(_worker("cuda_recompute", "recompute_family", "recompute", world, backend)) == \
         (6 if world == 1 else 12)
+
+
+@pytest.mark.parametrize("world,backend", [wb for wb in _layouts() if wb[1] == "nccl"])
+def test_transport_family(world, backend):
+    """#70 item 5: the copy-engine transports (symm_mem, copy_engine) in Ulysses / HCMS against float64 and bit for
+    bit against NCCL (dq within NCCL's own run-to-run noise), the async block through them, and the all-gather
+    block on torch's fused symm_mem matmuls against float64 (tests/cuda_transport.py). One rank per GPU over NCCL
+    only: these paths need an NCCL group (over gloo every record would be refused)."""
+    got = _worker("cuda_transport", "transport_family", "transport", world, backend)
+    assert len(got) == 34  # per transport 4 shapes x 3 records + the async block; 8 fused all-gather cases
