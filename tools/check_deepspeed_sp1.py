@@ -126,7 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--cpu", action="store_true", help="CPU ranks (gloo, DS_ACCELERATOR=cpu): a smoke run")
-    p.add_argument("--port", type=int, default=29541)
+    p.add_argument("--port", type=int, default=int(os.environ.get("PET_MASTER_PORT", "29541")),
+                   help="torchrun's --master-port (default: $PET_MASTER_PORT, which tools/gpu_round.sh sets per GPU "
+                        "group, else 29541)")
     p.add_argument("--timeout", type=int, default=300, help="per run, seconds")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
