@@ -33,7 +33,7 @@ PLANS = {"window": dict(window=(0, 1, 0)), "topk": dict(topk=3)}
 
 
 def _modes(world: int) -> list:
-    modes = [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {})]
+    modes = [("ulysses", {}), ("hcms", {"head_chunks": cuda_diffusers.hcms_chunks(world)}), ("ring", {})]
     return modes + ([("usp", {"ulysses_size": 2, "nodes": 2})] if world == 4 else [])
 
 

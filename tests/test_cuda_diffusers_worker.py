@@ -44,3 +44,15 @@ def test_diffusers_worker_fails_without_the_inverse_order(on_cpu, monkeypatch):
     merged = merge_ranks(run_ranks(_two_cases, 2, timeout=300))
     assert [m["ok"] for m in merged] == [False, True], [(m["case"], m["errs"]) for m in merged]
     assert "sparse" in merged[0]["case"] and merged[0]["errs"]["output"] > 0.1, merged[0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_mode_of_both_families_is_valid_at_p(world):
+    """Every (mode, settings) of the diffusers families at P=world passes SPConfig's check for the 4-head test model
+    (the P=4 family once asked HCMS for 2 chunks of 1 head a rank and was refused on the GPU, 2026-11-27)."""
+    from megatron_sp_ext import SPConfig
+    from tests import cuda_diffusers_sparse
+    from tests.wan_sp import TINY
+    for module in (cuda_diffusers, cuda_diffusers_sparse):
+        for mode, settings in module._modes(world):
+            SPConfig(mode=mode, **settings).validate_world(world, num_heads=TINY["num_attention_heads"])

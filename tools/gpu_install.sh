@@ -6,7 +6,13 @@
 # package folder that two wheels share, e.g. nvidia_cutlass_dsl/). Exports PYTHONPATH with /tmp/site (and FA4's
 # CuTe DSL packages, which pip --target leaves off the path).
 mkdir -p /tmp/spx_parts /tmp/site
-if [ -d .fa4 ]; then cp -f .fa4/part.* .fa4/manifest /tmp/spx_parts/ 2>/dev/null; fi
+# One installer at a time: stages run side by side (gpu_round.sh STAGE@GPU) each source this file; on 2026-11-27 two
+# of them copied the manifest at once and one read it empty ("parts do not match"), so that stage's suite never ran.
+exec 8>/tmp/spx_install.lock && flock -w 900 8 || { echo "gpu_install: another install held the lock 900 s"; return 1; }
+if [ -d .fa4 ]; then
+  for f in .fa4/part.* .fa4/manifest; do [ -f "$f" ] && cp -f "$f" "/tmp/spx_parts/.$(basename "$f").tmp" && \
+    mv -f "/tmp/spx_parts/.$(basename "$f").tmp" "/tmp/spx_parts/$(basename "$f")"; done
+fi
 SPX_LATE='flash_attn|quack|cutlass|tvm_ffi|dlpack'   # FA4 and its DSL: installed only once every part is there
 spx_install_whole() {   # $1: a tar stream's file (maybe cut short); $2: "early" leaves SPX_LATE's wheels out
   rm -rf /tmp/spx_wheels && mkdir -p /tmp/spx_wheels
@@ -26,6 +32,7 @@ spx_install_whole() {   # $1: a tar stream's file (maybe cut short); $2: "early"
 }
 if [ ! -f /tmp/site/.spx_installed ] && [ -f /tmp/spx_parts/manifest ]; then
   parts=$(tail -n +2 /tmp/spx_parts/manifest)
+  [ -n "$parts" ] || { echo "gpu_install: /tmp/spx_parts/manifest lists no parts"; flock -u 8; return 1; }
   missing=$(for p in $parts; do [ -f "/tmp/spx_parts/$p" ] || echo -n "$p "; done)
   if [ -n "$missing" ]; then
     have=""; for p in $parts; do [ -f "/tmp/spx_parts/$p" ] || break; have="$have /tmp/spx_parts/$p"; done
@@ -35,7 +42,7 @@ if [ ! -f /tmp/site/.spx_installed ] && [ -f /tmp/spx_parts/manifest ]; then
     want=$(head -1 /tmp/spx_parts/manifest | cut -d' ' -f2)
     (cd /tmp/spx_parts && cat $parts > /tmp/spx_wheels.tar)
     if [ "$(sha256sum /tmp/spx_wheels.tar | cut -d' ' -f1)" != "$want" ]; then
-      echo "gpu_install: the joined parts do not match the manifest's sha256"; return 1
+      echo "gpu_install: the joined parts do not match the manifest's sha256"; flock -u 8; return 1
     fi
     rm -rf /tmp/site && mkdir -p /tmp/site && spx_install_whole /tmp/spx_wheels.tar && touch /tmp/site/.spx_installed
   fi
@@ -48,7 +55,7 @@ spx_ds=(); for w in /tmp/spx_ds/*.whl; do
   [ -f "$w" ] && ! grep -qxF "$(basename "$w")" /tmp/site/.spx_wheels 2>/dev/null && spx_ds+=("$w"); done
 if [ ${#spx_ds[@]} -gt 0 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "${spx_ds[@]}" || return 1
+    "${spx_ds[@]}" || { flock -u 8; return 1; }
   for w in "${spx_ds[@]}"; do basename "$w" >> /tmp/site/.spx_wheels; done
   echo "gpu_install: installed ${#spx_ds[@]} DeepSpeed wheels (.ds): $(PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
     python3 -c 'import deepspeed; print("deepspeed", deepspeed.__version__, "imports")' 2>&1 | tail -n 1)"
@@ -57,6 +64,7 @@ unset spx_ds
 # The image's huggingface_hub (1.33 on 2026-11-27) serves diffusers 0.42 (>= 1.32); a carried 2.x needs truststore,
 # which the image lacks (diffusers' import then fails and its families skip): the image's copy is kept.
 rm -rf /tmp/site/huggingface_hub /tmp/site/huggingface_hub-*.dist-info
+flock -u 8; exec 8>&-
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 if [ -f /tmp/site/.spx_installed ]; then
   python3 -c "import flash_attn.cute" 2>/dev/null && export SPX_REQUIRE_FA4=1
