@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--lr", default="1e-3", help="constant; 1e-3 makes the tiny GPT's loss fall ~70%% in 10 iterations "
-                    "(3e-3 oscillates: tools/results/2026-11-23_h100_megatron_lm_cp1)")
+                    "(3e-3 oscillates: results/2026-11-23_h100_megatron_lm_cp1)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)

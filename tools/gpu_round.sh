@@ -30,8 +30,8 @@
 # A session on ONE GPU (nvidia-h200 / nvidia-h100-x1; a one-chip machine goes back after 30 min held), in order:
 #   machine 1: first (part.aa) | fa4 (part.ab) | dyncheck steps75 | steps480 kernels2
 #   machine 2: suite with SUITE_K = the families that need no FA4 (part.aa) | fa4 family, curves (part.ab)
-# (2026-11-25/26 on one H200: tools/results/2026-11-26_h200_sparse_dynamic/README.md; 2026-11-26 morning:
-# tools/results/2026-11-26_h200_fa4family_sparse_cudnn/README.md). Left for the next one, first machine's part.aa
+# (2026-11-25/26 on one H200: results/2026-11-26_h200_sparse_dynamic/README.md; 2026-11-26 morning:
+# results/2026-11-26_h200_fa4family_sparse_cudnn/README.md). Left for the next one, first machine's part.aa
 # call: cudnn_layout (the dO-layout hook; the cuDNN families of the suite); then steps75 on the current code, curves
 # with a stable run (--lr 2e-4), the kernel table (tools/bench_block_sparse.py), sp2 on two GPUs.
 # On 2 GPUs: first | fa4 | steps32@0 profiles@1 | steps75@0 curves@1 | sp2, steps13, kernels2.
@@ -331,7 +331,7 @@ stage_table_rest() {   # the kernel table's rows left on 2026-11-26 (flex at 128
   # from that table's JSON in the tree; dense floors timed again on this machine (--retime-dense) so every ratio is
   # against a dense row of this GPU
   mkdir -p $W/kernels/table_rest
-  cp tools/results/2026-11-26_h200x4_table_steps_cudnn/call3/kernels/table_all/bench_block_sparse.json \
+  cp results/2026-11-26_h200x4_table_steps_cudnn/call3/kernels/table_all/bench_block_sparse.json \
     $W/kernels/table_rest/
   local left=$(( DEADLINE - $(date +%s) - 90 ))
   keep kernels/table_rest $(( left + 60 )) python3 tools/bench_block_sparse.py --table --table-kernels flex --resume \

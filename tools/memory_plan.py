@@ -32,7 +32,7 @@ Model (bf16 autocast over fp32 weights, AdamW): parameters 4 B/param, gradients 
   Before 2026-11-27 the plan counted every gradient shard, two blocks unsharded at 6 B/param and no optimizer
   phase: +23% on the one 2-rank FSDP2 peak (23.0 GiB measured, plan 28.2), +7% at one rank.
   activations: c x dim bytes per local token per layer, c the one constant FITTED to the measured peaks marked
-  "fit" (tools/results/memory_peaks/peaks.json; least squares of the relative error; all of them without
+  "fit" (results/memory_peaks/peaks.json; least squares of the relative error; all of them without
   recompute, megatron DDP). What a block keeps between its forward and its backward, per local token:
     full: its input, the bf16 residual stream (2 x dim B);
     selective: its input (2 x dim), the attention core's saved q, k, v and output (8 x dim, bf16) and log-sum-exp
@@ -62,7 +62,8 @@ H200_USABLE_GIB = 139.0
 MAX_VALIDATION_ERROR = 0.10
 SHARDINGS = ("none", "distributed-optimizer", "fsdp", "zero3")
 RECOMPUTES = ("none", "full", "selective")
-PEAKS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory_peaks", "peaks.json")
+PEAKS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "memory_peaks",
+                          "peaks.json")
 POINT_KEYS = ("model", "layers", "tokens", "sp", "gpus", "sharding", "recompute")
 # bytes per local token per layer a block keeps between forward and backward, in units of dim (bf16 tensors)
 KEEP_FULL = 2          # the block's input

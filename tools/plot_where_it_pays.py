@@ -1,7 +1,7 @@
 """The README's plot: forward+backward time of each mode relative to our plain Ulysses, per sequence length,
 from committed raw results (default: the interleaved P=4 grid on 4 x H200, NVSwitch, 2026-11-21).
 
-    python tools/plot_where_it_pays.py tools/results/2026-11-21_h200x4/hcms_p4_interleaved.json \
+    python tools/plot_where_it_pays.py results/2026-11-21_h200x4/hcms_p4_interleaved.json \
         --out docs/where_it_pays.png
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="?", default="tools/results/2026-11-21_h200x4/hcms_p4_interleaved.json")
+    ap.add_argument("results", nargs="?", default="results/2026-11-21_h200x4/hcms_p4_interleaved.json")
     ap.add_argument("--out", default="docs/where_it_pays.png")
     args = ap.parse_args(argv)
     import matplotlib
