@@ -407,7 +407,7 @@ full40() {   # full40 NAME TOKENS SP RECOMPUTE...: wan-14b at full depth (40 blo
     --model wan-14b --bf16 --use-torch-fsdp2 --context-parallel-size $sp --frames 21 --latent-size $size \
     --train-iters ${ITERS40:-20} --timing-bare-steps 2 "$@"
 }
-# Per GPU by tools/memory_plan.py (FSDP2 over 4, 2026-11-27): the optimizer step alone is 96.3 GiB (fp32 params,
+# Per GPU by training/video_dit/memory_plan.py (FSDP2 over 4, 2026-11-27): the optimizer step alone is 96.3 GiB (fp32 params,
 # grads, Adam and foreach AdamW's temporary: 20.5B parameters), so none of these fits 4 x H100 (78 GiB): 4 x H200.
 # 32,760: SP=2 selective 102.5, SP=4 selective 96.3 | 75,600: SP=4 selective 109.0, SP=2 selective 157.7 (no):
 # full 96.3 or selective + --cpu-offloading 99.8. Time (5.0e15 / 2.0e16 model FLOPs a step at 32,760 / 75,600 tokens:
