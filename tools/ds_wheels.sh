@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels for tools/check_deepspeed_ulysses.py on a GPU machine with Python 3.12 and torch, no registry:
+# Wheels for tests/gpu/check_deepspeed_ulysses.py on a GPU machine with Python 3.12 and torch, no registry:
 #   bash tools/ds_wheels.sh [dir]            (here, with a registry; default dir: wheels/)
 #   pip install --no-index --find-links wheels/ deepspeed==0.19.8 transformers==5.23.0   (there)
 # deepspeed is an sdist: built here as a py3-none-any wheel; the rest are binary wheels for cp312.

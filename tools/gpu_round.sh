@@ -69,7 +69,7 @@ fa4_disk_cache() {   # FA4's own persistent compile cache (FLASH_ATTENTION_CUTE_
     local ok=1 i t0
     for i in 1 2; do
       t0=$(date +%s)
-      FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 timeout 240 python3 tools/check_fa4_tiles.py --skip-timing \
+      FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 timeout 240 python3 tests/gpu/check_fa4_tiles.py --skip-timing \
         --cases 2,19 --out /tmp/spx_fa4_cache_probe$i > /tmp/spx_fa4_cache_probe$i.log 2>&1 || ok=0
       echo "fa4 disk cache probe $i: $(tail -n 1 /tmp/spx_fa4_cache_probe$i.log), $(( $(date +%s) - t0 )) s"
     done
@@ -111,8 +111,8 @@ stage_fa4() {   # second call (FA4 installed): its block sparsity checked per ke
   # step benchmarks time, on this machine), then check_fa4_tiles with the time left
   mkdir -p $W/fa4
   if [ "$(ngpu)" -ge 2 ]; then
-    { CUDA_VISIBLE_DEVICES=1 keep fa4/checks 240 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
-      CUDA_VISIBLE_DEVICES=1 keep fa4/layouts 200 python3 tools/check_fa4_layouts.py --out $W/fa4; } &
+    { CUDA_VISIBLE_DEVICES=1 keep fa4/checks 240 python3 tests/gpu/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
+      CUDA_VISIBLE_DEVICES=1 keep fa4/layouts 200 python3 tests/gpu/check_fa4_layouts.py --out $W/fa4; } &
     local bg=$!
     suite fa4/suite 330 "fa4_block_sparse_family and (2-nccl or 4-gloo)"
     suite fa4/suite_dyn 150 "(dit_dynamic or dit_sparse) and 2-nccl"
@@ -120,7 +120,7 @@ stage_fa4() {   # second call (FA4 installed): its block sparsity checked per ke
   else
     suite fa4/suite 330 "fa4_block_sparse_family"
     suite fa4/suite_sparse 220 "dit_sparse and 2-gloo"
-    keep fa4/checks 240 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
+    keep fa4/checks 240 python3 tests/gpu/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
   fi
 }
 stage_sp2() {   # #55 item 4: the step at SP=2 (one rank per GPU), wan-14b 4 layers, 75,600 tokens (full recompute: the
@@ -141,7 +141,7 @@ stage_suite() {   # the CUDA suite: the families the newest code touched
   suite suite ${SUITE_S:-520} "${SUITE_K:-fa4_block_sparse or one_ring or block_sparse_family or ring_family or mesh_family or fa4_family or auto_family or fsdp2 or fused_fp32 or dit_dynamic}"
 }
 stage_checks() {   # a short session's checks: FA4 block sparsity per kernel call, then the CUDA suite's new cases
-  keep checks/tiles 170 python3 tools/check_fa4_tiles.py --skip-timing --out $W/checks
+  keep checks/tiles 170 python3 tests/gpu/check_fa4_tiles.py --skip-timing --out $W/checks
   suite checks/suite 330 "fa4_block_sparse_family or fused_regions_fp32 or fsdp2_model or one_ring_family"
 }
 stage_kernels() {  # the kernel table (#53): FA4 block-sparse / flex / math beside dense FA4 and cuDNN, H=40
@@ -158,7 +158,7 @@ stage_kernels2() {  # the kernel table's H=5 rows (wan-14b's 40 heads over Ulyss
     --out $W/kernels/h5_bs128
 }
 stage_cudnn() {   # which lengths cuDNN's bf16 attention gets right (fwd+bwd vs fp32 math), one process per case
-  keep cudnn_lengths 200 python3 tools/check_cudnn_lengths.py --out $W/cudnn
+  keep cudnn_lengths 200 python3 tests/gpu/check_cudnn_lengths.py --out $W/cudnn
 }
 stage_dyncheck() {   # dynamic SP's DiT family on "auto" (FA4 where installed: the kernel the dynamic bench times),
   # then the emulated P=8 bench on it (#54)
@@ -243,33 +243,33 @@ stage_s3() {   # the DiT's sparse family with the SP=1 replay of SP=P's top-k se
 }
 stage_cudnn_small() {   # cuDNN's bf16 backward on the dit_dynamic pack: the step with its loss scaled up (are small
   # gradients the trigger?), then single calls of the pack's lengths as the DiT lays them out, dO scaled down
-  keep cudnn/dit_scale 200 python3 tools/check_cudnn_dit_scale.py --out $W/cudnn
-  keep cudnn/small_do 200 python3 tools/check_cudnn_lengths.py --small-do --in-process --out $W/cudnn
+  keep cudnn/dit_scale 200 python3 tests/gpu/check_cudnn_dit_scale.py --out $W/cudnn
+  keep cudnn/small_do 200 python3 tests/gpu/check_cudnn_lengths.py --small-do --in-process --out $W/cudnn
 }
 stage_sdpa_calls() {   # every torch SDPA call of the two failing SP=1 bf16 steps, replayed alone against fp32 math
-  keep cudnn/sdpa_calls 300 python3 tools/check_sdpa_calls.py --out $W/cudnn
+  keep cudnn/sdpa_calls 300 python3 tests/gpu/check_sdpa_calls.py --out $W/cudnn
 }
 stage_cudnn_fix() {   # after the contiguous-input fix (kernels/cudnn.py): the replayed calls, then the dit_dynamic family
   # on cuDNN at P=2 and P=4
-  keep cudnn/sdpa_calls_fixed 200 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/fixed
+  keep cudnn/sdpa_calls_fixed 200 python3 tests/gpu/check_sdpa_calls.py --steps dynamic --out $W/cudnn/fixed
   suite s1/dit_dynamic_cudnn_fixed 240 "dit_dynamic and gloo" SPX_SUITE_KERNEL=cudnn
 }
 stage_cudnn_calls() {   # the dynamic step's bad cuDNN calls: on random data of the same layout here, and on their own
   # data in a fresh process (is it the data or this process's cached graphs?)
-  keep cudnn/sdpa_calls_why 250 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/why
+  keep cudnn/sdpa_calls_why 250 python3 tests/gpu/check_sdpa_calls.py --steps dynamic --out $W/cudnn/why
 }
 stage_cudnn_layout() {   # torch's cuDNN backward graph cache (dO strides baked in, not in the key) as the cause of
   # the packed step's failure (needs no FA4: part.aa): the two-call check with and without the dO-layout hook, the
   # CUDA test, the dynamic step's SDPA calls, then the dit_dynamic family on cuDNN at P=2 and P=4
-  keep cudnn/do_layout 120 python3 tools/check_cudnn_do_layout.py --out $W/cudnn/do_layout
+  keep cudnn/do_layout 120 python3 tests/gpu/check_cudnn_do_layout.py --out $W/cudnn/do_layout
   keep cudnn/test_layouts 90 python3 -m pytest -q tests/test_cudnn_layouts.py
-  keep cudnn/sdpa_calls_layout 150 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/layout
+  keep cudnn/sdpa_calls_layout 150 python3 tests/gpu/check_sdpa_calls.py --steps dynamic --out $W/cudnn/layout
   suite s1/dit_dynamic_cudnn_layout 240 "dit_dynamic and gloo" SPX_SUITE_KERNEL=cudnn
 }
 stage_fa4_dit() {   # FA4's block sparsity at the DiT sparse family's shapes (head dim 64, 8 heads, top-k 3 of 8), then
   # the SP=1 sparse step's SDPA calls and error on FA4, then the family at P=2
-  keep checks/fa4_dit 200 python3 tools/check_fa4_tiles.py --skip-timing --dit --out $W/checks/dit
-  keep cudnn/sdpa_calls_sparse 100 python3 tools/check_sdpa_calls.py --steps sparse --out $W/cudnn/sparse
+  keep checks/fa4_dit 200 python3 tests/gpu/check_fa4_tiles.py --skip-timing --dit --out $W/checks/dit
+  keep cudnn/sdpa_calls_sparse 100 python3 tests/gpu/check_sdpa_calls.py --steps sparse --out $W/cudnn/sparse
   suite s3/dit_sparse_p2 ${S3_S:-220} "dit_sparse and 2-gloo" SPX_DIT_SPARSE_DIAG=1
 }
 stage_sparse_diag() {   # the DiT's sparse family at P=2 with the replay diagnosis (SPX_DIT_SPARSE_DIAG=1)
@@ -305,9 +305,9 @@ stage_profiles2() {   # the topk90 step's profile beside the dense one only
 
 stage_c1_cudnn() {   # 2026-11-26 second session, call 1 (part.aa, no FA4), GPU 0: the cuDNN dO-layout fix's checks
   # (torch's cuDNN backward graph cache: dO's strides baked in, not in the key), then the FSDP2 entry case
-  keep cudnn/do_layout 120 python3 tools/check_cudnn_do_layout.py --out $W/cudnn/do_layout
+  keep cudnn/do_layout 120 python3 tests/gpu/check_cudnn_do_layout.py --out $W/cudnn/do_layout
   keep cudnn/test_layouts 90 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_layouts.py
-  keep cudnn/sdpa_calls_layout 150 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/layout
+  keep cudnn/sdpa_calls_layout 150 python3 tests/gpu/check_sdpa_calls.py --steps dynamic --out $W/cudnn/layout
   suite c1/fsdp2_entry 100 "fsdp2_entry or fused_regions_fp32"
 }
 stage_c1_dyn() {   # call 1, GPU 1: the DiT families on cuDNN (the packed step that failed before the fix), P=2 and 4
@@ -446,7 +446,7 @@ stage_resume40b() {   # call 2: resume from that checkpoint to step 8 and compar
   local ck; ck=$(cat /tmp/spx_ck40_dir 2>/dev/null) || { echo "[resume40b: run resume40a first]"; return 0; }
   keep resume40/resumed 400 torchrun --nproc-per-node 4 training/pretrain_video_dit.py "${R40[@]}" --train-iters 8 \
     --load "$ck" --log-dir $W/resume40/resumed
-  keep resume40/check 30 python3 tools/check_resume.py --straight $W/resume40/straight --resumed \
+  keep resume40/check 30 python3 tests/gpu/check_resume.py --straight $W/resume40/straight --resumed \
     $W/resume40/resumed --first $W/resume40/first --out $W/resume40/check_resume.json
   rm -rf "$ck"
 }
@@ -527,7 +527,7 @@ stage_r8c67() {   # call 3 (FA4), 2 GPUs: #67's selective vs full recompute, one
 }
 stage_r8d69a() {   # call 4 (FA4 + cuDNN frontend), 1 GPU: cuDNN's block-sparse kernel checked against fp32 math on
   # this machine (exit 1 on a wrong case), with its first timing; then its CUDA family at P=2 on this GPU, ~4 min
-  keep r8d/cudnn_check 200 python3 tools/check_cudnn_block_sparse.py --out $W/r8d/cudnn_check
+  keep r8d/cudnn_check 200 python3 tests/gpu/check_cudnn_block_sparse.py --out $W/r8d/cudnn_check
   suite r8d/cudnn_bs 200 "test_cudnn_block_sparse_family and 2-gloo"
 }
 stage_r8d69b() {   # call 4, 1 GPU: #69's kernel table rows (H=40 and 5, S 32K / 75K, 90%, random / top-k / window, 64-

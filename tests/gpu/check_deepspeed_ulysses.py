@@ -9,7 +9,7 @@ run (max relative difference; pass: < 1% at every iteration and the loss falls >
 Writes <out>/deepspeed_ulysses.json (versions, date, commands, per-iteration values) and .md.
 
 Needs >= 2 GPUs, deepspeed and transformers (carried as wheels, see docs/deepspeed.md):
-    python tools/check_deepspeed_ulysses.py --nproc 2 --out results/<date>_deepspeed
+    python tests/gpu/check_deepspeed_ulysses.py --nproc 2 --out results/<date>_deepspeed
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = {
     "train_ulysses": {"modes": [{"mode": "ulysses"}, {"mode": "hcms", "head_chunks": 2},
                                 {"mode": "ring", "causal": True}], "extra": []},
