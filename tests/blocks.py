@@ -81,11 +81,12 @@ def reference_block(x_full, p, h, hkv, d, ang_full, qk_norm, causal=False, kv_va
 
 
 def reference_case(rank, world, form, h, hkv, d, chunks, qk_norm, causal=False, placement="contiguous",
-                   kv_valid=None, *, device="cpu", dtype=torch.float64, check=True):
+                   kv_valid=None, *, device="cpu", dtype=torch.float64, check=True, **block_kw):
     """The async ("async") or all-gather ("allgather") block in ``dtype`` (default float64) on this rank's tokens
     against ``reference_block`` (float64) on the full sequence: output and input grad of this rank's tokens, every
     parameter grad (summed over ranks: the CP gradient reduction). check: assert each error < 1e-10 and return
-    the number of checks; else return {name: relative error}."""
+    the number of checks; else return {name: relative error}. block_kw: passed to the block (e.g. the all-gather
+    block's fused=True, a transport)."""
     import torch.distributed as dist
 
     import megatron_sp_ext as spx
@@ -109,7 +110,7 @@ def reference_case(rank, world, form, h, hkv, d, chunks, qk_norm, causal=False, 
     x = x_full[:, mine].to(dtype).requires_grad_()
     kw = dict(num_heads=h, num_kv_heads=hkv, norm_q_weight=p["nq"] if qk_norm else None,
               norm_k_weight=p["nk"] if qk_norm else None, head_chunks=chunks, causal=causal, placement=placement,
-              kv_valid_len=kv_valid)
+              kv_valid_len=kv_valid, **block_kw)
     if form == "async":
         y = spx.async_ulysses_self_attention(x, p["w_qkv"], p["b_qkv"], p["w_o"], p["b_o"], g,
                                              prep=local_prep(h, hkv, d, ang_full[mine]), **kw)

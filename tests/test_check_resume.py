@@ -38,3 +38,23 @@ def test_resume_is_bit_identical_and_a_change_is_named(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert check_resume.main(["--straight", d["straight"], "--resumed", d["resumed"]]) == 1
     assert "resumed step 3" in capsys.readouterr().err
+
+
+def test_rtol_passes_a_resume_at_another_sp_size_within_it(tmp_path, capsys):
+    """--rtol (#70: a resume from SP=2 to SP=1, whose reductions round differently): steps within it pass,
+    bit_identical stays False; a step over it fails, naming it; no rtol: bit for bit."""
+    def write(name, losses):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in losses.items()))
+        return str(d)
+    straight = write("straight", {s: 1.0 + s for s in range(6)})
+    near = write("near", {4: 5.0 * (1 + 3e-6), 5: 6.0})
+    far = write("far", {4: 5.0 * (1 + 3e-4), 5: 6.0})
+    out = tmp_path / "r.json"
+    assert check_resume.main(["--straight", straight, "--resumed", near, "--rtol", "1e-5", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["passed"] and not res["bit_identical"] and res["resumed"]["identical"] == 1
+    assert check_resume.main(["--straight", straight, "--resumed", near]) == 1
+    assert check_resume.main(["--straight", straight, "--resumed", far, "--rtol", "1e-5"]) == 1
+    assert "resumed step 4" in capsys.readouterr().err

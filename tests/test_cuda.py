@@ -433,3 +433,13 @@ def test_wan_rope_fused_bitwise():
                     f"{where}: backward differs by {(x_fused.grad.float() - x_ref.grad.float()).abs().max().item()}"
                 checked += 1
     assert checked == 24
+
+
+@pytest.mark.parametrize("world,backend", [wb for wb in _layouts() if wb[1] == "nccl"])
+def test_transport_family(world, backend):
+    """#70 item 5: the copy-engine transports (symm_mem, copy_engine) in Ulysses / HCMS against float64 and bit for
+    bit against NCCL (dq within NCCL's own run-to-run noise), the async block through them, and the all-gather
+    block on torch's fused symm_mem matmuls against float64 (tests/cuda_transport.py). One rank per GPU over NCCL
+    only: these paths need an NCCL group (over gloo every record would be refused)."""
+    got = _worker("cuda_transport", "transport_family", "transport", world, backend)
+    assert len(got) == 34  # per transport 4 shapes x 3 records + the async block; 8 fused all-gather cases

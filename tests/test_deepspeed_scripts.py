@@ -104,6 +104,25 @@ def test_json_block_switches_attention_same_loss(case, tmp_path):
         assert _rel(gn, ref_gn) < 1e-5, f"{case} {block}: grad norm {gn} vs DeepSpeed {ref_gn}"
 
 
+def test_stock_script_at_sp1_equals_the_block_at_sp2(tmp_path):
+    """#70 item 1's reference (tools/check_deepspeed_sp1.py): the stock GPT script at SP=1 on one rank (DeepSpeed's
+    SP state refuses a size of 1: the script then gives each rank a group of its own and no mpu) against the block
+    at SP=2, fp32, no clip: losses within 1e-5; DeepSpeed's SP=2 gradient norm is 2 x SP=1's (the engine does not
+    divide by the SP size; Adam is invariant to it), with DeepSpeed's attention and ours alike."""
+    def cfg(sp, block):
+        path = tmp_path / f"sp{sp}_{bool(block)}.json"
+        path.write_text(json.dumps(dict(BASE, sequence_parallel_size=sp, gradient_clipping=0.0,
+                                        **({"sequence_parallel_ext": block} if block else {}))))
+        return str(path)
+    ref_loss, ref_gn, ref_inst = run_ranks(_train, 1, "train_ulysses", cfg(1, None), "_installed_ulysses")[0]
+    assert ref_inst["ours"] == 0 and ref_inst["n"] >= 1
+    for block in (None, {"mode": "ulysses", "dropout_p": 0.0}):
+        loss, gn, inst = run_ranks(_train, 2, "train_ulysses", cfg(2, block), "_installed_ulysses")[0]
+        assert inst["ours"] == (inst["n"] if block else 0), (block, inst)
+        assert _rel(loss, ref_loss) < 1e-5, f"{block}: SP=2 loss {loss} vs SP=1 {ref_loss}"
+        assert _rel([g / 2 for g in gn], ref_gn) < 1e-5, f"{block}: SP=2 grad norm {gn} vs SP=1 {ref_gn}"
+
+
 def _bad_block(rank, world, script, config_path):
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     from megatron_sp_ext.deepspeed.hook import activate

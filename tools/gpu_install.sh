@@ -40,6 +40,20 @@ if [ ! -f /tmp/site/.spx_installed ] && [ -f /tmp/spx_parts/manifest ]; then
     rm -rf /tmp/site && mkdir -p /tmp/site && spx_install_whole /tmp/spx_wheels.tar && touch /tmp/site/.spx_installed
   fi
 fi
+# DeepSpeed (#70), carried apart from the parts as .ds/ (tools/ds_wheels.sh --gpu, ~5 MB: deepspeed 0.19.8 built with
+# DS_BUILD_OPS=0 and the needs the image lacks): kept under /tmp/spx_ds between calls to the same warm machine and
+# installed into /tmp/site when its wheels are not there yet (also after the parts' full install emptied /tmp/site)
+if [ -d .ds ]; then mkdir -p /tmp/spx_ds && cp -f .ds/*.whl /tmp/spx_ds/ 2>/dev/null; fi
+spx_ds=(); for w in /tmp/spx_ds/*.whl; do
+  [ -f "$w" ] && ! grep -qxF "$(basename "$w")" /tmp/site/.spx_wheels 2>/dev/null && spx_ds+=("$w"); done
+if [ ${#spx_ds[@]} -gt 0 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "${spx_ds[@]}" || return 1
+  for w in "${spx_ds[@]}"; do basename "$w" >> /tmp/site/.spx_wheels; done
+  echo "gpu_install: installed ${#spx_ds[@]} DeepSpeed wheels (.ds): $(PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
+    python3 -c 'import deepspeed; print("deepspeed", deepspeed.__version__, "imports")' 2>&1 | tail -n 1)"
+fi
+unset spx_ds
 # The image's huggingface_hub (1.33 on 2026-11-27) serves diffusers 0.42 (>= 1.32); a carried 2.x needs truststore,
 # which the image lacks (diffusers' import then fails and its families skip): the image's copy is kept.
 rm -rf /tmp/site/huggingface_hub /tmp/site/huggingface_hub-*.dist-info

@@ -8,7 +8,8 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening).
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening); #70: i70_ds i70_ds_time i70_resume i70_dyn_check i70_dyn2
+# i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport.
 # A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
@@ -540,6 +541,141 @@ stage_r8d66() {   # call 4, 2 GPUs: #66's profile of the sparse DiT step at SP=2
   # collectives per step), ~2 min
   keep r8d/sparse_sync 200 torchrun --nproc-per-node 2 tools/profile_sparse_sync.py --out $W/r8d/sparse_sync.json \
     --model wan-14b --num-layers 2 --frames 21 --latent-size 60x104 --sparsity 0.9 --bf16 --steps 10
+}
+# ---- #70: the rows proven only on CPU, on 2 and 4 GPUs over NCCL: DeepSpeed's stock Ulysses script, resume, dynamic
+# SP, TP2 x CP2, the copy-engine transports ----
+# Wheels: part.aa is enough for every stage but i70_dyn_model (megatron-core; the local kernel is then cuDNN); with
+# every part (FA4) the DiT's steps and checks run on FA4 instead (auto's first choice), as users with FA4 run them.
+# i70_ds / i70_ds_time need DeepSpeed: the folder .ds (bash tools/ds_wheels.sh --gpu here; 5 MB, git-ignored), carried
+# once per machine in any call (run's carry: [".ds"]); gpu_install.sh keeps it under /tmp/spx_ds. Times are estimates
+# for 2-4 H100s from the jobs' sizes (the same jobs on CPU, earlier GPU runs of the same tools), not measured yet.
+# On 4 GPUs (part.aa and .ds carried in call 1), most needed first: call 1: i70_ds@0,1 i70_resume@2,3 (~3 min) |
+#   call 2: i70_transport+i70_tpcp (~5.5) | call 3: i70_dyn_check (~4: P=2 and P=4) | call 4: i70_dyn2@0,1
+#   i70_ds_time@2,3 (~4) | call 5: i70_dyn4 (~4) | with every part (FA4): i70_dyn_prof@0,1 i70_dyn_model@2 (~3).
+# On 2 GPUs: i70_ds+i70_resume | i70_transport+i70_dyn_check | i70_ds_time | i70_dyn2 | i70_dyn_prof (+i70_dyn_model).
+i70_gpus() {   # GPUs this stage sees (CUDA_VISIBLE_DEVICES of a STAGE@GPU call; nvidia-smi -L ignores it)
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then echo $(( $(tr -cd , <<< "$CUDA_VISIBLE_DEVICES" | wc -c) + 1 ))
+  else ngpu; fi
+}
+i70_need() {   # i70_need STAGE N: true when the stage sees >= N GPUs, else says why it does not start
+  [ "$(i70_gpus)" -ge "$2" ] && return 0
+  echo "[$1: not started: needs $2 GPUs, sees $(i70_gpus)]"; return 1
+}
+i70_deepspeed() {   # i70_deepspeed STAGE: true when deepspeed imports (the .ds folder installed), else says so
+  python3 -c "import deepspeed" > /dev/null 2>&1 && return 0
+  echo "[$1: not started: deepspeed does not import here; carry .ds (bash tools/ds_wheels.sh --gpu)]"; return 1
+}
+stage_i70_ds() {   # row 1 (2 GPUs, part.aa + .ds; ~2.5 min: 5 torchruns of ~20-30 s, 10 fp32 steps of 4,096 tokens
+  # each): DeepSpeed's stock Ulysses script (training/ds_examples/train_ulysses.py through megatron_sp_ext.deepspeed.
+  # launch) at SP=1 on one GPU, then SP=2 with DeepSpeed's own DistributedAttention and with our JSON block
+  # (ulysses, hcms, ring), dropout 0, no clip: every loss (and grad norm / 2) within 1e-5 of SP=1's, the attention
+  # classes named; exit 1 otherwise (check/deepspeed_sp1.json, .md)
+  i70_need i70_ds 2 && i70_deepspeed i70_ds || return 0
+  keep i70_ds/check 300 python3 tools/check_deepspeed_sp1.py --nproc 2 --out $W/i70_ds/check
+}
+stage_i70_ds_time() {   # row 1 (2 GPUs, part.aa + .ds; ~3 min): the DeepSpeed adapter family over NCCL first (ours
+  # == DeepSpeed's DistributedAttention with the same local callable, P=2), then the stock script's bf16 step at SP=2
+  # (32,768 tokens, hidden 2048, 16 heads, 2 layers, 20 steps, median after 5): DeepSpeed's DistributedAttention vs
+  # our block (ulysses, hcms); 3 torchruns of ~40 s. Time it with nothing else on the machine where possible.
+  i70_need i70_ds_time 2 && i70_deepspeed i70_ds_time || return 0
+  suite i70_ds_time/adapter 90 "test_deepspeed_adapter_vs_distributed_attention and 2-nccl"
+  keep i70_ds_time/time 240 python3 tools/check_deepspeed_sp1.py --time --nproc 2 --out $W/i70_ds_time/time
+}
+I70_RESUME=(training/pretrain_video_dit.py --model wan-1.3b --num-layers 2 --frames 5 --latent-size 32x32 --seed 7
+  --log-interval 1 --quiet ${I70_RESUME_ARGS:-})
+stage_i70_resume() {   # row 2 (2 GPUs, part.aa; ~3 min: four entry runs of ~20 s start-up + 100-200 fp32 steps of
+  # 1,280 tokens at ~20-40 ms, one ~1.5 GB checkpoint): wan-1.3b dims, 2 layers, SP=2 (ulysses), megatron DDP and
+  # optimizer (dist_checkpointing; I70_RESUME_ARGS adds e.g. --use-distributed-optimizer or --use-torch-fsdp2):
+  # 200 steps uninterrupted; 100 steps saving at the stop; a resume to 200: every resumed loss bit for bit
+  # (check_resume.json; the saving run's steps 0-99 against the uninterrupted run are the control: a difference
+  # there is the GPU step's own nondeterminism: then rerun with I70_RESUME_ARGS="--sp-attention-backend math" to
+  # tell the kernel's atomics from the resume); then the same checkpoint resumed at SP=1 on ONE GPU for 20 steps:
+  # within 1e-5 of the SP=2 run (check_sp1.json, bit_identical reported beside)
+  i70_need i70_resume 2 || return 0
+  local ck=$W/i70_resume/ck one=${CUDA_VISIBLE_DEVICES:-0} d=$W/i70_resume; one=${one%%,*}; rm -rf "$ck"
+  keep i70_resume/straight 100 torchrun --nproc-per-node 2 "${I70_RESUME[@]}" --context-parallel-size 2 \
+    --train-iters 200 --log-dir $d/straight
+  keep i70_resume/first 90 torchrun --nproc-per-node 2 "${I70_RESUME[@]}" --context-parallel-size 2 \
+    --train-iters 100 --save "$ck" --log-dir $d/first
+  du -sh "$ck"
+  keep i70_resume/resumed 90 torchrun --nproc-per-node 2 "${I70_RESUME[@]}" --context-parallel-size 2 \
+    --train-iters 200 --load "$ck" --log-dir $d/resumed
+  keep i70_resume/check 30 python3 tools/check_resume.py --straight $d/straight --resumed $d/resumed \
+    --first $d/first --out $d/check_resume.json
+  CUDA_VISIBLE_DEVICES=$one keep i70_resume/sp1 80 torchrun --nproc-per-node 1 "${I70_RESUME[@]}" \
+    --context-parallel-size 1 --train-iters 120 --load "$ck" --log-dir $d/sp1
+  keep i70_resume/check_sp1 30 python3 tools/check_resume.py --straight $d/straight --resumed $d/sp1 --rtol 1e-5 \
+    --out $d/check_sp1.json
+  rm -rf "$ck"
+}
+stage_i70_dyn_check() {   # row 3's check (2 GPUs: P=2; 4 GPUs: P=2 and P=4; ~2 min per P): the CUDA suite's
+  # dynamic-SP family over NCCL (the DiT under dynamic SP against SP=1 on the same pack: loss and gradients, fp32 and
+  # bf16 autocast, on the kernel auto picks here: what i70_dyn2/4 time)
+  i70_need i70_dyn_check 2 || return 0
+  suite i70_dyn_check/suite 250 "test_dit_dynamic_family and ($([ "$(i70_gpus)" -ge 4 ] && echo "2-nccl or 4-nccl" \
+    || echo 2-nccl))"
+}
+I70_MIX=(--model wan-14b --num-layers 2 --bf16 --ddp-impl torch --frames 21,1,1,1,11,1,1,1,5,1 --latent-size 60x104
+  --pack-samples --max-tokens-per-step 75000)
+i70_dyn_steps() {   # i70_dyn_steps P: dynamic vs uniform SP on the Wan mix (one pack of 10 samples per step, 68,640
+  # tokens: clips of 21, 11, 5 frames at 60x104 and 7 single images), one bench_train_step job per SP mode, each
+  # with "packed" (uniform SP) and "dynamic_cp" (12 steps + 4 bare; ~0.5 s a step at P=2 on H100: ~100 s a job)
+  local p=$1 mode
+  for mode in ulysses ring; do
+    keep i70_dyn$p/$mode 130 torchrun --nproc-per-node $p tools/bench_train_step.py --variants packed,dynamic_cp \
+      --log-interval 4 --out $W/i70_dyn$p/$mode -- "${I70_MIX[@]}" --context-parallel-size $p --cp-comm-type $mode \
+      --train-iters 12 --timing-bare-steps 4
+  done
+}
+stage_i70_dyn2() {   # row 3 (2 GPUs; ~4 min): dynamic_cp_speedup (uniform / dynamic step) at P=2, Ulysses and ring
+  i70_need i70_dyn2 2 && i70_dyn_steps 2
+}
+stage_i70_dyn4() {   # row 3 (4 GPUs; ~4 min): the same at P=4
+  i70_need i70_dyn4 4 && i70_dyn_steps 4
+}
+stage_i70_dyn_prof() {   # row 3's profile (2 GPUs; ~3 min): where rank 0's step time goes (attention, GEMM, exchange,
+  # idle, ...; tools/profile_train_step.py, 2 steps after 6) under uniform and under dynamic SP, Ulysses, P=2
+  i70_need i70_dyn_prof 2 || return 0
+  local v
+  for v in packed dynamic_cp; do
+    keep i70_dyn_prof/$v 120 torchrun --nproc-per-node 2 tools/profile_train_step.py --out $W/i70_dyn_prof --tag $v \
+      --warmup 6 --steps 2 -- "${I70_MIX[@]}" --context-parallel-size 2 --cp-comm-type ulysses --train-iters 10 \
+      $([ $v = dynamic_cp ] && echo --dynamic-context-parallel)
+  done
+}
+stage_i70_dyn_model() {   # row 3's model (ONE GPU, every part: FA4; ~2 min): the emulated per-rank breakdown of the
+  # same comparison (tools/bench_dynamic_sp.py: kernels timed one by one, exchanges at a link rate) at P=2 and P=4
+  # on a Wan mix of 20 samples, beside which the measured steps read (cuDNN crashed in this bench's varlen trials on
+  # 2026-11-25: FA4 only)
+  if [ "${SPX_REQUIRE_FA4:-}" != 1 ]; then echo "[i70_dyn_model: not started: needs FA4 (carry every part)]"; return 0; fi
+  local p
+  for p in 2 4; do
+    keep i70_dyn_model/p$p 100 python3 tools/bench_dynamic_sp.py --model wan-14b --world $p --pack wan-mix \
+      --backend fa4 --out $W/i70_dyn_model/p$p
+  done
+}
+stage_i70_tpcp() {   # row 4 (4 GPUs, part.aa; ~4 min): TP2 x CP2 checked first over NCCL: the TP x CP block's forms
+  # against float64 (test_tp_cp_block: 18 cases) and against Megatron's own TP sequence-parallel self-attention in the
+  # same module and weights (test_tp_cp_vs_megatron_layer: output, input and every parameter gradient, fp32, 8 cases);
+  # then tools/bench_block.py --tp 2 at wan-14b dims (5120, 40 heads of 128), fwd and fwd+bwd of the attention
+  # block, non-causal, 32,760 and 75,600 tokens: "megatron" (megatron-core's TP-SP layers with our Ulysses core as
+  # the CP: Megatron's own CP attention needs Transformer Engine, not on the image) against the block's forms and
+  # auto, each output compared with Megatron's before timing (rel_diff_vs_megatron). Not here: the training step at
+  # TP2 x CP2 (the DiT entry has no TP; Megatron-LM's pretrain_gpt is not carried).
+  i70_need i70_tpcp 4 || return 0
+  suite i70_tpcp/suite 150 "(test_tp_cp_block or test_tp_cp_vs_megatron_layer) and 4-nccl"
+  local n
+  for n in 8190 18900; do
+    keep i70_tpcp/block_$n 120 torchrun --nproc-per-node 4 tools/bench_block.py --tp 2 --models wan-14b \
+      --tokens-per-gpu $n --causal 0 --iters 10 --tag wan14b_$(( 4 * n )) --out $W/i70_tpcp
+  done
+}
+stage_i70_transport() {   # row 5 (2 GPUs: P=2; 4 GPUs: P=2 and P=4; part.aa; ~1.5 min): the CUDA suite's transport
+  # family over NCCL (tests/cuda_transport.py): symm_mem and copy_engine in Ulysses/HCMS against float64 and bit for
+  # bit against NCCL (dq within NCCL's own rerun noise), the async block through them, the all-gather block on
+  # torch's fused symm_mem all-gather / reduce-scatter matmuls against float64; 34 cases per P
+  i70_need i70_transport 2 || return 0
+  suite i70_transport/suite 200 "test_transport_family"
 }
 run_stage() {   # run_stage STAGE[+STAGE...] [GPU[,GPU]]: the stages one after the other (on those GPUs); one summary
   # and one tarball per call of run_stage (the device returns 8 files: 4 stages at once at most), named with '_'

@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import time
 
 import deepspeed
 import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp_state
@@ -84,7 +85,8 @@ def main(argv=None) -> dict:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=97)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--log-json", default=None, help="write per-step loss and grad norm here (rank 0)")
+    p.add_argument("--log-json", default=None,
+                   help="write per-step loss, grad norm and wall time, and the attention classes here (rank 0)")
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args(argv)
     with open(args.deepspeed_config) as f:
@@ -94,17 +96,22 @@ def main(argv=None) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", args.local_rank)))
     sp = ds_config.get("sequence_parallel_size", 1)
-    sp_state.initialize_sequence_parallel(sp)
-    sp_group, sp_rank = sp_state.get_sequence_parallel_group(), sp_state.get_sequence_parallel_rank()
+    if sp > 1:
+        sp_state.initialize_sequence_parallel(sp)  # DeepSpeed's SP groups (it refuses a size of 1)
+        sp_group, sp_rank, mpu = sp_state.get_sequence_parallel_group(), sp_state.get_sequence_parallel_rank(), sp_state
+    else:  # no sequence parallelism: each rank its own group of one (DistributedAttention is then local attention)
+        groups = [torch.distributed.new_group([r]) for r in range(world)]
+        sp_group, sp_rank, mpu = groups[rank], 0, None
 
     torch.manual_seed(args.seed)
     model = TinyGPT(args.vocab, args.hidden, args.heads, args.layers, args.seq_len, sp_group)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=args.deepspeed_config, mpu=sp_state)
+                                           config=args.deepspeed_config, mpu=mpu)
     device = engine.device
     s_loc = args.seq_len // sp
     pos = torch.arange(sp_rank * s_loc, (sp_rank + 1) * s_loc).expand(args.batch_size, s_loc).to(device)
-    losses, grad_norms = [], []
+    losses, grad_norms, step_s = [], [], []
+    t_last = time.perf_counter()
     for step in range(args.steps):
         ids, labels = batch(step * (world // sp) + rank // sp, args.batch_size, args.seq_len, args.vocab, args.seed)
         ids, labels = (t[:, sp_rank * s_loc:(sp_rank + 1) * s_loc].to(device) for t in (ids, labels))
@@ -117,12 +124,16 @@ def main(argv=None) -> dict:
         losses.append(mean.item() / world)
         gn = engine.get_global_grad_norm()
         grad_norms.append(float(gn) if gn is not None and math.isfinite(float(gn)) else float("nan"))
+        now = time.perf_counter()  # the loss's .item() above waited for the step
+        step_s.append(now - t_last)
+        t_last = now
         if rank == 0:
             print(f"step {step}: loss {losses[-1]:.6f} grad_norm {grad_norms[-1]:.6f}", flush=True)
+    attention = sorted({type(m).__name__ for m in engine.module.modules() if isinstance(m, DistributedAttention)})
     if args.log_json and rank == 0:
         with open(args.log_json, "w") as f:
-            json.dump({"loss": losses, "grad_norm": grad_norms}, f)
-    return {"loss": losses, "grad_norm": grad_norms, "engine": engine}
+            json.dump({"loss": losses, "grad_norm": grad_norms, "step_s": step_s, "attention": attention}, f)
+    return {"loss": losses, "grad_norm": grad_norms, "step_s": step_s, "attention": attention, "engine": engine}
 
 
 if __name__ == "__main__":
