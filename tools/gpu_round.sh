@@ -571,7 +571,7 @@ stage_i70_ds() {   # row 1 (2 GPUs, part.aa + .ds; ~2.5 min: 5 torchruns of ~20-
   # (ulysses, hcms, ring), dropout 0, no clip: every loss (and grad norm / 2) within 1e-5 of SP=1's, the attention
   # classes named; exit 1 otherwise (check/deepspeed_sp1.json, .md)
   i70_need i70_ds 2 && i70_deepspeed i70_ds || return 0
-  keep i70_ds/check 300 python3 tools/check_deepspeed_sp1.py --nproc 2 --out $W/i70_ds/check
+  keep i70_ds/check 300 python3 tests/gpu/check_deepspeed_sp1.py --nproc 2 --out $W/i70_ds/check
 }
 stage_i70_ds_time() {   # row 1 (2 GPUs, part.aa + .ds; ~3 min): the DeepSpeed adapter family over NCCL first (ours
   # == DeepSpeed's DistributedAttention with the same local callable, P=2), then the stock script's bf16 step at SP=2
@@ -579,7 +579,7 @@ stage_i70_ds_time() {   # row 1 (2 GPUs, part.aa + .ds; ~3 min): the DeepSpeed a
   # our block (ulysses, hcms); 3 torchruns of ~40 s. Time it with nothing else on the machine where possible.
   i70_need i70_ds_time 2 && i70_deepspeed i70_ds_time || return 0
   suite i70_ds_time/adapter 90 "test_deepspeed_adapter_vs_distributed_attention and 2-nccl"
-  keep i70_ds_time/time 240 python3 tools/check_deepspeed_sp1.py --time --nproc 2 --out $W/i70_ds_time/time
+  keep i70_ds_time/time 240 python3 tests/gpu/check_deepspeed_sp1.py --time --nproc 2 --out $W/i70_ds_time/time
 }
 I70_RESUME=(training/pretrain_video_dit.py --model wan-1.3b --num-layers 2 --frames 5 --latent-size 32x32 --seed 7
   --log-interval 1 --quiet ${I70_RESUME_ARGS:-})
@@ -600,11 +600,11 @@ stage_i70_resume() {   # row 2 (2 GPUs, part.aa; ~3 min: four entry runs of ~20 
   du -sh "$ck"
   keep i70_resume/resumed 90 torchrun --nproc-per-node 2 "${I70_RESUME[@]}" --context-parallel-size 2 \
     --train-iters 200 --load "$ck" --log-dir $d/resumed
-  keep i70_resume/check 30 python3 tools/check_resume.py --straight $d/straight --resumed $d/resumed \
+  keep i70_resume/check 30 python3 tests/gpu/check_resume.py --straight $d/straight --resumed $d/resumed \
     --first $d/first --out $d/check_resume.json
   CUDA_VISIBLE_DEVICES=$one keep i70_resume/sp1 80 torchrun --nproc-per-node 1 "${I70_RESUME[@]}" \
     --context-parallel-size 1 --train-iters 120 --load "$ck" --log-dir $d/sp1
-  keep i70_resume/check_sp1 30 python3 tools/check_resume.py --straight $d/straight --resumed $d/sp1 --rtol 1e-5 \
+  keep i70_resume/check_sp1 30 python3 tests/gpu/check_resume.py --straight $d/straight --resumed $d/sp1 --rtol 1e-5 \
     --out $d/check_sp1.json
   rm -rf "$ck"
 }
