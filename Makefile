@@ -115,7 +115,7 @@ test: $(STAMP) $(CUR_STAMP)
 test-gpu:
 	bash tools/gpu_run.sh
 
-# wheels for the GPU machines (python 3.12, no registry there); see tools/results/README.md
+# wheels for the GPU machines (python 3.12, no registry there); see results/README.md
 wheels: $(STAMP)
 	mkdir -p wheels
 	$(VPY) -m pip download -q megatron-core==0.16.1 --no-deps --only-binary=:all: --python-version 3.12 \

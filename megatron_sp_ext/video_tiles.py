@@ -12,7 +12,7 @@ partially-masked route: padding each axis of 21x30x52 to whole 4x4x8 blocks woul
 and would add 31% tokens). A tile's coordinates (``tile_coords``) are its block's; an edge tile's are the block
 holding its tokens' centroid. On a grid the tile cuts exactly this is plain tile order.
 Default tile 4x4x8 (128 tokens): FA4's block sparsity runs 543-596 useful TFLOP/s fwd+bwd at 128-token tiles
-against 88-104 at 64-token tiles on random masks (1 x H100, 2026-11-25, tools/results/2026-11-25_h100_fa4_tiles).
+against 88-104 at 64-token tiles on random masks (1 x H100, 2026-11-25, results/2026-11-25_h100_fa4_tiles).
 
 Two ways to pick each query tile's key tiles:
 
@@ -203,7 +203,7 @@ class TileRun:
     run, as ``sparse_step`` requires), ``n_tokens`` tokens in the grid (positions >= it are SP padding), tile i =
     positions [i * block_size, (i + 1) * block_size). Lets ``pool_tiles`` / ``coarse_attention`` pool and spread by
     reshapes instead of index_add / index_select over ``tile_index`` (on 1 x H100 at 32,760 tokens the index route
-    took ~15 ms of a top-k step's 65 ms over the window step: tools/results/2026-11-25_h100x2_sparse)."""
+    took ~15 ms of a top-k step's 65 ms over the window step: results/2026-11-25_h100x2_sparse)."""
 
     first_position: int
     n_tokens: int

@@ -42,7 +42,7 @@ DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
 KERNEL = os.environ.get("SPX_SUITE_KERNEL", "auto")
 
 # the tiny preset's width with head dim 64 (8 heads x 64): at its own head dim 8 FA4's backward was wrong and cuDNN's
-# bf16 gradients not finite on an H100 (2026-11-25, tools/results/2026-11-25_h100x2_sparse); FA4 is refused below 64
+# bf16 gradients not finite on an H100 (2026-11-25, results/2026-11-25_h100x2_sparse); FA4 is refused below 64
 CFG = dataclasses.replace(preset("tiny"), dim=512, ffn=1024)
 # sample i: frames[i % 5] x latent sizes[i % 3]: tokens 8 (image), 45 (3 frames), 64, 8 (image), 90, 16, 24
 FRAMES, SIZES = [1, 3, 4, 1, 6], [(4, 8), (6, 10), (8, 8)]

@@ -61,7 +61,7 @@ def test_excess_between_steps_named_with_the_data_wait():
 
 def test_plan_beside_peak_matches_memory_plan():
     pytest.importorskip("megatron.core")
-    from tools import memory_plan as mp
+    from training.video_dit import memory_plan as mp
     from training import pretrain_video_dit as entry
     rest = ["--model", "wan-14b", "--num-layers", "4", "--frames", "21", "--latent-size", "60x104", "--bf16",
             "--recompute-granularity", "full"]

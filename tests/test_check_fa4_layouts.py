@@ -1,4 +1,4 @@
-"""tools/check_fa4_layouts.py (a GPU diagnostic) on the CPU stand-in of FlashAttention-4 (tests/fake_fa4.py): every
+"""tests/gpu/check_fa4_layouts.py (a GPU diagnostic) on the CPU stand-in of FlashAttention-4 (tests/fake_fa4.py): every
 row is computed and right, and a kernel that got the head-major ``out`` wrong would be caught."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import torch
 
 from tests import fake_fa4
-from tools import check_fa4_layouts
+from tests.gpu import check_fa4_layouts
 
 
 def test_rows_right_on_the_stand_in(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""tools/check_resume.py on the CPU dry run of the full-depth resume stage (tools/gpu_round.sh resume40a/b): the
+"""tests/gpu/check_resume.py on the CPU dry run of the full-depth resume stage (tools/gpu_round.sh resume40a/b): the
 megatron-core entry with FSDP2 at SP=2 (gloo, fp32) saves at step 2 of 4, resumes from it, and the resumed steps'
 losses equal the uninterrupted run's bit for bit; a changed loss or a missing step fails, naming the step."""
 import json
@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from tests.harness import run_ranks  # noqa: E402
-from tools import check_resume  # noqa: E402
+from tests.gpu import check_resume  # noqa: E402
 
 BASE = ["--model", "tiny", "--cp-comm-type", "ulysses", "--frames", "4", "--latent-size", "6x10", "--quiet",
         "--context-parallel-size", "2", "--use-torch-fsdp2", "--recompute-granularity", "selective",

@@ -285,10 +285,10 @@ def test_the_stand_in_has_the_packages_signatures():
 
 
 def test_check_tool_on_the_stand_in(monkeypatch):
-    """tools/check_cudnn_block_sparse.py (the GPU's first contact) on the CPU stand-in: its cases run and are right,
+    """tests/gpu/check_cudnn_block_sparse.py (the GPU's first contact) on the CPU stand-in: its cases run and are right,
     the kernel block named; a wrong dq is reported."""
     import argparse
-    from tools import check_cudnn_block_sparse as tool
+    from tests.gpu import check_cudnn_block_sparse as tool
     fake = fake_bsa.install(monkeypatch)
     args = argparse.Namespace(cases="0,23,35,36,41", head_dim=16, shrink=4)
     rows = tool.check(args, torch.device("cpu"))

@@ -105,7 +105,7 @@ def test_json_block_switches_attention_same_loss(case, tmp_path):
 
 
 def test_stock_script_at_sp1_equals_the_block_at_sp2(tmp_path):
-    """#70 item 1's reference (tools/check_deepspeed_sp1.py): the stock GPT script at SP=1 on one rank (DeepSpeed's
+    """#70 item 1's reference (tests/gpu/check_deepspeed_sp1.py): the stock GPT script at SP=1 on one rank (DeepSpeed's
     SP state refuses a size of 1: the script then gives each rank a group of its own and no mpu) against the block
     at SP=2, fp32, no clip: losses within 1e-5; DeepSpeed's SP=2 gradient norm is 2 x SP=1's (the engine does not
     divide by the SP size; Adam is invariant to it), with DeepSpeed's attention and ours alike."""

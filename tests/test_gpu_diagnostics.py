@@ -1,6 +1,6 @@
 """The GPU diagnostics of 2026-11-26 on the CPU (their flow, their records, and that they can report a failure):
-tools/check_fa4_tiles.py --dit on the FA4 stand-in, tools/check_sdpa_calls.py, tools/check_cudnn_dit_scale.py and
-tools/check_cudnn_do_layout.py with --device cpu."""
+tests/gpu/check_fa4_tiles.py --dit on the FA4 stand-in, tests/gpu/check_sdpa_calls.py,
+tests/gpu/check_cudnn_dit_scale.py and tests/gpu/check_cudnn_do_layout.py with --device cpu."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ from tests import fake_fa4
 
 def test_check_fa4_tiles_dit_cases_on_the_stand_in(monkeypatch):
     fake_fa4.install(monkeypatch, dtypes=(torch.bfloat16,))
-    from tools import check_fa4_tiles
+    from tests.gpu import check_fa4_tiles
     rows = check_fa4_tiles.check(argparse.Namespace(dit=True, cases="0,5,10,15"), torch.device("cpu"))
     assert [(r["d"], r["h"], r["s"], r["bshd"]) for r in rows] == [(64, 8, 1024, True), (64, 4, 1024, False),
                                                                    (128, 8, 540, True), (128, 4, 540, False)]
@@ -32,7 +32,7 @@ def test_check_fa4_tiles_reports_a_wrong_kernel(monkeypatch):
         out[0] = out[0] * 1.1
         return tuple(out)
     monkeypatch.setattr(sys.modules["flash_attn.cute.interface"], "_flash_attn_bwd", wrong_bwd)
-    from tools import check_fa4_tiles
+    from tests.gpu import check_fa4_tiles
     rows = check_fa4_tiles.check(argparse.Namespace(dit=True, cases="0"), torch.device("cpu"))
     assert rows[0]["dq"] > 5e-2 and rows[0]["dk"] < 5e-3
 
@@ -52,7 +52,7 @@ def world_of_one(monkeypatch):
 
 
 def test_check_sdpa_calls_records_and_replays_every_call(world_of_one, tmp_path, monkeypatch):
-    from tools import check_sdpa_calls
+    from tests.gpu import check_sdpa_calls
     monkeypatch.setattr(sys, "argv", ["check_sdpa_calls", "--out", str(tmp_path), "--device", "cpu",
                                       "--steps", "sparse"])
     check_sdpa_calls.main()
@@ -64,7 +64,7 @@ def test_check_sdpa_calls_records_and_replays_every_call(world_of_one, tmp_path,
 
 
 def test_check_cudnn_dit_scale_divides_the_scale_back(world_of_one, tmp_path, monkeypatch):
-    from tools import check_cudnn_dit_scale
+    from tests.gpu import check_cudnn_dit_scale
     monkeypatch.setattr(sys, "argv", ["check_cudnn_dit_scale", "--out", str(tmp_path), "--device", "cpu",
                                       "--kernels", "math", "--scales", "1,1e4"])
     check_cudnn_dit_scale.main()
@@ -75,9 +75,9 @@ def test_check_cudnn_dit_scale_divides_the_scale_back(world_of_one, tmp_path, mo
 
 
 def test_check_cudnn_do_layout_flow_on_the_stand_in(tmp_path):
-    """tools/check_cudnn_do_layout.py --device cpu: both fresh processes run, and the record tells the hook's
+    """tests/gpu/check_cudnn_do_layout.py --device cpu: both fresh processes run, and the record tells the hook's
     calls (right) from the calls without it (the second call's gradients wrong), as it must on the GPU."""
-    from tools import check_cudnn_do_layout
+    from tests.gpu import check_cudnn_do_layout
     res = check_cudnn_do_layout.main(["--out", str(tmp_path), "--device", "cpu"])
     with open(os.path.join(tmp_path, "cudnn_do_layout.json")) as f:
         assert json.load(f) == res

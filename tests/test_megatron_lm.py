@@ -43,7 +43,7 @@ def test_prepare_rejects_with_the_flag_named(argv, needle, capsys):
 
 
 def test_prepare_accepts_what_megatron_lm_accepts():
-    """tools/check_megatron_lm.py's command (one --hcms-head-chunks for every type, dropout 0) and per-layer types
+    """tests/gpu/check_megatron_lm.py's command (one --hcms-head-chunks for every type, dropout 0) and per-layer types
     pass the launcher's checks of our flags with Megatron-LM's (tests/test_launch_errors.py: what they refuse)."""
     for types in (["ring"], ["hcms", "ring"], ["ulysses"]):
         theirs = ["--num-attention-heads", "8", "--context-parallel-size", "2", "--cp-comm-type", *types,

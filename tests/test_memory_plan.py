@@ -1,11 +1,11 @@
-"""tools/memory_plan.py: the activation constant fitted on the "fit" peaks only, the plan within 10% of every
-"validate" peak it never saw (issue #52's full-recompute peaks among them), --validate failing when one is off, and
-its parts add up."""
+"""training/video_dit/memory_plan.py: the activation constant fitted on the "fit" peaks only, the plan within 10% of
+every "validate" peak it never saw (issue #52's full-recompute peaks among them), --validate failing when one is off,
+and its parts add up."""
 import json
 
 import pytest
 
-from tools import memory_plan as mp
+from training.video_dit import memory_plan as mp
 
 
 def test_plan_within_tolerance_of_validation_peaks():

@@ -272,7 +272,7 @@ def _kept_per_token_layer(group, choice, packed_qkv=False) -> float:
 
 
 def _kept_checks(rank, world):
-    from tools import memory_plan as mp
+    from training.video_dit import memory_plan as mp
     g = dist.group.WORLD if world > 1 else None
     lse = 4 / 64   # one fp32 log-sum-exp per head (4 heads) and token, in units of dim x 4 B
     want = {"full": mp.KEEP_FULL / 2, "selective": (mp.KEEP_SELECTIVE_SP if world > 1 else mp.KEEP_SELECTIVE_SP1) / 2}
@@ -290,7 +290,7 @@ def _kept_checks(rank, world):
 def test_kept_tensors_match_the_memory_plan():
     """What a block keeps between forward and backward (CPU live bytes): full its input (1 x dim per token),
     outside_core_attn the input and the core's q, k, v, out (5 x dim) plus lse at SP=1, and the output exchanged
-    back too at SP=2 (6 x dim, plain and packed q|k|v): tools/memory_plan.py's KEEP_* terms. (--cpu-offloading
-    moves tensors to host memory: on the CPU that is no change the count can see.)"""
+    back too at SP=2 (6 x dim, plain and packed q|k|v): training/video_dit/memory_plan.py's KEEP_* terms.
+    (--cpu-offloading moves tensors to host memory: on the CPU that is no change the count can see.)"""
     _kept_checks(0, 1)
     run_ranks(_kept_checks, 2)

@@ -235,7 +235,7 @@ def test_log_interval_rows_equal_per_step(tmp_path):
 
 
 def _nan_data(tmp_path, bad: int = 3) -> str:
-    from tools.make_latents import main as make
+    from training.video_dit.make_latents import main as make
     out = str(tmp_path / "lat")
     make(["--out", out, "--num", "6", "--frames", "4", "--size", "6x10"])
     f = os.path.join(out, f"sample_{bad:06d}.pt")

@@ -285,7 +285,7 @@ def test_metrics_and_plot_written(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["pt", "safetensors"])
 def test_on_disk_latents_roundtrip(tmp_path, fmt):
-    from tools.make_latents import main as make
+    from training.video_dit.make_latents import main as make
     from training.video_dit.data import LatentShardDataset
     out = str(tmp_path / "lat")
     make(["--out", out, "--num", "3", "--frames", "4,5", "--size", "6x10", "--format", fmt])

@@ -3,7 +3,7 @@ parallelism against megatron_sp_ext's (``megatron_sp_ext.diffusers.parallelize``
 
     torchrun --nproc-per-node 2 tools/bench_diffusers_wan.py --grid 480p \
         --variants diffusers-ulysses,diffusers-ring,ours-auto,ours-ulysses,ours-hcms,ours-ring,ours-auto-window90 \
-        --out tools/results/diffusers_wan/480p.json
+        --out results/diffusers_wan/480p.json
 
 Each variant builds the same model (--model, default wan-1.3b at full depth; weights fp32 from --seed), bf16
 autocast, diffusers' gradient checkpointing (every block), then times --steps training steps after --warmup ones on
@@ -344,7 +344,7 @@ def main(argv: Optional[list] = None) -> dict:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--text-len", type=int, default=None, help="text tokens (default 512; 8 in --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="CPU stand-in: tiny model, gloo, a 4x8x8 latent, 2 steps")
-    p.add_argument("--out", default="tools/results/diffusers_wan/bench.json")
+    p.add_argument("--out", default="results/diffusers_wan/bench.json")
     args = p.parse_args(argv)
     try:
         variants = [parse_variant(v.strip()) for v in args.variants.split(",") if v.strip()]

@@ -43,8 +43,8 @@ same with --cpu-offloading) override the entry flags' recompute; recompute_selec
 recompute_selective entry step time (_bare: the bare steps; target >= 1.15), each variant with its plan_gib.
 FSDP2 (#52): variant "fsdp2" is the defaults with --use-torch-fsdp2 (with "guarded" in the job,
 fsdp2_overhead = fsdp2 / guarded entry step time - 1, and the same for the bare step). Every variant of the
-megatron-core entry also records ``plan_gib`` (tools/memory_plan.py for the run's model, layers, tokens, SP,
-world, sharding and recompute) and ``plan_error`` = plan / measured peak - 1, beside ``peak_mem_gib``.
+megatron-core entry also records ``plan_gib`` (training/video_dit/memory_plan.py for the run's model, layers,
+tokens, SP, world, sharding and recompute) and ``plan_error`` = plan / measured peak - 1, beside ``peak_mem_gib``.
 Every variant records ``first_step_loss`` (the entry's loss of its first step, from its metrics rows).
 Dynamic SP (#55 item 3, megatron-core entry, --context-parallel-size > 1): "packed" is the defaults with
 --pack-samples (uniform SP: every sample of the pack split over all context ranks), "dynamic_cp" the same plus
@@ -291,9 +291,9 @@ def step_agreement(timing: dict, train_iters: int, log_interval: int, tol: float
 
 
 def plan_beside_peak(args, flags: list, world: int) -> dict:
-    """tools/memory_plan.py's per-GPU plan of the run (megatron-core entry flags ``args`` plus the variant's
-    ``flags``): plan_gib and the settings it assumed, or plan_gib None and why."""
-    from tools.memory_plan import plan  # noqa: PLC0415
+    """training/video_dit/memory_plan.py's per-GPU plan of the run (megatron-core entry flags ``args`` plus the
+    variant's ``flags``): plan_gib and the settings it assumed, or plan_gib None and why."""
+    from training.video_dit.memory_plan import plan  # noqa: PLC0415
     grid = token_grid(args)
     rc = getattr(args, "recompute_granularity", None)
     modules = list(getattr(args, "recompute_modules", None) or [])
@@ -323,7 +323,7 @@ def plan_beside_peak(args, flags: list, world: int) -> dict:
                               "sharding": sharding, "recompute": p.recompute, "offload": offload}}
 
 
-PREFLIGHT_FRACTION = 0.92   # of the GPU's memory: above it the plan is too close to call (tools/memory_plan.py's error
+PREFLIGHT_FRACTION = 0.92   # of the GPU's memory: above it the plan is too close to call (the memory plan's error
                             # on its validation points is up to ~2%; allocator fragmentation comes on top)
 
 
@@ -338,7 +338,7 @@ def memory_preflight(plan: dict, gpu_gib: Optional[float] = None) -> Optional[st
     need = plan.get("plan_gib")
     if need is None or need <= PREFLIGHT_FRACTION * gpu_gib:
         return None
-    return (f"tools/memory_plan.py plans {need:.1f} GiB per GPU of this GPU's {gpu_gib:.1f} GiB (over "
+    return (f"training/video_dit/memory_plan.py plans {need:.1f} GiB per GPU of this GPU's {gpu_gib:.1f} GiB (over "
             f"{PREFLIGHT_FRACTION:.0%}): it may run out of memory; --recompute-granularity full, "
             f"--use-distributed-optimizer or --use-torch-fsdp2 lower it")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels for tools/check_deepspeed_ulysses.py on a GPU machine with Python 3.12 and torch, no registry:
+# Wheels for tests/gpu/check_deepspeed_ulysses.py on a GPU machine with Python 3.12 and torch, no registry:
 #   bash tools/ds_wheels.sh [dir]            (here, with a registry; default dir: wheels/)
 #   pip install --no-index --find-links wheels/ deepspeed==0.19.8 transformers==5.23.0   (there)
 #   bash tools/ds_wheels.sh --gpu            -> .ds/ (git-ignored, ~5 MB): DeepSpeed 0.19.8 (DS_BUILD_OPS=0) and the

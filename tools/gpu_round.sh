@@ -31,8 +31,8 @@
 # A session on ONE GPU (nvidia-h200 / nvidia-h100-x1; a one-chip machine goes back after 30 min held), in order:
 #   machine 1: first (part.aa) | fa4 (part.ab) | dyncheck steps75 | steps480 kernels2
 #   machine 2: suite with SUITE_K = the families that need no FA4 (part.aa) | fa4 family, curves (part.ab)
-# (2026-11-25/26 on one H200: tools/results/2026-11-26_h200_sparse_dynamic/README.md; 2026-11-26 morning:
-# tools/results/2026-11-26_h200_fa4family_sparse_cudnn/README.md). Left for the next one, first machine's part.aa
+# (2026-11-25/26 on one H200: results/2026-11-26_h200_sparse_dynamic/README.md; 2026-11-26 morning:
+# results/2026-11-26_h200_fa4family_sparse_cudnn/README.md). Left for the next one, first machine's part.aa
 # call: cudnn_layout (the dO-layout hook; the cuDNN families of the suite); then steps75 on the current code, curves
 # with a stable run (--lr 2e-4), the kernel table (tools/bench_block_sparse.py), sp2 on two GPUs.
 # On 2 GPUs: first | fa4 | steps32@0 profiles@1 | steps75@0 curves@1 | sp2, steps13, kernels2.
@@ -70,7 +70,7 @@ fa4_disk_cache() {   # FA4's own persistent compile cache (FLASH_ATTENTION_CUTE_
     local ok=1 i t0
     for i in 1 2; do
       t0=$(date +%s)
-      FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 timeout 240 python3 tools/check_fa4_tiles.py --skip-timing \
+      FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 timeout 240 python3 tests/gpu/check_fa4_tiles.py --skip-timing \
         --cases 2,19 --out /tmp/spx_fa4_cache_probe$i > /tmp/spx_fa4_cache_probe$i.log 2>&1 || ok=0
       echo "fa4 disk cache probe $i: $(tail -n 1 /tmp/spx_fa4_cache_probe$i.log), $(( $(date +%s) - t0 )) s"
     done
@@ -112,8 +112,8 @@ stage_fa4() {   # second call (FA4 installed): its block sparsity checked per ke
   # step benchmarks time, on this machine), then check_fa4_tiles with the time left
   mkdir -p $W/fa4
   if [ "$(ngpu)" -ge 2 ]; then
-    { CUDA_VISIBLE_DEVICES=1 keep fa4/checks 240 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
-      CUDA_VISIBLE_DEVICES=1 keep fa4/layouts 200 python3 tools/check_fa4_layouts.py --out $W/fa4; } &
+    { CUDA_VISIBLE_DEVICES=1 keep fa4/checks 240 python3 tests/gpu/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
+      CUDA_VISIBLE_DEVICES=1 keep fa4/layouts 200 python3 tests/gpu/check_fa4_layouts.py --out $W/fa4; } &
     local bg=$!
     suite fa4/suite 330 "fa4_block_sparse_family and (2-nccl or 4-gloo)"
     suite fa4/suite_dyn 150 "(dit_dynamic or dit_sparse) and 2-nccl"
@@ -121,7 +121,7 @@ stage_fa4() {   # second call (FA4 installed): its block sparsity checked per ke
   else
     suite fa4/suite 330 "fa4_block_sparse_family"
     suite fa4/suite_sparse 220 "dit_sparse and 2-gloo"
-    keep fa4/checks 240 python3 tools/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
+    keep fa4/checks 240 python3 tests/gpu/check_fa4_tiles.py --skip-timing --out $W/fa4/checks
   fi
 }
 stage_sp2() {   # #55 item 4: the step at SP=2 (one rank per GPU), wan-14b 4 layers, 75,600 tokens (full recompute: the
@@ -142,7 +142,7 @@ stage_suite() {   # the CUDA suite: the families the newest code touched
   suite suite ${SUITE_S:-520} "${SUITE_K:-fa4_block_sparse or one_ring or block_sparse_family or ring_family or mesh_family or fa4_family or auto_family or fsdp2 or fused_fp32 or dit_dynamic}"
 }
 stage_checks() {   # a short session's checks: FA4 block sparsity per kernel call, then the CUDA suite's new cases
-  keep checks/tiles 170 python3 tools/check_fa4_tiles.py --skip-timing --out $W/checks
+  keep checks/tiles 170 python3 tests/gpu/check_fa4_tiles.py --skip-timing --out $W/checks
   suite checks/suite 330 "fa4_block_sparse_family or fused_regions_fp32 or fsdp2_model or one_ring_family"
 }
 stage_kernels() {  # the kernel table (#53): FA4 block-sparse / flex / math beside dense FA4 and cuDNN, H=40
@@ -159,7 +159,7 @@ stage_kernels2() {  # the kernel table's H=5 rows (wan-14b's 40 heads over Ulyss
     --out $W/kernels/h5_bs128
 }
 stage_cudnn() {   # which lengths cuDNN's bf16 attention gets right (fwd+bwd vs fp32 math), one process per case
-  keep cudnn_lengths 200 python3 tools/check_cudnn_lengths.py --out $W/cudnn
+  keep cudnn_lengths 200 python3 tests/gpu/check_cudnn_lengths.py --out $W/cudnn
 }
 stage_dyncheck() {   # dynamic SP's DiT family on "auto" (FA4 where installed: the kernel the dynamic bench times),
   # then the emulated P=8 bench on it (#54)
@@ -244,33 +244,33 @@ stage_s3() {   # the DiT's sparse family with the SP=1 replay of SP=P's top-k se
 }
 stage_cudnn_small() {   # cuDNN's bf16 backward on the dit_dynamic pack: the step with its loss scaled up (are small
   # gradients the trigger?), then single calls of the pack's lengths as the DiT lays them out, dO scaled down
-  keep cudnn/dit_scale 200 python3 tools/check_cudnn_dit_scale.py --out $W/cudnn
-  keep cudnn/small_do 200 python3 tools/check_cudnn_lengths.py --small-do --in-process --out $W/cudnn
+  keep cudnn/dit_scale 200 python3 tests/gpu/check_cudnn_dit_scale.py --out $W/cudnn
+  keep cudnn/small_do 200 python3 tests/gpu/check_cudnn_lengths.py --small-do --in-process --out $W/cudnn
 }
 stage_sdpa_calls() {   # every torch SDPA call of the two failing SP=1 bf16 steps, replayed alone against fp32 math
-  keep cudnn/sdpa_calls 300 python3 tools/check_sdpa_calls.py --out $W/cudnn
+  keep cudnn/sdpa_calls 300 python3 tests/gpu/check_sdpa_calls.py --out $W/cudnn
 }
 stage_cudnn_fix() {   # after the contiguous-input fix (kernels/cudnn.py): the replayed calls, then the dit_dynamic family
   # on cuDNN at P=2 and P=4
-  keep cudnn/sdpa_calls_fixed 200 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/fixed
+  keep cudnn/sdpa_calls_fixed 200 python3 tests/gpu/check_sdpa_calls.py --steps dynamic --out $W/cudnn/fixed
   suite s1/dit_dynamic_cudnn_fixed 240 "dit_dynamic and gloo" SPX_SUITE_KERNEL=cudnn
 }
 stage_cudnn_calls() {   # the dynamic step's bad cuDNN calls: on random data of the same layout here, and on their own
   # data in a fresh process (is it the data or this process's cached graphs?)
-  keep cudnn/sdpa_calls_why 250 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/why
+  keep cudnn/sdpa_calls_why 250 python3 tests/gpu/check_sdpa_calls.py --steps dynamic --out $W/cudnn/why
 }
 stage_cudnn_layout() {   # torch's cuDNN backward graph cache (dO strides baked in, not in the key) as the cause of
   # the packed step's failure (needs no FA4: part.aa): the two-call check with and without the dO-layout hook, the
   # CUDA test, the dynamic step's SDPA calls, then the dit_dynamic family on cuDNN at P=2 and P=4
-  keep cudnn/do_layout 120 python3 tools/check_cudnn_do_layout.py --out $W/cudnn/do_layout
+  keep cudnn/do_layout 120 python3 tests/gpu/check_cudnn_do_layout.py --out $W/cudnn/do_layout
   keep cudnn/test_layouts 90 python3 -m pytest -q tests/test_cudnn_layouts.py
-  keep cudnn/sdpa_calls_layout 150 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/layout
+  keep cudnn/sdpa_calls_layout 150 python3 tests/gpu/check_sdpa_calls.py --steps dynamic --out $W/cudnn/layout
   suite s1/dit_dynamic_cudnn_layout 240 "dit_dynamic and gloo" SPX_SUITE_KERNEL=cudnn
 }
 stage_fa4_dit() {   # FA4's block sparsity at the DiT sparse family's shapes (head dim 64, 8 heads, top-k 3 of 8), then
   # the SP=1 sparse step's SDPA calls and error on FA4, then the family at P=2
-  keep checks/fa4_dit 200 python3 tools/check_fa4_tiles.py --skip-timing --dit --out $W/checks/dit
-  keep cudnn/sdpa_calls_sparse 100 python3 tools/check_sdpa_calls.py --steps sparse --out $W/cudnn/sparse
+  keep checks/fa4_dit 200 python3 tests/gpu/check_fa4_tiles.py --skip-timing --dit --out $W/checks/dit
+  keep cudnn/sdpa_calls_sparse 100 python3 tests/gpu/check_sdpa_calls.py --steps sparse --out $W/cudnn/sparse
   suite s3/dit_sparse_p2 ${S3_S:-220} "dit_sparse and 2-gloo" SPX_DIT_SPARSE_DIAG=1
 }
 stage_sparse_diag() {   # the DiT's sparse family at P=2 with the replay diagnosis (SPX_DIT_SPARSE_DIAG=1)
@@ -306,9 +306,9 @@ stage_profiles2() {   # the topk90 step's profile beside the dense one only
 
 stage_c1_cudnn() {   # 2026-11-26 second session, call 1 (part.aa, no FA4), GPU 0: the cuDNN dO-layout fix's checks
   # (torch's cuDNN backward graph cache: dO's strides baked in, not in the key), then the FSDP2 entry case
-  keep cudnn/do_layout 120 python3 tools/check_cudnn_do_layout.py --out $W/cudnn/do_layout
+  keep cudnn/do_layout 120 python3 tests/gpu/check_cudnn_do_layout.py --out $W/cudnn/do_layout
   keep cudnn/test_layouts 90 python3 -m pytest -q -p no:cacheprovider tests/test_cudnn_layouts.py
-  keep cudnn/sdpa_calls_layout 150 python3 tools/check_sdpa_calls.py --steps dynamic --out $W/cudnn/layout
+  keep cudnn/sdpa_calls_layout 150 python3 tests/gpu/check_sdpa_calls.py --steps dynamic --out $W/cudnn/layout
   suite c1/fsdp2_entry 100 "fsdp2_entry or fused_regions_fp32"
 }
 stage_c1_dyn() {   # call 1, GPU 1: the DiT families on cuDNN (the packed step that failed before the fix), P=2 and 4
@@ -332,7 +332,7 @@ stage_table_rest() {   # the kernel table's rows left on 2026-11-26 (flex at 128
   # from that table's JSON in the tree; dense floors timed again on this machine (--retime-dense) so every ratio is
   # against a dense row of this GPU
   mkdir -p $W/kernels/table_rest
-  cp tools/results/2026-11-26_h200x4_table_steps_cudnn/call3/kernels/table_all/bench_block_sparse.json \
+  cp results/2026-11-26_h200x4_table_steps_cudnn/call3/kernels/table_all/bench_block_sparse.json \
     $W/kernels/table_rest/
   local left=$(( DEADLINE - $(date +%s) - 90 ))
   keep kernels/table_rest $(( left + 60 )) python3 tools/bench_block_sparse.py --table --table-kernels flex --resume \
@@ -408,7 +408,7 @@ full40() {   # full40 NAME TOKENS SP RECOMPUTE...: wan-14b at full depth (40 blo
     --model wan-14b --bf16 --use-torch-fsdp2 --context-parallel-size $sp --frames 21 --latent-size $size \
     --train-iters ${ITERS40:-20} --timing-bare-steps 2 "$@"
 }
-# Per GPU by tools/memory_plan.py (FSDP2 over 4, 2026-11-27): the optimizer step alone is 96.3 GiB (fp32 params,
+# Per GPU by training/video_dit/memory_plan.py (FSDP2 over 4, 2026-11-27): the optimizer step alone is 96.3 GiB (fp32 params,
 # grads, Adam and foreach AdamW's temporary: 20.5B parameters), so none of these fits 4 x H100 (78 GiB): 4 x H200.
 # 32,760: SP=2 selective 102.5, SP=4 selective 96.3 | 75,600: SP=4 selective 109.0, SP=2 selective 157.7 (no):
 # full 96.3 or selective + --cpu-offloading 99.8. Time (5.0e15 / 2.0e16 model FLOPs a step at 32,760 / 75,600 tokens:
@@ -447,7 +447,7 @@ stage_resume40b() {   # call 2: resume from that checkpoint to step 8 and compar
   local ck; ck=$(cat /tmp/spx_ck40_dir 2>/dev/null) || { echo "[resume40b: run resume40a first]"; return 0; }
   keep resume40/resumed 400 torchrun --nproc-per-node 4 training/pretrain_video_dit.py "${R40[@]}" --train-iters 8 \
     --load "$ck" --log-dir $W/resume40/resumed
-  keep resume40/check 30 python3 tools/check_resume.py --straight $W/resume40/straight --resumed \
+  keep resume40/check 30 python3 tests/gpu/check_resume.py --straight $W/resume40/straight --resumed \
     $W/resume40/resumed --first $W/resume40/first --out $W/resume40/check_resume.json
   rm -rf "$ck"
 }
@@ -528,7 +528,7 @@ stage_r8c67() {   # call 3 (FA4), 2 GPUs: #67's selective vs full recompute, one
 }
 stage_r8d69a() {   # call 4 (FA4 + cuDNN frontend), 1 GPU: cuDNN's block-sparse kernel checked against fp32 math on
   # this machine (exit 1 on a wrong case), with its first timing; then its CUDA family at P=2 on this GPU, ~4 min
-  keep r8d/cudnn_check 200 python3 tools/check_cudnn_block_sparse.py --out $W/r8d/cudnn_check
+  keep r8d/cudnn_check 200 python3 tests/gpu/check_cudnn_block_sparse.py --out $W/r8d/cudnn_check
   suite r8d/cudnn_bs 200 "test_cudnn_block_sparse_family and 2-gloo"
 }
 stage_r8d69b() {   # call 4, 1 GPU: #69's kernel table rows (H=40 and 5, S 32K / 75K, 90%, random / top-k / window, 64-
@@ -571,7 +571,7 @@ stage_i70_ds() {   # row 1 (2 GPUs, part.aa + .ds; ~2.5 min: 5 torchruns of ~20-
   # (ulysses, hcms, ring), dropout 0, no clip: every loss (and grad norm / 2) within 1e-5 of SP=1's, the attention
   # classes named; exit 1 otherwise (check/deepspeed_sp1.json, .md)
   i70_need i70_ds 2 && i70_deepspeed i70_ds || return 0
-  keep i70_ds/check 300 python3 tools/check_deepspeed_sp1.py --nproc 2 --out $W/i70_ds/check
+  keep i70_ds/check 300 python3 tests/gpu/check_deepspeed_sp1.py --nproc 2 --out $W/i70_ds/check
 }
 stage_i70_ds_time() {   # row 1 (2 GPUs, part.aa + .ds; ~3 min): the DeepSpeed adapter family over NCCL first (ours
   # == DeepSpeed's DistributedAttention with the same local callable, P=2), then the stock script's bf16 step at SP=2
@@ -579,7 +579,7 @@ stage_i70_ds_time() {   # row 1 (2 GPUs, part.aa + .ds; ~3 min): the DeepSpeed a
   # our block (ulysses, hcms); 3 torchruns of ~40 s. Time it with nothing else on the machine where possible.
   i70_need i70_ds_time 2 && i70_deepspeed i70_ds_time || return 0
   suite i70_ds_time/adapter 90 "test_deepspeed_adapter_vs_distributed_attention and 2-nccl"
-  keep i70_ds_time/time 240 python3 tools/check_deepspeed_sp1.py --time --nproc 2 --out $W/i70_ds_time/time
+  keep i70_ds_time/time 240 python3 tests/gpu/check_deepspeed_sp1.py --time --nproc 2 --out $W/i70_ds_time/time
 }
 I70_RESUME=(training/pretrain_video_dit.py --model wan-1.3b --num-layers 2 --frames 5 --latent-size 32x32 --seed 7
   --log-interval 1 --quiet ${I70_RESUME_ARGS:-})
@@ -600,11 +600,11 @@ stage_i70_resume() {   # row 2 (2 GPUs, part.aa; ~3 min: four entry runs of ~20 
   du -sh "$ck"
   keep i70_resume/resumed 90 torchrun --nproc-per-node 2 "${I70_RESUME[@]}" --context-parallel-size 2 \
     --train-iters 200 --load "$ck" --log-dir $d/resumed
-  keep i70_resume/check 30 python3 tools/check_resume.py --straight $d/straight --resumed $d/resumed \
+  keep i70_resume/check 30 python3 tests/gpu/check_resume.py --straight $d/straight --resumed $d/resumed \
     --first $d/first --out $d/check_resume.json
   CUDA_VISIBLE_DEVICES=$one keep i70_resume/sp1 80 torchrun --nproc-per-node 1 "${I70_RESUME[@]}" \
     --context-parallel-size 1 --train-iters 120 --load "$ck" --log-dir $d/sp1
-  keep i70_resume/check_sp1 30 python3 tools/check_resume.py --straight $d/straight --resumed $d/sp1 --rtol 1e-5 \
+  keep i70_resume/check_sp1 30 python3 tests/gpu/check_resume.py --straight $d/straight --resumed $d/sp1 --rtol 1e-5 \
     --out $d/check_sp1.json
   rm -rf "$ck"
 }

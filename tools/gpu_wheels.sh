@@ -2,7 +2,7 @@
 # Here (with a registry): the wheels the GPU machines lack, as parts small enough to carry one per device call.
 #   bash tools/gpu_wheels.sh            -> .fa4/part.aa, .fa4/part.ab (+ .fa4/manifest), git-ignored
 #   bash tools/gpu_wheels.sh lite       -> the same parts without DeepSpeed and its needs (smaller)
-#   PARTS=3 bash tools/gpu_wheels.sh lite   -> three parts (~35 MB each): with tools/results at 12.7 MB the tree
+#   PARTS=3 bash tools/gpu_wheels.sh lite   -> three parts (~35 MB each): with results at 12.7 MB the tree
 #                                              (13.8 MB) and one of two lite halves went over 64 MiB (2026-11-26)
 # Contents: flash-attn-4 and its CuTe DSL compiler (~102 MB), megatron-core 0.16.1, deepspeed 0.19.8, diffusers 0.42.1
 # (the image's huggingface-hub 1.33 serves it), cuDNN frontend 1.32.0 (block-sparse attention; uses FA4's

@@ -1,4 +1,5 @@
-"""Measured per-GPU peaks for tools/memory_plan.py's validation (#51 item 8, #52, #67), in ONE GPU job per rank count.
+"""Measured per-GPU peaks for training/video_dit/memory_plan.py's validation (#51 item 8, #52, #67), in ONE GPU job
+per rank count.
 
 Runs the megatron-core entry in-process (as tools/bench_train_step.py does: --timing, its peak_mem_gib, i.e.
 torch.cuda.max_memory_allocated past the first steps, optimizer state included) for wan-14b dimensions at
@@ -14,7 +15,8 @@ configuration (a timeout keeps what finished); no configuration starts past --bu
     torchrun --nproc-per-node 1 tools/measure_peaks.py --out $OUT            # ~5 min on 1 x H100
     torchrun --nproc-per-node 2 tools/measure_peaks.py --out $OUT/p2         # the 2-rank points
     torchrun --nproc-per-node 4 tools/measure_peaks.py --out $OUT/p4         # the 4-rank points
-    python tools/memory_plan.py --merge $OUT/memory_peaks.json && python tools/memory_plan.py --validate
+    python -m training.video_dit.memory_plan --merge $OUT/memory_peaks.json
+    python -m training.video_dit.memory_plan --validate
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def entry_argv(sharding: str, recompute: str, layers: int, tokens: int, tmp: str
 
 def main(argv: list | None = None) -> None:
     from tools.gpu_ranks import run_meta  # noqa: PLC0415
-    from tools.memory_plan import plan  # noqa: PLC0415
+    from training.video_dit.memory_plan import plan  # noqa: PLC0415
     from training import pretrain_video_dit as entry  # noqa: PLC0415
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))

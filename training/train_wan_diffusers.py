@@ -10,8 +10,8 @@ Model: ``--init PATH`` (a local directory in diffusers' layout, from_pretrained:
 pipeline directory with transformer/) or ``--init random --model wan-1.3b|wan-14b|tiny`` (diffusers' Wan2.1 configs;
 --num-layers shortens them). Weights stay fp32; --bf16 runs the step under bf16 autocast (CUDA; with FSDP2 its bf16
 compute weights). --recompute-granularity full turns on diffusers' gradient checkpointing (per block).
-Data: --data-path (latent files, "latent" [C, F, H, W] and "text" [L, 4096]: tools/make_latents.py) or synthetic
-latents of --frames x --latent-size. Objective: training/wan_diffusers/flow.py (x_t = (1 - t) x0 + t eps, target
+Data: --data-path (latent files, "latent" [C, F, H, W] and "text" [L, 4096]: training/video_dit/make_latents.py) or
+synthetic latents of --frames x --latent-size. Objective: training/wan_diffusers/flow.py (x_t = (1 - t) x0 + t eps, target
 eps - x0, Wan's timestep shift --timestep-shift). Gradients over SP ranks: training/wan_diffusers/loop.py.
 Checkpoints (--save / --load / --save-interval / --keep-last): torch.distributed.checkpoint, atomic, resharding across
 SP, DP and FSDP sizes (training/video_dit/checkpoint.py). --save-pretrained DIR writes the trained transformer in

@@ -9,10 +9,10 @@ scale - lse) and D = rowsum(dO * O)). ``tiles``: a block mask's slice for the ca
 ``KERNELS`` (fastest first on Hopper; the registry's ORDER says what was measured) today: FlashAttention-4,
 cuDNN, torch's FlashAttention-2, math. The memory-efficient kernel is not offered: on an H100 (torch 2.11) its
 backward was wrong when fed merged out/lse with strided k/v (dq/dk errors 0.1-3.9 and NaN;
-tools/results/2026-11-23_h100_early), which is exactly how ring steps call it.
+results/2026-11-23_h100_early), which is exactly how ring steps call it.
 Blocks with one query or one key row run on the math kernel whatever the kernel: on an H100 (torch 2.11, CUDA 13)
 cuDNN's 1 x 1 block crashed the process (segfault) and flash's returned garbage (error 1e24), while 2 x 2 and 1 x 5
-were right (tools/results/2026-11-24_h100_packed_padding/tiny_blocks.txt). Packed samples make such blocks: a
+were right (results/2026-11-24_h100_packed_padding/tiny_blocks.txt). Packed samples make such blocks: a
 one-token sample, or a sample's one padding row.
 Availability: the kernel's own conditions (``Kernel.why_not``) plus a tiny probe call per (kernel, device, dtype)
 against math, cached.

@@ -59,7 +59,7 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--frames", default="4", help="comma list of latent frame counts, cycled per sample")
     g.add_argument("--latent-size", default="8x8", help="latent HxW (before the 2x2 patch); a comma list (e.g. "
                    "60x104,48x84) is cycled per sample independently of --frames")
-    g.add_argument("--data-path", default=None, help="directory of latent shards (tools/make_latents.py); "
+    g.add_argument("--data-path", default=None, help="directory of latent shards (training/video_dit/make_latents.py); "
                    "default: synthetic latents")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--pack-samples", action="store_true",

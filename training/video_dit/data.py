@@ -1,6 +1,6 @@
 """Training data: a synthetic latent + text source (default) and on-disk latent shards.
 
-On-disk format (written by tools/make_latents.py): a directory of ``*.pt`` (torch.save) or
+On-disk format (written by training/video_dit/make_latents.py): a directory of ``*.pt`` (torch.save) or
 ``*.safetensors`` files, one sample each, holding
     "latent": float tensor [C, T, H, W]  (VAE latents; T, H and W may differ between samples: with
                                           --micro-batch-size 1, or packed into one sequence by --pack-samples)

@@ -3,7 +3,7 @@
 On one H100 (wan-1.3b dims, 32,760 tokens, bf16) a quarter of the step's GPU time went to unfused
 elementwise kernels around the GEMMs and attention: AdaLN modulation, gated residuals, the fp32 QK
 RMSNorm and RoPE, each a few passes over [S, d] forward and backward (profile:
-tools/results/2026-11-23_h100_dit_profile). Each function below is one region that ``torch.compile``
+results/2026-11-23_h100_dit_profile). Each function below is one region that ``torch.compile``
 turns into a few fused kernels, forward and backward; the math is the eager one, so results agree to
 rounding (fused fp32 reductions may sum in another order).
 

@@ -83,7 +83,7 @@ class SparseStepCache:
     """The ``SparseStep`` of the last (spec, grid, token ids, SP group, device) seen: a run with a fixed shape builds it
     once instead of every forward. ``sparse_step`` does host tensor work over every local token (its index over the
     tile order is an OpenMP-parallel op: 7.1 ms per call in a training entry's profile on an H200, 2026-11-26,
-    tools/results/2026-11-26_h200x4_table_steps_cudnn/call3/profile/topk90) and a blocking host-to-device copy of
+    results/2026-11-26_h200x4_table_steps_cudnn/call3/profile/topk90) and a blocking host-to-device copy of
     ``tile_index`` (a stream sync), both in the step's critical path: the likely cause of short sparse steps' entry
     over bare step (wan-1.3b 4 layers, window 90%: 114.4 vs 107.5 ms). As ``rope.RopeCache``: token ids on the host
     (what the entry points pass) are compared on the host, without a device sync; token ids already on a device (a

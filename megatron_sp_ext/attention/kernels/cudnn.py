@@ -11,9 +11,9 @@ torch allocates from q's (``in_layout_of`` on the log-sum-exp route; ``grad_in_o
 plain SDPA calls, whose dO would otherwise be whatever the caller's backward produced: a slice of a packed
 gradient, a transposed view, or a timing trial's ``out.detach()``). On 1 x H200 (torch 2.11, cuDNN 9.19,
 2026-11-26) a packed DiT step's per-sample calls gave gradients ~1 off or non-finite in the step's process, and
-right ones replayed alone in a fresh process (tools/check_sdpa_calls.py; the replays fed dO contiguous, the step
+right ones replayed alone in a fresh process (tests/gpu/check_sdpa_calls.py; the replays fed dO contiguous, the step
 slices of a packed gradient): this cache was the cause. With the hook the same step is 3.6e-3 off fp32 and the
-dit_dynamic family passes on cuDNN in bf16 (4 x H200, 2026-11-26; tools/check_cudnn_do_layout.py: 1.40 off
+dit_dynamic family passes on cuDNN in bf16 (4 x H200, 2026-11-26; tests/gpu/check_cudnn_do_layout.py: 1.40 off
 without the hook, 4.3e-3 with it; tests/test_cudnn_layouts.py has the CUDA case).
 """
 from __future__ import annotations

@@ -71,7 +71,7 @@ def schema_ok() -> bool:
 
 # FA4 4.0.0b36's backward on an H100 was wrong at head dims 8 and 16 (dq/dk/dv up to 100% relative error from 90
 # tokens on, and in its varlen call at every length; the forward right), right at 64 and 128
-# (tools/check_fa4_layouts.py, 2026-11-25, tools/results/2026-11-25_h100x2_sparse): head dims below MIN_HEAD_DIM
+# (tests/gpu/check_fa4_layouts.py, 2026-11-25, results/2026-11-25_h100x2_sparse): head dims below MIN_HEAD_DIM
 # (32 and 48 unchecked) go to the next kernel.
 MIN_HEAD_DIM = 64
 

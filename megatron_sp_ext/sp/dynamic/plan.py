@@ -31,7 +31,7 @@ from ...errors import SPConfigError
 
 # the modelled gain below which the entries keep uniform SP (2 x H100, 2026-11-25: a plan modelled 1.9% lighter than
 # uniform SP ran 4% slower at P=2 over NVLink, before that path's gradients were checked there: a conservative
-# margin until a checked rerun; tools/results/2026-11-25_h100x2_fa4_lists_dynamic)
+# margin until a checked rerun; results/2026-11-25_h100x2_fa4_lists_dynamic)
 MIN_GAIN = 0.05
 # the caps tried, as multiples of the mean work per rank (inf: every sample at its smallest allowed size)
 CAPS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, float("inf"))

@@ -174,7 +174,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     qkv_contiguous (default True): copy each chunk's q/k/v into the kernel's native [B, S, h, D]
     layout and exchange gradients one tensor at a time; False keeps the zero-copy packed q|k|v views
     and one gradient exchange per chunk. Same math, bit for bit; measured on 4 x H200 the default
-    needs ~25% less fwd+bwd peak memory at equal speed (tools/results/.../contig_ab_p4.md).
+    needs ~25% less fwd+bwd peak memory at equal speed (results/.../contig_ab_p4.md).
     transport: "nccl" (the group's all_to_all, default), "symm_mem" (copy-engine pulls between barrier
     kernels) or "copy_engine" (copy-engine pulls ordered by stream-memory flags, no kernel), both through
     torch symmetric memory with CUDA tensors and an NCCL group; or a transport object. Same math.

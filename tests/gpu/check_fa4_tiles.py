@@ -3,7 +3,7 @@ kernel (fp32, same device) and a first timing, in one job. Cases: 128- and 64-to
 blocks through the mask_mod), random per-head / window / all-True / empty query tiles, causal and not, GQA, padded
 keys, a ragged length. Timing: S=32,768, H=40, D=128, bf16, fwd+bwd, FA4 block-sparse vs FA4 dense vs flex.
 
-    python tools/check_fa4_tiles.py --out $OUT          # writes check_fa4_tiles.json, prints a table
+    python tests/gpu/check_fa4_tiles.py --out $OUT          # writes check_fa4_tiles.json, prints a table
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from megatron_sp_ext.attention import kernels  # noqa: E402
 from megatron_sp_ext.attention.tiles import TileSlice  # noqa: E402
 from tools.benchlib import median_ms  # noqa: E402

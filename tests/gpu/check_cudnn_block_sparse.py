@@ -9,7 +9,7 @@ lse (live rows), dq, dk, dv; rows that select nothing must give out 0 and lse -i
 through the kernels' forward/backward-from-lse (a ring step's calls), cuDNN's block sparsity vs FA4's vs dense FA4,
 64/128-token tiles, window/random at 0.8/0.9, the metadata build apart (``meta_ms``).
 
-    python tools/check_cudnn_block_sparse.py --out $OUT     # check_cudnn_block_sparse.json; exit 1 on a wrong case
+    python tests/gpu/check_cudnn_block_sparse.py --out $OUT     # check_cudnn_block_sparse.json; exit 1 on a wrong case
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from megatron_sp_ext.attention import kernels  # noqa: E402
 from megatron_sp_ext.attention.tiles import TileSlice  # noqa: E402
 from tools.benchlib import median_ms  # noqa: E402
-from tools.check_fa4_tiles import mask_of, rel  # noqa: E402
+from tests.gpu.check_fa4_tiles import mask_of, rel  # noqa: E402
 
 NAME = "cudnn_block_sparse"
 TOL = 2e-2   # bf16 against fp32

@@ -16,8 +16,8 @@ Given Megatron-LM checkouts (one directory per release: ``--checkout core_v0.19.
                iterations at a learning rate where the loss falls >= 20%).
 Writes one JSON (release tag, checkout commit if known, date, commands, results) to --out.
 
-    python tools/check_megatron_lm.py --mode cpu --checkout core_v0.16.1=/tmp/mlm-0.16.1 ... --out results/
-    python tools/check_megatron_lm.py --mode gpu --gpus 2 --cp 2 --checkout core_v0.19.0=/tmp/mlm-0.19.0 --out $OUT
+    python tests/gpu/check_megatron_lm.py --mode cpu --checkout core_v0.16.1=/tmp/mlm-0.16.1 ... --out results/
+    python tests/gpu/check_megatron_lm.py --mode gpu --gpus 2 --cp 2 --checkout core_v0.19.0=/tmp/mlm-0.19.0 --out $OUT
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import textwrap
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_GPT = ("--num-layers 2 --hidden-size 512 --num-attention-heads 8 --seq-length 4096 "
             "--max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size {gbs} --train-iters {iters} "
             "--lr {lr} --min-lr {lr} --lr-decay-style constant --bf16 --mock-data --tokenizer-type NullTokenizer "
@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--lr", default="1e-3", help="constant; 1e-3 makes the tiny GPT's loss fall ~70%% in 10 iterations "
-                    "(3e-3 oscillates: tools/results/2026-11-23_h100_megatron_lm_cp1)")
+                    "(3e-3 oscillates: results/2026-11-23_h100_megatron_lm_cp1)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)

@@ -9,7 +9,7 @@ run (max relative difference; pass: < 1% at every iteration and the loss falls >
 Writes <out>/deepspeed_ulysses.json (versions, date, commands, per-iteration values) and .md.
 
 Needs >= 2 GPUs, deepspeed and transformers (carried as wheels, see docs/deepspeed.md):
-    python tools/check_deepspeed_ulysses.py --nproc 2 --out tools/results/<date>_deepspeed
+    python tests/gpu/check_deepspeed_ulysses.py --nproc 2 --out results/<date>_deepspeed
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = {
     "train_ulysses": {"modes": [{"mode": "ulysses"}, {"mode": "hcms", "head_chunks": 2},
                                 {"mode": "ring", "causal": True}], "extra": []},
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--tolerance", type=float, default=0.01)
-    p.add_argument("--out", default=os.path.join(ROOT, "tools", "results", "deepspeed_ulysses"))
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "deepspeed_ulysses"))
     args = p.parse_args(argv)
     import torch  # noqa: PLC0415
     if args.cpu:

@@ -10,7 +10,7 @@
    that rank 0 of a P=2/4 ring does (non-causal contiguous; causal zigzag: step 0 one causal call over
    the local [chunk r, chunk 2P-1-r], then half-blocks), vs the floor of that rank (H/P heads over the
    full sequence, one SDPA call).
-Writes gpu_kernel_check.json to --out. Usage: python3 tools/gpu_kernel_check.py --out $OUT [--quick]
+Writes gpu_kernel_check.json to --out. Usage: python3 tests/gpu/gpu_kernel_check.py --out $OUT [--quick]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from megatron_sp_ext.attention import lse_kernels as lk  # noqa: E402
 from megatron_sp_ext.attention.lse import merge_into  # noqa: E402
 from megatron_sp_ext.sp.calibration import time_ms  # noqa: E402

@@ -10,7 +10,7 @@ that cannot run here is recorded as skipped) on backend "fa4" over two samples o
 relative max error of out, lse, dq, dk, dv (bf16 passes below 2e-2; fp32 math on the same bf16 inputs is the
 floor, reported beside it).
 
-    python tools/check_fa4_layouts.py --out $OUT          # CUDA + FA4: ~20-40 s (first calls compile)
+    python tests/gpu/check_fa4_layouts.py --out $OUT          # CUDA + FA4: ~20-40 s (first calls compile)
     (tests/test_check_fa4_layouts.py runs it on the CPU stand-in of FA4, tests/fake_fa4.py)
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_sp_ext.attention import backends, varlen  # noqa: E402
 

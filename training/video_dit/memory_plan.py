@@ -2,12 +2,14 @@
 recompute, selective recompute that keeps the attention core, activation offloading), the SP exchanges' buffers,
 and whether it fits a GPU.
 
-    python tools/memory_plan.py --model wan-14b --tokens 75600 --sp 8 --gpus 8 --sharding fsdp --recompute full
-    python tools/memory_plan.py --model wan-14b --layers 4 --tokens 75600 --sp 2 --gpus 2 --recompute selective
-    python tools/memory_plan.py --table          # wan-14b, 32K / 75K / 300K tokens on 8 / 16 / 64 GPUs
-    python tools/memory_plan.py --validate       # fit and validate points apart; exit 1 if a validate one is >10% off
-    python tools/memory_plan.py --validate --require-ranks 1,2,4   # ... or if a rank count has no validate point
-    python tools/memory_plan.py --merge $OUT/memory_peaks.json   # add tools/measure_peaks.py's GPU peaks (validate)
+    python -m training.video_dit.memory_plan --model wan-14b --tokens 75600 --sp 8 --gpus 8 --sharding fsdp \
+        --recompute full
+    python -m training.video_dit.memory_plan --model wan-14b --layers 4 --tokens 75600 --sp 2 --gpus 2 \
+        --recompute selective
+    python -m training.video_dit.memory_plan --table      # wan-14b, 32K / 75K / 300K tokens on 8 / 16 / 64 GPUs
+    python -m training.video_dit.memory_plan --validate   # fit and validate points apart; exit 1 if one is >10% off
+    python -m training.video_dit.memory_plan --validate --require-ranks 1,2,4   # ... or a rank count has none
+    python -m training.video_dit.memory_plan --merge $OUT/memory_peaks.json     # tools/measure_peaks.py's peaks
 
 Recompute choices (the entry's flags): none; full (--recompute-granularity full); selective
 (--recompute-granularity selective --recompute-modules outside_core_attn: everything of a block but the attention
@@ -32,7 +34,7 @@ Model (bf16 autocast over fp32 weights, AdamW): parameters 4 B/param, gradients 
   Before 2026-11-27 the plan counted every gradient shard, two blocks unsharded at 6 B/param and no optimizer
   phase: +23% on the one 2-rank FSDP2 peak (23.0 GiB measured, plan 28.2), +7% at one rank.
   activations: c x dim bytes per local token per layer, c the one constant FITTED to the measured peaks marked
-  "fit" (tools/results/memory_peaks/peaks.json; least squares of the relative error; all of them without
+  "fit" (memory_peaks.json beside this file; least squares of the relative error; all of them without
   recompute, megatron DDP). What a block keeps between its forward and its backward, per local token:
     full: its input, the bf16 residual stream (2 x dim B);
     selective: its input (2 x dim), the attention core's saved q, k, v and output (8 x dim, bf16) and log-sum-exp
@@ -54,15 +56,13 @@ import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 GIB = float(1 << 30)
 WORKSPACE_GIB = 1.0
 H200_USABLE_GIB = 139.0
 MAX_VALIDATION_ERROR = 0.10
 SHARDINGS = ("none", "distributed-optimizer", "fsdp", "zero3")
 RECOMPUTES = ("none", "full", "selective")
-PEAKS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory_peaks", "peaks.json")
+PEAKS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_peaks.json")
 POINT_KEYS = ("model", "layers", "tokens", "sp", "gpus", "sharding", "recompute")
 # bytes per local token per layer a block keeps between forward and backward, in units of dim (bf16 tensors)
 KEEP_FULL = 2          # the block's input

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates this folder (CPU only: simulated gloo ranks, the volume model of topology/volume.py).
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
-out=tools/results/2026-11-23_topology
+cd "$(dirname "$0")/../.."
+out=results/2026-11-23_topology
 for spec in "2 16" "4 32"; do
   set -- $spec
   for h in 40 12 32; do

@@ -2,7 +2,7 @@
 same steps of the uninterrupted run (each run's metrics.jsonl, written by the entry's --log-dir on rank 0; run
 both with --log-interval 1 so every step has its loss), and optionally the saving run's steps too.
 
-    python tools/check_resume.py --straight $W/straight --resumed $W/resumed [--first $W/first] --out $W/resume.json
+    python tests/gpu/check_resume.py --straight $W/straight --resumed $W/resumed [--first $W/first] --out $W/resume.json
 
 Exit 0 when every compared step's loss is identical (float equality of the logged values) and the resumed run
 logged at least one step; else 1, naming the steps. With ``--rtol R`` (a resume at another SP size, whose

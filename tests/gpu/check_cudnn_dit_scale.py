@@ -4,7 +4,7 @@ non-finite bf16 gradients on cuDNN (H100 and H200, 2026-11-25/26; the first non-
 self-attention), while isolated cuDNN calls of those lengths with unit-scale dO were right. This runs that step with
 the loss multiplied by 1, 1e2, 1e4, 1e6 (the gradients divided back) on cuDNN and on "auto", against SP=1 fp32.
 
-    python tools/check_cudnn_dit_scale.py --out DIR          (one GPU; writes DIR/cudnn_dit_scale.json)
+    python tests/gpu/check_cudnn_dit_scale.py --out DIR          (one GPU; writes DIR/cudnn_dit_scale.json)
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests import cuda_dit_dynamic as worker  # noqa: E402
 from tests.cuda_dit_sparse import normwise  # noqa: E402
 from training.video_dit.engine import make_core  # noqa: E402

@@ -23,9 +23,9 @@ script has no dropout).
 Writes <out>/deepspeed_sp1.json (date, commit, versions, GPUs, every command and config, per-step values, the
 verdicts) and prints a table.
 
-    python tools/check_deepspeed_sp1.py --out $OUT/ds_check                   # 2 GPUs, fp32, ~2 min
-    python tools/check_deepspeed_sp1.py --time --out $OUT/ds_time             # 2 GPUs, bf16, ~2 min
-    python tools/check_deepspeed_sp1.py --cpu --out /tmp/ds --seq-len 64      # CPU smoke (gloo, DS_ACCELERATOR=cpu)
+    python tests/gpu/check_deepspeed_sp1.py --out $OUT/ds_check                   # 2 GPUs, fp32, ~2 min
+    python tests/gpu/check_deepspeed_sp1.py --time --out $OUT/ds_time             # 2 GPUs, bf16, ~2 min
+    python tests/gpu/check_deepspeed_sp1.py --cpu --out /tmp/ds --seq-len 64      # CPU smoke (gloo, DS_ACCELERATOR=cpu)
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join("training", "ds_examples", "train_ulysses.py")
 BASE_CONFIG = os.path.join(ROOT, "training", "ds_examples", "configs", "ds_sp2.json")
 BLOCKS = {"ulysses": {"mode": "ulysses"}, "hcms": {"mode": "hcms", "head_chunks": 2},

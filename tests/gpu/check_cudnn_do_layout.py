@@ -4,8 +4,9 @@ contiguous one (tests/test_cudnn_layouts.py ``two_calls``), each in a fresh proc
 with the library's dO-layout hook (kernels/cudnn.py ``grad_in_own_layout``) and with it taken out. Errors of
 out/dq/dk/dv against fp64 math, one JSON file.
 
-    python tools/check_cudnn_do_layout.py --out DIR          (one GPU; DIR/cudnn_do_layout.json)
-    python tools/check_cudnn_do_layout.py --out DIR --device cpu    (the flow on the CPU stand-in, tests/fake_cudnn.py)
+    python tests/gpu/check_cudnn_do_layout.py --out DIR          (one GPU; DIR/cudnn_do_layout.json)
+    python tests/gpu/check_cudnn_do_layout.py --out DIR --device cpu    (the flow on the CPU stand-in,
+                                                                        tests/fake_cudnn.py)
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 class _Setattr:
@@ -44,7 +45,7 @@ def one(hook: bool, device: str) -> dict:
 
 def _env() -> dict:
     """The child's environment: this checkout first on its import path (it imports ``tests``)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

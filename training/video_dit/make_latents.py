@@ -3,17 +3,15 @@
 Format: each file holds "latent" [C, T, H, W] float32 and "text" [L, D_text] float32 (see
 training/video_dit/data.py). This tool writes the synthetic generator's samples; replace the
 generator with your VAE/text-encoder outputs to train on real data.
-    python tools/make_latents.py --out data/latents --num 64 --channels 4 --frames 4,5 --size 6x10 \
+    python -m training.video_dit.make_latents --out data/latents --num 64 --channels 4 --frames 4,5 --size 6x10 \
         --text-len 8 --text-dim 32 --format safetensors
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from training.video_dit.data import SyntheticVideoLatents, write_sample  # noqa: E402
+from training.video_dit.data import SyntheticVideoLatents, write_sample
 
 
 def main(argv=None) -> None:

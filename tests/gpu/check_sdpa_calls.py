@@ -7,7 +7,7 @@ Steps: "dynamic" (tests/cuda_dit_dynamic.py's pack at SP=1 on the cudnn kernel: 
 and an H200, 2026-11-25/26) and "sparse" (tests/cuda_dit_sparse.py's top-k case at SP=1 on auto: 7.2e-2 off fp32 on
 an H200, 2026-11-26, while SP=2 was 4.2e-3 off).
 
-    python tools/check_sdpa_calls.py --out DIR [--steps dynamic,sparse]      (one GPU; DIR/sdpa_calls.json)
+    python tests/gpu/check_sdpa_calls.py --out DIR [--steps dynamic,sparse]      (one GPU; DIR/sdpa_calls.json)
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.cuda_dit_sparse import normwise  # noqa: E402
 from tests.reference import rel_err  # noqa: E402
 from training.video_dit.engine import make_core  # noqa: E402

@@ -2,7 +2,7 @@
 bf16, forward and backward, against fp32 math; each case in its own process (an illegal memory access ends the
 process's CUDA context, not the check).
 
-    python tools/check_cudnn_lengths.py --out DIR [--lengths 8,16,...] [--head-dims 64,128]
+    python tests/gpu/check_cudnn_lengths.py --out DIR [--lengths 8,16,...] [--head-dims 64,128]
 
 Why: the DiT's packed step on cuDNN (samples of 8-90 tokens, head dim 8 on an H100 and 64 on an H200) gave
 non-finite bf16 gradients at SP=1, and a batch of 20 samples of 1,560 tokens (H=5, head dim 128) failed cuDNN's
