@@ -8,7 +8,7 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening); #70: i70_ds i70_ds_time i70_resume i70_dyn_check i70_dyn2
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a; #70: i70_ds i70_ds_time i70_resume i70_dyn_check i70_dyn2
 # i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport.
 # A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
@@ -400,13 +400,14 @@ stage_peaks4() {   # the same at 4 ranks (SP=CP=4), ~5 min
 full40() {   # full40 NAME TOKENS SP RECOMPUTE...: wan-14b at full depth (40 blocks) on 4 GPUs, FSDP2 beside SP, one
   # bench_train_step job over F40_VARIANTS (default guarded = dense; then sparse_window90, sparse_topk90: one call
   # each, the time below), ${ITERS40:-20} steps each (bench_train_step keeps each finished variant in its
-  # .partial.json if the call's limit cuts the job)
+  # .partial.json if the call's limit cuts the job). --lr 1e-4 (LR40): at the entry's default 2e-3 the 40-block
+  # wan-14b diverged on 2026-11-27 (4 x H200: loss 1.42 at step 1, running median 144 by step 10)
   local name=$1 tokens=$2 sp=$3; shift 3
   local size=60x104; [ "$tokens" = 75600 ] && size=90x160
   keep full40/$name ${FULL40_S:-530} torchrun --nproc-per-node 4 tools/bench_train_step.py \
     --variants ${F40_VARIANTS:-guarded} --log-interval 5 --out $W/full40/$name${F40_TAG:-} -- \
     --model wan-14b --bf16 --use-torch-fsdp2 --context-parallel-size $sp --frames 21 --latent-size $size \
-    --train-iters ${ITERS40:-20} --timing-bare-steps 2 "$@"
+    --train-iters ${ITERS40:-20} --timing-bare-steps 2 --lr ${LR40:-1e-4} "$@"
 }
 # Per GPU by training/video_dit/memory_plan.py (FSDP2 over 4, 2026-11-27): the optimizer step alone is 96.3 GiB (fp32 params,
 # grads, Adam and foreach AdamW's temporary: 20.5B parameters), so none of these fits 4 x H100 (78 GiB): 4 x H200.
@@ -421,7 +422,7 @@ stage_full40_32k_sp2() { full40 wan14b_40l_32k_sp2 32760 2 "${SEL[@]}"; }
 stage_full40_75k_sp4() { full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"; }
 stage_full40_75k_sp2() { full40 wan14b_40l_75k_sp2 75600 2 "${SEL[@]}" --cpu-offloading; }
 stage_full40_75k_sp2_full() { full40 wan14b_40l_75k_sp2_full 75600 2 --recompute-granularity full; }
-R40=(--model wan-14b --num-layers ${R40_LAYERS:-40} --bf16 --use-torch-fsdp2 --context-parallel-size 4 --frames 21
+R40=(--model wan-14b --num-layers ${R40_LAYERS:-40} --bf16 --use-torch-fsdp2 --context-parallel-size 4 --lr 1e-4 --frames 21
   --latent-size 60x104 --log-interval 1 --num-workers 2 "${SEL[@]}")
 ck40_dir() {   # where the checkpoint fits: 12 B a parameter (fp32 params + Adam), 0.51B a block: ~230 GiB at 40
   # blocks; /dev/shm first (a container's may be small), then this machine's disk; R40_LAYERS=20 halves it
@@ -501,6 +502,15 @@ stage_r7e() {   # call 5: 50-step bf16 loss curves (ours-auto vs diffusers' best
 # 2026-11-27 evening (issues #65 #67 #69 #70) on 4 GPUs: call 1 (part.aa, no FA4): r8a65@0,1 r8a67@2,3 | call 2
 #   (part.ab): r8a4, then peaks2@0,1 <#70 stages>@2,3 | call 3 (part.ac, FA4): r8c65@0,1 r8c67@2,3 | call 4:
 #   full40_32k_sp4 (4 x H200), or r8d69a@0 r8d69b@1 r8d66@2,3.
+# Next session on 4 GPUs (what 2026-11-27's r8 left; 30 min): call 1 (part.aa): r9a (the fused-RoPE bitwise test:
+#   its suite never ran, gpu_install raced; the diffusers P=4 families, test fixed), then i70_resume@0,1 i70_ds@2,3
+#   (lr 1e-4) | call 2 (part.ab): i70_transport+i70_tpcp | call 3 (FA4): full40_32k_sp4 with ITERS40=20 (falling
+#   loss at lr 1e-4), then full40_75k_sp4 (F40_VARIANTS=guarded,sparse_window90: one call) | call 4: r8d69a@0
+#   r8d69b@1 r8d66@2,3 | resume40a/b.
+stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' ops, then the diffusers families at P=4
+  suite r9a/rope 120 "test_wan_rope_fused_bitwise"
+  suite r9a/diffusers4 200 "(test_diffusers_family or test_diffusers_sparse_family) and 4-nccl"
+}
 stage_r8a65() {   # call 1, 2 GPUs: the round's new path (the fused Wan RoPE, bit for bit diffusers' ops) and the
   # diffusers families over NCCL with it (cuDNN: no FA4 yet), ~5 min
   suite r8a/rope 120 "test_wan_rope_fused_bitwise"
