@@ -114,7 +114,9 @@ def test_two_rank_fsdp2_point_within_tolerance():
     """#67: FSDP2 at 2 ranks (CP=2, wan-14b 4 blocks, 32,760 tokens, full recompute) peaked at 23.0 GiB against
     a plan of 28.2 (+23%): gradient shards exist only for the blocks whose backward is done, one block is
     unsharded at 4 B/param (not two at 6), and foreach AdamW's temporary makes the optimizer step a phase of its
-    own. Both phases are reported; the one-rank FSDP2 points stay within 2%."""
+    own. Both phases are reported; the 1- and 2-rank FSDP2 full-recompute validation points stay within 5% (every
+    point, 4 ranks and selective recompute included, within --validate's 10%: the 4-rank FSDP2 full-recompute
+    point at 32,760 tokens is -5.3%; test_every_validation_point_within_ten_percent)."""
     p2 = mp.plan("wan-14b", 32760, 2, 2, "fsdp", "full", 4)
     assert abs(p2.total_gib / 23.0 - 1) <= 0.05 and p2.peak_phase == "backward of block 0", p2
     six = mp.plan("wan-14b", 32760, 1, 1, "fsdp", "full", 6)   # 59.3 GiB measured: the optimizer step
@@ -122,14 +124,14 @@ def test_two_rank_fsdp2_point_within_tolerance():
     rows = [r for r in mp.validate() if r["role"] == "validate"]
     assert {r["gpus"] for r in rows} >= {1, 2}
     for r in rows:
-        if r["sharding"] == "fsdp":
+        if r["sharding"] == "fsdp" and r["recompute"] == "full" and r["gpus"] <= 2:
             assert abs(r["error"]) <= 0.05, r
 
 
 def test_validate_requires_rank_counts(tmp_path, capsys):
-    """--require-ranks 1,2,4 fails (naming the rank count) while no 4-rank point is measured; a 4-rank point at
-    the plan passes; one 20% off fails, naming it."""
-    pts = mp.load_points()
+    """--require-ranks 1,2,4 fails (naming the rank count) while no 4-rank point is measured (the file's points of
+    1 and 2 ranks); a 4-rank point at the plan passes; one 20% off fails, naming it."""
+    pts = [pt for pt in mp.load_points() if pt["gpus"] <= 2]
     path = _write(tmp_path, pts)
     assert mp.main(["--validate", "--peaks", path, "--require-ranks", "1,2"]) == 0
     assert mp.main(["--validate", "--peaks", path, "--require-ranks", "1,2,4"]) == 1
@@ -159,3 +161,13 @@ def test_recompute_choices_order_and_offload():
         mp.plan("wan-14b", 75600, 2, 2, "none", "full", 4, offload=True)
     with pytest.raises(ValueError, match="--recompute"):
         mp.plan("wan-14b", 75600, 2, 2, "none", "core_attn", 4)
+
+
+def test_every_validation_point_within_ten_percent():
+    """#67: every measured validation point of memory_peaks.json (1, 2 and 4 ranks; FSDP2 and megatron DDP; full,
+    selective, none; never fitted) within 10% of its plan, and points at each of 1, 2 and 4 ranks."""
+    rows = [r for r in mp.validate() if r["role"] == "validate"]
+    assert {r["gpus"] for r in rows} >= {1, 2, 4}
+    assert {r["recompute"] for r in rows} >= {"full", "selective", "none"}
+    bad = [r for r in rows if abs(r["error"]) > mp.MAX_VALIDATION_ERROR]
+    assert not bad, bad
