@@ -60,6 +60,34 @@ def test_every_list_of_names_derives_from_the_registry():
     assert backends.backend_names() == BACKENDS
 
 
+def _caps_fields_read(paths) -> set:
+    """Names ``f`` read as ``caps.f`` or ``<x>.caps.f`` anywhere in ``paths`` (a declaration or a keyword argument
+    ``Capabilities(f=...)`` is not a read)."""
+    read = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and (
+                    isinstance(node.value, ast.Name) and node.value.id == "caps"
+                    or isinstance(node.value, ast.Attribute) and node.value.attr == "caps"):
+                read.add(node.attr)
+    return read
+
+
+def test_every_capability_field_is_read_by_the_library():
+    """A field of Capabilities that no code of the library reads is a declaration nothing decides on (issue 66:
+    ``gqa`` and ``partial_tiles`` were): read it where the choice is made, or remove it."""
+    import dataclasses  # noqa: PLC0415
+    fields = {f.name for f in dataclasses.fields(kernels.Capabilities)}
+    unread = fields - _caps_fields_read((ROOT / "megatron_sp_ext").rglob("*.py"))
+    assert not unread, f"Capabilities fields declared and never read: {sorted(unread)}"
+
+
+def test_the_capability_scan_sees_reads_only(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("caps = Capabilities(gqa=True)\ndef f(k, caps):\n    return k.caps.lse or caps.tiles\n")
+    assert _caps_fields_read([src]) == {"lse", "tiles"}
+
+
 def test_every_kernel_declares_and_explains():
     cpu = torch.device("cpu")
     for n in kernels.ORDER:

@@ -11,8 +11,10 @@ Calls a kernel may offer (``Capabilities``):
            (what ring steps and head-chunked blocks need)
   varlen   ``varlen_forward`` / ``varlen_backward``: packed samples in one call (``varlen`` = the method's name)
   tiles    block sparsity: ``forward`` / ``backward`` / ``attention`` with ``tiles=``; "any" (any tile size and
-           placement), "kernel_blocks" (tiles that cover whole kernel blocks; with ``partial_tiles`` also tiles
-           that cut a kernel block), "none"
+           placement), "kernel_blocks" (the kernel's own blocks: whether it runs a given slice, tiles that cut
+           its blocks included, is its ``why_not_here``), "none"
+GQA: every kernel takes k/v with fewer heads (expanded inside the kernels that need it; read as they are by FA4,
+flex, flash_attn and TE); no choice depends on it, so it is no capability.
 """
 from __future__ import annotations
 
@@ -41,15 +43,13 @@ def package_device_problem(installed: bool, package: str, install_hint: str, dev
 @dataclass(frozen=True)
 class Capabilities:
     """What a kernel can do (see module docstring). dtypes per device type; archs: CUDA compute-capability majors
-    (None: any); gqa: k/v with fewer heads read as they are (not expanded); dense: calls without a block mask too
-    (False: a block-sparse-only kernel, never a backend nor a dense log-sum-exp kernel)."""
+    (None: any); dense: calls without a block mask too (False: a block-sparse-only kernel, never a backend nor a
+    dense log-sum-exp kernel). Every field is read by the registry's choice (tests/test_registry.py scans)."""
 
     plain: bool = True
     lse: bool = False
     varlen: Optional[str] = None
     tiles: str = "none"
-    partial_tiles: bool = False
-    gqa: bool = False
     dropout: bool = False
     dtypes: dict = field(default_factory=dict)
     archs: Optional[tuple] = None

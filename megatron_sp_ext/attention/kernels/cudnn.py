@@ -87,7 +87,7 @@ class CudnnKernel(Kernel):
     name = setting = "cudnn"
     label = "cuDNN (torch SDPA)"
     in_torch_sdpa = True   # "auto"'s plain calls go through torch's SDPA dispatch
-    caps = Capabilities(plain=True, lse=True, varlen=None, tiles="none", gqa=False, dropout=True,
+    caps = Capabilities(plain=True, lse=True, varlen=None, tiles="none", dropout=True,
                         dtypes={"cuda": HALF})
 
     def __init__(self) -> None:

@@ -363,7 +363,7 @@ class CudnnBlockSparseKernel(Kernel):
     label = "cuDNN block-sparse attention"
     package = PACKAGE
     install_hint = INSTALL_HINT
-    caps = Capabilities(plain=True, lse=True, varlen=None, tiles="kernel_blocks", partial_tiles=False, gqa=False,
+    caps = Capabilities(plain=True, lse=True, varlen=None, tiles="kernel_blocks",
                         dropout=False, dtypes={"cuda": DTYPES}, archs=ARCH_MAJORS, dense=False)
 
     def installed(self) -> bool:

@@ -338,14 +338,14 @@ def tile_backward(do, q, k, v, out, lse, scale: float, causal: bool, meta: TileM
 # ---------------------------------------------------------------------------------------- the registry's kernel
 class FA4Kernel(Kernel):
     """FlashAttention-4: plain, log-sum-exp, varlen ("fa4_varlen"), GQA without expansion, block sparsity at
-    128-token kernel blocks (partial blocks through a mask_mod where ``partial_tiles_ok``)."""
+    128-token kernel blocks (partial blocks through a mask_mod where its probe passed)."""
 
     name = setting = "fa4"
     label = "FlashAttention-4"
     package = PACKAGE
     install_hint = INSTALL_HINT
-    caps = Capabilities(plain=True, lse=True, varlen="fa4_varlen", tiles="kernel_blocks", partial_tiles=True,
-                        gqa=True, dropout=False, dtypes={"cuda": DTYPES}, archs=ARCH_MAJORS)
+    caps = Capabilities(plain=True, lse=True, varlen="fa4_varlen", tiles="kernel_blocks",
+                        dropout=False, dtypes={"cuda": DTYPES}, archs=ARCH_MAJORS)
     probe_failures = Exception   # a package of its own, compiled at first call: any failure of its probe = not here
 
     def __init__(self) -> None:

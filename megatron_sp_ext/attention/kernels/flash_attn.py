@@ -12,7 +12,7 @@ class FlashAttnKernel(Kernel):
     name = setting = "flash_attn"
     label = "flash-attn (flash_attn_func)"
     package = "flash_attn"
-    caps = Capabilities(plain=True, lse=False, gqa=True, dtypes={"cuda": (torch.float16, torch.bfloat16)})
+    caps = Capabilities(plain=True, lse=False, dtypes={"cuda": (torch.float16, torch.bfloat16)})
 
     def installed(self) -> bool:
         return importlib.util.find_spec("flash_attn") is not None

@@ -58,7 +58,7 @@ def flex_attention_masked(q, k, v, flex_mask, scale: float, *, compiled: bool = 
 class FlexKernel(Kernel):
     name = setting = "flex"
     label = "flex_attention (torch.compile)"
-    caps = Capabilities(plain=True, lse=False, varlen=None, tiles="any", partial_tiles=True, gqa=True,
+    caps = Capabilities(plain=True, lse=False, varlen=None, tiles="any",
                         dropout=False, dtypes={"cuda": DTYPES})
 
     def installed(self) -> bool:

@@ -24,7 +24,7 @@ class MathKernel(Kernel):
     name = setting = "math"
     label = "math (fp32 reference)"
     in_torch_sdpa = True   # "auto"'s plain calls go through torch's SDPA dispatch
-    caps = Capabilities(plain=True, lse=True, varlen=None, tiles="any", partial_tiles=True, gqa=False,
+    caps = Capabilities(plain=True, lse=True, varlen=None, tiles="any",
                         dropout=False, dtypes={"cpu": ALL_DTYPES, "cuda": ALL_DTYPES})
 
     def attention(self, q, k, v, causal, scale, tiles=None):

@@ -12,7 +12,7 @@ class TEKernel(Kernel):
     name = setting = "te"
     label = "Transformer Engine DotProductAttention"
     package = "transformer_engine"
-    caps = Capabilities(plain=True, lse=False, gqa=True, dtypes={"cuda": (torch.float16, torch.bfloat16)})
+    caps = Capabilities(plain=True, lse=False, dtypes={"cuda": (torch.float16, torch.bfloat16)})
 
     def __init__(self) -> None:
         self._mods: dict = {}

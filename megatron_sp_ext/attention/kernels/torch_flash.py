@@ -61,7 +61,7 @@ class TorchFlashKernel(Kernel):
     setting = "torch_flash"
     label = "FlashAttention-2 (torch SDPA)"
     in_torch_sdpa = True   # "auto"'s plain calls go through torch's SDPA dispatch
-    caps = Capabilities(plain=True, lse=True, varlen="flash_varlen", tiles="none", gqa=False, dropout=True,
+    caps = Capabilities(plain=True, lse=True, varlen="flash_varlen", tiles="none", dropout=True,
                         dtypes={"cuda": HALF, "cpu": (torch.float32, torch.bfloat16, torch.float16)})
 
     def __init__(self) -> None:
