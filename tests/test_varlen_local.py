@@ -15,13 +15,16 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import megatron_sp_ext as spx
 from megatron_sp_ext.attention import blockwise, kernels, varlen
 from megatron_sp_ext.attention.backends import LocalAttention, get_backend
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.ulysses import attend
 from megatron_sp_ext.sp.ulysses.plan import UlyssesPlan
 from tests import fake_cudnn
+from tests.harness import run_ranks
 from tests.reference import TOL, rel_err
 
 # adjacent equal lengths, scattered equal lengths, an empty sample, odd lengths, one sample
@@ -455,6 +458,92 @@ def test_auto_raises_when_every_candidate_fails_and_a_named_method_is_never_drop
     out, lse = varlen.forward_lse("flash_varlen", get_backend("auto"), q, k, v, cu, causal=False, scale=0.5)
     with pytest.raises(RuntimeError, match="mha_graph"):
         varlen.backward_lse("flash_varlen", get_backend("auto"), do, q, k, v, out, lse, cu, causal=False, scale=0.5)
+
+
+# ------------------------------------------------------------------------------------------------ group-wide
+
+class _RankTimer(_Timer):
+    """A ``_Timer`` per rank whose ``raises`` methods' trials raise (this rank only)."""
+
+    def __init__(self, ms, raises=()):
+        super().__init__(ms)
+        self.raises = raises
+
+    def __call__(self, method, fn):
+        if method in self.raises:
+            raise RuntimeError(f"{method} trial failed on this rank only")
+        return super().__call__(method, fn)
+
+
+# each rank's own clock: alone, rank 0 would pick per_sample and rank 1 grouped; maxed over the group (per_sample
+# 4.0, grouped 3.0) every rank picks grouped
+_DISAGREEING = ({"per_sample": 1.0, "grouped": 3.0}, {"per_sample": 4.0, "grouped": 2.0})
+
+
+def _group_chooser_rank(rank, world):
+    g = dist.group.WORLD
+    cu = (0, 4, 8, 11)
+    heads = ("layout", 3, 3, world)   # what names the call's heads the same on every rank (Ulysses: HeadLayout)
+    pick = {}
+    for where, group in (("alone", None), ("group", g)):
+        ch = varlen.VarlenChooser(timer=_RankTimer(_DISAGREEING[rank]), measure_off_cuda=True)
+        q, k, v, _ = _inputs(cu, 2, 2, 8, torch.float32, rank, strided=False)
+        pick[where] = ch.choose("auto", get_backend("auto"), q, k, v, cu, causal=False, scale=0.5, need_grad=True,
+                                group=group, group_heads=heads)
+    # this rank's heads differ between its calls and from the other rank's (uneven heads, HCMS chunks): with
+    # group_heads every rank finds or misses the decision together (one trial each, no unmatched all-reduce)
+    ch = varlen.VarlenChooser(timer=_RankTimer(_DISAGREEING[rank]), measure_off_cuda=True)
+    for h in ((2, 1) if rank == 0 else (1, 1)):
+        q, k, v, _ = _inputs(cu, h, 1, 8, torch.float32, rank, strided=False)
+        assert ch.choose("auto", get_backend("auto"), q, k, v, cu, causal=True, scale=0.5, need_grad=True,
+                         group=g, group_heads=heads) == "grouped"
+    pick["uneven_trials"] = len(ch.timer.calls)
+    # a candidate whose trial raises on one rank is dropped on every rank (rank 0 alone would pick grouped)
+    ch = varlen.VarlenChooser(timer=_RankTimer({"per_sample": 3.0, "grouped": 1.0},
+                                               raises=("grouped",) if rank == 1 else ()), measure_off_cuda=True)
+    q, k, v, _ = _inputs(cu, 2, 2, 8, torch.float32, rank, strided=False)
+    pick["dropped"] = ch.choose("auto", get_backend("auto"), q, k, v, cu, causal=False, scale=0.5, need_grad=True,
+                                group=g, group_heads=heads)
+    pick["dropped_why"] = sorted(next(iter(ch.dropped.values())))
+    return pick
+
+
+def test_auto_decides_group_wide_where_the_ranks_clocks_disagree():
+    """varlen_kernel="auto" with a group (issue 66): each candidate's time maxed over the group before the argmin,
+    as the other "auto" policies decide, so every rank picks the same method although its own clock disagrees."""
+    r0, r1 = run_ranks(_group_chooser_rank, 2)
+    assert (r0["alone"], r1["alone"]) == ("per_sample", "grouped")   # the clocks disagree
+    assert r0["group"] == r1["group"] == "grouped"
+    assert r0["uneven_trials"] == r1["uneven_trials"] == 2           # one trial of each method, then cached
+    assert r0["dropped"] == r1["dropped"] == "per_sample"
+    assert r0["dropped_why"] == r1["dropped_why"] == ["grouped"]
+
+
+def _ulysses_group_rank(rank, world):
+    """ulysses_attention(varlen_kernel="auto") over uneven heads (5 heads on 2 ranks: 3 and 2) in 2 HCMS chunks
+    (rank 0's chunks 2 + 1 heads, rank 1's 1 + 1), forward and backward, each rank's clock disagreeing: every
+    rank runs the same method, and the result is per_sample's."""
+    g = dist.group.WORLD
+    timer = _RankTimer(_DISAGREEING[rank])
+    varlen._DEFAULT = varlen.VarlenChooser(timer=timer, measure_off_cuda=True)   # this forked rank's own
+    cu_list = [0, 6, 12, 16]
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    torch.manual_seed(0)
+    full = [torch.randn(1, cu_list[-1], 5, 8, dtype=torch.float64) for _ in range(3)]
+    shards = [spx.shard_sequence(t, g, cu_seqlens=cu).to(torch.float32).requires_grad_() for t in full]
+    out = {}
+    for kernel in ("auto", "per_sample"):
+        o = spx.ulysses_attention(*shards, g, head_chunks=2, causal=True, cu_seqlens=cu, varlen_kernel=kernel)
+        grads = torch.autograd.grad(o, shards, torch.ones_like(o))
+        out[kernel] = (o.detach(), *grads)
+    for a, b in zip(out["auto"], out["per_sample"]):
+        assert rel_err(a, b) <= TOL[torch.float32]
+    return sorted(set(varlen._DEFAULT.decisions.values())), len(timer.calls)
+
+
+def test_ulysses_auto_varlen_is_the_same_method_on_every_rank():
+    (m0, n0), (m1, n1) = run_ranks(_ulysses_group_rank, 2)
+    assert m0 == m1 == ["grouped"] and n0 == n1 > 0
 
 
 # ------------------------------------------------------------------------------------------------ wiring

@@ -27,7 +27,13 @@ scale, backend and its kernel, whether a backward is timed). A candidate whose t
 method computes the same attention, so one kernel failing on these shapes is no reason to fail the call; torch
 2.11's cuDNN backward raised ``mha_graph.execute(...).is_good()`` in a trial on an H100): one warning per key
 naming the method, the backend and the error's first line, kept in ``VarlenChooser.dropped``; the fastest of the
-rest is chosen, and if every candidate raises, the first candidate's error is raised. A named method is never
+rest is chosen, and if every candidate raises, the first candidate's error is raised. Group-wide (``group``: the
+ranks that make the call together, e.g. a Ulysses group, each on its own share of heads): every member times its
+own call and decides from each candidate's time maxed over the group (one all-reduce per new key, as the other
+"auto" policies do: ``sp.calibration``), so every member runs the same method; a candidate that cannot run or
+raised on any member is dropped on all; the key then holds the group's ranks and, in place of this rank's head
+counts, ``group_heads`` (what names the call's heads the same on every member), so all members find or miss a
+decision together. Without a group the decision is this rank's own (calls no other rank makes). A named method is never
 tried nor dropped: it runs, and raises, as named; one that cannot run here raises SPConfigError naming the
 setting. The methods differ only by the rounding of their kernels; every method's backward takes any method's
 (out, lse), since each is exact given the final out/lse of the rows.
@@ -39,6 +45,7 @@ from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..errors import SPConfigError
 from ..trials import isolated_trial
@@ -296,18 +303,25 @@ class VarlenChooser:
 
     @staticmethod
     def key(be: LocalAttention, q, k, cu: tuple[int, ...], causal: bool, scale: float, need_grad: bool,
-            explicit: bool) -> tuple:
-        """Everything that decides which methods run and what they compute."""
+            explicit: bool, group=None, group_heads=None) -> tuple:
+        """Everything that decides which methods run and what they compute; for a group-wide decision (``group``
+        of more than one rank), also the group's ranks, and ``group_heads`` (when given) in place of this rank's
+        head counts, so the key is the same on every member."""
         lengths = tuple(b - a for a, b in zip(cu, cu[1:]))
-        return (str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[3], lengths, bool(causal), float(scale),
-                be.name, getattr(be, "kernel", None), _backend_kernel(be, q), bool(need_grad), bool(explicit))
+        ranks = _group_ranks(group)
+        h, hkv = (q.shape[1], k.shape[1]) if not ranks or group_heads is None else ("group", group_heads)
+        key = (str(q.device), q.dtype, h, hkv, q.shape[3], lengths, bool(causal), float(scale),
+               be.name, getattr(be, "kernel", None), _backend_kernel(be, q), bool(need_grad), bool(explicit))
+        return key + (ranks,) if ranks else key
 
     def choose(self, setting: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool, scale: float,
-               need_grad: bool, explicit: bool = True, setting_name: str = "varlen_kernel") -> str:
+               need_grad: bool, explicit: bool = True, setting_name: str = "varlen_kernel", group=None,
+               group_heads=None) -> str:
         """The method for this call (explicit: the call runs ``forward_lse`` / ``backward_lse``; else
-        ``attention`` under autograd; "auto" times that, dropping a candidate whose trial raises). Raises
-        SPConfigError for an unknown setting or a method that cannot run here, and, for "auto", the first
-        candidate's error when every candidate's trial raised."""
+        ``attention`` under autograd; "auto" times that, dropping a candidate whose trial raises; with ``group``,
+        decided group-wide: see the module docstring). Raises SPConfigError for an unknown setting or a method
+        that cannot run here, and, for "auto", the first candidate's error when every candidate's trial raised
+        (on any member of ``group``)."""
         if setting not in SETTINGS:
             raise SPConfigError(f"{setting_name}={setting!r} is invalid: choose one of {', '.join(SETTINGS)}")
         here = methods_here(be, q, cu)
@@ -320,7 +334,7 @@ class VarlenChooser:
             return setting
         if q.device.type != "cuda" and not self.measure_off_cuda:
             return "per_sample"
-        key = self.key(be, q, k, cu, causal, scale, need_grad, explicit)
+        key = self.key(be, q, k, cu, causal, scale, need_grad, explicit, group, group_heads)
         if key in self.decisions:
             self.decisions.move_to_end(key)
             return self.decisions[key]
@@ -333,11 +347,18 @@ class VarlenChooser:
                 except Exception as e:  # noqa: BLE001 - any failure of one candidate's trial drops that candidate
                     errors[m] = e
         dropped = {m: first_line(e) for m, e in errors.items()}
+        if _group_ranks(group):   # group-wide: each candidate's time maxed over the group, then the argmin
+            times = _group_max_times(times, here, group, q.device)
+            dropped.update({m: "on another rank of the group (or it is not offered there)"
+                            for m in here if m not in times and m not in dropped})
         for m, line in dropped.items():
             log.warning("megatron_sp_ext: varlen_kernel='auto' dropped %s (backend %r, kernel %s, %d samples): its "
                         "trial raised %s", m, be.name, key[10], len(key[5]), line)
         if not times:  # nothing ran: the first candidate's own error (the others are in the warnings above)
-            raise errors[here[0]]
+            if not errors:   # this rank ran them all; other members of the group did not
+                raise RuntimeError("megatron_sp_ext: varlen_kernel='auto': every candidate's trial raised on another "
+                                   f"rank of the group ({', '.join(here)})")
+            raise errors[here[0]] if here[0] in errors else next(iter(errors.values()))
         best = min(times, key=lambda m: (times[m], here.index(m)))
         log.info("megatron_sp_ext: varlen_kernel='auto' chose %s for %d samples (ms: %s%s)", best,
                  len(key[5]), {m: round(t, 3) for m, t in times.items()},
@@ -366,6 +387,23 @@ class VarlenChooser:
         return fn
 
 
+def _group_ranks(group) -> tuple:
+    """The global ranks of ``group`` when a decision is to be group-wide (more than one rank, torch.distributed up),
+    else () (the same tuple on every member; what ``sp.calibration.group_key`` names a group by)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return ()
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _group_max_times(times: dict, here: list, group, device: torch.device) -> dict:
+    """Each method's ms maxed over ``group`` (one all-reduce of a float64 row over METHODS; a method missing on a
+    rank, not offered there or its trial raised, is +inf there): the methods that ran on every member."""
+    row = torch.tensor([times.get(m, float("inf")) if m in here else float("inf") for m in METHODS],
+                       dtype=torch.float64, device=device)
+    dist.all_reduce(row, op=dist.ReduceOp.MAX, group=group)
+    return {m: t for m, t in zip(METHODS, row.tolist()) if m in here and t != float("inf")}
+
+
 def first_line(e: BaseException) -> str:
     """``"ErrorType: <first line of the message>"`` (a cuDNN error's message runs to many lines)."""
     lines = str(e).strip().splitlines()
@@ -381,7 +419,8 @@ def default_chooser() -> VarlenChooser:
 
 
 def choose(setting: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool, scale: float,
-           need_grad: bool, explicit: bool = True, chooser: Optional[VarlenChooser] = None) -> str:
+           need_grad: bool, explicit: bool = True, chooser: Optional[VarlenChooser] = None, group=None,
+           group_heads=None) -> str:
     """``(chooser or default_chooser()).choose(...)``."""
     return (chooser or _DEFAULT).choose(setting, be, q, k, v, cu, causal=causal, scale=scale, need_grad=need_grad,
-                                        explicit=explicit)
+                                        explicit=explicit, group=group, group_heads=group_heads)

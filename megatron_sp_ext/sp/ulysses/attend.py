@@ -27,20 +27,22 @@ def _cu_of(plan: AttendPlan) -> Optional[tuple[int, ...]]:
 
 
 def _varlen_method(plan: AttendPlan, q, k, v, cu: tuple[int, ...]) -> str:
-    """The packed-samples method of the explicit-kernel path (``varlen.choose``; "auto" cached per key, so the
-    backward gets the forward's choice)."""
+    """The packed-samples method of the explicit-kernel path (``varlen.choose``; "auto" decided over the plan's
+    group, the same on every rank, and cached per key, so the backward gets the forward's choice)."""
     return varlen.choose(getattr(plan, "varlen_kernel", "per_sample"), plan.backend, q, k, v, cu,
-                         causal=plan.causal, scale=plan.scale, need_grad=plan.need_grad, explicit=True)
+                         causal=plan.causal, scale=plan.scale, need_grad=plan.need_grad, explicit=True,
+                         group=plan.group, group_heads=plan.heads)
 
 
 def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, valid: Optional[int],
                      dropout_p: float = 0.0, cu_seqlens: Optional[tuple[int, ...]] = None,
-                     varlen_kernel: str = "per_sample"):
+                     varlen_kernel: str = "per_sample", group=None, group_heads=None):
     """The local kernel on global-order bhsd q/k/v; keys at positions >= ``valid`` are padding: they are
     cut off (one call; causal: a causal call for the valid queries and a full one for the padded rows).
     dropout_p > 0: torch's SDPA with its own dropout instead of ``be`` (under autograd, so the backward
     reuses the forward's mask). cu_seqlens (packed samples, no padding): attention within each sample by the
-    ``varlen_kernel`` method (varlen.py; "per_sample": one call per sample over its range)."""
+    ``varlen_kernel`` method (varlen.py; "per_sample": one call per sample over its range; "auto" decided over
+    ``group``, the ranks that make this call together, its heads named by ``group_heads``: ``varlen.choose``)."""
     if dropout_p > 0.0:
         fixed = kernels.by_setting(be.name) if isinstance(be, SDPABackend) and be.kernel != "auto" else None
         if fixed is not None and not fixed.caps.dropout:
@@ -53,7 +55,7 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
     if cu_seqlens is not None:
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         method = varlen.choose(varlen_kernel, be, q, k, v, cu_seqlens, causal=causal, scale=scale,
-                               need_grad=need_grad, explicit=False)
+                               need_grad=need_grad, explicit=False, group=group, group_heads=group_heads)
         return varlen.attention(method, be, q, k, v, cu_seqlens, causal=causal, scale=scale)
     if valid is None:
         return be(q, k, v, causal=causal, softmax_scale=scale)
@@ -136,7 +138,8 @@ def attend(plan: AttendPlan, qc, kc, vc, explicit: bool, chunk: int = 0):
         qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
     with torch.set_grad_enabled(need_grad):
         oc = local_attention(plan.backend, qc, kc, vc, plan.causal, plan.scale, plan.kv_valid_len,
-                              plan.dropout_p, _cu_of(plan), getattr(plan, "varlen_kernel", "per_sample"))
+                              plan.dropout_p, _cu_of(plan), getattr(plan, "varlen_kernel", "per_sample"),
+                              plan.group, plan.heads)
     return oc, ((qc, kc, vc, oc) if need_grad else None)
 
 
