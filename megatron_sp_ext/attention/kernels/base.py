@@ -40,6 +40,23 @@ def package_device_problem(installed: bool, package: str, install_hint: str, dev
     return None
 
 
+# GQA by expansion (the kernels that do not read k/v with fewer heads as they are)
+def expand_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """k, v [B, Hkv, S, D] repeated to ``heads`` heads (GQA), and the repeat factor."""
+    rep = heads // k.shape[1]
+    if rep == 1:
+        return k, v, 1
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), rep
+
+
+def fold_kv_grad(g: torch.Tensor, rep: int) -> torch.Tensor:
+    """The gradient [B, Hkv * rep, S, D] of ``expand_kv``'s output summed back to [B, Hkv, S, D]."""
+    if rep == 1:
+        return g
+    b, h, s, d = g.shape
+    return g.view(b, h // rep, rep, s, d).sum(dim=2)
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a kernel can do (see module docstring). dtypes per device type; archs: CUDA compute-capability majors

@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import blockwise
-from .base import Capabilities, Kernel
+from .base import Capabilities, Kernel, expand_kv, fold_kv_grad
 
 HALF = (torch.float16, torch.bfloat16)
 # argument names of the schemas called here (torch 2.11 and 2.13 agree; a different build is refused)
@@ -114,21 +113,21 @@ class CudnnKernel(Kernel):
 
     def attention(self, q, k, v, causal, scale, tiles=None):
         from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
-        k, v, _ = blockwise.expand_kv(k, v, q.shape[1])  # autograd sums the copies back
+        k, v, _ = expand_kv(k, v, q.shape[1])  # autograd sums the copies back
         q, k, v = dense(q, k, v)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return grad_in_own_layout(F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale))
 
     def forward(self, q, k, v, scale, causal, tiles=None):
         b, h, sq, _ = q.shape
-        k, v, _ = blockwise.expand_kv(k, v, h)
+        k, v, _ = expand_kv(k, v, h)
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(*dense(q, k, v), None, True, 0.0, causal, False,
                                                                  scale=scale)
         return res[0], res[1].reshape(b, h, sq)
 
     def backward(self, do, q, k, v, out, lse, scale, causal, tiles=None):
         sq = q.shape[2]
-        ke, ve, rep = blockwise.expand_kv(k, v, q.shape[1])
+        ke, ve, rep = expand_kv(k, v, q.shape[1])
         q, ke, ve = dense(q, ke, ve)
         lse = lse.float()
         seed, offset, lse_dim = self._aux(q.device, q.dtype)
@@ -136,4 +135,4 @@ class CudnnKernel(Kernel):
         lse_in = (lse.unsqueeze(-1) if lse_dim == 4 else lse).contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             do, q, ke, ve, out, lse_in, seed, offset, None, None, None, sq, ke.shape[2], 0.0, causal, scale=scale)
-        return dq, blockwise.fold_kv_grad(dk, rep), blockwise.fold_kv_grad(dv, rep)
+        return dq, fold_kv_grad(dk, rep), fold_kv_grad(dv, rep)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import blockwise
-from .base import Capabilities, Kernel
+from .base import Capabilities, Kernel, expand_kv, fold_kv_grad
 
 HALF = (torch.float16, torch.bfloat16)
 # the leading argument names the varlen calls pass positionally (torch 2.11 and 2.13 agree)
@@ -17,6 +16,45 @@ VARLEN_SCHEMAS = (
                                   "is_causal", "return_debug_mask")),
     ("_flash_attention_backward", ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k",
                                    "max_q", "max_k", "dropout_p", "is_causal", "rng_state", "unused")))
+
+
+def fused_forward(q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused-kernel block forward (torch flash attention on CUDA or CPU). Returns (out, lse fp32)."""
+    k, v, _ = expand_kv(k, v, q.shape[1])
+    if q.is_cuda:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return res[0], res[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.float()
+
+
+_FLASH_AUX: dict = {}
+
+
+def _flash_aux(device, dtype):
+    """The flash forward's non-data outputs for a dense (non-varlen, dropout-free) call: its
+    sequence-offset placeholders and RNG state. The backward needs them back; they do not depend on
+    the data, so one tiny forward per (device, dtype) provides them."""
+    key = (str(device), dtype)
+    if key not in _FLASH_AUX:
+        x = torch.zeros(1, 1, 16, 64, device=device, dtype=dtype)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
+        _FLASH_AUX[key] = (res[2], res[3], res[6], res[7])
+    return _FLASH_AUX[key]
+
+
+def fused_backward(do, q, k, v, out, lse, scale: float, causal: bool):
+    """Fused-kernel block backward given final out/lse. Returns (dq, dk, dv)."""
+    ke, ve, rep = expand_kv(k, v, q.shape[1])
+    if q.is_cuda:
+        sq, sk = q.shape[2], ke.shape[2]
+        cum_q, cum_k, rng, unused = _flash_aux(q.device, q.dtype)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, q, ke, ve, out, lse.contiguous(), cum_q, cum_k, sq, sk, 0.0, causal, rng, unused, scale=scale)
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, ke, ve, out, lse, 0.0, causal, scale=scale)
+    return dq, fold_kv_grad(dk, rep), fold_kv_grad(dv, rep)
 
 
 def varlen_schema_ok() -> bool:
@@ -69,15 +107,15 @@ class TorchFlashKernel(Kernel):
 
     def attention(self, q, k, v, causal, scale, tiles=None):
         from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
-        k, v, _ = blockwise.expand_kv(k, v, q.shape[1])
+        k, v, _ = expand_kv(k, v, q.shape[1])
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
     def forward(self, q, k, v, scale, causal, tiles=None):
-        return blockwise.fused_forward(q, k, v, scale, causal)
+        return fused_forward(q, k, v, scale, causal)
 
     def backward(self, do, q, k, v, out, lse, scale, causal, tiles=None):
-        return blockwise.fused_backward(do, q, k, v, out, lse, scale, causal)
+        return fused_backward(do, q, k, v, out, lse, scale, causal)
 
     def varlen_schema_ok(self) -> bool:
         return varlen_schema_ok()
@@ -94,7 +132,7 @@ class TorchFlashKernel(Kernel):
 
     def varlen_forward(self, q, k, v, cu, scale, causal):
         h, s = q.shape[1], q.shape[2]
-        ke, ve, _ = blockwise.expand_kv(k, v, h)
+        ke, ve, _ = expand_kv(k, v, h)
         cu_t, m = _cu_args(cu, q.device)
         res = torch.ops.aten._flash_attention_forward(_thd(q), _thd(ke), _thd(ve), cu_t, cu_t, m, m, 0.0, causal,
                                                       False, scale=scale)
@@ -102,13 +140,13 @@ class TorchFlashKernel(Kernel):
 
     def varlen_backward(self, do, q, k, v, out, lse, cu, scale, causal):
         h = q.shape[1]
-        ke, ve, rep = blockwise.expand_kv(k, v, h)
+        ke, ve, rep = expand_kv(k, v, h)
         cu_t, m = _cu_args(cu, q.device)
         rng, unused = self.varlen_aux(q.device, q.dtype)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             _thd(do), _thd(q), _thd(ke), _thd(ve), _thd(out), lse[0].float().contiguous(), cu_t, cu_t, m, m, 0.0,
             causal, rng, unused, scale=scale)
-        return [_bhsd(dq), blockwise.fold_kv_grad(_bhsd(dk), rep), blockwise.fold_kv_grad(_bhsd(dv), rep)]
+        return [_bhsd(dq), fold_kv_grad(_bhsd(dk), rep), fold_kv_grad(_bhsd(dv), rep)]
 
     def why_not_here(self, call):
         if "varlen" in call.needs and (torch.device(call.device).type != "cuda" or not varlen_schema_ok()):
