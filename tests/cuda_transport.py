@@ -8,11 +8,11 @@ Ported from tools/gpu_check.py (removed in f734073; its symm_mem / copy_engine /
             by stream-memory flags, no kernel) and each shape (even heads, causal zigzag with HCMS chunks, GQA,
             uneven heads at P=4), bf16: three records
               vs float64     out / dq / dk / dv against the float64 reference (tests/sp_check.run_case), tol 2e-2
-              bitwise        out / dk / dv of the transport against NCCL's, tol 0; beside them the same tensors of a
-                             second NCCL run against the first (``*_nccl_rerun``): a nonzero one there is the
-                             kernel's own nondeterminism, not the transport's
-              dq             the transport's dq against NCCL's, tol max(5 x NCCL's own run-to-run dq difference,
-                             1e-4) (the attention backward accumulates dq with atomics)
+              bitwise        out of the transport against NCCL's, tol 0, and dk / dv where a second NCCL run gives
+                             the same bits as the first (``*_nccl_rerun`` beside them)
+              dq             the transport's dq against NCCL's, tol max(5 x NCCL's own run-to-run difference,
+                             1e-4) (the attention backward accumulates dq with atomics), and dk / dv where NCCL's
+                             own rerun differs (FA4's GQA backward sums a group's q heads with atomics)
   async     the async QKV block (HCMS C=2) through each transport: output bitwise equal to NCCL's
   allgather the all-gather QKV block with torch's fused all-gather / reduce-scatter matmuls (fused=True) against
             the float64 block (tests/blocks.reference_case: output, input and every parameter gradient), GQA with
@@ -72,7 +72,8 @@ def _ulysses(rec: list, rank: int, world: int, group, dev: torch.device, transpo
         placement = "zigzag" if causal else "contiguous"
         tag = (f"P={world} {transport} ulysses C={chunks} bf16 H={h}/{hkv} causal={causal} {placement} s={s} "
                f"d={d}")
-        names = [f"{tag}: vs float64", f"{tag}: out/dk/dv bitwise vs nccl", f"{tag}: dq vs nccl"]
+        names = [f"{tag}: vs float64", f"{tag}: out (dk/dv if deterministic) bitwise vs nccl",
+                 f"{tag}: dq (dk/dv if not) vs nccl"]
         if why is not None:
             rec.extend({"family": "transport", "case": n, "errs": {}, "tol": 0.0, "refused": why} for n in names)
             continue
@@ -86,14 +87,18 @@ def _ulysses(rec: list, rank: int, world: int, group, dev: torch.device, transpo
         errs: dict = {}
         base, again, got = run("nccl"), run("nccl"), run(use, errs)
         rec.append({"family": "transport", "case": names[0], "errs": errs, "tol": TOL[torch.bfloat16]})
-        bitwise = {}
+        # bitwise: out, and dk / dv where NCCL's own rerun is bitwise; a dk / dv the kernel accumulates with atomics
+        # (FA4's GQA backward sums the q heads of a group: its rerun differs, H100 2026-11-27) is judged like dq
+        bitwise, loose, noise = {}, {"dq": rel_err(got[1], base[1])}, {"dq": rel_err(again[1], base[1])}
         for j, name in ((0, "out"), (2, "dk"), (3, "dv")):
-            bitwise[name] = rel_err(got[j], base[j])
-            bitwise[f"{name}_nccl_rerun"] = rel_err(again[j], base[j])
+            rerun = rel_err(again[j], base[j])
+            if name == "out" or rerun == 0.0:
+                bitwise[name], bitwise[f"{name}_nccl_rerun"] = rel_err(got[j], base[j]), rerun
+            else:
+                loose[name], noise[name] = rel_err(got[j], base[j]), rerun
         rec.append({"family": "transport", "case": names[1], "errs": bitwise, "tol": 0.0})
-        noise = rel_err(again[1], base[1])
-        rec.append({"family": "transport", "case": names[2], "errs": {"dq": rel_err(got[1], base[1])},
-                    "tol": max(5 * noise, 1e-4), "dq_nccl_rerun": noise})
+        rec.append({"family": "transport", "case": names[2], "errs": loose, "tol": max(5 * max(noise.values()), 1e-4),
+                    "nccl_rerun": noise})
 
 
 def _async_block(rec: list, world: int, group, dev: torch.device, transport: str, why: Optional[str]) -> None:

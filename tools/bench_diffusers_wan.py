@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import platform
 import socket
@@ -226,7 +227,41 @@ def build(args, variant: dict, world: int, device, grid: tuple, batch: Optional[
     return None, tried
 
 
+class AutoDecisions(logging.Handler):
+    """The library's "auto" decisions logged while a variant runs (logger "megatron_sp_ext", INFO: the mode and
+    head chunks auto picked per shape, with the reason), kept for the variant's row."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        self.logger = logging.getLogger("megatron_sp_ext")
+        self.level_before = self.logger.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "auto" in msg and "->" in msg:
+            self.messages.append(msg)
+
+    def __enter__(self) -> "AutoDecisions":
+        self.logger.addHandler(self)
+        if self.logger.getEffectiveLevel() > logging.INFO:
+            self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
+
+
 def time_variant(args, variant: dict, world: int, device, grid: tuple, batch: dict) -> dict:
+    with AutoDecisions() as decisions:
+        row = _time_variant(args, variant, world, device, grid, batch)
+    if variant["impl"] == "ours":
+        row["auto_decisions"] = decisions.messages
+    return row
+
+
+def _time_variant(args, variant: dict, world: int, device, grid: tuple, batch: dict) -> dict:
     cuda = torch.device(device).type == "cuda"
     _free(device)
     setup, tried = build(args, variant, world, device, grid, batch)
