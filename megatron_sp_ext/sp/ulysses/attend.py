@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ...attention import block_sparse, kernels, tiles, varlen
-from ...attention.backends import LocalAttention, SDPABackend
+from ...attention.backends import AutoBackend, LocalAttention
 from ...errors import SPConfigError
 from .plan import AttendPlan
 
@@ -44,7 +44,7 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
     ``varlen_kernel`` method (varlen.py; "per_sample": one call per sample over its range; "auto" decided over
     ``group``, the ranks that make this call together, its heads named by ``group_heads``: ``varlen.choose``)."""
     if dropout_p > 0.0:
-        fixed = kernels.by_setting(be.name) if isinstance(be, SDPABackend) and be.kernel != "auto" else None
+        fixed = kernels.by_setting(be.name) if isinstance(be, AutoBackend) and be.kernel != "auto" else None
         if fixed is not None and not fixed.caps.dropout:
             raise SPConfigError(
                 f"{be.setting}={be.name!r} cannot apply attention dropout (dropout_p={dropout_p}): {fixed.label} has "
@@ -88,7 +88,7 @@ def explicit_kernels(plan: AttendPlan, like: torch.Tensor) -> bool:
     flash; not the math fallback, e.g. fp32 on CUDA), gradients wanted. Saved tensors go through autograd's
     saved-tensor hooks, so activation checkpointing drops them and recomputes the call once; an inner graph
     kept on ``ctx`` stayed alive under checkpointing (no memory saved) and was recomputed once per chunk."""
-    if not (plan.need_grad and isinstance(plan.backend, SDPABackend)):
+    if not (plan.need_grad and isinstance(plan.backend, AutoBackend)):
         return False
     if plan.dropout_p > 0.0:  # the kernels' explicit forward/backward carry no dropout mask
         return False

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ...attention import block_sparse, tiles
-from ...attention.backends import LocalAttention, MathBackend, SDPABackend, get_backend
+from ...attention.backends import AutoBackend, LocalAttention, MathBackend, get_backend
 from ...attention.varlen import SETTINGS as VARLEN_SETTINGS
 from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq
@@ -214,7 +214,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     block_kernel = "math"
     if block_mask is not None:
         own = isinstance(be, block_sparse.BlockSparseBackend)  # a hybrid mesh's sparse ring: its own positions
-        if not (own or isinstance(be, (SDPABackend, MathBackend))):
+        if not (own or isinstance(be, (AutoBackend, MathBackend))):
             raise SPConfigError(f"block_mask runs megatron_sp_ext's block-sparse kernels (math, flex_attention), not "
                                 f"backend={getattr(be, 'name', be)!r}: use backend 'auto', 'sdpa', 'math' (or a "
                                 f"fixed SDPA-family kernel name), or block_mask=None")
