@@ -9,7 +9,7 @@ token level (key position <= query position). Query rows with no selected key gi
 
 Local kernels: the registry's (attention/kernels/) with block sparsity, ``KERNELS``: "auto" picks per call the first
 that runs it (FlashAttention-4's own block sparsity at 128-token kernel blocks, cuDNN frontend's block sparsity at
-64/128-token blocks, flex_attention, the math kernel; kernels/__init__.py records the order: per tile size between
+64/128-token blocks, flex_attention, the math kernel; kernels/registry.py records the order: per tile size between
 FA4 and cuDNN, ``kernels.TILE_ORDER``); a named kernel that cannot run the call raises SPConfigError naming
 ``block_kernel``; nothing falls back silently. A call's view of the mask is a ``tiles.TileSlice``.
 """

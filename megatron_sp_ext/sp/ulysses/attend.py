@@ -1,7 +1,7 @@
 """Attention of one HCMS chunk on head-sharded q/k/v, forward and backward, and what it keeps in between.
 
 ``attend`` runs the local kernel on global-order [B, h_c, S, D] q/k/v (keys at positions >= kv_valid_len cut
-off; dropout through torch SDPA). With SDPA-family fused kernels (``explicit_kernels``) it calls the kernel's
+off; dropout through torch SDPA). With ``AutoBackend``s' fused kernels (``explicit_kernels``) it calls the kernel's
 forward with log-sum-exp and keeps (q, k, v, out, lse) in autograd's saved tensors (``hold``), so activation
 checkpointing drops them; otherwise it keeps an inner autograd graph. ``attend_backward`` gives the chunk's
 (dq, dk, dv) from either. Packed samples (the plan's ``cu_seqlens``): every step runs once per sample over
@@ -84,7 +84,7 @@ class _DropoutSDPA(LocalAttention):
 def explicit_kernels(plan: AttendPlan, like: torch.Tensor) -> bool:
     """Whether a call runs the kernels' own forward/backward (with log-sum-exp) and keeps each chunk's
     (q, k, v, out, lse) in autograd's saved tensors (``hold``) instead of an inner autograd graph per chunk:
-    SDPA-family backends whose log-sum-exp kernel for ``like``'s device and dtype is a fused one (cuDNN or
+    ``AutoBackend``s whose log-sum-exp kernel for ``like``'s device and dtype is a fused one (cuDNN or
     flash; not the math fallback, e.g. fp32 on CUDA), gradients wanted. Saved tensors go through autograd's
     saved-tensor hooks, so activation checkpointing drops them and recomputes the call once; an inner graph
     kept on ``ctx`` stayed alive under checkpointing (no memory saved) and was recomputed once per chunk."""
