@@ -44,7 +44,7 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
     ``varlen_kernel`` method (varlen.py; "per_sample": one call per sample over its range; "auto" decided over
     ``group``, the ranks that make this call together, its heads named by ``group_heads``: ``varlen.choose``)."""
     if dropout_p > 0.0:
-        fixed = kernels.by_setting(be.name) if isinstance(be, AutoBackend) and be.kernel != "auto" else None
+        fixed = kernels.by_setting(be.kernel_setting) if isinstance(be, AutoBackend) else None   # None: "auto"
         if fixed is not None and not fixed.caps.dropout:
             raise SPConfigError(
                 f"{be.setting}={be.name!r} cannot apply attention dropout (dropout_p={dropout_p}): {fixed.label} has "
