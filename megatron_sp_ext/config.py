@@ -13,7 +13,7 @@ from typing import Any, Mapping, Union
 
 from . import modes
 from .attention import kernels
-from .attention.backends import AUTO_NAMES, backend_names
+from .attention.backends import backend_names
 from .errors import SPConfigError
 
 # every list of modes derives from the mode registry (modes.py)
@@ -177,7 +177,7 @@ class SPConfig:
         fix = f"use {n} 0" if self.source == "megatron" else f"set {n}=0"
         kern = kernels.by_setting(self.backend)
         if kern is not None and not kern.caps.dropout:
-            with_dropout = [k for k in BACKENDS if k in AUTO_NAMES or kernels.by_setting(k).caps.dropout]
+            with_dropout = [k for k in BACKENDS if kernels.is_auto(k) or kernels.by_setting(k).caps.dropout]
             raise SPConfigError(
                 f"{n}={p} is not supported by {self.name('backend')}={self.backend!r}: {kern.label} has no attention "
                 f"dropout; {fix}, or use {self.name('backend')} {' or '.join(with_dropout)}")

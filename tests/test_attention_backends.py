@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_sp_ext.attention import blockwise, get_backend, merge
-from megatron_sp_ext.attention.backends import SDPABackend, available_backends
+from megatron_sp_ext.attention.backends import AutoBackend, available_backends
 from megatron_sp_ext.errors import SPConfigError
 from tests.reference import assert_close, make_qkv, reference_attention
 
@@ -80,7 +80,7 @@ def test_fused_block_kernels_match_math(causal):
 
 
 def test_backend_registry_errors():
-    assert isinstance(get_backend("sdpa"), SDPABackend)
+    assert isinstance(get_backend("sdpa"), AutoBackend)
     assert "sdpa" in available_backends() and "math" in available_backends()
     with pytest.raises(SPConfigError, match="backend='nope'"):
         get_backend("nope")
@@ -111,3 +111,18 @@ def test_one_row_blocks_run_on_math(monkeypatch, sq, sk):
     for name, got, want in (("out", out, ref.transpose(1, 2)), ("dq", dq, qr.grad.transpose(1, 2)),
                             ("dk", dk, kr.grad.transpose(1, 2)), ("dv", dv, vr.grad.transpose(1, 2))):
         assert_close(name, got, want, torch.float32)
+
+
+def test_the_plain_route_is_asked_of_the_backend(monkeypatch):
+    """The DiT's reference route asks the backend (``plain_via_torch_sdpa``), which asks the one kernel choice: "auto"
+    whose blocks run on a kernel of torch's SDPA dispatch (flash on the CPU) goes through it; a named kernel, or FA4
+    where "auto" picks it, runs its own plain call."""
+    from megatron_sp_ext.attention import backends  # noqa: PLC0415
+    from tests import fake_fa4  # noqa: PLC0415
+    q = torch.randn(1, 2, 8, 16)
+    assert get_backend("auto").plain_via_torch_sdpa(q) and get_backend("sdpa").plain_via_torch_sdpa(q)
+    assert not get_backend("torch_flash").plain_via_torch_sdpa(q)   # the same kernel, named: its own call
+    fake_fa4.install(monkeypatch, dtypes=(torch.bfloat16,))   # FA4's CPU stand-in, bf16: "auto" picks it
+    assert isinstance(backends.get_backend("auto"), AutoBackend)
+    assert not backends.get_backend("auto").plain_via_torch_sdpa(q.bfloat16())
+    assert backends.get_backend("auto").plain_via_torch_sdpa(q.double()) is True   # math: torch's dispatch

@@ -8,12 +8,12 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import megatron_sp_ext as spx
-from megatron_sp_ext.attention.backends import SDPABackend
+from megatron_sp_ext.attention.backends import AutoBackend
 from tests.harness import run_ranks
 from tests.live_bytes import LiveBytes
 
 
-class CountingSDPA(SDPABackend):
+class CountingSDPA(AutoBackend):
     def __init__(self):
         super().__init__()
         self.forwards = 0

@@ -107,6 +107,90 @@ def test_auto_picks_the_first_kernel_that_runs_the_call():
     assert kernels.pick(KernelCall(cpu, torch.bfloat16, 64, frozenset({"tiles", "lse"}))).name == kernels.FALLBACK
 
 
+# ---- the one kernel choice (megatron_sp_ext/attention/kernels/choose.py) ----
+CHOOSER = "megatron_sp_ext/attention/kernels/choose.py"
+CHOICE_CALLS = {("kernels", "pick"), ("kernels", "require"), ("kernels", "auto_order"), ("lse_kernels", "best")}
+ORDER_READS = {("kernels", "AUTO"), ("kernels", "TILE_ORDER")}   # the orders "auto" tries: the chooser's to read
+AUTO_WORD = "sdpa"   # the backend setting's older word for "auto": what it means is decided by kernels.is_auto only
+
+
+def _choices_made(path: pathlib.Path) -> list:
+    """(line, what) of every kernel choice made outside the chooser in ``path``: a call of the choice's parts
+    (``kernels.pick/require/auto_order``, ``lse_kernels.best``), a read of the orders "auto" tries (``kernels.AUTO``,
+    ``kernels.TILE_ORDER``), a read of a kernel's ``in_torch_sdpa``, and a comparison with "sdpa" or a literal tuple
+    holding "auto" and "sdpa" (what "sdpa" means)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", None)
+            if node.attr == "in_torch_sdpa" or (owner, node.attr) in ORDER_READS:
+                found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            owner = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)
+            if (owner, node.func.attr) in CHOICE_CALLS:
+                found.append((node.lineno, f"{owner}.{node.func.attr}("))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            words = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+            if {"auto", AUTO_WORD} <= words:
+                found.append((node.lineno, "('auto', 'sdpa')"))
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(c, ast.Constant) and c.value == AUTO_WORD for c in sides):
+                found.append((node.lineno, "== 'sdpa'"))
+    return sorted(set(found))
+
+
+def test_no_kernel_choice_is_made_outside_the_chooser():
+    files = [p for d in ("megatron_sp_ext", "training", "tools", "tests/gpu") for p in (ROOT / d).rglob("*.py")
+             if p.relative_to(ROOT).as_posix() != CHOOSER]
+    assert len(files) > 50
+    offenders = {str(p.relative_to(ROOT)): hits for p in files if (hits := _choices_made(p))}
+    assert not offenders, f"kernel choices made outside {CHOOSER} (call kernels.choose / candidates): {offenders}"
+
+
+def test_the_choice_scan_finds_choices(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(q, be, call, name):\n    k = kernels.pick(call)\n    k = kernels.require(k, call, 'x')\n"
+                   "    k = lse_kernels.best(q.device, q.dtype)\n    r = kernels.AUTO.index('cudnn')\n"
+                   "    t = kernels.get(k).in_torch_sdpa\n    a = name in ('auto', 'sdpa')\n"
+                   "    b = name == 'sdpa'\n    return kernels.choose(call, name), kernels.candidates(call)\n")
+    assert [line for line, _ in _choices_made(bad)] == [2, 3, 4, 5, 6, 7, 8]
+    assert _choices_made(ROOT / CHOOSER), "the chooser itself makes the choice: the scan must see it there"
+
+
+def test_the_chooser_decides_auto_and_named_settings():
+    """One function for every call: "auto" and "sdpa" pick the first candidate that runs the call (math last), a
+    kernel's setting runs that kernel or is refused naming the user's setting and the reason; the candidates are the
+    lists the log-sum-exp blocks, the varlen methods and the block-sparse kernels use."""
+    from megatron_sp_ext.errors import SPConfigError  # noqa: PLC0415
+    cpu = torch.device("cpu")
+    lse32 = KernelCall(cpu, torch.float32, 64, frozenset({"lse"}))
+    assert kernels.candidates(lse32) == lse_kernels.KERNELS
+    assert kernels.candidates(KernelCall(cpu, torch.float32, 64, frozenset({"varlen"})), "auto", after="flash") == \
+        tuple(n for n in kernels.names("varlen", auto_only=True) if n in kernels.AUTO[kernels.AUTO.index("flash"):])
+    assert kernels.candidates(lse32, "torch_flash") == ("flash",) and kernels.candidates(lse32, "te") == ()
+    for setting in kernels.AUTO_SETTINGS:
+        assert kernels.is_auto(setting) and kernels.choose(lse32, setting).name == "flash"
+    assert not kernels.is_auto("math") and kernels.choose(lse32, "math").name == "math"
+    assert kernels.choose(KernelCall(cpu, torch.float64, 64, frozenset({"lse"}))).name == kernels.FALLBACK
+    try:
+        kernels.choose(lse32, "cudnn", name="--sp-attention-backend")
+    except SPConfigError as e:
+        assert str(e).startswith("--sp-attention-backend='cudnn' cannot run here (cpu, torch.float32, head dim 64): "
+                                 "it does not run on cpu; use 'auto' (kernels that run it here: flash, math)"), e
+    else:
+        raise AssertionError("cudnn on the CPU must be refused naming the setting")
+    try:
+        kernels.choose(lse32, "cudnnn", name="backend")
+    except SPConfigError as e:
+        assert "backend='cudnnn' is invalid" in str(e), e
+    else:
+        raise AssertionError("an unknown setting must be refused")
+    # the probe a caller adds (lse_kernels.why_not_call) decides as the kernel's own conditions do
+    assert kernels.choose(lse32, "auto", why_not=lambda k, c: None if k.name == "math" else "no").name == "math"
+
+
 # ---- the mode registry (megatron_sp_ext/modes.py) ----
 MODE_NAMES = set(modes.NAMES) - {"auto"}   # "auto" is also every policy setting's word: flagged only against a mode
 MODE_WORDS = ("mode", "cp_comm_type")       # what a value called like this holds is a mode

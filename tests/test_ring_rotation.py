@@ -87,7 +87,7 @@ def test_home_ops_pair_up_and_cover_every_row(world, variant, causal):
 
 
 # ---------------------------------------------------------------- numbers vs float64, bitwise agreement
-class _Recording(backends.SDPABackend):
+class _Recording(backends.AutoBackend):
     """The default backend, recording the K/V head count of every backward call."""
 
     def __init__(self):

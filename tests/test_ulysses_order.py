@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_sp_ext as spx
-from megatron_sp_ext.attention.backends import SDPABackend
+from megatron_sp_ext.attention.backends import AutoBackend
 from megatron_sp_ext.comm.transport import NcclTransport
 from megatron_sp_ext.sp.ulysses import layout as lay
 from megatron_sp_ext.sp.placement import pieces
@@ -26,7 +26,7 @@ def _sharder(placement):
     return shard
 
 
-class CountingSDPA(SDPABackend):
+class CountingSDPA(AutoBackend):
     """SDPA that records (causal, q length, kv length) of every kernel call (plain or with log-sum-exp)."""
 
     def __init__(self):
@@ -129,7 +129,7 @@ def _vs_masked(rank, world):
             for masked in (False, True):
                 x = [t.clone().requires_grad_() for t in mine[:3]]
                 if masked:
-                    be = RingBackend(None, "ring", runs, (runs,), SDPABackend(), valid)
+                    be = RingBackend(None, "ring", runs, (runs,), AutoBackend(), valid)
                     o = spx.ulysses_attention(*x, g, causal=True, backend=be)
                 else:
                     o = spx.ulysses_attention(*x, g, causal=True, placement=placement, kv_valid_len=valid)
@@ -340,7 +340,7 @@ def _call_orders(rank, world, fake):
     for layout in ("bshd", "sbhd"):
         for c in (1, 2):
             for order in (("contiguous", "zigzag", "zigzag"), ("zigzag", "contiguous", "zigzag")):
-                be = SDPABackend()
+                be = AutoBackend()
                 for placement in order:
                     run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, g, head_chunks=c, causal=True,
                                                                    layout=layout, placement=placement, backend=be),

@@ -478,7 +478,8 @@ def run(args) -> dict:
     return doc
 
 
-RATIO_REF = kernels.AUTO[0]   # the dense kernel "auto" tries first (FA4): the reference of the table's ratio
+# the dense kernel "auto" tries first for a bf16 plain call (FA4): the reference of the table's ratio
+RATIO_REF = kernels.candidates(kernels.KernelCall(torch.device("cuda"), torch.bfloat16, 128, frozenset({"plain"})))[0]
 
 
 def dense_fa4_ratio(row: dict, rows: list) -> Optional[float]:

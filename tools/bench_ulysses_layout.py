@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron_sp_ext as spx  # noqa: E402
-from megatron_sp_ext.attention.backends import SDPABackend  # noqa: E402
+from megatron_sp_ext.attention.backends import AutoBackend  # noqa: E402
 from megatron_sp_ext.sp.placement import divisor, pieces  # noqa: E402
 from megatron_sp_ext.sp.calibration import time_ms  # noqa: E402
 from megatron_sp_ext.sp.ring import RingBackend  # noqa: E402
@@ -77,7 +77,7 @@ def bench_shape(group, h, seqlen, d, iters, warmup, device="cuda", timer=time_ms
     g = torch.Generator(device=device).manual_seed(0)
     full = [torch.randn(1, seqlen, h, d, device=device, dtype=dtype, generator=g) for _ in range(4)]
     runs = tuple(r for p in range(world) for r in pieces("zigzag", p, world, seqlen))
-    masked = RingBackend(None, "ring", runs, (runs,), SDPABackend())
+    masked = RingBackend(None, "ring", runs, (runs,), AutoBackend())
     modes = {
         "contiguous": ("contiguous", dict(causal=True)),
         "zigzag": ("zigzag", dict(causal=True, placement="zigzag")),

@@ -6,7 +6,8 @@ Every backend is a ``LocalAttention`` with
   ``backward_lse(do, q, k, v, out, lse, *, causal, softmax_scale, mask=None, tiles=None) -> (dq, dk, dv)``
 k/v may carry fewer heads than q (GQA). ``tiles``: a block mask's slice for the call (attention/tiles.py), ANDed with
 causal and ``mask``. Backends ("backend" setting; ``config.BACKENDS`` = "auto", "sdpa" and every kernel's setting):
-  "auto" (default; "sdpa" is the same): every call on the first kernel of the registry's order that runs it here
+  "auto" (default; "sdpa" is the same, ``kernels.is_auto``): ``AutoBackend``, every call on the kernel the one
+      choice (``kernels.choose``) names for it: the first of the registry's order that runs it here
       (FlashAttention-4 where it runs; else plain calls through torch's SDPA dispatch and log-sum-exp blocks on
       cuDNN, FlashAttention-2 or math; block-sparse calls on FA4's or cuDNN frontend's block sparsity, flex_attention
       or math)
@@ -32,7 +33,7 @@ from .kernels import Kernel, KernelCall
 
 log = logging.getLogger("megatron_sp_ext")
 
-AUTO_NAMES = ("auto", "sdpa")
+AUTO_NAMES = kernels.AUTO_SETTINGS   # the backend settings that mean "auto" (decided by the kernel choice)
 
 
 def _combined_mask(q, k, causal: bool, mask, tiles):
@@ -92,15 +93,15 @@ class LocalAttention:
             return None
         call = tile_call(q, tiles, causal, lse) if tiles is not None else \
             KernelCall(q.device, q.dtype, q.shape[-1], frozenset({"tiles"}))
-        return kernels.require(kernels.by_setting(self.block_kernel), call, self.block_setting)
+        return kernels.choose(call, self.block_kernel, name=self.block_setting)
 
 
-class SDPABackend(LocalAttention):
-    """The "auto" backend (also named "sdpa"): per call the registry's first kernel that runs it. Plain calls on
+class AutoBackend(LocalAttention):
+    """The "auto" backend (also named "sdpa"): per call the kernel ``kernels.choose`` names. Plain calls on
     FlashAttention-4 where it runs, else through torch's SDPA dispatch; blocks with log-sum-exp on the fastest
     ``lse_kernels`` kernel available per (device, dtype, head dim); block-sparse calls on ``tile_kernel``."""
 
-    name = "sdpa"
+    name = "auto"
     kernel = "auto"   # or a kernel name, fixed (FixedKernelBackend)
 
     def __init__(self, name: Optional[str] = None, setting: str = "backend") -> None:
@@ -109,22 +110,20 @@ class SDPABackend(LocalAttention):
         self.setting = setting
         self._chosen: dict = {}
 
+    @property
+    def kernel_setting(self) -> str:
+        """The kernel setting this backend's calls are chosen for: "auto", or the fixed kernel's setting."""
+        return self.kernel if self.kernel == "auto" else kernels.get(self.kernel).setting
+
     def kernel_for(self, q: torch.Tensor) -> str:
-        """The block kernel for q's (device, dtype, head dim); a fixed kernel that cannot run here raises naming the
+        """The block kernel for q's (device, dtype, head dim): ``kernels.choose`` of a log-sum-exp call, each
+        candidate probed (``lse_kernels.why_not_call``); a fixed kernel that cannot run here raises naming the
         setting and the reason. Chosen once per key and logged once."""
         key = (str(q.device), q.dtype, q.shape[-1])
         if key not in self._chosen:
-            if self.kernel == "auto":
-                k = lse_kernels.best(q.device, q.dtype, q.shape[-1])
-            else:
-                k = self.kernel
-                if not lse_kernels.available(k, q.device, q.dtype, q.shape[-1]):
-                    here = [n for n in lse_kernels.KERNELS
-                            if lse_kernels.available(n, q.device, q.dtype, q.shape[-1])]
-                    raise SPConfigError(
-                        f"{self.setting}={self.name!r} cannot run here ({q.device}, {q.dtype}, head dim "
-                        f"{q.shape[-1]}): {lse_kernels.why_not(k, q.device, q.dtype, q.shape[-1])}; use 'auto' "
-                        f"(kernels that run here: {', '.join(here)})")
+            call = KernelCall(q.device, q.dtype, q.shape[-1], frozenset({"lse"}))
+            k = kernels.choose(call, self.kernel_setting, name=self.setting, why_not=lse_kernels.why_not_call,
+                               count=False).name
             log.debug("megatron_sp_ext: %s=%r runs attention on the %s kernel (%s, %s, head dim %d)",
                       self.setting, self.name, k, q.device, q.dtype, q.shape[-1])
             self._chosen[key] = k
@@ -141,16 +140,18 @@ class SDPABackend(LocalAttention):
         fixed = self.fixed_tile_kernel(q, tiles, causal, lse)
         if fixed is not None:
             return fixed
-        call = tile_call(q, tiles, causal, lse)
-        if self.kernel == "auto":
-            return kernels.pick(call)
-        return kernels.require(kernels.get(self.kernel), call, self.setting)
+        return kernels.choose(tile_call(q, tiles, causal, lse), self.kernel_setting, name=self.setting)
+
+    def plain_via_torch_sdpa(self, q: torch.Tensor) -> bool:
+        """Whether a plain call on q's (device, dtype, head dim) goes through torch's SDPA dispatch (the DiT's
+        reference route) rather than a kernel's own plain call (FA4; a fixed kernel)."""
+        return kernels.via_torch_sdpa(kernels.get(self.kernel_for(q)))
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
         if _one_row_block(q, k):
             return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
         kern = kernels.get(self.kernel_for(q))
-        if not kern.in_torch_sdpa:   # a kernel of its own (FA4): its plain call
+        if not kernels.via_torch_sdpa(kern):   # a kernel of its own (FA4): its plain call
             return kern.attention(q, k, v, causal, _scale(q, softmax_scale))
         q, k, v = kernels.torch_sdpa_inputs(q, k, v)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
@@ -174,13 +175,16 @@ class SDPABackend(LocalAttention):
         return lse_kernels.backward(self.kernel_for(q), do, q, k, v, out, lse, softmax_scale, causal)
 
 
-class FixedKernelBackend(SDPABackend):
+class FixedKernelBackend(AutoBackend):
     """Every call on one named kernel (its setting: "fa4", "cudnn", "torch_flash"). Unavailable here = an error
     naming the setting and the reason, never a silent fallback."""
 
     def __init__(self, name: str, kernel: str, setting: str = "backend") -> None:
         super().__init__(name, setting)
         self.kernel = kernel
+
+    def plain_via_torch_sdpa(self, q: torch.Tensor) -> bool:
+        return False   # every call on the named kernel's own calls
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
         kern = kernels.get(self.kernel_for(q))
@@ -239,8 +243,8 @@ class PlainKernelBackend(LocalAttention):
 
 
 def _factory(name: str) -> Optional[Callable[[str], LocalAttention]]:
-    if name in AUTO_NAMES:
-        return lambda setting: SDPABackend(name, setting)
+    if kernels.is_auto(name):
+        return lambda setting: AutoBackend(name, setting)
     kern = kernels.by_setting(name)
     if kern is None:
         return None
@@ -258,12 +262,13 @@ def backend_names() -> tuple[str, ...]:
     the plain-call kernels (every kernel of the registry that can be a backend)."""
     usable = [s for s in kernels.settings() if _factory(s) is not None]
     fast = [s for s in usable if kernels.by_setting(s).caps.lse and s != kernels.FALLBACK]
-    return ("auto",) + tuple(fast) + ("sdpa",) + tuple(s for s in usable if s not in fast)
+    first, *others = kernels.AUTO_SETTINGS
+    return (first,) + tuple(fast) + tuple(others) + tuple(s for s in usable if s not in fast)
 
 
 def available_backends() -> list[str]:
     """Names whose packages import here."""
-    return [n for n in backend_names() if n in AUTO_NAMES or kernels.by_setting(n).installed()]
+    return [n for n in backend_names() if kernels.is_auto(n) or kernels.by_setting(n).installed()]
 
 
 def block_kernel_settings() -> tuple[str, ...]:

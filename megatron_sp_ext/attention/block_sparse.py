@@ -9,7 +9,7 @@ token level (key position <= query position). Query rows with no selected key gi
 
 Local kernels: the registry's (attention/kernels/) with block sparsity, ``KERNELS``: "auto" picks per call the first
 that runs it (FlashAttention-4's own block sparsity at 128-token kernel blocks, cuDNN frontend's block sparsity at
-64/128-token blocks, flex_attention, the math kernel; kernels/__init__.py records the order: per tile size between
+64/128-token blocks, flex_attention, the math kernel; kernels/registry.py records the order: per tile size between
 FA4 and cuDNN, ``kernels.TILE_ORDER``); a named kernel that cannot run the call raises SPConfigError naming
 ``block_kernel``; nothing falls back silently. A call's view of the mask is a ``tiles.TileSlice``.
 """
@@ -111,23 +111,19 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: Optional[torch.dtyp
     run here."""
     if kernel not in KERNELS:
         raise SPConfigError(f"{setting}={kernel!r} is invalid: choose one of {', '.join(KERNELS)}")
-    if kernel == "auto":
-        call = kernels.KernelCall(torch.device(device), dtype or torch.float32, None, frozenset({"tiles", "plain"}))
-        return kernels.pick(call).setting
-    call = kernels.KernelCall(torch.device(device), dtype or torch.float32, None, frozenset({"tiles"}))
-    return kernels.require(kernels.by_setting(kernel), call, setting).setting
+    # "auto" names the kernel of a plain call; a named kernel is checked for the device and dtype only
+    needs = frozenset({"tiles", "plain"}) if kernels.is_auto(kernel) else frozenset({"tiles"})
+    call = kernels.KernelCall(torch.device(device), dtype or torch.float32, None, needs)
+    return kernels.choose(call, kernel, name=setting).setting
 
 
 def kernel_for_call(kernel: str, q: torch.Tensor, ts: TileSlice, causal: bool, lse: bool,
                     setting: str = "block_kernel") -> kernels.Kernel:
     """The kernel of one block-sparse call: "auto" = the registry's first that runs it; a named kernel must run it
     (SPConfigError naming ``setting`` otherwise)."""
-    call = tile_call(q, ts, causal, lse)
-    if kernel == "auto":
-        return kernels.pick(call)
     if kernel not in KERNELS:
         raise SPConfigError(f"{setting}={kernel!r} is invalid: choose one of {', '.join(KERNELS)}")
-    return kernels.require(kernels.by_setting(kernel), call, setting)
+    return kernels.choose(tile_call(q, ts, causal, lse), kernel, name=setting)
 
 
 def math_forward(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor, mask_hqk: torch.Tensor,

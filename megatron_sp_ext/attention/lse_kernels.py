@@ -15,7 +15,7 @@ cuDNN's 1 x 1 block crashed the process (segfault) and flash's returned garbage 
 were right (results/2026-11-24_h100_packed_padding/tiny_blocks.txt). Packed samples make such blocks: a
 one-token sample, or a sample's one padding row.
 Availability: the kernel's own conditions (``Kernel.why_not``) plus a tiny probe call per (kernel, device, dtype)
-against math, cached.
+against math, cached; ``why_not_call`` is that test in the form ``kernels.choose`` takes (the one choice).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from . import blockwise, kernels
-from .kernels.base import KernelCall
+from .kernels.base import Kernel, KernelCall
 from .lse import merge
 
 log = logging.getLogger("megatron_sp_ext")
@@ -47,10 +47,7 @@ def schema_ok(kernel: str) -> bool:
 
 def why_not(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> str:
     """Why ``kernel`` does not run for (device, dtype, head_dim) here, in a user's words ("" if it runs)."""
-    if available(kernel, device, dtype, head_dim):
-        return ""
-    return kernels.why_not(kernel, _call(device, dtype, head_dim)) or \
-        "its probe call against the math kernel failed here"
+    return why_not_call(kernels.get(kernel), _call(device, dtype, head_dim)) or ""
 
 
 def available(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> bool:
@@ -92,12 +89,17 @@ def _probe(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
             and all(close(a, b) for gk, gm in zip(grads, grads_m) for a, b in zip(gk, gm)))
 
 
+def why_not_call(kernel: Kernel, call: KernelCall) -> Optional[str]:
+    """None if ``kernel`` runs the log-sum-exp ``call`` here (``available``: its conditions and its probe), else the
+    reason in a user's words: the test ``kernels.choose`` applies to these blocks."""
+    if available(kernel.name, call.device, call.dtype, call.head_dim):
+        return None
+    return kernel.why_not(call) or "its probe call against the math kernel failed here"
+
+
 def best(device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> str:
-    """The first of ``KERNELS`` available for (device, dtype, head_dim)."""
-    for k in KERNELS:
-        if available(k, device, dtype, head_dim):
-            return k
-    return MATH
+    """The first of ``KERNELS`` available for (device, dtype, head_dim): ``kernels.choose`` of that call."""
+    return kernels.choose(_call(device, dtype, head_dim), "auto", why_not=why_not_call, count=False).name
 
 
 def one_row_block(q: torch.Tensor, k: torch.Tensor) -> bool:

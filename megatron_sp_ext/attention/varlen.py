@@ -14,8 +14,8 @@ q's dtype, lse fp32 [1, H, S]. Methods (``METHODS``):
                   calls); [S, H, D] views, no copies of q/k/v
   "fa4_varlen"    one call of FlashAttention-4's varlen kernel (``fa4.varlen_forward`` / ``varlen_backward``, cu_seqlens;
                   GQA without expanding k/v); offered where the backend's kernel is "fa4"
-The kernel methods run on CUDA in fp16/bf16 only, for SDPA-family backends whose kernel choice allows it
-("auto"/"sdpa" and "torch_flash"; the fixed "cudnn" backend runs only per_sample and grouped), and only after
+The kernel methods run on CUDA in fp16/bf16 only, for ``AutoBackend``s whose kernel choice allows it ("auto"/"sdpa"
+and "torch_flash"; the fixed "cudnn" backend runs only per_sample and grouped), and only after
 a probe against math on this (device, dtype) passed (schema check first: a torch without the op never offers
 it). There is no cuDNN ragged-kernel method: aten._cudnn_attention_forward / _backward with cum_seq_q/k
 measured wrong on torch 2.11 / cuDNN 9.19 (1 x H200, 2026-11-24) and an illegal memory access followed, and
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from ..errors import SPConfigError
 from ..trials import isolated_trial
 from . import kernels
-from .backends import LocalAttention, SDPABackend
+from .backends import AutoBackend, LocalAttention
 
 log = logging.getLogger("megatron_sp_ext")
 
@@ -250,25 +250,25 @@ def probe(method: str, device, dtype, tol: float = 3e-2) -> bool:
 
 
 def _backend_kernel(be: LocalAttention, q: torch.Tensor) -> Optional[str]:
-    """The lse kernel an SDPA-family backend runs for q (None for other backends)."""
-    return be.kernel_for(q) if isinstance(be, SDPABackend) else None
+    """The lse kernel an "auto"-family backend (``AutoBackend``, fixed kernels too) runs for q (None for others)."""
+    return be.kernel_for(q) if isinstance(be, AutoBackend) else None
 
 
 def methods_here(be: LocalAttention, q: torch.Tensor, cu: Optional[tuple[int, ...]] = None) -> list[str]:
     """The methods that run for ``be`` on q's (device, dtype), "per_sample" first, then the varlen methods of the
     kernels the backend may run (every "auto" kernel's for "auto"/"sdpa"; a fixed kernel's own), where they run
     here. Not the varlen kernels when a sample of ``cu`` has one token (the fixed-length kernels' 1 x 1 blocks were
-    wrong or crashed on an H100, see lse_kernels; the per-sample methods run those blocks on the math kernel)."""
+    wrong or crashed on an H100, see lse_kernels; the per-sample methods run those blocks on the math kernel). The
+    kernels are the one choice's candidates (``kernels.candidates`` of a varlen call for the backend's kernel
+    setting; "auto": from the kernel it chose for the blocks on)."""
     out = ["per_sample", "grouped"]
     one_token = cu is not None and any(b - a == 1 for a, b in zip(cu, cu[1:]))
-    if one_token or not isinstance(be, SDPABackend):
+    if one_token or not isinstance(be, AutoBackend):
         return out
     chosen = _backend_kernel(be, q)   # a fixed kernel that cannot run here raises naming its setting
-    if be.kernel == SDPABackend.kernel:   # "auto": the varlen calls of the kernels at or after its choice in order
-        rank = kernels.AUTO.index(chosen)
-        offered = [m for m in KERNEL_METHODS if kernels.AUTO.index(kernels.of_varlen_method(m).name) >= rank]
-    else:
-        offered = [m for m in KERNEL_METHODS if kernels.of_varlen_method(m).name == be.kernel]
+    call = kernels.KernelCall(q.device, q.dtype, q.shape[-1], frozenset({"varlen"}))
+    allowed = {kernels.get(n).caps.varlen for n in kernels.candidates(call, be.kernel_setting, after=chosen)}
+    offered = [m for m in KERNEL_METHODS if m in allowed]
     return out + [m for m in offered if kernel_available(m, q.device, q.dtype)]
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_sp_ext import modes
 from megatron_sp_ext.attention import kernels
-from megatron_sp_ext.attention.backends import SDPABackend, get_backend, with_block_kernel
+from megatron_sp_ext.attention.backends import AutoBackend, get_backend, with_block_kernel
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.factory import SPResources, make_attention
@@ -45,7 +45,6 @@ def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backen
     from megatron_sp_ext.sp.ulysses.attend import local_attention  # noqa: PLC0415
     from .model import local_core  # noqa: PLC0415
     be = get_backend(backend, setting)
-    plain_sdpa = isinstance(be, SDPABackend) and be.kernel == "auto"
 
     def core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None):
         q_bhsd, k_bhsd, v_bhsd = (t.transpose(1, 2) for t in (q, k, v))
@@ -55,7 +54,7 @@ def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backen
             o = block_sparse_attention(q_bhsd, k_bhsd, v_bhsd, block_mask, block_size=block_size,
                                        kv_valid_len=kv_valid_len, kernel=block_kernel, setting=SPARSE_KERNEL_FLAG)
             return o.transpose(1, 2)
-        if plain_sdpa and kernels.get(be.kernel_for(q_bhsd)).in_torch_sdpa:   # torch's own dispatch: the reference
+        if isinstance(be, AutoBackend) and be.plain_via_torch_sdpa(q_bhsd):   # torch's own dispatch: the reference
             return local_core(q, k, v, kv_valid_len, cu_seqlens)
         valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < k.shape[1] else None
         cu = tuple(int(c) for c in cu_seqlens.tolist()) if cu_seqlens is not None else None
@@ -253,7 +252,7 @@ def attention_kernel_line(backend: str, setting: str, device: torch.device, dtyp
     entry has no such setting, the line says the kernel is the registry's pick) and the backend's kernel runs the
     cross-attention."""
     be = get_backend(backend, setting)
-    if isinstance(be, SDPABackend):
+    if isinstance(be, AutoBackend):
         k = be.kernel_for(torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype))
         dense = kernels.label(k)
     else:

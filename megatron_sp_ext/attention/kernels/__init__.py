@@ -1,155 +1,16 @@
-"""The registry of local attention kernels: one module per kernel, each declaring what it can do (``base``).
-
-Every list of kernel names in the library derives from here (the ``backend`` setting's choices, the log-sum-exp
-kernels, the varlen methods, the block-sparse kernels), and "auto" picks, per call, the first kernel of ``ORDER``
-that can run it (``pick``). No kernel name is compared anywhere outside this package (tests/test_registry.py scans).
-
-ORDER is fastest first on Hopper, measured (fwd+bwd, bf16, D=128; ../shared/ENVIRONMENT.md):
-  fa4    FlashAttention-4: 1.12-1.17x cuDNN dense (H200, 2026-11-24); block-sparse 440-571 useful TFLOP/s at
-         128-token tiles (H100, 2026-11-25)
-  cudnn  cuDNN through torch: 511-528 TFLOP/s backward, 561-654 forward (H200, 2026-11-24)
-  flash  torch's FlashAttention-2: below cuDNN on Hopper; the CPU's fused op
-  flex   flex_attention, block-sparse only: 323-392 useful TFLOP/s at 128-token tiles, 59-255 at 64 (H100)
-  math   the fp32 reference: any device, dtype and mask (4 useful TFLOP/s as a ring step kernel)
-  flash_attn, te: plain calls only, never picked by "auto" (named by the user).
-  cudnn_block_sparse: cuDNN frontend's block sparsity (nvidia-cudnn-frontend), native 64- and 128-token blocks:
-         block-sparse calls only; NOT MEASURED on our GPUs yet. Its place among the block-sparse kernels is per call
-         (``TILE_ORDER``, by the call's tile size), not ORDER's.
-
-Block-sparse calls ("auto"): ``TILE_ORDER`` puts the kernels it names first, in its order, for a call whose tile size it
-lists, then the rest of AUTO. UNMEASURED default (2026-11-27), to be replaced by the kernel table's order
-(tools/bench_block_sparse.py --table-kernels fa4,cudnn_block_sparse; the rows go below this line):
-  tiles of a multiple of 128 tokens: FA4 first (its blocks are then full: 0.84-0.94 of dense FA4, H100 2026-11-26)
-  other tiles (64, 192, ...): cuDNN's first (FA4 cuts its 128-token blocks: 0.12-0.62 of dense FA4 at 64-token
-         tiles; cuDNN's own benchmark, B200 not Hopper: 49-55% of dense at 64-token blocks)
-"""
+"""Local attention kernels: the registry (``registry``: every kernel, what it declares, every list of names) and the
+one choice of a kernel per call (``choose``), under one import. A kernel module per kernel (``base``: what a kernel
+is). No kernel name is compared anywhere outside this package (tests/test_registry.py scans)."""
 from __future__ import annotations
-
-from functools import lru_cache
-from typing import Optional
 
 import torch
 
-from ...errors import SPConfigError
 from .base import NEEDS, Capabilities, Kernel, KernelCall, LseFunction
-from .cudnn import CudnnKernel, dense, grad_in_own_layout
-from .cudnn_block_sparse import CudnnBlockSparseKernel
-from .fa4 import FA4Kernel
-from .flash_attn import FlashAttnKernel
-from .flex import FlexKernel
-from .math import MathKernel
-from .te import TEKernel
-from .torch_flash import TorchFlashKernel
-
-_CLASSES = (FA4Kernel, CudnnKernel, TorchFlashKernel, FlexKernel, CudnnBlockSparseKernel, MathKernel, FlashAttnKernel,
-            TEKernel)
-ORDER = tuple(c.name for c in _CLASSES)
-AUTO = ("fa4", "cudnn", "flash", "flex", "cudnn_block_sparse", "math")     # what "auto" may pick, in this order
-# block-sparse calls: (tile size multiple, kernels first in this order); the first entry whose multiple divides the
-# call's tile size applies. NOT MEASURED on Hopper (module docstring): the basis is FA4's measured 0.12-0.62 of
-# dense at 64-token tiles (its mask_mod route, 2026-11-26) against cuDNN's published 0.49-0.55 at 64 (B200); both
-# checked right on 2 x H200 (2026-11-27). Replace with the kernel table's order (bench_block_sparse --table-kernels).
-TILE_ORDER = ((128, ("fa4", "cudnn_block_sparse")), (1, ("cudnn_block_sparse", "fa4")))
-FALLBACK = "math"
-
-
-@lru_cache(maxsize=None)
-def get(name: str) -> Kernel:
-    """The kernel called ``name`` (one instance per process)."""
-    for c in _CLASSES:
-        if c.name == name:
-            return c()
-    raise KeyError(name)
-
-
-def names(*needs: str, auto_only: bool = False) -> tuple[str, ...]:
-    """Kernel names (ORDER) whose declared capabilities cover ``needs`` (no device check); without "tiles" among
-    ``needs``, only kernels with dense calls."""
-    out = []
-    for n in (AUTO if auto_only else ORDER):
-        caps = get(n).caps
-        if "tiles" not in needs and not caps.dense:
-            continue
-        ok = {"plain": caps.plain, "lse": caps.lse, "varlen": caps.varlen is not None,
-              "tiles": caps.tiles != "none", "dropout": caps.dropout}
-        if all(ok.get(need, True) for need in needs):
-            out.append(n)
-    return tuple(out)
-
-
-def by_setting(setting: str) -> Optional[Kernel]:
-    """The kernel a user's setting (``backend=...``) names, or None."""
-    for n in ORDER:
-        if get(n).setting == setting:
-            return get(n)
-    return None
-
-
-def settings() -> tuple[str, ...]:
-    """Every kernel's setting name (ORDER)."""
-    return tuple(get(n).setting for n in ORDER)
-
-
-def varlen_methods() -> tuple[str, ...]:
-    """The varlen methods of the kernels that have one (ORDER)."""
-    return tuple(get(n).caps.varlen for n in names("varlen"))
-
-
-def of_varlen_method(method: str) -> Optional[Kernel]:
-    """The kernel whose varlen method is ``method``, or None."""
-    for n in names("varlen"):
-        if get(n).caps.varlen == method:
-            return get(n)
-    return None
-
-
-def why_not(name: str, call: KernelCall) -> Optional[str]:
-    """None if kernel ``name`` runs ``call`` here, else the reason in a user's words."""
-    return get(name).why_not(call)
-
-
-PICKS: dict = {}   # (kernel name, "tiles" or "dense") -> calls routed to it by pick/require (reports, benchmarks)
-
-
-def _picked(kernel: Kernel, call: KernelCall) -> Kernel:
-    key = (kernel.name, "tiles" if call.tiles is not None else "dense")
-    PICKS[key] = PICKS.get(key, 0) + 1
-    return kernel
-
-
-def auto_order(call: KernelCall) -> tuple[str, ...]:
-    """AUTO for ``call``: for a block-sparse call, the kernels ``TILE_ORDER`` names for its tile size first."""
-    if call.tiles is None:
-        return AUTO
-    bs = call.tiles.block_size
-    first = next(names for multiple, names in TILE_ORDER if bs % multiple == 0)
-    return tuple(first) + tuple(n for n in AUTO if n not in first)
-
-
-def pick(call: KernelCall, among: Optional[tuple] = None) -> Kernel:
-    """The first kernel of ``among`` (default: ``auto_order(call)``) that runs ``call`` here; math as the last
-    resort."""
-    for n in (among or auto_order(call)):
-        if get(n).why_not(call) is None:
-            return _picked(get(n), call)
-    return _picked(get(FALLBACK), call)
-
-
-def label(name: str) -> str:
-    """Kernel ``name`` in a user's words."""
-    return get(name).label
-
-
-def require(kernel: Kernel, call: KernelCall, setting: str) -> Kernel:
-    """``kernel`` if it runs ``call``, else SPConfigError naming ``setting`` and the reason (never a silent
-    replacement)."""
-    reason = kernel.why_not(call)
-    if reason is not None:
-        here = [n for n in auto_order(call) if get(n).why_not(call) is None]
-        raise SPConfigError(f"{setting}={kernel.setting!r} cannot run here ({call.device}, {call.dtype}"
-                            f"{', block_mask' if call.tiles is not None else ''}): {reason}; use 'auto' (kernels that "
-                            f"run it here: {', '.join(here) or 'math'})")
-    return _picked(kernel, call)
+from .choose import (AUTO_SETTINGS, PICKS, auto_order, candidates, choose, is_auto, pick, require,
+                     via_torch_sdpa)
+from .cudnn import dense, grad_in_own_layout
+from .registry import (AUTO, FALLBACK, ORDER, TILE_ORDER, by_setting, get, label, names, of_varlen_method,
+                       settings, varlen_methods, why_not)
 
 
 def torch_sdpa_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -164,7 +25,7 @@ def torch_sdpa_output(out: torch.Tensor) -> torch.Tensor:
     return grad_in_own_layout(out) if out.is_cuda else out
 
 
-__all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "TILE_ORDER", "PICKS",
-           "get", "names", "auto_order",
-           "torch_sdpa_inputs", "torch_sdpa_output", "by_setting", "settings", "varlen_methods", "of_varlen_method",
-           "why_not", "pick", "label", "require"]
+__all__ = ["Capabilities", "Kernel", "KernelCall", "LseFunction", "NEEDS", "ORDER", "AUTO", "TILE_ORDER", "FALLBACK",
+           "PICKS", "AUTO_SETTINGS", "get", "names", "auto_order", "candidates", "choose", "is_auto",
+           "via_torch_sdpa", "torch_sdpa_inputs", "torch_sdpa_output", "by_setting", "settings", "varlen_methods",
+           "of_varlen_method", "why_not", "pick", "label", "require"]

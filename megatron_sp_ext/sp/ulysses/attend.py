@@ -1,7 +1,7 @@
 """Attention of one HCMS chunk on head-sharded q/k/v, forward and backward, and what it keeps in between.
 
 ``attend`` runs the local kernel on global-order [B, h_c, S, D] q/k/v (keys at positions >= kv_valid_len cut
-off; dropout through torch SDPA). With SDPA-family fused kernels (``explicit_kernels``) it calls the kernel's
+off; dropout through torch SDPA). With ``AutoBackend``s' fused kernels (``explicit_kernels``) it calls the kernel's
 forward with log-sum-exp and keeps (q, k, v, out, lse) in autograd's saved tensors (``hold``), so activation
 checkpointing drops them; otherwise it keeps an inner autograd graph. ``attend_backward`` gives the chunk's
 (dq, dk, dv) from either. Packed samples (the plan's ``cu_seqlens``): every step runs once per sample over
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ...attention import block_sparse, kernels, tiles, varlen
-from ...attention.backends import LocalAttention, SDPABackend
+from ...attention.backends import AutoBackend, LocalAttention
 from ...errors import SPConfigError
 from .plan import AttendPlan
 
@@ -44,7 +44,7 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
     ``varlen_kernel`` method (varlen.py; "per_sample": one call per sample over its range; "auto" decided over
     ``group``, the ranks that make this call together, its heads named by ``group_heads``: ``varlen.choose``)."""
     if dropout_p > 0.0:
-        fixed = kernels.by_setting(be.name) if isinstance(be, SDPABackend) and be.kernel != "auto" else None
+        fixed = kernels.by_setting(be.kernel_setting) if isinstance(be, AutoBackend) else None   # None: "auto"
         if fixed is not None and not fixed.caps.dropout:
             raise SPConfigError(
                 f"{be.setting}={be.name!r} cannot apply attention dropout (dropout_p={dropout_p}): {fixed.label} has "
@@ -84,11 +84,11 @@ class _DropoutSDPA(LocalAttention):
 def explicit_kernels(plan: AttendPlan, like: torch.Tensor) -> bool:
     """Whether a call runs the kernels' own forward/backward (with log-sum-exp) and keeps each chunk's
     (q, k, v, out, lse) in autograd's saved tensors (``hold``) instead of an inner autograd graph per chunk:
-    SDPA-family backends whose log-sum-exp kernel for ``like``'s device and dtype is a fused one (cuDNN or
+    ``AutoBackend``s whose log-sum-exp kernel for ``like``'s device and dtype is a fused one (cuDNN or
     flash; not the math fallback, e.g. fp32 on CUDA), gradients wanted. Saved tensors go through autograd's
     saved-tensor hooks, so activation checkpointing drops them and recomputes the call once; an inner graph
     kept on ``ctx`` stayed alive under checkpointing (no memory saved) and was recomputed once per chunk."""
-    if not (plan.need_grad and isinstance(plan.backend, SDPABackend)):
+    if not (plan.need_grad and isinstance(plan.backend, AutoBackend)):
         return False
     if plan.dropout_p > 0.0:  # the kernels' explicit forward/backward carry no dropout mask
         return False

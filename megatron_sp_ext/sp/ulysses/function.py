@@ -12,10 +12,10 @@ the same code runs in program order (no streams), so tests cover its logic.
 Because every head is computed by the same kernel on the same data whatever the chunking,
 HCMS is bit-identical to plain Ulysses on the same backend.
 
-Saved state: with SDPA-family backends each chunk's attention runs the fused kernel's own forward and
-backward (with log-sum-exp) and its (q, k, v, out, lse) sit in autograd's saved tensors (``hold``), so
-activation checkpointing drops them and recomputes the call once (key padding included); other backends
-keep an inner autograd graph per chunk (``attend``).
+Saved state: with ``AutoBackend``s ("auto" and the fixed fused kernels) each chunk's attention runs the fused
+kernel's own forward and backward (with log-sum-exp) and its (q, k, v, out, lse) sit in autograd's saved tensors
+(``hold``), so activation checkpointing drops them and recomputes the call once (key padding included); other
+backends keep an inner autograd graph per chunk (``attend``).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ...attention import block_sparse, tiles
-from ...attention.backends import LocalAttention, MathBackend, SDPABackend, get_backend
+from ...attention.backends import AutoBackend, LocalAttention, MathBackend, get_backend
 from ...attention.varlen import SETTINGS as VARLEN_SETTINGS
 from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq
@@ -197,7 +197,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     query tiles x key tiles over the FULL sequence in global token order, the same on every rank (H indexes query
     heads; 1 broadcasts); only selected tile pairs attend, AND causal, AND kv_valid_len; query rows with no
     selected key give zeros. After the exchange each chunk attends in global order with its heads' mask rows, on
-    the "math" block kernel (backend="math", or off CUDA) or flex_attention (CUDA; other SDPA-family backends
+    the "math" block kernel (backend="math", or off CUDA) or flex_attention (CUDA; other ``AutoBackend``s
     name no kernel for it; a caller's callable, flash_attn or te backend is refused); head_chunks="auto" picks C by
     the dense call's calibration. Not combined with cu_seqlens, dropout_p or seq_order.
     mask_checks: a ``checks.MaskChecks`` that compares each distinct block mask across ranks once (None: this call
@@ -214,10 +214,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     block_kernel = "math"
     if block_mask is not None:
         own = isinstance(be, block_sparse.BlockSparseBackend)  # a hybrid mesh's sparse ring: its own positions
-        if not (own or isinstance(be, (SDPABackend, MathBackend))):
+        if not (own or isinstance(be, (AutoBackend, MathBackend))):
             raise SPConfigError(f"block_mask runs megatron_sp_ext's block-sparse kernels (math, flex_attention), not "
                                 f"backend={getattr(be, 'name', be)!r}: use backend 'auto', 'sdpa', 'math' (or a "
-                                f"fixed SDPA-family kernel name), or block_mask=None")
+                                f"fixed fused kernel's name), or block_mask=None")
         for name, bad, off in (("cu_seqlens", cu_seqlens is not None, None), ("dropout_p", dropout_p != 0.0, 0.0),
                                ("seq_order", seq_order is not None and not own, None)):
             if bad:

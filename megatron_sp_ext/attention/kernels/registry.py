@@ -1,0 +1,111 @@
+"""The registry of local attention kernels: one module per kernel, each declaring what it can do (``base``).
+
+Every list of kernel names in the library derives from here (the ``backend`` setting's choices, the log-sum-exp
+kernels, the varlen methods, the block-sparse kernels); which kernel runs a call is decided in one place, ``choose``
+("auto": the first kernel of ``AUTO``, or of ``TILE_ORDER`` then AUTO for a block-sparse call, that can run it). No
+kernel name is compared anywhere outside this package (tests/test_registry.py scans).
+
+ORDER is fastest first on Hopper, measured (fwd+bwd, bf16, D=128; ../shared/ENVIRONMENT.md):
+  fa4    FlashAttention-4: 1.12-1.17x cuDNN dense (H200, 2026-11-24); block-sparse 440-571 useful TFLOP/s at
+         128-token tiles (H100, 2026-11-25)
+  cudnn  cuDNN through torch: 511-528 TFLOP/s backward, 561-654 forward (H200, 2026-11-24)
+  flash  torch's FlashAttention-2: below cuDNN on Hopper; the CPU's fused op
+  flex   flex_attention, block-sparse only: 323-392 useful TFLOP/s at 128-token tiles, 59-255 at 64 (H100)
+  math   the fp32 reference: any device, dtype and mask (4 useful TFLOP/s as a ring step kernel)
+  flash_attn, te: plain calls only, never picked by "auto" (named by the user).
+  cudnn_block_sparse: cuDNN frontend's block sparsity (nvidia-cudnn-frontend), native 64- and 128-token blocks:
+         block-sparse calls only; NOT MEASURED on our GPUs yet. Its place among the block-sparse kernels is per call
+         (``TILE_ORDER``, by the call's tile size), not ORDER's.
+
+Block-sparse calls ("auto"): ``TILE_ORDER`` puts the kernels it names first, in its order, for a call whose tile size it
+lists, then the rest of AUTO. UNMEASURED default (2026-11-27), to be replaced by the kernel table's order
+(tools/bench_block_sparse.py --table-kernels fa4,cudnn_block_sparse; the rows go below this line):
+  tiles of a multiple of 128 tokens: FA4 first (its blocks are then full: 0.84-0.94 of dense FA4, H100 2026-11-26)
+  other tiles (64, 192, ...): cuDNN's first (FA4 cuts its 128-token blocks: 0.12-0.62 of dense FA4 at 64-token
+         tiles; cuDNN's own benchmark, B200 not Hopper: 49-55% of dense at 64-token blocks)
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+from .base import Kernel, KernelCall
+from .cudnn import CudnnKernel
+from .cudnn_block_sparse import CudnnBlockSparseKernel
+from .fa4 import FA4Kernel
+from .flash_attn import FlashAttnKernel
+from .flex import FlexKernel
+from .math import MathKernel
+from .te import TEKernel
+from .torch_flash import TorchFlashKernel
+
+_CLASSES = (FA4Kernel, CudnnKernel, TorchFlashKernel, FlexKernel, CudnnBlockSparseKernel, MathKernel, FlashAttnKernel,
+            TEKernel)
+ORDER = tuple(c.name for c in _CLASSES)
+AUTO = ("fa4", "cudnn", "flash", "flex", "cudnn_block_sparse", "math")     # what "auto" may pick, in this order
+# block-sparse calls: (tile size multiple, kernels first in this order); the first entry whose multiple divides the
+# call's tile size applies. NOT MEASURED on Hopper (module docstring): the basis is FA4's measured 0.12-0.62 of
+# dense at 64-token tiles (its mask_mod route, 2026-11-26) against cuDNN's published 0.49-0.55 at 64 (B200); both
+# checked right on 2 x H200 (2026-11-27). Replace with the kernel table's order (bench_block_sparse --table-kernels).
+TILE_ORDER = ((128, ("fa4", "cudnn_block_sparse")), (1, ("cudnn_block_sparse", "fa4")))
+FALLBACK = "math"
+
+
+@lru_cache(maxsize=None)
+def get(name: str) -> Kernel:
+    """The kernel called ``name`` (one instance per process)."""
+    for c in _CLASSES:
+        if c.name == name:
+            return c()
+    raise KeyError(name)
+
+
+def names(*needs: str, auto_only: bool = False) -> tuple[str, ...]:
+    """Kernel names (ORDER) whose declared capabilities cover ``needs`` (no device check); without "tiles" among
+    ``needs``, only kernels with dense calls."""
+    out = []
+    for n in (AUTO if auto_only else ORDER):
+        caps = get(n).caps
+        if "tiles" not in needs and not caps.dense:
+            continue
+        ok = {"plain": caps.plain, "lse": caps.lse, "varlen": caps.varlen is not None,
+              "tiles": caps.tiles != "none", "dropout": caps.dropout}
+        if all(ok.get(need, True) for need in needs):
+            out.append(n)
+    return tuple(out)
+
+
+def by_setting(setting: str) -> Optional[Kernel]:
+    """The kernel a user's setting (``backend=...``) names, or None."""
+    for n in ORDER:
+        if get(n).setting == setting:
+            return get(n)
+    return None
+
+
+def settings() -> tuple[str, ...]:
+    """Every kernel's setting name (ORDER)."""
+    return tuple(get(n).setting for n in ORDER)
+
+
+def varlen_methods() -> tuple[str, ...]:
+    """The varlen methods of the kernels that have one (ORDER)."""
+    return tuple(get(n).caps.varlen for n in names("varlen"))
+
+
+def of_varlen_method(method: str) -> Optional[Kernel]:
+    """The kernel whose varlen method is ``method``, or None."""
+    for n in names("varlen"):
+        if get(n).caps.varlen == method:
+            return get(n)
+    return None
+
+
+def why_not(name: str, call: KernelCall) -> Optional[str]:
+    """None if kernel ``name`` runs ``call`` here, else the reason in a user's words."""
+    return get(name).why_not(call)
+
+
+def label(name: str) -> str:
+    """Kernel ``name`` in a user's words."""
+    return get(name).label
