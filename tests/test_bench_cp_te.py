@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -197,3 +198,47 @@ def test_te_install_refusals(tmp_path):
     p = _install(parts, tmp_path)
     assert p.returncode == 1 and "do not match the manifest's sha256" in p.stdout, p.stdout
     assert not (tmp_path / "site").exists()
+
+
+def _te_args(timeout):
+    return SimpleNamespace(heads="8", seqlens="8192", head_dim=128, causal="no", links="nvlink", iters=1, warmup=0,
+                           te_timeout=timeout)
+
+
+def test_run_te_side_reads_the_rows(monkeypatch):
+    """bench_cp's launch of the TE job: the command it builds runs, its JSON (the last argument) comes back."""
+    from tools import bench_cp
+    code = ("import json, os, sys; json.dump({'rows': [], 'meta': {'pp': os.environ['PYTHONPATH'], "
+            "'rank': os.environ.get('RANK')}}, open(sys.argv[-1], 'w'))")
+    monkeypatch.setattr(bench_cp, "te_command", lambda py, n, script, a: [py, "-c", code, *a])
+    monkeypatch.setenv("RANK", "0")
+    doc, why = bench_cp.run_te_side(_te_args(60), ["te_p2p"], 2, "/tmp/te_site_x")
+    assert why == "" and doc["meta"]["rank"] is None and doc["meta"]["pp"].split(os.pathsep)[:2] == [
+        "/tmp/te_site_x", ROOT]
+
+
+def test_run_te_side_stops_a_late_job(monkeypatch, tmp_path):
+    """Past --te-timeout the TE job's whole process group is stopped and the reason returned (no rows)."""
+    from tools import bench_cp
+    pidfile = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    monkeypatch.setattr(bench_cp, "te_command", lambda py, n, script, a: [py, "-c", code])
+    doc, why = bench_cp.run_te_side(_te_args(3), ["te_p2p"], 2, None)
+    assert doc is None and why == "the TE job ran past --te-timeout 3 s"
+    grandchild = int(pidfile.read_text())
+    for _ in range(50):   # the grandchild (a worker of the job) went with it
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the TE job's worker {grandchild} still runs")
+
+
+def test_run_te_side_without_rows(monkeypatch):
+    from tools import bench_cp
+    monkeypatch.setattr(bench_cp, "te_command", lambda py, n, script, a: [py, "-c", "raise SystemExit(3)"])
+    assert bench_cp.run_te_side(_te_args(60), ["te_p2p"], 2, None) == (
+        None, "the TE job exited 3 without rows (its log is above)")

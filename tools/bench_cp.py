@@ -39,6 +39,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -248,11 +249,25 @@ def run_te_side(args, peers: list, world: int, site) -> tuple:
         cmd = te_command(sys.executable, world, os.path.join(here, "bench_cp_te.py"),
                          te_script_args(args, peers, out_json))
         print(f"[bench_cp] TE side: {' '.join(cmd)}", flush=True)
+        # its own session: on a timeout (ours, or a SIGTERM from outside) the whole TE job goes, workers included
+        proc = subprocess.Popen(cmd, env=te_env(os.environ, site, os.path.dirname(here)), start_new_session=True)
+
+        def stop(*_):
+            for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(wait_s)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+        old_term = signal.signal(signal.SIGTERM, lambda *a: (stop(), sys.exit(143)))
         try:
-            rc = subprocess.run(cmd, env=te_env(os.environ, site, os.path.dirname(here)),
-                                timeout=args.te_timeout).returncode
+            rc = proc.wait(args.te_timeout)
         except subprocess.TimeoutExpired:
+            stop()
             return None, f"the TE job ran past --te-timeout {args.te_timeout} s"
+        finally:
+            signal.signal(signal.SIGTERM, old_term)
         if not os.path.exists(out_json):
             return None, f"the TE job exited {rc} without rows (its log is above)"
         with open(out_json) as f:
