@@ -26,7 +26,8 @@ def test_parse_peers():
     assert parse_peers("") == []
     assert parse_peers("te") == list(TE_PEERS) == ["te_p2p", "te_a2a", "te_all_gather"]
     assert parse_peers("te_a2a, te_p2p") == ["te_a2a", "te_p2p"]
-    with pytest.raises(SPConfigError, match=r"--peers 'te_p2p,te_ring': unknown peer te_ring.*te_p2p, te_a2a, te_all_gather"):
+    with pytest.raises(SPConfigError,
+                       match=r"--peers 'te_p2p,te_ring': unknown peer te_ring.*te_p2p, te_a2a, te_all_gather"):
         parse_peers("te_p2p,te_ring")
     with pytest.raises(SPConfigError, match="names a peer twice"):
         parse_peers("te_p2p,te_p2p")
@@ -87,15 +88,16 @@ def test_te_env_and_command():
                    "--warmup", "2", "--out-json", "/t/te.json"]
 
 
-def _row(L, causal, links="nvlink", modes=None):
+def _row(L, causal, links="nvlink", modes=None, fa4=None):
     return {"P": 2, "H": 40, "L": L, "D": 128, "causal": causal, "links": links,
-            "floor": {"fwd": 10.0, "fwd_bwd": 40.0}, "modes": modes or {}}
+            "floor": {"fwd": 10.0, "fwd_bwd": 40.0}, "floor_fa4": fa4 or {"error": "not installed"},
+            "modes": modes or {}}
 
 
 def test_merge_and_ratios():
     ours = [_row(32768, False, modes={"ulysses": {"fwd_ms": 12.0, "fwd_bwd_ms": 50.0},
                                       "auto": {"fwd_ms": 11.0, "fwd_bwd_ms": 45.0},
-                                      "ring": {"error": "RuntimeError: x"}}),
+                                      "ring": {"error": "RuntimeError: x"}}, fa4={"fwd": 8.0, "fwd_bwd": 25.0}),
             _row(32768, True, modes={"auto": {"fwd_ms": 6.0, "fwd_bwd_ms": 24.0}})]
     te_doc = {"meta": {}, "rows": [
         _row(32768, False, modes={"te_p2p": {"fwd_ms": 10.0, "fwd_bwd_ms": 50.0, "ok": True},
@@ -104,6 +106,9 @@ def test_merge_and_ratios():
     rows = merge_te_rows(ours, te_doc, ["te_p2p", "te_a2a"], why_missing="the TE job exited 1")
     r0, r1 = rows
     assert r0["modes"]["te_p2p"]["ratio_fwd_bwd"] == 50.0 / 40.0 and r0["modes"]["te_a2a"]["ratio_fwd"] == 2.2
+    assert r0["modes"]["te_p2p"]["ratio_fa4_fwd_bwd"] == 2.0 and r0["modes"]["te_p2p"]["floor_fa4_fwd_ms"] == 8.0
+    assert "ratio_fa4_fwd" not in merge_te_rows([_row(1, False)], {"rows": [_row(1, False, modes={
+        "te_p2p": {"fwd_ms": 1.0, "fwd_bwd_ms": 2.0}})]}, ["te_p2p"])[0]["modes"]["te_p2p"]   # FA4 floor not timed
     assert r0["modes"]["auto"]["vs_te_p2p_fwd_bwd"] == 45.0 / 50.0 and r0["modes"]["auto"]["vs_te_p2p_fwd"] == 1.1
     assert r0["modes"]["te_a2a"]["vs_te_p2p_fwd_bwd"] == 60.0 / 50.0
     assert r0["auto_vs_te_p2p"] == {"fwd": 1.1, "fwd_bwd": 0.9}
@@ -242,3 +247,23 @@ def test_run_te_side_without_rows(monkeypatch):
     monkeypatch.setattr(bench_cp, "te_command", lambda py, n, script, a: [py, "-c", "raise SystemExit(3)"])
     assert bench_cp.run_te_side(_te_args(60), ["te_p2p"], 2, None) == (
         None, "the TE job exited 3 without rows (its log is above)")
+
+
+def test_report_table(tmp_path):
+    """bench_cp's .md table: the FA4 floor, auto / FA4 floor and auto / TE p2p columns from the merged rows."""
+    from tools import bench_cp
+    row = _row(32768, True, modes={"auto": {"fwd_ms": 9.0, "fwd_bwd_ms": 30.0, "ok": True}},
+               fa4={"fwd": 8.0, "fwd_bwd": 25.0})
+    for name, e in row["modes"].items():
+        bench_cp.add_ratios(e, row["floor"])
+        bench_cp.add_ratios(e, row["floor_fa4"], tag="fa4")
+    merge_te_rows([row], {"rows": [_row(32768, True, modes={"te_p2p": {"fwd_ms": 10.0, "fwd_bwd_ms": 40.0,
+                                                                       "ok": False}})]}, ["te_p2p"])
+    args = SimpleNamespace(links="nvlink", head_dim=128, iters=5, out=str(tmp_path))
+    bench_cp.write_reports([row], args, {"device": "GPU", "date": "d", "torch": "t"})
+    md = (tmp_path / "bench_cp_nvlink_P2.md").read_text().splitlines()
+    head = [c.strip() for c in md[next(i for i, x in enumerate(md) if x.startswith("| H |"))].split("|")[1:-1]]
+    cells = [c.strip() for c in md[-1].split("|")[1:-1]]
+    got = dict(zip(head, cells))
+    assert got["FA4 floor ms"] == "8.0 / 25.0" and got["auto / FA4 floor"] == "1.125 / 1.200"
+    assert got["auto / TE p2p"] == "0.900 / 0.750" and got["te_p2p"].endswith(" X")   # differs: marked

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.benchlib import init_world, median_ms, plot_or_skip, run_meta, write_results  # noqa: E402
-from tools.floor import add_ratios, floor_ms  # noqa: E402
+from tools.floor import add_ratios, floor_ms, kernel_floor_ms  # noqa: E402
 from tools.full_reference import full_inputs, full_reference, rel_errs, within  # noqa: E402
 from tools.te_peer import (check_grid, find_te, merge_te_rows, parse_peers, te_command, te_env,  # noqa: E402
                             te_script_args)
@@ -162,6 +162,8 @@ def bench_row(group, mesh, h, seqlen, causal, modes, args, mesh_cache):
     full_ref = full_reference(*full, causal=causal) if dist.get_rank() == 0 else None
     row = {"P": world, "H": h, "L": seqlen, "D": args.head_dim, "causal": causal, "links": args.links,
            "floor": floor_ms(group, h, seqlen, args.head_dim, causal, iters=args.iters, warmup=args.warmup),
+           "floor_fa4": kernel_floor_ms(group, "fa4", h, seqlen, args.head_dim, causal, iters=args.iters,
+                                        warmup=args.warmup),
            "modes": {}}
     ref = None
     order = ["ulysses"] + [m for m in modes if m != "ulysses"]
@@ -180,6 +182,7 @@ def bench_row(group, mesh, h, seqlen, causal, modes, args, mesh_cache):
                 print(f"[bench_cp] {name} failed: {e}", flush=True)
             continue
         add_ratios(entry, row["floor"])
+        add_ratios(entry, row["floor_fa4"], tag="fa4")
         if full_ref is not None:
             entry["rel_err_vs_full"] = rel_errs(got, full_ref)
             entry["ok"] = within(entry["rel_err_vs_full"])
@@ -204,8 +207,9 @@ def write_reports(rows, args, meta):
              "Cells: fwd / fwd+bwd ms [ratio to the floor fwd / fwd+bwd]; X = output/grads differ from Ulysses or from "
              "the full-sequence call; te_* = Transformer Engine (its own processes, same job); auto / TE p2p: "
              "fwd / fwd+bwd time ratio.", "",
-             "| H | L | causal | floor ms | " + " | ".join(modes) + " | auto / TE p2p |",
-             "|---|---|---|---|" + "---|" * (len(modes) + 1)]
+             "| H | L | causal | floor ms | FA4 floor ms | " + " | ".join(modes)
+             + " | auto / FA4 floor | auto / TE p2p |",
+             "|---|---|---|---|---|" + "---|" * (len(modes) + 2)]
     for r in rows:
         cells = []
         for m in modes:
@@ -217,10 +221,14 @@ def write_reports(rows, args, meta):
             else:
                 cells.append(f"{e['fwd_ms']:.1f} / {e['fwd_bwd_ms']:.1f} [{e['ratio_fwd']:.2f} / "
                              f"{e['ratio_fwd_bwd']:.2f}]" + ("" if e.get("ok", True) else " X"))
-        fl, vs = r["floor"], r.get("auto_vs_te_p2p")
+        fl, fa4, vs = r["floor"], r.get("floor_fa4", {}), r.get("auto_vs_te_p2p")
+        auto = r["modes"].get("auto", {})
+        cells.append(f"{auto['ratio_fa4_fwd']:.3f} / {auto['ratio_fa4_fwd_bwd']:.3f}" if "ratio_fa4_fwd" in auto
+                     else "-")
         cells.append(f"{vs['fwd']:.3f} / {vs['fwd_bwd']:.3f}" if vs else "-")
+        fa4_cell = f"{fa4['fwd']:.1f} / {fa4['fwd_bwd']:.1f}" if "fwd" in fa4 else "-"
         lines.append(f"| {r['H']} | {r['L'] // 1024}K | {'yes' if r['causal'] else 'no'} | "
-                     f"{fl['fwd']:.1f} / {fl['fwd_bwd']:.1f} | " + " | ".join(cells) + " |")
+                     f"{fl['fwd']:.1f} / {fl['fwd_bwd']:.1f} | {fa4_cell} | " + " | ".join(cells) + " |")
     write_results(args.out, name, {"meta": meta, "rows": rows}, lines)
 
     def draw(plt):

@@ -139,7 +139,8 @@ def add_te_ratios(row: dict, baseline: str = BASELINE) -> dict:
 
 
 def merge_te_rows(rows: list, te_doc: Optional[Mapping], peers: Sequence[str], why_missing: str = "") -> list:
-    """Our ``rows`` with each TE row's peer entries added (ratios to OUR row's floor, then ``add_te_ratios``). A
+    """Our ``rows`` with each TE row's peer entries added (ratios to OUR row's floors, cuDNN and FA4 when timed,
+    then ``add_te_ratios``). A
     peer without a TE entry for a row gets {"error": ...} (``why_missing``: what the TE job reported)."""
     by_key = {row_key(r): r for r in (te_doc or {}).get("rows", [])}
     for row in rows:
@@ -149,6 +150,7 @@ def merge_te_rows(rows: list, te_doc: Optional[Mapping], peers: Sequence[str], w
                          {"error": why_missing or "the TE job wrote no row for this shape"})
             if "fwd_bwd_ms" in entry:
                 add_ratios(entry, row["floor"])
+                add_ratios(entry, row.get("floor_fa4", {}), tag="fa4")
             row["modes"][name] = entry
         add_te_ratios(row)
     return rows
