@@ -45,23 +45,18 @@ def test_check_grid():
         check_grid(["te_p2p"], [40], [4096], world=1)
 
 
-def _fake_site(tmp_path, parts):
-    site = tmp_path / "te_site"
-    site.mkdir()
-    for p in parts:
-        (site / p).mkdir() if not p.endswith(".so") else (site / p).write_bytes(b"")
-    return str(site)
-
-
 def test_find_te(tmp_path):
-    full = ["transformer_engine", "transformer_engine-2.20.2.dist-info",
-            "transformer_engine_torch.cpython-312-x86_64-linux-gnu.so"]
-    site = _fake_site(tmp_path, full)
-    assert find_te({"SPX_TE_SITE": site}) == site
+    site = tmp_path / "te_site"
+    for d in ("transformer_engine/wheel_lib", "transformer_engine-2.20.2.dist-info",
+              "transformer_engine_torch-2.20.2.dist-info"):
+        (site / d).mkdir(parents=True)
+    (site / "transformer_engine/wheel_lib/transformer_engine_torch.cpython-312-x86_64-linux-gnu.so").write_bytes(b"")
+    assert find_te({"SPX_TE_SITE": str(site)}) == str(site)
     half = str(tmp_path / "half")
     os.makedirs(os.path.join(half, "transformer_engine"))
     with pytest.raises(SPConfigError, match=r"SPX_TE_SITE=.*half lacks transformer_engine-2\.20\.2\.dist-info, "
-                                            r"transformer_engine_torch\*\.so.*te_wheels\.sh"):
+                                            r"transformer_engine_torch-2\.20\.2\.dist-info, transformer_engine/"
+                                            r"wheel_lib/transformer_engine_torch\*\.so.*te_wheels\.sh"):
         find_te({"SPX_TE_SITE": half})
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("transformer_engine is importable here: the not-installed message cannot be shown")

@@ -54,10 +54,16 @@ t0=$(date +%s)
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target "$NEW" . \
 ) > "$PARTS/build.log" 2>&1 || { tail -n 30 "$PARTS/build.log"; say "transformer_engine_torch did not build (log: $PARTS/build.log)"; exit 1; }
 say "transformer_engine_torch built in $(( $(date +%s) - t0 )) s"
-mkdir -p "$NEW/transformer_engine-$TE.dist-info"
-printf 'Metadata-Version: 2.1\nName: transformer-engine\nVersion: %s\n' "$TE" > "$NEW/transformer_engine-$TE.dist-info/METADATA"
-echo spx > "$NEW/transformer_engine-$TE.dist-info/INSTALLER"
-: > "$NEW/transformer_engine-$TE.dist-info/RECORD"
+# the stub: TE's load_framework_extension asserts the `transformer-engine` distribution exists "from a wheel" (a
+# WHEEL file listed in its RECORD, Root-Is-Purelib: true) and that its version equals the core's and the extension's
+D=$NEW/transformer_engine-$TE.dist-info
+mkdir -p "$D"
+printf 'Metadata-Version: 2.1\nName: transformer-engine\nVersion: %s\n' "$TE" > "$D/METADATA"
+printf 'Wheel-Version: 1.0\nGenerator: megatron_sp_ext tools/te_install.sh\nRoot-Is-Purelib: true\nTag: py3-none-any\n' \
+  > "$D/WHEEL"
+echo spx > "$D/INSTALLER"
+printf '%s\n' "transformer_engine-$TE.dist-info/METADATA,," "transformer_engine-$TE.dist-info/WHEEL,," \
+  "transformer_engine-$TE.dist-info/INSTALLER,," "transformer_engine-$TE.dist-info/RECORD,," > "$D/RECORD"
 PYTHONPATH=$NEW${PYTHONPATH:+:$PYTHONPATH} python3 -c "import transformer_engine.pytorch, transformer_engine as t
 print('te_install: transformer_engine', getattr(t, '__version__', '?'), 'imports')" || {
   say "TE does not import from $NEW (kept there for a look)"; exit 1; }

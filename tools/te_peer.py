@@ -15,6 +15,7 @@ with the ratios to TE's p2p ring.
 """
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 from typing import Mapping, Optional, Sequence
@@ -75,12 +76,13 @@ def find_te(environ: Mapping[str, str]) -> Optional[str]:
     SPConfigError with the install recipe when neither."""
     site = environ.get("SPX_TE_SITE", "")
     if site:
-        missing = [p for p in ("transformer_engine", f"transformer_engine-{TE_VERSION}.dist-info")
+        missing = [p for p in ("transformer_engine", f"transformer_engine-{TE_VERSION}.dist-info",
+                               f"transformer_engine_torch-{TE_VERSION}.dist-info")
                    if not os.path.isdir(os.path.join(site, p))]
-        ext = [f for f in (os.listdir(site) if os.path.isdir(site) else []) if f.startswith("transformer_engine_torch")
-               and f.endswith(".so")]
+        # the sdist's build puts its extension under transformer_engine/wheel_lib/ (its framework_extension_only)
+        ext = glob.glob(os.path.join(site, "transformer_engine", "wheel_lib", "transformer_engine_torch*.so"))
         if missing or not ext:
-            what = missing + ([] if ext else ["transformer_engine_torch*.so"])
+            what = missing + ([] if ext else ["transformer_engine/wheel_lib/transformer_engine_torch*.so"])
             raise SPConfigError(f"--peers: SPX_TE_SITE={site} lacks {', '.join(what)} (an unfinished install). "
                                 + RECIPE)
         return site
