@@ -73,9 +73,14 @@ if [ -d .te ]; then
   mkdir -p /tmp/spx_te
   for f in .te/part.* .te/manifest; do [ -f "$f" ] && cp -f "$f" "/tmp/spx_te/.$(basename "$f").tmp" && \
     mv -f "/tmp/spx_te/.$(basename "$f").tmp" "/tmp/spx_te/$(basename "$f")"; done
+  rm -f /tmp/spx_te/failed   # carried again: a failed install is tried again
 fi
-if [ -f /tmp/spx_te/manifest ] && [ ! -f /tmp/te_site/.spx_te_installed ]; then
-  bash tools/te_install.sh /tmp/spx_te /tmp/te_site 2>&1 | tail -n 40
+if [ -f /tmp/spx_te/manifest ] && [ ! -f /tmp/te_site/.spx_te_installed ] && [ ! -f /tmp/spx_te/failed ]; then
+  bash tools/te_install.sh /tmp/spx_te /tmp/te_site > /tmp/spx_te/install.log 2>&1; spx_rc=$?
+  tail -n 40 /tmp/spx_te/install.log
+  if [ $spx_rc = 1 ]; then touch /tmp/spx_te/failed
+    echo "gpu_install: the TE install failed (/tmp/spx_te/install.log); not tried again until .te is carried again"; fi
+  unset spx_rc
 fi
 [ -f /tmp/te_site/.spx_te_installed ] && export SPX_TE_SITE=/tmp/te_site
 flock -u 8; exec 8>&-

@@ -10,7 +10,8 @@
 # their PYTHONPATH (tools/bench_cp.py --peers; SPX_TE_SITE). Steps: join the parts and check the manifest's sha256;
 # the core library (pruned: xz -d, its sha256 checked against prune.json; or the whole wheel with pip --target); the
 # runtime needs (.whl, --no-deps); transformer_engine_torch built from its sdist with nvcc against the image's torch
-# (no build isolation, no network: NVTE_PYTORCH_FORCE_BUILD); a transformer_engine-2.20.2.dist-info stub (TE checks
+# (no build isolation, no network: NVTE_PYTORCH_FORCE_BUILD; NVTE_WITH_NCCL_EP=0: no expert-parallel bindings,
+# which would need nccl.h); a transformer_engine-2.20.2.dist-info stub (TE checks
 # that the versions of transformer_engine, its core and its torch extension agree).
 set -uo pipefail
 PARTS=${1:-/tmp/spx_te}
@@ -50,7 +51,7 @@ t0=$(date +%s)
 ( cd "$X/src/transformer_engine_torch-$TE" &&
   PATH=$X/build_py/bin:$PATH PYTHONPATH=$X/build_py${PYTHONPATH:+:$PYTHONPATH} \
   CPLUS_INCLUDE_PATH=${inc}${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH} NVTE_PYTORCH_FORCE_BUILD=TRUE \
-  NVTE_NO_LOCAL_VERSION=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+  NVTE_NO_LOCAL_VERSION=1 NVTE_WITH_NCCL_EP=0 NVTE_CUDA_ARCHS=90 MAX_JOBS=${MAX_JOBS:-$(nproc)} \
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target "$NEW" . \
 ) > "$PARTS/build.log" 2>&1 || { tail -n 30 "$PARTS/build.log"; say "transformer_engine_torch did not build (log: $PARTS/build.log)"; exit 1; }
 say "transformer_engine_torch built in $(( $(date +%s) - t0 )) s"
