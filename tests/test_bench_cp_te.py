@@ -225,7 +225,7 @@ def test_run_te_side_stops_a_late_job(monkeypatch, tmp_path):
             f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(60)")
     monkeypatch.setattr(bench_cp, "te_command", lambda py, n, script, a: [py, "-c", code])
     doc, why = bench_cp.run_te_side(_te_args(3), ["te_p2p"], 2, None)
-    assert doc is None and why == "the TE job ran past --te-timeout 3 s"
+    assert doc is None and why == "the TE job ran past its 3 s (--te-timeout / --time-limit)"
     grandchild = int(pidfile.read_text())
     for _ in range(50):   # the grandchild (a worker of the job) went with it
         try:

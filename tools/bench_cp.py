@@ -44,13 +44,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.benchlib import init_world, median_ms, plot_or_skip, run_meta, write_results  # noqa: E402
+from tools.benchlib import init_world, median_ms, plot_or_skip, run_meta, write_json, write_results  # noqa: E402
 from tools.floor import add_ratios, floor_ms, kernel_floor_ms  # noqa: E402
 from tools.full_reference import full_inputs, full_reference, rel_errs, within  # noqa: E402
 from tools.te_peer import (check_grid, find_te, merge_te_rows, parse_peers, te_command, te_env,  # noqa: E402
@@ -248,9 +249,10 @@ def write_reports(rows, args, meta):
     plot_or_skip(os.path.join(args.out, name + ".png"), draw, "bench_cp")
 
 
-def run_te_side(args, peers: list, world: int, site) -> tuple:
+def run_te_side(args, peers: list, world: int, site, timeout_s: Optional[float] = None) -> tuple:
     """Rank 0, after our process group is gone: TE's rows from tools/bench_cp_te.py as its own torchrun on the same
-    GPUs (at most --te-timeout s) -> (its JSON doc or None, why it is missing)."""
+    GPUs (at most ``timeout_s``, default --te-timeout) -> (its JSON doc or None, why it is missing)."""
+    timeout_s = args.te_timeout if timeout_s is None else timeout_s
     here = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory(prefix="bench_cp_te_") as tmp:
         out_json = os.path.join(tmp, "te_rows.json")
@@ -270,10 +272,10 @@ def run_te_side(args, peers: list, world: int, site) -> tuple:
                     continue
         old_term = signal.signal(signal.SIGTERM, lambda *a: (stop(), sys.exit(143)))
         try:
-            rc = proc.wait(args.te_timeout)
+            rc = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             stop()
-            return None, f"the TE job ran past --te-timeout {args.te_timeout} s"
+            return None, f"the TE job ran past its {timeout_s:.0f} s (--te-timeout / --time-limit)"
         finally:
             signal.signal(signal.SIGTERM, old_term)
         if not os.path.exists(out_json):
@@ -300,6 +302,9 @@ def main() -> None:
                     "te_p2p,te_a2a,te_all_gather (comma list) or te (all three); needs TE (SPX_TE_SITE, "
                     "docs/te_peer.md)")
     ap.add_argument("--te-timeout", type=int, default=1800, help="seconds the TE side may run")
+    ap.add_argument("--time-limit", type=int, default=0,
+                    help="seconds the whole job may run (0: no limit): the TE side gets at most what is left of it "
+                         "less 20 s, so that the merged JSON is written before an outer timeout")
     args = ap.parse_args()
     try:   # the peers checked before any GPU work: a bad setting is one message, no traceback
         peers = parse_peers(args.peers)
@@ -314,6 +319,7 @@ def main() -> None:
         os.environ["NCCL_P2P_DISABLE"] = "1"
     for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(k, "1" if k != "NCCL_NVLS_ENABLE" else "0")
+    t_job = time.time()
     init_world("nccl", timeout_s=600)
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     world = dist.get_world_size()
@@ -321,6 +327,7 @@ def main() -> None:
     group = dist.group.WORLD
     modes = [m for m in args.modes.split(",") if m]
     rows, mesh_cache = [], {}
+    partial = os.path.join(args.out, f"bench_cp_{args.links}_P{world}.partial.json")   # rows so far, if cut short
     for h in [int(x) for x in args.heads.split(",")]:
         for L in [int(x) for x in args.seqlens.split(",")]:
             for causal in [c == "yes" for c in args.causal.split(",")]:
@@ -328,6 +335,7 @@ def main() -> None:
                 r = bench_row(group, mesh, h, L, causal, modes, args, mesh_cache)
                 rows.append(r)
                 if dist.get_rank() == 0:
+                    write_json(partial, {"rows": rows, "note": "our rows so far (the job did not finish)"})
                     brief = " ".join(f"{n}={e['fwd_bwd_ms']:.1f}[{e['ratio_fwd_bwd']:.2f}]"
                                      for n, e in r["modes"].items() if "error" not in e)
                     print(f"[bench_cp P={world} H={h} L={L} causal={causal} {time.time() - t0:.0f}s] "
@@ -340,7 +348,10 @@ def main() -> None:
         torch.cuda.empty_cache()
         if rank != 0:
             return
-        te_doc, why = run_te_side(args, peers, world, te_site)
+        budget = args.te_timeout if not args.time_limit else min(
+            args.te_timeout, args.time_limit - (time.time() - t_job) - 20)
+        te_doc, why = (run_te_side(args, peers, world, te_site, budget) if budget > 30 else
+                       (None, f"no time left for the TE job (--time-limit {args.time_limit} s)"))
         merge_te_rows(rows, te_doc, peers, why)
     if rank == 0:
         meta = run_meta(date=datetime.datetime.utcnow().isoformat(timespec="seconds"), torch=torch.__version__,
@@ -348,6 +359,7 @@ def main() -> None:
         if peers:
             meta["te"] = (te_doc or {}).get("meta", {"error": why})
         write_reports(rows, args, meta)
+        os.remove(partial)
         bad = [(r["L"], r["causal"], m) for r in rows for m, e in r["modes"].items() if e.get("ok") is False]
         if bad:
             print(f"[bench_cp] outputs differ from Ulysses or the full-sequence call beyond {TOL}: {bad}", flush=True)
