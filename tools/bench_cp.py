@@ -359,7 +359,8 @@ def main() -> None:
         if peers:
             meta["te"] = (te_doc or {}).get("meta", {"error": why})
         write_reports(rows, args, meta)
-        os.remove(partial)
+        if os.path.exists(partial):
+            os.remove(partial)
         bad = [(r["L"], r["causal"], m) for r in rows for m, e in r["modes"].items() if e.get("ok") is False]
         if bad:
             print(f"[bench_cp] outputs differ from Ulysses or the full-sequence call beyond {TOL}: {bad}", flush=True)
