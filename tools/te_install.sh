@@ -41,7 +41,10 @@ if [ -f "$X/te/core/rest.zip" ]; then
 else
   pipi --target "$NEW" "$X"/te/core/*.whl || { say "pip could not install the core wheel"; exit 1; }
 fi
-pipi --target "$NEW" "$X"/te/deps/*.whl || { say "pip could not install TE's runtime needs"; exit 1; }
+# pip --target skips a top-level folder that already exists there (and --upgrade would delete it): each install goes
+# into a folder of its own, merged into NEW with cp (the extension lands in NEW/transformer_engine/wheel_lib/)
+pipi --target "$X/deps_site" "$X"/te/deps/*.whl && cp -a "$X/deps_site/." "$NEW/" ||
+  { say "pip could not install TE's runtime needs"; exit 1; }
 pipi --target "$X/build_py" "$X"/te/build/*.whl || { say "pip could not install the build's needs"; exit 1; }
 # the CUDA headers torch's own nvidia-* wheels ship (cudnn.h among them) beside the toolkit's
 inc=$(python3 -c "import os, nvidia; r = list(nvidia.__path__)[0]
@@ -52,8 +55,12 @@ t0=$(date +%s)
   PATH=$X/build_py/bin:$PATH PYTHONPATH=$X/build_py${PYTHONPATH:+:$PYTHONPATH} \
   CPLUS_INCLUDE_PATH=${inc}${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH} NVTE_PYTORCH_FORCE_BUILD=TRUE \
   NVTE_NO_LOCAL_VERSION=1 NVTE_WITH_NCCL_EP=0 NVTE_CUDA_ARCHS=90 MAX_JOBS=${MAX_JOBS:-$(nproc)} \
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target "$NEW" . \
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir \
+    --target "$X/ext_site" . \
 ) > "$PARTS/build.log" 2>&1 || { tail -n 30 "$PARTS/build.log"; say "transformer_engine_torch did not build (log: $PARTS/build.log)"; exit 1; }
+ls "$X"/ext_site/transformer_engine/wheel_lib/transformer_engine_torch*.so > /dev/null 2>&1 ||
+  { say "the build left no transformer_engine/wheel_lib/transformer_engine_torch*.so: $(cd "$X/ext_site" && find . -name '*.so')"; exit 1; }
+cp -a "$X/ext_site/." "$NEW/" || exit 1
 say "transformer_engine_torch built in $(( $(date +%s) - t0 )) s"
 # the stub: TE's load_framework_extension asserts the `transformer-engine` distribution exists "from a wheel" (a
 # WHEEL file listed in its RECORD, Root-Is-Purelib: true) and that its version equals the core's and the extension's
