@@ -688,9 +688,9 @@ stage_i70_transport() {   # row 5 (2 GPUs: P=2; 4 GPUs: P=2 and P=4; part.aa; ~1
   suite i70_transport/suite 200 "test_transport_family"
 }
 # #68: Transformer Engine's CP beside ours in ONE job (tools/bench_cp.py --peers te; docs/te_peer.md). TE travels as
-# .te/ (bash tools/te_wheels.sh: ONE part of 41.5 MB, the core library pruned to sm_90 and xz'd; FORM=wheel gives 7
+# .te/ (bash tools/te_wheels.sh: ONE part of 42.9 MB, the core library pruned to sm_90 and xz'd; FORM=wheel gives 7
 # parts of 44 MiB, one per back-to-back call, if the pruned library does not load). Carry ".te" in a call of its own
-# (41.5 MB + the ~15 MB tree: no .fa4 part fits beside it; .ds does) running i68_te_install: gpu_install.sh installs
+# (42.9 MB + the ~15 MB tree: no .fa4 part fits beside it; .ds does) running i68_te_install: gpu_install.sh installs
 # it into /tmp/te_site (~2 min: the transformer_engine_torch build) and exports SPX_TE_SITE in every later call to
 # the same warm machine. Then FA4's parts (their calls), then i68_cp2_nv and i68_cp2_host, one call each, in calls
 # after the one that installed FA4 (its disk-cache probe, fa4_disk_cache, runs once per machine and takes minutes):

@@ -45,7 +45,10 @@ fi
 # into a folder of its own, merged into NEW with cp (the extension lands in NEW/transformer_engine/wheel_lib/)
 pipi --target "$X/deps_site" "$X"/te/deps/*.whl && cp -a "$X/deps_site/." "$NEW/" ||
   { say "pip could not install TE's runtime needs"; exit 1; }
-pipi --target "$X/build_py" "$X"/te/build/*.whl || { say "pip could not install the build's needs"; exit 1; }
+build_whl=("$X"/te/build/*.whl)
+python3 -c "import setuptools" 2>/dev/null || build_whl+=("$X"/te/build_fallback/setuptools-*.whl)
+python3 -c "import packaging.version" 2>/dev/null || build_whl+=("$X"/te/build_fallback/packaging-*.whl)
+pipi --target "$X/build_py" "${build_whl[@]}" || { say "pip could not install the build's needs"; exit 1; }
 # the CUDA headers torch's own nvidia-* wheels ship (cudnn.h among them) beside the toolkit's
 inc=$(python3 -c "import os, nvidia; r = list(nvidia.__path__)[0]
 print(':'.join(os.path.join(r, d, 'include') for d in sorted(os.listdir(r)) if os.path.isdir(os.path.join(r, d, 'include'))))" 2>/dev/null)

@@ -13,7 +13,8 @@
 # zeroed in place, then xz -9 (23 MB; the rest of the wheel a 4 MB zip); the transformer_engine_torch==2.20.2 sdist
 # (0.5 MB; built there with nvcc against the image's torch); the runtime needs the image lacks (TE's pytorch side
 # imports onnx and onnxscript unconditionally, and pydantic; pydantic 2.14 wants typing-extensions >= 4.16); the
-# build's own needs (wheel: its setup.py imports wheel.bdist_wheel; ninja for a parallel build).
+# build's own needs (wheel: its setup.py imports wheel.bdist_wheel; ninja for a parallel build; setuptools and
+# packaging in case the image lacks them).
 # Measured 2026-11-27 (the whole library): xz -9 ~0.83 of raw (stopped at 222 MB out for 268 of 343 MB in),
 # zstd -19 --long=27 260 MB: no part fewer than the wheel's own deflate. Pruned to sm_90 + xz -9: 23.3 MB.
 # There tools/gpu_install.sh joins the parts once every one is under /tmp/spx_te, checks the sha256, installs into
@@ -50,6 +51,9 @@ echo "$SDIST_SHA256  $W/te/sdist/$SDIST" | sha256sum -c --quiet
   ml-dtypes==0.6.0 protobuf==7.36.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
   typing-inspection==0.4.5 typing-extensions==4.16.0
 "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$W/te/build" wheel==0.48.0 ninja==1.13.2
+# used there only if the image lacks them (torch needs setuptools on Python 3.12, transformers needs packaging)
+mkdir -p "$W/te/build_fallback"
+"$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$W/te/build_fallback" setuptools==80.9.0 packaging==26.4
 if [ "${FORM:-sm90}" = sm90 ]; then   # the library pruned to sm_90 and xz'd, the rest of the wheel as a zip
   whl=$(ls "$W"/te/core/*.whl)
   "$PY" tools/te_prune.py "$whl" "$W/te/core" --keep-arch 90
@@ -60,7 +64,7 @@ elif [ "${FORM}" != wheel ]; then
 fi
 # smallest first (the core wheel last): every part but the last is a prefix of the tar
 rm -rf .te && mkdir -p .te
-(cd "$W" && tar -cf - te/sdist te/build te/deps te/core) > .te/te.tar
+(cd "$W" && tar -cf - te/sdist te/build te/build_fallback te/deps te/core) > .te/te.tar
 split -b "${PART_MB:-44}m" .te/te.tar .te/part.
 { echo "sha256 $(sha256sum .te/te.tar | cut -d' ' -f1)"; (cd .te && ls part.*); } > .te/manifest
 rm -f .te/te.tar
