@@ -697,7 +697,7 @@ stage_i70_transport() {   # row 5 (2 GPUs: P=2; 4 GPUs: P=2 and P=4; part.aa; ~1
 # our modes then run FA4 (and the FA4 floor is timed), TE runs cuDNN. 2 GPUs: 1 (.te) + FA4's parts + 2 calls.
 i68_te() {   # i68_te STAGE: true when TE is installed (SPX_TE_SITE), else says why the stage does not start
   [ -n "${SPX_TE_SITE:-}" ] && return 0
-  echo "[$1: not started: no Transformer Engine (carry .te: bash tools/te_wheels.sh; /tmp/spx_te/build.log)]"; return 1
+  echo "[$1: not started: no Transformer Engine (carry .te: bash tools/te_wheels.sh; /tmp/spx_te/install.log, build.log)]"; return 1
 }
 stage_i68_te_install() {   # (2 GPUs, the call carrying .te; ~3 min with the install): TE imports from SPX_TE_SITE
   # in its own process, then a tiny TE CP fwd+bwd check of p2p, a2a and all_gather (H=8, L=8192, causal and not)
