@@ -10,7 +10,9 @@ autocast, diffusers' gradient checkpointing (every block), then times --steps tr
 one fixed synthetic batch (Wan's flow-matching loss, training/wan_diffusers/flow.py; AdamW; gradients all-reduced
 over the ranks with the SP sum, training/wan_diffusers/loop.py): step_ms = median over steps of CUDA-event time,
 max over ranks. MFU = model FLOPs (DiTConfig.flops_per_token: Wan's block, recomputation not counted) / (step time x
-world x 989 TFLOP/s); peak_mem_gib = max over ranks of torch.cuda.max_memory_allocated.
+world x 989 TFLOP/s); peak_mem_gib = max over ranks of torch.cuda.max_memory_allocated over the variant's whole
+run (its build, warmup steps with auto's first-call trials, timed steps); peak_steady_gib = the same over the timed
+steps alone (the peak reset after the warmup).
 
 Variants (comma list): ``diffusers-ulysses`` / ``diffusers-ring``: model.enable_parallelism(config=
 ContextParallelConfig(ulysses_degree=P | ring_degree=P)) with model.set_attention_backend(B), B = --diffusers-backend
@@ -251,8 +253,13 @@ def time_variant(args, variant: dict, world: int, device, grid: tuple, batch: di
             ms = 1e3 * (time.perf_counter() - t0)
         if i >= args.warmup:
             times.append(ms)
+        if cuda and i == args.warmup - 1:   # the steady peak: the timed steps alone (no first-step trials)
+            job_peak = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
     t = torch.tensor(times, device=device)
-    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0], device=device)
+    steady = torch.cuda.max_memory_allocated(device) if cuda else 0
+    job = max(steady, job_peak) if cuda and args.warmup > 0 else steady
+    peak = torch.tensor([job / 2**30, steady / 2**30], device=device)
     if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -263,7 +270,8 @@ def time_variant(args, variant: dict, world: int, device, grid: tuple, batch: di
     pk = peak_flops(device)
     row.update(step_ms=step_ms, step_ms_all=ms, tokens=tokens, model_tflop_per_step=flops / 1e12,
                mfu=flops / (step_ms / 1e3) / (pk * world) if pk else None,
-               peak_mem_gib=float(peak.item()) if cuda else None,
+               peak_mem_gib=float(peak[0].item()) if cuda else None,
+               peak_steady_gib=float(peak[1].item()) if cuda else None,
                first_loss=float(losses[0].float().item()), last_loss=float(losses[-1].float().item()))
     if variant.get("sparse_settings"):
         row["mfu_note"] = "dense-equivalent: the FLOPs of dense attention over the same step time"
@@ -428,7 +436,7 @@ def _run(args, variants: list, rank: int, world: int, device) -> dict:
         rows.append(row)
         if rank == 0:
             print(json.dumps({k: row.get(k) for k in ("variant", "backend", "step_ms", "mfu", "peak_mem_gib",
-                                                      "first_loss", "skipped")}), flush=True)
+                                                      "peak_steady_gib", "first_loss", "skipped")}), flush=True)
     doc = {"meta": meta, "rows": rows}
     if rank == 0:
         write_json(args.out, doc)

@@ -8,8 +8,9 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a; #70: i70_ds i70_ds_time i70_resume i70_dyn_check i70_dyn2
-# i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install i68_cp2_nv i68_cp2_host.
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67; #70: i70_ds i70_ds_time
+# i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
+# i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
@@ -510,6 +511,48 @@ stage_r7e() {   # call 5: 50-step bf16 loss curves (ours-auto vs diffusers' best
 stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' ops, then the diffusers families at P=4
   suite r9a/rope 120 "test_wan_rope_fused_bitwise"
   suite r9a/diffusers4 200 "(test_diffusers_family or test_diffusers_sparse_family) and 4-nccl"
+}
+# 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
+#   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
+#   r8d69b@3 | call 4: r10_67.
+stage_r10_rope() {   # 1 GPU: the fused Wan RoPE bit for bit against diffusers' ops (bf16/fp16/fp32, fwd + bwd)
+  suite r10/rope 120 "test_wan_rope_fused_bitwise"
+}
+stage_r10_d4() {   # 4 GPUs: the diffusers families (dense and block-sparse) over NCCL at P=4
+  suite r10/diffusers4 240 "(test_diffusers_family or test_diffusers_sparse_family) and 4-nccl"
+}
+stage_r10_65() {   # call 3 (FA4), 2 GPUs: ONE job at 720p, wan-1.3b 30 blocks, SP=2: diffusers' own Ulysses beside
+  # ours-auto and the two modes auto chooses between, each with its whole-run and steady (timed steps) peak, ~6 min
+  suite r10/diffusers 120 "test_diffusers_family and 2-nccl"
+  keep r10/720p 400 $WAN_BENCH --grid 720p --variants diffusers-ulysses,ours-auto,ours-ulysses,ours-hcms --steps 4 \
+    --warmup 2 --out $W/r10/720p_side_by_side.json
+}
+W14=(training/train_wan_diffusers.py --init random --model wan-14b --context-parallel-size 4 --cp-comm-type auto
+  --use-torch-fsdp2 --bf16 --recompute-granularity full --frames 21 --timing --log-interval 1 --lr 1e-4 --seed 3)
+w14_summary() {   # w14_summary DIR: median step time, MFU and peak over the steps after the first two
+  python3 - "$1" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl") if l.strip()]
+rows = [r for r in rows if "step_time_s" in r]
+t = rows[2:] or rows
+print(json.dumps({"dir": sys.argv[1], "steps": len(rows), "step_s": statistics.median(r["step_time_s"] for r in t),
+                  "mfu": statistics.median(r.get("mfu") or 0 for r in t),
+                  "peak_mem_gib": max(r.get("peak_mem_gib") or 0 for r in rows),
+                  "losses": [round(r["loss"], 5) for r in rows]}))
+PY
+}
+stage_r10_67() {   # call 4 (FA4), 4 GPUs: the real Wan 2.1 14B (diffusers' WanTransformer3DModel, 40 blocks, random
+  # weights) at full depth: FSDP2 over the 4 ranks beside SP=4 (auto), bf16 autocast, diffusers' gradient
+  # checkpointing: 720p dense, 720p window90 (tile 4,4,8, window 1,2,2: 91.4% sparse), 480p dense; ~8 min
+  local r
+  for r in "720p_dense 260 90x160 6" "720p_window90 200 90x160 6 --sparse-attention tiles --sparse-tile 4,4,8 \
+      --sparse-window 1,2,2" "480p_dense 150 60x104 8"; do
+    set -- $r
+    local name=$1 secs=$2 grid=$3 iters=$4; shift 4
+    keep r10_67/$name $secs torchrun --nproc-per-node 4 "${W14[@]}" --latent-size $grid --train-iters $iters \
+      --log-dir $W/r10_67/$name "$@"
+    [ -f $W/r10_67/$name/metrics.jsonl ] && w14_summary $W/r10_67/$name | tee $W/r10_67/$name.json
+  done
 }
 stage_r8a65() {   # call 1, 2 GPUs: the round's new path (the fused Wan RoPE, bit for bit diffusers' ops) and the
   # diffusers families over NCCL with it (cuDNN: no FA4 yet), ~5 min
