@@ -19,6 +19,17 @@ traveling fp32 accumulator, as a baseline side by side (SPX_RING_DKV set per mod
     torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536 --links host \
         --modes ring,ring_travel,tasp,tasp_travel,ring:1,ring:8 --dkv-chunks auto --out $OUT
 
+"hcms" (head chunks "auto") and "auto" (the factory's mode="auto": Ulysses/HCMS, ring or TASP per shape) run
+through ``make_attention`` as a model's attention does. Every mode is also checked against ONE full-sequence call
+(tools/full_reference.py: rel_err_vs_full, rank 0). Transformer Engine's context parallelism as peers in the same
+job (``--peers te_p2p,te_a2a,te_all_gather`` or ``te``): after our rows, rank 0 starts tools/bench_cp_te.py as its
+own torchrun on the same GPUs (TE imported only there; SPX_TE_SITE from tools/gpu_install.sh), merges its rows
+(each TE output/gradient checked against the same full-sequence call) and adds every mode's time over TE's p2p
+ring (vs_te_p2p_fwd / vs_te_p2p_fwd_bwd; auto_vs_te_p2p per row). docs/te_peer.md:
+
+    torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536,131072 --links nvlink \
+        --modes ulysses,hcms,ring,auto --peers te --out $OUT
+
 ``--links host`` sets NCCL_P2P_DISABLE=1 before NCCL starts (GPU-to-GPU traffic through host memory).
 Writes bench_cp_<links>_P<P>.json / .md / .png to --out (rank 0).
 """
@@ -26,20 +37,29 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.benchlib import init_world, median_ms, plot_or_skip, run_meta, write_results  # noqa: E402
-from tools.floor import add_ratios, floor_ms  # noqa: E402
+from tools.benchlib import init_world, median_ms, plot_or_skip, run_meta, write_json, write_results  # noqa: E402
+from tools.floor import add_ratios, floor_ms, kernel_floor_ms  # noqa: E402
+from tools.full_reference import full_inputs, full_reference, rel_errs, within  # noqa: E402
+from tools.te_peer import (check_grid, find_te, merge_te_rows, parse_peers, te_command, te_env,  # noqa: E402
+                            te_script_args)
+from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 
 TOL = 2e-2   # norm-wise relative error vs our plain Ulysses, bf16
-OURS = ("ring", "tasp", "ulysses", "ulysses_zigzag", "usp")
+OURS = ("ring", "tasp", "ulysses", "ulysses_zigzag", "usp", "hcms", "auto")
 TRAVEL = ("ring_travel", "tasp_travel")   # the previous dK|dV schedule (baseline; not in the default --modes)
 TORCH = ("torch_cp_allgather", "torch_cp_alltoall")
 
@@ -68,6 +88,10 @@ def our_mode(name, group, causal, h, mesh_cache):
                                                   placement=spx.balanced_placement(variant, causal))
     if name == "ulysses":
         return lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal)
+    if name in ("hcms", "auto"):   # as a model's attention runs them: the factory, head chunks per shape
+        attn = spx.make_attention(spx.SPConfig(mode=name, head_chunks="auto"), group, num_heads=h,
+                                  placement=placement_of(name, causal))
+        return lambda q, k, v: attn(q, k, v, causal=causal)
     if name == "ulysses_zigzag":
         return lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal, placement="zigzag")
     if name == "usp":
@@ -135,11 +159,12 @@ def run_torch_cp(method, full, mesh, group, causal, args):
 
 def bench_row(group, mesh, h, seqlen, causal, modes, args, mesh_cache):
     world = dist.get_world_size(group)
-    g = torch.Generator(device="cuda").manual_seed(1234)   # the same full tensors on every rank
-    full = [torch.randn(1, seqlen, h, args.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-            for _ in range(4)]
+    full = full_inputs(seqlen, h, args.head_dim)   # the same full tensors on every rank (and in the TE job)
+    full_ref = full_reference(*full, causal=causal) if dist.get_rank() == 0 else None
     row = {"P": world, "H": h, "L": seqlen, "D": args.head_dim, "causal": causal, "links": args.links,
            "floor": floor_ms(group, h, seqlen, args.head_dim, causal, iters=args.iters, warmup=args.warmup),
+           "floor_fa4": kernel_floor_ms(group, "fa4", h, seqlen, args.head_dim, causal, iters=args.iters,
+                                        warmup=args.warmup),
            "modes": {}}
     ref = None
     order = ["ulysses"] + [m for m in modes if m != "ulysses"]
@@ -158,12 +183,16 @@ def bench_row(group, mesh, h, seqlen, causal, modes, args, mesh_cache):
                 print(f"[bench_cp] {name} failed: {e}", flush=True)
             continue
         add_ratios(entry, row["floor"])
+        add_ratios(entry, row["floor_fa4"], tag="fa4")
+        if full_ref is not None:
+            entry["rel_err_vs_full"] = rel_errs(got, full_ref)
+            entry["ok"] = within(entry["rel_err_vs_full"])
         if name == "ulysses":
             ref = got
         elif ref is not None:
             errs = {k: _rel(a, b) for k, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
             entry["rel_err_vs_ulysses"] = errs
-            entry["ok"] = all(e < TOL for e in errs.values())
+            entry["ok"] = entry.get("ok", True) and all(e < TOL for e in errs.values())
         row["modes"][name] = entry
         del got
     return row
@@ -176,8 +205,12 @@ def write_reports(rows, args, meta):
         modes += [m for m in r["modes"] if m not in modes]
     lines = [f"{meta['device']} x {rows[0]['P']}, {meta['date']}, torch {meta['torch']}, links={args.links}, bf16, "
              f"B=1, D={args.head_dim}, median of {args.iters}, max over ranks.",
-             "Cells: fwd / fwd+bwd ms [ratio to the floor fwd / fwd+bwd]; X = output/grads differ from Ulysses.", "",
-             "| H | L | causal | floor ms | " + " | ".join(modes) + " |", "|---|---|---|---|" + "---|" * len(modes)]
+             "Cells: fwd / fwd+bwd ms [ratio to the floor fwd / fwd+bwd]; X = output/grads differ from Ulysses or from "
+             "the full-sequence call; te_* = Transformer Engine (its own processes, same job); auto / TE p2p: "
+             "fwd / fwd+bwd time ratio.", "",
+             "| H | L | causal | floor ms | FA4 floor ms | " + " | ".join(modes)
+             + " | auto / FA4 floor | auto / TE p2p |",
+             "|---|---|---|---|---|" + "---|" * (len(modes) + 2)]
     for r in rows:
         cells = []
         for m in modes:
@@ -189,9 +222,14 @@ def write_reports(rows, args, meta):
             else:
                 cells.append(f"{e['fwd_ms']:.1f} / {e['fwd_bwd_ms']:.1f} [{e['ratio_fwd']:.2f} / "
                              f"{e['ratio_fwd_bwd']:.2f}]" + ("" if e.get("ok", True) else " X"))
-        fl = r["floor"]
+        fl, fa4, vs = r["floor"], r.get("floor_fa4", {}), r.get("auto_vs_te_p2p")
+        auto = r["modes"].get("auto", {})
+        cells.append(f"{auto['ratio_fa4_fwd']:.3f} / {auto['ratio_fa4_fwd_bwd']:.3f}" if "ratio_fa4_fwd" in auto
+                     else "-")
+        cells.append(f"{vs['fwd']:.3f} / {vs['fwd_bwd']:.3f}" if vs else "-")
+        fa4_cell = f"{fa4['fwd']:.1f} / {fa4['fwd_bwd']:.1f}" if "fwd" in fa4 else "-"
         lines.append(f"| {r['H']} | {r['L'] // 1024}K | {'yes' if r['causal'] else 'no'} | "
-                     f"{fl['fwd']:.1f} / {fl['fwd_bwd']:.1f} | " + " | ".join(cells) + " |")
+                     f"{fl['fwd']:.1f} / {fl['fwd_bwd']:.1f} | {fa4_cell} | " + " | ".join(cells) + " |")
     write_results(args.out, name, {"meta": meta, "rows": rows}, lines)
 
     def draw(plt):
@@ -211,6 +249,41 @@ def write_reports(rows, args, meta):
     plot_or_skip(os.path.join(args.out, name + ".png"), draw, "bench_cp")
 
 
+def run_te_side(args, peers: list, world: int, site, timeout_s: Optional[float] = None) -> tuple:
+    """Rank 0, after our process group is gone: TE's rows from tools/bench_cp_te.py as its own torchrun on the same
+    GPUs (at most ``timeout_s``, default --te-timeout) -> (its JSON doc or None, why it is missing)."""
+    timeout_s = args.te_timeout if timeout_s is None else timeout_s
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory(prefix="bench_cp_te_") as tmp:
+        out_json = os.path.join(tmp, "te_rows.json")
+        cmd = te_command(sys.executable, world, os.path.join(here, "bench_cp_te.py"),
+                         te_script_args(args, peers, out_json))
+        print(f"[bench_cp] TE side: {' '.join(cmd)}", flush=True)
+        # its own session: on a timeout (ours, or a SIGTERM from outside) the whole TE job goes, workers included
+        proc = subprocess.Popen(cmd, env=te_env(os.environ, site, os.path.dirname(here)), start_new_session=True)
+
+        def stop(*_):
+            for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(wait_s)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+        old_term = signal.signal(signal.SIGTERM, lambda *a: (stop(), sys.exit(143)))
+        try:
+            rc = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            stop()
+            return None, f"the TE job ran past its {timeout_s:.0f} s (--te-timeout / --time-limit)"
+        finally:
+            signal.signal(signal.SIGTERM, old_term)
+        if not os.path.exists(out_json):
+            return None, f"the TE job exited {rc} without rows (its log is above)"
+        with open(out_json) as f:
+            return json.load(f), ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", default="40")
@@ -225,11 +298,28 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_cp_out"))
+    ap.add_argument("--peers", default="", help="Transformer Engine's CP timed in the same job, after ours: "
+                    "te_p2p,te_a2a,te_all_gather (comma list) or te (all three); needs TE (SPX_TE_SITE, "
+                    "docs/te_peer.md)")
+    ap.add_argument("--te-timeout", type=int, default=1800, help="seconds the TE side may run")
+    ap.add_argument("--time-limit", type=int, default=0,
+                    help="seconds the whole job may run (0: no limit): the TE side gets at most what is left of it "
+                         "less 20 s, so that the merged JSON is written before an outer timeout")
     args = ap.parse_args()
+    try:   # the peers checked before any GPU work: a bad setting is one message, no traceback
+        peers = parse_peers(args.peers)
+        check_grid(peers, [int(x) for x in args.heads.split(",")], [int(x) for x in args.seqlens.split(",")],
+                   int(os.environ.get("WORLD_SIZE", "1")))
+        te_site = find_te(os.environ) if peers else None
+    except SPConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"bench_cp: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if args.links == "host":
         os.environ["NCCL_P2P_DISABLE"] = "1"
     for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(k, "1" if k != "NCCL_NVLS_ENABLE" else "0")
+    t_job = time.time()
     init_world("nccl", timeout_s=600)
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     world = dist.get_world_size()
@@ -237,6 +327,7 @@ def main() -> None:
     group = dist.group.WORLD
     modes = [m for m in args.modes.split(",") if m]
     rows, mesh_cache = [], {}
+    partial = os.path.join(args.out, f"bench_cp_{args.links}_P{world}.partial.json")   # rows so far, if cut short
     for h in [int(x) for x in args.heads.split(",")]:
         for L in [int(x) for x in args.seqlens.split(",")]:
             for causal in [c == "yes" for c in args.causal.split(",")]:
@@ -244,19 +335,38 @@ def main() -> None:
                 r = bench_row(group, mesh, h, L, causal, modes, args, mesh_cache)
                 rows.append(r)
                 if dist.get_rank() == 0:
+                    write_json(partial, {"rows": rows, "note": "our rows so far (the job did not finish)"})
                     brief = " ".join(f"{n}={e['fwd_bwd_ms']:.1f}[{e['ratio_fwd_bwd']:.2f}]"
                                      for n, e in r["modes"].items() if "error" not in e)
                     print(f"[bench_cp P={world} H={h} L={L} causal={causal} {time.time() - t0:.0f}s] "
                           f"floor={r['floor']['fwd_bwd']:.1f} {brief}", flush=True)
-    if dist.get_rank() == 0:
+    rank = dist.get_rank()
+    if peers:   # our NCCL communicators and cached memory go before TE's job takes the same GPUs
+        dist.barrier()
+        dist.destroy_process_group()
+        del mesh, mesh_cache
+        torch.cuda.empty_cache()
+        if rank != 0:
+            return
+        budget = args.te_timeout if not args.time_limit else min(
+            args.te_timeout, args.time_limit - (time.time() - t_job) - 20)
+        te_doc, why = (run_te_side(args, peers, world, te_site, budget) if budget > 30 else
+                       (None, f"no time left for the TE job (--time-limit {args.time_limit} s)"))
+        merge_te_rows(rows, te_doc, peers, why)
+    if rank == 0:
         meta = run_meta(date=datetime.datetime.utcnow().isoformat(timespec="seconds"), torch=torch.__version__,
                         nccl=str(torch.cuda.nccl.version()), NCCL_P2P_DISABLE=os.environ.get("NCCL_P2P_DISABLE", ""))
+        if peers:
+            meta["te"] = (te_doc or {}).get("meta", {"error": why})
         write_reports(rows, args, meta)
+        if os.path.exists(partial):
+            os.remove(partial)
         bad = [(r["L"], r["causal"], m) for r in rows for m, e in r["modes"].items() if e.get("ok") is False]
         if bad:
-            print(f"[bench_cp] outputs differ from Ulysses beyond {TOL}: {bad}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+            print(f"[bench_cp] outputs differ from Ulysses or the full-sequence call beyond {TOL}: {bad}", flush=True)
+    if not peers:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -64,6 +64,25 @@ unset spx_ds
 # The image's huggingface_hub (1.33 on 2026-11-27) serves diffusers 0.42 (>= 1.32); a carried 2.x needs truststore,
 # which the image lacks (diffusers' import then fails and its families skip): the image's copy is kept.
 rm -rf /tmp/site/huggingface_hub /tmp/site/huggingface_hub-*.dist-info
+# Transformer Engine (#68), carried as .te/ (tools/te_wheels.sh: parts + manifest, one part a call): kept under
+# /tmp/spx_te between calls to the same warm machine; once every part is there tools/te_install.sh joins, checks and
+# installs it into /tmp/te_site, NEVER /tmp/site (TE in the main path breaks `import megatron.core` and changes torch
+# SDPA's cuDNN choice): only the TE peer's processes put it on their path, through SPX_TE_SITE. A failed TE install
+# is reported and leaves the rest of this script as it was; without .te/ nothing here runs.
+if [ -d .te ]; then
+  mkdir -p /tmp/spx_te
+  for f in .te/part.* .te/manifest; do [ -f "$f" ] && cp -f "$f" "/tmp/spx_te/.$(basename "$f").tmp" && \
+    mv -f "/tmp/spx_te/.$(basename "$f").tmp" "/tmp/spx_te/$(basename "$f")"; done
+  rm -f /tmp/spx_te/failed   # carried again: a failed install is tried again
+fi
+if [ -f /tmp/spx_te/manifest ] && [ ! -f /tmp/te_site/.spx_te_installed ] && [ ! -f /tmp/spx_te/failed ]; then
+  bash tools/te_install.sh /tmp/spx_te /tmp/te_site > /tmp/spx_te/install.log 2>&1; spx_rc=$?
+  tail -n 40 /tmp/spx_te/install.log
+  if [ $spx_rc = 1 ]; then touch /tmp/spx_te/failed
+    echo "gpu_install: the TE install failed (/tmp/spx_te/install.log); not tried again until .te is carried again"; fi
+  unset spx_rc
+fi
+[ -f /tmp/te_site/.spx_te_installed ] && export SPX_TE_SITE=/tmp/te_site
 flock -u 8; exec 8>&-
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 if [ -f /tmp/site/.spx_installed ]; then

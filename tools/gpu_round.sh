@@ -8,8 +8,9 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67; #70: i70_ds i70_ds_time i70_resume i70_dyn_check i70_dyn2
-# i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport.
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67; #70: i70_ds i70_ds_time
+# i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
+# i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
@@ -728,6 +729,44 @@ stage_i70_transport() {   # row 5 (2 GPUs: P=2; 4 GPUs: P=2 and P=4; part.aa; ~1
   # torch's fused symm_mem all-gather / reduce-scatter matmuls against float64; 34 cases per P
   i70_need i70_transport 2 || return 0
   suite i70_transport/suite 200 "test_transport_family"
+}
+# #68: Transformer Engine's CP beside ours in ONE job (tools/bench_cp.py --peers te; docs/te_peer.md). TE travels as
+# .te/ (bash tools/te_wheels.sh: ONE part of 42.9 MB, the core library pruned to sm_90 and xz'd; FORM=wheel gives 7
+# parts of 44 MiB, one per back-to-back call, if the pruned library does not load). Carry ".te" in a call of its own
+# (42.9 MB + the ~15 MB tree: no .fa4 part fits beside it; .ds does) running i68_te_install: gpu_install.sh installs
+# it into /tmp/te_site (~2 min: the transformer_engine_torch build) and exports SPX_TE_SITE in every later call to
+# the same warm machine. Then FA4's parts (their calls), then i68_cp2_nv and i68_cp2_host, one call each, in calls
+# after the one that installed FA4 (its disk-cache probe, fa4_disk_cache, runs once per machine and takes minutes):
+# our modes then run FA4 (and the FA4 floor is timed), TE runs cuDNN. 2 GPUs: 1 (.te) + FA4's parts + 2 calls.
+i68_te() {   # i68_te STAGE: true when TE is installed (SPX_TE_SITE), else says why the stage does not start
+  [ -n "${SPX_TE_SITE:-}" ] && return 0
+  echo "[$1: not started: no Transformer Engine (carry .te: bash tools/te_wheels.sh; /tmp/spx_te/install.log, build.log)]"; return 1
+}
+stage_i68_te_install() {   # (2 GPUs, the call carrying .te; ~3 min with the install): TE imports from SPX_TE_SITE
+  # in its own process, then a tiny TE CP fwd+bwd check of p2p, a2a and all_gather (H=8, L=8192, causal and not)
+  # against one full-sequence call (exit 1 when a peer errs or differs by more than 2e-2); NVTE_DEBUG logs which
+  # attention backend TE picked (FusedAttention = cuDNN expected on sm_90)
+  i68_te i68_te_install && i70_need i68_te_install 2 || return 0
+  keep i68_te_install/import 60 env PYTHONPATH=$SPX_TE_SITE:$PYTHONPATH python3 -c "import transformer_engine as t, \
+transformer_engine.pytorch as te, torch; print('TE', t.__version__, t.__file__, 'cuDNN', torch.backends.cudnn.version())"
+  keep i68_te_install/smoke 180 env PYTHONPATH=$SPX_TE_SITE:$PYTHONPATH NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 \
+    torchrun --nproc-per-node 2 \
+    tools/bench_cp_te.py --peers te --heads 8 --seqlens 8192 --causal no,yes --iters 2 --warmup 1 --require-ok \
+    --out-json $W/i68_te_install/smoke.json
+}
+I68_CP2=(--heads 40 --seqlens 32768,65536,131072 --causal no,yes --modes ulysses,hcms,ring,auto --peers te
+  --iters 5 --warmup 2)
+stage_i68_cp2_nv() {   # (2 GPUs, one call; ~5-7 min est.): the P=2 grid on NVLink in ONE job: the floor, ulysses,
+  # hcms, ring, auto, then TE p2p / a2a / all_gather in their own torchrun; fwd and fwd+bwd; every output and
+  # gradient against one full-sequence call; auto / TE p2p per row (bench_cp_nvlink_P2.json, .md)
+  i68_te i68_cp2_nv && i70_need i68_cp2_nv 2 || return 0
+  keep i68_cp2_nv/bench 520 torchrun --nproc-per-node 2 tools/bench_cp.py "${I68_CP2[@]}" --links nvlink \
+    --time-limit $(( DEADLINE - $(date +%s) - 15 )) --out $W/i68_cp2_nv
+}
+stage_i68_cp2_host() {   # (2 GPUs, one call; ~6-8 min est.): the same grid with NCCL_P2P_DISABLE=1 (host links)
+  i68_te i68_cp2_host && i70_need i68_cp2_host 2 || return 0
+  keep i68_cp2_host/bench 520 torchrun --nproc-per-node 2 tools/bench_cp.py "${I68_CP2[@]}" --links host \
+    --time-limit $(( DEADLINE - $(date +%s) - 15 )) --out $W/i68_cp2_host
 }
 run_stage() {   # run_stage STAGE[+STAGE...] [GPU[,GPU]]: the stages one after the other (on those GPUs); one summary
   # and one tarball per call of run_stage (the device returns 8 files: 4 stages at once at most), named with '_'
