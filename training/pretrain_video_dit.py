@@ -27,6 +27,7 @@ from megatron_sp_ext.config import SPConfig  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
+from training.video_dit import deterministic  # noqa: E402
 from training.video_dit.cli import (EntryParser, add_common_args, add_sparse_kernel_arg, build_dataset,  # noqa: E402
                                     check_common_args, check_parallel_size, check_shapes, check_sparse_kernel,
                                     pick_device, run_dtype, sparse_spec)
@@ -143,6 +144,8 @@ def main(argv: Optional[list] = None, return_params: bool = False) -> dict:
     """Train; returns losses, plot, rows, timing (and "params": name -> full fp32 tensor when
     ``return_params``, gathered on every rank, for tests)."""
     args = parse(argv)
+    if args.deterministic_mode:   # before the first CUDA / NCCL call
+        deterministic.enable()
     device = pick_device()
     own_pg = not dist.is_initialized()
     if own_pg:

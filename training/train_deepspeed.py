@@ -27,6 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit import deterministic  # noqa: E402
 from training.video_dit import ds_checkpoint as ds_ckpt  # noqa: E402
 from training.video_dit.checkpoint import check_resume_step, describe  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
@@ -99,6 +100,8 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     """``config`` (a dict) overrides --deepspeed-config (tests)."""
     quiet_known_warnings()  # before DeepSpeed is imported
     args = parse(argv)
+    if args.deterministic_mode:   # before the first CUDA / NCCL call
+        deterministic.enable()
     device = pick_device()
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -11,6 +11,7 @@ import torch
 from megatron_sp_ext.elastic_error import record_user_error
 from megatron_sp_ext.errors import SPConfigError
 
+from . import deterministic
 from .checkpoint import add_checkpoint_args
 from .config import PRESETS
 from .data import LatentFileError, LatentShardDataset, SyntheticVideoLatents
@@ -198,6 +199,10 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--sample-steps needs --log-dir (samples.png is written there, beside loss.png)")
     if getattr(args, "num_workers", None) is not None and args.num_workers < 0:
         p.error(f"--num-workers={args.num_workers}: must be >= 0 (0: batches built in the training thread)")
+    refusal = deterministic.why_not(getattr(args, "deterministic_mode", False),
+                                    getattr(args, "sp_attention_backend", "auto"))
+    if refusal:
+        p.error(refusal)
     if getattr(args, "manual_gc_interval", 0) < 0:
         p.error(f"--manual-gc-interval={args.manual_gc_interval}: must be >= 0 (0: no collection between steps)")
     modules = getattr(args, "recompute_modules", None) or []

@@ -75,6 +75,10 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "layout and read the received buffers in place (megatron_sp_ext.sp.ulysses.packed); auto = on "
                         "when --fused-elementwise compiles (the layout change then rides in the QK-norm/RoPE "
                         "kernel). Same math; heads must divide by the SP size, else the plain path runs")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="as in Megatron-LM: deterministic execution (torch's deterministic algorithms, "
+                        "CUBLAS_WORKSPACE_CONFIG, NCCL_ALGO=Ring), so a rerun of a step gives the same bits; needs "
+                        "--sp-attention-backend math (training/video_dit/deterministic.py)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="turn off the per-step finite check of loss and gradient norm")
     g.add_argument("--skip-nonfinite-steps", type=int, default=0,

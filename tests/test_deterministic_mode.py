@@ -1,0 +1,45 @@
+"""--deterministic-mode (training/video_dit/deterministic.py): refused by name with a kernel whose backward is not
+deterministic; with math it turns torch's deterministic algorithms on in the entry's process, and two runs give
+the same bits."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+from training.video_dit import deterministic
+
+BASE = ["--model", "tiny", "--frames", "2", "--latent-size", "8x8", "--train-iters", "3", "--quiet",
+        "--num-workers", "0", "--seed", "5"]
+
+
+def test_refused_by_name_without_a_deterministic_kernel():
+    msg = deterministic.why_not(True, "auto")
+    assert "--deterministic-mode" in msg and "--sp-attention-backend auto" in msg and "math" in msg
+    assert deterministic.why_not(True, "math") is None and deterministic.why_not(False, "fa4") is None
+
+
+def test_entry_refuses_it_with_auto(capsys):
+    from training.pretrain_video_dit import parse
+    with pytest.raises(SystemExit):
+        parse([*BASE, "--deterministic-mode"])
+    err = capsys.readouterr().err
+    assert "--deterministic-mode with --sp-attention-backend auto" in err and "Traceback" not in err
+
+
+def _run(rank, world, log_dir):
+    from training.pretrain_video_dit import main
+    out = main([*BASE, "--context-parallel-size", "2", "--deterministic-mode", "--sp-attention-backend", "math",
+                "--log-dir", log_dir])
+    return torch.are_deterministic_algorithms_enabled(), out["losses"]
+
+
+def test_entry_runs_deterministic_and_reruns_bit_for_bit(tmp_path):
+    a = run_ranks(_run, 2, str(tmp_path / "a"))
+    b = run_ranks(_run, 2, str(tmp_path / "b"))
+    assert all(on for on, _ in a + b)
+    assert [losses for _, losses in a] == [losses for _, losses in b]
+    rows = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
+    assert len(rows) == 3 and all(r["loss"] == r["loss"] for r in rows)

@@ -1,0 +1,43 @@
+"""``--deterministic-mode`` (Megatron-LM's flag name): the same bits on every rerun of a step on the same machine.
+
+What it sets, before the first CUDA or NCCL call of the process:
+  * ``torch.use_deterministic_algorithms(True)``: torch raises on an operation it knows to be nondeterministic
+    (rather than running it), picks deterministic cuDNN / cuBLAS algorithms;
+  * ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (what cuBLAS needs for deterministic GEMMs; kept when already set) and
+    ``NCCL_ALGO=Ring`` (Megatron-LM's requirement: NVLS and the tree/ring switch by message size change the sum's
+    order; kept when already set);
+  * ``torch.backends.cudnn``: deterministic on, benchmark off.
+The local attention kernel must be one whose backward is deterministic: ``math`` (GEMMs and softmax). FA4, cuDNN and
+torch's flash/efficient kernels accumulate dq (and, with GQA, dk/dv) with atomics, so a run that reruns a step (a
+resume's control run, 4 x H100 2026-11-27: the same 200-step run twice differed from step 85 at lr 2e-3) needs
+``--sp-attention-backend math``; any other setting is refused by name.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLAG = "--deterministic-mode"
+KERNEL_FLAG = "--sp-attention-backend"
+DETERMINISTIC_KERNELS = ("math",)
+
+
+def why_not(enabled: bool, backend: str) -> "str | None":
+    """The refusal of ``--deterministic-mode`` with ``--sp-attention-backend backend``, or None when it runs."""
+    if enabled and backend not in DETERMINISTIC_KERNELS:
+        return (f"{FLAG} with {KERNEL_FLAG} {backend}: that setting may run a kernel whose backward accumulates with "
+                f"atomics (FA4, cuDNN, torch's flash / efficient attention); give {KERNEL_FLAG} "
+                f"{' or '.join(DETERMINISTIC_KERNELS)}")
+    return None
+
+
+def enable() -> dict:
+    """Turn deterministic execution on for this process (see the module docstring); returns what it set."""
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring"}
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    return {k: os.environ[k] for k in env}
