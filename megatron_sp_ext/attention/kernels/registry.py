@@ -14,15 +14,15 @@ ORDER is fastest first on Hopper, measured (fwd+bwd, bf16, D=128; ../shared/ENVI
   math   the fp32 reference: any device, dtype and mask (4 useful TFLOP/s as a ring step kernel)
   flash_attn, te: plain calls only, never picked by "auto" (named by the user).
   cudnn_block_sparse: cuDNN frontend's block sparsity (nvidia-cudnn-frontend), native 64- and 128-token blocks:
-         block-sparse calls only; NOT MEASURED on our GPUs yet. Its place among the block-sparse kernels is per call
-         (``TILE_ORDER``, by the call's tile size), not ORDER's.
+         block-sparse calls only. Its place among the block-sparse kernels is per call (``TILE_ORDER``, by the
+         call's tile size), not ORDER's.
 
 Block-sparse calls ("auto"): ``TILE_ORDER`` puts the kernels it names first, in its order, for a call whose tile size it
-lists, then the rest of AUTO. UNMEASURED default (2026-11-27), to be replaced by the kernel table's order
-(tools/bench_block_sparse.py --table-kernels fa4,cudnn_block_sparse; the rows go below this line):
-  tiles of a multiple of 128 tokens: FA4 first (its blocks are then full: 0.84-0.94 of dense FA4, H100 2026-11-26)
-  other tiles (64, 192, ...): cuDNN's first (FA4 cuts its 128-token blocks: 0.12-0.62 of dense FA4 at 64-token
-         tiles; cuDNN's own benchmark, B200 not Hopper: 49-55% of dense at 64-token blocks)
+lists, then the rest of AUTO. The order is the kernel table's (tools/bench_block_sparse.py --table --table-kernels
+cudnn_block_sparse,fa4, H=40 and 5, S 32K / 75K, 90% random / top-k / window, fwd+bwd as a fraction of dense FA4's
+useful rate; 1 x H100 of 4, 2026-11-27, results/2026-11-27_h100x4_r10):
+  tiles of a multiple of 128 tokens: FA4 first (0.72-0.89 of dense FA4; cuDNN's 0.60-0.75)
+  other tiles (64, 192, ...): cuDNN's first (0.48-0.65 of dense FA4; FA4 cuts its 128-token blocks: 0.12-0.51)
 """
 from __future__ import annotations
 
@@ -44,9 +44,7 @@ _CLASSES = (FA4Kernel, CudnnKernel, TorchFlashKernel, FlexKernel, CudnnBlockSpar
 ORDER = tuple(c.name for c in _CLASSES)
 AUTO = ("fa4", "cudnn", "flash", "flex", "cudnn_block_sparse", "math")     # what "auto" may pick, in this order
 # block-sparse calls: (tile size multiple, kernels first in this order); the first entry whose multiple divides the
-# call's tile size applies. NOT MEASURED on Hopper (module docstring): the basis is FA4's measured 0.12-0.62 of
-# dense at 64-token tiles (its mask_mod route, 2026-11-26) against cuDNN's published 0.49-0.55 at 64 (B200); both
-# checked right on 2 x H200 (2026-11-27). Replace with the kernel table's order (bench_block_sparse --table-kernels).
+# call's tile size applies. Measured on H100 (module docstring; 2026-11-27): FA4 leads at 128-token tiles, cuDNN at 64.
 TILE_ORDER = ((128, ("fa4", "cudnn_block_sparse")), (1, ("cudnn_block_sparse", "fa4")))
 FALLBACK = "math"
 
