@@ -4,7 +4,8 @@ tests/gpu/ beside the CUDA suite); tests/gpu/ holds scripts that pytest does not
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.source_scan import ROOT, offenders
+
 DATA_SUFFIXES = {".json", ".jsonl", ".md", ".log", ".png", ".csv", ".gz", ".tgz", ".tar", ".meta", ".pt"}
 
 
@@ -29,10 +30,8 @@ def _tools_imports(path: pathlib.Path) -> list:
 
 
 def test_library_and_training_do_not_import_tools():
-    files = [p for d in ("megatron_sp_ext", "training") for p in (ROOT / d).rglob("*.py")]
-    assert len(files) > 50
-    offenders = {str(p.relative_to(ROOT)): hits for p in files if (hits := _tools_imports(p))}
-    assert not offenders, f"megatron_sp_ext/ and training/ must not import tools/ (move what they need): {offenders}"
+    found = offenders(("megatron_sp_ext", "training"), _tools_imports)
+    assert not found, f"megatron_sp_ext/ and training/ must not import tools/ (move what they need): {found}"
 
 
 def test_the_import_scan_finds_tools(tmp_path):

@@ -11,7 +11,9 @@ from megatron_sp_ext.attention import backends, block_sparse, kernels, lse_kerne
 from megatron_sp_ext.attention.kernels import KernelCall
 from megatron_sp_ext.config import BACKENDS
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.source_scan import ROOT, offenders
+
+SCANNED = ("megatron_sp_ext", "training", "tools", "tests/gpu")
 NAMES = set(kernels.ORDER) | set(kernels.settings()) | set(kernels.varlen_methods())
 
 
@@ -35,11 +37,8 @@ def _compared_names(path: pathlib.Path) -> list:
 
 
 def test_no_kernel_name_is_compared_outside_the_registry():
-    files = [p for d in ("megatron_sp_ext", "training", "tools", "tests/gpu") for p in (ROOT / d).rglob("*.py")
-             if "attention/kernels" not in p.as_posix()]
-    assert len(files) > 50
-    offenders = {str(p.relative_to(ROOT)): hits for p in files if (hits := _compared_names(p))}
-    assert not offenders, f"kernel names compared outside attention/kernels/: {offenders}"
+    found = offenders(SCANNED, _compared_names, skip=lambda p: "attention/kernels" in p.as_posix())
+    assert not found, f"kernel names compared outside attention/kernels/: {found}"
 
 
 def test_the_scan_finds_a_comparison(tmp_path):
@@ -142,11 +141,8 @@ def _choices_made(path: pathlib.Path) -> list:
 
 
 def test_no_kernel_choice_is_made_outside_the_chooser():
-    files = [p for d in ("megatron_sp_ext", "training", "tools", "tests/gpu") for p in (ROOT / d).rglob("*.py")
-             if p.relative_to(ROOT).as_posix() != CHOOSER]
-    assert len(files) > 50
-    offenders = {str(p.relative_to(ROOT)): hits for p in files if (hits := _choices_made(p))}
-    assert not offenders, f"kernel choices made outside {CHOOSER} (call kernels.choose / candidates): {offenders}"
+    found = offenders(SCANNED, _choices_made, skip=lambda p: p.relative_to(ROOT).as_posix() == CHOOSER)
+    assert not found, f"kernel choices made outside {CHOOSER} (call kernels.choose / candidates): {found}"
 
 
 def test_the_choice_scan_finds_choices(tmp_path):

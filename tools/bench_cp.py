@@ -51,7 +51,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.benchlib import init_world, median_ms, plot_or_skip, run_meta, write_json, write_results  # noqa: E402
+from tools.benchlib import (cp_grid, init_world, median_ms, plot_or_skip, run_meta, write_json,  # noqa: E402
+                            write_results)
 from tools.floor import add_ratios, floor_ms, kernel_floor_ms  # noqa: E402
 from tools.full_reference import full_inputs, full_reference, rel_errs, within  # noqa: E402
 from tools.te_peer import (check_grid, find_te, merge_te_rows, parse_peers, te_command, te_env,  # noqa: E402
@@ -328,18 +329,16 @@ def main() -> None:
     modes = [m for m in args.modes.split(",") if m]
     rows, mesh_cache = [], {}
     partial = os.path.join(args.out, f"bench_cp_{args.links}_P{world}.partial.json")   # rows so far, if cut short
-    for h in [int(x) for x in args.heads.split(",")]:
-        for L in [int(x) for x in args.seqlens.split(",")]:
-            for causal in [c == "yes" for c in args.causal.split(",")]:
-                t0 = time.time()
-                r = bench_row(group, mesh, h, L, causal, modes, args, mesh_cache)
-                rows.append(r)
-                if dist.get_rank() == 0:
-                    write_json(partial, {"rows": rows, "note": "our rows so far (the job did not finish)"})
-                    brief = " ".join(f"{n}={e['fwd_bwd_ms']:.1f}[{e['ratio_fwd_bwd']:.2f}]"
-                                     for n, e in r["modes"].items() if "error" not in e)
-                    print(f"[bench_cp P={world} H={h} L={L} causal={causal} {time.time() - t0:.0f}s] "
-                          f"floor={r['floor']['fwd_bwd']:.1f} {brief}", flush=True)
+    for h, L, causal in cp_grid(args):
+        t0 = time.time()
+        r = bench_row(group, mesh, h, L, causal, modes, args, mesh_cache)
+        rows.append(r)
+        if dist.get_rank() == 0:
+            write_json(partial, {"rows": rows, "note": "our rows so far (the job did not finish)"})
+            brief = " ".join(f"{n}={e['fwd_bwd_ms']:.1f}[{e['ratio_fwd_bwd']:.2f}]"
+                             for n, e in r["modes"].items() if "error" not in e)
+            print(f"[bench_cp P={world} H={h} L={L} causal={causal} {time.time() - t0:.0f}s] "
+                  f"floor={r['floor']['fwd_bwd']:.1f} {brief}", flush=True)
     rank = dist.get_rank()
     if peers:   # our NCCL communicators and cached memory go before TE's job takes the same GPUs
         dist.barrier()

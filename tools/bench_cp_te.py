@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.benchlib import init_world, median_ms  # noqa: E402
+from tools.benchlib import cp_grid, init_world, median_ms  # noqa: E402
 from tools.full_reference import TOL, full_inputs, full_reference, rel_errs, within  # noqa: E402
 from tools.te_peer import TE_PEERS, parse_peers  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
@@ -118,17 +118,15 @@ def main() -> None:
     import transformer_engine.pytorch as te  # noqa: PLC0415
     group, stream = dist.group.WORLD, torch.cuda.Stream()
     rows = []
-    for h in [int(x) for x in args.heads.split(",")]:
-        for L in [int(x) for x in args.seqlens.split(",")]:
-            for causal in [c == "yes" for c in args.causal.split(",")]:
-                t0 = time.time()
-                r = te_row(te, group, stream, h, L, causal, peers, args)
-                rows.append(r)
-                if dist.get_rank() == 0:
-                    brief = " ".join(f"{n}={e['fwd_bwd_ms']:.1f}{'' if e.get('ok') else ' DIFFERS'}"
-                                     if "error" not in e else f"{n}=error" for n, e in r["modes"].items())
-                    print(f"[bench_cp_te P={r['P']} H={h} L={L} causal={causal} {time.time() - t0:.0f}s] {brief}",
-                          flush=True)
+    for h, L, causal in cp_grid(args):
+        t0 = time.time()
+        r = te_row(te, group, stream, h, L, causal, peers, args)
+        rows.append(r)
+        if dist.get_rank() == 0:
+            brief = " ".join(f"{n}={e['fwd_bwd_ms']:.1f}{'' if e.get('ok') else ' DIFFERS'}"
+                             if "error" not in e else f"{n}=error" for n, e in r["modes"].items())
+            print(f"[bench_cp_te P={r['P']} H={h} L={L} causal={causal} {time.time() - t0:.0f}s] {brief}",
+                  flush=True)
     # rank 0 alone holds the checks ("ok"): its verdict goes to every rank, so all exit alike
     verdict = [[(r["L"], r["causal"], n) for r in rows for n, e in r["modes"].items() if not e.get("ok")]]
     dist.broadcast_object_list(verdict, src=0)

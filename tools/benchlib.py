@@ -168,6 +168,13 @@ def no_grad(fn: Callable) -> Callable:
 
 
 # -- write -------------------------------------------------------------------------------------------------------
+def cp_grid(args) -> list:
+    """The (heads, L, causal) rows of a CP benchmark's grid, in order: ``args.heads`` and ``args.seqlens`` comma lists
+    of ints, ``args.causal`` a comma list of yes / no."""
+    return [(h, L, c == "yes") for h in [int(x) for x in args.heads.split(",")]
+            for L in [int(x) for x in args.seqlens.split(",")] for c in args.causal.split(",")]
+
+
 def write_json(path: str, doc) -> str:
     """``doc`` as indented JSON at ``path`` (its folder made); returns ``path``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
