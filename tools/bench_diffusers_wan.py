@@ -310,6 +310,12 @@ def _time_variant(args, variant: dict, world: int, device, grid: tuple, batch: d
                first_loss=float(losses[0].float().item()), last_loss=float(losses[-1].float().item()))
     if variant.get("sparse_settings"):
         row["mfu_note"] = "dense-equivalent: the FLOPs of dense attention over the same step time"
+    if args.memory_peak:
+        if cuda:
+            from tools.memory_peak import peak_report  # noqa: PLC0415
+            row["memory_peak"] = peak_report(lambda: setup.step(batch), torch.device(device))
+        else:
+            row["memory_peak"] = {"skipped": "--memory-peak needs CUDA (the caching allocator's history)"}
     if args.profile_steps:
         row["profile"] = (profile_steps(setup, batch, args.profile_steps, setup.cfg.text_len, args.out,
                                         variant["name"]) if cuda else {"skipped": "--profile-steps needs CUDA"})
@@ -382,6 +388,9 @@ def main(argv: Optional[list] = None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=0, help="N: after timing, N steps of each variant under "
                    "torch.profiler, rank 0's kernel time by category in the row's 'profile' (CUDA only)")
+    p.add_argument("--memory-peak", action="store_true", help="after timing, one more step of each variant under "
+                   "the allocator's history: what is alive at that step's peak on this rank, grouped by the code that "
+                   "allocated it (tools/memory_peak.py), in the row's 'memory_peak' (CUDA only)")
     p.add_argument("--curves", type=int, default=0, help="N: loss curves of ours-auto and diffusers' CP instead")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=1234)

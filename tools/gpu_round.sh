@@ -8,7 +8,7 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67; #70: i70_ds i70_ds_time
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-d r11_65mem; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -515,6 +515,25 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
 #   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
 #   r8d69b@3 | call 4: r10_67.
+# NEXT SESSION (4 GPUs; every part for FA4; .te is one 42.9 MB part that fits no .fa4 part beside it):
+#   call 1 (part.aa + .ds): i70_resume@0,1 (now --deterministic-mode, math, lr 1e-4) i70_transport@2,3 (its dk/dv rule)
+#   | call 2 (part.ab): r11_66c@0 r11_66d@1 i70_dyn_check@2,3 | call 3 (part.ac): r11_66a@0 r11_66b@1
+#   r11_65mem@2,3 | call 4 (.te): i68_te_install | call 5: i68_cp2_nv (helper's plan: docs/te_peer.md).
+#   r11_66a-d: the CUDA families of the one kernel chooser (#66 item 3, merged untested on GPUs), P=2 and P=4.
+stage_r11_66a() { suite r11/66a 500 "(test_fa4_family or test_fa4_block_sparse_family) and gloo"; }
+stage_r11_66b() {
+  suite r11/66b 500 "(test_auto_family or test_block_sparse_family or test_cudnn_block_sparse_family) and gloo"
+}
+stage_r11_66c() {
+  suite r11/66c 500 "(test_varlen_family or test_ring_varlen_family or test_packed_family or test_dit_packed_family \
+or test_varlen_local_kernels) and (gloo or not nccl)"
+}
+stage_r11_66d() { suite r11/66d 500 "(test_dit_sparse_family or test_dit_dynamic_family or test_dropout_family) and gloo"; }
+stage_r11_65mem() {   # 2 GPUs (FA4): #65's +0.27% peak attributed: one step of diffusers' Ulysses and of ours under the
+  # allocator's history, what is alive at each step's peak by allocating code (tools/memory_peak.py), ~5 min
+  keep r11/720p_mem 420 $WAN_BENCH --grid 720p --variants diffusers-ulysses,ours-ulysses,ours-hcms --steps 2 \
+    --warmup 2 --memory-peak --out $W/r11/720p_memory_peak.json
+}
 stage_r10_rope() {   # 1 GPU: the fused Wan RoPE bit for bit against diffusers' ops (bf16/fp16/fp32, fwd + bwd)
   suite r10/rope 120 "test_wan_rope_fused_bitwise"
 }
