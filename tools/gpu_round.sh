@@ -8,7 +8,7 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-d r11_65mem; #70: i70_ds i70_ds_time
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-d r11_65mem r11_69sp2 r11_69vsa; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -518,7 +518,8 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # NEXT SESSION (4 GPUs; every part for FA4; .te is one 42.9 MB part that fits no .fa4 part beside it):
 #   call 1 (part.aa + .ds): i70_resume@0,1 (now --deterministic-mode, math, lr 1e-4) i70_transport@2,3 (its dk/dv rule)
 #   | call 2 (part.ab): r11_66c@0 r11_66d@1 i70_dyn_check@2,3 | call 3 (part.ac): r11_66a@0 r11_66b@1
-#   r11_65mem@2,3 | call 4 (.te): i68_te_install | call 5: i68_cp2_nv (helper's plan: docs/te_peer.md).
+#   r11_65mem@2,3 | call 4: r11_69sp2@0,1 r11_69vsa@2 | call 5 (.te): i68_te_install | call 6: i68_cp2_nv
+#   (docs/te_peer.md).
 #   r11_66a-d: the CUDA families of the one kernel chooser (#66 item 3, merged untested on GPUs), P=2 and P=4.
 stage_r11_66a() { suite r11/66a 500 "(test_fa4_family or test_fa4_block_sparse_family) and gloo"; }
 stage_r11_66b() {
@@ -529,6 +530,21 @@ stage_r11_66c() {
 or test_varlen_local_kernels) and (gloo or not nccl)"
 }
 stage_r11_66d() { suite r11/66d 500 "(test_dit_sparse_family or test_dit_dynamic_family or test_dropout_family) and gloo"; }
+stage_r11_69sp2() {   # #69's SP=2 row (2 GPUs, FA4): full-depth wan-1.3b, 75,600 tokens, full recompute, 128-token
+  # tiles: dense vs window90 vs top-k90, auto's mode per mask in the JSON; target window90 >= 3.5x, top-k90 >= 3.0x
+  keep r11/69sp2 500 torchrun --nproc-per-node 2 tools/bench_train_step.py \
+    --variants guarded,sparse_window90,sparse_topk90 --log-interval 4 --out $W/r11/69sp2_wan13b_21x45x80 -- \
+    --model wan-1.3b --bf16 --train-iters 10 --timing-bare-steps 4 --ddp-impl torch --recompute-granularity full \
+    --context-parallel-size 2 --frames 21 --latent-size 90x160
+}
+stage_r11_69vsa() {   # #69's VSA-tile row (1 GPU, FA4 + cuDNN frontend): wan-14b 2 blocks, 480p then 720p, the sparse
+  # variants on VSA's 4x4x4 tiles (cuDNN's 64-token block sparsity by auto's tile order), dense without them;
+  # target top-k90 >= 1.5x (480p) / 2.0x (720p) the dense step
+  keep r11/69vsa480 250 $STEP --variants guarded,sparse_topk90,sparse_window90 --sparse-args "--sparse-tile 4,4,4" \
+    --out $W/r11/69vsa_wan14b_21x30x52 -- "${WAN14[@]}" --frames 21 --latent-size 60x104
+  keep r11/69vsa720 280 $STEP --variants guarded,sparse_topk90 --sparse-args "--sparse-tile 4,4,4" \
+    --out $W/r11/69vsa_wan14b_21x45x80 -- "${WAN14[@]}" --frames 21 --latent-size 90x160
+}
 stage_r11_65mem() {   # 2 GPUs (FA4): #65's +0.27% peak attributed: one step of diffusers' Ulysses and of ours under the
   # allocator's history, what is alive at each step's peak by allocating code (tools/memory_peak.py), ~5 min
   keep r11/720p_mem 420 $WAN_BENCH --grid 720p --variants diffusers-ulysses,ours-ulysses,ours-hcms --steps 2 \
