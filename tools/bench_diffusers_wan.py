@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import os
 import platform
 import socket
@@ -50,7 +49,7 @@ from megatron_sp_ext import modes  # noqa: E402
 from megatron_sp_ext.config import MODES, SPConfig  # noqa: E402
 from megatron_sp_ext.diffusers.parallelize import ROPE_CHOICES  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
-from tools.benchlib import init_world, plot_or_skip, run_meta, write_json  # noqa: E402
+from tools.benchlib import AutoDecisions, init_world, plot_or_skip, run_meta, write_json  # noqa: E402
 from training.video_dit.loop import TorchOps  # noqa: E402
 from training.video_dit.telemetry import peak_flops  # noqa: E402
 from training.wan_diffusers import model as wan  # noqa: E402
@@ -225,32 +224,6 @@ def build(args, variant: dict, world: int, device, grid: tuple, batch: Optional[
             setup.close()
         _free(device)
     return None, tried
-
-
-class AutoDecisions(logging.Handler):
-    """The library's "auto" decisions logged while a variant runs (logger "megatron_sp_ext", INFO: the mode and
-    head chunks auto picked per shape, with the reason), kept for the variant's row."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-        self.logger = logging.getLogger("megatron_sp_ext")
-        self.level_before = self.logger.level
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if "auto" in msg and "->" in msg:
-            self.messages.append(msg)
-
-    def __enter__(self) -> "AutoDecisions":
-        self.logger.addHandler(self)
-        if self.logger.getEffectiveLevel() > logging.INFO:
-            self.logger.setLevel(logging.INFO)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.logger.removeHandler(self)
-        self.logger.setLevel(self.level_before)
 
 
 def time_variant(args, variant: dict, world: int, device, grid: tuple, batch: dict) -> dict:

@@ -77,7 +77,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.attention import kernels  # noqa: E402
-from tools.benchlib import init_world, run_meta, write_json  # noqa: E402
+from tools.benchlib import AutoDecisions, init_world, run_meta, write_json  # noqa: E402
 
 VARIANTS = {"guarded": [],  # the defaults: finite check every step
             "bare_loop": ["--no-check-for-nan-in-loss-and-grad"],
@@ -411,11 +411,12 @@ def main() -> None:
                 print(f"[bench_train_step] WARNING {v}: {warn}", flush=True)
     for v in args.variants.split(","):
         kernels.PICKS.clear()   # which kernels this variant's calls ran on (``block_sparse_kernels``)
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, AutoDecisions() as decisions:
             res = entry.main([*rest, *extra[v], "--log-interval", str(args.log_interval), "--timing", "--quiet",
                               "--log-dir", os.path.join(tmp, v)])
         parsed = parsed_all[v]
         t = dict(res["timing"])
+        t["auto_decisions"] = decisions.messages   # the mode / head chunks auto picked per shape (rank 0's log)
         t.update(device_memory_after())
         t["first_step_loss"] = res["losses"][0] if res.get("losses") else None
         t["step_agreement"] = step_agreement(t, parsed.train_iters, args.log_interval)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import time
 from typing import Callable, Optional, Sequence
@@ -168,6 +169,40 @@ def no_grad(fn: Callable) -> Callable:
 
 
 # -- write -------------------------------------------------------------------------------------------------------
+class AutoDecisions(logging.Filter):
+    """The library's "auto" decisions logged while a block of code runs (logger "megatron_sp_ext" at INFO: the mode
+    and head chunks auto picked per shape, with the reason), for a benchmark's row:
+
+        with AutoDecisions() as decisions:
+            run()
+        row["auto_decisions"] = decisions.messages
+
+    A filter of the logger, not a handler: an entry that replaces the logger's handlers (setup_logging) keeps it.
+    The logger is lowered to INFO for the block where it was above (restored after)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list = []
+        self.logger = logging.getLogger("megatron_sp_ext")
+        self.level_before = self.logger.level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if "auto" in msg and "->" in msg:
+            self.messages.append(msg)
+        return True
+
+    def __enter__(self) -> "AutoDecisions":
+        self.logger.addFilter(self)
+        if self.logger.getEffectiveLevel() > logging.INFO:
+            self.logger.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeFilter(self)
+        self.logger.setLevel(self.level_before)
+
+
 def cp_grid(args) -> list:
     """The (heads, L, causal) rows of a CP benchmark's grid, in order: ``args.heads`` and ``args.seqlens`` comma lists
     of ints, ``args.causal`` a comma list of yes / no."""
