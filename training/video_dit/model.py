@@ -19,7 +19,6 @@ import math
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -562,33 +561,6 @@ class VideoDiT(nn.Module):
             blk.attn.rope_memo = memo
         self.block_policy = policy
 
-    def configure_sequence_parallel(self, make_attention) -> None:
-        """DeepSpeed opt-in protocol (megatron_sp_ext.deepspeed.initialize): one SPDistributedAttention."""
-        attn = make_attention(_sdpa_bshd, scatter_idx=2, gather_idx=1)
-        group = attn.spg if attn.spg is not None and dist.get_world_size(attn.spg) > 1 else None
-
-        def core(q, k, v, n=None, a=attn, cu_seqlens=None, block_mask=None, block_size=None):
-            if block_mask is not None:  # --sparse-attention tiles
-                if cu_seqlens is not None:
-                    raise SPConfigError(f"{PACK_FLAG} cannot run {SPARSE_FLAG} tiles (one block mask per sequence)")
-                if group is None:  # one rank: the block-sparse reference
-                    return reference_sparse_attention(q, k, v, block_mask, block_size, n)
-                sp = a.attention_for(q.shape[2], k.shape[2], "bshd")  # the factory's attention that ``a`` runs
-                sp.training = a.training
-                return sp(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n, block_mask=block_mask,
-                          block_size=block_size)
-            if cu_seqlens is None:
-                return a(q, k, v, 0, kv_valid_len=n)
-            try:  # packed samples: the factory runs them per sample or refuses the mode by name
-                return a(q, k, v, 0, kv_valid_len=n, cu_seqlens=cu_seqlens)
-            except SPConfigError as e:
-                raise SPConfigError(f"{PACK_FLAG}: {e}") from None
-        core.packed = attn.packed_entry()  # _sdpa_bshd is the "sdpa" backend's math: packing may bypass it
-        core.group = group
-        core.mask_checks = attn.resources.mask_checks
-        self.set_attention_core(core)
-        self.sp_attention = attn  # registered as a (parameter-free) submodule for visibility
-
     def forward(self, patches, t, text, token_ids, grid, kv_valid_len=None, pack: Optional[PackInfo] = None):
         x = self.patch_embed(patches)
         t_emb = self.time_embed(timestep_embedding(t, self.cfg.freq_dim).to(x.dtype))
@@ -616,6 +588,3 @@ class VideoDiT(nn.Module):
         shift, scale = per_token(self.mod_out(F.silu(t_emb)), pack).chunk(2, dim=-1)
         return self.head(self.ops.ln_modulate(x, scale, shift, self.norm_out.eps))
 
-
-def _sdpa_bshd(q, k, v, *args, **kwargs):
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
