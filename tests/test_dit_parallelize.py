@@ -163,3 +163,10 @@ def test_remove_restores_the_model():
         assert b.ops is model.ops and model.ops.backend is None
     assert torch.equal(_forward(model), before)
     parallelize(model, None).remove()  # a removed model can be parallelized again
+
+
+def test_refuses_attention_dropout_by_its_setting():
+    for source, name in (("deepspeed", "sequence_parallel_ext.dropout_p"), ("megatron", "--attention-dropout")):
+        cfg = SPConfig(dropout_p=0.1, source=source)
+        with pytest.raises(SPConfigError, match=name.replace(".", r"\.") + r"=0\.1: the video DiT"):
+            parallelize(VideoDiT(CFG), None, DiTParallelConfig(sp=cfg))

@@ -37,7 +37,8 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "outside_core_attn")
 # ours (no Megatron-LM module of that meaning): recompute the whole block except the self-attention core
 KEEP_CORE_MODULE = "outside_core_attn"
 
-# core(q, k, v, kv_valid_len) -> out, all [B, S_local, H, D]; set by the entry point. Packed steps call
+# core(q, k, v, kv_valid_len) -> out, all [B, S_local, H, D]; installed by parallel.parallelize (engine.core_of, or
+# dynamic.make_dynamic_core), the one call both entries make. Packed steps call
 # core(q, k, v, None, cu_seqlens=cu) with cu the int32 cumulative sample lengths over the full sequence (B=1).
 # Sparse steps (--sparse-attention tiles) call core(q, k, v, kv_valid_len, block_mask=m, block_size=n): m bool
 # [H or 1, nT, nT] over query x key blocks of n tokens of the full (tile-ordered) sequence, the same on every rank.
@@ -435,7 +436,10 @@ class Block(nn.Module):
 
 
 class VideoDiT(nn.Module):
-    """forward(patches [B, S_local, C*pt*ph*pw], t [B], text [B, L, text_dim], token_ids [S_local],
+    """The ``set_*`` methods are the steps of ``parallel.parallelize`` (the entries' one call; its handle's
+    ``remove()`` undoes them); tests call them one at a time.
+
+    forward(patches [B, S_local, C*pt*ph*pw], t [B], text [B, L, text_dim], token_ids [S_local],
     grid (T', H', W'), kv_valid_len) -> velocity per patch [B, S_local, C*pt*ph*pw].
 
     Packed (``pack=PackInfo``): patches [1, S_local, P] of N samples, t [N], text [1, sum L_i, text_dim],
@@ -530,7 +534,7 @@ class VideoDiT(nn.Module):
 
     def set_packed_qkv(self, on: bool) -> None:
         """Let every block write q|k|v in the attention core's send layout when the core has a packed entry
-        (``make_core``'s Ulysses / HCMS, any chunk count or auto; heads divisible by the SP size); other
+        (``engine.core_of``'s Ulysses / HCMS, any chunk count or auto; heads divisible by the SP size); other
         cores and sizes keep the plain path. Same math as the plain path."""
         for blk in self.blocks:
             blk.attn.packed_qkv = on

@@ -89,6 +89,9 @@ def parallelize(model: VideoDiT, group: Optional[dist.ProcessGroup],
     if any(getattr(b.attn, "sp_block", None) is not None for b in model.blocks) or \
             any(b.attn.core is not local_core for b in model.blocks):
         raise SPConfigError("parallelize: this VideoDiT is already parallelized: call remove() on its handle first")
+    if config.sp.dropout_p:
+        raise SPConfigError(f"{config.sp.name('dropout_p')}={config.sp.dropout_p}: the video DiT's attention is "
+                            f"dropout-free (its one-rank and sequence-parallel cores apply none); set it to 0")
     world = dist.get_world_size(group) if group is not None else 1
     sp_group = group if world > 1 else None
     model.set_sparse_attention(config.sparse)  # first: top-k adds the gates (parameters) the optimizer needs
