@@ -31,10 +31,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_sp_ext import SPConfig  # noqa: E402
 from tools.benchlib import init_world, write_json  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
-from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
+from training.video_dit.engine import flow_matching_batch, local_loss, prepare  # noqa: E402
+from training.video_dit.parallel import DiTParallelConfig, parallelize  # noqa: E402
 from training.video_dit.fused import resolve_fused  # noqa: E402
 from training.video_dit.packing import packed_batch, packed_host_inputs, tokens_of  # noqa: E402
 from training.video_dit.pipeline import to_device  # noqa: E402
@@ -102,13 +104,13 @@ def main(argv=None) -> dict:
     with torch.device(device):
         model = VideoDiT(cfg)
     group = dist.group.WORLD if world > 1 else None
-    model.set_attention_core(make_core("ulysses", group, num_heads=cfg.heads))
     # the variants give each compiled elementwise region several shape families in ONE process (packed per-token
     # modulation, a padded batch, clips one at a time): more graphs than torch.compile's default limit of 8 per
     # region, which with fullgraph=True is a hard failure (seen on 1 x H200, 2026-11-24). A training run has one
     # family (static, then dynamic in S); the benchmark raises the limit for itself only.
     torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
-    model.set_fused_elementwise(resolve_fused(args.fused_elementwise, device))
+    parallelize(model, group, DiTParallelConfig(sp=SPConfig(mode="ulysses", source="megatron"),
+                                                fused_backend=resolve_fused(args.fused_elementwise, device)))
     # lr 0: the full AdamW step is timed, the weights stay put, so every variant's loss is of the same weights
     # (packed equals sequential up to rounding: the check that they train the same thing)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=cuda or None)

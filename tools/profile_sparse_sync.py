@@ -32,10 +32,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.sp.checks import MaskChecks  # noqa: E402
+from megatron_sp_ext import SPConfig  # noqa: E402
 from tools.benchlib import init_world, write_json  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
-from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare  # noqa: E402
+from training.video_dit.engine import flow_matching_batch, local_loss, prepare  # noqa: E402
+from training.video_dit.parallel import DiTParallelConfig, parallelize  # noqa: E402
 from training.video_dit.sparse import SparseSpec, num_tiles_of  # noqa: E402
 
 VARIANTS = {"per_call": True, "per_mask": False}   # name -> MaskChecks(per_call=...)
@@ -91,13 +93,12 @@ def run_variant(name: str, args, group, device: torch.device) -> dict:
     torch.manual_seed(0)
     with torch.device(device):
         model = VideoDiT(cfg)
-    model.set_sparse_attention(spec)
     sp = dist.get_world_size(group)
-    core = make_core(args.mode, group if sp > 1 else None, num_heads=cfg.heads)
+    sp_cfg = SPConfig(mode=args.mode, source="megatron") if sp > 1 else SPConfig(source="megatron")
+    core = parallelize(model, group if sp > 1 else None, DiTParallelConfig(sp=sp_cfg, sparse=spec)).core
     checks = MaskChecks(per_call=VARIANTS[name])
     if sp > 1:   # the core's attention and the model's top-k declarations share one MaskChecks
         core.attention.res.mask_checks = core.mask_checks = checks
-    model.set_attention_core(core)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     data = SyntheticVideoLatents(cfg.in_channels, (args.frames,), *(int(x) for x in args.latent_size.split("x")),
                                  cfg.text_len, cfg.text_dim, seed=1)

@@ -32,8 +32,9 @@ from training.video_dit.cli import (EntryParser, add_common_args, add_sparse_ker
                                     check_common_args, check_parallel_size, check_shapes, check_sparse_kernel,
                                     pick_device, run_dtype, sparse_spec)
 from training.video_dit.sparse import SPARSE_KERNEL_FLAG  # noqa: E402
-from training.video_dit.dynamic import DynamicSP, make_dynamic_core  # noqa: E402
-from training.video_dit.engine import MetricsLog, attention_kernel_line, make_core  # noqa: E402
+from training.video_dit.dynamic import DynamicSP  # noqa: E402
+from training.video_dit.engine import MetricsLog, attention_kernel_line  # noqa: E402
+from training.video_dit.parallel import DiTParallelConfig, parallelize  # noqa: E402
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
@@ -140,6 +141,18 @@ def _ckpt_identity(args) -> dict:
     return {"entry": "megatron-core", **ckpt.describe(preset(args.model, args.num_layers), args.model, sparse_gates=gates)}
 
 
+def _sp_config(args, sp_world: int, dynamic: bool) -> SPConfig:
+    """The attention's SPConfig of the CP flags (errors name them); on one CP rank only the backend (the local
+    attention reads nothing else)."""
+    if sp_world == 1:
+        return SPConfig(backend=args.sp_attention_backend, source="megatron")
+    mode = args.cp_comm_type[0]
+    return SPConfig(mode=mode, head_chunks=modes.head_chunks_of(mode, args.hcms_head_chunks),
+                    ring_variant=args.sp_ring_variant, placement=args.sp_placement, ulysses_size=args.sp_ulysses_size,
+                    nodes=args.sp_nodes, backend=args.sp_attention_backend, transport=args.sp_transport,
+                    async_qkv=args.sp_async_qkv, dynamic=dynamic, source="megatron")
+
+
 def main(argv: Optional[list] = None, return_params: bool = False) -> dict:
     """Train; returns losses, plot, rows, timing (and "params": name -> full fp32 tensor when
     ``return_params``, gathered on every rank, for tests)."""
@@ -178,35 +191,19 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     with torch.device(device):  # initialise on the device: a 14B model built on the CPU takes minutes
         model = VideoDiT(cfg)
     sparse = sparse_spec(args)
-    model.set_sparse_attention(sparse)  # before DDP and the optimizer: top-k adds the coarse branch's gates
     dynamic = None
     if args.dynamic_context_parallel and sp_world > 1:  # each packed sample on its own sub-group of CP ranks
         dynamic = DynamicSP(sp_world, cfg, args.min_dynamic_context_parallel_size, mode=args.cp_comm_type[0])
-        mode = args.cp_comm_type[0]
-        sp_cfg = SPConfig(mode=mode, head_chunks=modes.get(mode).chunks(args.hcms_head_chunks),
-                          ring_variant=args.sp_ring_variant, placement=args.sp_placement,
-                          ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes, backend=args.sp_attention_backend,
-                          transport=args.sp_transport, dynamic=True, source="megatron")
-        model.set_attention_core(make_dynamic_core(sp_cfg, cp_group, num_heads=cfg.heads,
-                                                   min_size=args.min_dynamic_context_parallel_size))
-    else:
-        model.set_attention_core(make_core(args.cp_comm_type[0], cp_group if sp_world > 1 else None,
-                                           num_heads=cfg.heads, head_chunks=args.hcms_head_chunks,
-                                           ring_variant=args.sp_ring_variant, placement=args.sp_placement,
-                                           ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes,
-                                           backend=args.sp_attention_backend, transport=args.sp_transport,
-                                           block_kernel=args.sparse_attention_kernel))
-    if args.sp_async_qkv in ("on", "allgather") and sp_world > 1:
-        model.set_async_attention(cp_group, modes.get(args.cp_comm_type[0]).chunks(args.hcms_head_chunks),
-                                  args.sp_transport, allgather=args.sp_async_qkv == "allgather")
-    elif args.sp_async_qkv == "auto" and sp_world > 1:
-        model.set_block_policy(cp_group)
-    model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
-    model.set_cpu_offloading(args.cpu_offloading, args.cpu_offloading_num_layers)
     fused_backend = resolve_fused(args.fused_elementwise, device)
-    model.set_fused_elementwise(fused_backend)
-    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples,
-                                        sparse=sparse is not None))
+    # before DDP and the optimizer: top-k sparse attention adds the coarse branch's gates
+    parallelize(model, cp_group if sp_world > 1 else None, DiTParallelConfig(
+        sp=_sp_config(args, sp_world, dynamic is not None), sparse=sparse, block_kernel=args.sparse_attention_kernel,
+        dynamic_min_size=args.min_dynamic_context_parallel_size, recompute_granularity=args.recompute_granularity,
+        recompute_modules=args.recompute_modules, recompute_num_layers=args.recompute_num_layers,
+        cpu_offloading=args.cpu_offloading, cpu_offloading_num_layers=args.cpu_offloading_num_layers,
+        fused_backend=fused_backend, packed_qkv=resolve_packed(args.ulysses_packed_qkv, fused_backend,
+                                                               packed_samples=args.pack_samples,
+                                                               sparse=sparse is not None)))
     impl = args.ddp_impl if args.ddp_impl != "auto" else ("megatron" if device.type == "cuda" else "torch")
     if args.use_torch_fsdp2:
         impl = "fsdp2"

@@ -10,11 +10,13 @@ Without --deepspeed-config the run uses ``default_config`` (AdamW at --lr, ZeRO-
 block: every SP setting at its default); --context-parallel-size sets "sequence_parallel_size" in either.
 
 megatron_sp_ext.deepspeed.initialize validates the block, builds the SP groups and mpu, lets the
-DiT opt in (configure_sequence_parallel -> SPDistributedAttention) and calls deepspeed.initialize.
+DiT opt in (configure_sequence_parallel -> training.video_dit.parallel.parallelize over the SP group, the same
+call and attention core as the Megatron entry) and calls deepspeed.initialize.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -35,7 +37,8 @@ from training.video_dit.cli import (EntryParser, add_common_args, build_dataset,
                                     check_shapes, parallel_size_problem, pick_device, sparse_spec)
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
-from training.video_dit.dynamic import DynamicSP, make_dynamic_core  # noqa: E402
+from training.video_dit.dynamic import DynamicSP  # noqa: E402
+from training.video_dit.parallel import DiTParallelConfig, parallelize  # noqa: E402
 from training.video_dit.engine import MetricsLog, attention_kernel_line  # noqa: E402
 from training.video_dit.logs import captured_stdout, quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import DeepSpeedOps, RunContext, add_train_args, train_loop  # noqa: E402
@@ -127,6 +130,7 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
 def _build(args, ds_cfg: dict, device):
     """The model and the DeepSpeed engine (sequence parallelism from the JSON block)."""
     from megatron_sp_ext.deepspeed import initialize  # noqa: PLC0415
+    from megatron_sp_ext.deepspeed.initialize import sp_config_from_deepspeed  # noqa: PLC0415
     cfg = preset(args.model, args.num_layers)
     check_shapes(args, cfg)
     ds_cfg.setdefault("train_micro_batch_size_per_gpu", args.micro_batch_size)
@@ -136,20 +140,36 @@ def _build(args, ds_cfg: dict, device):
     with torch.device(device):  # initialise on the device (minutes on the CPU at 14B)
         model = VideoDiT(cfg)
     sparse = sparse_spec(args)
-    model.set_sparse_attention(sparse)  # before deepspeed.initialize builds the optimizer: top-k adds gates
-    model.set_recompute(args.recompute_granularity, args.recompute_modules, args.recompute_num_layers)
-    model.set_cpu_offloading(args.cpu_offloading, args.cpu_offloading_num_layers)
     fused_backend = resolve_fused(args.fused_elementwise, device)
-    model.set_fused_elementwise(fused_backend)
-    model.set_packed_qkv(resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples,
-                                        sparse=sparse is not None))
-    engine, _, _, _ = initialize(model=model, config=ds_cfg, num_heads=cfg.heads)
+    packed_qkv = resolve_packed(args.ulysses_packed_qkv, fused_backend, packed_samples=args.pack_samples,
+                                sparse=sparse is not None)
+
+    def opt_in(make_attention) -> None:
+        """megatron_sp_ext.deepspeed's opt-in protocol: called once it has validated the JSON block and built the SP
+        groups, before deepspeed.initialize builds the optimizer (top-k sparse attention adds the coarse branch's
+        gates). The DiT's attention is ``parallelize``'s (the factory's ``make_attention`` is not used)."""
+        from deepspeed.utils import groups  # noqa: PLC0415 - the mpu initialize just installed
+        sp_cfg, _ = sp_config_from_deepspeed(ds_cfg)
+        if sp_cfg.dynamic and not args.pack_samples:  # sub-groups run packed steps only (_dynamic refuses it)
+            sp_cfg = dataclasses.replace(sp_cfg, dynamic=False)
+        mpu = groups.mpu
+        group = mpu.get_sequence_parallel_group() if mpu.get_sequence_parallel_world_size() > 1 else None
+        parallelize(model, group, DiTParallelConfig(
+            sp=sp_cfg, sparse=sparse, recompute_granularity=args.recompute_granularity,
+            recompute_modules=args.recompute_modules, recompute_num_layers=args.recompute_num_layers,
+            cpu_offloading=args.cpu_offloading, cpu_offloading_num_layers=args.cpu_offloading_num_layers,
+            fused_backend=fused_backend, packed_qkv=packed_qkv))
+    model.configure_sequence_parallel = opt_in
+    try:
+        engine, _, _, _ = initialize(model=model, config=ds_cfg, num_heads=cfg.heads)
+    finally:
+        del model.configure_sequence_parallel
     return engine, cfg
 
 
 def _dynamic(args, engine, ds_cfg: dict, cfg, sp_group, sp_world: int):
     """``"dynamic": true`` in sequence_parallel_ext: each packed sample on its own sub-group of the SP ranks (the
-    DiT's dynamic core replaces the uniform one); None when off or on one rank."""
+    DiT's dynamic core, installed by ``parallelize``); the packer's settings, None when off or on one rank."""
     from megatron_sp_ext.deepspeed.initialize import sp_config_from_deepspeed  # noqa: PLC0415 - after DeepSpeed
     sp_cfg, _ = sp_config_from_deepspeed(ds_cfg)
     if not sp_cfg.dynamic:
@@ -159,7 +179,6 @@ def _dynamic(args, engine, ds_cfg: dict, cfg, sp_group, sp_world: int):
                             f"add --pack-samples with --max-tokens-per-step N")
     if sp_world == 1:
         return None
-    engine.module.set_attention_core(make_dynamic_core(sp_cfg, sp_group, num_heads=cfg.heads))
     return DynamicSP(sp_world, cfg, mode=sp_cfg.mode)
 
 

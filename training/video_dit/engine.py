@@ -18,12 +18,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_sp_ext import modes
+from megatron_sp_ext import make_attention, modes
 from megatron_sp_ext.attention import kernels
 from megatron_sp_ext.attention.backends import AutoBackend, get_backend, with_block_kernel
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
-from megatron_sp_ext.sp.factory import SPResources, make_attention
 from megatron_sp_ext.sp.placement import pieces
 
 from .model import patchify
@@ -69,25 +68,36 @@ def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backen
 def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: str = "ring",
               placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "auto",
               transport: str = "nccl", source: str = "megatron", block_kernel: str = "auto"):
-    """The sequence-parallel attention core(q, k, v, kv_valid_len) on [B, S_local, H, D] shards
-    (contiguous token placement) for ``mode`` over ``group`` (None or size 1 = local): the factory's
-    attention (megatron_sp_ext.sp.factory), with its ``packed`` entry (Ulysses / HCMS) and ``attention``.
-    The DiT has no attention dropout (its attention is dropout-free). Errors name the flags of ``source``.
-    Sparse steps call core(q, k, v, kv_valid_len, block_mask=, block_size=) (model.AttentionCore), their block-sparse
-    calls on ``block_kernel`` (--sparse-attention-kernel; "auto": the backend's choice); ``core.group`` is ``group``
-    (None on one rank)."""
+    """``core_of`` with the SPConfig of these settings (errors name the flags of ``source``); on one rank (group None
+    or size 1) no SPConfig is built: the one-device core of ``backend``."""
     world = dist.get_world_size(group) if group is not None else 1
-    backend_setting = SPConfig(source=source).name("backend")
     if world == 1:
-        core = one_device_core(backend, setting=backend_setting, block_kernel=block_kernel)
+        core = one_device_core(backend, setting=SPConfig(source=source).name("backend"), block_kernel=block_kernel)
         core.group = None
         return core
     cfg = SPConfig(mode=mode, head_chunks=modes.head_chunks_of(mode, head_chunks), ring_variant=ring_variant,
                    placement=placement, ulysses_size=ulysses_size, nodes=nodes, backend=backend,
                    transport=transport, source=source)
-    local = with_block_kernel(backend, block_kernel, SPARSE_KERNEL_FLAG, backend_setting)  # "auto": the backend
-    attn = make_attention(cfg, group, num_heads=num_heads, layout="bshd", placement="contiguous",
-                          backend=local, resources=SPResources(cfg))
+    return core_of(cfg, group, num_heads=num_heads, block_kernel=block_kernel)
+
+
+def core_of(cfg: SPConfig, group, *, num_heads: int, block_kernel: str = "auto"):
+    """The DiT's attention core(q, k, v, kv_valid_len) on [B, S_local, H, D] shards (contiguous token placement)
+    for ``cfg`` (its mode, chunks, backend, ...; errors name the settings of ``cfg.source``) over ``group`` (None or
+    size 1: ``one_device_core`` of ``cfg.backend``): the factory's attention (megatron_sp_ext.make_attention), with
+    its ``packed`` entry (Ulysses / HCMS) and ``attention``. The one core family of both entries (Megatron and
+    DeepSpeed). The DiT has no attention dropout (its attention is dropout-free). Sparse steps call
+    core(q, k, v, kv_valid_len, block_mask=, block_size=) (model.AttentionCore), their block-sparse calls on
+    ``block_kernel`` (--sparse-attention-kernel; "auto": the backend's choice); ``core.group`` is ``group`` (None on
+    one rank)."""
+    world = dist.get_world_size(group) if group is not None else 1
+    backend_setting = cfg.name("backend")
+    if world == 1:
+        core = one_device_core(cfg.backend, setting=backend_setting, block_kernel=block_kernel)
+        core.group = None
+        return core
+    local = with_block_kernel(cfg.backend, block_kernel, SPARSE_KERNEL_FLAG, backend_setting)  # "auto": the backend
+    attn = make_attention(cfg, group, num_heads=num_heads, layout="bshd", placement="contiguous", backend=local)
 
     def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
         if block_mask is not None:  # --sparse-attention tiles: the block mask over the full sequence

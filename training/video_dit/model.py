@@ -19,7 +19,6 @@ import math
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -38,7 +37,8 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "outside_core_attn")
 # ours (no Megatron-LM module of that meaning): recompute the whole block except the self-attention core
 KEEP_CORE_MODULE = "outside_core_attn"
 
-# core(q, k, v, kv_valid_len) -> out, all [B, S_local, H, D]; set by the entry point. Packed steps call
+# core(q, k, v, kv_valid_len) -> out, all [B, S_local, H, D]; installed by parallel.parallelize (engine.core_of, or
+# dynamic.make_dynamic_core), the one call both entries make. Packed steps call
 # core(q, k, v, None, cu_seqlens=cu) with cu the int32 cumulative sample lengths over the full sequence (B=1).
 # Sparse steps (--sparse-attention tiles) call core(q, k, v, kv_valid_len, block_mask=m, block_size=n): m bool
 # [H or 1, nT, nT] over query x key blocks of n tokens of the full (tile-ordered) sequence, the same on every rank.
@@ -436,7 +436,10 @@ class Block(nn.Module):
 
 
 class VideoDiT(nn.Module):
-    """forward(patches [B, S_local, C*pt*ph*pw], t [B], text [B, L, text_dim], token_ids [S_local],
+    """The ``set_*`` methods are the steps of ``parallel.parallelize`` (the entries' one call; its handle's
+    ``remove()`` undoes them); tests call them one at a time.
+
+    forward(patches [B, S_local, C*pt*ph*pw], t [B], text [B, L, text_dim], token_ids [S_local],
     grid (T', H', W'), kv_valid_len) -> velocity per patch [B, S_local, C*pt*ph*pw].
 
     Packed (``pack=PackInfo``): patches [1, S_local, P] of N samples, t [N], text [1, sum L_i, text_dim],
@@ -531,7 +534,7 @@ class VideoDiT(nn.Module):
 
     def set_packed_qkv(self, on: bool) -> None:
         """Let every block write q|k|v in the attention core's send layout when the core has a packed entry
-        (``make_core``'s Ulysses / HCMS, any chunk count or auto; heads divisible by the SP size); other
+        (``engine.core_of``'s Ulysses / HCMS, any chunk count or auto; heads divisible by the SP size); other
         cores and sizes keep the plain path. Same math as the plain path."""
         for blk in self.blocks:
             blk.attn.packed_qkv = on
@@ -562,33 +565,6 @@ class VideoDiT(nn.Module):
             blk.attn.rope_memo = memo
         self.block_policy = policy
 
-    def configure_sequence_parallel(self, make_attention) -> None:
-        """DeepSpeed opt-in protocol (megatron_sp_ext.deepspeed.initialize): one SPDistributedAttention."""
-        attn = make_attention(_sdpa_bshd, scatter_idx=2, gather_idx=1)
-        group = attn.spg if attn.spg is not None and dist.get_world_size(attn.spg) > 1 else None
-
-        def core(q, k, v, n=None, a=attn, cu_seqlens=None, block_mask=None, block_size=None):
-            if block_mask is not None:  # --sparse-attention tiles
-                if cu_seqlens is not None:
-                    raise SPConfigError(f"{PACK_FLAG} cannot run {SPARSE_FLAG} tiles (one block mask per sequence)")
-                if group is None:  # one rank: the block-sparse reference
-                    return reference_sparse_attention(q, k, v, block_mask, block_size, n)
-                sp = a.attention_for(q.shape[2], k.shape[2], "bshd")  # the factory's attention that ``a`` runs
-                sp.training = a.training
-                return sp(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n, block_mask=block_mask,
-                          block_size=block_size)
-            if cu_seqlens is None:
-                return a(q, k, v, 0, kv_valid_len=n)
-            try:  # packed samples: the factory runs them per sample or refuses the mode by name
-                return a(q, k, v, 0, kv_valid_len=n, cu_seqlens=cu_seqlens)
-            except SPConfigError as e:
-                raise SPConfigError(f"{PACK_FLAG}: {e}") from None
-        core.packed = attn.packed_entry()  # _sdpa_bshd is the "sdpa" backend's math: packing may bypass it
-        core.group = group
-        core.mask_checks = attn.resources.mask_checks
-        self.set_attention_core(core)
-        self.sp_attention = attn  # registered as a (parameter-free) submodule for visibility
-
     def forward(self, patches, t, text, token_ids, grid, kv_valid_len=None, pack: Optional[PackInfo] = None):
         x = self.patch_embed(patches)
         t_emb = self.time_embed(timestep_embedding(t, self.cfg.freq_dim).to(x.dtype))
@@ -616,6 +592,3 @@ class VideoDiT(nn.Module):
         shift, scale = per_token(self.mod_out(F.silu(t_emb)), pack).chunk(2, dim=-1)
         return self.head(self.ops.ln_modulate(x, scale, shift, self.norm_out.eps))
 
-
-def _sdpa_bshd(q, k, v, *args, **kwargs):
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
