@@ -8,7 +8,7 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-d r11_65mem r11_69sp2 r11_69vsa; #70: i70_ds i70_ds_time
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -517,7 +517,7 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 #   r8d69b@3 | call 4: r10_67.
 # NEXT SESSION (4 GPUs; every part for FA4; .te is one 42.9 MB part that fits no .fa4 part beside it):
 #   call 1 (part.aa + .ds): i70_resume@0,1 (now --deterministic-mode, math, lr 1e-4) i70_transport@2,3 (its dk/dv rule)
-#   | call 2 (part.ab): r11_66c@0 r11_66d@1 i70_dyn_check@2,3 | call 3 (part.ac): r11_66a@0 r11_66b@1
+#   | call 2 (part.ab): r11_66c@0 r11_66d@1 r11_66e@2,3 | call 3 (part.ac): r11_66a@0 r11_66b@1
 #   r11_65mem@2,3 | call 4: r11_69sp2@0,1 r11_69vsa@2 | call 5 (.te): i68_te_install | call 6: i68_cp2_nv
 #   (docs/te_peer.md).
 #   r11_66a-d: the CUDA families of the one kernel chooser (#66 item 3, merged untested on GPUs), P=2 and P=4.
@@ -544,6 +544,22 @@ stage_r11_69vsa() {   # #69's VSA-tile row (1 GPU, FA4 + cuDNN frontend): wan-14
     --out $W/r11/69vsa_wan14b_21x30x52 -- "${WAN14[@]}" --frames 21 --latent-size 60x104
   keep r11/69vsa720 280 $STEP --variants guarded,sparse_topk90 --sparse-args "--sparse-tile 4,4,4" \
     --out $W/r11/69vsa_wan14b_21x45x80 -- "${WAN14[@]}" --frames 21 --latent-size 90x160
+}
+stage_r11_66e() {   # 2 GPUs: #66 item 6 (the DiT's one parallelize call) on the Megatron entry's CUDA cases, then the
+  # DeepSpeed DiT entry (its core changed to make_attention) at SP=2 over NCCL against SP=1: 5 losses within 1e-4
+  suite r11/66e 300 "test_dit_entry_sp_vs_sp1 or test_fsdp2_entry_vs_unsharded_entry or \
+test_dit_entry_data_path_and_manual_gc or (test_recompute_family and 2-nccl)"
+  local n
+  for n in 1 2; do
+    keep r11/66e_ds_sp$n 120 torchrun --nproc-per-node $n training/train_deepspeed.py --context-parallel-size $n \
+      --model tiny --train-iters 5 --frames 4,3 --latent-size 6x10 --log-dir $W/r11/66e_ds_sp$n
+  done
+  python3 - "$W/r11" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(f"{sys.argv[1]}/66e_ds_sp{n}/metrics.jsonl") if l.strip()] for n in (1, 2))
+rel = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)) if a and len(a) == len(b) else float("inf")
+print(json.dumps({"sp1": a, "sp2": b, "max_rel": rel, "within_1e-4": rel <= 1e-4}))
+PY
 }
 stage_r11_65mem() {   # 2 GPUs (FA4): #65's +0.27% peak attributed: one step of diffusers' Ulysses and of ours under the
   # allocator's history, what is alive at each step's peak by allocating code (tools/memory_peak.py), ~5 min
