@@ -23,6 +23,7 @@ from megatron_sp_ext.attention import kernels
 from megatron_sp_ext.attention.backends import AutoBackend, get_backend, with_block_kernel
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
+from megatron_sp_ext.sp.factory import SPResources
 from megatron_sp_ext.sp.placement import pieces
 
 from .model import patchify
@@ -97,7 +98,9 @@ def core_of(cfg: SPConfig, group, *, num_heads: int, block_kernel: str = "auto")
         core.group = None
         return core
     local = with_block_kernel(cfg.backend, block_kernel, SPARSE_KERNEL_FLAG, backend_setting)  # "auto": the backend
-    attn = make_attention(cfg, group, num_heads=num_heads, layout="bshd", placement="contiguous", backend=local)
+    # the resources (streams, auto's policies) made here: one place a test can hand in policies with its own timers
+    attn = make_attention(cfg, group, num_heads=num_heads, layout="bshd", placement="contiguous", backend=local,
+                          resources=SPResources(cfg))
 
     def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
         if block_mask is not None:  # --sparse-attention tiles: the block mask over the full sequence
