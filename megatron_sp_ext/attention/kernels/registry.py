@@ -20,7 +20,7 @@ ORDER is fastest first on Hopper, measured (fwd+bwd, bf16, D=128; ../shared/ENVI
 Block-sparse calls ("auto"): ``TILE_ORDER`` puts the kernels it names first, in its order, for a call whose tile size it
 lists, then the rest of AUTO. The order is the kernel table's (tools/bench_block_sparse.py --table --table-kernels
 cudnn_block_sparse,fa4, H=40 and 5, S 32K / 75K, 90% random / top-k / window, fwd+bwd as a fraction of dense FA4's
-useful rate; 1 x H100 of 4, 2026-11-27, results/2026-11-27_h100x4_r10):
+useful rate; 1 x H100 of 4, 2026-11-27, results/2026-11-27_h100x4_2045):
   tiles of a multiple of 128 tokens: FA4 first (0.72-0.89 of dense FA4; cuDNN's 0.60-0.75)
   other tiles (64, 192, ...): cuDNN's first (0.48-0.65 of dense FA4; FA4 cuts its 128-token blocks: 0.12-0.51)
 """
