@@ -17,7 +17,21 @@ SPX_LATE='flash_attn|quack|cutlass|tvm_ffi|dlpack'   # FA4 and its DSL: installe
 spx_install_whole() {   # $1: a tar stream's file (maybe cut short); $2: "early" leaves SPX_LATE's wheels out
   rm -rf /tmp/spx_wheels && mkdir -p /tmp/spx_wheels
   tar -C /tmp/spx_wheels -xf "$1" 2>/dev/null
-  local todo=()
+  local todo=() t d
+  for t in /tmp/spx_wheels/*.whl.txz; do   # a wheel carried as its unpacked tree in xz (gpu_wheels.sh xz): zipped
+    # back into the wheel (stored; pip reads RECORD, not the compression); one cut short by a missing part is left
+    [ -f "$t" ] || continue
+    [ "${2:-}" = early ] && basename "$t" | grep -qE "$SPX_LATE" && continue
+    d=$(mktemp -d)
+    if xz -dc "$t" 2>/dev/null | tar -C "$d" -xf - 2>/dev/null; then
+      python3 -c "import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[2], 'w', zipfile.ZIP_STORED) as z:
+    for r, _, fs in os.walk(sys.argv[1]):
+        for f in fs:
+            z.write(os.path.join(r, f), os.path.relpath(os.path.join(r, f), sys.argv[1]))" "$d" "${t%.txz}"
+    fi
+    rm -rf "$d" "$t"
+  done
   for w in /tmp/spx_wheels/*.whl; do
     [ -f "$w" ] || continue
     grep -qxF "$(basename "$w")" /tmp/site/.spx_wheels 2>/dev/null && continue

@@ -2,6 +2,8 @@
 # Here (with a registry): the wheels the GPU machines lack, as parts small enough to carry one per device call.
 #   bash tools/gpu_wheels.sh            -> .fa4/part.aa, .fa4/part.ab (+ .fa4/manifest), git-ignored
 #   bash tools/gpu_wheels.sh lite       -> the same parts without DeepSpeed and its needs (smaller)
+#   bash tools/gpu_wheels.sh xz         -> the parts again, wheels over 2 MB as xz'd trees: TWO parts of 39 MB
+#                                          (2026-11-28; FA4 usable from the second call on)
 #   PARTS=3 bash tools/gpu_wheels.sh lite   -> three parts (~35 MB each): with results at 12.7 MB the tree
 #                                              (13.8 MB) and one of two lite halves went over 64 MiB (2026-11-26)
 # Contents: flash-attn-4 and its CuTe DSL compiler (~102 MB), megatron-core 0.16.1, deepspeed 0.19.8, diffusers 0.42.1
@@ -30,6 +32,18 @@ if [ "${1:-}" = lite ]; then   # the parts again without DeepSpeed and its needs
   rm -f "$W"/deepspeed-*.whl "$W"/hjson-*.whl "$W"/msgpack-*.whl "$W"/py_cpuinfo-*.whl "$W"/pydantic-*.whl \
     "$W"/pydantic_core-*.whl "$W"/annotated_types-*.whl "$W"/typing_inspection-*.whl
   pack "$W"; exit 0
+fi
+if [ "${1:-}" = xz ]; then   # the parts again, every wheel over 2 MB carried as its unpacked tree in xz -9
+  # (<name>.whl.txz; gpu_install.sh zips it back into the wheel before pip): the CuTe DSL's 92 MB wheel is 63.5 MB
+  # so, and the whole set fits TWO parts (~47 MB each; with the 17 MB tree under the 64 MiB a call carries); the
+  # image's huggingface_hub is kept there (gpu_install.sh), so it and its httpx2 / httpcore2 are left out
+  W=$(mktemp -d); (cd .fa4 && cat $(tail -n +2 manifest)) | tar -C "$W" -xf -
+  rm -f "$W"/huggingface_hub-*.whl "$W"/httpx2-*.whl "$W"/httpcore2-*.whl
+  for w in "$W"/*.whl; do
+    [ "$(stat -c %s "$w")" -gt 2000000 ] || continue
+    d=$(mktemp -d); (cd "$d" && unzip -q "$w") && tar -C "$d" -cf - . | xz -9 -T0 > "$w.txz" && rm -f "$w"; rm -rf "$d"
+  done
+  PARTS=${PARTS:-2} pack "$W"; exit 0
 fi
 W=$(mktemp -d)
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
