@@ -89,15 +89,28 @@ if [ -d .te ]; then
     mv -f "/tmp/spx_te/.$(basename "$f").tmp" "/tmp/spx_te/$(basename "$f")"; done
   rm -f /tmp/spx_te/failed   # carried again: a failed install is tried again
 fi
+flock -u 8; exec 8>&-
+# TE's install (~2-3 min: the transformer_engine_torch build) under a lock of its own, taken without waiting: the
+# first stage of a call installs it, stages beside it on other GPUs go on without TE (they do not use it); a TE
+# stage waits for that lock (tools/gpu_round.sh i68_te) before it reads /tmp/te_site
 if [ -f /tmp/spx_te/manifest ] && [ ! -f /tmp/te_site/.spx_te_installed ] && [ ! -f /tmp/spx_te/failed ]; then
-  bash tools/te_install.sh /tmp/spx_te /tmp/te_site > /tmp/spx_te/install.log 2>&1; spx_rc=$?
-  tail -n 40 /tmp/spx_te/install.log
-  if [ $spx_rc = 1 ]; then touch /tmp/spx_te/failed
-    echo "gpu_install: the TE install failed (/tmp/spx_te/install.log); not tried again until .te is carried again"; fi
-  unset spx_rc
+  exec 9>/tmp/spx_te.lock
+  if flock -n 9; then   # in the background (it keeps the lock until done) when gpu_round.sh asks (SPX_TE_BACKGROUND=1)
+    spx_te_install() {
+      bash tools/te_install.sh /tmp/spx_te /tmp/te_site > /tmp/spx_te/install.log 2>&1; local rc=$?
+      tail -n 40 /tmp/spx_te/install.log
+      if [ $rc = 1 ]; then touch /tmp/spx_te/failed
+        echo "gpu_install: the TE install failed (/tmp/spx_te/install.log); not tried again until .te is carried again"
+      fi
+    }
+    if [ "${SPX_TE_BACKGROUND:-}" = 1 ]; then echo "gpu_install: installing TE in the background"
+      spx_te_install > /tmp/spx_te/install.tail 2>&1 &
+    else spx_te_install; fi
+    unset -f spx_te_install
+  else echo "gpu_install: TE is being installed by another process (no TE here)"; fi
+  exec 9>&-
 fi
 [ -f /tmp/te_site/.spx_te_installed ] && export SPX_TE_SITE=/tmp/te_site
-flock -u 8; exec 8>&-
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 if [ -f /tmp/site/.spx_installed ]; then
   python3 -c "import flash_attn.cute" 2>/dev/null && export SPX_REQUIRE_FA4=1

@@ -40,7 +40,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-source tools/gpu_install.sh || exit 1
+SPX_TE_BACKGROUND=1 source tools/gpu_install.sh || exit 1   # TE (if carried) installs beside the stages
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 OUT=${OUT:-./gpu_out}
 W=/tmp/gpu_round; mkdir -p "$W"
@@ -791,7 +791,12 @@ stage_i70_transport() {   # row 5 (2 GPUs: P=2; 4 GPUs: P=2 and P=4; part.aa; ~1
 # the same warm machine. Then FA4's parts (their calls), then i68_cp2_nv and i68_cp2_host, one call each, in calls
 # after the one that installed FA4 (its disk-cache probe, fa4_disk_cache, runs once per machine and takes minutes):
 # our modes then run FA4 (and the FA4 floor is timed), TE runs cuDNN. 2 GPUs: 1 (.te) + FA4's parts + 2 calls.
-i68_te() {   # i68_te STAGE: true when TE is installed (SPX_TE_SITE), else says why the stage does not start
+i68_te() {   # i68_te STAGE: true when TE is installed (SPX_TE_SITE), else says why the stage does not start; waits
+  # (<= 420 s) for an install that a stage beside it runs (gpu_install.sh's TE lock)
+  if [ -z "${SPX_TE_SITE:-}" ] && [ -f /tmp/spx_te/manifest ]; then
+    flock -w 420 /tmp/spx_te.lock true; cat /tmp/spx_te/install.tail 2>/dev/null
+    [ -f /tmp/te_site/.spx_te_installed ] && export SPX_TE_SITE=/tmp/te_site
+  fi
   [ -n "${SPX_TE_SITE:-}" ] && return 0
   echo "[$1: not started: no Transformer Engine (carry .te: bash tools/te_wheels.sh; /tmp/spx_te/install.log, build.log)]"; return 1
 }
