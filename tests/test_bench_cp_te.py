@@ -262,3 +262,19 @@ def test_report_table(tmp_path):
     got = dict(zip(head, cells))
     assert got["FA4 floor ms"] == "8.0 / 25.0" and got["auto / FA4 floor"] == "1.125 / 1.200"
     assert got["auto / TE p2p"] == "0.900 / 0.750" and got["te_p2p"].endswith(" X")   # differs: marked
+
+
+def test_torch_cudnn_home(tmp_path, monkeypatch):
+    """TE is pointed at the cuDNN torch ships (nvidia/cudnn/lib/libcudnn.so*), never at an empty or bare folder."""
+    import types
+
+    from tools import te_peer
+    home = tmp_path / "nvidia" / "cudnn"
+    (home / "lib").mkdir(parents=True)
+    spec = types.SimpleNamespace(submodule_search_locations=[str(home)])
+    monkeypatch.setattr(te_peer.importlib.util, "find_spec", lambda name: spec if name == "nvidia.cudnn" else None)
+    assert te_peer.torch_cudnn_home() is None            # the package without its library: not a cuDNN home
+    (home / "lib" / "libcudnn.so.9").write_bytes(b"")
+    assert te_peer.torch_cudnn_home() == str(home)
+    monkeypatch.setattr(te_peer.importlib.util, "find_spec", lambda name: None)
+    assert te_peer.torch_cudnn_home() is None            # torch built against a system cuDNN

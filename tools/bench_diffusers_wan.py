@@ -286,7 +286,11 @@ def _time_variant(args, variant: dict, world: int, device, grid: tuple, batch: d
     if args.memory_peak:
         if cuda:
             from tools.memory_peak import peak_report  # noqa: PLC0415
-            row["memory_peak"] = peak_report(lambda: setup.step(batch), torch.device(device))
+            try:
+                row["memory_peak"] = peak_report(lambda: setup.step(batch), torch.device(device))
+            except Exception as e:  # noqa: BLE001 - the recorded step's failure is reported in its row; the timed
+                # steps above stand, and the next variant builds its own model
+                row["memory_peak"] = {"error": f"{type(e).__name__}: {e}"}
         else:
             row["memory_peak"] = {"skipped": "--memory-peak needs CUDA (the caching allocator's history)"}
     if args.profile_steps:

@@ -805,8 +805,10 @@ stage_i68_te_install() {   # (2 GPUs, the call carrying .te; ~3 min with the ins
   # against one full-sequence call (exit 1 when a peer errs or differs by more than 2e-2); NVTE_DEBUG logs which
   # attention backend TE picked (FusedAttention = cuDNN expected on sm_90)
   i68_te i68_te_install && i70_need i68_te_install 2 || return 0
-  keep i68_te_install/import 60 env PYTHONPATH=$SPX_TE_SITE:$PYTHONPATH python3 -c "import transformer_engine as t, \
-transformer_engine.pytorch as te, torch; print('TE', t.__version__, t.__file__, 'cuDNN', torch.backends.cudnn.version())"
+  keep i68_te_install/import 60 env PYTHONPATH=$SPX_TE_SITE:$PYTHONPATH python3 -c "import os; from tools.te_peer \
+import torch_cudnn_home as h; h() and os.environ.setdefault('CUDNN_HOME', h()); import transformer_engine as t, \
+transformer_engine.pytorch as te, torch; print('TE', t.__version__, t.__file__, 'CUDNN_HOME', \
+os.environ.get('CUDNN_HOME'), 'cuDNN', torch.backends.cudnn.version())"
   keep i68_te_install/smoke 180 env PYTHONPATH=$SPX_TE_SITE:$PYTHONPATH NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 \
     torchrun --nproc-per-node 2 \
     tools/bench_cp_te.py --peers te --heads 8 --seqlens 8192 --causal no,yes --iters 2 --warmup 1 --require-ok \

@@ -71,7 +71,11 @@ def record_step(fn: Callable[[], object], device: torch.device, max_entries: int
     base = torch.cuda.memory_allocated(device)
     memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
-        fn()
+        # backward on the calling thread: on 4 x H100 (2026-11-28) a recorded diffusers Wan step with gradient
+        # checkpointing died in the recompute that autograd's device thread ran ("WanTransformerBlock.forward
+        # returned NULL without setting an exception"); same kernels and allocations either way
+        with torch.autograd.set_multithreading_enabled(False):
+            fn()
         torch.cuda.synchronize(device)
         snap = memory._snapshot()
     finally:

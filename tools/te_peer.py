@@ -92,6 +92,19 @@ def find_te(environ: Mapping[str, str]) -> Optional[str]:
                         "`transformer_engine` does not import here). " + RECIPE)
 
 
+def torch_cudnn_home() -> Optional[str]:
+    """The folder of the cuDNN torch loads (its ``nvidia-cudnn`` wheel: ``<site>/nvidia/cudnn``), or None (a torch
+    built against a system cuDNN). TE 2.20 loads ``libcudnn`` from ``$CUDNN_HOME`` first, then CUDA_HOME,
+    /usr/local/cuda and the loader's path: on the lent H100s (2026-11-28) that found the image's cuDNN 9.14 while
+    torch 2.11 ships 9.19, and torch then refused every cuDNN call ("cuDNN version incompatibility"). Pointing
+    CUDNN_HOME here makes TE and torch share one cuDNN."""
+    spec = importlib.util.find_spec("nvidia.cudnn")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    home = list(spec.submodule_search_locations)[0]
+    return home if glob.glob(os.path.join(home, "lib", "libcudnn.so*")) else None
+
+
 def te_script_args(args, peers: Sequence[str], out_json: str) -> list:
     """tools/bench_cp_te.py's arguments for the rows of bench_cp's ``args`` (heads, seqlens, head_dim, causal,
     links, iters, warmup)."""
