@@ -74,3 +74,27 @@ def test_bad_variant_flag_is_one_line(capsys):
         bench.main(["--dry-run", "--variants", "ours-auto,ours-bogus"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "--variants 'ours-bogus'" in err[-1], err
+
+
+def test_diffusers_probe_step_does_not_train_the_timed_model(monkeypatch):
+    """diffusers' backend is probed with one training step; the variant then timed starts again from the seed (its
+    first_loss reads beside ours from the same weights)."""
+    made = []
+
+    class FakeSetup:
+        def __init__(self, args, variant, world, device, grid, backend):
+            self.backend, self.steps, self.closed = backend, 0, False
+            made.append(self)
+
+        def step(self, batch):
+            self.steps += 1
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(bench, "Setup", FakeSetup)
+    monkeypatch.setattr(bench, "_all_ok", lambda ok, device: ok)
+    args = type("A", (), {"dry_run": False})()
+    setup, tried = bench.build(args, {"impl": "diffusers", "backend": "flash"}, 1, "cpu", (1, 2, 2), {"x": 0})
+    assert tried == [] and len(made) == 2 and made[0].steps == 1 and made[0].closed
+    assert setup is made[1] and setup.steps == 0 and not setup.closed and setup.backend == "flash"

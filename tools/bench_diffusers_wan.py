@@ -218,6 +218,11 @@ def build(args, variant: dict, world: int, device, grid: tuple, batch: Optional[
             if args.dry_run or os.environ.get("SPX_TRACEBACK"):
                 traceback.print_exc()
         if _all_ok(err is None, device):
+            if batch is not None:   # the probe trained one step: start again from the seed, so that the timed
+                # steps (and first_loss, read beside ours) begin from the same weights as our variants
+                setup.close()
+                _free(device)
+                setup = Setup(args, variant, world, device, grid, backend)
             return setup, tried
         tried.append({"backend": backend, "error": err or "failed on another rank"})
         if setup is not None:
