@@ -515,11 +515,13 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
 #   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
 #   r8d69b@3 | call 4: r10_67.
-# NEXT SESSION (4 GPUs; every part for FA4; .te is one 42.9 MB part that fits no .fa4 part beside it):
-#   call 1 (part.aa + .ds): i70_resume@0,1 (now --deterministic-mode, math, lr 1e-4) i70_transport@2,3 (its dk/dv rule)
-#   | call 2 (part.ab): r11_66c@0 r11_66d@1 r11_66e@2,3 | call 3 (part.ac): r11_66a@0 r11_66b@1
-#   r11_65mem@2,3 | call 4: r11_69sp2@0,1 r11_69vsa@2 | call 5 (.te): i68_te_install | call 6: i68_cp2_nv
-#   (docs/te_peer.md).
+# NEXT SESSION (4 GPUs; FA4 is TWO parts now (gpu_wheels.sh xz), usable from the call after both are carried; .te
+#   is one 42.9 MB part in a call of its own; .ds rides with part.aa). Issue each call AT ONCE after the previous
+#   returns (2026-11-28: the machine went back idle twice between calls, costing a fresh start and the parts):
+#   call 1 (part.aa + .ds): r11_66c@0 r11_66d@1 r11_66e@2,3 (the round's refactors of #66 items 1 and 4 on the
+#   torch kernels) | call 2 (part.ab): r11_66a@0 r11_66b@1 r11_65mem@2,3 | call 3 (.te): i68_te_install@0,1
+#   r11_69sp2@2,3 (TE installs in the background: gpu_install.sh) | call 4: i68_cp2_nv@0,1 r11_69vsa@2
+#   i70_transport... Results of 2026-11-28: results/2026-11-28_h100x4_0029/README.md.
 #   r11_66a-d: the CUDA families of the one kernel chooser (#66 item 3, merged untested on GPUs), P=2 and P=4.
 stage_r11_66a() { suite r11/66a 500 "(test_fa4_family or test_fa4_block_sparse_family) and gloo"; }
 stage_r11_66b() {
