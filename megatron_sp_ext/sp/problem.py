@@ -122,7 +122,7 @@ class AttentionProblem:
         return from_bhsd(x, self.layout)
 
 
-def _refuse(what: str, given: dict, own: bool, mode: modes.Mode) -> None:
+def refuse(what: str, given: dict, own: bool, mode: modes.Mode) -> None:
     """The one table of refusals: unsupported combinations (``COMBINATIONS``), then what ``mode`` does not support
     (``CAPABILITIES``, read from the registry)."""
     for name, other, advice, lifted_by_own in COMBINATIONS:
@@ -172,7 +172,7 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[
     kv_valid_len = valid_kv_len(kv_valid_len, seqlen)   # < 1: no key left, refused by name
     given = {"block_mask": block_mask is not None, "cu_seqlens": cu_seqlens is not None,
              "dropout_p": dropout_p != 0.0, "seq_order": seq_order is not None, "kv_valid_len": kv_valid_len is not None}
-    _refuse(what, given, own, m)
+    refuse(what, given, own, m)
     mask_seq_len = be.seq_len if own else seqlen
     if block_mask is not None:
         if m.local_attention and not (own or isinstance(be, (AutoBackend, MathBackend))):
