@@ -7,8 +7,9 @@ combination from ONE table (``COMBINATIONS``; what a mode cannot do is read from
 distinct mask through ``checks.MaskChecks``), and returns an ``AttentionProblem``: the frozen value the algorithm
 then runs. Messages name the keyword and the function.
 
-The layout pair: q/k/v arrive as [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"); the kernels run
-[B, H, S, D] (``to_bhsd`` / ``from_bhsd``) and the torus stages [B, S, H, D] (``to_bshd``, its own inverse).
+The layout helpers: q/k/v arrive as [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"); the kernels run
+[B, H, S, D] (``to_bhsd`` / ``from_bhsd``) and the torus stages [B, S, H, D] (``to_bshd``, its own inverse);
+``seq_batch`` reads (S_loc, B) off a shape.
 """
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ COMBINATIONS = (
 )
 # what a mode may not support, by the registry flag that says it does: (keyword, flag)
 CAPABILITIES = (("cu_seqlens", "packed"), ("block_mask", "block_mask"), ("dropout_p", "dropout"))
+
+
+def seq_batch(shape: "torch.Size | tuple", layout: str) -> tuple[int, int]:
+    """(S_loc, B) of a q/k/v shape in ``layout``."""
+    return (shape[1], shape[0]) if layout == "bshd" else (shape[0], shape[1])
 
 
 def to_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -165,7 +171,7 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[
             check_p2p(label, g, q.device, "ulysses_attention")
     (inputs or (check_ring_inputs if m.p2p else check_inputs))(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    s_loc, batch = (q.shape[1], q.shape[0]) if layout == "bshd" else (q.shape[0], q.shape[1])
+    s_loc, batch = seq_batch(q.shape, layout)
     seqlen = s_loc * world
     be = get_backend(backend)
     own = isinstance(be, block_sparse.BlockSparseBackend)
@@ -182,7 +188,7 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[
                                 f"fixed fused kernel's name), or block_mask=None")
         block_mask = block_sparse.check_block_mask(block_mask, seq_len=mask_seq_len, block_size=block_size,
                                                    num_heads=q.shape[2])
-    packed = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len, placement, world)
+    packed = packed_cu(cu_seqlens, batch, seqlen, kv_valid_len, placement, world)
     if block_mask is not None:   # the caller's mask object: what mask_checks keys on
         check_mask_once(block_mask, group, mask_checks)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

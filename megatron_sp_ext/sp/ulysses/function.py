@@ -38,7 +38,7 @@ from .attend import attend_backward, local_attention
 from .engine import (alloc, attend_and_send, by_piece, exchange_all_chunks, send_head_major, send_pieces,
                      sends_in_place, transport_of)
 from ..placement import PackedSamples
-from ..problem import describe
+from ..problem import describe, seq_batch
 from .plan import UlyssesPlan, local_order, varlen_order
 from .policy import ChunkPolicy, default_policy
 
@@ -50,7 +50,7 @@ class _UlyssesFn(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: UlyssesPlan):
         hl, world = plan.heads, plan.heads.world
         me, lay_ = plan.rank, plan.seq_layout
-        s_loc, bsz = (q.shape[1], q.shape[0]) if lay_ == "bshd" else (q.shape[0], q.shape[1])
+        s_loc, bsz = seq_batch(q.shape, lay_)
         d = q.shape[-1]
         tokens = s_loc * bsz
         compute, comm = st.current(q.device), plan.comm_stream
@@ -81,7 +81,7 @@ class _UlyssesFn(torch.autograd.Function):
         me, lay_ = plan.rank, plan.seq_layout
         grad_out = grad_out.contiguous()
         q_shape, kv_shape = ctx.shapes
-        s_loc, bsz = (q_shape[1], q_shape[0]) if lay_ == "bshd" else (q_shape[0], q_shape[1])
+        s_loc, bsz = seq_batch(q_shape, lay_)
         d = q_shape[-1]
         tokens = s_loc * bsz
         compute, comm = st.current(grad_out.device), plan.comm_stream
