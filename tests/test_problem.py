@@ -38,6 +38,7 @@ def _refusals(rank, world):
     q = torch.randn(1, S // world, H, D, dtype=torch.float64)
     bm = torch.ones(1, T, T, dtype=torch.bool)
     cu = torch.tensor([0, S // 2, S])
+    mesh = spx.build_sp_mesh(g, num_heads=H, placement="tas", ulysses_size=world, nodes=world)
     base = dict(causal=False, softmax_scale=None, layout="bshd", placement="contiguous")
     desc = lambda what="ulysses_attention", mode="ulysses", **kw: pb.describe(  # noqa: E731
         q, q, q, g, what=what, mode=mode, **{**base, **kw})
@@ -67,6 +68,7 @@ def _refusals(rank, world):
         (r"variant='ring3' is invalid", lambda: spx.ring_attention(q, q, q, g, variant="ring3")),
         (r"ring_variant='ring3' is invalid",
          lambda: desc("hybrid_attention", "usp", variant=("ring_variant", "ring3"))),
+        (r"ring_variant='ring3' is invalid", lambda: spx.torus_attention(q, q, q, mesh, ring_variant="ring3")),
         (r"kv_valid_len=0 leaves no key to attend", lambda: spx.ring_attention(q, q, q, g, kv_valid_len=0)),
         (r"kv_valid_len=-1 leaves no key to attend", lambda: spx.ulysses_attention(q, q, q, g, kv_valid_len=-1)),
         (r"block_mask must be a bool tensor", lambda: spx.ring_attention(q, q, q, g, block_mask=bm.long(),
@@ -87,7 +89,7 @@ def _refusals(rank, world):
 
 
 def test_every_refusal_names_its_keyword_and_function():
-    assert run_ranks(_refusals, 2, timeout=60) == [20, 20]
+    assert run_ranks(_refusals, 2, timeout=60) == [21, 21]
 
 
 def test_the_table_covers_every_refused_pair_and_every_capability_flag():

@@ -270,7 +270,8 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
     pr = describe(q, k, v, mesh.group, what="torus_attention", mode="torus", causal=causal,
                   softmax_scale=softmax_scale, layout=layout, placement=placement, backend=backend,
                   kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, block_mask=block_mask, block_size=block_size,
-                  mask_checks=mask_checks, p2p=(mesh.ulysses_group, mesh.ring_group))  # stages and ring: p2p
+                  mask_checks=mask_checks, variant=("ring_variant", ring_variant),
+                  p2p=(mesh.ulysses_group, mesh.ring_group))  # its stages and its ring are point to point
     q, k, v = (to_bshd(x, layout) for x in (q, k, v))
     hl = head_layout(q.shape[2], k.shape[2], mesh.ulysses_size, 1)
     if hl.kv_repeat > 1:
