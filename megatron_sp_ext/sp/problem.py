@@ -188,7 +188,7 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[
                                 f"fixed fused kernel's name), or block_mask=None")
         block_mask = block_sparse.check_block_mask(block_mask, seq_len=mask_seq_len, block_size=block_size,
                                                    num_heads=q.shape[2])
-    packed = packed_cu(cu_seqlens, batch, seqlen, kv_valid_len, placement, world)
+    packed = packed_cu(cu_seqlens, batch, seqlen, placement, world)
     if block_mask is not None:   # the caller's mask object: what mask_checks keys on
         check_mask_once(block_mask, group, mask_checks)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
