@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -147,16 +147,15 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[
              cu_seqlens: "torch.Tensor | PackedSamples | None" = None, block_mask: Optional[torch.Tensor] = None,
              block_size: int = block_sparse.DEFAULT_BLOCK_SIZE, dropout_p: float = 0.0,
              varlen_kernel: str = "per_sample", seq_order: object = None, mask_checks: Optional[MaskChecks] = None,
-             variant: Optional[tuple[str, str]] = None, p2p: tuple = (),
-             inputs: Optional[Callable] = None) -> AttentionProblem:
+             variant: Optional[tuple[str, str]] = None, p2p: tuple = ()) -> AttentionProblem:
     """The ``AttentionProblem`` of a call of the public function ``what`` (mode ``mode`` of the registry) over
     ``group`` with q [B, S_loc, H, D] / k, v [B, S_loc, Hkv, D] ("bshd"; "sbhd" swaps B and S_loc), after every
     check; raises SPConfigError naming the keyword (and ``what``).
 
     variant: (keyword, value) of a ring-variant setting (``variant``, ``ring_variant``), checked against the registry;
-    p2p: the groups whose hops run point to point (checked they can carry q's device); inputs: the input check
-    (default: ``check_ring_inputs`` for point-to-point modes, else ``check_inputs``; one small all_gather per shape).
-    Local checks first, then the collectives (shapes; the block mask once per distinct mask)."""
+    p2p: the groups whose hops run point to point (checked they can carry q's device). The inputs: ``check_ring_inputs``
+    for point-to-point modes (the ring family), else ``check_inputs`` (one small all_gather per shape). Local checks
+    first, then the collectives (shapes; the block mask once per distinct mask)."""
     if variant is not None and variant[1] not in VARIANTS:
         raise SPConfigError(f"{variant[0]}={variant[1]!r} is invalid: choose one of {', '.join(VARIANTS)}")
     m = modes.get(mode)
@@ -169,7 +168,7 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[
     for g in p2p:
         if g is not None and needs_p2p(hops, dist.get_world_size(g)):
             check_p2p(label, g, q.device, "ulysses_attention")
-    (inputs or (check_ring_inputs if m.p2p else check_inputs))(q, k, v, layout, group)
+    (check_ring_inputs if m.p2p else check_inputs)(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     s_loc, batch = seq_batch(q.shape, layout)
     seqlen = s_loc * world
