@@ -14,8 +14,7 @@ The layout helpers: q/k/v arrive as [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from .checks import MaskChecks, check_inputs, check_mask_once, check_ring_inputs
 from .placement import PackedSamples, pieces, varlen_pieces
 
 VARIANTS = modes.names(ring_variant=True)   # the ring variants (the mode registry: ring, tasp)
+_MODES = {m.name: m for m in modes.MODES}    # name -> Mode, a dict lookup per call
 
 # Every refused pair of settings: (the setting, the one it cannot be combined with, what to do instead, whether a
 # backend that holds its own positions (a hybrid mesh's sparse ring) lifts the refusal). The message reads
@@ -66,13 +66,13 @@ def to_bshd(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.transpose(0, 1) if layout == "sbhd" else x
 
 
-@dataclass(frozen=True, eq=False)
-class AttentionProblem:
+class AttentionProblem(NamedTuple):
     """What one call computes, validated (``describe``): q/k/v of ``batch`` x ``s_loc`` tokens per rank of ``world``
     in ``layout``, sequence order ``placement``; ``causal`` AND keys < ``kv_valid_len`` (None: no padding) AND within
     each packed sample (``packed``) AND the selected tiles of ``block_mask`` ([H or 1, T, T] over ``mask_seq_len``
     tokens, the caller's checked object: its identity keys the plan caches; ``mask_on`` moves it), softmax ``scale``,
-    ``dropout_p``; the local ``backend`` resolved."""
+    ``dropout_p``; the local ``backend`` resolved. Immutable; a NamedTuple because it is built on every call (a
+    frozen dataclass's __init__ measured ~6x slower: host time is what short attention calls are bound by)."""
 
     what: str
     mode: modes.Mode
@@ -158,7 +158,7 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[
     first, then the collectives (shapes; the block mask once per distinct mask)."""
     if variant is not None and variant[1] not in VARIANTS:
         raise SPConfigError(f"{variant[0]}={variant[1]!r} is invalid: choose one of {', '.join(VARIANTS)}")
-    m = modes.get(mode)
+    m = _MODES[mode]
     if varlen_kernel not in VARLEN_SETTINGS:
         raise SPConfigError(f"varlen_kernel={varlen_kernel!r} is invalid: choose one of {', '.join(VARLEN_SETTINGS)}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
