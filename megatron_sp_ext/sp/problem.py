@@ -164,10 +164,10 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise SPConfigError(f"dropout_p={dropout_p!r} is invalid: use a probability in [0, 1)")
     hops = variant[1] if variant is not None else mode
-    label = what if variant is None else f"{what}({variant[0]}={variant[1]!r})"
     for g in p2p:
         if g is not None and needs_p2p(hops, dist.get_world_size(g)):
-            check_p2p(label, g, q.device, "ulysses_attention")
+            check_p2p(what if variant is None else f"{what}({variant[0]}={variant[1]!r})", g, q.device,
+                      "ulysses_attention")
     (check_ring_inputs if m.p2p else check_inputs)(q, k, v, layout, group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     s_loc, batch = seq_batch(q.shape, layout)
