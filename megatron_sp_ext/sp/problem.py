@@ -3,9 +3,9 @@
 ``describe`` is the one builder the public functions (``ulysses_attention``, ``ring_attention``,
 ``hybrid_attention``, ``torus_attention``) run first: it validates every argument, refuses every unsupported
 combination from ONE table (``COMBINATIONS``; what a mode cannot do is read from the mode registry, ``modes.py``:
-``packed``, ``block_mask``, ``dropout``, ``p2p``), checks the block mask on this rank and across the group (once per
-distinct mask through ``checks.MaskChecks``), and returns an ``AttentionProblem``: the frozen value the algorithm
-then runs. Messages name the keyword and the function.
+``packed``, ``block_mask``, ``dropout``, ``p2p``, ``local_attention``), checks the block mask on this rank and
+across the group (once per distinct mask through ``checks.MaskChecks``), and returns an ``AttentionProblem``: the
+immutable value the algorithm then runs. Messages name the keyword and the function.
 
 The layout helpers: q/k/v arrive as [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"); the kernels run
 [B, H, S, D] (``to_bhsd`` / ``from_bhsd``) and the torus stages [B, S, H, D] (``to_bshd``, its own inverse);
