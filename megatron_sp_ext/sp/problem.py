@@ -176,7 +176,8 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[
     own = isinstance(be, block_sparse.BlockSparseBackend)
     kv_valid_len = valid_kv_len(kv_valid_len, seqlen)   # < 1: no key left, refused by name
     given = {"block_mask": block_mask is not None, "cu_seqlens": cu_seqlens is not None,
-             "dropout_p": dropout_p != 0.0, "seq_order": seq_order is not None, "kv_valid_len": kv_valid_len is not None}
+             "dropout_p": dropout_p != 0.0, "seq_order": seq_order is not None,
+             "kv_valid_len": kv_valid_len is not None}
     refuse(what, given, own, m)
     mask_seq_len = be.seq_len if own else seqlen
     if block_mask is not None:
