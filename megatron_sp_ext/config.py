@@ -19,7 +19,7 @@ from .errors import SPConfigError
 # every list of modes derives from the mode registry (modes.py)
 MODES = modes.NAMES
 RING_VARIANTS = modes.names(ring_variant=True)
-PLACEMENTS = ("auto",) + modes.names(placement=True)
+ARRANGEMENTS = ("auto",) + modes.names(arrangement=True)   # the mesh arrangements (setting ``placement``)
 BACKENDS = backend_names()   # "auto", "sdpa" and every kernel of the registry that can be a backend
 TRANSPORTS = ("nccl", "symm_mem", "copy_engine")  # copy-engine exchanges (CUDA + NCCL only; checked at first use)
 ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-block forms (see SPConfig.async_qkv)
@@ -89,7 +89,8 @@ class SPConfig:
         "tas", "torus", "auto").
     head_chunks: HCMS chunk count C per rank, or "auto" (calibrated per shape).
     ring_variant: ring algorithm inside ring/hybrid modes ("ring" or "tasp").
-    placement: 2D mesh placement ("auto", "usp", "tas").
+    placement: the 2D mesh arrangement ("auto", "usp", "tas"): how Ulysses and ring groups lie on machines (the
+        setting keeps its older name; in code the idea is "arrangement", the word "placement" is the sequence order).
     ulysses_size: Ulysses degree P_u of the mesh (None = gcd(world, heads)).
     nodes: number of machines to assume (None = detect); lets one machine simulate several.
     backend: local attention kernel: "auto" (default; FlashAttention-4 for every call where it runs, else torch
@@ -129,7 +130,7 @@ class SPConfig:
         self.mode = _choice(self.mode, MODES, n("mode"))
         self.head_chunks = parse_head_chunks(self.head_chunks, n("head_chunks"))
         self.ring_variant = _choice(self.ring_variant, RING_VARIANTS, n("ring_variant"))
-        self.placement = _choice(self.placement, PLACEMENTS, n("placement"))
+        self.placement = _choice(self.placement, ARRANGEMENTS, n("placement"))
         self.backend = _choice(self.backend, BACKENDS, n("backend"))
         self.transport = _choice(self.transport, TRANSPORTS, n("transport"))
         if self.transport != "nccl" and not modes.get(self.mode).exchange_blocks:

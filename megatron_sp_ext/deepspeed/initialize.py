@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import modes
-from ..config import MESH_MODES, PLACEMENTS, SPConfig
+from ..config import ARRANGEMENTS, MESH_MODES, SPConfig
 from ..errors import SPConfigError
 from .mpu import SequenceParallelMPU, build_sequence_parallel_groups
 
@@ -84,7 +84,7 @@ def validate_deepspeed_config(config: Union[str, Mapping[str, Any]], world_size:
             raise SPConfigError(f"sequence_parallel_ext.mode={cfg.mode!r} needs a mesh of at least 2 ranks: "
                                 f"sequence_parallel_size={sp}")
         if across and (cfg.nodes is None or cfg.nodes < 2) and not _multi_machine():
-            within = "/".join(repr(p) for p in PLACEMENTS[::-1] if not modes.get(p).ulysses_across)
+            within = "/".join(repr(p) for p in ARRANGEMENTS[::-1] if not modes.get(p).ulysses_across)
             raise SPConfigError(f"sequence_parallel_ext.placement/mode {', '.join(modes.names(ulysses_across=True))!r}"
                                 f" needs a multi-machine mesh but this job runs on one machine: set "
                                 f"sequence_parallel_ext.nodes to simulate machines, or use {within}")

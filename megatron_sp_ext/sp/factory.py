@@ -61,13 +61,14 @@ class SPResources:
         self.meshes: dict = {}
 
     def mesh(self, group: dist.ProcessGroup, num_heads: int, cfg: SPConfig,
-             placement: Optional[str] = None) -> SPMesh:
-        """The (cached) mesh of ``group`` for ``num_heads`` heads; ``placement`` overrides ``cfg.placement``."""
-        placement = placement or cfg.placement
-        key = (id(group), num_heads, placement, cfg.ulysses_size, cfg.nodes)
+             arrangement: Optional[str] = None) -> SPMesh:
+        """The (cached) mesh of ``group`` for ``num_heads`` heads; ``arrangement`` (usp/tas) overrides the setting
+        ``cfg.placement`` (the mesh arrangement)."""
+        arrangement = arrangement or cfg.placement
+        key = (id(group), num_heads, arrangement, cfg.ulysses_size, cfg.nodes)
         if key not in self.meshes:
             self.meshes[key] = build_sp_mesh(
-                group, num_heads=num_heads, placement=placement, ulysses_size=cfg.ulysses_size, nodes=cfg.nodes,
+                group, num_heads=num_heads, placement=arrangement, ulysses_size=cfg.ulysses_size, nodes=cfg.nodes,
                 names={s: cfg.name(s) for s in ("placement", "ulysses_size", "nodes")})
         return self.meshes[key]
 
@@ -115,7 +116,7 @@ class SPAttention:
         self.training: Optional[bool] = None  # the owning module's flag: auto times fwd+bwd by it (None: grad mode)
         self.mesh = mesh
         if self.mesh is None and self.spec.mesh and self.world > 1:
-            self.mesh = resources.mesh(group, num_heads, cfg, self.mode if self.spec.placement else None)
+            self.mesh = resources.mesh(group, num_heads, cfg, self.mode if self.spec.arrangement else None)
         self.packed = packed_entry(cfg, group, resources, backend=self.backend) if self.world > 1 else None
 
     def choose(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
