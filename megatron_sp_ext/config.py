@@ -133,8 +133,8 @@ class SPConfig:
         self.placement = _choice(self.placement, ARRANGEMENTS, n("placement"))
         self.backend = _choice(self.backend, BACKENDS, n("backend"))
         self.transport = _choice(self.transport, TRANSPORTS, n("transport"))
-        if self.transport != "nccl" and not modes.get(self.mode).exchange_blocks:
-            a2a = "/".join(modes.names(exchange_blocks=True, auto=False))
+        if self.transport != "nccl" and not modes.get(self.mode).all_to_all:
+            a2a = "/".join(modes.names(all_to_all=True, auto=False))
             raise SPConfigError(f"{n('transport')}={self.transport!r} applies to the {a2a} exchanges only, "
                                 f"not to {n('mode')}={self.mode!r}: use 'nccl' or a {a2a} mode")
         if self.async_qkv in (True, False):
@@ -143,7 +143,7 @@ class SPConfig:
         if self.async_qkv != "off" and self.source == "deepspeed":
             raise SPConfigError(f"{n('async_qkv')}={self.async_qkv!r} is not available through DeepSpeed's "
                                 f"DistributedAttention (it receives q, k, v already projected): leave it 'off' and "
-                                f"call the model's set_async_attention / set_block_policy instead")
+                                f"call the model's set_async_attention / set_layer_policy instead")
         for key in ("ulysses_size", "nodes"):
             val = getattr(self, key)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):

@@ -19,8 +19,8 @@ A mode declares (``Mode``):
   local_attention a caller's own local attention runs inside (no log-sum-exp needed: Hugging Face's attention,
                   Megatron's core attention)
   heads_per_rank  needs at least one attention head per rank
-  exchange_blocks its exchanges are all-to-alls: the copy-engine transports (``transport``) and the attention
-                  blocks that overlap projections with them (``async_qkv``) apply
+  all_to_all      its exchanges are all-to-alls: the copy-engine transports (``transport``) and the attention
+                  layers that overlap projections with them (``async_qkv``) apply
   head_chunks     a fixed head-chunk count (ulysses: 1), or None: the ``head_chunks`` setting
   with_chunks     the mode a fixed-chunk mode becomes when another chunk count is set (same math)
   ring_variant    a value of the ``ring_variant`` setting (the ring inside ring and mesh modes)
@@ -55,7 +55,7 @@ class Mode:
     block_mask: bool = True
     local_attention: bool = False
     heads_per_rank: bool = False
-    exchange_blocks: bool = False
+    all_to_all: bool = False
     head_chunks: Optional[int] = None
     with_chunks: Optional[str] = None
     ring_variant: bool = False
@@ -70,7 +70,7 @@ class Mode:
 
 
 _ULYSSES = dict(family="ulysses", dropout=True, dynamic=True, local_attention=True, heads_per_rank=True,
-                exchange_blocks=True)
+                all_to_all=True)
 _RING = dict(family="ring", p2p=True, dynamic=True, ring_variant=True)
 
 MODES = (
@@ -86,7 +86,7 @@ MODES = (
     Mode("torus", family="torus", summary="mesh: staged inter-machine all-to-all overlapped with attention", p2p=True,
          mesh=True),
     Mode("auto", family="auto", summary="hcms when every rank gets a head, else a usp mesh, else ring", dropout=True,
-         dynamic=True, exchange_blocks=True, auto=True),
+         dynamic=True, all_to_all=True, auto=True),
 )
 NAMES = tuple(m.name for m in MODES)
 FLAGS = tuple(f.name for f in fields(Mode) if f.type in ("bool", bool))

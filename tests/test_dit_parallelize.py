@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRIES = ("training/pretrain_video_dit.py", "training/train_deepspeed.py")
 # what parallelize does in one place: no caller outside training/video_dit/parallel.py in the training package
 STEPS = {"set_sparse_attention", "set_recompute", "set_cpu_offloading", "set_fused_elementwise", "set_packed_qkv",
-         "set_attention_core", "set_async_attention", "set_block_policy", "make_core", "core_of",
+         "set_attention_core", "set_async_attention", "set_layer_policy", "make_core", "core_of",
          "make_dynamic_core", "one_device_core"}
 
 

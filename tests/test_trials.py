@@ -232,7 +232,7 @@ def _dit(rank, world, case):
         made.append(pol)
         return pol
     engine.SPResources = resources
-    layer_policy.BlockPolicy = functools.partial(block_policy, layer_policy.BlockPolicy)
+    layer_policy.LayerPolicy = functools.partial(block_policy, layer_policy.LayerPolicy)
     losses = {}
     for recompute in (False, True):
         made.clear()

@@ -99,14 +99,14 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     except SPConfigError as e:
         p.error(str(e))
     spec = modes.get(args.cp_comm_type[0])   # a mode (validate_args refused anything else)
-    blocks = modes.names(exchange_blocks=True, auto=False)   # the modes whose exchanges the block forms overlap
-    if args.sp_async_qkv in ("on", "allgather") and (not spec.exchange_blocks or spec.auto
+    a2a_modes = modes.names(all_to_all=True, auto=False)   # the modes whose exchanges the layer forms overlap
+    if args.sp_async_qkv in ("on", "allgather") and (not spec.all_to_all or spec.auto
                                                      or args.hcms_head_chunks == "auto"):
-        p.error(f"--sp-async-qkv {args.sp_async_qkv} needs --cp-comm-type {modes.listing(blocks)} with an integer "
+        p.error(f"--sp-async-qkv {args.sp_async_qkv} needs --cp-comm-type {modes.listing(a2a_modes)} with an integer "
                 f"--hcms-head-chunks (got {args.cp_comm_type[0]}, {args.hcms_head_chunks}); --sp-async-qkv auto picks "
                 f"them itself")
     if args.pack_samples and args.sp_async_qkv != "off":
-        p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --pack-samples (the async / all-gather block forms "
+        p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --pack-samples (the async / all-gather layer forms "
                 f"take one sample per sequence): use --sp-async-qkv off")
     if args.sp_async_qkv != "off" and args.recompute_granularity == "selective" \
             and "outside_core_attn" in args.recompute_modules:
@@ -119,9 +119,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     if args.sparse_attention != "none" and args.sp_async_qkv != "off":
         p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --sparse-attention {args.sparse_attention} (the "
                 f"async / all-gather block forms take no block mask): use --sp-async-qkv off")
-    if args.sp_async_qkv == "auto" and not spec.exchange_blocks:
+    if args.sp_async_qkv == "auto" and not spec.all_to_all:
         p.error(f"--sp-async-qkv auto chooses among Ulysses block forms: use --cp-comm-type "
-                f"{modes.listing(modes.names(exchange_blocks=True))} (got {args.cp_comm_type[0]})")
+                f"{modes.listing(modes.names(all_to_all=True))} (got {args.cp_comm_type[0]})")
     return args
 
 

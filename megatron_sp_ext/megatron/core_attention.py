@@ -178,7 +178,7 @@ class SPDotProductAttention(DotProductAttention):
         once per key; a hook tests may replace)."""
         chooser, self.attention.chooser = self.attention.chooser, None
         try:
-            return self.attention.choose(q, k, causal, None, self.softmax_scale)
+            return self.attention.mode_for(q, k, causal, None, self.softmax_scale)
         finally:
             self.attention.chooser = chooser
 

@@ -119,7 +119,7 @@ class SPAttention:
             self.mesh = resources.mesh(group, num_heads, cfg, self.mode if self.spec.arrangement else None)
         self.packed = packed_entry(cfg, group, resources, backend=self.backend) if self.world > 1 else None
 
-    def choose(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
+    def mode_for(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
                softmax_scale: Optional[float] = None) -> str:
         """auto: "hcms" (Ulysses/HCMS, the baseline), "ring", or "tasp" (groups of more than 2 ranks) for this
         shape (``chooser`` or the ModePolicy's calibration, once per key, see sp.calibration; off CUDA: the
@@ -136,7 +136,7 @@ class SPAttention:
             candidates = {m: f for m, f in candidates.items() if not needs_p2p(m, self.world)}
         if len(candidates) == 1:
             return next(iter(candidates))
-        return self.res.mode_policy.choose_for(q, k, self.group, candidates, extra_key=(
+        return self.res.mode_policy.fastest_for(q, k, self.group, candidates, extra_key=(
             causal, kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
             getattr(self.backend, "name", type(self.backend).__name__)), fwd_bwd=self.training)
 
@@ -192,7 +192,7 @@ class SPAttention:
                                 f"{modes.listing(modes.names(local_attention=True))}")
         mode = self.mode
         if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None and block is None:
-            picked = self.choose(q, k, causal, kv_valid_len, softmax_scale)
+            picked = self.mode_for(q, k, causal, kv_valid_len, softmax_scale)
             mode = picked if picked in RING_MODES else self.mode
         if self.world > 1 and needs_p2p(mode, self.world):
             check_p2p(f"{self.cfg.name('mode')}={mode!r}" + (" (auto)" if modes.get(self.cfg.mode).auto else ""),

@@ -131,7 +131,7 @@ class SelfAttention(nn.Module):
         self.norm_q, self.norm_k = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
         self.out = nn.Linear(cfg.dim, cfg.dim)
         self.core: AttentionCore = local_core
-        # (group, BlockChoice) runs that block form; (group, BlockPolicy) lets the policy pick per shape
+        # (group, LayerChoice) runs that block form; (group, LayerPolicy) lets the policy pick per shape
         self.sp_block = None
         self.rope_memo: dict = {}  # the all-gather block's global RoPE table (shared by the model's blocks)
         self.recompute_core = False  # activation checkpointing of the attention core (selective core_attn)
@@ -146,7 +146,7 @@ class SelfAttention(nn.Module):
                 self.norm_k.weight)
 
     def _run(self, choice, group, x, angles, kv_valid_len, params):
-        """The block in form ``choice`` (megatron_sp_ext BlockChoice) with explicit parameters."""
+        """The block in form ``choice`` (megatron_sp_ext LayerChoice) with explicit parameters."""
         b, s, _ = x.shape
         w_qkv, b_qkv, w_o, b_o, nq, nk = params
         if choice.allgather:
@@ -236,9 +236,9 @@ class SelfAttention(nn.Module):
         if self.sp_block is not None:
             group, how = self.sp_block
             choice = how
-            if hasattr(how, "choose"):  # a BlockPolicy
+            if hasattr(how, "form_for"):  # a LayerPolicy
                 key = (tuple(x.shape), x.dtype, kv_valid_len, torch.is_grad_enabled())
-                choice = how.choose(key, lambda ch: self._calibration_step(ch, group, x, angles, kv_valid_len),
+                choice = how.form_for(key, lambda ch: self._calibration_step(ch, group, x, angles, kv_valid_len),
                                     group, x.device, self.heads // group.size())
             if self.recompute_core and torch.is_grad_enabled():  # the fused block forms: recompute the whole block
                 return checkpoint(self._run, choice, group, x, angles, kv_valid_len, self._params(),
@@ -548,17 +548,17 @@ class VideoDiT(nn.Module):
                             allgather: bool = False) -> None:
         """Use the async Ulysses block (projections overlapped with their exchanges) in every block, or
         with ``allgather`` the all-gather QKV block (sequence all-gather fused with the QKV GEMM)."""
-        from megatron_sp_ext.sp.layers.policy import BlockChoice  # noqa: PLC0415
+        from megatron_sp_ext.sp.layers.policy import LayerChoice  # noqa: PLC0415
         memo: dict = {}
         for blk in self.blocks:
-            blk.attn.sp_block = (group, BlockChoice(not allgather, head_chunks, transport, allgather))
+            blk.attn.sp_block = (group, LayerChoice(not allgather, head_chunks, transport, allgather))
             blk.attn.rope_memo = memo
 
-    def set_block_policy(self, group, policy=None) -> None:
+    def set_layer_policy(self, group, policy=None) -> None:
         """Let one runtime policy pick plain/async/allgather, HCMS chunks and transport per shape (all blocks
         share the policy, so a shape is calibrated once)."""
-        from megatron_sp_ext.sp.layers.policy import BlockPolicy  # noqa: PLC0415
-        policy = policy or BlockPolicy()
+        from megatron_sp_ext.sp.layers.policy import LayerPolicy  # noqa: PLC0415
+        policy = policy or LayerPolicy()
         memo: dict = {}
         for blk in self.blocks:
             blk.attn.sp_block = (group, policy)

@@ -104,7 +104,7 @@ def parallelize(model: VideoDiT, group: Optional[dist.ProcessGroup],
         model.set_async_attention(sp_group, config.sp.head_chunks, config.sp.transport,
                                   allgather=config.sp.async_qkv == "allgather")
     elif sp_group is not None and config.sp.async_qkv == "auto":
-        model.set_block_policy(sp_group)
+        model.set_layer_policy(sp_group)
     model.set_recompute(config.recompute_granularity, config.recompute_modules, config.recompute_num_layers)
     model.set_cpu_offloading(config.cpu_offloading, config.cpu_offloading_num_layers)
     model.set_fused_elementwise(config.fused_backend)
