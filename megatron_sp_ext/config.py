@@ -222,28 +222,28 @@ class SPConfig:
                     f"use 1..{num_heads // sp_size} or 'auto'")
 
     @classmethod
-    def from_dict(cls, block: Mapping[str, Any], source: str = "python",
+    def from_dict(cls, section: Mapping[str, Any], source: str = "python",
                   adapter_keys: tuple[str, ...] = ()) -> "SPConfig":
         """Build from a dict; unknown keys raise naming the key. adapter_keys: keys the caller's adapter takes
-        itself (listed among the valid keys; not in ``block``, e.g. DeepSpeed's ``causal``)."""
+        itself (listed among the valid keys; not in ``section``, e.g. DeepSpeed's ``causal``)."""
         known = {f.name for f in dataclasses.fields(cls)} - {"source"}
-        for key in block:
+        for key in section:
             if key not in known:
                 prefix = "sequence_parallel_ext." if source == "deepspeed" else ""
                 valid = ", ".join(sorted(known | set(adapter_keys)))
                 raise SPConfigError(f"{prefix}{key} is not a known setting: valid keys are {valid}")
-        return cls(**dict(block), source=source)
+        return cls(**dict(section), source=source)
 
     @classmethod
     def from_deepspeed_config(cls, config: Union[str, Mapping[str, Any]]) -> "SPConfig":
-        """From a DeepSpeed config (path or dict) with a ``sequence_parallel_ext`` block."""
+        """From a DeepSpeed config (path or dict) with a ``sequence_parallel_ext`` section."""
         if isinstance(config, str):
             with open(config) as f:
                 config = json.load(f)
-        block = config.get("sequence_parallel_ext", {})
-        if not isinstance(block, Mapping):
+        section = config.get("sequence_parallel_ext", {})
+        if not isinstance(section, Mapping):
             raise SPConfigError("sequence_parallel_ext must be a JSON object")
-        return cls.from_dict(block, source="deepspeed")
+        return cls.from_dict(section, source="deepspeed")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

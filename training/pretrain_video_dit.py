@@ -197,7 +197,7 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     fused_backend = resolve_fused(args.fused_elementwise, device)
     # before DDP and the optimizer: top-k sparse attention adds the coarse branch's gates
     parallelize(model, cp_group if sp_world > 1 else None, DiTParallelConfig(
-        sp=_sp_config(args, sp_world, dynamic is not None), sparse=sparse, block_kernel=args.sparse_attention_kernel,
+        sp=_sp_config(args, sp_world, dynamic is not None), sparse=sparse, tile_setting=args.sparse_attention_kernel,
         dynamic_min_size=args.min_dynamic_context_parallel_size, recompute_granularity=args.recompute_granularity,
         recompute_modules=args.recompute_modules, recompute_num_layers=args.recompute_num_layers,
         cpu_offloading=args.cpu_offloading, cpu_offloading_num_layers=args.cpu_offloading_num_layers,
@@ -246,8 +246,8 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     if rank == 0 and not args.quiet:  # before the progress bar starts, not inside it
         logger.info(attention_kernel_line(args.sp_attention_backend, "--sp-attention-backend", device,
                                           run_dtype(args, device), cfg.head_dim,
-                                          block_kernel=args.sparse_attention_kernel if sparse is not None else None,
-                                          block_setting=SPARSE_KERNEL_FLAG))
+                                          tile_setting=args.sparse_attention_kernel if sparse is not None else None,
+                                          tile_setting_name=SPARSE_KERNEL_FLAG))
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
     ops = MegatronOps(model, opt) if impl == "megatron" else FsdpOps(model, opt, args.clip_grad) \

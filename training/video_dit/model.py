@@ -28,8 +28,8 @@ from megatron_sp_ext.errors import SPConfigError
 from .config import DiTConfig
 from .fused import ElementwiseOps, linear_input_dtype, rms_norm
 from .rope import RopeCache, apply_rope
-from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, SparseStepCache, coarse_tiles, gated_spread, pad_block_mask,
-                     pool_tiles, reference_sparse_attention, topk_block_mask)
+from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, SparseStepCache, coarse_tiles, gated_spread, pad_tile_mask,
+                     pool_tiles, reference_sparse_attention, topk_tile_mask)
 from .varlen import PackInfo
 
 # --recompute-modules values (Megatron-LM's names) for --recompute-granularity selective
@@ -222,7 +222,7 @@ class SelfAttention(nn.Module):
         outs = []
         checks = getattr(self.core, "mask_checks", None)
         for i in range(b):  # a block mask is one sample's (its own top-k)
-            mask = pad_block_mask(topk_block_mask(q_tiles[i], k_tiles[i], step.spec.topk), step.num_blocks)
+            mask = pad_tile_mask(topk_tile_mask(q_tiles[i], k_tiles[i], step.spec.topk), step.num_padded_tiles)
             if checks is not None and step.group is not None:   # every rank's top-k of the same all-reduced tiles
                 checks.agree(mask, step.group)
             outs.append(fine(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask))

@@ -31,13 +31,13 @@ class DiTParallelConfig:
     """What ``parallelize`` sets up. sp: the attention's SPConfig (mode, chunks, backend, transport, ...; ``dynamic``
     true: each packed sample on its own sub-group, ``dynamic_min_size`` the smallest; ``async_qkv`` on / allgather:
     the fused async Ulysses / all-gather QKV block forms, auto: a runtime policy picks per shape; SP > 1 only);
-    sparse: --sparse-attention tiles (None: dense); block_kernel: --sparse-attention-kernel; recompute_*: --recompute-granularity / -modules / -num-layers; cpu_offloading(_num_layers):
+    sparse: --sparse-attention tiles (None: dense); tile_setting: --sparse-attention-kernel; recompute_*: --recompute-granularity / -modules / -num-layers; cpu_offloading(_num_layers):
     --cpu-offloading(-num-layers); fused_backend: the resolved --fused-elementwise (None: eager); packed_qkv: the
     resolved --ulysses-packed-qkv."""
 
     sp: SPConfig = field(default_factory=SPConfig)
     sparse: Optional[SparseSpec] = None
-    block_kernel: str = "auto"
+    tile_setting: str = "auto"
     dynamic_min_size: int = 1
     recompute_granularity: Optional[str] = None
     recompute_modules: Sequence[str] = ("core_attn",)
@@ -98,7 +98,7 @@ def parallelize(model: VideoDiT, group: Optional[dist.ProcessGroup],
     if config.sp.dynamic and sp_group is not None:  # each packed sample on its own sub-group of the SP ranks
         core = make_dynamic_core(config.sp, sp_group, num_heads=model.cfg.heads, min_size=config.dynamic_min_size)
     else:
-        core = core_of(config.sp, sp_group, num_heads=model.cfg.heads, block_kernel=config.block_kernel)
+        core = core_of(config.sp, sp_group, num_heads=model.cfg.heads, tile_setting=config.tile_setting)
     model.set_attention_core(core)
     if sp_group is not None and config.sp.async_qkv in ("on", "allgather"):
         model.set_async_attention(sp_group, config.sp.head_chunks, config.sp.transport,

@@ -115,12 +115,12 @@ def step_items(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool, devi
     """Kernel calls for queries ``q_runs`` against keys ``kv_runs`` (see module docstring); with packed samples
     (``cu``) only within each sample."""
     if cu is None:
-        return _block_items(q_runs, kv_runs, causal, device)
+        return _kv_block_items(q_runs, kv_runs, causal, device)
     qs, ks = sample_runs(q_runs, cu), sample_runs(kv_runs, cu)
-    return [it for s in sorted(qs) if s in ks for it in _block_items(qs[s], ks[s], causal, device)]
+    return [it for s in sorted(qs) if s in ks for it in _kv_block_items(qs[s], ks[s], causal, device)]
 
 
-def _block_items(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool, device) -> list[Item]:
+def _kv_block_items(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool, device) -> list[Item]:
     """Kernel calls for queries ``q_runs`` against keys ``kv_runs``, every pair allowed by the causal rule."""
     rel = {(qi, ki): _rel(q, k, causal) for qi, q in enumerate(q_runs) for ki, k in enumerate(kv_runs)}
     used_q = [q for qi, q in enumerate(q_runs) if any(rel[qi, ki] != "none" for ki in range(len(kv_runs)))]

@@ -118,7 +118,7 @@ def hold(*tensors: torch.Tensor):
         return _Hold.apply(token, *tensors)
 
 
-def _block_mask_of(plan: AttendPlan) -> Optional[torch.Tensor]:
+def _tile_mask_of(plan: AttendPlan) -> Optional[torch.Tensor]:
     # only UlyssesPlan carries a block mask; the other Ulysses-family plans never have one
     return getattr(plan, "block_mask", None)
 
@@ -128,7 +128,7 @@ def attend(plan: AttendPlan, qc, kc, vc, explicit: bool, chunk: int = 0):
     lse) held (``hold``); else the backend under autograd (the inner graph) when gradients are wanted.
     With a block mask (``plan.block_mask``): ``attend_block_sparse`` for chunk ``chunk``'s heads.
     Returns (out, what ``attend_backward`` needs or None)."""
-    if _block_mask_of(plan) is not None:
+    if _tile_mask_of(plan) is not None:
         return attend_block_sparse(plan, qc, kc, vc, chunk)
     if explicit:
         oc, lse = _forward_lse(plan, qc, kc, vc)
@@ -151,7 +151,7 @@ def attend_backward(plan: AttendPlan, c: int, do_c, chunks: list) -> list:
         qc, kc, vc, oc = kept
         del kept
         return list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
-    if _block_mask_of(plan) is not None:  # a block-sparse kernel's forward with lse: its backward from out/lse
+    if _tile_mask_of(plan) is not None:  # a block-sparse kernel's forward with lse: its backward from out/lse
         qc, kc, vc, oc, lse = kept.grad_fn.saved_tensors
         del kept
         kern, ts = _tile_kernel(plan, qc, c)

@@ -62,7 +62,7 @@ class UlyssesPlan:
     varlen_kernel: str = "per_sample"  # packed samples' local method (attention/varlen.py SETTINGS)
     block_mask: Optional[torch.Tensor] = None  # block-sparse tiles [H or 1, T, T] over the global sequence, or None
     block_size: int = 64  # tokens per tile of block_mask
-    block_kernel: str = "math"  # the block-sparse kernel the backend names for this device/dtype (each call picks per slice)
+    tile_setting: str = "math"  # the block-sparse kernel the backend names for this device/dtype (each call picks per slice)
 
 
 def local_order(placement: str, world: int, s_loc: int, causal: bool,
