@@ -22,7 +22,7 @@ RING_VARIANTS = modes.names(ring_variant=True)
 ARRANGEMENTS = ("auto",) + modes.names(arrangement=True)   # the mesh arrangements (setting ``placement``)
 BACKENDS = backend_names()   # "auto", "sdpa" and every kernel of the registry that can be a backend
 TRANSPORTS = ("nccl", "symm_mem", "copy_engine")  # copy-engine exchanges (CUDA + NCCL only; checked at first use)
-ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-block forms (see SPConfig.async_qkv)
+ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-layer forms (see SPConfig.async_qkv)
 LAYOUTS = ("bshd", "sbhd")
 SEQ_PLACEMENTS = ("contiguous", "zigzag", "tasp_zigzag")
 # The ONE default sequence placement of every public function that takes or makes shards (shard_sequence,
@@ -94,17 +94,17 @@ class SPConfig:
     ulysses_size: Ulysses degree P_u of the mesh (None = gcd(world, heads)).
     nodes: number of machines to assume (None = detect); lets one machine simulate several.
     backend: local attention kernel: "auto" (default; FlashAttention-4 for every call where it runs, else torch
-        SDPA for plain calls and the fastest kernel with log-sum-exp for ring/TASP/Torus/hybrid/masked blocks:
+        SDPA for plain calls and the fastest kernel with log-sum-exp for ring/TASP/Torus/hybrid/masked calls:
         cuDNN, FlashAttention-2, math), "fa4", "cudnn" or "torch_flash" (that kernel only; an error naming the
         reason where it does not run), "sdpa" (= auto),
         "math", "flash_attn", "te".
     transport: exchange transport: "nccl" (default), "symm_mem" (copy-engine pulls between barrier
         kernels) or "copy_engine" (copy-engine pulls ordered by stream-memory flags: no kernels); CUDA + NCCL.
-    async_qkv: the attention block's projections overlapped with their exchanges: "off", "on",
+    async_qkv: the attention layer's projections overlapped with their exchanges: "off", "on",
         "allgather" (QKV from a sequence all-gather fused with the QKV GEMM, no q/k/v exchange), or
         "auto" (a runtime policy times the forms per shape and keeps the baseline unless one is faster: video DiT
         plain/async/allgather x HCMS chunks x transports; Megatron layers their own attention path against the
-        async/all-gather blocks, or with TP > 1 the TP x CP block's pipelined/mixed/mixed_in forms).
+        async/all-gather layers, or with TP > 1 the TP x CP layer's pipelined/mixed/mixed_in forms).
     dropout_p: attention dropout probability (Megatron's ``--attention-dropout``), applied in training by the
         Ulysses family (ulysses, hcms; "auto" then never picks the ring); refused by every other mode.
     dynamic: dynamic sequence parallelism for packed samples (Megatron-LM's --dynamic-context-parallel): each sample

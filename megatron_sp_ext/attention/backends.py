@@ -8,7 +8,7 @@ k/v may carry fewer heads than q (GQA). ``tiles``: a block mask's slice for the 
 causal and ``mask``. Backends ("backend" setting; ``config.BACKENDS`` = "auto", "sdpa" and every kernel's setting):
   "auto" (default; "sdpa" is the same, ``kernels.is_auto``): ``AutoBackend``, every call on the kernel the one
       choice (``kernels.choose``) names for it: the first of the registry's order that runs it here
-      (FlashAttention-4 where it runs; else plain calls through torch's SDPA dispatch and log-sum-exp blocks on
+      (FlashAttention-4 where it runs; else plain calls through torch's SDPA dispatch and log-sum-exp calls on
       cuDNN, FlashAttention-2 or math; block-sparse calls on FA4's or cuDNN frontend's block sparsity, flex_attention
       or math)
   a kernel's setting ("fa4", "cudnn", "torch_flash", "math", "flash_attn", "te"): every call on that kernel; a
@@ -68,14 +68,14 @@ class LocalAttention:
         raise NotImplementedError
 
     def forward_lse(self, q, k, v, *, causal: bool, softmax_scale: float, mask=None, tiles=None):
-        """(out, lse) of one block; ``mask``: bool [Sq, Sk] (or [h, Sq, Sk]) keep mask; ``tiles``: a
+        """(out, lse) of one call; ``mask``: bool [Sq, Sk] (or [h, Sq, Sk]) keep mask; ``tiles``: a
         ``tiles.TileSlice`` of a block mask for these rows (ANDed with causal and mask)."""
         if tiles is not None and mask is None and self.tile_setting != "auto":
             return self.tile_kernel(q, tiles, causal, True).forward(q, k, v, softmax_scale, causal, tiles)
         return math_kernel.math_forward(q, k, v, softmax_scale, _combined_mask(q, k, causal, mask, tiles))
 
     def backward_lse(self, do, q, k, v, out, lse, *, causal: bool, softmax_scale: float, mask=None, tiles=None):
-        """(dq, dk, dv) of ``forward_lse``'s block given the FINAL out/lse of its rows."""
+        """(dq, dk, dv) of ``forward_lse``'s call given the FINAL out/lse of its rows."""
         if tiles is not None and mask is None and self.tile_setting != "auto":
             return self.tile_kernel(q, tiles, causal, True).backward(do, q, k, v, out, lse, softmax_scale, causal,
                                                                      tiles)
@@ -99,7 +99,7 @@ class LocalAttention:
 
 class AutoBackend(LocalAttention):
     """The "auto" backend (also named "sdpa"): per call the kernel ``kernels.choose`` names. Plain calls on
-    FlashAttention-4 where it runs, else through torch's SDPA dispatch; blocks with log-sum-exp on the fastest
+    FlashAttention-4 where it runs, else through torch's SDPA dispatch; calls with log-sum-exp on the fastest
     ``lse_kernels`` kernel available per (device, dtype, head dim); block-sparse calls on ``tile_kernel``."""
 
     name = "auto"
@@ -117,7 +117,7 @@ class AutoBackend(LocalAttention):
         return self.kernel if self.kernel == "auto" else kernels.get(self.kernel).setting
 
     def kernel_for(self, q: torch.Tensor) -> str:
-        """The block kernel for q's (device, dtype, head dim): ``kernels.choose`` of a log-sum-exp call, each
+        """The log-sum-exp kernel for q's (device, dtype, head dim): ``kernels.choose`` of a log-sum-exp call, each
         candidate probed (``lse_kernels.why_not_call``); a fixed kernel that cannot run here raises naming the
         setting and the reason. Chosen once per key and logged once."""
         key = (str(q.device), q.dtype, q.shape[-1])
@@ -197,7 +197,7 @@ class FixedKernelBackend(AutoBackend):
 def lse_attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: Optional[float]) -> torch.Tensor:
     """Differentiable attention [B, H, S, D] on one ``lse_kernels`` kernel's forward/backward (the calls the ring
-    and head-chunked blocks make, so a plain call and a one-block ring compute the same bits)."""
+    and the head chunks make, so a plain call and a one-rank ring compute the same bits)."""
     return kernels.LseFunction.apply(q, k, v, kernels.get(kernel), causal, _scale(q, softmax_scale), None)
 
 

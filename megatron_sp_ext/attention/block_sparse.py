@@ -143,7 +143,7 @@ def math_forward(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tenso
 def math_backward(do_bhsd: torch.Tensor, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor,
                   out_bhsd: torch.Tensor, lse_bhs: torch.Tensor, mask_hqk: torch.Tensor,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of ``math_forward``'s block given the FINAL out/lse of the query rows (rows with lse -inf:
+    """(dq, dk, dv) of ``math_forward``'s call given the FINAL out/lse of the query rows (rows with lse -inf:
     zero gradients)."""
     return math_kernel.math_backward(do_bhsd, q_bhsd, k_bhsd, v_bhsd, out_bhsd, lse_bhs, scale, mask_hqk)
 

@@ -257,10 +257,10 @@ def _backend_kernel(be: LocalAttention, q: torch.Tensor) -> Optional[str]:
 def methods_here(be: LocalAttention, q: torch.Tensor, cu: Optional[tuple[int, ...]] = None) -> list[str]:
     """The methods that run for ``be`` on q's (device, dtype), "per_sample" first, then the varlen methods of the
     kernels the backend may run (every "auto" kernel's for "auto"/"sdpa"; a fixed kernel's own), where they run
-    here. Not the varlen kernels when a sample of ``cu`` has one token (the fixed-length kernels' 1 x 1 blocks were
-    wrong or crashed on an H100, see lse_kernels; the per-sample methods run those blocks on the math kernel). The
+    here. Not the varlen kernels when a sample of ``cu`` has one token (the fixed-length kernels' 1 x 1 calls were
+    wrong or crashed on an H100, see lse_kernels; the per-sample methods run those calls on the math kernel). The
     kernels are the one choice's candidates (``kernels.candidates`` of a varlen call for the backend's kernel
-    setting; "auto": from the kernel it chose for the blocks on)."""
+    setting; "auto": from the kernel it chose for the calls on)."""
     out = ["per_sample", "grouped"]
     one_token = cu is not None and any(b - a == 1 for a, b in zip(cu, cu[1:]))
     if one_token or not isinstance(be, AutoBackend):

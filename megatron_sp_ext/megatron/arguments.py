@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "exchanges (--cp-comm-type ulysses/hcms, integer --hcms-head-chunks); allgather: QKV from a "
              "sequence all-gather and the QKV GEMM for this rank's heads instead of the q/k/v exchanges (same "
              "requirements; with --sp-transport symm_mem through torch's fused symm_mem matmuls); with "
-             "--tensor-model-parallel-size > 1 (and --sequence-parallel) on/allgather run the TP x CP block's "
+             "--tensor-model-parallel-size > 1 (and --sequence-parallel) on/allgather run the TP x CP layer's "
              "pipelined / mixed (one all-gather and one reduce-scatter over TP x CP) form; auto: a runtime policy "
              "times Megatron's own attention path against those forms per shape (first calls) and keeps it unless "
              "a form is faster in a majority of interleaved rounds")

@@ -25,7 +25,7 @@ class SPTransformerConfig(TransformerConfig):
     sp_transport (--sp-transport): nccl (default), symm_mem or copy_engine (copy-engine exchanges).
     sp_async_qkv (--sp-async-qkv): off, on (SPSelfAttention overlaps its projections with the
         exchanges), allgather (QKV by a sequence all-gather fused with the QKV GEMM), auto (video
-        DiT only: the runtime block policy).
+        DiT only: the runtime layer policy).
     """
 
     hcms_head_chunks: Union[int, str] = 1

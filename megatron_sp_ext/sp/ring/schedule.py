@@ -3,10 +3,10 @@ segment layout of its K|V buffer.
 
 Tokens are held in a *compute order*: with "tasp_zigzag" (causal TASP) a rank's tokens sorted by
 global position (= the "zigzag" order); with one rank (masked Ulysses) every run sorted by global
-position; otherwise the local order. In compute order a causal diagonal block is ONE causal kernel call.
+position; otherwise the local order. In compute order a causal diagonal pair is ONE causal kernel call.
 
-K|V buffers are [S_kv, 2, B, Hkv, D]: a block is one row range, K and V are zero-copy bhsd views.
-A slot (ring i's block) is one segment, or for causal "tasp_zigzag" two segments (piece, mirror of u
+K|V buffers are [S_kv, 2, B, Hkv, D]: a K|V block is one row range, K and V are zero-copy bhsd views.
+A slot (ring i's K|V block) is one segment, or for causal "tasp_zigzag" two segments (piece, mirror of u
 rows each) whose buffer rows change per step: the slots whose origin precedes this rank (A) put their
 pieces first, the others (B) follow, mirrors in reverse, so the buffer reads
 [A pieces | B pieces | B mirrors | A mirrors]: all queries x A pieces and the later query half x

@@ -133,7 +133,7 @@ def attend(plan: AttendPlan, qc, kc, vc, explicit: bool, chunk: int = 0):
     if explicit:
         oc, lse = _forward_lse(plan, qc, kc, vc)
         return oc, hold(qc, kc, vc, oc, lse)
-    need_grad = plan.need_grad  # the block Functions' plans: always
+    need_grad = plan.need_grad  # the layer Functions' plans: always
     if need_grad:
         qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
     with torch.set_grad_enabled(need_grad):

@@ -199,10 +199,10 @@ class _PackedFn(torch.autograd.Function):
 
 
 class PackedUlysses:
-    """A packed Ulysses / HCMS entry bound to a group, for a model's block that can write q|k|v itself.
+    """A packed Ulysses / HCMS entry bound to a group, for a model's layer that can write q|k|v itself.
 
     ``layout(H, Hkv, q_like)`` is the HeadLayout to pack for, or None (heads not divisible by the SP size, or a
-    group of one rank): then the block keeps its plain path. ``entry(H, Hkv, kv_valid_len, *sends)`` runs the
+    group of one rank): then the layer keeps its plain path. ``entry(H, Hkv, kv_valid_len, *sends)`` runs the
     attention. head_chunks: an int, or "auto": ``policy`` (an HCMSPolicy, shared with the plain path) picks the
     count per shape from its own calibration; ``q_like`` ([B, S_loc, H, D], dtype and device of q; a
     zero-stride view will do) gives it the shape.

@@ -1,7 +1,7 @@
 """The plan of one Ulysses-family call: what the exchange engine and the chunk attention read.
 
 ``AttendPlan`` is the interface (a Protocol): every Ulysses-family plan provides its fields (``UlyssesPlan``
-here, ``PackedPlan`` in packed.py, ``AsyncPlan`` / ``GatherPlan`` of the attention blocks), so the engine
+here, ``PackedPlan`` in packed.py, ``AsyncPlan`` / ``GatherPlan`` of the attention layers), so the engine
 reads typed fields instead of probing with getattr. ``local_order`` turns a placement into the permutation
 of the gathered sequence (and the padding cut) a plan carries; ``varlen_order`` does so for packed samples
 (``cu_seqlens``), whose attention runs per sample over each sample's global range (attend.py).
