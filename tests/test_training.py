@@ -79,7 +79,7 @@ def _async_vs_plain(rank, world, frames, chunks, how="async"):
     for i, (a, b) in enumerate(zip(g1, g0)):
         assert rel_err(a, b) < 1e-5, f"grad {i}: {rel_err(a, b)}"
     if how == "policy":
-        (dec,) = model.block_policy.cache.values()  # one shape, one decision, shared by every block
+        (dec,) = model.layer_policy.cache.values()  # one shape, one decision, shared by every block
         assert dec.choice.label == "plain" and "no CUDA streams" in dec.reason
     elif how.startswith("forced"):
         assert forced.calls == CFG.layers

@@ -59,7 +59,7 @@ def _worker(rank, world, port, args, path):
     model.set_attention_core(make_core("ulysses", group, num_heads=cfg.heads))
     model.set_fused_elementwise(resolve_fused(args.fused_elementwise, torch.device("cuda")))  # as the entry runs
     model.set_layer_policy(group, LayerPolicy(chunk_candidates=(1, 2)))  # installs the shared RoPE memo too
-    policy = model.block_policy
+    policy = model.layer_policy
     frames = [int(f) for f in args.frames.split(",")]
     h, w = (int(v) for v in args.latent_size.split("x"))
     data = SyntheticVideoLatents(cfg.in_channels, frames, h, w, cfg.text_len, cfg.text_dim, seed=1)
@@ -69,7 +69,7 @@ def _worker(rank, world, port, args, path):
     def step(how):
         model.set_packed_qkv(how == "packed")
         for blk in model.blocks:  # the core forms: the entry point's default path (no block form installed)
-            blk.attn.sp_block = None if how in CORE_FORMS else (group, how)
+            blk.attn.sp_layer = None if how in CORE_FORMS else (group, how)
         model.zero_grad(set_to_none=True)
         loss = local_loss(model, inp, torch.bfloat16)
         (loss * world).backward()

@@ -132,7 +132,7 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(cfg.dim, cfg.dim)
         self.core: AttentionCore = local_core
         # (group, LayerChoice) runs that block form; (group, LayerPolicy) lets the policy pick per shape
-        self.sp_block = None
+        self.sp_layer = None
         self.rope_memo: dict = {}  # the all-gather block's global RoPE table (shared by the model's blocks)
         self.recompute_core = False  # activation checkpointing of the attention core (selective core_attn)
         self.ops = ElementwiseOps()  # eager; VideoDiT.set_fused_elementwise shares one compiled set
@@ -233,8 +233,8 @@ class SelfAttention(nn.Module):
     def forward(self, x, angles, kv_valid_len, cu_seqlens=None, sparse: Optional[SparseStep] = None):
         b, s, _ = x.shape
         self.check_path(cu_seqlens, sparse)
-        if self.sp_block is not None:
-            group, how = self.sp_block
+        if self.sp_layer is not None:
+            group, how = self.sp_layer
             choice = how
             if hasattr(how, "form_for"):  # a LayerPolicy
                 key = (tuple(x.shape), x.dtype, kv_valid_len, torch.is_grad_enabled())
@@ -250,10 +250,10 @@ class SelfAttention(nn.Module):
 
     def check_path(self, cu_seqlens=None, sparse: Optional[SparseStep] = None) -> None:
         """Refuse (SPConfigError, naming the flags) a step the configured path cannot run."""
-        if sparse is not None and (self.sp_block is not None or self.packed_qkv or cu_seqlens is not None):
+        if sparse is not None and (self.sp_layer is not None or self.packed_qkv or cu_seqlens is not None):
             raise SPConfigError(f"{SPARSE_FLAG} tiles runs the plain self-attention path: use --sp-async-qkv off, "
                                 f"--ulysses-packed-qkv off or auto, and no {PACK_FLAG}")
-        if cu_seqlens is not None and self.sp_block is not None:
+        if cu_seqlens is not None and self.sp_layer is not None:
             raise SPConfigError(f"{PACK_FLAG}: the async / all-gather self-attention block forms (--sp-async-qkv) "
                                 f"take no packed samples; use --sp-async-qkv off")
         if cu_seqlens is not None and self.packed_qkv:
@@ -403,7 +403,7 @@ class Block(nn.Module):
         (q, k, v) and its own saved tensors (output, log-sum-exp) are kept, so the backward reruns norms,
         modulation, projections, cross-attention and FFN, never the attention kernel. The modulation [B, 6d] is
         computed once outside both regions (same gradient summation as without recompute: bit-identical)."""
-        if self.attn.sp_block is not None:
+        if self.attn.sp_layer is not None:
             raise SPConfigError("--recompute-modules outside_core_attn splits the block around the attention core: "
                                 "the fused async / all-gather block forms (--sp-async-qkv on / allgather / auto) have "
                                 "no such split; use --sp-async-qkv off, or --recompute-modules core_attn")
@@ -551,7 +551,7 @@ class VideoDiT(nn.Module):
         from megatron_sp_ext.sp.layers.policy import LayerChoice  # noqa: PLC0415
         memo: dict = {}
         for blk in self.blocks:
-            blk.attn.sp_block = (group, LayerChoice(not allgather, head_chunks, transport, allgather))
+            blk.attn.sp_layer = (group, LayerChoice(not allgather, head_chunks, transport, allgather))
             blk.attn.rope_memo = memo
 
     def set_layer_policy(self, group, policy=None) -> None:
@@ -561,9 +561,9 @@ class VideoDiT(nn.Module):
         policy = policy or LayerPolicy()
         memo: dict = {}
         for blk in self.blocks:
-            blk.attn.sp_block = (group, policy)
+            blk.attn.sp_layer = (group, policy)
             blk.attn.rope_memo = memo
-        self.block_policy = policy
+        self.layer_policy = policy
 
     def forward(self, patches, t, text, token_ids, grid, kv_valid_len=None, pack: Optional[PackInfo] = None):
         x = self.patch_embed(patches)

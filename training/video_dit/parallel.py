@@ -70,9 +70,9 @@ class DiTParallelHandle:
         m.set_cpu_offloading(False)
         m.set_recompute(None)
         for blk in m.blocks:
-            blk.attn.sp_block = None
+            blk.attn.sp_layer = None
             blk.attn.rope_memo = {}
-        m.__dict__.pop("block_policy", None)
+        m.__dict__.pop("layer_policy", None)
         m.set_attention_core(local_core)
         m.set_sparse_attention(None)
         self.removed = True
@@ -86,7 +86,7 @@ def parallelize(model: VideoDiT, group: Optional[dist.ProcessGroup],
     config = config or DiTParallelConfig()
     if not isinstance(model, VideoDiT):
         raise SPConfigError(f"parallelize takes a training.video_dit VideoDiT; got {type(model).__name__}")
-    if any(getattr(b.attn, "sp_block", None) is not None for b in model.blocks) or \
+    if any(getattr(b.attn, "sp_layer", None) is not None for b in model.blocks) or \
             any(b.attn.core is not local_core for b in model.blocks):
         raise SPConfigError("parallelize: this VideoDiT is already parallelized: call remove() on its handle first")
     if config.sp.dropout_p:
