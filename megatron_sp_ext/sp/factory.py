@@ -43,7 +43,7 @@ RING_MODES = modes.names(family="ring")         # the ring variants auto may pic
 
 class SPResources:
     """What every attention of one model shares: comm streams, HCMS chunk policy, mode policy (auto), the
-    attention-layer form policy (``--sp-async-qkv auto``), transports, meshes (one per group/heads/placement) and
+    attention-layer form policy (``--sp-async-qkv auto``), transports, meshes (one per group/heads/arrangement) and
     the block-mask checks (``MaskChecks``: each distinct mask compared across ranks once; ``per_call=True`` for the
     check on every call). ``sp_config``: the model's settings, if known."""
 
