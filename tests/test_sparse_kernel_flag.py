@@ -57,7 +57,7 @@ def test_a_named_kernel_without_tiles_is_refused(capsys):
     assert e.value.code == 2 and f"{SPARSE_KERNEL_FLAG} math set with --sparse-attention none" in err, err
 
 
-def test_with_block_kernel_copies_and_refuses_unknown_names():
+def test_with_tile_kernel_copies_and_refuses_unknown_names():
     base = get_backend("auto", "--sp-attention-backend")
     assert with_tile_kernel(base, "auto") is base
     fixed = with_tile_kernel(base, "math", SPARSE_KERNEL_FLAG)
