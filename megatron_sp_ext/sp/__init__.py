@@ -6,6 +6,7 @@
                 tp_cp), one shared autograd skeleton, and the policy that picks a layer form
   factory       maps an SPConfig mode to its attention callable (every entry point uses it)
   dynamic/      dynamic SP for packed samples: the packer, the aligned sub-groups, per-sample sub-group attention
-Shared below both families: checks (input / shape checks), heads (head splits), placement (which tokens
-a rank holds), calibration (timing-based choices).
+Shared below both families: problem (``describe``: one call's attention problem, validated once: the public
+functions build it first), checks (input / shape / mask checks), heads (head splits), placement (which tokens a rank
+holds), calibration (timing-based choices).
 """

@@ -7,8 +7,8 @@ runs it once per distinct mask (the algorithms take one as ``mask_checks=``; the
 family: also GQA heads), both through ``check_same_dtype`` (q, k, v of one dtype), validate this rank's
 tensors, then once per (group, shapes, layout, dtype) ``check_same_shape_across_ranks`` compares them across the group with one
 small all_gather, so a mismatch raises SPConfigError on every rank instead of hanging an exchange.
-``packed_cu`` checks the ring family's packed-sample arguments (cu_seqlens); ``valid_kv_len`` the padding cut
-(kv_valid_len) of every mode.
+``packed_cu`` checks the packed-sample arguments (cu_seqlens; for ``problem.describe``); ``valid_kv_len`` the
+padding cut (kv_valid_len) of every mode.
 """
 from __future__ import annotations
 
@@ -85,17 +85,13 @@ def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
     _across_ranks_once(q, k, layout, group, "ring")
 
 
-def packed_cu(cu_seqlens, q: torch.Tensor, layout: str, seqlen: int, kv_valid_len: Optional[int],
-              placement: str, world: int) -> Optional[PackedSamples]:
+def packed_cu(cu_seqlens, bsz: int, seqlen: int, placement: str, world: int) -> Optional[PackedSamples]:
     """``cu_seqlens`` (packed samples: 1-D int [n_samples + 1] real cumulative lengths, or ``PackedSamples``) for a
-    padded sequence of ``seqlen`` rows split by ``placement`` over ``world`` ranks, or None when not given, after
-    checking what packed samples need (B=1, no kv_valid_len); raises SPConfigError naming the argument."""
+    batch of ``bsz`` padded sequences of ``seqlen`` rows split by ``placement`` over ``world`` ranks, or None when
+    not given, after checking what packed samples need (B=1; ``problem.describe`` refuses kv_valid_len with them);
+    raises SPConfigError naming the argument."""
     if cu_seqlens is None:
         return None
-    if kv_valid_len is not None:
-        raise SPConfigError("kv_valid_len cannot be combined with cu_seqlens: give each sample's real length in "
-                            "cu_seqlens (samples are padded, and their padding kept apart, per sample)")
-    bsz = q.shape[0] if layout == "bshd" else q.shape[1]
     if bsz != 1:
         raise SPConfigError(f"cu_seqlens needs batch size 1 (samples packed along the sequence); got {bsz}")
     return packed_samples(cu_seqlens, seqlen, placement, world)

@@ -18,16 +18,14 @@ from typing import Optional
 
 import torch
 
-from ...attention.backends import get_backend
-from ...comm.capability import check_p2p, needs_p2p
 from ...config import DEFAULT_PLACEMENT
-from ...errors import SPConfigError
 from ...topology.mesh import SPMesh
-from ..checks import MaskChecks, check_ring_inputs, packed_cu
+from ..checks import MaskChecks
 from ..placement import pieces, varlen_pieces
+from ..problem import describe
 from ..ulysses import ulysses_attention
 from ..ulysses.layout import sorted_order
-from .ring import VARIANTS, RingBackend, checked_mask
+from .ring import RingBackend
 
 
 def rank_runs(placement: str, rank: int, world: int, seqlen: int, cu: Optional[tuple] = None):
@@ -80,36 +78,25 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
     mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
     call compares it: one all_gather and a host sync). A mask checked over the mesh's group is agreed on its Ulysses group too: the
     inner exchange does not compare it again."""
-    if ring_variant not in VARIANTS:
-        raise SPConfigError(f"ring_variant={ring_variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
-    check_ring_inputs(q, k, v, layout, mesh.group)
-    s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
-    seqlen = s_loc * mesh.world
-    block_mask, kv_valid_len = checked_mask("hybrid_attention", block_mask, block_size, seqlen, q.shape[2],
-                                            cu_seqlens, kv_valid_len, mesh.group, mask_checks)
-    if mesh.ring_group is not None and needs_p2p(ring_variant, mesh.ring_size):
-        check_p2p(f"hybrid_attention(ring_variant={ring_variant!r})", mesh.ring_group, q.device,
-                  "ulysses_attention")
-    pk = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len, placement, mesh.world)
-    cu = None if pk is None else pk.layout
-    runs = mesh_runs(mesh, placement, seqlen, cu)
+    pr = describe(q, k, v, mesh.group, what="hybrid_attention", mode=mesh.placement, causal=causal,
+                  softmax_scale=softmax_scale, layout=layout, placement=placement, backend=backend,
+                  kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, block_mask=block_mask, block_size=block_size,
+                  mask_checks=mask_checks, variant=("ring_variant", ring_variant), p2p=(mesh.ring_group,))
+    cu = None if pr.packed is None else pr.packed.layout
+    runs = mesh_runs(mesh, placement, pr.seqlen, cu)
     order = None
-    if mesh.ulysses_group is not None and (causal or kv_valid_len is not None or cu is not None
-                                           or block_mask is not None):
-        rows = sorted_rows(mesh.grid, mesh.world, placement, seqlen, cu)
+    if mesh.ulysses_group is not None and (causal or pr.kv_valid_len is not None or cu is not None
+                                           or pr.block_mask is not None):
+        rows = sorted_rows(mesh.grid, mesh.world, placement, pr.seqlen, cu)
         order = rows[mesh.ring_index][0]
         runs = tuple(merged for _, merged in rows)
-    ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, get_backend(backend), kv_valid_len,
-                       None if pk is None else pk.segments, block_mask=block_mask, block_size=block_size,
-                       seq_len=seqlen)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, pr.backend, pr.kv_valid_len,
+                       pr.segments, block_mask=pr.block_mask, block_size=block_size, seq_len=pr.seqlen)
     if mesh.ulysses_group is None:  # P_u == 1: pure ring over the mesh order, every head
-        to = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
-        out = ring(to(q), to(k), to(v), causal=causal, softmax_scale=scale)
-        return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
+        return pr.from_kernel(ring(*pr.to_kernel(q, k, v), causal=causal, softmax_scale=pr.scale))
     inner = mask_checks if mask_checks is not None else MaskChecks()
-    if block_mask is not None:   # equal over the whole mesh group (just checked): equal over its Ulysses group
-        inner.agree(block_mask, mesh.ulysses_group)
+    if pr.block_mask is not None:   # equal over the whole mesh group (just checked): equal over its Ulysses group
+        inner.agree(pr.block_mask, mesh.ulysses_group)
     return ulysses_attention(q, k, v, mesh.ulysses_group, head_chunks=head_chunks, causal=causal,
-                             softmax_scale=scale, layout=layout, backend=ring, seq_order=order,
-                             block_mask=block_mask, block_size=block_size, mask_checks=inner)
+                             softmax_scale=pr.scale, layout=layout, backend=ring, seq_order=order,
+                             block_mask=pr.block_mask, block_size=block_size, mask_checks=inner)

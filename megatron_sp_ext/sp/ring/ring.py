@@ -24,7 +24,6 @@ and the dK|dV partials of blocks that did not run. Point-to-point batches: ``com
 """
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -35,24 +34,20 @@ import torch.distributed as dist
 
 from ... import modes
 from ...attention import block_sparse
-from ...attention.backends import LocalAttention, get_backend
+from ...attention.backends import LocalAttention
 from ...attention.lse import acc_dtype, merge_into
-from ...comm.capability import check_p2p, needs_p2p
 from ...attention.tiles import TileSlice
 from ...comm.p2p import wait_handles
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
 from ...topology.hamiltonian import RoutingTables, routing_tables
-from ..checks import (MaskChecks, check_mask_once, check_ring_inputs, check_same_shape_across_ranks,
-                      packed_cu, valid_kv_len)
+from ..checks import MaskChecks, check_same_shape_across_ranks
 from ..heads import split_more_first
-from ..placement import pieces, varlen_pieces
+from ..problem import VARIANTS, describe  # VARIANTS: re-exported (sp.ring, sparse)
 from .rotation import (backward_steps, check_travel, dkv_schedule_from_env, kv_view as _kv_view, sel_rows as _sel,
                        pair_ops, start_ops, tiles_kw)
 from .skips import SkipTables, TileSpec, skip_tables
 from .schedule import Item, ab_layout, is_identity, permute_rows, sorted_order, step_items
-
-VARIANTS = modes.names(ring_variant=True)   # the ring variants (the mode registry: ring, tasp)
 
 
 @lru_cache(maxsize=None)
@@ -508,23 +503,6 @@ class RingBackend(block_sparse.BlockSparseBackend):
         return ring_backward(do, q, k, v, out, lse, self.plan(k, causal, softmax_scale))
 
 
-def checked_mask(what: str, block_mask: Optional[torch.Tensor], block_size: int, seqlen: int, num_heads: int,
-                 cu_seqlens, kv_valid_len: Optional[int], group=None,
-                 mask_checks: Optional[MaskChecks] = None) -> tuple[Optional[torch.Tensor], Optional[int]]:
-    """(block_mask checked for a ``seqlen`` sequence, kv_valid_len or None where it cuts nothing) for the function
-    ``what``; SPConfigError for a bad mask, a mask with cu_seqlens, or (over ``group``, before any exchange) a mask
-    that differs between ranks (through ``mask_checks``: once per distinct mask). The mask stays where it is: a
-    plan keeps its own copy (and its identity is the plan cache's key)."""
-    kv_valid_len = valid_kv_len(kv_valid_len, seqlen)  # < 1: no key left, refused by name
-    if block_mask is None:
-        return None, kv_valid_len
-    if cu_seqlens is not None:
-        raise SPConfigError(f"block_mask cannot be combined with cu_seqlens ({what}): give one of them")
-    block_mask = block_sparse.check_block_mask(block_mask, seq_len=seqlen, block_size=block_size, num_heads=num_heads)
-    check_mask_once(block_mask, group, mask_checks)
-    return block_mask, (None if kv_valid_len is not None and kv_valid_len >= seqlen else kv_valid_len)
-
-
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
                    variant: str = "ring", causal: bool = False, softmax_scale: Optional[float] = None,
                    layout: str = "bshd", placement: str = DEFAULT_PLACEMENT,
@@ -551,29 +529,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
     call compares it: one all_gather and a host sync).
     """
-    if variant not in VARIANTS:
-        raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
-    if group is not None and dist.get_world_size(group) > 1 and needs_p2p(variant, dist.get_world_size(group)):
-        check_p2p(f"ring_attention(variant={variant!r})", group, q.device, "ulysses_attention")
-    check_ring_inputs(q, k, v, layout, group)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    be = get_backend(backend)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    to_bhsd = (lambda t: t.transpose(1, 2)) if layout == "bshd" else (lambda t: t.permute(1, 2, 0, 3))
-    s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
-    seqlen = s_loc * world
-    block_mask, kv_valid_len = checked_mask("ring_attention", block_mask, block_size, seqlen, q.shape[2], cu_seqlens,
-                                            kv_valid_len, group, mask_checks)
-    pk = packed_cu(cu_seqlens, q, layout, seqlen, kv_valid_len, placement, world)
-    cu = None if pk is None else pk.segments
-    if pk is None:
-        q_runs = pieces(placement, rank, world, seqlen)  # validates divisibility
-        kv_runs = tuple(pieces(placement, o, world, seqlen) for o in range(world))
-    else:  # each (padded) sample placed on its own; its padding is a segment of its own
-        q_runs = varlen_pieces(placement, rank, world, pk.layout)
-        kv_runs = tuple(varlen_pieces(placement, o, world, pk.layout) for o in range(world))
-    plan = make_ring_plan(group, variant=variant, s_loc=s_loc, q_runs=q_runs, kv_runs=kv_runs, causal=causal,
-                          scale=scale, backend=be, balanced_slots=placement == "tasp_zigzag" and cu is None,
-                          kv_valid_len=kv_valid_len, cu_seqlens=cu, block_mask=block_mask, block_size=block_size)
-    out = _RingFn.apply(to_bhsd(q), to_bhsd(k), to_bhsd(v), plan)
-    return out.transpose(1, 2) if layout == "bshd" else out.permute(2, 0, 1, 3)
+    pr = describe(q, k, v, group, what="ring_attention", mode=variant, causal=causal, softmax_scale=softmax_scale,
+                  layout=layout, placement=placement, backend=backend, kv_valid_len=kv_valid_len,
+                  cu_seqlens=cu_seqlens, block_mask=block_mask, block_size=block_size, mask_checks=mask_checks,
+                  variant=("variant", variant), p2p=(group,))
+    plan = make_ring_plan(group, variant=variant, s_loc=pr.s_loc, q_runs=pr.runs(pr.rank),
+                          kv_runs=tuple(pr.runs(o) for o in range(pr.world)), causal=causal, scale=pr.scale,
+                          backend=pr.backend, balanced_slots=placement == "tasp_zigzag" and pr.packed is None,
+                          kv_valid_len=pr.kv_valid_len, cu_seqlens=pr.segments, block_mask=pr.block_mask,
+                          block_size=block_size)
+    return pr.from_kernel(_RingFn.apply(*pr.to_kernel(q, k, v), plan))

@@ -22,23 +22,21 @@ differentiate one ring call, not the stage schedule.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ...attention.backends import get_backend
-from ...comm.capability import check_p2p
 from ...config import DEFAULT_PLACEMENT
 from ...attention.lse import acc_dtype, merge_into
 from ...comm import p2p
 from ...comm.p2p import wait_handles
 from ...topology.mesh import SPMesh
 from ..heads import HeadLayout, head_layout
-from ..checks import MaskChecks, check_ring_inputs, packed_cu
+from ..checks import MaskChecks
+from ..problem import describe, to_bshd
 from .hybrid import rank_runs
-from .ring import RingBackend, checked_mask
+from .ring import RingBackend
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -269,24 +267,16 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
     exchanges all run. Not with cu_seqlens.
     mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
     call compares it: one all_gather and a host sync)."""
-    check_ring_inputs(q, k, v, layout, mesh.group)
-    s_all = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
-    block_mask, kv_valid_len = checked_mask("torus_attention", block_mask, block_size, s_all, q.shape[2], cu_seqlens,
-                                            kv_valid_len, mesh.group, mask_checks)
-    block = None if block_mask is None else (block_mask, block_size)
-    for group in (mesh.ulysses_group, mesh.ring_group):   # its stages and its ring are point to point
-        check_p2p("torus_attention", group, q.device, "ulysses_attention")
-    s_full = (q.shape[1] if layout == "bshd" else q.shape[0]) * mesh.world
-    pk = packed_cu(cu_seqlens, q, layout, s_full, kv_valid_len, placement, mesh.world)
-    if layout == "sbhd":
-        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
-    T = mesh.ulysses_size
-    hl = head_layout(q.shape[2], k.shape[2], T, 1)
+    pr = describe(q, k, v, mesh.group, what="torus_attention", mode="torus", causal=causal,
+                  softmax_scale=softmax_scale, layout=layout, placement=placement, backend=backend,
+                  kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, block_mask=block_mask, block_size=block_size,
+                  mask_checks=mask_checks, variant=("ring_variant", ring_variant),
+                  p2p=(mesh.ulysses_group, mesh.ring_group))  # its stages and its ring are point to point
+    q, k, v = (to_bshd(x, layout) for x in (q, k, v))
+    hl = head_layout(q.shape[2], k.shape[2], mesh.ulysses_size, 1)
     if hl.kv_repeat > 1:
         k, v = k.repeat_interleave(hl.kv_repeat, dim=2), v.repeat_interleave(hl.kv_repeat, dim=2)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    c = _Ctx(mesh, hl, placement, q.shape[1] * mesh.world, ring_variant, get_backend(backend), scale, kv_valid_len,
-             pk, block)
+    block = None if pr.block_mask is None else (pr.block_mask, block_size)
+    c = _Ctx(mesh, hl, placement, pr.seqlen, ring_variant, pr.backend, pr.scale, pr.kv_valid_len, pr.packed, block)
     c.causal = causal
-    out = _TorusFn.apply(q, k, v, c)
-    return out.transpose(0, 1) if layout == "sbhd" else out
+    return to_bshd(_TorusFn.apply(q, k, v, c), layout)

@@ -19,7 +19,6 @@ backends keep an inner autograd graph per chunk (``attend``).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -27,19 +26,19 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ...attention import block_sparse, tiles
-from ...attention.backends import AutoBackend, LocalAttention, MathBackend, get_backend
-from ...attention.varlen import SETTINGS as VARLEN_SETTINGS
+from ...attention.backends import LocalAttention
 from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
-from ..checks import MaskChecks, check_inputs, check_mask_once, packed_cu
+from ..checks import MaskChecks
 from ..heads import head_layout
 from . import layout as lay
 from .attend import attend_backward, local_attention
 from .engine import (alloc, attend_and_send, by_piece, exchange_all_chunks, send_head_major, send_pieces,
                      sends_in_place, transport_of)
 from ..placement import PackedSamples
+from ..problem import describe, seq_batch
 from .plan import UlyssesPlan, local_order, varlen_order
 from .policy import ChunkPolicy, default_policy
 
@@ -51,7 +50,7 @@ class _UlyssesFn(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: UlyssesPlan):
         hl, world = plan.heads, plan.heads.world
         me, lay_ = plan.rank, plan.seq_layout
-        s_loc, bsz = (q.shape[1], q.shape[0]) if lay_ == "bshd" else (q.shape[0], q.shape[1])
+        s_loc, bsz = seq_batch(q.shape, lay_)
         d = q.shape[-1]
         tokens = s_loc * bsz
         compute, comm = st.current(q.device), plan.comm_stream
@@ -82,7 +81,7 @@ class _UlyssesFn(torch.autograd.Function):
         me, lay_ = plan.rank, plan.seq_layout
         grad_out = grad_out.contiguous()
         q_shape, kv_shape = ctx.shapes
-        s_loc, bsz = (q_shape[1], q_shape[0]) if lay_ == "bshd" else (q_shape[0], q_shape[1])
+        s_loc, bsz = seq_batch(q_shape, lay_)
         d = q_shape[-1]
         tokens = s_loc * bsz
         compute, comm = st.current(grad_out.device), plan.comm_stream
@@ -203,38 +202,21 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     mask_checks: a ``checks.MaskChecks`` that compares each distinct block mask across ranks once (None: this call
     compares it: one all_gather and a host sync).
     """
-    if varlen_kernel not in VARLEN_SETTINGS:
-        raise SPConfigError(f"varlen_kernel={varlen_kernel!r} is invalid: choose one of {', '.join(VARLEN_SETTINGS)}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise SPConfigError(f"dropout_p={dropout_p!r} is invalid: use a probability in [0, 1)")
-    check_inputs(q, k, v, layout, group)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    be = get_backend(backend)
-    s_loc = q.shape[1] if layout == "bshd" else q.shape[0]
+    pr = describe(q, k, v, group, what="ulysses_attention", mode="ulysses", causal=causal,
+                  softmax_scale=softmax_scale, layout=layout, placement=placement, backend=backend,
+                  kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, block_mask=block_mask, block_size=block_size,
+                  dropout_p=dropout_p, varlen_kernel=varlen_kernel, seq_order=seq_order, mask_checks=mask_checks)
+    be, world = pr.backend, pr.world
+    block_mask = pr.mask_on(q.device)
     block_kernel = "math"
     if block_mask is not None:
-        own = isinstance(be, block_sparse.BlockSparseBackend)  # a hybrid mesh's sparse ring: its own positions
-        if not (own or isinstance(be, (AutoBackend, MathBackend))):
-            raise SPConfigError(f"block_mask runs megatron_sp_ext's block-sparse kernels (math, flex_attention), not "
-                                f"backend={getattr(be, 'name', be)!r}: use backend 'auto', 'sdpa', 'math' (or a "
-                                f"fixed fused kernel's name), or block_mask=None")
-        for name, bad, off in (("cu_seqlens", cu_seqlens is not None, None), ("dropout_p", dropout_p != 0.0, 0.0),
-                               ("seq_order", seq_order is not None and not own, None)):
-            if bad:
-                raise SPConfigError(f"block_mask cannot be combined with {name} (ulysses_attention): leave {name} at "
-                                    f"{off!r}, or block_mask=None")
-        block_mask = block_sparse.check_block_mask(block_mask, seq_len=be.seq_len if own else s_loc * world,
-                                                   block_size=block_size, num_heads=q.shape[2])
-        check_mask_once(block_mask, group, mask_checks)   # the caller's mask object: what mask_checks keys on
-        block_mask = block_mask.to(q.device)
-        block_kernel = be.tile_kernel(q, None, causal, lse=False).setting if not own else "ring"
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        block_kernel = "ring" if pr.own_positions else be.tile_kernel(q, None, causal, lse=False).setting
     tr = default_transports().get(transport, group, q.device)
     if head_chunks == "auto":
         # with a block mask too: the policy calibrates the dense call of this shape (the exchanges it balances are
         # the same; the chunk count never changes the result)
         head_chunks = (policy or default_policy()).choose(q, k, group, causal=causal, layout=layout,
-                                                        scale=scale, backend=be, comm_stream=comm_stream,
+                                                        scale=pr.scale, backend=be, comm_stream=comm_stream,
                                                         transport=tr, attention=ulysses_attention)
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int):
         raise SPConfigError(f"head_chunks={head_chunks!r} is invalid: use a positive integer or 'auto'")
@@ -242,12 +224,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if hl.kv_repeat > 1:
         k = k.repeat_interleave(hl.kv_repeat, dim=2)
         v = v.repeat_interleave(hl.kv_repeat, dim=2)
-    cu = None
-    if cu_seqlens is not None:
-        pk = _packed_samples(cu_seqlens, q, layout, world, s_loc, kv_valid_len, seq_order, placement)
-        order, valid, cu = varlen_order(placement, world, pk.layout), None, pk.segments
+    if pr.packed is not None:
+        order, valid = varlen_order(placement, world, pr.packed.layout), None
     else:  # a block mask is stated in global order: the gathered sequence must be put in it (as for causal)
-        order, valid = local_order(placement, world, s_loc, causal or block_mask is not None, kv_valid_len)
+        order, valid = local_order(placement, world, pr.s_loc, causal or block_mask is not None, pr.kv_valid_len)
     if seq_order is not None:
         order = seq_order
     # one chunk has nothing to overlap: run on the caller's stream, no side stream and no events (less
@@ -255,23 +235,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     stream = None if hl.chunks == 1 else (comm_stream if comm_stream is not None
                                           else st.default_pool().comm_stream(q.device))
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    plan = UlyssesPlan(group, rank, hl, layout, causal, scale, be, stream, need_grad, qkv_contiguous, tr,
-                       order, valid, float(dropout_p), cu, varlen_kernel, block_mask, block_size, block_kernel)
+    plan = UlyssesPlan(group, pr.rank, hl, layout, causal, pr.scale, be, stream, need_grad, qkv_contiguous, tr,
+                       order, valid, pr.dropout_p, pr.segments, varlen_kernel, block_mask, block_size, block_kernel)
     if world == 1:  # one rank: its placement is global order
-        qb, kb, vb = ((t.transpose(1, 2) if layout == "bshd" else t.permute(1, 2, 0, 3)) for t in (q, k, v))
+        qb, kb, vb = pr.to_kernel(q, k, v)
         if block_mask is not None:
             ts = tiles.full_sequence_slice(block_mask, block_size, qb.shape[2], valid, qb.device)
-            o = be.tile_kernel(qb, ts, causal, lse=False).attention(qb, kb, vb, causal, scale, ts)
-            return o.transpose(1, 2) if layout == "bshd" else o.permute(2, 0, 1, 3)
-        o = local_attention(be, qb, kb, vb, causal, scale, valid, float(dropout_p), cu, varlen_kernel)
-        return o.transpose(1, 2) if layout == "bshd" else o.permute(2, 0, 1, 3)
+            return pr.from_kernel(be.tile_kernel(qb, ts, causal, lse=False).attention(qb, kb, vb, causal, pr.scale,
+                                                                                       ts))
+        return pr.from_kernel(local_attention(be, qb, kb, vb, causal, pr.scale, valid, pr.dropout_p, pr.segments,
+                                              varlen_kernel))
     return _UlyssesFn.apply(q, k, v, plan)
-
-
-def _packed_samples(cu_seqlens, q: torch.Tensor, layout: str, world: int, s_loc: int, kv_valid_len: Optional[int],
-                    seq_order, placement: str) -> PackedSamples:
-    """``cu_seqlens`` as ``PackedSamples`` after checking what packed samples need (B=1, the full padded length, no
-    kv_valid_len, no explicit seq_order); raises SPConfigError naming the argument."""
-    if seq_order is not None:
-        raise SPConfigError("seq_order cannot be combined with cu_seqlens")
-    return packed_cu(cu_seqlens, q, layout, s_loc * world, kv_valid_len, placement, world)

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from ..heads import HeadLayout
+from ..problem import seq_batch
 
 
 def _chunk(layout: HeadLayout, kind: str, rank: int, c: int) -> tuple[int, int]:
@@ -53,8 +54,7 @@ def seg_splits(layout: HeadLayout, kinds: Sequence[str], c: int, tokens: int, d:
 
 def _dims(x0: torch.Tensor, seq_layout: str) -> tuple[int, int, int]:
     """(S_loc, B, D) of a local-layout tensor."""
-    s_loc, bsz = (x0.shape[1], x0.shape[0]) if seq_layout == "bshd" else (x0.shape[0], x0.shape[1])
-    return s_loc, bsz, x0.shape[-1]
+    return (*seq_batch(x0.shape, seq_layout), x0.shape[-1])
 
 
 def stacked(parts: Sequence[torch.Tensor]) -> "torch.Tensor | None":
