@@ -67,7 +67,7 @@ def test_one_head_per_rank_is_plain_without_timing_chunks():
     assert cal.chunks == 1 and calls == [1]
 
 
-def test_choose_is_a_dict_lookup_after_calibration(monkeypatch):
+def test_chunks_for_is_a_dict_lookup_after_calibration(monkeypatch):
     """Second and later calls never time anything; the host cost is a key build and a lookup."""
     import time
 
@@ -77,15 +77,15 @@ def test_choose_is_a_dict_lookup_after_calibration(monkeypatch):
     q, k = torch.empty(1, 16, 8, 4), torch.empty(1, 16, 8, 4)
     kw = dict(causal=False, layout="bshd", scale=0.5, backend=None, comm_stream=None,
               attention=lambda *a, **k: (_ for _ in ()).throw(AssertionError("attention timed on CPU")))
-    assert pol.choose(q, k, None, **kw) == 1  # CPU: plain, cached
+    assert pol.chunks_for(q, k, None, **kw) == 1  # CPU: plain, cached
     pol.timer = lambda *a, **k: (_ for _ in ()).throw(AssertionError("timed after calibration"))
     n = 2000
     t0 = time.perf_counter()
     for _ in range(n):
-        pol.choose(q, k, None, **kw)
+        pol.chunks_for(q, k, None, **kw)
     per_call_us = (time.perf_counter() - t0) / n * 1e6
     assert len(pol.cache) == 1
-    print(f"choose() after calibration: {per_call_us:.2f} us per call")
+    print(f"chunks_for() after calibration: {per_call_us:.2f} us per call")
 
 
 def test_mode_policy_interleaved_and_cached(monkeypatch):

@@ -12,7 +12,7 @@ Three ideas had one word between them, or one idea several words; the scans belo
   *arrangement*; the mesh modules (topology/, modes.py) say "placement" only as ``build_sp_mesh``'s public keyword.
 - "choose": only the one kernel choice (attention/kernels/choose.py). The other choices are named for what they
   return: ``fastest`` (a timed choice among named candidates), ``fastest_for``, ``form_for``, ``mode_for``,
-  ``method_for``, ``arrangement_for``.
+  ``method_for``, ``arrangement_for``, ``chunks_for``.
 """
 from __future__ import annotations
 
@@ -35,18 +35,7 @@ ALLOWED_BLOCK_PARTS = re.compile(r"block_?sparse|kv_block", re.IGNORECASE)
 
 # Left to the merge of branch h66-problem (its files were being rewritten while these renames were made): (file,
 # identifier) pairs still allowed. Empty once that merge has renamed them.
-LEFT_FOR_MERGE = {
-    ("megatron_sp_ext/attention/block_sparse.py", "DEFAULT_BLOCK_SIZE"),   # the two aliases the files below still use
-    ("megatron_sp_ext/attention/block_sparse.py", "check_block_mask"),
-    ("megatron_sp_ext/sp/ulysses/function.py", "DEFAULT_BLOCK_SIZE"),
-    ("megatron_sp_ext/sp/ulysses/function.py", "check_block_mask"),
-    ("megatron_sp_ext/sp/ulysses/function.py", "block_kernel"),
-    ("megatron_sp_ext/sp/ring/ring.py", "DEFAULT_BLOCK_SIZE"),
-    ("megatron_sp_ext/sp/ring/ring.py", "check_block_mask"),
-    ("megatron_sp_ext/sp/ring/torus.py", "block"),
-    ("megatron_sp_ext/sp/checks.py", "check_same_block_mask"),
-    ("megatron_sp_ext/sp/ulysses/policy.py", "choose"),   # HCMSPolicy.choose: its caller is sp/ulysses/function.py
-}
+LEFT_FOR_MERGE: set = set()
 
 
 def _identifiers(tree: ast.AST):

@@ -57,12 +57,6 @@ def check_tile_mask(block_mask: torch.Tensor, *, seq_len: int, block_size: int, 
     return block_mask.contiguous()
 
 
-# The older names, kept only until their last users (sp/ulysses/function.py, sp/ring/ring.py: being rewritten on
-# another branch) are renamed at that merge; tests/test_words.py lists them as the only allowed leftovers.
-DEFAULT_BLOCK_SIZE = DEFAULT_TILE_SIZE
-check_block_mask = check_tile_mask
-
-
 def head_rows(block_mask: torch.Tensor, heads: slice) -> torch.Tensor:
     """The mask's rows for the query heads ``heads`` (a slice of global head indices): [h, T, T], or the
     broadcasting [1, T, T] when the mask has one head row."""

@@ -229,7 +229,7 @@ class PackedUlysses:
             k_like = q_like[:, :, :1].expand(*q_like.shape[:2], num_kv_heads, d)
             be = get_backend(self.backend)
             tr = default_transports().get(self.transport, self.group, q_like.device)
-            chunks = (self.policy or default_policy()).choose(
+            chunks = (self.policy or default_policy()).chunks_for(
                 q_like, k_like, self.group, causal=self.causal, layout="bshd", scale=1.0 / math.sqrt(d), backend=be,
                 comm_stream=self.comm_stream, transport=tr, attention=ulysses_attention)
         if not packable(num_heads, num_kv_heads, world, chunks):
