@@ -19,10 +19,10 @@ import os
 import sys
 
 ENV = "MEGATRON_SP_EXT_DEEPSPEED_HOOK"
-BLOCK_KEY = "sequence_parallel_ext"  # megatron_sp_ext.deepspeed.hook.BLOCK_KEY (this module imports no package)
+SECTION_KEY = "sequence_parallel_ext"  # megatron_sp_ext.deepspeed.hook.SECTION_KEY (this module imports no package)
 
 
-def has_block(args, kwargs: dict) -> bool:
+def has_section(args, kwargs: dict) -> bool:
     """Whether the config ``deepspeed.initialize(*args, **kwargs)`` will use (``config=``, ``config_params=`` or
     ``args.deepspeed_config``; dict or JSON path) holds ``sequence_parallel_ext``. An unreadable path: False
     (DeepSpeed reports it). The stdlib twin of hook._config_of (tests check they agree)."""
@@ -38,7 +38,7 @@ def has_block(args, kwargs: dict) -> bool:
                 config = json.load(f)
         except (OSError, TypeError, ValueError):
             return False
-    return config is not None and BLOCK_KEY in config
+    return config is not None and SECTION_KEY in config
 
 
 def _user_error(message: str) -> Exception:
@@ -59,8 +59,8 @@ def guard(reason: str) -> None:
 
     @functools.wraps(original)
     def initialize(*args, **kwargs):
-        if has_block(args, kwargs):
-            raise _user_error(f"{BLOCK_KEY} is in the DeepSpeed config but megatron_sp_ext's JSON switch is not "
+        if has_section(args, kwargs):
+            raise _user_error(f"{SECTION_KEY} is in the DeepSpeed config but megatron_sp_ext's JSON switch is not "
                               f"active ({reason}), so the block would be ignored: remove the block for "
                               f"DeepSpeed's own attention, or turn the switch on")
         return original(*args, **kwargs)

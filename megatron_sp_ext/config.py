@@ -19,10 +19,10 @@ from .errors import SPConfigError
 # every list of modes derives from the mode registry (modes.py)
 MODES = modes.NAMES
 RING_VARIANTS = modes.names(ring_variant=True)
-PLACEMENTS = ("auto",) + modes.names(placement=True)
+ARRANGEMENTS = ("auto",) + modes.names(arrangement=True)   # the mesh arrangements (setting ``placement``)
 BACKENDS = backend_names()   # "auto", "sdpa" and every kernel of the registry that can be a backend
 TRANSPORTS = ("nccl", "symm_mem", "copy_engine")  # copy-engine exchanges (CUDA + NCCL only; checked at first use)
-ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-block forms (see SPConfig.async_qkv)
+ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-layer forms (see SPConfig.async_qkv)
 LAYOUTS = ("bshd", "sbhd")
 SEQ_PLACEMENTS = ("contiguous", "zigzag", "tasp_zigzag")
 # The ONE default sequence placement of every public function that takes or makes shards (shard_sequence,
@@ -89,21 +89,22 @@ class SPConfig:
         "tas", "torus", "auto").
     head_chunks: HCMS chunk count C per rank, or "auto" (calibrated per shape).
     ring_variant: ring algorithm inside ring/hybrid modes ("ring" or "tasp").
-    placement: 2D mesh placement ("auto", "usp", "tas").
+    placement: the 2D mesh arrangement ("auto", "usp", "tas"): how Ulysses and ring groups lie on machines (the
+        setting keeps its older name; in code the idea is "arrangement", the word "placement" is the sequence order).
     ulysses_size: Ulysses degree P_u of the mesh (None = gcd(world, heads)).
     nodes: number of machines to assume (None = detect); lets one machine simulate several.
     backend: local attention kernel: "auto" (default; FlashAttention-4 for every call where it runs, else torch
-        SDPA for plain calls and the fastest kernel with log-sum-exp for ring/TASP/Torus/hybrid/masked blocks:
+        SDPA for plain calls and the fastest kernel with log-sum-exp for ring/TASP/Torus/hybrid/masked calls:
         cuDNN, FlashAttention-2, math), "fa4", "cudnn" or "torch_flash" (that kernel only; an error naming the
         reason where it does not run), "sdpa" (= auto),
         "math", "flash_attn", "te".
     transport: exchange transport: "nccl" (default), "symm_mem" (copy-engine pulls between barrier
         kernels) or "copy_engine" (copy-engine pulls ordered by stream-memory flags: no kernels); CUDA + NCCL.
-    async_qkv: the attention block's projections overlapped with their exchanges: "off", "on",
+    async_qkv: the attention layer's projections overlapped with their exchanges: "off", "on",
         "allgather" (QKV from a sequence all-gather fused with the QKV GEMM, no q/k/v exchange), or
         "auto" (a runtime policy times the forms per shape and keeps the baseline unless one is faster: video DiT
         plain/async/allgather x HCMS chunks x transports; Megatron layers their own attention path against the
-        async/all-gather blocks, or with TP > 1 the TP x CP block's pipelined/mixed/mixed_in forms).
+        async/all-gather layers, or with TP > 1 the TP x CP layer's pipelined/mixed/mixed_in forms).
     dropout_p: attention dropout probability (Megatron's ``--attention-dropout``), applied in training by the
         Ulysses family (ulysses, hcms; "auto" then never picks the ring); refused by every other mode.
     dynamic: dynamic sequence parallelism for packed samples (Megatron-LM's --dynamic-context-parallel): each sample
@@ -129,11 +130,11 @@ class SPConfig:
         self.mode = _choice(self.mode, MODES, n("mode"))
         self.head_chunks = parse_head_chunks(self.head_chunks, n("head_chunks"))
         self.ring_variant = _choice(self.ring_variant, RING_VARIANTS, n("ring_variant"))
-        self.placement = _choice(self.placement, PLACEMENTS, n("placement"))
+        self.placement = _choice(self.placement, ARRANGEMENTS, n("placement"))
         self.backend = _choice(self.backend, BACKENDS, n("backend"))
         self.transport = _choice(self.transport, TRANSPORTS, n("transport"))
-        if self.transport != "nccl" and not modes.get(self.mode).exchange_blocks:
-            a2a = "/".join(modes.names(exchange_blocks=True, auto=False))
+        if self.transport != "nccl" and not modes.get(self.mode).all_to_all:
+            a2a = "/".join(modes.names(all_to_all=True, auto=False))
             raise SPConfigError(f"{n('transport')}={self.transport!r} applies to the {a2a} exchanges only, "
                                 f"not to {n('mode')}={self.mode!r}: use 'nccl' or a {a2a} mode")
         if self.async_qkv in (True, False):
@@ -142,7 +143,7 @@ class SPConfig:
         if self.async_qkv != "off" and self.source == "deepspeed":
             raise SPConfigError(f"{n('async_qkv')}={self.async_qkv!r} is not available through DeepSpeed's "
                                 f"DistributedAttention (it receives q, k, v already projected): leave it 'off' and "
-                                f"call the model's set_async_attention / set_block_policy instead")
+                                f"call the model's set_async_attention / set_layer_policy instead")
         for key in ("ulysses_size", "nodes"):
             val = getattr(self, key)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
@@ -221,28 +222,28 @@ class SPConfig:
                     f"use 1..{num_heads // sp_size} or 'auto'")
 
     @classmethod
-    def from_dict(cls, block: Mapping[str, Any], source: str = "python",
+    def from_dict(cls, section: Mapping[str, Any], source: str = "python",
                   adapter_keys: tuple[str, ...] = ()) -> "SPConfig":
         """Build from a dict; unknown keys raise naming the key. adapter_keys: keys the caller's adapter takes
-        itself (listed among the valid keys; not in ``block``, e.g. DeepSpeed's ``causal``)."""
+        itself (listed among the valid keys; not in ``section``, e.g. DeepSpeed's ``causal``)."""
         known = {f.name for f in dataclasses.fields(cls)} - {"source"}
-        for key in block:
+        for key in section:
             if key not in known:
                 prefix = "sequence_parallel_ext." if source == "deepspeed" else ""
                 valid = ", ".join(sorted(known | set(adapter_keys)))
                 raise SPConfigError(f"{prefix}{key} is not a known setting: valid keys are {valid}")
-        return cls(**dict(block), source=source)
+        return cls(**dict(section), source=source)
 
     @classmethod
     def from_deepspeed_config(cls, config: Union[str, Mapping[str, Any]]) -> "SPConfig":
-        """From a DeepSpeed config (path or dict) with a ``sequence_parallel_ext`` block."""
+        """From a DeepSpeed config (path or dict) with a ``sequence_parallel_ext`` section."""
         if isinstance(config, str):
             with open(config) as f:
                 config = json.load(f)
-        block = config.get("sequence_parallel_ext", {})
-        if not isinstance(block, Mapping):
+        section = config.get("sequence_parallel_ext", {})
+        if not isinstance(section, Mapping):
             raise SPConfigError("sequence_parallel_ext must be a JSON object")
-        return cls.from_dict(block, source="deepspeed")
+        return cls.from_dict(section, source="deepspeed")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

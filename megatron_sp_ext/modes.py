@@ -3,7 +3,7 @@ and supports, and every list of modes in the library derives from here.
 
 No mode name is compared anywhere else but in the one factory that maps a mode's ``family`` to its algorithm
 (sp/factory.py); tests/test_registry.py scans. The ring-variant setting (``ring_variant``: ring, tasp) and the mesh
-placement setting (``placement``: usp, tas) name modes of this registry too, and are read through it.
+arrangement setting (``placement``: usp, tas; its word in code: arrangement) name modes of this registry too, and are read through it.
 
 A mode declares (``Mode``):
   family          which algorithm runs it (sp/factory.py): "ulysses" (all-to-all, Ulysses/HCMS), "ring" (one Function
@@ -19,13 +19,13 @@ A mode declares (``Mode``):
   local_attention a caller's own local attention runs inside (no log-sum-exp needed: Hugging Face's attention,
                   Megatron's core attention)
   heads_per_rank  needs at least one attention head per rank
-  exchange_blocks its exchanges are all-to-alls: the copy-engine transports (``transport``) and the attention
-                  blocks that overlap projections with them (``async_qkv``) apply
+  all_to_all      its exchanges are all-to-alls: the copy-engine transports (``transport``) and the attention
+                  layers that overlap projections with them (``async_qkv``) apply
   head_chunks     a fixed head-chunk count (ulysses: 1), or None: the ``head_chunks`` setting
   with_chunks     the mode a fixed-chunk mode becomes when another chunk count is set (same math)
   ring_variant    a value of the ``ring_variant`` setting (the ring inside ring and mesh modes)
   multi_ring      runs TASP's n-1 Hamiltonian rings at once (one ring otherwise)
-  placement       a value of the mesh ``placement`` setting
+  arrangement     a value of the mesh ``placement`` setting (the mesh arrangement: how Ulysses and ring groups lie on machines)
   ulysses_across  the mesh's Ulysses groups span machines (needs a multi-machine mesh)
   auto            resolved per model (``resolve_auto``), and on CUDA per shape by the factory's calibration
 "auto"'s flags say what it accepts before it is resolved (``resolve_auto``: per model, from heads and ranks); once
@@ -55,12 +55,12 @@ class Mode:
     block_mask: bool = True
     local_attention: bool = False
     heads_per_rank: bool = False
-    exchange_blocks: bool = False
+    all_to_all: bool = False
     head_chunks: Optional[int] = None
     with_chunks: Optional[str] = None
     ring_variant: bool = False
     multi_ring: bool = False
-    placement: bool = False
+    arrangement: bool = False
     ulysses_across: bool = False
     auto: bool = False
 
@@ -70,7 +70,7 @@ class Mode:
 
 
 _ULYSSES = dict(family="ulysses", dropout=True, dynamic=True, local_attention=True, heads_per_rank=True,
-                exchange_blocks=True)
+                all_to_all=True)
 _RING = dict(family="ring", p2p=True, dynamic=True, ring_variant=True)
 
 MODES = (
@@ -80,13 +80,13 @@ MODES = (
     Mode("ring", summary="ring attention: K|V blocks travel one ring", **_RING),
     Mode("tasp", summary="TASP: n-1 Hamiltonian rings at once", multi_ring=True, **_RING),
     Mode("usp", family="hybrid", summary="mesh: Ulysses inside machines, ring across", p2p=True, dynamic=True,
-         mesh=True, placement=True),
+         mesh=True, arrangement=True),
     Mode("tas", family="hybrid", summary="mesh: Ulysses across machines, ring inside (StreamFusion)", p2p=True,
-         mesh=True, placement=True, ulysses_across=True),
+         mesh=True, arrangement=True, ulysses_across=True),
     Mode("torus", family="torus", summary="mesh: staged inter-machine all-to-all overlapped with attention", p2p=True,
          mesh=True),
     Mode("auto", family="auto", summary="hcms when every rank gets a head, else a usp mesh, else ring", dropout=True,
-         dynamic=True, exchange_blocks=True, auto=True),
+         dynamic=True, all_to_all=True, auto=True),
 )
 NAMES = tuple(m.name for m in MODES)
 FLAGS = tuple(f.name for f in fields(Mode) if f.type in ("bool", bool))
@@ -128,12 +128,12 @@ def listing(mode_names: tuple, last: str = "or") -> str:
 
 
 def resolve_auto(num_heads: int, sp_size: int) -> str:
-    """What mode "auto" runs: the head-chunked Ulysses mode when every rank gets a head, else a mesh placed Ulysses
+    """What mode "auto" runs: the head-chunked Ulysses mode when every rank gets a head, else a mesh arranged with Ulysses
     inside machines (if heads and ranks share a factor), else the one-ring mode."""
     if num_heads >= sp_size:
         return _first(family="ulysses", head_chunks=None)
     if math.gcd(num_heads, sp_size) > 1:
-        return _first(placement=True, ulysses_across=False)
+        return _first(arrangement=True, ulysses_across=False)
     return _first(ring_variant=True, multi_ring=False)
 
 

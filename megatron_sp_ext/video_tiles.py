@@ -1,24 +1,24 @@
 """Tile math of block-sparse video self-attention, model-independent (VSA-style): the tile order of a (T', H', W')
 token grid, window and top-k block masks, pooled tiles, the coarse branch, and the one-device reference.
 
-Tiles: the token grid (after patchify) is cut into blocks of ``tile_thw`` = (Tt, Th, Tw) tokens; ``tile_order``
-puts the tokens in tile order: every whole block's tokens next to each other (blocks in (t, h, w) order, the tokens
-of a block in (t, h, w) order), then the tokens of the grid's edge blocks (those the grid cuts: Wan's 480p grid
+Tiles: the token grid (after patchify) is cut into cells of ``tile_thw`` = (Tt, Th, Tw) tokens; ``tile_order``
+puts the tokens in tile order: every whole cell's tokens next to each other (cells in (t, h, w) order, the tokens
+of a cell in (t, h, w) order), then the tokens of the grid's edge cells (those the grid cuts: Wan's 480p grid
 21x30x52 and 720p grid 21x45x80 are cut by no power-of-two tile) in the same order. A tile of the block mask is
-``block_size`` = Tt*Th*Tw consecutive tokens of that order: a whole block, or near the grid's edges a run of
-edge-block tokens (the last tile may be shorter). So every grid runs, no token is padding, and every tile but the
+``block_size`` = Tt*Th*Tw consecutive tokens of that order: a whole cell, or near the grid's edges a run of
+edge-cell tokens (the last tile may be shorter). So every grid runs, no token is padding, and every tile but the
 last is a whole 128-token kernel block of FlashAttention-4's block sparsity (none is cut, so none needs its slow
-partially-masked route: padding each axis of 21x30x52 to whole 4x4x8 blocks would leave 37.5% of the tiles partial,
-and would add 31% tokens). A tile's coordinates (``tile_coords``) are its block's; an edge tile's are the block
+partially-masked route: padding each axis of 21x30x52 to whole 4x4x8 cells would leave 37.5% of the tiles partial,
+and would add 31% tokens). A tile's coordinates (``tile_coords``) are its cell's; an edge tile's are the cell
 holding its tokens' centroid. On a grid the tile cuts exactly this is plain tile order.
 Default tile 4x4x8 (128 tokens): FA4's block sparsity runs 543-596 useful TFLOP/s fwd+bwd at 128-token tiles
 against 88-104 at 64-token tiles on random masks (1 x H100, 2026-11-25, results/2026-11-25_h100_fa4_tiles).
 
 Two ways to pick each query tile's key tiles:
 
-* ``window_block_mask``: a fixed local window, key tile within +-(wt, wh, ww) tiles of the query tile on each
+* ``window_tile_mask``: a fixed local window, key tile within +-(wt, wh, ww) tiles of the query tile on each
   axis; the same mask in every layer and head (training-free).
-* ``topk_block_mask`` (Video Sparse Attention, FastVideo): q and k are mean-pooled per tile (``pool_tiles``), the
+* ``topk_tile_mask`` (Video Sparse Attention, FastVideo): q and k are mean-pooled per tile (``pool_tiles``), the
   tile-level scores q_tile . k_tile pick each query tile's K highest key tiles per head. As in VSA the selection
   is plain top-k (the query tile's own key tile is not forced in; it is kept when it scores in the top K, as it
   usually does). The selection is not differentiable; the fine attention over the selected tiles and the coarse
@@ -67,38 +67,38 @@ class SparseSpec:
 
 
 def tiles_per_axis(grid_thw: tuple, tile_thw: tuple) -> tuple:
-    """(nt, nh, nw): blocks along frames, rows, columns, the grid's edge blocks counted (ceil)."""
+    """(nt, nh, nw): cells along frames, rows, columns, the grid's edge cells counted (ceil)."""
     check_tile_grid(grid_thw, tile_thw)
     return tuple(-(-g // t) for g, t in zip(grid_thw, tile_thw))
 
 
 def check_tile_grid(grid_thw: tuple, tile_thw: tuple, setting: str = "tile") -> None:
     """Raise SPConfigError naming ``setting`` (the user's flag or keyword) when ``tile_thw`` is not three positive
-    sizes (any grid runs: edge blocks are compacted, see the module docstring)."""
+    sizes (any grid runs: edge cells are compacted, see the module docstring)."""
     if len(tile_thw) == 3 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tile_thw):
         return
     raise SPConfigError(f"{setting}={','.join(map(str, tile_thw))} is invalid: give three positive sizes T,H,W "
                         f"(tokens per tile along frames, rows, columns; default {','.join(map(str, DEFAULT_TILE))})")
 
 
-def _block_ids(grid_thw: tuple, tile_thw: tuple) -> tuple:
-    """Per row-major token: (its block's index in (t, h, w) block order [N], whether the block is whole [N], its
-    index inside the block in (t, h, w) order [N], the block counts per axis)."""
+def _cell_ids(grid_thw: tuple, tile_thw: tuple) -> tuple:
+    """Per row-major token: (its cell's index in (t, h, w) cell order [N], whether the cell is whole [N], its
+    index inside the cell in (t, h, w) order [N], the cell counts per axis)."""
     t_n, h_n, w_n = grid_thw
     tt, th, tw = tile_thw
     nt, nh, nw = tiles_per_axis(grid_thw, tile_thw)
     t, h, w = torch.meshgrid(torch.arange(t_n), torch.arange(h_n), torch.arange(w_n), indexing="ij")
     t, h, w = t.reshape(-1), h.reshape(-1), w.reshape(-1)
-    block = ((t // tt) * nh + h // th) * nw + w // tw
+    cell = ((t // tt) * nh + h // th) * nw + w // tw
     whole = ((t // tt + 1) * tt <= t_n) & ((h // th + 1) * th <= h_n) & ((w // tw + 1) * tw <= w_n)
     inner = ((t % tt) * th + h % th) * tw + w % tw
-    return block, whole, inner, (nt, nh, nw)
+    return cell, whole, inner, (nt, nh, nw)
 
 
 def tile_order(grid_thw: tuple, tile_thw: tuple) -> tuple:
     """(perm, inv), LongTensors [N] with N = T'*H'*W': ``perm[p]`` is the row-major (t, h, w) index of the token at
-    tile-order position p (whole blocks in (t, h, w) order, each block's tokens in (t, h, w) order, then the edge
-    blocks' tokens the same way); ``inv[i]`` is the tile-order position of row-major token i. ``x_rowmajor[:, perm]``
+    tile-order position p (whole cells in (t, h, w) order, each cell's tokens in (t, h, w) order, then the edge
+    cells' tokens the same way); ``inv[i]`` is the tile-order position of row-major token i. ``x_rowmajor[:, perm]``
     is tile order, ``x_tiles[:, inv]`` row-major. Tile ``j`` holds positions [j * block_size, (j + 1) * block_size).
     Cached per (grid, tile): the tensors are shared, read them only."""
     return _tile_order(tuple(int(g) for g in grid_thw), tuple(int(t) for t in tile_thw))
@@ -106,9 +106,9 @@ def tile_order(grid_thw: tuple, tile_thw: tuple) -> tuple:
 
 @lru_cache(maxsize=32)
 def _tile_order(grid_thw: tuple, tile_thw: tuple) -> tuple:
-    block, whole, inner, _ = _block_ids(grid_thw, tile_thw)
+    cell, whole, inner, _ = _cell_ids(grid_thw, tile_thw)
     vol = tile_thw[0] * tile_thw[1] * tile_thw[2]
-    key = (~whole).long() * (block.numel() * vol) + block * vol + inner
+    key = (~whole).long() * (cell.numel() * vol) + cell * vol + inner
     perm = key.argsort()
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel())
@@ -116,8 +116,8 @@ def _tile_order(grid_thw: tuple, tile_thw: tuple) -> tuple:
 
 
 def tile_coords(grid_thw: tuple, tile_thw: tuple) -> torch.Tensor:
-    """[nT, 3] integer block coordinates (t, h, w) of every tile of ``tile_order`` (nT = ceil(N / block_size)):
-    a whole block's own; an edge tile's the block holding the centroid of its tokens."""
+    """[nT, 3] integer cell coordinates (t, h, w) of every tile of ``tile_order`` (nT = ceil(N / block_size)):
+    a whole cell's own; an edge tile's the cell holding the centroid of its tokens."""
     return _tile_coords(tuple(int(g) for g in grid_thw), tuple(int(t) for t in tile_thw))
 
 
@@ -156,23 +156,23 @@ def tile_positions(token_ids: torch.Tensor, grid_thw: tuple, tile_thw: tuple) ->
     return row_major_ids(token_ids, inv)
 
 
-def window_block_mask(grid_thw: tuple, tile_thw: tuple, window_thw: tuple) -> torch.Tensor:
+def window_tile_mask(grid_thw: tuple, tile_thw: tuple, window_thw: tuple) -> torch.Tensor:
     """bool [1, nT, nT] (query tiles x key tiles, tile order): key tile k is selected for query tile q when their
-    block coordinates (``tile_coords``) differ by at most (wt, wh, ww) = ``window_thw`` tiles on each axis. Cached per
+    cell coordinates (``tile_coords``) differ by at most (wt, wh, ww) = ``window_thw`` tiles on each axis. Cached per
     arguments (read it only)."""
     ints = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
-    return _window_block_mask(ints(grid_thw), ints(tile_thw), ints(window_thw))
+    return _window_tile_mask(ints(grid_thw), ints(tile_thw), ints(window_thw))
 
 
 @lru_cache(maxsize=32)
-def _window_block_mask(grid_thw: tuple, tile_thw: tuple, window_thw: tuple) -> torch.Tensor:
+def _window_tile_mask(grid_thw: tuple, tile_thw: tuple, window_thw: tuple) -> torch.Tensor:
     coords = tile_coords(grid_thw, tile_thw)                       # [nT, 3] in tile order
     dist_thw = (coords[:, None, :] - coords[None, :, :]).abs()     # [nT, nT, 3]
     reach = torch.tensor(window_thw, dtype=dist_thw.dtype)
     return (dist_thw <= reach).all(dim=-1)[None]
 
 
-def topk_block_mask(q_tiles: torch.Tensor, k_tiles: torch.Tensor, k: int) -> torch.Tensor:
+def topk_tile_mask(q_tiles: torch.Tensor, k_tiles: torch.Tensor, k: int) -> torch.Tensor:
     """bool [H, nT, nT]: for each head and query tile the ``k`` key tiles of highest score q_tile . k_tile
     (q_tiles, k_tiles: [H, nT, D], pooled per tile of one sample; ``k`` >= nT selects every tile). Plain top-k as in
     VSA (the diagonal is not forced); computed without gradient, in fp32 also under autocast (a bf16 matmul's
@@ -186,13 +186,13 @@ def topk_block_mask(q_tiles: torch.Tensor, k_tiles: torch.Tensor, k: int) -> tor
         return mask.scatter_(-1, picked, True)
 
 
-def pad_block_mask(block_mask: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """Grow [Hm, nT, nT] to [Hm, num_blocks, num_blocks] with False: the padding blocks of an SP-padded sequence
-    (ceil(S_padded / block_size) blocks) attend nothing and are attended by nothing."""
+def pad_tile_mask(block_mask: torch.Tensor, num_tiles: int) -> torch.Tensor:
+    """Grow [Hm, nT, nT] to [Hm, num_tiles, num_tiles] with False: the padding tiles of an SP-padded sequence
+    (ceil(S_padded / block_size) tiles) attend nothing and are attended by nothing."""
     hm, nt, _ = block_mask.shape
-    if num_blocks == nt:
+    if num_tiles == nt:
         return block_mask
-    out = block_mask.new_zeros(hm, num_blocks, num_blocks)
+    out = block_mask.new_zeros(hm, num_tiles, num_tiles)
     out[:, :nt, :nt] = block_mask
     return out
 
@@ -341,8 +341,8 @@ def gated_spread(gate_bshd: torch.Tensor, out_tiles: torch.Tensor, tile_index: t
 def tile_token_mask(block_mask: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
     """bool [Hm, S, S] from a block mask [Hm, nT, nT] (nT = ceil(S / block_size)): token i attends token j when
     block (i // block_size, j // block_size) is selected."""
-    blocks = torch.arange(seq_len, device=block_mask.device) // block_size
-    return block_mask[:, blocks][:, :, blocks]
+    tile_of = torch.arange(seq_len, device=block_mask.device) // block_size
+    return block_mask[:, tile_of][:, :, tile_of]
 
 
 def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor,
@@ -352,11 +352,11 @@ def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     keys at positions >= ``kv_valid_len`` are padding. Rows that select no (valid) key give zeros. -> [B, S, H, D].
     torch SDPA with the expanded token mask: O(S^2) memory, for checks and small runs."""
     seq_len = q.shape[1]
-    n_blocks = -(-seq_len // block_size)
+    n_tiles = -(-seq_len // block_size)
     heads = q.shape[2]
-    if block_mask.dim() != 3 or block_mask.shape[1:] != (n_blocks, n_blocks) or block_mask.shape[0] not in (1, heads):
-        raise SPConfigError(f"block_mask of shape {list(block_mask.shape)}: expected [H or 1, {n_blocks}, {n_blocks}] "
-                            f"for {seq_len} tokens in blocks of {block_size} ({heads} heads)")
+    if block_mask.dim() != 3 or block_mask.shape[1:] != (n_tiles, n_tiles) or block_mask.shape[0] not in (1, heads):
+        raise SPConfigError(f"block_mask of shape {list(block_mask.shape)}: expected [H or 1, {n_tiles}, {n_tiles}] "
+                            f"for {seq_len} tokens in tiles of {block_size} ({heads} heads)")
     allowed = tile_token_mask(block_mask.to(q.device), block_size, seq_len)  # [Hm, S, S]
     if kv_valid_len is not None and kv_valid_len < seq_len:
         allowed = allowed & (torch.arange(seq_len, device=q.device) < kv_valid_len)
@@ -368,10 +368,10 @@ def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 @lru_cache(maxsize=16)
-def device_window_mask(grid_thw: tuple, tile_thw: tuple, window_thw: tuple, num_blocks: int, device: str) -> torch.Tensor:
-    """The window mask padded to ``num_blocks`` on ``device``: ONE tensor per arguments for the whole run, so every
+def device_window_mask(grid_thw: tuple, tile_thw: tuple, window_thw: tuple, num_tiles: int, device: str) -> torch.Tensor:
+    """The window mask padded to ``num_tiles`` on ``device``: ONE tensor per arguments for the whole run, so every
     step and layer passes the same mask and the kernel's metadata for it (FA4's block-sparse tensors) is built once
     (not per forward, which cost host time and a transfer every step)."""
-    return pad_block_mask(window_block_mask(grid_thw, tile_thw, window_thw), num_blocks).to(device)
+    return pad_tile_mask(window_tile_mask(grid_thw, tile_thw, window_thw), num_tiles).to(device)
 
 

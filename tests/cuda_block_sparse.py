@@ -113,7 +113,7 @@ def fa4_block_sparse_family(rank: int, world: int) -> list:
 
 
 def cudnn_block_sparse_family(rank: int, world: int) -> list:
-    """#69: every mode on cuDNN frontend's block-sparse attention (the backend "auto" with its block_kernel
+    """#69: every mode on cuDNN frontend's block-sparse attention (the backend "auto" with its tile_setting
     "cudnn_block_sparse": every block-sparse call on it, and a call it cannot run fails instead of moving to another
     kernel): 128- and 64-token tiles (its native blocks); masks random
     per head with an empty query-tile row, a window, all-True (at both tiles); causal (zigzag / tasp_zigzag: the
@@ -122,7 +122,7 @@ def cudnn_block_sparse_family(rank: int, world: int) -> list:
     3 masks x 2 causal x 3 = 36. P=4 also tasp, usp (C=2), torus (tas): 72. Every rank's rows stay whole 64-token
     blocks (tasp_zigzag's 2P(P-1) pieces of 128 at P=4; CPU dry runs shrink s to pieces of 64)."""
     s = (2048 if world == 2 else 3072) // (min(SHRINK, 4) if world == 2 else min(SHRINK, 2))
-    be = backends.with_block_kernel("auto", "cudnn_block_sparse")
+    be = backends.with_tile_kernel("auto", "cudnn_block_sparse")
     return named_kernel_family(rank, world, "cudnn_block_sparse", be, s=s, d=128 if DEV == "cuda" else 16,
                                all_true_tiles=(128, 64))
 

@@ -103,7 +103,7 @@ def score_gaps(q_tiles: torch.Tensor, k_tiles: torch.Tensor, k: int) -> torch.Te
 
 
 class Selections:
-    """Records the top-k tile masks the DiT picks (``training.video_dit.model.topk_block_mask``, in call order: one
+    """Records the top-k tile masks the DiT picks (``training.video_dit.model.topk_tile_mask``, in call order: one
     per layer and sample) with their score gaps; with ``replay`` (another run's masks) the run uses those instead,
     so a reference step runs the selection of the step it is compared with."""
 
@@ -112,18 +112,18 @@ class Selections:
 
     def __enter__(self) -> "Selections":
         from training.video_dit import model  # noqa: PLC0415
-        self._model, self._real = model, model.topk_block_mask
+        self._model, self._real = model, model.topk_tile_mask
 
         def pick(q_tiles, k_tiles, k):
             own = self._real(q_tiles, k_tiles, k)
             self.masks.append(own)
             self.gaps.append(score_gaps(q_tiles, k_tiles, k))
             return own if self.replay is None else self.replay[len(self.masks) - 1].to(own.device)
-        model.topk_block_mask = pick
+        model.topk_tile_mask = pick
         return self
 
     def __exit__(self, *exc) -> None:
-        self._model.topk_block_mask = self._real
+        self._model.topk_tile_mask = self._real
 
 
 def selection_change(picked: list, own: Selections) -> dict:

@@ -50,7 +50,7 @@ def varlen_local_family(rank: int, world: int) -> list:
                     scale = 64 ** -0.5
                     ref = packed_reference(q, k, v, do, cu, causal, scale)  # on q's device
                     here = varlen.methods_here(be, q)
-                    auto = chooser.choose("auto", be, q, k, v, cu, causal=causal, scale=scale, need_grad=True)
+                    auto = chooser.method_for("auto", be, q, k, v, cu, causal=causal, scale=scale, need_grad=True)
                     for method in here + ["auto"]:
                         m = auto if method == "auto" else method
                         out, lse = varlen.forward_lse(m, be, q, k, v, cu, causal=causal, scale=scale)

@@ -90,7 +90,7 @@ def test_backend_registry_errors():
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 1), (1, 5), (5, 1)])
-def test_one_row_blocks_run_on_math(monkeypatch, sq, sk):
+def test_one_row_calls_run_on_math(monkeypatch, sq, sk):
     """A block with one query or one key row never reaches the fused kernels (their 1 x 1 blocks crashed or were
     wrong on an H100): forward and backward run on math, equal to the float64 reference."""
     from megatron_sp_ext.attention import lse_kernels

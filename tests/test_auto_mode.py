@@ -110,7 +110,7 @@ def _rank_disagreeing_clocks(rank, world):
             time.sleep(sleeps[name][rank])
         return run
     pol = ModePolicy(timer=wall_time_ms, timed_devices=("cpu",), rounds=3, warmup=1, iters=2)
-    choice = pol.choose(("k",), {n: step(n) for n in sleeps}, group, torch.device("cpu"))
+    choice = pol.fastest(("k",), {n: step(n) for n in sleeps}, group, torch.device("cpu"))
     cal = pol.cache[("k",)]
     return choice, cal.measured
 
@@ -143,7 +143,7 @@ def _group_keys(rank, world):
                      warmup=1)
     q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 4, 8)
     cands = {"hcms": lambda a, b, c: a * 1.0, "ring": lambda a, b, c: a * 1.0}
-    pick = pol.choose_for(q, k, mine, cands)
+    pick = pol.fastest_for(q, k, mine, cands)
     (key,) = pol.cache
     return pick, key[4]
 
@@ -162,17 +162,17 @@ def test_calibration_cost_is_bounded_and_logged(monkeypatch, caplog):
         return 1000.0 if fn.mode == "hcms" else 900.0
     pol = ModePolicy(timer=slow, timed_devices=("cpu",), budget_ms=500.0, min_rounds=3, rounds=5)
     with caplog.at_level(logging.INFO, logger="megatron_sp_ext"):
-        assert pol.choose(("slow",), {"hcms": lambda: None, "ring": lambda: None}, None,
+        assert pol.fastest(("slow",), {"hcms": lambda: None, "ring": lambda: None}, None,
                           torch.device("cpu")) == "ring"
     cal = pol.cache[("slow",)]
     assert len(cal.rounds["hcms"]) == len(cal.rounds["ring"]) == 3 and len(calls) == 6  # budget: 3 of 5 rounds
     assert cal.cost_ms >= 0.0
     assert any("auto mode -> ring" in r.getMessage() and "calibration" in r.getMessage() for r in caplog.records)
     fast = ModePolicy(timer=lambda fn, i, w, g: 1.0, timed_devices=("cpu",), budget_ms=500.0, rounds=5)
-    fast.choose(("fast",), {"hcms": lambda: None, "ring": lambda: None}, None, torch.device("cpu"))
+    fast.fastest(("fast",), {"hcms": lambda: None, "ring": lambda: None}, None, torch.device("cpu"))
     assert len(fast.cache[("fast",)].rounds["hcms"]) == 5
     # off the timed devices (default: CUDA only): the baseline, untimed
-    assert ModePolicy(timer=slow).choose(("cpu",), {"hcms": lambda: None, "ring": lambda: None}, None,
+    assert ModePolicy(timer=slow).fastest(("cpu",), {"hcms": lambda: None, "ring": lambda: None}, None,
                                          torch.device("cpu")) == "hcms"
 
 

@@ -17,7 +17,7 @@ from megatron_sp_ext.sp.placement import positions
 from tools import bench_block_sparse as bbs
 from tools import bench_train_step as bts
 from training.video_dit.config import preset
-from training.video_dit.sparse import window_block_mask
+from training.video_dit.sparse import window_tile_mask
 
 
 def test_smoke_rows_counts_and_sparsity(tmp_path):
@@ -44,7 +44,7 @@ def test_smoke_rows_counts_and_sparsity(tmp_path):
         if r["kind"] != "ring":
             assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_tflops"] > 0, r
     # sparsity: random keeps round((1 - s) * nT) tiles per query tile; window: the achievable sparsity nearest s
-    achievable = sorted({round(1 - float(window_block_mask((8, 8, 8), (4, 4, 4), w).float().mean()), 4)
+    achievable = sorted({round(1 - float(window_tile_mask((8, 8, 8), (4, 4, 4), w).float().mean()), 4)
                          for w in itertools.product(range(2), repeat=3)})
     for r in (r for r in rows if r["kind"] == "ulysses"):
         t = r["target_sparsity"]
@@ -57,14 +57,14 @@ def test_smoke_rows_counts_and_sparsity(tmp_path):
         assert r["useful_pairs"] == pytest.approx(hp * s * s * (1 - r["sparsity"]))
     # ring: steps_run + steps_skipped == P on every rank, bytes add up, the timed ranks ran the plan's steps, and
     # the run steps' useful pairs are all of that rank's selected pairs (skipped steps had nothing to compute)
-    block_bytes = lambda p: 2 * h * (s // p) * d * 4  # noqa: E731  (fp32 on CPU)
+    kv_bytes = lambda p: 2 * h * (s // p) * d * 4  # noqa: E731  (fp32 on CPU)
     for r in (r for r in rows if r["kind"] == "ring"):
         p = r["p"]
         assert len(r["counts_per_rank"]) == p
         for c in r["counts_per_rank"]:
             assert c["steps_run"] + c["steps_skipped"] == p and c["steps_run"] >= 1
-            assert c["bytes_sent"] + c["bytes_skipped"] == (p - 1) * block_bytes(p)
-            assert c["dkv_bytes_sent"] + c["dkv_bytes_skipped"] == (p - 1) * block_bytes(p)
+            assert c["bytes_sent"] + c["bytes_skipped"] == (p - 1) * kv_bytes(p)
+            assert c["dkv_bytes_sent"] + c["dkv_bytes_skipped"] == (p - 1) * kv_bytes(p)
         assert "no communication" in r["note"]
         busiest = max(c["steps_run"] for c in r["counts_per_rank"])
         assert r["counts_per_rank"][r["busiest_rank"]]["steps_run"] == busiest
@@ -98,15 +98,15 @@ def test_window_for_sparsity_is_nearest_and_grid_for_fits():
     grid, tile = (16, 16, 32), (4, 4, 4)
     for target in (0.5, 0.8, 0.9):
         w = bbs.window_for_sparsity(grid, tile, target)
-        got = 1 - float(window_block_mask(grid, tile, w).float().mean())
-        offs = {x: abs(1 - float(window_block_mask(grid, tile, x).float().mean()) - target)
+        got = 1 - float(window_tile_mask(grid, tile, w).float().mean())
+        offs = {x: abs(1 - float(window_tile_mask(grid, tile, x).float().mean()) - target)
                 for x in itertools.product(range(4), range(4), range(8))}
         close = [x for x, o in offs.items() if o <= 0.02]
         assert close and abs(got - target) <= 0.02 + 1e-9
         assert max(w) - min(w) == min(max(x) - min(x) for x in close)
     # nothing within tol: the nearest
     w = bbs.window_for_sparsity((8, 8, 8), (4, 4, 4), 0.8)
-    assert 1 - float(window_block_mask((8, 8, 8), (4, 4, 4), w).float().mean()) == 0.75
+    assert 1 - float(window_tile_mask((8, 8, 8), (4, 4, 4), w).float().mean()) == 0.75
     for s in (512, 32768, 131072):
         g = bbs.grid_for(s, (4, 4, 4))
         assert math.prod(g) == s and all(x % 4 == 0 for x in g)
@@ -142,7 +142,7 @@ def test_train_step_sparse_variants_parse(entry_name):
         else:
             assert spec.window == tuple(info["window"]) and spec.topk is None
             assert info["sparsity"] == pytest.approx(
-                1 - float(window_block_mask((8, 16, 16), (4, 4, 4), spec.window).float().mean()))
+                1 - float(window_tile_mask((8, 16, 16), (4, 4, 4), spec.window).float().mean()))
         assert abs(info["sparsity"] - target) < 0.1
     with pytest.raises(SPConfigError, match="--sparse-tile"):   # any grid runs (#53); a tile must be 3 sizes > 0
         bts.sparse_variant_flags("sparse_topk80", REST, "0,4,4", entry)

@@ -196,13 +196,13 @@ def test_sparse_custom_takes_the_users_window_or_topk():
     pytest.importorskip("megatron.core")
     from training import pretrain_video_dit as entry
     from training.video_dit.cli import sparse_spec
-    from training.video_dit.sparse import window_block_mask
+    from training.video_dit.sparse import window_tile_mask
     extra, info = bts.variant_flags(["guarded", "sparse_custom"], SPARSE_REST, None,
                                     "--sparse-tile 4,4,4 --sparse-window 1,1,1", entry)
     spec = sparse_spec(entry.parse([*SPARSE_REST, *extra["sparse_custom"]]))
     assert spec.window == (1, 1, 1) and spec.topk is None and info["sparse_custom"]["target_sparsity"] is None
     assert info["sparse_custom"]["sparsity"] == pytest.approx(
-        1 - float(window_block_mask((8, 16, 16), (4, 4, 4), (1, 1, 1)).float().mean()))
+        1 - float(window_tile_mask((8, 16, 16), (4, 4, 4), (1, 1, 1)).float().mean()))
     extra, info = bts.variant_flags(["sparse_custom"], SPARSE_REST, None, "--sparse-topk 5", entry)
     assert info["sparse_custom"]["topk"] == 5 and info["sparse_custom"]["sparsity"] == pytest.approx(1 - 5 / 16)
     assert sparse_spec(entry.parse([*SPARSE_REST, *extra["sparse_custom"]])).topk == 5

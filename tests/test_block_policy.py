@@ -1,12 +1,12 @@
-"""BlockPolicy and FormPolicy decisions (the timing is replaced by fixed numbers; the real one needs CUDA events)."""
+"""LayerPolicy and FormPolicy decisions (the timing is replaced by fixed numbers; the real one needs CUDA events)."""
 import torch
 import torch.distributed as dist
 
-from megatron_sp_ext.sp.layers.policy import PLAIN, BlockChoice, BlockPolicy
+from megatron_sp_ext.sp.layers.policy import PLAIN, LayerChoice, LayerPolicy
 from tests.harness import run_ranks
 
 
-class _Scripted(BlockPolicy):
+class _Scripted(LayerPolicy):
     """Timings from a script: first call = the calibration rounds, second = the confirmation."""
 
     def __init__(self, scripts, **kw):
@@ -18,11 +18,11 @@ class _Scripted(BlockPolicy):
         return {c: table.get(c.label, 10.0) for c in cands}
 
 
-ASYNC2 = BlockChoice(True, 2, "nccl")
+ASYNC2 = LayerChoice(True, 2, "nccl")
 
 
 def test_candidates_skip_what_cannot_run_here():
-    pol = BlockPolicy()
+    pol = LayerPolicy()
 
     def body(rank, world):
         cands = pol.candidates(heads_per_rank=1, group=dist.group.WORLD, device=torch.device("cpu"))
@@ -30,7 +30,7 @@ def test_candidates_skip_what_cannot_run_here():
         cands = pol.candidates(heads_per_rank=4, group=dist.group.WORLD, device=torch.device("cpu"))
         assert [c.label for c in cands] == ["plain", "plain_hcms2", "async", "async_hcms2", "allgather",
                                             "allgather_hcms2"]
-        no_ag = BlockPolicy(allgather=False).candidates(heads_per_rank=4, group=dist.group.WORLD,
+        no_ag = LayerPolicy(allgather=False).candidates(heads_per_rank=4, group=dist.group.WORLD,
                                                         device=torch.device("cpu"))
         assert [c.label for c in no_ag] == ["plain", "plain_hcms2", "async", "async_hcms2"]
         return True
@@ -86,11 +86,11 @@ def _form_policy_case(rank, world, table, **kw):
     logger.setLevel(logging.INFO)
     pol = FormPolicy(timer=_scripted_timer(table, calls), **kw)
     cands = {n: (lambda n=n: ran.append(n)) for n in FORMS}
-    form = pol.choose(("k", 1), cands, dist.group.WORLD, torch.device("cpu"))
+    form = pol.fastest(("k", 1), cands, dist.group.WORLD, torch.device("cpu"))
     n_ran = len(ran)
-    assert pol.choose(("k", 1), cands, dist.group.WORLD, torch.device("cpu")) == form  # cached: nothing runs
+    assert pol.fastest(("k", 1), cands, dist.group.WORLD, torch.device("cpu")) == form  # cached: nothing runs
     assert len(ran) == n_ran
-    assert len(logged) == 1 and f"block form -> {form} for ('k', 1)" in logged[0], logged  # logged once per key
+    assert len(logged) == 1 and f"layer form -> {form} for ('k', 1)" in logged[0], logged  # logged once per key
     dec = pol.cache[("k", 1)]
     return form, dec.reason, dec.rounds, ran, calls
 
@@ -138,10 +138,10 @@ def test_form_policy_untimed_baseline_without_cuda_or_timer():
         ran = []
         cands = {n: (lambda n=n: ran.append(n)) for n in FORMS}
         pol = FormPolicy()  # no timer: CUDA events, and off CUDA the baseline untimed
-        assert pol.choose("k", cands, dist.group.WORLD, torch.device("cpu")) == "megatron" and not ran
+        assert pol.fastest("k", cands, dist.group.WORLD, torch.device("cpu")) == "megatron" and not ran
         assert "no CUDA" in pol.cache["k"].reason
         solo = FormPolicy(timer=lambda *a: 1.0)  # one candidate: nothing to time
-        assert solo.choose("k", {"megatron": cands["megatron"]}, dist.group.WORLD, torch.device("cpu")) == \
+        assert solo.fastest("k", {"megatron": cands["megatron"]}, dist.group.WORLD, torch.device("cpu")) == \
             "megatron" and not ran
         return True
     assert all(run_ranks(fn, 2))

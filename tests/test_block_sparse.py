@@ -90,18 +90,18 @@ def _shape(world):
 
 
 # ------------------------------------------------------------------------------------------------------- unit
-def test_check_block_mask_names_the_setting():
+def test_check_tile_mask_names_the_setting():
     ok = torch.ones(1, 3, 3, dtype=torch.bool)
-    assert bsp.check_block_mask(ok, seq_len=20, block_size=8, num_heads=4) is not None
+    assert bsp.check_tile_mask(ok, seq_len=20, block_size=8, num_heads=4) is not None
     with pytest.raises(SPConfigError, match=r"block_mask must be a bool tensor \[1 or 4, 3, 3\].*shape \[1, 2, 2\]"):
-        bsp.check_block_mask(ok[:, :2, :2], seq_len=20, block_size=8, num_heads=4)
+        bsp.check_tile_mask(ok[:, :2, :2], seq_len=20, block_size=8, num_heads=4)
     with pytest.raises(SPConfigError, match="block_mask.*dtype torch.int64"):
-        bsp.check_block_mask(ok.long(), seq_len=20, block_size=8, num_heads=4)
+        bsp.check_tile_mask(ok.long(), seq_len=20, block_size=8, num_heads=4)
     with pytest.raises(SPConfigError, match=r"block_mask.*\[2, 3, 3\]"):
-        bsp.check_block_mask(ok.expand(2, 3, 3), seq_len=20, block_size=8, num_heads=4)
+        bsp.check_tile_mask(ok.expand(2, 3, 3), seq_len=20, block_size=8, num_heads=4)
     with pytest.raises(SPConfigError, match="block_size=0"):
-        bsp.check_block_mask(ok, seq_len=20, block_size=0, num_heads=4)
-    with pytest.raises(SPConfigError, match="block_kernel='flex' cannot run here"):
+        bsp.check_tile_mask(ok, seq_len=20, block_size=0, num_heads=4)
+    with pytest.raises(SPConfigError, match="kernel='flex' cannot run here"):
         bsp.resolve_kernel("flex", torch.device("cpu"))
 
 
@@ -144,7 +144,7 @@ def test_flex_mask_mod_matches_math_forward():
     qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
     pos = torch.arange(s)
     for causal in (False, True):
-        fm = bsp.flex_block_mask(bm, pos, pos, bs, causal=causal)
+        fm = bsp.flex_mask(bm, pos, pos, bs, causal=causal)
         with torch.no_grad():
             of, lf = bsp.flex_attention_masked(qb, kb, vb, fm, d ** -0.5, compiled=False)
         om, lm = bsp.math_forward(qb, kb, vb, bsp.token_mask(bm, pos, pos, bs, causal=causal), d ** -0.5)
@@ -229,7 +229,7 @@ def _tasp(rank, world, causal, placement):
                hkv=2, d=8, bs=bs, block_mask=bm, causal=causal, placement=placement, seed=7)
     from megatron_sp_ext.sp.ring import sparse_ring_plan
     plan = sparse_ring_plan(bm, world=world, seq_len=s, block_size=bs, placement=placement, causal=causal,
-                            variant="tasp", block_bytes=1000)
+                            variant="tasp", kv_bytes=1000)
     return plan.counts(rank), rings
 
 
@@ -282,7 +282,7 @@ def _skips(rank, world, causal):
         dist.batch_isend_irecv = batch
     block = 2 * 1 * 2 * (s // world) * d * 8  # k and v, fp64
     plan = sparse_mod.sparse_ring_plan(bm, world=world, seq_len=s, block_size=bs, placement="contiguous",
-                                       causal=causal, block_bytes=block)
+                                       causal=causal, kv_bytes=block)
     return plan.counts(rank), calls, sent, block
 
 

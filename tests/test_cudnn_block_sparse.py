@@ -124,8 +124,8 @@ def test_refusals_name_the_reason_and_auto_moves_on(monkeypatch):
     padded = TileSlice(torch.ones(1, 4, 4, dtype=torch.bool), 128, pos, pos, kv_valid_len=500, contiguous=True)
     assert "padded keys" in cb.why_not(backends.tile_call(q, padded, True, True))
     assert "bf16" in cb.why_not(backends.tile_call(q.half(), ts, False, True))
-    named = backends.with_block_kernel("auto", NAME)
-    with pytest.raises(Exception, match="block_kernel='cudnn_block_sparse' cannot run here"):
+    named = backends.with_tile_kernel("auto", NAME)
+    with pytest.raises(Exception, match="tile_setting='cudnn_block_sparse' cannot run here"):
         named.tile_kernel(q, fine, False, True)
     assert named.tile_kernel(q, ts, False, True).name == NAME
     with pytest.raises(Exception, match="backend='cudnn_block_sparse' is invalid"):   # block-sparse only
@@ -202,7 +202,7 @@ def test_fwd_and_bwd_on_a_dense_dtype_the_package_lacks_are_refused_by_the_fake(
 @pytest.mark.parametrize("world,tile,masks", [(2, 128, ("random", "window", "all")),
                                               (2, 64, ("random", "window", "all")), (4, 64, ("random",))])
 def test_cuda_cudnn_block_sparse_family_dry_run_on_cpu(monkeypatch, world, tile, masks):
-    """tests/cuda_block_sparse.cudnn_block_sparse_family on CPU gloo ranks with the stand-in (block_kernel
+    """tests/cuda_block_sparse.cudnn_block_sparse_family on CPU gloo ranks with the stand-in (tile_setting
     "cudnn_block_sparse" named: every block-sparse call of every mode runs this kernel or fails), one tile size per
     test; P=4: the modes P=2 lacks (tasp, usp C=2, torus tas) on the random per-head mask with an empty row, not
     causal (causal tasp_zigzag needs S = 3072 for whole 64-token blocks: the GPU's size, minutes on this CPU; here

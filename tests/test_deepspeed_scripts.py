@@ -253,20 +253,20 @@ def test_pth_autoload_activates_on_deepspeed_import(tmp_path):
 
 
 def test_guard_reads_the_config_as_the_hook_does(tmp_path):
-    """The start-up guard's stdlib reader (megatron_sp_ext_autoload.has_block) and the hook's agree."""
+    """The start-up guard's stdlib reader (megatron_sp_ext_autoload.has_section) and the hook's agree."""
     import argparse
 
     import megatron_sp_ext_autoload as autoload
-    from megatron_sp_ext.deepspeed.hook import BLOCK_KEY, config_of
+    from megatron_sp_ext.deepspeed.hook import SECTION_KEY, config_of
     with_block, without = _write(tmp_path, {"mode": "hcms"}), _write(tmp_path, None)
-    cases = [((), {"config": with_block}), ((), {"config": without}), ((), {"config_params": {BLOCK_KEY: {}}}),
+    cases = [((), {"config": with_block}), ((), {"config": without}), ((), {"config_params": {SECTION_KEY: {}}}),
              ((argparse.Namespace(deepspeed_config=with_block),), {}), ((), {"args": argparse.Namespace(
                  deepspeed_config=with_block)}), ((argparse.Namespace(deepspeed_config=None),), {}),
              ((), {"config": str(tmp_path / "missing.json")}), ((), {})]
     for args, kwargs in cases:
         config = config_of(args[0] if args else kwargs.get("args"), kwargs)
-        assert autoload.has_block(args, kwargs) == (config is not None and BLOCK_KEY in config), (args, kwargs)
-    assert autoload.BLOCK_KEY == BLOCK_KEY
+        assert autoload.has_section(args, kwargs) == (config is not None and SECTION_KEY in config), (args, kwargs)
+    assert autoload.SECTION_KEY == SECTION_KEY
 
 
 # ---- installed as `make` installs it (pip install -e .): the start-up hook is in place, the block never ignored ----

@@ -26,7 +26,7 @@ from megatron_sp_ext import SPConfigError  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from megatron_sp_ext.diffusers import parallelize  # noqa: E402
 from megatron_sp_ext.diffusers.sparse import GATE_NAME, BlockSparsePlan  # noqa: E402
-from megatron_sp_ext.video_tiles import tile_order, topk_block_mask, window_block_mask  # noqa: E402
+from megatron_sp_ext.video_tiles import tile_order, topk_tile_mask, window_tile_mask  # noqa: E402
 from tests import wan_sparse  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
 from tests.reference import rel_err  # noqa: E402
@@ -102,10 +102,10 @@ def test_masks_equal_the_dit_functions_at_sp1():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 64, 4, 16, generator=g, dtype=torch.float64) for _ in range(3))
     mask, extra = BlockSparsePlan(TILE, window=(1, 0, 1))(0, q, k, v, GRID, None)
-    assert extra is None and torch.equal(mask, window_block_mask(GRID, TILE, (1, 0, 1)))
+    assert extra is None and torch.equal(mask, window_tile_mask(GRID, TILE, (1, 0, 1)))
     mask, extra = BlockSparsePlan(TILE, topk=3, coarse=False)(1, q, k, v, GRID, None)
     pooled = [t.view(1, 8, 8, 4, 16).mean(2)[0].transpose(0, 1) for t in (q, k)]   # [H, nT, D]
-    assert extra is None and mask.shape == (4, 8, 8) and torch.equal(mask, topk_block_mask(*pooled, 3))
+    assert extra is None and mask.shape == (4, 8, 8) and torch.equal(mask, topk_tile_mask(*pooled, 3))
     assert (mask.sum(-1) == 3).all()
     with pytest.raises(SPConfigError, match="batch 1 per forward"):
         BlockSparsePlan(TILE, topk=3, coarse=False)(0, *(torch.cat([t, t]) for t in (q, k, v)), GRID, None)

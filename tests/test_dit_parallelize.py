@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRIES = ("training/pretrain_video_dit.py", "training/train_deepspeed.py")
 # what parallelize does in one place: no caller outside training/video_dit/parallel.py in the training package
 STEPS = {"set_sparse_attention", "set_recompute", "set_cpu_offloading", "set_fused_elementwise", "set_packed_qkv",
-         "set_attention_core", "set_async_attention", "set_block_policy", "make_core", "core_of",
+         "set_attention_core", "set_async_attention", "set_layer_policy", "make_core", "core_of",
          "make_dynamic_core", "one_device_core"}
 
 
@@ -157,7 +157,7 @@ def test_remove_restores_the_model():
     handle.remove()  # idempotent
     assert [n for n, _ in model.named_parameters()] == names and model.sparse is None
     for b in model.blocks:
-        assert b.attn.core is local_core and b.attn.sp_block is None and b.attn.sparse_gate is None
+        assert b.attn.core is local_core and b.attn.sp_layer is None and b.attn.sparse_gate is None
         assert not (b.recompute_block or b.recompute_mlp or b.recompute_outside_core or b.attn.recompute_core
                     or b.cpu_offload or b.attn.packed_qkv)
         assert b.ops is model.ops and model.ops.backend is None

@@ -46,7 +46,7 @@ def _case(attn, plan, rank, h, hkv, causal, seed, masks=None):
     ref = reference_attention(q, k, v, mask=_mask(plan, causal, masks))
     ref.backward(do)
     loc = [shard_dynamic(t.detach(), plan, rank).requires_grad_() for t in (q, k, v)]
-    out = attn(*loc, plan, causal=causal, block_masks=masks, block_size=4)
+    out = attn(*loc, plan, causal=causal, tile_masks=masks, block_size=4)
     out.backward(shard_dynamic(do, plan, rank))
     real = shard_dynamic(torch.ones(1, s, 1, 1), plan, rank) > 0  # padding rows carry nothing
     for name, got, want in [("out", out, ref.detach()), ("dq", loc[0].grad, q.grad), ("dk", loc[1].grad, k.grad),
@@ -74,7 +74,7 @@ def test_dynamic_attention_every_mode(world):
     assert run_ranks(_every_mode, world, timeout=400)[0] == len(MODES) * 2 * 3 * 2
 
 
-def _block_masks(rank, world):
+def _tile_masks(rank, world):
     groups = DynamicGroups(dist.group.WORLD)
     plan = PLANS[2][0]  # lengths 5 (one rank), 9 (pair), 3 (one rank), 12 (pair): tiles of 4
     g = torch.Generator().manual_seed(3)
@@ -87,8 +87,8 @@ def _block_masks(rank, world):
     return True
 
 
-def test_dynamic_attention_block_masks():
-    assert all(run_ranks(_block_masks, 2))
+def test_dynamic_attention_tile_masks():
+    assert all(run_ranks(_tile_masks, 2))
 
 
 def _refusals(rank, world):

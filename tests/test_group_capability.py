@@ -45,7 +45,7 @@ def _worker(rank, world):
             out[mode] = str(e)
     seen = []
     auto = make_attention(spx.SPConfig(mode="auto"), g, num_heads=H)
-    auto.res.mode_policy.choose_for = lambda q_, k_, group, cands, **kw: seen.append(sorted(cands)) or "hcms"
+    auto.res.mode_policy.fastest_for = lambda q_, k_, group, cands, **kw: seen.append(sorted(cands)) or "hcms"
     ref = spx.ulysses_attention(q, q, q, g, head_chunks=auto.chunks)
     got = auto(q, q, q, causal=False)
     out["auto_equal"] = bool(torch.equal(got, ref))

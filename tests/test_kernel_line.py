@@ -15,13 +15,13 @@ def test_dense_line_unchanged():
 
 
 def test_sparse_line_names_the_block_sparse_kernel_and_its_setting():
-    line = attention_kernel_line("auto", "--sp-attention-backend", CPU, torch.float32, 16, block_kernel="math",
-                                 block_setting="--sparse-attention-kernel")
+    line = attention_kernel_line("auto", "--sp-attention-backend", CPU, torch.float32, 16, tile_setting="math",
+                                 tile_setting_name="--sparse-attention-kernel")
     self_part, cross_part = line.split("; cross-attention")
     assert "self-attention: block-sparse math" in self_part and "change with --sparse-attention-kernel" in self_part
     assert "FlashAttention-2 (torch SDPA)" in cross_part and "--sp-attention-backend" in cross_part, line
     # an entry without a kernel setting (DeepSpeed's): no "change with" for the self-attention, the pick explained
-    line = attention_kernel_line("auto", "sequence_parallel_ext.backend", CPU, torch.float32, 16, block_kernel="auto")
+    line = attention_kernel_line("auto", "sequence_parallel_ext.backend", CPU, torch.float32, 16, tile_setting="auto")
     self_part, cross_part = line.split("; cross-attention")
     assert "change with" not in self_part and "picked per call for the device and dtype" in self_part, line
     assert "change with sequence_parallel_ext.backend" in cross_part, line

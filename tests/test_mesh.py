@@ -8,7 +8,7 @@ import torch.distributed as dist
 import megatron_sp_ext as spx
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.placement import pieces
-from megatron_sp_ext.topology.volume import choose_placement, lemma_d1_diff, tas_volume, usp_volume
+from megatron_sp_ext.topology.volume import arrangement_for, lemma_d1_diff, tas_volume, usp_volume
 from tests.harness import run_ranks
 from tests.sp_check import run_case
 
@@ -35,13 +35,13 @@ def test_lemma_d1_over_grid():
             diff = usp_volume(N, M, P_u, P_r, 1, 1, 1, 1) - tas_volume(N, M, P_u, P_r, 1, 1, 1, 1)
             assert diff == pytest.approx(lemma_d1_diff(N, M, P_u) / N, abs=1e-9), (N, M, P_u)
             assert diff >= -1e-12, (N, M, P_u)
-    assert choose_placement(4, 8, 8) == "tas" and choose_placement(1, 8, 8) == "usp"
+    assert arrangement_for(4, 8, 8) == "tas" and arrangement_for(1, 8, 8) == "usp"
 
 
 def _mesh_groups(rank, world, nodes, placement, p_u):
     g = dist.group.WORLD
     mesh = spx.build_sp_mesh(g, num_heads=8, placement=placement, ulysses_size=p_u, nodes=nodes)
-    return (mesh.placement, tuple(mesh.ulysses_members()), tuple(mesh.ring_members()))
+    return (mesh.arrangement, tuple(mesh.ulysses_members()), tuple(mesh.ring_members()))
 
 
 @pytest.mark.parametrize("world,nodes", [(8, 2), (8, 4), (4, 2)])

@@ -67,7 +67,7 @@ def test_one_head_per_rank_is_plain_without_timing_chunks():
     assert cal.chunks == 1 and calls == [1]
 
 
-def test_choose_is_a_dict_lookup_after_calibration(monkeypatch):
+def test_chunks_for_is_a_dict_lookup_after_calibration(monkeypatch):
     """Second and later calls never time anything; the host cost is a key build and a lookup."""
     import time
 
@@ -77,15 +77,15 @@ def test_choose_is_a_dict_lookup_after_calibration(monkeypatch):
     q, k = torch.empty(1, 16, 8, 4), torch.empty(1, 16, 8, 4)
     kw = dict(causal=False, layout="bshd", scale=0.5, backend=None, comm_stream=None,
               attention=lambda *a, **k: (_ for _ in ()).throw(AssertionError("attention timed on CPU")))
-    assert pol.choose(q, k, None, **kw) == 1  # CPU: plain, cached
+    assert pol.chunks_for(q, k, None, **kw) == 1  # CPU: plain, cached
     pol.timer = lambda *a, **k: (_ for _ in ()).throw(AssertionError("timed after calibration"))
     n = 2000
     t0 = time.perf_counter()
     for _ in range(n):
-        pol.choose(q, k, None, **kw)
+        pol.chunks_for(q, k, None, **kw)
     per_call_us = (time.perf_counter() - t0) / n * 1e6
     assert len(pol.cache) == 1
-    print(f"choose() after calibration: {per_call_us:.2f} us per call")
+    print(f"chunks_for() after calibration: {per_call_us:.2f} us per call")
 
 
 def test_mode_policy_interleaved_and_cached(monkeypatch):
@@ -107,19 +107,19 @@ def test_mode_policy_interleaved_and_cached(monkeypatch):
         return run
     pol = ModePolicy(timer=timer)
     cands = {n: step(n) for n in true}
-    assert pol.choose(("k",), cands, None, torch.device("cuda")) == "ring"
+    assert pol.fastest(("k",), cands, None, torch.device("cuda")) == "ring"
     timed = order[3 * pol.warmup:]
     assert timed[:3] == ["hcms", "ring", "tasp"] and timed[3:6] == ["ring", "tasp", "hcms"]  # rotating rounds
     n = len(order)
-    assert pol.choose(("k",), cands, None, torch.device("cuda")) == "ring" and len(order) == n  # cached
+    assert pol.fastest(("k",), cands, None, torch.device("cuda")) == "ring" and len(order) == n  # cached
     # a 1% better ring does not displace the baseline; CPU never times
     true["ring"] = 9.9
-    assert ModePolicy(timer=timer).choose(("k",), cands, None, torch.device("cuda")) == "hcms"
-    assert ModePolicy(timer=timer).choose(("k",), cands, None, torch.device("cpu")) == "hcms"
+    assert ModePolicy(timer=timer).fastest(("k",), cands, None, torch.device("cuda")) == "hcms"
+    assert ModePolicy(timer=timer).fastest(("k",), cands, None, torch.device("cpu")) == "hcms"
 
 
-def test_mode_policy_choose_for_times_attention_on_private_random_tensors(monkeypatch):
-    """choose_for: each candidate attention runs fwd+bwd on fresh tensors of the call's shapes (the model's RNG
+def test_mode_policy_fastest_for_times_attention_on_private_random_tensors(monkeypatch):
+    """fastest_for: each candidate attention runs fwd+bwd on fresh tensors of the call's shapes (the model's RNG
     untouched), the fastest by the policy's rule wins, the choice is cached per shape, CPU is never timed."""
     import torch.distributed as dist
 
@@ -141,12 +141,12 @@ def test_mode_policy_choose_for_times_attention_on_private_random_tensors(monkey
     state = torch.get_rng_state()
     pol = ModePolicy(timer=timer)
     cands = {"hcms": attn("hcms"), "ring": attn("ring")}
-    assert pol.choose_for(q, k, None, cands, device=torch.device("cuda")) == "ring"
+    assert pol.fastest_for(q, k, None, cands, device=torch.device("cuda")) == "ring"
     assert torch.equal(torch.get_rng_state(), state)  # private generator
     assert {c[0] for c in calls} == {"hcms", "ring"} and all(c[1] == q.shape and c[2] == k.shape and c[3]
                                                              for c in calls)
     n = len(calls)
-    assert pol.choose_for(q, k, None, cands, device=torch.device("cuda")) == "ring" and len(calls) == n  # cached
+    assert pol.fastest_for(q, k, None, cands, device=torch.device("cuda")) == "ring" and len(calls) == n  # cached
     with torch.no_grad():  # inference is its own key, timed without backward
-        assert pol.choose_for(q, k, None, cands, device=torch.device("cuda")) == "ring" and not calls[-1][3]
-    assert ModePolicy(timer=timer).choose_for(q, k, None, cands) == "hcms"  # CPU tensors: baseline, untimed
+        assert pol.fastest_for(q, k, None, cands, device=torch.device("cuda")) == "ring" and not calls[-1][3]
+    assert ModePolicy(timer=timer).fastest_for(q, k, None, cands) == "hcms"  # CPU tensors: baseline, untimed

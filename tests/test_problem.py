@@ -157,7 +157,7 @@ def test_problem_fields():
 PUBLIC = {"ulysses_attention": function.ulysses_attention, "ring_attention": ring.ring_attention,
           "hybrid_attention": hybrid.hybrid_attention, "torus_attention": torus.torus_attention}
 # what only the builder may do: these calls (and ``layout == ...`` branches) do not appear in a public function
-PREAMBLE_CALLS = {"check_inputs", "check_ring_inputs", "check_block_mask", "check_mask_once", "packed_cu",
+PREAMBLE_CALLS = {"check_inputs", "check_ring_inputs", "check_tile_mask", "check_mask_once", "packed_cu",
                   "valid_kv_len", "get_backend", "check_p2p", "checked_mask", "_packed_samples"}
 
 

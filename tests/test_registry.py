@@ -280,7 +280,7 @@ def test_every_list_of_modes_derives_from_the_mode_registry():
     assert config.DYNAMIC_MODES == tuple(m.name for m in modes.MODES if m.dynamic)
     assert config.RING_VARIANTS == VARIANTS == factory.RING_MODES == tuple(m.name for m in modes.MODES
                                                                           if m.ring_variant)
-    assert config.PLACEMENTS == ("auto",) + tuple(m.name for m in modes.MODES if m.placement)
+    assert config.ARRANGEMENTS == ("auto",) + tuple(m.name for m in modes.MODES if m.arrangement)
     assert [m.name for m in modes.MODES if capability.needs_p2p(m.name, 4)] == [m.name for m in modes.MODES if m.p2p]
     assert not any(capability.needs_p2p(n, 1) for n in modes.NAMES)
     for name in modes.NAMES:
@@ -288,10 +288,10 @@ def test_every_list_of_modes_derives_from_the_mode_registry():
         assert m.family in modes.FAMILIES and m.summary
         assert m.local_attention <= m.heads_per_rank, name   # a caller's attention runs on whole heads
         assert not (m.p2p and m.dropout), name                # log-sum-exp merged partials carry no dropout
-        assert m.placement <= m.mesh and m.ulysses_across <= m.placement, name
+        assert m.arrangement <= m.mesh and m.ulysses_across <= m.arrangement, name
         assert m.head_chunks is None or modes.get(m.with_chunks).head_chunks is None, name
     assert modes.get(modes.resolve_auto(8, 4)).family == "ulysses"
-    assert modes.get(modes.resolve_auto(2, 4)).placement and modes.get(modes.resolve_auto(3, 4)).ring_variant
+    assert modes.get(modes.resolve_auto(2, 4)).arrangement and modes.get(modes.resolve_auto(3, 4)).ring_variant
     try:
         modes.names(bogus=True)
     except TypeError as e:

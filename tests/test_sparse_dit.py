@@ -15,9 +15,9 @@ from training.video_dit.data import SyntheticVideoLatents
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare
 from training.video_dit.model import patchify, unpatchify
 from training.video_dit.sparse import (SparseSpec, reference_sparse_attention, check_tile_grid, coarse_attention,
-                                       num_tiles_of, pad_block_mask, pool_tiles, row_major_ids, tile_coords, tile_order,
+                                       num_tiles_of, pad_tile_mask, pool_tiles, row_major_ids, tile_coords, tile_order,
                                        tile_positions,
-                                       tile_token_mask, topk_block_mask, window_block_mask)
+                                       tile_token_mask, topk_tile_mask, window_tile_mask)
 
 CFG = preset("tiny")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +85,7 @@ def test_grids_the_tile_does_not_cut_run_with_edge_blocks_compacted():
 def test_window_mask_matches_token_distance_definition(grid, tile, window):
     """Brute force over token pairs in row-major order: token (t, h, w) sees token (t', h', w') iff their tiles
     are at most the window apart on each axis; compared through the tile order."""
-    mask = window_block_mask(grid, tile, window)
+    mask = window_tile_mask(grid, tile, window)
     assert mask.shape[0] == 1 and mask.dtype == torch.bool
     perm, inv = tile_order(grid, tile)
     block = tile[0] * tile[1] * tile[2]
@@ -102,7 +102,7 @@ def test_topk_mask_counts_and_picks_the_highest_scores():
     torch.manual_seed(0)
     q_tiles, k_tiles = torch.randn(3, 10, 8), torch.randn(3, 10, 8)
     for k in (1, 4, 10, 15):
-        mask = topk_block_mask(q_tiles, k_tiles, k)
+        mask = topk_tile_mask(q_tiles, k_tiles, k)
         assert mask.shape == (3, 10, 10) and mask.dtype == torch.bool
         assert (mask.sum(-1) == min(k, 10)).all()
         scores = q_tiles @ k_tiles.transpose(-1, -2)
@@ -113,7 +113,7 @@ def test_topk_mask_counts_and_picks_the_highest_scores():
 
 def test_pad_block_mask():
     mask = torch.ones(2, 3, 3, dtype=torch.bool)
-    padded = pad_block_mask(mask, 5)
+    padded = pad_tile_mask(mask, 5)
     assert padded.shape == (2, 5, 5) and padded[:, :3, :3].all()
     assert not padded[:, 3:].any() and not padded[:, :, 3:].any()
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp_ext.attention import block_sparse, kernels
-from megatron_sp_ext.attention.backends import get_backend, with_block_kernel
+from megatron_sp_ext.attention.backends import get_backend, with_tile_kernel
 from megatron_sp_ext.errors import SPConfigError
 from training.video_dit import preset
 from training.video_dit.engine import make_core
@@ -57,14 +57,14 @@ def test_a_named_kernel_without_tiles_is_refused(capsys):
     assert e.value.code == 2 and f"{SPARSE_KERNEL_FLAG} math set with --sparse-attention none" in err, err
 
 
-def test_with_block_kernel_copies_and_refuses_unknown_names():
+def test_with_tile_kernel_copies_and_refuses_unknown_names():
     base = get_backend("auto", "--sp-attention-backend")
-    assert with_block_kernel(base, "auto") is base
-    fixed = with_block_kernel(base, "math", SPARSE_KERNEL_FLAG)
-    assert fixed is not base and type(fixed) is type(base) and base.block_kernel == "auto"
-    assert fixed.block_kernel == "math" and get_backend("auto", "--sp-attention-backend").block_kernel == "auto"
+    assert with_tile_kernel(base, "auto") is base
+    fixed = with_tile_kernel(base, "math", SPARSE_KERNEL_FLAG)
+    assert fixed is not base and type(fixed) is type(base) and base.tile_setting == "auto"
+    assert fixed.tile_setting == "math" and get_backend("auto", "--sp-attention-backend").tile_setting == "auto"
     with pytest.raises(SPConfigError, match=f"{SPARSE_KERNEL_FLAG}='cudnn' is invalid: choose one of auto"):
-        with_block_kernel(base, "cudnn", SPARSE_KERNEL_FLAG)
+        with_tile_kernel(base, "cudnn", SPARSE_KERNEL_FLAG)
 
 
 def _sparse_call(core, s_local, world):
@@ -80,22 +80,22 @@ def test_sp1_core_runs_the_named_kernel():
     """SP=1: the one-device core passes the flag's kernel on (flex cannot run on CPU: refused naming the flag; math
     gives auto's output, auto picking math on CPU)."""
     with pytest.raises(SPConfigError, match=f"{SPARSE_KERNEL_FLAG}='flex' cannot run here"):
-        _sparse_call(make_core("ulysses", None, num_heads=CFG.heads, block_kernel="flex"), 32, 1)
+        _sparse_call(make_core("ulysses", None, num_heads=CFG.heads, tile_setting="flex"), 32, 1)
     auto = _sparse_call(make_core("ulysses", None, num_heads=CFG.heads), 32, 1)
-    named = _sparse_call(make_core("ulysses", None, num_heads=CFG.heads, block_kernel="math"), 32, 1)
+    named = _sparse_call(make_core("ulysses", None, num_heads=CFG.heads, tile_setting="math"), 32, 1)
     assert torch.equal(auto, named)
 
 
 def _sp_core_runs_the_named_kernel(rank, world, mode):
     group = dist.group.WORLD
     auto = _sparse_call(make_core(mode, group, num_heads=CFG.heads), 16, world)
-    core = make_core(mode, group, num_heads=CFG.heads, block_kernel="math")
+    core = make_core(mode, group, num_heads=CFG.heads, tile_setting="math")
     named = _sparse_call(core, 16, world)
-    carried = core.attention.backend.block_kernel, core.attention.backend.block_setting
+    carried = core.attention.backend.tile_setting, core.attention.backend.tile_setting_name
     refused = ""
     if mode == "ulysses":   # refused before any exchange (a ring refuses mid-exchange: its group is then unusable)
         try:
-            _sparse_call(make_core(mode, group, num_heads=CFG.heads, block_kernel="flex"), 16, world)
+            _sparse_call(make_core(mode, group, num_heads=CFG.heads, tile_setting="flex"), 16, world)
         except SPConfigError as e:
             refused = str(e)
     return refused, torch.equal(auto, named), carried
@@ -114,7 +114,7 @@ def test_sp2_factory_attention_runs_the_named_kernel(mode):
 
 def test_a_ring_refuses_a_kernel_without_log_sum_exp_by_name():
     """The ring's block-sparse steps need forward-with-lse: flex (plain calls only) is refused naming the flag."""
-    be = with_block_kernel("auto", "flex", SPARSE_KERNEL_FLAG, "--sp-attention-backend")
+    be = with_tile_kernel("auto", "flex", SPARSE_KERNEL_FLAG, "--sp-attention-backend")
     q = torch.randn(1, 2, 16, 8)
     ts = block_sparse.full_sequence_slice(torch.ones(1, 2, 2, dtype=torch.bool), 8, 16, None, q.device)
     with pytest.raises(SPConfigError, match=f"{SPARSE_KERNEL_FLAG}='flex' cannot run here"):

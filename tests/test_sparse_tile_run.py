@@ -116,7 +116,7 @@ def test_sparse_step_cache_builds_once_per_shape(monkeypatch):
     assert cache.get(spec, perm.clone(), grid, None, cpu) is first and len(built) == 1
     want = real(spec, perm, grid, None, cpu)
     assert torch.equal(first.tile_index, want.tile_index) and first.run == want.run and \
-        (first.num_tiles, first.num_blocks) == (want.num_tiles, want.num_blocks) and \
+        (first.num_tiles, first.num_padded_tiles) == (want.num_tiles, want.num_padded_tiles) and \
         torch.equal(first.window_mask, want.window_mask)
     grid2 = (4, 2, 4)   # another grid (and its ids): rebuilt, and matches its own step
     perm2, _ = tile_order(grid2, spec.tile)

@@ -291,7 +291,7 @@ def test_form_policy_keeps_megatron_on_cpu_for_tp_cp():
     def fn(rank, world):
         ran = []
         steps = {f: (lambda f=f: ran.append(f)) for f in ("megatron",) + TP_CP_FORMS}
-        return FormPolicy().choose(("tp-cp", 2, 2), steps, dist.group.WORLD, torch.device("cpu")) == "megatron" \
+        return FormPolicy().fastest(("tp-cp", 2, 2), steps, dist.group.WORLD, torch.device("cpu")) == "megatron" \
             and not ran
     assert all(run_ranks(fn, 4))
 

@@ -38,12 +38,12 @@ MODES = [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("tasp", {
 
 
 class _Forced:
-    """A BlockPolicy stand-in that always answers ``choice`` (counts its calls)."""
+    """A LayerPolicy stand-in that always answers ``choice`` (counts its calls)."""
 
     def __init__(self, choice):
         self.choice, self.calls = choice, 0
 
-    def choose(self, key, run, group, device, heads_per_rank):
+    def form_for(self, key, run, group, device, heads_per_rank):
         self.calls += 1
         return self.choice
 
@@ -51,7 +51,7 @@ class _Forced:
 def _async_vs_plain(rank, world, frames, chunks, how="async"):
     """The DiT with the async Ulysses block (or a block form picked through the policy hook) equals the
     plain DiT (loss and every gradient), padding included."""
-    from megatron_sp_ext.sp.layers.policy import BlockChoice, BlockPolicy
+    from megatron_sp_ext.sp.layers.policy import LayerChoice, LayerPolicy
     out = []
     for use_async in (False, True):
         torch.manual_seed(5)
@@ -62,10 +62,10 @@ def _async_vs_plain(rank, world, frames, chunks, how="async"):
         elif use_async and how == "allgather":
             model.set_async_attention(dist.group.WORLD, chunks, allgather=True)
         elif use_async and how == "policy":  # the real policy on CPU: plain, decided once per shape
-            model.set_block_policy(dist.group.WORLD, BlockPolicy())
+            model.set_layer_policy(dist.group.WORLD, LayerPolicy())
         elif use_async:  # every form the policy can pick runs the same math
-            forced = _Forced(BlockChoice(how == "forced_async", chunks, "nccl", how == "forced_allgather"))
-            model.set_block_policy(dist.group.WORLD, forced)
+            forced = _Forced(LayerChoice(how == "forced_async", chunks, "nccl", how == "forced_allgather"))
+            model.set_layer_policy(dist.group.WORLD, forced)
         data = SyntheticVideoLatents(CFG.in_channels, frames, 6, 10, CFG.text_len, CFG.text_dim, seed=1)
         inp = prepare(flow_matching_batch(data, 0, 7, 0, 1, 1, CFG.patch), rank, world, "cpu")
         loss = local_loss(model, inp)
@@ -79,7 +79,7 @@ def _async_vs_plain(rank, world, frames, chunks, how="async"):
     for i, (a, b) in enumerate(zip(g1, g0)):
         assert rel_err(a, b) < 1e-5, f"grad {i}: {rel_err(a, b)}"
     if how == "policy":
-        (dec,) = model.block_policy.cache.values()  # one shape, one decision, shared by every block
+        (dec,) = model.layer_policy.cache.values()  # one shape, one decision, shared by every block
         assert dec.choice.label == "plain" and "no CUDA streams" in dec.reason
     elif how.startswith("forced"):
         assert forced.calls == CFG.layers

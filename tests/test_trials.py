@@ -227,12 +227,12 @@ def _dit(rank, world, case):
         made.append(res)
         return res
 
-    def block_policy(cls, **kw):  # the host clock; a margin nothing meets: every rank keeps plain, deterministically
+    def host_clock_policy(cls, **kw):  # the host clock; a margin nothing meets: every rank keeps plain, deterministically
         pol = cls(timed_devices=("cpu",), rounds=2, warmup=1, margin=0.99, **kw)
         made.append(pol)
         return pol
     engine.SPResources = resources
-    layer_policy.BlockPolicy = functools.partial(block_policy, layer_policy.BlockPolicy)
+    layer_policy.LayerPolicy = functools.partial(host_clock_policy, layer_policy.LayerPolicy)
     losses = {}
     for recompute in (False, True):
         made.clear()

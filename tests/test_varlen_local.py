@@ -306,7 +306,7 @@ class _Timer:
 def _choose(ch, setting="auto", cu=(0, 4, 8, 11), dtype=torch.float32, causal=False, scale=0.5, need_grad=True,
             explicit=True, backend="auto"):
     q, k, v, _ = _inputs(cu, 2, 1, 8, dtype, 0, strided=False)
-    return ch.choose(setting, get_backend(backend), q, k, v, cu, causal=causal, scale=scale, need_grad=need_grad,
+    return ch.method_for(setting, get_backend(backend), q, k, v, cu, causal=causal, scale=scale, need_grad=need_grad,
                      explicit=explicit)
 
 
@@ -440,13 +440,13 @@ def test_auto_raises_when_every_candidate_fails_and_a_named_method_is_never_drop
     with caplog.at_level(logging.WARNING, logger="megatron_sp_ext"):
         for explicit in (True, False):
             with pytest.raises(RuntimeError, match="^failing kernel: no (forward|plain call)\nsecond line$"):
-                ch.choose("auto", be, q, k, v, cu, causal=False, scale=0.5, need_grad=True, explicit=explicit)
+                ch.method_for("auto", be, q, k, v, cu, causal=False, scale=0.5, need_grad=True, explicit=explicit)
     warnings = _warnings(caplog)
     assert len(warnings) == 4 and all("backend 'failing'" in w and "second line" not in w for w in warnings)
     assert [w.split("dropped ")[1].split()[0] for w in warnings] == ["per_sample", "grouped"] * 2
     assert timer.calls == [] and not ch.decisions and not ch.dropped
     for method in ("per_sample", "grouped"):  # named: returned untried, its call raises
-        assert ch.choose(method, be, q, k, v, cu, causal=False, scale=0.5, need_grad=True) == method
+        assert ch.method_for(method, be, q, k, v, cu, causal=False, scale=0.5, need_grad=True) == method
         with pytest.raises(RuntimeError, match="failing kernel"):
             varlen.forward_lse(method, be, q, k, v, cu, causal=False, scale=0.5)
     _install_fake_varlen(monkeypatch)
@@ -488,21 +488,21 @@ def _group_chooser_rank(rank, world):
     for where, group in (("alone", None), ("group", g)):
         ch = varlen.VarlenChooser(timer=_RankTimer(_DISAGREEING[rank]), measure_off_cuda=True)
         q, k, v, _ = _inputs(cu, 2, 2, 8, torch.float32, rank, strided=False)
-        pick[where] = ch.choose("auto", get_backend("auto"), q, k, v, cu, causal=False, scale=0.5, need_grad=True,
+        pick[where] = ch.method_for("auto", get_backend("auto"), q, k, v, cu, causal=False, scale=0.5, need_grad=True,
                                 group=group, group_heads=heads)
     # this rank's heads differ between its calls and from the other rank's (uneven heads, HCMS chunks): with
     # group_heads every rank finds or misses the decision together (one trial each, no unmatched all-reduce)
     ch = varlen.VarlenChooser(timer=_RankTimer(_DISAGREEING[rank]), measure_off_cuda=True)
     for h in ((2, 1) if rank == 0 else (1, 1)):
         q, k, v, _ = _inputs(cu, h, 1, 8, torch.float32, rank, strided=False)
-        assert ch.choose("auto", get_backend("auto"), q, k, v, cu, causal=True, scale=0.5, need_grad=True,
+        assert ch.method_for("auto", get_backend("auto"), q, k, v, cu, causal=True, scale=0.5, need_grad=True,
                          group=g, group_heads=heads) == "grouped"
     pick["uneven_trials"] = len(ch.timer.calls)
     # a candidate whose trial raises on one rank is dropped on every rank (rank 0 alone would pick grouped)
     ch = varlen.VarlenChooser(timer=_RankTimer({"per_sample": 3.0, "grouped": 1.0},
                                                raises=("grouped",) if rank == 1 else ()), measure_off_cuda=True)
     q, k, v, _ = _inputs(cu, 2, 2, 8, torch.float32, rank, strided=False)
-    pick["dropped"] = ch.choose("auto", get_backend("auto"), q, k, v, cu, causal=False, scale=0.5, need_grad=True,
+    pick["dropped"] = ch.method_for("auto", get_backend("auto"), q, k, v, cu, causal=False, scale=0.5, need_grad=True,
                                 group=g, group_heads=heads)
     pick["dropped_why"] = sorted(next(iter(ch.dropped.values())))
     return pick

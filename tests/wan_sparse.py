@@ -12,7 +12,7 @@ import torch
 
 from megatron_sp_ext.diffusers.rope import wan_rotary_eager as wan_rotary
 from megatron_sp_ext.diffusers.sparse import GATE_NAME, BlockSparsePlan
-from megatron_sp_ext.video_tiles import reference_sparse_attention, tile_order, topk_block_mask, window_block_mask
+from megatron_sp_ext.video_tiles import reference_sparse_attention, tile_order, topk_tile_mask, window_tile_mask
 
 
 def set_gates(model, seed: int = 3) -> None:
@@ -73,9 +73,9 @@ class ReferenceProcessor:
         if self.masks is not None:
             mask = self.masks[self.layer].to(q.device)
         elif self.window is not None:
-            mask = window_block_mask(self.grid, self.tile, self.window).to(q.device)
+            mask = window_tile_mask(self.grid, self.tile, self.window).to(q.device)
         else:
-            mask = topk_block_mask(pooled[0][0], pooled[1][0], self.topk)
+            mask = topk_tile_mask(pooled[0][0], pooled[1][0], self.topk)
         if self.picked is not None:
             self.picked[self.layer] = mask.cpu().clone()
         out = reference_sparse_attention(q, k, v, mask, bs)

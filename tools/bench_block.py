@@ -134,7 +134,7 @@ def bench(rank, world, group, cfg, seqlen, args):
                                                 transport=tr, fused=fused)
     from megatron_sp_ext.sp.layers.async_qkv import make_async_plan, project_and_exchange  # noqa: PLC0415
     from megatron_sp_ext.sp.layers.allgather import allgather_self_attention, make_gather_plan, project_gathered  # noqa
-    from megatron_sp_ext.sp.layers.policy import BlockPolicy  # noqa: PLC0415
+    from megatron_sp_ext.sp.layers.policy import LayerPolicy  # noqa: PLC0415
 
     def pre(fused, c, tr="nccl"):
         """Pre-attention part only: projections + prep + exchanges until q, k, v have all arrived."""
@@ -153,7 +153,7 @@ def bench(rank, world, group, cfg, seqlen, args):
         plan = make_gather_plan(group, num_heads=h, num_kv_heads=h, head_dim=d, prep=prep_full, seq_local=sl,
                                 device=x.device, transport=tr)
         return lambda: project_gathered(x, w_qkv, b_qkv, nq, nk, plan)
-    policy = BlockPolicy(chunk_candidates=[1] + [c for c in args.chunks if c <= h // world],
+    policy = LayerPolicy(chunk_candidates=[1] + [c for c in args.chunks if c <= h // world],
                          transports=args.transports)
     forms = {}
 
@@ -169,7 +169,7 @@ def bench(rank, world, group, cfg, seqlen, args):
             y = one(ch)
             if torch.is_grad_enabled():
                 y.backward(dy)
-        ch = policy.choose(("block", sl, torch.is_grad_enabled()), step, group, x.device, h // world)
+        ch = policy.form_for(("block", sl, torch.is_grad_enabled()), step, group, x.device, h // world)
         return one(ch)
     modes = {}
     for tr in args.transports:

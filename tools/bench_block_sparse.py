@@ -6,10 +6,10 @@ Masks (one per sequence length S, heads H, tile size --block-size and target spa
 --tile tokens T,H,W per block size, default 64: 4,4,4 and 128: 4,4,8):
   random   per head and query tile, round((1 - s) * nT) key tiles drawn at random (seeded): top-k-like
            (``--sparse-topk``'s shape of mask, not its choice of tiles); [H, nT, nT]
-  topk     the DiT's own selection (``training.video_dit.sparse.topk_block_mask``, VSA's plain top-k) of
+  topk     the DiT's own selection (``training.video_dit.sparse.topk_tile_mask``, VSA's plain top-k) of
            round((1 - s) * nT) key tiles per head and query tile, on synthetic pooled q/k tiles that are smooth over
            the tile grid plus noise (``synthetic_tiles``): local with long-range picks, per head; [H, nT, nT]
-  window   ``training.video_dit.sparse.window_block_mask`` on the token grid ``grid_for(S)`` (in tile order), the
+  window   ``training.video_dit.sparse.window_tile_mask`` on the token grid ``grid_for(S)`` (in tile order), the
            most even window (wt, wh, ww) within 0.02 of s, else the nearest (``window_for_sparsity``); [1, nT, nT].
 The actual sparsity of every mask is in its row.
 
@@ -71,7 +71,7 @@ from megatron_sp_ext.sp.placement import positions  # noqa: E402
 from megatron_sp_ext.sp.ring.sparse import sparse_ring_plan  # noqa: E402
 from tools.bench_kernels import _plain  # noqa: E402
 from tools.benchlib import git_commit, run_meta, write_json  # noqa: E402
-from training.video_dit.sparse import tile_coords, topk_block_mask, window_block_mask  # noqa: E402
+from training.video_dit.sparse import tile_coords, topk_tile_mask, window_tile_mask  # noqa: E402
 
 Fns = tuple[Callable[[], object], Callable[[], object]]
 
@@ -103,7 +103,7 @@ def _axis_density(n: int, w: int) -> float:
 
 
 def window_for_sparsity(grid: tuple, tile: tuple, sparsity: float, tol: float = 0.02) -> tuple:
-    """The window (wt, wh, ww) in tiles for a ``window_block_mask`` of sparsity (1 - selected fraction) near
+    """The window (wt, wh, ww) in tiles for a ``window_tile_mask`` of sparsity (1 - selected fraction) near
     ``sparsity``: among the windows within ``tol`` of it the most even one (smallest max - min, a local window
     rather than a slab), then the nearest, then the smallest; with none within ``tol``, the nearest. The selected
     fraction factorises over the axes, so this is exact without building masks."""
@@ -142,7 +142,7 @@ def topk_mask(heads: int, grid: tuple, tile: tuple, sparsity: float, seed: int) 
     coords = tile_coords(grid, tile)
     keep = max(1, round((1.0 - sparsity) * coords.shape[0]))
     q_tiles, k_tiles = synthetic_tiles(heads, coords, seed)
-    return topk_block_mask(q_tiles, k_tiles, keep)
+    return topk_tile_mask(q_tiles, k_tiles, keep)
 
 
 def selected_pairs(rows: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int,
@@ -246,9 +246,9 @@ def ring_rows(bm: torch.Tensor, mask_meta: dict, s: int, h: int, d: int, p: int,
     """The ring rows of one mask at P ranks: the plan's counts per rank and, for rank 0 and the busiest rank,
     the summed kernel time of the steps it runs (per kernel in --ring-kernels)."""
     bs, cuda = mask_meta["block_size"], dev.type == "cuda"
-    block_bytes = 2 * h * (s // p) * d * torch.finfo(dtype).bits // 8  # one rank's K and V
+    kv_bytes = 2 * h * (s // p) * d * torch.finfo(dtype).bits // 8  # one rank's K and V
     plan = sparse_ring_plan(bm, world=p, seq_len=s, block_size=bs, placement=args.placement, causal=False,
-                            block_bytes=block_bytes)
+                            kv_bytes=kv_bytes)
     counts = [plan.counts(r) for r in range(p)]
     pos = [positions(args.placement, r, p, s) for r in range(p)]
     busiest = max(range(p), key=lambda r: (counts[r]["steps_run"], -r))
@@ -322,7 +322,7 @@ def masks_for(s: int, h: int, args, bs: Optional[int] = None) -> list:
                              "keep_tiles": int(bm[0, 0].sum())}))
         if "window" in args.masks:
             w = window_for_sparsity(grid, tile, target)
-            bm = window_block_mask(grid, tile, w)
+            bm = window_tile_mask(grid, tile, w)
             out.append((bm, {"mask": "window", "target_sparsity": target, "grid": list(grid), "tile": list(tile),
                              "window": list(w)}))
     for bm, meta in out:

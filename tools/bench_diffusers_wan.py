@@ -101,7 +101,7 @@ def sparse_settings(spec: Optional[dict], grid: tuple, tile: tuple) -> Optional[
     """The tile, top-k K or window of a sparse variant on ``grid`` (tokens after the patch), and its sparsity."""
     if spec is None:
         return None
-    from training.video_dit.sparse import num_tiles_of, window_block_mask  # noqa: PLC0415
+    from training.video_dit.sparse import num_tiles_of, window_tile_mask  # noqa: PLC0415
     n_tiles = num_tiles_of(grid, tile)
     out = {"tile": list(tile), "n_tiles": n_tiles}
     if spec["kind"] == "topk":
@@ -112,7 +112,7 @@ def sparse_settings(spec: Optional[dict], grid: tuple, tile: tuple) -> Optional[
         if w is None:
             from tools.bench_block_sparse import window_for_sparsity  # noqa: PLC0415
             w = window_for_sparsity(grid, tile, spec["target"])
-        out.update(topk=None, window=list(w), sparsity=1.0 - float(window_block_mask(grid, tile, tuple(w)).float()
+        out.update(topk=None, window=list(w), sparsity=1.0 - float(window_tile_mask(grid, tile, tuple(w)).float()
                                                                      .mean()))
     return out
 

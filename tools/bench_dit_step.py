@@ -2,7 +2,7 @@
 
 Every repetition times one forward+backward step (bf16 autocast, fp32 master weights, the real
 flow-matching batch) of each form in turn (interleaved, so clock and allocator drift hit all
-alike): plain Ulysses, HCMS, the async block, the all-gather QKV block, and "auto" (BlockPolicy,
+alike): plain Ulysses, HCMS, the async block, the all-gather QKV block, and "auto" (LayerPolicy,
 calibrated in the warm-up). The optimizer step is left out (identical for every form). Reports the
 median per form (max over ranks), the speedup vs plain, and each form's loss (they must agree).
 
@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.benchlib import (finish_worker, init_nccl_rank, interleaved_ms, launch, links_option,  # noqa: E402
                             run_meta, write_results)
-from megatron_sp_ext.sp.layers.policy import BlockChoice, BlockPolicy  # noqa: E402
+from megatron_sp_ext.sp.layers.policy import LayerChoice, LayerPolicy  # noqa: E402
 from training.video_dit import VideoDiT, preset  # noqa: E402
 from training.video_dit.fused import resolve_fused  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
@@ -36,15 +36,15 @@ from training.video_dit.engine import flow_matching_batch, local_loss, make_core
 CORE_FORMS = ("core", "packed")  # the model's attention core (Ulysses) as the entry runs it; packed q|k|v or not
 
 
-def parse_form(label: str) -> BlockChoice:
-    """'plain', 'async_hcms2', 'allgather_symm', ... -> BlockChoice ('auto' is handled by the caller)."""
+def parse_form(label: str) -> LayerChoice:
+    """'plain', 'async_hcms2', 'allgather_symm', ... -> LayerChoice ('auto' is handled by the caller)."""
     parts = label.split("_")
     form = parts[0]
     if form not in ("plain", "async", "allgather"):
         raise SystemExit(f"--forms: unknown form {label!r} (plain|async|allgather[_hcmsC][_symm|_ce], or auto)")
     chunks = next((int(p[4:]) for p in parts if p.startswith("hcms")), 1)
     tr = "symm_mem" if "symm" in parts else ("copy_engine" if "ce" in parts else "nccl")
-    return BlockChoice(form == "async", chunks, tr, form == "allgather")
+    return LayerChoice(form == "async", chunks, tr, form == "allgather")
 
 
 def _worker(rank, world, port, args, path):
@@ -58,8 +58,8 @@ def _worker(rank, world, port, args, path):
             blk.modulation.weight.normal_(0.0, 0.02)
     model.set_attention_core(make_core("ulysses", group, num_heads=cfg.heads))
     model.set_fused_elementwise(resolve_fused(args.fused_elementwise, torch.device("cuda")))  # as the entry runs
-    model.set_block_policy(group, BlockPolicy(chunk_candidates=(1, 2)))  # installs the shared RoPE memo too
-    policy = model.block_policy
+    model.set_layer_policy(group, LayerPolicy(chunk_candidates=(1, 2)))  # installs the shared RoPE memo too
+    policy = model.layer_policy
     frames = [int(f) for f in args.frames.split(",")]
     h, w = (int(v) for v in args.latent_size.split("x"))
     data = SyntheticVideoLatents(cfg.in_channels, frames, h, w, cfg.text_len, cfg.text_dim, seed=1)
@@ -69,7 +69,7 @@ def _worker(rank, world, port, args, path):
     def step(how):
         model.set_packed_qkv(how == "packed")
         for blk in model.blocks:  # the core forms: the entry point's default path (no block form installed)
-            blk.attn.sp_block = None if how in CORE_FORMS else (group, how)
+            blk.attn.sp_layer = None if how in CORE_FORMS else (group, how)
         model.zero_grad(set_to_none=True)
         loss = local_loss(model, inp, torch.bfloat16)
         (loss * world).backward()

@@ -8,7 +8,7 @@ Per sequence length S (--seqlens; bf16, B=1, non-causal: the video DiT's self-at
   dense_ring      ``spx.ring_attention(q, k, v, group, backend=--kernel)``               (once per S)
 and per mask (--masks) and target sparsity (--sparsities), masks built by tools/bench_block_sparse.py's
 ``masks_for`` (random: per head and query tile round((1 - s) * nT) key tiles drawn at random, seeded, top-k-like,
-[H, nT, nT]; window: ``training.video_dit.sparse.window_block_mask`` on ``grid_for(S)`` with the window of
+[H, nT, nT]; window: ``training.video_dit.sparse.window_tile_mask`` on ``grid_for(S)`` with the window of
 ``window_for_sparsity``, [1, nT, nT]; the actual sparsity is in every row):
   sparse_ulysses  ``spx.ulysses_attention(..., block_mask=bm, block_size=--block-size, backend=--kernel)``
   sparse_ring     ``spx.ring_attention(..., block_mask=bm, block_size=--block-size, backend=--kernel)``, with the
@@ -165,7 +165,7 @@ def plan_counts(bm: torch.Tensor, s: int, h: int, d: int, world: int, block_size
     """``sparse_ring_plan(bm, ...).counts(rank)`` for every rank (K|V bytes: one rank's k and v shards)."""
     kv_bytes = 2 * (s // world) * h * d * elem_bytes
     plan = sparse_ring_plan(bm.cpu(), world=world, seq_len=s, block_size=block_size, placement=spx.DEFAULT_PLACEMENT,
-                            causal=False, block_bytes=kv_bytes)
+                            causal=False, kv_bytes=kv_bytes)
     return [plan.counts(r) for r in range(world)]
 
 

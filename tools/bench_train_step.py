@@ -137,7 +137,7 @@ def sparse_variant_flags(name: str, rest: list, tile: str, entry, selection: Opt
     only (--sparse-args: a kernel, ...), after the variant's own. info: flags, grid, tile, n_tiles, topk or window,
     target (None for sparse_custom) and actual sparsity."""
     from tools.bench_block_sparse import window_for_sparsity  # noqa: PLC0415
-    from training.video_dit.sparse import check_tile_grid, num_tiles_of, window_block_mask  # noqa: PLC0415
+    from training.video_dit.sparse import check_tile_grid, num_tiles_of, window_tile_mask  # noqa: PLC0415
     kind, target = SPARSE_VARIANTS[name]
     if kind == "custom" and selection is None:
         raise SystemExit("--variants sparse_custom: give its selection in --sparse-args (--sparse-topk K or "
@@ -168,7 +168,7 @@ def sparse_variant_flags(name: str, rest: list, tile: str, entry, selection: Opt
         info.update(topk=k, sparsity=1.0 - k / n_tiles)
     else:
         flags += ["--sparse-window", ",".join(map(str, w))]
-        info.update(window=list(w), sparsity=1.0 - float(window_block_mask(grid, tile_thw, w).float().mean()))
+        info.update(window=list(w), sparsity=1.0 - float(window_tile_mask(grid, tile_thw, w).float().mean()))
     flags += list(other or [])
     info["flags"] = flags
     return flags, info

@@ -2,7 +2,7 @@
 
 The video DiT (training/video_dit) with top-k block-sparse self-attention (``--sparse-attention tiles
 --sparse-topk K``) runs under sequence parallelism; every layer's attention used to compare its block mask across
-the group on every call (``sp.checks.check_same_block_mask``: an all_gather and a host sync). With
+the group on every call (``sp.checks.check_same_tile_mask``: an all_gather and a host sync). With
 ``sp.checks.MaskChecks`` each distinct mask is compared once, and the DiT declares its top-k masks agreed (every
 rank takes the top-k of the same all-reduced tiles), so they cost no collective. This tool times both, one model
 each, in one job:

@@ -99,14 +99,14 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     except SPConfigError as e:
         p.error(str(e))
     spec = modes.get(args.cp_comm_type[0])   # a mode (validate_args refused anything else)
-    blocks = modes.names(exchange_blocks=True, auto=False)   # the modes whose exchanges the block forms overlap
-    if args.sp_async_qkv in ("on", "allgather") and (not spec.exchange_blocks or spec.auto
+    a2a_modes = modes.names(all_to_all=True, auto=False)   # the modes whose exchanges the layer forms overlap
+    if args.sp_async_qkv in ("on", "allgather") and (not spec.all_to_all or spec.auto
                                                      or args.hcms_head_chunks == "auto"):
-        p.error(f"--sp-async-qkv {args.sp_async_qkv} needs --cp-comm-type {modes.listing(blocks)} with an integer "
+        p.error(f"--sp-async-qkv {args.sp_async_qkv} needs --cp-comm-type {modes.listing(a2a_modes)} with an integer "
                 f"--hcms-head-chunks (got {args.cp_comm_type[0]}, {args.hcms_head_chunks}); --sp-async-qkv auto picks "
                 f"them itself")
     if args.pack_samples and args.sp_async_qkv != "off":
-        p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --pack-samples (the async / all-gather block forms "
+        p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --pack-samples (the async / all-gather layer forms "
                 f"take one sample per sequence): use --sp-async-qkv off")
     if args.sp_async_qkv != "off" and args.recompute_granularity == "selective" \
             and "outside_core_attn" in args.recompute_modules:
@@ -119,9 +119,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     if args.sparse_attention != "none" and args.sp_async_qkv != "off":
         p.error(f"--sp-async-qkv {args.sp_async_qkv} cannot run --sparse-attention {args.sparse_attention} (the "
                 f"async / all-gather block forms take no block mask): use --sp-async-qkv off")
-    if args.sp_async_qkv == "auto" and not spec.exchange_blocks:
+    if args.sp_async_qkv == "auto" and not spec.all_to_all:
         p.error(f"--sp-async-qkv auto chooses among Ulysses block forms: use --cp-comm-type "
-                f"{modes.listing(modes.names(exchange_blocks=True))} (got {args.cp_comm_type[0]})")
+                f"{modes.listing(modes.names(all_to_all=True))} (got {args.cp_comm_type[0]})")
     return args
 
 
@@ -197,7 +197,7 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     fused_backend = resolve_fused(args.fused_elementwise, device)
     # before DDP and the optimizer: top-k sparse attention adds the coarse branch's gates
     parallelize(model, cp_group if sp_world > 1 else None, DiTParallelConfig(
-        sp=_sp_config(args, sp_world, dynamic is not None), sparse=sparse, block_kernel=args.sparse_attention_kernel,
+        sp=_sp_config(args, sp_world, dynamic is not None), sparse=sparse, tile_setting=args.sparse_attention_kernel,
         dynamic_min_size=args.min_dynamic_context_parallel_size, recompute_granularity=args.recompute_granularity,
         recompute_modules=args.recompute_modules, recompute_num_layers=args.recompute_num_layers,
         cpu_offloading=args.cpu_offloading, cpu_offloading_num_layers=args.cpu_offloading_num_layers,
@@ -246,8 +246,8 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
     if rank == 0 and not args.quiet:  # before the progress bar starts, not inside it
         logger.info(attention_kernel_line(args.sp_attention_backend, "--sp-attention-backend", device,
                                           run_dtype(args, device), cfg.head_dim,
-                                          block_kernel=args.sparse_attention_kernel if sparse is not None else None,
-                                          block_setting=SPARSE_KERNEL_FLAG))
+                                          tile_setting=args.sparse_attention_kernel if sparse is not None else None,
+                                          tile_setting_name=SPARSE_KERNEL_FLAG))
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
     ops = MegatronOps(model, opt) if impl == "megatron" else FsdpOps(model, opt, args.clip_grad) \

@@ -213,7 +213,7 @@ def _train(args, engine, cfg, device, ds_cfg: dict) -> dict:
         key = "sequence_parallel_ext.backend" + (f" in {args.deepspeed_config}" if args.deepspeed_config else "")
         logger.info(attention_kernel_line(block.get("backend", "auto"), key, device,
                                           torch.bfloat16 if bf16 else torch.float32, cfg.head_dim,
-                                          block_kernel="auto" if sparse_spec(args) is not None else None))
+                                          tile_setting="auto" if sparse_spec(args) is not None else None))
     log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
 
     def cast_inputs(inp):

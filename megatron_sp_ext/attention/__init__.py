@@ -1,4 +1,4 @@
-"""Local attention backends, blockwise (out, lse) kernels and LSE merging."""
+"""Local attention backends, (out, lse) kernels per call and LSE merging."""
 from .backends import LocalAttention, available_backends, get_backend, wrap_callable
 from .lse import merge, merge_into
 

@@ -8,13 +8,13 @@ k/v may carry fewer heads than q (GQA). ``tiles``: a block mask's slice for the 
 causal and ``mask``. Backends ("backend" setting; ``config.BACKENDS`` = "auto", "sdpa" and every kernel's setting):
   "auto" (default; "sdpa" is the same, ``kernels.is_auto``): ``AutoBackend``, every call on the kernel the one
       choice (``kernels.choose``) names for it: the first of the registry's order that runs it here
-      (FlashAttention-4 where it runs; else plain calls through torch's SDPA dispatch and log-sum-exp blocks on
+      (FlashAttention-4 where it runs; else plain calls through torch's SDPA dispatch and log-sum-exp calls on
       cuDNN, FlashAttention-2 or math; block-sparse calls on FA4's or cuDNN frontend's block sparsity, flex_attention
       or math)
   a kernel's setting ("fa4", "cudnn", "torch_flash", "math", "flash_attn", "te"): every call on that kernel; a
       call it cannot run (no block sparsity, wrong device/dtype, ...) raises SPConfigError naming the setting and
       the reason, never a silent replacement.
-``get_backend`` logs the choice once per name. ``with_block_kernel`` gives a backend whose block-sparse calls
+``get_backend`` logs the choice once per name. ``with_tile_kernel`` gives a backend whose block-sparse calls
 (``tiles=``) run on one named block-sparse kernel whatever the backend's own choice (the DiT's
 --sparse-attention-kernel).
 """
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SPConfigError
-from . import blockwise, kernels, lse_kernels
+from . import kernels, lse_kernels
+from .kernels import math as math_kernel
 from .kernels import Kernel, KernelCall
 
 log = logging.getLogger("megatron_sp_ext")
@@ -55,50 +56,50 @@ def tile_call(q: torch.Tensor, tiles, causal: bool, lse: bool) -> KernelCall:
 
 
 class LocalAttention:
-    """A named local attention implementation (see module docstring for the contract). ``block_kernel``: "auto"
+    """A named local attention implementation (see module docstring for the contract). ``tile_setting``: "auto"
     (block-sparse calls on the backend's own choice, ``tile_kernel``) or the setting of a kernel with block sparsity
-    that every block-sparse call must run on (``with_block_kernel``; ``block_setting`` names it in refusals)."""
+    that every block-sparse call must run on (``with_tile_kernel``; ``tile_setting_name`` names it in refusals)."""
 
     name = "base"
-    block_kernel = "auto"
-    block_setting = "block_kernel"
+    tile_setting = "auto"
+    tile_setting_name = "tile_setting"
 
     def __call__(self, q, k, v, *, causal: bool, softmax_scale: float) -> torch.Tensor:
         raise NotImplementedError
 
     def forward_lse(self, q, k, v, *, causal: bool, softmax_scale: float, mask=None, tiles=None):
-        """(out, lse) of one block; ``mask``: bool [Sq, Sk] (or [h, Sq, Sk]) keep mask; ``tiles``: a
+        """(out, lse) of one call; ``mask``: bool [Sq, Sk] (or [h, Sq, Sk]) keep mask; ``tiles``: a
         ``tiles.TileSlice`` of a block mask for these rows (ANDed with causal and mask)."""
-        if tiles is not None and mask is None and self.block_kernel != "auto":
+        if tiles is not None and mask is None and self.tile_setting != "auto":
             return self.tile_kernel(q, tiles, causal, True).forward(q, k, v, softmax_scale, causal, tiles)
-        return blockwise.math_forward(q, k, v, softmax_scale, _combined_mask(q, k, causal, mask, tiles))
+        return math_kernel.math_forward(q, k, v, softmax_scale, _combined_mask(q, k, causal, mask, tiles))
 
     def backward_lse(self, do, q, k, v, out, lse, *, causal: bool, softmax_scale: float, mask=None, tiles=None):
-        """(dq, dk, dv) of ``forward_lse``'s block given the FINAL out/lse of its rows."""
-        if tiles is not None and mask is None and self.block_kernel != "auto":
+        """(dq, dk, dv) of ``forward_lse``'s call given the FINAL out/lse of its rows."""
+        if tiles is not None and mask is None and self.tile_setting != "auto":
             return self.tile_kernel(q, tiles, causal, True).backward(do, q, k, v, out, lse, softmax_scale, causal,
                                                                      tiles)
-        return blockwise.math_backward(do, q, k, v, out, lse, softmax_scale, _combined_mask(q, k, causal, mask, tiles))
+        return math_kernel.math_backward(do, q, k, v, out, lse, softmax_scale, _combined_mask(q, k, causal, mask, tiles))
 
     def tile_kernel(self, q: torch.Tensor, tiles, causal: bool, lse: bool) -> Kernel:
-        """The kernel that runs a block-sparse call of this backend (the math kernel here, or ``block_kernel``)."""
+        """The kernel that runs a block-sparse call of this backend (the math kernel here, or ``tile_setting``)."""
         fixed = self.fixed_tile_kernel(q, tiles, causal, lse)
         return fixed if fixed is not None else kernels.get(kernels.FALLBACK)
 
     def fixed_tile_kernel(self, q: torch.Tensor, tiles, causal: bool, lse: bool) -> Optional[Kernel]:
-        """None for ``block_kernel`` "auto"; else that kernel if it runs the call (SPConfigError naming
-        ``block_setting`` and the reason otherwise). ``tiles`` None (which kernel the backend names here, before a
+        """None for ``tile_setting`` "auto"; else that kernel if it runs the call (SPConfigError naming
+        ``tile_setting_name`` and the reason otherwise). ``tiles`` None (which kernel the backend names here, before a
         call's slice is known): the device and dtype are checked, the call's needs when its slice comes."""
-        if self.block_kernel == "auto":
+        if self.tile_setting == "auto":
             return None
         call = tile_call(q, tiles, causal, lse) if tiles is not None else \
             KernelCall(q.device, q.dtype, q.shape[-1], frozenset({"tiles"}))
-        return kernels.choose(call, self.block_kernel, name=self.block_setting)
+        return kernels.choose(call, self.tile_setting, name=self.tile_setting_name)
 
 
 class AutoBackend(LocalAttention):
     """The "auto" backend (also named "sdpa"): per call the kernel ``kernels.choose`` names. Plain calls on
-    FlashAttention-4 where it runs, else through torch's SDPA dispatch; blocks with log-sum-exp on the fastest
+    FlashAttention-4 where it runs, else through torch's SDPA dispatch; calls with log-sum-exp on the fastest
     ``lse_kernels`` kernel available per (device, dtype, head dim); block-sparse calls on ``tile_kernel``."""
 
     name = "auto"
@@ -116,7 +117,7 @@ class AutoBackend(LocalAttention):
         return self.kernel if self.kernel == "auto" else kernels.get(self.kernel).setting
 
     def kernel_for(self, q: torch.Tensor) -> str:
-        """The block kernel for q's (device, dtype, head dim): ``kernels.choose`` of a log-sum-exp call, each
+        """The log-sum-exp kernel for q's (device, dtype, head dim): ``kernels.choose`` of a log-sum-exp call, each
         candidate probed (``lse_kernels.why_not_call``); a fixed kernel that cannot run here raises naming the
         setting and the reason. Chosen once per key and logged once."""
         key = (str(q.device), q.dtype, q.shape[-1])
@@ -148,7 +149,7 @@ class AutoBackend(LocalAttention):
         return kernels.via_torch_sdpa(kernels.get(self.kernel_for(q)))
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
-        if _one_row_block(q, k):
+        if _one_row_call(q, k):
             return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
         kern = kernels.get(self.kernel_for(q))
         if not kernels.via_torch_sdpa(kern):   # a kernel of its own (FA4): its plain call
@@ -188,7 +189,7 @@ class FixedKernelBackend(AutoBackend):
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
         kern = kernels.get(self.kernel_for(q))
-        if _one_row_block(q, k):
+        if _one_row_call(q, k):
             kern = kernels.get(kernels.FALLBACK)
         return kern.attention(q, k, v, causal, _scale(q, softmax_scale))
 
@@ -196,7 +197,7 @@ class FixedKernelBackend(AutoBackend):
 def lse_attention(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: Optional[float]) -> torch.Tensor:
     """Differentiable attention [B, H, S, D] on one ``lse_kernels`` kernel's forward/backward (the calls the ring
-    and head-chunked blocks make, so a plain call and a one-block ring compute the same bits)."""
+    and the head chunks make, so a plain call and a one-rank ring compute the same bits)."""
     return kernels.LseFunction.apply(q, k, v, kernels.get(kernel), causal, _scale(q, softmax_scale), None)
 
 
@@ -205,9 +206,9 @@ def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
     return softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
 
 
-def _one_row_block(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """A CUDA block with one query or one key row (``lse_kernels.one_row_block``): it runs on the math kernel."""
-    return q.is_cuda and lse_kernels.one_row_block(q, k)
+def _one_row_call(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """A CUDA call with one query or one key row (``lse_kernels.one_row_call``): it runs on the math kernel."""
+    return q.is_cuda and lse_kernels.one_row_call(q, k)
 
 
 class MathBackend(LocalAttention):
@@ -229,14 +230,14 @@ class PlainKernelBackend(LocalAttention):
         return self.kern.attention(q, k, v, causal, softmax_scale)
 
     def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None, tiles=None):
-        if tiles is not None and mask is None and self.block_kernel != "auto":   # on the named block kernel
+        if tiles is not None and mask is None and self.tile_setting != "auto":     # on the named tile kernel
             return super().forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale, tiles=tiles)
         raise SPConfigError(f"{self.setting}={self.name!r} has no forward with log-sum-exp (ring, TASP, torus, "
                             f"hybrid and block-sparse calls need one): use 'auto' or one of "
                             f"{', '.join(kernels.get(n).setting for n in kernels.names('lse'))}")
 
     def backward_lse(self, do, q, k, v, out, lse, *, causal, softmax_scale, mask=None, tiles=None):
-        if tiles is not None and mask is None and self.block_kernel != "auto":
+        if tiles is not None and mask is None and self.tile_setting != "auto":
             return super().backward_lse(do, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                         tiles=tiles)
         return self.forward_lse(q, k, v, causal=causal, softmax_scale=softmax_scale, mask=mask)
@@ -254,7 +255,7 @@ def _factory(name: str) -> Optional[Callable[[str], LocalAttention]]:
         return lambda setting: FixedKernelBackend(name, kern.name, setting)
     if kern.caps.tiles == "none":
         return lambda setting: PlainKernelBackend(kern, setting)
-    return None   # a block-sparse-only kernel (flex, cudnn_block_sparse): not a backend (a block_kernel setting)
+    return None   # a block-sparse-only kernel (flex, cudnn_block_sparse): not a backend (a tile_setting value)
 
 
 def backend_names() -> tuple[str, ...]:
@@ -271,26 +272,26 @@ def available_backends() -> list[str]:
     return [n for n in backend_names() if kernels.is_auto(n) or kernels.by_setting(n).installed()]
 
 
-def block_kernel_settings() -> tuple[str, ...]:
+def tile_kernel_settings() -> tuple[str, ...]:
     """The choices of a block-sparse kernel setting: "auto" and every kernel "auto" may pick that has block sparsity
     (``attention.block_sparse.KERNELS``)."""
     return ("auto",) + tuple(kernels.get(n).setting for n in kernels.names("tiles", auto_only=True))
 
 
-def with_block_kernel(backend: "str | LocalAttention", block_kernel: str, setting: str = "block_kernel",
+def with_tile_kernel(backend: "str | LocalAttention", tile_setting: str, setting: str = "tile_setting",
                       backend_setting: str = "backend") -> LocalAttention:
-    """``backend`` (a name or a backend) whose block-sparse calls all run on ``block_kernel`` (one of
-    ``block_kernel_settings``; "auto": the backend itself, its own choice); its dense calls are unchanged. A copy:
+    """``backend`` (a name or a backend) whose block-sparse calls all run on ``tile_setting`` (one of
+    ``tile_kernel_settings``; "auto": the backend itself, its own choice); its dense calls are unchanged. A copy:
     the shared instance ``get_backend`` returns is not changed. Raises SPConfigError naming ``setting`` for an unknown
     kernel; a call the kernel cannot run is refused then, naming ``setting``."""
     be = get_backend(backend, backend_setting)
-    choices = block_kernel_settings()
-    if block_kernel not in choices:
-        raise SPConfigError(f"{setting}={block_kernel!r} is invalid: choose one of {', '.join(choices)}")
-    if block_kernel == "auto":
+    choices = tile_kernel_settings()
+    if tile_setting not in choices:
+        raise SPConfigError(f"{setting}={tile_setting!r} is invalid: choose one of {', '.join(choices)}")
+    if tile_setting == "auto":
         return be
     out = copy.copy(be)
-    out.block_kernel, out.block_setting = block_kernel, setting
+    out.tile_setting, out.tile_setting_name = tile_setting, setting
     return out
 
 

@@ -11,7 +11,7 @@ Local kernels: the registry's (attention/kernels/) with block sparsity, ``KERNEL
 that runs it (FlashAttention-4's own block sparsity at 128-token kernel blocks, cuDNN frontend's block sparsity at
 64/128-token blocks, flex_attention, the math kernel; kernels/registry.py records the order: per tile size between
 FA4 and cuDNN, ``kernels.TILE_ORDER``); a named kernel that cannot run the call raises SPConfigError naming
-``block_kernel``; nothing falls back silently. A call's view of the mask is a ``tiles.TileSlice``.
+``tile_setting``; nothing falls back silently. A call's view of the mask is a ``tiles.TileSlice``.
 """
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ from typing import Optional
 import torch
 
 from ..errors import SPConfigError
-from . import blockwise, kernels
-from .backends import LocalAttention, block_kernel_settings, tile_call
+from . import kernels
+from .kernels import math as math_kernel
+from .backends import LocalAttention, tile_kernel_settings, tile_call
 from .kernels.flex import flex_attention_masked  # noqa: F401 - part of this module's API (tests, tools)
-from .kernels.flex import flex_block_mask as _flex_mask_of_slice
+from .kernels.flex import flex_mask as _flex_mask_of_slice
 from .tiles import TileSlice, full_sequence_slice
 
-KERNELS = block_kernel_settings()   # "auto" and the registry's kernels with block sparsity that auto may pick
-DEFAULT_BLOCK_SIZE = 64
+KERNELS = tile_kernel_settings()   # "auto" and the registry's kernels with block sparsity that auto may pick
+DEFAULT_TILE_SIZE = 64   # tokens per tile: the default of the public ``block_size`` keyword
 
 
 def num_tiles(seq_len: int, block_size: int) -> int:
@@ -37,13 +38,13 @@ def num_tiles(seq_len: int, block_size: int) -> int:
     return -(-seq_len // block_size)
 
 
-def check_block_mask(block_mask: torch.Tensor, *, seq_len: int, block_size: int, num_heads: int) -> torch.Tensor:
+def check_tile_mask(block_mask: torch.Tensor, *, seq_len: int, block_size: int, num_heads: int) -> torch.Tensor:
     """``block_mask`` checked: bool [1 or num_heads, T, T], T = ceil(seq_len / block_size); returns it (contiguous).
 
     Raises SPConfigError naming ``block_mask`` / ``block_size`` and what is expected."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise SPConfigError(f"block_size={block_size!r} is invalid: use a positive integer (default "
-                            f"{DEFAULT_BLOCK_SIZE})")
+                            f"{DEFAULT_TILE_SIZE})")
     t = num_tiles(seq_len, block_size)
     want = f"a bool tensor [1 or {num_heads}, {t}, {t}] (heads, ceil(S/block_size) query tiles, key tiles) for " \
            f"S={seq_len}, block_size={block_size}"
@@ -104,7 +105,7 @@ def pair_selected(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Te
 
 
 def resolve_kernel(kernel: str, device: torch.device, dtype: Optional[torch.dtype] = None,
-                   setting: str = "block_kernel") -> str:
+                   setting: str = "kernel") -> str:
     """The block-sparse kernel ``kernel`` ("auto" or one of ``KERNELS``) names for calls on (device, dtype), before
     a call's tile slice is known (the slice may still send a call elsewhere: ``kernel_for_call``); raises
     SPConfigError naming ``setting`` (the user's name of the choice) for an unknown name or a named kernel that cannot
@@ -118,7 +119,7 @@ def resolve_kernel(kernel: str, device: torch.device, dtype: Optional[torch.dtyp
 
 
 def kernel_for_call(kernel: str, q: torch.Tensor, ts: TileSlice, causal: bool, lse: bool,
-                    setting: str = "block_kernel") -> kernels.Kernel:
+                    setting: str = "kernel") -> kernels.Kernel:
     """The kernel of one block-sparse call: "auto" = the registry's first that runs it; a named kernel must run it
     (SPConfigError naming ``setting`` otherwise)."""
     if kernel not in KERNELS:
@@ -130,15 +131,15 @@ def math_forward(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tenso
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, Sq, D] in q's dtype, lse [B, H, Sq] in the accumulator dtype) under the token mask
     ``mask_hqk`` [H or 1, Sq, Sk]; rows with no kept key: out 0, lse -inf."""
-    return blockwise.math_forward(q_bhsd, k_bhsd, v_bhsd, scale, mask_hqk)
+    return math_kernel.math_forward(q_bhsd, k_bhsd, v_bhsd, scale, mask_hqk)
 
 
 def math_backward(do_bhsd: torch.Tensor, q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor,
                   out_bhsd: torch.Tensor, lse_bhs: torch.Tensor, mask_hqk: torch.Tensor,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of ``math_forward``'s block given the FINAL out/lse of the query rows (rows with lse -inf:
+    """(dq, dk, dv) of ``math_forward``'s call given the FINAL out/lse of the query rows (rows with lse -inf:
     zero gradients)."""
-    return blockwise.math_backward(do_bhsd, q_bhsd, k_bhsd, v_bhsd, out_bhsd, lse_bhs, scale, mask_hqk)
+    return math_kernel.math_backward(do_bhsd, q_bhsd, k_bhsd, v_bhsd, out_bhsd, lse_bhs, scale, mask_hqk)
 
 
 class _MaskedMathFn(torch.autograd.Function):
@@ -158,11 +159,11 @@ class _MaskedMathFn(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def flex_block_mask(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int,
+def flex_mask(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int,
                     heads: slice = slice(None), *, causal: bool = False, kv_valid_len: Optional[int] = None,
                     compiled: Optional[bool] = None):
     """flex_attention's ``BlockMask`` for queries at ``q_pos`` and keys at ``k_pos`` (global positions) under the
-    tile mask (``kernels.flex.flex_block_mask`` of their ``TileSlice``)."""
+    tile mask (``kernels.flex.flex_mask`` of their ``TileSlice``)."""
     return _flex_mask_of_slice(TileSlice(block_mask, block_size, q_pos, k_pos, heads, kv_valid_len), causal=causal,
                                compiled=compiled)
 
@@ -186,7 +187,7 @@ def block_sparse_attention(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: t
                            block_mask: torch.Tensor, *, block_size: int, q_pos: Optional[torch.Tensor] = None,
                            k_pos: Optional[torch.Tensor] = None, heads: slice = slice(None), causal: bool = False,
                            softmax_scale: Optional[float] = None, kv_valid_len: Optional[int] = None,
-                           kernel: str = "auto", setting: str = "block_kernel") -> torch.Tensor:
+                           kernel: str = "auto", setting: str = "kernel") -> torch.Tensor:
     """Differentiable single-device block-sparse attention. q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (H % Hkv == 0);
     ``block_mask`` [1 or H_total, T, T] (global tiles); q_pos / k_pos: global positions of the rows (default
     0..Sq-1 / 0..Sk-1); heads: the global query heads q carries (rows of the mask); ``causal``: k_pos <= q_pos (with

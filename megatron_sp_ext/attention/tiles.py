@@ -1,6 +1,6 @@
 """A block mask's view for one local kernel call: which query rows attend which key rows, tile by tile.
 
-A block mask (``block_sparse.check_block_mask``) is a bool tensor ``[H or 1, T, T]`` over the FULL sequence in global
+A block mask (``block_sparse.check_tile_mask``) is a bool tensor ``[H or 1, T, T]`` over the FULL sequence in global
 token order: query tile i (tokens ``[i*bs, (i+1)*bs)``) attends key tile j for head h. A kernel call sees some rows of
 it: its query rows sit at global positions ``q_pos`` and its key rows at ``k_pos`` (any order, any placement), it
 carries the query heads ``heads`` (rows of the mask), and keys at global positions >= ``kv_valid_len`` are padding.

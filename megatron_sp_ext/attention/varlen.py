@@ -20,7 +20,7 @@ a probe against math on this (device, dtype) passed (schema check first: a torch
 it). There is no cuDNN ragged-kernel method: aten._cudnn_attention_forward / _backward with cum_seq_q/k
 measured wrong on torch 2.11 / cuDNN 9.19 (1 x H200, 2026-11-24) and an illegal memory access followed, and
 torch 2.13's own varlen_attn also leaves its cuDNN route off.
-``choose``: "auto" = "per_sample" off CUDA (the CPU fallback is the per-sample math); on CUDA the fastest
+``method_for``: "auto" = "per_sample" off CUDA (the CPU fallback is the per-sample math); on CUDA the fastest
 method that runs here, measured once on the call's own tensors and cached under everything that decides
 which methods run and what they compute (device, dtype, heads, kv heads, head dim, sample lengths, causal,
 scale, backend and its kernel, whether a backward is timed). A candidate whose trial raises is dropped (every
@@ -257,10 +257,10 @@ def _backend_kernel(be: LocalAttention, q: torch.Tensor) -> Optional[str]:
 def methods_here(be: LocalAttention, q: torch.Tensor, cu: Optional[tuple[int, ...]] = None) -> list[str]:
     """The methods that run for ``be`` on q's (device, dtype), "per_sample" first, then the varlen methods of the
     kernels the backend may run (every "auto" kernel's for "auto"/"sdpa"; a fixed kernel's own), where they run
-    here. Not the varlen kernels when a sample of ``cu`` has one token (the fixed-length kernels' 1 x 1 blocks were
-    wrong or crashed on an H100, see lse_kernels; the per-sample methods run those blocks on the math kernel). The
+    here. Not the varlen kernels when a sample of ``cu`` has one token (the fixed-length kernels' 1 x 1 calls were
+    wrong or crashed on an H100, see lse_kernels; the per-sample methods run those calls on the math kernel). The
     kernels are the one choice's candidates (``kernels.candidates`` of a varlen call for the backend's kernel
-    setting; "auto": from the kernel it chose for the blocks on)."""
+    setting; "auto": from the kernel it chose for the calls on)."""
     out = ["per_sample", "grouped"]
     one_token = cu is not None and any(b - a == 1 for a, b in zip(cu, cu[1:]))
     if one_token or not isinstance(be, AutoBackend):
@@ -314,7 +314,7 @@ class VarlenChooser:
                be.name, getattr(be, "kernel", None), _backend_kernel(be, q), bool(need_grad), bool(explicit))
         return key + (ranks,) if ranks else key
 
-    def choose(self, setting: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool, scale: float,
+    def method_for(self, setting: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool, scale: float,
                need_grad: bool, explicit: bool = True, setting_name: str = "varlen_kernel", group=None,
                group_heads=None) -> str:
         """The method for this call (explicit: the call runs ``forward_lse`` / ``backward_lse``; else
@@ -418,9 +418,9 @@ def default_chooser() -> VarlenChooser:
     return _DEFAULT
 
 
-def choose(setting: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool, scale: float,
+def method_for(setting: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool, scale: float,
            need_grad: bool, explicit: bool = True, chooser: Optional[VarlenChooser] = None, group=None,
            group_heads=None) -> str:
-    """``(chooser or default_chooser()).choose(...)``."""
-    return (chooser or _DEFAULT).choose(setting, be, q, k, v, cu, causal=causal, scale=scale, need_grad=need_grad,
+    """``(chooser or default_chooser()).method_for(...)``."""
+    return (chooser or _DEFAULT).method_for(setting, be, q, k, v, cu, causal=causal, scale=scale, need_grad=need_grad,
                                         explicit=explicit, group=group, group_heads=group_heads)

@@ -4,7 +4,7 @@ Same constructor (``local_attention, sequence_process_group, scatter_idx, gather
 num_kv_heads``) and forward (``query, key, value, batch_dim_idx, rotary_pos_emb=None, *args,
 **kwargs``): inputs are this rank's sequence shard, [b, s/p, h, d] (batch_dim_idx=0) or
 [s/p, b, h, d] (batch_dim_idx=1); the output has the input's layout. Extra keyword settings
-select the algorithm (``mode``) as the JSON block does:
+select the algorithm (``mode``) as the JSON section does:
   ulysses / hcms: the user's ``local_attention`` runs on the gathered sequence exactly as in
       DeepSpeed (RoPE from ``rotary_pos_emb`` applied after the exchange, with DeepSpeed's own
       function); hcms pipelines it per head chunk.
@@ -83,7 +83,7 @@ class SPDistributedAttention(DistributedAttention):
 
     def packed_entry(self) -> Optional[PackedUlysses]:
         """For a model that writes q|k|v itself (the DiT's --ulysses-packed-qkv): a packed Ulysses / HCMS entry
-        with this block's group, chunk count (``auto``: this block's policy) and backend, or None where it would
+        with this layer's group, chunk count (``auto``: this layer's policy) and backend, or None where it would
         not be the plain path's math or resources: the ring and mesh modes and ``auto`` (which may pick the
         ring), attention dropout, a ``softmax_scale`` or ``causal`` set on this module (the plain path leaves
         the mask to the user's callable), a transport other than NCCL (its workspace belongs to this module's

@@ -6,7 +6,7 @@ A stock DeepSpeed script calls ``deepspeed.initialize(model=..., config=...)`` i
 
 * no ``"sequence_parallel_ext"`` key: DeepSpeed's own initialize runs with the caller's arguments,
   untouched (nothing else is changed, nothing is imported from DeepSpeed beyond what it imports);
-* the key is present: the block is validated (errors name the JSON key), then the model's
+* the key is present: the section is validated (errors name the JSON key), then the model's
   DeepSpeed sequence-parallel attention is replaced, in place, by ours, and DeepSpeed's initialize
   runs with the caller's arguments:
     - every ``deepspeed.sequence.layer.DistributedAttention`` submodule becomes an
@@ -15,12 +15,12 @@ A stock DeepSpeed script calls ``deepspeed.initialize(model=..., config=...)`` i
     - a ``UlyssesSPAttentionHF`` that ``UlyssesSPAttentionHF.register_with_transformers`` installed
       for the model's attention implementation is replaced, inside DeepSpeed's own wrapper, by
       ``SPUlyssesAttentionHF`` (modes ulysses, hcms: HF's local kernel keeps running).
-  Finding neither is an error (the block would otherwise do nothing).
+  Finding neither is an error (the section would otherwise do nothing).
 
 ``activate()`` is called by ``megatron_sp_ext_autoload`` (imported by the ``.pth`` file installed
 with the package, wheel or editable, when deepspeed is first imported) and by
 ``python -m megatron_sp_ext.deepspeed.launch``. Set ``MEGATRON_SP_EXT_DEEPSPEED_HOOK=0`` to turn the switch
-off: ``deepspeed.initialize`` then refuses a config that holds the block (it would be ignored).
+off: ``deepspeed.initialize`` then refuses a config that holds the section (it would be ignored).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from ..errors import SPConfigError
 
 log = logging.getLogger("megatron_sp_ext")
 
-BLOCK_KEY = "sequence_parallel_ext"
+SECTION_KEY = "sequence_parallel_ext"
 HF_MODES = modes.names(local_attention=True)   # Hugging Face's attention runs inside (it returns no log-sum-exp)
 
 
@@ -61,7 +61,7 @@ def config_of(args: Any, kwargs: dict) -> Optional[dict]:
 
 
 def activate() -> None:
-    """Wrap ``deepspeed.initialize`` (idempotent; replaces the start-up guard that refuses the block while the
+    """Wrap ``deepspeed.initialize`` (idempotent; replaces the start-up guard that refuses the section while the
     switch is off, ``megatron_sp_ext_autoload.guard``)."""
     import deepspeed  # noqa: PLC0415
     marker = getattr(deepspeed.initialize, "_megatron_sp_ext", False)
@@ -72,7 +72,7 @@ def activate() -> None:
     @functools.wraps(original)
     def initialize(*args, **kwargs):
         config = config_of(args[0] if args else kwargs.get("args"), kwargs)
-        if config is not None and BLOCK_KEY in config:
+        if config is not None and SECTION_KEY in config:
             model = kwargs.get("model", args[1] if len(args) > 1 else None)
             install(model, config)
         return original(*args, **kwargs)
@@ -92,7 +92,7 @@ def deactivate() -> None:
 def _sp_size(config: dict) -> int:
     sp = config.get("sequence_parallel_size")
     if sp is None:
-        raise SPConfigError(f"{BLOCK_KEY} needs \"sequence_parallel_size\" next to it (DeepSpeed's own key)")
+        raise SPConfigError(f"{SECTION_KEY} needs \"sequence_parallel_size\" next to it (DeepSpeed's own key)")
     if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
         raise SPConfigError(f"sequence_parallel_size={sp!r} is invalid: use a positive integer")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
@@ -104,22 +104,22 @@ def _sp_size(config: dict) -> int:
 
 
 def install(model: Optional[torch.nn.Module], config: dict) -> int:
-    """Validate the block and swap the model's DeepSpeed SP attention for ours; returns how many."""
+    """Validate the section and swap the model's DeepSpeed SP attention for ours; returns how many."""
     from .initialize import sp_config_from_deepspeed  # noqa: PLC0415
-    block = config[BLOCK_KEY]
-    if not isinstance(block, dict):
-        raise SPConfigError(f"{BLOCK_KEY} must be a JSON object, e.g. {{\"mode\": \"hcms\"}}; got {block!r}")
+    section = config[SECTION_KEY]
+    if not isinstance(section, dict):
+        raise SPConfigError(f"{SECTION_KEY} must be a JSON object, e.g. {{\"mode\": \"hcms\"}}; got {section!r}")
     sp = _sp_size(config)
     cfg, extras = sp_config_from_deepspeed(config)
     if model is None:
-        raise SPConfigError(f"{BLOCK_KEY} is set but deepspeed.initialize got no model")
+        raise SPConfigError(f"{SECTION_KEY} is set but deepspeed.initialize got no model")
     n = _swap_distributed_attention(model, cfg, extras, sp) + _swap_hf_ulysses(model, cfg, sp)
     if n == 0 and sp == 1:  # DeepSpeed itself installs no SP attention at size 1 (e.g. a debugging run)
-        log.info("megatron_sp_ext: sequence_parallel_size=1, %s has nothing to replace", BLOCK_KEY)
+        log.info("megatron_sp_ext: sequence_parallel_size=1, %s has nothing to replace", SECTION_KEY)
         return 0
     if n == 0:
         raise SPConfigError(
-            f"{BLOCK_KEY} is set but the model has no DeepSpeed sequence-parallel attention to replace: "
+            f"{SECTION_KEY} is set but the model has no DeepSpeed sequence-parallel attention to replace: "
             "use deepspeed.sequence.layer.DistributedAttention in the model, or call "
             "UlyssesSPAttentionHF.register_with_transformers(...) before deepspeed.initialize")
     log.info("megatron_sp_ext: %s attention installed in %d place(s) from the DeepSpeed config", cfg.mode, n)
@@ -142,7 +142,7 @@ def _swap_distributed_attention(model: torch.nn.Module, cfg: SPConfig, extras: d
     found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if isinstance(child, DistributedAttention) and not isinstance(child, SPDistributedAttention)]
     if found and modes.get(cfg.mode).auto:
-        raise SPConfigError(f"{BLOCK_KEY}.mode={cfg.mode!r} needs the head count, which DistributedAttention learns "
+        raise SPConfigError(f"{SECTION_KEY}.mode={cfg.mode!r} needs the head count, which DistributedAttention learns "
                             f"only in forward: use a concrete mode ({', '.join(modes.names(auto=False))})")
     for parent, name, child in found:
         _check_group(child.spg, sp, "DistributedAttention")
@@ -174,7 +174,7 @@ def _swap_hf_ulysses(model: torch.nn.Module, cfg: SPConfig, sp: int) -> int:
         heads = _cell_value(cells[0]).attn_head_count
         cfg = dataclasses.replace(cfg, mode=resolve_auto_mode(heads, sp))
     if cfg.mode not in HF_MODES:
-        raise SPConfigError(f"{BLOCK_KEY}.mode={cfg.mode!r} is not available with UlyssesSPAttentionHF "
+        raise SPConfigError(f"{SECTION_KEY}.mode={cfg.mode!r} is not available with UlyssesSPAttentionHF "
                             f"(Hugging Face's attention kernels return no log-sum-exp): use one of {', '.join(HF_MODES)}")
     for cell in cells:
         theirs = cell.cell_contents

@@ -4,7 +4,7 @@ JSON (next to DeepSpeed's own ``"sequence_parallel_size": P``):
     "sequence_parallel_ext": {"mode": "hcms", "head_chunks": "auto", "placement": "auto",
                               "ring_variant": "tasp", "nodes": null, "ulysses_size": null,
                               "backend": "auto", "causal": false, "dropout_p": 0.0}
-Steps: validate the block (errors name the JSON key) -> build SP / data / sequence-data groups
+Steps: validate the section (errors name the JSON key) -> build SP / data / sequence-data groups
 -> install the mpu in deepspeed.utils.groups -> swap the attention of opting-in modules ->
 deepspeed.initialize(model=..., config=..., mpu=..., **kwargs) and return what it returns.
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import modes
-from ..config import MESH_MODES, PLACEMENTS, SPConfig
+from ..config import ARRANGEMENTS, MESH_MODES, SPConfig
 from ..errors import SPConfigError
 from .mpu import SequenceParallelMPU, build_sequence_parallel_groups
 
@@ -41,19 +41,19 @@ def _load(config: Union[str, Mapping[str, Any]]) -> dict:
 
 
 def sp_config_from_deepspeed(config: Union[str, Mapping[str, Any]]) -> tuple[SPConfig, dict]:
-    """(SPConfig, extras) from the ``sequence_parallel_ext`` block; extras hold adapter-only keys (causal)."""
-    block = dict(_load(config).get("sequence_parallel_ext", {}))
-    extras = {k: block.pop(k) for k in _EXTRA_KEYS if k in block}
+    """(SPConfig, extras) from the ``sequence_parallel_ext`` section; extras hold adapter-only keys (causal)."""
+    section = dict(_load(config).get("sequence_parallel_ext", {}))
+    extras = {k: section.pop(k) for k in _EXTRA_KEYS if k in section}
     if "causal" in extras and not isinstance(extras["causal"], bool):
         raise SPConfigError(f"sequence_parallel_ext.causal={extras['causal']!r} is invalid: use true or false")
-    return SPConfig.from_dict(block, source="deepspeed", adapter_keys=_EXTRA_KEYS), extras
+    return SPConfig.from_dict(section, source="deepspeed", adapter_keys=_EXTRA_KEYS), extras
 
 
 def causal_of(cfg: SPConfig, extras: dict, where: str) -> bool:
     """``sequence_parallel_ext.causal`` for DeepSpeed ``DistributedAttention`` modules (``where``: the model's
     module) that a mode replaces by our kernels. DeepSpeed's forward passes no causal flag (its ``*args,
     **kwargs`` go to the model's local attention, which applies its own mask), so for every mode but ulysses and
-    hcms (``auto`` may pick the ring) the block must say it: SPConfigError naming the key when it does not (a
+    hcms (``auto`` may pick the ring) the section must say it: SPConfigError naming the key when it does not (a
     causal model would otherwise train bidirectional)."""
     if "causal" in extras:
         return extras["causal"]
@@ -84,7 +84,7 @@ def validate_deepspeed_config(config: Union[str, Mapping[str, Any]], world_size:
             raise SPConfigError(f"sequence_parallel_ext.mode={cfg.mode!r} needs a mesh of at least 2 ranks: "
                                 f"sequence_parallel_size={sp}")
         if across and (cfg.nodes is None or cfg.nodes < 2) and not _multi_machine():
-            within = "/".join(repr(p) for p in PLACEMENTS[::-1] if not modes.get(p).ulysses_across)
+            within = "/".join(repr(p) for p in ARRANGEMENTS[::-1] if not modes.get(p).ulysses_across)
             raise SPConfigError(f"sequence_parallel_ext.placement/mode {', '.join(modes.names(ulysses_across=True))!r}"
                                 f" needs a multi-machine mesh but this job runs on one machine: set "
                                 f"sequence_parallel_ext.nodes to simulate machines, or use {within}")

@@ -4,7 +4,7 @@
     python -m megatron_sp_ext.deepspeed.launch train.py ...   (same, one process)
 
 The script runs as ``__main__`` with its own arguments; ``deepspeed.initialize`` installs our
-attention when the config holds a ``"sequence_parallel_ext"`` block (see ``hook``) and is
+attention when the config holds a ``"sequence_parallel_ext"`` section (see ``hook``) and is
 DeepSpeed's own otherwise.
 """
 from __future__ import annotations

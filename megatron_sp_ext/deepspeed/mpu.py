@@ -1,6 +1,6 @@
 """Sequence-parallel process groups and an mpu object DeepSpeed's ``utils.groups`` accepts.
 
-Layout (as DeepSpeed's own ``parallel_state_sp``): SP groups are consecutive blocks of
+Layout (as DeepSpeed's own ``parallel_state_sp``): SP groups are consecutive runs of
 ``sp_size`` ranks; gradients and ZeRO shards span sequence x data parallel ranks (the whole
 world here). DeepSpeed's uneven-heads Ulysses path reads the SP rank through ``groups.mpu``:
 without one every rank believes it is rank 0 and gloo deadlocks, so ``install()`` sets it.

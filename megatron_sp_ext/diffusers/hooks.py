@@ -13,9 +13,9 @@ with a SparseAttentionPlan, its token order), then every plan entry:
 - ``ContextParallelOutput(gather_dim, expected_dims)``: M's output is gathered and put back in raster order.
 Entries are read by their fields (diffusers' classes live in a private module). A tensor whose dimension count
 differs from ``expected_dims`` is left whole, as diffusers' own hooks do (Wan's 1-D
-timestep: one per sample, not per token). Hooks fire again when gradient checkpointing recomputes a block: the split
+timestep: one per sample, not per token). Hooks fire again when gradient checkpointing recomputes a layer: the split
 of the same full input gives the same shard, in the context of the forward that built the graph (not the latest
-one): torch's non-reentrant checkpoint reruns a block on its original argument objects, and ``SequenceState.contexts``
+one): torch's non-reentrant checkpoint reruns a layer on its original argument objects, and ``SequenceState.contexts``
 maps the tensors a forward hands to its blocks (the rope's sharded cos/sin, blocks.0's full hidden_states) to that
 forward's context, so two forwards before one backward recompute each in its own grid and token order.
 """
@@ -37,7 +37,7 @@ from .sequence import ForwardContext, gather_tokens, split_tokens
 class SequenceState:
     """What the hooks and processors of one parallelized model share: the SP group (None: one rank), its size, the
     SparseAttentionPlan (or None), the current forward's ``ForwardContext`` and ``contexts``: the tensors each
-    forward handed to its blocks -> that forward's context (weak keys by identity: entries go with the tensors)."""
+    forward handed to its layers -> that forward's context (weak keys by identity: entries go with the tensors)."""
 
     group: Optional[dist.ProcessGroup]
     sp_size: int
@@ -54,7 +54,7 @@ class SequenceState:
 
     def context_of(self, values) -> ForwardContext:
         """The context of the forward that made the first remembered tensor among ``values`` (tensors, or tuples /
-        lists of them, e.g. a block's inputs); the current forward's when none is remembered (its first run)."""
+        lists of them, e.g. a layer's inputs); the current forward's when none is remembered (its first run)."""
         for v in values:
             for t in (v if isinstance(v, (tuple, list)) else (v,)):
                 if isinstance(t, torch.Tensor):
@@ -65,8 +65,8 @@ class SequenceState:
 
     def current(self) -> ForwardContext:
         if self.ctx is None:
-            raise SPConfigError("parallelize: a parallelized block ran outside the model's forward (its context, set "
-                                "by the model's forward, is missing): call the model, not its blocks")
+            raise SPConfigError("parallelize: a parallelized layer ran outside the model's forward (its context, set "
+                                "by the model's forward, is missing): call the model, not its layers")
         return self.ctx
 
 
@@ -133,7 +133,7 @@ def _split_outputs_hook(entries: dict, state: SequenceState):
 
         def split(x, cpi):
             shard = split_tokens(x, state.group, cpi.split_dim, ctx)
-            state.remember([shard], ctx)     # e.g. rope's cos/sin shards, handed to every block
+            state.remember([shard], ctx)     # e.g. rope's cos/sin shards, handed to every layer
             return shard
         return _map_outputs(output, entries, split)
     return hook

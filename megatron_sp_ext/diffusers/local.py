@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..attention.backends import get_backend
-from ..attention.block_sparse import DEFAULT_BLOCK_SIZE, block_sparse_attention, check_block_mask
+from ..attention.block_sparse import DEFAULT_TILE_SIZE, block_sparse_attention, check_tile_mask
 from ..config import SPConfig
 from ..sp.ulysses.attend import local_attention
 
@@ -26,11 +26,11 @@ class OneRankAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  softmax_scale: Optional[float] = None, block_mask: Optional[torch.Tensor] = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+                 block_size: int = DEFAULT_TILE_SIZE) -> torch.Tensor:
         q_bhsd, k_bhsd, v_bhsd = (t.transpose(1, 2) for t in (q, k, v))
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         if block_mask is not None:
-            mask = check_block_mask(block_mask, seq_len=q.shape[1], block_size=block_size, num_heads=q.shape[2])
+            mask = check_tile_mask(block_mask, seq_len=q.shape[1], block_size=block_size, num_heads=q.shape[2])
             out = block_sparse_attention(q_bhsd, k_bhsd, v_bhsd, mask, block_size=block_size, causal=causal,
                                          softmax_scale=scale)
         else:

@@ -10,7 +10,7 @@
 Sharding: the model's own ``_cp_plan`` (hooks.py): rope's (cos, sin) and blocks.0's hidden_states split along the
 sequence, proj_out's output gathered, Wan 2.2 TI2V's per-token timestep [B, S] split. WanVACETransformer3DModel has
 no ``_cp_plan``: it runs Wan's plan plus the split of its vace_blocks.0's hidden_states and control_hidden_states
-(``plan_of``; its vace blocks only ever see that shard and their own outputs). Every self-attention
+(``plan_of``; its VACE layers only ever see that shard and their own outputs). Every self-attention
 (``blocks.i.attn1``, and VACE's ``vace_blocks.i.attn1``) runs through ``make_attention(cfg, group, num_heads=H,
 layout="bshd")`` (processor.py); the cross-attention (attn2: text, and Wan 2.1 I2V's image tokens) keeps diffusers'
 own processor, locally (this rank's queries against the whole text).

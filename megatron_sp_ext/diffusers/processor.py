@@ -25,9 +25,9 @@ from .rope import wan_rotary
 
 
 class SPWanSelfAttnProcessor:
-    """One block's self-attention through ``attention`` (an SPAttention, layout "bshd") over ``state.group``.
+    """One layer's self-attention through ``attention`` (an SPAttention, layout "bshd") over ``state.group``.
 
-    layer_index: the block's index (the SparseAttentionPlan's layer); original: the processor it replaced
+    layer_index: the layer's index (the SparseAttentionPlan's layer); original: the processor it replaced
     (``SPHandle.remove`` puts it back); where: the module's name (errors); fused_rope: Wan's RoPE as one kernel per
     direction where it applies (rope.py; the same bits as diffusers' ops), else diffusers' ops."""
 
@@ -58,7 +58,7 @@ class SPWanSelfAttnProcessor:
         if rotary_emb is not None:
             q_bshd = wan_rotary(q_bshd, *rotary_emb, fused=self.fused_rope)
             k_bshd = wan_rotary(k_bshd, *rotary_emb, fused=self.fused_rope)
-        plan, extra, block = self.state.sparse, None, {}
+        plan, extra, tiles = self.state.sparse, None, {}
         if plan is not None:   # the grid of the forward that made rotary_emb (a checkpoint recompute: not the latest)
             ctx = self.state.context_of(rotary_emb[:1] if rotary_emb is not None else ())
             mask, extra = plan(self.layer_index, q_bshd, k_bshd, v_bshd, ctx.grid_thw, self.state.group)
@@ -66,9 +66,9 @@ class SPWanSelfAttnProcessor:
                 if getattr(plan, "masks_agreed", False) and isinstance(self.attention, SPAttention):
                     # equal on every rank by construction (the plan says so): no cross-rank compare per layer
                     self.attention.res.mask_checks.agree(mask, self.state.group)
-                block = {"block_mask": mask, "block_size": plan.block_size}
+                tiles = {"block_mask": mask, "block_size": plan.block_size}
         self.attention.training = attn.training
-        out_bshd = self.attention(q_bshd, k_bshd, v_bshd, causal=False, **block)
+        out_bshd = self.attention(q_bshd, k_bshd, v_bshd, causal=False, **tiles)
         if extra is not None:
             out_bshd = out_bshd + extra
         out = out_bshd.flatten(2, 3).type_as(q_bshd)

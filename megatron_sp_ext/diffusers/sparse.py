@@ -2,7 +2,7 @@
 
 ``BlockSparsePlan`` is the ``sparse=`` of ``megatron_sp_ext.diffusers.parallelize`` (the SparseAttentionPlan of
 docs/diffusers.md). The tile grid is the model's latent grid after patchify, (F/p_t, H/p_h, W/p_w); the tokens
-run in its tile order (``token_order``, edge blocks compacted, ``megatron_sp_ext.video_tiles``), sharded
+run in its tile order (``token_order``, edge cells compacted, ``megatron_sp_ext.video_tiles``), sharded
 contiguously over the SP group, so a tile is ``block_size`` consecutive tokens and SP=1 computes what SP=N does.
 
 * ``window=(wt, wh, ww)``: each query tile attends the key tiles within +-(wt, wh, ww) tiles of it; one mask per
@@ -13,12 +13,12 @@ contiguously over the SP group, so a tile is ``block_size`` consecutive tokens a
   ``coarse=True`` (VSA's default) the coarse branch (dense attention of the pooled q over the pooled k/v, each
   tile's result given to its tokens) is added through a gate, ``Linear(dim, heads * head_dim)`` of the
   self-attention's input as in VSA's ``gate_compress``: a registered submodule ``blocks.{i}.attn1.sparse_gate`` of
-  every block, zero-initialised so a pretrained model starts as its fine block-sparse attention. The gates are in
+  every layer, zero-initialised so a pretrained model starts as its fine block-sparse attention. The gates are in
   ``model.state_dict()`` (``save_pretrained`` and ``torch.distributed.checkpoint`` carry them);
   ``from_pretrained`` drops them as unknown keys: ``load_gates(model, path)`` reads them back from the
   checkpoint's safetensors files.
 
-The gate reads the self-attention's input (``norm_hidden_states`` of the block): a forward pre-hook on each
+The gate reads the self-attention's input (``norm_hidden_states`` of the layer): a forward pre-hook on each
 ``attn1`` (torch's hook API) hands it to the plan, which uses it in the same layer's ``__call__`` and drops it.
 Nothing of diffusers is imported here (the model is duck-typed: ``model.blocks[i].attn1``).
 """
@@ -36,7 +36,7 @@ from torch import nn
 
 from ..errors import SPConfigError
 from ..video_tiles import (DEFAULT_TILE, SparseSpec, TileRun, check_tile_grid, coarse_tiles, device_window_mask,
-                           gated_spread, num_tiles_of, pad_block_mask, pool_tiles, tile_order, topk_block_mask)
+                           gated_spread, num_tiles_of, pad_tile_mask, pool_tiles, tile_order, topk_tile_mask)
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,13 @@ def _ints(value, setting: str, size: int, low: int) -> tuple:
 @dataclass(frozen=True)
 class _Layout:
     """Where this rank's S_local tokens sit in the tile order of one grid: ``run`` (TileRun), ``tile_index``
-    [S_local] (the tile of each token; ``num_tiles`` for SP padding), ``num_tiles``, ``num_blocks`` (blocks of the
+    [S_local] (the tile of each token; ``num_tiles`` for SP padding), ``num_tiles``, ``num_padded_tiles`` (tiles of the
     SP-padded full sequence)."""
 
     run: TileRun
     tile_index: torch.Tensor
     num_tiles: int
-    num_blocks: int
+    num_padded_tiles: int
 
 
 class BlockSparsePlan:
@@ -97,7 +97,7 @@ class BlockSparsePlan:
         self.masks_agreed = topk is not None
         self._orders: dict = {}                         # (grid, device) -> order on the device
         self._layouts: dict = {}                        # (grid, S_local, rank, world, device) -> _Layout
-        self._gates: list = []                          # the gate of each block (coarse), by layer index
+        self._gates: list = []                          # the gate of each layer (coarse), by layer index
         self._hooks: list = []
         self._inputs: dict = {}                         # layer index -> this forward's attn1 input (coarse)
 
@@ -105,7 +105,7 @@ class BlockSparsePlan:
 
     @property
     def block_size(self) -> int:
-        """Tokens per tile (the block mask's block)."""
+        """Tokens per tile (of the block mask)."""
         return self.spec.block_size
 
     def token_order(self, grid_thw: tuple, device) -> torch.Tensor:
@@ -122,21 +122,21 @@ class BlockSparsePlan:
         return order
 
     def attach(self, model: nn.Module) -> None:
-        """Add the coarse branch's zero-initialised gate to every block's ``attn1`` as the registered submodule
+        """Add the coarse branch's zero-initialised gate to every layer's ``attn1`` as the registered submodule
         ``sparse_gate`` (top-k with coarse only; nothing for a window), and a forward pre-hook handing the gate its
         input. A gate already on the model is kept (with its weights)."""
         if self._hooks:
             raise SPConfigError("BlockSparsePlan.attach: this plan is already attached to a model (detach it first; "
                                 "one plan per model)")
-        blocks = getattr(model, "blocks", None)
-        if blocks is None or not all(hasattr(b, "attn1") for b in blocks):
+        layers = getattr(model, "blocks", None)   # diffusers' name of the model's transformer layers
+        if layers is None or not all(hasattr(b, "attn1") for b in layers):
             raise SPConfigError(f"BlockSparsePlan.attach({type(model).__name__}): expected a diffusers "
                                 f"WanTransformer3DModel (model.blocks[i].attn1)")
         if not self.coarse:
             return
         self._gates = []
-        for index, block in enumerate(blocks):
-            attn = block.attn1
+        for index, layer in enumerate(layers):
+            attn = layer.attn1
             gate = getattr(attn, GATE_NAME, None)
             if gate is None:
                 weight = attn.to_q.weight
@@ -153,13 +153,13 @@ class BlockSparsePlan:
             handle.remove()
         self._hooks, self._gates = [], []
         self._inputs.clear()
-        for block in getattr(model, "blocks", ()):
-            if isinstance(getattr(getattr(block, "attn1", None), GATE_NAME, None), nn.Module):
-                delattr(block.attn1, GATE_NAME)
+        for layer in getattr(model, "blocks", ()):
+            if isinstance(getattr(getattr(layer, "attn1", None), GATE_NAME, None), nn.Module):
+                delattr(layer.attn1, GATE_NAME)
 
     def __call__(self, layer_index: int, q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor,
                  grid_thw: tuple, group: Optional[dist.ProcessGroup]) -> tuple:
-        """(block_mask, extra_bshd) for block ``layer_index``'s self-attention on this rank's q, k, v
+        """(block_mask, extra_bshd) for layer ``layer_index``'s self-attention on this rank's q, k, v
         [B, S_local, H, D] (tile order, after norm and RoPE): block_mask bool [1 or H, T, T] over the full (SP-padded)
         sequence, T = ceil(S_local * world / block_size), the same on every rank; extra [B, S_local, H, D] the gated
         coarse branch (top-k with coarse) or None."""
@@ -167,7 +167,7 @@ class BlockSparsePlan:
         batch, seq_local, heads, head_dim = q_bshd.shape
         layout = self._layout(grid, seq_local, group, q_bshd.device)
         if self.spec.window is not None:
-            mask = device_window_mask(grid, self.spec.tile, self.spec.window, layout.num_blocks, str(q_bshd.device))
+            mask = device_window_mask(grid, self.spec.tile, self.spec.window, layout.num_padded_tiles, str(q_bshd.device))
             return mask, None
         if batch != 1:
             raise SPConfigError(f"BlockSparsePlan(topk={self.spec.topk}): the top-k tiles are picked per sample and "
@@ -176,12 +176,12 @@ class BlockSparsePlan:
         group = group if group is not None and dist.get_world_size(group) > 1 else None
         q_tiles, k_tiles, v_tiles = (pool_tiles(t, layout.tile_index, layout.num_tiles, group, layout.run)
                                      for t in (q_bshd, k_bshd, v_bshd))              # [B, H, nT, D], whole sequence
-        mask = pad_block_mask(topk_block_mask(q_tiles[0], k_tiles[0], self.spec.topk), layout.num_blocks)
+        mask = pad_tile_mask(topk_tile_mask(q_tiles[0], k_tiles[0], self.spec.topk), layout.num_padded_tiles)
         if not self.coarse:
             return mask, None
         hidden = self._inputs.pop(layer_index, None)
         if hidden is None or hidden.shape[:2] != (batch, seq_local) or layer_index >= len(self._gates):
-            raise SPConfigError(f"BlockSparsePlan: block {layer_index}'s attn1 input was not seen (attach the plan to "
+            raise SPConfigError(f"BlockSparsePlan: layer {layer_index}'s attn1 input was not seen (attach the plan to "
                                 f"the model it runs: parallelize(model, group, sparse=plan) does)")
         gate_bshd = self._gates[layer_index](hidden).view(batch, seq_local, heads, head_dim)
         extra = gated_spread(gate_bshd, coarse_tiles(q_tiles, k_tiles, v_tiles), layout.tile_index, layout.run)
@@ -233,12 +233,12 @@ class BlockSparsePlan:
         if seq_local * world < n_tokens:
             raise SPConfigError(f"BlockSparsePlan: {world} rank(s) x {seq_local} tokens do not hold the latent grid "
                                 f"{grid} ({n_tokens} tokens): grid_thw must be the grid of the tokens attended")
-        block = self.block_size
+        tile = self.block_size
         num_tiles = num_tiles_of(grid, self.spec.tile)
         positions = torch.arange(seq_local) + rank * seq_local                     # contiguous shard of tile order
-        tile_index = torch.where(positions < n_tokens, positions // block, torch.full_like(positions, num_tiles))
-        layout = _Layout(TileRun(rank * seq_local, n_tokens, block), tile_index.to(device), num_tiles,
-                         -(-seq_local * world // block))
+        tile_index = torch.where(positions < n_tokens, positions // tile, torch.full_like(positions, num_tiles))
+        layout = _Layout(TileRun(rank * seq_local, n_tokens, tile), tile_index.to(device), num_tiles,
+                         -(-seq_local * world // tile))
         if len(self._layouts) >= 8:
             self._layouts.clear()
         self._layouts[key] = layout

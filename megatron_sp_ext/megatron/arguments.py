@@ -18,7 +18,7 @@ import argparse
 import os
 
 from .. import modes
-from ..config import BACKENDS, DYNAMIC_MODES, PLACEMENTS, RING_VARIANTS, SPConfig, parse_head_chunks
+from ..config import ARRANGEMENTS, BACKENDS, DYNAMIC_MODES, RING_VARIANTS, SPConfig, parse_head_chunks
 from ..errors import SPConfigError
 
 OURS = modes.NAMES   # the mode registry's
@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="context-parallel algorithm, one value or one per layer: " + ", ".join(OURS + TE))
     add("--hcms-head-chunks", type=_chunks, default=1,
         help="HCMS: head chunks per rank pipelined against the all-to-alls (int or 'auto', default 1 = plain Ulysses)")
-    add("--sp-placement", choices=PLACEMENTS, default="auto",
-        help="mesh placement for usp/tas/torus: usp = Ulysses inside machines, tas = Ulysses across (StreamFusion), "
+    add("--sp-placement", choices=ARRANGEMENTS, default="auto",
+        help="mesh arrangement for usp/tas/torus: usp = Ulysses inside machines, tas = Ulysses across (StreamFusion), "
              "auto = by the inter-machine volume model")
     add("--sp-nodes", type=int, default=None,
         help="machines to assume for the mesh (default: detect); set it to simulate machines on one")
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "exchanges (--cp-comm-type ulysses/hcms, integer --hcms-head-chunks); allgather: QKV from a "
              "sequence all-gather and the QKV GEMM for this rank's heads instead of the q/k/v exchanges (same "
              "requirements; with --sp-transport symm_mem through torch's fused symm_mem matmuls); with "
-             "--tensor-model-parallel-size > 1 (and --sequence-parallel) on/allgather run the TP x CP block's "
+             "--tensor-model-parallel-size > 1 (and --sequence-parallel) on/allgather run the TP x CP layer's "
              "pipelined / mixed (one all-gather and one reduce-scatter over TP x CP) form; auto: a runtime policy "
              "times Megatron's own attention path against those forms per shape (first calls) and keeps it unless "
              "a form is faster in a majority of interleaved rounds")
@@ -151,7 +151,7 @@ def validate_args(args) -> SPConfig:
         raise SPConfigError(f"--sp-nodes={cfg.nodes} does not divide --context-parallel-size {cp}")
     across = [t for t in [*types, cfg.placement] if modes.find(t) is not None and modes.get(t).ulysses_across]
     if across and _nodes_hint(args) < 2:
-        within = "/".join(modes.names(placement=True, ulysses_across=False) + ("auto",))
+        within = "/".join(modes.names(arrangement=True, ulysses_across=False) + ("auto",))
         raise SPConfigError(f"--cp-comm-type/--sp-placement {across[0]} needs a multi-machine mesh: this job runs on "
                             f"one machine; set --sp-nodes N to simulate N machines, or use {within}")
     return cfg

@@ -2,10 +2,10 @@
 
 ``with_sp_core_attention`` puts it in the layer spec; ``--sp-async-qkv`` (``sp_async_qkv="on"`` in
 SPTransformerConfig, or SPConfig.async_qkv) switches it on, otherwise it is the parent unchanged.
-With ``--sp-async-qkv allgather`` it runs the all-gather QKV block instead (sp/layers/allgather.py:
+With ``--sp-async-qkv allgather`` it runs the all-gather QKV layer instead (sp/layers/allgather.py:
 sequence all-gather fused with the QKV GEMM for this rank's heads; per-head q/k norms, RoPE with the
 gathered ranks' freqs; parameter grads are each CP rank's share, summed by the DP x CP grad reduction).
-When on, the training forward runs megatron_sp_ext's async Ulysses block
+When on, the training forward runs megatron_sp_ext's async Ulysses layer
 (sp/layers/async_qkv.py): per-branch Q, K, V GEMMs from ``linear_qkv``'s weight (Megatron's interleaved
 per-query-group rows q1..qn k v | ... are regrouped q | k | v on the fly, so checkpoints stay
 Megatron's), per-head q/k layernorm and RoPE applied to each branch before its exchange, the
@@ -13,7 +13,7 @@ output exchange overlapped with the dO exchange / dW_proj GEMM in backward. Same
 parent's forward; the returned (output, bias) follows ``linear_proj``'s skip_bias_add contract.
 
 With --tensor-model-parallel-size > 1 (needs --sequence-parallel; refused by name without it) the
-TP x CP block runs instead (sp/layers/tp_cp.py): ``on`` its pipelined form (TP all-gather pipelined with
+TP x CP layer runs instead (sp/layers/tp_cp.py): ``on`` its pipelined form (TP all-gather pipelined with
 the per-chunk QKV GEMMs, CP exchange per head chunk, pipelined TP reduce-scatter), ``allgather`` its mixed
 form (MixedComm: one all-gather over the tensor-and-context-parallel group in, one reduce-scatter over it
 out, no all-to-all); with one CP rank too.
@@ -21,16 +21,16 @@ out, no all-to-all); with one CP rank too.
 ``--sp-async-qkv auto`` lets a FormPolicy (sp/layers/policy.py) time, on the first call per shape key (shape,
 dtype, causal, TP, CP, heads, kv heads, chunks, RoPE, training, the group's ranks), Megatron's own attention
 path (the parent's forward: TP all-gather + QKV GEMM, our CP exchange + attention, output GEMM + TP
-reduce-scatter; the baseline) against the block's forms (TP > 1: pipelined, mixed, mixed_in; TP 1: async,
+reduce-scatter; the baseline) against the layer's forms (TP > 1: pipelined, mixed, mixed_in; TP 1: async,
 allgather), one fwd (+bwd in training) each on detached copies of the input and parameters (the model's grads,
 main_grad included, stay untouched), and keep the baseline unless a form is faster by the margin in a majority
 of interleaved rounds, the same decision on every rank of the tensor-and-context-parallel group. Every form is
 the same math (to fp rounding). The policy is shared by the layers of one model (it lives on their shared
 SPContext), so a shape is timed once.
 
-Runs where the async block does not apply (inference with a KV cache, cross attention, packed
+Runs where the async layer does not apply (inference with a KV cache, cross attention, packed
 sequences, attention bias, one CP rank at TP 1) use the parent's forward unchanged, which is the same math.
-Settings the async block cannot honour raise SPConfigError at construction, naming the flag.
+Settings the async layer cannot honour raise SPConfigError at construction, naming the flag.
 Shapes: hidden_states [s_local, b, hidden] (Megatron's sbhd), zigzag CP placement.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _real(norm):
 
 
 class SPSelfAttention(SelfAttention):
-    """SelfAttention with the async Ulysses block behind --sp-async-qkv (see module docstring)."""
+    """SelfAttention with the async Ulysses layer behind --sp-async-qkv (see module docstring)."""
 
     def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.padding,
                  cp_comm_type=None, pg_collection=None, **kwargs) -> None:
@@ -84,16 +84,16 @@ class SPSelfAttention(SelfAttention):
             raise SPConfigError(f"{_FLAG}={self.async_qkv!r} is invalid for Megatron layers: use on, allgather, "
                                 f"auto or nothing (off)")
         spec = modes.find(getattr(core, "mode", None))
-        if not hasattr(core, "ctx") or spec is None or not spec.exchange_blocks or spec.auto:
+        if not hasattr(core, "ctx") or spec is None or not spec.all_to_all or spec.auto:
             raise SPConfigError(f"{_FLAG} needs megatron_sp_ext core attention with --cp-comm-type "
-                                f"{modes.listing(modes.names(exchange_blocks=True, auto=False))} "
+                                f"{modes.listing(modes.names(all_to_all=True, auto=False))} "
                                 f"(got {getattr(core, 'mode', type(core).__name__)})")
         if not isinstance(spec.chunks(core.sp.head_chunks), int):
             raise SPConfigError(f"{_FLAG} needs an integer --hcms-head-chunks (got {core.sp.head_chunks!r})")
-        if self.world_size != 1:  # TP x CP block (sp/layers/tp_cp.py): needs Megatron's TP sequence parallelism
+        if self.world_size != 1:  # TP x CP layer (sp/layers/tp_cp.py): needs Megatron's TP sequence parallelism
             if not getattr(config, "sequence_parallel", False):
                 raise SPConfigError(f"{_FLAG} with --tensor-model-parallel-size {self.world_size} needs "
-                                    f"--sequence-parallel (the TP x CP block takes sequence-sharded hidden "
+                                    f"--sequence-parallel (the TP x CP layer takes sequence-sharded hidden "
                                     f"states); add --sequence-parallel or use --tensor-model-parallel-size 1")
             if config.num_query_groups is not None and config.num_query_groups % self.world_size:
                 raise SPConfigError(f"{_FLAG} with --tensor-model-parallel-size {self.world_size} needs "
@@ -104,7 +104,7 @@ class SPSelfAttention(SelfAttention):
         for name in ("q_layernorm", "k_layernorm"):
             norm = _real(getattr(self, name))
             if norm is not None and getattr(norm, "bias", None) is not None:
-                raise SPConfigError(f"{_FLAG}: {name} has a bias; the async block supports bias-free q/k norms "
+                raise SPConfigError(f"{_FLAG}: {name} has a bias; the async layer supports bias-free q/k norms "
                                     f"(--normalization RMSNorm)")
         if (config.attention_dropout or 0.0) > 0.0:
             raise SPConfigError(f"{_FLAG} needs --attention-dropout 0 (got {config.attention_dropout})")
@@ -164,19 +164,19 @@ class SPSelfAttention(SelfAttention):
     def form_policy(self, policy: FormPolicy) -> None:
         self.core_attention.ctx.form_policy = policy
 
-    def _choose_form(self, hidden_states, attention_mask, rotary_pos_emb) -> str:
+    def _form_for(self, hidden_states, attention_mask, rotary_pos_emb) -> str:
         if self.async_qkv != "auto":
             return FIXED_FORMS[self.async_qkv][0 if self.world_size != 1 else 1]
         core = self.core_attention
         cp_group, group = self._groups()
         chunks = modes.get(core.mode).chunks(core.sp.head_chunks)
-        key = ("sp-block", tuple(hidden_states.shape), hidden_states.dtype, core._causal(None, attention_mask),
+        key = ("sp-layer", tuple(hidden_states.shape), hidden_states.dtype, core._causal(None, attention_mask),
                self.world_size, cp_group.size(), self.num_attention_heads_per_partition,
                self.num_query_groups_per_partition, chunks, rotary_pos_emb is not None, self.training,
                group_key(group))
         steps = {f: functools.partial(self._calibration_step, f, hidden_states, attention_mask, rotary_pos_emb)
                  for f in self.forms()}
-        return self.form_policy.choose(key, steps, group, hidden_states.device)
+        return self.form_policy.fastest(key, steps, group, hidden_states.device)
 
     def _calibration_step(self, form: str, hidden_states, attention_mask, rotary_pos_emb) -> None:
         """One fwd (+bwd in training, also when the caller runs under no_grad: the first forward of Megatron's
@@ -212,7 +212,7 @@ class SPSelfAttention(SelfAttention):
                 self._fallback_logged = True
             form = BASELINE
         else:
-            form = sp_form or self._choose_form(hidden_states, attention_mask, rotary_pos_emb)
+            form = sp_form or self._form_for(hidden_states, attention_mask, rotary_pos_emb)
         if form == BASELINE:
             return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
                                    rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
@@ -234,7 +234,7 @@ class SPSelfAttention(SelfAttention):
 
         def prep(branch, y, w):  # [B, S, n*hn] -> per-head q/k norm, then RoPE on this rank's positions
             y4 = y.view(b, s, -1, hn)
-            if norms[branch] is not None:  # the norm's weight is the block's leaf w (its grad flows back)
+            if norms[branch] is not None:  # the norm's weight is the layer's leaf w (its grad flows back)
                 y4 = torch.func.functional_call(norms[branch], {"weight": w}, (y4,)) if w is not None \
                     else norms[branch](y4)
             if rotary_pos_emb is not None:
@@ -244,7 +244,7 @@ class SPSelfAttention(SelfAttention):
             return y4
         gathered = {}
 
-        def prep_full(branch, y, w, shard):  # all-gather block: this rank's heads, the gathered sequence
+        def prep_full(branch, y, w, shard):  # all-gather layer: this rank's heads, the gathered sequence
             y4 = y.view(b, -1, y.shape[-1] // hn, hn)
             if norms[branch] is not None:  # per-head norms: nothing crosses ranks
                 y4 = torch.func.functional_call(norms[branch], {"weight": w}, (y4,)) if w is not None \
@@ -260,12 +260,12 @@ class SPSelfAttention(SelfAttention):
         chunks = modes.get(core.mode).chunks(core.sp.head_chunks)
         if self.world_size != 1:
             return self._tp_cp_forward(x_bsd, norms, weights, rotary_pos_emb, causal, chunks, form)
-        block, block_prep = ((allgather_self_attention, prep_full) if form == "allgather"
+        layer, layer_prep = ((allgather_self_attention, prep_full) if form == "allgather"
                              else (async_ulysses_self_attention, prep))
-        out_bsd = block(
+        out_bsd = layer(
             x_bsd, self._qkv_weight(self.linear_qkv.weight), self._qkv_weight(self.linear_qkv.bias),
             self.linear_proj.weight, None, group, num_heads=self.num_attention_heads_per_partition,
-            num_kv_heads=self.num_query_groups_per_partition, prep=block_prep,
+            num_kv_heads=self.num_query_groups_per_partition, prep=layer_prep,
             norm_q_weight=weights["q"], norm_k_weight=weights["k"],
             head_chunks=chunks, softmax_scale=core.softmax_scale, backend=core.backend,
             comm_stream=core.ctx.streams.comm_stream(hidden_states.device),
@@ -274,7 +274,7 @@ class SPSelfAttention(SelfAttention):
         return out_bsd.transpose(0, 1).contiguous(), self.linear_proj.bias
 
     def _tp_cp_forward(self, x_bsd, norms, weights, rotary_pos_emb, causal: bool, chunks: int, form: str):
-        """TP > 1 with --sequence-parallel: the TP x CP block (sp/layers/tp_cp.py) in ``form`` (pipelined, mixed,
+        """TP > 1 with --sequence-parallel: the TP x CP layer (sp/layers/tp_cp.py) in ``form`` (pipelined, mixed,
         mixed_in) on this rank's [b, s_tp, h] tokens. The CP group may have one rank (TP only)."""
         import torch.distributed as dist  # noqa: PLC0415
         core = self.core_attention

@@ -17,7 +17,7 @@ class SPTransformerConfig(TransformerConfig):
     """Megatron TransformerConfig plus megatron_sp_ext settings (flag names in parentheses).
 
     hcms_head_chunks (--hcms-head-chunks): HCMS chunks per rank or "auto".
-    sp_placement (--sp-placement): mesh placement for usp/tas/torus/auto: auto, usp, tas.
+    sp_placement (--sp-placement): mesh arrangement for usp/tas/torus/auto: auto, usp, tas.
     sp_nodes (--sp-nodes): machines to assume (simulate several on one machine).
     sp_ulysses_size (--sp-ulysses-size): Ulysses degree of the mesh.
     sp_ring_variant (--sp-ring-variant): ring or tasp inside ring/hybrid modes.
@@ -25,7 +25,7 @@ class SPTransformerConfig(TransformerConfig):
     sp_transport (--sp-transport): nccl (default), symm_mem or copy_engine (copy-engine exchanges).
     sp_async_qkv (--sp-async-qkv): off, on (SPSelfAttention overlaps its projections with the
         exchanges), allgather (QKV by a sequence all-gather fused with the QKV GEMM), auto (video
-        DiT only: the runtime block policy).
+        DiT only: the runtime layer policy).
     """
 
     hcms_head_chunks: Union[int, str] = 1

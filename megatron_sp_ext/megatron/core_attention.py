@@ -87,7 +87,7 @@ class SPDotProductAttention(DotProductAttention):
         mesh = None
         hcp = getattr(pg_collection, "hcp", None)
         spec = modes.get(mode)   # a mesh with Ulysses inside machines is what Megatron's two levels are
-        if spec.placement and not spec.ulysses_across and cp > 1 and hcp and len(hcp) == 2 and self.sp.ulysses_size in (None, hcp[0].size()):
+        if spec.arrangement and not spec.ulysses_across and cp > 1 and hcp and len(hcp) == 2 and self.sp.ulysses_size in (None, hcp[0].size()):
             # Megatron already built the two levels (--hierarchical-context-parallel-sizes): reuse them
             mesh = mesh_from_hierarchical_groups(self.cp_group, hcp[0], hcp[1])
         self.attention: SPAttention = make_attention(
@@ -178,7 +178,7 @@ class SPDotProductAttention(DotProductAttention):
         once per key; a hook tests may replace)."""
         chooser, self.attention.chooser = self.attention.chooser, None
         try:
-            return self.attention.choose(q, k, causal, None, self.softmax_scale)
+            return self.attention.mode_for(q, k, causal, None, self.softmax_scale)
         finally:
             self.attention.chooser = chooser
 

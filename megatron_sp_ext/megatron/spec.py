@@ -18,7 +18,7 @@ def with_sp_core_attention(layer_spec: ModuleSpec, *, context: Optional[SPContex
 
     All layers built from the returned spec share one SPContext (streams, HCMS policy, meshes).
     A plain SelfAttention module becomes SPSelfAttention, which is the parent unchanged unless
-    ``--sp-async-qkv`` asks for the async block.
+    ``--sp-async-qkv`` asks for the async layer.
     """
     from megatron.core.transformer.attention import SelfAttention  # noqa: PLC0415
     spec = copy.deepcopy(layer_spec)

@@ -147,7 +147,7 @@ def group_key(group) -> tuple:
 class ModePolicy:
     """``auto`` across algorithms (Ulysses/HCMS, ring, TASP) per shape key, from its own calibration.
 
-    ``choose(key, candidates, group, device)``: ``candidates`` maps a mode name to a zero-argument step
+    ``fastest(key, candidates, group, device)``: ``candidates`` maps a mode name to a zero-argument step
     (one fwd+bwd at the caller's shapes); the first is the baseline. The first time a key is seen every
     candidate is timed in up to ``rounds`` interleaved rounds (rotating order), all-reduced (max) over the group,
     and ``decide`` keeps the baseline unless another mode is ``margin`` faster by median and in a strict
@@ -168,7 +168,7 @@ class ModePolicy:
         self.timer = timer or time_ms
         self.cache: dict = {}
 
-    def choose(self, key, candidates: dict, group, device) -> str:
+    def fastest(self, key, candidates: dict, group, device) -> str:
         cal = self.cache.get(key)
         if cal is not None:
             return cal.chunks
@@ -203,9 +203,9 @@ class ModePolicy:
                  cal.reason or cal.measured, len(next(iter(cal.rounds.values()), ())), cal.cost_ms)
         return cal.chunks
 
-    def choose_for(self, q, k, group, attention: dict, *, extra_key=(), device=None,
+    def fastest_for(self, q, k, group, attention: dict, *, extra_key=(), device=None,
                    fwd_bwd: Optional[bool] = None) -> str:
-        """``choose`` for attention calls shaped like ``q``/``k``: each ``attention[name](q, k, v)`` is timed on
+        """``fastest`` for attention calls shaped like ``q``/``k``: each ``attention[name](q, k, v)`` is timed on
         fresh random tensors of those shapes (private RNG: the model's random streams stay untouched), with a
         backward when grad is enabled. Devices outside ``timed_devices``: the first (baseline) name, untimed.
         The key: shapes, dtype, device type, the group's global ranks (``group_key``), ``extra_key`` (what else
@@ -232,7 +232,7 @@ class ModePolicy:
                     if fwd_bwd:
                         o.backward(go)
             return run
-        return self.choose(key, {n: step(fn) for n, fn in attention.items()}, group, device)
+        return self.fastest(key, {n: step(fn) for n, fn in attention.items()}, group, device)
 
 
 def _named(name: str, fn):

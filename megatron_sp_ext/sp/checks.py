@@ -1,6 +1,6 @@
 """Input checks shared by every sequence-parallel algorithm (Ulysses family and ring family).
 
-``check_same_block_mask`` compares a block mask across the group (one all_gather and a host sync); ``MaskChecks``
+``check_same_tile_mask`` compares a block mask across the group (one all_gather and a host sync); ``MaskChecks``
 runs it once per distinct mask (the algorithms take one as ``mask_checks=``; the factory passes its resources').
 
 ``check_inputs`` (Ulysses family: q, k, v of one layout, equal k/v shapes) and ``check_ring_inputs`` (ring
@@ -142,7 +142,7 @@ def _mask_checksum(block_mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([shape, (bits * w1).sum().view(1), (bits * w2).sum().view(1)])
 
 
-def check_same_block_mask(block_mask: torch.Tensor, group, what: str = "block_mask") -> None:
+def check_same_tile_mask(block_mask: torch.Tensor, group, what: str = "block_mask") -> None:
     """One small all_gather of a checksum of ``block_mask`` ([H or 1, T, T] bool, already checked on this rank):
     raises SPConfigError naming ``what`` on every rank when any rank's mask differs (a per-rank mask used to hang
     TASP and crash the ring), before any exchange. Every call runs it; ``MaskChecks`` runs it once per distinct mask."""
@@ -185,7 +185,7 @@ def _mask_difference(block_mask: torch.Tensor, group, rows: torch.Tensor, differ
 
 
 class MaskChecks:
-    """The cross-rank block-mask check once per distinct mask: ``check(mask, group)`` runs ``check_same_block_mask``
+    """The cross-rank block-mask check once per distinct mask: ``check(mask, group)`` runs ``check_same_tile_mask``
     (one all_gather and a host sync) unless this object already checked (or was told about) the same mask over the
     same group. "The same mask" is keyed on everything that changes the result: the mask object itself (held by a
     weak reference: a new mask built at a freed mask's address is a new mask), its in-place version (``_version``:
@@ -230,10 +230,10 @@ class MaskChecks:
                 and entry[2] == self._state(mask))
 
     def check(self, mask: torch.Tensor, group, what: str = "block_mask") -> None:
-        """``check_same_block_mask(mask, group, what)`` unless ``checked(mask, group)``."""
+        """``check_same_tile_mask(mask, group, what)`` unless ``checked(mask, group)``."""
         if group is None or dist.get_world_size(group) == 1 or self.checked(mask, group):
             return
-        check_same_block_mask(mask, group, what)
+        check_same_tile_mask(mask, group, what)
         self.collectives += 1
         self._remember(mask, group)
 
@@ -248,8 +248,8 @@ class MaskChecks:
 def check_mask_once(block_mask: torch.Tensor, group, mask_checks: Optional[MaskChecks],
                     what: str = "block_mask") -> None:
     """The cross-rank check of ``block_mask``: through ``mask_checks`` (once per distinct mask) or, without one,
-    on this call (``check_same_block_mask``)."""
+    on this call (``check_same_tile_mask``)."""
     if mask_checks is None:
-        check_same_block_mask(block_mask, group, what)
+        check_same_tile_mask(block_mask, group, what)
     else:
         mask_checks.check(block_mask, group, what)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
-from ..attention.block_sparse import DEFAULT_BLOCK_SIZE
+from ..attention.block_sparse import DEFAULT_TILE_SIZE
 from .. import modes
 from ..comm.capability import check_p2p, needs_p2p, p2p_unavailable_reason
 from ..comm.streams import StreamPool
@@ -43,7 +43,7 @@ RING_MODES = modes.names(family="ring")         # the ring variants auto may pic
 
 class SPResources:
     """What every attention of one model shares: comm streams, HCMS chunk policy, mode policy (auto), the
-    attention-block form policy (``--sp-async-qkv auto``), transports, meshes (one per group/heads/placement) and
+    attention-layer form policy (``--sp-async-qkv auto``), transports, meshes (one per group/heads/arrangement) and
     the block-mask checks (``MaskChecks``: each distinct mask compared across ranks once; ``per_call=True`` for the
     check on every call). ``sp_config``: the model's settings, if known."""
 
@@ -61,13 +61,14 @@ class SPResources:
         self.meshes: dict = {}
 
     def mesh(self, group: dist.ProcessGroup, num_heads: int, cfg: SPConfig,
-             placement: Optional[str] = None) -> SPMesh:
-        """The (cached) mesh of ``group`` for ``num_heads`` heads; ``placement`` overrides ``cfg.placement``."""
-        placement = placement or cfg.placement
-        key = (id(group), num_heads, placement, cfg.ulysses_size, cfg.nodes)
+             arrangement: Optional[str] = None) -> SPMesh:
+        """The (cached) mesh of ``group`` for ``num_heads`` heads; ``arrangement`` (usp/tas) overrides the setting
+        ``cfg.placement`` (the mesh arrangement)."""
+        arrangement = arrangement or cfg.placement
+        key = (id(group), num_heads, arrangement, cfg.ulysses_size, cfg.nodes)
         if key not in self.meshes:
             self.meshes[key] = build_sp_mesh(
-                group, num_heads=num_heads, placement=placement, ulysses_size=cfg.ulysses_size, nodes=cfg.nodes,
+                group, num_heads=num_heads, placement=arrangement, ulysses_size=cfg.ulysses_size, nodes=cfg.nodes,
                 names={s: cfg.name(s) for s in ("placement", "ulysses_size", "nodes")})
         return self.meshes[key]
 
@@ -115,10 +116,10 @@ class SPAttention:
         self.training: Optional[bool] = None  # the owning module's flag: auto times fwd+bwd by it (None: grad mode)
         self.mesh = mesh
         if self.mesh is None and self.spec.mesh and self.world > 1:
-            self.mesh = resources.mesh(group, num_heads, cfg, self.mode if self.spec.placement else None)
+            self.mesh = resources.mesh(group, num_heads, cfg, self.mode if self.spec.arrangement else None)
         self.packed = packed_entry(cfg, group, resources, backend=self.backend) if self.world > 1 else None
 
-    def choose(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
+    def mode_for(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
                softmax_scale: Optional[float] = None) -> str:
         """auto: "hcms" (Ulysses/HCMS, the baseline), "ring", or "tasp" (groups of more than 2 ranks) for this
         shape (``chooser`` or the ModePolicy's calibration, once per key, see sp.calibration; off CUDA: the
@@ -135,31 +136,31 @@ class SPAttention:
             candidates = {m: f for m, f in candidates.items() if not needs_p2p(m, self.world)}
         if len(candidates) == 1:
             return next(iter(candidates))
-        return self.res.mode_policy.choose_for(q, k, self.group, candidates, extra_key=(
+        return self.res.mode_policy.fastest_for(q, k, self.group, candidates, extra_key=(
             causal, kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
             getattr(self.backend, "name", type(self.backend).__name__)), fwd_bwd=self.training)
 
     def _ulysses(self, q, k, v, causal, scale, kv_valid_len, dropout_p, local_attention, cu_seqlens=None,
-                 block=None):
+                 tiles=None):
         return ulysses_attention(
             q, k, v, self.group, head_chunks=self.chunks, causal=causal, softmax_scale=scale, layout=self.layout,
             backend=local_attention if local_attention is not None else self.backend,
             comm_stream=self.res.streams.comm_stream(q.device), policy=self.res.policy, placement=self.placement,
             kv_valid_len=kv_valid_len, dropout_p=dropout_p, cu_seqlens=cu_seqlens,
             transport=self.res.transports.get(self.cfg.transport, self.group, q.device, self.cfg.name("transport")),
-            mask_checks=self.res.mask_checks, **(block or {}))
+            mask_checks=self.res.mask_checks, **(tiles or {}))
 
-    def _ring(self, q, k, v, variant, causal, scale, kv_valid_len, cu_seqlens=None, block=None):
+    def _ring(self, q, k, v, variant, causal, scale, kv_valid_len, cu_seqlens=None, tiles=None):
         return ring_attention(q, k, v, self.group, variant=variant, causal=causal, softmax_scale=scale,
                               layout=self.layout, placement=self.placement, backend=self.backend,
                               kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, mask_checks=self.res.mask_checks,
-                              **(block or {}))
+                              **(tiles or {}))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                  softmax_scale: Optional[float] = None, kv_valid_len: Optional[int] = None, dropout_p: float = 0.0,
                  local_attention: Optional[LocalAttention] = None,
                  cu_seqlens: Optional[torch.Tensor] = None, block_mask: Optional[torch.Tensor] = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+                 block_size: int = DEFAULT_TILE_SIZE) -> torch.Tensor:
         """q: [B, S_loc, H, D] / [S_loc, B, H, D]; k, v: Hkv heads. dropout_p: attention dropout of this call
         (0 in eval). local_attention: a caller's local attention for Ulysses/HCMS (bhsd in and out).
         cu_seqlens: packed variable-length samples (B=1; cumulative lengths over the full sequence, every rank the
@@ -167,12 +168,12 @@ class SPAttention:
         block_mask / block_size: block-sparse attention (bool [H or 1, T, T] tiles over the full sequence in global
         order, T = ceil(S / block_size); attention/block_sparse.py) in every mode (auto does not switch per shape
         with it); not with cu_seqlens, dropout_p or local_attention."""
-        block = None
+        tiles = None
         if block_mask is not None:
             if local_attention is not None:
                 raise SPConfigError("block_mask runs megatron_sp_ext's block-sparse kernels, not a caller's local "
                                     "attention: give one of them")
-            block = {"block_mask": block_mask, "block_size": block_size}
+            tiles = {"block_mask": block_mask, "block_size": block_size}
         if cu_seqlens is not None and local_attention is not None:
             raise SPConfigError("packed variable-length samples (cu_seqlens) run megatron_sp_ext's kernels per "
                                 "sample, not a caller's local attention")
@@ -190,8 +191,8 @@ class SPAttention:
                                 f"({self.cfg.name('backend')}), not a caller's local attention: use "
                                 f"{modes.listing(modes.names(local_attention=True))}")
         mode = self.mode
-        if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None and block is None:
-            picked = self.choose(q, k, causal, kv_valid_len, softmax_scale)
+        if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None and tiles is None:
+            picked = self.mode_for(q, k, causal, kv_valid_len, softmax_scale)
             mode = picked if picked in RING_MODES else self.mode
         if self.world > 1 and needs_p2p(mode, self.world):
             check_p2p(f"{self.cfg.name('mode')}={mode!r}" + (" (auto)" if modes.get(self.cfg.mode).auto else ""),
@@ -199,20 +200,20 @@ class SPAttention:
         family = modes.get(mode).family   # the one map from a mode to its algorithm
         if family == "ulysses":
             return self._ulysses(q, k, v, causal, softmax_scale, kv_valid_len, dropout_p, local_attention, cu_seqlens,
-                                 block)
+                                 tiles)
         if family == "ring":
-            return self._ring(q, k, v, mode, causal, softmax_scale, kv_valid_len, cu_seqlens, block)
+            return self._ring(q, k, v, mode, causal, softmax_scale, kv_valid_len, cu_seqlens, tiles)
         if family == "torus":
             return torus_attention(q, k, v, self.mesh, causal=causal, softmax_scale=softmax_scale, layout=self.layout,
                                    ring_variant=self.cfg.ring_variant, placement=self.placement, backend=self.backend,
                                    kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens,
-                                   mask_checks=self.res.mask_checks, **(block or {}))
+                                   mask_checks=self.res.mask_checks, **(tiles or {}))
         if family == "hybrid":
             return hybrid_attention(q, k, v, self.mesh, head_chunks=self.cfg.head_chunks,
                                     ring_variant=self.cfg.ring_variant, causal=causal, softmax_scale=softmax_scale,
                                     layout=self.layout, placement=self.placement, backend=self.backend,
                                     kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens,
-                                    mask_checks=self.res.mask_checks, **(block or {}))
+                                    mask_checks=self.res.mask_checks, **(tiles or {}))
         raise SPConfigError(f"{self.cfg.name('mode')}={mode!r} is invalid")  # pragma: no cover - SPConfig checked
 
 

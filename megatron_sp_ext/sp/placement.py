@@ -5,7 +5,7 @@
   Megatron's ``get_batch_on_this_cp_rank``). Balances causal ring attention.
 * "tasp_zigzag": TASP's eqs. 5-6 with m rings: 2*P*m equal pieces of u = S/(2Pm) tokens; ring i
   of rank r carries piece r*m+i and its mirror 2Pm-1-(r*m+i). The local order is ring-major
-  ([piece, mirror] of ring 0, then ring 1, ...) so each ring's block is one contiguous slice.
+  ([piece, mirror] of ring 0, then ring 1, ...) so each ring's K|V block is one contiguous slice.
   It holds the same tokens as "zigzag", in another order.
 A placement is a list of pieces (global_start, length) in local order.
 

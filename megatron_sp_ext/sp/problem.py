@@ -145,7 +145,7 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[
              mode: str, causal: bool, softmax_scale: Optional[float], layout: str, placement: str,
              backend: "str | LocalAttention" = "auto", kv_valid_len: Optional[int] = None,
              cu_seqlens: "torch.Tensor | PackedSamples | None" = None, block_mask: Optional[torch.Tensor] = None,
-             block_size: int = block_sparse.DEFAULT_BLOCK_SIZE, dropout_p: float = 0.0,
+             block_size: int = block_sparse.DEFAULT_TILE_SIZE, dropout_p: float = 0.0,
              varlen_kernel: str = "per_sample", seq_order: object = None, mask_checks: Optional[MaskChecks] = None,
              variant: Optional[tuple[str, str]] = None, p2p: tuple = ()) -> AttentionProblem:
     """The ``AttentionProblem`` of a call of the public function ``what`` (mode ``mode`` of the registry) over
@@ -186,7 +186,7 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[
             raise SPConfigError(f"block_mask runs megatron_sp_ext's block-sparse kernels (math, flex_attention), not "
                                 f"backend={getattr(be, 'name', be)!r}: use backend 'auto', 'sdpa', 'math' (or a "
                                 f"fixed fused kernel's name), or block_mask=None")
-        block_mask = block_sparse.check_block_mask(block_mask, seq_len=mask_seq_len, block_size=block_size,
+        block_mask = block_sparse.check_tile_mask(block_mask, seq_len=mask_seq_len, block_size=block_size,
                                                    num_heads=q.shape[2])
     packed = packed_cu(cu_seqlens, batch, seqlen, placement, world)
     if block_mask is not None:   # the caller's mask object: what mask_checks keys on

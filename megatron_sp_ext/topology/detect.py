@@ -1,7 +1,7 @@
 """How the ranks of a process group sit on machines: N machines x M GPUs each.
 
 Detection order: the user's ``nodes`` (also the way to simulate several machines on one, e.g.
-4 GPUs as 2 x 2; ranks are then split into N consecutive blocks), else emulated machines
+4 GPUs as 2 x 2; ranks are then split into N consecutive runs), else emulated machines
 (``SPX_EMULATED_MACHINE_SIZE``, topology/emulate.py: global ranks cut into machines of that size),
 else the hostnames of the group's ranks (one all_gather_object), else LOCAL_WORLD_SIZE.
 """
@@ -49,7 +49,7 @@ def emulated_topology(group: Optional[dist.ProcessGroup], machine_size: int) -> 
     if list(node_of) != sorted(node_of) or len(set(counts)) != 1:
         raise SPConfigError(f"{MACHINE_SIZE_ENV}={machine_size}: the group's ranks sit unevenly or out of order on "
                             f"the emulated machines (machines by rank: {list(node_of)}); use a machine size that "
-                            f"cuts the group into equal consecutive blocks")
+                            f"cuts the group into equal consecutive runs")
     return Topology(len(order), counts[0], node_of, simulated=True)
 
 

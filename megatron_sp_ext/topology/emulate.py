@@ -1,7 +1,7 @@
 """Emulated machines on one box: GPUs grouped into machines of ``SPX_EMULATED_MACHINE_SIZE`` ranks.
 
 With the variable set (e.g. 2 on a 4-GPU box: machines {0,1} and {2,3}; global ranks are cut into
-consecutive blocks), topology detection (``detect_topology``, ``--sp-nodes`` left unset) sees those
+consecutive runs), topology detection (``detect_topology``, ``--sp-nodes`` left unset) sees those
 machines as machines, and ``link_transport`` names the exchange transport of a process group: the
 host-staged one (comm/host_staged.py: GPU -> pinned host memory -> GPU, NIC-class bandwidth) when the
 group spans emulated machines, the fast one (NVLink) when it stays inside one. So only the

@@ -180,8 +180,8 @@ class RoutingTables:
     """TASP routing for one rank set: per ring i, ``nxt[i][r]`` and ``prv[i][r]``.
 
     ``out_ring[r][p]`` = ring whose arc is r -> p (-1 if none); ``in_ring[r][p]`` = ring whose arc is
-    p -> r (-1 if none). At every step rank r sends its ring-i block to nxt[i][r] and receives ring
-    i's block from prv[i][r], for all rings at once (one all_to_all).
+    p -> r (-1 if none). At every step rank r sends its ring-i K|V block to nxt[i][r] and receives ring
+    i's K|V block from prv[i][r], for all rings at once (one all_to_all).
     """
 
     n: int
@@ -192,7 +192,7 @@ class RoutingTables:
     in_ring: tuple[tuple[int, ...], ...]
 
     def origin(self, ring: int, rank: int, step: int) -> int:
-        """Rank whose ring-``ring`` block sits on ``rank`` after ``step`` steps."""
+        """Rank whose ring-``ring`` K|V block sits on ``rank`` after ``step`` steps."""
         r = rank
         for _ in range(step):
             r = self.prv[ring][r]

@@ -17,20 +17,21 @@ import torch.distributed as dist
 
 from .groups import new_subgroup
 from .. import modes
-from ..config import PLACEMENTS
+from ..config import ARRANGEMENTS
 from ..errors import SPConfigError
 from .detect import Topology, detect_topology
-from .volume import choose_placement
+from .volume import arrangement_for
 
 
 @dataclass
 class SPMesh:
-    """group: the whole SP group; grid[j][u]: group rank at ring index j, Ulysses index u."""
+    """group: the whole SP group; grid[j][u]: group rank at ring index j, Ulysses index u; arrangement: "usp" or
+    "tas" (how the Ulysses and ring groups lie on machines; ``build_sp_mesh``'s ``placement=`` keyword)."""
 
     group: dist.ProcessGroup
     rank: int
     world: int
-    placement: str
+    arrangement: str
     ulysses_size: int
     ring_size: int
     topology: Topology
@@ -54,7 +55,7 @@ class SPMesh:
 
     def describe(self) -> str:
         t = self.topology
-        return (f"SPMesh(placement={self.placement}, P={self.world} = Ulysses {self.ulysses_size} x Ring "
+        return (f"SPMesh(arrangement={self.arrangement}, P={self.world} = Ulysses {self.ulysses_size} x Ring "
                 f"{self.ring_size}, machines {t.nodes} x {t.per_node}{' (simulated)' if t.simulated else ''})")
 
 
@@ -70,13 +71,14 @@ def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, placement: str = 
                   names: Optional[dict] = None, seq_hint: Optional[tuple] = None) -> SPMesh:
     """Build (collectively) the mesh of ``group``. See module docstring.
 
-    placement: "usp", "tas" or "auto" (P_u = ulysses_size or gcd(P, H); the placement with the
-    smaller inter-machine volume). ``names`` maps setting -> how the user spelled it (errors).
+    placement: the mesh arrangement, "usp", "tas" or "auto" (P_u = ulysses_size or gcd(P, H); the
+    arrangement with the smaller inter-machine volume; the public keyword keeps its older name). ``names`` maps setting -> how the user spelled it (errors).
     """
     nm = {"placement": "placement", "ulysses_size": "ulysses_size", "nodes": "nodes", "num_heads": "num_heads"}
     nm.update(names or {})
-    if placement not in PLACEMENTS:
-        raise SPConfigError(f"{nm['placement']}={placement!r} is invalid: choose one of {', '.join(PLACEMENTS)}")
+    arrangement = placement
+    if arrangement not in ARRANGEMENTS:
+        raise SPConfigError(f"{nm['placement']}={arrangement!r} is invalid: choose one of {', '.join(ARRANGEMENTS)}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     topo = detect_topology(group, nodes, nm["nodes"])
     p_u = ulysses_size if ulysses_size is not None else math.gcd(world, num_heads)
@@ -87,12 +89,12 @@ def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, placement: str = 
         raise SPConfigError(f"{nm['ulysses_size']}={p_u} does not divide the number of heads {num_heads}: "
                             f"use a common divisor of {world} and {num_heads} (largest: {math.gcd(world, num_heads)})")
     p_r = world // p_u
-    if placement == "auto":
-        placement = choose_placement(topo.nodes, topo.per_node, p_u)
-    across = modes.get(placement).ulysses_across   # Ulysses groups span machines (tas), else inside them (usp)
+    if arrangement == "auto":
+        arrangement = arrangement_for(topo.nodes, topo.per_node, p_u)
+    across = modes.get(arrangement).ulysses_across   # Ulysses groups span machines (tas), else inside them (usp)
     if across and topo.nodes == 1:
-        within = "/".join(repr(p) for p in PLACEMENTS[::-1] if not modes.get(p).ulysses_across)
-        raise SPConfigError(f"{nm['placement']}={placement!r} needs a multi-machine mesh but the group runs on one "
+        within = "/".join(repr(p) for p in ARRANGEMENTS[::-1] if not modes.get(p).ulysses_across)
+        raise SPConfigError(f"{nm['placement']}={arrangement!r} needs a multi-machine mesh but the group runs on one "
                             f"machine: set {nm['nodes']} to simulate machines, or use {within}")
     order = topo.mesh_order()
     if not across:
@@ -102,7 +104,7 @@ def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, placement: str = 
     ring_index, ulysses_index = next((j, u) for j in range(p_r) for u in range(p_u) if grid[j][u] == rank)
     u_group = _new_group(grid[ring_index], group)
     r_group = _new_group(tuple(row[ulysses_index] for row in grid), group)
-    return SPMesh(group, rank, world, placement, p_u, p_r, topo, grid, ring_index, ulysses_index, u_group, r_group)
+    return SPMesh(group, rank, world, arrangement, p_u, p_r, topo, grid, ring_index, ulysses_index, u_group, r_group)
 
 
 def mesh_from_hierarchical_groups(group: dist.ProcessGroup, inner: dist.ProcessGroup,

@@ -21,7 +21,7 @@ def usp_volume(N: int, M: int, P_u: int, P_r: int, B: int, L: int, H: int, D: in
 
 
 def tas_volume(N: int, M: int, P_u: int, P_r: int, B: int, L: int, H: int, D: int) -> float:
-    """Elements per GPU crossing machine boundaries under TAS (StreamFusion's placement)."""
+    """Elements per GPU crossing machine boundaries under TAS (StreamFusion's arrangement)."""
     unit = B * L * H * D / N
     if N == 1:
         return 0.0
@@ -35,7 +35,7 @@ def lemma_d1_diff(N: int, M: int, P_u: int) -> float:
     return 4 * N / P_u ** 2 - (4 * M + 6 * N) / P_u - 2 * P_u / M + 2 * N + 6
 
 
-def choose_placement(N: int, M: int, P_u: int, B: int = 1, L: int = 1, H: int = 1, D: int = 1) -> str:
+def arrangement_for(N: int, M: int, P_u: int, B: int = 1, L: int = 1, H: int = 1, D: int = 1) -> str:
     """"tas" when it moves strictly fewer bytes between machines, else "usp" (ties: usp, which
     overlaps its inter-machine ring traffic)."""
     P_r = N * M // P_u

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_sp_ext import make_attention, modes
 from megatron_sp_ext.attention import kernels
-from megatron_sp_ext.attention.backends import AutoBackend, get_backend, with_block_kernel
+from megatron_sp_ext.attention.backends import AutoBackend, get_backend, with_tile_kernel
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.factory import SPResources
@@ -33,12 +33,12 @@ from .varlen import PackInfo
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
-def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backend", block_kernel: str = "auto"):
+def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backend", tile_setting: str = "auto"):
     """The attention core(q, k, v, kv_valid_len, cu_seqlens) on one device ([B, S, H, D], no sequence parallelism) on
     the local kernel ``backend``: FA4 where "auto"/"sdpa" resolve to it or "fa4" is named, the named kernel for
     "cudnn"/"torch_flash"/..., else torch SDPA (``model.local_core``, the DiT's reference path). A sparse step's
     ``block_mask`` / ``block_size`` (--sparse-attention tiles) run megatron_sp_ext's block-sparse kernel
-    ``block_kernel`` (--sparse-attention-kernel; "auto": the registry's first that runs the call, FA4's block sparsity
+    ``tile_setting`` (--sparse-attention-kernel; "auto": the registry's first that runs the call, FA4's block sparsity
     or flex_attention on CUDA, the math kernel on CPU; a named one must run it, else SPConfigError naming the flag),
     the one the SP modes run, on every backend."""
     from megatron_sp_ext.attention.block_sparse import block_sparse_attention  # noqa: PLC0415
@@ -52,7 +52,7 @@ def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backen
             if cu_seqlens is not None:  # the reference names the flags
                 return local_core(q, k, v, kv_valid_len, cu_seqlens, block_mask, block_size)
             o = block_sparse_attention(q_bhsd, k_bhsd, v_bhsd, block_mask, block_size=block_size,
-                                       kv_valid_len=kv_valid_len, kernel=block_kernel, setting=SPARSE_KERNEL_FLAG)
+                                       kv_valid_len=kv_valid_len, kernel=tile_setting, setting=SPARSE_KERNEL_FLAG)
             return o.transpose(1, 2)
         if isinstance(be, AutoBackend) and be.plain_via_torch_sdpa(q_bhsd):   # torch's own dispatch: the reference
             return local_core(q, k, v, kv_valid_len, cu_seqlens)
@@ -68,36 +68,36 @@ def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backen
 
 def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: str = "ring",
               placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "auto",
-              transport: str = "nccl", source: str = "megatron", block_kernel: str = "auto"):
+              transport: str = "nccl", source: str = "megatron", tile_setting: str = "auto"):
     """``core_of`` with the SPConfig of these settings (errors name the flags of ``source``); on one rank (group None
     or size 1) no SPConfig is built: the one-device core of ``backend``."""
     world = dist.get_world_size(group) if group is not None else 1
     if world == 1:
-        core = one_device_core(backend, setting=SPConfig(source=source).name("backend"), block_kernel=block_kernel)
+        core = one_device_core(backend, setting=SPConfig(source=source).name("backend"), tile_setting=tile_setting)
         core.group = None
         return core
     cfg = SPConfig(mode=mode, head_chunks=modes.head_chunks_of(mode, head_chunks), ring_variant=ring_variant,
                    placement=placement, ulysses_size=ulysses_size, nodes=nodes, backend=backend,
                    transport=transport, source=source)
-    return core_of(cfg, group, num_heads=num_heads, block_kernel=block_kernel)
+    return core_of(cfg, group, num_heads=num_heads, tile_setting=tile_setting)
 
 
-def core_of(cfg: SPConfig, group, *, num_heads: int, block_kernel: str = "auto"):
+def core_of(cfg: SPConfig, group, *, num_heads: int, tile_setting: str = "auto"):
     """The DiT's attention core(q, k, v, kv_valid_len) on [B, S_local, H, D] shards (contiguous token placement)
     for ``cfg`` (its mode, chunks, backend, ...; errors name the settings of ``cfg.source``) over ``group`` (None or
     size 1: ``one_device_core`` of ``cfg.backend``): the factory's attention (megatron_sp_ext.make_attention), with
     its ``packed`` entry (Ulysses / HCMS) and ``attention``. The one core family of both entries (Megatron and
     DeepSpeed). The DiT has no attention dropout (its attention is dropout-free). Sparse steps call
     core(q, k, v, kv_valid_len, block_mask=, block_size=) (model.AttentionCore), their block-sparse calls on
-    ``block_kernel`` (--sparse-attention-kernel; "auto": the backend's choice); ``core.group`` is ``group`` (None on
+    ``tile_setting`` (--sparse-attention-kernel; "auto": the backend's choice); ``core.group`` is ``group`` (None on
     one rank)."""
     world = dist.get_world_size(group) if group is not None else 1
     backend_setting = cfg.name("backend")
     if world == 1:
-        core = one_device_core(cfg.backend, setting=backend_setting, block_kernel=block_kernel)
+        core = one_device_core(cfg.backend, setting=backend_setting, tile_setting=tile_setting)
         core.group = None
         return core
-    local = with_block_kernel(cfg.backend, block_kernel, SPARSE_KERNEL_FLAG, backend_setting)  # "auto": the backend
+    local = with_tile_kernel(cfg.backend, tile_setting, SPARSE_KERNEL_FLAG, backend_setting)  # "auto": the backend
     # the resources (streams, auto's policies) made here: one place a test can hand in policies with its own timers
     attn = make_attention(cfg, group, num_heads=num_heads, layout="bshd", placement="contiguous", backend=local,
                           resources=SPResources(cfg))
@@ -255,13 +255,13 @@ def sample_loss(loss_r: torch.Tensor, sp_group, dp_group) -> float:
 
 
 def attention_kernel_line(backend: str, setting: str, device: torch.device, dtype: torch.dtype,
-                          head_dim: int, block_kernel: Optional[str] = None,
-                          block_setting: Optional[str] = None) -> str:
+                          head_dim: int, tile_setting: Optional[str] = None,
+                          tile_setting_name: Optional[str] = None) -> str:
     """One line for the user, printed before training starts: which kernel runs the self-attention on
     ``device``/``dtype`` at ``head_dim`` and the ``setting`` (flag or JSON key) that changes it. Dense runs: the
-    local-attention ``backend``'s kernel. ``block_kernel`` (the block-sparse kernel of a --sparse-attention tiles
+    local-attention ``backend``'s kernel. ``tile_setting`` (the block-sparse kernel of a --sparse-attention tiles
     run: a setting of attention/block_sparse.KERNELS, "auto" resolved for ``device``/``dtype`` by the registry): it runs
-    the self-attention (changed by ``block_setting``, --sparse-attention-kernel where the entry has it; None: the
+    the self-attention (changed by ``tile_setting_name``, --sparse-attention-kernel where the entry has it; None: the
     entry has no such setting, the line says the kernel is the registry's pick) and the backend's kernel runs the
     cross-attention."""
     be = get_backend(backend, setting)
@@ -271,13 +271,13 @@ def attention_kernel_line(backend: str, setting: str, device: torch.device, dtyp
     else:
         dense = be.name
     on = f"on {device.type}/{str(dtype).replace('torch.', '')}"
-    if block_kernel is None:
+    if tile_setting is None:
         return f"attention kernel: {dense} {on}; change with {setting}"
     from megatron_sp_ext.attention.block_sparse import resolve_kernel  # noqa: PLC0415
-    block = resolve_kernel(block_kernel, device, dtype, setting=block_setting or "block_kernel")
-    how = (f"change with {block_setting}" if block_setting else
+    tile_kernel = resolve_kernel(tile_setting, device, dtype, setting=tile_setting_name or "tile_setting")
+    how = (f"change with {tile_setting_name}" if tile_setting_name else
            "picked per call for the device and dtype (no setting of this entry changes it)")
-    return (f"attention kernel: self-attention: block-sparse {kernels.by_setting(block).label} {on}, {how}; "
+    return (f"attention kernel: self-attention: block-sparse {kernels.by_setting(tile_kernel).label} {on}, {how}; "
             f"cross-attention: {dense}, change with {setting}")
 
 

@@ -28,8 +28,8 @@ from megatron_sp_ext.errors import SPConfigError
 from .config import DiTConfig
 from .fused import ElementwiseOps, linear_input_dtype, rms_norm
 from .rope import RopeCache, apply_rope
-from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, SparseStepCache, coarse_tiles, gated_spread, pad_block_mask,
-                     pool_tiles, reference_sparse_attention, topk_block_mask)
+from .sparse import (SPARSE_FLAG, SparseSpec, SparseStep, SparseStepCache, coarse_tiles, gated_spread, pad_tile_mask,
+                     pool_tiles, reference_sparse_attention, topk_tile_mask)
 from .varlen import PackInfo
 
 # --recompute-modules values (Megatron-LM's names) for --recompute-granularity selective
@@ -131,8 +131,8 @@ class SelfAttention(nn.Module):
         self.norm_q, self.norm_k = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
         self.out = nn.Linear(cfg.dim, cfg.dim)
         self.core: AttentionCore = local_core
-        # (group, BlockChoice) runs that block form; (group, BlockPolicy) lets the policy pick per shape
-        self.sp_block = None
+        # (group, LayerChoice) runs that block form; (group, LayerPolicy) lets the policy pick per shape
+        self.sp_layer = None
         self.rope_memo: dict = {}  # the all-gather block's global RoPE table (shared by the model's blocks)
         self.recompute_core = False  # activation checkpointing of the attention core (selective core_attn)
         self.ops = ElementwiseOps()  # eager; VideoDiT.set_fused_elementwise shares one compiled set
@@ -146,7 +146,7 @@ class SelfAttention(nn.Module):
                 self.norm_k.weight)
 
     def _run(self, choice, group, x, angles, kv_valid_len, params):
-        """The block in form ``choice`` (megatron_sp_ext BlockChoice) with explicit parameters."""
+        """The block in form ``choice`` (megatron_sp_ext LayerChoice) with explicit parameters."""
         b, s, _ = x.shape
         w_qkv, b_qkv, w_o, b_o, nq, nk = params
         if choice.allgather:
@@ -222,7 +222,7 @@ class SelfAttention(nn.Module):
         outs = []
         checks = getattr(self.core, "mask_checks", None)
         for i in range(b):  # a block mask is one sample's (its own top-k)
-            mask = pad_block_mask(topk_block_mask(q_tiles[i], k_tiles[i], step.spec.topk), step.num_blocks)
+            mask = pad_tile_mask(topk_tile_mask(q_tiles[i], k_tiles[i], step.spec.topk), step.num_padded_tiles)
             if checks is not None and step.group is not None:   # every rank's top-k of the same all-reduced tiles
                 checks.agree(mask, step.group)
             outs.append(fine(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask))
@@ -233,12 +233,12 @@ class SelfAttention(nn.Module):
     def forward(self, x, angles, kv_valid_len, cu_seqlens=None, sparse: Optional[SparseStep] = None):
         b, s, _ = x.shape
         self.check_path(cu_seqlens, sparse)
-        if self.sp_block is not None:
-            group, how = self.sp_block
+        if self.sp_layer is not None:
+            group, how = self.sp_layer
             choice = how
-            if hasattr(how, "choose"):  # a BlockPolicy
+            if hasattr(how, "form_for"):  # a LayerPolicy
                 key = (tuple(x.shape), x.dtype, kv_valid_len, torch.is_grad_enabled())
-                choice = how.choose(key, lambda ch: self._calibration_step(ch, group, x, angles, kv_valid_len),
+                choice = how.form_for(key, lambda ch: self._calibration_step(ch, group, x, angles, kv_valid_len),
                                     group, x.device, self.heads // group.size())
             if self.recompute_core and torch.is_grad_enabled():  # the fused block forms: recompute the whole block
                 return checkpoint(self._run, choice, group, x, angles, kv_valid_len, self._params(),
@@ -250,10 +250,10 @@ class SelfAttention(nn.Module):
 
     def check_path(self, cu_seqlens=None, sparse: Optional[SparseStep] = None) -> None:
         """Refuse (SPConfigError, naming the flags) a step the configured path cannot run."""
-        if sparse is not None and (self.sp_block is not None or self.packed_qkv or cu_seqlens is not None):
+        if sparse is not None and (self.sp_layer is not None or self.packed_qkv or cu_seqlens is not None):
             raise SPConfigError(f"{SPARSE_FLAG} tiles runs the plain self-attention path: use --sp-async-qkv off, "
                                 f"--ulysses-packed-qkv off or auto, and no {PACK_FLAG}")
-        if cu_seqlens is not None and self.sp_block is not None:
+        if cu_seqlens is not None and self.sp_layer is not None:
             raise SPConfigError(f"{PACK_FLAG}: the async / all-gather self-attention block forms (--sp-async-qkv) "
                                 f"take no packed samples; use --sp-async-qkv off")
         if cu_seqlens is not None and self.packed_qkv:
@@ -403,7 +403,7 @@ class Block(nn.Module):
         (q, k, v) and its own saved tensors (output, log-sum-exp) are kept, so the backward reruns norms,
         modulation, projections, cross-attention and FFN, never the attention kernel. The modulation [B, 6d] is
         computed once outside both regions (same gradient summation as without recompute: bit-identical)."""
-        if self.attn.sp_block is not None:
+        if self.attn.sp_layer is not None:
             raise SPConfigError("--recompute-modules outside_core_attn splits the block around the attention core: "
                                 "the fused async / all-gather block forms (--sp-async-qkv on / allgather / auto) have "
                                 "no such split; use --sp-async-qkv off, or --recompute-modules core_attn")
@@ -548,22 +548,22 @@ class VideoDiT(nn.Module):
                             allgather: bool = False) -> None:
         """Use the async Ulysses block (projections overlapped with their exchanges) in every block, or
         with ``allgather`` the all-gather QKV block (sequence all-gather fused with the QKV GEMM)."""
-        from megatron_sp_ext.sp.layers.policy import BlockChoice  # noqa: PLC0415
+        from megatron_sp_ext.sp.layers.policy import LayerChoice  # noqa: PLC0415
         memo: dict = {}
         for blk in self.blocks:
-            blk.attn.sp_block = (group, BlockChoice(not allgather, head_chunks, transport, allgather))
+            blk.attn.sp_layer = (group, LayerChoice(not allgather, head_chunks, transport, allgather))
             blk.attn.rope_memo = memo
 
-    def set_block_policy(self, group, policy=None) -> None:
+    def set_layer_policy(self, group, policy=None) -> None:
         """Let one runtime policy pick plain/async/allgather, HCMS chunks and transport per shape (all blocks
         share the policy, so a shape is calibrated once)."""
-        from megatron_sp_ext.sp.layers.policy import BlockPolicy  # noqa: PLC0415
-        policy = policy or BlockPolicy()
+        from megatron_sp_ext.sp.layers.policy import LayerPolicy  # noqa: PLC0415
+        policy = policy or LayerPolicy()
         memo: dict = {}
         for blk in self.blocks:
-            blk.attn.sp_block = (group, policy)
+            blk.attn.sp_layer = (group, policy)
             blk.attn.rope_memo = memo
-        self.block_policy = policy
+        self.layer_policy = policy
 
     def forward(self, patches, t, text, token_ids, grid, kv_valid_len=None, pack: Optional[PackInfo] = None):
         x = self.patch_embed(patches)

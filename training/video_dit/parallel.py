@@ -31,13 +31,13 @@ class DiTParallelConfig:
     """What ``parallelize`` sets up. sp: the attention's SPConfig (mode, chunks, backend, transport, ...; ``dynamic``
     true: each packed sample on its own sub-group, ``dynamic_min_size`` the smallest; ``async_qkv`` on / allgather:
     the fused async Ulysses / all-gather QKV block forms, auto: a runtime policy picks per shape; SP > 1 only);
-    sparse: --sparse-attention tiles (None: dense); block_kernel: --sparse-attention-kernel; recompute_*: --recompute-granularity / -modules / -num-layers; cpu_offloading(_num_layers):
+    sparse: --sparse-attention tiles (None: dense); tile_setting: --sparse-attention-kernel; recompute_*: --recompute-granularity / -modules / -num-layers; cpu_offloading(_num_layers):
     --cpu-offloading(-num-layers); fused_backend: the resolved --fused-elementwise (None: eager); packed_qkv: the
     resolved --ulysses-packed-qkv."""
 
     sp: SPConfig = field(default_factory=SPConfig)
     sparse: Optional[SparseSpec] = None
-    block_kernel: str = "auto"
+    tile_setting: str = "auto"
     dynamic_min_size: int = 1
     recompute_granularity: Optional[str] = None
     recompute_modules: Sequence[str] = ("core_attn",)
@@ -70,9 +70,9 @@ class DiTParallelHandle:
         m.set_cpu_offloading(False)
         m.set_recompute(None)
         for blk in m.blocks:
-            blk.attn.sp_block = None
+            blk.attn.sp_layer = None
             blk.attn.rope_memo = {}
-        m.__dict__.pop("block_policy", None)
+        m.__dict__.pop("layer_policy", None)
         m.set_attention_core(local_core)
         m.set_sparse_attention(None)
         self.removed = True
@@ -86,7 +86,7 @@ def parallelize(model: VideoDiT, group: Optional[dist.ProcessGroup],
     config = config or DiTParallelConfig()
     if not isinstance(model, VideoDiT):
         raise SPConfigError(f"parallelize takes a training.video_dit VideoDiT; got {type(model).__name__}")
-    if any(getattr(b.attn, "sp_block", None) is not None for b in model.blocks) or \
+    if any(getattr(b.attn, "sp_layer", None) is not None for b in model.blocks) or \
             any(b.attn.core is not local_core for b in model.blocks):
         raise SPConfigError("parallelize: this VideoDiT is already parallelized: call remove() on its handle first")
     if config.sp.dropout_p:
@@ -98,13 +98,13 @@ def parallelize(model: VideoDiT, group: Optional[dist.ProcessGroup],
     if config.sp.dynamic and sp_group is not None:  # each packed sample on its own sub-group of the SP ranks
         core = make_dynamic_core(config.sp, sp_group, num_heads=model.cfg.heads, min_size=config.dynamic_min_size)
     else:
-        core = core_of(config.sp, sp_group, num_heads=model.cfg.heads, block_kernel=config.block_kernel)
+        core = core_of(config.sp, sp_group, num_heads=model.cfg.heads, tile_setting=config.tile_setting)
     model.set_attention_core(core)
     if sp_group is not None and config.sp.async_qkv in ("on", "allgather"):
         model.set_async_attention(sp_group, config.sp.head_chunks, config.sp.transport,
                                   allgather=config.sp.async_qkv == "allgather")
     elif sp_group is not None and config.sp.async_qkv == "auto":
-        model.set_block_policy(sp_group)
+        model.set_layer_policy(sp_group)
     model.set_recompute(config.recompute_granularity, config.recompute_modules, config.recompute_num_layers)
     model.set_cpu_offloading(config.cpu_offloading, config.cpu_offloading_num_layers)
     model.set_fused_elementwise(config.fused_backend)

@@ -1,11 +1,11 @@
 """Block-sparse self-attention for the video DiT (``--sparse-attention tiles``), VSA-style: the DiT's flags and its
 per-forward ``SparseStep`` (built once per shape by ``SparseStepCache``).
 
-The tile math (tile order with compacted edge blocks, window / top-k block masks, pooled tiles summed over the SP
+The tile math (tile order with compacted edge cells, window / top-k block masks, pooled tiles summed over the SP
 group, the coarse branch, the one-device reference) is model-independent and lives in ``megatron_sp_ext.video_tiles``
 (shared with the diffusers client); its names are re-exported here. ``--sparse-window`` picks a fixed local window
-(``window_block_mask``), ``--sparse-topk K`` VSA's top-k key tiles per query tile from the pooled q/k
-(``topk_block_mask``) plus the coarse branch through the DiT's zero-initialised gate (``model.py``).
+(``window_tile_mask``), ``--sparse-topk K`` VSA's top-k key tiles per query tile from the pooled q/k
+(``topk_tile_mask``) plus the coarse branch through the DiT's zero-initialised gate (``model.py``).
 The batch is put in tile order before sharding (``engine.flow_matching_batch(tile=...)``), so every rank holds one
 contiguous run of the tile order.
 """
@@ -21,8 +21,8 @@ from megatron_sp_ext import video_tiles
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.video_tiles import (  # noqa: F401 - re-exported: the DiT's entry points, tests and tools
     DEFAULT_TILE, SparseSpec, TileRun, coarse_attention, coarse_tiles, device_window_mask, gated_spread,
-    num_tiles_of, pad_block_mask, pool_tiles, reference_sparse_attention, row_major_ids, spread_tiles, tile_coords,
-    tile_counts, tile_order, tile_positions, tile_token_mask, tiles_per_axis, topk_block_mask, window_block_mask)
+    num_tiles_of, pad_tile_mask, pool_tiles, reference_sparse_attention, row_major_ids, spread_tiles, tile_coords,
+    tile_counts, tile_order, tile_positions, tile_token_mask, tiles_per_axis, topk_tile_mask, window_tile_mask)
 
 SPARSE_CHOICES = ("none", "tiles")
 TILE_FLAG, TOPK_FLAG, WINDOW_FLAG, SPARSE_FLAG = "--sparse-tile", "--sparse-topk", "--sparse-window", \
@@ -32,7 +32,7 @@ SPARSE_KERNEL_FLAG = "--sparse-attention-kernel"   # the megatron entry's block-
 
 def check_tile_grid(grid_thw: tuple, tile_thw: tuple) -> None:
     """Raise SPConfigError naming ``--sparse-tile`` when ``tile_thw`` is not three positive sizes (any grid runs:
-    edge blocks are compacted, ``megatron_sp_ext.video_tiles``)."""
+    edge cells are compacted, ``megatron_sp_ext.video_tiles``)."""
     video_tiles.check_tile_grid(grid_thw, tile_thw, setting=TILE_FLAG)
 
 
@@ -40,15 +40,15 @@ def check_tile_grid(grid_thw: tuple, tile_thw: tuple) -> None:
 class SparseStep:
     """What one forward's sparse self-attention needs (``sparse_step``), the same in every block: ``spec``,
     ``tile_index`` [S_local] (the tile of each local token; >= ``num_tiles`` for SP padding), ``num_tiles`` (tiles
-    of the grid), ``num_blocks`` (blocks of the SP-padded full sequence, ceil(S_padded / block_size)), ``group`` (the
+    of the grid), ``num_padded_tiles`` (tiles of the SP-padded full sequence, ceil(S_padded / block_size)), ``group`` (the
     SP group the pooled tiles are summed over; None: one rank) and, for a window, its ``window_mask``
-    [1, num_blocks, num_blocks] on the device (None for top-k, which is picked per layer); ``run``: where the local
+    [1, num_padded_tiles, num_padded_tiles] on the device (None for top-k, which is picked per layer); ``run``: where the local
     tokens sit in tile order (``TileRun``)."""
 
     spec: SparseSpec
     tile_index: torch.Tensor
     num_tiles: int
-    num_blocks: int
+    num_padded_tiles: int
     group: Optional[dist.ProcessGroup]
     window_mask: Optional[torch.Tensor]
     run: Optional[TileRun] = None
@@ -67,16 +67,16 @@ def sparse_step(spec: SparseSpec, token_ids: torch.Tensor, grid_thw: tuple, grou
                             f"(build the batch with engine.flow_matching_batch(..., tile=...), or permute the "
                             f"patches with sparse.tile_order before sharding them contiguously)")
     world = dist.get_world_size(group) if group is not None else 1
-    block = spec.block_size
+    tile = spec.block_size
     num_tiles = num_tiles_of(tuple(grid_thw), spec.tile)
-    num_blocks = -(-seq_local * world // block)
+    num_padded_tiles = -(-seq_local * world // tile)
     window = None
     if spec.window is not None:
-        window = device_window_mask(tuple(grid_thw), tuple(spec.tile), tuple(spec.window), num_blocks, str(device))
+        window = device_window_mask(tuple(grid_thw), tuple(spec.tile), tuple(spec.window), num_padded_tiles, str(device))
     n_tokens = grid_thw[0] * grid_thw[1] * grid_thw[2]
-    tile_index = torch.where(positions < n_tokens, positions // block, torch.full_like(positions, num_tiles))
-    return SparseStep(spec, tile_index.to(device), num_tiles, num_blocks,
-                      group if world > 1 else None, window, TileRun(int(positions[0]), n_tokens, block))
+    tile_index = torch.where(positions < n_tokens, positions // tile, torch.full_like(positions, num_tiles))
+    return SparseStep(spec, tile_index.to(device), num_tiles, num_padded_tiles,
+                      group if world > 1 else None, window, TileRun(int(positions[0]), n_tokens, tile))
 
 
 class SparseStepCache:

@@ -20,7 +20,7 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_block_mask(ts, *, causal: bool = False, compiled: Optional[bool] = None):
+def flex_mask(ts, *, causal: bool = False, compiled: Optional[bool] = None):
     """flex_attention's ``BlockMask`` for a tile slice ``ts`` (its mask_mod indexes the tile mask rows of the
     slice's heads, AND causal by global position, AND kv_valid_len). compiled (default: on CUDA): built through
     torch.compile (no [h, Sq, Sk] mask materialised); False evaluates the mask_mod eagerly (small shapes, CPU)."""
@@ -76,7 +76,7 @@ class FlexKernel(Kernel):
     def prepare(self, tiles, sq, sk, causal):
         key = ("flex_mask", bool(causal))
         if key not in tiles.cache:
-            tiles.cache[key] = flex_block_mask(tiles, causal=causal)
+            tiles.cache[key] = flex_mask(tiles, causal=causal)
         return tiles.cache[key]
 
     def attention(self, q, k, v, causal, scale, tiles=None):

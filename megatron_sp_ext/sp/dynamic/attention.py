@@ -5,7 +5,7 @@ layout "bshd", [S_loc, 1, H, D] for "sbhd") in the plan's local order (``Dynamic
 output in the same rows. Samples on one rank run the local kernel (no exchange; all of them in one varlen call);
 the samples of a sub-group of d > 1 ranks run in one call of the factory's attention for ``cfg.mode`` over that
 sub-group (``make_attention``, cu_seqlens of those samples: the library pads each to a multiple of d, as the plan's
-rows are). Sub-groups run in ``plan.groups()`` order on every rank. With ``block_masks`` (one per sample, over the
+rows are). Sub-groups run in ``plan.groups()`` order on every rank. With ``tile_masks`` (one per sample, over the
 sample's own tokens, or None) each sample runs on its own with its mask (block-sparse kernels).
 
 Modes: ulysses, hcms, ring, tasp, usp and auto (resolved per sub-group size); tas and torus place Ulysses across
@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from ...attention.backends import get_backend
-from ...attention.block_sparse import DEFAULT_BLOCK_SIZE, block_sparse_attention
+from ...attention.block_sparse import DEFAULT_TILE_SIZE, block_sparse_attention
 from ... import modes
 from ...config import DYNAMIC_MODES, SPConfig
 from ...errors import SPConfigError
@@ -88,10 +88,10 @@ class DynamicAttention:
                                                      block_mask=mask, block_size=block_size)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DynamicPlan, *, causal: bool = False,
-                 softmax_scale: Optional[float] = None, block_masks: Optional[Sequence[Optional[torch.Tensor]]] = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+                 softmax_scale: Optional[float] = None, tile_masks: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 block_size: int = DEFAULT_TILE_SIZE) -> torch.Tensor:
         """q: this rank's rows ([1, S_loc, H, D] / [S_loc, 1, H, D]); k, v: Hkv heads; plan: the pack's plan (the
-        same on every rank). block_masks: per sample, bool [H or 1, T_i, T_i] over its own tokens (T_i =
+        same on every rank). tile_masks: per sample, bool [H or 1, T_i, T_i] over its own tokens (T_i =
         ceil(n_i / block_size)), or None for dense. Returns the output rows."""
         if plan.world != self.groups.world:
             raise SPConfigError(f"dynamic SP: the plan is for {plan.world} ranks, the SP group has "
@@ -116,7 +116,7 @@ class DynamicAttention:
             for i in ids:
                 outs[i] = o.narrow(sd, at, offset[i][1])
                 at += offset[i][1]
-        masked = block_masks is not None and any(m is not None for m in block_masks)
+        masked = tile_masks is not None and any(m is not None for m in tile_masks)
         for start, size in plan.groups():  # one global order on every rank
             if not start <= rank < start + size:
                 continue
@@ -124,8 +124,8 @@ class DynamicAttention:
             if masked:
                 for i in ids:
                     t = [x.narrow(sd, *offset[i]) for x in (q, k, v)]
-                    if block_masks[i] is not None:
-                        keep([i], self._masked(*t, plan, i, block_masks[i], block_size, causal, scale))
+                    if tile_masks[i] is not None:
+                        keep([i], self._masked(*t, plan, i, tile_masks[i], block_size, causal, scale))
                     elif size == 1:
                         keep([i], self._local(*t, [plan.lengths[i]], causal, scale))
                     else:

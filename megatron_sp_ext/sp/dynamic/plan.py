@@ -54,7 +54,7 @@ class CostModel:
     @classmethod
     def for_dims(cls, dim: int, ffn: int, text_len: int = 0, flops_per_byte: float = 0.0,
                  bytes_per_value: int = 2, ring: bool = False) -> "CostModel":
-        """A DiT block of width ``dim``, MLP width ``ffn`` and ``text_len`` text tokens: linear FLOPs per token
+        """A DiT layer of width ``dim``, MLP width ``ffn`` and ``text_len`` text tokens: linear FLOPs per token
         2 * (6 dim^2 + 2 dim ffn) + 4 dim text_len over 4 dim per pair; the exchange of q, k, v and the output
         (4 dim values of ``bytes_per_value``) at ``flops_per_byte`` (the GPU's FLOP/s over the link's bytes/s;
         0: exchange not counted); ring: the ring's exchange (``CostModel.ring``)."""

@@ -1,4 +1,4 @@
-"""Self-attention layer block whose QKV exchange is a sequence all-gather fused with the QKV GEMM.
+"""Self-attention layer whose QKV exchange is a sequence all-gather fused with the QKV GEMM.
 
     x_full = all_gather_seq(x)                         [B, S, dim]   (S = P * S_local, rank order)
     q|k|v  = x_full W_r^T                               this rank's Ulysses heads only
@@ -19,7 +19,7 @@ QK-norm over all heads (Wan) needs the sum of squares over every rank's heads: `
 ``HeadShard`` whose ``sum_sq`` all-reduces it (autograd-aware); RoPE must use the GLOBAL positions of
 the gathered sequence (``HeadShard.gather_tokens`` gathers per-token tables). Parameter gradients
 are each rank's share (its heads' rows, zeros elsewhere; x's full contribution): summed over the
-context-parallel group, as data-parallel gradient reduction does, they equal the plain block's.
+context-parallel group, as data-parallel gradient reduction does, they equal the plain layer's.
 """
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ from ...comm import streams as st
 from ...comm.transport import symm_mem_unavailable_reason
 from ...errors import SPConfigError
 from .async_qkv import AsyncPlan, attention_backward, make_async_plan, out_proj_backward
-from .skeleton import LayerBlock, apply_block, attend_all, prep_backward, prep_forward, start_gather
+from .skeleton import LayerForm, apply_layer, attend_all, prep_backward, prep_forward, start_gather
 
 # prep(branch, y [B, S, n*D], norm_weight (full, or None), shard) -> [B, S, n, D]
 PrepFull = Callable[[str, torch.Tensor, Optional[torch.Tensor], "HeadShard"], torch.Tensor]
 
 
 def _mm(a, b):
-    """Every GEMM of this block goes through here (one place to trace the schedule)."""
+    """Every GEMM of this layer goes through here (one place to trace the schedule)."""
     return torch.matmul(a, b)
 
 
@@ -65,7 +65,7 @@ class _AllReduceSum(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class HeadShard:
-    """This rank's heads in the all-gather block (global indices) and the cross-rank helpers prep needs.
+    """This rank's heads in the all-gather layer (global indices) and the cross-rank helpers prep needs.
 
     q_heads: global q heads held here. kv_heads: the ORIGINAL kv head of each local kv head (GQA with
     fewer kv heads than ranks replicates them). kv_owner: per local kv head, whether this copy counts
@@ -189,7 +189,7 @@ def project_gathered(x, w_qkv, b_qkv, nq_w, nk_w, plan: GatherPlan):
     """The pre-attention part: x [B, S_local, dim] -> this rank's heads over the whole sequence.
 
     Returns (w_r, four, saved_prep): w_r the rows of w_qkv used, four[name] the prepared [B, S, n, D]
-    q, k, v, saved_prep what the QK-norm / RoPE backward needs. Used by the block's forward and by
+    q, k, v, saved_prep what the QK-norm / RoPE backward needs. Used by the layer's forward and by
     tools/bench_block.py.
     """
     d = plan.dims[2]
@@ -249,7 +249,7 @@ def _backward(saved, state, dy, plan: GatherPlan):
             g4[name][:, :, a:a + n].copy_(g3[i].transpose(1, 2))
             g3[i] = None
     # x is needed again only for dW: gather it on the comm stream while the q/k prep backward and the
-    # dx GEMM run (x_full is not kept from the forward: P x the block input per layer)
+    # dx GEMM run (x_full is not kept from the forward: P x the layer's input)
     get_x_full = start_gather(x, plan.group, compute, comm)
     d_norm = {}
     for name, off in (("q", 0), ("k", wq)):  # prep backward; each graph is freed right after
@@ -268,12 +268,12 @@ def _backward(saved, state, dy, plan: GatherPlan):
     return dx.reshape(x.shape), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"]
 
 
-ALLGATHER = LayerBlock("allgather", _forward, _backward)
+ALLGATHER = LayerForm("allgather", _forward, _backward)
 
 
 def make_gather_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: PrepFull,
                      seq_local: int, device: torch.device, fused: Optional[bool] = None, **kw) -> GatherPlan:
-    """The GatherPlan of one block call (other keywords as in make_async_plan). fused: True (torch's
+    """The GatherPlan of one layer call (other keywords as in make_async_plan). fused: True (torch's
     fused symm_mem all-gather/reduce-scatter matmuls; an error where they cannot run), False (NCCL
     all-gather -> GEMM, GEMM -> reduce-scatter) or None (follow the transport: fused with "symm_mem")."""
     base = make_async_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, prep=prep,
@@ -285,7 +285,7 @@ def make_gather_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: 
         fused = getattr(base.transport, "name", "nccl") == "symm_mem"
     why = fused_ops_unavailable_reason(group, device) if fused else None
     if why is not None:
-        raise SPConfigError(f"the all-gather block's fused symm_mem matmuls (transport 'symm_mem' or fused=True) "
+        raise SPConfigError(f"the all-gather layer's fused symm_mem matmuls (transport 'symm_mem' or fused=True) "
                             f"cannot run here: {why}; use transport 'nccl' / fused=False")
     d = head_dim
     return GatherPlan(**{f.name: getattr(base, f.name) for f in fields(AsyncPlan)}, rows=rows,
@@ -299,7 +299,7 @@ def allgather_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Option
                              num_kv_heads: int, prep: PrepFull, norm_q_weight: Optional[torch.Tensor] = None,
                              norm_k_weight: Optional[torch.Tensor] = None, head_chunks: int = 1,
                              fused: Optional[bool] = None, **kw) -> torch.Tensor:
-    """The all-gather QKV block on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
+    """The all-gather QKV layer on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
 
     Weights as in ``async_ulysses_self_attention`` (w_qkv [(H + 2 Hkv) D, dim] rows q | k | v, w_o
     [dim, H D]); ``prep(branch, y [B, S, n D], norm_weight, shard)`` maps this rank's heads of a
@@ -314,4 +314,4 @@ def allgather_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Option
     plan = make_gather_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads,
                             head_dim=w_o.shape[1] // num_heads, prep=prep, seq_local=x.shape[1], device=x.device,
                             fused=fused, head_chunks=head_chunks, **kw)
-    return apply_block(ALLGATHER, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    return apply_layer(ALLGATHER, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)

@@ -1,8 +1,8 @@
-"""Async Ulysses self-attention layer block: projections overlapped with their exchanges.
+"""Async Ulysses self-attention layer: projections overlapped with their exchanges.
 
     y = out_proj( UlyssesAttention( prep_q(x Wq^T), prep_k(x Wk^T), x Wv^T ) )
 
-The layer blocks' autograd Function (skeleton.py) around an explicit schedule (CUDA: compute stream +
+The layers' autograd Function (skeleton.py) around an explicit schedule (CUDA: compute stream +
 communication stream joined by events; CPU: the same code in program order):
   forward   q GEMM -> prep (QK-norm, RoPE) -> start HCMS chunk 0 of q's seq->head exchange ->
             k GEMM (overlaps it) -> chunk 0 of k -> v GEMM -> chunk 0 of v, then chunks 1.. of q, k, v
@@ -12,7 +12,7 @@ communication stream joined by events; CPU: the same code in program order):
   backward  dO = dy W_o -> start dO's exchange -> dW_o = dy^T O (overlaps it); per chunk attention
             backward, then dv, dk, dq exchanged home (events per tensor); each branch waits only
             for its own gradient: dW_v, dx_v while dk/dq still travel, then k (prep backward), q.
-Same math as the plain block (fused QKV GEMM -> prep -> ulysses_attention -> out GEMM); per-branch
+Same math as the plain layer (fused QKV GEMM -> prep -> ulysses_attention -> out GEMM); per-branch
 GEMMs round differently from the fused one, so equality holds to fp rounding, not bit for bit.
 Shapes: x [B, S_local, dim]; q heads H, kv heads Hkv (GQA), head_dim D; weights as nn.Linear.
 """
@@ -36,7 +36,7 @@ from ..ring import RingBackend
 from ..ulysses import alloc as _alloc, attend_backward
 from ..ulysses import exchange_all_chunks as _exchange_all_chunks, send_head_major as _send_head_major
 from ..ulysses import layout as lay, transport_of as _transport
-from .skeleton import LayerBlock, apply_block, attend_all, prep_backward, prep_forward
+from .skeleton import LayerForm, apply_layer, attend_all, prep_backward, prep_forward
 
 # prep(branch, y [B, S, n*D], weight) -> [B, S, n, D]; weight is the branch's QK-norm weight or None
 Prep = Callable[[str, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -63,7 +63,7 @@ class AsyncPlan:
 
 
 def _mm(a, b):
-    """Every GEMM of the block goes through here (one place to trace the schedule)."""
+    """Every GEMM of the layer goes through here (one place to trace the schedule)."""
     return torch.matmul(a, b)
 
 
@@ -75,12 +75,12 @@ def _linear(x, w, b):
 def project_and_exchange(x, w_qkv, b_qkv, nq_w, nk_w, plan: AsyncPlan, *, fused: bool = False):
     """The pre-attention part: x [B, S_local, dim] -> head-sharded q, k, v chunks in flight.
 
-    fused=False (the async block): per-branch GEMM, prep, then that branch's exchange starts while
-    the next branch's GEMM runs. fused=True (the plain block's order): one fused QKV GEMM, prep of
+    fused=False (the async layer): per-branch GEMM, prep, then that branch's exchange starts while
+    the next branch's GEMM runs. fused=True (the plain layer's order): one fused QKV GEMM, prep of
     q and k, then one exchange of q|k|v per chunk (keys "qkv"). Returns (recv, events, saved_prep):
     recv[name][c] is chunk c's flat
     buffer, events[name][c] fires when it has arrived (None on CPU); saved_prep holds what the QK-norm
-    / RoPE backward needs. Used by the block's forward and by tools/bench_block.py.
+    / RoPE backward needs. Used by the layer's forward and by tools/bench_block.py.
     """
     h, hkv, d = plan.dims
     hl = plan.heads
@@ -244,7 +244,7 @@ def _backward(saved, state, dy, plan: AsyncPlan):
     return dx.view_as(x), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"]
 
 
-ASYNC_QKV = LayerBlock("async_qkv", _forward, _backward)
+ASYNC_QKV = LayerForm("async_qkv", _forward, _backward)
 
 
 def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[torch.Tensor],
@@ -257,7 +257,7 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
                                  kv_valid_len: Optional[int] = None,
                                  transport: "str | object" = "nccl", causal: bool = False,
                                  placement: str = DEFAULT_PLACEMENT) -> torch.Tensor:
-    """The async block on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
+    """The async layer on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
 
     w_qkv: [(H + 2 Hkv) * D, dim] (q rows, then k, then v), w_o: [dim, H * D] (nn.Linear layout).
     prep(branch, y, norm_weight) maps a branch's [B, S, n*D] projection to [B, S, n, D] (QK-norm and
@@ -270,7 +270,7 @@ def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Op
                            prep=prep, head_chunks=head_chunks, softmax_scale=softmax_scale, backend=backend,
                            comm_stream=comm_stream, kv_valid_len=kv_valid_len, transport=transport,
                            seq_local=x.shape[1], device=x.device, causal=causal, placement=placement)
-    return apply_block(ASYNC_QKV, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    return apply_layer(ASYNC_QKV, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
 
 
 def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: Prep,
@@ -279,7 +279,7 @@ def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: i
                     comm_stream: Optional["torch.cuda.Stream"] = None, kv_valid_len: Optional[int] = None,
                     transport: "str | object" = "nccl", causal: bool = False,
                     placement: str = DEFAULT_PLACEMENT) -> AsyncPlan:
-    """The AsyncPlan of one block call (arguments as in async_ulysses_self_attention)."""
+    """The AsyncPlan of one layer call (arguments as in async_ulysses_self_attention)."""
     world, d = dist.get_world_size(group), head_dim
     hl = head_layout(num_heads, num_kv_heads, world, head_chunks)
     be = get_backend(backend)

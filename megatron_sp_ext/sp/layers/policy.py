@@ -1,28 +1,28 @@
-"""Runtime policy for a whole attention block: plain vs async projections, HCMS chunks, transport.
+"""Runtime policy for a whole attention layer: plain vs async projections, HCMS chunks, transport.
 
 No single strategy wins every regime (the async-Ulysses note; our own 4 x H200 runs): the policy
 times the candidates on the caller's real shapes the first time a key is seen and keeps the fastest.
 
-Candidates: ``BlockChoice(async_qkv, head_chunks, transport, allgather)`` for async_qkv in
-{False, True}, the all-gather QKV block (allgather=True, sp/layers/allgather.py), head_chunks in
+Candidates: ``LayerChoice(async_qkv, head_chunks, transport, allgather)`` for async_qkv in
+{False, True}, the all-gather QKV layer (allgather=True, sp/layers/allgather.py), head_chunks in
 ``chunk_candidates`` (those that fit the heads per rank) and each transport that can run here
-(symm_mem needs CUDA + NCCL; for the all-gather block it selects torch's fused symm_mem matmuls
+(symm_mem needs CUDA + NCCL; for the all-gather layer it selects torch's fused symm_mem matmuls
 and the copy-engine output exchange). Timing: ``rounds`` interleaved rounds after ``warmup`` (every
 round times each candidate once, in an order rotated per round, so clock and allocator drift hit
 all alike); per-candidate medians are all-reduced (max) so every rank takes the same decision. The
-plain block (no async, C=1, NCCL) is the baseline: another candidate wins only if it is faster by
+plain layer (no async, C=1, NCCL) is the baseline: another candidate wins only if it is faster by
 more than ``margin`` and then again in an interleaved confirmation against the baseline. Cached per
 key, logged once. On CPU or a single rank nothing can overlap: the baseline is chosen without timing.
 
 Tensor parallelism (TP > 1 with TP sequence parallelism, sp/layers/tp_cp.py) is chosen by ``FormPolicy`` below:
-the Megatron adapter's candidates are Megatron's own path (the baseline) and the TP x CP block's forms
+the Megatron adapter's candidates are Megatron's own path (the baseline) and the TP x CP layer's forms
 (pipelined, mixed, mixed_in), timed over the tensor-and-context-parallel group (every rank of it takes the same
 decision; with one CP rank it still has T ranks). So the TP x CP forms run only where they measured faster
 than the standard path, never on CPU.
 
-``FormPolicy`` is the same idea for a block whose candidates are named callables, the first being the baseline
-(the Megatron adapter's ``--sp-async-qkv auto``: Megatron's own attention path against the TP x CP block's forms,
-or at TP 1 against the async and all-gather blocks). Per key, on the first call: ``warmup`` calls of each, then
+``FormPolicy`` is the same idea for a layer whose candidates are named callables, the first being the baseline
+(the Megatron adapter's ``--sp-async-qkv auto``: Megatron's own attention path against the TP x CP layer's forms,
+or at TP 1 against the async and all-gather layers). Per key, on the first call: ``warmup`` calls of each, then
 ``rounds`` interleaved rounds (order rotated per round) of ``timer(name, step, iters, warmup, group)``; every
 round's time is all-reduced (max) over ``group``, so every rank feeds ``calibration.decide`` the same table and
 takes the same decision: the baseline unless a form is ``margin`` faster by median AND in a strict majority of
@@ -47,8 +47,8 @@ log = logging.getLogger("megatron_sp_ext")
 
 
 @dataclass(frozen=True)
-class BlockChoice:
-    """How one attention block runs."""
+class LayerChoice:
+    """How one attention layer runs."""
 
     async_qkv: bool = False
     head_chunks: int = 1
@@ -62,19 +62,19 @@ class BlockChoice:
         return s + ("" if self.transport == "nccl" else f"_{self.transport}")
 
 
-PLAIN = BlockChoice()
+PLAIN = LayerChoice()
 
 
 @dataclass
-class BlockDecision:
-    choice: BlockChoice
+class LayerDecision:
+    choice: LayerChoice
     measured_ms: dict = field(default_factory=dict)
     confirm: tuple = ()
     reason: str = ""
 
 
-class BlockPolicy:
-    """Per-key block strategy chooser (see module docstring). ``timed_devices`` (default CUDA, timed with CUDA
+class LayerPolicy:
+    """Per-key layer strategy chooser (see module docstring). ``timed_devices`` (default CUDA, timed with CUDA
     events; elsewhere the host clock) exists for tests. The calibration runs in ``trials.isolated_trial``
     (activation checkpointing's saved-tensor hooks never see it)."""
 
@@ -87,34 +87,34 @@ class BlockPolicy:
         self.timed_devices = tuple(timed_devices)
         self.cache: dict = {}
 
-    def candidates(self, heads_per_rank: int, group, device: torch.device) -> list[BlockChoice]:
+    def candidates(self, heads_per_rank: int, group, device: torch.device) -> list[LayerChoice]:
         why = {"symm_mem": symm_mem_unavailable_reason, "copy_engine": copy_engine_unavailable_reason}
         trs = [t for t in self.transports if t == "nccl" or why[t](group, device) is None]
         forms = [(a, False) for a in self.async_candidates] + ([(False, True)] if self.allgather else [])
         out = [PLAIN]
         for tr in trs:
             for a, ag in forms:
-                if ag and tr == "copy_engine":  # the all-gather block has no copy_engine form (its NCCL path is it)
+                if ag and tr == "copy_engine":  # the all-gather layer has no copy_engine form (its NCCL path is it)
                     continue
                 for c in self.chunk_candidates:
-                    ch = BlockChoice(a, c, tr, ag)
+                    ch = LayerChoice(a, c, tr, ag)
                     if c <= max(1, heads_per_rank) and ch not in out:
                         out.append(ch)
         return out
 
-    def choose(self, key: Hashable, run: Callable[[BlockChoice], None], group, device: torch.device,
-               heads_per_rank: int) -> BlockChoice:
+    def form_for(self, key: Hashable, run: Callable[[LayerChoice], None], group, device: torch.device,
+                 heads_per_rank: int) -> LayerChoice:
         """The choice for ``key``; the first time, time ``run(choice)`` (one fwd+bwd) per candidate."""
         if key in self.cache:
             return self.cache[key].choice
         world = dist.get_world_size(group)
         if device.type not in self.timed_devices or world == 1:
-            dec = BlockDecision(PLAIN, reason="no CUDA streams here: nothing overlaps" if world > 1 else "world 1")
+            dec = LayerDecision(PLAIN, reason="no CUDA streams here: nothing overlaps" if world > 1 else "world 1")
         else:
             with isolated_trial():  # a checkpointed forward's saved-tensor hooks never see the trials
                 dec = self._calibrate(run, self.candidates(heads_per_rank, group, device), group, device)
         self.cache[key] = dec
-        log.info("megatron_sp_ext: block policy -> %s for %s (%s)", dec.choice.label, key,
+        log.info("megatron_sp_ext: layer policy -> %s for %s (%s)", dec.choice.label, key,
                  dec.reason or {c.label: round(t, 3) for c, t in dec.measured_ms.items()})
         return dec.choice
 
@@ -147,8 +147,8 @@ class BlockPolicy:
         dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
         return dict(zip(cands, med.tolist()))
 
-    def _calibrate(self, run, cands, group, device: Optional[torch.device] = None) -> BlockDecision:
-        dec = BlockDecision(PLAIN)
+    def _calibrate(self, run, cands, group, device: Optional[torch.device] = None) -> LayerDecision:
+        dec = LayerDecision(PLAIN)
         dec.measured_ms = self._timed_rounds(run, cands, self.rounds, group, device)
         best = min(dec.measured_ms, key=lambda c: (dec.measured_ms[c], c != PLAIN))
         if best == PLAIN:
@@ -189,7 +189,7 @@ class FormDecision:
 
 
 class FormPolicy:
-    """Per-key choice among named block forms; the first candidate is the baseline (see module docstring). The
+    """Per-key choice among named layer forms; the first candidate is the baseline (see module docstring). The
     calibration runs in ``trials.isolated_trial`` (activation checkpointing's saved-tensor hooks never see it)."""
 
     def __init__(self, margin: float = 0.02, rounds: int = 5, max_noise: float = 0.10, iters: int = 3,
@@ -198,8 +198,8 @@ class FormPolicy:
         self.timer = timer
         self.cache: dict = {}
 
-    def choose(self, key: Hashable, candidates: Mapping[str, Callable[[], None]], group,
-               device: torch.device) -> str:
+    def fastest(self, key: Hashable, candidates: Mapping[str, Callable[[], None]], group,
+                device: torch.device) -> str:
         """The form for ``key``; the first time, time each ``candidates[name]()`` (one step of that form at the
         caller's shapes, e.g. fwd+bwd on detached copies) and decide. Later calls: a dict lookup."""
         dec = self.cache.get(key)
@@ -218,7 +218,7 @@ class FormPolicy:
             dec.form, dec.reason = decide(dec.rounds, self.margin, self.max_noise, plain=names[0])
         dec.cost_ms = (time.perf_counter() - t0) * 1e3
         self.cache[key] = dec
-        log.info("megatron_sp_ext: block form -> %s for %s (%s; %s; calibration %.0f ms)", dec.form, key, dec.reason,
+        log.info("megatron_sp_ext: layer form -> %s for %s (%s; %s; calibration %.0f ms)", dec.form, key, dec.reason,
                  {n: round(t, 3) for n, t in dec.measured_ms.items()}, dec.cost_ms)
         return dec.form
 

@@ -1,14 +1,14 @@
-"""The autograd skeleton the layer blocks share (async_qkv, allgather, tp_cp).
+"""The autograd skeleton the layers share (async_qkv, allgather, tp_cp).
 
-    y = apply_block(BLOCK, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    y = apply_layer(FORM, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
 
-A layer block is two halves (``LayerBlock``), both on this rank's tokens x [B, S_local, dim]:
+A layer is two halves (``LayerForm``), both on this rank's tokens x [B, S_local, dim]:
     forward(x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan) -> (y, tensors to save, state)
     backward(saved tensors, state, dy, plan) -> (dx, d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_nq_w, d_nk_w)
-``LayerBlockFn`` is the one autograd Function around them: it saves the tensors, keeps the state (the
+``LayerFn`` is the one autograd Function around them: it saves the tensors, keeps the state (the
 attention chunks and q/k prep graphs the backward needs) for exactly one backward, joins the communication
 stream into the compute stream after it, and drops the plan and state (nothing of the call outlives its
-gradients). ``apply_block`` runs it under the caller's autocast. The steps the blocks share:
+gradients). ``apply_layer`` runs it under the caller's autocast. The steps the layers share:
 ``prep_forward`` / ``prep_backward`` (the q/k prep, QK-norm and RoPE, whose graph is kept from the forward to
 the backward), ``attend_all`` (every HCMS chunk's attention, outputs exchanged home) and ``start_gather``
 (x all-gathered again on the communication stream for the weight gradients).
@@ -26,45 +26,45 @@ from ..ulysses import attend_and_send
 
 
 @dataclass(frozen=True)
-class LayerBlock:
-    """A layer block's forward and backward halves (see the module docstring)."""
+class LayerForm:
+    """A layer's forward and backward halves (see the module docstring)."""
 
     name: str
     forward: Callable
     backward: Callable
 
 
-class LayerBlockFn(torch.autograd.Function):
-    """y = block(x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w) with the block's own schedule in both directions."""
+class LayerFn(torch.autograd.Function):
+    """y = form(x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w) with the layer's own schedule in both directions."""
 
     @staticmethod
-    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan, block: LayerBlock):
-        y, saved, state = block.forward(x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan)
+    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan, form: LayerForm):
+        y, saved, state = form.forward(x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan)
         ctx.save_for_backward(*saved)
-        ctx.plan, ctx.state, ctx.block = plan, state, block
+        ctx.plan, ctx.state, ctx.form = plan, state, form
         return y
 
     @staticmethod
     def backward(ctx, dy):
         plan = ctx.plan
-        grads = ctx.block.backward(ctx.saved_tensors, ctx.state, dy, plan)
+        grads = ctx.form.backward(ctx.saved_tensors, ctx.state, dy, plan)
         if plan.comm_stream is not None:  # the exchanges' last reads / writes, before the grads are used
             st.current(dy.device).wait_stream(plan.comm_stream)
         ctx.plan = ctx.state = None  # nothing of the call outlives its gradients
         return (*grads, None, None)
 
 
-def apply_block(block: LayerBlock, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan) -> torch.Tensor:
-    """``LayerBlockFn`` of ``block`` under the caller's autocast: what autocast would do to each GEMM is done once
+def apply_layer(form: LayerForm, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan) -> torch.Tensor:
+    """``LayerFn`` of ``form`` under the caller's autocast: what autocast would do to each GEMM is done once
     up front (differentiable casts, so fp32 master weights still get their grads), and the Function then runs in
     one dtype, forward and backward."""
     dev = x.device.type
     if not torch.is_autocast_enabled(dev):
-        return LayerBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan, block)
+        return LayerFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan, form)
     dt = torch.get_autocast_dtype(dev)
     x, w_qkv, b_qkv, w_o, b_o = (t.to(dt) if t is not None else None for t in (x, w_qkv, b_qkv, w_o, b_o))
     with torch.autocast(dev, enabled=False):
-        return LayerBlockFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan, block)
+        return LayerFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan, form)
 
 
 def prep_forward(prep: Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor], y: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Self-attention layer block where tensor parallelism (with TP sequence parallelism) meets our CP (Ulysses/HCMS).
+"""Self-attention layer where tensor parallelism (with TP sequence parallelism) meets our CP (Ulysses/HCMS).
 
 Megatron's layout (NeMo's Wan-14B run: TP2 + --sequence-parallel, CP4), per rank (t, p) of TP size T, CP size P:
 
@@ -30,10 +30,10 @@ tokens) give a partial sum o_mine W_o[:, mine]^T [B, S, dim]; the CP head -> seq
 CP reduce-scatter, adjacent to the TP reduce-scatter: ONE reduce-scatter over TP x CP (pipelined with the
 GEMM in token pieces); in backward the TP all-gather of dy and the CP exchange of dO become ONE all-gather
 of dy over TP x CP followed by dO = dy_all W_o[:, mine] for this rank's heads. No all-to-all at all: the
-attention block is Megatron's TP-SP pattern over T * P ranks. Same FLOPs; the price is bytes: x and y
+attention layer is Megatron's TP-SP pattern over T * P ranks. Same FLOPs; the price is bytes: x and y
 (dim per token) cross all T * P ranks instead of q|k|v / o of H_t heads crossing P. form="mixed_in" fuses
 the input side only (the output side is the pipelined form's). Which wins depends on the shape and the
-machine: the block policy times them against Megatron's own path (never on CPU).
+machine: the layer policy times them against Megatron's own path (never on CPU).
 
 Heads: ``num_heads`` / ``num_kv_heads`` are THIS TP shard's (Megatron's per-partition counts); w_qkv
 is the shard's [(H_t + 2 Hkv_t) D, dim] rows q | k | v, w_o its [dim, H_t D] columns, b_o the full
@@ -59,7 +59,7 @@ from ..ulysses import attend_backward, explicit_kernels
 from ..ulysses.attend import attend
 from .allgather import fused_ops_unavailable_reason
 from .async_qkv import AsyncPlan, attention_backward, make_async_plan
-from .skeleton import LayerBlock, apply_block, attend_all, prep_backward, prep_forward, start_gather
+from .skeleton import LayerForm, apply_layer, attend_all, prep_backward, prep_forward, start_gather
 
 # prep(branch, y [B, S', n, D], norm_weight or None, cp_gathered) -> [B, S', n, D]; per head. S' = S_cp (this CP
 # rank's tokens, its local order) when cp_gathered is False, S = P * S_cp (every CP rank's tokens, CP rank order)
@@ -423,7 +423,7 @@ def _backward(saved, state, dy, plan: TpCpPlan):
     return dx.reshape(x.shape), d_w_qkv, d_b_qkv, d_w_o, d_b_o, d_norm["q"], d_norm["k"]
 
 
-TP_CP = LayerBlock("tp_cp", _forward, _backward)
+TP_CP = LayerForm("tp_cp", _forward, _backward)
 
 
 def check_tp_cp_groups(tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup,
@@ -443,7 +443,7 @@ def make_tp_cp_plan(tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup, *,
                     head_dim: int, prep: PrepTpCp, seq_local: int, device: torch.device, form: str = "pipelined",
                     tcp_group: Optional[dist.ProcessGroup] = None, fused: Optional[bool] = None,
                     rs_pieces: Optional[int] = None, **kw) -> TpCpPlan:
-    """The TpCpPlan of one block call (arguments as in tp_cp_self_attention; seq_local = S_tp)."""
+    """The TpCpPlan of one layer call (arguments as in tp_cp_self_attention; seq_local = S_tp)."""
     if form not in TP_CP_FORMS:
         raise SPConfigError(f"form={form!r} is invalid: choose one of {', '.join(TP_CP_FORMS)}")
     tw = dist.get_world_size(tp_group)
@@ -457,7 +457,7 @@ def make_tp_cp_plan(tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup, *,
         for g in {id(tp_group): tp_group, id(tcp_group): tcp_group}.values():
             why = fused_ops_unavailable_reason(g, device) if g is not None else None
             if why is not None:
-                raise SPConfigError(f"the TP x CP block's fused symm_mem matmuls (transport 'symm_mem' or "
+                raise SPConfigError(f"the TP x CP layer's fused symm_mem matmuls (transport 'symm_mem' or "
                                     f"fused=True) cannot run here: {why}; use transport 'nccl' / fused=False")
     gather_in = form in ("mixed", "mixed_in")
     peers = (base.rank,) if gather_in else tuple(range(base.heads.world))
@@ -476,7 +476,7 @@ def tp_cp_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[t
                          head_chunks: int = 1, form: str = "pipelined",
                          tcp_group: Optional[dist.ProcessGroup] = None, fused: Optional[bool] = None,
                          rs_pieces: Optional[int] = None, **kw) -> torch.Tensor:
-    """The TP x CP attention block (see module docstring) on x [B, S_tp, dim]; returns y [B, S_tp, dim].
+    """The TP x CP attention layer (see module docstring) on x [B, S_tp, dim]; returns y [B, S_tp, dim].
 
     x: this rank's tokens under TP sequence parallelism: TP rank t holds tokens [t S_tp, (t+1) S_tp) of its CP
     rank's S_cp = T S_tp tokens (CP placement ``placement``, e.g. Megatron's "zigzag"). num_heads, num_kv_heads:
@@ -493,4 +493,4 @@ def tp_cp_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[t
                            head_dim=w_o.shape[1] // num_heads, prep=prep, seq_local=x.shape[1], device=x.device,
                            form=form, tcp_group=tcp_group, fused=fused, rs_pieces=rs_pieces,
                            head_chunks=head_chunks, **kw)
-    return apply_block(TP_CP, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    return apply_layer(TP_CP, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)

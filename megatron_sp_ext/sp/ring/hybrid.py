@@ -1,7 +1,7 @@
 """Hybrid (Ulysses x Ring) attention over an SPMesh.
 
 Inputs are this rank's shard in the rank order of the whole SP group (``shard_sequence(x, group,
-placement=...)``: "contiguous", or "zigzag" for balanced causal), whatever the mesh placement:
+placement=...)``: "contiguous", or "zigzag" for balanced causal), whatever the mesh arrangement:
 the mesh's internal order is hidden. Ulysses (HCMS-chunked if asked) exchanges heads inside the
 Ulysses group; each chunk's local attention is ring/TASP attention over the Ring group, whose
 causal masks come from the global positions of every rank's tokens.
@@ -78,7 +78,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
     mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
     call compares it: one all_gather and a host sync). A mask checked over the mesh's group is agreed on its Ulysses group too: the
     inner exchange does not compare it again."""
-    pr = describe(q, k, v, mesh.group, what="hybrid_attention", mode=mesh.placement, causal=causal,
+    pr = describe(q, k, v, mesh.group, what="hybrid_attention", mode=mesh.arrangement, causal=causal,
                   softmax_scale=softmax_scale, layout=layout, placement=placement, backend=backend,
                   kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, block_mask=block_mask, block_size=block_size,
                   mask_checks=mask_checks, variant=("ring_variant", ring_variant), p2p=(mesh.ring_group,))

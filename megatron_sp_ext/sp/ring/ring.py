@@ -387,7 +387,7 @@ def _mask_key(block_mask: Optional[torch.Tensor], block_size: int, heads: slice)
 def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: bool, scale: float,
                    backend: Optional[LocalAttention], balanced_slots: bool = False,
                    kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None,
-                   block_mask: Optional[torch.Tensor] = None, block_size: int = block_sparse.DEFAULT_BLOCK_SIZE,
+                   block_mask: Optional[torch.Tensor] = None, block_size: int = block_sparse.DEFAULT_TILE_SIZE,
                    heads: slice = slice(None), q_runs_of: Optional[tuple] = None) -> RingPlan:
     """Plan for one ring group (None or size 1 = no exchange). kv_runs[o] = runs of ring rank o.
     cu_seqlens (packed samples, a tuple of cumulative lengths): queries see keys of their own sample only.
@@ -464,7 +464,7 @@ class RingBackend(block_sparse.BlockSparseBackend):
 
     def __init__(self, group, variant: str, q_runs, kv_runs, inner: LocalAttention,
                  kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None, *,
-                 block_mask: Optional[torch.Tensor] = None, block_size: int = block_sparse.DEFAULT_BLOCK_SIZE,
+                 block_mask: Optional[torch.Tensor] = None, block_size: int = block_sparse.DEFAULT_TILE_SIZE,
                  seq_len: int = 0, q_runs_of: Optional[tuple] = None, heads: slice = slice(None)) -> None:
         self.group, self.variant, self.q_runs, self.kv_runs, self.inner = group, variant, q_runs, kv_runs, inner
         self.kv_valid_len, self.cu_seqlens = kv_valid_len, cu_seqlens
@@ -508,7 +508,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                    layout: str = "bshd", placement: str = DEFAULT_PLACEMENT,
                    backend: "str | LocalAttention" = "auto", kv_valid_len: Optional[int] = None,
                    cu_seqlens: Optional[torch.Tensor] = None, block_mask: Optional[torch.Tensor] = None,
-                   block_size: int = block_sparse.DEFAULT_BLOCK_SIZE,
+                   block_size: int = block_sparse.DEFAULT_TILE_SIZE,
                    mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:
     """Ring or TASP attention over ``group``. q: [B, S_loc, H, D] (or sbhd); k, v: Hkv heads.
 

@@ -5,7 +5,7 @@ or TASP's multi-ring hop from ``topology/hamiltonian`` routing tables) is starte
 kernels into the second of two buffers and waited after them, forward and backward.
 
 dK|dV return, route "home" (default). At step s >= 1 a rank holds, per slot, the K|V block of
-another rank (its *home*). Its kernels give that block's PARTIAL dK|dV in the kernels' own output
+another rank (its *home*). Its kernels give that K|V block's PARTIAL dK|dV in the kernels' own output
 dtype (``backward_lse`` returns dK, dV in the K/V dtype: bf16 for bf16 inputs, fp32 for fp32), and
 the partial goes straight home (per slot, to ``routing.origin(slot, rank, s)``; the same segment rows
 as the K|V layout of that step, into the home's step-0 layout). The home accumulates in fp32 (fp64
@@ -28,7 +28,7 @@ kernels finish, so only the last chunk's transfer is exposed (``SPX_RING_DKV_CHU
 "auto": 4 chunks, capped by Hkv, when the partial is >= 16 MiB, else 1).
 
 Route "travel" (the previous schedule, kept as a baseline for benchmarks: ``SPX_RING_DKV=travel``):
-an fp32 accumulator per block travels with it and takes one extra hop home after the last step.
+an fp32 accumulator per K|V block travels with it and takes one extra hop home after the last step.
 
 Byte/time model (one rank, S = local tokens, bf16, E = S*B*Hkv*D elements; not yet measured on 2 GPUs):
   forward  per step: K|V 2E*2 B = 4E B behind one step of kernels (unchanged).
@@ -43,7 +43,7 @@ Byte/time model (one rank, S = local tokens, bf16, E = S*B*Hkv*D elements; not y
   ~27 ms) runs behind step 1's kernels (~13 ms exposed), its hop home (~27 ms) is exposed: ~40 ms;
   home: 335 MB / C exposed (~3.4 ms with C=4). The forward first transfer is not
   chunked: it starts before the step's kernels, so it is exposed only where a step's kernels are
-  shorter than a block's transfer (causal at 32K: a link-bound regime that chunking cannot change,
+  shorter than a K|V block's transfer (causal at 32K: a link-bound regime that chunking cannot change,
   only fewer bytes could).
 For fp32/fp64 inputs the wire dtype equals the accumulator's: the same bytes per hop as travel, one
 hop fewer, and the chunked last step. Every rank must see the same SPX_RING_DKV[_CHUNKS] (torchrun
@@ -164,7 +164,7 @@ def kv_add(acc: torch.Tensor, rows, dk: torch.Tensor, dv: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------- point-to-point ops
 def holder(routing, ring: int, home: int, step: int) -> int:
-    """Rank that holds ``home``'s ring-``ring`` block after ``step`` steps."""
+    """Rank that holds ``home``'s ring-``ring`` K|V block after ``step`` steps."""
     r = home
     for _ in range(step):
         r = routing.nxt[ring][r]
@@ -190,7 +190,7 @@ def home_ops(plan: StepPlan, step: int, rank: Optional[int] = None) -> list[Op]:
         rt, ops = plan.routing, []
         for i in range(len(plan.slot_len)):
             dest = rt.origin(i, r, step)
-            assert dest != r, "a ring step >= 1 holds another rank's block"
+            assert dest != r, "a ring step >= 1 holds another rank's K|V block"
             if plan.runs(i, step, r):
                 ops += pair_ops("send", dest, plan.segments(step, r)[i], plan.segments(0, dest)[i])
         for i in range(len(plan.slot_len)):
@@ -342,7 +342,7 @@ def _backward_home(dout_c, q_c, cur, nxt, out_c, lse_c, plan: StepPlan, schedule
 
 
 def _backward_travel(dout_c, q_c, cur, nxt, out_c, lse_c, plan: StepPlan):
-    """The previous schedule: fp32 accumulators travel with their blocks and take one extra hop home."""
+    """The previous schedule: fp32 accumulators travel with their K|V blocks and take one extra hop home."""
     dq = torch.zeros(q_c.shape, dtype=acc_dtype(q_c), device=q_c.device)
     dkv = [torch.zeros(cur.shape, dtype=dq.dtype, device=q_c.device)]
     if plan.world > 1:
@@ -356,7 +356,7 @@ def _backward_travel(dout_c, q_c, cur, nxt, out_c, lse_c, plan: StepPlan):
             gq, gk, gv = _kernel(plan, it, cur, dout_c, q_c, out_c, lse_c, None, rep)
             _dq_add(dq, it.q_rows, None, gq)
             grads.append((it.kv_rows, gk, gv))
-        if dkv_works:  # this step's blocks' accumulators, from the ranks before us
+        if dkv_works:  # this step's K|V blocks' accumulators, from the ranks before us
             wait_handles(dkv_works)
             dkv.reverse()
         for rows, gk, gv in grads:

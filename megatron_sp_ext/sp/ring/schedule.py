@@ -3,10 +3,10 @@ segment layout of its K|V buffer.
 
 Tokens are held in a *compute order*: with "tasp_zigzag" (causal TASP) a rank's tokens sorted by
 global position (= the "zigzag" order); with one rank (masked Ulysses) every run sorted by global
-position; otherwise the local order. In compute order a causal diagonal block is ONE causal kernel call.
+position; otherwise the local order. In compute order a causal diagonal pair is ONE causal kernel call.
 
-K|V buffers are [S_kv, 2, B, Hkv, D]: a block is one row range, K and V are zero-copy bhsd views.
-A slot (ring i's block) is one segment, or for causal "tasp_zigzag" two segments (piece, mirror of u
+K|V buffers are [S_kv, 2, B, Hkv, D]: a K|V block is one row range, K and V are zero-copy bhsd views.
+A slot (ring i's K|V block) is one segment, or for causal "tasp_zigzag" two segments (piece, mirror of u
 rows each) whose buffer rows change per step: the slots whose origin precedes this rank (A) put their
 pieces first, the others (B) follow, mirrors in reverse, so the buffer reads
 [A pieces | B pieces | B mirrors | A mirrors]: all queries x A pieces and the later query half x
@@ -115,12 +115,12 @@ def step_items(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool, devi
     """Kernel calls for queries ``q_runs`` against keys ``kv_runs`` (see module docstring); with packed samples
     (``cu``) only within each sample."""
     if cu is None:
-        return _block_items(q_runs, kv_runs, causal, device)
+        return _kv_block_items(q_runs, kv_runs, causal, device)
     qs, ks = sample_runs(q_runs, cu), sample_runs(kv_runs, cu)
-    return [it for s in sorted(qs) if s in ks for it in _block_items(qs[s], ks[s], causal, device)]
+    return [it for s in sorted(qs) if s in ks for it in _kv_block_items(qs[s], ks[s], causal, device)]
 
 
-def _block_items(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool, device) -> list[Item]:
+def _kv_block_items(q_runs: Sequence[Run], kv_runs: Sequence[Run], causal: bool, device) -> list[Item]:
     """Kernel calls for queries ``q_runs`` against keys ``kv_runs``, every pair allowed by the causal rule."""
     rel = {(qi, ki): _rel(q, k, causal) for qi, q in enumerate(q_runs) for ki, k in enumerate(kv_runs)}
     used_q = [q for qi, q in enumerate(q_runs) if any(rel[qi, ki] != "none" for ki in range(len(kv_runs)))]

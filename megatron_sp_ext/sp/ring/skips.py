@@ -70,7 +70,7 @@ def skip_tables(world: int, nxt: Sequence, prv: Sequence,
     sends = [[[False] * max(world - 1, 0) for _ in range(world)] for _ in range(m)]
     for i in range(m):
         for r in range(world):
-            # the block r holds at step s next sits on nxt[r] at s+1, nxt[nxt[r]] at s+2, ...
+            # the K|V block r holds at step s next sits on nxt[r] at s+1, nxt[nxt[r]] at s+2, ...
             for s in range(world - 1):
                 h, later = r, False
                 for t in range(s + 1, world):

@@ -54,10 +54,10 @@ class SparseRingPlan:
 
 
 def sparse_ring_plan(block_mask: torch.Tensor, *, world: int, seq_len: int, block_size: int, placement: str,
-                     causal: bool, kv_valid_len: Optional[int] = None, block_bytes: int = 0,
+                     causal: bool, kv_valid_len: Optional[int] = None, kv_bytes: int = 0,
                      variant: str = "ring") -> SparseRingPlan:
     """The ``SparseRingPlan`` of ``block_mask`` ([H or 1, T, T], bool) for ``variant`` over ``world`` ranks holding a
-    ``seq_len`` sequence in ``placement``; block_bytes: one rank's K|V bytes (split over the slots)."""
+    ``seq_len`` sequence in ``placement``; kv_bytes: one rank's K|V bytes (split over the slots)."""
     if variant not in VARIANTS:
         raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
     runs = tuple(pieces(placement, o, world, seq_len) for o in range(world))
@@ -67,6 +67,6 @@ def sparse_ring_plan(block_mask: torch.Tensor, *, world: int, seq_len: int, bloc
                            causal=causal, scale=1.0, backend=None, balanced_slots=placement == "tasp_zigzag",
                            kv_valid_len=valid, tiles=TileSpec(block_mask.cpu(), block_size, slice(None)),
                            q_runs_of=runs)
-    slot_bytes = tuple(block_bytes * n // s_loc if s_loc else 0 for n in plan.slot_len)
+    slot_bytes = tuple(kv_bytes * n // s_loc if s_loc else 0 for n in plan.slot_len)
     return SparseRingPlan(plan.skips(), slot_bytes)
 

@@ -48,7 +48,7 @@ class _Ctx:
     """Static plan of one call: head groups, peers, and ring backends per (q tokens, kv tokens)."""
 
     def __init__(self, mesh: SPMesh, hl: HeadLayout, placement: str, seqlen: int, variant: str, inner, scale,
-                 kv_valid_len=None, packed=None, block: Optional[tuple] = None):
+                 kv_valid_len=None, packed=None, tiles: Optional[tuple] = None):
         self.mesh, self.hl, self.scale = mesh, hl, scale
         self.T, self.t = mesh.ulysses_size, mesh.ulysses_index
         self.group = mesh.ulysses_group
@@ -60,7 +60,7 @@ class _Ctx:
         self.runs = runs
         self.others = [(self.t - k) % self.T for k in range(1, self.T)]
         self._be: dict = {}
-        block_mask, block_size = block if block is not None else (None, 64)
+        block_mask, block_size = tiles if tiles is not None else (None, 64)
 
         def ring_runs(ls) -> tuple:  # per ring rank j: the runs of the Ulysses ranks ``ls`` of its row
             return tuple(tuple(r for l in ls for r in runs(j, l)) for j in range(mesh.ring_size))
@@ -276,7 +276,7 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
     hl = head_layout(q.shape[2], k.shape[2], mesh.ulysses_size, 1)
     if hl.kv_repeat > 1:
         k, v = k.repeat_interleave(hl.kv_repeat, dim=2), v.repeat_interleave(hl.kv_repeat, dim=2)
-    block = None if pr.block_mask is None else (pr.block_mask, block_size)
-    c = _Ctx(mesh, hl, placement, pr.seqlen, ring_variant, pr.backend, pr.scale, pr.kv_valid_len, pr.packed, block)
+    tiles = None if pr.block_mask is None else (pr.block_mask, block_size)
+    c = _Ctx(mesh, hl, placement, pr.seqlen, ring_variant, pr.backend, pr.scale, pr.kv_valid_len, pr.packed, tiles)
     c.causal = causal
     return to_bshd(_TorusFn.apply(q, k, v, c), layout)

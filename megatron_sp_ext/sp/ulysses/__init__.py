@@ -8,7 +8,7 @@ Modules (each one idea; below them ``sp.checks``, ``sp.heads``, ``sp.placement``
   policy    ``head_chunks="auto"``: ``HCMSPolicy`` (given the attention function to time)
   function  the autograd Function and the public ``ulysses_attention`` (Ulysses, HCMS)
   packed    Ulysses on q|k|v written in the exchange's send layout (``pack_qkv``, ``packed_ulysses_attention``)
-The attention blocks (``sp.layers.async_qkv``, ``sp.layers.allgather``) build on ``engine`` and ``attend``.
+The attention layers (``sp.layers.async_qkv``, ``sp.layers.allgather``) build on ``engine`` and ``attend``.
 """
 from .attend import attend_backward, explicit_kernels, local_attention
 from .engine import alloc, attend_and_send, exchange_all_chunks, send_head_major, transport_of

@@ -27,9 +27,9 @@ def _cu_of(plan: AttendPlan) -> Optional[tuple[int, ...]]:
 
 
 def _varlen_method(plan: AttendPlan, q, k, v, cu: tuple[int, ...]) -> str:
-    """The packed-samples method of the explicit-kernel path (``varlen.choose``; "auto" decided over the plan's
+    """The packed-samples method of the explicit-kernel path (``varlen.method_for``; "auto" decided over the plan's
     group, the same on every rank, and cached per key, so the backward gets the forward's choice)."""
-    return varlen.choose(getattr(plan, "varlen_kernel", "per_sample"), plan.backend, q, k, v, cu,
+    return varlen.method_for(getattr(plan, "varlen_kernel", "per_sample"), plan.backend, q, k, v, cu,
                          causal=plan.causal, scale=plan.scale, need_grad=plan.need_grad, explicit=True,
                          group=plan.group, group_heads=plan.heads)
 
@@ -42,7 +42,7 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
     dropout_p > 0: torch's SDPA with its own dropout instead of ``be`` (under autograd, so the backward
     reuses the forward's mask). cu_seqlens (packed samples, no padding): attention within each sample by the
     ``varlen_kernel`` method (varlen.py; "per_sample": one call per sample over its range; "auto" decided over
-    ``group``, the ranks that make this call together, its heads named by ``group_heads``: ``varlen.choose``)."""
+    ``group``, the ranks that make this call together, its heads named by ``group_heads``: ``varlen.method_for``)."""
     if dropout_p > 0.0:
         fixed = kernels.by_setting(be.kernel_setting) if isinstance(be, AutoBackend) else None   # None: "auto"
         if fixed is not None and not fixed.caps.dropout:
@@ -54,7 +54,7 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
         varlen_kernel = "per_sample" if varlen_kernel == "auto" else varlen_kernel
     if cu_seqlens is not None:
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        method = varlen.choose(varlen_kernel, be, q, k, v, cu_seqlens, causal=causal, scale=scale,
+        method = varlen.method_for(varlen_kernel, be, q, k, v, cu_seqlens, causal=causal, scale=scale,
                                need_grad=need_grad, explicit=False, group=group, group_heads=group_heads)
         return varlen.attention(method, be, q, k, v, cu_seqlens, causal=causal, scale=scale)
     if valid is None:
@@ -118,7 +118,7 @@ def hold(*tensors: torch.Tensor):
         return _Hold.apply(token, *tensors)
 
 
-def _block_mask_of(plan: AttendPlan) -> Optional[torch.Tensor]:
+def _tile_mask_of(plan: AttendPlan) -> Optional[torch.Tensor]:
     # only UlyssesPlan carries a block mask; the other Ulysses-family plans never have one
     return getattr(plan, "block_mask", None)
 
@@ -128,12 +128,12 @@ def attend(plan: AttendPlan, qc, kc, vc, explicit: bool, chunk: int = 0):
     lse) held (``hold``); else the backend under autograd (the inner graph) when gradients are wanted.
     With a block mask (``plan.block_mask``): ``attend_block_sparse`` for chunk ``chunk``'s heads.
     Returns (out, what ``attend_backward`` needs or None)."""
-    if _block_mask_of(plan) is not None:
+    if _tile_mask_of(plan) is not None:
         return attend_block_sparse(plan, qc, kc, vc, chunk)
     if explicit:
         oc, lse = _forward_lse(plan, qc, kc, vc)
         return oc, hold(qc, kc, vc, oc, lse)
-    need_grad = plan.need_grad  # the block Functions' plans: always
+    need_grad = plan.need_grad  # the layer Functions' plans: always
     if need_grad:
         qc, kc, vc = (t.detach().requires_grad_() for t in (qc, kc, vc))
     with torch.set_grad_enabled(need_grad):
@@ -151,7 +151,7 @@ def attend_backward(plan: AttendPlan, c: int, do_c, chunks: list) -> list:
         qc, kc, vc, oc = kept
         del kept
         return list(torch.autograd.grad(oc, (qc, kc, vc), do_c))
-    if _block_mask_of(plan) is not None:  # a block-sparse kernel's forward with lse: its backward from out/lse
+    if _tile_mask_of(plan) is not None:  # a block-sparse kernel's forward with lse: its backward from out/lse
         qc, kc, vc, oc, lse = kept.grad_fn.saved_tensors
         del kept
         kern, ts = _tile_kernel(plan, qc, c)

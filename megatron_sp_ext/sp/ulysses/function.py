@@ -156,7 +156,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                       transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None,
                       dropout_p: float = 0.0, cu_seqlens: "torch.Tensor | PackedSamples | None" = None,
                       varlen_kernel: str = "per_sample", block_mask: Optional[torch.Tensor] = None,
-                      block_size: int = block_sparse.DEFAULT_BLOCK_SIZE,
+                      block_size: int = block_sparse.DEFAULT_TILE_SIZE,
                       mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
 
@@ -208,14 +208,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                   dropout_p=dropout_p, varlen_kernel=varlen_kernel, seq_order=seq_order, mask_checks=mask_checks)
     be, world = pr.backend, pr.world
     block_mask = pr.mask_on(q.device)
-    block_kernel = "math"
+    tile_setting = "math"
     if block_mask is not None:
-        block_kernel = "ring" if pr.own_positions else be.tile_kernel(q, None, causal, lse=False).setting
+        tile_setting = "ring" if pr.own_positions else be.tile_kernel(q, None, causal, lse=False).setting
     tr = default_transports().get(transport, group, q.device)
     if head_chunks == "auto":
         # with a block mask too: the policy calibrates the dense call of this shape (the exchanges it balances are
         # the same; the chunk count never changes the result)
-        head_chunks = (policy or default_policy()).choose(q, k, group, causal=causal, layout=layout,
+        head_chunks = (policy or default_policy()).chunks_for(q, k, group, causal=causal, layout=layout,
                                                         scale=pr.scale, backend=be, comm_stream=comm_stream,
                                                         transport=tr, attention=ulysses_attention)
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int):
@@ -236,7 +236,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
                                           else st.default_pool().comm_stream(q.device))
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     plan = UlyssesPlan(group, pr.rank, hl, layout, causal, pr.scale, be, stream, need_grad, qkv_contiguous, tr,
-                       order, valid, pr.dropout_p, pr.segments, varlen_kernel, block_mask, block_size, block_kernel)
+                       order, valid, pr.dropout_p, pr.segments, varlen_kernel, block_mask, block_size, tile_setting)
     if world == 1:  # one rank: its placement is global order
         qb, kb, vb = pr.to_kernel(q, k, v)
         if block_mask is not None:

@@ -199,10 +199,10 @@ class _PackedFn(torch.autograd.Function):
 
 
 class PackedUlysses:
-    """A packed Ulysses / HCMS entry bound to a group, for a model's block that can write q|k|v itself.
+    """A packed Ulysses / HCMS entry bound to a group, for a model's layer that can write q|k|v itself.
 
     ``layout(H, Hkv, q_like)`` is the HeadLayout to pack for, or None (heads not divisible by the SP size, or a
-    group of one rank): then the block keeps its plain path. ``entry(H, Hkv, kv_valid_len, *sends)`` runs the
+    group of one rank): then the layer keeps its plain path. ``entry(H, Hkv, kv_valid_len, *sends)`` runs the
     attention. head_chunks: an int, or "auto": ``policy`` (an HCMSPolicy, shared with the plain path) picks the
     count per shape from its own calibration; ``q_like`` ([B, S_loc, H, D], dtype and device of q; a
     zero-stride view will do) gives it the shape.
@@ -229,7 +229,7 @@ class PackedUlysses:
             k_like = q_like[:, :, :1].expand(*q_like.shape[:2], num_kv_heads, d)
             be = get_backend(self.backend)
             tr = default_transports().get(self.transport, self.group, q_like.device)
-            chunks = (self.policy or default_policy()).choose(
+            chunks = (self.policy or default_policy()).chunks_for(
                 q_like, k_like, self.group, causal=self.causal, layout="bshd", scale=1.0 / math.sqrt(d), backend=be,
                 comm_stream=self.comm_stream, transport=tr, attention=ulysses_attention)
         if not packable(num_heads, num_kv_heads, world, chunks):

@@ -1,7 +1,7 @@
 """The plan of one Ulysses-family call: what the exchange engine and the chunk attention read.
 
 ``AttendPlan`` is the interface (a Protocol): every Ulysses-family plan provides its fields (``UlyssesPlan``
-here, ``PackedPlan`` in packed.py, ``AsyncPlan`` / ``GatherPlan`` of the attention blocks), so the engine
+here, ``PackedPlan`` in packed.py, ``AsyncPlan`` / ``GatherPlan`` of the attention layers), so the engine
 reads typed fields instead of probing with getattr. ``local_order`` turns a placement into the permutation
 of the gathered sequence (and the padding cut) a plan carries; ``varlen_order`` does so for packed samples
 (``cu_seqlens``), whose attention runs per sample over each sample's global range (attend.py).
@@ -62,7 +62,7 @@ class UlyssesPlan:
     varlen_kernel: str = "per_sample"  # packed samples' local method (attention/varlen.py SETTINGS)
     block_mask: Optional[torch.Tensor] = None  # block-sparse tiles [H or 1, T, T] over the global sequence, or None
     block_size: int = 64  # tokens per tile of block_mask
-    block_kernel: str = "math"  # the block-sparse kernel the backend names for this device/dtype (each call picks per slice)
+    tile_setting: str = "math"  # the block-sparse kernel the backend names for this device/dtype (each call picks per slice)
 
 
 def local_order(placement: str, world: int, s_loc: int, causal: bool,

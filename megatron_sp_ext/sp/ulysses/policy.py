@@ -12,8 +12,8 @@ interleaved rounds (the order rotates every round, so warm-up and drift hit ever
 (max) over the group, so all ranks hold the same numbers and take the same decision; the key names the group
 by its global ranks (``calibration.group_key``), the same on every member. The cost of
 the calibration itself is recorded (``Calibration.cost_ms``). After calibration a call costs one
-dict lookup (``choose``; ~1 us of host time on CPU). On CPU (no streams, nothing overlaps) it is C = 1.
-The attention function to time is passed in (``choose(..., attention=ulysses_attention)``): this module never
+dict lookup (``chunks_for``; ~1 us of host time on CPU). On CPU (no streams, nothing overlaps) it is C = 1.
+The attention function to time is passed in (``chunks_for(..., attention=ulysses_attention)``): this module never
 imports the Ulysses Function that uses it. The decision rule and timer are ``sp.calibration``'s.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ log = logging.getLogger("megatron_sp_ext")
 class ChunkPolicy(Protocol):
     """What ``ulysses_attention(head_chunks="auto", policy=...)`` calls: the chunk count for a shape."""
 
-    def choose(self, q: torch.Tensor, k: torch.Tensor, group, *, causal: bool, layout: str, scale: float,
+    def chunks_for(self, q: torch.Tensor, k: torch.Tensor, group, *, causal: bool, layout: str, scale: float,
                backend, comm_stream, transport=None, attention: Callable[..., torch.Tensor]) -> int: ...
 
 
@@ -56,7 +56,7 @@ class HCMSPolicy:
         self.timed_devices = tuple(timed_devices)
         self.cache: dict = {}
 
-    def choose(self, q, k, group, *, causal, layout, scale, backend, comm_stream, transport=None,
+    def chunks_for(self, q, k, group, *, causal, layout, scale, backend, comm_stream, transport=None,
                attention: Callable[..., torch.Tensor]) -> int:
         """The chunk count for calls shaped like q [B, S_loc, H, D] / k (Hkv heads); calibrates ``attention``
         (``ulysses_attention``'s signature) the first time a shape key is seen."""
