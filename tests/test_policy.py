@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from megatron_sp_ext.sp.calibration import decide
+from megatron_sp_ext.sp.calibration import decide, spread
 from megatron_sp_ext.sp.ulysses import HCMSPolicy
 
 
@@ -17,11 +17,69 @@ def test_decide_margin_majority_ties_noise():
     assert decide({1: [10] * 5, 2: [9.9] * 5}, 0.02, 0.1)[0] == 1
     # median faster by the margin but loses most rounds (one lucky streak cannot switch) -> plain
     assert decide({1: [10, 10, 10, 10, 10], 2: [9.5, 9.5, 10.5, 10.5, 10.5]}, 0.02, 0.1)[0] == 1
-    # plain itself too noisy to separate -> plain, whatever the other says
-    c, why = decide({1: [10, 14, 10, 9, 10], 2: [5, 5, 5, 5, 5]}, 0.02, 0.1)
-    assert c == 1 and "spread" in why
+    # plain itself too noisy to separate (two slow rounds) -> plain, whatever the other says
+    c, why = decide({1: [10, 14, 10, 13, 10], 2: [5, 5, 5, 5, 5]}, 0.02, 0.1)
+    assert c == 1 and "spread without the slowest round 30.0% > 10%" in why, why
     # the best of several chunked candidates is picked; equal medians -> the smaller C
     assert decide({1: [10] * 3, 2: [8] * 3, 3: [8] * 3, 4: [9] * 3}, 0.02, 0.1)[0] == 2
+
+
+def test_spread_measures():
+    """``spread``: all rounds below 4, without the slowest round from 4 on; the measure named."""
+    assert spread([10.0]) == (0.0, "spread of one round")
+    assert spread([10, 12, 9]) == (0.3, "spread over all rounds")
+    assert spread([10, 14, 10, 9]) == (0.1, "spread without the slowest round")   # 14 left out: (10 - 9) / 10
+    # two rounds equally slow: only one of them is left out
+    assert spread([10, 14, 14, 10, 10]) == (0.4, "spread without the slowest round")
+
+
+def test_decide_one_slow_plain_round_does_not_veto():
+    """Issue 65: on GPUs one interfered round (17-47% over 5 rounds) made plain's spread veto consistent HCMS wins.
+    From 4 rounds on the slowest round is left out of the spread; the median and paired majority are unchanged."""
+    hcms = [9.5, 9.5, 9.5, 9.5, 9.5]  # 5% under plain in every round
+    for slow in (11.7, 14.7):  # the 17% and 47% outliers of the 2026-11-28 logs, in the middle and the last round
+        for plain in ([10, 10, slow, 10, 10], [10, 10, 10, 10, slow]):
+            c, why = decide({1: plain, 2: hcms}, 0.02, 0.1)
+            assert c == 2, why
+            assert "won 5/5 rounds" in why and "plain's spread without the slowest round 0.0% <= 10%" in why, why
+    # with the outlier the old measure (all rounds) would have vetoed: 17% > 10%
+    assert spread([10, 10, 11.7, 10, 10])[0] <= 0.1 < (11.7 - 10) / 10
+    # 4 rounds: the same
+    c, why = decide({1: [10, 13, 10, 10], 2: [9.5] * 4}, 0.02, 0.1)
+    assert c == 2 and "won 4/4 rounds" in why and "without the slowest round" in why, why
+    # the candidate's wins stay paired: with plain's outlier it must still win a strict majority of the OTHER rounds
+    c, why = decide({1: [10, 10, 14, 10, 10], 2: [9.5, 10, 9.5, 10, 10]}, 0.02, 0.1)
+    assert c == 1 and "won 2/5" in why and "not 2% under plain" in why, why
+
+
+def test_decide_two_slow_plain_rounds_keep_plain():
+    """Two slow rounds are real noise: plain is kept, whatever the candidate measured."""
+    for plain in ([10, 11.5, 10, 11.5, 10], [10, 10, 10, 14, 14], [10, 12, 10, 10, 13]):
+        c, why = decide({1: plain, 2: [9.5] * 5, 3: [5] * 5}, 0.02, 0.1)
+        assert c == 1, why
+        assert why.startswith("plain's spread without the slowest round") and "> 10%: kept plain" in why, why
+    c, why = decide({1: [10, 11.5, 10, 11.5], 2: [9.5] * 4}, 0.02, 0.1)
+    assert c == 1 and why == "plain's spread without the slowest round 15.0% > 10%: kept plain", why
+
+
+def test_decide_three_rounds_keep_the_old_measure():
+    """Below 4 rounds (ModePolicy may stop at min_rounds=3) one slow round still vetoes: all rounds count."""
+    c, why = decide({1: [10, 11.5, 10], 2: [9.5] * 3}, 0.02, 0.1)
+    assert c == 1 and why == "plain's spread over all rounds 15.0% > 10%: kept plain", why
+    c, why = decide({1: [10, 10.5, 10], 2: [9.5] * 3}, 0.02, 0.1)
+    assert c == 2 and "won 3/3 rounds" in why and "plain's spread over all rounds 5.0% <= 10%" in why, why
+
+
+def test_decide_ties_and_margin_still_go_to_plain_with_an_outlier():
+    """Leaving plain's slowest round out of the spread changes nothing else: a tie or a win under the margin is
+    plain, with or without an outlier round."""
+    for plain in ([10] * 5, [10, 10, 14, 10, 10]):
+        for other in ([10] * 5, [9.9] * 5):
+            c, why = decide({1: plain, 2: other}, 0.02, 0.1)
+            assert c == 1 and "not 2% under plain" in why and "spread without the slowest round" in why, why
+    # equal medians between candidates and plain's outlier: still plain
+    c, why = decide({1: [10, 10, 14, 10, 10], 2: [10, 10, 10, 10, 10], 3: [10] * 5}, 0.02, 0.1)
+    assert c == 1 and "won 1/5" in why, why
 
 
 def _mock(true_ms, noise, seed=0):

@@ -1,7 +1,8 @@
 """Timing-based choices that never pick a loser: the decision rule, the timers, and ``ModePolicy``.
 
 ``decide`` keeps the baseline unless another candidate is ``margin`` faster by median AND in a strict
-majority of interleaved rounds (paired, same round), and the baseline's own spread is within ``max_noise``.
+majority of interleaved rounds (paired, same round), and the baseline's own spread is within ``max_noise``
+(``spread``: from 4 rounds on without the baseline's slowest round, so one interfered round cannot veto).
 ``time_ms`` times a step with CUDA events, ``wall_time_ms`` with the host clock (CPU); both return the max over
 the group, and every loop decision (the early stop of long calls) is taken on group-wide numbers, so every rank
 runs the same collectives and decides alike. ``ModePolicy`` is ``auto`` across algorithms (Ulysses/HCMS, ring,
@@ -30,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,24 +64,47 @@ def median(xs) -> float:
     return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
 
 
+ROBUST_SPREAD_ROUNDS = 4  # from this many rounds on, ``spread`` drops the slowest round
+
+
+def spread(times_ms: Sequence[float]) -> tuple[float, str]:
+    """How far apart one candidate's per-round times are: ((max - min) / median, which measure). With
+    ``ROBUST_SPREAD_ROUNDS`` (4) or more rounds the slowest round is left out first, so one round slowed by
+    something outside the candidate (another stream's allocator, a host hiccup) does not count as noise, while two
+    slow rounds still do; with fewer rounds (3 leave too few to tell an outlier) all of them count. 0 for one
+    round."""
+    ts = sorted(times_ms)
+    if len(ts) < 2:
+        return 0.0, "spread of one round"
+    if len(ts) >= ROBUST_SPREAD_ROUNDS:
+        ts, how = ts[:-1], "spread without the slowest round"
+    else:
+        how = "spread over all rounds"
+    return (ts[-1] - ts[0]) / median(ts), how
+
+
 def decide(rounds: dict, margin: float, max_noise: float, plain=1) -> tuple:
     """The chunk count to run from interleaved per-round timings ``rounds[C]`` (ms, equal lengths, C = 1
-    included; ``plain`` names the baseline). Plain unless a chunked C is ``margin`` faster by median and by ``margin`` in a strict
-    majority of the rounds (each compared with plain's time of the same round), and plain's spread ((max - min) / median) is within ``max_noise``. Ties go to plain.
-    Returns (C, reason)."""
+    included; ``plain`` names the baseline). Plain unless a chunked C is ``margin`` faster by median and by
+    ``margin`` in a strict majority of the rounds (each compared with plain's time of the same round), and plain's
+    ``spread`` ((max - min) / median; from 4 rounds on without plain's slowest round) is within ``max_noise``.
+    Ties go to plain. Returns (C, reason); the reason names the spread measure used."""
     base = rounds[plain]
     m1 = median(base)
-    if len(base) > 1 and (max(base) - min(base)) / m1 > max_noise:
-        return plain, f"plain's spread over the rounds {(max(base) - min(base)) / m1:.1%} > {max_noise:.0%}: kept plain"
+    noise, how = spread(base)
+    if noise > max_noise:
+        return plain, f"plain's {how} {noise:.1%} > {max_noise:.0%}: kept plain"
     others = [c for c in rounds if c != plain]
     if not others:
         return plain, "no other candidate"
     best = min(others, key=lambda c: (median(rounds[c]), str(c)))
     mb = median(rounds[best])
     wins = sum(1 for a, b in zip(rounds[best], base) if a <= b * (1 - margin))  # paired: same round
+    quiet = f"plain's {how} {noise:.1%} <= {max_noise:.0%}"
     if mb <= m1 * (1 - margin) and 2 * wins > len(base):
-        return best, f"{best} median {mb:.3f} ms vs plain {m1:.3f} ms, won {wins}/{len(base)} rounds"
-    return plain, f"best other {best} ({mb:.3f} ms, won {wins}/{len(base)}) not {margin:.0%} under plain ({m1:.3f} ms)"
+        return best, f"{best} median {mb:.3f} ms vs plain {m1:.3f} ms, won {wins}/{len(base)} rounds ({quiet})"
+    return plain, (f"best other {best} ({mb:.3f} ms, won {wins}/{len(base)}) not {margin:.0%} under plain "
+                   f"({m1:.3f} ms; {quiet})")
 
 
 def time_ms(fn, iters: int, warmup: int, group, long_ms: Optional[float] = 50.0) -> float:

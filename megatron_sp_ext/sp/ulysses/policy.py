@@ -7,8 +7,9 @@ T(1), the bare exchange T_comm and T(2), solves for beta and predicts C*. Then t
 (C = 1, the plain path, always among them; C* and its neighbours; 2) are timed in ``rounds``
 interleaved rounds (the order rotates every round, so warm-up and drift hit every candidate alike).
 ``decide`` keeps C = 1 unless a chunked C has a median at least ``margin`` below plain's AND is
-``margin`` faster than plain in a strict majority of the rounds (paired, same round); if plain's own spread over the rounds exceeds
-``max_noise`` the measurement cannot separate them and plain is kept. Every timing is all-reduced
+``margin`` faster than plain in a strict majority of the rounds (paired, same round); if plain's own spread over
+the rounds (``calibration.spread``: from 4 rounds on without plain's slowest round, so one interfered round cannot
+veto) exceeds ``max_noise`` the measurement cannot separate them and plain is kept. Every timing is all-reduced
 (max) over the group, so all ranks hold the same numbers and take the same decision; the key names the group
 by its global ranks (``calibration.group_key``), the same on every member. The cost of
 the calibration itself is recorded (``Calibration.cost_ms``). After calibration a call costs one
