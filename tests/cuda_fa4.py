@@ -69,7 +69,8 @@ def fa4_family(rank: int, world: int) -> list:
           rank, world, dtype=FP16, causal=True, s=s, seed=n)
     # ring / TASP, both backward schedules
     for variant in ("ring", "tasp"):
-        rs = 2048 * world
+        rs = 4096   # 2,048 * P until 2026-11-28: at P=4 (8,192 tokens) the four ranks' float64 references
+        # (S^2 H 8 bytes each, and their backward) overran one 80 GB H100 (OOM in r11_66a); 1,024 per rank at P=4
         for causal in (False, True):
             placement = ("zigzag" if variant == "ring" else "tasp_zigzag") if causal else "contiguous"
             for (h, hkv), backend, route in (((8, 8), "fa4", "home"), ((8, 8), "cudnn", "home"),

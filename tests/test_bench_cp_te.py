@@ -278,3 +278,46 @@ def test_torch_cudnn_home(tmp_path, monkeypatch):
     assert te_peer.torch_cudnn_home() == str(home)
     monkeypatch.setattr(te_peer.importlib.util, "find_spec", lambda name: None)
     assert te_peer.torch_cudnn_home() is None            # torch built against a system cuDNN
+
+
+MAPS = """7f0000000000-7f0000001000 r-xp 00000000 08:01 1234  /opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib/libcudnn.so.9
+7f0000001000-7f0000002000 r--p 00001000 08:01 1234  /opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib/libcudnn.so.9
+7f0000002000-7f0000003000 r-xp 00000000 08:01 1240  /opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib/libcudnn_graph.so.9
+7f0000003000-7f0000004000 rw-p 00000000 00:00 0
+7f0000004000-7f0000005000 r-xp 00000000 08:01 99  /usr/local/cuda/lib64/libcudnn.so.9.14.0
+"""
+
+
+def test_mapped_cudnn_names_the_main_library_files_in_order():
+    """Only libcudnn.so* (not its libcudnn_* parts, not anonymous maps), once each, first mapped first."""
+    from tools.te_peer import mapped_cudnn
+    assert mapped_cudnn(MAPS) == ["/opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib/libcudnn.so.9",
+                                  "/usr/local/cuda/lib64/libcudnn.so.9.14.0"]
+    assert mapped_cudnn("") == []
+
+
+def test_share_torch_cudnn_points_te_at_the_mapped_cudnn(tmp_path, monkeypatch):
+    """The folder of the cuDNN already in the process becomes CUDNN_HOME (TE searches it first); the user's own
+    CUDNN_HOME is kept; with nothing mapped, torch's nvidia-cudnn package; with neither, CUDNN_HOME stays unset and
+    the meta says so."""
+    from tools import te_peer
+    maps = tmp_path / "maps"
+    maps.write_text(MAPS)
+    env = {}
+    seen = te_peer.share_torch_cudnn(env, maps_path=str(maps))
+    assert env["CUDNN_HOME"] == "/opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib"
+    assert seen["source"] == "mapped by torch" and seen["CUDNN_HOME"] == env["CUDNN_HOME"]
+    assert len(seen["mapped"]) == 2
+    env = {"CUDNN_HOME": "/my/cudnn"}
+    assert te_peer.share_torch_cudnn(env, maps_path=str(maps))["source"] == "user" and env["CUDNN_HOME"] == "/my/cudnn"
+    maps.write_text("")
+    monkeypatch.setattr(te_peer, "torch_cudnn_home", lambda: "/site/nvidia/cudnn")
+    env = {}
+    assert te_peer.share_torch_cudnn(env, maps_path=str(maps))["source"] == "torch's nvidia-cudnn package"
+    assert env["CUDNN_HOME"] == "/site/nvidia/cudnn"
+    monkeypatch.setattr(te_peer, "torch_cudnn_home", lambda: None)
+    env = {}
+    seen = te_peer.share_torch_cudnn(env, maps_path=str(tmp_path / "absent"))
+    assert "CUDNN_HOME" not in env and seen["source"].startswith("none found")
+    after = te_peer.cudnn_after_te(maps_path=str(tmp_path / "absent"))
+    assert after["mapped"] == [] and "torch_cudnn" in after

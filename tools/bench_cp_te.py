@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.benchlib import cp_grid, init_world, median_ms  # noqa: E402
 from tools.full_reference import TOL, full_inputs, full_reference, rel_errs, within  # noqa: E402
-from tools.te_peer import TE_PEERS, parse_peers, torch_cudnn_home  # noqa: E402
+from tools.te_peer import TE_PEERS, cudnn_after_te, parse_peers, share_torch_cudnn  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 
 PLACEMENT = "zigzag"   # TE's CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
@@ -114,8 +114,7 @@ def main() -> None:
     if args.links == "host":
         os.environ["NCCL_P2P_DISABLE"] = "1"
     init_world("nccl", timeout_s=600)
-    if torch_cudnn_home() and "CUDNN_HOME" not in os.environ:   # TE loads torch's cuDNN, not the image's (te_peer)
-        os.environ["CUDNN_HOME"] = torch_cudnn_home()
+    cudnn_before = share_torch_cudnn(os.environ)   # TE loads the cuDNN torch loaded, not the image's (te_peer)
     import transformer_engine  # noqa: PLC0415 - only in this process (it changes torch SDPA's cuDNN choice)
     import transformer_engine.pytorch as te  # noqa: PLC0415
     group, stream = dist.group.WORLD, torch.cuda.Stream()
@@ -135,7 +134,8 @@ def main() -> None:
     bad = verdict[0]
     if dist.get_rank() == 0:
         meta = {"transformer_engine": getattr(transformer_engine, "__version__", "?"),
-                "transformer_engine_file": transformer_engine.__file__, "cudnn": torch.backends.cudnn.version(),
+                "transformer_engine_file": transformer_engine.__file__,
+                "cudnn": {"before_te": cudnn_before, "after": cudnn_after_te()},
                 "tolerance": TOL, "reference": "torch SDPA, FLASH_ATTENTION backend, full sequence, bf16",
                 "env": {k: v for k, v in os.environ.items() if k.startswith("NVTE_") or k in ("NCCL_P2P_DISABLE", "CUDNN_HOME")}}
         os.makedirs(os.path.dirname(os.path.abspath(args.out_json)), exist_ok=True)

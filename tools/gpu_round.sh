@@ -808,9 +808,9 @@ stage_i68_te_install() {   # (2 GPUs, the call carrying .te; ~3 min with the ins
   # attention backend TE picked (FusedAttention = cuDNN expected on sm_90)
   i68_te i68_te_install && i70_need i68_te_install 2 || return 0
   keep i68_te_install/import 60 env PYTHONPATH=$SPX_TE_SITE:$PYTHONPATH python3 -c "import os; from tools.te_peer \
-import torch_cudnn_home as h; h() and os.environ.setdefault('CUDNN_HOME', h()); import transformer_engine as t, \
-transformer_engine.pytorch as te, torch; print('TE', t.__version__, t.__file__, 'CUDNN_HOME', \
-os.environ.get('CUDNN_HOME'), 'cuDNN', torch.backends.cudnn.version())"
+import share_torch_cudnn as s, cudnn_after_te as a; print('before TE', s(os.environ)); import transformer_engine \
+as t, transformer_engine.pytorch as te; print('TE', t.__version__, t.__file__); r = a(); print('after TE', r); \
+raise SystemExit(0 if isinstance(r['torch_cudnn'], int) and len(r['mapped']) == 1 else 1)"
   keep i68_te_install/smoke 180 env PYTHONPATH=$SPX_TE_SITE:$PYTHONPATH NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 \
     torchrun --nproc-per-node 2 \
     tools/bench_cp_te.py --peers te --heads 8 --seqlens 8192 --causal no,yes --iters 2 --warmup 1 --require-ok \

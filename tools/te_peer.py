@@ -105,6 +105,64 @@ def torch_cudnn_home() -> Optional[str]:
     return home if glob.glob(os.path.join(home, "lib", "libcudnn.so*")) else None
 
 
+def mapped_cudnn(maps_text: str) -> list:
+    """The ``libcudnn.so*`` files (the main library, not its ``libcudnn_*`` parts) mapped in a process, from the
+    text of its ``/proc/<pid>/maps``, in order of first appearance."""
+    found = []
+    for line in maps_text.splitlines():
+        path = line.split(None, 5)[5].strip() if len(line.split(None, 5)) == 6 else ""
+        if os.path.basename(path).startswith("libcudnn.so") and path not in found:
+            found.append(path)
+    return found
+
+
+def share_torch_cudnn(environ, maps_path: str = "/proc/self/maps") -> dict:
+    """Make the TE about to be imported in THIS process load the cuDNN torch loads. Call before importing TE.
+
+    torch's cuDNN is loaded first (``torch.backends.cudnn.version()`` on a CUDA machine), then ``CUDNN_HOME`` is
+    set to the folder of the ``libcudnn.so*`` now mapped (TE 2.20 searches ``$CUDNN_HOME`` before CUDA_HOME and
+    /usr/local/cuda; the same file is not loaded twice), else to ``torch_cudnn_home()``. On 2026-11-28 (lent H100s)
+    TE loaded the image's cuDNN 9.14 first and torch (built with 9.19) refused every cuDNN call after it: with
+    ``CUDNN_HOME`` from ``torch_cudnn_home`` alone it still did. A ``CUDNN_HOME`` the user set is kept. Returns
+    what it saw, for the job's meta: {torch_cudnn, mapped, CUDNN_HOME, source}."""
+    import torch   # noqa: PLC0415 - only where TE is about to be imported
+    seen = {"torch_cudnn": None, "mapped": [], "CUDNN_HOME": environ.get("CUDNN_HOME"), "source": "user"}
+    if torch.cuda.is_available():
+        try:
+            seen["torch_cudnn"] = torch.backends.cudnn.version()
+        except RuntimeError as e:   # torch's own cuDNN already clashes: say so in the meta, TE is not the cause
+            seen["torch_cudnn"] = f"error: {e}"
+    try:
+        with open(maps_path) as f:
+            seen["mapped"] = mapped_cudnn(f.read())
+    except OSError:
+        pass
+    if "CUDNN_HOME" not in environ:
+        home = os.path.dirname(seen["mapped"][0]) if seen["mapped"] else torch_cudnn_home()
+        seen["source"] = "mapped by torch" if seen["mapped"] else "torch's nvidia-cudnn package"
+        if home:
+            environ["CUDNN_HOME"] = seen["CUDNN_HOME"] = home
+        else:
+            seen["source"] = "none found: TE searches CUDA_HOME, /usr/local/cuda, the loader's path"
+    return seen
+
+
+def cudnn_after_te(maps_path: str = "/proc/self/maps") -> dict:
+    """After TE's import: the cuDNN version torch reports (or its error, as text) and the ``libcudnn.so*`` files
+    mapped (two files = two cuDNNs in the process)."""
+    import torch   # noqa: PLC0415
+    try:
+        version = torch.backends.cudnn.version()
+    except RuntimeError as e:
+        version = f"error: {e}"
+    try:
+        with open(maps_path) as f:
+            mapped = mapped_cudnn(f.read())
+    except OSError:
+        mapped = []
+    return {"torch_cudnn": version, "mapped": mapped}
+
+
 def te_script_args(args, peers: Sequence[str], out_json: str) -> list:
     """tools/bench_cp_te.py's arguments for the rows of bench_cp's ``args`` (heads, seqlens, head_dim, causal,
     links, iters, warmup)."""
