@@ -37,3 +37,27 @@ def test_reused_address_after_free():
              {"action": "free_completed", "addr": 1, "size": 30}]
     rep = peak_from_trace(trace)
     assert rep["peak_above_base_bytes"] == 30 and [r["bytes"] for r in rep["live_at_peak"]] == [30]
+
+
+def test_peak_report_retries_without_early_stop(monkeypatch):
+    """A recorded step that dies with SystemError (checkpoint's early stop under the history, 2026-11-28) is recorded
+    once more with the early stop off, and the report says so; a step that records on the first try keeps it on."""
+    import torch
+
+    from tools import memory_peak
+    calls = []
+
+    def fake_record(fn, device, early_stop=True):
+        calls.append(early_stop)
+        if early_stop and fail:
+            raise SystemError("forward returned NULL without setting an exception")
+        return [{"action": "alloc", "addr": 1, "size": 2**20, "frames": OURS}], 0
+
+    monkeypatch.setattr(memory_peak, "record_step", fake_record)
+    fail = True
+    rep = memory_peak.peak_report(lambda: None, torch.device("cpu"))
+    assert calls == [True, False] and rep["checkpoint_early_stop"] is False and rep["live_at_peak"][0]["mib"] == 1.0
+    calls.clear()
+    fail = False
+    rep = memory_peak.peak_report(lambda: None, torch.device("cpu"))
+    assert calls == [True] and rep["checkpoint_early_stop"] is True

@@ -568,6 +568,11 @@ stage_r11_65mem() {   # 2 GPUs (FA4): #65's +0.27% peak attributed: one step of 
   keep r11/720p_mem 420 $WAN_BENCH --grid 720p --variants diffusers-ulysses,ours-ulysses,ours-hcms --steps 2 \
     --warmup 2 --memory-peak --out $W/r11/720p_memory_peak.json
 }
+stage_r12_65() {   # 2 GPUs (FA4): #65's 720p row with auto after its noise fix (calibration.spread) and the peak
+  # attributed (the history with frames at allocations only, tools/memory_peak.py), diffusers' both CPs, ~5 min
+  keep r12/720p 450 $WAN_BENCH --grid 720p --variants diffusers-ulysses,diffusers-ring,ours-auto,ours-ulysses,ours-hcms \
+    --steps 2 --warmup 2 --memory-peak --out $W/r12/720p_memory_peak.json
+}
 stage_r10_rope() {   # 1 GPU: the fused Wan RoPE bit for bit against diffusers' ops (bf16/fp16/fp32, fwd + bwd)
   suite r10/rope 120 "test_wan_rope_fused_bitwise"
 }

@@ -64,17 +64,22 @@ def peak_from_trace(trace: list, base_bytes: int = 0, top: int = 25) -> dict:
             "live_at_peak": rows[:top], "events": len(trace)}
 
 
-def record_step(fn: Callable[[], object], device: torch.device, max_entries: int = 2_000_000) -> tuple:
-    """(trace of ``device``, bytes allocated before ``fn``) of one call of ``fn`` under the allocator's history."""
+def record_step(fn: Callable[[], object], device: torch.device, max_entries: int = 2_000_000,
+                early_stop: bool = True) -> tuple:
+    """(trace of ``device``, bytes allocated before ``fn``) of one call of ``fn`` under the allocator's history:
+    Python frames kept for allocations only (``context="alloc"``: the replay needs no frame of a free).
+    ``early_stop=False`` turns off checkpoint's early stop of the recompute for the call."""
     from torch.cuda import memory  # noqa: PLC0415
+    from torch.utils import checkpoint  # noqa: PLC0415
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
-    memory._record_memory_history(max_entries=max_entries, stacks="python")
+    # 2026-11-28 (4 x H100, diffusers' Wan with gradient checkpointing): with frames taken at frees too, the step
+    # died twice in backward's recompute ("WanTransformerBlock.forward returned NULL without setting an exception"),
+    # the second time with backward on the calling thread. The recompute stops early by raising an exception; the
+    # blocks freed while it unwinds took a Python traceback each, the likely loss of the pending exception.
+    memory._record_memory_history(max_entries=max_entries, context="alloc", stacks="python")
     try:
-        # backward on the calling thread: on 4 x H100 (2026-11-28) a recorded diffusers Wan step with gradient
-        # checkpointing died in the recompute that autograd's device thread ran ("WanTransformerBlock.forward
-        # returned NULL without setting an exception"); same kernels and allocations either way
-        with torch.autograd.set_multithreading_enabled(False):
+        with torch.autograd.set_multithreading_enabled(False), checkpoint.set_checkpoint_early_stop(early_stop):
             fn()
         torch.cuda.synchronize(device)
         snap = memory._snapshot()
@@ -87,8 +92,14 @@ def record_step(fn: Callable[[], object], device: torch.device, max_entries: int
 
 def peak_report(fn: Callable[[], object], device: torch.device, top: int = 25) -> Optional[dict]:
     """``peak_from_trace`` of one recorded call of ``fn`` on ``device`` (CUDA), in GiB and MiB for reading."""
-    trace, base = record_step(fn, device)
+    try:
+        trace, base = record_step(fn, device)
+        early_stop = True
+    except SystemError:   # the recompute's early stop under the history (see record_step): once more without it
+        trace, base = record_step(fn, device, early_stop=False)
+        early_stop = False
     rep = peak_from_trace(trace, base, top)
+    rep["checkpoint_early_stop"] = early_stop
     rep["peak_gib"] = (rep["base_bytes"] + rep["peak_above_base_bytes"]) / 2**30
     for r in rep["live_at_peak"]:
         r["mib"] = round(r["bytes"] / 2**20, 1)
