@@ -51,8 +51,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.benchlib import (cp_grid, init_world, median_ms, plot_or_skip, run_meta, write_json,  # noqa: E402
-                            write_results)
+from tools.benchlib import (AutoDecisions, cp_grid, init_world, median_ms, plot_or_skip, run_meta,  # noqa: E402
+                            write_json, write_results)
 from tools.floor import add_ratios, floor_ms, kernel_floor_ms  # noqa: E402
 from tools.full_reference import full_inputs, full_reference, rel_errs, within  # noqa: E402
 from tools.te_peer import (check_grid, find_te, merge_te_rows, parse_peers, te_command, te_env,  # noqa: E402
@@ -177,7 +177,11 @@ def bench_row(group, mesh, h, seqlen, causal, modes, args, mesh_cache):
             if name in TORCH:
                 entry, got = run_torch_cp(name.split("_")[-1], full, mesh, group, causal, args)
             else:
-                entry, got = run_ours(name, our_mode(name, group, causal, h, mesh_cache), full, group, causal, args)
+                with AutoDecisions() as decisions:   # what auto / hcms picked for this row, with the reason
+                    entry, got = run_ours(name, our_mode(name, group, causal, h, mesh_cache), full, group, causal,
+                                          args)
+                if decisions.messages:
+                    entry["auto_decisions"] = decisions.messages
         except Exception as e:  # noqa: BLE001 - a mode that cannot run here is reported, not fatal
             row["modes"][name] = {"error": f"{type(e).__name__}: {e}"}
             if dist.get_rank() == 0:

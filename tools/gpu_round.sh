@@ -8,7 +8,7 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa; #70: i70_ds i70_ds_time
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -515,13 +515,18 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
 #   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
 #   r8d69b@3 | call 4: r10_67.
-# NEXT SESSION (4 GPUs; FA4 is TWO parts now (gpu_wheels.sh xz), usable from the call after both are carried; .te
-#   is one 42.9 MB part in a call of its own; .ds rides with part.aa). Issue each call AT ONCE after the previous
-#   returns (2026-11-28: the machine went back idle twice between calls, costing a fresh start and the parts):
-#   call 1 (part.aa + .ds): r11_66c@0 r11_66d@1 r11_66e@2,3 (the round's refactors of #66 items 1 and 4 on the
-#   torch kernels) | call 2 (part.ab): r11_66a@0 r11_66b@1 r11_65mem@2,3 | call 3 (.te): i68_te_install@0,1
-#   r11_69sp2@2,3 (TE installs in the background: gpu_install.sh) | call 4: i68_cp2_nv@0,1 r11_69vsa@2
-#   i70_transport... Results of 2026-11-28: results/2026-11-28_h100x4_0029/README.md.
+# NEXT SESSION (4 GPUs). Issue each call AT ONCE after the previous returns (the machine goes back after 30 s idle):
+#   call 1 (.te + .ds + .fa4/commit): i68_te_install@0,1 i70_transport@2,3 (the round's new TE cuDNN path first:
+#     tools/te_peer.share_torch_cudnn; TE stays installed in /tmp/te_site for call 4) | call 2 (part.aa):
+#     i70_ds_time@0,1 r12_bs4@2,3 | call 3 (part.ab: FA4 from here): r12_65@0,1 r12_fa4p4@2 r11_69vsa@3 |
+#   call 4: i68_cp2_nv@0,1 i68_cp2_host@2,3 (32K and 64K; the 128K row in a call of its own: I68_SEQLENS=131072).
+#   Results of 2026-11-28: results/2026-11-28_h100x4_0029/ and results/2026-11-28_h100x4_0359/ (README.md each).
+stage_r12_bs4() {   # the rest of r11_66b (cut by its call's deadline): block_sparse P=4 and cuDNN's block sparsity
+  suite r12/bs4 500 "(test_block_sparse_family and 4-gloo and not fa4 and not cudnn) or test_cudnn_block_sparse_family"
+}
+stage_r12_fa4p4() {   # the fa4 family at P=4 (4 ranks on one GPU) with the ring rows at 4,096 tokens (OOM at 8,192)
+  suite r12/fa4p4 450 "test_fa4_family and 4-gloo"
+}
 #   r11_66a-d: the CUDA families of the one kernel chooser (#66 item 3, merged untested on GPUs), P=2 and P=4.
 stage_r11_66a() { suite r11/66a 500 "(test_fa4_family or test_fa4_block_sparse_family) and gloo"; }
 stage_r11_66b() {
@@ -821,7 +826,7 @@ raise SystemExit(0 if isinstance(r['torch_cudnn'], int) and len(r['mapped']) == 
     tools/bench_cp_te.py --peers te --heads 8 --seqlens 8192 --causal no,yes --iters 2 --warmup 1 --require-ok \
     --out-json $W/i68_te_install/smoke.json
 }
-I68_CP2=(--heads 40 --seqlens 32768,65536,131072 --causal no,yes --modes ulysses,hcms,ring,auto --peers te
+I68_CP2=(--heads 40 --seqlens ${I68_SEQLENS:-32768,65536} --causal no,yes --modes ulysses,hcms,ring,auto --peers te
   --iters 5 --warmup 2)
 stage_i68_cp2_nv() {   # (2 GPUs, one call; ~5-7 min est.): the P=2 grid on NVLink in ONE job: the floor, ulysses,
   # hcms, ring, auto, then TE p2p / a2a / all_gather in their own torchrun; fwd and fwd+bwd; every output and
