@@ -308,9 +308,14 @@ def test_share_torch_cudnn_points_te_at_the_mapped_cudnn(tmp_path, monkeypatch):
     assert env["CUDNN_HOME"] == "/opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib"
     assert seen["source"] == "mapped by torch" and seen["CUDNN_HOME"] == env["CUDNN_HOME"]
     assert len(seen["mapped"]) == 2
-    env = {"CUDNN_HOME": "/my/cudnn"}
-    assert te_peer.share_torch_cudnn(env, maps_path=str(maps))["source"] == "user" and env["CUDNN_HOME"] == "/my/cudnn"
+    env = {"CUDNN_HOME": "/usr/local/cuda"}   # a CUDNN_HOME set elsewhere: replaced by torch's folder, recorded
+    seen = te_peer.share_torch_cudnn(env, maps_path=str(maps))
+    assert env["CUDNN_HOME"] == "/opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib"
+    assert seen["replaced"] == "/usr/local/cuda" and seen["source"] == "mapped by torch"
     maps.write_text("")
+    env = {"CUDNN_HOME": "/my/cudnn"}   # nothing mapped: a set CUDNN_HOME is kept as it is
+    seen = te_peer.share_torch_cudnn(env, maps_path=str(maps))
+    assert env["CUDNN_HOME"] == "/my/cudnn" and seen["source"] == "as set" and seen["replaced"] is None
     monkeypatch.setattr(te_peer, "torch_cudnn_home", lambda: "/site/nvidia/cudnn")
     env = {}
     assert te_peer.share_torch_cudnn(env, maps_path=str(maps))["source"] == "torch's nvidia-cudnn package"

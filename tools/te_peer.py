@@ -122,11 +122,14 @@ def share_torch_cudnn(environ, maps_path: str = "/proc/self/maps") -> dict:
     torch's cuDNN is loaded first (``torch.backends.cudnn.version()`` on a CUDA machine), then ``CUDNN_HOME`` is
     set to the folder of the ``libcudnn.so*`` now mapped (TE 2.20 searches ``$CUDNN_HOME`` before CUDA_HOME and
     /usr/local/cuda; the same file is not loaded twice), else to ``torch_cudnn_home()``. On 2026-11-28 (lent H100s)
-    TE loaded the image's cuDNN 9.14 first and torch (built with 9.19) refused every cuDNN call after it: with
-    ``CUDNN_HOME`` from ``torch_cudnn_home`` alone it still did. A ``CUDNN_HOME`` the user set is kept. Returns
-    what it saw, for the job's meta: {torch_cudnn, mapped, CUDNN_HOME, source}."""
+    TE loaded the image's cuDNN 9.14 first and torch (built with 9.19) refused every cuDNN call after it; pointing
+    ``CUDNN_HOME`` at torch's package only where it was unset did not help (an image's own ``CUDNN_HOME`` is one
+    way that happens). So a ``CUDNN_HOME`` already set is replaced by the folder torch loaded from (kept only when
+    torch has no cuDNN mapped) and its old value recorded. Returns what it saw, for the job's meta:
+    {torch_cudnn, mapped, CUDNN_HOME, replaced, source}."""
     import torch   # noqa: PLC0415 - only where TE is about to be imported
-    seen = {"torch_cudnn": None, "mapped": [], "CUDNN_HOME": environ.get("CUDNN_HOME"), "source": "user"}
+    seen = {"torch_cudnn": None, "mapped": [], "CUDNN_HOME": environ.get("CUDNN_HOME"), "replaced": None,
+            "source": "as set"}
     if torch.cuda.is_available():
         try:
             seen["torch_cudnn"] = torch.backends.cudnn.version()
@@ -137,13 +140,18 @@ def share_torch_cudnn(environ, maps_path: str = "/proc/self/maps") -> dict:
             seen["mapped"] = mapped_cudnn(f.read())
     except OSError:
         pass
-    if "CUDNN_HOME" not in environ:
-        home = os.path.dirname(seen["mapped"][0]) if seen["mapped"] else torch_cudnn_home()
-        seen["source"] = "mapped by torch" if seen["mapped"] else "torch's nvidia-cudnn package"
-        if home:
-            environ["CUDNN_HOME"] = seen["CUDNN_HOME"] = home
-        else:
-            seen["source"] = "none found: TE searches CUDA_HOME, /usr/local/cuda, the loader's path"
+    if seen["mapped"]:
+        home, seen["source"] = os.path.dirname(seen["mapped"][0]), "mapped by torch"
+    elif "CUDNN_HOME" in environ:
+        return seen
+    else:
+        home, seen["source"] = torch_cudnn_home(), "torch's nvidia-cudnn package"
+    if not home:
+        seen["source"] = "none found: TE searches CUDA_HOME, /usr/local/cuda, the loader's path"
+        return seen
+    if environ.get("CUDNN_HOME") not in (None, home):
+        seen["replaced"] = environ["CUDNN_HOME"]
+    environ["CUDNN_HOME"] = seen["CUDNN_HOME"] = home
     return seen
 
 
