@@ -179,7 +179,7 @@ class FakeFA4:
 
     def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
                         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                        block_sparse_tensors=None, mask_mod=None, aux_tensors=None, **unused):
+                        block_sparse_tensors=None, mask_mod=None, aux_tensors=None, deterministic=False, **unused):
         self._check_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k)
         for name, t in (("out", out), ("dout", dout)):
             check_tensor(name, t, self.dtypes)
@@ -189,7 +189,8 @@ class FakeFA4:
         assert lse.dtype == torch.float32 and tuple(lse.shape) == want, \
             f"FA4: lse must be fp32 {want} (got {lse.dtype} {tuple(lse.shape)})"
         assert lse.is_contiguous(), f"FA4: lse must be contiguous (strides {lse.stride()})"
-        self.calls_log.append({"out_own_order": _own_order(out), "dout_own_order": _own_order(dout)})
+        self.calls_log.append({"out_own_order": _own_order(out), "dout_own_order": _own_order(dout),
+                               "deterministic": deterministic})
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         if block_sparse_tensors is not None:
             self.calls.append(("sparse_bwd", q.shape[-2], k.shape[-2]))

@@ -21,6 +21,19 @@ def test_refused_by_name_without_a_deterministic_kernel():
     assert deterministic.why_not(True, "math") is None and deterministic.why_not(False, "fa4") is None
 
 
+def test_fa4_is_deterministic_for_dense_attention_only():
+    """FA4 runs its deterministic backward under torch's switch (tests/test_fa4.py): allowed for dense attention;
+    block-sparse calls need the math tile kernel, whatever the dense kernel, refused naming the flag."""
+    assert deterministic.why_not(True, "fa4") is None
+    assert deterministic.why_not(True, "math", "tiles", "math") is None
+    assert deterministic.why_not(True, "fa4", "tiles", "math") is None
+    msg = deterministic.why_not(True, "fa4", "tiles", "auto")
+    assert "--sparse-attention tiles" in msg and "--sparse-attention-kernel auto" in msg and \
+        "--sparse-attention-kernel math" in msg
+    assert "--sparse-attention-kernel fa4" in deterministic.why_not(True, "math", "tiles", "fa4")
+    assert deterministic.why_not(False, "fa4", "tiles", "auto") is None
+
+
 def test_entry_refuses_it_with_auto(capsys):
     from training.pretrain_video_dit import parse
     with pytest.raises(SystemExit):

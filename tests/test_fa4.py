@@ -260,3 +260,27 @@ def test_block_lists_match_a_sort_of_each_row():
             counts, idx = fa4.block_lists(sel)
             assert torch.equal(counts, sel.sum(-1, dtype=torch.int32))
             assert torch.equal(idx, want) and idx.dtype == torch.int32 and idx.is_contiguous()
+
+
+def test_backward_runs_fa4s_deterministic_form_under_torchs_switch(monkeypatch):
+    """--deterministic-mode turns torch's deterministic algorithms on: FA4's dense and varlen backwards are then called
+    with deterministic=True (its fixed-order dq sum), and without the switch with False; the block-sparse backward,
+    which has no deterministic form here, refuses to run under the switch, naming it."""
+    fake = fake_fa4.install(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        for on in (True, False):
+            torch.use_deterministic_algorithms(on)
+            out, lse = fa4.forward(q, k, v, 0.125, causal=True)
+            dq, dk, dv = fa4.backward(torch.ones_like(out), q, k, v, out, lse, 0.125, True)
+            assert fake.calls_log[-1]["deterministic"] is on and dq.shape == q.shape
+            out_p, lse_p = fa4.varlen_forward(q, k, v, (0, 12, 32), 0.125, causal=False)
+            fa4.varlen_backward(torch.ones_like(out_p), q, k, v, out_p, lse_p, (0, 12, 32), 0.125, False)
+            assert fake.calls_log[-1]["deterministic"] is on
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="--deterministic-mode"):
+            fa4.tile_backward(None, q, k, v, None, None, 0.125, False, None)
+    finally:
+        torch.use_deterministic_algorithms(was)

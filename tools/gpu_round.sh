@@ -8,7 +8,7 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65; #70: i70_ds i70_ds_time
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -519,8 +519,14 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 #   call 1 (.te + .ds + .fa4/commit): i68_te_install@0,1 i70_transport@2,3 (the round's new TE cuDNN path first:
 #     tools/te_peer.share_torch_cudnn; TE stays installed in /tmp/te_site for call 4) | call 2 (part.aa):
 #     i70_ds_time@0,1 r12_bs4@2,3 | call 3 (part.ab: FA4 from here): r12_65@0,1 r12_fa4p4@2 r11_69vsa@3 |
+#   (r12_det_fa4@x,y: FA4's deterministic backward and a bit-for-bit resume, where two GPUs are free) |
 #   call 4: i68_cp2_nv@0,1 i68_cp2_host@2,3 (32K and 64K; the 128K row in a call of its own: I68_SEQLENS=131072).
 #   Results of 2026-11-28: results/2026-11-28_h100x4_0029/ and results/2026-11-28_h100x4_0359/ (README.md each).
+stage_r12_det_fa4() {   # 2 GPUs (FA4): --deterministic-mode with FA4's deterministic backward (new 2026-11-28): the
+  # i70_resume row (200 steps, stop and save at 100, resume; SP=1 resume) with --sp-attention-backend fa4 --bf16
+  local I70_RESUME=("${I70_RESUME[@]}" --sp-attention-backend fa4 --bf16)   # bash: seen by the stage it calls
+  stage_i70_resume
+}
 stage_r12_bs4() {   # the rest of r11_66b (cut by its call's deadline): block_sparse P=4 and cuDNN's block sparsity
   suite r12/bs4 500 "(test_block_sparse_family and 4-gloo and not fa4 and not cudnn) or test_cudnn_block_sparse_family"
 }

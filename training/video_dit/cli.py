@@ -200,7 +200,9 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if getattr(args, "num_workers", None) is not None and args.num_workers < 0:
         p.error(f"--num-workers={args.num_workers}: must be >= 0 (0: batches built in the training thread)")
     refusal = deterministic.why_not(getattr(args, "deterministic_mode", False),
-                                    getattr(args, "sp_attention_backend", "auto"))
+                                    getattr(args, "sp_attention_backend", "auto"),
+                                    getattr(args, "sparse_attention", "none"),
+                                    getattr(args, "sparse_attention_kernel", "auto"))
     if refusal:
         p.error(refusal)
     if getattr(args, "manual_gc_interval", 0) < 0:

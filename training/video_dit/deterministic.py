@@ -7,10 +7,13 @@ What it sets, before the first CUDA or NCCL call of the process:
     ``NCCL_ALGO=Ring`` (Megatron-LM's requirement: NVLS and the tree/ring switch by message size change the sum's
     order; kept when already set);
   * ``torch.backends.cudnn``: deterministic on, benchmark off.
-The local attention kernel must be one whose backward is deterministic: ``math`` (GEMMs and softmax). FA4, cuDNN and
-torch's flash/efficient kernels accumulate dq (and, with GQA, dk/dv) with atomics, so a run that reruns a step (a
-resume's control run, 4 x H100 2026-11-27: the same 200-step run twice differed from step 85 at lr 2e-3) needs
-``--sp-attention-backend math``; any other setting is refused by name.
+The local attention kernel must be one whose backward is deterministic: ``math`` (GEMMs and softmax) or ``fa4``
+(FlashAttention-4 runs its deterministic backward under torch's switch: attention/kernels/fa4.py); block-sparse
+calls (``--sparse-attention``) need ``--sparse-attention-kernel math`` (FA4's block-sparse backward has no
+deterministic form, and flex_attention's / cuDNN's are not shown to be). cuDNN and torch's
+flash/efficient kernels accumulate dq (and, with GQA, dk/dv) with atomics, so a run that reruns a step (a resume's
+control run, 4 x H100 2026-11-27: the same 200-step run twice differed from step 85 at lr 2e-3) cannot use them;
+``auto`` may pick them: any other setting is refused by name.
 """
 from __future__ import annotations
 
@@ -20,15 +23,24 @@ import torch
 
 FLAG = "--deterministic-mode"
 KERNEL_FLAG = "--sp-attention-backend"
-DETERMINISTIC_KERNELS = ("math",)
+DETERMINISTIC_KERNELS = ("math", "fa4")   # --sp-attention-backend: the dense attention's kernel
+SPARSE_FLAG, SPARSE_KERNEL_FLAG = "--sparse-attention", "--sparse-attention-kernel"
+DETERMINISTIC_SPARSE_KERNELS = ("math",)   # the block-sparse calls' kernel (FA4's block-sparse backward has none)
 
 
-def why_not(enabled: bool, backend: str) -> "str | None":
-    """The refusal of ``--deterministic-mode`` with ``--sp-attention-backend backend``, or None when it runs."""
-    if enabled and backend not in DETERMINISTIC_KERNELS:
+def why_not(enabled: bool, backend: str, sparse: str = "none", sparse_kernel: str = "auto") -> "str | None":
+    """The refusal of ``--deterministic-mode`` with ``--sp-attention-backend backend`` (and ``--sparse-attention
+    sparse`` run on ``--sparse-attention-kernel sparse_kernel``), or None when it runs."""
+    if not enabled:
+        return None
+    if backend not in DETERMINISTIC_KERNELS:
         return (f"{FLAG} with {KERNEL_FLAG} {backend}: that setting may run a kernel whose backward accumulates with "
-                f"atomics (FA4, cuDNN, torch's flash / efficient attention); give {KERNEL_FLAG} "
+                f"atomics (cuDNN, torch's flash / efficient attention); give {KERNEL_FLAG} "
                 f"{' or '.join(DETERMINISTIC_KERNELS)}")
+    if sparse not in (None, "none") and sparse_kernel not in DETERMINISTIC_SPARSE_KERNELS:
+        return (f"{FLAG} with {SPARSE_FLAG} {sparse} on {SPARSE_KERNEL_FLAG} {sparse_kernel}: that setting may run a "
+                f"block-sparse backward that is not deterministic (FA4's, flex_attention's, cuDNN's); give "
+                f"{SPARSE_KERNEL_FLAG} {' or '.join(DETERMINISTIC_SPARSE_KERNELS)}, or {SPARSE_FLAG} none")
     return None
 
 

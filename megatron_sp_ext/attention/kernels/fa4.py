@@ -9,7 +9,10 @@ sample lengths, ints), every sample attending only to itself.
 
 FA4 exposes its block calls as ``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd`` (the calls its
 own autograd Function makes); they are named in this module only, and ``why_not`` refuses a build whose argument
-lists differ (``schema_ok``). There is no attention dropout in FA4.
+lists differ (``schema_ok``). There is no attention dropout in FA4. Under torch's deterministic switch
+(``torch.use_deterministic_algorithms(True)``, what ``--deterministic-mode`` sets) the dense and varlen backwards
+run FA4's deterministic form (``deterministic=True``: dq, and with GQA dk/dv, summed in a fixed order instead of
+by atomics); the block-sparse backward has no such form here and refuses to run under the switch.
 
 Block sparsity (``tiles=``, a ``TileSlice``): FA4's own (``flash_attn.cute.block_sparsity.BlockSparseTensorsTorch``):
 per 128-row query block the 128-key blocks to run, "full" ones without a mask and partial ones through a
@@ -38,7 +41,7 @@ INSTALL_HINT = "pip install 'megatron_sp_ext[fa4]'"
 _FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
              "return_lse")
 _BWD_ARGS = ("q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "cu_seqlens_q", "cu_seqlens_k",
-             "max_seqlen_q", "max_seqlen_k")
+             "max_seqlen_q", "max_seqlen_k", "deterministic")
 DTYPES = (torch.bfloat16, torch.float16)
 ARCH_MAJORS = (9, 10)   # Hopper (SM90) and Blackwell datacenter (SM100): FA4's forward AND backward kernels
 
@@ -119,7 +122,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              lse: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block gradients (dq [B, H, Sq, D], dk/dv [B, Hkv, Sk, D]) given the rows' FINAL out and lse."""
     dq, dk, dv = _interface()._flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _own(_bshd(out)), _bshd(do),
-                                              lse.float().contiguous(), scale, causal)[:3]
+                                              lse.float().contiguous(), scale, causal,
+                                              deterministic=torch.are_deterministic_algorithms_enabled())[:3]
     return _bshd(dq), _bshd(dk), _bshd(dv)
 
 
@@ -156,7 +160,8 @@ def varlen_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     cu_t, m = _cu_args(cu, q.device)
     dq, dk, dv = _interface()._flash_attn_bwd(
         _thd(q), _thd(k), _thd(v), _own(_thd(out)), _thd(do), lse[0].float().contiguous(), scale, causal,
-        cu_seqlens_q=cu_t, cu_seqlens_k=cu_t, max_seqlen_q=m, max_seqlen_k=m)[:3]
+        cu_seqlens_q=cu_t, cu_seqlens_k=cu_t, max_seqlen_q=m, max_seqlen_k=m,
+        deterministic=torch.are_deterministic_algorithms_enabled())[:3]
     return [t.transpose(0, 1).unsqueeze(0) for t in (dq, dk, dv)]
 
 
@@ -326,6 +331,11 @@ def tile_forward(q, k, v, scale: float, causal: bool, meta: TileMeta) -> tuple[t
 
 def tile_backward(do, q, k, v, out, lse, scale: float, causal: bool, meta: TileMeta):
     """(dq, dk, dv) of ``tile_forward``'s block given the rows' FINAL out/lse."""
+    if torch.are_deterministic_algorithms_enabled():
+        raise RuntimeError("FA4's block-sparse backward has no deterministic form here (it needs a dq write order "
+                           "this library does not build), and torch's deterministic algorithms are on "
+                           "(--deterministic-mode): run the block-sparse step with the math kernel, or without the "
+                           "deterministic mode")
     kw = {}
     if meta.aux is not None:
         kw = {"mask_mod": _mask_mod(meta, causal), "aux_tensors": meta.aux}
