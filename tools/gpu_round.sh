@@ -424,7 +424,9 @@ stage_full40_75k_sp4() { full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"; }
 stage_full40_75k_sp2() { full40 wan14b_40l_75k_sp2 75600 2 "${SEL[@]}" --cpu-offloading; }
 stage_full40_75k_sp2_full() { full40 wan14b_40l_75k_sp2_full 75600 2 --recompute-granularity full; }
 R40=(--model wan-14b --num-layers ${R40_LAYERS:-40} --bf16 --use-torch-fsdp2 --context-parallel-size 4 --lr 1e-4 --frames 21
-  --latent-size 60x104 --log-interval 1 --num-workers 2 "${SEL[@]}")
+  --latent-size 60x104 --log-interval 1 --num-workers 2 "${SEL[@]}" --deterministic-mode --sp-attention-backend fa4)
+# (--deterministic-mode with FA4's deterministic backward since 2026-11-28: without it a rerun of the same steps
+# differs by the kernels' atomics, so "bit-identical" could not be asked of the resume)
 ck40_dir() {   # where the checkpoint fits: 12 B a parameter (fp32 params + Adam), 0.51B a block: ~230 GiB at 40
   # blocks; /dev/shm first (a container's may be small), then this machine's disk; R40_LAYERS=20 halves it
   local need=$(( ${R40_LAYERS:-40} * 6 + 4 )) d
