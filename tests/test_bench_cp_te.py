@@ -279,6 +279,11 @@ def test_torch_cudnn_home(tmp_path, monkeypatch):
     monkeypatch.setattr(te_peer.importlib.util, "find_spec", lambda name: None)
     assert te_peer.torch_cudnn_home() is None            # torch built against a system cuDNN
 
+    def no_parent(name):
+        raise ModuleNotFoundError("No module named 'nvidia'")
+    monkeypatch.setattr(te_peer.importlib.util, "find_spec", no_parent)
+    assert te_peer.torch_cudnn_home() is None            # no nvidia package at all (find_spec raises for the parent)
+
 
 MAPS = """7f0000000000-7f0000001000 r-xp 00000000 08:01 1234  /opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib/libcudnn.so.9
 7f0000001000-7f0000002000 r--p 00001000 08:01 1234  /opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib/libcudnn.so.9

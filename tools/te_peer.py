@@ -98,7 +98,10 @@ def torch_cudnn_home() -> Optional[str]:
     /usr/local/cuda and the loader's path: on the lent H100s (2026-11-28) that found the image's cuDNN 9.14 while
     torch 2.11 ships 9.19, and torch then refused every cuDNN call ("cuDNN version incompatibility"). Pointing
     CUDNN_HOME here makes TE and torch share one cuDNN."""
-    spec = importlib.util.find_spec("nvidia.cudnn")
+    try:
+        spec = importlib.util.find_spec("nvidia.cudnn")
+    except (ImportError, ValueError):   # no ``nvidia`` package at all: find_spec raises for the parent
+        return None
     if spec is None or not spec.submodule_search_locations:
         return None
     home = list(spec.submodule_search_locations)[0]
