@@ -308,15 +308,20 @@ def test_share_torch_cudnn_points_te_at_the_mapped_cudnn(tmp_path, monkeypatch):
     from tools import te_peer
     maps = tmp_path / "maps"
     maps.write_text(MAPS)
+    import os
+    torch_lib = "/opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib/libcudnn.so.9"
+
+    def only_link(home):   # the folder TE globs holds one entry: a link to the file torch mapped
+        return os.listdir(home) == ["libcudnn.so.9"] and os.readlink(os.path.join(home, "libcudnn.so.9")) == torch_lib
     env = {}
     seen = te_peer.share_torch_cudnn(env, maps_path=str(maps))
-    assert env["CUDNN_HOME"] == "/opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib"
-    assert seen["source"] == "mapped by torch" and seen["CUDNN_HOME"] == env["CUDNN_HOME"]
-    assert len(seen["mapped"]) == 2
-    env = {"CUDNN_HOME": "/usr/local/cuda"}   # a CUDNN_HOME set elsewhere: replaced by torch's folder, recorded
+    assert only_link(env["CUDNN_HOME"]) and seen["CUDNN_HOME"] == env["CUDNN_HOME"]
+    assert seen["source"] == "mapped by torch" and len(seen["mapped"]) == 2 and seen["replaced"] is None
+    env = {"CUDNN_HOME": "/usr/local/cuda"}   # a CUDNN_HOME set elsewhere: replaced by the link's folder, recorded
     seen = te_peer.share_torch_cudnn(env, maps_path=str(maps))
-    assert env["CUDNN_HOME"] == "/opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib"
-    assert seen["replaced"] == "/usr/local/cuda" and seen["source"] == "mapped by torch"
+    assert only_link(env["CUDNN_HOME"]) and seen["replaced"] == "/usr/local/cuda"
+    maps.write_text(f"7f0-7f1 r-xp 00000000 08:01 1 {torch_lib} (deleted)\n")   # replaced on disk while mapped
+    assert te_peer.mapped_cudnn(maps.read_text()) == [torch_lib]
     maps.write_text("")
     env = {"CUDNN_HOME": "/my/cudnn"}   # nothing mapped: a set CUDNN_HOME is kept as it is
     seen = te_peer.share_torch_cudnn(env, maps_path=str(maps))

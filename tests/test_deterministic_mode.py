@@ -34,6 +34,19 @@ def test_fa4_is_deterministic_for_dense_attention_only():
     assert deterministic.why_not(False, "fa4", "tiles", "auto") is None
 
 
+def test_timing_based_choices_are_refused_by_name(capsys):
+    """auto picks the mode (and --sp-async-qkv auto the layer form) by timing: a rerun may sum in another order."""
+    msg = deterministic.why_not(True, "math", mode=["auto"])
+    assert "--cp-comm-type auto" in msg and "hcms equals ulysses" in msg
+    assert "--sp-async-qkv auto" in deterministic.why_not(True, "fa4", mode="hcms", async_qkv="auto")
+    assert deterministic.why_not(True, "fa4", mode=["hcms"], async_qkv="off") is None
+    from training.pretrain_video_dit import parse
+    with pytest.raises(SystemExit):
+        parse([*BASE, "--deterministic-mode", "--sp-attention-backend", "math"])   # --cp-comm-type defaults to auto
+    err = capsys.readouterr().err
+    assert "--deterministic-mode with --cp-comm-type auto" in err and "Traceback" not in err
+
+
 def test_entry_refuses_it_with_auto(capsys):
     from training.pretrain_video_dit import parse
     with pytest.raises(SystemExit):
@@ -44,7 +57,8 @@ def test_entry_refuses_it_with_auto(capsys):
 
 def _run(rank, world, log_dir):
     from training.pretrain_video_dit import main
-    out = main([*BASE, "--context-parallel-size", "2", "--deterministic-mode", "--sp-attention-backend", "math",
+    out = main([*BASE, "--context-parallel-size", "2", "--cp-comm-type", "hcms", "--deterministic-mode",
+                "--sp-attention-backend", "math",
                 "--log-dir", log_dir])
     return torch.are_deterministic_algorithms_enabled(), out["losses"]
 

@@ -115,6 +115,9 @@ def main() -> None:
         os.environ["NCCL_P2P_DISABLE"] = "1"
     init_world("nccl", timeout_s=600)
     cudnn_before = share_torch_cudnn(os.environ)   # TE loads the cuDNN torch loaded, not the image's (te_peer)
+    if cudnn_before["replaced"] and dist.get_rank() == 0:
+        print(f"[bench_cp_te] CUDNN_HOME {cudnn_before['replaced']} -> {cudnn_before['CUDNN_HOME']} (a link to the "
+              f"cuDNN torch loaded: {cudnn_before['mapped'][0]})", flush=True)
     import transformer_engine  # noqa: PLC0415 - only in this process (it changes torch SDPA's cuDNN choice)
     import transformer_engine.pytorch as te  # noqa: PLC0415
     group, stream = dist.group.WORLD, torch.cuda.Stream()

@@ -13,6 +13,7 @@ first. Two variants' reports side by side name the code that makes one peak high
 """
 from __future__ import annotations
 
+import gc
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -92,12 +93,15 @@ def record_step(fn: Callable[[], object], device: torch.device, max_entries: int
 
 def peak_report(fn: Callable[[], object], device: torch.device, top: int = 25) -> Optional[dict]:
     """``peak_from_trace`` of one recorded call of ``fn`` on ``device`` (CUDA), in GiB and MiB for reading."""
+    early_stop = True
     try:
         trace, base = record_step(fn, device)
-        early_stop = True
     except SystemError:   # the recompute's early stop under the history (see record_step): once more without it
-        trace, base = record_step(fn, device, early_stop=False)
         early_stop = False
+    if not early_stop:   # outside the except: its traceback no longer holds the failed step's frames and tensors
+        gc.collect()
+        torch.cuda.empty_cache()
+        trace, base = record_step(fn, device, early_stop=False)
     rep = peak_from_trace(trace, base, top)
     rep["checkpoint_early_stop"] = early_stop
     rep["peak_gib"] = (rep["base_bytes"] + rep["peak_above_base_bytes"]) / 2**30

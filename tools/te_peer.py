@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import tempfile
 from typing import Mapping, Optional, Sequence
 
 from megatron_sp_ext.errors import SPConfigError
@@ -114,6 +115,7 @@ def mapped_cudnn(maps_text: str) -> list:
     found = []
     for line in maps_text.splitlines():
         path = line.split(None, 5)[5].strip() if len(line.split(None, 5)) == 6 else ""
+        path = path[:-len(" (deleted)")] if path.endswith(" (deleted)") else path   # replaced on disk while mapped
         if os.path.basename(path).startswith("libcudnn.so") and path not in found:
             found.append(path)
     return found
@@ -123,8 +125,9 @@ def share_torch_cudnn(environ, maps_path: str = "/proc/self/maps") -> dict:
     """Make the TE about to be imported in THIS process load the cuDNN torch loads. Call before importing TE.
 
     torch's cuDNN is loaded first (``torch.backends.cudnn.version()`` on a CUDA machine), then ``CUDNN_HOME`` is
-    set to the folder of the ``libcudnn.so*`` now mapped (TE 2.20 searches ``$CUDNN_HOME`` before CUDA_HOME and
-    /usr/local/cuda; the same file is not loaded twice), else to ``torch_cudnn_home()``. On 2026-11-28 (lent H100s)
+    set to a new folder holding one link to the ``libcudnn.so*`` now mapped (TE 2.20 globs ``$CUDNN_HOME/**``
+    before CUDA_HOME and /usr/local/cuda; a file already loaded is not loaded twice), else to
+    ``torch_cudnn_home()``. On 2026-11-28 (lent H100s)
     TE loaded the image's cuDNN 9.14 first and torch (built with 9.19) refused every cuDNN call after it; pointing
     ``CUDNN_HOME`` at torch's package only where it was unset did not help (an image's own ``CUDNN_HOME`` is one
     way that happens). So a ``CUDNN_HOME`` already set is replaced by the folder torch loaded from (kept only when
@@ -143,8 +146,10 @@ def share_torch_cudnn(environ, maps_path: str = "/proc/self/maps") -> dict:
             seen["mapped"] = mapped_cudnn(f.read())
     except OSError:
         pass
-    if seen["mapped"]:
-        home, seen["source"] = os.path.dirname(seen["mapped"][0]), "mapped by torch"
+    if seen["mapped"]:   # a folder of one link to that file: TE's glob can find nothing else (a system folder may
+        # hold several cuDNNs, sorted by name as text), and the loader takes a link to a loaded file as that file
+        home, seen["source"] = tempfile.mkdtemp(prefix="spx_cudnn_"), "mapped by torch"
+        os.symlink(seen["mapped"][0], os.path.join(home, os.path.basename(seen["mapped"][0])))
     elif "CUDNN_HOME" in environ:
         return seen
     else:

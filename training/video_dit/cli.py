@@ -202,7 +202,8 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     refusal = deterministic.why_not(getattr(args, "deterministic_mode", False),
                                     getattr(args, "sp_attention_backend", "auto"),
                                     getattr(args, "sparse_attention", "none"),
-                                    getattr(args, "sparse_attention_kernel", "auto"))
+                                    getattr(args, "sparse_attention_kernel", "auto"),
+                                    getattr(args, "cp_comm_type", None), getattr(args, "sp_async_qkv", "off"))
     if refusal:
         p.error(refusal)
     if getattr(args, "manual_gc_interval", 0) < 0:

@@ -21,16 +21,23 @@ import os
 
 import torch
 
+from .sparse import SPARSE_FLAG, SPARSE_KERNEL_FLAG
+
 FLAG = "--deterministic-mode"
 KERNEL_FLAG = "--sp-attention-backend"
 DETERMINISTIC_KERNELS = ("math", "fa4")   # --sp-attention-backend: the dense attention's kernel
-SPARSE_FLAG, SPARSE_KERNEL_FLAG = "--sparse-attention", "--sparse-attention-kernel"
 DETERMINISTIC_SPARSE_KERNELS = ("math",)   # the block-sparse calls' kernel (FA4's block-sparse backward has none)
 
 
-def why_not(enabled: bool, backend: str, sparse: str = "none", sparse_kernel: str = "auto") -> "str | None":
+MODE_FLAG, ASYNC_FLAG = "--cp-comm-type", "--sp-async-qkv"
+
+
+def why_not(enabled: bool, backend: str, sparse: str = "none", sparse_kernel: str = "auto",
+            mode: "str | list | None" = None, async_qkv: str = "off") -> "str | None":
     """The refusal of ``--deterministic-mode`` with ``--sp-attention-backend backend`` (and ``--sparse-attention
-    sparse`` run on ``--sparse-attention-kernel sparse_kernel``), or None when it runs."""
+    sparse`` run on ``--sparse-attention-kernel sparse_kernel``, ``--cp-comm-type mode``, ``--sp-async-qkv
+    async_qkv``), or None when it runs. ``auto`` for the mode or the layer form picks by timing: two runs may pick
+    different algorithms, which sum in different orders."""
     if not enabled:
         return None
     if backend not in DETERMINISTIC_KERNELS:
@@ -41,6 +48,12 @@ def why_not(enabled: bool, backend: str, sparse: str = "none", sparse_kernel: st
         return (f"{FLAG} with {SPARSE_FLAG} {sparse} on {SPARSE_KERNEL_FLAG} {sparse_kernel}: that setting may run a "
                 f"block-sparse backward that is not deterministic (FA4's, flex_attention's, cuDNN's); give "
                 f"{SPARSE_KERNEL_FLAG} {' or '.join(DETERMINISTIC_SPARSE_KERNELS)}, or {SPARSE_FLAG} none")
+    mode = mode[0] if isinstance(mode, (list, tuple)) and len(mode) == 1 else mode
+    for flag, value in ((MODE_FLAG, mode), (ASYNC_FLAG, async_qkv)):
+        if value == "auto":
+            return (f"{FLAG} with {flag} auto: auto picks by timing, so a rerun may run another algorithm (another "
+                    f"order of sums); give {flag} a fixed value" + (" (hcms equals ulysses bit for bit, whatever its "
+                                                                     "head chunks)" if flag == MODE_FLAG else ""))
     return None
 
 

@@ -334,8 +334,8 @@ def tile_backward(do, q, k, v, out, lse, scale: float, causal: bool, meta: TileM
     if torch.are_deterministic_algorithms_enabled():
         raise RuntimeError("FA4's block-sparse backward has no deterministic form here (it needs a dq write order "
                            "this library does not build), and torch's deterministic algorithms are on "
-                           "(--deterministic-mode): run the block-sparse step with the math kernel, or without the "
-                           "deterministic mode")
+                           "(--deterministic-mode): give --sparse-attention-kernel math (backend=\"math\" for a "
+                           "block_sparse_attention call), or leave the deterministic mode off")
     kw = {}
     if meta.aux is not None:
         kw = {"mask_mod": _mask_mod(meta, causal), "aux_tensors": meta.aux}
