@@ -443,3 +443,36 @@ def test_transport_family(world, backend):
     only: these paths need an NCCL group (over gloo every record would be refused)."""
     got = _worker("cuda_transport", "transport_family", "transport", world, backend)
     assert len(got) == 34  # per transport 4 shapes x 3 records + the async block; 8 fused all-gather cases
+
+
+@pytest.mark.parametrize("hkv", (8, 2))
+def test_fa4_deterministic_backward(hkv):
+    """--deterministic-mode on FA4 (attention/kernels/fa4.py): under torch's deterministic switch FA4's backward
+    gives the same bits on every rerun (dq, and with GQA dk/dv, without atomics), and is right against float64;
+    without the switch it need not be. 4,096 tokens, 8 heads (GQA 8/2), bf16, causal and not."""
+    if os.environ.get("SPX_REQUIRE_FA4") != "1":
+        pytest.importorskip("flash_attn.cute", reason="needs flash-attn-4 (tools/gpu_run.sh installs it when carried)")
+    from megatron_sp_ext.attention.kernels import fa4
+    from tests.reference import TOL, reference_attention
+    reason = fa4.why_not(torch.device("cuda"), torch.bfloat16, 128)
+    assert reason is None, reason
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 8, 4096, 128, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(1, hkv, 4096, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    do = torch.randn(1, 8, 4096, 128, device="cuda", generator=g).bfloat16()
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        for causal in (False, True):
+            out, lse = fa4.forward(q, k, v, 128 ** -0.5, causal)
+            runs = [fa4.backward(do, q, k, v, out, lse, 128 ** -0.5, causal) for _ in range(3)]
+            for again in runs[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(runs[0], again)), f"causal={causal}: a rerun differs"
+            qr, kr, vr = (t.double().transpose(1, 2).requires_grad_() for t in (q, k, v))
+            ref = reference_attention(qr, kr, vr, causal=causal)   # [B, S, H, D]
+            ref.backward(do.double().transpose(1, 2))
+            for name, got, want in zip(("dq", "dk", "dv"), runs[0], (qr.grad, kr.grad, vr.grad)):
+                err = float((got.double().transpose(1, 2) - want).norm() / want.norm())
+                assert err < TOL[torch.bfloat16], f"causal={causal} {name}: rel err {err:.2e}"
+    finally:
+        torch.use_deterministic_algorithms(was)

@@ -529,6 +529,7 @@ stage_r12_det_fa4() {   # 2 GPUs (FA4): --deterministic-mode with FA4's determin
   # i70_resume row (200 steps, stop and save at 100, resume; SP=1 resume) with --sp-attention-backend fa4 --bf16
   # bash: these locals are seen by the stage it calls; its own folder (beside i70_resume's), bf16's SP=1 tolerance,
   # twice the time (each torchrun compiles FA4's forward and deterministic backward)
+  suite r12/det_fa4_kernel 120 "test_fa4_deterministic_backward"   # the kernel reruns bit for bit, right vs float64
   local I70_RESUME=("${I70_RESUME[@]}" --sp-attention-backend fa4 --bf16) I70_DIR=r12_det_fa4 I70_SP1_RTOL=2e-2 \
     I70_SECS_X=2
   stage_i70_resume
