@@ -70,3 +70,24 @@ def test_entry_runs_deterministic_and_reruns_bit_for_bit(tmp_path):
     assert [losses for _, losses in a] == [losses for _, losses in b]
     rows = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
     assert len(rows) == 3 and all(r["loss"] == r["loss"] for r in rows)
+
+
+def test_deepspeed_entry_checks_its_json_kernel_and_mode():
+    """The DeepSpeed entry has no --sp-attention-backend / --cp-comm-type: --deterministic-mode is checked against
+    sequence_parallel_ext.backend / .mode (named in the message with the file), after the config loads; a math or
+    fa4 kernel with a fixed mode runs (before 2026-11-28 it was refused naming a flag the entry does not have)."""
+    import argparse
+
+    from megatron_sp_ext.errors import SPConfigError
+    from training.train_deepspeed import check_deterministic, parse
+    args = parse(["--model", "tiny", "--deterministic-mode"])   # parses: no Megatron flag to check here
+    block = {"train_micro_batch_size_per_gpu": 1}
+    with pytest.raises(SPConfigError, match=r"sequence_parallel_ext\.backend auto.*give sequence_parallel_ext"
+                                            r"\.backend math or fa4"):
+        check_deterministic(args, {**block, "sequence_parallel_ext": {"mode": "ulysses"}})
+    args.deepspeed_config = "ds.json"
+    with pytest.raises(SPConfigError, match=r"sequence_parallel_ext\.mode auto.*\(in ds\.json\)"):
+        check_deterministic(args, {**block, "sequence_parallel_ext": {"mode": "auto", "backend": "fa4"}})
+    for backend in ("math", "fa4"):
+        check_deterministic(args, {**block, "sequence_parallel_ext": {"mode": "hcms", "backend": backend}})
+    check_deterministic(argparse.Namespace(deterministic_mode=False), block)   # off: nothing read

@@ -99,6 +99,21 @@ def load_config(args: argparse.Namespace, config: Optional[dict] = None) -> dict
     return ds_cfg
 
 
+def check_deterministic(args: argparse.Namespace, ds_cfg: dict) -> None:
+    """--deterministic-mode against the JSON's kernel and mode (sequence_parallel_ext.backend / .mode; the tiles run
+    on the same kernel): SPConfigError naming the key where a rerun could differ (training/video_dit/deterministic)."""
+    if not args.deterministic_mode:
+        return
+    from megatron_sp_ext.deepspeed.initialize import sp_config_from_deepspeed  # noqa: PLC0415
+    sp_cfg, _ = sp_config_from_deepspeed(ds_cfg)
+    key = {k: f"sequence_parallel_ext.{k}" for k in ("backend", "mode")}
+    refusal = deterministic.why_not(True, sp_cfg.backend, getattr(args, "sparse_attention", "none"), sp_cfg.backend,
+                                    sp_cfg.mode, names={"backend": key["backend"], "sparse_kernel": key["backend"],
+                                                        "mode": key["mode"]})
+    if refusal:
+        raise SPConfigError(refusal + (f" (in {args.deepspeed_config})" if args.deepspeed_config else ""))
+
+
 def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     """``config`` (a dict) overrides --deepspeed-config (tests)."""
     quiet_known_warnings()  # before DeepSpeed is imported
@@ -109,6 +124,7 @@ def main(argv: Optional[list] = None, config: Optional[dict] = None) -> dict:
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ds_cfg = load_config(args, config)
+    check_deterministic(args, ds_cfg)
     import deepspeed  # noqa: PLC0415
 
     own_pg = not dist.is_initialized()

@@ -199,7 +199,9 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--sample-steps needs --log-dir (samples.png is written there, beside loss.png)")
     if getattr(args, "num_workers", None) is not None and args.num_workers < 0:
         p.error(f"--num-workers={args.num_workers}: must be >= 0 (0: batches built in the training thread)")
-    refusal = deterministic.why_not(getattr(args, "deterministic_mode", False),
+    # the Megatron entry's flags; the DeepSpeed entry (its kernel and mode in the JSON) checks after its config loads
+    refusal = hasattr(args, "sp_attention_backend") and deterministic.why_not(
+                                    getattr(args, "deterministic_mode", False),
                                     getattr(args, "sp_attention_backend", "auto"),
                                     getattr(args, "sparse_attention", "none"),
                                     getattr(args, "sparse_attention_kernel", "auto"),

@@ -32,28 +32,35 @@ DETERMINISTIC_SPARSE_KERNELS = ("math",)   # the block-sparse calls' kernel (FA4
 MODE_FLAG, ASYNC_FLAG = "--cp-comm-type", "--sp-async-qkv"
 
 
+NAMES = {"backend": KERNEL_FLAG, "sparse": SPARSE_FLAG, "sparse_kernel": SPARSE_KERNEL_FLAG, "mode": MODE_FLAG,
+         "async_qkv": ASYNC_FLAG}   # the Megatron entry's flags; the DeepSpeed entry names its JSON keys instead
+
+
 def why_not(enabled: bool, backend: str, sparse: str = "none", sparse_kernel: str = "auto",
-            mode: "str | list | None" = None, async_qkv: str = "off") -> "str | None":
+            mode: "str | list | None" = None, async_qkv: str = "off",
+            names: "dict | None" = None) -> "str | None":
     """The refusal of ``--deterministic-mode`` with ``--sp-attention-backend backend`` (and ``--sparse-attention
     sparse`` run on ``--sparse-attention-kernel sparse_kernel``, ``--cp-comm-type mode``, ``--sp-async-qkv
     async_qkv``), or None when it runs. ``auto`` for the mode or the layer form picks by timing: two runs may pick
-    different algorithms, which sum in different orders."""
+    different algorithms, which sum in different orders. ``names``: how the user spelled each setting (``NAMES``'
+    keys), for the message."""
     if not enabled:
         return None
+    n = {**NAMES, **(names or {})}
     if backend not in DETERMINISTIC_KERNELS:
-        return (f"{FLAG} with {KERNEL_FLAG} {backend}: that setting may run a kernel whose backward accumulates with "
-                f"atomics (cuDNN, torch's flash / efficient attention); give {KERNEL_FLAG} "
+        return (f"{FLAG} with {n['backend']} {backend}: that setting may run a kernel whose backward accumulates "
+                f"with atomics (cuDNN, torch's flash / efficient attention); give {n['backend']} "
                 f"{' or '.join(DETERMINISTIC_KERNELS)}")
     if sparse not in (None, "none") and sparse_kernel not in DETERMINISTIC_SPARSE_KERNELS:
-        return (f"{FLAG} with {SPARSE_FLAG} {sparse} on {SPARSE_KERNEL_FLAG} {sparse_kernel}: that setting may run a "
-                f"block-sparse backward that is not deterministic (FA4's, flex_attention's, cuDNN's); give "
-                f"{SPARSE_KERNEL_FLAG} {' or '.join(DETERMINISTIC_SPARSE_KERNELS)}, or {SPARSE_FLAG} none")
+        return (f"{FLAG} with {n['sparse']} {sparse} on {n['sparse_kernel']} {sparse_kernel}: that setting may run "
+                f"a block-sparse backward that is not deterministic (FA4's, flex_attention's, cuDNN's); give "
+                f"{n['sparse_kernel']} {' or '.join(DETERMINISTIC_SPARSE_KERNELS)}, or {n['sparse']} none")
     mode = mode[0] if isinstance(mode, (list, tuple)) and len(mode) == 1 else mode
-    for flag, value in ((MODE_FLAG, mode), (ASYNC_FLAG, async_qkv)):
+    for key, value in (("mode", mode), ("async_qkv", async_qkv)):
         if value == "auto":
-            return (f"{FLAG} with {flag} auto: auto picks by timing, so a rerun may run another algorithm (another "
-                    f"order of sums); give {flag} a fixed value" + (" (hcms equals ulysses bit for bit, whatever its "
-                                                                     "head chunks)" if flag == MODE_FLAG else ""))
+            return (f"{FLAG} with {n[key]} auto: auto picks by timing, so a rerun may run another algorithm (another "
+                    f"order of sums); give {n[key]} a fixed value" + (" (hcms equals ulysses bit for bit, whatever "
+                                                                      "its head chunks)" if key == "mode" else ""))
     return None
 
 
