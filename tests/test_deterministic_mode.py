@@ -21,6 +21,16 @@ def test_refused_by_name_without_a_deterministic_kernel():
     assert deterministic.why_not(True, "math") is None and deterministic.why_not(False, "fa4") is None
 
 
+def test_the_deterministic_kernels_come_from_the_registry():
+    """Which kernels the mode takes is the registry's "deterministic" capability, not a list of names here: math
+    for dense and block-sparse calls, FA4 for dense calls only."""
+    from megatron_sp_ext.attention import kernels
+    assert deterministic.DETERMINISTIC_KERNELS == ("fa4", "math") and deterministic.DETERMINISTIC_SPARSE_KERNELS == (
+        "math",)
+    assert kernels.get("fa4").caps.deterministic == "dense" and kernels.get("math").caps.deterministic == "all"
+    assert all(kernels.get(n).caps.deterministic == "none" for n in kernels.ORDER if n not in ("fa4", "math"))
+
+
 def test_fa4_is_deterministic_for_dense_attention_only():
     """FA4 runs its deterministic backward under torch's switch (tests/test_fa4.py): allowed for dense attention;
     block-sparse calls need the math tile kernel, whatever the dense kernel, refused naming the flag."""
@@ -83,7 +93,7 @@ def test_deepspeed_entry_checks_its_json_kernel_and_mode():
     args = parse(["--model", "tiny", "--deterministic-mode"])   # parses: no Megatron flag to check here
     block = {"train_micro_batch_size_per_gpu": 1}
     with pytest.raises(SPConfigError, match=r"sequence_parallel_ext\.backend auto.*give sequence_parallel_ext"
-                                            r"\.backend math or fa4"):
+                                            r"\.backend fa4 or math"):
         check_deterministic(args, {**block, "sequence_parallel_ext": {"mode": "ulysses"}})
     args.deepspeed_config = "ds.json"
     with pytest.raises(SPConfigError, match=r"sequence_parallel_ext\.mode auto.*\(in ds\.json\)"):

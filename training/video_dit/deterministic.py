@@ -21,14 +21,16 @@ import os
 
 import torch
 
+from megatron_sp_ext.attention import kernels
+
 from .sparse import SPARSE_FLAG, SPARSE_KERNEL_FLAG
 
 FLAG = "--deterministic-mode"
 KERNEL_FLAG = "--sp-attention-backend"
-DETERMINISTIC_KERNELS = ("math", "fa4")   # --sp-attention-backend: the dense attention's kernel
-DETERMINISTIC_SPARSE_KERNELS = ("math",)   # the block-sparse calls' kernel (FA4's block-sparse backward has none)
-
-
+# the kernels whose backward reruns to the same bits (the registry's "deterministic" capability), by setting name:
+# the dense attention's (--sp-attention-backend), and the block-sparse calls' (--sparse-attention-kernel)
+DETERMINISTIC_KERNELS = tuple(kernels.get(n).setting for n in kernels.names("deterministic"))
+DETERMINISTIC_SPARSE_KERNELS = tuple(kernels.get(n).setting for n in kernels.names("tiles", "deterministic"))
 MODE_FLAG, ASYNC_FLAG = "--cp-comm-type", "--sp-async-qkv"
 
 

@@ -61,7 +61,9 @@ def fold_kv_grad(g: torch.Tensor, rep: int) -> torch.Tensor:
 class Capabilities:
     """What a kernel can do (see module docstring). dtypes per device type; archs: CUDA compute-capability majors
     (None: any); dense: calls without a block mask too (False: a block-sparse-only kernel, never a backend nor a
-    dense log-sum-exp kernel). Every field is read by the registry's choice (tests/test_registry.py scans)."""
+    dense log-sum-exp kernel); deterministic: whose backward gives the same bits on every rerun under torch's
+    deterministic switch ("none"; "dense": its dense and varlen calls; "all": its block-sparse calls too). Every field
+    is read by the registry (tests/test_registry.py scans)."""
 
     plain: bool = True
     lse: bool = False
@@ -71,6 +73,7 @@ class Capabilities:
     dtypes: dict = field(default_factory=dict)
     archs: Optional[tuple] = None
     dense: bool = True
+    deterministic: str = "none"
 
 
 @dataclass(frozen=True)

@@ -355,7 +355,7 @@ class FA4Kernel(Kernel):
     package = PACKAGE
     install_hint = INSTALL_HINT
     caps = Capabilities(plain=True, lse=True, varlen="fa4_varlen", tiles="kernel_blocks",
-                        dropout=False, dtypes={"cuda": DTYPES}, archs=ARCH_MAJORS)
+                        dropout=False, dtypes={"cuda": DTYPES}, archs=ARCH_MAJORS, deterministic="dense")
     probe_failures = Exception   # a package of its own, compiled at first call: any failure of its probe = not here
 
     def __init__(self) -> None:

@@ -79,7 +79,7 @@ class MathKernel(Kernel):
     label = "math (fp32 reference)"
     in_torch_sdpa = True   # "auto"'s plain calls go through torch's SDPA dispatch
     caps = Capabilities(plain=True, lse=True, varlen=None, tiles="any",
-                        dropout=False, dtypes={"cpu": ALL_DTYPES, "cuda": ALL_DTYPES})
+                        dropout=False, dtypes={"cpu": ALL_DTYPES, "cuda": ALL_DTYPES}, deterministic="all")
 
     def attention(self, q, k, v, causal, scale, tiles=None):
         return LseFunction.apply(q, k, v, self, causal, scale, tiles)

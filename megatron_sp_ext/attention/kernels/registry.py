@@ -60,14 +60,16 @@ def get(name: str) -> Kernel:
 
 def names(*needs: str, auto_only: bool = False) -> tuple[str, ...]:
     """Kernel names (ORDER) whose declared capabilities cover ``needs`` (no device check); without "tiles" among
-    ``needs``, only kernels with dense calls."""
+    ``needs``, only kernels with dense calls. "deterministic": a backward with the same bits on every rerun under
+    torch's deterministic switch (for its block-sparse calls too when "tiles" is among ``needs``)."""
     out = []
     for n in (AUTO if auto_only else ORDER):
         caps = get(n).caps
         if "tiles" not in needs and not caps.dense:
             continue
         ok = {"plain": caps.plain, "lse": caps.lse, "varlen": caps.varlen is not None,
-              "tiles": caps.tiles != "none", "dropout": caps.dropout}
+              "tiles": caps.tiles != "none", "dropout": caps.dropout,
+              "deterministic": caps.deterministic == "all" if "tiles" in needs else caps.deterministic != "none"}
         if all(ok.get(need, True) for need in needs):
             out.append(n)
     return tuple(out)
