@@ -8,7 +8,7 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4; #70: i70_ds i70_ds_time
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4, r13_det_kernel; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -533,6 +533,10 @@ stage_r12_det_fa4() {   # 2 GPUs (FA4): --deterministic-mode with FA4's determin
   local I70_RESUME=("${I70_RESUME[@]}" --sp-attention-backend fa4 --bf16) I70_DIR=r12_det_fa4 I70_SP1_RTOL=2e-2 \
     I70_SECS_X=2
   stage_i70_resume
+}
+stage_r13_det_kernel() {   # 1 GPU (FA4): only the kernel case of r12_det_fa4 (FA4's backward under torch's
+  # deterministic switch reruns bit for bit and matches float64), where no two GPUs are free for its resume rows
+  suite r13/det_fa4_kernel 150 "test_fa4_deterministic_backward"
 }
 stage_r12_bs4() {   # the rest of r11_66b (cut by its call's deadline): block_sparse P=4 and cuDNN's block sparsity
   suite r12/bs4 500 "(test_block_sparse_family and 4-gloo and not fa4 and not cudnn) or test_cudnn_block_sparse_family"
