@@ -538,6 +538,10 @@ stage_r13_det_kernel() {   # 1 GPU (FA4): only the kernel case of r12_det_fa4 (F
   # deterministic switch reruns bit for bit and matches float64), where no two GPUs are free for its resume rows
   suite r13/det_fa4_kernel 150 "test_fa4_deterministic_backward"
 }
+stage_r13_checks() {   # 2 GPUs (FA4), before r12_65 on the same machine: diffusers' CUDA family over NCCL
+  # (P=2) and FA4's deterministic backward case
+  suite r13/checks 200 "(test_diffusers_family and 2-nccl) or test_fa4_deterministic_backward"
+}
 stage_r12_bs4() {   # the rest of r11_66b (cut by its call's deadline): block_sparse P=4 and cuDNN's block sparsity
   suite r12/bs4 500 "(test_block_sparse_family and 4-gloo and not fa4 and not cudnn) or test_cudnn_block_sparse_family"
 }
@@ -592,7 +596,7 @@ stage_r11_65mem() {   # 2 GPUs (FA4): #65's +0.27% peak attributed: one step of 
 }
 stage_r12_65() {   # 2 GPUs (FA4): #65's 720p row with auto after its noise fix (calibration.spread) and the peak
   # attributed (the history with frames at allocations only, tools/memory_peak.py), diffusers' both CPs, ~5 min
-  keep r12/720p 450 $WAN_BENCH --grid 720p --variants diffusers-ulysses,diffusers-ring,ours-auto,ours-ulysses,ours-hcms \
+  keep r12/720p 450 $WAN_BENCH --grid 720p --variants diffusers-ulysses,ours-ulysses,ours-hcms,ours-auto,diffusers-ring \
     --steps 2 --warmup 2 --memory-peak --out $W/r12/720p_memory_peak.json
 }
 stage_r10_rope() {   # 1 GPU: the fused Wan RoPE bit for bit against diffusers' ops (bf16/fp16/fp32, fwd + bwd)
