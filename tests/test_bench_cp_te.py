@@ -336,3 +336,31 @@ def test_share_torch_cudnn_points_te_at_the_mapped_cudnn(tmp_path, monkeypatch):
     assert "CUDNN_HOME" not in env and seen["source"].startswith("none found")
     after = te_peer.cudnn_after_te(maps_path=str(tmp_path / "absent"))
     assert after["mapped"] == [] and "torch_cudnn" in after
+
+
+def test_preload_cudnn_parts_loads_each_part_once_graph_first(tmp_path):
+    """The parts beside torch's libcudnn.so.9 are loaded one file per part (the .so.<major> name, not the full
+    version's), the graph part first; a part whose load fails is tried again after the others, and one that never
+    loads is reported with its error."""
+    from tools.te_peer import cudnn_parts, preload_cudnn_parts
+    for name in ("libcudnn.so.9", "libcudnn_graph.so.9", "libcudnn_graph.so.9.19.0", "libcudnn_adv.so.9",
+                 "libcudnn_heuristic.so.9", "libcudnn_engines_precompiled.so.9", "libcudnn_ops.so.9.19.0"):
+        (tmp_path / name).write_bytes(b"")
+    lib = str(tmp_path / "libcudnn.so.9")
+    names = [p.rsplit("/", 1)[1] for p in cudnn_parts(lib)]
+    assert names == ["libcudnn_graph.so.9", "libcudnn_adv.so.9", "libcudnn_engines_precompiled.so.9",
+                     "libcudnn_heuristic.so.9"]
+    calls = []
+
+    def load(path):   # the heuristic part needs the engines part: fails until that one is loaded
+        name = path.rsplit("/", 1)[1]
+        calls.append(name)
+        if name == "libcudnn_adv.so.9" and "libcudnn_heuristic.so.9" not in calls[:-1]:
+            raise OSError("needs heuristic")
+        if name == "libcudnn_engines_precompiled.so.9":
+            raise OSError("undefined symbol")
+    got = preload_cudnn_parts(lib, load=load)
+    assert [p.rsplit("/", 1)[1] for p in got["loaded"]] == ["libcudnn_graph.so.9", "libcudnn_heuristic.so.9",
+                                                            "libcudnn_adv.so.9"]
+    assert list(got["failed"]) == [str(tmp_path / "libcudnn_engines_precompiled.so.9")]
+    assert "undefined symbol" in got["failed"][str(tmp_path / "libcudnn_engines_precompiled.so.9")]

@@ -114,6 +114,11 @@ def gather_backward_errors(group) -> dict:
         permuted = weight if ctx.order is None else weight.index_select(1, ctx.order)
         out[f"gather forward order={plan is not None}"] = rel_err(y, full)
         out[f"gather backward order={plan is not None}"] = rel_err(x_loc.grad, shard_sequence(permuted, group))
+        # view=True (a full input kept anyway): the same shard; in raster order a view of the full, no copy
+        viewed = split_tokens(full, group, 1, ctx, view=True)
+        out[f"split view order={plan is not None}"] = rel_err(viewed, split_tokens(full, group, 1, ctx))
+        shares = viewed.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        out[f"split view shares the full's storage order={plan is not None}"] = float(shares != (plan is None))
     return out
 
 
@@ -134,6 +139,22 @@ def _modes_case(rank, world):
         out["auto checkpointing fused sparse"] = cases.errors("t2v", "auto", {}, sparse=True, checkpoint=True,
                                                               fused=True)
     return out
+
+
+def test_full_input_kept_decides_view_or_copy():
+    """An input split is a view only where the full input lives through the call anyway: the model's own inputs,
+    no autograd, a layer under diffusers' gradient checkpointing; a layer with autograd and no checkpointing copies
+    (a view saved for backward would keep the whole full tensor)."""
+    from megatron_sp_ext.diffusers.hooks import full_input_kept
+    model = tiny_wan("t2v")
+    block = model.blocks[0]
+    assert full_input_kept(model, model) and not full_input_kept(model, block)
+    with torch.no_grad():
+        assert full_input_kept(model, block)
+    model.enable_gradient_checkpointing()
+    assert full_input_kept(model, block)
+    model.disable_gradient_checkpointing()
+    assert not full_input_kept(model, block)
 
 
 @pytest.mark.parametrize("world", [2, 4])

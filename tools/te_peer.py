@@ -121,6 +121,41 @@ def mapped_cudnn(maps_text: str) -> list:
     return found
 
 
+def cudnn_parts(libcudnn: str) -> list:
+    """The cuDNN parts beside ``libcudnn`` (its ``libcudnn_<part>.so.<major>`` files, one per part), the graph
+    part first (the others need it), then by name."""
+    folder = os.path.dirname(libcudnn)
+    names = {os.path.basename(f) for f in glob.glob(os.path.join(folder, "libcudnn_*.so.*"))}
+    parts = sorted(n for n in names if n.split(".so.", 1)[1].isdigit())
+    return [os.path.join(folder, n) for n in sorted(parts, key=lambda n: (not n.startswith("libcudnn_graph."), n))]
+
+
+def preload_cudnn_parts(libcudnn: str, load=None) -> dict:
+    """Load every part of the cuDNN ``libcudnn`` (``cudnn_parts``) into this process, globally, before TE: TE's core
+    library asks the loader for the parts by name, and on 2026-11-28 (lent H200s) the loader took the image's 9.14
+    ``libcudnn_heuristic.so.9`` from /lib beside torch's 9.19 graph part ("undefined symbol ... libcudnn_graph.so.9"),
+    so TE did not import. A part already loaded is what the loader gives for that name. ``load``: the loader
+    (default ``ctypes.CDLL(path, RTLD_GLOBAL)``). Returns {loaded: [paths], failed: {path: error}}."""
+    if load is None:
+        import ctypes   # noqa: PLC0415
+        load = lambda path: ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)   # noqa: E731
+    done, failed = [], {}
+    todo = cudnn_parts(libcudnn)
+    while todo:   # a part whose needs are not loaded yet is tried again after the others
+        left = []
+        for path in todo:
+            try:
+                load(path)
+                done.append(path)
+            except OSError as e:
+                left.append(path)
+                failed[path] = str(e)
+        if len(left) == len(todo):
+            break
+        todo = left
+    return {"loaded": done, "failed": {p: failed[p] for p in todo}}
+
+
 def share_torch_cudnn(environ, maps_path: str = "/proc/self/maps") -> dict:
     """Make the TE about to be imported in THIS process load the cuDNN torch loads. Call before importing TE.
 
@@ -132,7 +167,8 @@ def share_torch_cudnn(environ, maps_path: str = "/proc/self/maps") -> dict:
     ``CUDNN_HOME`` at torch's package only where it was unset did not help (an image's own ``CUDNN_HOME`` is one
     way that happens). So a ``CUDNN_HOME`` already set is replaced by the folder torch loaded from (kept only when
     torch has no cuDNN mapped) and its old value recorded. Returns what it saw, for the job's meta:
-    {torch_cudnn, mapped, CUDNN_HOME, replaced, source}."""
+    With torch's cuDNN mapped, its parts are loaded too (``preload_cudnn_parts``; what loaded is under "parts").
+    {torch_cudnn, mapped, CUDNN_HOME, replaced, source[, parts]}."""
     import torch   # noqa: PLC0415 - only where TE is about to be imported
     seen = {"torch_cudnn": None, "mapped": [], "CUDNN_HOME": environ.get("CUDNN_HOME"), "replaced": None,
             "source": "as set"}
@@ -150,6 +186,7 @@ def share_torch_cudnn(environ, maps_path: str = "/proc/self/maps") -> dict:
         # hold several cuDNNs, sorted by name as text), and the loader takes a link to a loaded file as that file
         home, seen["source"] = tempfile.mkdtemp(prefix="spx_cudnn_"), "mapped by torch"
         os.symlink(seen["mapped"][0], os.path.join(home, os.path.basename(seen["mapped"][0])))
+        seen["parts"] = preload_cudnn_parts(seen["mapped"][0])
     elif "CUDNN_HOME" in environ:
         return seen
     else:

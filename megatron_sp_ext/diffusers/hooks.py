@@ -103,15 +103,26 @@ def _put(args: tuple, kwargs: dict, name: str, where, value) -> tuple[tuple, dic
     return tuple(args), kwargs
 
 
-def _split_inputs_hook(entries: dict, state: SequenceState, names: list[str]):
+def full_input_kept(model: torch.nn.Module, module: torch.nn.Module) -> bool:
+    """Whether a full input of ``module`` lives through its call anyway, so that its shard is best a view (no
+    copy): the model's own inputs (the caller holds them), any input without autograd, and a layer's arguments under
+    the model's gradient checkpointing (kept for the recompute). Otherwise (a layer with autograd, no checkpointing)
+    a view saved for backward would keep the whole full tensor: the shard is copied and the full freed."""
+    return (module is model or not torch.is_grad_enabled()
+            or bool(getattr(model, "gradient_checkpointing", False)))
+
+
+def _split_inputs_hook(entries: dict, state: SequenceState, names: list[str], model: torch.nn.Module):
     def hook(module, args, kwargs):
         ctx = state.context_of([*args, *kwargs.values()])     # a recompute: the forward that built the graph
+        view = full_input_kept(model, module)
         for name, cpi in entries.items():
             value, where = _locate(names, name, args, kwargs)
             if not isinstance(value, torch.Tensor) or (cpi.expected_dims not in (None, value.dim())):
                 continue
             state.remember([value], ctx)
-            args, kwargs = _put(args, kwargs, name, where, split_tokens(value, state.group, cpi.split_dim, ctx))
+            shard = split_tokens(value, state.group, cpi.split_dim, ctx, view=view)
+            args, kwargs = _put(args, kwargs, name, where, shard)
         return args, kwargs
     return hook
 
@@ -131,7 +142,7 @@ def _split_outputs_hook(entries: dict, state: SequenceState):
     def hook(module, args, output):
         ctx = state.current()
 
-        def split(x, cpi):
+        def split(x, cpi):   # a copy: the full output (e.g. rope's cos/sin tables) is then freed
             shard = split_tokens(x, state.group, cpi.split_dim, ctx)
             state.remember([shard], ctx)     # e.g. rope's cos/sin shards, handed to every layer
             return shard
@@ -187,6 +198,6 @@ def _install_entries(model: torch.nn.Module, plan: dict, state: SequenceState, h
         outputs = {k: v for k, v in entry.items() if v.split_output}
         if inputs:
             handles.append(module.register_forward_pre_hook(
-                _split_inputs_hook(inputs, state, _param_names(module)), with_kwargs=True))
+                _split_inputs_hook(inputs, state, _param_names(module), model), with_kwargs=True))
         if outputs:
             handles.append(module.register_forward_hook(_split_outputs_hook(outputs, state)))

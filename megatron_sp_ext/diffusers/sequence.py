@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SPConfigError
-from ..sp.placement import shard_sequence, unshard_sequence
+from ..sp.placement import pieces, shard_sequence, unshard_sequence
 
 
 def divisors(n: int) -> list[int]:
@@ -84,14 +84,22 @@ class _GatherTokens(torch.autograd.Function):
 
 
 def split_tokens(x: torch.Tensor, group: Optional[dist.ProcessGroup], seq_dim: int,
-                 ctx: ForwardContext) -> torch.Tensor:
+                 ctx: ForwardContext, *, view: bool = False) -> torch.Tensor:
     """x: full sequence along ``seq_dim`` (ctx.seq_len tokens, raster order) -> this rank's shard in the context's
-    token order (differentiable: the gradient reaches x's rows of this shard)."""
+    token order (differentiable: the gradient reaches x's rows of this shard).
+
+    view: in raster order the shard is one run of x's rows; True returns it as a view of x (no copy: for a full x
+    kept alive anyway, e.g. a checkpointed layer's argument), False a new tensor (x may then be freed)."""
     if x.shape[seq_dim] != ctx.seq_len:
         raise SPConfigError(f"parallelize: a tensor split along dim {seq_dim} has {x.shape[seq_dim]} tokens but this "
                             f"forward's patch grid {ctx.grid_thw} has {ctx.seq_len}")
     if ctx.order is None:
-        return x if group is None else shard_sequence(x, group, seq_dim=seq_dim)
+        if group is None:
+            return x
+        if view:
+            (start, length), = pieces("contiguous", dist.get_rank(group), dist.get_world_size(group), ctx.seq_len)
+            return x.narrow(seq_dim, start, length)
+        return shard_sequence(x, group, seq_dim=seq_dim)
     # the shard of the permuted sequence, gathered straight from x: this rank's rows of the order (no full copy)
     rows = ctx.order if group is None else shard_sequence(ctx.order, group, seq_dim=0)
     return x.index_select(seq_dim, rows.to(x.device))
