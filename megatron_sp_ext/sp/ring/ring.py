@@ -6,8 +6,8 @@ rings at once (TASP Algorithm 3) as one batch of point-to-point sends/receives. 
 is started before that step's kernels and waited after them, into the second of two preallocated
 buffers (double buffering); with NCCL it runs on NCCL's own stream, so the rotation overlaps the
 local kernels, forward and backward. Partial results merge by log-sum-exp in fp32 (fp64 for fp64).
-Backward recomputes each block against the final out/lse; each step's partial dK|dV (kernel dtype)
-goes straight to its block's home, which accumulates in fp32 in step order, and the last step runs
+Backward recomputes each kv block against the final out/lse; each step's partial dK|dV (kernel dtype)
+goes straight to its kv block's home, which accumulates in fp32 in step order, and the last step runs
 per head chunk so only one chunk's transfer is exposed (``rotation``: byte/time model, and the
 previous traveling-accumulator schedule kept as a baseline).
 
@@ -19,8 +19,8 @@ backend's ``forward_lse``/``backward_lse`` (backend "auto": cuDNN where it runs)
 Under a block mask (``block_mask=``) the same plan, Function, rotation and transports run: the step's calls are made
 per slot (a call never reads a slot whose hop was skipped), each gets its ``TileSlice`` (``tiles=`` of the
 backend's kernels, whichever kernel runs it), and ``skips``' tables (built once per plan, identical on every rank)
-drop the calls that select nothing, the (step, slot) blocks left without calls, the K|V hops no later rank needs
-and the dK|dV partials of blocks that did not run. Point-to-point batches: ``comm.p2p``.
+drop the calls that select nothing, the (step, slot) kv blocks left without calls, the K|V hops no later rank needs
+and the dK|dV partials of kv blocks that did not run. Point-to-point batches: ``comm.p2p``.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _single_ring(n: int) -> RoutingTables:
 
 
 def _local_runs(runs, lo: int, n: int, valid: Optional[int]) -> list[tuple[int, int, int]]:
-    """Global (start, len, offset from ``lo``) of local rows [lo, lo+n) of a block with global ``runs``,
+    """Global (start, len, offset from ``lo``) of local rows [lo, lo+n) of a kv block with global ``runs``,
     keys at global positions >= ``valid`` dropped."""
     out, row = [], 0
     for a, ln in runs:
@@ -158,7 +158,7 @@ class RingPlan:
 
     def slot_calls(self, step: int, rank: Optional[int], device) -> list[list[Item]]:
         """Per slot: the kernel calls of ``rank`` at ``step`` on that slot's keys (masked plans: one slot's
-        block per call, so a call never reads a slot whose hop was skipped)."""
+        kv block per call, so a call never reads a slot whose hop was skipped)."""
         qr = self.q_compute_runs(rank)
         return [step_items(qr, kvr, self.causal, device, self.cu_seqlens)
                 for kvr in self.slot_kv_runs(step, rank)]
@@ -314,7 +314,7 @@ def forward_compute_order(q_c, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Te
 
 def backward_compute_order(dout_c, q_c, k_bhsd, v_bhsd, out_c, lse_c, plan: RingPlan):
     """Gradients given the FINAL out/lse (compute order). Returns dq (compute order, acc dtype) and the
-    dK|dV buffer [S_kv, 2, B, Hkv, D] of this rank's own block in step-0 (compute) order. The dK|dV route
+    dK|dV buffer [S_kv, 2, B, Hkv, D] of this rank's own kv block in step-0 (compute) order. The dK|dV route
     and the last step's head chunks: ``rotation`` (SPX_RING_DKV, SPX_RING_DKV_CHUNKS)."""
     cur, nxt = _kv_buffers(k_bhsd, v_bhsd, plan)
     return backward_steps(dout_c, q_c, cur, nxt, out_c, lse_c, plan, dkv_schedule_from_env())
@@ -331,7 +331,7 @@ def _dkv_local(dkv: torch.Tensor, plan: RingPlan):
 def ring_forward(q_bhsd, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries over the keys of every ring rank.
 
-    q: [B, H, S_q, D]; k, v: [B, Hkv, S_kv, D] (this rank's block, local order). Returns (out, lse) in
+    q: [B, H, S_q, D]; k, v: [B, Hkv, S_kv, D] (this rank's kv block, local order). Returns (out, lse) in
     the accumulator dtype (fp32, or fp64 for fp64), local order. Rows that see no key: out 0, lse -inf.
     """
     acc, lse = forward_compute_order(permute_rows(q_bhsd, plan.q_moves, 2), k_bhsd, v_bhsd, plan)
@@ -341,7 +341,7 @@ def ring_forward(q_bhsd, k_bhsd, v_bhsd, plan: RingPlan) -> tuple[torch.Tensor, 
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan):
     """Gradients of ``ring_forward`` given the FINAL out (q dtype) and lse of the query rows (local order).
 
-    Returns (dq [B,H,S_q,D], dk, dv [B,Hkv,S_kv,D] of this rank's own block) in the accumulator dtype.
+    Returns (dq [B,H,S_q,D], dk, dv [B,Hkv,S_kv,D] of this rank's own kv block) in the accumulator dtype.
     """
     mv = plan.q_moves
     dq, dkv = backward_compute_order(permute_rows(dout.contiguous(), mv, 2), permute_rows(q, mv, 2), k, v,
@@ -454,7 +454,7 @@ def build_ring_plan(group_ref, rank: int, world: int, *, variant: str, s_loc: in
 
 
 class RingBackend(block_sparse.BlockSparseBackend):
-    """Ring/TASP over ``group`` as a local-attention backend (hybrid meshes, torus blocks).
+    """Ring/TASP over ``group`` as a local-attention backend (hybrid meshes, torus pairs).
 
     Queries and keys of this rank cover global runs ``q_runs``; ``kv_runs[o]`` are ring rank o's.
     ``cu_seqlens`` (packed samples, tuple of cumulative lengths): attention only within each sample.
@@ -480,7 +480,7 @@ class RingBackend(block_sparse.BlockSparseBackend):
         if key not in self._plans:
             if self.block_mask is not None and self.group is not None:
                 # one collective on the ring group before its first (possibly partial) point-to-point batch
-                check_same_shape_across_ranks(k_bhsd, self.group, "key block (masked ring)")
+                check_same_shape_across_ranks(k_bhsd, self.group, "kv block (masked ring)")
             self._plans[key] = make_ring_plan(self.group, variant=self.variant, s_loc=k_bhsd.shape[2],
                                               q_runs=self.q_runs, kv_runs=self.kv_runs, causal=causal, scale=scale,
                                               backend=self.inner, kv_valid_len=self.kv_valid_len,
@@ -524,7 +524,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     block_mask: block-sparse attention (attention/block_sparse.py), bool [H or 1, T, T], T = ceil(S / block_size),
     over the full sequence in global order, the same on every rank: the same ring or TASP multi-ring (any
     placement; AND causal, AND kv_valid_len) runs only the kernel calls whose tiles select anything (each call gets
-    its ``TileSlice``), skips the (step, slot) blocks with none and the K|V hops no later rank needs
+    its ``TileSlice``), skips the (step, slot) kv blocks with none and the K|V hops no later rank needs
     (``skips``). Not with cu_seqlens.
     mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
     call compares it: one all_gather and a host sync).

@@ -1,22 +1,22 @@
 """Torus attention: the Ulysses exchange broken into stages overlapped with attention.
 
 Over the mesh's Ulysses group (size T, this rank t), with ring/TASP attention over the Ring group
-inside every block (positions from the SP-group placement, so masks stay exact):
+inside every Q x K|V pair's attention (positions from the SP-group placement, so masks stay exact):
   Pull Q  (k = 0..T-1): attend Q_{t-k,t} x KV_{t,t} (stationary) while Q_{t-k-1,t} arrives; the last
                         stage ships KV for the first Pull KV stage instead.
   Pull KV (k = 1..T-1): attend Q_{others,t} x KV_{t-k,t} while KV_{t-k-1,t} arrives.
   Push O:               send the finished O_{l,t} (l != t) to their owners while attending
                         Q_{t,t} x KV_{others,t}; then receive O_{t,j} from every j.
 Partial results merge by log-sum-exp. Backward (ours; the paper is inference-only) mirrors it:
-dO exchange overlapped with the own block's gradients, dK|dV of chunk j shipped home as soon as
+dO exchange overlapped with the own pair's (Q_{t,t} x KV_{t,t}) gradients, dK|dV of chunk j shipped home as soon as
 it is complete (overlapping the next chunk), dQ shipped last. X_{l,j}: tokens of Ulysses rank l,
-head group j. Two-sided (send/recv) exchanges. Packed samples (``cu_seqlens``): every block's ring backend
-attends within each sample (runs in the per-sample placement). Block masks: every block's ring is the ring
+head group j. Two-sided (send/recv) exchanges. Packed samples (``cu_seqlens``): every pair's ring backend
+attends within each sample (runs in the per-sample placement). Block masks: every pair's ring is the ring
 (``RingBackend``, this rank's head group's mask rows), with its skips.
 
 Why a Function of its own (``_TorusFn``) beside the ring's: its stages interleave Ulysses exchanges of Q, K|V, O and
-their gradients with the blocks' attention in an order no single ring call has (the backward ships dO first, then
-each block's dK|dV home as it completes, dQ last), and each block's ring runs in log-sum-exp form
+their gradients with the pairs' attention in an order no single ring call has (the backward ships dO first, then
+each pair's dK|dV home as it completes, dQ last), and each pair's ring runs in log-sum-exp form
 (``RingBackend.forward_lse`` / ``backward_lse`` from the final out/lse) inside it; the ring's own Function would
 differentiate one ring call, not the stage schedule.
 """
@@ -201,7 +201,7 @@ class _TorusFn(torch.autograd.Function):
                 dst.copy_(x.transpose(1, 2))
             return dq, dk, dv, None
         q_oth, k_oth, v_oth, out_o, lse_o = saved[5:]
-        # 1. dO_{l,t} for every l (reverse Push O), overlapped with the own block's gradients
+        # 1. dO_{l,t} for every l (reverse Push O), overlapped with the own pair's gradients
         d_oth = {l: torch.empty(dout.shape[0], sl, qb - qa, dout.shape[3], dtype=dout.dtype, device=dout.device)
                  for l in c.others}
         sends = [(j, dout[:, :, c.heads(j, "q")[0]:c.heads(j, "q")[1]].contiguous()) for j in c.others]
@@ -262,8 +262,8 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
                     mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:
     """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len and cu_seqlens (packed
     samples, attention within each sample) as hybrid_attention. block_mask / block_size: block-sparse attention as
-    ``ulysses_attention``'s; every block's ring is the ring under the mask (``RingBackend`` with this rank's head
-    group's mask rows: its calls, steps and K|V hops skipped per block; ring_variant "ring" or "tasp"); the stages'
+    ``ulysses_attention``'s; every pair's ring is the ring under the mask (``RingBackend`` with this rank's head
+    group's mask rows: its calls, steps and K|V hops skipped per pair; ring_variant "ring" or "tasp"); the stages'
     exchanges all run. Not with cu_seqlens.
     mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
     call compares it: one all_gather and a host sync)."""
