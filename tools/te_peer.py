@@ -170,18 +170,8 @@ def share_torch_cudnn(environ, maps_path: str = "/proc/self/maps") -> dict:
     With torch's cuDNN mapped, its parts are loaded too (``preload_cudnn_parts``; what loaded is under "parts").
     {torch_cudnn, mapped, CUDNN_HOME, replaced, source[, parts]}."""
     import torch   # noqa: PLC0415 - only where TE is about to be imported
-    seen = {"torch_cudnn": None, "mapped": [], "CUDNN_HOME": environ.get("CUDNN_HOME"), "replaced": None,
-            "source": "as set"}
-    if torch.cuda.is_available():
-        try:
-            seen["torch_cudnn"] = torch.backends.cudnn.version()
-        except RuntimeError as e:   # torch's own cuDNN already clashes: say so in the meta, TE is not the cause
-            seen["torch_cudnn"] = f"error: {e}"
-    try:
-        with open(maps_path) as f:
-            seen["mapped"] = mapped_cudnn(f.read())
-    except OSError:
-        pass
+    seen = {**cudnn_state(maps_path, load=torch.cuda.is_available()), "CUDNN_HOME": environ.get("CUDNN_HOME"),
+            "replaced": None, "source": "as set"}
     if seen["mapped"]:   # a folder of one link to that file: TE's glob can find nothing else (a system folder may
         # hold several cuDNNs, sorted by name as text), and the loader takes a link to a loaded file as that file
         home, seen["source"] = tempfile.mkdtemp(prefix="spx_cudnn_"), "mapped by torch"
@@ -200,20 +190,27 @@ def share_torch_cudnn(environ, maps_path: str = "/proc/self/maps") -> dict:
     return seen
 
 
-def cudnn_after_te(maps_path: str = "/proc/self/maps") -> dict:
-    """After TE's import: the cuDNN version torch reports (or its error, as text) and the ``libcudnn.so*`` files
-    mapped (two files = two cuDNNs in the process)."""
+def cudnn_state(maps_path: str = "/proc/self/maps", load: bool = True) -> dict:
+    """{torch_cudnn: the version torch reports (None unless ``load``; its error as text: a clash), mapped: the
+    ``libcudnn.so*`` files mapped in this process (two = two cuDNNs)}. ``load``: ask torch (which loads its cuDNN)."""
     import torch   # noqa: PLC0415
-    try:
-        version = torch.backends.cudnn.version()
-    except RuntimeError as e:
-        version = f"error: {e}"
+    version = None
+    if load:
+        try:
+            version = torch.backends.cudnn.version()
+        except RuntimeError as e:
+            version = f"error: {e}"
     try:
         with open(maps_path) as f:
             mapped = mapped_cudnn(f.read())
     except OSError:
         mapped = []
     return {"torch_cudnn": version, "mapped": mapped}
+
+
+def cudnn_after_te(maps_path: str = "/proc/self/maps") -> dict:
+    """After TE's import: ``cudnn_state`` (torch asked)."""
+    return cudnn_state(maps_path)
 
 
 def te_script_args(args, peers: Sequence[str], out_json: str) -> list:
