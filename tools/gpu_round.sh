@@ -8,7 +8,8 @@
 # profiles2 peaks extras cudnn dyncheck s1 s2 s3 cudnn_small sdpa_calls cudnn_fix cudnn_calls fa4_dit sparse_diag
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
-# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4, r13_det_kernel; #70: i70_ds i70_ds_time
+# r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4, r13_det_kernel r13_checks r13_65
+# r13_69vsa_sp2; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -518,7 +519,13 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
 #   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
 #   r8d69b@3 | call 4: r10_67.
-# NEXT SESSION (4 GPUs). Issue each call AT ONCE after the previous returns (the machine goes back after 30 s idle):
+# NEXT SESSION. Issue each call AT ONCE after the previous returns: the machine goes back after 30 s idle (on
+# 2026-11-28 07:11 a 70 s commit between calls cost the machine, its part.aa and TE). Prepare every command first.
+#   2 GPUs: call 1 (part.aa + .ds + .fa4/commit): i70_resume@0,1 (or any non-FA4 stage) | call 2 (part.ab): r13_checks
+#     + r13_65 @0,1 | call 3 (.te): i68_cp2_nv@0,1 (TE builds in the background while ours' rows run; its job last)
+#     | call 4: r13_69vsa_sp2@0,1, or r12_fa4p4@0 + r13_det_kernel@1.
+#   4 GPUs: as below, r13_65 in place of r12_65, r13_69vsa_sp2 beside r12_fa4p4.
+# Before (4 GPUs). Issue each call AT ONCE after the previous returns (the machine goes back after 30 s idle):
 #   call 1 (.te + .ds + .fa4/commit): i68_te_install@0,1 i70_transport@2,3 (the round's new TE cuDNN path first:
 #     tools/te_peer.share_torch_cudnn; TE stays installed in /tmp/te_site for call 4) | call 2 (part.aa):
 #     i70_ds_time@0,1 r12_bs4@2,3 | call 3 (part.ab: FA4 from here): r12_65@0,1 r12_fa4p4@2 r11_69vsa@3 |
@@ -541,6 +548,21 @@ stage_r13_det_kernel() {   # 1 GPU (FA4): only the kernel case of r12_det_fa4 (F
 stage_r13_checks() {   # 2 GPUs (FA4), before r12_65 on the same machine: diffusers' CUDA family over NCCL
   # (P=2) and FA4's deterministic backward case
   suite r13/checks 200 "(test_diffusers_family and 2-nccl) or test_fa4_deterministic_backward"
+}
+stage_r13_65() {   # 2 GPUs (FA4), after r13_checks on that machine: #65's 720p row after the view split (3f60ad4:
+  # blocks.0's shard a view under checkpointing): the peak of ours against diffusers' (expected 36.9 MiB under),
+  # attributed; ~5 min
+  keep r13/720p 450 $WAN_BENCH --grid 720p --variants diffusers-ulysses,ours-auto,ours-hcms --steps 2 --warmup 2 \
+    --memory-peak --out $W/r13/720p_memory_peak.json
+}
+stage_r13_69vsa_sp2() {   # 2 GPUs (FA4 + cuDNN frontend): #69's VSA-tile row at SP=2 (wan-14b 2 blocks, 4x4x4 tiles,
+  # 480p then 720p), the mode auto picked per mask in the JSON; target as at SP=1 (1.5x / 2.0x)
+  keep r13/69vsa_sp2_480 240 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants \
+    guarded,sparse_topk90,sparse_window90 --sparse-args "--sparse-tile 4,4,4" --out $W/r13/69vsa_sp2_wan14b_21x30x52 \
+    -- "${WAN14[@]}" --context-parallel-size 2 --frames 21 --latent-size 60x104
+  keep r13/69vsa_sp2_720 260 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants guarded,sparse_topk90 \
+    --sparse-args "--sparse-tile 4,4,4" --out $W/r13/69vsa_sp2_wan14b_21x45x80 \
+    -- "${WAN14[@]}" --context-parallel-size 2 --frames 21 --latent-size 90x160
 }
 stage_r12_bs4() {   # the rest of r11_66b (cut by its call's deadline): block_sparse P=4 and cuDNN's block sparsity
   suite r12/bs4 500 "(test_block_sparse_family and 4-gloo and not fa4 and not cudnn) or test_cudnn_block_sparse_family"
