@@ -40,6 +40,34 @@ def test_dry_run_rows(tmp_path):
         assert r["machine"] and r["date"] and "command" in r and "commit" in r
 
 
+def _checkpointing_seen(rank, world, argv):
+    """The bench's rows, and whether each variant's model had diffusers' gradient checkpointing on."""
+    seen = []
+    real = bench.Setup.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        seen.append(bool(self.model.gradient_checkpointing))
+    bench.Setup.__init__ = spy
+    try:
+        return bench.main(list(argv)), seen
+    finally:
+        bench.Setup.__init__ = real
+
+
+@pytest.mark.parametrize("recompute", ["full", "none"])
+def test_recompute_setting_reaches_every_variant(tmp_path, recompute):
+    """--recompute none turns diffusers' gradient checkpointing off for every variant (full, the default, on),
+    recorded in the meta; the rows still train."""
+    out = str(tmp_path / "bench.json")
+    args = ["--dry-run", "--variants", "ours-auto,ours-ring", "--out", out]
+    doc, seen = run_ranks(_checkpointing_seen, 2, args + ([] if recompute == "full" else ["--recompute", "none"]),
+                          timeout=120)[0]
+    assert doc["meta"]["recompute"] == recompute
+    assert seen and all(s == (recompute == "full") for s in seen), seen
+    assert all(r["step_ms"] > 0 and r["first_loss"] > 0 for r in doc["rows"])
+
+
 def test_curves_dry(tmp_path):
     out = str(tmp_path / "c.json")
     run_ranks(_bench, 2, ["--dry-run", "--curves", "2", "--out", out], timeout=120)

@@ -6,7 +6,9 @@ parallelism against megatron_sp_ext's (``megatron_sp_ext.diffusers.parallelize``
         --out results/diffusers_wan/480p.json
 
 Each variant builds the same model (--model, default wan-1.3b at full depth; weights fp32 from --seed), bf16
-autocast, diffusers' gradient checkpointing (every block), then times --steps training steps after --warmup ones on
+autocast, diffusers' gradient checkpointing (every block; ``--recompute none``: off for every variant of the job,
+the one way diffusers' ring CP runs: its ring backward unpacks its saved tensors once per ring step, which torch's
+checkpoint refuses), then times --steps training steps after --warmup ones on
 one fixed synthetic batch (Wan's flow-matching loss, training/wan_diffusers/flow.py; AdamW; gradients all-reduced
 over the ranks with the SP sum, training/wan_diffusers/loop.py): step_ms = median over steps of CUDA-event time,
 max over ranks. MFU = model FLOPs (DiTConfig.flops_per_token: Wan's block, recomputation not counted) / (step time x
@@ -142,7 +144,8 @@ class Setup:
         kw = wan.preset_kwargs(args.model, args.num_layers)
         self.model = wan.random_model(kw, args.seed, device)
         self.cfg = wan.dit_config(self.model.config, args.text_len)
-        self.model.enable_gradient_checkpointing()
+        if args.recompute == "full":
+            self.model.enable_gradient_checkpointing()
         self.handle, self.backend = None, backend
         if variant["impl"] == "diffusers":
             from diffusers import ContextParallelConfig  # noqa: PLC0415
@@ -366,6 +369,9 @@ def main(argv: Optional[list] = None) -> dict:
     p.add_argument("--sparse-tile", default="4,4,8", help="tile T,H,W of the sparse variants (tokens after the patch)")
     p.add_argument("--hcms-head-chunks", default="auto", help="head chunks of ours-hcms / ours-auto")
     p.add_argument("--sp-attention-backend", default="auto", help="our local attention kernel")
+    p.add_argument("--recompute", default="full", choices=("full", "none"),
+                   help="full: diffusers' gradient checkpointing on every block (default); none: off for every "
+                        "variant (diffusers' ring CP fails under checkpointing)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant (after --warmup)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=0, help="N: after timing, N steps of each variant under "
@@ -426,7 +432,7 @@ def _run(args, variants: list, rank: int, world: int, device) -> dict:
     meta = run_meta(machine=f"{platform.node()}: {world} x {torch.cuda.get_device_name(0) if cuda else 'CPU'}",
                     torch=torch.__version__, diffusers=_diffusers_version(), world=world, model=args.model,
                     layers=kw["num_layers"], grid_latent=list(grid_latent), grid_tokens=list(grid),
-                    tokens=grid[0] * grid[1] * grid[2], dry_run=args.dry_run)
+                    tokens=grid[0] * grid[1] * grid[2], recompute=args.recompute, dry_run=args.dry_run)
     for v in variants:
         try:
             v["sparse_settings"] = sparse_settings(v["sparse"], grid, tile)

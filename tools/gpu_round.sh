@@ -9,7 +9,7 @@
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
 # r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4, r13_det_kernel r13_checks r13_65
-# r13_69vsa_sp2; #70: i70_ds i70_ds_time
+# r13_65ring r13_69vsa_sp2; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -523,7 +523,7 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-28 07:11 a 70 s commit between calls cost the machine, its part.aa and TE). Prepare every command first.
 #   2 GPUs: call 1 (part.aa + .ds + .fa4/commit): i70_resume@0,1 (or any non-FA4 stage) | call 2 (part.ab): r13_checks
 #     + r13_65 @0,1 | call 3 (.te): i68_cp2_nv@0,1 (TE builds in the background while ours' rows run; its job last)
-#     | call 4: r13_69vsa_sp2@0,1, or r12_fa4p4@0 + r13_det_kernel@1.
+#     | call 4: r13_65ring@0,1, then r13_69vsa_sp2@0,1, or r12_fa4p4@0 + r13_det_kernel@1.
 #   4 GPUs: as below, r13_65 in place of r12_65, r13_69vsa_sp2 beside r12_fa4p4.
 # Before (4 GPUs). Issue each call AT ONCE after the previous returns (the machine goes back after 30 s idle):
 #   call 1 (.te + .ds + .fa4/commit): i68_te_install@0,1 i70_transport@2,3 (the round's new TE cuDNN path first:
@@ -554,6 +554,12 @@ stage_r13_65() {   # 2 GPUs (FA4), after r13_checks on that machine: #65's 720p 
   # attributed; ~5 min
   keep r13/720p 450 $WAN_BENCH --grid 720p --variants diffusers-ulysses,ours-auto,ours-hcms --steps 2 --warmup 2 \
     --memory-peak --out $W/r13/720p_memory_peak.json
+}
+stage_r13_65ring() {   # 2 GPUs (FA4): #65's ring row: diffusers' ring CP runs only without gradient checkpointing
+  # (its ring backward unpacks saved tensors per ring step), so the whole job runs --recompute none at 480p
+  # (wan-1.3b 30 blocks, ~50 GiB a rank est.): diffusers' Ulysses and ring CP beside ours; ~4 min
+  keep r13/480p_norecompute 300 $WAN_BENCH --grid 480p --recompute none --variants \
+    diffusers-ulysses,diffusers-ring,ours-auto,ours-ring --steps 3 --warmup 2 --out $W/r13/480p_norecompute.json
 }
 stage_r13_69vsa_sp2() {   # 2 GPUs (FA4 + cuDNN frontend): #69's VSA-tile row at SP=2 (wan-14b 2 blocks, 4x4x4 tiles,
   # 480p then 720p), the mode auto picked per mask in the JSON; target as at SP=1 (1.5x / 2.0x)
