@@ -308,6 +308,9 @@ def test_share_torch_cudnn_points_te_at_the_mapped_cudnn(tmp_path, monkeypatch):
     from tools import te_peer
     maps = tmp_path / "maps"
     maps.write_text(MAPS)
+    preloaded = []   # the parts preload is called with the file torch mapped (never the real loader here)
+    monkeypatch.setattr(te_peer, "preload_cudnn_parts",
+                        lambda lib: preloaded.append(lib) or {"loaded": [lib + ".part"], "failed": {}})
     import os
     torch_lib = "/opt/venv/lib/python3.12/site-packages/nvidia/cudnn/lib/libcudnn.so.9"
 
@@ -316,6 +319,7 @@ def test_share_torch_cudnn_points_te_at_the_mapped_cudnn(tmp_path, monkeypatch):
     env = {}
     seen = te_peer.share_torch_cudnn(env, maps_path=str(maps))
     assert only_link(env["CUDNN_HOME"]) and seen["CUDNN_HOME"] == env["CUDNN_HOME"]
+    assert preloaded == [torch_lib] and seen["parts"] == {"loaded": [torch_lib + ".part"], "failed": {}}
     assert seen["source"] == "mapped by torch" and len(seen["mapped"]) == 2 and seen["replaced"] is None
     env = {"CUDNN_HOME": "/usr/local/cuda"}   # a CUDNN_HOME set elsewhere: replaced by the link's folder, recorded
     seen = te_peer.share_torch_cudnn(env, maps_path=str(maps))
@@ -352,7 +356,7 @@ def test_preload_cudnn_parts_loads_each_part_once_graph_first(tmp_path):
                      "libcudnn_heuristic.so.9"]
     calls = []
 
-    def load(path):   # the heuristic part needs the engines part: fails until that one is loaded
+    def load(path):   # the adv part needs the heuristic part (fails until it is loaded); engines never loads
         name = path.rsplit("/", 1)[1]
         calls.append(name)
         if name == "libcudnn_adv.so.9" and "libcudnn_heuristic.so.9" not in calls[:-1]:

@@ -65,7 +65,7 @@ def test_recompute_setting_reaches_every_variant(tmp_path, recompute):
                           timeout=120)[0]
     assert doc["meta"]["recompute"] == recompute
     assert seen and all(s == (recompute == "full") for s in seen), seen
-    assert all(r["step_ms"] > 0 and r["first_loss"] > 0 for r in doc["rows"])
+    assert all(r["step_ms"] > 0 and r["first_loss"] > 0 and r["recompute"] == recompute for r in doc["rows"])
 
 
 def test_curves_dry(tmp_path):

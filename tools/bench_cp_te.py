@@ -118,6 +118,9 @@ def main() -> None:
     if cudnn_before["replaced"] and dist.get_rank() == 0:
         print(f"[bench_cp_te] CUDNN_HOME {cudnn_before['replaced']} -> {cudnn_before['CUDNN_HOME']} (a link to the "
               f"cuDNN torch loaded: {cudnn_before['mapped'][0]})", flush=True)
+    failed = cudnn_before.get("parts", {}).get("failed")
+    if failed and dist.get_rank() == 0:   # shown before TE's import, which they may break
+        print(f"[bench_cp_te] cuDNN parts that did not load before TE: {failed}", flush=True)
     import transformer_engine  # noqa: PLC0415 - only in this process (it changes torch SDPA's cuDNN choice)
     import transformer_engine.pytorch as te  # noqa: PLC0415
     group, stream = dist.group.WORLD, torch.cuda.Stream()

@@ -464,7 +464,8 @@ def _run(args, variants: list, rank: int, world: int, device) -> dict:
             row = {"variant": v["name"], "impl": v["impl"], "mode": v["mode"], "skipped": v["skip"]}
         else:
             row = time_variant(args, v, world, device, grid, batch)
-        row.update(machine=meta["machine"], date=meta["date"], commit=meta["commit"], command=meta["command"])
+        row.update(machine=meta["machine"], date=meta["date"], commit=meta["commit"], command=meta["command"],
+                   recompute=args.recompute)
         rows.append(row)
         if rank == 0:
             print(json.dumps({k: row.get(k) for k in ("variant", "backend", "step_ms", "mfu", "peak_mem_gib",

@@ -166,8 +166,8 @@ def share_torch_cudnn(environ, maps_path: str = "/proc/self/maps") -> dict:
     TE loaded the image's cuDNN 9.14 first and torch (built with 9.19) refused every cuDNN call after it; pointing
     ``CUDNN_HOME`` at torch's package only where it was unset did not help (an image's own ``CUDNN_HOME`` is one
     way that happens). So a ``CUDNN_HOME`` already set is replaced by the folder torch loaded from (kept only when
-    torch has no cuDNN mapped) and its old value recorded. Returns what it saw, for the job's meta:
-    With torch's cuDNN mapped, its parts are loaded too (``preload_cudnn_parts``; what loaded is under "parts").
+    torch has no cuDNN mapped) and its old value recorded. With torch's cuDNN mapped, its parts are loaded too
+    (``preload_cudnn_parts``; what loaded is under "parts"). Returns what it saw, for the job's meta:
     {torch_cudnn, mapped, CUDNN_HOME, replaced, source[, parts]}."""
     import torch   # noqa: PLC0415 - only where TE is about to be imported
     seen = {**cudnn_state(maps_path, load=torch.cuda.is_available()), "CUDNN_HOME": environ.get("CUDNN_HOME"),

@@ -6,7 +6,7 @@ forward (an optional permutation of the raster token order), this rank's shard o
     x = gather_tokens(x_loc, group, seq_dim, ctx)              # shards -> full [.., S, ..] in raster order
 
 ``group`` None: one rank (the permutation still applies, so SP=1 runs the same token order as SP=N). The shards are
-``shard_sequence``'s default ("contiguous") placement of the permuted sequence.
+``shard_sequence``'s "contiguous" placement (``PLACEMENT``) of the permuted sequence.
 """
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 from ..errors import SPConfigError
 from ..sp.placement import pieces, shard_sequence, unshard_sequence
+
+
+PLACEMENT = "contiguous"   # the shards' placement: one run of rows per rank (a view of the full where asked)
 
 
 def divisors(n: int) -> list[int]:
@@ -76,11 +79,11 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, seq_dim: int) -> torch.Tensor:
         ctx.group, ctx.seq_dim = group, seq_dim
-        return unshard_sequence(x, group, seq_dim=seq_dim)
+        return unshard_sequence(x, group, placement=PLACEMENT, seq_dim=seq_dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return shard_sequence(grad, ctx.group, seq_dim=ctx.seq_dim), None, None
+        return shard_sequence(grad, ctx.group, placement=PLACEMENT, seq_dim=ctx.seq_dim), None, None
 
 
 def split_tokens(x: torch.Tensor, group: Optional[dist.ProcessGroup], seq_dim: int,
@@ -97,11 +100,11 @@ def split_tokens(x: torch.Tensor, group: Optional[dist.ProcessGroup], seq_dim: i
         if group is None:
             return x
         if view:
-            (start, length), = pieces("contiguous", dist.get_rank(group), dist.get_world_size(group), ctx.seq_len)
+            (start, length), = pieces(PLACEMENT, dist.get_rank(group), dist.get_world_size(group), ctx.seq_len)
             return x.narrow(seq_dim, start, length)
-        return shard_sequence(x, group, seq_dim=seq_dim)
+        return shard_sequence(x, group, placement=PLACEMENT, seq_dim=seq_dim)
     # the shard of the permuted sequence, gathered straight from x: this rank's rows of the order (no full copy)
-    rows = ctx.order if group is None else shard_sequence(ctx.order, group, seq_dim=0)
+    rows = ctx.order if group is None else shard_sequence(ctx.order, group, placement=PLACEMENT, seq_dim=0)
     return x.index_select(seq_dim, rows.to(x.device))
 
 
