@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("diffusers", reason="needs diffusers (pip install 'megatron_sp_ext[diffusers]')")
 
+import torch  # noqa: E402
 import torch.distributed.checkpoint.state_dict  # noqa: E402,F401  (imported before the harness forks)
 from diffusers import WanTransformer3DModel  # noqa: E402,F401
 import megatron_sp_ext.diffusers  # noqa: E402,F401
@@ -126,3 +127,33 @@ def test_diffusers_probe_step_does_not_train_the_timed_model(monkeypatch):
     setup, tried = bench.build(args, {"impl": "diffusers", "backend": "flash"}, 1, "cpu", (1, 2, 2), {"x": 0})
     assert tried == [] and len(made) == 2 and made[0].steps == 1 and made[0].closed
     assert setup is made[1] and setup.steps == 0 and not setup.closed and setup.backend == "flash"
+
+
+def test_ranks_share_gpu_rows_say_times_are_not_speed(tmp_path):
+    """--ranks-share-gpu (P ranks on one GPU over gloo): the rows keep their peaks' fields but carry the timing note
+    and no MFU; the meta records the setting."""
+    out = str(tmp_path / "bench.json")
+    run_ranks(_bench, 2, ["--dry-run", "--variants", "ours-auto", "--ranks-share-gpu", "--out", out], timeout=120)
+    with open(out) as f:
+        doc = json.load(f)
+    assert doc["meta"]["ranks_share_gpu"] is True
+    (row,) = doc["rows"]
+    assert row["mfu"] is None and "not the method's speed" in row["timing_note"] and row["first_loss"] > 0
+
+
+def test_init_world_share_gpu_puts_every_rank_on_gpu0_over_gloo(monkeypatch):
+    """benchlib.init_world(share_gpu=True) on a CUDA machine: GPU 0 whatever LOCAL_RANK says, gloo, no device_id
+    (NCCL's eager init is not asked of gloo); without it: GPU LOCAL_RANK over NCCL with device_id."""
+    from tools import benchlib
+    calls = {}
+    monkeypatch.setattr(benchlib.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(benchlib.torch.cuda, "set_device", lambda d: calls.setdefault("set", []).append(str(d)))
+    monkeypatch.setattr(benchlib.dist, "init_process_group", lambda b, **kw: calls.setdefault("init", []).append(
+        (b, sorted(kw))))
+    monkeypatch.setattr(benchlib.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(benchlib.dist, "get_world_size", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert benchlib.init_world(share_gpu=True)[2] == torch.device("cuda", 0)
+    assert benchlib.init_world()[2] == torch.device("cuda", 1)
+    assert calls["set"] == ["cuda:0", "cuda:1"]
+    assert calls["init"] == [("gloo", ["timeout"]), ("nccl", ["device_id", "timeout"])]

@@ -28,6 +28,8 @@ ours-auto and diffusers' CP (the first diffusers variant of --variants, default 
 backend that runs), bf16, losses to <out>_curves.json and <out>_curves.png.
 --dry-run: CPU stand-in (tiny config, gloo, a 4x8x8 latent, 2 steps); diffusers' own CP is skipped there with its
 reason (it needs an accelerator). Rows carry machine, date, commit and the command.
+--ranks-share-gpu: every rank on GPU 0 over gloo (a one-GPU machine): the peaks and their attribution per rank,
+no speed (rows carry timing_note, MFU None).
 """
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ from training.video_dit.telemetry import peak_flops  # noqa: E402
 from training.wan_diffusers import model as wan  # noqa: E402
 from training.wan_diffusers.flow import WanStepBatches, flow_loss, shift_timestep  # noqa: E402
 
+SHARED_GPU_NOTE = ("--ranks-share-gpu: every rank on one GPU over gloo, exchanges through host memory: step_ms is "
+                   "not the method's speed; peak memory per rank is")
 GRIDS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}   # Wan's latent F x H x W (81 frames; 832x480 / 1280x720)
 DRY_GRID = (4, 8, 8)
 DIFFUSERS_BACKENDS = ("_native_cudnn", "flash", "native")   # "auto" tries them in this order
@@ -383,6 +387,9 @@ def main(argv: Optional[list] = None) -> dict:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--text-len", type=int, default=None, help="text tokens (default 512; 8 in --dry-run)")
+    p.add_argument("--ranks-share-gpu", action="store_true", help="every rank on GPU 0 over gloo (a one-GPU "
+                   "machine): per-rank peaks and their attribution are valid, step times and MFU are not (every "
+                   "exchange crosses host memory), so rows carry timing_note and no MFU")
     p.add_argument("--dry-run", action="store_true", help="CPU stand-in: tiny model, gloo, a 4x8x8 latent, 2 steps")
     p.add_argument("--out", default="results/diffusers_wan/bench.json")
     args = p.parse_args(argv)
@@ -398,7 +405,7 @@ def main(argv: Optional[list] = None) -> dict:
         if "WORLD_SIZE" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(_free_port()))
-        rank, world, device = init_world()
+        rank, world, device = init_world(share_gpu=args.ranks_share_gpu)
     else:
         rank, world = dist.get_rank(), dist.get_world_size()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -432,7 +439,8 @@ def _run(args, variants: list, rank: int, world: int, device) -> dict:
     meta = run_meta(machine=f"{platform.node()}: {world} x {torch.cuda.get_device_name(0) if cuda else 'CPU'}",
                     torch=torch.__version__, diffusers=_diffusers_version(), world=world, model=args.model,
                     layers=kw["num_layers"], grid_latent=list(grid_latent), grid_tokens=list(grid),
-                    tokens=grid[0] * grid[1] * grid[2], recompute=args.recompute, dry_run=args.dry_run)
+                    tokens=grid[0] * grid[1] * grid[2], recompute=args.recompute, dry_run=args.dry_run,
+                    ranks_share_gpu=args.ranks_share_gpu)
     for v in variants:
         try:
             v["sparse_settings"] = sparse_settings(v["sparse"], grid, tile)
@@ -466,6 +474,8 @@ def _run(args, variants: list, rank: int, world: int, device) -> dict:
             row = time_variant(args, v, world, device, grid, batch)
         row.update(machine=meta["machine"], date=meta["date"], commit=meta["commit"], command=meta["command"],
                    recompute=args.recompute)
+        if args.ranks_share_gpu and "step_ms" in row:
+            row.update(mfu=None, timing_note=SHARED_GPU_NOTE)
         rows.append(row)
         if rank == 0:
             print(json.dumps({k: row.get(k) for k in ("variant", "backend", "step_ms", "mfu", "peak_mem_gib",

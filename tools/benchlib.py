@@ -75,17 +75,20 @@ def finish_worker(rank: int, path: str, result, barrier: bool = True) -> None:
     dist.destroy_process_group()
 
 
-def init_world(backend: Optional[str] = None, timeout_s: float = 600) -> tuple:
+def init_world(backend: Optional[str] = None, timeout_s: float = 600, share_gpu: bool = False) -> tuple:
     """Join the process group torchrun describes (cuda: NCCL on GPU ``LOCAL_RANK``; else gloo) ->
-    (rank, world, device)."""
+    (rank, world, device). ``share_gpu``: every rank on GPU 0 over gloo (CUDA tensors cross host memory: the
+    library's CUDA paths at P ranks on one GPU; times are not the method's speed, per-rank memory is)."""
     cuda = torch.cuda.is_available()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = 0 if share_gpu else int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    backend = "gloo" if share_gpu else (backend or ("nccl" if cuda else "gloo"))
     kw = {"timeout": datetime.timedelta(seconds=timeout_s)}
     if cuda:
         torch.cuda.set_device(device)
-        kw["device_id"] = device
-    dist.init_process_group(backend or ("nccl" if cuda else "gloo"), **kw)
+        if backend == "nccl":
+            kw["device_id"] = device
+    dist.init_process_group(backend, **kw)
     return dist.get_rank(), dist.get_world_size(), device
 
 
