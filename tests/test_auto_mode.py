@@ -286,3 +286,26 @@ def _recompute(rank, world):
 
 def test_recompute_forward_decides_like_training():
     run_ranks(_recompute, 2)
+
+
+def _fixed_mode_logged(rank, world):
+    """auto's block-sparse calls run its baseline; the reason is logged once however many such calls run."""
+    from tools.benchlib import AutoDecisions
+    cfg = SPConfig(mode="auto")
+    attn = make_attention(cfg, dist.group.WORLD, num_heads=4, num_kv_heads=2, resources=SPResources(cfg))
+    s_loc, bs = 8, 4
+    t = (s_loc * world + bs - 1) // bs
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, s_loc, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, s_loc, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    bm = torch.ones(1, t, t, dtype=torch.bool)
+    with AutoDecisions() as d:
+        for _ in range(3):
+            attn(q, k, v, causal=False, block_mask=bm, block_size=bs)
+    return d.messages
+
+
+def test_auto_names_its_mode_for_block_mask_calls():
+    for messages in run_ranks(_fixed_mode_logged, 2):
+        fixed = [m for m in messages if "calls with a block mask" in m]
+        assert len(fixed) == 1 and "auto mode -> hcms" in fixed[0], messages

@@ -18,6 +18,7 @@ supports is declared in the mode registry (modes.py); this module maps a mode's 
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional
 
 import torch
@@ -39,6 +40,7 @@ from .ring import hybrid_attention, ring_attention, torus_attention
 from .ulysses import HCMSPolicy, PackedUlysses, ulysses_attention
 
 RING_MODES = modes.names(family="ring")         # the ring variants auto may pick per shape
+log = logging.getLogger("megatron_sp_ext")
 
 
 class SPResources:
@@ -113,11 +115,20 @@ class SPAttention:
         self.backend = get_backend(backend, cfg.name("backend"))
         self.takes_local_attention = self.spec.local_attention
         self.chooser: Optional[Chooser] = None
+        self.said_fixed_mode: set = set()   # why auto kept its baseline, logged once per reason (benchmark rows)
         self.training: Optional[bool] = None  # the owning module's flag: auto times fwd+bwd by it (None: grad mode)
         self.mesh = mesh
         if self.mesh is None and self.spec.mesh and self.world > 1:
             self.mesh = resources.mesh(group, num_heads, cfg, self.mode if self.spec.arrangement else None)
         self.packed = packed_entry(cfg, group, resources, backend=self.backend) if self.world > 1 else None
+
+    def _say_fixed_mode(self, reason: str) -> None:
+        """Log (once per reason) that auto ran its baseline for calls with ``reason``: auto calibrates the mode on
+        plain dense calls only, so benchmark rows (tools/benchlib.AutoDecisions) name what ran."""
+        if reason not in self.said_fixed_mode:
+            self.said_fixed_mode.add(reason)
+            log.info("megatron_sp_ext: auto mode -> %s (head chunks %s) for calls with %s: auto picks the mode per "
+                     "shape on plain dense calls only", self.mode, self.chunks, reason)
 
     def mode_for(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
                softmax_scale: Optional[float] = None) -> str:
@@ -194,6 +205,9 @@ class SPAttention:
         if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None and tiles is None:
             picked = self.mode_for(q, k, causal, kv_valid_len, softmax_scale)
             mode = picked if picked in RING_MODES else self.mode
+        elif self.auto:
+            self._say_fixed_mode("a block mask" if tiles is not None else "packed samples" if cu_seqlens is not None
+                                 else "attention dropout" if dropout_p > 0.0 else "a caller's local attention")
         if self.world > 1 and needs_p2p(mode, self.world):
             check_p2p(f"{self.cfg.name('mode')}={mode!r}" + (" (auto)" if modes.get(self.cfg.mode).auto else ""),
                       self.group, q.device, f"{self.cfg.name('mode')} {modes.listing(modes.names(p2p=False, auto=False))}")
