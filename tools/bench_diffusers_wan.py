@@ -28,8 +28,8 @@ ours-auto and diffusers' CP (the first diffusers variant of --variants, default 
 backend that runs), bf16, losses to <out>_curves.json and <out>_curves.png.
 --dry-run: CPU stand-in (tiny config, gloo, a 4x8x8 latent, 2 steps); diffusers' own CP is skipped there with its
 reason (it needs an accelerator). Rows carry machine, date, commit and the command.
---ranks-share-gpu: every rank on GPU 0 over gloo (a one-GPU machine): the peaks and their attribution per rank,
-no speed (rows carry timing_note, MFU None).
+--ranks-share-gpu: every rank on GPU 0 over gloo (a one-GPU machine): our variants' peaks and their attribution
+per rank, no speed (rows carry timing_note, MFU None); diffusers' CP is skipped there with its reason.
 """
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ from training.wan_diffusers.flow import WanStepBatches, flow_loss, shift_timeste
 
 SHARED_GPU_NOTE = ("--ranks-share-gpu: every rank on one GPU over gloo, exchanges through host memory: step_ms is "
                    "not the method's speed; peak memory per rank is")
+SHARED_GPU_DIFFUSERS = ("not with --ranks-share-gpu: diffusers' CP gathers proj_out through torch's functional "
+                        "collectives, which crashed (SIGSEGV in wait_tensor) over gloo with CUDA tensors on "
+                        "2026-11-28 (torch 2.11); run it one rank per GPU")
 GRIDS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}   # Wan's latent F x H x W (81 frames; 832x480 / 1280x720)
 DRY_GRID = (4, 8, 8)
 DIFFUSERS_BACKENDS = ("_native_cudnn", "flash", "native")   # "auto" tries them in this order
@@ -236,6 +239,16 @@ def build(args, variant: dict, world: int, device, grid: tuple, batch: Optional[
             setup.close()
         _free(device)
     return None, tried
+
+
+def skip_reason(variant: dict, cuda: bool, ranks_share_gpu: bool) -> Optional[str]:
+    """Why ``variant`` is not timed in this job (None: it is): diffusers' CP needs an accelerator and one rank per
+    GPU; a variant whose sparse settings failed carries its own reason."""
+    if variant["impl"] == "diffusers" and not cuda:
+        return NO_ACCELERATOR
+    if variant["impl"] == "diffusers" and ranks_share_gpu:
+        return SHARED_GPU_DIFFUSERS
+    return variant.get("skip")
 
 
 def time_variant(args, variant: dict, world: int, device, grid: tuple, batch: dict) -> dict:
@@ -466,10 +479,9 @@ def _run(args, variants: list, rank: int, world: int, device) -> dict:
         return doc
     batch = fixed_batch(cfg, grid_latent, args.seed, device)
     for v in variants:
-        if v["impl"] == "diffusers" and not cuda:
-            row = {"variant": v["name"], "impl": "diffusers", "mode": v["mode"], "skipped": NO_ACCELERATOR}
-        elif v.get("skip"):
-            row = {"variant": v["name"], "impl": v["impl"], "mode": v["mode"], "skipped": v["skip"]}
+        why = skip_reason(v, cuda, args.ranks_share_gpu)
+        if why:
+            row = {"variant": v["name"], "impl": v["impl"], "mode": v["mode"], "skipped": why}
         else:
             row = time_variant(args, v, world, device, grid, batch)
         row.update(machine=meta["machine"], date=meta["date"], commit=meta["commit"], command=meta["command"],

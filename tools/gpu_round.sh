@@ -9,7 +9,7 @@
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
 # r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4, r13_det_kernel r13_checks r13_65
-# r13_65ring r13_69vsa_sp2, r14_first r14_fa4 r14_more; #70: i70_ds i70_ds_time
+# r13_65ring r13_69vsa_sp2, r14_first r14_more; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -533,21 +533,16 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 #   call 4: i68_cp2_nv@0,1 i68_cp2_host@2,3 (32K and 64K; the 128K row in a call of its own: I68_SEQLENS=131072).
 #   Results of 2026-11-28: results/2026-11-28_h100x4_0029/ and results/2026-11-28_h100x4_0359/ (README.md each).
 # 2026-11-28 fourth session, ONE H200 (only nvidia-h200 lent). Issue each call AT ONCE after the previous returns:
-#   call 1 (part.aa + manifest + .ds + .fa4/commit): r14_first | call 2 (part.ab): r14_fa4 | call 3: r14_more
+#   call 1 (part.aa + manifest + .ds + .fa4/commit): r14_first | call 2 (part.ab): r14_more | call 3: r8d69b; then
+#   2 x H200 (lent from 10:44): gpu_run.sh "test_diffusers_family and 2-nccl" (part.aa) | r13_65@0,1 (part.ab) |
+#   r13_65ring@0,1 | r13_69vsa_sp2@0,1. Results: results/2026-11-28_h200_1030/README.md. r14_first's 720p job died:
+#   diffusers' CP over gloo with CUDA tensors segfaults (bench_diffusers_wan now skips it under --ranks-share-gpu).
 stage_r14_first() {   # 1 GPU, no FA4 (local kernel cuDNN): the view split (3f60ad4, CPU-tested only) on CUDA first:
   # diffusers' Wan family at P=2 and P=4 ranks on this GPU over gloo; then #65's 720p peaks with both ranks on this
   # GPU (--ranks-share-gpu: per-rank peaks valid, no speed), diffusers' Ulysses beside ours-auto, attributed
   suite r14/diffusers_gloo 240 "test_diffusers_family and gloo"
   keep r14/720p_shared_cudnn 280 $WAN_BENCH --ranks-share-gpu --grid 720p --variants diffusers-ulysses,ours-auto \
     --steps 1 --warmup 1 --memory-peak --out $W/r14/720p_shared_cudnn.json
-}
-stage_r14_fa4() {   # 1 GPU (FA4 from here): #65's 720p peaks as on 2026-11-28 07:07 (ours on FA4), both ranks on this
-  # GPU; then #69's kernel table on H200 (cuDNN's 64-/128-token block sparsity beside FA4's, 90%) with what is left
-  keep r14/720p_shared_fa4 260 $WAN_BENCH --ranks-share-gpu --grid 720p --variants diffusers-ulysses,ours-auto \
-    --steps 1 --warmup 1 --memory-peak --out $W/r14/720p_shared_fa4.json
-  local left=$(( DEADLINE - $(date +%s) - 60 ))
-  keep r14/table $(( left + 40 )) python3 tools/bench_block_sparse.py --table --table-kernels cudnn_block_sparse,fa4 \
-    --table-seqlens 32768,75776 --table-sparsities 0.9 --budget-s $left --out $W/r14/table
 }
 stage_r14_more() { stage_r12_fa4p4; }   # 1 GPU: #66's fa4 family at P=4 ranks on this GPU (ring rows at 4,096 tokens)
 stage_r12_det_fa4() {   # 2 GPUs (FA4): --deterministic-mode with FA4's deterministic backward (new 2026-11-28): the
