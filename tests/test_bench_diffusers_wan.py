@@ -138,6 +138,10 @@ def test_ranks_share_gpu_rows_say_times_are_not_speed(tmp_path):
         doc = json.load(f)
     assert doc["meta"]["ranks_share_gpu"] is True
     (row,) = doc["rows"]
+    theirs, ours = bench.parse_variant("diffusers-ulysses"), bench.parse_variant("ours-auto")
+    assert bench.skip_reason(theirs, True, True) == bench.SHARED_GPU_DIFFUSERS   # refused by name, not a crash
+    assert bench.skip_reason(theirs, True, False) is None and bench.skip_reason(ours, True, True) is None
+    assert bench.skip_reason(theirs, False, False) == bench.NO_ACCELERATOR
     assert row["mfu"] is None and "not the method's speed" in row["timing_note"] and row["first_loss"] > 0
 
 
