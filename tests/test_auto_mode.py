@@ -289,10 +289,12 @@ def test_recompute_forward_decides_like_training():
 
 
 def _fixed_mode_logged(rank, world):
-    """auto's block-sparse calls run its baseline; the reason is logged once however many such calls run."""
+    """auto's block-sparse calls run its baseline; the reason is logged once per model however many such calls and
+    layers run."""
     from tools.benchlib import AutoDecisions
     cfg = SPConfig(mode="auto")
-    attn = make_attention(cfg, dist.group.WORLD, num_heads=4, num_kv_heads=2, resources=SPResources(cfg))
+    res = SPResources(cfg)   # two layers of one model: one line between them
+    layers = [make_attention(cfg, dist.group.WORLD, num_heads=4, num_kv_heads=2, resources=res) for _ in range(2)]
     s_loc, bs = 8, 4
     t = (s_loc * world + bs - 1) // bs
     g = torch.Generator().manual_seed(rank)
@@ -301,7 +303,8 @@ def _fixed_mode_logged(rank, world):
     bm = torch.ones(1, t, t, dtype=torch.bool)
     with AutoDecisions() as d:
         for _ in range(3):
-            attn(q, k, v, causal=False, block_mask=bm, block_size=bs)
+            for attn in layers:
+                attn(q, k, v, causal=False, block_mask=bm, block_size=bs)
     return d.messages
 
 

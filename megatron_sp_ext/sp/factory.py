@@ -61,6 +61,7 @@ class SPResources:
         self.form_policy = form_policy or FormPolicy()
         self.mask_checks = mask_checks if mask_checks is not None else MaskChecks()
         self.meshes: dict = {}
+        self.said: set = set()   # the model's log lines said once (auto's fixed mode per reason), not per layer
 
     def mesh(self, group: dist.ProcessGroup, num_heads: int, cfg: SPConfig,
              arrangement: Optional[str] = None) -> SPMesh:
@@ -115,7 +116,6 @@ class SPAttention:
         self.backend = get_backend(backend, cfg.name("backend"))
         self.takes_local_attention = self.spec.local_attention
         self.chooser: Optional[Chooser] = None
-        self.said_fixed_mode: set = set()   # why auto kept its baseline, logged once per reason (benchmark rows)
         self.training: Optional[bool] = None  # the owning module's flag: auto times fwd+bwd by it (None: grad mode)
         self.mesh = mesh
         if self.mesh is None and self.spec.mesh and self.world > 1:
@@ -123,10 +123,11 @@ class SPAttention:
         self.packed = packed_entry(cfg, group, resources, backend=self.backend) if self.world > 1 else None
 
     def _say_fixed_mode(self, reason: str) -> None:
-        """Log (once per reason) that auto ran its baseline for calls with ``reason``: auto calibrates the mode on
-        plain dense calls only, so benchmark rows (tools/benchlib.AutoDecisions) name what ran."""
-        if reason not in self.said_fixed_mode:
-            self.said_fixed_mode.add(reason)
+        """Log (once per model and reason) that auto ran its baseline for calls with ``reason``: auto calibrates the
+        mode on plain dense calls only, so benchmark rows (tools/benchlib.AutoDecisions) name what ran."""
+        key = ("fixed mode", self.mode, self.chunks, reason)
+        if key not in self.res.said:
+            self.res.said.add(key)
             log.info("megatron_sp_ext: auto mode -> %s (head chunks %s) for calls with %s: auto picks the mode per "
                      "shape on plain dense calls only", self.mode, self.chunks, reason)
 
