@@ -9,7 +9,7 @@
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
 # r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4, r13_det_kernel r13_checks r13_65
-# r13_65ring r13_69vsa_sp2, r14_first r14_more; #70: i70_ds i70_ds_time
+# r13_65ring r13_69vsa_sp2, r14_first r14_more, r15_cudnn r15_69; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -519,12 +519,13 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
 #   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
 #   r8d69b@3 | call 4: r10_67.
-# NEXT SESSION. Issue each call AT ONCE after the previous returns: the machine goes back after 30 s idle (on
-# 2026-11-28 07:11 a 70 s commit between calls cost the machine, its part.aa and TE). Prepare every command first.
-#   2 GPUs: call 1 (part.aa + .ds + .fa4/commit): i70_resume@0,1 (or any non-FA4 stage) | call 2 (part.ab): r13_checks
-#     + r13_65 @0,1 | call 3 (.te): i68_cp2_nv@0,1 (TE builds in the background while ours' rows run; its job last)
-#     | call 4: r13_65ring@0,1, then r13_69vsa_sp2@0,1, or r12_fa4p4@0 + r13_det_kernel@1.
-#   4 GPUs: as below, r13_65 in place of r12_65, r13_69vsa_sp2 beside r12_fa4p4.
+# NEXT SESSION (after 2026-11-28 10:30: #65's rows and the fa4 family P=4 are done). Issue each call AT ONCE after
+# the previous returns: the machine goes back after 30 s idle. Prepare every command first.
+#   2 GPUs: call 1 (part.aa + .ds + .fa4/commit): i70_resume@0,1 | call 2 (part.ab): r15_cudnn@0 r13_det_kernel@1,
+#     then r15_69@0,1 (the cuDNN family first on that machine, then #69's VSA SP=2 rows and their profile) |
+#     call 3 (.te): i68_cp2_nv@0,1 | call 4: r11_69sp2@0,1 (the 128-token SP=2 row) or i70_dyn2@0,1.
+#   1 GPU: call 1 (part.aa): r15_cudnn | call 2 (part.ab): r8d69b (the kernel table after its family) | call 3: #68's
+#     SP=1 profile. 4 GPUs: the 4-GPU plan below (#67 full depth, TP2 x CP2, P=4 rows) with r15_cudnn first.
 # Before (4 GPUs). Issue each call AT ONCE after the previous returns (the machine goes back after 30 s idle):
 #   call 1 (.te + .ds + .fa4/commit): i68_te_install@0,1 i70_transport@2,3 (the round's new TE cuDNN path first:
 #     tools/te_peer.share_torch_cudnn; TE stays installed in /tmp/te_site for call 4) | call 2 (part.aa):
@@ -537,6 +538,22 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 #   2 x H200 (lent from 10:44): gpu_run.sh "test_diffusers_family and 2-nccl" (part.aa) | r13_65@0,1 (part.ab) |
 #   r13_65ring@0,1 | r13_69vsa_sp2@0,1. Results: results/2026-11-28_h200_1030/README.md. r14_first's 720p job died:
 #   diffusers' CP over gloo with CUDA tensors segfaults (bench_diffusers_wan now skips it under --ranks-share-gpu).
+stage_r15_cudnn() {   # 1 GPU: cuDNN's block-sparse family (P=2 and P=4 ranks on this GPU), before any timing of that
+  # kernel on the machine (the 10:30 table and VSA SP=2 rows ran without it on their machines)
+  suite r15/cudnn 420 "test_cudnn_block_sparse_family and gloo"
+}
+stage_r15_69() {   # 2 GPUs (FA4 + cuDNN frontend), after r15_cudnn: #69's VSA SP=2 rows again (480p top-k90 missed
+  # 1.5x at 1.37x) and the profile of that step, dense and top-k90 (where SP=2's constant ~50 ms goes)
+  stage_r13_69vsa_sp2
+  local v
+  for v in dense "--sparse-attention tiles --sparse-tile 4,4,4 --sparse-topk 51"; do
+    # shellcheck disable=SC2086
+    keep r15/prof_$([ "$v" = dense ] && echo dense || echo topk90) 150 torchrun --nproc-per-node 2 \
+      tools/profile_train_step.py --out $W/r15/prof --tag "480p_sp2_$([ "$v" = dense ] && echo dense || echo topk90)" \
+      -- "${WAN14[@]}" --context-parallel-size 2 --frames 21 --latent-size 60x104 --train-iters 14 \
+      $([ "$v" = dense ] || echo "$v")
+  done
+}
 stage_r14_first() {   # 1 GPU, no FA4 (local kernel cuDNN): the view split (3f60ad4, CPU-tested only) on CUDA first:
   # diffusers' Wan family at P=2 and P=4 ranks on this GPU over gloo; then #65's 720p peaks with both ranks on this
   # GPU (--ranks-share-gpu: per-rank peaks valid, no speed), diffusers' Ulysses beside ours-auto, attributed
