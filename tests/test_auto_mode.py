@@ -288,11 +288,11 @@ def test_recompute_forward_decides_like_training():
     run_ranks(_recompute, 2)
 
 
-def _fixed_mode_logged(rank, world):
-    """auto's block-sparse calls run its baseline; the reason is logged once per model however many such calls and
-    layers run."""
+def _fixed_mode_logged(rank, world, mode, sparse):
+    """Two layers of one model, three steps of block-sparse (``sparse``) or plain dense calls in ``mode``: the
+    library's auto lines."""
     from tools.benchlib import AutoDecisions
-    cfg = SPConfig(mode="auto")
+    cfg = SPConfig(mode=mode)
     res = SPResources(cfg)   # two layers of one model: one line between them
     layers = [make_attention(cfg, dist.group.WORLD, num_heads=4, num_kv_heads=2, resources=res) for _ in range(2)]
     s_loc, bs = 8, 4
@@ -300,15 +300,37 @@ def _fixed_mode_logged(rank, world):
     g = torch.Generator().manual_seed(rank)
     q = torch.randn(1, s_loc, 4, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(1, s_loc, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    bm = torch.ones(1, t, t, dtype=torch.bool)
+    tiles = {"block_mask": torch.ones(1, t, t, dtype=torch.bool), "block_size": bs} if sparse else {}
     with AutoDecisions() as d:
         for _ in range(3):
             for attn in layers:
-                attn(q, k, v, causal=False, block_mask=bm, block_size=bs)
+                attn(q, k, v, causal=False, **tiles)
     return d.messages
 
 
-def test_auto_names_its_mode_for_block_mask_calls():
-    for messages in run_ranks(_fixed_mode_logged, 2):
-        fixed = [m for m in messages if "calls with a block mask" in m]
-        assert len(fixed) == 1 and "auto mode -> hcms" in fixed[0], messages
+@pytest.mark.parametrize("mode,sparse,lines", [("auto", True, 1), ("hcms", True, 0), ("auto", False, 0)])
+def test_auto_names_its_mode_for_block_mask_calls(mode, sparse, lines):
+    """auto's block-sparse calls run its baseline, said once per model however many calls and layers run; a fixed
+    mode says nothing, nor does auto on calls it calibrates (CPU: its baseline, silently)."""
+    for messages in run_ranks(_fixed_mode_logged, 2, mode, sparse):
+        fixed = [m for m in messages if "for calls with" in m]
+        assert len(fixed) == lines, messages
+        assert all("auto mode -> hcms" in m and "a block mask" in m for m in fixed), messages
+
+
+def _too_few_heads_logged(rank, world):
+    from tools.benchlib import AutoDecisions
+    cfg = SPConfig(mode="auto")
+    attn = make_attention(cfg, dist.group.WORLD, num_heads=2, num_kv_heads=2, resources=SPResources(cfg))
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    with AutoDecisions() as d:
+        attn(q, q, q, causal=False)
+        attn(q, q, q, causal=False)
+    return attn.mode, d.messages
+
+
+def test_auto_resolved_statically_says_so_once():
+    """auto with fewer heads than ranks resolves once (not per shape) and says which mode, once."""
+    for mode, messages in run_ranks(_too_few_heads_logged, 4):
+        fixed = [m for m in messages if "for calls with" in m]
+        assert mode != "hcms" and len(fixed) == 1 and f"auto mode -> {mode}" in fixed[0], messages

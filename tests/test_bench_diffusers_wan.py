@@ -136,7 +136,7 @@ def test_ranks_share_gpu_rows_say_times_are_not_speed(tmp_path):
     run_ranks(_bench, 2, ["--dry-run", "--variants", "ours-auto", "--ranks-share-gpu", "--out", out], timeout=120)
     with open(out) as f:
         doc = json.load(f)
-    assert doc["meta"]["ranks_share_gpu"] is True
+    assert doc["meta"]["ranks_share_gpu"] is True and ": 2 ranks on 1 x CPU" in doc["meta"]["machine"]
     (row,) = doc["rows"]
     theirs, ours = bench.parse_variant("diffusers-ulysses"), bench.parse_variant("ours-auto")
     assert bench.skip_reason(theirs, True, True) == bench.SHARED_GPU_DIFFUSERS   # refused by name, not a crash
@@ -161,3 +161,5 @@ def test_init_world_share_gpu_puts_every_rank_on_gpu0_over_gloo(monkeypatch):
     assert benchlib.init_world()[2] == torch.device("cuda", 1)
     assert calls["set"] == ["cuda:0", "cuda:1"]
     assert calls["init"] == [("gloo", ["timeout"]), ("nccl", ["device_id", "timeout"])]
+    with pytest.raises(ValueError, match="share_gpu runs gloo"):
+        benchlib.init_world("nccl", share_gpu=True)

@@ -449,7 +449,8 @@ def _run(args, variants: list, rank: int, world: int, device) -> dict:
     tile = tuple(int(x) for x in args.sparse_tile.split(","))
     if args.dry_run:
         tile = (1, 2, 2)
-    meta = run_meta(machine=f"{platform.node()}: {world} x {torch.cuda.get_device_name(0) if cuda else 'CPU'}",
+    gpus = f"{world} ranks on 1" if args.ranks_share_gpu else str(world)
+    meta = run_meta(machine=f"{platform.node()}: {gpus} x {torch.cuda.get_device_name(0) if cuda else 'CPU'}",
                     torch=torch.__version__, diffusers=_diffusers_version(), world=world, model=args.model,
                     layers=kw["num_layers"], grid_latent=list(grid_latent), grid_tokens=list(grid),
                     tokens=grid[0] * grid[1] * grid[2], recompute=args.recompute, dry_run=args.dry_run,

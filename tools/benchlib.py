@@ -79,6 +79,8 @@ def init_world(backend: Optional[str] = None, timeout_s: float = 600, share_gpu:
     """Join the process group torchrun describes (cuda: NCCL on GPU ``LOCAL_RANK``; else gloo) ->
     (rank, world, device). ``share_gpu``: every rank on GPU 0 over gloo (CUDA tensors cross host memory: the
     library's CUDA paths at P ranks on one GPU; times are not the method's speed, per-rank memory is)."""
+    if share_gpu and backend not in (None, "gloo"):
+        raise ValueError(f"init_world: share_gpu runs gloo (several ranks on one GPU), not backend={backend!r}")
     cuda = torch.cuda.is_available()
     local = 0 if share_gpu else int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")

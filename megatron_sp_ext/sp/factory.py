@@ -61,7 +61,7 @@ class SPResources:
         self.form_policy = form_policy or FormPolicy()
         self.mask_checks = mask_checks if mask_checks is not None else MaskChecks()
         self.meshes: dict = {}
-        self.said: set = set()   # the model's log lines said once (auto's fixed mode per reason), not per layer
+        self.said: set[tuple] = set()   # the model's log lines said once (auto's fixed mode per reason), not per layer
 
     def mesh(self, group: dist.ProcessGroup, num_heads: int, cfg: SPConfig,
              arrangement: Optional[str] = None) -> SPMesh:
@@ -108,6 +108,7 @@ class SPAttention:
         self.mode = resolve_auto_mode(num_heads, self.world) if auto else cfg.mode
         self.spec = modes.get(self.mode)   # what the mode that runs needs and supports
         self.auto = auto and self.spec.family == "ulysses" and cfg.dropout_p == 0.0
+        self.auto_asked = auto   # "auto" was the setting (what runs is ``mode``; ``auto``: it may switch per shape)
         if self.spec.heads_per_rank and self.world > 1 and num_heads < self.world:
             raise SPConfigError(f"{cfg.name('mode')}={cfg.mode} needs at least one attention head per rank: "
                                 f"{num_heads} heads < {cfg.name('sp_size')} {self.world}; use "
@@ -126,7 +127,7 @@ class SPAttention:
         """Log (once per model and reason) that auto ran its baseline for calls with ``reason``: auto calibrates the
         mode on plain dense calls only, so benchmark rows (tools/benchlib.AutoDecisions) name what ran."""
         key = ("fixed mode", self.mode, self.chunks, reason)
-        if key not in self.res.said:
+        if key not in self.res.said and log.isEnabledFor(logging.INFO):   # said when someone listens
             self.res.said.add(key)
             log.info("megatron_sp_ext: auto mode -> %s (head chunks %s) for calls with %s: auto picks the mode per "
                      "shape on plain dense calls only", self.mode, self.chunks, reason)
@@ -147,6 +148,7 @@ class SPAttention:
         if p2p_unavailable_reason(self.group, q.device) is not None:   # never tried: it would break the group
             candidates = {m: f for m, f in candidates.items() if not needs_p2p(m, self.world)}
         if len(candidates) == 1:
+            self._say_fixed_mode("no point-to-point path in this group (the ring modes need one)")
             return next(iter(candidates))
         return self.res.mode_policy.fastest_for(q, k, self.group, candidates, extra_key=(
             causal, kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
@@ -206,9 +208,12 @@ class SPAttention:
         if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None and tiles is None:
             picked = self.mode_for(q, k, causal, kv_valid_len, softmax_scale)
             mode = picked if picked in RING_MODES else self.mode
-        elif self.auto:
-            self._say_fixed_mode("a block mask" if tiles is not None else "packed samples" if cu_seqlens is not None
-                                 else "attention dropout" if dropout_p > 0.0 else "a caller's local attention")
+        elif self.auto_asked:
+            self._say_fixed_mode(
+                "a block mask" if tiles is not None else "packed samples" if cu_seqlens is not None
+                else "attention dropout" if dropout_p > 0.0 or self.cfg.dropout_p > 0.0
+                else "a caller's local attention" if local_attention is not None
+                else f"{self.num_heads} heads over {self.world} ranks (resolved once, not per shape)")
         if self.world > 1 and needs_p2p(mode, self.world):
             check_p2p(f"{self.cfg.name('mode')}={mode!r}" + (" (auto)" if modes.get(self.cfg.mode).auto else ""),
                       self.group, q.device, f"{self.cfg.name('mode')} {modes.listing(modes.names(p2p=False, auto=False))}")
