@@ -9,7 +9,7 @@
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
 # r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4, r13_det_kernel r13_checks r13_65
-# r13_65ring r13_69vsa_sp2, r14_first r14_more, r15_cudnn r15_69; #70: i70_ds i70_ds_time
+# r13_65ring r13_69vsa_sp2, r14_first r14_more, r15_cudnn r15_69 r16_cudnn2 r16_cudnn4; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -519,7 +519,10 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
 #   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
 #   r8d69b@3 | call 4: r10_67.
-# NEXT SESSION (after 2026-11-28 10:30: #65's rows and the fa4 family P=4 are done). Issue each call AT ONCE after
+# 2026-11-28 fifth session, 2 x H200 (x4 not lent). Issue each call AT ONCE after the previous returns:
+#   call 1 (part.aa + manifest + .ds + .fa4/commit): i70_dyn_check+i70_dyn2@0,1 (cuDNN: no FA4 yet) | call 2
+#   (part.ab): r16_cudnn2@0 r16_cudnn4@1 | call 3 (.te): i68_cp2_nv@0,1 | call 4: r13_69vsa_sp2@0,1.
+# Before: NEXT SESSION (after 2026-11-28 10:30: #65's rows and the fa4 family P=4 are done). Issue each call AT ONCE after
 # the previous returns: the machine goes back after 30 s idle. Prepare every command first.
 #   2 GPUs: call 1 (part.aa + .ds + .fa4/commit): i70_resume@0,1 | call 2 (part.ab): r15_cudnn@0 r13_det_kernel@1,
 #     then r15_69@0,1 (the cuDNN family first on that machine, then #69's VSA SP=2 rows and their profile) |
@@ -542,6 +545,12 @@ stage_r15_cudnn() {   # 1 GPU: cuDNN's block-sparse family (P=2 and P=4 ranks on
   # kernel on the machine (the 10:30 table and VSA SP=2 rows ran without it on their machines)
   suite r15/cudnn 420 "test_cudnn_block_sparse_family and gloo"
 }
+stage_r16_cudnn2() {   # 1 GPU: r15_cudnn's P=2 half, then FA4's deterministic-backward case (beside r16_cudnn4 on the
+  # other GPU: the family on the machine in half r15_cudnn's time)
+  suite r16/cudnn2 300 "test_cudnn_block_sparse_family and 2-gloo"
+  stage_r13_det_kernel
+}
+stage_r16_cudnn4() { suite r16/cudnn4 420 "test_cudnn_block_sparse_family and 4-gloo"; }   # 1 GPU: the P=4 half
 stage_r15_69() {   # 2 GPUs (FA4 + cuDNN frontend), after r15_cudnn: #69's VSA SP=2 rows again (480p top-k90 missed
   # 1.5x at 1.37x) and the profile of that step, dense and top-k90 (where SP=2's constant ~50 ms goes)
   stage_r13_69vsa_sp2
