@@ -307,3 +307,22 @@ def test_check_tool_on_the_stand_in(monkeypatch):
     monkeypatch.setattr(sys.modules["cudnn.block_sparse_attention"], "block_sparse_attention_backward", wrong_bwd)
     bad = tool.check(argparse.Namespace(cases="0", head_dim=16, shrink=4), torch.device("cpu"))
     assert tool.wrong(bad[0]) and bad[0]["dq"] > 5e-2 and bad[0]["dk"] < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_zero_dead_writes_the_dead_blocks_rows_only_through_a_strided_view(rows):
+    """The kernel's outputs are bshd storage seen as bhsd: the dead blocks' rows (of every head for a one-row mask,
+    of their head otherwise) become the fill in place, every other element keeps its bits."""
+    g = torch.Generator().manual_seed(3)
+    live = torch.rand(rows, 5, generator=g) < 0.5
+    live[0, 0], live[-1, -1] = False, True
+    storage = torch.randn(2, 5 * 4, 3, 8, generator=g)          # [B, S, H, D], 5 blocks of 4 rows
+    x = storage.transpose(1, 2)                                   # [B, H, S, D], not contiguous
+    before = x.clone()
+    dead = cbs.dead_blocks(live)
+    assert cbs.zero_dead(x, dead, 4, float("-inf")) is x
+    per_row = live.repeat_interleave(4, dim=1).expand(3, -1)      # [H, S]
+    expect = torch.where(per_row[None, :, :, None], before, float("-inf"))
+    assert torch.equal(storage.transpose(1, 2), expect)
+    assert cbs.dead_blocks(torch.ones(rows, 5, dtype=torch.bool)) is None
+    assert cbs.zero_dead(x, None, 4) is x

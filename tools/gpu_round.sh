@@ -9,7 +9,7 @@
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
 # r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4, r13_det_kernel r13_checks r13_65
-# r13_65ring r13_69vsa_sp2, r14_first r14_more, r15_cudnn r15_69 r16_cudnn2 r16_cudnn4; #70: i70_ds i70_ds_time
+# r13_65ring r13_69vsa_sp2, r14_first r14_more, r15_cudnn r15_69 r16_cudnn2 r16_cudnn4 r16_prof69; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -559,6 +559,17 @@ stage_r15_69() {   # 2 GPUs (FA4 + cuDNN frontend), after r15_cudnn: #69's VSA S
     # shellcheck disable=SC2086
     keep r15/prof_$([ "$v" = dense ] && echo dense || echo topk90) 150 torchrun --nproc-per-node 2 \
       tools/profile_train_step.py --out $W/r15/prof --tag "480p_sp2_$([ "$v" = dense ] && echo dense || echo topk90)" \
+      -- "${WAN14[@]}" --context-parallel-size 2 --frames 21 --latent-size 60x104 --train-iters 14 \
+      $([ "$v" = dense ] || echo "$v")
+  done
+}
+stage_r16_prof69() {   # 2 GPUs (FA4 + cuDNN frontend), after r13_69vsa_sp2 on the machine: r15_69's two profiles only
+  # (480p SP=2, dense and top-k90 on VSA's tiles: where SP=2's constant ~50 ms goes)
+  local v
+  for v in dense "--sparse-attention tiles --sparse-tile 4,4,4 --sparse-topk 51"; do
+    # shellcheck disable=SC2086
+    keep r16/prof_$([ "$v" = dense ] && echo dense || echo topk90) 150 torchrun --nproc-per-node 2 \
+      tools/profile_train_step.py --out $W/r16/prof --tag "480p_sp2_$([ "$v" = dense ] && echo dense || echo topk90)" \
       -- "${WAN14[@]}" --context-parallel-size 2 --frames 21 --latent-size 60x104 --train-iters 14 \
       $([ "$v" = dense ] || echo "$v")
   done

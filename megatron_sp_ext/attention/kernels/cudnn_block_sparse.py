@@ -119,18 +119,44 @@ def block_of(ts, sq: int, sk: int) -> Optional[int]:
     return None
 
 
+Dead = Optional[tuple[int, torch.Tensor, torch.Tensor]]
+
+
+def dead_blocks(live: torch.Tensor) -> Dead:
+    """(h, rows, blocks) of the False entries of ``live`` [h, n] (int64 on its device), or None when there are none."""
+    rows, blocks = (~live).nonzero(as_tuple=True)
+    return None if rows.numel() == 0 else (live.shape[0], rows, blocks)
+
+
+def zero_dead(x: torch.Tensor, dead: Dead, block: int, fill: float = 0.0) -> torch.Tensor:
+    """``x`` [B, H, n * block, ...] (any strides: the kernel's bshd storage seen as bhsd) with the rows of the dead
+    blocks set to ``fill`` IN PLACE (the other rows untouched); a dead list of one mask row (h = 1) covers every
+    head. Returns ``x``."""
+    if dead is None:
+        return x
+    h, rows, blocks = dead
+    by_block = x.unflatten(2, (x.shape[2] // block, block))          # a view: the writes land in x
+    if h == 1:
+        by_block[:, :, blocks.to(x.device)] = fill
+    else:
+        by_block[:, rows.to(x.device), blocks.to(x.device)] = fill
+    return x
+
+
 class BlockMeta:
     """cuDNN's block lists of one call: kernel block ``block``; ``index`` int32 [h, nq, nk] (each query block's key
     blocks, selected first, ascending), ``nums`` int32 [h, nq], ``sizes`` int32 [nk] (valid keys per key block) or
     None; ``q_live`` / ``k_live`` bool [h, nq] / [h, nk]: blocks with a listed pair (cuDNN writes their gradients);
-    ``diag`` bool [h, nq]: the causal diagonal blocks selected (None when not causal). h = the mask's rows for the
-    call (1: every head)."""
+    ``diag`` bool [h, nq]: the causal diagonal blocks selected (None when not causal); ``q_dead`` / ``k_dead``: the
+    blocks without a listed pair (``dead_blocks``; None when none). h = the mask's rows for the call (1: every head)."""
 
     def __init__(self, block, index, nums, sizes, q_live, k_live, diag) -> None:
         self.block, self.index, self.nums, self.sizes = block, index, nums, sizes
         self.q_live, self.k_live, self.diag = q_live, k_live, diag
-        # every block has a listed pair (windows, all-True): no gradient to zero (one host sync, at build)
-        self.all_live = bool(q_live.all()) and bool(k_live.all())
+        # the blocks without a listed pair, as (mask row, block) index pairs: the only rows whose output / gradients
+        # are zeroed after the kernel (a top-k mask leaves a few key blocks unpicked, SP padding whole tiles); found
+        # once, at build (one host sync), so a call writes those rows only instead of a pass over every row
+        self.q_dead, self.k_dead = dead_blocks(q_live), dead_blocks(k_live)
         self.expanded: dict = {}
 
     def lists(self, batch: int, heads: int, device: torch.device) -> tuple:
@@ -210,11 +236,6 @@ def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _per_row(live: torch.Tensor, batch: int, heads: int, block: int) -> torch.Tensor:
-    """[h, n] per-block flags as [B, H, n * block, 1] per-row flags."""
-    return live.repeat_interleave(block, dim=1).unsqueeze(0).expand(batch, heads, -1).unsqueeze(-1)
-
-
 def bsa_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN's block-sparse forward over the listed blocks: (out [B, H, Sq, D], lse fp32 [B, H, Sq])."""
     batch, heads = q.shape[:2]
@@ -224,13 +245,10 @@ def bsa_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, t
         _to(q, lay), _to(_expand_kv(k, heads), lay), _to(_expand_kv(v, heads), lay), idx, block_sizes=sizes,
         q2k_block_nums=nums, sparse_block_size=meta.block, allow_empty_block_nums=True, softmax_scale=scale,
         layout=lay)
-    out, lse = _from(res["o_tensor"], lay), res["lse_tensor"]
-    if meta.all_live:
-        return out, lse
     # query blocks without a listed key block: out 0, lse -inf whatever the kernel wrote (its SM90 128-token path
-    # has no empty-list specialisation of its own)
-    q_live = _per_row(meta.q_live.to(q.device), batch, heads, meta.block)
-    return torch.where(q_live, out, 0), torch.where(q_live[..., 0], lse, float("-inf"))
+    # has no empty-list specialisation of its own); their rows only
+    out, lse = _from(res["o_tensor"], lay), res["lse_tensor"]
+    return zero_dead(out, meta.q_dead, meta.block), zero_dead(lse, meta.q_dead, meta.block, float("-inf"))
 
 
 def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
@@ -244,12 +262,8 @@ def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
         lse.float().contiguous(), idx, block_sizes=sizes, q2k_block_nums=nums, softmax_scale=scale,
         sparse_block_size=meta.block, layout=lay)
     dq, dk, dv = (_from(res[n], lay) for n in ("dq_tensor", "dk_tensor", "dv_tensor"))
-    if meta.all_live:
-        return dq, dk, dv
     b = meta.block
-    q_live = _per_row(meta.q_live.to(q.device), batch, heads, b)
-    k_live = _per_row(meta.k_live.to(q.device), batch, heads, b)
-    return torch.where(q_live, dq, 0), torch.where(k_live, dk, 0), torch.where(k_live, dv, 0)
+    return zero_dead(dq, meta.q_dead, b), zero_dead(dk, meta.k_dead, b), zero_dead(dv, meta.k_dead, b)
 
 
 def _blocks(x: torch.Tensor, b: int) -> torch.Tensor:
