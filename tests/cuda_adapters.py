@@ -143,9 +143,15 @@ def dit_losses(rank: int, world: int, modes=DIT_MODES) -> dict:
     from training import pretrain_video_dit  # noqa: PLC0415
     use_ring_route()
     extra = {"hcms": ("--hcms-head-chunks", "2"), "usp": ("--sp-nodes", "2", "--sp-ulysses-size", "2")}
-    return {mode: pretrain_video_dit.main(DIT_ARGS + ["--context-parallel-size", str(world), "--cp-comm-type", mode,
-                                                      *extra.get(mode, ())])["losses"]
-            for mode in modes if not (mode == "usp" and world < 4)}
+    got = {mode: pretrain_video_dit.main(DIT_ARGS + ["--context-parallel-size", str(world), "--cp-comm-type", mode,
+                                                     *extra.get(mode, ())])["losses"]
+           for mode in modes if not (mode == "usp" and world < 4)}
+    if world > 1 and torch.cuda.is_available():   # megatron-core's DDP (CUDA only) reducing during the backward:
+        # the configuration the SP > 1 step rows time beside --ddp-impl torch (tools/gpu_round.sh r17_69overlap)
+        got["ulysses megatron-ddp --overlap-grad-reduce"] = pretrain_video_dit.main(
+            DIT_ARGS + ["--context-parallel-size", str(world), "--cp-comm-type", "ulysses", "--ddp-impl", "megatron",
+                        "--overlap-grad-reduce"])["losses"]
+    return got
 
 
 def dit_fused_losses(rank: int, world: int) -> dict:

@@ -9,7 +9,7 @@
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
 # r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4, r13_det_kernel r13_checks r13_65
-# r13_65ring r13_69vsa_sp2, r14_first r14_more, r15_cudnn r15_69 r16_cudnn2 r16_cudnn4 r16_prof69; #70: i70_ds i70_ds_time
+# r13_65ring r13_69vsa_sp2, r14_first r14_more, r15_cudnn r15_69 r16_cudnn2 r16_cudnn4 r16_prof69 r17_69overlap; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
 # i68_cp2_nv i68_cp2_host.
 # A stage named with @GPU
@@ -572,6 +572,19 @@ stage_r16_prof69() {   # 2 GPUs (FA4 + cuDNN frontend), after r13_69vsa_sp2 on t
       tools/profile_train_step.py --out $W/r16/prof --tag "480p_sp2_$([ "$v" = dense ] && echo dense || echo topk90)" \
       -- "${WAN14[@]}" --context-parallel-size 2 --frames 21 --latent-size 60x104 --train-iters 14 \
       $([ "$v" = dense ] || echo "$v")
+  done
+}
+stage_r17_69overlap() {   # 2 GPUs (FA4 + cuDNN frontend), after r16_cudnn2/4 on the machine: (1) the DiT entry at SP=2
+  # against SP=1 over NCCL, with its new case megatron-core DDP --overlap-grad-reduce; (2) #69's 480p VSA-tile SP=2
+  # row twice in one call: as r13 timed it (--ddp-impl torch: one fp32 all-reduce AFTER the backward, 14.9 ms of the
+  # 13:57 profile's step plus ~8 ms of cat/div/copy) and with megatron-core's DDP reducing during the backward
+  suite r17/dit_entry 240 "test_dit_entry_sp_vs_sp1 and 2-nccl"
+  local impl
+  for impl in torch megatron; do
+    keep r17/69vsa_sp2_480_$impl 200 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants \
+      guarded,sparse_topk90 --sparse-args "--sparse-tile 4,4,4" --out $W/r17/69vsa_sp2_480_$impl \
+      -- "${WAN14[@]}" --context-parallel-size 2 --frames 21 --latent-size 60x104 \
+      $([ $impl = megatron ] && echo "--ddp-impl megatron --overlap-grad-reduce")
   done
 }
 stage_r14_first() {   # 1 GPU, no FA4 (local kernel cuDNN): the view split (3f60ad4, CPU-tested only) on CUDA first:
