@@ -16,9 +16,11 @@ from tests.reference import make_qkv, reference_attention, rel_err
 
 PLANS = {
     2: [DynamicPlan(2, (5, 9, 3, 12), (1, 2, 1, 2), (0, 0, 1, 0)),
-        DynamicPlan(2, (4, 7), (1, 1), (1, 0))],
+        DynamicPlan(2, (4, 7), (1, 1), (1, 0)),
+        DynamicPlan(2, (6, 9, 4), (2, 2, 2), (0, 0, 0))],   # every sample on every rank: one call, its rows as views
     4: [DynamicPlan(4, (7, 13, 4, 10, 6, 3), (1, 4, 1, 2, 2, 1), (0, 0, 1, 2, 0, 3)),
-        DynamicPlan(4, (9, 5, 6, 11), (2, 1, 1, 4), (0, 3, 2, 0))],
+        DynamicPlan(4, (9, 5, 6, 11), (2, 1, 1, 4), (0, 3, 2, 0)),
+        DynamicPlan(4, (8, 13, 5), (4, 4, 4), (0, 0, 0))],
 }
 MODES = [("ulysses", {}), ("hcms", {"head_chunks": 2}), ("ring", {}), ("tasp", {}), ("usp", {"ulysses_size": 2}),
          ("auto", {})]
@@ -71,7 +73,7 @@ def _every_mode(rank, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_dynamic_attention_every_mode(world):
-    assert run_ranks(_every_mode, world, timeout=400)[0] == len(MODES) * 2 * 3 * 2
+    assert run_ranks(_every_mode, world, timeout=400)[0] == len(MODES) * 2 * 4 * 2
 
 
 def _tile_masks(rank, world):

@@ -107,11 +107,18 @@ class DynamicAttention:
             offset[i], at = (at, r), at + r
 
         def rows_of(t, ids):
-            parts = [t.narrow(sd, *offset[i]) for i in ids]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=sd)
+            """The rows of samples ``ids``: one view when they are adjacent in this order (a sub-group holding
+            every sample of the rank: the whole tensor), else a copy."""
+            first, total = offset[ids[0]][0], sum(offset[i][1] for i in ids)
+            if all(offset[a][0] + offset[a][1] == offset[b][0] for a, b in zip(ids, ids[1:])):
+                return t if (first, total) == (0, t.shape[sd]) else t.narrow(sd, first, total)
+            return torch.cat([t.narrow(sd, *offset[i]) for i in ids], dim=sd)
         outs: dict[int, torch.Tensor] = {}
+        whole: list = []   # the output of a call that covered every row of this rank in order (no reassembly)
 
         def keep(ids, o):
+            if [i for i, _, _ in pieces] == list(ids) and o.shape[sd] == q.shape[sd]:
+                whole.append(o)
             at = 0
             for i in ids:
                 outs[i] = o.narrow(sd, at, offset[i][1])
@@ -142,5 +149,7 @@ class DynamicAttention:
                     cu.append(cu[-1] + plan.lengths[i])
                 keep(ids, self.sub_attention(start, size)(qs, ks, vs, causal=causal, softmax_scale=scale,
                                                           cu_seqlens=torch.tensor(cu, dtype=torch.int32)))
+        if whole:
+            return whole[0]
         order = [outs[i] for i, _, _ in pieces]
         return order[0] if len(order) == 1 else torch.cat(order, dim=sd)
