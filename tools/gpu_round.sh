@@ -519,10 +519,18 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
 #   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
 #   r8d69b@3 | call 4: r10_67.
-# 2026-11-28 fifth session, 2 x H200 (x4 not lent). Issue each call AT ONCE after the previous returns:
-#   call 1 (part.aa + manifest + .ds + .fa4/commit): i70_dyn_check+i70_dyn2@0,1 (cuDNN: no FA4 yet) | call 2
-#   (part.ab): r16_cudnn2@0 r16_cudnn4@1 | call 3 (.te): i68_cp2_nv@0,1 | call 4: r13_69vsa_sp2@0,1.
-# Before: NEXT SESSION (after 2026-11-28 10:30: #65's rows and the fa4 family P=4 are done). Issue each call AT ONCE after
+# NEXT SESSION (after 2026-11-28 13:45; results/2026-11-28_h200x2_1345). Issue each call AT ONCE after the previous.
+#   2 GPUs: call 1 (part.aa + manifest + .ds + .fa4/commit): i70_dyn_check+i70_dyn2+i70_dyn_prof@0,1 (c677b06's
+#     dynamic-SP views: dynamic vs uniform again, then the profile of both) | call 2 (part.ab): r16_cudnn2@0
+#     r16_cudnn4@1 (aaac78d's dead-block zeroing checked first) | call 3: r17_69overlap@0,1 (the DiT entry's
+#     --overlap-grad-reduce case, then 480p VSA SP=2 with the all-reduce after vs during the backward) | call 4:
+#     r16_prof69@0,1 (where the top-k row's elementwise excess went) | call 5: r11_69sp2@0,1 (128-token SP=2 row).
+#   4 GPUs: r16_cudnn2@0 r16_cudnn4@1 + the 4-GPU plan below (#67 full depth, TP2 x CP2, P=4 grid, i70_dyn4).
+# 2026-11-28 fifth session, 2 x H200 (x4 not lent), as run: call 1 (part.aa + manifest + .ds + .fa4/commit):
+#   i70_dyn_check+i70_dyn2@0,1 (cuDNN: no FA4 yet) | call 2 (part.ab): r16_cudnn2@0 r16_cudnn4@1 | call 3 (.te):
+#   i68_cp2_nv@0,1 | call 4: r13_69vsa_sp2@0,1 | call 5: I68_SEQLENS=32768 i68_cp2_host+r16_prof69@0,1 | call 6:
+#   I68_SEQLENS=65536 i68_cp2_host@0,1.
+# Before: (after 2026-11-28 10:30: #65's rows and the fa4 family P=4 are done). Issue each call AT ONCE after
 # the previous returns: the machine goes back after 30 s idle. Prepare every command first.
 #   2 GPUs: call 1 (part.aa + .ds + .fa4/commit): i70_resume@0,1 | call 2 (part.ab): r15_cudnn@0 r13_det_kernel@1,
 #     then r15_69@0,1 (the cuDNN family first on that machine, then #69's VSA SP=2 rows and their profile) |
