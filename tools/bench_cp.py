@@ -36,7 +36,6 @@ Writes bench_cp_<links>_P<P>.json / .md / .png to --out (rank 0).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
@@ -357,7 +356,7 @@ def main() -> None:
                        (None, f"no time left for the TE job (--time-limit {args.time_limit} s)"))
         merge_te_rows(rows, te_doc, peers, why)
     if rank == 0:
-        meta = run_meta(date=datetime.datetime.utcnow().isoformat(timespec="seconds"), torch=torch.__version__,
+        meta = run_meta(date=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()), torch=torch.__version__,
                         nccl=str(torch.cuda.nccl.version()), NCCL_P2P_DISABLE=os.environ.get("NCCL_P2P_DISABLE", ""))
         if peers:
             meta["te"] = (te_doc or {}).get("meta", {"error": why})

@@ -15,7 +15,6 @@ Writes gpu_kernel_check.json to --out. Usage: python3 tests/gpu/gpu_kernel_check
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -221,7 +220,7 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    rep = {"date": datetime.datetime.utcnow().isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(0),
+    rep = {"date": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()), "device": torch.cuda.get_device_name(0),
            "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
            "command": " ".join(sys.argv), "schema_ok": {k: lk.schema_ok(k) for k in lk.KERNELS},
            "available_bf16": {k: lk.available(k, torch.device(DEV), BF16) for k in lk.KERNELS},
