@@ -584,15 +584,16 @@ stage_r16_prof69() {   # 2 GPUs (FA4 + cuDNN frontend), after r13_69vsa_sp2 on t
 }
 stage_r17_69overlap() {   # 2 GPUs (FA4 + cuDNN frontend), after r16_cudnn2/4 on the machine: (1) the DiT entry at SP=2
   # against SP=1 over NCCL, with its new case megatron-core DDP --overlap-grad-reduce; (2) #69's 480p VSA-tile SP=2
-  # row twice in one call: as r13 timed it (--ddp-impl torch: one fp32 all-reduce AFTER the backward, 14.9 ms of the
-  # 13:57 profile's step plus ~8 ms of cat/div/copy) and with megatron-core's DDP reducing during the backward
+  # row three times in one call: as r13 timed it (--ddp-impl torch: one fp32 all-reduce AFTER the backward, 14.9 ms of the
+  # 13:57 profile's step plus ~8 ms of cat/div/copy), with megatron-core's DDP after and during the backward
   suite r17/dit_entry 240 "test_dit_entry_sp_vs_sp1 and 2-nccl"
+  # (megatron without the overlap too: --ddp-impl megatron also brings megatron-core's optimizer and clipping)
   local impl
-  for impl in torch megatron; do
-    keep r17/69vsa_sp2_480_$impl 200 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants \
+  for impl in torch megatron megatron_overlap; do
+    keep r17/69vsa_sp2_480_$impl 170 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants \
       guarded,sparse_topk90 --sparse-args "--sparse-tile 4,4,4" --out $W/r17/69vsa_sp2_480_$impl \
       -- "${WAN14[@]}" --context-parallel-size 2 --frames 21 --latent-size 60x104 \
-      $([ $impl = megatron ] && echo "--ddp-impl megatron --overlap-grad-reduce")
+      $([ $impl = torch ] || echo "--ddp-impl megatron") $([ $impl = megatron_overlap ] && echo "--overlap-grad-reduce")
   done
 }
 stage_r14_first() {   # 1 GPU, no FA4 (local kernel cuDNN): the view split (3f60ad4, CPU-tested only) on CUDA first:

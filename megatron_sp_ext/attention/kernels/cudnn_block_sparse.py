@@ -131,15 +131,15 @@ def dead_blocks(live: torch.Tensor) -> Dead:
 def zero_dead(x: torch.Tensor, dead: Dead, block: int, fill: float = 0.0) -> torch.Tensor:
     """``x`` [B, H, n * block, ...] (any strides: the kernel's bshd storage seen as bhsd) with the rows of the dead
     blocks set to ``fill`` IN PLACE (the other rows untouched); a dead list of one mask row (h = 1) covers every
-    head. Returns ``x``."""
+    head; its index tensors on x's device (``BlockMeta.dead``). Returns ``x``."""
     if dead is None:
         return x
     h, rows, blocks = dead
     by_block = x.unflatten(2, (x.shape[2] // block, block))          # a view: the writes land in x
     if h == 1:
-        by_block[:, :, blocks.to(x.device)] = fill
+        by_block[:, :, blocks] = fill
     else:
-        by_block[:, rows.to(x.device), blocks.to(x.device)] = fill
+        by_block[:, rows, blocks] = fill
     return x
 
 
@@ -168,6 +168,16 @@ class BlockMeta:
             self.expanded[key] = (self.index.to(device).unsqueeze(0).expand(batch, heads, nq, nk).contiguous(),
                                   self.nums.to(device).unsqueeze(0).expand(batch, heads, nq).contiguous(),
                                   self.sizes.to(device) if self.sizes is not None else None)
+        return self.expanded[key]
+
+    def dead(self, which: str, device: torch.device) -> Dead:
+        """``q_dead`` or ``k_dead`` (``which`` "q" / "k") with its index tensors on ``device`` (copied once)."""
+        found = self.q_dead if which == "q" else self.k_dead
+        if found is None or found[1].device == torch.device(device):
+            return found
+        key = (which, str(device))
+        if key not in self.expanded:
+            self.expanded[key] = (found[0], found[1].to(device), found[2].to(device))
         return self.expanded[key]
 
 
@@ -248,7 +258,8 @@ def bsa_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, t
     # query blocks without a listed key block: out 0, lse -inf whatever the kernel wrote (its SM90 128-token path
     # has no empty-list specialisation of its own); their rows only
     out, lse = _from(res["o_tensor"], lay), res["lse_tensor"]
-    return zero_dead(out, meta.q_dead, meta.block), zero_dead(lse, meta.q_dead, meta.block, float("-inf"))
+    q_dead = meta.dead("q", out.device)
+    return zero_dead(out, q_dead, meta.block), zero_dead(lse, q_dead, meta.block, float("-inf"))
 
 
 def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
@@ -263,7 +274,8 @@ def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
         sparse_block_size=meta.block, layout=lay)
     dq, dk, dv = (_from(res[n], lay) for n in ("dq_tensor", "dk_tensor", "dv_tensor"))
     b = meta.block
-    return zero_dead(dq, meta.q_dead, b), zero_dead(dk, meta.k_dead, b), zero_dead(dv, meta.k_dead, b)
+    k_dead = meta.dead("k", dk.device)
+    return zero_dead(dq, meta.dead("q", dq.device), b), zero_dead(dk, k_dead, b), zero_dead(dv, k_dead, b)
 
 
 def _blocks(x: torch.Tensor, b: int) -> torch.Tensor:
