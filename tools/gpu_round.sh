@@ -562,14 +562,7 @@ stage_r16_cudnn4() { suite r16/cudnn4 420 "test_cudnn_block_sparse_family and 4-
 stage_r15_69() {   # 2 GPUs (FA4 + cuDNN frontend), after r15_cudnn: #69's VSA SP=2 rows again (480p top-k90 missed
   # 1.5x at 1.37x) and the profile of that step, dense and top-k90 (where SP=2's constant ~50 ms goes)
   stage_r13_69vsa_sp2
-  local v
-  for v in dense "--sparse-attention tiles --sparse-tile 4,4,4 --sparse-topk 51"; do
-    # shellcheck disable=SC2086
-    keep r15/prof_$([ "$v" = dense ] && echo dense || echo topk90) 150 torchrun --nproc-per-node 2 \
-      tools/profile_train_step.py --out $W/r15/prof --tag "480p_sp2_$([ "$v" = dense ] && echo dense || echo topk90)" \
-      -- "${WAN14[@]}" --context-parallel-size 2 --frames 21 --latent-size 60x104 --train-iters 14 \
-      $([ "$v" = dense ] || echo "$v")
-  done
+  stage_r16_prof69
 }
 stage_r16_prof69() {   # 2 GPUs (FA4 + cuDNN frontend), after r13_69vsa_sp2 on the machine: r15_69's two profiles only
   # (480p SP=2, dense and top-k90 on VSA's tiles: where SP=2's constant ~50 ms goes)
