@@ -171,3 +171,49 @@ def test_every_validation_point_within_ten_percent():
     assert {r["recompute"] for r in rows} >= {"full", "selective", "none"}
     bad = [r for r in rows if abs(r["error"]) > mp.MAX_VALIDATION_ERROR]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("sharding", ("none", "fsdp"))
+@pytest.mark.parametrize("recompute,offload", (("full", False), ("selective", False), ("selective", True)))
+def test_recompute_num_layers_between_none_and_all(sharding, recompute, offload):
+    """--recompute-num-layers N: N = every block is the plan without it, N = 0 the plan without recompute (without
+    offloading), and the total falls as N grows (with offloading the host's share falls: a block without recompute
+    offloads all it keeps); parts add up; out of range or with no recompute refused."""
+    base = ("wan-14b", 32760, 4, 4, sharding)
+    every = mp.plan(*base, recompute, offload=offload)
+    assert mp.plan(*base, recompute, offload=offload, recompute_layers=40).total_gib == every.total_gib
+    if not offload:
+        assert mp.plan(*base, recompute, recompute_layers=0).total_gib == \
+            pytest.approx(mp.plan(*base, "none").total_gib)
+    plans = [mp.plan(*base, recompute, offload=offload, recompute_layers=n) for n in range(0, 41, 5)]
+    totals = [q.host_offload_gib if offload else q.total_gib for q in plans]
+    assert all(a >= b for a, b in zip(totals, totals[1:])) and totals[0] > totals[-1], totals
+    p = mp.plan(*base, recompute, offload=offload, recompute_layers=10)
+    assert p.recompute_layers == 10
+    parts = (p.parameters_gib + p.gradients_gib + p.optimizer_gib + p.autocast_copies_gib + p.unsharded_blocks_gib
+             + p.activations_gib + p.exchange_gib + p.workspace_gib + p.optimizer_temp_gib)
+    assert p.total_gib == pytest.approx(parts, rel=1e-12)
+    for bad, why in ((41, "has 40 layers"), (-1, "has 40 layers")):
+        with pytest.raises(ValueError, match=why):
+            mp.plan(*base, recompute, offload=offload, recompute_layers=bad)
+    with pytest.raises(ValueError, match="needs a recompute choice"):
+        mp.plan(*base, "none", recompute_layers=3)
+
+
+def test_fewest_recomputed_layers(capsys):
+    """The fewest first blocks to recompute whose plan fits the GPU less the 10% validated error: its plan fits,
+    one block fewer does not; 'auto' on the command line prints the flag; a case that cannot fit is refused."""
+    args = ("wan-14b", 32760, 4, 4, "fsdp", "selective")
+    n = mp.fewest_recomputed_layers(*args)
+    assert 0 < n < 40
+    limit = mp.H200_USABLE_GIB * (1 - mp.MAX_VALIDATION_ERROR)
+    assert mp.plan(*args, recompute_layers=n).total_gib <= limit < mp.plan(*args, recompute_layers=n - 1).total_gib
+    assert mp.fewest_recomputed_layers("wan-14b", 300000, 1, 1, "none", "full") is None
+    assert mp.main(["--model", "wan-14b", "--tokens", "32760", "--sp", "4", "--gpus", "4", "--sharding", "fsdp",
+                    "--recompute", "selective", "--recompute-num-layers", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert f"--recompute-num-layers {n}" in out and f"(first {n} of 40)" in out
+    with pytest.raises(SystemExit):
+        mp.main(["--tokens", "300000", "--sp", "1", "--gpus", "1", "--sharding", "none", "--recompute-num-layers",
+                 "auto"])
+    assert "does not fit" in capsys.readouterr().err

@@ -54,8 +54,9 @@ class CountingPacked:
         return self.packed(*args, **kwargs)
 
 
-def _step(group, choice, packed_qkv=False, spec=None, fused=None):
-    """(loss, grads, core calls) of one float64 step of the tiny DiT on this rank under recompute ``choice``."""
+def _step(group, choice, packed_qkv=False, spec=None, fused=None, num_layers=None, ffn_runs=None):
+    """(loss, grads, core calls) of one float64 step of the tiny DiT on this rank under recompute ``choice``
+    (--recompute-num-layers ``num_layers``); ``ffn_runs``: a list that gets each block's FFN forward count."""
     granularity, modules, offload = choice
     sp = dist.get_world_size(group) if group is not None else 1
     model = modulated_dit(CFG)
@@ -68,8 +69,11 @@ def _step(group, choice, packed_qkv=False, spec=None, fused=None):
     core = CountingCore(make_core("ulysses", group, num_heads=CFG.heads))
     model.set_attention_core(core)
     model.set_packed_qkv(packed_qkv)
-    model.set_recompute(granularity, modules)
+    model.set_recompute(granularity, modules, num_layers)
     model.set_cpu_offloading(offload)
+    runs = [0] * len(model.blocks)
+    for i, blk in enumerate(model.blocks):
+        blk.ffn.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
     model.set_fused_elementwise(fused)
     data = SyntheticVideoLatents(CFG.in_channels, [4], 8, 8, CFG.text_len, CFG.text_dim, seed=1)
     batch = flow_matching_batch(data, 0, 7, 0, 1, 2, CFG.patch, tile=spec.tile if spec is not None else None)
@@ -85,6 +89,8 @@ def _step(group, choice, packed_qkv=False, spec=None, fused=None):
             dist.all_reduce(g, group=group)
             g /= sp
     assert (core.packed_calls > 0) == (packed_qkv and sp > 1), (packed_qkv, sp, core.packed_calls)  # the path ran
+    if ffn_runs is not None:
+        ffn_runs[:] = runs
     return loss.item(), grads, core.calls
 
 
@@ -162,6 +168,25 @@ def test_every_recompute_choice_is_bit_identical_sp2():
     run_ranks(_sp2, 2)
 
 
+def test_recompute_num_layers_reruns_only_the_first_blocks():
+    """--recompute-num-layers N (full, and ours for selective outside_core_attn, with and without offloading): the
+    loss and every gradient equal no recompute bit for bit; the first N blocks' FFN runs twice (forward and
+    recompute), the others' once; under outside_core_attn the core still runs once per layer."""
+    ref = _step(None, (None, ["core_attn"], False))
+    assert CFG.layers == 2
+    for choice in (("selective", ["outside_core_attn"], False), ("selective", ["outside_core_attn"], True),
+                   ("full", ["core_attn"], False), ("selective", ["mlp"], False)):
+        for n in (0, 1, 2):
+            if n == 0 and choice[2]:
+                continue
+            runs = []
+            got = _step(None, choice, num_layers=n, ffn_runs=runs)
+            _equal(got, ref, f"{choice} --recompute-num-layers {n}")
+            assert runs == [2] * n + [1] * (CFG.layers - n), (choice, n, runs)
+            if choice[1] == ["outside_core_attn"]:
+                assert got[2] == CFG.layers, (choice, n, got[2])
+
+
 def test_refusals_name_the_flags(capsys):
     from training import pretrain_video_dit
     base = ["--model", "tiny", "--frames", "4", "--latent-size", "6x10"]
@@ -173,11 +198,14 @@ def test_refusals_name_the_flags(capsys):
     with pytest.raises(SystemExit):
         pretrain_video_dit.parse([*base, "--cpu-offloading-num-layers", "1"])
     with pytest.raises(SystemExit):
+        pretrain_video_dit.parse([*base, "--recompute-num-layers", "1"])
+    with pytest.raises(SystemExit):
         pretrain_video_dit.parse([*base, "--recompute-granularity", "selective", "--recompute-modules",
                                   "outside_core_attn", "--sp-async-qkv", "on", "--cp-comm-type", "ulysses"])
     err = capsys.readouterr().err
     for flag in ("outside_core_attn already recomputes", "--cpu-offloading with --recompute-granularity full",
-                 "add --cpu-offloading", "--sp-async-qkv on cannot run --recompute-modules outside_core_attn"):
+                 "add --cpu-offloading", "--recompute-num-layers=1 is set without --recompute-granularity",
+                 "--sp-async-qkv on cannot run --recompute-modules outside_core_attn"):
         assert flag in err, (flag, err)
     args = pretrain_video_dit.parse([*base, "--recompute-granularity", "selective", "--recompute-modules",
                                      "outside_core_attn", "--cpu-offloading"])

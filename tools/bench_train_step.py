@@ -307,8 +307,6 @@ def plan_beside_peak(args, flags: list, world: int) -> dict:
          if rc not in (None, "full", "selective") else None) or \
         ("--cpu-offloading-num-layers (the plan offloads every block or none)"
          if offload and getattr(args, "cpu_offloading_num_layers", None) is not None else None) or \
-        ("--recompute-num-layers (the plan recomputes every block or none)"
-         if getattr(args, "recompute_num_layers", None) is not None else None) or \
         ("no --bf16 (the plan models bf16 autocast)" if not getattr(args, "bf16", False) else None)
     if why:
         return {"plan_gib": None, "plan_skipped": why}
@@ -316,11 +314,13 @@ def plan_beside_peak(args, flags: list, world: int) -> dict:
         "distributed-optimizer" if getattr(args, "use_distributed_optimizer", False) else "none"
     tokens = grid[0] * grid[1] * grid[2]
     sp = getattr(args, "context_parallel_size", None) or 1
+    n_rc = getattr(args, "recompute_num_layers", None) if rc else None
     p = plan(args.model, tokens, sp, world, sharding, rc or "none", getattr(args, "num_layers", None),
-             offload=offload)
+             offload=offload, recompute_layers=n_rc)
     return {"plan_gib": p.total_gib, "plan_peak_phase": p.peak_phase,
             "plan_settings": {"model": args.model, "layers": p.layers, "tokens": tokens, "sp": sp, "gpus": world,
-                              "sharding": sharding, "recompute": p.recompute, "offload": offload}}
+                              "sharding": sharding, "recompute": p.recompute, "offload": offload,
+                              "recompute_layers": p.recompute_layers}}
 
 
 PREFLIGHT_FRACTION = 0.92   # of the GPU's memory: above it the plan is too close to call (the memory plan's error

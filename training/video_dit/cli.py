@@ -219,6 +219,9 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--cpu-offloading with --recompute-granularity full: the blocks keep only their inputs, held by the "
                 "checkpoint, so nothing is left to offload; use --recompute-granularity selective "
                 "--recompute-modules outside_core_attn")
+    if getattr(args, "recompute_num_layers", None) is not None and getattr(args, "recompute_granularity", None) is None:
+        p.error(f"--recompute-num-layers={args.recompute_num_layers} is set without --recompute-granularity: add "
+                f"--recompute-granularity full or selective (the first N blocks are recomputed)")
     if getattr(args, "cpu_offloading_num_layers", None) is not None and not getattr(args, "cpu_offloading", False):
         p.error(f"--cpu-offloading-num-layers={args.cpu_offloading_num_layers} is set without --cpu-offloading: "
                 f"add --cpu-offloading")

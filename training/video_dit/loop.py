@@ -59,7 +59,10 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "but the self-attention core, whose q, k, v, output and log-sum-exp are kept, so the "
                         "backward never reruns the attention kernel (docs/full_depth_sharding.md)")
     g.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="with full: recompute only the first N blocks (default: all)")
+                   help="recompute only the first N blocks (full or selective; default: all); the others keep "
+                        "every activation. Megatron-LM applies it to full only; here selective too, so a GPU with "
+                        "memory to spare reruns fewer blocks (python -m training.video_dit.memory_plan "
+                        "--recompute-num-layers auto: the fewest that fit)")
     g.add_argument("--cpu-offloading", action="store_true",
                    help="as in Megatron-LM: activation offloading to pinned host memory; the tensors each block "
                         "saves for the backward outside its recomputed regions (with --recompute-modules "

@@ -6,6 +6,8 @@ and whether it fits a GPU.
         --recompute full
     python -m training.video_dit.memory_plan --model wan-14b --layers 4 --tokens 75600 --sp 2 --gpus 2 \
         --recompute selective
+    python -m training.video_dit.memory_plan --model wan-14b --tokens 32760 --sp 4 --gpus 4 --sharding fsdp \
+        --recompute selective --recompute-num-layers auto   # the fewest blocks to rerun that fit
     python -m training.video_dit.memory_plan --table      # wan-14b, 32K / 75K / 300K tokens on 8 / 16 / 64 GPUs
     python -m training.video_dit.memory_plan --validate   # fit and validate points apart; exit 1 if one is >10% off
     python -m training.video_dit.memory_plan --validate --require-ranks 1,2,4   # ... or a rank count has none
@@ -13,7 +15,8 @@ and whether it fits a GPU.
 
 Recompute choices (the entry's flags): none; full (--recompute-granularity full); selective
 (--recompute-granularity selective --recompute-modules outside_core_attn: everything of a block but the attention
-core recomputed); --offload (--cpu-offloading, with none or selective).
+core recomputed); --offload (--cpu-offloading, with none or selective); --recompute-num-layers N (the first N
+blocks recompute, the others keep what a block keeps without recompute).
 
 Model (bf16 autocast over fp32 weights, AdamW): parameters 4 B/param, gradients 4 B, Adam 8 B.
   none / distributed-optimizer (megatron DDP: fp32 gradient buffers for the whole step, fused AdamW): autocast's
@@ -103,6 +106,7 @@ class Plan:
     total_gib: float
     gpu_gib: float
     fits: bool
+    recompute_layers: int = 0   # how many blocks (the first ones) recompute; the rest keep every activation
 
 
 def param_counts(model: str, layers: int | None) -> tuple[int, int]:
@@ -129,9 +133,11 @@ def kept_per_layer(recompute: str, offload: bool, sp: int, dim: int, heads: int,
 
 def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", recompute: str = "none",
          layers: int | None = None, gpu_gib: float = H200_USABLE_GIB, act_bytes: float | None = None,
-         offload: bool = False) -> Plan:
+         offload: bool = False, recompute_layers: int | None = None) -> Plan:
     """The per-GPU memory of one training step (see the module docstring for the model); ``act_bytes``: the
-    activation constant (default: fitted to the "fit" points of PEAKS_FILE); ``offload``: --cpu-offloading."""
+    activation constant (default: fitted to the "fit" points of PEAKS_FILE); ``offload``: --cpu-offloading;
+    ``recompute_layers``: --recompute-num-layers (the first N blocks recompute, the others keep everything as
+    without recompute; default all)."""
     from training.video_dit import preset  # noqa: PLC0415
     if sharding not in SHARDINGS:
         raise ValueError(f"--sharding={sharding!r}: choose one of {', '.join(SHARDINGS)}")
@@ -144,6 +150,11 @@ def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", re
         raise ValueError(f"--gpus={gpus} must be a multiple of --sp={sp}")
     c = fitted_act_bytes() if act_bytes is None else act_bytes
     cfg = preset(model, layers)
+    if recompute_layers is not None and (recompute == "none" or not 0 <= recompute_layers <= cfg.layers):
+        raise ValueError(f"--recompute-num-layers={recompute_layers}: " + (
+            "needs a recompute choice (full or selective)" if recompute == "none" else
+            f"the model has {cfg.layers} layers"))
+    n_rc = 0 if recompute == "none" else cfg.layers if recompute_layers is None else recompute_layers
     n, n_blk = param_counts(model, layers)
     n_root = n - cfg.layers * n_blk
     fsdp = sharding in ("fsdp", "zero3")
@@ -153,25 +164,28 @@ def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", re
     o = 8 * n / (gpus if sharding != "none" else 1) / GIB
     local = tokens / sp
     per_layer = c * cfg.dim * local / GIB
-    keep_b = kept_per_layer(recompute, offload, sp, cfg.dim, cfg.heads, c * cfg.dim)
-    keep = keep_b * local / GIB
-    # offloaded: without recompute everything a block saves; selective: the core's q, k, v, out (bf16) and lse
-    host = cfg.layers * (per_layer if recompute == "none" else (8 * cfg.dim + 4 * cfg.heads) * local / GIB) \
-        if offload else 0.0
-    exch = 8 * cfg.dim * local / GIB if sp > 1 else 0.0
-    # the working set of the block being backpropagated: it is recomputed (or, without recompute, its activations
-    # are among the kept ones); under selective recompute the core is not recomputed: its q, k, v, out and lse are
-    # already counted in ``keep``, so the recomputed rest is the block's activations less them
     core = (8 * cfg.dim + 4 * cfg.heads) * local / GIB
-    work = per_layer - core if recompute == "selective" and not offload else per_layer
+    # per block (0 .. L-1; the first n_rc recompute): what it keeps between its forward and its backward, and the
+    # working set of its backward: a recomputed block's activations (under selective less the core's q, k, v, out
+    # and lse, kept: counted in ``keep``); a block without recompute has its activations among the kept ones
+    # (offloaded: they come back for its backward)
+    keep_rc = kept_per_layer(recompute, offload, sp, cfg.dim, cfg.heads, c * cfg.dim) * local / GIB
+    keep_none = kept_per_layer("none", offload, sp, cfg.dim, cfg.heads, c * cfg.dim) * local / GIB
+    keeps = [keep_rc] * n_rc + [keep_none] * (cfg.layers - n_rc)
+    work_rc = per_layer - core if recompute == "selective" and not offload else per_layer
+    works = [work_rc] * n_rc + [per_layer if offload else 0.0] * (cfg.layers - n_rc)
+    keep = keeps[0]
+    # offloaded: without recompute everything a block saves; selective: the core's q, k, v, out (bf16) and lse
+    host = (n_rc * (core if recompute == "selective" else 0.0) + (cfg.layers - n_rc) * per_layer) if offload else 0.0
+    exch = 8 * cfg.dim * local / GIB if sp > 1 else 0.0
+    work = work_rc
     temp = 0.0
     if fsdp:
-        # the backward of block i (L-1 .. 0): grads of the blocks done, blocks 0..i's kept tensors, one block's
-        # working set (it is recomputed, or, without recompute, its activations are among the kept ones)
+        # the backward of block i (L-1 .. 0): grads of the blocks done, blocks 0..i's kept tensors, block i's
+        # working set
         g_blk = 4 * n_blk / shard / GIB
         blocks = (FSDP_BLOCK_BYTES * n_blk + 2 * n_root) / GIB
-        work = 0.0 if recompute == "none" and not offload else work
-        phases = {f"backward of block {i}": (cfg.layers - 1 - i) * g_blk + (i + 1) * keep + work
+        phases = {f"backward of block {i}": (cfg.layers - 1 - i) * g_blk + sum(keeps[:i + 1]) + works[i]
                   for i in range(cfg.layers)}
         phase, bwd = max(phases.items(), key=lambda kv: kv[1])
         grads_bwd = (cfg.layers - 1 - int(phase.rsplit(" ", 1)[1])) * g_blk
@@ -187,21 +201,40 @@ def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", re
             total = backward_total
         return Plan(model, cfg.layers, tokens, sp, gpus, sharding, recompute, offload, n / 1e9, p, g, o, cast,
                     blocks, act, per_layer, keep, exch_used, WORKSPACE_GIB, temp, host, phase, total, gpu_gib,
-                    total <= gpu_gib)
+                    total <= gpu_gib, n_rc)
     blocks = 0.0
-    if recompute == "none" and not offload:
-        act, cast, phase = cfg.layers * per_layer, 2 * n / GIB, "backward of the last block"
-    else:
-        inputs = cfg.layers * keep
+    cast_all, cast_blk = 2 * n / GIB, 2 * n_blk / GIB
+    if n_rc == 0 and not offload:
+        act, cast, phase = cfg.layers * per_layer, cast_all, "backward of the last block"
+    elif n_rc == cfg.layers or offload:
+        inputs = sum(keeps)
         # (offload without recompute: the saved bf16 weight copies go to the host too, as the recomputed ones go)
-        cast_all, cast_blk = 2 * n / GIB, 2 * n_blk / GIB
-        if cast_all > work + cast_blk:  # the end of the forward: every block's copies, no block's activations
+        if cast_all > works[-1] + cast_blk:  # the end of the forward: every block's copies, no block's activations
             act, cast, phase = inputs, cast_all, "end of the forward"
         else:  # the backward: one block recomputed (its activations and its bf16 weight copies)
-            act, cast, phase = inputs + work, cast_blk, "backward of the last block"
+            act, cast, phase = inputs + works[-1], cast_blk, "backward of the last block"
+    else:  # the first n_rc blocks recompute: the others' bf16 weight copies stay saved until their backward
+        cands = {"end of the forward": (sum(keeps), cast_all)}
+        for i in range(cfg.layers):
+            cands[f"backward of block {i}"] = (sum(keeps[:i + 1]) + works[i],
+                                               cast_blk * (max(0, i + 1 - n_rc) + (i < n_rc)))
+        phase, (act, cast) = max(cands.items(), key=lambda kv: sum(kv[1]))
     total = p + g + o + cast + blocks + act + exch + WORKSPACE_GIB
     return Plan(model, cfg.layers, tokens, sp, gpus, sharding, recompute, offload, n / 1e9, p, g, o, cast, blocks,
-                act, per_layer, keep, exch, WORKSPACE_GIB, temp, host, phase, total, gpu_gib, total <= gpu_gib)
+                act, per_layer, keep, exch, WORKSPACE_GIB, temp, host, phase, total, gpu_gib, total <= gpu_gib, n_rc)
+
+
+def fewest_recomputed_layers(model: str, tokens: int, sp: int, gpus: int, sharding: str, recompute: str,
+                             layers: int | None = None, gpu_gib: float = H200_USABLE_GIB, offload: bool = False,
+                             margin: float = MAX_VALIDATION_ERROR) -> int | None:
+    """The smallest --recompute-num-layers whose plan stays within ``gpu_gib`` less ``margin`` (the plan's
+    validated error): the fewest blocks to rerun; None when even every block recomputed does not fit."""
+    from training.video_dit import preset  # noqa: PLC0415
+    for n in range(preset(model, layers).layers + 1):
+        if plan(model, tokens, sp, gpus, sharding, recompute, layers, gpu_gib, offload=offload,
+                recompute_layers=n).total_gib <= gpu_gib * (1.0 - margin):
+            return n
+    return None
 
 
 def load_points(path: str = PEAKS_FILE) -> list:
@@ -331,6 +364,9 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--recompute", default="full", choices=RECOMPUTES,
                     help="selective: --recompute-granularity selective --recompute-modules outside_core_attn")
     ap.add_argument("--offload", action="store_true", help="--cpu-offloading (with --recompute none or selective)")
+    ap.add_argument("--recompute-num-layers", default=None,
+                    help="the entry's flag: only the first N blocks recompute (default all); 'auto': the fewest "
+                         "that fit --gpu-gib less 10%% (the plan's validated error), printed as the flag to pass")
     ap.add_argument("--gpu-gib", type=float, default=H200_USABLE_GIB, help="usable GPU memory (H200: 139 GiB)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--table", action="store_true")
@@ -355,9 +391,23 @@ def main(argv: list | None = None) -> int:
         for why in bad:
             print(f"FAIL: {why}", file=sys.stderr)
         return 1 if bad else 0
+    n_rc = None
     try:
+        if a.recompute_num_layers == "auto":
+            n_rc = fewest_recomputed_layers(a.model, a.tokens, a.sp, a.gpus, a.sharding, a.recompute, a.layers,
+                                            a.gpu_gib, a.offload)
+            if n_rc is None:
+                ap.error(f"--recompute-num-layers auto: --recompute {a.recompute} does not fit {a.gpu_gib} GiB "
+                         f"less 10% even with every block recomputed; try more GPUs, a larger --sp or --offload")
+            print(f"--recompute-num-layers {n_rc}")
+        elif a.recompute_num_layers is not None:
+            try:
+                n_rc = int(a.recompute_num_layers)
+            except ValueError:
+                ap.error(f"--recompute-num-layers={a.recompute_num_layers!r}: a block count or auto")
         plans = table(a.gpu_gib) if a.table else [plan(a.model, a.tokens, a.sp, a.gpus, a.sharding, a.recompute,
-                                                         a.layers, a.gpu_gib, offload=a.offload)]
+                                                         a.layers, a.gpu_gib, offload=a.offload,
+                                                         recompute_layers=n_rc)]
     except ValueError as e:
         ap.error(str(e))
     if a.json:
@@ -369,7 +419,10 @@ def main(argv: list | None = None) -> int:
     for p in plans:
         state = p.parameters_gib + p.gradients_gib + p.optimizer_gib + p.autocast_copies_gib + \
             p.unsharded_blocks_gib + p.optimizer_temp_gib
-        print(f"| {p.tokens:,} | {p.gpus} | {p.sp} | {p.sharding} | {p.recompute}{' + offload' if p.offload else ''} "
+        part = f" (first {p.recompute_layers} of {p.layers})" if p.recompute != "none" and \
+            p.recompute_layers != p.layers else ""
+        print(f"| {p.tokens:,} | {p.gpus} | {p.sp} | {p.sharding} | {p.recompute}{part}"
+              f"{' + offload' if p.offload else ''} "
               f"| {state:.1f} | {p.activations_gib:.1f} | {p.exchange_gib:.1f} | {p.total_gib:.1f} | "
               f"{'yes' if p.fits else 'no'} | {p.peak_phase} |")
     return 0

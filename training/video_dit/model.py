@@ -482,11 +482,13 @@ class VideoDiT(nn.Module):
     def set_recompute(self, granularity: Optional[str], modules=("core_attn",),
                       num_layers: Optional[int] = None) -> None:
         """Activation checkpointing (Megatron-LM's --recompute-granularity / --recompute-modules /
-        --recompute-num-layers): 'full' recomputes whole blocks (the first ``num_layers``, default all) in the
-        backward; 'selective' recomputes only ``modules``: 'core_attn' (the attention core; with the fused
-        async/all-gather block forms the whole self-attention block) and/or 'mlp' (the FFN), or
-        'outside_core_attn' alone (ours: everything of the block but the self-attention core, whose inputs q, k,
-        v and its output and log-sum-exp are kept: the backward never reruns the attention kernel). None: off."""
+        --recompute-num-layers): 'full' recomputes whole blocks in the backward; 'selective' recomputes only
+        ``modules``: 'core_attn' (the attention core; with the fused async/all-gather block forms the whole
+        self-attention block) and/or 'mlp' (the FFN), or 'outside_core_attn' alone (ours: everything of the block
+        but the self-attention core, whose inputs q, k, v and its output and log-sum-exp are kept: the backward
+        never reruns the attention kernel). Either applies to the first ``num_layers`` blocks (default all; the
+        others keep every activation, as without recompute: Megatron-LM's block method for full, ours for
+        selective, where Megatron-LM recomputes every layer). None: off."""
         if granularity not in (None, "full", "selective"):
             raise ValueError(f"--recompute-granularity={granularity!r}: use full or selective")
         bad = [m for m in modules if m not in RECOMPUTE_MODULES]
@@ -499,10 +501,11 @@ class VideoDiT(nn.Module):
         if not 0 <= n <= len(self.blocks):
             raise ValueError(f"--recompute-num-layers={num_layers}: the model has {len(self.blocks)} layers")
         for i, blk in enumerate(self.blocks):
+            selective = granularity == "selective" and i < n
             blk.recompute_block = granularity == "full" and i < n
-            blk.recompute_mlp = granularity == "selective" and "mlp" in modules
-            blk.attn.recompute_core = granularity == "selective" and "core_attn" in modules
-            blk.recompute_outside_core = granularity == "selective" and KEEP_CORE_MODULE in modules
+            blk.recompute_mlp = selective and "mlp" in modules
+            blk.attn.recompute_core = selective and "core_attn" in modules
+            blk.recompute_outside_core = selective and KEEP_CORE_MODULE in modules
             if blk.recompute_block and blk.cpu_offload:
                 raise ValueError(f"--cpu-offloading with --recompute-granularity full (block {i}): the blocks keep "
                                  f"only their inputs, held by the checkpoint, so nothing is left to offload; use "
