@@ -3,7 +3,8 @@ log-sum-exp, explicit backward from out + lse) against the same model without re
 
 ``recompute_family(rank, world)``: the DiT (head dim 64: every kernel takes it), SP = ``world`` (Ulysses over the
 world group; one rank: the local core), the plain and (SP > 1) the packed q|k|v path; choices full, selective
-outside_core_attn, and outside_core_attn with --cpu-offloading (pinned host memory). Records: the loss and every
+outside_core_attn, outside_core_attn with --cpu-offloading (pinned host memory), and outside_core_attn on the
+first block only (--recompute-num-layers 1). Records: the loss and every
 parameter gradient against no recompute (bf16 tolerance: the GPU's backward kernels need not be deterministic), and
 the attention core's call count (once per layer under outside_core_attn: the backward never reruns the kernel;
 twice under full), as an error |calls - expected| with tolerance 0. SPX_SUITE_DEVICE=cpu runs it on gloo.
@@ -23,9 +24,12 @@ from training.video_dit.engine import make_core
 DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
 CFG = DiTConfig(dim=512, heads=8, ffn=1024, layers=2, in_channels=4, text_dim=32, text_len=8, freq_dim=32)
 GRID = (4, 8, 8)   # 256 tokens
-CHOICES = {"full": ("full", ["core_attn"], False),
-           "outside_core_attn": ("selective", ["outside_core_attn"], False),
-           "outside_core_attn + cpu offloading": ("selective", ["outside_core_attn"], True)}
+# (granularity, modules, cpu offloading, --recompute-num-layers)
+CHOICES = {"full": ("full", ["core_attn"], False, None),
+           "outside_core_attn": ("selective", ["outside_core_attn"], False, None),
+           "outside_core_attn + cpu offloading": ("selective", ["outside_core_attn"], True, None),
+           "outside_core_attn, first block only (--recompute-num-layers 1)": ("selective", ["outside_core_attn"],
+                                                                              False, 1)}
 
 
 class _Counting:
@@ -52,14 +56,14 @@ class _Counting:
 
 def _step(device, group, choice, packed_qkv: bool) -> tuple:
     """(loss, {name: grad}, core calls) of one bf16-autocast step on this rank's shard (SP-averaged gradients)."""
-    granularity, modules, offload = choice
+    granularity, modules, offload, num_layers = choice
     sp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     model = modulated_dit(CFG, seed=11, device=device)
     core = _Counting(make_core("ulysses", group, num_heads=CFG.heads))
     model.set_attention_core(core)
     model.set_packed_qkv(packed_qkv)
-    model.set_recompute(granularity, modules)
+    model.set_recompute(granularity, modules, num_layers)
     model.set_cpu_offloading(offload)
     g = torch.Generator().manual_seed(7)
     s = GRID[0] * GRID[1] * GRID[2]
@@ -86,7 +90,7 @@ def recompute_family(rank: int, world: int) -> list:
     group = dist.group.WORLD if world > 1 else None
     records = []
     for packed_qkv in ((False, True) if world > 1 else (False,)):
-        ref = _step(device, group, (None, ["core_attn"], False), packed_qkv)
+        ref = _step(device, group, (None, ["core_attn"], False, None), packed_qkv)
         for name, choice in CHOICES.items():
             got = _step(device, group, choice, packed_qkv)
             errs = {"loss": rel_diff(got[0], ref[0])}

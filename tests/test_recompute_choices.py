@@ -273,7 +273,7 @@ def test_cuda_recompute_worker_on_cpu(monkeypatch):
     monkeypatch.setattr(cuda_recompute, "CFG", CFG)   # tiny widths: bf16 matmuls are slow on the CPU
     monkeypatch.setattr(cuda_recompute, "GRID", (2, 4, 4))
     merged = merge_ranks(run_ranks(cuda_recompute.recompute_family, 2, timeout=300))
-    assert len(merged) == 12 and all(m["ok"] for m in merged), [m for m in merged if not m["ok"]]
+    assert len(merged) == 16 and all(m["ok"] for m in merged), [m for m in merged if not m["ok"]]
 
 
 def _kept_per_token_layer(group, choice, packed_qkv=False) -> float:

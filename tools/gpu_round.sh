@@ -519,6 +519,9 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
 #   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
 #   r8d69b@3 | call 4: r10_67.
+# 2026-11-28 sixth session, 4 x H200 (nvidia-h200-x4 lent): call 1 (part.aa + manifest + .ds + .fa4/commit):
+#   r18a@0,1 r18b@2,3 r18c | call 2 (part.ab): r16_cudnn2@0 r16_cudnn4@1 i70_dyn_check+i70_dyn2@2,3 r18_full32 |
+#   call 3: r18_full75 | call 4 (if time): i70_tpcp.
 # NEXT SESSION (after 2026-11-28 13:45; results/2026-11-28_h200x2_1345). Issue each call AT ONCE after the previous.
 #   2 GPUs: call 1 (part.aa + manifest + .ds + .fa4/commit): i70_dyn_check+i70_dyn2+i70_dyn_prof@0,1 (c677b06's
 #     dynamic-SP views: dynamic vs uniform again, then the profile of both) | call 2 (part.ab): r16_cudnn2@0
@@ -549,6 +552,36 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 #   2 x H200 (lent from 10:44): gpu_run.sh "test_diffusers_family and 2-nccl" (part.aa) | r13_65@0,1 (part.ab) |
 #   r13_65ring@0,1 | r13_69vsa_sp2@0,1. Results: results/2026-11-28_h200_1030/README.md. r14_first's 720p job died:
 #   diffusers' CP over gloo with CUDA tensors segfaults (bench_diffusers_wan now skips it under --ranks-share-gpu).
+# ---- 2026-11-28 sixth session (4 x H200): the round's unchecked paths first, then #67 at full depth ----
+stage_r18a() {   # call 1 (part.aa: no FA4, the local kernel cuDNN), GPUs 0,1: dynamic SP's views (c677b06) and the DiT
+  # entry's megatron-DDP --overlap-grad-reduce case (c27abb7), over NCCL at P=2
+  suite r18a/suite 260 "(test_dit_dynamic_family or test_dit_entry_sp_vs_sp1) and 2-nccl"
+}
+stage_r18b() {   # call 1, GPUs 2,3: the recompute family (its new case: --recompute-num-layers 1 with outside_core_attn)
+  # at P=1 and P=2, the FSDP2 families and the transports over NCCL at P=2
+  suite r18b/suite 260 "(test_recompute_family or fsdp2_model or fsdp2_entry or test_transport_family) and not (2-gloo or 4-gloo)"
+}
+stage_r18c() {   # call 1, all 4 GPUs after r18a/b: the same families at P=4 over NCCL, and TP2 x CP2 (i70_tpcp's checks)
+  suite r18c/suite 300 "4-nccl and (test_recompute_family or fsdp2_model or test_transport_family or test_dit_dynamic_family or test_tp_cp_block or test_tp_cp_vs_megatron_layer)"
+}
+stage_r18_full32() {   # 4 GPUs (FA4), after r18c: #67 wan-14b 40 blocks, FSDP2 + SP=4, 32,760 tokens, dense, 20 steps at lr
+  # 1e-4: selective recompute on every block (the 11-27 row, 2,946 ms = 43.1% MFU) against the first 10 only
+  # (`python -m training.video_dit.memory_plan ... --recompute-num-layers auto`: 124.7 GiB planned of 139), the
+  # allocator's expandable segments on for both; if 10 runs out of memory, 16
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  ITERS40=20 full40 wan14b_40l_32k_sp4_sel 32760 4 "${SEL[@]}"
+  ITERS40=20 full40 wan14b_40l_32k_sp4_sel10 32760 4 "${SEL[@]}" --recompute-num-layers 10
+  if grep -q "out of memory" "$W/full40/wan14b_40l_32k_sp4_sel10.log"; then
+    ITERS40=20 full40 wan14b_40l_32k_sp4_sel16 32760 4 "${SEL[@]}" --recompute-num-layers 16
+  fi
+  unset PYTORCH_CUDA_ALLOC_CONF
+}
+stage_r18_full75() {   # 4 GPUs (FA4): #67 wan-14b 40 blocks, FSDP2 + SP=4, 75,600 tokens (720p), selective on every block
+  # (auto gives 35 of 40 there: not worth a second job), dense then window90 (target >= 2.5x), 16 steps each
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  ITERS40=16 F40_VARIANTS=guarded,sparse_window90 FULL40_S=${FULL40_S:-540} full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"
+  unset PYTORCH_CUDA_ALLOC_CONF
+}
 stage_r15_cudnn() {   # 1 GPU: cuDNN's block-sparse family (P=2 and P=4 ranks on this GPU), before any timing of that
   # kernel on the machine (the 10:30 table and VSA SP=2 rows ran without it on their machines)
   suite r15/cudnn 420 "test_cudnn_block_sparse_family and gloo"
