@@ -370,6 +370,20 @@ def test_timing_rows_and_bare_steps(tmp_path, fn):
     assert t["data_wait_ms"] == sorted(r["data_wait_ms"] for r in res["rows"][-2:])[1]
     assert all(r["gc_ms"] >= 0 for r in res["rows"]) and t["gc_ms"] == pytest.approx(
         sum(r["gc_ms"] for r in res["rows"][-2:]) / 2)
+    assert t["alloc_retries"] is None and "alloc_retries" not in res["rows"][0]   # CPU: no caching allocator
+
+
+def test_timing_counts_allocator_retries_over_the_timed_rows(tmp_path):
+    """timing.json's alloc_retries: the CUDA allocator's retries during the rows the medians use (the counter in
+    the rows is cumulative), alloc_retries_total all of them."""
+    from types import SimpleNamespace
+
+    from training.video_dit.loop import _write_timing
+    rows = [{"step": i, "step_time_s": 1.0, "alloc_retries": r} for i, r in enumerate((3, 5, 5, 9, 12, 12, 14, 20))]
+    log = SimpleNamespace(rows=rows, timing={"bare_step_ms": 1000.0}, log_dir=str(tmp_path))
+    _write_timing(log, 0, 1)
+    t = json.load(open(os.path.join(str(tmp_path), "timing.json")))
+    assert t["alloc_retries"] == 20 - 5 and t["alloc_retries_total"] == 20 and t["rows_used"] == 6
 
 
 def test_megatron_only_flags_rejected_on_torch_ddp():

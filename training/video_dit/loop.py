@@ -395,6 +395,10 @@ def _write_timing(log_metrics, rank: int, interval: int) -> None:
     t.update(entry_step_ms=1e3 * med("step_time_s"), model_fwd_bwd_ms=med("model_fwd_bwd_ms"),
              optimizer_ms=med("optimizer_ms"), mfu=med("mfu"), peak_mem_gib=med("peak_mem_gib"),
              tokens_per_s=med("tokens_per_s"), data_wait_ms=med("data_wait_ms"), rows_used=len(rows))
+    retries = [r["alloc_retries"] for r in rows if r.get("alloc_retries") is not None]
+    # the allocator's cudaMalloc retries over the timed rows (and before them, warm-up included)
+    t["alloc_retries"] = retries[-1] - retries[0] if retries else None
+    t["alloc_retries_total"] = retries[-1] if retries else None
     gc_ms = [r["gc_ms"] for r in rows if r.get("gc_ms") is not None]
     t["gc_ms"] = sum(gc_ms) / len(gc_ms) if gc_ms else None   # a mean: collections come every few steps
     if t["model_fwd_bwd_ms"] is not None and t["optimizer_ms"] is not None:

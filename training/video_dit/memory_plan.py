@@ -278,8 +278,9 @@ def validate(path: str = PEAKS_FILE) -> list[dict]:
     rows = []
     for pt in points:
         pl = plan(pt["model"], pt["tokens"], pt["sp"], pt["gpus"], pt["sharding"], pt["recompute"], pt["layers"],
-                  act_bytes=c, offload=pt.get("offload", False))
-        rows.append({**{k: pt[k] for k in POINT_KEYS}, "offload": pt.get("offload", False), "role": pt["role"],
+                  act_bytes=c, offload=pt.get("offload", False), recompute_layers=pt.get("recompute_layers"))
+        rows.append({**{k: pt[k] for k in POINT_KEYS}, "offload": pt.get("offload", False),
+                     "recompute_layers": pt.get("recompute_layers"), "role": pt["role"],
                      "date": pt.get("date", ""), "derived": bool(pt.get("derived", False)), "phase": pl.peak_phase,
                      "plan_gib": round(pl.total_gib, 2),
                      "measured_gib": pt["peak_gib"], "error": round(pl.total_gib / pt["peak_gib"] - 1, 4),
@@ -288,8 +289,8 @@ def validate(path: str = PEAKS_FILE) -> list[dict]:
 
 
 def point_key(pt: dict) -> tuple:
-    """What identifies a measured configuration (POINT_KEYS and whether it offloads)."""
-    return (*(pt[k] for k in POINT_KEYS), bool(pt.get("offload", False)))
+    """What identifies a measured configuration (POINT_KEYS, whether it offloads, how many blocks recompute)."""
+    return (*(pt[k] for k in POINT_KEYS), bool(pt.get("offload", False)), pt.get("recompute_layers"))
 
 
 def merge(measured_json: str, path: str = PEAKS_FILE) -> int:
@@ -304,6 +305,7 @@ def merge(measured_json: str, path: str = PEAKS_FILE) -> int:
     fresh = {point_key(pt) for pt in new}
     data["points"] = [pt for pt in data["points"] if point_key(pt) not in fresh or pt["role"] == "fit"] + \
         [{**{k: pt[k] for k in POINT_KEYS}, "offload": bool(pt.get("offload", False)),
+          **({"recompute_layers": pt["recompute_layers"]} if pt.get("recompute_layers") is not None else {}),
           "peak_gib": round(pt["peak_gib"], 2), "role": "validate", "device": pt.get("device", ""),
           "date": pt.get("date", date), "source": pt.get("source", measured_json)} for pt in new]
     with open(path, "w") as f:
@@ -318,7 +320,8 @@ def markdown(rows: list) -> str:
            "| role | model | layers | tokens | SP | GPUs | sharding | recompute | plan GiB | measured GiB | error | "
            "plan's peak | device | date |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        rc = r["recompute"] + (" + offload" if r.get("offload") else "")
+        rc = r["recompute"] + (f" (first {r['recompute_layers']})" if r.get("recompute_layers") is not None else "") \
+            + (" + offload" if r.get("offload") else "")
         out.append(f"| {r['role']} | {r['model']} | {r['layers']} | {r['tokens']:,} | {r['sp']} | {r['gpus']} | "
                    f"{r['sharding']} | {rc} | {r['plan_gib']:.1f} | {r['measured_gib']:.1f}{' (derived)' if r.get('derived') else ''} | "
                    f"{r['error']:+.1%} | {r['phase']} | {r['device']} | {r.get('date', '')} |")
@@ -332,7 +335,9 @@ def failures(rows: list, require_ranks: tuple = ()) -> list[str]:
     for r in rows:
         if r["role"] == "validate" and abs(r["error"]) > MAX_VALIDATION_ERROR:
             out.append(f"{r['model']} {r['layers']} layers {r['tokens']} tokens SP={r['sp']} GPUs={r['gpus']} "
-                       f"{r['sharding']} recompute={r['recompute']}{' offload' if r.get('offload') else ''} "
+                       f"{r['sharding']} recompute={r['recompute']}"
+                       f"{'' if r.get('recompute_layers') is None else ' first ' + str(r['recompute_layers'])}"
+                       f"{' offload' if r.get('offload') else ''} "
                        f"({r['device']}): plan {r['plan_gib']} GiB vs measured {r['measured_gib']} GiB "
                        f"({r['error']:+.1%}, limit {MAX_VALIDATION_ERROR:.0%})")
     have = {r["gpus"] for r in rows if r["role"] == "validate"}

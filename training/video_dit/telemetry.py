@@ -3,7 +3,8 @@ every ``--log-interval`` steps (and before a checkpoint), then written to metric
 (``--tensorboard-dir``) and the progress bar.
 
 Row fields: step, loss, grad_norm, lr, step_time_s, tokens_per_s, mfu, peak_mem_gib (max over ranks),
-peak_mem_gib_per_rank, skipped_steps, and with --timing model_fwd_bwd_ms / optimizer_ms (CUDA events in
+peak_mem_gib_per_rank, alloc_retries (CUDA: this rank's caching-allocator cudaMalloc retries so far),
+skipped_steps, and with --timing model_fwd_bwd_ms / optimizer_ms (CUDA events in
 the same run); data_wait_ms (the loop waiting on its data path) and gc_ms (host time in Python's garbage collector)
 per step. step_time_s is the interval's wall time over its steps (exact per step at --log-interval 1).
 
@@ -122,6 +123,10 @@ class Telemetry:
         dt = (now - self.t_last) / len(self.pending)
         self.t_last = now
         mem = self._peak_mem()
+        # this rank's caching-allocator cudaMalloc retries so far (each frees the cache and synchronizes: a step
+        # near the memory limit slowed by them shows here; a host-side counter, no device sync)
+        retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) \
+            if self.device.type == "cuda" else None
         rows = []
         for i, (step, _, _, lr, tokens, seqlen, skipped, ev, extra) in enumerate(self.pending):
             loss, gn = vals[2 * i], vals[2 * i + 1]
@@ -132,6 +137,8 @@ class Telemetry:
                     self.peak * self.world)
             if mem is not None:
                 row["peak_mem_gib"], row["peak_mem_gib_per_rank"] = max(mem), mem
+            if retries is not None:
+                row["alloc_retries"] = retries
             if ev is not None:
                 row["model_fwd_bwd_ms"], row["optimizer_ms"] = ev.spans_ms()
             row.update(extra)
