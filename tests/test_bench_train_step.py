@@ -67,7 +67,8 @@ def test_plan_beside_peak_matches_memory_plan():
             "--recompute-granularity", "full"]
     got = bts.plan_beside_peak(entry.parse(rest), ["--use-torch-fsdp2"], 1)
     assert got["plan_settings"] == {"model": "wan-14b", "layers": 4, "tokens": 32760, "sp": 1, "gpus": 1,
-                                    "sharding": "fsdp", "recompute": "full", "offload": False}
+                                    "sharding": "fsdp", "recompute": "full", "offload": False,
+                                    "recompute_layers": 4}
     assert got["plan_gib"] == pytest.approx(mp.plan("wan-14b", 32760, 1, 1, "fsdp", "full", 4).total_gib)
     assert bts.plan_beside_peak(entry.parse(rest), [], 1)["plan_settings"]["sharding"] == "none"
     no_bf16 = bts.plan_beside_peak(entry.parse([a for a in rest if a != "--bf16"]), [], 1)
@@ -77,6 +78,10 @@ def test_plan_beside_peak_matches_memory_plan():
     assert sel["plan_settings"]["recompute"] == "selective" and sel["plan_settings"]["offload"]
     assert sel["plan_gib"] == pytest.approx(mp.plan("wan-14b", 32760, 1, 2, "none", "selective", 4,
                                                     offload=True).total_gib)
+    part = bts.plan_beside_peak(entry.parse([*rest, *bts.VARIANTS["recompute_selective"],
+                                             "--recompute-num-layers", "1"]), ["--use-torch-fsdp2"], 1)
+    assert part["plan_settings"]["recompute_layers"] == 1 and part["plan_gib"] == pytest.approx(
+        mp.plan("wan-14b", 32760, 1, 1, "fsdp", "selective", 4, recompute_layers=1).total_gib)
     core = bts.plan_beside_peak(entry.parse([*rest, "--recompute-granularity", "selective"]), [], 1)
     assert core["plan_gib"] is None and "core_attn" in core["plan_skipped"]
 
@@ -104,6 +109,8 @@ def test_cpu_run_records_agreement_fsdp2_and_plan(tmp_path):
         a = res[v]["step_agreement"]
         assert a["warmup_in_median"] and a["train_iters_needed"] == 4 and a["train_iters"] == 3
         assert "mfu_bare" in res[v] and res[v]["plan_gib"] is None and "--bf16" in res[v]["plan_skipped"]
+        assert len(res[v]["losses"]) == 3 and res[v]["losses"][0] == res[v]["first_step_loss"]
+        assert res[v]["loss_curve"]["steps"] == 3
         if not a["agrees"]:
             assert v in out["step_agreement_flagged"] and f"WARNING {v}" in r.stdout
     assert "fsdp2_overhead" in res and "fsdp2_overhead_bare" in res
@@ -241,3 +248,10 @@ def test_cpu_run_recompute_variants(tmp_path):
     assert len(set(losses.values())) == 1 and None not in losses.values(), losses
     for k in ("recompute_selective_offload_speedup", "recompute_selective_offload_speedup_bare"):
         assert res[k] > 0, k
+
+
+def test_loss_curve_first_against_last_quarter():
+    assert bts.loss_curve([]) == {}
+    c = bts.loss_curve([4.0, 3.0, 2.0, 2.0, 1.0, 1.0, 1.0, 0.0])
+    assert c == {"steps": 8, "first_quarter_mean": 3.5, "last_quarter_mean": 0.5, "fell": True}
+    assert not bts.loss_curve([1.0, 2.0])["fell"] and bts.loss_curve([2.0])["steps"] == 1

@@ -7,7 +7,7 @@ once per variant, each with --timing, and writes ONE JSON with, per variant:
   optimizer_ms       CUDA events from the end of backward to the end of the update (reduction, clip, guard, step)
   bare_step_ms       the same model + optimizer stepped on the last batch with nothing around it (the benchmark)
   entry_over_model_and_opt   target <= 1.15;   entry_over_bare   target within 5% of 1.0
-  mfu, tokens_per_s, peak_mem_gib
+  mfu, tokens_per_s, peak_mem_gib, losses (every step) and loss_curve (first vs last quarter: fell or not)
 Variants: "guarded" (the defaults: finite check every step) and "bare_loop" (--no-check-for-nan-in-loss-and-grad),
 both with metrics read back every --log-interval steps (default 10); guard_overhead = guarded / bare_loop - 1
 (target < 1%). "unfused" is the defaults with --fused-elementwise off (fused_speedup = unfused / guarded step time).
@@ -290,6 +290,16 @@ def step_agreement(timing: dict, train_iters: int, log_interval: int, tol: float
     return out
 
 
+def loss_curve(losses: list) -> dict:
+    """The run's loss trend: the mean of its first and of its last quarter of steps (at least one step each) and
+    whether it fell; empty without steps."""
+    if not losses:
+        return {}
+    q = max(1, len(losses) // 4)
+    first, last = sum(losses[:q]) / q, sum(losses[-q:]) / q
+    return {"steps": len(losses), "first_quarter_mean": first, "last_quarter_mean": last, "fell": last < first}
+
+
 def plan_beside_peak(args, flags: list, world: int) -> dict:
     """training/video_dit/memory_plan.py's per-GPU plan of the run (megatron-core entry flags ``args`` plus the
     variant's ``flags``): plan_gib and the settings it assumed, or plan_gib None and why."""
@@ -419,6 +429,8 @@ def main() -> None:
         t["auto_decisions"] = decisions.messages   # the mode / head chunks auto picked per shape (rank 0's log)
         t.update(device_memory_after())
         t["first_step_loss"] = res["losses"][0] if res.get("losses") else None
+        t["losses"] = list(res.get("losses") or [])   # every step's loss (the curve: falling or not)
+        t["loss_curve"] = loss_curve(t["losses"])
         t["step_agreement"] = step_agreement(t, parsed.train_iters, args.log_interval)
         t["mfu_bare"] = t["step_agreement"]["mfu_bare"]
         if args.entry == "megatron":
