@@ -519,10 +519,15 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
 #   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
 #   r8d69b@3 | call 4: r10_67.
+# NEXT SESSION (after 2026-11-28 17:23, results/2026-11-28_h200x4_1800). 4 GPUs: call 1 (part.aa + manifest +
+#   .fa4/commit): r18b@0,1 i70_dyn_check@2,3 (the paths changed since: telemetry's alloc_retries, the loss curve) |
+#   call 2 (part.ab): r19_full32 | call 3 (.te): r19_prof75 (TE installs beside it) | call 4: i68_cp4_nv |
+#   call 5: i68_emu22 i70_dyn4; then resume40a / resume40b, r19_topk75. 2 GPUs: the 2-GPU plan below (r17_69overlap,
+#   r16_prof69, r11_69sp2, i70_dyn_prof).
 # 2026-11-28 sixth session, 4 x H200 (nvidia-h200-x4 lent): call 1 (part.aa + manifest + .ds + .fa4/commit):
 #   r18a@0,1 r18b@2,3 r18c | call 2 (part.ab): r16_cudnn2@0 r16_cudnn4@1 i70_dyn_check+i70_dyn2@2,3 r18_full32 |
 #   call 3: r18_full75 | call 4 (if time): i70_tpcp.
-# NEXT SESSION (after 2026-11-28 13:45; results/2026-11-28_h200x2_1345). Issue each call AT ONCE after the previous.
+# Before (after 2026-11-28 13:45; results/2026-11-28_h200x2_1345). Issue each call AT ONCE after the previous.
 #   2 GPUs: call 1 (part.aa + manifest + .ds + .fa4/commit): i70_dyn_check+i70_dyn2+i70_dyn_prof@0,1 (c677b06's
 #     dynamic-SP views: dynamic vs uniform again, then the profile of both) | call 2 (part.ab): r16_cudnn2@0
 #     r16_cudnn4@1 (aaac78d's dead-block zeroing checked first) | call 3: r17_69overlap@0,1 (the DiT entry's
@@ -581,6 +586,37 @@ stage_r18_full75() {   # 4 GPUs (FA4): #67 wan-14b 40 blocks, FSDP2 + SP=4, 75,6
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   ITERS40=16 F40_VARIANTS=guarded,sparse_window90 FULL40_S=${FULL40_S:-540} full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"
   unset PYTORCH_CUDA_ALLOC_CONF
+}
+# ---- next 4-GPU session: where the full-depth step goes, the partial recompute again, #68's P=4 rows ----
+stage_r19_prof75() {   # 4 GPUs (FA4): the profile of r18_full75's dense step (rank 0, 2 steps after 3; ~4 min): where
+  # 75,600 tokens at full depth lose the last points to 50% MFU (FSDP2's collectives beside the GEMMs, the all-to-alls,
+  # the selective recompute's GEMMs)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True keep r19/prof75 420 torchrun --nproc-per-node 4 \
+    tools/profile_train_step.py --out $W/r19/prof75 --tag full40_75k_sp4 --warmup 3 --steps 2 -- --model wan-14b \
+    --bf16 --use-torch-fsdp2 --context-parallel-size 4 --frames 21 --latent-size 90x160 --train-iters 5 --lr 1e-4 \
+    "${SEL[@]}"
+}
+stage_r19_full32() {   # 4 GPUs (FA4): r18_full32 again WITHOUT expandable segments (the 11-27 setting), every block
+  # against the first 10 recomputed, now with the allocator's retries in each JSON (alloc_retries) and the loss curve
+  ITERS40=20 full40 wan14b_40l_32k_sp4_sel_r19 32760 4 "${SEL[@]}"
+  ITERS40=20 full40 wan14b_40l_32k_sp4_sel10_r19 32760 4 "${SEL[@]}" --recompute-num-layers 10
+}
+stage_r19_topk75() {   # 4 GPUs (FA4): top-k90 at full depth, 75,600 tokens (r18_full75 ran dense and window90)
+  ITERS40=16 F40_VARIANTS=sparse_topk90 F40_TAG=_topk90 full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"
+}
+stage_i68_cp4_nv() {   # 4 GPUs (FA4 + TE installed): #68's P=4 grid on NVLink in ONE job (32K, 64K, 128K; causal and
+  # not; the FA4 floor, ulysses / hcms / ring / auto, then TE p2p / a2a / all_gather in their own torchrun)
+  i68_te i68_cp4_nv && i70_need i68_cp4_nv 4 || return 0
+  keep i68_cp4_nv/bench 540 torchrun --nproc-per-node 4 tools/bench_cp.py --heads 40 --seqlens \
+    ${I68_SEQLENS:-32768,65536,131072} --causal no,yes --modes ulysses,hcms,ring,auto --peers te --iters 5 \
+    --warmup 2 --links nvlink --time-limit $(( DEADLINE - $(date +%s) - 15 )) --out $W/i68_cp4_nv
+}
+stage_i68_emu22() {   # 4 GPUs (FA4): #68's emulated 2 x 2 cluster (two "machines" of 2 GPUs joined by host-staged
+  # links, --links emu2): the topology-aware meshes (usp, tas, torus, tasp, mesh_auto) against flat Ulysses / HCMS
+  i70_need i68_emu22 4 || return 0
+  keep i68_emu22/bench 420 torchrun --nproc-per-node 4 tools/bench_attention.py --world-sizes 4 --heads 40 \
+    --seqlens 32768,65536 --modes ulysses,hcms2,hcms4,auto,usp,tas,torus,tasp,mesh_auto --links emu2 --iters 5 \
+    --warmup 2 --tag emu22 --out $W/i68_emu22
 }
 stage_r15_cudnn() {   # 1 GPU: cuDNN's block-sparse family (P=2 and P=4 ranks on this GPU), before any timing of that
   # kernel on the machine (the 10:30 table and VSA SP=2 rows ran without it on their machines)
