@@ -200,13 +200,27 @@ def test_refusals_name_the_flags(capsys):
     with pytest.raises(SystemExit):
         pretrain_video_dit.parse([*base, "--recompute-num-layers", "1"])
     with pytest.raises(SystemExit):
+        pretrain_video_dit.parse([*base, "--recompute-method", "block"])
+    with pytest.raises(SystemExit):
+        pretrain_video_dit.parse([*base, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                  "--recompute-num-layers", "2"])
+    with pytest.raises(SystemExit):
         pretrain_video_dit.parse([*base, "--recompute-granularity", "selective", "--recompute-modules",
                                   "outside_core_attn", "--sp-async-qkv", "on", "--cp-comm-type", "ulysses"])
     err = capsys.readouterr().err
     for flag in ("outside_core_attn already recomputes", "--cpu-offloading with --recompute-granularity full",
                  "add --cpu-offloading", "--recompute-num-layers=1 is set without --recompute-granularity",
+                 "--recompute-method block is set without --recompute-granularity",
+                 "--recompute-method uniform --recompute-num-layers 2: chunks of several blocks",
                  "--sp-async-qkv on cannot run --recompute-modules outside_core_attn"):
         assert flag in err, (flag, err)
+    # Megatron-LM's usual lines: uniform with units of one block is every block; block N is the first N
+    uni = pretrain_video_dit.parse([*base, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                    "--recompute-num-layers", "1"])
+    assert uni.recompute_num_layers is None
+    blk = pretrain_video_dit.parse([*base, "--recompute-granularity", "full", "--recompute-method", "block",
+                                    "--recompute-num-layers", "1"])
+    assert blk.recompute_num_layers == 1
     args = pretrain_video_dit.parse([*base, "--recompute-granularity", "selective", "--recompute-modules",
                                      "outside_core_attn", "--cpu-offloading"])
     assert args.recompute_modules == ["outside_core_attn"] and args.cpu_offloading

@@ -219,6 +219,17 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--cpu-offloading with --recompute-granularity full: the blocks keep only their inputs, held by the "
                 "checkpoint, so nothing is left to offload; use --recompute-granularity selective "
                 "--recompute-modules outside_core_attn")
+    method = getattr(args, "recompute_method", None)
+    if method is not None and getattr(args, "recompute_granularity", None) is None:
+        p.error(f"--recompute-method {method} is set without --recompute-granularity: add --recompute-granularity "
+                f"full or selective")
+    if method == "uniform":
+        if getattr(args, "recompute_num_layers", None) not in (None, 1):
+            p.error(f"--recompute-method uniform --recompute-num-layers {args.recompute_num_layers}: chunks of "
+                    f"several blocks recomputed as one unit are not built here; use --recompute-method uniform "
+                    f"--recompute-num-layers 1 (every block, each its own unit) or --recompute-method block "
+                    f"--recompute-num-layers N (the first N blocks)")
+        args.recompute_num_layers = None   # Megatron-LM's uniform with units of one block: every block
     if getattr(args, "recompute_num_layers", None) is not None and getattr(args, "recompute_granularity", None) is None:
         p.error(f"--recompute-num-layers={args.recompute_num_layers} is set without --recompute-granularity: add "
                 f"--recompute-granularity full or selective (the first N blocks are recomputed)")

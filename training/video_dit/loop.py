@@ -58,6 +58,10 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(mlp), Megatron-LM's names; or outside_core_attn alone (ours): everything of each block "
                         "but the self-attention core, whose q, k, v, output and log-sum-exp are kept, so the "
                         "backward never reruns the attention kernel (docs/full_depth_sharding.md)")
+    g.add_argument("--recompute-method", choices=["block", "uniform"], default=None,
+                   help="as in Megatron-LM: block = the first --recompute-num-layers blocks recompute (the default "
+                        "here); uniform = every block, each its own recompute unit (--recompute-num-layers 1 or "
+                        "none; Megatron-LM's chunks of N > 1 blocks are not built: refused)")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="recompute only the first N blocks (full or selective; default: all); the others keep "
                         "every activation. Megatron-LM applies it to full only; here selective too, so a GPU with "
