@@ -193,6 +193,9 @@ def test_recompute_num_layers_between_none_and_all(sharding, recompute, offload)
     parts = (p.parameters_gib + p.gradients_gib + p.optimizer_gib + p.autocast_copies_gib + p.unsharded_blocks_gib
              + p.activations_gib + p.exchange_gib + p.workspace_gib + p.optimizer_temp_gib)
     assert p.total_gib == pytest.approx(parts, rel=1e-12)
+    if sharding == "none" and not offload:   # the end of the forward: every kept tensor and every block's copies
+        assert p.peak_phase == "end of the forward" and p.autocast_copies_gib == pytest.approx(
+            mp.plan(*base, "none").autocast_copies_gib)
     for bad, why in ((41, "has 40 layers"), (-1, "has 40 layers")):
         with pytest.raises(ValueError, match=why):
             mp.plan(*base, recompute, offload=offload, recompute_layers=bad)
@@ -217,3 +220,10 @@ def test_fewest_recomputed_layers(capsys):
         mp.main(["--tokens", "300000", "--sp", "1", "--gpus", "1", "--sharding", "none", "--recompute-num-layers",
                  "auto"])
     assert "does not fit" in capsys.readouterr().err
+    for bad, why in ((["--recompute", "selective", "--offload", "--recompute-num-layers", "auto"], "with --offload"),
+                     (["--table", "--recompute-num-layers", "3"], "with --table"),
+                     (["--validate", "--recompute-num-layers", "3"], "with --validate"),
+                     (["--recompute-num-layers", "x"], "a block count or auto")):
+        with pytest.raises(SystemExit):
+            mp.main(bad)
+        assert why in capsys.readouterr().err, bad

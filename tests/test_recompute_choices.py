@@ -177,8 +177,6 @@ def test_recompute_num_layers_reruns_only_the_first_blocks():
     for choice in (("selective", ["outside_core_attn"], False), ("selective", ["outside_core_attn"], True),
                    ("full", ["core_attn"], False), ("selective", ["mlp"], False)):
         for n in (0, 1, 2):
-            if n == 0 and choice[2]:
-                continue
             runs = []
             got = _step(None, choice, num_layers=n, ffn_runs=runs)
             _equal(got, ref, f"{choice} --recompute-num-layers {n}")
@@ -205,6 +203,11 @@ def test_refusals_name_the_flags(capsys):
         pretrain_video_dit.parse([*base, "--recompute-granularity", "full", "--recompute-method", "uniform",
                                   "--recompute-num-layers", "2"])
     with pytest.raises(SystemExit):
+        pretrain_video_dit.parse([*base, "--recompute-granularity", "full", "--recompute-method", "block"])
+    with pytest.raises(SystemExit):   # uniform with units of one block is every block: full + offload refused
+        pretrain_video_dit.parse([*base, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                  "--recompute-num-layers", "1", "--cpu-offloading"])
+    with pytest.raises(SystemExit):
         pretrain_video_dit.parse([*base, "--recompute-granularity", "selective", "--recompute-modules",
                                   "outside_core_attn", "--sp-async-qkv", "on", "--cp-comm-type", "ulysses"])
     err = capsys.readouterr().err
@@ -212,6 +215,7 @@ def test_refusals_name_the_flags(capsys):
                  "add --cpu-offloading", "--recompute-num-layers=1 is set without --recompute-granularity",
                  "--recompute-method block is set without --recompute-granularity",
                  "--recompute-method uniform --recompute-num-layers 2: chunks of several blocks",
+                 "--recompute-method block needs --recompute-num-layers N",
                  "--sp-async-qkv on cannot run --recompute-modules outside_core_attn"):
         assert flag in err, (flag, err)
     # Megatron-LM's usual lines: uniform with units of one block is every block; block N is the first N

@@ -379,11 +379,17 @@ def test_timing_counts_allocator_retries_over_the_timed_rows(tmp_path):
     from types import SimpleNamespace
 
     from training.video_dit.loop import _write_timing
-    rows = [{"step": i, "step_time_s": 1.0, "alloc_retries": r} for i, r in enumerate((3, 5, 5, 9, 12, 12, 14, 20))]
+    rows = [{"step": i, "step_time_s": 1.0, "alloc_retries": r} for i, r in enumerate((3, 5, 7, 9, 12, 12, 14, 20))]
     log = SimpleNamespace(rows=rows, timing={"bare_step_ms": 1000.0}, log_dir=str(tmp_path))
     _write_timing(log, 0, 1)
     t = json.load(open(os.path.join(str(tmp_path), "timing.json")))
-    assert t["alloc_retries"] == 20 - 5 and t["alloc_retries_total"] == 20 and t["rows_used"] == 6
+    assert t["alloc_retries"] == 20 - 5 and t["alloc_retries_total"] == 20 and t["rows_used"] == 6   # from row 1's
+    for r in rows[:2]:
+        r["alloc_retries"] = None     # no counter before the timed rows: they count from 0
+    log = SimpleNamespace(rows=rows, timing={"bare_step_ms": 1000.0}, log_dir=str(tmp_path))
+    _write_timing(log, 0, 1)
+    t = json.load(open(os.path.join(str(tmp_path), "timing.json")))
+    assert t["rows_used"] == 6 and t["alloc_retries"] == 20
 
 
 def test_megatron_only_flags_rejected_on_torch_ddp():

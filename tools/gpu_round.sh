@@ -522,7 +522,7 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # NEXT SESSION (after 2026-11-28 17:23, results/2026-11-28_h200x4_1800). 4 GPUs: call 1 (part.aa + manifest +
 #   .fa4/commit): r18b@0,1 i70_dyn_check@2,3 (the paths changed since: telemetry's alloc_retries, the loss curve) |
 #   call 2 (part.ab): r19_full32 | call 3 (.te): r19_prof75 (TE installs beside it) | call 4: i68_cp4_nv |
-#   call 5: i68_emu22 i70_dyn4; then resume40a / resume40b, r19_topk75. 2 GPUs: the 2-GPU plan below (r17_69overlap,
+#   call 5: i68_emu22 | call 6: i70_dyn4; then resume40a / resume40b, r19_topk75 (a call each). 2 GPUs: the 2-GPU plan below (r17_69overlap,
 #   r16_prof69, r11_69sp2, i70_dyn_prof).
 # 2026-11-28 sixth session, 4 x H200 (nvidia-h200-x4 lent): call 1 (part.aa + manifest + .ds + .fa4/commit):
 #   r18a@0,1 r18b@2,3 r18c | call 2 (part.ab): r16_cudnn2@0 r16_cudnn4@1 i70_dyn_check+i70_dyn2@2,3 r18_full32 |
@@ -584,7 +584,7 @@ stage_r18_full32() {   # 4 GPUs (FA4), after r18c: #67 wan-14b 40 blocks, FSDP2 
 stage_r18_full75() {   # 4 GPUs (FA4): #67 wan-14b 40 blocks, FSDP2 + SP=4, 75,600 tokens (720p), selective on every block
   # (auto gives 35 of 40 there: not worth a second job), dense then window90 (target >= 2.5x), 16 steps each
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  ITERS40=16 F40_VARIANTS=guarded,sparse_window90 FULL40_S=${FULL40_S:-540} full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"
+  ITERS40=16 F40_VARIANTS=guarded,sparse_window90 full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"
   unset PYTORCH_CUDA_ALLOC_CONF
 }
 # ---- next 4-GPU session: where the full-depth step goes, the partial recompute again, #68's P=4 rows ----
@@ -598,11 +598,13 @@ stage_r19_prof75() {   # 4 GPUs (FA4): the profile of r18_full75's dense step (r
 }
 stage_r19_full32() {   # 4 GPUs (FA4): r18_full32 again WITHOUT expandable segments (the 11-27 setting), every block
   # against the first 10 recomputed, now with the allocator's retries in each JSON (alloc_retries) and the loss curve
+  unset PYTORCH_CUDA_ALLOC_CONF
   ITERS40=20 full40 wan14b_40l_32k_sp4_sel_r19 32760 4 "${SEL[@]}"
   ITERS40=20 full40 wan14b_40l_32k_sp4_sel10_r19 32760 4 "${SEL[@]}" --recompute-num-layers 10
 }
 stage_r19_topk75() {   # 4 GPUs (FA4): top-k90 at full depth, 75,600 tokens (r18_full75 ran dense and window90)
-  ITERS40=16 F40_VARIANTS=sparse_topk90 F40_TAG=_topk90 full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ITERS40=16 F40_VARIANTS=sparse_topk90 \
+    full40 wan14b_40l_75k_sp4_topk90 75600 4 "${SEL[@]}"
 }
 stage_i68_cp4_nv() {   # 4 GPUs (FA4 + TE installed): #68's P=4 grid on NVLink in ONE job (32K, 64K, 128K; causal and
   # not; the FA4 floor, ulysses / hcms / ring / auto, then TE p2p / a2a / all_gather in their own torchrun)

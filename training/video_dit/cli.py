@@ -214,11 +214,6 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if "outside_core_attn" in modules and len(set(modules)) > 1:
         p.error(f"--recompute-modules {' '.join(modules)}: outside_core_attn already recomputes the FFN and keeps "
                 f"the attention core; give it alone")
-    if getattr(args, "cpu_offloading", False) and getattr(args, "recompute_granularity", None) == "full" \
-            and getattr(args, "recompute_num_layers", None) is None:
-        p.error("--cpu-offloading with --recompute-granularity full: the blocks keep only their inputs, held by the "
-                "checkpoint, so nothing is left to offload; use --recompute-granularity selective "
-                "--recompute-modules outside_core_attn")
     method = getattr(args, "recompute_method", None)
     if method is not None and getattr(args, "recompute_granularity", None) is None:
         p.error(f"--recompute-method {method} is set without --recompute-granularity: add --recompute-granularity "
@@ -230,6 +225,14 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
                     f"--recompute-num-layers 1 (every block, each its own unit) or --recompute-method block "
                     f"--recompute-num-layers N (the first N blocks)")
         args.recompute_num_layers = None   # Megatron-LM's uniform with units of one block: every block
+    if method == "block" and getattr(args, "recompute_num_layers", None) is None:
+        p.error("--recompute-method block needs --recompute-num-layers N (the first N blocks recompute; as in "
+                "Megatron-LM); leave both out to recompute every block")
+    if getattr(args, "cpu_offloading", False) and getattr(args, "recompute_granularity", None) == "full" \
+            and getattr(args, "recompute_num_layers", None) is None:
+        p.error("--cpu-offloading with --recompute-granularity full: the blocks keep only their inputs, held by the "
+                "checkpoint, so nothing is left to offload; use --recompute-granularity selective "
+                "--recompute-modules outside_core_attn")
     if getattr(args, "recompute_num_layers", None) is not None and getattr(args, "recompute_granularity", None) is None:
         p.error(f"--recompute-num-layers={args.recompute_num_layers} is set without --recompute-granularity: add "
                 f"--recompute-granularity full or selective (the first N blocks are recomputed)")

@@ -64,9 +64,9 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "none; Megatron-LM's chunks of N > 1 blocks are not built: refused)")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="recompute only the first N blocks (full or selective; default: all); the others keep "
-                        "every activation. Megatron-LM applies it to full only; here selective too, so a GPU with "
-                        "memory to spare reruns fewer blocks (python -m training.video_dit.memory_plan "
-                        "--recompute-num-layers auto: the fewest that fit)")
+                        "every activation. Megatron-LM applies it to full only; here selective too: a memory "
+                        "setting (python -m training.video_dit.memory_plan --recompute-num-layers auto: the fewest "
+                        "that fit); on 4 x H200 it was not faster (docs/full_depth_sharding.md)")
     g.add_argument("--cpu-offloading", action="store_true",
                    help="as in Megatron-LM: activation offloading to pinned host memory; the tensors each block "
                         "saves for the backward outside its recomputed regions (with --recompute-modules "
@@ -276,6 +276,7 @@ def train_loop(args, ops, dataset, cfg, ctx: RunContext, device, log_metrics, *,
     plan_log = PlanLog(ctx.rank == 0 and not getattr(args, "quiet", False), getattr(dynamic, "cost", None))
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this run's peak (benchmarks run the entry more than once)
+        torch.cuda.reset_accumulated_memory_stats(device)   # and its own allocator retries (telemetry's alloc_retries)
     prof = StepProfiler(args.profile, args.profile_step_start, args.profile_step_end, args.profile_ranks, ctx.rank,
                         args.log_dir, device)
     losses: list = []
@@ -399,9 +400,12 @@ def _write_timing(log_metrics, rank: int, interval: int) -> None:
     t.update(entry_step_ms=1e3 * med("step_time_s"), model_fwd_bwd_ms=med("model_fwd_bwd_ms"),
              optimizer_ms=med("optimizer_ms"), mfu=med("mfu"), peak_mem_gib=med("peak_mem_gib"),
              tokens_per_s=med("tokens_per_s"), data_wait_ms=med("data_wait_ms"), rows_used=len(rows))
+    # the allocator's cudaMalloc retries during the timed rows (the rows' counter is cumulative: the baseline is the
+    # last row before them, 0 when they are every row), and over the whole run (warm-up included)
     retries = [r["alloc_retries"] for r in rows if r.get("alloc_retries") is not None]
-    # the allocator's cudaMalloc retries over the timed rows (and before them, warm-up included)
-    t["alloc_retries"] = retries[-1] - retries[0] if retries else None
+    before = [r["alloc_retries"] for r in log_metrics.rows[:len(log_metrics.rows) - len(rows)]
+              if r.get("alloc_retries") is not None]
+    t["alloc_retries"] = retries[-1] - (before[-1] if before else 0) if retries else None
     t["alloc_retries_total"] = retries[-1] if retries else None
     gc_ms = [r["gc_ms"] for r in rows if r.get("gc_ms") is not None]
     t["gc_ms"] = sum(gc_ms) / len(gc_ms) if gc_ms else None   # a mean: collections come every few steps

@@ -178,7 +178,6 @@ def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", re
     # offloaded: without recompute everything a block saves; selective: the core's q, k, v, out (bf16) and lse
     host = (n_rc * (core if recompute == "selective" else 0.0) + (cfg.layers - n_rc) * per_layer) if offload else 0.0
     exch = 8 * cfg.dim * local / GIB if sp > 1 else 0.0
-    work = work_rc
     temp = 0.0
     if fsdp:
         # the backward of block i (L-1 .. 0): grads of the blocks done, blocks 0..i's kept tensors, block i's
@@ -213,12 +212,10 @@ def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", re
             act, cast, phase = inputs, cast_all, "end of the forward"
         else:  # the backward: one block recomputed (its activations and its bf16 weight copies)
             act, cast, phase = inputs + works[-1], cast_blk, "backward of the last block"
-    else:  # the first n_rc blocks recompute: the others' bf16 weight copies stay saved until their backward
-        cands = {"end of the forward": (sum(keeps), cast_all)}
-        for i in range(cfg.layers):
-            cands[f"backward of block {i}"] = (sum(keeps[:i + 1]) + works[i],
-                                               cast_blk * (max(0, i + 1 - n_rc) + (i < n_rc)))
-        phase, (act, cast) = max(cands.items(), key=lambda kv: sum(kv[1]))
+    else:  # the first n_rc blocks recompute: the end of the forward (every kept tensor, every block's copies) is
+        # the peak, since any backward phase holds at most one block's working set more while a block without
+        # recompute (its c x dim kept, which covers that working set) and the root's copies are already gone
+        act, cast, phase = sum(keeps), cast_all, "end of the forward"
     total = p + g + o + cast + blocks + act + exch + WORKSPACE_GIB
     return Plan(model, cfg.layers, tokens, sp, gpus, sharding, recompute, offload, n / 1e9, p, g, o, cast, blocks,
                 act, per_layer, keep, exch, WORKSPACE_GIB, temp, host, phase, total, gpu_gib, total <= gpu_gib, n_rc)
@@ -283,7 +280,7 @@ def validate(path: str = PEAKS_FILE) -> list[dict]:
                      "recompute_layers": pt.get("recompute_layers"), "role": pt["role"],
                      "date": pt.get("date", ""), "derived": bool(pt.get("derived", False)), "phase": pl.peak_phase,
                      "plan_gib": round(pl.total_gib, 2),
-                     "measured_gib": pt["peak_gib"], "error": round(pl.total_gib / pt["peak_gib"] - 1, 4),
+                     "measured_gib": pt["peak_gib"], "error": round(pl.total_gib / pt["peak_gib"] - 1, 6),
                      "device": pt.get("device", ""), "source": pt.get("source", ""), "act_bytes": c})
     return rows
 
@@ -385,6 +382,8 @@ def main(argv: list | None = None) -> int:
     if a.merge:
         print(f"merged {merge(a.merge, a.peaks)} points into {a.peaks}")
         return 0
+    if a.validate and a.recompute_num_layers is not None:
+        ap.error("--recompute-num-layers with --validate: each measured point carries its own (memory_peaks.json)")
     if a.validate:
         try:
             need = tuple(int(x) for x in a.require_ranks.split(",") if x.strip())
@@ -397,6 +396,13 @@ def main(argv: list | None = None) -> int:
             print(f"FAIL: {why}", file=sys.stderr)
         return 1 if bad else 0
     n_rc = None
+    if a.recompute_num_layers is not None and a.table:
+        ap.error("--recompute-num-layers with --table: the table plans every block recomputed; plan one "
+                 "configuration (--model/--tokens/--sp/--gpus/--sharding/--recompute) instead")
+    if a.recompute_num_layers == "auto" and a.offload:
+        ap.error("--recompute-num-layers auto with --offload: a block offloaded without recompute keeps nothing on "
+                 "the GPU, so auto would always say 0 (no recompute, everything on the host), a setting no measured "
+                 "point validates; give --recompute-num-layers N")
     try:
         if a.recompute_num_layers == "auto":
             n_rc = fewest_recomputed_layers(a.model, a.tokens, a.sp, a.gpus, a.sharding, a.recompute, a.layers,

@@ -3,7 +3,7 @@ every ``--log-interval`` steps (and before a checkpoint), then written to metric
 (``--tensorboard-dir``) and the progress bar.
 
 Row fields: step, loss, grad_norm, lr, step_time_s, tokens_per_s, mfu, peak_mem_gib (max over ranks),
-peak_mem_gib_per_rank, alloc_retries (CUDA: this rank's caching-allocator cudaMalloc retries so far),
+peak_mem_gib_per_rank, alloc_retries (CUDA: the most caching-allocator cudaMalloc retries of any rank so far),
 skipped_steps, and with --timing model_fwd_bwd_ms / optimizer_ms (CUDA events in
 the same run); data_wait_ms (the loop waiting on its data path) and gc_ms (host time in Python's garbage collector)
 per step. step_time_s is the interval's wall time over its steps (exact per step at --log-interval 1).
@@ -122,11 +122,7 @@ class Telemetry:
         now = time.perf_counter()
         dt = (now - self.t_last) / len(self.pending)
         self.t_last = now
-        mem = self._peak_mem()
-        # this rank's caching-allocator cudaMalloc retries so far (each frees the cache and synchronizes: a step
-        # near the memory limit slowed by them shows here; a host-side counter, no device sync)
-        retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0) \
-            if self.device.type == "cuda" else None
+        mem, retries = self._peak_mem()
         rows = []
         for i, (step, _, _, lr, tokens, seqlen, skipped, ev, extra) in enumerate(self.pending):
             loss, gn = vals[2 * i], vals[2 * i + 1]
@@ -153,14 +149,20 @@ class Telemetry:
             self.tb.flush()
         return rows
 
-    def _peak_mem(self) -> Optional[list]:
+    def _peak_mem(self) -> tuple:
+        """(every rank's peak GiB, the most caching-allocator cudaMalloc retries of any rank since the run began)
+        in one all-reduce; (None, None) off CUDA. A retry frees the allocator's cache and synchronizes: a step near
+        the memory limit slowed by them shows in the count."""
         if self.device.type != "cuda":
-            return None
-        t = torch.zeros(self.world, device=self.device)
-        t[dist.get_rank() if dist.is_initialized() else 0] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            return None, None
+        t = torch.zeros(2 * self.world, device=self.device)
+        r = dist.get_rank() if dist.is_initialized() else 0
+        t[r] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        t[self.world + r] = float(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
         if self.world > 1:
             dist.all_reduce(t, group=self.group)
-        return [round(x, 3) for x in t.tolist()]
+        vals = t.tolist()
+        return [round(x, 3) for x in vals[:self.world]], int(max(vals[self.world:]))
 
     def close(self) -> None:
         self.flush()
