@@ -19,22 +19,33 @@ def _run(rank, world, cp, steps, extra=()):
     return res["losses"], {n: p.numpy() for n, p in res["params"].items()}
 
 
-def _close(got, ref, what, tol=1e-6):
+def _close(got, ref, what, tol=1e-6, param_tol=None):
     (l1, p1), (l0, p0) = got, ref
     assert len(l1) == len(l0) and all(abs(a - b) <= tol * max(1.0, abs(b)) for a, b in zip(l1, l0)), \
         f"{what}: losses {l1} vs {l0}"
     assert p1.keys() == p0.keys()
+    param_tol = tol if param_tol is None else param_tol
     for n in p0:
         err = float(abs(p1[n] - p0[n]).max())
-        assert err <= tol, f"{what}: parameter {n} differs by {err}"
+        assert err <= param_tol, f"{what}: parameter {n} differs by {err}"
+
+
+LR = 2e-3   # the entry's default --lr
+# Parameters after Adam steps: FSDP2 reduce-scatters the gradients where the unsharded run all-reduces them (another
+# summation order), and Adam's m / sqrt(v) turns a rounding-level difference on a gradient near its eps into a
+# visible part of a step of up to LR (1.5e-6 on one element after 3 steps on one CPU, 2026-11-28; under 1e-6 on
+# another). A sharding or reduction bug moves parameters by the order of a whole step: 1e-3 of LR per step stays
+# far below that.
+ADAM_TOL = 1e-3 * LR
 
 
 @pytest.mark.parametrize("cp", [2, 4])  # SP=2 x DP=2 and SP=4, 4 ranks
 def test_fsdp2_equals_unsharded(cp):
-    ref = run_ranks(_run, 4, cp, 3)
-    got = run_ranks(_run, 4, cp, 3, ("--use-torch-fsdp2",))
-    for r in range(4):
-        _close(got[r], ref[r], f"SP={cp} rank {r}")
+    steps = 3
+    ref = run_ranks(_run, 4, cp, steps)
+    got = run_ranks(_run, 4, cp, steps, ("--use-torch-fsdp2",))
+    for r in range(4):   # losses to 1e-6 (relative); parameters within ADAM_TOL per step
+        _close(got[r], ref[r], f"SP={cp} rank {r}", tol=1e-6, param_tol=ADAM_TOL * steps)
 
 
 def test_fsdp2_recompute_full_equals_unsharded():
