@@ -36,3 +36,47 @@ def test_trace_categories_idle_and_ceiling(tmp_path):
     c = ceiling_ms("wan-1.3b", 4, 32760, 32760, 600.0, 790.0, world=2)
     c1 = ceiling_ms("wan-1.3b", 4, 32760, 32760, 600.0, 790.0)
     assert abs(c["GEMM"] * 2 - c1["GEMM"]) < 1e-9 and c1["attention"] > c1["cross-attention"] > 0
+
+
+def test_exposed_exchange_is_the_part_no_other_kernel_covers(tmp_path):
+    from tools.profile_train_step import busy, exposed
+    assert exposed([(0, 10)], [(2, 4), (6, 7)]) == 7          # 0-2, 4-6, 7-10
+    assert exposed([(0, 10), (5, 12)], [(11, 20)]) == 11      # union 0-12, covered 11-12
+    assert exposed([(0, 4)], []) == 4 and exposed([(1, 3)], [(0, 5)]) == 0
+    assert exposed([(0, 2), (8, 9)], [(1, 8.5)]) == 1.5       # 0-1 and 8.5-9
+    assert busy([(0, 2), (1, 3), (5, 6)]) == 4
+    ev = [{"cat": "kernel", "name": "ncclDevKernel_AllToAll", "ts": 0, "dur": 1000, "args": {}},
+          {"cat": "kernel", "name": "flash_fwd_kernel", "ts": 400, "dur": 2000, "args": {}},
+          {"cat": "kernel", "name": "ncclDevKernel_AllToAll", "ts": 2600, "dur": 500, "args": {}}]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    got = categorize_trace(str(path), steps=2)
+    assert abs(got["exchange_exposed_ms_per_step"] - 0.45) < 1e-9   # (400 + 500) us over 2 calls
+    assert abs(got["ms_per_step"]["exchange"] - 0.75) < 1e-9 and abs(got["ms_per_step"]["idle"] - 0.1) < 1e-9
+
+
+def test_profile_calls_on_cpu_says_why_it_has_no_kernels(tmp_path):
+    """tools/profile_calls.py on a CPU (no process group): the fn runs reps + 1 times, no GPU kernels is said, not
+    raised; bench_cp's --profile-modes filter and its markdown lines."""
+    import argparse
+
+    from tools.bench_cp import profile_lines, profiled
+    from tools.profile_calls import profile_calls
+    calls = []
+    got = profile_calls(lambda: calls.append(1), 3)
+    assert len(calls) == 4 and got["reps"] == 3 and "no GPU kernels" in got["rank0"]["error"]
+    assert "max_over_ranks" not in got
+    a = argparse.Namespace(profile_reps=0, profile_modes="")
+    assert not profiled(a, "ulysses")
+    a.profile_reps = 2
+    assert profiled(a, "ulysses") and profiled(a, "floor_fa4")
+    a.profile_modes = "hcms,floor_fa4"
+    assert profiled(a, "floor_fa4") and profiled(a, "hcms") and not profiled(a, "ulysses")
+    prof = {"reps": 2, "window_ms_max": 10.0, "exchange_exposed_ms_max": 1.5,
+            "max_over_ranks": {"attention": 7.0, "exchange": 2.0, "elementwise": 1.0, "GEMM": 0.0, "idle": 0.5}}
+    rows = [{"L": 32768, "causal": False, "floor_fa4": {"fwd": 1, "profile": prof},
+             "modes": {"ulysses": {"profile": prof}, "ring": {"fwd_ms": 1.0}}}]
+    lines = profile_lines(rows)
+    assert len(lines) == 7 and lines[-2].startswith("| 32K | no | FA4 floor | 10.00 | 7.00 | 2.00 | 1.50 |")
+    assert lines[-1].startswith("| 32K | no | ulysses |") and profile_lines([{**rows[0], "floor_fa4": {},
+                                                                             "modes": {}}]) == []

@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.benchlib import (AutoDecisions, cp_grid, init_world, median_ms, plot_or_skip, run_meta,  # noqa: E402
                             write_json, write_results)
 from tools.floor import add_ratios, floor_ms, kernel_floor_ms  # noqa: E402
+from tools.profile_calls import profile_calls  # noqa: E402
 from tools.full_reference import full_inputs, full_reference, rel_errs, within  # noqa: E402
 from tools.te_peer import (check_grid, find_te, merge_te_rows, parse_peers, te_command, te_env,  # noqa: E402
                             te_script_args)
@@ -121,9 +122,21 @@ def run_ours(name, fn, full, group, causal, args):
     with torch.no_grad():
         t_f = median_ms(lambda: fn(q, k, v), args.iters, args.warmup, group)
     t_fb = median_ms(fb, args.iters, args.warmup, group)
+    entry = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "placement": pl}
+    if profiled(args, name):
+        entry["profile"] = profile_calls(fb, args.profile_reps, group, args.profile_traces,
+                                         f"{name}_L{full[0].shape[1]}_{'causal' if causal else 'full'}")
     o = fb()
     got = [_gather_full(t, group, pl) for t in (o.detach(), qg.grad, kg.grad, vg.grad)]
-    return {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "placement": pl}, got
+    return entry, got
+
+
+def profiled(args, name: str) -> bool:
+    """Whether ``--profile-reps`` profiles mode ``name`` (``--profile-modes``: all timed modes by default; the FA4
+    floor is "floor_fa4")."""
+    if args.profile_reps <= 0:
+        return False
+    return not args.profile_modes or name in args.profile_modes.split(",")
 
 
 def run_torch_cp(method, full, mesh, group, causal, args):
@@ -164,7 +177,10 @@ def bench_row(group, mesh, h, seqlen, causal, modes, args, mesh_cache):
     row = {"P": world, "H": h, "L": seqlen, "D": args.head_dim, "causal": causal, "links": args.links,
            "floor": floor_ms(group, h, seqlen, args.head_dim, causal, iters=args.iters, warmup=args.warmup),
            "floor_fa4": kernel_floor_ms(group, "fa4", h, seqlen, args.head_dim, causal, iters=args.iters,
-                                        warmup=args.warmup),
+                                        warmup=args.warmup, profile=(lambda fb: profile_calls(
+                                            fb, args.profile_reps, group, args.profile_traces,
+                                            f"floor_fa4_L{seqlen}_{'causal' if causal else 'full'}"))
+                                        if profiled(args, "floor_fa4") else None),
            "modes": {}}
     ref = None
     order = ["ulysses"] + [m for m in modes if m != "ulysses"]
@@ -234,6 +250,7 @@ def write_reports(rows, args, meta):
         fa4_cell = f"{fa4['fwd']:.1f} / {fa4['fwd_bwd']:.1f}" if "fwd" in fa4 else "-"
         lines.append(f"| {r['H']} | {r['L'] // 1024}K | {'yes' if r['causal'] else 'no'} | "
                      f"{fl['fwd']:.1f} / {fl['fwd_bwd']:.1f} | {fa4_cell} | " + " | ".join(cells) + " |")
+    lines += profile_lines(rows)
     write_results(args.out, name, {"meta": meta, "rows": rows}, lines)
 
     def draw(plt):
@@ -251,6 +268,27 @@ def write_reports(rows, args, meta):
         ax.legend(fontsize=7)
         return fig
     plot_or_skip(os.path.join(args.out, name + ".png"), draw, "bench_cp")
+
+
+def profile_lines(rows) -> list:
+    """The markdown of ``--profile-reps``: per profiled mode (and FA4 floor), ms per fwd+bwd call, max over ranks."""
+    out = []
+    for r in rows:
+        entries = [("FA4 floor", r.get("floor_fa4", {}))] + list(r["modes"].items())
+        for m, e in entries:
+            p = e.get("profile")
+            if not p or "max_over_ranks" not in p:
+                continue
+            if not out:
+                out = ["", "Profiled fwd+bwd calls (ms per call, max over ranks; exposed = exchange kernels running "
+                       "while no other kernel does; elementwise includes the layouts' copies):", "",
+                       "| L | causal | mode | window | attention | exchange | exposed | elementwise | GEMM | idle |",
+                       "|---|---|---|---|---|---|---|---|---|---|"]
+            c = p["max_over_ranks"]
+            out.append(f"| {r['L'] // 1024}K | {'yes' if r['causal'] else 'no'} | {m} | {p['window_ms_max']:.2f} | "
+                       f"{c['attention']:.2f} | {c['exchange']:.2f} | {p['exchange_exposed_ms_max']:.2f} | "
+                       f"{c['elementwise']:.2f} | {c['GEMM']:.2f} | {c['idle']:.2f} |")
+    return out
 
 
 def run_te_side(args, peers: list, world: int, site, timeout_s: Optional[float] = None) -> tuple:
@@ -306,6 +344,14 @@ def main() -> None:
                     "te_p2p,te_a2a,te_all_gather (comma list) or te (all three); needs TE (SPX_TE_SITE, "
                     "docs/te_peer.md)")
     ap.add_argument("--te-timeout", type=int, default=1800, help="seconds the TE side may run")
+    ap.add_argument("--profile-reps", type=int, default=0,
+                    help="after each mode's timing, profile this many fwd+bwd calls of it (and of the FA4 floor) on "
+                         "every rank: its kernels by category per call, the exchange's exposed time, the top "
+                         "kernels (tools/profile_calls.py), in the mode's entry as \"profile\"; 0: no profile")
+    ap.add_argument("--profile-modes", default="",
+                    help="with --profile-reps: only these modes (comma list; floor_fa4 = the FA4 floor)")
+    ap.add_argument("--profile-traces", default=None,
+                    help="with --profile-reps: keep rank 0's Chrome traces in this folder (large: 10-100 MB each)")
     ap.add_argument("--time-limit", type=int, default=0,
                     help="seconds the whole job may run (0: no limit): the TE side gets at most what is left of it "
                          "less 20 s, so that the merged JSON is written before an outer timeout")

@@ -13,7 +13,7 @@ times it in the same job (same GPUs, same clocks) and reports each mode's ratio 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,9 +43,11 @@ def floor_ms(group: Optional[dist.ProcessGroup], heads: int, seqlen: int, head_d
 
 
 def kernel_floor_ms(group: Optional[dist.ProcessGroup], kernel: str, heads: int, seqlen: int, head_dim: int = 128,
-                    causal: bool = False, iters: int = 5, warmup: int = 2, dtype: torch.dtype = torch.bfloat16) -> dict:
+                    causal: bool = False, iters: int = 5, warmup: int = 2, dtype: torch.dtype = torch.bfloat16,
+                    profile: Optional[Callable[[Callable[[], object]], dict]] = None) -> dict:
     """The floor of ``floor_ms`` through one kernel of the registry (e.g. FlashAttention-4): one plain call of
-    [1, ceil(H/P), L, D] with its backward. {"error": why} when the kernel is not installed or fails here."""
+    [1, ceil(H/P), L, D] with its backward. {"error": why} when the kernel is not installed or fails here.
+    ``profile``: called with the fwd+bwd callable after the timing; its result is the entry's "profile"."""
     from megatron_sp_ext.attention import kernels  # noqa: PLC0415
     k_impl = kernels.get(kernel)
     if not k_impl.installed():
@@ -63,10 +65,11 @@ def kernel_floor_ms(group: Optional[dist.ProcessGroup], kernel: str, heads: int,
             k_impl.attention(q, k, v, causal, scale).backward(do)
             q.grad = k.grad = v.grad = None
         fwd_bwd = median_ms(fb, iters, warmup, group)
+        extra = {"profile": profile(fb)} if profile is not None else {}
     except Exception as e:  # noqa: BLE001 - a floor that cannot run here is reported in the row, not fatal
         return {"error": f"{type(e).__name__}: {e}", "kernel": kernel}
     return {"fwd": fwd, "fwd_bwd": fwd_bwd, "heads_per_rank": h, "seqlen": seqlen, "causal": causal,
-            "kernel": k_impl.label}
+            "kernel": k_impl.label, **extra}
 
 
 def add_ratios(entry: dict, floor: dict, tag: str = "") -> dict:

@@ -587,6 +587,59 @@ stage_r18_full75() {   # 4 GPUs (FA4): #67 wan-14b 40 blocks, FSDP2 + SP=4, 75,6
   ITERS40=16 F40_VARIANTS=guarded,sparse_window90 full40 wan14b_40l_75k_sp4 75600 4 "${SEL[@]}"
   unset PYTORCH_CUDA_ALLOC_CONF
 }
+# ---- 2026-11-28 seventh session (4 x H200): the paths changed since 28074fc, then #68's profile and P=4 / 128K rows ----
+# Call 1 (part.aa + manifest + .fa4/commit): r20_first@0,1 i70_dyn_check@2,3 | call 2 (part.ab): r16_cudnn2@0
+#   r16_cudnn4@1 i68_prof32@2,3 | call 3 (.te): i68_cp4_nv (I68_SEQLENS=32768,65536) | call 4: r20_69overlap@0,1
+#   i68_prof32_host@2,3 | call 5: i68_emu22 | call 6: i68_cp2_nv@0,1 i68_cp2_host@2,3 (I68_SEQLENS=131072).
+R20_ENTRY=(training/pretrain_video_dit.py --model wan-1.3b --num-layers 2 --frames 5 --latent-size 32x32 --seed 7
+  --log-interval 1 --quiet --context-parallel-size 2 --train-iters 3)
+stage_r20_first() {   # 2 GPUs, part.aa (local kernel cuDNN): every path added since the last GPU run, first: the recompute
+  # family at P=1 / P=2 over NCCL; the entry's --recompute-method block / uniform and --recompute-num-layers with
+  # selective, 3 steps each at SP=2, every metrics row's alloc_retries a count (telemetry, CUDA only); bench_cp's
+  # --profile-reps (tools/profile_calls.py: every rank profiled, categories gathered) on a small P=2 row
+  suite r20/recompute 200 "test_recompute_family and (1-nccl or 2-nccl)"
+  local name
+  for name in block uniform selective1; do
+    case $name in
+      block) set -- --recompute-granularity full --recompute-method block --recompute-num-layers 1 ;;
+      uniform) set -- --recompute-granularity full --recompute-method uniform ;;
+      selective1) set -- "${SEL[@]}" --recompute-num-layers 1 ;;
+    esac
+    keep r20/entry_$name 120 torchrun --nproc-per-node 2 "${R20_ENTRY[@]}" "$@" --log-dir $W/r20/entry_$name
+    keep r20/entry_${name}_rows 20 python3 -c "import json, math, sys; rows = [json.loads(l) for l in \
+open('$W/r20/entry_$name/metrics.jsonl')]; r = [x.get('alloc_retries') for x in rows]; print(len(rows), 'rows', \
+'losses', [round(x['loss'], 5) for x in rows], 'alloc_retries', r); sys.exit(0 if len(rows) == 3 and all(isinstance(\
+v, int) and v >= 0 for v in r) and all(math.isfinite(x['loss']) for x in rows) else 1)"
+  done
+  keep r20/profile_smoke 150 torchrun --nproc-per-node 2 tools/bench_cp.py --heads 8 --seqlens 8192 --causal no,yes \
+    --modes ulysses,hcms --iters 3 --warmup 1 --profile-reps 2 --out $W/r20/profile_smoke
+  grep -A12 "Profiled" $W/r20/profile_smoke/bench_cp_nvlink_P2.md
+}
+I68_PROF=(--heads 40 --seqlens 32768 --causal no,yes --modes ulysses,hcms,auto --iters 5 --warmup 2 --profile-reps 3)
+stage_i68_prof32() {   # 2 GPUs (FA4): where the 32K gap to the FA4 floor goes on NVLink (#68's missed rows: auto 1.12 /
+  # 1.22 of the floor): the FA4 floor, ulysses, hcms, auto timed, then 3 fwd+bwd calls of each profiled on every rank
+  # (attention / exchange / exposed exchange / copies / idle per call, max over ranks; rank 0's traces kept)
+  keep i68_prof32/nv 400 torchrun --nproc-per-node 2 tools/bench_cp.py "${I68_PROF[@]}" --links nvlink \
+    --profile-traces $W/i68_prof32/traces_nv --out $W/i68_prof32
+  grep -A14 "Profiled" $W/i68_prof32/bench_cp_nvlink_P2.md
+}
+stage_i68_prof32_host() {   # 2 GPUs (FA4): the same on host links (32K causal: auto 1.575 of the floor, target 1.30)
+  keep i68_prof32/host 420 torchrun --nproc-per-node 2 tools/bench_cp.py "${I68_PROF[@]}" --links host \
+    --profile-traces $W/i68_prof32/traces_host --out $W/i68_prof32
+  grep -A14 "Profiled" $W/i68_prof32/bench_cp_host_P2.md
+}
+stage_r20_69overlap() {   # 2 GPUs (FA4 + cuDNN frontend, after r16_cudnn2/4 on the machine): #69's 480p VSA-tile row
+  # at SP=2 (top-k90 1.351x, target 1.5x) as r13 timed it (--ddp-impl torch: the gradient all-reduce after the
+  # backward) and with megatron-core's DDP overlapping it with the backward (r17_69overlap without its suite: the
+  # entry's --overlap-grad-reduce case passed over NCCL on 2026-11-28 17:23 and its code has not changed)
+  local impl
+  for impl in torch megatron_overlap; do
+    keep r20/69vsa_sp2_480_$impl 200 torchrun --nproc-per-node 2 tools/bench_train_step.py --variants \
+      guarded,sparse_topk90 --sparse-args "--sparse-tile 4,4,4" --out $W/r20/69vsa_sp2_480_$impl \
+      -- "${WAN14[@]}" --context-parallel-size 2 --frames 21 --latent-size 60x104 \
+      $([ $impl = torch ] || echo "--ddp-impl megatron --overlap-grad-reduce")
+  done
+}
 # ---- next 4-GPU session: where the full-depth step goes, the partial recompute again, #68's P=4 rows ----
 stage_r19_prof75() {   # 4 GPUs (FA4): the profile of r18_full75's dense step (rank 0, 2 steps after 3; ~4 min): where
   # 75,600 tokens at full depth lose the last points to 50% MFU (FSDP2's collectives beside the GEMMs, the all-to-alls,

@@ -63,20 +63,45 @@ def category(kernel: str, op_name: str, dims: list, text_len: int = 512) -> str:
     return "elementwise"
 
 
-def _busy_union(intervals: list) -> float:
-    total, end = 0.0, None
+def _merged(intervals: list) -> list:
+    """Sorted, disjoint [a, b) intervals covering ``intervals``."""
+    out: list = []
     for a, b in sorted(intervals):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def exposed(intervals: list, others: list) -> float:
+    """Length of the union of ``intervals`` not covered by the union of ``others`` (same time unit): e.g. the
+    exchange time during which no other kernel runs."""
+    cover = _merged(others)
+    total, j = 0.0, 0
+    for a, b in _merged(intervals):
+        while j < len(cover) and cover[j][1] <= a:
+            j += 1
+        t, k = a, j
+        while t < b:
+            if k >= len(cover) or cover[k][0] >= b:
+                total += b - t
+                break
+            if cover[k][0] > t:
+                total += cover[k][0] - t
+            t = max(t, cover[k][1])
+            k += 1
     return total
 
 
+def busy(intervals: list) -> float:
+    """Length of the union of ``intervals``."""
+    return sum(b - a for a, b in _merged(intervals))
+
+
 def categorize_trace(path: str, steps: int, text_len: int = 512) -> dict:
-    """{category: ms per step} from a torch.profiler Chrome trace of ``steps`` steps, plus window/busy times."""
+    """{category: ms per step} from a torch.profiler Chrome trace of ``steps`` steps, plus window/busy times and
+    the exchange's exposed time (NCCL kernels running while no other kernel does)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -86,6 +111,8 @@ def categorize_trace(path: str, steps: int, text_len: int = 512) -> dict:
             ops[e["args"]["External id"]] = e
     ms = {c: 0.0 for c in CATEGORIES}
     kernels, top, by_op = [], {}, {}
+    comm: list = []   # exchange kernels' intervals
+    work: list = []   # every other kernel's
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
             continue
@@ -94,6 +121,7 @@ def categorize_trace(path: str, steps: int, text_len: int = 512) -> dict:
         cat = category(e.get("name", ""), name, dims, text_len)
         ms[cat] += e["dur"] / 1e3
         kernels.append((e["ts"], e["ts"] + e["dur"]))
+        (comm if cat == "exchange" else work).append(kernels[-1])
         key = (cat, e.get("name", "")[:90])
         top[key] = top.get(key, 0.0) + e["dur"] / 1e3
         okey = (cat, name or "?", json.dumps(dims)[:160])
@@ -101,13 +129,14 @@ def categorize_trace(path: str, steps: int, text_len: int = 512) -> dict:
     if not kernels:
         raise SystemExit(f"{path}: no GPU kernels in the trace (was it taken on a GPU?)")
     window = (max(b for _, b in kernels) - min(a for a, _ in kernels)) / 1e3
-    busy = _busy_union(kernels) / 1e3
-    ms["idle"] = window - busy
+    busy_ms = busy(kernels) / 1e3
+    ms["idle"] = window - busy_ms
     per_step = {c: v / steps for c, v in ms.items()}
     top_k = sorted(((v / steps, c, n) for (c, n), v in top.items()), reverse=True)[:25]
     top_ops = sorted(((v / steps, c, n, d) for (c, n, d), v in by_op.items() if c not in ("attention", "GEMM")),
                      reverse=True)[:30]
-    return {"ms_per_step": per_step, "window_ms_per_step": window / steps, "busy_ms_per_step": busy / steps,
+    return {"ms_per_step": per_step, "window_ms_per_step": window / steps, "busy_ms_per_step": busy_ms / steps,
+            "exchange_exposed_ms_per_step": exposed(comm, work) / 1e3 / steps,
             "top_kernels": [{"ms": round(v, 3), "category": c, "kernel": n} for v, c, n in top_k],
             "top_other_ops": [{"ms": round(v, 3), "category": c, "op": n, "input_dims": d} for v, c, n, d in top_ops]}
 
