@@ -80,3 +80,10 @@ def test_profile_calls_on_cpu_says_why_it_has_no_kernels(tmp_path):
     assert len(lines) == 7 and lines[-2].startswith("| 32K | no | FA4 floor | 10.00 | 7.00 | 2.00 | 1.50 |")
     assert lines[-1].startswith("| 32K | no | ulysses |") and profile_lines([{**rows[0], "floor_fa4": {},
                                                                              "modes": {}}]) == []
+
+
+def test_bench_cp_views_mode_keeps_the_contiguous_placement():
+    """bench_cp's "ulysses_views" calls ulysses_attention without a placement: its shards must be contiguous too."""
+    from tools.bench_cp import placement_of
+    assert placement_of("ulysses_views", True) == placement_of("ulysses", True) == "contiguous"
+    assert placement_of("ring", True) == "zigzag" and placement_of("ring", False) == "contiguous"

@@ -385,8 +385,11 @@ def main() -> None:
     args = ap.parse_args()
     args.heads = [int(x) for x in args.heads.split(",")]
     args.seqlens = [int(x) for x in args.seqlens.split(",")]
+    got_all = launch(_worker, [int(x) for x in args.world_sizes.split(",")], args, args.out, args.tag)
+    if got_all is None:   # a torchrun rank other than 0: rank 0 writes the reports
+        return
     results, traces = [], []
-    for got in launch(_worker, [int(x) for x in args.world_sizes.split(",")], args, args.out, args.tag):
+    for got in got_all:
         results += got["results"]
         if got["trace"]:
             traces.append({"P": got["results"][0]["P"], **got["trace"]})

@@ -19,6 +19,9 @@ traveling fp32 accumulator, as a baseline side by side (SPX_RING_DKV set per mod
     torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536 --links host \
         --modes ring,ring_travel,tasp,tasp_travel,ring:1,ring:8 --dkv-chunks auto --out $OUT
 
+"ulysses_views" (not in the default --modes): plain Ulysses with ``qkv_contiguous=False``, the kernel on zero-copy
+views of the receive buffer (no copies into its native layout) and one packed dq|dk|dv exchange per chunk, beside
+the default's copies (#68: the copies around the exchanges are 2.5 ms of the 32K P=2 row's 5.9 ms gap).
 "hcms" (head chunks "auto") and "auto" (the factory's mode="auto": Ulysses/HCMS, ring or TASP per shape) run
 through ``make_attention`` as a model's attention does. Every mode is also checked against ONE full-sequence call
 (tools/full_reference.py: rel_err_vs_full, rank 0). Transformer Engine's context parallelism as peers in the same
@@ -67,7 +70,7 @@ TORCH = ("torch_cp_allgather", "torch_cp_alltoall")
 
 def placement_of(mode: str, causal: bool) -> str:
     """Which tokens a rank holds for ``mode`` (PyTorch's head-tail balancer = our zigzag)."""
-    if not causal or mode == "ulysses":
+    if not causal or mode in ("ulysses", "ulysses_views"):
         return "contiguous"
     return "tasp_zigzag" if mode.startswith("tasp") else "zigzag"
 
@@ -89,6 +92,8 @@ def our_mode(name, group, causal, h, mesh_cache):
                                                   placement=spx.balanced_placement(variant, causal))
     if name == "ulysses":
         return lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal)
+    if name == "ulysses_views":   # the kernel on zero-copy views of the receive buffer, one packed dq|dk|dv exchange
+        return lambda q, k, v: spx.ulysses_attention(q, k, v, group, causal=causal, qkv_contiguous=False)
     if name in ("hcms", "auto"):   # as a model's attention runs them: the factory, head chunks per shape
         attn = spx.make_attention(spx.SPConfig(mode=name, head_chunks="auto"), group, num_heads=h,
                                   placement=placement_of(name, causal))

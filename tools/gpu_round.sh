@@ -9,9 +9,9 @@
 # cudnn_layout table ring_profile; #67: fsdp2_nccl recompute2 recompute2_offload peaks2 peaks4 full40_32k_sp4
 # full40_32k_sp2 full40_75k_sp4 full40_75k_sp2 full40_75k_sp2_full resume40a resume40b; r7a-r7e; r8a65 r8a67 r8a4
 # r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4, r13_det_kernel r13_checks r13_65
-# r13_65ring r13_69vsa_sp2, r14_first r14_more, r15_cudnn r15_69 r16_cudnn2 r16_cudnn4 r16_prof69 r17_69overlap; #70: i70_ds i70_ds_time
+# r13_65ring r13_69vsa_sp2, r14_first r14_more, r15_cudnn r15_69 r16_cudnn2 r16_cudnn4 r16_prof69 r17_69overlap, r20_first r20_69overlap; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
-# i68_cp2_nv i68_cp2_host.
+# i68_cp2_nv i68_cp2_host i68_cp4_nv i68_emu22 i68_prof32 i68_prof32_host i68_views32.
 # A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
@@ -519,7 +519,11 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
 #   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
 #   r8d69b@3 | call 4: r10_67.
-# NEXT SESSION (after 2026-11-28 17:23, results/2026-11-28_h200x4_1800). 4 GPUs: call 1 (part.aa + manifest +
+# NEXT SESSION (after 2026-11-28 20:12, results/2026-11-28_h200x4_2010): 4 GPUs: call 1 (part.aa + manifest + commit):
+#   i70_dyn_check (P=2 and P=4) | call 2 (part.ab): i68_views32@0,1 r16_prof69@2,3 | call 3: i70_dyn4 |
+#   call 4 (.te): i68_cp4_nv with I68_SEQLENS=131072 | call 5: i68_cp2_host (I68_SEQLENS=131072, DEADLINE_S=560).
+#   The 2-GPU stages below as before (r11_69sp2, i70_dyn_prof).
+# Before (after 2026-11-28 17:23, results/2026-11-28_h200x4_1800). 4 GPUs: call 1 (part.aa + manifest +
 #   .fa4/commit): r18b@0,1 i70_dyn_check@2,3 (the paths changed since: telemetry's alloc_retries, the loss curve) |
 #   call 2 (part.ab): r19_full32 | call 3 (.te): r19_prof75 (TE installs beside it) | call 4: i68_cp4_nv |
 #   call 5: i68_emu22 | call 6: i70_dyn4; then resume40a / resume40b, r19_topk75 (a call each). 2 GPUs: the 2-GPU plan below (r17_69overlap,
@@ -639,6 +643,14 @@ stage_r20_69overlap() {   # 2 GPUs (FA4 + cuDNN frontend, after r16_cudnn2/4 on 
       -- "${WAN14[@]}" --context-parallel-size 2 --frames 21 --latent-size 60x104 \
       $([ $impl = torch ] || echo "--ddp-impl megatron --overlap-grad-reduce")
   done
+}
+stage_i68_views32() {   # 2 GPUs (FA4): the 32K P=2 NVLink row with plain Ulysses on zero-copy views of the receive
+  # buffer (qkv_contiguous=False: no copies into the kernel's layout, one packed dq|dk|dv exchange) beside the
+  # default, each profiled (the copies were 2.5 ms of the 5.9 ms gap to the FA4 floor on 2026-11-28 20:19)
+  keep i68_views32/nv 400 torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536 --causal \
+    no,yes --modes ulysses,ulysses_views,hcms,auto --iters 7 --warmup 2 --profile-reps 3 \
+    --profile-modes floor_fa4,ulysses,ulysses_views --links nvlink --out $W/i68_views32
+  grep -A14 "Profiled" $W/i68_views32/bench_cp_nvlink_P2.md
 }
 # ---- next 4-GPU session: where the full-depth step goes, the partial recompute again, #68's P=4 rows ----
 stage_r19_prof75() {   # 4 GPUs (FA4): the profile of r18_full75's dense step (rank 0, 2 steps after 3; ~4 min): where
