@@ -644,9 +644,13 @@ stage_r20_69overlap() {   # 2 GPUs (FA4 + cuDNN frontend, after r16_cudnn2/4 on 
       $([ $impl = torch ] || echo "--ddp-impl megatron --overlap-grad-reduce")
   done
 }
-stage_i68_views32() {   # 2 GPUs (FA4): the 32K P=2 NVLink row with plain Ulysses on zero-copy views of the receive
+stage_i68_views32() {   # 2 GPUs (FA4; ~8 min): the 32K P=2 NVLink row with plain Ulysses on zero-copy views of the receive
   # buffer (qkv_contiguous=False: no copies into the kernel's layout, one packed dq|dk|dv exchange) beside the
   # default, each profiled (the copies were 2.5 ms of the 5.9 ms gap to the FA4 floor on 2026-11-28 20:19)
+  # the word copies (layout.copy_bits, new 2026-11-28 21:00) checked first: the Ulysses / packed / exchange-copies families
+  # over NCCL (HCMS == Ulysses bit for bit, every layout against float64), then their speed against value copies
+  suite i68_views32/suite 240 "(test_ulysses_family or test_packed_family or test_exchange_copies_family or test_fa4_family) and 2-nccl"
+  keep i68_views32/words 60 python3 tools/bench_word_copies.py --out $W/i68_views32
   keep i68_views32/nv 400 torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536 --causal \
     no,yes --modes ulysses,ulysses_views,hcms,auto --iters 7 --warmup 2 --profile-reps 3 \
     --profile-modes floor_fa4,ulysses,ulysses_views --links nvlink --out $W/i68_views32

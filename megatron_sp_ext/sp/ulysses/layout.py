@@ -16,6 +16,50 @@ from ..heads import HeadLayout
 from ..problem import seq_batch
 
 
+_WORD = torch.int64   # what ``copy_bits`` moves: 8-byte words (4 bf16 / fp16 values, 2 fp32)
+
+
+def as_words(t: torch.Tensor) -> "torch.Tensor | None":
+    """``t`` reinterpreted as 8-byte words (same storage, last dim / ratio), or None where that view does not exist
+    (last dim not contiguous or not a multiple of the ratio, misaligned offset or strides, 8-byte dtypes)."""
+    if t.element_size() >= 8 or t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    try:
+        return t.detach().view(_WORD)
+    except RuntimeError:
+        return None
+
+
+def _word_pair(dst: torch.Tensor, src: torch.Tensor) -> "tuple | None":
+    """(dst, src) as words for a same-dtype, same-shape copy on a GPU, else None. Not on CPU: torch's CPU copy of
+    2-byte values was faster than of words (3.2 vs 3.9 ms, one q [4096, 40, 128] bf16 head split, 2 cores,
+    2026-11-28)."""
+    if dst.device.type == "cpu" or dst.dtype != src.dtype or dst.shape != src.shape:
+        return None
+    dw, sw = as_words(dst), as_words(src)
+    return None if dw is None or sw is None else (dw, sw)
+
+
+def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, moving 8-byte words on a GPU where both have a view as words (a head's D values are
+    contiguous in every layout here): the strided copies around the exchanges index 4x fewer elements (bf16). The
+    same bytes either way."""
+    pair = _word_pair(dst, src)
+    if pair is None:
+        dst.copy_(src)
+    else:
+        pair[0].copy_(pair[1])
+
+
+def index_copy_bits(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(dim, index, src)`` (``dim`` not the last), as 8-byte words where ``copy_bits`` would."""
+    pair = _word_pair(dst, src) if dim % dst.dim() != dst.dim() - 1 else None
+    if pair is None:
+        dst.index_copy_(dim, index, src)
+    else:
+        pair[0].index_copy_(dim, index, pair[1])
+
+
 def _chunk(layout: HeadLayout, kind: str, rank: int, c: int) -> tuple[int, int]:
     table = layout.q_chunks if kind == "q" else layout.kv_chunks
     return table[rank][c]
@@ -120,10 +164,10 @@ def pack(parts: Sequence[torch.Tensor], kinds: Sequence[str], layout: HeadLayout
         for i, n, view in _fused_runs(parts, kinds, layout, c):
             w = ws[i]
             if view is None:
-                buf[:, :, :, col:col + w].copy_(all_peers_view(parts[i], layout, kinds[i], c, seq_layout))
+                copy_bits(buf[:, :, :, col:col + w], all_peers_view(parts[i], layout, kinds[i], c, seq_layout))
             else:
                 dst = buf[:, :, :, col:col + n * w].unflatten(3, (n, w))
-                dst.copy_(_all_peers_stacked(view, layout, kinds[i], c, seq_layout))
+                copy_bits(dst, _all_peers_stacked(view, layout, kinds[i], c, seq_layout))
             col += n * w
         return splits
     off = 0
@@ -133,7 +177,7 @@ def pack(parts: Sequence[torch.Tensor], kinds: Sequence[str], layout: HeadLayout
         col = 0
         for x, kind, w in zip(parts, kinds, ws):
             a, b = _range(layout, kind, p, c)
-            seg[:, :, col:col + w].copy_(_seq_major(x, a, b, seq_layout))
+            copy_bits(seg[:, :, col:col + w], _seq_major(x, a, b, seq_layout))
             col += w
         off += splits[p]
     return splits
@@ -149,7 +193,7 @@ def unpack(flat: torch.Tensor, parts: Sequence[torch.Tensor], kinds: Sequence[st
         buf = flat.view(layout.world, s_loc, bsz, sum(ws), d)
         col = 0
         for x, kind, w in zip(parts, kinds, ws):
-            all_peers_view(x, layout, kind, c, seq_layout).copy_(buf[:, :, :, col:col + w])
+            copy_bits(all_peers_view(x, layout, kind, c, seq_layout), buf[:, :, :, col:col + w])
             col += w
         return
     off = 0
@@ -159,7 +203,7 @@ def unpack(flat: torch.Tensor, parts: Sequence[torch.Tensor], kinds: Sequence[st
         col = 0
         for x, kind, w in zip(parts, kinds, ws):
             a, b = _range(layout, kind, p, c)
-            _seq_major(x, a, b, seq_layout).copy_(seg[:, :, col:col + w])
+            copy_bits(_seq_major(x, a, b, seq_layout), seg[:, :, col:col + w])
             col += w
         off += splits[p]
 
@@ -245,11 +289,11 @@ def to_kernel_layout(src_sbhd: torch.Tensor, order: "SeqOrder | None") -> torch.
     s, b, h, d = src_sbhd.shape
     dst = torch.empty((b, s, h, d), dtype=src_sbhd.dtype, device=src_sbhd.device)
     if order is None:
-        dst.copy_(src_sbhd.transpose(0, 1))
+        copy_bits(dst, src_sbhd.transpose(0, 1))
     else:
         n = len(order.to_global)
         src = src_sbhd.view(n, order.piece, b, h, d).permute(2, 0, 1, 3, 4)
-        dst.view(b, n, order.piece, h, d).index_copy_(1, order.index("to_global", dst.device), src)
+        index_copy_bits(dst.view(b, n, order.piece, h, d), 1, order.index("to_global", dst.device), src)
     return dst.transpose(1, 2)
 
 
@@ -258,12 +302,12 @@ def to_send_layout(t_bhsd: torch.Tensor, order: "SeqOrder | None", out_sbhd: tor
     order (the inverse of ``to_kernel_layout``'s permutation), one copy."""
     src = t_bhsd.permute(2, 0, 1, 3)
     if order is None:
-        out_sbhd.copy_(src)
+        copy_bits(out_sbhd, src)
         return
     s, b, h, d = src.shape
     n = len(order.to_global)
-    out_sbhd.view(n, order.piece, b, h, d).index_copy_(0, order.index("from_global", src.device),
-                                                       src.reshape(n, order.piece, b, h, d))
+    index_copy_bits(out_sbhd.view(n, order.piece, b, h, d), 0, order.index("from_global", src.device),
+                    src.reshape(n, order.piece, b, h, d))
 
 
 def columns_sbhd(buf_sbwd: torch.Tensor, ws: Sequence[int]) -> list[torch.Tensor]:
