@@ -51,6 +51,17 @@ def _bench_modes(rank, world):
         modes[name](*leaves).backward(go)
         for got, want in zip(modes[name].qkv_grads(*leaves), (qg.grad, kg.grad, vg.grad)):
             assert rel_err(got, want) < 1e-5, name
+    # the benchmark's full-sequence check: the shards gathered in rank order, one call over the whole sequence
+    from tools.bench_attention import gather_sequence
+    from tools.full_reference import full_reference, rel_errs, within
+    full = [gather_sequence(t, group) for t in (q, k, v, go)]
+    assert full[0].shape == (1, 4 * world, 8, 16) and torch.equal(full[0][:, 4 * rank:4 * rank + 4], q)
+    ref_full = full_reference(*full, causal=False)
+    out = spx.ulysses_attention(qg.detach(), kg.detach(), vg.detach(), group)
+    errs = rel_errs([gather_sequence(t, group) for t in (out, qg.grad, kg.grad, vg.grad)], ref_full)
+    assert within(errs, 1e-5), errs
+    wrong = rel_errs([gather_sequence(t, group) for t in (out, kg.grad, qg.grad, vg.grad)], ref_full)
+    assert not within(wrong, 1e-2), wrong   # a swapped gradient is caught
     return True
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.floor import add_ratios, floor_ms  # noqa: E402
+from tools.full_reference import full_reference, rel_errs, within  # noqa: E402
 from tools.benchlib import (finish_worker, init_nccl_rank, interleaved_ms, launch, links_option,  # noqa: E402
                             median_ms, no_grad, plot_or_skip, run_meta, write_results)
 import megatron_sp_ext as spx  # noqa: E402
@@ -171,6 +172,13 @@ def split_transport(mode: str) -> tuple:
     return mode, "nccl"
 
 
+def gather_sequence(x_bshd: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's contiguous shard [B, S/P, H, D] gathered in rank order: [B, S, H, D] (every rank calls it)."""
+    parts = [torch.empty_like(x_bshd) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x_bshd.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
 def bench_shape(rank, world, group, h, seqlen, args, modes):
     d, b = args.head_dim, 1
     sl = seqlen // world
@@ -193,6 +201,15 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
     res["floor"] = floor_ms(group, h, seqlen, d, args.causal, iters=args.iters, warmup=args.warmup)
     res["t_attn_fwd"] = res["floor"]["fwd"]
     ref_out = ref_grads = None
+    # every mode against ONE full-sequence call (non-causal: every mode's shards are contiguous here, so the rank
+    # order of the gathered shards is the sequence order; causal modes hold different placements: vs Ulysses only)
+    full_ref = None
+    if not args.causal:
+        full = [gather_sequence(t, group) for t in (q, k, v, go)]
+        full_ref = full_reference(*full, causal=False) if rank == 0 else None
+        del full
+    res["full_reference"] = ("one SDPA (flash) call over the gathered sequence, all heads, rank 0" if not args.causal
+                             else "not run: causal modes hold different placements (checked against Ulysses)")
     # long shapes: fewer repetitions (each call is tens to hundreds of ms)
     iters, warmup = (args.iters, args.warmup) if res["t_attn_fwd"] < 20 else (3, 1)
     res["iters"] = iters
@@ -225,6 +242,12 @@ def bench_shape(rank, world, group, h, seqlen, args, modes):
             grads = tuple(g.detach().clone() for g in fn.qkv_grads(qg, kg, vg))
         else:
             grads = (qg.grad.detach().clone(), kg.grad.detach().clone(), vg.grad.detach().clone())
+        if not args.causal:
+            got = [gather_sequence(t, group) for t in (o.detach(), *grads)]
+            if rank == 0:
+                entry["rel_err_vs_full"] = rel_errs(got, full_ref)
+                entry["ok"] = within(entry["rel_err_vs_full"])
+            del got
         if name == "ulysses":
             ref_out, ref_grads = o.detach(), grads
         elif ref_out is not None and (name.startswith(("hcms", "auto", "ulysses_", "prepacked"))):
@@ -331,7 +354,8 @@ def write_reports(results, traces, args):
                 modes.append(m)
     lines = [f"Device: {meta['device']} x P, {meta['date']}, bf16, B=1, D={args.head_dim}, causal={args.causal}.",
              "Cells: fwd ms / fwd+bwd ms (speedup fwd / fwd+bwd vs our plain Ulysses) [ratio fwd / fwd+bwd to the "
-             "floor]. Floor: one SDPA call of ceil(H/P) heads over L on one GPU of the same job.", "",
+             "floor]. Floor: one SDPA call of ceil(H/P) heads over L on one GPU of the same job. X: output or a "
+             "gradient differs from one full-sequence call (non-causal rows) by more than 2e-2.", "",
              "| P | H | L | floor ms | rho | bound | " + " | ".join(modes) + " |",
              "|---|---|---|---|---|---|" + "---|" * len(modes)]
     for r in results:
@@ -341,12 +365,17 @@ def write_reports(results, traces, args):
             cells.append("-" if e is None else
                          f"{e['fwd_ms']:.2f} / {e['fwd_bwd_ms']:.2f} ({e.get('speedup_fwd_vs_ulysses', 0):.2f}x / "
                          f"{e.get('speedup_fwd_bwd_vs_ulysses', 0):.2f}x) "
-                         f"[{e.get('ratio_fwd', 0):.2f} / {e.get('ratio_fwd_bwd', 0):.2f}]")
+                         f"[{e.get('ratio_fwd', 0):.2f} / {e.get('ratio_fwd_bwd', 0):.2f}]"
+                         + (" X" if e.get("ok") is False else ""))
         fl = r.get("floor", {})
         lines.append(f"| {r['P']} | {r['H']} | {r['L'] // 1024}K | {fl.get('fwd', 0):.2f} / {fl.get('fwd_bwd', 0):.2f} | "
                      f"{r.get('rho', 0):.2f} | {r.get('bound_fwd', 0):.2f}x | "
                      + " | ".join(cells) + " |")
     write_results(args.out, args.tag, {"meta": meta, "results": results, "overlap_traces": traces}, lines)
+    bad = [(r["L"], m) for r in results for m, e in r["modes"].items() if e.get("ok") is False]
+    if bad:
+        print(f"[bench_attention] outputs or gradients differ from the full-sequence call beyond 2e-2: {bad}",
+              flush=True)
 
     def draw(plt):
         keys = sorted({(r["P"], r["H"]) for r in results})
