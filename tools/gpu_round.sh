@@ -11,7 +11,7 @@
 # r8c65 r8c67 r8d69a r8d69b r8d66 (2026-11-27 evening), r9a, r10_rope r10_d4 r10_65 r10_67, r11_66a-e r11_65mem r11_69sp2 r11_69vsa, r12_bs4 r12_fa4p4 r12_65 r12_det_fa4, r13_det_kernel r13_checks r13_65
 # r13_65ring r13_69vsa_sp2, r14_first r14_more, r15_cudnn r15_69 r16_cudnn2 r16_cudnn4 r16_prof69 r17_69overlap, r20_first r20_69overlap; #70: i70_ds i70_ds_time
 # i70_resume i70_dyn_check i70_dyn2 i70_dyn4 i70_dyn_prof i70_dyn_model i70_tpcp i70_transport; #68: i68_te_install
-# i68_cp2_nv i68_cp2_host i68_cp4_nv i68_emu22 i68_prof32 i68_prof32_host i68_views32.
+# i68_cp2_nv i68_cp2_host i68_cp4_nv i68_emu22 i68_prof32 i68_prof32_host i68_views32 i68_sp1.
 # A stage named with @GPU
 # runs on that GPU alone (CUDA_VISIBLE_DEVICES), beside the other @GPU stages of the call (one job per GPU, so no
 # timing shares a GPU); stages without @ run one after the other on every GPU. Every job's timeout is cut to the
@@ -522,6 +522,7 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # NEXT SESSION (after 2026-11-28 20:12, results/2026-11-28_h200x4_2010): 4 GPUs: call 1 (part.aa + manifest + commit):
 #   i70_dyn_check (P=2 and P=4) | call 2 (part.ab): i68_views32@0,1 r16_prof69@2,3 | call 3: i70_dyn4 |
 #   call 4 (.te): i68_cp4_nv with I68_SEQLENS=131072 | call 5: i68_cp2_host (I68_SEQLENS=131072, DEADLINE_S=560).
+#   i68_sp1 (one GPU) beside a 2-GPU stage, e.g. call 5: i68_cp2_host@0,1 i68_sp1@2 (FA4 installed by then).
 #   The 2-GPU stages below as before (r11_69sp2, i70_dyn_prof).
 # Before (after 2026-11-28 17:23, results/2026-11-28_h200x4_1800). 4 GPUs: call 1 (part.aa + manifest +
 #   .fa4/commit): r18b@0,1 i70_dyn_check@2,3 (the paths changed since: telemetry's alloc_retries, the loss curve) |
@@ -655,6 +656,14 @@ stage_i68_views32() {   # 2 GPUs (FA4; ~8 min): the 32K P=2 NVLink row with plai
     no,yes --modes ulysses,ulysses_views,hcms,auto --iters 7 --warmup 2 --profile-reps 3 \
     --profile-modes floor_fa4,ulysses,ulysses_views --links nvlink --out $W/i68_views32
   grep -A14 "Profiled" $W/i68_views32/bench_cp_nvlink_P2.md
+}
+stage_i68_sp1() {   # 1 GPU (FA4; ~6 min): #68's SP=1 step (target >= 63% MFU; 59.1% / 60.5% on 2026-11-25): wan-14b 2
+  # blocks at 32,760 and 75,600 tokens, the entry's step time and MFU with its profile by category (the "before")
+  local lat
+  for lat in 60x104 90x160; do
+    keep i68_sp1/$lat 240 torchrun --nproc-per-node 1 tools/profile_train_step.py --out $W/i68_sp1 \
+      --tag wan14b_2l_21x$lat --warmup 6 --steps 2 -- "${WAN14[@]}" --frames 21 --latent-size $lat --train-iters 12
+  done
 }
 # ---- next 4-GPU session: where the full-depth step goes, the partial recompute again, #68's P=4 rows ----
 stage_r19_prof75() {   # 4 GPUs (FA4): the profile of r18_full75's dense step (rank 0, 2 steps after 3; ~4 min): where
