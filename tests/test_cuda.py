@@ -437,6 +437,58 @@ def test_wan_rope_fused_bitwise():
     assert checked == 24
 
 
+def test_layout_word_copies_bitwise():
+    """The Ulysses layouts' word copies on this GPU (layout.copy_bits: 8-byte words) against the same functions on
+    CPU tensors (value copies): pack, unpack, to_kernel_layout and to_send_layout with and without the zigzag order,
+    P 2 / 4, MHA / GQA / uneven heads, 1-2 chunks, bshd / sbhd, B 1-2, D 8 / 6 (6 bf16 values are not whole words:
+    value copies there), bf16 / fp32, a head dim sliced out of a wider tensor; every output bit for bit, and the
+    word path taken where it can be."""
+    import itertools
+
+    from megatron_sp_ext.sp.heads import head_layout
+    from megatron_sp_ext.sp.ulysses import layout as lay
+    ints = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    g = torch.Generator().manual_seed(0)
+    cases = words = 0
+    for world, (h, hk), chunks, seq_layout, b, d, dtype, pad in itertools.product(
+            (2, 4), ((8, 8), (8, 2), (6, 2), (5, 5)), (1, 2), ("bshd", "sbhd"), (1, 2), (8, 6),
+            (torch.bfloat16, torch.float32), (0, 4)):
+        try:
+            hl = head_layout(h, hk, world, chunks)
+        except Exception:  # noqa: BLE001 - a layout the head counts do not allow
+            continue
+        s, kinds, hr = 4, ("q", "kv", "kv"), hk * hl.kv_repeat
+        dims = (s, b) if seq_layout == "sbhd" else (b, s)
+        raw = torch.randint(-30000, 30000, (*dims, h + 2 * hr, d + pad), dtype=ints[dtype], generator=g).view(dtype)
+        for c in range(hl.chunks):
+            total = sum(lay.seg_splits(hl, kinds, c, s * b, d))
+            ws = lay.widths(hl, kinds, 0, c)
+            zig = lay.seq_order([[(p * s // 2, s // 2), ((2 * world - 1 - p) * s // 2, s // 2)]
+                                 for p in range(world)])
+            recv = torch.randint(-30000, 30000, (world * s, b, sum(ws), d + pad), dtype=ints[dtype],
+                                 generator=g).view(dtype)
+            res = []
+            for dev in ("cpu", "cuda"):
+                parts = list(torch.split(raw.to(dev)[..., :d], [h, hr, hr], dim=2))
+                out = torch.zeros(total, dtype=dtype, device=dev)
+                lay.pack(parts, kinds, hl, c, seq_layout, out)
+                back = [torch.zeros_like(t) for t in parts]
+                lay.unpack(out, back, kinds, hl, c, seq_layout)
+                buf = recv.to(dev)[..., :d]   # a received [S, B, W, D] buffer (sliced out of a wider one)
+                kern = [lay.to_kernel_layout(t, o) for o in (zig, None) for t in lay.columns_sbhd(buf, ws)]
+                sent = torch.zeros_like(buf)
+                for view, k in zip(lay.columns_sbhd(sent, ws), kern[:3]):
+                    lay.to_send_layout(k, zig, view)
+                res.append([out, *back, *kern, sent])
+                if dev == "cuda":
+                    words += lay.as_words(parts[0]) is not None
+            for i, (a, x) in enumerate(zip(*res)):
+                assert torch.equal(a.contiguous().view(ints[dtype]), x.cpu().contiguous().view(ints[dtype])), \
+                    (world, h, hk, chunks, seq_layout, b, d, dtype, pad, c, i)
+            cases += 1
+    assert cases > 100 and words > 0, (cases, words)
+
+
 @pytest.mark.parametrize("world,backend", [wb for wb in _layouts() if wb[1] == "nccl"])
 def test_transport_family(world, backend):
     """#70 item 5: the copy-engine transports (symm_mem, copy_engine) in Ulysses / HCMS against float64 and bit for

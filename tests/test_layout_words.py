@@ -1,7 +1,8 @@
 """The Ulysses layouts' word copies (sp/ulysses/layout.py: copy_bits / index_copy_bits move 8-byte words on GPUs):
 the word views exist exactly where they should, and copying words moves the same bytes as copying values (NaN
 payloads and -0.0 included), for the head splits, the transposes and the piece permutations the layouts make. The
-CUDA suite's bit-identity cases (HCMS == Ulysses, every layout against float64) run the GPU path itself."""
+CUDA suite's test_layout_word_copies_bitwise compares the GPU's word copies with these functions' value copies on
+CPU, bit for bit."""
 import pytest
 import torch
 
@@ -72,3 +73,27 @@ def test_bench_word_copies_cases_run_and_agree_on_cpu():
         assert nbytes > 0 and torch.equal(a.view(torch.int16), b.view(torch.int16)), name
     zig = got[2]
     assert zig[4].shape == (1, 4, 16, 2, 16)
+
+
+def test_word_pair_keeps_autograd_and_guards_edges(monkeypatch):
+    """The word path is never taken for a differentiable copy (copy_ keeps the graph and torch's in-place check on a
+    leaf), and a 0-dim index_copy stays torch's. The device check is what keeps CPU on value copies; here a fake
+    device type lets the rest of the rule run on CPU tensors."""
+    from megatron_sp_ext.sp.ulysses import layout as lay
+    src = torch.randn(2, 8, requires_grad=True)
+    dst = torch.zeros(2, 8)
+    fake = type("Dev", (), {"type": "cuda"})()
+
+    class T(torch.Tensor):
+        @property
+        def device(self):
+            return fake
+    assert lay._word_pair(dst.as_subclass(T), src.detach().as_subclass(T)) is not None
+    assert lay._word_pair(dst.as_subclass(T), src.as_subclass(T)) is None          # grad wanted: value copy
+    with torch.no_grad():
+        assert lay._word_pair(dst.as_subclass(T), src.as_subclass(T)) is not None
+    lay.copy_bits(dst, src)
+    assert dst.grad_fn is not None                                                  # CopyBackwards kept
+    z = torch.zeros(())
+    lay.index_copy_bits(z, 0, torch.tensor([0]), torch.ones(()))
+    assert z.item() == 1.0

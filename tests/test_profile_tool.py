@@ -87,3 +87,23 @@ def test_bench_cp_views_mode_keeps_the_contiguous_placement():
     from tools.bench_cp import placement_of
     assert placement_of("ulysses_views", True) == placement_of("ulysses", True) == "contiguous"
     assert placement_of("ring", True) == "zigzag" and placement_of("ring", False) == "contiguous"
+
+
+def _profile_with_a_bad_trace_dir(rank, world):
+    import torch.distributed as dist
+
+    from tools.profile_calls import profile_calls
+    got = profile_calls(lambda: None, 2, dist.group.WORLD, trace_dir="/dev/null/traces", tag="t")
+    t = __import__("torch").ones(1)
+    dist.all_reduce(t)            # the ranks' collectives are still in step
+    assert t.item() == world
+    assert set(got["failed_ranks"]) == set(range(world))   # rank 0: the folder; others: no GPU kernels (CPU)
+    assert "NotADirectoryError" in got["failed_ranks"][0] or "FileExistsError" in got["failed_ranks"][0]
+    return True
+
+
+def test_profile_calls_keeps_ranks_in_step_when_one_fails():
+    """A failure while writing or reading rank 0's trace (a folder that cannot be made) is that rank's error in the
+    result: every rank still reaches the gather and the next collective (2 gloo ranks)."""
+    from tests.harness import run_ranks
+    run_ranks(_profile_with_a_bad_trace_dir, 2)

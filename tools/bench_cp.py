@@ -130,7 +130,8 @@ def run_ours(name, fn, full, group, causal, args):
     entry = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "placement": pl}
     if profiled(args, name):
         entry["profile"] = profile_calls(fb, args.profile_reps, group, args.profile_traces,
-                                         f"{name}_L{full[0].shape[1]}_{'causal' if causal else 'full'}")
+                                         f"{name}_H{full[0].shape[2]}_L{full[0].shape[1]}_"
+                                         f"{'causal' if causal else 'full'}_{args.links}")
     o = fb()
     got = [_gather_full(t, group, pl) for t in (o.detach(), qg.grad, kg.grad, vg.grad)]
     return entry, got
@@ -184,7 +185,8 @@ def bench_row(group, mesh, h, seqlen, causal, modes, args, mesh_cache):
            "floor_fa4": kernel_floor_ms(group, "fa4", h, seqlen, args.head_dim, causal, iters=args.iters,
                                         warmup=args.warmup, profile=(lambda fb: profile_calls(
                                             fb, args.profile_reps, group, args.profile_traces,
-                                            f"floor_fa4_L{seqlen}_{'causal' if causal else 'full'}"))
+                                            f"floor_fa4_H{h}_L{seqlen}_{'causal' if causal else 'full'}_"
+                                            f"{args.links}"))
                                         if profiled(args, "floor_fa4") else None),
            "modes": {}}
     ref = None
@@ -352,7 +354,9 @@ def main() -> None:
     ap.add_argument("--profile-reps", type=int, default=0,
                     help="after each mode's timing, profile this many fwd+bwd calls of it (and of the FA4 floor) on "
                          "every rank: its kernels by category per call, the exchange's exposed time, the top "
-                         "kernels (tools/profile_calls.py), in the mode's entry as \"profile\"; 0: no profile")
+                         "kernels (tools/profile_calls.py), in the mode's entry as \"profile\"; 0: no profile. Each "
+                         "mode is timed before its own profile but after earlier ones: where a torch build leaves the "
+                         "profiler attached (pytorch#144455), compare a row timed without this flag")
     ap.add_argument("--profile-modes", default="",
                     help="with --profile-reps: only these modes (comma list; floor_fa4 = the FA4 floor)")
     ap.add_argument("--profile-traces", default=None,

@@ -6,7 +6,8 @@ For one row's shapes (L tokens, H heads, D, P ranks, bf16) it times, CUDA events
   pack        this rank's [1, L/P, H, D] q split per peer into the send buffer [P, L/P, 1, H/P, D] (layout.pack)
   to_kernel   a received [L, 1, 3H/P, D] q|k|v buffer's q columns into the kernel's [1, L, H/P, D] (to_kernel_layout)
   zigzag      the same with the causal zigzag's piece permutation (index_copy, to_kernel_layout with an order)
-each as ``copy_`` of the values and as ``layout.copy_bits`` / ``index_copy_bits`` (words), checks the two outputs
+each as ``copy_`` of the values and as ``layout.copy_bits`` / ``index_copy_bits`` (words), timed alternately after 5
+warm-up calls of each, checks the two outputs
 bit for bit, and reports ms and GB/s (bytes read + written). One JSON file.
 
     python tools/bench_word_copies.py --out $OUT                  (L 32768, H 40, D 128, P 2)
@@ -26,17 +27,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.sp.ulysses.layout import copy_bits, index_copy_bits  # noqa: E402
 
 
-def _ms(fn, iters: int) -> float:
+def _event_ms(fn) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
     fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b)
+
+
+def _pair_ms(plain, words, iters: int, warmup: int = 5) -> tuple:
+    """Medians of ``plain`` and ``words`` timed alternately (clock ramps and drift hit both alike)."""
+    for _ in range(warmup):
+        plain()
+        words()
+    t_p, t_w = [], []
+    for i in range(iters):
+        for fn, ts in ((plain, t_p), (words, t_w)) if i % 2 == 0 else ((words, t_w), (plain, t_p)):
+            ts.append(_event_ms(fn))
+    return statistics.median(t_p), statistics.median(t_w)
 
 
 def cases(seqlen: int, heads: int, d: int, world: int, device: str = "cuda"):
@@ -73,7 +82,7 @@ def main() -> None:
         raise SystemExit("bench_word_copies: needs a CUDA GPU (the word copies are the GPU path; CPU keeps value copies)")
     rows = []
     for name, nbytes, plain, words, a, b in cases(args.seqlen, args.heads, args.head_dim, args.world):
-        t_plain, t_words = _ms(plain, args.iters), _ms(words, args.iters)
+        t_plain, t_words = _pair_ms(plain, words, args.iters)
         same = bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
         rows.append({"copy": name, "mb": nbytes / 1e6, "plain_ms": t_plain, "words_ms": t_words,
                      "plain_tb_s": 2 * nbytes / t_plain / 1e9, "words_tb_s": 2 * nbytes / t_words / 1e9,

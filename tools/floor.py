@@ -65,9 +65,9 @@ def kernel_floor_ms(group: Optional[dist.ProcessGroup], kernel: str, heads: int,
             k_impl.attention(q, k, v, causal, scale).backward(do)
             q.grad = k.grad = v.grad = None
         fwd_bwd = median_ms(fb, iters, warmup, group)
-        extra = {"profile": profile(fb)} if profile is not None else {}
     except Exception as e:  # noqa: BLE001 - a floor that cannot run here is reported in the row, not fatal
         return {"error": f"{type(e).__name__}: {e}", "kernel": kernel}
+    extra = {"profile": profile(fb)} if profile is not None else {}   # its own failures are in its result
     return {"fwd": fwd, "fwd_bwd": fwd_bwd, "heads_per_rank": h, "seqlen": seqlen, "causal": causal,
             "kernel": k_impl.label, **extra}
 

@@ -650,7 +650,7 @@ stage_i68_views32() {   # 2 GPUs (FA4; ~8 min): the 32K P=2 NVLink row with plai
   # default, each profiled (the copies were 2.5 ms of the 5.9 ms gap to the FA4 floor on 2026-11-28 20:19)
   # the word copies (layout.copy_bits, new 2026-11-28 21:00) checked first: the Ulysses / packed / exchange-copies families
   # over NCCL (HCMS == Ulysses bit for bit, every layout against float64), then their speed against value copies
-  suite i68_views32/suite 240 "(test_ulysses_family or test_packed_family or test_exchange_copies_family or test_fa4_family) and 2-nccl"
+  suite i68_views32/suite 270 "test_layout_word_copies_bitwise or ((test_ulysses_family or test_packed_family or test_exchange_copies_family or test_fa4_family) and 2-nccl)"
   keep i68_views32/words 60 python3 tools/bench_word_copies.py --out $W/i68_views32
   keep i68_views32/nv 400 torchrun --nproc-per-node 2 tools/bench_cp.py --heads 40 --seqlens 32768,65536 --causal \
     no,yes --modes ulysses,ulysses_views,hcms,auto --iters 7 --warmup 2 --profile-reps 3 \

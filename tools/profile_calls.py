@@ -35,21 +35,26 @@ def profile_calls(fn: Callable[[], object], reps: int, group: Optional[dist.Proc
             torch.cuda.synchronize()
     rank = dist.get_rank(group) if group is not None else 0
     keep = trace_dir is not None and rank == 0
-    with tempfile.TemporaryDirectory(prefix="spx_prof_") as tmp:
-        path = os.path.join(trace_dir if keep else tmp, f"{tag}_rank{rank}.json")
-        if keep:
-            os.makedirs(trace_dir, exist_ok=True)
-        prof.export_chrome_trace(path)
-        try:
+    # whatever fails here (a folder that cannot be made, a full disk, a trace without GPU kernels on a CPU run) is
+    # this rank's "error": every rank still reaches the gather below, so the ranks' collectives stay in step
+    try:
+        with tempfile.TemporaryDirectory(prefix="spx_prof_") as tmp:
+            path = os.path.join(trace_dir if keep else tmp, f"{tag}_rank{rank}.json")
+            if keep:
+                os.makedirs(trace_dir, exist_ok=True)
+            prof.export_chrome_trace(path)
             mine = categorize_trace(path, reps)
-        except SystemExit as e:   # no GPU kernels (a CPU run): said in the result, not fatal
-            mine = {"error": str(e)}
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - reported in the result, never raised past the gather
+        mine = {"error": f"{type(e).__name__}: {e}"}
     every = [mine]
     if group is not None and dist.get_world_size(group) > 1:
         every = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, mine, group=group)
     ok = [s for s in every if "error" not in s]
     out: dict = {"reps": reps, "rank0": every[0]}
+    failed = {r: s["error"] for r, s in enumerate(every) if "error" in s}
+    if failed:
+        out["failed_ranks"] = failed   # left out of max_over_ranks
     if ok:
         cats = ok[0]["ms_per_step"].keys()
         out["max_over_ranks"] = {c: max(s["ms_per_step"][c] for s in ok) for c in cats}

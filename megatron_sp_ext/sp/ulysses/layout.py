@@ -36,6 +36,8 @@ def _word_pair(dst: torch.Tensor, src: torch.Tensor) -> "tuple | None":
     2026-11-28)."""
     if dst.device.type == "cpu" or dst.dtype != src.dtype or dst.shape != src.shape:
         return None
+    if torch.is_grad_enabled() and (dst.requires_grad or src.requires_grad):
+        return None   # a differentiable copy (or torch's in-place check on a leaf): copy_ keeps autograd's view
     dw, sw = as_words(dst), as_words(src)
     return None if dw is None or sw is None else (dw, sw)
 
@@ -53,7 +55,7 @@ def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def index_copy_bits(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.index_copy_(dim, index, src)`` (``dim`` not the last), as 8-byte words where ``copy_bits`` would."""
-    pair = _word_pair(dst, src) if dim % dst.dim() != dst.dim() - 1 else None
+    pair = _word_pair(dst, src) if dst.dim() and dim % dst.dim() != dst.dim() - 1 else None
     if pair is None:
         dst.index_copy_(dim, index, src)
     else:
