@@ -657,6 +657,15 @@ stage_i68_views32() {   # 2 GPUs (FA4; ~8 min): the 32K P=2 NVLink row with plai
     --profile-modes floor_fa4,ulysses,ulysses_views --links nvlink --out $W/i68_views32
   grep -A14 "Profiled" $W/i68_views32/bench_cp_nvlink_P2.md
 }
+# ---- 2026-11-29, ONE H200 (only nvidia-h200 lent): call 1 (part.aa + manifest + .fa4/commit): r21_first | call 2
+#   (part.ab): i68_sp1 (the SP=1 step's profile, the "before" of #68 item 3) ----
+stage_r21_first() {   # 1 GPU, part.aa (local kernel cuDNN): the path added since the last GPU run first: the Ulysses
+  # layouts' word copies (layout.copy_bits) bit for bit against CPU value copies, then the Ulysses / packed /
+  # exchange-copies families at P=2 and P=4 ranks sharing this GPU over gloo (HCMS == Ulysses bit for bit, every
+  # layout against float64), then the words' speed against value copies
+  suite r21/suite 300 "test_layout_word_copies_bitwise or ((test_ulysses_family or test_packed_family or test_exchange_copies_family) and (2-gloo or 4-gloo))"
+  keep r21/words 90 python3 tools/bench_word_copies.py --out $W/r21
+}
 stage_i68_sp1() {   # 1 GPU (FA4; ~6 min): #68's SP=1 step (target >= 63% MFU; 59.1% / 60.5% on 2026-11-25): wan-14b 2
   # blocks at 32,760 and 75,600 tokens, the entry's step time and MFU with its profile by category (the "before")
   local lat
