@@ -13,7 +13,6 @@ def modulated_dit(cfg, *, seed: int = 5, device="cpu") -> VideoDiT:
     with torch.device(device):
         model = VideoDiT(cfg)
     with torch.no_grad():
-        for blk in model.blocks:
-            blk.modulation.weight.normal_(0.0, 0.05)
-        model.mod_out.weight.normal_(0.0, 0.05)
+        for _, p in model.modulation_parameters():
+            p.normal_(0.0, 0.05)
     return model

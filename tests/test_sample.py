@@ -20,9 +20,8 @@ def sample_model(group, mode, **kw):
     torch.manual_seed(3)
     model = VideoDiT(CFG)
     # AdaLN-zero starts every block as the identity; open the gates so that attention shapes the output
-    for name, p in model.named_parameters():
-        if "modulation" in name or "mod_out" in name:
-            torch.nn.init.normal_(p, std=0.3)
+    for _, p in model.modulation_parameters():
+        torch.nn.init.normal_(p, std=0.3)
     model.set_attention_core(make_core(mode, group, num_heads=CFG.heads, **kw))
     return model
 

@@ -168,8 +168,9 @@ def _awake(model, seed=11, gates=False):
     """Give the AdaLN-zero modulations (and, with ``gates``, the coarse branch's gates) random values: at init every
     block is the identity, so the attention would not reach the loss."""
     g = torch.Generator().manual_seed(seed)
+    woken = dict(model.modulation_parameters())
     for name, p in model.named_parameters():
-        if "modulation" in name or "mod_out" in name or (gates and "sparse_gate" in name):
+        if name in woken or (gates and "sparse_gate" in name):
             with torch.no_grad():
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
 

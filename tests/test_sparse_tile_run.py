@@ -140,9 +140,8 @@ def test_sparse_step_cache_builds_once_per_shape(monkeypatch):
     model = VideoDiT(cfg)
     model.set_sparse_attention(spec)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "modulation" in name or "mod_out" in name:
-                p.copy_(0.2 * torch.randn(p.shape))
+        for _, p in model.modulation_parameters():
+            p.copy_(0.2 * torch.randn(p.shape))
     built.clear()
     runs = [loss_and_grads(model) for _ in range(3)]
     assert len(built) == 1   # one build for three forwards

@@ -54,8 +54,8 @@ def _worker(rank, world, port, args, path):
     torch.manual_seed(1)
     model = VideoDiT(cfg).cuda()
     with torch.no_grad():  # AdaLN-zero starts every block as the identity, which would hide attention from the
-        for blk in model.blocks:  # loss: small random modulation weights make the loss check see every block
-            blk.modulation.weight.normal_(0.0, 0.02)
+        for _, p in model.modulation_parameters():  # loss: small random modulation weights make the loss check
+            p.normal_(0.0, 0.02)                     # see every block
     model.set_attention_core(make_core("ulysses", group, num_heads=cfg.heads))
     model.set_fused_elementwise(resolve_fused(args.fused_elementwise, torch.device("cuda")))  # as the entry runs
     model.set_layer_policy(group, LayerPolicy(chunk_candidates=(1, 2)))  # installs the shared RoPE memo too

@@ -94,7 +94,10 @@ VARIANTS = {"guarded": [],  # the defaults: finite check every step
             "recompute_selective_offload": ["--recompute-granularity", "selective", "--recompute-modules",
                                             "outside_core_attn", "--cpu-offloading"],
             "packed": ["--pack-samples"],  # packed steps, uniform SP (needs --max-tokens-per-step in the entry flags)
-            "dynamic_cp": ["--pack-samples", "--dynamic-context-parallel"]}  # the same packs, dynamic SP
+            "dynamic_cp": ["--pack-samples", "--dynamic-context-parallel"],  # the same packs, dynamic SP
+            # the model before 2026-11-29: a Linear(d, 6d) per block for the AdaLN (config.MODULATIONS), the same
+            # FLOPs as the default (Wan's shared projection + tables): the "before" of #68's SP=1 step
+            "modulation_linear": ["--modulation", "linear"]}
 PACKED_VARIANTS = ("packed", "dynamic_cp")  # their results record the pack (pack_info)
 STEP_AGREEMENT_TOL = 0.02  # entry step vs bare step: beyond this the run is flagged
 # block-sparse variants: (selection, target sparsity); their flags depend on the grid (sparse_variant_flags).

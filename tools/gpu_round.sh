@@ -666,6 +666,24 @@ stage_r21_first() {   # 1 GPU, part.aa (local kernel cuDNN): the path added sinc
   suite r21/suite 300 "test_layout_word_copies_bitwise or ((test_ulysses_family or test_packed_family or test_exchange_copies_family) and (2-gloo or 4-gloo))"
   keep r21/words 90 python3 tools/bench_word_copies.py --out $W/r21
 }
+stage_r21_checks() {   # 1 GPU, part.aa (cuDNN; ~6 min): the model's Wan modulation (--modulation wan, the default since
+  # 2026-11-29: one shared time projection plus a table per block) through every DiT family that runs on one GPU:
+  # the entry at SP=2 vs SP=1, fused regions vs eager (bf16 and fp32), packed, dynamic SP, recompute, FSDP2
+  suite r21c/suite 420 "(2-gloo and (test_dit_entry_sp_vs_sp1 or test_dit_fused_regions_match_eager or test_dit_packed_family or test_dit_dynamic_family)) or test_dit_fused_regions_fp32_match_eager or (1-gloo and (test_recompute_family or test_fsdp2_model_vs_unsharded)) or test_fsdp2_entry_vs_unsharded_entry"
+}
+stage_r21_sp1ab() {   # 1 GPU (FA4; ~8 min): #68's SP=1 step before / after in ONE job per size: the per-block Linear
+  # AdaLN (modulation_linear: the model of every figure before 2026-11-29) against Wan's (guarded, the default), same
+  # FLOPs; wan-14b 2 blocks at 32,760 and 75,600 tokens; first the DiT's sparse family on FA4 (the model's gates)
+  suite r21s/suite 150 "test_dit_sparse_family and 2-gloo"
+  local lat
+  for lat in 60x104 90x160; do
+    keep r21s/step_$lat 240 torchrun --nproc-per-node 1 tools/bench_train_step.py --variants \
+      guarded,modulation_linear --out $W/r21s/step_$lat -- "${WAN14[@]}" --frames 21 --latent-size $lat
+  done
+  keep r21s/prof 200 torchrun --nproc-per-node 1 tools/profile_train_step.py --out $W/r21s/prof \
+    --tag wan14b_2l_21x60x104_wanmod --warmup 6 --steps 2 -- "${WAN14[@]}" --frames 21 --latent-size 60x104 \
+    --train-iters 12
+}
 stage_i68_sp1() {   # 1 GPU (FA4; ~6 min): #68's SP=1 step (target >= 63% MFU; 59.1% / 60.5% on 2026-11-25): wan-14b 2
   # blocks at 32,760 and 75,600 tokens, the entry's step time and MFU with its profile by category (the "before")
   local lat

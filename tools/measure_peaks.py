@@ -92,7 +92,7 @@ def main(argv: list | None = None) -> None:
     t0 = time.perf_counter()
     for sharding, recompute, layers, tokens in configs_for(world):
         rc, offload = split_recompute(recompute)
-        key = {"model": "wan-14b", "layers": layers, "tokens": tokens, "sp": world, "gpus": world,
+        key = {"model": "wan-14b", "modulation": "wan", "layers": layers, "tokens": tokens, "sp": world, "gpus": world,
                "sharding": sharding, "recompute": rc, "offload": offload}
         planned = plan("wan-14b", tokens, world, world, sharding, rc, layers, offload=offload).total_gib
         started = time.perf_counter() - t0

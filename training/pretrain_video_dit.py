@@ -25,12 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext import modes  # noqa: E402
 from megatron_sp_ext.config import SPConfig  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
-from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit import VideoDiT  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
 from training.video_dit import deterministic  # noqa: E402
 from training.video_dit.cli import (EntryParser, add_common_args, add_sparse_kernel_arg, build_dataset,  # noqa: E402
                                     check_common_args, check_parallel_size, check_shapes, check_sparse_kernel,
-                                    pick_device, run_dtype, sparse_spec)
+                                    model_config, pick_device, run_dtype, sparse_spec)
 from training.video_dit.sparse import SPARSE_KERNEL_FLAG  # noqa: E402
 from training.video_dit.dynamic import DynamicSP  # noqa: E402
 from training.video_dit.engine import MetricsLog, attention_kernel_line  # noqa: E402
@@ -87,7 +87,7 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
         p.error(fsdp_msg)
     check_common_args(p, args)
     check_sparse_kernel(p, args)
-    cfg = preset(args.model, args.num_layers)
+    cfg = model_config(args)
     args.num_attention_heads, args.tensor_model_parallel_size = cfg.heads, 1
     if len(args.cp_comm_type) != 1:
         p.error("--cp-comm-type: the video DiT takes one value for all layers")
@@ -138,7 +138,7 @@ def _save(args, step, model, opt, rank, position: dict):
 
 def _ckpt_identity(args) -> dict:
     gates = getattr(args, "sparse_topk", None) is not None  # --sparse-topk adds the coarse branch's gates
-    return {"entry": "megatron-core", **ckpt.describe(preset(args.model, args.num_layers), args.model, sparse_gates=gates)}
+    return {"entry": "megatron-core", **ckpt.describe(model_config(args), args.model, sparse_gates=gates)}
 
 
 def _sp_config(args, sp_world: int, dynamic: bool) -> SPConfig:
@@ -180,7 +180,7 @@ def main(argv: Optional[list] = None, return_params: bool = False) -> dict:
 
 
 def _train(args, device, ps, return_params: bool = False) -> dict:
-    cfg = preset(args.model, args.num_layers)
+    cfg = model_config(args)
     check_shapes(args, cfg)
     cp_group, dp_group = ps.get_context_parallel_group(), ps.get_data_parallel_group()
     dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)

@@ -28,13 +28,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from training.video_dit import VideoDiT, preset  # noqa: E402
+from training.video_dit import VideoDiT  # noqa: E402
 from training.video_dit import deterministic  # noqa: E402
 from training.video_dit import ds_checkpoint as ds_ckpt  # noqa: E402
 from training.video_dit.checkpoint import check_resume_step, describe  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
-                                    check_shapes, parallel_size_problem, pick_device, sparse_spec)
+                                    check_shapes, model_config, parallel_size_problem, pick_device, sparse_spec)
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.fused import resolve_fused, resolve_packed  # noqa: E402
 from training.video_dit.dynamic import DynamicSP  # noqa: E402
@@ -147,7 +147,7 @@ def _build(args, ds_cfg: dict, device):
     """The model and the DeepSpeed engine (sequence parallelism from the JSON block)."""
     from megatron_sp_ext.deepspeed import initialize  # noqa: PLC0415
     from megatron_sp_ext.deepspeed.initialize import sp_config_from_deepspeed  # noqa: PLC0415
-    cfg = preset(args.model, args.num_layers)
+    cfg = model_config(args)
     check_shapes(args, cfg)
     ds_cfg.setdefault("train_micro_batch_size_per_gpu", args.micro_batch_size)
     if args.check_for_nan_in_loss_and_grad and ds_cfg.get("bf16", {}).get("enabled"):
@@ -256,7 +256,7 @@ def _train(args, engine, cfg, device, ds_cfg: dict) -> dict:
 
 def _ckpt_identity(args) -> dict:
     gates = getattr(args, "sparse_topk", None) is not None  # --sparse-topk adds the coarse branch's gates
-    return {"entry": "deepspeed", **describe(preset(args.model, args.num_layers), args.model, sparse_gates=gates)}
+    return {"entry": "deepspeed", **describe(model_config(args), args.model, sparse_gates=gates)}
 
 
 def _save(args, engine, step, rank, position: dict):

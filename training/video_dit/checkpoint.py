@@ -258,6 +258,8 @@ def read_run(step_dir: str, expect: dict) -> dict:
                               f"expected {FORMAT!r} (a foreign checkpoint)")
     for key, want in expect.items():
         saved = run.get(key, _IDENTITY_DEFAULTS.get(key))
+        if key == "model" and isinstance(saved, dict) and isinstance(want, dict):  # fields this entry's models have
+            saved = {**{k: v for k, v in _MODEL_DEFAULTS.items() if k in want}, **saved}
         if saved != want:
             raise CheckpointError(f"{step_dir}: {_mismatch(key, saved, want)}")
     for rel, size in run.get("files", {}).items():
@@ -272,6 +274,8 @@ def read_run(step_dir: str, expect: dict) -> dict:
 
 # identity keys added later: what a checkpoint written before them had
 _IDENTITY_DEFAULTS = {"sparse_gates": False}
+# model fields added later, likewise: checkpoints written before 2026-11-29 hold a Linear per block (--modulation)
+_MODEL_DEFAULTS = {"modulation": "linear"}
 
 _ENTRY_SCRIPT = {"megatron-core": "training/pretrain_video_dit.py", "deepspeed": "training/train_deepspeed.py",
                  "diffusers-wan": "training/train_wan_diffusers.py"}
@@ -282,8 +286,9 @@ def _mismatch(key: str, saved, now) -> str:
     if key == "model" and isinstance(saved, dict) and isinstance(now, dict):
         diff = [f"{k}: {saved.get(k)!r} saved, {now.get(k)!r} now"
                 for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-        return (f"another model ({'; '.join(diff)}); resume with the saved --model / --num-layers "
-                f"(--model {saved.get('preset')} --num-layers {saved.get('layers')})")
+        return (f"another model ({'; '.join(diff)}); resume with the saved --model / --num-layers / --modulation "
+                f"(--model {saved.get('preset')} --num-layers {saved.get('layers')} --modulation "
+                f"{saved.get('modulation')})")
     if key == "optimizer_impl":
         return (f"saved by the {saved!r} optimizer, this run uses {now!r}; resume with --ddp-impl {saved} "
                 f"(--ddp-impl auto picks megatron on CUDA, torch on CPU; the two optimizer formats do not convert)")

@@ -13,7 +13,7 @@ from megatron_sp_ext.errors import SPConfigError
 
 from . import deterministic
 from .checkpoint import add_checkpoint_args
-from .config import PRESETS
+from .config import MODULATIONS, PRESETS, DiTConfig, preset
 from .data import LatentFileError, LatentShardDataset, SyntheticVideoLatents
 from .faults import job_rank
 from .logs import add_log_level_arg
@@ -53,10 +53,19 @@ def parallel_size_problem(name: str, size: object, world: int) -> str:
     return ""
 
 
+def model_config(args: argparse.Namespace) -> DiTConfig:
+    """The entry's model: --model's preset with --num-layers and --modulation."""
+    return preset(args.model, args.num_layers, getattr(args, "modulation", None))
+
+
 def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("video DiT")
     g.add_argument("--model", default="tiny", choices=list(PRESETS), help="model preset")
     g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    g.add_argument("--modulation", default="wan", choices=list(MODULATIONS),
+                   help="how the timestep reaches the blocks' AdaLN: wan (one shared time projection plus a table "
+                        "per block, as Wan 2.1; default) or linear (a Linear per block, DiT-style: this project's "
+                        "model before 2026-11-29, 6.3B more parameters at wan-14b's 40 blocks)")
     g.add_argument("--frames", default="4", help="comma list of latent frame counts, cycled per sample")
     g.add_argument("--latent-size", default="8x8", help="latent HxW (before the 2x2 patch); a comma list (e.g. "
                    "60x104,48x84) is cycled per sample independently of --frames")

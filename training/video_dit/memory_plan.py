@@ -62,6 +62,8 @@ import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from .config import MODULATIONS
+
 GIB = float(1 << 30)
 WORKSPACE_GIB = 1.0
 H200_USABLE_GIB = 139.0
@@ -69,7 +71,8 @@ MAX_VALIDATION_ERROR = 0.10
 SHARDINGS = ("none", "distributed-optimizer", "fsdp", "zero3")
 RECOMPUTES = ("none", "full", "selective")
 PEAKS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_peaks.json")
-POINT_KEYS = ("model", "layers", "tokens", "sp", "gpus", "sharding", "recompute")
+# "modulation": the model's --modulation (config.MODULATIONS); every point measured before 2026-11-29 is "linear"
+POINT_KEYS = ("model", "modulation", "layers", "tokens", "sp", "gpus", "sharding", "recompute")
 # bytes per local token per layer a block keeps between forward and backward, in units of dim (bf16 tensors)
 KEEP_FULL = 2          # the block's input
 KEEP_SELECTIVE_SP1 = 10  # input + the core's q, k, v, out (its out is the second region's input)
@@ -109,11 +112,11 @@ class Plan:
     recompute_layers: int = 0   # how many blocks (the first ones) recompute; the rest keep every activation
 
 
-def param_counts(model: str, layers: int | None) -> tuple[int, int]:
-    """(all parameters, parameters of one block), counted on the meta device."""
+def param_counts(model: str, layers: int | None, modulation: str = "wan") -> tuple[int, int]:
+    """(all parameters, parameters of one block), counted on the meta device (--modulation: config.MODULATIONS)."""
     import torch  # noqa: PLC0415
     from training.video_dit import VideoDiT, preset  # noqa: PLC0415
-    cfg = preset(model, layers)
+    cfg = preset(model, layers, modulation)
     with torch.device("meta"):
         m = VideoDiT(cfg)
     return sum(p.numel() for p in m.parameters()), sum(p.numel() for p in m.blocks[0].parameters())
@@ -133,11 +136,12 @@ def kept_per_layer(recompute: str, offload: bool, sp: int, dim: int, heads: int,
 
 def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", recompute: str = "none",
          layers: int | None = None, gpu_gib: float = H200_USABLE_GIB, act_bytes: float | None = None,
-         offload: bool = False, recompute_layers: int | None = None) -> Plan:
+         offload: bool = False, recompute_layers: int | None = None, modulation: str = "wan") -> Plan:
     """The per-GPU memory of one training step (see the module docstring for the model); ``act_bytes``: the
     activation constant (default: fitted to the "fit" points of PEAKS_FILE); ``offload``: --cpu-offloading;
     ``recompute_layers``: --recompute-num-layers (the first N blocks recompute, the others keep everything as
-    without recompute; default all)."""
+    without recompute; default all); ``modulation``: the model's --modulation (config.MODULATIONS: "linear" has a
+    Linear(d, 6d) per block)."""
     from training.video_dit import preset  # noqa: PLC0415
     if sharding not in SHARDINGS:
         raise ValueError(f"--sharding={sharding!r}: choose one of {', '.join(SHARDINGS)}")
@@ -149,13 +153,13 @@ def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", re
     if sp < 1 or gpus % sp:
         raise ValueError(f"--gpus={gpus} must be a multiple of --sp={sp}")
     c = fitted_act_bytes() if act_bytes is None else act_bytes
-    cfg = preset(model, layers)
+    cfg = preset(model, layers, modulation)
     if recompute_layers is not None and (recompute == "none" or not 0 <= recompute_layers <= cfg.layers):
         raise ValueError(f"--recompute-num-layers={recompute_layers}: " + (
             "needs a recompute choice (full or selective)" if recompute == "none" else
             f"the model has {cfg.layers} layers"))
     n_rc = 0 if recompute == "none" else cfg.layers if recompute_layers is None else recompute_layers
-    n, n_blk = param_counts(model, layers)
+    n, n_blk = param_counts(model, layers, modulation)
     n_root = n - cfg.layers * n_blk
     fsdp = sharding in ("fsdp", "zero3")
     shard = gpus if fsdp else 1
@@ -223,13 +227,13 @@ def plan(model: str, tokens: int, sp: int, gpus: int, sharding: str = "none", re
 
 def fewest_recomputed_layers(model: str, tokens: int, sp: int, gpus: int, sharding: str, recompute: str,
                              layers: int | None = None, gpu_gib: float = H200_USABLE_GIB, offload: bool = False,
-                             margin: float = MAX_VALIDATION_ERROR) -> int | None:
+                             margin: float = MAX_VALIDATION_ERROR, modulation: str = "wan") -> int | None:
     """The smallest --recompute-num-layers whose plan stays within ``gpu_gib`` less ``margin`` (the plan's
     validated error): the fewest blocks to rerun; None when even every block recomputed does not fit."""
     from training.video_dit import preset  # noqa: PLC0415
     for n in range(preset(model, layers).layers + 1):
         if plan(model, tokens, sp, gpus, sharding, recompute, layers, gpu_gib, offload=offload,
-                recompute_layers=n).total_gib <= gpu_gib * (1.0 - margin):
+                recompute_layers=n, modulation=modulation).total_gib <= gpu_gib * (1.0 - margin):
             return n
     return None
 
@@ -241,6 +245,9 @@ def load_points(path: str = PEAKS_FILE) -> list:
     for pt in points:
         if pt.get("role") not in ("fit", "validate"):
             raise ValueError(f"{path}: every point needs role fit or validate; got {pt}")
+        if pt.get("modulation") not in MODULATIONS:
+            raise ValueError(f"{path}: every point needs the model's modulation, one of {', '.join(MODULATIONS)} "
+                             f"(config.MODULATIONS); got {pt}")
     return points
 
 
@@ -252,8 +259,9 @@ def fit_act_bytes(points: list) -> float:
         if pt["role"] != "fit":
             continue
         args = [pt[k] for k in ("model", "tokens", "sp", "gpus", "sharding", "recompute")]
-        at0 = plan(*args, layers=pt["layers"], act_bytes=0.0, offload=pt.get("offload", False)).total_gib
-        at1 = plan(*args, layers=pt["layers"], act_bytes=1.0, offload=pt.get("offload", False)).total_gib
+        kw = {"layers": pt["layers"], "offload": pt.get("offload", False), "modulation": pt["modulation"]}
+        at0 = plan(*args, act_bytes=0.0, **kw).total_gib
+        at1 = plan(*args, act_bytes=1.0, **kw).total_gib
         a, rest = (at1 - at0) / pt["peak_gib"], at0 / pt["peak_gib"]
         num += a * (1.0 - rest)
         den += a * a
@@ -275,7 +283,8 @@ def validate(path: str = PEAKS_FILE) -> list[dict]:
     rows = []
     for pt in points:
         pl = plan(pt["model"], pt["tokens"], pt["sp"], pt["gpus"], pt["sharding"], pt["recompute"], pt["layers"],
-                  act_bytes=c, offload=pt.get("offload", False), recompute_layers=pt.get("recompute_layers"))
+                  act_bytes=c, offload=pt.get("offload", False), recompute_layers=pt.get("recompute_layers"),
+                  modulation=pt["modulation"])
         rows.append({**{k: pt[k] for k in POINT_KEYS}, "offload": pt.get("offload", False),
                      "recompute_layers": pt.get("recompute_layers"), "role": pt["role"],
                      "date": pt.get("date", ""), "derived": bool(pt.get("derived", False)), "phase": pl.peak_phase,
@@ -319,7 +328,7 @@ def markdown(rows: list) -> str:
     for r in rows:
         rc = r["recompute"] + (f" (first {r['recompute_layers']})" if r.get("recompute_layers") is not None else "") \
             + (" + offload" if r.get("offload") else "")
-        out.append(f"| {r['role']} | {r['model']} | {r['layers']} | {r['tokens']:,} | {r['sp']} | {r['gpus']} | "
+        out.append(f"| {r['role']} | {r['model']} ({r['modulation']}) | {r['layers']} | {r['tokens']:,} | {r['sp']} | {r['gpus']} | "
                    f"{r['sharding']} | {rc} | {r['plan_gib']:.1f} | {r['measured_gib']:.1f}{' (derived)' if r.get('derived') else ''} | "
                    f"{r['error']:+.1%} | {r['phase']} | {r['device']} | {r.get('date', '')} |")
     return "\n".join(out)
@@ -359,6 +368,8 @@ def main(argv: list | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="wan-14b")
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--modulation", default="wan", choices=list(MODULATIONS),
+                    help="the entry's --modulation (linear: a Linear per block, the model before 2026-11-29)")
     ap.add_argument("--tokens", type=int, default=75600)
     ap.add_argument("--sp", type=int, default=8)
     ap.add_argument("--gpus", type=int, default=8)
@@ -406,7 +417,7 @@ def main(argv: list | None = None) -> int:
     try:
         if a.recompute_num_layers == "auto":
             n_rc = fewest_recomputed_layers(a.model, a.tokens, a.sp, a.gpus, a.sharding, a.recompute, a.layers,
-                                            a.gpu_gib, a.offload)
+                                            a.gpu_gib, a.offload, modulation=a.modulation)
             if n_rc is None:
                 ap.error(f"--recompute-num-layers auto: --recompute {a.recompute} does not fit {a.gpu_gib} GiB "
                          f"less 10% even with every block recomputed; try more GPUs, a larger --sp or --offload")
@@ -418,7 +429,7 @@ def main(argv: list | None = None) -> int:
                 ap.error(f"--recompute-num-layers={a.recompute_num_layers!r}: a block count or auto")
         plans = table(a.gpu_gib) if a.table else [plan(a.model, a.tokens, a.sp, a.gpus, a.sharding, a.recompute,
                                                          a.layers, a.gpu_gib, offload=a.offload,
-                                                         recompute_layers=n_rc)]
+                                                         recompute_layers=n_rc, modulation=a.modulation)]
     except ValueError as e:
         ap.error(str(e))
     if a.json:

@@ -342,9 +342,14 @@ class Block(nn.Module):
         self.cross = CrossAttention(cfg)
         self.norm3 = nn.LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn, cfg.dim))
-        self.modulation = nn.Linear(cfg.dim, 6 * cfg.dim)
-        nn.init.zeros_(self.modulation.weight)  # AdaLN-zero: every block starts as the identity
-        nn.init.zeros_(self.modulation.bias)
+        # AdaLN-zero: the modulation starts at zero, every block as the identity (config.MODULATIONS)
+        self.linear_modulation = cfg.modulation == "linear"
+        if self.linear_modulation:
+            self.modulation = nn.Linear(cfg.dim, 6 * cfg.dim)
+            nn.init.zeros_(self.modulation.weight)
+            nn.init.zeros_(self.modulation.bias)
+        else:  # "wan": VideoDiT.time_proj's output plus this table
+            self.scale_shift_table = nn.Parameter(torch.zeros(1, 6 * cfg.dim))
         self.recompute_block = False  # --recompute-granularity full: keep only the block's input
         self.recompute_mlp = False    # selective mlp: recompute the FFN (its [S, ffn] activations)
         # selective outside_core_attn: recompute all of the block but the self-attention core (which keeps q, k, v,
@@ -355,6 +360,8 @@ class Block(nn.Module):
 
     def forward(self, x, t_emb, ctx, angles, kv_valid_len, pack: Optional[PackInfo] = None, cu=None,
                 sparse: Optional[SparseStep] = None):
+        """x [B, S_local, d]; t_emb: the step's timestep input, [B, 6d] (modulation "wan": the shared time
+        projection) or [B, d] ("linear": the time embedding); ctx [B, L, d] text."""
         if self.cpu_offload and torch.is_grad_enabled():
             with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda):
                 return self._dispatch(x, t_emb, ctx, angles, kv_valid_len, pack, cu, sparse)
@@ -367,6 +374,13 @@ class Block(nn.Module):
         if self.recompute_outside_core and torch.is_grad_enabled():
             return self._forward_keep_core(x, t_emb, ctx, angles, kv_valid_len, pack, cu, sparse)
         return self._forward(x, t_emb, ctx, angles, kv_valid_len, pack, cu, sparse)
+
+    def modulation_rows(self, t_emb: torch.Tensor) -> torch.Tensor:
+        """The block's AdaLN rows [B, 6d] in t_emb's dtype: "linear": its Linear of SiLU(t_emb [B, d]); "wan": the
+        shared projection t_emb [B, 6d] plus the block's table, summed in fp32 (config.MODULATIONS)."""
+        if self.linear_modulation:
+            return self.modulation(F.silu(t_emb))
+        return (t_emb.float() + self.scale_shift_table.float()).to(t_emb.dtype)
 
     def _modulations(self, mod: torch.Tensor, pack: Optional[PackInfo]) -> tuple:
         """The six AdaLN chunks (shift, scale, gate of the attention; of the FFN) of ``mod`` [B, 6d]."""
@@ -408,7 +422,7 @@ class Block(nn.Module):
                                 "the fused async / all-gather block forms (--sp-async-qkv on / allgather / auto) have "
                                 "no such split; use --sp-async-qkv off, or --recompute-modules core_attn")
         self.attn.check_path(cu, sparse)
-        mod = self.modulation(F.silu(t_emb))
+        mod = self.modulation_rows(t_emb)
         layout = self.attn.packed_layout(x)
         parts = checkpoint(self._before_core, x, mod, angles, layout, pack, sparse, use_reentrant=False)
         o = self.attn.attend(parts, layout, kv_valid_len, cu, sparse)
@@ -420,7 +434,7 @@ class Block(nn.Module):
         self-attention, --sparse-attention tiles; the cross-attention stays dense)."""
         ops = self.ops
         act = linear_input_dtype(x)  # the norms' outputs feed Linears: their autocast cast happens in the region
-        mod = self.modulation(F.silu(t_emb))
+        mod = self.modulation_rows(t_emb)
         sh1, sc1, g1, sh2, sc2, g2 = self._modulations(mod, pack)
         y = ops.ln_modulate(x, sc1, sh1, self.norm1.eps, act)
         if sparse is not None:
@@ -452,12 +466,18 @@ class VideoDiT(nn.Module):
         self.text_embed = nn.Sequential(nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"),
                                         nn.Linear(cfg.dim, cfg.dim))
         self.time_embed = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
+        if cfg.modulation == "linear":  # config.MODULATIONS
+            self.mod_out = nn.Linear(cfg.dim, 2 * cfg.dim)
+            nn.init.zeros_(self.mod_out.weight)
+            nn.init.zeros_(self.mod_out.bias)
+        else:  # "wan": one projection for every block (each adds its table); the head adds its table to t_emb
+            self.time_proj = nn.Linear(cfg.dim, 6 * cfg.dim)
+            nn.init.zeros_(self.time_proj.weight)  # AdaLN-zero with the blocks' zero tables
+            nn.init.zeros_(self.time_proj.bias)
+            self.scale_shift_table = nn.Parameter(torch.zeros(1, 2 * cfg.dim))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm_out = nn.LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
-        self.mod_out = nn.Linear(cfg.dim, 2 * cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.patch_volume)
-        nn.init.zeros_(self.mod_out.weight)
-        nn.init.zeros_(self.mod_out.bias)
         self.rope_cache = RopeCache()
         self.ops = ElementwiseOps()
         self.sparse: Optional[SparseSpec] = None  # --sparse-attention tiles (set_sparse_attention)
@@ -571,17 +591,18 @@ class VideoDiT(nn.Module):
     def forward(self, patches, t, text, token_ids, grid, kv_valid_len=None, pack: Optional[PackInfo] = None):
         x = self.patch_embed(patches)
         t_emb = self.time_embed(timestep_embedding(t, self.cfg.freq_dim).to(x.dtype))
+        t_blocks = t_emb if self.cfg.modulation == "linear" else self.time_proj(F.silu(t_emb))
         ctx = self.text_embed(text)
         if pack is None and self.sparse is not None:
             angles = self.rope_cache.get(token_ids, grid, self.cfg.head_dim, x.device)
             step = self.sparse_cache.get(self.sparse, token_ids, grid,
                                          getattr(self.blocks[0].attn.core, "group", None), x.device)
             for blk in self.blocks:
-                x = blk(x, t_emb, ctx, angles, kv_valid_len, sparse=step)
+                x = blk(x, t_blocks, ctx, angles, kv_valid_len, sparse=step)
         elif pack is None:
             angles = self.rope_cache.get(token_ids, grid, self.cfg.head_dim, x.device)
             for blk in self.blocks:
-                x = blk(x, t_emb, ctx, angles, kv_valid_len)
+                x = blk(x, t_blocks, ctx, angles, kv_valid_len)
         else:
             if self.sparse is not None:
                 raise SPConfigError(f"{PACK_FLAG} cannot run {SPARSE_FLAG} tiles (one block mask per sequence)")
@@ -591,7 +612,19 @@ class VideoDiT(nn.Module):
             angles = self.rope_cache.get_packed(token_ids, pack.local_lens, pack.grids, self.cfg.head_dim, x.device)
             cu = pack.cu_tensor() if pack.dynamic is None else pack.dynamic  # dynamic SP: the core takes the plan
             for blk in self.blocks:
-                x = blk(x, t_emb, ctx, angles, None, pack, cu)
-        shift, scale = per_token(self.mod_out(F.silu(t_emb)), pack).chunk(2, dim=-1)
+                x = blk(x, t_blocks, ctx, angles, None, pack, cu)
+        shift, scale = per_token(self.head_modulation(t_emb), pack).chunk(2, dim=-1)
         return self.head(self.ops.ln_modulate(x, scale, shift, self.norm_out.eps))
 
+    def head_modulation(self, t_emb: torch.Tensor) -> torch.Tensor:
+        """The head's shift | scale [B, 2d] from the time embedding t_emb [B, d] (config.MODULATIONS): "wan" adds
+        the head's table to t_emb itself (fp32 sum, t_emb's dtype), "linear" runs its Linear on SiLU(t_emb)."""
+        if self.cfg.modulation == "linear":
+            return self.mod_out(F.silu(t_emb))
+        return (t_emb.float().repeat(1, 2) + self.scale_shift_table.float()).to(t_emb.dtype)
+
+    def modulation_parameters(self) -> list:
+        """(name, parameter) of every AdaLN-zero modulation parameter (config.MODULATIONS; all zero at init, every
+        block the identity): tests and benchmarks give them random values so that every block reaches the loss."""
+        keys = ("modulation.", "mod_out.", "time_proj.", "scale_shift_table")
+        return [(n, p) for n, p in self.named_parameters() if any(k in n for k in keys)]
