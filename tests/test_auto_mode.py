@@ -308,10 +308,10 @@ def _fixed_mode_logged(rank, world, mode, sparse):
     return d.messages
 
 
-@pytest.mark.parametrize("mode,sparse,lines", [("auto", True, 1), ("hcms", True, 0), ("auto", False, 0)])
+@pytest.mark.parametrize("mode,sparse,lines", [("auto", True, 0), ("hcms", True, 0), ("auto", False, 0)])
 def test_auto_names_its_mode_for_block_mask_calls(mode, sparse, lines):
-    """auto's block-sparse calls run its baseline, said once per model however many calls and layers run; a fixed
-    mode says nothing, nor does auto on calls it calibrates (CPU: its baseline, silently)."""
+    """auto calibrates block-sparse calls like dense ones (CPU: its baseline, silently; no "fixed mode" line); a
+    fixed mode says nothing."""
     for messages in run_ranks(_fixed_mode_logged, 2, mode, sparse):
         fixed = [m for m in messages if "for calls with" in m]
         assert len(fixed) == lines, messages
@@ -334,3 +334,50 @@ def test_auto_resolved_statically_says_so_once():
     for mode, messages in run_ranks(_too_few_heads_logged, 4):
         fixed = [m for m in messages if "for calls with" in m]
         assert mode != "hcms" and len(fixed) == 1 and f"auto mode -> {mode}" in fixed[0], messages
+
+
+def _forced_branches_block_mask(rank, world):
+    """auto with a block mask: each candidate forced through the real calibration (timed WITH the mask), then the
+    pick serves the call; output and gradients against the float64 masked reference; the choice is keyed by the
+    mask's shape and tile size (another mask of that shape reuses it, another tile size calibrates again)."""
+    from megatron_sp_ext.attention import block_sparse as bsp
+    from tests.test_block_sparse import check_case, random_mask, window_mask
+    group = dist.group.WORLD
+    s, bs, h, hkv = 2 * world * 7, 9, 2 * world, world
+    t = bsp.num_tiles(s, bs)
+    picks = ["hcms", "ring"] + (["tasp"] if world > 2 else [])
+    n = 0
+    for causal, placement in ((False, "contiguous"), (True, "zigzag")):
+        for pick in picks:
+            cfg = SPConfig(mode="auto", head_chunks=2)
+            policy = ModePolicy(timer=forcing_timer(pick), timed_devices=("cpu",), rounds=3, warmup=1)
+            attn = make_attention(cfg, group, num_heads=h, num_kv_heads=hkv, placement=placement,
+                                  resources=SPResources(cfg, mode_policy=policy))
+            ran = _counting(attn)
+            for i, mask in enumerate((random_mask(3 + n, h, t, keep=0.4), window_mask(t).expand(h, t, t))):
+                ran.clear()
+                check_case(lambda q, k, v, m=mask: attn(q, k, v, causal=causal, block_mask=m, block_size=bs), rank,
+                           world, s=s, h=h, hkv=hkv, d=8, bs=bs, block_mask=mask, causal=causal,
+                           placement=placement, seed=n)
+                # the first mask calibrates every candidate (with the mask), then runs the pick; the second, of the
+                # same shape, reuses the choice
+                assert (set(ran[:-1]) == set(picks) if i == 0 else ran[:-1] == []) and ran[-1] == pick, (pick, ran)
+                n += 1
+            assert len(policy.cache) == 1 and any("block_mask" in key for key in policy.cache)
+            # another tile size: calibrated again (its own key)
+            ran.clear()
+            bs2 = 7
+            t2 = bsp.num_tiles(s, bs2)
+            check_case(lambda q, k, v: attn(q, k, v, causal=causal, block_mask=window_mask(t2), block_size=bs2),
+                       rank, world, s=s, h=h, hkv=hkv, d=8, bs=bs2, block_mask=window_mask(t2), causal=causal,
+                       placement=placement, seed=n)
+            assert set(ran[:-1]) == set(picks) and len(policy.cache) == 2
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_auto_block_mask_every_branch_matches_float64(world):
+    """#69 item 3: auto picks the mode per block-sparse call shape (Ulysses/HCMS, the ring with its skip tables,
+    TASP), timed with the call's mask."""
+    assert run_ranks(_forced_branches_block_mask, world, timeout=300)[0] == 2 * (2 + (world > 2)) * 3

@@ -133,26 +133,31 @@ class SPAttention:
                      "shape on plain dense calls only", self.mode, self.chunks, reason)
 
     def mode_for(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
-               softmax_scale: Optional[float] = None) -> str:
+                 softmax_scale: Optional[float] = None, tiles: Optional[dict] = None) -> str:
         """auto: "hcms" (Ulysses/HCMS, the baseline), "ring", or "tasp" (groups of more than 2 ranks) for this
         shape (``chooser`` or the ModePolicy's calibration, once per key, see sp.calibration; off CUDA: the
-        baseline). The three compute the same attention (tests/test_auto_mode.py)."""
+        baseline). The three compute the same attention (tests/test_auto_mode.py). ``tiles``: a block-sparse call's
+        block_mask / block_size: the candidates are timed with that mask (the ring skips the steps and transfers
+        it leaves empty, Ulysses moves every token), once per mask shape and tile size: later masks of the same
+        shape (a top-k mask changes every step) reuse the choice, which changes speed only, never the result."""
         if self.chooser is not None:
             return self.chooser(q, k, causal, kv_valid_len)
         candidates = {self.mode: lambda a, b, c: self._ulysses(a, b, c, causal, softmax_scale, kv_valid_len, 0.0,
-                                                                None)}
+                                                                None, tiles=tiles)}
         for variant in RING_MODES:   # TASP's n-1 rings differ from the ring only beyond 2 ranks
-            if self.world > 2 or not modes.get(variant).multi_ring:
+            if (self.world > 2 or not modes.get(variant).multi_ring) and (tiles is None or
+                                                                           modes.get(variant).block_mask):
                 candidates[variant] = (lambda a, b, c, var=variant:
-                                       self._ring(a, b, c, var, causal, softmax_scale, kv_valid_len))
+                                       self._ring(a, b, c, var, causal, softmax_scale, kv_valid_len, tiles=tiles))
         if p2p_unavailable_reason(self.group, q.device) is not None:   # never tried: it would break the group
             candidates = {m: f for m, f in candidates.items() if not needs_p2p(m, self.world)}
         if len(candidates) == 1:
             self._say_fixed_mode("no point-to-point path in this group (the ring modes need one)")
             return next(iter(candidates))
+        mask_key = () if tiles is None else ("block_mask", tuple(tiles["block_mask"].shape), tiles["block_size"])
         return self.res.mode_policy.fastest_for(q, k, self.group, candidates, extra_key=(
             causal, kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
-            getattr(self.backend, "name", type(self.backend).__name__)), fwd_bwd=self.training)
+            getattr(self.backend, "name", type(self.backend).__name__), *mask_key), fwd_bwd=self.training)
 
     def _ulysses(self, q, k, v, causal, scale, kv_valid_len, dropout_p, local_attention, cu_seqlens=None,
                  tiles=None):
@@ -180,8 +185,8 @@ class SPAttention:
         cu_seqlens: packed variable-length samples (B=1; cumulative lengths over the full sequence, every rank the
         same; shards in the per-sample placement of ``shard_sequence``): every mode (auto stays on Ulysses/HCMS).
         block_mask / block_size: block-sparse attention (bool [H or 1, T, T] tiles over the full sequence in global
-        order, T = ceil(S / block_size); attention/block_sparse.py) in every mode (auto does not switch per shape
-        with it); not with cu_seqlens, dropout_p or local_attention."""
+        order, T = ceil(S / block_size); attention/block_sparse.py) in every mode (auto times its candidates with
+        the mask, once per mask shape: ``mode_for``); not with cu_seqlens, dropout_p or local_attention."""
         tiles = None
         if block_mask is not None:
             if local_attention is not None:
@@ -205,12 +210,12 @@ class SPAttention:
                                 f"({self.cfg.name('backend')}), not a caller's local attention: use "
                                 f"{modes.listing(modes.names(local_attention=True))}")
         mode = self.mode
-        if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None and tiles is None:
-            picked = self.mode_for(q, k, causal, kv_valid_len, softmax_scale)
+        if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None:
+            picked = self.mode_for(q, k, causal, kv_valid_len, softmax_scale, tiles)
             mode = picked if picked in RING_MODES else self.mode
         elif self.auto_asked:
             self._say_fixed_mode(
-                "a block mask" if tiles is not None else "packed samples" if cu_seqlens is not None
+                "packed samples" if cu_seqlens is not None
                 else "attention dropout" if dropout_p > 0.0 or self.cfg.dropout_p > 0.0
                 else "a caller's local attention" if local_attention is not None
                 else f"{self.num_heads} heads over {self.world} ranks (resolved once, not per shape)")
