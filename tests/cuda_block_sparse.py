@@ -107,7 +107,8 @@ def fa4_block_sparse_family(rank: int, world: int) -> list:
     instead of moving to another kernel): 128-token tiles (full kernel blocks) and 64-token tiles (partial blocks
     through the mask_mod); masks random per head with an empty query-tile row, a window, all-True; causal (zigzag /
     tasp_zigzag) and not (contiguous); GQA 8/2; bf16. out, dq, dk, dv against float64. P=2: ulysses, hcms (C=2),
-    ring: 2 tiles x (2 masks + all-True at 128) x 2 causal x 3 = 30. P=4 also tasp, usp (C=2), torus (tas): 60."""
+    ring, the factory's auto: 2 tiles x (2 masks + all-True at 128) x 2 causal x 4 = 40. P=4 also tasp, usp (C=2),
+    torus (tas): 70."""
     s = (2048 if world == 2 else 3072) // SHRINK   # zigzag pieces of 128 at P=2/4; tasp_zigzag: 2P(P-1) | s at P=4
     return named_kernel_family(rank, world, "fa4", "fa4", s=s, d=64, all_true_tiles=(128,))
 
@@ -118,8 +119,8 @@ def cudnn_block_sparse_family(rank: int, world: int) -> list:
     kernel): 128- and 64-token tiles (its native blocks); masks random
     per head with an empty query-tile row, a window, all-True (at both tiles); causal (zigzag / tasp_zigzag: the
     diagonal blocks on FA4, merged by lse) and not (contiguous); GQA 8/2 (k/v expanded for its MHA backward); bf16,
-    head dim 128 (its SM90 backward's). out, dq, dk, dv against float64. P=2: ulysses, hcms (C=2), ring: 2 tiles x
-    3 masks x 2 causal x 3 = 36. P=4 also tasp, usp (C=2), torus (tas): 72. Every rank's rows stay whole 64-token
+    head dim 128 (its SM90 backward's). out, dq, dk, dv against float64. P=2: ulysses, hcms (C=2), ring, the
+    factory's auto: 2 tiles x 3 masks x 2 causal x 4 = 48. P=4 also tasp, usp (C=2), torus (tas): 84. Every rank's rows stay whole 64-token
     blocks (tasp_zigzag's 2P(P-1) pieces of 128 at P=4; CPU dry runs shrink s to pieces of 64)."""
     s = (2048 if world == 2 else 3072) // (min(SHRINK, 4) if world == 2 else min(SHRINK, 2))
     be = backends.with_tile_kernel("auto", "cudnn_block_sparse")
@@ -134,6 +135,15 @@ MASKS = ("random", "window", "all")
 HEADS = (8, 2)
 CAUSAL = (False, True)
 MODES = None   # None: every mode of the world size; else the names to run
+
+
+def _auto(group, h: int, hkv: int, placement: str, backend):
+    """The factory's mode "auto" (SPAttention: block-sparse calls calibrated with their mask) on ``backend``."""
+    from megatron_sp_ext.config import SPConfig  # noqa: PLC0415
+    from megatron_sp_ext.sp.factory import SPResources, make_attention  # noqa: PLC0415
+    cfg = SPConfig(mode="auto")
+    return make_attention(cfg, group, num_heads=h, num_kv_heads=hkv, placement=placement, backend=backend,
+                          resources=SPResources(cfg))
 
 
 def named_kernel_family(rank: int, world: int, kernel: str, backend, *, s: int, d: int,
@@ -163,6 +173,10 @@ def named_kernel_family(rank: int, world: int, kernel: str, backend, *, s: int, 
                          ("hcms C=2", lambda a, b, c, m: spx.ulysses_attention(a, b, c, g, head_chunks=2,
                                                                                 block_mask=m, **kw)),
                          ("ring", lambda a, b, c, m: spx.ring_attention(a, b, c, g, block_mask=m, **kw))]
+                # the factory's "auto": over NCCL it times Ulysses/HCMS, the ring and TASP with the mask and runs the
+                # fastest (gloo on CUDA has no point-to-point path: its baseline); a fresh one per case
+                modes.append(("auto", lambda a, b, c, m, cz=causal, pl=placement, bsz=bs: _auto(
+                    g, h, hkv, pl, backend)(a, b, c, causal=cz, block_mask=m, block_size=bsz)))
                 if world == 4:
                     tkw = dict(kw, placement="tasp_zigzag" if causal else "contiguous")
                     modes += [("tasp", lambda a, b, c, m: spx.ring_attention(a, b, c, g, variant="tasp",

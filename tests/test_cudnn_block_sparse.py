@@ -219,7 +219,7 @@ def test_cuda_cudnn_block_sparse_family_dry_run_on_cpu(monkeypatch, world, tile,
     monkeypatch.setattr(fam, "CAUSAL", (False, True) if world == 2 else (False,))
     monkeypatch.setattr(fam, "MODES", None if world == 2 else ("tasp", "usp C=2", "torus tas"))
     for per_rank in run_ranks(fam.cudnn_block_sparse_family, world, timeout=300):
-        assert len(per_rank) == {2: 18, 4: 3}[world]
+        assert len(per_rank) == {2: 24, 4: 3}[world]
         assert all(f"bs={tile} " in r["case"] and r["family"] == "cudnn_block_sparse" for r in per_rank)
         for r in per_rank:
             assert not verdict(r), (verdict(r), r)
