@@ -519,7 +519,11 @@ stage_r9a() {   # 1 GPU then 4: the fused Wan RoPE bitwise against diffusers' op
 # 2026-11-27 night, 4 x H100 (nvidia-h100-x4; no 4 x H200 lent): call 1 (part.aa + .ds): i70_ds@0,1
 #   r10_rope+i70_resume@2,3 | call 2 (part.ab): r10_d4 i70_transport | call 3 (part.ac, FA4): r10_65@0,1 r8d69a@2
 #   r8d69b@3 | call 4: r10_67.
-# NEXT SESSION (after 2026-11-28 20:12, results/2026-11-28_h200x4_2010): 4 GPUs: call 1 (part.aa + manifest + commit):
+# NEXT SESSION (after 2026-11-29 00:16, results/2026-11-29_h200: one H200 only; the plan below is still open). First
+#   on any machine: the paths 53053cb..e4c57d6 added: the DiT families on Wan's AdaLN where they need FA4 (the DiT
+#   sparse family: 6 of 18 ran) and the block-sparse families with the factory's auto (r16_cudnn2 / r16_cudnn4:
+#   over NCCL auto calibrates with the mask), before any timing.
+# Before (after 2026-11-28 20:12, results/2026-11-28_h200x4_2010): 4 GPUs: call 1 (part.aa + manifest + commit):
 #   i70_dyn_check (P=2 and P=4) | call 2 (part.ab): i68_views32@0,1 r16_prof69@2,3 | call 3: i70_dyn4 |
 #   call 4 (.te): i68_cp4_nv with I68_SEQLENS=131072 | call 5: i68_cp2_host (I68_SEQLENS=131072, DEADLINE_S=560).
 #   i68_sp1 (one GPU) beside a 2-GPU stage, e.g. call 5: i68_cp2_host@0,1 i68_sp1@2 (FA4 installed by then).
