@@ -354,7 +354,17 @@ def _forced_branches_block_mask(rank, world):
             attn = make_attention(cfg, group, num_heads=h, num_kv_heads=hkv, placement=placement,
                                   resources=SPResources(cfg, mode_policy=policy))
             ran = _counting(attn)
+            masks_seen = []   # the block_mask each branch call was given
+
+            def seeing(fn, at):   # ``tiles`` is the runner's argument ``at`` (positional or by keyword)
+                def run(*a, **kw):
+                    tiles = kw["tiles"] if "tiles" in kw else a[at] if len(a) > at else None
+                    masks_seen.append(tiles and tiles["block_mask"])
+                    return fn(*a, **kw)
+                return run
+            attn._ulysses, attn._ring = seeing(attn._ulysses, 9), seeing(attn._ring, 8)
             for i, mask in enumerate((random_mask(3 + n, h, t, keep=0.4), window_mask(t).expand(h, t, t))):
+                masks_seen.clear()
                 ran.clear()
                 check_case(lambda q, k, v, m=mask: attn(q, k, v, causal=causal, block_mask=m, block_size=bs), rank,
                            world, s=s, h=h, hkv=hkv, d=8, bs=bs, block_mask=mask, causal=causal,
@@ -362,14 +372,18 @@ def _forced_branches_block_mask(rank, world):
                 # the first mask calibrates every candidate (with the mask), then runs the pick; the second, of the
                 # same shape, reuses the choice
                 assert (set(ran[:-1]) == set(picks) if i == 0 else ran[:-1] == []) and ran[-1] == pick, (pick, ran)
+                # every call, the calibration's too, ran with this mask's values (the calibration on its own copies)
+                assert len(masks_seen) == len(ran) and all(m is not None and torch.equal(m, mask) for m in masks_seen)
+                assert i == 1 or all(m is not mask for m in masks_seen[:-1])
                 n += 1
             assert len(policy.cache) == 1 and any("block_mask" in key for key in policy.cache)
-            # another tile size: calibrated again (its own key)
+            # another tile size with a mask of the same shape: calibrated again (the tile size is in the key)
             ran.clear()
-            bs2 = 7
-            t2 = bsp.num_tiles(s, bs2)
-            check_case(lambda q, k, v: attn(q, k, v, causal=causal, block_mask=window_mask(t2), block_size=bs2),
-                       rank, world, s=s, h=h, hkv=hkv, d=8, bs=bs2, block_mask=window_mask(t2), causal=causal,
+            bs2 = 8
+            assert bsp.num_tiles(s, bs2) == t
+            m2 = window_mask(t).expand(h, t, t)
+            check_case(lambda q, k, v: attn(q, k, v, causal=causal, block_mask=m2, block_size=bs2),
+                       rank, world, s=s, h=h, hkv=hkv, d=8, bs=bs2, block_mask=m2, causal=causal,
                        placement=placement, seed=n)
             assert set(ran[:-1]) == set(picks) and len(policy.cache) == 2
             n += 1

@@ -66,8 +66,8 @@ def test_plan_beside_peak_matches_memory_plan():
     rest = ["--model", "wan-14b", "--num-layers", "4", "--frames", "21", "--latent-size", "60x104", "--bf16",
             "--recompute-granularity", "full"]
     got = bts.plan_beside_peak(entry.parse(rest), ["--use-torch-fsdp2"], 1)
-    assert got["plan_settings"] == {"model": "wan-14b", "layers": 4, "tokens": 32760, "sp": 1, "gpus": 1,
-                                    "sharding": "fsdp", "recompute": "full", "offload": False,
+    assert got["plan_settings"] == {"model": "wan-14b", "modulation": "wan", "layers": 4, "tokens": 32760, "sp": 1,
+                                    "gpus": 1, "sharding": "fsdp", "recompute": "full", "offload": False,
                                     "recompute_layers": 4}
     assert got["plan_gib"] == pytest.approx(mp.plan("wan-14b", 32760, 1, 1, "fsdp", "full", 4).total_gib)
     assert bts.plan_beside_peak(entry.parse(rest), [], 1)["plan_settings"]["sharding"] == "none"
@@ -82,6 +82,11 @@ def test_plan_beside_peak_matches_memory_plan():
                                              "--recompute-num-layers", "1"]), ["--use-torch-fsdp2"], 1)
     assert part["plan_settings"]["recompute_layers"] == 1 and part["plan_gib"] == pytest.approx(
         mp.plan("wan-14b", 32760, 1, 1, "fsdp", "selective", 4, recompute_layers=1).total_gib)
+    # the modulation_linear variant is planned as the per-block Linear's model (6.3B more parameters at 40 blocks)
+    lin = bts.plan_beside_peak(entry.parse([*rest, *bts.VARIANTS["modulation_linear"]]), ["--use-torch-fsdp2"], 1)
+    assert lin["plan_settings"]["modulation"] == "linear" and lin["plan_gib"] == pytest.approx(
+        mp.plan("wan-14b", 32760, 1, 1, "fsdp", "full", 4, modulation="linear").total_gib) and \
+        lin["plan_gib"] > got["plan_gib"]
     core = bts.plan_beside_peak(entry.parse([*rest, "--recompute-granularity", "selective"]), [], 1)
     assert core["plan_gib"] is None and "core_attn" in core["plan_skipped"]
 

@@ -62,6 +62,19 @@ def test_merge_adds_validation_points(tmp_path):
     assert len(added) == 1 and added[0]["role"] == "validate" and len(pts) == len(mp.load_points()) + 1
 
 
+def test_merge_refuses_points_without_modulation(tmp_path, capsys):
+    """A measured-peaks file written before --modulation existed: one message naming the key, nothing merged."""
+    path = _write(tmp_path, mp.load_points())
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"points": [{"model": "wan-14b", "layers": 3, "tokens": 32760, "sp": 1, "gpus": 1,
+                                           "sharding": "fsdp", "recompute": "full", "peak_gib": 40.0}]}))
+    with pytest.raises(SystemExit):
+        mp.main(["--merge", str(old), "--peaks", path])
+    err = capsys.readouterr().err
+    assert "without the model's modulation" in err and '"modulation": "linear"' in err, err
+    assert len(mp.load_points(path)) == len(mp.load_points())
+
+
 @pytest.mark.parametrize("sharding", mp.SHARDINGS)
 @pytest.mark.parametrize("recompute", mp.RECOMPUTES)
 def test_parts_add_up(sharding, recompute):

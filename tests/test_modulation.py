@@ -40,7 +40,7 @@ def test_wan_modulation_structure_and_rows():
     model = VideoDiT(cfg)
     assert not hasattr(model, "mod_out") and tuple(model.time_proj.weight.shape) == (6 * cfg.dim, cfg.dim)
     for blk in model.blocks:
-        assert not hasattr(blk, "modulation") and tuple(blk.scale_shift_table.shape) == (1, 6 * cfg.dim)
+        assert not hasattr(blk, "modulation") and tuple(blk.scale_shift_table.shape) == (6 * cfg.dim,)
     with torch.no_grad():
         for _, p in model.modulation_parameters():
             p.normal_(0.0, 0.5)
@@ -51,6 +51,10 @@ def test_wan_modulation_structure_and_rows():
         torch.testing.assert_close(blk.modulation_rows(t_proj), t_proj + blk.scale_shift_table, rtol=0, atol=0)
     head = model.head_modulation(t_emb)
     torch.testing.assert_close(head, torch.cat([t_emb, t_emb], -1) + model.scale_shift_table, rtol=0, atol=0)
+    m64 = model.double()   # a float64 model sums in float64 (no fp32 rounding on the way)
+    t64 = m64.time_proj(F.silu(m64.time_embed(timestep_embedding(t, cfg.freq_dim).double())))
+    rows64 = m64.blocks[0].modulation_rows(t64)
+    assert rows64.dtype == torch.float64 and torch.equal(rows64, t64 + m64.blocks[0].scale_shift_table)
     names = {n for n, _ in model.modulation_parameters()}
     assert names == {"time_proj.weight", "time_proj.bias", "scale_shift_table",
                      *(f"blocks.{i}.scale_shift_table" for i in range(cfg.layers))}

@@ -125,6 +125,7 @@ def _user_error(rank, world, argv):
     (["--pack-samples"], ["--pack-samples"]),
     (["--sparse-topk", "3"], ["--sparse-topk", "--sparse-attention"]),
     (["--timestep-shift", "0"], ["--timestep-shift"]),
+    (["--modulation", "linear"], ["--modulation"]),
     ([*SPARSE, "--sparse-topk", "4", "--micro-batch-size", "2"], ["--sparse-topk", "--micro-batch-size"]),
 ])
 def test_bad_flags_refused_by_name(argv, names, capsys):
@@ -231,3 +232,4 @@ def test_resume_of_another_model_is_refused(tmp_path, capfd):
     code = run_ranks(_user_error, 1, [*BASE, "--train-iters", "2", "--load", ck, "--num-layers", "1"], timeout=60)[0]
     err = capfd.readouterr().err
     assert code == 1 and "another model" in err and "--num-layers" in err and "Traceback" not in err, err
+    assert "--modulation" not in err, err   # diffusers' model has no such setting: the hint does not name it

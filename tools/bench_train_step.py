@@ -328,10 +328,11 @@ def plan_beside_peak(args, flags: list, world: int) -> dict:
     tokens = grid[0] * grid[1] * grid[2]
     sp = getattr(args, "context_parallel_size", None) or 1
     n_rc = getattr(args, "recompute_num_layers", None) if rc else None
+    modulation = getattr(args, "modulation", "wan")
     p = plan(args.model, tokens, sp, world, sharding, rc or "none", getattr(args, "num_layers", None),
-             offload=offload, recompute_layers=n_rc)
+             offload=offload, recompute_layers=n_rc, modulation=modulation)
     return {"plan_gib": p.total_gib, "plan_peak_phase": p.peak_phase,
-            "plan_settings": {"model": args.model, "layers": p.layers, "tokens": tokens, "sp": sp, "gpus": world,
+            "plan_settings": {"model": args.model, "modulation": modulation, "layers": p.layers, "tokens": tokens, "sp": sp, "gpus": world,
                               "sharding": sharding, "recompute": p.recompute, "offload": offload,
                               "recompute_layers": p.recompute_layers}}
 

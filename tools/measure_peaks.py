@@ -65,7 +65,7 @@ def entry_argv(sharding: str, recompute: str, layers: int, tokens: int, tmp: str
     frames, size = GRIDS[tokens]
     argv = ["--model", "wan-14b", "--num-layers", str(layers), "--frames", frames, "--latent-size", size, "--bf16",
             "--train-iters", "4", "--log-interval", "2", "--timing", "--timing-bare-steps", "1", "--quiet",
-            "--context-parallel-size", str(world), "--num-workers", "0", "--log-dir", tmp]
+            "--context-parallel-size", str(world), "--num-workers", "0", "--log-dir", tmp, "--modulation", "wan"]
     argv += RECOMPUTE_FLAGS[recompute]
     if sharding == "fsdp":
         argv += ["--use-torch-fsdp2"]

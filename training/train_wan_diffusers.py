@@ -106,6 +106,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
         if on:
             p.error(f"{flag} is a video DiT entry option (training/pretrain_video_dit.py); this entry trains one clip "
                     f"per micro-sample and samples nothing: drop {flag}")
+    if args.modulation != "wan":
+        p.error(f"--modulation={args.modulation} is the video DiT entries' (training/pretrain_video_dit.py, "
+                f"train_deepspeed.py): diffusers' WanTransformer3DModel has Wan's own AdaLN; drop --modulation")
     check_parallel_size(p, "--context-parallel-size", args.context_parallel_size)
     check_common_args(p, args)
     if args.init != "random":

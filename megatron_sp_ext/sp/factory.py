@@ -125,30 +125,36 @@ class SPAttention:
 
     def _say_fixed_mode(self, reason: str) -> None:
         """Log (once per model and reason) that auto ran its baseline for calls with ``reason``: auto calibrates the
-        mode on plain dense calls only, so benchmark rows (tools/benchlib.AutoDecisions) name what ran."""
+        mode on calls without packed samples, dropout or a caller's local attention (block masks included), so
+        benchmark rows (tools/benchlib.AutoDecisions) name what ran."""
         key = ("fixed mode", self.mode, self.chunks, reason)
         if key not in self.res.said and log.isEnabledFor(logging.INFO):   # said when someone listens
             self.res.said.add(key)
             log.info("megatron_sp_ext: auto mode -> %s (head chunks %s) for calls with %s: auto picks the mode per "
-                     "shape on plain dense calls only", self.mode, self.chunks, reason)
+                     "shape on calls without packed samples, dropout or a caller's local attention", self.mode,
+                     self.chunks, reason)
 
     def mode_for(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
                  softmax_scale: Optional[float] = None, tiles: Optional[dict] = None) -> str:
         """auto: "hcms" (Ulysses/HCMS, the baseline), "ring", or "tasp" (groups of more than 2 ranks) for this
         shape (``chooser`` or the ModePolicy's calibration, once per key, see sp.calibration; off CUDA: the
         baseline). The three compute the same attention (tests/test_auto_mode.py). ``tiles``: a block-sparse call's
-        block_mask / block_size: the candidates are timed with that mask (the ring skips the steps and transfers
-        it leaves empty, Ulysses moves every token), once per mask shape and tile size: later masks of the same
+        block_mask / block_size: the candidates are timed with that mask, a fresh copy per call (the ring skips the
+        steps and transfers it leaves empty, Ulysses moves every token), once per mask shape and tile size: later masks of the same
         shape (a top-k mask changes every step) reuse the choice, which changes speed only, never the result."""
         if self.chooser is not None:
             return self.chooser(q, k, causal, kv_valid_len)
+
+        def fresh() -> Optional[dict]:   # each timed call on its own copy of the mask: the per-mask setup (the
+            # ring's skip tables, cached per mask tensor) is counted, as a new top-k mask pays it every step
+            return None if tiles is None else {**tiles, "block_mask": tiles["block_mask"].clone()}
         candidates = {self.mode: lambda a, b, c: self._ulysses(a, b, c, causal, softmax_scale, kv_valid_len, 0.0,
-                                                                None, tiles=tiles)}
+                                                                None, tiles=fresh())}
         for variant in RING_MODES:   # TASP's n-1 rings differ from the ring only beyond 2 ranks
             if (self.world > 2 or not modes.get(variant).multi_ring) and (tiles is None or
                                                                            modes.get(variant).block_mask):
                 candidates[variant] = (lambda a, b, c, var=variant:
-                                       self._ring(a, b, c, var, causal, softmax_scale, kv_valid_len, tiles=tiles))
+                                       self._ring(a, b, c, var, causal, softmax_scale, kv_valid_len, tiles=fresh()))
         if p2p_unavailable_reason(self.group, q.device) is not None:   # never tried: it would break the group
             candidates = {m: f for m, f in candidates.items() if not needs_p2p(m, self.world)}
         if len(candidates) == 1:

@@ -286,9 +286,10 @@ def _mismatch(key: str, saved, now) -> str:
     if key == "model" and isinstance(saved, dict) and isinstance(now, dict):
         diff = [f"{k}: {saved.get(k)!r} saved, {now.get(k)!r} now"
                 for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-        return (f"another model ({'; '.join(diff)}); resume with the saved --model / --num-layers / --modulation "
-                f"(--model {saved.get('preset')} --num-layers {saved.get('layers')} --modulation "
-                f"{saved.get('modulation')})")
+        modulation = f" --modulation {saved['modulation']}" if "modulation" in saved else ""
+        return (f"another model ({'; '.join(diff)}); resume with the saved --model / --num-layers"
+                f"{' / --modulation' if modulation else ''} (--model {saved.get('preset')} --num-layers "
+                f"{saved.get('layers')}{modulation})")
     if key == "optimizer_impl":
         return (f"saved by the {saved!r} optimizer, this run uses {now!r}; resume with --ddp-impl {saved} "
                 f"(--ddp-impl auto picks megatron on CUDA, torch on CPU; the two optimizer formats do not convert)")

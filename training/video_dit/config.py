@@ -46,7 +46,7 @@ class DiTConfig:
 # attention and of the FFN) and the head's shift / scale
 MODULATIONS = {
     # Wan 2.1's: one time projection Linear(d, 6d) after SiLU shared by every block, plus each block's own learned
-    # table [1, 6d]; the head adds its table [1, 2d] to t_emb itself (wan-14b: 14.3B parameters at 40 blocks)
+    # table [6d]; the head adds its table [2d] to t_emb itself (wan-14b: 14.3B parameters at 40 blocks)
     "wan": "one shared time projection plus a learned table per block (Wan 2.1)",
     # DiT / PixArt-style: a Linear(d, 6d) per block after SiLU, the head's Linear(d, 2d); this project's model before
     # 2026-11-29 (wan-14b: 20.5B parameters at 40 blocks, the per-block Linears 6.3B of them)

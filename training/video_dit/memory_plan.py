@@ -305,6 +305,11 @@ def merge(measured_json: str, path: str = PEAKS_FILE) -> int:
     with open(measured_json) as f:
         measured = json.load(f)
     new = [pt for pt in measured["points"] if pt.get("peak_gib") is not None]
+    old = [pt for pt in new if pt.get("modulation") not in MODULATIONS]
+    if old:
+        raise ValueError(f"{measured_json}: {len(old)} point(s) without the model's modulation (one of "
+                         f"{', '.join(MODULATIONS)}; tools/measure_peaks.py writes it since 2026-11-29): add "
+                         f"\"modulation\": \"linear\" to points measured before then, e.g. {old[0]}")
     date = str(measured.get("meta", {}).get("date", ""))[:10]
     with open(path) as f:
         data = json.load(f)
@@ -391,7 +396,11 @@ def main(argv: list | None = None) -> int:
     ap.add_argument("--merge", default=None, help="add tools/measure_peaks.py's JSON to --peaks as validate points")
     a = ap.parse_args(argv)
     if a.merge:
-        print(f"merged {merge(a.merge, a.peaks)} points into {a.peaks}")
+        try:
+            n = merge(a.merge, a.peaks)
+        except ValueError as e:
+            ap.error(str(e))
+        print(f"merged {n} points into {a.peaks}")
         return 0
     if a.validate and a.recompute_num_layers is not None:
         ap.error("--recompute-num-layers with --validate: each measured point carries its own (memory_peaks.json)")

@@ -348,8 +348,9 @@ class Block(nn.Module):
             self.modulation = nn.Linear(cfg.dim, 6 * cfg.dim)
             nn.init.zeros_(self.modulation.weight)
             nn.init.zeros_(self.modulation.bias)
-        else:  # "wan": VideoDiT.time_proj's output plus this table
-            self.scale_shift_table = nn.Parameter(torch.zeros(1, 6 * cfg.dim))
+        else:  # "wan": VideoDiT.time_proj's output plus this table ([6d]: 1-D, so exempt from weight decay where
+            # biases are, as Megatron's optimizer does)
+            self.scale_shift_table = nn.Parameter(torch.zeros(6 * cfg.dim))
         self.recompute_block = False  # --recompute-granularity full: keep only the block's input
         self.recompute_mlp = False    # selective mlp: recompute the FFN (its [S, ffn] activations)
         # selective outside_core_attn: recompute all of the block but the self-attention core (which keeps q, k, v,
@@ -377,10 +378,11 @@ class Block(nn.Module):
 
     def modulation_rows(self, t_emb: torch.Tensor) -> torch.Tensor:
         """The block's AdaLN rows [B, 6d] in t_emb's dtype: "linear": its Linear of SiLU(t_emb [B, d]); "wan": the
-        shared projection t_emb [B, 6d] plus the block's table, summed in fp32 (config.MODULATIONS)."""
+        shared projection t_emb [B, 6d] plus the block's table, summed in fp32 or wider (config.MODULATIONS)."""
         if self.linear_modulation:
             return self.modulation(F.silu(t_emb))
-        return (t_emb.float() + self.scale_shift_table.float()).to(t_emb.dtype)
+        acc = torch.promote_types(t_emb.dtype, torch.float32)   # fp32 at least (fp64 stays fp64)
+        return (t_emb.to(acc) + self.scale_shift_table.to(acc)).to(t_emb.dtype)
 
     def _modulations(self, mod: torch.Tensor, pack: Optional[PackInfo]) -> tuple:
         """The six AdaLN chunks (shift, scale, gate of the attention; of the FFN) of ``mod`` [B, 6d]."""
@@ -474,7 +476,7 @@ class VideoDiT(nn.Module):
             self.time_proj = nn.Linear(cfg.dim, 6 * cfg.dim)
             nn.init.zeros_(self.time_proj.weight)  # AdaLN-zero with the blocks' zero tables
             nn.init.zeros_(self.time_proj.bias)
-            self.scale_shift_table = nn.Parameter(torch.zeros(1, 2 * cfg.dim))
+            self.scale_shift_table = nn.Parameter(torch.zeros(2 * cfg.dim))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm_out = nn.LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
         self.head = nn.Linear(cfg.dim, cfg.patch_volume)
@@ -618,10 +620,11 @@ class VideoDiT(nn.Module):
 
     def head_modulation(self, t_emb: torch.Tensor) -> torch.Tensor:
         """The head's shift | scale [B, 2d] from the time embedding t_emb [B, d] (config.MODULATIONS): "wan" adds
-        the head's table to t_emb itself (fp32 sum, t_emb's dtype), "linear" runs its Linear on SiLU(t_emb)."""
+        the head's table to t_emb itself (summed in fp32 or wider, t_emb's dtype), "linear" runs its Linear on SiLU(t_emb)."""
         if self.cfg.modulation == "linear":
             return self.mod_out(F.silu(t_emb))
-        return (t_emb.float().repeat(1, 2) + self.scale_shift_table.float()).to(t_emb.dtype)
+        acc = torch.promote_types(t_emb.dtype, torch.float32)   # fp32 at least (fp64 stays fp64)
+        return (t_emb.to(acc).repeat(1, 2) + self.scale_shift_table.to(acc)).to(t_emb.dtype)
 
     def modulation_parameters(self) -> list:
         """(name, parameter) of every AdaLN-zero modulation parameter (config.MODULATIONS; all zero at init, every
