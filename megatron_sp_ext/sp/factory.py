@@ -140,8 +140,9 @@ class SPAttention:
         shape (``chooser`` or the ModePolicy's calibration, once per key, see sp.calibration; off CUDA: the
         baseline). The three compute the same attention (tests/test_auto_mode.py). ``tiles``: a block-sparse call's
         block_mask / block_size: the candidates are timed with that mask, a fresh copy per call (the ring skips the
-        steps and transfers it leaves empty, Ulysses moves every token), once per mask shape and tile size: later masks of the same
-        shape (a top-k mask changes every step) reuse the choice, which changes speed only, never the result."""
+        steps and transfers it leaves empty, Ulysses moves every token), once per mask shape and tile size: later
+        masks of the same shape (a top-k mask changes every step) reuse the choice, which changes speed only, never
+        the result."""
         if self.chooser is not None:
             return self.chooser(q, k, causal, kv_valid_len)
 

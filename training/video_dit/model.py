@@ -342,7 +342,8 @@ class Block(nn.Module):
         self.cross = CrossAttention(cfg)
         self.norm3 = nn.LayerNorm(cfg.dim, eps=cfg.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn, cfg.dim))
-        # AdaLN-zero: the modulation starts at zero, every block as the identity (config.MODULATIONS)
+        # AdaLN-zero: the modulation starts at zero, so the gated self-attention and FFN add nothing at init (the
+        # cross-attention is ungated, as in Wan; config.MODULATIONS)
         self.linear_modulation = cfg.modulation == "linear"
         if self.linear_modulation:
             self.modulation = nn.Linear(cfg.dim, 6 * cfg.dim)
@@ -620,14 +621,15 @@ class VideoDiT(nn.Module):
 
     def head_modulation(self, t_emb: torch.Tensor) -> torch.Tensor:
         """The head's shift | scale [B, 2d] from the time embedding t_emb [B, d] (config.MODULATIONS): "wan" adds
-        the head's table to t_emb itself (summed in fp32 or wider, t_emb's dtype), "linear" runs its Linear on SiLU(t_emb)."""
+        the head's table to t_emb itself (summed in fp32 or wider, t_emb's dtype), "linear" runs its Linear on
+        SiLU(t_emb)."""
         if self.cfg.modulation == "linear":
             return self.mod_out(F.silu(t_emb))
         acc = torch.promote_types(t_emb.dtype, torch.float32)   # fp32 at least (fp64 stays fp64)
         return (t_emb.to(acc).repeat(1, 2) + self.scale_shift_table.to(acc)).to(t_emb.dtype)
 
     def modulation_parameters(self) -> list:
-        """(name, parameter) of every AdaLN-zero modulation parameter (config.MODULATIONS; all zero at init, every
-        block the identity): tests and benchmarks give them random values so that every block reaches the loss."""
+        """(name, parameter) of every AdaLN-zero modulation parameter (config.MODULATIONS; all zero at init, so the
+        gated branches add nothing): tests and benchmarks give them random values so every block reaches the loss."""
         keys = ("modulation.", "mod_out.", "time_proj.", "scale_shift_table")
         return [(n, p) for n, p in self.named_parameters() if any(k in n for k in keys)]
