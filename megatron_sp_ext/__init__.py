@@ -1,6 +1,8 @@
 """megatron_sp_ext: sequence-parallel attention for long-context video DiTs.
 
 Public functional API (layout "bshd" = [batch, seq_local, heads, head_dim] unless layout="sbhd"):
+    AttentionProblem (what the attention computes: causal, placement, padding, packed samples, block mask + tile;
+    built once per step and passed to every mode: ``ulysses_attention(q, k, v, group, problem)``),
     ulysses_attention, ring_attention, shard_sequence, unshard_sequence, PackedSamples (cu_seqlens with Megatron's
     padded layout),
     build_sp_mesh, hybrid_attention, torus_attention, hamiltonian_cycles,
@@ -13,6 +15,7 @@ from .comm.transport import NcclTransport, SymmMemTransport, TransportPool, defa
 from .config import SPConfig
 from .errors import SPConfigError
 from .sp.factory import make_attention
+from .sp.problem import AttentionProblem
 from .sp.layers.async_qkv import async_ulysses_self_attention
 from .sp.layers.allgather import allgather_self_attention
 from .sp.layers.tp_cp import tp_cp_self_attention
@@ -25,7 +28,7 @@ from .topology.mesh import SPMesh, build_sp_mesh
 
 __version__ = "0.2.0"
 
-__all__ = ["SPConfig", "SPConfigError", "make_attention", "ulysses_attention", "ring_attention", "shard_sequence",
+__all__ = ["SPConfig", "SPConfigError", "AttentionProblem", "make_attention", "ulysses_attention", "ring_attention", "shard_sequence",
            "unshard_sequence", "DEFAULT_PLACEMENT", "balanced_placement", "hamiltonian_cycles", "routing_tables", "SPMesh", "build_sp_mesh",
            "hybrid_attention", "torus_attention", "async_ulysses_self_attention", "allgather_self_attention",
            "tp_cp_self_attention", "PackedSamples",

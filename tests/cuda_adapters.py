@@ -12,6 +12,8 @@ Records as in tests/cuda_suite.py. Ring-family hops on one GPU over gloo take th
 from __future__ import annotations
 
 import torch
+
+from megatron_sp_ext import make_attention
 import torch.distributed as dist
 
 from tests.cuda_suite import DEV, use_ring_route
@@ -67,7 +69,11 @@ def megatron_family(rank: int, world: int) -> list:
                 dx = x.grad.clone()
                 block.zero_grad(set_to_none=True)
                 for layer in block.layers:  # the same weights at CP=1 on the full sequence
-                    layer.self_attention.core_attention.cp_group = None
+                    ca = layer.self_attention.core_attention
+                    ca.cp_group = None
+                    ca.attention = make_attention(ca.sp, None, num_heads=ca.attention.num_heads,
+                                                  num_kv_heads=ca.attention.num_kv_heads, layout="sbhd",
+                                                  placement="zigzag")
                 xf = x_full.clone().requires_grad_()
                 yf = block(xf, attention_mask=None)
                 yf.backward(dy_full)

@@ -5,6 +5,8 @@ import argparse
 
 import pytest
 import torch
+
+from megatron_sp_ext import make_attention
 import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
@@ -34,7 +36,10 @@ def _assert_equals_full_sequence(block, x_full, dy_full, split, y, dx, grads, ta
     """The same block run by one rank on the whole sequence (CP off, the parent's forward) must give this
     rank's shard of the output and input grad, and every parameter grad (already CP-reduced in ``grads``)."""
     for layer in block.layers:
-        layer.self_attention.core_attention.cp_group = None
+        ca = layer.self_attention.core_attention
+        ca.cp_group = None
+        ca.attention = make_attention(ca.sp, None, num_heads=ca.attention.num_heads,
+                                      num_kv_heads=ca.attention.num_kv_heads, layout="sbhd", placement="zigzag")
     xf = x_full.clone().requires_grad_()
     yf = block(xf, attention_mask=None, **fwd_kwargs)
     yf.backward(dy_full)

@@ -20,6 +20,7 @@ select the algorithm (``mode``) as the JSON section does:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -56,16 +57,20 @@ class SPDistributedAttention(DistributedAttention):
     """DeepSpeed DistributedAttention with megatron_sp_ext algorithms (see module docstring)."""
 
     def __init__(self, local_attention, sequence_process_group, scatter_idx: int = 2, gather_idx: int = 0,
-                 sp_stream=None, num_kv_heads: Optional[int] = None, *, mode: str = "ulysses",
-                 head_chunks=1, ring_variant: str = "ring", placement: str = "auto",
-                 ulysses_size: Optional[int] = None, nodes: Optional[int] = None, backend: str = "auto",
-                 causal: bool = False, softmax_scale: Optional[float] = None,
-                 sp_config: Optional[SPConfig] = None, transport: str = "nccl", dropout_p: float = 0.0) -> None:
+                 sp_stream=None, num_kv_heads: Optional[int] = None, *, sp_config: Optional[SPConfig] = None,
+                 causal: bool = False, softmax_scale: Optional[float] = None, **settings) -> None:
+        """DeepSpeed's arguments, then ours: ``sp_config`` (an SPConfig) or its ``settings`` as keywords (mode,
+        head_chunks, ring_variant, placement, ulysses_size, nodes, backend, transport, dropout_p; default mode
+        "ulysses"), ``causal`` and ``softmax_scale`` of our kernels."""
         super().__init__(local_attention, sequence_process_group, scatter_idx, gather_idx, None, num_kv_heads)
-        self.cfg = sp_config or SPConfig(mode=mode, head_chunks=head_chunks, ring_variant=ring_variant,
-                                         placement=placement, ulysses_size=ulysses_size, nodes=nodes,
-                                         backend=backend, transport=transport, dropout_p=dropout_p,
-                                         source="deepspeed")
+        if sp_config is not None and settings:
+            raise SPConfigError(f"SPDistributedAttention: give sp_config or its settings ({', '.join(settings)}), "
+                                f"not both")
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(SPConfig)} - {"source"})
+        if unknown:
+            raise SPConfigError(f"SPDistributedAttention got unknown settings {unknown}: the settings are SPConfig's "
+                                f"fields ({', '.join(f.name for f in dataclasses.fields(SPConfig) if f.name != 'source')})")
+        self.cfg = sp_config or SPConfig(**{"mode": "ulysses", **settings, "source": "deepspeed"})
         self.causal, self.softmax_scale = causal, softmax_scale
         # comm streams, HCMS/mode policies, transports, meshes (DeepSpeed's sp_stream path is not used)
         self.resources = SPResources(self.cfg)

@@ -32,7 +32,6 @@ from ..config import SPConfig
 from ..errors import SPConfigError
 from ..sp.factory import SPResources, make_attention
 from .hooks import SequenceState, install_plan
-from .local import OneRankAttention
 from .processor import SPWanSelfAttnProcessor
 
 SUPPORTED = ("WanTransformer3DModel", "WanVACETransformer3DModel")
@@ -192,10 +191,8 @@ def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = Non
             raise SPConfigError(f"parallelize: sparse= (a SparseAttentionPlan keyed by the main blocks) is not "
                                 f"available for {type(model).__name__}, whose vace_blocks have self-attentions of "
                                 f"their own; leave sparse=None")
-    if sp_group is None:   # one rank: every mode is the local attention (no group to exchange over)
-        attention = OneRankAttention(cfg)
-    else:
-        attention = make_attention(cfg, sp_group, num_heads=heads, layout="bshd", resources=SPResources(cfg))
+    # one rank (sp_group None): the factory's one-rank path (every mode is the local attention)
+    attention = make_attention(cfg, sp_group, num_heads=heads, layout="bshd", resources=SPResources(cfg))
     state = SequenceState(sp_group, sp_size, sparse, tuple(model.config.patch_size))
     if sparse is not None:
         sparse.attach(model)

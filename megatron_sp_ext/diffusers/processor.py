@@ -6,9 +6,10 @@
 Per call on this rank's shard hidden_states [B, S_loc, C]: q, k, v from ``to_q/to_k/to_v`` (or the fused
 ``to_qkv``), ``norm_q`` / ``norm_k``, unflattened to [B, S_loc, H, D], Wan's RoPE on the sharded (cos, sin)
 [1, S_loc, 1, D] (rope.py: one fused kernel per direction on CUDA, bit for bit diffusers' ops); then, with a SparseAttentionPlan, ``mask, extra = plan(layer_index, q, k, v, grid_thw, group)``
-(a plan whose ``masks_agreed`` is True builds every mask identically on every rank: it is recorded as agreed in the
-attention's ``MaskChecks``, not compared across ranks; otherwise each distinct mask is compared once);
-``out = attention(q, k, v, causal=False, block_mask=mask, block_size=plan.block_size)`` (+ extra), flattened,
+(a plan whose ``masks_agreed`` is True builds every mask identically on every rank: the layer's problem declares it
+agreed, no cross-rank compare; otherwise each distinct mask is compared once per forward);
+``out = attention(q, k, v, problem)`` with the forward's ``AttentionProblem`` (``ForwardContext.problem``; with a mask
+``problem.with_mask(mask)``, tile ``plan.block_size``) (+ extra), flattened,
 ``type_as(q)``, ``to_out``. Not an ``nn.Module``: the model's state_dict is unchanged.
 """
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 from ..errors import SPConfigError
 from ..sp.factory import SPAttention
 from .hooks import SequenceState
-from .local import OneRankAttention
 from .rope import wan_rotary
 
 
@@ -31,7 +31,7 @@ class SPWanSelfAttnProcessor:
     (``SPHandle.remove`` puts it back); where: the module's name (errors); fused_rope: Wan's RoPE as one kernel per
     direction where it applies (rope.py; the same bits as diffusers' ops), else diffusers' ops."""
 
-    def __init__(self, attention: "SPAttention | OneRankAttention", state: SequenceState, layer_index: int,
+    def __init__(self, attention: SPAttention, state: SequenceState, layer_index: int,
                  original: object, where: str = "", fused_rope: bool = True) -> None:
         self.attention, self.state, self.layer_index, self.original = attention, state, layer_index, original
         self.fused_rope = fused_rope
@@ -58,17 +58,17 @@ class SPWanSelfAttnProcessor:
         if rotary_emb is not None:
             q_bshd = wan_rotary(q_bshd, *rotary_emb, fused=self.fused_rope)
             k_bshd = wan_rotary(k_bshd, *rotary_emb, fused=self.fused_rope)
-        plan, extra, tiles = self.state.sparse, None, {}
-        if plan is not None:   # the grid of the forward that made rotary_emb (a checkpoint recompute: not the latest)
-            ctx = self.state.context_of(rotary_emb[:1] if rotary_emb is not None else ())
+        # the forward that made rotary_emb (a checkpoint recompute: not the latest): its grid and its problem
+        ctx = self.state.context_of(rotary_emb[:1] if rotary_emb is not None else ())
+        plan, extra, problem = self.state.sparse, None, ctx.problem
+        if plan is not None:
             mask, extra = plan(self.layer_index, q_bshd, k_bshd, v_bshd, ctx.grid_thw, self.state.group)
-            if mask is not None:
-                if getattr(plan, "masks_agreed", False) and isinstance(self.attention, SPAttention):
-                    # equal on every rank by construction (the plan says so): no cross-rank compare per layer
-                    self.attention.res.mask_checks.agree(mask, self.state.group)
-                tiles = {"block_mask": mask, "block_size": plan.block_size}
+            if mask is not None:   # agreed: equal on every rank by construction (the plan says so), no compare
+                agreed = bool(getattr(plan, "masks_agreed", False))
+                problem = ctx.problem.cached(("layer mask", id(mask)), lambda: ctx.problem.with_mask(
+                    mask, tile=plan.block_size, agreed=agreed))   # a mask shared by layers: compared once
         self.attention.training = attn.training
-        out_bshd = self.attention(q_bshd, k_bshd, v_bshd, causal=False, **tiles)
+        out_bshd = self.attention(q_bshd, k_bshd, v_bshd, problem)
         if extra is not None:
             out_bshd = out_bshd + extra
         out = out_bshd.flatten(2, 3).type_as(q_bshd)

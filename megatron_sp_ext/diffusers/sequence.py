@@ -10,7 +10,7 @@ forward (an optional permutation of the raster token order), this rank's shard o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..errors import SPConfigError
 from ..sp.placement import pieces, shard_sequence, unshard_sequence
+from ..sp.problem import AttentionProblem
 
 
 PLACEMENT = "contiguous"   # the shards' placement: one run of rows per rank (a view of the full where asked)
@@ -37,6 +38,9 @@ class ForwardContext:
     seq_len: int
     order: Optional[torch.Tensor]
     inverse: Optional[torch.Tensor]
+    # the forward's attention problem (non-causal, "bshd", contiguous shards): built once per forward, agreed across
+    # ranks at the first layer's call; each layer's block mask is derived from it (``problem.with_mask``)
+    problem: AttentionProblem = field(default_factory=AttentionProblem, compare=False, repr=False)
 
     @classmethod
     def of(cls, grid_thw: tuple[int, int, int], sparse: Any, device: torch.device, sp_size: int) -> "ForwardContext":

@@ -24,20 +24,18 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import weakref
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from .. import modes
-from ..attention import kernels
 from ..errors import SPConfigError
 from ..sp.factory import SPAttention, SPResources, make_attention
-from ..sp.placement import PackedSamples, packed_samples
-from ..sp.ulysses.attend import local_attention
+from ..sp.placement import PackedSamples
 from ..topology.mesh import mesh_from_hierarchical_groups
 from .config import sp_config_from
 
@@ -94,7 +92,8 @@ class SPDotProductAttention(DotProductAttention):
             self.sp, self.cp_group if cp > 1 else None, num_heads=heads,
             num_kv_heads=self.num_query_groups_per_partition, layout="sbhd", placement="zigzag",
             backend=self.sp.backend, resources=self.ctx, mesh=mesh)
-        self.attention.chooser = lambda q, k, causal, kv_valid_len: self._auto_mode(q, k, causal)
+        self.attention.chooser = self._auto_mode
+        self._batch_problems = weakref.WeakKeyDictionary()   # a batch's cu_seqlens_q -> its problems
         self.mode = self.attention.mode
         self.mesh = self.attention.mesh
 
@@ -145,17 +144,23 @@ class SPDotProductAttention(DotProductAttention):
         """Packed samples: q [t, H, D], k/v [t, Hkv, D] (this CP rank's per-sample zigzag shards) -> [t, H * D].
         The samples: ``cu_seqlens_q`` (real lengths) placed as ``cu_seqlens_q_padded`` (each padded to a multiple
         of 2 * CP); padding rows form segments of their own."""
-        pk = self._thd_samples(params)
         q, k, v = (t.unsqueeze(1) for t in (q, k, v))  # [t, 1, heads, D] sbhd
-        group, scale, p = self.cp_group, self.softmax_scale, self._dropout()
-        if group is None or group.size() == 1:
-            pk = packed_samples(pk, q.shape[0], "contiguous", 1)
-            qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            out = local_attention(self.backend, qb, kb, vb, causal, scale, None, p, pk.segments).permute(2, 0, 1, 3)
-        else:
-            with _model_parallel_rng(q):
-                out = self.attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=p, cu_seqlens=pk)
+        problem = self._batch_problem(params, causal, self._dropout())
+        self.attention.training = self.training
+        with _model_parallel_rng(q):
+            out = self.attention(q, k, v, problem)
         return out.reshape(out.shape[0], -1)
+
+    def _batch_problem(self, params, causal: bool, dropout_p: float):
+        """The batch's AttentionProblem of ``packed_seq_params`` (its samples read once per batch, not per layer:
+        kept while the batch's ``cu_seqlens_q`` tensor lives), per (causal, dropout) of the calling layer."""
+        per_batch = self._batch_problems.setdefault(params.cu_seqlens_q, {}) \
+            if isinstance(params.cu_seqlens_q, torch.Tensor) else {}
+        key = (causal, dropout_p, self.softmax_scale)
+        if key not in per_batch:
+            per_batch[key] = self.attention.problem(causal=causal, softmax_scale=self.softmax_scale,
+                                                    dropout_p=dropout_p, cu_seqlens=self._thd_samples(params))
+        return per_batch[key]
 
     @staticmethod
     def _thd_samples(params) -> PackedSamples:
@@ -173,12 +178,12 @@ class SPDotProductAttention(DotProductAttention):
         padded = params.cu_seqlens_q_padded
         return PackedSamples(real, real if padded is None else tuple(int(x) for x in padded.tolist()))
 
-    def _auto_mode(self, q, k, causal: bool) -> str:
+    def _auto_mode(self, q, k, problem) -> str:
         """``auto``: Ulysses/HCMS ("hcms", the baseline) or the ring for this shape (the factory's calibration,
         once per key; a hook tests may replace)."""
         chooser, self.attention.chooser = self.attention.chooser, None
         try:
-            return self.attention.mode_for(q, k, causal, None, self.softmax_scale)
+            return self.attention.mode_for(q, k, problem)
         finally:
             self.attention.chooser = chooser
 
@@ -188,19 +193,9 @@ class SPDotProductAttention(DotProductAttention):
 
     def attend(self, q, k, v, causal: bool):
         """This layer's algorithm (the factory's) on sbhd tensors in Megatron's zigzag placement."""
-        group, scale = self.cp_group, self.softmax_scale
-        cp = group.size() if group is not None else 1
-        p = self._dropout()
-        if cp == 1:
-            qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-            if p > 0.0:  # one rank: torch SDPA's own dropout, under autograd
-                return kernels.torch_sdpa_output(F.scaled_dot_product_attention(
-                    qb, kb, vb, is_causal=causal, scale=scale, dropout_p=p,
-                    enable_gqa=kb.shape[1] != qb.shape[1])).permute(2, 0, 1, 3)
-            return self.backend(qb, kb, vb, causal=causal, softmax_scale=scale).permute(2, 0, 1, 3)
         self.attention.training = self.training  # auto: recompute's no_grad forward decides like training
-        with _model_parallel_rng(q):
-            return self.attention(q, k, v, causal=causal, softmax_scale=scale, dropout_p=p)
+        with _model_parallel_rng(q):   # one rank: the factory's one-rank path (the kernel's own dropout)
+            return self.attention(q, k, v, causal=causal, softmax_scale=self.softmax_scale, dropout_p=self._dropout())
 
 
 def _model_parallel_rng(q: torch.Tensor):

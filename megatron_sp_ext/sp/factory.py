@@ -6,7 +6,8 @@ a mode name to an algorithm.
 
     attn = make_attention(cfg, group, num_heads=H, num_kv_heads=Hkv, layout="sbhd", placement="zigzag",
                           backend=cfg.backend, resources=SPResources())
-    out = attn(q, k, v, causal=True, softmax_scale=None, kv_valid_len=None, dropout_p=0.0)
+    problem = attn.problem(causal=True)          # once per step: what every layer's call computes
+    out = attn(q, k, v, problem)                 # or attn(q, k, v, causal=True): one problem per call
 
 Modes: ulysses (one chunk), hcms (``cfg.head_chunks``, "auto" via the HCMS policy), ring and tasp (ring
 variants over ``group``), usp and tas (``hybrid_attention`` on a mesh), torus (``torus_attention`` on a
@@ -25,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from ..attention.backends import LocalAttention, get_backend
-from ..attention.block_sparse import DEFAULT_TILE_SIZE
 from .. import modes
 from ..comm.capability import check_p2p, needs_p2p, p2p_unavailable_reason
 from ..comm.streams import StreamPool
@@ -33,7 +33,7 @@ from ..comm.transport import TransportPool
 from ..config import DEFAULT_PLACEMENT, DROPOUT_MODES, LAYOUTS, SEQ_PLACEMENTS, SPConfig, resolve_auto_mode
 from ..errors import SPConfigError
 from ..topology.mesh import SPMesh, build_sp_mesh
-from .checks import MaskChecks
+from .problem import AttentionProblem, problem_from_keywords
 from .layers.policy import FormPolicy
 from .calibration import ModePolicy
 from .ring import hybrid_attention, ring_attention, torus_attention
@@ -51,15 +51,13 @@ class SPResources:
 
     def __init__(self, sp_config: Optional[SPConfig] = None, *, streams: Optional[StreamPool] = None,
                  policy: Optional[HCMSPolicy] = None, mode_policy: Optional[ModePolicy] = None,
-                 transports: Optional[TransportPool] = None, form_policy: Optional[FormPolicy] = None,
-                 mask_checks: Optional[MaskChecks] = None) -> None:
+                 transports: Optional[TransportPool] = None, form_policy: Optional[FormPolicy] = None) -> None:
         self.sp_config = sp_config
         self.streams = streams or StreamPool()
         self.policy = policy or HCMSPolicy()
         self.mode_policy = mode_policy or ModePolicy()
         self.transports = transports or TransportPool()
         self.form_policy = form_policy or FormPolicy()
-        self.mask_checks = mask_checks if mask_checks is not None else MaskChecks()
         self.meshes: dict = {}
         self.said: set[tuple] = set()   # the model's log lines said once (auto's fixed mode per reason), not per layer
 
@@ -76,8 +74,8 @@ class SPResources:
         return self.meshes[key]
 
 
-# (q, k, causal, kv_valid_len) -> "hcms", "ring" or "tasp": overrides auto's calibration (adapters, tests)
-Chooser = Callable[[torch.Tensor, torch.Tensor, bool, Optional[int]], str]
+# (q, k, problem) -> "hcms", "ring" or "tasp": overrides auto's calibration (adapters, tests)
+Chooser = Callable[[torch.Tensor, torch.Tensor, "AttentionProblem"], str]
 
 
 class SPAttention:
@@ -134,95 +132,86 @@ class SPAttention:
                      "shape on calls without packed samples, dropout or a caller's local attention", self.mode,
                      self.chunks, reason)
 
-    def mode_for(self, q: torch.Tensor, k: torch.Tensor, causal: bool, kv_valid_len: Optional[int],
-                 softmax_scale: Optional[float] = None, tiles: Optional[dict] = None) -> str:
+    def mode_for(self, q: torch.Tensor, k: torch.Tensor, problem: AttentionProblem) -> str:
         """auto: "hcms" (Ulysses/HCMS, the baseline), "ring", or "tasp" (groups of more than 2 ranks) for this
         shape (``chooser`` or the ModePolicy's calibration, once per key, see sp.calibration; off CUDA: the
-        baseline). The three compute the same attention (tests/test_auto_mode.py). ``tiles``: a block-sparse call's
-        block_mask / block_size: the candidates are timed with that mask, a fresh copy per call (the ring skips the
-        steps and transfers it leaves empty, Ulysses moves every token), once per mask shape and tile size: later
-        masks of the same shape (a top-k mask changes every step) reuse the choice, which changes speed only, never
-        the result."""
+        baseline). The three compute the same attention (tests/test_auto_mode.py). With a block mask the
+        candidates are timed with that mask, a fresh copy per call (the ring skips the steps and transfers it leaves
+        empty, Ulysses moves every token), once per mask shape and tile size: later masks of the same shape (a top-k
+        mask changes every step) reuse the choice, which changes speed only, never the result. Called after the
+        problem was agreed across ranks (so every rank keys the calibration alike)."""
         if self.chooser is not None:
-            return self.chooser(q, k, causal, kv_valid_len)
+            return self.chooser(q, k, problem)
+        masked = problem.block_mask is not None
 
-        def fresh() -> Optional[dict]:   # each timed call on its own copy of the mask: the per-mask setup (the
-            # ring's skip tables, cached per mask tensor) is counted, as a new top-k mask pays it every step
-            return None if tiles is None else {**tiles, "block_mask": tiles["block_mask"].clone()}
-        candidates = {self.mode: lambda a, b, c: self._ulysses(a, b, c, causal, softmax_scale, kv_valid_len, 0.0,
-                                                                None, tiles=fresh())}
+        def fresh() -> AttentionProblem:   # each timed call on its own copy of the mask: the per-mask setup (the
+            # ring's skip tables, cached per problem) is counted, as a new top-k mask pays it every step
+            return problem if not masked else problem.with_mask(problem.block_mask.clone(), agreed=True)
+        candidates = {self.mode: lambda a, b, c: self._ulysses(a, b, c, fresh(), None)}
         for variant in RING_MODES:   # TASP's n-1 rings differ from the ring only beyond 2 ranks
-            if (self.world > 2 or not modes.get(variant).multi_ring) and (tiles is None or
+            if (self.world > 2 or not modes.get(variant).multi_ring) and (not masked or
                                                                            modes.get(variant).block_mask):
-                candidates[variant] = (lambda a, b, c, var=variant:
-                                       self._ring(a, b, c, var, causal, softmax_scale, kv_valid_len, tiles=fresh()))
+                candidates[variant] = lambda a, b, c, var=variant: self._ring(a, b, c, var, fresh())
         if p2p_unavailable_reason(self.group, q.device) is not None:   # never tried: it would break the group
             candidates = {m: f for m, f in candidates.items() if not needs_p2p(m, self.world)}
         if len(candidates) == 1:
             self._say_fixed_mode("no point-to-point path in this group (the ring modes need one)")
             return next(iter(candidates))
-        mask_key = () if tiles is None else ("block_mask", tuple(tiles["block_mask"].shape), tiles["block_size"])
+        mask_key = () if not masked else ("block_mask", tuple(problem.block_mask.shape), problem.tile)
         return self.res.mode_policy.fastest_for(q, k, self.group, candidates, extra_key=(
-            causal, kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
+            problem.causal, problem.kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
             getattr(self.backend, "name", type(self.backend).__name__), *mask_key), fwd_bwd=self.training)
 
-    def _ulysses(self, q, k, v, causal, scale, kv_valid_len, dropout_p, local_attention, cu_seqlens=None,
-                 tiles=None):
+    def _ulysses(self, q, k, v, problem: AttentionProblem, local_attention):
         return ulysses_attention(
-            q, k, v, self.group, head_chunks=self.chunks, causal=causal, softmax_scale=scale, layout=self.layout,
+            q, k, v, self.group, problem, head_chunks=self.chunks,
             backend=local_attention if local_attention is not None else self.backend,
-            comm_stream=self.res.streams.comm_stream(q.device), policy=self.res.policy, placement=self.placement,
-            kv_valid_len=kv_valid_len, dropout_p=dropout_p, cu_seqlens=cu_seqlens,
-            transport=self.res.transports.get(self.cfg.transport, self.group, q.device, self.cfg.name("transport")),
-            mask_checks=self.res.mask_checks, **(tiles or {}))
+            comm_stream=self.res.streams.comm_stream(q.device), policy=self.res.policy,
+            transport=self.res.transports.get(self.cfg.transport, self.group, q.device, self.cfg.name("transport")))
 
-    def _ring(self, q, k, v, variant, causal, scale, kv_valid_len, cu_seqlens=None, tiles=None):
-        return ring_attention(q, k, v, self.group, variant=variant, causal=causal, softmax_scale=scale,
-                              layout=self.layout, placement=self.placement, backend=self.backend,
-                              kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, mask_checks=self.res.mask_checks,
-                              **(tiles or {}))
+    def _ring(self, q, k, v, variant: str, problem: AttentionProblem):
+        return ring_attention(q, k, v, self.group, problem, variant=variant, backend=self.backend)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                 softmax_scale: Optional[float] = None, kv_valid_len: Optional[int] = None, dropout_p: float = 0.0,
-                 local_attention: Optional[LocalAttention] = None,
-                 cu_seqlens: Optional[torch.Tensor] = None, block_mask: Optional[torch.Tensor] = None,
-                 block_size: int = DEFAULT_TILE_SIZE) -> torch.Tensor:
-        """q: [B, S_loc, H, D] / [S_loc, B, H, D]; k, v: Hkv heads. dropout_p: attention dropout of this call
-        (0 in eval). local_attention: a caller's local attention for Ulysses/HCMS (bhsd in and out).
-        cu_seqlens: packed variable-length samples (B=1; cumulative lengths over the full sequence, every rank the
-        same; shards in the per-sample placement of ``shard_sequence``): every mode (auto stays on Ulysses/HCMS).
-        block_mask / block_size: block-sparse attention (bool [H or 1, T, T] tiles over the full sequence in global
-        order, T = ceil(S / block_size); attention/block_sparse.py) in every mode (auto times its candidates with
-        the mask, once per mask shape: ``mode_for``); not with cu_seqlens, dropout_p or local_attention."""
-        tiles = None
-        if block_mask is not None:
-            if local_attention is not None:
-                raise SPConfigError("block_mask runs megatron_sp_ext's block-sparse kernels, not a caller's local "
-                                    "attention: give one of them")
-            tiles = {"block_mask": block_mask, "block_size": block_size}
-        if cu_seqlens is not None and local_attention is not None:
-            raise SPConfigError("packed variable-length samples (cu_seqlens) run megatron_sp_ext's kernels per "
-                                "sample, not a caller's local attention")
-        for arg, given, flag in (("cu_seqlens", cu_seqlens is not None, "packed"),
-                                 ("block_mask", block_mask is not None, "block_mask")):
-            if given and not getattr(self.spec, flag):   # what the mode registry declares the mode takes
-                raise SPConfigError(f"{arg} is not supported by {self.cfg.name('mode')}={self.mode!r}: use "
-                                    f"{modes.listing(modes.names(**{flag: True}))}")
-        if dropout_p > 0.0 and not self.spec.dropout:
-            raise SPConfigError(f"dropout_p={dropout_p} is not supported by {self.cfg.name('mode')}={self.mode!r} "
-                                f"(log-sum-exp merged partial results): use dropout_p=0 or "
-                                f"{' / '.join(DROPOUT_MODES)}")
-        if local_attention is not None and not self.takes_local_attention:
-            raise SPConfigError(f"{self.cfg.name('mode')}={self.mode!r} runs megatron_sp_ext's log-sum-exp kernels "
-                                f"({self.cfg.name('backend')}), not a caller's local attention: use "
-                                f"{modes.listing(modes.names(local_attention=True))}")
+    def problem(self, **keywords) -> AttentionProblem:
+        """An ``AttentionProblem`` for this attention's calls: its layout and placement, the rest from
+        ``keywords`` (causal, softmax_scale, kv_valid_len, cu_seqlens, block_mask, tile, dropout_p, ranks_agree)."""
+        return AttentionProblem(**{"layout": self.layout, "placement": self.placement, **keywords})
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Optional[AttentionProblem] = None,
+                 *, local_attention: Optional[LocalAttention] = None, **keywords) -> torch.Tensor:
+        """q: [B, S_loc, H, D] / [S_loc, B, H, D]; k, v: Hkv heads. problem: the ``AttentionProblem`` (``problem()``
+        builds one with this attention's layout and placement; build it once per step and pass it to every layer),
+        or its settings as keywords (causal, softmax_scale, kv_valid_len, dropout_p, cu_seqlens, block_mask,
+        block_size / tile: one problem per call). local_attention: a caller's local attention for Ulysses/HCMS (bhsd
+        in and out). cu_seqlens: packed variable-length samples (every mode; auto stays on Ulysses/HCMS).
+        block_mask: block-sparse attention in every mode (auto times its candidates with the mask, once per mask
+        shape: ``mode_for``); not with cu_seqlens, dropout_p or local_attention. The problem is agreed across the
+        ranks first (its first call: one all_gather every rank reaches), before any calibration or exchange."""
+        what = f"{self.cfg.name('mode')}={self.cfg.mode}"
+        if problem is None:
+            keywords = {"layout": self.layout, "placement": self.placement, **keywords}
+        problem, _ = problem_from_keywords(what, problem, keywords)
+        if (problem.layout, problem.placement) != (self.layout, self.placement):
+            raise SPConfigError(f"{what}: the AttentionProblem has layout={problem.layout!r}, placement="
+                                f"{problem.placement!r}; this attention was made for layout={self.layout!r}, "
+                                f"placement={self.placement!r} (build it with attention.problem(...))")
+        dropout_p = problem.dropout_p
+        try:   # every local refusal of this call, raised on every rank through the agreement below
+            self._refuse(problem, local_attention)
+            error = None
+        except SPConfigError as e:
+            error = e
+        if self.world > 1:
+            problem.agree(self.group, q, k, v, what=what, error=error)
+        elif error is not None:
+            raise error
         mode = self.mode
-        if self.auto and dropout_p == 0.0 and local_attention is None and cu_seqlens is None:
-            picked = self.mode_for(q, k, causal, kv_valid_len, softmax_scale, tiles)
+        if self.auto and self.world > 1 and dropout_p == 0.0 and local_attention is None and problem.cu_seqlens is None:
+            picked = self.mode_for(q, k, problem)
             mode = picked if picked in RING_MODES else self.mode
         elif self.auto_asked:
             self._say_fixed_mode(
-                "packed samples" if cu_seqlens is not None
+                "packed samples" if problem.cu_seqlens is not None
                 else "attention dropout" if dropout_p > 0.0 or self.cfg.dropout_p > 0.0
                 else "a caller's local attention" if local_attention is not None
                 else f"{self.num_heads} heads over {self.world} ranks (resolved once, not per shape)")
@@ -230,23 +219,39 @@ class SPAttention:
             check_p2p(f"{self.cfg.name('mode')}={mode!r}" + (" (auto)" if modes.get(self.cfg.mode).auto else ""),
                       self.group, q.device, f"{self.cfg.name('mode')} {modes.listing(modes.names(p2p=False, auto=False))}")
         family = modes.get(mode).family   # the one map from a mode to its algorithm
-        if family == "ulysses":
-            return self._ulysses(q, k, v, causal, softmax_scale, kv_valid_len, dropout_p, local_attention, cu_seqlens,
-                                 tiles)
+        if family == "ulysses" or self.world == 1:   # one rank: every mode is the one-rank path of Ulysses
+            return self._ulysses(q, k, v, problem, local_attention)
         if family == "ring":
-            return self._ring(q, k, v, mode, causal, softmax_scale, kv_valid_len, cu_seqlens, tiles)
+            return self._ring(q, k, v, mode, problem)
         if family == "torus":
-            return torus_attention(q, k, v, self.mesh, causal=causal, softmax_scale=softmax_scale, layout=self.layout,
-                                   ring_variant=self.cfg.ring_variant, placement=self.placement, backend=self.backend,
-                                   kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens,
-                                   mask_checks=self.res.mask_checks, **(tiles or {}))
+            return torus_attention(q, k, v, self.mesh, problem, ring_variant=self.cfg.ring_variant,
+                                   backend=self.backend)
         if family == "hybrid":
-            return hybrid_attention(q, k, v, self.mesh, head_chunks=self.cfg.head_chunks,
-                                    ring_variant=self.cfg.ring_variant, causal=causal, softmax_scale=softmax_scale,
-                                    layout=self.layout, placement=self.placement, backend=self.backend,
-                                    kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens,
-                                    mask_checks=self.res.mask_checks, **(tiles or {}))
+            return hybrid_attention(q, k, v, self.mesh, problem, head_chunks=self.cfg.head_chunks,
+                                    ring_variant=self.cfg.ring_variant, backend=self.backend)
         raise SPConfigError(f"{self.cfg.name('mode')}={mode!r} is invalid")  # pragma: no cover - SPConfig checked
+
+    def _refuse(self, problem: AttentionProblem, local_attention: Optional[LocalAttention]) -> None:
+        """What this attention cannot run of ``problem`` (SPConfigError naming the setting)."""
+        if problem.block_mask is not None and local_attention is not None:
+            raise SPConfigError("block_mask runs megatron_sp_ext's block-sparse kernels, not a caller's local "
+                                "attention: give one of them")
+        if problem.cu_seqlens is not None and local_attention is not None:
+            raise SPConfigError("packed variable-length samples (cu_seqlens) run megatron_sp_ext's kernels per "
+                                "sample, not a caller's local attention")
+        for arg, given, flag in (("cu_seqlens", problem.cu_seqlens is not None, "packed"),
+                                 ("block_mask", problem.block_mask is not None, "block_mask")):
+            if given and not getattr(self.spec, flag):   # what the mode registry declares the mode takes
+                raise SPConfigError(f"{arg} is not supported by {self.cfg.name('mode')}={self.mode!r}: use "
+                                    f"{modes.listing(modes.names(**{flag: True}))}")
+        if problem.dropout_p > 0.0 and not self.spec.dropout:
+            raise SPConfigError(f"dropout_p={problem.dropout_p} is not supported by {self.cfg.name('mode')}="
+                                f"{self.mode!r} (log-sum-exp merged partial results): use dropout_p=0 or "
+                                f"{' / '.join(DROPOUT_MODES)}")
+        if local_attention is not None and not self.takes_local_attention:
+            raise SPConfigError(f"{self.cfg.name('mode')}={self.mode!r} runs megatron_sp_ext's log-sum-exp kernels "
+                                f"({self.cfg.name('backend')}), not a caller's local attention: use "
+                                f"{modes.listing(modes.names(local_attention=True))}")
 
 
 def packed_entry(cfg: SPConfig, group: dist.ProcessGroup, resources: SPResources,

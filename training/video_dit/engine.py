@@ -46,7 +46,7 @@ def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backen
     from .model import local_core  # noqa: PLC0415
     be = get_backend(backend, setting)
 
-    def core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None):
+    def core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None, mask_agreed=False):
         q_bhsd, k_bhsd, v_bhsd = (t.transpose(1, 2) for t in (q, k, v))
         if block_mask is not None:
             if cu_seqlens is not None:  # the reference names the flags
@@ -102,22 +102,55 @@ def core_of(cfg: SPConfig, group, *, num_heads: int, tile_setting: str = "auto")
     attn = make_attention(cfg, group, num_heads=num_heads, layout="bshd", placement="contiguous", backend=local,
                           resources=SPResources(cfg))
 
-    def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
-        if block_mask is not None:  # --sparse-attention tiles: the block mask over the full sequence
-            if cu_seqlens is not None:
-                raise SPConfigError(f"--pack-samples cannot run {SPARSE_FLAG} tiles (one block mask per sequence)")
-            return attn(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n, block_mask=block_mask,
-                        block_size=block_size)
+    step: dict = {"problems": None}   # this forward's AttentionProblems (begin_step), None before the first
+
+    def problem_of(n, cu_seqlens, block_mask, block_size, agreed: bool):
+        """The forward's problem of these settings: built at its first layer (agreed across ranks there), reused by
+        the others and by a checkpoint's recompute. Keyed on values every rank of the forward passes alike; a
+        block mask by its object (held by the memo until the next forward): a window mask shared by the layers is
+        compared once, a top-k mask per layer is declared agreed (``agreed``: no collective)."""
+        memo = step["problems"]
+        if memo is None:   # no forward began (a direct call): one problem per call
+            base = attn.problem(kv_valid_len=n, cu_seqlens=cu_seqlens)
+            return base if block_mask is None else base.with_mask(block_mask, tile=block_size, agreed=agreed)
+        key = (n, None if cu_seqlens is None else id(cu_seqlens))
+        if key not in memo:
+            memo[key] = (attn.problem(kv_valid_len=n, cu_seqlens=cu_seqlens), cu_seqlens)
+        base = memo[key][0]
+        if block_mask is None:
+            return base
+        if agreed:
+            return base.with_mask(block_mask, tile=block_size, agreed=True)
+        return base.cached(("mask", id(block_mask), block_size), lambda: base.with_mask(block_mask, tile=block_size))
+
+    def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None, mask_agreed=False):
+        if block_mask is not None and cu_seqlens is not None:   # --sparse-attention tiles: one mask per sequence
+            raise SPConfigError(f"--pack-samples cannot run {SPARSE_FLAG} tiles (one block mask per sequence)")
+        problem = problem_of(n, cu_seqlens, block_mask, block_size, mask_agreed)
         if cu_seqlens is None:
-            return attn(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n)
+            return attn(q, k, v, problem)
         try:  # packed samples (--pack-samples): the factory runs them per sample or refuses the mode by name
-            return attn(q, k, v, causal=False, softmax_scale=None, kv_valid_len=n, cu_seqlens=cu_seqlens)
+            return attn(q, k, v, problem)
         except SPConfigError as e:
             raise SPConfigError(f"--pack-samples: {e}") from None
+
+    def begin_step() -> None:
+        """A new forward: its problems are built afresh (called by the model's forward on every rank)."""
+        step["problems"] = {}
+    core.begin_step = begin_step
+
+    def problem_for(n):
+        """The forward's problem of the packed q|k|v entry (its own: agreed for the packed buffers' shapes)."""
+        memo = step["problems"]
+        if memo is None:
+            return attn.problem(kv_valid_len=n)
+        if ("packed", n) not in memo:
+            memo[("packed", n)] = (attn.problem(kv_valid_len=n), None)
+        return memo[("packed", n)][0]
+    core.problem_for = problem_for
     core.attention = attn
     core.group = group
     core.mode_policy = attn.res.mode_policy
-    core.mask_checks = attn.res.mask_checks   # the cross-rank block-mask checks (sp.checks.MaskChecks)
     if attn.packed is not None:
         core.packed = attn.packed
     return core

@@ -42,16 +42,17 @@ KEEP_CORE_MODULE = "outside_core_attn"
 # core(q, k, v, None, cu_seqlens=cu) with cu the int32 cumulative sample lengths over the full sequence (B=1).
 # Sparse steps (--sparse-attention tiles) call core(q, k, v, kv_valid_len, block_mask=m, block_size=n): m bool
 # [H or 1, nT, nT] over query x key blocks of n tokens of the full (tile-ordered) sequence, the same on every rank.
-# A core's ``group`` attribute (None or absent: one rank) is the SP group its attention runs over; its
-# ``mask_checks`` (absent: none) the cross-rank block-mask checks (sp.checks.MaskChecks: top-k masks, built the same
-# on every rank from tiles all-reduced over the group, are declared agreed there instead of compared). Dynamic SP
+# A core's ``group`` attribute (None or absent: one rank) is the SP group its attention runs over; ``mask_agreed=True``
+# declares a block mask equal on every rank by construction (top-k masks from tiles all-reduced over the group: no
+# cross-rank compare); its ``begin_step`` (absent: none) starts a forward: the core's AttentionProblems are built once
+# per forward (agreed across ranks at the first layer) and reused by every layer and recompute. Dynamic SP
 # (--dynamic-context-parallel) steps pass the pack's DynamicPlan as cu_seqlens (dynamic.make_dynamic_core).
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]
 
 PACK_FLAG = "--pack-samples"
 
 
-def local_core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None):
+def local_core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None, mask_agreed=False):
     """Single-device attention (no sequence parallelism) with key padding; with ``cu_seqlens`` (packed
     samples, B=1) each sample attends only within itself (one SDPA per sample); with ``block_mask`` /
     ``block_size`` block-sparse (``sparse.reference_sparse_attention``, the reference of the SP modes' masks)."""
@@ -210,8 +211,8 @@ class SelfAttention(nn.Module):
         b, s = q.shape[:2]
         block = step.spec.block_size
 
-        def fine(qs, ks, vs, mask):
-            run = functools.partial(self.core, block_mask=mask, block_size=block)
+        def fine(qs, ks, vs, mask, agreed=False):
+            run = functools.partial(self.core, block_mask=mask, block_size=block, mask_agreed=agreed)
             if self.recompute_core and torch.is_grad_enabled():
                 return checkpoint(run, qs, ks, vs, kv_valid_len, use_reentrant=False)
             return run(qs, ks, vs, kv_valid_len)
@@ -220,12 +221,10 @@ class SelfAttention(nn.Module):
         q_tiles, k_tiles, v_tiles = (pool_tiles(t, step.tile_index, step.num_tiles, step.group, step.run)
                                      for t in (q, k, v))
         outs = []
-        checks = getattr(self.core, "mask_checks", None)
-        for i in range(b):  # a block mask is one sample's (its own top-k)
+        for i in range(b):  # a block mask is one sample's (its own top-k), agreed: every rank's top-k of the same
+            # all-reduced tiles (no cross-rank compare per layer)
             mask = pad_tile_mask(topk_tile_mask(q_tiles[i], k_tiles[i], step.spec.topk), step.num_padded_tiles)
-            if checks is not None and step.group is not None:   # every rank's top-k of the same all-reduced tiles
-                checks.agree(mask, step.group)
-            outs.append(fine(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask))
+            outs.append(fine(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask, agreed=step.group is not None))
         gate = self.sparse_gate(x).view(b, s, self.heads, self.hd)
         fine_out = outs[0] if b == 1 else torch.cat(outs)   # no copy of the one sample's output
         return fine_out + gated_spread(gate, coarse_tiles(q_tiles, k_tiles, v_tiles), step.tile_index, step.run)
@@ -293,7 +292,9 @@ class SelfAttention(nn.Module):
         """The attention core on ``project``'s output (same ``layout`` and ``sparse``) -> out [B, S_local, H, D]
         (the packed exchange: [B, S_local, H*D]); with selective core_attn under activation checkpointing."""
         if layout is not None:
-            run = functools.partial(self.core.packed, self.heads, self.heads, kv_valid_len)
+            problem_for = getattr(self.core, "problem_for", None)   # the forward's problem: agreed once
+            run = functools.partial(self.core.packed, self.heads, self.heads,
+                                    kv_valid_len if problem_for is None else problem_for(kv_valid_len))
             if self.recompute_core and torch.is_grad_enabled():
                 return checkpoint(run, *parts, use_reentrant=False)
             return run(*parts)
@@ -592,6 +593,9 @@ class VideoDiT(nn.Module):
         self.layer_policy = policy
 
     def forward(self, patches, t, text, token_ids, grid, kv_valid_len=None, pack: Optional[PackInfo] = None):
+        begin = getattr(self.blocks[0].attn.core, "begin_step", None) if len(self.blocks) else None
+        if begin is not None:   # the attention problems of this forward: built once, at its first layer
+            begin()
         x = self.patch_embed(patches)
         t_emb = self.time_embed(timestep_embedding(t, self.cfg.freq_dim).to(x.dtype))
         t_blocks = t_emb if self.cfg.modulation == "linear" else self.time_proj(F.silu(t_emb))

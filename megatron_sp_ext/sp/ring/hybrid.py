@@ -20,9 +20,8 @@ import torch
 
 from ...config import DEFAULT_PLACEMENT
 from ...topology.mesh import SPMesh
-from ..checks import MaskChecks
 from ..placement import pieces, varlen_pieces
-from ..problem import describe
+from ..problem import AttentionProblem, problem_from_keywords
 from ..ulysses import ulysses_attention
 from ..ulysses.layout import sorted_order
 from .ring import RingBackend
@@ -61,27 +60,23 @@ def sorted_rows(grid: tuple, world: int, placement: str, seqlen: int, cu: Option
     return tuple(sorted_order(unit_pieces([rank_runs(placement, g, world, seqlen, cu) for g in row])) for row in grid)
 
 
-def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *,
-                     head_chunks: "int | str" = 1, ring_variant: str = "ring", causal: bool = False,
-                     softmax_scale: Optional[float] = None, layout: str = "bshd",
-                     placement: str = DEFAULT_PLACEMENT, backend: str = "auto",
-                     kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                     block_mask: Optional[torch.Tensor] = None, block_size: int = 64,
-                     mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh,
+                     problem: Optional[AttentionProblem] = None, *, head_chunks: "int | str" = 1,
+                     ring_variant: str = "ring", backend: str = "auto", **keywords) -> torch.Tensor:
     """Ulysses over ``mesh.ulysses_group`` then ring/TASP over ``mesh.ring_group``. Shapes as ulysses_attention.
-    ``kv_valid_len``: keys at global positions >= kv_valid_len are padding and get no attention.
+    problem: the ``AttentionProblem`` built once by the caller, or its settings as keywords (causal, placement,
+    kv_valid_len, cu_seqlens, block_mask, tile / block_size, softmax_scale, layout): one problem per call.
+    kv_valid_len: keys at global positions >= kv_valid_len are padding and get no attention.
     cu_seqlens: packed samples (B=1; cumulative lengths over the full sequence, the same on every rank; shards in
     the per-sample "contiguous" or "zigzag" placement of ``shard_sequence``): each sample attends within itself.
-    block_mask / block_size: block-sparse attention as ``ulysses_attention``'s (global tiles, the same on every
-    rank): the Ulysses exchange puts each group's sequence in ascending order and the ring ("ring" or "tasp") runs
-    under the mask with its step and hop skips over the mesh's runs (``RingBackend``); not with cu_seqlens.
-    mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
-    call compares it: one all_gather and a host sync). A mask checked over the mesh's group is agreed on its Ulysses group too: the
-    inner exchange does not compare it again."""
-    pr = describe(q, k, v, mesh.group, what="hybrid_attention", mode=mesh.arrangement, causal=causal,
-                  softmax_scale=softmax_scale, layout=layout, placement=placement, backend=backend,
-                  kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, block_mask=block_mask, block_size=block_size,
-                  mask_checks=mask_checks, variant=("ring_variant", ring_variant), p2p=(mesh.ring_group,))
+    block_mask / tile: block-sparse attention as ``ulysses_attention``'s (global tiles, the same on every rank): the
+    Ulysses exchange puts each group's sequence in ascending order and the ring ("ring" or "tasp") runs under the
+    mask with its step and hop skips over the mesh's runs (``RingBackend``); not with cu_seqlens. The problem is
+    agreed over the mesh's whole group: its inner Ulysses call runs no second check."""
+    problem, _ = problem_from_keywords("hybrid_attention", problem, keywords)
+    pr = problem.bind(q, k, v, mesh.group, what="hybrid_attention", mode=mesh.arrangement, backend=backend,
+                      variant=("ring_variant", ring_variant), p2p=(mesh.ring_group,))
+    causal, placement = pr.causal, pr.placement
     cu = None if pr.packed is None else pr.packed.layout
     runs = mesh_runs(mesh, placement, pr.seqlen, cu)
     order = None
@@ -91,12 +86,9 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
         order = rows[mesh.ring_index][0]
         runs = tuple(merged for _, merged in rows)
     ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, pr.backend, pr.kv_valid_len,
-                       pr.segments, block_mask=pr.block_mask, block_size=block_size, seq_len=pr.seqlen)
+                       pr.segments, block_mask=pr.block_mask, block_size=pr.block_size, seq_len=pr.seqlen)
     if mesh.ulysses_group is None:  # P_u == 1: pure ring over the mesh order, every head
         return pr.from_kernel(ring(*pr.to_kernel(q, k, v), causal=causal, softmax_scale=pr.scale))
-    inner = mask_checks if mask_checks is not None else MaskChecks()
-    if pr.block_mask is not None:   # equal over the whole mesh group (just checked): equal over its Ulysses group
-        inner.agree(pr.block_mask, mesh.ulysses_group)
-    return ulysses_attention(q, k, v, mesh.ulysses_group, head_chunks=head_chunks, causal=causal,
-                             softmax_scale=pr.scale, layout=layout, backend=ring, seq_order=order,
-                             block_mask=pr.block_mask, block_size=block_size, mask_checks=inner)
+    inner = problem.inner(softmax_scale=pr.scale, seq_order=order, kv_valid_len=None, cu_seqlens=None,
+                          placement=DEFAULT_PLACEMENT, dropout_p=0.0)
+    return ulysses_attention(q, k, v, mesh.ulysses_group, inner, head_chunks=head_chunks, backend=ring)

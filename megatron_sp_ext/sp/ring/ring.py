@@ -41,9 +41,8 @@ from ...comm.p2p import wait_handles
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
 from ...topology.hamiltonian import RoutingTables, routing_tables
-from ..checks import MaskChecks, check_same_shape_across_ranks
 from ..heads import split_more_first
-from ..problem import VARIANTS, describe  # VARIANTS: re-exported (sp.ring, sparse)
+from ..problem import VARIANTS, AttentionProblem, problem_from_keywords  # VARIANTS: re-exported (sp.ring, sparse)
 from .rotation import (backward_steps, check_travel, dkv_schedule_from_env, kv_view as _kv_view, sel_rows as _sel,
                        pair_ops, start_ops, tiles_kw)
 from .skips import SkipTables, TileSpec, skip_tables
@@ -372,60 +371,76 @@ class _RingFn(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {key: RingPlan}
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """What one ring plan depends on besides its group and block mask (hashable: plans are cached by it).
+    kv_runs[o] = runs of ring rank o; cu_seqlens: packed samples' cumulative lengths (queries see keys of their own
+    sample only); heads: (start, stop) of the global query heads q carries (a masked plan's mask rows); q_runs_of[o]:
+    ring rank o's query runs (default kv_runs)."""
+
+    variant: str
+    s_loc: int
+    q_runs: tuple
+    kv_runs: tuple
+    causal: bool
+    scale: float
+    backend: Optional[LocalAttention]
+    balanced_slots: bool = False
+    kv_valid_len: Optional[int] = None
+    cu_seqlens: Optional[tuple] = None
+    block_size: int = block_sparse.DEFAULT_TILE_SIZE
+    heads: tuple = (None, None)
+    q_runs_of: Optional[tuple] = None
+
+    @staticmethod
+    def of(**fields) -> "RingSpec":
+        """A spec from keywords (runs as any sequences, ``heads`` as a slice)."""
+        heads = fields.pop("heads", slice(None))
+        for name in ("q_runs", "kv_runs", "q_runs_of"):
+            if fields.get(name) is not None:
+                fields[name] = tuple(tuple(x) if isinstance(x, list) else x for x in fields[name])
+        return RingSpec(heads=(heads.start, heads.stop) if isinstance(heads, slice) else tuple(heads), **fields)
+
+
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {RingSpec: RingPlan} (no mask)
 _NO_GROUP: dict = {}
 
 
-def _mask_key(block_mask: Optional[torch.Tensor], block_size: int, heads: slice) -> tuple:
-    """A block mask's part of the plan key: the tensor's identity and version (an in-place change bumps it; the
-    entry is evicted when the tensor dies, so a new tensor reusing the id cannot hit it)."""
-    if block_mask is None:
-        return ()
-    return (id(block_mask), block_mask._version, tuple(block_mask.shape), block_size, heads.start, heads.stop)
-
-
-def make_ring_plan(group, *, variant: str, s_loc: int, q_runs, kv_runs, causal: bool, scale: float,
-                   backend: Optional[LocalAttention], balanced_slots: bool = False,
-                   kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None,
-                   block_mask: Optional[torch.Tensor] = None, block_size: int = block_sparse.DEFAULT_TILE_SIZE,
-                   heads: slice = slice(None), q_runs_of: Optional[tuple] = None) -> RingPlan:
-    """Plan for one ring group (None or size 1 = no exchange). kv_runs[o] = runs of ring rank o.
-    cu_seqlens (packed samples, a tuple of cumulative lengths): queries see keys of their own sample only.
-    block_mask (checked, [H or 1, T, T]) with block_size and the global query ``heads`` q carries: the skips of
-    ``skips`` (q_runs_of[o]: ring rank o's query runs, default kv_runs: each rank's queries are its keys' tokens).
-    Plans are cached by their arguments and the mask's identity (the step schedules are built once)."""
-    # per group, weakly (a destroyed group's plans go with it; an id() could be reused by a new group), keyed on
-    # everything the schedule depends on; the backend itself, not its id(), which a new object could reuse
-    plans = _PLANS.setdefault(group, {}) if group is not None else _NO_GROUP
-    q_runs_of = tuple(kv_runs) if q_runs_of is None else tuple(q_runs_of)
-    key = (variant, s_loc, tuple(q_runs), tuple(kv_runs), causal, scale, backend, balanced_slots, kv_valid_len,
-           cu_seqlens) + _mask_key(block_mask, block_size, heads) + ((q_runs_of,) if block_mask is not None else ())
-    if key in plans:
-        return plans[key]
+def make_ring_plan(group, spec: Optional[RingSpec] = None, *, block_mask: Optional[torch.Tensor] = None,
+                   owner=None, **fields) -> RingPlan:
+    """Plan for one ring group (None or size 1 = no exchange) of ``spec`` (or its ``fields`` as keywords).
+    block_mask (checked, [H or 1, T, T]): the skips of ``skips`` (a host copy of the mask, once per plan).
+    Plans without a mask are cached per group by their spec; plans with one on ``owner`` (the call's
+    ``AttentionProblem``: ``cached``), which lives as long as the mask it was built with (None: not cached)."""
+    spec = spec if spec is not None else RingSpec.of(**fields)
     world = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
-    tiles = None if block_mask is None else TileSpec(block_mask.detach().to("cpu", copy=True), block_size, heads)
-    plan = build_ring_plan(weakref.ref(group) if group is not None else None, rank, world, variant=variant,
-                           s_loc=s_loc, q_runs=q_runs, kv_runs=kv_runs, causal=causal, scale=scale, backend=backend,
-                           balanced_slots=balanced_slots, kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens,
-                           tiles=tiles, q_runs_of=q_runs_of)
-    if len(plans) > 256:
-        plans.clear()
-    plans[key] = plan
+    ref = weakref.ref(group) if group is not None else None
     if block_mask is not None:
-        weakref.finalize(block_mask, plans.pop, key, None)
-    return plan
+        def build() -> RingPlan:
+            tiles = TileSpec(block_mask.detach().to("cpu", copy=True), spec.block_size, slice(*spec.heads))
+            return build_ring_plan(ref, rank, world, spec, tiles)
+        return build() if owner is None else owner.cached(("ring_plan", group, spec), build)
+    plans = _PLANS.setdefault(group, {}) if group is not None else _NO_GROUP
+    if spec not in plans:
+        if len(plans) > 256:
+            plans.clear()
+        plans[spec] = build_ring_plan(ref, rank, world, spec, None)
+    return plans[spec]
 
 
-def build_ring_plan(group_ref, rank: int, world: int, *, variant: str, s_loc: int, q_runs, kv_runs, causal: bool,
-                    scale: float, backend: Optional[LocalAttention], balanced_slots: bool = False,
-                    kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None,
-                    tiles: Optional[TileSpec] = None, q_runs_of: tuple = ()) -> RingPlan:
-    """The ``RingPlan`` of ring rank ``rank`` of ``world`` (uncached; ``make_ring_plan`` caches it per group)."""
+def build_ring_plan(group_ref, rank: int, world: int, spec: RingSpec, tiles: Optional[TileSpec]) -> RingPlan:
+    """The ``RingPlan`` of ring rank ``rank`` of ``world`` for ``spec`` (uncached; ``make_ring_plan`` caches it)."""
+    variant, s_loc, q_runs, kv_runs = spec.variant, spec.s_loc, spec.q_runs, spec.kv_runs
+    q_runs_of = tuple(kv_runs) if spec.q_runs_of is None else tuple(spec.q_runs_of)
+    if tiles is None:
+        q_runs_of = ()
     if modes.get(variant).multi_ring and world > 1:
         rt = routing_tables(world)
         m = len(rt.cycles)
-        if balanced_slots:  # tasp_zigzag: ring i carries [piece, mirror] = 2 * (s_loc / 2m) tokens
+        if spec.balanced_slots:  # tasp_zigzag: ring i carries [piece, mirror] = 2 * (s_loc / 2m) tokens
             lens = (s_loc // m,) * m
         else:
             lens = split_more_first(s_loc, m)
@@ -439,12 +454,13 @@ def build_ring_plan(group_ref, rank: int, world: int, *, variant: str, s_loc: in
         mode = "sorted"
         q_moves, _ = sorted_order(tuple(q_runs))
         kv_moves, _ = sorted_order(tuple(kv_runs[0]))
-    elif causal and modes.get(variant).multi_ring and balanced_slots:
+    elif spec.causal and modes.get(variant).multi_ring and spec.balanced_slots:
         mode = "ab"
         q_moves, _ = sorted_order(tuple(q_runs))
         kv_moves, _ = sorted_order(tuple(kv_runs[rank]))
     plan = RingPlan(group_ref, rank, world, variant, rt, offs, tuple(lens), tuple(q_runs), tuple(kv_runs),
-                    causal, scale, backend, kv_valid_len, mode, q_moves, kv_moves, cu_seqlens, tiles, tuple(q_runs_of))
+                    spec.causal, spec.scale, spec.backend, spec.kv_valid_len, mode, q_moves, kv_moves,
+                    spec.cu_seqlens, tiles, tuple(q_runs_of))
     if mode == "ab":  # the step-0 layout must be the sorted order the k/v were filled in
         filled = {lr: cr for lr, cr, _ in kv_moves}
         for slot in plan.segments(0):
@@ -477,10 +493,7 @@ class RingBackend(block_sparse.BlockSparseBackend):
         heads = self.heads if heads is None else heads
         key = (k_bhsd.shape[2], causal, scale, heads.start, heads.stop,
                None if self.block_mask is None else self.block_mask._version)  # a mask changed in place: a new plan
-        if key not in self._plans:
-            if self.block_mask is not None and self.group is not None:
-                # one collective on the ring group before its first (possibly partial) point-to-point batch
-                check_same_shape_across_ranks(k_bhsd, self.group, "kv block (masked ring)")
+        if key not in self._plans:   # the shapes were agreed over the mesh by the caller's problem
             self._plans[key] = make_ring_plan(self.group, variant=self.variant, s_loc=k_bhsd.shape[2],
                                               q_runs=self.q_runs, kv_runs=self.kv_runs, causal=causal, scale=scale,
                                               backend=self.inner, kv_valid_len=self.kv_valid_len,
@@ -503,14 +516,13 @@ class RingBackend(block_sparse.BlockSparseBackend):
         return ring_backward(do, q, k, v, out, lse, self.plan(k, causal, softmax_scale))
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
-                   variant: str = "ring", causal: bool = False, softmax_scale: Optional[float] = None,
-                   layout: str = "bshd", placement: str = DEFAULT_PLACEMENT,
-                   backend: "str | LocalAttention" = "auto", kv_valid_len: Optional[int] = None,
-                   cu_seqlens: Optional[torch.Tensor] = None, block_mask: Optional[torch.Tensor] = None,
-                   block_size: int = block_sparse.DEFAULT_TILE_SIZE,
-                   mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                   problem: Optional[AttentionProblem] = None, *, variant: str = "ring",
+                   backend: "str | LocalAttention" = "auto", **keywords) -> torch.Tensor:
     """Ring or TASP attention over ``group``. q: [B, S_loc, H, D] (or sbhd); k, v: Hkv heads.
+
+    problem: the ``AttentionProblem`` built once by the caller, or its settings as keywords (causal, placement,
+    kv_valid_len, cu_seqlens, block_mask, tile / block_size, softmax_scale, layout): one problem per call.
 
     ``placement`` says which tokens each rank holds (default ``DEFAULT_PLACEMENT``, "contiguous", as
     ``shard_sequence``); causal load balance is one keyword away: "zigzag" (ring) or "tasp_zigzag" (tasp),
@@ -526,16 +538,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     placement; AND causal, AND kv_valid_len) runs only the kernel calls whose tiles select anything (each call gets
     its ``TileSlice``), skips the (step, slot) kv blocks with none and the K|V hops no later rank needs
     (``skips``). Not with cu_seqlens.
-    mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
-    call compares it: one all_gather and a host sync).
     """
-    pr = describe(q, k, v, group, what="ring_attention", mode=variant, causal=causal, softmax_scale=softmax_scale,
-                  layout=layout, placement=placement, backend=backend, kv_valid_len=kv_valid_len,
-                  cu_seqlens=cu_seqlens, block_mask=block_mask, block_size=block_size, mask_checks=mask_checks,
-                  variant=("variant", variant), p2p=(group,))
+    problem, _ = problem_from_keywords("ring_attention", problem, keywords)
+    pr = problem.bind(q, k, v, group, what="ring_attention", mode=variant if variant in VARIANTS else "ring",
+                      backend=backend, variant=("variant", variant), p2p=(group,))
+    causal, placement = pr.causal, pr.placement
     plan = make_ring_plan(group, variant=variant, s_loc=pr.s_loc, q_runs=pr.runs(pr.rank),
                           kv_runs=tuple(pr.runs(o) for o in range(pr.world)), causal=causal, scale=pr.scale,
                           backend=pr.backend, balanced_slots=placement == "tasp_zigzag" and pr.packed is None,
                           kv_valid_len=pr.kv_valid_len, cu_seqlens=pr.segments, block_mask=pr.block_mask,
-                          block_size=block_size)
+                          block_size=pr.block_size, owner=problem)
     return pr.from_kernel(_RingFn.apply(*pr.to_kernel(q, k, v), plan))

@@ -12,7 +12,7 @@ import torch
 
 from ...errors import SPConfigError
 from ..placement import pieces
-from .ring import VARIANTS, build_ring_plan
+from .ring import VARIANTS, RingSpec, build_ring_plan
 from .skips import SkipTables, TileSpec, counts
 
 
@@ -63,10 +63,10 @@ def sparse_ring_plan(block_mask: torch.Tensor, *, world: int, seq_len: int, bloc
     runs = tuple(pieces(placement, o, world, seq_len) for o in range(world))
     s_loc = seq_len // world
     valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < seq_len else None
-    plan = build_ring_plan(None, 0, world, variant=variant, s_loc=s_loc, q_runs=runs[0], kv_runs=runs,
-                           causal=causal, scale=1.0, backend=None, balanced_slots=placement == "tasp_zigzag",
-                           kv_valid_len=valid, tiles=TileSpec(block_mask.cpu(), block_size, slice(None)),
-                           q_runs_of=runs)
+    spec = RingSpec.of(variant=variant, s_loc=s_loc, q_runs=runs[0], kv_runs=runs, causal=causal, scale=1.0,
+                       backend=None, balanced_slots=placement == "tasp_zigzag", kv_valid_len=valid,
+                       block_size=block_size, q_runs_of=runs)
+    plan = build_ring_plan(None, 0, world, spec, TileSpec(block_mask.cpu(), block_size, slice(None)))
     slot_bytes = tuple(kv_bytes * n // s_loc if s_loc else 0 for n in plan.slot_len)
     return SparseRingPlan(plan.skips(), slot_bytes)
 

@@ -33,8 +33,7 @@ from ...comm import p2p
 from ...comm.p2p import wait_handles
 from ...topology.mesh import SPMesh
 from ..heads import HeadLayout, head_layout
-from ..checks import MaskChecks
-from ..problem import describe, to_bshd
+from ..problem import AttentionProblem, problem_from_keywords, to_bshd
 from .hybrid import rank_runs
 from .ring import RingBackend
 
@@ -254,29 +253,25 @@ class _TorusFn(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh, *, causal: bool = False,
-                    softmax_scale: Optional[float] = None, layout: str = "bshd", ring_variant: str = "ring",
-                    placement: str = DEFAULT_PLACEMENT, backend: str = "auto",
-                    kv_valid_len: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                    block_mask: Optional[torch.Tensor] = None, block_size: int = 64,
-                    mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:
-    """Torus attention over ``mesh`` (see module docstring). Shapes, placement, kv_valid_len and cu_seqlens (packed
-    samples, attention within each sample) as hybrid_attention. block_mask / block_size: block-sparse attention as
+def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPMesh,
+                    problem: Optional[AttentionProblem] = None, *, ring_variant: str = "ring",
+                    backend: str = "auto", **keywords) -> torch.Tensor:
+    """Torus attention over ``mesh`` (see module docstring). problem: the ``AttentionProblem`` built once by the
+    caller, or its settings as keywords (one problem per call). Shapes, placement, kv_valid_len and cu_seqlens
+    (packed samples, attention within each sample) as hybrid_attention. block_mask / tile: block-sparse attention as
     ``ulysses_attention``'s; every pair's ring is the ring under the mask (``RingBackend`` with this rank's head
     group's mask rows: its calls, steps and K|V hops skipped per pair; ring_variant "ring" or "tasp"); the stages'
-    exchanges all run. Not with cu_seqlens.
-    mask_checks: a ``MaskChecks`` (sp/checks.py) that compares each distinct block mask across ranks once (None: this
-    call compares it: one all_gather and a host sync)."""
-    pr = describe(q, k, v, mesh.group, what="torus_attention", mode="torus", causal=causal,
-                  softmax_scale=softmax_scale, layout=layout, placement=placement, backend=backend,
-                  kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, block_mask=block_mask, block_size=block_size,
-                  mask_checks=mask_checks, variant=("ring_variant", ring_variant),
-                  p2p=(mesh.ulysses_group, mesh.ring_group))  # its stages and its ring are point to point
+    exchanges all run. Not with cu_seqlens."""
+    problem, _ = problem_from_keywords("torus_attention", problem, keywords)
+    pr = problem.bind(q, k, v, mesh.group, what="torus_attention", mode="torus", backend=backend,
+                      variant=("ring_variant", ring_variant),
+                      p2p=(mesh.ulysses_group, mesh.ring_group))  # its stages and its ring are point to point
+    causal, layout, placement = pr.causal, pr.layout, pr.placement
     q, k, v = (to_bshd(x, layout) for x in (q, k, v))
     hl = head_layout(q.shape[2], k.shape[2], mesh.ulysses_size, 1)
     if hl.kv_repeat > 1:
         k, v = k.repeat_interleave(hl.kv_repeat, dim=2), v.repeat_interleave(hl.kv_repeat, dim=2)
-    tiles = None if pr.block_mask is None else (pr.block_mask, block_size)
+    tiles = None if pr.block_mask is None else (pr.block_mask, pr.block_size)
     c = _Ctx(mesh, hl, placement, pr.seqlen, ring_variant, pr.backend, pr.scale, pr.kv_valid_len, pr.packed, tiles)
     c.causal = causal
     return to_bshd(_TorusFn.apply(q, k, v, c), layout)

@@ -31,14 +31,13 @@ from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
-from ..checks import MaskChecks
 from ..heads import head_layout
 from . import layout as lay
 from .attend import attend_backward, local_attention
 from .engine import (alloc, attend_and_send, by_piece, exchange_all_chunks, send_head_major, send_pieces,
                      sends_in_place, transport_of)
 from ..placement import PackedSamples
-from ..problem import describe, seq_batch
+from ..problem import AttentionProblem, BoundProblem, problem_from_keywords, seq_batch
 from .plan import UlyssesPlan, local_order, varlen_order
 from .policy import ChunkPolicy, default_policy
 
@@ -147,18 +146,20 @@ class _UlyssesFn(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, *,
-                      head_chunks: "int | str" = 1, causal: bool = False, softmax_scale: Optional[float] = None,
-                      layout: str = "bshd", backend: "str | LocalAttention" = "auto",
-                      comm_stream: Optional["torch.cuda.Stream"] = None,
-                      policy: Optional[ChunkPolicy] = None, placement: str = DEFAULT_PLACEMENT,
-                      kv_valid_len: Optional[int] = None, qkv_contiguous: bool = True,
-                      transport: "str | object" = "nccl", seq_order: Optional[lay.SeqOrder] = None,
-                      dropout_p: float = 0.0, cu_seqlens: "torch.Tensor | PackedSamples | None" = None,
-                      varlen_kernel: str = "per_sample", block_mask: Optional[torch.Tensor] = None,
-                      block_size: int = block_sparse.DEFAULT_TILE_SIZE,
-                      mask_checks: Optional[MaskChecks] = None) -> torch.Tensor:
+# the Ulysses call's options beside the problem (keywords of ulysses_attention) and their defaults
+OPTIONS = {"comm_stream": None, "policy": None, "qkv_contiguous": True, "transport": "nccl",
+           "varlen_kernel": "per_sample"}
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                      problem: Optional[AttentionProblem] = None, *, head_chunks: "int | str" = 1,
+                      backend: "str | LocalAttention" = "auto", **keywords) -> torch.Tensor:
     """Ulysses (head_chunks=1) or HCMS (head_chunks>1 or "auto") attention over ``group``.
+
+    problem: the ``AttentionProblem`` (causal, placement, kv_valid_len, cu_seqlens, block_mask + tile, dropout_p,
+    softmax_scale, layout), built once by the caller; or its settings as keywords (``causal=True``, ...; one problem
+    per call, ``block_size`` for ``tile``). Options as keywords: comm_stream, policy, qkv_contiguous, transport,
+    varlen_kernel (``OPTIONS``, defaults there).
 
     q: [B, S_loc, H, D] ("bshd") or [S_loc, B, H, D] ("sbhd"), this rank's sequence shard.
     k, v: same with Hkv heads (H % Hkv == 0). Returns the attention output in q's layout and shape.
@@ -202,12 +203,38 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     mask_checks: a ``checks.MaskChecks`` that compares each distinct block mask across ranks once (None: this call
     compares it: one all_gather and a host sync).
     """
-    pr = describe(q, k, v, group, what="ulysses_attention", mode="ulysses", causal=causal,
-                  softmax_scale=softmax_scale, layout=layout, placement=placement, backend=backend,
-                  kv_valid_len=kv_valid_len, cu_seqlens=cu_seqlens, block_mask=block_mask, block_size=block_size,
-                  dropout_p=dropout_p, varlen_kernel=varlen_kernel, seq_order=seq_order, mask_checks=mask_checks)
+    problem, opts = problem_from_keywords("ulysses_attention", problem, keywords, tuple(OPTIONS))
+    opts = {**OPTIONS, **opts}
+    pr = problem.bind(q, k, v, group, what="ulysses_attention", mode="ulysses", backend=backend,
+                      varlen_kernel=opts["varlen_kernel"])
+    return run_ulysses(q, k, v, group, pr, head_chunks, opts)
+
+
+def one_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pr: BoundProblem) -> torch.Tensor:
+    """The one-rank path of every mode (the factory's and the functional API's): the whole sequence on this rank
+    (its placement is global order), the bound problem's local kernel, key padding, packed samples, block mask."""
+    qb, kb, vb = pr.to_kernel(q, k, v)
+    valid = pr.kv_valid_len
+    if pr.block_mask is not None:
+        mask = pr.mask_on(q.device)
+        ts = pr.source.cached(("full_slice", qb.shape[2], valid, str(qb.device)),
+                              lambda: tiles.full_sequence_slice(mask, pr.block_size, qb.shape[2], valid, qb.device))
+        kernel = pr.backend.tile_kernel(qb, ts, pr.causal, lse=False)
+        return pr.from_kernel(kernel.attention(qb, kb, vb, pr.causal, pr.scale, ts))
+    segments = pr.segments
+    return pr.from_kernel(local_attention(pr.backend, qb, kb, vb, pr.causal, pr.scale, valid, pr.dropout_p, segments,
+                                          pr.varlen_kernel))
+
+
+def run_ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, pr: BoundProblem,
+                head_chunks: "int | str", opts: dict) -> torch.Tensor:
+    """Ulysses / HCMS of a bound problem ``pr`` (``ulysses_attention``'s body); ``opts``: ``OPTIONS`` filled."""
+    causal, layout, placement = pr.causal, pr.layout, pr.placement
+    comm_stream, policy, transport = opts["comm_stream"], opts["policy"], opts["transport"]
     be, world = pr.backend, pr.world
     block_mask = pr.mask_on(q.device)
+    if world == 1:
+        return one_rank_attention(q, k, v, pr)
     tile_setting = "math"
     if block_mask is not None:
         tile_setting = "ring" if pr.own_positions else be.tile_kernel(q, None, causal, lse=False).setting
@@ -228,21 +255,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         order, valid = varlen_order(placement, world, pr.packed.layout), None
     else:  # a block mask is stated in global order: the gathered sequence must be put in it (as for causal)
         order, valid = local_order(placement, world, pr.s_loc, causal or block_mask is not None, pr.kv_valid_len)
-    if seq_order is not None:
-        order = seq_order
+    if pr.seq_order is not None:
+        order = pr.seq_order
     # one chunk has nothing to overlap: run on the caller's stream, no side stream and no events (less
     # host work per call, which is what short calls are bound by); same kernels, same order
     stream = None if hl.chunks == 1 else (comm_stream if comm_stream is not None
                                           else st.default_pool().comm_stream(q.device))
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    plan = UlyssesPlan(group, pr.rank, hl, layout, causal, pr.scale, be, stream, need_grad, qkv_contiguous, tr,
-                       order, valid, pr.dropout_p, pr.segments, varlen_kernel, block_mask, block_size, tile_setting)
-    if world == 1:  # one rank: its placement is global order
-        qb, kb, vb = pr.to_kernel(q, k, v)
-        if block_mask is not None:
-            ts = tiles.full_sequence_slice(block_mask, block_size, qb.shape[2], valid, qb.device)
-            return pr.from_kernel(be.tile_kernel(qb, ts, causal, lse=False).attention(qb, kb, vb, causal, pr.scale,
-                                                                                       ts))
-        return pr.from_kernel(local_attention(be, qb, kb, vb, causal, pr.scale, valid, pr.dropout_p, pr.segments,
-                                              varlen_kernel))
+    plan = UlyssesPlan(group, pr.rank, hl, layout, causal, pr.scale, be, stream, need_grad, opts["qkv_contiguous"],
+                       tr, order, valid, pr.dropout_p, pr.segments, pr.varlen_kernel, block_mask, pr.block_size,
+                       tile_setting)
     return _UlyssesFn.apply(q, k, v, plan)

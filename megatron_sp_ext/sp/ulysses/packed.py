@@ -30,7 +30,8 @@ from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq, table_seq_to_head
 from ...config import DEFAULT_PLACEMENT
 from ...errors import SPConfigError
-from ..checks import check_same_shape_across_ranks
+from ..checks import valid_kv_len
+from ..problem import AttentionProblem, problem_from_keywords
 from ..heads import HeadLayout, head_layout
 from . import layout as lay
 from .attend import attend_backward
@@ -40,7 +41,6 @@ from .plan import local_order
 from .policy import ChunkPolicy, default_policy
 
 _QKV = ("q", "kv", "kv")
-_VALIDATED: set = set()
 
 
 def packed_head_layout(num_heads: int, num_kv_heads: int, world: int, head_chunks: int) -> HeadLayout:
@@ -236,25 +236,56 @@ class PackedUlysses:
             return None
         return packed_head_layout(num_heads, num_kv_heads, world, chunks)
 
-    def __call__(self, num_heads: int, num_kv_heads: int, kv_valid_len: Optional[int],
+    def __call__(self, num_heads: int, num_kv_heads: int, problem: "AttentionProblem | int | None",
                  *sends: torch.Tensor) -> torch.Tensor:
-        return packed_ulysses_attention(list(sends), self.group, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                        head_chunks=len(sends), causal=self.causal, backend=self.backend,
-                                        comm_stream=self.comm_stream, kv_valid_len=kv_valid_len,
-                                        transport=self.transport)
+        """The attention of ``sends`` for ``problem`` (an ``AttentionProblem`` built once per step; or, the old
+        form, its kv_valid_len: a problem per call), this entry's causal flag."""
+        if not isinstance(problem, AttentionProblem):
+            problem = AttentionProblem(causal=self.causal, kv_valid_len=problem)
+        return packed_ulysses_attention(list(sends), self.group, problem, num_heads=num_heads,
+                                        num_kv_heads=num_kv_heads, head_chunks=len(sends), backend=self.backend,
+                                        comm_stream=self.comm_stream, transport=self.transport)
 
 
-def packed_ulysses_attention(sends: Sequence[torch.Tensor], group: dist.ProcessGroup, *, num_heads: int,
-                             num_kv_heads: int, head_chunks: int = 1, causal: bool = False,
-                             softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "auto",
-                             comm_stream: Optional["torch.cuda.Stream"] = None, placement: str = DEFAULT_PLACEMENT,
-                             kv_valid_len: Optional[int] = None,
-                             transport: "str | object" = "nccl") -> torch.Tensor:
+PACKED_OPTIONS = {"comm_stream": None, "transport": "nccl"}   # packed_ulysses_attention's options and defaults
+
+
+def packed_ulysses_attention(sends: Sequence[torch.Tensor], group: dist.ProcessGroup,
+                             problem: Optional[AttentionProblem] = None, *, num_heads: int, num_kv_heads: int,
+                             head_chunks: int = 1, backend: "str | LocalAttention" = "auto",
+                             **keywords) -> torch.Tensor:
     """Ulysses / HCMS attention on ``sends`` = ``pack_qkv(q, k, v, layout)``; returns [B, S_loc, H, D] ("bshd").
 
     sends[c]: [P, S_loc, B, w_c, D] for chunk c of ``packed_head_layout(num_heads, num_kv_heads, P,
-    head_chunks)``. Other arguments as in ``ulysses_attention``. Gradients come back in the same layout.
+    head_chunks)``. problem: the ``AttentionProblem`` (causal, placement, kv_valid_len, softmax_scale; "bshd"), or its
+    settings as keywords; options comm_stream, transport (``PACKED_OPTIONS``). Other arguments as in
+    ``ulysses_attention``. Gradients come back in the same layout. The problem is agreed across ranks on its first
+    call over ``group`` (one all_gather every rank reaches, with this rank's refusal of its buffers folded in).
     """
+    problem, opts = problem_from_keywords("packed_ulysses_attention", problem, keywords, tuple(PACKED_OPTIONS))
+    opts = {**PACKED_OPTIONS, **opts}
+    try:
+        plan = _packed_plan(sends, group, problem, num_heads, num_kv_heads, head_chunks, backend, opts)
+        error = None
+    except SPConfigError as e:
+        plan, error = None, e
+    if dist.get_world_size(group) > 1:
+        x = sends[0] if len(sends) else torch.empty(0)
+        problem.agree(group, x, x, x, what="packed_ulysses_attention", error=error)
+    elif error is not None:
+        raise error
+    return _PackedFn.apply(plan, *sends)
+
+
+def _packed_plan(sends, group, problem: AttentionProblem, num_heads: int, num_kv_heads: int, head_chunks: int,
+                 backend, opts: dict) -> PackedPlan:
+    """The plan of one packed call, after every local check (SPConfigError naming the mismatch)."""
+    causal, placement, softmax_scale = problem.causal, problem.placement, problem.softmax_scale
+    if problem.layout != "bshd" or problem.cu_seqlens is not None or problem.block_mask is not None \
+            or problem.dropout_p:
+        raise SPConfigError("packed_ulysses_attention takes a problem of layout 'bshd' without cu_seqlens, "
+                            "block_mask or dropout_p: use ulysses_attention for those")
+    comm_stream, transport = opts["comm_stream"], opts["transport"]
     world = dist.get_world_size(group)
     hl = packed_head_layout(num_heads, num_kv_heads, world, head_chunks)
     if len(sends) != hl.chunks:
@@ -267,16 +298,12 @@ def packed_ulysses_attention(sends: Sequence[torch.Tensor], group: dist.ProcessG
         if tuple(s.shape) != (world, s_loc, bsz, w, d) or not s.is_contiguous():
             raise SPConfigError(f"packed chunk {c}: expected a contiguous {(world, s_loc, bsz, w, d)} buffer, "
                                 f"got {tuple(s.shape)}; build it with pack_qkv")
-    key = (id(group), tuple(sends[0].shape), len(sends))
-    if key not in _VALIDATED:
-        check_same_shape_across_ranks(sends[0], group, what="packed q|k|v shard")
-        _VALIDATED.add(key)
+    kv_valid_len = valid_kv_len(problem.kv_valid_len, s_loc * world)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     order, valid = local_order(placement, world, s_loc, causal, kv_valid_len)
     stream = None if hl.chunks == 1 else (comm_stream if comm_stream is not None
                                           else st.default_pool().comm_stream(sends[0].device))
     tr = default_transports().get(transport, group, sends[0].device)
     need_grad = torch.is_grad_enabled() and any(s.requires_grad for s in sends)
-    plan = PackedPlan(group, hl, (bsz, s_loc, num_heads, d), causal, scale, get_backend(backend), stream, tr,
+    return PackedPlan(group, hl, (bsz, s_loc, num_heads, d), causal, scale, get_backend(backend), stream, tr,
                       order, valid, "bshd", dist.get_rank(group), need_grad)
-    return _PackedFn.apply(plan, *sends)
