@@ -12,9 +12,9 @@ Records as in tests/cuda_suite.py. Ring-family hops on one GPU over gloo take th
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_sp_ext import make_attention
-import torch.distributed as dist
 
 from tests.cuda_suite import DEV, use_ring_route
 from tests.reference import rel_err
