@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 from . import modes
 from .attention import kernels
@@ -19,7 +19,7 @@ from .errors import SPConfigError
 # every list of modes derives from the mode registry (modes.py)
 MODES = modes.NAMES
 RING_VARIANTS = modes.names(ring_variant=True)
-ARRANGEMENTS = ("auto",) + modes.names(arrangement=True)   # the mesh arrangements (setting ``placement``)
+ARRANGEMENTS = ("auto",) + modes.names(arrangement=True)   # the mesh arrangements (setting ``arrangement``)
 BACKENDS = backend_names()   # "auto", "sdpa" and every kernel of the registry that can be a backend
 TRANSPORTS = ("nccl", "symm_mem", "copy_engine")  # copy-engine exchanges (CUDA + NCCL only; checked at first use)
 ASYNC_QKV = ("off", "on", "allgather", "auto")  # attention-layer forms (see SPConfig.async_qkv)
@@ -42,7 +42,8 @@ _NAMES = {
     "mode": ("--cp-comm-type", "sequence_parallel_ext.mode"),
     "head_chunks": ("--hcms-head-chunks", "sequence_parallel_ext.head_chunks"),
     "ring_variant": ("--sp-ring-variant", "sequence_parallel_ext.ring_variant"),
-    "placement": ("--sp-placement", "sequence_parallel_ext.placement"),
+    "arrangement": ("--sp-arrangement", "sequence_parallel_ext.arrangement"),
+    "placement": ("--sp-placement", "sequence_parallel_ext.placement"),   # the older name of ``arrangement``
     "ulysses_size": ("--sp-ulysses-size", "sequence_parallel_ext.ulysses_size"),
     "nodes": ("--sp-nodes", "sequence_parallel_ext.nodes"),
     "backend": ("--sp-attention-backend", "sequence_parallel_ext.backend"),
@@ -89,8 +90,9 @@ class SPConfig:
         "tas", "torus", "auto").
     head_chunks: HCMS chunk count C per rank, or "auto" (calibrated per shape).
     ring_variant: ring algorithm inside ring/hybrid modes ("ring" or "tasp").
-    placement: the 2D mesh arrangement ("auto", "usp", "tas"): how Ulysses and ring groups lie on machines (the
-        setting keeps its older name; in code the idea is "arrangement", the word "placement" is the sequence order).
+    arrangement: the 2D mesh arrangement ("auto", "usp", "tas"): how Ulysses and ring groups lie on machines
+        (``placement``, --sp-placement and the JSON key "placement" are its older names, still taken; after
+        construction ``placement`` is None: read ``arrangement``. The word "placement" is the sequence order.)
     ulysses_size: Ulysses degree P_u of the mesh (None = gcd(world, heads)).
     nodes: number of machines to assume (None = detect); lets one machine simulate several.
     backend: local attention kernel: "auto" (default; FlashAttention-4 for every call where it runs, else torch
@@ -115,7 +117,7 @@ class SPConfig:
     mode: str = "ulysses"
     head_chunks: HeadChunks = 1
     ring_variant: str = "ring"
-    placement: str = "auto"
+    arrangement: str = "auto"
     ulysses_size: int | None = None
     nodes: int | None = None
     backend: str = "auto"
@@ -123,6 +125,7 @@ class SPConfig:
     async_qkv: str = "off"
     dropout_p: float = 0.0
     dynamic: bool = False
+    placement: Optional[str] = field(default=None, repr=False)   # the older name of ``arrangement`` (None after init)
     source: str = field(default="python", repr=False)
 
     def __post_init__(self) -> None:
@@ -130,7 +133,14 @@ class SPConfig:
         self.mode = _choice(self.mode, MODES, n("mode"))
         self.head_chunks = parse_head_chunks(self.head_chunks, n("head_chunks"))
         self.ring_variant = _choice(self.ring_variant, RING_VARIANTS, n("ring_variant"))
-        self.placement = _choice(self.placement, ARRANGEMENTS, n("placement"))
+        named = n("arrangement")
+        if self.placement is not None:   # the older name: the same setting
+            if self.arrangement not in ("auto", self.placement):
+                raise SPConfigError(f"{n('arrangement')}={self.arrangement!r} and its older name {n('placement')}="
+                                    f"{self.placement!r} are both set: give one of them")
+            self.arrangement, named = self.placement, n("placement")
+        self.arrangement = _choice(self.arrangement, ARRANGEMENTS, named)
+        self.placement = None
         self.backend = _choice(self.backend, BACKENDS, n("backend"))
         self.transport = _choice(self.transport, TRANSPORTS, n("transport"))
         if self.transport != "nccl" and not modes.get(self.mode).all_to_all:
@@ -248,4 +258,5 @@ class SPConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("source")
+        d.pop("placement")   # the older name of arrangement (None after construction)
         return d

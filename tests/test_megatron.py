@@ -123,11 +123,11 @@ def test_flags_parse_and_land_in_config():
     args = _parser().parse_args(["--cp-comm-type", "hcms", "--hcms-head-chunks", "auto", "--sp-placement", "usp",
                                  "--sp-nodes", "2", "--context-parallel-size", "4"])
     assert args.cp_comm_type == ["hcms"] and args.hcms_head_chunks == "auto" and args.sp_nodes == 2
-    fields = {k: getattr(args, k) for k in ("hcms_head_chunks", "sp_placement", "sp_nodes", "sp_ulysses_size",
+    fields = {k: getattr(args, k) for k in ("hcms_head_chunks", "sp_arrangement", "sp_nodes", "sp_ulysses_size",
                                              "sp_ring_variant", "sp_attention_backend")}
     cfg = SPTransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=16, use_cpu_initialization=True,
                               context_parallel_size=4, cp_comm_type="hcms", **fields)
-    assert cfg.hcms_head_chunks == "auto" and cfg.sp_placement == "usp"
+    assert cfg.hcms_head_chunks == "auto" and cfg.sp_arrangement == "usp"   # --sp-placement: the older name
     a2 = _parser().parse_args(["--hcms-head-chunks", "3", "--context-parallel-size", "4"])
     assert a2.hcms_head_chunks == 3
 

@@ -1,5 +1,5 @@
 """Train the video DiT with megatron-core: parallel_state groups, Megatron-LM-style flags
-(--context-parallel-size, --cp-comm-type, --hcms-head-chunks, --sp-placement, ...), Megatron's DDP
+(--context-parallel-size, --cp-comm-type, --hcms-head-chunks, --sp-arrangement, ...), Megatron's DDP
 and optimizer on GPU.
 
     torchrun --nproc-per-node 4 training/pretrain_video_dit.py --model tiny \
@@ -148,7 +148,7 @@ def _sp_config(args, sp_world: int, dynamic: bool) -> SPConfig:
         return SPConfig(backend=args.sp_attention_backend, source="megatron")
     mode = args.cp_comm_type[0]
     return SPConfig(mode=mode, head_chunks=modes.head_chunks_of(mode, args.hcms_head_chunks),
-                    ring_variant=args.sp_ring_variant, placement=args.sp_placement, ulysses_size=args.sp_ulysses_size,
+                    ring_variant=args.sp_ring_variant, arrangement=args.sp_arrangement, ulysses_size=args.sp_ulysses_size,
                     nodes=args.sp_nodes, backend=args.sp_attention_backend, transport=args.sp_transport,
                     async_qkv=args.sp_async_qkv, dynamic=dynamic, source="megatron")
 

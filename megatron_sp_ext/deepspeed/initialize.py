@@ -1,7 +1,7 @@
 """``initialize``: wire sequence parallelism from the DeepSpeed JSON, then call deepspeed.initialize.
 
 JSON (next to DeepSpeed's own ``"sequence_parallel_size": P``):
-    "sequence_parallel_ext": {"mode": "hcms", "head_chunks": "auto", "placement": "auto",
+    "sequence_parallel_ext": {"mode": "hcms", "head_chunks": "auto", "arrangement": "auto",
                               "ring_variant": "tasp", "nodes": null, "ulysses_size": null,
                               "backend": "auto", "causal": false, "dropout_p": 0.0}
 Steps: validate the section (errors name the JSON key) -> build SP / data / sequence-data groups
@@ -78,14 +78,14 @@ def validate_deepspeed_config(config: Union[str, Mapping[str, Any]], world_size:
                             f"use a divisor of {world_size}")
     cfg, extras = sp_config_from_deepspeed(cfg_dict)
     cfg.validate_world(sp, world_size, num_heads)
-    across = modes.get(cfg.mode).ulysses_across or modes.get(cfg.placement).ulysses_across
+    across = modes.get(cfg.mode).ulysses_across or modes.get(cfg.arrangement).ulysses_across
     if cfg.mode in MESH_MODES or across:
         if sp < 2:
             raise SPConfigError(f"sequence_parallel_ext.mode={cfg.mode!r} needs a mesh of at least 2 ranks: "
                                 f"sequence_parallel_size={sp}")
         if across and (cfg.nodes is None or cfg.nodes < 2) and not _multi_machine():
             within = "/".join(repr(p) for p in ARRANGEMENTS[::-1] if not modes.get(p).ulysses_across)
-            raise SPConfigError(f"sequence_parallel_ext.placement/mode {', '.join(modes.names(ulysses_across=True))!r}"
+            raise SPConfigError(f"sequence_parallel_ext.arrangement/mode {', '.join(modes.names(ulysses_across=True))!r}"
                                 f" needs a multi-machine mesh but this job runs on one machine: set "
                                 f"sequence_parallel_ext.nodes to simulate machines, or use {within}")
     return cfg, extras, sp

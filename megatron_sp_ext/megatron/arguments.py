@@ -4,7 +4,7 @@
     pretrain(..., extra_args_provider=add_arguments)              # older Megatron-LM
     parse_and_validate_args(extra_args_provider=add_arguments)    # newer Megatron-LM
 
-Flags: --hcms-head-chunks, --sp-placement, --sp-nodes, --sp-ulysses-size, --sp-ring-variant,
+Flags: --hcms-head-chunks, --sp-arrangement (--sp-placement), --sp-nodes, --sp-ulysses-size, --sp-ring-variant,
 --sp-attention-backend, --dynamic-context-parallel / --min-dynamic-context-parallel-size (Megatron-LM's names:
 each packed sample over an aligned sub-group of CP ranks sized to its length); Megatron-LM's
 ``--attention-dropout`` is applied by ulysses/hcms (and auto, which then stays on them) and refused by the
@@ -44,9 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="context-parallel algorithm, one value or one per layer: " + ", ".join(OURS + TE))
     add("--hcms-head-chunks", type=_chunks, default=1,
         help="HCMS: head chunks per rank pipelined against the all-to-alls (int or 'auto', default 1 = plain Ulysses)")
-    add("--sp-placement", choices=ARRANGEMENTS, default="auto",
-        help="mesh arrangement for usp/tas/torus: usp = Ulysses inside machines, tas = Ulysses across (StreamFusion), "
-             "auto = by the inter-machine volume model")
+    if "--sp-arrangement" not in have and "--sp-placement" not in have:
+        g.add_argument("--sp-arrangement", "--sp-placement", dest="sp_arrangement", choices=ARRANGEMENTS,
+                       default="auto", help="mesh arrangement for usp/tas/torus: usp = Ulysses inside machines, tas = "
+                       "Ulysses across (StreamFusion), auto = by the inter-machine volume model (--sp-placement: its "
+                       "older name)")
     add("--sp-nodes", type=int, default=None,
         help="machines to assume for the mesh (default: detect); set it to simulate machines on one")
     add("--sp-ulysses-size", type=int, default=None, help="Ulysses degree of the mesh (default gcd(CP, heads))")
@@ -106,7 +108,7 @@ def validate_args(args) -> SPConfig:
         if t not in OURS + TE:
             raise SPConfigError(f"--cp-comm-type={t!r} is invalid: choose one of {', '.join(OURS + TE)}")
     cfg = SPConfig(head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
-                   placement=args.sp_placement, ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes,
+                   arrangement=args.sp_arrangement, ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes,
                    backend=args.sp_attention_backend, transport=getattr(args, "sp_transport", "nccl"),
                    async_qkv=getattr(args, "sp_async_qkv", "off"),
                    dynamic=bool(getattr(args, "dynamic_context_parallel", False)), source="megatron")
@@ -149,9 +151,9 @@ def validate_args(args) -> SPConfig:
                 layer.check_dropout(cp, heads // tp if heads is not None else None)
     if cfg.nodes is not None and cp % cfg.nodes:
         raise SPConfigError(f"--sp-nodes={cfg.nodes} does not divide --context-parallel-size {cp}")
-    across = [t for t in [*types, cfg.placement] if modes.find(t) is not None and modes.get(t).ulysses_across]
+    across = [t for t in [*types, cfg.arrangement] if modes.find(t) is not None and modes.get(t).ulysses_across]
     if across and _nodes_hint(args) < 2:
         within = "/".join(modes.names(arrangement=True, ulysses_across=False) + ("auto",))
-        raise SPConfigError(f"--cp-comm-type/--sp-placement {across[0]} needs a multi-machine mesh: this job runs on "
+        raise SPConfigError(f"--cp-comm-type/--sp-arrangement {across[0]} needs a multi-machine mesh: this job runs on "
                             f"one machine; set --sp-nodes N to simulate N machines, or use {within}")
     return cfg

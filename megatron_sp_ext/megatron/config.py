@@ -17,7 +17,8 @@ class SPTransformerConfig(TransformerConfig):
     """Megatron TransformerConfig plus megatron_sp_ext settings (flag names in parentheses).
 
     hcms_head_chunks (--hcms-head-chunks): HCMS chunks per rank or "auto".
-    sp_placement (--sp-placement): mesh arrangement for usp/tas/torus/auto: auto, usp, tas.
+    sp_arrangement (--sp-arrangement): mesh arrangement for usp/tas/torus/auto: auto, usp, tas.
+    sp_placement (--sp-placement): its older name (None: unset; still taken).
     sp_nodes (--sp-nodes): machines to assume (simulate several on one machine).
     sp_ulysses_size (--sp-ulysses-size): Ulysses degree of the mesh.
     sp_ring_variant (--sp-ring-variant): ring or tasp inside ring/hybrid modes.
@@ -29,7 +30,8 @@ class SPTransformerConfig(TransformerConfig):
     """
 
     hcms_head_chunks: Union[int, str] = 1
-    sp_placement: str = "auto"
+    sp_arrangement: str = "auto"
+    sp_placement: Optional[str] = None
     sp_nodes: Optional[int] = None
     sp_ulysses_size: Optional[int] = None
     sp_ring_variant: str = "ring"
@@ -51,7 +53,8 @@ def sp_config_from(config) -> SPConfig:
     return SPConfig(
         head_chunks=getattr(config, "hcms_head_chunks", 1),
         ring_variant=getattr(config, "sp_ring_variant", "ring"),
-        placement=getattr(config, "sp_placement", "auto"),
+        arrangement=getattr(config, "sp_arrangement", "auto"),
+        placement=getattr(config, "sp_placement", None),
         ulysses_size=getattr(config, "sp_ulysses_size", None),
         nodes=getattr(config, "sp_nodes", None),
         backend=getattr(config, "sp_attention_backend", "auto"),

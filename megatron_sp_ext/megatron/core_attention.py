@@ -7,7 +7,7 @@ CP rank (Megatron's zigzag split when it comes from ``get_batch_on_this_cp_rank`
 [s, b, heads * head_dim]. ``cp_comm_type`` picks the algorithm:
   ulysses, hcms      Ulysses / HCMS over the CP group (``--hcms-head-chunks``)
   ring, tasp         ring / TASP multi-ring over the CP group
-  usp, tas, torus    2D mesh over the CP group (``--sp-placement``, ``--sp-nodes``, ``--sp-ulysses-size``);
+  usp, tas, torus    2D mesh over the CP group (``--sp-arrangement``, ``--sp-nodes``, ``--sp-ulysses-size``);
                      usp reuses Megatron's groups when ``--hierarchical-context-parallel-sizes`` built two levels
   auto               hcms when every rank gets a head (then, on GPUs, Ulysses/HCMS, the ring or TASP beyond 2
                      ranks per shape, from its own calibration on this CP group: sp.calibration says what that

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 8 -m megatron_sp_ext.megatron.launch pretrain_gpt.py \
         <Megatron-LM arguments> --context-parallel-size 4 --cp-comm-type hcms --hcms-head-chunks auto
 
-Our flags (``--hcms-head-chunks``, ``--sp-placement``, ``--sp-nodes``, ``--sp-ulysses-size``,
+Our flags (``--hcms-head-chunks``, ``--sp-arrangement`` (``--sp-placement``), ``--sp-nodes``, ``--sp-ulysses-size``,
 ``--sp-ring-variant``, ``--sp-attention-backend``, ``--sp-transport``, ``--sp-async-qkv``) are taken
 out of the command line and handed to every rank in ``MEGATRON_SP_EXT_ARGS``; ``--spec
 megatron_sp_ext.megatron.lm_spec gpt`` is added (Megatron-LM's own hook for a custom layer spec, in

@@ -1,6 +1,6 @@
 """Megatron-LM integration without a patch: our settings out of argv, our layer spec through ``--spec``.
 
-Our flags (``--hcms-head-chunks``, ``--sp-placement``, ...) are not known to Megatron-LM's parser.
+Our flags (``--hcms-head-chunks``, ``--sp-arrangement``, ...) are not known to Megatron-LM's parser.
 ``split_sp_flags`` takes them out of a command line; they travel to every rank in the environment
 variable ``MEGATRON_SP_EXT_ARGS`` and ``sp_config_from_env`` reads them back. ``build_gpt_layer_spec``
 turns Megatron-LM's arguments into the GPT layer spec with our core attention (see lm_spec.py).
@@ -19,7 +19,7 @@ from ..errors import SPConfigError
 ENV = "MEGATRON_SP_EXT_ARGS"
 SPEC = ("megatron_sp_ext.megatron.lm_spec", "gpt")
 # our flags (Megatron-LM's own --cp-comm-type stays where it is); value: takes an optional value only
-_FLAGS = {"--hcms-head-chunks": False, "--sp-placement": False, "--sp-nodes": False, "--sp-ulysses-size": False,
+_FLAGS = {"--hcms-head-chunks": False, "--sp-arrangement": False, "--sp-placement": False, "--sp-nodes": False, "--sp-ulysses-size": False,
           "--sp-ring-variant": False, "--sp-attention-backend": False, "--sp-transport": False,
           "--sp-async-qkv": True}
 
@@ -87,7 +87,7 @@ def validated_flags(megatron_argv: list[str], flags: list[str]) -> argparse.Name
 
 def sp_config_from_flags(flags: list[str]) -> SPConfig:
     ns = parse_sp_flags(flags)
-    return SPConfig(head_chunks=ns.hcms_head_chunks, ring_variant=ns.sp_ring_variant, placement=ns.sp_placement,
+    return SPConfig(head_chunks=ns.hcms_head_chunks, ring_variant=ns.sp_ring_variant, arrangement=ns.sp_arrangement,
                     ulysses_size=ns.sp_ulysses_size, nodes=ns.sp_nodes, backend=ns.sp_attention_backend,
                     transport=ns.sp_transport, async_qkv=ns.sp_async_qkv, source="megatron")
 

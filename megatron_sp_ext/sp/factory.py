@@ -64,13 +64,13 @@ class SPResources:
     def mesh(self, group: dist.ProcessGroup, num_heads: int, cfg: SPConfig,
              arrangement: Optional[str] = None) -> SPMesh:
         """The (cached) mesh of ``group`` for ``num_heads`` heads; ``arrangement`` (usp/tas) overrides the setting
-        ``cfg.placement`` (the mesh arrangement)."""
-        arrangement = arrangement or cfg.placement
+        ``cfg.arrangement``."""
+        arrangement = arrangement or cfg.arrangement
         key = (id(group), num_heads, arrangement, cfg.ulysses_size, cfg.nodes)
         if key not in self.meshes:
             self.meshes[key] = build_sp_mesh(
-                group, num_heads=num_heads, placement=arrangement, ulysses_size=cfg.ulysses_size, nodes=cfg.nodes,
-                names={s: cfg.name(s) for s in ("placement", "ulysses_size", "nodes")})
+                group, num_heads=num_heads, arrangement=arrangement, ulysses_size=cfg.ulysses_size, nodes=cfg.nodes,
+                names={s: cfg.name(s) for s in ("arrangement", "ulysses_size", "nodes")})
         return self.meshes[key]
 
 

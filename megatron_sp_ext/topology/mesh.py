@@ -26,7 +26,7 @@ from .volume import arrangement_for
 @dataclass
 class SPMesh:
     """group: the whole SP group; grid[j][u]: group rank at ring index j, Ulysses index u; arrangement: "usp" or
-    "tas" (how the Ulysses and ring groups lie on machines; ``build_sp_mesh``'s ``placement=`` keyword)."""
+    "tas" (how the Ulysses and ring groups lie on machines; ``build_sp_mesh``'s ``arrangement=`` keyword)."""
 
     group: dist.ProcessGroup
     rank: int
@@ -66,19 +66,25 @@ def _new_group(group_ranks, sp_group):
     return new_subgroup(ranks, sp_group, use_local_synchronization=True)
 
 
-def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, placement: str = "auto",
+def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, arrangement: str = "auto",
                   ulysses_size: Optional[int] = None, nodes: Optional[int] = None,
-                  names: Optional[dict] = None, seq_hint: Optional[tuple] = None) -> SPMesh:
+                  names: Optional[dict] = None, seq_hint: Optional[tuple] = None,
+                  placement: Optional[str] = None) -> SPMesh:
     """Build (collectively) the mesh of ``group``. See module docstring.
 
-    placement: the mesh arrangement, "usp", "tas" or "auto" (P_u = ulysses_size or gcd(P, H); the
-    arrangement with the smaller inter-machine volume; the public keyword keeps its older name). ``names`` maps setting -> how the user spelled it (errors).
+    arrangement: "usp", "tas" or "auto" (P_u = ulysses_size or gcd(P, H); the arrangement with the smaller
+    inter-machine volume); ``placement``: its older name, still taken. ``names`` maps setting -> how the user
+    spelled it (errors).
     """
-    nm = {"placement": "placement", "ulysses_size": "ulysses_size", "nodes": "nodes", "num_heads": "num_heads"}
+    nm = {"arrangement": "arrangement", "ulysses_size": "ulysses_size", "nodes": "nodes", "num_heads": "num_heads"}
+    if placement is not None:   # the older keyword
+        if arrangement not in ("auto", placement):
+            raise SPConfigError(f"arrangement={arrangement!r} and its older name placement={placement!r} are both "
+                                f"set: give one of them")
+        arrangement, nm["arrangement"] = placement, "placement"
     nm.update(names or {})
-    arrangement = placement
     if arrangement not in ARRANGEMENTS:
-        raise SPConfigError(f"{nm['placement']}={arrangement!r} is invalid: choose one of {', '.join(ARRANGEMENTS)}")
+        raise SPConfigError(f"{nm['arrangement']}={arrangement!r} is invalid: choose one of {', '.join(ARRANGEMENTS)}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     topo = detect_topology(group, nodes, nm["nodes"])
     p_u = ulysses_size if ulysses_size is not None else math.gcd(world, num_heads)
@@ -94,7 +100,7 @@ def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, placement: str = 
     across = modes.get(arrangement).ulysses_across   # Ulysses groups span machines (tas), else inside them (usp)
     if across and topo.nodes == 1:
         within = "/".join(repr(p) for p in ARRANGEMENTS[::-1] if not modes.get(p).ulysses_across)
-        raise SPConfigError(f"{nm['placement']}={arrangement!r} needs a multi-machine mesh but the group runs on one "
+        raise SPConfigError(f"{nm['arrangement']}={arrangement!r} needs a multi-machine mesh but the group runs on one "
                             f"machine: set {nm['nodes']} to simulate machines, or use {within}")
     order = topo.mesh_order()
     if not across:
@@ -125,7 +131,7 @@ def mesh_from_hierarchical_groups(group: dist.ProcessGroup, inner: dist.ProcessG
     mine_r = sorted(to_group[dist.get_global_rank(outer, i)] for i in range(p_r))
     if mine_u != list(grid[ring_index]) or mine_r != [row[ulysses_index] for row in grid]:
         raise SPConfigError("the hierarchical context-parallel groups are not laid out as Megatron-core builds them "
-                            f"(Ulysses group {mine_u}, ring group {mine_r}); use --sp-placement/--sp-nodes instead")
+                            f"(Ulysses group {mine_u}, ring group {mine_r}); use --sp-arrangement/--sp-nodes instead")
     topo = Topology(1, world, tuple(0 for _ in range(world)))
     return SPMesh(group, rank, world, "usp", p_u, p_r, topo, grid, ring_index, ulysses_index,
                   inner if p_u > 1 else None, outer if p_r > 1 else None)
