@@ -184,3 +184,36 @@ def test_kv_valid_len_past_the_sequence_is_refused():
         spx.ulysses_attention(x, x, x, None, kv_valid_len=9)
     out = spx.ulysses_attention(x, x, x, None, kv_valid_len=8)   # == S: no padding, as None
     torch.testing.assert_close(out, spx.ulysses_attention(x, x, x, None))
+
+
+def _dit_agreements_per_step(rank, world):
+    """The video DiT builds its problems once per forward (engine.core_of's begin_step): a dense step agrees one
+    problem across ranks (its first layer), not one per layer; a top-k step's per-layer masks are declared agreed
+    (no collective for them); a window step's one mask object is compared once, with the shapes (the layers share
+    the derived problem). Counted at the collective."""
+    from megatron_sp_ext.sp import problem as problem_mod
+    from tests.test_sparse_dit import CFG, _step
+    from training.video_dit.sparse import SparseSpec
+    seen = []
+    real = problem_mod.agree_across_ranks
+
+    def counting(*a, **kw):
+        seen.append(a[5])   # what
+        return real(*a, **kw)
+    problem_mod.agree_across_ranks = counting
+    counts = {}
+    try:
+        for name, spec in (("dense", None), ("topk", SparseSpec((2, 2, 2), topk=3)),
+                           ("window", SparseSpec((2, 2, 2), window=(0, 1, 0)))):
+            seen.clear()
+            _step(spec, dist.group.WORLD)
+            counts[name] = len(seen)
+    finally:
+        problem_mod.agree_across_ranks = real
+    assert CFG.layers >= 2
+    return counts
+
+
+def test_the_dit_agrees_its_problem_once_per_step():
+    for counts in run_ranks(_dit_agreements_per_step, 2, timeout=120):
+        assert counts == {"dense": 1, "topk": 1, "window": 1}, counts
