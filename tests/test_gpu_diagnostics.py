@@ -41,7 +41,7 @@ def test_check_fa4_tiles_reports_a_wrong_kernel(monkeypatch):
 def world_of_one(monkeypatch):
     import torch.distributed as dist
     monkeypatch.setenv("SPX_SUITE_DEVICE", "cpu")
-    from tests import cuda_dit_dynamic, cuda_dit_sparse
+    from tests.gpu import cuda_dit_dynamic, cuda_dit_sparse
     monkeypatch.setattr(cuda_dit_dynamic, "DEV", "cpu")
     monkeypatch.setattr(cuda_dit_sparse, "DEV", "cpu")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

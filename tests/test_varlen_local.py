@@ -51,7 +51,7 @@ def _inputs(cu, h, hkv, d, dtype, seed, strided):
 
 def packed_reference(q, k, v, do, cu, causal, scale):
     """float64 per-sample attention with a block-diagonal mask on q's device: out, lse, dq, dk, dv (also used
-    by tests/cuda_varlen_local.py, on the GPU)."""
+    by tests/gpu/cuda_varlen_local.py, on the GPU)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

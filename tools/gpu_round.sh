@@ -1085,7 +1085,7 @@ stage_i70_tpcp() {   # row 4 (4 GPUs, part.aa; ~4 min): TP2 x CP2 checked first 
   done
 }
 stage_i70_transport() {   # row 5 (2 GPUs: P=2; 4 GPUs: P=2 and P=4; part.aa; ~1.5 min): the CUDA suite's transport
-  # family over NCCL (tests/cuda_transport.py): symm_mem and copy_engine in Ulysses/HCMS against float64 and bit for
+  # family over NCCL (tests/gpu/cuda_transport.py): symm_mem and copy_engine in Ulysses/HCMS against float64 and bit for
   # bit against NCCL (dq within NCCL's own rerun noise), the async block through them, the all-gather block on
   # torch's fused symm_mem all-gather / reduce-scatter matmuls against float64; 34 cases per P
   i70_need i70_transport 2 || return 0

@@ -6,7 +6,7 @@
 - ``deepspeed_family``: ``SPDistributedAttention`` against DeepSpeed's own ``DistributedAttention`` (same local
   attention callable): output and q/k/v grads; ulysses, hcms, ring, tasp; both batch layouts.
 - ``dit_family``: the DiT entry point (training/pretrain_video_dit.py) at SP=P against SP=1 for 5 steps: losses.
-Records as in tests/cuda_suite.py. Ring-family hops on one GPU over gloo take the host-staged route
+Records as in tests/gpu/cuda_suite.py. Ring-family hops on one GPU over gloo take the host-staged route
 (``cuda_suite.use_ring_route``).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.cuda_suite import DEV, use_ring_route
+from tests.gpu.cuda_suite import DEV, use_ring_route
 from tests.reference import rel_err
 
 MODES = {2: [("ulysses", 1, None, False), ("hcms", 2, None, True), ("ring", 1, None, True), ("tasp", 1, None, False),
