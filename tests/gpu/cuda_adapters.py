@@ -148,7 +148,8 @@ def dit_losses(rank: int, world: int, modes=DIT_MODES) -> dict:
            for mode in modes if not (mode == "usp" and world < 4)}
     if world > 1 and torch.cuda.is_available() and dist.get_backend() == "nccl":   # megatron-core's DDP reducing
         # during the backward (CUDA, NCCL: its coalesced all-reduce takes no CUDA tensors over gloo);
-        # what the SP > 1 step rows time beside --ddp-impl torch (tools/gpu_round.sh r17_69overlap)
+        # what the SP > 1 step rows time beside --ddp-impl torch (stage r17_69overlap,
+        # results/README.md)
         got["ulysses megatron-ddp --overlap-grad-reduce"] = pretrain_video_dit.main(
             DIT_ARGS + ["--context-parallel-size", str(world), "--cp-comm-type", "ulysses", "--ddp-impl", "megatron",
                         "--overlap-grad-reduce"])["losses"]
