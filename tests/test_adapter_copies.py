@@ -37,7 +37,7 @@ from megatron_sp_ext.sp.ulysses import layout as lay
 from tests.harness import run_ranks
 from tests.reference import pad_mask
 from tests.sp_check import run_case
-from tests.suite_judge import verdict
+from tests.gpu.suite_judge import verdict
 
 COPY_OPS = {"copy_", "clone", "cat", "index_copy_", "index_copy", "_to_copy", "stack", "index_select",
             "repeat_interleave"}
@@ -271,9 +271,9 @@ def test_bench_adapters_runs_on_cpu(tmp_path):
 
 
 def test_cuda_exchange_copies_worker_runs_on_cpu(monkeypatch):
-    """tests/cuda_auto_copies.exchange_copies_family dry-run on CPU gloo ranks (SPX_SUITE_SHRINK=16)."""
-    import tests.cuda_auto_copies as mod
-    import tests.cuda_suite as suite
+    """tests/gpu/cuda_auto_copies.exchange_copies_family dry-run on CPU gloo ranks (SPX_SUITE_SHRINK=16)."""
+    import tests.gpu.cuda_auto_copies as mod
+    import tests.gpu.cuda_suite as suite
     for m in (mod, suite):
         monkeypatch.setattr(m, "DEV", "cpu")
         monkeypatch.setattr(m, "SHRINK", 16)

@@ -21,7 +21,7 @@ from megatron_sp_ext.sp.placement import pieces
 from tests.harness import run_ranks
 from tests.reference import pad_mask
 from tests.sp_check import run_case
-from tests.suite_judge import verdict
+from tests.gpu.suite_judge import verdict
 
 
 def forcing_timer(pick):
@@ -231,8 +231,8 @@ def test_every_entry_point_runs_the_calibrated_pick():
 
 
 def _suite_on_cpu(monkeypatch):
-    import tests.cuda_auto_copies as mod
-    import tests.cuda_suite as suite
+    import tests.gpu.cuda_auto_copies as mod
+    import tests.gpu.cuda_suite as suite
     for m in (mod, suite):
         monkeypatch.setattr(m, "DEV", "cpu")
         monkeypatch.setattr(m, "SHRINK", 16)
@@ -240,7 +240,7 @@ def _suite_on_cpu(monkeypatch):
 
 
 def test_cuda_auto_worker_runs_on_cpu(monkeypatch):
-    """tests/cuda_auto_copies.auto_family dry-run on CPU gloo ranks (SPX_SUITE_DEVICE=cpu, SPX_SUITE_SHRINK=16)."""
+    """tests/gpu/cuda_auto_copies.auto_family dry-run on CPU gloo ranks (SPX_SUITE_DEVICE=cpu, SPX_SUITE_SHRINK=16)."""
     mod = _suite_on_cpu(monkeypatch)
     for per_rank in run_ranks(mod.auto_family, 2, timeout=300):
         # 2 head layouts x 2 (layout, causal) x 3 picks at P=2, then the user's own make_attention call and the

@@ -19,7 +19,7 @@ from megatron_sp_ext.sp.placement import positions
 from megatron_sp_ext.topology.hamiltonian import routing_tables
 from tests.harness import run_ranks
 from tests.reference import make_qkv, rel_err
-from tests.suite_judge import verdict
+from tests.gpu.suite_judge import verdict
 
 TOL64 = 1e-10
 
@@ -410,9 +410,9 @@ def test_bf16_matches_reference():
 
 
 def test_cuda_family_dry_run_on_cpu(monkeypatch):
-    """tests/cuda_block_sparse.block_sparse_family on 4 CPU gloo ranks (SPX_SUITE_DEVICE=cpu, SPX_SUITE_SHRINK=16):
+    """tests/gpu/cuda_block_sparse.block_sparse_family on 4 CPU gloo ranks (SPX_SUITE_DEVICE=cpu, SPX_SUITE_SHRINK=16):
     its 34 records, each within tolerance (the Ulysses cases run the math kernel here)."""
-    from tests import cuda_block_sparse as fam
+    from tests.gpu import cuda_block_sparse as fam
     monkeypatch.setattr(fam, "DEV", "cpu")
     monkeypatch.setattr(fam, "SHRINK", 16)
     for per_rank in run_ranks(fam.block_sparse_family, 4):

@@ -1,4 +1,4 @@
-"""tests/gpu/check_resume.py on the CPU dry run of the full-depth resume stage (tools/gpu_round.sh resume40a/b): the
+"""tests/gpu/check_resume.py on the CPU dry run of the full-depth resume jobs (resume40a/b, results/README.md): the
 megatron-core entry with FSDP2 at SP=2 (gloo, fp32) saves at step 2 of 4, resumes from it, and the resumed steps'
 losses equal the uninterrupted run's bit for bit; a changed loss or a missing step fails, naming the step."""
 import json

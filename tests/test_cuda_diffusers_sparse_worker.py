@@ -1,4 +1,4 @@
-"""The CUDA suite's BlockSparsePlan worker (tests/cuda_diffusers_sparse.py) dry-run on 2 CPU gloo ranks
+"""The CUDA suite's BlockSparsePlan worker (tests/gpu/cuda_diffusers_sparse.py) dry-run on 2 CPU gloo ranks
 (SPX_SUITE_DEVICE=cpu: the tiny float64 test model, tile 2x2x2): every case passes; and it can fail: with the gated
 coarse branch dropped from the plan's output every top-k case fails."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ pytest.importorskip("diffusers", reason="needs diffusers (pip install 'megatron_
 from diffusers import WanTransformer3DModel  # noqa: E402,F401 - imported before forking
 
 from megatron_sp_ext.diffusers.sparse import BlockSparsePlan  # noqa: E402
-from tests import cuda_diffusers, cuda_diffusers_sparse  # noqa: E402
+from tests.gpu import cuda_diffusers, cuda_diffusers_sparse  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
-from tests.suite_judge import merge_ranks  # noqa: E402
+from tests.gpu.suite_judge import merge_ranks  # noqa: E402
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The CUDA suite's diffusers worker (tests/cuda_diffusers.py) dry-run on 2 CPU gloo ranks (SPX_SUITE_DEVICE=cpu,
+"""The CUDA suite's diffusers worker (tests/gpu/cuda_diffusers.py) dry-run on 2 CPU gloo ranks (SPX_SUITE_DEVICE=cpu,
 the tiny test model): every case passes; and it can fail: with the gather's inverse token permutation dropped (the
 output left in the plan's tile order) every case with the plan fails."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ pytest.importorskip("diffusers", reason="needs diffusers (pip install 'megatron_
 
 from diffusers import WanTransformer3DModel  # noqa: E402,F401 - imported before forking
 
-from tests import cuda_diffusers  # noqa: E402
+from tests.gpu import cuda_diffusers  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
-from tests.suite_judge import merge_ranks  # noqa: E402
+from tests.gpu.suite_judge import merge_ranks  # noqa: E402
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_every_mode_of_both_families_is_valid_at_p(world):
     """Every (mode, settings) of the diffusers families at P=world passes SPConfig's check for the 4-head test model
     (the P=4 family once asked HCMS for 2 chunks of 1 head a rank and was refused on the GPU, 2026-11-27)."""
     from megatron_sp_ext import SPConfig
-    from tests import cuda_diffusers_sparse
+    from tests.gpu import cuda_diffusers_sparse
     from tests.wan_sp import TINY
     for module in (cuda_diffusers, cuda_diffusers_sparse):
         for mode, settings in module._modes(world):

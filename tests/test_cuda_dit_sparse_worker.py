@@ -1,7 +1,7 @@
-"""The CUDA suite's dit_sparse worker (tests/cuda_dit_sparse.py) dry-run on 2 CPU gloo ranks (SPX_SUITE_DEVICE=cpu,
+"""The CUDA suite's dit_sparse worker (tests/gpu/cuda_dit_sparse.py) dry-run on 2 CPU gloo ranks (SPX_SUITE_DEVICE=cpu,
 math kernel) at ``small_sizes()`` on a subset of its 18 cases that covers every path (each grid: top-k, window, the
 grid the tile cuts; each mode; fp32's per-parameter and bf16's norm-wise judgement, the bf16 top-k replay and its
-selection check); the CUDA suite (tests/test_cuda.py) runs all 18 / 24 at full size. Every case passes; and it can
+selection check); the CUDA suite (tests/gpu/test_cuda.py) runs all 18 / 24 at full size. Every case passes; and it can
 fail: with the SP ranks' pooled tiles 0.1% off (the same on every rank,
 so the masks still agree) every fp32 top-k case at SP=2 fails, the window cases still pass. (Pooled tiles left
 unsummed over the group give each rank its own top-k mask: the modes refuse that by name before any exchange.) With
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests import cuda_dit_sparse
+from tests.gpu import cuda_dit_sparse
 from tests.harness import run_ranks
-from tests.suite_judge import merge_ranks
+from tests.gpu.suite_judge import merge_ranks
 
 
 # (grid, mode, dtype): every grid, every mode of P=2, fp32 and bf16 on top-k (the replay) and bf16 on the window

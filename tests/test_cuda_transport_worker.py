@@ -1,4 +1,4 @@
-"""tests/cuda_transport.transport_family (the CUDA suite's transport cases, #70 item 5) dry-run on CPU gloo ranks
+"""tests/gpu/cuda_transport.transport_family (the CUDA suite's transport cases, #70 item 5) dry-run on CPU gloo ranks
 (SPX_SUITE_DEVICE=cpu, 1/16 of the lengths): without a stand-in every record is refused with the library's reason
 (CPU tensors, a gloo group: the suite judges them failed, so on GPUs they must run over NCCL); with the NCCL path
 standing in for the transports and fused=False for the fused matmuls every record is judged and passes, the same
@@ -6,12 +6,12 @@ standing in for the transports and fused=False for the fused matmuls every recor
 import pytest
 
 from tests.harness import run_ranks
-from tests.suite_judge import merge_ranks, verdict
+from tests.gpu.suite_judge import merge_ranks, verdict
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_transport_worker_refuses_on_cpu_and_judges_with_a_stand_in(world, monkeypatch):
-    import tests.cuda_transport as mod
+    import tests.gpu.cuda_transport as mod
     monkeypatch.setattr(mod, "DEV", "cpu")
     monkeypatch.setattr(mod, "SHRINK", 16)
     monkeypatch.delenv("SPX_TRANSPORT_STAND_IN", raising=False)

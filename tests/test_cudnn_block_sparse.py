@@ -202,14 +202,14 @@ def test_fwd_and_bwd_on_a_dense_dtype_the_package_lacks_are_refused_by_the_fake(
 @pytest.mark.parametrize("world,tile,masks", [(2, 128, ("random", "window", "all")),
                                               (2, 64, ("random", "window", "all")), (4, 64, ("random",))])
 def test_cuda_cudnn_block_sparse_family_dry_run_on_cpu(monkeypatch, world, tile, masks):
-    """tests/cuda_block_sparse.cudnn_block_sparse_family on CPU gloo ranks with the stand-in (tile_setting
+    """tests/gpu/cuda_block_sparse.cudnn_block_sparse_family on CPU gloo ranks with the stand-in (tile_setting
     "cudnn_block_sparse" named: every block-sparse call of every mode runs this kernel or fails), one tile size per
     test; P=4: the modes P=2 lacks (tasp, usp C=2, torus tas) on the random per-head mask with an empty row, not
     causal (causal tasp_zigzag needs S = 3072 for whole 64-token blocks: the GPU's size, minutes on this CPU; here
     S = 1536): the records' count, each within the bf16 tolerance against float64."""
-    from tests import cuda_block_sparse as fam
+    from tests.gpu import cuda_block_sparse as fam
     from tests.harness import run_ranks
-    from tests.suite_judge import verdict
+    from tests.gpu.suite_judge import verdict
     fake_bsa.install(monkeypatch)
     monkeypatch.setattr(fam, "DEV", "cpu")
     monkeypatch.setattr(fam, "SHRINK", 4)

@@ -385,7 +385,7 @@ def test_training_20_steps_sp2_matches_sp1():
 def test_rope_eager_is_diffusers_and_fused_falls_back_off_cuda():
     """rope="fused" and rope="eager" give the same bits on CPU, and the stock model's output and gradients (float64,
     1e-10): the fused kernels do not apply off CUDA (rope.fused_applies says why;
-    tests/test_cuda.py::test_wan_rope_fused_bitwise checks the kernels against the eager ops on a GPU)."""
+    tests/gpu/test_cuda.py::test_wan_rope_fused_bitwise checks the kernels against the eager ops on a GPU)."""
     from megatron_sp_ext.diffusers import rope
     x = torch.randn(1, 6, 2, 8)
     cos, sin = torch.randn(1, 6, 1, 8), torch.randn(1, 6, 1, 8)

@@ -19,11 +19,11 @@ from megatron_sp_ext.config import SPConfig  # noqa: E402
 from megatron_sp_ext.sp.dynamic import DynamicPlan  # noqa: E402
 from tests import fake_fa4  # noqa: E402
 from tests.harness import run_ranks  # noqa: E402
-from tests.cuda_dit_dynamic import SP1_BF16_CAP  # noqa: E402
+from tests.gpu.cuda_dit_dynamic import SP1_BF16_CAP  # noqa: E402
 from tests.reference import rel_diff, rel_err  # noqa: E402
 from tests.dit_models import modulated_dit  # noqa: E402
 from tests.sp_reduce import loss_and_grads  # noqa: E402
-from tests.suite_judge import checked_reference_err  # noqa: E402
+from tests.gpu.suite_judge import checked_reference_err  # noqa: E402
 from training.video_dit import preset  # noqa: E402
 from training.video_dit.data import SyntheticVideoLatents  # noqa: E402
 from training.video_dit.dynamic import make_dynamic_core  # noqa: E402

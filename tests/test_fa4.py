@@ -18,7 +18,7 @@ from tests import fake_cudnn, fake_fa4
 from tests.harness import run_ranks
 from tests.reference import TOL, pad_mask
 from tests.sp_check import run_case
-from tests.suite_judge import verdict
+from tests.gpu.suite_judge import verdict
 
 F32 = torch.float32
 MESH_MODES = ("usp", "tas", "torus")
@@ -221,9 +221,9 @@ def test_fa4_and_cudnn_calls_interleaved(monkeypatch):
 
 
 def test_cuda_fa4_family_dry_run_on_cpu(monkeypatch):
-    """The CUDA suite's fa4 family (tests/cuda_fa4.py) on CPU ranks at 1/16 of its lengths, FA4 and cuDNN faked: the
+    """The CUDA suite's fa4 family (tests/gpu/cuda_fa4.py) on CPU ranks at 1/16 of its lengths, FA4 and cuDNN faked: the
     family's own cases and counts, so a GPU run checks kernels, not the family's code."""
-    from tests import cuda_fa4  # noqa: PLC0415
+    from tests.gpu import cuda_fa4  # noqa: PLC0415
     fake_cudnn.install(monkeypatch)
     fake_fa4.install(monkeypatch)
     monkeypatch.setattr(lse_kernels, "available", lambda kernel, device, dtype, head_dim=None: kernel in

@@ -11,7 +11,7 @@ from megatron_sp_ext.attention.kernels import fa4
 from megatron_sp_ext.attention.tiles import TileSlice
 from tests import fake_fa4
 from tests.harness import run_ranks
-from tests.suite_judge import verdict
+from tests.gpu.suite_judge import verdict
 
 F64 = torch.float64
 
@@ -125,10 +125,10 @@ def test_failed_probe_turns_the_route_off(monkeypatch):
 
 @pytest.mark.parametrize("world", [4])   # every mode (P=2 runs a subset of the same cases)
 def test_cuda_fa4_block_sparse_family_dry_run_on_cpu(monkeypatch, world):
-    """tests/cuda_block_sparse.fa4_block_sparse_family on CPU gloo ranks with the FA4 stand-in (backend "fa4" named:
+    """tests/gpu/cuda_block_sparse.fa4_block_sparse_family on CPU gloo ranks with the FA4 stand-in (backend "fa4" named:
     every block-sparse call of every mode runs FA4's block sparsity, its metadata rebuilt and checked by the fake):
     the records' count, each within the bf16 tolerance against float64."""
-    from tests import cuda_block_sparse as fam
+    from tests.gpu import cuda_block_sparse as fam
     fake_fa4.install(monkeypatch)
     monkeypatch.setattr(fam, "DEV", "cpu")
     monkeypatch.setattr(fam, "SHRINK", 4)

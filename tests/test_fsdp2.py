@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from tests.harness import run_ranks  # noqa: E402
-from tests.suite_judge import verdict  # noqa: E402
+from tests.gpu.suite_judge import verdict  # noqa: E402
 
 BASE = ["--model", "tiny", "--cp-comm-type", "ulysses", "--frames", "4", "--latent-size", "6x10", "--quiet"]
 
@@ -127,10 +127,10 @@ def test_model_forward_on_inputs_device(path):
 @pytest.mark.parametrize("world", [1, 2])
 def test_fsdp2_bf16_equals_unsharded_autocast(monkeypatch, world):
     """shard_model with bf16 compute weights (what --bf16 runs on CUDA) against the unsharded model under the same
-    bf16 autocast (CPU autocast here; tests/cuda_fsdp2.py on the GPU): loss and every gradient within bf16
+    bf16 autocast (CPU autocast here; tests/gpu/cuda_fsdp2.py on the GPU): loss and every gradient within bf16
     tolerance. FSDP2's default cast_forward_inputs rounded the blocks' float64 RoPE angles and the timesteps to
     bf16 (gradients off by up to 52%)."""
-    from tests import cuda_fsdp2
+    from tests.gpu import cuda_fsdp2
     monkeypatch.setattr(cuda_fsdp2, "DEV", "cpu")
     for rank_records in run_ranks(cuda_fsdp2.fsdp2_model_family, world, timeout=600):
         assert len(rank_records) == 4

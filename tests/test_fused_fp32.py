@@ -4,7 +4,7 @@ but expected shape compatible with [1, 1, 1536]", wan-1.3b dims, B=1, 8190 token
 reduction (torch 2.10+), whose final reduce dropped keepdim. The regions now compile with it off
 (``fused.compile_options``). Triton does not run here: these tests check that every region is compiled with that
 option and that Inductor takes it (CPU, fp32, B=1: outputs and gradients, shapes included, equal eager to
-rounding); the CUDA case (tests/cuda_fused_fp32.py, tests/test_cuda.py) runs the failing shapes."""
+rounding); the CUDA case (tests/gpu/cuda_fused_fp32.py, tests/gpu/test_cuda.py) runs the failing shapes."""
 import shutil
 
 import pytest

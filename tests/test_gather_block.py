@@ -20,7 +20,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 def _case(rank, world, h, hkv, d, chunks, qk_norm, dtype, causal=False, placement="contiguous", kv_valid=None,
           device="cpu", fused=None, tol=None):
-    """One comparison (the CUDA suite, tests/test_cuda.py, runs the block family on GPUs)."""
+    """One comparison (the CUDA suite, tests/gpu/test_cuda.py, runs the block family on GPUs)."""
     g = dist.group.WORLD
     gen = torch.Generator().manual_seed(21)
     dim, b, sl = 24, 2, 6

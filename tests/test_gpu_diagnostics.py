@@ -41,7 +41,7 @@ def test_check_fa4_tiles_reports_a_wrong_kernel(monkeypatch):
 def world_of_one(monkeypatch):
     import torch.distributed as dist
     monkeypatch.setenv("SPX_SUITE_DEVICE", "cpu")
-    from tests import cuda_dit_dynamic, cuda_dit_sparse
+    from tests.gpu import cuda_dit_dynamic, cuda_dit_sparse
     monkeypatch.setattr(cuda_dit_dynamic, "DEV", "cpu")
     monkeypatch.setattr(cuda_dit_sparse, "DEV", "cpu")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -86,14 +86,3 @@ def test_check_cudnn_do_layout_flow_on_the_stand_in(tmp_path):
     assert max(max(c.values()) for k, c in hook.items() if k != "hook") < 1e-6
     assert max(no_hook["first_call_dO_transposed"].values()) < 1e-6
     assert min(v for n, v in no_hook["second_call_dO_contiguous"].items() if n != "out") > 1e-2
-
-
-def test_profile_ring_step_flow_on_the_cpu(tmp_path):
-    """tools/profile_ring_step.py --smoke: one run step of rank 0 beside the dense step, kernel times by name."""
-    from tools import profile_ring_step
-    res = profile_ring_step.main(["--smoke", "--out", str(tmp_path)])
-    assert os.path.exists(os.path.join(tmp_path, "profile_ring_step.json"))
-    assert res["step"] >= 1 and res["origin"] != 0 and res["useful_pairs"] > 0
-    for name in ("sparse_fwd_bwd", "dense_fwd_bwd"):
-        assert res[name]["total_us"] > 0 and res[name]["kernels"], res[name]
-        assert abs(sum(res[name]["kernels"].values()) - res[name]["total_us"]) < 1 + 1e-3 * res[name]["total_us"]

@@ -53,8 +53,13 @@ def test_tools_holds_no_results_and_no_checks():
     assert (ROOT / "results" / "README.md").is_file()
 
 
-def test_gpu_checks_are_scripts_pytest_does_not_collect():
+def test_gpu_holds_the_cuda_suite_and_scripts_pytest_does_not_collect():
+    """tests/gpu/: the CUDA suite (test_cuda.py, its only pytest module; skipped on CPU), its families (cuda_*.py) and
+    judge, and the GPU checks run as scripts (check_*.py). No CUDA suite module is left at tests/."""
     scripts = sorted(p.name for p in (ROOT / "tests" / "gpu").glob("*.py") if p.name != "__init__.py")
-    assert "check_fa4_tiles.py" in scripts
+    assert "check_fa4_tiles.py" in scripts and "cuda_suite.py" in scripts and "suite_judge.py" in scripts
     collected = [n for n in scripts if n.startswith("test_") or n.endswith("_test.py")]
-    assert not collected, f"tests/gpu/ holds GPU scripts, not pytest modules: {collected}"
+    assert collected == ["test_cuda.py"], f"tests/gpu/ holds the CUDA suite and GPU scripts: {collected}"
+    left = sorted(p.name for p in (ROOT / "tests").glob("*.py")
+                  if p.name.startswith("cuda_") or p.name in ("test_cuda.py", "suite_judge.py"))
+    assert not left, f"the CUDA suite's modules go under tests/gpu/: {left}"

@@ -61,20 +61,6 @@ def test_copy_bits_on_cpu_is_a_plain_copy():
     assert not bits[0].any() and not bits[2].any()
 
 
-def test_bench_word_copies_cases_run_and_agree_on_cpu():
-    """tools/bench_word_copies.py's copies (pack, to_kernel, zigzag) on CPU: every plain / words pair fills its
-    buffer with the same bits (on CPU both are value copies; the GPU run compares the word path itself)."""
-    from tools.bench_word_copies import cases
-    got = cases(64, 4, 16, 2, device="cpu")
-    assert [c[0] for c in got] == ["pack", "to_kernel", "zigzag"]
-    for name, nbytes, plain, words, a, b in got:
-        plain()
-        words()
-        assert nbytes > 0 and torch.equal(a.view(torch.int16), b.view(torch.int16)), name
-    zig = got[2]
-    assert zig[4].shape == (1, 4, 16, 2, 16)
-
-
 def test_word_pair_keeps_autograd_and_guards_edges(monkeypatch):
     """The word path is never taken for a differentiable copy (copy_ keeps the graph and torch's in-place check on a
     leaf), and a 0-dim index_copy stays torch's. The device check is what keeps CPU on value copies; here a fake

@@ -19,7 +19,7 @@ from megatron_sp_ext.sp.ring import ring as ring_mod
 from megatron_sp_ext.topology.emulate import MACHINE_SIZE_ENV
 from megatron_sp_ext.topology.hamiltonian import routing_tables
 from tests.harness import run_ranks
-from tests.suite_judge import verdict
+from tests.gpu.suite_judge import verdict
 from tests.test_block_sparse import TOL64, check_case, random_mask, window_mask
 
 PKG = Path(spx.__file__).parent
@@ -196,9 +196,9 @@ def test_masked_ring_family_under_emulated_machines_is_bitwise(causal):
 
 
 def test_cuda_family_dry_run_on_cpu(monkeypatch):
-    """tests/cuda_one_ring.one_ring_family on 4 CPU gloo ranks (SPX_SUITE_DEVICE=cpu, SPX_SUITE_SHRINK=16): its 10
+    """tests/gpu/cuda_one_ring.one_ring_family on 4 CPU gloo ranks (SPX_SUITE_DEVICE=cpu, SPX_SUITE_SHRINK=16): its 10
     records, each within tolerance."""
-    from tests import cuda_block_sparse as cbs, cuda_one_ring as fam
+    from tests.gpu import cuda_block_sparse as cbs, cuda_one_ring as fam
     monkeypatch.setattr(cbs, "DEV", "cpu")
     monkeypatch.setattr(cbs, "SHRINK", 16)
     for per_rank in run_ranks(fam.one_ring_family, 4):

@@ -283,10 +283,10 @@ def test_deepspeed_entry_keep_core_and_offload_sp2():
 
 
 def test_cuda_recompute_worker_on_cpu(monkeypatch):
-    """tests/cuda_recompute.recompute_family (the CUDA suite's #67 family) on 2 CPU gloo ranks at tiny widths:
+    """tests/gpu/cuda_recompute.recompute_family (the CUDA suite's #67 family) on 2 CPU gloo ranks at tiny widths:
     every record passes the suite's judge (here the kernels are deterministic: errors 0)."""
-    from tests import cuda_recompute
-    from tests.suite_judge import merge_ranks
+    from tests.gpu import cuda_recompute
+    from tests.gpu.suite_judge import merge_ranks
     monkeypatch.setattr(cuda_recompute, "DEV", "cpu")
     monkeypatch.setattr(cuda_recompute, "CFG", CFG)   # tiny widths: bf16 matmuls are slow on the CPU
     monkeypatch.setattr(cuda_recompute, "GRID", (2, 4, 4))

@@ -143,36 +143,3 @@ def test_entry_math_kernel_gives_autos_losses(kind, sp, mode):
     math = run_ranks(_entry_run, sp, SPARSE[kind], "math", sp, mode)
     for a, m in zip(auto, math):
         assert len(a) == 3 and all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a, m)), (kind, sp, mode, a, m)
-
-
-
-# ---- tools/sparse_curves.py (the GPU curves of #53) -------------------------------------------------------------
-
-def test_sparse_curves_tool_flags_parse(capsys):
-    """The GPU tool's default runs (flex bf16 reference, fa4 bf16, flex fp32 noise) parse with the entry's parser."""
-    pytest.importorskip("megatron.core")
-    from tools.sparse_curves import main  # noqa: PLC0415
-    assert main(["--out", "unused", "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    for name, tail in (("flex_bf16", f"{SPARSE_KERNEL_FLAG} flex --bf16"),
-                       ("fa4_bf16", f"{SPARSE_KERNEL_FLAG} fa4 --bf16"), ("flex_fp32", f"{SPARSE_KERNEL_FLAG} flex\n")):
-        assert f"{name}: --model wan-1.3b --num-layers 2 --frames 8 --latent-size 64x128 --train-iters 50 " \
-            f"--seed 1234 --lr 0.0002" in out, out
-        assert tail in out, (tail, out)
-    assert "--sparse-topk 13" in out and '"n_tiles": 128' in out, out
-    assert main(["--out", "unused", "--dry-run", "--variant", "sparse_window90", "--frames", "16"]) == 0
-    assert "--sparse-window 2,1,1" in capsys.readouterr().out
-
-
-def test_sparse_curves_tool_runs_on_cpu(tmp_path):
-    """The tool end to end on CPU (tiny preset, 2 steps, math vs auto: the same kernel there, no gap)."""
-    pytest.importorskip("megatron.core")
-    import json  # noqa: PLC0415
-    from tools.sparse_curves import main  # noqa: PLC0415
-    assert main(["--out", str(tmp_path), "--model", "tiny", "--frames", "4", "--latent-size", "8x8", "--tile", "1,2,2",
-                 "--steps", "2", "--ref-kernel", "math", "--kernels", "auto"]) == 0
-    res = json.loads((tmp_path / "loss_curves.json").read_text())
-    assert res["reference"] == "math_bf16" and res["noise"]["name"] == "math_fp32"
-    assert res["runs"]["auto_bf16"]["within_noise"]
-    assert len(res["losses"]["auto_bf16"]) == 2 and (tmp_path / "loss_curves.png").exists()
-    assert "block-sparse math" in res["runs_detail"]["math_bf16"]["kernel_line"]

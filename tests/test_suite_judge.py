@@ -1,7 +1,7 @@
-"""How the CUDA suite judges its records (tests/suite_judge.py), on the CPU: a NaN or inf error, a non-finite
+"""How the CUDA suite judges its records (tests/gpu/suite_judge.py), on the CPU: a NaN or inf error, a non-finite
 tolerance or a refused case fails, also after merging ranks (where ``max`` would drop a NaN); the error helpers of
 tests/reference.py never hand a NaN on; a tolerance or divisor derived from a measured reference error
-(tests/cuda_dit_dynamic.bf16_tolerance, tests/cuda_tp_cp.normalised_errs) refuses a non-finite or over-cap one; and
+(tests/gpu/cuda_dit_dynamic.bf16_tolerance, tests/gpu/cuda_tp_cp.normalised_errs) refuses a non-finite or over-cap one; and
 the dit_dynamic worker itself, dry-run on CPU gloo ranks (SPX_SUITE_DEVICE=cpu), refuses every bf16 case when its
 SP=1 bf16 reference has non-finite gradients (the 2 x H100 cuDNN run of 2026-11-25 reported those cases "ok").
 """
@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from tests import cuda_dit_dynamic, cuda_tp_cp
+from tests.gpu import cuda_dit_dynamic, cuda_tp_cp
 from tests.harness import run_ranks
 from tests.reference import curve_err, rel_diff, rel_err, worst
-from tests.suite_judge import checked_reference_err, merge_ranks, verdict, worst_item
+from tests.gpu.suite_judge import checked_reference_err, merge_ranks, verdict, worst_item
 
 INF, NAN = math.inf, math.nan
 
@@ -96,7 +96,7 @@ def test_tp_cp_baseline_divisor_is_checked():
 
 
 def _dit_dynamic_on_cpu(monkeypatch, poison=None) -> list:
-    """tests/cuda_dit_dynamic on 2 CPU gloo ranks, ``poison(loss, grads, group, autocast, core)`` applied to every
+    """tests/gpu/cuda_dit_dynamic on 2 CPU gloo ranks, ``poison(loss, grads, group, autocast, core)`` applied to every
     step's result; the merged, judged records."""
     monkeypatch.setattr(cuda_dit_dynamic, "DEV", "cpu")
     if poison is not None:

@@ -1,7 +1,7 @@
 """The TP x CP attention block (sp/layers/tp_cp.py), issue #37.
 
 Functional: tp_cp_self_attention on TP2 x CP2 and TP2 x CP1 gloo ranks against a float64 single-device
-reference of the whole block (tests/cuda_tp_cp.tp_cp_case), every form, GQA, HCMS chunks, zigzag causal.
+reference of the whole block (tests/gpu/cuda_tp_cp.tp_cp_case), every form, GQA, HCMS chunks, zigzag causal.
 Megatron: a TransformerBlock of attention layers (no MLP: megatron-core's SP MLP needs CUDA) with --sp-async-qkv
 on|allgather|auto at TP2 + --sequence-parallel (x CP2, x CP1; auto also at TP1 x CP2) against the same weights at
 TP1 x CP1 (standard path): output, input grad, every parameter grad after the reductions Megatron does (sum over
@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp_ext.errors import SPConfigError
-from tests.cuda_tp_cp import tp_cp_case
+from tests.gpu.cuda_tp_cp import tp_cp_case
 from tests.harness import run_ranks
 from tests.reference import rel_err
-from tests.suite_judge import verdict
+from tests.gpu.suite_judge import verdict
 
 
 @pytest.mark.parametrize("world,form,h,hkv,chunks,qk_norm,causal", [
@@ -34,9 +34,9 @@ def test_functional_equals_float64_block(world, form, h, hkv, chunks, qk_norm, c
 
 
 def test_cuda_worker_runs_on_cpu(monkeypatch):
-    """tests/cuda_tp_cp.tp_cp_block_family's records, dry-run on CPU gloo ranks (SPX_SUITE_DEVICE=cpu, 1/4 of the
+    """tests/gpu/cuda_tp_cp.tp_cp_block_family's records, dry-run on CPU gloo ranks (SPX_SUITE_DEVICE=cpu, 1/4 of the
     sequence length: SPX_SUITE_SHRINK=4)."""
-    import tests.cuda_tp_cp as mod
+    import tests.gpu.cuda_tp_cp as mod
     monkeypatch.setattr(mod, "DEV", "cpu")
     monkeypatch.setattr(mod, "SHRINK", 4)
     recs = run_ranks(mod.tp_cp_block_family, 4, timeout=400)
@@ -47,10 +47,10 @@ def test_cuda_worker_runs_on_cpu(monkeypatch):
 
 
 def test_cuda_megatron_worker_runs_on_cpu(monkeypatch):
-    """tests/cuda_tp_cp.tp_cp_megatron_family's records, dry-run on CPU gloo ranks: each form (and auto) of the
+    """tests/gpu/cuda_tp_cp.tp_cp_megatron_family's records, dry-run on CPU gloo ranks: each form (and auto) of the
     adapter equals Megatron's own TP-SP layer in the same module."""
     pytest.importorskip("megatron.core")
-    import tests.cuda_tp_cp as mod
+    import tests.gpu.cuda_tp_cp as mod
     monkeypatch.setattr(mod, "DEV", "cpu")
     for per_rank in run_ranks(mod.tp_cp_megatron_family, 4, timeout=400):
         assert len(per_rank) == 8 and all(r["family"] == "tp-cp-megatron" for r in per_rank)
@@ -61,7 +61,7 @@ def test_cuda_megatron_worker_runs_on_cpu(monkeypatch):
 def test_mixed_form_needs_cp_major_tcp_group():
     def fn(rank, world):
         from megatron_sp_ext.sp.layers.tp_cp import check_tp_cp_groups
-        from tests.cuda_tp_cp import tp_cp_groups
+        from tests.gpu.cuda_tp_cp import tp_cp_groups
         tp, cp, tcp = tp_cp_groups(2)
         check_tp_cp_groups(tp, cp, tcp)
         with pytest.raises(SPConfigError, match="CP-major"):

@@ -10,7 +10,7 @@ The CUDA transport cannot run on gloo, so its two halves are tested separately:
     bit-identical to the NCCL/gloo transport through it. The workspace is poisoned after every
     exchange, so a caller that reads a send buffer after its exchange fails the test.
 The symm_mem / copy_engine transports were checked on GPUs by the retired tools/gpu_check.py (results in
-results/README.md); the CUDA suite (tests/test_cuda.py) does not run them yet.
+results/README.md); the CUDA suite (tests/gpu/test_cuda.py) does not run them yet.
 """
 import pytest
 import torch

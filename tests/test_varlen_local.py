@@ -51,7 +51,7 @@ def _inputs(cu, h, hkv, d, dtype, seed, strided):
 
 def packed_reference(q, k, v, do, cu, causal, scale):
     """float64 per-sample attention with a block-diagonal mask on q's device: out, lse, dq, dk, dv (also used
-    by tests/cuda_varlen_local.py, on the GPU)."""
+    by tests/gpu/cuda_varlen_local.py, on the GPU)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -374,7 +374,7 @@ def test_auto_decisions_do_not_depend_on_call_order(monkeypatch):
     assert len(ch_a.decisions) == 2  # LRU capacity
 
 
-# torch 2.11's cuDNN backward inside VarlenChooser's trial on an H100 (tools/bench_dynamic_sp.py --model wan-14b)
+# torch 2.11's cuDNN backward inside VarlenChooser's trial on an H100 (the retired tools/bench_dynamic_sp.py)
 CUDNN_BWD_ERROR = ("Expected mha_graph.execute(handle, variant_pack, workspace_ptr.get()).is_good() to be true, but "
                    "got false.  (Could this error message be improved?  If so, please report an enhancement request "
                    "to PyTorch.)\nException raised from run_cudnn_SDP_bprop_nestedtensor at aten/src/ATen/native/"

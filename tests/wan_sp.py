@@ -1,4 +1,4 @@
-"""Shared by the diffusers client's tests (tests/test_diffusers_wan.py, tests/cuda_diffusers.py): a tiny diffusers
+"""Shared by the diffusers client's tests (tests/test_diffusers_wan.py, tests/gpu/cuda_diffusers.py): a tiny diffusers
 WanTransformer3DModel, its inputs (T2V, I2V, TI2V), a test-only SparseAttentionPlan (a fixed random token order and
 block mask, and a gated extra branch attached to every attn1), the masked reference processor that computes the same
 attention densely in raster order, and one forward/backward whose gradients are summed over the SP group.

@@ -1,4 +1,4 @@
-"""Shared by the BlockSparsePlan tests (tests/test_diffusers_sparse.py, tests/cuda_diffusers_sparse.py): non-zero
+"""Shared by the BlockSparsePlan tests (tests/test_diffusers_sparse.py, tests/gpu/cuda_diffusers_sparse.py): non-zero
 gates, a plan wrapper that records every layer's block mask, and the single-device reference processor that computes
 the plan's attention from scratch (tile order, ``reference_sparse_attention``, an independent coarse branch).
 """

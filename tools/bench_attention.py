@@ -62,7 +62,7 @@ def minimal_ulysses(q, k, v, group, causal: bool = False):
 
 class Prepacked:
     """Mode "prepacked" / "hcms<C>_prepacked": packed Ulysses timed from q|k|v already in the send layout (a
-    model writes them there inside its QK-norm/RoPE kernel: tools/bench_packed_local.py measures that part),
+    model writes them there inside its QK-norm/RoPE kernel: results/2026-11-23_h100_packed_local measured that part),
     gradients left in the send layout. The send buffers are packed once per q, k, v (untimed);
     ``qkv_grads`` maps their gradients back to q, k, v for the correctness check (untimed)."""
 

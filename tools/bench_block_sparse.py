@@ -14,7 +14,7 @@ Masks (one per sequence length S, heads H, tile size --block-size and target spa
 The actual sparsity of every mask is in its row.
 
 Rows (bf16, B=1, D=128, non-causal: the video DiT's self-attention):
-  dense        the dense local kernel (``backends.get_backend(name)``, the call tools/bench_kernels.py times) at
+  dense        the dense local kernel (``backends.get_backend(name)``: ``dense_fns``) at
                [1, H/P, S, D] for P in --ulysses-p (the floor of a P-way Ulysses rank), and at [1, H, S/P, D] for P
                in --ring-p (one dense ring step)
   ulysses      the block-sparse local kernel Ulysses runs after its exchange: the full sequence, H/P heads (the
@@ -69,7 +69,6 @@ from megatron_sp_ext.attention.tiles import TileSlice  # noqa: E402
 from megatron_sp_ext.sp.calibration import time_ms, wall_time_ms  # noqa: E402
 from megatron_sp_ext.sp.placement import positions  # noqa: E402
 from megatron_sp_ext.sp.ring.sparse import sparse_ring_plan  # noqa: E402
-from tools.bench_kernels import _plain  # noqa: E402
 from tools.benchlib import git_commit, run_meta, write_json  # noqa: E402
 from training.video_dit.sparse import tile_coords, topk_tile_mask, window_tile_mask  # noqa: E402
 
@@ -160,6 +159,24 @@ def selected_pairs(rows: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
 def _inputs(h: int, sq: int, sk: int, d: int, dev: torch.device, dtype: torch.dtype, seed: int = 0) -> list:
     g = torch.Generator(device=dev).manual_seed(seed)
     return [torch.randn(1, h, n, d, device=dev, dtype=dtype, generator=g) for n in (sq, sk, sk, sq)]
+
+
+def dense_fns(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool) -> Fns:
+    """(forward without grad, forward + backward from ``do``) of the dense kernel ``name`` on q/k/v [B, H, S, D]."""
+    be = backends.get_backend(name)
+    qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def fwd():
+        with torch.no_grad():
+            return be(q, k, v, causal=causal, softmax_scale=None)
+
+    def fwd_bwd():
+        for t in qkv:
+            t.grad = None
+        out = be(*qkv, causal=causal, softmax_scale=None)
+        out.backward(do)
+        return out
+    return fwd, fwd_bwd
 
 
 def sparse_fns(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
@@ -413,7 +430,7 @@ def run(args) -> dict:
                 if not todo(row):
                     continue
                 q, k, v, do = _inputs(hp, s, s, d, dev, dtype)
-                done(_guard(row, lambda: _time(_plain(name, q, k, v, do, False)[:2], 4.0 * s * s * hp * d,
+                done(_guard(row, lambda: _time(dense_fns(name, q, k, v, do, False), 4.0 * s * s * hp * d,
                                                args.iters, args.warmup, cuda), cuda))
                 del q, k, v, do
         for p in sorted(set(_ints(args.ring_p))):
@@ -423,7 +440,7 @@ def run(args) -> dict:
                 if not todo(row):
                     continue
                 q, k, v, do = _inputs(h, s // p, s // p, d, dev, dtype)
-                done(_guard(row, lambda: _time(_plain(name, q, k, v, do, False)[:2], 4.0 * (s // p) ** 2 * h * d,
+                done(_guard(row, lambda: _time(dense_fns(name, q, k, v, do, False), 4.0 * (s // p) ** 2 * h * d,
                                                args.iters, args.warmup, cuda), cuda))
                 del q, k, v, do
         for bs in _ints(args.block_size):

@@ -92,7 +92,7 @@ fi
 flock -u 8; exec 8>&-
 # TE's install (~2-3 min: the transformer_engine_torch build) under a lock of its own, taken without waiting: the
 # first stage of a call installs it, stages beside it on other GPUs go on without TE (they do not use it); a TE
-# stage waits for that lock (tools/gpu_round.sh i68_te) before it reads /tmp/te_site
+# stage waits for that lock (tools/gpu_stages.txt: te) before it reads /tmp/te_site
 if [ -f /tmp/spx_te/manifest ] && [ ! -f /tmp/te_site/.spx_te_installed ] && [ ! -f /tmp/spx_te/failed ]; then
   exec 9>/tmp/spx_te.lock
   if flock -n 9; then   # in the background (it keeps the lock until done) when gpu_round.sh asks (SPX_TE_BACKGROUND=1)

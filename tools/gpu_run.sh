@@ -3,7 +3,7 @@
 #   bash tools/gpu_run.sh [pytest -k expression]        (or: make test-gpu)
 # Installs the wheels carried as parts in .fa4/ (tools/gpu_wheels.sh; FlashAttention-4 among them: then
 # SPX_REQUIRE_FA4=1 and the fa4 family must run) or in .whl/ (pytest, megatron-core, deepspeed and their needs) when the machine lacks
-# them, runs tests/test_cuda.py (P=2 and P=4 ranks on GPU 0 over gloo; one rank per GPU over NCCL where there are
+# them, runs tests/gpu/test_cuda.py (P=2 and P=4 ranks on GPU 0 over gloo; one rank per GPU over NCCL where there are
 # enough GPUs) and writes every case's errors under $SPX_CUDA_REPORT (default: $OUT/cuda_suite or ./cuda_suite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,5 +18,5 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 export SPX_CUDA_REPORT=${SPX_CUDA_REPORT:-${OUT:-.}/cuda_suite}
 mkdir -p "$SPX_CUDA_REPORT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$SPX_CUDA_REPORT/gpus.txt"
-python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py ${1:+-k "$1"} 2>&1 | tee "$SPX_CUDA_REPORT/log.txt"
+python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_cuda.py ${1:+-k "$1"} 2>&1 | tee "$SPX_CUDA_REPORT/log.txt"
 exit "${PIPESTATUS[0]}"

@@ -25,7 +25,7 @@ pack() {   # pack DIR: DIR's wheels -> .fa4/part.aa, .fa4/part.ab (PARTS of them
   rm -f .fa4/wheels.tar; rm -rf "$1"
   cat .fa4/manifest; du -sh .fa4/*
 }
-if [ "${1:-}" = lite ]; then   # the parts again without DeepSpeed and its needs (not used by tests/test_cuda.py
+if [ "${1:-}" = lite ]; then   # the parts again without DeepSpeed and its needs (not used by tests/gpu/test_cuda.py
   # outside its DeepSpeed adapter case, which then skips by name; msgpack and py-cpuinfo are on the image): with the
   # tree at 12.3 MB, two halves of the whole set (55.1 MB each) went over the 64 MiB a call carries
   W=$(mktemp -d); (cd .fa4 && cat $(tail -n +2 manifest)) | tar -C "$W" -xf -

@@ -10,7 +10,8 @@ the same order: forward y_even = r(fl(x_e * cos_e) - fl(x_o * sin_o)), y_odd = r
 gradient cast to x's dtype, then the two summed in x's dtype): dx_e = r(r(g_e * cos_e) + r(g_o * sin_o)),
 dx_o = r(r(g_o * cos_e) - r(g_e * sin_o)). ``fused=True`` falls back to the eager ops wherever the kernel does not
 apply (no CUDA, no triton, x not float16/bfloat16/float32, tables not float32 [1, S, 1, D], tables that need grad).
-tests/cuda_rope.py checks the equality on the GPU; the CPU suite runs the eager form against diffusers'.
+tests/gpu/test_cuda.py::test_wan_rope_fused_bitwise checks the equality on the GPU; the CPU suite runs the eager form
+against diffusers'.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Does cuDNN's bf16 attention backward go non-finite on SMALL incoming gradients? The CUDA suite's dit_dynamic
-pack at SP=1 (tests/cuda_dit_dynamic.py: the tiny DiT, 7 packed samples of 8-90 tokens, head dim 64, loss ~3e-4) gave
+pack at SP=1 (tests/gpu/cuda_dit_dynamic.py: the tiny DiT, 7 packed samples of 8-90 tokens, head dim 64, loss ~3e-4) gave
 non-finite bf16 gradients on cuDNN (H100 and H200, 2026-11-25/26; the first non-finite module in backward: a block's
 self-attention), while isolated cuDNN calls of those lengths with unit-scale dO were right. This runs that step with
 the loss multiplied by 1, 1e2, 1e4, 1e6 (the gradients divided back) on cuDNN and on "auto", against SP=1 fp32.
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests import cuda_dit_dynamic as worker  # noqa: E402
-from tests.cuda_dit_sparse import normwise  # noqa: E402
+from tests.gpu import cuda_dit_dynamic as worker  # noqa: E402
+from tests.gpu.cuda_dit_sparse import normwise  # noqa: E402
 from training.video_dit.engine import make_core  # noqa: E402
 
 

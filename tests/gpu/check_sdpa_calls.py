@@ -3,8 +3,8 @@ one SP=1 bf16 step (inputs with their strides, the incoming gradient of its outp
 (same data, same strides, torch's default backend choice) against fp32 math: out and dq/dk/dv errors, non-finite
 flags, shapes and strides per call; and reruns the whole step with cuDNN left out of SDPA's backends.
 
-Steps: "dynamic" (tests/cuda_dit_dynamic.py's pack at SP=1 on the cudnn kernel: non-finite bf16 gradients on an H100
-and an H200, 2026-11-25/26) and "sparse" (tests/cuda_dit_sparse.py's top-k case at SP=1 on auto: 7.2e-2 off fp32 on
+Steps: "dynamic" (tests/gpu/cuda_dit_dynamic.py's pack at SP=1 on the cudnn kernel: non-finite bf16 gradients on an H100
+and an H200, 2026-11-25/26) and "sparse" (tests/gpu/cuda_dit_sparse.py's top-k case at SP=1 on auto: 7.2e-2 off fp32 on
 an H200, 2026-11-26, while SP=2 was 4.2e-3 off).
 
     python tests/gpu/check_sdpa_calls.py --out DIR [--steps dynamic,sparse]      (one GPU; DIR/sdpa_calls.json)
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tests.cuda_dit_sparse import normwise  # noqa: E402
+from tests.gpu.cuda_dit_sparse import normwise  # noqa: E402
 from tests.reference import rel_err  # noqa: E402
 from training.video_dit.engine import make_core  # noqa: E402
 
@@ -139,11 +139,11 @@ def replay_file(path: str) -> None:
 
 def step(which: str, dev, autocast):
     if which == "dynamic":
-        from tests import cuda_dit_dynamic as w  # noqa: PLC0415
+        from tests.gpu import cuda_dit_dynamic as w  # noqa: PLC0415
         kernel = "cudnn" if autocast and dev.type == "cuda" else "auto"
         core = make_core("ulysses", None, num_heads=w.CFG.heads, backend=kernel)
         return w.dit_step(core, None, 0, 1, dev, autocast)
-    from tests import cuda_dit_sparse as w  # noqa: PLC0415
+    from tests.gpu import cuda_dit_sparse as w  # noqa: PLC0415
     _, spec, _, _ = w.CASES[0]
     return w.sparse_step(spec, make_core("ulysses", None, num_heads=w.CFG.heads), None, dev, autocast)
 

@@ -5,7 +5,7 @@ process (the call-order check: state kept between calls must not leak across ker
 Modes: Ulysses and HCMS (C = 1, 2, both layouts, zero-copy q|k|v views), ring and TASP (causal in their zigzag
 placements and not, both dK|dV schedules: traveling accumulator and rotation), the usp/tas meshes and torus (P=4 as
 2 machines of 2), key padding (kv_valid_len), packed samples (per_sample and fa4_varlen), GQA and uneven heads, bf16
-and fp16. Records as in tests/cuda_suite.py. Needs flash-attn-4 on an SM90/SM100 GPU: tests/test_cuda.py skips it
+and fp16. Records as in tests/gpu/cuda_suite.py. Needs flash-attn-4 on an SM90/SM100 GPU: tests/gpu/test_cuda.py skips it
 with that reason unless SPX_REQUIRE_FA4=1 (set by tools/gpu_run.sh when it installed FA4), where a missing FA4 fails.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import megatron_sp_ext as spx
 from megatron_sp_ext.attention import backends
 from megatron_sp_ext.sp.placement import pieces
-from tests.cuda_suite import DEV, SHRINK, use_ring_route
+from tests.gpu.cuda_suite import DEV, SHRINK, use_ring_route
 from tests.reference import TOL, pad_mask
 from tests.sp_check import run_case
 

@@ -4,8 +4,8 @@ Each worker runs on every rank of a group (``tests/harness.run_ranks(..., device
 over gloo, or one rank per GPU over NCCL), runs its cases in a fixed order (cases of equal shapes one after the
 other in different placements / chunkings, so state kept between calls is exercised) and returns one record per
 case: {"family", "case", "errs": {name: relative error}, "tol"} (optional "refused": why the case is not judged).
-Inputs, reference (float64, on the GPU) and the comparison are tests/sp_check.run_case's. ``tests/test_cuda.py``
-judges the records (tests/suite_judge.py: finite errors within a finite tolerance) and writes them out.
+Inputs, reference (float64, on the GPU) and the comparison are tests/sp_check.run_case's. ``tests/gpu/test_cuda.py``
+judges the records (tests/gpu/suite_judge.py: finite errors within a finite tolerance) and writes them out.
 
 With gloo on one GPU the ring family's point-to-point hops cannot go through gloo (its send/recv of CUDA
 tensors fails); every rank is then declared its own machine (SPX_EMULATED_MACHINE_SIZE=1), so the ring's hops

@@ -4,7 +4,7 @@ hybrid (usp with the ring, tas with TASP) and torus (tas) as 2 emulated machines
 with a block-diagonal (per-sample, causal inside) mask (tests/sp_check.run_case); also sample lengths that divide
 by neither P nor 2P (padded per sample). Family "ring_varlen": 20 cases at P=2, 28 at P=4.
 
-Records follow tests/cuda_suite.py: {"family", "case", "errs": {name: rel_err}, "tol"}. With gloo on one GPU
+Records follow tests/gpu/cuda_suite.py: {"family", "case", "errs": {name: rel_err}, "tol"}. With gloo on one GPU
 every rank is its own emulated machine (the ring's hops take the host-staged transport, as cuda_suite's ring
 family does); SPX_SUITE_DEVICE=cpu SPX_SUITE_SHRINK=16 runs the same worker on forked gloo ranks.
 """
@@ -91,9 +91,9 @@ def ring_varlen_family(rank: int, world: int) -> list:
     return rec
 
 
-if __name__ == "__main__":  # CPU dry run: SPX_SUITE_DEVICE=cpu SPX_SUITE_SHRINK=16 python -m tests.cuda_ring_varlen
+if __name__ == "__main__":  # CPU dry run: SPX_SUITE_DEVICE=cpu SPX_SUITE_SHRINK=16 python -m tests.gpu.cuda_ring_varlen
     from tests.harness import run_ranks
-    from tests.suite_judge import merge_ranks, worst_item
+    from tests.gpu.suite_judge import merge_ranks, worst_item
     for w in (2, 4):
         merged = merge_ranks(run_ranks(ring_varlen_family, w, timeout=600))
         for m in merged:

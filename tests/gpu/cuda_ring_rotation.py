@@ -3,7 +3,7 @@ zigzag placements and not, with each schedule: the previous traveling fp32 accum
 straight home in one chunk ("home C=1") and with the last step in 4 head chunks ("home C=4"), against the
 float64 reference (tests/sp_check.run_case). Family "ring_rotation": 14 cases per world size.
 
-Records follow tests/cuda_suite.py: {"family", "case", "errs": {name: rel_err}, "tol"}. With gloo on one GPU
+Records follow tests/gpu/cuda_suite.py: {"family", "case", "errs": {name: rel_err}, "tol"}. With gloo on one GPU
 every rank is its own emulated machine (the ring's hops take the host-staged transport, as cuda_suite's ring
 family does); SPX_SUITE_DEVICE=cpu SPX_SUITE_SHRINK=16 runs the same worker on forked gloo ranks.
 """

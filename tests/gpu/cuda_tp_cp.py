@@ -3,7 +3,7 @@ tests/test_tp_cp_block.py: the block on TP x CP ranks against a float64 single-d
 attention block on the full sequence (output, input grad, every parameter grad after Megatron's reductions).
 
 Ranks: global rank r = p T + t (TP fastest, Megatron's order), so the WORLD group is TP x CP in CP-major order.
-Records follow tests/cuda_suite.py: {"family", "case", "errs": {name: rel_err}, "tol"}; SPX_SUITE_DEVICE=cpu runs
+Records follow tests/gpu/cuda_suite.py: {"family", "case", "errs": {name: rel_err}, "tol"}; SPX_SUITE_DEVICE=cpu runs
 the same worker on forked gloo ranks.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.blocks import rms, rope
 from tests.reference import reference_attention, rel_err
-from tests.suite_judge import checked_reference_err
+from tests.gpu.suite_judge import checked_reference_err
 
 DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
 SHRINK = int(os.environ.get("SPX_SUITE_SHRINK", "1"))  # CPU dry runs: 1/SHRINK of the sequence lengths

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import megatron_sp_ext as spx
 from megatron_sp_ext.attention import block_sparse as bsp
 from megatron_sp_ext.topology.hamiltonian import routing_tables
-from tests import cuda_block_sparse as cbs
-from tests.cuda_suite import use_ring_route
+from tests.gpu import cuda_block_sparse as cbs
+from tests.gpu.cuda_suite import use_ring_route
 from tests.test_block_sparse import random_mask
 
 

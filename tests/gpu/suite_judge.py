@@ -1,6 +1,6 @@
 """How the CUDA suite judges its records, and the checks on a reference whose measured error sets a tolerance.
 
-A record (tests/cuda_suite.py): {"family", "case", "errs": {name: relative error}, "tol", optional "refused": why the
+A record (tests/gpu/cuda_suite.py): {"family", "case", "errs": {name: relative error}, "tol", optional "refused": why the
 worker would not judge the case}. It passes only when nothing refused it, its tolerance is a finite number >= 0 and
 every error is a finite number <= the tolerance. Nothing here lets a NaN pass: ``err <= tol`` is False for a NaN, but
 ``not err > tol`` is True and ``max([x, nan])`` is x; an inf tolerance (one derived from a reference that was itself

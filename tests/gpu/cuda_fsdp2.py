@@ -7,7 +7,7 @@ the unsharded model under the same autocast on every rank's batch (loss of this 
 averaged over the ranks). Token ids stay on the host, as the entry passes them: on CUDA FSDP2's root moves them to
 the GPU (issue #52: RoPE then mixed devices). Cases: plain and --recompute-granularity full, with 2 x 3 x 5 and
 3 x 5 x 7 token grids (the second not divisible by the ranks' count of anything); records as in
-tests/cuda_suite.py (bf16 tolerance), family "fsdp2". ``fsdp2_entry_losses``: the entry's bf16 losses with and
+tests/gpu/cuda_suite.py (bf16 tolerance), family "fsdp2". ``fsdp2_entry_losses``: the entry's bf16 losses with and
 without --use-torch-fsdp2. SPX_SUITE_DEVICE=cpu runs the model family on gloo (CPU autocast bf16).
 """
 from __future__ import annotations

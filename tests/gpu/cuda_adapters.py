@@ -6,7 +6,7 @@
 - ``deepspeed_family``: ``SPDistributedAttention`` against DeepSpeed's own ``DistributedAttention`` (same local
   attention callable): output and q/k/v grads; ulysses, hcms, ring, tasp; both batch layouts.
 - ``dit_family``: the DiT entry point (training/pretrain_video_dit.py) at SP=P against SP=1 for 5 steps: losses.
-Records as in tests/cuda_suite.py. Ring-family hops on one GPU over gloo take the host-staged route
+Records as in tests/gpu/cuda_suite.py. Ring-family hops on one GPU over gloo take the host-staged route
 (``cuda_suite.use_ring_route``).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_sp_ext import make_attention
 
-from tests.cuda_suite import DEV, use_ring_route
+from tests.gpu.cuda_suite import DEV, use_ring_route
 from tests.reference import rel_err
 
 MODES = {2: [("ulysses", 1, None, False), ("hcms", 2, None, True), ("ring", 1, None, True), ("tasp", 1, None, False),
@@ -154,7 +154,8 @@ def dit_losses(rank: int, world: int, modes=DIT_MODES) -> dict:
            for mode in modes if not (mode == "usp" and world < 4)}
     if world > 1 and torch.cuda.is_available() and dist.get_backend() == "nccl":   # megatron-core's DDP reducing
         # during the backward (CUDA, NCCL: its coalesced all-reduce takes no CUDA tensors over gloo);
-        # what the SP > 1 step rows time beside --ddp-impl torch (tools/gpu_round.sh r17_69overlap)
+        # what the SP > 1 step rows time beside --ddp-impl torch (stage r17_69overlap,
+        # results/README.md)
         got["ulysses megatron-ddp --overlap-grad-reduce"] = pretrain_video_dit.main(
             DIT_ARGS + ["--context-parallel-size", str(world), "--cp-comm-type", "ulysses", "--ddp-impl", "megatron",
                         "--overlap-grad-reduce"])["losses"]

@@ -9,7 +9,7 @@ error of SP=1 under the same autocast, and at least 2e-2: bf16's own rounding, n
 error must itself be finite and <= SP1_BF16_CAP, else every bf16 case is refused naming the kernel and the error,
 see ``bf16_tolerance``). Modes:
 ulysses, hcms C=2, ring (on one GPU over gloo every rank is its own emulated machine: the ring's hops take the
-host-staged transport), and usp (Ulysses 2) at P=4. Records as in tests/cuda_suite.py; SPX_SUITE_DEVICE=cpu runs it
+host-staged transport), and usp (Ulysses 2) at P=4. Records as in tests/gpu/cuda_suite.py; SPX_SUITE_DEVICE=cpu runs it
 on forked gloo ranks. Cases: 2 dtypes x 3 modes at P=2 (6), 2 x 4 at P=4 (8).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from megatron_sp_ext.attention import varlen
 from megatron_sp_ext.config import SPConfig
 from megatron_sp_ext.sp.dynamic import DynamicPlan
 from tests.reference import TOL, nan_worst, rel_diff, rel_err, worst
-from tests.suite_judge import checked_reference_err
+from tests.gpu.suite_judge import checked_reference_err
 from tests.dit_models import modulated_dit
 from tests.sp_reduce import loss_and_grads
 from training.video_dit import preset

@@ -4,7 +4,7 @@ Ulysses / HCMS (C = 1, 2) with a block mask run the flex_attention path on CUDA 
 named in each case), the ring runs its skip schedule on the math block kernel: a random per-head mask (one empty
 query-tile row) and a 1D window mask, causal (zigzag) and not (contiguous), GQA 8/2 and 8/8, bf16 (fp32 on a
 subset), S not a multiple of block_size. out, dq, dk, dv against a float64 masked reference computed on the device.
-Records as in tests/cuda_suite.py: 2 (masks) x 2 (causal) x 2 (head layouts) x 3 (ulysses C=1, hcms C=2, ring) in
+Records as in tests/gpu/cuda_suite.py: 2 (masks) x 2 (causal) x 2 (head layouts) x 3 (ulysses C=1, hcms C=2, ring) in
 bf16 + 2 (causal) x 2 (ulysses C=1, ring) in fp32 = 28; at P=4 also hybrid (usp, C=2) and torus (tas) on 2 simulated
 machines of 2, and TASP (tasp_zigzag when causal), causal and not, bf16: 34. Dry run on the CPU: SPX_SUITE_DEVICE=cpu SPX_SUITE_SHRINK=16 (every Ulysses case then runs
 the math kernel; tests/test_block_sparse.py runs it).
@@ -20,9 +20,9 @@ import megatron_sp_ext as spx
 from megatron_sp_ext.attention import backends
 from megatron_sp_ext.attention import block_sparse as bsp
 from megatron_sp_ext.sp.placement import positions
-from tests.cuda_suite import use_ring_route
+from tests.gpu.cuda_suite import use_ring_route
 from tests.reference import TOL, make_qkv, rel_err
-from tests.suite_judge import progress
+from tests.gpu.suite_judge import progress
 from tests.test_block_sparse import keep_tokens, masked_reference, random_mask, window_mask
 
 DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")

@@ -77,7 +77,7 @@ def _ulysses(rec: list, rank: int, world: int, group, dev: torch.device, transpo
         if why is not None:
             rec.extend({"family": "transport", "case": n, "errs": {}, "tol": 0.0, "refused": why} for n in names)
             continue
-        from tests.cuda_suite import _shard
+        from tests.gpu.cuda_suite import _shard
 
         def run(tr, errors=None):
             return run_case(lambda q, k, v: spx.ulysses_attention(q, k, v, group, head_chunks=chunks, causal=causal,

@@ -6,7 +6,7 @@ packed step of three clips of different frame counts and latent sizes (B=1, cu_s
 every parameter gradient (summed / averaged over the SP ranks) must equal the average over the clips. Cases:
 ulysses and hcms C=2, eager and with the compiled elementwise regions (inductor on CUDA, aot_eager on the CPU dry
 run), and ulysses on clips whose token counts divide by neither 2 nor 4 (padded per sample): 6 records, family
-"dit_packed". Records as in tests/cuda_suite.py; SPX_SUITE_DEVICE=cpu runs it on gloo.
+"dit_packed". Records as in tests/gpu/cuda_suite.py; SPX_SUITE_DEVICE=cpu runs it on gloo.
 """
 from __future__ import annotations
 

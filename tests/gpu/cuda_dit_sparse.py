@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_sp_ext.attention import kernels
-from tests.cuda_dit_dynamic import bf16_tolerance
+from tests.gpu.cuda_dit_dynamic import bf16_tolerance
 from tests.dit_models import modulated_dit
 from tests.reference import TOL, nan_worst, rel_diff, rel_err, worst
 from tests.sp_reduce import loss_and_grads
-from tests.suite_judge import progress
+from tests.gpu.suite_judge import progress
 from training.video_dit import preset
 from training.video_dit.data import SyntheticVideoLatents
 from training.video_dit.engine import flow_matching_batch, local_loss, make_core, prepare

@@ -1,9 +1,9 @@
 """The CUDA suite (`make test-gpu`): every algorithm's CUDA branches against float64 at P=2 and P=4.
 
 P ranks share GPU 0 over gloo (CUDA tensors; exchanges through host memory), and where the machine has at least
-P GPUs the same cases run again with one rank per GPU over NCCL. Cases: tests/cuda_suite.py. Each case's relative
+P GPUs the same cases run again with one rank per GPU over NCCL. Cases: tests/gpu/cuda_suite.py. Each case's relative
 errors (output and every input gradient) must be finite and within a finite tolerance (bf16 2e-2, fp16 5e-3, fp32
-1e-5, float64 1e-10), and no worker may have refused the case (tests/suite_judge.py); with SPX_CUDA_REPORT=<dir> every case's errors are written to <dir>/cuda_<family>_P<P>_<backend>.json.
+1e-5, float64 1e-10), and no worker may have refused the case (tests/gpu/suite_judge.py); with SPX_CUDA_REPORT=<dir> every case's errors are written to <dir>/cuda_<family>_P<P>_<backend>.json.
 Without CUDA every test here is skipped (reason: needs CUDA); the CPU suite covers the same control flow
 (tests/fake_cudnn.py runs the cuDNN branch on the CPU).
 """
@@ -17,7 +17,7 @@ import torch
 
 from tests.harness import run_ranks
 from tests.reference import curve_err
-from tests.suite_judge import merge_ranks, worst_item
+from tests.gpu.suite_judge import merge_ranks, worst_item
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run `make test-gpu` on a GPU)")
 
@@ -32,13 +32,13 @@ def _layouts():
 
 
 def _run_family(family: str, world: int, backend: str, timeout: float = 900) -> list:
-    from tests import cuda_suite
+    from tests.gpu import cuda_suite
     per_rank = run_ranks(cuda_suite.FAMILIES[family], world, timeout=timeout, device="cuda", backend=backend)
     return _check(family, world, backend, per_rank)
 
 
 def _check(family: str, world: int, backend: str, per_rank: list) -> list:
-    """Every rank's records merged and judged (tests/suite_judge.py: a refused record, a non-finite error or a
+    """Every rank's records merged and judged (tests/gpu/suite_judge.py: a refused record, a non-finite error or a
     non-finite tolerance fails), written to SPX_CUDA_REPORT, printed; fails the test on any bad record."""
     merged = merge_ranks(per_rank)
     report = os.environ.get("SPX_CUDA_REPORT")
@@ -94,7 +94,7 @@ def test_dropout_family(world, backend):
 
 
 def _adapter(name: str, world: int, backend: str) -> list:
-    from tests import cuda_adapters
+    from tests.gpu import cuda_adapters
     return _check(name, world, backend, run_ranks(getattr(cuda_adapters, f"{name}_family"), world, timeout=900,
                                                   device="cuda", backend=backend))
 
@@ -117,13 +117,13 @@ def test_deepspeed_adapter_vs_distributed_attention(world, backend):
 def test_dit_entry_sp_vs_sp1(world, backend):
     """The DiT entry point (training/pretrain_video_dit.py) at SP=P against SP=1: 5 steps' losses within 1e-4."""
     pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
-    from tests.cuda_adapters import dit_losses
+    from tests.gpu.cuda_adapters import dit_losses
     ref = run_ranks(dit_losses, 1, ("ulysses",), timeout=600, device="cuda", backend=backend)[0]["ulysses"]
     got = run_ranks(dit_losses, world, timeout=900, device="cuda", backend=backend)
     per_rank = [[{"family": "dit-entry", "case": f"SP={world} {mode} vs SP=1, 5 steps, tiny, fp32",
                   "errs": {"loss": curve_err(losses, ref)}, "tol": 1e-4}
                  for mode, losses in r.items()] for r in got]
-    from tests.cuda_adapters import DIT_MODES
+    from tests.gpu.cuda_adapters import DIT_MODES
     cases = len([m for m in DIT_MODES if not (m == "usp" and world < 4)]) + (backend == "nccl")   # + megatron DDP
     assert len(_check("dit", world, backend, per_rank)) == cases
 
@@ -131,7 +131,7 @@ def test_dit_entry_sp_vs_sp1(world, backend):
 @pytest.mark.parametrize("world,backend", _layouts())
 def test_tp_cp_block(world, backend):
     """The TP x CP attention block (TP2 x CP1 on 2 ranks, TP2 x CP2 on 4) against its float64 reference."""
-    from tests import cuda_tp_cp
+    from tests.gpu import cuda_tp_cp
     got = run_ranks(cuda_tp_cp.tp_cp_block_family, world, timeout=600, device="cuda", backend=backend)
     assert len(_check("tp_cp", world, backend, got)) == 18
 
@@ -141,7 +141,7 @@ def test_dit_fused_regions_match_eager(world, backend):
     """The DiT entry's torch.compile'd elementwise regions (--fused-elementwise on) against eager, bf16, 8 steps:
     every loss within 2e-2 relative (bf16 noise; Inductor's reductions round differently)."""
     pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
-    from tests.cuda_adapters import dit_fused_losses
+    from tests.gpu.cuda_adapters import dit_fused_losses
     got = run_ranks(dit_fused_losses, world, timeout=900, device="cuda", backend=backend)
     per_rank = [[{"family": "dit-fused", "case": f"SP={world} ulysses bf16 8 steps, fused regions vs eager",
                   "errs": {"loss": curve_err(r["on"], r["off"])}, "tol": 2e-2}]
@@ -151,7 +151,7 @@ def test_dit_fused_regions_match_eager(world, backend):
 
 def test_dit_fused_regions_fp32_match_eager():
     """--fused-elementwise in fp32 at the shapes whose compiled backward failed (wan-1.3b dims, B=1, 8190 tokens):
-    the model's gradients and the DiT entry's 3 losses against eager (tests/cuda_fused_fp32.py), on one GPU."""
+    the model's gradients and the DiT entry's 3 losses against eager (tests/gpu/cuda_fused_fp32.py), on one GPU."""
     pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
     assert len(_worker("cuda_fused_fp32", "fused_fp32_family", "fused_fp32", 1, "gloo")) == 2
 
@@ -317,7 +317,7 @@ def test_fsdp2_entry_vs_unsharded_entry():
     """#52: training/pretrain_video_dit.py --bf16 with --use-torch-fsdp2 against the same run without it (megatron's
     DDP), one GPU, 6 steps: every loss within bf16 tolerance (2e-2 relative)."""
     pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
-    from tests.cuda_fsdp2 import fsdp2_entry_losses
+    from tests.gpu.cuda_fsdp2 import fsdp2_entry_losses
     r = run_ranks(fsdp2_entry_losses, 1, timeout=600, device="cuda", backend="nccl")[0]  # megatron DDP: no gloo on CUDA
     per_rank = [[{"family": "fsdp2-entry", "case": "entry --bf16 --use-torch-fsdp2 vs megatron DDP, 6 steps, tiny",
                   "errs": {"loss": curve_err(r["fsdp2"], r["plain"])}, "tol": 2e-2}]]
@@ -335,7 +335,7 @@ def test_dit_entry_data_path_and_manual_gc(tmp_path):
     import subprocess
     import sys
     from training.video_dit.loop import default_workers
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     base = ["--model", "tiny", "--frames", "4", "--latent-size", "8x12", "--train-iters", "6", "--seed", "3",
             "--fused-elementwise", "off", "--quiet"]
     runs = {}
@@ -493,7 +493,7 @@ def test_layout_word_copies_bitwise():
 def test_transport_family(world, backend):
     """#70 item 5: the copy-engine transports (symm_mem, copy_engine) in Ulysses / HCMS against float64 and bit for
     bit against NCCL (dq within NCCL's own run-to-run noise), the async block through them, and the all-gather
-    block on torch's fused symm_mem matmuls against float64 (tests/cuda_transport.py). One rank per GPU over NCCL
+    block on torch's fused symm_mem matmuls against float64 (tests/gpu/cuda_transport.py). One rank per GPU over NCCL
     only: these paths need an NCCL group (over gloo every record would be refused)."""
     got = _worker("cuda_transport", "transport_family", "transport", world, backend)
     assert len(got) == 34  # per transport 4 shapes x 3 records + the async block; 8 fused all-gather cases

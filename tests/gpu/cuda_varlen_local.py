@@ -8,7 +8,7 @@ flash_varlen where its probe passed) plus what "auto" picks: out, lse, dq, dk, d
 reference computed on the device (packed_reference builds its mask there). Family "varlen_local": 16
 configurations x (per_sample, grouped, flash_varlen where its probe passed, auto) = 64 records if flash_varlen's
 probe passes, 48 if not.
-Records as in tests/cuda_suite.py; SPX_SUITE_DEVICE=cpu runs per_sample / grouped / auto (= per_sample) on the
+Records as in tests/gpu/cuda_suite.py; SPX_SUITE_DEVICE=cpu runs per_sample / grouped / auto (= per_sample) on the
 CPU at 1/SPX_SUITE_SHRINK of the lengths.
 """
 from __future__ import annotations

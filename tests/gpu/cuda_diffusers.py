@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tests.reference import TOL, rel_err, worst
-from tests.suite_judge import checked_reference_err, progress
+from tests.gpu.suite_judge import checked_reference_err, progress
 from tests.wan_sp import (TINY, FixedSparsePlan, LATENT, forward_backward, reference_with_plan, tiny_wan,
                           wan_inputs)
 

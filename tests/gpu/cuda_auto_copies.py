@@ -1,4 +1,4 @@
-"""CUDA suite workers for issue #35 items 2 and 3 (records as in tests/cuda_suite.py).
+"""CUDA suite workers for issue #35 items 2 and 3 (records as in tests/gpu/cuda_suite.py).
 
 - ``auto_family``: the factory's ``auto`` (sp.factory.SPAttention with the ModePolicy of sp.calibration) with each
   branch forced through the real calibration by an injected timer (hcms, ring, and tasp beyond 2 ranks), and once
@@ -21,7 +21,7 @@ from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.calibration import ModePolicy, time_ms, wall_time_ms
 from megatron_sp_ext.sp.factory import SPResources, make_attention
 from megatron_sp_ext.sp.ulysses import engine
-from tests.cuda_suite import BF16, DEV, SHRINK, _one, _valid, use_ring_route
+from tests.gpu.cuda_suite import BF16, DEV, SHRINK, _one, _valid, use_ring_route
 from tests.reference import make_qkv, rel_err
 
 

@@ -8,7 +8,7 @@ reduction returned the [1, 1, d] AdaLN modulation gradients as [d]; training/vid
      relative error, the worst parameter) within 1e-4;
   2. the DiT entry with the failing command's settings (wan-1.3b, 2 layers, --frames 21 --latent-size 30x52, fp32,
      SP=1, 3 steps, lr 1e-4) with --fused-elementwise on and off: every loss within 1e-4 relative.
-Records as in tests/cuda_suite.py. SPX_SUITE_DEVICE=cpu runs both on the CPU with the tiny model and small clips
+Records as in tests/gpu/cuda_suite.py. SPX_SUITE_DEVICE=cpu runs both on the CPU with the tiny model and small clips
 (a dry run of the control flow: Inductor's C++ code has no mix-order reduction).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 SP=P through ``parallelize`` against a float64 single-device reference (tests/wan_sparse.py: the plan's attention
 from scratch, ``reference_sparse_attention`` plus an independent coarse branch).
 
-``diffusers_sparse_family(rank, world)``: the CUDA suite's small Wan (tests/cuda_diffusers.py: 4 heads x 64, 2
+``diffusers_sparse_family(rank, world)``: the CUDA suite's small Wan (tests/gpu/cuda_diffusers.py: 4 heads x 64, 2
 blocks, a 4x16x16 patch grid = 1,024 tokens) with the plan's default tile 4x4x8 (128 tokens, FA4's block; 8 tiles),
 window (0, 1, 0) and top-k 3 with the gated coarse branch (gates set non-zero), in ulysses, hcms C=2 and ring (P=4
 adds usp on 2 simulated machines), fp32 and bf16 (the whole model cast). Top-k's selection depends on the pooled
@@ -10,7 +10,7 @@ scores' rounding, so its reference takes the masks the run picked (recorded per 
 on its own: every rank's masks equal rank 0's (``mask_ranks``, 0 or inf); the mask entries unlike the float64
 reference's own selection are recorded (``mask_entries_unlike_fp64``, not judged: near-ties flip). Each record:
 output, latent gradient and all parameter gradients (one vector, summed over the SP ranks) against float64;
-tolerance per dtype as tests/cuda_diffusers.py (``tolerance``: max(the suite's, 1.5 x the SP=1 stock model's own
+tolerance per dtype as tests/gpu/cuda_diffusers.py (``tolerance``: max(the suite's, 1.5 x the SP=1 stock model's own
 error in that dtype)). Cases: 12 at P=2, 16 at P=4. SPX_SUITE_DEVICE=cpu runs it on gloo with the tiny float64
 test model's sizes and tile 2x2x2 (tests/test_cuda_diffusers_sparse_worker.py).
 """
@@ -21,8 +21,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests import cuda_diffusers
-from tests.suite_judge import progress
+from tests.gpu import cuda_diffusers
+from tests.gpu.suite_judge import progress
 from tests.wan_sp import TINY, forward_backward
 from tests.wan_sparse import RecordingPlan, reference_model, set_gates
 
@@ -48,10 +48,10 @@ def _same_on_every_rank(masks: dict, group) -> float:
 
 
 class SparseFamily(cuda_diffusers.Family):
-    """tests/cuda_diffusers.py's Family (sizes, models, inputs, SP=1 stock errors) with BlockSparsePlan cases."""
+    """tests/gpu/cuda_diffusers.py's Family (sizes, models, inputs, SP=1 stock errors) with BlockSparsePlan cases."""
 
     def __init__(self, rank: int, world: int) -> None:
-        super().__init__(rank, world)    # sizes and device from tests/cuda_diffusers.py's DEV
+        super().__init__(rank, world)    # sizes and device from tests/gpu/cuda_diffusers.py's DEV
         self.tile = CUDA_TILE if DEV == "cuda" else CPU_TILE
         self.plan_refs, self.picked = {}, {}
 
