@@ -81,9 +81,10 @@ def test_every_public_backend_default_is_spconfigs():
     fns = [spx.ulysses_attention, spx.ring_attention, spx.hybrid_attention, spx.torus_attention,
            spx.packed_ulysses_attention, spx.PackedUlysses.__init__, async_qkv.async_ulysses_self_attention, async_qkv.make_async_plan,
            engine.one_device_core, engine.make_core]
-    try:
+    try:   # DeepSpeed's attention takes SPConfig's own settings (**settings): its default is SPConfig's
         from megatron_sp_ext.deepspeed.attention import SPDistributedAttention
-        fns.append(SPDistributedAttention.__init__)
+        params = inspect.signature(SPDistributedAttention.__init__).parameters
+        assert "backend" not in params and params["settings"].kind is inspect.Parameter.VAR_KEYWORD
     except ImportError:   # deepspeed not installed: the others still agree
         pass
     got = {f.__qualname__: inspect.signature(f).parameters["backend"].default for f in fns}

@@ -356,13 +356,12 @@ def _forced_branches_block_mask(rank, world):
             ran = _counting(attn)
             masks_seen = []   # the block_mask each branch call was given
 
-            def seeing(fn, at):   # ``tiles`` is the runner's argument ``at`` (positional or by keyword)
+            def seeing(fn, at):   # the AttentionProblem is the runner's argument ``at``
                 def run(*a, **kw):
-                    tiles = kw["tiles"] if "tiles" in kw else a[at] if len(a) > at else None
-                    masks_seen.append(tiles and tiles["block_mask"])
+                    masks_seen.append(a[at].block_mask)
                     return fn(*a, **kw)
                 return run
-            attn._ulysses, attn._ring = seeing(attn._ulysses, 9), seeing(attn._ring, 8)
+            attn._ulysses, attn._ring = seeing(attn._ulysses, 3), seeing(attn._ring, 4)
             for i, mask in enumerate((random_mask(3 + n, h, t, keep=0.4), window_mask(t).expand(h, t, t))):
                 masks_seen.clear()
                 ran.clear()

@@ -95,7 +95,7 @@ def _refusals(rank, world):
         (r"kv_valid_len=-1 leaves no key to attend", lambda: spx.ulysses_attention(q, q, q, g, kv_valid_len=-1)),
         (r"block_mask must be a bool tensor", lambda: spx.ring_attention(q, q, q, g, block_mask=bm.long(),
                                                                          block_size=BS)),
-        (r"tile=0 \(block_size\) is invalid", lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=0)),
+        (r"tile=0 \(block_size=0\) is invalid", lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=0)),
         (r"block_mask runs megatron_sp_ext's block-sparse kernels .* not backend='user'",
          lambda: spx.ulysses_attention(q, q, q, g, block_mask=bm, block_size=BS,
                                        backend=wrap_callable(lambda *a, **kw: None, "user"))),

@@ -200,8 +200,8 @@ class AttentionProblem:
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0:
             raise SPConfigError(f"dropout_p={d!r} is invalid: use a probability in [0, 1)")
         if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 1:
-            raise SPConfigError(f"tile={self.tile!r} (block_size) is invalid: use a positive integer (default "
-                                f"{block_sparse.DEFAULT_TILE_SIZE})")
+            raise SPConfigError(f"tile={self.tile!r} (block_size={self.tile!r}) is invalid: use a positive integer "
+                                f"(default {block_sparse.DEFAULT_TILE_SIZE})")
         n = self.kv_valid_len
         if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
             raise SPConfigError(f"kv_valid_len={n!r} is invalid: use an int in 1..S (the full sequence length) or "

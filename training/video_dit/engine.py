@@ -46,7 +46,7 @@ def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backen
     from .model import local_core  # noqa: PLC0415
     be = get_backend(backend, setting)
 
-    def core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None, mask_agreed=False):
+    def core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None):
         q_bhsd, k_bhsd, v_bhsd = (t.transpose(1, 2) for t in (q, k, v))
         if block_mask is not None:
             if cu_seqlens is not None:  # the reference names the flags
@@ -138,6 +138,7 @@ def core_of(cfg: SPConfig, group, *, num_heads: int, tile_setting: str = "auto")
         """A new forward: its problems are built afresh (called by the model's forward on every rank)."""
         step["problems"] = {}
     core.begin_step = begin_step
+    core.takes_agreed_masks = True
 
     def problem_for(n):
         """The forward's problem of the packed q|k|v entry (its own: agreed for the packed buffers' shapes)."""

@@ -42,9 +42,9 @@ KEEP_CORE_MODULE = "outside_core_attn"
 # core(q, k, v, None, cu_seqlens=cu) with cu the int32 cumulative sample lengths over the full sequence (B=1).
 # Sparse steps (--sparse-attention tiles) call core(q, k, v, kv_valid_len, block_mask=m, block_size=n): m bool
 # [H or 1, nT, nT] over query x key blocks of n tokens of the full (tile-ordered) sequence, the same on every rank.
-# A core's ``group`` attribute (None or absent: one rank) is the SP group its attention runs over; ``mask_agreed=True``
-# declares a block mask equal on every rank by construction (top-k masks from tiles all-reduced over the group: no
-# cross-rank compare); its ``begin_step`` (absent: none) starts a forward: the core's AttentionProblems are built once
+# A core's ``group`` attribute (None or absent: one rank) is the SP group its attention runs over; a core whose
+# ``takes_agreed_masks`` is True takes ``mask_agreed=True``: the block mask is equal on every rank by construction
+# (top-k masks from tiles all-reduced over the group: no cross-rank compare); its ``begin_step`` (absent: none) starts a forward: the core's AttentionProblems are built once
 # per forward (agreed across ranks at the first layer) and reused by every layer and recompute. Dynamic SP
 # (--dynamic-context-parallel) steps pass the pack's DynamicPlan as cu_seqlens (dynamic.make_dynamic_core).
 AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor]
@@ -52,7 +52,7 @@ AttentionCore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int
 PACK_FLAG = "--pack-samples"
 
 
-def local_core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None, mask_agreed=False):
+def local_core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None):
     """Single-device attention (no sequence parallelism) with key padding; with ``cu_seqlens`` (packed
     samples, B=1) each sample attends only within itself (one SDPA per sample); with ``block_mask`` /
     ``block_size`` block-sparse (``sparse.reference_sparse_attention``, the reference of the SP modes' masks)."""
@@ -212,7 +212,8 @@ class SelfAttention(nn.Module):
         block = step.spec.block_size
 
         def fine(qs, ks, vs, mask, agreed=False):
-            run = functools.partial(self.core, block_mask=mask, block_size=block, mask_agreed=agreed)
+            kw = {"mask_agreed": True} if agreed and getattr(self.core, "takes_agreed_masks", False) else {}
+            run = functools.partial(self.core, block_mask=mask, block_size=block, **kw)
             if self.recompute_core and torch.is_grad_enabled():
                 return checkpoint(run, qs, ks, vs, kv_valid_len, use_reentrant=False)
             return run(qs, ks, vs, kv_valid_len)
