@@ -30,6 +30,9 @@ import torch
 
 from megatron_sp_ext.errors import SPConfigError
 
+LATENTS_FORMAT = "wan-latents-v1"   # a prepared sample (the trainer's data contract)
+PROMPTS_FORMAT = "wan-prompts-v1"   # a validation prompts file (prepare --prompts; validate.read_prompts_file)
+
 
 @dataclass(frozen=True)
 class EncoderSettings:
@@ -100,9 +103,11 @@ def normalize(z_cfhw: torch.Tensor, cfg: dict) -> torch.Tensor:
 
 
 def denormalize(x_bcfhw: torch.Tensor, cfg: dict) -> torch.Tensor:
-    """The inverse: x / (1 / latents_std) + latents_mean (WanPipeline's decode path), in ``x``'s dtype."""
-    mean, inv_std = latent_stats(cfg)
-    return x_bcfhw / inv_std[None].to(x_bcfhw) + mean[None].to(x_bcfhw)
+    """The inverse: x / (1 / latents_std) + latents_mean in ``x``'s dtype, op for op as WanPipeline decodes."""
+    z = cfg.get("z_dim", 16)
+    mean = torch.tensor(cfg["latents_mean"]).view(1, z, 1, 1, 1).to(x_bcfhw)
+    inv_std = 1.0 / torch.tensor(cfg["latents_std"]).view(1, z, 1, 1, 1).to(x_bcfhw)
+    return x_bcfhw / inv_std + mean
 
 
 def pixels(frames_fhwc: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

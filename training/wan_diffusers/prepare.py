@@ -45,8 +45,7 @@ from training.wan_diffusers import media
 
 logger = logging.getLogger("video_dit")
 WHAT = "prepare"
-FORMAT = "wan-latents-v1"
-PROMPTS_FORMAT = "wan-prompts-v1"
+FORMAT, PROMPTS_FORMAT = E.LATENTS_FORMAT, E.PROMPTS_FORMAT
 INDEX, SETTINGS, SKIPPED, LOCK = "index.jsonl", "prepare.json", "skipped.jsonl", ".prepare.lock"
 PART = re.compile(r"index\.part-\d+\.jsonl$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
