@@ -222,7 +222,7 @@ def test_bad_inputs_are_named(world, tmp_path, capsys):
                                                     r"bucket 5.*--skip-bad-inputs"):
         prepare.main(args)
     (vids / "broken.mp4").write_bytes(b"not a video at all")
-    summary = prepare.main(args + ["--skip-bad-inputs"])
+    summary = prepare.main(args + ["--skip-bad-inputs", "--num-workers", "1"])   # errors through a worker too
     assert (summary["skipped"], summary["index"]) == (2, 3)
     skipped = [json.loads(line) for line in open(out / "skipped.jsonl")]
     assert [s["source"] for s in skipped] == ["broken.mp4", "short.mp4"]

@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="prepare share I of N (0 <= I < N) of the inputs (combines with torchrun's ranks)")
     p.add_argument("--num-workers", type=int, default=None,
-                   help="DataLoader processes decoding videos (default: 4 on CUDA, 0 on CPU)")
+                   help="DataLoader processes decoding videos (default on CUDA: half of this rank's share of the CPUs, "
+                        "2 to 8, as the trainer's; 0 on CPU)")
     p.add_argument("--skip-bad-inputs", action="store_true",
                    help="skip unreadable / too short / uncaptioned inputs (listed in skipped.jsonl) instead of "
                         "stopping at the first")
@@ -238,10 +239,6 @@ def write_sample(out: str, name: str, tensors: dict, meta: dict) -> None:
     os.replace(tmp, os.path.join(out, name))
 
 
-def default_workers(device: torch.device) -> int:
-    return min(4, os.cpu_count() or 1) if device.type == "cuda" else 0
-
-
 def prepare_videos(enc: E.WanEncoders, items: list, out: str, share: Share, opts: argparse.Namespace) -> dict:
     """Encode this share's pending ``items`` into ``out``; returns {"written", "skipped", "seconds", "index"}.
     ``opts``: the parsed flags (buckets, frame_stride, num_workers, skip_bad_inputs)."""
@@ -249,7 +246,8 @@ def prepare_videos(enc: E.WanEncoders, items: list, out: str, share: Share, opts
     done = done_sources(out)
     mine = [it for it in items[share.k::share.count] if it.source not in done]
     part = os.path.join(out, f"index.part-{share.k:05d}.jsonl")
-    workers = opts.num_workers if opts.num_workers is not None else default_workers(enc.settings.device)
+    from training.video_dit.loop import resolve_workers  # noqa: PLC0415
+    workers = resolve_workers(opts, enc.settings.device)
     loader = torch.utils.data.DataLoader(ClipReader(mine, opts.buckets, opts.frame_stride), batch_size=None,
                                          num_workers=workers, shuffle=False)
     written, skipped, cache, t0 = 0, 0, {}, time.perf_counter()
