@@ -134,6 +134,12 @@ def test_bad_validation_settings_are_named(world, tmp_path):
     wide = WanTransformer3DModel(**{**dict(model.config), "text_dim": 32})
     with pytest.raises(SPConfigError, match=r"embeddings 16 wide, the model's text_dim is 32"):
         V.Validator(_settings(world, tmp_path), wide, torch.device("cpu"), rank=0, sp_size=1)
+    import importlib.util
+    real = importlib.util.find_spec
+    with pytest.MonkeyPatch.context() as mp:   # checked on every rank before sampling: none waits on a failed writer
+        mp.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "imageio_ffmpeg" else real(name, *a))
+        with pytest.raises(SPConfigError, match=r"imageio and imageio-ffmpeg, not installed here"):
+            V.Validator(_settings(world, tmp_path), model, torch.device("cpu"), rank=1, sp_size=1)
     (tmp_path / "x.safetensors").write_bytes(b"junk")
     with pytest.raises(SPConfigError, match=r"--validation-prompts .*x\.safetensors: not a safetensors file"):
         V.read_prompts_file(str(tmp_path / "x.safetensors"))

@@ -1,4 +1,4 @@
-"""Seconds per clip of Wan's data preparation (training/wan_diffusers/prepare.py) with real-sized random-weight
+r"""Seconds per clip of Wan's data preparation (training/wan_diffusers/prepare.py) with real-sized random-weight
 encoders, and the sampling time of the trainer's validation videos (training/wan_diffusers/validate.py).
 
     python tools/bench_wan_prepare.py --out results/wan_prepare/h200.json                  # one GPU: both parts
@@ -21,7 +21,8 @@ Wan 2.1 VAE (random) decoding on rank 0, --prompts random prompt embeddings [512
 then ``Validator.run``: sample_s (all --sample-steps denoising steps with guidance, i.e. 2 forwards per step) and
 decode_s per video, and the mp4 + png written.
 
---dry-run: tiny stand-ins on CPU (a 9-frame 40x56 clip to 32x64, z 4 VAEs, a 1-layer umT5, 2 sampling steps) for the tests.
+--dry-run: tiny stand-ins on CPU (a 9-frame 40x56 clip to 32x64, z 4 VAEs, a 1-layer umT5, 2 sampling steps) for
+the tests.
 Rows carry machine, date, commit, command.
 """
 from __future__ import annotations
@@ -220,7 +221,7 @@ def bench_prepare(args, work: str, device, dtype) -> list:
         row["peak_mem_gib"] = _mem(device)
         print(f"[bench_wan_prepare] {row}", flush=True)
         rows.append(row)
-        del enc, vae, image_encoder
+        enc = vae = image_encoder = None   # freed before the next variant builds its own
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Videos + captions -> the Wan trainer's latent files (VAE latents, umT5 text embeddings; I2V conditions).
+r"""Videos + captions -> the Wan trainer's latent files (VAE latents, umT5 text embeddings; I2V conditions).
 
     python -m training.wan_diffusers.prepare --pipeline Wan2.1-T2V-1.3B-Diffusers --input videos/ --output data/ \
         --frames 81,49 --buckets 480x832,832x480,624x624

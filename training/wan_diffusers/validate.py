@@ -1,4 +1,4 @@
-"""Validation videos while training: every N steps and at the end, the trained transformer samples the prompts of a
+r"""Validation videos while training: every N steps and at the end, the trained transformer samples the prompts of a
 prompts file with diffusers' ``WanPipeline``, every SP rank taking part.
 
     python -m training.wan_diffusers.prepare --pipeline DIR --output data/ --prompts prompts.txt   # once
@@ -74,16 +74,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--validation-pipeline", default=None, metavar="DIR",
                    help="Wan pipeline directory whose vae/ decodes and scheduler/ samples (default: the one the "
                         "prompts were encoded with)")
-    g.add_argument("--validation-every", type=int, default=0, help="steps between validations (0: only at the end)")
-    g.add_argument("--validation-steps", type=int, default=30, help="denoising steps per video")
+    g.add_argument("--validation-every", type=int, default=0,
+                   help="steps between validations (default 0: only at the end)")
+    g.add_argument("--validation-steps", type=int, default=30, help="denoising steps per video (default 30)")
     g.add_argument("--validation-guidance", type=float, default=5.0,
-                   help="classifier-free guidance scale (<= 1: no negative pass)")
-    g.add_argument("--validation-seed", type=int, default=42, help="noise seed (prompt i uses seed + i)")
-    g.add_argument("--validation-frames", type=int, default=81, help="frames per video (4n+1)")
-    g.add_argument("--validation-size", default="480x832", help="video HxW in pixels")
-    g.add_argument("--validation-fps", type=int, default=16, help="frame rate of the written mp4")
+                   help="classifier-free guidance scale (default 5.0; <= 1: no negative pass)")
+    g.add_argument("--validation-seed", type=int, default=42, help="noise seed (default 42; prompt i uses seed + i)")
+    g.add_argument("--validation-frames", type=int, default=81, help="frames per video, 4n+1 (default 81)")
+    g.add_argument("--validation-size", default="480x832", help="video HxW in pixels (default 480x832)")
+    g.add_argument("--validation-fps", type=int, default=16, help="frame rate of the written mp4 (default 16)")
     g.add_argument("--validation-scheduler", default="unipc", choices=SCHEDULERS,
-                   help="unipc (the Wan pipelines' UniPCMultistepScheduler) or euler (FlowMatchEulerDiscreteScheduler)")
+                   help="unipc (default: the Wan pipelines' UniPCMultistepScheduler) or euler "
+                        "(FlowMatchEulerDiscreteScheduler)")
     g.add_argument("--validation-flow-shift", type=float, default=None,
                    help="the scheduler's flow shift (default: the pipeline's; Wan: 3.0 at 480p, 5.0 at 720p)")
 
@@ -202,6 +204,10 @@ class Validator:
     def __init__(self, s: ValidationSettings, model: torch.nn.Module, device: torch.device, *, rank: int,
                  sp_size: int, autocast: Optional[torch.dtype] = None) -> None:
         self.s, self.model, self.device, self.rank, self.autocast = s, model, torch.device(device), rank, autocast
+        import importlib.util  # noqa: PLC0415
+        if importlib.util.find_spec("imageio") is None or importlib.util.find_spec("imageio_ffmpeg") is None:
+            raise SPConfigError("--validation-prompts: the videos are written with imageio and imageio-ffmpeg, not "
+                                "installed here (pip install 'megatron_sp_ext[diffusers]')")
         p = read_prompts_file(s.prompts)
         self.prompts = p["prompts"]
         self.embeds, self.negative = p["prompt_embeds"], p["negative_embeds"]
