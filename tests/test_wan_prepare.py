@@ -214,7 +214,7 @@ def test_bad_inputs_are_named(world, tmp_path, capsys):
     args = _args(world["pipes"]["t2v"], str(vids), out)
     with pytest.raises(media.VideoInputError, match=r"broken\.mp4: unreadable video"):
         prepare.main(args)
-    assert prepare._run_entry(args) == 1
+    assert prepare.run_command(args) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("[prepare] error: ") and "broken.mp4: unreadable video" in err[-1]
     os.remove(vids / "broken.mp4")

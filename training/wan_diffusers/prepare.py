@@ -343,9 +343,11 @@ def run(args: argparse.Namespace, rank: int = 0, world: int = 1, enc: Optional[E
     device = pick_device()
     dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = E.vae_config(args.pipeline)
-    if args.input is not None:
+    items = None
+    if args.input is not None:   # the inputs' problems before the encoders load
         media.check_buckets(args.buckets, int(cfg.get("scale_factor_temporal", 4)),
                             E.spatial_multiple(args.pipeline, cfg))
+        items = media.discover(args.input, args.captions)
     if enc is None:
         enc = E.load_encoders(E.EncoderSettings(args.pipeline, device, dtype, i2v=args.i2v, text=True,
                                                 video=args.input is not None,
@@ -357,9 +359,8 @@ def run(args: argparse.Namespace, rank: int = 0, world: int = 1, enc: Optional[E
         prompts = read_prompts(args.prompts)
         summary["prompts"] = write_prompts(enc, prompts, args.negative_prompt, path)
         logger.info(f"wrote {len(prompts)} validation prompt embeddings to {path}")
-    if args.input is not None:
+    if items is not None:
         os.makedirs(args.output, exist_ok=True)
-        items = media.discover(args.input, args.captions)
         check_settings(args.output, settings_record(args, enc))
         summary.update(prepare_videos(enc, items, args.output, share, args))
         logger.info(f"share {share.k}/{share.count}: {summary['written']} written, {summary['already']} already "
@@ -377,7 +378,7 @@ def main(argv: Optional[list] = None) -> dict:
     return run(args, rank, world)
 
 
-def _run_entry(argv: Optional[list] = None) -> int:
+def run_command(argv: Optional[list] = None) -> int:
     """The command: a bad input or setting ends it with one line naming it (on the rank that met it) and status 1;
     SPX_TRACEBACK=1 shows the traceback too."""
     from megatron_sp_ext.elastic_error import record_user_error  # noqa: PLC0415
@@ -398,4 +399,4 @@ def _run_entry(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_run_entry())
+    sys.exit(run_command())
