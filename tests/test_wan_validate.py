@@ -42,9 +42,10 @@ def world(tmp_path_factory):
 
 
 def _settings(world, out, **over):
+    log_dir = over.pop("log_dir", None)
     kw = dict(steps=2, guidance=3.0, seed=7, frames=5, height=32, width=32, fps=8)
     kw.update(over)
-    return V.ValidationSettings(world["prompts"], world["pipe"], str(out), **kw)
+    return V.ValidationSettings(world["prompts"], world["pipe"], str(out), log_dir, sampling=V.Sampling(**kw))
 
 
 def _model(world, dtype):

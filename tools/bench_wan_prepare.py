@@ -261,9 +261,8 @@ def bench_sample(args, work: str, device, rank: int, world: int) -> dict:
     autocast = torch.bfloat16 if device.type == "cuda" else None
 
     def settings(out: str, steps: int) -> "V.ValidationSettings":
-        return V.ValidationSettings(os.path.join(work, "prompts.safetensors"), pipe, out, steps=steps,
-                                    guidance=args.guidance, seed=args.seed, frames=args.sample_frames, height=h,
-                                    width=w, fps=16)
+        return V.ValidationSettings(os.path.join(work, "prompts.safetensors"), pipe, out, sampling=V.Sampling(
+            steps=steps, guidance=args.guidance, seed=args.seed, frames=args.sample_frames, height=h, width=w))
     warm = V.Validator(settings(os.path.join(work, "val_warm"), 2), model, device, rank=rank, sp_size=world,
                        autocast=autocast)
     warm.prompts = warm.prompts[:1]

@@ -44,17 +44,11 @@ SCHEDULERS = ("unipc", "euler")
 
 
 @dataclass(frozen=True)
-class ValidationSettings:
-    """prompts: the prompts file (prepare --prompts); pipeline: the Wan pipeline directory of the VAE and the
-    scheduler; out_dir: where step_<N>/ folders go; log_dir: the run's metrics (plots); every: steps between
-    validations (0: only at the end); steps / guidance / seed / frames / height / width / fps: the sampling;
-    scheduler: "unipc" or "euler"; flow_shift: the scheduler's shift (None: the pipeline's)."""
+class Sampling:
+    """How each video is sampled: denoising steps, guidance scale (<= 1: no negative pass), seed (prompt i: seed +
+    i), frames (4n+1), height x width (pixels), fps of the mp4, scheduler ("unipc" or "euler") and its flow shift
+    (None: the pipeline's)."""
 
-    prompts: str
-    pipeline: str
-    out_dir: str
-    log_dir: Optional[str] = None
-    every: int = 0
     steps: int = 30
     guidance: float = 5.0
     seed: int = 42
@@ -64,6 +58,20 @@ class ValidationSettings:
     fps: int = 16
     scheduler: str = "unipc"
     flow_shift: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class ValidationSettings:
+    """prompts: the prompts file (prepare --prompts); pipeline: the Wan pipeline directory of the VAE and the
+    scheduler; out_dir: where step_<N>/ folders go; log_dir: the run's metrics (plots); every: steps between
+    validations (0: only at the end); sampling: the Sampling."""
+
+    prompts: str
+    pipeline: str
+    out_dir: str
+    log_dir: Optional[str] = None
+    every: int = 0
+    sampling: Sampling = Sampling()
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -136,16 +144,17 @@ def settings_from_args(args: argparse.Namespace) -> Optional[ValidationSettings]
     if not pipeline:
         raise SPConfigError(f"--validation-prompts {args.validation_prompts} names no pipeline: give "
                             f"--validation-pipeline DIR")
+    sampling = Sampling(args.validation_steps, args.validation_guidance, args.validation_seed, args.validation_frames,
+                        int(m.group(1)), int(m.group(2)), args.validation_fps, args.validation_scheduler,
+                        args.validation_flow_shift)
     return ValidationSettings(args.validation_prompts, pipeline, os.path.join(args.log_dir, "validation"),
-                              args.log_dir, args.validation_every, args.validation_steps, args.validation_guidance,
-                              args.validation_seed, args.validation_frames, int(m.group(1)), int(m.group(2)),
-                              args.validation_fps, args.validation_scheduler, args.validation_flow_shift)
+                              args.log_dir, args.validation_every, sampling)
 
 
-def make_scheduler(s: ValidationSettings) -> Any:
-    """The pipeline's scheduler config as UniPC (Wan's) or flow-matching Euler, at ``s.flow_shift``."""
+def make_scheduler(pipeline: str, s: Sampling) -> Any:
+    """``pipeline``'s scheduler config as UniPC (Wan's) or flow-matching Euler, at ``s.flow_shift``."""
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler  # noqa: PLC0415
-    path = os.path.join(s.pipeline, "scheduler", "scheduler_config.json")
+    path = os.path.join(pipeline, "scheduler", "scheduler_config.json")
     config = {}
     if os.path.isfile(path):
         with open(path) as f:
@@ -160,10 +169,10 @@ def make_scheduler(s: ValidationSettings) -> Any:
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=config.get("num_train_timesteps", 1000), shift=shift)
 
 
-def check_model(s: ValidationSettings, model: torch.nn.Module, vae_cfg: dict, text_dim: int, sp_size: int) -> None:
+def check_model(v: ValidationSettings, model: torch.nn.Module, vae_cfg: dict, text_dim: int, sp_size: int) -> None:
     """What WanPipeline can sample with this model (T2V; text width; frames, size and tokens); SPConfigError naming
     the flag otherwise."""
-    c = model.config
+    c, s = model.config, v.sampling
     z, temporal, spatial = vae_cfg.get("z_dim", 16), vae_cfg.get("scale_factor_temporal", 4), \
         vae_cfg.get("scale_factor_spatial", 8)
     if c.in_channels != z or c.get("image_dim") is not None:
@@ -172,7 +181,7 @@ def check_model(s: ValidationSettings, model: torch.nn.Module, vae_cfg: dict, te
                             f"model); validation samples text-to-video (WanPipeline, {z} latent channels): drop "
                             f"--validation-prompts")
     if c.text_dim != text_dim:
-        raise SPConfigError(f"--validation-prompts {s.prompts}: embeddings {text_dim} wide, the model's text_dim is "
+        raise SPConfigError(f"--validation-prompts {v.prompts}: embeddings {text_dim} wide, the model's text_dim is "
                             f"{c.text_dim} (another text encoder?)")
     if (s.frames - 1) % temporal:
         raise SPConfigError(f"--validation-frames {s.frames}: must be {temporal}n+1 (e.g. 81, 49, 33)")
@@ -213,7 +222,7 @@ class Validator:
         self.embeds, self.negative = p["prompt_embeds"], p["negative_embeds"]
         self.vae_cfg = E.vae_config(s.pipeline)
         check_model(s, model, self.vae_cfg, self.embeds.shape[-1], sp_size)
-        self.scheduler = make_scheduler(s)
+        self.scheduler = make_scheduler(s.pipeline, s.sampling)
         self.vae = None
         if rank == 0:   # only rank 0 decodes
             from diffusers import AutoencoderKLWan  # noqa: PLC0415
@@ -245,7 +254,7 @@ class Validator:
     def sample(self, i: int) -> torch.Tensor:
         """Prompt ``i``'s denoised latents [1, C, F', h, w] (the scheduler's dtype: float32, or float64 with a float64
         model), the same on every rank (collective under SP)."""
-        s, pipe = self.s, self.pipeline()
+        s, pipe = self.s.sampling, self.pipeline()
         guided = s.guidance > 1.0
         cast = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
                 else contextlib.nullcontext())
@@ -297,12 +306,13 @@ class Validator:
         frames = self.decode(lat)
         decode_s = time.perf_counter() - t0
         mp4, png = os.path.join(folder, f"{i}.mp4"), os.path.join(folder, f"{i}.png")
-        export_to_video(list(frames), mp4, fps=self.s.fps)
+        s = self.s.sampling
+        export_to_video(list(frames), mp4, fps=s.fps)
         Image.fromarray(frame_strip(frames)).save(png)
         logger.info(f"validation step {step}: {mp4} ({sample_s:.1f}s sampling, {decode_s:.1f}s decoding)")
         return {"step": step, "i": i, "prompt": prompt, "mp4": mp4, "png": png, "sample_s": round(sample_s, 3),
-                "decode_s": round(decode_s, 3), "frames": self.s.frames, "height": self.s.height,
-                "width": self.s.width, "steps": self.s.steps, "guidance": self.s.guidance, "seed": self.s.seed + i}
+                "decode_s": round(decode_s, 3), "frames": s.frames, "height": s.height, "width": s.width,
+                "steps": s.steps, "guidance": s.guidance, "seed": s.seed + i}
 
     def _write_step(self, folder: str, step: int, rows: list) -> None:
         from training.video_dit.engine import plot_metrics  # noqa: PLC0415
