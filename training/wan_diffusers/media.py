@@ -23,7 +23,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -287,7 +287,3 @@ def check_buckets(buckets: Buckets, temporal: int, spatial_multiple: int) -> Non
     if bad:
         raise VideoInputError(f"--buckets: {', '.join(bad)} not multiples of {spatial_multiple} (this VAE's spatial "
                               f"factor x the transformer's 2x2 patch)")
-
-
-def sources_of(items: Sequence[VideoItem]) -> list:
-    return [it.source for it in items]
