@@ -45,6 +45,7 @@ from training.video_dit.loop import TorchOps, resolve_workers  # noqa: E402
 from training.video_dit.sharding import FsdpOps, full_parameters, shard_model  # noqa: E402
 from training.wan_diffusers import model as wan  # noqa: E402
 from training.wan_diffusers.loop import Layout, train_steps  # noqa: E402
+from training.wan_diffusers import validate  # noqa: E402
 
 logger = logging.getLogger("video_dit")
 WHAT = "train_wan_diffusers"
@@ -94,6 +95,7 @@ def build_parser() -> EntryParser:
     g.add_argument("--loss-spike-factor", type=float, default=3.0,
                    help="warn when a loss exceeds this x the running median (0: off)")
     g.add_argument("--timing", action="store_true", help="model_fwd_bwd_ms / optimizer_ms in metrics.jsonl")
+    validate.add_args(p)
     return p
 
 
@@ -131,6 +133,10 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                 f"takes one mask per forward (batch 1): use --micro-batch-size 1")
     if modes.head_chunks_of(args.cp_comm_type, args.hcms_head_chunks) != args.hcms_head_chunks:
         p.error(f"--hcms-head-chunks={args.hcms_head_chunks} is HCMS's: use --cp-comm-type hcms (or auto)")
+    try:
+        validate.settings_from_args(args)
+    except SPConfigError as e:
+        p.error(str(e))
     return args
 
 
@@ -292,9 +298,12 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
         if step == grads_at:
             grads.update({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
 
+    validator = validate.from_args(args, model, device, rank=lay.rank, sp_size=sp, autocast=autocast)
     losses = train_steps(args, ops, model, dataset, cfg, lay, device, metrics, start=start, autocast=autocast,
                          save=save, workers=resolve_workers(args, device),
-                         on_grads=on_grads if grads_at is not None else None)
+                         on_grads=on_grads if grads_at is not None else None, after_step=validator)
+    if validator is not None:
+        validator.final(args.train_iters)
     interval_saved = bool(args.save_interval) and args.train_iters % args.save_interval == 0
     if args.save and start < args.train_iters and not interval_saved:
         save(args.train_iters)

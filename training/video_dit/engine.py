@@ -377,34 +377,45 @@ class MetricsLog:
             self.f.close()
         if not (self.enabled and self.log_dir and self.rows):
             return None
-        path = os.path.join(self.log_dir, "loss.png")
-        try:
-            import matplotlib  # noqa: PLC0415
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt  # noqa: PLC0415
-            rows = []
-            with open(os.path.join(self.log_dir, "metrics.jsonl")) as f:
+        return plot_metrics(self.log_dir, title)
+
+
+def plot_metrics(log_dir: str, title: str = "", out_dir: Optional[str] = None) -> Optional[str]:
+    """loss.png and step_time.png of ``log_dir``/metrics.jsonl, written to ``out_dir`` (default ``log_dir``). Returns
+    loss.png's path, or None without matplotlib or rows."""
+    out_dir = out_dir or log_dir
+    path = os.path.join(out_dir, "loss.png")
+    try:
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+        rows = []
+        metrics = os.path.join(log_dir, "metrics.jsonl")
+        if os.path.isfile(metrics):
+            with open(metrics) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
-            fig, ax = plt.subplots(figsize=(6, 3.5))
-            ax.plot([r["step"] for r in rows], [r["loss"] if r["loss"] is not None else float("nan") for r in rows],
-                    marker=".")
-            ax.set_xlabel("step")
-            ax.set_ylabel("flow-matching loss")
-            ax.set_title(title)
-            fig.tight_layout()
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            fig, ax = plt.subplots(figsize=(6, 3.5))  # step time beside it (step_time.png)
-            ax.plot([r["step"] for r in rows], [1e3 * r["step_time_s"] for r in rows], marker=".")
-            ax.set_xlabel("step")
-            ax.set_ylabel("step time (ms)")
-            ax.set_title(title)
-            fig.tight_layout()
-            fig.savefig(os.path.join(self.log_dir, "step_time.png"), dpi=100)
-            plt.close(fig)
-        except ImportError:
+        if not rows:
             return None
-        return path
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([r["step"] for r in rows], [r["loss"] if r["loss"] is not None else float("nan") for r in rows],
+                marker=".")
+        ax.set_xlabel("step")
+        ax.set_ylabel("flow-matching loss")
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(6, 3.5))  # step time beside it (step_time.png)
+        ax.plot([r["step"] for r in rows], [1e3 * r["step_time_s"] for r in rows], marker=".")
+        ax.set_xlabel("step")
+        ax.set_ylabel("step time (ms)")
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "step_time.png"), dpi=100)
+        plt.close(fig)
+    except ImportError:
+        return None
+    return path
 
 
 def seqlen_of(cfg, frames: int, height: int, width: int) -> int:

@@ -14,9 +14,10 @@ token = 6 x (matmul parameters a video token passes) + 12 x layers x dim x (vide
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -148,6 +149,19 @@ class Telemetry:
         if self.tb is not None:
             self.tb.flush()
         return rows
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work between steps that is not a step (validation sampling): the pending steps are written first, and
+        neither its time nor (CUDA) its memory peak counts in the next steps' rows (the peak restarts at the next
+        step's; the run's earlier peaks are in the rows already written)."""
+        self.flush()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self.t_last = time.perf_counter()
 
     def _peak_mem(self) -> tuple:
         """(every rank's peak GiB, the most caching-allocator cudaMalloc retries of any rank since the run began)

@@ -40,10 +40,12 @@ class Layout:
 
 def train_steps(args, ops, model, dataset, cfg, lay: Layout, device, metrics, *, start: int,
                 autocast: Optional[torch.dtype], save: Optional[Callable[[int], None]] = None,
-                workers: int = 0, on_grads: Optional[Callable[[int], None]] = None) -> list:
+                workers: int = 0, on_grads: Optional[Callable[[int], None]] = None,
+                after_step: Optional[Callable[[int, Telemetry], None]] = None) -> list:
     """Run steps [start, args.train_iters); returns the mean sample loss per step (None where not read back).
     ``ops``: TorchOps or FsdpOps over all ranks; ``cfg``: the DiTConfig of the same widths (MFU); ``on_grads(step)``:
-    called once the gradients are reduced (tests read them there)."""
+    called once the gradients are reduced (tests read them there); ``after_step(steps done, telemetry)``: called on
+    every rank after each step (validation videos: training/wan_diffusers/validate.py)."""
     guard = StepGuard(args.check_for_nan_in_loss_and_grad, args.skip_nonfinite_steps, lay.rank, lay.world,
                       lay.dp_world)
     spikes = SpikeDetector(args.loss_spike_factor)
@@ -90,6 +92,8 @@ def train_steps(args, ops, model, dataset, cfg, lay: Layout, device, metrics, *,
             if save is not None and args.save and args.save_interval and (step + 1) % args.save_interval == 0:
                 tel.flush()
                 save(step + 1)
+            if after_step is not None:
+                after_step(step + 1, tel)
     tel.close()
     if guard.skipped and lay.rank == 0:
         log.warning("skipped %d non-finite step(s): %s", len(guard.skipped), guard.skipped)
