@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_sp_ext as spx
+from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.attention import block_sparse as bsp
 from megatron_sp_ext.attention.backends import get_backend
 from megatron_sp_ext.sp.ring import ring as ring_mod
@@ -55,23 +56,34 @@ def test_one_point_to_point_path():
 
 
 # --------------------------------------------------------------------------------------- plan cache soundness
-def test_plan_cache_keys_on_the_mask_identity_and_version():
+def test_masked_plans_live_on_their_problem():
+    """A masked ring plan is cached on the problem that carries the mask (``owner``): the same problem gets one plan,
+    another problem (even with an equal mask) its own, and the plan goes with its problem; nothing is keyed on a
+    tensor's id. A mask changed in place after its problem was built is refused by name (what is derived from it
+    would be stale)."""
+    import weakref
+
+    from megatron_sp_ext import AttentionProblem
     t = 4
     m = window_mask(t)
     kw = dict(variant="ring", s_loc=16, q_runs=((0, 16),), kv_runs=(((0, 16),),), causal=False, scale=1.0,
               backend=get_backend("sdpa"), block_size=4)
-    a = ring_mod.make_ring_plan(None, block_mask=m, **kw)
-    assert ring_mod.make_ring_plan(None, block_mask=m, **kw) is a  # the same tensor, unchanged: one plan
-    assert ring_mod.make_ring_plan(None, block_mask=m.clone(), **kw) is not a  # another tensor: its own plan
-    m[0, 0, 3] = True  # in place: a new version
-    b = ring_mod.make_ring_plan(None, block_mask=m, **kw)
-    assert b is not a and bool(b.tiles.block_mask[0, 0, 3]) and not bool(a.tiles.block_mask[0, 0, 3])
-    m2 = torch.zeros(1, t, t, dtype=torch.bool)
-    c = ring_mod.make_ring_plan(None, block_mask=m2, **kw)
-    n = len(ring_mod._NO_GROUP)
-    del m2
+    owner = AttentionProblem(block_mask=m, tile=4)
+    a = ring_mod.make_ring_plan(None, block_mask=m, owner=owner, **kw)
+    assert ring_mod.make_ring_plan(None, block_mask=m, owner=owner, **kw) is a  # the same problem: one plan
+    other = AttentionProblem(block_mask=m.clone(), tile=4)
+    assert ring_mod.make_ring_plan(None, block_mask=other.block_mask, owner=other, **kw) is not a
+    assert ring_mod.make_ring_plan(None, block_mask=m, **kw) is not a   # no owner: built, not cached
+    gone = weakref.ref(a)
+    del a, owner
     gc.collect()
-    assert len(ring_mod._NO_GROUP) == n - 1 and all(p is not c for p in ring_mod._NO_GROUP.values())  # evicted
+    assert gone() is None   # the plan went with its problem
+    x = torch.randn(1, 16, 2, 8)
+    p = AttentionProblem(block_mask=m, tile=4)
+    spx.ulysses_attention(x, x, x, None, p)
+    m[0, 0, 3] = True   # in place, after the problem was built
+    with pytest.raises(SPConfigError, match="block_mask was changed in place after its AttentionProblem was built"):
+        spx.ulysses_attention(x, x, x, None, p)
 
 
 def _in_place(rank, world, variant, causal, placement):

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_sp_ext as spx
+from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.attention.backends import AutoBackend
 from megatron_sp_ext.comm.transport import NcclTransport
 from megatron_sp_ext.sp.ulysses import layout as lay
@@ -218,7 +219,10 @@ def test_seq_order_tables():
     zz = lay.seq_order([pieces("zigzag", p, 2, 8) for p in range(2)])
     assert zz.to_global == (0, 3, 1, 2) and zz.from_global == (0, 2, 3, 1)
     assert local_order("zigzag", 4, 8, False, None) == (None, None)  # non-causal: order does not matter
-    assert local_order("zigzag", 4, 8, True, 40) == (local_order("zigzag", 4, 8, True, None)[0], None)
+    # padding that cuts nothing (== S) is no padding; keys past the sequence are refused by name
+    assert local_order("zigzag", 4, 8, True, 32) == (local_order("zigzag", 4, 8, True, None)[0], None)
+    with pytest.raises(SPConfigError, match="kv_valid_len=40 is larger than the sequence"):
+        local_order("zigzag", 4, 8, True, 40)
     x = torch.arange(2 * 8 * 3 * 1.0).view(8, 2, 3, 1)  # [S, B, h, D], rank order
     back = torch.empty_like(x)
     lay.to_send_layout(lay.to_kernel_layout(x, zz), zz, back)

@@ -108,7 +108,8 @@ def validate_args(args) -> SPConfig:
         if t not in OURS + TE:
             raise SPConfigError(f"--cp-comm-type={t!r} is invalid: choose one of {', '.join(OURS + TE)}")
     cfg = SPConfig(head_chunks=args.hcms_head_chunks, ring_variant=args.sp_ring_variant,
-                   arrangement=args.sp_arrangement, ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes,
+                   arrangement=getattr(args, "sp_arrangement", None) or getattr(args, "sp_placement", "auto"),
+                   ulysses_size=args.sp_ulysses_size, nodes=args.sp_nodes,
                    backend=args.sp_attention_backend, transport=getattr(args, "sp_transport", "nccl"),
                    async_qkv=getattr(args, "sp_async_qkv", "off"),
                    dynamic=bool(getattr(args, "dynamic_context_parallel", False)), source="megatron")

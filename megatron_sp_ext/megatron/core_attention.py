@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import weakref
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -93,7 +93,7 @@ class SPDotProductAttention(DotProductAttention):
             num_kv_heads=self.num_query_groups_per_partition, layout="sbhd", placement="zigzag",
             backend=self.sp.backend, resources=self.ctx, mesh=mesh)
         self.attention.chooser = self._auto_mode
-        self._batch_problems = weakref.WeakKeyDictionary()   # a batch's cu_seqlens_q -> its problems
+        self._batch_problems = WeakIdKeyDictionary()   # a batch's packed_seq_params (by identity) -> its problems
         self.mode = self.attention.mode
         self.mesh = self.attention.mesh
 
@@ -153,14 +153,18 @@ class SPDotProductAttention(DotProductAttention):
 
     def _batch_problem(self, params, causal: bool, dropout_p: float):
         """The batch's AttentionProblem of ``packed_seq_params`` (its samples read once per batch, not per layer:
-        kept while the batch's ``cu_seqlens_q`` tensor lives), per (causal, dropout) of the calling layer."""
-        per_batch = self._batch_problems.setdefault(params.cu_seqlens_q, {}) \
-            if isinstance(params.cu_seqlens_q, torch.Tensor) else {}
+        kept while the batch's params object lives, and rebuilt when its cu_seqlens tensors are other objects), per
+        (causal, dropout, scale) of the calling layer."""
+        tensors = (params.cu_seqlens_q, params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded)
+        entry = self._batch_problems.get(params)
+        if entry is None or len(entry[0]) != len(tensors) or any(a is not b for a, b in zip(entry[0], tensors)):
+            entry = (tensors, {})
+            self._batch_problems[params] = entry
         key = (causal, dropout_p, self.softmax_scale)
-        if key not in per_batch:
-            per_batch[key] = self.attention.problem(causal=causal, softmax_scale=self.softmax_scale,
-                                                    dropout_p=dropout_p, cu_seqlens=self._thd_samples(params))
-        return per_batch[key]
+        if key not in entry[1]:
+            entry[1][key] = self.attention.problem(causal=causal, softmax_scale=self.softmax_scale,
+                                                   dropout_p=dropout_p, cu_seqlens=self._thd_samples(params))
+        return entry[1][key]
 
     @staticmethod
     def _thd_samples(params) -> PackedSamples:

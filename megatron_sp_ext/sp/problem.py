@@ -202,6 +202,8 @@ class AttentionProblem:
         if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 1:
             raise SPConfigError(f"tile={self.tile!r} (block_size={self.tile!r}) is invalid: use a positive integer "
                                 f"(default {block_sparse.DEFAULT_TILE_SIZE})")
+        if isinstance(self.block_mask, torch.Tensor):   # derived data is cached on the problem: the mask is frozen
+            self.state["mask_version"] = self.block_mask._version
         n = self.kv_valid_len
         if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
             raise SPConfigError(f"kv_valid_len={n!r} is invalid: use an int in 1..S (the full sequence length) or "
@@ -359,6 +361,10 @@ def _local_bind(pb: AttentionProblem, q, k, v, group, *, what: str, mode: str, b
     mask_seq_len = be.seq_len if own else seqlen
     block_mask = None
     if pb.block_mask is not None:
+        if getattr(pb.block_mask, "_version", None) != pb.state.get("mask_version"):
+            raise SPConfigError(f"block_mask was changed in place after its AttentionProblem was built ({what}): a "
+                                f"problem and what is derived from it are fixed; build a new problem (or "
+                                f"problem.with_mask(new_mask)) for another mask")
         if m.local_attention and not (own or isinstance(be, (AutoBackend, MathBackend))):
             # a mode that runs a caller's local attention inside: a block mask would bypass it
             raise SPConfigError(f"block_mask runs megatron_sp_ext's block-sparse kernels (math, flex_attention), not "
