@@ -151,7 +151,7 @@ def _fingerprint(pb, q, k, v, failed: bool, with_mask: bool, dev: torch.device) 
     if cu is None:
         host += [-1, -1, -1]
     else:
-        ints = [*cu.real, *cu.layout] if hasattr(cu, "real") else [int(x) for x in torch.as_tensor(cu).tolist()]
+        ints = [*cu.real, *cu.layout] if isinstance(cu, PackedSamples) else [int(x) for x in torch.as_tensor(cu).tolist()]
         host += [len(ints), *(int(x) for x in _weighted_sums(torch.tensor(ints, dtype=torch.int64)).tolist())]
     return torch.cat([torch.tensor(host, dtype=torch.int64).to(dev), device_part])
 
