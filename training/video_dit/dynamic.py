@@ -74,13 +74,11 @@ def make_dynamic_core(cfg: SPConfig, group: dist.ProcessGroup, *, num_heads: int
             memo[key] = build()
         return memo[key]
 
-    def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None, mask_agreed=False):
+    def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
         if cu_seqlens is None:  # one unpacked sequence over every rank (sampling): the uniform attention
             uniform = attn.sub_attention(0, attn.groups.world)
             problem = problems_of(("uniform", n), lambda: uniform.problem(kv_valid_len=n))
-            if block_mask is not None and mask_agreed:   # a top-k mask per layer, equal on every rank: no compare
-                problem = problem.with_mask(block_mask, tile=block_size, agreed=True)
-            elif block_mask is not None:   # compared once per mask object (the layers share a window mask)
+            if block_mask is not None:   # compared once per mask object (the layers share a window mask)
                 base = problem
                 problem = base.cached(("mask", id(block_mask), block_size),
                                       lambda: base.with_mask(block_mask, tile=block_size))
