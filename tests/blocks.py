@@ -108,15 +108,14 @@ def reference_case(rank, world, form, h, hkv, d, chunks, qk_norm, causal=False, 
     y_ref.backward(dy_full)
     p = {k: v.to(dtype).requires_grad_() for k, v in p0.items()}
     x = x_full[:, mine].to(dtype).requires_grad_()
-    kw = dict(num_heads=h, num_kv_heads=hkv, norm_q_weight=p["nq"] if qk_norm else None,
-              norm_k_weight=p["nk"] if qk_norm else None, head_chunks=chunks, causal=causal, placement=placement,
+    kw = dict(num_heads=h, num_kv_heads=hkv, head_chunks=chunks, causal=causal, placement=placement,
               kv_valid_len=kv_valid, **block_kw)
+    weights = spx.LayerWeights(p["w_qkv"], p["w_o"], p["b_qkv"], p["b_o"], p["nq"] if qk_norm else None,
+                               p["nk"] if qk_norm else None)
     if form == "async":
-        y = spx.async_ulysses_self_attention(x, p["w_qkv"], p["b_qkv"], p["w_o"], p["b_o"], g,
-                                             prep=local_prep(h, hkv, d, ang_full[mine]), **kw)
+        y = spx.async_ulysses_self_attention(x, weights, g, prep=local_prep(h, hkv, d, ang_full[mine]), **kw)
     else:
-        y = spx.allgather_self_attention(x, p["w_qkv"], p["b_qkv"], p["w_o"], p["b_o"], g,
-                                         prep=gathered_prep(h, hkv, d, ang_full[mine]), **kw)
+        y = spx.allgather_self_attention(x, weights, g, prep=gathered_prep(h, hkv, d, ang_full[mine]), **kw)
     y.backward(dy_full[:, mine].to(dtype))
     checks = [("out", y, y_ref[:, mine]), ("dx", x.grad, xr.grad[:, mine])]
     for k in names:

@@ -67,19 +67,19 @@ def test_every_default_call_matches_reference(world):
 
 
 def test_every_public_backend_default_is_spconfigs():
-    """Defaults agree: every public function (and entry helper) that takes a local-attention ``backend`` defaults to
-    what SPConfig defaults to ("auto"); "sdpa" stays an accepted alias of it."""
+    """Defaults agree: every public function (and entry helper, and the layers' LayerRun) that takes a local-attention
+    ``backend`` defaults to what SPConfig defaults to ("auto"); "sdpa" stays an accepted alias of it."""
     import dataclasses
     import inspect
 
     from megatron_sp_ext.attention.backends import AUTO_NAMES, get_backend
     from megatron_sp_ext.config import SPConfig
-    from megatron_sp_ext.sp.layers import async_qkv
+    from megatron_sp_ext.sp.layers.call import LayerRun
     from training.video_dit import engine
 
     default = next(f.default for f in dataclasses.fields(SPConfig) if f.name == "backend")
     fns = [spx.ulysses_attention, spx.ring_attention, spx.hybrid_attention, spx.torus_attention,
-           spx.packed_ulysses_attention, spx.PackedUlysses.__init__, async_qkv.async_ulysses_self_attention, async_qkv.make_async_plan,
+           spx.packed_ulysses_attention, spx.PackedUlysses.__init__, LayerRun.__init__,   # the layers' backend
            engine.one_device_core, engine.make_core]
     try:   # DeepSpeed's attention takes SPConfig's own settings (**settings): its default is SPConfig's
         from megatron_sp_ext.deepspeed.attention import SPDistributedAttention

@@ -33,9 +33,9 @@ def _case(rank, world, h, hkv, d, chunks, qk_norm, dtype):
         x = x_full[:, mine].to(dtype).clone().requires_grad_()
         nq, nk = (params["nq"], params["nk"]) if qk_norm else (None, None)
         if use_async:
-            y = async_ulysses_self_attention(x, params["w_qkv"], params["b_qkv"], params["w_o"], params["b_o"], g,
-                                             num_heads=h, num_kv_heads=hkv, prep=prep, norm_q_weight=nq,
-                                             norm_k_weight=nk, head_chunks=chunks)
+            y = async_ulysses_self_attention(x, spx.LayerWeights(params["w_qkv"], params["w_o"], params["b_qkv"],
+                                                                 params["b_o"], nq, nk), g,
+                                             num_heads=h, num_kv_heads=hkv, prep=prep, head_chunks=chunks)
         else:  # the plain block: fused GEMM, then Ulysses
             qkv = x @ params["w_qkv"].t() + params["b_qkv"]
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
@@ -90,7 +90,7 @@ def _schedule(rank, world, chunks):
         w_qkv = torch.randn((h + 2 * hkv) * d, dim, requires_grad=True)
         w_o = torch.randn(dim, h * d, requires_grad=True)
         prep = lambda br, y, w: y.view(1, 3, h if br == "q" else hkv, d)  # noqa: E731
-        y = ab.async_ulysses_self_attention(x, w_qkv, None, w_o, None, dist.group.WORLD, num_heads=h,
+        y = ab.async_ulysses_self_attention(x, spx.LayerWeights(w_qkv, w_o), dist.group.WORLD, num_heads=h,
                                             num_kv_heads=hkv, prep=prep, head_chunks=chunks)
         fwd = list(events)
         events.clear()
@@ -134,8 +134,8 @@ def _pre_attention(rank, world, h, hkv, chunks):
 
     def prep(branch, y, wn):
         return rms(y, wn).view(b, sl, -1, d)
-    plan = make_async_plan(dist.group.WORLD, num_heads=h, num_kv_heads=hkv, head_dim=d, prep=prep, seq_local=sl,
-                           device=x.device, head_chunks=chunks)
+    plan = make_async_plan(dist.group.WORLD, spx.AttentionProblem(), num_heads=h, num_kv_heads=hkv, head_dim=d,
+                           prep=prep, seq_local=sl, device=x.device, run=spx.LayerRun(head_chunks=chunks))
     ra, _, _ = project_and_exchange(x, w, None, nq, nk, plan)
     rf, _, _ = project_and_exchange(x, w, None, nq, nk, plan, fused=True)
     hl = plan.heads
@@ -170,12 +170,13 @@ def _autocast(rank, world, form="async"):
     for use_block in (False, True):
         p = {k: v.clone().requires_grad_() for k, v in p0.items()}
         x = x0.clone().requires_grad_()
-        kw = dict(num_heads=h, num_kv_heads=h, norm_q_weight=p["nq"], norm_k_weight=p["nk"])
+        kw = dict(num_heads=h, num_kv_heads=h)
+        weights = spx.LayerWeights(p["w_qkv"], p["w_o"], norm_q=p["nq"], norm_k=p["nk"])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if use_block and form == "async":
-                y = async_ulysses_self_attention(x, p["w_qkv"], None, p["w_o"], None, g, prep=prep, **kw)
+                y = async_ulysses_self_attention(x, weights, g, prep=prep, **kw)
             elif use_block:
-                y = allgather_self_attention(x, p["w_qkv"], None, p["w_o"], None, g, prep=prep_full, **kw)
+                y = allgather_self_attention(x, weights, g, prep=prep_full, **kw)
             else:
                 q, k, v = (x @ p["w_qkv"].t()).split(h * d, dim=-1)
                 o = spx.ulysses_attention(prep("q", q, p["nq"]), prep("k", k, p["nk"]), v.reshape(b, sl, h, d), g)

@@ -41,9 +41,9 @@ def _case(rank, world, h, hkv, d, chunks, qk_norm, dtype, causal=False, placemen
         nq, nk = (params["nq"], params["nk"]) if qk_norm else (None, None)
         kw = dict(head_chunks=chunks, causal=causal, placement=placement, kv_valid_len=kv_valid)
         if use_gather:
-            y = allgather_self_attention(x, params["w_qkv"], params["b_qkv"], params["w_o"], params["b_o"], g,
-                                         num_heads=h, num_kv_heads=hkv, prep=prep_full, norm_q_weight=nq,
-                                         norm_k_weight=nk, fused=fused, **kw)
+            y = allgather_self_attention(x, spx.LayerWeights(params["w_qkv"], params["w_o"], params["b_qkv"],
+                                                             params["b_o"], nq, nk), g,
+                                         num_heads=h, num_kv_heads=hkv, prep=prep_full, fused=fused, **kw)
         else:
             qkv = x @ params["w_qkv"].t() + params["b_qkv"]
             q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
@@ -90,8 +90,8 @@ def test_gather_block_padded_keys():
 
 def _shard_info(rank, world):
     """Which heads and which w_qkv rows each rank computes; kv copies counted once in cross-rank sums."""
-    plan = make_gather_plan(dist.group.WORLD, num_heads=8, num_kv_heads=2, head_dim=2, prep=None, seq_local=3,
-                            device=torch.device("cpu"))
+    plan = make_gather_plan(dist.group.WORLD, spx.AttentionProblem(), num_heads=8, num_kv_heads=2, head_dim=2,
+                            prep=None, seq_local=3, device=torch.device("cpu"))
     sh = plan.shard
     assert sh.q_heads == (2 * rank, 2 * rank + 1)
     assert sh.kv_heads == (rank // 2,) and sh.kv_owner == (rank % 2 == 0,)
@@ -101,8 +101,8 @@ def _shard_info(rank, world):
     assert rows[6:] == [20 + 2 * (rank // 2) + i for i in range(2)]     # v rows
     assert plan.fused is False  # gloo/CPU: the unfused all-gather path
     with pytest.raises(SPConfigError, match="fused symm_mem matmuls.*cannot run here.*CUDA"):
-        make_gather_plan(dist.group.WORLD, num_heads=8, num_kv_heads=2, head_dim=2, prep=None, seq_local=3,
-                         device=torch.device("cpu"), fused=True)
+        make_gather_plan(dist.group.WORLD, spx.AttentionProblem(), num_heads=8, num_kv_heads=2, head_dim=2,
+                         prep=None, seq_local=3, device=torch.device("cpu"), run=spx.LayerRun(fused=True))
     y4 = torch.full((1, 3, 1, 2), float(rank + 1))
     got = sh.sum_sq(y4, "k")  # owners: ranks 0 and 2 -> (1 + 9) * 2 elements
     assert torch.allclose(got, torch.full((1, 3, 1, 1), 2.0 * (1 + 9)))

@@ -17,6 +17,7 @@ from megatron_sp_ext.comm.transport import (NcclTransport, TransportPool, defaul
                                             symm_mem_unavailable_reason)
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.layers.async_qkv import async_ulysses_self_attention
+from megatron_sp_ext.sp.layers.call import LayerWeights
 from megatron_sp_ext.topology.detect import detect_topology
 from megatron_sp_ext.topology.emulate import MACHINE_SIZE_ENV, link_transport, spans_machines
 from tests.harness import RankFailure, run_ranks
@@ -92,7 +93,7 @@ def _async_same(rank, world):
     res = []
     for transport in ("nccl", "host_staged"):
         x, wq, wo = (t.clone().requires_grad_() for t in (x0, w_qkv, w_o))
-        y = async_ulysses_self_attention(x, wq, None, wo, None, g, num_heads=h, num_kv_heads=hkv, prep=prep,
+        y = async_ulysses_self_attention(x, LayerWeights(wq, wo), g, num_heads=h, num_kv_heads=hkv, prep=prep,
                                          head_chunks=2, transport=transport)
         y.backward(dy)
         res.append((y.detach(), x.grad, wq.grad, wo.grad))

@@ -101,10 +101,11 @@ def _block_peaks(rank, world):
         q, k, v = (x @ w_qkv.t()).split(h * d, dim=-1)
         o = spx.ulysses_attention(prep("q", q, nq), prep("k", k, nk), v.reshape(b, sl, h, d), g)
         return o.reshape(b, sl, h * d) @ w_o.t()
-    kw = dict(num_heads=h, num_kv_heads=h, norm_q_weight=nq, norm_k_weight=nk)
+    kw = dict(num_heads=h, num_kv_heads=h)
+    weights = spx.LayerWeights(w_qkv, w_o, norm_q=nq, norm_k=nk)
     modes = {"plain": plain,
-             "async": lambda: spx.async_ulysses_self_attention(x, w_qkv, None, w_o, None, g, prep=prep, **kw),
-             "allgather": lambda: allgather_self_attention(x, w_qkv, None, w_o, None, g, prep=prep_full, **kw)}
+             "async": lambda: spx.async_ulysses_self_attention(x, weights, g, prep=prep, **kw),
+             "allgather": lambda: allgather_self_attention(x, weights, g, prep=prep_full, **kw)}
     peaks = {}
     for name, fn in modes.items():
         fn().backward(dy)

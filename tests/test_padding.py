@@ -61,8 +61,9 @@ def _no_key_left(rank, world):
                   "ring_attention": lambda n: spx.ring_attention(q, q, q, g, kv_valid_len=n),
                   "hybrid_attention": lambda n: spx.hybrid_attention(q, q, q, mesh, kv_valid_len=n),
                   "torus_attention": lambda n: spx.torus_attention(q, q, q, mesh, kv_valid_len=n),
-                  "make_async_plan": lambda n: make_async_plan(g, num_heads=8, num_kv_heads=8, head_dim=16, prep=None,
-                                                               seq_local=4, device=q.device, kv_valid_len=n)}
+                  "make_async_plan": lambda n: make_async_plan(g, spx.AttentionProblem(kv_valid_len=n), num_heads=8,
+                                                               num_kv_heads=8, head_dim=16, prep=None, seq_local=4,
+                                                               device=q.device)}
     for mode in MODES:
         kw = {"nodes": 2} if mode in ("usp", "tas", "torus") else {}
         attn = make_attention(SPConfig(mode=mode, head_chunks=2 if mode != "ulysses" else 1, **kw), g, num_heads=8)

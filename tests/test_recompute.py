@@ -35,8 +35,8 @@ def _case(rank, world, form, chunks):
     def attn(t):
         q, k, v = t * 1.0, t * 2.0, t.sin()
         if form == "async":  # the async block (projections overlapped with their exchanges)
-            y = spx.async_ulysses_self_attention(t.reshape(1, sl, h * d), w_qkv, None, w_o, None, g, num_heads=h,
-                                                 num_kv_heads=h, prep=lambda br, y, w: y.view(1, sl, h, d),
+            y = spx.async_ulysses_self_attention(t.reshape(1, sl, h * d), spx.LayerWeights(w_qkv, w_o), g,
+                                                 num_heads=h, num_kv_heads=h, prep=lambda br, y, w: y.view(1, sl, h, d),
                                                  head_chunks=chunks, backend=be)
             return y.view(1, sl, h, d)
         if form == "packed":

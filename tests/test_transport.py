@@ -20,6 +20,7 @@ import megatron_sp_ext as spx
 from megatron_sp_ext.comm.transport import TransportPool, pull_all_to_all
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.layers.async_qkv import async_ulysses_self_attention
+from megatron_sp_ext.sp.layers.call import LayerWeights
 from tests.harness import run_ranks
 
 
@@ -141,7 +142,7 @@ def _async_same(rank, world, h, hkv, chunks):
     res = []
     for transport in ("nccl", tr):
         x, wq, wo = (t.clone().requires_grad_() for t in (x0, w_qkv, w_o))
-        y = async_ulysses_self_attention(x, wq, None, wo, None, g, num_heads=h, num_kv_heads=hkv, prep=prep,
+        y = async_ulysses_self_attention(x, LayerWeights(wq, wo), g, num_heads=h, num_kv_heads=hkv, prep=prep,
                                          head_chunks=chunks, transport=transport)
         y.backward(dy)
         res.append((y.detach(), x.grad, wq.grad, wo.grad))

@@ -489,21 +489,21 @@ def _group_chooser_rank(rank, world):
         ch = varlen.VarlenChooser(timer=_RankTimer(_DISAGREEING[rank]), measure_off_cuda=True)
         q, k, v, _ = _inputs(cu, 2, 2, 8, torch.float32, rank, strided=False)
         pick[where] = ch.method_for("auto", get_backend("auto"), q, k, v, cu, causal=False, scale=0.5, need_grad=True,
-                                group=group, group_heads=heads)
+                                across=varlen.CallGroup(group, heads))
     # this rank's heads differ between its calls and from the other rank's (uneven heads, HCMS chunks): with
-    # group_heads every rank finds or misses the decision together (one trial each, no unmatched all-reduce)
+    # the group's heads every rank finds or misses the decision together (one trial each, no unmatched all-reduce)
     ch = varlen.VarlenChooser(timer=_RankTimer(_DISAGREEING[rank]), measure_off_cuda=True)
     for h in ((2, 1) if rank == 0 else (1, 1)):
         q, k, v, _ = _inputs(cu, h, 1, 8, torch.float32, rank, strided=False)
         assert ch.method_for("auto", get_backend("auto"), q, k, v, cu, causal=True, scale=0.5, need_grad=True,
-                         group=g, group_heads=heads) == "grouped"
+                         across=varlen.CallGroup(g, heads)) == "grouped"
     pick["uneven_trials"] = len(ch.timer.calls)
     # a candidate whose trial raises on one rank is dropped on every rank (rank 0 alone would pick grouped)
     ch = varlen.VarlenChooser(timer=_RankTimer({"per_sample": 3.0, "grouped": 1.0},
                                                raises=("grouped",) if rank == 1 else ()), measure_off_cuda=True)
     q, k, v, _ = _inputs(cu, 2, 2, 8, torch.float32, rank, strided=False)
     pick["dropped"] = ch.method_for("auto", get_backend("auto"), q, k, v, cu, causal=False, scale=0.5, need_grad=True,
-                                group=g, group_heads=heads)
+                                across=varlen.CallGroup(g, heads))
     pick["dropped_why"] = sorted(next(iter(ch.dropped.values())))
     return pick
 

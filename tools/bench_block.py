@@ -13,7 +13,7 @@ Writes block.json and block.md (ratios vs the plain block in the same run).
 Tensor parallelism (``--tp T``, issue #37): Megatron's own TP sequence-parallel self-attention ("megatron": TP
 all-gather + QKV GEMM, our Ulysses/HCMS over CP, output GEMM + TP reduce-scatter; megatron-core's local layers)
 against the TP x CP block's forms ("pipelined", "mixed", "mixed_in") and "auto" (the FormPolicy, CUDA events),
-one SPSelfAttention module and its weights for all (``forward(..., sp_form=...)``), CP = world / T, bf16,
+one SPSelfAttention module and its weights for all (``with attn.running(form): attn(...)``), CP = world / T, bf16,
 fwd and fwd+bwd interleaved, each form's output relative to Megatron's (rel_diff_vs_megatron). Launch with
 torchrun (one process per GPU, as training is launched):
 
@@ -26,6 +26,7 @@ Writes block_tp<T>[_tag].json and .md (speedups vs "megatron").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -70,11 +71,17 @@ def bench(rank, world, group, cfg, seqlen, args):
         r = torch.rsqrt(shard.sum_sq(y4, branch) / (h * d) + 1e-6)
         return (y4.float() * r * shard.norm_weight(w, branch, d).float()).to(y.dtype)
 
+    weights = spx.LayerWeights(w_qkv, w_o, b_qkv, b_o, nq, nk)
+    # each form's AttentionProblem is built once (as a step builds it): agreed across ranks at its first call, so
+    # no timed call pays the agreement (a step pays it once, not per layer)
+
     def plain(c, tr="nccl"):
+        problem = spx.AttentionProblem()
+
         def run():
             qkv = x @ w_qkv.t() + b_qkv
             q, k, v = qkv.split(h * d, dim=-1)
-            o = spx.ulysses_attention(prep("q", q, nq), prep("k", k, nk), v.reshape(1, sl, h, d), group,
+            o = spx.ulysses_attention(prep("q", q, nq), prep("k", k, nk), v.reshape(1, sl, h, d), group, problem,
                                       head_chunks=c, transport=tr)
             return o.reshape(1, sl, h * d) @ w_o.t() + b_o
         return run
@@ -82,11 +89,12 @@ def bench(rank, world, group, cfg, seqlen, args):
     def plain_fused():
         """The plain block with its QK-norm compiled (as the DiT runs it with --fused-elementwise)."""
         preps = torch.compile(lambda q, k, a, b: (prep("q", q, a), prep("k", k, b)), fullgraph=True)
+        problem = spx.AttentionProblem()
 
         def run():
             qkv = x @ w_qkv.t() + b_qkv
             q, k, v = qkv.split(h * d, dim=-1)
-            o = spx.ulysses_attention(*preps(q, k, nq, nk), v.reshape(1, sl, h, d), group)
+            o = spx.ulysses_attention(*preps(q, k, nq, nk), v.reshape(1, sl, h, d), group, problem)
             return o.reshape(1, sl, h * d) @ w_o.t() + b_o
         return run
 
@@ -98,10 +106,11 @@ def bench(rank, world, group, cfg, seqlen, args):
             q, k, v = qkv.split(h * d, dim=-1)
             return spx.pack_qkv(prep("q", q, a), prep("k", k, b), v.reshape(1, sl, h, d), hl)
         produce = torch.compile(produce, fullgraph=True)
+        problem = spx.AttentionProblem()
 
         def run():
             sends = produce(x @ w_qkv.t() + b_qkv, nq, nk)
-            o = spx.packed_ulysses_attention(sends, group, num_heads=h, num_kv_heads=h, head_chunks=c)
+            o = spx.packed_ulysses_attention(sends, group, problem, num_heads=h, num_kv_heads=h, head_chunks=c)
             return o.reshape(1, sl, h * d) @ w_o.t() + b_o
         return run
 
@@ -125,21 +134,22 @@ def bench(rank, world, group, cfg, seqlen, args):
         return run
 
     def asynch(c, tr="nccl"):
-        return lambda: spx.async_ulysses_self_attention(x, w_qkv, b_qkv, w_o, b_o, group, num_heads=h,
-                                                        num_kv_heads=h, prep=prep, norm_q_weight=nq,
-                                                        norm_k_weight=nk, head_chunks=c, transport=tr)
+        problem, run = spx.AttentionProblem(), spx.LayerRun(head_chunks=c, transport=tr)
+        return lambda: spx.async_ulysses_self_attention(x, weights, group, problem, num_heads=h, num_kv_heads=h,
+                                                        prep=prep, run=run)
+
     def allgather(c, tr="nccl", fused=None):
-        return lambda: allgather_self_attention(x, w_qkv, b_qkv, w_o, b_o, group, num_heads=h, num_kv_heads=h,
-                                                prep=prep_full, norm_q_weight=nq, norm_k_weight=nk, head_chunks=c,
-                                                transport=tr, fused=fused)
+        problem, run = spx.AttentionProblem(), spx.LayerRun(head_chunks=c, transport=tr, fused=fused)
+        return lambda: allgather_self_attention(x, weights, group, problem, num_heads=h, num_kv_heads=h,
+                                                prep=prep_full, run=run)
     from megatron_sp_ext.sp.layers.async_qkv import make_async_plan, project_and_exchange  # noqa: PLC0415
     from megatron_sp_ext.sp.layers.allgather import allgather_self_attention, make_gather_plan, project_gathered  # noqa
     from megatron_sp_ext.sp.layers.policy import LayerPolicy  # noqa: PLC0415
 
     def pre(fused, c, tr="nccl"):
         """Pre-attention part only: projections + prep + exchanges until q, k, v have all arrived."""
-        plan = make_async_plan(group, num_heads=h, num_kv_heads=h, head_dim=d, prep=prep, seq_local=sl,
-                               device=x.device, head_chunks=c, transport=tr)
+        plan = make_async_plan(group, spx.AttentionProblem(), num_heads=h, num_kv_heads=h, head_dim=d, prep=prep,
+                               seq_local=sl, device=x.device, run=spx.LayerRun(head_chunks=c, transport=tr))
 
         def run():
             _, events, _ = project_and_exchange(x, w_qkv, b_qkv, nq, nk, plan, fused=fused)
@@ -150,8 +160,8 @@ def bench(rank, world, group, cfg, seqlen, args):
 
     def pre_gather(tr="nccl"):
         """Pre-attention part of the all-gather block: gather+GEMM and prep until q, k, v are ready."""
-        plan = make_gather_plan(group, num_heads=h, num_kv_heads=h, head_dim=d, prep=prep_full, seq_local=sl,
-                                device=x.device, transport=tr)
+        plan = make_gather_plan(group, spx.AttentionProblem(), num_heads=h, num_kv_heads=h, head_dim=d,
+                                prep=prep_full, seq_local=sl, device=x.device, run=spx.LayerRun(transport=tr))
         return lambda: project_gathered(x, w_qkv, b_qkv, nq, nk, plan)
     policy = LayerPolicy(chunk_candidates=[1] + [c for c in args.chunks if c <= h // world],
                          transports=args.transports)
@@ -337,8 +347,8 @@ def tp_bench(tp: int, *, dim: int, heads: int, head_dim: int, seqlen: int, chunk
         freqs = zigzag_freqs(seqlen, head_dim, ps.get_context_parallel_rank(), cp, device)
 
         def call(mode):
-            kw = {} if mode == "auto" else {"sp_form": mode}
-            return attn(x, None, rotary_pos_emb=freqs, **kw)[0]
+            with contextlib.nullcontext() if mode == "auto" else attn.running(mode):
+                return attn(x, None, rotary_pos_emb=freqs)[0]
 
         def fwd(mode):
             with torch.no_grad():

@@ -27,13 +27,13 @@ scale, backend and its kernel, whether a backward is timed). A candidate whose t
 method computes the same attention, so one kernel failing on these shapes is no reason to fail the call; torch
 2.11's cuDNN backward raised ``mha_graph.execute(...).is_good()`` in a trial on an H100): one warning per key
 naming the method, the backend and the error's first line, kept in ``VarlenChooser.dropped``; the fastest of the
-rest is chosen, and if every candidate raises, the first candidate's error is raised. Group-wide (``group``: the
-ranks that make the call together, e.g. a Ulysses group, each on its own share of heads): every member times its
+rest is chosen, and if every candidate raises, the first candidate's error is raised. Group-wide (``across`` a
+``CallGroup``: the ranks that make the call together, e.g. a Ulysses group, each on its own share of heads): every member times its
 own call and decides from each candidate's time maxed over the group (one all-reduce per new key, as the other
 "auto" policies do: ``sp.calibration``), so every member runs the same method; a candidate that cannot run or
 raised on any member is dropped on all; the key then holds the group's ranks and, in place of this rank's head
-counts, ``group_heads`` (what names the call's heads the same on every member), so all members find or miss a
-decision together. Without a group the decision is this rank's own (calls no other rank makes). A named method is never
+counts, ``CallGroup.heads`` (what names the call's heads the same on every member), so all members find or miss
+a decision together. Without a group the decision is this rank's own (calls no other rank makes). A named method is never
 tried nor dropped: it runs, and raises, as named; one that cannot run here raises SPConfigError naming the
 setting. The methods differ only by the rounding of their kernels; every method's backward takes any method's
 (out, lse), since each is exact given the final out/lse of the rows.
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Callable, Optional
+from typing import Callable, Hashable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -288,6 +288,18 @@ def cuda_timer(method: str, fn: Callable[[], None], reps: int = 3) -> float:
     return best
 
 
+class CallGroup(NamedTuple):
+    """Who decides an "auto" method together (module docstring): ``group``, the ranks that make the call together
+    (None or one rank: this rank alone); ``heads``, what names the call's heads the same on every member (None: this
+    rank's head counts)."""
+
+    group: Optional[dist.ProcessGroup] = None
+    heads: Hashable = None
+
+
+ALONE = CallGroup()
+
+
 class VarlenChooser:
     """Resolves a ``varlen_kernel`` setting to a method; "auto" measures once per key (see module docstring), in
     ``trials.isolated_trial`` (activation checkpointing's saved-tensor hooks never see the trials).
@@ -303,38 +315,38 @@ class VarlenChooser:
 
     @staticmethod
     def key(be: LocalAttention, q, k, cu: tuple[int, ...], causal: bool, scale: float, need_grad: bool,
-            explicit: bool, group=None, group_heads=None) -> tuple:
-        """Everything that decides which methods run and what they compute; for a group-wide decision (``group``
-        of more than one rank), also the group's ranks, and ``group_heads`` (when given) in place of this rank's
-        head counts, so the key is the same on every member."""
+            explicit: bool, across: CallGroup = ALONE) -> tuple:
+        """Everything that decides which methods run and what they compute; for a group-wide decision (``across``
+        a group of more than one rank), also the group's ranks, and ``across.heads`` (when given) in place of this
+        rank's head counts, so the key is the same on every member."""
         lengths = tuple(b - a for a, b in zip(cu, cu[1:]))
-        ranks = _group_ranks(group)
-        h, hkv = (q.shape[1], k.shape[1]) if not ranks or group_heads is None else ("group", group_heads)
+        ranks = _group_ranks(across.group)
+        h, hkv = (q.shape[1], k.shape[1]) if not ranks or across.heads is None else ("group", across.heads)
         key = (str(q.device), q.dtype, h, hkv, q.shape[3], lengths, bool(causal), float(scale),
                be.name, getattr(be, "kernel", None), _backend_kernel(be, q), bool(need_grad), bool(explicit))
         return key + (ranks,) if ranks else key
 
     def method_for(self, setting: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool, scale: float,
-               need_grad: bool, explicit: bool = True, setting_name: str = "varlen_kernel", group=None,
-               group_heads=None) -> str:
+                   need_grad: bool, explicit: bool = True, across: CallGroup = ALONE) -> str:
         """The method for this call (explicit: the call runs ``forward_lse`` / ``backward_lse``; else
-        ``attention`` under autograd; "auto" times that, dropping a candidate whose trial raises; with ``group``,
-        decided group-wide: see the module docstring). Raises SPConfigError for an unknown setting or a method
-        that cannot run here, and, for "auto", the first candidate's error when every candidate's trial raised
-        (on any member of ``group``)."""
+        ``attention`` under autograd; "auto" times that, dropping a candidate whose trial raises; ``across`` a
+        group: decided group-wide, see the module docstring). Raises SPConfigError naming ``varlen_kernel`` for an
+        unknown setting or a method that cannot run here, and, for "auto", the first candidate's error when every
+        candidate's trial raised (on any member of the group)."""
+        group = across.group
         if setting not in SETTINGS:
-            raise SPConfigError(f"{setting_name}={setting!r} is invalid: choose one of {', '.join(SETTINGS)}")
+            raise SPConfigError(f"varlen_kernel={setting!r} is invalid: choose one of {', '.join(SETTINGS)}")
         here = methods_here(be, q, cu)
         if setting != "auto":
             if setting not in here:
                 raise SPConfigError(
-                    f"{setting_name}={setting!r} does not run here (backend {be.name!r}, {q.device}, {q.dtype}"
+                    f"varlen_kernel={setting!r} does not run here (backend {be.name!r}, {q.device}, {q.dtype}"
                     f"{', a one-token sample or padding segment' if setting in KERNEL_METHODS else ''}): use 'auto' "
                     f"or one of {', '.join(here)}")
             return setting
         if q.device.type != "cuda" and not self.measure_off_cuda:
             return "per_sample"
-        key = self.key(be, q, k, cu, causal, scale, need_grad, explicit, group, group_heads)
+        key = self.key(be, q, k, cu, causal, scale, need_grad, explicit, across)
         if key in self.decisions:
             self.decisions.move_to_end(key)
             return self.decisions[key]
@@ -419,8 +431,8 @@ def default_chooser() -> VarlenChooser:
 
 
 def method_for(setting: str, be: LocalAttention, q, k, v, cu: tuple[int, ...], *, causal: bool, scale: float,
-           need_grad: bool, explicit: bool = True, chooser: Optional[VarlenChooser] = None, group=None,
-           group_heads=None) -> str:
+               need_grad: bool, explicit: bool = True, chooser: Optional[VarlenChooser] = None,
+               across: CallGroup = ALONE) -> str:
     """``(chooser or default_chooser()).method_for(...)``."""
     return (chooser or _DEFAULT).method_for(setting, be, q, k, v, cu, causal=causal, scale=scale, need_grad=need_grad,
-                                        explicit=explicit, group=group, group_heads=group_heads)
+                                            explicit=explicit, across=across)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ..errors import SPConfigError
 from . import signal_schedule as sig
 from . import stream_ops
-from .program import ProgramCache, compile_exchange, flag_offset
+from .program import ExchangeMemory, ExchangeStreams, ProgramCache, compile_exchange, flag_offset
 from ..topology.groups import new_subgroup
 from .exchange import Done, exchange_table
 
@@ -249,9 +249,9 @@ class HostStagedTransport:
 
     def _compile(self, table_b, slot: int, cur) -> tuple:
         """``compile_exchange`` on the pinned shared host workspaces and flags (their device addresses)."""
-        return compile_exchange(self.rank, self.world, self.slots, slot, self._slot_bytes, table_b, False,
-                                workspaces=self._addr, flags=self._flag_addr, streams=self._streams, main=cur,
-                                start=self._start, joined=self._joined)
+        memory = ExchangeMemory(self.rank, self.world, self.slots, self._slot_bytes, self._addr, self._flag_addr)
+        return compile_exchange(memory, slot, table_b, False,
+                                ExchangeStreams(self._streams, cur, self._start, self._joined))
 
     def close(self) -> None:
         """Unpin the mappings (CUDA). The shared files were unlinked once every rank had mapped them."""

@@ -1,7 +1,8 @@
 """One exchange of the flag protocol (``signal_schedule``) compiled to a ``stream_ops`` program.
 
-    prog = compile_exchange(me, world, slots, slot, slot_bytes, table_b, staged, workspaces=..., flags=...,
-                            streams=..., main=cur, start=start_event, joined=joined_events)
+    memory = ExchangeMemory(me, world, slots, slot_bytes, workspaces, flags)     # the transport's, fixed
+    order = ExchangeStreams(streams, main=cur, start=start_event, joined=joined_events)
+    prog = compile_exchange(memory, slot, table_b, staged, order)
     stream_ops.run_program(prog, epoch, recv_ptr, send_ptr)
 
 The op list of ``signal_schedule.exchange_ops`` resolved to driver calls on addresses, stream and event
@@ -13,6 +14,7 @@ table, slot and stream (``ProgramCache``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Hashable, Mapping, Sequence
 
 from . import signal_schedule as sig
@@ -26,18 +28,41 @@ def flag_offset(kind: int, slot: int, peer: int, slots: int, world: int) -> int:
     return FLAG_BYTES * sig.flag_index(kind, slot, peer, slots, world)
 
 
-def compile_exchange(me: int, world: int, slots: int, slot: int, slot_bytes: int,
-                     table_b: Sequence[Sequence[int]], staged: bool, *, workspaces: Mapping[int, int],
-                     flags: Mapping[int, int], streams: Sequence, main, start, joined: Sequence) -> tuple:
-    """The program of one exchange through send slot ``slot`` (table in bytes, ``table_b[r][p]``: r to p).
+@dataclass(frozen=True)
+class ExchangeMemory:
+    """Where one transport's exchanges live, as mapped on rank ``me`` of ``world``: workspaces[r] / flags[r] are
+    the addresses of rank r's workspace (``slots`` send slots of ``slot_bytes``) and of its flag block."""
 
-    workspaces[r] / flags[r]: the address (as mapped on this rank) of rank r's workspace (``slots`` slots of
-    ``slot_bytes``) and flag block; streams[r]: the stream that copies rank r's segment; main: the current
-    stream; start, joined[r]: ``stream_ops.Event``s (the copies start after main's "start"; main joins stream
-    r through joined[r]). staged: the send data is already in this rank's slot (no staging copy)."""
+    me: int
+    world: int
+    slots: int
+    slot_bytes: int
+    workspaces: Mapping[int, int]
+    flags: Mapping[int, int]
+
+
+@dataclass(frozen=True)
+class ExchangeStreams:
+    """The streams and events of one exchange: streams[r] copies rank r's segment; main: the current stream; the
+    copies start after main's ``start`` (a ``stream_ops.Event``) and main joins stream r through joined[r]."""
+
+    streams: Sequence
+    main: object
+    start: object
+    joined: Sequence
+
+
+def compile_exchange(memory: ExchangeMemory, slot: int, table_b: Sequence[Sequence[int]], staged: bool,
+                     order: ExchangeStreams) -> tuple:
+    """The program of one exchange through send slot ``slot`` of ``memory`` (table in bytes, ``table_b[r][p]``: r
+    to p), on ``order``'s streams and events. staged: the send data is already in this rank's slot (no staging
+    copy)."""
+    me, world, slots = memory.me, memory.world, memory.slots
+    workspaces, flags, start, joined = memory.workspaces, memory.flags, order.start, order.joined
+    slot_bytes = memory.slot_bytes
     so = stream_ops
-    handle = {r: s.cuda_stream for r, s in enumerate(streams)}
-    handle["main"] = main.cuda_stream
+    handle = {r: s.cuda_stream for r, s in enumerate(order.streams)}
+    handle["main"] = order.main.cuda_stream
     slot_off = slot * slot_bytes
     e0 = slot + 1  # an epoch that uses this slot; flag values are stored relative to it
     prog = []

@@ -41,7 +41,7 @@ from ..errors import SPConfigError
 from ..topology.emulate import emulated_machine_size, machines_of
 from . import signal_schedule as sig
 from . import stream_ops
-from .program import ProgramCache, compile_exchange, flag_offset
+from .program import ExchangeMemory, ExchangeStreams, ProgramCache, compile_exchange, flag_offset
 from .signal_schedule import offsets as _offsets
 from .exchange import Done, all_to_all_flat, exchange_table
 from .host_staged import HostStagedTransport, TwoLevelTransport, check_host_staged
@@ -250,9 +250,9 @@ class CopyEngineTransport:
 
     def _compile(self, table_b, staged: bool, slot: int, cur: "torch.cuda.Stream") -> tuple:
         """``compile_exchange`` on the symmetric workspaces and flags (device addresses)."""
-        return compile_exchange(self.rank, self.world, self.slots, slot, self._slot_bytes, table_b, staged,
-                                workspaces=self._base, flags=self._flag_base, streams=self._streams, main=cur,
-                                start=self._start, joined=self._joined)
+        memory = ExchangeMemory(self.rank, self.world, self.slots, self._slot_bytes, self._base, self._flag_base)
+        return compile_exchange(memory, slot, table_b, staged,
+                                ExchangeStreams(self._streams, cur, self._start, self._joined))
 
     def _acquire(self, stream: "torch.cuda.Stream", epoch: int) -> None:
         if self._acquired < epoch:

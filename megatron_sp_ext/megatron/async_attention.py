@@ -35,9 +35,10 @@ Shapes: hidden_states [s_local, b, hidden] (Megatron's sbhd), zigzag CP placemen
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -47,11 +48,13 @@ from megatron.core.transformer.identity_op import IdentityOp
 
 from .. import modes
 from ..errors import SPConfigError
-from ..sp.layers.async_qkv import async_ulysses_self_attention
-from ..sp.layers.policy import FormPolicy
 from ..sp.calibration import group_key
 from ..sp.layers.allgather import allgather_self_attention
-from ..sp.layers.tp_cp import TP_CP_FORMS, tp_cp_self_attention
+from ..sp.layers.async_qkv import async_ulysses_self_attention
+from ..sp.layers.call import LayerRun, LayerWeights, agree_layer, check_layer
+from ..sp.layers.policy import FormPolicy
+from ..sp.layers.tp_cp import TP_CP_FORMS, TpCpGroups, tp_cp_self_attention
+from ..sp.problem import AttentionProblem
 from .compat import parent_kwargs
 
 log = logging.getLogger("megatron_sp_ext")
@@ -75,6 +78,7 @@ class SPSelfAttention(SelfAttention):
         super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type=cp_comm_type,
                          pg_collection=pg_collection, **parent_kwargs(SelfAttention.__init__, kwargs))
         self._fallback_logged = False
+        self._forced_form: Optional[str] = None   # ``running(form)``: the form forward runs
         core = self.core_attention
         sp = getattr(core, "sp", None)
         self.async_qkv = sp.async_qkv if sp is not None else getattr(config, "sp_async_qkv", "off")
@@ -191,18 +195,29 @@ class SPSelfAttention(SelfAttention):
                 c.main_grad = torch.zeros_like(p.main_grad)
             params[name] = c
         x = hidden_states.detach().requires_grad_(train)
-        with torch.set_grad_enabled(train):
-            out, _ = torch.func.functional_call(self, params, (x, attention_mask),
-                                                {"rotary_pos_emb": rotary_pos_emb, "sp_form": form})
+        with torch.set_grad_enabled(train), self.running(form):
+            out, _ = torch.func.functional_call(self, params, (x, attention_mask), {"rotary_pos_emb": rotary_pos_emb})
             if train:
                 out.backward(torch.ones_like(out))
 
+    @contextlib.contextmanager
+    def running(self, form: str) -> Iterator["SPSelfAttention"]:
+        """Within the block, ``forward`` runs ``form`` (one of ``forms()``: the policy's calibration, tests and
+        benchmarks) instead of what ``--sp-async-qkv`` decides."""
+        if form not in self.forms():
+            raise SPConfigError(f"form={form!r} is invalid here: choose one of {', '.join(self.forms())}")
+        before, self._forced_form = self._forced_form, form
+        try:
+            yield self
+        finally:
+            self._forced_form = before
+
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
-                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None,
-                sp_form: Optional[str] = None):
-        """Megatron's SelfAttention.forward; ``sp_form`` (one of ``forms()``) runs that form (the policy's
-        calibration), else ``--sp-async-qkv`` decides (``auto``: the FormPolicy)."""
+                attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        """Megatron's SelfAttention.forward: the form ``--sp-async-qkv`` decides (``auto``: the FormPolicy, after
+        this call's AttentionProblem is agreed across the ranks, so every rank times the same key), or the one of
+        ``running(form)``."""
         why = self._unsupported(key_value_states, inference_context or inference_params, packed_seq_params,
                                 attention_bias, (rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset))
         if why:
@@ -212,14 +227,17 @@ class SPSelfAttention(SelfAttention):
                 self._fallback_logged = True
             form = BASELINE
         else:
-            form = sp_form or self._form_for(hidden_states, attention_mask, rotary_pos_emb)
+            form = self._forced_form
+        problem = None
+        if form is None:
+            if self.async_qkv == "auto":   # the policy times forms per key (its shapes): the problem agreed first
+                problem = self._agreed_problem(hidden_states, attention_mask)
+            form = self._form_for(hidden_states, attention_mask, rotary_pos_emb)
         if form == BASELINE:
             return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
                                    rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
                                    attention_bias, packed_seq_params, sequence_len_offset,
                                    inference_params=inference_params)
-        if form not in self.forms():
-            raise SPConfigError(f"sp_form={form!r} is invalid here: choose one of {', '.join(self.forms())}")
         if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
             rotary_pos_emb = None
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
@@ -256,28 +274,54 @@ class SPSelfAttention(SelfAttention):
                 y4 = apply_rotary_pos_emb(y4.transpose(0, 1), gathered[i], config=self.config,
                                           cp_group=group).transpose(0, 1)
             return y4
-        causal = core._causal(None, attention_mask)
-        chunks = modes.get(core.mode).chunks(core.sp.head_chunks)
+        problem = problem or self._problem(attention_mask)
+        layer_weights = LayerWeights(self._qkv_weight(self.linear_qkv.weight), self.linear_proj.weight,
+                                     self._qkv_weight(self.linear_qkv.bias), None, weights["q"], weights["k"])
         if self.world_size != 1:
-            return self._tp_cp_forward(x_bsd, norms, weights, rotary_pos_emb, causal, chunks, form)
+            return self._tp_cp_forward(x_bsd, norms, layer_weights, rotary_pos_emb, problem, form)
         layer, layer_prep = ((allgather_self_attention, prep_full) if form == "allgather"
                              else (async_ulysses_self_attention, prep))
-        out_bsd = layer(
-            x_bsd, self._qkv_weight(self.linear_qkv.weight), self._qkv_weight(self.linear_qkv.bias),
-            self.linear_proj.weight, None, group, num_heads=self.num_attention_heads_per_partition,
-            num_kv_heads=self.num_query_groups_per_partition, prep=layer_prep,
-            norm_q_weight=weights["q"], norm_k_weight=weights["k"],
-            head_chunks=chunks, softmax_scale=core.softmax_scale, backend=core.backend,
-            comm_stream=core.ctx.streams.comm_stream(hidden_states.device),
-            transport=core.ctx.transports.get(core.sp.transport, group, hidden_states.device, "--sp-transport"),
-            causal=causal, placement="zigzag")
+        out_bsd = layer(x_bsd, layer_weights, group, problem, num_heads=self.num_attention_heads_per_partition,
+                        num_kv_heads=self.num_query_groups_per_partition, prep=layer_prep,
+                        run=self._layer_run(group, hidden_states.device))
         return out_bsd.transpose(0, 1).contiguous(), self.linear_proj.bias
 
-    def _tp_cp_forward(self, x_bsd, norms, weights, rotary_pos_emb, causal: bool, chunks: int, form: str):
+    def _problem(self, attention_mask) -> AttentionProblem:
+        """This call's AttentionProblem: causal per the mask type, the core's softmax scale, Megatron's zigzag
+        placement (one per call: Megatron's layers get no per-step object to hold it)."""
+        core = self.core_attention
+        return AttentionProblem(causal=core._causal(None, attention_mask), softmax_scale=core.softmax_scale,
+                                placement="zigzag")
+
+    def _layer_run(self, group, device) -> LayerRun:
+        """How the layers run: the core's HCMS chunks, backend, communication stream and transport."""
+        core = self.core_attention
+        return LayerRun(head_chunks=modes.get(core.mode).chunks(core.sp.head_chunks), backend=core.backend,
+                        comm_stream=core.ctx.streams.comm_stream(device),
+                        transport=core.ctx.transports.get(core.sp.transport, group, device, "--sp-transport"))
+
+    def _agreed_problem(self, hidden_states, attention_mask) -> AttentionProblem:
+        """This call's problem, agreed across the layer's groups (the layers' own checks folded in) before the
+        form policy runs anything over them: a rank whose shard differs raises with every other rank, instead of
+        one rank timing a shape the others have seen (and waiting in the timing's collectives)."""
+        problem = self._problem(attention_mask)
+        core = self.core_attention
+        x_bsd = hidden_states.transpose(0, 1)
+        cp_group, tcp_group = self._groups()
+        what = "SPSelfAttention (--sp-async-qkv)"
+        run = LayerRun(head_chunks=modes.get(core.mode).chunks(core.sp.head_chunks), backend=core.backend)
+        tp = self.world_size
+        agree_layer(what, problem, x_bsd, (tcp_group,) if tp != 1 else (cp_group,),
+                    lambda: check_layer(what, problem, x_bsd, self.num_attention_heads_per_partition,
+                                        self.num_query_groups_per_partition, run, cp_group.size(),
+                                        seq_local=x_bsd.shape[1] * tp))
+        return problem
+
+    def _tp_cp_forward(self, x_bsd, norms, layer_weights: LayerWeights, rotary_pos_emb, problem: AttentionProblem,
+                       form: str):
         """TP > 1 with --sequence-parallel: the TP x CP layer (sp/layers/tp_cp.py) in ``form`` (pipelined, mixed,
         mixed_in) on this rank's [b, s_tp, h] tokens. The CP group may have one rank (TP only)."""
         import torch.distributed as dist  # noqa: PLC0415
-        core = self.core_attention
         cp_group, tcp_group = self._groups()
         gathered = {}
 
@@ -297,13 +341,8 @@ class SPSelfAttention(SelfAttention):
                 y4 = apply_rotary_pos_emb(y4.transpose(0, 1), freqs, config=self.config,
                                           cp_group=cp_group).transpose(0, 1)
             return y4
-        dev = x_bsd.device
         out_bsd = tp_cp_self_attention(
-            x_bsd, self._qkv_weight(self.linear_qkv.weight), self._qkv_weight(self.linear_qkv.bias),
-            self.linear_proj.weight, None, self.tp_group, cp_group, num_heads=self.num_attention_heads_per_partition,
-            num_kv_heads=self.num_query_groups_per_partition, prep=prep, norm_q_weight=weights["q"],
-            norm_k_weight=weights["k"], head_chunks=chunks, form=form, tcp_group=tcp_group, softmax_scale=core.softmax_scale, backend=core.backend,
-            comm_stream=core.ctx.streams.comm_stream(dev),
-            transport=core.ctx.transports.get(core.sp.transport, cp_group, dev, "--sp-transport"),
-            causal=causal, placement="zigzag")
+            x_bsd, layer_weights, TpCpGroups(self.tp_group, cp_group, tcp_group), problem,
+            num_heads=self.num_attention_heads_per_partition, num_kv_heads=self.num_query_groups_per_partition,
+            prep=prep, form=form, run=self._layer_run(cp_group, x_bsd.device))
         return out_bsd.transpose(0, 1).contiguous(), self.linear_proj.bias

@@ -8,6 +8,7 @@ the same worker on forked gloo ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -71,7 +72,8 @@ def tp_cp_case(rank: int, world: int, tp: int, *, form: str = "pipelined", h: in
     {name: relative error} for the output and input grad of this rank's tokens, w_qkv / b_qkv / w_o grads
     summed over CP compared with this TP shard's rows/columns, b_o and norm-weight grads summed over all ranks."""
     from megatron_sp_ext.sp.placement import pieces
-    from megatron_sp_ext.sp.layers.tp_cp import tp_cp_self_attention
+    from megatron_sp_ext.sp.layers.call import LayerWeights
+    from megatron_sp_ext.sp.layers.tp_cp import TpCpGroups, tp_cp_self_attention
     tp_g, cp_g, tcp_g = tp_cp_groups(tp)
     cp = world // tp
     t, pr = rank % tp, rank // tp
@@ -110,10 +112,10 @@ def tp_cp_case(rank: int, world: int, tp: int, *, form: str = "pipelined", h: in
             y4 = rms(y4, w)
         return rope(y4, ang_all if gathered else ang_cp)
     x = x_full[:, mine].to(dtype).requires_grad_()
-    y = tp_cp_self_attention(x, par["w_qkv"], par["b_qkv"], par["w_o"], par["b_o"], tp_g, cp_g, num_heads=ht,
-                             num_kv_heads=kvt, prep=prep, norm_q_weight=par["nq"] if qk_norm else None,
-                             norm_k_weight=par["nk"] if qk_norm else None, head_chunks=chunks, causal=causal,
-                             placement=placement, form=form, tcp_group=tcp_g)
+    weights = LayerWeights(par["w_qkv"], par["w_o"], par["b_qkv"], par["b_o"], par["nq"] if qk_norm else None,
+                           par["nk"] if qk_norm else None)
+    y = tp_cp_self_attention(x, weights, TpCpGroups(tp_g, cp_g, tcp_g), num_heads=ht, num_kv_heads=kvt, prep=prep,
+                             head_chunks=chunks, causal=causal, placement=placement, form=form)
     y.backward(dy_full[:, mine].to(dtype))
     with torch.no_grad():
         y_ref = reference_block(x_full, p0, h, hkv, d, ang, qk_norm, causal)
@@ -187,7 +189,7 @@ MEGATRON_FORMS = ("pipelined", "mixed", "mixed_in", "auto")
 
 
 def tp_cp_megatron_family(rank: int, world: int) -> list:
-    """Megatron's own TP sequence-parallel self-attention (SPSelfAttention, sp_form="megatron": megatron-core's
+    """Megatron's own TP sequence-parallel self-attention (SPSelfAttention.running("megatron"): megatron-core's
     local layers) against the TP x CP block's forms and ``auto`` (its FormPolicy; on CUDA timed with CUDA events,
     the calibration on detached copies) in the same module and weights, TP2 x CP(world / 2), fp32, zigzag:
     output, input grad and every parameter grad after Megatron's reductions (TP-sharded: summed over CP;
@@ -213,7 +215,8 @@ def tp_cp_megatron_family(rank: int, world: int) -> list:
             for form in ("megatron",) + MEGATRON_FORMS:
                 attn.zero_grad(set_to_none=True)
                 x = x0.clone().requires_grad_()
-                y, bias = attn(x, None, rotary_pos_emb=freqs, **({} if form == "auto" else {"sp_form": form}))
+                with contextlib.nullcontext() if form == "auto" else attn.running(form):
+                    y, bias = attn(x, None, rotary_pos_emb=freqs)
                 y = y + bias  # linear_proj's skip_bias_add: the layer adds it (bias-dropout-add)
                 y.backward(dy)
                 r = {"out": y.detach(), "dx": x.grad}

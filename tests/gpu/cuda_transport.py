@@ -111,7 +111,7 @@ def _async_block(rec: list, world: int, group, dev: torch.device, transport: str
     x = torch.randn(1, sl, dim, device=dev, dtype=torch.bfloat16, generator=g)
     w_qkv = torch.randn(3 * h * d, dim, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
     w_o = torch.randn(dim, h * d, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
-    outs = [spx.async_ulysses_self_attention(x, w_qkv, None, w_o, None, group, num_heads=h, num_kv_heads=h,
+    outs = [spx.async_ulysses_self_attention(x, spx.LayerWeights(w_qkv, w_o), group, num_heads=h, num_kv_heads=h,
                                              prep=lambda br, y, w: y.view(1, sl, h, d), head_chunks=2, transport=tr)
             for tr in ("nccl", "nccl", _stand_in() or transport)]
     rec.append({"family": "transport", "case": case,

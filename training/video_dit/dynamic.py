@@ -57,21 +57,41 @@ def make_dynamic_core(cfg: SPConfig, group: dist.ProcessGroup, *, num_heads: int
     kv_valid_len n) runs the uniform SP attention of ``cfg`` over the whole group: the dynamic plan of one sample
     on every rank is that attention (``DynamicAttention.sub_attention(0, world)``). Creates the aligned sub-groups
     (collective: every process of the job calls it). Refuses modes that cannot run on a sub-group, naming the
-    user's settings (``cfg.source``)."""
+    user's settings (``cfg.source``). The problems are built once per forward (``core.begin_step``, which the
+    model's forward calls on every rank): a pack's ``PackProblems`` and the unpacked call's problem per padding, so
+    each sub-group agrees its problem at the forward's first layer, not at every layer."""
     cfg = dataclasses.replace(cfg, dynamic=True)
     attn = DynamicAttention(cfg, DynamicGroups(group, min_size), num_heads=num_heads, layout="bshd",
                             resources=SPResources(cfg))
     name = cfg.name("dynamic")
+    step: dict = {"problems": None}   # this forward's problems (begin_step); None before the first: one per call
+
+    def problems_of(key, build):
+        memo = step["problems"]
+        if memo is None:
+            return build()
+        if key not in memo:
+            memo[key] = build()
+        return memo[key]
 
     def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
         if cu_seqlens is None:  # one unpacked sequence over every rank (sampling): the uniform attention
             uniform = attn.sub_attention(0, attn.groups.world)
-            if block_mask is not None:
-                return uniform(q, k, v, causal=False, kv_valid_len=n, block_mask=block_mask, block_size=block_size)
-            return uniform(q, k, v, causal=False, kv_valid_len=n)
+            problem = problems_of(("uniform", n), lambda: uniform.problem(kv_valid_len=n))
+            if block_mask is not None:   # compared once per mask object (the layers share a window mask)
+                base = problem
+                problem = base.cached(("mask", id(block_mask), block_size),
+                                      lambda: base.with_mask(block_mask, tile=block_size))
+            return uniform(q, k, v, problem)
         if not isinstance(cu_seqlens, DynamicPlan) or n is not None or block_mask is not None:
             raise SPConfigError(f"{name} runs packed steps only (--pack-samples, no padding, no block mask)")
-        return attn(q, k, v, cu_seqlens, causal=False)
+        # keyed by the plan's value (frozen, the same on every rank): the forward's layers share its problems
+        return attn(q, k, v, problems_of(("pack", cu_seqlens), lambda: attn.problems(cu_seqlens, causal=False)))
+
+    def begin_step() -> None:
+        """A new forward: its problems are built afresh (called by the model's forward on every rank)."""
+        step["problems"] = {}
+    core.begin_step = begin_step
     core.group = group
     core.attention = attn
     return core

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron_sp_ext.errors import SPConfigError
+from megatron_sp_ext.sp.problem import AttentionProblem
 
 from .config import DiTConfig
 from .fused import ElementwiseOps, linear_input_dtype, rms_norm
@@ -124,6 +125,26 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class StepProblems:
+    """The attention-layer forms' AttentionProblem of one forward, per key padding, shared by the model's blocks
+    (set_async_attention / set_layer_policy): built at a forward's first layer (agreed across the SP group there:
+    one collective), reused by the other layers and by a checkpoint's recompute (it travels as an argument).
+    ``begin()`` starts a forward (the model's forward calls it on every rank); before the first, one per call."""
+
+    def __init__(self) -> None:
+        self.memo: Optional[dict] = None
+
+    def begin(self) -> None:
+        self.memo = {}
+
+    def get(self, kv_valid_len: Optional[int]) -> AttentionProblem:
+        if self.memo is None:
+            return AttentionProblem(kv_valid_len=kv_valid_len)
+        if kv_valid_len not in self.memo:
+            self.memo[kv_valid_len] = AttentionProblem(kv_valid_len=kv_valid_len)
+        return self.memo[kv_valid_len]
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
@@ -135,6 +156,7 @@ class SelfAttention(nn.Module):
         # (group, LayerChoice) runs that block form; (group, LayerPolicy) lets the policy pick per shape
         self.sp_layer = None
         self.rope_memo: dict = {}  # the all-gather block's global RoPE table (shared by the model's blocks)
+        self.layer_problems = StepProblems()  # the block forms' problem per forward (shared by the model's blocks)
         self.recompute_core = False  # activation checkpointing of the attention core (selective core_attn)
         self.ops = ElementwiseOps()  # eager; VideoDiT.set_fused_elementwise shares one compiled set
         self.packed_qkv = False  # write q|k|v in the core's send layout when it has a packed entry (set_packed_qkv)
@@ -146,36 +168,49 @@ class SelfAttention(nn.Module):
         return (self.qkv.weight, self.qkv.bias, self.out.weight, self.out.bias, self.norm_q.weight,
                 self.norm_k.weight)
 
-    def _run(self, choice, group, x, angles, kv_valid_len, params):
-        """The block in form ``choice`` (megatron_sp_ext LayerChoice) with explicit parameters."""
+    def _run(self, choice, group, x, angles, problem: AttentionProblem, params):
+        """The block in form ``choice`` (megatron_sp_ext LayerChoice) with explicit parameters, on ``problem``
+        (agreed over ``group`` for x's shape: ``_agreed_problem``)."""
+        from megatron_sp_ext.sp.layers.call import LayerRun, LayerWeights  # noqa: PLC0415
         b, s, _ = x.shape
         w_qkv, b_qkv, w_o, b_o, nq, nk = params
+        run = LayerRun(head_chunks=choice.head_chunks, transport=choice.transport)
         if choice.allgather:
-            return self._run_allgather(choice, group, x, angles, kv_valid_len, params)
+            return self._run_allgather(group, x, angles, problem, LayerWeights(w_qkv, w_o, b_qkv, b_o, nq, nk), run)
         if choice.async_qkv:
             from megatron_sp_ext.sp.layers.async_qkv import async_ulysses_self_attention  # noqa: PLC0415
 
             def prep(branch, y, w):  # QK-norm (weight w) + RoPE at global positions, per branch
                 eps = (self.norm_q if branch == "q" else self.norm_k).eps
                 return apply_rope(rms_norm(y, w, eps).view(b, s, self.heads, self.hd), angles)
-            return async_ulysses_self_attention(
-                x, w_qkv, b_qkv, w_o, b_o, group, num_heads=self.heads, num_kv_heads=self.heads, prep=prep,
-                norm_q_weight=nq, norm_k_weight=nk, head_chunks=choice.head_chunks, kv_valid_len=kv_valid_len,
-                transport=choice.transport)
+            return async_ulysses_self_attention(x, LayerWeights(w_qkv, w_o, b_qkv, b_o, nq, nk), group, problem,
+                                                num_heads=self.heads, num_kv_heads=self.heads, prep=prep, run=run)
         from megatron_sp_ext.sp.ulysses import ulysses_attention  # noqa: PLC0415
         q, k, v = F.linear(x, w_qkv, b_qkv).chunk(3, dim=-1)
         q, k = rms_norm(q, nq, self.norm_q.eps), rms_norm(k, nk, self.norm_k.eps)
         q, k, v = (t.reshape(b, s, self.heads, self.hd) for t in (q, k, v))
         q, k = apply_rope(q, angles), apply_rope(k, angles)
-        o = ulysses_attention(q, k, v, group, head_chunks=choice.head_chunks, kv_valid_len=kv_valid_len,
+        # q, k, v follow from the agreed x by the same projection on every rank: agreed by construction
+        o = ulysses_attention(q, k, v, group, problem.cached(("qkv",), problem.inner), head_chunks=choice.head_chunks,
                               transport=choice.transport)
         return F.linear(o.reshape(b, s, -1), w_o, b_o)
 
-    def _run_allgather(self, choice, group, x, angles, kv_valid_len, params):
+    def _agreed_problem(self, group, x, kv_valid_len) -> AttentionProblem:
+        """This forward's problem of the block forms (``layer_problems``), agreed across ``group`` for x's shape
+        (the layers' checks folded in) before anything else runs over the group: the first layer of a forward runs
+        the one collective, the others none; a rank whose shard differs raises with every other rank (before the
+        layer policy could time a shape only some ranks have seen)."""
+        from megatron_sp_ext.sp.layers.call import LayerRun, agree_layer, check_layer  # noqa: PLC0415
+        problem = self.layer_problems.get(kv_valid_len)
+        what = "the DiT's self-attention layer"
+        agree_layer(what, problem, x, (group,), lambda: check_layer(what, problem, x, self.heads, self.heads,
+                                                                    LayerRun(), group.size()))
+        return problem
+
+    def _run_allgather(self, group, x, angles, problem: AttentionProblem, weights, run):
         """The all-gather QKV block: this rank's heads over the whole sequence (QK-norm over all heads via
         a cross-rank sum of squares, RoPE at every gathered token's global position)."""
         from megatron_sp_ext.sp.layers.allgather import allgather_self_attention  # noqa: PLC0415
-        w_qkv, b_qkv, w_o, b_o, nq, nk = params
         width, hd = self.heads * self.hd, self.hd
 
         def prep(branch, y, w, shard):
@@ -184,10 +219,8 @@ class SelfAttention(nn.Module):
             r = torch.rsqrt(shard.sum_sq(y4, branch) / width + eps)
             y4 = (y4.float() * r * shard.norm_weight(w, branch, hd).float()).to(y.dtype)
             return apply_rope(y4, self._global_angles(angles, shard))
-        return allgather_self_attention(
-            x, w_qkv, b_qkv, w_o, b_o, group, num_heads=self.heads, num_kv_heads=self.heads, prep=prep,
-            norm_q_weight=nq, norm_k_weight=nk, head_chunks=choice.head_chunks, kv_valid_len=kv_valid_len,
-            transport=choice.transport)
+        return allgather_self_attention(x, weights, group, problem, num_heads=self.heads, num_kv_heads=self.heads,
+                                        prep=prep, run=run)
 
     def _global_angles(self, angles, shard):
         """RoPE angles of the gathered sequence; gathered once per forward (the model's blocks share the memo)."""
@@ -196,11 +229,11 @@ class SelfAttention(nn.Module):
             memo["local"], memo["full"] = angles, shard.gather_tokens(angles)
         return memo["full"]
 
-    def _calibration_step(self, choice, group, x, angles, kv_valid_len):
+    def _calibration_step(self, choice, group, x, angles, problem: AttentionProblem):
         """One fwd(+bwd) of ``choice`` on detached copies: the model's .grad stays untouched."""
         params = [p.detach().requires_grad_(p.requires_grad) for p in self._params()]
         xs = x.detach().requires_grad_(x.requires_grad)
-        y = self._run(choice, group, xs, angles, kv_valid_len, params)
+        y = self._run(choice, group, xs, angles, problem, params)
         if torch.is_grad_enabled() and y.requires_grad:
             y.backward(torch.ones_like(y))
 
@@ -236,14 +269,14 @@ class SelfAttention(nn.Module):
         if self.sp_layer is not None:
             group, how = self.sp_layer
             choice = how
+            problem = self._agreed_problem(group, x, kv_valid_len)
             if hasattr(how, "form_for"):  # a LayerPolicy
                 key = (tuple(x.shape), x.dtype, kv_valid_len, torch.is_grad_enabled())
-                choice = how.form_for(key, lambda ch: self._calibration_step(ch, group, x, angles, kv_valid_len),
-                                    group, x.device, self.heads // group.size())
+                choice = how.form_for(key, lambda ch: self._calibration_step(ch, group, x, angles, problem),
+                                      group, x.device, self.heads // group.size())
             if self.recompute_core and torch.is_grad_enabled():  # the fused block forms: recompute the whole block
-                return checkpoint(self._run, choice, group, x, angles, kv_valid_len, self._params(),
-                                  use_reentrant=False)
-            return self._run(choice, group, x, angles, kv_valid_len, self._params())
+                return checkpoint(self._run, choice, group, x, angles, problem, self._params(), use_reentrant=False)
+            return self._run(choice, group, x, angles, problem, self._params())
         layout = self.packed_layout(x)
         parts = self.project(x, angles, layout, sparse)
         return self.out(self.attend(parts, layout, kv_valid_len, cu_seqlens, sparse).reshape(b, s, -1))
@@ -578,9 +611,10 @@ class VideoDiT(nn.Module):
         with ``allgather`` the all-gather QKV block (sequence all-gather fused with the QKV GEMM)."""
         from megatron_sp_ext.sp.layers.policy import LayerChoice  # noqa: PLC0415
         memo: dict = {}
+        problems = StepProblems()
         for blk in self.blocks:
             blk.attn.sp_layer = (group, LayerChoice(not allgather, head_chunks, transport, allgather))
-            blk.attn.rope_memo = memo
+            blk.attn.rope_memo, blk.attn.layer_problems = memo, problems
 
     def set_layer_policy(self, group, policy=None) -> None:
         """Let one runtime policy pick plain/async/allgather, HCMS chunks and transport per shape (all blocks
@@ -588,15 +622,18 @@ class VideoDiT(nn.Module):
         from megatron_sp_ext.sp.layers.policy import LayerPolicy  # noqa: PLC0415
         policy = policy or LayerPolicy()
         memo: dict = {}
+        problems = StepProblems()
         for blk in self.blocks:
             blk.attn.sp_layer = (group, policy)
-            blk.attn.rope_memo = memo
+            blk.attn.rope_memo, blk.attn.layer_problems = memo, problems
         self.layer_policy = policy
 
     def forward(self, patches, t, text, token_ids, grid, kv_valid_len=None, pack: Optional[PackInfo] = None):
         begin = getattr(self.blocks[0].attn.core, "begin_step", None) if len(self.blocks) else None
         if begin is not None:   # the attention problems of this forward: built once, at its first layer
             begin()
+        for problems in {id(b.attn.layer_problems): b.attn.layer_problems for b in self.blocks}.values():
+            problems.begin()   # the block forms' problems too (shared by set_async_attention / set_layer_policy)
         x = self.patch_embed(patches)
         t_emb = self.time_embed(timestep_embedding(t, self.cfg.freq_dim).to(x.dtype))
         t_blocks = t_emb if self.cfg.modulation == "linear" else self.time_proj(F.silu(t_emb))

@@ -22,7 +22,7 @@ from megatron_sp_ext import SPConfig, SPConfigError
 
 from .dynamic import make_dynamic_core
 from .engine import core_of
-from .model import VideoDiT, local_core
+from .model import StepProblems, VideoDiT, local_core
 from .sparse import SparseSpec
 
 
@@ -71,7 +71,7 @@ class DiTParallelHandle:
         m.set_recompute(None)
         for blk in m.blocks:
             blk.attn.sp_layer = None
-            blk.attn.rope_memo = {}
+            blk.attn.rope_memo, blk.attn.layer_problems = {}, StepProblems()
         m.__dict__.pop("layer_policy", None)
         m.set_attention_core(local_core)
         m.set_sparse_attention(None)

@@ -1,12 +1,15 @@
 """Attention of a dynamic-SP pack: each sample on its own aligned sub-group, with the configured mode.
 
-``DynamicAttention(cfg, groups, num_heads=H)(q, k, v, plan)`` takes this rank's rows (B=1, [1, S_loc, H, D] for
+``DynamicAttention(cfg, groups, num_heads=H)(q, k, v, problems)`` takes this rank's rows (B=1, [1, S_loc, H, D] for
 layout "bshd", [S_loc, 1, H, D] for "sbhd") in the plan's local order (``DynamicPlan.pieces``) and returns the
 output in the same rows. Samples on one rank run the local kernel (no exchange; all of them in one varlen call);
 the samples of a sub-group of d > 1 ranks run in one call of the factory's attention for ``cfg.mode`` over that
 sub-group (``make_attention``, cu_seqlens of those samples: the library pads each to a multiple of d, as the plan's
 rows are). Sub-groups run in ``plan.groups()`` order on every rank. With ``tile_masks`` (one per sample, over the
-sample's own tokens, or None) each sample runs on its own with its mask (block-sparse kernels).
+sample's own tokens, or None) each sample runs on its own with its mask (block-sparse kernels). ``problems``:
+the pack's ``PackProblems`` (``attention.problems(plan, causal=...)``, built once per pack and step and passed to
+every layer: each sub-group's problem is agreed across its ranks once per step), or the plan itself with causal /
+softmax_scale as keywords (one PackProblems per call).
 
 Modes: ulysses, hcms, ring, tasp, usp and auto (resolved per sub-group size); tas and torus place Ulysses across
 machines, which a sub-group inside one machine does not span: refused by name.
@@ -28,6 +31,7 @@ from ..factory import SPAttention, SPResources, make_attention
 from ..ulysses.attend import local_attention
 from .groups import DynamicGroups
 from .plan import DynamicPlan
+from .problems import PackProblems
 
 
 
@@ -75,24 +79,40 @@ class DynamicAttention:
                             tuple(cu) if len(lengths) > 1 else None, "auto")
         return o.permute(2, 0, 1, 3) if self.seq_dim == 0 else o.transpose(1, 2)
 
-    def _masked(self, q, k, v, plan, i, mask, block_size, causal, scale):
+    def _masked(self, q, k, v, problems: PackProblems, i, mask, block_size, scale):
         """Sample i alone with its block mask: the local block-sparse kernel, or its sub-group's attention."""
-        n, d = plan.lengths[i], plan.sizes[i]
-        if d == 1:
+        plan = problems.plan
+        if plan.sizes[i] == 1:
             bhsd = (lambda t: t.permute(1, 2, 0, 3)) if self.seq_dim == 0 else (lambda t: t.transpose(1, 2))
-            o = block_sparse_attention(bhsd(q), bhsd(k), bhsd(v), mask, block_size=block_size, causal=causal,
-                                       softmax_scale=scale)
+            o = block_sparse_attention(bhsd(q), bhsd(k), bhsd(v), mask, block_size=block_size,
+                                       causal=problems.causal, softmax_scale=scale)
             return o.permute(2, 0, 1, 3) if self.seq_dim == 0 else o.transpose(1, 2)
-        valid = n if n % d else None
-        return self.sub_attention(plan.starts[i], d)(q, k, v, causal=causal, softmax_scale=scale, kv_valid_len=valid,
-                                                     block_mask=mask, block_size=block_size)
+        return self.sub_attention(plan.starts[i], plan.sizes[i])(q, k, v, problems.sample(i, mask, block_size, scale))
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DynamicPlan, *, causal: bool = False,
-                 softmax_scale: Optional[float] = None, tile_masks: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    def problems(self, plan: DynamicPlan, *, causal: bool = False,
+                 softmax_scale: Optional[float] = None) -> PackProblems:
+        """The pack's problems (``PackProblems``): build once per pack and step on every rank and pass to every
+        layer's call in place of the plan."""
+        return PackProblems(plan, causal, softmax_scale,
+                            lambda start, size, **kw: self.sub_attention(start, size).problem(**kw))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problems: "PackProblems | DynamicPlan", *,
+                 causal: Optional[bool] = None, softmax_scale: Optional[float] = None,
+                 tile_masks: Optional[Sequence[Optional[torch.Tensor]]] = None,
                  block_size: int = DEFAULT_TILE_SIZE) -> torch.Tensor:
-        """q: this rank's rows ([1, S_loc, H, D] / [S_loc, 1, H, D]); k, v: Hkv heads; plan: the pack's plan (the
-        same on every rank). tile_masks: per sample, bool [H or 1, T_i, T_i] over its own tokens (T_i =
-        ceil(n_i / block_size)), or None for dense. Returns the output rows."""
+        """q: this rank's rows ([1, S_loc, H, D] / [S_loc, 1, H, D]); k, v: Hkv heads; problems: the pack's
+        ``PackProblems`` (``problems(plan, causal=, softmax_scale=)``), or the pack's plan (the same on every rank)
+        with causal (default False) / softmax_scale as keywords. tile_masks: per sample, bool [H or 1, T_i, T_i]
+        over its own tokens (T_i = ceil(n_i / block_size)), or None for dense. Returns the output rows."""
+        if isinstance(problems, DynamicPlan):
+            problems = self.problems(problems, causal=bool(causal), softmax_scale=softmax_scale)
+        elif not isinstance(problems, PackProblems):
+            raise SPConfigError(f"dynamic SP: pass the pack's PackProblems (attention.problems(plan, ...)) or its "
+                                f"DynamicPlan; got {type(problems).__name__}")
+        elif causal is not None or softmax_scale is not None:
+            raise SPConfigError("dynamic SP: give causal / softmax_scale in attention.problems(plan, ...) or as "
+                                "keywords beside the plan, not both")
+        plan, causal, softmax_scale = problems.plan, problems.causal, problems.softmax_scale
         if plan.world != self.groups.world:
             raise SPConfigError(f"dynamic SP: the plan is for {plan.world} ranks, the SP group has "
                                 f"{self.groups.world}")
@@ -132,23 +152,17 @@ class DynamicAttention:
                 for i in ids:
                     t = [x.narrow(sd, *offset[i]) for x in (q, k, v)]
                     if tile_masks[i] is not None:
-                        keep([i], self._masked(*t, plan, i, tile_masks[i], block_size, causal, scale))
+                        keep([i], self._masked(*t, problems, i, tile_masks[i], block_size, scale))
                     elif size == 1:
                         keep([i], self._local(*t, [plan.lengths[i]], causal, scale))
                     else:
-                        keep([i], self.sub_attention(start, size)(
-                            *t, causal=causal, softmax_scale=scale,
-                            cu_seqlens=torch.tensor([0, plan.lengths[i]], dtype=torch.int32)))
+                        keep([i], self.sub_attention(start, size)(*t, problems.sample(i, None, block_size, scale)))
                 continue
             qs, ks, vs = (rows_of(x, ids) for x in (q, k, v))
             if size == 1:
                 keep(ids, self._local(qs, ks, vs, [plan.lengths[i] for i in ids], causal, scale))
             else:
-                cu = [0]
-                for i in ids:
-                    cu.append(cu[-1] + plan.lengths[i])
-                keep(ids, self.sub_attention(start, size)(qs, ks, vs, causal=causal, softmax_scale=scale,
-                                                          cu_seqlens=torch.tensor(cu, dtype=torch.int32)))
+                keep(ids, self.sub_attention(start, size)(qs, ks, vs, problems.group(start, size, tuple(ids), scale)))
         if whole:
             return whole[0]
         order = [outs[i] for i, _, _ in pieces]

@@ -34,7 +34,9 @@ import torch.distributed as dist
 from ...comm import streams as st
 from ...comm.transport import symm_mem_unavailable_reason
 from ...errors import SPConfigError
+from ..problem import AttentionProblem
 from .async_qkv import AsyncPlan, attention_backward, make_async_plan, out_proj_backward
+from .call import LayerRun, LayerWeights, agree_layer, check_layer, layer_call
 from .skeleton import LayerForm, apply_layer, attend_all, prep_backward, prep_forward, start_gather
 
 # prep(branch, y [B, S, n*D], norm_weight (full, or None), shard) -> [B, S, n, D]
@@ -271,16 +273,19 @@ def _backward(saved, state, dy, plan: GatherPlan):
 ALLGATHER = LayerForm("allgather", _forward, _backward)
 
 
-def make_gather_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: PrepFull,
-                     seq_local: int, device: torch.device, fused: Optional[bool] = None, **kw) -> GatherPlan:
-    """The GatherPlan of one layer call (other keywords as in make_async_plan). fused: True (torch's
-    fused symm_mem all-gather/reduce-scatter matmuls; an error where they cannot run), False (NCCL
-    all-gather -> GEMM, GEMM -> reduce-scatter) or None (follow the transport: fused with "symm_mem")."""
-    base = make_async_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, prep=prep,
-                           seq_local=seq_local, device=device, **kw)
+def make_gather_plan(group: dist.ProcessGroup, problem: AttentionProblem, *, num_heads: int, num_kv_heads: int,
+                     head_dim: int, prep: PrepFull, seq_local: int, device: torch.device,
+                     run: Optional[LayerRun] = None) -> GatherPlan:
+    """The GatherPlan of one layer call (arguments as in make_async_plan). ``run.fused``: True (torch's fused
+    symm_mem all-gather/reduce-scatter matmuls; an error where they cannot run), False (NCCL all-gather -> GEMM,
+    GEMM -> reduce-scatter) or None (follow the transport: fused with "symm_mem")."""
+    run = run or LayerRun()
+    base = make_async_plan(group, problem, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           prep=prep, seq_local=seq_local, device=device, run=run)
     hl = base.heads
     q_heads, kv_heads, kv_owner = _shard_heads(hl, base.rank)
     rows = _rows(num_heads, num_kv_heads, head_dim, q_heads, kv_heads, torch.device(device))
+    fused = run.fused
     if fused is None:
         fused = getattr(base.transport, "name", "nccl") == "symm_mem"
     why = fused_ops_unavailable_reason(group, device) if fused else None
@@ -294,24 +299,25 @@ def make_gather_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: 
                       fused=bool(fused))
 
 
-def allgather_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[torch.Tensor], w_o: torch.Tensor,
-                             b_o: Optional[torch.Tensor], group: dist.ProcessGroup, *, num_heads: int,
-                             num_kv_heads: int, prep: PrepFull, norm_q_weight: Optional[torch.Tensor] = None,
-                             norm_k_weight: Optional[torch.Tensor] = None, head_chunks: int = 1,
-                             fused: Optional[bool] = None, **kw) -> torch.Tensor:
+def allgather_self_attention(x: torch.Tensor, weights: LayerWeights, group: dist.ProcessGroup,
+                             problem: Optional[AttentionProblem] = None, *, num_heads: int, num_kv_heads: int,
+                             prep: PrepFull, run: Optional[LayerRun] = None, **keywords) -> torch.Tensor:
     """The all-gather QKV layer on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
 
-    Weights as in ``async_ulysses_self_attention`` (w_qkv [(H + 2 Hkv) D, dim] rows q | k | v, w_o
-    [dim, H D]); ``prep(branch, y [B, S, n D], norm_weight, shard)`` maps this rank's heads of a
-    branch over the WHOLE gathered sequence to [B, S, n, D] (use ``shard.sum_sq`` for norms over all
-    heads, ``shard.norm_weight`` for the local rows of a norm weight, global positions for RoPE).
-    Other keywords (softmax_scale, backend, comm_stream, kv_valid_len, transport, causal, placement)
-    as in ``ulysses_attention``. transport "nccl": NCCL all-gather -> GEMM (and GEMM -> reduce-scatter
-    in backward) and NCCL output exchange; "symm_mem": torch's fused symm_mem matmuls and the
-    copy-engine output exchange (``fused`` overrides the QKV side). Parameter gradients are this
-    rank's share: sum them over ``group`` (as DP/CP gradient reduction does).
+    weights, problem (or its settings as keywords: causal, placement, kv_valid_len, softmax_scale) and run (or
+    its settings as keywords: head_chunks, backend, comm_stream, transport, fused) as in
+    ``async_ulysses_self_attention``; ``prep(branch, y [B, S, n D], norm_weight, shard)`` maps this rank's heads of
+    a branch over the WHOLE gathered sequence to [B, S, n, D] (use ``shard.sum_sq`` for norms over all heads,
+    ``shard.norm_weight`` for the local rows of a norm weight, global positions for RoPE). transport "nccl": NCCL
+    all-gather -> GEMM (and GEMM -> reduce-scatter in backward) and NCCL output exchange; "symm_mem": torch's fused
+    symm_mem matmuls and the copy-engine output exchange (``fused`` overrides the QKV side). Parameter gradients
+    are this rank's share: sum them over ``group`` (as DP/CP gradient reduction does).
     """
-    plan = make_gather_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                            head_dim=w_o.shape[1] // num_heads, prep=prep, seq_local=x.shape[1], device=x.device,
-                            fused=fused, head_chunks=head_chunks, **kw)
-    return apply_layer(ALLGATHER, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    what = "allgather_self_attention"
+    problem, run = layer_call(what, problem, run, keywords)
+    agree_layer(what, problem, x, (group,), lambda: (run.refuse(what, ("rs_pieces",)), check_layer(
+        what, problem, x, num_heads, num_kv_heads, run, dist.get_world_size(group))))
+    plan = make_gather_plan(group, problem, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            head_dim=weights.head_dim(num_heads), prep=prep, seq_local=x.shape[1], device=x.device,
+                            run=run)
+    return apply_layer(ALLGATHER, x, weights, plan)

@@ -28,14 +28,15 @@ import torch.distributed as dist
 from ...attention.backends import LocalAttention, get_backend
 from ...comm import streams as st
 from ...comm.transport import default_transports, table_head_to_seq, table_seq_to_head
-from ...config import DEFAULT_PLACEMENT
 from ..checks import valid_kv_len
 from ..heads import HeadLayout, head_layout
 from ..placement import pieces
+from ..problem import AttentionProblem
 from ..ring import RingBackend
 from ..ulysses import alloc as _alloc, attend_backward
 from ..ulysses import exchange_all_chunks as _exchange_all_chunks, send_head_major as _send_head_major
 from ..ulysses import layout as lay, transport_of as _transport
+from .call import LayerRun, LayerWeights, agree_layer, check_layer, layer_call
 from .skeleton import LayerForm, apply_layer, attend_all, prep_backward, prep_forward
 
 # prep(branch, y [B, S, n*D], weight) -> [B, S, n, D]; weight is the branch's QK-norm weight or None
@@ -247,48 +248,47 @@ def _backward(saved, state, dy, plan: AsyncPlan):
 ASYNC_QKV = LayerForm("async_qkv", _forward, _backward)
 
 
-def async_ulysses_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[torch.Tensor],
-                                 w_o: torch.Tensor, b_o: Optional[torch.Tensor], group: dist.ProcessGroup, *,
-                                 num_heads: int, num_kv_heads: int, prep: Prep,
-                                 norm_q_weight: Optional[torch.Tensor] = None,
-                                 norm_k_weight: Optional[torch.Tensor] = None, head_chunks: int = 1,
-                                 softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "auto",
-                                 comm_stream: Optional["torch.cuda.Stream"] = None,
-                                 kv_valid_len: Optional[int] = None,
-                                 transport: "str | object" = "nccl", causal: bool = False,
-                                 placement: str = DEFAULT_PLACEMENT) -> torch.Tensor:
+def async_ulysses_self_attention(x: torch.Tensor, weights: LayerWeights, group: dist.ProcessGroup,
+                                 problem: Optional[AttentionProblem] = None, *, num_heads: int, num_kv_heads: int,
+                                 prep: Prep, run: Optional[LayerRun] = None, **keywords) -> torch.Tensor:
     """The async layer on this rank's tokens x [B, S_local, dim]; returns [B, S_local, dim].
 
-    w_qkv: [(H + 2 Hkv) * D, dim] (q rows, then k, then v), w_o: [dim, H * D] (nn.Linear layout).
-    prep(branch, y, norm_weight) maps a branch's [B, S, n*D] projection to [B, S, n, D] (QK-norm and
-    RoPE at this rank's global positions); it is applied to q and k, never to v. ``causal`` and
-    ``placement`` (which tokens this rank holds: "contiguous", "zigzag", ...) and ``kv_valid_len``
-    (padded keys) mask exactly as in ulysses_attention.
-    transport: "nccl" (default), "symm_mem" or "copy_engine" (copy-engine exchanges), as in ulysses_attention.
+    weights: ``LayerWeights`` (w_qkv [(H + 2 Hkv) * D, dim], q rows then k then v; w_o [dim, H * D]; nn.Linear
+    layout; the QK-norm weights prep receives). problem: the ``AttentionProblem`` (causal, placement: which tokens
+    this rank holds, kv_valid_len: padded keys, softmax_scale; masked exactly as in ulysses_attention), built once
+    by the caller and agreed across ``group`` on its first call (one collective every rank reaches); or its
+    settings as keywords (``causal=True``, ...). run: ``LayerRun`` (head_chunks, backend, comm_stream, transport:
+    "nccl", "symm_mem" or "copy_engine"), or its settings as keywords. prep(branch, y, norm_weight) maps a branch's
+    [B, S, n*D] projection to [B, S, n, D] (QK-norm and RoPE at this rank's global positions); it is applied to q
+    and k, never to v.
     """
-    plan = make_async_plan(group, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=w_o.shape[1] // num_heads,
-                           prep=prep, head_chunks=head_chunks, softmax_scale=softmax_scale, backend=backend,
-                           comm_stream=comm_stream, kv_valid_len=kv_valid_len, transport=transport,
-                           seq_local=x.shape[1], device=x.device, causal=causal, placement=placement)
-    return apply_layer(ASYNC_QKV, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    what = "async_ulysses_self_attention"
+    problem, run = layer_call(what, problem, run, keywords)
+    agree_layer(what, problem, x, (group,), lambda: (run.refuse(what, ("fused", "rs_pieces")), check_layer(
+        what, problem, x, num_heads, num_kv_heads, run, dist.get_world_size(group))))
+    plan = make_async_plan(group, problem, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           head_dim=weights.head_dim(num_heads), prep=prep, seq_local=x.shape[1], device=x.device,
+                           run=run)
+    return apply_layer(ASYNC_QKV, x, weights, plan)
 
 
-def make_async_plan(group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int, head_dim: int, prep: Prep,
-                    seq_local: int, device: torch.device, head_chunks: int = 1,
-                    softmax_scale: Optional[float] = None, backend: "str | LocalAttention" = "auto",
-                    comm_stream: Optional["torch.cuda.Stream"] = None, kv_valid_len: Optional[int] = None,
-                    transport: "str | object" = "nccl", causal: bool = False,
-                    placement: str = DEFAULT_PLACEMENT) -> AsyncPlan:
-    """The AsyncPlan of one layer call (arguments as in async_ulysses_self_attention)."""
+def make_async_plan(group: dist.ProcessGroup, problem: AttentionProblem, *, num_heads: int, num_kv_heads: int,
+                    head_dim: int, prep: Prep, seq_local: int, device: torch.device,
+                    run: Optional[LayerRun] = None) -> AsyncPlan:
+    """The AsyncPlan of one layer call of ``problem`` (arguments as in async_ulysses_self_attention; ``run``
+    default ``LayerRun()``). Runs this rank's checks only (SPConfigError naming the setting): the layer agrees the
+    problem across ranks before it builds the plan."""
+    run = run or LayerRun()
     world, d = dist.get_world_size(group), head_dim
-    hl = head_layout(num_heads, num_kv_heads, world, head_chunks)
-    be = get_backend(backend)
-    kv_valid_len = valid_kv_len(kv_valid_len, seq_local * world)
+    hl = head_layout(num_heads, num_kv_heads, world, run.head_chunks)
+    be = get_backend(run.backend)
+    kv_valid_len = valid_kv_len(problem.kv_valid_len, seq_local * world)
+    placement, causal = problem.placement, problem.causal
     if kv_valid_len is not None or (causal and placement != "contiguous"):
         runs = tuple(r for p in range(world) for r in pieces(placement, p, world, seq_local * world))
         be = RingBackend(None, "ring", runs, (runs,), be, kv_valid_len)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    stream = comm_stream if comm_stream is not None else st.default_pool().comm_stream(device)
-    tr = default_transports().get(transport, group, device)
+    scale = problem.softmax_scale if problem.softmax_scale is not None else 1.0 / math.sqrt(d)
+    stream = run.comm_stream if run.comm_stream is not None else st.default_pool().comm_stream(device)
+    tr = default_transports().get(run.transport, group, device)
     return AsyncPlan(group, dist.get_rank(group), hl, "bshd", scale, be, stream, (num_heads, num_kv_heads, d), prep, tr,
                      causal)

@@ -1,6 +1,6 @@
 """The autograd skeleton the layers share (async_qkv, allgather, tp_cp).
 
-    y = apply_layer(FORM, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    y = apply_layer(FORM, x, weights, plan)          # weights: call.LayerWeights
 
 A layer is two halves (``LayerForm``), both on this rank's tokens x [B, S_local, dim]:
     forward(x, w_qkv, b_qkv, w_o, b_o, nq_w, nk_w, plan) -> (y, tensors to save, state)
@@ -54,10 +54,11 @@ class LayerFn(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def apply_layer(form: LayerForm, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan) -> torch.Tensor:
-    """``LayerFn`` of ``form`` under the caller's autocast: what autocast would do to each GEMM is done once
-    up front (differentiable casts, so fp32 master weights still get their grads), and the Function then runs in
-    one dtype, forward and backward."""
+def apply_layer(form: LayerForm, x: torch.Tensor, weights, plan) -> torch.Tensor:
+    """``LayerFn`` of ``form`` on x and ``weights`` (a ``call.LayerWeights``) under the caller's autocast: what
+    autocast would do to each GEMM is done once up front (differentiable casts, so fp32 master weights still get
+    their grads), and the Function then runs in one dtype, forward and backward."""
+    w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight = weights.tensors()
     dev = x.device.type
     if not torch.is_autocast_enabled(dev):
         return LayerFn.apply(x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan, form)

@@ -58,7 +58,9 @@ from ..heads import HeadLayout
 from ..ulysses import attend_backward, explicit_kernels
 from ..ulysses.attend import attend
 from .allgather import fused_ops_unavailable_reason
+from ..problem import AttentionProblem
 from .async_qkv import AsyncPlan, attention_backward, make_async_plan
+from .call import LayerRun, LayerWeights, agree_layer, check_layer, layer_call
 from .skeleton import LayerForm, apply_layer, attend_all, prep_backward, prep_forward, start_gather
 
 # prep(branch, y [B, S', n, D], norm_weight or None, cp_gathered) -> [B, S', n, D]; per head. S' = S_cp (this CP
@@ -426,6 +428,21 @@ def _backward(saved, state, dy, plan: TpCpPlan):
 TP_CP = LayerForm("tp_cp", _forward, _backward)
 
 
+@dataclass(frozen=True)
+class TpCpGroups:
+    """The TP x CP layer's process groups: ``tp`` (tensor parallel: this rank's TP group), ``cp`` (context parallel:
+    Ulysses over it), ``tcp`` (TP x CP in CP-major order, Megatron's tensor-and-context-parallel group; needed by
+    the mixed forms, and the one group the layer's problem is agreed over when given)."""
+
+    tp: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    tcp: Optional[dist.ProcessGroup] = None
+
+    def agreement(self) -> tuple:
+        """The groups whose agreements reach every rank of TP x CP: the TP x CP group, or without it CP then TP."""
+        return (self.tcp,) if self.tcp is not None else (self.cp, self.tp)
+
+
 def check_tp_cp_groups(tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup,
                        tcp_group: Optional[dist.ProcessGroup]) -> None:
     """Raise SPConfigError unless ``tcp_group`` is the TP x CP group in CP-major order (rank = p T + t), the
@@ -433,24 +450,33 @@ def check_tp_cp_groups(tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup,
     t, p = dist.get_rank(tp_group), dist.get_rank(cp_group)
     tw, pw = dist.get_world_size(tp_group), dist.get_world_size(cp_group)
     if tcp_group is None:
-        raise SPConfigError("form='mixed' / 'mixed_in' needs tcp_group: the tensor-and-context-parallel group")
+        raise SPConfigError("form='mixed' / 'mixed_in' needs the TP x CP group: TpCpGroups(tp, cp, tcp=the "
+                            "tensor-and-context-parallel group)")
     if dist.get_world_size(tcp_group) != tw * pw or dist.get_rank(tcp_group) != p * tw + t:
-        raise SPConfigError(f"tcp_group must be TP x CP in CP-major order: rank {dist.get_rank(tcp_group)} of "
-                            f"{dist.get_world_size(tcp_group)}, expected {p * tw + t} of {tw * pw}")
+        raise SPConfigError(f"the TP x CP group (TpCpGroups.tcp) must be TP x CP in CP-major order: rank "
+                            f"{dist.get_rank(tcp_group)} of {dist.get_world_size(tcp_group)}, expected {p * tw + t} "
+                            f"of {tw * pw}")
 
 
-def make_tp_cp_plan(tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup, *, num_heads: int, num_kv_heads: int,
-                    head_dim: int, prep: PrepTpCp, seq_local: int, device: torch.device, form: str = "pipelined",
-                    tcp_group: Optional[dist.ProcessGroup] = None, fused: Optional[bool] = None,
-                    rs_pieces: Optional[int] = None, **kw) -> TpCpPlan:
-    """The TpCpPlan of one layer call (arguments as in tp_cp_self_attention; seq_local = S_tp)."""
+def check_form(form: str, groups: TpCpGroups) -> None:
+    """The TP x CP form's own checks (this rank): a known form, and the TP x CP group the mixed forms need."""
     if form not in TP_CP_FORMS:
         raise SPConfigError(f"form={form!r} is invalid: choose one of {', '.join(TP_CP_FORMS)}")
-    tw = dist.get_world_size(tp_group)
-    base = make_async_plan(cp_group, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, prep=prep,
-                           seq_local=seq_local * tw, device=device, **kw)
     if form in ("mixed", "mixed_in"):
-        check_tp_cp_groups(tp_group, cp_group, tcp_group)
+        check_tp_cp_groups(groups.tp, groups.cp, groups.tcp)
+
+
+def make_tp_cp_plan(groups: TpCpGroups, problem: AttentionProblem, *, num_heads: int, num_kv_heads: int,
+                    head_dim: int, prep: PrepTpCp, seq_local: int, device: torch.device, form: str = "pipelined",
+                    run: Optional[LayerRun] = None) -> TpCpPlan:
+    """The TpCpPlan of one layer call (arguments as in tp_cp_self_attention; seq_local = S_tp)."""
+    run = run or LayerRun()
+    check_form(form, groups)
+    tp_group, tcp_group = groups.tp, groups.tcp
+    tw = dist.get_world_size(tp_group)
+    base = make_async_plan(groups.cp, problem, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           prep=prep, seq_local=seq_local * tw, device=device, run=run)
+    fused = run.fused
     if fused is None:
         fused = getattr(base.transport, "name", "nccl") == "symm_mem"
     if fused:
@@ -466,31 +492,36 @@ def make_tp_cp_plan(tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup, *,
                    for i in range(head_dim)) if form == "mixed" else ()
     return TpCpPlan(**{f.name: getattr(base, f.name) for f in fields(AsyncPlan)}, tp_group=tp_group,
                     tcp_group=tcp_group, form=form, fused=bool(fused),
-                    maps=chunk_maps(base.heads, head_dim, peers), rs_pieces=rs_pieces or max(1, tw), o_cols=o_cols)
+                    maps=chunk_maps(base.heads, head_dim, peers), rs_pieces=run.rs_pieces or max(1, tw), o_cols=o_cols)
 
 
-def tp_cp_self_attention(x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: Optional[torch.Tensor], w_o: torch.Tensor,
-                         b_o: Optional[torch.Tensor], tp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup, *,
-                         num_heads: int, num_kv_heads: int, prep: PrepTpCp,
-                         norm_q_weight: Optional[torch.Tensor] = None, norm_k_weight: Optional[torch.Tensor] = None,
-                         head_chunks: int = 1, form: str = "pipelined",
-                         tcp_group: Optional[dist.ProcessGroup] = None, fused: Optional[bool] = None,
-                         rs_pieces: Optional[int] = None, **kw) -> torch.Tensor:
+def tp_cp_self_attention(x: torch.Tensor, weights: LayerWeights, groups: TpCpGroups,
+                         problem: Optional[AttentionProblem] = None, *, num_heads: int, num_kv_heads: int,
+                         prep: PrepTpCp, form: str = "pipelined", run: Optional[LayerRun] = None,
+                         **keywords) -> torch.Tensor:
     """The TP x CP attention layer (see module docstring) on x [B, S_tp, dim]; returns y [B, S_tp, dim].
 
     x: this rank's tokens under TP sequence parallelism: TP rank t holds tokens [t S_tp, (t+1) S_tp) of its CP
-    rank's S_cp = T S_tp tokens (CP placement ``placement``, e.g. Megatron's "zigzag"). num_heads, num_kv_heads:
-    this TP shard's H_t, Hkv_t. w_qkv [(H_t + 2 Hkv_t) D, dim] (q | k | v rows), b_qkv [(H_t + 2 Hkv_t) D],
-    w_o [dim, H_t D], b_o [dim] (replicated, added once). prep(branch, y [B, S', n, D], norm_weight,
-    cp_gathered) -> [B, S', n, D], per head (see PrepTpCp). form: "pipelined", "mixed" (both sides fused) or
-    "mixed_in" (input side fused); the mixed forms need ``tcp_group``, the TP x CP group in CP-major order
-    (Megatron's tensor-and-context-parallel group). fused: torch's
-    symm_mem fused all-gather / reduce-scatter matmuls (None: with transport "symm_mem"). rs_pieces: token
-    pieces of the pipelined reduce-scatters (default T). Other keywords (softmax_scale, backend, comm_stream,
-    kv_valid_len, transport, causal, placement) as in ``async_ulysses_self_attention``.
+    rank's S_cp = T S_tp tokens (CP placement ``problem.placement``, e.g. Megatron's "zigzag"). weights: this TP
+    shard's ``LayerWeights`` (w_qkv [(H_t + 2 Hkv_t) D, dim] q | k | v rows, b_qkv [(H_t + 2 Hkv_t) D], w_o
+    [dim, H_t D], b_o [dim] replicated, added once). groups: ``TpCpGroups(tp, cp, tcp)``; the problem is agreed
+    over ``tcp`` (or CP then TP without it) on its first call. num_heads, num_kv_heads: this TP shard's H_t,
+    Hkv_t. prep(branch, y [B, S', n, D], norm_weight, cp_gathered) -> [B, S', n, D], per head (see PrepTpCp).
+    form: "pipelined", "mixed" (both sides fused) or "mixed_in" (input side fused); the mixed forms need
+    ``groups.tcp``. problem / run (or their settings as keywords) as in ``async_ulysses_self_attention``;
+    ``run.fused``: torch's symm_mem fused all-gather / reduce-scatter matmuls (None: with transport "symm_mem"),
+    ``run.rs_pieces``: token pieces of the pipelined reduce-scatters (default T).
     """
-    plan = make_tp_cp_plan(tp_group, cp_group, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                           head_dim=w_o.shape[1] // num_heads, prep=prep, seq_local=x.shape[1], device=x.device,
-                           form=form, tcp_group=tcp_group, fused=fused, rs_pieces=rs_pieces,
-                           head_chunks=head_chunks, **kw)
-    return apply_layer(TP_CP, x, w_qkv, b_qkv, w_o, b_o, norm_q_weight, norm_k_weight, plan)
+    what = "tp_cp_self_attention"
+    problem, run = layer_call(what, problem, run, keywords)
+    tw = dist.get_world_size(groups.tp)
+
+    def check():
+        check_form(form, groups)
+        return check_layer(what, problem, x, num_heads, num_kv_heads, run, dist.get_world_size(groups.cp),
+                           seq_local=x.shape[1] * tw)
+    agree_layer(what, problem, x, groups.agreement(), check)
+    plan = make_tp_cp_plan(groups, problem, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           head_dim=weights.head_dim(num_heads), prep=prep, seq_local=x.shape[1], device=x.device,
+                           form=form, run=run)
+    return apply_layer(TP_CP, x, weights, plan)

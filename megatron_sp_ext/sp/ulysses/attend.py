@@ -30,8 +30,8 @@ def _varlen_method(plan: AttendPlan, q, k, v, cu: tuple[int, ...]) -> str:
     """The packed-samples method of the explicit-kernel path (``varlen.method_for``; "auto" decided over the plan's
     group, the same on every rank, and cached per key, so the backward gets the forward's choice)."""
     return varlen.method_for(getattr(plan, "varlen_kernel", "per_sample"), plan.backend, q, k, v, cu,
-                         causal=plan.causal, scale=plan.scale, need_grad=plan.need_grad, explicit=True,
-                         group=plan.group, group_heads=plan.heads)
+                             causal=plan.causal, scale=plan.scale, need_grad=plan.need_grad, explicit=True,
+                             across=varlen.CallGroup(plan.group, plan.heads))
 
 
 def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, valid: Optional[int],
@@ -55,7 +55,7 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
     if cu_seqlens is not None:
         need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         method = varlen.method_for(varlen_kernel, be, q, k, v, cu_seqlens, causal=causal, scale=scale,
-                               need_grad=need_grad, explicit=False, group=group, group_heads=group_heads)
+                                   need_grad=need_grad, explicit=False, across=varlen.CallGroup(group, group_heads))
         return varlen.attention(method, be, q, k, v, cu_seqlens, causal=causal, scale=scale)
     if valid is None:
         return be(q, k, v, causal=causal, softmax_scale=scale)
