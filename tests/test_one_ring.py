@@ -55,23 +55,29 @@ def test_one_point_to_point_path():
 
 
 # --------------------------------------------------------------------------------------- plan cache soundness
-def test_plan_cache_keys_on_the_mask_identity_and_version():
+def test_masked_plans_live_on_their_problem():
+    """#85: a masked plan (its host copy of the mask and skip tables, the ring's host decisions) is built once per
+    AttentionProblem and reused by every later call of that problem (the layers of a step, a hybrid/torus call's
+    fresh RingBackend); another problem (a layer's own top-k mask) gets its own; without an owner nothing is kept."""
+    from megatron_sp_ext.sp.problem import AttentionProblem
     t = 4
     m = window_mask(t)
     kw = dict(variant="ring", s_loc=16, q_runs=((0, 16),), kv_runs=(((0, 16),),), causal=False, scale=1.0,
-              backend=get_backend("sdpa"), block_size=4)
-    a = ring_mod.make_ring_plan(None, block_mask=m, **kw)
-    assert ring_mod.make_ring_plan(None, block_mask=m, **kw) is a  # the same tensor, unchanged: one plan
-    assert ring_mod.make_ring_plan(None, block_mask=m.clone(), **kw) is not a  # another tensor: its own plan
-    m[0, 0, 3] = True  # in place: a new version
-    b = ring_mod.make_ring_plan(None, block_mask=m, **kw)
-    assert b is not a and bool(b.tiles.block_mask[0, 0, 3]) and not bool(a.tiles.block_mask[0, 0, 3])
-    m2 = torch.zeros(1, t, t, dtype=torch.bool)
-    c = ring_mod.make_ring_plan(None, block_mask=m2, **kw)
-    n = len(ring_mod._NO_GROUP)
-    del m2
-    gc.collect()
-    assert len(ring_mod._NO_GROUP) == n - 1 and all(p is not c for p in ring_mod._NO_GROUP.values())  # evicted
+              backend=get_backend("sdpa"), tile=4)
+    p1 = AttentionProblem(block_mask=m, tile=4)
+    a = ring_mod.make_ring_plan(None, block_mask=m, owner=p1, **kw)
+    assert ring_mod.make_ring_plan(None, block_mask=m, owner=p1, **kw) is a        # the same problem: one plan
+    p2 = p1.with_mask(m.clone(), agreed=True)
+    b = ring_mod.make_ring_plan(None, block_mask=p2.block_mask, owner=p2, **kw)
+    assert b is not a and torch.equal(b.tiles.block_mask, a.tiles.block_mask)    # another problem: its own plan
+    assert ring_mod.make_ring_plan(None, block_mask=m, **kw) is not ring_mod.make_ring_plan(None, block_mask=m, **kw)
+    assert a.tiles.block_mask.device.type == "cpu" and a.tiles.block_mask is not m   # the plan's own host copy
+    be = lambda: ring_mod.RingBackend(None, "ring", ((0, 16),), (((0, 16),),), get_backend("sdpa"),  # noqa: E731
+                                      problem=p1, seq_len=16)
+    k = torch.zeros(1, 2, 16, 8)
+    assert be().plan(k, False, 1.0) is be().plan(k, False, 1.0)                 # a fresh backend per call: one plan
+    assert ring_mod.RingBackend(None, "ring", ((0, 16),), (((0, 16),),), get_backend("sdpa"),
+                                problem=AttentionProblem(), seq_len=16).problem is None   # no mask: a dense ring
 
 
 def _in_place(rank, world, variant, causal, placement):

@@ -38,15 +38,11 @@ AUTO_NAMES = kernels.AUTO_SETTINGS   # the backend settings that mean "auto" (de
 
 
 def _combined_mask(q, k, causal: bool, mask, tiles):
-    """The math kernel's mask: None / "causal" / a bool keep mask (tiles AND causal AND mask)."""
+    """The math kernel's mask: None / "causal" / a bool keep mask (tiles AND causal by position AND mask)."""
     if tiles is None:
         return mask if mask is not None else ("causal" if causal else None)
-    m = tiles.token_mask()
-    if causal:
-        m = m & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=m.device).tril()
-    if mask is not None:
-        m = m & mask
-    return m
+    m = math_kernel.keep_mask(q, k, causal, tiles)
+    return m if mask is None else m & mask
 
 
 def tile_call(q: torch.Tensor, tiles, causal: bool, lse: bool) -> KernelCall:

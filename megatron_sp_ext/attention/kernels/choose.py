@@ -36,7 +36,7 @@ def auto_order(call: KernelCall) -> tuple[str, ...]:
     """AUTO for ``call``: for a block-sparse call, the kernels ``TILE_ORDER`` names for its tile size first."""
     if call.tiles is None:
         return AUTO
-    bs = call.tiles.block_size
+    bs = call.tiles.tile
     first = next(order for multiple, order in TILE_ORDER if bs % multiple == 0)
     return tuple(first) + tuple(n for n in AUTO if n not in first)
 

@@ -118,15 +118,15 @@ def hold(*tensors: torch.Tensor):
         return _Hold.apply(token, *tensors)
 
 
-def _tile_mask_of(plan: AttendPlan) -> Optional[torch.Tensor]:
-    # only UlyssesPlan carries a block mask; the other Ulysses-family plans never have one
-    return getattr(plan, "block_mask", None)
+def _tile_mask_of(plan: AttendPlan) -> Optional[tiles.TileSlice]:
+    # only UlyssesPlan carries a block mask (its whole-sequence slice); the other Ulysses-family plans never have one
+    return getattr(plan, "tiles", None)
 
 
 def attend(plan: AttendPlan, qc, kc, vc, explicit: bool, chunk: int = 0):
     """Chunk attention on head-sharded bhsd q/k/v. explicit: kernel forward with log-sum-exp, (q, k, v, out,
     lse) held (``hold``); else the backend under autograd (the inner graph) when gradients are wanted.
-    With a block mask (``plan.block_mask``): ``attend_block_sparse`` for chunk ``chunk``'s heads.
+    With a block mask (``plan.tiles``): ``attend_block_sparse`` for chunk ``chunk``'s heads.
     Returns (out, what ``attend_backward`` needs or None)."""
     if _tile_mask_of(plan) is not None:
         return attend_block_sparse(plan, qc, kc, vc, chunk)
@@ -163,11 +163,10 @@ def attend_backward(plan: AttendPlan, c: int, do_c, chunks: list) -> list:
 
 def _tile_kernel(plan: AttendPlan, qc: torch.Tensor, chunk: int):
     """(kernel, tile slice) of chunk ``chunk``'s block-sparse call: the mask's rows of this rank's chunk heads over
-    the global order, the kernel the backend picks for it (``LocalAttention.tile_kernel``; cached slice, so a mask
-    shared by the layers of a step is converted once)."""
-    heads = slice(*plan.heads.q_range(plan.rank, chunk))
-    ts = tiles.full_sequence_slice(plan.block_mask, plan.block_size, qc.shape[2], plan.kv_valid_len, qc.device)
-    ts = ts.with_heads(heads)
+    the global order (the plan's whole-sequence slice, which lives on the problem: a mask shared by the layers of a
+    step is converted once, a layer's own top-k mask once per layer), the kernel the backend picks for it
+    (``LocalAttention.tile_kernel``). No host sync: the choice reads host positions, the metadata is device work."""
+    ts = plan.tiles.with_heads(slice(*plan.heads.q_range(plan.rank, chunk)))
     return plan.backend.tile_kernel(qc, ts, plan.causal, lse=False), ts
 
 
