@@ -25,7 +25,6 @@ import logging
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import SPConfigError
 from . import kernels, lse_kernels
@@ -147,13 +146,10 @@ class AutoBackend(LocalAttention):
     def __call__(self, q, k, v, *, causal, softmax_scale):
         if _one_row_call(q, k):
             return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
-        kern = kernels.get(self.kernel_for(q))
-        if not kernels.via_torch_sdpa(kern):   # a kernel of its own (FA4): its plain call
-            return kern.attention(q, k, v, causal, _scale(q, softmax_scale))
-        q, k, v = kernels.torch_sdpa_inputs(q, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])
-        return kernels.torch_sdpa_output(out)
+        # the plain call's kernel: FA4's own, or torch's SDPA dispatch where the lse kernel is one of torch's
+        kern = kernels.plain_kernel(kernels.get(self.kernel_for(q)))
+        scale = softmax_scale if kernels.via_torch_sdpa(kern) else _scale(q, softmax_scale)
+        return kern.attention(q, k, v, causal, scale)
 
     def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None, tiles=None):
         if mask is not None:

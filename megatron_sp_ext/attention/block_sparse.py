@@ -1,7 +1,8 @@
 """Block-sparse attention masks: a tile mask over the full sequence, and the local kernels that apply it.
 
-A block mask is a bool tensor ``[H or 1, T, T]`` with ``T = ceil(S / block_size)``: entry ``[h, i, j]`` says
-whether query tile i (global tokens ``[i*bs, (i+1)*bs)``) attends key tile j for query head h (1: every head).
+A block mask is a bool tensor ``[H or 1, T, T]`` with ``T = ceil(S / tile)`` (``tile``: tokens per mask tile, called
+``block_size`` where the public keyword predates the word): entry ``[h, i, j]`` says whether query tile i (global
+tokens ``[i*tile, (i+1)*tile)``) attends key tile j for query head h (1: every head).
 It is stated over the FULL sequence in GLOBAL token order and is the same on every rank; a rank turns it into a
 token mask from the global positions of the tokens it holds (``token_mask``), or asks cheaply at tile level
 whether a (query set, key set) pair has anything to compute (``pair_selected``). ``causal`` combines as AND at
@@ -11,7 +12,8 @@ Local kernels: the registry's (attention/kernels/) with block sparsity, ``KERNEL
 that runs it (FlashAttention-4's own block sparsity at 128-token kernel blocks, cuDNN frontend's block sparsity at
 64/128-token blocks, flex_attention, the math kernel; kernels/registry.py records the order: per tile size between
 FA4 and cuDNN, ``kernels.TILE_ORDER``); a named kernel that cannot run the call raises SPConfigError naming
-``tile_setting``; nothing falls back silently. A call's view of the mask is a ``tiles.TileSlice``.
+``tile_setting``; nothing falls back silently. A call's view of the mask is a ``tiles.TileSlice`` (positions on the
+host, the mask on the device: the kernels' metadata costs no host sync).
 """
 from __future__ import annotations
 

@@ -24,9 +24,11 @@ Anything else is refused by ``why_not`` so the registry picks another kernel (FA
 different mask. Rows or blocks cuDNN leaves out (no listed block) get zero gradients here whatever the package
 writes there (its SM90 128-token backward allocates dq/dk/dv with ``torch.empty``).
 
-Metadata (``block_metadata``): built on the call's device from the slice by tensor ops (no host loop, no copy of the
-mask to the host), kept in the slice's cache (keyed on rows, sizes, causal; the per-(B, H) expansion cuDNN's shape
-check wants in the metadata object), so a slice shared by every layer or step is converted once.
+Metadata (``block_metadata``): built on the call's device from the slice by tensor ops (no host loop, no host sync:
+whether cuDNN runs the call is read off the rows' host positions, the mask only by device ops; the blocks without a
+listed pair are a device mask, zeroed by one masked write), kept in the slice's cache (keyed on rows, sizes, causal;
+the per-(B, H) expansion cuDNN's shape check wants in the metadata object), so a slice that lives on its problem
+converts once.
 The package is imported at the first call only (this module imports with torch alone).
 """
 from __future__ import annotations

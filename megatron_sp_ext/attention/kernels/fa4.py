@@ -17,12 +17,14 @@ by atomics); the block-sparse backward has no such form here and refuses to run 
 Block sparsity (``tiles=``, a ``TileSlice``): FA4's own (``flash_attn.cute.block_sparsity.BlockSparseTensorsTorch``):
 per 128-row query block the 128-key blocks to run, "full" ones without a mask and partial ones through a
 ``mask_mod``; the backward takes the transposed layout (per key block, the query blocks). ``tile_metadata`` builds
-both on the call's device from the slice (unit-sampled tile indices, one pass of tensor ops, no host loop) and keeps
-them in the slice's cache: a slice shared by every layer or step is converted once. Kernel blocks whose query and
-key rows each lie in one tile run as full or are skipped; the causal diagonal runs with FA4's own causal mask; a
-block cut by a tile edge or by padded keys is partial and runs through ``mask_mod.tile_mask_mod`` (aux tensors: the
-rows' tile indices and the tile mask), or, where that route is unavailable here, the call is refused (``why_not``)
-so the registry picks another kernel. A superset of the mask never runs.
+both on the call's device from the slice (unit-sampled tile indices, one pass of tensor ops, no host loop, no host
+sync: what can run and whether partial blocks can occur is read off the rows' host positions, ``row_units``; the mask
+only by device ops) and keeps them in the slice's cache: a slice that lives on its problem converts once. Kernel
+blocks whose query and key rows each lie in one tile run as full or are skipped; the causal diagonal runs with FA4's
+own causal mask; where a tile edge or padded keys can cut a block (decided from the positions, whatever the mask
+selects) the call's partial blocks run through ``mask_mod.tile_mask_mod`` (aux tensors: the rows' tile indices and
+the tile mask), or, where that route is unavailable here, the call is refused (``why_not``) so the registry picks
+another kernel. A superset of the mask never runs.
 """
 from __future__ import annotations
 
