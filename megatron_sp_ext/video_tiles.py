@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .attention import kernels
 from .comm.autograd_reduce import all_reduce_sum
 from .errors import SPConfigError
 
@@ -289,7 +290,7 @@ def coarse_tiles(q_tiles: torch.Tensor, k_tiles: torch.Tensor, v_tiles: torch.Te
     top-k step's largest error."""
     with torch.autocast(q_tiles.device.type, enabled=False):
         wide = _wide_dtype(q_tiles.dtype)
-        out = F.scaled_dot_product_attention(q_tiles.to(wide), k_tiles.to(wide), v_tiles.to(wide))
+        out = kernels.torch_sdpa().call(q_tiles.to(wide), k_tiles.to(wide), v_tiles.to(wide))
     return out.to(q_tiles.dtype)
 
 
@@ -362,7 +363,7 @@ def reference_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         allowed = allowed & (torch.arange(seq_len, device=q.device) < kv_valid_len)
     any_key = allowed.any(dim=-1)  # [Hm, S]
     safe = allowed | ~any_key[..., None]  # empty rows attend everything, then zeroed: no NaN in fwd or bwd
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=safe[None])
+    o = kernels.torch_sdpa().call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=safe[None])
     o = o * any_key[None, :, :, None].to(o.dtype)
     return o.transpose(1, 2)
 

@@ -319,10 +319,11 @@ def test_zero_dead_writes_the_dead_blocks_rows_only_through_a_strided_view(rows)
     storage = torch.randn(2, 5 * 4, 3, 8, generator=g)          # [B, S, H, D], 5 blocks of 4 rows
     x = storage.transpose(1, 2)                                   # [B, H, S, D], not contiguous
     before = x.clone()
-    dead = cbs.dead_blocks(live)
-    assert cbs.zero_dead(x, dead, 4, float("-inf")) is x
+    assert cbs.zero_dead(x, live, 4, float("-inf")) is x          # a device mask: no list of dead blocks (no sync)
     per_row = live.repeat_interleave(4, dim=1).expand(3, -1)      # [H, S]
     expect = torch.where(per_row[None, :, :, None], before, float("-inf"))
     assert torch.equal(storage.transpose(1, 2), expect)
-    assert cbs.dead_blocks(torch.ones(rows, 5, dtype=torch.bool)) is None
-    assert cbs.zero_dead(x, None, 4) is x
+    lse = torch.randn(2, 3, 20, generator=g)                      # [B, H, S]: the lse's dead rows too
+    want = torch.where(per_row[None], lse, float("-inf"))
+    assert torch.equal(cbs.zero_dead(lse, live, 4, float("-inf")), want)
+    assert torch.equal(cbs.zero_dead(x, torch.ones(rows, 5, dtype=torch.bool), 4), expect)   # all live: untouched

@@ -57,6 +57,31 @@ def test_one_point_to_point_path():
 
 # --------------------------------------------------------------------------------------- plan cache soundness
 def test_masked_plans_live_on_their_problem():
+    """#85: a masked plan (its host copy of the mask and skip tables, the ring's host decisions) is built once per
+    AttentionProblem and reused by every later call of that problem (the layers of a step, a hybrid/torus call's
+    fresh RingBackend); another problem (a layer's own top-k mask) gets its own; without an owner nothing is kept."""
+    from megatron_sp_ext.sp.problem import AttentionProblem
+    t = 4
+    m = window_mask(t)
+    kw = dict(variant="ring", s_loc=16, q_runs=((0, 16),), kv_runs=(((0, 16),),), causal=False, scale=1.0,
+              backend=get_backend("sdpa"), tile=4)
+    p1 = AttentionProblem(block_mask=m, tile=4)
+    a = ring_mod.make_ring_plan(None, block_mask=m, owner=p1, **kw)
+    assert ring_mod.make_ring_plan(None, block_mask=m, owner=p1, **kw) is a        # the same problem: one plan
+    p2 = p1.with_mask(m.clone(), agreed=True)
+    b = ring_mod.make_ring_plan(None, block_mask=p2.block_mask, owner=p2, **kw)
+    assert b is not a and torch.equal(b.tiles.block_mask, a.tiles.block_mask)    # another problem: its own plan
+    assert ring_mod.make_ring_plan(None, block_mask=m, **kw) is not ring_mod.make_ring_plan(None, block_mask=m, **kw)
+    assert a.tiles.block_mask.device.type == "cpu" and a.tiles.block_mask is not m   # the plan's own host copy
+    be = lambda: ring_mod.RingBackend(None, "ring", ((0, 16),), (((0, 16),),), get_backend("sdpa"),  # noqa: E731
+                                      problem=p1, seq_len=16)
+    k = torch.zeros(1, 2, 16, 8)
+    assert be().plan(k, False, 1.0) is be().plan(k, False, 1.0)                 # a fresh backend per call: one plan
+    assert ring_mod.RingBackend(None, "ring", ((0, 16),), (((0, 16),),), get_backend("sdpa"),
+                                problem=AttentionProblem(), seq_len=16).problem is None   # no mask: a dense ring
+
+
+def test_masked_plans_go_with_their_problem_and_frozen_masks():
     """A masked ring plan is cached on the problem that carries the mask (``owner``): the same problem gets one plan,
     another problem (even with an equal mask) its own, and the plan goes with its problem; nothing is keyed on a
     tensor's id. A mask changed in place after its problem was built is refused by name (what is derived from it
@@ -67,7 +92,7 @@ def test_masked_plans_live_on_their_problem():
     t = 4
     m = window_mask(t)
     kw = dict(variant="ring", s_loc=16, q_runs=((0, 16),), kv_runs=(((0, 16),),), causal=False, scale=1.0,
-              backend=get_backend("sdpa"), block_size=4)
+              backend=get_backend("sdpa"), tile=4)
     owner = AttentionProblem(block_mask=m, tile=4)
     a = ring_mod.make_ring_plan(None, block_mask=m, owner=owner, **kw)
     assert ring_mod.make_ring_plan(None, block_mask=m, owner=owner, **kw) is a  # the same problem: one plan

@@ -50,8 +50,9 @@ def test_the_scan_finds_a_comparison(tmp_path):
 
 def test_every_list_of_names_derives_from_the_registry():
     assert set(BACKENDS) == {"auto", "sdpa"} | {kernels.get(n).setting for n in kernels.ORDER
-                                                if kernels.get(n).caps.lse and kernels.get(n).caps.dense
-                                                or kernels.get(n).caps.tiles == "none"}
+                                                if kernels.get(n).offered and (
+                                                    kernels.get(n).caps.lse and kernels.get(n).caps.dense
+                                                    or kernels.get(n).caps.tiles == "none")}
     assert lse_kernels.KERNELS == kernels.names("lse", auto_only=True)
     assert set(varlen.KERNEL_METHODS) == {kernels.get(n).caps.varlen for n in kernels.names("varlen")}
     assert block_sparse.KERNELS == ("auto",) + tuple(kernels.get(n).setting for n in kernels.names("tiles",
@@ -143,6 +144,66 @@ def _choices_made(path: pathlib.Path) -> list:
 def test_no_kernel_choice_is_made_outside_the_chooser():
     found = offenders(SCANNED, _choices_made, skip=lambda p: p.relative_to(ROOT).as_posix() == CHOOSER)
     assert not found, f"kernel choices made outside {CHOOSER} (call kernels.choose / candidates): {found}"
+
+
+# the library's calls of torch's SDPA: only the registry's kernels make them (kernels/sdpa.py: torch's dispatch), so
+# the chooser sees every decision. Not scanned: tools/ and tests/gpu (they time torch's own SDPA as the floor a kernel
+# is measured against) and training/ds_examples (a DeepSpeed user's script that does not know megatron_sp_ext).
+SDPA_SCANNED = ("megatron_sp_ext", "training")
+SDPA_EXEMPT = ("megatron_sp_ext/attention/kernels/", "training/ds_examples/")
+
+
+def _sdpa_calls(path: pathlib.Path) -> list:
+    """(line, name) of every use of torch's SDPA in ``path``: ``scaled_dot_product_attention`` (called or passed on),
+    its backend switch ``sdpa_kernel``, and the aten ops behind it (``_scaled_dot_product_*``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else \
+            getattr(node, "name", None) if isinstance(node, ast.alias) else None
+        if name in ("scaled_dot_product_attention", "sdpa_kernel") or (name or "").startswith("_scaled_dot_product"):
+            found.append((getattr(node, "lineno", 0), name))
+    return sorted(set(found))
+
+
+def test_no_sdpa_call_outside_the_registry():
+    found = offenders(SDPA_SCANNED, _sdpa_calls,
+                      skip=lambda p: p.relative_to(ROOT).as_posix().startswith(SDPA_EXEMPT))
+    assert not found, f"torch SDPA called outside attention/kernels/ (use kernels.plain_kernel / dropout_kernel / " \
+                      f"torch_sdpa: the registry's SDPA kernel): {found}"
+
+
+def test_the_sdpa_scan_finds_calls(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch.nn.functional as F\nfrom torch.nn.attention import sdpa_kernel\n"
+                   "def f(q):\n    return F.scaled_dot_product_attention(q, q, q)\n"
+                   "g = torch.ops.aten._scaled_dot_product_flash_attention\n")
+    assert [line for line, _ in _sdpa_calls(bad)] == [2, 4, 5]
+    assert _sdpa_calls(ROOT / "megatron_sp_ext/attention/kernels/sdpa.py"), "the SDPA kernel calls it: seen"
+
+
+def test_the_sdpa_kernel_is_the_chooser_s_and_no_setting():
+    """torch's SDPA dispatch is a registry kernel reached through the chooser only: "auto"'s plain calls where the lse
+    kernel is one of torch's, dropout (refused by name for a kernel without), the models' explicit masks."""
+    from megatron_sp_ext.errors import SPConfigError  # noqa: PLC0415
+    sdpa = kernels.get(kernels.SDPA)
+    assert kernels.SDPA in kernels.ORDER and not sdpa.offered and kernels.SDPA not in kernels.settings()
+    assert kernels.by_setting(kernels.SDPA) is None and kernels.SDPA not in BACKENDS
+    assert kernels.plain_kernel(kernels.get("math")) is sdpa and kernels.plain_kernel(kernels.get("flash")) is sdpa
+    assert kernels.plain_kernel(kernels.get("fa4")) is kernels.get("fa4")
+    assert kernels.dropout_kernel("auto", "backend", 0.1) is sdpa and kernels.torch_sdpa() is sdpa
+    try:
+        kernels.dropout_kernel("fa4", "--sp-attention-backend", 0.1)
+    except SPConfigError as e:
+        assert str(e).startswith("--sp-attention-backend='fa4' cannot apply attention dropout (dropout_p=0.1)"), e
+    else:
+        raise AssertionError("a kernel without dropout must be refused by name")
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(0)) < 0.6
+    mask[:, 0] = True
+    ref = torch.softmax((q @ q.transpose(-1, -2) * 8 ** -0.5).masked_fill(~mask, float("-inf")), -1) @ q
+    torch.testing.assert_close(sdpa.call(q, q, q, mask=mask), ref)
+    torch.testing.assert_close(backends.get_backend("auto")(q, q, q, causal=False, softmax_scale=None),
+                               torch.softmax(q @ q.transpose(-1, -2) * 8 ** -0.5, -1) @ q)
 
 
 def test_the_choice_scan_finds_choices(tmp_path):

@@ -25,7 +25,6 @@ import logging
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import SPConfigError
 from . import kernels, lse_kernels
@@ -38,15 +37,11 @@ AUTO_NAMES = kernels.AUTO_SETTINGS   # the backend settings that mean "auto" (de
 
 
 def _combined_mask(q, k, causal: bool, mask, tiles):
-    """The math kernel's mask: None / "causal" / a bool keep mask (tiles AND causal AND mask)."""
+    """The math kernel's mask: None / "causal" / a bool keep mask (tiles AND causal by position AND mask)."""
     if tiles is None:
         return mask if mask is not None else ("causal" if causal else None)
-    m = tiles.token_mask()
-    if causal:
-        m = m & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=m.device).tril()
-    if mask is not None:
-        m = m & mask
-    return m
+    m = math_kernel.keep_mask(q, k, causal, tiles)
+    return m if mask is None else m & mask
 
 
 def tile_call(q: torch.Tensor, tiles, causal: bool, lse: bool) -> KernelCall:
@@ -151,13 +146,10 @@ class AutoBackend(LocalAttention):
     def __call__(self, q, k, v, *, causal, softmax_scale):
         if _one_row_call(q, k):
             return MathBackend()(q, k, v, causal=causal, softmax_scale=softmax_scale)
-        kern = kernels.get(self.kernel_for(q))
-        if not kernels.via_torch_sdpa(kern):   # a kernel of its own (FA4): its plain call
-            return kern.attention(q, k, v, causal, _scale(q, softmax_scale))
-        q, k, v = kernels.torch_sdpa_inputs(q, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=softmax_scale,
-                                             enable_gqa=k.shape[1] != q.shape[1])
-        return kernels.torch_sdpa_output(out)
+        # the plain call's kernel: FA4's own, or torch's SDPA dispatch where the lse kernel is one of torch's
+        kern = kernels.plain_kernel(kernels.get(self.kernel_for(q)))
+        scale = softmax_scale if kernels.via_torch_sdpa(kern) else _scale(q, softmax_scale)
+        return kern.attention(q, k, v, causal, scale)
 
     def forward_lse(self, q, k, v, *, causal, softmax_scale, mask=None, tiles=None):
         if mask is not None:

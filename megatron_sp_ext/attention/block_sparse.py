@@ -1,7 +1,8 @@
 """Block-sparse attention masks: a tile mask over the full sequence, and the local kernels that apply it.
 
-A block mask is a bool tensor ``[H or 1, T, T]`` with ``T = ceil(S / block_size)``: entry ``[h, i, j]`` says
-whether query tile i (global tokens ``[i*bs, (i+1)*bs)``) attends key tile j for query head h (1: every head).
+A block mask is a bool tensor ``[H or 1, T, T]`` with ``T = ceil(S / tile)`` (``tile``: tokens per mask tile, called
+``block_size`` where the public keyword predates the word): entry ``[h, i, j]`` says whether query tile i (global
+tokens ``[i*tile, (i+1)*tile)``) attends key tile j for query head h (1: every head).
 It is stated over the FULL sequence in GLOBAL token order and is the same on every rank; a rank turns it into a
 token mask from the global positions of the tokens it holds (``token_mask``), or asks cheaply at tile level
 whether a (query set, key set) pair has anything to compute (``pair_selected``). ``causal`` combines as AND at
@@ -11,11 +12,11 @@ Local kernels: the registry's (attention/kernels/) with block sparsity, ``KERNEL
 that runs it (FlashAttention-4's own block sparsity at 128-token kernel blocks, cuDNN frontend's block sparsity at
 64/128-token blocks, flex_attention, the math kernel; kernels/registry.py records the order: per tile size between
 FA4 and cuDNN, ``kernels.TILE_ORDER``); a named kernel that cannot run the call raises SPConfigError naming
-``tile_setting``; nothing falls back silently. A call's view of the mask is a ``tiles.TileSlice``.
+``tile_setting``; nothing falls back silently. A call's view of the mask is a ``tiles.TileSlice`` (positions on the
+host, the mask on the device: the kernels' metadata costs no host sync).
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -68,40 +69,15 @@ def token_mask(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tenso
                kv_valid_len: Optional[int] = None) -> torch.Tensor:
     """Token-level keep mask [h or 1, Sq, Sk] (bool) of queries at global positions ``q_pos`` [Sq] against keys at
     ``k_pos`` [Sk] (LongTensors): the tile mask (head rows ``heads``) AND, if ``causal``, k_pos <= q_pos AND, if
-    ``kv_valid_len``, k_pos < kv_valid_len. On the mask's device."""
-    dev = block_mask.device
-    qt, kt = q_pos.to(dev) // block_size, k_pos.to(dev) // block_size
-    rows = head_rows(block_mask, heads)
-    m = rows.index_select(1, qt).index_select(2, kt)
-    if causal:
-        m = m & (k_pos.to(dev).unsqueeze(0) <= q_pos.to(dev).unsqueeze(1))
-    if kv_valid_len is not None:
-        m = m & (k_pos.to(dev) < kv_valid_len)
-    return m
+    ``kv_valid_len``, k_pos < kv_valid_len. On the mask's device (``TileSlice.token_mask``)."""
+    return TileSlice(block_mask, block_size, q_pos, k_pos, heads, kv_valid_len).token_mask(causal)
 
 
 def pair_selected(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int,
                   heads: slice = slice(None), *, causal: bool = False, kv_valid_len: Optional[int] = None) -> bool:
     """Whether any query at ``q_pos`` attends any key at ``k_pos`` under the tile mask (any of ``heads``), causal
-    and kv_valid_len: decided at tile level (T x T work, no token mask). Exact: for causal, tile pair (a, b) counts
-    when the smallest selected key position of tile b is <= the largest query position of tile a."""
-    t = block_mask.shape[-1]
-    dev = block_mask.device
-    q_pos, k_pos = q_pos.to(dev), k_pos.to(dev)
-    if kv_valid_len is not None:
-        k_pos = k_pos[k_pos < kv_valid_len]
-    if q_pos.numel() == 0 or k_pos.numel() == 0:
-        return False
-    qt, kt = q_pos // block_size, k_pos // block_size
-    rows = head_rows(block_mask, heads).any(0)  # [T, T]
-    q_max = torch.full((t,), -1, dtype=torch.long, device=dev).scatter_reduce(0, qt, q_pos, "amax")
-    k_min = torch.full((t,), torch.iinfo(torch.long).max, dtype=torch.long, device=dev).scatter_reduce(
-        0, kt, k_pos, "amin")
-    has_q, has_k = q_max >= 0, k_min < torch.iinfo(torch.long).max
-    sel = rows & has_q.unsqueeze(1) & has_k.unsqueeze(0)
-    if causal:
-        sel = sel & (k_min.unsqueeze(0) <= q_max.unsqueeze(1))
-    return bool(sel.any())
+    and kv_valid_len: decided at tile level (``TileSlice.selects_any``: T x T work, no token mask; exact)."""
+    return TileSlice(block_mask, block_size, q_pos, k_pos, heads, kv_valid_len).selects_any(causal)
 
 
 def resolve_kernel(kernel: str, device: torch.device, dtype: Optional[torch.dtype] = None,
@@ -142,23 +118,6 @@ def math_backward(do_bhsd: torch.Tensor, q_bhsd: torch.Tensor, k_bhsd: torch.Ten
     return math_kernel.math_backward(do_bhsd, q_bhsd, k_bhsd, v_bhsd, out_bhsd, lse_bhs, scale, mask_hqk)
 
 
-class _MaskedMathFn(torch.autograd.Function):
-    """The math kernel under an explicit token mask [h or 1, Sq, Sk], differentiable."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, scale):
-        out, lse = math_forward(q, k, v, mask, scale)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        dq, dk, dv = math_backward(do, q, k, v, out, lse, mask, ctx.scale)
-        return dq, dk, dv, None, None
-
-
 def flex_mask(block_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, block_size: int,
                     heads: slice = slice(None), *, causal: bool = False, kv_valid_len: Optional[int] = None,
                     compiled: Optional[bool] = None):
@@ -184,27 +143,34 @@ class BlockSparseBackend(LocalAttention):
 
 # ------------------------------------------------------------------------------------------------ entry point
 def block_sparse_attention(q_bhsd: torch.Tensor, k_bhsd: torch.Tensor, v_bhsd: torch.Tensor,
-                           block_mask: torch.Tensor, *, block_size: int, q_pos: Optional[torch.Tensor] = None,
-                           k_pos: Optional[torch.Tensor] = None, heads: slice = slice(None), causal: bool = False,
+                           block_mask: "torch.Tensor | TileSlice", *, tile: Optional[int] = None,
+                           block_size: Optional[int] = None, causal: bool = False,
                            softmax_scale: Optional[float] = None, kv_valid_len: Optional[int] = None,
                            kernel: str = "auto", setting: str = "kernel") -> torch.Tensor:
-    """Differentiable single-device block-sparse attention. q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (H % Hkv == 0);
-    ``block_mask`` [1 or H_total, T, T] (global tiles); q_pos / k_pos: global positions of the rows (default
-    0..Sq-1 / 0..Sk-1); heads: the global query heads q carries (rows of the mask); ``causal``: k_pos <= q_pos (with
-    the default positions: tril); ``kernel``: "auto" or one of ``KERNELS`` (a named kernel that cannot run the call is
-    refused naming ``setting``). Returns out [B, H, Sq, D]."""
+    """Differentiable single-device block-sparse attention. q [B, H, Sq, D], k/v [B, Hkv, Sk, D] (H % Hkv == 0).
+
+    block_mask: bool [1 or H, T, T] (global tiles of ``tile`` tokens; ``block_size`` is its older name) over rows
+    0..Sq-1 / 0..Sk-1, keys >= ``kv_valid_len`` padding; or a ``tiles.TileSlice`` (rows at any global positions,
+    a head chunk's rows, its padding and tile inside it; its kernel metadata is kept in it, so a caller that passes
+    the same slice again converts the mask once). ``causal``: key position <= query position (tril with the default
+    rows). ``kernel``: "auto" or one of ``KERNELS`` (a named kernel that cannot run the call is refused naming
+    ``setting``; "auto" moves to the next, e.g. causal between different rows runs on flex or math). No host sync
+    for a whole-sequence call (the kernels' metadata is built on the device). Returns out [B, H, Sq, D]."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_bhsd.shape[-1])
-    dev = q_bhsd.device
-    block_mask = block_mask.to(dev)   # the kernels' metadata lives beside q (no copy when it already does)
-    if q_pos is None and k_pos is None and q_bhsd.shape[2] == k_bhsd.shape[2]:   # the whole sequence: cached slice
-        ts = full_sequence_slice(block_mask, block_size, q_bhsd.shape[2], kv_valid_len, dev).with_heads(heads)
-        kern = kernel_for_call(kernel, q_bhsd, ts, causal, lse=False, setting=setting)
-        return kern.attention(q_bhsd, k_bhsd, v_bhsd, causal, scale, ts)
-    q_pos = q_pos if q_pos is not None else torch.arange(q_bhsd.shape[2], device=dev)
-    k_pos = k_pos if k_pos is not None else torch.arange(k_bhsd.shape[2], device=dev)
-    ts = TileSlice(block_mask, block_size, q_pos.to(dev), k_pos.to(dev), heads, kv_valid_len)
-    positional = causal and not (q_pos.numel() == k_pos.numel() and bool((q_pos.to(dev) == k_pos.to(dev)).all()))
-    if positional:   # causal between different rows: by global position, through the token mask (math kernel)
-        return _MaskedMathFn.apply(q_bhsd, k_bhsd, v_bhsd, ts.token_mask(causal=True), scale)
+    if isinstance(block_mask, TileSlice):
+        if (tile, block_size, kv_valid_len) != (None, None, None):
+            raise SPConfigError("block_sparse_attention: a TileSlice carries its tile and kv_valid_len: leave tile, "
+                                "block_size and kv_valid_len unset")
+        ts = block_mask
+    else:
+        if tile is not None and block_size is not None:
+            raise SPConfigError("block_sparse_attention: tile and block_size name the same setting: give one of them")
+        tile = tile if tile is not None else block_size
+        if tile is None:
+            raise SPConfigError("block_sparse_attention: give tile= (tokens per mask tile)")
+        mask = block_mask.to(q_bhsd.device)   # the kernels' metadata lives beside q (no copy when it already does)
+        sq, sk = q_bhsd.shape[2], k_bhsd.shape[2]
+        ts = full_sequence_slice(mask, tile, sq, kv_valid_len) if sq == sk else \
+            TileSlice(mask, tile, torch.arange(sq), torch.arange(sk), slice(None), kv_valid_len)
     kern = kernel_for_call(kernel, q_bhsd, ts, causal, lse=False, setting=setting)
     return kern.attention(q_bhsd, k_bhsd, v_bhsd, causal, scale, ts)

@@ -296,6 +296,17 @@ def test_cudnn_block_sparse_family(world, backend):
         {2: 48, 4: 84}[world]
 
 
+@pytest.mark.parametrize("world,backend", [(1, "gloo")] + _layouts())
+def test_tile_sync_family(world, backend):
+    """#85: a top-k mask new per layer costs no host sync (torch.cuda.set_sync_debug_mode("error")): the kernel choice
+    and metadata of every head chunk (any P), the Ulysses/HCMS chunks' kernel calls (P > 1; gloo's exchanges sync by
+    themselves and stay outside the scope), the factory's one-rank call forward and backward (P = 1), on "auto" and on
+    each of FA4 / cuDNN block-sparse / math that runs here (tests/cuda_tile_sync.py)."""
+    per_setting = 2 * 2 * (1 + (2 if world > 1 else 1))   # tiles x causal x (metadata + chunks C=1,2 or the layer)
+    got = _worker("cuda_tile_sync", "tile_sync_family", "tile_sync", world, backend)
+    assert len(got) >= 2 * per_setting and len(got) % per_setting == 0   # "auto" and math at least
+
+
 @pytest.mark.parametrize("world,backend", _layouts())
 def test_one_ring_family(world, backend):
     """The block-masked ring and TASP through the one ring (#50): the same device mask changed in place between

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from megatron_sp_ext.attention import kernels
 from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.problem import AttentionProblem
 
@@ -71,7 +72,7 @@ def local_core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, blo
     if kv_valid_len is not None and kv_valid_len < k.shape[1]:
         mask = torch.zeros(k.shape[1], dtype=torch.bool, device=q.device)
         mask[:kv_valid_len] = True
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    o = kernels.torch_sdpa().call(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=mask)
     return o.transpose(1, 2)
 
 
@@ -360,10 +361,11 @@ class CrossAttention(nn.Module):
         k, v = self.kv(ctx).chunk(2, dim=-1)
         k = self.norm_k(k).view(b, -1, self.heads, self.hd).transpose(1, 2)
         v = v.reshape(b, -1, self.heads, self.hd).transpose(1, 2)
+        sdpa = kernels.torch_sdpa().call   # torch's SDPA dispatch, through the kernel registry
         if pack is None:
-            o = F.scaled_dot_product_attention(q, k, v)
+            o = sdpa(q, k, v)
         else:
-            o = torch.cat([F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, c:d], v[:, :, c:d])
+            o = torch.cat([sdpa(q[:, :, a:e], k[:, :, c:d], v[:, :, c:d])
                            for (a, e), (c, d) in zip(pack.local_ranges(), pack.text_ranges()) if e > a], dim=2)
         return self.out(o.transpose(1, 2).reshape(b, s, -1))
 

@@ -7,6 +7,7 @@ q's dtype, lse fp32 (fp64 for fp64 math) [B, H, Sq]. ``causal`` is top-left alig
 
 Calls a kernel may offer (``Capabilities``):
   plain    ``attention(q, k, v, causal, scale)``: differentiable
+  dropout  ``dropout_attention(q, k, v, causal, scale, dropout_p)``: differentiable, one dropout mask per call
   lse      ``forward(...) -> (out, lse)`` and ``backward(do, q, k, v, out, lse, ...)`` from the rows' FINAL out/lse
            (what ring steps and head-chunked blocks need)
   varlen   ``varlen_forward`` / ``varlen_backward``: packed samples in one call (``varlen`` = the method's name)
@@ -102,6 +103,7 @@ class Kernel:
     package: Optional[str] = None   # the pip package it needs, if any
     caps = Capabilities()
     in_torch_sdpa = False  # one of the kernels torch's SDPA dispatch picks among ("auto"'s plain calls go there)
+    offered = True         # a setting a user may give (False: reached through the chooser only, kernels/sdpa.py)
 
     def installed(self) -> bool:
         """Whether the kernel's code is importable here (not imported)."""
@@ -159,6 +161,9 @@ class Kernel:
 
     def backward(self, do, q, k, v, out, lse, scale: float, causal: bool, tiles=None):
         raise NotImplementedError(f"{self.name}: no backward from out/lse")
+
+    def dropout_attention(self, q, k, v, causal: bool, scale: Optional[float], dropout_p: float) -> torch.Tensor:
+        raise NotImplementedError(f"{self.name}: no call with attention dropout")
 
     def varlen_forward(self, q, k, v, cu: tuple, scale: float, causal: bool):
         raise NotImplementedError(f"{self.name}: no varlen call")

@@ -1,7 +1,8 @@
 """The one kernel choice: which registry kernel runs a call (``KernelCall``: device, dtype, head dim, needs, tile
 slice) for a setting ("auto", or a kernel's setting). Every place that needs a kernel asks here (the backends'
 log-sum-exp, plain and block-sparse calls, ``block_sparse.resolve_kernel``, the varlen methods' candidates, the DiT's
-reference route); tests/test_registry.py scans that no other module makes the choice.
+reference route, the plain calls through torch's SDPA dispatch and attention dropout); tests/test_registry.py scans
+that no other module makes the choice, nor calls torch's SDPA itself (the registry's SDPA kernel does).
 
   "auto" (``AUTO_SETTINGS``: "sdpa" is its older name): the first of ``candidates(call)`` (``AUTO``, for a
       block-sparse call ``TILE_ORDER``'s kernels for its tile size first, whose declared calls cover the call's
@@ -18,7 +19,7 @@ from typing import Callable, Optional
 
 from ...errors import SPConfigError
 from .base import Kernel, KernelCall
-from .registry import AUTO, FALLBACK, TILE_ORDER, by_setting, get, names, settings
+from .registry import AUTO, FALLBACK, SDPA, TILE_ORDER, by_setting, get, names, settings
 
 AUTO_SETTINGS = ("auto", "sdpa")   # the settings that mean "auto" ("sdpa": the backend setting's older word)
 
@@ -36,7 +37,7 @@ def auto_order(call: KernelCall) -> tuple[str, ...]:
     """AUTO for ``call``: for a block-sparse call, the kernels ``TILE_ORDER`` names for its tile size first."""
     if call.tiles is None:
         return AUTO
-    bs = call.tiles.block_size
+    bs = call.tiles.tile
     first = next(order for multiple, order in TILE_ORDER if bs % multiple == 0)
     return tuple(first) + tuple(n for n in AUTO if n not in first)
 
@@ -100,6 +101,33 @@ def require(kernel: Kernel, call: KernelCall, setting: str) -> Kernel:
     """``choose(call, kernel.setting, name=setting)``: ``kernel`` if it runs ``call``, else SPConfigError naming
     ``setting`` and the reason (never a silent replacement)."""
     return choose(call, kernel.setting, name=setting)
+
+
+def plain_kernel(kernel: Kernel) -> Kernel:
+    """The kernel of "auto"'s plain calls where its log-sum-exp calls run on ``kernel``: torch's SDPA dispatch (the
+    registry's SDPA kernel) when ``kernel`` is one of the kernels that dispatch picks among (``in_torch_sdpa``:
+    cuDNN, FlashAttention-2, math), else ``kernel`` itself (FA4, a fixed kernel: its own plain call)."""
+    return get(SDPA) if kernel.in_torch_sdpa else kernel
+
+
+def dropout_kernel(setting: str, name: str, dropout_p: float) -> Kernel:
+    """The kernel of a plain call with attention dropout ``dropout_p`` for the backend setting ``setting``: torch's
+    SDPA dispatch (SDPA's own dropout: the one kernel that draws dropout masks) for "auto" and for a kernel that
+    declares dropout (torch's dispatch picks among those); SPConfigError naming ``name`` for a kernel without."""
+    kernel = None if is_auto(setting) else by_setting(setting)
+    if kernel is not None and not kernel.caps.dropout:
+        able = [get(n).setting for n in names("plain", "dropout")]
+        raise SPConfigError(f"{name}={setting!r} cannot apply attention dropout (dropout_p={dropout_p}): "
+                            f"{kernel.label} has none; set the attention dropout to 0, or choose {name} 'auto' or "
+                            f"one of {', '.join(able)}")
+    return get(SDPA)
+
+
+def torch_sdpa() -> Kernel:
+    """The registry's SDPA kernel (torch's own dispatch, kernels/sdpa.py) for the calls that want torch's SDPA itself:
+    explicit keep masks (a model's key padding, a reference's token mask) and small fp32 / float64 side calls (the
+    video tiles' coarse branch, a cross-attention)."""
+    return get(SDPA)
 
 
 def via_torch_sdpa(kernel: Kernel) -> bool:

@@ -24,9 +24,11 @@ Anything else is refused by ``why_not`` so the registry picks another kernel (FA
 different mask. Rows or blocks cuDNN leaves out (no listed block) get zero gradients here whatever the package
 writes there (its SM90 128-token backward allocates dq/dk/dv with ``torch.empty``).
 
-Metadata (``block_metadata``): built on the call's device from the slice by tensor ops (no host loop, no copy of the
-mask to the host), kept in the slice's cache (keyed on rows, sizes, causal; the per-(B, H) expansion cuDNN's shape
-check wants in the metadata object), so a slice shared by every layer or step is converted once.
+Metadata (``block_metadata``): built on the call's device from the slice by tensor ops (no host loop, no host sync:
+whether cuDNN runs the call is read off the rows' host positions, the mask only by device ops; the blocks without a
+listed pair are a device mask, zeroed by one masked write), kept in the slice's cache (keyed on rows, sizes, causal;
+the per-(B, H) expansion cuDNN's shape check wants in the metadata object), so a slice that lives on its problem
+converts once.
 The package is imported at the first call only (this module imports with torch alone).
 """
 from __future__ import annotations
@@ -94,8 +96,8 @@ def why_not(device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = 
 
 # ---------------------------------------------------------------------------------------- metadata
 def one_tile_per_group(tile_idx: torch.Tensor, b: int) -> bool:
-    """Whether every aligned group of ``b`` rows has one tile index (``tile_idx`` [n]; a last group shorter than b
-    counts its rows only)."""
+    """Whether every aligned group of ``b`` rows has one tile index (``tile_idx`` [n] on the host; a last group
+    shorter than b counts its rows only)."""
     pad = (-tile_idx.numel()) % b
     groups = torch.nn.functional.pad(tile_idx, (0, pad), value=-1).view(-1, b)
     return bool(((groups == groups[:, :1]) | (groups == -1)).all())
@@ -103,60 +105,40 @@ def one_tile_per_group(tile_idx: torch.Tensor, b: int) -> bool:
 
 def block_of(ts, sq: int, sk: int) -> Optional[int]:
     """The kernel block (128 or 64 rows) of the call: every aligned group of its query and key rows inside one tile
-    (the last group may be shorter: padded here, its missing keys masked by ``block_sizes``); None when neither fits
-    (rows contiguous: decided from the tile size alone)."""
+    (the last group may be shorter: padded here, its missing keys masked by ``block_sizes``); None when neither fits.
+    Decided on the host (rows contiguous: from the tile size alone; else from the rows' host positions)."""
     if sq == 0 or sk == 0:
         return None
     for b in BLOCKS:
         if ts.contiguous:
-            if ts.block_size % b == 0:
+            if ts.tile % b == 0:
                 return b
             continue
-        dev = ts.block_mask.device
-        if one_tile_per_group(ts.q_pos.to(dev) // ts.block_size, b) and \
-                one_tile_per_group(ts.k_pos.to(dev) // ts.block_size, b):
+        if one_tile_per_group(ts.q_pos // ts.tile, b) and one_tile_per_group(ts.k_pos // ts.tile, b):
             return b
     return None
 
 
-Dead = Optional[tuple[int, torch.Tensor, torch.Tensor]]
-
-
-def dead_blocks(live: torch.Tensor) -> Dead:
-    """(h, rows, blocks) of the False entries of ``live`` [h, n] (int64 on its device), or None when there are none."""
-    rows, blocks = (~live).nonzero(as_tuple=True)
-    return None if rows.numel() == 0 else (live.shape[0], rows, blocks)
-
-
-def zero_dead(x: torch.Tensor, dead: Dead, block: int, fill: float = 0.0) -> torch.Tensor:
-    """``x`` [B, H, n * block, ...] (any strides: the kernel's bshd storage seen as bhsd) with the rows of the dead
-    blocks set to ``fill`` IN PLACE (the other rows untouched); a dead list of one mask row (h = 1) covers every
-    head; its index tensors on x's device (``BlockMeta.dead``). Returns ``x``."""
-    if dead is None:
-        return x
-    h, rows, blocks = dead
+def zero_dead(x: torch.Tensor, live: torch.Tensor, block: int, fill: float = 0.0) -> torch.Tensor:
+    """``x`` [B, H, n * block, ...] (any strides: the kernel's bshd storage seen as bhsd) with the rows of the blocks
+    that are not ``live`` ([h, n] bool on x's device; h = 1 covers every head) set to ``fill`` IN PLACE (the other rows
+    untouched), by one masked write on the device (no host sync, whatever the mask). Returns ``x``."""
     by_block = x.unflatten(2, (x.shape[2] // block, block))          # a view: the writes land in x
-    if h == 1:
-        by_block[:, :, blocks] = fill
-    else:
-        by_block[:, rows, blocks] = fill
+    dead = ~live
+    by_block.masked_fill_(dead.view(1, *dead.shape, *([1] * (by_block.dim() - 3))), fill)
     return x
 
 
 class BlockMeta:
     """cuDNN's block lists of one call: kernel block ``block``; ``index`` int32 [h, nq, nk] (each query block's key
     blocks, selected first, ascending), ``nums`` int32 [h, nq], ``sizes`` int32 [nk] (valid keys per key block) or
-    None; ``q_live`` / ``k_live`` bool [h, nq] / [h, nk]: blocks with a listed pair (cuDNN writes their gradients);
-    ``diag`` bool [h, nq]: the causal diagonal blocks selected (None when not causal); ``q_dead`` / ``k_dead``: the
-    blocks without a listed pair (``dead_blocks``; None when none). h = the mask's rows for the call (1: every head)."""
+    None; ``q_live`` / ``k_live`` bool [h, nq] / [h, nk]: blocks with a listed pair (cuDNN writes their gradients; the
+    others' rows are zeroed after the kernel, ``zero_dead``); ``diag`` bool [h, nq]: the causal diagonal blocks
+    selected (None when not causal). h = the mask's rows for the call (1: every head). All on the mask's device."""
 
     def __init__(self, block, index, nums, sizes, q_live, k_live, diag) -> None:
         self.block, self.index, self.nums, self.sizes = block, index, nums, sizes
         self.q_live, self.k_live, self.diag = q_live, k_live, diag
-        # the blocks without a listed pair, as (mask row, block) index pairs: the only rows whose output / gradients
-        # are zeroed after the kernel (a top-k mask leaves a few key blocks unpicked, SP padding whole tiles); found
-        # once, at build (one host sync), so a call writes those rows only instead of a pass over every row
-        self.q_dead, self.k_dead = dead_blocks(q_live), dead_blocks(k_live)
         self.expanded: dict = {}
 
     def lists(self, batch: int, heads: int, device: torch.device) -> tuple:
@@ -170,14 +152,14 @@ class BlockMeta:
                                   self.sizes.to(device) if self.sizes is not None else None)
         return self.expanded[key]
 
-    def dead(self, which: str, device: torch.device) -> Dead:
-        """``q_dead`` or ``k_dead`` (``which`` "q" / "k") with its index tensors on ``device`` (copied once)."""
-        found = self.q_dead if which == "q" else self.k_dead
-        if found is None or found[1].device == torch.device(device):
-            return found
+    def live(self, which: str, device: torch.device) -> torch.Tensor:
+        """``q_live`` or ``k_live`` (``which`` "q" / "k") on ``device`` (copied once when the mask lives elsewhere)."""
+        live = self.q_live if which == "q" else self.k_live
+        if live.device == torch.device(device):
+            return live
         key = (which, str(device))
         if key not in self.expanded:
-            self.expanded[key] = (found[0], found[1].to(device), found[2].to(device))
+            self.expanded[key] = live.to(device)
         return self.expanded[key]
 
 
@@ -191,35 +173,30 @@ def block_metadata(ts, sq: int, sk: int, causal: bool) -> Optional[BlockMeta]:
 
 
 def _build(ts, sq, sk, causal) -> Optional[BlockMeta]:
+    """Whether cuDNN runs the call is decided on the host from the rows' positions (block, causal rows, padding at
+    the ends of key blocks); the lists are built on the device from the mask (no host sync)."""
     b = block_of(ts, sq, sk)
     if b is None:
         return None
-    dev = ts.block_mask.device
-    qp, kp = ts.q_pos.to(dev), ts.k_pos.to(dev)
-    padded = ts.kv_valid_len is not None and (ts.kv_valid_len < sk if ts.contiguous
-                                              else bool((kp >= ts.kv_valid_len).any()))
-    if causal:
-        if padded:
-            return None
-        if not ts.contiguous and not (sq == sk and bool((qp == kp).all())
-                                      and (sq < 2 or bool((qp[1:] > qp[:-1]).all()))):
-            return None
+    padded = ts.padded()
+    if causal and (padded or sq != sk or not ts.identical_increasing()):
+        return None
     nq, nk = -(-sq // b), -(-sk // b)
+    if padded and not ts.contiguous:   # padded keys in the middle of a block: block_sizes cannot say it
+        host = torch.nn.functional.pad(ts.valid_keys(), (0, nk * b - sk), value=False).view(nk, b)
+        if not bool((host == (torch.arange(b) < host.sum(1, keepdim=True))).all()):
+            return None
     rows = ts.mask_rows()                                                        # [h or 1, T, T]
-    sel = rows.index_select(1, qp[::b] // ts.block_size).index_select(2, kp[::b] // ts.block_size)  # [h, nq, nk]
+    sel = rows.index_select(1, ts.tiles_of_rows("q", b)).index_select(2, ts.tiles_of_rows("k", b))  # [h, nq, nk]
     sizes = None
     if padded or sk % b:   # valid keys per key block: padding (kv_valid_len) and the rows past sk (a short last block)
-        valid = kp < ts.kv_valid_len if padded else torch.ones(sk, dtype=torch.bool, device=dev)
-        valid = torch.nn.functional.pad(valid, (0, nk * b - sk), value=False).view(nk, b)
+        valid = torch.nn.functional.pad(ts.valid_keys_on_device(), (0, nk * b - sk), value=False).view(nk, b)
         counts = valid.sum(1, dtype=torch.int32)
-        if padded and not ts.contiguous and \
-                not bool((valid == (torch.arange(b, device=dev) < counts.unsqueeze(1))).all()):
-            return None   # padded keys in the middle of a block: block_sizes cannot say it
         sizes = counts.contiguous()
         sel = sel & (counts > 0)
     diag = None
     if causal:
-        i = torch.arange(nq, device=dev)
+        i = torch.arange(nq, device=ts.device)
         diag = sel[:, i, i].contiguous()                                          # [h, nq]
         sel = sel & (i.view(1, nq) < i.view(nq, 1))                               # strictly below the diagonal
     nums, index = block_lists(sel)
@@ -258,8 +235,8 @@ def bsa_forward(q, k, v, scale: float, meta: BlockMeta) -> tuple[torch.Tensor, t
     # query blocks without a listed key block: out 0, lse -inf whatever the kernel wrote (its SM90 128-token path
     # has no empty-list specialisation of its own); their rows only
     out, lse = _from(res["o_tensor"], lay), res["lse_tensor"]
-    q_dead = meta.dead("q", out.device)
-    return zero_dead(out, q_dead, meta.block), zero_dead(lse, q_dead, meta.block, float("-inf"))
+    q_live = meta.live("q", out.device)
+    return zero_dead(out, q_live, meta.block), zero_dead(lse, q_live, meta.block, float("-inf"))
 
 
 def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
@@ -274,8 +251,8 @@ def bsa_backward(do, q, k, v, out, lse, scale: float, meta: BlockMeta):
         sparse_block_size=meta.block, layout=lay)
     dq, dk, dv = (_from(res[n], lay) for n in ("dq_tensor", "dk_tensor", "dv_tensor"))
     b = meta.block
-    k_dead = meta.dead("k", dk.device)
-    return zero_dead(dq, meta.dead("q", dq.device), b), zero_dead(dk, k_dead, b), zero_dead(dv, k_dead, b)
+    k_live = meta.live("k", dk.device)
+    return zero_dead(dq, meta.live("q", dq.device), b), zero_dead(dk, k_live, b), zero_dead(dv, k_live, b)
 
 
 def _blocks(x: torch.Tensor, b: int) -> torch.Tensor:
@@ -407,7 +384,7 @@ class CudnnBlockSparseKernel(Kernel):
         sq, sk = ts.q_pos.numel(), ts.k_pos.numel()
         if block_of(ts, sq, sk) is None:
             return (f"its blocks are 64- or 128-token blocks: each aligned group of 64 of the call's {sq} query / {sk} "
-                    f"key rows must lie inside one {ts.block_size}-token tile")
+                    f"key rows must lie inside one {ts.tile}-token tile")
         if block_metadata(ts, sq, sk, "causal" in call.needs) is None:
             return ("its kernels are non-causal and mask no token inside a block: causal needs identical increasing "
                     "query and key positions and no padded keys, and padded keys must end the key blocks they sit in")

@@ -17,12 +17,14 @@ by atomics); the block-sparse backward has no such form here and refuses to run 
 Block sparsity (``tiles=``, a ``TileSlice``): FA4's own (``flash_attn.cute.block_sparsity.BlockSparseTensorsTorch``):
 per 128-row query block the 128-key blocks to run, "full" ones without a mask and partial ones through a
 ``mask_mod``; the backward takes the transposed layout (per key block, the query blocks). ``tile_metadata`` builds
-both on the call's device from the slice (unit-sampled tile indices, one pass of tensor ops, no host loop) and keeps
-them in the slice's cache: a slice shared by every layer or step is converted once. Kernel blocks whose query and
-key rows each lie in one tile run as full or are skipped; the causal diagonal runs with FA4's own causal mask; a
-block cut by a tile edge or by padded keys is partial and runs through ``mask_mod.tile_mask_mod`` (aux tensors: the
-rows' tile indices and the tile mask), or, where that route is unavailable here, the call is refused (``why_not``)
-so the registry picks another kernel. A superset of the mask never runs.
+both on the call's device from the slice (unit-sampled tile indices, one pass of tensor ops, no host loop, no host
+sync: what can run and whether partial blocks can occur is read off the rows' host positions, ``row_units``; the mask
+only by device ops) and keeps them in the slice's cache: a slice that lives on its problem converts once. Kernel
+blocks whose query and key rows each lie in one tile run as full or are skipped; the causal diagonal runs with FA4's
+own causal mask; where a tile edge or padded keys can cut a block (decided from the positions, whatever the mask
+selects) the call's partial blocks run through ``mask_mod.tile_mask_mod`` (aux tensors: the rows' tile indices and
+the tile mask), or, where that route is unavailable here, the call is refused (``why_not``) so the registry picks
+another kernel. A superset of the mask never runs.
 """
 from __future__ import annotations
 
@@ -176,7 +178,7 @@ def _block_sparse_class():
 
 def _unit(tile_idx: torch.Tensor, extra: Optional[torch.Tensor] = None) -> int:
     """The largest u of UNITS such that every aligned group of u rows has one tile index (and one ``extra`` value):
-    0 when none (rows finer than 16)."""
+    0 when none (rows finer than 16). ``tile_idx`` on the host (the rows' positions are host data): no device sync."""
     n = tile_idx.numel()
     for u in UNITS:
         pad = (-n) % u
@@ -221,7 +223,8 @@ class TileMeta:
 def tile_metadata(ts, sq: int, sk: int, causal: bool, partial_ok: bool = True) -> Optional[TileMeta]:
     """``TileMeta`` of the slice ``ts`` for a call of ``sq`` query and ``sk`` key rows; None when the call needs a
     partial route this build lacks (``partial_ok`` False), rows finer than 16 tokens per tile, or causal over
-    rows that are not identical increasing positions. Cached in ``ts.cache``."""
+    rows that are not identical increasing positions. Cached in ``ts.cache``. Decided on the host from the rows'
+    positions, built on the device from the mask: no host sync (``_build_meta``)."""
     key = ("fa4_meta", sq, sk, bool(causal), bool(partial_ok))
     if key in ts.cache:
         return ts.cache[key]
@@ -241,30 +244,53 @@ def pad_to(x: torch.Tensor, n: int, value: int) -> torch.Tensor:
     return torch.nn.functional.pad(x.to(torch.int32), (0, n - x.shape[0]), value=value).contiguous()
 
 
-def _build_meta(ts, sq, sk, causal, partial_ok):
-    dev = ts.block_mask.device
-    bs = ts.block_size
-    qp, kp = ts.q_pos.to(dev), ts.k_pos.to(dev)
-    if causal and not ts.contiguous and not (qp.numel() == kp.numel() and bool((qp == kp).all())
-                                             and (qp.numel() < 2 or bool((qp[1:] > qp[:-1]).all()))):
-        return None   # FA4's causal is tril over the rows: only for identical, increasing positions
-    qt, kt = qp // bs, kp // bs
-    valid = (kp < ts.kv_valid_len) if ts.kv_valid_len is not None else torch.ones_like(kp, dtype=torch.bool)
-    if ts.contiguous:   # rows 0..S-1: the unit is the tile's alignment, known without looking (no host sync)
+def row_units(ts, sk: int) -> Optional[tuple[int, int, bool]]:
+    """(uq, uk, aligned) of the slice, from the rows' positions on the host: the row units (``_unit``: every aligned
+    group of uq query / uk key rows inside one tile; None when finer than 16) and whether no kernel block can be
+    partial whatever the mask says (each 128-row block inside one tile on both sides, and each 128-key block all
+    valid or all padding): then no mask_mod is needed."""
+    bs = ts.tile
+    if ts.contiguous:   # rows 0..S-1: the units are the tile's alignment, known without looking
         uq = uk = next((u for u in UNITS if bs % u == 0), 0)
+        n = ts.kv_valid_len
+        homogeneous = n is None or n >= sk or n % KERNEL_BLOCK == 0
     else:
-        uq, uk = _unit(qt), _unit(kt)
+        uq, uk = _unit(ts.q_pos // bs), _unit(ts.k_pos // bs)
+        valid = ts.valid_keys()
+        homogeneous = True
+        if valid is not None:
+            blocks = torch.nn.functional.pad(valid, (0, (-sk) % KERNEL_BLOCK), value=True).view(-1, KERNEL_BLOCK)
+            edge = torch.nn.functional.pad(valid, (0, (-sk) % KERNEL_BLOCK), value=False).view(-1, KERNEL_BLOCK)
+            homogeneous = bool((blocks.all(1) | ~edge.any(1)).all())
     if uq == 0 or uk == 0:
         return None
+    return uq, uk, uq == KERNEL_BLOCK and uk == KERNEL_BLOCK and homogeneous
+
+
+def _build_meta(ts, sq, sk, causal, partial_ok):
+    """The host decides from the rows' positions (``row_units``; causal needs identical increasing rows) whether FA4
+    runs the call and whether partial blocks (and so the mask_mod) can occur; the device builds the block lists
+    from the mask (no ``.item()``, ``nonzero`` or Python branch on a tensor value)."""
+    if causal and not ts.identical_increasing():
+        return None   # FA4's causal is tril over the rows: only for identical, increasing positions
+    units = row_units(ts, sk)
+    if units is None:
+        return None
+    uq, uk, aligned = units
+    needs_mod = not aligned
+    if needs_mod and not partial_ok:
+        return None
+    dev = ts.device
     rows = ts.mask_rows()                               # [h or 1, T, T]
     per_head = rows.shape[0] > 1
-    m_units = rows.index_select(1, qt[::uq]).index_select(2, kt[::uk])                # [h, Uq, Uk]
+    m_units = rows.index_select(1, ts.tiles_of_rows("q", uq)).index_select(2, ts.tiles_of_rows("k", uk))  # [h, Uq, Uk]
     nq, nk = -(-sq // KERNEL_BLOCK), -(-sk // KERNEL_BLOCK)
     rq, rk = KERNEL_BLOCK // uq, KERNEL_BLOCK // uk
     pad_q, pad_k = nq * rq - m_units.shape[1], nk * rk - m_units.shape[2]
     h = m_units.shape[0]
     m_any = torch.nn.functional.pad(m_units, (0, pad_k, 0, pad_q), value=False).view(h, nq, rq, nk, rk)
     m_all = torch.nn.functional.pad(m_units, (0, pad_k, 0, pad_q), value=True).view(h, nq, rq, nk, rk)
+    valid = ts.valid_keys_on_device()
     pad_v = nk * KERNEL_BLOCK - sk                      # padded keys, per key block: all valid / any valid
     v_all = torch.nn.functional.pad(valid, (0, pad_v), value=True).view(nk, KERNEL_BLOCK).all(1)
     v_any = torch.nn.functional.pad(valid, (0, pad_v), value=False).view(nk, KERNEL_BLOCK).any(1)
@@ -274,18 +300,10 @@ def _build_meta(ts, sq, sk, causal, partial_ok):
         i = torch.arange(nq, device=dev).view(nq, 1)
         j = torch.arange(nk, device=dev).view(1, nk)
         anyb = anyb & (j <= i)
-        full = allb & (j < i)
-        diag_full = allb & (j == i)       # the tiles select all of a diagonal block: FA4's causal mask alone
-        partial = anyb & ~full
-        needs_mod = bool((partial & ~diag_full).any())
+        full = allb & (j < i)   # the diagonal: partial, run with FA4's causal mask (or the mask_mod's causal)
     else:
         full = allb & anyb
-        partial = anyb & ~full
-        aligned = ts.contiguous and bs % KERNEL_BLOCK == 0 and (ts.kv_valid_len is None or
-                                                                 ts.kv_valid_len >= sk or ts.kv_valid_len % KERNEL_BLOCK == 0)
-        needs_mod = False if aligned else bool(partial.any())   # aligned tiles: no block is cut (no host sync)
-    if needs_mod and not partial_ok:
-        return None
+    partial = anyb & ~full
     cls = _block_sparse_class()
     fc, fi = block_lists(full)
     mc, mi = block_lists(partial)
@@ -297,7 +315,7 @@ def _build_meta(ts, sq, sk, causal, partial_ok):
     aux = None
     if needs_mod:   # the mask_mod decides every element of a partial block: tiles, padded keys, causal
         t = rows.shape[-1]
-        sentinel = torch.full_like(kt, t)
+        qt, kt = ts.tiles_of_rows("q"), ts.tiles_of_rows("k")
         tile_mask = torch.nn.functional.pad(rows, (0, 1), value=False).to(torch.int32).contiguous()
         # FA4 calls the mask_mod for every row and column of a partial kernel block, also past sq / sk in the last
         # one: the per-row aux tensors run to aux_rows(n) so those reads stay inside them (query rows past sq read
@@ -305,8 +323,9 @@ def _build_meta(ts, sq, sk, causal, partial_ok):
         # reads past the end took garbage tile indices into the tile mask: an illegal memory access on an H200
         # (2026-11-25) where an H100 had passed the same cases.
         lq, lk = aux_rows(sq), aux_rows(sk)
-        aux = [pad_to(qt, lq, 0), pad_to(torch.where(valid, kt, sentinel), lk, t), tile_mask]
+        aux = [pad_to(qt, lq, 0), pad_to(torch.where(valid, kt, torch.full_like(kt, t)), lk, t), tile_mask]
         if causal:
+            qp, kp = ts.positions_on_device()
             aux += [pad_to(qp, lq, 0), pad_to(kp, lk, 0)]
     return TileMeta(fwd, bwd, aux, causal_in_kernel=causal and aux is None, per_head=per_head)
 

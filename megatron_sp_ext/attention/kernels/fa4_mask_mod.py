@@ -63,7 +63,7 @@ def probe(kernel, device, dtype, partial: bool) -> tuple[bool, Optional[str]]:
             bm = bm.to(device)
             q, do = (torch.randn(1, 4, s, 64, generator=g).to(device=device, dtype=dtype) for _ in range(2))
             k, v = (torch.randn(1, 2, s, 64, generator=g).to(device=device, dtype=dtype) for _ in range(2))
-            pos = torch.arange(s, device=device)
+            pos = torch.arange(s)   # positions are host data (tiles.TileSlice)
             ts = TileSlice(bm, bs, pos, pos, slice(None), s - 5 if partial else None)
             o, lse = kernel.forward(q, k, v, 0.125, causal, ts)
             grads = kernel.backward(do, q, k, v, o, lse, 0.125, causal, ts)

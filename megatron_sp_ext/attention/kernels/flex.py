@@ -25,12 +25,13 @@ def flex_mask(ts, *, causal: bool = False, compiled: Optional[bool] = None):
     slice's heads, AND causal by global position, AND kv_valid_len). compiled (default: on CUDA): built through
     torch.compile (no [h, Sq, Sk] mask materialised); False evaluates the mask_mod eagerly (small shapes, CPU)."""
     from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
-    dev = ts.block_mask.device
+    dev = ts.device
     rows = ts.mask_rows().contiguous()
     one_head = rows.shape[0] == 1
-    qp, kp = ts.q_pos.to(dev).contiguous(), ts.k_pos.to(dev).contiguous()
-    qt, kt = (qp // ts.block_size).contiguous(), (kp // ts.block_size).contiguous()
-    valid = ts.kv_valid_len if ts.kv_valid_len is not None else int(kp.max()) + 1 if kp.numel() else 0
+    qp, kp = (p.contiguous() for p in ts.positions_on_device())
+    qt, kt = (qp // ts.tile).contiguous(), (kp // ts.tile).contiguous()
+    # no padding: every key is valid (read off the host positions: no device sync)
+    valid = ts.kv_valid_len if ts.kv_valid_len is not None else int(ts.k_pos.max()) + 1 if ts.k_pos.numel() else 0
 
     def mask_mod(b, h, q_idx, kv_idx):
         keep = rows[0 if one_head else h, qt[q_idx], kt[kv_idx]]

@@ -65,13 +65,12 @@ def math_backward(do, q, k, v, out, lse, scale: float, mask: Mask = None):
 
 
 def keep_mask(q, k, causal: bool, tiles):
-    """math_forward's mask for a call: None / "causal" / a bool keep mask [h or 1, Sq, Sk] (tiles AND causal)."""
+    """math_forward's mask for a call: None / "causal" (top-left aligned rows) / with a tile slice the bool keep mask
+    [h or 1, Sq, Sk] (tiles AND, with ``causal``, key position <= query position: tril where the rows are the same
+    increasing positions, the rule by global position elsewhere)."""
     if tiles is None:
         return "causal" if causal else None
-    m = tiles.token_mask()
-    if causal:
-        m = m & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=m.device).tril()
-    return m
+    return tiles.token_mask(causal)
 
 
 class MathKernel(Kernel):

@@ -13,6 +13,10 @@ ORDER is fastest first on Hopper, measured (fwd+bwd, bf16, D=128; ../shared/ENVI
   flex   flex_attention, block-sparse only: 323-392 useful TFLOP/s at 128-token tiles, 59-255 at 64 (H100)
   math   the fp32 reference: any device, dtype and mask (4 useful TFLOP/s as a ring step kernel)
   flash_attn, te: plain calls only, never picked by "auto" (named by the user).
+  torch_sdpa: torch's own SDPA dispatch (it picks cuDNN, FlashAttention-2, efficient or math per call), the one place
+         the library calls F.scaled_dot_product_attention: "auto"'s plain calls where its log-sum-exp kernel is
+         one of torch's, attention dropout, explicit masks (``choose.plain_kernel`` / ``dropout_kernel`` /
+         ``torch_sdpa``); not a setting (``offered`` False).
   cudnn_block_sparse: cuDNN frontend's block sparsity (nvidia-cudnn-frontend), native 64- and 128-token blocks:
          block-sparse calls only. Its place among the block-sparse kernels is per call (``TILE_ORDER``, by the
          call's tile size), not ORDER's.
@@ -36,12 +40,14 @@ from .fa4 import FA4Kernel
 from .flash_attn import FlashAttnKernel
 from .flex import FlexKernel
 from .math import MathKernel
+from .sdpa import TorchSdpaKernel
 from .te import TEKernel
 from .torch_flash import TorchFlashKernel
 
 _CLASSES = (FA4Kernel, CudnnKernel, TorchFlashKernel, FlexKernel, CudnnBlockSparseKernel, MathKernel, FlashAttnKernel,
-            TEKernel)
+            TEKernel, TorchSdpaKernel)
 ORDER = tuple(c.name for c in _CLASSES)
+SDPA = TorchSdpaKernel.name   # torch's own SDPA dispatch: reached through the chooser only (not offered)
 AUTO = ("fa4", "cudnn", "flash", "flex", "cudnn_block_sparse", "math")     # what "auto" may pick, in this order
 # block-sparse calls: (tile size multiple, kernels first in this order); the first entry whose multiple divides the
 # call's tile size applies. Measured on H100 (module docstring; 2026-11-27): FA4 leads at 128-token tiles, cuDNN at 64.
@@ -65,7 +71,7 @@ def names(*needs: str, auto_only: bool = False) -> tuple[str, ...]:
     out = []
     for n in (AUTO if auto_only else ORDER):
         caps = get(n).caps
-        if "tiles" not in needs and not caps.dense:
+        if not get(n).offered or "tiles" not in needs and not caps.dense:
             continue
         ok = {"plain": caps.plain, "lse": caps.lse, "varlen": caps.varlen is not None,
               "tiles": caps.tiles != "none", "dropout": caps.dropout,
@@ -78,14 +84,14 @@ def names(*needs: str, auto_only: bool = False) -> tuple[str, ...]:
 def by_setting(setting: str) -> Optional[Kernel]:
     """The kernel a user's setting (``backend=...``) names, or None."""
     for n in ORDER:
-        if get(n).setting == setting:
+        if get(n).offered and get(n).setting == setting:
             return get(n)
     return None
 
 
 def settings() -> tuple[str, ...]:
-    """Every kernel's setting name (ORDER)."""
-    return tuple(get(n).setting for n in ORDER)
+    """Every offered kernel's setting name (ORDER)."""
+    return tuple(get(n).setting for n in ORDER if get(n).offered)
 
 
 def varlen_methods() -> tuple[str, ...]:

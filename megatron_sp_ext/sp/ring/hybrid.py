@@ -86,7 +86,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SP
         order = rows[mesh.ring_index][0]
         runs = tuple(merged for _, merged in rows)
     ring = RingBackend(mesh.ring_group, ring_variant, runs[mesh.ring_index], runs, pr.backend, pr.kv_valid_len,
-                       pr.segments, block_mask=pr.block_mask, block_size=pr.block_size, seq_len=pr.seqlen)
+                       pr.segments, problem=problem, seq_len=pr.seqlen)   # masked plans: kept on the problem
     if mesh.ulysses_group is None:  # P_u == 1: pure ring over the mesh order, every head
         return pr.from_kernel(ring(*pr.to_kernel(q, k, v), causal=causal, softmax_scale=pr.scale))
     inner = problem.inner(softmax_scale=pr.scale, seq_order=order, kv_valid_len=None, cu_seqlens=None,

@@ -163,11 +163,11 @@ class RingPlan:
                 for kvr in self.slot_kv_runs(step, rank)]
 
     def step_tiles(self, step: int, rank: Optional[int], block_mask: torch.Tensor) -> TileSlice:
-        """The mask's view of ``rank``'s whole step: its queries (compute order) x its K|V buffer rows."""
-        dev = block_mask.device
-        q_pos = _positions(((g, n, row) for g, n, row in self.q_compute_runs(rank)), dev)
-        kv_pos = _positions((run for slot in self.slot_kv_runs(step, rank, valid=False) for run in slot), dev)
-        return TileSlice(block_mask, self.tiles.block_size, q_pos, kv_pos, self.tiles.heads, self.kv_valid_len)
+        """The mask's view of ``rank``'s whole step: its queries (compute order) x its K|V buffer rows (positions on
+        the host, as ``TileSlice`` keeps them)."""
+        q_pos = _positions((g, n, row) for g, n, row in self.q_compute_runs(rank))
+        kv_pos = _positions(run for slot in self.slot_kv_runs(step, rank, valid=False) for run in slot)
+        return TileSlice(block_mask, self.tiles.tile, q_pos, kv_pos, self.tiles.heads, self.kv_valid_len)
 
     def skips(self) -> SkipTables:
         """The mask's skip tables (``skips``), built once per plan on the host for every rank."""
@@ -189,9 +189,10 @@ class RingPlan:
             if self.tiles is not None:
                 keep = self.skips().keep
                 base = self.step_tiles(step, None, self.mask_on(device))
-                its = [Item(it.q_rows, it.kv_rows, it.causal, it.mask, base.rows(it.q_rows, it.kv_rows))
-                       for i, calls in enumerate(self.slot_calls(step, None, device))
-                       for j, it in enumerate(calls) if j in keep[i][self.rank][step]]
+                on_host = self.slot_calls(step, None, "cpu")   # the same calls, rows on the host: the slices' rows
+                its = [Item(it.q_rows, it.kv_rows, it.causal, it.mask, base.rows(h.q_rows, h.kv_rows))
+                       for i, (calls, host) in enumerate(zip(self.slot_calls(step, None, device), on_host))
+                       for j, (it, h) in enumerate(zip(calls, host)) if j in keep[i][self.rank][step]]
             elif not self.causal and self.kv_valid_len is None and self.cu_seqlens is None:
                 its = [Item(slice(None), slice(None))]
             else:
@@ -252,11 +253,10 @@ class RingPlan:
         return slice(base + (heads.start or 0), base + heads.stop)
 
 
-def _positions(runs, device) -> torch.Tensor:
-    """Global position of each row given (global start, len, row) runs covering the rows."""
+def _positions(runs) -> torch.Tensor:
+    """Global position of each row (a host tensor) given (global start, len, row) runs covering the rows."""
     runs = sorted(runs, key=lambda run: run[2])
-    pos = torch.cat([torch.arange(g, g + n) for g, n, _ in runs]) if runs else torch.empty(0, dtype=torch.long)
-    return pos.to(device)
+    return torch.cat([torch.arange(g, g + n) for g, n, _ in runs]) if runs else torch.empty(0, dtype=torch.long)
 
 
 def _fill_kv(buf: torch.Tensor, k_bhsd, v_bhsd, moves) -> None:
@@ -390,14 +390,16 @@ class RingSpec:
     balanced_slots: bool = False
     kv_valid_len: Optional[int] = None
     cu_seqlens: Optional[tuple] = None
-    block_size: int = block_sparse.DEFAULT_TILE_SIZE
+    tile: int = block_sparse.DEFAULT_TILE_SIZE
     heads: tuple = (None, None)
     q_runs_of: Optional[tuple] = None
 
     @staticmethod
     def of(**fields) -> "RingSpec":
-        """A spec from keywords (runs as any sequences, ``heads`` as a slice)."""
+        """A spec from keywords (runs as any sequences, ``heads`` as a slice, ``block_size`` for ``tile``)."""
         heads = fields.pop("heads", slice(None))
+        if "block_size" in fields:
+            fields["tile"] = fields.pop("block_size")
         for name in ("q_runs", "kv_runs", "q_runs_of"):
             if fields.get(name) is not None:
                 fields[name] = tuple(tuple(x) if isinstance(x, list) else x for x in fields[name])
@@ -420,7 +422,7 @@ def make_ring_plan(group, spec: Optional[RingSpec] = None, *, block_mask: Option
     ref = weakref.ref(group) if group is not None else None
     if block_mask is not None:
         def build() -> RingPlan:
-            tiles = TileSpec(block_mask.detach().to("cpu", copy=True), spec.block_size, slice(*spec.heads))
+            tiles = TileSpec(block_mask.detach().to("cpu", copy=True), spec.tile, slice(*spec.heads))
             return build_ring_plan(ref, rank, world, spec, tiles)
         return build() if owner is None else owner.cached(("ring_plan", group, spec), build)
     plans = _PLANS.setdefault(group, {}) if group is not None else _NO_GROUP
@@ -474,31 +476,34 @@ class RingBackend(block_sparse.BlockSparseBackend):
 
     Queries and keys of this rank cover global runs ``q_runs``; ``kv_runs[o]`` are ring rank o's.
     ``cu_seqlens`` (packed samples, tuple of cumulative lengths): attention only within each sample.
-    ``block_mask`` (checked, over a ``seq_len`` sequence) / ``block_size``: the ring under the mask, its skips;
-    ``q_runs_of[o]``: ring rank o's query runs (default ``kv_runs``); ``heads``: the global query heads of q
-    (``attend`` passes them per Ulysses chunk)."""
+    ``problem``: the caller's ``AttentionProblem`` when it has a block mask (over a ``seq_len`` sequence): the ring
+    runs under the mask with its skips, and its plans (their host copy of the mask and skip tables) are kept on the
+    problem, so the backends a call builds reuse them for every later call of the same problem; ``q_runs_of[o]``:
+    ring rank o's query runs (default ``kv_runs``); ``heads``: the global query heads of q (``attend`` passes them per
+    Ulysses chunk)."""
 
     def __init__(self, group, variant: str, q_runs, kv_runs, inner: LocalAttention,
                  kv_valid_len: Optional[int] = None, cu_seqlens: Optional[tuple] = None, *,
-                 block_mask: Optional[torch.Tensor] = None, block_size: int = block_sparse.DEFAULT_TILE_SIZE,
-                 seq_len: int = 0, q_runs_of: Optional[tuple] = None, heads: slice = slice(None)) -> None:
+                 problem: Optional[AttentionProblem] = None, seq_len: int = 0, q_runs_of: Optional[tuple] = None,
+                 heads: slice = slice(None)) -> None:
         self.group, self.variant, self.q_runs, self.kv_runs, self.inner = group, variant, q_runs, kv_runs, inner
         self.kv_valid_len, self.cu_seqlens = kv_valid_len, cu_seqlens
-        self.block_mask, self.block_size, self.seq_len, self.q_runs_of = block_mask, block_size, seq_len, q_runs_of
-        self.heads = heads
+        self.problem = problem if problem is not None and problem.block_mask is not None else None
+        self.seq_len, self.q_runs_of, self.heads = seq_len, q_runs_of, heads
         self.name = f"{variant}[{inner.name}]"
         self._plans: dict = {}
 
     def plan(self, k_bhsd: torch.Tensor, causal: bool, scale: float, heads: Optional[slice] = None) -> RingPlan:
         heads = self.heads if heads is None else heads
-        key = (k_bhsd.shape[2], causal, scale, heads.start, heads.stop,
-               None if self.block_mask is None else self.block_mask._version)  # a mask changed in place: a new plan
+        key = (k_bhsd.shape[2], causal, scale, heads.start, heads.stop)
         if key not in self._plans:   # the shapes were agreed over the mesh by the caller's problem
-            self._plans[key] = make_ring_plan(self.group, variant=self.variant, s_loc=k_bhsd.shape[2],
-                                              q_runs=self.q_runs, kv_runs=self.kv_runs, causal=causal, scale=scale,
-                                              backend=self.inner, kv_valid_len=self.kv_valid_len,
-                                              cu_seqlens=self.cu_seqlens, block_mask=self.block_mask,
-                                              block_size=self.block_size, heads=heads, q_runs_of=self.q_runs_of)
+            pb = self.problem
+            self._plans[key] = make_ring_plan(
+                self.group, variant=self.variant, s_loc=k_bhsd.shape[2], q_runs=self.q_runs, kv_runs=self.kv_runs,
+                causal=causal, scale=scale, backend=self.inner, kv_valid_len=self.kv_valid_len,
+                cu_seqlens=self.cu_seqlens, block_mask=None if pb is None else pb.mask_on(k_bhsd.device),
+                tile=block_sparse.DEFAULT_TILE_SIZE if pb is None else pb.tile, heads=heads,
+                q_runs_of=self.q_runs_of, owner=pb)
         return self._plans[key]
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
@@ -547,5 +552,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                           kv_runs=tuple(pr.runs(o) for o in range(pr.world)), causal=causal, scale=pr.scale,
                           backend=pr.backend, balanced_slots=placement == "tasp_zigzag" and pr.packed is None,
                           kv_valid_len=pr.kv_valid_len, cu_seqlens=pr.segments, block_mask=pr.block_mask,
-                          block_size=pr.block_size, owner=problem)
+                          tile=pr.block_size, owner=problem)
     return pr.from_kernel(_RingFn.apply(*pr.to_kernel(q, k, v), plan))

@@ -20,11 +20,12 @@ import torch
 
 @dataclass(frozen=True)
 class TileSpec:
-    """A plan's block mask: bool [H or 1, T, T] (global tiles, the plan's own copy), tokens per tile, and the global
-    query heads the ring's q carries (the mask's rows)."""
+    """A plan's block mask: bool [H or 1, T, T] (global tiles, the plan's own host copy: the skip tables are host
+    decisions, made once per plan), tokens per tile, and the global query heads the ring's q carries (the mask's
+    rows)."""
 
     block_mask: torch.Tensor
-    block_size: int
+    tile: int
     heads: slice
 
     def selection_mask(self) -> torch.Tensor:

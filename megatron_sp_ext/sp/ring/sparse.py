@@ -53,20 +53,24 @@ class SparseRingPlan:
         return counts(self.tables, rank, self.slot_bytes)
 
 
-def sparse_ring_plan(block_mask: torch.Tensor, *, world: int, seq_len: int, block_size: int, placement: str,
-                     causal: bool, kv_valid_len: Optional[int] = None, kv_bytes: int = 0,
-                     variant: str = "ring") -> SparseRingPlan:
-    """The ``SparseRingPlan`` of ``block_mask`` ([H or 1, T, T], bool) for ``variant`` over ``world`` ranks holding a
-    ``seq_len`` sequence in ``placement``; kv_bytes: one rank's K|V bytes (split over the slots)."""
+def sparse_ring_plan(block_mask: torch.Tensor, *, world: int, seq_len: int, tile: Optional[int] = None,
+                     placement: str, causal: bool, kv_valid_len: Optional[int] = None, kv_bytes: int = 0,
+                     variant: str = "ring", block_size: Optional[int] = None) -> SparseRingPlan:
+    """The ``SparseRingPlan`` of ``block_mask`` ([H or 1, T, T], bool; tiles of ``tile`` tokens, ``block_size`` its
+    older name) for ``variant`` over ``world`` ranks holding a ``seq_len`` sequence in ``placement``; kv_bytes: one
+    rank's K|V bytes (split over the slots). The tables are host decisions: the mask is read on the host."""
     if variant not in VARIANTS:
         raise SPConfigError(f"variant={variant!r} is invalid: choose one of {', '.join(VARIANTS)}")
+    if (tile is None) == (block_size is None):
+        raise SPConfigError("sparse_ring_plan: give tile= (tokens per mask tile), or its older name block_size=, "
+                            "not both")
+    tile = tile if tile is not None else block_size
     runs = tuple(pieces(placement, o, world, seq_len) for o in range(world))
     s_loc = seq_len // world
     valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < seq_len else None
     spec = RingSpec.of(variant=variant, s_loc=s_loc, q_runs=runs[0], kv_runs=runs, causal=causal, scale=1.0,
-                       backend=None, balanced_slots=placement == "tasp_zigzag", kv_valid_len=valid,
-                       block_size=block_size, q_runs_of=runs)
-    plan = build_ring_plan(None, 0, world, spec, TileSpec(block_mask.cpu(), block_size, slice(None)))
+                       backend=None, balanced_slots=placement == "tasp_zigzag", kv_valid_len=valid, tile=tile,
+                       q_runs_of=runs)
+    plan = build_ring_plan(None, 0, world, spec, TileSpec(block_mask.cpu(), tile, slice(None)))
     slot_bytes = tuple(kv_bytes * n // s_loc if s_loc else 0 for n in plan.slot_len)
     return SparseRingPlan(plan.skips(), slot_bytes)
-

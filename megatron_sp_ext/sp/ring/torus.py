@@ -47,7 +47,7 @@ class _Ctx:
     """Static plan of one call: head groups, peers, and ring backends per (q tokens, kv tokens)."""
 
     def __init__(self, mesh: SPMesh, hl: HeadLayout, placement: str, seqlen: int, variant: str, inner, scale,
-                 kv_valid_len=None, packed=None, tiles: Optional[tuple] = None):
+                 kv_valid_len=None, packed=None, problem=None):
         self.mesh, self.hl, self.scale = mesh, hl, scale
         self.T, self.t = mesh.ulysses_size, mesh.ulysses_index
         self.group = mesh.ulysses_group
@@ -59,14 +59,13 @@ class _Ctx:
         self.runs = runs
         self.others = [(self.t - k) % self.T for k in range(1, self.T)]
         self._be: dict = {}
-        block_mask, block_size = tiles if tiles is not None else (None, 64)
 
         def ring_runs(ls) -> tuple:  # per ring rank j: the runs of the Ulysses ranks ``ls`` of its row
             return tuple(tuple(r for l in ls for r in runs(j, l)) for j in range(mesh.ring_size))
         # every block's ring: this rank's head group's mask rows (block_mask: the ring's skips per block)
         self._mk = lambda q_ls, kv_ls: RingBackend(  # noqa: E731
             mesh.ring_group, variant, ring_runs(q_ls)[mesh.ring_index], ring_runs(kv_ls), inner, kv_valid_len, cu,
-            block_mask=block_mask, block_size=block_size, seq_len=seqlen, q_runs_of=ring_runs(q_ls),
+            problem=problem, seq_len=seqlen, q_runs_of=ring_runs(q_ls),
             heads=slice(*hl.q_range(self.t, 0)))
 
     def be(self, q_ls, kv_ls) -> RingBackend:
@@ -271,7 +270,6 @@ def torus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: SPM
     hl = head_layout(q.shape[2], k.shape[2], mesh.ulysses_size, 1)
     if hl.kv_repeat > 1:
         k, v = k.repeat_interleave(hl.kv_repeat, dim=2), v.repeat_interleave(hl.kv_repeat, dim=2)
-    tiles = None if pr.block_mask is None else (pr.block_mask, pr.block_size)
-    c = _Ctx(mesh, hl, placement, pr.seqlen, ring_variant, pr.backend, pr.scale, pr.kv_valid_len, pr.packed, tiles)
+    c = _Ctx(mesh, hl, placement, pr.seqlen, ring_variant, pr.backend, pr.scale, pr.kv_valid_len, pr.packed, problem)
     c.causal = causal
     return to_bshd(_TorusFn.apply(q, k, v, c), layout)

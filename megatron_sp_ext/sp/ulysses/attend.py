@@ -1,9 +1,9 @@
 """Attention of one HCMS chunk on head-sharded q/k/v, forward and backward, and what it keeps in between.
 
 ``attend`` runs the local kernel on global-order [B, h_c, S, D] q/k/v (keys at positions >= kv_valid_len cut
-off; dropout through torch SDPA). With ``AutoBackend``s' fused kernels (``explicit_kernels``) it calls the kernel's
-forward with log-sum-exp and keeps (q, k, v, out, lse) in autograd's saved tensors (``hold``), so activation
-checkpointing drops them; otherwise it keeps an inner autograd graph. ``attend_backward`` gives the chunk's
+off; dropout through the registry's dropout kernel, torch's SDPA). With ``AutoBackend``s' fused kernels
+(``explicit_kernels``) it calls the kernel's forward with log-sum-exp and keeps (q, k, v, out, lse) in autograd's
+saved tensors (``hold``), so activation checkpointing drops them; otherwise it keeps an inner autograd graph. ``attend_backward`` gives the chunk's
 (dq, dk, dv) from either. Packed samples (the plan's ``cu_seqlens``): every step runs once per sample over
 the sample's global range (a block-diagonal mask), outputs / lse / gradients concatenated in sample order, by
 the plan's ``varlen_kernel`` method (attention/varlen.py: "per_sample" by default, one call per sample;
@@ -17,7 +17,6 @@ import torch
 
 from ...attention import block_sparse, kernels, tiles, varlen
 from ...attention.backends import AutoBackend, LocalAttention
-from ...errors import SPConfigError
 from .plan import AttendPlan
 
 
@@ -39,17 +38,13 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
                      varlen_kernel: str = "per_sample", group=None, group_heads=None):
     """The local kernel on global-order bhsd q/k/v; keys at positions >= ``valid`` are padding: they are
     cut off (one call; causal: a causal call for the valid queries and a full one for the padded rows).
-    dropout_p > 0: torch's SDPA with its own dropout instead of ``be`` (under autograd, so the backward
-    reuses the forward's mask). cu_seqlens (packed samples, no padding): attention within each sample by the
+    dropout_p > 0: the registry's dropout kernel (torch's SDPA with its own dropout, ``kernels.dropout_kernel``)
+    instead of ``be`` (under autograd, so the backward reuses the forward's mask). cu_seqlens (packed samples, no padding): attention within each sample by the
     ``varlen_kernel`` method (varlen.py; "per_sample": one call per sample over its range; "auto" decided over
     ``group``, the ranks that make this call together, its heads named by ``group_heads``: ``varlen.method_for``)."""
     if dropout_p > 0.0:
-        fixed = kernels.by_setting(be.kernel_setting) if isinstance(be, AutoBackend) else None   # None: "auto"
-        if fixed is not None and not fixed.caps.dropout:
-            raise SPConfigError(
-                f"{be.setting}={be.name!r} cannot apply attention dropout (dropout_p={dropout_p}): {fixed.label} has "
-                f"none; set the attention dropout to 0, or choose {be.setting} 'auto' or 'cudnn'")
-        be = _DropoutSDPA(dropout_p)
+        setting = be.kernel_setting if isinstance(be, AutoBackend) else "auto"
+        be = _Dropout(kernels.dropout_kernel(setting, getattr(be, "setting", "backend"), dropout_p), dropout_p)
         # "auto" would time calls that draw dropout masks (moving the RNG stream): one call per sample instead
         varlen_kernel = "per_sample" if varlen_kernel == "auto" else varlen_kernel
     if cu_seqlens is not None:
@@ -67,18 +62,17 @@ def local_attention(be: LocalAttention, q, k, v, causal: bool, scale: float, val
     return torch.cat([head, tail], dim=2)
 
 
-class _DropoutSDPA(LocalAttention):
-    """torch SDPA with attention dropout [B, H, S, D] (GQA allowed); differentiable, no log-sum-exp."""
+class _Dropout(LocalAttention):
+    """The dropout kernel's calls [B, H, S, D] (GQA allowed; ``kernels.dropout_kernel``: torch's SDPA with its own
+    dropout); differentiable, no log-sum-exp."""
 
-    name = "sdpa_dropout"
+    name = "dropout"
 
-    def __init__(self, dropout_p: float) -> None:
-        self.dropout_p = dropout_p
+    def __init__(self, kernel: kernels.Kernel, dropout_p: float) -> None:
+        self.kernel, self.dropout_p = kernel, dropout_p
 
     def __call__(self, q, k, v, *, causal, softmax_scale):
-        return kernels.torch_sdpa_output(torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=softmax_scale, dropout_p=self.dropout_p,
-            enable_gqa=k.shape[1] != q.shape[1]))
+        return self.kernel.dropout_attention(q, k, v, causal, softmax_scale, self.dropout_p)
 
 
 def explicit_kernels(plan: AttendPlan, like: torch.Tensor) -> bool:
@@ -118,15 +112,15 @@ def hold(*tensors: torch.Tensor):
         return _Hold.apply(token, *tensors)
 
 
-def _tile_mask_of(plan: AttendPlan) -> Optional[torch.Tensor]:
-    # only UlyssesPlan carries a block mask; the other Ulysses-family plans never have one
-    return getattr(plan, "block_mask", None)
+def _tile_mask_of(plan: AttendPlan) -> Optional[tiles.TileSlice]:
+    # only UlyssesPlan carries a block mask (its whole-sequence slice); the other Ulysses-family plans never have one
+    return getattr(plan, "tiles", None)
 
 
 def attend(plan: AttendPlan, qc, kc, vc, explicit: bool, chunk: int = 0):
     """Chunk attention on head-sharded bhsd q/k/v. explicit: kernel forward with log-sum-exp, (q, k, v, out,
     lse) held (``hold``); else the backend under autograd (the inner graph) when gradients are wanted.
-    With a block mask (``plan.block_mask``): ``attend_block_sparse`` for chunk ``chunk``'s heads.
+    With a block mask (``plan.tiles``): ``attend_block_sparse`` for chunk ``chunk``'s heads.
     Returns (out, what ``attend_backward`` needs or None)."""
     if _tile_mask_of(plan) is not None:
         return attend_block_sparse(plan, qc, kc, vc, chunk)
@@ -163,11 +157,10 @@ def attend_backward(plan: AttendPlan, c: int, do_c, chunks: list) -> list:
 
 def _tile_kernel(plan: AttendPlan, qc: torch.Tensor, chunk: int):
     """(kernel, tile slice) of chunk ``chunk``'s block-sparse call: the mask's rows of this rank's chunk heads over
-    the global order, the kernel the backend picks for it (``LocalAttention.tile_kernel``; cached slice, so a mask
-    shared by the layers of a step is converted once)."""
-    heads = slice(*plan.heads.q_range(plan.rank, chunk))
-    ts = tiles.full_sequence_slice(plan.block_mask, plan.block_size, qc.shape[2], plan.kv_valid_len, qc.device)
-    ts = ts.with_heads(heads)
+    the global order (the plan's whole-sequence slice, which lives on the problem: a mask shared by the layers of a
+    step is converted once, a layer's own top-k mask once per layer), the kernel the backend picks for it
+    (``LocalAttention.tile_kernel``). No host sync: the choice reads host positions, the metadata is device work."""
+    ts = plan.tiles.with_heads(slice(*plan.heads.q_range(plan.rank, chunk)))
     return plan.backend.tile_kernel(qc, ts, plan.causal, lse=False), ts
 
 

@@ -216,9 +216,7 @@ def one_rank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pr: Bo
     qb, kb, vb = pr.to_kernel(q, k, v)
     valid = pr.kv_valid_len
     if pr.block_mask is not None:
-        mask = pr.mask_on(q.device)
-        ts = pr.source.cached(("full_slice", qb.shape[2], valid, str(qb.device)),
-                              lambda: tiles.full_sequence_slice(mask, pr.block_size, qb.shape[2], valid, qb.device))
+        ts = tiles.problem_slice(pr, qb.device)
         kernel = pr.backend.tile_kernel(qb, ts, pr.causal, lse=False)
         return pr.from_kernel(kernel.attention(qb, kb, vb, pr.causal, pr.scale, ts))
     segments = pr.segments
@@ -263,6 +261,7 @@ def run_ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.P
                                           else st.default_pool().comm_stream(q.device))
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     plan = UlyssesPlan(group, pr.rank, hl, layout, causal, pr.scale, be, stream, need_grad, opts["qkv_contiguous"],
-                       tr, order, valid, pr.dropout_p, pr.segments, pr.varlen_kernel, block_mask, pr.block_size,
+                       tr, order, valid, pr.dropout_p, pr.segments, pr.varlen_kernel,
+                       None if block_mask is None else tiles.problem_slice(pr, q.device),
                        tile_setting)
     return _UlyssesFn.apply(q, k, v, plan)

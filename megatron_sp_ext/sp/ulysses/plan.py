@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ...attention.backends import LocalAttention
+from ...attention.tiles import TileSlice
 from ..checks import valid_kv_len
 from ..heads import HeadLayout
 from ..placement import pieces, varlen_pieces
@@ -60,8 +61,7 @@ class UlyssesPlan:
     dropout_p: float = 0.0  # attention dropout inside each chunk's kernel (forces the inner-graph path)
     cu_seqlens: Optional[tuple[int, ...]] = None  # packed samples: cumulative lengths (global order), or None
     varlen_kernel: str = "per_sample"  # packed samples' local method (attention/varlen.py SETTINGS)
-    block_mask: Optional[torch.Tensor] = None  # block-sparse tiles [H or 1, T, T] over the global sequence, or None
-    block_size: int = 64  # tokens per tile of block_mask
+    tiles: Optional[TileSlice] = None  # the block mask's whole-sequence slice (the problem's, ``tiles.problem_slice``)
     tile_setting: str = "math"  # the block-sparse kernel the backend names for this device/dtype (each call picks per slice)
 
 
