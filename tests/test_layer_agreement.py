@@ -52,7 +52,7 @@ def _layer(form: str, world: int):
     if form == "allgather":
         return lambda x, p=None, **kw: spx.allgather_self_attention(
             x, w, dist.group.WORLD, p, num_heads=H, num_kv_heads=H, prep=gathered_prep(H, H, D), **kw)
-    from tests.cuda_tp_cp import tp_cp_groups
+    from tests.gpu.cuda_tp_cp import tp_cp_groups
     tp, cp, tcp = tp_cp_groups(2)
     groups = TpCpGroups(tp, cp, tcp if form == "tp_cp_tcp" else None)
     ht = H // 2   # this TP shard's heads

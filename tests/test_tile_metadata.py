@@ -7,7 +7,7 @@
    rows and a ring step's placed rows.
 2. Never read on the host: the same builds with the mask on the ``meta`` device (no values: ``.item()``,
    ``bool(t)``, ``nonzero``, ``.tolist()`` or a copy to the host would raise), the CPU's stand-in for
-   ``torch.cuda.set_sync_debug_mode("error")`` (tests/cuda_tile_sync.py runs that one on a GPU).
+   ``torch.cuda.set_sync_debug_mode("error")`` (tests/gpu/cuda_tile_sync.py runs that one on a GPU).
 3. Slices live on their problem: one whole-sequence slice (and its metadata) per AttentionProblem, a new one for a
    derived problem (a layer's top-k mask), none kept in a module cache.
 """
@@ -234,11 +234,11 @@ def test_block_sparse_attention_takes_a_slice_and_keeps_twelve_parameters():
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_cuda_tile_sync_worker_runs_on_cpu(monkeypatch, world):
-    """tests/cuda_tile_sync.py (the GPU's no-sync proof) dry-run on CPU gloo ranks (no sync check there: its flow, the
+    """tests/gpu/cuda_tile_sync.py (the GPU's no-sync proof) dry-run on CPU gloo ranks (no sync check there: its flow, the
     fresh top-k masks per layer and its records; "auto" and math run on the CPU)."""
-    from tests import cuda_tile_sync as fam
+    from tests.gpu import cuda_tile_sync as fam
     from tests.harness import run_ranks
-    from tests.suite_judge import merge_ranks
+    from tests.gpu.suite_judge import merge_ranks
     monkeypatch.setattr(fam, "DEV", "cpu")
     monkeypatch.setattr(fam, "S_RANK", 256)
     monkeypatch.setattr(fam, "D", 16)

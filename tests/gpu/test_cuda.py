@@ -165,7 +165,7 @@ def test_varlen_family(world, backend):
 
 def _worker(module: str, fn: str, family: str, world: int, backend: str, timeout: float = 900) -> list:
     import importlib
-    got = run_ranks(getattr(importlib.import_module(f"tests.{module}"), fn), world, timeout=timeout, device="cuda",
+    got = run_ranks(getattr(importlib.import_module(f"tests.gpu.{module}"), fn), world, timeout=timeout, device="cuda",
                     backend=backend)
     return _check(family, world, backend, got)
 
@@ -301,7 +301,7 @@ def test_tile_sync_family(world, backend):
     """#85: a top-k mask new per layer costs no host sync (torch.cuda.set_sync_debug_mode("error")): the kernel choice
     and metadata of every head chunk (any P), the Ulysses/HCMS chunks' kernel calls (P > 1; gloo's exchanges sync by
     themselves and stay outside the scope), the factory's one-rank call forward and backward (P = 1), on "auto" and on
-    each of FA4 / cuDNN block-sparse / math that runs here (tests/cuda_tile_sync.py)."""
+    each of FA4 / cuDNN block-sparse / math that runs here (tests/gpu/cuda_tile_sync.py)."""
     per_setting = 2 * 2 * (1 + (2 if world > 1 else 1))   # tiles x causal x (metadata + chunks C=1,2 or the layer)
     got = _worker("cuda_tile_sync", "tile_sync_family", "tile_sync", world, backend)
     assert len(got) >= 2 * per_setting and len(got) % per_setting == 0   # "auto" and math at least

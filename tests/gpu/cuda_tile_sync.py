@@ -32,7 +32,7 @@ from megatron_sp_ext.attention.kernels.cudnn_block_sparse import CudnnBlockSpars
 from megatron_sp_ext.attention.kernels.fa4 import FA4Kernel
 from megatron_sp_ext.attention.kernels.math import MathKernel
 from megatron_sp_ext.sp.problem import AttentionProblem
-from tests.suite_judge import progress
+from tests.gpu.suite_judge import progress
 
 DEV = os.environ.get("SPX_SUITE_DEVICE", "cuda")
 H, D, S_RANK, LAYERS = 8, 128, 1024, 3
