@@ -205,3 +205,29 @@ def test_mode_dispatch_only_in_factory():
             names = _mode_dispatch(f.read())
         offenders += [f"{os.path.relpath(path, ROOT)}:{n}" for n in names]
     assert not offenders, f"mode-name-to-algorithm dispatch outside sp/factory.py: {offenders}"
+
+
+def _one_rank_under_emulation(rank, world):
+    """A one-rank attention (group None: Megatron's CP=1 path, the DiT's SP=1 reference) inside a job whose links are
+    emulated (SPX_EMULATED_MACHINE_SIZE, the emulated-cluster runs): the one-rank path takes no transport (it
+    built the emulated two-level transport over group None and crashed: found by the CUDA suite's Megatron family)."""
+    import os
+
+    from megatron_sp_ext.topology.emulate import MACHINE_SIZE_ENV
+    os.environ[MACHINE_SIZE_ENV] = "1"
+    try:
+        g = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(1, 16, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+        for mode in ("hcms", "ring", "torus", "auto"):
+            attn = spx.make_attention(spx.SPConfig(mode=mode), None, num_heads=H)
+            out = attn(q, k, v, causal=True)
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2)
+            assert rel_err(out, ref) < 1e-12, mode
+    finally:
+        del os.environ[MACHINE_SIZE_ENV]
+    return True
+
+
+def test_one_rank_attention_under_emulated_links():
+    run_ranks(_one_rank_under_emulation, 2)

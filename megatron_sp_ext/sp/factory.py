@@ -163,9 +163,11 @@ class SPAttention:
             getattr(self.backend, "name", type(self.backend).__name__), *mask_key), fwd_bwd=self.training)
 
     def _ulysses(self, q, k, v, problem: AttentionProblem, local_attention):
+        backend = local_attention if local_attention is not None else self.backend
+        if self.world == 1:   # the one-rank path: no exchange, so no stream, transport or chunk policy
+            return ulysses_attention(q, k, v, None, problem, backend=backend)
         return ulysses_attention(
-            q, k, v, self.group, problem, head_chunks=self.chunks,
-            backend=local_attention if local_attention is not None else self.backend,
+            q, k, v, self.group, problem, head_chunks=self.chunks, backend=backend,
             comm_stream=self.res.streams.comm_stream(q.device), policy=self.res.policy,
             transport=self.res.transports.get(self.cfg.transport, self.group, q.device, self.cfg.name("transport")))
 
