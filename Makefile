@@ -11,7 +11,7 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-v6
+STAMP := $(VENV)/.installed-v7
 CUR_VENV := .venv-current
 CPY := $(CUR_VENV)/bin/python
 CUR_STAMP := $(CUR_VENV)/.installed-v3
@@ -48,7 +48,7 @@ $(STAMP): pyproject.toml setup.py
 	{ test -x $(VPY) || $(PY) -m venv $(VENV); } && \
 	$(RETRY) $(VPY) -m pip install -q --upgrade pip && \
 	$(VPY) -m pip install -q torch==2.13.0 && \
-	$(RETRY) $(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard transformers==5.23.0 diffusers==0.42.1 accelerate==1.15.0 && \
+	$(RETRY) $(VPY) -m pip install -q megatron-core==0.16.1 einops pytest matplotlib safetensors tqdm tensorboard transformers==5.23.0 diffusers==0.42.1 accelerate==1.15.0 peft==0.21.2 && \
 	DS_BUILD_OPS=0 $(RETRY) $(VPY) -m pip install -q deepspeed==0.19.8 --no-build-isolation && \
 	$(VPY) -m pip install -q --no-deps --no-build-isolation -e . && \
 	$(call hook_check,$(VPY)) ) > $(VENV)/install.log 2>&1 \
