@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -72,20 +72,31 @@ class KeptAttention:
         return self._within("record", store), self._within("replay", store)
 
     def checkpoint(self, module: torch.nn.Module, *args) -> torch.Tensor:
-        """diffusers' ``_gradient_checkpointing_func``: ``module(*args)`` checkpointed, its attention kept."""
+        """diffusers' ``_gradient_checkpointing_func``: ``module(*args)`` checkpointed; its attention kept where
+        the block's self-attention processor consults this object (the others recompute whole)."""
+        proc = getattr(getattr(module, "attn1", None), "processor", None)
+        keep = getattr(proc, "kept", None) is self
         return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False,
-                                                 context_fn=self.contexts)
+                                                 context_fn=self.contexts if keep else
+                                                 torch.utils.checkpoint.noop_context_fn)
 
 
-def keep_attention_checkpointing(handle) -> KeptAttention:
+def keep_attention_checkpointing(handle, num_blocks: Optional[int] = None) -> KeptAttention:
     """Turn on gradient checkpointing of every block of ``handle.model`` (a ``parallelize`` handle) with the
-    self-attention kept (module docstring); returns the ``KeptAttention`` the processors consult (its counters).
-    ``handle.remove()`` takes the processors away; the model's checkpointing then recomputes whole blocks
-    (``model.disable_gradient_checkpointing()`` turns it off)."""
+    self-attention kept (module docstring) in the first ``num_blocks`` blocks (None: all, VACE's blocks too; the
+    other blocks recompute whole, as diffusers' checkpointing: less memory); returns the ``KeptAttention`` the
+    processors consult (its counters). ``handle.remove()`` takes the processors away; the model's checkpointing then
+    recomputes whole blocks (``model.disable_gradient_checkpointing()`` turns it off)."""
     if getattr(handle, "removed", True) or not getattr(handle, "processors", None):
         raise SPConfigError("keep_attention_checkpointing takes the handle parallelize returned (not removed)")
+    blocks = len(handle.model.blocks)
+    if num_blocks is not None and not 0 <= num_blocks <= blocks:
+        raise SPConfigError(f"keep_attention_checkpointing: num_blocks={num_blocks}; the model has {blocks} blocks "
+                            f"(0..{blocks}, or None for all)")
     kept = KeptAttention()
     for proc in handle.processors:
-        proc.kept = kept
+        main = proc.where.startswith("blocks.")
+        if num_blocks is None or (main and proc.layer_index < num_blocks):
+            proc.kept = kept
     handle.model.enable_gradient_checkpointing(gradient_checkpointing_func=kept.checkpoint)
     return kept
