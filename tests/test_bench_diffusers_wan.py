@@ -214,13 +214,16 @@ def test_targets_dry_run(tmp_path):
     by = {name: (ckpt, kept, lora) for name, ckpt, kept, lora in seen}
     assert by["stock"] == (True, [], False) and by["ours-auto"] == (True, [False, False], False)
     assert by["ours-auto@recompute=keep"] == (True, [True, True], False)
-    assert by["stock@lora=32"] == (True, [], True) and by["ours-auto@lora=32@recompute=keep20"][1:] == ([True, True],
+    assert by["stock@lora=32"] == (True, [], True) and by["ours-auto@lora=32@recompute=keep16"][1:] == ([True, True],
                                                                                                         True)
     for case in doc["cases"].values():
         rows = case["rows"]
         assert all("skipped" not in r and r["step_ms"] > 0 for r in rows), rows
         dense = [r["first_loss"] for r in rows if not r["sparse"]]
         assert max(dense) - min(dense) <= 1e-6 * abs(dense[0]), dense
+    for name in bench.TARGET_CASES:   # each case's rows in a file of its own, written as they came
+        with open(str(tmp_path / f"t_{name}.json")) as f:
+            assert [r["variant"] for r in json.load(f)["rows"]] == [r["variant"] for r in doc["cases"][name]["rows"]]
     lora_rows = doc["cases"]["wan-14b-lora-480p"]["rows"]
     assert all(r["lora_rank"] == 32 for r in lora_rows) and lora_rows[2]["recompute"] == "keep"
 
