@@ -388,3 +388,46 @@ def test_bad_settings_are_one_message(argv, words, capfd):
     code = run_ranks(_user_error, 1, [*BASE, *argv, "--train-iters", "1"], timeout=60)[0]
     err = capfd.readouterr().err
     assert code == 1 and all(w in err for w in words) and "Traceback" not in err, err
+
+
+# ----------------------------------------------------------------------------- LoRA and parallelize, either order
+
+def _lora_orders(rank, world):
+    """LoRA added before and after parallelize (SP=world, Ulysses, float64, .float() kept float64): the output and
+    the adapters' gradients (summed over the SP group) against stock diffusers + the same LoRA at one rank."""
+    import copy
+    import torch.distributed as dist
+    from megatron_sp_ext.diffusers import parallelize
+    from tests.wan_sp import forward_backward, tiny_wan, wan_inputs
+    keep_float64()
+    lora = wan_lora.LoraSettings(3, 6.0)
+    stock, inputs = tiny_wan(), wan_inputs()
+    wan_lora.add_lora(stock, lora, 5)
+    stock = stock.double()
+    with torch.no_grad():   # B away from zero, so every adapter gradient counts
+        for n, p in stock.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+    ref_out, ref_grads = forward_backward(stock, inputs, None)
+    errs = {}
+    for order in ("lora first", "parallelize first"):
+        model = copy.deepcopy(stock)
+        if order == "parallelize first":   # the same adapters, added to a parallelized model
+            base = tiny_wan()
+            parallelize(base, dist.group.WORLD, mode="ulysses")
+            wan_lora.add_lora(base, lora, 5)
+            base.load_state_dict(stock.state_dict())
+            model = base.double()
+        else:
+            parallelize(model, dist.group.WORLD, mode="ulysses")
+        out, grads = forward_backward(model, inputs, dist.group.WORLD)
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert names and all("lora_" in n for n in names), names[:3]
+        errs[order] = max([float((out - ref_out).abs().max())] +
+                          [float((grads[n] - ref_grads[n]).abs().max()) for n in names])
+    return errs
+
+
+def test_lora_composes_with_parallelize_in_either_order():
+    for errs in run_ranks(_lora_orders, 2, timeout=150):
+        assert set(errs) == {"lora first", "parallelize first"} and max(errs.values()) <= TOL64, errs
