@@ -19,8 +19,9 @@ every block but its self-attention (megatron_sp_ext.diffusers.keep_attention_che
 --lora-alpha, --lora-target-modules): only the adapters train and go into checkpoints; --save-lora DIR writes them
 for WanPipeline.load_lora_weights (training/wan_diffusers/lora.py).
 Data: --data-path (latent files, "latent" [C, F, H, W] and "text" [L, 4096], with "cond_latent" / "image_embeds"
-for I2V and TI2V) or synthetic latents of --frames x --latent-size. Objective: training/wan_diffusers/flow.py (x_t = (1 - t) x0 + t eps, target
-eps - x0, Wan's timestep shift --timestep-shift). Gradients over SP ranks: training/wan_diffusers/loop.py.
+for I2V and TI2V) or synthetic latents of --frames x --latent-size. Objective: training/wan_diffusers/flow.py
+(x_t = (1 - t) x0 + t eps, target eps - x0, Wan's timestep shift --timestep-shift). Gradients over SP ranks:
+training/wan_diffusers/loop.py.
 Checkpoints (--save / --load / --save-interval / --keep-last): torch.distributed.checkpoint, atomic, resharding across
 SP, DP and FSDP sizes (training/video_dit/checkpoint.py). --save-pretrained DIR writes the trained transformer in
 diffusers' layout (WanTransformer3DModel.from_pretrained(DIR) reads it). Metrics, loss.png, the non-finite guard and

@@ -152,7 +152,8 @@ class SyntheticConditions:
     the source's."""
 
     def __init__(self, source, task: WanTask, image_tokens: int, image_dim: Optional[int], seed: int) -> None:
-        self.source, self.task, self.image_tokens, self.image_dim, self.seed = source, task, image_tokens, image_dim, seed
+        self.source, self.task, self.seed = source, task, seed
+        self.image_tokens, self.image_dim = image_tokens, image_dim
 
     def __getattr__(self, name: str):
         return getattr(self.source, name)
