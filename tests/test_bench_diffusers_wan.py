@@ -214,7 +214,7 @@ def test_targets_dry_run(tmp_path):
     by = {name: (ckpt, kept, lora) for name, ckpt, kept, lora in seen}
     assert by["stock"] == (True, [], False) and by["ours-auto"] == (True, [False, False], False)
     assert by["ours-auto@recompute=keep"] == (True, [True, True], False)
-    assert by["stock@lora=32"] == (True, [], True) and by["ours-auto@lora=32@recompute=keep16"][1:] == ([True, True],
+    assert by["stock@lora=32"] == (True, [], True) and by["ours-auto@lora=32@recompute=keep12"][1:] == ([True, True],
                                                                                                         True)
     for case in doc["cases"].values():
         rows = case["rows"]
