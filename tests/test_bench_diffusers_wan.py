@@ -163,3 +163,78 @@ def test_init_world_share_gpu_puts_every_rank_on_gpu0_over_gloo(monkeypatch):
     assert calls["init"] == [("gloo", ["timeout"]), ("nccl", ["device_id", "timeout"])]
     with pytest.raises(ValueError, match="share_gpu runs gloo"):
         benchlib.init_world("nccl", share_gpu=True)
+
+
+def test_variant_options_stock_lora_recompute():
+    v = bench.parse_variant("ours-auto-topk90@recompute=keep@lora=8")
+    assert (v["impl"], v["sparse"], v["recompute"], v["lora"], v["rope"]) == ("ours", {"kind": "topk", "target": 0.9},
+                                                                             "keep", 8, "fused")
+    assert bench.parse_variant("ours-auto@recompute=keep20")["recompute"] == "keep20"
+    s = bench.parse_variant("stock@lora=32@recompute=none")
+    assert (s["impl"], s["lora"], s["recompute"]) == ("stock", 32, "none")
+    assert bench.skip_reason(bench.parse_variant("stock"), True, False, 2) == bench.STOCK_ONE_RANK
+    for bad in ("stock@recompute=keep", "ours-auto@lora=0", "ours-auto@recompute=keepx", "ours-auto@lora=4@lora=4",
+                "stock@rope=eager"):
+        with pytest.raises(SPConfigError, match="--variants"):
+            bench.parse_variant(bad)
+
+
+def _targets(rank, world, argv):
+    """The rows, and per Setup built: (variant, gradient checkpointing, kept-attention processors, trainable
+    parameters are all LoRA's)."""
+    seen = []
+    real = bench.Setup.__init__
+
+    def spy(self, args, variant, *a, **kw):
+        real(self, args, variant, *a, **kw)
+        kept = [p.kept is not None for p in self.handle.processors] if self.handle is not None else []
+        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        seen.append((variant["name"], bool(self.model.gradient_checkpointing), kept,
+                     bool(trainable) and all("lora_" in n for n in trainable)))
+    bench.Setup.__init__ = spy
+    try:
+        return bench.main(list(argv)), seen
+    finally:
+        bench.Setup.__init__ = real
+
+
+def test_targets_dry_run(tmp_path):
+    """--targets --dry-run: every case's variants on the tiny model in one job (stock first, as diffusers builds it;
+    ours with full checkpointing, the attention kept in all / the first N blocks, top-k tiles; LoRA variants train
+    the adapters alone), each target's speed-up over the case's stock step, one JSON; stock and ours start from the
+    same weights (the same first loss)."""
+    out = str(tmp_path / "t.json")
+    doc, seen = run_ranks(_targets, 1, ["--targets", "--dry-run", "--out", out], timeout=300)[0]
+    with open(out) as f:
+        assert json.load(f)["targets"] == doc["targets"]
+    assert set(doc["cases"]) == set(bench.TARGET_CASES) and len(doc["targets"]) == 4
+    for t in doc["targets"]:
+        assert t["stock_ms"] > 0 and t["best_ms"] > 0 and abs(t["speedup"] - t["stock_ms"] / t["best_ms"]) < 1e-9
+        assert t["met"] == (t["speedup"] >= t["least"])
+    by = {name: (ckpt, kept, lora) for name, ckpt, kept, lora in seen}
+    assert by["stock"] == (True, [], False) and by["ours-auto"] == (True, [False, False], False)
+    assert by["ours-auto@recompute=keep"] == (True, [True, True], False)
+    assert by["stock@lora=32"] == (True, [], True) and by["ours-auto@lora=32@recompute=keep12"][1:] == ([True, True],
+                                                                                                        True)
+    for case in doc["cases"].values():
+        rows = case["rows"]
+        assert all("skipped" not in r and r["step_ms"] > 0 for r in rows), rows
+        dense = [r["first_loss"] for r in rows if not r["sparse"]]
+        assert max(dense) - min(dense) <= 1e-6 * abs(dense[0]), dense
+    for name in bench.TARGET_CASES:   # each case's rows in a file of its own, written as they came
+        with open(str(tmp_path / f"t_{name}.json")) as f:
+            assert [r["variant"] for r in json.load(f)["rows"]] == [r["variant"] for r in doc["cases"][name]["rows"]]
+    lora_rows = doc["cases"]["wan-14b-lora-480p"]["rows"]
+    assert all(r["lora_rank"] == 32 for r in lora_rows) and lora_rows[2]["recompute"] == "keep"
+
+
+def test_out_of_memory_is_a_row_in_one_rank_jobs(monkeypatch):
+    """A variant that runs out of GPU memory in a one-rank job is recorded as such (the next one still runs); with
+    more ranks the error ends the job (the others may wait in a collective)."""
+    def oom(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+    monkeypatch.setattr(bench, "_time_variant", oom)
+    row = bench.time_variant(None, bench.parse_variant("ours-auto@recompute=keep"), 1, "cpu", (1, 2, 2), {})
+    assert row["skipped"].startswith("out of GPU memory") and "3.00 GiB" in row["skipped"]
+    with pytest.raises(torch.OutOfMemoryError):
+        bench.time_variant(None, bench.parse_variant("ours-auto"), 2, "cpu", (1, 2, 2), {})

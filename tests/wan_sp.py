@@ -171,3 +171,18 @@ def reference_with_plan(model, plan: FixedSparsePlan, grid_thw):
 
 def grid_of(latent=LATENT, patch=TINY["patch_size"]) -> tuple:
     return tuple(n // p for n, p in zip(latent[2:], patch))
+
+
+def keep_float64() -> None:
+    """Make ``Tensor.float()`` leave float64 tensors as they are (this process, for good: call it in a forked rank):
+    diffusers' Wan computes its norms and modulation in float32 on purpose (``.float()``), which would round a float64
+    run's sums there; with this, a float64 model is float64 throughout, so SP and SP=1 gradients can be held to 1e-10
+    everywhere (tests/test_diffusers_wan.py instead holds those parameters to a float32 tolerance)."""
+    original = torch.Tensor.float
+    if getattr(original, "_keeps_float64", False):
+        return
+
+    def float_keeping_float64(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else original(self, *args, **kwargs)
+    float_keeping_float64._keeps_float64 = True
+    torch.Tensor.float = float_keeping_float64

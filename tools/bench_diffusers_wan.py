@@ -16,13 +16,25 @@ world x 989 TFLOP/s); peak_mem_gib = max over ranks of torch.cuda.max_memory_all
 run (its build, warmup steps with auto's first-call trials, timed steps); peak_steady_gib = the same over the timed
 steps alone (the peak reset after the warmup).
 
-Variants (comma list): ``diffusers-ulysses`` / ``diffusers-ring``: model.enable_parallelism(config=
+--targets: issue 86's targets on one GPU, one job: ``TARGET_CASES`` (wan-1.3b at full depth, 720p x 81 frames:
+stock diffusers' checkpointed step vs ours with full checkpointing, with the attention kept, with top-k90 64-token
+tiles; LoRA rank 32 of wan-14b at 480p and 720p, bf16 base weights and fp32 adapters, stock diffusers + peft vs ours),
+each case's rows and every target's ratio to the case's stock step in one JSON (``--targets-case NAME`` runs one case;
+``--dry-run`` the same cases on the tiny model). A variant that runs out of GPU memory is recorded as such (one-rank
+jobs), the next one built afresh.
+
+Variants (comma list): ``stock``: diffusers' model as it is, no sequence parallelism (one-rank jobs): diffusers'
+own attention. ``diffusers-ulysses`` / ``diffusers-ring``: model.enable_parallelism(config=
 ContextParallelConfig(ulysses_degree=P | ring_degree=P)) with model.set_attention_backend(B), B = --diffusers-backend
 or, with "auto", the first of _native_cudnn, flash, native whose step runs (each refusal recorded); name one as
 ``diffusers-ring@native``. ``ours-<mode>`` (auto, ulysses, hcms, ring, tasp, usp, ...): parallelize(model, group,
 mode=<mode>). A sparse variant adds ``-window90`` / ``-topk90`` (the window nearest 0.9 sparsity / K = 10% of the
 tiles of the grid, --sparse-tile) or explicit ``-window=t.h.w`` / ``-topk=K``: each variant carries its own sparse
-settings, dense and sparse in one job.
+settings, dense and sparse in one job. Options after ``@`` (several allowed): ``@rope=R`` (ours), ``@recompute=R``
+(stock and ours; R: full, none, or for ours keep / keepN: every block recomputed but its self-attention, in all blocks
+or the first N: megatron_sp_ext.diffusers.keep_attention_checkpointing; default --recompute), ``@lora=R`` (stock and
+ours: diffusers' add_adapter of a rank-R LoRA on Wan's attention and FFN linears, alpha R, only the adapters
+trained; on CUDA the frozen base weights in bf16, the adapters fp32).
 --curves N: instead of timing, N training steps (fresh synthetic samples each step, same seed and data for both) of
 ours-auto and diffusers' CP (the first diffusers variant of --variants, default diffusers-ulysses, on its first
 backend that runs), bf16, losses to <out>_curves.json and <out>_curves.png.
@@ -68,24 +80,65 @@ GRIDS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}   # Wan's latent F x H x 
 DRY_GRID = (4, 8, 8)
 DIFFUSERS_BACKENDS = ("_native_cudnn", "flash", "native")   # "auto" tries them in this order
 DEFAULT_VARIANTS = "diffusers-ulysses,diffusers-ring,ours-auto,ours-ulysses,ours-hcms,ours-ring"
+STOCK_ONE_RANK = ("stock diffusers has no sequence parallelism: every rank would train the whole sequence; time it in "
+                  "a one-rank job")
 NO_ACCELERATOR = ("diffusers' context parallelism needs an accelerator: enable_parallelism builds its mesh over "
                   "torch.accelerator.device_count() devices, and this run has none (CPU)")
 
 
+RECOMPUTE_CHOICES = ("full", "none")   # --recompute; a variant's @recompute= also takes keep / keepN (ours)
+
+
+def _options(name: str, text: str, allowed: tuple) -> dict:
+    """``@k=v@k=v`` options of variant ``name`` -> {k: v}; SPConfigError naming --variants for anything else."""
+    out = {}
+    for item in [t for t in text.split("@") if t] if text else []:
+        key, eq, value = item.partition("=")
+        if not eq or key not in allowed or key in out:
+            raise SPConfigError(f"--variants {name!r}: options are @k=v with k one of {', '.join(allowed)} (each once)")
+        out[key] = value
+    return out
+
+
+def _recompute(name: str, value: Optional[str], ours: bool) -> Optional[str]:
+    if value is None:
+        return None
+    keep = ours and (value == "keep" or (value.startswith("keep") and value[4:].isdigit()))
+    if value not in RECOMPUTE_CHOICES and not keep:
+        raise SPConfigError(f"--variants {name!r}: @recompute= takes full or none"
+                            + (", keep or keepN (the attention kept in the first N blocks)" if ours else ""))
+    return value
+
+
+def _lora(name: str, value: Optional[str]) -> Optional[int]:
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise SPConfigError(f"--variants {name!r}: @lora= takes a rank >= 1")
+    return int(value)
+
+
 def parse_variant(name: str) -> dict:
-    """``diffusers-<ulysses|ring>[@backend]`` or ``ours-<mode>[-window90|-topk90|-window=t.h.w|-topk=K][@rope=R]``
-    -> a dict (impl, mode, backend, sparse, rope). SPConfigError naming --variants otherwise."""
+    """``stock[@recompute=R][@lora=R]``, ``diffusers-<ulysses|ring>[@backend]`` or
+    ``ours-<mode>[-window90|-topk90|-window=t.h.w|-topk=K][@rope=R][@recompute=R][@lora=R]`` -> a dict (impl, mode,
+    backend, sparse, rope, recompute, lora). SPConfigError naming --variants otherwise."""
     impl, _, rest = name.partition("-")
+    if name == "stock" or name.startswith("stock@"):
+        opts = _options(name, name[len("stock"):], ("recompute", "lora"))
+        return {"name": name, "impl": "stock", "mode": None, "backend": None, "sparse": None,
+                "recompute": _recompute(name, opts.get("recompute"), False), "lora": _lora(name, opts.get("lora"))}
     if impl == "diffusers":
         mode, _, backend = rest.partition("@")
         if mode not in ("ulysses", "ring") or (backend and backend not in DIFFUSERS_BACKENDS):
             raise SPConfigError(f"--variants {name!r}: diffusers' variants are diffusers-ulysses and diffusers-ring, "
                                 f"optionally @backend ({', '.join(DIFFUSERS_BACKENDS)})")
-        return {"name": name, "impl": impl, "mode": mode, "backend": backend or "auto", "sparse": None}
+        return {"name": name, "impl": impl, "mode": mode, "backend": backend or "auto", "sparse": None,
+                "recompute": None, "lora": None}
     if impl == "ours":
-        rest, _, option = rest.partition("@")
-        rope = option.partition("=")[2] if option.startswith("rope=") else None
-        if option and rope not in ROPE_CHOICES:
+        rest, at, option = rest.partition("@")
+        opts = _options(name, at + option, ("rope", "recompute", "lora"))
+        rope = opts.get("rope")
+        if rope is not None and rope not in ROPE_CHOICES:
             raise SPConfigError(f"--variants {name!r}: ours- variants take @rope=R, R one of {', '.join(ROPE_CHOICES)}")
         mode, _, sparse = rest.partition("-")
         if mode not in MODES:
@@ -102,8 +155,10 @@ def parse_variant(name: str) -> dict:
             else:
                 raise SPConfigError(f"--variants {name!r}: a sparse suffix is -window90, -topk90, -window=t.h.w or "
                                     f"-topk=K")
-        return {"name": name, "impl": impl, "mode": mode, "backend": None, "sparse": spec, "rope": rope or "fused"}
-    raise SPConfigError(f"--variants {name!r}: a variant starts with diffusers- or ours- (e.g. {DEFAULT_VARIANTS})")
+        return {"name": name, "impl": impl, "mode": mode, "backend": None, "sparse": spec, "rope": rope or "fused",
+                "recompute": _recompute(name, opts.get("recompute"), True), "lora": _lora(name, opts.get("lora"))}
+    raise SPConfigError(f"--variants {name!r}: a variant is stock, or starts with diffusers- or ours- (e.g. "
+                        f"{DEFAULT_VARIANTS})")
 
 
 def sparse_settings(spec: Optional[dict], grid: tuple, tile: tuple) -> Optional[dict]:
@@ -151,7 +206,14 @@ class Setup:
         kw = wan.preset_kwargs(args.model, args.num_layers)
         self.model = wan.random_model(kw, args.seed, device)
         self.cfg = wan.dit_config(self.model.config, args.text_len)
-        if args.recompute == "full":
+        cuda = torch.device(device).type == "cuda"
+        if variant.get("lora"):
+            from training.wan_diffusers.lora import LoraSettings, add_lora, base_to_bf16  # noqa: PLC0415
+            add_lora(self.model, LoraSettings(variant["lora"], float(variant["lora"])), args.seed + 1)
+            if cuda:   # bf16 base weights (diffusers' fp32 modules kept), fp32 adapters
+                base_to_bf16(self.model)
+        recompute = variant.get("recompute") or args.recompute
+        if recompute == "full":
             self.model.enable_gradient_checkpointing()
         self.handle, self.backend = None, backend
         if variant["impl"] == "diffusers":
@@ -159,18 +221,21 @@ class Setup:
             self.model.set_attention_backend(backend)
             degree = {"ulysses_degree": world} if variant["mode"] == "ulysses" else {"ring_degree": world}
             self.model.enable_parallelism(config=ContextParallelConfig(**degree))
-        else:
-            from megatron_sp_ext.diffusers import parallelize  # noqa: PLC0415
+        elif variant["impl"] == "ours":
+            from megatron_sp_ext.diffusers import keep_attention_checkpointing, parallelize  # noqa: PLC0415
             plan = make_plan(variant["sparse_settings"]) if variant.get("sparse_settings") else None
             chunks = modes.head_chunks_of(variant["mode"], args.hcms_head_chunks)
             cfg = SPConfig(mode=variant["mode"], head_chunks=chunks, backend=args.sp_attention_backend)
             self.handle = parallelize(self.model, dist.group.WORLD if world > 1 else None, config=cfg, sparse=plan,
                                       rope=variant["rope"])
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                     fused=torch.device(device).type == "cuda" or None)
+            if recompute.startswith("keep"):   # keepN: the first N blocks (at most the model's)
+                keep_attention_checkpointing(self.handle, min(int(recompute[4:]), kw["num_layers"])
+                                             if recompute[4:] else None)
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=args.lr,
+                                     betas=(0.9, 0.95), fused=cuda or None)
         self.ops = TorchOps(self.model, self.opt, dist.group.WORLD if world > 1 else None, clip=1.0)
         self.world = world
-        self.autocast = torch.bfloat16 if torch.device(device).type == "cuda" else None
+        self.autocast = torch.bfloat16 if cuda else None
 
     def step(self, batch: dict) -> torch.Tensor:
         self.ops.zero_grad()
@@ -213,7 +278,7 @@ def build(args, variant: dict, world: int, device, grid: tuple, batch: Optional[
     """(Setup, tried): the variant built (diffusers "auto": the first backend whose step runs), or (None, tried)
     with each backend's refusal. ``tried``: [{"backend", "error"}] of diffusers' backends that did not run. Our
     variants are built without a catch: their failure is an error of this package and ends the run."""
-    if variant["impl"] == "ours":
+    if variant["impl"] in ("ours", "stock"):
         return Setup(args, variant, world, device, grid, variant["backend"]), []
     backends = list(DIFFUSERS_BACKENDS) if variant["backend"] == "auto" else [variant["backend"]]
     tried = []
@@ -241,19 +306,28 @@ def build(args, variant: dict, world: int, device, grid: tuple, batch: Optional[
     return None, tried
 
 
-def skip_reason(variant: dict, cuda: bool, ranks_share_gpu: bool) -> Optional[str]:
+def skip_reason(variant: dict, cuda: bool, ranks_share_gpu: bool, world: int = 1) -> Optional[str]:
     """Why ``variant`` is not timed in this job (None: it is): diffusers' CP needs an accelerator and one rank per
     GPU; a variant whose sparse settings failed carries its own reason."""
     if variant["impl"] == "diffusers" and not cuda:
         return NO_ACCELERATOR
     if variant["impl"] == "diffusers" and ranks_share_gpu:
         return SHARED_GPU_DIFFUSERS
+    if variant["impl"] == "stock" and world > 1:
+        return STOCK_ONE_RANK
     return variant.get("skip")
 
 
 def time_variant(args, variant: dict, world: int, device, grid: tuple, batch: dict) -> dict:
     with AutoDecisions() as decisions:
-        row = _time_variant(args, variant, world, device, grid, batch)
+        try:
+            row = _time_variant(args, variant, world, device, grid, batch)
+        except torch.OutOfMemoryError as e:   # one rank: recorded, the next variant built afresh
+            if world > 1:   # the other ranks may be inside a collective: a desynchronised job, end it
+                raise
+            row = {"variant": variant["name"], "impl": variant["impl"], "mode": variant["mode"],
+                   "skipped": f"out of GPU memory ({_first_line(e)[:200]})"}
+    _free(device)
     if variant["impl"] == "ours":
         row["auto_decisions"] = decisions.messages
     return row
@@ -389,8 +463,13 @@ def main(argv: Optional[list] = None) -> dict:
     p.add_argument("--recompute", default="full", choices=("full", "none"),
                    help="full: diffusers' gradient checkpointing on every block (default); none: off for every "
                         "variant (diffusers' ring CP fails under checkpointing)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per variant (after --warmup)")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant (after --warmup; default 8, "
+                   "3 with --targets)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, 1 with --targets)")
+    p.add_argument("--targets", action="store_true", help="issue 86's targets on one GPU (TARGET_CASES: wan-1.3b "
+                   "720p dense / attention kept / top-k90 64-token tiles vs stock; wan-14b LoRA at 480p and 720p vs "
+                   "stock + peft), ratios to stock in one JSON; --model/--grid/--variants/--sparse-tile are the cases'")
+    p.add_argument("--targets-case", default=None, choices=list(TARGET_CASES), help="with --targets: this case only")
     p.add_argument("--profile-steps", type=int, default=0, help="N: after timing, N steps of each variant under "
                    "torch.profiler, rank 0's kernel time by category in the row's 'profile' (CUDA only)")
     p.add_argument("--memory-peak", action="store_true", help="after timing, one more step of each variant under "
@@ -406,6 +485,10 @@ def main(argv: Optional[list] = None) -> dict:
     p.add_argument("--dry-run", action="store_true", help="CPU stand-in: tiny model, gloo, a 4x8x8 latent, 2 steps")
     p.add_argument("--out", default="results/diffusers_wan/bench.json")
     args = p.parse_args(argv)
+    if args.targets_case and not args.targets:
+        p.error("--targets-case names one of --targets' cases: add --targets")
+    args.steps = args.steps if args.steps is not None else (3 if args.targets else 8)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.targets else 3)
     try:
         variants = [parse_variant(v.strip()) for v in args.variants.split(",") if v.strip()]
         if args.hcms_head_chunks != "auto":
@@ -428,10 +511,79 @@ def main(argv: Optional[list] = None) -> dict:
         args.text_len = args.text_len or 8
     args.text_len = args.text_len or wan.TEXT_LEN.get(args.model, 512)
     try:
+        if args.targets:
+            if world > 1:
+                raise SPConfigError(f"--targets times stock diffusers beside ours on one GPU: run it as one process "
+                                    f"(this job has {world} ranks)")
+            return run_targets(args, rank, world, device)
         return _run(args, variants, rank, world, device)
     finally:
         if own_pg:
             dist.destroy_process_group()
+
+
+# issue 86's targets (one H200): per case the model, grid, sparse tile, variants (the first: the case's stock step) and
+# (label, the variants of which the fastest counts, the least speed-up over stock)
+TARGET_CASES = {
+    "wan-1.3b-720p": {
+        "model": "wan-1.3b", "grid": "720p", "tile": "4,4,4",
+        "variants": "stock,ours-auto,ours-auto@recompute=keep,ours-auto-topk90,ours-auto-topk90@recompute=keep",
+        "targets": [("attention kept >= 1.35x stock diffusers' checkpointed step", ["ours-auto@recompute=keep"], 1.35),
+                    ("top-k90 64-token tiles >= 3.5x stock", ["ours-auto-topk90", "ours-auto-topk90@recompute=keep"],
+                     3.5)]},
+    "wan-14b-lora-480p": {
+        "model": "wan-14b", "grid": "480p", "tile": "4,4,4",
+        "variants": "stock@lora=32,ours-auto@lora=32,ours-auto@lora=32@recompute=keep",
+        "targets": [("LoRA >= 1.3x stock diffusers + peft", ["ours-auto@lora=32", "ours-auto@lora=32@recompute=keep"],
+                     1.3)]},
+    "wan-14b-lora-720p": {   # measured 2026-11-29 (1 x H200): all 40 blocks kept, or 16, run out of memory; 8: 112 GiB
+        "model": "wan-14b", "grid": "720p", "tile": "4,4,4",
+        "variants": "stock@lora=32,ours-auto@lora=32,ours-auto@lora=32@recompute=keep8,"
+                    "ours-auto@lora=32@recompute=keep12",
+        "targets": [("LoRA >= 1.3x stock diffusers + peft", ["ours-auto@lora=32", "ours-auto@lora=32@recompute=keep8",
+                                                              "ours-auto@lora=32@recompute=keep12"], 1.3)]},
+}
+
+
+def target_verdicts(case: dict, rows: list) -> list:
+    """Each target of ``case``: the stock step, the fastest of its variants, their ratio and whether it is met."""
+    ms = {r["variant"]: r.get("step_ms") for r in rows}
+    stock = ms.get(case["variants"].split(",")[0])
+    out = []
+    for label, names, least in case["targets"]:
+        timed = [(ms[n], n) for n in names if ms.get(n)]
+        best = min(timed) if timed else None
+        ratio = stock / best[0] if stock and best else None
+        out.append({"target": label, "least": least, "stock_ms": stock, "best_variant": best[1] if best else None,
+                    "best_ms": best[0] if best else None, "speedup": ratio,
+                    "met": None if ratio is None else ratio >= least})
+    return out
+
+
+def run_targets(args, rank: int, world: int, device) -> dict:
+    """--targets: every case of TARGET_CASES (or --targets-case) in this job, one JSON at --out."""
+    import copy  # noqa: PLC0415
+    cases, doc = {}, {"targets": []}
+    for name, case in TARGET_CASES.items():
+        if args.targets_case and name != args.targets_case:
+            continue
+        a = copy.copy(args)
+        a.model = "tiny" if args.dry_run else case["model"]
+        a.grid, a.sparse_tile, a.variants, a.num_layers = case["grid"], case["tile"], case["variants"], None
+        a.out = f"{os.path.splitext(args.out)[0]}_{name}.json"   # the case's rows, written as they come
+        a.text_len = 8 if args.dry_run else wan.TEXT_LEN.get(a.model, 512)
+        variants = [parse_variant(v) for v in case["variants"].split(",")]
+        result = _run(a, variants, rank, world, device)
+        cases[name] = result
+        doc.setdefault("meta", {**result["meta"], "targets_cases": []})["targets_cases"].append(name)
+        for verdict in target_verdicts(case, result["rows"]):
+            doc["targets"].append({"case": name, **verdict})
+            if rank == 0:
+                print(json.dumps({"case": name, **verdict}), flush=True)
+    doc["cases"] = cases
+    if rank == 0:
+        write_json(args.out, doc)
+    return doc
 
 
 def _free_port() -> int:
@@ -480,21 +632,26 @@ def _run(args, variants: list, rank: int, world: int, device) -> dict:
         return doc
     batch = fixed_batch(cfg, grid_latent, args.seed, device)
     for v in variants:
-        why = skip_reason(v, cuda, args.ranks_share_gpu)
+        why = skip_reason(v, cuda, args.ranks_share_gpu, world)
         if why:
             row = {"variant": v["name"], "impl": v["impl"], "mode": v["mode"], "skipped": why}
         else:
             row = time_variant(args, v, world, device, grid, batch)
         row.update(machine=meta["machine"], date=meta["date"], commit=meta["commit"], command=meta["command"],
-                   recompute=args.recompute)
+                   recompute=v.get("recompute") or args.recompute, lora_rank=v.get("lora"))
+        if v.get("lora") and row.get("mfu") is not None:
+            row["mfu_note"] = ("LoRA: the frozen base weights get no gradient; MFU counts full training's FLOPs "
+                               "(a third more than run)")
         if args.ranks_share_gpu and "step_ms" in row:
             row.update(mfu=None, timing_note=SHARED_GPU_NOTE)
         rows.append(row)
+        if rank == 0 and args.out:   # after every variant: what a job stopped at its limit leaves stands
+            write_json(args.out, {"meta": meta, "rows": rows, "partial": True})
         if rank == 0:
             print(json.dumps({k: row.get(k) for k in ("variant", "backend", "step_ms", "mfu", "peak_mem_gib",
                                                       "peak_steady_gib", "first_loss", "skipped")}), flush=True)
     doc = {"meta": meta, "rows": rows}
-    if rank == 0:
+    if rank == 0 and args.out:
         write_json(args.out, doc)
     return doc
 

@@ -1,5 +1,6 @@
-"""Train diffusers' WanTransformer3DModel (Wan 2.1) with megatron_sp_ext's sequence parallelism
-(``megatron_sp_ext.diffusers.parallelize``), FSDP2 beside it, and Wan's flow-matching objective.
+"""Train diffusers' WanTransformer3DModel (Wan 2.1 T2V / I2V, Wan 2.2 TI2V-5B and one A14B expert) with
+megatron_sp_ext's sequence parallelism (``megatron_sp_ext.diffusers.parallelize``), FSDP2 beside it, and Wan's
+flow-matching objective: full fine-tuning, or LoRA (--lora-rank R: diffusers' adapter API, peft).
 
     torchrun --nproc-per-node 2 training/train_wan_diffusers.py --init random --model wan-1.3b \
         --context-parallel-size 2 --cp-comm-type auto --use-torch-fsdp2 --bf16 --recompute-granularity full \
@@ -7,12 +8,20 @@
         --save-pretrained runs/wan/final
 
 Model: ``--init PATH`` (a local directory in diffusers' layout, from_pretrained: config.json + safetensors, or a Wan
-pipeline directory with transformer/) or ``--init random --model wan-1.3b|wan-14b|tiny`` (diffusers' Wan2.1 configs;
---num-layers shortens them). Weights stay fp32; --bf16 runs the step under bf16 autocast (CUDA; with FSDP2 its bf16
-compute weights). --recompute-granularity full turns on diffusers' gradient checkpointing (per block).
-Data: --data-path (latent files, "latent" [C, F, H, W] and "text" [L, 4096]: training/video_dit/make_latents.py) or
-synthetic latents of --frames x --latent-size. Objective: training/wan_diffusers/flow.py (x_t = (1 - t) x0 + t eps, target
-eps - x0, Wan's timestep shift --timestep-shift). Gradients over SP ranks: training/wan_diffusers/loop.py.
+pipeline directory with transformer/, and for Wan 2.2 A14B's low-noise expert transformer_2/) or ``--init random
+--model PRESET`` (training/wan_diffusers/model.py: wan-1.3b, wan-14b, wan2.1-i2v-14b, wan2.2-ti2v-5b, wan2.2-a14b,
+wan2.2-i2v-a14b and tiny CPU versions; --num-layers shortens them). The task (--task t2v|i2v|ti2v, default: the
+preset's or the pipeline's) and the expert (--expert high|low, on its side of the pipeline's boundary_ratio):
+training/wan_diffusers/task.py. Weights stay fp32 (a LoRA run with --bf16 on one GPU without FSDP2 keeps its frozen
+base in bf16, its adapters fp32); --bf16 runs the step under bf16 autocast (CUDA; with FSDP2 its bf16 compute
+weights). --recompute-granularity full turns on diffusers' gradient checkpointing (per block); selective recomputes
+every block but its self-attention (megatron_sp_ext.diffusers.keep_attention_checkpointing). LoRA (--lora-rank,
+--lora-alpha, --lora-target-modules): only the adapters train and go into checkpoints; --save-lora DIR writes them
+for WanPipeline.load_lora_weights (training/wan_diffusers/lora.py).
+Data: --data-path (latent files, "latent" [C, F, H, W] and "text" [L, 4096], with "cond_latent" / "image_embeds"
+for I2V and TI2V) or synthetic latents of --frames x --latent-size. Objective: training/wan_diffusers/flow.py
+(x_t = (1 - t) x0 + t eps, target eps - x0, Wan's timestep shift --timestep-shift). Gradients over SP ranks:
+training/wan_diffusers/loop.py.
 Checkpoints (--save / --load / --save-interval / --keep-last): torch.distributed.checkpoint, atomic, resharding across
 SP, DP and FSDP sizes (training/video_dit/checkpoint.py). --save-pretrained DIR writes the trained transformer in
 diffusers' layout (WanTransformer3DModel.from_pretrained(DIR) reads it). Metrics, loss.png, the non-finite guard and
@@ -43,9 +52,11 @@ from training.video_dit.faults import report_failures, run_entry, timeout_of  # 
 from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
 from training.video_dit.loop import TorchOps, resolve_workers  # noqa: E402
 from training.video_dit.sharding import FsdpOps, full_parameters, shard_model  # noqa: E402
+from training.wan_diffusers import lora as wan_lora  # noqa: E402
 from training.wan_diffusers import model as wan  # noqa: E402
-from training.wan_diffusers.loop import Layout, train_steps  # noqa: E402
+from training.wan_diffusers import task as wan_task  # noqa: E402
 from training.wan_diffusers import validate  # noqa: E402
+from training.wan_diffusers.loop import Layout, StepForm, StepHooks, train_steps  # noqa: E402
 
 logger = logging.getLogger("video_dit")
 WHAT = "train_wan_diffusers"
@@ -62,6 +73,9 @@ def build_parser() -> EntryParser:
     p = EntryParser(prog="train_wan_diffusers.py", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
+    model_flag = next(a for a in p._actions if a.dest == "model")
+    model_flag.choices = list(wan.WAN_PRESETS)
+    model_flag.help = "with --init random: the preset (training/wan_diffusers/model.py)"
     g = p.add_argument_group("Wan (diffusers)")
     g.add_argument("--init", default="random",
                    help="'random' (diffusers' initialisation of --model's config, seeded by --seed) or a local "
@@ -72,6 +86,29 @@ def build_parser() -> EntryParser:
                    help="Wan's flow-matching timestep shift s: t = s u / (1 + (s - 1) u) (1.0: none)")
     g.add_argument("--text-len", type=int, default=None,
                    help="synthetic text embeddings per prompt (default: 512, umT5's length; 8 for --model tiny)")
+    g.add_argument("--task", choices=list(wan_task.TASKS), default=None,
+                   help="t2v, i2v (Wan 2.1 I2V / Wan 2.2 I2V A14B: mask + cond_latent channels, CLIP image_embeds "
+                        "where the model has an image branch) or ti2v (Wan 2.2 TI2V-5B: the first latent frame is "
+                        "the clean cond_latent, per-token timesteps, left out of the loss); default: the preset's or "
+                        "the --init pipeline's")
+    g.add_argument("--expert", choices=list(wan_task.EXPERTS), default=None,
+                   help="Wan 2.2 A14B: train the high-noise expert (transformer/, timesteps >= boundary_ratio x "
+                        "1000) or the low-noise one (transformer_2/, below)")
+    g.add_argument("--boundary-ratio", type=float, default=None,
+                   help="with --expert: the boundary between the experts (default: the pipeline's / preset's "
+                        "boundary_ratio; 0.875 for Wan 2.2 T2V A14B, 0.9 for I2V A14B)")
+    g = p.add_argument_group("LoRA (diffusers' adapter API, peft)")
+    g.add_argument("--lora-rank", type=int, default=0,
+                   help="R > 0: train LoRA adapters of rank R on --lora-target-modules, the base frozen (0: full "
+                        "fine-tuning)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (the update scales by alpha / rank; "
+                   "default: the rank)")
+    g.add_argument("--lora-target-modules", default=None,
+                   help=f"comma list of module names to adapt (default: {','.join(wan_lora.DEFAULT_TARGETS)}: the "
+                        f"self- and cross-attention's and the FFN's linears)")
+    g.add_argument("--save-lora", default=None, metavar="DIR",
+                   help="after training, write the adapters for WanPipeline.load_lora_weights(DIR) "
+                        "(pytorch_lora_weights.safetensors with its LoraConfig)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--context-parallel-size", type=int, default=1, help="sequence-parallel (context) ranks per group")
     g.add_argument("--cp-comm-type", default="auto", choices=list(MODES),
@@ -81,8 +118,10 @@ def build_parser() -> EntryParser:
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="torch FSDP2 (fully_shard per transformer block + root) over all data x context ranks: "
                         "fp32 main weights, bf16 compute with --bf16 (reduce in fp32)")
-    g.add_argument("--recompute-granularity", choices=["full"], default=None,
-                   help="full: diffusers' gradient checkpointing (enable_gradient_checkpointing: every block)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: diffusers' gradient checkpointing (enable_gradient_checkpointing: every block); "
+                        "selective: every block recomputed but its self-attention, whose output (and log-sum-exp) "
+                        "is kept (megatron_sp_ext.diffusers.keep_attention_checkpointing)")
     g = p.add_argument_group("training loop")
     g.add_argument("--log-interval", type=int, default=1, help="read metrics back every N steps")
     g.add_argument("--tensorboard-dir", default=None, help="also write TensorBoard event files here (rank 0)")
@@ -131,6 +170,24 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     if args.sparse_topk is not None and args.micro_batch_size > 1:
         p.error(f"--sparse-topk={args.sparse_topk} with --micro-batch-size={args.micro_batch_size}: the top-k plan "
                 f"takes one mask per forward (batch 1): use --micro-batch-size 1")
+    if args.lora_rank < 0:
+        p.error(f"--lora-rank={args.lora_rank}: must be >= 0 (0: full fine-tuning)")
+    if not args.lora_rank:
+        for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-target-modules", args.lora_target_modules),
+                            ("--save-lora", args.save_lora)):
+            if value is not None:
+                p.error(f"{flag} applies to LoRA runs: add --lora-rank R (R > 0)")
+    else:
+        if args.lora_alpha is not None and args.lora_alpha <= 0:
+            p.error(f"--lora-alpha={args.lora_alpha}: must be > 0")
+        if args.save_pretrained:
+            p.error(f"--save-pretrained writes a whole transformer; a LoRA run (--lora-rank {args.lora_rank}) writes "
+                    f"its adapters with --save-lora DIR (WanPipeline.load_lora_weights reads them)")
+        try:
+            args.lora_target_modules = wan_lora.parse_targets(args.lora_target_modules) \
+                if args.lora_target_modules is not None else wan_lora.DEFAULT_TARGETS
+        except SPConfigError as e:
+            p.error(str(e))
     if modes.head_chunks_of(args.cp_comm_type, args.hcms_head_chunks) != args.hcms_head_chunks:
         p.error(f"--hcms-head-chunks={args.hcms_head_chunks} is HCMS's: use --cp-comm-type hcms (or auto)")
     try:
@@ -176,9 +233,11 @@ def sparse_plan(args):
                            topk=spec.topk)
 
 
-def main(argv: Optional[list] = None, return_params: bool = False, grads_at: Optional[int] = None) -> dict:
+def main(argv: Optional[list] = None, return_params: bool = False, grads_at: Optional[int] = None,
+         dtype: Optional[torch.dtype] = None) -> dict:
     """Train; returns losses, plot, rows (and with ``return_params`` "params": name -> full fp32 tensor; with
-    ``grads_at`` = a step, "grads": that step's reduced full gradients; collective, for tests)."""
+    ``grads_at`` = a step, "grads": that step's reduced full gradients; ``dtype``: the model and its batches in
+    this dtype, e.g. float64; collective, for tests)."""
     args = parse(argv)
     device = pick_device()
     if device.type == "cuda":
@@ -187,7 +246,7 @@ def main(argv: Optional[list] = None, return_params: bool = False, grads_at: Opt
     setup_logging(args.log_level, dist.get_rank())
     try:
         with report_failures(WHAT):
-            return _train(args, device, return_params, grads_at)
+            return _train(args, device, return_params, grads_at, dtype)
     finally:
         if own_pg:
             dist.destroy_process_group()
@@ -197,10 +256,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _check_tokens(args, cfg, sp: int) -> None:
+def _check_tokens(args, cfg, sp: int, task) -> None:
     frames, sizes = frames_and_sizes(args)
     pt, ph, pw = cfg.patch
     for f in frames:
+        if task.task == "ti2v" and f < 2:
+            raise SPConfigError(f"--frames {f}: --task ti2v conditions on the first latent frame and learns the "
+                                f"others: give at least 2 latent frames")
         for h, w in sizes:
             if f % pt or h % ph or w % pw:
                 raise SPConfigError(f"--frames {f} --latent-size {h}x{w}: not a multiple of the patch {cfg.patch}")
@@ -210,12 +272,15 @@ def _check_tokens(args, cfg, sp: int) -> None:
                                     f"--context-parallel-size={sp} (the model's split needs equal shards)")
 
 
-def _check_data_tokens(args, dataset, cfg, sp: int) -> None:
+def _check_data_tokens(args, dataset, cfg, sp: int, task) -> None:
     """--data-path: every clip's token count (latent [C, T, H, W] / the patch, from the file headers) divides by
-    ``sp``."""
+    ``sp``; a TI2V clip has at least 2 latent frames."""
     pt, ph, pw = cfg.patch
     for i in range(len(dataset)):
         (_, t, h, w), _ = dataset.shape_of(i)
+        if task.task == "ti2v" and t < 2:
+            raise SPConfigError(f"--data-path {args.data_path}: {dataset.files[i]} has {t} latent frame(s); --task "
+                                f"ti2v conditions on the first and learns the others: it needs at least 2")
         n = (t // pt) * (h // ph) * (w // pw)
         if n % sp:
             raise SPConfigError(f"--data-path {args.data_path}: {dataset.files[i]} (latent T x H x W = {t}x{h}x{w}) "
@@ -223,35 +288,76 @@ def _check_data_tokens(args, dataset, cfg, sp: int) -> None:
                                 f"split needs equal shards)")
 
 
-def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
-    sp = args.context_parallel_size
-    lay, sp_group = make_layout(sp, device)
+def _data_reasons(task) -> dict:
+    """{tensor: why this run needs it} for the data loader's refusal by file name."""
+    why = {"ti2v": "--task ti2v conditions on (the first frame's latent; --task t2v trains without it)",
+           "i2v": "--task i2v conditions on (the first frame's latent beside the mask)"}
+    out = {"cond_latent": why.get(task.task, "")}
+    if "image_embeds" in task.data_keys():
+        out["image_embeds"] = "this I2V model's CLIP image branch reads (encoder_hidden_states_image)"
+    return {k: v for k, v in out.items() if k in task.data_keys()}
+
+
+def _build_model(args, device):
+    """(model, preset name or "pretrained", task) of --init / --model and --task / --expert."""
+    sub = "transformer_2" if args.expert == "low" else "transformer"
     if args.init == "random":
         model = wan.random_model(wan.preset_kwargs(args.model, args.num_layers), args.seed, device)
-        preset = args.model
+        preset, known, pipeline = args.model, wan.PRESET_TASKS[args.model], {}
     else:
-        model = wan.load_model(args.init, device)
-        preset = "pretrained"
+        model = wan.load_model(args.init, device, sub)
+        preset, known, pipeline = "pretrained", None, wan.pipeline_config(args.init)
+    task = wan_task.resolve(args.task, args.expert, args.boundary_ratio, known, pipeline, model.config)
+    return model, preset, task
+
+
+def _train(args, device, return_params: bool, grads_at: Optional[int], dtype: Optional[torch.dtype] = None) -> dict:
+    sp = args.context_parallel_size
+    lay, sp_group = make_layout(sp, device)
+    model, preset, task = _build_model(args, device)
+    if dtype is not None:
+        model = model.to(dtype)
     text_len = args.text_len or wan.TEXT_LEN.get(preset, 512)
     cfg = wan.dit_config(model.config, text_len)
-    dataset = build_dataset(args, cfg)
+    dataset = build_dataset(args, cfg, require=_data_reasons(task))
     if args.data_path:
-        _check_data_tokens(args, dataset, cfg, sp)
+        _check_data_tokens(args, dataset, cfg, sp, task)
     else:
-        _check_tokens(args, cfg, sp)
+        _check_tokens(args, cfg, sp, task)
+        if task.data_keys():
+            dataset = wan_task.SyntheticConditions(dataset, task, wan.IMAGE_TOKENS.get(preset, 257),
+                                                   model.config.image_dim, args.seed)
+    lora = None
+    if args.lora_rank:   # before parallelize: the sparse plan's gates, attached there, stay trainable
+        lora = wan_lora.LoraSettings(args.lora_rank, args.lora_alpha or float(args.lora_rank),
+                                     tuple(args.lora_target_modules))
+        adapted = wan_lora.add_lora(model, lora, args.seed + 1)
+        if dtype is not None:
+            model = model.to(dtype)
+        if args.bf16 and device.type == "cuda" and not args.use_torch_fsdp2:
+            wan_lora.base_to_bf16(model)
+        if not args.quiet:
+            logger.info(f"LoRA rank {lora.rank} alpha {lora.alpha:g} on {adapted} linears "
+                        f"({','.join(lora.targets)}): {sum(p.numel() for p in model.parameters() if p.requires_grad):,}"
+                        f" trainable parameters")
     if args.recompute_granularity == "full":
         model.enable_gradient_checkpointing()
     plan = sparse_plan(args)
     handle = None
-    if sp > 1 or plan is not None:   # dense SP=1 runs diffusers' own model as it is (the reference)
-        from megatron_sp_ext.diffusers import parallelize  # noqa: PLC0415
+    # dense SP=1 runs diffusers' own model as it is (the reference); keeping the attention needs our processors
+    if sp > 1 or plan is not None or args.recompute_granularity == "selective":
+        from megatron_sp_ext.diffusers import keep_attention_checkpointing, parallelize  # noqa: PLC0415
         sp_cfg = SPConfig(mode=args.cp_comm_type,
                           head_chunks=modes.head_chunks_of(args.cp_comm_type, args.hcms_head_chunks),
                           backend=args.sp_attention_backend, source="megatron")
         handle = parallelize(model, sp_group, config=sp_cfg, sparse=plan)
+        if args.recompute_granularity == "selective":
+            keep_attention_checkpointing(handle)
+        if dtype is not None:   # the sparse plan's gates
+            model = model.to(dtype)
     gates = plan is not None and any(".sparse_gate." in n for n, _ in model.named_parameters())
     if gates and args.init != "random":   # a top-k model saved by --save-pretrained carries its gates beside it
-        root, sub = wan.pretrained_dir(args.init)
+        root, sub = wan.pretrained_dir(args.init, "transformer_2" if args.expert == "low" else "transformer")
         folder = os.path.join(root, sub or "")
         if wan.gate_names(folder):
             plan.load_gates(model, folder)
@@ -261,26 +367,29 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
     world_group = dist.group.WORLD if lay.world > 1 else None
     if args.use_torch_fsdp2:
         model = shard_model(model, dist.group.WORLD, device, bf16=args.bf16 and device.type == "cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
+    opt = torch.optim.AdamW(wan_lora.trainable(model), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                             foreach=True if args.use_torch_fsdp2 else None,
                             fused=(device.type == "cuda" and not args.use_torch_fsdp2) or None)
     ops = FsdpOps(model, opt, args.clip_grad) if args.use_torch_fsdp2 else TorchOps(model, opt, world_group,
                                                                                    args.clip_grad)
-    run_id = wan.identity(model.config, preset, sparse_gates=gates)
+    run_id = {**wan.identity(model.config, preset, sparse_gates=gates), "task": task.describe(),
+              "lora": wan_lora.lora_identity(lora)}
     start, loaded = 0, None
     if args.load:
-        loaded = ckpt.load(args.load, model, opt, run_id)
+        loaded = ckpt.load(args.load, model, opt, run_id, trainable_only=lora is not None)
         start = ckpt.check_resume_step(loaded, args.train_iters)
         if lay.rank == 0 and not args.quiet:
             print(f"[{WHAT}] resumed from {loaded['path']} (step {start})", flush=True)
     if not args.quiet:
-        logger.info(f"Wan ({'random ' + args.model if args.init == 'random' else args.init}) layers={cfg.layers} "
+        logger.info(f"Wan ({'random ' + args.model if args.init == 'random' else args.init}) task={task.task}"
+                    + (f" expert={task.expert} (t {'>=' if task.expert == 'high' else '<'} {task.boundary:g})"
+                       if task.expert else "") + f" {'LoRA' if lora else 'full'} layers={cfg.layers} "
                     f"SP={sp} DP={lay.dp_world} cp_comm_type={args.cp_comm_type} "
                     f"{'fsdp2' if args.use_torch_fsdp2 else 'all-reduce'} recompute={args.recompute_granularity} "
                     f"bf16={args.bf16 and device.type == 'cuda'} device={device}"
                     + (f" sparse={sparse_spec(args)}" if plan is not None else ""))
     metrics = MetricsLog(args.log_dir, args.train_iters, lay.rank == 0, cfg, device, start, show=not args.quiet)
-    autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
+    form = StepForm(torch.bfloat16 if (args.bf16 and device.type == "cuda") else None, task, dtype)
     global_batch = lay.dp_world * args.micro_batch_size
 
     def save(step: int) -> None:
@@ -288,7 +397,7 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
                                                        "global_batch": global_batch,
                                                        "layout": {"context_parallel_size": sp,
                                                                   "cp_comm_type": args.cp_comm_type}},
-                        args.keep_last)
+                        args.keep_last, trainable_only=lora is not None)
         if lay.rank == 0 and not args.quiet:
             print(f"[{WHAT}] saved {out['path']} in {out['seconds']:.2f}s", flush=True)
 
@@ -298,10 +407,10 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
         if step == grads_at:
             grads.update({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
 
-    validator = validate.from_args(args, model, device, rank=lay.rank, sp_size=sp, autocast=autocast)
-    losses = train_steps(args, ops, model, dataset, cfg, lay, device, metrics, start=start, autocast=autocast,
-                         save=save, workers=resolve_workers(args, device),
-                         on_grads=on_grads if grads_at is not None else None, after_step=validator)
+    validator = validate.from_args(args, model, device, rank=lay.rank, sp_size=sp, autocast=form.autocast)
+    hooks = StepHooks(save=save, on_grads=on_grads if grads_at is not None else None, after_step=validator)
+    losses = train_steps(args, ops, model, dataset, cfg, lay, device, metrics, start=start, form=form, hooks=hooks,
+                         workers=resolve_workers(args, device))
     if validator is not None:
         validator.final(args.train_iters)
     interval_saved = bool(args.save_interval) and args.train_iters % args.save_interval == 0
@@ -317,6 +426,12 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
             logger.info(f"saved the transformer in diffusers' layout to {args.save_pretrained}"
                         + (f" (the sparse plan's {len(extra)} extra tensors in megatron_sp_ext_extra.safetensors)"
                            if extra else ""))
+    if args.save_lora:
+        wrote = wan_lora.save_lora(model, args.save_lora, lay.rank)
+        if lay.rank == 0 and not args.quiet:
+            how = "pipe.load_lora_weights(DIR" + (", load_into_transformer_2=True)" if task.expert == "low" else ")")
+            logger.info(f"saved {wrote['adapters']} LoRA tensors to {args.save_lora} ({how} reads them)"
+                        + (f"; the sparse plan's {len(wrote['extra'])} gates beside them" if wrote["extra"] else ""))
     out = {"losses": losses, "plot": plot, "rows": metrics.rows}
     if return_params:
         out["params"] = full_parameters(model)

@@ -5,8 +5,10 @@ sequence with the model's own ``_cp_plan`` (torch module hooks) and runs every s
     from megatron_sp_ext.diffusers import parallelize
     sp = parallelize(model, group, mode="auto")    # -> SPHandle; sp.remove() undoes it
     sp = parallelize(model, group, sparse=BlockSparsePlan(topk=K))   # or window=(wt, wh, ww): block-sparse tiles
+    keep_attention_checkpointing(sp)              # every block recomputed in the backward but its self-attention
 """
 from .parallelize import SPHandle, parallelize
+from .recompute import KeptAttention, keep_attention_checkpointing
 from .sparse import BlockSparsePlan
 
-__all__ = ["parallelize", "SPHandle", "BlockSparsePlan"]
+__all__ = ["parallelize", "SPHandle", "BlockSparsePlan", "keep_attention_checkpointing", "KeptAttention"]

@@ -9,8 +9,10 @@ Per call on this rank's shard hidden_states [B, S_loc, C]: q, k, v from ``to_q/t
 (a plan whose ``masks_agreed`` is True builds every mask identically on every rank: the layer's problem declares it
 agreed, no cross-rank compare; otherwise each distinct mask is compared once per forward);
 ``out = attention(q, k, v, problem)`` with the forward's ``AttentionProblem`` (``ForwardContext.problem``; with a mask
-``problem.with_mask(mask)``, tile ``plan.block_size``) (+ extra), flattened,
-``type_as(q)``, ``to_out``. Not an ``nn.Module``: the model's state_dict is unchanged.
+``problem.with_mask(mask)``, tile ``plan.block_size``) (+ extra), flattened, ``type_as(q)``, ``to_out``. Under
+``keep_attention_checkpointing`` (recompute.py) the attention call goes through ``kept.run``: run and kept in the
+forward, answered from that record in the checkpoint's recompute. Not an ``nn.Module``: the model's state_dict is
+unchanged.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class SPWanSelfAttnProcessor:
         self.attention, self.state, self.layer_index, self.original = attention, state, layer_index, original
         self.fused_rope = fused_rope
         self.where = where or f"blocks.{layer_index}.attn1"
+        self.kept = None   # a recompute.KeptAttention under keep_attention_checkpointing (None: a plain call)
 
     def __call__(self, attn: torch.nn.Module, hidden_states: torch.Tensor,
                  encoder_hidden_states: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
@@ -68,7 +71,10 @@ class SPWanSelfAttnProcessor:
                 problem = ctx.problem.cached(("layer mask", id(mask)), lambda: ctx.problem.with_mask(
                     mask, tile=plan.block_size, agreed=agreed))   # a mask shared by layers: compared once
         self.attention.training = attn.training
-        out_bshd = self.attention(q_bshd, k_bshd, v_bshd, problem)
+        if self.kept is not None:   # checkpointing that keeps the attention: recorded, or replayed in a recompute
+            out_bshd = self.kept.run(self.attention, q_bshd, k_bshd, v_bshd, problem)
+        else:
+            out_bshd = self.attention(q_bshd, k_bshd, v_bshd, problem)
         if extra is not None:
             out_bshd = out_bshd + extra
         out = out_bshd.flatten(2, 3).type_as(q_bshd)

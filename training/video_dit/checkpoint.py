@@ -273,7 +273,7 @@ def read_run(step_dir: str, expect: dict) -> dict:
 
 
 # identity keys added later: what a checkpoint written before them had
-_IDENTITY_DEFAULTS = {"sparse_gates": False}
+_IDENTITY_DEFAULTS = {"sparse_gates": False, "lora": None, "task": {"task": "t2v", "expert": None, "boundary": None}}
 # model fields added later, likewise: checkpoints written before 2026-11-29 hold a Linear per block (--modulation)
 _MODEL_DEFAULTS = {"modulation": "linear"}
 
@@ -298,10 +298,23 @@ def _mismatch(key: str, saved, now) -> str:
                 if saved else "saved without the top-k sparse attention's gates (dense or --sparse-window)") + \
             ": the parameter sets differ; resume with the same kind of run (--sparse-topk with --sparse-topk, dense or " \
             "--sparse-window otherwise)"
+    if key == "lora":
+        return (f"saved by a {'LoRA run (' + _lora_words(saved) + ')' if saved else 'full fine-tuning run'}, this run "
+                f"is {'LoRA (' + _lora_words(now) + ')' if now else 'full fine-tuning'}: resume with the saved "
+                f"{'--lora-rank / --lora-alpha / --lora-target-modules' if saved else '--lora-rank 0'}")
+    if key == "task":
+        return (f"saved training {saved.get('task')}" + (f" (expert {saved.get('expert')}, boundary "
+                                                          f"{saved.get('boundary')})" if saved.get("expert") else "")
+                + f", this run trains {now.get('task')}" + (f" (expert {now.get('expert')})" if now.get("expert")
+                                                             else "") + ": resume with the saved --task / --expert")
     if key == "entry":
         return (f"written by the {saved!r} entry point ({_ENTRY_SCRIPT.get(saved, '?')}); this is {now!r}: resume "
                 f"it with the entry point that wrote it")
     return f"saved with {key}={saved!r}, this run has {key}={now!r}; resume with the same {key}"
+
+
+def _lora_words(lora: dict) -> str:
+    return f"rank {lora.get('rank')}, alpha {lora.get('alpha')}, targets {','.join(lora.get('targets') or [])}"
 
 
 def check_resume_step(loaded: dict, train_iters: int) -> int:
@@ -350,9 +363,11 @@ def _short(e: BaseException) -> str:
 
 # ----------------------------------------------------------------------------- megatron-core entry
 
-def save(root: str, step: int, model: torch.nn.Module, opt, run: dict, keep_last: int) -> dict:
+def save(root: str, step: int, model: torch.nn.Module, opt, run: dict, keep_last: int,
+         trainable_only: bool = False) -> dict:
     """Save model + optimizer + RNG at ``step`` (collective). ``model`` is the DDP wrapper when
-    ``opt`` is Megatron's optimizer, else the plain module. Returns {"path", "seconds"}."""
+    ``opt`` is Megatron's optimizer, else the plain module. ``trainable_only``: the model's parameters that
+    train (requires_grad: a LoRA run's adapters), not its frozen base weights. Returns {"path", "seconds"}."""
     t0 = time.perf_counter()
     tmp = begin_save(root, step)
     if _is_megatron_opt(opt):
@@ -361,23 +376,24 @@ def save(root: str, step: int, model: torch.nn.Module, opt, run: dict, keep_last
     else:
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
         from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
-        msd, osd = get_state_dict(model, opt)
+        msd, osd = get_state_dict(model, opt, options=_dcp_options(trainable_only))
         dcp.save({"model": msd, "optimizer": osd}, storage_writer=dcp.FileSystemWriter(tmp))
     save_rng(tmp, _rank())
     final = commit_save(root, tmp, step, {**run, "world": _world(), "optimizer_impl": _impl(opt)}, keep_last)
     return {"path": final, "seconds": time.perf_counter() - t0}
 
 
-def load(load_path: str, model: torch.nn.Module, opt, expect: dict) -> dict:
+def load(load_path: str, model: torch.nn.Module, opt, expect: dict, trainable_only: bool = False) -> dict:
     """Load what ``save`` wrote into ``model`` and ``opt`` (collective). ``expect``: run.json keys
-    that must match (model, entry point). Returns run.json (its "step" is where to continue)."""
+    that must match (model, entry point); ``trainable_only`` as ``save``'s (the frozen weights stay as they are).
+    Returns run.json (its "step" is where to continue)."""
     t0 = time.perf_counter()
     step_dir = resolve(load_path)
     run = read_run(step_dir, {**expect, "optimizer_impl": _impl(opt)})
     verify_checksums(step_dir, run)
     try:
         with safe_byte_items() as guard:
-            _load_state(step_dir, model, opt)
+            _load_state(step_dir, model, opt, trainable_only)
     except CheckpointError:
         raise
     except (Exception, _dcp_exception()) as e:  # noqa: BLE001 - the library's many error types: one message
@@ -393,7 +409,12 @@ def _dcp_exception() -> type:
     return CheckpointException
 
 
-def _load_state(step_dir: str, model: torch.nn.Module, opt) -> None:
+def _dcp_options(trainable_only: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # noqa: PLC0415
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+
+
+def _load_state(step_dir: str, model: torch.nn.Module, opt, trainable_only: bool = False) -> None:
     """Model and optimizer state from ``step_dir`` (collective), through the library that wrote it."""
     if _is_megatron_opt(opt):
         _load_megatron(step_dir, model, opt)
@@ -401,10 +422,12 @@ def _load_state(step_dir: str, model: torch.nn.Module, opt) -> None:
         import torch.distributed.checkpoint as dcp  # noqa: PLC0415
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: PLC0415
         read_dcp_metadata(os.path.join(step_dir, ".metadata"))
-        msd, osd = get_state_dict(model, opt)
+        options = _dcp_options(trainable_only)
+        msd, osd = get_state_dict(model, opt, options=options)
         state = {"model": msd, "optimizer": osd}
         dcp.load(state, storage_reader=SafeFileSystemReader(step_dir))
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=options)
 
 
 def load_model_tensors(load_path: str) -> dict:

@@ -317,11 +317,13 @@ def check_shapes(args, cfg) -> None:
                 check_tile_grid((f // pt, h // ph, w // pw), spec.tile)
 
 
-def build_dataset(args, cfg):
+def build_dataset(args, cfg, require: Optional[dict] = None):
+    """--data-path's files (``require``: {tensor: why the run needs it} beyond latent and text) or the synthetic
+    source of --frames x --latent-size."""
     if args.data_path:
         try:
             return LatentShardDataset(args.data_path, channels=cfg.in_channels, text_dim=cfg.text_dim,
-                                      patch=cfg.patch, micro_batch=args.micro_batch_size)
+                                      patch=cfg.patch, micro_batch=args.micro_batch_size, require=require)
         except FileNotFoundError as e:  # --data-path names no directory / no latent files: the user's setting
             raise LatentFileError(str(e)) from None
     frames, sizes = frames_and_sizes(args)

@@ -5,6 +5,10 @@ On-disk format (written by training/video_dit/make_latents.py): a directory of `
     "latent": float tensor [C, T, H, W]  (VAE latents; T, H and W may differ between samples: with
                                           --micro-batch-size 1, or packed into one sequence by --pack-samples)
     "text":   float tensor [L, D_text]   (text-encoder embeddings)
+and, for the Wan entry's image-conditioned tasks (training/wan_diffusers/task.py; written by its prepare step),
+passed through when present and required by name where the run needs them:
+    "cond_latent":  float tensor [C, T, H, W] (the first frame's VAE latents followed by zero frames' latents)
+    "image_embeds": float tensor [N, D_img]   (CLIP image embeddings of the first frame)
 Samples are read in sorted file order; sample i of the run is file i mod n.
 """
 from __future__ import annotations
@@ -74,6 +78,10 @@ class SyntheticVideoLatents:
         return {"latent": latent.float(), "text": text.float()}
 
 
+# optional tensors a sample may carry (passed through when present): name -> (rank, shape in words)
+OPTIONAL = {"cond_latent": (4, "[C, T, H, W]"), "image_embeds": (2, "[N, D_img]")}
+
+
 class LatentFileError(ValueError):
     """A latent file that cannot be trained on; the message names the file and what is wrong."""
 
@@ -89,7 +97,11 @@ class LatentShardDataset:
     """
 
     def __init__(self, path: str, channels: int | None = None, text_dim: int | None = None,
-                 patch: tuple | None = None, check_up_to: int = 4096, micro_batch: int = 1) -> None:
+                 patch: tuple | None = None, check_up_to: int = 4096, micro_batch: int = 1,
+                 require: dict | None = None) -> None:
+        """``require``: {tensor name: why the run needs it} beyond "latent" and "text" (a file without one is
+        refused by name with that reason)."""
+        self.require = dict(require or {})
         if not os.path.isdir(path):
             raise FileNotFoundError(f"--data-path={path!r} is not a directory")
         self.files = sorted(glob.glob(os.path.join(path, "*.pt")) + glob.glob(os.path.join(path, "*.safetensors")))
@@ -135,7 +147,7 @@ class LatentShardDataset:
         if not isinstance(d, dict):
             raise LatentFileError(f"{f}: holds a {type(d).__name__}, expected a dict of tensors 'latent' and 'text'")
         self._check(f, {k: (tuple(v.shape), v.dtype) for k, v in d.items() if isinstance(v, torch.Tensor)})
-        return {"latent": d["latent"].float(), "text": d["text"].float()}
+        return {k: d[k].float() for k in ("latent", "text", *OPTIONAL) if k in d}
 
     def _check(self, f: str, header: dict) -> None:
         for key, rank, what in (("latent", 4, "[C, T, H, W]"), ("text", 2, "[L, D_text]")):
@@ -161,6 +173,17 @@ class LatentShardDataset:
                                   f"(text [L, D_text]; was another text encoder used?)")
         if length < 1:
             raise LatentFileError(f"{f}: text embeddings are empty (L=0)")
+        for key, why in self.require.items():
+            if key not in header:
+                raise LatentFileError(f"{f}: no {key!r} tensor, which {why} (found {sorted(header)})")
+        for key, (rank, what) in OPTIONAL.items():
+            if key in header:
+                shape, dtype = header[key]
+                if len(shape) != rank or not dtype.is_floating_point or 0 in shape:
+                    raise LatentFileError(f"{f}: {key!r} is {dtype} {list(shape)}, expected a float tensor {what}")
+        if "cond_latent" in header and tuple(header["cond_latent"][0]) != tuple(header["latent"][0]):
+            raise LatentFileError(f"{f}: 'cond_latent' is {list(header['cond_latent'][0])}, 'latent' "
+                                  f"{list(header['latent'][0])}: the condition has the latent's shape [C, T, H, W]")
 
 
 def _first_line(e: BaseException) -> str:
@@ -198,9 +221,11 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "BOOL": torch.bool}
 
 
-def write_sample(path: str, latent: torch.Tensor, text: torch.Tensor, fmt: str = "pt") -> None:
-    """Write one sample in the on-disk format."""
-    tensors = {"latent": latent.contiguous(), "text": text.contiguous()}
+def write_sample(path: str, latent: torch.Tensor, text: torch.Tensor, fmt: str = "pt",
+                 extra: dict | None = None) -> None:
+    """Write one sample in the on-disk format (``extra``: optional tensors, e.g. "cond_latent", "image_embeds")."""
+    tensors = {"latent": latent.contiguous(), "text": text.contiguous(),
+               **{k: v.contiguous() for k, v in (extra or {}).items()}}
     if fmt == "safetensors":
         from safetensors.torch import save_file  # noqa: PLC0415
         save_file(tensors, path)

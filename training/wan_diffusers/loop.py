@@ -23,6 +23,7 @@ from training.video_dit.guard import StepGuard, SpikeDetector
 from training.video_dit.telemetry import GcTimer, Telemetry
 
 from .flow import WanStepBatches, flow_loss, step_batches
+from .task import WanTask
 
 log = logging.getLogger("video_dit")
 
@@ -38,31 +39,49 @@ class Layout:
     world: int
 
 
-def train_steps(args, ops, model, dataset, cfg, lay: Layout, device, metrics, *, start: int,
-                autocast: Optional[torch.dtype], save: Optional[Callable[[int], None]] = None,
-                workers: int = 0, on_grads: Optional[Callable[[int], None]] = None,
-                after_step: Optional[Callable[[int, Telemetry], None]] = None) -> list:
+@dataclass(frozen=True)
+class StepForm:
+    """How every step runs: ``autocast`` (bf16 autocast's dtype, None: off), ``task`` (the conditioning, the expert's
+    timestep range and the loss: task.py), ``dtype`` (the batches cast to it: float64 test runs; None: as read)."""
+    autocast: Optional[torch.dtype] = None
+    task: WanTask = WanTask()
+    dtype: Optional[torch.dtype] = None
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What the loop calls: ``save(steps done)`` at each --save-interval, ``on_grads(step)`` once the gradients are
+    reduced (tests read them there), ``after_step(steps done, telemetry)`` on every rank after each step (validation
+    videos: training/wan_diffusers/validate.py). None: not called."""
+    save: Optional[Callable[[int], None]] = None
+    on_grads: Optional[Callable[[int], None]] = None
+    after_step: Optional[Callable[[int, Telemetry], None]] = None
+
+
+def train_steps(args, ops, model, dataset, cfg, lay: Layout, device, metrics, *, start: int, form: StepForm,
+                hooks: StepHooks = StepHooks(), workers: int = 0) -> list:
     """Run steps [start, args.train_iters); returns the mean sample loss per step (None where not read back).
-    ``ops``: TorchOps or FsdpOps over all ranks; ``cfg``: the DiTConfig of the same widths (MFU); ``on_grads(step)``:
-    called once the gradients are reduced (tests read them there); ``after_step(steps done, telemetry)``: called on
-    every rank after each step (validation videos: training/wan_diffusers/validate.py)."""
+    ``ops``: TorchOps or FsdpOps over all ranks; ``cfg``: the DiTConfig of the same widths (MFU); ``form``: StepForm;
+    ``hooks``: StepHooks."""
+    save, on_grads, after_step = hooks.save, hooks.on_grads, hooks.after_step
     guard = StepGuard(args.check_for_nan_in_loss_and_grad, args.skip_nonfinite_steps, lay.rank, lay.world,
                       lay.dp_world)
     spikes = SpikeDetector(args.loss_spike_factor)
     tel = Telemetry(metrics, cfg=cfg, device=device, world=lay.world, interval=args.log_interval, timing=args.timing,
                     tensorboard_dir=args.tensorboard_dir, writer_rank=lay.rank == 0)
     batches = WanStepBatches(dataset, start=start, stop=args.train_iters, seed=args.seed, dp_rank=lay.dp_rank,
-                             dp_world=lay.dp_world, micro_batch=args.micro_batch_size, shift=args.timestep_shift)
+                             dp_world=lay.dp_world, micro_batch=args.micro_batch_size, shift=args.timestep_shift,
+                             task=form.task)
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     losses: list = []
     with GcTimer() as gc_timer:
-        for step, batch, ids in step_batches(batches, device, workers):
+        for step, batch, ids in step_batches(batches, device, workers, form.dtype):
             ev = tel.events()
             if ev:
                 ev.mark(0)
             ops.zero_grad()
-            loss = flow_loss(model, batch, autocast)
+            loss = flow_loss(model, batch, form.autocast, form.task)
             ops.backward(loss * lay.sp_world)   # the SUM over SP ranks under the average over all ranks (docstring)
             if ev:
                 ev.mark(1)

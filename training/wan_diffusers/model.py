@@ -1,11 +1,18 @@
-"""Wan 2.1 transformer presets (diffusers' WanTransformer3DModel keywords), building one from a preset (random init)
-or a local diffusers directory, its FLOP count, and writing it back in diffusers' layout.
+"""Wan transformer presets (diffusers' WanTransformer3DModel keywords) with the task each is trained for, building one
+from a preset (random init) or a local diffusers directory (a transformer, or a pipeline: transformer/ or, for Wan
+2.2 A14B's low-noise expert, transformer_2/), its FLOP count, and writing it back in diffusers' layout.
 
-Presets (diffusers' Wan2.1-T2V configs, the same widths as the video DiT's presets in training/video_dit/config.py):
-    wan-1.3b: 30 blocks, 12 heads x 128 (1536), FFN 8960, text 4096, 16 latent channels in and out, patch (1, 2, 2)
-    wan-14b:  40 blocks, 40 heads x 128 (5120), FFN 13824, the rest as wan-1.3b
-    tiny:     2 blocks, 4 heads x 16, FFN 128, text 32 wide, 4 channels (CPU tests)
-Text embeddings are umT5's: [512, 4096] per prompt for the Wan presets ([8, 32] for tiny).
+Presets (diffusers' configs of the released checkpoints; the video DiT's presets in training/video_dit/config.py have
+wan-1.3b's and wan-14b's widths):
+    wan-1.3b, wan-14b:  Wan 2.1 T2V (30 / 40 blocks, 12 / 40 heads x 128, FFN 8960 / 13824, 16 latent channels)
+    wan2.1-i2v-14b:     Wan 2.1 I2V: wan-14b with 36 input channels (16 noisy + 4 mask + 16 condition) and the CLIP
+                        image branch (image_dim 1280, added k/v projections)
+    wan2.2-ti2v-5b:     Wan 2.2 TI2V: 30 blocks, 24 heads x 128, FFN 14336, 48 latent channels (Wan 2.2's VAE)
+    wan2.2-a14b:        one expert of Wan 2.2 T2V A14B (wan-14b's config; boundary_ratio 0.875)
+    wan2.2-i2v-a14b:    one expert of Wan 2.2 I2V A14B (36 input channels, no image branch; boundary_ratio 0.9)
+    tiny, tiny-i2v, tiny-ti2v, tiny-a14b: 2 blocks, 4 heads x 16, FFN 128, text 32 wide, 4 latent channels (CPU tests)
+Text embeddings are umT5's: [512, 4096] per prompt ([8, 32] for the tiny presets; tiny-i2v keeps 512 tokens:
+diffusers' I2V attention takes the context's last 512 tokens as the text, the ones before as the image's).
 """
 from __future__ import annotations
 
@@ -21,15 +28,31 @@ from training.video_dit.config import DiTConfig
 
 _COMMON = dict(patch_size=(1, 2, 2), cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
                image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024, pos_embed_seq_len=None)
+_TINY = dict(_COMMON, num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32,
+             freq_dim=32, ffn_dim=128, num_layers=2)
+_14B = dict(_COMMON, num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+            freq_dim=256, ffn_dim=13824, num_layers=40)
 WAN_PRESETS = {
-    "tiny": dict(_COMMON, num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32,
-                 freq_dim=32, ffn_dim=128, num_layers=2),
+    "tiny": _TINY,
+    "tiny-i2v": dict(_TINY, in_channels=12, image_dim=24, added_kv_proj_dim=64),
+    "tiny-ti2v": _TINY,
+    "tiny-a14b": _TINY,
     "wan-1.3b": dict(_COMMON, num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                      text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30),
-    "wan-14b": dict(_COMMON, num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
-                    text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40),
+    "wan-14b": _14B,
+    "wan2.1-i2v-14b": dict(_14B, in_channels=36, image_dim=1280, added_kv_proj_dim=5120),
+    "wan2.2-ti2v-5b": dict(_COMMON, num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48,
+                           text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30),
+    "wan2.2-a14b": _14B,
+    "wan2.2-i2v-a14b": dict(_14B, in_channels=36),
 }
-TEXT_LEN = {"tiny": 8}   # tokens per prompt; 512 (umT5) for every other model
+# (task, the pipeline's boundary_ratio: None for one transformer) of each preset (training/wan_diffusers/task.py)
+PRESET_TASKS = {"tiny": ("t2v", None), "tiny-i2v": ("i2v", None), "tiny-ti2v": ("ti2v", None),
+                "tiny-a14b": ("t2v", 0.875), "wan-1.3b": ("t2v", None), "wan-14b": ("t2v", None),
+                "wan2.1-i2v-14b": ("i2v", None), "wan2.2-ti2v-5b": ("ti2v", None), "wan2.2-a14b": ("t2v", 0.875),
+                "wan2.2-i2v-a14b": ("i2v", 0.9)}
+TEXT_LEN = {"tiny": 8, "tiny-ti2v": 8, "tiny-a14b": 8}   # tokens per prompt; 512 (umT5) for every other model
+IMAGE_TOKENS = {"tiny-i2v": 5}   # CLIP image embeddings per sample of the synthetic source; 257 otherwise
 ENTRY = "diffusers-wan"   # the entry point's name in checkpoints' run.json
 
 
@@ -47,13 +70,14 @@ def preset_kwargs(name: str, num_layers: Optional[int] = None) -> dict:
 
 def dit_config(config, text_len: int) -> DiTConfig:
     """The video DiT's config of the same widths (``config``: a WanTransformer3DModel config or keywords): what the
-    data path (channels, patch, text width/length) and the MFU count (DiTConfig.flops_per_token) read. The count fits
+    data path (the latent's channels: out_channels, which I2V's in_channels exceed by its mask and condition; patch,
+    text width/length) and the MFU count (DiTConfig.flops_per_token) read. The count fits
     Wan's block: self-attention q/k/v/o (4 d^2), cross-attention q/o on video tokens (2 d^2; its k/v run on the text),
     a two-matrix FFN (2 d f), attention scores and values over the video and the text tokens."""
     c = dict(config)
     heads, hd = c["num_attention_heads"], c["attention_head_dim"]
     return DiTConfig(dim=heads * hd, heads=heads, ffn=c["ffn_dim"], layers=c["num_layers"],
-                     in_channels=c["in_channels"], patch=tuple(c["patch_size"]), text_dim=c["text_dim"],
+                     in_channels=c["out_channels"], patch=tuple(c["patch_size"]), text_dim=c["text_dim"],
                      text_len=text_len, freq_dim=c["freq_dim"], eps=c["eps"])
 
 
@@ -66,14 +90,15 @@ def random_model(kwargs: dict, seed: int, device: torch.device) -> torch.nn.Modu
         return WanTransformer3DModel(**kwargs).float()
 
 
-def pretrained_dir(path: str) -> tuple[str, Optional[str]]:
+def pretrained_dir(path: str, sub: str = "transformer") -> tuple[str, Optional[str]]:
     """(directory, subfolder) of ``--init PATH``: a transformer saved with save_pretrained (config.json beside its
-    safetensors), or a Wan pipeline directory holding it under transformer/. SPConfigError naming --init otherwise."""
+    safetensors), or a Wan pipeline directory holding it under ``sub`` (transformer/, or transformer_2/ for Wan 2.2
+    A14B's low-noise expert). SPConfigError naming --init otherwise."""
     if not os.path.isdir(path):
         raise SPConfigError(f"--init={path!r}: no such directory (give 'random' with --model, or a local directory "
                             f"in diffusers' layout: config.json + diffusion_pytorch_model*.safetensors)")
-    for sub in (None, "transformer"):
-        cfg = os.path.join(path, sub or "", "config.json")
+    for where in (None, sub):
+        cfg = os.path.join(path, where or "", "config.json")
         if os.path.isfile(cfg):
             try:
                 with open(cfg) as f:
@@ -83,18 +108,33 @@ def pretrained_dir(path: str) -> tuple[str, Optional[str]]:
             if name != "WanTransformer3DModel":
                 raise SPConfigError(f"--init={path!r}: {cfg} describes a {name!r}, this entry trains "
                                     f"WanTransformer3DModel")
-            return path, sub
-    raise SPConfigError(f"--init={path!r}: no config.json there or under transformer/ (not a diffusers model "
+            return path, where
+    raise SPConfigError(f"--init={path!r}: no config.json there or under {sub}/ (not a diffusers model "
                         f"directory; write one with WanTransformer3DModel.save_pretrained)")
 
 
-def load_model(path: str, device: torch.device) -> torch.nn.Module:
-    """WanTransformer3DModel.from_pretrained(``path``) in fp32 on ``device``, from safetensors only (no pickle).
+def pipeline_config(path: str) -> dict:
+    """A Wan pipeline directory's model_index.json ({} for a bare transformer directory): _class_name,
+    boundary_ratio (two experts), expand_timesteps (Wan 2.2 TI2V), transformer_2."""
+    index = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index):
+        return {}
+    try:
+        with open(index) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SPConfigError(f"--init={path!r}: {index} is unreadable ({e})") from None
+    return doc if isinstance(doc, dict) else {}
+
+
+def load_model(path: str, device: torch.device, sub: str = "transformer") -> torch.nn.Module:
+    """WanTransformer3DModel.from_pretrained(``path``) in fp32 on ``device``, from safetensors only (no pickle);
+    ``sub``: the pipeline's subfolder (transformer or transformer_2) when ``path`` is a pipeline directory.
     diffusers 0.42 loads this model (it has _keep_in_fp32_modules) only with accelerate installed; without it the
     same files are read here: config.json -> from_config, the safetensors (one file or an index of shards) ->
     load_state_dict(strict)."""
     from diffusers import WanTransformer3DModel  # noqa: PLC0415
-    root, sub = pretrained_dir(path)
+    root, sub = pretrained_dir(path, sub)
     try:
         if has_accelerate():
             # no torch_dtype: the weights are read into the fp32 parameters whatever dtype the files hold
