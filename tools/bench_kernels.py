@@ -11,12 +11,20 @@ For every row: each kernel's first call (compile) time, the medians (CUDA events
 (cuDNN time / FA4 time) and the outputs' and gradients' relative difference (FA4 vs cuDNN).
 
     python tools/bench_kernels.py --out $OUT            # default grid: S 8K..128K, H 40 (24 at 128K)
+
+The speed plan's kernel-rate table (megatron_sp_ext/speed_plan/rates.py gives the format):
+    python tools/bench_kernels.py --rates --out $OUT    # one GPU: dense FA4 / cuDNN over S x H x causal, then the
+                                                        # block-sparse kernels at 90% (bench_block_sparse --table);
+                                                        # writes $OUT/kernel_rates.json
+    python tools/bench_kernels.py --rates-from results/<day>/bench_kernels.json .../bench_block_sparse.json \
+        --out $OUT                                      # the same table out of committed measurements
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -124,6 +132,62 @@ def _write(path: str, rows: list) -> None:
     write_json(path, {"meta": run_meta(torch=torch.__version__, cudnn=torch.backends.cudnn.version()), "rows": rows})
 
 
+RATE_SEQLENS, RATE_HEADS = (2048, 4096, 8192, 16384, 32768, 65536), (4, 10, 20, 40)
+
+
+def device_key(name: str) -> str:
+    """The rate table's device key of a CUDA device name: "NVIDIA H200" -> "H200" (the whole name if no model)."""
+    m = re.search(r"\b([A-Z]{1,2}\d{2,3})\b", name)
+    return m.group(1) if m else name
+
+
+def rates_table(paths: list) -> dict:
+    """The speed plan's kernel-rate table (megatron_sp_ext/speed_plan/rates.py) from bench_kernels JSONs (their
+    "plain" rows) and bench_block_sparse JSONs (their dense rows and Ulysses-layout block-sparse rows)."""
+    devices: dict = {}
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        dev = devices.setdefault(device_key(doc["meta"]["device"]), {"sm_count": 132, "dense": {}, "block_sparse": {}})
+        for r in doc["rows"]:
+            base = {"s": r["s"], "h": r["h"], "source": path}
+            if r.get("kind") == "plain" and "sk" not in r and "hkv" not in r:   # bench_kernels
+                for k in KERNELS:
+                    dev["dense"].setdefault(k, []).append({**base, "causal": r["causal"], "fwd_ms": r[f"{k}_fwd_ms"],
+                                                           "fwd_bwd_ms": r[f"{k}_fwd_bwd_ms"]})
+            elif r.get("kind") == "dense" and r.get("p", 1) == 1 and "error" not in r:   # bench_block_sparse
+                dev["dense"].setdefault(r["kernel"], []).append({**base, "causal": bool(doc["meta"].get("causal")),
+                                                                 "fwd_ms": r["fwd_ms"], "fwd_bwd_ms": r["fwd_bwd_ms"]})
+            elif r.get("kind") == "ulysses" and r.get("p", 1) == 1 and "fwd_ms" in r and "error" not in r:
+                dev["block_sparse"].setdefault(r["kernel"], []).append(
+                    {**base, "tile": r["block_size"], "density": round(1 - r["sparsity"], 4), "mask": r["mask"],
+                     "fwd_ms": r["fwd_ms"], "fwd_bwd_ms": r["fwd_bwd_ms"]})
+    return {"format": "megatron_sp_ext speed-plan kernel rates (megatron_sp_ext/speed_plan/rates.py)",
+            "written_by": " ".join(["tools/bench_kernels.py"] + sys.argv[1:]), "devices": devices}
+
+
+def measure_rates(args) -> None:
+    """--rates: dense rows over RATE_SEQLENS x RATE_HEADS x causal, the block-sparse table at 90%, both converted."""
+    rows, path = [], os.path.join(args.out, "bench_kernels_rates.json")
+    for s in RATE_SEQLENS:
+        for h in RATE_HEADS:
+            for causal in (False, True):
+                q, k, v, do = _inputs(s, s, h, h, args.head_dim)
+                rows.append({"s": s, "h": h, "causal": causal, **_row(
+                    "plain", lambda n: _plain(n, q, k, v, do, causal), _flops(s, s, h, args.head_dim, causal),
+                    args.iters, args.warmup)})
+                _write(path, rows)
+                print(json.dumps(rows[-1]), flush=True)
+    from tools import bench_block_sparse  # noqa: PLC0415
+    sparse_dir = os.path.join(args.out, "block_sparse")
+    bench_block_sparse.main(["--table", "--table-kernels", "cudnn_block_sparse,fa4", "--table-seqlens", "32768,75776",
+                             "--table-sparsities", "0.9", "--out", sparse_dir])
+    sparse = [os.path.join(sparse_dir, "bench_block_sparse.json")]
+    out = write_json(os.path.join(args.out, "kernel_rates.json"),
+                     rates_table([path] + [p for p in sparse if os.path.exists(p)]))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqlens", default="8192,16384,32768,65536,131072")
@@ -134,8 +198,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--kinds", default="plain,lse,gqa,varlen,cross")
     ap.add_argument("--out", default="bench_kernels_out")
+    ap.add_argument("--rates", action="store_true", help="measure the speed plan's kernel-rate table (module doc)")
+    ap.add_argument("--rates-from", nargs="+", metavar="JSON", help="the kernel-rate table from bench_kernels / "
+                    "bench_block_sparse JSONs (no GPU)")
     args = ap.parse_args()
+    if args.rates_from:
+        print(f"wrote {write_json(os.path.join(args.out, 'kernel_rates.json'), rates_table(args.rates_from))}")
+        return
     torch.cuda.set_device(0)
+    if args.rates:
+        return measure_rates(args)
     seqlens = [int(x) for x in args.seqlens.split(",")]
     kinds = args.kinds.split(",")
     d, rows = args.head_dim, []
