@@ -118,6 +118,7 @@ def main(argv: Optional[list] = None) -> int:
         pb = Problem(args.tokens, args.heads, args.head_dim, args.causal, args.density, args.tile, args.batch,
                      args.kv_heads)
         cl = _cluster(args, rates)
+        rates.check(cl.device, cl.kernel)
         print(f"{pb.tokens:,} tokens, {pb.heads} heads x {pb.head_dim}, {'causal' if pb.causal else 'full'}"
               f"{'' if pb.density >= 1 else f', density {pb.density:g} at {pb.tile}-token tiles'} on "
               f"{cl.machines} x {cl.per_machine} {cl.device} ({cl.intra.name or 'intra'} {cl.intra.gbps:g} GB/s; "

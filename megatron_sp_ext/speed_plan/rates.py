@@ -85,6 +85,10 @@ class KernelRates:
         except (OSError, json.JSONDecodeError) as e:
             raise SPConfigError(f"kernel-rate table {path} cannot be read: {e}") from None
 
+    def check(self, device: str, kernel: str) -> None:
+        """SPConfigError naming what the table has, unless it has dense rows of ``kernel`` on ``device``."""
+        self._rows(device, "dense", kernel)
+
     def devices(self) -> tuple:
         return tuple(self.table["devices"])
 
