@@ -278,3 +278,26 @@ def test_rank_modes_and_separable():
     assert [s.mode for s, _ in sp.separable(fake, 0.05)] == [RING, ULYSSES]
     only = sp.rank_modes(PB, CL, [sp.Setting(RING), sp.Setting(ULYSSES)])
     assert {s.mode for s, _ in only} == {RING, ULYSSES}
+
+
+def test_auto_ranker_narrows_across_machines(caplog):
+    """Across machines the ranker keeps what the plan cannot separate (the fastest and those within the margin),
+    logs the ranking, what it timed, the pick and its predicted time once; inside one machine it keeps everything."""
+    from megatron_sp_ext.speed_plan.auto import AutoRanker, settings_for, shape_of
+    steps = {HCMS: "u", RING: "r", TASP: "t"}
+    shape = shape_of((1, 4096, 16, 128), (1, 4096, 16, 128), "bshd", 8, False, "auto", None, "NVIDIA H100 80GB HBM3")
+    assert (shape.tokens, shape.heads, shape.device) == (32768, 16, "NVIDIA H100 80GB HBM3")
+    assert [s.chunks for s in settings_for(HCMS, shape, 8)] == [1, 2] and settings_for(RING, shape, 8) == [
+        sp.Setting(RING)]
+    ranker = AutoRanker(margin=0.0)
+    kept, report = ranker.narrow(steps, shape, None)
+    assert kept is steps and report(RING) == RING
+    kept, report = ranker.narrow(steps, shape, CL)
+    ranking = ranker.rankings[next(iter(ranker.rankings))]
+    assert list(kept) == [ranking[0][0].mode] and len(ranking) == 3
+    wide = AutoRanker(margin=10.0)
+    assert list(wide.narrow(steps, shape, CL)[0]) == list(steps)
+    with caplog.at_level("INFO", logger="megatron_sp_ext"):
+        assert report(RING) == RING and report(RING) == RING
+    said = [r.getMessage() for r in caplog.records if "speed plan" in r.getMessage()]
+    assert len(said) == 1 and "2 x 4 GPUs" in said[0] and f"auto picked {RING}" in said[0]
