@@ -10,10 +10,11 @@ import pytest
 from megatron_sp_ext import modes
 from megatron_sp_ext import speed_plan as sp
 from megatron_sp_ext.errors import SPConfigError
-from megatron_sp_ext.speed_plan import schedules, table, validate
+from megatron_sp_ext.sp.speed_plan import schedules
+from megatron_sp_ext.speed_plan import table, validate
 from megatron_sp_ext.speed_plan.__main__ import main
-from megatron_sp_ext.speed_plan.cluster import Probe
-from megatron_sp_ext.speed_plan.timeline import COMPUTE, Timeline
+from megatron_sp_ext.sp.speed_plan.cluster import Probe
+from megatron_sp_ext.sp.speed_plan.timeline import COMPUTE, Timeline
 from megatron_sp_ext.sp import heads as sp_heads
 from megatron_sp_ext.sp.ring import ring as ring_mod
 from megatron_sp_ext.sp.ring import rotation, torus
@@ -283,7 +284,7 @@ def test_rank_modes_and_separable():
 def test_auto_ranker_narrows_across_machines(caplog):
     """Across machines the ranker keeps what the plan cannot separate (the fastest and those within the margin),
     logs the ranking, what it timed, the pick and its predicted time once; inside one machine it keeps everything."""
-    from megatron_sp_ext.speed_plan.auto import AutoRanker, settings_for, shape_of
+    from megatron_sp_ext.sp.speed_plan.auto import AutoRanker, settings_for, shape_of
     steps = {HCMS: "u", RING: "r", TASP: "t"}
     shape = shape_of((1, 4096, 16, 128), (1, 4096, 16, 128), "bshd", 8, False, "auto", None, "NVIDIA H100 80GB HBM3")
     assert (shape.tokens, shape.heads, shape.device) == (32768, 16, "NVIDIA H100 80GB HBM3")

@@ -12,7 +12,7 @@ For every row: each kernel's first call (compile) time, the medians (CUDA events
 
     python tools/bench_kernels.py --out $OUT            # default grid: S 8K..128K, H 40 (24 at 128K)
 
-The speed plan's kernel-rate table (megatron_sp_ext/speed_plan/rates.py gives the format):
+The speed plan's kernel-rate table (megatron_sp_ext/sp/speed_plan/rates.py gives the format):
     python tools/bench_kernels.py --rates --out $OUT    # one GPU: dense FA4 / cuDNN over S x H x causal, then the
                                                         # block-sparse kernels at 90% (bench_block_sparse --table);
                                                         # writes $OUT/kernel_rates.json
@@ -142,7 +142,7 @@ def device_key(name: str) -> str:
 
 
 def rates_table(paths: list) -> dict:
-    """The speed plan's kernel-rate table (megatron_sp_ext/speed_plan/rates.py) from bench_kernels JSONs (their
+    """The speed plan's kernel-rate table (megatron_sp_ext/sp/speed_plan/rates.py) from bench_kernels JSONs (their
     "plain" rows) and bench_block_sparse JSONs (their dense rows and Ulysses-layout block-sparse rows)."""
     devices: dict = {}
     for path in paths:
@@ -162,7 +162,7 @@ def rates_table(paths: list) -> dict:
                 dev["block_sparse"].setdefault(r["kernel"], []).append(
                     {**base, "tile": r["block_size"], "density": round(1 - r["sparsity"], 4), "mask": r["mask"],
                      "fwd_ms": r["fwd_ms"], "fwd_bwd_ms": r["fwd_bwd_ms"]})
-    return {"format": "megatron_sp_ext speed-plan kernel rates (megatron_sp_ext/speed_plan/rates.py)",
+    return {"format": "megatron_sp_ext speed-plan kernel rates (megatron_sp_ext/sp/speed_plan/rates.py)",
             "written_by": " ".join(["tools/bench_kernels.py"] + sys.argv[1:]), "devices": devices}
 
 

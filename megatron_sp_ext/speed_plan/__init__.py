@@ -1,6 +1,6 @@
 """The speed plan: how long each sequence-parallel mode takes for one attention call on a cluster, computed from the
-schedules the modes build (``schedules``), a measured kernel-rate table (``rates``) and the cluster's links
-(``cluster``), overlapped as the code overlaps them (``timeline``).
+schedules the modes build, a measured kernel-rate table and the cluster's links, overlapped as the code overlaps them
+(the model: ``megatron_sp_ext.sp.speed_plan``; here: its public names, the command line, ``validate``, ``table``).
 
     from megatron_sp_ext import speed_plan as sp
     pb = sp.Problem(tokens=300_000, heads=40)
@@ -10,10 +10,9 @@ schedules the modes build (``schedules``), a measured kernel-rate table (``rates
 
     python -m megatron_sp_ext.speed_plan --help      (--validate: every committed row; --table: docs/choosing_a_mode.md)
 """
-from .cluster import COPY_TBPS, PRESETS, Cluster, Link, Probe, nic
-from .plan import Prediction, candidates, padded_tokens, predict, predict_all, rank_modes, separable
-from .rates import Call, KernelRates, package_rates
-from .schedules import Problem, Setting
+from ..sp.speed_plan import (COPY_TBPS, PRESETS, Call, Cluster, KernelRates, Link, Prediction, Probe, Problem,
+                             Setting, candidates, nic, package_rates, padded_tokens, predict, predict_all, rank_modes,
+                             separable)
 
 __all__ = ["COPY_TBPS", "PRESETS", "Call", "Cluster", "KernelRates", "Link", "Prediction", "Probe", "Problem",
            "Setting", "candidates", "nic", "package_rates", "padded_tokens", "predict", "predict_all", "rank_modes",

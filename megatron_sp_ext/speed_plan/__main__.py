@@ -20,10 +20,10 @@ from dataclasses import replace
 from typing import Optional
 
 from ..errors import SPConfigError
-from .cluster import COPY_TBPS, PRESETS, Cluster, Link, nic
-from .plan import predict_all, rank_modes, separable
-from .rates import KernelRates, package_rates
-from .schedules import Problem
+from ..sp.speed_plan.cluster import COPY_TBPS, PRESETS, Cluster, Link, nic
+from ..sp.speed_plan.plan import predict_all, rank_modes, separable
+from ..sp.speed_plan.rates import KernelRates, package_rates
+from ..sp.speed_plan.schedules import Problem
 
 
 def _parser() -> argparse.ArgumentParser:

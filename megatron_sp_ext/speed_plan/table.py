@@ -10,10 +10,10 @@ from typing import Optional
 from .. import modes
 from ..errors import SPConfigError
 from ..topology.volume import tas_volume, usp_volume
-from .cluster import COPY_TBPS, NIC_EFFICIENCY, PRESETS, Cluster, nic
-from .plan import Prediction, predict, predict_all
-from .rates import KernelRates, package_rates
-from .schedules import Problem, Setting, grid_mesh, ulysses_mode
+from ..sp.speed_plan.cluster import COPY_TBPS, NIC_EFFICIENCY, PRESETS, Cluster, nic
+from ..sp.speed_plan.plan import Prediction, predict, predict_all
+from ..sp.speed_plan.rates import KernelRates, package_rates
+from ..sp.speed_plan.schedules import Problem, Setting, grid_mesh, ulysses_mode
 
 MODELS = (("wan-14b", 40), ("wan-1.3b", 12))
 TOKENS = (75_600, 300_000, 1_000_000)
@@ -116,7 +116,7 @@ def volume_rows(tokens: int = 131_072, heads: int = 40, head_dim: int = 128, mac
     topology/volume.py's equations) for USP and TAS at ``machines`` x ``per``: the Ulysses all-to-all of q, k, v, o
     over each grid row (``mesh_grid``) and the ring's K|V hops over each column (``RingPlan.transfer``), bytes whose
     two ends sit on different machines, averaged over the GPUs."""
-    from .schedules import Builder   # noqa: PLC0415 - the schedule reader, for its byte counts
+    from ..sp.speed_plan.schedules import Builder   # noqa: PLC0415 - the schedule reader, for its byte counts
     cl = Cluster(machines, per, PRESETS["nvlink_large"], nic(400))
     pb = Problem(tokens, heads, head_dim)
     out = []
@@ -192,11 +192,11 @@ def plot(rows: list, path: str, device: str = "H200", gbit: int = 400) -> str:
     return path
 
 
-def write_doc(doc: str, block: str) -> None:
-    """Put ``block`` between the markers of ``doc`` (appended with them where the file has none)."""
+def write_doc(doc: str, section: str) -> None:
+    """Put ``section`` between the markers of ``doc`` (appended with them where the file has none)."""
     with open(doc) as f:
         text = f.read()
-    new = f"{BEGIN}\n{block}\n{END}"
+    new = f"{BEGIN}\n{section}\n{END}"
     if BEGIN in text and END in text:
         text = text[:text.index(BEGIN)] + new + text[text.index(END) + len(END):]
     else:
@@ -225,21 +225,6 @@ def grid(rows: list, device: str, gbit: int) -> str:
             line.append("-" if c is None else f"{c.best.setting.label()} {_ratio(c, c.usp)}")
         out.append(f"| {model} | {tokens:,} | {_mask(density)} | " + " | ".join(line) + " |")
     return "\n".join(out)
-
-
-def wins(rows: list) -> list:
-    """Cells whose best mode is topology-aware (TAS, Torus, or a TASP ring), each with its margin over the fastest
-    setting of any other family and over USP."""
-    out = []
-    for c in rows:
-        st = c.best.setting
-        spec = modes.get(st.mode)
-        tasp = bool(st.variant) and modes.get(st.variant).multi_ring or spec.multi_ring
-        if not (spec.ulysses_across or spec.family == modes.get(modes.names(mesh=True, arrangement=False)[0]).family
-                or tasp or st.arrangement and modes.get(st.arrangement).ulysses_across):
-            continue
-        out.append(c)
-    return out
 
 
 def run_table(doc: str, plot_path: str, rates: Optional[KernelRates] = None, devices=DEVICES, nics=NICS,

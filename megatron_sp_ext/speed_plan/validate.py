@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import modes
-from .cluster import COPY_TBPS, PRESETS, Cluster
-from .plan import predict
-from .rates import Call, KernelRates, package_rates
-from .schedules import Problem, Setting, ulysses_mode
+from ..sp.speed_plan.cluster import COPY_TBPS, PRESETS, Cluster
+from ..sp.speed_plan.plan import predict
+from ..sp.speed_plan.rates import Call, KernelRates, package_rates
+from ..sp.speed_plan.schedules import Problem, Setting, ulysses_mode
 
 MEDIAN_BOUND, WORST_BOUND = 0.10, 0.25
 SINCE = "2026-11-24"         # rows before it ran torch SDPA's kernels and an older exchange (FA4 came 11-24/25)

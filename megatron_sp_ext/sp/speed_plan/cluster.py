@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
-from ..errors import SPConfigError
+from ...errors import SPConfigError
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .. import modes
-from ..topology.detect import detect_topology
-from ..topology.emulate import emulated_machine_size
+from ... import modes
+from ...topology.detect import detect_topology
+from ...topology.emulate import emulated_machine_size
 from .cluster import PRESETS, Cluster, nic
 from .plan import rank_modes, separable
 from .rates import package_rates

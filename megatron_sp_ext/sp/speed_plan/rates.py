@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-from ..errors import SPConfigError
+from ...errors import SPConfigError
 
 TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_rates.json")
 Q_TILE = 128   # query tokens per kernel CTA (FA4 / cuDNN on Hopper): what fills the SMs
@@ -71,7 +71,7 @@ class KernelRates:
     def __init__(self, table: dict, source: str = "<dict>") -> None:
         self.table, self.source = table, source
         if not isinstance(table.get("devices"), dict) or not table["devices"]:
-            raise SPConfigError(f"kernel-rate table {source}: no 'devices' (see megatron_sp_ext/speed_plan/rates.py "
+            raise SPConfigError(f"kernel-rate table {source}: no 'devices' (see megatron_sp_ext/sp/speed_plan/rates.py "
                                 f"for the format)")
         self._curves: dict = {}
 

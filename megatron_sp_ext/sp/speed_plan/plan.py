@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
-from .. import modes
-from ..errors import SPConfigError
-from ..sp.placement import balanced_placement, divisor
+from ... import modes
+from ...errors import SPConfigError
+from ..placement import balanced_placement, divisor
 from .cluster import Cluster
 from .rates import KernelRates, package_rates
 from .schedules import Problem, Setting, simulate, ulysses_mode

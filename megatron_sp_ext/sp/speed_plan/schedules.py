@@ -23,13 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .. import modes
-from ..errors import SPConfigError
-from ..sp import heads as sp_heads
-from ..sp.placement import balanced_placement, pieces
-from ..sp.ring import hybrid, ring, rotation, torus
-from ..topology import mesh as mesh_mod
-from ..topology.detect import Topology
+from ... import modes
+from ...errors import SPConfigError
+from .. import heads as sp_heads
+from ..placement import balanced_placement, pieces
+from ..ring import hybrid, ring, rotation, torus
+from ...topology import mesh as mesh_mod
+from ...topology.detect import Topology
 from .cluster import Cluster
 from .rates import Call, KernelRates
 from .timeline import COMPUTE, Result, Timeline
@@ -79,7 +79,7 @@ class Setting:
     def label(self) -> str:
         spec = modes.get(self.mode)
         out = self.mode
-        if spec.head_chunks is None and spec.family != "torus" and self.chunks > 1 or spec.mesh and self.chunks > 1:
+        if self.chunks > 1:
             out += f" C={self.chunks}"
         if spec.mesh:
             if not spec.arrangement:
