@@ -286,8 +286,8 @@ def test_auto_ranker_narrows_across_machines(caplog):
     logs the ranking, what it timed, the pick and its predicted time once; inside one machine it keeps everything."""
     from megatron_sp_ext.sp.speed_plan.auto import AutoRanker, settings_for, shape_of
     steps = {HCMS: "u", RING: "r", TASP: "t"}
-    shape = shape_of((1, 4096, 16, 128), (1, 4096, 16, 128), "bshd", 8, False, "auto", None, "NVIDIA H100 80GB HBM3")
-    assert (shape.tokens, shape.heads, shape.device) == (32768, 16, "NVIDIA H100 80GB HBM3")
+    shape = shape_of((1, 4096, 16, 128), (1, 4096, 16, 128), "bshd", 8, False, "auto", None, "cpu")
+    assert (shape.tokens, shape.heads, shape.device) == (32768, 16, "cpu")
     assert [s.chunks for s in settings_for(HCMS, shape, 8)] == [1, 2] and settings_for(RING, shape, 8) == [
         sp.Setting(RING)]
     ranker = AutoRanker(margin=0.0)
@@ -298,6 +298,15 @@ def test_auto_ranker_narrows_across_machines(caplog):
     assert list(kept) == [ranking[0][0].mode] and len(ranking) == 3
     wide = AutoRanker(margin=10.0)
     assert list(wide.narrow(steps, shape, CL)[0]) == list(steps)
+    import torch   # a 90% block mask: ranked at its density, keyed by its shape (the next mask reuses the ranking)
+    mask = torch.rand(1, 256, 256) < 0.1
+    tiled = shape_of((1, 4096, 16, 128), (1, 4096, 16, 128), "bshd", 8, False, "auto",
+                     {"block_mask": mask, "block_size": 128}, "cpu")
+    wide.narrow(steps, tiled, CL, mask)
+    dense_ms, sparse_ms = (dict((st.mode, ms) for st, ms in wide.rankings[k]) for k in wide.rankings)
+    assert all(sparse_ms[m] < dense_ms[m] for m in dense_ms) and len(wide.rankings) == 2
+    wide.narrow(steps, tiled, CL, torch.ones(1, 256, 256, dtype=torch.bool))
+    assert len(wide.rankings) == 2
     with caplog.at_level("INFO", logger="megatron_sp_ext"):
         assert report(RING) == RING and report(RING) == RING
     said = [r.getMessage() for r in caplog.records if "speed plan" in r.getMessage()]

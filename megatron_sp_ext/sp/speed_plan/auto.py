@@ -3,7 +3,7 @@
 the pick, its predicted and its measured time are logged once per shape.
 
     ranker = AutoRanker(margin=0.10)
-    kept, report = ranker.narrow(candidates, shape, ranker.cluster(g, cfg.nodes))   # candidates: name -> step
+    kept, report = ranker.narrow(candidates, shape, ranker.cluster(g, cfg.nodes), block_mask)   # name -> step
     pick = report(policy.fastest_for(q, k, g, kept, ...), policy)   # logs once, returns the pick
 
 ``shape`` is a ``ShapeInfo``: what the plan needs of one call. ``settings_for`` maps a candidate name (a mode of the
@@ -35,8 +35,7 @@ log = logging.getLogger("megatron_sp_ext")
 @dataclass(frozen=True)
 class ShapeInfo:
     """One call as the plan sees it: the full sequence, heads, kv heads, head dim, causal, batch, the block mask's
-    density and tile (1.0 / 128 without a mask), the head-chunk setting of the Ulysses-family candidate, and the
-    device name (CUDA's, for the rate table; "" off CUDA)."""
+    shape and tile (() / 128 without a mask), the head-chunk setting of the Ulysses-family candidate, the device."""
 
     tokens: int
     heads: int
@@ -44,10 +43,10 @@ class ShapeInfo:
     head_dim: int
     causal: bool
     batch: int = 1
-    density: float = 1.0
+    mask_shape: tuple = ()
     tile: int = 128
     chunks: "int | str" = 1
-    device: str = ""
+    device: str = ""   # the torch device ("cuda:0"; its CUDA name is read once, when the plan ranks)
 
 
 def settings_for(name: str, shape: ShapeInfo, world: int) -> list:
@@ -62,8 +61,13 @@ def settings_for(name: str, shape: ShapeInfo, world: int) -> list:
 
 
 def _device_key(device: str) -> str:
+    """The rate table's device for a torch device ("cuda:0": its CUDA name; otherwise the table's first)."""
     rates = package_rates()
-    return next((d for d in rates.devices() if d in device), rates.devices()[0])
+    name = device
+    if device.startswith("cuda"):
+        import torch   # noqa: PLC0415
+        name = torch.cuda.get_device_name(torch.device(device))
+    return next((d for d in rates.devices() if d in name), rates.devices()[0])
 
 
 class AutoRanker:
@@ -90,16 +94,18 @@ class AutoRanker:
         across = PRESETS["host_staged"] if nodes is None and emulated_machine_size() else nic(self.nic_gbit)
         return Cluster(topo.nodes, topo.per_node, PRESETS["nvlink_large"], across)
 
-    def narrow(self, candidates: dict, shape: ShapeInfo, cluster: Optional[Cluster]) -> tuple:
+    def narrow(self, candidates: dict, shape: ShapeInfo, cluster: Optional[Cluster], block_mask=None) -> tuple:
         """(the candidates to time, ``report(pick, policy=None) -> pick``); ``cluster`` None (one machine): all of
-        them."""
+        them. ``block_mask``: the call's mask, whose density is read (one host sync) only when a shape is first
+        ranked: auto keys its choice per mask shape and tile size, not per mask."""
         if cluster is None or len(candidates) < 2:
             return candidates, lambda pick, policy=None: pick
-        cluster = cluster.with_(device=_device_key(shape.device))
         key = (shape, cluster.machines, cluster.per_machine, tuple(candidates))
         if key not in self.rankings:
-            pb = Problem(shape.tokens, shape.heads, shape.head_dim, shape.causal, shape.density, shape.tile,
-                         shape.batch, shape.kv_heads)
+            cluster = cluster.with_(device=_device_key(shape.device))
+            density = 1.0 if block_mask is None else max(1e-3, float(block_mask.float().mean()))
+            pb = Problem(shape.tokens, shape.heads, shape.head_dim, shape.causal, density, shape.tile, shape.batch,
+                         shape.kv_heads)
             best: dict = {}
             for name in candidates:
                 for st, ms in rank_modes(pb, cluster, settings_for(name, shape, cluster.gpus)):
@@ -128,12 +134,10 @@ class AutoRanker:
 
 
 def shape_of(q_shape: tuple, k_shape: tuple, layout: str, world: int, causal: bool, chunks: "int | str",
-             tiles: Optional[dict], device: str) -> ShapeInfo:
+             tiles: Optional[dict], device: object) -> ShapeInfo:
     """The ``ShapeInfo`` of a call on this rank's shards (``layout`` "bshd" [B, S_loc, H, D] or "sbhd")."""
     b, s_loc = (q_shape[0], q_shape[1]) if layout == "bshd" else (q_shape[1], q_shape[0])
-    density, tile = 1.0, 128
-    if tiles is not None:
-        density = max(1e-3, float(tiles["block_mask"].float().mean()))
-        tile = int(tiles["block_size"])
-    return ShapeInfo(s_loc * world, q_shape[2], k_shape[2], q_shape[3], causal, b, density, tile, chunks, device)
+    mask_shape, tile = ((), 128) if tiles is None else (tuple(tiles["block_mask"].shape), int(tiles["block_size"]))
+    return ShapeInfo(s_loc * world, q_shape[2], k_shape[2], q_shape[3], causal, b, mask_shape, tile, chunks,
+                     str(device))
 
