@@ -311,3 +311,13 @@ def test_auto_ranker_narrows_across_machines(caplog):
         assert report(RING) == RING and report(RING) == RING
     said = [r.getMessage() for r in caplog.records if "speed plan" in r.getMessage()]
     assert len(said) == 1 and "2 x 4 GPUs" in said[0] and f"auto picked {RING}" in said[0]
+
+
+def test_rate_table_is_rebuilt_from_its_sources(monkeypatch):
+    """The package's kernel-rate table is exactly tools/bench_kernels.py --rates-from of the committed JSONs it names."""
+    from tools.bench_kernels import rates_table
+    committed = sp.package_rates().table
+    sources = list(dict.fromkeys(r["source"] for dev in committed["devices"].values() for kind in ("dense",
+                                 "block_sparse") for rows in dev[kind].values() for r in rows))
+    monkeypatch.chdir(ROOT)
+    assert rates_table(sources)["devices"] == committed["devices"]

@@ -45,12 +45,15 @@ def _flops(sq: int, sk: int, h: int, d: int, causal: bool) -> float:
     return 4.0 * sq * sk * h * d * (0.5 if causal else 1.0)
 
 
-def _inputs(sq, sk, h, hkv, d, seed=0):
+def _inputs(sq, sk, h, hkv, d, seed=0, bshd=False):
+    """q, k, v, dO as [1, H, S, D]; ``bshd``: views of [1, S, H, D] memory (what the modes hand the kernel)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(1, h, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(1, hkv, sk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    do = torch.randn(1, h, sq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    return q, k, v, do
+
+    def t(s, heads):
+        x = torch.randn(1, s, heads, d, device="cuda", dtype=torch.bfloat16, generator=g) if bshd else \
+            torch.randn(1, heads, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        return x.transpose(1, 2) if bshd else x
+    return t(sq, h), t(sk, hkv), t(sk, hkv), t(sq, h)
 
 
 def _plain(name, q, k, v, do, causal):
@@ -172,8 +175,8 @@ def measure_rates(args) -> None:
     for s in RATE_SEQLENS:
         for h in RATE_HEADS:
             for causal in (False, True):
-                q, k, v, do = _inputs(s, s, h, h, args.head_dim)
-                rows.append({"s": s, "h": h, "causal": causal, **_row(
+                q, k, v, do = _inputs(s, s, h, h, args.head_dim, bshd=True)
+                rows.append({"s": s, "h": h, "causal": causal, "layout": "bshd", **_row(
                     "plain", lambda n: _plain(n, q, k, v, do, causal), _flops(s, s, h, args.head_dim, causal),
                     args.iters, args.warmup)})
                 _write(path, rows)
@@ -181,7 +184,7 @@ def measure_rates(args) -> None:
     from tools import bench_block_sparse  # noqa: PLC0415
     sparse_dir = os.path.join(args.out, "block_sparse")
     bench_block_sparse.main(["--table", "--table-kernels", "cudnn_block_sparse,fa4", "--table-seqlens", "32768,75776",
-                             "--table-sparsities", "0.9", "--out", sparse_dir])
+                             "--table-sparsities", "0.9", "--budget-s", str(args.rates_sparse_s), "--out", sparse_dir])
     sparse = [os.path.join(sparse_dir, "bench_block_sparse.json")]
     out = write_json(os.path.join(args.out, "kernel_rates.json"),
                      rates_table([path] + [p for p in sparse if os.path.exists(p)]))
@@ -199,6 +202,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="plain,lse,gqa,varlen,cross")
     ap.add_argument("--out", default="bench_kernels_out")
     ap.add_argument("--rates", action="store_true", help="measure the speed plan's kernel-rate table (module doc)")
+    ap.add_argument("--rates-sparse-s", type=float, default=300, help="with --rates: the block-sparse table's budget")
     ap.add_argument("--rates-from", nargs="+", metavar="JSON", help="the kernel-rate table from bench_kernels / "
                     "bench_block_sparse JSONs (no GPU)")
     args = ap.parse_args()
