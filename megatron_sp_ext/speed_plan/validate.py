@@ -54,10 +54,8 @@ class Row:
     world: int
     problem: Problem
     name: str
-    fwd_setting: Optional[Setting]
-    fwd_bwd_setting: Optional[Setting]
-    fwd_ms: float
-    fwd_bwd_ms: float
+    settings: tuple   # (forward's Setting, forward+backward's Setting), None where not ours
+    times: tuple      # measured (forward ms or NaN, forward+backward ms)
     probe: Optional[dict]
     floor_fa4: Optional[dict]
     skip: str = ""
@@ -129,8 +127,8 @@ def _sparse_rows_of(doc: dict, source: str) -> list:
                      int(r.get("block_size") or 128))
         st = Setting(names[kind])
         out.append(Row(source, _device(meta, source), str(meta.get("date", ""))[:10], meta.get("link") or "nvlink",
-                       int(r["p"]), pb, f"{r['row']}{'/' + r['mask'] if r.get('mask') else ''}", st, st,
-                       float("nan"), float(r["fwd_bwd_ms"]), None, None))
+                       int(r["p"]), pb, f"{r['row']}{'/' + r['mask'] if r.get('mask') else ''}", (st, st),
+                       (float("nan"), float(r["fwd_bwd_ms"])), None, None))
     return out
 
 
@@ -150,11 +148,12 @@ def _rows_of(doc: dict, source: str) -> list:
         probe = (meta.get("links_probe") or {}).get(str(world))
         for name, e in r["modes"].items():
             fwd_s, fb_s, why = _settings(name, e, world, heads)
-            if "fwd_bwd_ms" not in e or e.get("fwd_bwd_ms") != e.get("fwd_bwd_ms"):
+            if "fwd_bwd_ms" not in e or e.get("fwd_bwd_ms") != e.get("fwd_bwd_ms"):   # missing or NaN
                 why = why or f"{name}: no time"
             out.append(Row(source, _device(meta, source), str(meta.get("date", ""))[:10] or _date(source), regime,
-                           world, pb, name, fwd_s, fb_s, float(e.get("fwd_ms", "nan")),
-                           float(e.get("fwd_bwd_ms", "nan")), probe, r.get("floor_fa4"), why))
+                           world, pb, name, (fwd_s, fb_s), (float(e.get("fwd_ms", "nan")),
+                                                            float(e.get("fwd_bwd_ms", "nan"))), probe,
+                           r.get("floor_fa4"), why))
     return out
 
 
@@ -272,7 +271,9 @@ def validate(results: str, rates: Optional[KernelRates] = None, clock: str = "ta
     for row in measured_rows(results):
         where = (f"{row.source} P={row.world} L={row.problem.tokens} {'causal' if row.problem.causal else 'full'}"
                  f"{'' if row.problem.density >= 1 else f' density {row.problem.density:g}'} {row.regime}")
-        why = row.skip or ("" if row.fwd_setting is not None else "no mode of ours")
+        fwd_st, fb_st = row.settings
+        fwd_ms, fb_ms = row.times
+        why = row.skip or ("" if fwd_st is not None else "no mode of ours")
         if not why and row.world < 2:
             why = "one rank: no exchange to predict"
         if not why and row.date < SINCE:
@@ -280,7 +281,7 @@ def validate(results: str, rates: Optional[KernelRates] = None, clock: str = "ta
         if not why and row.problem.tokens < MIN_TOKENS:
             why = (f"{row.problem.tokens} tokens < {MIN_TOKENS}: host-bound (the host issues one Ulysses fwd+bwd in "
                    f"~2.9 ms, 2026-11-21 profile); the plan predicts device time")
-        key = (row.device, row.date, row.world, row.problem, row.name, row.fwd_bwd_ms)
+        key = (row.device, row.date, row.world, row.problem, row.name, fb_ms)
         if not why and key in done:
             why = "the same measurement again (an earlier copy of this job's JSON)"
         done.add(key)
@@ -289,17 +290,16 @@ def validate(results: str, rates: Optional[KernelRates] = None, clock: str = "ta
             skipped.setdefault(key, []).append(row.name)
             continue
         cl, links = cluster_for(row, results, rates, clock)
-        fb = predict(row.problem, cl, row.fwd_bwd_setting, rates).fwd_bwd_ms
-        e_fb = fb / row.fwd_bwd_ms - 1
-        mode = row.fwd_bwd_setting.mode
-        err_fb.setdefault(mode, []).append(abs(e_fb))
-        text = f"fwd+bwd {row.fwd_bwd_ms:8.2f} ms predicted {fb:8.2f} ({e_fb:+6.1%})"
-        if row.fwd_ms == row.fwd_ms:   # not NaN: the row has a forward time
-            fwd = predict(row.problem, cl, row.fwd_setting, rates).fwd_ms
-            e_f = fwd / row.fwd_ms - 1
-            err_f.setdefault(row.fwd_setting.mode, []).append(abs(e_f))
-            text = f"fwd {row.fwd_ms:7.2f} ms predicted {fwd:7.2f} ({e_f:+6.1%}); " + text
-        lines.append(f"{row.name:<14} {where}: {text} [{row.fwd_bwd_setting.label()}; links: {links}]")
+        fb = predict(row.problem, cl, fb_st, rates).fwd_bwd_ms
+        e_fb = fb / fb_ms - 1
+        err_fb.setdefault(fb_st.mode, []).append(abs(e_fb))
+        text = f"fwd+bwd {fb_ms:8.2f} ms predicted {fb:8.2f} ({e_fb:+6.1%})"
+        if fwd_ms == fwd_ms:   # not NaN: the row has a forward time
+            fwd = predict(row.problem, cl, fwd_st, rates).fwd_ms
+            e_f = fwd / fwd_ms - 1
+            err_f.setdefault(fwd_st.mode, []).append(abs(e_f))
+            text = f"fwd {fwd_ms:7.2f} ms predicted {fwd:7.2f} ({e_f:+6.1%}); " + text
+        lines.append(f"{row.name:<14} {where}: {text} [{fb_st.label()}; links: {links}]")
     for (source, why), names in skipped.items():
         lines.append(f"skipped {len(names)} of {source} ({', '.join(sorted(set(names)))}): {why}")
     lines.append(_summary_line("forward: ", err_f))
