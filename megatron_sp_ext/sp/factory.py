@@ -38,6 +38,7 @@ from .layers.policy import FormPolicy
 from .calibration import ModePolicy
 from .ring import hybrid_attention, ring_attention, torus_attention
 from .ulysses import HCMSPolicy, PackedUlysses, ulysses_attention
+from .speed_plan.auto import AutoRanker, shape_of   # issue 84
 
 RING_MODES = modes.names(family="ring")         # the ring variants auto may pick per shape
 log = logging.getLogger("megatron_sp_ext")
@@ -60,6 +61,7 @@ class SPResources:
         self.transports = transports or TransportPool()
         self.form_policy = form_policy or FormPolicy()
         self.mask_checks = mask_checks if mask_checks is not None else MaskChecks()
+        self.speed_plan = AutoRanker()   # issue 84: auto's ranking on groups across machines (None: off)
         self.meshes: dict = {}
         self.said: set[tuple] = set()   # the model's log lines said once (auto's fixed mode per reason), not per layer
 
@@ -161,10 +163,21 @@ class SPAttention:
         if len(candidates) == 1:
             self._say_fixed_mode("no point-to-point path in this group (the ring modes need one)")
             return next(iter(candidates))
+        # -- issue 84 (speed plan): on a group across machines the plan ranks the candidates, only those it cannot
+        # separate are timed, the pick and its predicted / measured time logged once (speed_plan/auto.py)
+        report = lambda pick, policy=None: pick  # noqa: E731
+        if self.res.speed_plan is not None and q.device.type in self.res.mode_policy.timed_devices:
+            candidates, report = self.res.speed_plan.narrow(candidates, shape_of(
+                tuple(q.shape), tuple(k.shape), self.layout, self.world, causal, self.chunks, tiles, q.device),
+                self.res.speed_plan.cluster(self.group, self.cfg.nodes), tiles and tiles["block_mask"])
+            if len(candidates) == 1:
+                return report(next(iter(candidates)))
+        # -- end issue 84
         mask_key = () if tiles is None else ("block_mask", tuple(tiles["block_mask"].shape), tiles["block_size"])
-        return self.res.mode_policy.fastest_for(q, k, self.group, candidates, extra_key=(
+        return report(self.res.mode_policy.fastest_for(q, k, self.group, candidates, extra_key=(
             causal, kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
-            getattr(self.backend, "name", type(self.backend).__name__), *mask_key), fwd_bwd=self.training)
+            getattr(self.backend, "name", type(self.backend).__name__), *mask_key), fwd_bwd=self.training),
+            self.res.mode_policy)
 
     def _ulysses(self, q, k, v, causal, scale, kv_valid_len, dropout_p, local_attention, cu_seqlens=None,
                  tiles=None):
