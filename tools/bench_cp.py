@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.gpu_ranks import probe_links  # noqa: E402
 from tools.benchlib import (AutoDecisions, cp_grid, init_world, median_ms, plot_or_skip, run_meta,  # noqa: E402
                             write_json, write_results)
 from tools.floor import add_ratios, floor_ms, kernel_floor_ms  # noqa: E402
@@ -380,6 +381,8 @@ def main() -> None:
         os.environ.setdefault(k, "1" if k != "NCCL_NVLS_ENABLE" else "0")
     t_job = time.time()
     init_world("nccl", timeout_s=600)
+    # its own links probe in the JSON: what the speed plan predicts this job's rows from (speed_plan --validate)
+    probe = probe_links(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
     world = dist.get_world_size()
     mesh = init_device_mesh("cuda", (world,))
@@ -412,7 +415,8 @@ def main() -> None:
         merge_te_rows(rows, te_doc, peers, why)
     if rank == 0:
         meta = run_meta(date=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()), torch=torch.__version__,
-                        nccl=str(torch.cuda.nccl.version()), NCCL_P2P_DISABLE=os.environ.get("NCCL_P2P_DISABLE", ""))
+                        nccl=str(torch.cuda.nccl.version()), NCCL_P2P_DISABLE=os.environ.get("NCCL_P2P_DISABLE", ""),
+                        links=args.links, links_probe={str(world): probe})
         if peers:
             meta["te"] = (te_doc or {}).get("meta", {"error": why})
         write_reports(rows, args, meta)

@@ -204,7 +204,7 @@ def link_groups(world: int, machine_size: int) -> tuple:
     return intra, cross
 
 
-def probe_links(group, device, sizes=(1 << 22, 1 << 25)) -> dict:
+def probe_links(group, device, sizes=(1 << 22, 1 << 25, 1 << 28)) -> dict:
     """The exchange bandwidth of this regime, measured here (collective): NCCL all-to-all over the
     whole group, and with emulated machines also inside a machine (NCCL) and across (host-staged)."""
     from megatron_sp_ext.comm.transport import default_transports  # noqa: PLC0415

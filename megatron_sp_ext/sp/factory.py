@@ -38,6 +38,7 @@ from .layers.policy import FormPolicy
 from .calibration import ModePolicy
 from .ring import hybrid_attention, ring_attention, torus_attention
 from .ulysses import HCMSPolicy, PackedUlysses, ulysses_attention
+from .speed_plan.auto import AutoRanker, shape_of   # issue 84
 
 RING_MODES = modes.names(family="ring")         # the ring variants auto may pick per shape
 log = logging.getLogger("megatron_sp_ext")
@@ -46,8 +47,8 @@ log = logging.getLogger("megatron_sp_ext")
 class SPResources:
     """What every attention of one model shares: comm streams, HCMS chunk policy, mode policy (auto), the
     attention-layer form policy (``--sp-async-qkv auto``), transports, meshes (one per group/heads/arrangement) and
-    the block-mask checks (``MaskChecks``: each distinct mask compared across ranks once; ``per_call=True`` for the
-    check on every call). ``sp_config``: the model's settings, if known."""
+    the speed plan's ranker (``speed_plan``: auto's candidates ranked on groups across machines; None: off).
+    ``sp_config``: the model's settings, if known."""
 
     def __init__(self, sp_config: Optional[SPConfig] = None, *, streams: Optional[StreamPool] = None,
                  policy: Optional[HCMSPolicy] = None, mode_policy: Optional[ModePolicy] = None,
@@ -58,6 +59,7 @@ class SPResources:
         self.mode_policy = mode_policy or ModePolicy()
         self.transports = transports or TransportPool()
         self.form_policy = form_policy or FormPolicy()
+        self.speed_plan = AutoRanker()   # issue 84: auto's ranking on groups across machines (None: off)
         self.meshes: dict = {}
         self.said: set[tuple] = set()   # the model's log lines said once (auto's fixed mode per reason), not per layer
 
@@ -157,10 +159,22 @@ class SPAttention:
         if len(candidates) == 1:
             self._say_fixed_mode("no point-to-point path in this group (the ring modes need one)")
             return next(iter(candidates))
+        # -- issue 84 (speed plan): on a group across machines the plan ranks the candidates, only those it cannot
+        # separate are timed, the pick and its predicted / measured time logged once (speed_plan/auto.py)
+        report = lambda pick, policy=None: pick  # noqa: E731
+        tiles = None if not masked else {"block_mask": problem.block_mask, "block_size": problem.tile}
+        if self.res.speed_plan is not None and q.device.type in self.res.mode_policy.timed_devices:
+            candidates, report = self.res.speed_plan.narrow(candidates, shape_of(
+                tuple(q.shape), tuple(k.shape), self.layout, self.world, problem.causal, self.chunks, tiles, q.device),
+                self.res.speed_plan.cluster(self.group, self.cfg.nodes), problem.block_mask)
+            if len(candidates) == 1:
+                return report(next(iter(candidates)))
+        # -- end issue 84
         mask_key = () if not masked else ("block_mask", tuple(problem.block_mask.shape), problem.tile)
-        return self.res.mode_policy.fastest_for(q, k, self.group, candidates, extra_key=(
+        return report(self.res.mode_policy.fastest_for(q, k, self.group, candidates, extra_key=(
             problem.causal, problem.kv_valid_len, self.layout, self.placement, self.cfg.transport, self.chunks,
-            getattr(self.backend, "name", type(self.backend).__name__), *mask_key), fwd_bwd=self.training)
+            getattr(self.backend, "name", type(self.backend).__name__), *mask_key), fwd_bwd=self.training),
+            self.res.mode_policy)
 
     def _ulysses(self, q, k, v, problem: AttentionProblem, local_attention):
         backend = local_attention if local_attention is not None else self.backend

@@ -192,11 +192,22 @@ class RoutingTables:
     in_ring: tuple[tuple[int, ...], ...]
 
     def origin(self, ring: int, rank: int, step: int) -> int:
-        """Rank whose ring-``ring`` K|V block sits on ``rank`` after ``step`` steps."""
-        r = rank
-        for _ in range(step):
-            r = self.prv[ring][r]
-        return r
+        """Rank whose ring-``ring`` K|V block sits on ``rank`` after ``step`` steps (a negative ``step``: the rank
+        that holds ``rank``'s block after -``step`` steps). Every ring visits every rank: a position lookup."""
+        cyc = self.cycles[ring]
+        return cyc[(_positions(self.cycles)[ring][rank] - step) % len(cyc)]
+
+
+@lru_cache(maxsize=None)
+def _positions(cycles: tuple) -> tuple:
+    """Per ring: rank -> its position in that ring's cycle."""
+    out = []
+    for cyc in cycles:
+        pos = [0] * len(cyc)
+        for i, r in enumerate(cyc):
+            pos[r] = i
+        out.append(tuple(pos))
+    return tuple(out)
 
 
 @lru_cache(maxsize=None)

@@ -66,27 +66,17 @@ def _new_group(group_ranks, sp_group):
     return new_subgroup(ranks, sp_group, use_local_synchronization=True)
 
 
-def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, arrangement: str = "auto",
-                  ulysses_size: Optional[int] = None, nodes: Optional[int] = None,
-                  names: Optional[dict] = None, seq_hint: Optional[tuple] = None,
-                  placement: Optional[str] = None) -> SPMesh:
-    """Build (collectively) the mesh of ``group``. See module docstring.
-
-    arrangement: "usp", "tas" or "auto" (P_u = ulysses_size or gcd(P, H); the arrangement with the smaller
-    inter-machine volume); ``placement``: its older name, still taken. ``names`` maps setting -> how the user
-    spelled it (errors).
-    """
-    nm = {"arrangement": "arrangement", "ulysses_size": "ulysses_size", "nodes": "nodes", "num_heads": "num_heads"}
-    if placement is not None:   # the older keyword
-        if arrangement not in ("auto", placement):
-            raise SPConfigError(f"arrangement={arrangement!r} and its older name placement={placement!r} are both "
-                                f"set: give one of them")
-        arrangement, nm["arrangement"] = placement, "placement"
+def mesh_grid(topo: Topology, num_heads: int, arrangement: str = "auto", ulysses_size: Optional[int] = None,
+              names: Optional[dict] = None) -> tuple[str, int, int, tuple]:
+    """(arrangement, P_u, P_r, grid) of a mesh over the ranks of ``topo`` (module docstring), without process groups:
+    ``build_sp_mesh`` builds its groups on it, the speed plan (megatron_sp_ext/speed_plan) reads it. P_u =
+    ``ulysses_size`` or gcd(P, H); "auto": the arrangement with the smaller inter-machine volume. Raises SPConfigError
+    naming ``names``' spelling of each setting (keys "arrangement", "ulysses_size", "nodes")."""
+    nm = {"arrangement": "arrangement", "ulysses_size": "ulysses_size", "nodes": "nodes"}
     nm.update(names or {})
     if arrangement not in ARRANGEMENTS:
         raise SPConfigError(f"{nm['arrangement']}={arrangement!r} is invalid: choose one of {', '.join(ARRANGEMENTS)}")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    topo = detect_topology(group, nodes, nm["nodes"])
+    world = len(topo.node_of)
     p_u = ulysses_size if ulysses_size is not None else math.gcd(world, num_heads)
     if p_u < 1 or world % p_u != 0:
         raise SPConfigError(f"{nm['ulysses_size']}={p_u} does not divide the sequence-parallel size {world}: "
@@ -107,6 +97,29 @@ def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, arrangement: str 
         grid = tuple(tuple(order[j * p_u + u] for u in range(p_u)) for j in range(p_r))
     else:
         grid = tuple(tuple(order[u * p_r + j] for u in range(p_u)) for j in range(p_r))
+    return arrangement, p_u, p_r, grid
+
+
+def build_sp_mesh(group: dist.ProcessGroup, *, num_heads: int, arrangement: str = "auto",
+                  ulysses_size: Optional[int] = None, nodes: Optional[int] = None,
+                  names: Optional[dict] = None, seq_hint: Optional[tuple] = None,
+                  placement: Optional[str] = None) -> SPMesh:
+    """Build (collectively) the mesh of ``group``. See module docstring.
+
+    arrangement: "usp", "tas" or "auto" (P_u = ulysses_size or gcd(P, H); the arrangement with the smaller
+    inter-machine volume); ``placement``: its older name, still taken. ``names`` maps setting -> how the user
+    spelled it (errors).
+    """
+    nm = {"arrangement": "arrangement", "ulysses_size": "ulysses_size", "nodes": "nodes", "num_heads": "num_heads"}
+    if placement is not None:   # the older keyword
+        if arrangement not in ("auto", placement):
+            raise SPConfigError(f"arrangement={arrangement!r} and its older name placement={placement!r} are both "
+                                f"set: give one of them")
+        arrangement, nm["arrangement"] = placement, "placement"
+    nm.update(names or {})
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    topo = detect_topology(group, nodes, nm["nodes"])
+    arrangement, p_u, p_r, grid = mesh_grid(topo, num_heads, arrangement, ulysses_size, nm)
     ring_index, ulysses_index = next((j, u) for j in range(p_r) for u in range(p_u) if grid[j][u] == rank)
     u_group = _new_group(grid[ring_index], group)
     r_group = _new_group(tuple(row[ulysses_index] for row in grid), group)

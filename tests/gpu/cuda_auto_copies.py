@@ -44,8 +44,10 @@ def auto_family(rank: int, world: int) -> list:
                 timed = {"timed_devices": (DEV,), "rounds": 3, "warmup": 1}
                 timer = _forcing(pick) if pick != "measured" else time_ms if DEV == "cuda" else wall_time_ms
                 policy = ModePolicy(timer=timer, **timed)
+                res = SPResources(cfg, mode_policy=policy)
+                res.speed_plan = None   # every branch through the calibration (the emulated route spans "machines")
                 attn = make_attention(cfg, g, num_heads=h, num_kv_heads=hkv, layout=layout, placement=placement,
-                                      resources=SPResources(cfg, mode_policy=policy))
+                                      resources=res)
 
                 def fn(q, k, v, attn=attn, causal=causal, pad=pad):
                     bshd = q if layout == "bshd" else q.transpose(0, 1)

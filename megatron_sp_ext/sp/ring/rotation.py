@@ -165,10 +165,7 @@ def kv_add(acc: torch.Tensor, rows, dk: torch.Tensor, dv: torch.Tensor) -> None:
 # ---------------------------------------------------------------- point-to-point ops
 def holder(routing, ring: int, home: int, step: int) -> int:
     """Rank that holds ``home``'s ring-``ring`` K|V block after ``step`` steps."""
-    r = home
-    for _ in range(step):
-        r = routing.nxt[ring][r]
-    return r
+    return routing.origin(ring, home, -step)
 
 
 def pair_ops(kind: str, peer: int, mine, theirs) -> list[Op]:

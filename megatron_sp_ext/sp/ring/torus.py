@@ -22,6 +22,8 @@ differentiate one ring call, not the stage schedule.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -36,6 +38,59 @@ from ..heads import HeadLayout, head_layout
 from ..problem import AttentionProblem, problem_from_keywords, to_bshd
 from .hybrid import rank_runs
 from .ring import RingBackend
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a Torus rank's schedule: the pair it attends (``q_owners`` x ``kv_owners``: Ulysses indices of
+    the ranks whose query / key tokens; empty: no attention) while ``moves`` ("q", "kv", "o", "do", "dkv", "dq"; ""
+    for none) travels to ``dst`` and arrives from ``src`` (Ulysses indices, paired in order). ``after``: the transfer
+    starts once the stage's attention is done (a finished dK|dV shipped home), else before it."""
+
+    q_owners: tuple
+    kv_owners: tuple
+    moves: str = ""
+    dst: tuple = ()
+    src: tuple = ()
+    after: bool = False
+
+
+@dataclass(frozen=True)
+class TorusSchedule:
+    """Rank ``t``'s stages over a Ulysses group of ``T``: ``forward`` (Pull Q x T, Pull KV x T-1, Push O) and
+    ``backward`` (dO with the own pair's gradients, Q_others x KV_t, each KV_j's pair with its dK|dV shipped home,
+    dQ home). ``_TorusFn`` runs these stages; the speed plan (megatron_sp_ext/speed_plan) times them."""
+
+    T: int
+    t: int
+    others: tuple
+    forward: tuple
+    backward: tuple
+
+
+@lru_cache(maxsize=256)
+def torus_schedule(T: int, t: int) -> TorusSchedule:
+    """The stages of Ulysses rank ``t`` of ``T`` (module docstring)."""
+    others = tuple((t - k) % T for k in range(1, T))
+    fwd = []
+    for k in range(T):   # Pull Q: Q_{t-k} x KV_t, the next Q chunk in flight; the last stage ships KV instead
+        if k < T - 1:
+            fwd.append(Stage(((t - k) % T,), (t,), "q", ((t + k + 1) % T,), ((t - k - 1) % T,)))
+        else:
+            fwd.append(Stage(((t - k) % T,), (t,), *(("kv", ((t + 1) % T,), ((t - 1) % T,)) if T > 1 else ())))
+    for k in range(1, T):   # Pull KV: Q_others x KV_{t-k}, the next KV chunk in flight
+        nxt = ("kv", ((t + k + 1) % T,), ((t - k - 1) % T,)) if k < T - 1 else ()
+        fwd.append(Stage(others, ((t - k) % T,), *nxt))
+    bwd = []
+    if T > 1:
+        fwd.append(Stage((t,), others, "o", others, others))   # Push O: Q_t x KV_others, finished O's go home
+        bwd.append(Stage((t,), (t,) + others, "do", others, others))
+        bwd.append(Stage(others, (t,)))
+        bwd += [Stage(others, (j,), "dkv", (j,), ((t + i + 1) % T,), after=True) for i, j in enumerate(others)]
+        bwd.append(Stage((), (), "dq", others, others))
+    else:
+        bwd.append(Stage((t,), (t,)))
+    return TorusSchedule(T, t, others, tuple(fwd), tuple(bwd))
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +112,8 @@ class _Ctx:
         layout_cu, cu = (None, None) if packed is None else (packed.layout, packed.segments)
         runs = lambda j, l: rank_runs(placement, mesh.grid[j][l], mesh.world, seqlen, layout_cu)  # noqa: E731
         self.runs = runs
-        self.others = [(self.t - k) % self.T for k in range(1, self.T)]
+        self.stages = torus_schedule(self.T, self.t)   # what every stage attends and moves
+        self.others = list(self.stages.others)
         self._be: dict = {}
 
         def ring_runs(ls) -> tuple:  # per ring rank j: the runs of the Ulysses ranks ``ls`` of its row
@@ -111,15 +167,16 @@ class _TorusFn(torch.autograd.Function):
         # -- Pull Q: attend Q_{l,t} x KV_{t,t}, next Q chunk in flight
         acc, lse = {}, {}
         for k_ in range(T):
-            l = (t - k_) % T
-            if k_ < T - 1:
-                dst, src = (t + k_ + 1) % T, (t - k_ - 1) % T
+            stage = c.stages.forward[k_]
+            l = stage.q_owners[0]
+            if stage.moves == "q":
+                dst, src = stage.dst[0], stage.src[0]
                 a, b = c.heads(dst, "q")
                 buf = torch.empty(q.shape[0], sl, qb - qa, q.shape[3], dtype=q.dtype, device=q.device)
                 work = _p2p([(dst, q[:, :, a:b].contiguous())], [(src, buf)], c)
                 incoming = (src, buf)
-            elif T > 1:  # last Pull Q stage ships KV for the first Pull KV stage
-                dst, src = (t + 1) % T, (t - 1) % T
+            elif stage.moves == "kv":  # last Pull Q stage ships KV for the first Pull KV stage
+                dst, src = stage.dst[0], stage.src[0]
                 a, b = c.heads(dst, "kv")
                 kbuf = torch.empty(k.shape[0], sl, kb - ka, k.shape[3], dtype=k.dtype, device=k.device)
                 vbuf = torch.empty_like(kbuf)
@@ -140,9 +197,10 @@ class _TorusFn(torch.autograd.Function):
             acc_o = _cat_seq([acc[l] for l in c.others]).contiguous()
             lse_o = _cat_seq([lse[l].unsqueeze(-1) for l in c.others]).squeeze(-1).contiguous()
             for k_ in range(1, T):
-                j = (t - k_) % T
-                if k_ < T - 1:
-                    dst, src = (t + k_ + 1) % T, (t - k_ - 1) % T
+                stage = c.stages.forward[T - 1 + k_]
+                j = stage.kv_owners[0]
+                if stage.moves:
+                    dst, src = stage.dst[0], stage.src[0]
                     a, b = c.heads(dst, "kv")
                     kbuf = torch.empty_like(ks[j].transpose(1, 2))
                     vbuf = torch.empty_like(kbuf)
@@ -153,7 +211,7 @@ class _TorusFn(torch.autograd.Function):
                 o, l_ = c.be(c.others, [j]).forward_lse(q_oth, ks[j], vs[j], causal=c.causal, softmax_scale=c.scale)
                 merge_into(acc_o, lse_o, o, l_)
                 _wait(work)
-                if k_ < T - 1:
+                if stage.moves:
                     ks[src], vs[src] = _bh(kbuf), _bh(vbuf)
             out_o = acc_o.to(q.dtype)
             # -- Push O: ship finished O_{l,t}, attend Q_{t,t} x KV_{others,t}, receive O_{t,j}
@@ -228,11 +286,12 @@ class _TorusFn(torch.autograd.Function):
             gq_oth += _acc(g_q)
             sk = (gk_all[:, :, (i + 1) * sl:(i + 2) * sl] + _acc(g_k)).to(dout.dtype).transpose(1, 2).contiguous()
             sv = (gv_all[:, :, (i + 1) * sl:(i + 2) * sl] + _acc(g_v)).to(dout.dtype).transpose(1, 2).contiguous()
-            src = (t + i + 1) % T  # rank whose round i ships our tokens' kv grads of its head group
+            stage = c.stages.backward[2 + i]
+            src = stage.src[0]  # rank whose round i ships our tokens' kv grads of its head group
             a, b = c.heads(src, "kv")
             rk = torch.empty(dout.shape[0], sl, b - a, dout.shape[3], dtype=dout.dtype, device=dout.device)
             rv = torch.empty_like(rk)
-            pending.append((_p2p([(j, sk), (j, sv)], [(src, rk), (src, rv)], c), sk, sv))
+            pending.append((_p2p([(stage.dst[0], sk), (stage.dst[0], sv)], [(src, rk), (src, rv)], c), sk, sv))
             inbox[src] = (rk, rv)
         # 3. dQ_{l,t} home (reverse Pull Q); receive dQ_{t,j}
         rq = {j: torch.empty(dout.shape[0], sl, c.heads(j, "q")[1] - c.heads(j, "q")[0], dout.shape[3],
