@@ -136,7 +136,7 @@ def _cross_bytes(b, cl: Cluster, grid: tuple, p_u: int, p_r: int) -> float:
     """Bytes per GPU crossing machines in one forward of a p_u x p_r mesh (read from the schedules)."""
     from ..sp.heads import head_layout   # noqa: PLC0415
     from ..sp.ring.hybrid import mesh_runs   # noqa: PLC0415
-    from ..sp.ring.ring import build_ring_plan   # noqa: PLC0415
+    from ..sp.ring.ring import RingSpec, build_ring_plan   # noqa: PLC0415
     from ..topology.detect import Topology   # noqa: PLC0415
     from ..topology.mesh import SPMesh   # noqa: PLC0415
     pb, total = b.pb, 0.0
@@ -153,8 +153,9 @@ def _cross_bytes(b, cl: Cluster, grid: tuple, p_u: int, p_r: int) -> float:
     kv_row = 2 * (pb.heads // p_u) * b.row
     for u in range(p_u):   # the ring's K|V hops, P_r - 1 steps
         column = tuple(r[u] for r in grid)
-        plan = build_ring_plan(None, 0, p_r, variant=modes.names(ring_variant=True)[0], s_loc=pb.tokens // p_r,
-                               q_runs=runs[0], kv_runs=runs, causal=False, scale=1.0, backend=None)
+        plan = build_ring_plan(None, 0, p_r, RingSpec.of(variant=modes.names(ring_variant=True)[0],
+                                                         s_loc=pb.tokens // p_r, q_runs=runs[0], kv_runs=runs,
+                                                         causal=False, scale=1.0, backend=None), None)
         for step in range(p_r - 1):
             for j in range(p_r):
                 for kind, peer, _, rows in plan.transfer(step, j):

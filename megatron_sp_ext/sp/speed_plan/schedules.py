@@ -169,8 +169,9 @@ class Builder:
             raise SPConfigError(f"{variant} over {n} ranks: its routing tables (topology/hamiltonian.py) are not "
                                 f"built beyond {MAX_TASP_RANKS} ranks in reasonable time")
         which = range(n) if (self.pb.causal or n == 1) else (0,)   # non-causal: every rank's steps are one full call
-        return [ring.build_ring_plan(None, j, n, variant=variant, s_loc=s_loc, q_runs=q_runs_of[j], kv_runs=kv_runs,
-                                causal=self.pb.causal, scale=1.0, backend=None, balanced_slots=balanced)
+        return [ring.build_ring_plan(None, j, n, ring.RingSpec.of(
+                    variant=variant, s_loc=s_loc, q_runs=q_runs_of[j], kv_runs=kv_runs, causal=self.pb.causal,
+                    scale=1.0, backend=None, balanced_slots=balanced), None)
                 for j in which]
 
     def ring_attend(self, tl: Timeline, deps, ranks: tuple, plans: list, heads: int, kv_heads: int,
