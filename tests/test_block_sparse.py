@@ -101,6 +101,10 @@ def test_check_tile_mask_names_the_setting():
         bsp.check_tile_mask(ok.expand(2, 3, 3), seq_len=20, block_size=8, num_heads=4)
     with pytest.raises(SPConfigError, match="block_size=0"):
         bsp.check_tile_mask(ok, seq_len=20, block_size=0, num_heads=4)
+    with pytest.raises(SPConfigError, match=r"tile=0 is invalid"):   # the public word (#85); block_size still taken
+        bsp.check_tile_mask(ok, seq_len=20, tile=0, num_heads=4)
+    with pytest.raises(SPConfigError, match=r"ceil\(S/tile\).*S=20, tile=8; got shape \[1, 2, 2\]"):
+        bsp.check_tile_mask(ok[:, :2, :2], seq_len=20, tile=8, num_heads=4)
     with pytest.raises(SPConfigError, match="kernel='flex' cannot run here"):
         bsp.resolve_kernel("flex", torch.device("cpu"))
 

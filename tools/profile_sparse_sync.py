@@ -14,6 +14,7 @@ same command on both trees. Step times are CUDA-event medians without the sync c
 
     torchrun --nproc-per-node 1 tools/profile_sparse_sync.py --out $OUT/sparse_sync_p1.json --bf16
     torchrun --nproc-per-node 2 tools/profile_sparse_sync.py --share-gpu --out $OUT/sparse_sync_p2.json --bf16
+    ... --kernel cudnn_block_sparse   # the block-sparse kernel (--sparse-attention-kernel; default auto: FA4)
     python tools/profile_sparse_sync.py --dry --out /tmp/sparse_sync.json   # tiny model on CPU (1 process)
 (defaults: wan-14b dims, 2 blocks, Wan's 480p latent 21 x 60 x 104, 4x4x8 tiles, top-k 90% sparse, ulysses)
 """
@@ -56,6 +57,8 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     ap.add_argument("--sparse-topk", type=int, default=None, help="key tiles per query tile (default: --sparsity)")
     ap.add_argument("--sparsity", type=float, default=0.9, help="K = max(1, round((1 - s) * tiles))")
     ap.add_argument("--mode", default="ulysses", help="--cp-comm-type of the attention core (P > 1)")
+    ap.add_argument("--kernel", default="auto", help="--sparse-attention-kernel: auto (FA4 at 128-token tiles), fa4, "
+                                                     "cudnn_block_sparse, flex, math")
     ap.add_argument("--share-gpu", action="store_true", help="every rank on GPU 0 over gloo")
     ap.add_argument("--steps", type=int, default=5, help="measured steps (timed, then counted)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -126,7 +129,7 @@ def build(args, group, device: torch.device) -> tuple:
         model = VideoDiT(cfg)
     sp = dist.get_world_size(group)
     sp_cfg = SPConfig(mode=args.mode, source="megatron") if sp > 1 else SPConfig(source="megatron")
-    parallelize(model, group if sp > 1 else None, DiTParallelConfig(sp=sp_cfg, sparse=spec))
+    parallelize(model, group if sp > 1 else None, DiTParallelConfig(sp=sp_cfg, sparse=spec, tile_setting=args.kernel))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     h, w = (int(x) for x in args.latent_size.lower().split("x"))
     data = SyntheticVideoLatents(cfg.in_channels, (args.frames,), h, w, cfg.text_len, cfg.text_dim, seed=1)
@@ -201,6 +204,7 @@ def profile(args, group, device: torch.device, sync_mode: Optional[Callable] = N
     layers = {f"block{i}": {part: counter.counts[f"block{i}.{part}"] for part in ("fwd", "bwd")}
               for i in range(len(model.blocks))}
     doc = {"config": {**info, "mode": args.mode if dist.get_world_size(group) > 1 else "one device",
+                      "kernel": args.kernel,
                       "sp": dist.get_world_size(group), "share_gpu": args.share_gpu, "bf16": args.bf16,
                       "steps": args.steps, "warmup": args.warmup, "dry": args.dry,
                       "sync_check": sync_mode is not contextlib.nullcontext,

@@ -31,24 +31,26 @@ from .kernels.flex import flex_mask as _flex_mask_of_slice
 from .tiles import TileSlice, full_sequence_slice
 
 KERNELS = tile_kernel_settings()   # "auto" and the registry's kernels with block sparsity that auto may pick
-DEFAULT_TILE_SIZE = 64   # tokens per tile: the default of the public ``block_size`` keyword
+DEFAULT_TILE_SIZE = 64   # tokens per tile: the default of the public ``tile`` (``block_size``) keyword
 
 
-def num_tiles(seq_len: int, block_size: int) -> int:
-    """Tiles per side of the block mask for a full sequence of ``seq_len`` tokens: ceil(seq_len / block_size)."""
-    return -(-seq_len // block_size)
+def num_tiles(seq_len: int, tile: int) -> int:
+    """Tiles per side of the block mask for a full sequence of ``seq_len`` tokens: ceil(seq_len / tile)."""
+    return -(-seq_len // tile)
 
 
-def check_tile_mask(block_mask: torch.Tensor, *, seq_len: int, block_size: int, num_heads: int) -> torch.Tensor:
-    """``block_mask`` checked: bool [1 or num_heads, T, T], T = ceil(seq_len / block_size); returns it (contiguous).
+def check_tile_mask(block_mask: torch.Tensor, *, seq_len: int, num_heads: int, tile: Optional[int] = None,
+                    block_size: Optional[int] = None) -> torch.Tensor:
+    """``block_mask`` checked: bool [1 or num_heads, T, T], T = ceil(seq_len / tile) (``tile``: tokens per mask tile;
+    ``block_size`` its older name); returns it (contiguous). Only its shape and dtype are read (no host sync).
 
-    Raises SPConfigError naming ``block_mask`` / ``block_size`` and what is expected."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise SPConfigError(f"block_size={block_size!r} is invalid: use a positive integer (default "
-                            f"{DEFAULT_TILE_SIZE})")
-    t = num_tiles(seq_len, block_size)
-    want = f"a bool tensor [1 or {num_heads}, {t}, {t}] (heads, ceil(S/block_size) query tiles, key tiles) for " \
-           f"S={seq_len}, block_size={block_size}"
+    Raises SPConfigError naming ``block_mask`` / the tile setting given and what is expected."""
+    name, value = ("tile", tile) if tile is not None else ("block_size", block_size)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SPConfigError(f"{name}={value!r} is invalid: use a positive integer (default {DEFAULT_TILE_SIZE})")
+    t = num_tiles(seq_len, value)
+    want = f"a bool tensor [1 or {num_heads}, {t}, {t}] (heads, ceil(S/{name}) query tiles, key tiles) for " \
+           f"S={seq_len}, {name}={value}"
     if not isinstance(block_mask, torch.Tensor):
         raise SPConfigError(f"block_mask must be {want}; got {type(block_mask).__name__}")
     if block_mask.dtype != torch.bool:

@@ -13,7 +13,8 @@ Two kinds of data, kept apart so that a call whose mask is new (a top-k mask per
   - the mask is DEVICE data (on the call's device), read only by device ops: the kernels' metadata (FA4's block
     lists, cuDNN's, flex's BlockMask, the math kernel's token mask) is built from it on the device.
 A whole-sequence slice (``contiguous``: rows 0..S-1, the Ulysses chunks' and one rank's calls) makes its device
-positions by ``arange`` on the device; other slices (a ring step's rows) copy their positions to the device once.
+positions by ``arange`` on the device; other slices (a ring step's rows) copy their positions to the device once,
+from pinned memory without blocking the host.
 
 Each kernel keeps its metadata in ``TileSlice.cache``, so a slice converts once for as long as it lives. Slices live
 on their ``AttentionProblem`` (``problem_slice``: one per problem, sequence length, padding and device; a ring plan's
@@ -113,14 +114,14 @@ class TileSlice:
     # -- device data (no host sync for whole-sequence slices; other slices copy their positions once)
     def positions_on_device(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_pos, k_pos) on the mask's device: ``arange`` there for a whole-sequence slice, else one copy each
-        (cached)."""
+        that does not block the host (cached)."""
         if "dev_pos" not in self.cache:
             dev = self.device
             if self.contiguous:
                 qp = torch.arange(self.q_pos.numel(), device=dev)
                 kp = qp if self.k_pos.numel() == self.q_pos.numel() else torch.arange(self.k_pos.numel(), device=dev)
             else:
-                qp, kp = self.q_pos.to(dev), self.k_pos.to(dev)
+                qp, kp = _to_device(self.q_pos, dev), _to_device(self.k_pos, dev)
             self.cache["dev_pos"] = (qp, kp)
         return self.cache["dev_pos"]
 
@@ -165,6 +166,14 @@ class TileSlice:
 def _host(pos: torch.Tensor) -> torch.Tensor:
     pos = torch.as_tensor(pos)
     return pos if pos.device.type == "cpu" else pos.cpu()
+
+
+def _to_device(pos: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on ``dev``: to a CUDA device from pinned memory without blocking the host (torch's pinned
+    allocator keeps the source until the copy ran), elsewhere a plain copy."""
+    if dev.type == "cuda":
+        return pos.pin_memory().to(dev, non_blocking=True)
+    return pos.to(dev)
 
 
 def _take(pos: torch.Tensor, rows) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm import streams as st
+from ...comm.autograd_reduce import all_reduce_sum
 from ...comm.transport import symm_mem_unavailable_reason
 from ...errors import SPConfigError
 from ..problem import AttentionProblem
@@ -46,23 +47,6 @@ PrepFull = Callable[[str, torch.Tensor, Optional[torch.Tensor], "HeadShard"], to
 def _mm(a, b):
     """Every GEMM of this layer goes through here (one place to trace the schedule)."""
     return torch.matmul(a, b)
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """y = sum over ranks of t; backward sums the ranks' output gradients (each rank's y feeds its loss)."""
-
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        t = t.clone()
-        dist.all_reduce(t, group=group)
-        return t
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
 
 
 @dataclass(frozen=True)
@@ -86,7 +70,7 @@ class HeadShard:
         sq = y4.to(torch.promote_types(y4.dtype, torch.float32)).pow(2).sum(-1)
         if branch != "q" and not all(self.kv_owner):
             sq = sq * _device_const(self.kv_owner, sq.dtype, self.device)
-        return _AllReduceSum.apply(sq.sum(-1, keepdim=True), self.group)[..., None]
+        return all_reduce_sum(sq.sum(-1, keepdim=True), self.group)[..., None]
 
     def gather_tokens(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """A per-token table of this rank's tokens (no grad) -> the gathered sequence's, rank order."""

@@ -421,9 +421,11 @@ def make_ring_plan(group, spec: Optional[RingSpec] = None, *, block_mask: Option
     rank = dist.get_rank(group) if group is not None else 0
     ref = weakref.ref(group) if group is not None else None
     if block_mask is not None:
-        def build() -> RingPlan:
+        def build() -> RingPlan:   # the skip tables' host copy of the mask (one sync); the kernels use the caller's
             tiles = TileSpec(block_mask.detach().to("cpu", copy=True), spec.tile, slice(*spec.heads))
-            return build_ring_plan(ref, rank, world, spec, tiles)
+            plan = build_ring_plan(ref, rank, world, spec, tiles)
+            plan.cache[("mask", str(block_mask.device))] = block_mask.detach()   # device mask (no copy back)
+            return plan
         return build() if owner is None else owner.cached(("ring_plan", group, spec), build)
     plans = _PLANS.setdefault(group, {}) if group is not None else _NO_GROUP
     if spec not in plans:
