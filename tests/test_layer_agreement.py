@@ -43,6 +43,19 @@ def _weights(seed=0):
     return LayerWeights(torch.randn(3 * H * D, DIM, generator=g) * 0.2, torch.randn(DIM, H * D, generator=g) * 0.2)
 
 
+def _tp_cp_groups(tp: int):
+    """(TP group, CP group) of this rank, global rank r = p * tp + t (every rank creates them all)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    made = {}
+    for p in range(world // tp):
+        g = dist.new_group([p * tp + t for t in range(tp)])
+        made["tp"] = g if rank // tp == p else made.get("tp")
+    for t in range(tp):
+        g = dist.new_group([p * tp + t for p in range(world // tp)])
+        made["cp"] = g if rank % tp == t else made.get("cp")
+    return made["tp"], made["cp"]
+
+
 def _layer(form: str, world: int):
     """(call(x, problem=None, **keywords), groups) of one layer form on this rank."""
     w = _weights()
@@ -52,9 +65,8 @@ def _layer(form: str, world: int):
     if form == "allgather":
         return lambda x, p=None, **kw: spx.allgather_self_attention(
             x, w, dist.group.WORLD, p, num_heads=H, num_kv_heads=H, prep=gathered_prep(H, H, D), **kw)
-    from tests.cuda_tp_cp import tp_cp_groups
-    tp, cp, tcp = tp_cp_groups(2)
-    groups = TpCpGroups(tp, cp, tcp if form == "tp_cp_tcp" else None)
+    tp, cp = _tp_cp_groups(2)
+    groups = TpCpGroups(tp, cp, dist.group.WORLD if form == "tp_cp_tcp" else None)   # WORLD: TP x CP, CP-major
     ht = H // 2   # this TP shard's heads
     wt = LayerWeights(w.w_qkv[: 3 * ht * D], w.w_o[:, : ht * D])
     return lambda x, p=None, **kw: spx.tp_cp_self_attention(
