@@ -74,7 +74,7 @@ def make_dynamic_core(cfg: SPConfig, group: dist.ProcessGroup, *, num_heads: int
             memo[key] = build()
         return memo[key]
 
-    def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None, mask_agreed=False):
+    def core(q, k, v, n=None, cu_seqlens=None, block_mask=None, block_size=None):
         if cu_seqlens is None:  # one unpacked sequence over every rank (sampling): the uniform attention
             uniform = attn.sub_attention(0, attn.groups.world)
             problem = problems_of(("uniform", n), lambda: uniform.problem(kv_valid_len=n))
