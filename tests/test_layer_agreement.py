@@ -43,6 +43,19 @@ def _weights(seed=0):
     return LayerWeights(torch.randn(3 * H * D, DIM, generator=g) * 0.2, torch.randn(DIM, H * D, generator=g) * 0.2)
 
 
+def _tp_cp_groups(tp: int):
+    """(TP group, CP group) of this rank, global rank r = p * tp + t (every rank creates them all)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    made = {}
+    for p in range(world // tp):
+        g = dist.new_group([p * tp + t for t in range(tp)])
+        made["tp"] = g if rank // tp == p else made.get("tp")
+    for t in range(tp):
+        g = dist.new_group([p * tp + t for p in range(world // tp)])
+        made["cp"] = g if rank % tp == t else made.get("cp")
+    return made["tp"], made["cp"]
+
+
 def _layer(form: str, world: int):
     """(call(x, problem=None, **keywords), groups) of one layer form on this rank."""
     w = _weights()
@@ -52,9 +65,8 @@ def _layer(form: str, world: int):
     if form == "allgather":
         return lambda x, p=None, **kw: spx.allgather_self_attention(
             x, w, dist.group.WORLD, p, num_heads=H, num_kv_heads=H, prep=gathered_prep(H, H, D), **kw)
-    from tests.gpu.cuda_tp_cp import tp_cp_groups
-    tp, cp, tcp = tp_cp_groups(2)
-    groups = TpCpGroups(tp, cp, tcp if form == "tp_cp_tcp" else None)
+    tp, cp = _tp_cp_groups(2)
+    groups = TpCpGroups(tp, cp, dist.group.WORLD if form == "tp_cp_tcp" else None)   # WORLD: TP x CP, CP-major
     ht = H // 2   # this TP shard's heads
     wt = LayerWeights(w.w_qkv[: 3 * ht * D], w.w_o[:, : ht * D])
     return lambda x, p=None, **kw: spx.tp_cp_self_attention(
@@ -202,3 +214,43 @@ def _dynamic_once_per_pack(rank, world):
 def test_dynamic_sp_agrees_once_per_pack():
     for once, per_call in run_ranks(_dynamic_once_per_pack, 2, timeout=60):
         assert (once, per_call) == (1, 3)
+
+
+def _megatron_auto_uneven(rank, world):
+    """Megatron's SPSelfAttention with --sp-async-qkv auto (a FormPolicy timing every form, per shape key): an even
+    call, then one where rank 1's shard is shorter. The layer's problem is agreed before the policy runs anything:
+    every rank raises naming the layer inputs' shapes [B, S, hidden] (without that agreement the rank whose shape is
+    new starts timing alone, and the error, if any, comes from whichever collective the ranks happen to pair)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_sp_ext.megatron import SPTransformerConfig, with_sp_core_attention
+    from megatron_sp_ext.sp.layers.policy import FormPolicy
+    ps.initialize_model_parallel(context_parallel_size=world)
+    try:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        cfg = SPTransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                                  context_parallel_size=world, cp_comm_type="ulysses", hidden_dropout=0.0,
+                                  attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
+                                  masked_softmax_fusion=False, sp_async_qkv="auto", normalization="RMSNorm")
+        torch.manual_seed(1234)
+        block = TransformerBlock(cfg, with_sp_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm")))
+        timed = []
+        block.layers[0].self_attention.form_policy = FormPolicy(
+            rounds=2, warmup=1, timer=lambda name, step, *a: timed.append(name) or step() or 1.0)
+        with Agreements() as agreed:
+            block(torch.randn(8, 1, 32), attention_mask=None)   # even: agreed, then timed
+        assert timed and agreed.calls, (timed, agreed.calls)
+        with pytest.raises(SPConfigError) as e:
+            block(torch.randn(8 if rank == 0 else 7, 1, 32), attention_mask=None)
+        return str(e.value)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_megatron_auto_form_uneven_after_even_is_refused_on_every_rank():
+    pytest.importorskip("megatron.core")
+    for m in run_ranks(_megatron_auto_uneven, 2, timeout=120):
+        assert "shapes differ across ranks" in m and "(1, 8, 32" in m and "(1, 7, 32" in m, m
