@@ -403,3 +403,17 @@ def test_rope_eager_is_diffusers_and_fused_falls_back_off_cuda():
         assert all(rel_err(got[choice][1][k], want[k]) < 1e-10 for k in want), choice
     assert torch.equal(got["fused"][0], got["eager"][0])
     assert all(torch.equal(got["fused"][1][k], got["eager"][1][k]) for k in want)
+
+
+def test_diffusers_extra_installs_what_from_pretrained_needs():
+    """``pip install ".[diffusers]"`` brings accelerate: diffusers' from_pretrained refuses WanTransformer3DModel
+    (``_keep_in_fp32_modules`` forces low_cpu_mem_usage) without it ("low_cpu_mem_usage cannot be False when
+    keep_in_fp32_modules is True"), and the README, docs/diffusers.md and --save-pretrained tell users to call it."""
+    tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Python >= 3.11's tomllib")
+    import os
+    import re
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    names = {x: {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in extras[x]} for x in ("diffusers", "dev")}
+    assert WanTransformer3DModel._keep_in_fp32_modules, "from_pretrained would not need accelerate for this model"
+    assert {"diffusers", "accelerate"} <= names["diffusers"] and {"diffusers", "accelerate"} <= names["dev"], names

@@ -66,7 +66,8 @@ def build_parser() -> EntryParser:
                    help="'random' (diffusers' initialisation of --model's config, seeded by --seed) or a local "
                         "directory in diffusers' layout (WanTransformer3DModel.from_pretrained)")
     g.add_argument("--save-pretrained", default=None, metavar="DIR",
-                   help="after training, write the transformer in diffusers' layout to DIR (from_pretrained reads it)")
+                   help="after training, write the transformer in diffusers' layout to DIR "
+                        "(WanTransformer3DModel.from_pretrained reads it; with accelerate: pip install '.[diffusers]')")
     g.add_argument("--timestep-shift", type=float, default=5.0,
                    help="Wan's flow-matching timestep shift s: t = s u / (1 + (s - 1) u) (1.0: none)")
     g.add_argument("--text-len", type=int, default=None,
