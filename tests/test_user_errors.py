@@ -85,6 +85,12 @@ def test_cp_size_not_dividing_world_names_the_flag():
     assert "use one of 1, 2" in out
 
 
+def test_bf16_on_cpu_is_refused_by_name():
+    """--bf16 is the bf16 autocast of a CUDA run: on the CPU one message names it (it once ran fp32 in silence)."""
+    rcs, out = launch(MG, ["--context-parallel-size", "2", *TINY, "--bf16"])
+    assert_one_message(rcs, out, "--bf16 (bf16 autocast) runs on CUDA devices; this run is on the cpu", code=1)
+
+
 def test_sp_size_not_dividing_world_names_the_key(tmp_path):
     cfg = _ds_config(tmp_path, sequence_parallel_size=3)
     rcs, out = launch(DS, ["--deepspeed-config", cfg, *TINY])

@@ -1,4 +1,4 @@
-"""How fast the DiT entry's data path delivers batches on this host, without a model: the floor it puts under a step.
+r"""How fast the DiT entry's data path delivers batches on this host, without a model: the floor it puts under a step.
 
     python tools/bench_data_path.py --model wan-1.3b --frames 16 --latent-size 64x128 --sparse-tile 4,4,4 \
         --workers 0,2,4,8 --batches 24 --out DIR

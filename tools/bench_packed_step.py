@@ -1,4 +1,4 @@
-"""Packed mixed-size training step vs the same clips padded to the longest, and one at a time (same job).
+r"""Packed mixed-size training step vs the same clips padded to the longest, and one at a time (same job).
 
 Clips of different sizes (``--clips FxHxW,...``: latent frames x height x width) are trained three ways, each a
 full training step (forward + backward + AdamW step, bf16 autocast with --bf16, the entry's fused elementwise

@@ -1,4 +1,4 @@
-"""The block-sparse ring across real ranks (#55 item 2): one torchrun job, one rank per GPU over NCCL (gloo on CPU
+r"""The block-sparse ring across real ranks (#55 item 2): one torchrun job, one rank per GPU over NCCL (gloo on CPU
 for the smoke run), fwd+bwd time of the sparse ring beside the dense ring and dense / sparse Ulysses on the same
 inputs, with the skipped steps and skipped K|V bytes from the ring's own plan.
 

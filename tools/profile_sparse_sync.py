@@ -1,4 +1,4 @@
-"""Host syncs and step time of the sparse DiT step with the cross-rank block-mask check per call vs once per mask.
+r"""Host syncs and step time of the sparse DiT step with the cross-rank block-mask check per call vs once per mask.
 
 The video DiT (training/video_dit) with top-k block-sparse self-attention (``--sparse-attention tiles
 --sparse-topk K``) runs under sequence parallelism; every layer's attention used to compare its block mask across

@@ -1,4 +1,4 @@
-"""Train diffusers' WanTransformer3DModel (Wan 2.1) with megatron_sp_ext's sequence parallelism
+r"""Train diffusers' WanTransformer3DModel (Wan 2.1) with megatron_sp_ext's sequence parallelism
 (``megatron_sp_ext.diffusers.parallelize``), FSDP2 beside it, and Wan's flow-matching objective.
 
     torchrun --nproc-per-node 2 training/train_wan_diffusers.py --init random --model wan-1.3b \
@@ -8,8 +8,9 @@
 
 Model: ``--init PATH`` (a local directory in diffusers' layout, from_pretrained: config.json + safetensors, or a Wan
 pipeline directory with transformer/) or ``--init random --model wan-1.3b|wan-14b|tiny`` (diffusers' Wan2.1 configs;
---num-layers shortens them). Weights stay fp32; --bf16 runs the step under bf16 autocast (CUDA; with FSDP2 its bf16
-compute weights). --recompute-granularity full turns on diffusers' gradient checkpointing (per block).
+--num-layers shortens them). Weights stay fp32; --bf16 runs the step under bf16 autocast (CUDA, refused on the CPU;
+with FSDP2 its bf16 compute weights). --recompute-granularity full turns on diffusers' gradient checkpointing (per
+block).
 Data: --data-path (latent files, "latent" [C, F, H, W] and "text" [L, 4096]: training/video_dit/make_latents.py) or
 synthetic latents of --frames x --latent-size. Objective: training/wan_diffusers/flow.py (x_t = (1 - t) x0 + t eps, target
 eps - x0, Wan's timestep shift --timestep-shift). Gradients over SP ranks: training/wan_diffusers/loop.py.
@@ -36,8 +37,8 @@ from megatron_sp_ext import modes  # noqa: E402
 from megatron_sp_ext.config import BACKENDS, MODES, SPConfig, parse_head_chunks  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
-from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
-                                    check_parallel_size, frames_and_sizes, pick_device, sparse_spec)
+from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_bf16_device,  # noqa: E402
+                                    check_common_args, check_parallel_size, frames_and_sizes, pick_device, sparse_spec)
 from training.video_dit.engine import MetricsLog  # noqa: E402
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
@@ -57,10 +58,14 @@ def _chunks(value: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# the shared video DiT flags this entry refuses by name (parse): --help leaves them out
+VIDEO_DIT_ONLY = ("--modulation", "--pack-samples", "--max-tokens-per-step", "--sample-steps")
+
+
 def build_parser() -> EntryParser:
     p = EntryParser(prog="train_wan_diffusers.py", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p)
+    add_common_args(p, hide=VIDEO_DIT_ONLY)
     g = p.add_argument_group("Wan (diffusers)")
     g.add_argument("--init", default="random",
                    help="'random' (diffusers' initialisation of --model's config, seeded by --seed) or a local "
@@ -182,6 +187,7 @@ def main(argv: Optional[list] = None, return_params: bool = False, grads_at: Opt
     setup_logging(args.log_level, dist.get_rank())
     try:
         with report_failures(WHAT):
+            check_bf16_device(args, device)
             return _train(args, device, return_params, grads_at)
     finally:
         if own_pg:
@@ -226,7 +232,7 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
         preset = args.model
     else:
         model = wan.load_model(args.init, device)
-        preset = "pretrained"
+        preset = ckpt.PRETRAINED
     text_len = args.text_len or wan.TEXT_LEN.get(preset, 512)
     cfg = wan.dit_config(model.config, text_len)
     dataset = build_dataset(args, cfg)
@@ -280,7 +286,7 @@ def _train(args, device, return_params: bool, grads_at: Optional[int]) -> dict:
 
     def save(step: int) -> None:
         out = ckpt.save(args.save, step, model, opt, {**run_id, "consumed_samples": step * global_batch,
-                                                       "global_batch": global_batch,
+                                                       "global_batch": global_batch, "init": args.init,
                                                        "layout": {"context_parallel_size": sp,
                                                                   "cp_comm_type": args.cp_comm_type}},
                         args.keep_last)
