@@ -177,6 +177,8 @@ def _modes_case(rank, world):
         out["hcms fused projections i2v"] = cases.errors("i2v", "hcms", {"head_chunks": 2}, fused=True)
         out["auto checkpointing fused sparse"] = cases.errors("t2v", "auto", {}, sparse=True, checkpoint=True,
                                                               fused=True)
+    else:   # one machine, no nodes=: torus runs (docs/diffusers.md), its mesh one Ulysses group of all the ranks
+        out["torus without nodes"] = cases.errors("t2v", "torus", {})
     return out
 
 
@@ -199,7 +201,7 @@ def test_full_input_kept_decides_view_or_copy():
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_mode_equals_stock_sp1(world):
     per_rank = run_ranks(_modes_case, world, timeout=240)
-    want = 1 + len(MODES[world]) + len(PLAIN_TOO[world]) + 1 + (9 if world == 2 else 0)
+    want = 1 + len(MODES[world]) + len(PLAIN_TOO[world]) + 1 + (9 if world == 2 else 1)
     assert len(per_rank[0]) == want
     bad = {(r, c): e for r, res in enumerate(per_rank) for c, e in res.items() if not max(e.values()) <= TOL64}
     assert not bad, bad
@@ -341,12 +343,17 @@ def _refusals_at_4(rank, world):
     except SPConfigError as e:
         msgs.append(str(e))
     sp.remove()
+    try:   # tas on one machine without nodes= (docs/diffusers.md: it needs several; nodes= simulates them)
+        parallelize(model, g, "tas")
+    except SPConfigError as e:
+        msgs.append(str(e))
     return msgs
 
 
 def test_refusals_on_four_ranks():
     msgs = run_ranks(_refusals_at_4, 4, timeout=120)[0]
-    assert len(msgs) == 3, msgs
+    assert len(msgs) == 4, msgs
+    assert "'tas' needs a multi-machine mesh" in msgs[3] and "set nodes" in msgs[3], msgs[3]
     assert all("needs at least one attention head per rank: 2 heads < sp_size 4" in m for m in msgs[:2]), msgs
     assert "patch grid 3x3x5" in msgs[2] and "45 tokens, not divisible by the sequence-parallel size 4" in msgs[2] \
         and "(3, 5, 9, 15, 45)" in msgs[2], msgs[2]

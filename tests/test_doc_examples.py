@@ -90,3 +90,28 @@ def test_training_speed_states_the_num_workers_default():
             "`loop.default_workers`; 0 on CPU)") in text
     assert [default_workers(c, r) for c, r in ((12, 2), (4, 4), (128, 1), (64, 8))] == [3, 2, 8, 4]
     assert resolve_workers(argparse.Namespace(num_workers=None), torch.device("cpu")) == 0
+
+
+def _doc_text(name: str) -> str:
+    with open(os.path.join(ROOT, "docs", name)) as f:
+        return " ".join(f.read().split())
+
+
+def test_choosing_a_mode_says_auto_times_block_masks():
+    """auto times its candidates with a block-sparse call's mask (sp/factory.py SPAttention.mode_for, since 7dcd9a7);
+    only packed samples, dropout and a caller's local attention run the baseline untimed (the guide once listed
+    block masks there too)."""
+    text = _doc_text("choosing_a_mode.md")
+    assert "a call with a block mask times them with that mask, once per mask shape and tile size" in text
+    assert ("Calls with packed samples, attention dropout or your own local attention run its baseline (HCMS) "
+            "without timing") in text
+    assert "Calls with a block mask" not in text
+
+
+def test_diffusers_guide_says_what_tas_and_torus_need():
+    """tas is refused on one machine without nodes=, torus runs there (tests/test_diffusers_wan.py checks both);
+    the guide once said both need several machines."""
+    text = _doc_text("diffusers.md")
+    assert "tas needs more than one machine (`nodes=` simulates them; on one machine without it, it is refused" in text
+    assert "torus is meant for slow links between machines but also runs on one" in text
+    assert "tas/torus need more than one machine" not in text
