@@ -424,3 +424,65 @@ def test_diffusers_extra_installs_what_from_pretrained_needs():
     names = {x: {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in extras[x]} for x in ("diffusers", "dev")}
     assert WanTransformer3DModel._keep_in_fp32_modules, "from_pretrained would not need accelerate for this model"
     assert {"diffusers", "accelerate"} <= names["diffusers"] and {"diffusers", "accelerate"} <= names["dev"], names
+
+
+def _input_checks(rank, world):
+    """Per-rank results of forwards whose inputs differ between the SP ranks in one place each."""
+    from megatron_sp_ext.diffusers import hooks
+    g = torch.distributed.group.WORLD
+    results = {}
+
+    def run(name, kind="t2v", check_inputs=True, **change):
+        model = tiny_wan(kind)
+        sp = parallelize(model, g, "ulysses", check_inputs=check_inputs)
+        inputs = wan_inputs(kind)
+        inputs.update({k: f(rank, inputs[k]) for k, f in change.items()})
+        try:
+            out = model(**inputs).sample
+            results[name] = ("ok", float(out.detach().abs().sum()))
+        except SPConfigError as e:
+            results[name] = ("refused", str(e))
+        sp.remove()
+
+    run("same")
+    run("same i2v", "i2v")
+    run("noise per rank", hidden_states=lambda r, x: wan_inputs(seed=r)["hidden_states"])
+    run("timestep per rank", timestep=lambda r, t: t + r)
+    run("text per rank", encoder_hidden_states=lambda r, x: x + r)
+    run("image per rank", "i2v", encoder_hidden_states_image=lambda r, x: x * (1 + r))
+    calls = []
+    real = hooks.check_same_inputs
+    hooks.check_same_inputs = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        run("noise per rank, check off", check_inputs=False,
+            hidden_states=lambda r, x: wan_inputs(seed=r)["hidden_states"])
+        off_calls = len(calls)
+        run("same, check on (counted)")
+    finally:
+        hooks.check_same_inputs = real
+    results["collectives with the check off / on"] = (off_calls, len(calls) - off_calls)
+    try:
+        parallelize(tiny_wan(), g, "ulysses", check_inputs="yes")
+    except SPConfigError as e:
+        results["bad check_inputs"] = str(e)
+    return results
+
+
+def test_inputs_differing_between_ranks_are_refused_on_every_rank():
+    """#83 item 6: every forward checks that the SP ranks were given the same latent, timestep, text (and image)
+    embeddings; per-rank noise (or any one of them differing) is one SPConfigError on EVERY rank naming it; equal
+    inputs pass; check_inputs=False skips the check (no collective) and returns the mixed output as before."""
+    per_rank = run_ranks(_input_checks, 2, timeout=180)
+    for rank, res in enumerate(per_rank):
+        assert res["same"][0] == "ok" and res["same i2v"][0] == "ok", (rank, res)
+        for case, name in (("noise per rank", "hidden_states"), ("timestep per rank", "timestep"),
+                           ("text per rank", "encoder_hidden_states"), ("image per rank",
+                                                                        "encoder_hidden_states_image")):
+            status, msg = res[case]
+            assert status == "refused" and msg.startswith(f"parallelize: {name} differ between SP ranks (rank 1 != "
+                                                          f"rank 0") and "check_inputs=False" in msg, (rank, case, msg)
+        assert res["noise per rank, check off"][0] == "ok", (rank, res)
+        assert res["collectives with the check off / on"] == (0, 1), (rank, res)
+        assert "check_inputs='yes'" in res["bad check_inputs"], (rank, res)
+    assert per_rank[0]["same"] == per_rank[1]["same"]   # the full output on every rank
+    assert per_rank[0]["noise per rank, check off"] == per_rank[1]["noise per rank, check off"]

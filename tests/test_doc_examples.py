@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import megatron_sp_ext as spx
+from tests.test_readme import BLOCKS as README_BLOCKS
 from tests.test_readme import ROOT, _free_port, python_blocks
 
 DOCS = ("docs/block_sparse.md", "docs/choosing_a_mode.md")
@@ -59,8 +60,9 @@ _CYCLES = pytest.mark.xfail(strict=True, reason="sp/checks.py MaskChecks and sp/
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists the process's threads through /proc (Linux)")
-@pytest.mark.parametrize("doc,i,block", [pytest.param(*b, marks=_CYCLES) for b in BLOCKS],
-                         ids=[f"{d}:{i}" for d, i, _ in BLOCKS])
+@pytest.mark.parametrize("doc,i,block", [pytest.param(*b, marks=_CYCLES) for b in BLOCKS]
+                         + [("README.md", i, b) for i, b in enumerate(README_BLOCKS)],
+                         ids=[f"{d}:{i}" for d, i, _ in BLOCKS] + [f"README.md:{i}" for i in range(len(README_BLOCKS))])
 def test_doc_block_leaves_no_gloo_group_alive(doc, i, block, tmp_path):
     """After a guide's block destroys its groups, no gloo thread is left without the garbage collector's help:
     nothing of the library keeps a group alive past ``destroy_process_group`` (tests/test_doc_examples.py's
