@@ -233,8 +233,16 @@ def resolve(load: str) -> str:
             # a re-save of this step stopped between its two renames (commit_save): the previous,
             # complete copy is still there under .stale
             return stale
+        pointer = os.path.join(load, "latest")
+        if not os.path.isdir(step_dir):
+            others = [os.path.basename(p) for p in list_checkpoints(load)]
+            raise CheckpointError(
+                f"{pointer} names {os.path.basename(step_dir)}, but {step_dir} does not exist (deleted or moved "
+                f"after the save); " + (f"complete checkpoints there: {', '.join(others[-4:])}: give one as "
+                                        f"--load {os.path.join(load, others[-1])}" if others else
+                                        "no complete checkpoint is left there: drop --load to start a fresh run"))
         if not os.path.isfile(os.path.join(step_dir, "run.json")):
-            raise CheckpointError(f"{step_dir}: named by {os.path.join(load, 'latest')} but incomplete "
+            raise CheckpointError(f"{step_dir}: named by {pointer} but incomplete "
                                   f"(no run.json); the directory was changed after the save")
         return step_dir
     found = sorted(os.listdir(load))

@@ -15,7 +15,7 @@ from . import deterministic
 from .checkpoint import add_checkpoint_args
 from .config import MODULATIONS, PRESETS, DiTConfig, preset
 from .data import LatentFileError, LatentShardDataset, SyntheticVideoLatents
-from .faults import job_rank
+from .faults import job_rank, launcher_stops_the_others, wait_for_rank0_to_report
 from .logs import add_log_level_arg
 from .sparse import (DEFAULT_TILE, SPARSE_CHOICES, SPARSE_FLAG, SPARSE_KERNEL_FLAG, TILE_FLAG, TOPK_FLAG, WINDOW_FLAG,
                      SparseSpec, check_tile_grid)
@@ -23,13 +23,17 @@ from .sparse import (DEFAULT_TILE, SPARSE_CHOICES, SPARSE_FLAG, SPARSE_KERNEL_FL
 
 class EntryParser(argparse.ArgumentParser):
     """The entry points' parser: a bad flag is one line on rank 0 (every rank exits 2), not the usage
-    text on every rank."""
+    text on every rank. Under torchrun the other ranks wait for rank 0 to print it (``wait_for_rank0_to_report``):
+    a rank exiting first made torchrun stop rank 0 before its line."""
 
     def error(self, message: str) -> NoReturn:
         line = f"{self.prog}: error: {message} (--help lists the flags)"
+        record_user_error(line)  # torchrun's "Root Cause" shows this line
         if job_rank() == 0:
             print(line, file=sys.stderr, flush=True)
-        record_user_error(line)  # torchrun's "Root Cause" shows this line
+        elif launcher_stops_the_others():   # rank 0 prints it and ends the job, unless the error is this rank's alone
+            wait_for_rank0_to_report()
+            print(f"[rank {job_rank()}] {line}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
