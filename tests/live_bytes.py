@@ -3,7 +3,10 @@ memory statistic, which CPU tensors lack).
 
 Every tensor an op returns is counted by its storage until the last tensor object holding that storage
 is gone, so views and in-place results cost nothing extra. Memory that existed before the region (and
-views of it) is not counted. On 4 x H200 the fwd+bwd peaks of Ulysses, HCMS and DeepSpeed measured with CUDA's
+views of it) is not counted. A tensor handed to a collective (c10d op) is passed as an alias: the
+communication library's own hold on it (gloo's worker thread drops its finished work some time after ``wait()``
+returns, at a moment set by the scheduler) would otherwise decide when the tensor stops counting, and a count taken
+right after the region would change from run to run on a loaded machine. The count is what the program holds. On 4 x H200 the fwd+bwd peaks of Ulysses, HCMS and DeepSpeed measured with CUDA's
 allocator stood in the same ratios as this count (1.5x / 1.1x / 1x before the backward freed early).
 """
 from __future__ import annotations
@@ -12,7 +15,7 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 
 class LiveBytes(TorchDispatchMode):
@@ -32,6 +35,8 @@ class LiveBytes(TorchDispatchMode):
             del self.refs[key]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":  # the library holds the alias's TensorImpl, never the tracked tensor object
+            args, kwargs = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs or {}))
         out = func(*args, **(kwargs or {}))
         inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
                   if isinstance(a, torch.Tensor)}

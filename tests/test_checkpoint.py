@@ -6,6 +6,7 @@ whole torchrun job within the collective timeout with the rank named."""
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from tests.harness import RankFailure, run_ranks  # noqa: E402
-from training.video_dit.checkpoint import list_checkpoints, read_run, resolve  # noqa: E402
+from training.video_dit.checkpoint import iter_name, list_checkpoints, read_run, resolve  # noqa: E402
 from training.video_dit.faults import ROLL_CALL_SECONDS  # noqa: E402
 from training.video_dit.safe_load import CheckpointError, check_weights_only, read_dcp_metadata  # noqa: E402
 
@@ -318,6 +319,20 @@ def test_empty_missing_foreign_load_dirs(tmp_path, saved):
     (bad_latest / "latest").write_text("../../etc")
     with pytest.raises(CheckpointError, match="expected a checkpoint name"):
         resolve(str(bad_latest))
+    # latest naming a directory that is gone (#83 item 7: it said "incomplete (no run.json)")
+    gone = tmp_path / "gone"
+    shutil.copytree(saved, gone)
+    (gone / "latest").write_text(iter_name(9) + "\n")
+    with pytest.raises(CheckpointError) as e:
+        resolve(str(gone))
+    assert (f"{gone / 'latest'} names iter_0000009, but {gone / 'iter_0000009'} does not exist" in str(e.value)
+            and f"--load {gone / os.path.basename(resolve(saved))}" in str(e.value)
+            and "no run.json" not in str(e.value)), str(e.value)
+    for d in os.listdir(gone):
+        if d != "latest":
+            shutil.rmtree(gone / d)
+    with pytest.raises(CheckpointError, match="no complete checkpoint is left there: drop --load"):
+        resolve(str(gone))
     with pytest.raises(CheckpointError, match=r"written by the 'megatron-core' entry point \(training/pretrain_video_dit"
                                               r"\.py\); this is 'deepspeed'"):
         read_run(resolve(saved), {"entry": "deepspeed"})

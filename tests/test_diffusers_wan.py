@@ -177,6 +177,8 @@ def _modes_case(rank, world):
         out["hcms fused projections i2v"] = cases.errors("i2v", "hcms", {"head_chunks": 2}, fused=True)
         out["auto checkpointing fused sparse"] = cases.errors("t2v", "auto", {}, sparse=True, checkpoint=True,
                                                               fused=True)
+    else:   # one machine, no nodes=: torus runs (docs/diffusers.md), its mesh one Ulysses group of all the ranks
+        out["torus without nodes"] = cases.errors("t2v", "torus", {})
     return out
 
 
@@ -199,7 +201,7 @@ def test_full_input_kept_decides_view_or_copy():
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_mode_equals_stock_sp1(world):
     per_rank = run_ranks(_modes_case, world, timeout=240)
-    want = 1 + len(MODES[world]) + len(PLAIN_TOO[world]) + 1 + (9 if world == 2 else 0)
+    want = 1 + len(MODES[world]) + len(PLAIN_TOO[world]) + 1 + (9 if world == 2 else 1)
     assert len(per_rank[0]) == want
     bad = {(r, c): e for r, res in enumerate(per_rank) for c, e in res.items() if not max(e.values()) <= TOL64}
     assert not bad, bad
@@ -341,12 +343,17 @@ def _refusals_at_4(rank, world):
     except SPConfigError as e:
         msgs.append(str(e))
     sp.remove()
+    try:   # tas on one machine without nodes= (docs/diffusers.md: it needs several; nodes= simulates them)
+        parallelize(model, g, "tas")
+    except SPConfigError as e:
+        msgs.append(str(e))
     return msgs
 
 
 def test_refusals_on_four_ranks():
     msgs = run_ranks(_refusals_at_4, 4, timeout=120)[0]
-    assert len(msgs) == 3, msgs
+    assert len(msgs) == 4, msgs
+    assert "'tas' needs a multi-machine mesh" in msgs[3] and "set nodes" in msgs[3], msgs[3]
     assert all("needs at least one attention head per rank: 2 heads < sp_size 4" in m for m in msgs[:2]), msgs
     assert "patch grid 3x3x5" in msgs[2] and "45 tokens, not divisible by the sequence-parallel size 4" in msgs[2] \
         and "(3, 5, 9, 15, 45)" in msgs[2], msgs[2]
@@ -403,3 +410,79 @@ def test_rope_eager_is_diffusers_and_fused_falls_back_off_cuda():
         assert all(rel_err(got[choice][1][k], want[k]) < 1e-10 for k in want), choice
     assert torch.equal(got["fused"][0], got["eager"][0])
     assert all(torch.equal(got["fused"][1][k], got["eager"][1][k]) for k in want)
+
+
+def test_diffusers_extra_installs_what_from_pretrained_needs():
+    """``pip install ".[diffusers]"`` brings accelerate: diffusers' from_pretrained refuses WanTransformer3DModel
+    (``_keep_in_fp32_modules`` forces low_cpu_mem_usage) without it ("low_cpu_mem_usage cannot be False when
+    keep_in_fp32_modules is True"), and the README, docs/diffusers.md and --save-pretrained tell users to call it."""
+    tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Python >= 3.11's tomllib")
+    import os
+    import re
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    names = {x: {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in extras[x]} for x in ("diffusers", "dev")}
+    assert WanTransformer3DModel._keep_in_fp32_modules, "from_pretrained would not need accelerate for this model"
+    assert {"diffusers", "accelerate"} <= names["diffusers"] and {"diffusers", "accelerate"} <= names["dev"], names
+
+
+def _input_checks(rank, world):
+    """Per-rank results of forwards whose inputs differ between the SP ranks in one place each."""
+    from megatron_sp_ext.diffusers import hooks
+    g = torch.distributed.group.WORLD
+    results = {}
+
+    def run(name, kind="t2v", check_inputs=True, **change):
+        model = tiny_wan(kind)
+        sp = parallelize(model, g, "ulysses", check_inputs=check_inputs)
+        inputs = wan_inputs(kind)
+        inputs.update({k: f(rank, inputs[k]) for k, f in change.items()})
+        try:
+            out = model(**inputs).sample
+            results[name] = ("ok", float(out.detach().abs().sum()))
+        except SPConfigError as e:
+            results[name] = ("refused", str(e))
+        sp.remove()
+
+    run("same")
+    run("same i2v", "i2v")
+    run("noise per rank", hidden_states=lambda r, x: wan_inputs(seed=r)["hidden_states"])
+    run("timestep per rank", timestep=lambda r, t: t + r)
+    run("text per rank", encoder_hidden_states=lambda r, x: x + r)
+    run("image per rank", "i2v", encoder_hidden_states_image=lambda r, x: x * (1 + r))
+    calls = []
+    real = hooks.check_same_inputs
+    hooks.check_same_inputs = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        run("noise per rank, check off", check_inputs=False,
+            hidden_states=lambda r, x: wan_inputs(seed=r)["hidden_states"])
+        off_calls = len(calls)
+        run("same, check on (counted)")
+    finally:
+        hooks.check_same_inputs = real
+    results["collectives with the check off / on"] = (off_calls, len(calls) - off_calls)
+    try:
+        parallelize(tiny_wan(), g, "ulysses", check_inputs="yes")
+    except SPConfigError as e:
+        results["bad check_inputs"] = str(e)
+    return results
+
+
+def test_inputs_differing_between_ranks_are_refused_on_every_rank():
+    """#83 item 6: every forward checks that the SP ranks were given the same latent, timestep, text (and image)
+    embeddings; per-rank noise (or any one of them differing) is one SPConfigError on EVERY rank naming it; equal
+    inputs pass; check_inputs=False skips the check (no collective) and returns the mixed output as before."""
+    per_rank = run_ranks(_input_checks, 2, timeout=180)
+    for rank, res in enumerate(per_rank):
+        assert res["same"][0] == "ok" and res["same i2v"][0] == "ok", (rank, res)
+        for case, name in (("noise per rank", "hidden_states"), ("timestep per rank", "timestep"),
+                           ("text per rank", "encoder_hidden_states"), ("image per rank",
+                                                                        "encoder_hidden_states_image")):
+            status, msg = res[case]
+            assert status == "refused" and msg.startswith(f"parallelize: {name} differ between SP ranks (rank 1 != "
+                                                          f"rank 0") and "check_inputs=False" in msg, (rank, case, msg)
+        assert res["noise per rank, check off"][0] == "ok", (rank, res)
+        assert res["collectives with the check off / on"] == (0, 1), (rank, res)
+        assert "check_inputs='yes'" in res["bad check_inputs"], (rank, res)
+    assert per_rank[0]["same"] == per_rank[1]["same"]   # the full output on every rank
+    assert per_rank[0]["noise per rank, check off"] == per_rank[1]["noise per rank, check off"]

@@ -33,3 +33,18 @@ def test_demo_outputs_and_what_samples_show():
     for name in ("samples.png", "loss.png", "step_time.png", "metrics.jsonl"):
         assert name in sec, name
     assert re.search(r"after 100 steps the colours are right, the stripes still noisy", sec)
+
+
+def test_dynamic_sp_line_is_a_command_the_entry_takes():
+    """The README's dynamic-SP flags, N made a number, parse in the megatron-core entry (they once lacked the
+    --max-tokens-per-step N that --pack-samples requires)."""
+    import pytest
+    pytest.importorskip("megatron.core")
+    from training import pretrain_video_dit
+    with open(README) as f:
+        text = " ".join(f.read().split())
+    spans = [s for s in re.findall(r"`([^`]*)`", text) if "--dynamic-context-parallel" in s and "--pack-samples" in s]
+    assert spans, "the README's dynamic-SP command is missing"
+    for span in spans:
+        args = pretrain_video_dit.parse([("4096" if w == "N" else w) for w in span.split()])
+        assert args.dynamic_context_parallel and args.pack_samples and args.max_tokens_per_step == 4096

@@ -225,6 +225,29 @@ def test_data_path_tokens_not_dividing_by_sp_refused(tmp_path, capfd):
         and "--context-parallel-size=2" in line[0] and "Traceback" not in err, err
 
 
+def test_bf16_on_cpu_is_refused_by_name(capfd):
+    """--bf16 (bf16 autocast, CUDA) on the CPU: one message naming it, as the video DiT entry (it once ran fp32)."""
+    code = run_ranks(_user_error, 1, [*BASE, "--bf16", "--train-iters", "1"], timeout=60)[0]
+    err = capfd.readouterr().err
+    assert code == 1 and "--bf16 (bf16 autocast) runs on CUDA devices" in err and "Traceback" not in err, err
+
+
+def test_resume_hint_of_a_pretrained_start_names_init(tmp_path, capfd):
+    """A checkpoint of an --init DIR run, resumed with another model: the hint names --init DIR (the run's own
+    setting), not "--model pretrained" (no such preset); the reverse names --init random --model."""
+    init, ck, ck2 = str(tmp_path / "init"), str(tmp_path / "ck"), str(tmp_path / "ck2")
+    _tiny_pretrained(init)
+    run_ranks(_run, 1, [*BASE, "--init", init, "--train-iters", "1", "--save", ck], timeout=60)
+    run_ranks(_run, 1, [*BASE, "--train-iters", "1", "--save", ck2], timeout=60)
+    capfd.readouterr()
+    code = run_ranks(_user_error, 1, [*BASE, "--train-iters", "2", "--load", ck], timeout=60)[0]
+    err = capfd.readouterr().err
+    assert code == 1 and f"resume with --init {init}" in err and "--model pretrained" not in err, err
+    code = run_ranks(_user_error, 1, [*BASE, "--init", init, "--train-iters", "2", "--load", ck2], timeout=60)[0]
+    err = capfd.readouterr().err
+    assert code == 1 and "(--init random --model tiny --num-layers" in err, err
+
+
 def test_resume_of_another_model_is_refused(tmp_path, capfd):
     ck = str(tmp_path / "ck")
     run_ranks(_run, 1, [*BASE, "--train-iters", "1", "--save", ck], timeout=60)

@@ -1,4 +1,4 @@
-"""Attention-block benchmark: plain (fused QKV GEMM -> Ulysses/HCMS -> out GEMM) vs the async block
+r"""Attention-block benchmark: plain (fused QKV GEMM -> Ulysses/HCMS -> out GEMM) vs the async block
 (per-branch GEMMs overlapped with their exchanges) vs the all-gather QKV block (sequence all-gather
 fused with the local-head QKV GEMM) vs packed q|k|v ("packed", "packed_hcms<C>": the compiled QK-norm
 writes the exchange's send layout; "plain_fused" is the plain block with the same compiled QK-norm), beside the same block on DeepSpeed's DistributedAttention ("deepspeed",

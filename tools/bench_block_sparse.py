@@ -1,4 +1,4 @@
-"""Block-sparse attention (#45) on ONE GPU, one job: the dense kernel floor, the block-sparse local kernel as
+r"""Block-sparse attention (#45) on ONE GPU, one job: the dense kernel floor, the block-sparse local kernel as
 Ulysses runs it, and the sparse ring's placement emulated on one GPU (skip counts from the plan, kernel time of
 the steps that run; NO communication is timed).
 

@@ -1,4 +1,4 @@
-"""PyTorch's own context-parallel ring beside ours, in one torchrun job (one process per GPU).
+r"""PyTorch's own context-parallel ring beside ours, in one torchrun job (one process per GPU).
 
 PyTorch: ``torch.distributed.tensor.experimental.context_parallel`` (SDPA patched to its ring; causal
 buffers load-balanced head-tail = our "zigzag"), both rotate methods (``set_rotate_method``

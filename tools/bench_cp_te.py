@@ -1,4 +1,4 @@
-"""Transformer Engine's context parallelism, timed: the TE side of ``tools/bench_cp.py --peers`` (its own torchrun).
+r"""Transformer Engine's context parallelism, timed: the TE side of ``tools/bench_cp.py --peers`` (its own torchrun).
 
 bench_cp.py starts this script after its own rows (one job per link regime; TE imported only in these processes)
 and merges the rows it writes (``--out-json``). For each (H, L, causal) and each peer (te_p2p, te_a2a,

@@ -1,4 +1,4 @@
-"""Training-step benchmark of diffusers' WanTransformer3DModel under sequence parallelism: diffusers' OWN context
+r"""Training-step benchmark of diffusers' WanTransformer3DModel under sequence parallelism: diffusers' OWN context
 parallelism against megatron_sp_ext's (``megatron_sp_ext.diffusers.parallelize``), one torchrun job, one rank per GPU.
 
     torchrun --nproc-per-node 2 tools/bench_diffusers_wan.py --grid 480p \

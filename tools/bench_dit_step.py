@@ -1,4 +1,4 @@
-"""Video-DiT training-step benchmark with the attention-block forms side by side in ONE process.
+r"""Video-DiT training-step benchmark with the attention-block forms side by side in ONE process.
 
 Every repetition times one forward+backward step (bf16 autocast, fp32 master weights, the real
 flow-matching batch) of each form in turn (interleaved, so clock and allocator drift hit all

@@ -1,4 +1,4 @@
-"""Training-step benchmark launched as users launch training (torchrun), measuring what the entry point measures.
+r"""Training-step benchmark launched as users launch training (torchrun), measuring what the entry point measures.
 
 One torchrun job runs the entry point (training/pretrain_video_dit.py or training/train_deepspeed.py) in-process
 once per variant, each with --timing, and writes ONE JSON with, per variant:

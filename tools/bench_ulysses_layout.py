@@ -1,4 +1,4 @@
-"""Causal Ulysses in the zigzag / tasp_zigzag layouts vs the contiguous layout, beside the kernel floor.
+r"""Causal Ulysses in the zigzag / tasp_zigzag layouts vs the contiguous layout, beside the kernel floor.
 
 Launched with torchrun (one process per GPU). For every (H, L) it times, fwd and fwd+bwd (CUDA events,
 median of --iters, max over ranks):

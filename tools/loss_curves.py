@@ -1,4 +1,4 @@
-"""Compare training-loss curves of runs that should agree (same data, same seed, a changed implementation).
+r"""Compare training-loss curves of runs that should agree (same data, same seed, a changed implementation).
 
 Each run is a ``metrics.jsonl`` written by a training entry point (one JSON row per step, fields ``step`` and
 ``loss``). The first run named ``--noise`` (or, without it, none) is the yardstick: the gap between two runs that

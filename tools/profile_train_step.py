@@ -1,4 +1,4 @@
-"""Where the DiT training step's GPU time goes, by category, beside the ceiling set by attention and GEMM speeds.
+r"""Where the DiT training step's GPU time goes, by category, beside the ceiling set by attention and GEMM speeds.
 
 One command runs the entry point as users do (in-process, like tools/bench_train_step.py) with its profiler on two
 steps past warm-up, then sorts every GPU kernel of those steps into a category by the kernel's name and the

@@ -1,4 +1,4 @@
-"""Train the video DiT with megatron-core: parallel_state groups, Megatron-LM-style flags
+r"""Train the video DiT with megatron-core: parallel_state groups, Megatron-LM-style flags
 (--context-parallel-size, --cp-comm-type, --hcms-head-chunks, --sp-arrangement, ...), Megatron's DDP
 and optimizer on GPU.
 
@@ -29,7 +29,7 @@ from training.video_dit import VideoDiT  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
 from training.video_dit import deterministic  # noqa: E402
 from training.video_dit.cli import (EntryParser, add_common_args, add_sparse_kernel_arg, build_dataset,  # noqa: E402
-                                    check_common_args, check_parallel_size, check_shapes, check_sparse_kernel,
+                                    check_bf16_device, check_common_args, check_parallel_size, check_shapes, check_sparse_kernel,
                                     model_config, pick_device, run_dtype, sparse_spec)
 from training.video_dit.sparse import SPARSE_KERNEL_FLAG  # noqa: E402
 from training.video_dit.dynamic import DynamicSP  # noqa: E402
@@ -170,6 +170,7 @@ def main(argv: Optional[list] = None, return_params: bool = False) -> dict:
     setup_logging(args.log_level, dist.get_rank())
     try:
         with report_failures("pretrain_video_dit"):
+            check_bf16_device(args, device)
             ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size,
                                          distributed_timeout_minutes=args.distributed_timeout_minutes)
             return _train(args, device, ps, return_params)

@@ -1,4 +1,4 @@
-"""Train diffusers' WanTransformer3DModel (Wan 2.1 T2V / I2V, Wan 2.2 TI2V-5B and one A14B expert) with
+r"""Train diffusers' WanTransformer3DModel (Wan 2.1 T2V / I2V, Wan 2.2 TI2V-5B and one A14B expert) with
 megatron_sp_ext's sequence parallelism (``megatron_sp_ext.diffusers.parallelize``), FSDP2 beside it, and Wan's
 flow-matching objective: full fine-tuning, or LoRA (--lora-rank R: diffusers' adapter API, peft).
 
@@ -13,8 +13,8 @@ pipeline directory with transformer/, and for Wan 2.2 A14B's low-noise expert tr
 wan2.2-i2v-a14b and tiny CPU versions; --num-layers shortens them). The task (--task t2v|i2v|ti2v, default: the
 preset's or the pipeline's) and the expert (--expert high|low, on its side of the pipeline's boundary_ratio):
 training/wan_diffusers/task.py. Weights stay fp32 (a LoRA run with --bf16 on one GPU without FSDP2 keeps its frozen
-base in bf16, its adapters fp32); --bf16 runs the step under bf16 autocast (CUDA; with FSDP2 its bf16 compute
-weights). --recompute-granularity full turns on diffusers' gradient checkpointing (per block); selective recomputes
+base in bf16, its adapters fp32); --bf16 runs the step under bf16 autocast (CUDA, refused on the CPU; with FSDP2 its bf16
+compute weights). --recompute-granularity full turns on diffusers' gradient checkpointing (per block); selective recomputes
 every block but its self-attention (megatron_sp_ext.diffusers.keep_attention_checkpointing). LoRA (--lora-rank,
 --lora-alpha, --lora-target-modules): only the adapters train and go into checkpoints; --save-lora DIR writes them
 for WanPipeline.load_lora_weights (training/wan_diffusers/lora.py).
@@ -45,8 +45,8 @@ from megatron_sp_ext import modes  # noqa: E402
 from megatron_sp_ext.config import BACKENDS, MODES, SPConfig, parse_head_chunks  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from training.video_dit import checkpoint as ckpt  # noqa: E402
-from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_common_args,  # noqa: E402
-                                    check_parallel_size, frames_and_sizes, pick_device, sparse_spec)
+from training.video_dit.cli import (EntryParser, add_common_args, build_dataset, check_bf16_device,  # noqa: E402
+                                    check_common_args, check_parallel_size, frames_and_sizes, pick_device, sparse_spec)
 from training.video_dit.engine import MetricsLog  # noqa: E402
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
@@ -69,10 +69,14 @@ def _chunks(value: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# the shared video DiT flags this entry refuses by name (parse): --help leaves them out
+VIDEO_DIT_ONLY = ("--modulation", "--pack-samples", "--max-tokens-per-step", "--sample-steps")
+
+
 def build_parser() -> EntryParser:
     p = EntryParser(prog="train_wan_diffusers.py", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p)
+    add_common_args(p, hide=VIDEO_DIT_ONLY)
     model_flag = next(a for a in p._actions if a.dest == "model")
     model_flag.choices = list(wan.WAN_PRESETS)
     model_flag.help = "with --init random: the preset (training/wan_diffusers/model.py)"
@@ -81,7 +85,8 @@ def build_parser() -> EntryParser:
                    help="'random' (diffusers' initialisation of --model's config, seeded by --seed) or a local "
                         "directory in diffusers' layout (WanTransformer3DModel.from_pretrained)")
     g.add_argument("--save-pretrained", default=None, metavar="DIR",
-                   help="after training, write the transformer in diffusers' layout to DIR (from_pretrained reads it)")
+                   help="after training, write the transformer in diffusers' layout to DIR "
+                        "(WanTransformer3DModel.from_pretrained reads it; with accelerate: pip install '.[diffusers]')")
     g.add_argument("--timestep-shift", type=float, default=5.0,
                    help="Wan's flow-matching timestep shift s: t = s u / (1 + (s - 1) u) (1.0: none)")
     g.add_argument("--text-len", type=int, default=None,
@@ -246,6 +251,7 @@ def main(argv: Optional[list] = None, return_params: bool = False, grads_at: Opt
     setup_logging(args.log_level, dist.get_rank())
     try:
         with report_failures(WHAT):
+            check_bf16_device(args, device)
             return _train(args, device, return_params, grads_at, dtype)
     finally:
         if own_pg:
@@ -306,7 +312,7 @@ def _build_model(args, device):
         preset, known, pipeline = args.model, wan.PRESET_TASKS[args.model], {}
     else:
         model = wan.load_model(args.init, device, sub)
-        preset, known, pipeline = "pretrained", None, wan.pipeline_config(args.init)
+        preset, known, pipeline = ckpt.PRETRAINED, None, wan.pipeline_config(args.init)
     task = wan_task.resolve(args.task, args.expert, args.boundary_ratio, known, pipeline, model.config)
     return model, preset, task
 
@@ -394,7 +400,7 @@ def _train(args, device, return_params: bool, grads_at: Optional[int], dtype: Op
 
     def save(step: int) -> None:
         out = ckpt.save(args.save, step, model, opt, {**run_id, "consumed_samples": step * global_batch,
-                                                       "global_batch": global_batch,
+                                                       "global_batch": global_batch, "init": args.init,
                                                        "layout": {"context_parallel_size": sp,
                                                                   "cp_comm_type": args.cp_comm_type}},
                         args.keep_last, trainable_only=lora is not None)

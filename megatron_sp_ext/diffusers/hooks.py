@@ -6,7 +6,8 @@ diffusers patched).
     for h in handles: h.remove()
 
 The model's own forward pre-hook first sets ``state.ctx`` (the patch grid of ``hidden_states`` [B, C, F, H, W] and,
-with a SparseAttentionPlan, its token order), then every plan entry:
+with a SparseAttentionPlan, its token order) and, with ``state.check_inputs``, checks that every SP rank was given the
+same inputs (inputs.py: one all_gather per model forward, on every rank), then every plan entry:
 - ``{name: ContextParallelInput(split_dim, expected_dims, split_output=False)}`` at module M: M's input ``name`` is
   put in the token order and sharded along split_dim (a forward pre-hook with kwargs);
 - ``{index: ContextParallelInput(..., split_output=True)}``: M's output ``index`` likewise (a forward hook);
@@ -30,19 +31,22 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import SPConfigError
+from .inputs import INPUT_NAMES, check_same_inputs
 from .sequence import ForwardContext, gather_tokens, split_tokens
 
 
 @dataclass
 class SequenceState:
     """What the hooks and processors of one parallelized model share: the SP group (None: one rank), its size, the
-    SparseAttentionPlan (or None), the current forward's ``ForwardContext`` and ``contexts``: the tensors each
+    SparseAttentionPlan (or None), whether each forward checks its inputs are the same on every rank, the current
+    forward's ``ForwardContext`` and ``contexts``: the tensors each
     forward handed to its layers -> that forward's context (weak keys by identity: entries go with the tensors)."""
 
     group: Optional[dist.ProcessGroup]
     sp_size: int
     sparse: Any = None
     patch_size: tuple = (1, 1, 1)
+    check_inputs: bool = True
     ctx: Optional[ForwardContext] = field(default=None)
     contexts: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary, repr=False)
 
@@ -161,6 +165,8 @@ def _gather_output_hook(cpos: list, state: SequenceState):
 def _context_hook(state: SequenceState, names: list[str]):
     def hook(module, args, kwargs):
         x, _ = _locate(names, "hidden_states", args, kwargs)
+        if state.check_inputs:   # a per-model setting, before any per-rank refusal: every rank reaches the collective
+            check_same_inputs({name: _locate(names, name, args, kwargs)[0] for name in INPUT_NAMES}, state.group)
         if not isinstance(x, torch.Tensor) or x.dim() != 5:
             raise SPConfigError(f"parallelize: {type(module).__name__}'s hidden_states must be a latent "
                                 f"[B, C, F, H, W]; got {type(x).__name__} {list(getattr(x, 'shape', []))}")

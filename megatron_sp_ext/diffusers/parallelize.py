@@ -3,7 +3,8 @@
     from megatron_sp_ext.diffusers import parallelize
     sp = parallelize(model, group)                    # mode=None: "auto"; any mode of SPConfig, settings as
                                                       # keywords, or config= a ready SPConfig (no mode then)
-    out = model(latent, timestep, text).sample        # every rank: the same full inputs, the same full output
+    out = model(latent, timestep, text).sample        # every rank: the same full inputs (checked: check_inputs=),
+                                                      # the same full output
     loss.backward(); all-reduce SUM each parameter's .grad over ``group``
     sp.remove()                                       # the model as it was
 
@@ -51,7 +52,8 @@ SPARSE_MEMBERS = ("block_size", "token_order", "attach", "detach", "__call__")
 @dataclass
 class SPHandle:
     """What ``parallelize`` did to a model. config: the SPConfig; group: the SP group as given; sp_size; processors:
-    the self-attention processors it set (blocks in order). ``remove()`` undoes it all."""
+    the self-attention processors it set (blocks in order). ``remove()`` undoes it all and lets go of the group, the
+    processors and the hooks (a removed handle keeps no process group alive past its destroy)."""
 
     model: torch.nn.Module = field(repr=False)
     config: SPConfig
@@ -73,6 +75,7 @@ class SPHandle:
             attn.set_processor(proc.original)
         if self.sparse is not None:
             self.sparse.detach(self.model)
+        self.group, self.processors, self.attentions, self.hooks = None, [], [], []
         self.removed = True
 
 
@@ -157,7 +160,7 @@ ROPE_CHOICES = ("fused", "eager")   # parallelize's rope=: rope.py's kernels whe
 
 
 def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = None, mode: Optional[str] = None, *,
-                config: Optional[SPConfig] = None, sparse: Any = None, rope: str = "fused",
+                config: Optional[SPConfig] = None, sparse: Any = None, rope: str = "fused", check_inputs: bool = True,
                 **settings: Any) -> SPHandle:
     """Shard ``model`` (a diffusers WanTransformer3DModel or WanVACETransformer3DModel) over the SP ``group`` and
     run every self-attention through ``make_attention``; returns the ``SPHandle``.
@@ -167,12 +170,17 @@ def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = Non
     registry's automatic choice, ``DEFAULT_MODE``), or config= a ready SPConfig (then no mode and no settings).
     sparse: a SparseAttentionPlan (token order, block mask per layer, optional extra branch) or None. rope: "fused"
     (Wan's RoPE as one kernel per direction on CUDA where it applies, bit for bit diffusers' ops: rope.py) or
-    "eager" (diffusers' ops).
+    "eager" (diffusers' ops). check_inputs: every forward checks that every rank of ``group`` was given the same
+    inputs (latent, timestep, text and image embeddings, VACE's control video: one all_gather of a few float64 per
+    rank and a host sync, inputs.py) and refuses different ones on every rank by name; False skips it (inputs equal
+    by construction). Give it the same value on every rank.
     Every rank passes the same full inputs and gets the same full output; parameter gradients must be all-reduced
     (SUM) over ``group`` (module docstring). Raises SPConfigError naming the keyword or the model's part."""
     _check_model(model)
     if rope not in ROPE_CHOICES:
         raise SPConfigError(f"parallelize: rope={rope!r}; valid: {', '.join(map(repr, ROPE_CHOICES))}")
+    if not isinstance(check_inputs, bool):
+        raise SPConfigError(f"parallelize: check_inputs={check_inputs!r}; valid: True (default) or False")
     cfg = _config(mode, config, settings)
     sp_size = dist.get_world_size(group) if group is not None else 1
     sp_group = group if sp_size > 1 else None
@@ -193,7 +201,7 @@ def parallelize(model: torch.nn.Module, group: Optional[dist.ProcessGroup] = Non
                                 f"their own; leave sparse=None")
     # one rank (sp_group None): the factory's one-rank path (every mode is the local attention)
     attention = make_attention(cfg, sp_group, num_heads=heads, layout="bshd", resources=SPResources(cfg))
-    state = SequenceState(sp_group, sp_size, sparse, tuple(model.config.patch_size))
+    state = SequenceState(sp_group, sp_size, sparse, tuple(model.config.patch_size), check_inputs)
     if sparse is not None:
         sparse.attach(model)
     attentions, processors = [], []

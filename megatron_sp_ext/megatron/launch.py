@@ -1,4 +1,4 @@
-"""Run a Megatron-LM launch script with megatron_sp_ext attention, its own arguments untouched.
+r"""Run a Megatron-LM launch script with megatron_sp_ext attention, its own arguments untouched.
 
     torchrun --nproc-per-node 8 -m megatron_sp_ext.megatron.launch pretrain_gpt.py \
         <Megatron-LM arguments> --context-parallel-size 4 --cp-comm-type hcms --hcms-head-chunks auto

@@ -1,4 +1,4 @@
-"""A DeepSpeed ALST (Ulysses for Hugging Face) training script, written as a DeepSpeed user writes one.
+r"""A DeepSpeed ALST (Ulysses for Hugging Face) training script, written as a DeepSpeed user writes one.
 
 A tiny Llama built from a ``transformers`` config (no downloaded weights), attention "sdpa",
 ``UlyssesSPAttentionHF.register_with_transformers`` as in DeepSpeed's ALST tutorial, each rank

@@ -1,4 +1,4 @@
-"""A DeepSpeed Ulysses training script, written as a DeepSpeed user writes one.
+r"""A DeepSpeed Ulysses training script, written as a DeepSpeed user writes one.
 
 A tiny causal GPT whose attention is ``deepspeed.sequence.layer.DistributedAttention`` (as in
 DeepSpeed's Ulysses examples and Megatron-DeepSpeed), DeepSpeed's own sequence-parallel groups

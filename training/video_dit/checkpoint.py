@@ -34,6 +34,7 @@ import re
 import shutil
 import time
 import zlib
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -232,8 +233,16 @@ def resolve(load: str) -> str:
             # a re-save of this step stopped between its two renames (commit_save): the previous,
             # complete copy is still there under .stale
             return stale
+        pointer = os.path.join(load, "latest")
+        if not os.path.isdir(step_dir):
+            others = [os.path.basename(p) for p in list_checkpoints(load)]
+            raise CheckpointError(
+                f"{pointer} names {os.path.basename(step_dir)}, but {step_dir} does not exist (deleted or moved "
+                f"after the save); " + (f"complete checkpoints there: {', '.join(others[-4:])}: give one as "
+                                        f"--load {os.path.join(load, others[-1])}" if others else
+                                        "no complete checkpoint is left there: drop --load to start a fresh run"))
         if not os.path.isfile(os.path.join(step_dir, "run.json")):
-            raise CheckpointError(f"{step_dir}: named by {os.path.join(load, 'latest')} but incomplete "
+            raise CheckpointError(f"{step_dir}: named by {pointer} but incomplete "
                                   f"(no run.json); the directory was changed after the save")
         return step_dir
     found = sorted(os.listdir(load))
@@ -261,7 +270,7 @@ def read_run(step_dir: str, expect: dict) -> dict:
         if key == "model" and isinstance(saved, dict) and isinstance(want, dict):  # fields this entry's models have
             saved = {**{k: v for k, v in _MODEL_DEFAULTS.items() if k in want}, **saved}
         if saved != want:
-            raise CheckpointError(f"{step_dir}: {_mismatch(key, saved, want)}")
+            raise CheckpointError(f"{step_dir}: {_mismatch(key, saved, want, run.get('init'))}")
     for rel, size in run.get("files", {}).items():
         full = os.path.join(step_dir, rel)
         if not os.path.isfile(full):
@@ -281,14 +290,24 @@ _ENTRY_SCRIPT = {"megatron-core": "training/pretrain_video_dit.py", "deepspeed":
                  "diffusers-wan": "training/train_wan_diffusers.py"}
 
 
-def _mismatch(key: str, saved, now) -> str:
-    """What differs between a checkpoint's identity ``key`` and this run's, and the setting that fixes it."""
+# the model "preset" of a run that loaded its model with --init DIR (training/train_wan_diffusers.py)
+PRETRAINED = "pretrained"
+
+
+def _mismatch(key: str, saved, now, init: Optional[str] = None) -> str:
+    """What differs between a checkpoint's identity ``key`` and this run's, and the setting that fixes it. ``init``:
+    the --init the checkpoint's run gave (run.json "init"; train_wan_diffusers.py), None where unknown."""
     if key == "model" and isinstance(saved, dict) and isinstance(now, dict):
         diff = [f"{k}: {saved.get(k)!r} saved, {now.get(k)!r} now"
                 for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        if saved.get("preset") == PRETRAINED:   # a model loaded from a directory: no --model names it
+            where = init if init is not None and init != "random" else "DIR"
+            return (f"another model ({'; '.join(diff)}); the checkpoint's run loaded its model with --init {where}: "
+                    f"resume with --init {where} (the same pretrained model, its config.json's layers)")
         modulation = f" --modulation {saved['modulation']}" if "modulation" in saved else ""
+        random_init = "--init random " if now.get("preset") == PRETRAINED else ""
         return (f"another model ({'; '.join(diff)}); resume with the saved --model / --num-layers"
-                f"{' / --modulation' if modulation else ''} (--model {saved.get('preset')} --num-layers "
+                f"{' / --modulation' if modulation else ''} ({random_init}--model {saved.get('preset')} --num-layers "
                 f"{saved.get('layers')}{modulation})")
     if key == "optimizer_impl":
         return (f"saved by the {saved!r} optimizer, this run uses {now!r}; resume with --ddp-impl {saved} "

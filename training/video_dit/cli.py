@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn, Optional
+from typing import Collection, NoReturn, Optional
 
 import torch
 
@@ -15,7 +15,7 @@ from . import deterministic
 from .checkpoint import add_checkpoint_args
 from .config import MODULATIONS, PRESETS, DiTConfig, preset
 from .data import LatentFileError, LatentShardDataset, SyntheticVideoLatents
-from .faults import job_rank
+from .faults import job_rank, launcher_stops_the_others, wait_for_rank0_to_report
 from .logs import add_log_level_arg
 from .sparse import (DEFAULT_TILE, SPARSE_CHOICES, SPARSE_FLAG, SPARSE_KERNEL_FLAG, TILE_FLAG, TOPK_FLAG, WINDOW_FLAG,
                      SparseSpec, check_tile_grid)
@@ -23,13 +23,17 @@ from .sparse import (DEFAULT_TILE, SPARSE_CHOICES, SPARSE_FLAG, SPARSE_KERNEL_FL
 
 class EntryParser(argparse.ArgumentParser):
     """The entry points' parser: a bad flag is one line on rank 0 (every rank exits 2), not the usage
-    text on every rank."""
+    text on every rank. Under torchrun the other ranks wait for rank 0 to print it (``wait_for_rank0_to_report``):
+    a rank exiting first made torchrun stop rank 0 before its line."""
 
     def error(self, message: str) -> NoReturn:
         line = f"{self.prog}: error: {message} (--help lists the flags)"
+        record_user_error(line)  # torchrun's "Root Cause" shows this line
         if job_rank() == 0:
             print(line, file=sys.stderr, flush=True)
-        record_user_error(line)  # torchrun's "Root Cause" shows this line
+        elif launcher_stops_the_others():   # rank 0 prints it and ends the job, unless the error is this rank's alone
+            wait_for_rank0_to_report()
+            print(f"[rank {job_rank()}] {line}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
@@ -58,8 +62,25 @@ def model_config(args: argparse.Namespace) -> DiTConfig:
     return preset(args.model, args.num_layers, getattr(args, "modulation", None))
 
 
-def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = p.add_argument_group("video DiT")
+class _HidingGroup:
+    """An argument group whose ``add_argument`` leaves the flags in ``hide`` out of --help (and the usage line); they
+    still parse, so the entry that refuses them names them in its own message."""
+
+    def __init__(self, group, hide: frozenset) -> None:
+        self.group, self.hide, self.hidden = group, hide, set()
+
+    def add_argument(self, *flags: str, **kwargs):
+        hidden = self.hide.intersection(flags)
+        if hidden:
+            kwargs["help"] = argparse.SUPPRESS
+            self.hidden |= hidden
+        return self.group.add_argument(*flags, **kwargs)
+
+
+def add_common_args(p: argparse.ArgumentParser, hide: Collection[str] = ()) -> argparse.ArgumentParser:
+    """The flags every entry shares. ``hide``: flags of these that an entry refuses (it checks them after parsing
+    and names them): parsed, but not listed by --help."""
+    g = _HidingGroup(p.add_argument_group("video DiT"), frozenset(hide))
     g.add_argument("--model", default="tiny", choices=list(PRESETS), help="model preset")
     g.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
     g.add_argument("--modulation", default="wan", choices=list(MODULATIONS),
@@ -90,7 +111,7 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--load", default=None, help="resume from this checkpoint directory")
     g.add_argument("--save-interval", type=int, default=0, help="save every N steps (0: only at the end)")
     g.add_argument("--log-dir", default=None, help="metrics.jsonl and loss.png go here")
-    g.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA; refused on the CPU)")
     g.add_argument("--quiet", action="store_true", help="no progress bar / summary")
     g.add_argument("--sample-steps", type=int, default=0,
                    help="after training, sample one clip per prompt with this many flow-matching Euler steps "
@@ -112,6 +133,8 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "most t, h, w tiles away along frames, rows, columns")
     add_log_level_arg(g)
     add_checkpoint_args(p)
+    if g.hide - g.hidden:
+        raise ValueError(f"add_common_args(hide=...): {', '.join(sorted(g.hide - g.hidden))} are not its flags")
     return p
 
 
@@ -154,6 +177,14 @@ def run_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
     """The attention's dtype of a run: bf16 under --bf16 on CUDA (the autocast) or with --bf16-params, else fp32."""
     bf16 = (getattr(args, "bf16", False) and device.type == "cuda") or getattr(args, "bf16_params", False)
     return torch.bfloat16 if bf16 else torch.float32
+
+
+def check_bf16_device(args: argparse.Namespace, device: torch.device) -> None:
+    """--bf16 is the bf16 autocast of a CUDA run: on the CPU it is refused (SPConfigError naming the flag), not
+    dropped in silence (the run would be fp32 under a flag that says bf16)."""
+    if getattr(args, "bf16", False) and device.type != "cuda":
+        raise SPConfigError(f"--bf16 (bf16 autocast) runs on CUDA devices; this run is on the {device.type} (no CUDA "
+                            f"device visible), where it computes in fp32: drop --bf16")
 
 
 def check_sparse_kernel(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

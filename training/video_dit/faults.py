@@ -44,8 +44,11 @@ def timeout_of(minutes: float) -> datetime.timedelta:
 
 ROLL_CALL_SECONDS = 10.0  # how long a survivor waits for the other ranks to report, once
 USER_ERROR_WAIT_SECONDS = 3.0  # how long a rank with a user error waits to learn which rank prints it
+# under torchrun, how long a rank other than 0 with a command-line error waits for rank 0 to print it and end the job
+PARSE_ERROR_WAIT_SECONDS = 10.0
 TRACEBACK_ENV = "SPX_TRACEBACK"
 _KEY = "spx_fault/rank_{}"
+ANNOUNCED = "spx_fault/announced"  # set by the rank that printed a user error, after printing it
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
@@ -65,6 +68,20 @@ def job_rank() -> int:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
         return 0
+
+
+def launcher_stops_the_others() -> bool:
+    """Whether this process runs under torchrun's agent, which stops every other worker as soon as one exits with
+    an error (so a rank that exits first can cut off another's message)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def wait_for_rank0_to_report(wait_s: float = PARSE_ERROR_WAIT_SECONDS) -> None:
+    """For a rank other than 0 with a command-line error, under torchrun: wait up to ``wait_s`` before exiting, so
+    that rank 0, which has the same error (the same argv and environment) and prints the job's one message, ends the
+    job first (the agent then stops this rank). Returning means rank 0 did not end it: the error is this rank's
+    alone, to be printed here. Without torchrun nothing stops rank 0 and the caller does not wait."""
+    time.sleep(wait_s)
 
 
 def wants_tracebacks(argv: Optional[list] = None) -> bool:
@@ -118,6 +135,10 @@ def report_failures(what: str = "training", roll_call_s: float = ROLL_CALL_SECON
             e.spx_announced = _lowest_with(store, rank, first) if store is not None else rank == 0
             if e.spx_announced:
                 print(f"[{what}] error: {e}", file=sys.stderr, flush=True)
+                if store is not None:
+                    _set(store, ANNOUNCED, first)
+            elif store is not None:   # exit after the printing rank printed: a launcher stops it when one exits
+                _wait_for(store, ANNOUNCED)
             raise
         lost_peer = _looks_like_peer_loss(e)
         if lost_peer:
@@ -160,9 +181,23 @@ def _lowest_with(store, rank: int, text: str, wait_s: float = USER_ERROR_WAIT_SE
 
 
 def _post(store, rank: int, text: str) -> None:
+    _set(store, _KEY.format(rank), text)
+
+
+def _set(store, key: str, text: str) -> None:
     try:
-        store.set(_KEY.format(rank), text)
+        store.set(key, text)
     except Exception:  # noqa: BLE001 - the store host may be the rank that died
+        pass
+
+
+def _wait_for(store, key: str, wait_s: float = USER_ERROR_WAIT_SECONDS) -> None:
+    """Wait up to ``wait_s`` until ``key`` is in ``store`` (a store gone ends the wait)."""
+    deadline = time.monotonic() + wait_s
+    try:
+        while not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - the store host (rank 0 without a launcher agent) may be gone
         pass
 
 

@@ -1,4 +1,4 @@
-"""Write a directory of latent shards for training/video_dit (one sample per file).
+r"""Write a directory of latent shards for training/video_dit (one sample per file).
 
 Format: each file holds "latent" [C, T, H, W] float32 and "text" [L, D_text] float32 (see
 training/video_dit/data.py). This tool writes the synthetic generator's samples; replace the

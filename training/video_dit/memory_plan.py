@@ -1,4 +1,4 @@
-"""Per-GPU memory plan for the video DiT: parameters, gradients, optimizer state, activations (no recompute, full
+r"""Per-GPU memory plan for the video DiT: parameters, gradients, optimizer state, activations (no recompute, full
 recompute, selective recompute that keeps the attention core, activation offloading), the SP exchanges' buffers,
 and whether it fits a GPU.
 

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
 from megatron_sp_ext.errors import SPConfigError
 
@@ -48,10 +49,19 @@ def shard_model(model: torch.nn.Module, dp_cp_group: dist.ProcessGroup, device: 
     mesh = DeviceMesh.from_group(dp_cp_group, device_type=device.type)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
         if bf16 else MixedPrecisionPolicy(cast_forward_inputs=False)
-    for blk in model.blocks:
-        fully_shard(blk, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for module in (*model.blocks, model):
+        module.register_forward_hook(own_output_views)   # before fully_shard's: it then sees the copies
+        fully_shard(module, mesh=mesh, mp_policy=mp)
     return model
+
+
+def own_output_views(module: torch.nn.Module, args, output):
+    """A forward hook: every output that requires grad and is a view (e.g. a Linear's [B, S, C] output, a view of
+    its 2-D matmul; diffusers' unpatchify) becomes a tensor of its own. FSDP2 puts its pre-backward hook (the
+    all-gather of the module's parameters for the backward) on the module's outputs, and an in-place op on a view
+    output would silently drop it, so FSDP2 warns "returned a view tensor" about every such output; a copy, the
+    size of the output (the model's: latent-sized), takes the risk and the warning away."""
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if t.requires_grad and t._base is not None else t, output)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
