@@ -245,4 +245,5 @@ def test_cuda_tile_sync_worker_runs_on_cpu(monkeypatch, world):
     merged = merge_ranks(run_ranks(fam.tile_sync_family, world, timeout=300))
     per_setting = 2 * 2 * (1 + (4 if world > 1 else 2))   # metadata + (warm-up + chunks) x C=1,2, or warm-up + layer
     assert len(merged) == 2 * per_setting and all(m["ok"] for m in merged), [(m["case"], m["why"]) for m in merged]
-    assert {m["case"].split(" ")[0] for m in merged} == ({"metadata", "chunks"} if world > 1 else {"metadata", "layer"})
+    assert {m["case"].split(" ")[0] for m in merged} == ({"metadata", "warm-up", "chunks"} if world > 1 else
+                                                         {"metadata", "warm-up", "layer"})
