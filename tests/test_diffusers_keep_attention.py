@@ -121,17 +121,17 @@ def test_keep_attention_needs_a_live_handle():
 
 
 def test_keep_attention_in_the_first_blocks_only():
-    """num_blocks=1 of 2: block 0 keeps its attention, block 1 recomputes whole (its attention twice); the numbers
+    """num_layers=1 of 2: block 0 keeps its attention, block 1 recomputes whole (its attention twice); the numbers
     are the same bits; out-of-range counts are refused by name."""
     stock, inputs = tiny_wan(), wan_inputs()
     ref = _run(stock, inputs, None, "none", "ulysses", False)
     model = copy.deepcopy(stock)
     handle = parallelize(model, None, mode="ulysses")
-    keep_attention_checkpointing(handle, num_blocks=1)
+    keep_attention_checkpointing(handle, num_layers=1)
     assert [p.kept is not None for p in handle.processors] == [True, False]
     counts = Counts(model, handle)
     out, grads = forward_backward(model, inputs, None)
     assert _same((out, grads, None), ref)
     assert (counts.attention, counts.to_q, counts.ffn) == (3, 4, 4)
-    with pytest.raises(SPConfigError, match="num_blocks=3"):
-        keep_attention_checkpointing(handle, num_blocks=3)
+    with pytest.raises(SPConfigError, match="num_layers=3"):
+        keep_attention_checkpointing(handle, num_layers=3)

@@ -119,8 +119,10 @@ def test_the_scan_finds_each_retired_word(tmp_path):
 
 
 def test_the_renamed_fields_and_lists():
-    """The mesh order is 'arrangement' where the library declares it; the settings and keywords users write keep
-    their names (SPConfig.placement, --sp-placement, build_sp_mesh(placement=), block_mask=, block_size=)."""
+    """The mesh order is 'arrangement' where the library declares it and in the public settings (SPConfig.arrangement,
+    --sp-arrangement, build_sp_mesh(arrangement=)); the older names are still taken (SPConfig(placement=),
+    build_sp_mesh(placement=)). The public functions take the AttentionProblem, whose fields are the problem's
+    keywords (placement: the token order; tile, with block_size its older name; block_mask)."""
     import inspect  # noqa: PLC0415
 
     import megatron_sp_ext as spx  # noqa: PLC0415
@@ -131,11 +133,15 @@ def test_the_renamed_fields_and_lists():
     mesh_fields = {f.name for f in dataclasses.fields(SPMesh)}
     assert "arrangement" in mesh_fields and "placement" not in mesh_fields
     assert config.ARRANGEMENTS == ("auto", "usp", "tas") and not hasattr(config, "PLACEMENTS")
-    assert "placement" in {f.name for f in dataclasses.fields(spx.SPConfig)}
-    assert inspect.signature(spx.build_sp_mesh).parameters["placement"].default == "auto"
+    assert {"arrangement", "placement"} <= {f.name for f in dataclasses.fields(spx.SPConfig)}
+    assert spx.SPConfig(placement="usp").arrangement == "usp"   # the older name, the same setting
+    mesh_params = inspect.signature(spx.build_sp_mesh).parameters
+    assert mesh_params["arrangement"].default == "auto" and mesh_params["placement"].default is None
+    from megatron_sp_ext.sp import problem as pb  # noqa: PLC0415
+    assert {"block_mask", "tile", "placement"} <= set(pb.PROBLEM_KEYWORDS) and pb.ALIASES == {"block_size": "tile"}
     for fn in (spx.ulysses_attention, spx.ring_attention, spx.hybrid_attention, spx.torus_attention):
         params = inspect.signature(fn).parameters
-        assert {"block_mask", "block_size", "placement"} <= set(params), fn.__name__
+        assert "problem" in params and params["keywords"].kind is inspect.Parameter.VAR_KEYWORD, fn.__name__
 
 
 def test_every_leftover_is_still_there():

@@ -81,22 +81,22 @@ class KeptAttention:
                                                  torch.utils.checkpoint.noop_context_fn)
 
 
-def keep_attention_checkpointing(handle, num_blocks: Optional[int] = None) -> KeptAttention:
+def keep_attention_checkpointing(handle, num_layers: Optional[int] = None) -> KeptAttention:
     """Turn on gradient checkpointing of every block of ``handle.model`` (a ``parallelize`` handle) with the
-    self-attention kept (module docstring) in the first ``num_blocks`` blocks (None: all, VACE's blocks too; the
+    self-attention kept (module docstring) in the first ``num_layers`` layers (None: all, VACE's blocks too; the
     other blocks recompute whole, as diffusers' checkpointing: less memory); returns the ``KeptAttention`` the
     processors consult (its counters). ``handle.remove()`` takes the processors away; the model's checkpointing then
     recomputes whole blocks (``model.disable_gradient_checkpointing()`` turns it off)."""
     if getattr(handle, "removed", True) or not getattr(handle, "processors", None):
         raise SPConfigError("keep_attention_checkpointing takes the handle parallelize returned (not removed)")
-    blocks = len(handle.model.blocks)
-    if num_blocks is not None and not 0 <= num_blocks <= blocks:
-        raise SPConfigError(f"keep_attention_checkpointing: num_blocks={num_blocks}; the model has {blocks} blocks "
-                            f"(0..{blocks}, or None for all)")
+    layers = len(handle.model.blocks)
+    if num_layers is not None and not 0 <= num_layers <= layers:
+        raise SPConfigError(f"keep_attention_checkpointing: num_layers={num_layers}; the model has {layers} layers "
+                            f"(0..{layers}, or None for all)")
     kept = KeptAttention()
     for proc in handle.processors:
         main = proc.where.startswith("blocks.")
-        if num_blocks is None or (main and proc.layer_index < num_blocks):
+        if num_layers is None or (main and proc.layer_index < num_layers):
             proc.kept = kept
     handle.model.enable_gradient_checkpointing(gradient_checkpointing_func=kept.checkpoint)
     return kept
