@@ -48,3 +48,21 @@ def test_dynamic_sp_line_is_a_command_the_entry_takes():
     for span in spans:
         args = pretrain_video_dit.parse([("4096" if w == "N" else w) for w in span.split()])
         assert args.dynamic_context_parallel and args.pack_samples and args.max_tokens_per_step == 4096
+
+
+def test_readme_states_what_gpus_disk_and_megatron_lm_need():
+    """#83 item 8: the Megatron-LM route needs a Megatron-LM checkout and GPUs; the GPUs tested and FA4's head-dim
+    range (as fa4.head_dim_ok checks it); the disk `make test` needs for `.venv-current`."""
+    import torch
+    from megatron_sp_ext.attention.kernels import fa4
+    with open(README) as f:
+        text = " ".join(f.read().split())
+    assert "Megatron-LM's own `pretrain_gpt.py` (core_v0.16.1 to main; needs a Megatron-LM checkout and GPUs, not CPU" \
+        in text
+    assert "GPUs: Hopper tested (H100, H200)" in text
+    lo = fa4.MIN_HEAD_DIM
+    assert f"runs bf16/fp16 head dims {lo}-256, multiples of 8 (Blackwell: {lo}-128, 256; refused below {lo}" in text
+    cpu = torch.device("cpu")   # head_dim_ok's Hopper rule off Blackwell
+    assert [fa4.head_dim_ok(d, cpu) for d in (lo - 8, lo, lo + 4, lo + 8, 256, 264)] == \
+        [False, True, False, True, True, False]
+    assert "make test # .venv, then .venv-current (~9 GB free disk" in text
