@@ -28,22 +28,23 @@ T = S // BS
 
 
 class GatherCount:
-    """Counts torch.distributed.all_gather calls while active (the agreement's collective)."""
+    """Counts the cross-rank agreements (``checks.agree_across_ranks`` as the problem calls it: one collective each)
+    while active."""
 
     def __init__(self) -> None:
         self.calls, self._orig = 0, None
 
     def __enter__(self) -> "GatherCount":
-        self._orig = dist.all_gather
+        self._orig = pb.agree_across_ranks
 
         def counted(*args, **kwargs):
             self.calls += 1
             return self._orig(*args, **kwargs)
-        dist.all_gather = counted
+        pb.agree_across_ranks = counted
         return self
 
     def __exit__(self, *exc) -> None:
-        dist.all_gather = self._orig
+        pb.agree_across_ranks = self._orig
 
 
 def bind(q, g, what, mode, variant=None, varlen_kernel="per_sample", **settings):

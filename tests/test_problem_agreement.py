@@ -92,23 +92,24 @@ def test_settings_that_differ_are_named():
 
 def _one_collective_per_problem(rank, world):
     """A problem built once and passed to many calls is agreed once: later calls run no check collective (counted
-    by wrapping all_gather), and their results equal the keyword form's."""
+    by wrapping the agreement), and their results equal the keyword form's."""
     g = dist.group.WORLD
     torch.manual_seed(1)
     x = spx.shard_sequence(torch.randn(1, 8 * world, 4, 8, dtype=torch.float64), g)
     problem = AttentionProblem(causal=True)
+    from megatron_sp_ext.sp import problem as problem_mod
     calls = []
-    real = dist.all_gather
+    real = problem_mod.agree_across_ranks
 
     def counting(*a, **kw):
         calls.append(1)
         return real(*a, **kw)
-    dist.all_gather = counting
+    problem_mod.agree_across_ranks = counting
     try:
         outs = [spx.ulysses_attention(x, x, x, g, problem) for _ in range(3)]
         outs += [spx.ring_attention(x, x, x, g, problem) for _ in range(2)]
     finally:
-        dist.all_gather = real
+        problem_mod.agree_across_ranks = real
     assert len(calls) == 1, calls
     ref = spx.ulysses_attention(x, x, x, g, causal=True)
     for o in outs:
@@ -134,16 +135,17 @@ def _with_mask_agreed(rank, world):
     step = AttentionProblem(tile=4)
     spx.ulysses_attention(x, x, x, g, step)
     t = 8 * world // 4
+    from megatron_sp_ext.sp import problem as problem_mod
     calls = []
-    real = dist.all_gather
-    dist.all_gather = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    real = problem_mod.agree_across_ranks
+    problem_mod.agree_across_ranks = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     try:
         for layer in range(3):
             m = torch.rand(1, t, t, generator=torch.Generator().manual_seed(layer)) < 0.5
             m |= torch.eye(t, dtype=torch.bool)
             spx.ulysses_attention(x, x, x, g, step.with_mask(m, agreed=True))
     finally:
-        dist.all_gather = real
+        problem_mod.agree_across_ranks = real
     assert calls == []
     bad = torch.eye(t, dtype=torch.bool).unsqueeze(0)
     if rank == 1:

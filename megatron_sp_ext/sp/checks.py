@@ -164,16 +164,21 @@ _MASK_COLS, _PACKED_COLS, _SUM_COLS = slice(21, 23), slice(23, 26), slice(26, 28
 def agree_across_ranks(pb, q, k, v, group, what: str, error: Optional[BaseException], *,
                        with_mask: bool = True) -> None:
     """The cross-rank check of one problem ``pb`` (an ``AttentionProblem``) and this rank's q, k, v over
-    ``group``: ONE all_gather of a fingerprint (``_fingerprint``) and a host sync, reached by every rank. Raises
+    ``group``: ONE small all-gather of a fingerprint (``_fingerprint``; as a pairwise all_to_all) and a host sync,
+    reached by every rank. Raises
     one SPConfigError on every rank when any rank refused its input (``error``: this rank's own, raised here after
     the collective; the others name that rank and its message) or the ranks' dtypes, shard shapes, settings, block
     masks (``with_mask``) or packed samples differ."""
     world = dist.get_world_size(group)
     dev = _device_of(group)
     mine = _fingerprint(pb, q, k, v, error is not None, with_mask, dev)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    rows = torch.stack(parts).cpu()   # the one host sync of the problem
+    # an all-gather as one pairwise all_to_all: every rank exchanges with every other directly, as the exchanges
+    # that follow do, so a rank that died is seen by all the others at once (a ring all_gather over gloo blocks
+    # the ranks not next to it until their neighbours give up, past the fault report's roll call)
+    send = mine.unsqueeze(0).expand(world, -1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    rows = recv.cpu()   # the one host sync of the problem
     failed = [r for r in range(world) if rows[r, 0]]
     if failed:   # every rank sees it: one more collective (error path only) carries the messages
         said = [None] * world
