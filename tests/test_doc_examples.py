@@ -52,15 +52,13 @@ print("NO_GLOO_THREAD_LEFT")
 """
 
 
-# Reference cycles that hold a group past its destroy (issue #83 item 2), in modules being redesigned for item 1:
-# sp/checks.py MaskChecks._remember (its entry's weakref callback closes over the entry's dict, which holds the group)
-# and sp/ring/torus.py _Ctx (its ``_mk`` lambda closes over ``self``, which holds the mesh and its groups).
-_CYCLES = pytest.mark.xfail(strict=True, reason="sp/checks.py MaskChecks and sp/ring/torus.py _Ctx hold the group in a "
-                                                "reference cycle (#83 item 2; fixed with item 1's redesign)")
+# Reference cycles that held a group past its destroy (issue #83 item 2): sp/checks.py MaskChecks._remember (its
+# entry's weakref callback closed over the entry's dict, which held the group; MaskChecks left with #85's redesign)
+# and sp/ring/torus.py _Ctx (its ``_mk`` lambda closed over ``self``, which holds the mesh and its groups).
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists the process's threads through /proc (Linux)")
-@pytest.mark.parametrize("doc,i,block", [pytest.param(*b, marks=_CYCLES) for b in BLOCKS]
+@pytest.mark.parametrize("doc,i,block", [pytest.param(*b) for b in BLOCKS]
                          + [("README.md", i, b) for i, b in enumerate(README_BLOCKS)],
                          ids=[f"{d}:{i}" for d, i, _ in BLOCKS] + [f"README.md:{i}" for i in range(len(README_BLOCKS))])
 def test_doc_block_leaves_no_gloo_group_alive(doc, i, block, tmp_path):

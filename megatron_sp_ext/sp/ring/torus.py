@@ -118,11 +118,12 @@ class _Ctx:
 
         def ring_runs(ls) -> tuple:  # per ring rank j: the runs of the Ulysses ranks ``ls`` of its row
             return tuple(tuple(r for l in ls for r in runs(j, l)) for j in range(mesh.ring_size))
-        # every block's ring: this rank's head group's mask rows (block_mask: the ring's skips per block)
+        # every block's ring: this rank's head group's mask rows (block_mask: the ring's skips per block); the
+        # closure holds no ``self`` (a cycle through it kept the mesh's groups alive past destroy_process_group)
+        heads = slice(*hl.q_range(mesh.ulysses_index, 0))
         self._mk = lambda q_ls, kv_ls: RingBackend(  # noqa: E731
             mesh.ring_group, variant, ring_runs(q_ls)[mesh.ring_index], ring_runs(kv_ls), inner, kv_valid_len, cu,
-            problem=problem, seq_len=seqlen, q_runs_of=ring_runs(q_ls),
-            heads=slice(*hl.q_range(self.t, 0)))
+            problem=problem, seq_len=seqlen, q_runs_of=ring_runs(q_ls), heads=heads)
 
     def be(self, q_ls, kv_ls) -> RingBackend:
         key = (tuple(q_ls), tuple(kv_ls))
