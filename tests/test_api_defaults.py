@@ -80,7 +80,7 @@ def test_every_public_backend_default_is_spconfigs():
     default = next(f.default for f in dataclasses.fields(SPConfig) if f.name == "backend")
     fns = [spx.ulysses_attention, spx.ring_attention, spx.hybrid_attention, spx.torus_attention,
            spx.packed_ulysses_attention, spx.PackedUlysses.__init__, LayerRun.__init__,   # the layers' backend
-           engine.one_device_core, engine.make_core]
+           engine.make_core]
     try:   # DeepSpeed's attention takes SPConfig's own settings (**settings): its default is SPConfig's
         from megatron_sp_ext.deepspeed.attention import SPDistributedAttention
         params = inspect.signature(SPDistributedAttention.__init__).parameters

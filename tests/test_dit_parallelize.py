@@ -28,7 +28,7 @@ ENTRIES = ("training/pretrain_video_dit.py", "training/train_deepspeed.py")
 # what parallelize does in one place: no caller outside training/video_dit/parallel.py in the training package
 STEPS = {"set_sparse_attention", "set_recompute", "set_cpu_offloading", "set_fused_elementwise", "set_packed_qkv",
          "set_attention_core", "set_async_attention", "set_layer_policy", "make_core", "core_of",
-         "make_dynamic_core", "one_device_core"}
+         "make_dynamic_core"}
 
 
 def _calls(path: str) -> list:
@@ -89,12 +89,12 @@ def _spy_run(rank, world, entry: str, sp: int):
 @pytest.mark.parametrize("sp", [1, 2])
 def test_entry_builds_attention_through_parallelize(entry, sp):
     """Each entry calls parallelize once; its core comes from engine.core_of (one family for both entries): the
-    one-device core at SP=1, the factory's attention at SP=2, installed in every block."""
+    factory's attention at SP=1 (its one-rank path) and at SP=2, installed in every block."""
     for seen, n_core in run_ranks(_spy_run, sp, entry, sp, timeout=120):
         assert n_core == 1 and len(seen) == 1, (seen, n_core)
         size, qualname, one_rank, everywhere = seen[0]
         assert size == sp and everywhere and one_rank == (sp == 1)
-        assert qualname == ("one_device_core.<locals>.core" if sp == 1 else "core_of.<locals>.core"), qualname
+        assert qualname == "core_of.<locals>.core", qualname
 
 
 def _step(group, config):

@@ -26,7 +26,7 @@ time and sparse_tokens_per_s_ratio_<v> = <v> / guarded tokens/s (both need "guar
 job). MFU: the entry's ``mfu`` counts DENSE attention FLOPs (DiTConfig.flops_per_token), so for a sparse variant it
 is a dense-equivalent rate; ``mfu_sparse_aware`` rescales it to the FLOPs the sparse step
 computes (``sparse_flops_per_token``: self-attention x (1 - sparsity), plus the top-k gate's Linear and the coarse
-branch). At SP=1 the DiT's sparse core is megatron_sp_ext's block-sparse kernel (``engine.one_device_core``:
+branch). At SP=1 the DiT's sparse core is megatron_sp_ext's block-sparse kernel (the factory's one-rank path:
 flex_attention on CUDA); with SP > 1 the factory's SPAttention runs its block_mask path (results record
 ``sparse_core``, from --context-parallel-size).
 The medians leave out the first log interval (warm-up, which includes torch.compile's compilation).

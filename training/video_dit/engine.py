@@ -33,51 +33,16 @@ from .varlen import PackInfo
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
-def one_device_core(backend: str = "auto", setting: str = "--sp-attention-backend", tile_setting: str = "auto"):
-    """The attention core(q, k, v, kv_valid_len, cu_seqlens) on one device ([B, S, H, D], no sequence parallelism) on
-    the local kernel ``backend``: FA4 where "auto"/"sdpa" resolve to it or "fa4" is named, the named kernel for
-    "cudnn"/"torch_flash"/..., else torch SDPA (``model.local_core``, the DiT's reference path). A sparse step's
-    ``block_mask`` / ``block_size`` (--sparse-attention tiles) run megatron_sp_ext's block-sparse kernel
-    ``tile_setting`` (--sparse-attention-kernel; "auto": the registry's first that runs the call, FA4's block sparsity
-    or flex_attention on CUDA, the math kernel on CPU; a named one must run it, else SPConfigError naming the flag),
-    the one the SP modes run, on every backend."""
-    from megatron_sp_ext.attention.block_sparse import block_sparse_attention  # noqa: PLC0415
-    from megatron_sp_ext.sp.ulysses.attend import local_attention  # noqa: PLC0415
-    from .model import local_core  # noqa: PLC0415
-    be = get_backend(backend, setting)
-
-    def core(q, k, v, kv_valid_len=None, cu_seqlens=None, block_mask=None, block_size=None):
-        q_bhsd, k_bhsd, v_bhsd = (t.transpose(1, 2) for t in (q, k, v))
-        if block_mask is not None:
-            if cu_seqlens is not None:  # the reference names the flags
-                return local_core(q, k, v, kv_valid_len, cu_seqlens, block_mask, block_size)
-            o = block_sparse_attention(q_bhsd, k_bhsd, v_bhsd, block_mask, block_size=block_size,
-                                       kv_valid_len=kv_valid_len, kernel=tile_setting, setting=SPARSE_KERNEL_FLAG)
-            return o.transpose(1, 2)
-        if isinstance(be, AutoBackend) and be.plain_via_torch_sdpa(q_bhsd):   # torch's own dispatch: the reference
-            return local_core(q, k, v, kv_valid_len, cu_seqlens)
-        valid = kv_valid_len if kv_valid_len is not None and kv_valid_len < k.shape[1] else None
-        cu = tuple(int(c) for c in cu_seqlens.tolist()) if cu_seqlens is not None else None
-        if cu is not None and valid is not None:
-            raise SPConfigError("packed samples (cu_seqlens) carry no padding: kv_valid_len must be None")
-        o = local_attention(be, q_bhsd, k_bhsd, v_bhsd, False, q.shape[-1] ** -0.5, valid, 0.0, cu,
-                            "auto" if cu is not None else "per_sample")
-        return o.transpose(1, 2)
-    return core
-
-
 def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: str = "ring",
               placement: str = "auto", ulysses_size=None, nodes=None, backend: str = "auto",
               transport: str = "nccl", source: str = "megatron", tile_setting: str = "auto"):
     """``core_of`` with the SPConfig of these settings (errors name the flags of ``source``); on one rank (group None
-    or size 1) no SPConfig is built: the one-device core of ``backend``."""
+    or size 1) the mode is the local attention of ``backend`` (the factory's one-rank path)."""
     world = dist.get_world_size(group) if group is not None else 1
-    if world == 1:
-        core = one_device_core(backend, setting=SPConfig(source=source).name("backend"), tile_setting=tile_setting)
-        core.group = None
-        return core
+    if world == 1:   # one rank: every mode is the local attention; the mesh settings mean nothing here
+        mode, head_chunks, placement, ulysses_size, nodes, transport = "ulysses", 1, "auto", None, None, "nccl"
     cfg = SPConfig(mode=mode, head_chunks=modes.head_chunks_of(mode, head_chunks), ring_variant=ring_variant,
-                   placement=placement, ulysses_size=ulysses_size, nodes=nodes, backend=backend,
+                   arrangement=placement, ulysses_size=ulysses_size, nodes=nodes, backend=backend,
                    transport=transport, source=source)
     return core_of(cfg, group, num_heads=num_heads, tile_setting=tile_setting)
 
@@ -85,7 +50,7 @@ def make_core(mode: str, group, *, num_heads: int, head_chunks=1, ring_variant: 
 def core_of(cfg: SPConfig, group, *, num_heads: int, tile_setting: str = "auto"):
     """The DiT's attention core(q, k, v, kv_valid_len) on [B, S_local, H, D] shards (contiguous token placement)
     for ``cfg`` (its mode, chunks, backend, ...; errors name the settings of ``cfg.source``) over ``group`` (None or
-    size 1: ``one_device_core`` of ``cfg.backend``): the factory's attention (megatron_sp_ext.make_attention), with
+    size 1: the factory's one-rank path): the factory's attention (megatron_sp_ext.make_attention), with
     its ``packed`` entry (Ulysses / HCMS) and ``attention``. The one core family of both entries (Megatron and
     DeepSpeed). The DiT has no attention dropout (its attention is dropout-free). Sparse steps call
     core(q, k, v, kv_valid_len, block_mask=, block_size=) (model.AttentionCore), their block-sparse calls on
@@ -93,14 +58,11 @@ def core_of(cfg: SPConfig, group, *, num_heads: int, tile_setting: str = "auto")
     one rank)."""
     world = dist.get_world_size(group) if group is not None else 1
     backend_setting = cfg.name("backend")
-    if world == 1:
-        core = one_device_core(cfg.backend, setting=backend_setting, tile_setting=tile_setting)
-        core.group = None
-        return core
     local = with_tile_kernel(cfg.backend, tile_setting, SPARSE_KERNEL_FLAG, backend_setting)  # "auto": the backend
-    # the resources (streams, auto's policies) made here: one place a test can hand in policies with its own timers
-    attn = make_attention(cfg, group, num_heads=num_heads, layout="bshd", placement="contiguous", backend=local,
-                          resources=SPResources(cfg))
+    # the resources (streams, auto's policies) made here: one place a test can hand in policies with its own timers;
+    # one rank: the factory's one-rank path (the same kernels, the same problems per forward)
+    attn = make_attention(cfg, group if world > 1 else None, num_heads=num_heads, layout="bshd",
+                          placement="contiguous", backend=local, resources=SPResources(cfg))
 
     step: dict = {"problems": None}   # this forward's AttentionProblems (begin_step), None before the first
 
@@ -150,7 +112,7 @@ def core_of(cfg: SPConfig, group, *, num_heads: int, tile_setting: str = "auto")
         return memo[("packed", n)][0]
     core.problem_for = problem_for
     core.attention = attn
-    core.group = group
+    core.group = group if world > 1 else None
     core.mode_policy = attn.res.mode_policy
     if attn.packed is not None:
         core.packed = attn.packed

@@ -7,7 +7,7 @@
 
 ``group``: the SP process group (None or size 1: one rank). Everything runs through megatron_sp_ext's public API
 (``SPConfig``, ``make_attention``) in ``engine.core_of``: one core family for the Megatron and DeepSpeed entries
-(one rank: ``engine.one_device_core``, the block-sparse kernel for sparse steps; SP: the factory's attention), or
+(the factory's attention, its one-rank path on one rank; the block-sparse kernel for sparse steps), or
 dynamic SP's ``dynamic.make_dynamic_core``. Call it before the optimizer is built: top-k sparse attention adds
 the coarse branch's gates (parameters). Errors name the user's settings (``config.sp.source``: flags or JSON keys).
 """
