@@ -79,7 +79,7 @@ def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout:
 def packed_cu(cu_seqlens, bsz: int, seqlen: int, placement: str, world: int) -> Optional[PackedSamples]:
     """``cu_seqlens`` (packed samples: 1-D int [n_samples + 1] real cumulative lengths, or ``PackedSamples``) for a
     batch of ``bsz`` padded sequences of ``seqlen`` rows split by ``placement`` over ``world`` ranks, or None when
-    not given, after checking what packed samples need (B=1; ``problem.describe`` refuses kv_valid_len with them);
+    not given, after checking what packed samples need (B=1; ``AttentionProblem.bind`` refuses kv_valid_len with them);
     raises SPConfigError naming the argument."""
     if cu_seqlens is None:
         return None

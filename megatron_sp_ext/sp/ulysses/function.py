@@ -199,9 +199,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     selected key give zeros. After the exchange each chunk attends in global order with its heads' mask rows, on
     the "math" block kernel (backend="math", or off CUDA) or flex_attention (CUDA; other ``AutoBackend``s
     name no kernel for it; a caller's callable, flash_attn or te backend is refused); head_chunks="auto" picks C by
-    the dense call's calibration. Not combined with cu_seqlens, dropout_p or seq_order.
-    mask_checks: a ``checks.MaskChecks`` that compares each distinct block mask across ranks once (None: this call
-    compares it: one all_gather and a host sync).
+    the dense call's calibration. Not combined with cu_seqlens, dropout_p or seq_order. The mask is compared across
+    ranks with the problem's agreement, once per problem (``AttentionProblem.with_mask(agreed=True)``: not at all).
     """
     problem, opts = problem_from_keywords("ulysses_attention", problem, keywords, tuple(OPTIONS))
     opts = {**OPTIONS, **opts}
