@@ -39,8 +39,9 @@ def input_checksums(values: dict, device: torch.device) -> torch.Tensor:
             rows.append(torch.zeros(4, dtype=torch.float64, device=device))
             continue
         x = x.detach() if x.is_floating_point() else x.detach().double()   # e.g. an integer timestep
-        sums = torch.stack([x.sum(dtype=torch.float64),
-                            torch.linalg.vector_norm(x, dtype=torch.float64).square()]).to(device)
+        with torch.autocast(x.device.type, enabled=False):   # float64 sums, whatever autocast the caller runs
+            sums = torch.stack([x.sum(dtype=torch.float64),
+                                torch.linalg.vector_norm(x, dtype=torch.float64).square()]).to(device)
         rows.append(torch.cat([torch.tensor([1.0, float(x.numel())], dtype=torch.float64, device=device), sums]))
     return torch.stack(rows)
 
