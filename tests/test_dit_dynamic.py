@@ -247,7 +247,8 @@ def _sample_dynamic_vs_sp1(rank, world):
         out = sample_latents(model, text, shape, steps=3, seed=11, group=dist.group.WORLD)
         errs.append((out - ref).abs().max().item())
         assert errs[-1] < 1e-5, f"dynamic {mode} P={world}: max |sample - SP1| = {errs[-1]}"
-    local = sample_latents(sample_model(None, "ulysses"), text, shape, steps=3, seed=11, group=dist.group.WORLD)
+    from tests.test_sample import rank_local_model
+    local = sample_latents(rank_local_model(), text, shape, steps=3, seed=11, group=dist.group.WORLD)
     assert (local - ref).abs().max().item() > 1e-3, "attention does not influence the sample"
     return errs
 

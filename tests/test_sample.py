@@ -26,6 +26,15 @@ def sample_model(group, mode, **kw):
     return model
 
 
+def rank_local_model():
+    """The SP=1 model with its own reference core (``model.local_core``): run on a rank's shard, it attends to
+    the rank's tokens only (padding past the shard ignored): the negative control of SP sampling."""
+    from training.video_dit.model import local_core
+    model = sample_model(None, "ulysses")
+    model.set_attention_core(local_core)
+    return model
+
+
 def _sample_sp_vs_sp1(rank, world, frames, mode, kw):
     data = SyntheticVideoLatents(CFG.in_channels, [frames], 6, 10, CFG.text_len, CFG.text_dim, seed=1)
     idx = pick_prompts(data, 2)
@@ -37,8 +46,9 @@ def _sample_sp_vs_sp1(rank, world, frames, mode, kw):
     assert out.shape == (2, *shape) and torch.isfinite(out).all()
     err = (out - ref).abs().max().item()
     assert err < 1e-5, f"{mode} SP={world}: max |SP - SP1| = {err}"
-    # negative control: each rank attending only to its own tokens must change the sample
-    local = sample_model(None, "ulysses")
+    # negative control: each rank attending only to its own tokens must change the sample (the model's own
+    # reference core: the factory's one-rank path refuses the global kv_valid_len a shard is given)
+    local = rank_local_model()
     local_out = sample_latents(local, text, shape, steps=4, seed=11, group=dist.group.WORLD)
     gap = (local_out - ref).abs().max().item()
     assert gap > 1e-3, f"attention does not influence the sample (gap {gap})"

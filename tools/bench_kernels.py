@@ -1,4 +1,4 @@
-"""Local attention kernels side by side on one GPU, one job: FlashAttention-4 ("fa4") against cuDNN ("cudnn", what
+r"""Local attention kernels side by side on one GPU, one job: FlashAttention-4 ("fa4") against cuDNN ("cudnn", what
 torch's SDPA picks on Hopper and what every mode ran before FA4), through the library's own kernel calls.
 
 Rows (bf16, B=1, head dim 128 unless --head-dim):
