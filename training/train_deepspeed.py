@@ -51,7 +51,7 @@ logger = logging.getLogger("video_dit")
 
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p = EntryParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p)
+    add_common_args(p, hide=("--bf16",))   # precision is the JSON's ("bf16": {"enabled": true}): refused below
     p.add_argument("--deepspeed-config", default=None,
                    help="DeepSpeed JSON (with sequence_parallel_ext); default: ZeRO-1 AdamW at --lr, SP defaults")
     p.add_argument("--context-parallel-size", "--sequence-parallel-size", type=int, default=None,
@@ -59,6 +59,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     add_train_args(p)
     args = p.parse_args(argv)
+    if args.bf16:   # shared with the other entries, where it is autocast; here DeepSpeed's JSON sets the precision
+        p.error('--bf16: the DeepSpeed entry takes its precision from the DeepSpeed config: set "bf16": {"enabled": '
+                'true} in --deepspeed-config (it ran fp32 under this flag before)')
     check_common_args(p, args)
     return args
 
