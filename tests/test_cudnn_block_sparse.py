@@ -327,3 +327,25 @@ def test_zero_dead_writes_the_dead_blocks_rows_only_through_a_strided_view(rows)
     want = torch.where(per_row[None], lse, float("-inf"))
     assert torch.equal(cbs.zero_dead(lse, live, 4, float("-inf")), want)
     assert torch.equal(cbs.zero_dead(x, torch.ones(rows, 5, dtype=torch.bool), 4), expect)   # all live: untouched
+
+
+def test_a_package_that_does_not_import_is_a_reason_not_a_crash(monkeypatch):
+    """Found on a GPU (2026-11-29): cudnn's frontend installed without its CuTe DSL was picked by "auto" and every call
+    failed with "No module named 'cutlass'". A package that is found but does not import is now a reason, so the
+    registry picks another kernel and an explicit choice is refused by name."""
+    def broken():
+        raise ModuleNotFoundError("No module named 'cutlass'")
+    monkeypatch.setattr(cbs, "installed", lambda: True)
+    monkeypatch.setattr(cbs, "api", broken)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cbs.import_problem.cache_clear()
+    try:
+        reason = cbs.why_not(torch.device("cuda"), torch.bfloat16, 128)
+        assert "does not import" in reason and "cutlass" in reason and "nvidia-cudnn-frontend" in reason
+        call = kernels.KernelCall(torch.device("cuda"), torch.bfloat16, 128, frozenset({"tiles", "lse"}))
+        assert "does not import" in kernels.get(NAME).why_not(call)
+        monkeypatch.setattr(cbs, "api", lambda: object())   # importable: no reason from the import
+        cbs.import_problem.cache_clear()
+        assert cbs.why_not(torch.device("cuda"), torch.bfloat16, 128) is None
+    finally:
+        cbs.import_problem.cache_clear()

@@ -74,6 +74,17 @@ def installed() -> bool:
                for loc in spec.submodule_search_locations)
 
 
+@lru_cache(maxsize=None)
+def import_problem() -> Optional[str]:
+    """None if ``cudnn.block_sparse_attention`` imports, else why not (a package found but not whole: e.g. installed
+    without its CuTe DSL, ``No module named 'cutlass'``). Imported once, only when a CUDA call would use it."""
+    try:
+        api()
+    except Exception as e:   # noqa: BLE001 - any failure of a third-party import means: not usable here
+        return f"the package {PACKAGE!r} is installed but does not import ({type(e).__name__}: {e}; {INSTALL_HINT})"
+    return None
+
+
 def head_dims(device: torch.device) -> tuple:
     """The head dims its backward takes on ``device``: 128 on SM90, 64 (128-token blocks only) or 128 on SM100."""
     if torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10:
@@ -87,6 +98,9 @@ def why_not(device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = 
     problem = package_device_problem(installed(), PACKAGE, INSTALL_HINT, device, ARCH_MAJORS)
     if problem is not None:
         return problem
+    broken = import_problem()
+    if broken is not None:
+        return broken
     if dtype not in DTYPES:
         return f"its backward takes bf16 only, not {dtype}"
     if head_dim is not None and head_dim not in head_dims(device):
