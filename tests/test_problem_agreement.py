@@ -219,3 +219,31 @@ def _dit_agreements_per_step(rank, world):
 def test_the_dit_agrees_its_problem_once_per_step():
     for counts in run_ranks(_dit_agreements_per_step, 2, timeout=120):
         assert counts == {"dense": 1, "topk": 1, "window": 1}, counts
+
+
+def _parent_mask_after_agreed_child(rank, world, first):
+    """A problem with its own block mask, bound after (or before) a child derived with ``with_mask(agreed=True)``:
+    the child's agreement covers the shapes only (its mask is declared agreed), so the parent's own mask must still
+    be compared on its first bind, whatever was bound first. Rank 1's parent mask differs: refused on every rank."""
+    g = dist.group.WORLD
+    torch.manual_seed(3)
+    x = spx.shard_sequence(torch.randn(1, 8 * world, 2, 8, dtype=torch.float64), g)
+    t = 8 * world // 4
+    window = torch.eye(t, dtype=torch.bool).unsqueeze(0)
+    if rank == 1:
+        window = window.clone()
+        window[0, 0, -1] = True
+    step = AttentionProblem(block_mask=window, tile=4)
+    layer = step.with_mask(torch.ones(1, t, t, dtype=torch.bool), agreed=True)   # equal on every rank
+    if first == "child":
+        spx.ulysses_attention(x, x, x, g, layer)
+    with pytest.raises(SPConfigError, match="block_mask differs between ranks"):
+        spx.ulysses_attention(x, x, x, g, step)
+    if first == "parent":   # the parent's refusal does not leave the child's shapes unagreed
+        spx.ulysses_attention(x, x, x, g, layer)
+    return True
+
+
+@pytest.mark.parametrize("first", ["child", "parent"])
+def test_a_parents_own_mask_is_compared_whatever_was_bound_first(first):
+    assert all(run_ranks(_parent_mask_after_agreed_child, 2, first, timeout=60))
