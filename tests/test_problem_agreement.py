@@ -219,3 +219,72 @@ def _dit_agreements_per_step(rank, world):
 def test_the_dit_agrees_its_problem_once_per_step():
     for counts in run_ranks(_dit_agreements_per_step, 2, timeout=120):
         assert counts == {"dense": 1, "topk": 1, "window": 1}, counts
+
+
+def _parent_mask_after_agreed_child(rank, world, first):
+    """A problem with its own block mask, bound after (or before) a child derived with ``with_mask(agreed=True)``:
+    the child's agreement covers the shapes only (its mask is declared agreed), so the parent's own mask must still
+    be compared on its first bind, whatever was bound first. Rank 1's parent mask differs: refused on every rank."""
+    g = dist.group.WORLD
+    torch.manual_seed(3)
+    x = spx.shard_sequence(torch.randn(1, 8 * world, 2, 8, dtype=torch.float64), g)
+    t = 8 * world // 4
+    window = torch.eye(t, dtype=torch.bool).unsqueeze(0)
+    if rank == 1:
+        window = window.clone()
+        window[0, 0, -1] = True
+    step = AttentionProblem(block_mask=window, tile=4)
+    layer = step.with_mask(torch.ones(1, t, t, dtype=torch.bool), agreed=True)   # equal on every rank
+    if first == "child":
+        spx.ulysses_attention(x, x, x, g, layer)
+    with pytest.raises(SPConfigError, match="block_mask differs between ranks"):
+        spx.ulysses_attention(x, x, x, g, step)
+    if first == "parent":   # the parent's refusal does not leave the child's shapes unagreed
+        spx.ulysses_attention(x, x, x, g, layer)
+    return True
+
+
+@pytest.mark.parametrize("first", ["child", "parent"])
+def test_a_parents_own_mask_is_compared_whatever_was_bound_first(first):
+    assert all(run_ranks(_parent_mask_after_agreed_child, 2, first, timeout=60))
+
+
+def _call_orders(rank, world):
+    """One step's problem through a mix of call orders: dense, a declared-agreed child mask, a mask-less child, the
+    same problem over a second group (its own agreement), a compared child mask over both groups. Each agreement
+    runs where every rank runs it (counted per call), and every result equals the float64 reference (dense causal,
+    or causal AND the mask): nothing derived for one call leaks into another."""
+    from tests.test_block_sparse import keep_tokens, masked_reference
+    g1, g2 = dist.group.WORLD, dist.new_group(list(range(world)))
+    torch.manual_seed(4)
+    xf = torch.randn(1, 8 * world, 2, 8, dtype=torch.float64)
+    x = spx.shard_sequence(xf, g1)
+    t = 8 * world // 4
+    m = (torch.rand(1, t, t, generator=torch.Generator().manual_seed(9)) < 0.4) | torch.eye(t, dtype=torch.bool)
+    step = AttentionProblem(causal=True, tile=4)
+    masked = step.with_mask(m)
+    from megatron_sp_ext.sp import problem as problem_mod
+    real, counts, outs = problem_mod.agree_across_ranks, [], []
+    seen = []
+    problem_mod.agree_across_ranks = lambda *a, **kw: seen.append(1) or real(*a, **kw)
+    try:
+        for fn, grp, p in ((spx.ulysses_attention, g1, step), (spx.ulysses_attention, g1, step.with_mask(m, agreed=True)),
+                           (spx.ulysses_attention, g1, step.with_mask(None)), (spx.ring_attention, g2, step),
+                           (spx.ring_attention, g2, step.with_mask(m, agreed=True)), (spx.ulysses_attention, g1, masked),
+                           (spx.ring_attention, g2, masked), (spx.ring_attention, g1, masked)):
+            n = len(seen)
+            outs.append(spx.unshard_sequence(fn(x, x, x, grp, p), g1))
+            counts.append(len(seen) - n)
+    finally:
+        problem_mod.agree_across_ranks = real
+    assert counts == [1, 0, 0, 1, 0, 1, 1, 0], counts
+    dense = reference_attention(xf, xf, xf, causal=True)
+    sparse = masked_reference(xf, xf, xf, keep_tokens(m, 8 * world, 4, True))
+    for i, o in enumerate(outs):
+        torch.testing.assert_close(o, sparse if i in (1, 4, 5, 6, 7) else dense, rtol=1e-9, atol=1e-9,
+                                   msg=lambda s: f"call {i}: {s}")
+    return True
+
+
+def test_call_orders_agree_where_every_rank_does_and_match_the_reference():
+    assert all(run_ranks(_call_orders, 2, timeout=60))

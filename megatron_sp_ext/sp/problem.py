@@ -270,9 +270,12 @@ class AttentionProblem:
         ``error``: this rank's refusal of its input, raised on every rank after the collective. Tensors of any
         shape (a packed q|k|v buffer passes itself three times)."""
         owner = self._agreement_owner()
-        if owner is not None and owner._first_over(group, q, k, v):
+        # the mask is compared when the problem binds itself with its own mask (not a child's declared-agreed or
+        # absent one); an agreement that covered the shapes only (a child bound first) does not cover it
+        with_mask = owner is self and self.block_mask is not None
+        if owner is not None and owner._first_over(group, q, k, v, with_mask):
             agree_across_ranks(self, q, k, v, group, what, error, with_mask=owner is self)
-            owner.state.setdefault("agreed", []).append((group, _tensors_key(q, k, v)))
+            owner._record(group, _tensors_key(q, k, v), with_mask)
         if error is not None:
             raise error
 
@@ -286,18 +289,29 @@ class AttentionProblem:
             return parent[0]._agreement_owner()
         return self
 
-    def _first_over(self, group, q, k, v) -> bool:
-        """Whether this is the first bind over ``group`` (the collective runs). Later binds compare their tensors
-        with the agreed ones on this rank (SPConfigError if they differ: a problem is agreed for one set of
-        shapes)."""
-        for g, key in self.state.get("agreed", ()):
+    def _first_over(self, group, q, k, v, with_mask: bool) -> bool:
+        """Whether the collective runs for this bind over ``group``: the first bind over ``group``, or the first that
+        needs this problem's own mask compared (``with_mask``) after an agreement that covered the shapes only (a
+        ``with_mask(agreed=True)`` child bound first). Every rank decides alike: the same program binds the same
+        problems in the same order. Later binds compare their tensors with the agreed ones on this rank
+        (SPConfigError if they differ: a problem is agreed for one set of shapes)."""
+        for g, key, masked in self.state.get("agreed", ()):
             if g is group:
                 if key != _tensors_key(q, k, v):
                     raise SPConfigError(f"this AttentionProblem was agreed across ranks for q/k/v shapes {key[0]} "
                                         f"({key[1]}); this call has {_tensors_key(q, k, v)[0]}: build a new "
                                         f"AttentionProblem for other shapes (on every rank at the same point)")
-                return False
+                return with_mask and not masked
         return True
+
+    def _record(self, group, key: tuple, with_mask: bool) -> None:
+        """Record an agreement over ``group`` of the tensors ``key`` (and of this problem's mask: ``with_mask``)."""
+        agreed = self.state.setdefault("agreed", [])
+        for i, (g, _, masked) in enumerate(agreed):
+            if g is group:
+                agreed[i] = (g, key, masked or with_mask)
+                return
+        agreed.append((group, key, with_mask))
 
 
 def _tensors_key(q, k, v) -> tuple:
