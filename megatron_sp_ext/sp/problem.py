@@ -300,7 +300,9 @@ class AttentionProblem:
                 if key != _tensors_key(q, k, v):
                     raise SPConfigError(f"this AttentionProblem was agreed across ranks for q/k/v shapes {key[0]} "
                                         f"({key[1]}); this call has {_tensors_key(q, k, v)[0]}: build a new "
-                                        f"AttentionProblem for other shapes (on every rank at the same point)")
+                                        f"AttentionProblem for other shapes (on every rank at the same point). Ranks whose shapes did "
+                                        f"not change go on into the exchange and wait for this one: torchrun ends "
+                                        f"them; without a launcher they wait for the process group's timeout")
                 return with_mask and not masked
         return True
 
