@@ -81,9 +81,9 @@ def _per_token(book: dict) -> PerToken:
 class _Storages(TorchDispatchMode):
     """Every storage an op creates (weakly), and the peak of the token-sized live ones since ``mark_peak``."""
 
-    def __init__(self, tokens: int, width: dict) -> None:
+    def __init__(self, tokens: int, width: dict, before: set) -> None:
         super().__init__()
-        self.tokens, self.by_width = tokens, {}
+        self.tokens, self.by_width, self.before = tokens, {}, before   # before: storages that existed (weights)
         for u, w in width.items():
             if w in self.by_width:
                 raise ValueError(f"probe widths must differ: {u} and {self.by_width[w]} are both {w}")
@@ -157,8 +157,8 @@ def measure(recompute: str, lora: bool, layers: int, grid: tuple) -> tuple[dict,
     x = torch.randn(1, PROBE["in_channels"], f, h, w, generator=gen)
     target = torch.randn(x.shape, generator=gen)
     text = torch.randn(1, PROBE_TEXT, PROBE["text_dim"], generator=gen)
-    mode = _Storages(tokens, probe_widths())
-    mode.before = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), x, target, text]}
+    mode = _Storages(tokens, probe_widths(),
+                     {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), x, target, text]})
     try:
         with mode:
             with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -234,7 +234,6 @@ def plan(cfg: PlanInput) -> Plan:
         phases = {}
         for i in range(layers):
             g = (4 * n_root_tr / GIB + (layers - i) * g_blk) / shard
-            act = root + sum(keeps[:i]) + works[i]
             phases[f"backward of block {i}"] = (w, g, o, 0.0, unsharded, root + sum(keeps[:i]), works[i], exch)
         g_all = 4 * pr.trainable / shard / GIB
         phases["optimizer step"] = (w, g_all, o + ADAM_FOREACH_TEMP * pr.trainable / shard / GIB, 0.0, 0.0, 0.0,
