@@ -76,7 +76,6 @@ SHARED_GPU_NOTE = ("--ranks-share-gpu: every rank on one GPU over gloo, exchange
 SHARED_GPU_DIFFUSERS = ("not with --ranks-share-gpu: diffusers' CP gathers proj_out through torch's functional "
                         "collectives, which crashed (SIGSEGV in wait_tensor) over gloo with CUDA tensors on "
                         "2026-11-28 (torch 2.11); run it one rank per GPU")
-GRIDS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}   # Wan's latent F x H x W (81 frames; 832x480 / 1280x720)
 DRY_GRID = (4, 8, 8)
 DIFFUSERS_BACKENDS = ("_native_cudnn", "flash", "native")   # "auto" tries them in this order
 DEFAULT_VARIANTS = "diffusers-ulysses,diffusers-ring,ours-auto,ours-ulysses,ours-hcms,ours-ring"
@@ -452,7 +451,7 @@ def curves(args, variants: list, world: int, device, grid_latent: tuple) -> dict
 
 def main(argv: Optional[list] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--grid", default="480p", choices=list(GRIDS), help="Wan's latent grid (480p: 21x60x104, "
+    p.add_argument("--grid", default="480p", choices=list(wan.GRIDS), help="Wan's latent grid (480p: 21x60x104, "
                    "32,760 tokens; 720p: 21x90x160, 75,600 tokens)")
     p.add_argument("--model", default="wan-1.3b", choices=list(wan.WAN_PRESETS))
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's depth (default: full)")
@@ -595,7 +594,7 @@ def _free_port() -> int:
 def _run(args, variants: list, rank: int, world: int, device) -> dict:
     cuda = torch.device(device).type == "cuda"
     kw = wan.preset_kwargs(args.model, args.num_layers)
-    grid_latent = DRY_GRID if args.dry_run else GRIDS[args.grid]
+    grid_latent = DRY_GRID if args.dry_run else wan.GRIDS[args.grid]
     pt, ph, pw = kw["patch_size"]
     grid = (grid_latent[0] // pt, grid_latent[1] // ph, grid_latent[2] // pw)
     tile = tuple(int(x) for x in args.sparse_tile.split(","))

@@ -53,6 +53,7 @@ PRESET_TASKS = {"tiny": ("t2v", None), "tiny-i2v": ("i2v", None), "tiny-ti2v": (
                 "wan2.2-i2v-a14b": ("i2v", 0.9)}
 TEXT_LEN = {"tiny": 8, "tiny-ti2v": 8, "tiny-a14b": 8}   # tokens per prompt; 512 (umT5) for every other model
 IMAGE_TOKENS = {"tiny-i2v": 5}   # CLIP image embeddings per sample of the synthetic source; 257 otherwise
+GRIDS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}   # Wan's latent F x H x W (81 frames; 832x480 / 1280x720)
 ENTRY = "diffusers-wan"   # the entry point's name in checkpoints' run.json
 
 
