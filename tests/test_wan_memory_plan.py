@@ -71,3 +71,33 @@ def test_bad_input_named(capsys, argv, flag):
     assert mp.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and flag in err[0] and "Traceback" not in err[0], err
+
+
+def test_entry_plans_a_pretrained_directory_by_its_config(tmp_path, capsys):
+    """--init DIR (the recipe's case: a downloaded Wan transformer) plans the preset of its config.json's widths; a
+    config of other widths, or none, is one message naming --init."""
+    import json
+
+    from diffusers import WanTransformer3DModel
+
+    from training import train_wan_diffusers as entry
+    from training.video_dit.faults import run_entry
+    from training.wan_diffusers.model import WAN_PRESETS
+    with torch_meta():
+        WanTransformer3DModel(**WAN_PRESETS["wan-1.3b"]).save_config(str(tmp_path / "wan"))   # diffusers' own config
+    argv = ["--plan-memory", "--bf16", "--frames", "21", "--latent-size", "90x160", "--recompute-granularity", "full"]
+    assert run_entry(entry.main, entry.WHAT, argv + ["--init", str(tmp_path / "wan")]) == 0
+    out = capsys.readouterr().out
+    assert "wan-1.3b (30 blocks), 75,600 tokens" in out, out
+    cfg = json.loads((tmp_path / "wan" / "config.json").read_text())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps(dict(cfg, ffn_dim=1234)))
+    for d in ("other", "missing"):
+        assert run_entry(entry.main, entry.WHAT, argv + ["--init", str(tmp_path / d)]) != 0
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(err) == 1 and "--init" in err[0] and "Traceback" not in err[0], err
+
+
+def torch_meta():
+    import torch
+    return torch.device("meta")

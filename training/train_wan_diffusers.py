@@ -141,7 +141,7 @@ def build_parser() -> EntryParser:
     g.add_argument("--timing", action="store_true", help="model_fwd_bwd_ms / optimizer_ms in metrics.jsonl")
     g.add_argument("--plan-memory", action="store_true",
                    help="print the per-GPU memory plan of these flags (training/wan_diffusers/memory_plan.py: "
-                        "--init random's --model, the largest --frames x --latent-size, --context-parallel-size, "
+                        "--model, or the preset of --init DIR's config.json, the largest --frames x --latent-size, --context-parallel-size, "
                         "--recompute-granularity, --lora-rank, --use-torch-fsdp2, WORLD_SIZE ranks) and exit "
                         "without building the model")
     validate.add_args(p)
@@ -270,16 +270,14 @@ def print_memory_plan(args: argparse.Namespace) -> None:
     """--plan-memory: the memory plan (training/wan_diffusers/memory_plan.py) of the parsed flags, printed on rank 0;
     SPConfigError naming the flag it cannot plan."""
     from training.wan_diffusers import memory_plan  # noqa: PLC0415
-    if args.init != "random":
-        raise SPConfigError(f"--plan-memory plans a preset: --init random --model NAME (the config of --init "
-                            f"{args.init} is not read), e.g. --model wan-14b")
+    model = args.model if args.init == "random" else memory_plan.preset_of_config(args.init)
     if not args.bf16:
         raise SPConfigError("--plan-memory plans the GPU run, bf16 autocast (a LoRA base in bf16): add --bf16")
     frames, sizes = frames_and_sizes(args)
-    tokens = max(memory_plan.grid_tokens(args.model, f, h, w) for f in frames for (h, w) in sizes)
+    tokens = max(memory_plan.grid_tokens(model, f, h, w) for f in frames for (h, w) in sizes)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     plan = memory_plan.plan(memory_plan.PlanInput(
-        args.model, tokens, sp=args.context_parallel_size, recompute=args.recompute_granularity or "none",
+        model, tokens, sp=args.context_parallel_size, recompute=args.recompute_granularity or "none",
         lora_rank=args.lora_rank, layers=args.num_layers, fsdp2=args.use_torch_fsdp2, gpus=world))
     if int(os.environ.get("RANK", "0") or 0) == 0:
         memory_plan.print_plan(plan)

@@ -194,6 +194,34 @@ def model_widths(model: str, lora_rank: int) -> dict:
     return widths(heads * hd, kw["ffn_dim"], heads, hd, kw["out_channels"] * volume, lora_rank)
 
 
+# the config keys that decide what a model holds and keeps (its widths, depth, inputs): two configs equal on them plan
+# alike (the A14B experts share one)
+PLANNED_KEYS = ("num_attention_heads", "attention_head_dim", "ffn_dim", "num_layers", "in_channels", "out_channels",
+                "text_dim", "freq_dim", "patch_size", "image_dim", "added_kv_proj_dim")
+
+
+def preset_of_config(path: str) -> str:
+    """The preset whose widths equal those of the ``config.json`` in ``path`` (a WanTransformer3DModel directory, as
+    the entry's --init takes; read as JSON); SPConfigError naming --init when none does."""
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SPConfigError(f"--init {path}: cannot read {file} ({e}); --plan-memory reads the model's config "
+                            f"there") from None
+    def norm(v):
+        return list(v) if isinstance(v, (list, tuple)) else v
+    for name, kw in WAN_PRESETS.items():
+        if name.startswith("tiny"):
+            continue
+        if all(norm(config.get(k)) == norm(kw.get(k)) for k in PLANNED_KEYS):
+            return name
+    got = ", ".join(f"{k}={config.get(k)}" for k in PLANNED_KEYS[:4])
+    raise SPConfigError(f"--init {path}: its config ({got}) has the widths of no preset the memory plan knows "
+                        f"({', '.join(n for n in WAN_PRESETS if not n.startswith('tiny'))})")
+
+
 def plan(cfg: PlanInput) -> Plan:
     """The per-GPU peak of one training step of ``cfg`` (module docstring: phases and terms)."""
     if cfg.model not in WAN_PRESETS:
