@@ -321,3 +321,11 @@ def test_rate_table_is_rebuilt_from_its_sources(monkeypatch):
                                  "block_sparse") for rows in dev[kind].values() for r in rows))
     monkeypatch.chdir(ROOT)
     assert rates_table(sources)["devices"] == committed["devices"]
+
+
+def test_validate_shows_te_p2p_beside_rows_of_jobs_that_timed_it():
+    """#84: the ring's host-link outlier reads against TE's ring of the same job (61.3 ours, 47.7 TE, 44.1 planned)."""
+    from megatron_sp_ext.speed_plan.validate import validate
+    lines = [ln for ln in validate(os.path.join(ROOT, "results")).lines
+             if ln.startswith("ring ") and "2026-11-28_h200x2_1345/call6" in ln and "65536 causal host" in ln]
+    assert len(lines) == 1 and "TE p2p in the same job: fwd 47.69, fwd+bwd 152.65 ms" in lines[0], lines

@@ -5,8 +5,9 @@ one line per (row, mode), then ``N rows, median |error| X%, max Y%``; failing (e
 Rows read (never used to fit: the plan fits nothing): ``tools/bench_cp.py`` JSONs (``bench_cp_*.json``, also inside
 the ``.tgz`` archives of a day's folder) and ``tools/bench_attention.py`` JSONs (a ``results`` list of rows with
 ``modes``); each entry of a row's ``modes`` that names one of our modes (``modes``' registry, ``hcms<C>``, the
-meshes) is one validated row. Left out, each with its reason in the output: Transformer Engine's entries (not our
-schedules), ``auto`` entries whose choice the JSON does not record, entries without times.
+meshes) is one validated row; where the same job timed Transformer Engine's p2p ring, its times stand beside
+(not validated: where ours and the plan part, they say which is nearer what a ring can do). Left out, each with its
+reason in the output: Transformer Engine's entries (not our schedules), ``auto`` entries whose choice the JSON does not record, entries without times.
 
 What each row is predicted from: its cluster (its regime, ``links``: nvlink / host / emu<M>; its GPUs), its own links
 probe (``meta.links_probe``) where the JSON has one, else the committed probe of the same regime that ``FALLBACK``
@@ -59,6 +60,7 @@ class Row:
     probe: Optional[dict]
     floor_fa4: Optional[dict]
     skip: str = ""
+    te_p2p: Optional[tuple] = None   # Transformer Engine's p2p ring timed in the same job: (forward, fwd+bwd) ms
 
 
 def _device(meta: dict, path: str) -> str:
@@ -146,6 +148,8 @@ def _rows_of(doc: dict, source: str) -> list:
         world, heads = int(r["P"]), int(r["H"])
         pb = Problem(int(r["L"]), heads, int(r.get("D", 128)), causal)
         probe = (meta.get("links_probe") or {}).get(str(world))
+        te = r["modes"].get("te_p2p") if isinstance(r["modes"].get("te_p2p"), dict) else None
+        te_p2p = (float(te.get("fwd_ms", "nan")), float(te.get("fwd_bwd_ms", "nan"))) if te else None
         for name, e in r["modes"].items():
             fwd_s, fb_s, why = _settings(name, e, world, heads)
             if "fwd_bwd_ms" not in e or e.get("fwd_bwd_ms") != e.get("fwd_bwd_ms"):   # missing or NaN
@@ -153,7 +157,7 @@ def _rows_of(doc: dict, source: str) -> list:
             out.append(Row(source, _device(meta, source), str(meta.get("date", ""))[:10] or _date(source), regime,
                            world, pb, name, (fwd_s, fb_s), (float(e.get("fwd_ms", "nan")),
                                                             float(e.get("fwd_bwd_ms", "nan"))), probe,
-                           r.get("floor_fa4"), why))
+                           r.get("floor_fa4"), why, te_p2p))
     return out
 
 
@@ -299,6 +303,8 @@ def validate(results: str, rates: Optional[KernelRates] = None, clock: str = "ta
             e_f = fwd / fwd_ms - 1
             err_f.setdefault(fwd_st.mode, []).append(abs(e_f))
             text = f"fwd {fwd_ms:7.2f} ms predicted {fwd:7.2f} ({e_f:+6.1%}); " + text
+        if row.te_p2p is not None:   # beside, not validated: where ours and the plan part, is TE's ring nearer?
+            text += f"; TE p2p in the same job: fwd {row.te_p2p[0]:.2f}, fwd+bwd {row.te_p2p[1]:.2f} ms"
         lines.append(f"{row.name:<14} {where}: {text} [{fb_st.label()}; links: {links}]")
     for (source, why), names in skipped.items():
         lines.append(f"skipped {len(names)} of {source} ({', '.join(sorted(set(names)))}): {why}")
