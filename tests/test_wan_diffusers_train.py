@@ -431,3 +431,24 @@ def _lora_orders(rank, world):
 def test_lora_composes_with_parallelize_in_either_order():
     for errs in run_ranks(_lora_orders, 2, timeout=150):
         assert set(errs) == {"lora first", "parallelize first"} and max(errs.values()) <= TOL64, errs
+
+
+def test_a_failed_rank0_write_is_one_named_error():
+    """save_pretrained / save_lora share ``written_on_rank0``: rank 0's failure becomes one SPConfigError naming the
+    flag and path; an SPConfigError passes as it is; other ranks write nothing."""
+    import pytest as _pytest
+
+    from megatron_sp_ext.errors import SPConfigError
+    from training.wan_diffusers.model import written_on_rank0
+
+    def broken():
+        raise OSError("disk full")
+    with _pytest.raises(SPConfigError, match=r"--save-lora /x: could not write the adapters \(OSError: disk full\)"):
+        written_on_rank0(0, broken, "--save-lora /x: could not write the adapters")
+
+    def refused():
+        raise SPConfigError("named already")
+    with _pytest.raises(SPConfigError, match="^named already$"):
+        written_on_rank0(0, refused, "unused")
+    assert written_on_rank0(0, lambda: 7, "unused") == 7
+    assert written_on_rank0(1, broken, "unused") is None

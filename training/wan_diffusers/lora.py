@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_sp_ext.errors import SPConfigError
+
+from .model import written_on_rank0
 
 # Wan's attention (self and cross: to_q / to_k / to_v / to_out.0) and FFN (ffn.net.0.proj, ffn.net.2) linears
 DEFAULT_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
@@ -87,21 +88,9 @@ def save_lora(model: torch.nn.Module, out_dir: str, rank: int) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                 ignore_frozen_params=True))
-    out, error = {}, None
-    if rank == 0:
-        try:
-            out = _write_lora(model, full, out_dir)
-        except Exception as e:   # shared as text with every rank below
-            error = e if isinstance(e, SPConfigError) else SPConfigError(
-                f"--save-lora {out_dir}: could not write the adapters ({type(e).__name__}: {e})")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        outcome = [str(error) if error is not None else None]
-        dist.broadcast_object_list(outcome, src=0)
-        if outcome[0] is not None:
-            raise (error if error is not None else SPConfigError(outcome[0]))
-    elif error is not None:
-        raise error
-    return out
+    out = written_on_rank0(rank, lambda: _write_lora(model, full, out_dir),
+                           f"--save-lora {out_dir}: could not write the adapters")
+    return out if out is not None else {}
 
 
 def _write_lora(model: torch.nn.Module, full: dict, out_dir: str) -> dict:

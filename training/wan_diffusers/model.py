@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_sp_ext.errors import SPConfigError
 
@@ -205,15 +206,21 @@ def save_pretrained(model: torch.nn.Module, out_dir: str, rank: int) -> Optional
     the names of those extra tensors."""
     from diffusers import WanTransformer3DModel  # noqa: PLC0415
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    extra, error = None, None
+    return written_on_rank0(rank, lambda: _write_pretrained(WanTransformer3DModel, dict(model.config), full, out_dir),
+                            f"--save-pretrained {out_dir}: could not write the model")
+
+
+def written_on_rank0(rank: int, write: Callable[[], object], failure: str) -> object:
+    """``write()`` on rank 0 (None elsewhere), its failure raised on EVERY rank as one SPConfigError (``failure``: what
+    the message starts with; an SPConfigError of ``write`` as it is). Collective where a process group of more than
+    one rank is up: the outcome is shared as text, so no rank waits on a barrier rank 0 never reaches."""
+    out, error = None, None
     if rank == 0:
         try:
-            extra = _write_pretrained(WanTransformer3DModel, dict(model.config), full, out_dir)
-        except Exception as e:   # shared as text with every rank below: none waits on a barrier rank 0 never reaches
-            error = e if isinstance(e, SPConfigError) else SPConfigError(
-                f"--save-pretrained {out_dir}: could not write the model ({type(e).__name__}: {e})")
+            out = write()
+        except Exception as e:   # noqa: BLE001 - shared as text with every rank below
+            error = e if isinstance(e, SPConfigError) else SPConfigError(f"{failure} ({type(e).__name__}: {e})")
     if dist.is_initialized() and dist.get_world_size() > 1:
         outcome = [str(error) if error is not None else None]
         dist.broadcast_object_list(outcome, src=0)
@@ -221,7 +228,7 @@ def save_pretrained(model: torch.nn.Module, out_dir: str, rank: int) -> Optional
             raise (error if error is not None else SPConfigError(outcome[0]))
     elif error is not None:
         raise error
-    return extra
+    return out
 
 
 def _write_pretrained(stock_cls, config: dict, full: dict, out_dir: str) -> list:
