@@ -65,7 +65,9 @@ DRY = {"vae": dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
        "umt5": dict(vocab_size=1003, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
                     relative_attention_num_buckets=8),
        "clip": dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
-                    patch_size=8)}
+                    patch_size=8),
+       "wan": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                   text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=64)}   # WanTransformer3DModel
 WORDS = [f"w{i}" for i in range(1000)]
 
 
@@ -149,13 +151,17 @@ def random_vae(name: str, dry: bool, device, dtype, seed: int):
         return AutoencoderKLWan(**kw).to(dtype).eval()
 
 
-def random_text(dry: bool, device, dtype, seed: int):
-    """A WanPipeline holding a random umT5 encoder (XXL, or the dry stand-in) and the word-level tokenizer."""
+def random_text(dry: bool, device, dtype, seed: int, num_layers: Optional[int] = None):
+    """A WanPipeline holding a random umT5 encoder (XXL, or the dry stand-in; ``num_layers``: fewer blocks of the
+    same width) and the word-level tokenizer."""
     from diffusers import WanPipeline  # noqa: PLC0415
     from transformers import UMT5Config, UMT5EncoderModel  # noqa: PLC0415
     torch.manual_seed(seed)
+    cfg = dict(DRY["umt5"] if dry else UMT5_XXL)
+    if num_layers is not None:
+        cfg["num_layers"] = num_layers
     with torch.device(device):
-        te = UMT5EncoderModel(UMT5Config(**(DRY["umt5"] if dry else UMT5_XXL))).to(dtype).eval()
+        te = UMT5EncoderModel(UMT5Config(**cfg)).to(dtype).eval()
     return WanPipeline(tokenizer=tokenizer(), text_encoder=te, vae=None, scheduler=None)
 
 
@@ -246,11 +252,7 @@ def bench_sample(args, work: str, device, rank: int, world: int) -> dict:
                       [f"random prompt {i}" for i in range(args.prompts)]), "negative_prompt": "", "pipeline": pipe})
     if world > 1:
         dist.barrier()
-    if args.dry_run:
-        kw = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-                  text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=64)
-    else:
-        kw = preset_kwargs("wan-1.3b")
+    kw = dict(DRY["wan"]) if args.dry_run else preset_kwargs("wan-1.3b")
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = WanTransformer3DModel(**kw).float()
