@@ -1,0 +1,76 @@
+"""tools/wan_short_run.py in its CPU dry mode: the recipe's phases (pipeline folder, videos, prepare, LoRA training
+with a mid-run and a final validation) write the JSON with every phase's seconds, the commands, the training step
+and each validation video's sampling / decoding seconds, and leave the videos, frame strips and plots under --out;
+--time-limit stops the run with the JSON written (timed_out) and exit status 124."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("imageio_ffmpeg", reason="the run writes its clips and validation videos with imageio's ffmpeg")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "wan_short_run.py")
+
+
+def _run(out, *extra):
+    env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, TOOL, "--dry-run", "--out", str(out), *extra], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_dry_run_writes_the_json_videos_and_timings(tmp_path):
+    out = tmp_path / "out"
+    proc = _run(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "wan_short_run.json").read_text())
+    assert doc["complete"] and doc["timed_out"] is None and doc["sp"] == 1
+    assert {"date", "device", "command", "commit"} <= set(doc["meta"]) and doc["meta"]["dry_run"]
+    for phase in ("pipeline", "videos", "prepare", "train", "total"):
+        assert doc["seconds"][phase] > 0, phase
+    assert doc["commands"]["prepare"].startswith("python -m training.wan_diffusers.prepare --pipeline ")
+    assert "--prompts" in doc["commands"]["prepare"]
+    train = doc["commands"]["train"]
+    assert train.startswith("python training/train_wan_diffusers.py --init ") and "--lora-rank 32" in train
+    assert "--validation-every 1" in train and "--context-parallel-size" not in train
+    assert doc["prepare"]["clips"] == 2 and doc["prepare"]["seconds_per_clip"] > 0
+    assert doc["pipeline"]["text_encoder"]["umt5_xxl"] is False and doc["pipeline"]["transformer"]["preset"] == "dry"
+    assert doc["train"]["steps"] == 2 and doc["train"]["step_ms_median"] > 0 and len(doc["train"]["losses"]) == 2
+    rows = doc["validation"]
+    assert [(r["step"], r["i"]) for r in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]   # mid-run and final
+    for r in rows:
+        assert isinstance(r["sample_s"], float) and r["sample_s"] > 0 and r["decode_s"] > 0
+        assert (r["frames"], r["height"], r["width"], r["steps"]) == (5, 32, 32, 2)
+        assert (out / r["mp4"]).is_file() and (out / r["png"]).is_file()
+    run = out / "run"
+    assert (run / "validation" / "index.jsonl").is_file() and (run / "loss.png").is_file()
+    assert (run / "validation" / "step_000002" / "loss.png").is_file()
+    assert not doc["files"]["left_out"] and "validation/step_000001/0.mp4" in doc["files"]["copied"]
+    assert not [f for f in os.listdir(out) if f not in ("wan_short_run.json", "run")]   # no pipeline / LoRA
+
+
+def test_size_limits_leave_the_videos_out_and_say_so(tmp_path):
+    from tools.wan_short_run import copy_small
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "validation" / "step_000001").mkdir(parents=True)
+    (src / "metrics.jsonl").write_text("{}\n")
+    (src / "validation" / "step_000001" / "0.mp4").write_bytes(b"x" * 3000)
+    (src / "validation" / "step_000001" / "1.mp4").write_bytes(b"x" * 1000)
+    got = copy_small(str(src), str(dst), max_file_mb=2500 / 2**20, max_out_mb=1500 / 2**20)
+    assert got["copied"] == ["metrics.jsonl", "validation/step_000001/1.mp4"]
+    assert set(got["left_out"]) == {"validation/step_000001/0.mp4"} and "--max-file-mb" in \
+        got["left_out"]["validation/step_000001/0.mp4"]
+    got = copy_small(str(src), str(tmp_path / "dst2"), max_file_mb=1, max_out_mb=500 / 2**20)
+    assert got["copied"] == ["metrics.jsonl"] and "--max-out-mb" in got["left_out"]["validation/step_000001/1.mp4"]
+
+
+def test_time_limit_writes_the_json_and_exits_124(tmp_path):
+    out = tmp_path / "out"
+    proc = _run(out, "--time-limit", "11")   # fires 10 s early: 1 s in (the dry pipeline phase alone takes ~2 s)
+    assert proc.returncode == 124, proc.stderr[-3000:]
+    doc = json.loads((out / "wan_short_run.json").read_text())
+    assert doc["timed_out"] in ("pipeline", "videos", "prepare") and not doc["complete"]
+    assert "train" not in doc["seconds"] and doc["validation"] == []
+    assert f"--time-limit 11s reached in phase {doc['timed_out']}" in proc.stdout
