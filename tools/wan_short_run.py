@@ -30,8 +30,8 @@ each step's mp4 / png / prompts.txt; the JSON's validation rows name them relati
 the JSON names them (gpu_round.sh's tarball leaves out files of 4 MB and more). The pipeline, the latents and the
 LoRA stay in the work dir (a temporary one, removed unless --keep).
 
---time-limit S: at S - 10 seconds the run stops where it is: rank 0 writes the JSON (timed_out: the phase) with
-what exists by then and the process exits with status 124.
+--time-limit S (counted from the start of this script): at S - 15 seconds the run stops where it is: rank 0 writes
+the JSON (timed_out: the phase) with what exists by then, removes a temporary work dir, and exits with status 124.
 --dry-run: tiny stand-ins on the CPU (bench_wan_prepare's DRY configs: a 9-frame 40x56 clip to 32x64, 2 training
 steps, 2 sampling steps of 5 frames at 32x32) through the same phases, for the tests.
 """
@@ -50,8 +50,10 @@ import threading
 import time
 from typing import Optional
 
-import torch
-import torch.distributed as dist
+T_START = time.perf_counter()   # --time-limit counts from here (before torch's import)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,6 +62,7 @@ from tools.benchlib import run_meta, write_json  # noqa: E402
 
 RESULT = "wan_short_run.json"
 TAG = "[wan_short_run]"
+MARGIN_S = 15   # --time-limit: what writing the JSON, copying the files and removing the work dir may take
 DRY = dict(src_frames=9, src_size="40x56", bucket="32x64", frames=9, clips=2, train_iters=2, validation_every=1,
            validation_steps=2, validation_frames=5, validation_size="32x32")
 
@@ -116,9 +119,11 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
 class Run:
     """The result document, its phases and the watchdog of --time-limit (rank 0 writes)."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, world: int, device: torch.device, work: str) -> None:
+    def __init__(self, args: argparse.Namespace, rank: int, world: int, device: torch.device, work: str,
+                 remove_work: bool) -> None:
         self.args, self.rank, self.world, self.device, self.work = args, rank, world, device, work
-        self.t0 = time.perf_counter()
+        self.remove_work = remove_work and rank == 0   # a temporary work dir (tens of GB at real size)
+        self.t0 = T_START
         self.log_dir = os.path.join(work, "run")
         self.lock = threading.Lock()
         self.doc: dict = {"meta": run_meta(world=world, dry_run=args.dry_run), "sp": world, "complete": False,
@@ -167,17 +172,20 @@ class Run:
         self.write()
 
     def watchdog(self) -> Optional[threading.Timer]:
-        """--time-limit: rank 0 writes what it has and exits 124 ten seconds before the limit (the other ranks 20 s
-        after it, should rank 0's exit not end them)."""
+        """--time-limit: rank 0 writes what it has, removes a temporary work dir and exits 124 MARGIN_S before the
+        limit (the other ranks 20 s after it, should rank 0's exit not end them)."""
         if not self.args.time_limit:
             return None
-        due = max(1.0, self.args.time_limit - 10) if self.rank == 0 else self.args.time_limit + 20
+        elapsed = time.perf_counter() - self.t0
+        due = max(1.0, self.args.time_limit - MARGIN_S - elapsed) if self.rank == 0 else \
+            self.args.time_limit + 20 - elapsed
 
         def fire() -> None:
             phase = self.doc.get("phase") or "start"
             self.say(f"--time-limit {self.args.time_limit:g}s reached in phase {phase}: writing what there is")
             try:
                 self.finish(timed_out=phase)
+                self.cleanup()
             finally:
                 os._exit(124)
 
@@ -185,6 +193,10 @@ class Run:
         timer.daemon = True
         timer.start()
         return timer
+
+    def cleanup(self) -> None:
+        if self.remove_work:
+            shutil.rmtree(self.work, ignore_errors=True)
 
 
 def read_jsonl(path: str) -> list:
@@ -377,7 +389,7 @@ def main(argv: Optional[list] = None) -> dict:
         dist.broadcast_object_list(box, src=0)
         work = box[0]
     os.makedirs(work, exist_ok=True)
-    run = Run(args, rank, world, device, work)
+    run = Run(args, rank, world, device, work, remove_work=made and not args.keep)
     run.doc["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "work_dir")}
     run.say(f"work dir {work}, out {args.out}, SP={world}, device {device}")
     run.write()
@@ -398,8 +410,7 @@ def main(argv: Optional[list] = None) -> dict:
         barrier_ok = world > 1 and "error" not in run.doc
         if barrier_ok:
             dist.barrier()
-        if rank == 0 and made and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+        run.cleanup()
         if own_pg:
             dist.destroy_process_group()
     return run.doc
