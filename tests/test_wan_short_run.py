@@ -47,23 +47,47 @@ def test_dry_run_writes_the_json_videos_and_timings(tmp_path):
     run = out / "run"
     assert (run / "validation" / "index.jsonl").is_file() and (run / "loss.png").is_file()
     assert (run / "validation" / "step_000002" / "loss.png").is_file()
-    assert not doc["files"]["left_out"] and "validation/step_000001/0.mp4" in doc["files"]["copied"]
+    assert not doc["files"]["left_out"] and not doc["files"]["shrunk"]
+    assert "validation/step_000001/0.mp4" in doc["files"]["copied"]
     assert not [f for f in os.listdir(out) if f not in ("wan_short_run.json", "run")]   # no pipeline / LoRA
 
 
-def test_size_limits_leave_the_videos_out_and_say_so(tmp_path):
+def test_size_limits_shrink_or_leave_out_and_say_so(tmp_path):
+    """A video / strip above --max-file-mb is copied at half its sides where that fits; other large files and those
+    past --max-out-mb stay out; every one is named."""
+    import imageio.v2 as imageio
+    import numpy as np
+    from PIL import Image
     from tools.wan_short_run import copy_small
-    src, dst = tmp_path / "src", tmp_path / "dst"
-    (src / "validation" / "step_000001").mkdir(parents=True)
+    src, step = tmp_path / "src", tmp_path / "src" / "validation" / "step_000001"
+    step.mkdir(parents=True)
     (src / "metrics.jsonl").write_text("{}\n")
-    (src / "validation" / "step_000001" / "0.mp4").write_bytes(b"x" * 3000)
-    (src / "validation" / "step_000001" / "1.mp4").write_bytes(b"x" * 1000)
-    got = copy_small(str(src), str(dst), max_file_mb=2500 / 2**20, max_out_mb=1500 / 2**20)
-    assert got["copied"] == ["metrics.jsonl", "validation/step_000001/1.mp4"]
-    assert set(got["left_out"]) == {"validation/step_000001/0.mp4"} and "--max-file-mb" in \
-        got["left_out"]["validation/step_000001/0.mp4"]
-    got = copy_small(str(src), str(tmp_path / "dst2"), max_file_mb=1, max_out_mb=500 / 2**20)
-    assert got["copied"] == ["metrics.jsonl"] and "--max-out-mb" in got["left_out"]["validation/step_000001/1.mp4"]
+    (src / "big.bin").write_bytes(b"x" * 2_000_000)   # above every budget below
+    noise = np.random.default_rng(0).integers(0, 256, (9, 96, 128, 3), dtype=np.uint8)
+    with imageio.get_writer(str(step / "0.mp4"), "ffmpeg", fps=8, macro_block_size=1) as w:
+        for f in noise:
+            w.append_data(f)
+    Image.fromarray(np.concatenate(list(noise[:4]), axis=1)).save(step / "0.png")
+    sizes = {n: (step / n).stat().st_size for n in ("0.mp4", "0.png")}
+    limit = min(sizes.values()) * 0.9 / 2**20        # both too large; noise at an eighth of its area fits
+    got = copy_small(str(src), str(tmp_path / "dst"), max_file_mb=limit, max_out_mb=10)
+    assert got["copied"] == ["metrics.jsonl", "validation/step_000001/0.mp4", "validation/step_000001/0.png"]
+    assert "--max-file-mb" in got["left_out"]["big.bin"]
+    shrunk = {rel: tuple(int(x) for x in how.split(" of ")[0].split("x")) for rel, how in got["shrunk"].items()}
+    assert got["shrunk"]["validation/step_000001/0.mp4"].endswith(" of 96x128")
+    assert got["shrunk"]["validation/step_000001/0.png"].endswith(" of 96x512")
+    out = tmp_path / "dst" / "validation" / "step_000001"
+    frames = imageio.mimread(str(out / "0.mp4"))
+    h, w = shrunk["validation/step_000001/0.mp4"]
+    assert len(frames) == 9 and frames[0].shape == (h, w, 3) and h < 96
+    h, w = shrunk["validation/step_000001/0.png"]
+    assert Image.open(out / "0.png").size == (w, h) and h < 96
+    assert all((out / n).stat().st_size <= limit * 2**20 for n in ("0.mp4", "0.png"))
+    got = copy_small(str(src), str(tmp_path / "dst2"), max_file_mb=10, max_out_mb=(sizes["0.mp4"] + 100) / 2**20)
+    assert got["copied"] == ["metrics.jsonl", "validation/step_000001/0.mp4"] and not got["shrunk"]
+    assert "--max-out-mb" in got["left_out"]["big.bin"] and "--max-out-mb" in \
+        got["left_out"]["validation/step_000001/0.png"]
+    assert not (tmp_path / "dst2" / "validation" / "step_000001" / "0.png").exists()
 
 
 def test_time_limit_writes_the_json_and_exits_124(tmp_path):

@@ -25,10 +25,12 @@ Both are called in this process with the argv of the CLI (the JSON lists the equ
 Written to --out DIR (rank 0): wan_short_run.json (meta: machine, date, commit, command; the commands; seconds per
 phase; prepare's seconds per clip; the median training step (steps after the first); every validation video's
 sample_s / decode_s from the trainer's validation/index.jsonl; SP; peak GPU memory per phase) rewritten after every
-phase, and the run's small files under DIR/run/ (metrics.jsonl, loss.png, step_time.png, validation/index.jsonl and
-each step's mp4 / png / prompts.txt; the JSON's validation rows name them relative to DIR): files above --max-file-mb or past --max-out-mb in all stay in the work dir and
-the JSON names them (gpu_round.sh's tarball leaves out files of 4 MB and more). The pipeline, the latents and the
-LoRA stay in the work dir (a temporary one, removed unless --keep).
+phase, and the run's files under DIR/run/ (metrics.jsonl, loss.png, step_time.png, validation/index.jsonl and each
+step's mp4 / png / prompts.txt; the JSON's validation rows name them relative to DIR). gpu_round.sh's tarball leaves
+out files of 4 MB and more: a video or frame strip above --max-file-mb (3) is copied at half (a quarter, an eighth)
+of its sides, the JSON's files.shrunk says so; past --max-out-mb (12) in all, files stay out (files.left_out). The
+pipeline (~15 GB at real size), the latents and the LoRA stay in the work dir (a temporary one, removed unless
+--keep). Seconds per clip of prepare: its encode loop / clips (the first clip includes the VAE's warm-up).
 
 --time-limit S (counted from the start of this script): at S - 15 seconds the run stops where it is: rank 0 writes
 the JSON (timed_out: the phase) with what exists by then, removes a temporary work dir, and exits with status 124.
@@ -41,6 +43,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -62,6 +65,7 @@ from tools.benchlib import run_meta, write_json  # noqa: E402
 
 RESULT = "wan_short_run.json"
 TAG = "[wan_short_run]"
+VIDEO_KEYS = ("step", "i", "prompt", "sample_s", "decode_s", "frames", "height", "width", "steps", "guidance")
 MARGIN_S = 15   # --time-limit: what writing the JSON, copying the files and removing the work dir may take
 DRY = dict(src_frames=9, src_size="40x56", bucket="32x64", frames=9, clips=2, train_iters=2, validation_every=1,
            validation_steps=2, validation_frames=5, validation_size="32x32")
@@ -221,34 +225,75 @@ def collect(log_dir: str) -> dict:
                       "step_ms_median": round(1e3 * statistics.median(later), 1) if later else None,
                       "first_step_ms": round(1e3 * steps[0]["step_time_s"], 1) if steps else None,
                       "peak_mem_gib": max((r["peak_mem_gib"] for r in steps if "peak_mem_gib" in r), default=None)},
-            "validation": [{**{k: r.get(k) for k in ("step", "i", "prompt", "sample_s", "decode_s", "frames", "height",
-                                                     "width", "steps", "guidance")},
+            "validation": [{**{k: r.get(k) for k in VIDEO_KEYS},
                             **{k: os.path.join("run", os.path.relpath(r[k], log_dir)) for k in ("mp4", "png") if k in r}}
                            for r in videos]}
 
 
+VIDEO_FILE = re.compile(r"\d+\.(mp4|png)$")   # the validator's <i>.mp4 / <i>.png
+
+
 def copy_small(src: str, dst: str, max_file_mb: float, max_out_mb: float) -> dict:
-    """Copy ``src``'s files to ``dst`` (same relative paths), text and plots first, each at most ``max_file_mb`` and
-    ``max_out_mb`` in all; returns {"copied": [rel], "left_out": {rel: reason}}."""
+    """Copy ``src``'s files to ``dst`` (same relative paths), the text and plots first, then the videos and frame
+    strips; a video or strip above ``max_file_mb`` is copied at half (a quarter, an eighth) of its size where that
+    fits (``shrink``); ``max_out_mb`` in all. Returns {"copied": [rel], "shrunk": {rel: "HxW of HxW"}, "left_out":
+    {rel: reason}, "copied_mib"}."""
     found = []
     for root, _, names in os.walk(src):
         for n in names:
-            rel = os.path.relpath(os.path.join(root, n), src)
-            found.append((rel.endswith((".mp4", ".png")) and "validation" in rel, rel))   # videos last
-    copied, left, total = [], {}, 0
+            found.append((bool(VIDEO_FILE.match(n)), os.path.relpath(os.path.join(root, n), src)))
+    copied, shrunk, left, total = [], {}, {}, 0
+    limit = int(max_file_mb * 2**20)
     for _, rel in sorted(found):
-        size = os.path.getsize(os.path.join(src, rel))
-        mb = size / 2**20
-        if mb > max_file_mb:
-            left[rel] = f"{mb:.1f} MiB > --max-file-mb {max_file_mb:g}"
-        elif (total + size) / 2**20 > max_out_mb:
-            left[rel] = f"--max-out-mb {max_out_mb:g} reached"
+        path, out = os.path.join(src, rel), os.path.join(dst, rel)
+        size = os.path.getsize(path)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        if size > limit:
+            how = shrink(path, out, limit) if VIDEO_FILE.match(os.path.basename(rel)) else None
+            if how is None:
+                left[rel] = f"{size / 2**20:.1f} MiB > --max-file-mb {max_file_mb:g}"
+                continue
+            shrunk[rel] = how
         else:
-            os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
-            shutil.copyfile(os.path.join(src, rel), os.path.join(dst, rel))
-            copied.append(rel)
-            total += size
-    return {"copied": copied, "left_out": left, "copied_mib": round(total / 2**20, 2)}
+            shutil.copyfile(path, out)
+        size = os.path.getsize(out)
+        if (total + size) / 2**20 > max_out_mb:
+            os.remove(out)
+            shrunk.pop(rel, None)
+            left[rel] = f"--max-out-mb {max_out_mb:g} reached"
+            continue
+        copied.append(rel)
+        total += size
+    return {"copied": copied, "shrunk": shrunk, "left_out": left, "copied_mib": round(total / 2**20, 2)}
+
+
+def shrink(src: str, dst: str, max_bytes: int) -> Optional[str]:
+    """``src`` (an mp4 or png) written to ``dst`` with its sides halved, quartered or eighthed, the first that is at
+    most ``max_bytes``: "HxW of HxW"; None (nothing left at ``dst``) when none is."""
+    import numpy as np  # noqa: PLC0415
+    from PIL import Image  # noqa: PLC0415
+    if src.endswith(".png"):
+        frames, fps = [np.asarray(Image.open(src).convert("RGB"))], None
+    else:
+        import imageio.v2 as imageio  # noqa: PLC0415
+        reader = imageio.get_reader(src, "ffmpeg")
+        fps = reader.get_meta_data().get("fps", 16)
+        frames = [np.asarray(f) for f in reader]
+        reader.close()
+    h0, w0 = frames[0].shape[:2]
+    for k in (2, 4, 8):
+        h, w = max(2, h0 // k // 2 * 2), max(2, w0 // k // 2 * 2)   # even sides (yuv420p)
+        small = [np.asarray(Image.fromarray(f).resize((w, h), Image.BILINEAR)) for f in frames]
+        if fps is None:
+            Image.fromarray(small[0]).save(dst)
+        else:
+            with imageio.get_writer(dst, "ffmpeg", fps=fps, macro_block_size=1) as wr:
+                for f in small:
+                    wr.append_data(f)
+        if os.path.getsize(dst) <= max_bytes:
+            return f"{h}x{w} of {h0}x{w0}"
+    os.remove(dst)
+    return None
 
 
 def write_pipeline(root: str, args: argparse.Namespace, device: torch.device) -> dict:
