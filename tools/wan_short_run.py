@@ -220,14 +220,17 @@ def collect(log_dir: str) -> dict:
     (validation/index.jsonl) with their sampling / decoding seconds."""
     steps = read_jsonl(os.path.join(log_dir, "metrics.jsonl"))
     later = [r["step_time_s"] for r in steps if r.get("step", 0) >= 1 and "step_time_s" in r]
-    videos = read_jsonl(os.path.join(log_dir, "validation", "index.jsonl"))
+    videos = []
+    for r in read_jsonl(os.path.join(log_dir, "validation", "index.jsonl")):
+        row = {k: r.get(k) for k in VIDEO_KEYS}
+        for k in ("mp4", "png"):   # relative to --out: the run's files go to DIR/run/
+            row[k] = os.path.join("run", os.path.relpath(r[k], log_dir)) if k in r else None
+        videos.append(row)
     return {"train": {"steps": len(steps), "losses": [r.get("loss") for r in steps],
                       "step_ms_median": round(1e3 * statistics.median(later), 1) if later else None,
                       "first_step_ms": round(1e3 * steps[0]["step_time_s"], 1) if steps else None,
                       "peak_mem_gib": max((r["peak_mem_gib"] for r in steps if "peak_mem_gib" in r), default=None)},
-            "validation": [{**{k: r.get(k) for k in VIDEO_KEYS},
-                            **{k: os.path.join("run", os.path.relpath(r[k], log_dir)) for k in ("mp4", "png") if k in r}}
-                           for r in videos]}
+            "validation": videos}
 
 
 VIDEO_FILE = re.compile(r"\d+\.(mp4|png)$")   # the validator's <i>.mp4 / <i>.png
