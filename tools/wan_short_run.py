@@ -185,6 +185,8 @@ class Run:
             self.args.time_limit + 20 - elapsed
 
         def fire() -> None:
+            if self.finished:   # the main thread is writing the final JSON already
+                return
             phase = self.doc.get("phase") or "start"
             self.say(f"--time-limit {self.args.time_limit:g}s reached in phase {phase}: writing what there is")
             try:
