@@ -4,6 +4,7 @@ and each validation video's sampling / decoding seconds, and leave the videos, f
 --time-limit stops the run with the JSON written (timed_out) and exit status 124."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -98,3 +99,5 @@ def test_time_limit_writes_the_json_and_exits_124(tmp_path):
     assert doc["timed_out"] in ("pipeline", "videos", "prepare") and not doc["complete"]
     assert "train" not in doc["seconds"] and doc["validation"] == []
     assert f"--time-limit 16s reached in phase {doc['timed_out']}" in proc.stdout
+    work = re.search(r"work dir (\S+),", proc.stdout).group(1)
+    assert not os.path.exists(work)   # the temporary work dir (the pipeline: ~15 GB at real size) removed
