@@ -237,7 +237,12 @@ def test_varlen_local_kernels():
     """The local kernels for packed samples (per sample, grouped by length, torch's flash varlen, cuDNN ragged where
     its probe passes, and auto) against float64 per sample, on one GPU."""
     got = _worker("cuda_varlen_local", "varlen_local_family", "varlen_local", 1, "gloo")
-    assert len(got) in (48, 64)  # 64 where flash_varlen's probe passes
+    # 16 cases per method (per_sample, grouped, flash_varlen where its probe passes, fa4_varlen where FA4 is
+    # installed) and auto; with FA4 required its varlen kernel must be among them (80 cases on 2026-11-29, H200)
+    methods = {c["case"].split()[0].split("=")[0] for c in got}   # "auto=<its pick>" counts as auto
+    if os.environ.get("SPX_REQUIRE_FA4") == "1":
+        assert "fa4_varlen" in methods, sorted(methods)
+    assert {"per_sample", "grouped"} <= methods and len(got) == 16 * len(methods), (len(got), sorted(methods))
 
 
 @pytest.mark.parametrize("world,backend", _layouts())
