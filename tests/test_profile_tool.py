@@ -52,6 +52,7 @@ def test_exposed_exchange_is_the_part_no_other_kernel_covers(tmp_path):
     path.write_text(json.dumps({"traceEvents": ev}))
     got = categorize_trace(str(path), steps=2)
     assert abs(got["exchange_exposed_ms_per_step"] - 0.45) < 1e-9   # (400 + 500) us over 2 calls
+    assert abs(got["exchange_beside_ms_per_step"] - 0.3) < 1e-9     # 400-1000 us beside the flash kernel
     assert abs(got["ms_per_step"]["exchange"] - 0.75) < 1e-9 and abs(got["ms_per_step"]["idle"] - 0.1) < 1e-9
 
 
@@ -77,9 +78,29 @@ def test_profile_calls_on_cpu_says_why_it_has_no_kernels(tmp_path):
     rows = [{"L": 32768, "causal": False, "floor_fa4": {"fwd": 1, "profile": prof},
              "modes": {"ulysses": {"profile": prof}, "ring": {"fwd_ms": 1.0}}}]
     lines = profile_lines(rows)
-    assert len(lines) == 7 and lines[-2].startswith("| 32K | no | FA4 floor | 10.00 | 7.00 | 2.00 | 1.50 |")
-    assert lines[-1].startswith("| 32K | no | ulysses |") and profile_lines([{**rows[0], "floor_fa4": {},
-                                                                             "modes": {}}]) == []
+    assert len(lines) == 7 and lines[-2].startswith("| 32K | no | FA4 floor | fwd+bwd | 10.00 | 7.00 | 2.00 | 1.50 |")
+    assert lines[-1].startswith("| 32K | no | ulysses | fwd+bwd |") and profile_lines([{**rows[0], "floor_fa4": {},
+                                                                                       "modes": {}}]) == []
+    # --profile-calls fwd: the forward alone beside the fwd+bwd line of the same mode, its beside time shown
+    fwd = {**prof, "exchange_exposed_ms_max": 24.5, "exchange_beside_ms_min": 0.2}
+    rows[0]["modes"]["ring"]["profile_fwd"] = fwd
+    lines = profile_lines(rows)
+    assert lines[-1].startswith("| 32K | no | ring | fwd | 10.00 | 7.00 | 2.00 | 24.50 | 0.20 |")
+
+
+def test_bench_cp_profile_calls_setting():
+    """bench_cp's --profile-calls: fwd and/or fwd_bwd; anything else is one message naming the flag."""
+    import argparse
+
+    import pytest
+
+    from megatron_sp_ext.errors import SPConfigError
+    from tools.bench_cp import profile_calls_of
+    assert profile_calls_of(argparse.Namespace(profile_calls="fwd_bwd")) == ("fwd_bwd",)
+    assert profile_calls_of(argparse.Namespace(profile_calls="fwd, fwd_bwd")) == ("fwd", "fwd_bwd")
+    for bad in ("bwd", "", "fwd,all"):
+        with pytest.raises(SPConfigError, match="--profile-calls"):
+            profile_calls_of(argparse.Namespace(profile_calls=bad))
 
 
 def test_bench_cp_views_mode_keeps_the_contiguous_placement():

@@ -130,12 +130,29 @@ def run_ours(name, fn, full, group, causal, args):
     t_fb = median_ms(fb, args.iters, args.warmup, group)
     entry = {"fwd_ms": t_f, "fwd_bwd_ms": t_fb, "placement": pl}
     if profiled(args, name):
-        entry["profile"] = profile_calls(fb, args.profile_reps, group, args.profile_traces,
-                                         f"{name}_H{full[0].shape[2]}_L{full[0].shape[1]}_"
-                                         f"{'causal' if causal else 'full'}_{args.links}")
+        tag = f"{name}_H{full[0].shape[2]}_L{full[0].shape[1]}_{'causal' if causal else 'full'}_{args.links}"
+        calls = profile_calls_of(args)
+        if "fwd" in calls:   # the forward alone, as t_f times it (the causal ring's host-link outlier, #84)
+            with torch.no_grad():
+                entry["profile_fwd"] = profile_calls(lambda: fn(q, k, v), args.profile_reps, group,
+                                                     args.profile_traces, f"{tag}_fwd")
+        if "fwd_bwd" in calls:
+            entry["profile"] = profile_calls(fb, args.profile_reps, group, args.profile_traces, tag)
     o = fb()
     got = [_gather_full(t, group, pl) for t in (o.detach(), qg.grad, kg.grad, vg.grad)]
     return entry, got
+
+
+CALLS = ("fwd", "fwd_bwd")   # --profile-calls: a mode's forward alone (under no_grad, as fwd_ms), its forward+backward
+
+
+def profile_calls_of(args) -> tuple:
+    """The calls ``--profile-calls`` names (SPConfigError naming the flag for anything else)."""
+    got = tuple(c.strip() for c in args.profile_calls.split(",") if c.strip())
+    bad = [c for c in got if c not in CALLS]
+    if bad or not got:
+        raise SPConfigError(f"--profile-calls {args.profile_calls!r}: a comma list of {', '.join(CALLS)}")
+    return got
 
 
 def profiled(args, name: str) -> bool:
@@ -279,23 +296,28 @@ def write_reports(rows, args, meta):
 
 
 def profile_lines(rows) -> list:
-    """The markdown of ``--profile-reps``: per profiled mode (and FA4 floor), ms per fwd+bwd call, max over ranks."""
+    """The markdown of ``--profile-reps``: per profiled mode (and FA4 floor) and call (fwd+bwd; fwd with
+    ``--profile-calls fwd``), ms per call, max over ranks (beside: the least over ranks)."""
     out = []
     for r in rows:
         entries = [("FA4 floor", r.get("floor_fa4", {}))] + list(r["modes"].items())
         for m, e in entries:
-            p = e.get("profile")
-            if not p or "max_over_ranks" not in p:
-                continue
-            if not out:
-                out = ["", "Profiled fwd+bwd calls (ms per call, max over ranks; exposed = exchange kernels running "
-                       "while no other kernel does; elementwise includes the layouts' copies):", "",
-                       "| L | causal | mode | window | attention | exchange | exposed | elementwise | GEMM | idle |",
-                       "|---|---|---|---|---|---|---|---|---|---|"]
-            c = p["max_over_ranks"]
-            out.append(f"| {r['L'] // 1024}K | {'yes' if r['causal'] else 'no'} | {m} | {p['window_ms_max']:.2f} | "
-                       f"{c['attention']:.2f} | {c['exchange']:.2f} | {p['exchange_exposed_ms_max']:.2f} | "
-                       f"{c['elementwise']:.2f} | {c['GEMM']:.2f} | {c['idle']:.2f} |")
+            for call, key in (("fwd+bwd", "profile"), ("fwd", "profile_fwd")):
+                p = e.get(key)
+                if not p or "max_over_ranks" not in p:
+                    continue
+                if not out:
+                    out = ["", "Profiled calls (ms per call, max over ranks; exposed = exchange kernels running while "
+                           "no other kernel does, beside = while one does (least over ranks: near 0 with a large "
+                           "exposed time, the exchange ran after the compute, not beside it); elementwise includes "
+                           "the layouts' copies):", "",
+                           "| L | causal | mode | call | window | attention | exchange | exposed | beside | elementwise "
+                           "| GEMM | idle |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                c = p["max_over_ranks"]
+                out.append(f"| {r['L'] // 1024}K | {'yes' if r['causal'] else 'no'} | {m} | {call} | "
+                           f"{p['window_ms_max']:.2f} | {c['attention']:.2f} | {c['exchange']:.2f} | "
+                           f"{p['exchange_exposed_ms_max']:.2f} | {p.get('exchange_beside_ms_min', float('nan')):.2f} "
+                           f"| {c['elementwise']:.2f} | {c['GEMM']:.2f} | {c['idle']:.2f} |")
     return out
 
 
@@ -362,11 +384,16 @@ def main() -> None:
                     help="with --profile-reps: only these modes (comma list; floor_fa4 = the FA4 floor)")
     ap.add_argument("--profile-traces", default=None,
                     help="with --profile-reps: keep rank 0's Chrome traces in this folder (large: 10-100 MB each)")
+    ap.add_argument("--profile-calls", default="fwd_bwd",
+                    help="with --profile-reps: which of a mode's calls to profile, comma list of " + "/".join(CALLS) +
+                         " (fwd: the forward alone, as its fwd_ms times it, in the entry as \"profile_fwd\"; "
+                         "the FA4 floor: fwd_bwd only)")
     ap.add_argument("--time-limit", type=int, default=0,
                     help="seconds the whole job may run (0: no limit): the TE side gets at most what is left of it "
                          "less 20 s, so that the merged JSON is written before an outer timeout")
     args = ap.parse_args()
     try:   # the peers checked before any GPU work: a bad setting is one message, no traceback
+        profile_calls_of(args)
         peers = parse_peers(args.peers)
         check_grid(peers, [int(x) for x in args.heads.split(",")], [int(x) for x in args.seqlens.split(",")],
                    int(os.environ.get("WORLD_SIZE", "1")))

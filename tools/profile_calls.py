@@ -60,4 +60,5 @@ def profile_calls(fn: Callable[[], object], reps: int, group: Optional[dist.Proc
         out["max_over_ranks"] = {c: max(s["ms_per_step"][c] for s in ok) for c in cats}
         out["window_ms_max"] = max(s["window_ms_per_step"] for s in ok)
         out["exchange_exposed_ms_max"] = max(s["exchange_exposed_ms_per_step"] for s in ok)
+        out["exchange_beside_ms_min"] = min(s.get("exchange_beside_ms_per_step", 0.0) for s in ok)
     return out

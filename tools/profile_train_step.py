@@ -101,7 +101,8 @@ def busy(intervals: list) -> float:
 
 def categorize_trace(path: str, steps: int, text_len: int = 512) -> dict:
     """{category: ms per step} from a torch.profiler Chrome trace of ``steps`` steps, plus window/busy times and
-    the exchange's exposed time (NCCL kernels running while no other kernel does)."""
+    the exchange's exposed time (NCCL kernels running while no other kernel does) and its time beside other kernels
+    (near 0 with a large exposed time: the exchange ran after the compute, not beside it)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -137,6 +138,7 @@ def categorize_trace(path: str, steps: int, text_len: int = 512) -> dict:
                      reverse=True)[:30]
     return {"ms_per_step": per_step, "window_ms_per_step": window / steps, "busy_ms_per_step": busy_ms / steps,
             "exchange_exposed_ms_per_step": exposed(comm, work) / 1e3 / steps,
+            "exchange_beside_ms_per_step": (busy(comm) - exposed(comm, work)) / 1e3 / steps,
             "top_kernels": [{"ms": round(v, 3), "category": c, "kernel": n} for v, c, n in top_k],
             "top_other_ops": [{"ms": round(v, 3), "category": c, "op": n, "input_dims": d} for v, c, n, d in top_ops]}
 
