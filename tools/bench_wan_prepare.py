@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.benchlib import run_meta, write_json  # noqa: E402
+from tools.benchlib import join_torchrun, run_meta, write_json  # noqa: E402
 from training.wan_diffusers import encoders as E  # noqa: E402
 from training.wan_diffusers import media, prepare  # noqa: E402
 
@@ -289,15 +289,8 @@ def main(argv: Optional[list] = None) -> dict:
     if args.dry_run:
         args.src_frames, args.src_size, args.bucket = 9, "40x56", "32x64"
         args.sample_steps, args.sample_frames, args.sample_size = 2, 5, "32x32"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available() and not args.dry_run
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    own_pg = world > 1 and not dist.is_initialized()
-    if own_pg:
-        dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank, world, device, own_pg = join_torchrun(use_cuda=not args.dry_run)
+    cuda = device.type == "cuda"
     if world > 1 and args.part != "sample":
         raise SystemExit("--part prepare/both runs on one process (prepare shares over ranks by itself): under "
                          "torchrun give --part sample")

@@ -95,6 +95,21 @@ def init_world(backend: Optional[str] = None, timeout_s: float = 600, share_gpu:
 
 
 # -- time ----------------------------------------------------------------------------------------------------------
+def join_torchrun(use_cuda: bool = True) -> tuple:
+    """A tool run as one process or under torchrun -> (rank, world, device, own_pg): GPU ``LOCAL_RANK`` when CUDA is
+    there and ``use_cuda``; the process group (NCCL on CUDA, else gloo) joined when torchrun's WORLD_SIZE > 1 and no
+    one joined it yet (``own_pg``: the caller destroys it at the end)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = use_cuda and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    own_pg = world > 1 and not dist.is_initialized()
+    if own_pg:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return (dist.get_rank() if dist.is_initialized() else 0), world, device, own_pg
+
+
 def rotated(items: list, i: int) -> list:
     """``items`` rotated by ``i``: interleaved timing starts each repetition with a different mode, so
     no mode always runs first (or right after the same neighbour)."""

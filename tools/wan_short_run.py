@@ -61,7 +61,8 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools import bench_wan_prepare as B  # noqa: E402
-from tools.benchlib import run_meta, write_json  # noqa: E402
+from tools.benchlib import join_torchrun, run_meta, write_json  # noqa: E402
+from training.wan_diffusers.prepare import read_jsonl  # noqa: E402
 
 RESULT = "wan_short_run.json"
 TAG = "[wan_short_run]"
@@ -203,18 +204,6 @@ class Run:
     def cleanup(self) -> None:
         if self.remove_work:
             shutil.rmtree(self.work, ignore_errors=True)
-
-
-def read_jsonl(path: str) -> list:
-    rows = []
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    continue   # a line being written
-    return rows
 
 
 def collect(log_dir: str) -> dict:
@@ -421,17 +410,9 @@ def summary_line(doc: dict) -> str:
 
 def main(argv: Optional[list] = None) -> dict:
     args = parse(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.dry_run:   # the CPU check everywhere (prepare and the trainer pick CUDA where they see it)
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    cuda = torch.cuda.is_available() and not args.dry_run
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    own_pg = world > 1 and not dist.is_initialized()
-    if own_pg:
-        dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank, world, device, own_pg = join_torchrun(use_cuda=not args.dry_run)
     made = args.work_dir is None
     work = args.work_dir or (tempfile.mkdtemp(prefix="wan_short_run_") if rank == 0 else None)
     if world > 1:
