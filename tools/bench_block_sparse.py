@@ -161,10 +161,12 @@ def _inputs(h: int, sq: int, sk: int, d: int, dev: torch.device, dtype: torch.dt
     return [torch.randn(1, h, n, d, device=dev, dtype=dtype, generator=g) for n in (sq, sk, sk, sq)]
 
 
-def dense_fns(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool) -> Fns:
-    """(forward without grad, forward + backward from ``do``) of the dense kernel ``name`` on q/k/v [B, H, S, D]."""
+def dense_fns(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
+              leaves: Optional[list] = None) -> Fns:
+    """(forward without grad, forward + backward from ``do``) of the dense kernel ``name`` on q/k/v [B, H, S, D].
+    leaves: the q/k/v leaf tensors whose ``.grad`` the forward + backward fills (default: detached copies)."""
     be = backends.get_backend(name)
-    qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+    qkv = leaves if leaves is not None else [t.detach().requires_grad_() for t in (q, k, v)]
 
     def fwd():
         with torch.no_grad():

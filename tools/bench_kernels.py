@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_sp_ext.attention import backends, kernels, varlen  # noqa: E402
+from tools.bench_block_sparse import dense_fns  # noqa: E402
 from tools.benchlib import median_ms, run_meta, write_json  # noqa: E402
 
 KERNELS = ("cudnn", "fa4")
@@ -57,20 +58,8 @@ def _inputs(sq, sk, h, hkv, d, seed=0, bshd=False):
 
 
 def _plain(name, q, k, v, do, causal):
-    be = backends.get_backend(name)
     qkv = [t.detach().requires_grad_() for t in (q, k, v)]
-
-    def fwd():
-        with torch.no_grad():
-            return be(q, k, v, causal=causal, softmax_scale=None)
-
-    def fwd_bwd():
-        for t in qkv:
-            t.grad = None
-        out = be(*qkv, causal=causal, softmax_scale=None)
-        out.backward(do)
-        return out
-    return fwd, fwd_bwd, qkv
+    return (*dense_fns(name, q, k, v, do, causal, leaves=qkv), qkv)
 
 
 def _lse(name, q, k, v, do, causal):
