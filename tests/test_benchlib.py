@@ -62,3 +62,26 @@ def test_results_and_plot_or_skip(tmp_path, capsys):
         raise ValueError("no data")
     assert not benchlib.plot_or_skip(str(tmp_path / "q.png"), broken, "who")
     assert "[who] plot skipped: no data" in capsys.readouterr().out and not (tmp_path / "q.png").exists()
+
+
+def test_init_world_high_priority_sets_nccls_option(monkeypatch):
+    """init_world(high_priority=True): NCCL's process group made with is_high_priority_stream=True (bench_cp
+    --nccl-priority high, the SM-starvation check of the ring's forward); refused by name for gloo."""
+    from tools import benchlib
+    calls = []
+
+    class Options:   # stands in for ProcessGroupNCCL.Options (a CPU build of torch has no NCCL)
+        def __init__(self, is_high_priority_stream=False):
+            self.is_high_priority_stream = is_high_priority_stream
+    monkeypatch.setattr(benchlib.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(benchlib.torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(benchlib.dist, "ProcessGroupNCCL", type("PG", (), {"Options": Options}), raising=False)
+    monkeypatch.setattr(benchlib.dist, "init_process_group", lambda b, **kw: calls.append((b, kw)))
+    monkeypatch.setattr(benchlib.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(benchlib.dist, "get_world_size", lambda: 2)
+    benchlib.init_world("nccl", high_priority=True)
+    benchlib.init_world("nccl")
+    assert calls[0][1]["pg_options"].is_high_priority_stream is True and "pg_options" not in calls[1][1]
+    for bad in (dict(backend="gloo"), dict(share_gpu=True)):
+        with pytest.raises(ValueError, match="high_priority is an option of NCCL"):
+            benchlib.init_world(high_priority=True, **bad)

@@ -367,6 +367,10 @@ def main() -> None:
                     help="head chunks of the ring backward's last step (SPX_RING_DKV_CHUNKS): a count or auto")
     ap.add_argument("--links", choices=("nvlink", "host"), default="nvlink",
                     help="host: NCCL_P2P_DISABLE=1 (set here, before NCCL starts)")
+    ap.add_argument("--nccl-priority", choices=("default", "high"), default="default",
+                    help="high: the job's NCCL streams at high priority (ProcessGroupNCCL.Options("
+                         "is_high_priority_stream=True), Megatron's --high-priority-stream-groups): the ring's "
+                         "exchange kernels then go before a compute kernel that takes every SM (in the meta)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_cp_out"))
@@ -407,7 +411,7 @@ def main() -> None:
     for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(k, "1" if k != "NCCL_NVLS_ENABLE" else "0")
     t_job = time.time()
-    init_world("nccl", timeout_s=600)
+    init_world("nccl", timeout_s=600, high_priority=args.nccl_priority == "high")
     # its own links probe in the JSON: what the speed plan predicts this job's rows from (speed_plan --validate)
     probe = probe_links(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
@@ -443,7 +447,7 @@ def main() -> None:
     if rank == 0:
         meta = run_meta(date=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()), torch=torch.__version__,
                         nccl=str(torch.cuda.nccl.version()), NCCL_P2P_DISABLE=os.environ.get("NCCL_P2P_DISABLE", ""),
-                        links=args.links, links_probe={str(world): probe})
+                        links=args.links, nccl_priority=args.nccl_priority, links_probe={str(world): probe})
         if peers:
             meta["te"] = (te_doc or {}).get("meta", {"error": why})
         write_reports(rows, args, meta)

@@ -75,12 +75,18 @@ def finish_worker(rank: int, path: str, result, barrier: bool = True) -> None:
     dist.destroy_process_group()
 
 
-def init_world(backend: Optional[str] = None, timeout_s: float = 600, share_gpu: bool = False) -> tuple:
+def init_world(backend: Optional[str] = None, timeout_s: float = 600, share_gpu: bool = False,
+               high_priority: bool = False) -> tuple:
     """Join the process group torchrun describes (cuda: NCCL on GPU ``LOCAL_RANK``; else gloo) ->
     (rank, world, device). ``share_gpu``: every rank on GPU 0 over gloo (CUDA tensors cross host memory: the
-    library's CUDA paths at P ranks on one GPU; times are not the method's speed, per-rank memory is)."""
+    library's CUDA paths at P ranks on one GPU; times are not the method's speed, per-rank memory is).
+    ``high_priority``: NCCL's streams created at high priority (``ProcessGroupNCCL.Options(is_high_priority_stream=
+    True)``, what Megatron's ``--high-priority-stream-groups`` sets per group): its kernels are dispatched before a
+    compute kernel that would otherwise take every SM first."""
     if share_gpu and backend not in (None, "gloo"):
         raise ValueError(f"init_world: share_gpu runs gloo (several ranks on one GPU), not backend={backend!r}")
+    if high_priority and (share_gpu or backend not in (None, "nccl") or not torch.cuda.is_available()):
+        raise ValueError("init_world: high_priority is an option of NCCL's process group (CUDA, backend nccl)")
     cuda = torch.cuda.is_available()
     local = 0 if share_gpu else int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -90,6 +96,8 @@ def init_world(backend: Optional[str] = None, timeout_s: float = 600, share_gpu:
         torch.cuda.set_device(device)
         if backend == "nccl":
             kw["device_id"] = device
+            if high_priority:
+                kw["pg_options"] = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
     dist.init_process_group(backend, **kw)
     return dist.get_rank(), dist.get_world_size(), device
 
