@@ -176,3 +176,19 @@ def test_fused_inductor_float32():
     eager = _step(stock, inputs, None, **kw)
     fused = _step(stock, inputs, None, backend="inductor", **kw)
     assert _diff(eager, fused) <= 1e-4
+
+
+def test_fused_vace_equals_eager():
+    """WanVACETransformer3DModel (its _repeated_blocks: the main and the VACE blocks), parallelized, the attention
+    kept: compiled graphs run, the numbers are eager's."""
+    torch.compiler.reset()
+    stock, inputs = tiny_wan("vace"), wan_inputs("vace")
+
+    def step(backend):
+        model = copy.deepcopy(stock)
+        keep_attention_checkpointing(parallelize(model, None, mode="ulysses"))
+        if backend is not None:
+            fuse_elementwise(model, backend)
+        return forward_backward(model, inputs, None)
+    counting = Counting()
+    assert _diff(step(None), step(counting)) <= RTOL and counting.calls > 0

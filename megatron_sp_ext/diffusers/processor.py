@@ -11,8 +11,9 @@ agreed, no cross-rank compare; otherwise each distinct mask is compared once per
 ``out = attention(q, k, v, problem)`` with the forward's ``AttentionProblem`` (``ForwardContext.problem``; with a mask
 ``problem.with_mask(mask)``, tile ``plan.block_size``) (+ extra), flattened, ``type_as(q)``, ``to_out``. Under
 ``keep_attention_checkpointing`` (recompute.py) the attention call goes through ``kept.run``: run and kept in the
-forward, answered from that record in the checkpoint's recompute. Not an ``nn.Module``: the model's state_dict is
-unchanged.
+forward, answered from that record in the checkpoint's recompute. Everything from the sparse plan to the attention's
+output (``attend``) is opaque to ``torch.compile`` (fused.py compiles the block around it). Not an ``nn.Module``: the
+model's state_dict is unchanged.
 """
 from __future__ import annotations
 
