@@ -406,7 +406,7 @@ def _train(args, device, return_params: bool, grads_at: Optional[int], dtype: Op
             logger.info(f"--init {args.init} has no sparse gates: they start at zero (the model's fine block-sparse "
                         f"attention alone)")
     fused_backend = None if args.use_torch_fsdp2 else resolve_fused(args.fused_elementwise, device)
-    if fused_backend is not None:   # after parallelize, checkpointing and LoRA (any order works; this one compiles once)
+    if fused_backend is not None:   # after parallelize, checkpointing and LoRA (any order works)
         from megatron_sp_ext.diffusers import fuse_elementwise  # noqa: PLC0415
         fuse_elementwise(model, fused_backend)
     world_group = dist.group.WORLD if lay.world > 1 else None

@@ -53,9 +53,10 @@ class FusedBlocks:
 def fuse_elementwise(model: torch.nn.Module, backend: Union[str, Callable] = "inductor") -> FusedBlocks:
     """Compile every repeated block of ``model`` (a diffusers model with ``_repeated_blocks``: WanTransformer3DModel
     and its VACE form; stock or parallelized) with ``backend`` (a ``torch.compiler.list_backends`` name:
-    "inductor" fuses; "aot_eager" runs the same graphs op by op, for tests; or a backend callable) and the project's Inductor options
-    (megatron_sp_ext.inductor). Compilation happens at the first call (one graph per block kind and input shape).
-    Returns the ``FusedBlocks`` handle. Raises SPConfigError naming what is refused: a model without repeated
+    "inductor" fuses; "aot_eager" runs the same graphs op by op, for tests; or a backend callable) and the
+    project's Inductor options (megatron_sp_ext.inductor). Compilation happens at the first call (the same graphs
+    for every block of a kind: a few per kind and input shape, split at the attention). Returns the ``FusedBlocks``
+    handle. Raises SPConfigError naming what is refused: a model without repeated
     blocks, an unknown backend, blocks already compiled."""
     kinds = getattr(model, "_repeated_blocks", None)
     if not kinds or not hasattr(model, "compile_repeated_blocks"):
