@@ -179,6 +179,26 @@ def test_variant_options_stock_lora_recompute():
             bench.parse_variant(bad)
 
 
+def test_fused_variants_dry(tmp_path):
+    """@fused=on on stock and ours (one rank, CPU stand-in: "aot_eager"): their rows say so and start from the loss of
+    the same variant without it (the same seed and batch; the compiled blocks compute the same math)."""
+    out = str(tmp_path / "fused.json")
+    names = ["stock", "stock@fused=on", "ours-auto-topk90@recompute=keep", "ours-auto-topk90@recompute=keep@fused=on"]
+    run_ranks(_bench, 1, ["--dry-run", "--variants", ",".join(names), "--warmup", "1", "--out", out], timeout=240)
+    with open(out) as f:
+        rows = {r["variant"]: r for r in json.load(f)["rows"]}
+    for eager, fused in ((names[0], names[1]), (names[2], names[3])):
+        assert "fused_backend" not in rows[eager] and rows[fused]["fused_backend"] == "aot_eager", rows[fused]
+        assert len(rows[fused]["warmup_ms"]) == 1 and len(rows[fused]["step_ms_all"]) == 2
+        assert abs(rows[fused]["first_loss"] - rows[eager]["first_loss"]) <= 1e-5 * rows[eager]["first_loss"]
+        assert abs(rows[fused]["last_loss"] - rows[eager]["last_loss"]) <= 1e-4 * rows[eager]["last_loss"]
+    assert bench.parse_variant("ours-auto@fused=on@recompute=keep")["fused"] is True
+    assert bench.parse_variant("stock@fused=off")["fused"] is False and bench.parse_variant("stock")["fused"] is False
+    for bad in ("stock@fused=yes", "ours-auto@fused"):
+        with pytest.raises(SPConfigError, match="--variants"):
+            bench.parse_variant(bad)
+
+
 def _targets(rank, world, argv):
     """The rows, and per Setup built: (variant, gradient checkpointing, kept-attention processors, trainable
     parameters are all LoRA's)."""

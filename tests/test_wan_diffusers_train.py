@@ -337,6 +337,29 @@ def test_selective_recompute_equals_full_and_none():
     _equal(runs["selective"], runs["full"], "selective vs full")
 
 
+def _fused_run(rank, world, argv):
+    """The trainer's run with --fused-elementwise on, its backend "aot_eager" with counted graph calls (the wiring;
+    the compiled blocks' numbers: tests/test_diffusers_fused.py); (run, calls)."""
+    from tests.test_diffusers_fused import Counting  # noqa: PLC0415
+    counting = Counting()
+    entry.resolve_fused = lambda choice, device: counting if choice == "on" else None   # this forked rank only
+    return _run(rank, world, argv), counting.calls
+
+
+def test_fused_elementwise_equals_eager():
+    """SP=2, LoRA, window tiles, the attention kept: --fused-elementwise on (compiled blocks, counted) gives the
+    losses and adapters of off (float32, to 1e-6)."""
+    argv = [*BASE, "--model", "tiny", "--context-parallel-size", "2", "--train-iters", "2", "--lora-rank", "2",
+            "--recompute-granularity", "selective", *SPARSE, "--sparse-window", "1,1,1"]
+    for r, ((on, calls), (off, _)) in enumerate(zip(run_ranks(_fused_run, 2, [*argv, "--fused-elementwise", "on"]),
+                                                    run_ranks(_fused_run, 2, [*argv, "--fused-elementwise", "off"]))):
+        (l1, p1, _), (l0, p0, _) = on, off
+        assert calls > 0 and p0.keys() == p1.keys(), (r, calls)
+        assert max(abs(a - b) for a, b in zip(l1, l0)) <= 1e-6 * max(1.0, abs(l0[0])), (l1, l0)
+        for n in p0:
+            assert float(abs(p1[n] - p0[n]).max()) <= 1e-6 * max(1.0, float(abs(p0[n]).max())), n
+
+
 def test_lora_fsdp2_selective_equals_dp(tmp_path):
     """4 ranks, SP=2 x DP=2 under FSDP2 (frozen base sharded) with the attention kept, vs DP=2 without: the same
     losses and adapters (fp32, 1e-5); the saved adapters gathered from the shards."""
@@ -367,6 +390,7 @@ def test_lora_fsdp2_selective_equals_dp(tmp_path):
     (["--lora-rank", "4", "--lora-target-modules", ","], ["--lora-target-modules"]),
     (["--model", "bogus"], ["--model"]),
     (["--task", "x2v"], ["--task"]),
+    (["--fused-elementwise", "on", "--use-torch-fsdp2"], ["--fused-elementwise on", "--use-torch-fsdp2"]),
 ])
 def test_bad_flags_refused_by_name(argv, names, capsys):
     with pytest.raises(SystemExit) as e:

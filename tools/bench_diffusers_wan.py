@@ -34,7 +34,9 @@ settings, dense and sparse in one job. Options after ``@`` (several allowed): ``
 (stock and ours; R: full, none, or for ours keep / keepN: every block recomputed but its self-attention, in all blocks
 or the first N: megatron_sp_ext.diffusers.keep_attention_checkpointing; default --recompute), ``@lora=R`` (stock and
 ours: diffusers' add_adapter of a rank-R LoRA on Wan's attention and FFN linears, alpha R, only the adapters
-trained; on CUDA the frozen base weights in bf16, the adapters fp32).
+trained; on CUDA the frozen base weights in bf16, the adapters fp32), ``@fused=on`` (stock and ours: every block
+compiled, megatron_sp_ext.diffusers.fuse_elementwise, Inductor; on the CPU stand-in "aot_eager"; a fresh compile per
+variant, paid in its warmup: row's fused_backend; warmup_ms: every row's warmup steps, this rank's times).
 --curves N: instead of timing, N training steps (fresh synthetic samples each step, same seed and data for both) of
 ours-auto and diffusers' CP (the first diffusers variant of --variants, default diffusers-ulysses, on its first
 backend that runs), bf16, losses to <out>_curves.json and <out>_curves.png.
@@ -117,25 +119,35 @@ def _lora(name: str, value: Optional[str]) -> Optional[int]:
     return int(value)
 
 
+FUSED_CHOICES = ("on", "off")   # a variant's @fused=
+
+
+def _fused(name: str, value: Optional[str]) -> bool:
+    if value is not None and value not in FUSED_CHOICES:
+        raise SPConfigError(f"--variants {name!r}: @fused= takes on or off")
+    return value == "on"
+
+
 def parse_variant(name: str) -> dict:
-    """``stock[@recompute=R][@lora=R]``, ``diffusers-<ulysses|ring>[@backend]`` or
-    ``ours-<mode>[-window90|-topk90|-window=t.h.w|-topk=K][@rope=R][@recompute=R][@lora=R]`` -> a dict (impl, mode,
-    backend, sparse, rope, recompute, lora). SPConfigError naming --variants otherwise."""
+    """``stock[@recompute=R][@lora=R][@fused=F]``, ``diffusers-<ulysses|ring>[@backend]`` or
+    ``ours-<mode>[-window90|-topk90|-window=t.h.w|-topk=K][@rope=R][@recompute=R][@lora=R][@fused=F]`` -> a dict
+    (impl, mode, backend, sparse, rope, recompute, lora, fused). SPConfigError naming --variants otherwise."""
     impl, _, rest = name.partition("-")
     if name == "stock" or name.startswith("stock@"):
-        opts = _options(name, name[len("stock"):], ("recompute", "lora"))
+        opts = _options(name, name[len("stock"):], ("recompute", "lora", "fused"))
         return {"name": name, "impl": "stock", "mode": None, "backend": None, "sparse": None,
-                "recompute": _recompute(name, opts.get("recompute"), False), "lora": _lora(name, opts.get("lora"))}
+                "recompute": _recompute(name, opts.get("recompute"), False), "lora": _lora(name, opts.get("lora")),
+                "fused": _fused(name, opts.get("fused"))}
     if impl == "diffusers":
         mode, _, backend = rest.partition("@")
         if mode not in ("ulysses", "ring") or (backend and backend not in DIFFUSERS_BACKENDS):
             raise SPConfigError(f"--variants {name!r}: diffusers' variants are diffusers-ulysses and diffusers-ring, "
                                 f"optionally @backend ({', '.join(DIFFUSERS_BACKENDS)})")
         return {"name": name, "impl": impl, "mode": mode, "backend": backend or "auto", "sparse": None,
-                "recompute": None, "lora": None}
+                "recompute": None, "lora": None, "fused": False}
     if impl == "ours":
         rest, at, option = rest.partition("@")
-        opts = _options(name, at + option, ("rope", "recompute", "lora"))
+        opts = _options(name, at + option, ("rope", "recompute", "lora", "fused"))
         rope = opts.get("rope")
         if rope is not None and rope not in ROPE_CHOICES:
             raise SPConfigError(f"--variants {name!r}: ours- variants take @rope=R, R one of {', '.join(ROPE_CHOICES)}")
@@ -155,7 +167,8 @@ def parse_variant(name: str) -> dict:
                 raise SPConfigError(f"--variants {name!r}: a sparse suffix is -window90, -topk90, -window=t.h.w or "
                                     f"-topk=K")
         return {"name": name, "impl": impl, "mode": mode, "backend": None, "sparse": spec, "rope": rope or "fused",
-                "recompute": _recompute(name, opts.get("recompute"), True), "lora": _lora(name, opts.get("lora"))}
+                "recompute": _recompute(name, opts.get("recompute"), True), "lora": _lora(name, opts.get("lora")),
+                "fused": _fused(name, opts.get("fused"))}
     raise SPConfigError(f"--variants {name!r}: a variant is stock, or starts with diffusers- or ours- (e.g. "
                         f"{DEFAULT_VARIANTS})")
 
@@ -230,6 +243,11 @@ class Setup:
             if recompute.startswith("keep"):   # keepN: the first N blocks (at most the model's)
                 keep_attention_checkpointing(self.handle, min(int(recompute[4:]), kw["num_layers"])
                                              if recompute[4:] else None)
+        self.fused = None   # @fused=on: every block compiled (a fresh compile cache per variant: its warmup pays)
+        if variant.get("fused"):
+            from megatron_sp_ext.diffusers import fuse_elementwise  # noqa: PLC0415
+            torch.compiler.reset()
+            self.fused = fuse_elementwise(self.model, fused_backend(device))
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=args.lr,
                                      betas=(0.9, 0.95), fused=cuda or None)
         self.ops = TorchOps(self.model, self.opt, dist.group.WORLD if world > 1 else None, clip=1.0)
@@ -245,12 +263,20 @@ class Setup:
         return loss.detach()
 
     def close(self) -> None:
+        if self.fused is not None:
+            self.fused.remove()
         if self.handle is not None:
             self.handle.remove()
         del self.model, self.opt, self.ops
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def fused_backend(device) -> str:
+    """@fused=on's compile backend: Inductor on CUDA; on the CPU stand-in (--dry-run) "aot_eager", the same graphs
+    unfused (no C++ compile; the row says which)."""
+    return "inductor" if torch.device(device).type == "cuda" else "aot_eager"
 
 
 def _free(device) -> None:
@@ -344,7 +370,9 @@ def _time_variant(args, variant: dict, world: int, device, grid: tuple, batch: d
         row["skipped"] = "no backend ran: " + "; ".join(f"{t['backend']}: {t['error']}" for t in tried)
         return row
     row["backend"] = setup.backend if variant["impl"] == "diffusers" else args.sp_attention_backend
-    times, losses = [], []
+    if setup.fused is not None:
+        row["fused_backend"] = setup.fused.backend
+    times, losses, warmup_ms = [], [], []
     for i in range(args.warmup + args.steps):
         if cuda:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -357,8 +385,7 @@ def _time_variant(args, variant: dict, world: int, device, grid: tuple, batch: d
             ms = ev[0].elapsed_time(ev[1])
         else:
             ms = 1e3 * (time.perf_counter() - t0)
-        if i >= args.warmup:
-            times.append(ms)
+        (times if i >= args.warmup else warmup_ms).append(ms)
         if cuda and i == args.warmup - 1:   # the steady peak: the timed steps alone (no first-step trials)
             job_peak = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -378,7 +405,8 @@ def _time_variant(args, variant: dict, world: int, device, grid: tuple, batch: d
                mfu=flops / (step_ms / 1e3) / (pk * world) if pk else None,
                peak_mem_gib=float(peak[0].item()) if cuda else None,
                peak_steady_gib=float(peak[1].item()) if cuda else None,
-               first_loss=float(losses[0].float().item()), last_loss=float(losses[-1].float().item()))
+               first_loss=float(losses[0].float().item()), last_loss=float(losses[-1].float().item()),
+               warmup_ms=warmup_ms)
     if variant.get("sparse_settings"):
         row["mfu_note"] = "dense-equivalent: the FLOPs of dense attention over the same step time"
     if args.memory_peak:

@@ -17,7 +17,8 @@ base in bf16, its adapters fp32); --bf16 runs the step under bf16 autocast (CUDA
 compute weights). --recompute-granularity full turns on diffusers' gradient checkpointing (per block); selective recomputes
 every block but its self-attention (megatron_sp_ext.diffusers.keep_attention_checkpointing). LoRA (--lora-rank,
 --lora-alpha, --lora-target-modules): only the adapters train and go into checkpoints; --save-lora DIR writes them
-for WanPipeline.load_lora_weights (training/wan_diffusers/lora.py).
+for WanPipeline.load_lora_weights (training/wan_diffusers/lora.py). --fused-elementwise (auto: on CUDA without FSDP2)
+compiles each block so its elementwise work runs fused (megatron_sp_ext.diffusers.fuse_elementwise).
 Data: --data-path (latent files, "latent" [C, F, H, W] and "text" [L, 4096], with "cond_latent" / "image_embeds"
 for I2V and TI2V) or synthetic latents of --frames x --latent-size. Objective: training/wan_diffusers/flow.py
 (x_t = (1 - t) x0 + t eps, target eps - x0, Wan's timestep shift --timestep-shift). Gradients over SP ranks:
@@ -50,6 +51,7 @@ from training.video_dit.cli import (EntryParser, add_common_args, build_dataset,
 from training.video_dit.engine import MetricsLog  # noqa: E402
 from training.video_dit.faults import report_failures, run_entry, timeout_of  # noqa: E402
 from training.video_dit.logs import quiet_known_warnings, setup_logging  # noqa: E402
+from training.video_dit.fused import FUSED_CHOICES, resolve_fused  # noqa: E402
 from training.video_dit.loop import TorchOps, resolve_workers  # noqa: E402
 from training.video_dit.sharding import FsdpOps, full_parameters, shard_model  # noqa: E402
 from training.wan_diffusers import lora as wan_lora  # noqa: E402
@@ -127,6 +129,11 @@ def build_parser() -> EntryParser:
                    help="full: diffusers' gradient checkpointing (enable_gradient_checkpointing: every block); "
                         "selective: every block recomputed but its self-attention, whose output (and log-sum-exp) "
                         "is kept (megatron_sp_ext.diffusers.keep_attention_checkpointing)")
+    g.add_argument("--fused-elementwise", choices=list(FUSED_CHOICES), default="auto",
+                   help="compile each block (diffusers' compile_repeated_blocks, Inductor) so its elementwise work "
+                        "(norms, AdaLN modulation, gated residuals, QK-norm, RoPE, GELU, casts) runs fused around "
+                        "the GEMMs and the attention (megatron_sp_ext.diffusers.fuse_elementwise); auto = on CUDA "
+                        "without --use-torch-fsdp2")
     g = p.add_argument_group("training loop")
     g.add_argument("--log-interval", type=int, default=1, help="read metrics back every N steps")
     g.add_argument("--tensorboard-dir", default=None, help="also write TensorBoard event files here (rank 0)")
@@ -198,6 +205,9 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
                 if args.lora_target_modules is not None else wan_lora.DEFAULT_TARGETS
         except SPConfigError as e:
             p.error(str(e))
+    if args.fused_elementwise == "on" and args.use_torch_fsdp2:
+        p.error("--fused-elementwise on with --use-torch-fsdp2: compiling blocks that FSDP2 shards (its hooks inside "
+                "the compiled call) is not supported here; use --fused-elementwise off or auto (off with FSDP2)")
     if modes.head_chunks_of(args.cp_comm_type, args.hcms_head_chunks) != args.hcms_head_chunks:
         p.error(f"--hcms-head-chunks={args.hcms_head_chunks} is HCMS's: use --cp-comm-type hcms (or auto)")
     try:
@@ -395,6 +405,10 @@ def _train(args, device, return_params: bool, grads_at: Optional[int], dtype: Op
         else:
             logger.info(f"--init {args.init} has no sparse gates: they start at zero (the model's fine block-sparse "
                         f"attention alone)")
+    fused_backend = None if args.use_torch_fsdp2 else resolve_fused(args.fused_elementwise, device)
+    if fused_backend is not None:   # after parallelize, checkpointing and LoRA (any order works)
+        from megatron_sp_ext.diffusers import fuse_elementwise  # noqa: PLC0415
+        fuse_elementwise(model, fused_backend)
     world_group = dist.group.WORLD if lay.world > 1 else None
     if args.use_torch_fsdp2:
         model = shard_model(model, dist.group.WORLD, device, bf16=args.bf16 and device.type == "cuda")
@@ -417,6 +431,7 @@ def _train(args, device, return_params: bool, grads_at: Optional[int], dtype: Op
                        if task.expert else "") + f" {'LoRA' if lora else 'full'} layers={cfg.layers} "
                     f"SP={sp} DP={lay.dp_world} cp_comm_type={args.cp_comm_type} "
                     f"{'fsdp2' if args.use_torch_fsdp2 else 'all-reduce'} recompute={args.recompute_granularity} "
+                    f"fused_elementwise={'on' if fused_backend is not None else 'off'} "
                     f"bf16={args.bf16 and device.type == 'cuda'} device={device}"
                     + (f" sparse={sparse_spec(args)}" if plan is not None else ""))
     metrics = MetricsLog(args.log_dir, args.train_iters, lay.rank == 0, cfg, device, start, show=not args.quiet)

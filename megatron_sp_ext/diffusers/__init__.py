@@ -6,9 +6,12 @@ sequence with the model's own ``_cp_plan`` (torch module hooks) and runs every s
     sp = parallelize(model, group, mode="auto")    # -> SPHandle; sp.remove() undoes it
     sp = parallelize(model, group, sparse=BlockSparsePlan(topk=K))   # or window=(wt, wh, ww): block-sparse tiles
     keep_attention_checkpointing(sp)              # every block recomputed in the backward but its self-attention
+    fused = fuse_elementwise(model)               # each block's elementwise work compiled (stock models too)
 """
+from .fused import FusedBlocks, fuse_elementwise
 from .parallelize import SPHandle, parallelize
 from .recompute import KeptAttention, keep_attention_checkpointing
 from .sparse import BlockSparsePlan
 
-__all__ = ["parallelize", "SPHandle", "BlockSparsePlan", "keep_attention_checkpointing", "KeptAttention"]
+__all__ = ["parallelize", "SPHandle", "BlockSparsePlan", "keep_attention_checkpointing", "KeptAttention",
+           "fuse_elementwise", "FusedBlocks"]

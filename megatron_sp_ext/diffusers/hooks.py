@@ -19,6 +19,8 @@ of the same full input gives the same shard, in the context of the forward that 
 one): torch's non-reentrant checkpoint reruns a layer on its original argument objects, and ``SequenceState.contexts``
 maps the tensors a forward hands to its blocks (the rope's sharded cos/sin, blocks.0's full hidden_states) to that
 forward's context, so two forwards before one backward recompute each in its own grid and token order.
+A split hook sits on a block, which ``fuse_elementwise`` compiles with its hooks: it is opaque to the compiler
+(``torch.compiler.disable``), like the self-attention.
 """
 from __future__ import annotations
 
@@ -117,6 +119,7 @@ def full_input_kept(model: torch.nn.Module, module: torch.nn.Module) -> bool:
 
 
 def _split_inputs_hook(entries: dict, state: SequenceState, names: list[str], model: torch.nn.Module):
+    @torch.compiler.disable   # on blocks.0, inside a compiled block's call (fused.py): run eagerly, not traced
     def hook(module, args, kwargs):
         ctx = state.context_of([*args, *kwargs.values()])     # a recompute: the forward that built the graph
         view = full_input_kept(model, module)

@@ -11,8 +11,9 @@ agreed, no cross-rank compare; otherwise each distinct mask is compared once per
 ``out = attention(q, k, v, problem)`` with the forward's ``AttentionProblem`` (``ForwardContext.problem``; with a mask
 ``problem.with_mask(mask)``, tile ``plan.block_size``) (+ extra), flattened, ``type_as(q)``, ``to_out``. Under
 ``keep_attention_checkpointing`` (recompute.py) the attention call goes through ``kept.run``: run and kept in the
-forward, answered from that record in the checkpoint's recompute. Not an ``nn.Module``: the model's state_dict is
-unchanged.
+forward, answered from that record in the checkpoint's recompute. Everything from the sparse plan to the attention's
+output (``attend``) is opaque to ``torch.compile`` (fused.py compiles the block around it). Not an ``nn.Module``: the
+model's state_dict is unchanged.
 """
 from __future__ import annotations
 
@@ -58,9 +59,21 @@ class SPWanSelfAttnProcessor:
             q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
         q, k = attn.norm_q(q), attn.norm_k(k)
         q_bshd, k_bshd, v_bshd = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
-        if rotary_emb is not None:
-            q_bshd = wan_rotary(q_bshd, *rotary_emb, fused=self.fused_rope)
-            k_bshd = wan_rotary(k_bshd, *rotary_emb, fused=self.fused_rope)
+        if rotary_emb is not None:   # compiled (fuse_elementwise): diffusers' ops, which Inductor fuses itself
+            fused = self.fused_rope and not torch.compiler.is_compiling()
+            q_bshd = wan_rotary(q_bshd, *rotary_emb, fused=fused)
+            k_bshd = wan_rotary(k_bshd, *rotary_emb, fused=fused)
+        out_bshd = self.attend(attn.training, q_bshd, k_bshd, v_bshd, rotary_emb)
+        out = out_bshd.flatten(2, 3).type_as(q_bshd)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+    @torch.compiler.disable(recursive=True)
+    def attend(self, training: bool, q_bshd: torch.Tensor, k_bshd: torch.Tensor, v_bshd: torch.Tensor,
+               rotary_emb: Optional[tuple]) -> torch.Tensor:
+        """The sequence-parallel attention of q, k, v [B, S_loc, H, D] (the sparse plan's mask and extra branch
+        included) -> [B, S_loc, H, D]. Opaque to torch.compile (fused.py compiles the block around it: one graph
+        before, one after; collectives, host syncs and the kernels run as they do eagerly)."""
         # the forward that made rotary_emb (a checkpoint recompute: not the latest): its grid and its problem
         ctx = self.state.context_of(rotary_emb[:1] if rotary_emb is not None else ())
         plan, extra, problem = self.state.sparse, None, ctx.problem
@@ -70,13 +83,9 @@ class SPWanSelfAttnProcessor:
                 agreed = bool(getattr(plan, "masks_agreed", False))
                 problem = ctx.problem.cached(("layer mask", id(mask)), lambda: ctx.problem.with_mask(
                     mask, tile=plan.block_size, agreed=agreed))   # a mask shared by layers: compared once
-        self.attention.training = attn.training
+        self.attention.training = training
         if self.kept is not None:   # checkpointing that keeps the attention: recorded, or replayed in a recompute
             out_bshd = self.kept.run(self.attention, q_bshd, k_bshd, v_bshd, problem)
         else:
             out_bshd = self.attention(q_bshd, k_bshd, v_bshd, problem)
-        if extra is not None:
-            out_bshd = out_bshd + extra
-        out = out_bshd.flatten(2, 3).type_as(q_bshd)
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out)
+        return out_bshd if extra is None else out_bshd + extra

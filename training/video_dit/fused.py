@@ -18,6 +18,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_sp_ext.inductor import compile_options  # noqa: F401 - the regions' options (re-exported)
+
 from .rope import apply_rope
 
 FUSED_CHOICES = ("auto", "on", "off")
@@ -75,19 +77,6 @@ def qkv_pack(y: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps_q: float, 
     q, k, v = y.chunk(3, dim=-1)
     q, k = qk_prep(q, wq, eps_q, angles, heads), qk_prep(k, wk, eps_k, angles, heads)
     return pack_qkv(q, k, v.reshape(b, s, heads, -1), layout)
-
-
-def compile_options(backend: Optional[str]) -> Optional[dict]:
-    """Inductor options of the regions: Triton's mix-order reduction off where torch has it (2.10+). Its split
-    reduction of the [B, 1, d] AdaLN modulation gradients over B*S rows returns them as [d] in fp32 at B=1 on
-    torch 2.11 (the final reduce drops keepdim: "CompiledFunctionBackward returned an invalid gradient at index 1 -
-    got [1536] but expected shape compatible with [1, 1, 1536]", wan-1.3b, 8190 tokens; bf16 was spared by the
-    cast after the reduction), and through 2.13 it can leave chunked modulation slices' gradients unwritten
-    (pytorch/pytorch#193061). None for other backends (they take no Inductor options)."""
-    if backend != "inductor":
-        return None
-    from torch._inductor import config  # noqa: PLC0415
-    return {"triton.mix_order_reduction": False} if hasattr(config.triton, "mix_order_reduction") else None
 
 
 class ElementwiseOps:
