@@ -17,8 +17,8 @@ base in bf16, its adapters fp32); --bf16 runs the step under bf16 autocast (CUDA
 compute weights). --recompute-granularity full turns on diffusers' gradient checkpointing (per block); selective recomputes
 every block but its self-attention (megatron_sp_ext.diffusers.keep_attention_checkpointing). LoRA (--lora-rank,
 --lora-alpha, --lora-target-modules): only the adapters train and go into checkpoints; --save-lora DIR writes them
-for WanPipeline.load_lora_weights (training/wan_diffusers/lora.py). --fused-elementwise (auto: on CUDA without FSDP2)
-compiles each block so its elementwise work runs fused (megatron_sp_ext.diffusers.fuse_elementwise).
+for WanPipeline.load_lora_weights (training/wan_diffusers/lora.py). --fused-elementwise on (or auto: on CUDA without FSDP2;
+default off) compiles each block so its elementwise work runs fused (megatron_sp_ext.diffusers.fuse_elementwise).
 Data: --data-path (latent files, "latent" [C, F, H, W] and "text" [L, 4096], with "cond_latent" / "image_embeds"
 for I2V and TI2V) or synthetic latents of --frames x --latent-size. Objective: training/wan_diffusers/flow.py
 (x_t = (1 - t) x0 + t eps, target eps - x0, Wan's timestep shift --timestep-shift). Gradients over SP ranks:
@@ -129,11 +129,11 @@ def build_parser() -> EntryParser:
                    help="full: diffusers' gradient checkpointing (enable_gradient_checkpointing: every block); "
                         "selective: every block recomputed but its self-attention, whose output (and log-sum-exp) "
                         "is kept (megatron_sp_ext.diffusers.keep_attention_checkpointing)")
-    g.add_argument("--fused-elementwise", choices=list(FUSED_CHOICES), default="auto",
+    g.add_argument("--fused-elementwise", choices=list(FUSED_CHOICES), default="off",
                    help="compile each block (diffusers' compile_repeated_blocks, Inductor) so its elementwise work "
                         "(norms, AdaLN modulation, gated residuals, QK-norm, RoPE, GELU, casts) runs fused around "
                         "the GEMMs and the attention (megatron_sp_ext.diffusers.fuse_elementwise); auto = on CUDA "
-                        "without --use-torch-fsdp2")
+                        "without --use-torch-fsdp2; default off (diffusers' own eager numerics)")
     g = p.add_argument_group("training loop")
     g.add_argument("--log-interval", type=int, default=1, help="read metrics back every N steps")
     g.add_argument("--tensorboard-dir", default=None, help="also write TensorBoard event files here (rank 0)")
