@@ -214,6 +214,16 @@ def test_diffusers_family(world, backend):
     assert len(_worker("cuda_diffusers", "diffusers_family", "diffusers", world, backend)) == {2: 17, 4: 23}[world]
 
 
+@pytest.mark.parametrize("world,backend", [(1, "gloo")] + _layouts())
+def test_diffusers_fused_family(world, backend):
+    """fuse_elementwise (every Wan block compiled by Inductor, the attention opaque) on diffusers' Wan, stock at P=1
+    and through parallelize at P, fp32 and bf16, with the sparse plan, diffusers' checkpointing and the attention
+    kept: output and gradients against the stock SP=1 model in float64; a case that compiled no graph fails."""
+    pytest.importorskip("diffusers", reason="needs diffusers 0.42 (carried as a wheel to the GPU machine)")
+    assert len(_worker("cuda_diffusers_fused", "diffusers_fused_family", "diffusers_fused", world, backend)) == \
+        (10 if world == 1 else 8)
+
+
 @pytest.mark.parametrize("world,backend", _layouts())
 def test_diffusers_sparse_family(world, backend):
     """BlockSparsePlan (window, VSA top-k with the gated coarse branch; 128-token tiles) on diffusers' Wan through
