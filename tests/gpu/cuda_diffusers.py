@@ -126,6 +126,11 @@ class Family:
                "worst_param": worst_param(grads, ref_grads),
                "case": f"P={self.world} {mode}{settings.get('head_chunks', '')} {str(dtype)[6:]} {kind}"
                        f"{' sparse' if sparse else ''}{' checkpointing' if checkpoint else ''} vs SP=1 float64"}
+        self.record(rec, dtype, sp1)
+
+    def record(self, rec: dict, dtype: torch.dtype, sp1: float) -> None:
+        """``rec`` with its tolerance (``tolerance``; a refusal naming why where the SP=1 error is unusable) kept and
+        printed."""
         try:
             rec["tol"] = tolerance(dtype, sp1)
         except ValueError as e:

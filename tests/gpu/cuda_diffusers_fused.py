@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from tests.gpu import cuda_diffusers as base
-from tests.gpu.suite_judge import progress
 from tests.wan_sp import forward_backward
 
 
@@ -52,14 +51,9 @@ class FusedFamily(base.Family):
                "graphs": graphs, "worst_param": base.worst_param(grads, ref_grads),
                "case": f"P={1 if stock else self.world} {'stock' if stock else mode} {str(dtype)[6:]} {kind}"
                        f"{' sparse' if sparse else ''} recompute={recompute} fused({self.backend}) vs SP=1 float64"}
-        try:
-            rec["tol"] = base.tolerance(dtype, sp1)
-        except ValueError as e:
-            rec["tol"], rec["refused"] = float("nan"), str(e)
         if graphs < 1:
             rec["refused"] = "fuse_elementwise compiled no graph: the case ran eagerly"
-        self.records.append(rec)
-        progress(rec, self.rank)
+        self.record(rec, dtype, sp1)
 
 
 def diffusers_fused_family(rank: int, world: int) -> list:

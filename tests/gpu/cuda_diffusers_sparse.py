@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from tests.gpu import cuda_diffusers
-from tests.gpu.suite_judge import progress
 from tests.wan_sp import TINY, forward_backward
 from tests.wan_sparse import RecordingPlan, reference_model, set_gates
 
@@ -99,12 +98,7 @@ class SparseFamily(cuda_diffusers.Family):
                "worst_param": cuda_diffusers.worst_param(grads, ref_grads),
                "case": f"P={self.world} {mode}{settings.get('head_chunks', '')} {str(dtype)[6:]} {kind} "
                        f"tile {'x'.join(map(str, self.tile))} vs float64 reference"}
-        try:
-            rec["tol"] = cuda_diffusers.tolerance(dtype, sp1)
-        except ValueError as e:
-            rec["tol"], rec["refused"] = float("nan"), str(e)
-        self.records.append(rec)
-        progress(rec, self.rank)
+        self.record(rec, dtype, sp1)
 
 
 def diffusers_sparse_family(rank: int, world: int) -> list:
