@@ -47,6 +47,9 @@ from training.video_dit.sharding import FsdpOps, check_fsdp2_flags, full_paramet
 logger = logging.getLogger("video_dit")
 
 
+HIGH_PRIORITY_GROUPS = ("cp", "dp", "dp_cp")   # the megatron-core groups this DiT's step communicates over
+
+
 def parse(argv: Optional[list] = None) -> argparse.Namespace:
     quiet_known_warnings()  # before megatron-core is imported
     from megatron_sp_ext.megatron import add_arguments, validate_args  # noqa: PLC0415
@@ -67,12 +70,20 @@ def parse(argv: Optional[list] = None) -> argparse.Namespace:
     p.add_argument("--use-torch-fsdp2", action="store_true",
                    help="torch FSDP2 (fully_shard per block + root): shard parameters, gradients and optimizer state "
                         "over data x context ranks; fp32 main weights, bf16 compute with --bf16 (reduce in fp32)")
+    p.add_argument("--high-priority-stream-groups", nargs="+", default=None, metavar="GROUP",
+                   choices=HIGH_PRIORITY_GROUPS,
+                   help="megatron-core groups whose NCCL streams run at high priority (Megatron-LM's flag of the same "
+                        f"name; {', '.join(HIGH_PRIORITY_GROUPS)}): their kernels are dispatched before a compute "
+                        "kernel that would take every SM first (the sequence-parallel exchanges: cp). CUDA only")
     add_train_args(p)
     add_arguments(p)
     # Megatron-LM's default (p2p) is Transformer Engine's ring, which this DiT does not have: ours picks a mode
     p.set_defaults(cp_comm_type=["auto"])
     args = p.parse_args(argv)
     check_parallel_size(p, "--context-parallel-size", args.context_parallel_size)
+    if args.high_priority_stream_groups and not torch.cuda.is_available():
+        p.error("--high-priority-stream-groups sets the priority of NCCL's CUDA streams: this machine has no CUDA "
+                "(gloo); drop the flag")
     if args.bf16_params and not args.bf16:
         p.error("--bf16-params needs --bf16 (the autocast that feeds bf16 weights)")
     if (args.bf16_params or args.use_distributed_optimizer or args.overlap_grad_reduce or args.grad_reduce_in_bf16) \
@@ -171,8 +182,10 @@ def main(argv: Optional[list] = None, return_params: bool = False) -> dict:
     try:
         with report_failures("pretrain_video_dit"):
             check_bf16_device(args, device)
+            priority = {"high_priority_stream_groups": args.high_priority_stream_groups} \
+                if args.high_priority_stream_groups else {}
             ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size,
-                                         distributed_timeout_minutes=args.distributed_timeout_minutes)
+                                         distributed_timeout_minutes=args.distributed_timeout_minutes, **priority)
             return _train(args, device, ps, return_params)
     finally:
         ps.destroy_model_parallel()
