@@ -98,3 +98,12 @@ def fsdp2_entry_losses(rank: int, world: int, steps: int = 6) -> dict:
     argv = [*ENTRY_ARGS, "--train-iters", str(steps)]
     return {"plain": pretrain_video_dit.main(argv)["losses"],
             "fsdp2": pretrain_video_dit.main([*argv, "--use-torch-fsdp2"])["losses"]}
+
+
+def priority_entry_losses(rank: int, world: int, steps: int = 4) -> dict:
+    """The megatron-core entry in bf16 at DP=world with and without ``--high-priority-stream-groups cp dp_cp``
+    (megatron-core's NCCL stream priority): {"plain": losses, "priority": losses}."""
+    from training import pretrain_video_dit  # noqa: PLC0415
+    argv = [*ENTRY_ARGS, "--train-iters", str(steps)]
+    return {"plain": pretrain_video_dit.main(argv)["losses"],
+            "priority": pretrain_video_dit.main([*argv, "--high-priority-stream-groups", "cp", "dp_cp"])["losses"]}

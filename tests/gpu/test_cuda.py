@@ -352,6 +352,18 @@ def test_fsdp2_entry_vs_unsharded_entry():
     assert len(_check("fsdp2_entry", 1, "nccl", per_rank)) == 1
 
 
+def test_dit_entry_high_priority_streams():
+    """training/pretrain_video_dit.py --high-priority-stream-groups cp dp_cp (megatron-core's NCCL stream priority,
+    #84's SM-starvation check) runs on one GPU over NCCL, its losses those of the run without it (bf16 tolerance)."""
+    pytest.importorskip("megatron.core", reason="needs megatron-core (carried as a wheel to the GPU machine)")
+    from tests.gpu.cuda_fsdp2 import priority_entry_losses
+    r = run_ranks(priority_entry_losses, 1, timeout=600, device="cuda", backend="nccl")[0]
+    per_rank = [[{"family": "entry-priority", "case": "entry --bf16 --high-priority-stream-groups cp dp_cp vs "
+                  "without, 4 steps, tiny", "errs": {"loss": curve_err(r["priority"], r["plain"])}, "tol": 2e-2}]]
+    assert len(r["priority"]) == len(r["plain"]) == 4
+    assert len(_check("entry_priority", 1, "nccl", per_rank)) == 1
+
+
 def test_dit_entry_data_path_and_manual_gc(tmp_path):
     """The entry as torchrun starts it on one GPU (DataLoader workers allowed): the default worker count
     (loop.default_workers over this host), --manual-gc --manual-gc-interval 2 and --timing against the plain
