@@ -7,7 +7,7 @@ Three ideas had one word between them, or one idea several words; the scans belo
   technique's name "block-sparse" (``block_sparse``, ``BlockSparse...``), ``kv_block``, anything in kernel code
   (a kernel's own block: attention/kernels/, the Triton RoPE), and the names of other libraries' APIs
   (``non_blocking``, flex_attention's ``create_block_mask`` / ``BlockMask``, a diffusers model's ``.blocks`` /
-  ``.vace_blocks`` attributes).
+  ``.vace_blocks`` attributes and its ``compile_repeated_blocks``).
 - "placement": only the sequence placement (which tokens a rank holds). The mesh order (usp / tas) is the
   *arrangement*; the mesh modules (topology/, modes.py) say "placement" only as ``build_sp_mesh``'s public keyword.
 - "choose": only the one kernel choice (attention/kernels/choose.py). The other choices are named for what they
@@ -30,7 +30,8 @@ CHOOSER = "megatron_sp_ext/attention/kernels/choose.py"
 
 PUBLIC_BLOCK_WORDS = {"block_mask", "block_size"}        # DESIGN.md's keywords, passed through under the same names
 FOREIGN_BLOCK_WORDS = {"non_blocking", "create_block_mask", "BlockMask"}   # torch's names
-FOREIGN_BLOCK_ATTRIBUTES = {"blocks", "vace_blocks"}    # a diffusers model's layer lists (``model.blocks``)
+FOREIGN_BLOCK_ATTRIBUTES = {"blocks", "vace_blocks", "compile_repeated_blocks"}   # a diffusers model's layer lists
+# (``model.blocks``) and its regional compilation (``ModelMixin.compile_repeated_blocks``)
 ALLOWED_BLOCK_PARTS = re.compile(r"block_?sparse|kv_block", re.IGNORECASE)
 
 # Left to the merge of branch h66-problem (its files were being rewritten while these renames were made): (file,

@@ -8,10 +8,10 @@ sequence with the model's own ``_cp_plan`` (torch module hooks) and runs every s
     keep_attention_checkpointing(sp)              # every block recomputed in the backward but its self-attention
     fused = fuse_elementwise(model)               # each block's elementwise work compiled (stock models too)
 """
-from .fused import FusedBlocks, fuse_elementwise
+from .fused import FusedLayers, fuse_elementwise
 from .parallelize import SPHandle, parallelize
 from .recompute import KeptAttention, keep_attention_checkpointing
 from .sparse import BlockSparsePlan
 
 __all__ = ["parallelize", "SPHandle", "BlockSparsePlan", "keep_attention_checkpointing", "KeptAttention",
-           "fuse_elementwise", "FusedBlocks"]
+           "fuse_elementwise", "FusedLayers"]

@@ -32,30 +32,30 @@ from ..inductor import compile_options
 
 
 @dataclass
-class FusedBlocks:
-    """What ``fuse_elementwise`` did: the compiled blocks of ``model`` with ``backend``. ``remove()`` makes them
-    eager again (idempotent)."""
+class FusedLayers:
+    """What ``fuse_elementwise`` did: the compiled layers (diffusers' repeated blocks) of ``model`` with
+    ``backend``. ``remove()`` makes them eager again (idempotent)."""
 
     model: torch.nn.Module = field(repr=False)
     backend: Union[str, Callable]
-    blocks: list = field(default_factory=list, repr=False)
+    layers: list = field(default_factory=list, repr=False)
     removed: bool = False
 
     def remove(self) -> None:
-        """Drop the blocks' compiled call (``nn.Module.compile`` keeps it in ``_compiled_call_impl``): eager again."""
+        """Drop the layers' compiled call (``nn.Module.compile`` keeps it in ``_compiled_call_impl``): eager again."""
         if self.removed:
             return
-        for block in self.blocks:
-            block._compiled_call_impl = None
-        self.blocks, self.removed = [], True
+        for layer in self.layers:
+            layer._compiled_call_impl = None
+        self.layers, self.removed = [], True
 
 
-def fuse_elementwise(model: torch.nn.Module, backend: Union[str, Callable] = "inductor") -> FusedBlocks:
+def fuse_elementwise(model: torch.nn.Module, backend: Union[str, Callable] = "inductor") -> FusedLayers:
     """Compile every repeated block of ``model`` (a diffusers model with ``_repeated_blocks``: WanTransformer3DModel
     and its VACE form; stock or parallelized) with ``backend`` (a ``torch.compiler.list_backends`` name:
     "inductor" fuses; "aot_eager" runs the same graphs op by op, for tests; or a backend callable) and the
     project's Inductor options (megatron_sp_ext.inductor). Compilation happens at the first call (the same graphs
-    for every block of a kind: a few per kind and input shape, split at the attention). Returns the ``FusedBlocks``
+    for every block of a kind: a few per kind and input shape, split at the attention). Returns the ``FusedLayers``
     handle. Raises SPConfigError naming what is refused: a model without repeated
     blocks, an unknown backend, blocks already compiled."""
     kinds = getattr(model, "_repeated_blocks", None)
@@ -66,12 +66,12 @@ def fuse_elementwise(model: torch.nn.Module, backend: Union[str, Callable] = "in
     if not callable(backend) and backend not in known:
         raise SPConfigError(f"fuse_elementwise: backend={backend!r}; valid: 'inductor' (fused kernels), 'aot_eager' "
                             f"(the same graphs unfused), or another of torch.compiler.list_backends()")
-    blocks = [m for m in model.modules() if type(m).__name__ in kinds]
-    compiled = [type(m).__name__ for m in blocks if getattr(m, "_compiled_call_impl", None) is not None]
+    layers = [m for m in model.modules() if type(m).__name__ in kinds]
+    compiled = [type(m).__name__ for m in layers if getattr(m, "_compiled_call_impl", None) is not None]
     if compiled:
         raise SPConfigError(f"fuse_elementwise: {len(compiled)} {compiled[0]} of this {type(model).__name__} are "
                             f"already compiled (compile_repeated_blocks or Module.compile, or an earlier "
                             f"fuse_elementwise: remove() its handle first)")
     options = compile_options(backend)
     model.compile_repeated_blocks(backend=backend, **({"options": options} if options else {}))
-    return FusedBlocks(model, backend, blocks)
+    return FusedLayers(model, backend, layers)
