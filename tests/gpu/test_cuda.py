@@ -364,6 +364,30 @@ def test_dit_entry_high_priority_streams():
     assert len(_check("entry_priority", 1, "nccl", per_rank)) == 1
 
 
+def test_wan_trainer_fused_elementwise(tmp_path):
+    """training/train_wan_diffusers.py --fused-elementwise on (Inductor over every Wan block, our attention opaque)
+    against off on one GPU over NCCL: tiny preset, LoRA, the attention kept, fp32 (1e-5) and --bf16 (2e-2): the
+    losses and the trained adapters; the fused runs compiled at least one graph, the eager ones none."""
+    pytest.importorskip("diffusers", reason="needs diffusers 0.42 (carried as a wheel to the GPU machine)")
+    pytest.importorskip("peft", reason="needs peft (carried as a wheel to the GPU machine)")
+    from tests.gpu.cuda_wan_trainer import fused_trainer_runs
+    from tests.test_wan_diffusers_train import write_prepared
+    data = str(tmp_path / "data")
+    write_prepared(data, "tiny")
+    r = run_ranks(fused_trainer_runs, 1, data, timeout=900, device="cuda", backend="nccl")[0]
+    rows = []
+    for form, tol in (("fp32", 1e-5), ("bf16", 2e-2)):
+        on, off = r[form]["on"], r[form]["off"]
+        assert on["graphs"] >= 1 and off["graphs"] == 0, (form, on["graphs"], off["graphs"])
+        assert len(on["losses"]) == len(off["losses"]) == 3 and on["params"].keys() == off["params"].keys()
+        errs = {"loss": curve_err(on["losses"], off["losses"])}
+        for n, p in off["params"].items():
+            errs[n] = float((on["params"][n] - p).abs().max()) / max(1.0, float(p.abs().max()))
+        rows.append({"family": "wan-trainer-fused", "case": f"train_wan_diffusers tiny LoRA selective {form}: "
+                     f"--fused-elementwise on ({on['graphs']} graphs) vs off, 3 steps", "errs": errs, "tol": tol})
+    assert len(_check("wan_trainer_fused", 1, "nccl", [rows])) == 2
+
+
 def test_dit_entry_data_path_and_manual_gc(tmp_path):
     """The entry as torchrun starts it on one GPU (DataLoader workers allowed): the default worker count
     (loop.default_workers over this host), --manual-gc --manual-gc-interval 2 and --timing against the plain
