@@ -258,3 +258,38 @@ def test_out_of_memory_is_a_row_in_one_rank_jobs(monkeypatch):
     assert row["skipped"].startswith("out of GPU memory") and "3.00 GiB" in row["skipped"]
     with pytest.raises(torch.OutOfMemoryError):
         bench.time_variant(None, bench.parse_variant("ours-auto"), 2, "cpu", (1, 2, 2), {})
+
+
+def _oom_in_step(rank, world, argv):
+    """bench.main with the fused variant's steps running out of memory; (doc, per close: (fused, layers removed,
+    model freed))."""
+    closed = []
+    real_step, real_close = bench.Setup.step, bench.Setup.close
+
+    def step(self, batch):
+        if self.fused is not None:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.95 GiB")
+        return real_step(self, batch)
+
+    def close(self):
+        real_close(self)
+        fused = self.fused is not None
+        closed.append((fused, fused and self.fused.removed, not hasattr(self, "model")))
+    bench.Setup.step, bench.Setup.close = step, close
+    try:
+        return bench.main(list(argv)), closed
+    finally:
+        bench.Setup.step, bench.Setup.close = real_step, real_close
+
+
+def test_out_of_memory_mid_step_closes_the_variant(tmp_path):
+    """A variant that runs out of memory inside a step is closed before the next is built (its compiled layers and
+    hooks removed, its model freed: on the GPU a leaked 14B model made the next variant run out too), and the next
+    variant runs."""
+    out = str(tmp_path / "oom.json")
+    doc, closed = run_ranks(_oom_in_step, 1, ["--dry-run", "--variants", "ours-auto@fused=on,ours-auto",
+                                              "--warmup", "1", "--steps", "1", "--out", out], timeout=240)[0]
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert rows["ours-auto@fused=on"]["skipped"].startswith("out of GPU memory"), rows
+    assert rows["ours-auto"]["step_ms"] > 0 and "skipped" not in rows["ours-auto"]
+    assert closed[0] == (True, True, True) and closed[-1] == (False, False, True), closed

@@ -227,7 +227,7 @@ class Setup:
         recompute = variant.get("recompute") or args.recompute
         if recompute == "full":
             self.model.enable_gradient_checkpointing()
-        self.handle, self.backend = None, backend
+        self.handle, self.backend, self.closed = None, backend, False
         if variant["impl"] == "diffusers":
             from diffusers import ContextParallelConfig  # noqa: PLC0415
             self.model.set_attention_backend(backend)
@@ -263,11 +263,17 @@ class Setup:
         return loss.detach()
 
     def close(self) -> None:
+        """Idempotent: hooks and compiled layers removed, the model and optimizer freed."""
+        if self.closed:
+            return
+        self.closed = True
         if self.fused is not None:
             self.fused.remove()
         if self.handle is not None:
             self.handle.remove()
         del self.model, self.opt, self.ops
+        if self.fused is not None:   # Dynamo's caches and guards hold the compiled layers (and their tensors)
+            torch._dynamo.reset()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -372,6 +378,15 @@ def _time_variant(args, variant: dict, world: int, device, grid: tuple, batch: d
     row["backend"] = setup.backend if variant["impl"] == "diffusers" else args.sp_attention_backend
     if setup.fused is not None:
         row["fused_backend"] = setup.fused.backend
+    try:   # closed on every exit: a step that ran out of memory must not leave its model, hooks and compiled
+        return _timed(args, variant, world, device, grid, batch, setup, row)   # code to the next variant
+    finally:
+        setup.close()
+
+
+def _timed(args, variant: dict, world: int, device, grid: tuple, batch: dict, setup: "Setup", row: dict) -> dict:
+    """The built variant's warmup, timed steps, peaks and options (--memory-peak, --profile-steps) into ``row``."""
+    cuda = torch.device(device).type == "cuda"
     times, losses, warmup_ms = [], [], []
     for i in range(args.warmup + args.steps):
         if cuda:
@@ -422,7 +437,6 @@ def _time_variant(args, variant: dict, world: int, device, grid: tuple, batch: d
     if args.profile_steps:
         row["profile"] = (profile_steps(setup, batch, args.profile_steps, setup.cfg.text_len, args.out,
                                         variant["name"]) if cuda else {"skipped": "--profile-steps needs CUDA"})
-    setup.close()
     return row
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 
 BASE = ["--model", "tiny", "--frames", "4", "--latent-size", "8x8", "--quiet", "--lr", "1e-3", "--train-iters", "3",
-        "--lora-rank", "2", "--recompute-granularity", "selective"]
+        "--num-workers", "0", "--lora-rank", "2", "--recompute-granularity", "selective"]
 
 
 def fused_trainer_runs(rank: int, world: int, data: str) -> dict:
-    """{"fp32" | "bf16": {"off" | "on": {"losses", "params" (name -> float64 CPU tensor), "graphs"}}}."""
+    """{"fp32" | "bf16": {"off" | "on": {"losses", "params" (name -> float64 numpy array: tensors through the
+    result queue would pass file descriptors), "graphs"}}}."""
     from torch._dynamo.utils import counters  # noqa: PLC0415
     from training import train_wan_diffusers as entry  # noqa: PLC0415
     out: dict = {}
@@ -22,5 +23,5 @@ def fused_trainer_runs(rank: int, world: int, data: str) -> dict:
             counters.clear()
             res = entry.main([*BASE, *extra, "--data-path", data, "--fused-elementwise", choice], return_params=True)
             out[form][choice] = {"losses": list(res["losses"]), "graphs": int(counters["stats"]["unique_graphs"]),
-                                 "params": {n: p.detach().double().cpu() for n, p in res["params"].items()}}
+                                 "params": {n: p.detach().double().cpu().numpy() for n, p in res["params"].items()}}
     return out
