@@ -101,3 +101,17 @@ def test_time_limit_writes_the_json_and_exits_124(tmp_path):
     assert f"--time-limit 16s reached in phase {doc['timed_out']}" in proc.stdout
     work = re.search(r"work dir (\S+),", proc.stdout).group(1)
     assert not os.path.exists(work)   # the temporary work dir (the pipeline: ~15 GB at real size) removed
+
+
+def test_fused_and_kept_attention_reach_the_trainer_and_validation(tmp_path):
+    """--fused-elementwise on --recompute-granularity selective: the trainer runs its steps with every block
+    compiled and the attention kept, then samples its validation videos through the same compiled blocks."""
+    out = tmp_path / "out"
+    proc = _run(out, "--fused-elementwise", "on", "--recompute-granularity", "selective")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "wan_short_run.json").read_text())
+    train = doc["commands"]["train"]
+    assert "--fused-elementwise on" in train and "--recompute-granularity selective" in train
+    assert "recompute=selective fused_elementwise=on" in proc.stdout + proc.stderr   # the trainer's own settings line
+    assert doc["complete"] and doc["train"]["steps"] == 2 and len(doc["validation"]) == 4
+    assert all(r["sample_s"] > 0 and (out / r["mp4"]).is_file() for r in doc["validation"])

@@ -17,7 +17,7 @@ Phases (each rank of a torchrun job takes part as the recipe's torchrun commands
 3. prepare: ``training.wan_diffusers.prepare.main`` with the recipe's flags (--frames, --buckets, --prompts); under
    torchrun each rank encodes its share, as ``torchrun -m training.wan_diffusers.prepare`` does.
 4. train: ``training/train_wan_diffusers.py``'s main: LoRA rank --lora-rank of the pipeline's transformer (--init),
-   bf16, full recompute, --train-iters steps, validation videos every --validation-every steps and at the end
+   bf16, --recompute-granularity (full) and --fused-elementwise (off) passed on, --train-iters steps, validation videos every --validation-every steps and at the end
    (--validation-steps, --validation-guidance, the clip's size and frames); at SP = the torchrun world size
    (--cp-comm-type) when started under torchrun.
 Both are called in this process with the argv of the CLI (the JSON lists the equivalent commands).
@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--validation-size", default=None, help="default: --bucket")
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--cp-comm-type", default="auto", help="the trainer's --cp-comm-type under torchrun")
+    p.add_argument("--recompute-granularity", choices=["full", "selective"], default="full",
+                   help="the trainer's: full (diffusers' checkpointing) or selective (the attention kept)")
+    p.add_argument("--fused-elementwise", choices=["on", "off", "auto"], default="off",
+                   help="the trainer's (every block compiled by Inductor, the first step pays the compile)")
     p.add_argument("--max-file-mb", type=float, default=3.0, help="larger files stay in the work dir")
     p.add_argument("--max-out-mb", type=float, default=12.0, help="the run's files copied to --out, in all")
     p.add_argument("--work-dir", default=None, help="pipeline, videos, latents, LoRA (default: a temporary dir)")
@@ -339,7 +343,8 @@ def prepare_argv(args: argparse.Namespace, pipe: str, videos: str, prompts: str,
 def train_argv(args: argparse.Namespace, pipe: str, data: str, log_dir: str, lora: str, sp: int,
                cuda: bool) -> list:
     argv = ["--init", pipe, "--data-path", data, "--lora-rank", str(args.lora_rank), "--lora-alpha",
-            str(args.lora_rank), "--lora-target-modules", "to_q,to_k,to_v,to_out.0", "--recompute-granularity", "full",
+            str(args.lora_rank), "--lora-target-modules", "to_q,to_k,to_v,to_out.0", "--recompute-granularity",
+            args.recompute_granularity, "--fused-elementwise", args.fused_elementwise,
             "--lr", "1e-4", "--train-iters", str(args.train_iters), "--seed", str(args.seed), "--log-dir", log_dir,
             "--save-lora", lora, "--validation-prompts", os.path.join(data, "validation", "prompts.safetensors"),
             "--validation-every", str(args.validation_every), "--validation-steps", str(args.validation_steps),
