@@ -4,10 +4,11 @@ backward, in every family (Ulysses, HCMS, the ring; USP's mesh at P=4), on gloo 
 A profile hook follows the mask as data: the mask tensor and the problem holding it are marked; every library call
 that receives a marked object as a named parameter (directly, or as a field of a dataclass or an element of a tuple
 or list) is a step of the walk, and the tensors and dataclasses that call returns are marked in turn (the device
-tile tables, the ring's plan and skip tables, a kernel's ``TileSlice``). The walk must reach a kernel's ``forward`` / ``attention`` and its
-``backward`` with the mask's tiles in their ``tiles`` parameter, and no step may receive the mask only inside
-``**kwargs`` (the dict splat #85 removed: a reader, or a static tool such as farm-studio's walk, cannot follow it
-through one). Numbers, strings and None are never marked (they are shared objects)."""
+tile tables, the ring's plan and skip tables, a kernel's ``TileSlice``; an over-approximation: q, k, v can be marked
+too once they pass such calls). The walk must reach a kernel's ``forward`` / ``attention`` and its ``backward`` with
+the mask's tiles in their ``tiles`` parameter, and no step may receive the mask only inside ``**kwargs`` (the dict
+splat #85 removed: a reader, or a static tool such as farm-studio's walk, cannot follow it through one). Numbers,
+strings and None are never marked (they are shared objects)."""
 from __future__ import annotations
 
 import dataclasses
