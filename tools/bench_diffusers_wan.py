@@ -18,7 +18,8 @@ steps alone (the peak reset after the warmup).
 
 --targets: issue 86's targets on one GPU, one job: ``TARGET_CASES`` (wan-1.3b at full depth, 720p x 81 frames:
 stock diffusers' checkpointed step vs ours with full checkpointing, with the attention kept, with top-k90 64-token
-tiles; LoRA rank 32 of wan-14b at 480p and 720p, bf16 base weights and fp32 adapters, stock diffusers + peft vs ours),
+tiles; LoRA rank 32 of wan-14b at 480p and 720p, bf16 base weights and fp32 adapters, stock diffusers + peft vs ours;
+the fastest rows again with every block compiled, @fused=on, and stock compiled beside them),
 each case's rows and every target's ratio to the case's stock step in one JSON (``--targets-case NAME`` runs one case;
 ``--dry-run`` the same cases on the tiny model). A variant that runs out of GPU memory is recorded as such (one-rank
 jobs), the next one built afresh.
@@ -565,24 +566,28 @@ def main(argv: Optional[list] = None) -> dict:
 
 # issue 86's targets (one H200): per case the model, grid, sparse tile, variants (the first: the case's stock step) and
 # (label, the variants of which the fastest counts, the least speed-up over stock)
-TARGET_CASES = {
+TARGET_CASES = {   # each case's fused rows (@fused=on) after its eager ones; stock compiled the same way beside
     "wan-1.3b-720p": {
         "model": "wan-1.3b", "grid": "720p", "tile": "4,4,4",
-        "variants": "stock,ours-auto,ours-auto@recompute=keep,ours-auto-topk90,ours-auto-topk90@recompute=keep",
-        "targets": [("attention kept >= 1.35x stock diffusers' checkpointed step", ["ours-auto@recompute=keep"], 1.35),
-                    ("top-k90 64-token tiles >= 3.5x stock", ["ours-auto-topk90", "ours-auto-topk90@recompute=keep"],
-                     3.5)]},
+        "variants": "stock,ours-auto,ours-auto@recompute=keep,ours-auto-topk90,ours-auto-topk90@recompute=keep,"
+                    "stock@fused=on,ours-auto@recompute=keep@fused=on,ours-auto-topk90@recompute=keep@fused=on",
+        "targets": [("attention kept >= 1.35x stock diffusers' checkpointed step",
+                     ["ours-auto@recompute=keep", "ours-auto@recompute=keep@fused=on"], 1.35),
+                    ("top-k90 64-token tiles >= 3.5x stock", ["ours-auto-topk90", "ours-auto-topk90@recompute=keep",
+                                                              "ours-auto-topk90@recompute=keep@fused=on"], 3.5)]},
     "wan-14b-lora-480p": {
         "model": "wan-14b", "grid": "480p", "tile": "4,4,4",
-        "variants": "stock@lora=32,ours-auto@lora=32,ours-auto@lora=32@recompute=keep",
-        "targets": [("LoRA >= 1.3x stock diffusers + peft", ["ours-auto@lora=32", "ours-auto@lora=32@recompute=keep"],
-                     1.3)]},
+        "variants": "stock@lora=32,ours-auto@lora=32,ours-auto@lora=32@recompute=keep,stock@lora=32@fused=on,"
+                    "ours-auto@lora=32@recompute=keep@fused=on",
+        "targets": [("LoRA >= 1.3x stock diffusers + peft", ["ours-auto@lora=32", "ours-auto@lora=32@recompute=keep",
+                                                              "ours-auto@lora=32@recompute=keep@fused=on"], 1.3)]},
     "wan-14b-lora-720p": {   # measured 2026-11-29 (1 x H200): all 40 blocks kept, or 16, run out of memory; 8: 112 GiB
         "model": "wan-14b", "grid": "720p", "tile": "4,4,4",
         "variants": "stock@lora=32,ours-auto@lora=32,ours-auto@lora=32@recompute=keep8,"
-                    "ours-auto@lora=32@recompute=keep12",
+                    "ours-auto@lora=32@recompute=keep12,ours-auto@lora=32@recompute=keep8@fused=on",
         "targets": [("LoRA >= 1.3x stock diffusers + peft", ["ours-auto@lora=32", "ours-auto@lora=32@recompute=keep8",
-                                                              "ours-auto@lora=32@recompute=keep12"], 1.3)]},
+                                                              "ours-auto@lora=32@recompute=keep12",
+                                                              "ours-auto@lora=32@recompute=keep8@fused=on"], 1.3)]},
 }
 
 
