@@ -429,6 +429,8 @@ def main(argv: Optional[list] = None) -> dict:
     run.doc["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "work_dir")}
     run.say(f"work dir {work}, out {args.out}, SP={world}, device {device}")
     run.write()
+    import training.train_wan_diffusers  # noqa: F401,PLC0415 - before the watchdog: a limit fires in a phase, not in
+    # the imports (seconds on a busy machine); the phases' own imports of it are then free
     timer = run.watchdog()
     try:
         phases(run)
