@@ -115,3 +115,50 @@ def test_fused_and_kept_attention_reach_the_trainer_and_validation(tmp_path):
     assert "recompute=selective fused_elementwise=on" in proc.stdout + proc.stderr   # the trainer's own settings line
     assert doc["complete"] and doc["train"]["steps"] == 2 and len(doc["validation"]) == 4
     assert all(r["sample_s"] > 0 and (out / r["mp4"]).is_file() for r in doc["validation"])
+
+
+def _phase_on_two_ranks(rank, world):
+    """on_rank0 with a phase that fails on rank 0: every rank returns what it raised (none waits)."""
+    import time
+    from types import SimpleNamespace
+
+    sys.path.insert(0, ROOT)
+    from tools import wan_short_run as W
+
+    run = SimpleNamespace(rank=rank, world=world)
+    t0 = time.perf_counter()
+    ok = W.on_rank0(run, "videos", lambda: ("videos", "prompts.txt"))
+    assert ok == ("videos", "prompts.txt")   # the result reaches every rank
+
+    def fail():
+        raise ImportError("The `FFMPEG` plugin is not installed.")
+    try:
+        W.on_rank0(run, "videos", fail)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e), time.perf_counter() - t0
+    return None, "", time.perf_counter() - t0
+
+
+def test_a_failure_in_a_rank0_phase_ends_every_rank():
+    """2 x H200, 2026-11-29: rank 0 failed in phase videos (no imageio-ffmpeg) and rank 1 waited in the broadcast
+    until the job's limit. Now rank 0 re-raises its own error and the other ranks raise PeerFailed naming it."""
+    from tests.harness import run_ranks
+    got = run_ranks(_phase_on_two_ranks, 2, timeout=60)
+    assert got[0][0] == "ImportError" and "FFMPEG" in got[0][1]
+    assert got[1][0] == "PeerFailed"
+    assert got[1][1] == "rank 0 failed in phase videos: ImportError: The `FFMPEG` plugin is not installed."
+    assert max(r[2] for r in got) < 30
+
+
+def test_missing_imageio_ffmpeg_is_refused_before_any_work(tmp_path, monkeypatch):
+    import importlib.util
+
+    sys.path.insert(0, ROOT)
+    from megatron_sp_ext.errors import SPConfigError
+    from tools import wan_short_run as W
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "imageio_ffmpeg" else real(n, *a))
+    with pytest.raises(SPConfigError, match=r"not installed here: imageio-ffmpeg \(pip install \"\.\[diffusers\]\""):
+        W.main(["--dry-run", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()   # refused before the JSON or the pipeline

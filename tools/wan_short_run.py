@@ -51,7 +51,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 T_START = time.perf_counter()   # --time-limit counts from here (before torch's import)
 
@@ -60,8 +60,10 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_sp_ext.errors import SPConfigError, UserError  # noqa: E402
 from tools import bench_wan_prepare as B  # noqa: E402
 from tools.benchlib import join_torchrun, run_meta, write_json  # noqa: E402
+from training.video_dit.faults import run_entry  # noqa: E402
 from training.wan_diffusers.prepare import read_jsonl  # noqa: E402
 
 RESULT = "wan_short_run.json"
@@ -366,20 +368,13 @@ def phases(run: Run) -> None:
     launcher = "python" if world == 1 else f"torchrun --nproc-per-node {world}"
 
     t = run.start("pipeline")
+    made = on_rank0(run, "pipeline", lambda: write_pipeline(pipe, args, run.device))
     if run.rank == 0:
-        run.doc["pipeline"] = write_pipeline(pipe, args, run.device)
-    barrier(world)
+        run.doc["pipeline"] = made
     run.end("pipeline", t)
 
     t = run.start("videos")
-    if run.rank == 0:
-        videos, prompts = write_inputs(work, args)
-        box = [videos, prompts]
-    else:
-        box = [None, None]
-    if world > 1:
-        dist.broadcast_object_list(box, src=0)
-    videos, prompts = box
+    videos, prompts = on_rank0(run, "videos", lambda: write_inputs(work, args))
     run.end("videos", t)
 
     argv = prepare_argv(args, pipe, videos, prompts, data)
@@ -407,6 +402,42 @@ def barrier(world: int) -> None:
         dist.barrier()
 
 
+class PeerFailed(UserError):
+    """Rank 0 failed in a phase only it runs; raised on the other ranks, which print nothing (rank 0 reports the
+    error itself: one message per job)."""
+
+
+def on_rank0(run: Run, phase: str, fn: Callable[[], object]) -> object:
+    """``fn()`` on rank 0, its result to every rank in one broadcast, which also carries rank 0's error: a failure
+    there ends every rank (PeerFailed on the others) instead of leaving them in the next collective (on 2 x H200 on
+    2026-11-29 a missing imageio-ffmpeg ended rank 0 in phase videos while rank 1 waited in the broadcast until the
+    job's limit)."""
+    box: list = [None, None]
+    error: Optional[BaseException] = None
+    if run.rank == 0:
+        try:
+            box[0] = fn()
+        except Exception as e:   # noqa: BLE001 - re-raised below, after the other ranks have it
+            error, box[1] = e, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+    if run.world > 1:
+        dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[1] is not None:
+        raise PeerFailed(f"rank 0 failed in phase {phase}: {box[1]}")
+    return box[0]
+
+
+def preflight() -> None:
+    """What the phases need that a package gives, checked on every rank before any work: one message, no hang."""
+    import importlib.util  # noqa: PLC0415
+    missing = [m for m in ("imageio", "imageio_ffmpeg") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SPConfigError(f"tools/wan_short_run.py writes its clips and validation videos as mp4 with imageio and "
+                            f"imageio-ffmpeg; not installed here: {', '.join(m.replace('_', '-') for m in missing)} "
+                            f"(pip install \".[diffusers]\" installs both)")
+
+
 def summary_line(doc: dict) -> str:
     v = doc.get("validation") or []
     return (f"SP={doc['sp']} seconds {doc['seconds']} step_ms_median {doc.get('train', {}).get('step_ms_median')} "
@@ -415,6 +446,7 @@ def summary_line(doc: dict) -> str:
 
 def main(argv: Optional[list] = None) -> dict:
     args = parse(argv)
+    preflight()
     if args.dry_run:   # the CPU check everywhere (prepare and the trainer pick CUDA where they see it)
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     rank, world, device, own_pg = join_torchrun(use_cuda=not args.dry_run)
@@ -449,10 +481,10 @@ def main(argv: Optional[list] = None) -> dict:
         if barrier_ok:
             dist.barrier()
         run.cleanup()
-        if own_pg:
-            dist.destroy_process_group()
+        if own_pg and "error" not in run.doc:   # after an error a peer may still be in a collective: NCCL's
+            dist.destroy_process_group()          # destroy would wait for it; the process's exit frees the group
     return run.doc
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_entry(main, "wan_short_run"))

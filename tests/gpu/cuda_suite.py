@@ -238,8 +238,9 @@ def dropout_family(rank: int, world: int) -> list:
             out2 = spx.ulysses_attention(q, k, v + eps * u, g, head_chunks=c, dropout_p=0.3)
             sums = torch.stack([(go.double() * (out2.double() - out.detach().double())).sum(),
                                 eps * (vv.grad.double() * u.double()).sum(),
-                                (dropped.double() - ref.double()).abs().max()]).cpu()
-            dist.all_reduce(sums)
+                                (dropped.double() - ref.double()).abs().max()])
+            dist.all_reduce(sums)   # on the tensors' device: NCCL has no CPU backend (2 x H200, 2026-11-29)
+            sums = sums.cpu()
             rec.append({"family": "dropout", "case": f"P={world} C={c} dropout_p=0.3 {dtype} s={1024 // SHRINK}",
                         "errs": {"fwd_bwd_mask": rel_diff(sums[0].item(), sums[1].item()),
                                  # not "< 1e-2": a NaN difference would count as applied
