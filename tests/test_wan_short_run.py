@@ -118,22 +118,21 @@ def test_fused_and_kept_attention_reach_the_trainer_and_validation(tmp_path):
 
 
 def _phase_on_two_ranks(rank, world):
-    """on_rank0 with a phase that fails on rank 0: every rank returns what it raised (none waits)."""
+    """on_rank0 (training/video_dit/faults.py, as wan_short_run calls it) with a phase that fails on rank 0: every
+    rank returns what it raised (none waits)."""
     import time
-    from types import SimpleNamespace
 
     sys.path.insert(0, ROOT)
     from tools import wan_short_run as W
 
-    run = SimpleNamespace(rank=rank, world=world)
     t0 = time.perf_counter()
-    ok = W.on_rank0(run, "videos", lambda: ("videos", "prompts.txt"))
+    ok = W.on_rank0("phase videos", lambda: ("videos", "prompts.txt"))
     assert ok == ("videos", "prompts.txt")   # the result reaches every rank
 
     def fail():
         raise ImportError("The `FFMPEG` plugin is not installed.")
     try:
-        W.on_rank0(run, "videos", fail)
+        W.on_rank0("phase videos", fail)
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, str(e), time.perf_counter() - t0
     return None, "", time.perf_counter() - t0

@@ -62,6 +62,7 @@ from tools.full_reference import full_inputs, full_reference, rel_errs, within  
 from tools.te_peer import (check_grid, find_te, merge_te_rows, parse_peers, te_command, te_env,  # noqa: E402
                             te_script_args)
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
+from training.video_dit.faults import on_rank0  # noqa: E402
 
 TOL = 2e-2   # norm-wise relative error vs our plain Ulysses, bf16
 OURS = ("ring", "tasp", "ulysses", "ulysses_zigzag", "usp", "hcms", "auto")
@@ -425,8 +426,10 @@ def main() -> None:
         t0 = time.time()
         r = bench_row(group, mesh, h, L, causal, modes, args, mesh_cache)
         rows.append(r)
+        # rank 0 writes; its failure ends every rank rather than leaving the others in the next row's collectives
+        snapshot = {"rows": rows, "note": "our rows so far (the job did not finish)"}
+        on_rank0(f"writing {partial}", lambda: write_json(partial, snapshot), group)
         if dist.get_rank() == 0:
-            write_json(partial, {"rows": rows, "note": "our rows so far (the job did not finish)"})
             brief = " ".join(f"{n}={e['fwd_bwd_ms']:.1f}[{e['ratio_fwd_bwd']:.2f}]"
                              for n, e in r["modes"].items() if "error" not in e)
             print(f"[bench_cp P={world} H={h} L={L} causal={causal} {time.time() - t0:.0f}s] "
@@ -444,7 +447,8 @@ def main() -> None:
         te_doc, why = (run_te_side(args, peers, world, te_site, budget) if budget > 30 else
                        (None, f"no time left for the TE job (--time-limit {args.time_limit} s)"))
         merge_te_rows(rows, te_doc, peers, why)
-    if rank == 0:
+
+    def report() -> None:
         meta = run_meta(date=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()), torch=torch.__version__,
                         nccl=str(torch.cuda.nccl.version()), NCCL_P2P_DISABLE=os.environ.get("NCCL_P2P_DISABLE", ""),
                         links=args.links, nccl_priority=args.nccl_priority, links_probe={str(world): probe})
@@ -456,7 +460,10 @@ def main() -> None:
         bad = [(r["L"], r["causal"], m) for r in rows for m, e in r["modes"].items() if e.get("ok") is False]
         if bad:
             print(f"[bench_cp] outputs differ from Ulysses or the full-sequence call beyond {TOL}: {bad}", flush=True)
-    if not peers:
+    if peers:   # the group is gone: rank 0 alone is still here
+        report()
+    else:   # rank 0 writes; its failure ends every rank rather than leaving the others in the barrier
+        on_rank0("writing the reports", report, group)
         dist.barrier()
         dist.destroy_process_group()
 

@@ -30,6 +30,7 @@ from tools.benchlib import cp_grid, init_world, median_ms  # noqa: E402
 from tools.full_reference import TOL, full_inputs, full_reference, rel_errs, within  # noqa: E402
 from tools.te_peer import TE_PEERS, cudnn_after_te, parse_peers, share_torch_cudnn  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
+from training.video_dit.faults import on_rank0  # noqa: E402
 
 PLACEMENT = "zigzag"   # TE's CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
 
@@ -138,7 +139,8 @@ def main() -> None:
     verdict = [[(r["L"], r["causal"], n) for r in rows for n, e in r["modes"].items() if not e.get("ok")]]
     dist.broadcast_object_list(verdict, src=0)
     bad = verdict[0]
-    if dist.get_rank() == 0:
+
+    def report() -> None:
         meta = {"transformer_engine": getattr(transformer_engine, "__version__", "?"),
                 "transformer_engine_file": transformer_engine.__file__,
                 "cudnn": {"before_te": cudnn_before, "after": cudnn_after_te()},
@@ -149,6 +151,7 @@ def main() -> None:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         if bad:
             print(f"[bench_cp_te] errors or differences from the full reference beyond {TOL}: {bad}", flush=True)
+    on_rank0(f"writing {args.out_json}", report, group)   # rank 0; its failure ends every rank (not a barrier hang)
     dist.barrier()
     dist.destroy_process_group()
     if args.require_ok and bad:

@@ -69,6 +69,7 @@ from megatron_sp_ext.config import MODES, SPConfig  # noqa: E402
 from megatron_sp_ext.diffusers.parallelize import ROPE_CHOICES  # noqa: E402
 from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from tools.benchlib import AutoDecisions, init_world, plot_or_skip, run_meta, write_json  # noqa: E402
+from training.video_dit.faults import on_rank0  # noqa: E402
 from training.video_dit.loop import TorchOps  # noqa: E402
 from training.video_dit.telemetry import peak_flops  # noqa: E402
 from training.wan_diffusers import model as wan  # noqa: E402
@@ -451,14 +452,16 @@ def profile_steps(setup: "Setup", batch: dict, steps: int, text_len: int, out: s
         for _ in range(steps):
             setup.step(batch)
         torch.cuda.synchronize()
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    path = f"{os.path.splitext(out)[0]}_{name.replace('@', '_').replace('=', '-')}_trace.json"
-    prof.export_chrome_trace(path)
-    try:
-        return categorize_trace(path, steps, text_len)
-    finally:
-        os.remove(path)
+
+    def categorize() -> dict:   # rank 0; a failure here ends every rank (the others would be in the next variant)
+        path = f"{os.path.splitext(out)[0]}_{name.replace('@', '_').replace('=', '-')}_trace.json"
+        prof.export_chrome_trace(path)
+        try:
+            return categorize_trace(path, steps, text_len)
+        finally:
+            os.remove(path)
+    cats = on_rank0(f"--profile-steps: rank 0's trace of {name}", categorize)
+    return cats if not dist.is_initialized() or dist.get_rank() == 0 else None
 
 
 def curves(args, variants: list, world: int, device, grid_latent: tuple) -> dict:
@@ -691,14 +694,15 @@ def _run(args, variants: list, rank: int, world: int, device) -> dict:
         if args.ranks_share_gpu and "step_ms" in row:
             row.update(mfu=None, timing_note=SHARED_GPU_NOTE)
         rows.append(row)
-        if rank == 0 and args.out:   # after every variant: what a job stopped at its limit leaves stands
-            write_json(args.out, {"meta": meta, "rows": rows, "partial": True})
+        if args.out:   # after every variant: what a job stopped at its limit leaves stands (rank 0; its failure
+            # ends every rank rather than leaving the others in the next variant's collectives)
+            on_rank0(f"writing {args.out}", lambda: write_json(args.out, {"meta": meta, "rows": rows, "partial": True}))
         if rank == 0:
             print(json.dumps({k: row.get(k) for k in ("variant", "backend", "step_ms", "mfu", "peak_mem_gib",
                                                       "peak_steady_gib", "first_loss", "skipped")}), flush=True)
     doc = {"meta": meta, "rows": rows}
-    if rank == 0 and args.out:
-        write_json(args.out, doc)
+    if args.out:   # --targets: the next case follows
+        on_rank0(f"writing {args.out}", lambda: write_json(args.out, doc))
     return doc
 
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.benchlib import join_torchrun, run_meta, write_json  # noqa: E402
+from training.video_dit.faults import on_rank0  # noqa: E402
 from training.wan_diffusers import encoders as E  # noqa: E402
 from training.wan_diffusers import media, prepare  # noqa: E402
 
@@ -239,7 +240,8 @@ def bench_sample(args, work: str, device, rank: int, world: int) -> dict:
     from training.wan_diffusers.model import preset_kwargs  # noqa: PLC0415
     pipe = os.path.join(work, "pipe_sample")
     text_dim = 16 if args.dry_run else 4096
-    if rank == 0:
+
+    def write_inputs() -> None:   # rank 0; the others wait in on_rank0's broadcast (the barrier it was)
         vae = random_vae("wan2.1", args.dry_run, "cpu", torch.float32, args.seed)
         vae.save_pretrained(os.path.join(pipe, "vae"), safe_serialization=True)
         UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
@@ -250,8 +252,7 @@ def bench_sample(args, work: str, device, rank: int, world: int) -> dict:
                   os.path.join(work, "prompts.safetensors"),
                   metadata={"format": E.PROMPTS_FORMAT, "prompts": json.dumps(
                       [f"random prompt {i}" for i in range(args.prompts)]), "negative_prompt": "", "pipeline": pipe})
-    if world > 1:
-        dist.barrier()
+    on_rank0("bench_sample: writing the VAE, scheduler and prompts", write_inputs)
     kw = dict(DRY["wan"]) if args.dry_run else preset_kwargs("wan-1.3b")
     torch.manual_seed(args.seed)
     with torch.device(device):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_sp_ext.sp.calibration import time_ms, wall_time_ms
 from tools.gpu_ranks import (git_commit, init_nccl_rank, links_option, run_meta, run_world_sizes, spawn,
                              transports_for_links)
+from training.video_dit.faults import on_rank0
 
 __all__ = [  # the start-up, from tools/gpu_ranks.py
     "git_commit", "init_nccl_rank", "links_option", "run_meta", "run_world_sizes", "spawn", "transports_for_links",
@@ -66,12 +67,16 @@ def launch(worker: Callable, world_sizes: Sequence[int], args, out_dir: str, ste
 
 def finish_worker(rank: int, path: str, result, barrier: bool = True) -> None:
     """The end of a worker: rank 0 writes ``result`` (JSON) to ``path``; then a barrier (``barrier``) and the
-    process group destroyed."""
-    if rank == 0:
+    process group destroyed. With ``barrier`` the write goes through on_rank0: a failure there (a value JSON cannot
+    hold, the disk) ends every rank instead of leaving the others in the barrier."""
+    def write() -> None:
         with open(path, "w") as f:
             json.dump(result, f)
     if barrier:
+        on_rank0(f"writing {path}", write)
         dist.barrier()
+    elif rank == 0:
+        write()
     dist.destroy_process_group()
 
 

@@ -51,9 +51,13 @@ def init_nccl_rank(rank: int, world: int, port: int, timeout_s: float = 300) -> 
     if os.environ.get(LINKS_ENV):
         probe = probe_links(dist.group.WORLD, torch.device("cuda", rank))
         out_dir = os.environ.get(PROBE_DIR_ENV)
-        if rank == 0 and out_dir:
-            with open(os.path.join(out_dir, f"probe_P{world}.json"), "w") as f:
-                json.dump(probe, f)
+        if out_dir:   # rank 0 writes; its failure ends every rank rather than leaving them in the bench's collectives
+            from training.video_dit.faults import on_rank0  # noqa: PLC0415
+
+            def write() -> None:
+                with open(os.path.join(out_dir, f"probe_P{world}.json"), "w") as f:
+                    json.dump(probe, f)
+            on_rank0(f"writing the links probe to {out_dir}", write, dist.group.WORLD)
 
 
 def spawn(worker, world: int, *args) -> None:

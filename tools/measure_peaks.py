@@ -76,6 +76,7 @@ def main(argv: list | None = None) -> None:
     from tools.gpu_ranks import run_meta  # noqa: PLC0415
     from training.video_dit.memory_plan import plan  # noqa: PLC0415
     from training import pretrain_video_dit as entry  # noqa: PLC0415
+    from training.video_dit.faults import on_rank0  # noqa: PLC0415
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=330.0, help="start no configuration past this many seconds")
@@ -121,9 +122,11 @@ def main(argv: list | None = None) -> None:
             p = out["points"][-1]
             if rank == 0:
                 print(f"[measure_peaks] {key}: peak {p['peak_gib']} GiB, plan {planned:.1f} GiB", flush=True)
-        if rank == 0:
+
+        def write() -> None:
             with open(path, "w") as f:
                 json.dump(out, f, indent=1)
+        on_rank0(f"writing {path}", write)   # rank 0; its failure ends every rank, not a wait in the next broadcast
     print(f"wrote {path}", flush=True)
     dist.destroy_process_group()
 

@@ -51,7 +51,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 T_START = time.perf_counter()   # --time-limit counts from here (before torch's import)
 
@@ -60,10 +60,10 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sp_ext.errors import SPConfigError, UserError  # noqa: E402
+from megatron_sp_ext.errors import SPConfigError  # noqa: E402
 from tools import bench_wan_prepare as B  # noqa: E402
 from tools.benchlib import join_torchrun, run_meta, write_json  # noqa: E402
-from training.video_dit.faults import run_entry  # noqa: E402
+from training.video_dit.faults import PeerFailed, on_rank0, run_entry  # noqa: E402,F401 - PeerFailed: the tests
 from training.wan_diffusers.prepare import read_jsonl  # noqa: E402
 
 RESULT = "wan_short_run.json"
@@ -368,13 +368,13 @@ def phases(run: Run) -> None:
     launcher = "python" if world == 1 else f"torchrun --nproc-per-node {world}"
 
     t = run.start("pipeline")
-    made = on_rank0(run, "pipeline", lambda: write_pipeline(pipe, args, run.device))
+    made = on_rank0("phase pipeline", lambda: write_pipeline(pipe, args, run.device))
     if run.rank == 0:
         run.doc["pipeline"] = made
     run.end("pipeline", t)
 
     t = run.start("videos")
-    videos, prompts = on_rank0(run, "videos", lambda: write_inputs(work, args))
+    videos, prompts = on_rank0("phase videos", lambda: write_inputs(work, args))
     run.end("videos", t)
 
     argv = prepare_argv(args, pipe, videos, prompts, data)
@@ -400,32 +400,6 @@ def phases(run: Run) -> None:
 def barrier(world: int) -> None:
     if world > 1:
         dist.barrier()
-
-
-class PeerFailed(UserError):
-    """Rank 0 failed in a phase only it runs; raised on the other ranks, which print nothing (rank 0 reports the
-    error itself: one message per job)."""
-
-
-def on_rank0(run: Run, phase: str, fn: Callable[[], object]) -> object:
-    """``fn()`` on rank 0, its result to every rank in one broadcast, which also carries rank 0's error: a failure
-    there ends every rank (PeerFailed on the others) instead of leaving them in the next collective (on 2 x H200 on
-    2026-11-29 a missing imageio-ffmpeg ended rank 0 in phase videos while rank 1 waited in the broadcast until the
-    job's limit)."""
-    box: list = [None, None]
-    error: Optional[BaseException] = None
-    if run.rank == 0:
-        try:
-            box[0] = fn()
-        except Exception as e:   # noqa: BLE001 - re-raised below, after the other ranks have it
-            error, box[1] = e, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
-    if run.world > 1:
-        dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    if box[1] is not None:
-        raise PeerFailed(f"rank 0 failed in phase {phase}: {box[1]}")
-    return box[0]
 
 
 def preflight() -> None:

@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .faults import on_rank0
 from .safe_load import CheckpointError, SafeFileSystemReader, check_weights_only, read_dcp_metadata, safe_byte_items
 
 FORMAT = "megatron_sp_ext.video_dit/1"
@@ -86,11 +87,13 @@ def _world() -> int:
 def begin_save(root: str, step: int) -> str:
     """Create (rank 0) an empty ``ROOT/iter_N.partial`` directory; every rank returns its path."""
     tmp = os.path.join(root, iter_name(step) + ".partial")
-    if _rank() == 0:
+
+    def make() -> None:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    # the others wait for it in on_rank0's broadcast (the barrier it was), which also ends them if it fails
+    on_rank0(f"--save {root}: creating {tmp}", make)
     return tmp
 
 
@@ -122,7 +125,8 @@ def commit_save(root: str, tmp: str, step: int, run: dict, keep_last: int) -> st
     _barrier()
     final = os.path.join(root, iter_name(step))
     sums = _crc_share(tmp, sorted(_files_under(tmp)))
-    if _rank() == 0:
+
+    def publish() -> None:
         files = {rel: os.path.getsize(os.path.join(tmp, rel)) for rel in _files_under(tmp)}
         _write_atomic(os.path.join(tmp, "run.json"),
                       json.dumps({"format": FORMAT, "step": step, **run, "files": files, "crc32": sums},
@@ -140,7 +144,9 @@ def commit_save(root: str, tmp: str, step: int, run: dict, keep_last: int) -> st
         _write_atomic(os.path.join(root, "latest"), iter_name(step) + "\n")
         _fsync_dir(root)
         prune(root, keep_last)
-    _barrier()
+    # rank 0 alone; the others wait for it in on_rank0's broadcast (the barrier it was), which also ends them if it
+    # fails (an unwritable --save, a full disk) rather than leaving them in that barrier
+    on_rank0(f"--save {root}: publishing {final}", publish)
     return final
 
 

@@ -13,6 +13,11 @@ bounded time:
   name the culprit under any launcher (srun, mpirun, a bare script).
 Checkpoints are never half-visible (checkpoint.py writes a new directory and moves ``latest`` last).
 
+Work only rank 0 does (writing files, videos, plots, loading what only it uses) goes through ``on_rank0``: its
+result and its error reach every rank in one broadcast, so a failure there ends every rank at once (``PeerFailed``
+on the others) instead of leaving them in the next collective, which rank 0 never reaches (2 x H200, 2026-11-29:
+rank 0 of tools/wan_short_run.py failed writing videos while rank 1 waited in a broadcast until the job's limit).
+
 Errors the user caused (``user_error_types()``: a bad setting, data file or checkpoint) are one message
 per job instead of a traceback per rank: ``report_failures`` posts them like any failure, and the lowest
 rank that holds a message prints it; ``run_entry`` (the entry points' ``__main__``) exits 1 without a
@@ -27,11 +32,14 @@ import os
 import sys
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
 from megatron_sp_ext.elastic_error import record_user_error
+from megatron_sp_ext.errors import UserError
+
+T = TypeVar("T")
 
 
 def timeout_of(minutes: float) -> datetime.timedelta:
@@ -49,6 +57,35 @@ PARSE_ERROR_WAIT_SECONDS = 10.0
 TRACEBACK_ENV = "SPX_TRACEBACK"
 _KEY = "spx_fault/rank_{}"
 ANNOUNCED = "spx_fault/announced"  # set by the rank that printed a user error, after printing it
+
+
+class PeerFailed(UserError):
+    """Rank 0 failed in work only it does (``on_rank0``); raised on the other ranks, which print nothing: rank 0
+    reports its own error (one message per job)."""
+
+
+def on_rank0(what: str, fn: Callable[[], T], group: Optional[dist.ProcessGroup] = None) -> T:
+    """``fn()`` on rank 0 of ``group`` (None: the default group), its result to every rank of the group in one
+    broadcast that also carries rank 0's error: rank 0 re-raises its own, the others raise ``PeerFailed`` naming it
+    and ``what`` ("rank 0 failed in <what>: <error>"), so no rank is left waiting in a later collective that rank 0
+    never reaches. Collective over ``group`` once a process group of more than one rank is up (every rank of it must
+    call it); without one, just ``fn()``. The result is pickled to every rank: return something small (None, paths,
+    rows), not a model."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return fn()
+    box: list = [None, None]
+    error: Optional[BaseException] = None
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = fn()
+        except (Exception, SystemExit) as e:   # noqa: BLE001 - re-raised below, after the other ranks have it
+            error, box[1] = e, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if error is not None:
+        raise error
+    if box[1] is not None:
+        raise PeerFailed(f"rank 0 failed in {what}: {box[1]}")
+    return box[0]
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
@@ -131,6 +168,11 @@ def report_failures(what: str = "training", roll_call_s: float = ROLL_CALL_SECON
         store = _store()
         if store is not None:
             _post(store, rank, first)
+        if isinstance(e, PeerFailed):   # rank 0 prints its own error (on_rank0); this rank stays silent, exiting
+            e.spx_announced = False     # after rank 0 printed (a launcher stops rank 0 once one rank exits)
+            if store is not None:
+                _wait_for(store, ANNOUNCED)
+            raise
         if isinstance(e, user_error_types()):  # one message per job, no per-rank line
             e.spx_announced = _lowest_with(store, rank, first) if store is not None else rank == 0
             if e.spx_announced:

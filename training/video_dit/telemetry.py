@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import PEAK_BF16_FLOPS, MetricsLog
+from .faults import on_rank0
 
 
 def peak_flops(device) -> Optional[float]:
@@ -95,9 +96,14 @@ class Telemetry:
         self.pending: list = []
         self.t_last = time.perf_counter()
         self.tb = None
-        if tensorboard_dir and writer_rank:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
-            self.tb = SummaryWriter(log_dir=tensorboard_dir, purge_step=log.start_step or None)
+
+        def open_writer() -> None:
+            if writer_rank:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+                self.tb = SummaryWriter(log_dir=tensorboard_dir, purge_step=log.start_step or None)
+        if tensorboard_dir:   # the writing rank alone opens it; its failure (no tensorboard installed, a directory
+            # it cannot write) ends every rank of ``group`` rather than leaving them in the first step's collectives
+            on_rank0(f"--tensorboard-dir {tensorboard_dir}", open_writer, group)
 
     def events(self) -> Optional[_Events]:
         return _Events(self.device.type == "cuda") if self.timing else None

@@ -37,6 +37,7 @@ import torch
 
 from megatron_sp_ext.errors import SPConfigError
 
+from training.video_dit.faults import on_rank0
 from training.wan_diffusers import encoders as E
 
 logger = logging.getLogger("video_dit")
@@ -224,10 +225,12 @@ class Validator:
         check_model(s, model, self.vae_cfg, self.embeds.shape[-1], sp_size)
         self.scheduler = make_scheduler(s.pipeline, s.sampling)
         self.vae = None
-        if rank == 0:   # only rank 0 decodes
+
+        def load_vae() -> None:   # only rank 0 decodes; its failure ends every rank (on_rank0)
             from diffusers import AutoencoderKLWan  # noqa: PLC0415
             self.vae = AutoencoderKLWan.from_pretrained(s.pipeline, subfolder="vae", use_safetensors=True,
                                                         torch_dtype=torch.float32).to(self.device).eval()
+        on_rank0(f"--validation-prompts: loading the VAE of {s.pipeline}", load_vae)
         self.done: set = set()
 
     def __call__(self, step: int, telemetry: Any = None) -> Optional[dict]:
@@ -289,12 +292,15 @@ class Validator:
                     torch.cuda.synchronize(self.device)
                 sample_s = time.perf_counter() - t0
                 latents.append(lat.cpu())
+                # rank 0 decodes and writes while the others wait for its row: a failure there (ffmpeg, the disk)
+                # ends every rank here rather than leaving them in the next prompt's sampling
+                row = on_rank0(f"validation step {step}: writing video {i}",
+                               lambda: self._write(folder, step, i, prompt, lat, sample_s))
                 if self.rank == 0:
-                    rows.append(self._write(folder, step, i, prompt, lat, sample_s))
+                    rows.append(row)
         finally:
             self.model.train(was_training)
-        if self.rank == 0:
-            self._write_step(folder, step, rows)
+        on_rank0(f"validation step {step}: writing {folder}", lambda: self._write_step(folder, step, rows))
         self.done.add(step)
         return {"dir": folder, "latents": latents, "rows": rows}
 
