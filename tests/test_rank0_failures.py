@@ -94,6 +94,58 @@ def test_tensorboard_writer_failing_on_rank0_ends_every_rank(tmp_path):
     _check(got, "ModuleNotFoundError", "torch.utils.tensorboard", f"--tensorboard-dir {tb}")
 
 
+# ---------------------------------------------------------------- training/video_dit/engine.py (MetricsLog)
+
+def _metrics_open(rank, world, log_dir):
+    from training.video_dit import engine as E
+    if rank == 0:
+        def refuse(*a, **k):
+            raise PermissionError(13, "Permission denied", log_dir)
+        E.os.makedirs = refuse   # this forked rank only
+    return _outcome(rank, lambda: E.MetricsLog(log_dir, 2, rank == 0, show=False, group=dist.group.WORLD))
+
+
+def test_metrics_log_failing_to_open_on_rank0_ends_every_rank(tmp_path):
+    """The entries' MetricsLog: rank 0 alone makes --log-dir and opens metrics.jsonl; the others went on to the first
+    step's collectives."""
+    log_dir = str(tmp_path / "logs")
+    got = run_ranks(_metrics_open, 2, log_dir, timeout=TIMEOUT)
+    _check(got, "PermissionError", "Permission denied", f"--log-dir {log_dir}: opening metrics.jsonl")
+
+
+def _metrics_close(rank, world, log_dir):
+    from training.video_dit import engine as E
+    log = E.MetricsLog(log_dir, 2, rank == 0, show=False, group=dist.group.WORLD)
+    log.write({"step": 1, "loss": 1.0, "step_time_s": 0.1})
+    if rank == 0:
+        def full(*a, **k):
+            raise OSError(28, "No space left on device")
+        E.plot_metrics = full
+    return _outcome(rank, lambda: log.close("t"))
+
+
+def test_metrics_log_failing_to_plot_on_rank0_ends_every_rank(tmp_path):
+    """close(): rank 0 plots loss.png; the others went on to sampling / saving (collectives)."""
+    log_dir = str(tmp_path / "logs")
+    got = run_ranks(_metrics_close, 2, log_dir, timeout=TIMEOUT)
+    _check(got, "OSError", "No space left on device", f"--log-dir {log_dir}: plotting loss.png")
+
+
+def _metrics_ok(rank, world, log_dir):
+    from training.video_dit import engine as E
+    log = E.MetricsLog(log_dir, 2, rank == 0, show=False, group=dist.group.WORLD)
+    log.write({"step": 1, "loss": 1.0, "step_time_s": 0.1})
+    return log.close("t")
+
+
+def test_metrics_log_over_a_group_writes_once_and_returns_the_plot_everywhere(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot is matplotlib's")
+    log_dir = tmp_path / "logs"
+    got = run_ranks(_metrics_ok, 2, str(log_dir), timeout=TIMEOUT)
+    assert got == [str(log_dir / "loss.png")] * 2 and (log_dir / "loss.png").is_file()
+    assert (log_dir / "metrics.jsonl").read_text().count("\n") == 1   # rank 0 alone wrote the row
+
+
 # ---------------------------------------------------------------- tools/benchlib.py
 
 def _finish_worker(rank, world, path):

@@ -262,7 +262,8 @@ def _train(args, device, ps, return_params: bool = False) -> dict:
                                           run_dtype(args, device), cfg.head_dim,
                                           tile_setting=args.sparse_attention_kernel if sparse is not None else None,
                                           tile_setting_name=SPARSE_KERNEL_FLAG))
-    log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
+    log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet,
+                     group=dist.group.WORLD if dist.is_initialized() else None)
     autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
     ops = MegatronOps(model, opt) if impl == "megatron" else FsdpOps(model, opt, args.clip_grad) \
         if impl == "fsdp2" else TorchOps(model, opt, dp_cp_group, args.clip_grad)

@@ -233,7 +233,8 @@ def _train(args, engine, cfg, device, ds_cfg: dict) -> dict:
         logger.info(attention_kernel_line(block.get("backend", "auto"), key, device,
                                           torch.bfloat16 if bf16 else torch.float32, cfg.head_dim,
                                           tile_setting="auto" if sparse_spec(args) is not None else None))
-    log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet)
+    log = MetricsLog(args.log_dir, args.train_iters, rank == 0, cfg, device, start, show=not args.quiet,
+                     group=dist.group.WORLD if dist.is_initialized() else None)
 
     def cast_inputs(inp):
         if bf16:

@@ -434,7 +434,8 @@ def _train(args, device, return_params: bool, grads_at: Optional[int], dtype: Op
                     f"fused_elementwise={'on' if fused_backend is not None else 'off'} "
                     f"bf16={args.bf16 and device.type == 'cuda'} device={device}"
                     + (f" sparse={sparse_spec(args)}" if plan is not None else ""))
-    metrics = MetricsLog(args.log_dir, args.train_iters, lay.rank == 0, cfg, device, start, show=not args.quiet)
+    metrics = MetricsLog(args.log_dir, args.train_iters, lay.rank == 0, cfg, device, start, show=not args.quiet,
+                         group=dist.group.WORLD if dist.is_initialized() else None)
     form = StepForm(torch.bfloat16 if (args.bf16 and device.type == "cuda") else None, task, dtype)
     global_batch = lay.dp_world * args.micro_batch_size
 

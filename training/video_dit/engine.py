@@ -26,6 +26,7 @@ from megatron_sp_ext.errors import SPConfigError
 from megatron_sp_ext.sp.factory import SPResources
 from megatron_sp_ext.sp.placement import pieces
 
+from .faults import on_rank0
 from .model import patchify
 from .sparse import SPARSE_FLAG, SPARSE_KERNEL_FLAG, row_major_ids, tile_order
 from .varlen import PackInfo
@@ -281,9 +282,13 @@ class MetricsLog:
     """JSONL metrics, a tqdm progress bar and a loss-curve PNG (rank 0 writes)."""
 
     def __init__(self, log_dir: Optional[str], total_steps: int, enabled: bool, cfg=None, device="cpu",
-                 start_step: int = 0, show: bool = True) -> None:
-        """enabled: this rank writes (rank 0); show: also a progress bar."""
+                 start_step: int = 0, show: bool = True, group: Optional[dist.ProcessGroup] = None) -> None:
+        """enabled: this rank writes (rank 0 of ``group``); show: also a progress bar. ``group``: the ranks that build
+        this log together (every rank of it must): opening metrics.jsonl and plotting in ``close`` then go through
+        ``faults.on_rank0``, so a failure there (an unwritable --log-dir, a full disk) ends every rank instead of
+        leaving the others in the next step's collectives. None: this rank alone (no collective)."""
         self.enabled, self.log_dir, self.cfg, self.device = enabled, log_dir, cfg, torch.device(device)
+        self.group = group
         self.start_step = start_step
         self.rows: list = []
         self.peak = None
@@ -291,12 +296,9 @@ class MetricsLog:
             name = torch.cuda.get_device_name(self.device)
             self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         self.bar = None
-        if enabled and log_dir:
-            os.makedirs(log_dir, exist_ok=True)
-            mode = "a" if start_step > 0 else "w"
-            self.f = open(os.path.join(log_dir, "metrics.jsonl"), mode)
-        else:
-            self.f = None
+        self.f = None
+        if log_dir:
+            self._on_writer(f"--log-dir {log_dir}: opening metrics.jsonl", self._open)
         if enabled and show:
             try:
                 from tqdm import tqdm  # noqa: PLC0415
@@ -332,14 +334,24 @@ class MetricsLog:
         return row
 
     def close(self, title: str = "") -> Optional[str]:
-        """Close the bar and file; write loss.png (rank 0). Returns its path or None."""
+        """Close the bar and file; write loss.png (rank 0). Returns its path (on every rank of the group) or None."""
         if self.bar is not None:
             self.bar.close()
         if self.f:
             self.f.close()
-        if not (self.enabled and self.log_dir and self.rows):
+        if not self.log_dir:   # the same on every rank of the group (rows need not be)
             return None
-        return plot_metrics(self.log_dir, title)
+        return self._on_writer(f"--log-dir {self.log_dir}: plotting loss.png",
+                               lambda: plot_metrics(self.log_dir, title) if self.enabled and self.rows else None)
+
+    def _open(self) -> None:
+        if self.enabled:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self.f = open(os.path.join(self.log_dir, "metrics.jsonl"), "a" if self.start_step > 0 else "w")
+
+    def _on_writer(self, what: str, fn):
+        """``fn()`` on this rank alone, or through ``on_rank0`` over the log's group (its writer is rank 0 there)."""
+        return fn() if self.group is None else on_rank0(what, fn, self.group)
 
 
 def plot_metrics(log_dir: str, title: str = "", out_dir: Optional[str] = None) -> Optional[str]:
