@@ -31,6 +31,14 @@ def _outcome(rank, fn):
     return None, "", time.perf_counter() - t0
 
 
+def _fail_on_rank0(rank, owner, name, error):
+    """``owner.name`` raises ``error`` on rank 0 alone (this forked rank's copy of the module)."""
+    if rank == 0:
+        def fail(*a, **k):
+            raise error
+        setattr(owner, name, fail)
+
+
 def _check(got, error, text, where):
     assert got[0][0] == error and text in got[0][1], got[0]
     assert got[1][0] == "PeerFailed", got[1]
@@ -42,10 +50,7 @@ def _check(got, error, text, where):
 
 def _begin_save(rank, world, root):
     from training.video_dit import checkpoint as C
-    if rank == 0:
-        def refuse(*a, **k):
-            raise PermissionError(13, "Permission denied", root)
-        C.os.makedirs = refuse   # this forked rank only
+    _fail_on_rank0(rank, C.os, "makedirs", PermissionError(13, "Permission denied", root))
     return _outcome(rank, lambda: C.begin_save(root, 5))
 
 
@@ -61,10 +66,7 @@ def _commit_save(rank, world, root):
     tmp = C.begin_save(root, 5)
     with open(os.path.join(tmp, f"shard_{rank}.bin"), "wb") as f:
         f.write(bytes([rank]) * 16)
-    if rank == 0:
-        def full(*a, **k):
-            raise OSError(28, "No space left on device")
-        C.prune = full
+    _fail_on_rank0(rank, C, "prune", OSError(28, "No space left on device"))
     return _outcome(rank, lambda: C.commit_save(root, tmp, 5, {"entry": "test"}, keep_last=1))
 
 
@@ -98,10 +100,7 @@ def test_tensorboard_writer_failing_on_rank0_ends_every_rank(tmp_path):
 
 def _metrics_open(rank, world, log_dir):
     from training.video_dit import engine as E
-    if rank == 0:
-        def refuse(*a, **k):
-            raise PermissionError(13, "Permission denied", log_dir)
-        E.os.makedirs = refuse   # this forked rank only
+    _fail_on_rank0(rank, E.os, "makedirs", PermissionError(13, "Permission denied", log_dir))
     return _outcome(rank, lambda: E.MetricsLog(log_dir, 2, rank == 0, show=False, group=dist.group.WORLD))
 
 
@@ -117,10 +116,7 @@ def _metrics_close(rank, world, log_dir):
     from training.video_dit import engine as E
     log = E.MetricsLog(log_dir, 2, rank == 0, show=False, group=dist.group.WORLD)
     log.write({"step": 1, "loss": 1.0, "step_time_s": 0.1})
-    if rank == 0:
-        def full(*a, **k):
-            raise OSError(28, "No space left on device")
-        E.plot_metrics = full
+    _fail_on_rank0(rank, E, "plot_metrics", OSError(28, "No space left on device"))
     return _outcome(rank, lambda: log.close("t"))
 
 
@@ -167,10 +163,7 @@ def test_finish_worker_failing_on_rank0_ends_every_rank(tmp_path):
 
 def _bench_sample(rank, world, work):
     from tools import bench_wan_prepare as B
-    if rank == 0:
-        def broken(*a, **k):
-            raise RuntimeError("cannot build the VAE")
-        B.random_vae = broken
+    _fail_on_rank0(rank, B, "random_vae", RuntimeError("cannot build the VAE"))
     args = SimpleNamespace(dry_run=True, seed=0, prompts=2)
     return _outcome(rank, lambda: B.bench_sample(args, work, torch.device("cpu"), rank, world))
 
@@ -189,10 +182,7 @@ def _bench_diffusers(rank, world, out):
     def stub(args, v, *a, **k):   # no model: the test is about the JSON written between variants
         return {"variant": v["name"], "impl": v["impl"], "mode": v["mode"], "skipped": "test stub"}
     BD.time_variant = stub
-    if rank == 0:
-        def full(*a, **k):
-            raise OSError(28, "No space left on device")
-        BD.write_json = full
+    _fail_on_rank0(rank, BD, "write_json", OSError(28, "No space left on device"))
     return _outcome(rank, lambda: BD.main(["--dry-run", "--variants", "ours-auto,ours-ring", "--out", out]))
 
 
@@ -228,19 +218,12 @@ def _validate(rank, world, wan_world, out, site):
     megatron_sp_ext.diffusers.parallelize(model, dist.group.WORLD, mode="ulysses")
     settings = V.ValidationSettings(wan_world["prompts"], wan_world["pipe"], out, sampling=V.Sampling(
         steps=2, guidance=1.0, seed=7, frames=5, height=32, width=32, fps=8))
-    if rank == 0:
-        if site == "vae":
-            def unreadable(*a, **k):
-                raise OSError("vae/diffusion_pytorch_model.safetensors: unreadable")
-            diffusers.AutoencoderKLWan.from_pretrained = unreadable
-        elif site == "video":
-            def no_ffmpeg(self, folder, step, i, *a):
-                raise ImportError("The `FFMPEG` plugin is not installed.")
-            V.Validator._write = no_ffmpeg
-        else:
-            def full(self, *a):
-                raise OSError(28, "No space left on device")
-            V.Validator._write_step = full
+    owner, name, error = {
+        "vae": (diffusers.AutoencoderKLWan, "from_pretrained",
+                OSError("vae/diffusion_pytorch_model.safetensors: unreadable")),
+        "video": (V.Validator, "_write", ImportError("The `FFMPEG` plugin is not installed.")),
+        "step": (V.Validator, "_write_step", OSError(28, "No space left on device"))}[site]
+    _fail_on_rank0(rank, owner, name, error)
     return _outcome(rank, lambda: V.Validator(settings, model, torch.device("cpu"), rank=rank, sp_size=world).final(3))
 
 
